@@ -1,0 +1,1 @@
+"""Triton kernels (installed as `sglang_dsv41.kernels`)."""

@@ -1,0 +1,1 @@
+"""Checkpoint format: codecs, tensor inventory, reader, verify, synthetic checkpoints."""
