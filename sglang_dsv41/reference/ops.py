@@ -1,0 +1,212 @@
+"""Numerical building blocks shared by every part of the reference (spec `model.md` §3, §3.8).
+
+Everything here is plain PyTorch on fp32 math with explicit rounding points, so each function
+states exactly where values are rounded (to BF16, E4M3, E2M1, ...). The reference model is
+assembled from these; the runtime kernels are tested against them.
+
+Rounding conventions
+--------------------
+* `bf16(x)`: round-to-nearest-even to BF16 (torch's cast), returned as fp32 values.
+* UE8M0 scales are exact powers of two: `pow2_ceil(v) = 2^⌈log2 v⌉` computed with `frexp`,
+  never with a floating `log2` (which misrounds at exact powers of two).
+* E4M3 casts use torch's `float8_e4m3fn` conversion (round-to-nearest-even; callers keep
+  inputs within ±448 by construction of the scale).
+"""
+from __future__ import annotations
+
+import enum
+import math
+
+import torch
+
+from ..config import RopeScaling, yarn_ramp_bounds
+
+F32 = torch.float32
+BF16 = torch.bfloat16
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+
+
+# ---- rounding primitives ------------------------------------------------------------------
+
+def bf16(x: torch.Tensor) -> torch.Tensor:
+    """Round to BF16 (RNE) and return fp32 values."""
+    return x.to(BF16).to(F32)
+
+
+def e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Round fp32 values to FP8 E4M3 (RNE) and return fp32 values."""
+    return x.to(torch.float8_e4m3fn).to(F32)
+
+
+def pow2_ceil(v: torch.Tensor) -> torch.Tensor:
+    """2^⌈log2 v⌉ for v > 0, exact (v = m·2^e with m ∈ [0.5, 1): result 2^(e−1) iff m == 0.5)."""
+    m, e = torch.frexp(v.to(F32))
+    e = torch.where(m == 0.5, e - 1, e)
+    return torch.ldexp(torch.ones_like(v, dtype=F32), e)
+
+
+def e2m1_rne(x: torch.Tensor) -> torch.Tensor:
+    """Round to the E2M1 grid {0, .5, 1, 1.5, 2, 3, 4, 6} (±), ties to even mantissa, clamp ±6.
+
+    On the grid, spacing is 0.5 below 2, 1 in [2, 4) and 2 in [4, 6]; rounding |x|/step to the
+    nearest integer with ties-to-even gives exactly the even-mantissa tie rule (spec §3.4.3).
+    """
+    a = x.abs().clamp(max=E2M1_MAX)
+    step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
+    q = torch.round(a / step) * step
+    return torch.copysign(q.clamp(max=E2M1_MAX), x)
+
+
+def _grouped(x: torch.Tensor, group: int) -> torch.Tensor:
+    if x.shape[-1] % group:
+        raise ValueError(f"last dim {x.shape[-1]} is not a multiple of the quantisation group {group}")
+    return x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
+
+
+# ---- model-intrinsic FP4 round trips (spec §3.4.3, §3.4.4) ---------------------------------
+
+def fp4_fake_quant_e4m3_scale(x: torch.Tensor, group: int = 16) -> torch.Tensor:
+    """Compressed-latent FP4 round trip: E2M1 values, one E4M3 scale per 16 (spec §3.4.3).
+
+    scale = e4m3(clamp(amax/6, 2⁻⁹, 448)); value = e2m1(clamp(x/scale, −6, 6))·scale.
+    """
+    g = _grouped(x.to(F32), group)
+    amax = g.abs().amax(dim=-1, keepdim=True)
+    scale = e4m3((amax / E2M1_MAX).clamp(min=2.0**-9, max=E4M3_MAX))
+    q = e2m1_rne((g / scale).clamp(-E2M1_MAX, E2M1_MAX)) * scale
+    return q.reshape(x.shape)
+
+
+def fp4_fake_quant_ue8m0_scale(x: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """Indexer q/k FP4 round trip: E2M1 values, one UE8M0 scale per 32, no Hadamard (spec §3.4.3).
+
+    scale = 2^⌈log2(max(amax, 6·2⁻¹²⁶)/6)⌉.
+    """
+    g = _grouped(x.to(F32), group)
+    amax = g.abs().amax(dim=-1, keepdim=True)
+    scale = pow2_ceil(amax.clamp(min=E2M1_MAX * 2.0**-126) / E2M1_MAX)
+    q = e2m1_rne((g / scale).clamp(-E2M1_MAX, E2M1_MAX)) * scale
+    return q.reshape(x.shape)
+
+
+# ---- norms and linears --------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """bf16( fp32(x)·rsqrt(mean(fp32(x)²) + ε)·fp32(w) ), returned as fp32 values (spec §3)."""
+    xf = x.to(F32)
+    y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.to(F32)
+    return bf16(y)
+
+
+def fp8_act_fake_quant(x: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """Activation quantisation of FP8 linears: per (token, 32 channels) E4M3 with a UE8M0
+    scale 2^⌈log2(max(amax, 1e−10)/448)⌉ (spec §3.8)."""
+    g = _grouped(x.to(F32), group)
+    amax = g.abs().amax(dim=-1, keepdim=True).clamp(min=1e-10)
+    scale = pow2_ceil(amax / E4M3_MAX)
+    return (e4m3(g / scale) * scale).reshape(x.shape)
+
+
+def linear_fp8(x: torch.Tensor, weight: torch.Tensor, act_quant: bool = True) -> torch.Tensor:
+    """FP8 dense linear: dequantised weight [out, in], optional activation fake-quant, fp32
+    accumulation, BF16 output (returned as fp32 values). Spec §3.8."""
+    xf = fp8_act_fake_quant(x) if act_quant else x.to(F32)
+    return bf16(xf @ weight.to(F32).t())
+
+
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor, out_fp32: bool = False) -> torch.Tensor:
+    """BF16 linear with fp32 accumulation; BF16 output unless `out_fp32` (router, compressor)."""
+    y = x.to(F32) @ weight.to(F32).t()
+    return y if out_fp32 else bf16(y)
+
+
+# ---- RoPE / YaRN (spec §3.4.2) ------------------------------------------------------------
+
+def rope_inv_freq(rope_dim: int, base: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies [rope_dim/2] (fp32). YaRN (if given) blends each frequency towards
+    freq/factor over the ramp [low, high] (Flash compressed layers: 15..25). No mscale."""
+    i = torch.arange(rope_dim // 2, dtype=torch.float64)
+    inv = base ** (-2.0 * i / rope_dim)
+    if scaling is not None and scaling.original_max_position_embeddings > 0:
+        low, high = yarn_ramp_bounds(rope_dim, base, scaling.original_max_position_embeddings,
+                                     scaling.beta_fast, scaling.beta_slow)
+        span = (high - low) if high > low else 1e-3
+        ramp = ((i - low) / span).clamp(0.0, 1.0)
+        inv = inv * ramp / scaling.factor + inv * (1.0 - ramp)
+    return inv.to(F32)
+
+
+def apply_rope_tail(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                    inverse: bool = False) -> torch.Tensor:
+    """Rotate the last 2·len(inv_freq) dims of x (interleaved / GPT-J pairs) at `positions`.
+
+    x: [T, ..., D] (any float; math in fp32, returns fp32); positions: [T] integer.
+    (x_{2i} + i·x_{2i+1})·e^{±i·p·f_i}; `inverse` applies the conjugate rotation (spec §3.4.6).
+    """
+    rd = 2 * inv_freq.numel()
+    xf = x.to(F32)
+    head, tail = xf[..., :-rd], xf[..., -rd:]
+    ang = positions.to(F32)[:, None] * inv_freq[None, :]  # [T, rd/2]
+    ang = ang.reshape(ang.shape[0], *([1] * (x.dim() - 2)), ang.shape[1])
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    if inverse:
+        sin = -sin
+    a, b = tail[..., 0::2], tail[..., 1::2]
+    rot = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    return torch.cat((head, rot), dim=-1)
+
+
+# ---- KV-cache quantisation profiles (spec §3.8) -------------------------------------------
+
+class CacheProfile(str, enum.Enum):
+    """How the KV caches are stored, i.e. what attention reads back (spec §3.8).
+
+    * NONE: BF16 caches (the model as trained, no cache quantisation).
+    * FP8:  upstream's default "v4" layout: nope dims E4M3 with one UE8M0 per 64, RoPE dims
+            BF16 — for SWA and compressed caches alike (584 B/token at Flash widths).
+    * FP4:  the "v41" layout: SWA all dims E4M3 with one UE8M0 per 32; compressed latents in
+            FP4 (exactly the model-intrinsic FP4 values); 890 B/token global KV at Flash.
+    Index keys are FP4 in every profile (they are FP4 by construction).
+    """
+
+    NONE = "none"
+    FP8 = "fp8"
+    FP4 = "fp4"
+
+
+def _fp8_v4_roundtrip(x: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
+    g = _grouped(nope, 64)
+    scale = pow2_ceil(g.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / E4M3_MAX)
+    q = (e4m3(g / scale) * scale).reshape(nope.shape)
+    return torch.cat((q, bf16(rope)), dim=-1)
+
+
+def _fp8_v41_roundtrip(x: torch.Tensor) -> torch.Tensor:
+    g = _grouped(x, 32)
+    scale = pow2_ceil((g.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp(min=1e-4))
+    return (e4m3(g / scale) * scale).reshape(x.shape)
+
+
+def swa_cache_roundtrip(kv: torch.Tensor, profile: CacheProfile, rope_dim: int) -> torch.Tensor:
+    """What attention reads back for a token's SWA kv (post norm + RoPE, fp32 in)."""
+    kv = kv.to(F32)
+    if profile is CacheProfile.NONE:
+        return bf16(kv)
+    if profile is CacheProfile.FP8:
+        return _fp8_v4_roundtrip(kv, rope_dim)
+    return _fp8_v41_roundtrip(kv)
+
+
+def compressed_cache_roundtrip(latent_fp4: torch.Tensor, profile: CacheProfile, rope_dim: int) -> torch.Tensor:
+    """What attention reads back for a compressed latent that is already FP4-rounded."""
+    latent_fp4 = latent_fp4.to(F32)
+    if profile is CacheProfile.FP8:
+        return _fp8_v4_roundtrip(latent_fp4, rope_dim)
+    return bf16(latent_fp4)  # exact: FP4 values × E4M3 scales fit BF16
+
+
+def softmax_scale(head_dim: int) -> float:
+    """Attention softmax scale head_dim^−1/2; no YaRN mscale anywhere (spec §3.4.2)."""
+    return 1.0 / math.sqrt(head_dim)
