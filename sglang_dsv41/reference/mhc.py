@@ -1,0 +1,109 @@
+"""Manifold-constrained hyper-connections (mHC), V4.1 "lagged pre" variant (spec `model.md` §3.2).
+
+The residual is carried as `hc_mult` parallel streams R ∈ [T, hc, H] holding BF16 values (in
+fp32 tensors). Every sublayer (attention, MoE) is wrapped in one hyper-connection with
+parameters F = `hc_*_fn` [hc·(2+hc), hc·H], b = `hc_*_base`, α = `hc_*_scale` [3].
+
+Invariants (spec §3.2, §11 items 1–3, §12 first bullet):
+
+* Coefficients are computed in fp32 from the residual that *enters* the hyper-connection:
+  m = (F·flat(R)) · rsqrt(mean(flat(R)²) + rms_eps) over all hc·H values (stream-major);
+  pre = sigmoid(α₀·m[0:hc] + b) + hc_eps; post = 2·sigmoid(α₁·m[hc:2hc] + b);
+  comb = Sinkhorn(α₂·m[2hc:] + b) with the **finite** `iters`-step form (row softmax, +ε,
+  column normalise, then (iters−1)×(row, column)), ε = hc_eps in every division. It ends on a
+  column normalisation, so columns sum to 1 (≈1e-6) but rows only approximately.
+* Comb index convention: comb[t, j, k] multiplies input stream j into output stream k.
+* The sublayer input uses the `pre` of the **previous** hyper-connection (the lag); the very
+  first hyper-connection of the model has none and reads stream 0.
+* Residual update: R'_k = bf16(post_k·y + Σ_j comb_jk·R_j) in fp32 math.
+* Final collapse: h = bf16(Σ_j pre_j·R_j) with the pre of the last layer's ffn-hc.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .ops import F32, bf16, rms_norm
+
+
+@dataclass(frozen=True)
+class HcCoefficients:
+    """Per-token coefficients of one hyper-connection (fp32).
+
+    pre [T, hc] (carried to the next hyper-connection), post [T, hc], comb [T, hc, hc]
+    with comb[t, j, k] = weight of input stream j in output stream k.
+    """
+
+    pre: Tensor
+    post: Tensor
+    comb: Tensor
+
+
+def sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:
+    """Finite Sinkhorn normalisation of [..., hc, hc] logits (spec §3.2, §12).
+
+    M ← softmax_k(C); M ← M + ε; M ← M / (colsum + ε); then (iters − 1) times:
+    M ← M / (rowsum + ε); M ← M / (colsum + ε). rowsum_j = Σ_k M_jk, colsum_k = Σ_j M_jk.
+    Exactly `iters` column normalisations; never iterated to convergence.
+    """
+    if iters < 1:
+        raise ValueError(f"Sinkhorn needs at least one iteration, got {iters}")
+    m = torch.softmax(logits.to(F32), dim=-1) + eps
+    m = m / (m.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        m = m / (m.sum(dim=-1, keepdim=True) + eps)
+        m = m / (m.sum(dim=-2, keepdim=True) + eps)
+    return m
+
+
+def hc_coefficients(residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *,
+                    rms_eps: float, hc_eps: float, sinkhorn_iters: int) -> HcCoefficients:
+    """pre/post/comb of one hyper-connection from the residual entering it (spec §3.2).
+
+    residual [T, hc, H]; fn [hc·(2+hc), hc·H]; base [hc·(2+hc)]; scale [3]; all math fp32.
+    """
+    T, hc, H = residual.shape
+    if fn.shape != (hc * (2 + hc), hc * H):
+        raise ValueError(f"hc fn has shape {tuple(fn.shape)}, expected {(hc * (2 + hc), hc * H)}")
+    x = residual.to(F32).reshape(T, hc * H)                       # stream-major flatten
+    mix = (x @ fn.to(F32).t()) * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + rms_eps)
+    a = scale.to(F32)
+    b = base.to(F32)
+    pre = torch.sigmoid(a[0] * mix[:, :hc] + b[:hc]) + hc_eps
+    post = 2.0 * torch.sigmoid(a[1] * mix[:, hc:2 * hc] + b[hc:2 * hc])
+    comb_logits = (a[2] * mix[:, 2 * hc:] + b[2 * hc:]).reshape(T, hc, hc)
+    comb = sinkhorn(comb_logits, sinkhorn_iters, hc_eps)
+    return HcCoefficients(pre=pre, post=post, comb=comb)
+
+
+def hc_weighted_sum(residual: Tensor, pre: Tensor) -> Tensor:
+    """bf16(Σ_j pre_j·R_j) in fp32 math: [T, hc, H], [T, hc] → [T, H] (spec §3.2, §3.7)."""
+    return bf16((pre.to(F32).unsqueeze(-1) * residual.to(F32)).sum(dim=1))
+
+
+def hc_sublayer_input(residual: Tensor, carried_pre: Tensor | None, norm_weight: Tensor,
+                      rms_eps: float) -> Tensor:
+    """Sublayer input x_in = RMSNorm(bf16(Σ_j pre^{(n−1)}_j·R_j)) with the **lagged** pre.
+
+    `carried_pre` is the pre of the previous hyper-connection; None only for the model's first
+    hyper-connection (layer 0 attention), which reads stream 0 (spec §3.2).
+    """
+    if carried_pre is None:
+        combined = residual[:, 0, :].to(F32)
+    else:
+        combined = hc_weighted_sum(residual, carried_pre)
+    return rms_norm(combined, norm_weight, rms_eps)
+
+
+def hc_residual_update(residual: Tensor, sublayer_out: Tensor, coeffs: HcCoefficients) -> Tensor:
+    """R'_k = bf16(post_k·y + Σ_j comb_jk·R_j), fp32 math (spec §3.2). Returns [T, hc, H]."""
+    r = residual.to(F32)
+    mixed = torch.einsum("tjk,tjh->tkh", coeffs.comb, r)
+    return bf16(coeffs.post.unsqueeze(-1) * sublayer_out.to(F32).unsqueeze(1) + mixed)
+
+
+def hc_collapse(residual: Tensor, last_pre: Tensor) -> Tensor:
+    """Final stream reduction h = bf16(Σ_j pre_j·R_j) with the last ffn-hc's pre (spec §3.2)."""
+    return hc_weighted_sum(residual, last_pre)
