@@ -144,3 +144,18 @@ def test_engram_compressed_vocab_size(tok_dir: Path):
     n = T.engram_compressed_vocab_size(tok_dir)
     mapping, size = compressed_token_map(tok_dir)
     assert n == size and 1 < n < 1024 and len(mapping) == 1024
+
+
+def test_general_layout_for_flash_sized_vocab():
+    table = T.special_token_table(129280, 128799, 129264)
+    assert sorted(table) == [0, 1, 2] + list(range(999, 129280))  # with BPE 3..998: every id exists
+    assert table[128799] == T.MASK_TOKEN and table[129264] == T.IMAGE_TOKEN
+    assert [table[i] for i in range(999, 999 + len(T.CHAT_SPECIAL_TOKENS))] == list(T.CHAT_SPECIAL_TOKENS)
+    assert len(set(table.values())) == len(table)
+    tiny = T.special_token_table()
+    assert sorted(tiny) == [0, 1, 2] + list(range(999, 1024))
+    assert tiny[1001] == "<｜System｜>" and tiny[1022].startswith("<｜place▁holder▁no▁")
+    with pytest.raises(ValueError, match="image_token_id"):
+        T.special_token_table(1024, 999, 5)
+    with pytest.raises(ValueError, match="differ"):
+        T.special_token_table(1024, 999, 999)

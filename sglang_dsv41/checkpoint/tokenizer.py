@@ -9,7 +9,12 @@ Layout (1024 ids, = tiny `vocab_size`):
 | 999        | `<｜mask｜>` — the DSpark noise token of the tiny config                       |
 | 1000       | `<｜deepseek_image｜>` — the tiny config's `image_token_id`                   |
 | 1001 ..    | every special token deepseek-recipe 0.2.0's `DeepseekV41Encoding` renders,   |
-|            | the recipe's grounding tokens, SGLang's task tokens, then reserved slots     |
+|            | the recipe's grounding tokens, SGLang's task tokens (1001..1021)             |
+| 1022, 1023 | reserved `<｜place▁holder▁no▁N｜>` (plain added tokens, not special)          |
+
+`build_tokenizer` generalises the layout to any vocabulary size and mask/image ids (the slice
+preset uses Flash's 129280 ids, mask 128799, image 129264: every id the model can emit exists,
+which Engram hashing needs); the extra ids are reserved placeholders.
 
 Invariants: byte-level, so every UTF-8 string encodes and decodes back unchanged; the files are
 byte-identical on every run (the BPE trainer is deterministic for a fixed corpus and the JSON
@@ -127,20 +132,38 @@ TASK_SPECIAL_TOKENS: tuple[str, ...] = (
 )
 
 
-def special_token_table() -> dict[int, str]:
-    """id → spelling of every added (special) token of the tiny tokenizer."""
-    table = {0: BOS_TOKEN, 1: EOS_TOKEN, 2: PAD_TOKEN, MASK_TOKEN_ID: MASK_TOKEN, IMAGE_TOKEN_ID: IMAGE_TOKEN}
+def special_token_table(vocab_size: int = TINY_TOKENIZER_SIZE, mask_token_id: int = MASK_TOKEN_ID,
+                        image_token_id: int = IMAGE_TOKEN_ID) -> dict[int, str]:
+    """id → spelling of every added token (ids 0–2 and 999..vocab_size−1).
+
+    Layout rule: BOS/EOS/pad at 0/1/2, the mask and image tokens at the given ids, the chat /
+    grounding / task specials at the lowest free ids from 999 upward, every other id up to
+    `vocab_size − 1` a reserved `<｜place▁holder▁no▁N｜>`. With the defaults this is exactly the
+    tiny table of the module docstring; the slice preset uses Flash's size and ids.
+    """
+    first_free = FIRST_BPE_ID + N_BPE_TOKENS
+    for name, i in (("mask_token_id", mask_token_id), ("image_token_id", image_token_id)):
+        if not first_free <= i < vocab_size:
+            raise ValueError(f"{name} {i} must lie in {first_free}..{vocab_size - 1} (ids 0..{first_free - 1} "
+                             "are BOS/EOS/pad and the BPE vocabulary)")
+    if mask_token_id == image_token_id:
+        raise ValueError(f"mask and image token ids must differ, both are {mask_token_id}")
     tail = CHAT_SPECIAL_TOKENS + GROUNDING_SPECIAL_TOKENS + TASK_SPECIAL_TOKENS
-    next_id = IMAGE_TOKEN_ID + 1
+    if vocab_size < first_free + 2 + len(tail):
+        raise ValueError(f"vocab_size {vocab_size} too small for the tokenizer layout "
+                         f"(needs ≥ {first_free + 2 + len(tail)})")
+    table = {0: BOS_TOKEN, 1: EOS_TOKEN, 2: PAD_TOKEN, mask_token_id: MASK_TOKEN, image_token_id: IMAGE_TOKEN}
+    free = (i for i in range(first_free, vocab_size) if i not in table)
     for tok in tail:
-        table[next_id] = tok
-        next_id += 1
-    reserved = 0
-    while next_id < TINY_TOKENIZER_SIZE:
-        table[next_id] = f"<｜place▁holder▁no▁{reserved}｜>"
-        reserved += 1
-        next_id += 1
-    return table
+        table[next(free)] = tok
+    for reserved, i in enumerate(free):
+        table[i] = f"<｜place▁holder▁no▁{reserved}｜>"
+    return dict(sorted(table.items()))
+
+
+def _is_special(content: str) -> bool:
+    """Reserved placeholders are plain added tokens (they decode to their text); all others special."""
+    return not content.startswith("<｜place▁holder▁no▁")
 
 
 def _train_bpe() -> dict[str, Any]:
@@ -171,14 +194,13 @@ def _train_bpe() -> dict[str, Any]:
 
 def _added_token(i: int, content: str) -> dict[str, Any]:
     return {"id": i, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
-            "normalized": False, "special": True}
+            "normalized": False, "special": _is_special(content)}
 
 
-def tiny_tokenizer_json() -> dict[str, Any]:
-    """The complete `tokenizer.json` content of the tiny tokenizer (deterministic)."""
+def tokenizer_json(specials: dict[int, str]) -> dict[str, Any]:
+    """The complete `tokenizer.json` content for an added-token table (deterministic)."""
     data = _train_bpe()
     bpe_vocab: dict[str, int] = data["model"]["vocab"]
-    specials = special_token_table()
     vocab: dict[str, int] = {specials[0]: 0, specials[1]: 1, specials[2]: 2}
     for token, i in sorted(bpe_vocab.items(), key=lambda kv: kv[1]):
         vocab[token] = i + FIRST_BPE_ID
@@ -206,13 +228,13 @@ def tiny_tokenizer_json() -> dict[str, Any]:
     }
 
 
-def _tokenizer_config() -> dict[str, Any]:
-    specials = special_token_table()
+def _tokenizer_config(specials: dict[int, str]) -> dict[str, Any]:
     return {
         "add_bos_token": True,
         "add_eos_token": False,
+        # control tokens only; the reserved placeholders are listed in tokenizer.json alone
         "added_tokens_decoder": {str(i): {k: v for k, v in _added_token(i, s).items() if k != "id"}
-                                 for i, s in sorted(specials.items())},
+                                 for i, s in sorted(specials.items()) if _is_special(s)},
         "bos_token": BOS_TOKEN,
         "eos_token": EOS_TOKEN,
         "pad_token": PAD_TOKEN,
@@ -232,8 +254,9 @@ def _dump(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, indent=2) + "\n"
 
 
-def build_tiny_tokenizer(out_dir: str | Path) -> Path:
-    """Write `tokenizer.json`, `tokenizer_config.json`, `special_tokens_map.json` into `out_dir`.
+def build_tokenizer(out_dir: str | Path, *, vocab_size: int, mask_token_id: int, image_token_id: int) -> Path:
+    """Write `tokenizer.json`, `tokenizer_config.json`, `special_tokens_map.json` into `out_dir`
+    for the layout of `special_token_table(vocab_size, mask_token_id, image_token_id)`.
 
     Loadable by `transformers.AutoTokenizer.from_pretrained(out_dir)` and
     `tokenizers.Tokenizer.from_file(out_dir / "tokenizer.json")`; identical bytes on every run.
@@ -241,17 +264,23 @@ def build_tiny_tokenizer(out_dir: str | Path) -> Path:
     """
     from tokenizers import Tokenizer
 
+    specials = special_token_table(vocab_size, mask_token_id, image_token_id)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer_json = _dump(tiny_tokenizer_json())
-    tok = Tokenizer.from_str(tokenizer_json)  # refuse to write a file `tokenizers` cannot load
-    if tok.get_vocab_size(with_added_tokens=True) != TINY_TOKENIZER_SIZE:
-        raise RuntimeError(f"tiny tokenizer has {tok.get_vocab_size(with_added_tokens=True)} ids, "
-                           f"expected {TINY_TOKENIZER_SIZE}")
-    (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
-    (out / "tokenizer_config.json").write_text(_dump(_tokenizer_config()), encoding="utf-8")
+    text = _dump(tokenizer_json(specials))
+    tok = Tokenizer.from_str(text)  # refuse to write a file `tokenizers` cannot load
+    if tok.get_vocab_size(with_added_tokens=True) != vocab_size:
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size(with_added_tokens=True)} ids, expected {vocab_size}")
+    (out / "tokenizer.json").write_text(text, encoding="utf-8")
+    (out / "tokenizer_config.json").write_text(_dump(_tokenizer_config(specials)), encoding="utf-8")
     (out / "special_tokens_map.json").write_text(_dump(_special_tokens_map()), encoding="utf-8")
     return out
+
+
+def build_tiny_tokenizer(out_dir: str | Path) -> Path:
+    """The tiny tokenizer (1024 ids, mask 999, image 1000) — see the module docstring."""
+    return build_tokenizer(out_dir, vocab_size=TINY_TOKENIZER_SIZE, mask_token_id=MASK_TOKEN_ID,
+                           image_token_id=IMAGE_TOKEN_ID)
 
 
 def engram_compressed_vocab_size(tokenizer_dir: str | Path) -> int:
