@@ -330,6 +330,13 @@ class EngramHasher:
             return ids
         return torch.where(ids >= MULTIMODAL_PAD_ID_BASE, torch.full_like(ids, self.image_token_id), ids)
 
+    def image_rows(self, token_ids: torch.Tensor) -> torch.Tensor | None:
+        """Tokens the Engram gate leaves unchanged (spec §3.3.2): remapped id == image_token_id;
+        None when the model has no vision."""
+        if self.image_token_id is None:
+            return None
+        return self._read_id(token_ids.reshape(-1).to(torch.int64)) == self.image_token_id
+
     def window(self, token_ids: torch.Tensor, positions: torch.Tensor, history: torch.Tensor,
                extend_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(tok [T, M], blocked [T, M]): tok[t, s] is the s-th predecessor of token t in its

@@ -255,3 +255,20 @@ def test_bad_shapes_raise():
         h.row_ids(torch.tensor([1, 2]), torch.arange(2), h.new_history(2), torch.tensor([1, 2]))
     with pytest.raises(ValueError):
         h.row_ids(torch.tensor([1, 2]), torch.arange(2), h.new_history(2))
+
+
+def test_tiny_tokenizer_end_to_end(tmp_path):
+    """The project's tiny tokenizer → token map → tiny config → rows inside each table."""
+    from sglang_dsv41.checkpoint.tokenizer import build_tiny_tokenizer
+    from sglang_dsv41.engram_hash import compressed_token_map
+
+    tm, v_c = compressed_token_map(build_tiny_tokenizer(tmp_path))
+    cfg = DeepseekV41Config.from_dict(tiny_config_dict(v_c))
+    h = EngramHasher.from_config(cfg, tm)
+    seq = [0, 17, 300, 5, 1000, 1000, 1_000_123, 1000, 40, 41, 42, 43, 44]
+    rows = _one_shot(h, seq)
+    for li, limit in enumerate(cfg.text.engram_num_embeddings):
+        assert 0 <= int(rows[li].min()) and int(rows[li].max()) < limit
+        # The tiny layout (V = 61, 2 heads, 4-grams, layers 1 and 3) is the one slow_rows uses.
+        assert rows[li].tolist() == slow_rows(seq, tm, cfg.text.engram_layer_ids[li], li, 1000)
+    assert h.image_rows(torch.tensor(seq)).tolist() == [x == 1000 or x >= 1_000_000 for x in seq]

@@ -1,0 +1,108 @@
+"""Engram gate applied to the hyper-connection residual (spec `model.md` §3.3.2, §8 item 14).
+
+At an Engram layer the residual streams are replaced **before** the layer's attention
+hyper-connection: R ← Engram(R) (spec §3.2 "Engram / capture interplay"). The attention hc then
+computes its coefficients from the post-Engram residual, while its combine still uses the `pre`
+carried from layer i−1's ffn hc (computed on the pre-Engram residual) — that wiring belongs to
+the model; this module only maps R to the new R.
+
+Invariants:
+
+* emb_t = concat over the hash columns (column order) of the dequantised BF16 table rows.
+* kv_t = engram.wkv(emb_t) through the model's FP8 linear (BF16 output), split
+  [key_0 … key_{hc−1}, value], each H wide.
+* Per stream c, in fp32: dot = Σ_d h_d·w_d·key_{c,d} · rsqrt(mean(h²)+ε) · rsqrt(mean(key_c²)+ε)
+  · H^{−1/2}, with h = R_c, w = q_weight[c] ⊙ k_weight[c] and two **separate** RMS factors;
+  g = sigmoid(sign(dot)·sqrt(max(|dot|, 1e−6))); R_c ← bf16(h + g·value). The same value
+  vector is added (gated per stream) to every stream.
+* Rows of image tokens (only when the model has vision) keep R unchanged.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .ops import F32, bf16, linear_fp8
+
+#: |dot| is clamped below by this before the square root (spec §3.3.2).
+GATE_DOT_FLOOR = 1e-6
+
+Linear = Callable[[Tensor, Tensor], Tensor]
+
+
+def engram_embedding(row_ids: Tensor, table: Tensor) -> Tensor:
+    """emb [T, columns·d]: the table rows of every hash column, concatenated in column order."""
+    if row_ids.ndim != 2:
+        raise ValueError(f"row_ids must be [T, columns], got {tuple(row_ids.shape)}")
+    if table.ndim != 2:
+        raise ValueError(f"Engram table must be [rows, d], got {tuple(table.shape)}")
+    if row_ids.numel() and (int(row_ids.min()) < 0 or int(row_ids.max()) >= table.shape[0]):
+        raise ValueError(f"Engram row ids outside the table [0, {table.shape[0]}) "
+                         f"(min {int(row_ids.min())}, max {int(row_ids.max())})")
+    rows = table[row_ids.to(torch.int64)]                      # [T, columns, d]
+    return rows.reshape(row_ids.shape[0], -1)
+
+
+def engram_gate(residual: Tensor, keys: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float) -> Tensor:
+    """g [T, hc] (fp32) from residual [T, hc, H] and keys [T, hc, H] (spec §3.3.2):
+    sigmoid(sign(dot)·sqrt(max(|dot|, 1e−6))) with dot the doubly RMS-normalised weighted
+    inner product of each stream with its own key."""
+    h = residual.to(F32)
+    key = keys.to(F32)
+    hidden = h.shape[-1]
+    w = q_weight.to(F32) * k_weight.to(F32)                     # [hc, H]
+    inner = (h * w * key).sum(dim=-1)                          # [T, hc]
+    h_rms_inv = torch.rsqrt(h.pow(2).mean(dim=-1) + eps)
+    key_rms_inv = torch.rsqrt(key.pow(2).mean(dim=-1) + eps)
+    dot = inner * h_rms_inv * key_rms_inv * (hidden ** -0.5)
+    signed_sqrt = torch.sign(dot) * torch.sqrt(dot.abs().clamp(min=GATE_DOT_FLOOR))
+    return torch.sigmoid(signed_sqrt)
+
+
+def engram_residual_update(
+    R: Tensor,
+    row_ids: Tensor,
+    table: Tensor,
+    wkv: Tensor,
+    q_weight: Tensor,
+    k_weight: Tensor,
+    eps: float,
+    image_rows: Tensor | None = None,
+    linear: Linear = linear_fp8,
+) -> Tensor:
+    """The residual after the Engram gate (spec §3.3.2).
+
+    R [T, hc, H] holds BF16 values; row_ids [T, columns] from `EngramHasher`; table
+    [rows, d] dequantised (BF16 values); wkv [(hc+1)·H, columns·d] dequantised; q_weight,
+    k_weight [hc, H]; eps = rms_norm_eps; image_rows [T] bool marks image tokens (None: no
+    vision); `linear(x, weight)` is the model's FP8 linear (default `ops.linear_fp8`).
+    Returns a tensor of R's dtype holding BF16 values; image rows equal R bit for bit.
+    """
+    if R.ndim != 3:
+        raise ValueError(f"residual must be [T, hc, H], got {tuple(R.shape)}")
+    tokens, hc, hidden = R.shape
+    if row_ids.shape[0] != tokens:
+        raise ValueError(f"{row_ids.shape[0]} row-id rows for {tokens} tokens")
+    if q_weight.shape != (hc, hidden) or k_weight.shape != (hc, hidden):
+        raise ValueError(f"q_weight/k_weight must be [{hc}, {hidden}], got "
+                         f"{tuple(q_weight.shape)} / {tuple(k_weight.shape)}")
+    expected_wkv = ((hc + 1) * hidden, row_ids.shape[1] * table.shape[1])
+    if tuple(wkv.shape) != expected_wkv:
+        raise ValueError(f"engram.wkv must be {list(expected_wkv)}, got {list(wkv.shape)}")
+    if image_rows is not None and tuple(image_rows.shape) != (tokens,):
+        raise ValueError(f"image_rows must be [{tokens}], got {tuple(image_rows.shape)}")
+
+    emb = engram_embedding(row_ids, table)
+    kv = linear(emb, wkv).to(F32)
+    if tuple(kv.shape) != (tokens, (hc + 1) * hidden):
+        raise ValueError(f"linear returned {tuple(kv.shape)}, expected {(tokens, (hc + 1) * hidden)}")
+    keys = kv[:, : hc * hidden].reshape(tokens, hc, hidden)
+    value = kv[:, hc * hidden:]                                # [T, H], shared by all streams
+
+    gate = engram_gate(R, keys, q_weight, k_weight, eps)       # [T, hc]
+    updated = bf16(R.to(F32) + gate[:, :, None] * value[:, None, :])
+    if image_rows is not None:
+        updated = torch.where(image_rows.to(torch.bool)[:, None, None], R.to(F32), updated)
+    return updated.to(R.dtype)
