@@ -231,7 +231,10 @@ class EngramHasher:
 
     def __init__(self, token_map: np.ndarray | torch.Tensor, layers: Sequence[EngramLayerHash],
                  *, max_ngram: int, n_heads: int, pad_token_id: int, image_token_id: int | None):
-        self.token_map = torch.as_tensor(np.asarray(token_map), dtype=torch.int64)
+        if isinstance(token_map, torch.Tensor):
+            self.token_map = token_map.to(torch.int64)
+        else:
+            self.token_map = torch.from_numpy(np.asarray(token_map, dtype=np.int64))
         if self.token_map.ndim != 1 or self.token_map.numel() == 0:
             raise ValueError("token_map must be a non-empty 1-D array")
         vocab = self.token_map.numel()
@@ -251,7 +254,8 @@ class EngramHasher:
                 raise ValueError(f"Engram layer {layer.layer_id}: constants do not match "
                                  f"{self.num_columns} columns / max_ngram {self.max_ngram}")
         # n-gram size of each column, as the index into the cumulative hash (H_n at n−1).
-        self._column_ngram_index = torch.arange(self.num_columns) // self.n_heads + 1
+        self._column_ngram_index = (torch.arange(self.num_columns, device=self.token_map.device)
+                                    // self.n_heads + 1)
 
     @property
     def num_columns(self) -> int:
@@ -380,7 +384,7 @@ class EngramHasher:
         for s in range(1, self.max_ngram):
             hashes.append(torch.bitwise_xor(hashes[-1], products[:, s]))
         cumulative = torch.stack(hashes, dim=1)           # [T, M]: column n−1 holds H_n
-        per_column = cumulative[:, self._column_ngram_index.to(compressed.device)]
+        per_column = cumulative[:, self._column_ngram_index]
         return torch.remainder(per_column, layer.primes[None, :]) + layer.offsets[None, :]
 
     def row_ids(self, token_ids: torch.Tensor, positions: torch.Tensor, history: torch.Tensor,

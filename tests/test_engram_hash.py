@@ -272,3 +272,14 @@ def test_tiny_tokenizer_end_to_end(tmp_path):
         # The tiny layout (V = 61, 2 heads, 4-grams, layers 1 and 3) is the one slow_rows uses.
         assert rows[li].tolist() == slow_rows(seq, tm, cfg.text.engram_layer_ids[li], li, 1000)
     assert h.image_rows(torch.tensor(seq)).tolist() == [x == 1000 or x >= 1_000_000 for x in seq]
+
+
+def test_to_device_copy_and_tensor_token_map():
+    h = _hasher()
+    moved = h.to("cpu")
+    from_tensor = EngramHasher(torch.from_numpy(_token_map()), h.layers, max_ngram=MAX_NGRAM,
+                               n_heads=HEADS, pad_token_id=PAD, image_token_id=IMAGE)
+    seq = _random_seq(random.Random(3), 20, 0.1)
+    for other in (moved, from_tensor):
+        for a, b in zip(_one_shot(h, seq), _one_shot(other, seq)):
+            assert torch.equal(a, b)
