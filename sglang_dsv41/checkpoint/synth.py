@@ -1,0 +1,274 @@
+"""Synthetic checkpoints in the released format (spec `model.md` §1, §2, §7).
+
+`make_checkpoint(preset, out, seed)` writes a complete HF-style model directory:
+tokenizer files, `config.json`, sharded `model-000NN-of-000MM.safetensors` and
+`model.safetensors.index.json`, with every tensor of `names.stored_inventory(cfg)` under its
+real name, dtype and shape (FP8 + 32×32 UE8M0 tiles, packed MXFP4 + per-32 scales, Engram
+E4M3 rows, BF16 / FP32 plain tensors).
+
+Invariants
+----------
+* Deterministic: each tensor is drawn from its own generator seeded by sha256(seed, name), so
+  the same seed gives byte-identical files, independent of sharding or of which tensors are
+  generated first; a different seed changes every tensor.
+* Streaming: the shard layout is planned from the inventory's sizes before any data exists;
+  shards are then generated and written one at a time (never the whole checkpoint in RAM).
+* Numerically sane random model: linear weights ~ N(0, 1/fan_in); norm weights ≈ 1; small
+  `hc_*_fn` (mix logits O(0.5)), `hc_*_base` favouring the identity stream mix, `hc_*_scale` ≈ 1;
+  sinks and router biases ≈ 0; router logits O(1) so different tokens pick different experts;
+  Engram q/k weights ≈ 1. Activations stay O(1) through the layers.
+* Routed-expert MXFP4 weights are drawn directly as codes (a fixed 256-entry table giving a
+  bell-shaped E2M1 code distribution) with power-of-two group scales around 1/√fan_in — the
+  same values a quantised Gaussian would give, at a speed that makes the full-width slice
+  preset practical.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import Tensor
+
+from ..config import DeepseekV41Config
+from .codecs import TILE, quantize_engram_rows, quantize_fp8_block, ue8m0_from_exponent
+from .names import Kind, TensorSpec, tensor_inventory
+from .tokenizer import build_tiny_tokenizer, build_tokenizer, engram_compressed_vocab_size
+
+PRESETS = ("tiny", "slice")
+DEFAULT_SHARD_BYTES = {"tiny": 1 << 20, "slice": 4 << 30}
+INDEX_FILE = "model.safetensors.index.json"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+# E2M1 magnitude codes 0..7 with counts out of 128 ≈ a N(0, 1.5²) variable rounded to the grid
+# {0, .5, 1, 1.5, 2, 3, 4, 6}; RMS of the decoded magnitudes ≈ 1.57.
+_FP4_CODE_COUNTS = (17, 31, 27, 21, 19, 10, 2, 1)
+_FP4_CODE_RMS = math.sqrt(sum(c * v * v for c, v in zip(_FP4_CODE_COUNTS, (0, .5, 1, 1.5, 2, 3, 4, 6))) / 128)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-tensor random values
+# ---------------------------------------------------------------------------------------------
+def tensor_seed(seed: int, name: str) -> int:
+    """64-bit generator seed of one tensor: sha256 of (seed, name)."""
+    digest = hashlib.sha256(f"sglang-dsv41/synth/{int(seed)}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    return torch.Generator().manual_seed(tensor_seed(seed, name))
+
+
+def _hc_base(hc: int, g: torch.Generator) -> Tensor:
+    """[pre (hc), post (hc), comb (hc²)]: pre/post logits ≈ 0; comb favours the identity mix."""
+    base = 0.1 * torch.randn(hc * (2 + hc), generator=g)
+    base[2 * hc:] += 2.0 * torch.eye(hc).flatten()
+    return base
+
+
+def logical_value(spec: TensorSpec, cfg: DeepseekV41Config, g: torch.Generator) -> Tensor:
+    """Random float32 value of a non-FP4 logical tensor (the initialisation rules of the module doc)."""
+    name, shape = spec.name, spec.shape
+    randn = lambda: torch.randn(*shape, generator=g)  # noqa: E731
+    last = name.rsplit(".", 1)[-1]
+    if "hc_" in name and name.endswith("_fn"):
+        return randn() * (0.5 / math.sqrt(shape[1]))
+    if "hc_" in name and name.endswith("_base"):
+        return _hc_base(cfg.text.hc_mult, g)
+    if "hc_" in name and name.endswith("_scale"):
+        return 1.0 + 0.1 * randn()
+    if name.endswith("attn_sink"):
+        return 0.1 * randn()
+    if name.endswith(("gate.bias", "gate.bias_vl")):
+        return 0.02 * randn()
+    if name.endswith(("norm.weight", "norm1.weight", "norm2.weight")) or last in ("q_weight", "k_weight"):
+        return 1.0 + 0.02 * randn()
+    if name in ("embed.weight", "image_start", "image_end", "image_newline") or name.endswith(
+            ("markov_head.embed.weight", "engram.embed.weight")):
+        return randn()
+    if name.endswith("markov_head.head.weight"):
+        return randn() * (0.5 / math.sqrt(shape[1]))
+    if last == "bias":
+        return 0.02 * randn()
+    if name == "head.weight":  # logits std ≈ 2 for a unit-RMS final hidden state: peaked, not flat
+        return randn() * (2.0 / math.sqrt(shape[1]))
+    if len(shape) == 2:
+        return randn() / math.sqrt(shape[1])
+    raise ValueError(f"no initialisation rule for {name} {shape}")
+
+
+def _random_mxfp4(spec: TensorSpec, g: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Packed E2M1 codes [out, in/2] + UE8M0 group scales [out, in/32], RMS ≈ 1/√in."""
+    out_f, in_f = spec.shape
+    magnitude = torch.repeat_interleave(torch.arange(8, dtype=torch.uint8), torch.tensor(_FP4_CODE_COUNTS))
+    lut = torch.cat([magnitude, magnitude | 8])  # byte → code; bit 7 of the byte is the sign
+    codes = lut[torch.randint(0, 256, (out_f, in_f), generator=g, dtype=torch.uint8).to(torch.int64)]
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    # group exponents e0 + {−1, 0, +1}; E[4^offset] = 1.75 is folded into e0
+    e0 = round(math.log2(1.0 / math.sqrt(in_f) / (_FP4_CODE_RMS * math.sqrt(1.75))))
+    offset = torch.randint(-1, 2, (out_f, in_f // TILE), generator=g)
+    return packed, ue8m0_from_exponent(offset + e0)
+
+
+def stored_tensors(spec: TensorSpec, cfg: DeepseekV41Config, seed: int) -> list[tuple[str, Tensor]]:
+    """The stored tensors of one logical tensor (weight, then `.scale` where quantised)."""
+    g = _generator(seed, spec.name)
+    if spec.kind is Kind.FP4:
+        packed, scale = _random_mxfp4(spec, g)
+        return [(spec.name, packed), (spec.scale_name, scale)]  # type: ignore[list-item]
+    value = logical_value(spec, cfg, g)
+    if spec.kind is Kind.BF16:
+        return [(spec.name, value.to(torch.bfloat16))]
+    if spec.kind is Kind.FP32:
+        return [(spec.name, value.contiguous())]
+    quantize = quantize_fp8_block if spec.kind is Kind.FP8 else quantize_engram_rows
+    w, scale = quantize(value)
+    return [(spec.name, w), (spec.scale_name, scale)]  # type: ignore[list-item]
+
+
+def random_tensors(cfg: DeepseekV41Config, seed: int) -> Iterator[tuple[str, Tensor]]:
+    """Every stored tensor of `cfg`'s checkpoint, in inventory order, exactly as `make_checkpoint`
+    writes them for `seed` (vision / DSpark included as the config defines them)."""
+    for spec in tensor_inventory(cfg):
+        yield from stored_tensors(spec, cfg, seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config + tokenizer per preset
+# ---------------------------------------------------------------------------------------------
+def _engram_rows(t: dict[str, Any]) -> list[int]:
+    from ..engram_hash import engram_primes, engram_table_rows
+
+    primes = engram_primes(t["engram_vocab_size"], t["engram_n_heads"], t["engram_max_ngram_size"],
+                           len(t["engram_layer_ids"]))
+    return engram_table_rows(primes)
+
+
+def write_tokenizer_and_config(preset: str, out: Path, *, layers: int | None,
+                               engram_rows: int | None) -> DeepseekV41Config:
+    """Write the preset's tokenizer files and `config.json` into `out`; return the parsed config."""
+    from .. import presets
+
+    if preset == "tiny":
+        if layers is not None or engram_rows is not None:
+            raise ValueError("--layers / --engram-rows apply to the slice preset only")
+        build_tiny_tokenizer(out)
+        d = presets.tiny_config_dict(engram_compressed_vocab_size(out))
+        t = d["text_config"]
+        if _engram_rows(t) != list(t["engram_num_embeddings"]):
+            raise ValueError(f"tiny preset engram_num_embeddings {t['engram_num_embeddings']} disagree with the "
+                             f"Engram prime layout {_engram_rows(t)}")
+        if (d["image_token_id"], t["dspark_noise_token_id"], t["vocab_size"]) != (1000, 999, 1024):
+            raise ValueError("tiny preset ids disagree with the tiny tokenizer layout (image 1000, mask 999, 1024 ids)")
+    elif preset == "slice":
+        kw: dict[str, int] = {}
+        if layers is not None:
+            kw["layers"] = layers
+        if engram_rows is not None:
+            kw["engram_rows"] = engram_rows
+        d = presets.slice_config_dict(**kw)
+        t = d["text_config"]
+        build_tokenizer(out, vocab_size=t["vocab_size"], mask_token_id=t["dspark_noise_token_id"],
+                        image_token_id=d["image_token_id"])
+        t["engram_num_embeddings"] = _engram_rows(t)
+        t["engram_compressed_vocab_size"] = engram_compressed_vocab_size(out)
+    else:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    cfg = DeepseekV41Config.from_dict(d)
+    (out / "config.json").write_text(json.dumps(d, indent=2) + "\n", encoding="utf-8")
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharded writer
+# ---------------------------------------------------------------------------------------------
+def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
+    """Greedy, order-preserving shard plan; a weight and its scale always share a shard."""
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        nbytes = sum(st.nbytes for st in spec.stored())
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += nbytes
+    return shards
+
+
+def shard_file_name(index: int, count: int) -> str:
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def _clear_previous(out: Path, overwrite: bool) -> None:
+    ours = [p for p in out.iterdir() if p.name in ("config.json", INDEX_FILE, "model.safetensors", *_TOKENIZER_FILES)
+            or (p.name.startswith("model-") and p.name.endswith(".safetensors"))]
+    if ours and not overwrite:
+        raise FileExistsError(f"{out} already holds checkpoint files ({', '.join(sorted(p.name for p in ours)[:4])} …); "
+                              "pass overwrite=True / --overwrite to replace them")
+    for p in ours:
+        p.unlink()
+
+
+def make_checkpoint(preset: str, out: Path, seed: int, *, layers: int | None = None,
+                    engram_rows: int | None = None, progress: bool = True,
+                    max_shard_bytes: int | None = None, overwrite: bool = False) -> Path:
+    """Write a synthetic `preset` checkpoint (tiny | slice) for `seed` into `out`; return `out`."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    _clear_previous(out, overwrite)
+    cfg = write_tokenizer_and_config(preset, out, layers=layers, engram_rows=engram_rows)
+    specs = tensor_inventory(cfg)
+    shards = plan_shards(specs, max_shard_bytes or DEFAULT_SHARD_BYTES[preset])
+    total = sum(st.nbytes for spec in specs for st in spec.stored())
+    weight_map: dict[str, str] = {}
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"make-checkpoint {preset}", disable=not progress) as bar:
+        for i, shard in enumerate(shards):
+            fname = shard_file_name(i, len(shards))
+            tensors: dict[str, Tensor] = {}
+            for spec in shard:
+                for name, t in stored_tensors(spec, cfg, seed):
+                    tensors[name] = t
+                    weight_map[name] = fname
+                bar.update(sum(st.nbytes for st in spec.stored()))
+            save_file(tensors, str(out / fname), metadata={"format": "pt"})
+            del tensors
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+def cli(argv: list[str]) -> int:
+    """`sglang-dsv41 make-checkpoint --preset tiny|slice --out DIR --seed N [--layers L] [--engram-rows R]`."""
+    ap = argparse.ArgumentParser(prog="sglang-dsv41 make-checkpoint",
+                                 description="Write a synthetic DeepSeek-V4.1 checkpoint in the released format.")
+    ap.add_argument("--preset", required=True, choices=PRESETS)
+    ap.add_argument("--out", required=True, type=Path, help="output directory")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=None, help="slice: number of main layers (default 22)")
+    ap.add_argument("--engram-rows", type=int, default=None, help="slice: approximate rows per Engram table")
+    ap.add_argument("--shard-size-mb", type=float, default=None, help="maximum shard size in MiB")
+    ap.add_argument("--overwrite", action="store_true", help="replace checkpoint files already in --out")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    a = ap.parse_args(argv)
+    shard_bytes = None if a.shard_size_mb is None else max(1, int(a.shard_size_mb * (1 << 20)))
+    try:
+        out = make_checkpoint(a.preset, a.out, a.seed, layers=a.layers, engram_rows=a.engram_rows,
+                              progress=not a.quiet, max_shard_bytes=shard_bytes, overwrite=a.overwrite)
+    except (ValueError, FileExistsError) as e:
+        print(f"make-checkpoint: {e}")
+        return 1
+    index = json.loads((out / INDEX_FILE).read_text())
+    n_files = len(set(index["weight_map"].values()))
+    print(f"wrote {out}: {len(index['weight_map'])} tensors in {n_files} shards, "
+          f"{index['metadata']['total_size'] / (1 << 20):.1f} MiB")
+    return 0
