@@ -17,6 +17,9 @@ Invariants (spec §3.2, §11 items 1–3, §12 first bullet):
   first hyper-connection of the model has none and reads stream 0.
 * Residual update: R'_k = bf16(post_k·y + Σ_j comb_jk·R_j) in fp32 math.
 * Final collapse: h = bf16(Σ_j pre_j·R_j) with the pre of the last layer's ffn-hc.
+* Token-wise and chunk-invariant: F·x is a correctly rounded fp32 dot product (fp64
+  accumulation) and the stream sums run in a fixed order (post·y first, then j = 0, 1, …), so
+  a token's coefficients and residual do not depend on how many tokens share the call.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .ops import F32, bf16, rms_norm
+from .ops import F32, bf16, matmul_fp32_exact, rms_norm
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,10 @@ def hc_coefficients(residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *
     if fn.shape != (hc * (2 + hc), hc * H):
         raise ValueError(f"hc fn has shape {tuple(fn.shape)}, expected {(hc * (2 + hc), hc * H)}")
     x = residual.to(F32).reshape(T, hc * H)                       # stream-major flatten
-    mix = (x @ fn.to(F32).t()) * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + rms_eps)
+    # F·x as correctly rounded fp32 dot products (upstream: fp32-equivalent precision),
+    # independent of how many tokens share the call.
+    dots = matmul_fp32_exact(x, fn)
+    mix = dots * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + rms_eps)
     a = scale.to(F32)
     b = base.to(F32)
     pre = torch.sigmoid(a[0] * mix[:, :hc] + b[:hc]) + hc_eps
@@ -79,8 +85,13 @@ def hc_coefficients(residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *
 
 
 def hc_weighted_sum(residual: Tensor, pre: Tensor) -> Tensor:
-    """bf16(Σ_j pre_j·R_j) in fp32 math: [T, hc, H], [T, hc] → [T, H] (spec §3.2, §3.7)."""
-    return bf16((pre.to(F32).unsqueeze(-1) * residual.to(F32)).sum(dim=1))
+    """bf16(Σ_j pre_j·R_j) in fp32 math, summed in stream order j = 0, 1, …:
+    [T, hc, H], [T, hc] → [T, H] (spec §3.2, §3.7)."""
+    r, p = residual.to(F32), pre.to(F32)
+    acc = p[:, 0, None] * r[:, 0]
+    for j in range(1, r.shape[1]):
+        acc = acc + p[:, j, None] * r[:, j]
+    return bf16(acc)
 
 
 def hc_sublayer_input(residual: Tensor, carried_pre: Tensor | None, norm_weight: Tensor,
@@ -99,9 +110,15 @@ def hc_sublayer_input(residual: Tensor, carried_pre: Tensor | None, norm_weight:
 
 def hc_residual_update(residual: Tensor, sublayer_out: Tensor, coeffs: HcCoefficients) -> Tensor:
     """R'_k = bf16(post_k·y + Σ_j comb_jk·R_j), fp32 math (spec §3.2). Returns [T, hc, H]."""
-    r = residual.to(F32)
-    mixed = torch.einsum("tjk,tjh->tkh", coeffs.comb, r)
-    return bf16(coeffs.post.unsqueeze(-1) * sublayer_out.to(F32).unsqueeze(1) + mixed)
+    r, comb = residual.to(F32), coeffs.comb.to(F32)
+    y = sublayer_out.to(F32)
+    out = []
+    for k in range(r.shape[1]):                     # fixed summation order: post·y, then j = 0, 1, …
+        acc = coeffs.post[:, k, None] * y
+        for j in range(r.shape[1]):
+            acc = acc + comb[:, j, k, None] * r[:, j]
+        out.append(acc)
+    return bf16(torch.stack(out, dim=1))
 
 
 def hc_collapse(residual: Tensor, last_pre: Tensor) -> Tensor:

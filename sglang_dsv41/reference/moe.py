@@ -3,7 +3,8 @@
 
 Invariants:
 
-* Router logits = x·W_gateᵀ with BF16 inputs/weights and **fp32** output; scores
+* Router logits = x·W_gateᵀ with BF16 inputs/weights and **fp32** output (correctly rounded,
+  `ops.matmul_fp32_exact`, so routing does not depend on the chunking); scores
   s_e = sqrt(softplus(logit_e)), softplus(z) = z if z > 20 else log1p(exp(z)) (fp32).
 * Selection uses s_e + bias_e (bias = `gate.bias_vl` for image-token rows when the model has
   vision, else `gate.bias`); top-k with the **explicit** rule: NaN ranks first, then larger
@@ -27,7 +28,7 @@ import torch.nn.functional as F_
 from torch import Tensor
 
 from ..config import TextConfig
-from .ops import F32, bf16, linear_bf16, linear_fp8
+from .ops import F32, bf16, linear_bf16, linear_fp8, matmul_fp32_exact
 
 SOFTPLUS_THRESHOLD = 20.0
 RENORM_EPS = 1e-20
@@ -85,7 +86,7 @@ def route(x: Tensor, gate_weight: Tensor, bias: Tensor, top_k: int,
     image_rows [T] bool selects `bias_vl` (pass both or neither)."""
     if (bias_vl is None) != (image_rows is None):
         raise ValueError("route: pass bias_vl and image_rows together (vision models) or neither")
-    scores = sqrt_softplus(linear_bf16(x, gate_weight, out_fp32=True))
+    scores = sqrt_softplus(matmul_fp32_exact(x, gate_weight))
     row_bias = bias.to(F32).expand_as(scores)
     if bias_vl is not None:
         row_bias = torch.where(image_rows.unsqueeze(-1), bias_vl.to(F32).expand_as(scores), row_bias)

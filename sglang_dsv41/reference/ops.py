@@ -121,6 +121,15 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, out_fp32: bool = False) -
     return y if out_fp32 else bf16(y)
 
 
+def matmul_fp32_exact(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x·weightᵀ accumulated in fp64 and rounded once to fp32 (the correctly rounded fp32 dot
+    product for BF16/FP8-valued operands, whose products are exact in fp64). Unlike an fp32
+    GEMM it does not depend on how many rows share the call or on the device, so chunked and
+    one-shot forwards agree bit for bit. Used where an fp32 result is consumed unrounded
+    (router logits, LM-head logits, mHC mix)."""
+    return (x.to(torch.float64) @ weight.to(torch.float64).t()).to(F32)
+
+
 # ---- RoPE / YaRN (spec §3.4.2) ------------------------------------------------------------
 
 def rope_inv_freq(rope_dim: int, base: float, scaling: RopeScaling | None) -> torch.Tensor:
