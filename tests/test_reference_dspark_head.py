@@ -7,6 +7,7 @@ import torch
 from reference_weights import random_reference_weights, tiny_config
 
 from sglang_dsv41.reference import dspark
+from sglang_dsv41.reference.attention import project_kv
 from sglang_dsv41.reference.ops import (
     CacheProfile,
     apply_rope_tail,
@@ -52,22 +53,27 @@ def test_context_kv_matches_formula_with_base_rope_and_no_yarn():
     assert not torch.equal(base, yarn_base)
     for s, kv in enumerate(got):
         p = f"mtp.{s}.attn."
-        pre = rms_norm(linear_fp8(main_x, W[p + "wkv.weight"], True), W[p + "kv_norm.weight"], T.rms_norm_eps)
+        z = linear_fp8(main_x, W[p + "wkv.weight"], True)
+        # normalise → rotate in fp32 (no BF16 rounding in between), then the BF16 cache read-back
+        pre = z * torch.rsqrt(z.pow(2).mean(dim=-1, keepdim=True) + T.rms_norm_eps) * W[p + "kv_norm.weight"]
         assert torch.equal(kv, bf16(apply_rope_tail(pre, positions, base)))
-        assert torch.equal(kv[0], pre[0])  # position 0: no rotation
+        assert torch.equal(kv[0], bf16(pre[0]))  # position 0: no rotation
         for wrong in (yarn_base, yarn_compressed):
             assert not torch.allclose(kv[3:], bf16(apply_rope_tail(pre, positions, wrong))[3:], atol=1e-2)
         nope = T.head_dim - T.qk_rope_head_dim
-        assert torch.equal(kv[:, :nope], pre[:, :nope])  # RoPE only on the tail
+        assert torch.equal(kv[:, :nope], bf16(pre[:, :nope]))  # RoPE only on the tail
 
 
 def test_context_kv_applies_the_cache_profile():
     feats = _features(3, seed=1)
     pos = torch.arange(3)
+    main_x = dspark.main_projection(T, W, feats, act_quant=True)
     none = dspark.context_kv_from_features(T, W, feats, pos, profile=CacheProfile.NONE, act_quant=True)
     fp8 = dspark.context_kv_from_features(T, W, feats, pos, profile=CacheProfile.FP8, act_quant=True)
-    for a, b in zip(none, fp8):
-        assert torch.equal(b, swa_cache_roundtrip(a, CacheProfile.FP8, T.qk_rope_head_dim))
+    for s, (a, b) in enumerate(zip(none, fp8)):
+        raw = project_kv(T, W, f"mtp.{s}.attn.", main_x, pos, dspark.draft_rope_inv_freq(T), True)
+        assert torch.equal(a, swa_cache_roundtrip(raw, CacheProfile.NONE, T.qk_rope_head_dim))
+        assert torch.equal(b, swa_cache_roundtrip(raw, CacheProfile.FP8, T.qk_rope_head_dim))
         assert not torch.equal(a, b)
 
 

@@ -11,7 +11,7 @@ Invariants (spec §4):
   for each stage s: kv_s(t) = RMSNorm_{mtp.s.attn.kv_norm}(mtp.s.attn.wkv · main_x(t)) with
   RoPE (base `rope_theta`, **no YaRN**) at position t, stored in stage s's SWA cache (read back
   through the request's cache profile). The stages never run over context tokens.
-* **Block forward** (`dspark_block.py`): rows [anchor, noise×(γ−1)] at positions P..P+γ−1,
+* **Block forward** (`run_stages`): rows [anchor, noise×(γ−1)] at positions P..P+γ−1,
   P = committed length; every stage is a full SWA-only decoder layer whose block rows attend
   the last min(P, sliding_window) context kv of that stage **plus all γ block rows**
   (bidirectional), with the stage's attn sink; lagged-pre mHC; final collapse with the last
@@ -34,7 +34,10 @@ import torch
 from torch import Tensor
 
 from ..config import TextConfig
-from .ops import F32, CacheProfile, apply_rope_tail, bf16, linear_fp8, rms_norm, rope_inv_freq, swa_cache_roundtrip
+from .attention import attend_with_sink, layer_inv_freq, output_projection, project_kv, project_q_kv
+from .mhc import hc_coefficients, hc_collapse, hc_residual_update, hc_sublayer_input
+from .moe import moe_sublayer
+from .ops import F32, CacheProfile, bf16, linear_bf16, linear_fp8, rms_norm, swa_cache_roundtrip
 
 
 # ---- weights ------------------------------------------------------------------------------
@@ -65,8 +68,8 @@ def _require_dspark(cfg: TextConfig) -> None:
 
 
 def draft_rope_inv_freq(cfg: TextConfig) -> Tensor:
-    """DSpark RoPE: base `rope_theta`, YaRN never applied (spec §4, §8 item 6)."""
-    return rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, None)
+    """DSpark RoPE = a ratio-0 layer's: base `rope_theta`, YaRN never applied (spec §4, §8 item 6)."""
+    return layer_inv_freq(cfg, 0)
 
 
 # ---- draft context KV ---------------------------------------------------------------------
@@ -88,11 +91,10 @@ def main_projection(cfg: TextConfig, w: Mapping[str, Tensor], features: Tensor, 
 def stage_context_kv(cfg: TextConfig, w: Mapping[str, Tensor], stage: int, main_x: Tensor,
                      positions: Tensor, *, profile: CacheProfile, act_quant: bool) -> Tensor:
     """Stage `stage`'s cached kv [T, head_dim] for context tokens: read-back of
-    RoPE(RMSNorm_{kv_norm}(wkv · main_x), positions) with base RoPE and no YaRN."""
-    p = stage_prefix(stage) + "attn."
-    kv = rms_norm(linear_fp8(main_x, _get(w, p + "wkv.weight"), act_quant), _get(w, p + "kv_norm.weight"),
-                  cfg.rms_norm_eps)
-    kv = apply_rope_tail(kv, positions, draft_rope_inv_freq(cfg))
+    RoPE(RMSNorm_{kv_norm}(wkv · main_x), positions) with base RoPE and no YaRN — the same kv
+    path as an attention layer (normalise → rotate in fp32, then the cache round trip)."""
+    inv_freq = draft_rope_inv_freq(cfg).to(main_x.device)
+    kv = project_kv(cfg, w, stage_prefix(stage) + "attn.", main_x, positions, inv_freq, act_quant)
     return swa_cache_roundtrip(kv, profile, cfg.qk_rope_head_dim)
 
 
@@ -139,6 +141,94 @@ class DraftContext:
 
     def clone(self) -> "DraftContext":
         return DraftContext([t.clone() for t in self.kv])
+
+
+# ---- the stage stack (block forward) ------------------------------------------------------
+
+def block_token_ids(cfg: TextConfig, anchor: int) -> list[int]:
+    """Block rows: [anchor, noise × (γ − 1)] (spec §4, `sample_from_anchor`)."""
+    return [int(anchor)] + [cfg.dspark_noise_token_id] * (cfg.dspark_block_size - 1)
+
+
+def stage_attention(cfg: TextConfig, w: Mapping[str, Tensor], stage: int, x: Tensor, positions: Tensor,
+                    context_kv: Tensor, *, profile: CacheProfile, act_quant: bool) -> Tensor:
+    """SWA-only attention of one stage over a block (spec §4 "Block forward").
+
+    x [γ, H] (after attn-hc combine + attn_norm); context_kv [C, head_dim] = the stage's cached
+    kv of the last C = min(P, window) context positions. Every block row attends the same key
+    set: those C entries plus the (cache-read-back) kv of **all** γ block rows, bidirectionally,
+    with the stage's attn sink. Returns [γ, H] BF16-valued (after wo_b).
+    """
+    prefix = stage_prefix(stage) + "attn."
+    inv_freq = draft_rope_inv_freq(cfg).to(x.device)
+    _, q, kv = project_q_kv(cfg, w, prefix, x, positions, inv_freq, act_quant)
+    block_kv = swa_cache_roundtrip(kv, profile, cfg.qk_rope_head_dim)
+    keys = torch.cat((context_kv.to(F32), block_kv), dim=0)
+    keys = keys.unsqueeze(0).expand(x.shape[0], *keys.shape)
+    o = attend_with_sink(q, keys, _get(w, prefix + "attn_sink"))
+    return output_projection(cfg, w, prefix, o, positions, inv_freq, act_quant)
+
+
+def _hc(cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, R: Tensor):
+    return hc_coefficients(R, _get(w, prefix + "fn"), _get(w, prefix + "base"), _get(w, prefix + "scale"),
+                           rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
+
+
+@dataclass(frozen=True)
+class BlockOutput:
+    """Draft block result: `hidden` [γ, H] = final collapse Σ_j pre_j R_j (pre-norm, BF16 values),
+    `base_logits` [γ, V] fp32 = head(RMSNorm_{norm}(hidden)) (no Markov bias yet)."""
+
+    hidden: Tensor
+    base_logits: Tensor
+
+
+def run_stages(cfg: TextConfig, w: Mapping[str, Tensor], context: "DraftContext", token_ids: Tensor,
+               *, profile: CacheProfile, act_quant: bool) -> BlockOutput:
+    """The DSpark stage stack on block rows `token_ids` [γ] at positions P..P+γ−1, P = context.length.
+
+    Embedding = the target's `embed.weight` broadcast to the hc streams; per stage: attn-hc →
+    SWA-only block attention → ffn-hc → MoE (dspark experts, top-k, no vl bias); lagged pre
+    (the draft's first combine reads stream 0, like the main model's first); final collapse
+    with the last pre → RMSNorm of the last stage's `norm` → target head `head.weight`.
+    """
+    _require_dspark(cfg)
+    S, P = cfg.num_nextn_predict_layers, context.length
+    if len(context.kv) != S:
+        raise ValueError(f"draft context has {len(context.kv)} stages, the config {S}")
+    ids = token_ids.to(torch.int64).reshape(-1)
+    emb = _get(w, "embed.weight")
+    ids = ids.to(emb.device)
+    g = ids.shape[0]
+    positions = torch.arange(P, P + g, device=emb.device)
+    R = bf16(emb[ids].to(F32)).unsqueeze(1).expand(g, cfg.hc_mult, cfg.hidden_size).contiguous()
+    window_start = P - min(P, cfg.sliding_window)
+    carried: Tensor | None = None
+    for s in range(S):
+        p = stage_prefix(s)
+        co = _hc(cfg, w, p + "hc_attn_", R)
+        x = hc_sublayer_input(R, carried, _get(w, p + "attn_norm.weight"), cfg.rms_norm_eps)
+        y = stage_attention(cfg, w, s, x, positions, context.kv[s][window_start:P],
+                            profile=profile, act_quant=act_quant)
+        R, carried = hc_residual_update(R, y, co), co.pre
+        co = _hc(cfg, w, p + "hc_ffn_", R)
+        x = hc_sublayer_input(R, carried, _get(w, p + "ffn_norm.weight"), cfg.rms_norm_eps)
+        y = moe_sublayer(cfg, w, p, x, image_rows=None, act_quant=act_quant,
+                         n_experts=cfg.dspark_n_routed_experts, top_k=cfg.dspark_num_experts_per_tok)
+        R, carried = hc_residual_update(R, y, co), co.pre
+    assert carried is not None
+    hidden = hc_collapse(R, carried)
+    h = rms_norm(hidden, _get(w, stage_prefix(S - 1) + "norm.weight"), cfg.rms_norm_eps)
+    return BlockOutput(hidden=hidden, base_logits=linear_bf16(h, _get(w, "head.weight"), out_fp32=True))
+
+
+def draft_block_forward(cfg: TextConfig, w: Mapping[str, Tensor], context: "DraftContext", anchor: int,
+                        *, profile: CacheProfile, act_quant: bool) -> BlockOutput:
+    """Block forward of spec §4: rows [anchor, noise × (γ−1)] at positions P..P+γ−1."""
+    if context.length < 1:
+        raise ValueError("the draft block needs at least one committed context token")
+    ids = torch.tensor(block_token_ids(cfg, anchor), dtype=torch.int64)
+    return run_stages(cfg, w, context, ids, profile=profile, act_quant=act_quant)
 
 
 # ---- Markov bias, confidence, sequential drafting -----------------------------------------

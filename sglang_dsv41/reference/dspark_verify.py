@@ -1,4 +1,5 @@
-"""Verification of a DSpark draft block against the target model (spec `model.md` §4 "Verification").
+"""Verification of a DSpark draft block against the target model, and the speculative generation
+loop built on it (spec `model.md` §4 "Verification").
 
 The target runs one TARGET_VERIFY forward over the γ+1 rows [anchor, d_0, …, d_{γ−1}] at
 positions P..P+γ. Row i of its logits is the target's next-token distribution after
@@ -21,12 +22,17 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch import Tensor
 
+from .dspark import DraftContext, draft_block_forward, propose_drafts
 from .ops import F32
+
+if TYPE_CHECKING:
+    from .model import ReferenceModel
+    from .state import RequestState
 
 
 @dataclass(frozen=True)
@@ -106,3 +112,109 @@ def verify_chain_rejection(draft_tokens: Sequence[int] | Tensor, draft_probs: Te
                              f"(q(d) = {float(q[k, d])}, p(d) = {float(p[k, d])}); was d drawn from q?")
         return VerifyOutcome(accepted=k, tokens=tuple(drafts[:k]) + (sample_from(residual, generator),))
     return VerifyOutcome(accepted=gamma, tokens=tuple(drafts) + (sample_from(p[gamma], generator),))
+
+
+# ---- end-to-end speculative generation -----------------------------------------------------
+
+@dataclass
+class SpeculativeResult:
+    """Output of `speculative_generate`: the generated tokens and per-round acceptance.
+
+    `accepted_per_round[r]` = drafts accepted in verification round r (0..verify length);
+    `drafted` = draft tokens verified in total; acceptance_rate = accepted / drafted.
+    `state` / `context`: the target request state and the draft context KV at the end; both hold
+    every committed token (the prompt, then every emitted token except the last anchor, possibly
+    a few more when the final round was cut by `max_new_tokens` or a stop token).
+    """
+
+    tokens: list[int]
+    accepted_per_round: list[int]
+    drafted: int
+    state: "RequestState"
+    context: DraftContext
+
+    @property
+    def accepted(self) -> int:
+        return sum(self.accepted_per_round)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+def speculative_generate(model: "ReferenceModel", prompt_ids: Sequence[int], max_new_tokens: int, *,
+                         greedy: bool = True, temperature: float = 1.0, seed: int = 0,
+                         stop_ids: Sequence[int] = (), verify_tokens: int | None = None,
+                         sts_temperature: float = 1.0) -> SpeculativeResult:
+    """Generate with the DSpark draft + target verification (spec §4), text-only.
+
+    1. Prefill the prompt with `capture=True`; its target features fill the draft context KV;
+       the first token comes from the last prompt row (like `ReferenceModel.generate`).
+    2. Each round: draft γ tokens from the anchor (last emitted token, position P = committed
+       length); verify the first `verify_tokens` (default γ) of them with one TARGET_VERIFY
+       forward over [anchor, d_0, …] on the request state; accept by `verify_greedy` or
+       `verify_chain_rejection` (p = softmax(target/T), q = the draft's softmax(·/T)).
+    3. Rollback (exact): the state is cloned before the verify forward; if a draft was rejected
+       the clone is restored and the target re-runs only [anchor, accepted drafts], so caches,
+       Engram history and captured features hold exactly the committed tokens. Those tokens'
+       features are appended to the draft context KV; the correction / bonus token becomes the
+       next anchor (not yet forwarded, exactly like a freshly sampled token in plain decoding).
+    Stops after `max_new_tokens` tokens or at a token in `stop_ids` (included), like `generate`.
+    Greedy output equals `ReferenceModel.generate(greedy=True)` token for token.
+    """
+    from .model import pick_token  # deferred: the verification rules above need no model
+
+    cfg, w, nm = model.text, model.weights, model.numerics
+    gamma = cfg.dspark_block_size
+    n_verify = gamma if verify_tokens is None else int(verify_tokens)
+    if not 1 <= n_verify <= gamma:
+        raise ValueError(f"verify_tokens must be in 1..{gamma}, got {verify_tokens}")
+    if max_new_tokens < 0:
+        raise ValueError("max_new_tokens must be ≥ 0")
+    if not greedy and not temperature > 0:
+        raise ValueError(f"sampling needs temperature > 0, got {temperature}")
+    gen = torch.Generator().manual_seed(seed)
+    state = model.new_request()
+    context = DraftContext.empty(cfg, model.device)
+    result = SpeculativeResult(tokens=[], accepted_per_round=[], drafted=0, state=state, context=context)
+    if max_new_tokens == 0:
+        return result
+    before = state.dspark_features.shape[0]
+    logits = model.prefill(state, list(prompt_ids), capture=True)
+    context.commit_features(cfg, w, state.dspark_features[before:], profile=nm.cache, act_quant=nm.act_quant)
+    stops = {int(t) for t in stop_ids}
+
+    def emit(tokens: Sequence[int]) -> bool:
+        for t in tokens:
+            result.tokens.append(int(t))
+            if len(result.tokens) >= max_new_tokens or int(t) in stops:
+                return True
+        return False
+
+    anchor = pick_token(logits, greedy, temperature, gen)
+    if emit([anchor]):
+        return result
+    while True:
+        block = draft_block_forward(cfg, w, context, anchor, profile=nm.cache, act_quant=nm.act_quant)
+        proposal = propose_drafts(cfg, w, block.hidden, block.base_logits, anchor, greedy=greedy,
+                                  temperature=temperature, generator=gen, sts_temperature=sts_temperature)
+        drafts = list(proposal.tokens[:n_verify])
+        saved = state.clone()
+        verify = model.forward(state, [anchor] + drafts, capture=True)
+        if greedy:
+            outcome = verify_greedy(drafts, verify.logits)
+        else:
+            assert proposal.probs is not None
+            target_probs = torch.softmax(verify.logits.to(F32) / temperature, dim=-1)
+            outcome = verify_chain_rejection(drafts, proposal.probs[:n_verify], target_probs, gen)
+        features = verify.captured
+        if outcome.accepted < len(drafts):
+            state = result.state = saved
+            features = model.forward(state, [anchor] + drafts[:outcome.accepted], capture=True).captured
+        assert features is not None and features.shape[0] == outcome.accepted + 1
+        context.commit_features(cfg, w, features, profile=nm.cache, act_quant=nm.act_quant)
+        result.accepted_per_round.append(outcome.accepted)
+        result.drafted += len(drafts)
+        if emit(outcome.tokens):
+            return result
+        anchor = outcome.tokens[-1]
