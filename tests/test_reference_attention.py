@@ -92,7 +92,7 @@ class Run:
         start = 0
         for n in splits:
             scratch = ChunkScratch()
-            pos = torch.arange(self.state.length, self.state.length + n)
+            pos = torch.arange(self.state.length, self.state.length + n, device=xs[0].device)
             for r in roles:
                 x = xs[r.layer][start:start + n]
                 outs[r.layer].append(attention_sublayer(t, r, w, r.layer, x, pos, self.state, scratch,

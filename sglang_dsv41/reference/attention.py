@@ -216,8 +216,11 @@ def _gather(cache: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
 
 # ---- the sublayer ---------------------------------------------------------------------------
 
-def _check_positions(positions: Tensor, state: AttentionState) -> None:
+def _check_positions(positions: Tensor, x: Tensor, state: AttentionState) -> None:
     T = positions.shape[0]
+    if positions.device != x.device or x.shape[0] != T:
+        raise ValueError(f"attention: positions ({T} on {positions.device}) must match x "
+                         f"({x.shape[0]} rows on {x.device})")
     want = torch.arange(state.length, state.length + T, device=positions.device)
     if T == 0 or not torch.equal(positions.to(torch.int64), want):
         raise ValueError(f"attention: positions must be state.length + arange(T) = {state.length}..."
@@ -286,7 +289,7 @@ def attention_sublayer(cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor]
         raise ValueError(f"attention_sublayer: role is for layer {role.layer}, called for layer {layer}")
     if ops.CacheProfile(profile) is not state.profile:
         raise ValueError(f"attention_sublayer: profile {profile} differs from the state's {state.profile}")
-    _check_positions(positions, state)
+    _check_positions(positions, x, state)
     prefix = f"layers.{layer}.attn."
     inv_freq = layer_inv_freq(cfg, role.ratio).to(x.device)
 
