@@ -1,0 +1,151 @@
+"""Every HookRegistry patch sglang-dsv41 applies to SGLang 0.5.17 internals — one table.
+
+SGLang's plugin framework (`sglang.srt.plugins.hook_registry.HookRegistry`, spec `runtime.md`
+§B) wraps a dotted target with a BEFORE / AFTER / AROUND / REPLACE hook. Patches of SGLang
+internals are fragile against refactors, so they all live in `HOOKS` below, each with:
+
+* ``target``  — the dotted path of the patched function or method;
+* ``kind``    — the `HookType` (hook signatures: BEFORE ``fn(*a, **k)``; AFTER
+  ``fn(result, *a, **k)``; AROUND ``fn(original, *a, **k)``; REPLACE ``fn(*a, **k)``);
+* ``impl``    — ``"module:function"`` of our hook implementation (imported only when installed);
+* ``params``  — the target's parameter names in SGLang 0.5.17; `tests/test_hooks.py` fails when a
+  target moved or its signature changed, so an SGLang upgrade cannot silently disable a hook;
+* ``area``    — the owning area (``api``, ``runtime``, …) and ``why`` — what breaks without it.
+
+To add a hook: append a `HookSpec`, put the implementation in your area's module, add a
+behaviour test. `install_hooks` registers the entries of the given areas, applies them, and then
+*verifies* that each target is wrapped by its implementation: `HookRegistry.apply_hooks` only
+logs a failed patch, and a silently missing hook would, for example, encode V4.1 prompts with
+the V4 encoder. Note that HookRegistry skips targets it already patched, so all hooks on one
+target must be installed in the same `install_hooks` call.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+_SERVING_CHAT = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat"
+_API_IMPL = "sglang_dsv41.api.serving"
+
+
+@dataclass(frozen=True)
+class HookSpec:
+    target: str
+    kind: str  # "before" | "after" | "around" | "replace"
+    impl: str
+    params: tuple[str, ...]
+    area: str
+    why: str
+
+    def implementation(self) -> Callable:
+        module, _, name = self.impl.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+HOOKS: tuple[HookSpec, ...] = (
+    HookSpec(
+        target="sglang.srt.entrypoints.openai.chat_encoding.resolve_chat_encoding_spec",
+        kind="around", impl=f"{_API_IMPL}:resolve_chat_encoding_spec_hook",
+        params=("hf_config", "tokenizer", "tool_call_parser"), area="api",
+        why="V4.1 runs as arch DeepseekV4ForCausalLM; without this it gets spec 'dsv4' and is "
+            "encoded by the V4 encoder (wrong tool tags and effort)."),
+    HookSpec(
+        target=f"{_SERVING_CHAT}.__init__", kind="after",
+        impl=f"{_API_IMPL}:serving_chat_init_hook",
+        params=("self", "tokenizer_manager", "template_manager"), area="api",
+        why="start-up checks (parsers, --chat-template, effort table, default kwargs) and the "
+            "prompt-token encoder."),
+    HookSpec(
+        target=f"{_SERVING_CHAT}._convert_to_internal_request", kind="around",
+        impl=f"{_API_IMPL}:convert_to_internal_request_hook",
+        params=("self", "request", "raw_request"), area="api",
+        why="resolves thinking/effort per the card (400 on bad input) and passes token ids to "
+            "the multimodal path."),
+    HookSpec(
+        target=f"{_SERVING_CHAT}._apply_jinja_template", kind="around",
+        impl=f"{_API_IMPL}:apply_jinja_template_hook",
+        params=("self", "request", "tools", "is_multimodal"), area="api",
+        why="renders the prompt with deepseek-recipe's V4.1 encoder instead of a jinja template."),
+    HookSpec(
+        target=f"{_SERVING_CHAT}._get_reasoning_from_request", kind="around",
+        impl=f"{_API_IMPL}:get_reasoning_from_request_hook",
+        params=("self", "request"), area="api",
+        why="reasoning parser and reasoning grammar must follow the resolved thinking mode "
+            "(SGLang's default is thinking off; the card's is on)."),
+    HookSpec(
+        target="sglang.srt.parser.reasoning_parser.ReasoningParser.__init__", kind="around",
+        impl=f"{_API_IMPL}:reasoning_parser_init_hook",
+        params=("self", "model_type", "stream_reasoning", "force_reasoning", "request", "tokenizer"),
+        area="api",
+        why="a tokenizer chat template detected as always-thinking would otherwise route a "
+            "non-thinking reply into reasoning_content."),
+    HookSpec(
+        target="sglang.srt.entrypoints.http_server._setup_and_run_http_server", kind="around",
+        impl=f"{_API_IMPL}:setup_http_server_hook",
+        params=("server_args", "tokenizer_manager", "template_manager", "port_args",
+                "scheduler_infos", "subprocess_watchdog", "execute_warmup_func",
+                "launch_callback"),
+        area="api",
+        why="installs the middleware that validates reasoning fields before SGLang's pydantic "
+            "model (integer top-level efforts, card-worded 400s)."),
+)
+
+_installed: set[tuple[str, str]] = set()
+
+
+def _hook_type(kind: str):
+    from sglang.srt.plugins.hook_registry import HookType
+
+    return HookType(kind)
+
+
+def specs_for(areas: Iterable[str] | None = None) -> list[HookSpec]:
+    wanted = None if areas is None else set(areas)
+    return [s for s in HOOKS if wanted is None or s.area in wanted]
+
+
+def resolve_target(target: str) -> Callable:
+    """The current object at ``target`` (imports its module)."""
+    return pkgutil.resolve_name(target)
+
+
+def _wrapping_hooks(fn: Callable) -> list[Callable]:
+    """Hook callables found in the closures of a HookRegistry wrapper chain."""
+    found = []
+    seen = set()
+    while fn is not None and id(fn) not in seen:
+        seen.add(id(fn))
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                found.append(cell.cell_contents)
+            except ValueError:
+                continue
+        fn = getattr(fn, "__wrapped__", None)
+    return found
+
+
+def is_applied(spec: HookSpec) -> bool:
+    return spec.implementation() in _wrapping_hooks(resolve_target(spec.target))
+
+
+def install_hooks(areas: Iterable[str] | None = None) -> list[HookSpec]:
+    """Register, apply and verify the hooks of ``areas`` (all if None). Idempotent.
+
+    Raises RuntimeError naming every hook that is not in place after applying.
+    """
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    specs = specs_for(areas)
+    for spec in specs:
+        key = (spec.target, spec.impl)
+        if key not in _installed:
+            HookRegistry.register(spec.target, spec.implementation(), _hook_type(spec.kind))
+            _installed.add(key)
+    HookRegistry.apply_hooks()
+    missing = [s.target for s in specs if not is_applied(s)]
+    if missing:
+        raise RuntimeError(f"sglang-dsv41: SGLang hooks not applied (see the HookRegistry log): "
+                           f"{missing}")
+    return specs
