@@ -102,9 +102,20 @@ def fp8_scale_shape(out_features: int, in_features: int) -> tuple[int, int]:
     return (-(-out_features // TILE), -(-in_features // TILE))
 
 
-def _expand_tiles(tile_values: Tensor, out_features: int, in_features: int) -> Tensor:
-    """[⌈out/32⌉, ⌈in/32⌉] → [out, in]: every element gets its tile's value."""
-    return tile_values.repeat_interleave(TILE, 0).repeat_interleave(TILE, 1)[:out_features, :in_features]
+def _to_tiles(x: Tensor) -> Tensor:
+    """[out, in] → [⌈out/32⌉, 32, ⌈in/32⌉, 32] view (zero-padded copy only for partial edge tiles)."""
+    out_f, in_f = x.shape
+    rt, ct = fp8_scale_shape(out_f, in_f)
+    if (rt * TILE, ct * TILE) != (out_f, in_f):
+        padded = x.new_zeros(rt * TILE, ct * TILE)
+        padded[:out_f, :in_f] = x
+        x = padded
+    return x.reshape(rt, TILE, ct, TILE)
+
+
+def _from_tiles(tiles: Tensor, out_features: int, in_features: int) -> Tensor:
+    rt, _, ct, _ = tiles.shape
+    return tiles.reshape(rt * TILE, ct * TILE)[:out_features, :in_features]
 
 
 def quantize_fp8_block(w: Tensor) -> tuple[Tensor, Tensor]:
@@ -117,14 +128,10 @@ def quantize_fp8_block(w: Tensor) -> tuple[Tensor, Tensor]:
         raise ValueError(f"quantize_fp8_block expects a 2-D weight, got shape {tuple(w.shape)}")
     _check_finite(w, "quantize_fp8_block")
     out_f, in_f = w.shape
-    w32 = w.to(torch.float32)
-    rt, ct = fp8_scale_shape(out_f, in_f)
-    padded = torch.zeros(rt * TILE, ct * TILE, dtype=torch.float32)
-    padded[:out_f, :in_f] = w32.abs()
-    amax = padded.view(rt, TILE, ct, TILE).amax(dim=(1, 3))
-    k = _pow2_exponent_to_fit(amax, E4M3_MAX)
-    scale_full = _expand_tiles(torch.pow(2.0, k.to(torch.float64)).to(torch.float32), out_f, in_f)
-    q = (w32 / scale_full).to(_FLOAT8_E4M3)
+    tiles = _to_tiles(w.to(torch.float32))
+    k = _pow2_exponent_to_fit(tiles.abs().amax(dim=(1, 3)), E4M3_MAX)
+    inv_scale = torch.pow(2.0, -k.to(torch.float64)).to(torch.float32)[:, None, :, None]
+    q = _from_tiles((tiles * inv_scale).to(_FLOAT8_E4M3), out_f, in_f).contiguous()
     return q, ue8m0_from_exponent(k)
 
 
@@ -139,7 +146,8 @@ def dequantize_fp8_block(w: Tensor, scale: Tensor) -> Tensor:
     if tuple(scale.shape) != want:
         raise ValueError(f"FP8 tile scale shape {tuple(scale.shape)} does not match weight {tuple(w.shape)}: "
                          f"expected {want}")
-    return w.to(torch.float32) * _expand_tiles(ue8m0_to_float(scale), out_f, in_f)
+    tiles = _to_tiles(w.to(torch.float32)) * ue8m0_to_float(scale)[:, None, :, None]
+    return _from_tiles(tiles, out_f, in_f).contiguous()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ import math
 from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -59,21 +60,26 @@ def tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little")
 
 
-def _generator(seed: int, name: str) -> torch.Generator:
-    return torch.Generator().manual_seed(tensor_seed(seed, name))
+def _generator(seed: int, name: str) -> np.random.Generator:
+    """numpy PCG64 stream of one tensor (numpy's streams are stable across versions and fast)."""
+    return np.random.Generator(np.random.PCG64(tensor_seed(seed, name)))
 
 
-def _hc_base(hc: int, g: torch.Generator) -> Tensor:
+def _normal(g: np.random.Generator, shape: tuple[int, ...]) -> Tensor:
+    return torch.from_numpy(g.standard_normal(size=shape, dtype=np.float32))
+
+
+def _hc_base(hc: int, g: np.random.Generator) -> Tensor:
     """[pre (hc), post (hc), comb (hc²)]: pre/post logits ≈ 0; comb favours the identity mix."""
-    base = 0.1 * torch.randn(hc * (2 + hc), generator=g)
+    base = 0.1 * _normal(g, (hc * (2 + hc),))
     base[2 * hc:] += 2.0 * torch.eye(hc).flatten()
     return base
 
 
-def logical_value(spec: TensorSpec, cfg: DeepseekV41Config, g: torch.Generator) -> Tensor:
+def logical_value(spec: TensorSpec, cfg: DeepseekV41Config, g: np.random.Generator) -> Tensor:
     """Random float32 value of a non-FP4 logical tensor (the initialisation rules of the module doc)."""
     name, shape = spec.name, spec.shape
-    randn = lambda: torch.randn(*shape, generator=g)  # noqa: E731
+    randn = lambda: _normal(g, shape)  # noqa: E731
     last = name.rsplit(".", 1)[-1]
     if "hc_" in name and name.endswith("_fn"):
         return randn() * (0.5 / math.sqrt(shape[1]))
@@ -101,16 +107,26 @@ def logical_value(spec: TensorSpec, cfg: DeepseekV41Config, g: torch.Generator) 
     raise ValueError(f"no initialisation rule for {name} {shape}")
 
 
-def _random_mxfp4(spec: TensorSpec, g: torch.Generator) -> tuple[Tensor, Tensor]:
+def _fp4_pair_table() -> np.ndarray:
+    """uint16 random value → packed byte of two E2M1 codes: each byte of the random value picks
+    one code through the 256-entry code table (bit 7 = sign, low 7 bits = magnitude draw)."""
+    magnitude = np.repeat(np.arange(8, dtype=np.uint8), _FP4_CODE_COUNTS)
+    code_of_byte = np.concatenate([magnitude, magnitude | 8])
+    r = np.arange(1 << 16)
+    return (code_of_byte[r & 0xFF] | (code_of_byte[r >> 8] << 4)).astype(np.uint8)
+
+
+_FP4_PAIR_TABLE = _fp4_pair_table()
+
+
+def _random_mxfp4(spec: TensorSpec, g: np.random.Generator) -> tuple[Tensor, Tensor]:
     """Packed E2M1 codes [out, in/2] + UE8M0 group scales [out, in/32], RMS ≈ 1/√in."""
     out_f, in_f = spec.shape
-    magnitude = torch.repeat_interleave(torch.arange(8, dtype=torch.uint8), torch.tensor(_FP4_CODE_COUNTS))
-    lut = torch.cat([magnitude, magnitude | 8])  # byte → code; bit 7 of the byte is the sign
-    codes = lut[torch.randint(0, 256, (out_f, in_f), generator=g, dtype=torch.uint8).to(torch.int64)]
-    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    draws = g.integers(0, 1 << 16, size=(out_f, in_f // 2), dtype=np.uint16)
+    packed = torch.from_numpy(np.take(_FP4_PAIR_TABLE, draws))
     # group exponents e0 + {−1, 0, +1}; E[4^offset] = 1.75 is folded into e0
     e0 = round(math.log2(1.0 / math.sqrt(in_f) / (_FP4_CODE_RMS * math.sqrt(1.75))))
-    offset = torch.randint(-1, 2, (out_f, in_f // TILE), generator=g)
+    offset = torch.from_numpy(g.integers(-1, 2, size=(out_f, in_f // TILE), dtype=np.int32))
     return packed, ue8m0_from_exponent(offset + e0)
 
 
@@ -148,6 +164,26 @@ def _engram_rows(t: dict[str, Any]) -> list[int]:
     return engram_table_rows(primes)
 
 
+def slice_config_dict(layers: int | None, engram_rows: int | None,
+                      compressed_vocab: int | None = None) -> dict[str, Any]:
+    """`presets.slice_config_dict` with `engram_num_embeddings` from the Engram prime layout and,
+    if given, `engram_compressed_vocab_size` (otherwise it keeps the preset's value until the
+    slice tokenizer has been written and measured)."""
+    from .. import presets
+
+    kw: dict[str, int] = {}
+    if layers is not None:
+        kw["layers"] = layers
+    if engram_rows is not None:
+        kw["engram_rows"] = engram_rows
+    d = presets.slice_config_dict(**kw)
+    t = d["text_config"]
+    t["engram_num_embeddings"] = _engram_rows(t)
+    if compressed_vocab is not None:
+        t["engram_compressed_vocab_size"] = int(compressed_vocab)
+    return d
+
+
 def write_tokenizer_and_config(preset: str, out: Path, *, layers: int | None,
                                engram_rows: int | None) -> DeepseekV41Config:
     """Write the preset's tokenizer files and `config.json` into `out`; return the parsed config."""
@@ -165,16 +201,10 @@ def write_tokenizer_and_config(preset: str, out: Path, *, layers: int | None,
         if (d["image_token_id"], t["dspark_noise_token_id"], t["vocab_size"]) != (1000, 999, 1024):
             raise ValueError("tiny preset ids disagree with the tiny tokenizer layout (image 1000, mask 999, 1024 ids)")
     elif preset == "slice":
-        kw: dict[str, int] = {}
-        if layers is not None:
-            kw["layers"] = layers
-        if engram_rows is not None:
-            kw["engram_rows"] = engram_rows
-        d = presets.slice_config_dict(**kw)
+        d = slice_config_dict(layers, engram_rows)
         t = d["text_config"]
         build_tokenizer(out, vocab_size=t["vocab_size"], mask_token_id=t["dspark_noise_token_id"],
                         image_token_id=d["image_token_id"])
-        t["engram_num_embeddings"] = _engram_rows(t)
         t["engram_compressed_vocab_size"] = engram_compressed_vocab_size(out)
     else:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
