@@ -108,16 +108,29 @@ def fp8_act_fake_quant(x: torch.Tensor, group: int = 32) -> torch.Tensor:
     return (e4m3(g / scale) * scale).reshape(x.shape)
 
 
+def _matmul_exact(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x·wᵀ accumulated in float64, returned as fp32.
+
+    Upstream accumulates in fp32, whose summation order depends on the batch shape (a 1-row
+    and a 32-row call can differ in the last bit). The reference instead computes the
+    (nearly) exact product and rounds once, so its results do not depend on how tokens are
+    batched or chunked; the runtime's fp32-accumulating kernels are compared to it with a
+    stated tolerance.
+    """
+    return (x.to(torch.float64) @ weight.to(torch.float64).t()).to(F32)
+
+
 def linear_fp8(x: torch.Tensor, weight: torch.Tensor, act_quant: bool = True) -> torch.Tensor:
-    """FP8 dense linear: dequantised weight [out, in], optional activation fake-quant, fp32
+    """FP8 dense linear: dequantised weight [out, in], optional activation fake-quant, exact
     accumulation, BF16 output (returned as fp32 values). Spec §3.8."""
     xf = fp8_act_fake_quant(x) if act_quant else x.to(F32)
-    return bf16(xf @ weight.to(F32).t())
+    return bf16(_matmul_exact(xf, weight))
 
 
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, out_fp32: bool = False) -> torch.Tensor:
-    """BF16 linear with fp32 accumulation; BF16 output unless `out_fp32` (router, compressor)."""
-    y = x.to(F32) @ weight.to(F32).t()
+    """BF16-weight linear with exact accumulation; BF16 output unless `out_fp32` (router,
+    compressor projections produce fp32)."""
+    y = _matmul_exact(x, weight)
     return y if out_fp32 else bf16(y)
 
 
