@@ -1,0 +1,235 @@
+"""`sglang-dsv41 doctor [--config FILE]`: is this machine ready to serve DeepSeek-V4.1?
+
+Checks, each reported as OK / WARN / FAIL / INFO with what is wrong and what to do:
+SGLang == 0.5.17; the sglang-dsv41 plugin (its `sglang.srt.plugins` entry point — reported as
+"not yet available" while the package has none); deepseek-recipe 0.2.0 (V4.1 chat encoding);
+GPUs through torch.cuda; host memory and transparent huge pages (the Engram host table pins
+~189 GiB and asks for 2 MiB huge pages, spec `runtime.md` §A.7); Mooncake / NIXL / the router
+for PD. With `--config`, the checks use that deployment's needs (GPU count and memory from
+the planner, host Engram size, PD transfer backend); without it, GPU absence is a failure.
+
+Invariant: exit status is non-zero iff at least one FAIL was printed.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata as md
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .capabilities import PLUGIN_GROUP, available_capabilities, plugin_entry_points
+from .schema import DeployConfigError, DeploymentConfig, load_config
+
+SGLANG_VERSION = "0.5.17"
+RECIPE_VERSION = "0.2.0"
+GIB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class Check:
+    status: str  # OK | WARN | FAIL | INFO
+    name: str
+    detail: str
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def check_sglang() -> Check:
+    v = _version("sglang")
+    if v is None:
+        return Check("FAIL", "sglang", f"not installed; pip install sglang=={SGLANG_VERSION}")
+    if v != SGLANG_VERSION:
+        return Check("FAIL", "sglang", f"version {v}; the plugin targets exactly {SGLANG_VERSION} "
+                                       "(it hooks private internals)")
+    return Check("OK", "sglang", v)
+
+
+def check_recipe() -> Check:
+    v = _version("deepseek-recipe")
+    if v is None:
+        return Check("FAIL", "deepseek-recipe", f"not installed; V4.1 chat encoding needs deepseek-recipe=={RECIPE_VERSION}")
+    if v != RECIPE_VERSION:
+        return Check("WARN", "deepseek-recipe", f"version {v}; prompts are specified against {RECIPE_VERSION}")
+    return Check("OK", "deepseek-recipe", v)
+
+
+def check_plugin() -> list[Check]:
+    eps = plugin_entry_points()
+    if not eps:
+        return [Check("FAIL", "plugin", f"not yet available: sglang-dsv41 installs no '{PLUGIN_GROUP}' entry point, "
+                                        "so SGLang 0.5.17 cannot load DeepSeek-V4.1 (the model plugin is not written "
+                                        "yet); deployment configs can be planned and dry-run, not served")]
+    out = []
+    allowed = os.environ.get("SGLANG_PLUGINS", "").strip()
+    names = ", ".join(ep.name for ep in eps)
+    if allowed and not any(ep.name in {x.strip() for x in allowed.split(",")} for ep in eps):
+        out.append(Check("FAIL", "plugin", f"SGLANG_PLUGINS={allowed!r} excludes {names}; add it or unset SGLANG_PLUGINS"))
+    for ep in eps:
+        try:
+            ep.load()
+        except Exception as e:  # report any import failure of the plugin itself
+            out.append(Check("FAIL", "plugin", f"entry point {ep.name} = {ep.value} fails to load: {e!r}"))
+    if not out:
+        caps = sorted(available_capabilities())
+        out.append(Check("OK", "plugin", f"entry point(s) {names}; launch capabilities: {', '.join(caps) or 'none'}"))
+    return out
+
+
+def gpu_inventory() -> tuple[int, list[tuple[str, float]], str]:
+    """(count, [(name, GiB)], error) through torch.cuda (ROCm builds report through it too)."""
+    try:
+        import torch
+    except Exception as e:
+        return 0, [], f"torch does not import: {e!r}"
+    if not torch.cuda.is_available():
+        return 0, [], "torch.cuda.is_available() is False (no CUDA/ROCm device or driver visible)"
+    devs = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        devs.append((p.name, p.total_memory / GIB))
+    return len(devs), devs, ""
+
+
+def check_gpus(dc: DeploymentConfig | None, need_gib: float | None,
+               inventory: Callable[[], tuple[int, list[tuple[str, float]], str]] = gpu_inventory) -> list[Check]:
+    n, devs, err = inventory()
+    if dc is not None and dc.hardware.kind.is_cpu:
+        return [Check("INFO", "gpus", f"CPU config; {n} GPU(s) visible" + (f" ({err})" if err else ""))]
+    if n == 0:
+        return [Check("FAIL", "gpus", f"no GPU: {err}")]
+    names = ", ".join(sorted({d[0] for d in devs}))
+    out = [Check("OK", "gpus", f"{n} × {names}, {min(d[1] for d in devs):.1f} GiB each (smallest)")]
+    if dc is not None:
+        want = dc.hardware.gpus * (2 if dc.pd is not None and dc.pd.prefill.url_host == dc.pd.decode.url_host else 1)
+        if n < want:
+            out.append(Check("FAIL", "gpus", f"{dc.name} needs {want} GPU(s) on this host, {n} visible"))
+        if need_gib is not None and min(d[1] for d in devs) < need_gib:
+            out.append(Check("FAIL", "gpu memory", f"{dc.name} keeps {need_gib:.1f} GiB of weights per GPU; the "
+                                                   f"smallest GPU has {min(d[1] for d in devs):.1f} GiB"))
+    return out
+
+
+def _meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        for line in Path(path).read_text().splitlines():
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts:
+                out[key] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == "kB" else 1)
+    except OSError:
+        pass
+    return out
+
+
+def thp_mode(path: str = "/sys/kernel/mm/transparent_hugepage/enabled") -> str | None:
+    """The bracketed mode: always | madvise | never (None if the file is missing)."""
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return None
+    if "[" in text:
+        return text.split("[", 1)[1].split("]", 1)[0]
+    return text.strip() or None
+
+
+def check_host_memory(host_need_gib: float | None, meminfo: dict[str, int] | None = None,
+                      thp: str | None = "unread") -> list[Check]:
+    mi = _meminfo() if meminfo is None else meminfo
+    mode = thp_mode() if thp == "unread" else thp
+    total, avail = mi.get("MemTotal", 0) / GIB, mi.get("MemAvailable", 0) / GIB
+    hp = mi.get("HugePages_Total", 0)
+    out = [Check("INFO", "host memory", f"{total:.1f} GiB total, {avail:.1f} GiB available; "
+                                        f"{hp} preallocated hugetlbfs pages")]
+    if host_need_gib is not None:
+        status = "OK" if avail >= host_need_gib else "FAIL"
+        out.append(Check(status, "host Engram", f"needs {host_need_gib:.1f} GiB of pinned host memory on this node, "
+                                                f"{avail:.1f} GiB available"))
+    if mode is None:
+        out.append(Check("WARN" if host_need_gib is None else "FAIL", "huge pages",
+                         "transparent huge pages are not available (no /sys/kernel/mm/transparent_hugepage)"))
+    elif mode == "never":
+        out.append(Check("WARN" if host_need_gib is None else "FAIL", "huge pages",
+                         "transparent_hugepage is 'never': host Engram lookups run ~10× slower; set it to madvise "
+                         "(echo madvise > /sys/kernel/mm/transparent_hugepage/enabled)"))
+    else:
+        out.append(Check("OK", "huge pages", f"transparent_hugepage '{mode}' (the host table asks with MADV_HUGEPAGE)"))
+    return out
+
+
+def _importable(module: str) -> str:
+    """'' if `module` imports, else the reason."""
+    try:
+        importlib.import_module(module)
+        return ""
+    except Exception as e:  # ImportError / OSError from missing shared libraries
+        return repr(e)
+
+
+def check_pd(dc: DeploymentConfig | None) -> list[Check]:
+    needed = dc is not None and dc.pd is not None
+    backend = dc.pd.transfer_backend if needed and dc.pd else "mooncake"
+    module = "nixl" if backend == "nixl" else "mooncake.engine"
+    err = _importable(module)
+    bad = "FAIL" if needed else "WARN"
+    out = [Check("OK" if not err else bad, backend.split("_")[0],
+                 f"{module} imports" if not err else f"{module} does not import: {err}"
+                 + ("" if needed else " (needed only for PD disaggregation / Mooncake HiCache)"))]
+    if needed:
+        err = _importable("sglang_router")
+        out.append(Check("OK" if not err else "FAIL", "router",
+                         "sglang_router imports" if not err else f"sglang_router does not import ({err}); "
+                                                                   "pip install sglang-router"))
+    return out
+
+
+def check_cpu_engine(dc: DeploymentConfig | None) -> list[Check]:
+    """CPU serving: sgl_kernel's PyPI build links libcuda.so.1 even on CPU (spec cpu.md §3)."""
+    if dc is None or not dc.hardware.kind.is_cpu:
+        return []
+    err = _importable("sgl_kernel")
+    if err:
+        return [Check("FAIL", "cpu engine", f"sgl_kernel does not import ({err}); on a machine without an NVIDIA "
+                                            "driver put a stub libcuda.so.1 on LD_LIBRARY_PATH (spec cpu.md §3)")]
+    return [Check("OK", "cpu engine", "sgl_kernel imports")]
+
+
+def run_checks(dc: DeploymentConfig | None) -> list[Check]:
+    from .plan import make_plan, model_config_for  # the planner is only needed with a config
+
+    need_gib = host_need = None
+    if dc is not None:
+        cfg, _ = model_config_for(dc, dc.model.path if Path(dc.model.path, "config.json").is_file() else None)
+        p = make_plan(dc, cfg)
+        need_gib = p.weights.resident_per_rank / GIB
+        host_need = p.host_need_per_node / GIB if dc.engram.placement == "host" else None
+    checks = [Check("INFO", "python", sys.version.split()[0]), check_sglang(), check_recipe(), *check_plugin(),
+              *check_gpus(dc, need_gib), *check_host_memory(host_need), *check_pd(dc),
+              *check_cpu_engine(dc)]
+    return checks
+
+
+def cli(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="sglang-dsv41 doctor", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", help="check for this deployment config's needs")
+    a = ap.parse_args(argv)
+    try:
+        dc = load_config(a.config) if a.config else None
+    except DeployConfigError as e:
+        print(f"sglang-dsv41 doctor: {e}", file=sys.stderr)
+        return 2
+    checks = run_checks(dc)
+    for c in checks:
+        print(f"[{c.status:>4}] {c.name}: {c.detail}")
+    fails = [c for c in checks if c.status == "FAIL"]
+    print(f"\n{len(fails)} problem(s)" + (": " + "; ".join(c.name for c in fails) if fails else "; ready"))
+    return 1 if fails else 0

@@ -1,0 +1,125 @@
+"""Deployment configs: every shipped config validates; illegal combinations are rejected with
+a message that names the problem (sglang_dsv41/deploy/schema.py)."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+
+from sglang_dsv41.deploy.schema import (
+    DeployConfigError, DeploymentConfig, Validation, apply_override, config_from_dict, load_config,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+BASE = {
+    "name": "x", "description": "d", "validated_on": "unvalidated",
+    "hardware": {"gpu": "H200", "gpus": 4}, "parallel": {"tp": 4},
+}
+
+
+def test_the_card_targets_are_all_there() -> None:
+    names = {p.stem for p in CONFIGS}
+    required = {"h200-tp4", "h200-tp8", "b200-tp2", "b300-tp2", "gb200-tp2", "gb300-tp2", "b200-dep8", "b300-dep8",
+                "gb200-dep4", "gb300-dep4", "mi355x-tp2", "mi355x-tp4", "mi325x-tp4", "tiny-h200-tp1",
+                "tiny-h200-tp2", "tiny-cpu"}
+    assert required <= names, sorted(required - names)
+    loaded = [load_config(p) for p in CONFIGS]
+    assert any(c.pd is not None for c in loaded)
+    assert any(c.features.text_only for c in loaded)
+    assert any(c.speculative.enabled for c in loaded)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_config_validates_and_records_validation(path: Path) -> None:
+    c = load_config(path)
+    assert c.name == path.stem
+    if isinstance(c.validated_on, Validation):
+        anchor = c.validated_on.log.split("#", 1)
+        doc = (ROOT / anchor[0]).read_text()
+        assert len(anchor) == 1 or anchor[1].replace("-", " ").lower() in doc.lower().replace("-", " ")
+    else:
+        assert c.validated_on == "unvalidated"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_engram_host_only_where_the_card_offloads(path: Path) -> None:
+    c = load_config(path)
+    if c.name in ("h200-tp4", "mi355x-tp2", "mi325x-tp4") or c.name.endswith("-tp2") and not c.name.startswith("tiny"):
+        assert c.engram.placement == "host"
+    if c.name in ("mi355x-tp4", "h200-tp8") or "-dep" in c.name:
+        assert c.engram.placement == "device"
+
+
+def _with(**changes: object) -> dict:
+    d = copy.deepcopy(BASE)
+    for key, value in changes.items():
+        apply_override(d, f"{key.replace('__', '.')}={value}")
+    return d
+
+
+ILLEGAL = [
+    ({"features__text_only": "true", "features__encoder_data_parallel": "true"}, "mutually exclusive"),
+    ({"speculative__algorithm": "EAGLE", "speculative__block_size": "5"}, "DSpark is the only speculative method"),
+    ({"speculative__algorithm": "dspark"}, "speculative.block_size must be given"),
+    ({"parallel__tp": "3"}, "must equal hardware.gpus"),
+    ({"parallel__dp_attention": "3"}, "does not divide parallel.tp"),
+    ({"parallel__ep": "2"}, "must be 1 or equal parallel.tp"),
+    ({"hardware__gpus": "16", "parallel__tp": "16"}, "exceeds the 8 GPUs"),
+    ({"features__kv_layout": "v41"}, "v41 needs SM100/SM103 or gfx950"),
+    ({"hardware__gpu": "MI355X", "features__bounded_replay__decoder": "true"}, "must be off on ROCm"),
+    ({"features__bounded_replay__encoder": "true"}, "needs serving.max_running_requests"),
+    ({"features__bounded_replay__decoder": "true", "cuda_graph__prefill": "full"}, "breakable or disabled"),
+    ({"serving__moe_a2a_backend": "deepep", "parallel__ep": "4"}, "vision path refuses MoE all-to-all"),
+    ({"serving__moe_a2a_backend": "megamoe", "parallel__ep": "4"}, "requires serving.chunked_prefill_size"),
+    ({"serving__moe_a2a_backend": "megamoe", "parallel__ep": "4", "serving__chunked_prefill_size": "8192"},
+     "above MegaMoE's 1024"),
+    ({"serving__moe_a2a_backend": "megamoe"}, "needs expert parallelism"),
+    ({"hardware__gpu": "CPU", "hardware__gpus": "0", "parallel__tp": "1", "engram__placement": "host"},
+     "on CPU the tables are already in host memory"),
+    ({"hardware__gpu": "CPU", "hardware__gpus": "0", "parallel__tp": "1", "cuda_graph__decode": "full"},
+     "CUDA graphs need a GPU"),
+    ({"hardware__gpu": "TPU"}, "unknown GPU kind"),
+    ({"serving__mem_fraction_static": "1.5"}, "less than 1"),
+    ({"serving__no_such_key": "1"}, "Extra inputs are not permitted"),
+]
+
+
+@pytest.mark.parametrize("changes, message", ILLEGAL, ids=[m for _, m in ILLEGAL])
+def test_illegal_combination_is_rejected_with_its_message(changes: dict, message: str) -> None:
+    with pytest.raises(DeployConfigError) as e:
+        config_from_dict(_with(**changes), "test")
+    assert message in str(e.value)
+
+
+def test_pd_rules() -> None:
+    pd = {"prefill": {"port": 30000, "bootstrap_port": 8998}, "decode": {"port": 30001, "base_gpu_id": 4}}
+    ok = dict(BASE, pd=pd)
+    assert config_from_dict(ok).is_pd
+    bad = copy.deepcopy(ok)
+    bad["pd"]["decode"]["base_gpu_id"] = 2
+    with pytest.raises(DeployConfigError, match="share GPUs"):
+        config_from_dict(bad)
+    bad = copy.deepcopy(ok)
+    del bad["pd"]["prefill"]["bootstrap_port"]
+    with pytest.raises(DeployConfigError, match="bootstrap_port is required"):
+        config_from_dict(bad)
+    bad = copy.deepcopy(ok)
+    bad["features"] = {"bounded_replay": {"encoder": True}}
+    bad["serving"] = {"max_running_requests": 8, "chunked_prefill_size": 4096}
+    with pytest.raises(DeployConfigError, match="rejected with PD"):
+        config_from_dict(bad)
+
+
+def test_a_legal_base_config_passes_and_validation_record_is_checked() -> None:
+    assert isinstance(config_from_dict(copy.deepcopy(BASE)), DeploymentConfig)
+    rec = dict(BASE, validated_on={"date": "2026-12-01", "hardware": "1 × H200", "log": "notes.txt"})
+    with pytest.raises(DeployConfigError, match="docs/validation.md"):
+        config_from_dict(rec)
+
+
+def test_override_rejects_malformed_assignment() -> None:
+    with pytest.raises(DeployConfigError, match="KEY=VALUE"):
+        apply_override({}, "serving.port")
