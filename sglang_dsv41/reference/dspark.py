@@ -37,7 +37,7 @@ from ..config import TextConfig
 from .attention import attend_with_sink, layer_inv_freq, output_projection, project_kv, project_q_kv
 from .mhc import hc_coefficients, hc_collapse, hc_residual_update, hc_sublayer_input
 from .moe import moe_sublayer
-from .ops import F32, CacheProfile, bf16, linear_bf16, linear_fp8, rms_norm, swa_cache_roundtrip
+from .ops import F32, CacheProfile, bf16, linear_fp8, matmul_fp32_exact, rms_norm, swa_cache_roundtrip
 
 
 # ---- weights ------------------------------------------------------------------------------
@@ -219,7 +219,7 @@ def run_stages(cfg: TextConfig, w: Mapping[str, Tensor], context: "DraftContext"
     assert carried is not None
     hidden = hc_collapse(R, carried)
     h = rms_norm(hidden, _get(w, stage_prefix(S - 1) + "norm.weight"), cfg.rms_norm_eps)
-    return BlockOutput(hidden=hidden, base_logits=linear_bf16(h, _get(w, "head.weight"), out_fp32=True))
+    return BlockOutput(hidden=hidden, base_logits=matmul_fp32_exact(h, _get(w, "head.weight")))
 
 
 def draft_block_forward(cfg: TextConfig, w: Mapping[str, Tensor], context: "DraftContext", anchor: int,
@@ -234,17 +234,19 @@ def draft_block_forward(cfg: TextConfig, w: Mapping[str, Tensor], context: "Draf
 # ---- Markov bias, confidence, sequential drafting -----------------------------------------
 
 def markov_bias(cfg: TextConfig, w: Mapping[str, Tensor], prev_token: int) -> Tensor:
-    """markov_w2 · markov_w1[prev] → [V] fp32 (BF16 weights, fp32 accumulation; spec §4)."""
+    """markov_w2 · markov_w1[prev] → [V] fp32 (BF16 weights; the correctly rounded fp32 dot
+    product `ops.matmul_fp32_exact`, unrounded to BF16; spec §4)."""
     p = dspark_head_prefix(cfg, w) + "markov_head."
     w1, w2 = _get(w, p + "embed.weight"), _get(w, p + "head.weight")
     if not 0 <= prev_token < w1.shape[0]:
         raise ValueError(f"token {prev_token} outside the Markov table of {w1.shape[0]} rows")
-    return w2.to(F32) @ w1[prev_token].to(F32)
+    return matmul_fp32_exact(w1[prev_token].unsqueeze(0), w2).squeeze(0)
 
 
 def confidence(cfg: TextConfig, w: Mapping[str, Tensor], hidden: Tensor, prev_tokens: Sequence[int],
                sts_temperature: float = 1.0) -> Tensor:
-    """c_k = sigmoid(proj([x_k ; markov_w1[prev_k]]) / T_sts) → [γ] fp32 in (0, 1) (spec §4)."""
+    """c_k = sigmoid(proj([x_k ; markov_w1[prev_k]]) / T_sts) → [γ] fp32 in (0, 1) (spec §4);
+    proj is fp32, its dot product correctly rounded to fp32 (`ops.matmul_fp32_exact`)."""
     if sts_temperature <= 0:
         raise ValueError(f"confidence temperature must be positive, got {sts_temperature}")
     p = dspark_head_prefix(cfg, w)
@@ -256,7 +258,7 @@ def confidence(cfg: TextConfig, w: Mapping[str, Tensor], hidden: Tensor, prev_to
     feats = torch.cat((hidden.to(F32), w1[prev].to(F32)), dim=-1)
     if feats.shape[1] != proj.shape[1]:
         raise ValueError(f"confidence proj expects {proj.shape[1]} inputs, got {feats.shape[1]}")
-    return torch.sigmoid((feats @ proj.t()).squeeze(-1) / sts_temperature)
+    return torch.sigmoid(matmul_fp32_exact(feats, proj).squeeze(-1) / sts_temperature)
 
 
 @dataclass(frozen=True)

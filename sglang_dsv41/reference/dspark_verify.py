@@ -22,7 +22,7 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import Tensor
@@ -143,13 +143,14 @@ class SpeculativeResult:
 
 
 def speculative_generate(model: "ReferenceModel", prompt_ids: Sequence[int], max_new_tokens: int, *,
-                         greedy: bool = True, temperature: float = 1.0, seed: int = 0,
-                         stop_ids: Sequence[int] = (), verify_tokens: int | None = None,
-                         sts_temperature: float = 1.0) -> SpeculativeResult:
-    """Generate with the DSpark draft + target verification (spec §4), text-only.
+                         images: Sequence[Any] = (), greedy: bool = True, temperature: float = 1.0,
+                         seed: int = 0, chunk: int | None = None, stop_ids: Sequence[int] = (),
+                         verify_tokens: int | None = None, sts_temperature: float = 1.0) -> SpeculativeResult:
+    """Generate with the DSpark draft + target verification (spec §4).
 
-    1. Prefill the prompt with `capture=True`; its target features fill the draft context KV;
-       the first token comes from the last prompt row (like `ReferenceModel.generate`).
+    1. Prefill the prompt (image placeholders expanded, `chunk` tokens per forward as in
+       `ReferenceModel.generate`) with `capture=True`; its target features fill the draft
+       context KV; the first token comes from the last prompt row.
     2. Each round: draft γ tokens from the anchor (last emitted token, position P = committed
        length); verify the first `verify_tokens` (default γ) of them with one TARGET_VERIFY
        forward over [anchor, d_0, …] on the request state; accept by `verify_greedy` or
@@ -179,8 +180,9 @@ def speculative_generate(model: "ReferenceModel", prompt_ids: Sequence[int], max
     result = SpeculativeResult(tokens=[], accepted_per_round=[], drafted=0, state=state, context=context)
     if max_new_tokens == 0:
         return result
+    ids, spans = model.encode_images(prompt_ids, images) if images else (list(prompt_ids), [])
     before = state.dspark_features.shape[0]
-    logits = model.prefill(state, list(prompt_ids), capture=True)
+    logits = model.prefill(state, ids, spans, chunk, capture=True)
     context.commit_features(cfg, w, state.dspark_features[before:], profile=nm.cache, act_quant=nm.act_quant)
     stops = {int(t) for t in stop_ids}
 
