@@ -223,17 +223,17 @@ def render_chat(messages: Sequence[Mapping[str, Any]], *, decision: ReasoningDec
     msgs, images = _messages(messages, continue_final_message=continue_final_message,
                              show_tools=tool_choice != "none")
     show_tools = tools if tool_choice != "none" else None
-    conversation = dr.Conversation(
-        msgs,
-        thinking_mode=decision.thinking,
-        tools=[_tool_definition(t) for t in (show_tools or [])] or None,
-        tool_choice="none" if tool_choice == "none" else "auto",
-        reasoning_effort=_RENDER_TIER if decision.thinking else None,
-        **_response_format_kwargs(response_format),
-    )
-    try:
+    try:  # recipe validates while building and rendering (ValueError on a bad combination)
+        conversation = dr.Conversation(
+            msgs,
+            thinking_mode=decision.thinking,
+            tools=[_tool_definition(t) for t in (show_tools or [])] or None,
+            tool_choice="none" if tool_choice == "none" else "auto",
+            reasoning_effort=_RENDER_TIER if decision.thinking else None,
+            **_response_format_kwargs(response_format),
+        )
         rendered = ENCODING.render_conversation(conversation)
-    except ValueError as exc:  # recipe's own validation (e.g. tool message without a call)
+    except ValueError as exc:
         raise ChatEncodingError(f"cannot render the conversation: {exc}") from exc
     if decision.thinking:
         text, ranges = _splice_effort(rendered, int(decision.effort))
