@@ -185,5 +185,27 @@ def test_cli_refuses_to_run_without_the_plugin(no_plugin, monkeypatch, capsys) -
     assert launch._child_env(cmd)["PATH"] == os.environ["PATH"]  # the caller's environment is kept
 
 
-def test_capabilities_without_plugin_module_are_empty() -> None:
-    assert capabilities.available_capabilities() == NONE or capabilities.plugin_entry_points()
+def test_capabilities_come_from_the_plugin_module(monkeypatch) -> None:
+    import sys
+    import types
+
+    def fake_import(name: str):
+        if name == capabilities.PLUGIN_MODULE and name in sys.modules:
+            return sys.modules[name]
+        err = ModuleNotFoundError(f"No module named {name!r}")
+        err.name = name
+        raise err
+
+    monkeypatch.setattr(capabilities.importlib, "import_module", fake_import)
+    monkeypatch.delitem(sys.modules, capabilities.PLUGIN_MODULE, raising=False)
+    assert capabilities.available_capabilities() == NONE  # no plugin module yet
+    mod = types.ModuleType(capabilities.PLUGIN_MODULE)
+    mod.LAUNCH_CAPABILITIES = ("model", "engram_host_table")
+    monkeypatch.setitem(sys.modules, capabilities.PLUGIN_MODULE, mod)
+    monkeypatch.setattr(capabilities, "plugin_entry_points", lambda: [])
+    assert capabilities.available_capabilities() == {"engram_host_table"}  # 'model' needs the entry point
+    monkeypatch.setattr(capabilities, "plugin_entry_points", lambda: ["ep"])
+    assert capabilities.available_capabilities() == {"model", "engram_host_table"}
+    mod.LAUNCH_CAPABILITIES = ("teleport",)
+    with pytest.raises(RuntimeError, match="unknown capabilities"):
+        capabilities.available_capabilities()
