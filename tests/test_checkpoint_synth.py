@@ -213,3 +213,17 @@ def test_make_slice_checkpoint_3_layers():
     make_checkpoint("slice", out, seed=0, layers=3, engram_rows=4096, overwrite=True)
     report = verify_checkpoint(out)
     assert report.ok, report.format()
+
+
+def test_cli_make_checkpoint_and_verify(tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    from sglang_dsv41.cli import main
+
+    out = tmp_path / "cli"
+    assert main(["make-checkpoint", "--preset", "tiny", "--out", str(out), "--seed", "0", "--quiet"]) == 0
+    assert "shards" in capsys.readouterr().out
+    assert _hashes(out) == _hashes(tiny)
+    assert main(["verify", str(out), "--quiet"]) == 0
+    assert "OK" in capsys.readouterr().out
+    assert main(["make-checkpoint", "--preset", "tiny", "--out", str(tmp_path / "bad"), "--layers", "3", "--quiet"]) == 1
+    assert "slice preset only" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()

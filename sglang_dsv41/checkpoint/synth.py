@@ -28,6 +28,7 @@ import argparse
 import hashlib
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -253,6 +254,8 @@ def make_checkpoint(preset: str, out: Path, seed: int, *, layers: int | None = N
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    if preset == "tiny" and (layers is not None or engram_rows is not None):
+        raise ValueError("--layers / --engram-rows apply to the slice preset only")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     _clear_previous(out, overwrite)
@@ -295,7 +298,7 @@ def cli(argv: list[str]) -> int:
         out = make_checkpoint(a.preset, a.out, a.seed, layers=a.layers, engram_rows=a.engram_rows,
                               progress=not a.quiet, max_shard_bytes=shard_bytes, overwrite=a.overwrite)
     except (ValueError, FileExistsError) as e:
-        print(f"make-checkpoint: {e}")
+        print(f"make-checkpoint: {e}", file=sys.stderr)
         return 1
     index = json.loads((out / INDEX_FILE).read_text())
     n_files = len(set(index["weight_map"].values()))
