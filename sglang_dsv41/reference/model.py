@@ -206,7 +206,9 @@ class ReferenceModel:
             raise ValueError("images given but the config has no vision tower")
         ids, spans = expand_image_placeholders(list(prompt_ids), list(images), self.cfg)
         if self._vision_encoder is None:
-            self._vision_encoder = VisionEncoder(self.cfg, {k: v.cpu() for k, v in self.weights.items()})
+            vision_weights = {k: v.cpu() for k, v in self.weights.items()
+                              if k.startswith(("vision.", "aligner.", "image_"))}
+            self._vision_encoder = VisionEncoder(self.cfg, vision_weights)   # runs on CPU
         rows = [self._vision_encoder.encode(preprocess_image(img, self.cfg.vision)).float() for img in images]
         for (start, n), r in zip(spans, rows):
             if r.shape[0] != n:
