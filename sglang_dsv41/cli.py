@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("sglang_dsv41.deploy.plan:cli", "memory plan per rank for a deployment config"),
     "launch": ("sglang_dsv41.deploy.launch:cli", "turn a deployment config into the SGLang launch command(s) and run them"),
     "doctor": ("sglang_dsv41.deploy.doctor:cli", "check the environment for serving DeepSeek-V4.1"),
+    "serve": ("sglang_dsv41.serve:cli", "serve a V4.1 checkpoint with SGLang on GPU or CPU (default: the tiny checkpoint)"),
 }
 
 

@@ -1,0 +1,122 @@
+"""SGLang plugin entry point: `[project.entry-points."sglang.srt.plugins"] dsv41 = "sglang_dsv41.plugin:register"`.
+
+SGLang 0.5.17 runs `register()` in the main process before argument parsing and again in every
+scheduler process (runtime.md §B "The general-purpose hook"; cpu.md §4). It registers:
+
+1. the V4.1 config class for `model_type = "deepseek_v41"` in transformers' `AutoConfig` and in
+   SGLang's `_CONFIG_REGISTRY` (`runtime/hf_config.py`);
+2. our model class under the architecture `DeepseekV41ForCausalLM` in SGLang's `ModelRegistry`
+   (`runtime/model.py`);
+3. the chat API (`sglang_dsv41.api.register.register_api()`: parsers and chat hooks), when that
+   module is installed.
+
+Architecture name — we keep `DeepseekV41ForCausalLM` (upstream 0.5.23 rewrites it to
+`DeepseekV4ForCausalLM`). Reason: in 0.5.17 every path keyed on the V4 architecture name is
+written for V4's layout and kernels — `is_deepseek_v4()` selects the DSV4 pool configurator and
+`DeepSeekV4TokenToKVPool` (ratios 4/128 only), the `dsv4` attention backend (FlashMLA, CUDA),
+page size 256, an fp8 KV dtype, V4 server-arg defaults, the V4 chat encoder and the DSpark/NextN
+draft renames. Our torch-path model owns its caches and attention, so none of these may engage;
+a distinct architecture gets SGLang's generic decoder paths only, and the SGLang-facing config
+(`DeepseekV41HFConfig`) hides the attributes that would trigger attribute-keyed special cases
+(DSA/MLA, MTP, multimodal, FP8). `tests/test_runtime_plugin.py` pins this: a V4.1 checkpoint
+resolves to our class, no V4 predicate is true for it, and stock SGLang without the plugin
+refuses the checkpoint.
+
+No silent fallback: SGLang's loader catches `Exception` from a plugin and carries on, which
+would leave a V4.1 checkpoint unserved with a misleading error — so every failure here (wrong
+SGLang version, import error, registration error) is raised as `PluginLoadError`, a
+`SystemExit`, which SGLang does not catch: the process stops with our message.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import logging
+
+logger = logging.getLogger(__name__)
+
+#: The only SGLang release this plugin is written against (hooks pin its internals).
+SUPPORTED_SGLANG_VERSION = "0.5.17"
+API_REGISTER_MODULE = "sglang_dsv41.api.register"
+
+
+class PluginLoadError(SystemExit):
+    """The plugin cannot load. A `SystemExit` so SGLang's plugin loader cannot swallow it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"sglang-dsv41: {message}")
+
+    @property
+    def message(self) -> str:
+        return str(self.code)
+
+
+def installed_sglang_version() -> str:
+    """Version of the installed SGLang distribution (read from its metadata, no import)."""
+    return importlib.metadata.version("sglang")
+
+
+def check_sglang_version(found: str | None = None) -> None:
+    """Raise `PluginLoadError` naming both versions unless SGLang is exactly 0.5.17."""
+    found = installed_sglang_version() if found is None else found
+    if found != SUPPORTED_SGLANG_VERSION:
+        raise PluginLoadError(
+            f"this plugin supports SGLang {SUPPORTED_SGLANG_VERSION} only, but SGLang {found} is "
+            f"installed. Install sglang=={SUPPORTED_SGLANG_VERSION} (pip install "
+            f"'sglang=={SUPPORTED_SGLANG_VERSION}') or a sglang-dsv41 release built for SGLang {found}.")
+
+
+def register_config() -> None:
+    """`deepseek_v41` → `DeepseekV41HFConfig` in transformers' AutoConfig and SGLang's registry."""
+    from sglang.srt.utils.hf_transformers import common
+    from transformers import AutoConfig
+
+    from .runtime.hf_config import MODEL_TYPE, DeepseekV41HFConfig
+
+    common._CONFIG_REGISTRY[MODEL_TYPE] = DeepseekV41HFConfig
+    try:
+        AutoConfig.register(MODEL_TYPE, DeepseekV41HFConfig)
+    except ValueError as e:  # a second register() in the same process
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        if CONFIG_MAPPING.get(MODEL_TYPE) is not DeepseekV41HFConfig:
+            raise PluginLoadError(f"model_type {MODEL_TYPE!r} is already registered by another "
+                                  f"package ({CONFIG_MAPPING.get(MODEL_TYPE)}): {e}") from e
+
+
+def register_model() -> None:
+    """Our model class under `DeepseekV41ForCausalLM` in SGLang's ModelRegistry."""
+    from sglang.srt.models.registry import ModelRegistry
+
+    from .runtime.hf_config import ARCHITECTURE
+    from .runtime.model import DeepseekV41ForCausalLM
+
+    present = ModelRegistry.models.get(ARCHITECTURE)
+    if present is not None and present is not DeepseekV41ForCausalLM:
+        raise PluginLoadError(f"architecture {ARCHITECTURE} is already registered by {present!r}")
+    ModelRegistry.models[ARCHITECTURE] = DeepseekV41ForCausalLM
+
+
+def register_api_if_present() -> bool:
+    """Call `sglang_dsv41.api.register.register_api()` if that module is installed."""
+    if importlib.util.find_spec(API_REGISTER_MODULE) is None:
+        logger.info("sglang-dsv41: %s not installed; chat API hooks not registered", API_REGISTER_MODULE)
+        return False
+    importlib.import_module(API_REGISTER_MODULE).register_api()
+    return True
+
+
+def register() -> None:
+    """Entry point run by SGLang in every process; idempotent. Any failure stops the process."""
+    check_sglang_version()
+    try:
+        register_config()
+        register_model()
+        register_api_if_present()
+    except PluginLoadError:
+        raise
+    except Exception as e:  # import or registration error: never let SGLang carry on without us
+        logger.exception("sglang-dsv41 plugin failed to register")
+        raise PluginLoadError(f"plugin registration failed: {type(e).__name__}: {e}") from e
+    logger.info("sglang-dsv41: registered %s (SGLang %s)", "DeepseekV41ForCausalLM", SUPPORTED_SGLANG_VERSION)

@@ -1,0 +1,101 @@
+"""Where each token of an SGLang forward batch lives: its request, position and cache slot.
+
+SGLang 0.5.17 packs a batch as consecutive per-request runs of tokens (extend, decode or mixed).
+For request b: `req_pool_indices[b]` is its row of `req_to_token_pool.req_to_token` (position →
+KV slot), `seq_lens[b]` its length **after** this forward, and it contributes `extend_len[b]`
+tokens (1 in decode) at positions `prefix_len[b] .. seq_lens[b] − 1`, whose slots are
+`out_cache_loc` (already written into `req_to_token` by the scheduler).
+
+Invariant checked here (the torch path depends on it): every request's tokens are contiguous in
+the batch and sit at consecutive absolute positions starting at its prefix length, and
+`out_cache_loc` equals the request's `req_to_token` row at those positions. Anything else
+(speculative verify/draft modes, a mismatched slot map) raises instead of computing garbage.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+#: SGLang forward modes the torch path serves (by `ForwardMode.name`).
+SUPPORTED_MODES = ("EXTEND", "DECODE", "MIXED", "IDLE")
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Per-request and per-token addressing of one forward batch (all int64, on the model device).
+
+    * `req_rows[b]`: row of `req_to_token` of request b; `prefix_lens[b]`, `extend_lens[b]`,
+      `seq_lens[b]` = prefix + extend; `starts[b]`: index of its first token in the batch.
+    * `positions[t]`, `token_req[t]` (request index of token t), `out_slots[t]` (slot of token t).
+    * `req_to_token`: SGLang's [rows, max_context] int32 position → slot table.
+    """
+
+    req_rows: Tensor
+    prefix_lens: Tensor
+    extend_lens: Tensor
+    seq_lens: Tensor
+    starts: Tensor
+    positions: Tensor
+    token_req: Tensor
+    out_slots: Tensor
+    req_to_token: Tensor
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.req_rows.numel())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.numel())
+
+    def token_range(self, b: int) -> slice:
+        start = int(self.starts[b])
+        return slice(start, start + int(self.extend_lens[b]))
+
+    def slots_at(self, token_req: Tensor, positions: Tensor) -> Tensor:
+        """Slots of (request index, absolute position) pairs, any shape; positions must be ≥ 0."""
+        rows = self.req_rows[token_req]
+        return self.req_to_token[rows, positions].to(torch.int64)
+
+    def request_slots(self, b: int, positions: Tensor) -> Tensor:
+        """Slots of request b at absolute `positions` (1-D, ≥ 0)."""
+        return self.req_to_token[self.req_rows[b], positions].to(torch.int64)
+
+
+def layout_from_forward_batch(forward_batch, positions: Tensor, req_to_token: Tensor) -> BatchLayout:
+    """Build and check the `BatchLayout` of an SGLang `ForwardBatch`."""
+    mode = forward_batch.forward_mode
+    if mode.name not in SUPPORTED_MODES:
+        raise RuntimeError(f"sglang-dsv41 torch path: forward mode {mode.name} is not supported "
+                           f"(supported: {', '.join(SUPPORTED_MODES)}; speculative decoding and "
+                           "split prefill need the later kernel phase)")
+    device = positions.device
+    seq_lens = forward_batch.seq_lens.to(device=device, dtype=torch.int64)
+    B = int(seq_lens.numel())
+    if mode.is_decode() or mode.is_idle():
+        extend_lens = torch.ones(B, dtype=torch.int64, device=device)
+    else:
+        extend_lens = forward_batch.extend_seq_lens.to(device=device, dtype=torch.int64)
+    prefix_lens = seq_lens - extend_lens
+    starts = torch.cumsum(extend_lens, 0) - extend_lens
+    N = int(extend_lens.sum()) if B else 0
+    pos = positions.to(torch.int64).reshape(-1)
+    if pos.numel() != N:
+        raise RuntimeError(f"sglang-dsv41: batch has {pos.numel()} positions but requests extend {N} tokens")
+    token_req = torch.repeat_interleave(torch.arange(B, device=device), extend_lens, output_size=N)
+    expected = prefix_lens[token_req] + (torch.arange(N, device=device) - starts[token_req])
+    if not torch.equal(pos, expected):
+        raise RuntimeError("sglang-dsv41: token positions are not each request's consecutive positions "
+                           f"from its prefix length (got {pos[:8].tolist()}…, expected "
+                           f"{expected[:8].tolist()}…)")
+    req_rows = forward_batch.req_pool_indices.to(device=device, dtype=torch.int64)
+    out_slots = forward_batch.out_cache_loc.to(device=device, dtype=torch.int64).reshape(-1)
+    layout = BatchLayout(req_rows=req_rows, prefix_lens=prefix_lens, extend_lens=extend_lens,
+                         seq_lens=seq_lens, starts=starts, positions=pos, token_req=token_req,
+                         out_slots=out_slots, req_to_token=req_to_token)
+    if N and not torch.equal(layout.slots_at(token_req, pos), out_slots):
+        raise RuntimeError("sglang-dsv41: out_cache_loc disagrees with req_to_token at the batch's "
+                           "positions (the slot map must be written before the forward)")
+    return layout

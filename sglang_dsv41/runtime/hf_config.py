@@ -1,0 +1,90 @@
+"""The transformers config class SGLang sees for a DeepSeek-V4.1 checkpoint (runtime.md §B
+"Config for an unknown model_type").
+
+SGLang 0.5.17 loads `config.json` through `AutoConfig` (`HfModelConfigParser`), then derives the
+KV-pool shape, context length, dtype and multimodality from the resulting object's attributes.
+Stock transformers does not know `model_type = "deepseek_v41"`, so the plugin registers
+`DeepseekV41HFConfig` under that name (`AutoConfig.register` + SGLang's `_CONFIG_REGISTRY`).
+
+Invariants
+----------
+* The checkpoint's `config.json` is validated by our own `DeepseekV41Config.from_dict` when the
+  object is built: a malformed V4.1 config fails at start-up with a message naming the field.
+* The whole original dict is kept, unchanged, in `dsv41_config_json`; the model class re-parses
+  it (`DeepseekV41HFConfig.parsed()`), so every V4.1 number comes from our parser, never from
+  attributes SGLang may rewrite.
+* The attributes SGLang reads are a **generic single-KV-head decoder** description: vocab,
+  hidden size, layers, heads, `num_key_value_heads = 1`, `head_dim`, `v_head_dim = 0`,
+  context length, dtype, special ids. `v_head_dim = 0` makes SGLang's own MHA KV pool hold
+  exactly one `head_dim` row per token and layer — our SWA kv (K = V, spec §3.4.5) — and
+  nothing else (see `runtime/cache.py`).
+* Deliberately **not** exposed (they would switch on SGLang paths written for other models):
+  `text_config` / `vision_config` (multimodal detection, phase 1 is text-only),
+  `quantization_config` (SGLang's FP8 machinery; the torch path dequantises itself, spec §2.4),
+  `sliding_window` (SGLang-side window handling; our attention applies the window),
+  `rope_scaling` / `rope_theta` (transformers' RoPE normalisation), `index_topk` /
+  `kv_lora_rank` (DSA/MLA detection), `num_nextn_predict_layers` (MTP/EAGLE detection).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from transformers import PretrainedConfig
+
+from ..config import DeepseekV41Config
+
+MODEL_TYPE = DeepseekV41Config.MODEL_TYPE
+ARCHITECTURE = DeepseekV41Config.ARCHITECTURE
+
+#: SGLang-facing attributes copied from `text_config` (everything else stays in the raw dict).
+_TEXT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings")
+#: Top-level keys that must not become attributes (see the module docstring).
+_HIDDEN_TOP_LEVEL = ("text_config", "vision_config", "quantization_config")
+
+
+class DeepseekV41HFConfig(PretrainedConfig):
+    """`model_type = "deepseek_v41"` for transformers/SGLang; validation by `DeepseekV41Config`."""
+
+    model_type = MODEL_TYPE
+    # A V4.1 config has no meaningful defaults: transformers must never build one from nothing.
+    has_no_defaults_at_init = True
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        raw = kwargs.pop("dsv41_config_json", None)
+        if raw is None:
+            raw = self._raw_from_kwargs(kwargs)
+        parsed = DeepseekV41Config.from_dict(raw)           # loud ConfigError on a bad config
+        for key in _HIDDEN_TOP_LEVEL:
+            kwargs.pop(key, None)
+        for name in _TEXT_FIELDS:
+            kwargs[name] = getattr(parsed.text, name)
+        kwargs["v_head_dim"] = 0
+        kwargs["dsv41_config_json"] = copy.deepcopy(raw)
+        kwargs.setdefault("bos_token_id", parsed.bos_token_id)
+        kwargs.setdefault("eos_token_id", raw.get("eos_token_id", parsed.eos_token_id))
+        kwargs.setdefault("pad_token_id", parsed.pad_token_id)
+        kwargs["image_token_id"] = parsed.image_token_id
+        super().__post_init__(**kwargs)
+        self.architectures = [ARCHITECTURE]
+
+    def _raw_from_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The original config.json dict, rebuilt from the constructor arguments."""
+        raw = {k: copy.deepcopy(v) for k, v in kwargs.items() if not k.startswith("_")}
+        raw["architectures"] = list(self.architectures or [])
+        raw["model_type"] = MODEL_TYPE
+        dtype = self.dtype if self.dtype is not None else kwargs.get("torch_dtype")
+        raw["dtype"] = str(dtype).replace("torch.", "") if dtype is not None else raw.get("dtype")
+        raw.pop("torch_dtype", None)
+        if raw.get("dtype") is None:
+            raw.pop("dtype")
+        for key in ("transformers_version", "output_hidden_states", "return_dict",
+                    "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id",
+                    "problem_type", "name_or_path"):
+            raw.pop(key, None)
+        return raw
+
+    def parsed(self) -> DeepseekV41Config:
+        """Our validated config, parsed from the untouched config.json dict."""
+        return DeepseekV41Config.from_dict(self.dsv41_config_json)

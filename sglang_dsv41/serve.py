@@ -1,0 +1,125 @@
+"""`sglang-dsv41 serve`: run `python -m sglang.launch_server` for a V4.1 checkpoint, on GPU or CPU.
+
+* Device: CUDA when `torch.cuda.is_available()`, else SGLang's CPU engine (`--device` overrides).
+* CPU: the environment SGLang 0.5.17 needs is prepared here (`runtime/cpu_env.py`: the
+  `libcuda.so.1` stand-in compiled into the cache dir, `SGLANG_USE_CPU_ENGINE=1`,
+  `LD_LIBRARY_PATH`, `HF_HUB_OFFLINE=1`) and the flags CPU serving needs are added: a bounded
+  `--max-total-tokens` (otherwise SGLang sizes the KV pool from all free RAM), `--sleep-on-idle`
+  (otherwise the scheduler busy-polls a core), `--attention-backend torch_native` (SGLang's CPU
+  backend; our model computes its own attention from its slot caches, the backend only has to
+  construct — see docs/runtime.md).
+* Checkpoint: `--model-path`, or the tiny random checkpoint made on first use in
+  `~/.cache/sglang-dsv41/tiny-seed<seed>` (written to a temporary directory, then renamed).
+* Every other argument is passed to SGLang unchanged. The server replaces this process (`exec`),
+  so signals reach SGLang directly. The plugin is loaded by SGLang through its entry point; the
+  user sets no environment variables.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .runtime.cpu_env import cache_root, cpu_environment
+
+DEFAULT_CPU_MAX_TOTAL_TOKENS = 16384
+CPU_ATTENTION_BACKEND = "torch_native"
+
+
+@dataclass(frozen=True)
+class LaunchCommand:
+    """The server command line and its environment."""
+
+    argv: list[str]
+    env: dict[str, str]
+    device: str
+
+    def shell(self) -> str:
+        keys = ("SGLANG_USE_CPU_ENGINE", "LD_LIBRARY_PATH", "HF_HUB_OFFLINE")
+        prefix = " ".join(f"{k}={shlex.quote(self.env[k])}" for k in keys if k in self.env and self.device == "cpu")
+        return (prefix + " " if prefix else "") + " ".join(shlex.quote(a) for a in self.argv)
+
+
+def tiny_checkpoint(seed: int = 0, root: Path | None = None) -> Path:
+    """Path of the tiny random checkpoint for `seed`, made on first use (spec model.md §7)."""
+    from .checkpoint.synth import INDEX_FILE, make_checkpoint
+
+    root = Path(root) if root is not None else cache_root()
+    target = root / f"tiny-seed{seed}"
+    if (target / INDEX_FILE).is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tiny-seed{seed}-", dir=root))
+    try:
+        make_checkpoint("tiny", tmp, seed, progress=False)
+        try:
+            os.replace(tmp, target)
+        except OSError:                           # another process finished first
+            if not (target / INDEX_FILE).is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _has_flag(args: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def pick_device(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_launch(argv: list[str]) -> LaunchCommand:
+    """Parse `sglang-dsv41 serve` arguments into the SGLang launch command (no side effects
+    except building the CPU stub / tiny checkpoint when needed)."""
+    ap = argparse.ArgumentParser(prog="sglang-dsv41 serve", description=__doc__.split("\n\n")[0],
+                                 epilog="Other arguments are passed to sglang.launch_server unchanged.")
+    ap.add_argument("--model-path", type=Path, default=None,
+                    help="V4.1 checkpoint directory (default: the tiny random checkpoint, made on first use)")
+    ap.add_argument("--tiny-seed", type=int, default=0, help="seed of the default tiny checkpoint")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    ours, rest = ap.parse_known_args(argv)
+    device = pick_device(ours.device)
+    model = ours.model_path if ours.model_path is not None else tiny_checkpoint(ours.tiny_seed)
+    args = ["--model-path", str(Path(model).resolve()), "--host", ours.host, "--port", str(ours.port)]
+    if device == "cpu":
+        env = cpu_environment()
+        args += ["--device", "cpu"]
+        if not _has_flag(rest, "--attention-backend"):
+            args += ["--attention-backend", CPU_ATTENTION_BACKEND]
+        if not _has_flag(rest, "--max-total-tokens"):
+            args += ["--max-total-tokens", str(DEFAULT_CPU_MAX_TOTAL_TOKENS)]
+        if not _has_flag(rest, "--sleep-on-idle"):
+            args.append("--sleep-on-idle")
+    else:
+        env = dict(os.environ)
+        args += ["--device", "cuda"]
+    argv_out = [sys.executable, "-m", "sglang.launch_server", *args, *rest]
+    return LaunchCommand(argv=argv_out, env=env, device=device)
+
+
+def cli(argv: list[str]) -> int:
+    """Entry point of `sglang-dsv41 serve`: exec the SGLang server (does not return on success)."""
+    dry_run = "--dry-run" in argv
+    launch = build_launch(argv)
+    if dry_run:
+        print(launch.shell())
+        return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(launch.argv[0], launch.argv, launch.env)
+    return 1  # unreachable: execvpe replaces the process or raises
