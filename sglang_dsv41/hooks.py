@@ -127,7 +127,12 @@ def _wrapping_hooks(fn: Callable) -> list[Callable]:
 
 
 def is_applied(spec: HookSpec) -> bool:
-    return spec.implementation() in _wrapping_hooks(resolve_target(spec.target))
+    """True when the object at ``spec.target`` is a HookRegistry wrapper around ``spec.impl``."""
+    try:
+        current = resolve_target(spec.target)
+    except (ImportError, AttributeError, ValueError):
+        return False  # the target moved or vanished
+    return spec.implementation() in _wrapping_hooks(current)
 
 
 def install_hooks(areas: Iterable[str] | None = None) -> list[HookSpec]:
