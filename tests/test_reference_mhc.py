@@ -160,3 +160,21 @@ def test_collapse_is_pre_weighted_sum() -> None:
     out = hc_collapse(R, pre)
     assert torch.equal(out, bf16((pre[:, :, None] * R).sum(1)))
     assert not torch.equal(out, bf16(R.mean(1)))
+
+
+def test_coefficients_and_update_are_batch_invariant() -> None:
+    """A token's mHC math does not depend on the other tokens of the call (fp64 evaluation,
+    fixed-order stream sums): the basis of bit-exact chunked prefill."""
+    g = torch.Generator().manual_seed(7)
+    T, hc, H = 37, 4, 64
+    R = bf16(torch.randn(T, hc, H, generator=g))
+    y = bf16(torch.randn(T, H, generator=g))
+    fn = torch.randn(24, hc * H, generator=g) / 16
+    base, scale = torch.randn(24, generator=g) * 0.5, torch.tensor([0.8, 1.1, 1.7])
+    kw = dict(rms_eps=1e-20, hc_eps=EPS, sinkhorn_iters=20)
+    batch = hc_coefficients(R, fn, base, scale, **kw)
+    out = hc_residual_update(R, y, batch)
+    for t in (0, 5, 36):
+        one = hc_coefficients(R[t:t + 1], fn, base, scale, **kw)
+        assert torch.equal(one.pre, batch.pre[t:t + 1]) and torch.equal(one.comb, batch.comb[t:t + 1])
+        assert torch.equal(hc_residual_update(R[t:t + 1], y[t:t + 1], one), out[t:t + 1])

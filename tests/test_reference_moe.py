@@ -66,8 +66,8 @@ def test_bias_selects_but_does_not_weight() -> None:
     assert (r.experts == 7).any(dim=-1).all()
     scores = sqrt_softplus((x.double() @ w.double().t()).float())
     assert torch.equal(r.scores, scores)
-    chosen = scores.gather(-1, r.experts)
-    assert torch.equal(r.weights, chosen / (chosen.sum(-1, keepdim=True) + 1e-20))
+    chosen = scores.gather(-1, r.experts).double()
+    assert torch.equal(r.weights, (chosen / (chosen.sum(-1, keepdim=True) + 1e-20)).float())
     assert torch.allclose(r.weights.sum(-1), torch.ones(T))
     # the unbiased top-1 is still chosen as the other expert when it is not 7
     unbiased_best = torch.where(scores.argmax(-1) == 7, scores.topk(2).indices[:, 1], scores.argmax(-1))
@@ -154,3 +154,16 @@ def test_moe_act_quant_only_touches_shared_expert() -> None:
         w0[f"layers.0.ffn.shared_experts.w{j}.weight"] = torch.zeros_like(w[f"layers.0.ffn.shared_experts.w{j}.weight"])
     assert torch.equal(moe_sublayer(t, w0, "layers.0.", x, image_rows=None, act_quant=True),
                        moe_sublayer(t, w0, "layers.0.", x, image_rows=None, act_quant=False))
+
+
+def test_moe_is_batch_invariant() -> None:
+    cfg = tiny_config()
+    t = cfg.text
+    w = random_reference_weights(cfg, seed=9, dspark=False)
+    x = bf16(torch.randn(23, t.hidden_size, generator=torch.Generator().manual_seed(10)))
+    image = torch.zeros(23, dtype=torch.bool)
+    image[4:9] = True
+    y = moe_sublayer(t, w, "layers.5.", x, image_rows=image, act_quant=True)
+    for i in (0, 6, 22):
+        yi = moe_sublayer(t, w, "layers.5.", x[i:i + 1], image_rows=image[i:i + 1], act_quant=True)
+        assert torch.equal(yi, y[i:i + 1])

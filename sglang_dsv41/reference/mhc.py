@@ -6,7 +6,8 @@ parameters F = `hc_*_fn` [hc·(2+hc), hc·H], b = `hc_*_base`, α = `hc_*_scale`
 
 Invariants (spec §3.2, §11 items 1–3, §12 first bullet):
 
-* Coefficients are computed in fp32 from the residual that *enters* the hyper-connection:
+* Coefficients are computed from the residual that *enters* the hyper-connection (fp32
+  formula; evaluated in fp64 and rounded once to fp32, see the last bullet):
   m = (F·flat(R)) · rsqrt(mean(flat(R)²) + rms_eps) over all hc·H values (stream-major);
   pre = sigmoid(α₀·m[0:hc] + b) + hc_eps; post = 2·sigmoid(α₁·m[hc:2hc] + b);
   comb = Sinkhorn(α₂·m[2hc:] + b) with the **finite** `iters`-step form (row softmax, +ε,
@@ -17,9 +18,11 @@ Invariants (spec §3.2, §11 items 1–3, §12 first bullet):
   first hyper-connection of the model has none and reads stream 0.
 * Residual update: R'_k = bf16(post_k·y + Σ_j comb_jk·R_j) in fp32 math.
 * Final collapse: h = bf16(Σ_j pre_j·R_j) with the pre of the last layer's ffn-hc.
-* Token-wise and chunk-invariant: F·x is a correctly rounded fp32 dot product (fp64
-  accumulation) and the stream sums run in a fixed order (post·y first, then j = 0, 1, …), so
-  a token's coefficients and residual do not depend on how many tokens share the call.
+* Token-wise, chunk- and device-invariant: the coefficients (mix, rsqrt, sigmoid, softmax,
+  Sinkhorn) are evaluated in fp64 and rounded once to fp32 — the fp32 formula's value without
+  fp32 rounding noise, whatever the BLAS, reduction order or libm — and the stream sums run in
+  a fixed order (post·y first, then j = 0, 1, …) with IEEE fp32 multiplies and adds. A token's
+  coefficients and residual depend neither on how many tokens share the call nor on the device.
 """
 from __future__ import annotations
 
@@ -28,7 +31,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .ops import F32, bf16, matmul_fp32_exact, rms_norm
+from .ops import F32, bf16, rms_norm
+
+F64 = torch.float64
 
 
 @dataclass(frozen=True)
@@ -49,16 +54,17 @@ def sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:
 
     M ← softmax_k(C); M ← M + ε; M ← M / (colsum + ε); then (iters − 1) times:
     M ← M / (rowsum + ε); M ← M / (colsum + ε). rowsum_j = Σ_k M_jk, colsum_k = Σ_j M_jk.
-    Exactly `iters` column normalisations; never iterated to convergence.
+    Exactly `iters` column normalisations; never iterated to convergence. Evaluated in fp64,
+    returned as fp32.
     """
     if iters < 1:
         raise ValueError(f"Sinkhorn needs at least one iteration, got {iters}")
-    m = torch.softmax(logits.to(F32), dim=-1) + eps
+    m = torch.softmax(logits.to(F64), dim=-1) + eps
     m = m / (m.sum(dim=-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         m = m / (m.sum(dim=-1, keepdim=True) + eps)
         m = m / (m.sum(dim=-2, keepdim=True) + eps)
-    return m
+    return m.to(F32)
 
 
 def hc_coefficients(residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *,
@@ -70,18 +76,16 @@ def hc_coefficients(residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *
     T, hc, H = residual.shape
     if fn.shape != (hc * (2 + hc), hc * H):
         raise ValueError(f"hc fn has shape {tuple(fn.shape)}, expected {(hc * (2 + hc), hc * H)}")
-    x = residual.to(F32).reshape(T, hc * H)                       # stream-major flatten
-    # F·x as correctly rounded fp32 dot products (upstream: fp32-equivalent precision),
-    # independent of how many tokens share the call.
-    dots = matmul_fp32_exact(x, fn)
-    mix = dots * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + rms_eps)
-    a = scale.to(F32)
-    b = base.to(F32)
+    x = residual.to(F64).reshape(T, hc * H)                       # stream-major flatten
+    # upstream: fp32-equivalent precision (tf32×3 / split-bf16×3 / fp32); here fp64, rounded once
+    mix = (x @ fn.to(F64).t()) * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + rms_eps)
+    a = scale.to(F64)
+    b = base.to(F64)
     pre = torch.sigmoid(a[0] * mix[:, :hc] + b[:hc]) + hc_eps
     post = 2.0 * torch.sigmoid(a[1] * mix[:, hc:2 * hc] + b[hc:2 * hc])
     comb_logits = (a[2] * mix[:, 2 * hc:] + b[2 * hc:]).reshape(T, hc, hc)
     comb = sinkhorn(comb_logits, sinkhorn_iters, hc_eps)
-    return HcCoefficients(pre=pre, post=post, comb=comb)
+    return HcCoefficients(pre=pre.to(F32), post=post.to(F32), comb=comb)
 
 
 def hc_weighted_sum(residual: Tensor, pre: Tensor) -> Tensor:

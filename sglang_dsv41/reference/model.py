@@ -171,7 +171,7 @@ class ReferenceModel:
             if role.engram:
                 R = self._engram(i, R, engram_rows[t.engram_layer_ids.index(i)], image_rows)
             if capture and role.dspark_capture:
-                captured.append(bf16(R.mean(dim=1)))
+                captured.append(stream_mean(R))
             co = self._hc(i, "attn", R)
             x = hc_sublayer_input(R, carried_pre, w[f"layers.{i}.attn_norm.weight"], t.rms_norm_eps)
             y = attention_mod.attention_sublayer(t, role, w, i, x, positions, state.attention, scratch,
@@ -264,6 +264,14 @@ class ReferenceModel:
             if len(out) >= max_new_tokens or token in stop_ids:
                 return out
             logits = self.forward(state, [token]).logits[-1]
+
+
+def stream_mean(R: Tensor) -> Tensor:
+    """bf16(mean over streams) with a fixed summation order (DSpark target feature, spec §4)."""
+    acc = R[:, 0].to(F32)
+    for j in range(1, R.shape[1]):
+        acc = acc + R[:, j]
+    return bf16(acc / R.shape[1])
 
 
 def pick_token(logits: Tensor, greedy: bool, temperature: float, gen: torch.Generator) -> int:

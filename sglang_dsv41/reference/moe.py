@@ -3,8 +3,7 @@
 
 Invariants:
 
-* Router logits = x·W_gateᵀ with BF16 inputs/weights and **fp32** output (correctly rounded,
-  `ops.matmul_fp32_exact`, so routing does not depend on the chunking); scores
+* Router logits = x·W_gateᵀ with BF16 inputs/weights and **fp32** output; scores
   s_e = sqrt(softplus(logit_e)), softplus(z) = z if z > 20 else log1p(exp(z)) (fp32).
 * Selection uses s_e + bias_e (bias = `gate.bias_vl` for image-token rows when the model has
   vision, else `gate.bias`); top-k with the **explicit** rule: NaN ranks first, then larger
@@ -17,6 +16,10 @@ Invariants:
   W4A16 path (spec §3.8); `act_quant` never applies to them. The shared expert is an FP8
   dense linear (`ops.linear_fp8`, activation quantisation per `act_quant`).
 * y = bf16(S(x) + bf16(routed_scaling_factor · Σ_k w_k·E_{e_k}(x))), the routed sum in fp32.
+* Every fp32 quantity above (logits, softplus/sqrt, renormalised weights, silu·u, the routed
+  sum) is evaluated in fp64 and rounded once to fp32 — the fp32 formula's value free of fp32
+  rounding noise — so routing and outputs do not depend on chunking, BLAS, reduction order
+  or the device's libm.
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ from torch import Tensor
 
 from ..config import TextConfig
 from .ops import F32, bf16, linear_bf16, linear_fp8, matmul_fp32_exact
+
+F64 = torch.float64
 
 SOFTPLUS_THRESHOLD = 20.0
 RENORM_EPS = 1e-20
@@ -46,9 +51,9 @@ class Routing:
 
 def sqrt_softplus(logits: Tensor) -> Tensor:
     """s = sqrt(softplus(z)) with softplus(z) = z if z > 20 else log1p(exp(z)), fp32 (§3.6)."""
-    z = logits.to(F32)
+    z = logits.to(F64)
     soft = torch.where(z > SOFTPLUS_THRESHOLD, z, torch.log1p(torch.exp(z.clamp(max=SOFTPLUS_THRESHOLD))))
-    return torch.sqrt(soft)
+    return torch.sqrt(soft).to(F32)
 
 
 def topk_lower_id_on_ties(values: Tensor, k: int) -> Tensor:
@@ -91,16 +96,17 @@ def route(x: Tensor, gate_weight: Tensor, bias: Tensor, top_k: int,
     if bias_vl is not None:
         row_bias = torch.where(image_rows.unsqueeze(-1), bias_vl.to(F32).expand_as(scores), row_bias)
     experts = topk_lower_id_on_ties(scores + row_bias, top_k)
-    chosen = scores.gather(-1, experts)
-    weights = chosen / (chosen.sum(dim=-1, keepdim=True) + RENORM_EPS)
+    chosen = scores.gather(-1, experts).to(F64)
+    weights = (chosen / (chosen.sum(dim=-1, keepdim=True) + RENORM_EPS)).to(F32)
     return Routing(experts=experts, weights=weights, scores=scores)
 
 
 def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
-    """bf16( silu(min(bf16(g), L)) ⊙ clamp(bf16(u), −L, L) ), fp32 math (spec §3.6)."""
-    g = bf16(gate).clamp(max=limit)
-    u = bf16(up).clamp(min=-limit, max=limit)
-    return bf16(F_.silu(g) * u)
+    """bf16( silu(min(bf16(g), L)) ⊙ clamp(bf16(u), −L, L) ) (spec §3.6); the fp32 silu/product
+    is evaluated in fp64 and rounded once (to BF16)."""
+    g = bf16(gate).clamp(max=limit).to(F64)
+    u = bf16(up).clamp(min=-limit, max=limit).to(F64)
+    return bf16((F_.silu(g) * u).to(F32))
 
 
 def routed_expert(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, limit: float) -> Tensor:
@@ -135,13 +141,14 @@ def moe_sublayer(cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tenso
         raise ValueError(f"{p}gate.weight has {routing.scores.shape[-1]} experts, expected {E}")
 
     T, H = x.shape
-    per_slot = torch.zeros(T, k, H, dtype=F32, device=x.device)   # E_{e_k}(x_t), BF16 values
+    per_slot = torch.zeros(T, k, H, dtype=F64, device=x.device)   # E_{e_k}(x_t), BF16 values
     for e in torch.unique(routing.experts).tolist():
         rows, slot = torch.nonzero(routing.experts == e, as_tuple=True)
         per_slot[rows, slot] = routed_expert(x[rows], w[f"{p}experts.{e}.w1.weight"],
                                              w[f"{p}experts.{e}.w2.weight"],
-                                             w[f"{p}experts.{e}.w3.weight"], limit)
-    routed = bf16(cfg.routed_scaling_factor * (routing.weights.unsqueeze(-1) * per_slot).sum(dim=1))
+                                             w[f"{p}experts.{e}.w3.weight"], limit).to(F64)
+    weighted = routing.weights.to(F64).unsqueeze(-1) * per_slot
+    routed = bf16((cfg.routed_scaling_factor * weighted.sum(dim=1)).to(F32))
     shared = shared_expert(x, w[p + "shared_experts.w1.weight"], w[p + "shared_experts.w2.weight"],
                            w[p + "shared_experts.w3.weight"], limit, act_quant)
     return bf16(shared + routed)
