@@ -348,3 +348,31 @@ def test_grammar_named_tool_must_exist():
     with pytest.raises(ValueError, match="not among the declared tools"):
         dsml_structural_tag(GRAMMAR_TOOLS, tool_choice={"function": {"name": "zz"}},
                             parallel_tool_calls=True, reasoning=False)
+
+
+def test_grammar_accepts_model_token_ids_with_dsml_special_token(tmp_path):
+    """Token level, with a real HF tokenizer: ``｜DSML｜`` is one special token in the model's
+    output, and xgrammar must let it through; plain text is refused under ``required``."""
+    import xgrammar
+    from transformers import PreTrainedTokenizerFast
+
+    from sglang_dsv41.api.dsml_grammar import dsml_structural_tag
+    from sglang_dsv41.api.prompt_tokens import PromptTokenEncoder
+    from sglang_dsv41.checkpoint.tokenizer import build_tiny_tokenizer
+
+    tok = PreTrainedTokenizerFast.from_pretrained(str(build_tiny_tokenizer(tmp_path)))
+    encoder = PromptTokenEncoder(tok)
+    compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok)))
+    tag = dsml_structural_tag(GRAMMAR_TOOLS, tool_choice="required", parallel_tool_calls=True,
+                              reasoning=False)
+    compiled = compiler.compile_structural_tag(tag.model_dump_json())
+    reply = recipe_reply(R_ONE)
+    pieces = reply.split("｜DSML｜")
+    ids = [i for n, piece in enumerate(pieces) for i in
+           encoder.encode_plain(piece) + ([encoder.special_id("｜DSML｜")] if n < len(pieces) - 1 else [])]
+    assert ids.count(encoder.special_id("｜DSML｜")) == reply.count("｜DSML｜")
+    matcher = xgrammar.GrammarMatcher(compiled)
+    assert all(matcher.accept_token(t) for t in ids)
+    assert matcher.accept_token(tok.eos_token_id) and matcher.is_terminated()
+    refusing = xgrammar.GrammarMatcher(compiled)
+    assert not refusing.accept_token(encoder.encode_plain("Sure")[0])

@@ -222,15 +222,6 @@ class DsmlStreamParser:
             self._pending_ws = ""
         return out
 
-    @property
-    def in_tool_markup(self) -> bool:
-        """True while inside a calls section or an invoke (markup being consumed)."""
-        return self._state != "content"
-
-    @property
-    def call_count(self) -> int:
-        return self._n_calls
-
     def closed_arguments(self) -> tuple[int, str, str] | None:
         """(index, emitted, final) for the open call: ``final`` is what `finish` would make of it."""
         call = self._call
