@@ -38,6 +38,7 @@ class LaunchCommand:
     argv: list[str]
     env: dict[str, str]
     device: str
+    dry_run: bool = False
 
     def shell(self) -> str:
         keys = ("SGLANG_USE_CPU_ENGINE", "LD_LIBRARY_PATH", "HF_HUB_OFFLINE")
@@ -109,14 +110,13 @@ def build_launch(argv: list[str]) -> LaunchCommand:
         env = dict(os.environ)
         args += ["--device", "cuda"]
     argv_out = [sys.executable, "-m", "sglang.launch_server", *args, *rest]
-    return LaunchCommand(argv=argv_out, env=env, device=device)
+    return LaunchCommand(argv=argv_out, env=env, device=device, dry_run=ours.dry_run)
 
 
 def cli(argv: list[str]) -> int:
     """Entry point of `sglang-dsv41 serve`: exec the SGLang server (does not return on success)."""
-    dry_run = "--dry-run" in argv
     launch = build_launch(argv)
-    if dry_run:
+    if launch.dry_run:
         print(launch.shell())
         return 0
     sys.stdout.flush()

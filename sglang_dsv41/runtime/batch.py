@@ -64,21 +64,13 @@ class BatchLayout:
         return self.req_to_token[self.req_rows[b], positions].to(torch.int64)
 
 
-def layout_from_forward_batch(forward_batch, positions: Tensor, req_to_token: Tensor) -> BatchLayout:
-    """Build and check the `BatchLayout` of an SGLang `ForwardBatch`."""
-    mode = forward_batch.forward_mode
-    if mode.name not in SUPPORTED_MODES:
-        raise RuntimeError(f"sglang-dsv41 torch path: forward mode {mode.name} is not supported "
-                           f"(supported: {', '.join(SUPPORTED_MODES)}; speculative decoding and "
-                           "split prefill need the later kernel phase)")
+def make_layout(req_rows: Tensor, prefix_lens: Tensor, extend_lens: Tensor, positions: Tensor,
+                out_slots: Tensor, req_to_token: Tensor) -> BatchLayout:
+    """A checked `BatchLayout` (see the module invariant); all index tensors on one device."""
     device = positions.device
-    seq_lens = forward_batch.seq_lens.to(device=device, dtype=torch.int64)
-    B = int(seq_lens.numel())
-    if mode.is_decode() or mode.is_idle():
-        extend_lens = torch.ones(B, dtype=torch.int64, device=device)
-    else:
-        extend_lens = forward_batch.extend_seq_lens.to(device=device, dtype=torch.int64)
-    prefix_lens = seq_lens - extend_lens
+    req_rows, prefix_lens, extend_lens = (x.to(device=device, dtype=torch.int64).reshape(-1)
+                                          for x in (req_rows, prefix_lens, extend_lens))
+    B = int(req_rows.numel())
     starts = torch.cumsum(extend_lens, 0) - extend_lens
     N = int(extend_lens.sum()) if B else 0
     pos = positions.to(torch.int64).reshape(-1)
@@ -90,12 +82,28 @@ def layout_from_forward_batch(forward_batch, positions: Tensor, req_to_token: Te
         raise RuntimeError("sglang-dsv41: token positions are not each request's consecutive positions "
                            f"from its prefix length (got {pos[:8].tolist()}…, expected "
                            f"{expected[:8].tolist()}…)")
-    req_rows = forward_batch.req_pool_indices.to(device=device, dtype=torch.int64)
-    out_slots = forward_batch.out_cache_loc.to(device=device, dtype=torch.int64).reshape(-1)
+    out_slots = out_slots.to(device=device, dtype=torch.int64).reshape(-1)
     layout = BatchLayout(req_rows=req_rows, prefix_lens=prefix_lens, extend_lens=extend_lens,
-                         seq_lens=seq_lens, starts=starts, positions=pos, token_req=token_req,
-                         out_slots=out_slots, req_to_token=req_to_token)
+                         seq_lens=prefix_lens + extend_lens, starts=starts, positions=pos,
+                         token_req=token_req, out_slots=out_slots, req_to_token=req_to_token)
     if N and not torch.equal(layout.slots_at(token_req, pos), out_slots):
         raise RuntimeError("sglang-dsv41: out_cache_loc disagrees with req_to_token at the batch's "
                            "positions (the slot map must be written before the forward)")
     return layout
+
+
+def layout_from_forward_batch(forward_batch, positions: Tensor, req_to_token: Tensor) -> BatchLayout:
+    """The `BatchLayout` of an SGLang `ForwardBatch` (extend, decode, mixed or idle)."""
+    mode = forward_batch.forward_mode
+    if mode.name not in SUPPORTED_MODES:
+        raise RuntimeError(f"sglang-dsv41 torch path: forward mode {mode.name} is not supported "
+                           f"(supported: {', '.join(SUPPORTED_MODES)}; speculative decoding and "
+                           "split prefill need the later kernel phase)")
+    device = positions.device
+    seq_lens = forward_batch.seq_lens.to(device=device, dtype=torch.int64)
+    if mode.is_decode() or mode.is_idle():
+        extend_lens = torch.ones_like(seq_lens)
+    else:
+        extend_lens = forward_batch.extend_seq_lens.to(device=device, dtype=torch.int64)
+    return make_layout(forward_batch.req_pool_indices, seq_lens - extend_lens, extend_lens, positions,
+                       forward_batch.out_cache_loc, req_to_token)

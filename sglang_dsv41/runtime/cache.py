@@ -72,6 +72,20 @@ class RuntimeCaches:
                 raise RuntimeError(f"KV pool dtype {buf.dtype} cannot hold the SWA kv exactly; serve with "
                                    "--kv-cache-dtype auto (bf16) on the torch path")
             swa.append(buf[:, 0, :])
+        return cls.around_swa(swa, cfg, pool_id=id(pool), profile=profile)
+
+    @classmethod
+    def allocate(cls, cfg: TextConfig, num_slots: int, device: torch.device | str = "cpu",
+                 profile: CacheProfile = CacheProfile.NONE) -> "RuntimeCaches":
+        """Stand-alone buffers (own BF16 SWA rows) for `num_slots` slots — tests and tools."""
+        swa = [torch.zeros(num_slots, cfg.head_dim, dtype=torch.bfloat16, device=device)
+               for _ in range(cfg.num_hidden_layers)]
+        return cls.around_swa(swa, cfg, pool_id=-1, profile=profile)
+
+    @classmethod
+    def around_swa(cls, swa: list[Tensor], cfg: TextConfig, *, pool_id: int,
+                   profile: CacheProfile) -> "RuntimeCaches":
+        """The side buffers, sized and placed like the given per-layer SWA rows."""
         n = swa[0].shape[0]
         device = swa[0].device
         bf16, f32 = torch.bfloat16, torch.float32
@@ -85,11 +99,19 @@ class RuntimeCaches:
             pair_kv={s: torch.zeros(n, cfg.head_dim, dtype=f32, device=device) for s in ratio2},
             pair_score={s: torch.zeros(n, cfg.head_dim, dtype=f32, device=device) for s in ratio2},
             token_ids=torch.zeros(n, dtype=torch.int64, device=device),
-            pool_id=id(pool),
+            pool_id=pool_id,
             profile=CacheProfile(profile),
         )
 
     # ---- accounting ----------------------------------------------------------------------------
+    @staticmethod
+    def planned_side_bytes_per_token(cfg: TextConfig) -> int:
+        """Bytes per token `around_swa` allocates beside the SWA rows, from the config alone."""
+        sources = cfg.kv_source_layer_ids
+        ratio2 = sum(1 for s in sources if cfg.compress_ratios[s] == 2)
+        bf16, f32, i64 = 2, 4, 8
+        return len(sources) * (cfg.head_dim + cfg.index_head_dim) * bf16 + ratio2 * 2 * cfg.head_dim * f32 + i64
+
     def sglang_bytes_per_token(self) -> int:
         """Bytes per token SGLang's pool budgets (our SWA rows)."""
         return sum(b.shape[1] * b.element_size() for b in self.swa)

@@ -1,0 +1,141 @@
+"""The DeepSeek-V4.1 forward of a packed batch over slot caches — no SGLang objects (spec §3).
+
+`TorchForward.hidden_states(input_ids, layout, caches)` follows the reference model
+(`reference/model.py`) step by step and calls the reference's math on tensors; only how the
+per-request state is stored differs (slot buffers, `runtime/cache.py`, instead of a per-request
+`RequestState`):
+
+1. ids remapped like `ReferenceModel.remap_ids` (vision: ids ≥ 1,000,000 → image_token_id,
+   §3.1); each token's id is stored in its slot; Engram rows are hashed per request with the
+   n-gram history read from the slots of the request's previous positions
+   (`EngramHasher.row_ids(..., extend_lens)`, §3.3.1) — so the history survives chunked prefill,
+   decode, prefix-cache hits and preemption;
+2. R⁰ = embedding broadcast to the hc streams; per layer: Engram → attn-hc → attention
+   (`runtime/attention.py`) → ffn-hc → MoE (`reference.moe.moe_sublayer`), with the lagged pre
+   (`reference.mhc`, §3.2);
+3. final collapse and `norm` (§3.7); the LM head is applied by the caller.
+
+Kept free of SGLang imports so the batching / caching invariants are unit-tested directly
+against `ReferenceModel` (`tests/test_runtime_forward.py`).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Iterator, Mapping
+
+import torch
+from torch import Tensor
+
+from ..config import DeepseekV41Config
+from ..engram_hash import MULTIMODAL_PAD_ID_BASE, EngramHasher
+from ..reference import moe as moe_mod
+from ..reference.engram import engram_residual_update
+from ..reference.mhc import hc_coefficients, hc_collapse, hc_residual_update, hc_sublayer_input
+from ..reference.ops import F32, linear_fp8, matmul_fp32_exact, rms_norm
+from ..reference.state import NumericsProfile
+from .attention import ForwardScratch, attention_sublayer
+from .batch import BatchLayout
+from .cache import RuntimeCaches
+
+
+@contextlib.contextmanager
+def fp32_default_dtype() -> Iterator[None]:
+    """The reference math assumes torch's default float dtype (fp32); SGLang builds and loads
+    models under its model dtype, so pin fp32 for the duration of a forward / weight load."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class TorchForward:
+    """Weights + constants of one model; `hidden_states` runs a batch (see the module doc).
+
+    `weights`: DeepSeek-native names → dequantised fp32 tensors (`checkpoint.loader`), on the
+    device the forward runs on; `hasher`: the Engram hasher (None without Engram layers).
+    """
+
+    def __init__(self, cfg: DeepseekV41Config, weights: Mapping[str, Tensor], hasher: EngramHasher | None,
+                 numerics: NumericsProfile = NumericsProfile()) -> None:
+        if cfg.text.engram_layer_ids and hasher is None:
+            raise ValueError("the model has Engram layers: an EngramHasher is required (spec §3.3.1)")
+        self.cfg = cfg
+        self.text = cfg.text
+        self.roles = self.text.layer_roles()
+        self.weights = weights
+        self.hasher = hasher
+        self.numerics = numerics
+
+    def remap_ids(self, ids: Tensor) -> Tensor:
+        """Language-model ids (spec §3.1 item 3), as `ReferenceModel.remap_ids`."""
+        ids = ids.to(torch.int64).reshape(-1)
+        if self.cfg.has_vision:
+            ids = torch.where(ids >= MULTIMODAL_PAD_ID_BASE, torch.full_like(ids, self.cfg.image_token_id), ids)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.text.vocab_size):
+            raise ValueError(f"token ids outside the vocabulary [0, {self.text.vocab_size}): "
+                             f"min {int(ids.min())}, max {int(ids.max())}")
+        return ids
+
+    def engram_rows(self, ids: Tensor, layout: BatchLayout, caches: RuntimeCaches) -> list[Tensor]:
+        """Row ids per Engram layer; history = each request's last K ids before its chunk, read
+        from the slots of its earlier positions (pad id where the position is < 0)."""
+        assert self.hasher is not None
+        K = self.hasher.history_len
+        back = layout.prefix_lens[:, None] - K + torch.arange(K, device=ids.device)[None, :]   # [B, K]
+        present = back >= 0
+        req = torch.arange(layout.num_requests, device=ids.device)[:, None].expand_as(back)
+        slots = layout.slots_at(req, back.clamp(min=0))
+        history = torch.where(present, caches.token_ids[slots], torch.full_like(slots, self.hasher.pad_token_id))
+        return self.hasher.row_ids(ids, layout.positions, history, layout.extend_lens)
+
+    def _hc(self, layer: int, sub: str, R: Tensor):
+        w, t = self.weights, self.text
+        p = f"layers.{layer}.hc_{sub}_"
+        return hc_coefficients(R, w[p + "fn"], w[p + "base"], w[p + "scale"], rms_eps=t.rms_norm_eps,
+                               hc_eps=t.hc_eps, sinkhorn_iters=t.hc_sinkhorn_iters)
+
+    @torch.no_grad()
+    def hidden_states(self, input_ids: Tensor, layout: BatchLayout, caches: RuntimeCaches) -> Tensor:
+        """Final normed hidden states [N, hidden] (BF16 values in fp32) of every batch token;
+        writes every cache row of the batch's slots."""
+        t, w, act_quant = self.text, self.weights, self.numerics.act_quant
+        if caches.profile is not self.numerics.cache:
+            raise ValueError(f"caches hold profile {caches.profile}, the model computes {self.numerics.cache}")
+        ids = self.remap_ids(input_ids)
+        N = ids.shape[0]
+        if N != layout.num_tokens:
+            raise ValueError(f"{N} input ids for a layout of {layout.num_tokens} tokens")
+        if N == 0:
+            return torch.zeros(0, t.hidden_size, dtype=F32, device=ids.device)
+        caches.token_ids[layout.out_slots] = ids
+        image_rows = (ids == self.cfg.image_token_id) if self.cfg.has_vision else None
+        engram_rows = self.engram_rows(ids, layout, caches) if self.hasher is not None else []
+        linear = functools.partial(linear_fp8, act_quant=act_quant)
+
+        R = w["embed.weight"][ids].unsqueeze(1).expand(N, t.hc_mult, t.hidden_size).contiguous()
+        scratch = ForwardScratch()
+        carried_pre: Tensor | None = None
+        for role in self.roles:
+            i = role.layer
+            if role.engram:
+                p = f"layers.{i}.engram."
+                R = engram_residual_update(R, engram_rows[t.engram_layer_ids.index(i)], w[p + "embed.weight"],
+                                           w[p + "wkv.weight"], w[p + "q_weight"], w[p + "k_weight"],
+                                           t.rms_norm_eps, image_rows=image_rows, linear=linear)
+            co = self._hc(i, "attn", R)
+            x = hc_sublayer_input(R, carried_pre, w[f"layers.{i}.attn_norm.weight"], t.rms_norm_eps)
+            y = attention_sublayer(t, role, w, x, layout, caches, scratch, act_quant)
+            R, carried_pre = hc_residual_update(R, y, co), co.pre
+            co = self._hc(i, "ffn", R)
+            x = hc_sublayer_input(R, carried_pre, w[f"layers.{i}.ffn_norm.weight"], t.rms_norm_eps)
+            y = moe_mod.moe_sublayer(t, w, f"layers.{i}.", x, image_rows=image_rows, act_quant=act_quant)
+            R, carried_pre = hc_residual_update(R, y, co), co.pre
+        assert carried_pre is not None
+        return rms_norm(hc_collapse(R, carried_pre), w["norm.weight"], t.rms_norm_eps)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """fp32 logits [N, vocab] of the BF16 head, correctly rounded (spec §3.7)."""
+        return matmul_fp32_exact(hidden, self.weights["head.weight"])

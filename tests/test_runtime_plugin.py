@@ -1,0 +1,104 @@
+"""The SGLang plugin: entry point, version guard, loud failure, and that a V4.1 checkpoint can only
+be served by our class (runtime.md §B; issue 3 item 1)."""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from sglang_dsv41 import plugin
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_entry_point_is_declared_and_installed() -> None:
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    assert declared["sglang.srt.plugins"] == {"dsv41": "sglang_dsv41.plugin:register"}
+    installed = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="sglang.srt.plugins")}
+    assert installed.get("dsv41") == "sglang_dsv41.plugin:register"
+
+
+def test_version_guard_names_both_versions() -> None:
+    with pytest.raises(plugin.PluginLoadError) as e:
+        plugin.check_sglang_version("0.5.23")
+    assert "0.5.17" in e.value.message and "0.5.23" in e.value.message
+    assert isinstance(e.value, SystemExit)        # SGLang's loader catches Exception, not SystemExit
+    plugin.check_sglang_version("0.5.17")         # the supported version passes
+
+
+def test_register_refuses_other_sglang_before_touching_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    monkeypatch.setattr(plugin, "installed_sglang_version", lambda: "0.5.18")
+    monkeypatch.setattr(plugin, "register_config", lambda: calls.append("config"))
+    with pytest.raises(plugin.PluginLoadError, match=r"0\.5\.17.*0\.5\.18"):
+        plugin.register()
+    assert calls == []
+
+
+def test_registration_failure_stops_the_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plugin, "installed_sglang_version", lambda: plugin.SUPPORTED_SGLANG_VERSION)
+    monkeypatch.setattr(plugin, "register_config", lambda: None)
+
+    def broken() -> None:
+        raise ImportError("no module named sglang.srt.models.registry")
+
+    monkeypatch.setattr(plugin, "register_model", broken)
+    with pytest.raises(plugin.PluginLoadError, match="ImportError"):
+        plugin.register()
+
+
+def test_v41_checkpoint_resolves_to_our_class_and_no_v4_path(tiny_checkpoint: Path) -> None:
+    """In-process, as SGLang's scheduler does it: load_plugins() then ModelConfig + architecture."""
+    from sglang.srt.configs.model_config import AttentionArch, ModelConfig, is_deepseek_dsa, is_deepseek_v4
+    from sglang.srt.model_loader.utils import get_model_architecture
+    from sglang.srt.models.registry import ModelRegistry
+    from sglang.srt.plugins import load_plugins
+
+    from sglang_dsv41.runtime.model import DeepseekV41ForCausalLM
+
+    load_plugins()
+    plugin.register()                                          # idempotent
+    mc = ModelConfig(str(tiny_checkpoint))
+    cls, arch = get_model_architecture(mc)
+    assert cls is DeepseekV41ForCausalLM and arch == "DeepseekV41ForCausalLM"
+    assert mc.hf_config.architectures == ["DeepseekV41ForCausalLM"]
+    assert mc.hf_config.model_type == "deepseek_v41"
+    # none of the V4 / DSA / MLA / multimodal / FP8 paths engage for our architecture
+    assert not is_deepseek_v4(mc.hf_config) and not is_deepseek_dsa(mc.hf_config)
+    assert mc.attention_arch == AttentionArch.MHA
+    assert not mc.is_multimodal and mc.quantization is None
+    assert not getattr(mc, "is_hybrid_swa", False)
+    # SGLang's pool holds exactly one head_dim row per token and layer (our SWA kv), no V rows
+    assert (mc.get_num_kv_heads(1), mc.head_dim, mc.v_head_dim) == (1, 96, 0)
+    assert mc.context_len == 4096
+    # V4's own class is untouched: we add an architecture, we do not replace V4
+    assert ModelRegistry.models["DeepseekV4ForCausalLM"] is not DeepseekV41ForCausalLM
+
+
+@pytest.mark.slow
+def test_stock_sglang_refuses_a_v41_checkpoint(tiny_checkpoint: Path) -> None:
+    """Without our plugin (SGLang's allow-list excludes it) the checkpoint is refused — neither
+    served by the V4 model nor by SGLang's Transformers fallback."""
+    script = textwrap.dedent(f"""
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        from sglang.srt.models.registry import ModelRegistry
+        assert "DeepseekV41ForCausalLM" not in ModelRegistry.models
+        from sglang.srt.configs.model_config import ModelConfig
+        try:
+            ModelConfig({str(tiny_checkpoint)!r})
+        except ValueError as e:
+            print("REFUSED:", str(e).splitlines()[0])
+        else:
+            print("SERVED")
+    """)
+    env = dict(os.environ, SGLANG_PLUGINS="only-a-plugin-that-does-not-exist")
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "REFUSED:" in run.stdout and "deepseek_v41" in run.stdout, run.stdout
