@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextvars
 import inspect
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .effort import (
@@ -48,9 +48,10 @@ MODEL_TYPE = "deepseek_v41"
 
 @dataclass
 class _Conversion:
+    """State of one request while SGLang converts it (decision in, prompt ids out)."""
+
     decision: ReasoningDecision
     prompt_ids: list[int] | None = None
-    notes: dict[str, Any] = field(default_factory=dict)
 
 
 _CURRENT: contextvars.ContextVar[_Conversion | None] = contextvars.ContextVar(
@@ -210,9 +211,18 @@ def setup_http_server_hook(original, *args, **kwargs):
 
 
 def install_chat_middleware(app: Any) -> None:
-    """Add the middleware to a FastAPI app (idempotent); must run before the app starts."""
+    """Add the middleware to a FastAPI app (idempotent); must run before the app starts.
+
+    It goes *innermost* among the user middleware (after CORS, request decompression, API-key
+    checks), so its 400s carry CORS headers and it sees decompressed, authorised bodies.
+    """
+    from starlette.middleware import Middleware
+
     from .http_middleware import ChatReasoningMiddleware
 
     if any(m.cls is ChatReasoningMiddleware for m in app.user_middleware):
         return
-    app.add_middleware(ChatReasoningMiddleware, table=effort_table_from_env)
+    if app.middleware_stack is not None:
+        raise RuntimeError("the HTTP app already started; the DeepSeek-V4.1 chat middleware must "
+                           "be installed before serving")
+    app.user_middleware.append(Middleware(ChatReasoningMiddleware, table=effort_table_from_env))
