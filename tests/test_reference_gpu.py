@@ -1,8 +1,9 @@
 """The reference runs unchanged on a CUDA device and agrees with the CPU run (GPU machine only).
 
-Bound: fp32 logits within 2e-3 absolute of the CPU logits (transcendentals — exp, sin/cos,
-sigmoid, softplus — are computed by different libraries on the two devices; every matmul is
-accumulated in float64 on both), greedy tokens equal for 32 steps.
+Bound: fp32 logits within 1e-6 absolute of the CPU logits — in practice bit-identical, since
+the reference evaluates every fp32 formula (matmuls, norms, RoPE, softmaxes, gates) in float64
+and rounds once, so device libraries cannot disagree past the last float64 bits — and greedy
+tokens equal for 32 steps.
 """
 from __future__ import annotations
 
@@ -25,5 +26,7 @@ def test_reference_on_cuda_matches_cpu(tiny_checkpoint, cache: str) -> None:
     lc = cpu.forward(cpu.new_request(), PROMPT).logits
     lg = gpu.forward(gpu.new_request(), PROMPT).logits.cpu()
     assert torch.isfinite(lg).all()
-    assert (lc - lg).abs().max().item() < 2e-3
+    diff = (lc - lg).abs().max().item()
+    print(f"cache={cache}: max |logit_cpu - logit_cuda| = {diff:.3g}")
+    assert diff <= 1e-6
     assert cpu.generate(PROMPT, 32) == gpu.generate(PROMPT, 32)

@@ -132,8 +132,8 @@ def _w(w: Mapping[str, Tensor], key: str) -> Tensor:
 def rms_norm_fp32(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """fp32(x)·rsqrt(mean(x²)+ε)·fp32(w) **without** the BF16 output rounding (the kv path
     normalises, rotates and quantises in registers, spec §3.4.1)."""
-    xf = x.to(torch.float32)
-    return xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.to(torch.float32)
+    xd = x.to(torch.float64)  # float64, rounded once: device-invariant (ops convention)
+    return (xd * torch.rsqrt(xd.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.to(torch.float64)).to(torch.float32)
 
 
 def project_q(cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor, positions: Tensor,

@@ -109,8 +109,10 @@ def ratio2_latents(cfg: TextConfig, w, prefix: str, x: Tensor, positions: Tensor
     D = a.shape[1]
     a_pairs = a[: 2 * n_pairs].reshape(n_pairs, 2, D)
     s_pairs = s[: 2 * n_pairs].reshape(n_pairs, 2, D)
-    sigma = torch.softmax(s_pairs, dim=1)  # per-dimension softmax over the pair's two tokens
-    pooled = a_pairs[:, 0] * sigma[:, 0] + a_pairs[:, 1] * sigma[:, 1]
+    # per-dimension softmax over the pair's two tokens; float64 then one rounding (device-invariant)
+    sigma = torch.softmax(s_pairs.to(torch.float64), dim=1)
+    a64 = a_pairs.to(torch.float64)
+    pooled = (a64[:, 0] * sigma[:, 0] + a64[:, 1] * sigma[:, 1]).to(torch.float32)
     latents = ops.rms_norm(ops.bf16(pooled), _weight(w, prefix, "compressor.norm.weight"), cfg.rms_norm_eps)
     return latents, pos[0 : 2 * n_pairs : 2], new_pending
 

@@ -49,16 +49,17 @@ def engram_gate(residual: Tensor, keys: Tensor, q_weight: Tensor, k_weight: Tens
     """g [T, hc] (fp32) from residual [T, hc, H] and keys [T, hc, H] (spec §3.3.2):
     sigmoid(sign(dot)·sqrt(max(|dot|, 1e−6))) with dot the doubly RMS-normalised weighted
     inner product of each stream with its own key."""
-    h = residual.to(F32)
-    key = keys.to(F32)
+    f64 = torch.float64  # evaluated in float64, rounded once: device-invariant (ops convention)
+    h = residual.to(f64)
+    key = keys.to(f64)
     hidden = h.shape[-1]
-    w = q_weight.to(F32) * k_weight.to(F32)                     # [hc, H]
+    w = q_weight.to(F32).to(f64) * k_weight.to(F32).to(f64)     # [hc, H]
     inner = (h * w * key).sum(dim=-1)                          # [T, hc]
     h_rms_inv = torch.rsqrt(h.pow(2).mean(dim=-1) + eps)
     key_rms_inv = torch.rsqrt(key.pow(2).mean(dim=-1) + eps)
     dot = inner * h_rms_inv * key_rms_inv * (hidden ** -0.5)
     signed_sqrt = torch.sign(dot) * torch.sqrt(dot.abs().clamp(min=GATE_DOT_FLOOR))
-    return torch.sigmoid(signed_sqrt)
+    return torch.sigmoid(signed_sqrt).to(F32)
 
 
 def engram_residual_update(
@@ -102,7 +103,7 @@ def engram_residual_update(
     value = kv[:, hc * hidden:]                                # [T, H], shared by all streams
 
     gate = engram_gate(R, keys, q_weight, k_weight, eps)       # [T, hc]
-    updated = bf16(R.to(F32) + gate[:, :, None] * value[:, None, :])
+    updated = bf16((R.to(torch.float64) + gate.to(torch.float64)[:, :, None] * value.to(torch.float64)[:, None, :]).to(F32))
     if image_rows is not None:
         updated = torch.where(image_rows.to(torch.bool)[:, None, None], R.to(F32), updated)
     return updated.to(R.dtype)

@@ -93,10 +93,13 @@ def fp4_fake_quant_ue8m0_scale(x: torch.Tensor, group: int = 32) -> torch.Tensor
 # ---- norms and linears --------------------------------------------------------------------
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """bf16( fp32(x)·rsqrt(mean(fp32(x)²) + ε)·fp32(w) ), returned as fp32 values (spec §3)."""
-    xf = x.to(F32)
-    y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.to(F32)
-    return bf16(y)
+    """bf16( x·rsqrt(mean(x²) + ε)·w ), returned as fp32 values (spec §3).
+
+    Evaluated in float64 and rounded once (the reference's device-invariance convention, see
+    `_matmul_exact`): CPU and CUDA give identical bits."""
+    xd = x.to(torch.float64)
+    y = xd * torch.rsqrt(xd.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.to(torch.float64)
+    return bf16(y.to(F32))
 
 
 def fp8_act_fake_quant(x: torch.Tensor, group: int = 32) -> torch.Tensor:
@@ -168,15 +171,15 @@ def apply_rope_tail(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Te
     """
     rd = 2 * inv_freq.numel()
     xf = x.to(F32)
-    head, tail = xf[..., :-rd], xf[..., -rd:]
-    ang = positions.to(F32)[:, None] * inv_freq[None, :]  # [T, rd/2]
-    ang = ang.reshape(ang.shape[0], *([1] * (x.dim() - 2)), ang.shape[1])
-    cos, sin = torch.cos(ang), torch.sin(ang)
+    head, tail = xf[..., :-rd], xf[..., -rd:].to(torch.float64)
+    ang = positions.to(F32)[:, None] * inv_freq.to(F32)[None, :]  # [T, rd/2], the fp32 angle
+    ang = ang.to(torch.float64).reshape(ang.shape[0], *([1] * (x.dim() - 2)), ang.shape[1])
+    cos, sin = torch.cos(ang), torch.sin(ang)  # float64, rounded once below (device-invariant)
     if inverse:
         sin = -sin
     a, b = tail[..., 0::2], tail[..., 1::2]
     rot = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
-    return torch.cat((head, rot), dim=-1)
+    return torch.cat((head, rot.to(F32)), dim=-1)
 
 
 # ---- KV-cache quantisation profiles (spec §3.8) -------------------------------------------
