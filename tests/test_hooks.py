@@ -69,9 +69,12 @@ def test_unapplied_hook_is_an_error(installed, monkeypatch):
 def test_resolve_chat_encoding_spec_hook(installed):
     from sglang.srt.entrypoints.openai.chat_encoding import resolve_chat_encoding_spec
 
-    def config(model_type):
-        return SimpleNamespace(model_type=model_type, architectures=["DeepseekV4ForCausalLM"])
+    def config(model_type, arch="DeepseekV4ForCausalLM"):
+        return SimpleNamespace(model_type=model_type, architectures=[arch])
     assert resolve_chat_encoding_spec(hf_config=config("deepseek_v41"), tokenizer=None) == "dsv41"
+    # the plugin's own architecture name (sglang_dsv41/plugin.py) also contains "DeepseekV4"
+    assert resolve_chat_encoding_spec(hf_config=config("deepseek_v41", "DeepseekV41ForCausalLM"),
+                                      tokenizer=None) == "dsv41"
     assert resolve_chat_encoding_spec(hf_config=config("deepseek_v4"), tokenizer=None) == "dsv4"
     assert resolve_chat_encoding_spec(hf_config=config("deepseek_v41"), tokenizer=None,
                                       tool_call_parser="deepseekv4") == "dsv41"

@@ -201,8 +201,9 @@ class DsmlStreamParser:
             raise RuntimeError("DsmlStreamParser.feed after finish")
         self._buf += text
         out: list[Event] = []
-        while self._step(out):
-            pass
+        progressing = True
+        while progressing:
+            progressing = self._step(out)
         return out
 
     def finish(self) -> list[Event]:

@@ -65,8 +65,9 @@ class ThinkSplitter:
         self._buf += text
         reasoning: list[str] = []
         content: list[str] = []
-        while self._buf and self._step(reasoning, content):
-            pass
+        progressing = True
+        while progressing and self._buf:
+            progressing = self._step(reasoning, content)
         return self._release("".join(reasoning)), "".join(content)
 
     def finish(self) -> tuple[str, str]:
