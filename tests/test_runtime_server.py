@@ -1,0 +1,201 @@
+"""End to end on CPU: `sglang-dsv41 serve` on the tiny checkpoint vs `ReferenceModel` (issue 3
+items 4 and 5; spec cpu.md §3).
+
+One server for the module, started exactly as a user would (`python -m sglang_dsv41.cli serve`,
+which prepares the CPU environment itself), with `--chunked-prefill-size 13 --enable-mixed-chunk`:
+every prompt (≥ 40 tokens, so the SWA window 8, index_topk 4 and the candidate span 12 all bind)
+is prefilled in chunks of ≤ 13 tokens starting at odd and even positions and mixed with other
+requests' decode tokens, so "equal to the reference's one-shot prefill" covers chunked == one-shot
+and batching. Greedy tokens must be equal; logprobs of the generated tokens agree with the
+reference's fp64 log-softmax within `LOGPROB_ATOL` (SGLang takes the log-softmax in fp32 of the
+reference-identical fp32 logits). Every wait is bounded; the server's process group is killed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from sglang_dsv41.reference.model import ReferenceModel
+
+pytestmark = pytest.mark.slow
+
+CHUNK = 13
+NEW_TOKENS = 16
+LOGPROB_ATOL = 1e-5
+STARTUP_TIMEOUT_S = 600
+REQUEST_TIMEOUT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, checkpoint: Path, log: Path) -> None:
+        self.port = _free_port()
+        self.log_path = log
+        argv = [sys.executable, "-m", "sglang_dsv41.cli", "serve", "--device", "cpu", "--model-path",
+                str(checkpoint), "--port", str(self.port), "--max-total-tokens", "4096",
+                "--chunked-prefill-size", str(CHUNK), "--enable-mixed-chunk", "--max-running-requests", "8"]
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url("/health_generate"), timeout=60) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(3)
+        raise TimeoutError(f"server not ready after {STARTUP_TIMEOUT_S} s:\n{self.log_tail()}")
+
+    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        req = urllib.request.Request(self.url(path), data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+            return json.loads(r.read())
+
+    def generate(self, ids: list[int], n: int = NEW_TOKENS, logprob: bool = False) -> dict[str, Any]:
+        return self.post("/generate", {"input_ids": ids, "return_logprob": logprob,
+                                       "sampling_params": {"max_new_tokens": n, "temperature": 0,
+                                                           "ignore_eos": True}})
+
+    def log_tail(self, n: int = 4000) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+    srv = Server(tiny_checkpoint, tmp_path_factory.mktemp("server") / "server.log")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint: Path) -> ReferenceModel:
+    return ReferenceModel.from_checkpoint(tiny_checkpoint)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [0] + torch.randint(3, 990, (n - 1,), generator=g).tolist()
+
+
+def _concurrently(server: Server, prompts: list[list[int]], logprob: bool = False) -> list[dict[str, Any]]:
+    results: list[Any] = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        try:
+            results[i] = server.generate(prompts[i], logprob=logprob)
+        except Exception as e:  # re-raised below with the server log
+            results[i] = e
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=REQUEST_TIMEOUT_S + 30)
+    for r in results:
+        if not isinstance(r, dict):
+            raise AssertionError(f"request failed: {r!r}\n{server.log_tail()}")
+    return results
+
+
+def _reference_logprobs(reference: ReferenceModel, prompt: list[int], tokens: list[int]) -> list[float]:
+    """fp64 log-softmax of each generated token, teacher-forced in one forward."""
+    logits = reference.forward(reference.new_request(), prompt + tokens[:-1]).logits[len(prompt) - 1:]
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    return logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+
+
+def test_server_is_configured_as_requested(server: Server) -> None:
+    with urllib.request.urlopen(server.url("/get_server_info"), timeout=60) as r:
+        info = json.loads(r.read())
+    assert info["chunked_prefill_size"] == CHUNK and info["device"] == "cpu"
+    assert info["attention_backend"] == "torch_native" and info["sleep_on_idle"] is True
+
+
+def test_greedy_equals_reference_and_prefix_cache_hits(server: Server, reference: ReferenceModel) -> None:
+    prompts = [_prompt(10, 41), _prompt(11, 47), _prompt(12, 52)]
+    results = _concurrently(server, prompts, logprob=True)
+    for prompt, res in zip(prompts, results):
+        want = reference.generate(prompt, NEW_TOKENS)
+        assert res["output_ids"] == want
+        got_lp = [lp for lp, _, _ in res["meta_info"]["output_token_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(got_lp, _reference_logprobs(reference, prompt, want))) < LOGPROB_ATOL
+    again = server.generate(prompts[0])
+    assert again["meta_info"]["cached_tokens"] >= len(prompts[0]) - 1   # radix prefix cache hit
+    assert again["output_ids"] == results[0]["output_ids"]
+
+
+def test_concurrent_requests_sharing_a_cached_prefix_equal_their_cold_runs(server: Server,
+                                                                           reference: ReferenceModel) -> None:
+    shared = _prompt(20, 31)                          # odd length: a ratio-2 pair straddles the hit
+    server.generate(shared, n=1)                      # puts the prefix into the radix cache
+    tails = [_prompt(21, 12)[1:], _prompt(22, 16)[1:]]
+    prompts = [shared + t for t in tails]
+    results = _concurrently(server, prompts)
+    for prompt, res in zip(prompts, results):
+        assert res["meta_info"]["cached_tokens"] >= len(shared)
+        assert res["output_ids"] == reference.generate(prompt, NEW_TOKENS)
+
+
+def test_chat_completions_stream(server: Server) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Say something about rivers."}],
+            "max_tokens": 8, "temperature": 0, "stream": True}
+    req = urllib.request.Request(server.url("/v1/chat/completions"), data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    chunks, done = [], False
+    with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            payload = line[len("data:"):].strip()
+            if payload == "[DONE]":
+                done = True
+                break
+            chunks.append(json.loads(payload))
+    assert done and chunks
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    whole = server.post("/v1/chat/completions", {**body, "stream": False})
+    assert whole["choices"][0]["message"]["content"] == streamed
+    assert whole["usage"]["completion_tokens"] == 8
