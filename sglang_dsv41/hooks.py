@@ -90,6 +90,13 @@ HOOKS: tuple[HookSpec, ...] = (
         area="api",
         why="installs the middleware that validates reasoning fields before SGLang's pydantic "
             "model (integer top-level efforts, card-worded 400s)."),
+    HookSpec(
+        target="sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
+        kind="around", impl="sglang_dsv41.runtime.sglang_hooks:compute_cell_size_hook",
+        params=("self", "kvc", "num_layers"), area="runtime",
+        why="SGLang's per-token KV budget counts only the SWA rows its MHA pool holds; without the "
+            "torch path's side buffers (compressed latents, index keys, pair state, token ids) the "
+            "token capacity derived from --mem-fraction-static overcommits memory."),
 )
 
 _installed: set[tuple[str, str]] = set()

@@ -7,7 +7,9 @@ scheduler process (runtime.md §B "The general-purpose hook"; cpu.md §4). It re
    SGLang's `_CONFIG_REGISTRY` (`runtime/hf_config.py`);
 2. our model class under the architecture `DeepseekV41ForCausalLM` in SGLang's `ModelRegistry`
    (`runtime/model.py`);
-3. the chat API (`sglang_dsv41.api.register.register_api()`: parsers and chat hooks), when that
+3. the runtime's HookRegistry entries (area "runtime" of `sglang_dsv41.hooks`: the KV budget
+   per token includes the torch path's side buffers), installed and verified;
+4. the chat API (`sglang_dsv41.api.register.register_api()`: parsers and chat hooks), when that
    module is installed.
 
 Architecture name — we keep `DeepseekV41ForCausalLM` (upstream 0.5.23 rewrites it to
@@ -98,6 +100,13 @@ def register_model() -> None:
     ModelRegistry.models[ARCHITECTURE] = DeepseekV41ForCausalLM
 
 
+def register_runtime_hooks() -> None:
+    """Install and verify the runtime area's hooks (`sglang_dsv41.hooks.HOOKS`)."""
+    from . import hooks
+
+    hooks.install_hooks(("runtime",))
+
+
 def register_api_if_present() -> bool:
     """Call `sglang_dsv41.api.register.register_api()` if that module is installed."""
     if importlib.util.find_spec(API_REGISTER_MODULE) is None:
@@ -113,6 +122,7 @@ def register() -> None:
     try:
         register_config()
         register_model()
+        register_runtime_hooks()
         register_api_if_present()
     except PluginLoadError:
         raise

@@ -102,3 +102,33 @@ def test_stock_sglang_refuses_a_v41_checkpoint(tiny_checkpoint: Path) -> None:
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "REFUSED:" in run.stdout and "deepseek_v41" in run.stdout, run.stdout
+
+
+def test_cell_size_hook_adds_side_buffers_for_v41_only(tiny_checkpoint: Path) -> None:
+    """The runtime hook is installed on SGLang's configurator and adds exactly the bytes the
+    torch path keeps beside SGLang's pool (so the derived token capacity is honest)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator
+    from transformers import AutoConfig
+
+    from sglang_dsv41 import hooks
+    from sglang_dsv41.runtime.cache import RuntimeCaches
+    from sglang_dsv41.runtime.sglang_hooks import compute_cell_size_hook
+
+    plugin.register()
+    (spec,) = hooks.specs_for(("runtime",))
+    assert spec.target.endswith("DefaultPoolConfigurator._compute_cell_size") and hooks.is_applied(spec)
+    assert compute_cell_size_hook in hooks._wrapping_hooks(DefaultPoolConfigurator._compute_cell_size)
+
+    ours = AutoConfig.from_pretrained(str(tiny_checkpoint))
+    side = RuntimeCaches.planned_side_bytes_per_token(ours.parsed().text)
+    assert side > 0
+
+    def original(self, kvc, num_layers):
+        return 1536
+
+    kvc = SimpleNamespace(model_config=SimpleNamespace(hf_config=ours))
+    assert compute_cell_size_hook(original, None, kvc, 8) == 1536 + side
+    other = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="llama")))
+    assert compute_cell_size_hook(original, None, other, 8) == 1536
