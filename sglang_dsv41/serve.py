@@ -5,9 +5,12 @@
   `libcuda.so.1` stand-in compiled into the cache dir, `SGLANG_USE_CPU_ENGINE=1`,
   `LD_LIBRARY_PATH`, `HF_HUB_OFFLINE=1`) and the flags CPU serving needs are added: a bounded
   `--max-total-tokens` (otherwise SGLang sizes the KV pool from all free RAM), `--sleep-on-idle`
-  (otherwise the scheduler busy-polls a core), `--attention-backend torch_native` (SGLang's CPU
-  backend; our model computes its own attention from its slot caches, the backend only has to
-  construct — see docs/runtime.md).
+  (otherwise the scheduler busy-polls a core).
+* Torch path (this phase, any device): `--attention-backend torch_native` — the model computes
+  its own attention from its slot caches, SGLang's backend only has to construct, and
+  torch_native accepts the single-KV-head, `v_head_dim = 0` pool shape; on CUDA also
+  `--disable-cuda-graph` (the torch forward syncs with the host and has data-dependent shapes).
+  The CUDA variant is untested here (no GPU in this phase; docs/runtime.md).
 * Checkpoint: `--model-path`, or the tiny random checkpoint made on first use in
   `~/.cache/sglang-dsv41/tiny-seed<seed>` (written to a temporary directory, then renamed).
 * Every other argument is passed to SGLang unchanged. The server replaces this process (`exec`),
@@ -28,7 +31,7 @@ from pathlib import Path
 from .runtime.cpu_env import cache_root, cpu_environment
 
 DEFAULT_CPU_MAX_TOTAL_TOKENS = 16384
-CPU_ATTENTION_BACKEND = "torch_native"
+TORCH_PATH_ATTENTION_BACKEND = "torch_native"
 
 
 @dataclass(frozen=True)
@@ -97,11 +100,11 @@ def build_launch(argv: list[str]) -> LaunchCommand:
     device = pick_device(ours.device)
     model = ours.model_path if ours.model_path is not None else tiny_checkpoint(ours.tiny_seed)
     args = ["--model-path", str(Path(model).resolve()), "--host", ours.host, "--port", str(ours.port)]
+    if not _has_flag(rest, "--attention-backend"):
+        args += ["--attention-backend", TORCH_PATH_ATTENTION_BACKEND]
     if device == "cpu":
         env = cpu_environment()
         args += ["--device", "cpu"]
-        if not _has_flag(rest, "--attention-backend"):
-            args += ["--attention-backend", CPU_ATTENTION_BACKEND]
         if not _has_flag(rest, "--max-total-tokens"):
             args += ["--max-total-tokens", str(DEFAULT_CPU_MAX_TOTAL_TOKENS)]
         if not _has_flag(rest, "--sleep-on-idle"):
@@ -109,6 +112,8 @@ def build_launch(argv: list[str]) -> LaunchCommand:
     else:
         env = dict(os.environ)
         args += ["--device", "cuda"]
+        if not _has_flag(rest, "--disable-cuda-graph"):
+            args.append("--disable-cuda-graph")
     argv_out = [sys.executable, "-m", "sglang.launch_server", *args, *rest]
     return LaunchCommand(argv=argv_out, env=env, device=device, dry_run=ours.dry_run)
 

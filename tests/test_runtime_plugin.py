@@ -132,3 +132,19 @@ def test_cell_size_hook_adds_side_buffers_for_v41_only(tiny_checkpoint: Path) ->
     assert compute_cell_size_hook(original, None, kvc, 8) == 1536 + side
     other = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="llama")))
     assert compute_cell_size_hook(original, None, other, 8) == 1536
+
+
+@pytest.mark.slow
+def test_sglang_plugin_loader_cannot_swallow_the_version_error() -> None:
+    """Through SGLang's own `load_plugins()` (which logs and continues on `Exception`), a wrong
+    SGLang version stops the process with our message."""
+    script = textwrap.dedent("""
+        import sglang_dsv41.plugin as p
+        p.installed_sglang_version = lambda: "0.6.0"
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        print("SURVIVED")
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert run.returncode != 0 and "SURVIVED" not in run.stdout
+    assert "supports SGLang 0.5.17 only, but SGLang 0.6.0 is installed" in run.stderr

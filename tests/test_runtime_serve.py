@@ -74,3 +74,13 @@ def test_dry_run_prints_the_command(cache_home: Path, tiny_checkpoint: Path,
     assert serve.cli(["--dry-run", "--device", "cpu", "--model-path", str(tiny_checkpoint)]) == 0
     out = capsys.readouterr().out
     assert "SGLANG_USE_CPU_ENGINE=1" in out and "-m sglang.launch_server" in out and "--dry-run" not in out
+
+
+def test_cuda_launch_uses_the_torch_path_flags_without_cpu_environment(tiny_checkpoint: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
+    launch = serve.build_launch(["--device", "cuda", "--model-path", str(tiny_checkpoint)])
+    a = launch.argv
+    assert a[a.index("--device") + 1] == "cuda" and a[a.index("--attention-backend") + 1] == "torch_native"
+    assert "--disable-cuda-graph" in a and "--sleep-on-idle" not in a and "--max-total-tokens" not in a
+    assert "SGLANG_USE_CPU_ENGINE" not in launch.env

@@ -122,6 +122,9 @@ class DeepseekV41ForCausalLM(nn.Module):
 
         if self.torch_forward is None:
             raise RuntimeError("sglang-dsv41: forward before load_weights")
+        if getattr(forward_batch, "input_embeds", None) is not None:
+            raise RuntimeError("sglang-dsv41 torch path: input_embeds requests are not supported "
+                               "(text token ids only in this phase)")
         if self.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
             raise RuntimeError("sglang-dsv41 torch path needs fp32 matmuls: do not enable TF32")
         with fp32_default_dtype():
