@@ -54,15 +54,14 @@ def test_registration_failure_stops_the_process(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_v41_checkpoint_resolves_to_our_class_and_no_v4_path(tiny_checkpoint: Path) -> None:
-    """In-process, as SGLang's scheduler does it: load_plugins() then ModelConfig + architecture."""
+    """In-process, what SGLang's scheduler does after loading plugins: ModelConfig + architecture."""
     from sglang.srt.configs.model_config import AttentionArch, ModelConfig, is_deepseek_dsa, is_deepseek_v4
     from sglang.srt.model_loader.utils import get_model_architecture
     from sglang.srt.models.registry import ModelRegistry
-    from sglang.srt.plugins import load_plugins
 
     from sglang_dsv41.runtime.model import DeepseekV41ForCausalLM
 
-    load_plugins()
+    plugin.register()
     plugin.register()                                          # idempotent
     mc = ModelConfig(str(tiny_checkpoint))
     cls, arch = get_model_architecture(mc)
