@@ -80,6 +80,28 @@ def test_v41_checkpoint_resolves_to_our_class_and_no_v4_path(tiny_checkpoint: Pa
     assert ModelRegistry.models["DeepseekV4ForCausalLM"] is not DeepseekV41ForCausalLM
 
 
+def test_hf_config_exposes_a_generic_decoder_and_validates(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    import json
+
+    from sglang_dsv41.config import ConfigError, DeepseekV41Config
+    from sglang_dsv41.runtime.hf_config import DeepseekV41HFConfig
+
+    raw = json.loads((tiny_checkpoint / "config.json").read_text())
+    cfg = DeepseekV41HFConfig.from_dict(raw)
+    assert cfg.parsed() == DeepseekV41Config.from_dict(raw)
+    assert cfg.dsv41_config_json == raw                         # untouched original
+    assert (cfg.num_key_value_heads, cfg.head_dim, cfg.v_head_dim) == (1, 96, 0)
+    for hidden in ("text_config", "vision_config", "quantization_config", "sliding_window",
+                   "rope_scaling", "index_topk", "kv_lora_rank", "num_nextn_predict_layers"):
+        assert not hasattr(cfg, hidden), hidden
+    again = DeepseekV41HFConfig.from_dict(cfg.to_dict())       # SGLang deep-copies / re-creates configs
+    assert again.parsed() == cfg.parsed() and again.architectures == ["DeepseekV41ForCausalLM"]
+    bad = json.loads(json.dumps(raw))
+    bad["text_config"]["compress_ratios"][1] = 4                # a V4 ratio in a V4.1 config
+    with pytest.raises(ConfigError, match="compress_ratios"):
+        DeepseekV41HFConfig.from_dict(bad)
+
+
 @pytest.mark.slow
 def test_stock_sglang_refuses_a_v41_checkpoint(tiny_checkpoint: Path) -> None:
     """Without our plugin (SGLang's allow-list excludes it) the checkpoint is refused — neither
