@@ -1,0 +1,354 @@
+"""FP4 indexer for a whole packed batch: Triton scoring + exact top-k / candidate blocks (spec
+`model.md` §3.4.4; semantics = `sglang_dsv41.reference.indexer`).
+
+For query t of request r = token_req[t] and entry j of r (slot entry_slots[r, j]):
+
+    S[t, j] = Σ_h w[t,h]·ReLU(q[t,h]·k[slot])   if j < n_visible[t] and the slot exists, else −∞
+
+`index_scores` is one Triton launch for the batch: a program takes a tile of BLOCK_T queries of
+one request (the MQA product has BLOCK_T·Hi rows) and J_STEPS tiles of BLOCK_J entries; each key
+tile is gathered from its slots once for all heads and all queries of the tile, multiplied on
+tensor cores (BF16 operands: FP4 values E2M1·2^s are exact in BF16), accumulated in fp32, then
+ReLU, head weights and the head sum are fused. Tiles past every query's visibility only write −∞.
+
+Numerics. The FP4×FP4 products are exact, so each dot is exact while its partial sums fit fp32's
+24 bits (per-32 scale exponents of q and k spanning < 2^13, no underflow) — true for indexer data.
+`head_sum_fp64=True` (default) then forms Σ_h w·ReLU(dot) in float64 and rounds once to fp32,
+like the reference: scores equal the reference's bit for bit unless a float64 rounding of that
+sum straddles an fp32 rounding boundary, so selections keep the runtime's bit-identity with the
+reference. `head_sum_fp64=False` sums in fp32 (cheaper in prefill). Either way, for any
+summation order and tensor cores that truncate (ε = 2^-23 per operation):
+    |S_kernel − S_ref| ≤ (Di + Hi + 2)·2^-23 · Σ_h |w_h|·Σ_d |q_hd|·|k_jd|.
+Scores are canonicalised (−0 → +0).
+
+Bytes read per query (Flash, Di = 128, bf16 index-key rows; decode = one query per request, a
+tile of one query): per visible entry 8 B slot id + 256 B key row, 4 B score write = 268 B,
+plus the query (Hi·Di·4 B) and head weights once per program from L2. A prefill tile of BLOCK_T
+queries shares the slot/key reads: (8 + 256)/BLOCK_T + 4 B per entry and query. (The 68 B packed
+FP4 row of upstream would cut the key part 3.8×; the runtime's cache stores bf16 rows.)
+
+Why our own kernel. SGLang 0.5.17's DeepSeek-V4 FP4 indexer (`srt/layers/attention/dsv4/
+indexer.py`) calls `deep_gemm.fp8_fp4_paged_mqa_logits`; sgl-deep-gemm 0.1.5.post1 (0.5.17's
+pin) implements FP4 paged MQA logits only for SM100 (`sm100_paged_mqa_logits`, FP4 template) and
+SM120 (`sm120_fp4_paged_mqa_logits`) — on SM90 it has FP8 keys only (`sm90_fp8_paged_mqa_logits`).
+It reads 68 B packed rows in 64-slot pages through block tables, not slot-addressed rows, and its
+top-k (`topk_transform_512`, JIT CUDA) promises no tie order. sglang-kernel 0.4.5 has no MQA
+logits op, and the Triton `fp4_index_logits_paged` exists only in SGLang 0.5.23 (spec
+`runtime.md` §C). Hence this kernel (written from the spec, not ported).
+
+Top-k (`select_topk`): each fp32 score maps to an order-preserving int32 (−0 first made +0), and
+key = int32·2^32 + (2^32 − 1 − j) in int64. Keys are distinct, and key order is exactly "score
+descending (as reals), then index ascending" — the reference's stable descending sort order — so
+`torch.topk` on keys returns the reference's set whatever its own tie handling; −∞ (not allowed)
+ranks below every allowed score and is dropped, giving min(k, #allowed) like the reference. Cost
+O(N·E) (radix selection, no E·log E sort; 8 B of key per entry), rows processed in chunks of at
+most `max_chunk_elements` entries. Candidate blocks use the same selection on block keys.
+
+Triton's interpreter (TRITON_INTERPRET=1 before triton is imported) runs the same kernel on CPU
+tensors (tests); its BF16 `tl.dot` is wrong (raw bits), so operands are fp32 there (products of
+FP4 values are exact either way). Without the interpreter, CPU tensors raise.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
+
+from ..config import LayerRole, TextConfig
+
+NEG_INF = float("-inf")
+
+
+@triton.jit
+def _index_scores_kernel(q_ptr, w_ptr, key_ptr, slot_ptr, nvis_ptr, order_ptr, tile_req_ptr,
+                         tile_lo_ptr, tile_hi_ptr, out_ptr, num_slots, num_entries,
+                         stride_qn, stride_qh, stride_wn, stride_ks, stride_sr, stride_on,
+                         HI: tl.constexpr, DI: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_J: tl.constexpr, J_STEPS: tl.constexpr, DOT_BF16: tl.constexpr,
+                         HEAD_SUM_FP64: tl.constexpr):
+    """One tile of queries of one request × J_STEPS·BLOCK_J entries (see the module docstring)."""
+    tile = tl.program_id(0)
+    req = tl.load(tile_req_ptr + tile)
+    lo = tl.load(tile_lo_ptr + tile)
+    hi = tl.load(tile_hi_ptr + tile)
+    t = tl.arange(0, BLOCK_T)
+    t_live = lo + t < hi
+    qid = tl.load(order_ptr + lo + t, mask=t_live, other=0)
+    nvis = tl.load(nvis_ptr + qid, mask=t_live, other=0)
+    tile_vis = tl.max(nvis, axis=0)
+    # rows of the MQA product: m = t·HI + h
+    m = tl.arange(0, BLOCK_T * HI)
+    m_live = lo + m // HI < hi
+    qid_m = tl.load(order_ptr + lo + m // HI, mask=m_live, other=0)
+    d = tl.arange(0, DI)
+    q = tl.load(q_ptr + qid_m[:, None] * stride_qn + (m % HI)[:, None] * stride_qh + d[None, :],
+                mask=m_live[:, None], other=0.0)
+    w = tl.load(w_ptr + qid_m * stride_wn + m % HI, mask=m_live, other=0.0).to(tl.float32)
+    if DOT_BF16:
+        q = q.to(tl.bfloat16)
+    else:
+        q = q.to(tl.float32)
+    for step in range(J_STEPS):
+        j0 = (tl.program_id(1) * J_STEPS + step) * BLOCK_J
+        j = j0 + tl.arange(0, BLOCK_J)
+        j_in = j < num_entries
+        out_ptrs = out_ptr + qid[:, None] * stride_on + j[None, :]
+        out_mask = t_live[:, None] & j_in[None, :]
+        if j0 < tile_vis:
+            slot = tl.load(slot_ptr + req * stride_sr + j, mask=j_in & (j < tile_vis), other=-1)
+            slot = slot.to(tl.int64)
+            has = (slot >= 0) & (slot < num_slots)
+            keys = tl.load(key_ptr + slot[:, None] * stride_ks + d[None, :], mask=has[:, None], other=0.0)
+            if DOT_BF16:
+                acc = tl.dot(q, tl.trans(keys.to(tl.bfloat16)), out_dtype=tl.float32)
+            else:
+                acc = tl.dot(q, tl.trans(keys.to(tl.float32)), input_precision="ieee", out_dtype=tl.float32)
+            relu = tl.maximum(acc, 0.0)
+            if HEAD_SUM_FP64:
+                terms = relu.to(tl.float64) * w.to(tl.float64)[:, None]
+            else:
+                terms = relu * w[:, None]
+            s = tl.sum(tl.reshape(terms, (BLOCK_T, HI, BLOCK_J)), axis=1).to(tl.float32)
+            s = tl.where(s == 0.0, 0.0, s)                     # −0 → +0
+            valid = (j[None, :] < nvis[:, None]) & has[None, :]
+            tl.store(out_ptrs, tl.where(valid, s, float("-inf")), mask=out_mask)
+        else:
+            tl.store(out_ptrs, tl.full((BLOCK_T, BLOCK_J), float("-inf"), tl.float32), mask=out_mask)
+
+
+#: True when this kernel was built for Triton's interpreter (TRITON_INTERPRET=1 at import).
+INTERPRETED = isinstance(_index_scores_kernel, InterpretedFunction)
+
+
+def _check_interpreter_consistent() -> None:
+    """The interpreter also needs triton.language built in interpreter mode (env set before the
+    first `import triton`), otherwise its library functions cannot run inside our kernel."""
+    if INTERPRETED and not isinstance(tl.max, InterpretedFunction):
+        raise RuntimeError("TRITON_INTERPRET=1 was set after triton was imported: set it before the first "
+                           "`import triton` (e.g. in the environment of the process)")
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _query_tiles(token_req: Tensor, num_requests: int, block_t: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(order, tile_req, tile_lo, tile_hi) without a host sync: `order` lists queries grouped by
+    request; tile i covers order[lo:hi) of request tile_req[i]; the grid size is the static bound
+    min(N, (N + R·(BLOCK_T−1)) // BLOCK_T) ≥ Σ_r ⌈n_r/BLOCK_T⌉, spare tiles are empty (lo = hi)."""
+    n = token_req.numel()
+    dev = token_req.device
+    order = torch.argsort(token_req, stable=True)
+    counts = torch.zeros(num_requests, dtype=torch.int64, device=dev).index_add_(
+        0, token_req, torch.ones(n, dtype=torch.int64, device=dev))
+    starts = torch.cumsum(counts, 0) - counts
+    tiles = (counts + block_t - 1) // block_t
+    tile_end = torch.cumsum(tiles, 0)
+    grid = min(n, (n + num_requests * (block_t - 1)) // block_t)
+    i = torch.arange(grid, device=dev)
+    req = torch.searchsorted(tile_end, i, right=True).clamp(max=num_requests - 1)
+    lo = starts[req] + (i - (tile_end[req] - tiles[req])) * block_t
+    hi = torch.minimum(lo + block_t, starts[req] + counts[req])
+    live = i < tile_end[-1]
+    zero = torch.zeros_like(lo)
+    return order, req, torch.where(live, lo, zero), torch.where(live, hi, zero)
+
+
+def _check_scoring_inputs(key_cache: Tensor, entry_slots: Tensor, token_req: Tensor, n_visible: Tensor) -> None:
+    """Value checks (one host sync): request ids, visibility ≤ E, visible entries have slots."""
+    R, E = entry_slots.shape
+    S = key_cache.shape[0]
+    ok_slot = (entry_slots >= 0) & (entry_slots < S)
+    leading = torch.cumprod(ok_slot.to(torch.int32), dim=1).sum(dim=1) if E else torch.zeros(R, dtype=torch.int64, device=entry_slots.device)
+    req_ok = (token_req >= 0) & (token_req < R)
+    flags = torch.stack([
+        (~req_ok).any(),
+        ((n_visible < 0) | (n_visible > E)).any(),
+        ((entry_slots < -1) | (entry_slots >= S)).any(),
+        (req_ok & (n_visible > leading[token_req.clamp(0, max(R - 1, 0))])).any(),
+    ]).tolist()
+    if flags[0]:
+        raise ValueError(f"index_scores: token_req must lie in [0, {R}) (rows of entry_slots)")
+    if flags[1]:
+        raise ValueError(f"index_scores: n_visible must lie in [0, {E}] (columns of entry_slots)")
+    if flags[2]:
+        raise ValueError(f"index_scores: entry_slots must be −1 or a slot in [0, {S})")
+    if flags[3]:
+        raise ValueError("index_scores: a query sees an entry j < n_visible whose slot is −1")
+
+
+def index_scores(q: Tensor, head_w: Tensor, key_cache: Tensor, entry_slots: Tensor, token_req: Tensor,
+                 n_visible: Tensor, *, head_sum_fp64: bool = True, check_inputs: bool = True,
+                 block_t: int | None = None, block_j: int = 64, j_steps: int | None = None) -> Tensor:
+    """[N, E] fp32 indexer scores for a packed batch; −∞ where j ≥ n_visible[t] or entry_slots is −1.
+
+    q [N, Hi, Di] fp32/bf16 FP4-valued (RoPE'd); head_w [N, Hi] fp32 (already ×Di^−½·Hi^−½);
+    key_cache [S, Di] bf16 (or fp32) FP4-valued rows; entry_slots [R, E] int (−1 = none);
+    token_req [N] request of each query (any order); n_visible [N] = ⌊(p+1)/ratio⌋.
+    `check_inputs` validates values (one host sync; turn off inside CUDA graphs). Block sizes
+    default from the shapes; overrides are for tuning.
+    """
+    if q.dim() != 3 or head_w.shape != q.shape[:2] or key_cache.dim() != 2 or entry_slots.dim() != 2:
+        raise ValueError(f"index_scores: shapes q {tuple(q.shape)}, head_w {tuple(head_w.shape)}, key_cache "
+                         f"{tuple(key_cache.shape)}, entry_slots {tuple(entry_slots.shape)} (want [N,Hi,Di], "
+                         "[N,Hi], [S,Di], [R,E])")
+    N, HI, DI = q.shape
+    R, E = entry_slots.shape
+    if key_cache.shape[1] != DI or token_req.shape != (N,) or n_visible.shape != (N,):
+        raise ValueError(f"index_scores: key_cache width {key_cache.shape[1]} / token_req {tuple(token_req.shape)} / "
+                         f"n_visible {tuple(n_visible.shape)} do not match q {tuple(q.shape)}")
+    if HI & (HI - 1) or DI & (DI - 1) or DI < 16:
+        raise ValueError(f"index_scores: Hi ({HI}) and Di ({DI}) must be powers of two, Di ≥ 16")
+    for name, t in (("entry_slots", entry_slots), ("token_req", token_req), ("n_visible", n_visible)):
+        if t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise TypeError(f"index_scores: {name} must be an integer tensor, got {t.dtype}")
+    if q.dtype not in (torch.float32, torch.bfloat16) or key_cache.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"index_scores: q {q.dtype} / key_cache {key_cache.dtype} must be fp32 or bf16")
+    dev = q.device
+    if dev.type != "cuda" and not INTERPRETED:
+        raise RuntimeError(f"index_scores: {dev} tensors need Triton's interpreter (set TRITON_INTERPRET=1 "
+                           "before triton is first imported); the compiled kernel runs on CUDA")
+    _check_interpreter_consistent()
+    if any(t.device != dev for t in (head_w, key_cache, entry_slots, token_req, n_visible)):
+        raise ValueError("index_scores: all inputs must be on one device")
+    if key_cache.stride(1) != 1:
+        raise ValueError("index_scores: key_cache rows must be contiguous (stride 1 along Di)")
+    out = torch.empty(N, E, dtype=torch.float32, device=dev)
+    if N == 0 or E == 0:
+        return out
+    if R == 0:
+        raise ValueError("index_scores: queries but no request rows in entry_slots")
+    token_req = token_req.to(torch.int64)
+    n_visible = n_visible.to(torch.int64)
+    if check_inputs:
+        _check_scoring_inputs(key_cache, entry_slots, token_req, n_visible)
+    if block_t is None:
+        per_req = _pow2_at_least(-(-N // R))
+        block_t = min(max(per_req, max(1, 16 // HI)), max(1, 128 // HI))
+    if block_t & (block_t - 1) or block_t * HI < 16 or block_j & (block_j - 1) or block_j < 16:
+        raise ValueError(f"index_scores: block_t ({block_t}) and block_j ({block_j}) must be powers of two "
+                         "with block_t·Hi ≥ 16 and block_j ≥ 16")
+    order, tile_req, tile_lo, tile_hi = _query_tiles(token_req, R, block_t)
+    j_tiles = -(-E // block_j)
+    if j_steps is None:  # loop over entry tiles inside a program only beyond ~8192 programs
+        j_steps = 1
+        while j_steps < 16 and tile_req.numel() * j_tiles > 8192 * j_steps:
+            j_steps *= 2
+    q = q.contiguous()
+    head_w = head_w.to(torch.float32).contiguous()
+    entry_slots = entry_slots.contiguous()
+    grid = (tile_req.numel(), -(-j_tiles // j_steps))
+    m_rows = block_t * HI
+    launch = dict(HI=HI, DI=DI, BLOCK_T=block_t, BLOCK_J=block_j, J_STEPS=j_steps,
+                  DOT_BF16=not INTERPRETED, HEAD_SUM_FP64=head_sum_fp64)
+    if not INTERPRETED:
+        launch["num_warps"] = 4 if m_rows * block_j <= 4096 else 8
+    args = (q, head_w, key_cache, entry_slots, n_visible.contiguous(), order, tile_req, tile_lo, tile_hi, out,
+            key_cache.shape[0], E, q.stride(0), q.stride(1), head_w.stride(0), key_cache.stride(0),
+            entry_slots.stride(0), out.stride(0))
+    _index_scores_kernel[grid](*args, **launch)
+    return out
+
+
+def _order_keys(scores: Tensor) -> Tensor:
+    """int64 keys, distinct per row, ordered by (score descending as reals, index ascending)."""
+    canon = torch.where(scores == 0, torch.zeros_like(scores), scores)          # −0 → +0
+    bits = canon.view(torch.int32).to(torch.int64)
+    monotone = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)                    # order-preserving
+    low = (2**32 - 1) - torch.arange(scores.shape[1], device=scores.device, dtype=torch.int64)
+    return monotone * 2**32 + low[None, :]
+
+
+def select_topk(scores: Tensor, k: int, *, check_nan: bool = True, max_chunk_elements: int = 1 << 24) -> Tensor:
+    """[N, k] int64: per row the min(k, #finite-or-+∞) columns with the largest scores, ties →
+    lower column (−0 == +0), sorted ascending, −1 padded — `top_k_lower_index_on_ties` with
+    allowed = (score > −∞). NaN raises (one host sync) unless `check_nan=False` (then the caller
+    guarantees none, e.g. inside a CUDA graph)."""
+    if scores.dim() != 2 or scores.dtype != torch.float32:
+        raise TypeError(f"select_topk: want a 2-D fp32 score tensor, got {scores.dtype} {tuple(scores.shape)}")
+    if k < 1:
+        raise ValueError(f"select_topk: k must be ≥ 1, got {k}")
+    N, E = scores.shape
+    out = torch.full((N, k), -1, dtype=torch.int64, device=scores.device)
+    take = min(k, E)
+    if N == 0 or take == 0:
+        return out
+    if check_nan and bool(torch.isnan(scores).any()):
+        raise ValueError("select_topk: NaN score (cannot be ranked)")
+    big = torch.iinfo(torch.int64).max
+    rows = max(1, max_chunk_elements // E)
+    for r0 in range(0, N, rows):
+        chunk = scores[r0:r0 + rows]
+        idx = torch.topk(_order_keys(chunk), take, dim=1, sorted=False).indices
+        allowed = chunk.gather(1, idx) > NEG_INF
+        idx = torch.sort(torch.where(allowed, idx, big), dim=1).values
+        out[r0:r0 + rows, :take] = torch.where(idx == big, -1, idx)
+    return out
+
+
+def candidate_blocks(scores: Tensor, n_visible: Tensor, block: int, topk_blocks: int) -> Tensor:
+    """[N, topk_blocks] published block ids per query (spec §3.4.4): block b = entries
+    [b·block, (b+1)·block); key_b = max visible score in b; the newest block ((n−1)//block) gets
+    +∞; top-min(topk_blocks, ⌈n/block⌉), ties → lower block; ascending, −1 padded.
+    `scores` must be unrestricted `index_scores` output (−∞ beyond visibility)."""
+    if scores.dim() != 2 or n_visible.shape != scores.shape[:1] or block < 1:
+        raise ValueError(f"candidate_blocks: scores {tuple(scores.shape)}, n_visible {tuple(n_visible.shape)}, "
+                         f"block {block}")
+    N, E = scores.shape
+    n_blocks = -(-E // block)
+    full = E // block
+    keys = scores[:, :full * block].reshape(N, full, block).amax(dim=2)
+    if E % block:
+        keys = torch.cat((keys, scores[:, full * block:].amax(dim=1, keepdim=True)), dim=1)
+    n = n_visible.to(torch.int64)
+    b = torch.arange(n_blocks, device=scores.device)
+    newest = torch.div(n - 1, block, rounding_mode="floor")
+    keys = torch.where(b[None, :] == newest[:, None], math.inf, keys)
+    allowed = b[None, :] < torch.div(n + block - 1, block, rounding_mode="floor")[:, None]
+    return select_topk(torch.where(allowed, keys, NEG_INF), topk_blocks)
+
+
+def restrict_to_blocks(scores: Tensor, blocks: Tensor, block: int) -> Tensor:
+    """scores with −∞ outside the row's published blocks (ids ≥ ⌈E/block⌉ hold no entry; −1 = none)."""
+    if scores.dim() != 2 or blocks.dim() != 2 or blocks.shape[0] != scores.shape[0] or block < 1:
+        raise ValueError(f"restrict_to_blocks: scores {tuple(scores.shape)}, blocks {tuple(blocks.shape)}, block {block}")
+    N, E = scores.shape
+    n_blocks = -(-E // block)
+    ids = blocks.to(torch.int64)
+    ids = torch.where((ids >= 0) & (ids < n_blocks), ids, n_blocks)              # spare column
+    member = torch.zeros(N, n_blocks + 1, dtype=torch.bool, device=scores.device)
+    member.scatter_(1, ids, True)
+    inside = member[:, :n_blocks].repeat_interleave(block, dim=1)[:, :E]
+    return scores.masked_fill(~inside, NEG_INF)
+
+
+def select_for_role(cfg: TextConfig, role: LayerRole, scores: Tensor, n_visible: Tensor,
+                    published_blocks: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """(selection [N, index_topk], blocks [N, candidate_topk_blocks] or None) of an indexer layer
+    from its `index_scores` — the whole-batch form of `reference.indexer.run_indexer`'s tail."""
+    if not role.runs_indexer:
+        raise ValueError(f"layer {role.layer} does not run an indexer")
+    B = cfg.candidate_block_size
+    blocks = candidate_blocks(scores, n_visible, B, cfg.candidate_topk_blocks) if role.candidate_source else None
+    ranked = scores
+    if role.candidate_consumer:
+        if published_blocks is None:
+            raise ValueError(f"layer {role.layer} is a candidate consumer but no candidate blocks were published "
+                             f"in this forward (candidate source {cfg.candidate_source_layer_id})")
+        ranked = restrict_to_blocks(scores, published_blocks, B)
+    return select_topk(ranked, cfg.index_topk), blocks
+
+
+def entry_slot_table(req_to_token: Tensor, req_rows: Tensor, n_entries: Tensor, ratio: int, width: int) -> Tensor:
+    """[R, width] int64: slot of compressed entry j of request r — the token at position
+    j·ratio + ratio − 1, which completes it (spec §3.4.3) — for j < n_entries[r], else −1."""
+    if ratio < 1 or width < 0:
+        raise ValueError(f"entry_slot_table: ratio {ratio}, width {width}")
+    j = torch.arange(width, device=req_to_token.device)
+    pos = (j * ratio + ratio - 1).clamp(max=req_to_token.shape[1] - 1)
+    slots = req_to_token[req_rows.to(torch.int64)[:, None], pos[None, :]].to(torch.int64)
+    return torch.where(j[None, :] < n_entries.to(torch.int64)[:, None], slots, -1)

@@ -1,0 +1,430 @@
+"""Whole-batch indexer kernels (`sglang_dsv41.kernels.indexer`) vs the reference indexer (spec §3.4.4).
+
+What is pinned:
+* `index_scores` (Triton) == reference `index_scores` on packed batches (tiny and Flash head
+  shapes, −1 slot padding, requests of different lengths, zero-visibility queries, a request row
+  without queries, arbitrary token order): bit for bit with the float64 head sum (default), and
+  within |Δ| ≤ (Di+Hi+2)·2⁻²³·Σ_h|w_h|Σ_d|q_hd||k_jd| with the fp32 head sum; −∞ outside
+  visibility; every tiling (block_t/block_j/j_steps) gives the same bits;
+* `select_topk` == `top_k_lower_index_on_ties` exactly on scores with many exact ties, ±0, ±∞;
+* `candidate_blocks` == reference `candidate_blocks` (forced newest block, partial last block);
+  `restrict_to_blocks` == reference `block_membership`;
+* a packed batch through `index_query` → `index_scores` → `select_for_role` equals per-request
+  `run_indexer` for a ratio-2 source, the candidate source and a candidate consumer (tiny
+  config, random weights, real index keys written to slots).
+
+Triton's interpreter must be enabled before triton is first imported, which a shared pytest
+session cannot promise (other test modules import SGLang → triton). The kernel cases therefore
+run in a child pytest on this file with TRITON_INTERPRET=1 (`test_kernel_cases_in_triton_interpreter`);
+with CUDA they also run here, compiled. GPU-only Flash-shape checks are marked `gpu`.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang_dsv41.kernels import indexer as K
+from sglang_dsv41.reference import indexer as ref
+from sglang_dsv41.reference import ops
+from sglang_dsv41.reference.attention import layer_inv_freq
+from sglang_dsv41.reference.compressor import index_keys
+
+from reference_weights import random_reference_weights, tiny_config
+
+INF = math.inf
+KERNEL_HERE = K.INTERPRETED or torch.cuda.is_available()
+DEVICE = "cuda" if torch.cuda.is_available() and not K.INTERPRETED else "cpu"
+
+
+def error_bound(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """(Di+Hi+2)·2⁻²³·Σ_h|w_h|Σ_d|q_hd||k_jd| ([T, n], float64): fp32 dot + head sum in any order,
+    truncating or rounding, against the reference's float64 value rounded once to fp32."""
+    T, Hi, Di = q.shape
+    mag = torch.einsum("th,thd,nd->tn", w.double().abs(), q.double().abs(), keys.double().abs())
+    return (Di + Hi + 2) * 2.0**-23 * mag
+
+
+# ---- packed inputs ------------------------------------------------------------------------
+
+#: (entries of the request, n_visible of each of its queries): prefill runs, decode, ratio-2
+#: style repeats, zero visibility, a request without entries, one without queries, tiles > 64.
+REQUESTS = [(37, list(range(30, 38))), (0, [0]), (70, [70]), (5, [0, 1, 1, 2, 2, 3]), (20, []),
+            (130, [128, 129, 130])]
+
+
+def packed_case(hi: int, di: int, seed: int, shuffle: bool, device: str = DEVICE):
+    g = torch.Generator().manual_seed(seed)
+    R = len(REQUESTS)
+    E = max(e for e, _ in REQUESTS) + 10
+    S = 700
+    perm = torch.randperm(S, generator=g)
+    slots = torch.full((R, E), -1, dtype=torch.int64)
+    used = 0
+    for r, (e, _) in enumerate(REQUESTS):
+        slots[r, :e] = perm[used:used + e]
+        used += e
+    # FP4 keys with a spread of row magnitudes (scale exponents differ by up to 2^6)
+    rows = torch.randn(S, di, generator=g) * 2.0 ** torch.randint(-3, 4, (S, 1), generator=g)
+    keys = ops.fp4_fake_quant_ue8m0_scale(rows).to(torch.bfloat16)
+    token_req = torch.cat([torch.full((len(v),), r) for r, (_, v) in enumerate(REQUESTS)])
+    n_visible = torch.cat([torch.tensor(v, dtype=torch.int64) for _, v in REQUESTS])
+    if shuffle:
+        order = torch.randperm(token_req.numel(), generator=g)
+        token_req, n_visible = token_req[order], n_visible[order]
+    N = token_req.numel()
+    q = ops.fp4_fake_quant_ue8m0_scale(torch.randn(N, hi, di, generator=g))
+    w = ops.bf16(torch.randn(N, hi, generator=g)) * (di ** -0.5 * hi ** -0.5)
+    to = lambda t: t.to(device)  # noqa: E731
+    return to(q), to(w), to(keys), to(slots), to(token_req), to(n_visible)
+
+
+def reference_scores(q, w, keys, slots, token_req, n_visible) -> torch.Tensor:
+    """[N, E] reference scores (float64 oracle rounded to fp32), −∞ where not scored."""
+    q, w, keys, slots, token_req, n_visible = (t.cpu() for t in (q, w, keys, slots, token_req, n_visible))
+    N, E = q.shape[0], slots.shape[1]
+    out = torch.full((N, E), -INF)
+    for t in range(N):
+        r = int(token_req[t])
+        n = int(n_visible[t])
+        if n:
+            row_keys = keys[slots[r, :n]].float()
+            out[t, :n] = ref.index_scores(ref.IndexQuery(q[t:t + 1], w[t:t + 1]), row_keys)[0]
+    return out
+
+
+def reference_bound(q, w, keys, slots, token_req, n_visible) -> torch.Tensor:
+    q, w, keys, slots, token_req = (t.cpu() for t in (q, w, keys, slots, token_req))
+    N, E = q.shape[0], slots.shape[1]
+    out = torch.zeros(N, E, dtype=torch.float64)
+    for t in range(N):
+        n = int(n_visible[t])
+        if n:
+            out[t, :n] = error_bound(q[t:t + 1], w[t:t + 1], keys[slots[int(token_req[t]), :n]].float())[0]
+    return out
+
+
+# ---- kernel cases (interpreter child, or CUDA) ----------------------------------------------
+
+if KERNEL_HERE:
+
+    @pytest.mark.parametrize("hi,di", [(2, 64), (32, 128)], ids=["tiny", "flash_heads"])
+    @pytest.mark.parametrize("shuffle", [False, True], ids=["packed", "shuffled"])
+    def test_kernel_case_scores_match_reference(hi: int, di: int, shuffle: bool) -> None:
+        case = packed_case(hi, di, seed=hi + shuffle, shuffle=shuffle)
+        expected = reference_scores(*case)
+        exact = K.index_scores(*case).cpu()
+        assert torch.equal(exact, expected)
+        assert not bool((exact == 0).logical_and(exact.signbit()).any())       # −0 canonicalised
+        fast = K.index_scores(*case, head_sum_fp64=False).cpu()
+        finite = expected > -INF
+        assert torch.equal(fast > -INF, finite)
+        err = (fast.double() - expected.double()).where(finite, 0.0).abs()
+        assert bool((err <= reference_bound(*case)).all())
+        if hi == 2:  # the tiny head count makes exact zero scores (ties) common
+            assert int((expected[finite] == 0).sum()) > 10
+
+    @pytest.mark.parametrize("hi,di,tilings", [
+        (2, 64, [dict(block_t=8, block_j=16, j_steps=1), dict(block_t=16, block_j=32, j_steps=4),
+                 dict(block_t=32, block_j=128, j_steps=2)]),
+        (32, 128, [dict(block_t=1, block_j=16, j_steps=8), dict(block_t=2, block_j=64, j_steps=2)]),
+    ], ids=["tiny", "flash_heads"])
+    def test_kernel_case_tilings_agree(hi: int, di: int, tilings: list[dict]) -> None:
+        case = packed_case(hi, di, seed=7, shuffle=True)
+        base = K.index_scores(*case)
+        for tiling in tilings:
+            assert torch.equal(K.index_scores(*case, **tiling), base), tiling
+
+    def test_kernel_case_input_checks() -> None:
+        q, w, keys, slots, token_req, n_visible = packed_case(2, 64, seed=3, shuffle=False)
+        holed = slots.clone()
+        holed[0, 5] = -1                                          # request 0's queries see j = 5
+        with pytest.raises(ValueError, match="slot is −1"):
+            K.index_scores(q, w, keys, holed, token_req, n_visible)
+        with pytest.raises(ValueError, match="n_visible"):
+            K.index_scores(q, w, keys, slots, token_req, n_visible + slots.shape[1])
+        with pytest.raises(ValueError, match="token_req"):
+            K.index_scores(q, w, keys, slots, token_req + len(REQUESTS), n_visible)
+        bad = slots.clone()
+        bad[4, 0] = keys.shape[0]
+        with pytest.raises(ValueError, match="entry_slots"):
+            K.index_scores(q, w, keys, bad, token_req, n_visible)
+        with pytest.raises(ValueError, match="powers of two"):
+            K.index_scores(q[:, :, :48], w, keys[:, :48], slots, token_req, n_visible)
+        # without checks a hole is simply not scorable (−∞), like padding
+        scores = K.index_scores(q, w, keys, holed, token_req, n_visible, check_inputs=False)
+        assert bool((scores[token_req == 0][:, 5] == -INF).all())
+
+    @pytest.fixture(scope="module")
+    def tiny_batch():
+        """Packed batch over slot caches: requests (prefix, extend) of a tiny model forward."""
+        cfg = tiny_config(vision=False)
+        w = random_reference_weights(cfg, seed=0, vision=False, dspark=False)
+        text = cfg.text
+        g = torch.Generator().manual_seed(11)
+        requests = [(0, 11), (17, 1), (6, 5), (30, 1), (22, 9), (0, 1)]
+        R = len(requests)
+        width = max(p + e for p, e in requests)
+        num_slots = 400
+        req_to_token = torch.randperm(num_slots, generator=g)[:R * width].reshape(R, width)
+        positions = torch.cat([torch.arange(p, p + e) for p, e in requests])
+        token_req = torch.cat([torch.full((e,), r) for r, (_, e) in enumerate(requests)])
+        seq_lens = torch.tensor([p + e for p, e in requests])
+        key_cache = {}
+        for src in text.kv_source_layer_ids:
+            ratio = text.compress_ratios[src]
+            cache = torch.zeros(num_slots, text.index_head_dim, dtype=torch.bfloat16)
+            n = width // ratio
+            rope_pos = torch.arange(n) * ratio                    # ratio 2: the pair's even position
+            for r in range(R):
+                latents = ops.bf16(torch.randn(n, text.head_dim, generator=g))
+                k = index_keys(text, w, f"layers.{src}.attn.", latents, rope_pos, layer_inv_freq(text, ratio))
+                cache[req_to_token[r, torch.arange(n) * ratio + ratio - 1]] = k.to(torch.bfloat16)
+            key_cache[src] = cache
+        x = {r.layer: ops.bf16(torch.randn(positions.numel(), text.hidden_size, generator=g))
+             for r in text.layer_roles() if r.runs_indexer}
+        q_lora = {layer: ops.bf16(torch.randn(positions.numel(), text.q_lora_rank, generator=g)) for layer in x}
+        return dict(cfg=text, w=w, requests=requests, req_to_token=req_to_token, positions=positions,
+                    token_req=token_req, seq_lens=seq_lens, key_cache=key_cache, x=x, q_lora=q_lora)
+
+    def test_kernel_case_batch_equals_per_request_run_indexer(tiny_batch) -> None:
+        b = tiny_batch
+        cfg, w = b["cfg"], b["w"]
+        roles = [r for r in cfg.layer_roles() if r.runs_indexer]
+        assert {r.candidate_source for r in roles} == {True, False} and any(r.candidate_consumer for r in roles)
+        dev = torch.device(DEVICE)
+        starts = [0]
+        for _, e in b["requests"]:
+            starts.append(starts[-1] + e)
+        published_kernel, published_ref = None, None
+        restriction_mattered = False
+        for role in roles:
+            ratio, src, prefix = role.ratio, role.kv_source, f"layers.{role.layer}.attn."
+            inv_freq = layer_inv_freq(cfg, ratio)
+            x, q_lora, pos = b["x"][role.layer], b["q_lora"][role.layer], b["positions"]
+            # whole batch: the drop-in for runtime `_select`
+            query = ref.index_query(cfg, w, prefix, x, q_lora, pos, inv_freq, True)
+            n_vis = ref.visible_counts(pos, ratio)
+            slots = K.entry_slot_table(b["req_to_token"], torch.arange(len(b["requests"])), b["seq_lens"] // ratio,
+                                       ratio, int(b["seq_lens"].max()) // ratio)
+            scores = K.index_scores(query.q.to(dev), query.head_weights.to(dev), b["key_cache"][src].to(dev),
+                                    slots.to(dev), b["token_req"].to(dev), n_vis.to(dev))
+            selection, blocks = K.select_for_role(
+                cfg, role, scores, n_vis.to(dev),
+                published_kernel if role.candidate_consumer else None)
+            # reference: one request at a time
+            sel_ref, blocks_ref = [], []
+            for r, (start, stop) in enumerate(zip(starts[:-1], starts[1:])):
+                n_entries = int(b["seq_lens"][r]) // ratio
+                keys = b["key_cache"][src][slots[r, :n_entries]].float()
+                result = ref.run_indexer(cfg, role, w, prefix, x[start:stop], q_lora[start:stop], pos[start:stop],
+                                         keys, inv_freq, True,
+                                         published_ref[start:stop] if role.candidate_consumer else None)
+                sel_ref.append(result.selection)
+                blocks_ref.append(result.blocks)
+            assert torch.equal(selection.cpu(), torch.cat(sel_ref)), f"layer {role.layer}"
+            if role.candidate_source:
+                published_kernel, published_ref = blocks, torch.cat(blocks_ref)
+                assert torch.equal(blocks.cpu(), published_ref), f"layer {role.layer}"
+            else:
+                assert blocks is None
+            if role.candidate_consumer:
+                full = K.select_topk(scores, cfg.index_topk)
+                restriction_mattered |= not torch.equal(full, selection)
+        assert restriction_mattered, "the batch is too short for the candidate restriction to change a selection"
+
+
+# ---- the interpreter child ------------------------------------------------------------------
+
+if not K.INTERPRETED:
+
+    def test_kernel_cases_in_triton_interpreter() -> None:
+        """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        root = Path(__file__).resolve().parents[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "kernel_case", str(Path(__file__))],
+            cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        tail = proc.stdout[-6000:] + proc.stderr[-3000:]
+        assert proc.returncode == 0, tail
+        passed = re.search(r"(\d+) passed", proc.stdout)
+        assert passed and int(passed.group(1)) >= 8, tail
+        assert not re.search(r"\d+ (failed|skipped|error)", proc.stdout), tail
+
+    def test_cpu_without_interpreter_raises() -> None:
+        case = packed_case(2, 64, seed=0, shuffle=False, device="cpu")
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+            K.index_scores(*case)
+
+
+# ---- pure torch parts (any process) -----------------------------------------------------------
+
+def tied_scores(g: torch.Generator, N: int, E: int) -> torch.Tensor:
+    """Scores drawn from a few values incl. +0, −0, ±∞-free; many exact ties."""
+    values = torch.tensor([-1.5, -0.0, 0.0, 0.25, 0.25, 1.0, 3.0])
+    return values[torch.randint(0, values.numel(), (N, E), generator=g)]
+
+
+def test_select_topk_equals_reference_on_ties() -> None:
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        N, E = int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(0, 40, (1,), generator=g))
+        scores = tied_scores(g, N, E)
+        allowed = torch.rand(N, E, generator=g) < 0.8
+        if trial % 5 == 0:
+            scores[torch.rand(N, E, generator=g) < 0.1] = INF             # forced blocks look like this
+        k = int(torch.randint(1, E + 4, (1,), generator=g))
+        expected = ref.top_k_lower_index_on_ties(scores, allowed, k)
+        masked = scores.masked_fill(~allowed, -INF)
+        assert torch.equal(K.select_topk(masked, k), expected), (trial, N, E, k)
+        assert torch.equal(K.select_topk(masked, k, max_chunk_elements=max(E, 1)), expected)  # one row per chunk
+
+
+def test_select_topk_zero_signs_and_edges() -> None:
+    s = torch.tensor([[-0.0, 0.0, -0.0, 0.0, -1.0]])
+    assert K.select_topk(s, 2).tolist() == [[0, 1]]                       # −0 == +0: lower indices
+    assert K.select_topk(s, 9).tolist() == [[0, 1, 2, 3, 4, -1, -1, -1, -1]]
+    assert K.select_topk(torch.full((2, 3), -INF), 2).tolist() == [[-1, -1], [-1, -1]]
+    assert K.select_topk(torch.empty(3, 0), 2).tolist() == [[-1, -1]] * 3
+    tiny = torch.tensor([[1e-45, -1e-45, 0.0, float(torch.finfo(torch.float32).max)]])
+    assert K.select_topk(tiny, 2).tolist() == [[0, 3]]
+    with pytest.raises(ValueError, match="NaN"):
+        K.select_topk(torch.tensor([[0.0, math.nan]]), 1)
+    with pytest.raises(TypeError):
+        K.select_topk(s.double(), 1)
+    with pytest.raises(ValueError):
+        K.select_topk(s, 0)
+
+
+def test_candidate_blocks_equal_reference() -> None:
+    g = torch.Generator().manual_seed(1)
+    for trial in range(40):
+        N = int(torch.randint(1, 7, (1,), generator=g))
+        E = int(torch.randint(1, 60, (1,), generator=g))
+        B = int(torch.randint(1, 9, (1,), generator=g))
+        topk_blocks = int(torch.randint(1, 6, (1,), generator=g))
+        scores = tied_scores(g, N, E)
+        n_visible = torch.randint(0, E + 1, (N,), generator=g)
+        n_visible[0] = E                                                   # partial last block when E % B
+        visible = torch.arange(E)[None, :] < n_visible[:, None]
+        expected = ref.candidate_blocks(scores, n_visible, B, topk_blocks)
+        got = K.candidate_blocks(scores.masked_fill(~visible, -INF), n_visible, B, topk_blocks)
+        assert torch.equal(got, expected), (trial, N, E, B, topk_blocks)
+        newest = torch.div(n_visible - 1, B, rounding_mode="floor")
+        for t in range(N):
+            if n_visible[t] > 0:
+                assert int(newest[t]) in got[t].tolist()
+
+
+def test_candidate_blocks_force_the_newest_block() -> None:
+    # the newest (partial) block has the lowest scores yet is published
+    scores = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0, -9.0, -9.0]])
+    got = K.candidate_blocks(scores, torch.tensor([7]), 2, 2)
+    assert got.tolist() == [[0, 3]]
+    assert torch.equal(got, ref.candidate_blocks(scores, torch.tensor([7]), 2, 2))
+
+
+def test_restrict_to_blocks_equals_reference_membership() -> None:
+    g = torch.Generator().manual_seed(2)
+    N, E, B = 5, 23, 4
+    scores = tied_scores(g, N, E)
+    blocks = torch.tensor([[0, 2, -1], [5, -1, -1], [1, 3, 9], [-1, -1, -1], [0, 1, 5]])
+    member = ref.block_membership(blocks, B, E)
+    assert torch.equal(K.restrict_to_blocks(scores, blocks, B), scores.masked_fill(~member, -INF))
+    k = 4
+    assert torch.equal(K.select_topk(K.restrict_to_blocks(scores, blocks, B), k),
+                       ref.top_k_lower_index_on_ties(scores, member, k))
+
+
+def test_select_for_role_errors() -> None:
+    cfg = tiny_config(vision=False).text
+    roles = {r.layer: r for r in cfg.layer_roles()}
+    consumer = next(r for r in roles.values() if r.candidate_consumer)
+    plain = next(r for r in roles.values() if not r.runs_indexer)
+    scores, n = torch.zeros(1, 8), torch.tensor([8])
+    with pytest.raises(ValueError, match="no candidate blocks"):
+        K.select_for_role(cfg, consumer, scores, n, None)
+    with pytest.raises(ValueError, match="does not run an indexer"):
+        K.select_for_role(cfg, plain, scores, n, None)
+
+
+def test_entry_slot_table() -> None:
+    req_to_token = torch.arange(60).reshape(3, 20) + 100
+    table = K.entry_slot_table(req_to_token, torch.tensor([2, 0]), torch.tensor([3, 0]), 2, 5)
+    assert table.tolist() == [[141, 143, 145, -1, -1], [-1] * 5]
+    table = K.entry_slot_table(req_to_token, torch.tensor([1]), torch.tensor([4]), 1, 4)
+    assert table.tolist() == [[120, 121, 122, 123]]
+
+
+# ---- GPU: Flash shapes against the float64 oracle ------------------------------------------
+
+def flash_decode_case(N: int, E: int, seed: int):
+    """N queries over requests of E entries each (N ≤ 64: one decode query per request;
+    N = 1024: 4 prefill requests of 256 queries), Flash heads, on CUDA."""
+    g = torch.Generator().manual_seed(seed)
+    Hi, Di = 32, 128
+    R = N if N <= 64 else 4
+    per = N // R
+    S = R * E + 17
+    slots = torch.randperm(S, generator=g)[:R * E].reshape(R, E)
+    keys = ops.fp4_fake_quant_ue8m0_scale(torch.randn(S, Di, generator=g)).to(torch.bfloat16)
+    q = ops.fp4_fake_quant_ue8m0_scale(torch.randn(N, Hi, Di, generator=g))
+    w = ops.bf16(torch.randn(N, Hi, generator=g)) / 64
+    token_req = torch.arange(R).repeat_interleave(per)
+    n_visible = E - per + 1 + torch.arange(per).repeat(R)
+    return [t.cuda() for t in (q, w, keys, slots, token_req, n_visible)]
+
+
+def oracle(q, w, keys, slots, token_req, n_visible) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float64 score rounded to fp32 with −∞ masking, error bound), chunked on the GPU."""
+    N, E = q.shape[0], slots.shape[1]
+    scores = torch.empty(N, E, device=q.device)
+    bound = torch.empty(N, E, dtype=torch.float64, device=q.device)
+    for t0 in range(0, N, 64):
+        t = slice(t0, t0 + 64)
+        k = keys[slots[token_req[t]]].double()                          # [T, E, Di]
+        dots = torch.einsum("thd,ted->the", q[t].double(), k)
+        s = torch.einsum("th,the->te", w[t].double(), dots.relu()).float()
+        vis = torch.arange(E, device=q.device)[None, :] < n_visible[t, None]
+        scores[t] = torch.where(vis, s + 0.0, -INF)
+        mag = torch.einsum("th,thd,ted->te", w[t].double().abs(), q[t].double().abs(), k.abs())
+        bound[t] = (q.shape[2] + q.shape[1] + 2) * 2.0**-23 * mag
+    return scores, bound
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [1, 64, 1024])
+def test_gpu_flash_scores_within_bound_and_topk_sets(N: int) -> None:
+    E, k = 8192, 512
+    case = flash_decode_case(N, E, seed=N)
+    expected, bound = oracle(*case)
+    finite = expected > -INF
+    exact = K.index_scores(*case)
+    assert torch.equal(exact > -INF, finite)
+    assert bool(((exact.double() - expected.double()).where(finite, 0.0).abs() <= bound).all())
+    fast = K.index_scores(*case, head_sum_fp64=False)
+    assert bool(((fast.double() - expected.double()).where(finite, 0.0).abs() <= bound).all())
+    # exact top-k sets on rows whose k-th/(k+1)-th oracle gap exceeds twice the bound there
+    top = torch.topk(expected, k + 1, dim=1)
+    gap = top.values[:, k - 1].double() - top.values[:, k].double()
+    clear = gap > 2 * bound.max(dim=1).values
+    assert float(clear.float().mean()) >= 0.9
+    want = K.select_topk(expected, k)
+    for got in (K.select_topk(exact, k), K.select_topk(fast, k)):
+        assert torch.equal(got[clear], want[clear])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [1, 64, 1024])
+def test_gpu_flash_fp64_head_sum_is_bitwise(N: int) -> None:
+    """FP4 dots are exact in fp32 on tensor cores; the float64 head sum rounds once like the
+    reference, so the scores should be the oracle's bits."""
+    case = flash_decode_case(N, 8192, seed=N + 1)
+    expected, _ = oracle(*case)
+    assert torch.equal(K.index_scores(*case), expected)
