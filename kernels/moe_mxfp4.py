@@ -1,0 +1,383 @@
+"""Routed experts with MXFP4 weights on Hopper (W4A16) — spec `model.md` §2.3, §3.6, §3.8.
+
+What it computes (the routed term of `reference.moe.moe_sublayer`, for given routing):
+
+    out[t] = bf16( s · Σ_j w[t,j] · E_{ids[t,j]}(x[t]) ),   s = routed_scaling_factor (1.5)
+    E(x)   = bf16( W2 · h ),  h = bf16( silu(min(g, L)) · clamp(u, −L, L) ),
+    g, u   = bf16(W1·x), bf16(W3·x),  L = swiglu_limit (10)
+
+with BF16 activations and MXFP4 weights (E2M1, low nibble = even element, one UE8M0 scale per
+32 inputs). The weighted sum is accumulated in fp64 and rounded once to fp32 then to BF16, as in
+the reference, so with the same per-slot BF16 expert outputs the result is bit-identical to it.
+Where it differs from `reference.moe`: both GEMMs accumulate in fp32 on tensor cores (the
+reference: fp64, rounded once), and silu(g)·u is evaluated in fp32 (reference: fp64). Either
+can move g, u, h or E by one BF16 ulp in rare elements (CPU emulation at Flash shape: 0.02 % of
+outputs differ, max |Δ| ≤ 0.5 % of the row RMS); the GPU tests state the bound.
+
+Decision — reuse `triton_kernels.matmul_ogs` (shipped in sgl-kernel 0.4.5; SGLang serves
+gpt-oss's MXFP4 experts on Hopper with it, `--moe-runner-backend triton_kernel`), driven from
+here with our own routing data, our own fused SwiGLU epilogue and our own combine kernel:
+
+* Format: the checkpoint's MXFP4 is `triton_kernels`' native mxfp4 (same nibble order, same
+  E2M1 table, one UE8M0 byte per 32 along K). Loading is a transpose + padding + the Hopper
+  swizzles (`HopperMXValueLayout` / `HopperMXScaleLayout`, pure torch, invertible — so the
+  conversion is testable exhaustively on CPU, `dequantize_prepared`). No re-quantisation.
+* Math on SM90: the kernel upcasts E2M1·2^s to BF16 in registers (exact) and runs BF16 wgmma with
+  fp32 accumulation — exactly the W4A16 semantics of spec §3.8 (Hopper).
+* Routing stays ours (sqrt-softplus, lower-id ties, bias-free renormalised weights): the GEMMs
+  only take a ragged expert grouping (`RoutingPlan`), built here from `topk_ids`.
+* SwiGLU: the GEMM1 epilogue takes any Triton function (`FusedActivation`). gpt-oss's own
+  (`x·σ(αx)·(u+1)`, no BF16 rounding) does not match; ours rounds g/u to BF16 (RNE), clamps g
+  above and u both sides, silu·u in fp32, rounds h to BF16 — §3.6 order. g/u rows are
+  interleaved (row 2i = W1[i], 2i+1 = W3[i]) so one N tile holds matching gate/up columns.
+* Combine: GEMM2 runs unweighted (per-slot BF16 outputs, as the reference); `_combine_kernel`
+  then forms bf16(fp32(s·Σ_j w_j·E_j)) in fp64 — the reference's finalize, bit for bit.
+  (matmul_ogs' own `gammas` + reduce would scale before BF16 rounding: a different rounding.)
+
+Rejected (evidence from the installed sources):
+* Marlin (`sgl_kernel.moe_wna16_marlin_gemm`, stock SGLang's DeepSeek-V4 FP4-expert path on
+  SM90 via `Mxfp4MarlinMoEMethod` + `fused_marlin_moe(clamp_limit=…)`): precompiled and tuned for
+  small M, but its weight repack (`gptq_marlin_repack`) is CUDA-only (nothing testable on CPU),
+  its SwiGLU (`swiglu_limit_func`) is unfused torch in BF16 (silu rounded before the product),
+  and router weights are applied before BF16 rounding inside GEMM2. First alternative if the
+  benchmark shows this path far from memory bandwidth at T ≤ 8 — `benchmarks/moe_mxfp4.py`
+  times it next to this path.
+* FlashInfer `cutlass_fused_moe(use_w4_group_scaling=True)` (SM90 W4A16): its swiglu
+  (α = 1, β = 0, limit = 10) would fit, but the module is nvcc-JIT-built at first use (CUDA ≥ 12.8
+  for FP4; even its weight-interleave helper loads that module) and its fused finalize is
+  non-deterministic by default. `trtllm_fp4_block_scale_moe` and DeepGEMM fp8×fp4 are SM100-only
+  (MXFP8 activations: not Hopper's W4A16). `SGLANG_DSV4_FP4_DEQUANT` (FP4→FP8 W8A8) changes the
+  numerics (activation quantisation).
+* Our own grouped GEMM: unnecessary while matmul_ogs fits; it would redo the swizzle/upcast work.
+
+Revisit by the numbers of `benchmarks/moe_mxfp4.py` (H200): achieved GB/s of expert bytes per
+call vs measured copy bandwidth at T ∈ {1, 8, 64, 256}, vs a BF16-dequantised baseline and vs
+Marlin. Hopper (SM 9.x) only: `routed_experts_mxfp4` raises elsewhere (SM100 would use the MXFP8
+path of spec §3.8; the swizzles above are Hopper's).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton_kernels.matmul_ogs import (FlexCtx, FnSpecs, FusedActivation, GatherIndx, PrecisionConfig,
+                                       RoutingData, matmul_ogs)
+from triton_kernels.numerics import InFlexData
+from triton_kernels.tensor import FP4, Storage
+from triton_kernels.tensor import Tensor as TKTensor
+from triton_kernels.tensor import make_ragged_tensor_metadata, make_ragged_tensor_metadata_torch
+from triton_kernels.tensor_details.layout import HopperMXScaleLayout, HopperMXValueLayout
+from triton_kernels.tensor_details.ragged_tensor import RaggedTensorMetadata
+
+from sglang_dsv41.checkpoint.codecs import E2M1_VALUES, TILE, UE8M0_NAN_BYTE, packed_fp4_bytes, scale_bytes
+
+HIDDEN_ALIGN = 256        # N tile of the Hopper scale swizzle (2·warps·2·8 with 8 warps); K of GEMM1
+INTERMEDIATE_ALIGN = 128  # K tile (block_k) of the Hopper mxfp4 kernel; 2·I is then a multiple of 256
+SCALE_NUM_WARPS = 8       # the kernel's num_warps equals the scale layout's (opt_flags_nvidia)
+UE8M0_ONE = 127           # scale byte of padding groups (their codes are 0 → value 0)
+PREPARE_CHUNK = 16        # experts converted at a time (bounds the swizzle's temporaries)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+# ---------------------------------------------------------------------------------------------
+# Load-time conversion
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PreparedMxfp4Experts:
+    """Experts in the Hopper mxfp4 layout of `matmul_ogs` (logical shapes, K before N):
+    w13 [E, H_pad, 2·I_pad] (columns interleaved gate/up), w2 [E, I_pad, H_pad], each with its
+    UE8M0 scale tensor [E, K/32, N]. Zero padding (scale byte 127) makes the padded GEMM exact."""
+
+    w13: TKTensor
+    w13_scale: TKTensor
+    w2: TKTensor
+    w2_scale: TKTensor
+    n_experts: int
+    hidden: int
+    intermediate: int
+    hidden_padded: int
+    intermediate_padded: int
+
+    def checkpoint_bytes_per_expert(self) -> int:
+        """Bytes one expert occupies in the checkpoint (packed values + scales, unpadded)."""
+        H, I = self.hidden, self.intermediate
+        return 2 * (I * H // 2 + I * H // TILE) + (H * I // 2 + H * I // TILE)
+
+
+def _check_scales(s: Tensor, what: str) -> None:
+    if bool((s == UE8M0_NAN_BYTE).any()):
+        raise ValueError(f"{what}: UE8M0 scale byte 255 (NaN) present; refusing to load it")
+
+
+def _pad_last2(t: Tensor, rows: int, cols: int, value: int) -> Tensor:
+    return F.pad(t, (0, cols - t.shape[-1], 0, rows - t.shape[-2]), value=value)
+
+
+def _swizzle_into(out: Tensor | None, chunk: Tensor, layout, e0: int, n_experts: int) -> Tensor:
+    """Swizzle `chunk` [c, K', N] (a transposed view) and place it at experts e0.. of `out`."""
+    data = layout.swizzle_data(chunk)          # the .mT of a contiguous [c, ·, ·] tensor
+    base = data.mT
+    if not base.is_contiguous():
+        raise RuntimeError("triton_kernels swizzle returned an unexpected memory layout")
+    if out is None:
+        out = torch.empty((n_experts,) + tuple(base.shape[1:]), dtype=base.dtype, device=base.device)
+    out[e0:e0 + base.shape[0]].copy_(base)
+    return out
+
+
+def prepare_mxfp4_stacked(w1: Tensor, w1_scale: Tensor, w3: Tensor, w3_scale: Tensor,
+                          w2: Tensor, w2_scale: Tensor, *, device: torch.device | str | None = None
+                          ) -> PreparedMxfp4Experts:
+    """Stacked checkpoint tensors → `PreparedMxfp4Experts` on `device` (default: w1's device).
+
+    w1, w3 [E, I, H/2] and w2 [E, H, I/2] packed E2M1 (uint8/int8/float4_e2m1fn_x2); scales
+    [E, I, H/32] and [E, H, I/32] (float8_e8m0fnu or uint8). Spec §2.3 layout, as stored.
+    """
+    b1, b3, b2 = (packed_fp4_bytes(t) for t in (w1, w3, w2))
+    s1, s3, s2 = (scale_bytes(t) for t in (w1_scale, w3_scale, w2_scale))
+    if b1.dim() != 3:
+        raise ValueError(f"w1 must be stacked [E, I, H/2], got {tuple(b1.shape)}")
+    E, I, H = b1.shape[0], b1.shape[1], 2 * b1.shape[2]
+    want = {"w1": (b1, (E, I, H // 2)), "w3": (b3, (E, I, H // 2)), "w2": (b2, (E, H, I // 2)),
+            "w1.scale": (s1, (E, I, H // TILE)), "w3.scale": (s3, (E, I, H // TILE)),
+            "w2.scale": (s2, (E, H, I // TILE))}
+    for name, (t, shape) in want.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {shape} (E={E}, I={I}, H={H})")
+    if H % TILE or I % TILE:
+        raise ValueError(f"hidden {H} and intermediate {I} must be multiples of {TILE} (MXFP4 groups)")
+    for name, s in (("w1.scale", s1), ("w3.scale", s3), ("w2.scale", s2)):
+        _check_scales(s, name)
+    dev = torch.device(device) if device is not None else b1.device
+    Hp, Ip = _round_up(H, HIDDEN_ALIGN), _round_up(I, INTERMEDIATE_ALIGN)
+    lay13 = HopperMXValueLayout([E, Hp // 2, 2 * Ip], mx_axis=1)
+    lay13s = HopperMXScaleLayout([E, Hp // TILE, 2 * Ip], mx_axis=1, num_warps=SCALE_NUM_WARPS)
+    lay2 = HopperMXValueLayout([E, Ip // 2, Hp], mx_axis=1)
+    lay2s = HopperMXScaleLayout([E, Ip // TILE, Hp], mx_axis=1, num_warps=SCALE_NUM_WARPS)
+    o13 = o13s = o2 = o2s = None
+    for e0 in range(0, E, PREPARE_CHUNK):
+        sl = slice(e0, min(E, e0 + PREPARE_CHUNK))
+        c = sl.stop - sl.start
+        g, u = (_pad_last2(t[sl].to(dev), Ip, Hp // 2, 0) for t in (b1, b3))
+        gs, us = (_pad_last2(t[sl].to(dev), Ip, Hp // TILE, UE8M0_ONE) for t in (s1, s3))
+        w13 = torch.stack((g, u), dim=2).reshape(c, 2 * Ip, Hp // 2)       # rows: g0 u0 g1 u1 ...
+        s13 = torch.stack((gs, us), dim=2).reshape(c, 2 * Ip, Hp // TILE)
+        d2 = _pad_last2(b2[sl].to(dev), Hp, Ip // 2, 0)
+        d2s = _pad_last2(s2[sl].to(dev), Hp, Ip // TILE, UE8M0_ONE)
+        o13 = _swizzle_into(o13, w13.mT, lay13, e0, E)
+        o13s = _swizzle_into(o13s, s13.mT, lay13s, e0, E)
+        o2 = _swizzle_into(o2, d2.mT, lay2, e0, E)
+        o2s = _swizzle_into(o2s, d2s.mT, lay2s, e0, E)
+    return PreparedMxfp4Experts(
+        w13=TKTensor(Storage(o13.mT, lay13), dtype=FP4, shape=[E, Hp, 2 * Ip]),
+        w13_scale=TKTensor(Storage(o13s.mT, lay13s), dtype=torch.uint8, shape=[E, Hp // TILE, 2 * Ip]),
+        w2=TKTensor(Storage(o2.mT, lay2), dtype=FP4, shape=[E, Ip, Hp]),
+        w2_scale=TKTensor(Storage(o2s.mT, lay2s), dtype=torch.uint8, shape=[E, Ip // TILE, Hp]),
+        n_experts=E, hidden=H, intermediate=I, hidden_padded=Hp, intermediate_padded=Ip)
+
+
+def prepare_mxfp4_experts(weights: Mapping[str, Tensor], prefix: str, n_experts: int, *,
+                          experts: Sequence[int] | None = None,
+                          device: torch.device | str | None = None) -> PreparedMxfp4Experts:
+    """Checkpoint tensors `{prefix}ffn.experts.{e}.w1/w2/w3.weight` and `.scale` (as stored;
+    `prefix` = `layers.3.` or `mtp.0.`) → prepared experts. `experts` selects (and orders) the
+    experts to load (default: all `n_experts`); routing ids then index that list."""
+    ids = list(range(n_experts)) if experts is None else [int(e) for e in experts]
+    if not ids or any(not 0 <= e < n_experts for e in ids):
+        raise ValueError(f"experts must be a non-empty subset of 0..{n_experts - 1}")
+    p = f"{prefix}ffn.experts."
+
+    def stack(e_name: str) -> Tensor:
+        missing = [f"{p}{e}.{e_name}" for e in ids if f"{p}{e}.{e_name}" not in weights]
+        if missing:
+            raise KeyError(f"missing checkpoint tensors: {missing[:3]}{' …' if len(missing) > 3 else ''}")
+        raw = scale_bytes if e_name.endswith(".scale") else packed_fp4_bytes
+        return torch.stack([raw(weights[f"{p}{e}.{e_name}"]) for e in ids])
+
+    return prepare_mxfp4_stacked(stack("w1.weight"), stack("w1.scale"), stack("w3.weight"),
+                                 stack("w3.scale"), stack("w2.weight"), stack("w2.scale"), device=device)
+
+
+def _decode_as_kernel(values: TKTensor, scales: TKTensor) -> Tensor:
+    """Logical [E, N, K] fp32 of a prepared weight, decoded the way the kernel does: unswizzle,
+    E2M1 (low nibble = even k), scale byte b → the BF16 with bits b<<7 (2^(b−127); b = 0 → 0)."""
+    packed = values.storage.layout.unswizzle_data(values.storage.data).mT      # [E, N, K/2]
+    sb = scales.storage.layout.unswizzle_data(scales.storage.data).mT          # [E, N, K/32]
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2).long()
+    scale = (sb.to(torch.int32) << 23).view(torch.float32)                     # b = 0 → +0.0
+    E, N, K = codes.shape
+    return (table[codes].view(E, N, K // TILE, TILE) * scale[:, :N, :K // TILE, None]).view(E, N, K)
+
+
+def dequantize_prepared(prepared: PreparedMxfp4Experts, *, crop: bool = True) -> dict[str, Tensor]:
+    """fp32 weights the kernel multiplies by: `w1`, `w3` [E, I, H] and `w2` [E, H, I] (with
+    `crop=False`: padded shapes, padding included). For checks; not used on the hot path."""
+    w13 = _decode_as_kernel(prepared.w13, prepared.w13_scale)                  # [E, 2·I_pad, H_pad]
+    w2 = _decode_as_kernel(prepared.w2, prepared.w2_scale)                     # [E, H_pad, I_pad]
+    H, I = (prepared.hidden, prepared.intermediate) if crop else (prepared.hidden_padded,
+                                                                  prepared.intermediate_padded)
+    return {"w1": w13[:, 0::2][:, :I, :H], "w3": w13[:, 1::2][:, :I, :H], "w2": w2[:, :H, :I]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing plan (expert-grouped slot order)
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RoutingPlan:
+    """Slots s = t·k + j grouped by expert (stable: ascending s within an expert).
+    `sorted_slots[r]` = slot at grouped row r; `slot_rows[s]` = its grouped row;
+    `expert_counts[e]` = rows of expert e; `ragged` = the kernel's tile schedule."""
+
+    sorted_slots: Tensor
+    slot_rows: Tensor
+    expert_counts: Tensor
+    ragged: RaggedTensorMetadata
+    n_tokens: int
+    top_k: int
+    n_experts: int
+
+    def routing_data(self) -> RoutingData:
+        return RoutingData(None, self.expert_counts, self.n_experts, self.top_k, self.ragged)
+
+    def gather(self) -> GatherIndx:
+        return GatherIndx(src_indx=self.sorted_slots, dst_indx=self.slot_rows)
+
+
+def make_routing_plan(topk_ids: Tensor, n_experts: int) -> RoutingPlan:
+    """Routing plan for `topk_ids` [T, k] (ids in 0..n_experts−1; checked on the device without
+    a host sync). The tile schedule is built by triton_kernels' kernel on CUDA, by its torch
+    version on CPU (plans are only executed on CUDA)."""
+    if topk_ids.dim() != 2 or topk_ids.dtype.is_floating_point:
+        raise ValueError(f"topk_ids must be an integer [T, k] tensor, got {topk_ids.dtype} {tuple(topk_ids.shape)}")
+    T, k = topk_ids.shape
+    flat = topk_ids.reshape(-1).to(torch.int32)
+    torch._assert_async(((flat >= 0) & (flat < n_experts)).all(),
+                        f"topk_ids outside 0..{n_experts - 1}")
+    order = torch.sort(flat, stable=True).indices.to(torch.int32)
+    rows = torch.empty_like(order)
+    rows[order.long()] = torch.arange(T * k, dtype=torch.int32, device=flat.device)
+    counts = torch.zeros(n_experts, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, flat.long(), torch.ones_like(flat))
+    make = make_ragged_tensor_metadata if flat.is_cuda else make_ragged_tensor_metadata_torch
+    return RoutingPlan(order, rows, counts, make(counts, T * k), T, k, n_experts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton device code: BF16 rounding, the fused SwiGLU epilogue, the weighted combine
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def round_to_bf16(x):
+    """fp32 → the nearest BF16 value (ties to even), kept in fp32; NaN stays NaN. Explicit bit
+    arithmetic so the result is the same compiled and in Triton's interpreter (which truncates)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def clamped_swiglu_tile(acc, limit):
+    """GEMM1 epilogue: acc [M, 2n] fp32 with columns (g0, u0, g1, u1, …) → h [M, n] =
+    bf16(silu(min(bf16(g), L)) · clamp(bf16(u), −L, L)) in fp32 (spec §3.6; NaN propagates)."""
+    g, u = tl.split(tl.reshape(acc, (acc.shape[0], acc.shape[1] // 2, 2)))
+    g = round_to_bf16(g)
+    u = round_to_bf16(u)
+    g = tl.where(g > limit, limit, g)
+    u = tl.where(u > limit, limit, tl.where(u < -limit, -limit, u))
+    return round_to_bf16(g / (1.0 + tl.exp(-g)) * u)
+
+
+@triton.jit
+def _combine_kernel(Y, stride_y, SlotRows, Weights, Out, stride_out, scale, H,
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Out[t, :H] = bf16(fp32(scale · Σ_j Weights[t, j] · Y[SlotRows[t·k + j], :H])), in fp64."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    acc = tl.full([BLOCK_H], 0.0, tl.float64)
+    for j in tl.static_range(TOP_K):
+        row = tl.load(SlotRows + t * TOP_K + j).to(tl.int64)
+        w = tl.load(Weights + t * TOP_K + j).to(tl.float64)
+        y = tl.load(Y + row * stride_y + cols, mask=mask, other=0.0).to(tl.float64)
+        acc += w * y
+    v = round_to_bf16((acc * scale).to(tl.float32))
+    tl.store(Out + t.to(tl.int64) * stride_out + cols, v.to(Out.dtype.element_ty), mask=mask)
+
+
+COMBINE_BLOCK_H = 1024
+
+
+def _exact_fp32(v: float, what: str) -> float:
+    v = float(v)
+    if float(torch.tensor(v, dtype=torch.float32)) != v:
+        raise ValueError(f"{what} = {v!r} is not exactly representable in fp32 (the kernels take fp32 scalars)")
+    return v
+
+
+def combine_routed(y_rows: Tensor, plan: RoutingPlan, topk_weights: Tensor, routed_scale: float,
+                   hidden: int) -> Tensor:
+    """[T, hidden] bf16 = bf16(routed_scale · Σ_j w[t,j] · y_rows[slot_rows[t·k+j]]) (fp64 sum).
+    `y_rows` [T·k, ≥hidden] BF16 per-slot expert outputs in grouped order."""
+    T, k = plan.n_tokens, plan.top_k
+    if tuple(topk_weights.shape) != (T, k) or topk_weights.dtype != torch.float32:
+        raise ValueError(f"topk_weights must be fp32 [{T}, {k}], got {topk_weights.dtype} {tuple(topk_weights.shape)}")
+    if y_rows.shape[0] != T * k or y_rows.shape[1] < hidden or y_rows.stride(1) != 1:
+        raise ValueError(f"y_rows must be [{T * k}, ≥{hidden}] with unit column stride, got {tuple(y_rows.shape)}")
+    out = torch.empty(T, hidden, dtype=torch.bfloat16, device=y_rows.device)
+    if T:
+        grid = (T, triton.cdiv(hidden, COMBINE_BLOCK_H))
+        _combine_kernel[grid](y_rows, y_rows.stride(0), plan.slot_rows, topk_weights.contiguous(), out,
+                              out.stride(0), _exact_fp32(routed_scale, "routed_scale"), hidden,
+                              TOP_K=k, BLOCK_H=COMBINE_BLOCK_H)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The routed-experts call
+# ---------------------------------------------------------------------------------------------
+def clamped_swiglu_activation(swiglu_limit: float) -> FusedActivation:
+    """`matmul_ogs` fused activation for interleaved gate/up columns (halves N)."""
+    return FusedActivation(FnSpecs("dsv41_clamped_swiglu", clamped_swiglu_tile, ("limit",), reduction_n=2),
+                           (_exact_fp32(swiglu_limit, "swiglu_limit"),))
+
+
+def _mx_precision(scale: TKTensor) -> PrecisionConfig:
+    return PrecisionConfig(weight_scale=scale, flex_ctx=FlexCtx(rhs_data=InFlexData()),
+                           out_dtype=torch.bfloat16)
+
+
+def routed_experts_mxfp4(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, experts: PreparedMxfp4Experts,
+                         *, swiglu_limit: float, routed_scale: float) -> Tensor:
+    """bf16 [T, H] = bf16(routed_scale · Σ_j w[t,j] · E_{ids[t,j]}(x[t])) (module docstring).
+
+    x [T, H] bf16 (CUDA, SM 9.x); topk_ids [T, k] integer ids into `experts`; topk_weights
+    [T, k] fp32 (renormalised router weights, without routed_scale).
+    """
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] != experts.hidden:
+        raise ValueError(f"x must be bf16 [T, {experts.hidden}], got {x.dtype} {tuple(x.shape)}")
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] != 9:
+        raise RuntimeError("routed_experts_mxfp4 runs on Hopper GPUs (SM 9.x) only (spec §3.8 W4A16 path)")
+    if experts.w13.storage.data.device != x.device:
+        raise ValueError(f"experts live on {experts.w13.storage.data.device}, x on {x.device}")
+    if topk_ids.shape[0] != x.shape[0] or topk_ids.device != x.device or topk_weights.device != x.device:
+        raise ValueError("topk_ids / topk_weights must be [T, k] on x's device")
+    T = x.shape[0]
+    if T == 0:
+        return x.new_empty(0, experts.hidden)
+    plan = make_routing_plan(topk_ids, experts.n_experts)
+    xp = x.contiguous()
+    if experts.hidden_padded != experts.hidden:
+        xp = F.pad(xp, (0, experts.hidden_padded - experts.hidden))
+    h = matmul_ogs(xp, experts.w13, None, plan.routing_data(), gather_indx=plan.gather(),
+                   precision_config=_mx_precision(experts.w13_scale),
+                   fused_activation=clamped_swiglu_activation(swiglu_limit))
+    y = matmul_ogs(h, experts.w2, None, plan.routing_data(), precision_config=_mx_precision(experts.w2_scale))
+    return combine_routed(y, plan, topk_weights, routed_scale, experts.hidden)
