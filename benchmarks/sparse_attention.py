@@ -1,0 +1,200 @@
+"""Benchmark of `sglang_dsv41.kernels.sparse_attention` at the Flash decode shape (CUDA only).
+
+For N ∈ {1, 8, 64, 256} decode queries (D 512, H 64, W 128, K 512, int32 slots into a pool of
+scattered BF16 rows) it
+
+1. checks the kernel once against the float64 oracle (`reference.attention.attend_with_sink` on
+   the gathered keys): BF16 output within one BF16 ulp of the output scale (max |o| of the same
+   query and head), fp32 output within 2^-14·max|k| of the exact value — the bounds of
+   `tests/test_kernels_sparse_attention.py`; a failure aborts before any timing;
+2. times one call (`triton.testing.do_bench`, L2 flushed before every call, median), and the
+   runtime's current torch path (gather + `attend_with_sink`) for comparison;
+3. counts the compulsory HBM bytes (`bytes_read_per_query` for every query with its valid key
+   count + the BF16 output; split-KV scratch is not counted: it stays in L2) and reports GB/s
+   against the device copy bandwidth measured here (`dst.copy_(src)` of 2 GiB, read + write).
+
+Writes `benchmarks/results/sparse_attention.json` and `sparse_attention.png`. `--sweep` also times
+a few alternative block configurations per N (for tuning `plan_config`).
+
+    python benchmarks/sparse_attention.py [--sweep] [--out benchmarks/results]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import platform
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+from sglang_dsv41.kernels import sparse_attention as sa
+from sglang_dsv41.reference.attention import attend_with_sink
+
+HEADS, HEAD_DIM, WINDOW, TOPK = 64, 512, 128, 512
+DECODE_BATCHES = (1, 8, 64, 256)
+SEQ_LEN = 4096          # each request's length: window fully populated, ≥ TOPK compressed entries
+HOLE_FRACTION = 0.02    # −1 entries in the compressed selection (padding of short selections)
+
+
+def copy_bandwidth_gbs(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read + written."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    src.fill_(1.0)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def decode_case(n: int, device: torch.device, seed: int) -> dict:
+    """n decode queries of distinct requests; every key row lives at a scattered pool slot."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    g_dev = torch.Generator(device=device).manual_seed(seed)
+    pool = n * SEQ_LEN + 1
+    swa_cache = torch.randn(pool, HEAD_DIM, generator=g_dev, device=device).to(torch.bfloat16)
+    comp_cache = torch.randn(pool, HEAD_DIM, generator=g_dev, device=device).to(torch.bfloat16)
+    slot_of = (torch.randperm(pool - 1, generator=g) + 1).view(n, SEQ_LEN)   # req_to_token rows
+    window = slot_of[:, SEQ_LEN - WINDOW:]
+    picks = torch.rand(n, SEQ_LEN, generator=g).argsort(dim=1)[:, :TOPK].sort(dim=1).values
+    comp = torch.gather(slot_of, 1, picks)
+    comp[torch.rand(n, TOPK, generator=g) < HOLE_FRACTION] = -1
+    return dict(
+        q=torch.randn(n, HEADS, HEAD_DIM, generator=g).to(torch.bfloat16).to(device),
+        swa_cache=swa_cache, comp_cache=comp_cache,
+        swa_slots=window.to(torch.int32).to(device), comp_slots=comp.to(torch.int32).to(device),
+        sink=torch.randn(HEADS, generator=g).to(device))
+
+
+def torch_path(c: dict, scale: float) -> torch.Tensor:
+    """The runtime's current path: gather dense keys, float64 oracle (returns BF16-valued fp32)."""
+    keys, valid = [], []
+    for cache, slots in ((c["swa_cache"], c["swa_slots"]), (c["comp_cache"], c["comp_slots"])):
+        v = slots >= 0
+        rows = cache[torch.where(v, slots, 0).long()].float()
+        keys.append(torch.where(v[..., None], rows, 0.0))
+        valid.append(v)
+    return attend_with_sink(c["q"].float(), torch.cat(keys, 1), c["sink"], torch.cat(valid, 1))
+
+
+def check_against_oracle(c: dict, scale: float) -> dict:
+    """Assert the benchmark inputs' kernel output against the oracle (module docstring, item 1)."""
+    call = dict(q=c["q"], swa_cache=c["swa_cache"], swa_slots=c["swa_slots"], comp_cache=c["comp_cache"],
+                comp_slots=c["comp_slots"], sink=c["sink"], scale=scale)
+    out = sa.sparse_sink_attention(**call, validate=True)
+    out32 = torch.empty(out.shape, dtype=torch.float32, device=out.device)
+    sa.sparse_sink_attention(**call, out=out32)
+    ref = torch_path(c, scale).double()
+    row_scale = ref.abs().amax(dim=-1, keepdim=True).clamp(min=2.0 ** -120)
+    ulp = torch.exp2(torch.floor(torch.log2(row_scale)) - 7)
+    bf16_excess = float(((out.double() - ref).abs() - ulp).max())
+    # unrounded float64 value for the fp32 output
+    keys = torch.cat([c["swa_cache"][c["swa_slots"].clamp(min=0).long()],
+                      c["comp_cache"][c["comp_slots"].clamp(min=0).long()]], 1).double()
+    valid = torch.cat([c["swa_slots"] >= 0, c["comp_slots"] >= 0], 1)
+    logits = torch.einsum("thd,tsd->ths", c["q"].double(), keys) * scale
+    logits = logits.masked_fill(~valid[:, None, :], -math.inf)
+    sink = c["sink"].double()[None, :]
+    m = torch.maximum(logits.amax(dim=2), sink)
+    p = torch.exp(logits - m[..., None])
+    exact = torch.einsum("ths,tsd->thd", p, keys) / (p.sum(dim=2) + torch.exp(sink - m))[..., None]
+    fp32_err = float((out32.double() - exact).abs().max())
+    fp32_bound = 2.0 ** -14 * float(keys.abs().max())
+    if not (torch.isfinite(out.float()).all() and bf16_excess <= 0.0 and fp32_err <= fp32_bound):
+        raise AssertionError(f"kernel disagrees with the oracle: BF16 excess over 1 ulp {bf16_excess:.3g}, "
+                             f"fp32 error {fp32_err:.3g} (bound {fp32_bound:.3g})")
+    mismatch = float((out.double() != ref).double().mean())
+    return dict(bf16_max_excess_over_ulp=bf16_excess, fp32_max_abs_err=fp32_err, fp32_bound=fp32_bound,
+                bf16_mismatch_fraction=mismatch)
+
+
+def compulsory_bytes(c: dict) -> int:
+    n_valid = (c["swa_slots"] >= 0).sum(dim=1) + (c["comp_slots"] >= 0).sum(dim=1)
+    slot_bytes = c["swa_slots"].element_size()
+    read = sum(sa.bytes_read_per_query(HEADS, HEAD_DIM, WINDOW, TOPK, int(v), slot_bytes) for v in n_valid.tolist())
+    return read + c["q"].numel() * 2      # + the BF16 output
+
+
+def sweep_configs(n: int, planned: sa.SparseAttentionConfig) -> list[sa.SparseAttentionConfig]:
+    out = {planned}
+    for block_h, block_n, warps in ((16, 32, 4), (16, 32, 8), (32, 16, 8), (32, 32, 8)):
+        for splits in sorted({1, planned.num_splits, min(sa.MAX_SPLITS, 2 * planned.num_splits)}):
+            out.add(sa.SparseAttentionConfig(block_h=block_h, block_d=planned.block_d, block_n=block_n,
+                                             num_splits=splits, num_warps=warps, num_stages=2))
+    return sorted(out, key=lambda c: (c.block_h, c.block_n, c.num_warps, c.num_splits))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--sweep", action="store_true", help="also time alternative block configurations")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/sparse_attention.py needs a CUDA GPU")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    device = torch.device("cuda")
+    props = torch.cuda.get_device_properties(device)
+    scale = HEAD_DIM ** -0.5
+    copy_gbs = copy_bandwidth_gbs(device)
+    rows = []
+    for n in DECODE_BATCHES:
+        c = decode_case(n, device, seed=n)
+        accuracy = check_against_oracle(c, scale)
+        planned = sa.plan_config(n, HEADS, HEAD_DIM, WINDOW, TOPK, props.multi_processor_count)
+        nbytes = compulsory_bytes(c)
+
+        def run(cfg: sa.SparseAttentionConfig | None = None) -> float:
+            return triton.testing.do_bench(
+                lambda: sa.sparse_sink_attention(c["q"], c["swa_cache"], c["swa_slots"], c["comp_cache"],
+                                                 c["comp_slots"], c["sink"], scale, config=cfg),
+                warmup=25, rep=200, return_mode="median")
+
+        ms = run()
+        torch_ms = triton.testing.do_bench(lambda: torch_path(c, scale), warmup=3, rep=30, return_mode="median")
+        row = dict(n=n, config=dataclasses.asdict(planned), ms=ms, us_per_query=ms * 1e3 / n, bytes=nbytes,
+                   gbs=nbytes / (ms * 1e-3) / 1e9, fraction_of_copy_bw=nbytes / (ms * 1e-3) / 1e9 / copy_gbs,
+                   torch_path_ms=torch_ms, speedup_vs_torch_path=torch_ms / ms, accuracy=accuracy)
+        if args.sweep:
+            row["sweep"] = []
+            for cfg in sweep_configs(n, planned):
+                t = run(cfg)
+                row["sweep"].append(dict(config=dataclasses.asdict(cfg), ms=t, gbs=nbytes / (t * 1e-3) / 1e9))
+        rows.append(row)
+        print(f"N={n:4d}  {ms * 1e3:8.1f} us  {row['gbs']:7.0f} GB/s  ({row['fraction_of_copy_bw']:.0%} of copy)  "
+              f"torch path {torch_ms:.2f} ms  splits={planned.num_splits}  "
+              f"bf16 mismatches {accuracy['bf16_mismatch_fraction']:.2%}", flush=True)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = dict(device=props.name, sm_count=props.multi_processor_count, torch=torch.__version__,
+                  triton=triton.__version__, python=platform.python_version(),
+                  shape=dict(heads=HEADS, head_dim=HEAD_DIM, window=WINDOW, topk=TOPK, seq_len=SEQ_LEN,
+                             hole_fraction=HOLE_FRACTION, slot_dtype="int32"),
+                  copy_bandwidth_gbs=copy_gbs, timing="triton.testing.do_bench median, L2 flushed per call",
+                  bytes_counted="q + slot lists + valid key rows + sink read, BF16 output written "
+                                "(split-KV scratch excluded)",
+                  rows=rows)
+    (args.out / "sparse_attention.json").write_text(json.dumps(result, indent=2))
+
+    fig, (ax_bw, ax_t) = plt.subplots(1, 2, figsize=(11, 4))
+    ns = [r["n"] for r in rows]
+    ax_bw.plot(ns, [r["gbs"] for r in rows], "o-", label="sparse_sink_attention")
+    ax_bw.axhline(copy_gbs, color="gray", ls="--", label=f"device copy {copy_gbs:.0f} GB/s")
+    ax_bw.set(xscale="log", xlabel="decode batch N", ylabel="GB/s (compulsory bytes)",
+              title=f"{props.name}: D={HEAD_DIM} H={HEADS} W={WINDOW} K={TOPK}")
+    ax_bw.legend()
+    ax_t.plot(ns, [r["ms"] * 1e3 for r in rows], "o-", label="kernel")
+    ax_t.plot(ns, [r["torch_path_ms"] * 1e3 for r in rows], "s--", label="torch path (gather + fp64 oracle)")
+    ax_t.set(xscale="log", yscale="log", xlabel="decode batch N", ylabel="µs per call", title="time per call")
+    ax_t.legend()
+    fig.tight_layout()
+    fig.savefig(args.out / "sparse_attention.png", dpi=120)
+    print(f"wrote {args.out / 'sparse_attention.json'} and {args.out / 'sparse_attention.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,399 @@
+"""Sparse attention with a sink over slot-addressed caches — Triton (spec `model.md` §3.4.5).
+
+Drop-in for the dense gather + `reference.attention.attend_with_sink` of
+`runtime.attention.attention_sublayer`: the keys of query t are the rows of `swa_cache` at
+`swa_slots[t]` (its SWA window, −1 = no key) followed by the rows of `comp_cache` at
+`comp_slots[t]` (its selected compressed entries, −1 = none; ratio-0 layers pass None).
+
+Invariant (for every query t and head h; K = V = the cached BF16 row, one KV head):
+    s_j  = scale · (q[t, h] · k_j)                  over the valid keys j of both lists
+    o    = Σ_j e^{s_j} k_j / (Σ_j e^{s_j} + e^{sink[h]})      (sink = raw logit; −∞ = plain softmax)
+evaluated with fp32 accumulation and rounded once to the output dtype (BF16 → RNE on GPU). No
+de-duplication between the two lists (§3.4.5); a slot listed twice counts twice. A query with
+no valid key and sink −∞ has no defined output: it comes out NaN (`validate=True` raises instead;
+the model never produces it — the SWA window always holds the token itself).
+
+Numerics: logits are BF16×BF16 tensor-core dots with fp32 accumulation (exact products); the
+online softmax runs in the log2 domain in fp32; P·V uses P split into a BF16 high part and a BF16
+remainder (two tensor-core dots), so P keeps ~16 mantissa bits instead of the 8 of the usual
+flash-attention P cast. The fp32 result is within ~2^-17·max|k| of the exact value, so the
+BF16 output differs from the float64 oracle (`attend_with_sink`) by at most one BF16 ulp of the
+output scale (the largest |o| of that query and head), where the exact value lies next to a
+rounding midpoint. Batch invariance: a query's result depends only on its own inputs and on
+`num_splits` (the summation order); `plan_config` picks splits from N, so for bitwise equality
+across batch compositions pass a `config` with a fixed `num_splits` (e.g. 1).
+
+Kernel structure (Hopper-oriented; block sizes from D, H and W + K via `plan_config`, never
+Flash constants): one program = one query × a block of `block_h` heads × one split of the key
+tiles. A key tile is `block_n` slots of one list; its rows are gathered once and serve every
+head of the block — QK^T is a [block_h, block_d] × [block_d, block_n] dot, P·V a
+[block_h, block_n] × [block_n, block_d] dot. Non-power-of-two D is masked (block_d =
+next_pow2(D)). The sink is folded into the running denominator (m₀ = sink, l₀ = 1). Decode
+with few queries splits the key tiles of a query over `num_splits` programs (flash-decoding);
+each writes (m, l, unnormalised acc) to fp32 scratch and a second kernel merges them and adds
+the sink. Splits never hold fewer than ⌈2H/block_n⌉ tiles, so the scratch written per split
+(H·D·4 B) never exceeds the key bytes it read. Decode (N = batch) and extend (N = many tokens)
+are the same launch. At the Flash config (block_h 32, block_n 32, 8 warps, 2 stages) the sm_90
+build uses 255 registers per thread with no spills and 82 KB of shared memory, BF16
+`mma.sync` dots (block_h 64 would reach wgmma but spills); the tests compile it for sm_90.
+
+Memory traffic per query (bytes read from HBM, upper bound; D = head_dim, H = heads,
+n_valid ≤ W + K valid keys, idx = 4 or 8 bytes per slot):
+    H·D·2 (q) + (W + K)·idx (slot lists) + n_valid·D·2 (key rows) + H·4 (sink),
+    written: H·D·2 (out); with s > 1 splits also s·H·(D + 2)·4 written and read back (L2-resident).
+The ⌈H/block_h⌉ head blocks of a query re-read the same key rows, normally from L2. Flash
+(D 512, H 64, W 128, K 512, int32 slots): 64 KiB q + 2.5 KiB slots + 640 KiB keys + 64 KiB
+out ≈ 0.77 MB per decode query. Extend queries of one request share most rows (neighbouring
+windows, overlapping selections), so HBM traffic is below N × this bound.
+
+Why a kernel of our own (checked against what SGLang 0.5.17's wheel ships):
+* sgl_kernel `flash_mla_with_kvcache(indices=, attn_sink=, extra_k_cache=, …)` (FlashMLA sparse
+  decode, used by 0.5.17's DeepSeek-V4 backend) has exactly these semantics (two caches, per-query
+  index lists, sink) but its sparse path requires the FP8 paged cache layout (`is_fp8_kvcache`
+  must be True: 448 E4M3 + 64 BF16 dims + scales per row); our slot rows are plain BF16 (the
+  exact storage of profile NONE), and head_dim must be 512/576 — it cannot read them.
+* sgl_kernel `flash_mla_sparse_fwd` (FlashMLA sparse prefill: BF16 kv, per-query indices, sink)
+  reads one kv tensor, so the SWA rows and the kv source's latents would first be copied into a
+  per-chunk workspace (what upstream does after dequantising), and it fixes d_qk ∈ {512, 576},
+  d_v = 512, h_q ∈ {64, 128} with top-k padded to a multiple of 64/128: no tiny shape and no
+  tensor-parallel head shard (< 64 heads per rank).
+* SGLang's Triton `decode_attention_fwd` (grouped MQA over `kv_indptr`/`kv_indices`, page size 1,
+  `sinks`) reads one k_buffer per call through CSR lists (−1 holes would need a compaction pass);
+  two caches mean two calls and an LSE merge that counts the sink once, and its extend kernel
+  takes a shared per-request prefix plus a causal extend part, not a per-token key list.
+* flashinfer 0.6.15's `trtllm_batch_decode_sparse_mla_dsv4` runs on SM100/SM103/SM120 only (not
+  Hopper) with its packed cache formats; its FA2/FA3 MHA paths stop at head_dim 256.
+If the runtime adopts the FP8 "v4" cache layout, FlashMLA's sparse decode is the kernel to wrap.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+#: fp32 accumulator elements one program keeps in registers ([block_h, block_d]); 16384 = 64 KiB
+#: = 64 registers per thread at 8 warps, leaving room for q and the logits tile.
+ACC_ELEMS_PER_PROGRAM = 16384
+#: Bytes of one gathered key tile ([block_n, block_d] BF16) in shared memory per pipeline stage.
+KEY_TILE_BYTES = 32768
+#: Upper bound on key-tile splits of one query (flash-decoding).
+MAX_SPLITS = 16
+#: [heads, block_d] fp32 elements one program of the split-merge kernel combines (16 per thread).
+MERGE_ELEMS_PER_PROGRAM = 2048
+_LOG2E = 1.4426950408889634
+_SLOT_DTYPES = (torch.int32, torch.int64)
+_OUT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class SparseAttentionConfig:
+    """Launch parameters. block_h/block_d/block_n are powers of two ≥ 16 (tensor-core tile
+    minimum); `num_splits` ≥ 1 key-tile splits per query; `num_warps`/`num_stages` as Triton."""
+
+    block_h: int
+    block_d: int
+    block_n: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_h", "block_d", "block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"SparseAttentionConfig.{name}={v}: must be a power of two ≥ 16")
+        if not 1 <= self.num_splits <= MAX_SPLITS:
+            raise ValueError(f"SparseAttentionConfig.num_splits={self.num_splits}: must be in 1..{MAX_SPLITS}")
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"SparseAttentionConfig: bad num_warps={self.num_warps} / num_stages={self.num_stages}")
+
+
+def _pow2_at_least(x: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(max(1, x)))
+
+
+def plan_config(num_queries: int, num_heads: int, head_dim: int, window: int, topk: int,
+                sm_count: int) -> SparseAttentionConfig:
+    """Block sizes from the shapes (module docstring): block_d = next_pow2(D); block_h = as many
+    heads as fit ACC_ELEMS_PER_PROGRAM; block_n = keys per KEY_TILE_BYTES tile (≤ the longer key
+    list); splits = ⌊sm_count / (N·⌈H/block_h⌉)⌋ (≥ 2 only when at least half the multiprocessors
+    would idle), capped so that a split keeps ≥ ⌈2H/block_n⌉ tiles and by MAX_SPLITS."""
+    if head_dim < 1 or num_heads < 1 or window < 1 or topk < 0 or sm_count < 1:
+        raise ValueError(f"plan_config: bad shape (D={head_dim}, H={num_heads}, W={window}, K={topk}, "
+                         f"sm_count={sm_count})")
+    block_d = _pow2_at_least(head_dim)
+    if ACC_ELEMS_PER_PROGRAM // block_d < 16:
+        raise ValueError(f"sparse_sink_attention: head_dim {head_dim} > {ACC_ELEMS_PER_PROGRAM // 16} "
+                         "does not fit one program's fp32 accumulator")
+    block_h = min(_pow2_at_least(num_heads), ACC_ELEMS_PER_PROGRAM // block_d)
+    block_n = min(max(16, KEY_TILE_BYTES // (2 * block_d)), 64, _pow2_at_least(max(window, topk)))
+    num_warps = 8 if block_h * block_d >= 16384 else 4
+    tiles = triton.cdiv(window, block_n) + triton.cdiv(topk, block_n)
+    programs = num_queries * triton.cdiv(num_heads, block_h)
+    splits = 1
+    if 0 < 2 * programs <= sm_count:   # whole extra waves only: a partial wave would not finish sooner
+        min_tiles = max(1, triton.cdiv(2 * num_heads, block_n))
+        splits = max(1, min(sm_count // programs, tiles // min_tiles, MAX_SPLITS))
+        splits = triton.cdiv(tiles, triton.cdiv(tiles, splits))   # no empty split
+    return SparseAttentionConfig(block_h=block_h, block_d=block_d, block_n=block_n, num_splits=splits,
+                                 num_warps=num_warps, num_stages=2)
+
+
+def merge_heads_per_program(block_d: int) -> int:
+    """Heads per program of the split-merge kernel (a power of two, ≥ 1)."""
+    return max(1, MERGE_ELEMS_PER_PROGRAM // block_d)
+
+
+# ---- kernels --------------------------------------------------------------------------------
+
+@triton.jit
+def _dot(a, b, DOT_FP32: tl.constexpr):
+    """fp32-accumulated a·b of BF16 operands; DOT_FP32 (interpreter only) upcasts them first —
+    the same values, since Triton 3.6's interpreter multiplies BF16 dot operands as raw uint16."""
+    if DOT_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _attend_key_tile(acc, m_i, l_i, q, cache_ptr, cache_row_stride, slots_ptr, first, n_keys,
+                     offs_n, offs_d, d_mask, qk_scale_log2, DOT_FP32: tl.constexpr):
+    """One online-softmax step over keys first..first+BLOCK_N−1 of one slot list (log2 domain)."""
+    idx = first + offs_n
+    slot = tl.load(slots_ptr + idx, mask=idx < n_keys, other=-1).to(tl.int64)
+    valid = slot >= 0
+    rows = tl.load(cache_ptr + slot[:, None] * cache_row_stride + offs_d[None, :],
+                   mask=valid[:, None] & d_mask[None, :], other=0.0)
+    s = _dot(q, tl.trans(rows), DOT_FP32) * qk_scale_log2                       # [BLOCK_H, BLOCK_N] fp32
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)              # nothing seen yet: no rescale
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p_hi = p.to(tl.bfloat16)
+    p_lo = (p - p_hi.to(tl.float32)).to(tl.bfloat16)
+    acc = acc * alpha[:, None] + _dot(p_hi, rows, DOT_FP32) + _dot(p_lo, rows, DOT_FP32)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _sparse_sink_attn_kernel(
+        q_ptr, q_stride_n, q_stride_h,
+        swa_ptr, swa_row_stride, swa_slots_ptr, swa_slots_stride, n_swa,
+        comp_ptr, comp_row_stride, comp_slots_ptr, comp_slots_stride, n_comp,
+        sink_ptr, out_ptr, out_stride_n, out_stride_h,
+        part_acc_ptr, part_ml_ptr,
+        H, D, qk_scale_log2, tiles_per_split,
+        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_COMP: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr):
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    h_mask = offs_h < H
+    d_mask = offs_d < D
+    q = tl.load(q_ptr + t.to(tl.int64) * q_stride_n + offs_h[:, None] * q_stride_h + offs_d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+
+    if NUM_SPLITS == 1:
+        # sink folded into the running state: m₀ = sink (log2 units), l₀ = e^{sink−m₀} = 1
+        sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0) * 1.4426950408889634
+        m_i = sink
+        l_i = tl.where(sink == float("-inf"), 0.0, 1.0)
+    else:
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+
+    swa_tiles = tl.cdiv(n_swa, BLOCK_N)
+    tile_lo = split * tiles_per_split
+    tile_hi = tile_lo + tiles_per_split
+    swa_slots = swa_slots_ptr + t.to(tl.int64) * swa_slots_stride
+    for tile in range(tile_lo, tl.minimum(tile_hi, swa_tiles)):
+        acc, m_i, l_i = _attend_key_tile(acc, m_i, l_i, q, swa_ptr, swa_row_stride, swa_slots,
+                                         tile * BLOCK_N, n_swa, offs_n, offs_d, d_mask, qk_scale_log2, DOT_FP32)
+    if HAS_COMP:
+        comp_slots = comp_slots_ptr + t.to(tl.int64) * comp_slots_stride
+        comp_tiles = tl.cdiv(n_comp, BLOCK_N)
+        for tile in range(tl.maximum(tile_lo - swa_tiles, 0), tl.minimum(tile_hi - swa_tiles, comp_tiles)):
+            acc, m_i, l_i = _attend_key_tile(acc, m_i, l_i, q, comp_ptr, comp_row_stride, comp_slots,
+                                             tile * BLOCK_N, n_comp, offs_n, offs_d, d_mask, qk_scale_log2, DOT_FP32)
+
+    if NUM_SPLITS == 1:
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + t.to(tl.int64) * out_stride_n + offs_h[:, None] * out_stride_h + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+    else:
+        # scratch: acc [N, S, H, D], (m, l) [N, S, 2, H], all fp32
+        row = t.to(tl.int64) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + (row * H + offs_h[:, None]) * D + offs_d[None, :], acc,
+                 mask=h_mask[:, None] & d_mask[None, :])
+        tl.store(part_ml_ptr + row * 2 * H + offs_h, m_i, mask=h_mask)
+        tl.store(part_ml_ptr + row * 2 * H + H + offs_h, l_i, mask=h_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, out_stride_n, out_stride_h, H, D,
+                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """o = Σ_s acc_s·2^{m_s−m} / (2^{sink−m} + Σ_s l_s·2^{m_s−m}), m = max(sink, m_s)."""
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_mask = offs_h < H
+    mask = h_mask[:, None] & (offs_d < D)[None, :]
+    sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0) * 1.4426950408889634
+    base = t.to(tl.int64) * NUM_SPLITS
+    m = sink
+    for s in range(NUM_SPLITS):
+        m = tl.maximum(m, tl.load(part_ml_ptr + (base + s) * 2 * H + offs_h, mask=h_mask, other=float("-inf")))
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    l_tot = tl.exp2(sink - m_ref)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for s in range(NUM_SPLITS):
+        row = base + s
+        w = tl.exp2(tl.load(part_ml_ptr + row * 2 * H + offs_h, mask=h_mask, other=float("-inf")) - m_ref)
+        l_tot += w * tl.load(part_ml_ptr + row * 2 * H + H + offs_h, mask=h_mask, other=0.0)
+        acc += w[:, None] * tl.load(part_acc_ptr + (row * H + offs_h[:, None]) * D + offs_d[None, :],
+                                    mask=mask, other=0.0)
+    o = acc / l_tot[:, None]
+    tl.store(out_ptr + t.to(tl.int64) * out_stride_n + offs_h[:, None] * out_stride_h + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ---- host side ------------------------------------------------------------------------------
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (cached); 1 on CPU (the interpreter: no splitting)."""
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def _check_inputs(q: Tensor, swa_cache: Tensor, swa_slots: Tensor, comp_cache: Tensor | None,
+                  comp_slots: Tensor | None, sink: Tensor, scale: float, out: Tensor | None) -> None:
+    if q.dim() != 3 or q.dtype != torch.bfloat16 or q.stride(2) != 1:
+        raise ValueError(f"sparse_sink_attention: q must be [N, H, D] bf16 with unit last stride, got "
+                         f"{tuple(q.shape)} {q.dtype} strides {q.stride()}")
+    N, H, D = q.shape
+    caches = [("swa", swa_cache, swa_slots)] + ([("comp", comp_cache, comp_slots)] if comp_cache is not None else [])
+    if (comp_cache is None) != (comp_slots is None):
+        raise ValueError("sparse_sink_attention: comp_cache and comp_slots must both be given or both be None")
+    for name, cache, slots in caches:
+        if cache.dim() != 2 or cache.shape[1] != D or cache.dtype != torch.bfloat16 or cache.stride(1) != 1:
+            raise ValueError(f"sparse_sink_attention: {name}_cache must be [S, {D}] bf16 with unit last stride, "
+                             f"got {tuple(cache.shape)} {cache.dtype} strides {cache.stride()}")
+        if slots.dim() != 2 or slots.shape[0] != N or slots.dtype not in _SLOT_DTYPES or slots.stride(1) != 1:
+            raise ValueError(f"sparse_sink_attention: {name}_slots must be [{N}, n] int32/int64 with unit last "
+                             f"stride, got {tuple(slots.shape)} {slots.dtype} strides {slots.stride()}")
+    if swa_slots.shape[1] < 1:
+        raise ValueError("sparse_sink_attention: swa_slots needs at least one column (the window)")
+    if sink.shape != (H,) or sink.dtype != torch.float32:
+        raise ValueError(f"sparse_sink_attention: sink must be [{H}] float32, got {tuple(sink.shape)} {sink.dtype}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"sparse_sink_attention: scale must be a positive finite float, got {scale}")
+    if out is not None and (out.shape != q.shape or out.dtype not in _OUT_DTYPES or out.stride(2) != 1):
+        raise ValueError(f"sparse_sink_attention: out must be [{N}, {H}, {D}] bf16/fp32 with unit last stride, "
+                         f"got {tuple(out.shape)} {out.dtype}")
+    devices = {x.device for x in (q, swa_cache, swa_slots, sink, comp_cache, comp_slots, out) if x is not None}
+    if len(devices) != 1:
+        raise ValueError(f"sparse_sink_attention: all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def _validate_values(swa_cache: Tensor, swa_slots: Tensor, comp_cache: Tensor | None,
+                     comp_slots: Tensor | None, sink: Tensor) -> None:
+    """Host-synchronising checks of the slot ranges, the sink and empty key sets."""
+    has_key = torch.zeros(swa_slots.shape[0], dtype=torch.bool, device=swa_slots.device)
+    for name, cache, slots in (("swa", swa_cache, swa_slots), ("comp", comp_cache, comp_slots)):
+        if cache is None:
+            continue
+        bad = (slots < -1) | (slots >= cache.shape[0])
+        if bool(bad.any()):
+            raise ValueError(f"sparse_sink_attention: {name}_slots holds values outside −1..{cache.shape[0] - 1} "
+                             f"(e.g. {slots[bad][:4].tolist()})")
+        has_key |= (slots >= 0).any(dim=1)
+    if bool((torch.isnan(sink) | (sink == math.inf)).any()):
+        raise ValueError("sparse_sink_attention: sink holds NaN or +∞")
+    if bool((sink == -math.inf).any()) and not bool(has_key.all()):
+        raise ValueError("sparse_sink_attention: a query has no valid key and a head has sink −∞ (empty softmax)")
+
+
+def sparse_sink_attention(q: Tensor, swa_cache: Tensor, swa_slots: Tensor, comp_cache: Tensor | None,
+                          comp_slots: Tensor | None, sink: Tensor, scale: float, *,
+                          out: Tensor | None = None, config: SparseAttentionConfig | None = None,
+                          validate: bool = False) -> Tensor:
+    """Attention of q [N, H, D] bf16 over the rows of `swa_cache` at `swa_slots` [N, W] plus the
+    rows of `comp_cache` at `comp_slots` [N, K] (−1 = no key), with sink logits `sink` [H] fp32
+    and softmax scale `scale` (spec §3.4.5; invariant and traffic in the module docstring).
+    Returns [N, H, D] bf16, or fills `out` (bf16, or fp32 for the unrounded result).
+
+    Caches are [S, D] bf16 rows (row stride free, unit last stride); slots int32/int64. No host
+    synchronisation unless `validate=True`, which checks slot ranges, the sink, and empty key
+    sets with a −∞ sink, raising ValueError. `config` overrides `plan_config` (tests, tuning).
+    CPU tensors need the kernels defined under `TRITON_INTERPRET=1`."""
+    _check_inputs(q, swa_cache, swa_slots, comp_cache, comp_slots, sink, scale, out)
+    N, H, D = q.shape
+    W = swa_slots.shape[1]
+    K = comp_slots.shape[1] if comp_slots is not None else 0
+    has_comp = comp_cache is not None and K > 0
+    if validate:
+        _validate_values(swa_cache, swa_slots, comp_cache, comp_slots, sink)
+    if q.device.type != "cuda" and not _is_interpreted():
+        raise ValueError(f"sparse_sink_attention: tensors on {q.device} need a CUDA device, or TRITON_INTERPRET=1 "
+                         "set before this module is imported (Triton's CPU interpreter)")
+    out = torch.empty_like(q) if out is None else out
+    if N == 0:
+        return out
+    cfg = config or plan_config(N, H, D, W, K, _sm_count(q.device))
+    if cfg.block_d < D:
+        raise ValueError(f"sparse_sink_attention: config.block_d={cfg.block_d} < head_dim {D}")
+    head_blocks = triton.cdiv(H, cfg.block_h)
+    tiles = triton.cdiv(W, cfg.block_n) + (triton.cdiv(K, cfg.block_n) if has_comp else 0)
+    splits = min(cfg.num_splits, tiles)
+    tiles_per_split = triton.cdiv(tiles, splits)
+    splits = triton.cdiv(tiles, tiles_per_split)
+    f32 = dict(dtype=torch.float32, device=q.device)   # split scratch; unused (= out) when splits == 1
+    part_acc = torch.empty(N, splits, H, D, **f32) if splits > 1 else out
+    part_ml = torch.empty(N, splits, 2, H, **f32) if splits > 1 else out
+    comp_cache_arg = comp_cache if has_comp else swa_cache
+    comp_slots_arg = comp_slots if has_comp else swa_slots
+    _sparse_sink_attn_kernel[(N, head_blocks, splits)](
+        q, q.stride(0), q.stride(1),
+        swa_cache, swa_cache.stride(0), swa_slots, swa_slots.stride(0), W,
+        comp_cache_arg, comp_cache_arg.stride(0), comp_slots_arg, comp_slots_arg.stride(0), K,
+        sink, out, out.stride(0), out.stride(1),
+        part_acc, part_ml,
+        H, D, float(scale) * _LOG2E, tiles_per_split,
+        BLOCK_H=cfg.block_h, BLOCK_D=cfg.block_d, BLOCK_N=cfg.block_n,
+        HAS_COMP=has_comp, NUM_SPLITS=splits, DOT_FP32=_is_interpreted(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if splits > 1:
+        merge_block_h = merge_heads_per_program(cfg.block_d)
+        _merge_splits_kernel[(N, triton.cdiv(H, merge_block_h))](
+            part_acc, part_ml, sink, out, out.stride(0), out.stride(1), H, D,
+            BLOCK_H=merge_block_h, BLOCK_D=cfg.block_d, NUM_SPLITS=splits, num_warps=4)
+    return out
+
+
+def _is_interpreted() -> bool:
+    """Whether this module's kernels were defined under Triton's CPU interpreter."""
+    return not isinstance(_sparse_sink_attn_kernel, triton.runtime.jit.JITFunction)
+
+
+def bytes_read_per_query(num_heads: int, head_dim: int, window: int, topk: int, valid_keys: int,
+                         slot_bytes: int = 4) -> int:
+    """HBM bytes one query reads (module docstring): q, slot lists, valid key rows, sink."""
+    return num_heads * head_dim * 2 + (window + topk) * slot_bytes + valid_keys * head_dim * 2 + num_heads * 4

@@ -1,0 +1,449 @@
+"""`sglang_dsv41.kernels.sparse_attention` against the float64 oracle (spec §3.4.5).
+
+CPU tests run the Triton kernels under Triton's interpreter. `TRITON_INTERPRET` is read when a
+`@triton.jit` function is *defined* — including Triton's own standard library (`tl.sum`,
+`tl.cdiv`, …) when `triton` is first imported — and interpreted and compiled jit functions cannot
+call each other. So one process cannot hold both, and setting the variable after some other test
+module imported triton does nothing. Hence `test_interpreter_cases` re-runs this file's CPU
+tests in one child pytest process with `TRITON_INTERPRET=1` set from its start (they are skipped,
+with that reason, in the parent); if the whole session already runs under `TRITON_INTERPRET=1`
+they run in-process instead. GPU tests run in the parent, compiled.
+
+Bounds. The oracle `attend_with_sink` is the exact value rounded once to BF16 (RNE). The kernel's
+fp32 result is within ~2^-17·max|k| of the exact value (P split into two BF16 parts; measured
+≤ 2^-18 in the interpreter), so its BF16 output is at most one BF16 ulp of the output scale from
+the oracle (scale = the largest |o| of the same query and head; element-wise ulps are not a
+bound: a near-zero output's ulp is below the fp32 error) — on the GPU (RNE; the bound is not
+loosened there) and in the interpreter (which truncates fp32→bf16, spec §12). The fp32 output
+(`out=` fp32) is compared with the unrounded float64 value: ≤ 2^-14·max|k|.
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang_dsv41.kernels import sparse_attention as sa
+from sglang_dsv41.reference.attention import attend_with_sink, swa_key_positions
+from sglang_dsv41.runtime.batch import make_layout
+
+BF16 = torch.bfloat16
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child process of "
+                                                         "test_interpreter_cases")
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this process is the interpreter child")
+def test_interpreter_cases():
+    """This file's CPU tests under Triton's interpreter, in one child pytest process."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = Path(__file__).resolve().parents[1]
+    parent_only = ("not test_interpreter_cases and not test_compiled_kernels_refuse_cpu_tensors and "
+                   "not test_compiles_for_hopper_without_spills")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
+                           "-k", parent_only, str(Path(__file__).resolve())], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    summary = proc.stdout.strip().splitlines()[-1:] if proc.stdout.strip() else []
+    assert proc.returncode == 0, f"interpreter tests failed:\n{proc.stdout[-12000:]}\n{proc.stderr[-4000:]}"
+    assert summary and " passed" in summary[0] and "skipped" not in summary[0], proc.stdout[-4000:]
+
+
+# ---- oracle helpers -------------------------------------------------------------------------
+
+def gather_keys(swa_cache, swa_slots, comp_cache, comp_slots):
+    """Dense [N, W+K, D] fp32 keys + valid mask, exactly what the torch runtime passes the oracle."""
+    parts, valids = [], []
+    for cache, slots in ((swa_cache, swa_slots), (comp_cache, comp_slots)):
+        if cache is None:
+            continue
+        valid = slots >= 0
+        rows = cache.float()[slots.clamp(min=0).long()]
+        parts.append(torch.where(valid[..., None], rows, 0.0))
+        valids.append(valid)
+    return torch.cat(parts, dim=1), torch.cat(valids, dim=1)
+
+
+def exact_attention(q, keys, valid, sink, scale):
+    """The unrounded float64 value of the §3.4.5 formula (attend_with_sink before its BF16 rounding)."""
+    qd, kd = q.double(), keys.double()
+    logits = torch.einsum("thd,tsd->ths", qd, kd) * scale
+    logits = torch.where(valid[:, None, :], logits, -math.inf)
+    sink_d = sink.double()[None, :].expand(q.shape[0], -1)
+    m = torch.maximum(logits.amax(dim=2), sink_d)
+    p = torch.exp(logits - m[..., None])
+    return torch.einsum("ths,tsd->thd", p, kd) / (p.sum(dim=2) + torch.exp(sink_d - m))[..., None]
+
+
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """One BF16 ulp at |x| (8 significant bits): 2^(⌊log2|x|⌋ − 7); tiny floor for zeros."""
+    ax = x.abs().double().clamp(min=2.0 ** -120)
+    return torch.exp2(torch.floor(torch.log2(ax)) - 7)
+
+
+def assert_within_one_bf16_ulp(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """|out − ref| ≤ one BF16 ulp of the output scale, the scale being max_d |ref[t, h, d]| (the
+    largest output of the same query and head): both are roundings of values ≲2^-16·max|k| apart."""
+    o, r = out.double(), ref.double()
+    assert torch.isfinite(o).all()
+    bound = bf16_ulp(r.abs().amax(dim=-1, keepdim=True))
+    excess = (o - r).abs() - bound
+    assert float(excess.max()) <= 0.0, f"max |o−ref| exceeds one BF16 ulp of the row scale by {float(excess.max()):.3g}"
+
+
+def check_against_oracle(mod, q, swa_cache, swa_slots, comp_cache, comp_slots, sink, scale, config=None):
+    """BF16 output ≤ 1 ulp from attend_with_sink; fp32 output ≤ 2^-14·max|k| from the exact value."""
+    out = mod.sparse_sink_attention(q, swa_cache, swa_slots, comp_cache, comp_slots, sink, scale, config=config)
+    assert out.dtype == BF16 and out.shape == q.shape
+    keys, valid = gather_keys(swa_cache, swa_slots, comp_cache, comp_slots)
+    ref = attend_with_sink(q.float(), keys, sink, valid)
+    assert_within_one_bf16_ulp(out, ref)
+    out32 = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    mod.sparse_sink_attention(q, swa_cache, swa_slots, comp_cache, comp_slots, sink, scale, out=out32,
+                              config=config)
+    exact = exact_attention(q, keys, valid, sink, scale)
+    k_max = float(keys.abs().max()) if keys.numel() else 1.0
+    err = float((out32.double() - exact).abs().max())
+    assert err <= 2.0 ** -14 * k_max, f"fp32 output error {err:.3g} > 2^-14·{k_max:.3g}"
+    return out, out32
+
+
+def random_case(n, heads, dim, window, topk, slots, seed, hole_frac=0.25, device="cpu", slot_dtype=torch.int64):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, heads, dim, generator=g).to(BF16)
+    swa_cache = torch.randn(slots, dim, generator=g).to(BF16)
+    comp_cache = torch.randn(slots, dim, generator=g).to(BF16)
+    swa_slots = torch.randint(0, slots, (n, window), generator=g)
+    comp_slots = torch.randint(0, slots, (n, topk), generator=g)
+    swa_slots[torch.rand(n, window, generator=g) < hole_frac] = -1
+    comp_slots[torch.rand(n, topk, generator=g) < hole_frac] = -1
+    sink = torch.randn(heads, generator=g)
+    to = dict(device=device)
+    return (q.to(**to), swa_cache.to(**to), swa_slots.to(slot_dtype).to(**to), comp_cache.to(**to),
+            comp_slots.to(slot_dtype).to(**to), sink.to(**to))
+
+
+TINY = dict(heads=4, dim=96, window=8, topk=4)          # tiny preset attention shape
+FLASH_SMALL = dict(heads=8, dim=512, window=16, topk=8)  # Flash head_dim, fewer heads/keys
+
+
+# ---- interpreter tests ----------------------------------------------------------------------
+
+@interpreter
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tiny_random_matches_oracle(seed):
+    q, swa, ss, comp, cs, sink = random_case(n=7, slots=50, seed=seed, **TINY)
+    check_against_oracle(sa, q, swa, ss, comp, cs, sink, TINY["dim"] ** -0.5)
+
+
+@interpreter
+def test_flash_like_small_matches_oracle():
+    q, swa, ss, comp, cs, sink = random_case(n=5, slots=80, seed=11, **FLASH_SMALL)
+    check_against_oracle(sa, q, swa, ss, comp, cs, sink, FLASH_SMALL["dim"] ** -0.5)
+
+
+@interpreter
+def test_flash_shape_decode_query_planned_splits():
+    """One decode query at the full Flash shape (D 512, H 64, W 128, K 512) with the config planned
+    for an H200 (132 SMs): two head blocks of 32, 20 key tiles in 5 splits, then the merge."""
+    q, swa, ss, comp, cs, sink = random_case(n=1, slots=1500, seed=15, heads=64, dim=512, window=128, topk=512,
+                                             hole_frac=0.1, slot_dtype=torch.int32)
+    cfg = sa.plan_config(1, 64, 512, 128, 512, sm_count=132)
+    assert (cfg.block_h, cfg.block_n, cfg.num_splits) == (32, 32, 5)
+    check_against_oracle(sa, q, swa, ss, comp, cs, sink, 512 ** -0.5, config=cfg)
+
+
+@interpreter
+def test_swa_only_layer_and_int32_slots():
+    q, swa, ss, _, _, sink = random_case(n=6, slots=40, seed=3, slot_dtype=torch.int32, **TINY)
+    out, _ = check_against_oracle(sa, q, swa, ss, None, None, sink, TINY["dim"] ** -0.5)
+    out64 = sa.sparse_sink_attention(q, swa, ss.long(), None, None, sink, TINY["dim"] ** -0.5)
+    assert torch.equal(out, out64)
+
+
+@interpreter
+def test_all_invalid_compressed_part_equals_swa_only():
+    q, swa, ss, comp, cs, sink = random_case(n=6, slots=40, seed=4, **TINY)
+    cs = torch.full_like(cs, -1)
+    scale = TINY["dim"] ** -0.5
+    with_comp, _ = check_against_oracle(sa, q, swa, ss, comp, cs, sink, scale)
+    without = sa.sparse_sink_attention(q, swa, ss, None, None, sink, scale)
+    assert torch.equal(with_comp, without)
+
+
+@interpreter
+def test_window_start_of_sequence_runtime_layout():
+    """Slots built the way `runtime.attention` addresses the pool (req_to_token, positions): a
+    fresh request (window shorter than W at its start) packed with a request that has a prefix."""
+    W, K, H, D = 8, 4, 4, 96
+    g = torch.Generator().manual_seed(5)
+    num_slots, max_ctx = 64, 32
+    perm = torch.randperm(num_slots - 1, generator=g) + 1         # slot 0 unused, like SGLang
+    req_to_token = torch.zeros(3, max_ctx, dtype=torch.int32)
+    req_to_token[1, :20] = perm[:20].int()
+    req_to_token[2, :12] = perm[20:32].int()
+    prefix, extend = torch.tensor([0, 9]), torch.tensor([6, 3])   # request 1 starts at 0
+    positions = torch.cat([torch.arange(0, 6), torch.arange(9, 12)])
+    out_slots = torch.cat([req_to_token[1, :6], req_to_token[2, 9:12]]).long()
+    layout = make_layout(torch.tensor([1, 2]), prefix, extend, positions, out_slots, req_to_token)
+    window = swa_key_positions(layout.positions, W)
+    valid = window >= 0
+    swa_slots = torch.where(valid, layout.slots_at(layout.token_req[:, None].expand_as(window),
+                                                   window.clamp(min=0)), -1)
+    assert int((swa_slots[0] >= 0).sum()) == 1          # position 0 sees only itself
+    selection = torch.full((layout.num_tokens, K), -1, dtype=torch.int64)   # ratio 1: ≤ p+1 entries
+    for t, p in enumerate(layout.positions.tolist()):
+        picks = torch.randperm(p + 1, generator=g)[:K]
+        selection[t, :picks.numel()] = picks.sort().values
+    c_valid = selection >= 0
+    comp_slots = torch.where(c_valid, layout.slots_at(layout.token_req[:, None].expand_as(selection),
+                                                      selection.clamp(min=0)), -1)
+    swa = torch.randn(num_slots, D, generator=g).to(BF16)
+    comp = torch.randn(num_slots, D, generator=g).to(BF16)
+    q = torch.randn(layout.num_tokens, H, D, generator=g).to(BF16)
+    sink = torch.randn(H, generator=g)
+    check_against_oracle(sa, q, swa, swa_slots, comp, comp_slots, sink, D ** -0.5)
+
+
+@interpreter
+def test_minus_inf_sink_is_plain_softmax():
+    q, swa, ss, comp, cs, _ = random_case(n=6, slots=40, seed=6, **TINY)
+    ss[:, -1] = torch.arange(6)                          # every query keeps at least one key
+    sink = torch.full((TINY["heads"],), -math.inf)
+    scale = TINY["dim"] ** -0.5
+    out, out32 = check_against_oracle(sa, q, swa, ss, comp, cs, sink, scale)
+    keys, valid = gather_keys(swa, ss, comp, cs)
+    logits = torch.einsum("thd,tsd->ths", q.double(), keys.double()) * scale
+    probs = torch.softmax(logits.masked_fill(~valid[:, None, :], -math.inf), dim=2)
+    plain = torch.einsum("ths,tsd->thd", probs, keys.double())
+    assert float((out32.double() - plain).abs().max()) <= 2.0 ** -14 * float(keys.abs().max())
+
+
+@interpreter
+def test_sink_only_query_outputs_zero_and_large_sink_suppresses():
+    q, swa, ss, comp, cs, sink = random_case(n=4, slots=40, seed=7, **TINY)
+    ss[1], cs[1] = -1, -1                                # query 1 has no key: o = 0/e^{sink} = 0
+    out, _ = check_against_oracle(sa, q, swa, ss, comp, cs, sink, TINY["dim"] ** -0.5)
+    assert torch.equal(out[1].float(), torch.zeros_like(out[1].float()))
+    big = torch.full_like(sink, 60.0)                    # e^60 dwarfs every key term
+    out_big, _ = check_against_oracle(sa, q, swa, ss, comp, cs, big, TINY["dim"] ** -0.5)
+    assert float(out_big.float().abs().max()) < 1e-20
+
+
+@interpreter
+@pytest.mark.parametrize("splits", [2, 3, 4])
+def test_split_kv_matches_unsplit(splits):
+    shape = dict(heads=4, dim=96, window=40, topk=24)    # 3 + 2 tiles of 16 keys
+    q, swa, ss, comp, cs, sink = random_case(n=5, slots=90, seed=8, **shape)
+    ss[2, :32] = -1                                      # an all-invalid split for query 2
+    sink[1] = -math.inf
+    base = sa.SparseAttentionConfig(block_h=16, block_d=128, block_n=16, num_splits=1, num_warps=4, num_stages=2)
+    split = sa.SparseAttentionConfig(block_h=16, block_d=128, block_n=16, num_splits=splits, num_warps=4,
+                                     num_stages=2)
+    scale = shape["dim"] ** -0.5
+    _, unsplit32 = check_against_oracle(sa, q, swa, ss, comp, cs, sink, scale, config=base)
+    _, split32 = check_against_oracle(sa, q, swa, ss, comp, cs, sink, scale, config=split)
+    assert float((split32 - unsplit32).abs().max()) <= 2.0 ** -18 * float(swa.float().abs().max())
+
+
+@interpreter
+def test_planned_split_path_flash_like():
+    q, swa, ss, comp, cs, sink = random_case(n=2, slots=120, seed=9, heads=8, dim=512, window=48, topk=32)
+    cfg = sa.plan_config(2, 8, 512, 48, 32, sm_count=132)
+    assert cfg.num_splits > 1 and cfg.block_d == 512 and cfg.block_n == 32
+    check_against_oracle(sa, q, swa, ss, comp, cs, sink, 512 ** -0.5, config=cfg)
+
+
+@interpreter
+def test_strided_views_match_contiguous():
+    """SGLang's k_buffer[layer] is [slots, 1, D]: the runtime passes `buf[:, 0, :]`; q may be a slice."""
+    q, swa, ss, comp, cs, sink = random_case(n=5, slots=40, seed=10, **TINY)
+    scale = TINY["dim"] ** -0.5
+    want = sa.sparse_sink_attention(q, swa, ss, comp, cs, sink, scale)
+    padded = torch.zeros(40, TINY["dim"] + 32, dtype=BF16)
+    padded[:, :TINY["dim"]] = swa
+    wide_q = torch.zeros(5, TINY["heads"] * 2, TINY["dim"], dtype=BF16)
+    wide_q[:, ::2] = q
+    got = sa.sparse_sink_attention(wide_q[:, ::2], padded[:, :TINY["dim"]], ss, comp.view(40, 1, -1)[:, 0, :],
+                                   cs, sink, scale)
+    assert torch.equal(got, want)
+
+
+@interpreter
+def test_empty_batch():
+    q = torch.empty(0, 4, 96, dtype=BF16)
+    out = sa.sparse_sink_attention(q, torch.zeros(3, 96, dtype=BF16), torch.empty(0, 8, dtype=torch.int64),
+                                   None, None, torch.zeros(4), 0.1)
+    assert out.shape == (0, 4, 96)
+
+
+@interpreter
+def test_empty_softmax_is_nan_or_raises_when_validated():
+    q, swa, ss, comp, cs, _ = random_case(n=3, slots=40, seed=12, **TINY)
+    ss[0], cs[0] = -1, -1
+    sink = torch.full((TINY["heads"],), -math.inf)
+    out = sa.sparse_sink_attention(q, swa, ss, comp, cs, sink, 0.1)
+    assert torch.isnan(out[0].float()).all() and torch.isfinite(out[1:].float()).all()
+    with pytest.raises(ValueError, match="empty softmax"):
+        sa.sparse_sink_attention(q, swa, ss, comp, cs, sink, 0.1, validate=True)
+
+
+@interpreter
+def test_input_errors():
+    q, swa, ss, comp, cs, sink = random_case(n=3, slots=40, seed=13, **TINY)
+    f = sa.sparse_sink_attention
+    with pytest.raises(ValueError, match="q must be"):
+        f(q.float(), swa, ss, comp, cs, sink, 0.1)
+    with pytest.raises(ValueError, match="both be given"):
+        f(q, swa, ss, comp, None, sink, 0.1)
+    with pytest.raises(ValueError, match="swa_cache must be"):
+        f(q, swa.float(), ss, comp, cs, sink, 0.1)
+    with pytest.raises(ValueError, match="comp_slots must be"):
+        f(q, swa, ss, comp, cs[:2], sink, 0.1)
+    with pytest.raises(ValueError, match="sink must be"):
+        f(q, swa, ss, comp, cs, sink[:2], 0.1)
+    with pytest.raises(ValueError, match="scale"):
+        f(q, swa, ss, comp, cs, sink, float("nan"))
+    bad = ss.clone()
+    bad[0, 0] = 40
+    with pytest.raises(ValueError, match="outside"):
+        f(q, swa, bad, comp, cs, sink, 0.1, validate=True)
+    with pytest.raises(ValueError, match="block_d"):
+        f(q, swa, ss, comp, cs, sink, 0.1,
+          config=sa.SparseAttentionConfig(block_h=16, block_d=64, block_n=16, num_splits=1, num_warps=4,
+                                          num_stages=2))
+    with pytest.raises(ValueError, match="power of two"):
+        sa.SparseAttentionConfig(block_h=12, block_d=128, block_n=16, num_splits=1, num_warps=4, num_stages=2)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="needs the compiled kernels")
+def test_compiled_kernels_refuse_cpu_tensors():
+    assert not sa._is_interpreted()
+    q, swa, ss, comp, cs, sink = random_case(n=2, slots=40, seed=14, **TINY)
+    with pytest.raises(ValueError, match="need a CUDA device"):
+        sa.sparse_sink_attention(q, swa, ss, comp, cs, sink, 0.1)
+
+
+def test_plan_config_shapes():
+    flash = sa.plan_config(2048, 64, 512, 128, 512, sm_count=132)
+    assert (flash.block_d, flash.block_h, flash.block_n, flash.num_warps, flash.num_splits) == (512, 32, 32, 8, 1)
+    one = sa.plan_config(1, 64, 512, 128, 512, sm_count=132)
+    assert one.num_splits == 5            # 20 tiles, ≥ ⌈2·64/32⌉ = 4 tiles per split
+    assert sa.plan_config(16, 64, 512, 128, 512, sm_count=132).num_splits == 4     # ⌊132/32⌋
+    assert sa.plan_config(64, 64, 512, 128, 512, sm_count=132).num_splits == 1     # one wave already
+    tiny = sa.plan_config(5, 4, 96, 8, 4, sm_count=132)
+    assert (tiny.block_d, tiny.block_h, tiny.block_n, tiny.num_warps) == (128, 16, 16, 4)
+    with pytest.raises(ValueError, match="head_dim"):
+        sa.plan_config(1, 4, 2048, 8, 4, sm_count=1)
+    assert sa.bytes_read_per_query(64, 512, 128, 512, 640) == 64 * 512 * 2 + 640 * 4 + 640 * 1024 + 256
+
+
+# ---- ahead-of-time compilation for Hopper (no GPU needed: Triton's bundled ptxas) -----------
+
+def _hopper_binary(kernel, constexprs: dict, num_warps: int, num_stages: int):
+    """Compile `kernel` for sm_90 with BF16 tensors, int32 slots; returns (compiled, resource line)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    import triton
+
+    pointer_types = {"q_ptr": "*bf16", "swa_ptr": "*bf16", "comp_ptr": "*bf16", "swa_slots_ptr": "*i32",
+                     "comp_slots_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
+                     "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"}
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = pointer_types[name]
+        else:
+            signature[name] = "fp32" if name == "qk_scale_log2" else "i32"
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    cubin = Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / f"sparse_attention_{os.getpid()}.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    try:
+        usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True,
+                               check=True).stdout
+    finally:
+        cubin.unlink()
+    lines = [line.strip() for line in usage.splitlines() if "REG:" in line]
+    assert len(lines) == 1, usage
+    return compiled, lines[0]
+
+
+@pytest.mark.skipif(INTERPRETED, reason="needs the compiled kernels")
+@pytest.mark.parametrize("case", ["flash_decode_split", "flash_extend", "tiny"])
+def test_compiles_for_hopper_without_spills(case):
+    """The planned configs compile for sm_90 with BF16 tensor-core dots, no register spills (STACK/
+    LOCAL 0) and shared memory within Hopper's 227 KiB per block."""
+    n, h, d, w, k = {"flash_decode_split": (1, 64, 512, 128, 512), "flash_extend": (2048, 64, 512, 128, 512),
+                     "tiny": (5, 4, 96, 8, 4)}[case]
+    cfg = sa.plan_config(n, h, d, w, k, sm_count=132)
+    consts = dict(BLOCK_H=cfg.block_h, BLOCK_D=cfg.block_d, BLOCK_N=cfg.block_n, HAS_COMP=True,
+                  NUM_SPLITS=cfg.num_splits, DOT_FP32=False)
+    compiled, usage = _hopper_binary(sa._sparse_sink_attn_kernel, consts, cfg.num_warps, cfg.num_stages)
+    assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
+    assert compiled.metadata.shared <= 227 * 1024
+    ptx = compiled.asm["ptx"]
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx or "wgmma" in ptx
+    if cfg.num_splits > 1:
+        merge_consts = dict(BLOCK_H=sa.merge_heads_per_program(cfg.block_d), BLOCK_D=cfg.block_d, NUM_SPLITS=cfg.num_splits)
+        _, merge_usage = _hopper_binary(sa._merge_splits_kernel, merge_consts, 4, 1)
+        assert "STACK:0 " in merge_usage and "LOCAL:0 " in merge_usage, merge_usage
+
+
+# ---- GPU tests (compiled kernels; run on the GPU machine) -----------------------------------
+
+def _gpu_module():
+    assert not sa._is_interpreted(), "GPU tests need the compiled kernels (unset TRITON_INTERPRET)"
+    return sa
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 64, 2048])
+def test_gpu_flash_shape_matches_oracle(n):
+    """Flash shape (D 512, H 64, W 128, K 512): BF16 output ≤ 1 BF16 ulp element-wise from the
+    float64 oracle; fp32 output ≤ 2^-14·max|k| from the exact value. Covers split-KV (n=1, 64)."""
+    mod = _gpu_module()
+    q, swa, ss, comp, cs, sink = random_case(n=n, slots=max(4096, 2 * n), seed=100 + n, heads=64, dim=512,
+                                             window=128, topk=512, hole_frac=0.1, device="cuda",
+                                             slot_dtype=torch.int32)
+    ss[0, :100] = -1                                     # a query near its sequence start
+    check_against_oracle(mod, q, swa, ss, comp, cs, sink, 512 ** -0.5)
+
+
+@pytest.mark.gpu
+def test_gpu_tiny_shape_matches_oracle():
+    mod = _gpu_module()
+    q, swa, ss, comp, cs, sink = random_case(n=37, slots=200, seed=200, device="cuda", **TINY)
+    check_against_oracle(mod, q, swa, ss, comp, cs, sink, TINY["dim"] ** -0.5)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_matches_eager():
+    """Decode at the Flash shape with split-KV scratch allocated inside a captured CUDA graph:
+    replay on new inputs (copied into the captured buffers) equals an eager call bit for bit."""
+    mod = _gpu_module()
+    args = random_case(n=8, slots=4096, seed=300, heads=64, dim=512, window=128, topk=512, device="cuda",
+                       slot_dtype=torch.int32)
+    fresh = random_case(n=8, slots=4096, seed=301, heads=64, dim=512, window=128, topk=512, device="cuda",
+                        slot_dtype=torch.int32)
+    scale = 512 ** -0.5
+    assert mod.plan_config(8, 64, 512, 128, 512, torch.cuda.get_device_properties(0).multi_processor_count
+                           ).num_splits > 1
+    mod.sparse_sink_attention(*args, scale)              # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = mod.sparse_sink_attention(*args, scale)
+    for dst, src in zip(args, fresh):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, mod.sparse_sink_attention(*fresh, scale))
