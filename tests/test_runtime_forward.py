@@ -166,3 +166,18 @@ def test_planned_bytes_match_allocation(models) -> None:
     caches = RuntimeCaches.allocate(cfg.text, 8)
     assert caches.side_bytes_per_token() == RuntimeCaches.planned_side_bytes_per_token(cfg.text)
     assert caches.sglang_bytes_per_token() == cfg.text.num_hidden_layers * cfg.text.head_dim * 2
+
+
+def test_retracted_request_reprefilled_after_its_slots_were_reused(models, expected) -> None:
+    """Preemption: a decoding request loses its slots (freed and overwritten by another request),
+    then is re-prefilled with prompt + generated tokens; it continues exactly as uninterrupted."""
+    cfg, _, engine = models
+    caches, slots = RuntimeCaches.allocate(cfg.text, 512), Slots()
+    pa, ta, la, _ = expected["a"]
+    run(engine, caches, slots, [(1, 0, pa)])
+    run(engine, caches, slots, [(1, len(pa), [ta[0]])])
+    slots.next_slot = 1                                   # everything freed; B reuses A's slots
+    run(engine, caches, slots, [(2, 0, _prompt(5, len(pa) + 1))])
+    resumed = pa + ta[:2]
+    got = run(engine, caches, slots, [(1, 0, resumed)])[0]
+    _close(got[-2:], torch.cat((la[1][-1:], la[2])))     # logits after ta[0] and after ta[1]
