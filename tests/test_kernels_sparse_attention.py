@@ -6,8 +6,9 @@ CPU tests run the Triton kernels under Triton's interpreter. `TRITON_INTERPRET` 
 call each other. So one process cannot hold both, and setting the variable after some other test
 module imported triton does nothing. Hence `test_interpreter_cases` re-runs this file's CPU
 tests in one child pytest process with `TRITON_INTERPRET=1` set from its start (they are skipped,
-with that reason, in the parent); if the whole session already runs under `TRITON_INTERPRET=1`
-they run in-process instead. GPU tests run in the parent, compiled.
+with that reason, in the parent); if this process already holds interpreted kernels (the session
+started under `TRITON_INTERPRET=1`) they run in-process instead and the compiled-only tests skip.
+GPU tests run in the parent, compiled.
 
 Bounds. The oracle `attend_with_sink` is the exact value rounded once to BF16 (RNE). The kernel's
 fp32 result is within ~2^-17·max|k| of the exact value (P split into two BF16 parts; measured
@@ -33,7 +34,7 @@ from sglang_dsv41.reference.attention import attend_with_sink, swa_key_positions
 from sglang_dsv41.runtime.batch import make_layout
 
 BF16 = torch.bfloat16
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETED = sa._is_interpreted()   # kernels defined under TRITON_INTERPRET=1 in this process
 interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child process of "
                                                          "test_interpreter_cases")
 
