@@ -58,8 +58,10 @@ path of spec §3.8; the swizzles above are Hopper's).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Mapping, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 import triton
@@ -140,6 +142,8 @@ def prepare_mxfp4_stacked(w1: Tensor, w1_scale: Tensor, w3: Tensor, w3_scale: Te
 
     w1, w3 [E, I, H/2] and w2 [E, H, I/2] packed E2M1 (uint8/int8/float4_e2m1fn_x2); scales
     [E, I, H/32] and [E, H, I/32] (float8_e8m0fnu or uint8). Spec §2.3 layout, as stored.
+    Inputs may stay on the CPU: each chunk of experts is moved to `device` before it is swizzled
+    (do it on the GPU at Flash size: the swizzle's temporaries are ~20× a chunk's bytes).
     """
     b1, b3, b2 = (packed_fp4_bytes(t) for t in (w1, w3, w2))
     s1, s3, s2 = (scale_bytes(t) for t in (w1_scale, w3_scale, w2_scale))
@@ -317,7 +321,7 @@ COMBINE_BLOCK_H = 1024
 
 def _exact_fp32(v: float, what: str) -> float:
     v = float(v)
-    if float(torch.tensor(v, dtype=torch.float32)) != v:
+    if float(np.float32(v)) != v:
         raise ValueError(f"{what} = {v!r} is not exactly representable in fp32 (the kernels take fp32 scalars)")
     return v
 
@@ -343,6 +347,7 @@ def combine_routed(y_rows: Tensor, plan: RoutingPlan, topk_weights: Tensor, rout
 # ---------------------------------------------------------------------------------------------
 # The routed-experts call
 # ---------------------------------------------------------------------------------------------
+@lru_cache(maxsize=8)
 def clamped_swiglu_activation(swiglu_limit: float) -> FusedActivation:
     """`matmul_ogs` fused activation for interleaved gate/up columns (halves N)."""
     return FusedActivation(FnSpecs("dsv41_clamped_swiglu", clamped_swiglu_tile, ("limit",), reduction_n=2),
