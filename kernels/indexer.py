@@ -9,7 +9,8 @@ For query t of request r = token_req[t] and entry j of r (slot entry_slots[r, j]
 one request (the MQA product has BLOCK_T·Hi rows) and J_STEPS tiles of BLOCK_J entries; each key
 tile is gathered from its slots once for all heads and all queries of the tile, multiplied on
 tensor cores (BF16 operands: FP4 values E2M1·2^s are exact in BF16), accumulated in fp32, then
-ReLU, head weights and the head sum are fused. Tiles past every query's visibility only write −∞.
+ReLU, head weights and the head sum are fused. Entry tiles past every query of the tile's
+visibility are not loaded or multiplied, only written −∞. No host sync (unless `check_inputs`).
 
 Numerics. The FP4×FP4 products are exact, so each dot is exact while its partial sums fit fp32's
 24 bits (per-32 scale exponents of q and k spanning < 2^13, no underflow) — true for indexer data.
@@ -41,12 +42,13 @@ key = int32·2^32 + (2^32 − 1 − j) in int64. Keys are distinct, and key orde
 descending (as reals), then index ascending" — the reference's stable descending sort order — so
 `torch.topk` on keys returns the reference's set whatever its own tie handling; −∞ (not allowed)
 ranks below every allowed score and is dropped, giving min(k, #allowed) like the reference. Cost
-O(N·E) (radix selection, no E·log E sort; 8 B of key per entry), rows processed in chunks of at
-most `max_chunk_elements` entries. Candidate blocks use the same selection on block keys.
+O(N·E) (radix selection, no E·log E sort of 10^6-entry rows), rows processed in chunks of at
+most `max_chunk_elements` entries (int64 temporaries ≈ 28 B per entry: ≈ 0.5 GB at the default
+2^24); no host sync with `check_nan=False`. Candidate blocks use the same selection on block keys.
 
 Triton's interpreter (TRITON_INTERPRET=1 before triton is imported) runs the same kernel on CPU
-tensors (tests); its BF16 `tl.dot` is wrong (raw bits), so operands are fp32 there (products of
-FP4 values are exact either way). Without the interpreter, CPU tensors raise.
+tensors (tests); its BF16 `tl.dot` gives wrong results (Triton 3.6), so operands are fp32 there
+(products of FP4 values are exact either way). Without the interpreter, CPU tensors raise.
 """
 from __future__ import annotations
 
@@ -92,32 +94,34 @@ def _index_scores_kernel(q_ptr, w_ptr, key_ptr, slot_ptr, nvis_ptr, order_ptr, t
         q = q.to(tl.bfloat16)
     else:
         q = q.to(tl.float32)
-    for step in range(J_STEPS):
-        j0 = (tl.program_id(1) * J_STEPS + step) * BLOCK_J
-        j = j0 + tl.arange(0, BLOCK_J)
+    # entry tiles of this program: the first `live` hold some visible entry, the rest only −∞
+    j_first = tl.program_id(1) * J_STEPS * BLOCK_J
+    live = tl.minimum(tl.maximum(tl.cdiv(tile_vis - j_first, BLOCK_J), 0), J_STEPS)
+    for step in range(0, live):
+        j = j_first + step * BLOCK_J + tl.arange(0, BLOCK_J)
         j_in = j < num_entries
-        out_ptrs = out_ptr + qid[:, None] * stride_on + j[None, :]
-        out_mask = t_live[:, None] & j_in[None, :]
-        if j0 < tile_vis:
-            slot = tl.load(slot_ptr + req * stride_sr + j, mask=j_in & (j < tile_vis), other=-1)
-            slot = slot.to(tl.int64)
-            has = (slot >= 0) & (slot < num_slots)
-            keys = tl.load(key_ptr + slot[:, None] * stride_ks + d[None, :], mask=has[:, None], other=0.0)
-            if DOT_BF16:
-                acc = tl.dot(q, tl.trans(keys.to(tl.bfloat16)), out_dtype=tl.float32)
-            else:
-                acc = tl.dot(q, tl.trans(keys.to(tl.float32)), input_precision="ieee", out_dtype=tl.float32)
-            relu = tl.maximum(acc, 0.0)
-            if HEAD_SUM_FP64:
-                terms = relu.to(tl.float64) * w.to(tl.float64)[:, None]
-            else:
-                terms = relu * w[:, None]
-            s = tl.sum(tl.reshape(terms, (BLOCK_T, HI, BLOCK_J)), axis=1).to(tl.float32)
-            s = tl.where(s == 0.0, 0.0, s)                     # −0 → +0
-            valid = (j[None, :] < nvis[:, None]) & has[None, :]
-            tl.store(out_ptrs, tl.where(valid, s, float("-inf")), mask=out_mask)
+        slot = tl.load(slot_ptr + req * stride_sr + j, mask=j_in & (j < tile_vis), other=-1).to(tl.int64)
+        has = (slot >= 0) & (slot < num_slots)
+        keys = tl.load(key_ptr + slot[:, None] * stride_ks + d[None, :], mask=has[:, None], other=0.0)
+        if DOT_BF16:
+            acc = tl.dot(q, tl.trans(keys.to(tl.bfloat16)), out_dtype=tl.float32)
         else:
-            tl.store(out_ptrs, tl.full((BLOCK_T, BLOCK_J), float("-inf"), tl.float32), mask=out_mask)
+            acc = tl.dot(q, tl.trans(keys.to(tl.float32)), input_precision="ieee", out_dtype=tl.float32)
+        relu = tl.maximum(acc, 0.0)
+        if HEAD_SUM_FP64:
+            terms = relu.to(tl.float64) * w.to(tl.float64)[:, None]
+        else:
+            terms = relu * w[:, None]
+        s = tl.sum(tl.reshape(terms, (BLOCK_T, HI, BLOCK_J)), axis=1).to(tl.float32)
+        s = tl.where(s == 0.0, 0.0, s)                         # −0 → +0
+        valid = (j[None, :] < nvis[:, None]) & has[None, :]
+        tl.store(out_ptr + qid[:, None] * stride_on + j[None, :], tl.where(valid, s, float("-inf")),
+                 mask=t_live[:, None] & j_in[None, :])
+    for step in range(live, J_STEPS):
+        j = j_first + step * BLOCK_J + tl.arange(0, BLOCK_J)
+        tl.store(out_ptr + qid[:, None] * stride_on + j[None, :],
+                 tl.full((BLOCK_T, BLOCK_J), float("-inf"), tl.float32),
+                 mask=t_live[:, None] & (j < num_entries)[None, :])
 
 
 #: True when this kernel was built for Triton's interpreter (TRITON_INTERPRET=1 at import).
@@ -163,7 +167,7 @@ def _check_scoring_inputs(key_cache: Tensor, entry_slots: Tensor, token_req: Ten
     R, E = entry_slots.shape
     S = key_cache.shape[0]
     ok_slot = (entry_slots >= 0) & (entry_slots < S)
-    leading = torch.cumprod(ok_slot.to(torch.int32), dim=1).sum(dim=1) if E else torch.zeros(R, dtype=torch.int64, device=entry_slots.device)
+    leading = torch.cumprod(ok_slot.to(torch.int32), dim=1).sum(dim=1)     # visible-able prefix per request
     req_ok = (token_req >= 0) & (token_req < R)
     flags = torch.stack([
         (~req_ok).any(),
@@ -183,14 +187,15 @@ def _check_scoring_inputs(key_cache: Tensor, entry_slots: Tensor, token_req: Ten
 
 def index_scores(q: Tensor, head_w: Tensor, key_cache: Tensor, entry_slots: Tensor, token_req: Tensor,
                  n_visible: Tensor, *, head_sum_fp64: bool = True, check_inputs: bool = True,
-                 block_t: int | None = None, block_j: int = 64, j_steps: int | None = None) -> Tensor:
+                 block_t: int | None = None, block_j: int = 64, j_steps: int | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None) -> Tensor:
     """[N, E] fp32 indexer scores for a packed batch; −∞ where j ≥ n_visible[t] or entry_slots is −1.
 
     q [N, Hi, Di] fp32/bf16 FP4-valued (RoPE'd); head_w [N, Hi] fp32 (already ×Di^−½·Hi^−½);
     key_cache [S, Di] bf16 (or fp32) FP4-valued rows; entry_slots [R, E] int (−1 = none);
     token_req [N] request of each query (any order); n_visible [N] = ⌊(p+1)/ratio⌋.
     `check_inputs` validates values (one host sync; turn off inside CUDA graphs). Block sizes
-    default from the shapes; overrides are for tuning.
+    and launch options default from the shapes; overrides are for tuning (benchmarks/indexer.py).
     """
     if q.dim() != 3 or head_w.shape != q.shape[:2] or key_cache.dim() != 2 or entry_slots.dim() != 2:
         raise ValueError(f"index_scores: shapes q {tuple(q.shape)}, head_w {tuple(head_w.shape)}, key_cache "
@@ -242,16 +247,27 @@ def index_scores(q: Tensor, head_w: Tensor, key_cache: Tensor, entry_slots: Tens
     head_w = head_w.to(torch.float32).contiguous()
     entry_slots = entry_slots.contiguous()
     grid = (tile_req.numel(), -(-j_tiles // j_steps))
+    if grid[1] > 65535:  # CUDA's limit on the second grid dimension
+        raise ValueError(f"index_scores: {grid[1]} entry programs for E = {E}; raise block_j or j_steps")
     m_rows = block_t * HI
     launch = dict(HI=HI, DI=DI, BLOCK_T=block_t, BLOCK_J=block_j, J_STEPS=j_steps,
                   DOT_BF16=not INTERPRETED, HEAD_SUM_FP64=head_sum_fp64)
-    if not INTERPRETED:
-        launch["num_warps"] = 4 if m_rows * block_j <= 4096 else 8
+    if not INTERPRETED:  # launch options of the compiled kernel (the interpreter has none)
+        launch["num_warps"] = num_warps or (4 if m_rows * block_j <= 4096 else 8)
+        if num_stages is not None:
+            launch["num_stages"] = num_stages
     args = (q, head_w, key_cache, entry_slots, n_visible.contiguous(), order, tile_req, tile_lo, tile_hi, out,
             key_cache.shape[0], E, q.stride(0), q.stride(1), head_w.stride(0), key_cache.stride(0),
             entry_slots.stride(0), out.stride(0))
     _index_scores_kernel[grid](*args, **launch)
     return out
+
+
+def score_bytes_per_query(n_visible: int, num_entries: int, hi: int, di: int, *, key_bytes: int = 2,
+                          slot_bytes: int = 8, q_bytes: int = 4) -> int:
+    """HBM bytes of one query scored in a tile of its own (decode): its visible entries' slot ids
+    and key rows, its query and head weights, and its whole score row written (−∞ included)."""
+    return n_visible * (slot_bytes + di * key_bytes) + hi * (di * q_bytes + 4) + num_entries * 4
 
 
 def _order_keys(scores: Tensor) -> Tensor:
@@ -290,7 +306,8 @@ def select_topk(scores: Tensor, k: int, *, check_nan: bool = True, max_chunk_ele
     return out
 
 
-def candidate_blocks(scores: Tensor, n_visible: Tensor, block: int, topk_blocks: int) -> Tensor:
+def candidate_blocks(scores: Tensor, n_visible: Tensor, block: int, topk_blocks: int, *,
+                     check_nan: bool = True) -> Tensor:
     """[N, topk_blocks] published block ids per query (spec §3.4.4): block b = entries
     [b·block, (b+1)·block); key_b = max visible score in b; the newest block ((n−1)//block) gets
     +∞; top-min(topk_blocks, ⌈n/block⌉), ties → lower block; ascending, −1 padded.
@@ -309,7 +326,7 @@ def candidate_blocks(scores: Tensor, n_visible: Tensor, block: int, topk_blocks:
     newest = torch.div(n - 1, block, rounding_mode="floor")
     keys = torch.where(b[None, :] == newest[:, None], math.inf, keys)
     allowed = b[None, :] < torch.div(n + block - 1, block, rounding_mode="floor")[:, None]
-    return select_topk(torch.where(allowed, keys, NEG_INF), topk_blocks)
+    return select_topk(torch.where(allowed, keys, NEG_INF), topk_blocks, check_nan=check_nan)
 
 
 def restrict_to_blocks(scores: Tensor, blocks: Tensor, block: int) -> Tensor:
@@ -327,20 +344,21 @@ def restrict_to_blocks(scores: Tensor, blocks: Tensor, block: int) -> Tensor:
 
 
 def select_for_role(cfg: TextConfig, role: LayerRole, scores: Tensor, n_visible: Tensor,
-                    published_blocks: Tensor | None) -> tuple[Tensor, Tensor | None]:
+                    published_blocks: Tensor | None, *, check_nan: bool = True) -> tuple[Tensor, Tensor | None]:
     """(selection [N, index_topk], blocks [N, candidate_topk_blocks] or None) of an indexer layer
     from its `index_scores` — the whole-batch form of `reference.indexer.run_indexer`'s tail."""
     if not role.runs_indexer:
         raise ValueError(f"layer {role.layer} does not run an indexer")
     B = cfg.candidate_block_size
-    blocks = candidate_blocks(scores, n_visible, B, cfg.candidate_topk_blocks) if role.candidate_source else None
+    blocks = (candidate_blocks(scores, n_visible, B, cfg.candidate_topk_blocks, check_nan=check_nan)
+              if role.candidate_source else None)
     ranked = scores
     if role.candidate_consumer:
         if published_blocks is None:
             raise ValueError(f"layer {role.layer} is a candidate consumer but no candidate blocks were published "
                              f"in this forward (candidate source {cfg.candidate_source_layer_id})")
         ranked = restrict_to_blocks(scores, published_blocks, B)
-    return select_topk(ranked, cfg.index_topk), blocks
+    return select_topk(ranked, cfg.index_topk, check_nan=check_nan), blocks
 
 
 def entry_slot_table(req_to_token: Tensor, req_rows: Tensor, n_entries: Tensor, ratio: int, width: int) -> Tensor:
