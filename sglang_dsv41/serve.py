@@ -114,6 +114,10 @@ def build_launch(argv: list[str]) -> LaunchCommand:
         args += ["--device", "cuda"]
         if not _has_flag(rest, "--disable-cuda-graph"):
             args.append("--disable-cuda-graph")
+        if not _has_flag(rest, "--sampling-backend"):
+            # flashinfer's sampler JIT-compiles with nvcc on a fresh machine (minutes); the torch
+            # sampler is exact for greedy and fast enough for the torch path.
+            args += ["--sampling-backend", "pytorch"]
     argv_out = [sys.executable, "-m", "sglang.launch_server", *args, *rest]
     return LaunchCommand(argv=argv_out, env=env, device=device, dry_run=ours.dry_run)
 

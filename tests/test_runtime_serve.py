@@ -83,4 +83,5 @@ def test_cuda_launch_uses_the_torch_path_flags_without_cpu_environment(tiny_chec
     a = launch.argv
     assert a[a.index("--device") + 1] == "cuda" and a[a.index("--attention-backend") + 1] == "torch_native"
     assert "--disable-cuda-graph" in a and "--sleep-on-idle" not in a and "--max-total-tokens" not in a
+    assert a[a.index("--sampling-backend") + 1] == "pytorch"   # no flashinfer JIT on a fresh GPU machine
     assert "SGLANG_USE_CPU_ENGINE" not in launch.env
