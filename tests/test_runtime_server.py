@@ -49,7 +49,10 @@ class Server:
     def __init__(self, checkpoint: Path, log: Path) -> None:
         self.port = _free_port()
         self.log_path = log
-        argv = [sys.executable, "-m", "sglang_dsv41.cli", "serve", "--device", "cpu", "--model-path",
+        # CPU in CI; on the GPU machine the same tests serve from the H200 (torch path on CUDA).
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = device
+        argv = [sys.executable, "-m", "sglang_dsv41.cli", "serve", "--device", device, "--model-path",
                 str(checkpoint), "--port", str(self.port), "--max-total-tokens", "4096",
                 "--chunked-prefill-size", str(CHUNK), "--enable-mixed-chunk", "--max-running-requests", "8"]
         self._log = open(log, "w")
@@ -148,8 +151,9 @@ def _reference_logprobs(reference: ReferenceModel, prompt: list[int], tokens: li
 def test_server_is_configured_as_requested(server: Server) -> None:
     with urllib.request.urlopen(server.url("/get_server_info"), timeout=60) as r:
         info = json.loads(r.read())
-    assert info["chunked_prefill_size"] == CHUNK and info["device"] == "cpu"
-    assert info["attention_backend"] == "torch_native" and info["sleep_on_idle"] is True
+    on_gpu = torch.cuda.is_available()
+    assert info["chunked_prefill_size"] == CHUNK and info["device"] == ("cuda" if on_gpu else "cpu")
+    assert info["attention_backend"] == "torch_native" and info["sleep_on_idle"] is (not on_gpu)
 
 
 def test_greedy_equals_reference_and_prefix_cache_hits(server: Server, reference: ReferenceModel) -> None:
