@@ -182,6 +182,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    parser.add_argument("--time-even-if-inaccurate", action="store_true",
+                        help="record a failed accuracy self-check in the JSON (within_bound=false) and "
+                             "time anyway — for diagnosing, never for reporting a result")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/moe_mxfp4.py needs a CUDA GPU")
@@ -204,7 +207,9 @@ def main() -> None:
     out_chk = ours(x_chk, ids_chk, w_chk)
     check = accuracy(out_chk, ref)
     print(f"self-check T={CHECK_TOKENS}: {check}", flush=True)
-    if not check["within_bound"]:
+    if not check["within_bound"] and args.time_even_if_inaccurate:
+        print(f"WARNING: accuracy self-check FAILED, timing anyway: {check}")
+    elif not check["within_bound"]:
         raise SystemExit(f"routed_experts_mxfp4 is outside the stated bound: {check}")
     # informational: run-to-run determinism, and whether a token's output depends on its batch
     check["deterministic"] = bool(torch.equal(ours(x_chk, ids_chk, w_chk), out_chk))
