@@ -27,14 +27,6 @@ WEIGHTS = random_reference_weights(CFG, seed=11, dspark=False)
 PROMPT = torch.randint(3, 990, (48,), generator=torch.Generator().manual_seed(12))  # > window 8, topk 4, span 12
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """Tiny tensors: one intra-op thread is fastest and immune to a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def make_model(numerics: NumericsProfile = NumericsProfile(), weights=WEIGHTS) -> ReferenceModel:
     return ReferenceModel(CFG, weights, numerics, engram_token_map=np.arange(TINY_TEST_COMPRESSED_VOCAB))

@@ -11,13 +11,6 @@ from sglang_dsv41.reference.model import ReferenceModel
 from sglang_dsv41.reference.state import NumericsProfile
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def model(tiny_checkpoint: Path) -> ReferenceModel:

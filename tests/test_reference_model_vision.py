@@ -25,13 +25,6 @@ PROMPT = [0, 17, 300, 41, IMG_ID, 55, 66, 77, 88, 99, 123, 234, 345, 456]
 SPAN_START, SPAN_LEN = 4, 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def make_model(weights=WEIGHTS, cfg=CFG) -> ReferenceModel:
     return ReferenceModel(cfg, weights, engram_token_map=np.arange(TINY_TEST_COMPRESSED_VOCAB))
