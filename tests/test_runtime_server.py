@@ -13,14 +13,7 @@ reference-identical fp32 logits). Every wait is bounded; the server's process gr
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
-import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -28,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+from server_helpers import REQUEST_TIMEOUT_S, Server
 from sglang_dsv41.reference.model import ReferenceModel
 
 pytestmark = pytest.mark.slow
@@ -35,75 +29,13 @@ pytestmark = pytest.mark.slow
 CHUNK = 13
 NEW_TOKENS = 16
 LOGPROB_ATOL = 1e-5
-STARTUP_TIMEOUT_S = 600
-REQUEST_TIMEOUT_S = 300
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, checkpoint: Path, log: Path) -> None:
-        self.port = _free_port()
-        self.log_path = log
-        # CPU in CI; on the GPU machine the same tests serve from the H200 (torch path on CUDA).
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = device
-        argv = [sys.executable, "-m", "sglang_dsv41.cli", "serve", "--device", device, "--model-path",
-                str(checkpoint), "--port", str(self.port), "--max-total-tokens", "4096",
-                "--chunked-prefill-size", str(CHUNK), "--enable-mixed-chunk", "--max-running-requests", "8"]
-        self._log = open(log, "w")
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url("/health_generate"), timeout=60) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
-            time.sleep(3)
-        raise TimeoutError(f"server not ready after {STARTUP_TIMEOUT_S} s:\n{self.log_tail()}")
-
-    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        req = urllib.request.Request(self.url(path), data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
-            return json.loads(r.read())
-
-    def generate(self, ids: list[int], n: int = NEW_TOKENS, logprob: bool = False) -> dict[str, Any]:
-        return self.post("/generate", {"input_ids": ids, "return_logprob": logprob,
-                                       "sampling_params": {"max_new_tokens": n, "temperature": 0,
-                                                           "ignore_eos": True}})
-
-    def log_tail(self, n: int = 4000) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-n:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-        self._log.close()
 
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
-    srv = Server(tiny_checkpoint, tmp_path_factory.mktemp("server") / "server.log")
+    srv = Server(tiny_checkpoint, tmp_path_factory.mktemp("server") / "server.log",
+                 ["--max-total-tokens", "4096", "--chunked-prefill-size", str(CHUNK), "--enable-mixed-chunk",
+                  "--max-running-requests", "8"])
     try:
         srv.wait_ready()
         yield srv
@@ -126,7 +58,7 @@ def _concurrently(server: Server, prompts: list[list[int]], logprob: bool = Fals
 
     def one(i: int) -> None:
         try:
-            results[i] = server.generate(prompts[i], logprob=logprob)
+            results[i] = server.generate(prompts[i], NEW_TOKENS, logprob=logprob)
         except Exception as e:  # re-raised below with the server log
             results[i] = e
 
@@ -164,7 +96,7 @@ def test_greedy_equals_reference_and_prefix_cache_hits(server: Server, reference
         assert res["output_ids"] == want
         got_lp = [lp for lp, _, _ in res["meta_info"]["output_token_logprobs"]]
         assert max(abs(a - b) for a, b in zip(got_lp, _reference_logprobs(reference, prompt, want))) < LOGPROB_ATOL
-    again = server.generate(prompts[0])
+    again = server.generate(prompts[0], NEW_TOKENS)
     assert again["meta_info"]["cached_tokens"] >= len(prompts[0]) - 1   # radix prefix cache hit
     assert again["output_ids"] == results[0]["output_ids"]
 

@@ -1,0 +1,124 @@
+"""A real `sglang-dsv41 serve` process for slow end-to-end tests (shared by
+`test_runtime_server.py` and `test_api_server.py`).
+
+The server is started exactly as a user would (`python -m sglang_dsv41.cli serve`, which prepares
+the CPU environment itself), on CUDA when torch sees a GPU and on CPU otherwise, in its own process
+group; every wait and every request is bounded by a timeout, and `stop()` kills the whole group.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+
+STARTUP_TIMEOUT_S = 600
+REQUEST_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One server process; ``extra_args`` go to `sglang-dsv41 serve` (and on to SGLang)."""
+
+    def __init__(self, checkpoint: Path, log: Path, extra_args: Sequence[str] = (),
+                 env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.log_path = log
+        # CPU in CI; on the GPU machine the same tests serve from the H200 (torch path on CUDA).
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = device
+        argv = [sys.executable, "-m", "sglang_dsv41.cli", "serve", "--device", device, "--model-path",
+                str(checkpoint), "--port", str(self.port), *extra_args]
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=None if env is None else {**os.environ, **env})
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url("/health_generate"), timeout=60) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(3)
+        raise TimeoutError(f"server not ready after {timeout_s} s:\n{self.log_tail()}")
+
+    def get(self, path: str) -> dict[str, Any]:
+        with urllib.request.urlopen(self.url(path), timeout=REQUEST_TIMEOUT_S) as r:
+            return json.loads(r.read())
+
+    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST a JSON body; the JSON answer (HTTPError on a non-2xx status)."""
+        req = urllib.request.Request(self.url(path), data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+            return json.loads(r.read())
+
+    def post_status(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """POST a JSON body; ``(status, JSON answer)`` for any status."""
+        try:
+            return 200, self.post(path, body)
+        except urllib.error.HTTPError as e:
+            with e:
+                return e.code, json.loads(e.read() or b"{}")
+
+    def stream(self, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+        """POST a streaming request; the JSON payloads of its SSE ``data:`` lines. Raises unless
+        the stream ends with ``data: [DONE]``."""
+        req = urllib.request.Request(self.url(path), data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        chunks: list[dict[str, Any]] = []
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+            for payload in _sse_payloads(r):
+                if payload == "[DONE]":
+                    return chunks
+                chunks.append(json.loads(payload))
+        raise AssertionError(f"stream ended without [DONE] after {len(chunks)} chunks")
+
+    def generate(self, ids: list[int], n: int, logprob: bool = False) -> dict[str, Any]:
+        """Greedy `/generate` of ``n`` tokens from token ids (EOS ignored)."""
+        return self.post("/generate", {"input_ids": ids, "return_logprob": logprob,
+                                       "sampling_params": {"max_new_tokens": n, "temperature": 0,
+                                                           "ignore_eos": True}})
+
+    def log_tail(self, n: int = 4000) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self._log.close()
+
+
+def _sse_payloads(response: Any) -> Iterator[str]:
+    for raw in response:
+        line = raw.decode().strip()
+        if line.startswith("data:"):
+            yield line[len("data:"):].strip()
