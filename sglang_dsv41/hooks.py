@@ -91,6 +91,18 @@ HOOKS: tuple[HookSpec, ...] = (
         why="installs the middleware that validates reasoning fields before SGLang's pydantic "
             "model (integer top-level efforts, card-worded 400s)."),
     HookSpec(
+        target="sglang.srt.constrained.xgrammar_backend.XGrammarGrammar.allocate_vocab_mask",
+        kind="around", impl="sglang_dsv41.api.cpu_grammar:allocate_vocab_mask_hook",
+        params=("self", "vocab_size", "batch_size", "device"), area="api",
+        why="SGLang pins the grammar bitmask (needs a CUDA driver): the first tool_choice "
+            "required/named or response_format request kills a CPU server."),
+    HookSpec(
+        target="sglang.srt.constrained.xgrammar_backend.XGrammarGrammar.apply_vocab_mask",
+        kind="around", impl="sglang_dsv41.api.cpu_grammar:apply_vocab_mask_hook",
+        params=("self", "logits", "vocab_mask"), area="api",
+        why="SGLang applies the grammar bitmask only to GPU logits (RuntimeError on CPU, which "
+            "kills a CPU server); xgrammar's CPU kernel does it."),
+    HookSpec(
         target="sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
         kind="around", impl="sglang_dsv41.runtime.sglang_hooks:compute_cell_size_hook",
         params=("self", "kvc", "num_layers"), area="runtime",
