@@ -24,6 +24,10 @@ a distinct architecture gets SGLang's generic decoder paths only, and the SGLang
 resolves to our class, no V4 predicate is true for it, and stock SGLang without the plugin
 refuses the checkpoint.
 
+What `sglang-dsv41 launch` may ask of this plugin is `LAUNCH_CAPABILITIES` (names defined in
+`deploy/capabilities.py`); what the runtime behind the model class can serve (TP 1, text only,
+no CUDA graphs, the SGLang flags it needs) is `runtime/requirements.CURRENT_RUNTIME`.
+
 No silent fallback: SGLang's loader catches `Exception` from a plugin and carries on, which
 would leave a V4.1 checkpoint unserved with a misleading error — so every failure here (wrong
 SGLang version, import error, registration error) is raised as `PluginLoadError`, a
@@ -41,6 +45,19 @@ logger = logging.getLogger(__name__)
 #: The only SGLang release this plugin is written against (hooks pin its internals).
 SUPPORTED_SGLANG_VERSION = "0.5.17"
 API_REGISTER_MODULE = "sglang_dsv41.api.register"
+
+#: What this plugin provides to `sglang-dsv41 launch` (capability names of `deploy/capabilities.py`):
+#: * ``model`` — config + model class (`register_config`, `register_model`) and the V4.1 chat
+#:   encoding (`api.register.register_api`: deepseek-recipe prompts, effort, start-up checks);
+#: * ``reasoning_parser`` / ``tool_parser`` — the V4.1 detectors `register_api` registers as
+#:   ``deepseek-v41`` / ``deepseek_v41`` (docs/api.md).
+#: Not provided, so a launch that needs them is refused: Engram host placement
+#: (``engram_host_table``), the FP4 KV layout (``kv_layout_v41``), SWA bounded replay
+#: (``bounded_replay_encoder`` / ``_decoder``), V4.1 DSpark (``dspark``), encoder data-parallel
+#: (``encoder_data_parallel``), and the text-only switch (``text_only`` — the current runtime
+#: never loads the vision tower, so it needs none). TP > 1, vision serving and CUDA graphs are
+#: limits of the runtime (`runtime/requirements.py`), not capabilities.
+LAUNCH_CAPABILITIES: tuple[str, ...] = ("model", "reasoning_parser", "tool_parser")
 
 
 class PluginLoadError(SystemExit):
@@ -82,9 +99,11 @@ def register_config() -> None:
     except ValueError as e:  # a second register() in the same process
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-        if CONFIG_MAPPING.get(MODEL_TYPE) is not DeepseekV41HFConfig:
+        # the lazy mapping's inherited `.get` reads only transformers' built-in table
+        present = CONFIG_MAPPING[MODEL_TYPE] if MODEL_TYPE in CONFIG_MAPPING else None
+        if present is not DeepseekV41HFConfig:
             raise PluginLoadError(f"model_type {MODEL_TYPE!r} is already registered by another "
-                                  f"package ({CONFIG_MAPPING.get(MODEL_TYPE)}): {e}") from e
+                                  f"package ({present}): {e}") from e
 
 
 def register_model() -> None:

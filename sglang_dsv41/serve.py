@@ -3,14 +3,12 @@
 * Device: CUDA when `torch.cuda.is_available()`, else SGLang's CPU engine (`--device` overrides).
 * CPU: the environment SGLang 0.5.17 needs is prepared here (`runtime/cpu_env.py`: the
   `libcuda.so.1` stand-in compiled into the cache dir, `SGLANG_USE_CPU_ENGINE=1`,
-  `LD_LIBRARY_PATH`, `HF_HUB_OFFLINE=1`) and the flags CPU serving needs are added: a bounded
-  `--max-total-tokens` (otherwise SGLang sizes the KV pool from all free RAM), `--sleep-on-idle`
-  (otherwise the scheduler busy-polls a core).
-* Torch path (this phase, any device): `--attention-backend torch_native` — the model computes
-  its own attention from its slot caches, SGLang's backend only has to construct, and
-  torch_native accepts the single-KV-head, `v_head_dim = 0` pool shape; on CUDA also
-  `--disable-cuda-graph` (the torch forward syncs with the host and has data-dependent shapes).
-  The CUDA variant is untested here (no GPU in this phase; docs/runtime.md).
+  `LD_LIBRARY_PATH`, `HF_HUB_OFFLINE=1`).
+* Runtime flags: whatever the current runtime declares for the device
+  (`runtime/requirements.py`, shared with `sglang-dsv41 launch`): today the torch path's
+  `--attention-backend torch_native` everywhere, `--disable-cuda-graph --sampling-backend
+  pytorch` on CUDA, a bounded `--max-total-tokens` and `--sleep-on-idle` on CPU. A flag the
+  user passes wins. A `--tp-size` the runtime cannot run is refused before SGLang starts.
 * Checkpoint: `--model-path`, or the tiny random checkpoint made on first use in
   `~/.cache/sglang-dsv41/tiny-seed<seed>` (written to a temporary directory, then renamed).
 * Every other argument is passed to SGLang unchanged. The server replaces this process (`exec`),
@@ -29,9 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .runtime.cpu_env import cache_root, cpu_environment
-
-DEFAULT_CPU_MAX_TOTAL_TOKENS = 16384
-TORCH_PATH_ATTENTION_BACKEND = "torch_native"
+from .runtime.requirements import CURRENT_RUNTIME
 
 
 @dataclass(frozen=True)
@@ -49,12 +45,17 @@ class LaunchCommand:
         return (prefix + " " if prefix else "") + " ".join(shlex.quote(a) for a in self.argv)
 
 
+def tiny_checkpoint_dir(seed: int = 0, root: Path | None = None) -> Path:
+    """Where the tiny random checkpoint for `seed` lives (`<cache>/tiny-seed<seed>`); pure."""
+    return (Path(root) if root is not None else cache_root()) / f"tiny-seed{seed}"
+
+
 def tiny_checkpoint(seed: int = 0, root: Path | None = None) -> Path:
     """Path of the tiny random checkpoint for `seed`, made on first use (spec model.md §7)."""
     from .checkpoint.synth import INDEX_FILE, make_checkpoint
 
-    root = Path(root) if root is not None else cache_root()
-    target = root / f"tiny-seed{seed}"
+    target = tiny_checkpoint_dir(seed, root)
+    root = target.parent
     if (target / INDEX_FILE).is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
@@ -70,10 +71,6 @@ def tiny_checkpoint(seed: int = 0, root: Path | None = None) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-def _has_flag(args: list[str], flag: str) -> bool:
-    return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
 def pick_device(requested: str) -> str:
@@ -97,27 +94,20 @@ def build_launch(argv: list[str]) -> LaunchCommand:
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     ours, rest = ap.parse_known_args(argv)
+    try:
+        CURRENT_RUNTIME.check_server_args(rest)
+    except ValueError as e:
+        ap.error(str(e))
     device = pick_device(ours.device)
     model = ours.model_path if ours.model_path is not None else tiny_checkpoint(ours.tiny_seed)
     args = ["--model-path", str(Path(model).resolve()), "--host", ours.host, "--port", str(ours.port)]
-    if not _has_flag(rest, "--attention-backend"):
-        args += ["--attention-backend", TORCH_PATH_ATTENTION_BACKEND]
     if device == "cpu":
         env = cpu_environment()
         args += ["--device", "cpu"]
-        if not _has_flag(rest, "--max-total-tokens"):
-            args += ["--max-total-tokens", str(DEFAULT_CPU_MAX_TOTAL_TOKENS)]
-        if not _has_flag(rest, "--sleep-on-idle"):
-            args.append("--sleep-on-idle")
     else:
         env = dict(os.environ)
         args += ["--device", "cuda"]
-        if not _has_flag(rest, "--disable-cuda-graph"):
-            args.append("--disable-cuda-graph")
-        if not _has_flag(rest, "--sampling-backend"):
-            # flashinfer's sampler JIT-compiles with nvcc on a fresh machine (minutes); the torch
-            # sampler is exact for greedy and fast enough for the torch path.
-            args += ["--sampling-backend", "pytorch"]
+    args += CURRENT_RUNTIME.server_args(device, rest)
     argv_out = [sys.executable, "-m", "sglang.launch_server", *args, *rest]
     return LaunchCommand(argv=argv_out, env=env, device=device, dry_run=ours.dry_run)
 

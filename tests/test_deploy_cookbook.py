@@ -8,7 +8,10 @@ import stat
 import subprocess
 from pathlib import Path
 
+from sglang_dsv41 import plugin
+from sglang_dsv41.deploy.command import build_launch
 from sglang_dsv41.deploy.cookbook import expected_scripts
+from sglang_dsv41.deploy.schema import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOK = ROOT / "cookbook"
@@ -45,3 +48,23 @@ def test_readme_covers_install_to_verification() -> None:
         assert needle in text, needle
     for script in expected_scripts(ROOT / "configs"):
         assert script in text, f"README does not mention cookbook/{script}"
+
+
+# Short words of the README's "today" column for each thing a config cannot get yet.
+SHORT = {"tensor_parallel": "TP1 only", "vision": "vision", "cuda_graphs": "CUDA graphs", "kv_cache_dtype": "fp8 KV",
+         "kv_layout_v41": "FP4 KV", "engram_host_table": "Engram host", "dspark": "DSpark", "pd_disaggregation": "PD",
+         "bounded_replay_encoder": "encoder replay", "bounded_replay_decoder": "decoder replay",
+         "encoder_data_parallel": "encoder DP", "model": "no plugin", "reasoning_parser": "no parser",
+         "tool_parser": "no parser", "text_only": "text-only switch"}
+
+
+def test_readme_status_column_matches_what_launch_does() -> None:
+    """The "today" column says "launches" or lists exactly what `launch` refuses for."""
+    rows = {line.split("`")[1].removesuffix(".sh").removesuffix("-prefill"): line.rsplit(" | ", 1)[1].rstrip(" |")
+            for line in (BOOK / "README.md").read_text().splitlines() if line.startswith("| `")}
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        unavailable = build_launch(load_config(path), frozenset(plugin.LAUNCH_CAPABILITIES)).unavailable
+        if unavailable:
+            assert rows[path.stem] == "refused: " + ", ".join(SHORT[u.capability] for u in unavailable), path.stem
+        else:
+            assert rows[path.stem].startswith("**launches**"), path.stem

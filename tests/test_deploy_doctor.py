@@ -1,13 +1,25 @@
-"""`sglang-dsv41 doctor`: runs here (no GPU: reported as a failure), says the plugin is not yet
-available while it has no entry point, and judges host memory / huge pages for host Engram."""
+"""`sglang-dsv41 doctor`: runs here (no GPU: reported as a failure), checks that the plugin really
+registers through SGLang's own loader (slow: a fresh interpreter), reports the runtime's limits
+and a config's excess over them, and judges host memory / huge pages for host Engram."""
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from sglang_dsv41.deploy import doctor
+from sglang_dsv41.deploy.registration import ITEMS, RegistrationReport, probe_registration
 from sglang_dsv41.deploy.schema import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
+REGISTERED = RegistrationReport(registered={k: True for k in ITEMS})
+
+
+@pytest.fixture(autouse=True)
+def fast_probe(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fast tests stand in for the registration probe (one slow test runs the real one)."""
+    if request.node.name != "test_the_plugin_really_registers_through_sglangs_loader":
+        monkeypatch.setattr(doctor, "probe_registration", lambda: REGISTERED)
 
 
 def test_doctor_runs_on_this_machine_and_reports_no_gpu(capsys) -> None:
@@ -16,9 +28,48 @@ def test_doctor_runs_on_this_machine_and_reports_no_gpu(capsys) -> None:
     assert "[  OK] sglang: 0.5.17" in out
     if doctor.gpu_inventory()[0] == 0:
         assert "[FAIL] gpus: no GPU" in out and rc == 1
-    if not doctor.plugin_entry_points():
-        assert "[FAIL] plugin: not yet available" in out and rc == 1
+    assert "[  OK] plugin: entry point(s) dsv41: SGLang's load_plugins() registers" in out
+    assert "[INFO] capabilities: provided: model, reasoning_parser, tool_parser; not provided yet:" in out
+    assert "[INFO] runtime: torch path (docs/runtime.md): tensor parallel sizes: 1; vision (image input): no" in out
     assert out.rstrip().splitlines()[-1].endswith("; ready") == (rc == 0)
+
+
+def test_plugin_failures_are_reported_not_raised(monkeypatch) -> None:
+    broken = RegistrationReport(error="loading the plugin through SGLang exited with 1: sglang-dsv41: boom")
+    (check,) = doctor.check_plugin(probe=lambda: broken)
+    assert check.status == "FAIL" and "boom" in check.detail
+    half = RegistrationReport(registered={"config": True, "model": True, "reasoning_parser": False,
+                                          "tool_parser": True})
+    (check,) = doctor.check_plugin(probe=lambda: half)
+    assert check.status == "FAIL" and "lack our reasoning_parser" in check.detail
+    monkeypatch.setenv("SGLANG_PLUGINS", "someone-else")
+    (check,) = doctor.check_plugin(probe=lambda: pytest.fail("an excluded plugin is not probed"))
+    assert check.status == "FAIL" and "excludes dsv41" in check.detail
+
+
+@pytest.mark.slow
+def test_the_plugin_really_registers_through_sglangs_loader(monkeypatch) -> None:
+    report = probe_registration()
+    assert report.ok, report
+    monkeypatch.setenv("SGLANG_PLUGINS", "only-a-plugin-that-does-not-exist")
+    assert probe_registration().missing() == list(ITEMS)       # the probe can fail: it reads the registries
+
+
+def test_runtime_limits_per_config() -> None:
+    tp2 = doctor.check_runtime(load_config(ROOT / "configs" / "tiny-h200-tp2.yaml"))
+    assert [c.status for c in tp2] == ["INFO", "FAIL"] and "runtime supports TP1 only for now" in tp2[1].detail
+    tp1 = doctor.check_runtime(load_config(ROOT / "configs" / "tiny-h200-tp1.yaml"))
+    assert [c.status for c in tp1] == ["INFO", "OK"]
+    h200 = doctor.check_runtime(load_config(ROOT / "configs" / "h200-tp4.yaml"))
+    assert {c.detail.split(" asks for ")[1].split(" ")[0] for c in h200 if c.status == "FAIL"} == \
+        {"tensor_parallel", "vision", "engram_host_table"}
+
+
+def test_cpu_engine_check_uses_the_launchers_stub(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    (check,) = doctor.check_cpu_engine(load_config(ROOT / "configs" / "tiny-cpu.yaml"))
+    assert check.status == "OK" and str(tmp_path / "sglang-dsv41" / "cuda-stub") in check.detail
+    assert doctor.check_cpu_engine(load_config(ROOT / "configs" / "tiny-h200-tp1.yaml")) == []
 
 
 def test_doctor_with_a_host_engram_config_checks_host_memory(capsys) -> None:

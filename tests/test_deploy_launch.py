@@ -1,9 +1,13 @@
-"""`sglang-dsv41 launch`: dry-run output pinned per config (tests/golden/launch/*.txt), every
-generated flag accepted by SGLang 0.5.17's own argument parser, unavailable plugin options
-reported (never dropped), and the run path's refusal/exec behaviour.
+"""`sglang-dsv41 launch`: dry-run output pinned per config (tests/golden/launch/*.txt, rendered
+with the capabilities the plugin declares and the current runtime), every generated flag
+accepted by SGLang 0.5.17's own argument parser once the plugin's parsers are registered, the
+runtime's flags shared with `serve`, unavailable plugin options and runtime limits reported
+(never dropped), and the run path's refusal/exec behaviour.
 
 Regenerate the golden files after an intended change with
-`SGLANG_DSV41_UPDATE_GOLDEN=1 python -m pytest -q tests/test_deploy_launch.py`.
+`SGLANG_DSV41_UPDATE_GOLDEN=1 python -m pytest -q tests/test_deploy_launch.py` and review the diff.
+The tiny configs' checkpoint path lives in the cache; the golden files are rendered with
+`XDG_CACHE_HOME=/home/user/.cache`.
 """
 from __future__ import annotations
 
@@ -13,25 +17,42 @@ from pathlib import Path
 
 import pytest
 
+from sglang_dsv41 import plugin, serve
 from sglang_dsv41.deploy import capabilities, launch
 from sglang_dsv41.deploy.capabilities import CAPABILITIES
-from sglang_dsv41.deploy.command import build_launch, render_dry_run, required_capabilities
+from sglang_dsv41.deploy.command import build_launch, model_path, render_dry_run, required_capabilities, runtime_limits
 from sglang_dsv41.deploy.schema import load_config
+from sglang_dsv41.runtime.requirements import CURRENT_RUNTIME, TORCH_PATH, RuntimeProfile
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 GOLDEN = ROOT / "tests" / "golden" / "launch"
+GOLDEN_CACHE_HOME = "/home/user/.cache"
 NONE: frozenset[str] = frozenset()
 ALL = frozenset(CAPABILITIES)
-# Values 0.5.17 cannot know until the plugin registers them before argument parsing (spec runtime.md §B).
-PLUGIN_REGISTERED_CHOICES = {("--tool-call-parser", "deepseekv41")}
+PLUGIN = frozenset(plugin.LAUNCH_CAPABILITIES)
+NOT_PROVIDED = {"engram_host_table", "kv_layout_v41", "bounded_replay_encoder", "bounded_replay_decoder", "dspark",
+                "encoder_data_parallel"}
+# A runtime without today's limits: what the launcher does once the runtime grows.
+FULL_RUNTIME = RuntimeProfile(name="full", doc="-", flags=(), tp_sizes=(1, 2, 4, 8), vision=True, cuda_graphs=True,
+                              pd_disaggregation=True, kv_cache_dtypes=("auto", "bf16", "fp8_e4m3"))
+
+
+@pytest.fixture(autouse=True)
+def fixed_cache_home(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny checkpoint's path depends on the cache dir; pin it for the golden files."""
+    monkeypatch.setenv("XDG_CACHE_HOME", GOLDEN_CACHE_HOME)
 
 
 @pytest.fixture(scope="session")
 def sglang_parser() -> argparse.ArgumentParser:
-    """SGLang 0.5.17's own CLI parser (importing server_args takes several seconds: once per session)."""
+    """SGLang 0.5.17's own CLI parser, built after the plugin registered its parser names (as SGLang
+    does: plugins load before argument parsing). Importing server_args takes seconds: once per session."""
     from sglang.srt.server_args import ServerArgs
 
+    from sglang_dsv41.api.register import register_parsers
+
+    register_parsers()
     ap = argparse.ArgumentParser(exit_on_error=False)
     ServerArgs.add_cli_args(ap)
     return ap
@@ -39,7 +60,7 @@ def sglang_parser() -> argparse.ArgumentParser:
 
 def _dry_run_text(path: Path) -> str:
     dc = load_config(path)
-    return render_dry_run(build_launch(dc, NONE), f"configs/{path.name}", launch._status(dc))
+    return render_dry_run(build_launch(dc, PLUGIN), f"configs/{path.name}", launch._status(dc))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
@@ -67,24 +88,33 @@ def _parse(parser: argparse.ArgumentParser, args: tuple[str, ...]) -> argparse.N
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_every_generated_flag_exists_in_sglang_0_5_17(path: Path, sglang_parser) -> None:
     dc = load_config(path)
-    for c in build_launch(dc, NONE).commands:
-        if c.role == "router":
-            continue  # sglang-router is a separate package (checked by doctor)
-        ns = _parse(sglang_parser, c.args)
-        assert ns.model_path == dc.model.path and ns.tp_size == dc.parallel.tp
-    # With every capability provided, each flag name still exists; only plugin-registered values differ.
-    known = sglang_parser._option_string_actions
-    for c in build_launch(dc, ALL).commands:
-        if c.role == "router":
-            continue
-        flags = [a for a in c.args if a.startswith("--")]
-        assert all(f in known for f in flags), [f for f in flags if f not in known]
-        pairs = set(zip(c.args, c.args[1:]))
-        stripped = list(c.args)
-        for flag, value in PLUGIN_REGISTERED_CHOICES & pairs:
-            i = stripped.index(flag)
-            del stripped[i:i + 2]
-        _parse(sglang_parser, tuple(stripped))
+    gpu = not dc.hardware.kind.is_cpu
+    for caps in (PLUGIN, ALL):
+        for c in build_launch(dc, caps).commands:
+            if c.role == "router":
+                continue  # sglang-router is a separate package (checked by doctor)
+            ns = _parse(sglang_parser, c.args)
+            assert ns.model_path == model_path(dc) and ns.tp_size == dc.parallel.tp
+            assert ns.reasoning_parser == "deepseek-v41" and ns.tool_call_parser == "deepseek-v41"
+            assert ns.attention_backend == "torch_native"      # the runtime's flags, on every config
+            if gpu:
+                assert ns.disable_cuda_graph and ns.sampling_backend == "pytorch"
+            else:
+                assert ns.sleep_on_idle and ns.device == "cpu"
+
+
+def test_parser_names_are_the_ones_the_api_registers() -> None:
+    from sglang_dsv41.api import reasoning_parser, tool_parser
+
+    assert capabilities.REASONING_PARSER in reasoning_parser.PARSER_NAMES
+    assert capabilities.TOOL_CALL_PARSER in tool_parser.PARSER_NAMES
+
+
+def test_plugin_declares_what_it_provides_and_nothing_else() -> None:
+    assert PLUGIN == {"model", "reasoning_parser", "tool_parser"}
+    assert capabilities.available_capabilities() == PLUGIN   # entry point installed: "model" counts
+    assert NOT_PROVIDED <= set(CAPABILITIES) - PLUGIN
+    assert "text_only" not in PLUGIN                        # a text-only runtime needs no switch
 
 
 def test_language_only_is_not_text_only(sglang_parser) -> None:
@@ -101,18 +131,74 @@ def test_language_only_is_not_text_only(sglang_parser) -> None:
 def test_unavailable_options_are_listed_not_dropped(path: Path) -> None:
     dc = load_config(path)
     want = required_capabilities(dc)
+    limits = [u.capability for u in runtime_limits(dc)]
     plan = build_launch(dc, NONE)
-    assert [u.capability for u in plan.unavailable] == want
+    assert [u.capability for u in plan.unavailable if u.source == "plugin"] == want
+    assert [u.capability for u in plan.unavailable if u.source == "runtime"] == limits
     text = render_dry_run(plan, str(path), "unvalidated")
     for u in plan.unavailable:
-        assert f"- {u.capability}: {u.what}" in text
+        assert f"- {u.capability}: {u.what}" in text and u.reason in text
     full = build_launch(dc, ALL)
-    assert full.unavailable == ()
+    assert [u.capability for u in full.unavailable] == limits     # the plugin cannot lift runtime limits
     env = dict(full.commands[0].env)
     args = full.commands[0].args
     for name in want:
         cap = CAPABILITIES[name]
         assert all(k in env for k, _ in cap.env) and all(a in args for a in cap.args)
+    assert build_launch(dc, ALL, FULL_RUNTIME).unavailable == ()
+
+
+def test_only_the_tiny_single_gpu_and_cpu_configs_are_servable_today() -> None:
+    servable = {p.stem for p in CONFIGS if not build_launch(load_config(p), PLUGIN).unavailable}
+    assert servable == {"tiny-cpu", "tiny-h200-tp1"}
+
+
+def test_runtime_limits_name_their_reason() -> None:
+    tp2 = build_launch(load_config(ROOT / "configs" / "tiny-h200-tp2.yaml"), PLUGIN)
+    assert [(u.capability, u.source) for u in tp2.unavailable] == [("tensor_parallel", "runtime")]
+    assert "runtime supports TP1 only for now" in tp2.unavailable[0].reason
+    h200 = {u.capability: u for u in build_launch(load_config(ROOT / "configs" / "h200-tp4.yaml"), PLUGIN).unavailable}
+    assert set(h200) == {"tensor_parallel", "vision", "engram_host_table"}
+    assert "text only" in h200["vision"].reason and "features.text_only" in h200["vision"].reason
+    text_only = build_launch(load_config(ROOT / "configs" / "gb200-tp4-text-only.yaml"), PLUGIN).unavailable
+    assert "vision" not in {u.capability for u in text_only}
+    mi325 = {u.capability: u
+             for u in build_launch(load_config(ROOT / "configs" / "mi325x-tp4.yaml"), PLUGIN).unavailable}
+    assert "decode full" in mi325["cuda_graphs"].what
+    b300 = {u.capability for u in build_launch(load_config(ROOT / "configs" / "b300-dep8.yaml"), PLUGIN).unavailable}
+    assert {"kv_cache_dtype", "kv_layout_v41"} <= b300
+    pd = {u.capability for u in build_launch(load_config(ROOT / "configs" / "h200-pd-1p1d.yaml"), PLUGIN).unavailable}
+    assert "pd_disaggregation" in pd
+
+
+def test_a_runtime_with_vision_needs_the_text_only_switch() -> None:
+    dc = load_config(ROOT / "configs" / "gb200-tp4-text-only.yaml")
+    assert "text_only" not in required_capabilities(dc, TORCH_PATH)
+    assert "text_only" in required_capabilities(dc, FULL_RUNTIME)
+
+
+def test_launch_and_serve_take_the_runtime_flags_from_one_declaration(tiny_checkpoint: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))   # serve builds the CPU stub in the cache
+    for config, device in (("tiny-h200-tp1", "cuda"), ("tiny-cpu", "cpu")):
+        args = build_launch(load_config(ROOT / "configs" / f"{config}.yaml"), PLUGIN).commands[0].args
+        flags = CURRENT_RUNTIME.server_args(device)
+        configured = {"--max-total-tokens"} if device == "cpu" else set()   # tiny-cpu sets its own pool size
+        for f in CURRENT_RUNTIME.flags:
+            if device in f.devices and f.flag not in configured:
+                i = args.index(f.flag)
+                assert list(args[i:i + len(f.args())]) == f.args()
+        served = serve.build_launch(["--device", device, "--model-path", str(tiny_checkpoint)]).argv
+        i = served.index(flags[0])
+        assert served[i:i + len(flags)] == flags
+
+
+def test_a_flag_the_user_sets_wins_over_the_runtime(capsys) -> None:
+    path = str(ROOT / "configs" / "tiny-h200-tp1.yaml")
+    assert launch.cli(["--config", path, "--dry-run", "--", "--attention-backend", "triton"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("--attention-backend") == 1 and "--attention-backend triton" in out
+    assert "added for the torch path runtime (docs/runtime.md): --attention-backend" not in out
 
 
 def test_dspark_and_engram_host_emitted_when_provided() -> None:
@@ -141,20 +227,21 @@ def no_plugin(monkeypatch):
     monkeypatch.setattr(launch, "available_capabilities", lambda: NONE)
 
 
-def test_cli_dry_run_prints_the_golden_text(no_plugin, capsys) -> None:
+def test_cli_dry_run_prints_the_golden_text(capsys) -> None:
     path = ROOT / "configs" / "h200-tp4.yaml"
     assert launch.cli(["--config", str(path), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert out.split("\n", 1)[1] == (GOLDEN / "h200-tp4.txt").read_text().split("\n", 1)[1]
 
 
-def test_cli_overrides_and_passthrough(no_plugin, capsys) -> None:
+def test_cli_overrides_and_passthrough(capsys) -> None:
     path = str(ROOT / "configs" / "tiny-h200-tp1.yaml")
     rc = launch.cli(["--config", path, "--dry-run", "--model-path", "/ckpt/tiny", "--port", "31000",
                      "--set", "serving.max_running_requests=4", "--", "--log-level", "debug"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "--model-path /ckpt/tiny" in out and "--port 31000" in out and "--max-running-requests 4" in out
+    assert "tiny random checkpoint (seed 0)" not in out       # --model-path replaces model.tiny_seed
     assert out.rstrip().endswith("--log-level debug")
     assert launch.cli(["--config", path, "--dry-run", "--set", "serving.bogus=1"]) == launch.EXIT_BAD_CONFIG
     assert "bogus" in capsys.readouterr().err
@@ -175,7 +262,7 @@ def test_cli_refuses_to_run_without_the_plugin(no_plugin, monkeypatch, capsys) -
     path = str(ROOT / "configs" / "h200-tp4.yaml")
     assert launch.cli(["--config", path]) == launch.EXIT_UNAVAILABLE
     err = capsys.readouterr().err
-    assert "refusing to launch" in err and "engram_host_table" in err and not calls
+    assert "refusing to launch" in err and "engram_host_table" in err and "model" in err and not calls
     launch.cli(["--config", path, "--allow-unavailable"])
     err = capsys.readouterr().err
     assert "WARNING" in err and "engram_host_table" in err
@@ -183,6 +270,36 @@ def test_cli_refuses_to_run_without_the_plugin(no_plugin, monkeypatch, capsys) -
     argv = cmd.argv("python")
     assert argv[1:3] == ["-m", "sglang.launch_server"] and "--tp-size" in argv
     assert launch._child_env(cmd)["PATH"] == os.environ["PATH"]  # the caller's environment is kept
+
+
+def test_cli_refuses_tp2_naming_the_runtime_limit(monkeypatch, capsys) -> None:
+    calls: list = []
+    monkeypatch.setattr(launch, "_exec", calls.append)
+    monkeypatch.setattr(launch, "tiny_checkpoint", lambda seed: serve.tiny_checkpoint_dir(seed))
+    path = str(ROOT / "configs" / "tiny-h200-tp2.yaml")
+    assert launch.cli(["--config", path]) == launch.EXIT_UNAVAILABLE
+    err = capsys.readouterr().err
+    assert "tensor_parallel" in err and "runtime supports TP1 only for now" in err and not calls
+    assert launch.cli(["--config", path, "--allow-unavailable"]) == 0
+    assert "WARNING" in capsys.readouterr().err
+    (cmd,) = calls
+    assert ("--tp-size", "2") in set(zip(cmd.args, cmd.args[1:]))
+
+
+def test_cli_runs_tiny_cpu_with_the_cpu_environment_and_the_cached_checkpoint(monkeypatch, tmp_path) -> None:
+    calls: list = []
+    made: list = []
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(launch, "_exec", calls.append)
+    monkeypatch.setattr(launch, "tiny_checkpoint", lambda seed: made.append(seed) or serve.tiny_checkpoint_dir(seed))
+    assert launch.cli(["--config", str(ROOT / "configs" / "tiny-cpu.yaml")]) == 0
+    (cmd,) = calls
+    assert made == [0]                                        # made (or found) before exec
+    assert cmd.args[cmd.args.index("--model-path") + 1] == str(tmp_path / "sglang-dsv41" / "tiny-seed0")
+    env = launch._child_env(cmd)
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
+    assert env["LD_LIBRARY_PATH"].split(os.pathsep)[0] == str(tmp_path / "sglang-dsv41" / "cuda-stub")
+    assert (tmp_path / "sglang-dsv41" / "cuda-stub" / "libcuda.so.1").is_file()
 
 
 def test_capabilities_come_from_the_plugin_module(monkeypatch) -> None:

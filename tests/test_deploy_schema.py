@@ -84,6 +84,8 @@ ILLEGAL = [
     ({"hardware__gpu": "TPU"}, "unknown GPU kind"),
     ({"serving__mem_fraction_static": "1.5"}, "less than 1"),
     ({"serving__no_such_key": "1"}, "Extra inputs are not permitted"),
+    ({"model__tiny_seed": "0", "model__architecture": "tiny", "model__path": "/ckpt"}, "two checkpoint sources"),
+    ({"model__tiny_seed": "0"}, "set model.architecture: tiny"),
 ]
 
 
@@ -123,3 +125,9 @@ def test_a_legal_base_config_passes_and_validation_record_is_checked() -> None:
 def test_override_rejects_malformed_assignment() -> None:
     with pytest.raises(DeployConfigError, match="KEY=VALUE"):
         apply_override({}, "serving.port")
+
+
+def test_tiny_configs_use_the_cached_tiny_checkpoint() -> None:
+    for name in ("tiny-cpu", "tiny-h200-tp1", "tiny-h200-tp2"):
+        c = load_config(ROOT / "configs" / f"{name}.yaml")
+        assert c.model.tiny_seed == 0 and c.model.architecture == "tiny" and c.features.text_only

@@ -46,7 +46,7 @@ def test_cpu_launch_prepares_environment_and_flags(cache_home: Path, tiny_checkp
     flags = dict(zip(a[3::1], a[4::1]))
     assert flags["--model-path"] == str(tiny_checkpoint.resolve()) and flags["--port"] == "31234"
     assert flags["--device"] == "cpu" and flags["--attention-backend"] == "torch_native"
-    assert int(flags["--max-total-tokens"]) == serve.DEFAULT_CPU_MAX_TOTAL_TOKENS
+    assert flags["--max-total-tokens"] == "16384"                    # the runtime's CPU default
     assert "--sleep-on-idle" in a and a[-2:] == ["--chunked-prefill-size", "64"]   # passed through
     env = launch.env
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
@@ -85,3 +85,23 @@ def test_cuda_launch_uses_the_torch_path_flags_without_cpu_environment(tiny_chec
     assert "--disable-cuda-graph" in a and "--sleep-on-idle" not in a and "--max-total-tokens" not in a
     assert a[a.index("--sampling-backend") + 1] == "pytorch"   # no flashinfer JIT on a fresh GPU machine
     assert "SGLANG_USE_CPU_ENGINE" not in launch.env
+
+
+def test_flags_come_from_the_runtime_declaration(tiny_checkpoint: Path, cache_home: Path) -> None:
+    from sglang_dsv41.runtime.requirements import CURRENT_RUNTIME
+
+    for device in ("cpu", "cuda"):
+        a = serve.build_launch(["--device", device, "--model-path", str(tiny_checkpoint)]).argv
+        want = CURRENT_RUNTIME.server_args(device)
+        i = a.index(want[0])
+        assert a[i:i + len(want)] == want
+
+
+def test_tp_beyond_the_runtime_is_refused_before_sglang_starts(tiny_checkpoint: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    for flag in (["--tp-size", "2"], ["--tensor-parallel-size=4"]):
+        with pytest.raises(SystemExit):
+            serve.build_launch(["--device", "cuda", "--model-path", str(tiny_checkpoint), *flag])
+        assert "runtime supports TP1 only for now" in capsys.readouterr().err
+    assert "--tp-size" in serve.build_launch(["--device", "cuda", "--model-path", str(tiny_checkpoint),
+                                              "--tp-size", "1"]).argv

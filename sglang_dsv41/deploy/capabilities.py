@@ -1,16 +1,21 @@
 """What the sglang-dsv41 plugin provides to the launcher, and how each card option maps to it.
 
 The card (seed 004) and the launch blog promise options that stock SGLang 0.5.17 does not
-have: the model class itself, Engram host placement, text-only serving, encoder data-parallel,
-SWA bounded replay, the FP4 (`v41`) KV layout, the V4.1 tool-call parser, V4.1 DSpark. Each is
-a *capability* the plugin must provide; the launcher maps a capability to the flag or
-environment variable the plugin reads, and emits it only when the plugin says it provides it.
+have: the model class itself, the V4.1 reasoning and tool-call parsers, Engram host placement,
+text-only serving, encoder data-parallel, SWA bounded replay, the FP4 (`v41`) KV layout, V4.1
+DSpark. Each is a *capability* the plugin must provide; the launcher maps a capability to the
+flag or environment variable the plugin reads, and emits it only when the plugin says it
+provides it.
 
 Contract with the plugin: the module `sglang_dsv41.plugin` (the `sglang.srt.plugins` entry
 point's module) exposes `LAUNCH_CAPABILITIES`, an iterable of the names in `CAPABILITIES`.
 "model" additionally needs that entry point to be installed, since SGLang loads the plugin
 through it (spec `runtime.md` §B). A capability the plugin does not list is *unavailable*:
 the launcher prints it, never drops it silently (`launch.py` decides what to do).
+
+What the *runtime* can serve (TP sizes, vision, CUDA graphs, …) is a separate declaration,
+`sglang_dsv41.runtime.requirements.CURRENT_RUNTIME`; `command.runtime_limits` checks a config
+against it.
 """
 from __future__ import annotations
 
@@ -21,6 +26,11 @@ from dataclasses import dataclass
 PLUGIN_MODULE = "sglang_dsv41.plugin"
 PLUGIN_GROUP = "sglang.srt.plugins"
 DIST_NAME = "sglang-dsv41"
+#: The names `sglang_dsv41.api.register` registers the V4.1 parsers under (first spelling of
+#: `api.reasoning_parser.PARSER_NAMES` / `api.tool_parser.PARSER_NAMES`; a test pins the match —
+#: they are repeated here so a dry run does not import SGLang).
+REASONING_PARSER = "deepseek-v41"
+TOOL_CALL_PARSER = "deepseek-v41"
 
 
 @dataclass(frozen=True)
@@ -58,8 +68,13 @@ CAPABILITIES: dict[str, Capability] = {c.name: c for c in (
                env=(("SGLANG_DSV4_KV_LAYOUT", "v41"),),
                why_not_stock="0.5.17 has only the v4 layout; v41 needs the plugin's pools and FlashMLA/AITER "
                              "kernels newer than 0.5.17's pins (runtime.md §A.3, risk R1)"),
+    Capability("reasoning_parser", "V4.1 reasoning split (reasoning_content; grammars applied after the trace)",
+               args=("--reasoning-parser", REASONING_PARSER),
+               why_not_stock="0.5.17's deepseek-v4 detector is V4's; the plugin registers its own V4.1 detector "
+                             "(a DSML call opened inside the trace ends it, thinking-off replies stay content) and "
+                             "refuses V4/V3 parsers for V4.1 at start-up (docs/api.md)"),
     Capability("tool_parser", "V4.1 tool calls (DSML with space-prefixed tags)",
-               args=("--tool-call-parser", "deepseekv41"),
+               args=("--tool-call-parser", TOOL_CALL_PARSER),
                why_not_stock="0.5.17's deepseekv4 parser expects '<｜DSML｜tool_calls>'; V4.1 writes "
                              "'<｜DSML｜ calls>' (runtime.md §A.10)"),
     Capability("dspark", "DSpark speculative decoding for V4.1",

@@ -2,27 +2,36 @@
 
 Invariants
 ----------
-* Every emitted server flag exists in SGLang 0.5.17's `ServerArgs` (a test parses each
-  generated command with 0.5.17's own argument parser). Options 0.5.17 lacks go through a
-  plugin capability (`capabilities.py`) and are emitted only when the plugin provides them;
-  otherwise they are reported in `LaunchPlan.unavailable` — never silently dropped.
+* Every emitted server flag exists in SGLang 0.5.17's `ServerArgs` once the plugin has
+  registered its parser names (a test parses each generated command with 0.5.17's own argument
+  parser). Options 0.5.17 lacks go through a plugin capability (`capabilities.py`) and are
+  emitted only when the plugin provides them; otherwise they are reported in
+  `LaunchPlan.unavailable` — never silently dropped.
+* The flags the runtime needs (`runtime/requirements.py`, the same declaration `sglang-dsv41
+  serve` uses) are added unless the config sets them itself; what the config asks for beyond
+  the runtime (TP > 1, vision, CUDA graphs, PD, a KV dtype) is reported in
+  `LaunchPlan.unavailable` with the runtime's reason (`runtime_limits`).
 * Output is deterministic (fixed flag order, environment sorted by name), so a dry run can be
-  pinned by golden files.
+  pinned by golden files. Machine-dependent parts are resolved by the launcher at run time and
+  named in a note: SGLang's CPU environment (`Command.cpu_engine`, `runtime/cpu_env.py`) and
+  the tiny checkpoint's existence (`model.tiny_seed`; its path is `serve.tiny_checkpoint_dir`).
 * The command needs no environment the user must remember: the plugin is loaded by SGLang
-  through its entry point; everything else the config needs is in `Command.env`.
+  through its entry point; everything else the config needs is in `Command.env` or prepared by
+  `sglang-dsv41 launch`.
 """
 from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass, field
 
+from ..runtime.requirements import CURRENT_RUNTIME, Device, RuntimeProfile
+from ..serve import tiny_checkpoint_dir
 from .capabilities import CAPABILITIES
 from .schema import DeploymentConfig, PDRoleSpec
 
 SERVER_MODULE = "sglang.launch_server"
 ROUTER_MODULE = "sglang_router.launch_router"
-# V4.1's reasoning parser is an alias of V4's detector (runtime.md §A.10); 0.5.17 ships it.
-REASONING_PARSER = "deepseek-v4"
+MAKE_TINY = "sglang-dsv41 make-checkpoint --preset tiny --out DIR"
 
 
 @dataclass(frozen=True)
@@ -31,6 +40,7 @@ class Command:
     module: str
     args: tuple[str, ...]
     env: tuple[tuple[str, str], ...] = ()
+    cpu_engine: bool = False  # the launcher adds SGLang's CPU environment (runtime/cpu_env.py) at run time
 
     def argv(self, python: str = "python") -> list[str]:
         return [python, "-m", self.module, *self.args]
@@ -55,10 +65,14 @@ class Command:
 
 @dataclass(frozen=True)
 class Unavailable:
+    """Something the config asks for that cannot be served yet: a plugin capability the plugin
+    does not declare (`source="plugin"`), or a limit of the current runtime (`source="runtime"`)."""
+
     capability: str
     what: str
     reason: str
-    would_add: str  # the arguments/environment emitted once the plugin provides it
+    would_add: str = ""  # plugin: the arguments/environment emitted once the plugin provides it
+    source: str = "plugin"
 
 
 @dataclass(frozen=True)
@@ -75,11 +89,15 @@ class LaunchPlan:
         raise KeyError(f"no {role!r} command in {self.name}; roles: {[c.role for c in self.commands]}")
 
 
-def required_capabilities(dc: DeploymentConfig) -> list[str]:
+def required_capabilities(dc: DeploymentConfig, runtime: RuntimeProfile = CURRENT_RUNTIME) -> list[str]:
+    """Plugin capabilities `dc` needs. Text-only needs a switch only from a runtime that can load
+    the vision tower; a text-only runtime serves it as it is (a config wanting vision hits
+    `runtime_limits` instead)."""
     f = dc.features
     want = ["model"]
+    want += ["reasoning_parser"] if dc.serving.reasoning_parser else []
     want += ["engram_host_table"] if dc.engram.placement == "host" else []
-    want += ["text_only"] if f.text_only else []
+    want += ["text_only"] if f.text_only and runtime.vision else []
     want += ["encoder_data_parallel"] if f.encoder_data_parallel else []
     want += ["bounded_replay_encoder"] if f.bounded_replay.encoder else []
     want += ["bounded_replay_decoder"] if f.bounded_replay.decoder else []
@@ -87,6 +105,50 @@ def required_capabilities(dc: DeploymentConfig) -> list[str]:
     want += ["tool_parser"] if f.tool_calls else []
     want += ["dspark"] if dc.speculative.enabled else []
     return want
+
+
+def _cuda_graph_request(dc: DeploymentConfig) -> str:
+    """The config's CUDA-graph settings, in words ('' when it asks for none)."""
+    g, on = dc.cuda_graph, ("full", "breakable")
+    parts = [f"decode {g.decode}"] if g.decode in on else []
+    parts += [f"prefill {g.prefill}"] if g.prefill in on else []
+    parts += [f"capture up to batch {g.max_bs}"] if g.max_bs is not None else []
+    return ", ".join(parts)
+
+
+def runtime_limits(dc: DeploymentConfig, runtime: RuntimeProfile = CURRENT_RUNTIME) -> list[Unavailable]:
+    """What `dc` asks for beyond `runtime` (`runtime/requirements.py`), each with its reason."""
+    out: list[Unavailable] = []
+
+    def limit(name: str, what: str, reason: str | None = None) -> None:
+        out.append(Unavailable(name, what, reason or runtime.reasons[name], source="runtime"))
+
+    p = dc.parallel
+    if not runtime.supports_tp(p.tp):
+        layout = f" (DP attention {p.dp_attention}, EP {p.ep})" if (p.dp_attention, p.ep) != (1, 1) else ""
+        limit("tensor_parallel", f"tensor parallel size {p.tp}{layout}", runtime.tp_reason())
+    if not dc.features.text_only and not runtime.vision:
+        limit("vision", "image input (the V4.1 vision tower)")
+    graphs = _cuda_graph_request(dc)
+    if graphs and not runtime.cuda_graphs:
+        limit("cuda_graphs", f"CUDA graphs ({graphs})")
+    if dc.pd is not None and not runtime.pd_disaggregation:
+        limit("pd_disaggregation", f"prefill/decode disaggregation over {dc.pd.transfer_backend}")
+    if dc.serving.kv_cache_dtype not in runtime.kv_cache_dtypes:
+        limit("kv_cache_dtype", f"--kv-cache-dtype {dc.serving.kv_cache_dtype}")
+    return out
+
+
+def model_path(dc: DeploymentConfig) -> str:
+    """`model.path`, or the tiny checkpoint's cache directory for `model.tiny_seed` (pure)."""
+    if dc.model.tiny_seed is not None:
+        return str(tiny_checkpoint_dir(dc.model.tiny_seed))
+    return dc.model.path
+
+
+def device_of(dc: DeploymentConfig) -> Device:
+    """The runtime device a config serves on (ROCm GPUs are `cuda` to torch)."""
+    return "cpu" if dc.hardware.kind.is_cpu else "cuda"
 
 
 def _capability_args_env(dc: DeploymentConfig, name: str) -> tuple[list[str], dict[str, str]]:
@@ -112,7 +174,7 @@ def _opt(flag: str, value: object | None) -> list[str]:
 
 def _server_args(dc: DeploymentConfig, host: str, port: int) -> list[str]:
     s, p, g = dc.serving, dc.parallel, dc.cuda_graph
-    args = ["--model-path", dc.model.path, *_opt("--served-model-name", dc.model.served_name),
+    args = ["--model-path", model_path(dc), *_opt("--served-model-name", dc.model.served_name),
             "--host", host, "--port", str(port), "--tp-size", str(p.tp)]
     if p.dp_attention > 1:
         args += ["--dp-size", str(p.dp_attention), "--enable-dp-attention"]
@@ -126,8 +188,6 @@ def _server_args(dc: DeploymentConfig, host: str, port: int) -> list[str]:
         args += ["--kv-cache-dtype", s.kv_cache_dtype]
     args += _opt("--cuda-graph-backend-decode", g.decode) + _opt("--cuda-graph-backend-prefill", g.prefill)
     args += _opt("--cuda-graph-max-bs-decode", g.max_bs)
-    if s.reasoning_parser:
-        args += ["--reasoning-parser", REASONING_PARSER]
     if dc.hardware.kind.is_cpu:
         args += ["--device", "cpu"]
     return args
@@ -135,33 +195,39 @@ def _server_args(dc: DeploymentConfig, host: str, port: int) -> list[str]:
 
 def _base_env(dc: DeploymentConfig) -> dict[str, str]:
     env: dict[str, str] = {}
-    if dc.hardware.kind.is_cpu:
-        env["SGLANG_USE_CPU_ENGINE"] = "1"  # mandatory for --device cpu (spec cpu.md §3)
     if dc.hardware.kind.is_rocm:
         env["SGLANG_USE_AITER"] = "1"
     env.update(dc.serving.env)
     return env
 
 
-def _server_command(dc: DeploymentConfig, role: str, caps: frozenset[str], pd_role: PDRoleSpec | None) -> Command:
+def _server_command(dc: DeploymentConfig, role: str, caps: frozenset[str], pd_role: PDRoleSpec | None,
+                    runtime: RuntimeProfile) -> Command:
     host = pd_role.host if pd_role else dc.serving.host
     port = pd_role.port if pd_role else dc.serving.port
     args, env = _server_args(dc, host, port), _base_env(dc)
-    for name in required_capabilities(dc):
+    for name in required_capabilities(dc, runtime):
         if name in caps:
             extra_args, extra_env = _capability_args_env(dc, name)
             args += extra_args
             env.update(extra_env)
+    tail: list[str] = []
     if pd_role is not None:
         assert dc.pd is not None
-        args += ["--disaggregation-mode", role, "--disaggregation-transfer-backend", dc.pd.transfer_backend]
-        args += _opt("--disaggregation-bootstrap-port", pd_role.bootstrap_port)
+        tail += ["--disaggregation-mode", role, "--disaggregation-transfer-backend", dc.pd.transfer_backend]
+        tail += _opt("--disaggregation-bootstrap-port", pd_role.bootstrap_port)
         if pd_role.base_gpu_id:
-            args += ["--base-gpu-id", str(pd_role.base_gpu_id)]
-        args += list(pd_role.extra_args)
+            tail += ["--base-gpu-id", str(pd_role.base_gpu_id)]
+        tail += list(pd_role.extra_args)
         env.update(pd_role.env)
-    args += list(dc.serving.extra_args)
-    return Command(role, SERVER_MODULE, tuple(args), tuple(sorted(env.items())))
+    tail += list(dc.serving.extra_args)
+    return Command(role, SERVER_MODULE, tuple(args + runtime_args(dc, runtime, args + tail) + tail),
+                   tuple(sorted(env.items())), cpu_engine=dc.hardware.kind.is_cpu)
+
+
+def runtime_args(dc: DeploymentConfig, runtime: RuntimeProfile, given: list[str]) -> list[str]:
+    """The runtime's flags for the config's device that the config does not set itself."""
+    return runtime.server_args(device_of(dc), given)
 
 
 def _router_command(dc: DeploymentConfig) -> Command:
@@ -172,32 +238,55 @@ def _router_command(dc: DeploymentConfig) -> Command:
     return Command("router", ROUTER_MODULE, args)
 
 
-def build_launch(dc: DeploymentConfig, caps: frozenset[str]) -> LaunchPlan:
-    """The command(s) for `dc` given the plugin capabilities `caps`."""
-    missing = tuple(Unavailable(n, CAPABILITIES[n].what, CAPABILITIES[n].why_not_stock, _would_add(dc, n))
-                    for n in required_capabilities(dc) if n not in caps)
-    notes = [f"reasoning parser: 0.5.17's {REASONING_PARSER!r} (V4.1's deepseek-v41 is an alias of it)"] \
-        if dc.serving.reasoning_parser else []
+def _notes(dc: DeploymentConfig, runtime: RuntimeProfile) -> list[str]:
+    notes = []
+    configured = _server_args(dc, dc.serving.host, dc.serving.port) + list(dc.serving.extra_args)
+    added = runtime_args(dc, runtime, configured)
+    for f in runtime.flags:
+        if f.flag in added:
+            notes.append(f"added for the {runtime.name} runtime ({runtime.doc}): {' '.join(f.args())} — {f.why}")
+    if dc.model.tiny_seed is not None:
+        notes.append(f"model: the tiny random checkpoint (seed {dc.model.tiny_seed}) in the sglang-dsv41 cache — "
+                     "the one `sglang-dsv41 serve` uses — made on first launch; for another directory run "
+                     f"`{MAKE_TINY}` and pass --model-path DIR")
     if dc.hardware.kind.is_cpu:
-        notes.append("CPU: sgl_kernel needs libcuda.so.1 even on CPU; put a stub on LD_LIBRARY_PATH (spec cpu.md §3, "
-                     "`sglang-dsv41 doctor` checks it)")
+        notes.append("CPU: `sglang-dsv41 launch` adds SGLang's CPU environment (runtime/cpu_env.py: "
+                     "SGLANG_USE_CPU_ENGINE=1, HF_HUB_OFFLINE=1, a libcuda.so.1 stand-in first on LD_LIBRARY_PATH; "
+                     "spec cpu.md §3) — the command alone lacks it")
+    return notes
+
+
+def build_launch(dc: DeploymentConfig, caps: frozenset[str], runtime: RuntimeProfile = CURRENT_RUNTIME) -> LaunchPlan:
+    """The command(s) for `dc` given the plugin capabilities `caps` and the runtime's profile."""
+    missing = [Unavailable(n, CAPABILITIES[n].what, CAPABILITIES[n].why_not_stock, _would_add(dc, n))
+               for n in required_capabilities(dc, runtime) if n not in caps]
+    blocked = tuple(runtime_limits(dc, runtime) + missing)
     if dc.pd is None:
-        return LaunchPlan(dc.name, (_server_command(dc, "server", caps, None),), missing, tuple(notes))
+        server = _server_command(dc, "server", caps, None, runtime)
+        return LaunchPlan(dc.name, (server,), blocked, tuple(_notes(dc, runtime)))
+    cmds = (_server_command(dc, "prefill", caps, dc.pd.prefill, runtime),
+            _server_command(dc, "decode", caps, dc.pd.decode, runtime), _router_command(dc))
+    notes = _notes(dc, runtime)
     notes.append(f"router: the {ROUTER_MODULE} module comes from the separate sglang-router package")
-    cmds = (_server_command(dc, "prefill", caps, dc.pd.prefill), _server_command(dc, "decode", caps, dc.pd.decode),
-            _router_command(dc))
-    return LaunchPlan(dc.name, cmds, missing, tuple(notes))
+    return LaunchPlan(dc.name, cmds, blocked, tuple(notes))
+
+
+def describe_unavailable(u: Unavailable) -> list[str]:
+    """Two or three lines naming `u`, its reason and (plugin) what it will add."""
+    who = "runtime limit" if u.source == "runtime" else "not provided by the plugin yet"
+    lines = [f"- {u.capability}: {u.what}", f"    {who}: {u.reason}"]
+    if u.would_add:
+        lines.append(f"    once provided, adds: {u.would_add}")
+    return lines
 
 
 def render_dry_run(plan: LaunchPlan, source: str, status: str) -> str:
     lines = [f"# sglang-dsv41 launch --dry-run: {plan.name} ({source}), {status}"]
     if plan.unavailable:
-        lines.append("# NOT AVAILABLE YET — the plugin does not provide these; the launch refuses to run without "
+        lines.append("# CANNOT BE SERVED AS CONFIGURED YET — a real launch refuses (exit 3) unless "
                      "--allow-unavailable:")
         for u in plan.unavailable:
-            lines.append(f"#   - {u.capability}: {u.what}")
-            lines.append(f"#       {u.reason}")
-            lines.append(f"#       once provided, adds: {u.would_add}")
+            lines += [f"#   {line}" for line in describe_unavailable(u)]
     for n in plan.notes:
         lines.append(f"# note: {n}")
     for c in plan.commands:

@@ -1,12 +1,16 @@
 """`sglang-dsv41 doctor [--config FILE]`: is this machine ready to serve DeepSeek-V4.1?
 
 Checks, each reported as OK / WARN / FAIL / INFO with what is wrong and what to do:
-SGLang == 0.5.17; the sglang-dsv41 plugin (its `sglang.srt.plugins` entry point — reported as
-"not yet available" while the package has none); deepseek-recipe 0.2.0 (V4.1 chat encoding);
-GPUs through torch.cuda; host memory and transparent huge pages (the Engram host table pins
-~189 GiB and asks for 2 MiB huge pages, spec `runtime.md` §A.7); Mooncake / NIXL / the router
-for PD. With `--config`, the checks use that deployment's needs (GPU count and memory from
-the planner, host Engram size, PD transfer backend); without it, GPU absence is a failure.
+SGLang == 0.5.17; the sglang-dsv41 plugin — its `sglang.srt.plugins` entry point, and that
+loading it the way SGLang does really registers the config, the model class and the V4.1
+parsers (`registration.py`, a fresh interpreter); the launch capabilities it declares and the
+ones it does not; the current runtime's limits (`runtime/requirements.py`: TP sizes, text only,
+CUDA graphs, …), and with `--config` whether that deployment stays within them;
+deepseek-recipe 0.2.0 (V4.1 chat encoding); GPUs through torch.cuda; host memory and
+transparent huge pages (the Engram host table pins ~189 GiB and asks for 2 MiB huge pages,
+spec `runtime.md` §A.7); Mooncake / NIXL / the router for PD. With `--config`, the checks use
+that deployment's needs (GPU count and memory from the planner, host Engram size, PD transfer
+backend); without it, GPU absence is a failure.
 
 Invariant: exit status is non-zero iff at least one FAIL was printed.
 """
@@ -16,12 +20,17 @@ import argparse
 import importlib
 import importlib.metadata as md
 import os
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .capabilities import PLUGIN_GROUP, available_capabilities, plugin_entry_points
+from ..runtime.cpu_env import cpu_environment
+from ..runtime.requirements import CURRENT_RUNTIME, RuntimeProfile
+from .capabilities import CAPABILITIES, PLUGIN_GROUP, available_capabilities, plugin_entry_points
+from .command import build_launch, model_path
+from .registration import RegistrationReport, probe_registration
 from .schema import DeployConfigError, DeploymentConfig, load_config
 
 SGLANG_VERSION = "0.5.17"
@@ -62,25 +71,45 @@ def check_recipe() -> Check:
     return Check("OK", "deepseek-recipe", v)
 
 
-def check_plugin() -> list[Check]:
+def check_plugin(probe: Callable[[], RegistrationReport] | None = None) -> list[Check]:
+    """Entry point installed and allowed; loading it through SGLang (`probe`, default
+    `registration.probe_registration`) registers all four items."""
     eps = plugin_entry_points()
     if not eps:
-        return [Check("FAIL", "plugin", f"not yet available: sglang-dsv41 installs no '{PLUGIN_GROUP}' entry point, "
-                                        "so SGLang 0.5.17 cannot load DeepSeek-V4.1 (the model plugin is not written "
-                                        "yet); deployment configs can be planned and dry-run, not served")]
+        return [Check("FAIL", "plugin", f"sglang-dsv41 installs no '{PLUGIN_GROUP}' entry point, so SGLang 0.5.17 "
+                                        "cannot load DeepSeek-V4.1; reinstall the package (pip install -e .)")]
     out = []
     allowed = os.environ.get("SGLANG_PLUGINS", "").strip()
     names = ", ".join(ep.name for ep in eps)
     if allowed and not any(ep.name in {x.strip() for x in allowed.split(",")} for ep in eps):
         out.append(Check("FAIL", "plugin", f"SGLANG_PLUGINS={allowed!r} excludes {names}; add it or unset SGLANG_PLUGINS"))
-    for ep in eps:
-        try:
-            ep.load()
-        except Exception as e:  # report any import failure of the plugin itself
-            out.append(Check("FAIL", "plugin", f"entry point {ep.name} = {ep.value} fails to load: {e!r}"))
-    if not out:
-        caps = sorted(available_capabilities())
-        out.append(Check("OK", "plugin", f"entry point(s) {names}; launch capabilities: {', '.join(caps) or 'none'}"))
+        return out
+    report = (probe or probe_registration)()
+    if report.error:
+        return [Check("FAIL", "plugin", f"entry point(s) {names}: {report.error}")]
+    if not report.ok:
+        return [Check("FAIL", "plugin", f"entry point(s) {names} load, but SGLang's registries lack our "
+                                        f"{', '.join(report.missing())} after load_plugins()")]
+    provided = sorted(available_capabilities())
+    lacking = sorted(set(CAPABILITIES) - set(provided))
+    return [Check("OK", "plugin", f"entry point(s) {names}: SGLang's load_plugins() registers the config, the model "
+                                  "class and the deepseek-v41 reasoning/tool-call parsers"),
+            Check("INFO", "capabilities", f"provided: {', '.join(provided) or 'none'}; not provided yet: "
+                                          f"{', '.join(lacking) or 'none'}")]
+
+
+def check_runtime(dc: DeploymentConfig | None, runtime: RuntimeProfile = CURRENT_RUNTIME,
+                  caps: frozenset[str] | None = None) -> list[Check]:
+    """The runtime's limits (INFO); with a config, FAIL for everything it cannot serve yet."""
+    out = [Check("INFO", "runtime", f"{runtime.name} ({runtime.doc}): " + "; ".join(runtime.summary()))]
+    if dc is None:
+        return out
+    plan = build_launch(dc, available_capabilities() if caps is None else caps, runtime)
+    for u in plan.unavailable:
+        who = "runtime limit" if u.source == "runtime" else "plugin lacks"
+        out.append(Check("FAIL", "launch", f"{dc.name} asks for {u.capability} ({u.what}) — {who}: {u.reason}"))
+    if not plan.unavailable:
+        out.append(Check("OK", "launch", f"{dc.name} is within the runtime's limits and the plugin's capabilities"))
     return out
 
 
@@ -192,15 +221,25 @@ def check_pd(dc: DeploymentConfig | None) -> list[Check]:
     return out
 
 
-def check_cpu_engine(dc: DeploymentConfig | None) -> list[Check]:
-    """CPU serving: sgl_kernel's PyPI build links libcuda.so.1 even on CPU (spec cpu.md §3)."""
+def check_cpu_engine(dc: DeploymentConfig | None, timeout_s: float = 120.0) -> list[Check]:
+    """CPU serving: sgl_kernel's PyPI build links libcuda.so.1 even on CPU (spec cpu.md §3); the
+    launcher supplies a stand-in (`runtime/cpu_env.py`) — check it builds and sgl_kernel imports with it."""
     if dc is None or not dc.hardware.kind.is_cpu:
         return []
-    err = _importable("sgl_kernel")
-    if err:
-        return [Check("FAIL", "cpu engine", f"sgl_kernel does not import ({err}); on a machine without an NVIDIA "
-                                            "driver put a stub libcuda.so.1 on LD_LIBRARY_PATH (spec cpu.md §3)")]
-    return [Check("OK", "cpu engine", "sgl_kernel imports")]
+    try:
+        env = cpu_environment()
+    except RuntimeError as e:  # no C compiler, or the build failed
+        return [Check("FAIL", "cpu engine", str(e))]
+    try:
+        run = subprocess.run([sys.executable, "-c", "import sgl_kernel"], env=env, capture_output=True, text=True,
+                             timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return [Check("FAIL", "cpu engine", f"importing sgl_kernel took longer than {timeout_s:.0f} s")]
+    if run.returncode != 0:
+        tail = " | ".join(run.stderr.strip().splitlines()[-2:])
+        return [Check("FAIL", "cpu engine", f"sgl_kernel does not import in SGLang's CPU environment: {tail}")]
+    return [Check("OK", "cpu engine", f"sgl_kernel imports with the libcuda.so.1 stand-in "
+                                      f"({env['LD_LIBRARY_PATH'].split(os.pathsep)[0]})")]
 
 
 def run_checks(dc: DeploymentConfig | None) -> list[Check]:
@@ -208,12 +247,13 @@ def run_checks(dc: DeploymentConfig | None) -> list[Check]:
 
     need_gib = host_need = None
     if dc is not None:
-        cfg, _ = model_config_for(dc, dc.model.path if Path(dc.model.path, "config.json").is_file() else None)
+        path = model_path(dc)
+        cfg, _ = model_config_for(dc, path if Path(path, "config.json").is_file() else None)
         p = make_plan(dc, cfg)
         need_gib = p.weights.resident_per_rank / GIB
         host_need = p.host_need_per_node / GIB if dc.engram.placement == "host" else None
     checks = [Check("INFO", "python", sys.version.split()[0]), check_sglang(), check_recipe(), *check_plugin(),
-              *check_gpus(dc, need_gib), *check_host_memory(host_need), *check_pd(dc),
+              *check_runtime(dc), *check_gpus(dc, need_gib), *check_host_memory(host_need), *check_pd(dc),
               *check_cpu_engine(dc)]
     return checks
 

@@ -6,9 +6,16 @@ config runs the role named by `--role` (`exec`), or with `--role all` the prefil
 the decode server and the router on this host as child processes, stopping the others when
 one exits.
 
-Policy for options the plugin does not provide yet: `--dry-run` lists them above the
-command; a real launch refuses (exit 3) and names them, unless `--allow-unavailable`, which
-launches without them and repeats the list on stderr. Nothing is dropped silently.
+Policy for what cannot be served yet — options the plugin does not provide, and settings
+beyond the current runtime (e.g. TP > 1: "runtime supports TP1 only for now";
+`runtime/requirements.py`): `--dry-run` lists them above the command; a real launch refuses
+(exit 3) and names each with its reason, unless `--allow-unavailable`, which launches anyway
+and repeats the list on stderr. Nothing is dropped silently.
+
+Before a real launch the launcher prepares what the command needs on this machine: the tiny
+checkpoint of `model.tiny_seed` (made in the sglang-dsv41 cache on first use, exactly as
+`sglang-dsv41 serve` does) and, for CPU configs, SGLang's CPU environment
+(`runtime/cpu_env.cpu_environment`).
 """
 from __future__ import annotations
 
@@ -20,8 +27,10 @@ import sys
 import time
 from typing import Any
 
+from ..runtime.cpu_env import cpu_environment
+from ..serve import tiny_checkpoint
 from .capabilities import available_capabilities
-from .command import Command, LaunchPlan, build_launch, render_dry_run
+from .command import Command, LaunchPlan, build_launch, describe_unavailable, model_path, render_dry_run
 from .schema import DeployConfigError, DeploymentConfig, apply_override, config_from_dict, raw_config
 
 EXIT_BAD_CONFIG = 2
@@ -34,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--dry-run", action="store_true", help="print the command(s) and environment, run nothing")
     ap.add_argument("--role", choices=("server", "prefill", "decode", "router", "all"),
                     help="which command to run (PD configs: prefill | decode | router | all; default all)")
-    ap.add_argument("--model-path", help="override model.path (a checkpoint directory or hub id)")
+    ap.add_argument("--model-path", help="override model.path (a checkpoint directory or hub id; replaces "
+                                          "model.tiny_seed)")
     ap.add_argument("--served-model-name", help="override model.served_name")
     ap.add_argument("--host", help="override serving.host")
     ap.add_argument("--port", type=int, help="override serving.port")
@@ -53,6 +63,8 @@ def load_with_overrides(path: str, a: argparse.Namespace, passthrough: list[str]
         if value is not None:
             section, field = key.split(".")
             data.setdefault(section, {})[field] = value
+    if a.model_path is not None:
+        data["model"].pop("tiny_seed", None)  # an explicit directory replaces the cached tiny checkpoint
     for s in a.set:
         apply_override(data, s)
     if passthrough:
@@ -79,9 +91,18 @@ def _select(plan: LaunchPlan, dc: DeploymentConfig, role: str | None) -> list[Co
 
 
 def _child_env(cmd: Command) -> dict[str, str]:
-    env = dict(os.environ)
+    """The caller's environment, SGLang's CPU environment for CPU commands, then the command's own."""
+    env = cpu_environment(dict(os.environ)) if cmd.cpu_engine else dict(os.environ)
     env.update(dict(cmd.env))
     return env
+
+
+def prepare_model(dc: DeploymentConfig) -> None:
+    """Make the tiny checkpoint of `model.tiny_seed` if it is not in the cache yet."""
+    if dc.model.tiny_seed is not None:
+        made = tiny_checkpoint(dc.model.tiny_seed)
+        if str(made) != model_path(dc):
+            raise RuntimeError(f"tiny checkpoint made at {made}, but the command names {model_path(dc)}")
 
 
 def _run_group(cmds: list[Command]) -> int:
@@ -134,13 +155,13 @@ def cli(argv: list[str] | None = None) -> int:
         sys.stdout.write(render_dry_run(shown, a.config, _status(dc)))
         return 0
     if plan.unavailable:
-        listing = "\n".join(f"  - {u.capability}: {u.what}\n      {u.reason}" for u in plan.unavailable)
+        listing = "\n".join("  " + line for u in plan.unavailable for line in describe_unavailable(u))
         if not a.allow_unavailable:
-            print(f"sglang-dsv41 launch: {dc.name} needs options the sglang-dsv41 plugin does not provide yet:\n"
-                  f"{listing}\nrefusing to launch; see `--dry-run`, or pass --allow-unavailable to launch without "
-                  "them", file=sys.stderr)
+            print(f"sglang-dsv41 launch: {dc.name} cannot be served as configured yet:\n{listing}\n"
+                  "refusing to launch; see `--dry-run`, or pass --allow-unavailable to launch anyway", file=sys.stderr)
             return EXIT_UNAVAILABLE
-        print(f"sglang-dsv41 launch: WARNING: launching {dc.name} WITHOUT:\n{listing}", file=sys.stderr)
+        print(f"sglang-dsv41 launch: WARNING: launching {dc.name} although:\n{listing}", file=sys.stderr)
+    prepare_model(dc)
     sys.stdout.flush()
     if len(cmds) == 1:
         _exec(cmds[0])

@@ -56,10 +56,24 @@ class Validation(_Strict):
 
 
 class ModelSpec(_Strict):
+    """The checkpoint: `path` (a directory or hub id), or `tiny_seed` — the tiny random checkpoint
+    in the sglang-dsv41 cache (`<cache>/tiny-seed<seed>`, the one `sglang-dsv41 serve` uses), made
+    on first launch."""
+
     path: str = DEFAULT_MODEL
+    tiny_seed: int | None = Field(default=None, ge=0)
     served_name: str | None = None
     # Architecture the planner assumes when no checkpoint directory is given (presets.py).
     architecture: Literal["flash", "tiny"] = "flash"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSpec":
+        if self.tiny_seed is not None:
+            if "path" in self.model_fields_set:
+                raise ValueError("model.path and model.tiny_seed are two checkpoint sources: give one")
+            if self.architecture != "tiny":
+                raise ValueError("model.tiny_seed names the tiny random checkpoint: set model.architecture: tiny")
+        return self
 
 
 class HardwareSpec(_Strict):

@@ -1,0 +1,144 @@
+"""What the current runtime needs from SGLang 0.5.17 and what it can serve — declared once.
+
+`sglang-dsv41 serve`, `sglang-dsv41 launch` and `sglang-dsv41 doctor` all read this module, so
+the SGLang flags the model needs and the limits users are told about cannot disagree
+(docs/runtime.md "What is torch-path-only for now"; docs/deploy.md "Runtime limits").
+
+Invariants
+----------
+* `RuntimeProfile.server_args(device, given)` returns the flags the runtime needs on that
+  device that `given` does not already set — a flag the user (or a deployment config) sets
+  itself always wins, and is never repeated.
+* Every limit has a plain reason (`RuntimeProfile.reasons`), phrased for a user who asked for
+  more ("runtime supports TP1 only for now"); nothing here imports torch or SGLang.
+* `CURRENT_RUNTIME` is the profile of the code in `runtime/` today; when the runtime grows
+  (Triton kernels, TP, vision, CUDA graphs) this declaration changes with it, and the launcher's
+  golden dry-runs (`tests/golden/launch/`) show the difference.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+Device = Literal["cpu", "cuda"]
+DEVICES: tuple[Device, ...] = ("cpu", "cuda")
+TP_FLAGS = ("--tp-size", "--tensor-parallel-size")
+
+
+def has_flag(args: Sequence[str], flag: str) -> bool:
+    """Whether `flag` appears in `args` as `--flag` or `--flag=value`."""
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def flag_value(args: Sequence[str], flags: Sequence[str]) -> str | None:
+    """The value of the last of `flags` given in `args` (`--f v` or `--f=v`), else None."""
+    value = None
+    for i, a in enumerate(args):
+        for f in flags:
+            if a == f and i + 1 < len(args):
+                value = args[i + 1]
+            elif a.startswith(f + "="):
+                value = a.split("=", 1)[1]
+    return value
+
+
+@dataclass(frozen=True)
+class ServerFlag:
+    """One SGLang server flag the runtime needs on some devices, and why."""
+
+    flag: str
+    value: str | None  # None: a switch
+    devices: tuple[Device, ...]
+    why: str
+
+    def args(self) -> list[str]:
+        return [self.flag] if self.value is None else [self.flag, self.value]
+
+
+@dataclass(frozen=True)
+class RuntimeProfile:
+    """The SGLang flags a runtime needs and the features it provides (see the module doc)."""
+
+    name: str
+    doc: str  # where users read more
+    flags: tuple[ServerFlag, ...]
+    tp_sizes: tuple[int, ...]
+    vision: bool
+    cuda_graphs: bool
+    pd_disaggregation: bool
+    kv_cache_dtypes: tuple[str, ...]  # SGLang --kv-cache-dtype values the runtime accepts
+    reasons: dict[str, str] = field(default_factory=dict)  # limit name -> why, for refusals
+
+    def server_args(self, device: Device, given: Sequence[str] = ()) -> list[str]:
+        """The runtime's flags for `device` that `given` does not set already (user flags win)."""
+        if device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+        out: list[str] = []
+        for f in self.flags:
+            if device in f.devices and not has_flag(given, f.flag):
+                out += f.args()
+        return out
+
+    def supports_tp(self, tp: int) -> bool:
+        return tp in self.tp_sizes
+
+    def tp_reason(self) -> str:
+        sizes = "/".join(f"TP{n}" for n in self.tp_sizes)
+        return f"runtime supports {sizes} only for now ({self.reasons['tensor_parallel']})"
+
+    def check_server_args(self, args: Sequence[str]) -> None:
+        """Raise ValueError when `args` ask for a tensor-parallel size the runtime cannot run."""
+        tp = flag_value(args, TP_FLAGS)
+        if tp is not None and (not tp.isdigit() or not self.supports_tp(int(tp))):
+            raise ValueError(f"--tp-size {tp}: {self.tp_reason()}")
+
+    def summary(self) -> list[str]:
+        """One line per property, for `doctor` and the docs."""
+        yes_no = {True: "yes", False: "no"}
+        lines = [f"tensor parallel sizes: {', '.join(map(str, self.tp_sizes))}",
+                 f"vision (image input): {yes_no[self.vision]}",
+                 f"CUDA graphs: {yes_no[self.cuda_graphs]}",
+                 f"PD disaggregation: {yes_no[self.pd_disaggregation]}",
+                 f"--kv-cache-dtype: {', '.join(self.kv_cache_dtypes)}"]
+        for d in DEVICES:
+            lines.append(f"SGLang flags on {d}: {' '.join(self.server_args(d)) or '(none)'}")
+        return lines
+
+
+TORCH_PATH = RuntimeProfile(
+    name="torch path",
+    doc="docs/runtime.md",
+    flags=(
+        ServerFlag("--attention-backend", "torch_native", ("cpu", "cuda"),
+                   "the model computes its own attention from its slot caches; SGLang's backend only has to "
+                   "construct, and torch_native accepts the single-KV-head, v_head_dim = 0 pool"),
+        ServerFlag("--disable-cuda-graph", None, ("cuda",),
+                   "the torch forward syncs with the host and has data-dependent shapes"),
+        ServerFlag("--sampling-backend", "pytorch", ("cuda",),
+                   "flashinfer's sampler JIT-compiles with nvcc on a fresh machine (minutes); the torch sampler "
+                   "is exact for greedy and fast enough for the torch path"),
+        ServerFlag("--max-total-tokens", "16384", ("cpu",),
+                   "SGLang's CPU engine otherwise sizes the KV pool from all free RAM"),
+        ServerFlag("--sleep-on-idle", None, ("cpu",),
+                   "otherwise the CPU scheduler busy-polls a core"),
+    ),
+    tp_sizes=(1,),
+    vision=False,
+    cuda_graphs=False,
+    pd_disaggregation=False,
+    kv_cache_dtypes=("auto", "bf16"),
+    reasons={
+        "tensor_parallel": "the torch path holds every weight on one device; the model refuses --tp-size > 1",
+        "vision": "the runtime serves text only for now: vision tensors are not loaded and image requests are "
+                  "refused; set features.text_only: true to serve text",
+        "cuda_graphs": "the runtime runs eagerly for now (the torch forward syncs with the host and has "
+                       "data-dependent shapes); the launcher adds --disable-cuda-graph",
+        "pd_disaggregation": "the runtime keeps its caches beside SGLang's pool and cannot transfer them between "
+                             "prefill and decode servers yet",
+        "kv_cache_dtype": "the torch path keeps BF16/fp32 cache rows and refuses a pool of another dtype "
+                          "(e.g. fp8_e4m3)",
+    },
+)
+
+#: The runtime in `sglang_dsv41/runtime/` today.
+CURRENT_RUNTIME: RuntimeProfile = TORCH_PATH
