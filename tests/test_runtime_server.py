@@ -1,5 +1,5 @@
-"""End to end on CPU: `sglang-dsv41 serve` on the tiny checkpoint vs `ReferenceModel` (issue 3
-items 4 and 5; spec cpu.md §3).
+"""End to end: `sglang-dsv41 serve` on the tiny checkpoint vs its oracle (issue 3 items 4 and 5;
+spec cpu.md §3). On CPU the oracle is `ReferenceModel`; on CUDA see "On CUDA" below.
 
 One server for the module, started exactly as a user would (`python -m sglang_dsv41.cli serve`,
 which prepares the CPU environment itself), with `--chunked-prefill-size 13 --enable-mixed-chunk`:
@@ -9,6 +9,16 @@ requests' decode tokens, so "equal to the reference's one-shot prefill" covers c
 and batching. Greedy tokens must be equal; logprobs of the generated tokens agree with the
 reference's fp64 log-softmax within `LOGPROB_ATOL` (SGLang takes the log-softmax in fp32 of the
 reference-identical fp32 logits). Every wait is bounded; the server's process group is killed.
+
+On CUDA the server attends and selects through the Triton kernels (`runtime/attention_ops.py`),
+which are not bit-identical to the float64 reference, and the tiny random checkpoint turns each
+one-ulp attention difference into logit changes of order 1 (measured, tests/test_runtime_forward_gpu.py),
+so no logit or logprob bound against `ReferenceModel` exists there. The CUDA kernel path is
+batch-invariant, so its oracle is the same runtime forward in this process (`KernelPathOracle`):
+each request alone, prefilled in one batch, then one decode batch per token. The assertions are
+the same: equal greedy tokens, logprobs within `LOGPROB_ATOL` (the server's fp32 log-softmax of
+the oracle's fp32 logits), radix hits and concurrent shared prefixes equal to cold runs. How the
+kernel path relates to the reference is pinned per sublayer in tests/test_runtime_forward_gpu.py.
 """
 from __future__ import annotations
 
@@ -16,13 +26,19 @@ import json
 import threading
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from runtime_scenarios import greedy_generate, one_shot_logits
 from server_helpers import REQUEST_TIMEOUT_S, Server
+from sglang_dsv41.checkpoint.loader import load_reference_weights
+from sglang_dsv41.config import DeepseekV41Config
+from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
 from sglang_dsv41.reference.model import ReferenceModel
+from sglang_dsv41.runtime.forward import TorchForward
 
 pytestmark = pytest.mark.slow
 
@@ -43,8 +59,34 @@ def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
         srv.stop()
 
 
+class KernelPathOracle:
+    """The server's CUDA forward (Triton kernel path) in this process, one request at a time;
+    `generate` / `new_request` + `forward(...).logits` as `ReferenceModel` offers them."""
+
+    def __init__(self, checkpoint: Path) -> None:
+        self.device = torch.device("cuda")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        cfg = DeepseekV41Config.from_file(checkpoint)
+        weights = load_reference_weights(checkpoint, cfg, vision=False, dspark=False)
+        token_map, _ = compressed_token_map(_load_fast_tokenizer(checkpoint))
+        self.engine = TorchForward(cfg, {k: v.to(self.device) for k, v in weights.items()},
+                                   EngramHasher.from_config(cfg, token_map).to(self.device))
+
+    def generate(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        return greedy_generate(self.engine, self.device, prompt, max_new_tokens)
+
+    def new_request(self) -> None:
+        return None
+
+    def forward(self, state: None, tokens: list[int]):
+        return SimpleNamespace(logits=one_shot_logits(self.engine, self.device, tokens))
+
+
 @pytest.fixture(scope="module")
-def reference(tiny_checkpoint: Path) -> ReferenceModel:
+def reference(tiny_checkpoint: Path) -> ReferenceModel | KernelPathOracle:
+    """The oracle: `ReferenceModel` on CPU, the kernel path in this process on CUDA (module doc)."""
+    if torch.cuda.is_available():
+        return KernelPathOracle(tiny_checkpoint)
     return ReferenceModel.from_checkpoint(tiny_checkpoint)
 
 

@@ -30,6 +30,8 @@ class BatchLayout:
       `seq_lens[b]` = prefix + extend; `starts[b]`: index of its first token in the batch.
     * `positions[t]`, `token_req[t]` (request index of token t), `out_slots[t]` (slot of token t).
     * `req_to_token`: SGLang's [rows, max_context] int32 position → slot table.
+    * `max_seq_len`: max(seq_lens) as a host int (0 without requests), read once per forward so
+      per-layer code sizes its tensors without synchronising with the device.
     """
 
     req_rows: Tensor
@@ -41,6 +43,7 @@ class BatchLayout:
     token_req: Tensor
     out_slots: Tensor
     req_to_token: Tensor
+    max_seq_len: int
 
     @property
     def num_requests(self) -> int:
@@ -83,9 +86,11 @@ def make_layout(req_rows: Tensor, prefix_lens: Tensor, extend_lens: Tensor, posi
                            f"from its prefix length (got {pos[:8].tolist()}…, expected "
                            f"{expected[:8].tolist()}…)")
     out_slots = out_slots.to(device=device, dtype=torch.int64).reshape(-1)
+    seq_lens = prefix_lens + extend_lens
     layout = BatchLayout(req_rows=req_rows, prefix_lens=prefix_lens, extend_lens=extend_lens,
-                         seq_lens=prefix_lens + extend_lens, starts=starts, positions=pos,
-                         token_req=token_req, out_slots=out_slots, req_to_token=req_to_token)
+                         seq_lens=seq_lens, starts=starts, positions=pos, token_req=token_req,
+                         out_slots=out_slots, req_to_token=req_to_token,
+                         max_seq_len=int(seq_lens.max()) if B else 0)
     if N and not torch.equal(layout.slots_at(token_req, pos), out_slots):
         raise RuntimeError("sglang-dsv41: out_cache_loc disagrees with req_to_token at the batch's "
                            "positions (the slot map must be written before the forward)")

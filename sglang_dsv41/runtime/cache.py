@@ -36,8 +36,14 @@ from torch import Tensor
 from ..config import TextConfig
 from ..reference.ops import CacheProfile
 
-#: Pool dtypes that hold our BF16-valued SWA rows exactly.
+#: Pool dtypes that hold our BF16-valued SWA rows exactly (the CUDA attention kernel reads bf16).
 EXACT_SWA_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def entry_positions(compressed: Tensor, ratio: int) -> Tensor:
+    """Absolute position of the token whose slot holds compressed entry j: j·ratio + ratio − 1
+    (the token that completes the entry, spec §3.4.3)."""
+    return compressed * ratio + (ratio - 1)
 
 
 @dataclass
@@ -143,9 +149,3 @@ class RuntimeCaches:
     def write_pair_state(self, source: int, slots: Tensor, kv: Tensor, score: Tensor) -> None:
         self.pair_kv[source][slots] = kv.to(torch.float32)
         self.pair_score[source][slots] = score.to(torch.float32)
-
-    # ---- reads -----------------------------------------------------------------------------
-    def gather(self, buffer: Tensor, slots: Tensor, valid: Tensor) -> Tensor:
-        """buffer rows at `slots` (any shape) as fp32, zero where not `valid`."""
-        rows = buffer[torch.where(valid, slots, torch.zeros_like(slots))].to(torch.float32)
-        return torch.where(valid[..., None], rows, 0.0)

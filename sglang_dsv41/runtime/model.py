@@ -11,7 +11,9 @@ the glue only:
 * caches: `RuntimeCaches` around SGLang's token pool, created on the first forward from the pool
   SGLang allocated (its token capacity), rebuilt if SGLang replaces the pool;
 * forward: the batch layout from the `ForwardBatch` and SGLang's `req_to_token`
-  (`runtime/batch.py`), `TorchForward.hidden_states` (`runtime/forward.py`), then SGLang's
+  (`runtime/batch.py`), `TorchForward.hidden_states` (`runtime/forward.py`; attention and the
+  indexer through `runtime/attention_ops.py`: the reference's float64 math on CPU, the Triton
+  kernels on CUDA — checked at `load_weights`, which raises if they cannot load), then SGLang's
   `LogitsProcessor` (last-token pruning, logprobs) with an LM head whose logits are the
   reference's correctly rounded fp32 (`ExactFp32HeadMethod`).
 
@@ -33,6 +35,7 @@ from ..config import DeepseekV41Config
 from ..engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
 from ..reference.ops import F32, matmul_fp32_exact
 from ..reference.state import NumericsProfile
+from . import attention_ops
 from .batch import layout_from_forward_batch
 from .cache import RuntimeCaches
 from .forward import TorchForward, fp32_default_dtype
@@ -106,7 +109,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         with torch.no_grad():
             self.lm_head.weight.copy_(on_device["head.weight"])
         self.torch_forward = TorchForward(self.cfg, on_device, hasher, self.numerics)
-        logger.info("sglang-dsv41: loaded %d tensors (torch path, dequantised to fp32)", len(on_device))
+        ops = attention_ops.ops_for(self.device)        # CUDA: raises now if the kernels cannot load
+        logger.info("sglang-dsv41: loaded %d tensors (dequantised to fp32); attention + indexer on %s: %s",
+                    len(on_device), self.device, ops.description)
 
     # ---- caches -------------------------------------------------------------------------------
     def _caches_for(self, pool) -> RuntimeCaches:

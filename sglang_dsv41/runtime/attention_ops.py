@@ -1,0 +1,220 @@
+"""Sparse attention and indexer selection of one layer, implemented per device (spec §3.4.4, §3.4.5).
+
+`attend(...)` and `select(...)` dispatch on the device of their tensors — explicitly, never as
+a fallback:
+
+| tensors on | `attend` | `select` |
+|---|---|---|
+| CPU  | rows gathered + reference `attend_with_sink` (float64, rounded once to BF16) | per request, reference `run_indexer` (float64 scores, stable sort) |
+| CUDA | Triton `kernels.sparse_attention.sparse_sink_attention` | whole batch: reference `index_query`, Triton `kernels.indexer.index_scores` (float64 head sum), `select_for_role` |
+
+CPU is the reference design: bit-identical to `ReferenceModel` (tests/test_runtime_forward.py).
+CUDA always runs the kernels; if they cannot be imported (or were built for Triton's CPU
+interpreter) the first CUDA call raises. Any other device raises. The CUDA forward is not
+bit-identical to the reference (attention differs by up to one BF16 ulp per sublayer, and later
+layers amplify it), but it is batch-invariant: a request gets the same bits alone, chunked,
+batched or on a prefix-cache hit (tests/test_runtime_forward_gpu.py).
+
+Contracts (both implementations):
+* `attend(q, sink, swa_cache, swa_slots, comp_cache, comp_slots)`: q [N, H, D] BF16-valued
+  fp32; caches [S, D] rows addressed by slot; `swa_slots` [N, W] the query's window, then
+  `comp_slots` [N, K] its selected compressed entries (None for ratio-0 layers); −1 = no key;
+  no de-duplication between the two lists (§3.4.5). Returns [N, H, D] BF16-valued fp32.
+  CUDA: within one BF16 ulp of the output scale (max |o| of that query and head) of the CPU
+  value on the same inputs (kernel docstring, measured on an H200); batch-invariant
+  (`ATTENTION_KEY_SPLITS`).
+* `select(cfg, role, w, prefix, x, q_lora, layout, caches, inv_freq, act_quant, published)`:
+  (selection [N, index_topk] request-local compressed positions, ascending, −1 padded;
+  candidate blocks [N, candidate_topk_blocks] for the candidate source, else None).
+  `published` = the candidate source's blocks for the same N queries (consumers only).
+  CUDA: scores equal the reference's bit for bit (float64 head sum), so the same inputs give
+  the same selection (exact tie rule of `select_topk`).
+
+The CUDA path has no per-request loop and no host synchronisation (slot tables are built on
+the device; the only loop is over query chunks of the [N, E] score matrix, whose sizes are known
+on the host: `SCORE_ELEMENTS_PER_CHUNK`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from types import ModuleType
+from typing import Mapping, Protocol
+
+import torch
+from torch import Tensor
+
+from ..config import LayerRole, TextConfig
+from ..reference.attention import attend_with_sink
+from ..reference.indexer import index_query, run_indexer, visible_counts
+from ..reference.ops import softmax_scale
+from .batch import BatchLayout
+from .cache import RuntimeCaches, entry_positions
+
+#: The kernel modules the CUDA path needs (installed from `kernels/`, see pyproject.toml).
+KERNEL_MODULES = {"sparse_attention": "sglang_dsv41.kernels.sparse_attention",
+                  "indexer": "sglang_dsv41.kernels.indexer"}
+#: Score-matrix elements (fp32) per query chunk of the CUDA indexer: 2^25 = 128 MiB, plus a
+#: restricted copy for candidate consumers and the top-k temporaries of `select_topk` (which
+#: chunks itself at 2^24 entries). A decode batch of 64 at 512 K entries is one chunk; an
+#: 8192-token prefill chunk at 64 K entries is 16 chunks of 512 queries.
+SCORE_ELEMENTS_PER_CHUNK = 1 << 25
+#: Key-tile splits per query of the CUDA attention kernel. 1 keeps the kernel batch-invariant: a
+#: query's output depends only on its own q, keys and sink, never on how many queries share the
+#: launch (the kernel's `plan_config` would split the keys of small batches, and the summation
+#: order with it). With the float64 head sum of the indexer, the whole CUDA forward then gives the
+#: same bits for a request whether it runs alone, chunked, batched or on a prefix-cache hit.
+ATTENTION_KEY_SPLITS = 1
+
+
+class AttentionOps(Protocol):
+    """One device's implementation of the two operations (module docstring)."""
+
+    description: str
+
+    def attend(self, q: Tensor, sink: Tensor, swa_cache: Tensor, swa_slots: Tensor,
+               comp_cache: Tensor | None, comp_slots: Tensor | None) -> Tensor: ...
+
+    def select(self, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str, x: Tensor,
+               q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
+               act_quant: bool, published: Tensor | None) -> tuple[Tensor, Tensor | None]: ...
+
+
+def gather_rows(buffer: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
+    """(rows of `buffer` at `slots` [..., n] as fp32, zero where slot −1; valid mask [..., n])."""
+    valid = slots >= 0
+    rows = buffer[torch.where(valid, slots, torch.zeros_like(slots))].to(torch.float32)
+    return torch.where(valid[..., None], rows, 0.0), valid
+
+
+class ReferenceAttentionOps:
+    """CPU: the reference's float64 math on gathered rows (bit-identical to `ReferenceModel`)."""
+
+    description = "torch reference path (float64, bit-identical to ReferenceModel)"
+
+    def attend(self, q: Tensor, sink: Tensor, swa_cache: Tensor, swa_slots: Tensor,
+               comp_cache: Tensor | None, comp_slots: Tensor | None) -> Tensor:
+        keys, valid = gather_rows(swa_cache, swa_slots)
+        if comp_cache is not None and comp_slots is not None:
+            c_keys, c_valid = gather_rows(comp_cache, comp_slots)
+            keys, valid = torch.cat((keys, c_keys), dim=1), torch.cat((valid, c_valid), dim=1)
+        return attend_with_sink(q, keys, sink, valid)
+
+    def select(self, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str, x: Tensor,
+               q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
+               act_quant: bool, published: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """Per request: `run_indexer` over the index keys of compressed positions
+        0..⌊seq_len/ratio⌋−1 gathered from their slots (what the reference state holds)."""
+        src, ratio = role.kv_source, role.ratio
+        assert src is not None
+        selections, blocks = [], []
+        for b in range(layout.num_requests):
+            rows = layout.token_range(b)
+            n_entries = int(layout.seq_lens[b]) // ratio
+            entry_slots = layout.request_slots(b, entry_positions(torch.arange(n_entries, device=x.device), ratio))
+            keys = caches.index_keys[src][entry_slots].to(torch.float32)
+            result = run_indexer(cfg, role, w, prefix, x[rows], q_lora[rows], layout.positions[rows], keys,
+                                 inv_freq, act_quant, None if published is None else published[rows])
+            selections.append(result.selection)
+            blocks.append(result.blocks)
+        return torch.cat(selections), (torch.cat(blocks) if role.candidate_source else None)
+
+
+class KernelAttentionOps:
+    """CUDA: the Triton kernels over the slot caches (no per-request loop, no host sync)."""
+
+    description = ("Triton kernels (sparse_sink_attention; index_scores with float64 head sum + "
+                   "select_for_role, whole batch)")
+
+    def __init__(self, sparse_attention: ModuleType, indexer: ModuleType) -> None:
+        self.sparse_attention = sparse_attention
+        self.indexer = indexer
+
+    def attend(self, q: Tensor, sink: Tensor, swa_cache: Tensor, swa_slots: Tensor,
+               comp_cache: Tensor | None, comp_slots: Tensor | None) -> Tensor:
+        for name, cache in (("SWA", swa_cache), ("compressed", comp_cache)):
+            if cache is not None and cache.dtype != torch.bfloat16:
+                raise RuntimeError(f"sglang-dsv41: the CUDA attention kernel reads BF16 {name} cache rows, got "
+                                   f"{cache.dtype} (serve with the model dtype bfloat16 and --kv-cache-dtype auto)")
+        N, H, D = q.shape
+        plan = self.sparse_attention.plan_config(N, H, D, swa_slots.shape[1],
+                                                 0 if comp_slots is None else comp_slots.shape[1], sm_count=1)
+        o = self.sparse_attention.sparse_sink_attention(
+            q.to(torch.bfloat16), swa_cache, swa_slots, comp_cache, comp_slots, sink.to(torch.float32),
+            softmax_scale(D), config=dataclasses.replace(plan, num_splits=ATTENTION_KEY_SPLITS))
+        return o.to(torch.float32)
+
+    def select(self, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str, x: Tensor,
+               q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
+               act_quant: bool, published: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """Whole batch: entry j of request r is the slot of its position j·ratio + ratio − 1
+        (`entry_slot_table`, −1 beyond ⌊seq_len/ratio⌋); query t sees j < ⌊(p_t+1)/ratio⌋.
+        Input checks are off (no host sync): the table and visibilities are built from the
+        checked `BatchLayout`, so every visible entry has a slot by construction."""
+        src, ratio = role.kv_source, role.ratio
+        assert src is not None
+        K = self.indexer
+        query = index_query(cfg, w, prefix, x, q_lora, layout.positions, inv_freq, act_quant)
+        n_visible = visible_counts(layout.positions, ratio)
+        width = layout.max_seq_len // ratio
+        entry_slots = K.entry_slot_table(layout.req_to_token, layout.req_rows, layout.seq_lens // ratio, ratio, width)
+        N = layout.num_tokens
+        rows = max(1, SCORE_ELEMENTS_PER_CHUNK // max(width, 1))
+        selections, blocks = [], []
+        for start in range(0, max(N, 1), rows):
+            part = slice(start, min(start + rows, N))
+            scores = K.index_scores(query.q[part], query.head_weights[part], caches.index_keys[src], entry_slots,
+                                    layout.token_req[part], n_visible[part], head_sum_fp64=True, check_inputs=False)
+            selection, chunk_blocks = K.select_for_role(cfg, role, scores, n_visible[part],
+                                                        None if published is None else published[part],
+                                                        check_nan=False)
+            selections.append(selection)
+            blocks.append(chunk_blocks)
+        if len(selections) == 1:
+            return selections[0], blocks[0]
+        return torch.cat(selections), (torch.cat(blocks) if role.candidate_source else None)
+
+
+REFERENCE_OPS = ReferenceAttentionOps()
+
+
+@functools.cache
+def kernel_ops() -> KernelAttentionOps:
+    """The Triton implementation; raises RuntimeError if a kernel module cannot be imported or
+    was built for Triton's CPU interpreter (TRITON_INTERPRET=1), which cannot serve CUDA."""
+    modules = {}
+    for key, name in KERNEL_MODULES.items():
+        try:
+            modules[key] = importlib.import_module(name)
+        except ImportError as e:
+            raise RuntimeError(f"sglang-dsv41: CUDA tensors need the Triton kernel module {name}, which failed "
+                               f"to import ({e}); install sglang-dsv41 with its kernels and Triton") from e
+    if modules["sparse_attention"]._is_interpreted() or modules["indexer"].INTERPRETED:
+        raise RuntimeError("sglang-dsv41: the Triton kernels were built for the CPU interpreter (TRITON_INTERPRET=1 "
+                           "was set when they were imported); unset it to run on CUDA")
+    return KernelAttentionOps(modules["sparse_attention"], modules["indexer"])
+
+
+def ops_for(device: torch.device) -> AttentionOps:
+    """CPU → `ReferenceAttentionOps`; CUDA → `KernelAttentionOps` (raises if the kernels cannot
+    load); any other device raises."""
+    if device.type == "cpu":
+        return REFERENCE_OPS
+    if device.type == "cuda":
+        return kernel_ops()
+    raise RuntimeError(f"sglang-dsv41: no attention implementation for device '{device}' (CPU: torch "
+                       "reference path; CUDA: Triton kernels)")
+
+
+def attend(q: Tensor, sink: Tensor, swa_cache: Tensor, swa_slots: Tensor, comp_cache: Tensor | None,
+           comp_slots: Tensor | None) -> Tensor:
+    """Sparse attention with sink over slot rows (module contract), on q's device."""
+    return ops_for(q.device).attend(q, sink, swa_cache, swa_slots, comp_cache, comp_slots)
+
+
+def select(cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str, x: Tensor, q_lora: Tensor,
+           layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor, act_quant: bool,
+           published: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """Indexer selection of an indexer layer for the whole batch (module contract), on x's device."""
+    return ops_for(x.device).select(cfg, role, w, prefix, x, q_lora, layout, caches, inv_freq, act_quant, published)

@@ -1,0 +1,138 @@
+"""Packed-batch scenarios of the runtime forward, shared by the runtime tests on CPU and CUDA.
+
+`run_scenario(engine, caches, device, decode)` drives `TorchForward.hidden_states` through five
+SGLang-like batches over four requests (prompts of 49–61 tokens, so the tiny config's SWA window
+8, index_topk 4 and candidate span 3 × 4 entries all bind):
+
+1. A whole (49) + B's first chunk (0..12)                     — packed extend, mixed lengths
+2. B chunk 13..31 (odd start) + A decode                      — chunked prefill mixed with decode
+3. C whole (61) + B chunk 32..55 (even start) + A decode
+4. D = A's first 31 slots shared (radix hit, odd length) + its 20-token tail, A, B, C decode
+5. A, B, C, D decode
+
+`decode[name]` are the teacher-forced decode tokens (A: 4, B: 2, C: 2, D: 1). The result maps
+each request to its logits at every position it computed, in position order (D from 31 on);
+`full_tokens(name, decode)` is the token list a reference one-shot forward must see to produce
+the same positions (reference logits[SHARED_PREFIX:] for D).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from sglang_dsv41.runtime.batch import BatchLayout, make_layout
+from sglang_dsv41.runtime.cache import RuntimeCaches
+from sglang_dsv41.runtime.forward import TorchForward
+
+ROWS = {"A": 1, "B": 2, "C": 3, "D": 4}
+DECODE_STEPS = {"A": 4, "B": 2, "C": 2, "D": 1}
+SHARED_PREFIX = 31          # odd: the ratio-2 pair (30, 31) completes in D's first chunk
+D_TAIL = 20
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [0] + torch.randint(3, 990, (n - 1,), generator=g).tolist()
+
+
+def prompts() -> dict[str, list[int]]:
+    a = prompt(31, 49)
+    return {"A": a, "B": prompt(32, 56), "C": prompt(33, 61), "D": a[:SHARED_PREFIX] + prompt(34, D_TAIL + 1)[1:]}
+
+
+def full_tokens(name: str, decode: dict[str, list[int]]) -> list[int]:
+    """Prompt + the decode tokens fed (the last decode token's logits are computed too)."""
+    return prompts()[name] + decode[name][:DECODE_STEPS[name]]
+
+
+def fixed_decode_tokens() -> dict[str, list[int]]:
+    """Arbitrary but fixed decode tokens (runtime-vs-runtime comparisons)."""
+    return {name: prompt(40 + i, n + 1)[1:] for i, (name, n) in enumerate(DECODE_STEPS.items())}
+
+
+class Slots:
+    """A minimal SGLang-like slot map: req_to_token rows and a bump allocator (slot 0 = padding)."""
+
+    def __init__(self, device: torch.device, rows: int = 8, max_context: int = 128) -> None:
+        self.table = torch.zeros(rows, max_context, dtype=torch.int32, device=device)
+        self.next_slot = 1
+        self.device = device
+
+    def extend(self, row: int, start: int, n: int) -> torch.Tensor:
+        slots = torch.arange(self.next_slot, self.next_slot + n, dtype=torch.int32, device=self.device)
+        self.next_slot += n
+        self.table[row, start:start + n] = slots
+        return slots
+
+
+def run_batch(engine: TorchForward, caches: RuntimeCaches, slots: Slots,
+              pieces: list[tuple[int, int, list[int]]]) -> list[torch.Tensor]:
+    """One packed batch: each piece (row, prefix_len, token ids) gets fresh slots for its tokens;
+    returns each piece's fp32 logits [len, vocab] on the CPU."""
+    dev = slots.device
+    out_slots = [slots.extend(row, prefix, len(ids)) for row, prefix, ids in pieces]
+    positions = torch.cat([torch.arange(prefix, prefix + len(ids), device=dev) for _, prefix, ids in pieces])
+    layout = make_layout(torch.tensor([r for r, _, _ in pieces], device=dev),
+                         torch.tensor([p for _, p, _ in pieces], device=dev),
+                         torch.tensor([len(ids) for _, _, ids in pieces], device=dev), positions,
+                         torch.cat(out_slots), slots.table)
+    ids = torch.tensor([t for _, _, piece in pieces for t in piece], device=dev)
+    logits = engine.logits(engine.hidden_states(ids, layout, caches)).cpu()
+    return list(torch.split(logits, [len(ids) for _, _, ids in pieces]))
+
+
+def run_scenario(engine: TorchForward, caches: RuntimeCaches, device: torch.device,
+                 decode: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """The five batches of the module docstring; logits per request in position order."""
+    p, slots = prompts(), Slots(device)
+    seq = {name: full_tokens(name, decode) for name in ROWS}
+    done = {name: 0 for name in ROWS}
+    got: dict[str, list[torch.Tensor]] = {name: [] for name in ROWS}
+
+    def piece(name: str, n: int) -> tuple[int, int, list[int]]:
+        start = done[name]
+        done[name] += n
+        return ROWS[name], start, seq[name][start:start + n]
+
+    def batch(*spec: tuple[str, int]) -> None:
+        for (name, _), logits in zip(spec, run_batch(engine, caches, slots, [piece(name, n) for name, n in spec])):
+            got[name].append(logits)
+
+    batch(("A", len(p["A"])), ("B", 13))
+    batch(("B", 19), ("A", 1))
+    batch(("C", len(p["C"])), ("B", len(p["B"]) - 32), ("A", 1))
+    slots.table[ROWS["D"], :SHARED_PREFIX] = slots.table[ROWS["A"], :SHARED_PREFIX]
+    done["D"] = SHARED_PREFIX
+    batch(("D", D_TAIL), ("A", 1), ("B", 1), ("C", 1))
+    batch(("A", 1), ("B", 1), ("C", 1), ("D", 1))
+    for name in ROWS:
+        assert done[name] == len(seq[name]), f"scenario fed {done[name]} of {len(seq[name])} tokens of {name}"
+    return {name: torch.cat(parts) for name, parts in got.items()}
+
+
+def one_shot_logits(engine: TorchForward, device: torch.device, tokens: list[int]) -> torch.Tensor:
+    """Logits [len, vocab] (CPU) of one request prefilled in one batch of its own, fresh caches."""
+    caches = RuntimeCaches.allocate(engine.text, len(tokens) + 1, device=device)
+    return run_batch(engine, caches, Slots(device, rows=2, max_context=len(tokens)), [(1, 0, tokens)])[0]
+
+
+def greedy_generate(engine: TorchForward, device: torch.device, prompt_ids: list[int],
+                    max_new_tokens: int) -> list[int]:
+    """Greedy tokens (argmax, lowest id on ties) of one request alone: one-shot prefill, then one
+    decode batch per token — `ReferenceModel.generate`'s schedule on the runtime forward."""
+    caches = RuntimeCaches.allocate(engine.text, len(prompt_ids) + max_new_tokens + 1, device=device)
+    slots = Slots(device, rows=2, max_context=len(prompt_ids) + max_new_tokens)
+    logits = run_batch(engine, caches, slots, [(1, 0, list(prompt_ids))])[0]
+    tokens = [int(torch.argmax(logits[-1]))]
+    while len(tokens) < max_new_tokens:
+        step = run_batch(engine, caches, slots, [(1, len(prompt_ids) + len(tokens) - 1, tokens[-1:])])[0]
+        tokens.append(int(torch.argmax(step[-1])))
+    return tokens
+
+
+def layout_to(layout: BatchLayout, device: torch.device) -> BatchLayout:
+    """The same layout with every tensor on `device`."""
+    return dataclasses.replace(layout, **{f.name: getattr(layout, f.name).to(device)
+                                          for f in dataclasses.fields(layout)
+                                          if isinstance(getattr(layout, f.name), torch.Tensor)})

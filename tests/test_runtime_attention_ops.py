@@ -1,0 +1,178 @@
+"""Device dispatch of the runtime's attention and indexer (`runtime/attention_ops.py`) — on CPU.
+
+What is pinned:
+* CPU tensors → the reference path; CUDA → the Triton kernels (the real kernel functions); a
+  kernel module that cannot be imported, or kernels built for Triton's interpreter, make CUDA
+  raise (no torch fallback), while CPU is unaffected; other devices raise; `attend` / `select`
+  dispatch on their own tensors' device.
+* The CUDA implementation's whole-batch orchestration (window and compressed slot lists, sink,
+  scale and the batch-invariant launch config, entry slot tables, visibility, published blocks
+  per query, query chunks of the score matrix, `select_for_role`) runs on CPU with the two Triton
+  entry points replaced by exact torch stand-ins: the packed scenarios (`runtime_scenarios.py`)
+  give the CPU path's logits bit for bit.
+* The real Triton kernels under Triton's CPU interpreter, in a child process (TRITON_INTERPRET
+  must be set before triton is first imported): the per-sublayer tests of
+  `tests/test_runtime_forward_gpu.py` (attention within one BF16 ulp of the output scale,
+  selections equal, on identical inputs of every layer of the packed scenarios) pass on CPU
+  tensors — the GPU file's code and the kernels' argument plumbing checked before a GPU run.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from runtime_scenarios import fixed_decode_tokens, run_scenario
+from sglang_dsv41.checkpoint.loader import load_reference_weights
+from sglang_dsv41.config import DeepseekV41Config
+from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
+from sglang_dsv41.kernels import indexer as kernel_indexer
+from sglang_dsv41.kernels import sparse_attention as kernel_attention
+from sglang_dsv41.reference.ops import softmax_scale
+from sglang_dsv41.runtime import attention_ops
+from sglang_dsv41.runtime.cache import RuntimeCaches
+from sglang_dsv41.runtime.forward import TorchForward
+
+CPU = torch.device("cpu")
+DEFAULT_CHUNK = attention_ops.SCORE_ELEMENTS_PER_CHUNK
+
+
+@pytest.fixture
+def fresh_kernel_ops():
+    """`kernel_ops` is cached per process: start and end every dispatch test uncached."""
+    attention_ops.kernel_ops.cache_clear()
+    yield
+    attention_ops.kernel_ops.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint) -> tuple[DeepseekV41Config, TorchForward]:
+    cfg = DeepseekV41Config.from_file(tiny_checkpoint)
+    weights = load_reference_weights(tiny_checkpoint, cfg, vision=False, dspark=False)
+    token_map, _ = compressed_token_map(_load_fast_tokenizer(tiny_checkpoint))
+    return cfg, TorchForward(cfg, weights, EngramHasher.from_config(cfg, token_map))
+
+
+# ---- dispatch ----------------------------------------------------------------------------------
+
+def test_cpu_tensors_use_the_reference_path() -> None:
+    assert attention_ops.ops_for(CPU) is attention_ops.REFERENCE_OPS
+    assert isinstance(attention_ops.REFERENCE_OPS, attention_ops.ReferenceAttentionOps)
+
+def test_cuda_tensors_use_the_triton_kernels(fresh_kernel_ops) -> None:
+    ops = attention_ops.ops_for(torch.device("cuda"))
+    assert isinstance(ops, attention_ops.KernelAttentionOps)
+    assert ops.sparse_attention.sparse_sink_attention is kernel_attention.sparse_sink_attention
+    assert ops.indexer.index_scores is kernel_indexer.index_scores
+    assert ops.indexer.select_for_role is kernel_indexer.select_for_role
+    assert attention_ops.ops_for(torch.device("cuda", 0)) is ops      # loaded once
+
+@pytest.mark.parametrize("missing", sorted(attention_ops.KERNEL_MODULES.values()))
+def test_missing_kernel_on_cuda_raises(fresh_kernel_ops, monkeypatch, missing: str) -> None:
+    monkeypatch.setitem(sys.modules, missing, None)                   # import → ImportError
+    with pytest.raises(RuntimeError, match=re.escape(missing)):
+        attention_ops.ops_for(torch.device("cuda"))
+    assert attention_ops.ops_for(CPU) is attention_ops.REFERENCE_OPS  # CPU does not need them
+
+def test_interpreter_built_kernels_refused_on_cuda(fresh_kernel_ops, monkeypatch) -> None:
+    monkeypatch.setattr(kernel_indexer, "INTERPRETED", True)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        attention_ops.ops_for(torch.device("cuda"))
+
+def test_other_devices_raise() -> None:
+    with pytest.raises(RuntimeError, match="no attention implementation for device 'meta'"):
+        attention_ops.ops_for(torch.device("meta"))
+
+def test_attend_and_select_dispatch_on_their_tensors_device(monkeypatch) -> None:
+    calls = []
+
+    class Recorder:
+        description = "recorder"
+
+        def attend(self, q, *args):
+            return ("attend", q)
+
+        def select(self, cfg, role, w, prefix, x, *args):
+            return ("select", x)
+
+    def ops_for(device: torch.device):
+        calls.append(device)
+        return Recorder()
+
+    monkeypatch.setattr(attention_ops, "ops_for", ops_for)
+    q, x = torch.zeros(2, 1, 16, device="meta"), torch.zeros(2, 8)
+    assert attention_ops.attend(q, None, None, None, None, None) == ("attend", q)
+    assert attention_ops.select(None, None, None, "", x, None, None, None, None, True, None) == ("select", x)
+    assert calls == [q.device, x.device]
+
+# ---- the CUDA orchestration with exact stand-ins for the two Triton entry points ----------
+
+def _exact_sparse_sink_attention(calls: list[str]):
+    def sparse_sink_attention(q, swa_cache, swa_slots, comp_cache, comp_slots, sink, scale, *, config):
+        assert q.dtype == torch.bfloat16 and sink.dtype == torch.float32 and config.num_splits == 1
+        assert scale == softmax_scale(q.shape[-1]) and swa_slots.shape[:1] == q.shape[:1]
+        calls.append("attend")
+        o = attention_ops.REFERENCE_OPS.attend(q.float(), sink, swa_cache, swa_slots, comp_cache, comp_slots)
+        return o.to(torch.bfloat16)
+    return sparse_sink_attention
+
+def _exact_index_scores(calls: list[str]):
+    def index_scores(q, head_w, key_cache, entry_slots, token_req, n_visible, *, head_sum_fp64, check_inputs):
+        """The kernel's contract in float64 (reference `index_scores` per query)."""
+        assert head_sum_fp64 and not check_inputs
+        calls.append("scores")
+        slots = entry_slots[token_req]                                    # [N, E]
+        keys = key_cache[slots.clamp(min=0)].double()                     # [N, E, Di]
+        dots = torch.einsum("thd,ted->the", q.double(), keys)
+        scores = torch.einsum("th,the->te", head_w.double(), torch.relu(dots)).float() + 0.0
+        visible = (torch.arange(slots.shape[1])[None, :] < n_visible[:, None]) & (slots >= 0)
+        return torch.where(visible, scores, -math.inf)
+    return index_scores
+
+@pytest.mark.parametrize("chunk_elements", [DEFAULT_CHUNK, 150])
+def test_kernel_orchestration_with_exact_stand_ins_equals_cpu_path(engine, monkeypatch,
+                                                                   chunk_elements: int) -> None:
+    cfg, forward = engine
+    decode = fixed_decode_tokens()
+    want = run_scenario(forward, RuntimeCaches.allocate(cfg.text, 512), CPU, decode)
+    calls: list[str] = []
+    stand_in = attention_ops.KernelAttentionOps(
+        SimpleNamespace(sparse_sink_attention=_exact_sparse_sink_attention(calls),
+                        plan_config=kernel_attention.plan_config),
+        SimpleNamespace(index_scores=_exact_index_scores(calls), select_for_role=kernel_indexer.select_for_role,
+                        entry_slot_table=kernel_indexer.entry_slot_table))
+    monkeypatch.setattr(attention_ops, "ops_for", lambda device: stand_in)
+    monkeypatch.setattr(attention_ops, "SCORE_ELEMENTS_PER_CHUNK", chunk_elements)
+    got = run_scenario(forward, RuntimeCaches.allocate(cfg.text, 512), CPU, decode)
+    batches, indexer_layers = 5, sum(r.runs_indexer for r in cfg.text.layer_roles())
+    assert calls.count("attend") == batches * cfg.text.num_hidden_layers
+    if chunk_elements == DEFAULT_CHUNK:
+        assert calls.count("scores") == batches * indexer_layers      # one chunk per layer
+    else:
+        assert calls.count("scores") > 4 * batches * indexer_layers   # many query chunks
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+# ---- the real kernels in Triton's interpreter ---------------------------------------------------
+
+@pytest.mark.slow
+def test_gpu_sublayer_tests_pass_in_the_triton_interpreter() -> None:
+    """tests/test_runtime_forward_gpu.py's identical-input tests, CPU tensors, TRITON_INTERPRET=1
+    (~50 s; its batch-invariance test passes there too, 75 s more, and is left to the GPU run)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = Path(__file__).resolve().parents[1]
+    target = Path(__file__).resolve().parent / "test_runtime_forward_gpu.py"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W",
+                           "ignore::DeprecationWarning", "-k", "identical_inputs", str(target)],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    tail = proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, tail
+    assert re.search(r"\b2 passed", proc.stdout) and not re.search(r"\d+ (failed|skipped|error)", proc.stdout), tail
