@@ -4,10 +4,10 @@ Why there is no end-to-end logit bound against the reference. Measured on the ti
 checkpoint (CPU, docs/runtime.md "CUDA numerics"): moving ONE element of ONE attention output by
 one BF16 ulp — the kernel's stated error — moves that token's logits by up to 0.36 and a later
 token's by up to 3.7 (logit std ≈ 2, largest |logit| ≈ 10); the kernel path (Triton interpreter)
-ends up to 7.1 from the reference over the packed scenarios. Random weights amplify every
-rounding difference ≈ 2–4× per layer (FP8 activation steps, FP4 indexer queries, routing), so
-no useful end-to-end bound — nor greedy-token equality, with top-2 margins of 0.005–1 — exists
-for any path that is not bit-identical. What is pinned instead, each exactly or at the kernel's
+ends up to 7.1 from the reference over the packed scenarios. The random weights amplify every
+rounding difference ≈ 2–4× per layer (with and without FP8 activation quantisation), so no
+useful end-to-end bound — nor greedy-token equality, with top-2 margins of 0.005–1 — exists for
+any path that is not bit-identical. What is pinned instead, each exactly or at the kernel's
 own stated bound:
 
 1. every sublayer of the packed scenarios (`runtime_scenarios.py`: requests of 49–61 tokens,
