@@ -38,6 +38,18 @@ from .ops import F32, bf16, linear_fp8, matmul_fp32_exact, rms_norm
 from .state import ForwardOutput, NumericsProfile, RequestState, empty_features
 
 
+
+def language_model_ids(token_ids: Tensor, cfg: DeepseekV41Config) -> Tensor:
+    """Ids the language model sees (spec §3.1 item 3): with vision, multimodal pad ids
+    (≥ 1,000,000) read as `image_token_id`; anything outside the vocabulary raises."""
+    ids = token_ids.to(torch.int64).reshape(-1)
+    if cfg.has_vision:
+        ids = torch.where(ids >= MULTIMODAL_PAD_ID_BASE, torch.full_like(ids, cfg.image_token_id), ids)
+    vocab = cfg.text.vocab_size
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(f"token ids outside the vocabulary [0, {vocab}): min {int(ids.min())}, max {int(ids.max())}")
+    return ids
+
 class ReferenceModel:
     """DeepSeek-V4.1 reference (spec §3). `weights`: DeepSeek-native names → dequantised fp32
     tensors (spec §2.4 values, see `checkpoint.loader.load_reference_weights`).
@@ -101,14 +113,8 @@ class ReferenceModel:
 
     # ---- embedding (spec §3.1) ----------------------------------------------------------------
     def remap_ids(self, token_ids: Tensor) -> Tensor:
-        """Language-model ids: with vision, ids ≥ 1,000,000 read as image_token_id (§3.1 item 3)."""
-        ids = token_ids.to(device=self.device, dtype=torch.int64).reshape(-1)
-        if self.cfg.has_vision:
-            ids = torch.where(ids >= MULTIMODAL_PAD_ID_BASE, torch.full_like(ids, self.cfg.image_token_id), ids)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.text.vocab_size):
-            raise ValueError(f"token ids outside the vocabulary [0, {self.text.vocab_size}): "
-                             f"min {int(ids.min())}, max {int(ids.max())}")
-        return ids
+        """Language-model ids (§3.1 item 3), see `language_model_ids`."""
+        return language_model_ids(token_ids.to(self.device), self.cfg)
 
     def embed(self, ids: Tensor, image_embeds: Sequence[tuple[int, Tensor]] = ()) -> Tensor:
         """[T, H] BF16-valued: token embeddings with image-span rows merged in (§3.1 item 2).

@@ -28,10 +28,11 @@ import torch
 from torch import Tensor
 
 from ..config import DeepseekV41Config
-from ..engram_hash import MULTIMODAL_PAD_ID_BASE, EngramHasher
+from ..engram_hash import EngramHasher
 from ..reference import moe as moe_mod
 from ..reference.engram import engram_residual_update
 from ..reference.mhc import hc_coefficients, hc_collapse, hc_residual_update, hc_sublayer_input
+from ..reference.model import language_model_ids
 from ..reference.ops import F32, linear_fp8, matmul_fp32_exact, rms_norm
 from ..reference.state import NumericsProfile
 from .attention import ForwardScratch, attention_sublayer
@@ -70,14 +71,8 @@ class TorchForward:
         self.numerics = numerics
 
     def remap_ids(self, ids: Tensor) -> Tensor:
-        """Language-model ids (spec §3.1 item 3), as `ReferenceModel.remap_ids`."""
-        ids = ids.to(torch.int64).reshape(-1)
-        if self.cfg.has_vision:
-            ids = torch.where(ids >= MULTIMODAL_PAD_ID_BASE, torch.full_like(ids, self.cfg.image_token_id), ids)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.text.vocab_size):
-            raise ValueError(f"token ids outside the vocabulary [0, {self.text.vocab_size}): "
-                             f"min {int(ids.min())}, max {int(ids.max())}")
-        return ids
+        """Language-model ids (spec §3.1 item 3), the reference's rule."""
+        return language_model_ids(ids, self.cfg)
 
     def engram_rows(self, ids: Tensor, layout: BatchLayout, caches: RuntimeCaches) -> list[Tensor]:
         """Row ids per Engram layer; history = each request's last K ids before its chunk, read
