@@ -91,6 +91,13 @@ def test_host_memory_and_huge_pages_rules() -> None:
     assert doctor.check_host_memory(None, meminfo=mi, thp="never")[-1].status == "WARN"
 
 
+def test_unreadable_meminfo_is_reported_as_unknown(tmp_path) -> None:
+    assert doctor._meminfo(str(tmp_path / "no-such-file")) == {}
+    need = doctor.check_host_memory(189.0, meminfo={}, thp="madvise")
+    assert [c.status for c in need] == ["FAIL"] and "unknown" in need[0].detail
+    assert doctor.check_host_memory(None, meminfo={}, thp="madvise")[0].status == "WARN"
+
+
 def test_gpu_checks_against_a_config() -> None:
     dc = load_config(ROOT / "configs" / "h200-tp4.yaml")
     two = lambda: (2, [("NVIDIA H200", 139.8), ("NVIDIA H200", 139.8)], "")  # noqa: E731

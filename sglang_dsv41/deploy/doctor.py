@@ -148,15 +148,17 @@ def check_gpus(dc: DeploymentConfig | None, need_gib: float | None,
 
 
 def _meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
-    out: dict[str, int] = {}
+    """/proc/meminfo in bytes; an empty dict when it cannot be read (reported as unknown)."""
     try:
-        for line in Path(path).read_text().splitlines():
-            key, _, rest = line.partition(":")
-            parts = rest.split()
-            if parts:
-                out[key] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == "kB" else 1)
+        text = Path(path).read_text()
     except OSError:
-        pass
+        return {}
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts:
+            out[key] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == "kB" else 1)
     return out
 
 
@@ -175,6 +177,9 @@ def check_host_memory(host_need_gib: float | None, meminfo: dict[str, int] | Non
                       thp: str | None = "unread") -> list[Check]:
     mi = _meminfo() if meminfo is None else meminfo
     mode = thp_mode() if thp == "unread" else thp
+    if "MemTotal" not in mi:
+        return [Check("WARN" if host_need_gib is None else "FAIL", "host memory",
+                      "could not read /proc/meminfo: host memory unknown")]
     total, avail = mi.get("MemTotal", 0) / GIB, mi.get("MemAvailable", 0) / GIB
     hp = mi.get("HugePages_Total", 0)
     out = [Check("INFO", "host memory", f"{total:.1f} GiB total, {avail:.1f} GiB available; "
