@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.testing
+from device_bandwidth import copy_bandwidth_gbs  # benchmarks/ is on sys.path when run as a script
 from PIL import Image, ImageDraw
 
 from sglang_dsv41.kernels import indexer as K
@@ -43,14 +44,6 @@ HI, DI, TOPK, BLOCK, TOPK_BLOCKS = 32, 128, 512, 8, 2048
 BATCHES = (1, 64)
 ENTRIES = (4096, 65536, 524288)
 TORCH_PATH_MAX_E = 65536
-
-
-def copy_bandwidth_gbs(device: torch.device, nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy bandwidth in GB/s, counting bytes read + written."""
-    src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
-    return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
 def decode_case(n: int, e: int, device: torch.device, seed: int) -> dict:

@@ -38,6 +38,7 @@ from typing import Callable
 import torch
 import triton
 import triton.testing
+from device_bandwidth import copy_bandwidth_gbs  # benchmarks/ is on sys.path when run as a script
 from triton_kernels.matmul_ogs import PrecisionConfig, matmul_ogs
 
 from sglang_dsv41.checkpoint.codecs import E2M1_VALUES, dequantize_mxfp4, ue8m0_to_float
@@ -53,15 +54,6 @@ CHECK_TOKENS = 8
 # per-slot BF16 expert output and one of the final rounding (derivation: mx.routed_error_bound).
 # The former 2⁻⁶·RMS(row) was mis-derived: a single final-rounding flip at |ref| ≈ 4·RMS exceeds it.
 BOUND_RATIO, BOUND_FRACTION = 1.0, mx.ROUTED_DIFF_FRACTION_BOUND
-
-
-def copy_bandwidth_gbs(device: torch.device, nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy bandwidth in GB/s, counting bytes read + written."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
-    src.fill_(1.0)
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
-    return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
 def random_layer(device: torch.device, seed: int) -> dict[str, torch.Tensor]:

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.testing
+from device_bandwidth import copy_bandwidth_gbs  # benchmarks/ is on sys.path when run as a script
 
 from sglang_dsv41.kernels import sparse_attention as sa
 from sglang_dsv41.reference.attention import attend_with_sink
@@ -38,15 +39,6 @@ HEADS, HEAD_DIM, WINDOW, TOPK = 64, 512, 128, 512
 DECODE_BATCHES = (1, 8, 64, 256)
 SEQ_LEN = 4096          # each request's length: window fully populated, ≥ TOPK compressed entries
 HOLE_FRACTION = 0.02    # −1 entries in the compressed selection (padding of short selections)
-
-
-def copy_bandwidth_gbs(device: torch.device, nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy bandwidth in GB/s, counting bytes read + written."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
-    src.fill_(1.0)
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
-    return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
 def decode_case(n: int, device: torch.device, seed: int) -> dict:

@@ -49,8 +49,8 @@ HOOKS: tuple[HookSpec, ...] = (
         target="sglang.srt.entrypoints.openai.chat_encoding.resolve_chat_encoding_spec",
         kind="around", impl=f"{_API_IMPL}:resolve_chat_encoding_spec_hook",
         params=("hf_config", "tokenizer", "tool_call_parser"), area="api",
-        why="V4.1 runs as arch DeepseekV4ForCausalLM; without this it gets spec 'dsv4' and is "
-            "encoded by the V4 encoder (wrong tool tags and effort)."),
+        why="V4.1 (model_type deepseek_v41) must be rendered by deepseek-recipe's V4.1 encoder; "
+            "SGLang would otherwise pick its V4 encoder (wrong tool tags and effort)."),
     HookSpec(
         target=f"{_SERVING_CHAT}.__init__", kind="after",
         impl=f"{_API_IMPL}:serving_chat_init_hook",

@@ -50,17 +50,21 @@ class Server:
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
 
+    def _healthy(self) -> bool:
+        """One /health_generate probe; a server that is not listening yet is simply not healthy."""
+        try:
+            with urllib.request.urlopen(self.url("/health_generate"), timeout=60) as r:
+                return r.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False
+
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url("/health_generate"), timeout=60) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
+            if self._healthy():
+                return
             time.sleep(3)
         raise TimeoutError(f"server not ready after {timeout_s} s:\n{self.log_tail()}")
 

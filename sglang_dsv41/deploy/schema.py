@@ -108,14 +108,6 @@ class ParallelSpec(_Strict):
     dp_attention: int = Field(default=1, ge=1, description="attention data-parallel size (DP attention)")
     ep: int = Field(default=1, ge=1, description="expert-parallel size")
 
-    @property
-    def attn_tp(self) -> int:
-        return self.tp // self.dp_attention
-
-    @property
-    def moe_tp(self) -> int:
-        return self.tp // self.ep
-
 
 class EngramSpec(_Strict):
     """Where the two Engram tables live (spec runtime.md §A.7)."""
