@@ -32,11 +32,12 @@ from torch import Tensor
 
 from ..config import LayerRole, TextConfig
 from ..reference import ops
-from ..reference.attention import layer_inv_freq, output_projection, project_q_kv, swa_key_positions
+from ..reference.attention import layer_inv_freq, swa_key_positions
 from ..reference.compressor import index_keys, linear_fp32_out, ratio1_latents, stored_latents
 from . import attention_ops
 from .batch import BatchLayout
 from .cache import RuntimeCaches, entry_positions
+from .tensor_parallel import SINGLE, TensorParallel
 
 __all__ = ["ForwardScratch", "attention_sublayer", "entry_positions"]
 
@@ -129,14 +130,16 @@ def _request_slots(layout: BatchLayout, positions: Tensor) -> Tensor:
 
 def attention_sublayer(cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], x: Tensor,
                        layout: BatchLayout, caches: RuntimeCaches, scratch: ForwardScratch,
-                       act_quant: bool) -> Tensor:
-    """One attention sublayer on the whole batch; x [N, hidden] → [N, hidden] (BF16 values)."""
+                       act_quant: bool, tp: TensorParallel = SINGLE) -> Tensor:
+    """One attention sublayer on the whole batch; x [N, hidden] → [N, hidden] (BF16 values).
+    Under tensor parallelism (`runtime/tensor_parallel.py`) q, attention and the grouped `wo_a`
+    run for this rank's heads only; everything else (caches, compressor, indexer) is replicated."""
     layer = role.layer
     prefix = f"layers.{layer}.attn."
     pos = layout.positions
     inv_freq = layer_inv_freq(cfg, role.ratio).to(x.device)
 
-    q_lora, q, kv = project_q_kv(cfg, w, prefix, x, pos, inv_freq, act_quant)
+    q_lora, q, kv = tp.project_q_kv(cfg, w, prefix, x, pos, inv_freq, act_quant)
     caches.write_swa(layer, layout.out_slots, ops.swa_cache_roundtrip(kv, caches.profile, cfg.qk_rope_head_dim))
     swa_slots = _request_slots(layout, swa_key_positions(pos, cfg.sliding_window))      # [N, W]
 
@@ -150,4 +153,4 @@ def attention_sublayer(cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor]
         comp_cache = caches.latents[role.kv_source]
 
     o = attention_ops.attend(q, w[prefix + "attn_sink"], caches.swa[layer], swa_slots, comp_cache, comp_slots)
-    return output_projection(cfg, w, prefix, o, pos, inv_freq, act_quant)
+    return tp.output_projection(cfg, w, prefix, o, pos, inv_freq, act_quant)

@@ -12,7 +12,8 @@ per-request state is stored differs (slot buffers, `runtime/cache.py`, instead o
    decode, prefix-cache hits and preemption;
 2. R⁰ = embedding broadcast to the hc streams; per layer: Engram → attn-hc → attention
    (`runtime/attention.py`) → ffn-hc → MoE (`reference.moe.moe_sublayer`), with the lagged pre
-   (`reference.mhc`, §3.2);
+   (`reference.mhc`, §3.2); Engram, attention heads and routed experts are sharded under tensor
+   parallelism, bit-identical to TP 1 (`runtime/tensor_parallel.py`);
 3. final collapse and `norm` (§3.7); the LM head is applied by the caller.
 
 Kept free of SGLang imports so the batching / caching invariants are unit-tested directly
@@ -29,8 +30,6 @@ from torch import Tensor
 
 from ..config import DeepseekV41Config
 from ..engram_hash import EngramHasher
-from ..reference import moe as moe_mod
-from ..reference.engram import engram_residual_update
 from ..reference.mhc import hc_coefficients, hc_collapse, hc_residual_update, hc_sublayer_input
 from ..reference.model import language_model_ids
 from ..reference.ops import F32, linear_fp8, matmul_fp32_exact, rms_norm
@@ -38,6 +37,7 @@ from ..reference.state import NumericsProfile
 from .attention import ForwardScratch, attention_sublayer
 from .batch import BatchLayout
 from .cache import RuntimeCaches
+from .tensor_parallel import SINGLE, TensorParallel
 
 
 @contextlib.contextmanager
@@ -60,7 +60,7 @@ class TorchForward:
     """
 
     def __init__(self, cfg: DeepseekV41Config, weights: Mapping[str, Tensor], hasher: EngramHasher | None,
-                 numerics: NumericsProfile = NumericsProfile()) -> None:
+                 numerics: NumericsProfile = NumericsProfile(), tp: TensorParallel = SINGLE) -> None:
         if cfg.text.engram_layer_ids and hasher is None:
             raise ValueError("the model has Engram layers: an EngramHasher is required (spec §3.3.1)")
         self.cfg = cfg
@@ -69,6 +69,8 @@ class TorchForward:
         self.weights = weights
         self.hasher = hasher
         self.numerics = numerics
+        self.tp = tp
+        tp.plan(self.text)     # raises now for a TP size the model cannot be sharded with
 
     def remap_ids(self, ids: Tensor) -> Tensor:
         """Language-model ids (spec §3.1 item 3), the reference's rule."""
@@ -117,16 +119,15 @@ class TorchForward:
             i = role.layer
             if role.engram:
                 p = f"layers.{i}.engram."
-                R = engram_residual_update(R, engram_rows[t.engram_layer_ids.index(i)], w[p + "embed.weight"],
-                                           w[p + "wkv.weight"], w[p + "q_weight"], w[p + "k_weight"],
-                                           t.rms_norm_eps, image_rows=image_rows, linear=linear)
+                R = self.tp.engram_residual_update(t, i, R, engram_rows[t.engram_layer_ids.index(i)], w,
+                                                   image_rows=image_rows, linear=linear)
             co = self._hc(i, "attn", R)
             x = hc_sublayer_input(R, carried_pre, w[f"layers.{i}.attn_norm.weight"], t.rms_norm_eps)
-            y = attention_sublayer(t, role, w, x, layout, caches, scratch, act_quant)
+            y = attention_sublayer(t, role, w, x, layout, caches, scratch, act_quant, self.tp)
             R, carried_pre = hc_residual_update(R, y, co), co.pre
             co = self._hc(i, "ffn", R)
             x = hc_sublayer_input(R, carried_pre, w[f"layers.{i}.ffn_norm.weight"], t.rms_norm_eps)
-            y = moe_mod.moe_sublayer(t, w, f"layers.{i}.", x, image_rows=image_rows, act_quant=act_quant)
+            y = self.tp.moe_sublayer(t, w, f"layers.{i}.", x, image_rows=image_rows, act_quant=act_quant)
             R, carried_pre = hc_residual_update(R, y, co), co.pre
         assert carried_pre is not None
         return rms_norm(hc_collapse(R, carried_pre), w["norm.weight"], t.rms_norm_eps)

@@ -1,0 +1,291 @@
+"""Tensor / expert parallelism of the torch path, bit-identical to TP 1 (issue 3; spec §3.4, §3.3, §3.6).
+
+The reference evaluates every order-sensitive fp32 formula in float64 and rounds once, so the
+shard plan below is chosen such that no rounded value is ever split across ranks: each rank
+computes complete values of its share and the collectives only *move* values (all-gather) or
+add exact zeros to them (all-reduce of disjoint supports). TP size N therefore gives the same
+bits as TP 1.
+
+Shard plan (`ShardPlan.for_config`), rank r of N:
+
+* attention heads, by output groups: rank r owns o_groups r·G/N .. (r+1)·G/N − 1 and their
+  heads; it computes q (`wq_b` rows of its heads), attention with its heads' sinks, the inverse
+  RoPE and the grouped `wo_a` of its groups (BF16 outputs, each a complete value); the group
+  outputs are all-gathered in group order and `wo_b` (replicated) runs on the full vector —
+  exactly `reference.attention.output_projection` (spec §3.4.6). Needs o_groups % N == 0 and
+  num_attention_heads % N == 0;
+* routed experts (expert parallel): rank r owns a contiguous balanced block of expert ids; the
+  router runs replicated, each rank fills the per-slot expert outputs [T, k, H] (float64, BF16
+  values) of its experts and −0.0 elsewhere; the all-reduce sum then reproduces the full
+  per-slot tensor exactly (−0.0 is the additive identity of IEEE addition, for ±0 too), and
+  the reference's weighting, float64 sum over slots and roundings follow (spec §3.6);
+* Engram tables, by rows: rank r holds a contiguous balanced block of each table's rows; the
+  looked-up rows are −0.0 where another rank owns them and are all-reduced (exact, as above),
+  then the reference's Engram update runs on the gathered rows (spec §3.3.2);
+* everything else is replicated: the KV caches, compressor, indexer (its projections are its
+  own weights and `q_lora` is replicated), mHC, dense projections, shared expert, LM head.
+
+Collectives run on a `torch.distributed` process group — SGLang's TP group's `device_group`
+(NCCL on CUDA, gloo on CPU; both sum float64), see `TensorParallel.from_sglang`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..checkpoint.loader import check_stored, logical_tensor
+from ..checkpoint.names import Kind, tensor_inventory
+from ..config import DeepseekV41Config, TextConfig
+from ..reference import ops
+from ..reference.attention import output_projection, project_q_kv
+from ..reference.engram import engram_residual_update
+from ..reference.moe import F64, moe_sublayer, route, routed_expert, shared_expert
+
+_LAYER = r"layers\.(\d+)\."
+_HEAD_ROWS = re.compile(_LAYER + r"attn\.(wq_b\.weight|attn_sink)$")
+_GROUP_ROWS = re.compile(_LAYER + r"attn\.wo_a\.weight$")
+_EXPERT = re.compile(_LAYER + r"ffn\.experts\.(\d+)\.w[123]\.weight$")
+_ENGRAM_TABLE = re.compile(_LAYER + r"engram\.embed\.weight$")
+
+
+class TensorParallelError(ValueError):
+    """A tensor-parallel size or rank this model cannot be sharded with."""
+
+
+def balanced_block(n: int, size: int, rank: int) -> range:
+    """Rank `rank`'s contiguous share of n items split over `size` ranks (the first n % size
+    ranks get one extra item)."""
+    base, extra = divmod(n, size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (1 if rank < extra else 0))
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """What rank `rank` of `size` holds (module docstring). Ranges are global ids."""
+
+    rank: int
+    size: int
+    groups: range
+    heads: range
+    experts: range
+    engram_rows: dict[int, range]          # Engram layer id → table rows held
+    head_dim: int
+    o_lora_rank: int
+
+    @classmethod
+    def for_config(cls, text: TextConfig, rank: int, size: int) -> "ShardPlan":
+        """The plan of rank `rank`; raises `TensorParallelError` for sizes the model cannot use."""
+        if size < 1 or not 0 <= rank < size:
+            raise TensorParallelError(f"tensor parallel rank {rank} of size {size} is not a valid rank")
+        G, H = text.o_groups, text.num_attention_heads
+        if G % size or H % size:
+            raise TensorParallelError(
+                f"tensor parallel size {size} must divide o_groups ({G}) and num_attention_heads ({H}): "
+                f"attention is sharded by whole output groups (bit-identical to TP 1); "
+                f"use a divisor of {G}")
+        if text.n_routed_experts < size:
+            raise TensorParallelError(f"tensor parallel size {size} exceeds the {text.n_routed_experts} "
+                                      "routed experts (each rank owns at least one expert)")
+        groups = range(rank * G // size, (rank + 1) * G // size)
+        hpg = text.heads_per_group
+        return cls(rank=rank, size=size, groups=groups, heads=range(groups.start * hpg, groups.stop * hpg),
+                   experts=balanced_block(text.n_routed_experts, size, rank),
+                   engram_rows={layer: balanced_block(rows, size, rank)
+                                for layer, rows in zip(text.engram_layer_ids, text.engram_num_embeddings)},
+                   head_dim=text.head_dim, o_lora_rank=text.o_lora_rank)
+
+    def local_text_config(self, text: TextConfig) -> TextConfig:
+        """`text` with this rank's head and group counts (heads_per_group unchanged): the shapes
+        the reference's per-head functions see on this rank."""
+        return dataclasses.replace(text, num_attention_heads=len(self.heads), o_groups=len(self.groups))
+
+    def holds(self, name: str) -> bool:
+        """Whether this rank loads logical tensor `name` at all (routed experts of other ranks: no)."""
+        m = _EXPERT.match(name)
+        return m is None or int(m.group(2)) in self.experts
+
+    def rows_of(self, name: str) -> range | None:
+        """The dim-0 rows of logical tensor `name` this rank holds; None = the whole tensor."""
+        if self.size == 1:
+            return None
+        if _HEAD_ROWS.match(name):
+            per_head = self.head_dim if name.endswith("wq_b.weight") else 1
+            return range(self.heads.start * per_head, self.heads.stop * per_head)
+        if _GROUP_ROWS.match(name):
+            return range(self.groups.start * self.o_lora_rank, self.groups.stop * self.o_lora_rank)
+        m = _ENGRAM_TABLE.match(name)
+        if m:
+            return self.engram_rows[int(m.group(1))]
+        return None
+
+
+def load_shard_weights(stored: Mapping[str, Tensor], cfg: DeepseekV41Config, plan: ShardPlan,
+                       dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
+    """This rank's logical tensors (text model, spec §2.4 rules), checked like
+    `checkpoint.loader.load_reference_weights_from_tensors` (every stored tensor of the
+    checkpoint must be present and well-formed), but only the held share is dequantised:
+    other ranks' experts are skipped, Engram tables are sliced in stored form (rows and their
+    row scales), sharded attention tensors are sliced after dequantisation. TP 1 = the
+    reference loader's result."""
+    check_stored(stored.keys(), cfg, vision=False, dspark=False,
+                 meta=lambda n: (stored[n].dtype, tuple(stored[n].shape)))
+    out: dict[str, Tensor] = {}
+    for spec in tensor_inventory(cfg, vision=False, dspark=False):
+        if not plan.holds(spec.name):
+            continue
+        rows = plan.rows_of(spec.name)
+        if rows is not None and spec.kind is Kind.ENGRAM:
+            value = logical_tensor(spec, lambda n, r=rows: stored[n][r.start:r.stop])
+        else:
+            value = logical_tensor(spec, stored.__getitem__)
+            if rows is not None:
+                value = value[rows.start:rows.stop]
+        out[spec.name] = value.to(dtype).contiguous()
+    return out
+
+
+class TensorParallel:
+    """Rank `rank` of a TP group of `size` over `group` (a torch.distributed process group;
+    None = the default group). `size == 1` needs no group and every method is the reference's
+    computation with no collective."""
+
+    def __init__(self, rank: int = 0, size: int = 1, group: dist.ProcessGroup | None = None) -> None:
+        if size < 1 or not 0 <= rank < size:
+            raise TensorParallelError(f"tensor parallel rank {rank} of size {size} is not a valid rank")
+        if size > 1 and not dist.is_initialized():
+            raise TensorParallelError(f"tensor parallel size {size} needs an initialised torch.distributed "
+                                      "process group")
+        if size > 1 and dist.get_world_size(group) != size:
+            raise TensorParallelError(f"process group has {dist.get_world_size(group)} ranks, TP size is {size}")
+        self.rank, self.size, self.group = rank, size, group
+        self._plans: dict[int, ShardPlan] = {}
+
+    @classmethod
+    def from_sglang(cls) -> "TensorParallel":
+        """SGLang's TP group: its `device_group` (NCCL for CUDA tensors, gloo on a CPU server) —
+        the torch process group, not SGLang's communicator wrappers (custom all-reduce kernels
+        and the CPU shared-memory all-reduce do not take float64)."""
+        from sglang.srt.distributed.parallel_state import get_tp_group
+
+        tp = get_tp_group()
+        if tp.world_size == 1:
+            return cls()
+        return cls(tp.rank_in_group, tp.world_size, tp.device_group)
+
+    def plan(self, text: TextConfig) -> ShardPlan:
+        key = id(text)
+        if key not in self._plans:
+            self._plans[key] = ShardPlan.for_config(text, self.rank, self.size)
+        return self._plans[key]
+
+    def describe(self) -> str:
+        return "tensor parallel size 1" if self.size == 1 else f"tensor parallel rank {self.rank} of {self.size}"
+
+    # ---- collectives ------------------------------------------------------------------------
+    def all_reduce_disjoint(self, t: Tensor) -> Tensor:
+        """Sum over ranks of tensors with disjoint supports (−0.0 elsewhere): exact."""
+        if self.size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return t
+
+    def all_gather_columns(self, t: Tensor) -> Tensor:
+        """[T, c] per rank → [T, size·c], rank-ordered blocks (values moved, not combined)."""
+        if self.size == 1:
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return torch.cat(parts, dim=1)
+
+    # ---- attention (spec §3.4.1, §3.4.6) ----------------------------------------------------
+    def project_q_kv(self, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor,
+                     positions: Tensor, inv_freq: Tensor, act_quant: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """(q_lora replicated, q [T, local heads, head_dim], kv replicated) — the reference's
+        `project_q_kv` with this rank's `wq_b` rows (each head's q is a complete value)."""
+        return project_q_kv(self.plan(cfg).local_text_config(cfg), w, prefix, x, positions, inv_freq, act_quant)
+
+    def output_projection(self, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, o: Tensor,
+                          positions: Tensor, inv_freq: Tensor, act_quant: bool) -> Tensor:
+        """o [T, local heads, head_dim] → [T, hidden]: `reference.attention.output_projection`
+        with the grouped `wo_a` of this rank's groups, the group outputs all-gathered, then
+        `wo_b` on the full vector."""
+        if self.size == 1:
+            return output_projection(cfg, w, prefix, o, positions, inv_freq, act_quant)
+        T, r = o.shape[0], cfg.o_lora_rank
+        local = self.plan(cfg).local_text_config(cfg)
+        o = ops.bf16(ops.apply_rope_tail(o, positions, inv_freq, inverse=True))
+        o_groups = o.reshape(T, local.o_groups, local.heads_per_group * cfg.head_dim)
+        wo_a = w[prefix + "wo_a.weight"]
+        if wo_a.shape[0] != local.o_groups * r:
+            raise ValueError(f"{prefix}wo_a.weight has {wo_a.shape[0]} rows, this rank holds "
+                             f"{local.o_groups} groups × {r}")
+        u = torch.cat([ops.linear_bf16(o_groups[:, g], wo_a[g * r:(g + 1) * r]) for g in range(local.o_groups)],
+                      dim=1)
+        return ops.linear_fp8(self.all_gather_columns(u), w[prefix + "wo_b.weight"], act_quant)
+
+    # ---- Engram (spec §3.3.2) ---------------------------------------------------------------
+    def engram_residual_update(self, cfg: TextConfig, layer: int, R: Tensor, row_ids: Tensor,
+                               w: Mapping[str, Tensor], *, image_rows: Tensor | None,
+                               linear: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+        """`reference.engram.engram_residual_update` with this rank's rows of the layer's table:
+        owned rows looked up, −0.0 elsewhere, all-reduced (exact), then the reference update
+        on the gathered rows (passed as a [T·columns, d] table indexed 0..T·columns−1)."""
+        p = f"layers.{layer}.engram."
+        table = w[p + "embed.weight"]
+        if self.size == 1:
+            gathered, ids = table, row_ids
+        else:
+            held = self.plan(cfg).engram_rows[layer]
+            total = cfg.engram_num_embeddings[cfg.engram_layer_ids.index(layer)]
+            if row_ids.numel() and (int(row_ids.min()) < 0 or int(row_ids.max()) >= total):
+                raise ValueError(f"Engram row ids outside the table [0, {total}) of layer {layer}")
+            local = row_ids.to(torch.int64) - held.start
+            owned = (local >= 0) & (local < len(held))
+            rows = table[local.clamp(0, max(len(held) - 1, 0))] if len(held) else \
+                table.new_zeros(*row_ids.shape, table.shape[1])
+            rows = torch.where(owned[..., None], rows, torch.full_like(rows, -0.0))
+            gathered = self.all_reduce_disjoint(rows.contiguous()).reshape(-1, table.shape[1])
+            ids = torch.arange(gathered.shape[0], device=row_ids.device).reshape(row_ids.shape)
+        return engram_residual_update(R, ids, gathered, w[p + "wkv.weight"], w[p + "q_weight"], w[p + "k_weight"],
+                                      cfg.rms_norm_eps, image_rows=image_rows, linear=linear)
+
+    # ---- MoE (spec §3.6) --------------------------------------------------------------------
+    def moe_sublayer(self, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor, *,
+                     image_rows: Tensor | None, act_quant: bool) -> Tensor:
+        """`reference.moe.moe_sublayer` with expert parallelism: replicated routing, this rank's
+        experts fill their slots of the float64 per-slot tensor (−0.0 elsewhere), exact
+        all-reduce, then the reference's weighting and roundings."""
+        if self.size == 1:
+            return moe_sublayer(cfg, w, prefix, x, image_rows=image_rows, act_quant=act_quant)
+        p = f"{prefix}ffn."
+        k, limit = cfg.num_experts_per_tok, cfg.swiglu_limit
+        bias_vl = w[p + "gate.bias_vl"] if image_rows is not None else None
+        routing = route(x, w[p + "gate.weight"], w[p + "gate.bias"], k, bias_vl=bias_vl, image_rows=image_rows)
+        if routing.scores.shape[-1] != cfg.n_routed_experts:
+            raise ValueError(f"{p}gate.weight has {routing.scores.shape[-1]} experts, expected {cfg.n_routed_experts}")
+        T, H = x.shape
+        per_slot = torch.full((T, k, H), -0.0, dtype=F64, device=x.device)   # E_{e_k}(x_t), BF16 values
+        held = self.plan(cfg).experts
+        for e in torch.unique(routing.experts).tolist():
+            if e not in held:
+                continue
+            rows, slot = torch.nonzero(routing.experts == e, as_tuple=True)
+            per_slot[rows, slot] = routed_expert(x[rows], w[f"{p}experts.{e}.w1.weight"],
+                                                 w[f"{p}experts.{e}.w2.weight"],
+                                                 w[f"{p}experts.{e}.w3.weight"], limit).to(F64)
+        per_slot = self.all_reduce_disjoint(per_slot)
+        weighted = routing.weights.to(F64).unsqueeze(-1) * per_slot
+        routed = ops.bf16((cfg.routed_scaling_factor * weighted.sum(dim=1)).to(ops.F32))
+        shared = shared_expert(x, w[p + "shared_experts.w1.weight"], w[p + "shared_experts.w2.weight"],
+                               w[p + "shared_experts.w3.weight"], limit, act_quant)
+        return ops.bf16(shared + routed)
+
+
+SINGLE = TensorParallel()
+"""TP size 1: no collectives, the reference's computation."""
