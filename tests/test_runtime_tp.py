@@ -1,0 +1,173 @@
+"""Tensor parallel torch path == TP 1, bit for bit (issue 3; runtime/tensor_parallel.py).
+
+* TP 2 over two spawned processes with a gloo group (file rendezvous, bounded waits) runs
+  the shared runtime scenarios (packed extend of mixed lengths, chunked prefill at odd and even
+  boundaries mixed with decode, a prefix shared through slots, batched decode) and a single
+  request alone; every rank's logits equal the TP-1 logits exactly (and each other);
+* the shard plan: group/head/expert/Engram-row ranges partition the model, illegal sizes and
+  ranks are rejected with a message naming the constraint;
+* the shard loader: each rank holds only its experts and Engram rows, and every held tensor
+  equals the corresponding slice of the TP-1 weights.
+"""
+from __future__ import annotations
+
+import datetime
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from runtime_scenarios import fixed_decode_tokens, one_shot_logits, prompt, run_scenario
+from sglang_dsv41.checkpoint.reader import CheckpointReader
+from sglang_dsv41.config import DeepseekV41Config
+from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
+from sglang_dsv41.runtime.cache import RuntimeCaches
+from sglang_dsv41.runtime.forward import TorchForward
+from sglang_dsv41.runtime.tensor_parallel import (ShardPlan, TensorParallel, TensorParallelError, balanced_block,
+                                                  load_shard_weights)
+
+CPU = torch.device("cpu")
+TP = 2
+WORKER_TIMEOUT_S = 240
+SINGLE_PROMPT = prompt(50, 27)
+
+
+def _stored(ckpt: Path) -> dict[str, torch.Tensor]:
+    with CheckpointReader(ckpt) as reader:
+        return {name: reader.get(name) for name in reader.names()}
+
+
+def _engine(ckpt: Path, tp: TensorParallel) -> TorchForward:
+    cfg = DeepseekV41Config.from_file(ckpt)
+    weights = load_shard_weights(_stored(ckpt), cfg, tp.plan(cfg.text))
+    token_map, _ = compressed_token_map(_load_fast_tokenizer(ckpt))
+    return TorchForward(cfg, weights, EngramHasher.from_config(cfg, token_map), tp=tp)
+
+
+def _outputs(engine: TorchForward) -> dict[str, torch.Tensor]:
+    got = run_scenario(engine, RuntimeCaches.allocate(engine.text, 512), CPU, fixed_decode_tokens())
+    got["single"] = one_shot_logits(engine, CPU, SINGLE_PROMPT)
+    return got
+
+
+def _tp_worker(rank: int, size: int, ckpt: str, rendezvous: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=WORKER_TIMEOUT_S))
+    try:
+        engine = _engine(Path(ckpt), TensorParallel(rank, size))
+        torch.save(_outputs(engine), Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_tp(ckpt: Path, tmp: Path, size: int) -> list[dict[str, torch.Tensor]]:
+    ctx = mp.start_processes(_tp_worker, args=(size, str(ckpt), str(tmp / "rendezvous"), str(tmp)),
+                             nprocs=size, join=False, start_method="spawn")
+    deadline = time.monotonic() + WORKER_TIMEOUT_S
+    try:
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"TP {size} workers did not finish within {WORKER_TIMEOUT_S} s")
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+    return [torch.load(tmp / f"rank{r}.pt") for r in range(size)]
+
+
+@pytest.fixture(scope="module")
+def tp1_outputs(tiny_checkpoint) -> dict[str, torch.Tensor]:
+    return _outputs(_engine(tiny_checkpoint, TensorParallel()))
+
+
+def test_tp2_logits_equal_tp1_bit_for_bit(tiny_checkpoint, tmp_path, tp1_outputs) -> None:
+    ranks = _run_tp(tiny_checkpoint, tmp_path, TP)
+    for rank, got in enumerate(ranks):
+        assert got.keys() == tp1_outputs.keys()
+        for name, want in tp1_outputs.items():
+            assert got[name].shape == want.shape, (rank, name)
+            assert torch.equal(got[name], want), \
+                f"rank {rank}, {name}: max |Δ| {float((got[name] - want).abs().max())}"
+
+
+def test_tp1_engine_equals_the_reference_loader_path(tiny_checkpoint, tp1_outputs) -> None:
+    """TP 1 through `load_shard_weights` is the plain runtime (reference loader, no tp argument)."""
+    from sglang_dsv41.checkpoint.loader import load_reference_weights
+
+    cfg = DeepseekV41Config.from_file(tiny_checkpoint)
+    token_map, _ = compressed_token_map(_load_fast_tokenizer(tiny_checkpoint))
+    plain = TorchForward(cfg, load_reference_weights(tiny_checkpoint, cfg, vision=False, dspark=False),
+                         EngramHasher.from_config(cfg, token_map))
+    assert torch.equal(one_shot_logits(plain, CPU, SINGLE_PROMPT), tp1_outputs["single"])
+
+
+# ---- shard plan ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def text(tiny_checkpoint):
+    return DeepseekV41Config.from_file(tiny_checkpoint).text
+
+
+def test_plan_partitions_groups_heads_experts_and_engram_rows(text) -> None:
+    plans = [ShardPlan.for_config(text, r, TP) for r in range(TP)]
+    assert [g for p in plans for g in p.groups] == list(range(text.o_groups))
+    assert [h for p in plans for h in p.heads] == list(range(text.num_attention_heads))
+    assert [e for p in plans for e in p.experts] == list(range(text.n_routed_experts))
+    for layer, rows in zip(text.engram_layer_ids, text.engram_num_embeddings):
+        assert [i for p in plans for i in p.engram_rows[layer]] == list(range(rows))
+    for p in plans:   # heads follow their output group
+        assert list(p.heads) == [h for g in p.groups for h in range(g * text.heads_per_group, (g + 1) * text.heads_per_group)]
+
+
+def test_balanced_block_covers_uneven_counts() -> None:
+    blocks = [balanced_block(10, 4, r) for r in range(4)]
+    assert [len(b) for b in blocks] == [3, 3, 2, 2]
+    assert [i for b in blocks for i in b] == list(range(10))
+
+
+@pytest.mark.parametrize("size", [3, 4])
+def test_plan_rejects_sizes_not_dividing_o_groups(text, size) -> None:
+    assert text.o_groups % size   # tiny: 2 groups
+    with pytest.raises(TensorParallelError, match=r"must divide o_groups \(2\) and num_attention_heads \(4\)"):
+        ShardPlan.for_config(text, 0, size)
+
+
+@pytest.mark.parametrize("rank, size", [(2, 2), (-1, 2), (0, 0)])
+def test_plan_rejects_invalid_ranks(text, rank, size) -> None:
+    with pytest.raises(TensorParallelError, match="not a valid rank"):
+        ShardPlan.for_config(text, rank, size)
+
+
+def test_tensor_parallel_above_one_needs_a_process_group() -> None:
+    if dist.is_initialized():
+        pytest.skip("a default process group exists in this process")
+    with pytest.raises(TensorParallelError, match="initialised torch.distributed"):
+        TensorParallel(0, 2)
+
+
+# ---- shard loader -------------------------------------------------------------------------
+
+def test_shard_loader_holds_only_this_ranks_share(tiny_checkpoint, text) -> None:
+    cfg = DeepseekV41Config.from_file(tiny_checkpoint)
+    stored = _stored(tiny_checkpoint)
+    full = load_shard_weights(stored, cfg, ShardPlan.for_config(text, 0, 1))
+    for rank in range(TP):
+        plan = ShardPlan.for_config(text, rank, TP)
+        shard = load_shard_weights(stored, cfg, plan)
+        experts = {int(n.split(".")[4]) for n in shard if ".ffn.experts." in n}
+        assert experts == set(plan.experts)
+        for name, value in shard.items():
+            rows = plan.rows_of(name)
+            want = full[name] if rows is None else full[name][rows.start:rows.stop]
+            assert torch.equal(value, want), name
+        i = text.engram_layer_ids[0]
+        assert shard[f"layers.{i}.engram.embed.weight"].shape[0] == len(plan.engram_rows[i]) < text.engram_num_embeddings[0]
+        assert shard["layers.0.attn.wq_b.weight"].shape[0] == len(plan.heads) * text.head_dim
+        assert shard["layers.0.attn.wo_a.weight"].shape[0] == len(plan.groups) * text.o_lora_rank
+        assert shard["layers.0.attn.attn_sink"].shape == (len(plan.heads),)
+        assert shard["layers.0.attn.wo_b.weight"].shape == full["layers.0.attn.wo_b.weight"].shape
