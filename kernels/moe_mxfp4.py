@@ -272,21 +272,28 @@ class RoutingPlan:
         return GatherIndx(src_indx=self.sorted_slots, dst_indx=self.slot_rows)
 
 
-def make_routing_plan(topk_ids: Tensor, n_experts: int) -> RoutingPlan:
+def make_routing_plan(topk_ids: Tensor, n_experts: int, *, allow_absent: bool = False) -> RoutingPlan:
     """Routing plan for `topk_ids` [T, k] (ids in 0..n_experts−1; checked on the device without
     a host sync). The tile schedule is built by triton_kernels' kernel on CUDA, by its torch
-    version on CPU (plans are only executed on CUDA)."""
+    version on CPU (plans are only executed on CUDA).
+
+    `allow_absent`: id −1 marks a slot whose expert is not held here (expert parallel). Such
+    slots sort after every present one and are in no expert's count, so the GEMMs never compute
+    them (their grouped rows of any output are left unwritten; callers mask them)."""
     if topk_ids.dim() != 2 or topk_ids.dtype.is_floating_point:
         raise ValueError(f"topk_ids must be an integer [T, k] tensor, got {topk_ids.dtype} {tuple(topk_ids.shape)}")
     T, k = topk_ids.shape
     flat = topk_ids.reshape(-1).to(torch.int32)
-    torch._assert_async(((flat >= 0) & (flat < n_experts)).all(),
-                        f"topk_ids outside 0..{n_experts - 1}")
-    order = torch.sort(flat, stable=True).indices.to(torch.int32)
+    lowest = -1 if allow_absent else 0
+    torch._assert_async(((flat >= lowest) & (flat < n_experts)).all(),
+                        f"topk_ids outside {lowest}..{n_experts - 1}")
+    key = torch.where(flat < 0, n_experts, flat) if allow_absent else flat
+    order = torch.sort(key, stable=True).indices.to(torch.int32)
     rows = torch.empty_like(order)
     rows[order.long()] = torch.arange(T * k, dtype=torch.int32, device=flat.device)
-    counts = torch.zeros(n_experts, dtype=torch.int32, device=flat.device)
-    counts.scatter_add_(0, flat.long(), torch.ones_like(flat))
+    counts = torch.zeros(n_experts + 1, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, key.long(), torch.ones_like(key))
+    counts = counts[:n_experts].contiguous()
     make = make_ragged_tensor_metadata if flat.is_cuda else make_ragged_tensor_metadata_torch
     return RoutingPlan(order, rows, counts, make(counts, T * k), T, k, n_experts)
 
@@ -408,25 +415,26 @@ def _mx_precision(scale: TKTensor) -> PrecisionConfig:
                            out_dtype=torch.bfloat16)
 
 
-def routed_experts_mxfp4(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, experts: PreparedMxfp4Experts,
-                         *, swiglu_limit: float, routed_scale: float) -> Tensor:
-    """bf16 [T, H] = bf16(routed_scale · Σ_j w[t,j] · E_{ids[t,j]}(x[t])) (module docstring).
-
-    x [T, H] bf16 (CUDA, SM 9.x); topk_ids [T, k] integer ids into `experts`; topk_weights
-    [T, k] fp32 (renormalised router weights, without routed_scale).
-    """
+def _check_call(x: Tensor, topk_ids: Tensor, experts: PreparedMxfp4Experts) -> None:
     if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] != experts.hidden:
         raise ValueError(f"x must be bf16 [T, {experts.hidden}], got {x.dtype} {tuple(x.shape)}")
     if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] != 9:
         raise RuntimeError("routed_experts_mxfp4 runs on Hopper GPUs (SM 9.x) only (spec §3.8 W4A16 path)")
     if experts.w13.storage.data.device != x.device:
         raise ValueError(f"experts live on {experts.w13.storage.data.device}, x on {x.device}")
-    if topk_ids.shape[0] != x.shape[0] or topk_ids.device != x.device or topk_weights.device != x.device:
-        raise ValueError("topk_ids / topk_weights must be [T, k] on x's device")
-    T = x.shape[0]
-    if T == 0:
-        return x.new_empty(0, experts.hidden)
-    plan = make_routing_plan(topk_ids, experts.n_experts)
+    if topk_ids.shape[0] != x.shape[0] or topk_ids.device != x.device:
+        raise ValueError("topk_ids must be [T, k] on x's device")
+
+
+def routed_expert_outputs(x: Tensor, topk_ids: Tensor, experts: PreparedMxfp4Experts, *, swiglu_limit: float,
+                          allow_absent: bool = False) -> tuple[Tensor, RoutingPlan]:
+    """Per-slot expert outputs: (y [T·k, H_pad] bf16 in grouped order, plan); slot s = t·k + j has
+    E_{ids[t,j]}(x[t]) = y[plan.slot_rows[s], :H] (module docstring: E(x), W4A16).
+
+    With `allow_absent`, ids −1 mark slots not computed here (`make_routing_plan`); their rows of
+    y are unwritten memory and must be masked by the caller. T ≥ 1."""
+    _check_call(x, topk_ids, experts)
+    plan = make_routing_plan(topk_ids, experts.n_experts, allow_absent=allow_absent)
     xp = x.contiguous()
     if experts.hidden_padded != experts.hidden:
         xp = F.pad(xp, (0, experts.hidden_padded - experts.hidden))
@@ -434,4 +442,20 @@ def routed_experts_mxfp4(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, expe
                    precision_config=_mx_precision(experts.w13_scale),
                    fused_activation=clamped_swiglu_activation(swiglu_limit))
     y = matmul_ogs(h, experts.w2, None, plan.routing_data(), precision_config=_mx_precision(experts.w2_scale))
+    return y, plan
+
+
+def routed_experts_mxfp4(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, experts: PreparedMxfp4Experts,
+                         *, swiglu_limit: float, routed_scale: float) -> Tensor:
+    """bf16 [T, H] = bf16(routed_scale · Σ_j w[t,j] · E_{ids[t,j]}(x[t])) (module docstring).
+
+    x [T, H] bf16 (CUDA, SM 9.x); topk_ids [T, k] integer ids into `experts`; topk_weights
+    [T, k] fp32 (renormalised router weights, without routed_scale).
+    """
+    _check_call(x, topk_ids, experts)
+    if topk_weights.device != x.device:
+        raise ValueError("topk_weights must be [T, k] on x's device")
+    if x.shape[0] == 0:
+        return x.new_empty(0, experts.hidden)
+    y, plan = routed_expert_outputs(x, topk_ids, experts, swiglu_limit=swiglu_limit)
     return combine_routed(y, plan, topk_weights, routed_scale, experts.hidden)

@@ -1,0 +1,86 @@
+"""Runtime weights from the stored checkpoint tensors (spec `model.md` §2.1–§2.4, §3.8).
+
+`runtime_weights(stored, cfg, device, *, experts_mxfp4, expert_ids=None)` → {name → value}:
+
+* every stored tensor is checked against the inventory first (`checkpoint.loader.check_stored`:
+  one error naming every missing / unexpected / mis-typed / mis-shaped tensor);
+* every logical tensor except the routed experts is the reference loader's §2.4 value
+  (`checkpoint.loader.logical_tensor`: FP8 tiles dequantised, BF16 rounding rules, FP32 kept),
+  as fp32 on `device` — exactly what `load_reference_weights_from_tensors` gives;
+* routed experts (`{prefix}ffn.experts.{e}.w1/w2/w3`, Kind FP4):
+  - `experts_mxfp4=False` (CPU reference path): dequantised fp32 like the rest;
+  - `experts_mxfp4=True` (CUDA): **never dequantised** — the packed E2M1 bytes and UE8M0 scale
+    bytes are converted to the MXFP4 kernel layout on `device` (`kernels.moe_mxfp4`, a lossless
+    re-arrangement: transpose, padding, Hopper swizzles) and stored per layer under
+    `moe_ops.routed_experts_key(prefix)` as a `RoutedExpertsMxfp4`; no per-expert keys.
+* `expert_ids` (expert parallel): the routed experts this process holds, in order (default all);
+  only those are converted / dequantised.
+
+`is_routed_expert_tensor(name)` tells a stored routed-expert tensor (weight or scale) from the rest.
+"""
+from __future__ import annotations
+
+import re
+from typing import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from ..checkpoint.loader import check_stored, logical_tensor
+from ..checkpoint.names import Kind, tensor_inventory
+from ..config import DeepseekV41Config
+from .moe_ops import RoutedExpertsMxfp4, routed_experts_key
+
+F32 = torch.float32
+_ROUTED_EXPERT = re.compile(r"^(?P<prefix>(?:layers|mtp)\.\d+\.)ffn\.experts\.(?P<expert>\d+)\.w[123]\.(?:weight|scale)$")
+
+
+def is_routed_expert_tensor(name: str) -> bool:
+    """True for a stored routed-expert tensor: `…ffn.experts.{e}.w1|w2|w3.weight|scale`."""
+    return _ROUTED_EXPERT.match(name) is not None
+
+
+def _expert_of(name: str) -> tuple[str, int]:
+    m = _ROUTED_EXPERT.match(name)
+    if m is None:
+        raise ValueError(f"{name} is not a routed-expert tensor")
+    return m["prefix"], int(m["expert"])
+
+
+def prepare_layer_experts(stored: Mapping[str, Tensor], prefix: str, n_routed_experts: int,
+                          device: torch.device, expert_ids: Sequence[int] | None = None) -> RoutedExpertsMxfp4:
+    """The stored MXFP4 experts of one layer (`{prefix}ffn.experts.*`, packed U8 + F8_E8M0 scales)
+    in the kernel layout on `device`; values are untouched (spec §2.3)."""
+    from ..kernels.moe_mxfp4 import prepare_mxfp4_experts
+
+    ids = list(range(n_routed_experts)) if expert_ids is None else [int(e) for e in expert_ids]
+    prepared = prepare_mxfp4_experts(stored, prefix, n_routed_experts, experts=ids, device=device)
+    return RoutedExpertsMxfp4.build(prepared, ids, n_routed_experts, torch.device(device))
+
+
+def runtime_weights(stored: Mapping[str, Tensor], cfg: DeepseekV41Config, device: torch.device, *,
+                    experts_mxfp4: bool, expert_ids: Sequence[int] | None = None) -> dict[str, object]:
+    """Weights for `TorchForward` / `moe_ops` on `device` (module docstring). Text model only
+    (vision and DSpark tensors are not loaded; their presence is allowed)."""
+    device = torch.device(device)
+    check_stored(stored.keys(), cfg, vision=False, dspark=False,
+                 meta=lambda n: (stored[n].dtype, tuple(stored[n].shape)))
+    E = cfg.text.n_routed_experts
+    held = set(range(E)) if expert_ids is None else {int(e) for e in expert_ids}
+    if not held or any(not 0 <= e < E for e in held):
+        raise ValueError(f"expert_ids must be ids in 0..{E - 1}")
+    out: dict[str, object] = {}
+    expert_layers: list[str] = []
+    for spec in tensor_inventory(cfg, vision=False, dspark=False):
+        if spec.kind is Kind.FP4:
+            prefix, expert = _expert_of(spec.name)
+            if prefix not in expert_layers:
+                expert_layers.append(prefix)
+            if experts_mxfp4 or expert not in held:
+                continue
+        out[spec.name] = logical_tensor(spec, stored.__getitem__).to(device=device, dtype=F32)
+    if experts_mxfp4:
+        order = sorted(held) if expert_ids is None else [int(e) for e in expert_ids]
+        for prefix in expert_layers:
+            out[routed_experts_key(prefix)] = prepare_layer_experts(stored, prefix, E, device, order)
+    return out
