@@ -14,8 +14,11 @@ Rounding conventions
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
 import math
+from typing import Iterator, Protocol
 
 import torch
 
@@ -111,6 +114,40 @@ def fp8_act_fake_quant(x: torch.Tensor, group: int = 32) -> torch.Tensor:
     return (e4m3(g / scale) * scale).reshape(x.shape)
 
 
+class DenseBackend(Protocol):
+    """How the dense helpers below (`linear_fp8`, `linear_bf16`, `matmul_fp32_exact`; also
+    `compressor.linear_fp32_out`) evaluate their product x·weightᵀ.
+
+    `matmul(x, weight)` returns an fp32 approximation of x·weightᵀ (x [..., in] fp32 holding the
+    helper's already-quantised activation, weight [out, in]); the helper then rounds it exactly as
+    it rounds the float64 product (BF16 or fp32). Implementations state their error bound
+    (`runtime/dense_ops.py`)."""
+
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+
+
+_DENSE_BACKEND: contextvars.ContextVar[DenseBackend | None] = contextvars.ContextVar(
+    "sglang_dsv41_dense_backend", default=None)
+
+
+@contextlib.contextmanager
+def dense_backend(backend: DenseBackend | None) -> Iterator[None]:
+    """Evaluate the dense helpers' products with `backend` inside the block (context-local:
+    contextvars; restored on exit, also after an exception). `None` = the exact float64 product
+    (the default). The reference (the oracle) never sets a backend; only the runtime's CUDA
+    forward does (`runtime/dense_ops.py`)."""
+    token = _DENSE_BACKEND.set(backend)
+    try:
+        yield
+    finally:
+        _DENSE_BACKEND.reset(token)
+
+
+def current_dense_backend() -> DenseBackend | None:
+    """The backend set by the innermost `dense_backend` block (None = exact float64)."""
+    return _DENSE_BACKEND.get()
+
+
 def _matmul_exact(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x·wᵀ accumulated in float64, returned as fp32.
 
@@ -118,8 +155,11 @@ def _matmul_exact(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     and a 32-row call can differ in the last bit). The reference instead computes the
     (nearly) exact product and rounds once, so its results do not depend on how tokens are
     batched or chunked; the runtime's fp32-accumulating kernels are compared to it with a
-    stated tolerance.
+    stated tolerance. Inside a `dense_backend(b)` block the product is `b.matmul` instead.
     """
+    backend = _DENSE_BACKEND.get()
+    if backend is not None:
+        return backend.matmul(x, weight)
     return (x.to(torch.float64) @ weight.to(torch.float64).t()).to(F32)
 
 
@@ -142,8 +182,8 @@ def matmul_fp32_exact(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     product for BF16/FP8-valued operands, whose products are exact in fp64). Unlike an fp32
     GEMM it does not depend on how many rows share the call or on the device, so chunked and
     one-shot forwards agree bit for bit. Used where an fp32 result is consumed unrounded
-    (router logits, LM-head logits, mHC mix)."""
-    return (x.to(torch.float64) @ weight.to(torch.float64).t()).to(F32)
+    (router logits, LM-head logits, mHC mix). Inside a `dense_backend(b)` block: `b.matmul`."""
+    return _matmul_exact(x, weight)
 
 
 # ---- RoPE / YaRN (spec §3.4.2) ------------------------------------------------------------
