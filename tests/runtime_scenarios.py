@@ -4,14 +4,20 @@
 SGLang-like batches over four requests (prompts of 49–61 tokens, so the tiny config's SWA window
 8, index_topk 4 and candidate span 3 × 4 entries all bind):
 
-1. A whole (49) + B's first chunk (0..12)                     — packed extend, mixed lengths
-2. B chunk 13..31 (odd start) + A decode                      — chunked prefill mixed with decode
-3. C whole (61) + B chunk 32..55 (even start) + A decode
-4. D = A's first 31 slots shared (radix hit, odd length) + its 20-token tail, A, B, C decode
+1. A whole (49, ends at even position 48 → pending pair) + B's first chunk (0..12, ends even)
+2. B chunk 13..31 (odd start: pair (12, 13) from B's pair state; ends odd) + A decode (49, odd:
+   pair (48, 49) from A's pair state)                          — chunked prefill mixed with decode
+3. C whole (61, ends even) + B chunk 32..55 (even start, ends odd) + A decode
+4. D = A's first 32 slots shared (radix hit: page-aligned, even length) + its 20-token tail
+   (ends odd), A, B, C decode
 5. A, B, C, D decode
 
+Slots come from `Slots`, a paged allocator like SGLang's (`PAGE_SIZE` tokens per page, page 0 =
+padding, a request's positions p and p+1 in one page when p is even) — what packed compressed
+entries need (contract §2); caches for it come from `allocate_caches` / `scenario_caches`.
+
 `decode[name]` are the teacher-forced decode tokens (A: 4, B: 2, C: 2, D: 1). The result maps
-each request to its logits at every position it computed, in position order (D from 31 on);
+each request to its logits at every position it computed, in position order (D from 32 on);
 `full_tokens(name, decode)` is the token list a reference one-shot forward must see to produce
 the same positions (reference logits[SHARED_PREFIX:] for D).
 """
@@ -27,8 +33,9 @@ from sglang_dsv41.runtime.forward import TorchForward
 
 ROWS = {"A": 1, "B": 2, "C": 3, "D": 4}
 DECODE_STEPS = {"A": 4, "B": 2, "C": 2, "D": 1}
-SHARED_PREFIX = 31          # odd: the ratio-2 pair (30, 31) completes in D's first chunk
+SHARED_PREFIX = 32          # page-aligned (what SGLang's radix cache hands out with page_size 4)
 D_TAIL = 20
+PAGE_SIZE = 4               # even: the two tokens of a ratio-2 entry share a page
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -52,18 +59,47 @@ def fixed_decode_tokens() -> dict[str, list[int]]:
 
 
 class Slots:
-    """A minimal SGLang-like slot map: req_to_token rows and a bump allocator (slot 0 = padding)."""
+    """A minimal SGLang-like paged slot map: req_to_token rows and a page allocator (page 0 =
+    padding, like SGLang's). Position p of a request goes to a fresh page when p % page_size == 0,
+    else to the slot after position p − 1's; a host copy of the table avoids device reads."""
 
-    def __init__(self, device: torch.device, rows: int = 8, max_context: int = 128) -> None:
-        self.table = torch.zeros(rows, max_context, dtype=torch.int32, device=device)
-        self.next_slot = 1
+    def __init__(self, device: torch.device, rows: int = 8, max_context: int = 128,
+                 page_size: int = PAGE_SIZE) -> None:
+        self.host = torch.zeros(rows, max_context, dtype=torch.int32)
+        self.table = self.host.to(device)
+        self.page_size = page_size
+        self.next_page = 1
         self.device = device
 
     def extend(self, row: int, start: int, n: int) -> torch.Tensor:
-        slots = torch.arange(self.next_slot, self.next_slot + n, dtype=torch.int32, device=self.device)
-        self.next_slot += n
-        self.table[row, start:start + n] = slots
-        return slots
+        for p in range(start, start + n):
+            if p % self.page_size == 0:
+                self.host[row, p] = self.next_page * self.page_size
+                self.next_page += 1
+            else:
+                self.host[row, p] = self.host[row, p - 1] + 1
+        self.table[row, start:start + n] = self.host[row, start:start + n].to(self.device)
+        return self.table[row, start:start + n].clone()
+
+    def share(self, dst_row: int, src_row: int, n: int) -> None:
+        """What a radix-cache hit does: dst's first n positions use src's slots (n page-aligned)."""
+        assert n % self.page_size == 0, f"prefix hit of {n} tokens is not page-aligned ({self.page_size})"
+        self.host[dst_row, :n] = self.host[src_row, :n]
+        self.table[dst_row, :n] = self.table[src_row, :n]
+
+    def free_all(self) -> None:
+        """Every page back to the allocator (tables keep stale entries, as SGLang's do)."""
+        self.next_page = 1
+
+    def num_slots(self) -> int:
+        """Slots a cache needs for every page this map can hand out."""
+        return (self.host.shape[0] * (self.host.shape[1] // self.page_size + 1) + 1) * self.page_size
+
+
+def allocate_caches(engine: TorchForward, slots: Slots) -> RuntimeCaches:
+    """Stand-alone caches sized for `slots` (identity SWA map), on the slot map's device."""
+    return RuntimeCaches.allocate(engine.text, slots.num_slots(), slots.host.shape[0], device=slots.device,
+                                  page_size=slots.page_size)
 
 
 def run_batch(engine: TorchForward, caches: RuntimeCaches, slots: Slots,
@@ -82,10 +118,18 @@ def run_batch(engine: TorchForward, caches: RuntimeCaches, slots: Slots,
     return list(torch.split(logits, [len(ids) for _, _, ids in pieces]))
 
 
+def scenario_caches(engine: TorchForward, device: torch.device) -> RuntimeCaches:
+    """Fresh caches sized for `run_scenario`'s slot map."""
+    return allocate_caches(engine, Slots(device))
+
+
 def run_scenario(engine: TorchForward, caches: RuntimeCaches, device: torch.device,
                  decode: dict[str, list[int]]) -> dict[str, torch.Tensor]:
-    """The five batches of the module docstring; logits per request in position order."""
+    """The five batches of the module docstring (`caches` fresh, from `scenario_caches`); logits
+    per request in position order."""
     p, slots = prompts(), Slots(device)
+    if caches.num_slots < slots.num_slots() or caches.num_req_rows < slots.host.shape[0]:
+        raise ValueError("run_scenario needs caches from scenario_caches (enough slots and request rows)")
     seq = {name: full_tokens(name, decode) for name in ROWS}
     done = {name: 0 for name in ROWS}
     got: dict[str, list[torch.Tensor]] = {name: [] for name in ROWS}
@@ -102,7 +146,7 @@ def run_scenario(engine: TorchForward, caches: RuntimeCaches, device: torch.devi
     batch(("A", len(p["A"])), ("B", 13))
     batch(("B", 19), ("A", 1))
     batch(("C", len(p["C"])), ("B", len(p["B"]) - 32), ("A", 1))
-    slots.table[ROWS["D"], :SHARED_PREFIX] = slots.table[ROWS["A"], :SHARED_PREFIX]
+    slots.share(ROWS["D"], ROWS["A"], SHARED_PREFIX)
     done["D"] = SHARED_PREFIX
     batch(("D", D_TAIL), ("A", 1), ("B", 1), ("C", 1))
     batch(("A", 1), ("B", 1), ("C", 1), ("D", 1))
@@ -113,16 +157,16 @@ def run_scenario(engine: TorchForward, caches: RuntimeCaches, device: torch.devi
 
 def one_shot_logits(engine: TorchForward, device: torch.device, tokens: list[int]) -> torch.Tensor:
     """Logits [len, vocab] (CPU) of one request prefilled in one batch of its own, fresh caches."""
-    caches = RuntimeCaches.allocate(engine.text, len(tokens) + 1, device=device)
-    return run_batch(engine, caches, Slots(device, rows=2, max_context=len(tokens)), [(1, 0, tokens)])[0]
+    slots = Slots(device, rows=2, max_context=len(tokens))
+    return run_batch(engine, allocate_caches(engine, slots), slots, [(1, 0, tokens)])[0]
 
 
 def greedy_generate(engine: TorchForward, device: torch.device, prompt_ids: list[int],
                     max_new_tokens: int) -> list[int]:
     """Greedy tokens (argmax, lowest id on ties) of one request alone: one-shot prefill, then one
     decode batch per token — `ReferenceModel.generate`'s schedule on the runtime forward."""
-    caches = RuntimeCaches.allocate(engine.text, len(prompt_ids) + max_new_tokens + 1, device=device)
     slots = Slots(device, rows=2, max_context=len(prompt_ids) + max_new_tokens)
+    caches = allocate_caches(engine, slots)
     logits = run_batch(engine, caches, slots, [(1, 0, list(prompt_ids))])[0]
     tokens = [int(torch.argmax(logits[-1]))]
     while len(tokens) < max_new_tokens:

@@ -1,26 +1,29 @@
-"""The attention sublayer over a packed SGLang batch, caches in slot buffers (spec §3.4, §3.5).
+"""The attention sublayer over a packed SGLang batch (spec §3.4, §3.5; phase-2 contracts §1–§4).
 
 The math is the reference's (`sglang_dsv41.reference.attention` / `compressor` / `indexer` /
-`ops`), called on tensors; only the cache storage and addressing differ. Attention and the
-indexer selection run through `attention_ops` (CPU: the reference's float64 math; CUDA: the
-Triton kernels), so this sublayer reads the same on both devices:
+`ops`), called on tensors; only the cache storage and addressing differ (`runtime/cache.py`).
+Attention and the indexer selection run through `attention_ops` (CPU: the reference's float64
+math; CUDA: the Triton kernels), so this sublayer reads the same on both devices:
 
-1. `project_q_kv` for every token of the batch at once (per-token math), the SWA read-back
-   (`ops.swa_cache_roundtrip`) written to SGLang's pool row of the token's slot;
-2. kv sources: ratio 1 → `ratio1_latents` for the whole batch; ratio 2 → every even-position
-   token's fp32 `wkv` / `wgate` outputs go to the pair-state rows of its slot, and every
-   odd-position token p completes the pair (p−1, p) with its first token's state read from the
-   slot of p−1 (written just now, or by an earlier chunk / a prefix-cache owner); stored latents
-   and index keys (`stored_latents`, `index_keys`) go to the slot of the completing token (ratio
-   2: the odd token 2g+1; ratio 1: the token itself). Whole batch, no per-request loop;
-3. indexer layers: `attention_ops.select` (keys = the source's index keys of compressed positions
-   0..⌊seq_len/ratio⌋−1, read from their slots — exactly the keys the reference state holds
-   after the source ran on this chunk); other compressed layers reuse the latest same-ratio
-   indexer's selection of this forward (`ForwardScratch`, spec §1.3);
-4. slots per query = its SWA window (positions p−W+1..p, oldest first) then its selected
-   compressed entries (−1 = none); `attention_ops.attend`; `output_projection`.
+1. `project_q_kv` for every token of the batch at once (per-token math); the SWA read-back
+   (`ops.swa_cache_roundtrip`) goes to `swa[layer][swa_slot_of[slot]]`;
+2. kv sources write packed FP4 entries (`kv_layout`): ratio 1 → every token completes entry
+   e = its slot; ratio 2 → the odd-position token p completes the pair (p−1, p), entry
+   e = slot(p) // 2, pooled from its own fp32 `wkv` / `wgate` outputs and its first token's —
+   taken from the batch when p−1 is in it, else from the request's pair state
+   `pair_kv/pair_score[src][req_row]`; after the layer every request whose last batch token is
+   at an even position stores that token's outputs there (spec §3.4.3). Whole batch, no
+   per-request loop; even tokens write "no entry" (−1, the padding-page sink);
+3. indexer layers: `attention_ops.select` (keys = the source's FP4 index keys of compressed
+   positions 0..⌊seq_len/ratio⌋−1, entry slot(j·r + r − 1) // r — exactly the keys the reference
+   state holds after the source ran on this chunk); other compressed layers reuse the latest
+   same-ratio indexer's selection of this forward (`ForwardScratch`, spec §1.3);
+4. keys per query = its SWA window (positions p−W+1..p, oldest first, as SWA slots) then its
+   selected compressed entries (−1 = none); `attention_ops.attend`; `output_projection`.
 
-Batch independence: every query's keys come only from its own request's slots.
+Batch independence: every query's keys come only from its own request's slots and pair state.
+Checks that need the values of device tensors (a stale pair state, an SWA slot freed inside the
+window) run on CPU only — the CUDA path adds no host synchronisation.
 """
 from __future__ import annotations
 
@@ -33,10 +36,11 @@ from torch import Tensor
 from ..config import LayerRole, TextConfig
 from ..reference import ops
 from ..reference.attention import layer_inv_freq, swa_key_positions
-from ..reference.compressor import index_keys, linear_fp32_out, ratio1_latents, stored_latents
+from ..reference.compressor import linear_fp32_out, ratio1_latents
 from . import attention_ops
 from .batch import BatchLayout
-from .cache import RuntimeCaches, entry_positions
+from .cache import RuntimeCaches
+from .kv_layout import encode_entries, entry_positions
 from .tensor_parallel import SINGLE, TensorParallel
 
 __all__ = ["ForwardScratch", "attention_sublayer", "entry_positions"]
@@ -67,34 +71,67 @@ def _pair_latents(cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, a_first
     return ops.rms_norm(ops.bf16(pooled), w[prefix + "compressor.norm.weight"], cfg.rms_norm_eps)
 
 
+def _packed_entries(cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, latents: Tensor, rope_positions: Tensor,
+                    inv_freq: Tensor, caches: RuntimeCaches) -> Tensor:
+    """uint8 [n, E] packed entries of pre-RoPE latents: the encoders take the values right before
+    the reference's FP4 fake quantisation — RoPE(latent) (`compressor.stored_latents`) and
+    RoPE(RMSNorm_k_norm(indexer.wk·latent)) (`compressor.index_keys`) — so the decoded entries are
+    the reference's stored latents and index keys bit for bit (spec §3.4.3; cache profiles
+    NONE / FP4, whose compressed read-back is the FP4 value itself, spec §3.8)."""
+    roped = ops.apply_rope_tail(latents, rope_positions, inv_freq)
+    k = ops.linear_bf16(latents, w[prefix + "indexer.wk.weight"])
+    k = ops.rms_norm(k, w[prefix + "indexer.k_norm.weight"], cfg.rms_norm_eps)
+    return encode_entries(caches.layout, roped, ops.apply_rope_tail(k, rope_positions, inv_freq))
+
+
+def _check_pair_state(src: int, from_state: Tensor, req_rows: Tensor, pos: Tensor, caches: RuntimeCaches) -> None:
+    """CPU only: an odd token whose first token is not in the batch needs the request's pending
+    pair state of position p − 1 (a prefix hit at an odd length would not have one)."""
+    stale = from_state & (caches.pair_position[src][req_rows] != pos - 1)
+    if bool(stale.any()):
+        t = int(torch.nonzero(stale)[0, 0])
+        raise RuntimeError(
+            f"sglang-dsv41: kv source {src}: the token at odd position {int(pos[t])} of request row "
+            f"{int(req_rows[t])} completes a ratio-2 pair whose first token is neither in this batch nor "
+            f"the request's pending pair state (holds position {int(caches.pair_position[src][req_rows[t]])}); "
+            "a forward must start at an even position or continue the request's previous chunk "
+            "(prefix hits are page-aligned with an even page_size, contract §4)")
+
+
 def _write_compressed(cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str, x: Tensor,
                       layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor) -> None:
-    """Compressed latents + index keys of a kv-source layer for the whole batch (spec §3.4.3).
+    """Packed entries of a kv-source layer for the whole batch (spec §3.4.3, contract §2, §4).
 
     Ratio 2 without data-dependent shapes: every token computes a candidate entry (odd p: the
-    pair (p−1, p)); rows are written through `torch.where`, so an even token's slot keeps its
-    latent / index-key rows and an odd token's slot keeps its pair-state rows."""
+    pair (p−1, p)); only odd tokens write theirs (even tokens write entry −1, the sink)."""
     src, ratio, pos, out = role.layer, role.ratio, layout.positions, layout.out_slots
     if ratio == 1:
         latents = ratio1_latents(cfg, w, prefix, x)
-        caches.write_compressed(src, out, stored_latents(cfg, latents, pos, inv_freq, caches.profile),
-                                index_keys(cfg, w, prefix, latents, pos, inv_freq))
+        caches.write_entries(src, out, _packed_entries(cfg, w, prefix, latents, pos, inv_freq, caches))
         return
     if ratio != 2:
         raise ValueError(f"layer {src}: compress ratio {ratio} is not a V4.1 ratio (1 or 2)")
     a = linear_fp32_out(x, w[prefix + "compressor.wkv.weight"])
     s = linear_fp32_out(x, w[prefix + "compressor.wgate.weight"])
-    even = ((pos % 2) == 0)[:, None]
-    caches.write_pair_state(src, out, torch.where(even, a, caches.pair_kv[src][out]),
-                            torch.where(even, s, caches.pair_score[src][out]))
-    first_pos = (pos - 1).clamp(min=0)                   # odd p: the pair's first token p − 1
-    first = layout.slots_at(layout.token_req, first_pos)
-    latents = _pair_latents(cfg, w, prefix, caches.pair_kv[src][first], caches.pair_score[src][first], a, s)
-    stored = stored_latents(cfg, latents, first_pos, inv_freq, caches.profile)
-    keys = index_keys(cfg, w, prefix, latents, first_pos, inv_freq)
-    caches.write_compressed(src, out,
-                            torch.where(even, caches.latents[src][out].to(torch.float32), stored),
-                            torch.where(even, caches.index_keys[src][out].to(torch.float32), keys))
+    req_rows = layout.req_rows[layout.token_req]                              # [N] request row per token
+    odd = (pos % 2) == 1
+    in_batch = (pos > layout.prefix_lens[layout.token_req])[:, None]          # token p − 1 is in the batch
+    prev = (torch.arange(pos.shape[0], device=pos.device) - 1).clamp(min=0)
+    if x.device.type == "cpu":
+        _check_pair_state(src, odd & ~in_batch[:, 0], req_rows, pos, caches)
+    a_first = torch.where(in_batch, a[prev], caches.pair_kv[src][req_rows])
+    s_first = torch.where(in_batch, s[prev], caches.pair_score[src][req_rows])
+    first_pos = (pos - 1).clamp(min=0)                   # odd p: the pair's first token p − 1 (RoPE position)
+    latents = _pair_latents(cfg, w, prefix, a_first, s_first, a, s)
+    entries = torch.where(odd, out // 2, -1)
+    caches.write_entries(src, entries, _packed_entries(cfg, w, prefix, latents, first_pos, inv_freq, caches))
+    # pending first tokens: requests whose last batch token sits at an even position
+    last = layout.last_tokens
+    pending = ((pos[last] % 2) == 0)
+    rows = layout.req_rows
+    caches.pair_kv[src][rows] = torch.where(pending[:, None], a[last], caches.pair_kv[src][rows])
+    caches.pair_score[src][rows] = torch.where(pending[:, None], s[last], caches.pair_score[src][rows])
+    caches.pair_position[src][rows] = torch.where(pending, pos[last], -1)
 
 
 def _selection(cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str, x: Tensor,
@@ -141,16 +178,31 @@ def attention_sublayer(cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor]
 
     q_lora, q, kv = tp.project_q_kv(cfg, w, prefix, x, pos, inv_freq, act_quant)
     caches.write_swa(layer, layout.out_slots, ops.swa_cache_roundtrip(kv, caches.profile, cfg.qk_rope_head_dim))
-    swa_slots = _request_slots(layout, swa_key_positions(pos, cfg.sliding_window))      # [N, W]
+    window = _request_slots(layout, swa_key_positions(pos, cfg.sliding_window))           # [N, W] full slots
+    swa_slots = caches.swa_slots(window)
+    if x.device.type == "cpu":
+        _check_window(layer, window, swa_slots, layout)
 
-    comp_cache = comp_slots = None
+    packed = comp_entries = None
     if role.ratio > 0:
         if role.computes_latents:
             _write_compressed(cfg, role, w, prefix, x, layout, caches, inv_freq)
         selection = _selection(cfg, role, w, prefix, x, q_lora, layout, caches, scratch, inv_freq, act_quant)
         comp_positions = torch.where(selection >= 0, entry_positions(selection, role.ratio), -1)
-        comp_slots = _request_slots(layout, comp_positions)                              # [N, index_topk]
-        comp_cache = caches.latents[role.kv_source]
+        comp_slots = _request_slots(layout, comp_positions)                                # [N, index_topk]
+        comp_entries = torch.where(comp_slots >= 0, comp_slots // role.ratio, -1)
+        packed = caches.packed(role.kv_source)
 
-    o = attention_ops.attend(q, w[prefix + "attn_sink"], caches.swa[layer], swa_slots, comp_cache, comp_slots)
+    o = attention_ops.attend(q, w[prefix + "attn_sink"], caches.swa[layer], swa_slots, packed, comp_entries)
     return tp.output_projection(cfg, w, prefix, o, pos, inv_freq, act_quant)
+
+
+def _check_window(layer: int, window: Tensor, swa_slots: Tensor, layout: BatchLayout) -> None:
+    """CPU only: every position of a query's SWA window has a live SWA slot (SGLang maps a
+    freed one to 0, its padding slot)."""
+    dead = (window >= 0) & (swa_slots <= 0)
+    if bool(dead.any()):
+        t, k = (int(v) for v in torch.nonzero(dead)[0])
+        raise RuntimeError(f"sglang-dsv41: layer {layer}: the SWA window of the token at position "
+                           f"{int(layout.positions[t])} needs full slot {int(window[t, k])}, which has no live SWA "
+                           f"slot (swa_slot_of = {int(swa_slots[t, k])}; freed by the SWA radix cache?)")

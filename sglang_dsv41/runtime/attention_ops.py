@@ -16,19 +16,26 @@ layers amplify it), but it is batch-invariant: a request gets the same bits alon
 batched or on a prefix-cache hit (tests/test_runtime_forward_gpu.py).
 
 Contracts (both implementations):
-* `attend(q, sink, swa_cache, swa_slots, comp_cache, comp_slots)`: q [N, H, D] BF16-valued
-  fp32; caches [S, D] rows addressed by slot; `swa_slots` [N, W] the query's window, then
-  `comp_slots` [N, K] its selected compressed entries (None for ratio-0 layers); −1 = no key;
-  no de-duplication between the two lists (§3.4.5). Returns [N, H, D] BF16-valued fp32.
+* `attend(q, sink, swa_cache, swa_slots, packed, comp_entries)`: q [N, H, D] BF16-valued fp32;
+  `swa_cache` [S_swa, D] rows addressed by SWA slot, `swa_slots` [N, W] the query's window;
+  `packed` the layer's kv source (`kv_layout.PackedSourceRows`: packed FP4 rows, contract §1–§2)
+  and `comp_entries` [N, K] its selected entry indices (both None for ratio-0 layers); −1 = no
+  key; no de-duplication between the two lists (§3.4.5). Returns [N, H, D] BF16-valued fp32.
   CUDA: within one BF16 ulp of the output scale (max |o| of that query and head) of the CPU
   value on the same inputs (kernel docstring, measured on an H200); batch-invariant
   (`ATTENTION_KEY_SPLITS`).
 * `select(cfg, role, w, prefix, x, q_lora, layout, caches, inv_freq, act_quant, published)`:
   (selection [N, index_topk] request-local compressed positions, ascending, −1 padded;
   candidate blocks [N, candidate_topk_blocks] for the candidate source, else None).
-  `published` = the candidate source's blocks for the same N queries (consumers only).
+  `published` = the candidate source's blocks for the same N queries (consumers only). Keys of
+  compressed position j of request r: entry slot(j·r + r − 1) // r of the source's packed rows.
   CUDA: scores equal the reference's bit for bit (float64 head sum), so the same inputs give
   the same selection (exact tie rule of `select_topk`).
+
+Packed entries on CUDA: the Triton kernels of this phase read BF16 rows, so the entries a call
+needs are decoded with torch first (`PackedSourceRows.latents` / `.keys`, exact: every decoded
+value is BF16-representable) into a temporary BF16 buffer — attention per query chunk of at most
+`DECODED_ELEMENTS_PER_CHUNK` decoded elements, the indexer for the batch's entry table.
 
 The CUDA path has no per-request loop and no host synchronisation (slot tables are built on
 the device; the only loop is over query chunks of the [N, E] score matrix, whose sizes are known
@@ -50,7 +57,8 @@ from ..reference.attention import attend_with_sink
 from ..reference.indexer import index_query, run_indexer, visible_counts
 from ..reference.ops import softmax_scale
 from .batch import BatchLayout
-from .cache import RuntimeCaches, entry_positions
+from .cache import RuntimeCaches
+from .kv_layout import PackedSourceRows, entry_positions
 
 #: The kernel modules the CUDA path needs (installed from `kernels/`, see pyproject.toml).
 KERNEL_MODULES = {"sparse_attention": "sglang_dsv41.kernels.sparse_attention",
@@ -66,6 +74,9 @@ SCORE_ELEMENTS_PER_CHUNK = 1 << 25
 #: order with it). With the float64 head sum of the indexer, the whole CUDA forward then gives the
 #: same bits for a request whether it runs alone, chunked, batched or on a prefix-cache hit.
 ATTENTION_KEY_SPLITS = 1
+#: Decoded compressed-key elements (bf16) per query chunk of the CUDA attention: 2^27 = 256 MiB —
+#: a Flash decode batch of 256 queries × 512 selected entries × 512 dims is one chunk.
+DECODED_ELEMENTS_PER_CHUNK = 1 << 27
 
 
 class AttentionOps(Protocol):
@@ -74,7 +85,7 @@ class AttentionOps(Protocol):
     description: str
 
     def attend(self, q: Tensor, sink: Tensor, swa_cache: Tensor, swa_slots: Tensor,
-               comp_cache: Tensor | None, comp_slots: Tensor | None) -> Tensor: ...
+               packed: PackedSourceRows | None, comp_entries: Tensor | None) -> Tensor: ...
 
     def select(self, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str, x: Tensor,
                q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
@@ -89,36 +100,46 @@ def gather_rows(buffer: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class ReferenceAttentionOps:
-    """CPU: the reference's float64 math on gathered rows (bit-identical to `ReferenceModel`)."""
+    """CPU: the reference's float64 math on gathered rows and decoded packed entries
+    (bit-identical to `ReferenceModel`)."""
 
     description = "torch reference path (float64, bit-identical to ReferenceModel)"
 
     def attend(self, q: Tensor, sink: Tensor, swa_cache: Tensor, swa_slots: Tensor,
-               comp_cache: Tensor | None, comp_slots: Tensor | None) -> Tensor:
+               packed: PackedSourceRows | None, comp_entries: Tensor | None) -> Tensor:
         keys, valid = gather_rows(swa_cache, swa_slots)
-        if comp_cache is not None and comp_slots is not None:
-            c_keys, c_valid = gather_rows(comp_cache, comp_slots)
+        if packed is not None and comp_entries is not None:
+            c_valid = comp_entries >= 0
+            c_keys = torch.where(c_valid[..., None], packed.latents(comp_entries), 0.0)
             keys, valid = torch.cat((keys, c_keys), dim=1), torch.cat((valid, c_valid), dim=1)
         return attend_with_sink(q, keys, sink, valid)
 
     def select(self, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str, x: Tensor,
                q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
                act_quant: bool, published: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """Per request: `run_indexer` over the index keys of compressed positions
-        0..⌊seq_len/ratio⌋−1 gathered from their slots (what the reference state holds)."""
+        """Per request: `run_indexer` over the decoded index keys of compressed positions
+        0..⌊seq_len/ratio⌋−1 (what the reference state holds)."""
         src, ratio = role.kv_source, role.ratio
         assert src is not None
+        packed = caches.packed(src)
         selections, blocks = [], []
         for b in range(layout.num_requests):
             rows = layout.token_range(b)
             n_entries = int(layout.seq_lens[b]) // ratio
             entry_slots = layout.request_slots(b, entry_positions(torch.arange(n_entries, device=x.device), ratio))
-            keys = caches.index_keys[src][entry_slots].to(torch.float32)
+            keys = packed.keys(entry_slots // ratio)
             result = run_indexer(cfg, role, w, prefix, x[rows], q_lora[rows], layout.positions[rows], keys,
                                  inv_freq, act_quant, None if published is None else published[rows])
             selections.append(result.selection)
             blocks.append(result.blocks)
         return torch.cat(selections), (torch.cat(blocks) if role.candidate_source else None)
+
+
+def _decoded_table(values: Tensor, entries: Tensor) -> tuple[Tensor, Tensor]:
+    """(values [n, d] → contiguous bf16 [n, d] rows, and `entries`' shape filled with the row
+    index of each entry, −1 where the entry is −1): decoded entries as a slot-addressed cache."""
+    index = torch.arange(entries.numel(), device=entries.device).reshape(entries.shape)
+    return values.to(torch.bfloat16).contiguous(), torch.where(entries >= 0, index, -1)
 
 
 class KernelAttentionOps:
@@ -132,24 +153,37 @@ class KernelAttentionOps:
         self.indexer = indexer
 
     def attend(self, q: Tensor, sink: Tensor, swa_cache: Tensor, swa_slots: Tensor,
-               comp_cache: Tensor | None, comp_slots: Tensor | None) -> Tensor:
-        for name, cache in (("SWA", swa_cache), ("compressed", comp_cache)):
-            if cache is not None and cache.dtype != torch.bfloat16:
-                raise RuntimeError(f"sglang-dsv41: the CUDA attention kernel reads BF16 {name} cache rows, got "
-                                   f"{cache.dtype} (serve with the model dtype bfloat16 and --kv-cache-dtype auto)")
+               packed: PackedSourceRows | None, comp_entries: Tensor | None) -> Tensor:
+        """Query chunks of ≤ `DECODED_ELEMENTS_PER_CHUNK` decoded key elements (sizes known on the
+        host); with one key split per query the chunking does not change any query's bits."""
+        if swa_cache.dtype != torch.bfloat16:
+            raise RuntimeError(f"sglang-dsv41: the CUDA attention kernel reads BF16 SWA cache rows, got "
+                               f"{swa_cache.dtype} (serve with the model dtype bfloat16 and --kv-cache-dtype auto)")
         N, H, D = q.shape
-        plan = self.sparse_attention.plan_config(N, H, D, swa_slots.shape[1],
-                                                 0 if comp_slots is None else comp_slots.shape[1], sm_count=1)
-        o = self.sparse_attention.sparse_sink_attention(
-            q.to(torch.bfloat16), swa_cache, swa_slots, comp_cache, comp_slots, sink.to(torch.float32),
-            softmax_scale(D), config=dataclasses.replace(plan, num_splits=ATTENTION_KEY_SPLITS))
-        return o.to(torch.float32)
+        K = 0 if comp_entries is None else comp_entries.shape[1]
+        plan = self.sparse_attention.plan_config(N, H, D, swa_slots.shape[1], K, sm_count=1)
+        config = dataclasses.replace(plan, num_splits=ATTENTION_KEY_SPLITS)
+        qb, sink32, scale = q.to(torch.bfloat16), sink.to(torch.float32), softmax_scale(D)
+        if packed is None or comp_entries is None:
+            o = self.sparse_attention.sparse_sink_attention(qb, swa_cache, swa_slots, None, None, sink32, scale,
+                                                            config=config)
+            return o.to(torch.float32)
+        rows = max(1, DECODED_ELEMENTS_PER_CHUNK // max(K * D, 1))
+        outs = []
+        for start in range(0, N, rows):
+            part = slice(start, min(start + rows, N))
+            comp_cache, comp_slots = _decoded_table(packed.latents(comp_entries[part]).reshape(-1, D),
+                                                    comp_entries[part])
+            outs.append(self.sparse_attention.sparse_sink_attention(
+                qb[part], swa_cache, swa_slots[part], comp_cache, comp_slots, sink32, scale, config=config))
+        return (outs[0] if len(outs) == 1 else torch.cat(outs)).to(torch.float32)
 
     def select(self, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str, x: Tensor,
                q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
                act_quant: bool, published: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """Whole batch: entry j of request r is the slot of its position j·ratio + ratio − 1
-        (`entry_slot_table`, −1 beyond ⌊seq_len/ratio⌋); query t sees j < ⌊(p_t+1)/ratio⌋.
+        """Whole batch: compressed position j of request r is entry slot(j·ratio + ratio − 1) //
+        ratio (`entry_slot_table`, −1 beyond ⌊seq_len/ratio⌋), decoded into a BF16 key table of
+        the batch's entries; query t sees j < ⌊(p_t+1)/ratio⌋.
         Input checks are off (no host sync): the table and visibilities are built from the
         checked `BatchLayout`, so every visible entry has a slot by construction."""
         src, ratio = role.kv_source, role.ratio
@@ -159,12 +193,15 @@ class KernelAttentionOps:
         n_visible = visible_counts(layout.positions, ratio)
         width = layout.max_seq_len // ratio
         entry_slots = K.entry_slot_table(layout.req_to_token, layout.req_rows, layout.seq_lens // ratio, ratio, width)
+        entries = torch.where(entry_slots >= 0, entry_slots // ratio, -1)                 # [R, width]
+        key_cache, entry_table = _decoded_table(caches.packed(src).keys(entries).reshape(-1, cfg.index_head_dim),
+                                                entries)
         N = layout.num_tokens
         rows = max(1, SCORE_ELEMENTS_PER_CHUNK // max(width, 1))
         selections, blocks = [], []
         for start in range(0, max(N, 1), rows):
             part = slice(start, min(start + rows, N))
-            scores = K.index_scores(query.q[part], query.head_weights[part], caches.index_keys[src], entry_slots,
+            scores = K.index_scores(query.q[part], query.head_weights[part], key_cache, entry_table,
                                     layout.token_req[part], n_visible[part], head_sum_fp64=True, check_inputs=False)
             selection, chunk_blocks = K.select_for_role(cfg, role, scores, n_visible[part],
                                                         None if published is None else published[part],
@@ -207,10 +244,11 @@ def ops_for(device: torch.device) -> AttentionOps:
                        "reference path; CUDA: Triton kernels)")
 
 
-def attend(q: Tensor, sink: Tensor, swa_cache: Tensor, swa_slots: Tensor, comp_cache: Tensor | None,
-           comp_slots: Tensor | None) -> Tensor:
-    """Sparse attention with sink over slot rows (module contract), on q's device."""
-    return ops_for(q.device).attend(q, sink, swa_cache, swa_slots, comp_cache, comp_slots)
+def attend(q: Tensor, sink: Tensor, swa_cache: Tensor, swa_slots: Tensor, packed: PackedSourceRows | None,
+           comp_entries: Tensor | None) -> Tensor:
+    """Sparse attention with sink over SWA rows and packed compressed entries (module contract),
+    on q's device."""
+    return ops_for(q.device).attend(q, sink, swa_cache, swa_slots, packed, comp_entries)
 
 
 def select(cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str, x: Tensor, q_lora: Tensor,

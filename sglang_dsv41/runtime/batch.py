@@ -8,7 +8,8 @@ tokens (1 in decode) at positions `prefix_len[b] .. seq_lens[b] − 1`, whose sl
 
 Invariant checked here (the torch path depends on it): every request's tokens are contiguous in
 the batch and sit at consecutive absolute positions starting at its prefix length, and
-`out_cache_loc` equals the request's `req_to_token` row at those positions. Anything else
+`out_cache_loc` equals the request's `req_to_token` row at those positions, and those slots are
+aligned in groups of `SLOT_GROUP` (packed compressed entries, contract §2). Anything else
 (speculative verify/draft modes, a mismatched slot map) raises instead of computing garbage.
 """
 from __future__ import annotations
@@ -20,6 +21,9 @@ from torch import Tensor
 
 #: SGLang forward modes the torch path serves (by `ForwardMode.name`).
 SUPPORTED_MODES = ("EXTEND", "DECODE", "MIXED", "IDLE")
+#: Slots come in aligned groups of the largest V4.1 compress ratio (2): the r tokens of one
+#: compressed entry hold its packed bytes (contract §2), so SGLang's page_size must be even.
+SLOT_GROUP = 2
 
 
 @dataclass(frozen=True)
@@ -62,14 +66,24 @@ class BatchLayout:
         rows = self.req_rows[token_req]
         return self.req_to_token[rows, positions].to(torch.int64)
 
+    @property
+    def last_tokens(self) -> Tensor:
+        """[B] batch index of each request's last token."""
+        return self.starts + self.extend_lens - 1
+
     def request_slots(self, b: int, positions: Tensor) -> Tensor:
         """Slots of request b at absolute `positions` (1-D, ≥ 0)."""
         return self.req_to_token[self.req_rows[b], positions].to(torch.int64)
 
 
 def make_layout(req_rows: Tensor, prefix_lens: Tensor, extend_lens: Tensor, positions: Tensor,
-                out_slots: Tensor, req_to_token: Tensor) -> BatchLayout:
-    """A checked `BatchLayout` (see the module invariant); all index tensors on one device."""
+                out_slots: Tensor, req_to_token: Tensor, slot_group: int = SLOT_GROUP) -> BatchLayout:
+    """A checked `BatchLayout` (see the module invariant); all index tensors on one device.
+
+    Also checks the slot alignment of packed compressed entries (contract §2): the token at
+    position p sits in slot s with s ≡ p (mod `slot_group`), in the same aligned group as the
+    slot of position p − p mod `slot_group`, and never in the padding slots 0..slot_group−1 —
+    what SGLang's paged allocator gives when page_size is a multiple of `slot_group`."""
     device = positions.device
     req_rows, prefix_lens, extend_lens = (x.to(device=device, dtype=torch.int64).reshape(-1)
                                           for x in (req_rows, prefix_lens, extend_lens))
@@ -91,9 +105,22 @@ def make_layout(req_rows: Tensor, prefix_lens: Tensor, extend_lens: Tensor, posi
                          seq_lens=seq_lens, starts=starts, positions=pos, token_req=token_req,
                          out_slots=out_slots, req_to_token=req_to_token,
                          max_seq_len=int(seq_lens.max()) if B else 0)
-    if N and not torch.equal(layout.slots_at(token_req, pos), out_slots):
-        raise RuntimeError("sglang-dsv41: out_cache_loc disagrees with req_to_token at the batch's "
-                           "positions (the slot map must be written before the forward)")
+    if N:
+        mapped = layout.slots_at(token_req, pos)
+        first_of_group = layout.slots_at(token_req, pos - pos % slot_group)
+        aligned = (out_slots % slot_group == pos % slot_group) & (out_slots - pos % slot_group == first_of_group) \
+            & (out_slots >= slot_group)
+        if not bool(torch.logical_and(mapped == out_slots, aligned).all()):   # the one host sync
+            if not torch.equal(mapped, out_slots):
+                raise RuntimeError("sglang-dsv41: out_cache_loc disagrees with req_to_token at the batch's "
+                                   "positions (the slot map must be written before the forward)")
+            bad = int(torch.nonzero(~aligned)[0, 0])
+            raise RuntimeError(
+                f"sglang-dsv41: token at position {int(pos[bad])} of request row {int(req_rows[token_req[bad]])} "
+                f"has slot {int(out_slots[bad])}, but packed compressed entries need the {slot_group} tokens of "
+                f"positions {slot_group}j..{slot_group}j+{slot_group - 1} in slots {slot_group}e..{slot_group}e+"
+                f"{slot_group - 1}, outside the padding slots 0..{slot_group - 1}: SGLang's page_size must be a "
+                f"multiple of {slot_group} (contract §2)")
     return layout
 
 

@@ -1,33 +1,31 @@
-"""Per-layer cache buffers of the torch path, addressed by SGLang's token slot (spec §3.4, §3.3.1).
+"""Cache buffers of the torch path: packed global KV rows, window-bounded SWA, request-scoped pair
+state (spec §3.4, §3.3.1, §3.8; phase-2 contracts §2–§4).
 
-Every cache is a buffer with one row per KV slot of SGLang's token pool (`pool.size +
-pool.page_size` rows, the same index space as `out_cache_loc` and `req_to_token`):
+| field | shape / dtype | indexed by | holds |
+|---|---|---|---|
+| `rows` | uint8 [S_full, 2·⌈row_bytes/2⌉] | full slot (SGLang `req_to_token`, `out_cache_loc`) | packed FP4 compressed entries of every kv source (`kv_layout`, contract §1–§2) — SGLang's "full" pool |
+| `swa[l]` | [S_swa, D] bf16 | SWA slot = `swa_slot_of[full slot]` | read-back SWA kv of model layer l (`profile` applied, spec §3.8) — SGLang's SWA pool |
+| `swa_slot_of` | int [S_full] | full slot | its SWA slot (0 = none: SGLang's padding slot; freed outside the window) |
+| `token_ids` | int32 [S_swa] | SWA slot | the (remapped) token id — Engram history (K ≤ W−1 ids before a chunk are always in the live window) |
+| `pair_kv[src]`, `pair_score[src]` | fp32 [num_req_rows, D] | SGLang request row | ratio-2 sources: fp32 `wkv` / `wgate` outputs of a request's pending even-position token |
+| `pair_position[src]` | int64 [num_req_rows] | request row | position of that pending token (−1 none) — lets the CPU path refuse a stale pair state |
 
-| buffer                       | rows hold (for the token in that slot)                     | dtype |
-|------------------------------|-------------------------------------------------------------|-------|
-| `swa[layer]` (every layer)   | read-back SWA kv (`profile` applied, spec §3.8) — **SGLang's own MHA pool `k_buffer[layer]`** | pool dtype (bf16) |
-| `latents[src]` (kv sources)  | stored compressed latent of the pair/token **ending** at this slot (ratio 1: every slot; ratio 2: odd positions) | bf16 |
-| `index_keys[src]`            | FP4 index key, same slot rule                               | bf16  |
-| `pair_kv[src]`, `pair_score[src]` (ratio-2 sources) | fp32 `wkv` / `wgate` outputs of an **even**-position token, so its pair can complete in a later chunk | fp32 |
-| `token_ids`                  | the (remapped) token id — Engram n-gram history is read from earlier slots | int64 |
+Exactness: every stored value is the reference's value exactly — SWA read-back values are BF16
+(profile NONE) or E4M3 × power-of-two (FP8 / FP4 profiles), all BF16-representable; compressed
+latents and index keys are the FP4 codes of the reference's own fake quantisation
+(`kv_layout`). The FP8 cache profile re-rounds compressed latents to "v4" FP8, which packed FP4
+entries cannot hold: it is refused. The pair state stays fp32: the pooling consumes it
+unrounded (spec §3.4.3).
 
-Why slots: a request's state is then exactly the rows its `req_to_token` row points at. A radix
-prefix hit shares slots computed by an earlier request, and those rows hold what a cold run of
-the shared prefix computes (every row depends only on tokens at or before it) — so prefix
-caching, chunked prefill at any (odd or even) boundary, decode and preemption all read correct
-state without request-scoped copies. PD transfer / HiCache can later copy these buffers page-wise.
-
-Exactness: every stored value is BF16-representable (SWA read-back values and FP4 latents/keys
-are E4M3/E2M1 × power-of-two or BF16 values, spec §3.8), so BF16 rows are lossless; the pair
-state stays fp32 because the pooling consumes it unrounded (spec §3.4.3). A pool with another
-dtype (e.g. `--kv-cache-dtype fp8_e4m3`) is refused.
-
-Sizing: from SGLang's pool (its token capacity), never a constant. SGLang budgets only the SWA
-rows (`v_head_dim = 0`, see `hf_config.py`); the other buffers are added on top and reported by
-`RuntimeCaches.bytes_per_token()` / `describe()`.
+Addressing invariants (the forward relies on them; SGLang guarantees them with an even
+page_size): compressed entry e of a ratio-r source lives in rows e·r..e·r+r−1, the slots of the r
+tokens of one compressed position (aligned pages); page 0 is SGLang's padding page, so entry 0 is
+the write sink of "no entry" (`kv_layout.write_entries`). A prefix hit is page-aligned, hence
+starts at an even position: a fresh request never needs a pending pair state.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,117 +33,168 @@ from torch import Tensor
 
 from ..config import TextConfig
 from ..reference.ops import CacheProfile
+from .kv_layout import CompressedRowLayout, PackedSourceRows, write_entries
 
-#: Pool dtypes that hold our BF16-valued SWA rows exactly (the CUDA attention kernel reads bf16).
+#: dtypes that hold our BF16-valued SWA rows exactly (the CUDA attention kernel reads bf16).
 EXACT_SWA_DTYPES = (torch.bfloat16, torch.float32)
+#: Cache profiles whose compressed latents are exactly FP4 values (spec §3.8).
+PACKED_PROFILES = (CacheProfile.NONE, CacheProfile.FP4)
 
 
-def entry_positions(compressed: Tensor, ratio: int) -> Tensor:
-    """Absolute position of the token whose slot holds compressed entry j: j·ratio + ratio − 1
-    (the token that completes the entry, spec §3.4.3)."""
-    return compressed * ratio + (ratio - 1)
+def _ratio2_sources(cfg: TextConfig) -> list[int]:
+    return [s for s in cfg.kv_source_layer_ids if cfg.compress_ratios[s] == 2]
+
+
+def check_page_size(page_size: int, layout: CompressedRowLayout) -> None:
+    """SGLang's page_size must be a multiple of every compress ratio (contract §2)."""
+    if page_size < 1 or page_size % layout.max_ratio:
+        raise ValueError(f"SGLang page_size {page_size} is not a multiple of the compress ratio "
+                         f"{layout.max_ratio}: packed compressed entries need aligned pages "
+                         f"(serve with --page-size 2 or another even page size)")
 
 
 @dataclass
 class RuntimeCaches:
-    """All torch-path cache buffers of one SGLang token pool (see the module table)."""
+    """All torch-path cache buffers of one SGLang pool (see the module table)."""
 
-    num_slots: int
+    layout: CompressedRowLayout
     swa: list[Tensor]
-    latents: dict[int, Tensor]
-    index_keys: dict[int, Tensor]
+    swa_slot_of: Tensor
+    rows: Tensor
     pair_kv: dict[int, Tensor]
     pair_score: dict[int, Tensor]
+    pair_position: dict[int, Tensor]
     token_ids: Tensor
-    pool_id: int
+    num_req_rows: int
     profile: CacheProfile = CacheProfile.NONE
+    pool_id: int = -1
+    page_size: int | None = None
 
+    # ---- construction -----------------------------------------------------------------------------
     @classmethod
-    def from_pool(cls, pool, cfg: TextConfig, profile: CacheProfile = CacheProfile.NONE) -> "RuntimeCaches":
-        """Wrap SGLang's MHA pool `k_buffer` (SWA rows) and allocate the other buffers beside it."""
-        k_buffer = getattr(pool, "k_buffer", None)
-        if k_buffer is None or len(k_buffer) != cfg.num_hidden_layers:
-            raise RuntimeError(
-                "sglang-dsv41 torch path needs SGLang's MHA token pool with one k_buffer per layer "
-                f"({cfg.num_hidden_layers}); got {type(pool).__name__} with "
-                f"{None if k_buffer is None else len(k_buffer)} buffers")
-        swa = []
-        for layer, buf in enumerate(k_buffer):
-            if buf.dim() != 3 or buf.shape[1] != 1 or buf.shape[2] != cfg.head_dim:
-                raise RuntimeError(f"KV pool layer {layer}: k_buffer shape {tuple(buf.shape)}, expected "
-                                   f"[slots, 1, {cfg.head_dim}] (single KV head of head_dim)")
+    def from_buffers(cls, cfg: TextConfig, swa_rows: list[Tensor], swa_slot_of: Tensor, rows_u8: Tensor,
+                     num_req_rows: int, profile: CacheProfile = CacheProfile.NONE, *, pool_id: int = -1,
+                     page_size: int | None = None) -> "RuntimeCaches":
+        """Wrap buffers someone else owns (SGLang's SWAKVPool, `runtime/sglang_pool.py`):
+        `swa_rows[l]` [S_swa, D] per model layer, `swa_slot_of` [S_full] full → SWA slot,
+        `rows_u8` uint8 [S_full, ≥ row_bytes]; request-scoped state for `num_req_rows` rows and the
+        token-id buffer are allocated here. Shapes, dtypes and devices are checked."""
+        profile = CacheProfile(profile)
+        if profile not in PACKED_PROFILES:
+            raise ValueError(f"cache profile {profile.value!r}: packed FP4 compressed rows hold the "
+                             f"profiles {[p.value for p in PACKED_PROFILES]} only (the FP8 profile re-rounds "
+                             "compressed latents to FP8, spec §3.8)")
+        layout = CompressedRowLayout.from_config(cfg)
+        if page_size is not None:
+            check_page_size(page_size, layout)
+        if len(swa_rows) != cfg.num_hidden_layers:
+            raise ValueError(f"{len(swa_rows)} SWA buffers for {cfg.num_hidden_layers} layers")
+        device = rows_u8.device
+        n_swa = swa_rows[0].shape[0]
+        for layer, buf in enumerate(swa_rows):
+            if buf.dim() != 2 or buf.shape != (n_swa, cfg.head_dim) or buf.device != device:
+                raise ValueError(f"SWA buffer of layer {layer}: {tuple(buf.shape)} on {buf.device}, expected "
+                                 f"[{n_swa}, {cfg.head_dim}] on {device}")
             if buf.dtype not in EXACT_SWA_DTYPES:
-                raise RuntimeError(f"KV pool dtype {buf.dtype} cannot hold the SWA kv exactly; serve with "
-                                   "--kv-cache-dtype auto (bf16) on the torch path")
-            swa.append(buf[:, 0, :])
-        return cls.around_swa(swa, cfg, pool_id=id(pool), profile=profile)
+                raise ValueError(f"SWA buffer dtype {buf.dtype} cannot hold the SWA kv exactly; serve with "
+                                 "--kv-cache-dtype auto (bf16) on the torch path")
+        if rows_u8.dtype != torch.uint8 or rows_u8.dim() != 2 or rows_u8.shape[1] < layout.row_bytes:
+            raise ValueError(f"packed rows: expected uint8 [S, ≥ {layout.row_bytes}], got {rows_u8.dtype} "
+                             f"{tuple(rows_u8.shape)}")
+        if swa_slot_of.dim() != 1 or swa_slot_of.shape[0] != rows_u8.shape[0] or swa_slot_of.device != device \
+                or swa_slot_of.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"swa_slot_of: expected int32/int64 [{rows_u8.shape[0]}] on {device}, got "
+                             f"{swa_slot_of.dtype} {tuple(swa_slot_of.shape)} on {swa_slot_of.device}")
+        f32 = torch.float32
+        ratio2 = _ratio2_sources(cfg)
+        return cls(
+            layout=layout, swa=list(swa_rows), swa_slot_of=swa_slot_of, rows=rows_u8,
+            pair_kv={s: torch.zeros(num_req_rows, cfg.head_dim, dtype=f32, device=device) for s in ratio2},
+            pair_score={s: torch.zeros(num_req_rows, cfg.head_dim, dtype=f32, device=device) for s in ratio2},
+            pair_position={s: torch.full((num_req_rows,), -1, dtype=torch.int64, device=device) for s in ratio2},
+            token_ids=torch.zeros(n_swa, dtype=torch.int32, device=device), num_req_rows=num_req_rows,
+            profile=profile, pool_id=pool_id, page_size=page_size)
 
     @classmethod
-    def allocate(cls, cfg: TextConfig, num_slots: int, device: torch.device | str = "cpu",
-                 profile: CacheProfile = CacheProfile.NONE) -> "RuntimeCaches":
-        """Stand-alone buffers (own BF16 SWA rows) for `num_slots` slots — tests and tools."""
+    def allocate(cls, cfg: TextConfig, num_slots: int, num_req_rows: int, device: torch.device | str = "cpu",
+                 profile: CacheProfile = CacheProfile.NONE, *, page_size: int | None = None) -> "RuntimeCaches":
+        """Stand-alone buffers for tests and tools: `num_slots` full slots = SWA slots (identity
+        `swa_slot_of`), bf16 SWA rows, zeroed packed rows. Slots 0..page_size−1 are the padding
+        page: slot maps handed to the forward must start at page 1 (`tests/runtime_scenarios.py`)."""
+        layout = CompressedRowLayout.from_config(cfg)
         swa = [torch.zeros(num_slots, cfg.head_dim, dtype=torch.bfloat16, device=device)
                for _ in range(cfg.num_hidden_layers)]
-        return cls.around_swa(swa, cfg, pool_id=-1, profile=profile)
+        rows = torch.zeros(num_slots, layout.storage_row_bytes, dtype=torch.uint8, device=device)
+        identity = torch.arange(num_slots, dtype=torch.int64, device=device)
+        return cls.from_buffers(cfg, swa, identity, rows, num_req_rows, profile, page_size=page_size)
 
-    @classmethod
-    def around_swa(cls, swa: list[Tensor], cfg: TextConfig, *, pool_id: int,
-                   profile: CacheProfile) -> "RuntimeCaches":
-        """The side buffers, sized and placed like the given per-layer SWA rows."""
-        n = swa[0].shape[0]
-        device = swa[0].device
-        bf16, f32 = torch.bfloat16, torch.float32
-        sources = cfg.kv_source_layer_ids
-        ratio2 = [s for s in sources if cfg.compress_ratios[s] == 2]
-        return cls(
-            num_slots=n,
-            swa=swa,
-            latents={s: torch.zeros(n, cfg.head_dim, dtype=bf16, device=device) for s in sources},
-            index_keys={s: torch.zeros(n, cfg.index_head_dim, dtype=bf16, device=device) for s in sources},
-            pair_kv={s: torch.zeros(n, cfg.head_dim, dtype=f32, device=device) for s in ratio2},
-            pair_score={s: torch.zeros(n, cfg.head_dim, dtype=f32, device=device) for s in ratio2},
-            token_ids=torch.zeros(n, dtype=torch.int64, device=device),
-            pool_id=pool_id,
-            profile=CacheProfile(profile),
-        )
-
-    # ---- accounting ----------------------------------------------------------------------------
+    # ---- accounting -------------------------------------------------------------------------------
     @staticmethod
-    def planned_side_bytes_per_token(cfg: TextConfig) -> int:
-        """Bytes per token `around_swa` allocates beside the SWA rows, from the config alone."""
-        sources = cfg.kv_source_layer_ids
-        ratio2 = sum(1 for s in sources if cfg.compress_ratios[s] == 2)
-        bf16, f32, i64 = 2, 4, 8
-        return len(sources) * (cfg.head_dim + cfg.index_head_dim) * bf16 + ratio2 * 2 * cfg.head_dim * f32 + i64
+    def planned_global_bytes_per_token(cfg: TextConfig) -> int:
+        """Packed compressed-row bytes per full slot, from the config (890 at Flash)."""
+        return CompressedRowLayout.from_config(cfg).row_bytes
 
-    def sglang_bytes_per_token(self) -> int:
-        """Bytes per token SGLang's pool budgets (our SWA rows)."""
+    @staticmethod
+    def planned_swa_bytes_per_token(cfg: TextConfig) -> int:
+        """bf16 SWA kv bytes per SWA slot over all layers: L·D·2."""
+        return cfg.num_hidden_layers * cfg.head_dim * 2
+
+    @staticmethod
+    def planned_request_state_bytes(cfg: TextConfig) -> int:
+        """Pair-state bytes per request row: per ratio-2 source fp32 a and s [D] + int64 position."""
+        return len(_ratio2_sources(cfg)) * (2 * cfg.head_dim * 4 + 8)
+
+    def global_bytes_per_token(self) -> int:
+        """Bytes of global KV per full slot (the layout's row bytes; 890 at Flash, 176 tiny)."""
+        return self.layout.row_bytes
+
+    def swa_bytes_per_token(self) -> int:
+        """SWA kv bytes per SWA slot (all layers)."""
         return sum(b.shape[1] * b.element_size() for b in self.swa)
 
-    def side_bytes_per_token(self) -> int:
-        """Bytes per token of the buffers allocated beside SGLang's pool."""
-        bufs = [*self.latents.values(), *self.index_keys.values(), *self.pair_kv.values(),
-                *self.pair_score.values()]
-        return sum(b.shape[1] * b.element_size() for b in bufs) + self.token_ids.element_size()
+    def token_id_bytes_per_swa_slot(self) -> int:
+        """Engram history bytes per SWA slot (allocated beside SGLang's pool)."""
+        return self.token_ids.element_size()
 
-    def bytes_per_token(self) -> int:
-        return self.sglang_bytes_per_token() + self.side_bytes_per_token()
+    def request_state_bytes(self) -> int:
+        """Pair-state bytes per request row (allocated beside SGLang's pools)."""
+        bufs = [*self.pair_kv.values(), *self.pair_score.values(), *self.pair_position.values()]
+        return sum(math.prod(b.shape[1:]) * b.element_size() for b in bufs)
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.rows.shape[0])
+
+    @property
+    def num_swa_slots(self) -> int:
+        return int(self.swa[0].shape[0])
 
     def describe(self) -> str:
-        return (f"sglang-dsv41 torch-path caches: {self.num_slots} token slots; "
-                f"{self.bytes_per_token()} B/token = {self.sglang_bytes_per_token()} B SWA kv in "
-                f"SGLang's pool + {self.side_bytes_per_token()} B beside it (compressed latents, FP4 "
-                f"index keys, ratio-2 pair state, token ids); side buffers "
-                f"{self.side_bytes_per_token() * self.num_slots / 2**20:.1f} MiB")
+        """One log line with the per-token / per-request figures."""
+        return (f"sglang-dsv41 caches: global KV {self.global_bytes_per_token()} B/token (packed FP4 rows, "
+                f"{self.num_slots} full slots); SWA {self.swa_bytes_per_token()} B/token ({self.num_swa_slots} "
+                f"SWA slots) + {self.token_id_bytes_per_swa_slot()} B/SWA slot token ids; pair state "
+                f"{self.request_state_bytes()} B/request row; page_size "
+                f"{'unchecked' if self.page_size is None else self.page_size}; profile {self.profile.value}")
 
-    # ---- writes ----------------------------------------------------------------------------
-    def write_swa(self, layer: int, slots: Tensor, rows: Tensor) -> None:
-        self.swa[layer][slots] = rows.to(self.swa[layer].dtype)
+    # ---- addressing and writes (the forward's only access paths) ----------------------------------
+    def swa_slots(self, full_slots: Tensor) -> Tensor:
+        """SWA slots of full slots (any shape; −1 stays −1; 0 = none, SGLang's padding slot)."""
+        mapped = self.swa_slot_of[full_slots.clamp(min=0)].to(torch.int64)
+        return torch.where(full_slots >= 0, mapped, -1)
 
-    def write_compressed(self, source: int, slots: Tensor, latents: Tensor, index_keys: Tensor) -> None:
-        self.latents[source][slots] = latents.to(self.latents[source].dtype)
-        self.index_keys[source][slots] = index_keys.to(self.index_keys[source].dtype)
+    def write_swa(self, layer: int, full_slots: Tensor, values: Tensor) -> None:
+        """SWA kv of tokens in `full_slots` [N] → `swa[layer][swa_slot_of[slot]]`."""
+        self.swa[layer][self.swa_slot_of[full_slots].to(torch.int64)] = values.to(self.swa[layer].dtype)
 
-    def write_pair_state(self, source: int, slots: Tensor, kv: Tensor, score: Tensor) -> None:
-        self.pair_kv[source][slots] = kv.to(torch.float32)
-        self.pair_score[source][slots] = score.to(torch.float32)
+    def write_token_ids(self, full_slots: Tensor, ids: Tensor) -> None:
+        """Remapped ids of tokens in `full_slots` [N] → `token_ids[swa_slot_of[slot]]` (Engram history)."""
+        self.token_ids[self.swa_slot_of[full_slots].to(torch.int64)] = ids.to(self.token_ids.dtype)
+
+    def packed(self, source: int) -> PackedSourceRows:
+        """Read view of kv source `source`'s packed entries."""
+        return PackedSourceRows(self.rows, self.layout.source(source), self.layout)
+
+    def write_entries(self, source: int, entry_idx: Tensor, entry_bytes: Tensor) -> None:
+        """Packed entries uint8 [n, E] of `source` at `entry_idx` [n] (−1 = none, contract §2)."""
+        write_entries(self.rows, self.layout.source(source), entry_idx, entry_bytes)

@@ -1,13 +1,14 @@
-"""The DeepSeek-V4.1 forward of a packed batch over slot caches — no SGLang objects (spec §3).
+"""The DeepSeek-V4.1 forward of a packed batch over the runtime caches — no SGLang objects (spec §3).
 
 `TorchForward.hidden_states(input_ids, layout, caches)` follows the reference model
 (`reference/model.py`) step by step and calls the reference's math on tensors; only how the
-per-request state is stored differs (slot buffers, `runtime/cache.py`, instead of a per-request
-`RequestState`):
+per-request state is stored differs (`runtime/cache.py`: packed global KV rows, window-bounded
+SWA rows, request-scoped ratio-2 pair state — instead of a per-request `RequestState`):
 
 1. ids remapped like `ReferenceModel.remap_ids` (vision: ids ≥ 1,000,000 → image_token_id,
-   §3.1); each token's id is stored in its slot; Engram rows are hashed per request with the
-   n-gram history read from the slots of the request's previous positions
+   §3.1); each token's id is stored at its SWA slot; Engram rows are hashed per request with the
+   n-gram history read from the SWA slots of the request's previous K positions (K < W: always
+   inside the live window)
    (`EngramHasher.row_ids(..., extend_lens)`, §3.3.1) — so the history survives chunked prefill,
    decode, prefix-cache hits and preemption;
 2. R⁰ = embedding broadcast to the hc streams; per layer: Engram → attn-hc → attention
@@ -37,6 +38,7 @@ from ..reference.state import NumericsProfile
 from .attention import ForwardScratch, attention_sublayer
 from .batch import BatchLayout
 from .cache import RuntimeCaches
+from .dense_ops import backend_for, dense_math
 from .tensor_parallel import SINGLE, TensorParallel
 
 
@@ -67,10 +69,14 @@ class TorchForward:
         self.text = cfg.text
         self.roles = self.text.layer_roles()
         self.weights = weights
+        self.dense_backend = backend_for(weights)   # CUDA: tensor-core dense products (dense_ops); CPU: None = exact
         self.hasher = hasher
         self.numerics = numerics
         self.tp = tp
         tp.plan(self.text)     # raises now for a TP size the model cannot be sharded with
+        if hasher is not None and hasher.history_len >= self.text.sliding_window:
+            raise ValueError(f"Engram history of {hasher.history_len} ids does not fit inside the SWA window "
+                             f"{self.text.sliding_window}: the runtime reads it from the window's SWA slots")
 
     def remap_ids(self, ids: Tensor) -> Tensor:
         """Language-model ids (spec §3.1 item 3), the reference's rule."""
@@ -78,14 +84,19 @@ class TorchForward:
 
     def engram_rows(self, ids: Tensor, layout: BatchLayout, caches: RuntimeCaches) -> list[Tensor]:
         """Row ids per Engram layer; history = each request's last K ids before its chunk, read
-        from the slots of its earlier positions (pad id where the position is < 0)."""
+        from the SWA slots of its earlier positions (pad id where the position is < 0). CPU: a
+        history position without a live SWA slot raises (CUDA: no host sync)."""
         assert self.hasher is not None
         K = self.hasher.history_len
         back = layout.prefix_lens[:, None] - K + torch.arange(K, device=ids.device)[None, :]   # [B, K]
         present = back >= 0
         req = torch.arange(layout.num_requests, device=ids.device)[:, None].expand_as(back)
-        slots = layout.slots_at(req, back.clamp(min=0))
-        history = torch.where(present, caches.token_ids[slots], torch.full_like(slots, self.hasher.pad_token_id))
+        swa = caches.swa_slots(layout.slots_at(req, back.clamp(min=0)))
+        if ids.device.type == "cpu" and bool((present & (swa <= 0)).any()):
+            raise RuntimeError("sglang-dsv41: an Engram history position before a chunk has no live SWA slot "
+                               f"(prefix lens {layout.prefix_lens.tolist()}; freed by the SWA radix cache?)")
+        history = torch.where(present, caches.token_ids[swa.clamp(min=0)].to(torch.int64),
+                              torch.full_like(swa, self.hasher.pad_token_id))
         return self.hasher.row_ids(ids, layout.positions, history, layout.extend_lens)
 
     def _hc(self, layer: int, sub: str, R: Tensor):
@@ -98,6 +109,10 @@ class TorchForward:
     def hidden_states(self, input_ids: Tensor, layout: BatchLayout, caches: RuntimeCaches) -> Tensor:
         """Final normed hidden states [N, hidden] (BF16 values in fp32) of every batch token;
         writes every cache row of the batch's slots."""
+        with dense_math(self.dense_backend):
+            return self._hidden_states(input_ids, layout, caches)
+
+    def _hidden_states(self, input_ids: Tensor, layout: BatchLayout, caches: RuntimeCaches) -> Tensor:
         t, w, act_quant = self.text, self.weights, self.numerics.act_quant
         if caches.profile is not self.numerics.cache:
             raise ValueError(f"caches hold profile {caches.profile}, the model computes {self.numerics.cache}")
@@ -107,7 +122,7 @@ class TorchForward:
             raise ValueError(f"{N} input ids for a layout of {layout.num_tokens} tokens")
         if N == 0:
             return torch.zeros(0, t.hidden_size, dtype=F32, device=ids.device)
-        caches.token_ids[layout.out_slots] = ids
+        caches.write_token_ids(layout.out_slots, ids)
         image_rows = (ids == self.cfg.image_token_id) if self.cfg.has_vision else None
         engram_rows = self.engram_rows(ids, layout, caches) if self.hasher is not None else []
         linear = functools.partial(linear_fp8, act_quant=act_quant)
@@ -134,4 +149,5 @@ class TorchForward:
 
     def logits(self, hidden: Tensor) -> Tensor:
         """fp32 logits [N, vocab] of the BF16 head, correctly rounded (spec §3.7)."""
-        return matmul_fp32_exact(hidden, self.weights["head.weight"])
+        with dense_math(self.dense_backend):
+            return matmul_fp32_exact(hidden, self.weights["head.weight"])
