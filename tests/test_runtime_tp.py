@@ -59,7 +59,8 @@ def _tp_worker(rank: int, size: int, ckpt: str, rendezvous: str, out_dir: str) -
                             timeout=datetime.timedelta(seconds=WORKER_TIMEOUT_S))
     try:
         engine = _engine(Path(ckpt), TensorParallel(rank, size))
-        torch.save(_outputs(engine), Path(out_dir) / f"rank{rank}.pt")
+        held = sorted({int(n.split(".")[4]) for n in engine.weights if ".ffn.experts." in n})
+        torch.save({"held_experts": held, "logits": _outputs(engine)}, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -80,6 +81,10 @@ def _run_tp(ckpt: Path, tmp: Path, size: int) -> list[dict[str, torch.Tensor]]:
     return [torch.load(tmp / f"rank{r}.pt") for r in range(size)]
 
 
+def tiny_config_experts(ckpt: Path) -> int:
+    return DeepseekV41Config.from_file(ckpt).text.n_routed_experts
+
+
 @pytest.fixture(scope="module")
 def tp1_outputs(tiny_checkpoint) -> dict[str, torch.Tensor]:
     return _outputs(_engine(tiny_checkpoint, TensorParallel()))
@@ -87,7 +92,11 @@ def tp1_outputs(tiny_checkpoint) -> dict[str, torch.Tensor]:
 
 def test_tp2_logits_equal_tp1_bit_for_bit(tiny_checkpoint, tmp_path, tp1_outputs) -> None:
     ranks = _run_tp(tiny_checkpoint, tmp_path, TP)
-    for rank, got in enumerate(ranks):
+    held = [r["held_experts"] for r in ranks]          # the ranks really are sharded
+    total = tiny_config_experts(tiny_checkpoint)
+    assert sorted(e for h in held for e in h) == list(range(total))
+    assert all(0 < len(h) < total for h in held)
+    for rank, got in enumerate(r["logits"] for r in ranks):
         assert got.keys() == tp1_outputs.keys()
         for name, want in tp1_outputs.items():
             assert got[name].shape == want.shape, (rank, name)
@@ -95,7 +104,7 @@ def test_tp2_logits_equal_tp1_bit_for_bit(tiny_checkpoint, tmp_path, tp1_outputs
                 f"rank {rank}, {name}: max |Δ| {float((got[name] - want).abs().max())}"
 
 
-def test_tp1_engine_equals_the_reference_loader_path(tiny_checkpoint, tp1_outputs) -> None:
+def test_tp1_engine_equals_the_plain_runtime(tiny_checkpoint, tp1_outputs) -> None:
     """TP 1 through `load_shard_weights` is the plain runtime (reference loader, no tp argument)."""
     from sglang_dsv41.checkpoint.loader import load_reference_weights
 
@@ -151,6 +160,18 @@ def test_tensor_parallel_above_one_needs_a_process_group() -> None:
 
 
 # ---- shard loader -------------------------------------------------------------------------
+
+def test_tp1_shard_loader_equals_runtime_weights(tiny_checkpoint) -> None:
+    from sglang_dsv41.runtime.weights import runtime_weights
+
+    cfg = DeepseekV41Config.from_file(tiny_checkpoint)
+    stored = _stored(tiny_checkpoint)
+    want = runtime_weights(stored, cfg, CPU, experts_mxfp4=False)
+    got = load_shard_weights(stored, cfg, ShardPlan.for_config(cfg.text, 0, 1))
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+
 
 def test_shard_loader_holds_only_this_ranks_share(tiny_checkpoint, text) -> None:
     cfg = DeepseekV41Config.from_file(tiny_checkpoint)

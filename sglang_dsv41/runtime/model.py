@@ -18,8 +18,10 @@ the glue only:
   reference's correctly rounded fp32 (`ExactFp32HeadMethod`).
 
 Numerics = the reference's default `NumericsProfile()` (BF16 caches, FP8 activation quantisation).
-Tensor parallel size 1 only on this path (checked at construction): TP would shard the weights
-mapping and all-reduce the sublayer outputs, the slot caches stay as they are.
+Tensor parallel (`runtime/tensor_parallel.py`, SGLang's TP group): each rank loads only its
+attention groups, routed experts and Engram rows; the forward is bit-identical to TP 1 on CPU
+(exact collectives); caches, indexer and the LM head are replicated, so the logits are complete on
+every rank and SGLang's LogitsProcessor must not all-gather them (`skip_all_gather=True`).
 """
 from __future__ import annotations
 
@@ -30,7 +32,6 @@ from typing import Iterable
 import torch
 from torch import Tensor, nn
 
-from ..checkpoint.loader import load_reference_weights_from_tensors
 from ..config import DeepseekV41Config
 from ..engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
 from ..reference.ops import F32, matmul_fp32_exact
@@ -39,6 +40,7 @@ from . import attention_ops
 from .batch import layout_from_forward_batch
 from .cache import RuntimeCaches
 from .forward import TorchForward, fp32_default_dtype
+from .tensor_parallel import TensorParallel, load_shard_weights
 
 logger = logging.getLogger(__name__)
 
@@ -66,26 +68,25 @@ class LMHead(nn.Module):
 
 
 class DeepseekV41ForCausalLM(nn.Module):
-    """SGLang model class for architecture `DeepseekV41ForCausalLM` (torch path, TP 1)."""
+    """SGLang model class for architecture `DeepseekV41ForCausalLM` (torch path, any TP size
+    dividing o_groups)."""
 
     def __init__(self, config, quant_config=None, prefix: str = "") -> None:
         super().__init__()
         from sglang.srt.layers.logits_processor import LogitsProcessor
-        from sglang.srt.runtime_context import get_parallel
 
         if not hasattr(config, "parsed"):
             raise TypeError(f"expected the sglang-dsv41 config class, got {type(config).__name__} "
                             "(is the sglang-dsv41 plugin loaded?)")
-        tp = get_parallel().tp_size
-        if tp != 1:
-            raise RuntimeError(f"sglang-dsv41 torch path supports tensor parallel size 1, got --tp {tp}")
         self.config = config
         self.cfg: DeepseekV41Config = config.parsed()
+        self.tp = TensorParallel.from_sglang()
+        self.tp.plan(self.cfg.text)    # raises for a --tp the model cannot be sharded with
         self.numerics = NumericsProfile()
         self.quant_config = None   # weights are dequantised by our loader, not SGLang's FP8 path
         self.model_path = Path(getattr(config, "_name_or_path", "") or ".")
         self.lm_head = LMHead(self.cfg.text.vocab_size, self.cfg.text.hidden_size)
-        self.logits_processor = LogitsProcessor(config)
+        self.logits_processor = LogitsProcessor(config, skip_all_gather=True)   # logits are replicated
         self.register_buffer("_device_anchor", torch.zeros(1, dtype=F32), persistent=False)
         self.torch_forward: TorchForward | None = None
         self.caches: RuntimeCaches | None = None
@@ -96,22 +97,26 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     # ---- weights (spec §2) --------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """Check every stored tensor against the inventory and dequantise (§2.3–§2.4)."""
+        """Check every stored tensor against the inventory and dequantise (§2.3–§2.4); on CUDA the
+        routed experts stay MXFP4 in the kernel layout (`runtime.weights`, `runtime.moe_ops`)."""
         stored = {name: tensor for name, tensor in weights}
+        experts_mxfp4 = self.device.type == "cuda"
         with fp32_default_dtype():
-            logical = load_reference_weights_from_tensors(stored, self.cfg, vision=False, dspark=False)
+            on_device = load_shard_weights(stored, self.cfg, self.tp.plan(self.cfg.text), self.device,
+                                           experts_mxfp4=experts_mxfp4)
             del stored
-            on_device = {k: v.to(device=self.device, dtype=F32) for k, v in logical.items()}
             hasher = None
             if self.cfg.text.engram_layer_ids:
                 token_map, _ = compressed_token_map(_load_fast_tokenizer(self.model_path))
                 hasher = EngramHasher.from_config(self.cfg, token_map).to(self.device)
         with torch.no_grad():
             self.lm_head.weight.copy_(on_device["head.weight"])
-        self.torch_forward = TorchForward(self.cfg, on_device, hasher, self.numerics)
+        self.torch_forward = TorchForward(self.cfg, on_device, hasher, self.numerics, self.tp)
         ops = attention_ops.ops_for(self.device)        # CUDA: raises now if the kernels cannot load
-        logger.info("sglang-dsv41: loaded %d tensors (dequantised to fp32); attention + indexer on %s: %s",
-                    len(on_device), self.device, ops.description)
+        logger.info("sglang-dsv41: %s; loaded %d tensors (dequantised to fp32%s); attention + indexer on %s: %s",
+                    self.tp.describe(), len(on_device),
+                    "; routed experts MXFP4 for the Triton kernel" if experts_mxfp4 else "", self.device,
+                    ops.description)
 
     # ---- caches -------------------------------------------------------------------------------
     def _caches_for(self, pool) -> RuntimeCaches:

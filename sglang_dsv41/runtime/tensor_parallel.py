@@ -15,10 +15,11 @@ Shard plan (`ShardPlan.for_config`), rank r of N:
   exactly `reference.attention.output_projection` (spec §3.4.6). Needs o_groups % N == 0 and
   num_attention_heads % N == 0;
 * routed experts (expert parallel): rank r owns a contiguous balanced block of expert ids; the
-  router runs replicated, each rank fills the per-slot expert outputs [T, k, H] (float64, BF16
-  values) of its experts and −0.0 elsewhere; the all-reduce sum then reproduces the full
-  per-slot tensor exactly (−0.0 is the additive identity of IEEE addition, for ±0 too), and
-  the reference's weighting, float64 sum over slots and roundings follow (spec §3.6);
+  router runs replicated, each rank forms the float64 routed partial Σ w_j·E_j over the slots
+  of its experts (`runtime.moe_ops`' `experts=` / `reduce=` hook), the partials are
+  all-reduced and the reference's finalize follows (spec §3.6). Every product w_j·E_j is exact
+  in float64 (24 × 8 significant bits), so the sum is the TP-1 sum unless a token's k products
+  span more than ~21 binades (then ≤ 2⁻⁵³ relative before the fp32 rounding);
 * Engram tables, by rows: rank r holds a contiguous balanced block of each table's rows; the
   looked-up rows are −0.0 where another rank owns them and are all-reduced (exact, as above),
   then the reference's Engram update runs on the gathered rows (spec §3.3.2);
@@ -45,7 +46,9 @@ from ..config import DeepseekV41Config, TextConfig
 from ..reference import ops
 from ..reference.attention import output_projection, project_q_kv
 from ..reference.engram import engram_residual_update
-from ..reference.moe import F64, moe_sublayer, route, routed_expert, shared_expert
+from . import moe_ops
+from .moe_ops import routed_experts_key
+from .weights import prepare_layer_experts
 
 _LAYER = r"layers\.(\d+)\."
 _HEAD_ROWS = re.compile(_LAYER + r"attn\.(wq_b\.weight|attn_sink)$")
@@ -127,18 +130,25 @@ class ShardPlan:
 
 
 def load_shard_weights(stored: Mapping[str, Tensor], cfg: DeepseekV41Config, plan: ShardPlan,
-                       dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
-    """This rank's logical tensors (text model, spec §2.4 rules), checked like
-    `checkpoint.loader.load_reference_weights_from_tensors` (every stored tensor of the
-    checkpoint must be present and well-formed), but only the held share is dequantised:
-    other ranks' experts are skipped, Engram tables are sliced in stored form (rows and their
-    row scales), sharded attention tensors are sliced after dequantisation. TP 1 = the
-    reference loader's result."""
+                       device: torch.device | str = "cpu", *, experts_mxfp4: bool = False) -> dict[str, object]:
+    """This rank's runtime weights on `device`: `runtime.weights.runtime_weights` (every stored
+    tensor checked against the inventory, §2.4 values as fp32, routed experts dequantised or —
+    `experts_mxfp4` — kept MXFP4 in the kernel layout) restricted to the shard: other ranks'
+    experts are never dequantised / converted, Engram tables are sliced in stored form (rows and
+    their row scales) before dequantisation, sharded attention tensors are sliced after it.
+    TP 1 gives exactly `runtime_weights`' result."""
+    device = torch.device(device)
     check_stored(stored.keys(), cfg, vision=False, dspark=False,
                  meta=lambda n: (stored[n].dtype, tuple(stored[n].shape)))
-    out: dict[str, Tensor] = {}
+    out: dict[str, object] = {}
+    expert_layers: list[str] = []
     for spec in tensor_inventory(cfg, vision=False, dspark=False):
-        if not plan.holds(spec.name):
+        m = _EXPERT.match(spec.name)
+        if m is not None:
+            prefix = spec.name[:m.end(1) + 1]
+            if prefix not in expert_layers:
+                expert_layers.append(prefix)
+        if experts_mxfp4 and m is not None or not plan.holds(spec.name):
             continue
         rows = plan.rows_of(spec.name)
         if rows is not None and spec.kind is Kind.ENGRAM:
@@ -147,7 +157,11 @@ def load_shard_weights(stored: Mapping[str, Tensor], cfg: DeepseekV41Config, pla
             value = logical_tensor(spec, stored.__getitem__)
             if rows is not None:
                 value = value[rows.start:rows.stop]
-        out[spec.name] = value.to(dtype).contiguous()
+        out[spec.name] = value.to(device=device, dtype=torch.float32).contiguous()
+    if experts_mxfp4:
+        for prefix in expert_layers:
+            out[routed_experts_key(prefix)] = prepare_layer_experts(stored, prefix, cfg.text.n_routed_experts,
+                                                                    device, list(plan.experts))
     return out
 
 
@@ -189,8 +203,9 @@ class TensorParallel:
         return "tensor parallel size 1" if self.size == 1 else f"tensor parallel rank {self.rank} of {self.size}"
 
     # ---- collectives ------------------------------------------------------------------------
-    def all_reduce_disjoint(self, t: Tensor) -> Tensor:
-        """Sum over ranks of tensors with disjoint supports (−0.0 elsewhere): exact."""
+    def all_reduce_sum(self, t: Tensor) -> Tensor:
+        """In-place sum over ranks (returns `t`). Exact for disjoint supports with −0.0 elsewhere
+        (−0.0 is the additive identity of IEEE addition, ±0 included)."""
         if self.size > 1:
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return t
@@ -250,7 +265,7 @@ class TensorParallel:
             rows = table[local.clamp(0, max(len(held) - 1, 0))] if len(held) else \
                 table.new_zeros(*row_ids.shape, table.shape[1])
             rows = torch.where(owned[..., None], rows, torch.full_like(rows, -0.0))
-            gathered = self.all_reduce_disjoint(rows.contiguous()).reshape(-1, table.shape[1])
+            gathered = self.all_reduce_sum(rows.contiguous()).reshape(-1, table.shape[1])
             ids = torch.arange(gathered.shape[0], device=row_ids.device).reshape(row_ids.shape)
         return engram_residual_update(R, ids, gathered, w[p + "wkv.weight"], w[p + "q_weight"], w[p + "k_weight"],
                                       cfg.rms_norm_eps, image_rows=image_rows, linear=linear)
@@ -258,33 +273,15 @@ class TensorParallel:
     # ---- MoE (spec §3.6) --------------------------------------------------------------------
     def moe_sublayer(self, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor, *,
                      image_rows: Tensor | None, act_quant: bool) -> Tensor:
-        """`reference.moe.moe_sublayer` with expert parallelism: replicated routing, this rank's
-        experts fill their slots of the float64 per-slot tensor (−0.0 elsewhere), exact
-        all-reduce, then the reference's weighting and roundings."""
+        """`runtime.moe_ops.moe_sublayer` (CPU: reference math; CUDA: MXFP4 kernel) with expert
+        parallelism: routing replicated, this rank's experts form the float64 routed partial of
+        their slots (zero elsewhere), the partials are all-reduced, then the reference's
+        finalize. Each w·E product is exact in float64, so the sum over ranks equals the TP-1
+        sum whenever a token's k products fit 53 bits together (decisions_tp.md)."""
         if self.size == 1:
-            return moe_sublayer(cfg, w, prefix, x, image_rows=image_rows, act_quant=act_quant)
-        p = f"{prefix}ffn."
-        k, limit = cfg.num_experts_per_tok, cfg.swiglu_limit
-        bias_vl = w[p + "gate.bias_vl"] if image_rows is not None else None
-        routing = route(x, w[p + "gate.weight"], w[p + "gate.bias"], k, bias_vl=bias_vl, image_rows=image_rows)
-        if routing.scores.shape[-1] != cfg.n_routed_experts:
-            raise ValueError(f"{p}gate.weight has {routing.scores.shape[-1]} experts, expected {cfg.n_routed_experts}")
-        T, H = x.shape
-        per_slot = torch.full((T, k, H), -0.0, dtype=F64, device=x.device)   # E_{e_k}(x_t), BF16 values
-        held = self.plan(cfg).experts
-        for e in torch.unique(routing.experts).tolist():
-            if e not in held:
-                continue
-            rows, slot = torch.nonzero(routing.experts == e, as_tuple=True)
-            per_slot[rows, slot] = routed_expert(x[rows], w[f"{p}experts.{e}.w1.weight"],
-                                                 w[f"{p}experts.{e}.w2.weight"],
-                                                 w[f"{p}experts.{e}.w3.weight"], limit).to(F64)
-        per_slot = self.all_reduce_disjoint(per_slot)
-        weighted = routing.weights.to(F64).unsqueeze(-1) * per_slot
-        routed = ops.bf16((cfg.routed_scaling_factor * weighted.sum(dim=1)).to(ops.F32))
-        shared = shared_expert(x, w[p + "shared_experts.w1.weight"], w[p + "shared_experts.w2.weight"],
-                               w[p + "shared_experts.w3.weight"], limit, act_quant)
-        return ops.bf16(shared + routed)
+            return moe_ops.moe_sublayer(cfg, w, prefix, x, image_rows=image_rows, act_quant=act_quant)
+        return moe_ops.moe_sublayer(cfg, w, prefix, x, image_rows=image_rows, act_quant=act_quant,
+                                    experts=self.plan(cfg).experts, reduce=self.all_reduce_sum)
 
 
 SINGLE = TensorParallel()
