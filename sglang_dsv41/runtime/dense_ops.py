@@ -56,12 +56,13 @@ ROW_BLOCK = 128
 ACCUMULATION_UNIT = 2.0**-23
 
 
-def is_dense_linear_weight(name: str, tensor: Tensor) -> bool:
-    """Checkpoint tensors consumed by the dense helpers: 2-D `*.weight` matrices other than the
+def is_dense_linear_weight(name: str, value: object) -> bool:
+    """Weights consumed by the dense helpers: 2-D floating `*.weight` tensors other than the
     token / Engram embedding tables (read by row, not multiplied). hc_*_fn, q/k_weight are not
-    `*.weight` names and are not routed through the helpers."""
-    return tensor.dim() == 2 and tensor.is_floating_point() and name.endswith(".weight") \
-        and not name.endswith("embed.weight")
+    `*.weight` names and are not routed through the helpers; non-tensor values (e.g. packed MXFP4
+    experts, `runtime/weights.py`) are skipped."""
+    return isinstance(value, Tensor) and value.dim() == 2 and value.is_floating_point() \
+        and name.endswith(".weight") and not name.endswith("embed.weight")
 
 
 @dataclass(frozen=True)
@@ -85,12 +86,14 @@ class DenseWeightCache:
         self.fp32_elements = 0
 
     @classmethod
-    def from_weights(cls, weights: Mapping[str, Tensor],
-                     include: Callable[[str, Tensor], bool] = is_dense_linear_weight) -> "DenseWeightCache":
+    def from_weights(cls, weights: Mapping[str, object],
+                     include: Callable[[str, object], bool] = is_dense_linear_weight) -> "DenseWeightCache":
+        """Register every weight `include` selects (default: the dense linear weights)."""
         cache = cls()
-        for name, tensor in weights.items():
-            if include(name, tensor):
-                cache.add(tensor)
+        for name, value in weights.items():
+            if include(name, value):
+                assert isinstance(value, Tensor)
+                cache.add(value)
         return cache
 
     def add(self, weight: Tensor) -> None:
@@ -213,11 +216,11 @@ def dense_math(backend: BlockedBf16Gemm | None) -> Iterator[None]:
         backend.raise_if_inputs_inexact()
 
 
-def backend_for(weights: Mapping[str, Tensor]) -> BlockedBf16Gemm | None:
+def backend_for(weights: Mapping[str, object]) -> BlockedBf16Gemm | None:
     """The backend the runtime uses for `weights` (all on one device): CUDA → `BlockedBf16Gemm`
     over a cache of the dense weights (built now, once, at load); CPU → None (the exact
     reference math, bit-identical)."""
-    devices = {t.device for t in weights.values()}
+    devices = {t.device for t in weights.values() if isinstance(t, Tensor)}
     if len(devices) > 1:
         raise ValueError(f"dense backend: weights on several devices {sorted(map(str, devices))}")
     if not devices or next(iter(devices)).type != "cuda":

@@ -39,6 +39,7 @@ from ..reference.state import NumericsProfile
 from . import attention_ops
 from .batch import layout_from_forward_batch
 from .cache import RuntimeCaches
+from .dense_ops import dense_math
 from .forward import TorchForward, fp32_default_dtype
 from .tensor_parallel import TensorParallel, load_shard_weights
 
@@ -47,7 +48,8 @@ logger = logging.getLogger(__name__)
 
 class ExactFp32HeadMethod:
     """LM-head "quant method" for SGLang's LogitsProcessor: logits = h·headᵀ accumulated in fp64
-    and rounded once to fp32 (`ops.matmul_fp32_exact`), bit-identical to the reference's head."""
+    and rounded once to fp32 (`ops.matmul_fp32_exact`), bit-identical to the reference's head; on
+    CUDA the forward runs it under `dense_ops.dense_math` (tensor cores, within that bound)."""
 
     def apply(self, layer: nn.Module, hidden_states: Tensor, bias: Tensor | None = None) -> Tensor:
         if bias is not None:
@@ -111,6 +113,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                 hasher = EngramHasher.from_config(self.cfg, token_map).to(self.device)
         with torch.no_grad():
             self.lm_head.weight.copy_(on_device["head.weight"])
+            on_device["head.weight"] = self.lm_head.weight.detach()   # one fp32 head, in the dense cache too
         self.torch_forward = TorchForward(self.cfg, on_device, hasher, self.numerics, self.tp)
         ops = attention_ops.ops_for(self.device)        # CUDA: raises now if the kernels cannot load
         logger.info("sglang-dsv41: %s; loaded %d tensors (dequantised to fp32%s); attention + indexer on %s: %s",
@@ -142,7 +145,8 @@ class DeepseekV41ForCausalLM(nn.Module):
             layout = layout_from_forward_batch(forward_batch, positions.to(self.device),
                                                get_req_to_token_pool().req_to_token)
             hidden = self.torch_forward.hidden_states(input_ids.to(self.device), layout, caches)
-            return self.logits_processor(input_ids, hidden, self.lm_head, forward_batch)
+            with dense_math(self.torch_forward.dense_backend):     # CUDA: tensor-core LM head (dense_ops)
+                return self.logits_processor(input_ids, hidden, self.lm_head, forward_batch)
 
 
 EntryClass = DeepseekV41ForCausalLM
