@@ -285,8 +285,9 @@ def test_cuda_matches_reference_at_flash_shape() -> None:
     routed = prepare_layer_experts(stored_dev, "layers.3.", E, dev)
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated(dev) - before
-    # the prepared experts hold packed bytes only (fp32 would be 8× the packed values)
-    assert held <= 1.02 * stored_bytes + (1 << 20), (held, stored_bytes)
+    # the prepared experts hold the packed bytes only (exactly 1.0× at Flash dims, checked on CPU;
+    # slack for the caching allocator's rounding) — fp32 weights would be ≥ 7.5× the stored bytes
+    assert held <= 1.05 * stored_bytes + (16 << 20), (held, stored_bytes)
     pr = routed.prepared
     assert all(tk.storage.data.dtype == torch.uint8 for tk in (pr.w13, pr.w13_scale, pr.w2, pr.w2_scale))
     del stored_dev
