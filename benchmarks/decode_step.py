@@ -15,10 +15,13 @@ times what the runtime runs on CUDA for that layer, separately:
   BF16 rows: W = 128 window keys + 512 selected compressed entries per query;
 * `indexer` — Triton `index_scores` (float64 head sum) + `select_for_role` over C/2 entries;
 * `moe_routed` — `kernels.moe_mxfp4.routed_experts_mxfp4` (MXFP4 W4A16) on the router's choice;
-* `torch` — everything else the layer does, as the runtime does it today: the reference's torch
-  math in **float64 GEMMs on fp32-dequantised weights** (mHC ×2, q/kv projections, compressor,
-  latent/key FP4 round trips, indexer query, output projection, router, shared expert) — this
-  is *not* a fast path and the JSON says so.
+* `torch` — everything else the layer does, as the CUDA runtime does it today: the reference's
+  torch code (mHC ×2, q/kv projections, compressor, latent/key FP4 round trips, indexer query,
+  output projection, router, shared expert) with its dense products on tensor cores
+  (`runtime.dense_ops.dense_math`: BF16 weight copies, fp32 accumulation, fixed row blocks);
+  everything around the GEMMs is still unfused torch (float64 in places) — *not* a fast path;
+* `torch_fp64` — the same work in the reference's float64 GEMMs on fp32 weights (the CPU path),
+  for comparison.
 
 For each: median µs (CUDA events, L2 flushed before every call, each region capped in time), the
 bytes the step must read — `current` (what these implementations read: fp32 dense weights,
@@ -116,6 +119,8 @@ class Layer:
     stored_bytes: dict[str, int]  # by group: dense / experts / norms (stored formats)
     held_dense_bytes: int         # bytes of the fp32 dense tensors the torch path reads
     expert_bytes: int             # stored bytes of one routed expert
+    cached_dense_bytes: int = 0   # bytes the dense backend reads (BF16 linear weights, fp32 rest)
+    dense_backend: object = None  # runtime.dense_ops.BlockedBf16Gemm on CUDA
 
     @property
     def text(self):
@@ -146,8 +151,14 @@ def build_layer(cfg: DeepseekV41Config, layer: int, device: torch.device, seed: 
         prefix = f"layers.{layer}."
         weights[routed_experts_key(prefix)] = prepare_layer_experts(stored, prefix, t.n_routed_experts, device)
     del stored
+    backend, cached = None, 0
+    if device.type == "cuda":
+        from sglang_dsv41.runtime.dense_ops import backend_for, is_dense_linear_weight
+        backend = backend_for(weights)
+        cached = sum(v.numel() * (2 if is_dense_linear_weight(k, v) else 4) for k, v in weights.items()
+                     if isinstance(v, Tensor) and ".ffn.experts." not in k)
     per_expert = 3 * (t.moe_intermediate_size * t.hidden_size // 2 + t.moe_intermediate_size * t.hidden_size // TILE)
-    return Layer(cfg, t.layer_roles()[layer], weights, by_group, held, per_expert)
+    return Layer(cfg, t.layer_roles()[layer], weights, by_group, held, per_expert, cached, backend)
 
 
 # ---- inputs -----------------------------------------------------------------------------------
@@ -282,7 +293,8 @@ def step_bytes(layer: Layer, N: int, n_visible: int, distinct_experts: int) -> d
     return {"attention": dict(current=att_cur, design=att_design),
             "indexer": dict(current=idx_cur, design=idx_design),
             "moe_routed": dict(current=experts, design=experts),
-            "torch": dict(current=layer.held_dense_bytes, design=dense_stored)}
+            "torch": dict(current=layer.cached_dense_bytes or layer.held_dense_bytes, design=dense_stored),
+            "torch_fp64": dict(current=layer.held_dense_bytes, design=dense_stored)}
 
 
 # ---- timing -------------------------------------------------------------------------------------
@@ -326,6 +338,13 @@ def run_point(layer: Layer, caches: Caches, req: Tensor, positions: Tensor, cap_
     sink = layer.weights[f"layers.{layer.role.layer}.attn.attn_sink"]
     comps: dict[str, Callable] = {"torch": lambda: torch_work(layer, R, positions),
                                   "moe_routed": lambda: moe_routed(layer, x, routing)}
+    if layer.dense_backend is not None:
+        from sglang_dsv41.runtime.dense_ops import dense_math
+
+        def on_tensor_cores():
+            with dense_math(layer.dense_backend):
+                return torch_work(layer, R, positions)
+        comps = {"torch": on_tensor_cores, "torch_fp64": comps["torch"], "moe_routed": comps["moe_routed"]}
     if dev.type == "cuda":
         try:
             comps.update(kernel_components(layer, caches, queries(layer, caches, req, positions), q, sink))
@@ -343,13 +362,15 @@ def run_point(layer: Layer, caches: Caches, req: Tensor, positions: Tensor, cap_
         except Exception as exc:
             errors.append(f"N={N} {name}: {type(exc).__name__}: {exc}")
             out[name] = dict(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(limit=3))
-    timed = [out[c]["median_us"] for c in comps if "median_us" in out.get(c, {})]
+    timed = [out[c]["median_us"] for c in comps if c != "torch_fp64" and "median_us" in out.get(c, {})]
     out["layer_us_sum"] = sum(timed)
     return out
 
 
-HONESTY = {"torch": "NOT a fast path: reference torch math, float64 GEMMs on fp32-dequantised weights "
-                    "(mHC, projections, compressor, indexer query, router, shared expert)",
+HONESTY = {"torch": "NOT a fast path: reference torch code (mHC, projections, compressor, indexer query, "
+                    "router, shared expert), dense products on tensor cores (dense_ops: BF16 weight copies, "
+                    "fixed row blocks), everything else unfused torch incl. float64 elementwise math",
+           "torch_fp64": "the same with float64 GEMMs on fp32-dequantised weights (CPU path); not in layer_us_sum",
            "attention": "Triton kernel over BF16 cache rows (not yet the packed FP4 rows of the design)",
            "indexer": "Triton scores (float64 head sum) over BF16 FP4-valued keys + torch top-k",
            "moe_routed": "Triton matmul_ogs MXFP4 W4A16 (the design's format)",

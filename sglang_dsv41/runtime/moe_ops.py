@@ -34,7 +34,9 @@ Numerics.
   expert outputs: `routed_error_bound` (= ulp(R_ref) + s·Σ_j w_j·ulp(E_j), derived in
   `kernels/moe_mxfp4.py`) bounds |R − R_ref|, and the final bf16(S + R) can flip by one more ulp
   of the output. At most `ROUTED_DIFF_FRACTION_BOUND` (2 %) of the outputs differ (an output can
-  only differ where its routed term does).
+  only differ where its routed term does). This is the bound of a call outside
+  `runtime.dense_ops.dense_math`; inside it (the CUDA forward) the router logits and the shared
+  expert's GEMMs run on tensor cores and their own bound (`dense_ops.error_bound`) adds to S.
   TP1 uses the kernel's fused fp64 combine (`routed_experts_mxfp4`); the expert-parallel path
   takes the per-slot outputs (`routed_expert_outputs`, slots of other shards never computed)
   and forms P in torch float64 — the same finalize up to float64 summation order.
