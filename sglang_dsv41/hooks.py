@@ -28,6 +28,7 @@ from typing import Callable, Iterable
 
 _SERVING_CHAT = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat"
 _API_IMPL = "sglang_dsv41.api.serving"
+_RUNTIME_IMPL = "sglang_dsv41.runtime.sglang_hooks"
 
 
 @dataclass(frozen=True)
@@ -103,12 +104,32 @@ HOOKS: tuple[HookSpec, ...] = (
         why="SGLang applies the grammar bitmask only to GPU logits (RuntimeError on CPU, which "
             "kills a CPU server); xgrammar's CPU kernel does it."),
     HookSpec(
-        target="sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
-        kind="around", impl="sglang_dsv41.runtime.sglang_hooks:compute_cell_size_hook",
-        params=("self", "kvc", "num_layers"), area="runtime",
-        why="SGLang's per-token KV budget counts only the SWA rows its MHA pool holds; without the "
-            "torch path's side buffers (compressed latents, index keys, pair state, token ids) the "
-            "token capacity derived from --mem-fraction-static overcommits memory."),
+        target="sglang.srt.configs.model_config.ModelConfig._derive_hybrid_model",
+        kind="after", impl=f"{_RUNTIME_IMPL}:derive_hybrid_model_hook",
+        params=("self",), area="runtime",
+        why="SGLang passes the SWA layers' own head dims (swa_head_dim D, swa_v_head_dim 0) and the "
+            "full layer's v_head_dim 0 to SWAKVPool only for an allow-list of architectures "
+            "(is_hybrid_swa_compress); without it both pools get the packed-row width and K+V rows."),
+    HookSpec(
+        target="sglang.srt.model_executor.pool_configurator.HybridSWAPoolConfigurator.__init__",
+        kind="after", impl=f"{_RUNTIME_IMPL}:hybrid_swa_configurator_init_hook",
+        params=("self", "kvc"), area="runtime",
+        why="the torch path keeps one int32 token id per SWA slot (Engram history) beside SGLang's "
+            "pool; without it the token capacity derived from --mem-fraction-static omits those bytes."),
+    HookSpec(
+        target="sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc_extend",
+        kind="around", impl=f"{_RUNTIME_IMPL}:paged_alloc_extend_hook",
+        params=("self", "prefix_lens", "prefix_lens_cpu", "seq_lens", "seq_lens_cpu", "last_loc",
+                "extend_num_tokens", "num_new_pages"),
+        area="runtime",
+        why="the runtime needs an even --page-size and SGLang's paged allocator runs a Triton kernel, "
+            "which fails without a GPU: a CPU server would die on its first prefill."),
+    HookSpec(
+        target="sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc_decode",
+        kind="around", impl=f"{_RUNTIME_IMPL}:paged_alloc_decode_hook",
+        params=("self", "seq_lens", "seq_lens_cpu", "last_loc"), area="runtime",
+        why="as alloc_extend: the paged decode allocation is a Triton kernel; a CPU server would die "
+            "on its first decode step."),
 )
 
 _installed: set[tuple[str, str]] = set()

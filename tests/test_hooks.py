@@ -115,3 +115,61 @@ def test_setup_http_server_hook_installs_middleware_for_v41_only(installed):
         assert len(ours()) == 1
     finally:
         http_server.app.user_middleware[:] = saved
+
+
+# ---- runtime area: pool hooks (runtime/sglang_hooks.py) ------------------------------------------
+@pytest.fixture(scope="module")
+def runtime_hooks():
+    return hooks.install_hooks(("runtime",))
+
+
+def _cpu_allocator(pages: int, page_size: int):
+    import torch
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+
+    return PagedTokenToKVPoolAllocator(pages * page_size, page_size, torch.bfloat16, "cpu", None, False)
+
+
+def test_runtime_pool_hooks_are_applied(runtime_hooks):
+    targets = {s.target.rsplit(".", 2)[-2] + "." + s.target.rsplit(".", 1)[-1] for s in runtime_hooks}
+    assert targets == {"ModelConfig._derive_hybrid_model", "HybridSWAPoolConfigurator.__init__",
+                       "PagedTokenToKVPoolAllocator.alloc_extend", "PagedTokenToKVPoolAllocator.alloc_decode"}
+    assert all(hooks.is_applied(s) for s in runtime_hooks)
+
+
+@pytest.mark.parametrize("page_size", [2, 4])
+def test_cpu_paged_alloc_extend_equals_sglangs_naive_rule(runtime_hooks, page_size):
+    """The CPU allocation (SGLang's Triton kernel cannot run without a GPU) gives the slots of
+    SGLang's own torch reference `alloc_extend_naive`, and consumes the same pages."""
+    import torch
+    from sglang.srt.mem_cache.allocator.paged import alloc_extend_naive
+
+    alloc = _cpu_allocator(64, page_size)
+    alloc.free_pages = alloc.free_pages[torch.randperm(len(alloc.free_pages), generator=torch.Generator().manual_seed(0))]
+    free_before = alloc.free_pages.clone()
+    # request 0: fresh; 1: prefix ends mid-page (odd); 2: prefix ends on a page boundary; 3: extend within its page
+    prefix = torch.tensor([0, 3, 2 * page_size, 5])
+    seq = torch.tensor([7, 3 + 2 * page_size + 1, 3 * page_size + 1, 6])
+    last = torch.tensor([-1, 10 * page_size + 2, 11 * page_size + page_size - 1, 12 * page_size])
+    n = int((seq - prefix).sum())
+    got = alloc.alloc_extend(prefix, prefix, seq, seq, last, n)
+    want = torch.empty(n, dtype=torch.int64)
+    alloc_extend_naive(prefix, seq, last, free_before, want, page_size, "cpu")
+    assert torch.equal(got, want)
+    used = int(((seq + page_size - 1) // page_size - (prefix + page_size - 1) // page_size).sum())
+    assert torch.equal(alloc.free_pages, free_before[used:])
+
+
+def test_cpu_paged_alloc_decode_continues_the_page_or_opens_one(runtime_hooks):
+    import torch
+
+    page_size = 4
+    alloc = _cpu_allocator(16, page_size)
+    free_before = alloc.free_pages.clone()
+    seq = torch.tensor([6, 5, 9, 8])            # new token at position seq-1: 5, 4 (page start), 8 (start), 7
+    last = torch.tensor([41, 43, 23, 30])
+    got = alloc.alloc_decode(seq, seq, last)
+    assert got.tolist() == [42, int(free_before[0]) * page_size, int(free_before[1]) * page_size, 31]
+    assert torch.equal(alloc.free_pages, free_before[2:])
+    alloc.free_pages = alloc.free_pages[:0]
+    assert alloc.alloc_decode(torch.tensor([5]), torch.tensor([5]), torch.tensor([3])) is None

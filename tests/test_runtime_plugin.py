@@ -72,9 +72,14 @@ def test_v41_checkpoint_resolves_to_our_class_and_no_v4_path(tiny_checkpoint: Pa
     assert not is_deepseek_v4(mc.hf_config) and not is_deepseek_dsa(mc.hf_config)
     assert mc.attention_arch == AttentionArch.MHA
     assert not mc.is_multimodal and mc.quantization is None
-    assert not getattr(mc, "is_hybrid_swa", False)
-    # SGLang's pool holds exactly one head_dim row per token and layer (our SWA kv), no V rows
-    assert (mc.get_num_kv_heads(1), mc.head_dim, mc.v_head_dim) == (1, 96, 0)
+    # SGLang's own hybrid-SWA pool (contracts §3): layer 0 = one packed global-KV row per token
+    # (176 B = 88 bf16 for tiny), layers 1..8 = one bf16 SWA row of head_dim 96 per token; no V rows
+    assert mc.is_hybrid_swa and mc.is_hybrid_swa_compress and not mc.is_deepseek_v4_arch
+    assert mc.num_hidden_layers == 9 and mc.full_attention_layer_ids == [0]
+    assert mc.swa_attention_layer_ids == list(range(1, 9))
+    assert (mc.get_num_kv_heads(1), mc.head_dim, mc.v_head_dim) == (1, 88, 0)
+    assert (mc.get_swa_num_kv_heads(1), mc.swa_head_dim, mc.swa_v_head_dim) == (1, 96, 0)
+    assert mc.sliding_window_size == 8
     assert mc.context_len == 4096
     # V4's own class is untouched: we add an architecture, we do not replace V4
     assert ModelRegistry.models["DeepseekV4ForCausalLM"] is not DeepseekV41ForCausalLM
@@ -90,8 +95,11 @@ def test_hf_config_exposes_a_generic_decoder_and_validates(tiny_checkpoint: Path
     cfg = DeepseekV41HFConfig.from_dict(raw)
     assert cfg.parsed() == DeepseekV41Config.from_dict(raw)
     assert cfg.dsv41_config_json == raw                         # untouched original
-    assert (cfg.num_key_value_heads, cfg.head_dim, cfg.v_head_dim) == (1, 96, 0)
-    for hidden in ("text_config", "vision_config", "quantization_config", "sliding_window",
+    assert (cfg.num_key_value_heads, cfg.head_dim, cfg.v_head_dim) == (1, 88, 0)
+    assert (cfg.swa_num_key_value_heads, cfg.swa_head_dim, cfg.swa_v_head_dim) == (1, 96, 0)
+    assert cfg.is_hybrid_swa and cfg.hybrid_layer_pattern == [0] + [1] * 8
+    assert (cfg.num_hidden_layers, cfg.sliding_window) == (9, 8)
+    for hidden in ("text_config", "vision_config", "quantization_config",
                    "rope_scaling", "index_topk", "kv_lora_rank", "num_nextn_predict_layers"):
         assert not hasattr(cfg, hidden), hidden
     again = DeepseekV41HFConfig.from_dict(cfg.to_dict())       # SGLang deep-copies / re-creates configs
@@ -125,34 +133,73 @@ def test_stock_sglang_refuses_a_v41_checkpoint(tiny_checkpoint: Path) -> None:
     assert "REFUSED:" in run.stdout and "deepseek_v41" in run.stdout, run.stdout
 
 
-def test_cell_size_hook_adds_side_buffers_for_v41_only(tiny_checkpoint: Path) -> None:
-    """The runtime hook is installed on SGLang's configurator and adds exactly the bytes the
-    torch path keeps beside SGLang's pool (so the derived token capacity is honest)."""
+def _flash_model_config(tmp_path: Path):
+    import json
+
+    from sglang.srt.configs.model_config import ModelConfig
+
+    from sglang_dsv41.presets import flash_config_dict
+
+    (tmp_path / "config.json").write_text(json.dumps(flash_config_dict()))
+    return ModelConfig(str(tmp_path))
+
+
+def _hybrid_swa_configurator(model_config, ratio: float):
+    """SGLang's own HybridSWAPoolConfigurator for `model_config` (bf16 pool, attention TP 1)."""
     from types import SimpleNamespace
 
-    from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator
-    from transformers import AutoConfig
+    import torch
+    from sglang.srt.model_executor.pool_configurator import HybridSWAPoolConfigurator
+    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
+    kvc = SimpleNamespace(kv_cache_dtype_str="auto", model_config=model_config, kv_cache_dtype=torch.bfloat16,
+                          server_args=SimpleNamespace(swa_full_tokens_ratio=ratio),
+                          sliding_window_size=model_config.sliding_window_size, page_size=2,
+                          spec_algorithm=SpeculativeAlgorithm.NONE, is_draft_worker=False, spec_aux_config=None)
+    with get_parallel().override(attn_tp_size=1):
+        return HybridSWAPoolConfigurator(kvc)
+
+
+def test_flash_pool_through_sglang_arithmetic_is_890_bytes_per_token(tmp_path: Path) -> None:
+    """SGLang's ModelConfig + HybridSWAPoolConfigurator for the Flash config: the full pool is one
+    layer of 445 bf16 = 890 B per token (contracts §2), the SWA pool 40 layers of 512 bf16, and the
+    only addition is the torch path's int32 token id per SWA slot (runtime hook)."""
     from sglang_dsv41 import hooks
-    from sglang_dsv41.runtime.cache import RuntimeCaches
-    from sglang_dsv41.runtime.sglang_hooks import compute_cell_size_hook
+    from sglang_dsv41.runtime.sglang_hooks import TOKEN_ID_BYTES_PER_SWA_SLOT
 
-    plugin.register()
-    (spec,) = hooks.specs_for(("runtime",))
-    assert spec.target.endswith("DefaultPoolConfigurator._compute_cell_size") and hooks.is_applied(spec)
-    assert compute_cell_size_hook in hooks._wrapping_hooks(DefaultPoolConfigurator._compute_cell_size)
+    plugin.register_config()
+    hooks.install_hooks(("runtime",))
+    mc = _flash_model_config(tmp_path)
+    assert mc.is_hybrid_swa and mc.is_hybrid_swa_compress
+    assert (mc.head_dim, mc.v_head_dim, mc.get_num_kv_heads(1)) == (445, 0, 1)
+    assert (mc.swa_head_dim, mc.swa_v_head_dim, mc.get_swa_num_kv_heads(1)) == (512, 0, 1)
+    assert mc.full_attention_layer_ids == [0] and mc.swa_attention_layer_ids == list(range(1, 41))
+    assert mc.sliding_window_size == 128
+    conf = _hybrid_swa_configurator(mc, ratio=0.1)
+    assert conf._full_per_token == 890                                  # global KV, B/token
+    assert conf._swa_per_token * 40 == pytest.approx(40 * 1024 + TOKEN_ID_BYTES_PER_SWA_SLOT)
+    assert conf._cell_size == pytest.approx(890 + 0.1 * (40 * 1024 + TOKEN_ID_BYTES_PER_SWA_SLOT))
+    sizes = conf.calculate_pool_sizes(10**9, page_size=2)
+    assert sizes.full_max_total_num_tokens == int(10**9 // conf._cell_size) // 2 * 2
+    assert sizes.swa_max_total_num_tokens == int(sizes.full_max_total_num_tokens * 0.1) // 2 * 2
 
-    ours = AutoConfig.from_pretrained(str(tiny_checkpoint))
-    side = RuntimeCaches.planned_side_bytes_per_token(ours.parsed().text)
-    assert side > 0
 
-    def original(self, kvc, num_layers):
-        return 1536
+def test_runtime_hooks_leave_other_models_alone() -> None:
+    """The is_hybrid_swa_compress and configurator hooks act on the V4.1 architecture only."""
+    from types import SimpleNamespace
 
-    kvc = SimpleNamespace(model_config=SimpleNamespace(hf_config=ours))
-    assert compute_cell_size_hook(original, None, kvc, 8) == 1536 + side
-    other = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="llama")))
-    assert compute_cell_size_hook(original, None, other, 8) == 1536
+    from sglang_dsv41.runtime.sglang_hooks import derive_hybrid_model_hook, hybrid_swa_configurator_init_hook
+
+    other = SimpleNamespace(hf_config=SimpleNamespace(architectures=["MiMoV2FlashForCausalLM"], model_type="mimo_v2"),
+                            is_hybrid_swa_compress=False)
+    derive_hybrid_model_hook(None, other)
+    assert other.is_hybrid_swa_compress is False
+    conf = SimpleNamespace(_swa_per_token=256, _cell_size=1000.0, _swa_layers_num=4, _full_layers_num=1,
+                           _swa_full_tokens_ratio=0.5)
+    kvc = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="llama")))
+    hybrid_swa_configurator_init_hook(None, conf, kvc)
+    assert (conf._swa_per_token, conf._cell_size) == (256, 1000.0)
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """The transformers config class SGLang sees for a DeepSeek-V4.1 checkpoint (runtime.md §B
-"Config for an unknown model_type").
+"Config for an unknown model_type"; phase-2 contracts §2–§3).
 
 SGLang 0.5.17 loads `config.json` through `AutoConfig` (`HfModelConfigParser`), then derives the
 KV-pool shape, context length, dtype and multimodality from the resulting object's attributes.
@@ -13,15 +13,27 @@ Invariants
 * The whole original dict is kept, unchanged, in `dsv41_config_json`; the model class re-parses
   it (`DeepseekV41HFConfig.parsed()`), so every V4.1 number comes from our parser, never from
   attributes SGLang may rewrite.
-* The attributes SGLang reads are a **generic single-KV-head decoder** description: vocab,
-  hidden size, layers, heads, `num_key_value_heads = 1`, `head_dim`, `v_head_dim = 0`,
-  context length, dtype, special ids. `v_head_dim = 0` makes SGLang's own MHA KV pool hold
-  exactly one `head_dim` row per token and layer — our SWA kv (K = V, spec §3.4.5) — and
-  nothing else (see `runtime/cache.py`).
+* The attributes SGLang reads describe a **hybrid-SWA decoder** whose pool is exactly ours
+  (contracts §3), so SGLang itself builds, sizes and evicts it (`SWAKVPool`, SWA radix cache):
+  - `num_hidden_layers = L + 1`, `hybrid_layer_pattern = [0] + [1]·L`: SGLang layer 0 is one
+    "full attention" layer holding the packed compressed row of every token (global KV,
+    contracts §2), SGLang layer 1 + l the SWA kv of model layer l;
+  - full layer: `num_key_value_heads = 1`, `head_dim = ceil(row_bytes / 2)` bf16 elements
+    (Flash 445 → 890 B/token; tiny 88 → 176 B), `v_head_dim = 0`;
+  - SWA layers: `swa_num_key_value_heads = 1`, `swa_head_dim = D` (the model's head_dim),
+    `swa_v_head_dim = 0` — one bf16 row per token, K = V (spec §3.4.5);
+  - `is_hybrid_swa = True` (SGLang's opt-in for custom hybrid-SWA architectures) and
+    `sliding_window = W`.
+  The asymmetric full/SWA head dims reach the pool only with `ModelConfig.is_hybrid_swa_compress`
+  set, which our `ModelConfig._derive_hybrid_model` hook does for this architecture
+  (`runtime/sglang_hooks.py`).
+* `sliding_window` is now **deliberately exposed**: it is the window SGLang's SWA pool frees
+  slots outside of and the SWA radix cache requires before matching a prefix (positions p−W..p−1
+  of a hit at p are kept, exactly the keys our attention reads, spec §3.4.5). Our attention still
+  applies the window itself; SGLang's attention backend never reads the pool.
 * Deliberately **not** exposed (they would switch on SGLang paths written for other models):
   `text_config` / `vision_config` (multimodal detection, phase 1 is text-only),
   `quantization_config` (SGLang's FP8 machinery; the torch path dequantises itself, spec §2.4),
-  `sliding_window` (SGLang-side window handling; our attention applies the window),
   `rope_scaling` / `rope_theta` (transformers' RoPE normalisation), `index_topk` /
   `kv_lora_rank` (DSA/MLA detection), `num_nextn_predict_layers` (MTP/EAGLE detection).
 """
@@ -32,16 +44,42 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from ..config import DeepseekV41Config
+from ..config import DeepseekV41Config, TextConfig
 
 MODEL_TYPE = DeepseekV41Config.MODEL_TYPE
 ARCHITECTURE = DeepseekV41Config.ARCHITECTURE
 
 #: SGLang-facing attributes copied from `text_config` (everything else stays in the raw dict).
-_TEXT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings")
+_TEXT_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "max_position_embeddings",
+                "tie_word_embeddings")
 #: Top-level keys that must not become attributes (see the module docstring).
 _HIDDEN_TOP_LEVEL = ("text_config", "vision_config", "quantization_config")
+
+
+def _packed_row_bytes(text: TextConfig) -> int:
+    """Bytes of one token's packed compressed row (contracts §1–§2): Σ over kv sources of
+    ceil(E / ratio), E = D/2 + D/16 + Dk/2 + Dk/32 (Flash 356 → 356 + 3·178 = 890; tiny 176).
+    Replaced by helper A's `CompressedRowLayout` (runtime/kv_layout.py) once it lands."""
+    d, dk = text.head_dim, text.index_head_dim
+    entry = d // 2 + d // 16 + dk // 2 + dk // 32
+    return sum(-(-entry // text.compress_ratios[s]) for s in text.kv_source_layer_ids)
+
+
+def sglang_pool_attributes(text: TextConfig) -> dict[str, Any]:
+    """The attributes that make SGLang build the contracts §3 hybrid-SWA pool (module doc)."""
+    layers = text.num_hidden_layers
+    return {
+        "num_hidden_layers": layers + 1,
+        "is_hybrid_swa": True,
+        "hybrid_layer_pattern": [0] + [1] * layers,
+        "sliding_window": text.sliding_window,
+        "num_key_value_heads": 1,
+        "head_dim": -(-_packed_row_bytes(text) // 2),
+        "v_head_dim": 0,
+        "swa_num_key_value_heads": 1,
+        "swa_head_dim": text.head_dim,
+        "swa_v_head_dim": 0,
+    }
 
 
 class DeepseekV41HFConfig(PretrainedConfig):
@@ -60,7 +98,7 @@ class DeepseekV41HFConfig(PretrainedConfig):
             kwargs.pop(key, None)
         for name in _TEXT_FIELDS:
             kwargs[name] = getattr(parsed.text, name)
-        kwargs["v_head_dim"] = 0
+        kwargs.update(sglang_pool_attributes(parsed.text))
         kwargs["dsv41_config_json"] = copy.deepcopy(raw)
         kwargs.setdefault("bos_token_id", parsed.bos_token_id)
         kwargs.setdefault("eos_token_id", raw.get("eos_token_id", parsed.eos_token_id))

@@ -23,6 +23,11 @@ from typing import Literal, Sequence
 Device = Literal["cpu", "cuda"]
 DEVICES: tuple[Device, ...] = ("cpu", "cuda")
 TP_FLAGS = ("--tp-size", "--tensor-parallel-size")
+#: SGLang page size the runtime asks for: even, so a ratio-2 entry's 2 token rows share a page
+#: (phase-2 contracts §2); the smallest such value (see the `--page-size` flag's reason).
+PAGE_SIZE = 2
+#: SWA pool tokens per full-pool token (SGLang `--swa-full-tokens-ratio`; see the flag's reason).
+SWA_FULL_TOKENS_RATIO = 0.1
 
 
 def has_flag(args: Sequence[str], flag: str) -> bool:
@@ -112,6 +117,14 @@ TORCH_PATH = RuntimeProfile(
         ServerFlag("--attention-backend", "torch_native", ("cpu", "cuda"),
                    "the model computes its own attention from its slot caches; SGLang's backend only has to "
                    "construct, and torch_native accepts the single-KV-head, v_head_dim = 0 pool"),
+        ServerFlag("--page-size", str(PAGE_SIZE), ("cpu", "cuda"),
+                   "a ratio-2 compressed entry spans the rows of 2 consecutive token slots, so pages must be "
+                   "even; 2 is the smallest such size: prefix hits are page-aligned (at most 1 token "
+                   "recomputed) and SGLang's SWA eviction keeps max(window, page) = window tokens"),
+        ServerFlag("--swa-full-tokens-ratio", str(SWA_FULL_TOKENS_RATIO), ("cpu", "cuda"),
+                   "an SWA token costs L·2·head_dim bytes (Flash 40 KiB) against 890 B of global KV; SGLang's "
+                   "default 0.8 would spend 97 % of the KV budget on SWA slots, while a decoding request needs "
+                   "only window + page of them (0.1 covers requests from ~1,300 tokens up at Flash)"),
         ServerFlag("--disable-cuda-graph", None, ("cuda",),
                    "the torch forward syncs with the host and has data-dependent shapes"),
         ServerFlag("--sampling-backend", "pytorch", ("cuda",),
