@@ -41,6 +41,7 @@ from .batch import layout_from_forward_batch
 from .cache import RuntimeCaches
 from .dense_ops import dense_math
 from .forward import TorchForward, fp32_default_dtype
+from .sglang_pool import caches_from_sglang_pool
 from .tensor_parallel import TensorParallel, load_shard_weights
 
 logger = logging.getLogger(__name__)
@@ -123,8 +124,13 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     # ---- caches -------------------------------------------------------------------------------
     def _caches_for(self, pool) -> RuntimeCaches:
+        """`RuntimeCaches` over SGLang's hybrid-SWA pool (`runtime/sglang_pool.py`), rebuilt if
+        SGLang replaces the pool; the full → SWA mapping is the one registered on the pool."""
+        from sglang.srt.model_executor.forward_context import get_req_to_token_pool
+
         if self.caches is None or self.caches.pool_id != id(pool):
-            self.caches = RuntimeCaches.from_pool(pool, self.cfg.text, self.numerics.cache)
+            num_req_rows = int(get_req_to_token_pool().req_to_token.shape[0])
+            self.caches = caches_from_sglang_pool(pool, None, self.cfg.text, num_req_rows, self.numerics.cache)
             logger.info(self.caches.describe())
         return self.caches
 
