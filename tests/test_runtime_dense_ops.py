@@ -233,7 +233,7 @@ def test_tiny_reference_forward_under_the_backend() -> None:
     backend = BlockedBf16Gemm(cache, audit_inputs=True)
     inner = backend.matmul
     backend.matmul = lambda x, w: calls.append(1) or inner(x, w)  # type: ignore[method-assign]
-    ids = torch.arange(5, 5 + 9)
+    ids = list(range(5, 5 + 9))
     exact = model.forward(model.new_request(), ids).logits
     with dense_math(backend):
         fast = model.forward(model.new_request(), ids).logits

@@ -1,0 +1,188 @@
+"""The tensor-core dense backend (`runtime/dense_ops.py`) on the H200 (marked `gpu`).
+
+* every dense helper (`linear_fp8` with/without activation quant, `linear_bf16` BF16/fp32 out,
+  `matmul_fp32_exact`, `compressor.linear_fp32_out`) under `BlockedBf16Gemm` is within
+  `error_bound` of the exact float64 reference, at the tiny config's and Flash's weight shapes
+  (LM head included), for 1, 37 and 300 rows; the worst error / bound ratio is printed;
+* a row's result is bit-identical alone and inside a batch (row blocks) at Flash shapes;
+* no float64 tensor is created inside the backend (dtype audit of every op) and its peak extra
+  memory is far below a weight copy (the BF16 copy is made once at registration, not per call);
+* an fp32 (non-BF16-exact) weight refuses to run with TF32 on;
+* the tiny reference model runs on CUDA under the backend with the input audit on.
+
+Run on the GPU machine: `python -m pytest -q -m gpu -s tests/test_runtime_dense_ops_gpu.py`.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from reference_weights import TINY_TEST_COMPRESSED_VOCAB, random_reference_weights, tiny_config
+from sglang_dsv41.config import DeepseekV41Config
+from sglang_dsv41.presets import flash_config_dict
+from sglang_dsv41.reference import compressor, ops
+from sglang_dsv41.reference.model import ReferenceModel
+from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm, DenseWeightCache, backend_for, dense_math, error_bound
+
+pytestmark = pytest.mark.gpu
+F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
+CUDA = torch.device("cuda")
+
+
+def _shapes(cfg: DeepseekV41Config) -> dict[str, tuple[int, int]]:
+    """[out, in] of the dense weights of one layer and the LM head (spec §2.1 inventory)."""
+    t = cfg.text
+    H, q, hd = t.hidden_size, t.q_lora_rank, t.head_dim
+    return {
+        "wq_a": (q, H), "wq_b": (t.num_attention_heads * hd, q), "wkv": (hd, H),
+        "wo_a_group": (t.o_lora_rank, t.heads_per_group * hd), "wo_b": (H, t.o_groups * t.o_lora_rank),
+        "shared_w1": (t.moe_intermediate_size, H), "shared_w2": (H, t.moe_intermediate_size),
+        "gate": (t.n_routed_experts, H), "indexer_wq_b": (t.index_n_heads * t.index_head_dim, q),
+        "indexer_wk": (t.index_head_dim, hd), "head": (t.vocab_size, H),
+    }
+
+
+def _fp8_like(n: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """E4M3 values × a power-of-two scale per 32×32 tile (the loader's values; BF16-exact)."""
+    w = torch.randn(n, k, generator=g, device=CUDA) / k**0.5
+    pad_n, pad_k = -n % 32, -k % 32
+    wp = torch.nn.functional.pad(w, (0, pad_k, 0, pad_n))
+    tiles = wp.reshape(wp.shape[0] // 32, 32, wp.shape[1] // 32, 32)
+    scale = ops.pow2_ceil(tiles.abs().amax(dim=(1, 3), keepdim=True).clamp(min=1e-30) / ops.E4M3_MAX)
+    return (ops.e4m3(tiles / scale) * scale).reshape(wp.shape)[:n, :k].contiguous()
+
+
+HELPERS = {
+    "linear_fp8": (lambda x, w: ops.linear_fp8(x, w), True),
+    "linear_fp8_noquant": (lambda x, w: ops.linear_fp8(x, w, act_quant=False), True),
+    "linear_bf16": (lambda x, w: ops.linear_bf16(x, w), True),
+    "linear_bf16_fp32": (lambda x, w: ops.linear_bf16(x, w, out_fp32=True), False),
+    "matmul_fp32_exact": (ops.matmul_fp32_exact, False),
+    "linear_fp32_out": (compressor.linear_fp32_out, False),
+}
+
+
+@pytest.mark.parametrize("config", ["tiny", "flash"])
+def test_every_helper_within_its_bound(config: str) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = tiny_config(vision=False) if config == "tiny" else DeepseekV41Config.from_dict(flash_config_dict())
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    worst = 0.0
+    for name, (n, k) in _shapes(cfg).items():
+        w = _fp8_like(n, k, g)
+        backend = BlockedBf16Gemm(DenseWeightCache.from_weights({f"{name}.weight": w}), audit_inputs=True)
+        for rows in (1, 37, 300):
+            x = ops.bf16(torch.randn(rows, k, generator=g, device=CUDA))
+            for fn_name, (fn, bf16_out) in HELPERS.items():
+                ref = fn(x, w)
+                with dense_math(backend):
+                    out = fn(x, w)
+                xq = ops.fp8_act_fake_quant(x) if fn_name == "linear_fp8" else x
+                bound = error_bound(xq, w, out, ref, bf16_output=bf16_out)
+                err = (out.to(F64) - ref.to(F64)).abs()
+                ratio = float((err / bound.clamp(min=1e-300)).max())
+                worst = max(worst, ratio)
+                assert bool((err <= bound).all()), (config, name, rows, fn_name, ratio)
+        del w, backend
+        torch.cuda.empty_cache()
+    print(f"\n[dense_ops {config}] worst |out - ref| / bound = {worst:.3g}")
+
+
+def test_rows_do_not_depend_on_the_batch_on_cuda() -> None:
+    cfg = DeepseekV41Config.from_dict(flash_config_dict())
+    g = torch.Generator(device=CUDA).manual_seed(1)
+    for name in ("wq_a", "wo_b", "head"):
+        n, k = _shapes(cfg)[name]
+        w = _fp8_like(n, k, g)
+        backend = BlockedBf16Gemm(DenseWeightCache.from_weights({f"{name}.weight": w}))
+        x = ops.bf16(torch.randn(300, k, generator=g, device=CUDA))
+        full = backend.matmul(x, w)
+        for lo, hi in [(0, 1), (7, 8), (3, 70), (200, 300), (10, 140)]:
+            assert torch.equal(backend.matmul(x[lo:hi], w), full[lo:hi]), (name, lo, hi)
+
+
+class _DtypeAudit(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                self.dtypes.add(t.dtype)
+        return out
+
+
+def _peak_extra_bytes(run) -> int:
+    """Peak CUDA memory allocated while `run()` executes, above what was allocated before."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def test_no_float64_and_no_per_call_weight_conversion() -> None:
+    cfg = DeepseekV41Config.from_dict(flash_config_dict())
+    g = torch.Generator(device=CUDA).manual_seed(2)
+    n, k = _shapes(cfg)["wo_b"]
+    w = _fp8_like(n, k, g)
+    backend = BlockedBf16Gemm(DenseWeightCache.from_weights({"wo_b.weight": w}), audit_inputs=True)
+    x = ops.bf16(torch.randn(5, k, generator=g, device=CUDA))
+
+    def calls() -> None:
+        with dense_math(backend):
+            ops.linear_fp8(x, w)
+            ops.matmul_fp32_exact(x, w)
+            ops.matmul_fp32_exact(x[:, : k // 2].contiguous(), w[:, : k // 2])     # a view of the weight
+
+    audit = _DtypeAudit()
+    with audit:
+        calls()
+    assert F64 not in audit.dtypes and BF16 in audit.dtypes
+    extra = _peak_extra_bytes(calls)
+    assert extra < w.numel(), extra                             # < half the BF16 copy: no weight conversion
+    exact_audit = _DtypeAudit()                                 # the checks see the exact path's copies
+    with exact_audit:
+        assert _peak_extra_bytes(lambda: ops.matmul_fp32_exact(x, w)) >= 8 * w.numel()
+    assert F64 in exact_audit.dtypes
+
+
+def test_fp32_weight_refuses_tf32() -> None:
+    g = torch.Generator(device=CUDA).manual_seed(3)
+    w = torch.randn(64, 128, generator=g, device=CUDA)          # not BF16-exact: kept fp32
+    cache = DenseWeightCache.from_weights({"odd.weight": w})
+    assert cache.fp32_elements == w.numel()
+    x = ops.bf16(torch.randn(4, 128, generator=g, device=CUDA))
+    backend = BlockedBf16Gemm(cache)
+    previous = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        with pytest.raises(RuntimeError, match="TF32"):
+            backend.matmul(x, w)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        out, ref = backend.matmul(x, w), ops.matmul_fp32_exact(x, w)
+        assert bool(((out.to(F64) - ref.to(F64)).abs() <= error_bound(x, w, out, ref, False)).all())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def test_tiny_reference_model_on_cuda_under_the_backend() -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = tiny_config(vision=False)
+    weights = random_reference_weights(cfg, seed=3, vision=False, dspark=False)
+    model = ReferenceModel(cfg, weights, device=CUDA, engram_token_map=np.arange(TINY_TEST_COMPRESSED_VOCAB))
+    backend = backend_for(model.weights)
+    assert backend is not None and backend.cache.fp32_elements == 0
+    backend.audit_inputs = True
+    ids = list(range(5, 5 + 9))
+    exact = model.forward(model.new_request(), ids).logits
+    with dense_math(backend):
+        fast = model.forward(model.new_request(), ids).logits
+    assert bool(torch.isfinite(fast).all())
+    print(f"\n[dense_ops tiny model] max |logit diff| vs exact = {float((fast - exact).abs().max()):.3g} "
+          f"(not bounded end to end: see tests/test_runtime_forward_gpu.py)")
