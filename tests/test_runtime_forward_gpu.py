@@ -11,8 +11,9 @@ any path that is not bit-identical. What is pinned instead, each exactly or at t
 own stated bound:
 
 1. every sublayer of the packed scenarios (`runtime_scenarios.py`: requests of 49–61 tokens,
-   chunked prefill at odd/even starts mixed with decode, a prefix shared through slots), on
-   identical inputs recorded from the CPU forward: the CUDA `attend` is within one BF16 ulp of
+   chunked prefill at odd/even starts mixed with decode, a page-aligned prefix shared through
+   slots; packed FP4 compressed rows, contracts phase 2 §1–§4), on identical inputs recorded
+   from the CPU forward (SWA rows, packed rows, entry indices): the CUDA `attend` is within one BF16 ulp of
    the output scale (max |o| of that query and head) of the CPU float64 value, and the CUDA
    `select` returns exactly the CPU selection and candidate blocks (the scores are bitwise
    equal: float64 head sum);
@@ -34,15 +35,15 @@ import pytest
 import torch
 
 from runtime_scenarios import (DECODE_STEPS, SHARED_PREFIX, fixed_decode_tokens, full_tokens, layout_to,
-                               one_shot_logits, run_scenario)
+                               one_shot_logits, run_scenario, scenario_caches)
 from sglang_dsv41.checkpoint.loader import load_reference_weights
 from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
 from sglang_dsv41.kernels import indexer as kernel_indexer
 from sglang_dsv41.kernels import sparse_attention as kernel_attention
 from sglang_dsv41.runtime import attention_ops
-from sglang_dsv41.runtime.cache import RuntimeCaches
 from sglang_dsv41.runtime.forward import TorchForward
+from sglang_dsv41.runtime.kv_layout import PackedSourceRows
 
 INTERPRETED = kernel_attention._is_interpreted() and kernel_indexer.INTERPRETED
 DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
@@ -109,6 +110,16 @@ def reference_logits(models) -> dict[str, torch.Tensor]:
     return {name: one_shot_logits(cpu, CPU, full_tokens(name, decode)) for name in DECODE_STEPS}
 
 
+def _snapshot(arg, device: torch.device | None = None):
+    """A copy of one attend argument (tensor, packed rows or None), optionally moved to `device`."""
+    if arg is None:
+        return None
+    if isinstance(arg, PackedSourceRows):
+        rows = arg.rows.clone() if device is None else arg.rows.to(device)
+        return dataclasses.replace(arg, rows=rows)
+    return arg.clone() if device is None else arg.to(device)
+
+
 @pytest.fixture(scope="module")
 def recorded(models) -> dict[str, list]:
     """Every attend / select call of the packed scenarios on the CPU path: inputs and outputs."""
@@ -116,9 +127,9 @@ def recorded(models) -> dict[str, list]:
     calls: dict[str, list] = {"attend": [], "select": []}
     cpu_attend, cpu_select = attention_ops.attend, attention_ops.select
 
-    def attend(q, sink, swa_cache, swa_slots, comp_cache, comp_slots):
-        out = cpu_attend(q, sink, swa_cache, swa_slots, comp_cache, comp_slots)
-        args = tuple(None if t is None else t.clone() for t in (q, sink, swa_cache, swa_slots, comp_cache, comp_slots))
+    def attend(q, sink, swa_cache, swa_slots, packed, comp_entries):
+        out = cpu_attend(q, sink, swa_cache, swa_slots, packed, comp_entries)
+        args = tuple(_snapshot(a) for a in (q, sink, swa_cache, swa_slots, packed, comp_entries))
         calls["attend"].append((args, out))
         return out
 
@@ -127,14 +138,14 @@ def recorded(models) -> dict[str, list]:
         calls["select"].append(dict(
             role=role, prefix=prefix, x=x.clone(), q_lora=q_lora.clone(),
             layout=dataclasses.replace(layout, req_to_token=layout.req_to_token.clone()),
-            index_keys=caches.index_keys[role.kv_source].clone(), inv_freq=inv_freq, act_quant=act_quant,
+            rows=caches.rows.clone(), inv_freq=inv_freq, act_quant=act_quant,
             published=None if published is None else published.clone(), want=out))
         return out
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(attention_ops, "attend", attend)
         mp.setattr(attention_ops, "select", select)
-        run_scenario(cpu, RuntimeCaches.allocate(cfg.text, 512), CPU, fixed_decode_tokens())
+        run_scenario(cpu, scenario_caches(cpu, CPU), CPU, fixed_decode_tokens())
     return calls
 
 
@@ -149,7 +160,7 @@ def test_attention_within_one_bf16_ulp_of_cpu_on_identical_inputs(models, record
     assert len(recorded["attend"]) == BATCHES * cfg.text.num_hidden_layers
     differing, total = 0, 0
     for i, (args, want) in enumerate(recorded["attend"]):
-        got = kernel_ops.attend(*(None if t is None else t.to(DEVICE) for t in args)).cpu()
+        got = kernel_ops.attend(*(_snapshot(a, DEVICE) for a in args)).cpu()
         assert got.shape == want.shape and got.dtype == torch.float32
         assert torch.equal(got, got.to(torch.bfloat16).float()), f"call {i}: output is not BF16-valued"
         excess = float(((got - want).abs() - _bf16_ulp_of_output_scale(want)).max())
@@ -165,10 +176,10 @@ def test_selection_equals_cpu_on_identical_inputs(models, recorded, kernel_ops) 
     roles = [r for r in cfg.text.layer_roles() if r.runs_indexer]
     assert len(recorded["select"]) == BATCHES * len(roles)
     assert any(r.candidate_source for r in roles) and any(r.candidate_consumer for r in roles)
-    caches = RuntimeCaches.allocate(cfg.text, 512, device=DEVICE)
+    caches = scenario_caches(on_device, DEVICE)
     for call in recorded["select"]:
         role = call["role"]
-        caches.index_keys[role.kv_source] = call["index_keys"].to(DEVICE)
+        caches = dataclasses.replace(caches, rows=call["rows"].to(DEVICE))
         selection, blocks = kernel_ops.select(
             cfg.text, role, on_device.weights, call["prefix"], call["x"].to(DEVICE), call["q_lora"].to(DEVICE),
             layout_to(call["layout"], DEVICE), caches, call["inv_freq"].to(DEVICE), call["act_quant"],
@@ -185,7 +196,7 @@ def test_packed_chunked_and_prefix_batches_equal_each_request_alone(models, refe
                                                                    kernel_dispatch) -> None:
     cfg, _, on_device = models
     decode = fixed_decode_tokens()
-    got = run_scenario(on_device, RuntimeCaches.allocate(cfg.text, 512, device=DEVICE), DEVICE, decode)
+    got = run_scenario(on_device, scenario_caches(on_device, DEVICE), DEVICE, decode)
     assert kernel_dispatch["attend"] == BATCHES * cfg.text.num_hidden_layers
     assert kernel_dispatch["select"] == BATCHES * sum(r.runs_indexer for r in cfg.text.layer_roles())
     assert set(got) == set(DECODE_STEPS)
