@@ -160,14 +160,14 @@ class BlockedBf16Gemm:
         lead, K, N = x.shape[:-1], w.shape[1], w.shape[0]
         x2 = x.reshape(-1, K)
         if w.dtype == BF16:
-            a = x2.to(BF16)
+            a = _fresh(x2, BF16)
             if self.audit_inputs:
                 bad = (a.to(x2.dtype) != x2).any()
                 self._inexact = bad if self._inexact is None else (self._inexact | bad)
         else:
             if x.is_cuda and torch.backends.cuda.matmul.allow_tf32:
                 raise RuntimeError("dense backend: fp32 weight GEMM with TF32 enabled (its bound needs fp32)")
-            a = x2.to(F32)
+            a = _fresh(x2, F32)
         return self._blocked(a, w).reshape(*lead, N)
 
     def _blocked(self, a: Tensor, w: Tensor) -> Tensor:
@@ -192,6 +192,13 @@ class BlockedBf16Gemm:
         if flag is not None and bool(flag):
             raise ValueError("dense backend: an activation multiplied in BF16 was not BF16-valued — the "
                              "stated error bound does not hold (a caller passed unrounded fp32 values)")
+
+
+def _fresh(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """A new contiguous copy of x in `dtype`: every row block then starts at an allocator-aligned
+    address + a multiple of row_block·K elements, so the GEMM sees the same shape and alignment
+    for every block of every call (a cuBLAS kernel choice depends on both)."""
+    return x.to(dtype, copy=True, memory_format=torch.contiguous_format)
 
 
 def _mm_fp32_out(a: Tensor, wt: Tensor) -> Tensor:
