@@ -45,6 +45,7 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from ..config import DeepseekV41Config, TextConfig
+from .kv_layout import CompressedRowLayout
 
 MODEL_TYPE = DeepseekV41Config.MODEL_TYPE
 ARCHITECTURE = DeepseekV41Config.ARCHITECTURE
@@ -56,15 +57,6 @@ _TEXT_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "max_positio
 _HIDDEN_TOP_LEVEL = ("text_config", "vision_config", "quantization_config")
 
 
-def _packed_row_bytes(text: TextConfig) -> int:
-    """Bytes of one token's packed compressed row (contracts §1–§2): Σ over kv sources of
-    ceil(E / ratio), E = D/2 + D/16 + Dk/2 + Dk/32 (Flash 356 → 356 + 3·178 = 890; tiny 176).
-    Replaced by helper A's `CompressedRowLayout` (runtime/kv_layout.py) once it lands."""
-    d, dk = text.head_dim, text.index_head_dim
-    entry = d // 2 + d // 16 + dk // 2 + dk // 32
-    return sum(-(-entry // text.compress_ratios[s]) for s in text.kv_source_layer_ids)
-
-
 def sglang_pool_attributes(text: TextConfig) -> dict[str, Any]:
     """The attributes that make SGLang build the contracts §3 hybrid-SWA pool (module doc)."""
     layers = text.num_hidden_layers
@@ -74,7 +66,7 @@ def sglang_pool_attributes(text: TextConfig) -> dict[str, Any]:
         "hybrid_layer_pattern": [0] + [1] * layers,
         "sliding_window": text.sliding_window,
         "num_key_value_heads": 1,
-        "head_dim": -(-_packed_row_bytes(text) // 2),
+        "head_dim": CompressedRowLayout.from_config(text).sglang_head_dim,
         "v_head_dim": 0,
         "swa_num_key_value_heads": 1,
         "swa_head_dim": text.head_dim,

@@ -20,12 +20,17 @@ moves or evicts is what the forward sees.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import Tensor
 
 from ..config import TextConfig
 from ..reference.ops import CacheProfile
 from .cache import RuntimeCaches
+from .kv_layout import CompressedRowLayout
+
+logger = logging.getLogger(__name__)
 
 #: SGLang dtype of both sub-pools: the packed rows are reinterpreted bytes, the SWA rows bf16 values.
 POOL_DTYPE = torch.bfloat16
@@ -96,7 +101,7 @@ def caches_from_sglang_pool(pool, allocator_or_mapping, cfg: TextConfig, num_req
     swa_k = pool.swa_kv_pool.k_buffer
     if len(full_k) != 1 or len(swa_k) != layers:
         raise _fail(f"SWAKVPool has {len(full_k)} full and {len(swa_k)} SWA layers, expected 1 and {layers}")
-    head_dim = -(-RuntimeCaches.planned_global_bytes_per_token(cfg) // 2)
+    head_dim = CompressedRowLayout.from_config(cfg).sglang_head_dim
     rows = _buffer(full_k[0], "the full (packed-row) pool", None, head_dim).view(torch.uint8)
     n_swa = swa_k[0].shape[0]
     swa = [_buffer(buf, f"SWA pool layer {l}", n_swa, cfg.head_dim) for l, buf in enumerate(swa_k)]
@@ -108,5 +113,16 @@ def caches_from_sglang_pool(pool, allocator_or_mapping, cfg: TextConfig, num_req
     devices = {t.device for t in (rows, mapping, *swa)}
     if len(devices) != 1:
         raise _fail(f"pool buffers and mapping on several devices: {sorted(map(str, devices))}")
+    logger.info(describe_sglang_pool(pool))
     return RuntimeCaches.from_buffers(cfg, swa, mapping[: rows.shape[0]], rows, num_req_rows, profile,
                                       pool_id=id(pool), page_size=int(pool.page_size))
+
+
+def describe_sglang_pool(pool) -> str:
+    """One log line with the shapes of the pool SGLang built (read from its buffers)."""
+    full, swa = pool.full_kv_pool.k_buffer, pool.swa_kv_pool.k_buffer
+    row = full[0].shape[2] * full[0].element_size()
+    swa_bytes = sum(b.shape[2] * b.element_size() for b in swa)
+    return (f"sglang-dsv41: SGLang SWAKVPool: full pool {len(full)} layer {list(full[0].shape)} {full[0].dtype} "
+            f"= {row} B/token row; SWA pool {len(swa)} layers {list(swa[0].shape)} {swa[0].dtype} = {swa_bytes} "
+            f"B/SWA token; page_size {pool.page_size}")
