@@ -136,9 +136,12 @@ class ReferenceAttentionOps:
 
 
 def _decoded_table(values: Tensor, entries: Tensor) -> tuple[Tensor, Tensor]:
-    """(values [n, d] → contiguous bf16 [n, d] rows, and `entries`' shape filled with the row
-    index of each entry, −1 where the entry is −1): decoded entries as a slot-addressed cache."""
+    """(values [n, d] → contiguous bf16 [max(n, 1), d] rows, and `entries`' shape filled with the
+    row index of each entry, −1 where the entry is −1): decoded entries as a slot-addressed cache
+    (never empty, so a kernel always gets a valid pointer)."""
     index = torch.arange(entries.numel(), device=entries.device).reshape(entries.shape)
+    if values.shape[0] == 0:
+        values = values.new_zeros(1, values.shape[1])
     return values.to(torch.bfloat16).contiguous(), torch.where(entries >= 0, index, -1)
 
 
