@@ -20,11 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from runtime_scenarios import fixed_decode_tokens, one_shot_logits, prompt, run_scenario
+from runtime_scenarios import fixed_decode_tokens, one_shot_logits, prompt, run_scenario, scenario_caches
 from sglang_dsv41.checkpoint.reader import CheckpointReader
 from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
-from sglang_dsv41.runtime.cache import RuntimeCaches
 from sglang_dsv41.runtime.forward import TorchForward
 from sglang_dsv41.runtime.tensor_parallel import (ShardPlan, TensorParallel, TensorParallelError, balanced_block,
                                                   load_shard_weights)
@@ -48,7 +47,7 @@ def _engine(ckpt: Path, tp: TensorParallel) -> TorchForward:
 
 
 def _outputs(engine: TorchForward) -> dict[str, torch.Tensor]:
-    got = run_scenario(engine, RuntimeCaches.allocate(engine.text, 512), CPU, fixed_decode_tokens())
+    got = run_scenario(engine, scenario_caches(engine, CPU), CPU, fixed_decode_tokens())
     got["single"] = one_shot_logits(engine, CPU, SINGLE_PROMPT)
     return got
 
