@@ -75,6 +75,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .packed_rows import PackedSource, latent_entry_bytes, load_fp4_tile
+
 #: fp32 accumulator elements one program keeps in registers ([block_h, block_d]); 16384 = 64 KiB
 #: = 64 registers per thread at 8 warps, leaving room for q and the logits tile.
 ACC_ELEMS_PER_PROGRAM = 16384
@@ -160,14 +162,9 @@ def _dot(a, b, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _attend_key_tile(acc, m_i, l_i, q, cache_ptr, cache_row_stride, slots_ptr, first, n_keys,
-                     offs_n, offs_d, d_mask, qk_scale_log2, DOT_FP32: tl.constexpr):
-    """One online-softmax step over keys first..first+BLOCK_N−1 of one slot list (log2 domain)."""
-    idx = first + offs_n
-    slot = tl.load(slots_ptr + idx, mask=idx < n_keys, other=-1).to(tl.int64)
-    valid = slot >= 0
-    rows = tl.load(cache_ptr + slot[:, None] * cache_row_stride + offs_d[None, :],
-                   mask=valid[:, None] & d_mask[None, :], other=0.0)
+def _attend_rows(acc, m_i, l_i, q, rows, valid, qk_scale_log2, DOT_FP32: tl.constexpr):
+    """One online-softmax step (log2 domain) over a gathered key tile `rows` [BLOCK_N, BLOCK_D]
+    bf16 whose keys `valid` [BLOCK_N] exist (invalid rows hold zeros)."""
     s = _dot(q, tl.trans(rows), DOT_FP32) * qk_scale_log2                       # [BLOCK_H, BLOCK_N] fp32
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -182,15 +179,24 @@ def _attend_key_tile(acc, m_i, l_i, q, cache_ptr, cache_row_stride, slots_ptr, f
 
 
 @triton.jit
+def _load_slots(slots_ptr, first, n_keys, offs_n):
+    """int64 slots (or entries) first..first+BLOCK_N−1 of one list; −1 past its end."""
+    idx = first + offs_n
+    return tl.load(slots_ptr + idx, mask=idx < n_keys, other=-1).to(tl.int64)
+
+
+@triton.jit
 def _sparse_sink_attn_kernel(
         q_ptr, q_stride_n, q_stride_h,
         swa_ptr, swa_row_stride, swa_slots_ptr, swa_slots_stride, n_swa,
         comp_ptr, comp_row_stride, comp_slots_ptr, comp_slots_stride, n_comp,
+        comp_offset, comp_ratio,
         sink_ptr, out_ptr, out_stride_n, out_stride_h,
         part_acc_ptr, part_ml_ptr,
         H, D, qk_scale_log2, tiles_per_split,
         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_COMP: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr):
+        HAS_COMP: tl.constexpr, COMP_PACKED: tl.constexpr, COMP_SHARE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        DOT_FP32: tl.constexpr):
     t = tl.program_id(0)
     hb = tl.program_id(1)
     split = tl.program_id(2)
@@ -217,14 +223,24 @@ def _sparse_sink_attn_kernel(
     tile_hi = tile_lo + tiles_per_split
     swa_slots = swa_slots_ptr + t.to(tl.int64) * swa_slots_stride
     for tile in range(tile_lo, tl.minimum(tile_hi, swa_tiles)):
-        acc, m_i, l_i = _attend_key_tile(acc, m_i, l_i, q, swa_ptr, swa_row_stride, swa_slots,
-                                         tile * BLOCK_N, n_swa, offs_n, offs_d, d_mask, qk_scale_log2, DOT_FP32)
+        slot = _load_slots(swa_slots, tile * BLOCK_N, n_swa, offs_n)
+        valid = slot >= 0
+        rows = tl.load(swa_ptr + slot[:, None] * swa_row_stride + offs_d[None, :],
+                       mask=valid[:, None] & d_mask[None, :], other=0.0)
+        acc, m_i, l_i = _attend_rows(acc, m_i, l_i, q, rows, valid, qk_scale_log2, DOT_FP32)
     if HAS_COMP:
         comp_slots = comp_slots_ptr + t.to(tl.int64) * comp_slots_stride
         comp_tiles = tl.cdiv(n_comp, BLOCK_N)
         for tile in range(tl.maximum(tile_lo - swa_tiles, 0), tl.minimum(tile_hi - swa_tiles, comp_tiles)):
-            acc, m_i, l_i = _attend_key_tile(acc, m_i, l_i, q, comp_ptr, comp_row_stride, comp_slots,
-                                             tile * BLOCK_N, n_comp, offs_n, offs_d, d_mask, qk_scale_log2, DOT_FP32)
+            slot = _load_slots(comp_slots, tile * BLOCK_N, n_comp, offs_n)
+            valid = slot >= 0
+            if COMP_PACKED:   # slot = entry index e; its latent bytes start at row e·ratio, byte 0
+                rows = load_fp4_tile(comp_ptr, slot * comp_ratio * comp_row_stride, valid, 0, D, comp_row_stride,
+                                     comp_offset, COMP_SHARE, BLOCK_N, BLOCK_D, 16, False, not DOT_FP32)
+            else:
+                rows = tl.load(comp_ptr + slot[:, None] * comp_row_stride + offs_d[None, :],
+                               mask=valid[:, None] & d_mask[None, :], other=0.0)
+            acc, m_i, l_i = _attend_rows(acc, m_i, l_i, q, rows, valid, qk_scale_log2, DOT_FP32)
 
     if NUM_SPLITS == 1:
         o = acc / l_i[:, None]
@@ -283,7 +299,7 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
-def _check_inputs(q: Tensor, swa_cache: Tensor, swa_slots: Tensor, comp_cache: Tensor | None,
+def _check_inputs(q: Tensor, swa_cache: Tensor, swa_slots: Tensor, comp_cache: Tensor | PackedSource | None,
                   comp_slots: Tensor | None, sink: Tensor, scale: float, out: Tensor | None) -> None:
     if q.dim() != 3 or q.dtype != torch.bfloat16 or q.stride(2) != 1:
         raise ValueError(f"sparse_sink_attention: q must be [N, H, D] bf16 with unit last stride, got "
@@ -293,7 +309,10 @@ def _check_inputs(q: Tensor, swa_cache: Tensor, swa_slots: Tensor, comp_cache: T
     if (comp_cache is None) != (comp_slots is None):
         raise ValueError("sparse_sink_attention: comp_cache and comp_slots must both be given or both be None")
     for name, cache, slots in caches:
-        if cache.dim() != 2 or cache.shape[1] != D or cache.dtype != torch.bfloat16 or cache.stride(1) != 1:
+        if isinstance(cache, PackedSource):
+            if cache.head_dim != D:
+                raise ValueError(f"sparse_sink_attention: packed comp_cache has head_dim {cache.head_dim}, q has {D}")
+        elif cache.dim() != 2 or cache.shape[1] != D or cache.dtype != torch.bfloat16 or cache.stride(1) != 1:
             raise ValueError(f"sparse_sink_attention: {name}_cache must be [S, {D}] bf16 with unit last stride, "
                              f"got {tuple(cache.shape)} {cache.dtype} strides {cache.stride()}")
         if slots.dim() != 2 or slots.shape[0] != N or slots.dtype not in _SLOT_DTYPES or slots.stride(1) != 1:
@@ -308,21 +327,23 @@ def _check_inputs(q: Tensor, swa_cache: Tensor, swa_slots: Tensor, comp_cache: T
     if out is not None and (out.shape != q.shape or out.dtype not in _OUT_DTYPES or out.stride(2) != 1):
         raise ValueError(f"sparse_sink_attention: out must be [{N}, {H}, {D}] bf16/fp32 with unit last stride, "
                          f"got {tuple(out.shape)} {out.dtype}")
-    devices = {x.device for x in (q, swa_cache, swa_slots, sink, comp_cache, comp_slots, out) if x is not None}
+    comp_tensor = comp_cache.rows if isinstance(comp_cache, PackedSource) else comp_cache
+    devices = {x.device for x in (q, swa_cache, swa_slots, sink, comp_tensor, comp_slots, out) if x is not None}
     if len(devices) != 1:
         raise ValueError(f"sparse_sink_attention: all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
-def _validate_values(swa_cache: Tensor, swa_slots: Tensor, comp_cache: Tensor | None,
+def _validate_values(swa_cache: Tensor, swa_slots: Tensor, comp_cache: Tensor | PackedSource | None,
                      comp_slots: Tensor | None, sink: Tensor) -> None:
-    """Host-synchronising checks of the slot ranges, the sink and empty key sets."""
+    """Host-synchronising checks of the slot (entry) ranges, the sink and empty key sets."""
     has_key = torch.zeros(swa_slots.shape[0], dtype=torch.bool, device=swa_slots.device)
     for name, cache, slots in (("swa", swa_cache, swa_slots), ("comp", comp_cache, comp_slots)):
         if cache is None:
             continue
-        bad = (slots < -1) | (slots >= cache.shape[0])
+        limit = cache.num_entries if isinstance(cache, PackedSource) else cache.shape[0]
+        bad = (slots < -1) | (slots >= limit)
         if bool(bad.any()):
-            raise ValueError(f"sparse_sink_attention: {name}_slots holds values outside −1..{cache.shape[0] - 1} "
+            raise ValueError(f"sparse_sink_attention: {name}_slots holds values outside −1..{limit - 1} "
                              f"(e.g. {slots[bad][:4].tolist()})")
         has_key |= (slots >= 0).any(dim=1)
     if bool((torch.isnan(sink) | (sink == math.inf)).any()):
@@ -331,19 +352,23 @@ def _validate_values(swa_cache: Tensor, swa_slots: Tensor, comp_cache: Tensor | 
         raise ValueError("sparse_sink_attention: a query has no valid key and a head has sink −∞ (empty softmax)")
 
 
-def sparse_sink_attention(q: Tensor, swa_cache: Tensor, swa_slots: Tensor, comp_cache: Tensor | None,
-                          comp_slots: Tensor | None, sink: Tensor, scale: float, *,
-                          out: Tensor | None = None, config: SparseAttentionConfig | None = None,
+def sparse_sink_attention(q: Tensor, swa_cache: Tensor, swa_slots: Tensor,
+                          comp_cache: Tensor | PackedSource | None, comp_slots: Tensor | None, sink: Tensor,
+                          scale: float, *, out: Tensor | None = None, config: SparseAttentionConfig | None = None,
                           validate: bool = False) -> Tensor:
     """Attention of q [N, H, D] bf16 over the rows of `swa_cache` at `swa_slots` [N, W] plus the
-    rows of `comp_cache` at `comp_slots` [N, K] (−1 = no key), with sink logits `sink` [H] fp32
-    and softmax scale `scale` (spec §3.4.5; invariant and traffic in the module docstring).
+    compressed keys `comp_slots` [N, K] of `comp_cache` (−1 = no key), with sink logits `sink`
+    [H] fp32 and softmax scale `scale` (spec §3.4.5; invariant and traffic in the module docstring).
     Returns [N, H, D] bf16, or fills `out` (bf16, or fp32 for the unrounded result).
 
-    Caches are [S, D] bf16 rows (row stride free, unit last stride); slots int32/int64. No host
-    synchronisation unless `validate=True`, which checks slot ranges, the sink, and empty key
-    sets with a −∞ sink, raising ValueError. `config` overrides `plan_config` (tests, tuning).
-    CPU tensors need the kernels defined under `TRITON_INTERPRET=1`."""
+    `swa_cache` is [S, D] bf16 rows (row stride free, unit last stride); slots int32/int64.
+    `comp_cache` is either such a BF16 cache (`comp_slots` = its rows) or a `PackedSource` of
+    packed FP4 entries (contracts §1/§2; `comp_slots` = entry indices e): the kernel then reads
+    entry e's latent nibbles and E4M3 scales and decodes them exactly, so the result is bit for
+    bit the BF16 path's on a cache holding the decoded latents. No host synchronisation unless
+    `validate=True`, which checks slot/entry ranges, the sink, and empty key sets with a −∞ sink,
+    raising ValueError. `config` overrides `plan_config` (tests, tuning). CPU tensors need the
+    kernels defined under `TRITON_INTERPRET=1`."""
     _check_inputs(q, swa_cache, swa_slots, comp_cache, comp_slots, sink, scale, out)
     N, H, D = q.shape
     W = swa_slots.shape[1]
@@ -368,17 +393,21 @@ def sparse_sink_attention(q: Tensor, swa_cache: Tensor, swa_slots: Tensor, comp_
     f32 = dict(dtype=torch.float32, device=q.device)   # split scratch; unused (= out) when splits == 1
     part_acc = torch.empty(N, splits, H, D, **f32) if splits > 1 else out
     part_ml = torch.empty(N, splits, 2, H, **f32) if splits > 1 else out
-    comp_cache_arg = comp_cache if has_comp else swa_cache
+    packed = has_comp and isinstance(comp_cache, PackedSource)
+    comp_cache_arg = (comp_cache.rows if packed else comp_cache) if has_comp else swa_cache
     comp_slots_arg = comp_slots if has_comp else swa_slots
+    comp_offset, comp_share, comp_ratio = ((comp_cache.offset, comp_cache.share, comp_cache.ratio) if packed
+                                           else (0, 1, 1))
     _sparse_sink_attn_kernel[(N, head_blocks, splits)](
         q, q.stride(0), q.stride(1),
         swa_cache, swa_cache.stride(0), swa_slots, swa_slots.stride(0), W,
         comp_cache_arg, comp_cache_arg.stride(0), comp_slots_arg, comp_slots_arg.stride(0), K,
+        comp_offset, comp_ratio,
         sink, out, out.stride(0), out.stride(1),
         part_acc, part_ml,
         H, D, float(scale) * _LOG2E, tiles_per_split,
         BLOCK_H=cfg.block_h, BLOCK_D=cfg.block_d, BLOCK_N=cfg.block_n,
-        HAS_COMP=has_comp, NUM_SPLITS=splits, DOT_FP32=_is_interpreted(),
+        HAS_COMP=has_comp, COMP_PACKED=packed, COMP_SHARE=comp_share, NUM_SPLITS=splits, DOT_FP32=_is_interpreted(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
         merge_block_h = merge_heads_per_program(cfg.block_d)
@@ -394,6 +423,13 @@ def _is_interpreted() -> bool:
 
 
 def bytes_read_per_query(num_heads: int, head_dim: int, window: int, topk: int, valid_keys: int,
-                         slot_bytes: int = 4) -> int:
-    """HBM bytes one query reads (module docstring): q, slot lists, valid key rows, sink."""
-    return num_heads * head_dim * 2 + (window + topk) * slot_bytes + valid_keys * head_dim * 2 + num_heads * 4
+                         slot_bytes: int = 4, *, valid_comp_keys: int = 0, packed_comp: bool = False) -> int:
+    """HBM bytes one query reads (module docstring): q, slot lists, valid key rows, sink.
+    `valid_keys` counts every valid key; with `packed_comp` the `valid_comp_keys` of them that are
+    compressed entries cost `latent_entry_bytes(D)` (D/2 nibbles + D/16 E4M3 scales: 288 B at
+    Flash) instead of a 2·D-byte BF16 row."""
+    if not 0 <= valid_comp_keys <= valid_keys:
+        raise ValueError(f"bytes_read_per_query: valid_comp_keys {valid_comp_keys} not in [0, {valid_keys}]")
+    comp_row = latent_entry_bytes(head_dim) if packed_comp else head_dim * 2
+    key_bytes = (valid_keys - valid_comp_keys) * head_dim * 2 + valid_comp_keys * comp_row
+    return num_heads * head_dim * 2 + (window + topk) * slot_bytes + key_bytes + num_heads * 4

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,8 @@ import torch
 from sglang_dsv41.kernels import sparse_attention as sa
 from sglang_dsv41.reference.attention import attend_with_sink, swa_key_positions
 from sglang_dsv41.runtime.batch import make_layout
+
+from packed_rows_codec import packed_rows_case
 
 BF16 = torch.bfloat16
 INTERPRETED = sa._is_interpreted()   # kernels defined under TRITON_INTERPRET=1 in this process
@@ -183,10 +186,10 @@ def test_window_start_of_sequence_runtime_layout():
     W, K, H, D = 8, 4, 4, 96
     g = torch.Generator().manual_seed(5)
     num_slots, max_ctx = 64, 32
-    perm = torch.randperm(num_slots - 1, generator=g) + 1         # slot 0 unused, like SGLang
+    pages = torch.randperm(num_slots // 2 - 1, generator=g) + 1   # pages of 2 slots; page 0 = padding
     req_to_token = torch.zeros(3, max_ctx, dtype=torch.int32)
-    req_to_token[1, :20] = perm[:20].int()
-    req_to_token[2, :12] = perm[20:32].int()
+    req_to_token[1, :20] = (2 * pages[:10, None] + torch.arange(2)).reshape(-1).int()    # paged, like SGLang
+    req_to_token[2, :12] = (2 * pages[10:16, None] + torch.arange(2)).reshape(-1).int()
     prefix, extend = torch.tensor([0, 9]), torch.tensor([6, 3])   # request 1 starts at 0
     positions = torch.cat([torch.arange(0, 6), torch.arange(9, 12)])
     out_slots = torch.cat([req_to_token[1, :6], req_to_token[2, 9:12]]).long()
@@ -321,6 +324,120 @@ def test_input_errors():
         sa.SparseAttentionConfig(block_h=12, block_d=128, block_n=16, num_splits=1, num_warps=4, num_stages=2)
 
 
+# ---- packed FP4 compressed entries (contracts §1, §2, §5) ----------------------------------
+
+TINY_RATIOS, FLASH_RATIOS = (2, 2, 1), (2, 2, 2, 1)     # kv-source ratios in kv_source_layer_ids order
+
+
+def packed_case(n, heads, dim, index_dim, window, topk, num_rows, ratios, source, seed, hole_frac=0.25,
+                pad_columns=0, device="cpu", slot_dtype=torch.int64):
+    """(q, swa_cache, swa_slots, PackedSource, entries, bf16 cache of the decoded latents, sink):
+    rows hold every source's columns (garbage outside `source`), entries −1 at `hole_frac`."""
+    pr = packed_rows_case(num_rows, dim, index_dim, ratios, source, seed, pad_columns=pad_columns)
+    q, swa, ss, _, _, sink = random_case(n, heads, dim, window, topk, num_rows, seed + 1000, hole_frac=hole_frac,
+                                         slot_dtype=slot_dtype)
+    g = torch.Generator().manual_seed(seed + 2000)
+    n_entries = pr["latent_cache"].shape[0]
+    entries = torch.randint(0, n_entries, (n, topk), generator=g)
+    entries[torch.rand(n, topk, generator=g) < hole_frac] = -1
+    to = dict(device=device)
+    src = sa.PackedSource(pr["rows"].to(**to), pr["offset"], pr["share"], pr["ratio"], dim, index_dim)
+    return (q.to(**to), swa.to(**to), ss.to(**to), src, entries.to(slot_dtype).to(**to),
+            pr["latent_cache"].to(**to), sink.to(**to))
+
+
+def assert_packed_equals_bf16_path(mod, q, swa, ss, src, entries, cache, sink, scale, config=None):
+    """Packed-entry output == BF16-cache output (same decoded values) bit for bit, bf16 and fp32."""
+    packed = mod.sparse_sink_attention(q, swa, ss, src, entries, sink, scale, config=config, validate=True)
+    plain = mod.sparse_sink_attention(q, swa, ss, cache, entries, sink, scale, config=config, validate=True)
+    assert torch.equal(packed.view(torch.int16), plain.view(torch.int16))
+    out32 = [torch.empty(q.shape, dtype=torch.float32, device=q.device) for _ in range(2)]
+    mod.sparse_sink_attention(q, swa, ss, src, entries, sink, scale, config=config, out=out32[0])
+    mod.sparse_sink_attention(q, swa, ss, cache, entries, sink, scale, config=config, out=out32[1])
+    assert torch.equal(out32[0].view(torch.int32), out32[1].view(torch.int32))
+    assert bool((entries >= 0).any()) and torch.isfinite(out32[0]).all()
+    return packed
+
+
+@interpreter
+@pytest.mark.parametrize("source,pad", [(0, 0), (1, 24), (2, 0)], ids=["ratio2_first", "ratio2_strided", "ratio1"])
+def test_packed_latents_bit_identical_to_bf16_path_tiny(source, pad):
+    case = packed_case(n=6, heads=4, dim=96, index_dim=64, window=8, topk=8, num_rows=60, ratios=TINY_RATIOS,
+                       source=source, seed=20 + source, pad_columns=pad)
+    out = assert_packed_equals_bf16_path(sa, *case, 96 ** -0.5)
+    q, swa, ss, src, entries, cache, sink = case
+    assert src.rows.stride(0) == src.rows.shape[1] + pad
+    if source == 2:
+        check_against_oracle(sa, q, swa, ss, cache, entries, sink, 96 ** -0.5)   # the decoded values attend
+    assert not torch.equal(out, sa.sparse_sink_attention(q, swa, ss, None, None, sink, 96 ** -0.5))
+
+
+@interpreter
+@pytest.mark.parametrize("source", [1, 3], ids=["ratio2", "ratio1"])
+def test_packed_latents_bit_identical_flash_dims_split(source):
+    """Flash head_dim 512 / index_head_dim 128 in the Flash 4-source row (890 B), split key tiles."""
+    case = packed_case(n=3, heads=8, dim=512, index_dim=128, window=16, topk=24, num_rows=64, ratios=FLASH_RATIOS,
+                       source=source, seed=30 + source, slot_dtype=torch.int32)
+    assert case[3].rows.shape[1] == 890 and case[3].entry_bytes == 356
+    cfg = sa.SparseAttentionConfig(block_h=16, block_d=512, block_n=16, num_splits=2, num_warps=4, num_stages=2)
+    assert_packed_equals_bf16_path(sa, *case, 512 ** -0.5, config=cfg)
+
+
+@interpreter
+def test_packed_input_errors():
+    q, swa, ss, src, entries, cache, sink = packed_case(n=3, heads=4, dim=96, index_dim=64, window=8, topk=4,
+                                                        num_rows=40, ratios=TINY_RATIOS, source=0, seed=40)
+    f = sa.sparse_sink_attention
+    bad = entries.clone()
+    bad[0, 0] = src.num_entries                                   # 20 entries of ratio 2 in 40 rows
+    with pytest.raises(ValueError, match="outside −1..19"):
+        f(q, swa, ss, src, bad, sink, 0.1, validate=True)
+    with pytest.raises(ValueError, match="head_dim 96"):
+        f(q[..., :64].contiguous(), swa[:, :64].contiguous(), ss, src, entries, sink, 0.1)
+    with pytest.raises(ValueError, match="share"):
+        sa.PackedSource(src.rows, 0, 45, 2, 96, 64)
+    with pytest.raises(ValueError, match="do not fit"):
+        sa.PackedSource(src.rows, 140, 44, 2, 96, 64)
+    with pytest.raises(ValueError, match="uint8"):
+        sa.PackedSource(src.rows.float(), 0, 44, 2, 96, 64)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        sa.PackedSource(src.rows, 0, 44, 2, 88, 64)
+
+
+def test_test_codec_equals_runtime_kv_layout():
+    """The tests' own encoder/row writer (tests/packed_rows_codec.py) produces the same bytes and
+    column layout as the production codec `runtime/kv_layout.py` (helper A), tiny and Flash."""
+    from sglang_dsv41.presets import flash_config_dict, tiny_config_dict
+    from sglang_dsv41.config import DeepseekV41Config
+    from sglang_dsv41.runtime import kv_layout
+    import packed_rows_codec as codec
+
+    g = torch.Generator().manual_seed(50)
+    for cfg_dict in (tiny_config_dict(True), flash_config_dict()):
+        text = DeepseekV41Config.from_dict(cfg_dict).text
+        layout = kv_layout.CompressedRowLayout.from_config(text)
+        D, Dk = text.head_dim, text.index_head_dim
+        ratios = tuple(text.compress_ratios[i] for i in text.kv_source_layer_ids)
+        ours = codec.tiny_like_layout(D, Dk, ratios)
+        assert [(c.offset, c.share, c.ratio) for c in layout.sources] == ours
+        assert layout.entry_bytes == codec.entry_bytes(D, Dk)
+        n = 40
+        lat = torch.randn(n, D, generator=g) * 2.0 ** torch.randint(-14, 12, (n, 1), generator=g)
+        key = torch.randn(n, Dk, generator=g) * 2.0 ** torch.randint(-40, 40, (n, 1), generator=g)
+        lat[0], key[0] = 0.0, 0.0                                   # all-zero groups
+        lat[1, :16], key[1, :32] = -1e-30, -1e-30                  # −0 codes, smallest scales
+        ours_bytes = torch.cat([codec.encode_latent(lat), codec.encode_index_key(key)], dim=1)
+        theirs = kv_layout.encode_entries(layout, lat, key)
+        assert torch.equal(ours_bytes, theirs)
+        for src in layout.sources:
+            rows_a = torch.zeros(2 * n + 4, layout.row_bytes, dtype=torch.uint8)
+            rows_b = rows_a.clone()
+            entries = torch.randperm(n + 2, generator=g)[:n // src.ratio]
+            kv_layout.write_entries(rows_a, src, entries, theirs[:entries.numel()])
+            codec.write_entries(rows_b, entries, ours_bytes[:entries.numel()], src.offset, src.share, src.ratio)
+            assert torch.equal(rows_a, rows_b)
+
+
 @pytest.mark.skipif(INTERPRETED, reason="needs the compiled kernels")
 def test_compiled_kernels_refuse_cpu_tensors():
     assert not sa._is_interpreted()
@@ -341,19 +458,24 @@ def test_plan_config_shapes():
     with pytest.raises(ValueError, match="head_dim"):
         sa.plan_config(1, 4, 2048, 8, 4, sm_count=1)
     assert sa.bytes_read_per_query(64, 512, 128, 512, 640) == 64 * 512 * 2 + 640 * 4 + 640 * 1024 + 256
+    assert sa.bytes_read_per_query(64, 512, 128, 512, 640, valid_comp_keys=512, packed_comp=True) == \
+        64 * 512 * 2 + 640 * 4 + 128 * 1024 + 512 * 288 + 256          # 288 B per packed latent entry
+    with pytest.raises(ValueError, match="valid_comp_keys"):
+        sa.bytes_read_per_query(64, 512, 128, 512, 10, valid_comp_keys=11)
 
 
 # ---- ahead-of-time compilation for Hopper (no GPU needed: Triton's bundled ptxas) -----------
 
 def _hopper_binary(kernel, constexprs: dict, num_warps: int, num_stages: int):
-    """Compile `kernel` for sm_90 with BF16 tensors, int32 slots; returns (compiled, resource line)."""
+    """Compile `kernel` for sm_90 with BF16 tensors (uint8 packed rows when COMP_PACKED), int32
+    slots; returns (compiled, resource line)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     import triton
 
-    pointer_types = {"q_ptr": "*bf16", "swa_ptr": "*bf16", "comp_ptr": "*bf16", "swa_slots_ptr": "*i32",
-                     "comp_slots_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
-                     "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"}
+    pointer_types = {"q_ptr": "*bf16", "swa_ptr": "*bf16", "comp_ptr": "*u8" if constexprs.get("COMP_PACKED") else
+                     "*bf16", "swa_slots_ptr": "*i32", "comp_slots_ptr": "*i32", "sink_ptr": "*fp32",
+                     "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"}
     signature = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -379,17 +501,22 @@ def _hopper_binary(kernel, constexprs: dict, num_warps: int, num_stages: int):
 
 
 @pytest.mark.skipif(INTERPRETED, reason="needs the compiled kernels")
+@pytest.mark.parametrize("packed", [False, True], ids=["bf16_comp", "packed_comp"])
 @pytest.mark.parametrize("case", ["flash_decode_split", "flash_extend", "tiny"])
-def test_compiles_for_hopper_without_spills(case):
-    """The planned configs compile for sm_90 with BF16 tensor-core dots, no register spills (STACK/
-    LOCAL 0) and shared memory within Hopper's 227 KiB per block."""
+def test_compiles_for_hopper_without_spills(case, packed):
+    """The planned configs compile for sm_90 with BF16 tensor-core dots and shared memory within
+    Hopper's 227 KiB per block — with BF16 compressed rows (no register spills: STACK/LOCAL 0) and
+    with packed FP4 entries decoded in the kernel (the decode costs registers on top of a kernel
+    already at 255: measured 160 B/thread of stack at the Flash plan, bounded here at 256 B so a
+    regression shows; the H200 benchmark measures what it costs)."""
     n, h, d, w, k = {"flash_decode_split": (1, 64, 512, 128, 512), "flash_extend": (2048, 64, 512, 128, 512),
                      "tiny": (5, 4, 96, 8, 4)}[case]
     cfg = sa.plan_config(n, h, d, w, k, sm_count=132)
     consts = dict(BLOCK_H=cfg.block_h, BLOCK_D=cfg.block_d, BLOCK_N=cfg.block_n, HAS_COMP=True,
-                  NUM_SPLITS=cfg.num_splits, DOT_FP32=False)
+                  COMP_PACKED=packed, COMP_SHARE=178 if packed else 1, NUM_SPLITS=cfg.num_splits, DOT_FP32=False)
     compiled, usage = _hopper_binary(sa._sparse_sink_attn_kernel, consts, cfg.num_warps, cfg.num_stages)
-    assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
+    stack = int(re.search(r"STACK:(\d+) ", usage).group(1))
+    assert stack <= (256 if packed else 0) and "LOCAL:0 " in usage, usage
     assert compiled.metadata.shared <= 227 * 1024
     ptx = compiled.asm["ptx"]
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx or "wgmma" in ptx
@@ -448,3 +575,26 @@ def test_gpu_cuda_graph_replay_matches_eager():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, mod.sparse_sink_attention(*fresh, scale))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("source", [1, 3], ids=["ratio2", "ratio1"])
+@pytest.mark.parametrize("n", [1, 64, 2048])
+def test_gpu_packed_flash_bit_identical_to_bf16_path(n, source):
+    """Flash shape (D 512, Dk 128, H 64, W 128, top-512) in the 890-byte Flash row, planned config
+    (split-KV at n = 1): packed FP4 entries give the BF16-cache path's bits (bf16 and fp32 out)."""
+    mod = _gpu_module()
+    case = packed_case(n=n, heads=64, dim=512, index_dim=128, window=128, topk=512, num_rows=8192,
+                       ratios=FLASH_RATIOS, source=source, seed=400 + n + source, hole_frac=0.1, device="cuda",
+                       slot_dtype=torch.int32)
+    assert case[3].rows.shape[1] == 890
+    assert_packed_equals_bf16_path(mod, *case, 512 ** -0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("source", [0, 2], ids=["ratio2", "ratio1"])
+def test_gpu_packed_tiny_bit_identical_to_bf16_path(source):
+    mod = _gpu_module()
+    case = packed_case(n=37, heads=4, dim=96, index_dim=64, window=8, topk=4, num_rows=200, ratios=TINY_RATIOS,
+                       source=source, seed=500 + source, device="cuda")
+    assert_packed_equals_bf16_path(mod, *case, 96 ** -0.5)

@@ -1,0 +1,158 @@
+"""Native reads of packed FP4 compressed entries for the Triton kernels (contracts phase 2 §1, §2, §5;
+spec `model.md` §3.4.3 / §3.4.4 for the quantisers).
+
+One compressed entry of a kv source (E = D/2 + D/16 + Dk/2 + Dk/32 bytes, Flash 356) is, in order:
+latent payload (D/2 B: E2M1 codes, dim 2i in the low nibble of byte i, dim 2i+1 in the high
+nibble), latent scales (D/16 B: float8_e4m3fn bits, scale g covers dims 16g..16g+15), key payload
+(Dk/2 B, same nibble rule), key scales (Dk/32 B: UE8M0 exponents, scale 2^(b−127), group of 32).
+A source of ratio r with column share `share` = ⌈E/r⌉ at column `offset` stores byte j of entry e
+at row e·r + j // share, column offset + j % share of the uint8 row tensor (§2).
+
+Decoded values are exact: value = e2m1(code) × scale, a ≤ 6-significant-bit product (E4M3 scale)
+or a power-of-two multiple of an E2M1 value (UE8M0), so every decoded latent and key is a BF16
+value, computed here in fp32 without rounding and then cast to BF16 exactly. Hence a kernel that
+feeds decoded values into the same dots as its BF16-cache path returns the same bits.
+
+The jit helpers below are called from `sparse_attention` and `indexer` kernels; this module is
+imported by both, so all of them are defined under the same TRITON_INTERPRET setting.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+from torch import Tensor
+import torch
+
+
+def latent_entry_bytes(head_dim: int) -> int:
+    """Bytes of the latent part of one entry (payload + E4M3 scales): D/2 + D/16 [Flash 288]."""
+    return head_dim // 2 + head_dim // 16
+
+
+def key_entry_bytes(index_head_dim: int) -> int:
+    """Bytes of the index-key part of one entry (payload + UE8M0 scales): Dk/2 + Dk/32 [Flash 68]."""
+    return index_head_dim // 2 + index_head_dim // 32
+
+
+@dataclass(frozen=True)
+class PackedSource:
+    """One kv source's packed compressed entries inside the per-token rows (contracts §5).
+
+    `rows` uint8 [S, row_bytes] (any row stride, unit last stride; e.g. SGLang's bf16 full-pool
+    buffer viewed as bytes); entries e ∈ [0, S // ratio) of this source; `share` must equal
+    ⌈entry_bytes / ratio⌉ and [offset, offset + share) must lie inside a row (checked here)."""
+
+    rows: Tensor
+    offset: int
+    share: int
+    ratio: int
+    head_dim: int
+    index_head_dim: int
+
+    def __post_init__(self) -> None:
+        r = self.rows
+        if r.dim() != 2 or r.dtype != torch.uint8 or (r.shape[1] > 1 and r.stride(1) != 1):
+            raise ValueError(f"PackedSource.rows must be uint8 [S, row_bytes] with unit last stride, got "
+                             f"{tuple(r.shape)} {r.dtype} strides {tuple(r.stride())}")
+        if self.head_dim < 16 or self.head_dim % 16 or self.index_head_dim < 32 or self.index_head_dim % 32:
+            raise ValueError(f"PackedSource: head_dim {self.head_dim} must be a multiple of 16 and index_head_dim "
+                             f"{self.index_head_dim} a multiple of 32 (one scale per 16 / 32 dims)")
+        if self.ratio < 1:
+            raise ValueError(f"PackedSource: ratio must be ≥ 1, got {self.ratio}")
+        want = -(-self.entry_bytes // self.ratio)
+        if self.share != want:
+            raise ValueError(f"PackedSource: share {self.share} != ⌈{self.entry_bytes}/{self.ratio}⌉ = {want} "
+                             "(contracts §2)")
+        if self.offset < 0 or self.offset + self.share > r.shape[1]:
+            raise ValueError(f"PackedSource: columns [{self.offset}, {self.offset + self.share}) do not fit rows "
+                             f"of {r.shape[1]} bytes")
+
+    @property
+    def entry_bytes(self) -> int:
+        """E = D/2 + D/16 + Dk/2 + Dk/32 (contracts §1)."""
+        return latent_entry_bytes(self.head_dim) + key_entry_bytes(self.index_head_dim)
+
+    @property
+    def num_entries(self) -> int:
+        """Entries addressable in `rows`: e·ratio + ratio − 1 < S."""
+        return self.rows.shape[0] // self.ratio
+
+    @property
+    def key_payload_start(self) -> int:
+        """Byte index (within an entry) of the first index-key payload byte."""
+        return latent_entry_bytes(self.head_dim)
+
+
+# ---- jit helpers (inlined into the kernels) -------------------------------------------------
+
+@triton.jit
+def e2m1_bf16(code):
+    """BF16 value of E2M1 codes (int32, low 4 bits used): bit 3 sign, bits 0–2 index into
+    {0, .5, 1, 1.5, 2, 3, 4, 6} (code 8 is −0), built as BF16 bit patterns: index 1 is 2^-1
+    (0x3F00), index m ≥ 2 has exponent m>>1 − 1 and mantissa bit m&1."""
+    mag = code & 7
+    bits = tl.where(mag < 2, mag * 0x3F00, ((126 + (mag >> 1)) << 7) | ((mag & 1) << 6)) | ((code & 8) << 12)
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def e4m3_value(b):
+    """fp32 value of float8_e4m3fn bit patterns (int32 0..255); 0x7F/0xFF are NaN."""
+    exp = (b >> 3) & 15
+    man = b & 7
+    normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+    v = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)       # subnormal: man·2^-9
+    v = tl.where((b & 127) == 127, float("nan"), v)
+    return tl.where((b & 128) != 0, -v, v)
+
+
+@triton.jit
+def ue8m0_value(b):
+    """fp32 value 2^(b−127) of UE8M0 exponent bytes (int32 0..255); b = 0 is 2^-127 (fp32
+    subnormal), b = 255 is NaN."""
+    bits = tl.where(b == 0, 1 << 22, b << 23)
+    v = bits.to(tl.float32, bitcast=True)
+    return tl.where(b == 255, float("nan"), v)
+
+
+@triton.jit
+def load_fp4_tile(rows_ptr, entry_base, valid, first_byte, dims, row_stride, offset, SHARE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, SCALE_UE8M0: tl.constexpr,
+                  BF16_MUL: tl.constexpr):
+    """BF16 [BLOCK_N, BLOCK_D] decoded values (exact) of one part (latent or index key) of BLOCK_N entries.
+
+    The part starts at entry byte `first_byte`: dims/2 payload bytes, then dims/GROUP scale bytes
+    (E4M3, or UE8M0 when SCALE_UE8M0); entry byte j lives at row offset (j // SHARE)·row_stride,
+    column offset + j % SHARE from `entry_base` [BLOCK_N] int64 = e·ratio·row_stride (§2 rule).
+    Loads are compact (one per payload byte and per scale byte); dims ≥ `dims` and entries not
+    `valid` read byte 0 / scale byte 0, which decode to +0. The code × scale products are exact
+    in BF16: BF16_MUL multiplies in BF16 (compiled: half the registers of fp32), otherwise in fp32
+    (Triton 3.6's interpreter multiplies BF16 tensors as raw integers); same values either way."""
+    i = tl.arange(0, BLOCK_D // 2)
+    j = first_byte + i
+    byte_off = (j // SHARE) * row_stride + offset + j % SHARE
+    payload = tl.load(rows_ptr + entry_base[:, None] + byte_off[None, :],
+                      mask=valid[:, None] & (i < dims // 2)[None, :], other=0).to(tl.int32)
+    g = tl.arange(0, BLOCK_D // GROUP)
+    js = first_byte + dims // 2 + g
+    scale_off = (js // SHARE) * row_stride + offset + js % SHARE
+    sbyte = tl.load(rows_ptr + entry_base[:, None] + scale_off[None, :],
+                    mask=valid[:, None] & (g < dims // GROUP)[None, :], other=0).to(tl.int32)
+    if SCALE_UE8M0:
+        scale = ue8m0_value(sbyte)
+    else:
+        scale = e4m3_value(sbyte)
+    # each scale covers GROUP/2 payload bytes: widen [BLOCK_N, BLOCK_D/GROUP] → [BLOCK_N, BLOCK_D/2]
+    if BF16_MUL:
+        scale = scale.to(tl.bfloat16)                 # E4M3 / UE8M0 values are BF16 values
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_D // GROUP, GROUP // 2)),
+                       (BLOCK_N, BLOCK_D // 2))
+    if BF16_MUL:
+        low = e2m1_bf16(payload) * scale              # dim 2i; ≤ 6 significant bits: exact in BF16
+        high = e2m1_bf16(payload >> 4) * scale        # dim 2i + 1
+    else:
+        low = (e2m1_bf16(payload).to(tl.float32) * scale).to(tl.bfloat16)
+        high = (e2m1_bf16(payload >> 4).to(tl.float32) * scale).to(tl.bfloat16)
+    return tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_D))
