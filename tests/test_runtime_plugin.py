@@ -180,6 +180,16 @@ def test_flash_pool_through_sglang_arithmetic_is_890_bytes_per_token(tmp_path: P
     assert conf._full_per_token == 890                                  # global KV, B/token
     assert conf._swa_per_token * 40 == pytest.approx(40 * 1024 + TOKEN_ID_BYTES_PER_SWA_SLOT)
     assert conf._cell_size == pytest.approx(890 + 0.1 * (40 * 1024 + TOKEN_ID_BYTES_PER_SWA_SLOT))
+    # the planner's figures (deploy/kv.py) are SGLang's arithmetic and helper A's row layout
+    from sglang_dsv41.config import DeepseekV41Config
+    from sglang_dsv41.deploy import kv
+    from sglang_dsv41.presets import flash_config_dict
+    from sglang_dsv41.runtime.kv_layout import CompressedRowLayout
+
+    t = DeepseekV41Config.from_dict(flash_config_dict()).text
+    assert kv.packed_row_bytes(t) == CompressedRowLayout.from_config(t).row_bytes == 890
+    assert kv.pool_bytes_per_full_token(t, 0.1) == pytest.approx(conf._cell_size)
+    assert kv.swa_bytes_per_swa_token(t) == pytest.approx(conf._swa_per_token * 40)
     sizes = conf.calculate_pool_sizes(10**9, page_size=2)
     assert sizes.full_max_total_num_tokens == int(10**9 // conf._cell_size) // 2 * 2
     assert sizes.swa_max_total_num_tokens == int(sizes.full_max_total_num_tokens * 0.1) // 2 * 2

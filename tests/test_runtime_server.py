@@ -2,11 +2,13 @@
 spec cpu.md §3). On CPU the oracle is `ReferenceModel`; on CUDA see "On CUDA" below.
 
 One server for the module, started exactly as a user would (`python -m sglang_dsv41.cli serve`,
-which prepares the CPU environment itself), with `--chunked-prefill-size 13 --enable-mixed-chunk`:
-every prompt (≥ 40 tokens, so the SWA window 8, index_topk 4 and the candidate span 12 all bind)
-is prefilled in chunks of ≤ 13 tokens starting at odd and even positions and mixed with other
-requests' decode tokens, so "equal to the reference's one-shot prefill" covers chunked == one-shot
-and batching. Greedy tokens must be equal; logprobs of the generated tokens agree with the
+which prepares the CPU environment itself), with `--chunked-prefill-size 12 --enable-mixed-chunk`
+and the runtime's `--page-size 2` (SGLang needs the chunk size to be a multiple of the page size,
+so chunks and prefix hits start at even positions; decode steps end requests at odd and even
+positions, leaving ratio-2 pairs pending between steps): every prompt (≥ 40 tokens, so the SWA
+window 8, index_topk 4 and the candidate span 12 all bind, and SGLang's SWA pool frees slots
+outside the window) is prefilled in chunks of ≤ 12 tokens mixed with other requests' decode
+tokens, so "equal to the reference's one-shot prefill" covers chunked == one-shot and batching. Greedy tokens must be equal; logprobs of the generated tokens agree with the
 reference's fp64 log-softmax within `LOGPROB_ATOL` (SGLang takes the log-softmax in fp32 of the
 reference-identical fp32 logits). Every wait is bounded; the server's process group is killed.
 
@@ -23,6 +25,7 @@ kernel path relates to the reference is pinned per sublayer in tests/test_runtim
 from __future__ import annotations
 
 import json
+import re
 import threading
 import urllib.request
 from pathlib import Path
@@ -39,10 +42,11 @@ from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
 from sglang_dsv41.reference.model import ReferenceModel
 from sglang_dsv41.runtime.forward import TorchForward
+from sglang_dsv41.runtime.requirements import PAGE_SIZE
 
 pytestmark = pytest.mark.slow
 
-CHUNK = 13
+CHUNK = 12
 NEW_TOKENS = 16
 LOGPROB_ATOL = 1e-5
 
@@ -128,6 +132,19 @@ def test_server_is_configured_as_requested(server: Server) -> None:
     on_gpu = torch.cuda.is_available()
     assert info["chunked_prefill_size"] == CHUNK and info["device"] == ("cuda" if on_gpu else "cpu")
     assert info["attention_backend"] == "torch_native" and info["sleep_on_idle"] is (not on_gpu)
+    assert info["page_size"] == 2 and info["swa_full_tokens_ratio"] == 0.1    # runtime/requirements.py
+
+
+def test_sglang_built_the_hybrid_swa_pool(server: Server) -> None:
+    """SGLang itself built and sized the contracts §2–§3 pool: a full pool of ONE layer of packed
+    rows (tiny: 88 bf16 = 176 B/token), a SWA pool of L = 8 layers of head_dim 96 sized by
+    --swa-full-tokens-ratio 0.1 (4096 → 408 tokens), page size 2; our caches wrap it."""
+    server.generate(_prompt(1, 12), n=1)                  # at least one forward has built the caches
+    log = server.log_tail(10**7)
+    assert re.search(r"SWAKVPool mem usage: [0-9.]+ GB, swa size: 408, full size: 4096", log), log[-3000:]
+    assert re.search(r"SGLang SWAKVPool: full pool 1 layer \[4098, 1, 88\] torch\.bfloat16 = 176 B/token row; "
+                     r"SWA pool 8 layers \[410, 1, 96\] torch\.bfloat16 = 1536 B/SWA token; page_size 2", log)
+    assert re.search(r"sglang-dsv41 caches: global KV 176 B/token .*4098 full slots.*410 SWA slots", log)
 
 
 def test_greedy_equals_reference_and_prefix_cache_hits(server: Server, reference: ReferenceModel) -> None:
@@ -145,13 +162,13 @@ def test_greedy_equals_reference_and_prefix_cache_hits(server: Server, reference
 
 def test_concurrent_requests_sharing_a_cached_prefix_equal_their_cold_runs(server: Server,
                                                                            reference: ReferenceModel) -> None:
-    shared = _prompt(20, 31)                          # odd length: a ratio-2 pair straddles the hit
+    shared = _prompt(20, 31)                          # odd length: the hit stops at the page boundary 30
     server.generate(shared, n=1)                      # puts the prefix into the radix cache
     tails = [_prompt(21, 12)[1:], _prompt(22, 16)[1:]]
     prompts = [shared + t for t in tails]
     results = _concurrently(server, prompts)
     for prompt, res in zip(prompts, results):
-        assert res["meta_info"]["cached_tokens"] >= len(shared)
+        assert res["meta_info"]["cached_tokens"] >= len(shared) - len(shared) % PAGE_SIZE   # page-aligned hit
         assert res["output_ids"] == reference.generate(prompt, NEW_TOKENS)
 
 

@@ -1,5 +1,18 @@
 """KV-cache bytes per token and per request, derived from the config (spec `runtime.md` §A.3,
-`model.md` §1.3, §3.8).
+`model.md` §1.3, §3.8; phase-2 contracts §1–§3).
+
+Two descriptions live here:
+
+* the **plugin runtime's pool** (`runtime/hf_config.py`, `runtime/sglang_pool.py`): SGLang's own
+  hybrid-SWA pool with a full pool of one packed row per token — Σ over kv sources of
+  ceil(E / ratio), E = D/2 + D/16 + Dk/2 + Dk/32 (Flash 356 + 3·178 = **890 B/token**, tiny
+  176), on every GPU, no page padding (page size 2) — and a SWA pool of L bf16 rows of D per SWA
+  token (+ the runtime's int32 token id), sized by SGLang as `swa_full_tokens_ratio` × full
+  tokens; a decoding request keeps `sliding_window + page_size` SWA tokens (SGLang frees the
+  rest). Functions: `packed_row_bytes`, `swa_bytes_per_swa_token`, `pool_bytes_per_full_token`,
+  `swa_tokens_per_request`.
+* SGLang 0.5.23's own V4.1 layouts (`v4` on Hopper, `v41` on SM100), below — what upstream
+  stores; the deployment configs' `features.kv_layout` names them.
 
 What one token costs ("global KV")
 ----------------------------------
@@ -132,3 +145,34 @@ def per_request_bytes(t: TextConfig, layout: LayoutName, *, draft_tokens: int = 
     ratio2_sources = sum(1 for r in t.layer_roles() if r.computes_latents and r.ratio == 2)
     pair = ratio2_sources * pair_ring_rows(draft_tokens) * 2 * t.head_dim * 4
     return RequestCost(swa=t.num_hidden_layers * page, dspark_swa=stages * page, pair_state=pair)
+
+
+# ---- the plugin runtime's pool (phase-2 contracts §1–§3) ----------------------------------------
+#: The runtime's SWA token id (Engram history, one int32 per SWA slot, `runtime/sglang_hooks.py`).
+TOKEN_ID_BYTES = 4
+
+
+def packed_entry_bytes(t: TextConfig) -> int:
+    """One packed compressed entry: FP4 latent + E4M3 scales + FP4 index key + UE8M0 scales."""
+    return t.head_dim // 2 + t.head_dim // 16 + t.index_head_dim // 2 + t.index_head_dim // 32
+
+
+def packed_row_bytes(t: TextConfig) -> int:
+    """Global KV bytes per token = the runtime's packed row (Flash 890, tiny 176; contracts §2)."""
+    entry = packed_entry_bytes(t)
+    return sum(-(-entry // t.compress_ratios[s]) for s in t.kv_source_layer_ids)
+
+
+def swa_bytes_per_swa_token(t: TextConfig) -> int:
+    """Bytes per SWA-pool token: bf16 SWA kv of every layer + the runtime's int32 token id."""
+    return t.num_hidden_layers * t.head_dim * 2 + TOKEN_ID_BYTES
+
+
+def pool_bytes_per_full_token(t: TextConfig, swa_full_tokens_ratio: float) -> float:
+    """SGLang's hybrid-SWA cell: packed row + ratio × SWA token (what the KV budget is divided by)."""
+    return packed_row_bytes(t) + swa_full_tokens_ratio * swa_bytes_per_swa_token(t)
+
+
+def swa_tokens_per_request(t: TextConfig, page_size: int) -> int:
+    """SWA tokens a decoding request keeps: the window plus one partially filled page."""
+    return t.sliding_window + page_size
