@@ -32,10 +32,11 @@ Contracts (both implementations):
   CUDA: scores equal the reference's bit for bit (float64 head sum), so the same inputs give
   the same selection (exact tie rule of `select_topk`).
 
-Packed entries on CUDA: the Triton kernels of this phase read BF16 rows, so the entries a call
-needs are decoded with torch first (`PackedSourceRows.latents` / `.keys`, exact: every decoded
-value is BF16-representable) into a temporary BF16 buffer — attention per query chunk of at most
-`DECODED_ELEMENTS_PER_CHUNK` decoded elements, the indexer for the batch's entry table.
+Packed entries on CUDA: the attention kernel reads them natively (`kernels.packed_rows.PackedSource`
+of the layer's kv source, `comp_slots` = entry indices; exact in-kernel decode). The indexer
+kernel of this phase still reads BF16 keys, so the batch's entry table is decoded with torch
+first (`PackedSourceRows.keys`, exact: every decoded key is BF16-representable) into a temporary
+BF16 buffer of R·⌊max_seq_len/r⌋ rows.
 
 The CUDA path has no per-request loop and no host synchronisation (slot tables are built on
 the device; the only loop is over query chunks of the [N, E] score matrix, whose sizes are known
@@ -74,9 +75,6 @@ SCORE_ELEMENTS_PER_CHUNK = 1 << 25
 #: order with it). With the float64 head sum of the indexer, the whole CUDA forward then gives the
 #: same bits for a request whether it runs alone, chunked, batched or on a prefix-cache hit.
 ATTENTION_KEY_SPLITS = 1
-#: Decoded compressed-key elements (bf16) per query chunk of the CUDA attention: 2^27 = 256 MiB —
-#: a Flash decode batch of 256 queries × 512 selected entries × 512 dims is one chunk.
-DECODED_ELEMENTS_PER_CHUNK = 1 << 27
 
 
 class AttentionOps(Protocol):
@@ -148,8 +146,8 @@ def _decoded_table(values: Tensor, entries: Tensor) -> tuple[Tensor, Tensor]:
 class KernelAttentionOps:
     """CUDA: the Triton kernels over the slot caches (no per-request loop, no host sync)."""
 
-    description = ("Triton kernels (sparse_sink_attention; index_scores with float64 head sum + "
-                   "select_for_role, whole batch)")
+    description = ("Triton kernels (sparse_sink_attention reading packed FP4 entries; index_scores with "
+                   "float64 head sum over torch-decoded keys + select_for_role, whole batch)")
 
     def __init__(self, sparse_attention: ModuleType, indexer: ModuleType) -> None:
         self.sparse_attention = sparse_attention
@@ -157,29 +155,24 @@ class KernelAttentionOps:
 
     def attend(self, q: Tensor, sink: Tensor, swa_cache: Tensor, swa_slots: Tensor,
                packed: PackedSourceRows | None, comp_entries: Tensor | None) -> Tensor:
-        """Query chunks of ≤ `DECODED_ELEMENTS_PER_CHUNK` decoded key elements (sizes known on the
-        host); with one key split per query the chunking does not change any query's bits."""
+        """One launch: SWA rows by SWA slot, compressed keys read from the packed rows by entry
+        index (`PackedSource` with the source's offset / share / ratio, contract §5)."""
         if swa_cache.dtype != torch.bfloat16:
             raise RuntimeError(f"sglang-dsv41: the CUDA attention kernel reads BF16 SWA cache rows, got "
                                f"{swa_cache.dtype} (serve with the model dtype bfloat16 and --kv-cache-dtype auto)")
         N, H, D = q.shape
         K = 0 if comp_entries is None else comp_entries.shape[1]
         plan = self.sparse_attention.plan_config(N, H, D, swa_slots.shape[1], K, sm_count=1)
-        config = dataclasses.replace(plan, num_splits=ATTENTION_KEY_SPLITS)
-        qb, sink32, scale = q.to(torch.bfloat16), sink.to(torch.float32), softmax_scale(D)
-        if packed is None or comp_entries is None:
-            o = self.sparse_attention.sparse_sink_attention(qb, swa_cache, swa_slots, None, None, sink32, scale,
-                                                            config=config)
-            return o.to(torch.float32)
-        rows = max(1, DECODED_ELEMENTS_PER_CHUNK // max(K * D, 1))
-        outs = []
-        for start in range(0, N, rows):
-            part = slice(start, min(start + rows, N))
-            comp_cache, comp_slots = _decoded_table(packed.latents(comp_entries[part]).reshape(-1, D),
-                                                    comp_entries[part])
-            outs.append(self.sparse_attention.sparse_sink_attention(
-                qb[part], swa_cache, swa_slots[part], comp_cache, comp_slots, sink32, scale, config=config))
-        return (outs[0] if len(outs) == 1 else torch.cat(outs)).to(torch.float32)
+        comp_cache = None
+        if packed is not None and comp_entries is not None:
+            src = packed.source
+            comp_cache = self.sparse_attention.PackedSource(
+                rows=packed.rows, offset=src.offset, share=src.share, ratio=src.ratio,
+                head_dim=packed.layout.head_dim, index_head_dim=packed.layout.index_head_dim)
+        o = self.sparse_attention.sparse_sink_attention(
+            q.to(torch.bfloat16), swa_cache, swa_slots, comp_cache, comp_entries if comp_cache is not None else None,
+            sink.to(torch.float32), softmax_scale(D), config=dataclasses.replace(plan, num_splits=ATTENTION_KEY_SPLITS))
+        return o.to(torch.float32)
 
     def select(self, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str, x: Tensor,
                q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
