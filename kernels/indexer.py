@@ -61,6 +61,7 @@ from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
 from ..config import LayerRole, TextConfig
+from .packed_rows import PackedSource, key_entry_bytes, load_fp4_tile
 
 NEG_INF = float("-inf")
 
@@ -69,9 +70,10 @@ NEG_INF = float("-inf")
 def _index_scores_kernel(q_ptr, w_ptr, key_ptr, slot_ptr, nvis_ptr, order_ptr, tile_req_ptr,
                          tile_lo_ptr, tile_hi_ptr, out_ptr, num_slots, num_entries,
                          stride_qn, stride_qh, stride_wn, stride_ks, stride_sr, stride_on,
+                         key_offset, key_ratio, key_first_byte,
                          HI: tl.constexpr, DI: tl.constexpr, BLOCK_T: tl.constexpr,
                          BLOCK_J: tl.constexpr, J_STEPS: tl.constexpr, DOT_BF16: tl.constexpr,
-                         HEAD_SUM_FP64: tl.constexpr):
+                         HEAD_SUM_FP64: tl.constexpr, KEY_PACKED: tl.constexpr, KEY_SHARE: tl.constexpr):
     """One tile of queries of one request × J_STEPS·BLOCK_J entries (see the module docstring)."""
     tile = tl.program_id(0)
     req = tl.load(tile_req_ptr + tile)
@@ -101,8 +103,12 @@ def _index_scores_kernel(q_ptr, w_ptr, key_ptr, slot_ptr, nvis_ptr, order_ptr, t
         j = j_first + step * BLOCK_J + tl.arange(0, BLOCK_J)
         j_in = j < num_entries
         slot = tl.load(slot_ptr + req * stride_sr + j, mask=j_in & (j < tile_vis), other=-1).to(tl.int64)
-        has = (slot >= 0) & (slot < num_slots)
-        keys = tl.load(key_ptr + slot[:, None] * stride_ks + d[None, :], mask=has[:, None], other=0.0)
+        has = (slot >= 0) & (slot < num_slots)                  # packed: slot = entry e < S // ratio
+        if KEY_PACKED:   # entry e's key bytes: payload + UE8M0 scales from entry byte key_first_byte
+            keys = load_fp4_tile(key_ptr, slot * key_ratio * stride_ks, has, key_first_byte, DI, stride_ks,
+                                 key_offset, KEY_SHARE, BLOCK_J, DI, 32, True, DOT_BF16)
+        else:
+            keys = tl.load(key_ptr + slot[:, None] * stride_ks + d[None, :], mask=has[:, None], other=0.0)
         if DOT_BF16:
             acc = tl.dot(q, tl.trans(keys.to(tl.bfloat16)), out_dtype=tl.float32)
         else:
@@ -162,10 +168,11 @@ def _query_tiles(token_req: Tensor, num_requests: int, block_t: int) -> tuple[Te
     return order, req, torch.where(live, lo, zero), torch.where(live, hi, zero)
 
 
-def _check_scoring_inputs(key_cache: Tensor, entry_slots: Tensor, token_req: Tensor, n_visible: Tensor) -> None:
-    """Value checks (one host sync): request ids, visibility ≤ E, visible entries have slots."""
+def _check_scoring_inputs(num_keys: int, entry_slots: Tensor, token_req: Tensor, n_visible: Tensor) -> None:
+    """Value checks (one host sync): request ids, visibility ≤ E, visible entries have slots
+    (entry indices of a packed source) in [0, num_keys)."""
     R, E = entry_slots.shape
-    S = key_cache.shape[0]
+    S = num_keys
     ok_slot = (entry_slots >= 0) & (entry_slots < S)
     leading = torch.cumprod(ok_slot.to(torch.int32), dim=1).sum(dim=1)     # visible-able prefix per request
     req_ok = (token_req >= 0) & (token_req < R)
@@ -185,43 +192,52 @@ def _check_scoring_inputs(key_cache: Tensor, entry_slots: Tensor, token_req: Ten
         raise ValueError("index_scores: a query sees an entry j < n_visible whose slot is −1")
 
 
-def index_scores(q: Tensor, head_w: Tensor, key_cache: Tensor, entry_slots: Tensor, token_req: Tensor,
-                 n_visible: Tensor, *, head_sum_fp64: bool = True, check_inputs: bool = True,
+def index_scores(q: Tensor, head_w: Tensor, key_cache: Tensor | PackedSource, entry_slots: Tensor,
+                 token_req: Tensor, n_visible: Tensor, *, head_sum_fp64: bool = True, check_inputs: bool = True,
                  block_t: int | None = None, block_j: int = 64, j_steps: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None) -> Tensor:
     """[N, E] fp32 indexer scores for a packed batch; −∞ where j ≥ n_visible[t] or entry_slots is −1.
 
     q [N, Hi, Di] fp32/bf16 FP4-valued (RoPE'd); head_w [N, Hi] fp32 (already ×Di^−½·Hi^−½);
-    key_cache [S, Di] bf16 (or fp32) FP4-valued rows; entry_slots [R, E] int (−1 = none);
-    token_req [N] request of each query (any order); n_visible [N] = ⌊(p+1)/ratio⌋.
-    `check_inputs` validates values (one host sync; turn off inside CUDA graphs). Block sizes
-    and launch options default from the shapes; overrides are for tuning (benchmarks/indexer.py).
+    key_cache [S, Di] bf16 (or fp32) FP4-valued rows with entry_slots [R, E] int their rows — or
+    a `PackedSource` (contracts §1/§2/§5) with entry_slots the entry indices e (`entry_index_table`):
+    the kernel then reads entry e's key nibbles and UE8M0 scales and decodes them exactly, giving
+    the BF16-key path's scores bit for bit on the decoded keys. −1 = none. token_req [N] request
+    of each query (any order); n_visible [N] = ⌊(p+1)/ratio⌋. `check_inputs` validates values (one
+    host sync; turn off inside CUDA graphs). Block sizes and launch options default from the
+    shapes; overrides are for tuning (benchmarks/indexer.py).
     """
-    if q.dim() != 3 or head_w.shape != q.shape[:2] or key_cache.dim() != 2 or entry_slots.dim() != 2:
+    packed = isinstance(key_cache, PackedSource)
+    key_tensor = key_cache.rows if packed else key_cache
+    if q.dim() != 3 or head_w.shape != q.shape[:2] or key_tensor.dim() != 2 or entry_slots.dim() != 2:
         raise ValueError(f"index_scores: shapes q {tuple(q.shape)}, head_w {tuple(head_w.shape)}, key_cache "
-                         f"{tuple(key_cache.shape)}, entry_slots {tuple(entry_slots.shape)} (want [N,Hi,Di], "
+                         f"{tuple(key_tensor.shape)}, entry_slots {tuple(entry_slots.shape)} (want [N,Hi,Di], "
                          "[N,Hi], [S,Di], [R,E])")
     N, HI, DI = q.shape
     R, E = entry_slots.shape
-    if key_cache.shape[1] != DI or token_req.shape != (N,) or n_visible.shape != (N,):
-        raise ValueError(f"index_scores: key_cache width {key_cache.shape[1]} / token_req {tuple(token_req.shape)} / "
+    key_width = key_cache.index_head_dim if packed else key_cache.shape[1]
+    if key_width != DI or token_req.shape != (N,) or n_visible.shape != (N,):
+        raise ValueError(f"index_scores: key width {key_width} / token_req {tuple(token_req.shape)} / "
                          f"n_visible {tuple(n_visible.shape)} do not match q {tuple(q.shape)}")
     if HI & (HI - 1) or DI & (DI - 1) or DI < 16:
         raise ValueError(f"index_scores: Hi ({HI}) and Di ({DI}) must be powers of two, Di ≥ 16")
     for name, t in (("entry_slots", entry_slots), ("token_req", token_req), ("n_visible", n_visible)):
         if t.dtype.is_floating_point or t.dtype == torch.bool:
             raise TypeError(f"index_scores: {name} must be an integer tensor, got {t.dtype}")
-    if q.dtype not in (torch.float32, torch.bfloat16) or key_cache.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"index_scores: q {q.dtype} / key_cache {key_cache.dtype} must be fp32 or bf16")
+    if q.dtype not in (torch.float32, torch.bfloat16) or (
+            not packed and key_cache.dtype not in (torch.float32, torch.bfloat16)):
+        raise TypeError(f"index_scores: q {q.dtype} / key_cache {key_tensor.dtype} must be fp32 or bf16 "
+                        "(or a PackedSource)")
     dev = q.device
     if dev.type != "cuda" and not INTERPRETED:
         raise RuntimeError(f"index_scores: {dev} tensors need Triton's interpreter (set TRITON_INTERPRET=1 "
                            "before triton is first imported); the compiled kernel runs on CUDA")
     _check_interpreter_consistent()
-    if any(t.device != dev for t in (head_w, key_cache, entry_slots, token_req, n_visible)):
+    if any(t.device != dev for t in (head_w, key_tensor, entry_slots, token_req, n_visible)):
         raise ValueError("index_scores: all inputs must be on one device")
-    if key_cache.stride(1) != 1:
+    if not packed and key_cache.stride(1) != 1:
         raise ValueError("index_scores: key_cache rows must be contiguous (stride 1 along Di)")
+    num_keys = key_cache.num_entries if packed else key_cache.shape[0]
     out = torch.empty(N, E, dtype=torch.float32, device=dev)
     if N == 0 or E == 0:
         return out
@@ -230,7 +246,7 @@ def index_scores(q: Tensor, head_w: Tensor, key_cache: Tensor, entry_slots: Tens
     token_req = token_req.to(torch.int64)
     n_visible = n_visible.to(torch.int64)
     if check_inputs:
-        _check_scoring_inputs(key_cache, entry_slots, token_req, n_visible)
+        _check_scoring_inputs(num_keys, entry_slots, token_req, n_visible)
     if block_t is None:
         per_req = _pow2_at_least(-(-N // R))
         block_t = min(max(per_req, max(1, 16 // HI)), max(1, 128 // HI))
@@ -251,23 +267,27 @@ def index_scores(q: Tensor, head_w: Tensor, key_cache: Tensor, entry_slots: Tens
         raise ValueError(f"index_scores: {grid[1]} entry programs for E = {E}; raise block_j or j_steps")
     m_rows = block_t * HI
     launch = dict(HI=HI, DI=DI, BLOCK_T=block_t, BLOCK_J=block_j, J_STEPS=j_steps,
-                  DOT_BF16=not INTERPRETED, HEAD_SUM_FP64=head_sum_fp64)
+                  DOT_BF16=not INTERPRETED, HEAD_SUM_FP64=head_sum_fp64, KEY_PACKED=packed,
+                  KEY_SHARE=key_cache.share if packed else 1)
     if not INTERPRETED:  # launch options of the compiled kernel (the interpreter has none)
         launch["num_warps"] = num_warps or (4 if m_rows * block_j <= 4096 else 8)
         if num_stages is not None:
             launch["num_stages"] = num_stages
-    args = (q, head_w, key_cache, entry_slots, n_visible.contiguous(), order, tile_req, tile_lo, tile_hi, out,
-            key_cache.shape[0], E, q.stride(0), q.stride(1), head_w.stride(0), key_cache.stride(0),
-            entry_slots.stride(0), out.stride(0))
+    key_layout = ((key_cache.offset, key_cache.ratio, key_cache.key_payload_start) if packed else (0, 1, 0))
+    args = (q, head_w, key_tensor, entry_slots, n_visible.contiguous(), order, tile_req, tile_lo, tile_hi, out,
+            num_keys, E, q.stride(0), q.stride(1), head_w.stride(0), key_tensor.stride(0),
+            entry_slots.stride(0), out.stride(0), *key_layout)
     _index_scores_kernel[grid](*args, **launch)
     return out
 
 
 def score_bytes_per_query(n_visible: int, num_entries: int, hi: int, di: int, *, key_bytes: int = 2,
-                          slot_bytes: int = 8, q_bytes: int = 4) -> int:
+                          slot_bytes: int = 8, q_bytes: int = 4, packed_keys: bool = False) -> int:
     """HBM bytes of one query scored in a tile of its own (decode): its visible entries' slot ids
-    and key rows, its query and head weights, and its whole score row written (−∞ included)."""
-    return n_visible * (slot_bytes + di * key_bytes) + hi * (di * q_bytes + 4) + num_entries * 4
+    and key rows (`key_bytes` per element; `packed_keys`: the entry's Di/2 nibble bytes + Di/32
+    UE8M0 bytes, 68 B at Di = 128), its query and head weights, and its whole score row written."""
+    key_row = key_entry_bytes(di) if packed_keys else di * key_bytes
+    return n_visible * (slot_bytes + key_row) + hi * (di * q_bytes + 4) + num_entries * 4
 
 
 def _order_keys(scores: Tensor) -> Tensor:
@@ -370,3 +390,11 @@ def entry_slot_table(req_to_token: Tensor, req_rows: Tensor, n_entries: Tensor, 
     pos = (j * ratio + ratio - 1).clamp(max=req_to_token.shape[1] - 1)
     slots = req_to_token[req_rows.to(torch.int64)[:, None], pos[None, :]].to(torch.int64)
     return torch.where(j[None, :] < n_entries.to(torch.int64)[:, None], slots, -1)
+
+
+def entry_index_table(req_to_token: Tensor, req_rows: Tensor, n_entries: Tensor, ratio: int, width: int) -> Tensor:
+    """[R, width] int64: packed entry index e of compressed entry j of request r — the slot of the
+    token at position j·ratio + ratio − 1 (which completes it), // ratio (contracts §2) — for
+    j < n_entries[r], else −1. No host sync (same gather as `entry_slot_table`)."""
+    slots = entry_slot_table(req_to_token, req_rows, n_entries, ratio, width)
+    return torch.where(slots >= 0, torch.div(slots, ratio, rounding_mode="floor"), -1)

@@ -36,6 +36,7 @@ from sglang_dsv41.reference import ops
 from sglang_dsv41.reference.attention import layer_inv_freq
 from sglang_dsv41.reference.compressor import index_keys
 
+from packed_rows_codec import packed_rows_case
 from reference_weights import random_reference_weights, tiny_config
 
 INF = math.inf
@@ -162,6 +163,43 @@ if KERNEL_HERE:
         # without checks a hole is simply not scorable (−∞), like padding
         scores = K.index_scores(q, w, keys, holed, token_req, n_visible, check_inputs=False)
         assert bool((scores[token_req == 0][:, 5] == -INF).all())
+
+    #: (Hi, Di, D, kv-source ratios in row order, source under test): tiny and Flash rows, both ratios
+    PACKED_SHAPES = [(2, 64, 96, (2, 2, 1), 0), (2, 64, 96, (2, 2, 1), 2),
+                     (32, 128, 512, (2, 2, 2, 1), 1), (32, 128, 512, (2, 2, 2, 1), 3)]
+    PACKED_IDS = ["tiny_ratio2", "tiny_ratio1", "flash_ratio2", "flash_ratio1"]
+
+    def packed_key_case(hi: int, di: int, dim: int, ratios: tuple, source: int, seed: int):
+        """`packed_case` queries and requests over packed rows: entry_slots become entry indices of
+        a PackedSource (every source's columns present, garbage outside `source`), plus the BF16
+        key cache of the decoded keys indexed by entry — the BF16 path's input."""
+        q, w, _, entries, token_req, n_visible = packed_case(hi, di, seed=seed, shuffle=True)
+        ratio = ratios[source]
+        pr = packed_rows_case(700 * ratio, dim, di, ratios, source, seed, pad_columns=6)   # 700 entries ≥ S
+        src = K.PackedSource(pr["rows"].to(DEVICE), pr["offset"], pr["share"], ratio, dim, di)
+        return (q, w, entries, token_req, n_visible), src, pr["key_cache"].to(DEVICE)
+
+    @pytest.mark.parametrize("hi,di,dim,ratios,source", PACKED_SHAPES if DEVICE == "cuda" else PACKED_SHAPES[:3],
+                             ids=PACKED_IDS if DEVICE == "cuda" else PACKED_IDS[:3])   # CI time: 3 in the interpreter
+    def test_kernel_case_packed_keys_bit_identical_to_bf16_keys(hi, di, dim, ratios, source) -> None:
+        (q, w, entries, token_req, n_visible), src, cache = packed_key_case(hi, di, dim, ratios, source, seed=60)
+        for head_sum_fp64 in (True, False):
+            packed = K.index_scores(q, w, src, entries, token_req, n_visible, head_sum_fp64=head_sum_fp64)
+            plain = K.index_scores(q, w, cache, entries, token_req, n_visible, head_sum_fp64=head_sum_fp64)
+            assert torch.equal(packed.view(torch.int32), plain.view(torch.int32))
+            assert int((packed > -INF).sum()) > 100
+        if source == 0:   # the decoded keys score like the reference on them
+            assert torch.equal(K.index_scores(q, w, src, entries, token_req, n_visible).cpu(),
+                               reference_scores(q, w, cache, entries, token_req, n_visible))
+
+    def test_kernel_case_packed_input_checks() -> None:
+        (q, w, entries, token_req, n_visible), src, _ = packed_key_case(2, 64, 96, (2, 2, 1), 0, seed=61)
+        bad = entries.clone()
+        bad[4, 0] = src.num_entries
+        with pytest.raises(ValueError, match=r"entry_slots must be −1 or a slot in \[0, 700\)"):
+            K.index_scores(q, w, src, bad, token_req, n_visible)
+        with pytest.raises(ValueError, match="key width 64"):
+            K.index_scores(q[:, :, :32].contiguous(), w, src, entries, token_req, n_visible)
 
     @pytest.fixture(scope="module")
     def tiny_batch():
@@ -356,6 +394,18 @@ def test_select_for_role_errors() -> None:
         K.select_for_role(cfg, plain, scores, n, None)
 
 
+def test_entry_index_table_is_slot_of_completing_token_div_ratio() -> None:
+    """Paged slots (page 2, contract §2): entry e of compressed position j is slot(j·r + r − 1) // r,
+    which is also slot(j·r) // r — the pair shares one entry; −1 beyond n_entries."""
+    pages = torch.tensor([[5, 9, 2, 7, 11], [3, 8, 4, 6, 10]])
+    req_to_token = (2 * pages[:, :, None] + torch.arange(2)).reshape(2, 10)
+    table = K.entry_index_table(req_to_token, torch.tensor([1, 0]), torch.tensor([3, 5]), 2, 5)
+    assert table.tolist() == [[3, 8, 4, -1, -1], [5, 9, 2, 7, 11]]
+    assert torch.equal(table[:, :3].clamp(min=0), req_to_token[[1, 0]][:, 0:6:2] // 2)
+    ones = K.entry_index_table(req_to_token, torch.tensor([0]), torch.tensor([4]), 1, 6)
+    assert ones.tolist() == [[10, 11, 18, 19, -1, -1]]
+
+
 def test_entry_slot_table() -> None:
     req_to_token = torch.arange(60).reshape(3, 20) + 100
     table = K.entry_slot_table(req_to_token, torch.tensor([2, 0]), torch.tensor([3, 0]), 2, 5)
@@ -430,3 +480,28 @@ def test_gpu_flash_fp64_head_sum_is_bitwise(N: int) -> None:
     case = flash_decode_case(N, 8192, seed=N + 1)
     expected, _ = oracle(*case)
     assert torch.equal(K.index_scores(*case), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("source", [1, 3], ids=["ratio2", "ratio1"])
+@pytest.mark.parametrize("N", [1, 64, 1024])
+def test_gpu_flash_packed_keys_bit_identical_to_bf16_keys(N: int, source: int) -> None:
+    """Flash indexer shapes (Hi 32, Di 128, E = 8192 visible entries per request) over the 890-byte
+    Flash row: packed FP4 keys give the BF16-key path's scores bit for bit, both head sums."""
+    ratios, n_entries, E = (2, 2, 2, 1), 16384, 8192
+    g = torch.Generator().manual_seed(N + source)
+    pr = packed_rows_case(n_entries * ratios[source], 512, 128, ratios, source, seed=N)
+    src = K.PackedSource(pr["rows"].cuda(), pr["offset"], pr["share"], ratios[source], 512, 128)
+    assert src.rows.shape[1] == 890 and src.num_entries == n_entries
+    R = N if N <= 64 else 4
+    per = N // R
+    entries = torch.randint(0, n_entries, (R, E), generator=g).cuda()
+    q = ops.fp4_fake_quant_ue8m0_scale(torch.randn(N, 32, 128, generator=g)).cuda()
+    w = (ops.bf16(torch.randn(N, 32, generator=g)) / 64).cuda()
+    token_req = torch.arange(R).repeat_interleave(per).cuda()
+    n_visible = (E - per + 1 + torch.arange(per).repeat(R)).cuda()
+    cache = pr["key_cache"].cuda()
+    for head_sum_fp64 in (True, False):
+        packed = K.index_scores(q, w, src, entries, token_req, n_visible, head_sum_fp64=head_sum_fp64)
+        plain = K.index_scores(q, w, cache, entries, token_req, n_visible, head_sum_fp64=head_sum_fp64)
+        assert torch.equal(packed.view(torch.int32), plain.view(torch.int32))
