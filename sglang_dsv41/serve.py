@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .runtime.cpu_env import cache_root, cpu_environment
-from .runtime.requirements import CURRENT_RUNTIME
+from .runtime.requirements import CURRENT_RUNTIME, TP_FLAGS, flag_value
 
 
 @dataclass(frozen=True)
@@ -51,25 +51,32 @@ def tiny_checkpoint_dir(seed: int = 0, root: Path | None = None) -> Path:
 
 
 def tiny_checkpoint(seed: int = 0, root: Path | None = None) -> Path:
-    """Path of the tiny random checkpoint for `seed`, made on first use (spec model.md §7)."""
-    from .checkpoint.synth import INDEX_FILE, make_checkpoint
+    """Path of the tiny random checkpoint for `seed`, made on first use (spec model.md §7).
+
+    A cached checkpoint written by another generator version (`synth.GENERATOR_VERSION`, kept
+    in the index metadata) is replaced: the cache never serves weights of older value rules."""
+    from .checkpoint.synth import GENERATOR_VERSION, INDEX_FILE, generator_version, make_checkpoint
 
     target = tiny_checkpoint_dir(seed, root)
     root = target.parent
-    if (target / INDEX_FILE).is_file():
+    if generator_version(target) == GENERATOR_VERSION:
         return target
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tiny-seed{seed}-", dir=root))
+    stale = root / f"{tmp.name}-stale"
     try:
         make_checkpoint("tiny", tmp, seed, progress=False)
+        if target.exists() and generator_version(target) != GENERATOR_VERSION:
+            os.replace(target, stale)             # older generator: move aside, then swap in
         try:
             os.replace(tmp, target)
         except OSError:                           # another process finished first
-            if not (target / INDEX_FILE).is_file():
+            if generator_version(target) != GENERATOR_VERSION:
                 raise
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        for leftover in (tmp, stale):
+            if leftover.exists():
+                shutil.rmtree(leftover, ignore_errors=True)
     return target
 
 
@@ -102,7 +109,8 @@ def build_launch(argv: list[str]) -> LaunchCommand:
     model = ours.model_path if ours.model_path is not None else tiny_checkpoint(ours.tiny_seed)
     args = ["--model-path", str(Path(model).resolve()), "--host", ours.host, "--port", str(ours.port)]
     if device == "cpu":
-        env = cpu_environment()
+        tp = flag_value(rest, TP_FLAGS)
+        env = cpu_environment(tp_size=int(tp) if tp else 1)
         args += ["--device", "cpu"]
     else:
         env = dict(os.environ)

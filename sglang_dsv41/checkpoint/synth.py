@@ -17,6 +17,16 @@ Invariants
   `hc_*_fn` (mix logits O(0.5)), `hc_*_base` favouring the identity stream mix, `hc_*_scale` ≈ 1;
   sinks and router biases ≈ 0; router logits O(1) so different tokens pick different experts;
   Engram q/k weights ≈ 1. Activations stay O(1) through the layers.
+* Well conditioned (generator version 2, measured by tests/test_checkpoint_conditioning.py):
+  the residual-writing projections — attention `wo_b`, routed and shared expert `w2` — carry
+  the gain `OUTPUT_PROJECTION_GAIN` (1/64; a power of two, so the MXFP4 group exponents just
+  shift), the value rows of `engram.wkv` carry `ENGRAM_VALUE_GAIN` (1/4), and the hc comb base
+  favours the identity with +`HC_COMB_IDENTITY_LOGIT` (4). Each sublayer then writes a few per
+  cent of the residual instead of as much as the residual itself: with version 1's unit gains a
+  one-BF16-ulp change of one attention output grew 2–4× per layer (max |Δlogit| ≈ 8 for a
+  one-ulp nudge in every attention sublayer); with these gains it stays near the BF16
+  rounding floor (≈ 0.07), while routing, indexer, attention, sink, Engram and context still
+  visibly change the logits. Real trained models are not as chaotic as a unit-gain random init.
 * Routed-expert MXFP4 weights are drawn directly as codes (a fixed 256-entry table giving a
   bell-shaped E2M1 code distribution) with power-of-two group scales around 1/√fan_in — the
   same values a quantised Gaussian would give, at a speed that makes the full-width slice
@@ -42,6 +52,16 @@ from .names import Kind, TensorSpec, tensor_inventory
 from .tokenizer import build_tiny_tokenizer, build_tokenizer, engram_compressed_vocab_size
 
 PRESETS = ("tiny", "slice")
+#: Version of the value rules below; part of every checkpoint's index metadata
+#: (`GENERATOR_METADATA_KEY`) so a cached checkpoint made by older rules can be recognised.
+GENERATOR_VERSION = 2
+GENERATOR_METADATA_KEY = "sglang_dsv41_generator_version"
+#: Gain of the projections that write into the residual (attention wo_b, expert / shared w2).
+OUTPUT_PROJECTION_GAIN = 2.0 ** -6
+#: Gain of the Engram value rows of engram.wkv (the keys only enter an RMS-normalised gate).
+ENGRAM_VALUE_GAIN = 0.25
+#: Logit added to the diagonal of the hc comb base (identity-favouring stream mix).
+HC_COMB_IDENTITY_LOGIT = 4.0
 DEFAULT_SHARD_BYTES = {"tiny": 1 << 20, "slice": 4 << 30}
 INDEX_FILE = "model.safetensors.index.json"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -73,7 +93,7 @@ def _normal(g: np.random.Generator, shape: tuple[int, ...]) -> Tensor:
 def _hc_base(hc: int, g: np.random.Generator) -> Tensor:
     """[pre (hc), post (hc), comb (hc²)]: pre/post logits ≈ 0; comb favours the identity mix."""
     base = 0.1 * _normal(g, (hc * (2 + hc),))
-    base[2 * hc:] += 2.0 * torch.eye(hc).flatten()
+    base[2 * hc:] += HC_COMB_IDENTITY_LOGIT * torch.eye(hc).flatten()
     return base
 
 
@@ -103,6 +123,12 @@ def logical_value(spec: TensorSpec, cfg: DeepseekV41Config, g: np.random.Generat
         return 0.02 * randn()
     if name == "head.weight":  # logits std ≈ 2 for a unit-RMS final hidden state: peaked, not flat
         return randn() * (2.0 / math.sqrt(shape[1]))
+    if name.endswith(("attn.wo_b.weight", "shared_experts.w2.weight")):
+        return randn() * (OUTPUT_PROJECTION_GAIN / math.sqrt(shape[1]))
+    if name.endswith("engram.wkv.weight"):   # rows [keys (hc·H) | value (H)], spec §3.3.2
+        value = randn() / math.sqrt(shape[1])
+        value[cfg.text.hc_mult * cfg.text.hidden_size:] *= ENGRAM_VALUE_GAIN
+        return value
     if len(shape) == 2:
         return randn() / math.sqrt(shape[1])
     raise ValueError(f"no initialisation rule for {name} {shape}")
@@ -121,12 +147,14 @@ _FP4_PAIR_TABLE = _fp4_pair_table()
 
 
 def _random_mxfp4(spec: TensorSpec, g: np.random.Generator) -> tuple[Tensor, Tensor]:
-    """Packed E2M1 codes [out, in/2] + UE8M0 group scales [out, in/32], RMS ≈ 1/√in."""
+    """Packed E2M1 codes [out, in/2] + UE8M0 group scales [out, in/32], RMS ≈ gain/√in with
+    gain `OUTPUT_PROJECTION_GAIN` for the residual-writing `w2`, 1 otherwise."""
     out_f, in_f = spec.shape
     draws = g.integers(0, 1 << 16, size=(out_f, in_f // 2), dtype=np.uint16)
     packed = torch.from_numpy(np.take(_FP4_PAIR_TABLE, draws))
+    gain = OUTPUT_PROJECTION_GAIN if spec.name.endswith(".w2.weight") else 1.0
     # group exponents e0 + {−1, 0, +1}; E[4^offset] = 1.75 is folded into e0
-    e0 = round(math.log2(1.0 / math.sqrt(in_f) / (_FP4_CODE_RMS * math.sqrt(1.75))))
+    e0 = round(math.log2(gain / math.sqrt(in_f) / (_FP4_CODE_RMS * math.sqrt(1.75))))
     offset = torch.from_numpy(g.integers(-1, 2, size=(out_f, in_f // TILE), dtype=np.int32))
     return packed, ue8m0_from_exponent(offset + e0)
 
@@ -275,9 +303,20 @@ def make_checkpoint(preset: str, out: Path, seed: int, *, layers: int | None = N
                 bar.update(sum(st.nbytes for st in spec.stored()))
             save_file(tensors, str(out / fname), metadata={"format": "pt"})
             del tensors
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    index = {"metadata": {"total_size": total, GENERATOR_METADATA_KEY: GENERATOR_VERSION},
+             "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     return out
+
+
+def generator_version(path: Path) -> int | None:
+    """The `GENERATOR_VERSION` recorded in a synthetic checkpoint's index (None: not ours / older
+    than version 2, or no index)."""
+    index = Path(path) / INDEX_FILE
+    if not index.is_file():
+        return None
+    value = (json.loads(index.read_text(encoding="utf-8")).get("metadata") or {}).get(GENERATOR_METADATA_KEY)
+    return int(value) if value is not None else None
 
 
 def cli(argv: list[str]) -> int:
