@@ -15,7 +15,12 @@ scattered slots of a pool of N·E rows. For every (N, E) it
    checks off (`check_inputs=False`, `check_nan=False`: what a CUDA-graph decode step runs). For
    E ≤ 64K also the runtime's current torch path (per-request float64 scoring + stable sort);
 3. counts the scoring kernel's compulsory HBM bytes (`score_bytes_per_query`) and reports GB/s
-   against the device copy bandwidth measured here (read + write of 2 GiB).
+   against the device copy bandwidth measured here (read + write of 2 GiB);
+4. the packed path (contracts §1/§2): the same keys are also stored as packed FP4 entries of the
+   Flash ratio-1 kv source in 890-byte rows (production codec `runtime/kv_layout.py`; the key
+   rows ARE the decoded entries), entry index = slot. Asserts packed scores == BF16-key scores
+   bit for bit (whole [N, E], both head sums), then times scoring and the source layer; bytes
+   count 68 B per key entry (Di/2 nibbles + Di/32 UE8M0) instead of a 256 B BF16 row.
 
 Writes `benchmarks/results/indexer.json` and `indexer.png` (drawn with Pillow). `--sweep` also
 times alternative tilings of the scoring kernel (block_j, j_steps, num_warps).
@@ -36,9 +41,12 @@ import triton.testing
 from device_bandwidth import copy_bandwidth_gbs  # benchmarks/ is on sys.path when run as a script
 from PIL import Image, ImageDraw
 
+from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.kernels import indexer as K
+from sglang_dsv41.presets import flash_config_dict
 from sglang_dsv41.reference import indexer as ref
 from sglang_dsv41.reference import ops
+from sglang_dsv41.runtime import kv_layout
 
 HI, DI, TOPK, BLOCK, TOPK_BLOCKS = 32, 128, 512, 8, 2048
 BATCHES = (1, 64)
@@ -46,20 +54,49 @@ ENTRIES = (4096, 65536, 524288)
 TORCH_PATH_MAX_E = 65536
 
 
+KEY_SOURCE = 3          # Flash row: sources (ratio 2, 2, 2, 1); #3 = the ratio-1 source (entry e = row e)
+ENCODE_CHUNK = 1 << 20
+
+
 def decode_case(n: int, e: int, device: torch.device, seed: int) -> dict:
+    """n requests of e visible entries each, one query each. Keys are written as packed FP4
+    entries (890-byte Flash rows, ratio-1 source) and `keys` holds their decoded BF16 values, so
+    `slots` address both (entry index = slot at ratio 1)."""
     g = torch.Generator(device=device).manual_seed(seed)
     rows = n * e
+    layout = kv_layout.CompressedRowLayout.from_config(DeepseekV41Config.from_dict(flash_config_dict()).text)
+    source = layout.sources[KEY_SOURCE]
+    packed_rows = torch.zeros(rows, layout.row_bytes, dtype=torch.uint8, device=device)
     keys = torch.empty(rows, DI, dtype=torch.bfloat16, device=device)
-    for r0 in range(0, rows, 1 << 20):                                     # FP4 rows, chunked
-        r1 = min(rows, r0 + (1 << 20))
-        keys[r0:r1] = ops.fp4_fake_quant_ue8m0_scale(torch.randn(r1 - r0, DI, generator=g, device=device))
+    latent_part = kv_layout.latent_bytes(layout.head_dim)
+    for r0 in range(0, rows, ENCODE_CHUNK):                                # FP4 rows, chunked
+        idx = torch.arange(r0, min(rows, r0 + ENCODE_CHUNK), device=device)
+        key_part = kv_layout.encode_keys(torch.randn(idx.numel(), DI, generator=g, device=device))
+        latent_zeros = torch.zeros(idx.numel(), latent_part, dtype=torch.uint8, device=device)
+        kv_layout.write_entries(packed_rows, source, idx, torch.cat([latent_zeros, key_part], dim=1))
+        keys[idx] = kv_layout.decode_keys(key_part, DI).to(torch.bfloat16)
     return dict(
         q=ops.fp4_fake_quant_ue8m0_scale(torch.randn(n, HI, DI, generator=g, device=device)),
         w=ops.bf16(torch.randn(n, HI, generator=g, device=device)) / 64,
         keys=keys,
+        packed=K.PackedSource(packed_rows, source.offset, source.share, source.ratio, layout.head_dim, DI),
         slots=torch.randperm(rows, generator=g, device=device).view(n, e),
         token_req=torch.arange(n, device=device),
         n_visible=torch.full((n,), e, dtype=torch.int64, device=device))
+
+
+def packed_args_of(c: dict) -> tuple:
+    return c["q"], c["w"], c["packed"], c["slots"], c["token_req"], c["n_visible"]
+
+
+def check_packed_bit_identical(c: dict) -> None:
+    """Packed-key scores == BF16-key scores on the decoded keys, every query and entry."""
+    for fp64 in (True, False):
+        packed = K.index_scores(*packed_args_of(c), head_sum_fp64=fp64)
+        plain = K.index_scores(*args_of(c), head_sum_fp64=fp64)
+        if not torch.equal(packed.view(torch.int32), plain.view(torch.int32)):
+            raise AssertionError(f"packed-key scores (head_sum_fp64={fp64}) differ from the BF16-key path in "
+                                 f"{int((packed != plain).sum())} entries")
 
 
 def args_of(c: dict) -> tuple:
@@ -126,6 +163,12 @@ def measure(c: dict, sweep: bool) -> dict:
         layer_consumer=bench(lambda: K.select_topk(
             K.restrict_to_blocks(K.index_scores(*a, **off), blocks, BLOCK), TOPK, check_nan=False)),
     )
+    p = packed_args_of(c)
+    t.update(
+        scores_packed_fp64_sum=bench(lambda: K.index_scores(*p, **off)),
+        scores_packed_fp32_sum=bench(lambda: K.index_scores(*p, head_sum_fp64=False, **off)),
+        layer_source_packed=bench(lambda: K.select_topk(K.index_scores(*p, **off), TOPK, check_nan=False)),
+    )
     if c["slots"].shape[1] <= TORCH_PATH_MAX_E:
         t["torch_path"] = bench(lambda: torch_path(c), rep=20)
     out = dict(ms=t)
@@ -146,6 +189,7 @@ def draw_png(rows: list[dict], copy_gbs: float, title: str, path: Path) -> None:
     d = ImageDraw.Draw(img)
     d.text((10, 5), title, fill="black")
     colors = {1: (31, 119, 180), 64: (214, 39, 40)}
+    packed_colors = {1: (120, 180, 230), 64: (240, 140, 120)}
 
     def panel(x0: int, ylabel: str, series: dict, hline: float | None) -> None:
         xs = [v for pts in series.values() for v, _ in pts]
@@ -168,7 +212,8 @@ def draw_png(rows: list[dict], copy_gbs: float, title: str, path: Path) -> None:
             d.line((box[0], py(hline), box[2], py(hline)), fill=(128, 128, 128))
             d.text((box[2] - 150, py(hline) - 14), f"copy {hline:.0f} GB/s", fill=(128, 128, 128))
         for i, (label, pts) in enumerate(series.items()):
-            color = colors[int(label.split("=")[1])]
+            n_req = int(label.split("=")[1].split()[0])
+            color = packed_colors[n_req] if "packed" in label else colors[n_req]
             pts = sorted(pts)
             d.line([(px(x), py(y)) for x, y in pts], fill=color, width=2)
             for x, y in pts:
@@ -177,6 +222,10 @@ def draw_png(rows: list[dict], copy_gbs: float, title: str, path: Path) -> None:
 
     series_t = {f"N={n}": [(r["E"], r["ms"]["layer_source"] * 1e3) for r in rows if r["N"] == n] for n in BATCHES}
     series_bw = {f"N={n}": [(r["E"], r["scores_gbs"]) for r in rows if r["N"] == n] for n in BATCHES}
+    series_bw.update({f"N={n} packed": [(r["E"], r["packed_scores_gbs"]) for r in rows if r["N"] == n]
+                      for n in BATCHES})
+    series_t.update({f"N={n} packed": [(r["E"], r["ms"]["layer_source_packed"] * 1e3) for r in rows if r["N"] == n]
+                     for n in BATCHES})
     panel(0, "source indexer layer, us per decode step", series_t, None)
     panel(panel_w, "index_scores GB/s (compulsory bytes)", series_bw, copy_gbs)
     img.save(path)
@@ -197,19 +246,27 @@ def main() -> None:
         for e in ENTRIES:
             c = decode_case(n, e, device, seed=n * 7 + e)
             accuracy = check_against_oracle(c)
+            check_packed_bit_identical(c)
+            accuracy["packed_keys"] = "bitwise equal to the BF16-key path (both head sums)"
             m = measure(c, args.sweep)
             nbytes = n * K.score_bytes_per_query(e, e, HI, DI, key_bytes=2, slot_bytes=8, q_bytes=4)
             gbs = nbytes / (m["ms"]["scores_fp64_sum"] * 1e-3) / 1e9
+            packed_bytes = n * K.score_bytes_per_query(e, e, HI, DI, slot_bytes=8, q_bytes=4, packed_keys=True)
+            packed_gbs = packed_bytes / (m["ms"]["scores_packed_fp64_sum"] * 1e-3) / 1e9
             row = dict(N=n, E=e, scores_bytes=nbytes, scores_gbs=gbs, fraction_of_copy_bw=gbs / copy_gbs,
-                       accuracy=accuracy, **m)
+                       packed_scores_bytes=packed_bytes, packed_scores_gbs=packed_gbs,
+                       packed_fraction_of_copy_bw=packed_gbs / copy_gbs, accuracy=accuracy, **m)
             rows.append(row)
             t = m["ms"]
             print(f"N={n:3d} E={e:7d}  scores {t['scores_fp64_sum'] * 1e3:9.1f} us (fp32 sum "
                   f"{t['scores_fp32_sum'] * 1e3:8.1f})  {gbs:6.0f} GB/s ({gbs / copy_gbs:.0%} of copy)  "
                   f"topk {t['select_topk'] * 1e3:8.1f} us  blocks {t['candidate_blocks'] * 1e3:8.1f} us  "
                   f"layer src/cand/cons {t['layer_source'] * 1e3:.0f}/{t['layer_candidate_source'] * 1e3:.0f}/"
-                  f"{t['layer_consumer'] * 1e3:.0f} us"
+                  f"{t['layer_consumer'] * 1e3:.0f} us  packed scores {t['scores_packed_fp64_sum'] * 1e3:9.1f} us "
+                  f"{packed_gbs:6.0f} GB/s ({packed_gbs / copy_gbs:.0%})"
                   + (f"  torch path {t['torch_path']:.2f} ms" if "torch_path" in t else ""), flush=True)
+            c_source = dict(offset=c["packed"].offset, share=c["packed"].share, ratio=c["packed"].ratio,
+                            row_bytes=c["packed"].rows.shape[1])
             del c
             torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -218,7 +275,10 @@ def main() -> None:
                   shape=dict(heads=HI, head_dim=DI, topk=TOPK, block=BLOCK, topk_blocks=TOPK_BLOCKS,
                              key_dtype="bf16", slot_dtype="int64", q_dtype="fp32"),
                   copy_bandwidth_gbs=copy_gbs, timing="triton.testing.do_bench median (ms), L2 flushed per call",
-                  bytes_counted="per query: visible slot ids + key rows, q + head weights, the whole score row",
+                  bytes_counted="per query: visible slot ids + key rows (BF16 256 B; packed 68 B = Di/2 nibbles + "
+                                "Di/32 UE8M0), q + head weights, the whole score row",
+                  packed_source=dict(offset=c_source["offset"], share=c_source["share"], ratio=c_source["ratio"],
+                                     row_bytes=c_source["row_bytes"]),
                   rows=rows)
     (args.out / "indexer.json").write_text(json.dumps(result, indent=2))
     draw_png(rows, copy_gbs, f"{props.name}: indexer Hi={HI} Di={DI} top-{TOPK}, decode", args.out / "indexer.png")

@@ -11,7 +11,12 @@ scattered BF16 rows) it
    runtime's current torch path (gather + `attend_with_sink`) for comparison;
 3. counts the compulsory HBM bytes (`bytes_read_per_query` for every query with its valid key
    count + the BF16 output; split-KV scratch is not counted: it stays in L2) and reports GB/s
-   against the device copy bandwidth measured here (`dst.copy_(src)` of 2 GiB, read + write).
+   against the device copy bandwidth measured here (`dst.copy_(src)` of 2 GiB, read + write);
+4. the packed path (contracts §1/§2): the compressed keys are packed FP4 entries of a ratio-2
+   kv source in 890-byte Flash rows (written with the production codec `runtime/kv_layout.py`),
+   `comp_slots` entry indices. Asserts its output equals, bit for bit, the BF16 path on a cache
+   of the decoded latents (same entries), then times it; its compulsory bytes count 288 B per
+   valid compressed entry (D/2 nibbles + D/16 E4M3 scales) instead of a 1024-byte BF16 row.
 
 Writes `benchmarks/results/sparse_attention.json` and `sparse_attention.png`. `--sweep` also times
 a few alternative block configurations per N (for tuning `plan_config`).
@@ -32,8 +37,11 @@ import triton
 import triton.testing
 from device_bandwidth import copy_bandwidth_gbs  # benchmarks/ is on sys.path when run as a script
 
+from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.kernels import sparse_attention as sa
+from sglang_dsv41.presets import flash_config_dict
 from sglang_dsv41.reference.attention import attend_with_sink
+from sglang_dsv41.runtime import kv_layout
 
 HEADS, HEAD_DIM, WINDOW, TOPK = 64, 512, 128, 512
 DECODE_BATCHES = (1, 8, 64, 256)
@@ -58,6 +66,54 @@ def decode_case(n: int, device: torch.device, seed: int) -> dict:
         swa_cache=swa_cache, comp_cache=comp_cache,
         swa_slots=window.to(torch.int32).to(device), comp_slots=comp.to(torch.int32).to(device),
         sink=torch.randn(HEADS, generator=g).to(device))
+
+
+PACKED_SOURCE = 1       # Flash row: sources (ratio 2, 2, 2, 1); #1 = offset 178, share 178, ratio 2
+ENCODE_CHUNK = 1 << 17
+
+
+def add_packed_case(c: dict, seed: int) -> None:
+    """c["packed"]: PackedSource over 890-byte Flash rows (one row per pool slot) whose source
+    PACKED_SOURCE holds random RoPE'd-latent-like entries; c["packed_entries"]: [n, K] int32 entry
+    indices (scattered, −1 where the slot selection has holes); c["packed_bf16"]: the decoded
+    latents of every entry as a BF16 cache (the BF16 path's input for the bit-identity check)."""
+    device = c["q"].device
+    layout = kv_layout.CompressedRowLayout.from_config(DeepseekV41Config.from_dict(flash_config_dict()).text)
+    source = layout.sources[PACKED_SOURCE]
+    rows = torch.zeros(c["swa_cache"].shape[0], layout.row_bytes, dtype=torch.uint8, device=device)
+    n_entries = rows.shape[0] // source.ratio
+    decoded = torch.empty(n_entries, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    for e0 in range(0, n_entries, ENCODE_CHUNK):
+        idx = torch.arange(e0, min(n_entries, e0 + ENCODE_CHUNK), device=device)
+        latents = torch.randn(idx.numel(), HEAD_DIM, generator=g, device=device)
+        keys = torch.randn(idx.numel(), layout.index_head_dim, generator=g, device=device)
+        data = kv_layout.encode_entries(layout, latents, keys)
+        kv_layout.write_entries(rows, source, idx, data)
+        decoded[idx] = kv_layout.decode_entry_latents(layout, data).to(torch.bfloat16)
+    slots = c["comp_slots"].long()
+    entries = torch.where(slots >= 0, slots % n_entries, -1)       # same holes, scattered entries
+    c["packed"] = sa.PackedSource(rows, source.offset, source.share, source.ratio, HEAD_DIM, layout.index_head_dim)
+    c["packed_entries"] = entries.to(torch.int32)
+    c["packed_bf16"] = decoded
+
+
+def check_packed_bit_identical(c: dict, scale: float) -> None:
+    """Packed entries vs the BF16 path on the decoded latents: equal bits (bf16 output)."""
+    args = (c["q"], c["swa_cache"], c["swa_slots"])
+    packed = sa.sparse_sink_attention(*args, c["packed"], c["packed_entries"], c["sink"], scale, validate=True)
+    plain = sa.sparse_sink_attention(*args, c["packed_bf16"], c["packed_entries"], c["sink"], scale)
+    if not torch.equal(packed.view(torch.int16), plain.view(torch.int16)):
+        raise AssertionError(f"packed path differs from the BF16 path in {int((packed != plain).sum())} outputs")
+
+
+def compulsory_bytes_packed(c: dict) -> int:
+    n_swa = (c["swa_slots"] >= 0).sum(dim=1)
+    n_comp = (c["packed_entries"] >= 0).sum(dim=1)
+    slot_bytes = c["swa_slots"].element_size()
+    read = sum(sa.bytes_read_per_query(HEADS, HEAD_DIM, WINDOW, TOPK, int(w + k), slot_bytes, valid_comp_keys=int(k),
+                                       packed_comp=True) for w, k in zip(n_swa.tolist(), n_comp.tolist()))
+    return read + c["q"].numel() * 2
 
 
 def torch_path(c: dict, scale: float) -> torch.Tensor:
@@ -148,9 +204,21 @@ def main() -> None:
 
         ms = run()
         torch_ms = triton.testing.do_bench(lambda: torch_path(c, scale), warmup=3, rep=30, return_mode="median")
+        add_packed_case(c, seed=n + 1)
+        check_packed_bit_identical(c, scale)
+        packed_bytes = compulsory_bytes_packed(c)
+        packed_ms = triton.testing.do_bench(
+            lambda: sa.sparse_sink_attention(c["q"], c["swa_cache"], c["swa_slots"], c["packed"],
+                                             c["packed_entries"], c["sink"], scale),
+            warmup=25, rep=200, return_mode="median")
+        packed_gbs = packed_bytes / (packed_ms * 1e-3) / 1e9
         row = dict(n=n, config=dataclasses.asdict(planned), ms=ms, us_per_query=ms * 1e3 / n, bytes=nbytes,
                    gbs=nbytes / (ms * 1e-3) / 1e9, fraction_of_copy_bw=nbytes / (ms * 1e-3) / 1e9 / copy_gbs,
-                   torch_path_ms=torch_ms, speedup_vs_torch_path=torch_ms / ms, accuracy=accuracy)
+                   torch_path_ms=torch_ms, speedup_vs_torch_path=torch_ms / ms, accuracy=accuracy,
+                   packed=dict(ms=packed_ms, us_per_query=packed_ms * 1e3 / n, bytes=packed_bytes, gbs=packed_gbs,
+                               fraction_of_copy_bw=packed_gbs / copy_gbs, bit_identical_to_bf16_path=True,
+                               source=dict(offset=c["packed"].offset, share=c["packed"].share,
+                                           ratio=c["packed"].ratio, row_bytes=c["packed"].rows.shape[1])))
         if args.sweep:
             row["sweep"] = []
             for cfg in sweep_configs(n, planned):
@@ -158,8 +226,10 @@ def main() -> None:
                 row["sweep"].append(dict(config=dataclasses.asdict(cfg), ms=t, gbs=nbytes / (t * 1e-3) / 1e9))
         rows.append(row)
         print(f"N={n:4d}  {ms * 1e3:8.1f} us  {row['gbs']:7.0f} GB/s  ({row['fraction_of_copy_bw']:.0%} of copy)  "
+              f"packed {packed_ms * 1e3:8.1f} us  {packed_gbs:7.0f} GB/s ({packed_gbs / copy_gbs:.0%})  "
               f"torch path {torch_ms:.2f} ms  splits={planned.num_splits}  "
               f"bf16 mismatches {accuracy['bf16_mismatch_fraction']:.2%}", flush=True)
+        del c
 
     args.out.mkdir(parents=True, exist_ok=True)
     result = dict(device=props.name, sm_count=props.multi_processor_count, torch=torch.__version__,
@@ -168,18 +238,21 @@ def main() -> None:
                              hole_fraction=HOLE_FRACTION, slot_dtype="int32"),
                   copy_bandwidth_gbs=copy_gbs, timing="triton.testing.do_bench median, L2 flushed per call",
                   bytes_counted="q + slot lists + valid key rows + sink read, BF16 output written "
-                                "(split-KV scratch excluded)",
+                                "(split-KV scratch excluded); packed: 288 B per valid compressed entry "
+                                "(D/2 E2M1 nibbles + D/16 E4M3 scales) instead of a 1024 B BF16 row",
                   rows=rows)
     (args.out / "sparse_attention.json").write_text(json.dumps(result, indent=2))
 
     fig, (ax_bw, ax_t) = plt.subplots(1, 2, figsize=(11, 4))
     ns = [r["n"] for r in rows]
-    ax_bw.plot(ns, [r["gbs"] for r in rows], "o-", label="sparse_sink_attention")
+    ax_bw.plot(ns, [r["gbs"] for r in rows], "o-", label="sparse_sink_attention (BF16 compressed rows)")
+    ax_bw.plot(ns, [r["packed"]["gbs"] for r in rows], "^-", label="packed FP4 entries (288 B each)")
     ax_bw.axhline(copy_gbs, color="gray", ls="--", label=f"device copy {copy_gbs:.0f} GB/s")
     ax_bw.set(xscale="log", xlabel="decode batch N", ylabel="GB/s (compulsory bytes)",
               title=f"{props.name}: D={HEAD_DIM} H={HEADS} W={WINDOW} K={TOPK}")
     ax_bw.legend()
-    ax_t.plot(ns, [r["ms"] * 1e3 for r in rows], "o-", label="kernel")
+    ax_t.plot(ns, [r["ms"] * 1e3 for r in rows], "o-", label="kernel, BF16 compressed rows")
+    ax_t.plot(ns, [r["packed"]["ms"] * 1e3 for r in rows], "^-", label="kernel, packed FP4 entries")
     ax_t.plot(ns, [r["torch_path_ms"] * 1e3 for r in rows], "s--", label="torch path (gather + fp64 oracle)")
     ax_t.set(xscale="log", yscale="log", xlabel="decode batch N", ylabel="µs per call", title="time per call")
     ax_t.legend()
