@@ -7,7 +7,7 @@ What is pinned:
   dispatch on their own tensors' device.
 * The CUDA implementation's whole-batch orchestration (window SWA slots, the kernel's
   `PackedSource` of the layer's kv source with entry indices, sink, scale and the
-  batch-invariant launch config; the indexer's torch-decoded BF16 entry table, visibility,
+  batch-invariant launch config; the indexer's packed entry-index table, visibility,
   published blocks per query, query chunks of the score matrix, `select_for_role`) runs on CPU
   with the two Triton entry points replaced by exact torch stand-ins: the packed scenarios
   (`runtime_scenarios.py`) give the CPU path's logits bit for bit.
@@ -133,10 +133,13 @@ def _exact_sparse_sink_attention(calls: list[str]):
 def _exact_index_scores(calls: list[str]):
     def index_scores(q, head_w, key_cache, entry_slots, token_req, n_visible, *, head_sum_fp64, check_inputs):
         """The kernel's contract in float64 (reference `index_scores` per query)."""
-        assert head_sum_fp64 and not check_inputs and key_cache.dtype == torch.bfloat16
+        assert head_sum_fp64 and not check_inputs and isinstance(key_cache, kernel_indexer.PackedSource)
         calls.append("scores")
-        slots = entry_slots[token_req]                                    # [N, E]
-        keys = key_cache[slots.clamp(min=0)].double()                     # [N, E, Di]
+        c = key_cache                                                     # the kernel's PackedSource → our decoder
+        packed = PackedSourceRows(c.rows, SourceColumns(-1, c.ratio, c.offset, c.share, c.entry_bytes),
+                                  CompressedRowLayout(c.head_dim, c.index_head_dim, ()))
+        slots = entry_slots[token_req]                                    # [N, E] entry indices
+        keys = packed.keys(slots.reshape(-1)).reshape(*slots.shape, -1).double()   # [N, E, Di]
         dots = torch.einsum("thd,ted->the", q.double(), keys)
         scores = torch.einsum("th,the->te", head_w.double(), torch.relu(dots)).float() + 0.0
         visible = (torch.arange(slots.shape[1])[None, :] < n_visible[:, None]) & (slots >= 0)
@@ -153,7 +156,8 @@ def test_kernel_orchestration_with_exact_stand_ins_equals_cpu_path(engine, monke
         SimpleNamespace(sparse_sink_attention=_exact_sparse_sink_attention(calls),
                         plan_config=kernel_attention.plan_config, PackedSource=kernel_attention.PackedSource),
         SimpleNamespace(index_scores=_exact_index_scores(calls), select_for_role=kernel_indexer.select_for_role,
-                        entry_slot_table=kernel_indexer.entry_slot_table))
+                        entry_index_table=kernel_indexer.entry_index_table,
+                        PackedSource=kernel_indexer.PackedSource))
     monkeypatch.setattr(attention_ops, "ops_for", lambda device: stand_in)
     monkeypatch.setattr(attention_ops, "SCORE_ELEMENTS_PER_CHUNK", chunk_elements)
     got = run_scenario(forward, scenario_caches(forward, CPU), CPU, decode)

@@ -32,11 +32,9 @@ Contracts (both implementations):
   CUDA: scores equal the reference's bit for bit (float64 head sum), so the same inputs give
   the same selection (exact tie rule of `select_topk`).
 
-Packed entries on CUDA: the attention kernel reads them natively (`kernels.packed_rows.PackedSource`
-of the layer's kv source, `comp_slots` = entry indices; exact in-kernel decode). The indexer
-kernel of this phase still reads BF16 keys, so the batch's entry table is decoded with torch
-first (`PackedSourceRows.keys`, exact: every decoded key is BF16-representable) into a temporary
-BF16 buffer of R·⌊max_seq_len/r⌋ rows.
+Packed entries on CUDA: both kernels read them natively (`kernels.packed_rows.PackedSource` of
+the layer's kv source, entry indices instead of slots; exact in-kernel E2M1 × E4M3 / UE8M0
+decode), so no BF16 copy of the compressed cache is ever made.
 
 The CUDA path has no per-request loop and no host synchronisation (slot tables are built on
 the device; the only loop is over query chunks of the [N, E] score matrix, whose sizes are known
@@ -133,21 +131,11 @@ class ReferenceAttentionOps:
         return torch.cat(selections), (torch.cat(blocks) if role.candidate_source else None)
 
 
-def _decoded_table(values: Tensor, entries: Tensor) -> tuple[Tensor, Tensor]:
-    """(values [n, d] → contiguous bf16 [max(n, 1), d] rows, and `entries`' shape filled with the
-    row index of each entry, −1 where the entry is −1): decoded entries as a slot-addressed cache
-    (never empty, so a kernel always gets a valid pointer)."""
-    index = torch.arange(entries.numel(), device=entries.device).reshape(entries.shape)
-    if values.shape[0] == 0:
-        values = values.new_zeros(1, values.shape[1])
-    return values.to(torch.bfloat16).contiguous(), torch.where(entries >= 0, index, -1)
-
-
 class KernelAttentionOps:
     """CUDA: the Triton kernels over the slot caches (no per-request loop, no host sync)."""
 
-    description = ("Triton kernels (sparse_sink_attention reading packed FP4 entries; index_scores with "
-                   "float64 head sum over torch-decoded keys + select_for_role, whole batch)")
+    description = ("Triton kernels (sparse_sink_attention and index_scores reading packed FP4 entries; "
+                   "float64 head sum + select_for_role, whole batch)")
 
     def __init__(self, sparse_attention: ModuleType, indexer: ModuleType) -> None:
         self.sparse_attention = sparse_attention
@@ -177,21 +165,23 @@ class KernelAttentionOps:
     def select(self, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str, x: Tensor,
                q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
                act_quant: bool, published: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """Whole batch: compressed position j of request r is entry slot(j·ratio + ratio − 1) //
-        ratio (`entry_slot_table`, −1 beyond ⌊seq_len/ratio⌋), decoded into a BF16 key table of
-        the batch's entries; query t sees j < ⌊(p_t+1)/ratio⌋.
+        """Whole batch: compressed position j of request r is packed entry slot(j·ratio + ratio − 1)
+        // ratio (`entry_index_table`, −1 beyond ⌊seq_len/ratio⌋); the kernel reads each entry's
+        FP4 key nibbles and UE8M0 scales from the packed rows (contract §5), so no BF16 key copy
+        is made; query t sees j < ⌊(p_t+1)/ratio⌋.
         Input checks are off (no host sync): the table and visibilities are built from the
-        checked `BatchLayout`, so every visible entry has a slot by construction."""
+        checked `BatchLayout`, so every visible entry exists by construction."""
         src, ratio = role.kv_source, role.ratio
         assert src is not None
         K = self.indexer
         query = index_query(cfg, w, prefix, x, q_lora, layout.positions, inv_freq, act_quant)
         n_visible = visible_counts(layout.positions, ratio)
         width = layout.max_seq_len // ratio
-        entry_slots = K.entry_slot_table(layout.req_to_token, layout.req_rows, layout.seq_lens // ratio, ratio, width)
-        entries = torch.where(entry_slots >= 0, entry_slots // ratio, -1)                 # [R, width]
-        key_cache, entry_table = _decoded_table(caches.packed(src).keys(entries).reshape(-1, cfg.index_head_dim),
-                                                entries)
+        entry_table = K.entry_index_table(layout.req_to_token, layout.req_rows, layout.seq_lens // ratio, ratio, width)
+        packed = caches.packed(src)
+        key_cache = K.PackedSource(rows=packed.rows, offset=packed.source.offset, share=packed.source.share,
+                                   ratio=packed.source.ratio, head_dim=packed.layout.head_dim,
+                                   index_head_dim=packed.layout.index_head_dim)
         N = layout.num_tokens
         rows = max(1, SCORE_ELEMENTS_PER_CHUNK // max(width, 1))
         selections, blocks = [], []
