@@ -25,8 +25,10 @@ Scores are canonicalised (−0 → +0).
 Bytes read per query (Flash, Di = 128, bf16 index-key rows; decode = one query per request, a
 tile of one query): per visible entry 8 B slot id + 256 B key row, 4 B score write = 268 B,
 plus the query (Hi·Di·4 B) and head weights once per program from L2. A prefill tile of BLOCK_T
-queries shares the slot/key reads: (8 + 256)/BLOCK_T + 4 B per entry and query. (The 68 B packed
-FP4 row of upstream would cut the key part 3.8×; the runtime's cache stores bf16 rows.)
+queries shares the slot/key reads: (8 + 256)/BLOCK_T + 4 B per entry and query. With packed
+entries (`PackedSource`, contracts §1/§2) a key costs Di/2 + Di/32 = 68 B (E2M1 nibbles + UE8M0
+exponents at the entry's key bytes, decoded exactly in the kernel by
+`packed_rows.load_fp4_tile_per_dim`): 8 + 68 + 4 = 80 B per visible entry at decode.
 
 Why our own kernel. SGLang 0.5.17's DeepSeek-V4 FP4 indexer (`srt/layers/attention/dsv4/
 indexer.py`) calls `deep_gemm.fp8_fp4_paged_mqa_logits`; sgl-deep-gemm 0.1.5.post1 (0.5.17's
@@ -61,7 +63,7 @@ from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
 from ..config import LayerRole, TextConfig
-from .packed_rows import PackedSource, key_entry_bytes, load_fp4_tile
+from .packed_rows import PackedSource, key_entry_bytes, load_fp4_tile_per_dim
 
 NEG_INF = float("-inf")
 
@@ -105,8 +107,8 @@ def _index_scores_kernel(q_ptr, w_ptr, key_ptr, slot_ptr, nvis_ptr, order_ptr, t
         slot = tl.load(slot_ptr + req * stride_sr + j, mask=j_in & (j < tile_vis), other=-1).to(tl.int64)
         has = (slot >= 0) & (slot < num_slots)                  # packed: slot = entry e < S // ratio
         if KEY_PACKED:   # entry e's key bytes: payload + UE8M0 scales from entry byte key_first_byte
-            keys = load_fp4_tile(key_ptr, slot * key_ratio * stride_ks, has, key_first_byte, DI, stride_ks,
-                                 key_offset, KEY_SHARE, BLOCK_J, DI, 32, True, DOT_BF16)
+            keys = load_fp4_tile_per_dim(key_ptr, slot * key_ratio * stride_ks, has, key_first_byte, DI, stride_ks,
+                                         key_offset, KEY_SHARE, DI, 32, True, DOT_BF16)
         else:
             keys = tl.load(key_ptr + slot[:, None] * stride_ks + d[None, :], mask=has[:, None], other=0.0)
         if DOT_BF16:

@@ -156,3 +156,29 @@ def load_fp4_tile(rows_ptr, entry_base, valid, first_byte, dims, row_stride, off
         low = (e2m1_bf16(payload).to(tl.float32) * scale).to(tl.bfloat16)
         high = (e2m1_bf16(payload >> 4).to(tl.float32) * scale).to(tl.bfloat16)
     return tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_D))
+
+
+@triton.jit
+def load_fp4_tile_per_dim(rows_ptr, entry_base, valid, first_byte, dims, row_stride, offset, SHARE: tl.constexpr,
+                          BLOCK_D: tl.constexpr, GROUP: tl.constexpr, SCALE_UE8M0: tl.constexpr,
+                          BF16_MUL: tl.constexpr):
+    """`load_fp4_tile` computed per dim (each payload byte is loaded for both of its dims, each
+    scale byte for its GROUP dims — repeats served by L1) instead of per byte + join/reshape:
+    the result is a plain element-wise tensor, which Triton 3.6 lowers to Hopper wgmma operands
+    (the join/reshape form hits "Illegal shared layout" there). Same values."""
+    d = tl.arange(0, BLOCK_D)
+    j = first_byte + d // 2
+    byte_off = (j // SHARE) * row_stride + offset + j % SHARE
+    mask = valid[:, None] & (d < dims)[None, :]
+    byte = tl.load(rows_ptr + entry_base[:, None] + byte_off[None, :], mask=mask, other=0).to(tl.int32)
+    code = tl.where((d % 2 == 1)[None, :], byte >> 4, byte)
+    js = first_byte + dims // 2 + d // GROUP
+    scale_off = (js // SHARE) * row_stride + offset + js % SHARE
+    sbyte = tl.load(rows_ptr + entry_base[:, None] + scale_off[None, :], mask=mask, other=0).to(tl.int32)
+    if SCALE_UE8M0:
+        scale = ue8m0_value(sbyte)
+    else:
+        scale = e4m3_value(sbyte)
+    if BF16_MUL:
+        return e2m1_bf16(code) * scale.to(tl.bfloat16)
+    return (e2m1_bf16(code).to(tl.float32) * scale).to(tl.bfloat16)

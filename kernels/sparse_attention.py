@@ -43,7 +43,12 @@ n_valid ≤ W + K valid keys, idx = 4 or 8 bytes per slot):
     written: H·D·2 (out); with s > 1 splits also s·H·(D + 2)·4 written and read back (L2-resident).
 The ⌈H/block_h⌉ head blocks of a query re-read the same key rows, normally from L2. Flash
 (D 512, H 64, W 128, K 512, int32 slots): 64 KiB q + 2.5 KiB slots + 640 KiB keys + 64 KiB
-out ≈ 0.77 MB per decode query. Extend queries of one request share most rows (neighbouring
+out ≈ 0.77 MB per decode query. With packed compressed entries (`PackedSource`, contracts §1/§2:
+the global KV stays 890 B/token, no BF16 copy) a compressed key costs D/2 + D/16 = 288 B
+(E2M1 nibbles + E4M3 scales, decoded exactly in the kernel: `packed_rows.load_fp4_tile`)
+instead of 1024 B: 128 KiB SWA + 144 KiB compressed ≈ 0.41 MB per decode query. The decode adds
+registers to a kernel already at 255: the sm_90 build of the packed Flash plan spills ~160 B
+per thread (measured with Triton's ptxas; the BF16 path has none). Extend queries of one request share most rows (neighbouring
 windows, overlapping selections), so HBM traffic is below N × this bound.
 
 Why a kernel of our own (checked against what SGLang 0.5.17's wheel ships):

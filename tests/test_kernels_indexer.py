@@ -297,6 +297,33 @@ if not K.INTERPRETED:
         assert passed and int(passed.group(1)) >= 8, tail
         assert not re.search(r"\d+ (failed|skipped|error)", proc.stdout), tail
 
+    @pytest.mark.parametrize("block_t", [1, 4], ids=["decode_mma", "prefill_wgmma"])
+    def test_packed_kernel_compiles_for_hopper_without_spills(block_t: int) -> None:
+        """The packed-key kernel at Flash shapes builds for sm_90 (Triton's bundled ptxas, no GPU)
+        with no register spills — also where the dot becomes wgmma (block_t·Hi ≥ 64), which the
+        join/reshape decode of `load_fp4_tile` cannot be lowered to in Triton 3.6."""
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        import triton
+
+        kern = K._index_scores_kernel
+        consts = dict(HI=32, DI=128, BLOCK_T=block_t, BLOCK_J=64, J_STEPS=1, DOT_BF16=True, HEAD_SUM_FP64=True,
+                      KEY_PACKED=True, KEY_SHARE=356)
+        pointers = {"q_ptr": "*fp32", "w_ptr": "*fp32", "key_ptr": "*u8", "out_ptr": "*fp32"}
+        sig = {n: "constexpr" if n in consts else pointers.get(n, "*i64" if n.endswith("_ptr") else "i32")
+               for n in kern.arg_names}
+        compiled = triton.compile(ASTSource(kern, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": 4 if 32 * block_t * 64 <= 4096 else 8})
+        cubin = Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / f"indexer_{os.getpid()}.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        try:
+            usage = subprocess.run([str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"),
+                                    "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+        finally:
+            cubin.unlink()
+        assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
+        assert ("wgmma" in compiled.asm["ptx"]) == (block_t == 4)
+
     def test_cpu_without_interpreter_raises() -> None:
         case = packed_case(2, 64, seed=0, shuffle=False, device="cpu")
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
