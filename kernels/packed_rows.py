@@ -118,54 +118,23 @@ def ue8m0_value(b):
 
 
 @triton.jit
-def load_fp4_tile(rows_ptr, entry_base, valid, first_byte, dims, row_stride, offset, SHARE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, SCALE_UE8M0: tl.constexpr,
-                  BF16_MUL: tl.constexpr):
-    """BF16 [BLOCK_N, BLOCK_D] decoded values (exact) of one part (latent or index key) of BLOCK_N entries.
-
-    The part starts at entry byte `first_byte`: dims/2 payload bytes, then dims/GROUP scale bytes
-    (E4M3, or UE8M0 when SCALE_UE8M0); entry byte j lives at row offset (j // SHARE)·row_stride,
-    column offset + j % SHARE from `entry_base` [BLOCK_N] int64 = e·ratio·row_stride (§2 rule).
-    Loads are compact (one per payload byte and per scale byte); dims ≥ `dims` and entries not
-    `valid` read byte 0 / scale byte 0, which decode to +0. The code × scale products are exact
-    in BF16: BF16_MUL multiplies in BF16 (compiled: half the registers of fp32), otherwise in fp32
-    (Triton 3.6's interpreter multiplies BF16 tensors as raw integers); same values either way."""
-    i = tl.arange(0, BLOCK_D // 2)
-    j = first_byte + i
-    byte_off = (j // SHARE) * row_stride + offset + j % SHARE
-    payload = tl.load(rows_ptr + entry_base[:, None] + byte_off[None, :],
-                      mask=valid[:, None] & (i < dims // 2)[None, :], other=0).to(tl.int32)
-    g = tl.arange(0, BLOCK_D // GROUP)
-    js = first_byte + dims // 2 + g
-    scale_off = (js // SHARE) * row_stride + offset + js % SHARE
-    sbyte = tl.load(rows_ptr + entry_base[:, None] + scale_off[None, :],
-                    mask=valid[:, None] & (g < dims // GROUP)[None, :], other=0).to(tl.int32)
-    if SCALE_UE8M0:
-        scale = ue8m0_value(sbyte)
-    else:
-        scale = e4m3_value(sbyte)
-    # each scale covers GROUP/2 payload bytes: widen [BLOCK_N, BLOCK_D/GROUP] → [BLOCK_N, BLOCK_D/2]
-    if BF16_MUL:
-        scale = scale.to(tl.bfloat16)                 # E4M3 / UE8M0 values are BF16 values
-    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_D // GROUP, GROUP // 2)),
-                       (BLOCK_N, BLOCK_D // 2))
-    if BF16_MUL:
-        low = e2m1_bf16(payload) * scale              # dim 2i; ≤ 6 significant bits: exact in BF16
-        high = e2m1_bf16(payload >> 4) * scale        # dim 2i + 1
-    else:
-        low = (e2m1_bf16(payload).to(tl.float32) * scale).to(tl.bfloat16)
-        high = (e2m1_bf16(payload >> 4).to(tl.float32) * scale).to(tl.bfloat16)
-    return tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_D))
-
-
-@triton.jit
 def load_fp4_tile_per_dim(rows_ptr, entry_base, valid, first_byte, dims, row_stride, offset, SHARE: tl.constexpr,
                           BLOCK_D: tl.constexpr, GROUP: tl.constexpr, SCALE_UE8M0: tl.constexpr,
                           BF16_MUL: tl.constexpr):
-    """`load_fp4_tile` computed per dim (each payload byte is loaded for both of its dims, each
-    scale byte for its GROUP dims — repeats served by L1) instead of per byte + join/reshape:
-    the result is a plain element-wise tensor, which Triton 3.6 lowers to Hopper wgmma operands
-    (the join/reshape form hits "Illegal shared layout" there). Same values."""
+    """BF16 [N, BLOCK_D] decoded values (exact) of one part (latent or index key) of the entries
+    at `entry_base` [N] int64 = e·ratio·row_stride (contracts §2 rule).
+
+    The part starts at entry byte `first_byte`: dims/2 payload bytes (dim 2i in the low nibble of
+    byte i, 2i+1 in the high), then dims/GROUP scale bytes (E4M3, or UE8M0 when SCALE_UE8M0);
+    entry byte j lives at row offset (j // SHARE)·row_stride, column offset + j % SHARE. Dims ≥
+    `dims` and entries not `valid` read byte 0 and decode to +0. Computed per dim (each payload
+    byte is loaded for both of its dims, each scale byte for its GROUP dims — repeats served by
+    L1): a plain element-wise tensor. A per-byte decode joined and reshaped into dims was
+    measured wrong on the H200 (2026-11-30: attention off by up to 4.3 against the BF16 path;
+    correct in the interpreter) and hits "Illegal shared layout" under Hopper wgmma in Triton
+    3.6, so it is not used. The code × scale products are exact in BF16: BF16_MUL multiplies in
+    BF16 (compiled), otherwise in fp32 (Triton 3.6's interpreter multiplies BF16 tensors as raw
+    integers); same values either way."""
     d = tl.arange(0, BLOCK_D)
     j = first_byte + d // 2
     byte_off = (j // SHARE) * row_stride + offset + j % SHARE

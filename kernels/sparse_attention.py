@@ -45,7 +45,7 @@ The ⌈H/block_h⌉ head blocks of a query re-read the same key rows, normally f
 (D 512, H 64, W 128, K 512, int32 slots): 64 KiB q + 2.5 KiB slots + 640 KiB keys + 64 KiB
 out ≈ 0.77 MB per decode query. With packed compressed entries (`PackedSource`, contracts §1/§2:
 the global KV stays 890 B/token, no BF16 copy) a compressed key costs D/2 + D/16 = 288 B
-(E2M1 nibbles + E4M3 scales, decoded exactly in the kernel: `packed_rows.load_fp4_tile`)
+(E2M1 nibbles + E4M3 scales, decoded exactly in the kernel: `packed_rows.load_fp4_tile_per_dim`)
 instead of 1024 B: 128 KiB SWA + 144 KiB compressed ≈ 0.41 MB per decode query. The decode adds
 registers to a kernel already at 255: the sm_90 build of the packed Flash plan spills ~160 B
 per thread (measured with Triton's ptxas; the BF16 path has none). Extend queries of one request share most rows (neighbouring
@@ -80,7 +80,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .packed_rows import PackedSource, latent_entry_bytes, load_fp4_tile
+from .packed_rows import PackedSource, latent_entry_bytes, load_fp4_tile_per_dim
 
 #: fp32 accumulator elements one program keeps in registers ([block_h, block_d]); 16384 = 64 KiB
 #: = 64 registers per thread at 8 warps, leaving room for q and the logits tile.
@@ -240,8 +240,9 @@ def _sparse_sink_attn_kernel(
             slot = _load_slots(comp_slots, tile * BLOCK_N, n_comp, offs_n)
             valid = slot >= 0
             if COMP_PACKED:   # slot = entry index e; its latent bytes start at row e·ratio, byte 0
-                rows = load_fp4_tile(comp_ptr, slot * comp_ratio * comp_row_stride, valid, 0, D, comp_row_stride,
-                                     comp_offset, COMP_SHARE, BLOCK_N, BLOCK_D, 16, False, not DOT_FP32)
+                rows = load_fp4_tile_per_dim(comp_ptr, slot * comp_ratio * comp_row_stride, valid, 0, D,
+                                             comp_row_stride, comp_offset, COMP_SHARE, BLOCK_D, 16, False,
+                                             not DOT_FP32)
             else:
                 rows = tl.load(comp_ptr + slot[:, None] * comp_row_stride + offs_d[None, :],
                                mask=valid[:, None] & d_mask[None, :], other=0.0)

@@ -301,7 +301,7 @@ if not K.INTERPRETED:
     def test_packed_kernel_compiles_for_hopper_without_spills(block_t: int) -> None:
         """The packed-key kernel at Flash shapes builds for sm_90 (Triton's bundled ptxas, no GPU)
         with no register spills — also where the dot becomes wgmma (block_t·Hi ≥ 64), which the
-        join/reshape decode of `load_fp4_tile` cannot be lowered to in Triton 3.6."""
+        join/reshape decode (removed) cannot be lowered to in Triton 3.6."""
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
         import triton

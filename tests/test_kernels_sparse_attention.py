@@ -507,9 +507,10 @@ def _hopper_binary(kernel, constexprs: dict, num_warps: int, num_stages: int):
 def test_compiles_for_hopper_without_spills(case, packed):
     """The planned configs compile for sm_90 with BF16 tensor-core dots and shared memory within
     Hopper's 227 KiB per block — with BF16 compressed rows (no register spills: STACK/LOCAL 0) and
-    with packed FP4 entries decoded in the kernel (the decode costs registers on top of a kernel
-    already at 255: measured 160 B/thread of stack at the Flash plan, bounded here at 256 B so a
-    regression shows; the H200 benchmark measures what it costs)."""
+    with packed FP4 entries decoded in the kernel (the per-dim decode costs registers on top of a
+    kernel already at 255: measured 888 B/thread of stack at the Flash plan, bounded here at
+    1024 B so a regression shows; the H200 benchmark measures what it costs. The per-byte
+    join/reshape decode spilled only 160 B but gave wrong values on the H200)."""
     n, h, d, w, k = {"flash_decode_split": (1, 64, 512, 128, 512), "flash_extend": (2048, 64, 512, 128, 512),
                      "tiny": (5, 4, 96, 8, 4)}[case]
     cfg = sa.plan_config(n, h, d, w, k, sm_count=132)
@@ -517,7 +518,7 @@ def test_compiles_for_hopper_without_spills(case, packed):
                   COMP_PACKED=packed, COMP_SHARE=178 if packed else 1, NUM_SPLITS=cfg.num_splits, DOT_FP32=False)
     compiled, usage = _hopper_binary(sa._sparse_sink_attn_kernel, consts, cfg.num_warps, cfg.num_stages)
     stack = int(re.search(r"STACK:(\d+) ", usage).group(1))
-    assert stack <= (256 if packed else 0) and "LOCAL:0 " in usage, usage
+    assert stack <= (1024 if packed else 0) and "LOCAL:0 " in usage, usage
     assert compiled.metadata.shared <= 227 * 1024
     ptx = compiled.asm["ptx"]
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx or "wgmma" in ptx
