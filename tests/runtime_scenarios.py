@@ -24,6 +24,7 @@ the same positions (reference logits[SHARED_PREFIX:] for D).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 
@@ -173,6 +174,25 @@ def greedy_generate(engine: TorchForward, device: torch.device, prompt_ids: list
         step = run_batch(engine, caches, slots, [(1, len(prompt_ids) + len(tokens) - 1, tokens[-1:])])[0]
         tokens.append(int(torch.argmax(step[-1])))
     return tokens
+
+
+def runtime_engine(checkpoint: Path, device: torch.device) -> TorchForward:
+    """The forward the server builds for `checkpoint` on `device`: SGLang hands over the stored
+    tensors, `runtime_weights` checks and prepares them (CUDA: routed experts stay MXFP4 for
+    the Triton kernel; CPU: everything dequantised, the reference path)."""
+    from sglang_dsv41.checkpoint.reader import CheckpointReader
+    from sglang_dsv41.config import DeepseekV41Config
+    from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
+    from sglang_dsv41.runtime.forward import fp32_default_dtype
+    from sglang_dsv41.runtime.weights import runtime_weights
+
+    cfg = DeepseekV41Config.from_file(checkpoint)
+    with CheckpointReader(checkpoint) as reader:
+        stored = {name: reader.get(name) for name in reader.names()}
+    with fp32_default_dtype():
+        weights = runtime_weights(stored, cfg, device, experts_mxfp4=device.type == "cuda")
+    token_map, _ = compressed_token_map(_load_fast_tokenizer(checkpoint))
+    return TorchForward(cfg, weights, EngramHasher.from_config(cfg, token_map).to(device))
 
 
 def layout_to(layout: BatchLayout, device: torch.device) -> BatchLayout:

@@ -35,7 +35,8 @@ import pytest
 import torch
 
 from runtime_scenarios import (DECODE_STEPS, SHARED_PREFIX, fixed_decode_tokens, full_tokens, layout_to,
-                               one_shot_logits, run_scenario, scenario_caches)
+                               greedy_generate, one_shot_logits, run_scenario, runtime_engine,
+                               scenario_caches)
 from sglang_dsv41.checkpoint.loader import load_reference_weights
 from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
@@ -62,7 +63,7 @@ def models(tiny_checkpoint) -> tuple[DeepseekV41Config, TorchForward, TorchForwa
     token_map, _ = compressed_token_map(_load_fast_tokenizer(tiny_checkpoint))
     hasher = EngramHasher.from_config(cfg, token_map)
     cpu = TorchForward(cfg, weights, hasher)
-    on_device = TorchForward(cfg, {k: v.to(DEVICE) for k, v in weights.items()}, hasher.to(DEVICE))
+    on_device = runtime_engine(tiny_checkpoint, DEVICE)       # CUDA: MXFP4 experts, as the server
     return cfg, cpu, on_device
 
 
@@ -212,3 +213,37 @@ def test_packed_chunked_and_prefix_batches_equal_each_request_alone(models, refe
         worst_vs_reference = max(worst_vs_reference, float((logits - reference).abs().max()))
     print(f"kernel path on {DEVICE.type}{' (Triton interpreter)' if INTERPRETED else ''} vs reference: "
           f"max |Δlogit| = {worst_vs_reference:.3g} over the packed scenarios (informative, not a bound)")
+
+
+#: Stated end-to-end bound of the CUDA path against the float64 reference on the tiny checkpoint
+#: (generator v2, well conditioned: a one-BF16-ulp nudge of every attention sublayer moves the
+#: logits by ≤ 0.071, tests/test_checkpoint_conditioning.py). The CUDA path differs from the
+#: reference by one BF16 ulp per attention output at most, fp32-accumulated tensor-core GEMMs
+#: (runtime/dense_ops.py bound) and MXFP4-kernel rounding flips in ≤ 2 % of MoE outputs.
+LOGIT_BOUND_VS_REFERENCE = 0.25
+GREEDY_STEPS = 64
+
+
+@pytest.mark.skipif(INTERPRETED, reason="64 decode steps through the interpreter take minutes; GPU only")
+def test_greedy_64_steps_and_logits_match_the_reference(models, tiny_checkpoint) -> None:
+    """The issue's end-to-end GPU check: greedy tokens of the CUDA path equal the float64
+    reference's for 64 steps, and the logits along the way stay within the stated bound."""
+    from sglang_dsv41.reference.model import ReferenceModel
+
+    _, _, on_device = models
+    reference = ReferenceModel.from_checkpoint(tiny_checkpoint)
+    worst = 0.0
+    for seed, length in ((11, 23), (12, 70)):                # shorter and longer than window/top-k/candidate span
+        g = torch.Generator().manual_seed(seed)
+        prompt_ids = [0] + torch.randint(3, 990, (length - 1,), generator=g).tolist()
+        want = reference.generate(prompt_ids, GREEDY_STEPS)
+        got = greedy_generate(on_device, DEVICE, prompt_ids, GREEDY_STEPS)
+        ref_logits = reference.forward(reference.new_request(), prompt_ids + want[:-1]).logits
+        logits = one_shot_logits(on_device, DEVICE, prompt_ids + want[:-1])
+        delta = float((logits - ref_logits).abs().max())
+        worst = max(worst, delta)
+        first_diff = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        print(f"prompt {length} tokens: max |Δlogit| vs reference = {delta:.4g}; greedy tokens "
+              f"{'equal for ' + str(GREEDY_STEPS) + ' steps' if first_diff is None else f'differ from step {first_diff}'}")
+        assert got == want, f"greedy tokens differ from step {first_diff}"
+    assert worst <= LOGIT_BOUND_VS_REFERENCE, f"max |Δlogit| {worst:.4g} > stated bound {LOGIT_BOUND_VS_REFERENCE}"

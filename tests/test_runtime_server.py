@@ -35,13 +35,9 @@ from typing import Any
 import pytest
 import torch
 
-from runtime_scenarios import greedy_generate, one_shot_logits
+from runtime_scenarios import greedy_generate, one_shot_logits, runtime_engine
 from server_helpers import REQUEST_TIMEOUT_S, Server
-from sglang_dsv41.checkpoint.loader import load_reference_weights
-from sglang_dsv41.config import DeepseekV41Config
-from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
 from sglang_dsv41.reference.model import ReferenceModel
-from sglang_dsv41.runtime.forward import TorchForward
 from sglang_dsv41.runtime.requirements import PAGE_SIZE
 
 pytestmark = pytest.mark.slow
@@ -70,11 +66,7 @@ class KernelPathOracle:
     def __init__(self, checkpoint: Path) -> None:
         self.device = torch.device("cuda")
         torch.backends.cuda.matmul.allow_tf32 = False
-        cfg = DeepseekV41Config.from_file(checkpoint)
-        weights = load_reference_weights(checkpoint, cfg, vision=False, dspark=False)
-        token_map, _ = compressed_token_map(_load_fast_tokenizer(checkpoint))
-        self.engine = TorchForward(cfg, {k: v.to(self.device) for k, v in weights.items()},
-                                   EngramHasher.from_config(cfg, token_map).to(self.device))
+        self.engine = runtime_engine(checkpoint, self.device)   # what the server builds
 
     def generate(self, prompt: list[int], max_new_tokens: int) -> list[int]:
         return greedy_generate(self.engine, self.device, prompt, max_new_tokens)
