@@ -7,8 +7,11 @@ scheduler process (runtime.md §B "The general-purpose hook"; cpu.md §4). It re
    SGLang's `_CONFIG_REGISTRY` (`runtime/hf_config.py`);
 2. our model class under the architecture `DeepseekV41ForCausalLM` in SGLang's `ModelRegistry`
    (`runtime/model.py`);
-3. the runtime's HookRegistry entries (area "runtime" of `sglang_dsv41.hooks`: the KV budget
-   per token includes the torch path's side buffers), installed and verified;
+3. the runtime's HookRegistry entries (area "runtime" of `sglang_dsv41.hooks`), installed and
+   verified: SGLang's hybrid-SWA pool gets the SWA layers' own head dims for our architecture
+   (`ModelConfig._derive_hybrid_model`), its budget per token counts the runtime's int32 token id
+   per SWA slot (`HybridSWAPoolConfigurator.__init__`), and the paged allocator's
+   `alloc_extend` / `alloc_decode` run in torch on CPU servers (SGLang's are Triton kernels);
 4. the chat API (`sglang_dsv41.api.register.register_api()`: parsers and chat hooks), when that
    module is installed.
 
@@ -17,7 +20,8 @@ Architecture name — we keep `DeepseekV41ForCausalLM` (upstream 0.5.23 rewrites
 written for V4's layout and kernels — `is_deepseek_v4()` selects the DSV4 pool configurator and
 `DeepSeekV4TokenToKVPool` (ratios 4/128 only), the `dsv4` attention backend (FlashMLA, CUDA),
 page size 256, an fp8 KV dtype, V4 server-arg defaults, the V4 chat encoder and the DSpark/NextN
-draft renames. Our torch-path model owns its caches and attention, so none of these may engage;
+draft renames. Our torch-path model computes its own attention over its own row layout in SGLang's
+hybrid-SWA pool (packed FP4 rows + BF16 SWA rows, docs/runtime.md), so none of these may engage;
 a distinct architecture gets SGLang's generic decoder paths only, and the SGLang-facing config
 (`DeepseekV41HFConfig`) hides the attributes that would trigger attribute-keyed special cases
 (DSA/MLA, MTP, multimodal, FP8). `tests/test_runtime_plugin.py` pins this: a V4.1 checkpoint
@@ -25,8 +29,9 @@ resolves to our class, no V4 predicate is true for it, and stock SGLang without 
 refuses the checkpoint.
 
 What `sglang-dsv41 launch` may ask of this plugin is `LAUNCH_CAPABILITIES` (names defined in
-`deploy/capabilities.py`); what the runtime behind the model class can serve (TP 1, text only,
-no CUDA graphs, the SGLang flags it needs) is `runtime/requirements.CURRENT_RUNTIME`.
+`deploy/capabilities.py`); what the runtime behind the model class can serve (TP 1/2/4/8, no DP
+attention, text only, no CUDA graphs, the SGLang flags it needs) is
+`runtime/requirements.CURRENT_RUNTIME`.
 
 No silent fallback: SGLang's loader catches `Exception` from a plugin and carries on, which
 would leave a V4.1 checkpoint unserved with a misleading error — so every failure here (wrong
@@ -55,8 +60,9 @@ API_REGISTER_MODULE = "sglang_dsv41.api.register"
 #: (``engram_host_table``), the FP4 KV layout (``kv_layout_v41``), SWA bounded replay
 #: (``bounded_replay_encoder`` / ``_decoder``), V4.1 DSpark (``dspark``), encoder data-parallel
 #: (``encoder_data_parallel``), and the text-only switch (``text_only`` — the current runtime
-#: never loads the vision tower, so it needs none). TP > 1, vision serving and CUDA graphs are
-#: limits of the runtime (`runtime/requirements.py`), not capabilities.
+#: never loads the vision tower, so it needs none). TP sizes other than 1/2/4/8, DP attention,
+#: vision serving and CUDA graphs are limits of the runtime (`runtime/requirements.py`), not
+#: capabilities.
 LAUNCH_CAPABILITIES: tuple[str, ...] = ("model", "reasoning_parser", "tool_parser")
 
 

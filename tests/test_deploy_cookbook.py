@@ -51,7 +51,7 @@ def test_readme_covers_install_to_verification() -> None:
 
 
 # Short words of the README's "today" column for each thing a config cannot get yet.
-SHORT = {"tensor_parallel": "TP1 only", "vision": "vision", "cuda_graphs": "CUDA graphs", "kv_cache_dtype": "fp8 KV",
+SHORT = {"tensor_parallel": "TP size", "dp_attention": "DP attention", "vision": "vision", "cuda_graphs": "CUDA graphs", "kv_cache_dtype": "fp8 KV",
          "kv_layout_v41": "FP4 KV", "engram_host_table": "Engram host", "dspark": "DSpark", "pd_disaggregation": "PD",
          "bounded_replay_encoder": "encoder replay", "bounded_replay_decoder": "decoder replay",
          "encoder_data_parallel": "encoder DP", "model": "no plugin", "reasoning_parser": "no parser",

@@ -30,7 +30,7 @@ def test_doctor_runs_on_this_machine_and_reports_no_gpu(capsys) -> None:
         assert "[FAIL] gpus: no GPU" in out and rc == 1
     assert "[  OK] plugin: entry point(s) dsv41: SGLang's load_plugins() registers" in out
     assert "[INFO] capabilities: provided: model, reasoning_parser, tool_parser; not provided yet:" in out
-    assert "[INFO] runtime: torch path (docs/runtime.md): tensor parallel sizes: 1; vision (image input): no" in out
+    assert "[INFO] runtime: torch path (docs/runtime.md): tensor parallel sizes: 1, 2, 4, 8; vision (image input): no" in out
     assert out.rstrip().splitlines()[-1].endswith("; ready") == (rc == 0)
 
 
@@ -56,13 +56,16 @@ def test_the_plugin_really_registers_through_sglangs_loader(monkeypatch) -> None
 
 
 def test_runtime_limits_per_config() -> None:
-    tp2 = doctor.check_runtime(load_config(ROOT / "configs" / "tiny-h200-tp2.yaml"))
-    assert [c.status for c in tp2] == ["INFO", "FAIL"] and "runtime supports TP1 only for now" in tp2[1].detail
-    tp1 = doctor.check_runtime(load_config(ROOT / "configs" / "tiny-h200-tp1.yaml"))
-    assert [c.status for c in tp1] == ["INFO", "OK"]
+    for name in ("tiny-h200-tp1", "tiny-h200-tp2"):
+        checks = doctor.check_runtime(load_config(ROOT / "configs" / f"{name}.yaml"))
+        assert [c.status for c in checks] == ["INFO", "OK"], name
     h200 = doctor.check_runtime(load_config(ROOT / "configs" / "h200-tp4.yaml"))
     assert {c.detail.split(" asks for ")[1].split(" ")[0] for c in h200 if c.status == "FAIL"} == \
-        {"tensor_parallel", "vision", "engram_host_table"}
+        {"vision", "engram_host_table"}
+    dep = doctor.check_runtime(load_config(ROOT / "configs" / "gb200-dep4.yaml"))
+    fails = {c.detail.split(" asks for ")[1].split(" ")[0]: c.detail for c in dep if c.status == "FAIL"}
+    assert set(fails) == {"dp_attention", "vision", "kv_cache_dtype", "kv_layout_v41"}
+    assert "runtime limit: the runtime shards attention over the whole TP group" in fails["dp_attention"]
 
 
 def test_cpu_engine_check_uses_the_launchers_stub(monkeypatch, tmp_path) -> None:

@@ -22,6 +22,7 @@ from sglang_dsv41.deploy import capabilities, launch
 from sglang_dsv41.deploy.capabilities import CAPABILITIES
 from sglang_dsv41.deploy.command import build_launch, model_path, render_dry_run, required_capabilities, runtime_limits
 from sglang_dsv41.deploy.schema import load_config
+from sglang_dsv41.runtime import cpu_env
 from sglang_dsv41.runtime.requirements import CURRENT_RUNTIME, TORCH_PATH, RuntimeProfile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +36,10 @@ NOT_PROVIDED = {"engram_host_table", "kv_layout_v41", "bounded_replay_encoder", 
                 "encoder_data_parallel"}
 # A runtime without today's limits: what the launcher does once the runtime grows.
 FULL_RUNTIME = RuntimeProfile(name="full", doc="-", flags=(), tp_sizes=(1, 2, 4, 8), vision=True, cuda_graphs=True,
-                              pd_disaggregation=True, kv_cache_dtypes=("auto", "bf16", "fp8_e4m3"))
+                              pd_disaggregation=True, kv_cache_dtypes=("auto", "bf16", "fp8_e4m3"), dp_attention=True)
+# Today's runtime with TP1 only: the tensor-parallel refusal the launcher gives for a size it cannot shard.
+TP1_RUNTIME = RuntimeProfile(name="tp1", doc="-", flags=(), tp_sizes=(1,), vision=False, cuda_graphs=False,
+                             pd_disaggregation=False, kv_cache_dtypes=("auto",), reasons=TORCH_PATH.reasons)
 
 
 @pytest.fixture(autouse=True)
@@ -148,17 +152,38 @@ def test_unavailable_options_are_listed_not_dropped(path: Path) -> None:
     assert build_launch(dc, ALL, FULL_RUNTIME).unavailable == ()
 
 
-def test_only_the_tiny_single_gpu_and_cpu_configs_are_servable_today() -> None:
+def test_only_the_tiny_configs_are_servable_today() -> None:
     servable = {p.stem for p in CONFIGS if not build_launch(load_config(p), PLUGIN).unavailable}
-    assert servable == {"tiny-cpu", "tiny-h200-tp1"}
+    assert servable == {"tiny-cpu", "tiny-h200-tp1", "tiny-h200-tp2"}
+
+
+def test_tp_sizes_the_runtime_cannot_shard_are_refused_naming_the_rule() -> None:
+    """TP 2/4/8 pass; 3 and 16 (no divisor of Flash's 8 output groups) are refused with the rule."""
+    dc = load_config(ROOT / "configs" / "h200-tp8.yaml")
+    assert "tensor_parallel" not in {u.capability for u in build_launch(dc, PLUGIN).unavailable}
+    for tp in (3, 16):
+        odd = dc.model_copy(update={"parallel": dc.parallel.model_copy(update={"tp": tp})})
+        (u,) = [u for u in runtime_limits(odd) if u.capability == "tensor_parallel"]
+        assert u.what == f"tensor parallel size {tp}" and u.source == "runtime"
+        assert "runtime supports TP1/TP2/TP4/TP8 only" in u.reason and "must divide o_groups" in u.reason
+    tp2 = build_launch(load_config(ROOT / "configs" / "tiny-h200-tp2.yaml"), PLUGIN, TP1_RUNTIME).unavailable
+    assert [(u.capability, u.source) for u in tp2] == [("tensor_parallel", "runtime")]
+    assert "runtime supports TP1 only for now" in tp2[0].reason
+
+
+def test_dp_attention_is_a_runtime_limit_with_its_reason() -> None:
+    for name in ("b200-dep8", "gb200-dep4"):
+        dc = load_config(ROOT / "configs" / f"{name}.yaml")
+        limits = {u.capability: u for u in runtime_limits(dc)}
+        assert "tensor_parallel" not in limits                   # TP 8 / 4 themselves are fine
+        assert limits["dp_attention"].what == f"DP attention {dc.parallel.dp_attention} (--enable-dp-attention)"
+        assert "whole TP group" in limits["dp_attention"].reason
+        assert "--enable-dp-attention" in build_launch(dc, PLUGIN).commands[0].args   # reported, not dropped
 
 
 def test_runtime_limits_name_their_reason() -> None:
-    tp2 = build_launch(load_config(ROOT / "configs" / "tiny-h200-tp2.yaml"), PLUGIN)
-    assert [(u.capability, u.source) for u in tp2.unavailable] == [("tensor_parallel", "runtime")]
-    assert "runtime supports TP1 only for now" in tp2.unavailable[0].reason
     h200 = {u.capability: u for u in build_launch(load_config(ROOT / "configs" / "h200-tp4.yaml"), PLUGIN).unavailable}
-    assert set(h200) == {"tensor_parallel", "vision", "engram_host_table"}
+    assert set(h200) == {"vision", "engram_host_table"}
     assert "text only" in h200["vision"].reason and "features.text_only" in h200["vision"].reason
     text_only = build_launch(load_config(ROOT / "configs" / "gb200-tp4-text-only.yaml"), PLUGIN).unavailable
     assert "vision" not in {u.capability for u in text_only}
@@ -272,18 +297,39 @@ def test_cli_refuses_to_run_without_the_plugin(no_plugin, monkeypatch, capsys) -
     assert launch._child_env(cmd)["PATH"] == os.environ["PATH"]  # the caller's environment is kept
 
 
-def test_cli_refuses_tp2_naming_the_runtime_limit(monkeypatch, capsys) -> None:
+def test_cli_runs_tp2_and_refuses_dp_attention_naming_the_runtime_limit(monkeypatch, capsys) -> None:
     calls: list = []
     monkeypatch.setattr(launch, "_exec", calls.append)
     monkeypatch.setattr(launch, "tiny_checkpoint", lambda seed: serve.tiny_checkpoint_dir(seed))
-    path = str(ROOT / "configs" / "tiny-h200-tp2.yaml")
-    assert launch.cli(["--config", path]) == launch.EXIT_UNAVAILABLE
+    tp2 = str(ROOT / "configs" / "tiny-h200-tp2.yaml")
+    assert launch.cli(["--config", tp2]) == 0
+    (cmd,) = calls
+    assert ("--tp-size", "2") in set(zip(cmd.args, cmd.args[1:])) and not cmd.cpu_engine
+    assert "WARNING" not in capsys.readouterr().err
+    calls.clear()
+    dep = str(ROOT / "configs" / "b200-dep8.yaml")
+    assert launch.cli(["--config", dep]) == launch.EXIT_UNAVAILABLE
     err = capsys.readouterr().err
-    assert "tensor_parallel" in err and "runtime supports TP1 only for now" in err and not calls
-    assert launch.cli(["--config", path, "--allow-unavailable"]) == 0
+    assert "dp_attention" in err and "whole TP group" in err and "tensor_parallel" not in err and not calls
+    assert launch.cli(["--config", dep, "--allow-unavailable"]) == 0
     assert "WARNING" in capsys.readouterr().err
     (cmd,) = calls
-    assert ("--tp-size", "2") in set(zip(cmd.args, cmd.args[1:]))
+    assert ("--tp-size", "8") in set(zip(cmd.args, cmd.args[1:])) and "--enable-dp-attention" in cmd.args
+
+
+def test_cpu_tp_passed_through_gets_the_cpu_tp_environment(monkeypatch, tmp_path) -> None:
+    """`-- --tp-size 2` on tiny-cpu: the launcher adds the CPU TP variables (runtime/cpu_env.py)."""
+    calls: list = []
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(launch, "_exec", calls.append)
+    monkeypatch.setattr(launch, "tiny_checkpoint", lambda seed: serve.tiny_checkpoint_dir(seed))
+    assert launch.cli(["--config", str(ROOT / "configs" / "tiny-cpu.yaml"), "--", "--tp-size", "2"]) == 0
+    (cmd,) = calls
+    env = launch._child_env(cmd)
+    assert env["SGLANG_CPU_OMP_THREADS_BIND"] == cpu_env.omp_thread_binding(2)
+    assert env["SGLANG_NCCL_SO_PATH"] == cpu_env.NO_NCCL_LIBRARY and not Path(env["SGLANG_NCCL_SO_PATH"]).exists()
+    one = launch._child_env(build_launch(load_config(ROOT / "configs" / "tiny-cpu.yaml"), PLUGIN).commands[0])
+    assert "SGLANG_CPU_OMP_THREADS_BIND" not in one and "SGLANG_NCCL_SO_PATH" not in one
 
 
 def test_cli_runs_tiny_cpu_with_the_cpu_environment_and_the_cached_checkpoint(monkeypatch, tmp_path) -> None:

@@ -15,11 +15,12 @@ import pytest
 from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.deploy import plan as plan_mod
 from sglang_dsv41.deploy.kv import (
-    compressed_slot_bytes, index_key_bytes, kv_bytes_per_token, main_slot_bytes, pair_ring_rows, per_request_bytes,
+    compressed_slot_bytes, index_key_bytes, kv_bytes_per_token, main_slot_bytes, packed_row_bytes, pair_ring_rows,
+    per_request_bytes, pool_bytes_per_full_token, swa_bytes_per_swa_token,
 )
 from sglang_dsv41.deploy.memory import GIB, ShardLayout, vram_minimum_gb, weight_plan
-from sglang_dsv41.deploy.plan import make_plan, model_config_for
-from sglang_dsv41.deploy.schema import load_config
+from sglang_dsv41.deploy.plan import RuntimePool, make_plan, model_config_for
+from sglang_dsv41.deploy.schema import config_from_dict, load_config, raw_config
 from sglang_dsv41.presets import flash_config_dict, tiny_config_dict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,7 +107,50 @@ def test_resident_weights_per_rank_tp2_matches_card_tp4_does_not(flash) -> None:
     assert non_engram / GIB == pytest.approx(286.4, abs=0.05)
 
 
-def test_kv_bytes_per_token_both_layouts(flash) -> None:
+def test_the_plan_sizes_the_runtime_pool_with_the_cards_890_bytes(flash) -> None:
+    """The card's 890 B/token global KV is what the runtime's pool stores per token (contracts §2:
+    one packed row, 356 for the ratio-1 source + 178 per ratio-2 source), on every TP rank; the
+    SWA pool adds ratio × L·2·head_dim + 4 B per full token to SGLang's cell."""
+    t = flash.text
+    p = make_plan(load_config(ROOT / "configs" / "h200-tp4.yaml"), flash)
+    assert p.pool.row_bytes == packed_row_bytes(t) == 890 == kv_bytes_per_token(t, "v41")
+    assert [(r, b) for _, r, b in p.pool.sources] == [(2, 178), (2, 178), (2, 178), (1, 356)]
+    assert p.pool.swa_token_bytes == swa_bytes_per_swa_token(t) == 40 * 512 * 2 + 4
+    assert (p.pool.swa_full_tokens_ratio, p.pool.page_size, p.pool.max_total_tokens) == (0.1, 2, None)
+    assert p.pool.cell_bytes == pool_bytes_per_full_token(t, 0.1) == pytest.approx(890 + 4096.4)
+    assert p.pool.swa_tokens_per_request == 128 + 2
+    assert RuntimePool.for_model(t, 0.1, 2, None) == p.pool
+    for tp in (2, 8):   # not split across TP ranks (one KV head): the same pool on every rank
+        data = raw_config(ROOT / "configs" / "h200-tp4.yaml")
+        data["parallel"]["tp"] = data["hardware"]["gpus"] = tp
+        other = make_plan(config_from_dict(data, f"h200-tp{tp}"), flash)
+        assert other.pool == p.pool and other.weights.layout.tp == tp
+        assert other.capacity_tokens_per_rank == max(0, int(other.kv_budget // p.pool.cell_bytes)) // 2 * 2
+    d = plan_mod.make_plan(load_config(ROOT / "configs" / "h200-tp4.yaml"), flash).to_dict()
+    assert d["kv_pool"]["global_kv_bytes_per_token"] == 890
+    assert d["upstream_comparison"]["kv_bytes_per_token"] == {"v4": 1632.5, "v41": 890.0}
+    assert "comparison only" in d["upstream_comparison"]["note"]
+
+
+def test_pool_settings_follow_the_config(flash) -> None:
+    """A config's own --swa-full-tokens-ratio / --page-size / --max-total-tokens win (as in launch);
+    the CPU runtime's 16384 cap applies when the CPU config sets none."""
+    data = raw_config(ROOT / "configs" / "h200-tp4.yaml")
+    data["serving"]["extra_args"] = ["--swa-full-tokens-ratio", "0.3", "--page-size", "4"]
+    data["serving"]["max_total_tokens"] = 1 << 20
+    mine = make_plan(config_from_dict(data, "h200-tp4 with pool flags"), flash)
+    assert (mine.pool.swa_full_tokens_ratio, mine.pool.page_size, mine.pool.max_total_tokens) == (0.3, 4, 1 << 20)
+    assert mine.pool.cell_bytes == pytest.approx(890 + 0.3 * 40964)
+    assert mine.capacity_tokens_per_rank == 1 << 20 and mine.swa_capacity_per_rank == int(0.3 * (1 << 20)) // 4 * 4
+    cpu = load_config(ROOT / "configs" / "tiny-cpu.yaml")
+    data = raw_config(ROOT / "configs" / "tiny-cpu.yaml")
+    del data["serving"]["max_total_tokens"]
+    tiny = model_config_for(cpu, None)[0]
+    assert make_plan(config_from_dict(data, "tiny-cpu without a cap"), tiny).pool.max_total_tokens == 16384
+    assert make_plan(cpu, tiny).pool.max_total_tokens == 8192
+
+
+def test_upstream_kv_bytes_per_token_both_layouts(flash) -> None:
     """spec model.md §3.8: 890 = 288 + 3·144 + 68 + 3·34 (FP4 layout); v4 slot 584 B."""
     t = flash.text
     assert (main_slot_bytes(t, "v4"), compressed_slot_bytes(t, "v41"), index_key_bytes(t)) == (584, 288, 68)
@@ -121,8 +165,9 @@ def test_kv_bytes_per_token_both_layouts(flash) -> None:
 def test_h200_tp4_kv_38_5_gib(flash) -> None:
     """Card (H200 TP4): "38.5 GiB of KV per GPU (about 20M tokens)".
 
-    38.5 GiB holds 25.3M tokens in the v4 layout Hopper uses (1632.5 B/token) and 46.4M in the
-    FP4 layout; "about 20M" implies ~2.07 KB/token, which neither layout gives. The 38.5 GiB
+    38.5 GiB holds 25.3M tokens in the v4 layout upstream Hopper uses (1632.5 B/token) and 46.4M
+    in the FP4 layout; "about 20M" implies ~2.07 KB/token, which neither layout gives. Our
+    runtime's pool holds 8.29M full tokens in it (890 B + 0.1 × 40,964 B of SWA pool per token). The 38.5 GiB
     itself is the remainder after the card's 81.2 GiB of weights and the measuring engine's
     activation reserve, so it cannot be reproduced from the checkpoint either; under SGLang's
     mem_fraction_static 0.9 on 139.8 GiB our KV budget is 52.3 GiB with our 73.5 GiB of weights.
@@ -132,13 +177,19 @@ def test_h200_tp4_kv_38_5_gib(flash) -> None:
     assert 38.5 * GIB / kv_bytes_per_token(t, "v41") / 1e6 == pytest.approx(46.45, abs=0.01)
     implied = 38.5 * GIB / 20e6
     assert not (0.9 < implied / kv_bytes_per_token(t, "v4") < 1.1)
+    assert RuntimePool.for_model(t, 0.1, 2, None).full_tokens(38.5 * GIB) / 1e6 == pytest.approx(8.29, abs=0.01)
     dc = load_config(ROOT / "configs" / "h200-tp4.yaml")
     p = make_plan(dc, flash)
     assert p.kv_budget / GIB == pytest.approx(139.8 * 0.9 - 71.50, abs=0.01)  # vision loaded, no DSpark
 
 
 def test_per_request_state(flash) -> None:
+    """Runtime: window + page SWA tokens per decoding request, fewer for a shorter request; the
+    pair state (fp32 kv + score per ratio-2 source) is request-scoped. Upstream v4 for comparison."""
     t = flash.text
+    pool = RuntimePool.for_model(t, 0.1, 2, None)
+    assert pool.swa_tokens_of(1 << 20) == 130 and pool.swa_tokens_of(7) == 8 and pool.full_tokens_of(7) == 8
+    assert pool.pair_state_per_request == 3 * 2 * 512 * 4
     r0 = per_request_bytes(t, "v4")
     assert r0.swa == 40 * 2 * 149760  # 2 pages of 256 × 584 B padded to 576 B, per layer
     assert r0.pair_state == 3 * 2 * 2 * 512 * 4 and r0.dspark_swa == 0
@@ -147,17 +198,34 @@ def test_per_request_state(flash) -> None:
 
 
 def test_capacity_and_verdict_follow_context_and_batch(flash) -> None:
+    """SGLang splits the budget by the cell: full tokens = budget // cell (page-aligned), SWA =
+    ratio × that; a batch fits when both pools hold it."""
     dc = load_config(ROOT / "configs" / "h200-tp4.yaml")
+    cell = 890 + 0.1 * 40964
     small = make_plan(dc, flash, context=1 << 20, batch=1)
     assert small.verdict()[0]
+    assert small.capacity_tokens_per_rank == int(small.kv_budget // cell) // 2 * 2
+    assert small.swa_capacity_per_rank == int(small.capacity_tokens_per_rank * 0.1) // 2 * 2
+    assert small.needed_kv == pytest.approx((1 << 20) * cell)
+    assert small.max_full_context_requests == small.capacity_tokens_per_rank // (1 << 20) == 11
     big = make_plan(dc, flash, context=1 << 20, batch=64)
     ok, text = big.verdict()
     assert not ok and "does NOT fit" in text and "GiB more than" in text
-    need = 64 * ((1 << 20) * 1632.5 + per_request_bytes(flash.text, "v4").total)
-    assert big.needed_kv == pytest.approx(need)
-    assert small.max_full_context_requests == int(small.kv_budget // ((1 << 20) * 1632.5 + small.request.total))
+    assert big.needed_kv == pytest.approx(64 * (1 << 20) * cell)
+    many_short = make_plan(dc, flash, context=256, batch=20000)   # SWA binds: 130 per request > ratio × 256
+    assert many_short.needed_kv == pytest.approx(cell * 20000 * 130 / 0.1)
+    assert many_short.max_full_context_requests == many_short.swa_capacity_per_rank // 130
+    data = raw_config(ROOT / "configs" / "h200-tp4.yaml")
+    data["serving"]["max_total_tokens"] = 1 << 19
+    capped = make_plan(config_from_dict(data, "h200-tp4 capped"), flash, context=1 << 20)
+    ok, text = capped.verdict()
+    assert not ok and "--max-total-tokens 524,288 caps the full pool" in text
     tight = make_plan(dc, flash, gpu_mem=70.0)
     assert not tight.verdict()[0] and "exceed the static budget" in tight.verdict()[1]
+    resident = small.weights.resident_per_rank / GIB
+    starved = make_plan(dc, flash, gpu_mem=resident + 0.0005, mem_fraction=1.0)  # 0.5 MiB of KV: SWA < 1 request
+    assert not starved.verdict()[0] and "does NOT start" in starved.verdict()[1]
+    assert starved.max_full_context_requests == 0
 
 
 def test_dep_layout_splits_experts_and_keeps_attention_whole(flash) -> None:
@@ -173,7 +241,7 @@ def test_plan_cli_runs_for_every_config(path: Path, capsys) -> None:
     out = json.loads(capsys.readouterr().out)
     assert rc in (0, 1) and (rc == 0) == out["fits"]
     assert out["fits"], out["verdict"]  # every shipped config fits its hardware at batch 1
-    assert out["resident_per_rank_gib"] > 0 and out["kv_bytes_per_token"]["v41"] > 0
+    assert out["resident_per_rank_gib"] > 0 and out["kv_pool"]["global_kv_bytes_per_token"] > 0
 
 
 def test_plan_cli_options_and_checkpoint(tmp_path: Path, capsys) -> None:
@@ -196,6 +264,8 @@ def test_plan_cli_options_and_checkpoint(tmp_path: Path, capsys) -> None:
     text_rc = plan_mod.cli(["--config", str(ROOT / "configs" / "h200-tp4.yaml")])
     text = capsys.readouterr().out
     assert text_rc == 0 and "verdict: fits" in text and "Engram: in pinned host memory" in text
+    assert "global KV per token: 890 B packed FP4 row" in text
+    assert "compared with upstream SGLang 0.5.23 layouts (not what this runtime stores" in text
 
 
 def test_checkpoint_rules(flash) -> None:

@@ -99,9 +99,29 @@ def test_flags_come_from_the_runtime_declaration(tiny_checkpoint: Path, cache_ho
 
 def test_tp_beyond_the_runtime_is_refused_before_sglang_starts(tiny_checkpoint: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    for flag in (["--tp-size", "2"], ["--tensor-parallel-size=4"]):
+    for flag in (["--tp-size", "3"], ["--tensor-parallel-size=16"]):
         with pytest.raises(SystemExit):
             serve.build_launch(["--device", "cuda", "--model-path", str(tiny_checkpoint), *flag])
-        assert "runtime supports TP1 only for now" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "runtime supports TP1/TP2/TP4/TP8 only" in err and "must divide o_groups" in err
+    with pytest.raises(SystemExit):
+        serve.build_launch(["--device", "cuda", "--model-path", str(tiny_checkpoint), "--tp-size", "2",
+                            "--dp-size", "2", "--enable-dp-attention"])
+    assert "--enable-dp-attention: the runtime shards attention over the whole TP group" in capsys.readouterr().err
+    assert "--tp-size" in serve.build_launch(["--device", "cuda", "--model-path", str(tiny_checkpoint),
+                                              "--tp-size", "2"]).argv
     assert "--tp-size" in serve.build_launch(["--device", "cuda", "--model-path", str(tiny_checkpoint),
                                               "--tp-size", "1"]).argv
+
+
+def test_cpu_environment_for_tensor_parallel_binds_cores_and_disables_pynccl() -> None:
+    """TP > 1 on CPU: one core range per rank and no NCCL library (see runtime/cpu_env.py)."""
+    assert cpu_env.omp_thread_binding(2, cores=2) == "0|1"
+    assert cpu_env.omp_thread_binding(2, cores=8) == "0-3|4-7"
+    with pytest.raises(ValueError, match="one core per rank"):
+        cpu_env.omp_thread_binding(4, cores=2)
+    one = cpu_env.cpu_environment({}, tp_size=1)
+    assert "SGLANG_CPU_OMP_THREADS_BIND" not in one and "SGLANG_NCCL_SO_PATH" not in one
+    two = cpu_env.cpu_environment({}, tp_size=2)
+    assert two["SGLANG_CPU_OMP_THREADS_BIND"].count("|") == 1
+    assert not Path(two["SGLANG_NCCL_SO_PATH"]).exists()

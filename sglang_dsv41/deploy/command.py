@@ -9,8 +9,8 @@ Invariants
   `LaunchPlan.unavailable` — never silently dropped.
 * The flags the runtime needs (`runtime/requirements.py`, the same declaration `sglang-dsv41
   serve` uses) are added unless the config sets them itself; what the config asks for beyond
-  the runtime (TP > 1, vision, CUDA graphs, PD, a KV dtype) is reported in
-  `LaunchPlan.unavailable` with the runtime's reason (`runtime_limits`).
+  the runtime (a TP size it does not shard, DP attention, vision, CUDA graphs, PD, a KV dtype)
+  is reported in `LaunchPlan.unavailable` with the runtime's reason (`runtime_limits`).
 * Output is deterministic (fixed flag order, environment sorted by name), so a dry run can be
   pinned by golden files. Machine-dependent parts are resolved by the launcher at run time and
   named in a note: SGLang's CPU environment (`Command.cpu_engine`, `runtime/cpu_env.py`) and
@@ -127,6 +127,8 @@ def runtime_limits(dc: DeploymentConfig, runtime: RuntimeProfile = CURRENT_RUNTI
     if not runtime.supports_tp(p.tp):
         layout = f" (DP attention {p.dp_attention}, EP {p.ep})" if (p.dp_attention, p.ep) != (1, 1) else ""
         limit("tensor_parallel", f"tensor parallel size {p.tp}{layout}", runtime.tp_reason())
+    if p.dp_attention > 1 and not runtime.dp_attention:
+        limit("dp_attention", f"DP attention {p.dp_attention} (--enable-dp-attention)")
     if not dc.features.text_only and not runtime.vision:
         limit("vision", "image input (the V4.1 vision tower)")
     graphs = _cuda_graph_request(dc)
@@ -252,7 +254,9 @@ def _notes(dc: DeploymentConfig, runtime: RuntimeProfile) -> list[str]:
     if dc.hardware.kind.is_cpu:
         notes.append("CPU: `sglang-dsv41 launch` adds SGLang's CPU environment (runtime/cpu_env.py: "
                      "SGLANG_USE_CPU_ENGINE=1, HF_HUB_OFFLINE=1, a libcuda.so.1 stand-in first on LD_LIBRARY_PATH; "
-                     "spec cpu.md §3) — the command alone lacks it")
+                     "spec cpu.md §3; with --tp-size N > 1 passed after `--` also SGLANG_CPU_OMP_THREADS_BIND, one core "
+                     "range per rank, and SGLANG_NCCL_SO_PATH at no library, so gloo carries the collectives) — the "
+                     "command alone lacks it")
     return notes
 
 

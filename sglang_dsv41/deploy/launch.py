@@ -7,7 +7,7 @@ the decode server and the router on this host as child processes, stopping the o
 one exits.
 
 Policy for what cannot be served yet — options the plugin does not provide, and settings
-beyond the current runtime (e.g. TP > 1: "runtime supports TP1 only for now";
+beyond the current runtime (e.g. DP attention, vision, or a TP size it cannot shard;
 `runtime/requirements.py`): `--dry-run` lists them above the command; a real launch refuses
 (exit 3) and names each with its reason, unless `--allow-unavailable`, which launches anyway
 and repeats the list on stderr. Nothing is dropped silently.
@@ -28,6 +28,7 @@ import time
 from typing import Any
 
 from ..runtime.cpu_env import cpu_environment
+from ..runtime.requirements import TP_FLAGS, flag_value
 from ..serve import tiny_checkpoint
 from .capabilities import available_capabilities
 from .command import Command, LaunchPlan, build_launch, describe_unavailable, model_path, render_dry_run
@@ -92,7 +93,9 @@ def _select(plan: LaunchPlan, dc: DeploymentConfig, role: str | None) -> list[Co
 
 def _child_env(cmd: Command) -> dict[str, str]:
     """The caller's environment, SGLang's CPU environment for CPU commands, then the command's own."""
-    env = cpu_environment(dict(os.environ)) if cmd.cpu_engine else dict(os.environ)
+    tp = flag_value(cmd.args, TP_FLAGS)
+    env = (cpu_environment(dict(os.environ), tp_size=int(tp) if tp else 1) if cmd.cpu_engine
+           else dict(os.environ))
     env.update(dict(cmd.env))
     return env
 

@@ -1,13 +1,23 @@
 """`sglang-dsv41 plan`: will this deployment fit, and with how much KV cache?
 
 Per rank: weights by the card's components (`memory.weight_plan`), Engram placement and
-sharding, KV bytes per token for both layouts and the config's (`kv`), the KV budget left in
-SGLang's static memory (`mem_fraction_static × GPU memory − resident weights`), the token
-capacity, and a verdict for `--batch` requests of `--context` tokens.
+sharding, the KV budget left in SGLang's static memory (`mem_fraction_static × GPU memory −
+resident weights`), how the runtime's pool splits it, the token capacity, and a verdict for
+`--batch` requests of `--context` tokens.
+
+KV is sized with the pool the runtime really uses (`RuntimePool`; phase-2 contracts §2–§3,
+docs/runtime.md): SGLang's hybrid-SWA pool, whose full pool holds one packed FP4 row per token
+(`kv.packed_row_bytes`, Flash 890 B — the card's global-KV figure) and whose SWA pool holds
+`--swa-full-tokens-ratio` × as many tokens of L bf16 rows (`kv.swa_bytes_per_swa_token`).
+SGLang divides the budget by the cell `kv.pool_bytes_per_full_token` (row + ratio × SWA token)
+and a decoding request keeps `kv.swa_tokens_per_request` SWA tokens. SGLang 0.5.23's upstream
+layouts (`features.kv_layout` v4/v41, `kv.kv_bytes_per_token`) appear only in the section
+labelled as a comparison with upstream; nothing is sized with them.
 
 Invariant: every number is computed from the deployment config and the checkpoint's
 config.json (`--checkpoint DIR`, else the preset the config names); the report prints each
-assumption it used (GPU memory source, memory fraction, layout) next to the result.
+assumption it used (GPU memory source, memory fraction, pool ratio and page size, token cap)
+next to the result.
 """
 from __future__ import annotations
 
@@ -21,7 +31,13 @@ from typing import Any
 
 from ..config import ConfigError, DeepseekV41Config
 from ..presets import flash_config_dict, tiny_config_dict
-from .kv import RequestCost, kv_bytes_per_token, kv_sources, per_request_bytes
+from ..config import TextConfig
+from ..runtime.requirements import CURRENT_RUNTIME, PAGE_SIZE, SWA_FULL_TOKENS_RATIO, flag_value
+from .command import device_of
+from .kv import (
+    RequestCost, kv_bytes_per_token, packed_entry_bytes, packed_row_bytes, per_request_bytes, pool_bytes_per_full_token,
+    swa_bytes_per_swa_token, swa_tokens_per_request,
+)
 from .memory import GIB, ShardLayout, WeightPlan, check_against_checkpoint, layout_of, vram_minimum_gb, weight_plan
 from .schema import DeployConfigError, DeploymentConfig, apply_override, config_from_dict, raw_config
 
@@ -41,6 +57,70 @@ def model_config_for(dc: DeploymentConfig, checkpoint: str | None) -> tuple[Deep
     return DeepseekV41Config.from_dict(tiny_config_dict(vocab)), "preset tiny (presets.tiny_config_dict)"
 
 
+@dataclass(frozen=True)
+class RuntimePool:
+    """The runtime's SGLang hybrid-SWA pool on one rank (module docstring). The global KV is
+    replicated on every TP rank (one KV head); the SWA pool is `swa_full_tokens_ratio` × the full
+    pool, both page-aligned, as SGLang 0.5.17's HybridSWAPoolConfigurator sizes them."""
+
+    row_bytes: int  # global KV per full token: the packed row (Flash 890, tiny 176)
+    sources: tuple[tuple[int, int, int], ...]  # (layer, ratio, bytes of the row) per kv source
+    swa_token_bytes: int  # per SWA token: L bf16 rows of head_dim + the runtime's int32 token id
+    cell_bytes: float  # per full token of budget: row + ratio × SWA token
+    swa_full_tokens_ratio: float
+    page_size: int
+    swa_tokens_per_request: int  # window + page: what a decoding request keeps
+    pair_state_per_request: int  # fp32 pending ratio-2 pair, request-scoped, outside the KV budget
+    max_total_tokens: int | None  # --max-total-tokens: SGLang caps the full pool at it
+
+    @classmethod
+    def for_model(cls, t: TextConfig, ratio: float, page: int, max_total_tokens: int | None) -> "RuntimePool":
+        entry = packed_entry_bytes(t)
+        sources = tuple((s, t.compress_ratios[s], -(-entry // t.compress_ratios[s])) for s in t.kv_source_layer_ids)
+        row = packed_row_bytes(t)
+        assert row == sum(b for _, _, b in sources)  # contracts §2: the row is the sources' shares
+        ratio2 = sum(1 for _, r, _ in sources if r == 2)
+        return cls(row_bytes=row, sources=sources, swa_token_bytes=swa_bytes_per_swa_token(t),
+                   cell_bytes=pool_bytes_per_full_token(t, ratio), swa_full_tokens_ratio=ratio, page_size=page,
+                   swa_tokens_per_request=swa_tokens_per_request(t, page),
+                   pair_state_per_request=ratio2 * 2 * t.head_dim * 4, max_total_tokens=max_total_tokens)
+
+    def full_tokens(self, budget: float) -> int:
+        """Full-pool tokens SGLang allocates from `budget` bytes (capped by --max-total-tokens)."""
+        n = max(0, int(budget // self.cell_bytes))
+        if self.max_total_tokens is not None:
+            n = min(n, self.max_total_tokens)
+        return n // self.page_size * self.page_size
+
+    def swa_tokens(self, full_tokens: int) -> int:
+        return int(full_tokens * self.swa_full_tokens_ratio) // self.page_size * self.page_size
+
+    def full_tokens_of(self, context: int) -> int:
+        """Full-pool slots of one request of `context` tokens (whole pages)."""
+        return -(-context // self.page_size) * self.page_size
+
+    def swa_tokens_of(self, context: int) -> int:
+        """SWA slots one decoding request of `context` tokens keeps (SGLang frees the rest)."""
+        return min(self.full_tokens_of(context), self.swa_tokens_per_request)
+
+    def budget_for(self, full: int, swa: int) -> float:
+        """KV bytes SGLang needs so that its split gives ≥ `full` full and ≥ `swa` SWA tokens."""
+        return self.cell_bytes * max(full, swa / self.swa_full_tokens_ratio)
+
+
+def runtime_pool_for(dc: DeploymentConfig, t: TextConfig) -> RuntimePool:
+    """The pool `sglang-dsv41 launch` would get for `dc`: the runtime's --swa-full-tokens-ratio /
+    --page-size / CPU --max-total-tokens unless the config sets them (`serving.*`, extra_args)."""
+    extra = list(dc.serving.extra_args)
+    configured = ["--max-total-tokens", str(dc.serving.max_total_tokens)] if dc.serving.max_total_tokens else []
+    args = configured + CURRENT_RUNTIME.server_args(device_of(dc), configured + extra) + extra
+    ratio = flag_value(args, ("--swa-full-tokens-ratio",))
+    page = flag_value(args, ("--page-size",))
+    cap = flag_value(args, ("--max-total-tokens",))
+    return RuntimePool.for_model(t, float(ratio) if ratio else SWA_FULL_TOKENS_RATIO, int(page) if page else PAGE_SIZE,
+                                 int(cap) if cap else None)
+
+
 @dataclass
 class Plan:
     name: str
@@ -52,10 +132,10 @@ class Plan:
     mem_fraction: float
     weights: WeightPlan  # what this deployment loads, per rank
     checkpoint: WeightPlan  # the whole checkpoint (vision and DSpark included), for the card's table
-    kv_layout: str
-    kv_bytes_per_token: dict[str, float]
-    kv_sources: list[dict[str, float]]
-    request: RequestCost
+    pool: RuntimePool  # what the KV budget is sized with
+    upstream_kv_layout: str  # features.kv_layout: SGLang 0.5.23's layout, for the comparison only
+    upstream_kv_bytes_per_token: dict[str, float]
+    upstream_request: RequestCost
     context: int
     batch: int
     servers_per_node: int
@@ -81,22 +161,34 @@ class Plan:
         return math.ceil(self.batch / self.dp)
 
     @property
-    def bpt(self) -> float:
-        return self.kv_bytes_per_token[self.kv_layout]
+    def capacity_tokens_per_rank(self) -> int:
+        """Full-pool tokens per rank (every token of every request holds one)."""
+        return self.pool.full_tokens(self.kv_budget)
 
     @property
-    def capacity_tokens_per_rank(self) -> int:
-        free = self.kv_budget - self.batch_per_rank * self.request.total
-        return max(0, int(free // self.bpt))
+    def swa_capacity_per_rank(self) -> int:
+        return self.pool.swa_tokens(self.capacity_tokens_per_rank)
+
+    @property
+    def full_needed(self) -> int:
+        return self.batch_per_rank * self.pool.full_tokens_of(self.context)
+
+    @property
+    def swa_needed(self) -> int:
+        return self.batch_per_rank * self.pool.swa_tokens_of(self.context)
 
     @property
     def needed_kv(self) -> float:
-        return self.batch_per_rank * (self.context * self.bpt + self.request.total)
+        """KV bytes per rank SGLang's split needs for `batch` requests of `context` tokens."""
+        return self.pool.budget_for(self.full_needed, self.swa_needed)
 
     @property
     def max_full_context_requests(self) -> int:
-        per = self.context * self.bpt + self.request.total
-        return max(0, int(self.kv_budget // per)) * self.dp
+        if self.swa_capacity_per_rank <= self.pool.swa_tokens_per_request:
+            return 0  # SGLang refuses to start (see verdict)
+        per_full = self.capacity_tokens_per_rank // self.pool.full_tokens_of(self.context)
+        per_swa = self.swa_capacity_per_rank // self.pool.swa_tokens_of(self.context)
+        return min(per_full, per_swa) * self.dp
 
     @property
     def host_need_per_node(self) -> float:
@@ -113,13 +205,22 @@ class Plan:
                           f"{over:.1f} GiB more than hardware.host_mem_gib ({self.host_mem_gib:g})"
         if self.kv_budget <= 0:
             return False, f"does NOT fit: resident weights exceed the static budget by {-self.kv_budget / GIB:.1f} GiB per rank"
-        margin = self.kv_budget - self.needed_kv
+        pool, full, swa = self.pool, self.capacity_tokens_per_rank, self.swa_capacity_per_rank
+        if swa <= pool.swa_tokens_per_request:
+            return False, f"does NOT start: SGLang's SWA pool ({swa:,} tokens) cannot hold one request (window + " \
+                          f"page = {pool.swa_tokens_per_request}); raise --swa-full-tokens-ratio or the KV budget"
         what = f"{self.batch} request(s) × {self.context:,} tokens"
-        if margin < 0:
-            return False, f"does NOT fit: {what} need {self.needed_kv / GIB:.1f} GiB of KV per rank, " \
-                          f"{-margin / GIB:.1f} GiB more than the {self.kv_budget / GIB:.1f} GiB left"
+        tokens = f"{self.full_needed:,} of {full:,} full-pool and {self.swa_needed:,} of {swa:,} SWA tokens per rank"
+        if self.full_needed > full or self.swa_needed > swa:
+            over = self.needed_kv - self.kv_budget
+            if over > 0:
+                return False, f"does NOT fit: {what} need {self.needed_kv / GIB:.1f} GiB of KV per rank, " \
+                              f"{over / GIB:.1f} GiB more than the {self.kv_budget / GIB:.1f} GiB left ({tokens})"
+            return False, f"does NOT fit: {what} need {tokens}; --max-total-tokens {pool.max_total_tokens:,} caps " \
+                          "the full pool"
         return True, f"fits: {what} need {self.needed_kv / GIB:.2f} GiB of KV per rank of the " \
-                     f"{self.kv_budget / GIB:.1f} GiB left (margin {margin / GIB:.1f} GiB)"
+                     f"{self.kv_budget / GIB:.1f} GiB left (margin {(self.kv_budget - self.needed_kv) / GIB:.1f} GiB; " \
+                     f"{tokens})"
 
     def to_dict(self) -> dict[str, Any]:
         ok, text = self.verdict()
@@ -141,9 +242,21 @@ class Plan:
                        "host_per_server_gib": w.engram_host_per_server / GIB,
                        "servers_per_node": self.servers_per_node, "host_per_node_gib": self.host_need_per_node / GIB,
                        "huge_pages_2mib": math.ceil(w.engram_host_per_server / HUGE_PAGE)},
-            "kv_layout": self.kv_layout, "kv_bytes_per_token": self.kv_bytes_per_token, "kv_sources": self.kv_sources,
-            "per_request_bytes": {**asdict(self.request), "total": self.request.total},
+            "kv_pool": {**asdict(self.pool), "sources": [{"layer": la, "ratio": r, "row_bytes": b}
+                                                          for la, r, b in self.pool.sources],
+                        "global_kv_bytes_per_token": self.pool.row_bytes,
+                        "swa_bytes_per_request": self.pool.swa_tokens_per_request * self.pool.swa_token_bytes,
+                        "full_tokens_per_rank": self.capacity_tokens_per_rank,
+                        "swa_tokens_per_rank": self.swa_capacity_per_rank},
+            "upstream_comparison": {"note": "SGLang 0.5.23's own layouts, for comparison only; nothing is sized "
+                                            "with them",
+                                    "kv_layout": self.upstream_kv_layout,
+                                    "kv_bytes_per_token": self.upstream_kv_bytes_per_token,
+                                    "per_request_bytes": {**asdict(self.upstream_request),
+                                                          "total": self.upstream_request.total}},
             "static_budget_gib": self.static_budget / GIB, "kv_budget_gib": self.kv_budget / GIB,
+            "needed_kv_gib": self.needed_kv / GIB, "full_tokens_needed_per_rank": self.full_needed,
+            "swa_tokens_needed_per_rank": self.swa_needed,
             "context": self.context, "batch": self.batch, "capacity_tokens_per_rank": self.capacity_tokens_per_rank,
             "capacity_tokens_per_server": self.capacity_tokens_per_rank * self.dp,
             "max_full_context_requests": self.max_full_context_requests,
@@ -172,11 +285,10 @@ def make_plan(dc: DeploymentConfig, cfg: DeepseekV41Config, model_source: str = 
     gpus = max(hw.gpus, 1)
     return Plan(
         name=dc.name, model_source=model_source, gpu=hw.gpu, gpus=hw.gpus, gpu_mem_gib=mem, gpu_mem_source=mem_src,
-        mem_fraction=frac, weights=weights, checkpoint=weight_plan(cfg, ShardLayout()), kv_layout=dc.features.kv_layout,
-        kv_bytes_per_token={lay: kv_bytes_per_token(t, lay) for lay in ("v4", "v41")},
-        kv_sources=[{"layer": s.layer, "ratio": s.ratio, "latent": s.latent_per_token, "index": s.index_per_token}
-                    for s in kv_sources(t, dc.features.kv_layout)],
-        request=per_request_bytes(t, dc.features.kv_layout, draft_tokens=draft),
+        mem_fraction=frac, weights=weights, checkpoint=weight_plan(cfg, ShardLayout()), pool=runtime_pool_for(dc, t),
+        upstream_kv_layout=dc.features.kv_layout,
+        upstream_kv_bytes_per_token={lay: kv_bytes_per_token(t, lay) for lay in ("v4", "v41")},
+        upstream_request=per_request_bytes(t, dc.features.kv_layout, draft_tokens=draft),
         context=ctx, batch=batch, servers_per_node=max(1, hw.per_node // gpus) if not hw.kind.is_cpu else 1,
         host_mem_gib=hw.host_mem_gib, problems=check_against_checkpoint(dc, cfg),
         status=(f"validated on {dc.validated_on.date} ({dc.validated_on.hardware})" if dc.validated
@@ -220,19 +332,28 @@ def render(p: Plan, source: str) -> str:
         lines.append(f"Engram: in pinned host memory, {w.engram_host_per_server / u:.1f} {un} per server (read through "
                      f"UVA; {math.ceil(w.engram_host_per_server / HUGE_PAGE):,} × 2 MiB huge pages); "
                      f"{p.servers_per_node} server(s) per node → {p.host_need_per_node / u:.1f} {un} host per node")
-    lines += ["", f"KV cache, layout {p.kv_layout}:",
-              f"  global KV per token: v4 layout {p.kv_bytes_per_token['v4']:.1f} B, v41/FP4 layout "
-              f"{p.kv_bytes_per_token['v41']:.1f} B (page-padded; MQA, so not split across TP ranks)"]
-    for s in p.kv_sources:
-        lines.append(f"    source layer {s['layer']:>2} (ratio {s['ratio']}): latent {s['latent']:.1f} + index key "
-                     f"{s['index']:.1f} B/token")
-    r = p.request
-    lines += [f"  per running request: SWA {r.swa / 2**20:.2f} MiB + DSpark draft SWA {r.dspark_swa / 2**20:.2f} MiB + "
-              f"ratio-2 pair state {r.pair_state / 2**10:.0f} KiB",
-              f"  KV budget per rank: {p.static_budget / GIB:.1f} − {w.resident_per_rank / GIB:.1f} = "
+    pool, r = p.pool, p.upstream_request
+    cap = f", --max-total-tokens {pool.max_total_tokens:,}" if pool.max_total_tokens is not None else ""
+    lines += ["", f"KV cache: the runtime's SGLang hybrid-SWA pool (docs/runtime.md; --swa-full-tokens-ratio "
+                  f"{pool.swa_full_tokens_ratio:g}, --page-size {pool.page_size}{cap}):",
+              f"  global KV per token: {pool.row_bytes} B packed FP4 row (one KV head, so every TP rank holds it "
+              "whole) = " + " + ".join(f"{b}" for _, _, b in pool.sources) + " B of sources "
+              + ", ".join(f"{la} (ratio {ra})" for la, ra, _ in pool.sources),
+              f"  SWA per SWA token: {pool.swa_token_bytes:,} B; SGLang's cell per full token = {pool.row_bytes} + "
+              f"{pool.swa_full_tokens_ratio:g} × {pool.swa_token_bytes:,} = {pool.cell_bytes:,.1f} B",
+              f"  per decoding request: {pool.swa_tokens_per_request} SWA tokens (window + page) = "
+              f"{pool.swa_tokens_per_request * pool.swa_token_bytes / 2**20:.2f} MiB; ratio-2 pair state "
+              f"{pool.pair_state_per_request / 2**10:.1f} KiB outside the KV budget (request-scoped, like req_to_token)"]
+    if w.included["dspark"]:
+        lines.append("  DSpark draft layers: not in the runtime's pool (DSpark is not served yet)")
+    lines += [f"  KV budget per rank: {p.static_budget / GIB:.1f} − {w.resident_per_rank / GIB:.1f} = "
               f"{p.kv_budget / GIB:.1f} GiB",
-              f"  capacity: {p.capacity_tokens_per_rank:,} tokens per rank with {p.batch_per_rank} request(s) "
-              f"per rank; {p.max_full_context_requests} concurrent request(s) of {p.context:,} tokens per server", ""]
+              f"  capacity: {p.capacity_tokens_per_rank:,} full-pool tokens and {p.swa_capacity_per_rank:,} SWA tokens "
+              f"per rank; {p.max_full_context_requests} concurrent request(s) of {p.context:,} tokens per server",
+              f"  compared with upstream SGLang 0.5.23 layouts (not what this runtime stores; config "
+              f"features.kv_layout {p.upstream_kv_layout}): global KV v4 {p.upstream_kv_bytes_per_token['v4']:.1f} B, "
+              f"v41/FP4 {p.upstream_kv_bytes_per_token['v41']:.1f} B per token (page-padded); per request SWA "
+              f"{r.swa / 2**20:.2f} MiB + DSpark draft SWA {r.dspark_swa / 2**20:.2f} MiB", ""]
     ok, text = p.verdict()
     lines.append(f"verdict: {text}")
     return "\n".join(lines)

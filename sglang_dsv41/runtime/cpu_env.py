@@ -9,6 +9,15 @@
   `torch.cuda.is_available()` stays False. It is compiled once with gcc into a cache directory
   (`~/.cache/sglang-dsv41/cuda-stub/`) and rebuilt when its source changes.
 * `HF_HUB_OFFLINE=1` — local checkpoints only; nothing is fetched.
+
+Tensor parallel on CPU (`--tp-size N > 1`, one process per rank over gloo) needs two more:
+
+* `SGLANG_CPU_OMP_THREADS_BIND` — one core range per rank ("0-3|4-7"); without it SGLang 0.5.17
+  asserts that the TP size is at most the number of NUMA nodes;
+* `SGLANG_NCCL_SO_PATH` pointing at a library that does not exist — torch here is a CUDA build, so
+  SGLang would otherwise load libnccl and build a PyNccl communicator for the CPU TP group, which
+  fails ("Expected a cuda device, but got: cpu"); with no library PyNccl reports itself disabled
+  and the gloo group carries the collectives.
 """
 from __future__ import annotations
 
@@ -64,9 +73,32 @@ def ensure_cuda_stub(directory: Path | None = None) -> Path:
     return directory
 
 
-def cpu_environment(base: dict[str, str] | None = None, stub_dir: Path | None = None) -> dict[str, str]:
-    """`base` (default: os.environ) plus what SGLang's CPU engine needs (see the module doc)."""
+#: `SGLANG_NCCL_SO_PATH` on CPU at TP > 1: a path that never holds a library (see the module doc).
+NO_NCCL_LIBRARY = "/nonexistent/sglang-dsv41-cpu-has-no-nccl/libnccl.so.2"
+
+
+def omp_thread_binding(tp_size: int, cores: int | None = None) -> str:
+    """`SGLANG_CPU_OMP_THREADS_BIND` for `tp_size` ranks: the cores split into contiguous ranges,
+    one per rank ("0|1" for 2 ranks on 2 cores, "0-3|4-7" for 2 ranks on 8)."""
+    cores = (os.cpu_count() or 1) if cores is None else cores
+    if tp_size < 1 or tp_size > cores:
+        raise ValueError(f"--tp-size {tp_size} on CPU needs at least one core per rank ({cores} cores here)")
+    per_rank = cores // tp_size
+    ranges = []
+    for rank in range(tp_size):
+        first, last = rank * per_rank, rank * per_rank + per_rank - 1
+        ranges.append(str(first) if first == last else f"{first}-{last}")
+    return "|".join(ranges)
+
+
+def cpu_environment(base: dict[str, str] | None = None, stub_dir: Path | None = None,
+                    tp_size: int = 1) -> dict[str, str]:
+    """`base` (default: os.environ) plus what SGLang's CPU engine needs for `tp_size` ranks (see
+    the module doc)."""
     env = dict(os.environ if base is None else base)
+    if tp_size > 1:
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = omp_thread_binding(tp_size)
+        env["SGLANG_NCCL_SO_PATH"] = NO_NCCL_LIBRARY
     stub = str(ensure_cuda_stub(stub_dir))
     paths = [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p and p != stub]
     env["LD_LIBRARY_PATH"] = os.pathsep.join([stub, *paths])

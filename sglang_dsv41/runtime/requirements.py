@@ -10,7 +10,8 @@ Invariants
   device that `given` does not already set — a flag the user (or a deployment config) sets
   itself always wins, and is never repeated.
 * Every limit has a plain reason (`RuntimeProfile.reasons`), phrased for a user who asked for
-  more ("runtime supports TP1 only for now"); nothing here imports torch or SGLang.
+  more ("runtime supports TP1/TP2/TP4/TP8 only for now (...)"); nothing here imports torch or
+  SGLang.
 * `CURRENT_RUNTIME` is the profile of the code in `runtime/` today; when the runtime grows
   (Triton kernels, TP, vision, CUDA graphs) this declaration changes with it, and the launcher's
   golden dry-runs (`tests/golden/launch/`) show the difference.
@@ -23,6 +24,7 @@ from typing import Literal, Sequence
 Device = Literal["cpu", "cuda"]
 DEVICES: tuple[Device, ...] = ("cpu", "cuda")
 TP_FLAGS = ("--tp-size", "--tensor-parallel-size")
+DP_ATTENTION_FLAG = "--enable-dp-attention"
 #: SGLang page size the runtime asks for: even, so a ratio-2 entry's 2 token rows share a page
 #: (phase-2 contracts §2); the smallest such value (see the `--page-size` flag's reason).
 PAGE_SIZE = 2
@@ -72,6 +74,7 @@ class RuntimeProfile:
     cuda_graphs: bool
     pd_disaggregation: bool
     kv_cache_dtypes: tuple[str, ...]  # SGLang --kv-cache-dtype values the runtime accepts
+    dp_attention: bool = False  # SGLang --enable-dp-attention (each rank its own requests)
     reasons: dict[str, str] = field(default_factory=dict)  # limit name -> why, for refusals
 
     def server_args(self, device: Device, given: Sequence[str] = ()) -> list[str]:
@@ -92,10 +95,13 @@ class RuntimeProfile:
         return f"runtime supports {sizes} only for now ({self.reasons['tensor_parallel']})"
 
     def check_server_args(self, args: Sequence[str]) -> None:
-        """Raise ValueError when `args` ask for a tensor-parallel size the runtime cannot run."""
+        """Raise ValueError when `args` ask for a tensor-parallel size or DP attention the runtime
+        cannot run."""
         tp = flag_value(args, TP_FLAGS)
         if tp is not None and (not tp.isdigit() or not self.supports_tp(int(tp))):
             raise ValueError(f"--tp-size {tp}: {self.tp_reason()}")
+        if has_flag(args, DP_ATTENTION_FLAG) and not self.dp_attention:
+            raise ValueError(f"{DP_ATTENTION_FLAG}: {self.reasons['dp_attention']}")
 
     def summary(self) -> list[str]:
         """One line per property, for `doctor` and the docs."""
@@ -104,6 +110,7 @@ class RuntimeProfile:
                  f"vision (image input): {yes_no[self.vision]}",
                  f"CUDA graphs: {yes_no[self.cuda_graphs]}",
                  f"PD disaggregation: {yes_no[self.pd_disaggregation]}",
+                 f"DP attention: {yes_no[self.dp_attention]}",
                  f"--kv-cache-dtype: {', '.join(self.kv_cache_dtypes)}"]
         for d in DEVICES:
             lines.append(f"SGLang flags on {d}: {' '.join(self.server_args(d)) or '(none)'}")
@@ -135,21 +142,26 @@ TORCH_PATH = RuntimeProfile(
         ServerFlag("--sleep-on-idle", None, ("cpu",),
                    "otherwise the CPU scheduler busy-polls a core"),
     ),
-    tp_sizes=(1,),
+    tp_sizes=(1, 2, 4, 8),
     vision=False,
     cuda_graphs=False,
     pd_disaggregation=False,
     kv_cache_dtypes=("auto", "bf16"),
     reasons={
-        "tensor_parallel": "the torch path holds every weight on one device; the model refuses --tp-size > 1",
+        "tensor_parallel": "attention is sharded by whole output groups, so --tp-size must divide o_groups and "
+                           "the head count (the model checks this at start-up, runtime/tensor_parallel.py)",
+        "dp_attention": "the runtime shards attention over the whole TP group, every rank computing the same "
+                        "tokens; SGLang's DP attention gives each rank its own requests, which the runtime does not "
+                        "gather; serve with plain --tp-size",
         "vision": "the runtime serves text only for now: vision tensors are not loaded and image requests are "
                   "refused; set features.text_only: true to serve text",
         "cuda_graphs": "the runtime runs eagerly for now (the torch forward syncs with the host and has "
                        "data-dependent shapes); the launcher adds --disable-cuda-graph",
-        "pd_disaggregation": "the runtime keeps its caches beside SGLang's pool and cannot transfer them between "
-                             "prefill and decode servers yet",
-        "kv_cache_dtype": "the torch path keeps BF16/fp32 cache rows and refuses a pool of another dtype "
-                          "(e.g. fp8_e4m3)",
+        "pd_disaggregation": "the runtime keeps request-scoped state beside SGLang's pool (the pending first token "
+                             "of a ratio-2 pair) and cannot transfer it between prefill and decode servers yet",
+        "kv_cache_dtype": "the runtime needs SGLang's pool in bf16: its global rows hold packed FP4 entries "
+                          "(890 B/token at Flash, already compressed) and its SWA rows BF16 values; a pool of another "
+                          "dtype (e.g. fp8_e4m3) is refused at start-up",
     },
 )
 
