@@ -23,7 +23,13 @@ math; CUDA: the Triton kernels), so this sublayer reads the same on both devices
 
 Batch independence: every query's keys come only from its own request's slots and pair state.
 Checks that need the values of device tensors (a stale pair state, an SWA slot freed inside the
-window) run on CPU only — the CUDA path adds no host synchronisation.
+window) run on CPU only and never for a static (CUDA-graph) layout (`BatchLayout.host_checks`) —
+the CUDA path adds no host synchronisation.
+
+CUDA-graph padding tokens (`BatchLayout.live_tokens` false: slot 0, row 0, position 0) write
+nothing a live request reads: their pair-state writes are masked (the rows keep their values),
+their compressed entries go to "no entry" (−1, the padding-page sink), and their SWA kv and token
+id land in SWA slot `swa_slot_of[0]`, SGLang's padding slot (never in a live window).
 """
 from __future__ import annotations
 
@@ -57,6 +63,9 @@ class ForwardScratch:
 
     selections: dict[int, Tensor] = field(default_factory=dict)
     blocks: dict[int, Tensor] = field(default_factory=dict)
+    #: RoPE inverse frequencies per compress ratio, already on the forward's device (a CUDA
+    #: graph cannot copy host tensors to the device); filled on first use when not given.
+    inv_freq: dict[int, Tensor] = field(default_factory=dict)
 
 
 def _pair_latents(cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, a_first: Tensor, s_first: Tensor,
@@ -105,9 +114,11 @@ def _write_compressed(cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor],
     Ratio 2 without data-dependent shapes: every token computes a candidate entry (odd p: the
     pair (p−1, p)); only odd tokens write theirs (even tokens write entry −1, the sink)."""
     src, ratio, pos, out = role.layer, role.ratio, layout.positions, layout.out_slots
+    live = layout.live_tokens
     if ratio == 1:
         latents = ratio1_latents(cfg, w, prefix, x)
-        caches.write_entries(src, out, _packed_entries(cfg, w, prefix, latents, pos, inv_freq, caches))
+        caches.write_entries(src, torch.where(live, out, -1),
+                             _packed_entries(cfg, w, prefix, latents, pos, inv_freq, caches))
         return
     if ratio != 2:
         raise ValueError(f"layer {src}: compress ratio {ratio} is not a V4.1 ratio (1 or 2)")
@@ -117,21 +128,24 @@ def _write_compressed(cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor],
     odd = (pos % 2) == 1
     in_batch = (pos > layout.prefix_lens[layout.token_req])[:, None]          # token p − 1 is in the batch
     prev = (torch.arange(pos.shape[0], device=pos.device) - 1).clamp(min=0)
-    if x.device.type == "cpu":
+    if layout.host_checks:
         _check_pair_state(src, odd & ~in_batch[:, 0], req_rows, pos, caches)
     a_first = torch.where(in_batch, a[prev], caches.pair_kv[src][req_rows])
     s_first = torch.where(in_batch, s[prev], caches.pair_score[src][req_rows])
     first_pos = (pos - 1).clamp(min=0)                   # odd p: the pair's first token p − 1 (RoPE position)
     latents = _pair_latents(cfg, w, prefix, a_first, s_first, a, s)
-    entries = torch.where(odd, out // 2, -1)
+    entries = torch.where(odd & live, out // 2, -1)
     caches.write_entries(src, entries, _packed_entries(cfg, w, prefix, latents, first_pos, inv_freq, caches))
-    # pending first tokens: requests whose last batch token sits at an even position
+    # pending first tokens: requests whose last batch token sits at an even position; padding
+    # requests (last token not live) write their rows' own values back (no change)
     last = layout.last_tokens
-    pending = ((pos[last] % 2) == 0)
+    live_req = live[last]
+    pending = ((pos[last] % 2) == 0) & live_req
     rows = layout.req_rows
     caches.pair_kv[src][rows] = torch.where(pending[:, None], a[last], caches.pair_kv[src][rows])
     caches.pair_score[src][rows] = torch.where(pending[:, None], s[last], caches.pair_score[src][rows])
-    caches.pair_position[src][rows] = torch.where(pending, pos[last], -1)
+    caches.pair_position[src][rows] = torch.where(live_req, torch.where(pending, pos[last], -1),
+                                                  caches.pair_position[src][rows])
 
 
 def _selection(cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str, x: Tensor,
@@ -174,13 +188,15 @@ def attention_sublayer(cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor]
     layer = role.layer
     prefix = f"layers.{layer}.attn."
     pos = layout.positions
-    inv_freq = layer_inv_freq(cfg, role.ratio).to(x.device)
+    inv_freq = scratch.inv_freq.get(role.ratio)
+    if inv_freq is None or inv_freq.device != x.device:
+        inv_freq = scratch.inv_freq[role.ratio] = layer_inv_freq(cfg, role.ratio).to(x.device)
 
     q_lora, q, kv = tp.project_q_kv(cfg, w, prefix, x, pos, inv_freq, act_quant)
     caches.write_swa(layer, layout.out_slots, ops.swa_cache_roundtrip(kv, caches.profile, cfg.qk_rope_head_dim))
     window = _request_slots(layout, swa_key_positions(pos, cfg.sliding_window))           # [N, W] full slots
     swa_slots = caches.swa_slots(window)
-    if x.device.type == "cpu":
+    if layout.host_checks:
         _check_window(layer, window, swa_slots, layout)
 
     packed = comp_entries = None

@@ -11,6 +11,16 @@ the batch and sit at consecutive absolute positions starting at its prefix lengt
 `out_cache_loc` equals the request's `req_to_token` row at those positions, and those slots are
 aligned in groups of `SLOT_GROUP` (packed compressed entries, contract §2). Anything else
 (speculative verify/draft modes, a mismatched slot map) raises instead of computing garbage.
+
+Static decode layouts (CUDA graphs). `static_decode_layout` builds the layout of a decode batch
+that SGLang's decode graph runner captures or replays: one token per request, every shape a
+function of the batch size only, `max_seq_len` a static bound (the width of `req_to_token`), no
+value check and no host synchronisation. The runner pads a batch to the captured size with
+requests at row 0 (SGLang's padding row of `req_to_token`), position 0, seq_len 1 (our backend's
+fill value) and out_cache_loc 0 (the padding page); such *padding tokens* are recognised by
+their slot (`BatchLayout.live_tokens`: slot ≥ SLOT_GROUP) and the forward masks every write
+they would make to request state (`runtime/attention.py`); their other writes land in the
+padding page / SWA slot 0 / the "no entry" sink, which no live query reads.
 """
 from __future__ import annotations
 
@@ -35,7 +45,10 @@ class BatchLayout:
     * `positions[t]`, `token_req[t]` (request index of token t), `out_slots[t]` (slot of token t).
     * `req_to_token`: SGLang's [rows, max_context] int32 position → slot table.
     * `max_seq_len`: max(seq_lens) as a host int (0 without requests), read once per forward so
-      per-layer code sizes its tensors without synchronising with the device.
+      per-layer code sizes its tensors without synchronising with the device; in a static layout
+      a static bound ≥ every seq_len (`req_to_token`'s width).
+    * `static`: built by `static_decode_layout` (CUDA-graph decode): unchecked, may hold padding
+      tokens, and the forward's value checks (host syncs) are skipped.
     """
 
     req_rows: Tensor
@@ -48,6 +61,18 @@ class BatchLayout:
     out_slots: Tensor
     req_to_token: Tensor
     max_seq_len: int
+    static: bool = False
+
+    @property
+    def live_tokens(self) -> Tensor:
+        """[N] bool: token is a real one, not a CUDA-graph padding token (slot in the padding page
+        0..SLOT_GROUP−1, where SGLang points padded tokens; `make_layout` refuses such slots)."""
+        return self.out_slots >= SLOT_GROUP
+
+    @property
+    def host_checks(self) -> bool:
+        """Run the forward's value checks (they synchronise with the host): CPU, non-static only."""
+        return not self.static and self.positions.device.type == "cpu"
 
     @property
     def num_requests(self) -> int:
@@ -124,9 +149,37 @@ def make_layout(req_rows: Tensor, prefix_lens: Tensor, extend_lens: Tensor, posi
     return layout
 
 
-def layout_from_forward_batch(forward_batch, positions: Tensor, req_to_token: Tensor) -> BatchLayout:
-    """The `BatchLayout` of an SGLang `ForwardBatch` (extend, decode, mixed or idle)."""
+def static_decode_layout(req_rows: Tensor, seq_lens: Tensor, positions: Tensor, out_slots: Tensor,
+                         req_to_token: Tensor) -> BatchLayout:
+    """The layout of a decode batch inside a CUDA graph (module docstring, "Static decode
+    layouts"): token b = request b at position seq_lens[b] − 1; no checks, no host sync, shapes
+    from the batch size; `max_seq_len` = `req_to_token.shape[1]` (static bound). Callers guarantee
+    what `make_layout` would check for live tokens (SGLang's decode batches satisfy it)."""
+    device = positions.device
+    pos = positions.to(torch.int64).reshape(-1)
+    B = pos.numel()
+    req_rows, seq_lens = (x.to(device=device, dtype=torch.int64).reshape(-1) for x in (req_rows, seq_lens))
+    slots = out_slots.to(device=device, dtype=torch.int64).reshape(-1)
+    if req_rows.numel() != B or seq_lens.numel() != B or slots.numel() != B:
+        raise RuntimeError(f"sglang-dsv41 static decode layout: {B} positions, {req_rows.numel()} request rows, "
+                           f"{seq_lens.numel()} seq_lens, {slots.numel()} out slots (one token per request)")
+    index = torch.arange(B, device=device)
+    ones = torch.ones_like(seq_lens)
+    return BatchLayout(req_rows=req_rows, prefix_lens=seq_lens - ones, extend_lens=ones, seq_lens=seq_lens,
+                       starts=index, positions=pos, token_req=index, out_slots=slots, req_to_token=req_to_token,
+                       max_seq_len=int(req_to_token.shape[1]), static=True)
+
+
+def layout_from_forward_batch(forward_batch, positions: Tensor, req_to_token: Tensor, *,
+                              static: bool = False) -> BatchLayout:
+    """The `BatchLayout` of an SGLang `ForwardBatch` (extend, decode, mixed or idle); `static`
+    (decode / idle batches of SGLang's CUDA-graph runner only): `static_decode_layout`."""
     mode = forward_batch.forward_mode
+    if static:
+        if not (mode.is_decode() or mode.is_idle()):
+            raise RuntimeError(f"sglang-dsv41: a static (CUDA-graph) layout is for decode batches, got {mode.name}")
+        return static_decode_layout(forward_batch.req_pool_indices, forward_batch.seq_lens, positions,
+                                    forward_batch.out_cache_loc, req_to_token)
     if mode.name not in SUPPORTED_MODES:
         raise RuntimeError(f"sglang-dsv41 torch path: forward mode {mode.name} is not supported "
                            f"(supported: {', '.join(SUPPORTED_MODES)}; speculative decoding and "

@@ -30,10 +30,12 @@ import torch
 from torch import Tensor
 
 from ..config import DeepseekV41Config
-from ..engram_hash import EngramHasher
+from ..engram_hash import MULTIMODAL_PAD_ID_BASE, EngramHasher
+from ..reference.attention import layer_inv_freq
+from ..reference.engram import engram_gate
 from ..reference.mhc import hc_coefficients, hc_collapse, hc_residual_update, hc_sublayer_input
 from ..reference.model import language_model_ids
-from ..reference.ops import F32, linear_fp8, matmul_fp32_exact, rms_norm
+from ..reference.ops import F32, bf16, linear_fp8, matmul_fp32_exact, rms_norm
 from ..reference.state import NumericsProfile
 from .attention import ForwardScratch, attention_sublayer
 from .batch import BatchLayout
@@ -74,6 +76,10 @@ class TorchForward:
         self.numerics = numerics
         self.tp = tp
         tp.plan(self.text)     # raises now for a TP size the model cannot be sharded with
+        device = weights["embed.weight"].device
+        #: per-ratio RoPE inverse frequencies on the model device, made once (no host → device
+        #: copy inside a forward: CUDA graphs cannot capture one)
+        self.inv_freq = {r: layer_inv_freq(self.text, r).to(device) for r in sorted({x.ratio for x in self.roles})}
         if hasher is not None and hasher.history_len >= self.text.sliding_window:
             raise ValueError(f"Engram history of {hasher.history_len} ids does not fit inside the SWA window "
                              f"{self.text.sliding_window}: the runtime reads it from the window's SWA slots")
@@ -82,22 +88,82 @@ class TorchForward:
         """Language-model ids (spec §3.1 item 3), the reference's rule."""
         return language_model_ids(ids, self.cfg)
 
+    def remap_ids_on_device(self, ids: Tensor) -> Tensor:
+        """`remap_ids` without a host sync (static / CUDA-graph layouts): the same mapping; an id
+        outside the vocabulary fails a device-side assertion (`torch._assert_async`) instead of
+        raising on the host."""
+        ids = ids.to(torch.int64).reshape(-1)
+        if self.cfg.has_vision:
+            ids = torch.where(ids >= MULTIMODAL_PAD_ID_BASE, torch.full_like(ids, self.cfg.image_token_id), ids)
+        vocab = self.text.vocab_size
+        torch._assert_async(((ids >= 0) & (ids < vocab)).all(), f"sglang-dsv41: token id outside [0, {vocab})")
+        return ids
+
     def engram_rows(self, ids: Tensor, layout: BatchLayout, caches: RuntimeCaches) -> list[Tensor]:
         """Row ids per Engram layer; history = each request's last K ids before its chunk, read
         from the SWA slots of its earlier positions (pad id where the position is < 0). CPU: a
-        history position without a live SWA slot raises (CUDA: no host sync)."""
+        history position without a live SWA slot raises (CUDA and static layouts: no host sync)."""
         assert self.hasher is not None
         K = self.hasher.history_len
         back = layout.prefix_lens[:, None] - K + torch.arange(K, device=ids.device)[None, :]   # [B, K]
         present = back >= 0
         req = torch.arange(layout.num_requests, device=ids.device)[:, None].expand_as(back)
         swa = caches.swa_slots(layout.slots_at(req, back.clamp(min=0)))
-        if ids.device.type == "cpu" and bool((present & (swa <= 0)).any()):
+        if layout.host_checks and bool((present & (swa <= 0)).any()):
             raise RuntimeError("sglang-dsv41: an Engram history position before a chunk has no live SWA slot "
                                f"(prefix lens {layout.prefix_lens.tolist()}; freed by the SWA radix cache?)")
         history = torch.where(present, caches.token_ids[swa.clamp(min=0)].to(torch.int64),
                               torch.full_like(swa, self.hasher.pad_token_id))
+        if layout.static:
+            return self._decode_engram_rows(ids, layout.positions, history)
         return self.hasher.row_ids(ids, layout.positions, history, layout.extend_lens)
+
+    def _decode_engram_rows(self, ids: Tensor, positions: Tensor, history: Tensor) -> list[Tensor]:
+        """`EngramHasher.row_ids` for one token per request (static decode layouts) without its
+        host-side checks (`_segments` sums extend_lens on the host, `compressed_window` validates
+        ids): the n-gram window of token b is (ids[b], history[b, K−1], history[b, K−2], …) —
+        `EngramHasher.window`'s rule with local index 0 (same index clamp) — then the same
+        blocking, pad id, token map and per-layer hash (`layer_row_ids`). Bit-identical to
+        `row_ids` (tests/test_runtime_cuda_graph.py compares the logits)."""
+        h = self.hasher
+        assert h is not None
+        K, M = h.history_len, h.max_ngram
+        shifts = torch.arange(M, device=ids.device)
+        back = -shifts                                                    # local index 0 − s
+        from_hist = history[:, (back + K).clamp(min=0, max=K - 1)]      # [B, M]
+        tok = torch.where((back >= 0)[None, :], ids[:, None], from_hist)
+        if h.image_token_id is not None:
+            tok = torch.where(tok >= MULTIMODAL_PAD_ID_BASE, torch.full_like(tok, h.image_token_id), tok)
+        blocked = positions[:, None] < shifts[None, :]
+        if h.image_token_id is not None:
+            blocked = blocked | (torch.cumsum((tok == h.image_token_id).to(torch.int32), dim=1) > 0)
+        tok = torch.where(blocked, torch.full_like(tok, h.pad_token_id), tok)
+        compressed = h.token_map.to(tok.device)[tok]
+        return [h.layer_row_ids(compressed, layer) for layer in h.layers]
+
+    def _engram_update_on_device(self, layer: int, R: Tensor, row_ids: Tensor, image_rows: Tensor | None,
+                                 linear) -> Tensor:
+        """`reference.engram.engram_residual_update` (spec §3.3.2) without its host-side range
+        check of the row ids (`engram_embedding` reads min/max on the host), for static layouts:
+        the same table lookup, `wkv` linear, `engram_gate` and float64 update rounded once to
+        BF16 (bit-identical: tests/test_runtime_cuda_graph.py). TP 1 only — the sharded lookup
+        (`TensorParallel.engram_residual_update`) checks on the host too."""
+        if self.tp.size != 1:
+            raise RuntimeError(f"sglang-dsv41: the static (CUDA-graph) decode forward runs at TP 1 only "
+                               f"(TP {self.tp.size}: the sharded Engram lookup checks row ids on the host); "
+                               "serve with --disable-cuda-graph at TP > 1")
+        t, w, p = self.text, self.weights, f"layers.{layer}.engram."
+        tokens, hc, hidden = R.shape
+        emb = w[p + "embed.weight"][row_ids.to(torch.int64)].reshape(tokens, -1)
+        kv = linear(emb, w[p + "wkv.weight"]).to(F32)
+        keys = kv[:, : hc * hidden].reshape(tokens, hc, hidden)
+        value = kv[:, hc * hidden:]
+        gate = engram_gate(R, keys, w[p + "q_weight"], w[p + "k_weight"], t.rms_norm_eps)
+        f64 = torch.float64
+        updated = bf16((R.to(f64) + gate.to(f64)[:, :, None] * value.to(f64)[:, None, :]).to(F32))
+        if image_rows is not None:
+            updated = torch.where(image_rows.to(torch.bool)[:, None, None], R.to(F32), updated)
+        return updated.to(R.dtype)
 
     def _hc(self, layer: int, sub: str, R: Tensor):
         w, t = self.weights, self.text
@@ -116,7 +182,7 @@ class TorchForward:
         t, w, act_quant = self.text, self.weights, self.numerics.act_quant
         if caches.profile is not self.numerics.cache:
             raise ValueError(f"caches hold profile {caches.profile}, the model computes {self.numerics.cache}")
-        ids = self.remap_ids(input_ids)
+        ids = self.remap_ids_on_device(input_ids) if layout.static else self.remap_ids(input_ids)
         N = ids.shape[0]
         if N != layout.num_tokens:
             raise ValueError(f"{N} input ids for a layout of {layout.num_tokens} tokens")
@@ -128,14 +194,16 @@ class TorchForward:
         linear = functools.partial(linear_fp8, act_quant=act_quant)
 
         R = w["embed.weight"][ids].unsqueeze(1).expand(N, t.hc_mult, t.hidden_size).contiguous()
-        scratch = ForwardScratch()
+        scratch = ForwardScratch(inv_freq=dict(self.inv_freq))
         carried_pre: Tensor | None = None
         for role in self.roles:
             i = role.layer
             if role.engram:
-                p = f"layers.{i}.engram."
-                R = self.tp.engram_residual_update(t, i, R, engram_rows[t.engram_layer_ids.index(i)], w,
-                                                   image_rows=image_rows, linear=linear)
+                rows_i = engram_rows[t.engram_layer_ids.index(i)]
+                if layout.static:
+                    R = self._engram_update_on_device(i, R, rows_i, image_rows, linear)
+                else:
+                    R = self.tp.engram_residual_update(t, i, R, rows_i, w, image_rows=image_rows, linear=linear)
             co = self._hc(i, "attn", R)
             x = hc_sublayer_input(R, carried_pre, w[f"layers.{i}.attn_norm.weight"], t.rms_norm_eps)
             y = attention_sublayer(t, role, w, x, layout, caches, scratch, act_quant, self.tp)

@@ -1,0 +1,205 @@
+"""The static (capture-safe) decode forward on CPU (`runtime/batch.py` static layouts; the
+forward's padding masks in `runtime/attention.py`).
+
+What is pinned:
+* Static layout == eager layout: over three decode steps of the four `runtime_scenarios`
+  requests (after their prefills), the static decode forward padded SGLang-style to a larger
+  batch (row 0, seq_len 1, position 0, slot 0, stale ids) gives the live requests' logits bit
+  for bit equal to the eager forward of the live requests alone, and leaves every cache
+  byte outside the padding page equal — packed rows, SWA rows, token ids, and the pair state of
+  every request row including the padding row 0. The padding tokens did run (they wrote the
+  padding page), so the masks are what keeps row 0 and the live slots clean.
+* The same with the CUDA implementations' orchestration (`KernelAttentionOps`: static-width
+  entry table, chunked scores, `select_for_role`) over exact torch stand-ins of the two Triton
+  kernels.
+* No host sync: the static decode forward along the CUDA code path — kernel orchestration of
+  attention and indexer, the CUDA MoE (`moe_ops._moe_cuda`, routed experts by a stand-in), the
+  tensor-core dense backend (`dense_ops.BlockedBf16Gemm`) — runs under a trap that raises on
+  every host synchronisation / data-dependent shape (`cuda_graph_scenarios.no_host_sync`); the
+  trap itself is shown to catch the eager layout's checks.
+"""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cuda_graph_scenarios import (PAD_SLOT, HostSync, clone_caches, decode_step, differences_outside_padding,
+                                  no_host_sync, prefilled, step_tokens, suspended)
+from runtime_scenarios import PAGE_SIZE
+from sglang_dsv41.checkpoint.loader import load_reference_weights
+from sglang_dsv41.config import DeepseekV41Config
+from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
+from sglang_dsv41.kernels import indexer as kernel_indexer
+from sglang_dsv41.kernels import moe_mxfp4
+from sglang_dsv41.kernels import sparse_attention as kernel_attention
+from sglang_dsv41.reference.moe import routed_expert
+from sglang_dsv41.reference.ops import bf16
+from sglang_dsv41.runtime import attention_ops, moe_ops
+from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm, DenseWeightCache, dense_math
+from sglang_dsv41.runtime.forward import TorchForward
+from sglang_dsv41.runtime.kv_layout import CompressedRowLayout, PackedSourceRows, SourceColumns
+
+CPU = torch.device("cpu")
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint) -> TorchForward:
+    cfg = DeepseekV41Config.from_file(tiny_checkpoint)
+    weights = load_reference_weights(tiny_checkpoint, cfg, vision=False, dspark=False)
+    token_map, _ = compressed_token_map(_load_fast_tokenizer(tiny_checkpoint))
+    return TorchForward(cfg, weights, EngramHasher.from_config(cfg, token_map))
+
+
+@pytest.fixture(scope="module")
+def start(engine):
+    return prefilled(engine, CPU)
+
+
+# ---- exact torch stand-ins of the Triton kernels (run with the trap suspended) -------------------
+
+def _packed_rows(c) -> PackedSourceRows:
+    return PackedSourceRows(c.rows, SourceColumns(-1, c.ratio, c.offset, c.share, c.entry_bytes),
+                            CompressedRowLayout(c.head_dim, c.index_head_dim, ()))
+
+
+def _sparse_sink_attention(calls: list[str]):
+    def sparse_sink_attention(q, swa_cache, swa_slots, comp_cache, comp_slots, sink, scale, *, config):
+        with suspended():
+            calls.append("attend")
+            packed = None if comp_cache is None else _packed_rows(comp_cache)
+            return attention_ops.REFERENCE_OPS.attend(q.float(), sink, swa_cache, swa_slots, packed,
+                                                      comp_slots).to(torch.bfloat16)
+    return sparse_sink_attention
+
+
+def _index_scores(calls: list[str]):
+    def index_scores(q, head_w, key_cache, entry_slots, token_req, n_visible, *, head_sum_fp64, check_inputs):
+        assert head_sum_fp64 and not check_inputs, "the runtime must not ask the indexer for input checks"
+        with suspended():
+            calls.append(f"scores{entry_slots.shape[1]}")
+            slots = entry_slots[token_req]
+            keys = _packed_rows(key_cache).keys(slots.reshape(-1)).reshape(*slots.shape, -1).double()
+            dots = torch.einsum("thd,ted->the", q.double(), keys)
+            scores = torch.einsum("th,the->te", head_w.double(), torch.relu(dots)).float() + 0.0
+            visible = (torch.arange(slots.shape[1])[None, :] < n_visible[:, None]) & (slots >= 0)
+            return torch.where(visible, scores, -math.inf)
+    return index_scores
+
+
+def _kernel_ops(calls: list[str]) -> attention_ops.KernelAttentionOps:
+    return attention_ops.KernelAttentionOps(
+        SimpleNamespace(sparse_sink_attention=_sparse_sink_attention(calls), plan_config=kernel_attention.plan_config,
+                        PackedSource=kernel_attention.PackedSource),
+        SimpleNamespace(index_scores=_index_scores(calls), select_for_role=kernel_indexer.select_for_role,
+                        entry_index_table=kernel_indexer.entry_index_table, PackedSource=kernel_indexer.PackedSource))
+
+
+# ---- static == eager, padding invisible ----------------------------------------------------------------
+
+def _compare_steps(engine: TorchForward, start, batch_size: int) -> None:
+    static_state, eager_caches = clone_caches(start.caches), clone_caches(start.caches)
+    slots_state = type(start)(start.slots, eager_caches, dict(start.lengths))
+    for step in range(STEPS):
+        inputs = decode_step(slots_state, step_tokens(step), batch_size)
+        table = slots_state.slots.table
+        eager = engine.logits(engine.hidden_states(inputs.input_ids[:inputs.live], inputs.unpadded_layout(table),
+                                                   eager_caches))
+        got = engine.logits(engine.hidden_states(inputs.input_ids, inputs.static_layout(table), static_state))
+        assert got.shape[0] == batch_size
+        assert torch.equal(got[:inputs.live], eager), (
+            f"step {step}, padded to {batch_size}: live logits differ (max |Δ| "
+            f"{(got[:inputs.live] - eager).abs().max().item():.3g})")
+        diffs = differences_outside_padding(eager_caches, static_state, PAGE_SIZE)
+        assert not diffs, f"step {step}, padded to {batch_size}: padding tokens changed live state: {diffs}"
+        if batch_size > inputs.live:     # the padding tokens did write (into the padding page only)
+            assert not torch.equal(static_state.swa[0][PAD_SLOT], eager_caches.swa[0][PAD_SLOT])
+
+
+@pytest.mark.parametrize("batch_size", [4, 7])
+def test_static_decode_equals_eager_and_padding_writes_no_live_state(engine, start, batch_size: int) -> None:
+    _compare_steps(engine, start, batch_size)
+
+
+def test_static_decode_with_kernel_orchestration(engine, start, monkeypatch) -> None:
+    """CUDA implementations' orchestration (stand-in kernels): same bits, static-width scores."""
+    calls: list[str] = []
+    monkeypatch.setattr(attention_ops, "ops_for", lambda device: _kernel_ops(calls))
+    _compare_steps(engine, start, 6)
+    width = start.slots.table.shape[1]
+    widths = {c for c in calls if c.startswith("scores")}
+    ratios = {r.ratio for r in engine.roles if r.runs_indexer}
+    assert {f"scores{width // r}" for r in ratios} <= widths, (widths, width)   # static width present
+
+
+def test_static_layout_shapes_and_padding_flags(start) -> None:
+    inputs = decode_step(type(start)(start.slots, start.caches, dict(start.lengths)), step_tokens(9), 6)
+    layout = inputs.static_layout(start.slots.table)
+    assert layout.static and not layout.host_checks
+    assert layout.max_seq_len == start.slots.table.shape[1]
+    assert layout.live_tokens.tolist() == [True] * 4 + [False] * 2
+    assert torch.equal(layout.prefix_lens, inputs.seq_lens - 1) and torch.equal(layout.token_req, torch.arange(6))
+
+
+# ---- no host sync along the CUDA code path --------------------------------------------------------------
+
+def _cuda_path_engine(engine: TorchForward, monkeypatch, calls: list[str]) -> TorchForward:
+    """The engine with the CUDA implementations selected on CPU tensors: kernel orchestration,
+    the CUDA MoE (routed experts by a float64 stand-in), the tensor-core dense backend."""
+    cfg, t = engine.cfg, engine.text
+    weights = dict(engine.weights)
+    E = t.n_routed_experts
+    for i in range(t.num_hidden_layers):
+        p = f"layers.{i}.ffn.experts."
+        stacked = SimpleNamespace(n_experts=E, **{n: torch.stack([weights[f"{p}{e}.{n}.weight"] for e in range(E)])
+                                                  for n in ("w1", "w2", "w3")})
+        weights[moe_ops.routed_experts_key(f"layers.{i}.")] = moe_ops.RoutedExpertsMxfp4.build(
+            stacked, range(E), E, CPU)
+
+    def routed_experts_mxfp4(x, topk_ids, topk_weights, experts, *, swiglu_limit, routed_scale):
+        with suspended(), dense_math(None):       # the stand-in's own math: exact float64
+            calls.append("moe")
+            xs = x.float()
+            per_slot = torch.zeros(*topk_ids.shape, xs.shape[1], dtype=torch.float64)
+            for e in range(experts.n_experts):
+                y = routed_expert(xs, experts.w1[e], experts.w2[e], experts.w3[e], swiglu_limit).double()
+                per_slot += (topk_ids == e).unsqueeze(-1) * y.unsqueeze(1)
+            summed = (topk_weights.double().unsqueeze(-1) * per_slot).sum(dim=1)
+            return bf16((routed_scale * summed).float()).to(torch.bfloat16)
+
+    monkeypatch.setattr(moe_mxfp4, "routed_experts_mxfp4", routed_experts_mxfp4)
+    monkeypatch.setattr(moe_ops, "_moe_cpu", moe_ops._moe_cuda)
+    monkeypatch.setattr(attention_ops, "ops_for", lambda device: _kernel_ops(calls))
+    cuda_like = TorchForward(cfg, weights, engine.hasher, engine.numerics, engine.tp)
+    cuda_like.dense_backend = BlockedBf16Gemm(DenseWeightCache.from_weights(weights))
+    return cuda_like
+
+
+def test_static_decode_has_no_host_sync_on_the_cuda_code_path(engine, start, monkeypatch) -> None:
+    calls: list[str] = []
+    cuda_like = _cuda_path_engine(engine, monkeypatch, calls)
+    state = type(start)(start.slots, clone_caches(start.caches), dict(start.lengths))
+    for step in range(2):
+        inputs = decode_step(state, step_tokens(step), 6)
+        layout = inputs.static_layout(state.slots.table)
+        with no_host_sync():
+            hidden = cuda_like.hidden_states(inputs.input_ids, layout, state.caches)
+        assert hidden.shape == (6, engine.text.hidden_size) and bool(torch.isfinite(hidden[:inputs.live]).all())
+    layers = engine.text.num_hidden_layers
+    assert calls.count("attend") == 2 * layers and calls.count("moe") == 2 * layers, calls[:12]
+    assert any(c.startswith("scores") for c in calls)
+
+
+def test_the_trap_catches_the_eager_layout_checks(start) -> None:
+    """The audit can fail: the eager layout's checks synchronise, and the trap says so."""
+    state = type(start)(start.slots, clone_caches(start.caches), dict(start.lengths))
+    inputs = decode_step(state, step_tokens(5), 4)
+    with pytest.raises(HostSync):
+        with no_host_sync():
+            inputs.unpadded_layout(state.slots.table)
+    with pytest.raises(HostSync, match="boolean-mask"):
+        with no_host_sync():
+            torch.arange(4)[torch.arange(4) > 1]
