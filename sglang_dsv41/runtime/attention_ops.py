@@ -170,7 +170,14 @@ class KernelAttentionOps:
         FP4 key nibbles and UE8M0 scales from the packed rows (contract §5), so no BF16 key copy
         is made; query t sees j < ⌊(p_t+1)/ratio⌋.
         Input checks are off (no host sync): the table and visibilities are built from the
-        checked `BatchLayout`, so every visible entry exists by construction."""
+        checked `BatchLayout`, so every visible entry exists by construction.
+
+        Static layouts (CUDA graphs): the width is the static bound `req_to_token` width // ratio,
+        not the batch's longest request. Cost of the padding columns: the kernel loads and
+        multiplies only entry tiles some query of the tile can see (`tile_vis`; later tiles only
+        store −∞: 4 B per column and query), but `select_topk` ranks the full width (int64 keys,
+        ≈ 28 B of temporaries per column and query) — O(N·context/ratio) per indexer layer
+        instead of O(N·seq_len/ratio). Serve with a --context-length that fits the workload."""
         src, ratio = role.kv_source, role.ratio
         assert src is not None
         K = self.indexer

@@ -1,0 +1,135 @@
+"""CUDA-graph capture of one decode step of the tiny-checkpoint forward (GPU only).
+
+The forward is the one the server builds (`runtime_scenarios.runtime_engine`: MXFP4 experts,
+Triton attention / indexer, tensor-core dense products). After the four `runtime_scenarios`
+requests are prefilled eagerly, one decode step of batch size `GRAPH_BS` (4 live requests + 2
+SGLang-style padding requests: row 0, seq_len 1, position 0, slot 0) is captured with
+`torch.cuda.CUDAGraph` — layout construction included, as SGLang's runner captures the model's
+forward — then replayed for `STEPS` decode steps with each step's inputs copied into the
+captured buffers. Pinned:
+
+1. replay == eager: each step's logits from the replay equal, bit for bit, the eager static
+   forward of the same padded batch on an identical copy of the caches, and after each step
+   both cache copies are identical byte for byte (the graph wrote exactly what eager wrote);
+2. the live requests' replayed logits equal the eager forward of the live requests alone
+   (unpadded, checked layout) bit for bit — padding is invisible and the CUDA forward is
+   batch-invariant (tests/test_runtime_forward_gpu.py, item 2), and the live caches match.
+
+A failed capture (a host synchronisation, a host → device copy or a data-dependent shape inside
+the static forward) fails test 1 with the capture error and what to look for.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cuda_graph_scenarios import clone_caches, decode_step, differences_outside_padding, prefilled, step_tokens
+from runtime_scenarios import PAGE_SIZE, runtime_engine
+
+pytestmark = [pytest.mark.gpu]
+CUDA = torch.device("cuda")
+GRAPH_BS = 6
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def captured(tiny_checkpoint):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    engine = runtime_engine(tiny_checkpoint, CUDA)
+    state = prefilled(engine, CUDA)
+    start = clone_caches(state.caches)
+    graph_caches, eager_static, eager_live = clone_caches(start), clone_caches(start), clone_caches(start)
+    table = state.slots.table
+
+    first = decode_step(state, step_tokens(0), GRAPH_BS)
+    static = type(first)(**{k: getattr(first, k).clone() for k in          # the captured input buffers
+                            ("input_ids", "req_rows", "seq_lens", "positions", "out_slots")}, live=first.live)
+
+    def forward(caches):
+        layout = static.static_layout(table)
+        return engine.logits(engine.hidden_states(static.input_ids, layout, caches))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                 # warm-up (Triton compiles, cuBLAS handles) on a scratch copy
+        for _ in range(2):
+            forward(clone_caches(start))
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            out = forward(graph_caches)
+    except Exception as e:   # noqa: BLE001 — re-raised with the diagnosis
+        raise AssertionError(
+            f"CUDA-graph capture of the static decode forward failed: {type(e).__name__}: {e}\n"
+            "Look for a host sync (.item/int/bool/tolist/nonzero on a CUDA tensor), a host → device "
+            "copy (torch.tensor(..., device=cuda), cpu_tensor.to(cuda)) or a data-dependent shape in the "
+            "static path (tests/test_runtime_cuda_graph.py audits the CPU-visible ones)") from e
+    return dict(engine=engine, state=state, table=table, graph=graph, out=out, static=static, first=first,
+                graph_caches=graph_caches, eager_static=eager_static, eager_live=eager_live)
+
+
+def _run_steps(c):
+    """Yield (step, inputs, replayed logits, eager static logits, eager live logits) per step."""
+    engine, state, table = c["engine"], c["state"], c["table"]
+    for step in range(STEPS):
+        inputs = c["first"] if step == 0 else decode_step(state, step_tokens(step), GRAPH_BS)
+        inputs.copy_into(c["static"])
+        c["graph"].replay()
+        replayed = c["out"].clone()
+        eager = engine.logits(engine.hidden_states(inputs.input_ids, inputs.static_layout(table), c["eager_static"]))
+        live = engine.logits(engine.hidden_states(inputs.input_ids[:inputs.live], inputs.unpadded_layout(table),
+                                                  c["eager_live"]))
+        torch.cuda.synchronize()
+        yield step, inputs, replayed, eager, live
+
+
+@pytest.fixture(scope="module")
+def results(captured):
+    rows = []
+    for step, inputs, replayed, eager, live in _run_steps(captured):
+        rows.append(dict(step=step, live=inputs.live, replayed=replayed.cpu(), eager=eager.cpu(), live_logits=live.cpu(),
+                         cache_diffs=differences_outside_padding(captured["graph_caches"], captured["eager_static"], 0),
+                         live_cache_diffs=differences_outside_padding(captured["graph_caches"],
+                                                                      captured["eager_live"], PAGE_SIZE)))
+    return rows
+
+
+def test_replay_equals_eager_static_forward_bit_for_bit(results) -> None:
+    for r in results:
+        delta = (r["replayed"] - r["eager"]).abs().max().item()
+        assert torch.equal(r["replayed"], r["eager"]), f"step {r['step']}: replayed logits differ from eager (max |Δ| {delta:.3g})"
+        assert not r["cache_diffs"], f"step {r['step']}: graph and eager wrote different caches: {r['cache_diffs']}"
+    print(f"\n[cuda-graph] {len(results)} replayed decode steps at batch size {GRAPH_BS} == eager, caches identical")
+
+
+def test_replayed_live_requests_equal_the_unpadded_eager_forward(results) -> None:
+    for r in results:
+        got, want = r["replayed"][:r["live"]], r["live_logits"]
+        delta = (got - want).abs().max().item()
+        assert torch.equal(got, want), (f"step {r['step']}: live logits of the padded graph differ from the unpadded "
+                                        f"eager forward (max |Δ| {delta:.3g}): padding leaked or the forward is "
+                                        "not batch-invariant")
+        assert not r["live_cache_diffs"], f"step {r['step']}: padding changed live state: {r['live_cache_diffs']}"
+
+
+def test_replay_is_faster_than_eager(captured) -> None:
+    """Reported (printed) for docs/performance.md; asserted only that replay is not slower."""
+    engine, table, static = captured["engine"], captured["table"], captured["static"]
+    scratch = clone_caches(captured["graph_caches"])
+    times = {}
+    for name, fn in (("replay", captured["graph"].replay),
+                     ("eager", lambda: engine.logits(engine.hidden_states(static.input_ids, static.static_layout(table),
+                                                                          scratch)))):
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times[name] = start.elapsed_time(end) / 10
+    print(f"\n[cuda-graph] tiny decode step bs {GRAPH_BS}: eager {times['eager']:.2f} ms, replay {times['replay']:.2f} ms")
+    assert times["replay"] <= times["eager"], times
