@@ -11,7 +11,8 @@ the glue only:
 * caches: `RuntimeCaches` around SGLang's token pool, created on the first forward from the pool
   SGLang allocated (its token capacity), rebuilt if SGLang replaces the pool;
 * forward: the batch layout from the `ForwardBatch` and SGLang's `req_to_token`
-  (`runtime/batch.py`), `TorchForward.hidden_states` (`runtime/forward.py`; attention and the
+  (`runtime/batch.py`; the static decode layout while SGLang's CUDA-graph runner captures,
+  `sglang_graph_capture`), `TorchForward.hidden_states` (`runtime/forward.py`; attention and the
   indexer through `runtime/attention_ops.py`: the reference's float64 math on CPU, the Triton
   kernels on CUDA — checked at `load_weights`, which raises if they cannot load), then SGLang's
   `LogitsProcessor` (last-token pruning, logprobs) with an LM head whose logits are the
@@ -149,10 +150,20 @@ class DeepseekV41ForCausalLM(nn.Module):
         with fp32_default_dtype():
             caches = self._caches_for(get_token_to_kv_pool())
             layout = layout_from_forward_batch(forward_batch, positions.to(self.device),
-                                               get_req_to_token_pool().req_to_token)
+                                               get_req_to_token_pool().req_to_token,
+                                               static=self.device.type == "cuda" and sglang_graph_capture())
             hidden = self.torch_forward.hidden_states(input_ids.to(self.device), layout, caches)
             with dense_math(self.torch_forward.dense_backend):     # CUDA: tensor-core LM head (dense_ops)
                 return self.logits_processor(input_ids, hidden, self.lm_head, forward_batch)
+
+
+def sglang_graph_capture() -> bool:
+    """True while SGLang's CUDA-graph runner warms up or captures (its `model_capture_mode`): the
+    forward then runs the static decode layout (`runtime/batch.py`: no host sync, shapes from the
+    padded batch size, padding tokens masked). Replays do not call the forward."""
+    from sglang.srt.model_executor.runner_utils.capture_mode import get_is_capture_mode
+
+    return bool(get_is_capture_mode())
 
 
 EntryClass = DeepseekV41ForCausalLM
