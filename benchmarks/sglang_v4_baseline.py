@@ -1,0 +1,419 @@
+"""SGLang 0.5.17's own DeepSeek-V4 decoder layer, timed per decode step on one GPU (issue 3 baseline).
+
+What runs: SGLang's in-tree `DeepseekV4ForCausalLM` (srt/models/deepseek_v4.py) with random weights
+(`--load-format dummy`), at the released **DeepSeek-V4-Flash** widths (hidden 4096, 256 experts, ...:
+the V4 shape nearest to V4.1-Flash), truncated to a few layers of V4-Flash's own alternation of c4
+(CSA + indexer) and c128 (HCA) layers. It is driven through SGLang's one-batch benchmark
+(`sglang.benchmark.one_batch`, what `python -m sglang.bench_one_batch` runs): its `load_model`
+(ModelRunner, memory pool, attention backend, decode CUDA graphs as SGLang captures them), its synthetic
+requests and its `extend`/`decode` steps; a decode step is timed like its `latency_test_run_once`
+(device sync, wall clock, median over steps). Two differences from the stock CLI, both recorded in the
+JSON: each batch gets its own process-local run (one failure does not lose the others), and a batch
+whose prompt tokens exceed `--prefill-chunk-tokens` is prefilled in groups of requests that are then
+merged (`ScheduleBatch.merge_batch`, as SGLang's scheduler merges running batches) — the stock CLI
+prefills the whole batch in one forward, which cannot fit 256 x 8K tokens.
+
+Per-layer time: the model is run at two layer counts (default 2 and 4) in two processes;
+per layer = (step(4) - step(2)) / 2 per batch size (the embedding, final mHC head, LM head and sampling
+cancel), i.e. the mean of one c4 and one c128 layer. Output: `benchmarks/results/sglang_v4_baseline.json`
+(+ `.png`; `--plot-only JSON` redraws it on a machine with matplotlib) with the config, the SGLang
+argument lines, the environment switches, versions, per-batch step times and the nearest-shape caveats.
+On any failure the JSON says what failed and why, and the exit status is non-zero.
+
+Blocker found by reading 0.5.17 (CPU): on CUDA the V4 mHC Sinkhorn (`hc_split_sinkhorn`) exists only as a
+TileLang kernel, and the default V4 paths also call DeepGEMM (wo_a FP8 einsum, indexer logits/metadata,
+HC pre-norm GEMM). The project's GPU runtime (shared/gpu/build.sh) carries neither `tilelang` nor
+`deep_gemm`: without TileLang this script stops at the preflight (seconds) and names the packages to
+add with EXTRA; without DeepGEMM it selects SGLang's own switches for its torch paths (listed in
+`sglang_env`) and records that the indexer/wo_a/HC-prenorm numbers are then not SGLang's fast path.
+
+Verified on CPU (tests/test_bench_sglang_v4_baseline.py): the generated config.json parses with SGLang
+0.5.17's `ModelConfig` (V4 architecture, widths, ratios, FP8 block quantization, MXFP4 experts, no hash
+layers); the argument lines parse with SGLang's own `ServerArgs` + `BenchArgs` parsers; the result
+arithmetic. Only the GPU run can show: that this V4 model loads and captures CUDA graphs on an H200 with
+the carried kernels, the MoE/FP8 backends SGLang resolves there, memory fit at 256 x 8K, JIT time, and
+every number.
+
+    python benchmarks/sglang_v4_baseline.py [--batches 1 8 64 256] [--context 8192] [--layers 2 4] [--out DIR]
+    (GPU machine: bash -c 'source .gpu/bin/setup.sh && timeout 300 python3 benchmarks/sglang_v4_baseline.py
+     --time-budget 270 --out "$OUT"'; worker logs land beside the JSON as sglang_v4_baseline.<L>l.log)
+    python benchmarks/sglang_v4_baseline.py --plot-only benchmarks/results/sglang_v4_baseline.json
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BATCHES, CONTEXT, LAYER_COUNTS, DECODE_STEPS = (1, 8, 64, 256), 8192, (2, 4), 24
+PAGE = 256                                   # SGLang's V4 page size (arg_groups/overrides.py)
+REQUIRED_MODULES = ("torch", "sglang", "sgl_kernel", "tilelang")
+EXTRA_FOR_V4 = ("tilelang==0.1.11 sgl-deep-gemm==0.1.5.post1 z3-solver==4.15.4.0 cloudpickle==3.1.3 "
+                "ml-dtypes==0.6.0 torch-c-dlpack-ext==0.1.5")
+
+# Released DeepSeek-V4-Flash config.json values (public mirrors; V4-Flash = the V4 model nearest V4.1-Flash).
+V4_FLASH: dict[str, Any] = {
+    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "torch_dtype": "bfloat16",
+    "vocab_size": 129280, "hidden_size": 4096, "num_attention_heads": 64, "num_key_value_heads": 1,
+    "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_lora_rank": 1024, "o_groups": 8,
+    "hidden_act": "silu", "swiglu_limit": 10.0, "rms_norm_eps": 1e-6, "attention_bias": False,
+    "attention_dropout": 0.0, "tie_word_embeddings": False, "max_position_embeddings": 1048576,
+    "rope_theta": 10000, "compress_rope_theta": 160000,
+    "rope_scaling": {"type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+                     "original_max_position_embeddings": 65536},
+    "n_routed_experts": 256, "num_experts_per_tok": 6, "n_shared_experts": 1, "moe_intermediate_size": 2048,
+    "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc", "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5, "first_k_dense_replace": 0, "sliding_window": 128,
+    "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
+    "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "num_nextn_predict_layers": 1,
+    "bos_token_id": 0, "eos_token_id": 1, "initializer_range": 0.02, "use_cache": True,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "scale_fmt": "ue8m0", "weight_block_size": [128, 128]},
+}
+LAYER_PATTERN = (4, 128)                     # V4-Flash layers 2..41 alternate c4 / c128
+
+
+def v4_config_dict(num_layers: int) -> dict[str, Any]:
+    """V4-Flash config truncated to `num_layers` layers of the c4/c128 alternation (even count, so both
+    kinds appear equally), trailing 0 = the MTP slot as in the release; hash routing off (see caveats)."""
+    if num_layers < 2 or num_layers % 2:
+        raise ValueError(f"num_layers must be even and >= 2 (c4/c128 pairs), got {num_layers}")
+    cfg = json.loads(json.dumps(V4_FLASH))
+    cfg.update(num_hidden_layers=num_layers, num_hash_layers=0,
+               compress_ratios=list(LAYER_PATTERN) * (num_layers // 2) + [0])
+    return cfg
+
+
+def write_model_dir(out_dir: Path, num_layers: int) -> Path:
+    """config.json + the project's tiny byte-level tokenizer (bench_one_batch always loads a tokenizer)."""
+    from sglang_dsv41.checkpoint.tokenizer import build_tiny_tokenizer
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(v4_config_dict(num_layers), indent=2))
+    build_tiny_tokenizer(out_dir)
+    return out_dir
+
+
+def sglang_env(deep_gemm_available: bool) -> dict[str, str]:
+    """Environment switches (SGLang's own, srt/environ.py). Dummy weights take the MXFP4 expert path;
+    without DeepGEMM, SGLang's torch indexer logits, BF16 wo_a and torch HC pre-norm are selected."""
+    env = {"SGLANG_DSV4_FP4_EXPERTS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if not deep_gemm_available:
+        env.update(SGLANG_FP8_PAGED_MQA_LOGITS_TORCH="1", SGLANG_OPT_FP8_WO_A_GEMM="0",
+                   SGLANG_OPT_DEEPGEMM_HC_PRENORM="0", SGLANG_OPT_DSV4_NONPAGED_INDEXER="0")
+    return env
+
+
+def sglang_argv(model_dir: Path, batches: list[int], context: int, steps: int, mem_fraction: float,
+                moe_runner: str) -> list[str]:
+    """ServerArgs + BenchArgs argument line (the one `python -m sglang.bench_one_batch` takes)."""
+    ctx_len = -(-(context + steps + 8) // PAGE) * PAGE
+    return ["--model-path", str(model_dir), "--load-format", "dummy", "--trust-remote-code",
+            "--tp-size", "1", "--context-length", str(ctx_len), "--max-total-tokens", str(max(batches) * ctx_len),
+            "--max-running-requests", str(max(batches)), "--mem-fraction-static", str(mem_fraction),
+            "--swa-full-tokens-ratio", "1.0", "--moe-runner-backend", moe_runner,
+            "--sampling-backend", "pytorch", "--cuda-graph-bs-decode", *map(str, batches),
+            "--cuda-graph-backend-prefill", "disabled", "--random-seed", "0",
+            "--batch-size", *map(str, batches), "--input-len", str(context), "--output-len", str(steps + 1)]
+
+
+def bench_one_batch_command(argv: list[str]) -> str:
+    return "python -m sglang.bench_one_batch " + " ".join(argv)
+
+
+def nearest_shape_caveats() -> list[str]:
+    """What differs between this V4 layer and a V4.1-Flash layer (spec model.md §1.2 vs V4_FLASH)."""
+    from sglang_dsv41.presets import flash_config_dict
+    t = flash_config_dict()["text_config"]
+    act_v4 = 3 * V4_FLASH["hidden_size"] * V4_FLASH["moe_intermediate_size"]
+    act_v41 = 3 * t["hidden_size"] * t["moe_intermediate_size"]
+    return [
+        f"widths: hidden {V4_FLASH['hidden_size']} vs V4.1 {t['hidden_size']}, q_lora {V4_FLASH['q_lora_rank']} vs "
+        f"{t['q_lora_rank']}, routed experts {V4_FLASH['n_routed_experts']} vs {t['n_routed_experts']} (top-6 both), "
+        f"expert width {V4_FLASH['moe_intermediate_size']} vs {t['moe_intermediate_size']}: one active expert is "
+        f"{act_v41 / act_v4:.2f}x the bytes in V4.1; index heads {V4_FLASH['index_n_heads']} vs {t['index_n_heads']}",
+        "layer kinds: V4 c4 (one compressed entry per 4 tokens + indexer top-512) and c128 (one per 128, all "
+        "attended); V4.1 has ratio-2 and ratio-1 layers, shared KV/index sources, a candidate stage and Engram "
+        "layers (none of which V4 has); per-layer time here = mean of one c4 and one c128 layer",
+        "hash routing off (num_hash_layers 0; released V4-Flash hash-routes its first 3 layers) so every timed "
+        "layer uses the learned router, as every V4.1 layer does",
+        "V4 has a per-head query RMSNorm and a same-sublayer mHC pre-mix; V4.1 drops the first and lags the second",
+        "KV: SGLang V4 on Hopper keeps the 584-B 'v4' fp8 layout; our runtime keeps BF16 rows today",
+        "random weights (--load-format dummy): routing over random router logits, so expert load is roughly "
+        "uniform (real checkpoints are skewed)",
+        "MoE runner: --moe-runner-backend marlin (MXFP4 W4A16, the Hopper path of anchors.md §2.1); SGLang's "
+        "'auto' on SM90 picks its FP8 Triton runner, which does not take MXFP4 expert bytes",
+    ]
+
+
+def preflight() -> dict[str, Any]:
+    """Which required / optional modules import, CUDA, nvcc; the blockers as plain sentences."""
+    import shutil
+    mods = {m: importlib.util.find_spec(m) is not None for m in (*REQUIRED_MODULES, "deep_gemm", "matplotlib")}
+    info: dict[str, Any] = {"modules": mods, "nvcc": shutil.which("nvcc") or (
+        "/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)}
+    blockers = [f"module '{m}' is not importable" for m in REQUIRED_MODULES if not mods[m]]
+    if not mods["tilelang"]:
+        blockers.append("SGLang 0.5.17 runs the V4 mHC Sinkhorn (hc_split_sinkhorn) only as a TileLang kernel on "
+                        f"CUDA; add to the GPU runtime: EXTRA=\"{EXTRA_FOR_V4}\" bash ../shared/gpu/build.sh")
+    if mods["torch"]:
+        import torch
+        info["cuda"] = torch.cuda.is_available()      # no context is created here (the workers own the GPU)
+        if not info["cuda"]:
+            blockers.append("no CUDA device")
+    info["blockers"] = blockers
+    return info
+
+
+# ---- worker: one process, one layer count ------------------------------------------------------
+def _time_batch(ob, runner, bs: int, context: int, steps: int, chunk_tokens: int) -> dict[str, Any]:
+    """Prefill `bs` synthetic requests of `context` tokens (groups of <= chunk_tokens, merged), then
+    time `steps` decode steps like one_batch.latency_test_run_once (sync, perf_counter, median)."""
+    import torch
+    runner.clear()
+    reqs = ob.prepare_synthetic_inputs_for_latency_test(bs, context)
+    group = max(1, chunk_tokens // context)
+    runner.synchronize()
+    tic = time.perf_counter()
+    ids, batch = [], None
+    for i in range(0, bs, group):
+        next_ids, _, part = runner.extend(reqs[i:i + group])
+        ids.append(next_ids)
+        if batch is None:
+            batch = part
+        else:
+            batch.merge_batch(part)
+    runner.synchronize()
+    prefill_s = time.perf_counter() - tic
+    next_ids = torch.cat(ids) if len(ids) > 1 else ids[0]
+    lat = []
+    for _ in range(steps):
+        runner.synchronize()
+        tic = time.perf_counter()
+        next_ids, _ = runner.decode(next_ids, batch)
+        runner.synchronize()
+        lat.append(time.perf_counter() - tic)
+    runner.cleanup(batch)
+    q = statistics.quantiles(lat, n=10) if len(lat) >= 2 else lat * 9
+    return dict(batch=bs, context=context, prefill_groups=-(-bs // group), prefill_s=prefill_s,
+                step_median_us=statistics.median(lat) * 1e6, step_p10_us=q[0] * 1e6, step_p90_us=q[-1] * 1e6,
+                steps_us=[x * 1e6 for x in lat])
+
+
+def worker(out: Path, deadline: float, chunk_tokens: int, argv: list[str]) -> int:
+    import torch
+    import sglang
+    from sglang.benchmark import one_batch as ob
+    from sglang.srt.model_executor.cuda_graph_config import Phase
+    from sglang.srt.server_args import PortArgs, ServerArgs
+    rec: dict[str, Any] = {"argv": argv, "runs": [], "errors": []}
+
+    def save() -> None:
+        out.write_text(json.dumps(rec, indent=2))
+    t0 = time.perf_counter()
+    try:
+        parser = argparse.ArgumentParser()
+        ServerArgs.add_cli_args(parser)
+        ob.BenchArgs.add_cli_args(parser)
+        args = parser.parse_args(argv)
+        server_args, bench = ServerArgs.from_cli_args(args), ob.BenchArgs.from_cli_args(args)
+        if server_args.cuda_graph_config is not None:     # as one_batch.main does
+            server_args.cuda_graph_config[Phase.DECODE].max_bs = max(bench.batch_size)
+        ob._set_envs_and_config(server_args)
+        ob.initialize_moe_config(server_args)
+        ob.initialize_fp8_gemm_config(server_args)
+        ob.initialize_fp4_gemm_config(server_args)
+        ob.configure_logger(server_args, prefix=" TP0")
+        runner, _ = ob.load_model(server_args, PortArgs.init_new(server_args), 0, 0)
+    except Exception as exc:
+        rec["errors"].append({"stage": "server_args/load_model", "error": f"{type(exc).__name__}: {exc}",
+                              "traceback": traceback.format_exc()[-3000:]})
+        save()
+        return 1
+    from sglang.srt.layers import deep_gemm_wrapper
+    rec.update(load_s=time.perf_counter() - t0, sglang=sglang.__version__, torch=torch.__version__,
+               device=torch.cuda.get_device_name(0), deepgemm_enabled=deep_gemm_wrapper.ENABLE_JIT_DEEPGEMM,
+               max_total_num_tokens=runner.torch_runner.max_total_num_tokens,
+               resolved={k: str(getattr(server_args, k, None)) for k in (
+                   "attention_backend", "moe_runner_backend", "fp8_gemm_runner_backend", "kv_cache_dtype",
+                   "page_size", "cuda_graph_config", "max_running_requests", "swa_full_tokens_ratio")})
+    save()
+    plan = [("warmup", 1, PAGE, 4)] + [(f"batch {bs}", bs, bench.input_len[0], bench.output_len[0] - 1)
+                                       for bs in bench.batch_size]
+    for stage, bs, context, steps in plan:
+        if time.time() > deadline:
+            rec["errors"].append({"stage": stage, "error": "skipped: out of time"})
+            continue
+        try:
+            r = _time_batch(ob, runner, bs, context, steps, chunk_tokens)
+            rec["runs"].append({**r, "warmup": stage == "warmup"})
+        except Exception as exc:
+            rec["errors"].append({"stage": stage, "error": f"{type(exc).__name__}: {exc}",
+                                  "traceback": traceback.format_exc()[-3000:]})
+            torch.cuda.empty_cache()
+        save()
+    return 1 if rec["errors"] else 0
+
+
+# ---- parent: preflight, two workers, per-layer arithmetic, JSON + PNG -----------------------------
+def per_layer(step_by_layers: dict[int, dict[int, dict]], layer_counts: list[int],
+              batches: list[int]) -> list[dict[str, Any]]:
+    """Per requested batch: per-layer µs = Δstep / Δlayers between the smallest and largest layer count,
+    and the fixed (non-layer) part; an `error` row where either run is missing or the contexts differ."""
+    lo, hi = min(layer_counts), max(layer_counts)
+    rows = []
+    for bs in batches:
+        a, b = step_by_layers.get(lo, {}).get(bs), step_by_layers.get(hi, {}).get(bs)
+        row: dict[str, Any] = {"batch": bs}
+        if a is None or b is None:
+            row["error"] = f"missing run for {lo if a is None else hi} layers"
+        elif a["context"] != b["context"]:
+            row["error"] = f"contexts differ ({a['context']} vs {b['context']})"
+        else:
+            layer_us = (b["step_median_us"] - a["step_median_us"]) / (hi - lo)
+            row.update(context=a["context"], per_layer_us=layer_us, fixed_us=a["step_median_us"] - lo * layer_us,
+                       **{f"step_{n}_layers_us": r["step_median_us"] for n, r in ((lo, a), (hi, b))})
+        rows.append(row)
+    return rows
+
+
+def _run_worker(layers: int, model_dir: Path, argv: list[str], env: dict[str, str], timeout: float,
+                chunk_tokens: int, log: Path) -> dict[str, Any]:
+    out = model_dir / "worker.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(out), "--deadline",
+           str(time.time() + timeout - 25), "--prefill-chunk-tokens", str(chunk_tokens), "--", *argv]
+    t0 = time.perf_counter()
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=max(timeout, 1))
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(proc.pid, sig)
+                    proc.wait(timeout=10)
+                    break
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    continue
+    rec = json.loads(out.read_text()) if out.exists() else {"runs": [], "errors": []}
+    rec.update(layers=layers, returncode=rc, wall_s=time.perf_counter() - t0,
+               log_tail=log.read_text(errors="replace")[-4000:] if (rc != 0 or rec.get("errors")) else "")
+    return rec
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    ap.add_argument("--context", type=int, default=CONTEXT)
+    ap.add_argument("--layers", type=int, nargs=2, default=list(LAYER_COUNTS))
+    ap.add_argument("--steps", type=int, default=DECODE_STEPS)
+    ap.add_argument("--time-budget", type=float, default=285.0, help="seconds for everything")
+    ap.add_argument("--mem-fraction-static", type=float, default=0.5)
+    ap.add_argument("--moe-runner-backend", default="marlin")
+    ap.add_argument("--prefill-chunk-tokens", type=int, default=0, help="0: 65536 with DeepGEMM, else 8192")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--plot-only", type=Path)
+    ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    args, rest = ap.parse_known_args(argv)
+    if args.worker:
+        return worker(args.worker, args.deadline, args.prefill_chunk_tokens, [a for a in rest if a != "--"])
+    if args.plot_only:
+        return plot(json.loads(args.plot_only.read_text()), args.plot_only.with_suffix(".png"))
+    t_start = time.perf_counter()
+    pre = preflight()
+    env = sglang_env(pre["modules"]["deep_gemm"])
+    chunk = args.prefill_chunk_tokens or (65536 if pre["modules"]["deep_gemm"] else 8192)
+    result: dict[str, Any] = dict(
+        what="SGLang 0.5.17 DeepseekV4ForCausalLM (V4-Flash widths, dummy weights) per-layer decode step",
+        python=platform.python_version(), preflight=pre, env=env, batches=args.batches, context=args.context,
+        layer_counts=args.layers, decode_steps=args.steps, prefill_chunk_tokens=chunk,
+        configs={n: v4_config_dict(n) for n in args.layers}, caveats=nearest_shape_caveats(),
+        timing="one_batch method: torch.cuda.synchronize + perf_counter per decode step (CUDA graph replay "
+               "+ host prepare), median of the steps", workers=[], per_layer=[], errors=[])
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_path = args.out / "sglang_v4_baseline.json"
+    if pre["blockers"]:
+        result["errors"] = [f"preflight: {b}" for b in pre["blockers"]]
+        json_path.write_text(json.dumps(result, indent=2))
+        print(f"blocked: {result['errors']}; wrote {json_path}")
+        return 2
+    with tempfile.TemporaryDirectory(prefix="sglang_v4_") as tmp:
+        steps_by: dict[int, dict[int, dict]] = {}
+        for k, layers in enumerate(args.layers):
+            model_dir = write_model_dir(Path(tmp) / f"v4_{layers}l", layers)
+            sargv = sglang_argv(model_dir, args.batches, args.context, args.steps, args.mem_fraction_static,
+                                args.moe_runner_backend)
+            left = args.time_budget - (time.perf_counter() - t_start)
+            timeout = left * (0.55 if k == 0 else 1.0) - 5
+            print(f"{layers} layers: worker with {timeout:.0f} s", flush=True)
+            rec = _run_worker(layers, model_dir, sargv, env, timeout, chunk, args.out / f"sglang_v4_baseline.{layers}l.log")
+            rec["bench_one_batch_equivalent"] = bench_one_batch_command(sargv)
+            result["workers"].append(rec)
+            steps_by[layers] = {r["batch"]: r for r in rec["runs"] if not r.get("warmup")}
+            result["errors"] += [f"{layers} layers, {e['stage']}: {e['error']}" for e in rec["errors"]]
+            if rec["returncode"] == "timeout":
+                result["errors"].append(f"{layers} layers: worker killed at its {timeout:.0f} s limit")
+            elif rec["returncode"] != 0 and not rec["errors"]:
+                result["errors"].append(f"{layers} layers: worker exit {rec['returncode']} (see its log_tail)")
+            for r in rec["runs"]:
+                print(f"  bs {r['batch']:4d} ctx {r['context']}: step {r['step_median_us']:.0f} us", flush=True)
+            json_path.write_text(json.dumps(result, indent=2))
+    result["per_layer"] = per_layer(steps_by, args.layers, args.batches)
+    result["errors"] += [f"per-layer, batch {r['batch']}: {r['error']}" for r in result["per_layer"] if "error" in r]
+    result["wall_s"] = time.perf_counter() - t_start
+    if pre["modules"]["matplotlib"]:
+        plot(result, args.out / "sglang_v4_baseline.png")
+    else:
+        result["png"] = "not written: matplotlib missing here; run --plot-only on the JSON elsewhere"
+    json_path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {json_path} ({result['wall_s']:.0f} s); per layer: "
+          + ", ".join(f"bs {r['batch']}: {r['per_layer_us']:.0f} us" if "per_layer_us" in r
+                      else f"bs {r['batch']}: {r['error']}" for r in result["per_layer"])
+          + f"; errors: {result['errors'] or 'none'}")
+    return 1 if result["errors"] else 0
+
+
+def plot(result: dict[str, Any], path: Path) -> int:
+    """Per-layer decode µs by batch; our decode_step.json layer total beside it when that file exists."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in result.get("per_layer", []) if "per_layer_us" in r]
+    if not rows:
+        print("nothing to plot: no per-layer rows")
+        return 1
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = list(range(len(rows)))
+    ax.bar([x - 0.2 for x in xs], [r["per_layer_us"] for r in rows], 0.4, label="SGLang 0.5.17 V4-Flash layer")
+    ours_path = path.parent / "decode_step.json"
+    if ours_path.exists():
+        ours = {r["tokens"]: sum(r.get(c, {}).get("median_us", 0.0) for c in ("attention", "indexer", "moe_routed",
+                                                                              "torch"))
+                for r in json.loads(ours_path.read_text()).get("decode", [])}
+        ax.bar([x + 0.2 for x in xs], [ours.get(r["batch"], 0.0) for r in rows], 0.4,
+               label="ours: V4.1-Flash layer (decode_step.json)")
+    ax.set_xticks(xs, [f"{r['batch']}\n(ctx {r['context']})" for r in rows])
+    ax.set(yscale="log", xlabel="decode batch", ylabel="µs per layer per step",
+           title="Per-layer decode step, one H200")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""CPU checks of benchmarks/sglang_v4_baseline.py: the V4 config it generates parses with SGLang
+0.5.17's own config classes at the intended shape, its argument lines parse with SGLang's own
+ServerArgs + BenchArgs parsers, the per-layer arithmetic, and the blocked-run JSON. No GPU run."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import sglang_v4_baseline as bench  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return bench.write_model_dir(tmp_path_factory.mktemp("v4") / "m", 4)
+
+
+def test_config_parses_with_sglang_model_config(model_dir, monkeypatch):
+    monkeypatch.setenv("SGLANG_DSV4_FP4_EXPERTS", "1")
+    from sglang.srt.configs.model_config import ModelConfig, is_deepseek_v4
+    mc = ModelConfig(str(model_dir), context_length=8448)
+    h = mc.hf_config
+    assert is_deepseek_v4(h) and h.architectures == ["DeepseekV4ForCausalLM"]
+    assert (h.hidden_size, h.num_hidden_layers, h.num_attention_heads, h.q_lora_rank, h.o_lora_rank) == (
+        4096, 4, 64, 1024, 1024)
+    assert (h.n_routed_experts, h.num_experts_per_tok, h.moe_intermediate_size, h.index_n_heads) == (256, 6, 2048, 64)
+    assert list(h.compress_ratios) == [4, 128, 4, 128, 0]
+    assert h.num_hash_layers == 0                       # what deepseek_v2.py reads for hash routing
+    assert (mc.head_dim, mc.qk_rope_head_dim, mc.index_head_dim, mc.window_size) == (512, 64, 128, 128)
+    assert mc.quantization == "fp8" and h.quantization_config["weight_block_size"] == [128, 128]
+    assert mc.is_fp4_experts is True                    # dummy weights take the MXFP4 expert path
+    assert mc.context_len == 8448
+
+
+def test_config_agrees_with_sglang_v4_dataclass():
+    from sglang.srt.configs.deepseek_v4 import DeepSeekV4Config
+    cfg = bench.v4_config_dict(2)
+    names = {f.name for f in dataclasses.fields(DeepSeekV4Config)}
+    parsed = DeepSeekV4Config(**{k: v for k, v in cfg.items() if k in names})
+    for key in ("hidden_size", "num_attention_heads", "q_lora_rank", "o_lora_rank", "o_groups", "n_routed_experts",
+                "moe_intermediate_size", "index_n_heads", "index_head_dim", "index_topk", "hc_mult",
+                "compress_ratios", "scoring_func", "vocab_size"):
+        assert getattr(parsed, key) == cfg[key], key
+    # V4-Flash's own widths are the dataclass defaults (so this is the released V4-Flash shape)
+    default = DeepSeekV4Config(architectures=["DeepseekV4ForCausalLM"], **{
+        k: cfg[k] for k in ("quantization_config", "compress_ratios", "rope_scaling")})
+    for key in ("hidden_size", "n_routed_experts", "moe_intermediate_size", "q_lora_rank", "index_n_heads"):
+        assert getattr(default, key) == cfg[key], key
+
+
+def test_layer_counts_and_pattern():
+    assert bench.v4_config_dict(2)["compress_ratios"] == [4, 128, 0]
+    assert bench.v4_config_dict(6)["num_hidden_layers"] == 6
+    for bad in (1, 3, 0):
+        with pytest.raises(ValueError):
+            bench.v4_config_dict(bad)
+
+
+def test_argument_line_parses_with_sglang_parsers(model_dir):
+    from sglang.benchmark.one_batch import BenchArgs
+    from sglang.srt.server_args import ServerArgs
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    BenchArgs.add_cli_args(parser)
+    argv = bench.sglang_argv(model_dir, [1, 8, 64, 256], 8192, 24, 0.5, "marlin")
+    a = parser.parse_args(argv)
+    assert a.load_format == "dummy" and a.model_path == str(model_dir) and a.moe_runner_backend == "marlin"
+    assert list(a.batch_size) == [1, 8, 64, 256] and list(a.input_len) == [8192] and list(a.output_len) == [25]
+    assert a.context_length % bench.PAGE == 0 and a.context_length >= 8192 + 25
+    assert a.max_total_tokens == 256 * a.context_length and a.max_running_requests == 256
+    bargs = BenchArgs.from_cli_args(a)
+    assert bargs.batch_size == (1, 8, 64, 256)
+    cmd = bench.bench_one_batch_command(argv)
+    assert cmd.startswith("python -m sglang.bench_one_batch --model-path") and len(cmd) < 2000
+
+
+def test_env_switches_exist_in_sglang():
+    from sglang.srt.environ import envs
+    fast, slow = bench.sglang_env(True), bench.sglang_env(False)
+    assert fast["SGLANG_DSV4_FP4_EXPERTS"] == "1" and "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH" not in fast
+    assert slow["SGLANG_FP8_PAGED_MQA_LOGITS_TORCH"] == "1" and slow["SGLANG_OPT_FP8_WO_A_GEMM"] == "0"
+    for name in slow:
+        if name.startswith("SGLANG_"):
+            assert hasattr(envs, name), name
+
+
+def test_per_layer_arithmetic():
+    lo = {1: {"context": 8192, "step_median_us": 1000.0}, 8: {"context": 8192, "step_median_us": 1200.0},
+          64: {"context": 8192, "step_median_us": 2000.0}}
+    hi = {1: {"context": 8192, "step_median_us": 1600.0}, 8: {"context": 4096, "step_median_us": 1800.0}}
+    rows = {r["batch"]: r for r in bench.per_layer({2: lo, 4: hi}, [2, 4], [1, 8, 64, 256])}
+    assert rows[1]["per_layer_us"] == pytest.approx(300.0) and rows[1]["fixed_us"] == pytest.approx(400.0)
+    assert "contexts differ" in rows[8]["error"]
+    assert "missing run for 4 layers" in rows[64]["error"]
+    assert "missing run for 2 layers" in rows[256]["error"]
+
+
+def test_caveats_name_the_shape_differences():
+    text = " ".join(bench.nearest_shape_caveats())
+    for needle in ("hidden 4096 vs V4.1 5120", "routed experts 256 vs 384", "1.41x", "c128", "hash routing"):
+        assert needle in text, needle
+
+
+def test_blocked_preflight_writes_json_and_fails(tmp_path, monkeypatch):
+    real = bench.importlib.util.find_spec
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda m: None if m == "tilelang" else real(m))
+    pre = bench.preflight()
+    assert pre["modules"]["tilelang"] is False
+    assert any("TileLang" in b and "tilelang==0.1.11" in b for b in pre["blockers"])
+    rc = bench.main(["--out", str(tmp_path)])
+    assert rc == 2
+    result = json.loads((tmp_path / "sglang_v4_baseline.json").read_text())
+    assert result["errors"] and any("TileLang" in e for e in result["errors"])
+    assert result["configs"]["2"]["hidden_size"] == 4096 and result["workers"] == []
