@@ -12,7 +12,9 @@ scheduler process (runtime.md §B "The general-purpose hook"; cpu.md §4). It re
    (`ModelConfig._derive_hybrid_model`), its budget per token counts the runtime's int32 token id
    per SWA slot (`HybridSWAPoolConfigurator.__init__`), and the paged allocator's
    `alloc_extend` / `alloc_decode` run in torch on CPU servers (SGLang's are Triton kernels);
-4. the chat API (`sglang_dsv41.api.register.register_api()`: parsers and chat hooks), when that
+4. the attention backend `dsv41` (`runtime/graph_backend.py`: torch_native plus the decode
+   CUDA-graph hooks) in SGLang's `--attention-backend` choices and backend registry;
+5. the chat API (`sglang_dsv41.api.register.register_api()`: parsers and chat hooks), when that
    module is installed.
 
 Architecture name — we keep `DeepseekV41ForCausalLM` (upstream 0.5.23 rewrites it to
@@ -141,6 +143,14 @@ def register_api_if_present() -> bool:
     return True
 
 
+def register_graph_backend() -> None:
+    """`--attention-backend dsv41` (torch_native + the decode CUDA-graph hooks,
+    `runtime/graph_backend.py`) in SGLang's choices and registry of this process."""
+    from .runtime import graph_backend
+
+    graph_backend.register()
+
+
 def register() -> None:
     """Entry point run by SGLang in every process; idempotent. Any failure stops the process."""
     check_sglang_version()
@@ -148,6 +158,7 @@ def register() -> None:
         register_config()
         register_model()
         register_runtime_hooks()
+        register_graph_backend()
         register_api_if_present()
     except PluginLoadError:
         raise

@@ -55,8 +55,10 @@ def sglang_parser() -> argparse.ArgumentParser:
     from sglang.srt.server_args import ServerArgs
 
     from sglang_dsv41.api.register import register_parsers
+    from sglang_dsv41.runtime import graph_backend
 
     register_parsers()
+    graph_backend.register()                  # `--attention-backend dsv41`, as the plugin load does
     ap = argparse.ArgumentParser(exit_on_error=False)
     ServerArgs.add_cli_args(ap)
     return ap
@@ -100,10 +102,11 @@ def test_every_generated_flag_exists_in_sglang_0_5_17(path: Path, sglang_parser)
             ns = _parse(sglang_parser, c.args)
             assert ns.model_path == model_path(dc) and ns.tp_size == dc.parallel.tp
             assert ns.reasoning_parser == "deepseek-v41" and ns.tool_call_parser == "deepseek-v41"
-            assert ns.attention_backend == "torch_native"      # the runtime's flags, on every config
-            if gpu:
-                assert ns.disable_cuda_graph and ns.sampling_backend == "pytorch"
+            if gpu:                                             # the runtime's flags, on every config
+                assert ns.attention_backend == "dsv41" and ns.sampling_backend == "pytorch"
+                assert ns.disable_cuda_graph == (dc.parallel.tp > 1)   # decode graphs at TP 1
             else:
+                assert ns.attention_backend == "torch_native"
                 assert ns.sleep_on_idle and ns.device == "cpu"
 
 
@@ -210,7 +213,7 @@ def test_launch_and_serve_take_the_runtime_flags_from_one_declaration(tiny_check
         flags = CURRENT_RUNTIME.server_args(device)
         configured = {"--max-total-tokens"} if device == "cpu" else set()   # tiny-cpu sets its own pool size
         for f in CURRENT_RUNTIME.flags:
-            if device in f.devices and f.flag not in configured:
+            if device in f.devices and not f.multi_gpu_only and f.flag not in configured:   # tiny: TP 1
                 i = args.index(f.flag)
                 assert list(args[i:i + len(f.args())]) == f.args()
         served = serve.build_launch(["--device", device, "--model-path", str(tiny_checkpoint)]).argv

@@ -76,15 +76,18 @@ def test_dry_run_prints_the_command(cache_home: Path, tiny_checkpoint: Path,
     assert "SGLANG_USE_CPU_ENGINE=1" in out and "-m sglang.launch_server" in out and "--dry-run" not in out
 
 
-def test_cuda_launch_uses_the_torch_path_flags_without_cpu_environment(tiny_checkpoint: Path,
+def test_cuda_launch_uses_the_runtime_flags_without_cpu_environment(tiny_checkpoint: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
     launch = serve.build_launch(["--device", "cuda", "--model-path", str(tiny_checkpoint)])
     a = launch.argv
-    assert a[a.index("--device") + 1] == "cuda" and a[a.index("--attention-backend") + 1] == "torch_native"
-    assert "--disable-cuda-graph" in a and "--sleep-on-idle" not in a and "--max-total-tokens" not in a
+    assert a[a.index("--device") + 1] == "cuda" and a[a.index("--attention-backend") + 1] == "dsv41"
+    assert "--disable-cuda-graph" not in a and a[a.index("--cuda-graph-max-bs-decode") + 1] == "16"   # decode graphs at TP 1
+    assert "--sleep-on-idle" not in a and "--max-total-tokens" not in a
     assert a[a.index("--sampling-backend") + 1] == "pytorch"   # no flashinfer JIT on a fresh GPU machine
     assert "SGLANG_USE_CPU_ENGINE" not in launch.env
+    tp2 = serve.build_launch(["--device", "cuda", "--model-path", str(tiny_checkpoint), "--tp-size", "2"]).argv
+    assert "--disable-cuda-graph" in tp2                              # TP > 1 stays eager for now
 
 
 def test_flags_come_from_the_runtime_declaration(tiny_checkpoint: Path, cache_home: Path) -> None:

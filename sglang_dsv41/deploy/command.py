@@ -132,8 +132,10 @@ def runtime_limits(dc: DeploymentConfig, runtime: RuntimeProfile = CURRENT_RUNTI
     if not dc.features.text_only and not runtime.vision:
         limit("vision", "image input (the V4.1 vision tower)")
     graphs = _cuda_graph_request(dc)
-    if graphs and not runtime.cuda_graphs:
-        limit("cuda_graphs", f"CUDA graphs ({graphs})")
+    prefill_graphs = dc.cuda_graph.prefill in ("full", "breakable")
+    if graphs and (not runtime.cuda_graphs or (prefill_graphs and not runtime.prefill_cuda_graphs)
+                   or p.tp not in runtime.cuda_graph_tp_sizes):
+        limit("cuda_graphs", f"CUDA graphs ({graphs}){f' at TP {p.tp}' if p.tp > 1 else ''}")
     if dc.pd is not None and not runtime.pd_disaggregation:
         limit("pd_disaggregation", f"prefill/decode disaggregation over {dc.pd.transfer_backend}")
     if dc.serving.kv_cache_dtype not in runtime.kv_cache_dtypes:
@@ -243,9 +245,8 @@ def _router_command(dc: DeploymentConfig) -> Command:
 def _notes(dc: DeploymentConfig, runtime: RuntimeProfile) -> list[str]:
     notes = []
     configured = _server_args(dc, dc.serving.host, dc.serving.port) + list(dc.serving.extra_args)
-    added = runtime_args(dc, runtime, configured)
     for f in runtime.flags:
-        if f.flag in added:
+        if f.applies(device_of(dc), configured):          # exactly the flags runtime_args added
             notes.append(f"added for the {runtime.name} runtime ({runtime.doc}): {' '.join(f.args())} — {f.why}")
     if dc.model.tiny_seed is not None:
         notes.append(f"model: the tiny random checkpoint (seed {dc.model.tiny_seed}) in the sglang-dsv41 cache — "

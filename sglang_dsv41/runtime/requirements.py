@@ -24,6 +24,8 @@ from typing import Literal, Sequence
 Device = Literal["cpu", "cuda"]
 DEVICES: tuple[Device, ...] = ("cpu", "cuda")
 TP_FLAGS = ("--tp-size", "--tensor-parallel-size")
+#: `runtime/graph_backend.BACKEND_NAME` (kept here as a literal: this module imports no SGLang code)
+GRAPH_BACKEND_NAME = "dsv41"
 DP_ATTENTION_FLAG = "--enable-dp-attention"
 #: SGLang page size the runtime asks for: even, so a ratio-2 entry's 2 token rows share a page
 #: (phase-2 contracts §2); the smallest such value (see the `--page-size` flag's reason).
@@ -57,6 +59,15 @@ class ServerFlag:
     value: str | None  # None: a switch
     devices: tuple[Device, ...]
     why: str
+    multi_gpu_only: bool = False  # only when the given args ask for --tp-size > 1
+
+    def applies(self, device: Device, given: Sequence[str]) -> bool:
+        if device not in self.devices or has_flag(given, self.flag):
+            return False
+        if self.multi_gpu_only:
+            tp = flag_value(given, TP_FLAGS)
+            return tp is not None and tp.isdigit() and int(tp) > 1
+        return True
 
     def args(self) -> list[str]:
         return [self.flag] if self.value is None else [self.flag, self.value]
@@ -74,6 +85,8 @@ class RuntimeProfile:
     cuda_graphs: bool
     pd_disaggregation: bool
     kv_cache_dtypes: tuple[str, ...]  # SGLang --kv-cache-dtype values the runtime accepts
+    cuda_graph_tp_sizes: tuple[int, ...] = (1, 2, 4, 8)  # TP sizes whose decode is captured
+    prefill_cuda_graphs: bool = True
     dp_attention: bool = False  # SGLang --enable-dp-attention (each rank its own requests)
     reasons: dict[str, str] = field(default_factory=dict)  # limit name -> why, for refusals
 
@@ -83,7 +96,7 @@ class RuntimeProfile:
             raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
         out: list[str] = []
         for f in self.flags:
-            if device in f.devices and not has_flag(given, f.flag):
+            if f.applies(device, given):
                 out += f.args()
         return out
 
@@ -103,12 +116,18 @@ class RuntimeProfile:
         if has_flag(args, DP_ATTENTION_FLAG) and not self.dp_attention:
             raise ValueError(f"{DP_ATTENTION_FLAG}: {self.reasons['dp_attention']}")
 
+    def graph_summary(self) -> str:
+        if not self.cuda_graphs:
+            return "no"
+        prefill = "decode + prefill" if self.prefill_cuda_graphs else "decode"
+        return f"{prefill} at TP {'/'.join(map(str, self.cuda_graph_tp_sizes))}"
+
     def summary(self) -> list[str]:
         """One line per property, for `doctor` and the docs."""
         yes_no = {True: "yes", False: "no"}
         lines = [f"tensor parallel sizes: {', '.join(map(str, self.tp_sizes))}",
                  f"vision (image input): {yes_no[self.vision]}",
-                 f"CUDA graphs: {yes_no[self.cuda_graphs]}",
+                 f"CUDA graphs: {self.graph_summary()}",
                  f"PD disaggregation: {yes_no[self.pd_disaggregation]}",
                  f"DP attention: {yes_no[self.dp_attention]}",
                  f"--kv-cache-dtype: {', '.join(self.kv_cache_dtypes)}"]
@@ -121,9 +140,12 @@ TORCH_PATH = RuntimeProfile(
     name="torch path",
     doc="docs/runtime.md",
     flags=(
-        ServerFlag("--attention-backend", "torch_native", ("cpu", "cuda"),
+        ServerFlag("--attention-backend", "torch_native", ("cpu",),
                    "the model computes its own attention from its slot caches; SGLang's backend only has to "
                    "construct, and torch_native accepts the single-KV-head, v_head_dim = 0 pool"),
+        ServerFlag("--attention-backend", GRAPH_BACKEND_NAME, ("cuda",),
+                   "torch_native plus the decode CUDA-graph hooks SGLang's graph runner calls "
+                   "(runtime/graph_backend.py); the model computes its own attention"),
         ServerFlag("--page-size", str(PAGE_SIZE), ("cpu", "cuda"),
                    "a ratio-2 compressed entry spans the rows of 2 consecutive token slots, so pages must be "
                    "even; 2 is the smallest such size: prefix hits are page-aligned (at most 1 token "
@@ -132,8 +154,13 @@ TORCH_PATH = RuntimeProfile(
                    "an SWA token costs L·2·head_dim bytes (Flash 40 KiB) against 890 B of global KV; SGLang's "
                    "default 0.8 would spend 97 % of the KV budget on SWA slots, while a decoding request needs "
                    "only window + page of them (0.1 covers requests from ~1,300 tokens up at Flash)"),
+        ServerFlag("--cuda-graph-max-bs-decode", "16", ("cuda",),
+                   "decode runs as CUDA graphs (static decode layout, runtime/batch.py); each captured batch "
+                   "size is one more capture at start-up and the static indexer width is the context "
+                   "length, so a modest ceiling keeps start-up and graph memory small"),
         ServerFlag("--disable-cuda-graph", None, ("cuda",),
-                   "the torch forward syncs with the host and has data-dependent shapes"),
+                   "tensor parallel > 1 runs eagerly for now: the sharded Engram lookup checks row ranges "
+                   "on the host", multi_gpu_only=True),
         ServerFlag("--sampling-backend", "pytorch", ("cuda",),
                    "flashinfer's sampler JIT-compiles with nvcc on a fresh machine (minutes); the torch sampler "
                    "is exact for greedy and fast enough for the torch path"),
@@ -144,7 +171,9 @@ TORCH_PATH = RuntimeProfile(
     ),
     tp_sizes=(1, 2, 4, 8),
     vision=False,
-    cuda_graphs=False,
+    cuda_graphs=True,
+    cuda_graph_tp_sizes=(1,),
+    prefill_cuda_graphs=False,
     pd_disaggregation=False,
     kv_cache_dtypes=("auto", "bf16"),
     reasons={
@@ -155,8 +184,9 @@ TORCH_PATH = RuntimeProfile(
                         "gather; serve with plain --tp-size",
         "vision": "the runtime serves text only for now: vision tensors are not loaded and image requests are "
                   "refused; set features.text_only: true to serve text",
-        "cuda_graphs": "the runtime runs eagerly for now (the torch forward syncs with the host and has "
-                       "data-dependent shapes); the launcher adds --disable-cuda-graph",
+        "cuda_graphs": "the runtime captures decode CUDA graphs at TP 1 only (static decode layout); prefill runs "
+                       "eagerly, and TP > 1 eagerly for now (the sharded Engram lookup checks row ranges on the "
+                       "host; the launcher adds --disable-cuda-graph there)",
         "pd_disaggregation": "the runtime keeps request-scoped state beside SGLang's pool (the pending first token "
                              "of a ratio-2 pair) and cannot transfer it between prefill and decode servers yet",
         "kv_cache_dtype": "the runtime needs SGLang's pool in bf16: its global rows hold packed FP4 entries "
