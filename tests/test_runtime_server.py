@@ -123,8 +123,14 @@ def test_server_is_configured_as_requested(server: Server) -> None:
         info = json.loads(r.read())
     on_gpu = torch.cuda.is_available()
     assert info["chunked_prefill_size"] == CHUNK and info["device"] == ("cuda" if on_gpu else "cpu")
-    assert info["attention_backend"] == "torch_native" and info["sleep_on_idle"] is (not on_gpu)
+    assert info["attention_backend"] == ("dsv41" if on_gpu else "torch_native")
+    assert info["sleep_on_idle"] is (not on_gpu)
     assert info["page_size"] == 2 and info["swa_full_tokens_ratio"] == 0.1    # runtime/requirements.py
+    if on_gpu:                                    # decode CUDA graphs (runtime/graph_backend.py) captured
+        assert info["disable_cuda_graph"] is False
+        log = server.log_tail(10**7)
+        assert "Capturing batches" in log and re.search(r"Capture .*end", log), log[-3000:]
+        assert "CUDA-graph decode up to batch size" in log
 
 
 def test_sglang_built_the_hybrid_swa_pool(server: Server) -> None:
