@@ -194,7 +194,9 @@ def test_input_audit() -> None:
         ops.linear_bf16(_bf16_values(3, 64, g=g), w)
 
 
-class _DtypeAudit(TorchDispatchMode):
+class DtypeAudit(TorchDispatchMode):
+    """Records the dtype of every tensor an op produces (shared with the GPU file)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.dtypes: set[torch.dtype] = set()
@@ -212,12 +214,12 @@ def test_backend_creates_no_float64_tensor() -> None:
     w = _fp8_like_weight(64, 128, g)
     backend = BlockedBf16Gemm(DenseWeightCache.from_weights({"a.weight": w}), row_block=8, audit_inputs=True)
     x = _bf16_values(20, 128, g=g)
-    audit = _DtypeAudit()
+    audit = DtypeAudit()
     with audit:
         backend.matmul(x, w)
         backend.matmul(x[:, :64].contiguous(), w[:, :64])   # a strided view of a registered weight
     assert F64 not in audit.dtypes and F32 in audit.dtypes
-    exact_audit = _DtypeAudit()                              # the audit does see the exact path's float64
+    exact_audit = DtypeAudit()                              # the audit does see the exact path's float64
     with exact_audit:
         ops.matmul_fp32_exact(x, w)
     assert F64 in exact_audit.dtypes

@@ -17,9 +17,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from reference_weights import TINY_TEST_COMPRESSED_VOCAB, random_reference_weights, tiny_config
+from test_runtime_dense_ops import DtypeAudit
 from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.presets import flash_config_dict
 from sglang_dsv41.reference import compressor, ops
@@ -103,19 +103,6 @@ def test_rows_do_not_depend_on_the_batch_on_cuda() -> None:
             assert torch.equal(backend.matmul(x[lo:hi], w), full[lo:hi]), (name, lo, hi)
 
 
-class _DtypeAudit(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.dtypes: set[torch.dtype] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor):
-                self.dtypes.add(t.dtype)
-        return out
-
-
 def _peak_extra_bytes(run) -> int:
     """Peak CUDA memory allocated while `run()` executes, above what was allocated before."""
     torch.cuda.synchronize()
@@ -140,13 +127,13 @@ def test_no_float64_and_no_per_call_weight_conversion() -> None:
             ops.matmul_fp32_exact(x, w)
             ops.matmul_fp32_exact(x[:, : k // 2].contiguous(), w[:, : k // 2])     # a view of the weight
 
-    audit = _DtypeAudit()
+    audit = DtypeAudit()
     with audit:
         calls()
     assert F64 not in audit.dtypes and BF16 in audit.dtypes
     extra = _peak_extra_bytes(calls)
     assert extra < w.numel(), extra                             # < half the BF16 copy: no weight conversion
-    exact_audit = _DtypeAudit()                                 # the checks see the exact path's copies
+    exact_audit = DtypeAudit()                                 # the checks see the exact path's copies
     with exact_audit:
         assert _peak_extra_bytes(lambda: ops.matmul_fp32_exact(x, w)) >= 8 * w.numel()
     assert F64 in exact_audit.dtypes
