@@ -2,13 +2,18 @@
 
 The layer generator writes every stored tensor of the layer in the checkpoint's formats (checked
 against the inventory independently here); the loaded layer holds the reference loader's values;
-the byte accounting matches the inventory; one decode point (N = 1, 3) runs the torch work and
-the routed experts on CPU, and the routed term equals the reference MoE's; without CUDA the
-script refuses to run.
+the packed caches hold, at every entry index of the layer's kv source, entries that decode
+(through `kv_layout`'s independent reader) to the BF16 copies, and nothing outside the source's
+columns; the byte accounting matches the inventory and the kernels' own per-query byte formulas
+(288 B latent / 68 B key per packed entry at Flash); one decode point (N = 1, 3) runs the torch
+work, the routed experts and the eager whole step on CPU and yields a well-formed row; the
+routed term equals the reference MoE's; the CUDA-graph fallback (capture alone, exclude, graph
+the rest) is exercised with a stand-in capture; without CUDA the script refuses to run.
 """
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -18,8 +23,13 @@ from reference_weights import tiny_config
 
 from sglang_dsv41.checkpoint.loader import logical_tensor, stored_problem
 from sglang_dsv41.checkpoint.names import Kind, tensor_inventory
+from sglang_dsv41.config import DeepseekV41Config
+from sglang_dsv41.kernels.indexer import score_bytes_per_query
+from sglang_dsv41.kernels.sparse_attention import bytes_read_per_query
+from sglang_dsv41.presets import flash_config_dict
 from sglang_dsv41.reference import moe as ref_moe
 from sglang_dsv41.reference.ops import bf16
+from sglang_dsv41.runtime.kv_layout import CompressedRowLayout, PackedSourceRows
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_step.py"
 
@@ -79,20 +89,69 @@ def test_built_layer_values_and_bytes(bench, setup) -> None:
 def test_step_bytes(bench, setup) -> None:
     _, _, built = setup
     t = built.text
-    b = bench.step_bytes(built, 3, n_visible=10, distinct_experts=5)
+    N, n = 3, 10
+    b = bench.step_bytes(built, N, n_visible=n, distinct_experts=5)
     assert b["moe_routed"] == dict(current=5 * built.expert_bytes, design=5 * built.expert_bytes)
-    valid = t.sliding_window + min(t.index_topk, 10)
-    assert b["attention"]["current"] == 3 * (t.num_attention_heads * t.head_dim * 2 + valid * t.head_dim * 2
-                                             + (t.sliding_window + t.index_topk) * 4)
-    for c in ("attention", "indexer", "torch"):
+    k = min(t.index_topk, n)
+    attention = dict(num_heads=t.num_attention_heads, head_dim=t.head_dim, window=t.sliding_window,
+                     topk=t.index_topk, valid_keys=t.sliding_window + k, slot_bytes=8, valid_comp_keys=k)
+    assert b["attention"]["current"] == N * bytes_read_per_query(**attention, packed_comp=True)
+    assert b["attention_bf16"]["current"] == N * bytes_read_per_query(**attention, packed_comp=False)
+    scores = dict(n_visible=n, num_entries=n, hi=t.index_n_heads, di=t.index_head_dim, slot_bytes=8, q_bytes=4)
+    assert b["indexer"]["current"] == N * score_bytes_per_query(**scores, packed_keys=True)
+    assert b["indexer_bf16"]["current"] == N * score_bytes_per_query(**scores, packed_keys=False)
+    assert b["indexer"]["design"] == b["indexer"]["current"]                 # packed keys are the design
+    for c in ("attention", "attention_bf16", "indexer_bf16", "torch"):
         assert b[c]["design"] < b[c]["current"]
+
+
+def test_step_bytes_flash_packed_entry_sizes(bench) -> None:
+    """At Flash a packed latent costs 288 B instead of 1024, a packed key 68 B instead of 256."""
+    cfg = DeepseekV41Config.from_dict(flash_config_dict())
+    t = cfg.text
+    layer = bench.Layer(cfg, t.layer_roles()[2], {}, {"dense": 1}, 4, 0, torch.zeros(1))
+    N, n = 4, 4096
+    b = bench.step_bytes(layer, N, n_visible=n, distinct_experts=1)
+    assert b["attention_bf16"]["current"] - b["attention"]["current"] == N * t.index_topk * (1024 - 288)
+    assert b["indexer_bf16"]["current"] - b["indexer"]["current"] == N * n * (256 - 68)
+
+
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_packed_caches(bench, setup, ratio: int) -> None:
+    cfg, _, built = setup
+    if built.role.ratio != ratio:      # make_caches reads only the config and the role
+        role = next(r for r in cfg.text.layer_roles() if r.ratio == ratio and r.computes_latents)
+        built = bench.Layer(cfg, role, {}, {}, 0, 0, torch.zeros(1))
+    requests, C = 2, 16
+    caches = bench.make_caches(built, requests, C, torch.device("cpu"), bf16_copies=True)
+    layout = CompressedRowLayout.from_config(cfg.text)
+    src = layout.source(built.role.kv_source)
+    r, S = src.ratio, requests * C
+    assert caches.swa.shape == (S, cfg.text.head_dim) and caches.swa.dtype == torch.bfloat16
+    assert caches.packed.rows.shape == (S, layout.storage_row_bytes) and caches.packed.rows.dtype == torch.uint8
+    assert (caches.packed.offset, caches.packed.share, caches.packed.ratio) == (src.offset, src.share, r)
+    outside = torch.ones(layout.storage_row_bytes, dtype=torch.bool)
+    outside[src.offset: src.offset + src.share] = False
+    assert not caches.packed.rows[:, outside].any()                         # other sources untouched
+    reader = PackedSourceRows(caches.packed.rows, src, layout)
+    e = torch.arange(S // r)
+    slot = e * r + r - 1
+    assert torch.equal(reader.latents(e), caches.latents[slot].float())
+    assert torch.equal(reader.keys(e), caches.keys[slot].float())
+    assert reader.latents(e).abs().amax(dim=1).min() > 0                  # every entry was written
+    assert not caches.latents[(torch.arange(S) % r) != r - 1].any()       # copies only at completing slots
+    plain = bench.make_caches(built, requests, C, torch.device("cpu"))
+    assert plain.latents is None and plain.keys is None
+    assert torch.equal(plain.packed.rows, caches.packed.rows)              # same seed, same entries
+    if r > 1:
+        with pytest.raises(ValueError, match="multiple of the compress ratio"):
+            bench.make_caches(built, 1, 2 * r + 1, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("N", [1, 3])
 def test_decode_point_on_cpu(bench, setup, N: int) -> None:
     cfg, layer, built = setup
     caches = bench.make_caches(built, N, 16, torch.device("cpu"))
-    assert caches.swa.shape == (N * 16, cfg.text.head_dim) and caches.keys.shape == (N * 16, cfg.text.index_head_dim)
     errors: list[str] = []
     pos = torch.full((N,), 15, dtype=torch.long)
     row = bench.run_point(built, caches, torch.arange(N), pos, cap_s=0.01, copy_gbs=None, errors=errors)
@@ -101,10 +160,80 @@ def test_decode_point_on_cpu(bench, setup, N: int) -> None:
     for c in ("torch", "moe_routed"):
         assert row[c]["median_us"] > 0 and row[c]["reps"] >= 1 and set(row[c]["bytes"]) == {"current", "design"}
     assert "attention" not in row and "indexer" not in row           # Triton kernels: CUDA only
+    assert row["layer_us_sum"] == row["torch"]["median_us"] + row["moe_routed"]["median_us"]
+    assert row["eager"]["parts"] == ["torch", "moe_routed"] and row["layer_us_eager"] == row["eager"]["median_us"] > 0
+    assert row["eager"]["bytes"]["current"] == row["torch"]["bytes"]["current"] + row["moe_routed"]["bytes"]["current"]
+    assert row["layer_us_graph"] is None and "CUDA" in row["graph"]["skipped"] and row["graph_excluded"] == {}
+    assert bench.decode_row_problems(row) == []
+    json.dumps(row)                                                   # the JSON document holds rows as they are
     queries = bench.queries(built, caches, torch.arange(N), pos)
     W = cfg.text.sliding_window
     assert torch.equal(queries["swa_slots"][-1], torch.where(torch.arange(16 - W, 16) >= 0,
                                                              (N - 1) * 16 + torch.arange(16 - W, 16), -1))
+
+
+def test_wall_budget_skips_parts(bench, setup) -> None:
+    _, _, built = setup
+    caches = bench.make_caches(built, 1, 16, torch.device("cpu"))
+    errors: list[str] = []
+    skipped: list[str] = []
+    row = bench.run_point(built, caches, torch.arange(1), torch.tensor([15]), cap_s=0.01, copy_gbs=None,
+                          errors=errors, skipped=skipped, deadline=0.0)
+    assert errors == [] and skipped == ["N=1 torch", "N=1 moe_routed"]
+    assert row["torch"] == dict(skipped=bench.BUDGET_NOTE) and row["layer_us_sum"] == 0
+    assert row["layer_us_eager"] is None and row["eager"] == dict(skipped="no component of the step ran")
+    assert bench.decode_row_problems(row) == []
+
+
+def test_decode_row_problems_finds_malformed_rows(bench) -> None:
+    good = dict(tokens=1, distinct_experts=1, visible_entries=1, layer_us_sum=1.0,
+                eager=dict(parts=["torch"], median_us=2.0, reps=1, bytes={}), graph=dict(error="x"),
+                layer_us_eager=2.0, layer_us_graph=None, graph_excluded={})
+    assert bench.decode_row_problems(good) == []
+    assert bench.decode_row_problems(bench.failed_row(8, "RuntimeError: x")) == []
+    assert bench.decode_row_problems({k: v for k, v in good.items() if k != "layer_us_graph"}) == [
+        "missing key layer_us_graph"]
+    assert bench.decode_row_problems(good | dict(layer_us_eager=3.0)) == ["layer_us_eager is not eager.median_us"]
+    assert bench.decode_row_problems(good | dict(torch=dict(median_us=1.0))) == ["torch: timing without reps/bytes"]
+    bad_graph = good | dict(graph=dict(median_us=1.0, reps=1, bytes={}, parts=["a"], excluded={"a": "e"}),
+                            layer_us_graph=1.0)
+    assert bench.decode_row_problems(bad_graph) == ["a part is both graphed and excluded"]
+
+
+def test_graph_fallback_excludes_parts_that_cannot_be_captured(bench, monkeypatch) -> None:
+    """`graph_of` on CPU with a stand-in capture that fails whenever part "b" is inside."""
+    calls: list[list[str]] = []
+    parts = {name: (lambda name=name: name) for name in ("a", "b", "c")}
+
+    def capture(fns, warmup_calls=bench.GRAPH_WARMUP_CALLS):
+        names = [fn() for fn in fns]
+        calls.append(names)
+        if "b" in names:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return ("graph", tuple(names))
+    monkeypatch.setattr(bench, "capture_graph", capture)
+    monkeypatch.setattr(bench, "settle_after_failed_capture", lambda: None)
+    graph, excluded = bench.graph_of(parts)
+    assert graph == ("graph", ("a", "c")) and list(excluded) == ["b"]
+    assert "RuntimeError: operation not permitted" in excluded["b"]
+    assert calls == [["a", "b", "c"], ["a"], ["b"], ["c"], ["a", "c"]]
+    assert bench.graph_of({"a": parts["a"], "c": parts["c"]}) == (("graph", ("a", "c")), {})
+    with pytest.raises(RuntimeError, match="no part of the step can be captured"):
+        bench.graph_of({"b": parts["b"]})
+
+    def only_alone(fns, warmup_calls=bench.GRAPH_WARMUP_CALLS):
+        if len(fns) > 1:
+            raise RuntimeError("out of memory")
+        return "graph"
+    monkeypatch.setattr(bench, "capture_graph", only_alone)
+    with pytest.raises(RuntimeError, match="captures alone but the whole step does not: RuntimeError: out of memory"):
+        bench.graph_of(parts)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")
+def test_capture_refuses_without_cuda(bench) -> None:
+    with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA device"):
+        bench.capture_graph([lambda: None])
 
 
 def test_routed_component_is_the_reference_routed_term(bench, setup) -> None:
@@ -123,3 +252,14 @@ def test_routed_component_is_the_reference_routed_term(bench, setup) -> None:
 def test_refuses_without_cuda(bench) -> None:
     with pytest.raises(SystemExit, match="CUDA"):
         bench.main(["--quick"])
+
+
+def test_plot_eager_vs_graph(bench, tmp_path) -> None:
+    pytest.importorskip("matplotlib")                    # on the GPU machine; absent on the CPU box
+    timing = lambda us, frac: dict(median_us=us, reps=3, bytes={}, fraction_of_copy_bw=dict(current=frac))  # noqa: E731
+    rows = [dict(tokens=n, torch=timing(20000.0, 0.01), indexer=timing(1000.0, 0.1), attention=timing(100.0, 0.2),
+                 moe_routed=timing(2000.0, 0.3), eager=timing(25000.0 * n, 0.05), graph=timing(5000.0 * n, 0.2))
+            for n in (1, 8)]
+    rows.append(bench.failed_row(64, "RuntimeError: x"))
+    bench.plot(rows, tmp_path / "p.png", "CPU")
+    assert (tmp_path / "p.png").stat().st_size > 10_000
