@@ -524,7 +524,7 @@ def step_timing(parts: Mapping[str, Callable[[], object]], nbytes: Mapping[str, 
             out["eager_same_parts_us"] = measure(run_all(kept), cap_s, device)["median_us"]
         return out
     if not graph:
-        g_row = dict(skipped="CUDA graphs need a CUDA device")
+        g_row = dict(skipped="not run: no CUDA device, or --no-graph")
     elif not parts:
         g_row = dict(skipped="no component of the step ran")
     else:
