@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import math
 
 import deepseek_recipe as recipe
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from PIL import Image, ImageOps
 
@@ -41,14 +40,43 @@ def recipe_resized_size(img: Image.Image) -> tuple[int, int]:
     return info.width, info.height
 
 
-def upscaled_area_below_min(w: int, h: int, v: VisionConfig) -> bool:
-    """True where the spec's truncating min_pixels up-scale, after rounding up to patches, still
-    has fewer than min_pixels pixels — the one region where recipe 0.2.0 plans differently."""
-    if w * h >= v.min_pixels:
-        return False
-    s = math.sqrt(v.min_pixels / (w * h))
-    p = v.patch_size
-    return math.ceil(int(w * s) / p) * p * math.ceil(int(h * s) / p) * p < v.min_pixels
+def replan(g: ImageGrid, v: VisionConfig) -> ImageGrid:
+    """The spec plan of a plan's own output size."""
+    return plan_image_grid(g.resized_width, g.resized_height, v)
+
+
+def spec_plan_is_fixed_point(w: int, h: int, v: VisionConfig) -> bool:
+    """False exactly where recipe 0.2.0 plans differently from the spec: the spec's single-pass
+    plan, planned again, changes. That needs a planned area below min_pixels (a plan output is
+    patch-aligned and within the token budget, so only step 2 can act) whose truncating up-scale
+    grows a side: after the min_pixels up-scale (e.g. 1×41) or after a step-5 down-scale of a tall
+    thin image whose float64 width lands on 28 px (e.g. 158×26913)."""
+    g = plan_image_grid(w, h, v)
+    again = replan(g, v)
+    return (again.resized_width, again.resized_height) == (g.resized_width, g.resized_height)
+
+
+def replan_until_fixed(w: int, h: int, v: VisionConfig, max_rounds: int = 64) -> ImageGrid:
+    """recipe 0.2.0's rule: iterate the spec plan until its size stops changing."""
+    g = plan_image_grid(w, h, v)
+    for _ in range(max_rounds):
+        again = replan(g, v)
+        if (again.resized_width, again.resized_height) == (g.resized_width, g.resized_height):
+            return g
+        g = again
+    raise AssertionError(f"{w}x{h}: re-planning did not converge in {max_rounds} rounds")
+
+
+def check_against_recipe(w: int, h: int) -> None:
+    """Spec plan == recipe wherever the spec plan is a fixed point; elsewhere (documented
+    divergence) our plan is under min_pixels and the recipe equals the iterated spec plan."""
+    ours = plan_image_grid(w, h, FLASH_V)
+    theirs = recipe_tokens(w, h)
+    if spec_plan_is_fixed_point(w, h, FLASH_V):
+        assert ours.num_tokens == theirs, (w, h)
+    else:
+        assert ours.resized_width * ours.resized_height < FLASH_V.min_pixels, (w, h)
+        assert replan_until_fixed(w, h, FLASH_V).num_tokens == theirs, (w, h)
 
 
 def check_grid_invariants(g: ImageGrid, v: VisionConfig) -> None:
@@ -122,29 +150,69 @@ def test_grid_invariants_random_sizes(w, h, flash):
 # ---- cross-check with deepseek-recipe 0.2.0 (Flash constants only) ----------------------------
 
 @settings(max_examples=400, deadline=None)
+@example(w=158, h=26913)  # step-5 down-scale to 28×7154 < min_pixels (recipe re-plans: 42×8708)
+@example(w=1, h=41)  # min_pixels up-scale to 84×3486 < min_pixels (recipe re-plans: 84×3528)
+@example(w=100, h=179)  # 406×728 < min_pixels, yet re-planning keeps it: spec == recipe
 @given(w=st.integers(1, 40000), h=st.integers(1, 40000))
 def test_token_count_matches_recipe(w, h):
-    if upscaled_area_below_min(w, h, FLASH_V):
-        return  # documented divergence, pinned in test_recipe_divergence_region
-    assert plan_image_grid(w, h, FLASH_V).num_tokens == recipe_tokens(w, h)
+    check_against_recipe(w, h)
 
 
 def test_token_count_matches_recipe_small_sizes_exhaustive():
-    mismatches = [
-        (w, h) for w in range(1, 70) for h in range(1, 70)
-        if not upscaled_area_below_min(w, h, FLASH_V) and plan_image_grid(w, h, FLASH_V).num_tokens != recipe_tokens(w, h)
-    ]
-    assert mismatches == []
+    for w in range(1, 70):
+        for h in range(1, 70):
+            check_against_recipe(w, h)
+
+
+@pytest.mark.parametrize("w", [79, 158, 165])
+def test_token_count_matches_recipe_tall_thin_sweep(w):
+    # The widths where 42/w·w rounds below 42 in float64; both orientations, across the
+    # max_image_tokens boundary (w* crosses 2) up to 40000 px.
+    for h in range(10000, 40001, 97):
+        check_against_recipe(w, h)
+        check_against_recipe(h, w)
+
+
+def test_divergence_predicate_is_not_just_area():
+    # 100×179 plans to 406×728 = 295568 < min_pixels, but the up-scale (s ≈ 1.0006) grows no side.
+    g = plan_image_grid(100, 179, FLASH_V)
+    assert (g.resized_width, g.resized_height) == (406, 728)
+    assert g.resized_width * g.resized_height < FLASH_V.min_pixels
+    assert spec_plan_is_fixed_point(100, 179, FLASH_V)
+    assert g.num_tokens == recipe_tokens(100, 179)
 
 
 def test_recipe_divergence_region():
     """1×41: spec step 2 gives int(84.96)×int(3483.4) = 84×3483 → 84×3486 px (83×2 grid, 251
-    tokens) although 84·3486 < min_pixels; recipe 0.2.0 grows the long side until the area
-    reaches min_pixels (84×3528, 254 tokens). We follow the spec (upstream SGLang)."""
-    assert upscaled_area_below_min(1, 41, FLASH_V)
+    tokens) although 84·3486 < min_pixels; recipe 0.2.0 re-plans until the size is a fixed point
+    (84×3528, 254 tokens). We follow the spec (upstream SGLang's single pass)."""
+    assert not spec_plan_is_fixed_point(1, 41, FLASH_V)
     g = plan_image_grid(1, 41, FLASH_V)
     assert (g.resized_width, g.resized_height, g.num_tokens) == (84, 3486, 251)
+    fixed = replan_until_fixed(1, 41, FLASH_V)
+    assert (fixed.resized_width, fixed.resized_height, fixed.num_tokens) == (84, 3528, 254)
     assert recipe_tokens(1, 41) == 254
+    assert recipe_resized_size(Image.new("RGB", (1, 41), (9, 9, 9))) == (84, 3528)
+
+
+def test_recipe_divergence_after_budget_downscale():
+    """158×26913 (Hypothesis's find): 3207 tokens unscaled ⇒ step 5, r = 26913/158,
+    w* = 1.99998… ⇒ ⌊w*⌋ = 1, β = 42/158, and in float64 158·β = 41.999… ⇒ W' = 28 (2 patches),
+    H' = ⌊26913·β/14⌋·14 = 7154 ⇒ ViT 511×2, LLM grid 171×1, 344 tokens; 28·7154 < min_pixels.
+    recipe 0.2.0 re-plans: up-scale to 42×8708 (622×3 patches, 208×1 grid, 418 tokens)."""
+    assert not spec_plan_is_fixed_point(158, 26913, FLASH_V)
+    g = plan_image_grid(158, 26913, FLASH_V)
+    assert (g.resized_width, g.resized_height, g.vit_h, g.vit_w, g.n_h, g.n_w) == (28, 7154, 511, 2, 171, 1)
+    assert g.num_tokens == 344
+    fixed = replan_until_fixed(158, 26913, FLASH_V)
+    assert (fixed.resized_width, fixed.resized_height, fixed.num_tokens) == (42, 8708, 418)
+    assert recipe_tokens(158, 26913) == 418
+    assert recipe_resized_size(Image.new("RGB", (158, 26913), (9, 9, 9))) == (42, 8708)
+    # The recipe shares the float64 28-px width: the exact-arithmetic width 42 would give
+    # 42×7154 (≥ min_pixels, already a fixed point) and 344 tokens, not its 418.
+    exact = plan_image_grid(42, 7154, FLASH_V)
+    assert (exact.resized_width, exact.resized_height, exact.num_tokens) == (42, 7154, 344)
+    assert 42 * 7154 >= FLASH_V.min_pixels
 
 
 @pytest.mark.parametrize("size", [(100, 100), (1920, 1080), (4000, 3000), (300, 20), (777, 555), (20, 900)])

@@ -24,6 +24,26 @@ the ones upstream SGLang feeds the ViT). Neither takes `min_pixels`, `max_image_
 tokens). We therefore implement §5.1 from the spec and use the recipe as the oracle for the Flash
 config in `tests/test_vision_preprocess.py` (token counts over random sizes, resized dims on a
 few).
+
+Where the recipe disagrees (we follow the spec)
+-----------------------------------------------
+The spec plans in **one pass** (steps 1–5, then "recompute the grid"). Recipe 0.2.0 instead
+re-plans its own output until it stops changing: its size is the fixed point of iterating this
+single-pass plan (verified on ~780k Flash sizes, both orientations, 1..40000 px: token counts
+equal in every case, resized dims equal wherever its WebP side clamp of 16380 px does not apply).
+A re-plan changes a plan only when the planned area is below `min_pixels` and the
+truncating up-scale grows a side, which the single pass leaves in two places:
+
+* the min_pixels up-scale itself (int truncation, extreme aspect ratios such as 1×41: spec
+  84×3486 / 251 tokens, recipe 84×3528 / 254);
+* the step-5 down-scale of very tall thin images when it lands under `min_pixels` — in float64
+  `W·(⌊w*⌋·cell/W)` can fall just below the cell width (158·(42/158) = 41.999…), so the width
+  rounds down to 28 px: 158×26913 gives 28×7154 (spec, 344 tokens) vs recipe 42×8708 (418).
+  The recipe's own results confirm this float behaviour: the exact-arithmetic 42×7154 would
+  already be a fixed point (area ≥ min_pixels) with 344 tokens, not 418.
+
+The spec transcribes upstream SGLang's single-pass `plan_image_grid`, so we keep its plans
+(spec §5.1 is the truth here); the tests pin the divergence predicate and the recipe's rule.
 """
 from __future__ import annotations
 
@@ -102,6 +122,11 @@ def plan_image_grid(width: int, height: int, vcfg: VisionConfig) -> ImageGrid:
     5. over `max_image_tokens`, the largest aspect-preserving grid that fits is solved for
        (cell = patch·downsample pixels), degenerate one-row / one-column shapes handled, and the
        grid recomputed from the rounded-down pixel size.
+
+    One pass only, in float64 and in the spec's order (β = ⌊w*⌋·cell/W, then ⌊W·β/p⌋·p), so the
+    result may have fewer than `min_pixels` pixels and re-planning it may change it; deepseek-recipe
+    0.2.0 iterates to that fixed point instead (see the module docstring; e.g. 158×26913:
+    here 28×7154 / 344 tokens, recipe 42×8708 / 418).
     """
     if width < 1 or height < 1:
         raise ImageGridError(f"image size {width}x{height}: both sides must be ≥ 1 pixel")
