@@ -29,7 +29,8 @@ times what the runtime runs on CUDA for that layer:
 * `torch_fp64` — the same work with the reference's float64 GEMMs (the CPU path), for comparison;
 * `attention_bf16` / `indexer_bf16` (full run only) — the same kernels over BF16 copies of the
   decoded entries (the pre-packing format); their outputs must equal the packed ones bit for bit
-  (`packed_equals_bf16`, checked once per N; a difference is an error).
+  (`packed_equals_bf16`: attention within 2 BF16 ulps of the output scale, index scores bitwise; checked
+  once per N; a difference is an error).
 
 Then the whole step — `torch`, `indexer`, `attention`, `moe_routed` in that order, each on its
 static inputs, exactly the calls timed above — eagerly (`layer_us_eager`) and as one
@@ -350,9 +351,18 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor,
                                         config=cfg_att)
     comps["attention_bf16"] = attention_bf16
     comps["indexer_bf16"] = lambda: K.select_for_role(t, role, scores_bf16(), n_vis, None, check_nan=False)[0]
-    same = {"attention": torch.equal(attention(), attention_bf16()),
+    same = {"attention": _within_two_bf16_ulps(attention(), attention_bf16()),
             "indexer": torch.equal(scores_packed(), scores_bf16())}
     return comps, same
+
+
+def _within_two_bf16_ulps(got: Tensor, want: Tensor) -> bool:
+    """The packed and BF16 attention kernels are different binaries, measured on the H200 to agree
+    within one BF16 ulp of the output scale (max |o| per query and head), not bit for bit
+    (tests/test_kernels_sparse_attention.py states ≤ 2); the index scores are bitwise equal."""
+    scale = want.float().abs().amax(dim=-1, keepdim=True).clamp(min=2.0 ** -126)
+    ulp = torch.exp2(torch.floor(torch.log2(scale)) - 7)
+    return bool(((got.float() - want.float()).abs() <= 2 * ulp).all())
 
 
 # ---- bytes --------------------------------------------------------------------------------------

@@ -81,7 +81,7 @@ def topk_lower_id_on_ties(values: Tensor, k: int) -> Tensor:
         candidates = torch.where(any_nan, free_nan, at_best)
         pick = torch.where(candidates, ids, torch.full_like(ids, E)).min(dim=-1).values
         chosen.append(pick)
-        taken[torch.arange(T, device=v.device), pick] = True
+        taken.scatter_(1, pick.unsqueeze(-1), True)     # (no host→device copy: CUDA-graph safe)
     return torch.stack(chosen, dim=-1)
 
 
