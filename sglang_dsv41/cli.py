@@ -10,7 +10,7 @@ import importlib
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "make-checkpoint": ("sglang_dsv41.checkpoint.synth:cli", "write a synthetic checkpoint (tiny | slice) in the real format"),
+    "make-checkpoint": ("sglang_dsv41.checkpoint.synth:cli", "write a synthetic checkpoint (tiny | tiny-tp8 | slice) in the real format"),
     "verify": ("sglang_dsv41.checkpoint.verify:cli", "check a checkpoint directory against its config.json"),
     "demo": ("sglang_dsv41.demo:cli", "render a chat request and generate with the pure-PyTorch reference"),
     "plan": ("sglang_dsv41.deploy.plan:cli", "memory plan per rank for a deployment config"),

@@ -5,6 +5,10 @@
 * `tiny_config_dict(compressed_vocab)`: spec §7's tiny config, which keeps every code path
   (both ratios, shared-cache readers, candidate consumer, two Engram layers, vision, DSpark) at
   ≈ 1.6 M parameters. `engram_compressed_vocab_size` depends on the tiny tokenizer and is passed in.
+* `tiny_tp8_config_dict(compressed_vocab)`: the tiny config with 8 attention heads in 8 output
+  groups (one head per group) — the smallest shape the bit-exact tensor parallelism of
+  `runtime/tensor_parallel.py` (whole output groups per rank, ≥ 1 routed expert per rank) can
+  shard at TP 4 and TP 8; everything else is the tiny config (8 routed experts: EP 8 = one per rank).
 * `slice_config_dict(layers, engram_rows)`: Flash widths with few layers (GPU performance work).
 
 These are data, not code paths: the model reads whatever config.json the checkpoint holds.
@@ -201,6 +205,19 @@ def flash_config_dict() -> dict[str, Any]:
 def tiny_config_dict(compressed_vocab: int) -> dict[str, Any]:
     d = _wrap(_TINY_TEXT, _TINY_VISION, 1000)
     d["text_config"]["engram_compressed_vocab_size"] = int(compressed_vocab)
+    return d
+
+
+#: What `tiny_tp8_config_dict` changes in the tiny text config (nothing else differs).
+TINY_TP8_TEXT_CHANGES: dict[str, Any] = {"num_attention_heads": 8, "o_groups": 8}
+
+
+def tiny_tp8_config_dict(compressed_vocab: int) -> dict[str, Any]:
+    """`tiny_config_dict` with `TINY_TP8_TEXT_CHANGES`: TP sizes 1, 2, 4 and 8 divide both the
+    head count and o_groups (runtime/tensor_parallel.py), and the 8 routed experts give each
+    of 8 ranks one expert."""
+    d = tiny_config_dict(compressed_vocab)
+    d["text_config"].update(copy.deepcopy(TINY_TP8_TEXT_CHANGES))
     return d
 
 

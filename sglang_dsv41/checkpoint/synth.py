@@ -51,7 +51,9 @@ from .codecs import TILE, quantize_engram_rows, quantize_fp8_block, ue8m0_from_e
 from .names import Kind, TensorSpec, tensor_inventory
 from .tokenizer import build_tiny_tokenizer, build_tokenizer, engram_compressed_vocab_size
 
-PRESETS = ("tiny", "slice")
+PRESETS = ("tiny", "tiny-tp8", "slice")
+#: The tiny-sized presets: the tiny tokenizer and `presets.tiny_config_dict` / `tiny_tp8_config_dict`.
+TINY_PRESETS = ("tiny", "tiny-tp8")
 #: Version of the value rules below; part of every checkpoint's index metadata
 #: (`GENERATOR_METADATA_KEY`) so a cached checkpoint made by older rules can be recognised.
 GENERATOR_VERSION = 2
@@ -62,7 +64,7 @@ OUTPUT_PROJECTION_GAIN = 2.0 ** -6
 ENGRAM_VALUE_GAIN = 0.25
 #: Logit added to the diagonal of the hc comb base (identity-favouring stream mix).
 HC_COMB_IDENTITY_LOGIT = 4.0
-DEFAULT_SHARD_BYTES = {"tiny": 1 << 20, "slice": 4 << 30}
+DEFAULT_SHARD_BYTES = {"tiny": 1 << 20, "tiny-tp8": 1 << 20, "slice": 4 << 30}
 INDEX_FILE = "model.safetensors.index.json"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -218,17 +220,18 @@ def write_tokenizer_and_config(preset: str, out: Path, *, layers: int | None,
     """Write the preset's tokenizer files and `config.json` into `out`; return the parsed config."""
     from .. import presets
 
-    if preset == "tiny":
+    if preset in TINY_PRESETS:
         if layers is not None or engram_rows is not None:
             raise ValueError("--layers / --engram-rows apply to the slice preset only")
         build_tiny_tokenizer(out)
-        d = presets.tiny_config_dict(engram_compressed_vocab_size(out))
+        make_dict = presets.tiny_config_dict if preset == "tiny" else presets.tiny_tp8_config_dict
+        d = make_dict(engram_compressed_vocab_size(out))
         t = d["text_config"]
         if _engram_rows(t) != list(t["engram_num_embeddings"]):
-            raise ValueError(f"tiny preset engram_num_embeddings {t['engram_num_embeddings']} disagree with the "
+            raise ValueError(f"{preset} preset engram_num_embeddings {t['engram_num_embeddings']} disagree with the "
                              f"Engram prime layout {_engram_rows(t)}")
         if (d["image_token_id"], t["dspark_noise_token_id"], t["vocab_size"]) != (1000, 999, 1024):
-            raise ValueError("tiny preset ids disagree with the tiny tokenizer layout (image 1000, mask 999, 1024 ids)")
+            raise ValueError(f"{preset} preset ids disagree with the tiny tokenizer layout (image 1000, mask 999, 1024 ids)")
     elif preset == "slice":
         d = slice_config_dict(layers, engram_rows)
         t = d["text_config"]
@@ -276,13 +279,13 @@ def _clear_previous(out: Path, overwrite: bool) -> None:
 def make_checkpoint(preset: str, out: Path, seed: int, *, layers: int | None = None,
                     engram_rows: int | None = None, progress: bool = True,
                     max_shard_bytes: int | None = None, overwrite: bool = False) -> Path:
-    """Write a synthetic `preset` checkpoint (tiny | slice) for `seed` into `out`; return `out`."""
+    """Write a synthetic `preset` checkpoint (tiny | tiny-tp8 | slice) for `seed` into `out`; return `out`."""
     from safetensors.torch import save_file
     from tqdm import tqdm
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    if preset == "tiny" and (layers is not None or engram_rows is not None):
+    if preset in TINY_PRESETS and (layers is not None or engram_rows is not None):
         raise ValueError("--layers / --engram-rows apply to the slice preset only")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -320,7 +323,7 @@ def generator_version(path: Path) -> int | None:
 
 
 def cli(argv: list[str]) -> int:
-    """`sglang-dsv41 make-checkpoint --preset tiny|slice --out DIR --seed N [--layers L] [--engram-rows R]`."""
+    """`sglang-dsv41 make-checkpoint --preset tiny|tiny-tp8|slice --out DIR --seed N [--layers L] [--engram-rows R]`."""
     ap = argparse.ArgumentParser(prog="sglang-dsv41 make-checkpoint",
                                  description="Write a synthetic DeepSeek-V4.1 checkpoint in the released format.")
     ap.add_argument("--preset", required=True, choices=PRESETS)
