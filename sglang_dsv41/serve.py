@@ -45,27 +45,29 @@ class LaunchCommand:
         return (prefix + " " if prefix else "") + " ".join(shlex.quote(a) for a in self.argv)
 
 
-def tiny_checkpoint_dir(seed: int = 0, root: Path | None = None) -> Path:
-    """Where the tiny random checkpoint for `seed` lives (`<cache>/tiny-seed<seed>`); pure."""
-    return (Path(root) if root is not None else cache_root()) / f"tiny-seed{seed}"
+def tiny_checkpoint_dir(seed: int = 0, root: Path | None = None, preset: str = "tiny") -> Path:
+    """Where the `preset` (tiny | tiny-tp8) random checkpoint for `seed` lives
+    (`<cache>/<preset>-seed<seed>`); pure."""
+    return (Path(root) if root is not None else cache_root()) / f"{preset}-seed{seed}"
 
 
-def tiny_checkpoint(seed: int = 0, root: Path | None = None) -> Path:
-    """Path of the tiny random checkpoint for `seed`, made on first use (spec model.md §7).
+def tiny_checkpoint(seed: int = 0, root: Path | None = None, preset: str = "tiny") -> Path:
+    """Path of the `preset` (tiny | tiny-tp8) random checkpoint for `seed`, made on first use
+    (spec model.md §7).
 
     A cached checkpoint written by another generator version (`synth.GENERATOR_VERSION`, kept
     in the index metadata) is replaced: the cache never serves weights of older value rules."""
     from .checkpoint.synth import GENERATOR_VERSION, INDEX_FILE, generator_version, make_checkpoint
 
-    target = tiny_checkpoint_dir(seed, root)
+    target = tiny_checkpoint_dir(seed, root, preset)
     root = target.parent
     if generator_version(target) == GENERATOR_VERSION:
         return target
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tiny-seed{seed}-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{preset}-seed{seed}-", dir=root))
     stale = root / f"{tmp.name}-stale"
     try:
-        make_checkpoint("tiny", tmp, seed, progress=False)
+        make_checkpoint(preset, tmp, seed, progress=False)
         if target.exists() and generator_version(target) != GENERATOR_VERSION:
             os.replace(target, stale)             # older generator: move aside, then swap in
         try:

@@ -157,7 +157,36 @@ def test_unavailable_options_are_listed_not_dropped(path: Path) -> None:
 
 def test_only_the_tiny_configs_are_servable_today() -> None:
     servable = {p.stem for p in CONFIGS if not build_launch(load_config(p), PLUGIN).unavailable}
-    assert servable == {"tiny-cpu", "tiny-h200-tp1", "tiny-h200-tp2"}
+    assert servable == {"tiny-cpu", "tiny-h200-tp1", "tiny-h200-tp2", "tiny-h200-tp4", "tiny-h200-tp8"}
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+def test_tiny_tp4_and_tp8_configs_serve_the_tiny_tp8_checkpoint(tp: int, monkeypatch, tmp_path: Path) -> None:
+    """The issue-6 configs name the tiny-tp8 preset: the command's --model-path is its cache
+    directory, and the launcher makes exactly that preset there (the default tiny preset's 2
+    output groups cannot be sharded 4 or 8 ways)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    dc = load_config(ROOT / "configs" / f"tiny-h200-tp{tp}.yaml")
+    assert (dc.model.architecture, dc.model.tiny_seed, dc.parallel.tp, dc.validated) == ("tiny-tp8", 0, tp, False)
+    (cmd,) = build_launch(dc, PLUGIN).commands
+    want = tmp_path / "sglang-dsv41" / "tiny-tp8-seed0"
+    assert cmd.args[cmd.args.index("--model-path") + 1] == str(want) == model_path(dc)
+    assert cmd.args[cmd.args.index("--tp-size") + 1] == str(tp)
+    made: list[tuple[int, str]] = []
+    monkeypatch.setattr(launch, "tiny_checkpoint", lambda seed, preset="tiny":
+                        made.append((seed, preset)) or serve.tiny_checkpoint_dir(seed, preset=preset))
+    launch.prepare_model(dc)
+    assert made == [(0, "tiny-tp8")]
+
+
+def test_serve_cache_makes_the_tiny_tp8_preset(tmp_path: Path) -> None:
+    made = serve.tiny_checkpoint(0, tmp_path, preset="tiny-tp8")
+    assert made == tmp_path / "tiny-tp8-seed0" == serve.tiny_checkpoint_dir(0, tmp_path, "tiny-tp8")
+    from sglang_dsv41.config import DeepseekV41Config
+
+    text = DeepseekV41Config.from_file(made).text
+    assert (text.num_attention_heads, text.o_groups) == (8, 8)
+    assert serve.tiny_checkpoint_dir(0, tmp_path) == tmp_path / "tiny-seed0"     # the default preset's name
 
 
 def test_tp_sizes_the_runtime_cannot_shard_are_refused_naming_the_rule() -> None:
@@ -303,7 +332,7 @@ def test_cli_refuses_to_run_without_the_plugin(no_plugin, monkeypatch, capsys) -
 def test_cli_runs_tp2_and_refuses_dp_attention_naming_the_runtime_limit(monkeypatch, capsys) -> None:
     calls: list = []
     monkeypatch.setattr(launch, "_exec", calls.append)
-    monkeypatch.setattr(launch, "tiny_checkpoint", lambda seed: serve.tiny_checkpoint_dir(seed))
+    monkeypatch.setattr(launch, "tiny_checkpoint", lambda seed, preset="tiny": serve.tiny_checkpoint_dir(seed, preset=preset))
     tp2 = str(ROOT / "configs" / "tiny-h200-tp2.yaml")
     assert launch.cli(["--config", tp2]) == 0
     (cmd,) = calls
@@ -325,7 +354,7 @@ def test_cpu_tp_passed_through_gets_the_cpu_tp_environment(monkeypatch, tmp_path
     calls: list = []
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(launch, "_exec", calls.append)
-    monkeypatch.setattr(launch, "tiny_checkpoint", lambda seed: serve.tiny_checkpoint_dir(seed))
+    monkeypatch.setattr(launch, "tiny_checkpoint", lambda seed, preset="tiny": serve.tiny_checkpoint_dir(seed, preset=preset))
     assert launch.cli(["--config", str(ROOT / "configs" / "tiny-cpu.yaml"), "--", "--tp-size", "2"]) == 0
     (cmd,) = calls
     env = launch._child_env(cmd)
@@ -340,7 +369,7 @@ def test_cli_runs_tiny_cpu_with_the_cpu_environment_and_the_cached_checkpoint(mo
     made: list = []
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(launch, "_exec", calls.append)
-    monkeypatch.setattr(launch, "tiny_checkpoint", lambda seed: made.append(seed) or serve.tiny_checkpoint_dir(seed))
+    monkeypatch.setattr(launch, "tiny_checkpoint", lambda seed, preset="tiny": made.append(seed) or serve.tiny_checkpoint_dir(seed, preset=preset))
     assert launch.cli(["--config", str(ROOT / "configs" / "tiny-cpu.yaml")]) == 0
     (cmd,) = calls
     assert made == [0]                                        # made (or found) before exec

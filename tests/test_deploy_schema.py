@@ -127,6 +127,20 @@ def test_override_rejects_malformed_assignment() -> None:
         apply_override({}, "serving.port")
 
 
+def test_tiny_tp_configs_use_the_cached_tiny_tp8_checkpoint() -> None:
+    for name in ("tiny-h200-tp4", "tiny-h200-tp8"):
+        c = load_config(ROOT / "configs" / f"{name}.yaml")
+        assert c.model.tiny_seed == 0 and c.model.architecture == "tiny-tp8" and c.features.text_only
+        assert c.validated_on == "unvalidated"
+
+
+def test_architecture_names_a_known_preset() -> None:
+    with pytest.raises(DeployConfigError, match="model.architecture"):
+        config_from_dict(_with(model__tiny_seed="0", model__architecture="tiny-tp16"), "test")
+    assert config_from_dict(_with(model__tiny_seed="0", model__architecture="tiny-tp8"), "test").model.architecture \
+        == "tiny-tp8"
+
+
 def test_tiny_configs_use_the_cached_tiny_checkpoint() -> None:
     for name in ("tiny-cpu", "tiny-h200-tp1", "tiny-h200-tp2"):
         c = load_config(ROOT / "configs" / f"{name}.yaml")

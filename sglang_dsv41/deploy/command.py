@@ -144,9 +144,10 @@ def runtime_limits(dc: DeploymentConfig, runtime: RuntimeProfile = CURRENT_RUNTI
 
 
 def model_path(dc: DeploymentConfig) -> str:
-    """`model.path`, or the tiny checkpoint's cache directory for `model.tiny_seed` (pure)."""
+    """`model.path`, or the cache directory of the tiny checkpoint (preset `model.architecture`)
+    for `model.tiny_seed` (pure)."""
     if dc.model.tiny_seed is not None:
-        return str(tiny_checkpoint_dir(dc.model.tiny_seed))
+        return str(tiny_checkpoint_dir(dc.model.tiny_seed, preset=dc.model.architecture))
     return dc.model.path
 
 
@@ -248,10 +249,15 @@ def _notes(dc: DeploymentConfig, runtime: RuntimeProfile) -> list[str]:
     for f in runtime.flags:
         if f.applies(device_of(dc), configured):          # exactly the flags runtime_args added
             notes.append(f"added for the {runtime.name} runtime ({runtime.doc}): {' '.join(f.args())} — {f.why}")
-    if dc.model.tiny_seed is not None:
+    if dc.model.tiny_seed is not None and dc.model.architecture == "tiny":
         notes.append(f"model: the tiny random checkpoint (seed {dc.model.tiny_seed}) in the sglang-dsv41 cache — "
                      "the one `sglang-dsv41 serve` uses — made on first launch; for another directory run "
                      f"`{MAKE_TINY}` and pass --model-path DIR")
+    elif dc.model.tiny_seed is not None:
+        preset = dc.model.architecture
+        notes.append(f"model: the {preset} random checkpoint (seed {dc.model.tiny_seed}) in the sglang-dsv41 cache, "
+                     "made on first launch; for another directory run "
+                     f"`{MAKE_TINY.replace('--preset tiny', f'--preset {preset}')}` and pass --model-path DIR")
     if dc.hardware.kind.is_cpu:
         notes.append("CPU: `sglang-dsv41 launch` adds SGLang's CPU environment (runtime/cpu_env.py: "
                      "SGLANG_USE_CPU_ENGINE=1, HF_HUB_OFFLINE=1, a libcuda.so.1 stand-in first on LD_LIBRARY_PATH; "

@@ -101,9 +101,10 @@ def _child_env(cmd: Command) -> dict[str, str]:
 
 
 def prepare_model(dc: DeploymentConfig) -> None:
-    """Make the tiny checkpoint of `model.tiny_seed` if it is not in the cache yet."""
+    """Make the tiny checkpoint (preset `model.architecture`) of `model.tiny_seed` if it is not in
+    the cache yet."""
     if dc.model.tiny_seed is not None:
-        made = tiny_checkpoint(dc.model.tiny_seed)
+        made = tiny_checkpoint(dc.model.tiny_seed, preset=dc.model.architecture)
         if str(made) != model_path(dc):
             raise RuntimeError(f"tiny checkpoint made at {made}, but the command names {model_path(dc)}")
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, DeepseekV41Config
-from ..presets import flash_config_dict, tiny_config_dict
+from ..presets import flash_config_dict, tiny_config_dict, tiny_tp8_config_dict
 from ..config import TextConfig
 from ..runtime.requirements import CURRENT_RUNTIME, PAGE_SIZE, SWA_FULL_TOKENS_RATIO, flag_value
 from .command import device_of
@@ -54,6 +54,9 @@ def model_config_for(dc: DeploymentConfig, checkpoint: str | None) -> tuple[Deep
     # engram_compressed_vocab_size enters no tensor shape (model.md §2.2); the tiny preset
     # takes it from the tokenizer, so the planner fills in vocab_size as a stand-in.
     vocab = tiny_config_dict(1)["text_config"]["vocab_size"]
+    if dc.model.architecture == "tiny-tp8":
+        return (DeepseekV41Config.from_dict(tiny_tp8_config_dict(vocab)),
+                "preset tiny-tp8 (presets.tiny_tp8_config_dict)")
     return DeepseekV41Config.from_dict(tiny_config_dict(vocab)), "preset tiny (presets.tiny_config_dict)"
 
 

@@ -30,6 +30,8 @@ DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4.1-Flash"
 MEGAMOE_TOKENS_ENV = "SGLANG_OPT_DEEPGEMM_MEGA_MOE_NUM_MAX_TOKENS_PER_RANK"
 MEGAMOE_TOKENS_DEFAULT = 1024
 PAGE_SIZE = 256  # V4-family KV page (spec runtime.md §A.2)
+# model.architecture values naming a synthetic tiny preset (checkpoint/synth.TINY_PRESETS).
+TINY_ARCHITECTURES = ("tiny", "tiny-tp8")
 
 
 class DeployConfigError(ValueError):
@@ -56,23 +58,27 @@ class Validation(_Strict):
 
 
 class ModelSpec(_Strict):
-    """The checkpoint: `path` (a directory or hub id), or `tiny_seed` — the tiny random checkpoint
-    in the sglang-dsv41 cache (`<cache>/tiny-seed<seed>`, the one `sglang-dsv41 serve` uses), made
-    on first launch."""
+    """The checkpoint: `path` (a directory or hub id), or `tiny_seed` — a tiny random checkpoint
+    in the sglang-dsv41 cache, made on first launch: with `architecture: tiny` the default tiny
+    preset (`<cache>/tiny-seed<seed>`, the one `sglang-dsv41 serve` uses), with `architecture:
+    tiny-tp8` the tiny-tp8 preset (`<cache>/tiny-tp8-seed<seed>`; 8 heads in 8 output groups, so
+    the runtime can shard it at TP 4 and TP 8; presets.tiny_tp8_config_dict)."""
 
     path: str = DEFAULT_MODEL
     tiny_seed: int | None = Field(default=None, ge=0)
     served_name: str | None = None
-    # Architecture the planner assumes when no checkpoint directory is given (presets.py).
-    architecture: Literal["flash", "tiny"] = "flash"
+    # Architecture (a presets.py preset) the planner assumes when no checkpoint directory is
+    # given; with tiny_seed also the synthetic preset the launcher makes.
+    architecture: Literal["flash", "tiny", "tiny-tp8"] = "flash"
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSpec":
         if self.tiny_seed is not None:
             if "path" in self.model_fields_set:
                 raise ValueError("model.path and model.tiny_seed are two checkpoint sources: give one")
-            if self.architecture != "tiny":
-                raise ValueError("model.tiny_seed names the tiny random checkpoint: set model.architecture: tiny")
+            if self.architecture not in TINY_ARCHITECTURES:
+                raise ValueError("model.tiny_seed names a tiny random checkpoint: set model.architecture: tiny "
+                                 "(or tiny-tp8)")
         return self
 
 
