@@ -40,19 +40,19 @@ def _prompts() -> list[list[int]]:
 
 
 def _served(checkpoint: Path, log: Path, tp: int, env: dict[str, str] | None, new_tokens: int,
-            extra: tuple[str, ...] = ()) -> list[dict]:
-    """`/generate` results (greedy, `new_tokens`, with log-probabilities) for `_prompts()`."""
+            extra: tuple[str, ...] = (), logprob: bool = True) -> list[dict]:
+    """`/generate` results (greedy, `new_tokens`, with log-probabilities unless not `logprob`) for `_prompts()`."""
     srv = Server(checkpoint, log, ["--tp-size", str(tp), "--max-total-tokens", "2048",
                                    "--max-running-requests", "4", *extra], env=env)
     try:
         srv.wait_ready()
-        return [srv.generate(p, new_tokens, logprob=True) for p in _prompts()]
+        return [srv.generate(p, new_tokens, logprob=logprob) for p in _prompts()]
     finally:
         srv.stop()
 
 
 def _served_tokens(checkpoint: Path, log: Path, tp: int, env: dict[str, str] | None) -> list[list[int]]:
-    return [r["output_ids"] for r in _served(checkpoint, log, tp, env, NEW_TOKENS)]
+    return [r["output_ids"] for r in _served(checkpoint, log, tp, env, NEW_TOKENS, logprob=False)]
 
 
 def _token_logprobs(result: dict) -> list[float]:
