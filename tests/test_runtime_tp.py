@@ -11,17 +11,14 @@
 """
 from __future__ import annotations
 
-import datetime
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tp_harness import engine_for, run_tp, stored_tensors
 from runtime_scenarios import fixed_decode_tokens, one_shot_logits, prompt, run_scenario, scenario_caches
-from sglang_dsv41.checkpoint.reader import CheckpointReader
 from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
 from sglang_dsv41.runtime.forward import TorchForward
@@ -30,54 +27,16 @@ from sglang_dsv41.runtime.tensor_parallel import (ShardPlan, TensorParallel, Ten
 
 CPU = torch.device("cpu")
 TP = 2
-WORKER_TIMEOUT_S = 240
 SINGLE_PROMPT = prompt(50, 27)
 
 
-def _stored(ckpt: Path) -> dict[str, torch.Tensor]:
-    with CheckpointReader(ckpt) as reader:
-        return {name: reader.get(name) for name in reader.names()}
-
-
-def _engine(ckpt: Path, tp: TensorParallel) -> TorchForward:
-    cfg = DeepseekV41Config.from_file(ckpt)
-    weights = load_shard_weights(_stored(ckpt), cfg, tp.plan(cfg.text))
-    token_map, _ = compressed_token_map(_load_fast_tokenizer(ckpt))
-    return TorchForward(cfg, weights, EngramHasher.from_config(cfg, token_map), tp=tp)
+_engine = engine_for
 
 
 def _outputs(engine: TorchForward) -> dict[str, torch.Tensor]:
     got = run_scenario(engine, scenario_caches(engine, CPU), CPU, fixed_decode_tokens())
     got["single"] = one_shot_logits(engine, CPU, SINGLE_PROMPT)
     return got
-
-
-def _tp_worker(rank: int, size: int, ckpt: str, rendezvous: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=WORKER_TIMEOUT_S))
-    try:
-        engine = _engine(Path(ckpt), TensorParallel(rank, size))
-        held = sorted({int(n.split(".")[4]) for n in engine.weights if ".ffn.experts." in n})
-        torch.save({"held_experts": held, "logits": _outputs(engine)}, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _run_tp(ckpt: Path, tmp: Path, size: int) -> list[dict[str, torch.Tensor]]:
-    ctx = mp.start_processes(_tp_worker, args=(size, str(ckpt), str(tmp / "rendezvous"), str(tmp)),
-                             nprocs=size, join=False, start_method="spawn")
-    deadline = time.monotonic() + WORKER_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"TP {size} workers did not finish within {WORKER_TIMEOUT_S} s")
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(10)
-    return [torch.load(tmp / f"rank{r}.pt") for r in range(size)]
 
 
 def tiny_config_experts(ckpt: Path) -> int:
@@ -90,7 +49,7 @@ def tp1_outputs(tiny_checkpoint) -> dict[str, torch.Tensor]:
 
 
 def test_tp2_logits_equal_tp1_bit_for_bit(tiny_checkpoint, tmp_path, tp1_outputs) -> None:
-    ranks = _run_tp(tiny_checkpoint, tmp_path, TP)
+    ranks = run_tp(tiny_checkpoint, tmp_path, TP, "test_runtime_tp:_outputs")
     held = [r["held_experts"] for r in ranks]          # the ranks really are sharded
     total = tiny_config_experts(tiny_checkpoint)
     assert sorted(e for h in held for e in h) == list(range(total))
@@ -164,7 +123,7 @@ def test_tp1_shard_loader_equals_runtime_weights(tiny_checkpoint) -> None:
     from sglang_dsv41.runtime.weights import runtime_weights
 
     cfg = DeepseekV41Config.from_file(tiny_checkpoint)
-    stored = _stored(tiny_checkpoint)
+    stored = stored_tensors(tiny_checkpoint)
     want = runtime_weights(stored, cfg, CPU, experts_mxfp4=False)
     got = load_shard_weights(stored, cfg, ShardPlan.for_config(cfg.text, 0, 1))
     assert got.keys() == want.keys()
@@ -174,7 +133,7 @@ def test_tp1_shard_loader_equals_runtime_weights(tiny_checkpoint) -> None:
 
 def test_shard_loader_holds_only_this_ranks_share(tiny_checkpoint, text) -> None:
     cfg = DeepseekV41Config.from_file(tiny_checkpoint)
-    stored = _stored(tiny_checkpoint)
+    stored = stored_tensors(tiny_checkpoint)
     full = load_shard_weights(stored, cfg, ShardPlan.for_config(text, 0, 1))
     for rank in range(TP):
         plan = ShardPlan.for_config(text, rank, TP)

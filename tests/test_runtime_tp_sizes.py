@@ -14,21 +14,18 @@ shape TP 4 and TP 8 (= EP 8, one expert per rank) can run on. Here:
 """
 from __future__ import annotations
 
-import datetime
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from runtime_scenarios import Slots, allocate_caches, prompt, run_batch
 from sglang_dsv41.checkpoint.reader import CheckpointReader
 from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.runtime.forward import TorchForward
 from sglang_dsv41.runtime.tensor_parallel import ShardPlan, TensorParallel, load_shard_weights
-from test_runtime_tp import CPU, WORKER_TIMEOUT_S, _engine
+from test_runtime_tp import CPU, _engine
+from tp_harness import run_tp
 
 ROWS = {"A": 1, "B": 2}
 PROMPTS = {"A": prompt(71, 23), "B": prompt(72, 30)}
@@ -55,35 +52,6 @@ def short_scenario(engine: TorchForward) -> dict[str, torch.Tensor]:
     for step in (1, 2):
         batch(("A", len(a) + step, DECODE["A"][step:step + 1]), ("B", len(b) + step - 1, DECODE["B"][step - 1:step]))
     return {name: torch.cat(parts) for name, parts in got.items()}
-
-
-def _tp_worker(rank: int, size: int, ckpt: str, rendezvous: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=WORKER_TIMEOUT_S))
-    try:
-        engine = _engine(Path(ckpt), TensorParallel(rank, size))
-        held = sorted({int(n.split(".")[4]) for n in engine.weights if ".ffn.experts." in n})
-        torch.save({"held_experts": held, "logits": short_scenario(engine)}, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def run_tp(ckpt: Path, tmp: Path, size: int) -> list[dict[str, object]]:
-    """Every rank's {held_experts, logits} of `short_scenario` at TP `size` (spawned gloo ranks)."""
-    ctx = mp.start_processes(_tp_worker, args=(size, str(ckpt), str(tmp / "rendezvous"), str(tmp)),
-                             nprocs=size, join=False, start_method="spawn")
-    deadline = time.monotonic() + WORKER_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"TP {size} workers did not finish within {WORKER_TIMEOUT_S} s")
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(10)
-    return [torch.load(tmp / f"rank{r}.pt") for r in range(size)]
 
 
 @pytest.fixture(scope="module")
@@ -158,12 +126,12 @@ def _assert_equal_to_tp1(ranks: list[dict[str, object]], tp1: dict[str, torch.Te
 
 
 def test_tp4_logits_equal_tp1_bit_for_bit(tiny_tp8_checkpoint: Path, tmp_path: Path, tp1_logits, text) -> None:
-    _assert_equal_to_tp1(run_tp(tiny_tp8_checkpoint, tmp_path, 4), tp1_logits, text.n_routed_experts)
+    _assert_equal_to_tp1(run_tp(tiny_tp8_checkpoint, tmp_path, 4, "test_runtime_tp_sizes:short_scenario"), tp1_logits, text.n_routed_experts)
 
 
 @pytest.mark.slow
 def test_tp8_logits_equal_tp1_bit_for_bit(tiny_tp8_checkpoint: Path, tmp_path: Path, tp1_logits, text) -> None:
-    _assert_equal_to_tp1(run_tp(tiny_tp8_checkpoint, tmp_path, 8), tp1_logits, text.n_routed_experts)
+    _assert_equal_to_tp1(run_tp(tiny_tp8_checkpoint, tmp_path, 8, "test_runtime_tp_sizes:short_scenario"), tp1_logits, text.n_routed_experts)
 
 
 # ---- shard plan and loader at TP 4 / TP 8 -------------------------------------------------
