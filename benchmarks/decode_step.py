@@ -546,13 +546,12 @@ def step_timing(parts: Mapping[str, Callable[[], object]], nbytes: Mapping[str, 
 
 
 # ---- one point ----------------------------------------------------------------------------------
-def run_point(layer: Layer, caches: Caches, req: Tensor, positions: Tensor, cap_s: float,
-              copy_gbs: float | None, errors: list[str], *, graph: bool = False, whole_step: bool = True,
-              skipped: list[str] | None = None, deadline: float = math.inf) -> dict:
-    """All components of one step: query i of request req[i] at positions[i] (decode: one query
-    per request; prefill: one request), then (`whole_step`) the step eagerly and (`graph`) as a CUDA
-    graph; failures are recorded in `errors`, parts past `deadline` in `skipped`."""
-    skipped = [] if skipped is None else skipped
+def step_components(layer: Layer, caches: Caches, req: Tensor, positions: Tensor,
+                    errors: list[str]) -> tuple[dict[str, Callable[[], object]], dict]:
+    """The callables of one step (`torch` work, `moe_routed`, and on CUDA the kernels `indexer` /
+    `attention` and their BF16 variants) on fixed random inputs, and the point's metadata row
+    (tokens, distinct experts, visible entries, packed-vs-BF16 check); kernel set-up failures go to
+    `errors`. Shared by `run_point` and benchmarks/decode_step_profile.py."""
     t, dev, N = layer.text, positions.device, int(positions.numel())
     label = f"N={N}"
     g = torch.Generator(device=dev).manual_seed(N)
@@ -582,6 +581,20 @@ def run_point(layer: Layer, caches: Caches, req: Tensor, positions: Tensor, cap_
                           for c, ok in same.items() if not ok)
         except Exception as exc:
             errors.append(f"{label} kernels setup: {_describe(exc)}")
+    return comps, out
+
+
+def run_point(layer: Layer, caches: Caches, req: Tensor, positions: Tensor, cap_s: float,
+              copy_gbs: float | None, errors: list[str], *, graph: bool = False, whole_step: bool = True,
+              skipped: list[str] | None = None, deadline: float = math.inf) -> dict:
+    """All components of one step: query i of request req[i] at positions[i] (decode: one query
+    per request; prefill: one request), then (`whole_step`) the step eagerly and (`graph`) as a CUDA
+    graph; failures are recorded in `errors`, parts past `deadline` in `skipped`."""
+    skipped = [] if skipped is None else skipped
+    dev, N = positions.device, int(positions.numel())
+    label = f"N={N}"
+    comps, out = step_components(layer, caches, req, positions, errors)
+    distinct, n_vis = out["distinct_experts"], out["visible_entries"]
     nbytes = step_bytes(layer, N, n_vis, distinct)
     for name, fn in comps.items():
         out[name] = attempt(f"{label} {name}", lambda: timed(fn, cap_s, dev, nbytes[name], copy_gbs),

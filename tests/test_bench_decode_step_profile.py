@@ -1,0 +1,40 @@
+"""benchmarks/decode_step_profile.py on CPU: the kernel aggregation and the no-GPU refusal (the
+profile itself runs on the GPU machine)."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_step_profile.py"
+
+
+@pytest.fixture(scope="module")
+def prof():
+    spec = importlib.util.spec_from_file_location("bench_decode_step_profile", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_kernel_table_sums_device_time_of_cuda_kernels_only(prof) -> None:
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [SimpleNamespace(key="gemm", count=3, self_device_time_total=30.0, device_type=cuda),
+              SimpleNamespace(key="sinkhorn", count=20, self_device_time_total=40.0, device_type=cuda),
+              SimpleNamespace(key="gemm", count=1, self_device_time_total=5.0, device_type=cuda),
+              SimpleNamespace(key="aten::add", count=7, self_device_time_total=0.0, device_type=cpu),
+              SimpleNamespace(key="memcpy", count=2, self_device_time_total=9.0, device_type=cpu)]
+    table, launches = prof.kernel_table(events)
+    assert table == {"gemm": 35.0, "sinkhorn": 40.0} and launches == 24
+
+
+def test_refuses_without_a_gpu(prof) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("checks the no-GPU refusal")
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        prof.main([])
