@@ -1,17 +1,10 @@
 """Decode-step benchmark of one full-width DeepSeek-V4.1-Flash layer, per component and as one CUDA graph (issue 3).
 
 The layer (default: layer 2 — ratio 2, kv source, runs the indexer, so every component is on the
-path) is built directly on the device with valid random weights **in the stored formats** of the
-checkpoint (spec §2.3: FP8 E4M3 with UE8M0 32×32 tile scales via `codecs.quantize_fp8_block`,
-MXFP4 experts = random E2M1 bytes with UE8M0 group scales, BF16/FP32 rest; shapes and kinds from
-`names.tensor_inventory`; every tensor checked with `loader.stored_problem`), then loaded the
-way the CUDA runtime loads it: dense tensors dequantised to fp32 (`loader.logical_tensor`),
-routed experts kept MXFP4 in the kernel layout (`runtime.weights.prepare_layer_experts`).
-
-Caches are the runtime's formats (phase-2 contracts §1–§5): BF16 SWA rows, and the layer's kv
-source as **packed FP4 entries** in uint8 per-token rows (`runtime.kv_layout.encode_entries` /
-`write_entries`, `CompressedRowLayout.from_config`; 288 B latent + 68 B index key per entry),
-read by the kernels through `kernels.packed_rows.PackedSource` with entry indices.
+path), built in the checkpoint's stored formats and loaded the way the CUDA runtime loads it, its
+caches in the runtime's formats (BF16 SWA rows, packed FP4 entries) and the step's components
+come from `flash_layer.py` (its docstring says how); timing and the CUDA graph from
+`step_timing.py`.
 
 Per decode batch N ∈ {1, 8, 64, 256} (one query per request at position C − 1, C = context), it
 times what the runtime runs on CUDA for that layer:
@@ -21,11 +14,8 @@ times what the runtime runs on CUDA for that layer:
 * `indexer` — Triton `index_scores` (float64 head sum) over the packed keys of C/2 entries
   (`key_cache=PackedSource`, `entry_index_table`) + `select_for_role`;
 * `moe_routed` — `kernels.moe_mxfp4.routed_experts_mxfp4` (MXFP4 W4A16) on the router's choice;
-* `torch` — everything else the layer does, as the CUDA runtime does it today: the reference's
-  torch code (mHC ×2, q/kv projections, compressor, latent/key FP4 round trips, indexer query,
-  output projection, router, shared expert) with its dense products on tensor cores
-  (`runtime.dense_ops.dense_math`); everything around the GEMMs is still unfused torch (float64
-  in places) — *not* a fast path;
+* `torch` — everything else the layer does, as the CUDA runtime does it today (reference torch
+  code with its dense products on tensor cores; unfused, float64 in places) — *not* a fast path;
 * `torch_fp64` — the same work with the reference's float64 GEMMs (the CPU path), for comparison;
 * `attention_bf16` / `indexer_bf16` (full run only) — the same kernels over BF16 copies of the
   decoded entries (the pre-packing format); their outputs must equal the packed ones bit for bit
@@ -58,311 +48,41 @@ import dataclasses
 import json
 import math
 import platform
-import statistics
 import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Mapping
 
 import torch
 from torch import Tensor
 
-from sglang_dsv41.checkpoint.codecs import TILE, quantize_fp8_block
-from sglang_dsv41.checkpoint.loader import logical_tensor, stored_problem
-from sglang_dsv41.checkpoint.names import Kind, TensorSpec, tensor_inventory
-from sglang_dsv41.config import DeepseekV41Config, LayerRole
-from sglang_dsv41.kernels.packed_rows import PackedSource
+from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.presets import flash_config_dict
-from sglang_dsv41.reference import ops
-from sglang_dsv41.reference.attention import layer_inv_freq, output_projection, project_q_kv
-from sglang_dsv41.reference.compressor import index_keys, linear_fp32_out, stored_latents
-from sglang_dsv41.reference.indexer import index_query, visible_counts
-from sglang_dsv41.reference.mhc import hc_coefficients, hc_residual_update, hc_sublayer_input
-from sglang_dsv41.reference.moe import Routing, route, routed_expert, shared_expert
-from sglang_dsv41.runtime.kv_layout import (CompressedRowLayout, decode_entry_keys, decode_entry_latents,
-                                            encode_entries, key_bytes, latent_bytes, write_entries)
+from sglang_dsv41.runtime.kv_layout import CompressedRowLayout, key_bytes, latent_bytes
+
+if str(Path(__file__).resolve().parent) not in sys.path:   # sibling benchmark modules (loaded by path too)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from flash_layer import (Caches, Layer, build_layer, make_caches, moe_routed, queries,  # noqa: E402
+                         step_components, stored_layer)
+from step_timing import (BUDGET_NOTE, GRAPH_WARMUP_CALLS, MAX_REPS, _describe, attempt, capture_graph,  # noqa: E402
+                         graph_of, settle_after_failed_capture, step_timing, timed)
+
+#: This script's public names, and those of flash_layer.py / step_timing.py that the tests and
+#: decode_step_profile.py use from it (re-exported).
+__all__ = ["BATCHES", "QUICK_BATCHES", "CONTEXT", "PREFILL_TOKENS", "CAP_S", "QUICK_CAP_S", "BUDGET_S",
+           "QUICK_BUDGET_S", "STEP_PARTS", "SLOT_ID_BYTES", "ROW_KEYS", "PATHS", "step_bytes", "run_point",
+           "failed_row", "decode_row_problems", "main", "plot", "DeepseekV41Config", "flash_config_dict",
+           "Caches", "Layer", "build_layer", "make_caches", "moe_routed", "queries", "step_components", "stored_layer",
+           "BUDGET_NOTE", "GRAPH_WARMUP_CALLS", "MAX_REPS", "capture_graph", "graph_of", "settle_after_failed_capture"]
 
 BATCHES = (1, 8, 64, 256)
 QUICK_BATCHES = (1, 64)
 CONTEXT, PREFILL_TOKENS = 8192, 8192
-CAP_S, QUICK_CAP_S, MAX_REPS = 2.0, 0.5, 100
+CAP_S, QUICK_CAP_S = 2.0, 0.5
 BUDGET_S, QUICK_BUDGET_S = 225.0, 105.0   # wall budgets (full < 4 min, quick < 2 min incl. start-up)
-CACHE = ops.CacheProfile.NONE            # the stored latent is FP4 only (no further cache round trip)
 STEP_PARTS = ("torch", "indexer", "attention", "moe_routed")   # one decode step of the layer, in order
-GRAPH_WARMUP_CALLS = 2
-ENCODE_CHUNK = 1 << 16                   # entries encoded per chunk when filling the packed rows
 SLOT_ID_BYTES = 8                        # int64 slot / entry ids, as passed to the kernels
-BUDGET_NOTE = "skipped: over the wall budget (--budget-s)"
-
-
-# ---- the layer ---------------------------------------------------------------------------------
-def _fp32_value(spec: TensorSpec, shape, g: torch.Generator, device) -> Tensor:
-    """Value rules of tests/reference_weights.py: activations stay O(1) through the layer."""
-    n, randn = spec.name, (lambda *s: torch.randn(*s, generator=g, device=device))
-    if "hc_" in n:
-        return (randn(*shape) / math.sqrt(shape[1]) if n.endswith("_fn") else 0.5 * randn(*shape)
-                if n.endswith("_base") else 0.5 + 0.5 * torch.rand(*shape, generator=g, device=device))
-    if n.endswith(("attn_sink", "gate.bias", "gate.bias_vl")):
-        return 0.3 * randn(*shape)
-    return 1.0 + 0.1 * randn(*shape)                     # norm weights
-
-
-def stored_layer(cfg: DeepseekV41Config, layer: int, device: torch.device, seed: int = 0) -> dict[str, Tensor]:
-    """Every stored tensor of layer `layer` (names, shapes, dtypes of the checkpoint), on `device`."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    out: dict[str, Tensor] = {}
-    for spec in tensor_inventory(cfg, vision=False, dspark=False):
-        if not spec.name.startswith(f"layers.{layer}."):
-            continue
-        shape = spec.shape
-        if spec.kind is Kind.FP8:
-            out[spec.name], out[spec.scale_name] = quantize_fp8_block(
-                torch.randn(*shape, generator=g, device=device) / math.sqrt(shape[1]))
-        elif spec.kind is Kind.FP4:       # random E2M1 pairs; scales near 2^-5 (w1/w3), 2^-9 (w2)
-            exp = -9 if ".w2." in spec.name else -5
-            out[spec.name] = torch.randint(0, 256, (shape[0], shape[1] // 2), generator=g, device=device,
-                                           dtype=torch.uint8)
-            out[spec.scale_name] = (127 + exp + torch.randint(-1, 2, (shape[0], shape[1] // TILE), generator=g,
-                                                              device=device)).to(torch.uint8).view(torch.float8_e8m0fnu)
-        elif spec.kind is Kind.BF16:
-            out[spec.name] = (torch.randn(*shape, generator=g, device=device) / math.sqrt(shape[-1])).to(torch.bfloat16)
-        elif spec.kind is Kind.FP32:
-            out[spec.name] = _fp32_value(spec, shape, g, device).float()
-        else:
-            raise ValueError(f"{spec.name}: kind {spec.kind} is not generated here (pick a non-Engram layer)")
-        for st in spec.stored():
-            problem = stored_problem(st, out[st.name].dtype, tuple(out[st.name].shape))
-            if problem:
-                raise AssertionError(f"generated tensor not in the stored format: {problem}")
-    return out
-
-
-@dataclasses.dataclass
-class Layer:
-    cfg: DeepseekV41Config
-    role: LayerRole
-    weights: dict                 # runtime weights (fp32 logical + RoutedExpertsMxfp4 on CUDA)
-    stored_bytes: dict[str, int]  # by group: dense / experts / norms (stored formats)
-    held_dense_bytes: int         # bytes of the fp32 dense tensors the torch path reads
-    expert_bytes: int             # stored bytes of one routed expert
-    inv_freq: Tensor              # RoPE inverse frequencies on the device (made once, like the runtime)
-    cached_dense_bytes: int = 0   # bytes the dense backend reads (BF16 linear weights, fp32 rest)
-    dense_backend: object = None  # runtime.dense_ops.BlockedBf16Gemm on CUDA
-
-    @property
-    def text(self):
-        return self.cfg.text
-
-
-def build_layer(cfg: DeepseekV41Config, layer: int, device: torch.device, seed: int = 0) -> Layer:
-    """`stored_layer` loaded like the runtime: CUDA keeps the routed experts MXFP4 (kernel layout),
-    CPU dequantises them (the reference path)."""
-    from sglang_dsv41.runtime.moe_ops import routed_experts_key
-    stored = stored_layer(cfg, layer, device, seed)
-    weights: dict = {}
-    by_group: dict[str, int] = {}
-    held = 0
-    for spec in tensor_inventory(cfg, vision=False, dspark=False):
-        if not spec.name.startswith(f"layers.{layer}."):
-            continue
-        nbytes = sum(stored[st.name].numel() * stored[st.name].element_size() for st in spec.stored())
-        by_group[spec.group] = by_group.get(spec.group, 0) + nbytes
-        if spec.kind is Kind.FP4 and device.type == "cuda":
-            continue
-        weights[spec.name] = logical_tensor(spec, stored.__getitem__).to(device=device, dtype=torch.float32)
-        if spec.kind is not Kind.FP4:
-            held += weights[spec.name].numel() * 4
-    t = cfg.text
-    if device.type == "cuda":
-        from sglang_dsv41.runtime.weights import prepare_layer_experts
-        prefix = f"layers.{layer}."
-        weights[routed_experts_key(prefix)] = prepare_layer_experts(stored, prefix, t.n_routed_experts, device)
-    del stored
-    backend, cached = None, 0
-    if device.type == "cuda":
-        from sglang_dsv41.runtime.dense_ops import backend_for, is_dense_linear_weight
-        backend = backend_for(weights)
-        cached = sum(v.numel() * (2 if is_dense_linear_weight(k, v) else 4) for k, v in weights.items()
-                     if isinstance(v, Tensor) and ".ffn.experts." not in k)
-    per_expert = 3 * (t.moe_intermediate_size * t.hidden_size // 2 + t.moe_intermediate_size * t.hidden_size // TILE)
-    role = t.layer_roles()[layer]
-    inv_freq = layer_inv_freq(t, role.ratio).to(device)
-    return Layer(cfg, role, weights, by_group, held, per_expert, inv_freq, cached, backend)
-
-
-# ---- inputs -----------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Caches:
-    """Request b owns token slots b·C .. b·C + C − 1 (C = context, a multiple of the ratio r).
-    `swa`: BF16 SWA rows [S, D] (the runtime's format). `packed`: the layer's kv source in uint8
-    packed rows [S, storage_row_bytes] (contracts §1–§2, only this source's columns written;
-    entry e = slot // r holds the compressed position completed by slot e·r + r − 1). `latents` /
-    `keys`: BF16 copies of the decoded entries at that completing slot (the BF16 variants), or None."""
-    swa: Tensor
-    packed: PackedSource
-    layout: CompressedRowLayout
-    latents: Tensor | None
-    keys: Tensor | None
-    context: int
-
-
-def make_caches(layer: Layer, requests: int, context: int, device: torch.device, seed: int = 1,
-                bf16_copies: bool = False) -> Caches:
-    """Random SWA rows and one packed entry (random pre-quantisation latent and key, encoded with
-    `encode_entries`) for every entry index of the layer's kv source."""
-    t, role = layer.text, layer.role
-    if role.kv_source is None:
-        raise ValueError(f"layer {role.layer} (ratio 0) reads no compressed cache: pick a ratio-1/2 layer")
-    layout = CompressedRowLayout.from_config(t)
-    src = layout.source(role.kv_source)
-    if context % src.ratio:
-        raise ValueError(f"context {context} must be a multiple of the compress ratio {src.ratio}")
-    g = torch.Generator(device=device).manual_seed(seed)
-    S, D, Dk = requests * context, t.head_dim, t.index_head_dim
-    swa = torch.randn(S, D, generator=g, device=device).to(torch.bfloat16)
-    rows = torch.zeros(S, layout.storage_row_bytes, dtype=torch.uint8, device=device)
-    latents = torch.zeros(S, D, dtype=torch.bfloat16, device=device) if bf16_copies else None
-    keys = torch.zeros(S, Dk, dtype=torch.bfloat16, device=device) if bf16_copies else None
-    n = S // src.ratio
-    for e0 in range(0, n, ENCODE_CHUNK):
-        e = torch.arange(e0, min(n, e0 + ENCODE_CHUNK), device=device)
-        entries = encode_entries(layout, torch.randn(e.numel(), D, generator=g, device=device),
-                                 torch.randn(e.numel(), Dk, generator=g, device=device))
-        write_entries(rows, src, e, entries)
-        if bf16_copies:          # decoded values are BF16-exact (kernels/packed_rows.py)
-            slot = e * src.ratio + src.ratio - 1
-            latents[slot] = decode_entry_latents(layout, entries).to(torch.bfloat16)
-            keys[slot] = decode_entry_keys(layout, entries).to(torch.bfloat16)
-    packed = PackedSource(rows, src.offset, src.share, src.ratio, D, Dk)
-    return Caches(swa, packed, layout, latents, keys, context)
-
-
-def queries(layer: Layer, caches: Caches, req: Tensor, positions: Tensor) -> dict[str, Tensor]:
-    """Slot tables of queries of requests `req` at `positions` (request b's slots b·C..b·C+C−1)."""
-    t, dev = layer.text, positions.device
-    win = positions[:, None] - t.sliding_window + 1 + torch.arange(t.sliding_window, device=dev)[None, :]
-    swa_slots = torch.where(win >= 0, req[:, None] * caches.context + win, -1)
-    R = int(req.max()) + 1
-    req_to_token = torch.arange(R * caches.context, device=dev).view(R, caches.context)
-    return dict(req=req, swa_slots=swa_slots, req_to_token=req_to_token, positions=positions)
-
-
-# ---- components ---------------------------------------------------------------------------------
-def torch_work(layer: Layer, R: Tensor, positions: Tensor) -> tuple[Tensor, Routing]:
-    """The layer's torch work as the runtime runs it (module docstring); returns the MoE input
-    and its routing. The attention output is stood in for by q (attention is timed apart). No host
-    sync and no host → device copy (RoPE frequencies are made once in `build_layer`), so it can be
-    captured in a CUDA graph."""
-    t, w, i = layer.text, layer.weights, layer.role.layer
-    p, pa = f"layers.{i}.", f"layers.{i}.attn."
-    hc = lambda sub, R_: hc_coefficients(R_, w[f"{p}hc_{sub}_fn"], w[f"{p}hc_{sub}_base"], w[f"{p}hc_{sub}_scale"],  # noqa: E731
-                                         rms_eps=t.rms_norm_eps, hc_eps=t.hc_eps, sinkhorn_iters=t.hc_sinkhorn_iters)
-    inv_freq = layer.inv_freq
-    co = hc("attn", R)
-    x = hc_sublayer_input(R, co.pre, w[p + "attn_norm.weight"], t.rms_norm_eps)
-    q_lora, q, kv = project_q_kv(t, w, pa, x, positions, inv_freq, True)
-    ops.swa_cache_roundtrip(kv, CACHE, t.qk_rope_head_dim)
-    if layer.role.computes_latents:
-        a = linear_fp32_out(x, w[pa + "compressor.wkv.weight"])
-        if layer.role.ratio == 2:
-            linear_fp32_out(x, w[pa + "compressor.wgate.weight"])
-        latents = ops.rms_norm(ops.bf16(a), w[pa + "compressor.norm.weight"], t.rms_norm_eps)
-        stored_latents(t, latents, positions, inv_freq, CACHE)
-        index_keys(t, w, pa, latents, positions, inv_freq)
-    if layer.role.runs_indexer:
-        index_query(t, w, pa, x, q_lora, positions, inv_freq, True)
-    y = output_projection(t, w, pa, q, positions, inv_freq, True)
-    R = hc_residual_update(R, y, co)
-    co_f = hc("ffn", R)
-    x = hc_sublayer_input(R, co.pre, w[p + "ffn_norm.weight"], t.rms_norm_eps)
-    routing = route(x, w[p + "ffn.gate.weight"], w[p + "ffn.gate.bias"], t.num_experts_per_tok)
-    shared = shared_expert(x, w[p + "ffn.shared_experts.w1.weight"], w[p + "ffn.shared_experts.w2.weight"],
-                           w[p + "ffn.shared_experts.w3.weight"], t.swiglu_limit, True)
-    hc_residual_update(R, shared, co_f)
-    return x, routing
-
-
-def moe_routed(layer: Layer, x: Tensor, routing: Routing) -> Tensor:
-    """Routed experts as the runtime runs them: CUDA → MXFP4 kernel; CPU → the reference."""
-    t, p = layer.text, f"layers.{layer.role.layer}."
-    if x.is_cuda:
-        from sglang_dsv41.kernels import moe_mxfp4 as mx
-        from sglang_dsv41.runtime.moe_ops import routed_experts_key
-        return mx.routed_experts_mxfp4(x.to(torch.bfloat16), routing.experts, routing.weights,
-                                       layer.weights[routed_experts_key(p)].prepared,
-                                       swiglu_limit=t.swiglu_limit, routed_scale=t.routed_scaling_factor)
-    T, k = routing.experts.shape
-    per_slot = torch.zeros(T, k, x.shape[1], dtype=torch.float64)
-    for e in torch.unique(routing.experts).tolist():
-        rows, slot = torch.nonzero(routing.experts == e, as_tuple=True)
-        q = f"{p}ffn.experts.{e}."
-        per_slot[rows, slot] = routed_expert(x[rows], layer.weights[q + "w1.weight"], layer.weights[q + "w2.weight"],
-                                             layer.weights[q + "w3.weight"], t.swiglu_limit).double()
-    return ops.bf16((t.routed_scaling_factor * (routing.weights.double().unsqueeze(-1) * per_slot).sum(1)).float())
-
-
-def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor,
-                      sink: Tensor) -> tuple[dict[str, Callable], dict[str, bool]]:
-    """Attention and indexer through the Triton kernels on the packed rows, as the runtime calls
-    them (CUDA only, no host sync), plus the BF16 variants when `caches` holds BF16 copies; and
-    {component: packed output == BF16 output} for those."""
-    from sglang_dsv41.kernels import indexer as K
-    from sglang_dsv41.kernels import sparse_attention as SA
-    t, role, pos, req = layer.text, layer.role, qs["positions"], qs["req"]
-    r = caches.packed.ratio
-    n_vis = visible_counts(pos, r)
-    width = caches.context // r
-    R = qs["req_to_token"].shape[0]
-    table_args = (qs["req_to_token"], torch.arange(R, device=pos.device), torch.full((R,), width, device=pos.device),
-                  r, width)
-    entries = K.entry_index_table(*table_args)
-    g = torch.Generator(device=pos.device).manual_seed(7)
-    iq = ops.fp4_fake_quant_ue8m0_scale(torch.randn(q.shape[0], t.index_n_heads, t.index_head_dim,
-                                                    generator=g, device=pos.device))
-    head_w = torch.rand(q.shape[0], t.index_n_heads, generator=g, device=pos.device) / t.index_n_heads
-
-    def scores_packed():
-        return K.index_scores(iq, head_w, caches.packed, entries, req, n_vis, head_sum_fp64=True, check_inputs=False)
-
-    def indexer():
-        return K.select_for_role(t, role, scores_packed(), n_vis, None, check_nan=False)[0]
-
-    sel = indexer()
-    comp_entries = torch.where(sel >= 0, entries[req[:, None], sel.clamp(min=0)], -1)
-    cfg_att = dataclasses.replace(SA.plan_config(q.shape[0], t.num_attention_heads, t.head_dim, t.sliding_window,
-                                                 comp_entries.shape[1], 1), num_splits=1)
-    qb, scale = q.to(torch.bfloat16), ops.softmax_scale(t.head_dim)
-
-    def attention():
-        return SA.sparse_sink_attention(qb, caches.swa, qs["swa_slots"], caches.packed, comp_entries, sink, scale,
-                                        config=cfg_att)
-    comps: dict[str, Callable] = {"attention": attention, "indexer": indexer}
-    if caches.latents is None:
-        return comps, {}
-    slots = K.entry_slot_table(*table_args)                      # where the BF16 copy of entry e lives
-    comp_slots = torch.where(comp_entries >= 0, comp_entries * r + r - 1, -1)
-
-    def scores_bf16():
-        return K.index_scores(iq, head_w, caches.keys, slots, req, n_vis, head_sum_fp64=True, check_inputs=False)
-
-    def attention_bf16():
-        return SA.sparse_sink_attention(qb, caches.swa, qs["swa_slots"], caches.latents, comp_slots, sink, scale,
-                                        config=cfg_att)
-    comps["attention_bf16"] = attention_bf16
-    comps["indexer_bf16"] = lambda: K.select_for_role(t, role, scores_bf16(), n_vis, None, check_nan=False)[0]
-    same = {"attention": _within_two_bf16_ulps(attention(), attention_bf16()),
-            "indexer": torch.equal(scores_packed(), scores_bf16())}
-    return comps, same
-
-
-def _within_two_bf16_ulps(got: Tensor, want: Tensor) -> bool:
-    """The packed and BF16 attention kernels are different binaries, measured on the H200 to agree
-    within one BF16 ulp of the output scale (max |o| per query and head), not bit for bit
-    (tests/test_kernels_sparse_attention.py states ≤ 2); the index scores are bitwise equal."""
-    scale = want.float().abs().amax(dim=-1, keepdim=True).clamp(min=2.0 ** -126)
-    ulp = torch.exp2(torch.floor(torch.log2(scale)) - 7)
-    return bool(((got.float() - want.float()).abs() <= 2 * ulp).all())
 
 
 # ---- bytes --------------------------------------------------------------------------------------
@@ -393,197 +113,7 @@ def step_bytes(layer: Layer, N: int, n_visible: int, distinct_experts: int) -> d
             "torch_fp64": dict(current=layer.held_dense_bytes, design=dense_stored)}
 
 
-# ---- timing -------------------------------------------------------------------------------------
-def measure(fn: Callable[[], object], cap_s: float, device: torch.device) -> dict:
-    """Median µs of `fn` (one warm-up call, then ≤ MAX_REPS calls within ~cap_s; CUDA: events,
-    a 256 MB L2 flush before each call)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn()
-    sync()
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    reps = max(1, min(MAX_REPS, int(cap_s / max(time.perf_counter() - t0, 1e-6))))
-    flush = torch.empty(64 << 20, dtype=torch.int32, device=device) if device.type == "cuda" else None
-    us = []
-    for _ in range(reps):
-        if flush is not None:
-            flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            us.append(start.elapsed_time(end) * 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            us.append((time.perf_counter() - t0) * 1e6)
-    return dict(median_us=statistics.median(us), min_us=min(us), reps=reps)
-
-
-def timed(fn: Callable[[], object], cap_s: float, device: torch.device, nbytes: Mapping[str, int],
-          copy_gbs: float | None) -> dict:
-    """`measure` + bytes + the fraction of the copy bandwidth those bytes per median reach."""
-    r = measure(fn, cap_s, device) | dict(bytes=dict(nbytes))
-    if copy_gbs:
-        r["fraction_of_copy_bw"] = {k: v / (r["median_us"] * 1e-6) / 1e9 / copy_gbs for k, v in nbytes.items()}
-    return r
-
-
-def _describe(exc: BaseException) -> str:
-    """Exception text, with the one it was raised while handling (a failed capture's end)."""
-    text = f"{type(exc).__name__}: {exc}"
-    ctx = exc.__cause__ or exc.__context__
-    if ctx is not None:
-        text += f" [while handling {type(ctx).__name__}: {ctx}]"
-    return text[:3000]
-
-
-def attempt(label: str, fn: Callable[[], dict], errors: list[str], skipped: list[str], deadline: float) -> dict:
-    """fn() unless past `deadline` (→ {"skipped"}, label in `skipped`); an exception → {"error",
-    "traceback"} and a line in `errors`."""
-    if time.perf_counter() > deadline:
-        skipped.append(label)
-        return dict(skipped=BUDGET_NOTE)
-    try:
-        return fn()
-    except Exception as exc:
-        errors.append(f"{label}: {_describe(exc)}")
-        return dict(error=_describe(exc), traceback=traceback.format_exc(limit=4))
-
-
-# ---- CUDA graph of the step ---------------------------------------------------------------------
-def capture_graph(fns: Sequence[Callable[[], object]], warmup_calls: int = GRAPH_WARMUP_CALLS):
-    """One `torch.cuda.CUDAGraph` of one call of every fn in order, after `warmup_calls` calls on a
-    side stream (torch's recipe: Triton compiles, cuBLAS workspaces, allocator state)."""
-    if not torch.cuda.is_available():
-        raise RuntimeError("capture_graph: CUDA graphs need a CUDA device")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup_calls):
-            for fn in fns:
-                fn()
-    caller = torch.cuda.current_stream()
-    caller.wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            for fn in fns:
-                fn()
-    finally:      # torch.cuda.graph's exit skips restoring the stream when ending a failed capture raises
-        torch.cuda.set_stream(caller)
-    return graph
-
-
-def settle_after_failed_capture() -> None:
-    """Wait for the device after a failed capture (capture errors are not sticky; if the context
-    is broken this raises, and the caller records it)."""
-    torch.cuda.synchronize()
-
-
-def graph_of(parts: Mapping[str, Callable[[], object]]):
-    """(graph, excluded): the graph of all parts in order; if that capture fails, each part is
-    captured alone to find those that cannot be (a host sync, a host → device copy, ...) —
-    `excluded` maps them to their exception text — and the graph holds the rest in order.
-    Raises if no part can be captured, or if every part captures alone but not all together."""
-    if not parts:
-        raise ValueError("graph_of: no parts")
-    try:
-        return capture_graph(list(parts.values())), {}
-    except Exception as exc:
-        settle_after_failed_capture()
-        together = _describe(exc)
-    excluded: dict[str, str] = {}
-    for name, fn in parts.items():
-        try:
-            capture_graph([fn], warmup_calls=1)
-        except Exception as exc:
-            settle_after_failed_capture()
-            excluded[name] = _describe(exc)
-    if not excluded:
-        raise RuntimeError(f"every part captures alone but the whole step does not: {together}")
-    kept = [fn for name, fn in parts.items() if name not in excluded]
-    if not kept:
-        raise RuntimeError(f"no part of the step can be captured: {excluded}")
-    return capture_graph(kept), excluded
-
-
-def step_timing(parts: Mapping[str, Callable[[], object]], nbytes: Mapping[str, Mapping[str, int]], cap_s: float,
-                device: torch.device, copy_gbs: float | None, graph: bool, label: str, errors: list[str],
-                skipped: list[str], deadline: float) -> dict:
-    """The whole step (`parts` in order) eagerly and, if `graph`, as one CUDA graph replay
-    (`graph_of`); keys of the decode row: eager, graph, layer_us_eager, layer_us_graph, graph_excluded."""
-    def bytes_of(names):
-        return {k: sum(nbytes[n][k] for n in names) for k in ("current", "design")}
-
-    def run_all(names):
-        return lambda: [parts[n]() for n in names]
-    eager = (attempt(f"{label} eager step", lambda: dict(parts=list(parts)) | timed(
-        run_all(list(parts)), cap_s, device, bytes_of(parts), copy_gbs), errors, skipped, deadline)
-        if parts else dict(skipped="no component of the step ran"))
-
-    def graph_run() -> dict:
-        g, excluded = graph_of(parts)
-        kept = [n for n in parts if n not in excluded]
-        out = dict(parts=kept, excluded=excluded) | timed(g.replay, cap_s, device, bytes_of(kept), copy_gbs)
-        del g
-        if excluded:          # the eager time of exactly the graphed parts, for the comparison
-            out["eager_same_parts_us"] = measure(run_all(kept), cap_s, device)["median_us"]
-        return out
-    if not graph:
-        g_row = dict(skipped="not run: no CUDA device, or --no-graph")
-    elif not parts:
-        g_row = dict(skipped="no component of the step ran")
-    else:
-        g_row = attempt(f"{label} graph", graph_run, errors, skipped, deadline)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return dict(eager=eager, graph=g_row, layer_us_eager=eager.get("median_us"),
-                layer_us_graph=g_row.get("median_us"), graph_excluded=g_row.get("excluded", {}))
-
-
 # ---- one point ----------------------------------------------------------------------------------
-def step_components(layer: Layer, caches: Caches, req: Tensor, positions: Tensor,
-                    errors: list[str]) -> tuple[dict[str, Callable[[], object]], dict]:
-    """The callables of one step (`torch` work, `moe_routed`, and on CUDA the kernels `indexer` /
-    `attention` and their BF16 variants) on fixed random inputs, and the point's metadata row
-    (tokens, distinct experts, visible entries, packed-vs-BF16 check); kernel set-up failures go to
-    `errors`. Shared by `run_point` and benchmarks/decode_step_profile.py."""
-    t, dev, N = layer.text, positions.device, int(positions.numel())
-    label = f"N={N}"
-    g = torch.Generator(device=dev).manual_seed(N)
-    R = ops.bf16(torch.randn(N, t.hc_mult, t.hidden_size, generator=g, device=dev))
-    x, routing = torch_work(layer, R, positions)
-    q = ops.bf16(torch.randn(N, t.num_attention_heads, t.head_dim, generator=g, device=dev))
-    sink = layer.weights[f"layers.{layer.role.layer}.attn.attn_sink"]
-    comps: dict[str, Callable] = {"torch": lambda: torch_work(layer, R, positions),
-                                  "moe_routed": lambda: moe_routed(layer, x, routing)}
-    if layer.dense_backend is not None:
-        from sglang_dsv41.runtime.dense_ops import dense_math
-
-        def on_tensor_cores():
-            with dense_math(layer.dense_backend):
-                return torch_work(layer, R, positions)
-        comps = {"torch": on_tensor_cores, "torch_fp64": comps["torch"], "moe_routed": comps["moe_routed"]}
-    distinct = int(torch.unique(routing.experts).numel())
-    n_vis = int(visible_counts(positions, layer.role.ratio).max())
-    out: dict = dict(tokens=N, distinct_experts=distinct, visible_entries=n_vis)
-    if dev.type == "cuda":
-        try:
-            kernels, same = kernel_components(layer, caches, queries(layer, caches, req, positions), q, sink)
-            comps.update(kernels)
-            if same:
-                out["packed_equals_bf16"] = same
-            errors.extend(f"{label} {c}: packed FP4 output differs from the BF16 path on the decoded values"
-                          for c, ok in same.items() if not ok)
-        except Exception as exc:
-            errors.append(f"{label} kernels setup: {_describe(exc)}")
-    return comps, out
-
-
 def run_point(layer: Layer, caches: Caches, req: Tensor, positions: Tensor, cap_s: float,
               copy_gbs: float | None, errors: list[str], *, graph: bool = False, whole_step: bool = True,
               skipped: list[str] | None = None, deadline: float = math.inf) -> dict:
@@ -677,7 +207,6 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("benchmarks/decode_step.py needs a CUDA GPU")
     t_start = time.perf_counter()
     deadline = t_start + (args.budget_s or (QUICK_BUDGET_S if args.quick else BUDGET_S))
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from device_bandwidth import copy_bandwidth_gbs
     torch.backends.cuda.matmul.allow_tf32 = False        # the dense backend's fp32 GEMMs need it off
     dev = torch.device("cuda")
