@@ -98,13 +98,18 @@ def add_packed_case(c: dict, seed: int) -> None:
     c["packed_bf16"] = decoded
 
 
-def check_packed_bit_identical(c: dict, scale: float) -> None:
-    """Packed entries vs the BF16 path on the decoded latents: equal bits (bf16 output)."""
+def check_packed_matches_bf16(c: dict, scale: float) -> float:
+    """Packed entries vs the BF16 path on the decoded latents: the two compiled variants agree
+    within 2 BF16 ulps of the output scale (max |o| per query and head) — measured ≤ 1 on the
+    H200, not bit for bit (tests/test_kernels_sparse_attention.py); returns the max in ulps."""
     args = (c["q"], c["swa_cache"], c["swa_slots"])
     packed = sa.sparse_sink_attention(*args, c["packed"], c["packed_entries"], c["sink"], scale, validate=True)
     plain = sa.sparse_sink_attention(*args, c["packed_bf16"], c["packed_entries"], c["sink"], scale)
-    if not torch.equal(packed.view(torch.int16), plain.view(torch.int16)):
-        raise AssertionError(f"packed path differs from the BF16 path in {int((packed != plain).sum())} outputs")
+    out_scale = plain.float().abs().amax(dim=-1, keepdim=True).clamp(min=2.0 ** -126)
+    ulps = float(((packed.float() - plain.float()).abs() / torch.exp2(torch.floor(torch.log2(out_scale)) - 7)).max())
+    if ulps > 2.0:
+        raise AssertionError(f"packed path differs from the BF16 path by {ulps:.3g} BF16 ulps of the output scale")
+    return ulps
 
 
 def compulsory_bytes_packed(c: dict) -> int:
@@ -205,14 +210,14 @@ def main() -> None:
         ms = run()
         torch_ms = triton.testing.do_bench(lambda: torch_path(c, scale), warmup=3, rep=30, return_mode="median")
         add_packed_case(c, seed=n + 1)
-        check_packed_bit_identical(c, scale)
+        packed_ulps = check_packed_matches_bf16(c, scale)
         packed_bytes = compulsory_bytes_packed(c)
         packed_ms = triton.testing.do_bench(
             lambda: sa.sparse_sink_attention(c["q"], c["swa_cache"], c["swa_slots"], c["packed"],
                                              c["packed_entries"], c["sink"], scale),
             warmup=25, rep=200, return_mode="median")
         packed_gbs = packed_bytes / (packed_ms * 1e-3) / 1e9
-        row = dict(n=n, config=dataclasses.asdict(planned), ms=ms, us_per_query=ms * 1e3 / n, bytes=nbytes,
+        row = dict(n=n, packed_vs_bf16_ulps=packed_ulps, config=dataclasses.asdict(planned), ms=ms, us_per_query=ms * 1e3 / n, bytes=nbytes,
                    gbs=nbytes / (ms * 1e-3) / 1e9, fraction_of_copy_bw=nbytes / (ms * 1e-3) / 1e9 / copy_gbs,
                    torch_path_ms=torch_ms, speedup_vs_torch_path=torch_ms / ms, accuracy=accuracy,
                    packed=dict(ms=packed_ms, us_per_query=packed_ms * 1e3 / n, bytes=packed_bytes, gbs=packed_gbs,
@@ -229,7 +234,6 @@ def main() -> None:
               f"packed {packed_ms * 1e3:8.1f} us  {packed_gbs:7.0f} GB/s ({packed_gbs / copy_gbs:.0%})  "
               f"torch path {torch_ms:.2f} ms  splits={planned.num_splits}  "
               f"bf16 mismatches {accuracy['bf16_mismatch_fraction']:.2%}", flush=True)
-        del c
 
     args.out.mkdir(parents=True, exist_ok=True)
     result = dict(device=props.name, sm_count=props.multi_processor_count, torch=torch.__version__,
