@@ -12,13 +12,13 @@ the rest) is exercised with a stand-in capture; without CUDA the script refuses 
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from benchmark_loader import load_benchmark
 from reference_weights import tiny_config
 
 from sglang_dsv41.checkpoint.loader import logical_tensor, stored_problem
@@ -31,16 +31,11 @@ from sglang_dsv41.reference import moe as ref_moe
 from sglang_dsv41.reference.ops import bf16
 from sglang_dsv41.runtime.kv_layout import CompressedRowLayout, PackedSourceRows
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_step.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_decode_step", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("decode_step.py")
 
 
 @pytest.fixture(scope="module")

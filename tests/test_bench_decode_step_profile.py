@@ -2,24 +2,18 @@
 profile itself runs on the GPU machine)."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_step_profile.py"
+from benchmark_loader import load_benchmark
+
 
 
 @pytest.fixture(scope="module")
 def prof():
-    spec = importlib.util.spec_from_file_location("bench_decode_step_profile", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("decode_step_profile.py")
 
 
 def test_kernel_table_sums_device_time_of_cuda_kernels_only(prof) -> None:
