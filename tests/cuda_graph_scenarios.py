@@ -208,3 +208,16 @@ def suspended() -> Iterator[None]:
         yield
     finally:
         _armed = was
+
+
+def static_decode_logits(engine: TorchForward, batch_size: int = 6, steps: int = 2) -> dict[str, Tensor]:
+    """Live-request logits of `steps` static (CUDA-graph layout) decode steps padded to
+    `batch_size`, after the standard prefill — the scenario `tests/tp_harness.run_tp` runs on
+    every rank (CPU) to show the static forward at TP > 1 equals TP 1."""
+    state = prefilled(engine, torch.device("cpu"))
+    out: dict[str, Tensor] = {}
+    for step in range(steps):
+        inputs = decode_step(state, step_tokens(step), batch_size)
+        hidden = engine.hidden_states(inputs.input_ids, inputs.static_layout(state.slots.table), state.caches)
+        out[f"step{step}"] = engine.logits(hidden)[:inputs.live]
+    return out

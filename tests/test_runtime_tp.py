@@ -150,3 +150,15 @@ def test_shard_loader_holds_only_this_ranks_share(tiny_checkpoint, text) -> None
         assert shard["layers.0.attn.wo_a.weight"].shape[0] == len(plan.groups) * text.o_lora_rank
         assert shard["layers.0.attn.attn_sink"].shape == (len(plan.heads),)
         assert shard["layers.0.attn.wo_b.weight"].shape == full["layers.0.attn.wo_b.weight"].shape
+
+
+def test_tp2_static_decode_equals_tp1(tiny_checkpoint, tmp_path) -> None:
+    """The static (CUDA-graph) decode forward at TP 2 — sharded Engram rows gathered without a
+    host check — gives TP 1's live logits bit for bit (CPU, padded batches)."""
+    from cuda_graph_scenarios import static_decode_logits
+
+    want = static_decode_logits(engine_for(tiny_checkpoint, TensorParallel()))
+    for rank in run_tp(tiny_checkpoint, tmp_path, TP, "cuda_graph_scenarios:static_decode_logits"):
+        assert rank["logits"].keys() == want.keys()
+        for name, logits in want.items():
+            assert torch.equal(rank["logits"][name], logits), name

@@ -146,15 +146,12 @@ class TorchForward:
         """`reference.engram.engram_residual_update` (spec §3.3.2) without its host-side range
         check of the row ids (`engram_embedding` reads min/max on the host), for static layouts:
         the same table lookup, `wkv` linear, `engram_gate` and float64 update rounded once to
-        BF16 (bit-identical: tests/test_runtime_cuda_graph.py). TP 1 only — the sharded lookup
-        (`TensorParallel.engram_residual_update`) checks on the host too."""
-        if self.tp.size != 1:
-            raise RuntimeError(f"sglang-dsv41: the static (CUDA-graph) decode forward runs at TP 1 only "
-                               f"(TP {self.tp.size}: the sharded Engram lookup checks row ids on the host); "
-                               "serve with --disable-cuda-graph at TP > 1")
+        BF16 (bit-identical: tests/test_runtime_cuda_graph.py). Sharded tables go through
+        `TensorParallel.engram_rows(..., check=False)` (masked lookup + exact all-reduce)."""
         t, w, p = self.text, self.weights, f"layers.{layer}.engram."
         tokens, hc, hidden = R.shape
-        emb = w[p + "embed.weight"][row_ids.to(torch.int64)].reshape(tokens, -1)
+        table, ids = self.tp.engram_rows(t, layer, row_ids, w, check=False)
+        emb = table[ids.to(torch.int64)].reshape(tokens, -1)
         kv = linear(emb, w[p + "wkv.weight"]).to(F32)
         keys = kv[:, : hc * hidden].reshape(tokens, hc, hidden)
         value = kv[:, hc * hidden:]

@@ -159,8 +159,8 @@ TORCH_PATH = RuntimeProfile(
                    "size is one more capture at start-up and the static indexer width is the context "
                    "length, so a modest ceiling keeps start-up and graph memory small"),
         ServerFlag("--disable-cuda-graph", None, ("cuda",),
-                   "tensor parallel > 1 runs eagerly for now: the sharded Engram lookup checks row ranges "
-                   "on the host", multi_gpu_only=True),
+                   "tensor parallel > 1 decodes eagerly until graph capture with its collectives is "
+                   "validated on GPUs (the static forward at TP 2 equals TP 1 on CPU)", multi_gpu_only=True),
         ServerFlag("--sampling-backend", "pytorch", ("cuda",),
                    "flashinfer's sampler JIT-compiles with nvcc on a fresh machine (minutes); the torch sampler "
                    "is exact for greedy and fast enough for the torch path"),
@@ -185,8 +185,8 @@ TORCH_PATH = RuntimeProfile(
         "vision": "the runtime serves text only for now: vision tensors are not loaded and image requests are "
                   "refused; set features.text_only: true to serve text",
         "cuda_graphs": "the runtime captures decode CUDA graphs at TP 1 only (static decode layout); prefill runs "
-                       "eagerly, and TP > 1 eagerly for now (the sharded Engram lookup checks row ranges on the "
-                       "host; the launcher adds --disable-cuda-graph there)",
+                       "eagerly, and TP > 1 eagerly until graph capture with its collectives is validated on "
+                       "GPUs (the launcher adds --disable-cuda-graph there)",
         "pd_disaggregation": "the runtime keeps request-scoped state beside SGLang's pool (the pending first token "
                              "of a ratio-2 pair) and cannot transfer it between prefill and decode servers yet",
         "kv_cache_dtype": "the runtime needs SGLang's pool in bf16: its global rows hold packed FP4 entries "

@@ -245,28 +245,35 @@ class TensorParallel:
         return ops.linear_fp8(self.all_gather_columns(u), w[prefix + "wo_b.weight"], act_quant)
 
     # ---- Engram (spec §3.3.2) ---------------------------------------------------------------
+    def engram_rows(self, cfg: TextConfig, layer: int, row_ids: Tensor, w: Mapping[str, Tensor], *,
+                    check: bool = True) -> tuple[Tensor, Tensor]:
+        """(table, ids) such that `table[ids]` are the layer's Engram rows of `row_ids`: at TP 1
+        the whole table and the ids; sharded, this rank's owned rows looked up, −0.0 elsewhere,
+        all-reduced (exact: one rank holds each row) into a [T·columns, d] table indexed
+        0..T·columns−1. `check` validates the id range on the host (off in static / CUDA-graph
+        forwards, which must not synchronise)."""
+        table = w[f"layers.{layer}.engram.embed.weight"]
+        if self.size == 1:
+            return table, row_ids
+        held = self.plan(cfg).engram_rows[layer]
+        total = cfg.engram_num_embeddings[cfg.engram_layer_ids.index(layer)]
+        if check and row_ids.numel() and (int(row_ids.min()) < 0 or int(row_ids.max()) >= total):
+            raise ValueError(f"Engram row ids outside the table [0, {total}) of layer {layer}")
+        local = row_ids.to(torch.int64) - held.start
+        owned = (local >= 0) & (local < len(held))
+        rows = table[local.clamp(0, max(len(held) - 1, 0))] if len(held) else \
+            table.new_zeros(*row_ids.shape, table.shape[1])
+        rows = torch.where(owned[..., None], rows, torch.full_like(rows, -0.0))
+        gathered = self.all_reduce_sum(rows.contiguous()).reshape(-1, table.shape[1])
+        return gathered, torch.arange(gathered.shape[0], device=row_ids.device).reshape(row_ids.shape)
+
     def engram_residual_update(self, cfg: TextConfig, layer: int, R: Tensor, row_ids: Tensor,
                                w: Mapping[str, Tensor], *, image_rows: Tensor | None,
                                linear: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
-        """`reference.engram.engram_residual_update` with this rank's rows of the layer's table:
-        owned rows looked up, −0.0 elsewhere, all-reduced (exact), then the reference update
-        on the gathered rows (passed as a [T·columns, d] table indexed 0..T·columns−1)."""
+        """`reference.engram.engram_residual_update` over this rank's view of the layer's table
+        (`engram_rows`)."""
         p = f"layers.{layer}.engram."
-        table = w[p + "embed.weight"]
-        if self.size == 1:
-            gathered, ids = table, row_ids
-        else:
-            held = self.plan(cfg).engram_rows[layer]
-            total = cfg.engram_num_embeddings[cfg.engram_layer_ids.index(layer)]
-            if row_ids.numel() and (int(row_ids.min()) < 0 or int(row_ids.max()) >= total):
-                raise ValueError(f"Engram row ids outside the table [0, {total}) of layer {layer}")
-            local = row_ids.to(torch.int64) - held.start
-            owned = (local >= 0) & (local < len(held))
-            rows = table[local.clamp(0, max(len(held) - 1, 0))] if len(held) else \
-                table.new_zeros(*row_ids.shape, table.shape[1])
-            rows = torch.where(owned[..., None], rows, torch.full_like(rows, -0.0))
-            gathered = self.all_reduce_sum(rows.contiguous()).reshape(-1, table.shape[1])
-            ids = torch.arange(gathered.shape[0], device=row_ids.device).reshape(row_ids.shape)
+        gathered, ids = self.engram_rows(cfg, layer, row_ids, w)
         return engram_residual_update(R, ids, gathered, w[p + "wkv.weight"], w[p + "q_weight"], w[p + "k_weight"],
                                       cfg.rms_norm_eps, image_rows=image_rows, linear=linear)
 
