@@ -40,15 +40,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..checkpoint.loader import check_stored, logical_tensor
-from ..checkpoint.names import Kind, tensor_inventory
 from ..config import DeepseekV41Config, TextConfig
 from ..reference import ops
 from ..reference.attention import output_projection, project_q_kv
 from ..reference.engram import engram_residual_update
 from . import moe_ops
-from .moe_ops import routed_experts_key
-from .weights import prepare_layer_experts
+from .weights import runtime_weights
 
 _LAYER = r"layers\.(\d+)\."
 _HEAD_ROWS = re.compile(_LAYER + r"attn\.(wq_b\.weight|attn_sink)$")
@@ -132,37 +129,11 @@ class ShardPlan:
 def load_shard_weights(stored: Mapping[str, Tensor], cfg: DeepseekV41Config, plan: ShardPlan,
                        device: torch.device | str = "cpu", *, experts_mxfp4: bool = False) -> dict[str, object]:
     """This rank's runtime weights on `device`: `runtime.weights.runtime_weights` (every stored
-    tensor checked against the inventory, §2.4 values as fp32, routed experts dequantised or —
-    `experts_mxfp4` — kept MXFP4 in the kernel layout) restricted to the shard: other ranks'
-    experts are never dequantised / converted, Engram tables are sliced in stored form (rows and
-    their row scales) before dequantisation, sharded attention tensors are sliced after it.
-    TP 1 gives exactly `runtime_weights`' result."""
-    device = torch.device(device)
-    check_stored(stored.keys(), cfg, vision=False, dspark=False,
-                 meta=lambda n: (stored[n].dtype, tuple(stored[n].shape)))
-    out: dict[str, object] = {}
-    expert_layers: list[str] = []
-    for spec in tensor_inventory(cfg, vision=False, dspark=False):
-        m = _EXPERT.match(spec.name)
-        if m is not None:
-            prefix = spec.name[:m.end(1) + 1]
-            if prefix not in expert_layers:
-                expert_layers.append(prefix)
-        if experts_mxfp4 and m is not None or not plan.holds(spec.name):
-            continue
-        rows = plan.rows_of(spec.name)
-        if rows is not None and spec.kind is Kind.ENGRAM:
-            value = logical_tensor(spec, lambda n, r=rows: stored[n][r.start:r.stop])
-        else:
-            value = logical_tensor(spec, stored.__getitem__)
-            if rows is not None:
-                value = value[rows.start:rows.stop]
-        out[spec.name] = value.to(device=device, dtype=torch.float32).contiguous()
-    if experts_mxfp4:
-        for prefix in expert_layers:
-            out[routed_experts_key(prefix)] = prepare_layer_experts(stored, prefix, cfg.text.n_routed_experts,
-                                                                    device, list(plan.experts))
-    return out
+    tensor checked, §2.4 values as fp32, routed experts dequantised or kept MXFP4) restricted to
+    the shard — only this rank's experts are converted, Engram tables are sliced in stored form,
+    sharded attention tensors after dequantisation. TP 1 gives exactly `runtime_weights`' result."""
+    return runtime_weights(stored, cfg, torch.device(device), experts_mxfp4=experts_mxfp4,
+                           expert_ids=list(plan.experts), rows_of=plan.rows_of)
 
 
 class TensorParallel:

@@ -14,14 +14,15 @@
     re-arrangement: transpose, padding, Hopper swizzles) and stored per layer under
     `moe_ops.routed_experts_key(prefix)` as a `RoutedExpertsMxfp4`; no per-expert keys.
 * `expert_ids` (expert parallel): the routed experts this process holds, in order (default all);
-  only those are converted / dequantised.
+  only those are converted / dequantised; `rows_of` (tensor parallel): the rows of sharded
+  tensors this process holds.
 
 `is_routed_expert_tensor(name)` tells a stored routed-expert tensor (weight or scale) from the rest.
 """
 from __future__ import annotations
 
 import re
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -59,15 +60,20 @@ def prepare_layer_experts(stored: Mapping[str, Tensor], prefix: str, n_routed_ex
 
 
 def runtime_weights(stored: Mapping[str, Tensor], cfg: DeepseekV41Config, device: torch.device, *,
-                    experts_mxfp4: bool, expert_ids: Sequence[int] | None = None) -> dict[str, object]:
+                    experts_mxfp4: bool, expert_ids: Sequence[int] | None = None,
+                    rows_of: Callable[[str], range | None] = lambda name: None) -> dict[str, object]:
     """Weights for `TorchForward` / `moe_ops` on `device` (module docstring). Text model only
-    (vision and DSpark tensors are not loaded; their presence is allowed)."""
+    (vision and DSpark tensors are not loaded; their presence is allowed).
+
+    `rows_of(name)` (tensor parallel, `ShardPlan.rows_of`): the dim-0 rows of a logical tensor
+    this process holds (None = all) — Engram tables are sliced in stored form (rows and their row
+    scales) before dequantisation, other tensors after it."""
     device = torch.device(device)
     check_stored(stored.keys(), cfg, vision=False, dspark=False,
                  meta=lambda n: (stored[n].dtype, tuple(stored[n].shape)))
     E = cfg.text.n_routed_experts
     held = set(range(E)) if expert_ids is None else {int(e) for e in expert_ids}
-    if not held or any(not 0 <= e < E for e in held):
+    if any(not 0 <= e < E for e in held):
         raise ValueError(f"expert_ids must be ids in 0..{E - 1}")
     out: dict[str, object] = {}
     expert_layers: list[str] = []
@@ -78,7 +84,14 @@ def runtime_weights(stored: Mapping[str, Tensor], cfg: DeepseekV41Config, device
                 expert_layers.append(prefix)
             if experts_mxfp4 or expert not in held:
                 continue
-        out[spec.name] = logical_tensor(spec, stored.__getitem__).to(device=device, dtype=F32)
+        rows = rows_of(spec.name)
+        if rows is not None and spec.kind is Kind.ENGRAM:
+            value = logical_tensor(spec, lambda n, r=rows: stored[n][r.start:r.stop])
+        else:
+            value = logical_tensor(spec, stored.__getitem__)
+            if rows is not None:
+                value = value[rows.start:rows.stop]
+        out[spec.name] = value.to(device=device, dtype=F32).contiguous()
     if experts_mxfp4:
         order = sorted(held) if expert_ids is None else [int(e) for e in expert_ids]
         for prefix in expert_layers:
