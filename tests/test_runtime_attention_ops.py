@@ -100,7 +100,7 @@ def test_attend_and_select_dispatch_on_their_tensors_device(monkeypatch) -> None
         def attend(self, q, *args):
             return ("attend", q)
 
-        def select(self, cfg, role, w, prefix, x, *args):
+        def select(self, cfg, role, w, prefix, x, *args, **kwargs):
             return ("select", x)
 
     def ops_for(device: torch.device):
@@ -146,6 +146,13 @@ def _exact_index_scores(calls: list[str]):
         return torch.where(visible, scores, -math.inf)
     return index_scores
 
+def _counted(calls: list[str], name: str, fn):
+    def counted(*args, **kwargs):
+        calls.append(name)
+        return fn(*args, **kwargs)
+    return counted
+
+
 @pytest.mark.parametrize("chunk_elements", [DEFAULT_CHUNK, 150])
 def test_kernel_orchestration_with_exact_stand_ins_equals_cpu_path(engine, monkeypatch, chunk_elements: int) -> None:
     cfg, forward = engine
@@ -156,12 +163,14 @@ def test_kernel_orchestration_with_exact_stand_ins_equals_cpu_path(engine, monke
         SimpleNamespace(sparse_sink_attention=_exact_sparse_sink_attention(calls),
                         plan_config=kernel_attention.plan_config, PackedSource=kernel_attention.PackedSource),
         SimpleNamespace(index_scores=_exact_index_scores(calls), select_for_role=kernel_indexer.select_for_role,
-                        entry_index_table=kernel_indexer.entry_index_table,
+                        entry_index_table=_counted(calls, "table", kernel_indexer.entry_index_table),
                         PackedSource=kernel_indexer.PackedSource))
     monkeypatch.setattr(attention_ops, "ops_for", lambda device: stand_in)
     monkeypatch.setattr(attention_ops, "SCORE_ELEMENTS_PER_CHUNK", chunk_elements)
     got = run_scenario(forward, scenario_caches(forward, CPU), CPU, decode)
     batches, indexer_layers = 5, sum(r.runs_indexer for r in cfg.text.layer_roles())
+    ratios = {r.ratio for r in cfg.text.layer_roles() if r.runs_indexer}
+    assert calls.count("table") == batches * len(ratios)   # one entry table per ratio and forward
     assert calls.count("attend") == batches * cfg.text.num_hidden_layers
     if chunk_elements == DEFAULT_CHUNK:
         assert calls.count("scores") == batches * indexer_layers      # one chunk per layer

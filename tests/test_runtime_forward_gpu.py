@@ -89,9 +89,9 @@ def kernel_dispatch(monkeypatch, kernel_ops) -> dict[str, int]:
             counts["attend"] += 1
             return kernel_ops.attend(*args)
 
-        def select(self, *args):
+        def select(self, *args, **kwargs):
             counts["select"] += 1
-            return kernel_ops.select(*args)
+            return kernel_ops.select(*args, **kwargs)
 
     def ops_for(device: torch.device):
         if device.type == DEVICE.type:
@@ -134,8 +134,9 @@ def recorded(models) -> dict[str, list]:
         calls["attend"].append((args, out))
         return out
 
-    def select(cfg_, role, w, prefix, x, q_lora, layout, caches, inv_freq, act_quant, published):
-        out = cpu_select(cfg_, role, w, prefix, x, q_lora, layout, caches, inv_freq, act_quant, published)
+    def select(cfg_, role, w, prefix, x, q_lora, layout, caches, inv_freq, act_quant, published, entry_tables=None):
+        out = cpu_select(cfg_, role, w, prefix, x, q_lora, layout, caches, inv_freq, act_quant, published,
+                         entry_tables)
         calls["select"].append(dict(
             role=role, prefix=prefix, x=x.clone(), q_lora=q_lora.clone(),
             layout=dataclasses.replace(layout, req_to_token=layout.req_to_token.clone()),

@@ -66,6 +66,9 @@ class ForwardScratch:
     #: RoPE inverse frequencies per compress ratio, already on the forward's device (a CUDA
     #: graph cannot copy host tensors to the device); filled on first use when not given.
     inv_freq: dict[int, Tensor] = field(default_factory=dict)
+    #: The batch's entry-index table per compress ratio (CUDA indexer), built by the first
+    #: indexer layer of that ratio in this forward and reused by the others.
+    entry_tables: dict[int, Tensor] = field(default_factory=dict)
 
 
 def _pair_latents(cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, a_first: Tensor, s_first: Tensor,
@@ -164,7 +167,7 @@ def _selection(cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix
             raise RuntimeError(f"layer {role.layer}: candidate source {cand} did not run in this forward")
         published = scratch.blocks[cand]
     selection, blocks = attention_ops.select(cfg, role, w, prefix, x, q_lora, layout, caches, inv_freq,
-                                             act_quant, published)
+                                             act_quant, published, scratch.entry_tables)
     scratch.selections[role.layer] = selection
     if role.candidate_source:
         assert blocks is not None

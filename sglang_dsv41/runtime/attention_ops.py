@@ -85,7 +85,8 @@ class AttentionOps(Protocol):
 
     def select(self, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str, x: Tensor,
                q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
-               act_quant: bool, published: Tensor | None) -> tuple[Tensor, Tensor | None]: ...
+               act_quant: bool, published: Tensor | None,
+               entry_tables: dict[int, Tensor] | None = None) -> tuple[Tensor, Tensor | None]: ...
 
 
 def gather_rows(buffer: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
@@ -112,7 +113,8 @@ class ReferenceAttentionOps:
 
     def select(self, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str, x: Tensor,
                q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
-               act_quant: bool, published: Tensor | None) -> tuple[Tensor, Tensor | None]:
+               act_quant: bool, published: Tensor | None,
+               entry_tables: dict[int, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
         """Per request: `run_indexer` over the decoded index keys of compressed positions
         0..⌊seq_len/ratio⌋−1 (what the reference state holds)."""
         src, ratio = role.kv_source, role.ratio
@@ -164,7 +166,8 @@ class KernelAttentionOps:
 
     def select(self, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str, x: Tensor,
                q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
-               act_quant: bool, published: Tensor | None) -> tuple[Tensor, Tensor | None]:
+               act_quant: bool, published: Tensor | None,
+               entry_tables: dict[int, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
         """Whole batch: compressed position j of request r is packed entry slot(j·ratio + ratio − 1)
         // ratio (`entry_index_table`, −1 beyond ⌊seq_len/ratio⌋); the kernel reads each entry's
         FP4 key nibbles and UE8M0 scales from the packed rows (contract §5), so no BF16 key copy
@@ -184,7 +187,12 @@ class KernelAttentionOps:
         query = index_query(cfg, w, prefix, x, q_lora, layout.positions, inv_freq, act_quant)
         n_visible = visible_counts(layout.positions, ratio)
         width = layout.max_seq_len // ratio
-        entry_table = K.entry_index_table(layout.req_to_token, layout.req_rows, layout.seq_lens // ratio, ratio, width)
+        entry_table = None if entry_tables is None else entry_tables.get(ratio)
+        if entry_table is None:       # one table per ratio and forward: indexer layers of a ratio share it
+            entry_table = K.entry_index_table(layout.req_to_token, layout.req_rows, layout.seq_lens // ratio,
+                                              ratio, width)
+            if entry_tables is not None:
+                entry_tables[ratio] = entry_table
         packed = caches.packed(src)
         key_cache = K.PackedSource(rows=packed.rows, offset=packed.source.offset, share=packed.source.share,
                                    ratio=packed.source.ratio, head_dim=packed.layout.head_dim,
@@ -246,6 +254,9 @@ def attend(q: Tensor, sink: Tensor, swa_cache: Tensor, swa_slots: Tensor, packed
 
 def select(cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str, x: Tensor, q_lora: Tensor,
            layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor, act_quant: bool,
-           published: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """Indexer selection of an indexer layer for the whole batch (module contract), on x's device."""
-    return ops_for(x.device).select(cfg, role, w, prefix, x, q_lora, layout, caches, inv_freq, act_quant, published)
+           published: Tensor | None, entry_tables: dict[int, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
+    """Indexer selection of an indexer layer for the whole batch (module contract), on x's device.
+    `entry_tables`: a per-forward cache of the batch's entry-index tables by ratio (CUDA), so the
+    indexer layers reading the same ratio build it once."""
+    return ops_for(x.device).select(cfg, role, w, prefix, x, q_lora, layout, caches, inv_freq, act_quant,
+                                    published, entry_tables=entry_tables)
