@@ -107,9 +107,15 @@ def write_model_dir(out_dir: Path, num_layers: int) -> Path:
 
 def sglang_env(deep_gemm_available: bool) -> dict[str, str]:
     """Environment switches (SGLang's own, srt/environ.py). Dummy weights take the MXFP4 expert path;
-    without DeepGEMM, SGLang's torch indexer logits, BF16 wo_a and torch HC pre-norm are selected."""
+    without DeepGEMM, SGLang's torch indexer logits, BF16 wo_a and torch HC pre-norm are selected.
+    With DeepGEMM, its all-M pre-compile is switched off (SGLANG_JIT_DEEPGEMM_PRECOMPILE=0): on a fresh
+    GPU machine it JIT-compiles 16,384 M values per GEMM shape (measured 2026-11-30: > 70 s per shape,
+    both workers killed at their time limits); without it DeepGEMM compiles the M values the CUDA-graph
+    capture and the timed steps use, once, before timing."""
     env = {"SGLANG_DSV4_FP4_EXPERTS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if not deep_gemm_available:
+    if deep_gemm_available:
+        env["SGLANG_JIT_DEEPGEMM_PRECOMPILE"] = "0"
+    else:
         env.update(SGLANG_FP8_PAGED_MQA_LOGITS_TORCH="1", SGLANG_OPT_FP8_WO_A_GEMM="0",
                    SGLANG_OPT_DEEPGEMM_HC_PRENORM="0", SGLANG_OPT_DSV4_NONPAGED_INDEXER="0")
     return env
