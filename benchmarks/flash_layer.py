@@ -51,10 +51,10 @@ from sglang_dsv41.reference import ops
 from sglang_dsv41.reference.attention import layer_inv_freq, output_projection, project_q_kv
 from sglang_dsv41.reference.compressor import index_keys, linear_fp32_out, stored_latents
 from sglang_dsv41.reference.indexer import index_query, visible_counts
-from sglang_dsv41.reference.mhc import hc_coefficients, hc_residual_update, hc_sublayer_input
 from sglang_dsv41.reference.moe import Routing, route, routed_expert, shared_expert
 from sglang_dsv41.runtime.kv_layout import (CompressedRowLayout, decode_entry_keys, decode_entry_latents,
                                             encode_entries, write_entries)
+from sglang_dsv41.runtime.mhc_ops import hc_coefficients, hc_residual_update, hc_sublayer_input
 
 if str(Path(__file__).resolve().parent) not in sys.path:   # sibling benchmark modules (loaded by path too)
     sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -33,7 +33,6 @@ from ..config import DeepseekV41Config
 from ..engram_hash import MULTIMODAL_PAD_ID_BASE, EngramHasher
 from ..reference.attention import layer_inv_freq
 from ..reference.engram import engram_gate
-from ..reference.mhc import hc_coefficients, hc_collapse, hc_residual_update, hc_sublayer_input
 from ..reference.model import language_model_ids
 from ..reference.ops import F32, bf16, linear_fp8, matmul_fp32_exact, rms_norm
 from ..reference.state import NumericsProfile
@@ -41,6 +40,7 @@ from .attention import ForwardScratch, attention_sublayer
 from .batch import BatchLayout
 from .cache import RuntimeCaches
 from .dense_ops import backend_for, dense_math
+from .mhc_ops import hc_coefficients, hc_collapse, hc_residual_update, hc_sublayer_input
 from .tensor_parallel import SINGLE, TensorParallel
 
 

@@ -1,0 +1,357 @@
+"""Fused Triton kernels of the mHC hyper-connections (spec `model.md` §3.2; semantics =
+`sglang_dsv41.reference.mhc`, whose functions these replace one for one on CUDA tensors).
+
+Four ops, 1–2 launches each (the reference spends ~600 tiny float64 torch kernels per layer):
+
+* `hc_coefficients` (2 launches). `_hc_mix_partials_kernel`, grid (⌈T/16⌉, ⌈hc·H/128⌉): a
+  program holds one 128-column slice of F [hc·(2+hc), hc·H] (24 × 128 fp32 = 12 KB at Flash) and,
+  for each of its ≤ 16 tokens, forms the float64 partial dots F[:, slice]·x[slice] and the
+  partial Σx² of that slice (products of fp32 F and BF16-valued x are exact in float64). At
+  T = 1 the 1.5 MB F read is spread over 128 programs. `_hc_coefficients_kernel`, one program per
+  token, adds the partials in a fixed order (one `tl.sum` over the slice axis, a shape fixed by
+  hc·H only), then in float64: m = dot·(1/√(Σx²/(hc·H) + rms_eps)), pre = σ(α₀m + b) + hc_eps,
+  post = 2σ(α₁m + b), comb = the finite `iters`-step Sinkhorn of α₂m + b (row softmax with the
+  row max subtracted, +ε, column normalise, then (iters − 1)×(row, column)); each rounded once to
+  fp32. Bound: every coefficient is within 1 fp32 ulp of the reference (the reference's float64
+  value rounded once to fp32 — only the float64 summation order and libm's last bit differ, so
+  an fp32 result differs only where the float64 value lies within ~1e-15 relative of an fp32
+  rounding boundary: rare single-ulp differences).
+* `hc_sublayer_input` (1 launch, one program per token over the whole row): bf16(Σ_j pre_j·R_j)
+  with IEEE fp32 multiplies and adds in stream order j = 0, 1, … (stream 0 as is when
+  `carried_pre` is None), then the reference RMSNorm: float64 x·(1/√(Σx²/H + eps))·w, rounded to
+  fp32 then to BF16. The weighted sum is bit-identical; the norm differs from the reference
+  only through the float64 order of Σx² (exact in practice: squares of BF16 values have 16
+  significant bits) — bitwise equal except with probability ~2⁻²⁹ per element.
+* `hc_residual_update` (1 launch, grid (T, ⌈H/256⌉)): R'_k = bf16(post_k·y + Σ_j comb_jk·R_j),
+  fp32 multiply then add in the reference's order (post·y first, then j = 0, 1, …), compiled with
+  `enable_fp_fusion=False` (no FMA contraction): bit-identical to the reference on the same
+  coefficients.
+* `hc_collapse` / `hc_weighted_sum` (1 launch, grid (T, ⌈H/256⌉)): bf16(Σ_j pre_j·R_j), bit-identical.
+
+Rounding to BF16 is done on the fp32 bit pattern (round to nearest even; NaN kept), not with a
+Triton cast, so the interpreter (which truncates BF16 casts) gives the compiled kernel's bits.
+Float64 constants (eps) are materialised with `tl.full(..., tl.float64)` from constexprs, never
+passed as fp32 kernel scalars (1e-20 is not an fp32 value).
+
+Batch invariance: every token is computed by the same code on the same tile shapes — block
+sizes depend on hc and H only, never on T — so a token's result does not depend on how many
+tokens share the call. No host sync, no host→device copy: CUDA-graph capturable.
+
+Triton's interpreter (TRITON_INTERPRET=1 set before triton is first imported) runs the same
+kernels on CPU tensors (tests); without it, CPU tensors raise.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
+
+from ..reference.mhc import HcCoefficients
+
+F32 = torch.float32
+#: Columns of F per program of the partial-dot kernel (fixed: the float64 partials do not depend on T).
+MIX_BLOCK_K = 128
+#: Tokens per program of the partial-dot kernel (F's slice is loaded once for them).
+MIX_BLOCK_T = 16
+#: Columns per program of the element-wise stream kernels (residual update, collapse).
+STREAM_BLOCK_H = 256
+#: Largest row the one-program-per-token sublayer-input kernel takes (next power of two of H).
+MAX_ROW_BLOCK = 16384
+
+
+@triton.jit
+def _bf16_round(x):
+    """fp32 → nearest-even BF16 value, kept in fp32 (bit arithmetic; NaN passes through)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _hc_mix_partials_kernel(x_ptr, f_ptr, part_ptr, T, K, stride_xt, NUM_CHUNKS,
+                            ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, SLOT: tl.constexpr,
+                            BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
+    """part[t, c, r] = Σ_{k in chunk c} F[r, k]·x[t, k] (r < ROWS) and part[t, c, ROWS] = Σ x²,
+    float64, for the ≤ BLOCK_T tokens of this program's token block."""
+    tb = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    k = c * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = k < K
+    r = tl.arange(0, ROWS_PAD)
+    r_ok = r < ROWS
+    f = tl.load(f_ptr + r[:, None] * K + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+    f = f.to(tl.float64)
+    t0 = tb * BLOCK_T
+    for i in range(0, tl.minimum(BLOCK_T, T - t0)):
+        t = t0 + i
+        x = tl.load(x_ptr + t * stride_xt + k, mask=k_ok, other=0.0).to(tl.float64)
+        dots = tl.sum(f * x[None, :], axis=1)
+        sumsq = tl.sum(x * x, axis=0)
+        out = part_ptr + (t * NUM_CHUNKS + c) * SLOT
+        tl.store(out + r, dots, mask=r_ok)
+        tl.store(out + ROWS, sumsq)
+
+
+@triton.jit
+def _sigmoid_f64(z):
+    one = tl.full([], 1.0, tl.float64)
+    return (one) / (one + tl.exp(-z))
+
+
+@triton.jit
+def _hc_coefficients_kernel(part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, K, NUM_CHUNKS, iters,
+                            HC: tl.constexpr, SLOT: tl.constexpr, CHUNKS_PAD: tl.constexpr,
+                            RMS_EPS: tl.constexpr, HC_EPS: tl.constexpr):
+    """One token: fixed-order sum of the partials, then rsqrt / sigmoid / Sinkhorn in float64."""
+    t = tl.program_id(0).to(tl.int64)      # token offsets beyond 2^31 elements
+    ROWS: tl.constexpr = HC * (2 + HC)
+    c = tl.arange(0, CHUNKS_PAD)
+    c_ok = c < NUM_CHUNKS
+    j = tl.arange(0, HC)
+    p = part_ptr + t * NUM_CHUNKS * SLOT + c * SLOT
+    sumsq = tl.sum(tl.load(p + ROWS, mask=c_ok, other=0.0), axis=0)
+    pre_dot = tl.sum(tl.load(p[:, None] + j[None, :], mask=c_ok[:, None], other=0.0), axis=0)
+    post_dot = tl.sum(tl.load(p[:, None] + HC + j[None, :], mask=c_ok[:, None], other=0.0), axis=0)
+    comb_ptrs = p[:, None, None] + 2 * HC + j[None, :, None] * HC + j[None, None, :]
+    comb_dot = tl.sum(tl.load(comb_ptrs, mask=c_ok[:, None, None], other=0.0), axis=0)
+
+    rms_eps = tl.full([], RMS_EPS, tl.float64)
+    hc_eps = tl.full([], HC_EPS, tl.float64)
+    one = tl.full([], 1.0, tl.float64)
+    mean = (sumsq) / (K.to(tl.float64))
+    inv_rms = (one) / (tl.sqrt(mean + rms_eps))
+    a0 = tl.load(scale_ptr).to(tl.float64)
+    a1 = tl.load(scale_ptr + 1).to(tl.float64)
+    a2 = tl.load(scale_ptr + 2).to(tl.float64)
+    b_pre = tl.load(base_ptr + j).to(tl.float64)
+    b_post = tl.load(base_ptr + HC + j).to(tl.float64)
+    b_comb = tl.load(base_ptr + 2 * HC + j[:, None] * HC + j[None, :]).to(tl.float64)
+
+    pre = _sigmoid_f64(a0 * (pre_dot * inv_rms) + b_pre) + hc_eps
+    post = 2.0 * _sigmoid_f64(a1 * (post_dot * inv_rms) + b_post)
+    logits = a2 * (comb_dot * inv_rms) + b_comb                      # [j, k]
+    e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    m = (e) / (tl.sum(e, axis=1)[:, None]) + hc_eps
+    m = (m) / (tl.sum(m, axis=0)[None, :] + hc_eps)
+    for _ in range(1, iters):
+        m = (m) / (tl.sum(m, axis=1)[:, None] + hc_eps)
+        m = (m) / (tl.sum(m, axis=0)[None, :] + hc_eps)
+    tl.store(pre_ptr + t * HC + j, pre.to(tl.float32))
+    tl.store(post_ptr + t * HC + j, post.to(tl.float32))
+    tl.store(comb_ptr + t * HC * HC + j[:, None] * HC + j[None, :], m.to(tl.float32))
+
+
+@triton.jit
+def _weighted_sum(r_ptr, pre_ptr, t, H, offs, mask, HC: tl.constexpr):
+    """Σ_j pre[t, j]·R[t, j, offs] in fp32, j = 0, 1, … (multiply, then add; caller disables FMA)."""
+    acc = tl.load(pre_ptr + t * HC) * tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    for j in tl.static_range(1, HC):
+        acc = acc + tl.load(pre_ptr + t * HC + j) * tl.load(r_ptr + j * H + offs, mask=mask, other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _hc_sublayer_input_kernel(r_ptr, pre_ptr, w_ptr, out_ptr, H, stride_rt, stride_ot,
+                              HC: tl.constexpr, HAS_PRE: tl.constexpr, BLOCK: tl.constexpr,
+                              RMS_EPS: tl.constexpr):
+    """One token: x = bf16(Σ_j pre_j·R_j) (or R_0), out = bf16(fp32(x·(1/√(mean x² + eps))·w)) in float64."""
+    t = tl.program_id(0).to(tl.int64)      # token offsets beyond 2^31 elements
+    offs = tl.arange(0, BLOCK)
+    mask = offs < H
+    r = r_ptr + t * stride_rt
+    if HAS_PRE:
+        x = _bf16_round(_weighted_sum(r, pre_ptr, t, H, offs, mask, HC))
+    else:
+        x = tl.load(r + offs, mask=mask, other=0.0).to(tl.float32)
+    xd = x.to(tl.float64)
+    one = tl.full([], 1.0, tl.float64)
+    mean = (tl.sum(xd * xd, axis=0)) / (H.to(tl.float64))
+    inv_rms = (one) / (tl.sqrt(mean + tl.full([], RMS_EPS, tl.float64)))
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float64)
+    y = (xd * inv_rms) * w
+    tl.store(out_ptr + t * stride_ot + offs, _bf16_round(y.to(tl.float32)), mask=mask)
+
+
+@triton.jit
+def _hc_weighted_sum_kernel(r_ptr, pre_ptr, out_ptr, H, stride_rt, stride_ot,
+                            HC: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t, h] = bf16(Σ_j pre_j·R_j) for one BLOCK of columns."""
+    t = tl.program_id(0).to(tl.int64)      # token offsets beyond 2^31 elements
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    acc = _weighted_sum(r_ptr + t * stride_rt, pre_ptr, t, H, offs, mask, HC)
+    tl.store(out_ptr + t * stride_ot + offs, _bf16_round(acc), mask=mask)
+
+
+@triton.jit
+def _hc_residual_update_kernel(r_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, H, stride_rt, stride_yt, stride_ot,
+                               HC: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t, k, h] = bf16(post_k·y + Σ_j comb_jk·R_j) for one BLOCK of columns, all k at once."""
+    t = tl.program_id(0).to(tl.int64)      # token offsets beyond 2^31 elements
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    k = tl.arange(0, HC)
+    y = tl.load(y_ptr + t * stride_yt + offs, mask=mask, other=0.0).to(tl.float32)
+    post = tl.load(post_ptr + t * HC + k)
+    acc = post[:, None] * y[None, :]
+    for j in tl.static_range(HC):
+        rj = tl.load(r_ptr + t * stride_rt + j * H + offs, mask=mask, other=0.0).to(tl.float32)
+        cj = tl.load(comb_ptr + t * HC * HC + j * HC + k)
+        acc = acc + cj[:, None] * rj[None, :]
+    tl.store(out_ptr + t * stride_ot + k[:, None] * H + offs[None, :], _bf16_round(acc), mask=mask[None, :])
+
+
+#: True when these kernels were built for Triton's interpreter (TRITON_INTERPRET=1 at import).
+INTERPRETED = isinstance(_hc_residual_update_kernel, InterpretedFunction)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _check_device(name: str, *tensors: Tensor) -> torch.device:
+    dev = tensors[0].device
+    if dev.type != "cuda" and not INTERPRETED:
+        raise RuntimeError(f"{name}: {dev} tensors need Triton's interpreter (TRITON_INTERPRET=1 set before triton "
+                           "is first imported); the compiled kernels run on CUDA")
+    if INTERPRETED and not isinstance(tl.max, InterpretedFunction):
+        raise RuntimeError("TRITON_INTERPRET=1 was set after triton was imported: set it before the first "
+                           "`import triton`")
+    if any(t.device != dev for t in tensors):
+        raise ValueError(f"{name}: all inputs must be on one device, got {[str(t.device) for t in tensors]}")
+    return dev
+
+
+def _check_residual(name: str, residual: Tensor) -> tuple[int, int, int]:
+    if residual.dim() != 3:
+        raise ValueError(f"{name}: residual must be [T, hc, H], got {tuple(residual.shape)}")
+    T, hc, H = residual.shape
+    if hc < 1 or hc & (hc - 1):
+        raise ValueError(f"{name}: hc_mult must be a power of two for these kernels, got {hc}")
+    if not residual.dtype.is_floating_point:
+        raise TypeError(f"{name}: residual must be a float tensor, got {residual.dtype}")
+    return T, hc, H
+
+
+def _launch_options() -> dict:
+    """Compiled-kernel options: separate fp32 multiply and add (the reference's rounding)."""
+    return {} if INTERPRETED else {"enable_fp_fusion": False}
+
+
+def _coefficient_rows(name: str, coeff: Tensor, T: int, shape: tuple[int, ...]) -> Tensor:
+    if tuple(coeff.shape) != (T, *shape):
+        raise ValueError(f"{name}: coefficient shape {tuple(coeff.shape)}, expected {(T, *shape)}")
+    return coeff.to(F32).contiguous()
+
+
+def hc_coefficients(residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *,
+                    rms_eps: float, hc_eps: float, sinkhorn_iters: int) -> HcCoefficients:
+    """pre [T, hc], post [T, hc], comb [T, hc, hc] (fp32) of one hyper-connection from the residual
+    entering it (spec §3.2); float64 inside, each value within 1 fp32 ulp of the reference."""
+    T, hc, H = _check_residual("hc_coefficients", residual)
+    rows, K = hc * (2 + hc), hc * H
+    if tuple(fn.shape) != (rows, K):
+        raise ValueError(f"hc_coefficients: fn has shape {tuple(fn.shape)}, expected {(rows, K)}")
+    if base.numel() != rows or scale.numel() != 3:
+        raise ValueError(f"hc_coefficients: base needs {rows} values and scale 3, got {base.numel()}, {scale.numel()}")
+    if sinkhorn_iters < 1:
+        raise ValueError(f"Sinkhorn needs at least one iteration, got {sinkhorn_iters}")
+    dev = _check_device("hc_coefficients", residual, fn, base, scale)
+    pre = torch.empty(T, hc, dtype=F32, device=dev)
+    post = torch.empty(T, hc, dtype=F32, device=dev)
+    comb = torch.empty(T, hc, hc, dtype=F32, device=dev)
+    if T == 0:
+        return HcCoefficients(pre=pre, post=post, comb=comb)
+    x = residual.reshape(T, K)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    f = fn.to(F32).contiguous()
+    num_chunks = triton.cdiv(K, MIX_BLOCK_K)
+    slot = _pow2_at_least(rows + 1)
+    partials = torch.empty(T, num_chunks, slot, dtype=torch.float64, device=dev)
+    opts = _launch_options()
+    if not INTERPRETED:
+        opts["num_warps"] = 4
+    _hc_mix_partials_kernel[(triton.cdiv(T, MIX_BLOCK_T), num_chunks)](
+        x, f, partials, T, K, x.stride(0), num_chunks,
+        ROWS=rows, ROWS_PAD=_pow2_at_least(rows), SLOT=slot, BLOCK_K=MIX_BLOCK_K, BLOCK_T=MIX_BLOCK_T, **opts)
+    opts = _launch_options()
+    if not INTERPRETED:
+        opts["num_warps"] = 4
+    _hc_coefficients_kernel[(T,)](
+        partials, base.to(F32).contiguous(), scale.to(F32).contiguous(), pre, post, comb, K, num_chunks,
+        sinkhorn_iters, HC=hc, SLOT=slot, CHUNKS_PAD=_pow2_at_least(num_chunks),
+        RMS_EPS=float(rms_eps), HC_EPS=float(hc_eps), **opts)
+    return HcCoefficients(pre=pre, post=post, comb=comb)
+
+
+def hc_sublayer_input(residual: Tensor, carried_pre: Tensor | None, norm_weight: Tensor,
+                      rms_eps: float) -> Tensor:
+    """x_in = RMSNorm(bf16(Σ_j pre_j·R_j)) with the lagged pre, or RMSNorm(R_0) when `carried_pre`
+    is None (spec §3.2): [T, H] fp32 holding BF16 values, as the reference."""
+    T, hc, H = _check_residual("hc_sublayer_input", residual)
+    if norm_weight.shape != (H,):
+        raise ValueError(f"hc_sublayer_input: norm weight {tuple(norm_weight.shape)}, expected {(H,)}")
+    block = _pow2_at_least(H)
+    if block > MAX_ROW_BLOCK:
+        raise ValueError(f"hc_sublayer_input: H = {H} exceeds the one-program row limit {MAX_ROW_BLOCK}")
+    inputs = (residual, norm_weight) if carried_pre is None else (residual, norm_weight, carried_pre)
+    dev = _check_device("hc_sublayer_input", *inputs)
+    out = torch.empty(T, H, dtype=F32, device=dev)
+    if T == 0:
+        return out
+    r = residual.contiguous()
+    pre = r if carried_pre is None else _coefficient_rows("hc_sublayer_input", carried_pre, T, (hc,))
+    opts = _launch_options()
+    if not INTERPRETED:
+        opts["num_warps"] = max(1, min(16, block // 256))
+    _hc_sublayer_input_kernel[(T,)](
+        r, pre, norm_weight.contiguous(), out, H, r.stride(0), out.stride(0),
+        HC=hc, HAS_PRE=carried_pre is not None, BLOCK=block, RMS_EPS=float(rms_eps), **opts)
+    return out
+
+
+def hc_weighted_sum(residual: Tensor, pre: Tensor) -> Tensor:
+    """bf16(Σ_j pre_j·R_j) in fp32, j = 0, 1, … : [T, hc, H], [T, hc] → [T, H] fp32 (bit-identical)."""
+    T, hc, H = _check_residual("hc_weighted_sum", residual)
+    dev = _check_device("hc_weighted_sum", residual, pre)
+    out = torch.empty(T, H, dtype=F32, device=dev)
+    if T == 0:
+        return out
+    r = residual.contiguous()
+    p = _coefficient_rows("hc_weighted_sum", pre, T, (hc,))
+    opts = _launch_options()
+    if not INTERPRETED:
+        opts["num_warps"] = 4
+    _hc_weighted_sum_kernel[(T, triton.cdiv(H, STREAM_BLOCK_H))](
+        r, p, out, H, r.stride(0), out.stride(0), HC=hc, BLOCK=STREAM_BLOCK_H, **opts)
+    return out
+
+
+def hc_collapse(residual: Tensor, last_pre: Tensor) -> Tensor:
+    """Final stream reduction h = bf16(Σ_j pre_j·R_j) with the last ffn-hc's pre (spec §3.2)."""
+    return hc_weighted_sum(residual, last_pre)
+
+
+def hc_residual_update(residual: Tensor, sublayer_out: Tensor, coeffs: HcCoefficients) -> Tensor:
+    """R'_k = bf16(post_k·y + Σ_j comb_jk·R_j), fp32 multiply-then-add in the reference's order:
+    [T, hc, H] fp32 holding BF16 values, bit-identical to the reference (spec §3.2)."""
+    T, hc, H = _check_residual("hc_residual_update", residual)
+    if sublayer_out.shape != (T, H):
+        raise ValueError(f"hc_residual_update: sublayer output {tuple(sublayer_out.shape)}, expected {(T, H)}")
+    dev = _check_device("hc_residual_update", residual, sublayer_out, coeffs.post, coeffs.comb)
+    out = torch.empty(T, hc, H, dtype=F32, device=dev)
+    if T == 0:
+        return out
+    r = residual.contiguous()
+    y = sublayer_out.contiguous()
+    post = _coefficient_rows("hc_residual_update", coeffs.post, T, (hc,))
+    comb = _coefficient_rows("hc_residual_update", coeffs.comb, T, (hc, hc))
+    opts = _launch_options()
+    if not INTERPRETED:
+        opts["num_warps"] = 4
+    _hc_residual_update_kernel[(T, triton.cdiv(H, STREAM_BLOCK_H))](
+        r, y, post, comb, out, H, r.stride(0), y.stride(0), out.stride(0), HC=hc, BLOCK=STREAM_BLOCK_H, **opts)
+    return out

@@ -1,0 +1,288 @@
+"""Fused mHC kernels (`sglang_dsv41.kernels.mhc`) and their device dispatch
+(`sglang_dsv41.runtime.mhc_ops`) vs the reference (`reference.mhc`, spec §3.2).
+
+What is pinned:
+* `hc_coefficients`: pre / post / comb within 1 fp32 ulp of the reference (float64 inside,
+  rounded once; only the float64 summation order differs), at T ∈ {1, 3, 5, 20} (20 > the
+  kernel's 16-token block), H ∈ {64, 96} (96: a partial 128-column slice), 1 and 20 Sinkhorn steps;
+* `hc_residual_update`, `hc_collapse`: bit-identical to the reference on the reference's coefficients;
+* `hc_sublayer_input`: bit-identical (with a carried pre and with `carried_pre=None` = stream 0);
+  BF16 rounding is bit arithmetic, so the interpreter gives the compiled bits too;
+* batch invariance: a row of a batch == the row alone, bitwise, for every op;
+* BF16-typed residual / sublayer output are read like the reference's `.to(fp32)`;
+* the dispatch runs the reference for CPU tensors (no kernel call) and raises for other devices;
+  the kernels raise for CPU tensors without the interpreter;
+* the compiled sm_90 code (built here with Triton's bundled ptxas, no GPU) has no fp32 FMA in
+  the stream kernels, no approximate fp64 math in the coefficient kernel and no register spills.
+GPU (`gpu` marker): the same bounds at tiny and Flash widths (hc = 4, H = 4096, T = 1 / 7 / 64),
+batch invariance at T = 64, and a CUDA-graph capture + replay of the ops == eager, bitwise.
+
+Kernel cases run in a child pytest with TRITON_INTERPRET=1 (the interpreter must be enabled
+before triton is first imported); with CUDA they run here, compiled.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang_dsv41.kernels import mhc as K
+from sglang_dsv41.reference import mhc as ref
+from sglang_dsv41.reference.ops import bf16
+from sglang_dsv41.runtime import mhc_ops
+
+KERNEL_HERE = K.INTERPRETED or torch.cuda.is_available()
+DEVICE = "cuda" if torch.cuda.is_available() and not K.INTERPRETED else "cpu"
+RMS_EPS, HC_EPS = 1e-20, 1e-6
+PER_TOKEN = ("R", "y", "pre")   # the case entries with a token axis
+
+
+def hc_case(T: int, hc: int, H: int, seed: int, device: str = DEVICE) -> dict:
+    """Residual of BF16 values, F ~ N(0, 1/(hc·H)), base, scale, norm weight, sublayer output, a carried pre."""
+    g = torch.Generator().manual_seed(seed)
+    rows = hc * (2 + hc)
+    case = dict(
+        R=bf16(torch.randn(T, hc, H, generator=g) * 2.0 ** torch.randint(-2, 3, (T, 1, 1), generator=g)),
+        fn=torch.randn(rows, hc * H, generator=g) / (hc * H) ** 0.5,
+        base=0.5 * torch.randn(rows, generator=g),
+        scale=0.5 + 0.5 * torch.rand(3, generator=g),
+        weight=1.0 + 0.1 * torch.randn(H, generator=g),
+        y=bf16(torch.randn(T, H, generator=g)),
+        pre=torch.sigmoid(torch.randn(T, hc, generator=g)) + HC_EPS,
+    )
+    return {k: v.to(device) for k, v in case.items()}
+
+
+def coefficients(impl, c: dict, iters: int = 20) -> ref.HcCoefficients:
+    return impl.hc_coefficients(c["R"], c["fn"], c["base"], c["scale"], rms_eps=RMS_EPS, hc_eps=HC_EPS,
+                                sinkhorn_iters=iters)
+
+
+def reference_coefficients(c: dict, iters: int = 20) -> ref.HcCoefficients:
+    return coefficients(ref, {k: v.cpu() for k, v in c.items()}, iters)
+
+
+def assert_within_one_fp32_ulp(got: torch.Tensor, want: torch.Tensor) -> None:
+    got, want = got.cpu(), want.cpu()
+    assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape
+    top = torch.maximum(got.abs(), want.abs())
+    ulp = torch.nextafter(top, torch.full_like(top, float("inf"))) - top
+    assert bool(((got - want).abs() <= ulp).all()), (got - want).abs().max()
+
+
+def assert_coefficients_close(got: ref.HcCoefficients, want: ref.HcCoefficients) -> None:
+    for name in ("pre", "post", "comb"):
+        assert_within_one_fp32_ulp(getattr(got, name), getattr(want, name))
+
+
+def all_ops(impl, c: dict, co: ref.HcCoefficients) -> dict[str, torch.Tensor]:
+    """Every op's output on case c (coefficients `co` for the update)."""
+    mine = coefficients(impl, c)
+    return dict(
+        coeff_pre=mine.pre, coeff_post=mine.post, coeff_comb=mine.comb,
+        x_in=impl.hc_sublayer_input(c["R"], c["pre"], c["weight"], RMS_EPS),
+        x_in_first=impl.hc_sublayer_input(c["R"], None, c["weight"], RMS_EPS),
+        update=impl.hc_residual_update(c["R"], c["y"], co),
+        collapse=impl.hc_collapse(c["R"], c["pre"]))
+
+
+def check_against_reference(c: dict, iters: int = 20) -> None:
+    want = reference_coefficients(c, iters)
+    assert_coefficients_close(coefficients(K, c, iters), want)
+    cpu = {k: v.cpu() for k, v in c.items()}
+    on_dev = ref.HcCoefficients(*(t.to(c["R"].device) for t in (want.pre, want.post, want.comb)))
+    for pre in (c["pre"], None):
+        got = K.hc_sublayer_input(c["R"], pre, c["weight"], RMS_EPS).cpu()
+        expected = ref.hc_sublayer_input(cpu["R"], None if pre is None else cpu["pre"], cpu["weight"], RMS_EPS)
+        assert got.dtype == torch.float32 and torch.equal(got, expected)
+    assert torch.equal(K.hc_residual_update(c["R"], c["y"], on_dev).cpu(), ref.hc_residual_update(cpu["R"], cpu["y"], want))
+    assert torch.equal(K.hc_collapse(c["R"], c["pre"]).cpu(), ref.hc_collapse(cpu["R"], cpu["pre"]))
+
+
+def check_batch_invariance(c: dict, rows: list[int]) -> None:
+    co = reference_coefficients(c)
+    co = ref.HcCoefficients(*(t.to(c["R"].device) for t in (co.pre, co.post, co.comb)))
+    batch = all_ops(K, c, co)
+    for t in rows:
+        alone = {k: v[t:t + 1] if k in PER_TOKEN else v for k, v in c.items()}
+        single = all_ops(K, alone, ref.HcCoefficients(co.pre[t:t + 1], co.post[t:t + 1], co.comb[t:t + 1]))
+        for name, out in single.items():
+            assert torch.equal(out, batch[name][t:t + 1]), (name, t)
+
+
+# ---- kernel cases (interpreter child, or CUDA) ----------------------------------------------
+
+if KERNEL_HERE:
+
+    @pytest.mark.parametrize("T", [1, 3, 5, 20])
+    @pytest.mark.parametrize("H", [64, 96])
+    def test_kernel_case_matches_reference(T: int, H: int) -> None:
+        check_against_reference(hc_case(T, 4, H, seed=10 * T + H))
+
+    def test_kernel_case_single_sinkhorn_step() -> None:
+        check_against_reference(hc_case(3, 4, 64, seed=7), iters=1)
+
+    def test_kernel_case_batch_invariant() -> None:
+        check_batch_invariance(hc_case(20, 4, 96, seed=3), rows=[0, 7, 16, 19])
+
+    def test_kernel_case_bf16_inputs_read_as_fp32() -> None:
+        c = hc_case(3, 4, 64, seed=5)
+        co = reference_coefficients(c)
+        co_dev = ref.HcCoefficients(*(t.to(DEVICE) for t in (co.pre, co.post, co.comb)))
+        R16, y16 = c["R"].to(torch.bfloat16), c["y"].to(torch.bfloat16)
+        assert_coefficients_close(K.hc_coefficients(R16, c["fn"], c["base"], c["scale"], rms_eps=RMS_EPS,
+                                                    hc_eps=HC_EPS, sinkhorn_iters=20), co)
+        assert torch.equal(K.hc_residual_update(R16, y16, co_dev), K.hc_residual_update(c["R"], c["y"], co_dev))
+        assert torch.equal(K.hc_sublayer_input(R16, c["pre"], c["weight"], RMS_EPS),
+                           K.hc_sublayer_input(c["R"], c["pre"], c["weight"], RMS_EPS))
+
+    def test_kernel_case_empty_batch_and_bad_shapes() -> None:
+        c = hc_case(2, 4, 64, seed=1)
+        empty = {k: v[:0] if k in PER_TOKEN else v for k, v in c.items()}
+        assert coefficients(K, empty).comb.shape == (0, 4, 4)
+        assert K.hc_sublayer_input(empty["R"], None, c["weight"], RMS_EPS).shape == (0, 64)
+        with pytest.raises(ValueError, match="fn has shape"):
+            K.hc_coefficients(c["R"], c["fn"][:, :-1], c["base"], c["scale"], rms_eps=RMS_EPS, hc_eps=HC_EPS,
+                              sinkhorn_iters=20)
+        with pytest.raises(ValueError, match="at least one iteration"):
+            coefficients(K, c, iters=0)
+        with pytest.raises(ValueError, match="power of two"):
+            K.hc_collapse(c["R"][:, :3], c["pre"][:, :3])
+
+
+# ---- the interpreter child, dispatch, compiled code -------------------------------------------
+
+if not K.INTERPRETED:
+
+    def test_kernel_cases_in_triton_interpreter() -> None:
+        """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "kernel_case", str(Path(__file__))],
+            cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=600)
+        tail = proc.stdout[-6000:] + proc.stderr[-3000:]
+        assert proc.returncode == 0, tail
+        passed = re.search(r"(\d+) passed", proc.stdout)
+        assert passed and int(passed.group(1)) == 12, tail
+        assert not re.search(r"\d+ (failed|skipped|error)", proc.stdout), tail
+
+    def test_cpu_without_interpreter_raises() -> None:
+        c = hc_case(1, 4, 64, seed=0, device="cpu")
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+            K.hc_residual_update(c["R"], c["y"], reference_coefficients(c))
+
+    def test_dispatch_runs_the_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+        c = hc_case(3, 4, 64, seed=2, device="cpu")
+        co = reference_coefficients(c)
+        expected = all_ops(ref, c, co)
+        calls: list[str] = []
+        for name in ("hc_coefficients", "hc_sublayer_input", "hc_residual_update", "hc_collapse"):
+            original = getattr(ref, name)
+
+            def recorded(*args, _name=name, _original=original, **kwargs):
+                calls.append(_name)
+                return _original(*args, **kwargs)
+            monkeypatch.setattr(mhc_ops.reference, name, recorded)
+        monkeypatch.setattr(mhc_ops, "_kernels", lambda: pytest.fail("kernels used for CPU tensors"))
+        got = all_ops(mhc_ops, c, co)
+        assert sorted(set(calls)) == ["hc_coefficients", "hc_collapse", "hc_residual_update", "hc_sublayer_input"]
+        for name, out in got.items():
+            assert torch.equal(out, expected[name]), name
+
+    def test_dispatch_rejects_other_devices() -> None:
+        c = hc_case(1, 4, 64, seed=0, device="meta")
+        with pytest.raises(ValueError, match="no mHC implementation"):
+            mhc_ops.hc_collapse(c["R"], c["pre"])
+
+    def _compiled(kernel, constexprs: dict, fp64_ptrs: tuple[str, ...] = ()) -> tuple[str, str]:
+        """PTX and `cuobjdump -res-usage` of `kernel` built for sm_90 with the wrappers' options."""
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        sig = {n: "constexpr" if n in constexprs else ("*fp64" if n in fp64_ptrs else "*fp32")
+               if n.endswith("_ptr") else "i32" for n in kernel.arg_names}
+        compiled = triton.compile(ASTSource(kernel, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": 4, **K._launch_options()})
+        cubin = Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / f"mhc_{os.getpid()}.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        try:
+            usage = subprocess.run([str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"),
+                                    "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+        finally:
+            cubin.unlink()
+        return compiled.asm["ptx"], usage
+
+    def test_compiled_sm90_code_has_the_reference_rounding() -> None:
+        stream = [(K._hc_residual_update_kernel, dict(HC=4, BLOCK=K.STREAM_BLOCK_H)),
+                  (K._hc_weighted_sum_kernel, dict(HC=4, BLOCK=K.STREAM_BLOCK_H)),
+                  (K._hc_sublayer_input_kernel, dict(HC=4, HAS_PRE=True, BLOCK=4096, RMS_EPS=RMS_EPS))]
+        for kernel, consts in stream:
+            ptx, usage = _compiled(kernel, consts)
+            assert "mul.rn.f32" in ptx and "add.rn.f32" in ptx and "fma.rn.f32" not in ptx, kernel
+            assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
+        ptx, usage = _compiled(K._hc_coefficients_kernel, dict(HC=4, SLOT=32, CHUNKS_PAD=128, RMS_EPS=RMS_EPS,
+                                                               HC_EPS=HC_EPS), fp64_ptrs=("part_ptr",))
+        assert "sqrt.rn.f64" in ptx and "div.rn.f64" in ptx and "cvt.rn.f32.f64" in ptx
+        assert ".approx." not in ptx and "div.full" not in ptx   # fp64 exp/sqrt/div, never fp32 approximations
+        assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
+        ptx, usage = _compiled(K._hc_mix_partials_kernel, dict(ROWS=24, ROWS_PAD=32, SLOT=32, BLOCK_K=K.MIX_BLOCK_K,
+                                                               BLOCK_T=K.MIX_BLOCK_T), fp64_ptrs=("part_ptr",))
+        assert "mul.rn.f64" in ptx and "STACK:0 " in usage and "LOCAL:0 " in usage, usage
+
+
+# ---- GPU ------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 7, 64])
+@pytest.mark.parametrize("H", [64, 4096], ids=["tiny", "flash"])
+def test_gpu_matches_reference(T: int, H: int) -> None:
+    check_against_reference(hc_case(T, 4, H, seed=T + H, device="cuda"))
+
+
+@pytest.mark.gpu
+def test_gpu_batch_invariant_at_flash_width() -> None:
+    check_batch_invariance(hc_case(64, 4, 4096, seed=11, device="cuda"), rows=[0, 15, 16, 63])
+
+
+@pytest.mark.gpu
+def test_gpu_dispatch_uses_kernels() -> None:
+    c = hc_case(7, 4, 4096, seed=12, device="cuda")
+    co = coefficients(K, c)
+    assert all(torch.equal(a, b) for a, b in zip((coefficients(mhc_ops, c).comb, coefficients(mhc_ops, c).pre),
+                                                (co.comb, co.pre)))
+    assert torch.equal(mhc_ops.hc_residual_update(c["R"], c["y"], co), K.hc_residual_update(c["R"], c["y"], co))
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_equals_eager() -> None:
+    c = hc_case(7, 4, 4096, seed=13, device="cuda")
+    fresh = hc_case(7, 4, 4096, seed=14, device="cuda")
+
+    def step() -> tuple[torch.Tensor, ...]:
+        co = coefficients(mhc_ops, c)
+        x = mhc_ops.hc_sublayer_input(c["R"], c["pre"], c["weight"], RMS_EPS)
+        R2 = mhc_ops.hc_residual_update(c["R"], c["y"], co)
+        return co.pre, co.post, co.comb, x, R2, mhc_ops.hc_collapse(R2, co.pre)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for name in ("R", "y", "pre"):
+        c[name].copy_(fresh[name])
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = step()
+    for got, want in zip(captured, eager):
+        assert torch.equal(got, want)
+    assert_coefficients_close(ref.HcCoefficients(*captured[:3]), reference_coefficients(fresh))
