@@ -4,9 +4,10 @@ The layer (`build_layer`) is built directly on the device with valid random weig
 stored formats** of the checkpoint (spec §2.3: FP8 E4M3 with UE8M0 32×32 tile scales via
 `codecs.quantize_fp8_block`, MXFP4 experts = random E2M1 bytes with UE8M0 group scales, BF16/FP32
 rest; shapes and kinds from `names.tensor_inventory`; every tensor checked with
-`loader.stored_problem`), then loaded the way the CUDA runtime loads it: dense tensors
-dequantised to fp32 (`loader.logical_tensor`), routed experts kept MXFP4 in the kernel layout
-(`runtime.weights.prepare_layer_experts`).
+`loader.stored_problem`), then loaded the way the CUDA runtime loads it: FP8 dense weights kept
+E4M3 + fp32 tile scales (`runtime.weights.stored_fp8_dense`, multiplied by `kernels.fp8_linear`),
+the other dense tensors dequantised to fp32 (`loader.logical_tensor`), routed experts kept MXFP4
+in the kernel layout (`runtime.weights.prepare_layer_experts`).
 
 Caches (`make_caches`) are the runtime's formats (phase-2 contracts §1–§5): BF16 SWA rows, and
 the layer's kv source as **packed FP4 entries** in uint8 per-token rows
@@ -112,10 +113,10 @@ class Layer:
     role: LayerRole
     weights: dict                 # runtime weights (fp32 logical + RoutedExpertsMxfp4 on CUDA)
     stored_bytes: dict[str, int]  # by group: dense / experts / norms (stored formats)
-    held_dense_bytes: int         # bytes of the fp32 dense tensors the torch path reads
+    held_dense_bytes: int         # bytes of the dense tensors as loaded (CUDA: FP8 kept E4M3 + scales, rest fp32)
     expert_bytes: int             # stored bytes of one routed expert
     inv_freq: Tensor              # RoPE inverse frequencies on the device (made once, like the runtime)
-    cached_dense_bytes: int = 0   # bytes the dense backend reads (BF16 linear weights, fp32 rest)
+    cached_dense_bytes: int = 0   # bytes the dense path reads (E4M3 + scales, BF16 copies, fp32 rest)
     dense_backend: object = None  # runtime.dense_ops.BlockedBf16Gemm on CUDA
 
     @property
@@ -138,6 +139,13 @@ def build_layer(cfg: DeepseekV41Config, layer: int, device: torch.device, seed: 
         by_group[spec.group] = by_group.get(spec.group, 0) + nbytes
         if spec.kind is Kind.FP4 and device.type == "cuda":
             continue
+        if spec.kind is Kind.FP8 and device.type == "cuda":      # kept E4M3 + fp32 tile scales (runtime.weights)
+            from sglang_dsv41.runtime.weights import stored_fp8_dense
+            kept = stored_fp8_dense(spec, stored.__getitem__, device)
+            if kept is not None:
+                weights.update(kept)
+                held += sum(t.numel() * t.element_size() for t in kept.values())
+                continue
         weights[spec.name] = logical_tensor(spec, stored.__getitem__).to(device=device, dtype=torch.float32)
         if spec.kind is not Kind.FP4:
             held += weights[spec.name].numel() * 4
@@ -151,8 +159,10 @@ def build_layer(cfg: DeepseekV41Config, layer: int, device: torch.device, seed: 
     if device.type == "cuda":
         from sglang_dsv41.runtime.dense_ops import backend_for, is_dense_linear_weight
         backend = backend_for(weights)
-        cached = sum(v.numel() * (2 if is_dense_linear_weight(k, v) else 4) for k, v in weights.items()
-                     if isinstance(v, Tensor) and ".ffn.experts." not in k)
+        assert backend is not None
+        cached = backend.cache.resident_bytes() + sum(        # + the non-linear fp32 tensors the torch path reads
+            v.numel() * v.element_size() for k, v in weights.items()
+            if isinstance(v, Tensor) and not is_dense_linear_weight(k, v) and not k.endswith(".scale"))
     per_expert = 3 * (t.moe_intermediate_size * t.hidden_size // 2 + t.moe_intermediate_size * t.hidden_size // TILE)
     role = t.layer_roles()[layer]
     inv_freq = layer_inv_freq(t, role.ratio).to(device)
@@ -343,7 +353,9 @@ def step_components(layer: Layer, caches: Caches, req: Tensor, positions: Tensor
     label = f"N={N}"
     g = torch.Generator(device=dev).manual_seed(N)
     R = ops.bf16(torch.randn(N, t.hc_mult, t.hidden_size, generator=g, device=dev))
-    x, routing = torch_work(layer, R, positions)
+    from sglang_dsv41.runtime.dense_ops import dense_math
+    with dense_math(layer.dense_backend):       # E4M3 weights (CUDA) need the backend; None = exact
+        x, routing = torch_work(layer, R, positions)
     q = ops.bf16(torch.randn(N, t.num_attention_heads, t.head_dim, generator=g, device=dev))
     sink = layer.weights[f"layers.{layer.role.layer}.attn.attn_sink"]
     comps: dict[str, Callable] = {"torch": lambda: torch_work(layer, R, positions),
@@ -351,10 +363,13 @@ def step_components(layer: Layer, caches: Caches, req: Tensor, positions: Tensor
     if layer.dense_backend is not None:
         from sglang_dsv41.runtime.dense_ops import dense_math
 
-        def on_tensor_cores():
-            with dense_math(layer.dense_backend):
+        def on_tensor_cores():      # + one-launch elementwise helpers (runtime/fused_ops.py)
+            from sglang_dsv41.runtime.fused_ops import fused_elementwise
+            with dense_math(layer.dense_backend), fused_elementwise():
                 return torch_work(layer, R, positions)
         comps = {"torch": on_tensor_cores, "torch_fp64": comps["torch"], "moe_routed": comps["moe_routed"]}
+        if layer.dense_backend.cache.fp8_elements:     # E4M3 weights: no fp32 copy for the float64 GEMMs
+            del comps["torch_fp64"]
     distinct = int(torch.unique(routing.experts).numel())
     n_vis = int(visible_counts(positions, layer.role.ratio).max())
     out: dict = dict(tokens=N, distinct_experts=distinct, visible_entries=n_vis)

@@ -5,9 +5,20 @@ The reference evaluates every dense product (`ops.linear_fp8`, `ops.linear_bf16`
 but on CUDA a float64 copy of every weight per call. `BlockedBf16Gemm` replaces only that product
 (`ops.dense_backend`); quantisation and the final rounding stay the reference's code.
 
-Arithmetic. Weights registered in a `DenseWeightCache` are held once as a BF16 device copy (FP8
-values × UE8M0 scales, BF16 and MXFP4 weights are all BF16-exact; a weight that is not keeps its
-fp32 tensor). Activations reaching these products are BF16-valued (FP8 fake-quant or a BF16
+Weights. FP8-stored dense weights (spec §2.3, 32×32 tiles) reach the CUDA runtime **as stored**:
+`runtime/weights.py` puts the E4M3 tensor [N, K] under the weight's name and its fp32
+power-of-two tile scales [⌈N/32⌉, ⌈K/32⌉] under the checkpoint's scale name (`….scale`); no
+fp32 or BF16 copy exists. `DenseWeightCache` registers them as `Fp8Weight` and `BlockedBf16Gemm`
+multiplies them with the Triton W8A16 GEMM `kernels.fp8_linear` (E4M3 tile → fp32 × scale → BF16,
+exact; BF16 tensor-core products, fp32 accumulation; 1 + 4/1024 bytes per element). Every other
+registered weight (fp32 tensors: BF16-kind weights, and an FP8 weight whose scales are outside
+the BF16-exact range) is held once as a BF16 device copy when all its values are BF16-exact,
+else kept fp32. The reference helpers receive the weight tensor the model code holds (an E4M3
+tensor, or a view of one such as `wo_a`'s per-group rows); the cache resolves it — and any
+view — by storage and offset, never by copying. E4M3 tensors must never reach the exact float64
+math: `backend_for` refuses them on CPU.
+
+Arithmetic. Activations reaching these products are BF16-valued (FP8 fake-quant or a BF16
 rounding upstream), so `x.to(bf16)` is exact; the product is `torch.mm(x_bf16, w_bf16ᵀ,
 out_dtype=fp32)`: exact products, fp32 accumulation, fp32 result (CPU, which lacks that kernel:
 the same operands upcast to fp32, same arithmetic class). fp32 weights: fp32 GEMM (TF32 must be
@@ -30,7 +41,11 @@ function, with y the exact product, ref the reference's output and m = max(|out|
 The bound is worst-case (all partial sums as large as S, every addition erring fully); for
 mixed-sign data the observed error is ~√K smaller. `error_bound` computes these; the tests assert them on CPU and on the H200.
 
-Row-block invariance. cuBLAS picks its kernel (tile, split-K) by the problem shape, so a row's
+For FP8 weights the same bound holds (`kernels/fp8_linear.py`: the dequantised tile is exactly
+BF16, so the products are the same exact BF16 products). Row invariance there is the kernel's
+own: one fixed launch configuration, fixed K order, no split-K (no row blocks needed).
+
+Row-block invariance (BF16 / fp32 weights). cuBLAS picks its kernel (tile, split-K) by the problem shape, so a row's
 fp32 result can depend on how many rows share a call — the CUDA forward would no longer be batch
 invariant. `BlockedBf16Gemm` therefore multiplies rows in zero-padded blocks of exactly
 `row_block` rows, one fixed-shape GEMM per block: a row's result depends only on its own values
@@ -50,6 +65,8 @@ from ..reference import ops
 
 BF16 = torch.bfloat16
 F32 = torch.float32
+FP8 = torch.float8_e4m3fn
+TILE = 32
 #: rows per fixed-shape GEMM (see the module doc, "Row-block invariance")
 ROW_BLOCK = 128
 #: fp32 accumulation: one ulp (truncation) relative to a partial sum
@@ -65,36 +82,94 @@ def is_dense_linear_weight(name: str, value: object) -> bool:
         and name.endswith(".weight") and not name.endswith("embed.weight")
 
 
+def fp8_scale_key(name: str) -> str:
+    """Where `runtime/weights.py` stores the fp32 tile scales of the E4M3 weight `name`
+    (`….weight` → `….scale`, the checkpoint's own scale name, spec §2.1)."""
+    if not name.endswith(".weight"):
+        raise ValueError(f"{name}: an FP8 dense weight name ends with '.weight'")
+    return name[: -len("weight")] + "scale"
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """An FP8 weight (or a tile-row-aligned row slice of one) as the kernel takes it: E4M3 values
+    [N, K] (unit stride along K) and the fp32 power-of-two scales [⌈N/32⌉, ⌈K/32⌉] of those rows."""
+    values: Tensor
+    scales: Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+
 @dataclass(frozen=True)
 class _Entry:
-    original: Tensor   # keeps the fp32 storage alive, so its address cannot be reused
-    compute: Tensor    # contiguous BF16 copy, or `original` itself when not BF16-exact
+    original: Tensor   # keeps the registered storage alive, so its address cannot be reused
+    compute: Tensor    # contiguous BF16 copy, or `original` itself (fp32 kept, or E4M3 values)
     offset: int        # storage offset of `original` (elements)
+    scales: Tensor | None = None   # FP8 entries: fp32 tile scales of `original`
 
 
 class DenseWeightCache:
-    """fp32 weights → their compute copies, made once (at load), looked up per call.
+    """Registered dense weights → what the backend multiplies, made once (at load), looked up per call.
 
-    Keyed by the weight's storage, so views of a registered weight (e.g. the per-group rows of
-    `wo_a`) resolve to the same view of the copy. A weight must be registered before use: an
-    unregistered fp32 weight raises (no silent per-call conversion). BF16 tensors are used as is.
+    fp32 weights get a BF16 copy (or stay fp32, module doc); E4M3 weights are registered with
+    their tile scales and used in place (`Fp8Weight`, no copy). Keyed by the weight's storage, so
+    views of a registered weight (e.g. the per-group rows of `wo_a`) resolve to the same view of
+    the copy / the same rows of the E4M3 tensor and scales. A weight must be registered before
+    use: an unregistered fp32 or E4M3 weight raises (no silent per-call conversion). BF16 tensors
+    are used as is.
     """
 
     def __init__(self) -> None:
         self._by_storage: dict[int, list[_Entry]] = {}
         self.bf16_elements = 0
         self.fp32_elements = 0
+        self.fp8_elements = 0
+        self.scale_elements = 0
 
     @classmethod
     def from_weights(cls, weights: Mapping[str, object],
                      include: Callable[[str, object], bool] = is_dense_linear_weight) -> "DenseWeightCache":
-        """Register every weight `include` selects (default: the dense linear weights)."""
+        """Register every weight `include` selects (default: the dense linear weights); an E4M3
+        weight `name` takes its scales from `weights[fp8_scale_key(name)]`."""
         cache = cls()
         for name, value in weights.items():
             if include(name, value):
                 assert isinstance(value, Tensor)
-                cache.add(value)
+                if value.dtype == FP8:
+                    key = fp8_scale_key(name)
+                    scales = weights.get(key)
+                    if not isinstance(scales, Tensor):
+                        raise KeyError(f"dense weight cache: FP8 weight {name} has no tile scales under {key}")
+                    cache.add_fp8(value, scales)
+                else:
+                    cache.add(value)
         return cache
+
+    def add_fp8(self, values: Tensor, scales: Tensor) -> None:
+        """Register a contiguous E4M3 weight [N, K] with its fp32 power-of-two tile scales
+        [⌈N/32⌉, ⌈K/32⌉] (same device), used in place. The scales must make every value
+        BF16-exact (`fp8_linear.scales_are_bf16_exact`; one host sync, at load)."""
+        from ..kernels.fp8_linear import scales_are_bf16_exact
+
+        if values.dtype != FP8 or values.dim() != 2 or not values.is_contiguous():
+            raise ValueError(f"dense weight cache: expected a contiguous 2-D float8_e4m3fn weight, got "
+                             f"{values.dtype} {tuple(values.shape)} strides {values.stride()}")
+        want = (-(-values.shape[0] // TILE), -(-values.shape[1] // TILE))
+        if scales.dtype != F32 or tuple(scales.shape) != want or not scales.is_contiguous() \
+                or scales.device != values.device:
+            raise ValueError(f"dense weight cache: FP8 tile scales must be contiguous fp32 {want} on {values.device}, "
+                             f"got {scales.dtype} {tuple(scales.shape)} on {scales.device}")
+        if not scales_are_bf16_exact(scales):
+            raise ValueError("dense weight cache: FP8 tile scales outside 2^-124..2^119 (or not powers of two): "
+                             "E4M3 × scale would not be BF16-exact; load this weight dequantised instead")
+        if self._find(values) is not None:
+            return
+        self.fp8_elements += values.numel()
+        self.scale_elements += scales.numel()
+        key = values.untyped_storage().data_ptr()
+        self._by_storage.setdefault(key, []).append(_Entry(values, values, values.storage_offset(), scales))
 
     def add(self, weight: Tensor) -> None:
         """Register a contiguous fp32 weight: BF16 copy if every value is BF16-exact (one check,
@@ -115,32 +190,60 @@ class DenseWeightCache:
         key = weight.untyped_storage().data_ptr()
         self._by_storage.setdefault(key, []).append(_Entry(weight, compute, weight.storage_offset()))
 
-    def _find(self, weight: Tensor) -> Tensor | None:
+    def _find(self, weight: Tensor) -> Tensor | Fp8Weight | None:
         for entry in self._by_storage.get(weight.untyped_storage().data_ptr(), ()):
+            if entry.original.dtype != weight.dtype or entry.original.device != weight.device:
+                continue
             rel = weight.storage_offset() - entry.offset
             last = rel + sum((n - 1) * s for n, s in zip(weight.shape, weight.stride()))
-            if rel >= 0 and last < entry.original.numel() and entry.original.device == weight.device:
+            if rel >= 0 and last < entry.original.numel():
+                if entry.scales is not None:
+                    return _fp8_rows(entry, weight, rel)
                 return entry.compute.as_strided(weight.shape, weight.stride(), entry.compute.storage_offset() + rel)
         return None
 
-    def lookup(self, weight: Tensor) -> Tensor:
-        """The compute copy (same shape and strides) of a registered weight or of a view of one."""
+    def lookup(self, weight: Tensor) -> Tensor | Fp8Weight:
+        """What the backend multiplies for a registered weight or a view of one: the compute copy
+        (same shape and strides) of an fp32 weight, `Fp8Weight` (the same rows, no copy) of an
+        E4M3 weight, a BF16 tensor itself."""
         if weight.dtype == BF16:
             return weight
         found = self._find(weight)
         if found is None:
             raise KeyError(f"dense backend: weight {tuple(weight.shape)} {weight.dtype} on {weight.device} is not "
-                           "registered (DenseWeightCache.add / from_weights at load)")
+                           "registered (DenseWeightCache.add / add_fp8 / from_weights at load)")
         return found
 
+    def resident_bytes(self) -> int:
+        """Device bytes of what the cache multiplies: BF16 copies, kept fp32 weights, E4M3 values
+        and their fp32 tile scales (the fp32 originals of BF16 copies are the caller's)."""
+        return 2 * self.bf16_elements + 4 * self.fp32_elements + self.fp8_elements + 4 * self.scale_elements
+
     def describe(self) -> str:
-        return (f"dense weight cache: {self.bf16_elements / 1e6:.1f} M BF16 elements "
-                f"({2 * self.bf16_elements / 2**30:.2f} GiB), {self.fp32_elements / 1e6:.1f} M kept fp32")
+        return (f"dense weight cache: {self.fp8_elements / 1e6:.1f} M FP8 elements in place "
+                f"({(self.fp8_elements + 4 * self.scale_elements) / 2**30:.2f} GiB with scales), "
+                f"{self.bf16_elements / 1e6:.1f} M BF16 elements ({2 * self.bf16_elements / 2**30:.2f} GiB), "
+                f"{self.fp32_elements / 1e6:.1f} M kept fp32")
+
+
+def _fp8_rows(entry: _Entry, view: Tensor, rel: int) -> Fp8Weight:
+    """`Fp8Weight` of a view of a registered E4M3 weight: only whole rows starting on a tile row
+    (the kernel applies one scale row per 32 weight rows); anything else raises."""
+    assert entry.scales is not None
+    N, K = entry.original.shape
+    if view.dim() != 2 or view.shape[1] != K or view.stride(1) != 1 or (view.shape[0] > 1 and view.stride(0) != K) \
+            or rel % K or (rel // K) % TILE:
+        raise ValueError(f"dense backend: view {tuple(view.shape)} strides {view.stride()} at element {rel} of FP8 "
+                         f"weight [{N}, {K}] is not a row slice starting on a {TILE}-row tile boundary")
+    row0 = rel // K
+    scales = entry.scales[row0 // TILE: -(-(row0 + view.shape[0]) // TILE)]
+    return Fp8Weight(view, scales)
 
 
 class BlockedBf16Gemm:
-    """`ops.DenseBackend` on tensor cores: BF16 operands, fp32 accumulation and output, rows in
-    fixed blocks of `row_block` (module doc). `audit_inputs` checks, without a host sync per
+    """`ops.DenseBackend` on tensor cores: BF16 operands, fp32 accumulation and output. E4M3
+    weights (`Fp8Weight`) go to `kernels.fp8_linear` (row invariant by itself); BF16 / fp32
+    weights to cuBLAS with rows in fixed blocks of `row_block` (module doc). `audit_inputs` checks, without a host sync per
     call, that every activation multiplied in BF16 is BF16-exact; `raise_if_inputs_inexact`
     (called by `dense_math` on exit) reports a violation."""
 
@@ -159,16 +262,28 @@ class BlockedBf16Gemm:
             raise ValueError(f"dense backend: x [..., {x.shape[-1]}] against weight {tuple(w.shape)}")
         lead, K, N = x.shape[:-1], w.shape[1], w.shape[0]
         x2 = x.reshape(-1, K)
+        if isinstance(w, Fp8Weight):
+            from ..kernels.fp8_linear import fp8_linear
+
+            if x2.dtype not in (F32, BF16):
+                x2 = x2.to(F32)
+            if self.audit_inputs:
+                self._audit(x2)
+            return fp8_linear(x2, w.values, w.scales).reshape(*lead, N)
         if w.dtype == BF16:
             a = _fresh(x2, BF16)
             if self.audit_inputs:
-                bad = (a.to(x2.dtype) != x2).any()
-                self._inexact = bad if self._inexact is None else (self._inexact | bad)
+                self._audit(x2)
         else:
             if x.is_cuda and torch.backends.cuda.matmul.allow_tf32:
                 raise RuntimeError("dense backend: fp32 weight GEMM with TF32 enabled (its bound needs fp32)")
             a = _fresh(x2, F32)
         return self._blocked(a, w).reshape(*lead, N)
+
+    def _audit(self, x2: Tensor) -> None:
+        """Accumulate (no host sync) whether x2 holds a value that is not BF16-exact."""
+        bad = (x2.to(BF16).to(x2.dtype) != x2).any()
+        self._inexact = bad if self._inexact is None else (self._inexact | bad)
 
     def _blocked(self, a: Tensor, w: Tensor) -> Tensor:
         M, B = a.shape[0], self.row_block
@@ -225,12 +340,18 @@ def dense_math(backend: BlockedBf16Gemm | None) -> Iterator[None]:
 
 def backend_for(weights: Mapping[str, object]) -> BlockedBf16Gemm | None:
     """The backend the runtime uses for `weights` (all on one device): CUDA → `BlockedBf16Gemm`
-    over a cache of the dense weights (built now, once, at load); CPU → None (the exact
-    reference math, bit-identical)."""
+    over a cache of the dense weights (built now, once, at load; E4M3 weights in place); CPU →
+    None (the exact reference math, bit-identical), which needs dequantised weights: E4M3 dense
+    weights on CPU raise."""
     devices = {t.device for t in weights.values() if isinstance(t, Tensor)}
     if len(devices) > 1:
         raise ValueError(f"dense backend: weights on several devices {sorted(map(str, devices))}")
     if not devices or next(iter(devices)).type != "cuda":
+        fp8 = [n for n, t in weights.items() if isinstance(t, Tensor) and t.dtype == FP8]
+        if fp8:
+            raise ValueError(f"dense backend: {len(fp8)} FP8 (E4M3) dense weight(s) on CPU, e.g. {fp8[0]}: the CPU "
+                             "path is the exact reference math on dequantised weights (runtime_weights(..., "
+                             "dense_fp8=False))")
         return None
     return BlockedBf16Gemm(DenseWeightCache.from_weights(weights))
 
@@ -252,5 +373,5 @@ def error_bound(x: Tensor, weight: Tensor, out: Tensor, ref: Tensor, bf16_output
     return bound + ulp
 
 
-__all__ = ["ACCUMULATION_UNIT", "BlockedBf16Gemm", "DenseWeightCache", "ROW_BLOCK", "backend_for", "dense_math",
-           "error_bound", "is_dense_linear_weight"]
+__all__ = ["ACCUMULATION_UNIT", "BlockedBf16Gemm", "DenseWeightCache", "FP8", "Fp8Weight", "ROW_BLOCK", "TILE",
+           "backend_for", "dense_math", "error_bound", "fp8_scale_key", "is_dense_linear_weight"]

@@ -1,10 +1,12 @@
 """Runtime weights from the stored checkpoint tensors (spec `model.md` §2.1–§2.4, §3.8).
 
-`runtime_weights(stored, cfg, device, *, experts_mxfp4, expert_ids=None)` → {name → value}:
+`runtime_weights(stored, cfg, device, *, experts_mxfp4, expert_ids=None, rows_of, dense_fp8=None)`
+→ {name → value}:
 
 * every stored tensor is checked against the inventory first (`checkpoint.loader.check_stored`:
   one error naming every missing / unexpected / mis-typed / mis-shaped tensor);
-* every logical tensor except the routed experts is the reference loader's §2.4 value
+* every logical tensor except the routed experts and the FP8 dense weights kept FP8 is the
+  reference loader's §2.4 value
   (`checkpoint.loader.logical_tensor`: FP8 tiles dequantised, BF16 rounding rules, FP32 kept),
   as fp32 on `device` — exactly what `load_reference_weights_from_tensors` gives;
 * routed experts (`{prefix}ffn.experts.{e}.w1/w2/w3`, Kind FP4):
@@ -13,6 +15,15 @@
     bytes are converted to the MXFP4 kernel layout on `device` (`kernels.moe_mxfp4`, a lossless
     re-arrangement: transpose, padding, Hopper swizzles) and stored per layer under
     `moe_ops.routed_experts_key(prefix)` as a `RoutedExpertsMxfp4`; no per-expert keys.
+* FP8 dense weights (Kind FP8: wq_a, wkv, wq_b, wo_a, wo_b, shared experts, indexer.wq_b,
+  engram.wkv), `dense_fp8=True` (default on CUDA): **never dequantised** — the stored E4M3 tensor
+  stays under the weight's name and its UE8M0 tile scales, decoded once to fp32 powers of two
+  (exact, `codecs.ue8m0_to_float`), under the scale name (`dense_ops.fp8_scale_key`); the dense
+  backend multiplies them in place (`runtime/dense_ops.py`, `kernels/fp8_linear.py`). The logical
+  value E4M3·scale is unchanged — also for `wo_a`, whose §2.4.1 BF16 rounding is the identity
+  when every scale is in 2^-124..2^119 (`fp8_linear.scales_are_bf16_exact`). A weight with a
+  scale outside that range is loaded dequantised like the CPU path. `dense_fp8=False` (CPU: the
+  exact reference math needs fp32): dequantised fp32 like the rest.
 * `expert_ids` (expert parallel): the routed experts this process holds, in order (default all);
   only those are converted / dequantised; `rows_of` (tensor parallel): the rows of sharded
   tensors this process holds.
@@ -27,9 +38,11 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from ..checkpoint.codecs import TILE, ue8m0_to_float
 from ..checkpoint.loader import check_stored, logical_tensor
-from ..checkpoint.names import Kind, tensor_inventory
+from ..checkpoint.names import Kind, TensorSpec, tensor_inventory
 from ..config import DeepseekV41Config
+from .dense_ops import fp8_scale_key
 from .moe_ops import RoutedExpertsMxfp4, routed_experts_key
 
 F32 = torch.float32
@@ -59,16 +72,47 @@ def prepare_layer_experts(stored: Mapping[str, Tensor], prefix: str, n_routed_ex
     return RoutedExpertsMxfp4.build(prepared, ids, n_routed_experts, torch.device(device))
 
 
+def stored_fp8_dense(spec: TensorSpec, get: Callable[[str], Tensor], device: torch.device,
+                     rows: range | None = None) -> dict[str, Tensor] | None:
+    """An FP8 dense weight as the CUDA dense backend holds it (module doc): {spec.name: E4M3
+    [rows, K] contiguous, fp8_scale_key(spec.name): fp32 tile scales of those rows}, on `device`;
+    None when its scales are not all BF16-exact (the caller loads it dequantised). `rows`: a
+    slice in stored form, which must start on a 32-row tile (and end on one or at the last row)."""
+    from ..kernels.fp8_linear import scales_are_bf16_exact
+
+    if spec.kind is not Kind.FP8 or spec.scale_name is None:
+        raise ValueError(f"{spec.name}: kind {spec.kind} is not an FP8 dense weight")
+    values, scale = get(spec.name), get(spec.scale_name)
+    if values.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"{spec.name}: FP8 weights must be float8_e4m3fn, got {values.dtype}")
+    scales = ue8m0_to_float(scale)
+    if rows is not None:
+        n = values.shape[0]
+        if rows.step != 1 or rows.start % TILE or (rows.stop % TILE and rows.stop != n):
+            raise ValueError(f"{spec.name}: rows {rows.start}..{rows.stop} of {n} do not follow the {TILE}-row "
+                             "FP8 tiles; this shard cannot keep the weight in its stored form")
+        values = values[rows.start:rows.stop]
+        scales = scales[rows.start // TILE: -(-rows.stop // TILE)]
+    if not scales_are_bf16_exact(scales):
+        return None
+    return {spec.name: values.to(device).contiguous(),
+            fp8_scale_key(spec.name): scales.to(device=device, dtype=F32).contiguous()}
+
+
 def runtime_weights(stored: Mapping[str, Tensor], cfg: DeepseekV41Config, device: torch.device, *,
                     experts_mxfp4: bool, expert_ids: Sequence[int] | None = None,
-                    rows_of: Callable[[str], range | None] = lambda name: None) -> dict[str, object]:
+                    rows_of: Callable[[str], range | None] = lambda name: None,
+                    dense_fp8: bool | None = None) -> dict[str, object]:
     """Weights for `TorchForward` / `moe_ops` on `device` (module docstring). Text model only
     (vision and DSpark tensors are not loaded; their presence is allowed).
 
     `rows_of(name)` (tensor parallel, `ShardPlan.rows_of`): the dim-0 rows of a logical tensor
-    this process holds (None = all) — Engram tables are sliced in stored form (rows and their row
-    scales) before dequantisation, other tensors after it."""
+    this process holds (None = all) — Engram tables and FP8 dense weights kept FP8 are sliced in
+    stored form (rows and their scale rows), other tensors after dequantisation.
+    `dense_fp8` (None = `device` is CUDA): keep FP8 dense weights in their stored form."""
     device = torch.device(device)
+    if dense_fp8 is None:
+        dense_fp8 = device.type == "cuda"
     check_stored(stored.keys(), cfg, vision=False, dspark=False,
                  meta=lambda n: (stored[n].dtype, tuple(stored[n].shape)))
     E = cfg.text.n_routed_experts
@@ -85,6 +129,11 @@ def runtime_weights(stored: Mapping[str, Tensor], cfg: DeepseekV41Config, device
             if experts_mxfp4 or expert not in held:
                 continue
         rows = rows_of(spec.name)
+        if dense_fp8 and spec.kind is Kind.FP8:
+            kept = stored_fp8_dense(spec, stored.__getitem__, device, rows)
+            if kept is not None:
+                out.update(kept)
+                continue
         if rows is not None and spec.kind is Kind.ENGRAM:
             value = logical_tensor(spec, lambda n, r=rows: stored[n][r.start:r.stop])
         else:
