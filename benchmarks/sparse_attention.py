@@ -14,9 +14,11 @@ scattered BF16 rows) it
    against the device copy bandwidth measured here (`dst.copy_(src)` of 2 GiB, read + write);
 4. the packed path (contracts §1/§2): the compressed keys are packed FP4 entries of a ratio-2
    kv source in 890-byte Flash rows (written with the production codec `runtime/kv_layout.py`),
-   `comp_slots` entry indices. Asserts its output equals, bit for bit, the BF16 path on a cache
-   of the decoded latents (same entries), then times it; its compulsory bytes count 288 B per
-   valid compressed entry (D/2 nibbles + D/16 E4M3 scales) instead of a 1024-byte BF16 row.
+   `comp_slots` entry indices. Asserts its output is within 2 BF16 ulps of the output scale of
+   the BF16 path on a cache of the decoded latents (same entries), then times it; its compulsory bytes count 288 B per
+   valid compressed entry (D/2 nibbles + D/16 E4M3 scales) instead of a 1024-byte BF16 row;
+5. times both paths again with one key split (`num_splits=1`), the batch-invariant launch the
+   runtime uses (`runtime/attention_ops.ATTENTION_KEY_SPLITS`): `runtime_one_split` in the JSON.
 
 Writes `benchmarks/results/sparse_attention.json` and `sparse_attention.png`. `--sweep` also times
 a few alternative block configurations per N (for tuning `plan_config`).
@@ -217,13 +219,21 @@ def main() -> None:
                                              c["packed_entries"], c["sink"], scale),
             warmup=25, rep=200, return_mode="median")
         packed_gbs = packed_bytes / (packed_ms * 1e-3) / 1e9
+        one_split = dataclasses.replace(planned, num_splits=1)      # the runtime's launch (batch invariant)
+        runtime_bf16_ms = run(one_split)
+        runtime_packed_ms = triton.testing.do_bench(
+            lambda: sa.sparse_sink_attention(c["q"], c["swa_cache"], c["swa_slots"], c["packed"],
+                                             c["packed_entries"], c["sink"], scale, config=one_split),
+            warmup=25, rep=200, return_mode="median")
         row = dict(n=n, packed_vs_bf16_ulps=packed_ulps, config=dataclasses.asdict(planned), ms=ms, us_per_query=ms * 1e3 / n, bytes=nbytes,
                    gbs=nbytes / (ms * 1e-3) / 1e9, fraction_of_copy_bw=nbytes / (ms * 1e-3) / 1e9 / copy_gbs,
                    torch_path_ms=torch_ms, speedup_vs_torch_path=torch_ms / ms, accuracy=accuracy,
                    packed=dict(ms=packed_ms, us_per_query=packed_ms * 1e3 / n, bytes=packed_bytes, gbs=packed_gbs,
                                fraction_of_copy_bw=packed_gbs / copy_gbs, bit_identical_to_bf16_path=True,
                                source=dict(offset=c["packed"].offset, share=c["packed"].share,
-                                           ratio=c["packed"].ratio, row_bytes=c["packed"].rows.shape[1])))
+                                           ratio=c["packed"].ratio, row_bytes=c["packed"].rows.shape[1])),
+                   runtime_one_split=dict(bf16_ms=runtime_bf16_ms, packed_ms=runtime_packed_ms,
+                                          packed_over_bf16=runtime_packed_ms / runtime_bf16_ms))
         if args.sweep:
             row["sweep"] = []
             for cfg in sweep_configs(n, planned):
@@ -232,6 +242,7 @@ def main() -> None:
         rows.append(row)
         print(f"N={n:4d}  {ms * 1e3:8.1f} us  {row['gbs']:7.0f} GB/s  ({row['fraction_of_copy_bw']:.0%} of copy)  "
               f"packed {packed_ms * 1e3:8.1f} us  {packed_gbs:7.0f} GB/s ({packed_gbs / copy_gbs:.0%})  "
+              f"one split (runtime): bf16 {runtime_bf16_ms * 1e3:.1f} us, packed {runtime_packed_ms * 1e3:.1f} us  "
               f"torch path {torch_ms:.2f} ms  splits={planned.num_splits}  "
               f"bf16 mismatches {accuracy['bf16_mismatch_fraction']:.2%}", flush=True)
 

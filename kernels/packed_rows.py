@@ -151,3 +151,51 @@ def load_fp4_tile_per_dim(rows_ptr, entry_base, valid, first_byte, dims, row_str
     if BF16_MUL:
         return e2m1_bf16(code) * scale.to(tl.bfloat16)
     return (e2m1_bf16(code).to(tl.float32) * scale).to(tl.bfloat16)
+
+
+@triton.jit
+def load_latent_pair_tiles(rows_ptr, entry_base, valid, dims, row_stride, offset, SHARE: tl.constexpr,
+                           BLOCK_P: tl.constexpr, COMPILED: tl.constexpr):
+    """(even, odd): BF16 [N, BLOCK_P] decoded latents (exact) of the entries at `entry_base` [N]
+    int64 = e·ratio·row_stride (contracts §2 rule); column i of `even` is dim 2i and column i of
+    `odd` dim 2i+1 — the low and high nibble of payload byte i (entry byte i). Byte i's E4M3 scale
+    is entry byte dims/2 + i // 8 (group of 16 dims = 8 bytes). Entry byte j lives at row offset
+    (j // SHARE)·row_stride, column offset + j % SHARE. Pairs ≥ dims/2 and entries not `valid`
+    read byte 0 and decode to +0.
+
+    Two plain byte gathers per payload byte (the byte, its scale byte — repeats of a scale byte
+    are L1 hits): half the loads of `load_fp4_tile_per_dim`, and no join / reshape / interleave
+    (those lowered wrongly on the H200). Callers keep dims split by parity (q·k = q_even·k_even +
+    q_odd·k_odd, P·V per half).
+
+    COMPILED (GPU): hardware FP8 conversions. A nibble s|e1 e0 m moved to bits 7|4 3 2 of a byte
+    is the float8_e4m3fn value e2m1 × 2^-6 (both formats have one mantissa bit here and the same
+    subnormal step, bias 7 vs 1), so value = e4m3(nibble bits) × (e4m3(scale byte) × 2^6): BF16
+    operands and product exact (≤ 2 × 4 significant bits, |value| ∈ [2^-10, 2688]); a 0x7F/0xFF
+    scale is NaN. The result then passes an identity inline-asm move marked impure: it pins the
+    decode to the load layout, decoded once per tile — without it Triton 3.6 rematerialises the
+    decode in both dot-operand layouts (measured on the sm_90 build: 2.2× the loop's instructions
+    and register spills). Otherwise (interpreter): integer decode in fp32 (`e2m1_bf16`,
+    `e4m3_value`; Triton 3.6's interpreter multiplies BF16 tensors as raw integers), same values."""
+    i = tl.arange(0, BLOCK_P)
+    mask = valid[:, None] & (i < dims // 2)[None, :]
+    byte_off = (i // SHARE) * row_stride + offset + i % SHARE
+    byte = tl.load(rows_ptr + entry_base[:, None] + byte_off[None, :], mask=mask, other=0)
+    js = dims // 2 + i // 8
+    scale_off = (js // SHARE) * row_stride + offset + js % SHARE
+    sbyte = tl.load(rows_ptr + entry_base[:, None] + scale_off[None, :], mask=mask, other=0)
+    if COMPILED:
+        scale = sbyte.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16) * 64.0
+        low = (((byte << 2) & 0x1C) | ((byte << 4) & 0x80)).to(tl.float8e4nv, bitcast=True)
+        high = (((byte >> 2) & 0x1C) | (byte & 0x80)).to(tl.float8e4nv, bitcast=True)
+        even = low.to(tl.bfloat16) * scale
+        odd = high.to(tl.bfloat16) * scale
+        even = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [even], dtype=tl.bfloat16, is_pure=False,
+                                         pack=2)
+        odd = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [odd], dtype=tl.bfloat16, is_pure=False,
+                                        pack=2)
+        return even, odd
+    code = byte.to(tl.int32)
+    scale32 = e4m3_value(sbyte.to(tl.int32))
+    return ((e2m1_bf16(code).to(tl.float32) * scale32).to(tl.bfloat16),
+            (e2m1_bf16(code >> 4).to(tl.float32) * scale32).to(tl.bfloat16))

@@ -26,16 +26,21 @@ across batch compositions pass a `config` with a fixed `num_splits` (e.g. 1).
 Kernel structure (Hopper-oriented; block sizes from D, H and W + K via `plan_config`, never
 Flash constants): one program = one query × a block of `block_h` heads × one split of the key
 tiles. A key tile is `block_n` slots of one list; its rows are gathered once and serve every
-head of the block — QK^T is a [block_h, block_d] × [block_d, block_n] dot, P·V a
-[block_h, block_n] × [block_n, block_d] dot. Non-power-of-two D is masked (block_d =
-next_pow2(D)). The sink is folded into the running denominator (m₀ = sink, l₀ = 1). Decode
+head of the block. Every tile is split by dimension parity (column i of an `_e` / `_o` tile
+is dim 2i / 2i+1; D must be even): QK^T is q_e·k_eᵀ then q_o·k_oᵀ in one fp32 accumulation
+chain ([block_h, block_d/2] × [block_d/2, block_n] dots), P·V updates acc_e and acc_o
+([block_h, block_n] × [block_n, block_d/2]); q is loaded and the output stored with stride-2
+pointers, BF16 cache rows are read as int32 words (dims 2i, 2i+1) and split by truncation, packed
+FP4 bytes decode to the two tiles directly (low / high nibble) — no interleave, join or reshape
+anywhere. Non-power-of-two D is masked (block_d = next_pow2(D) ≥ 32). The sink is folded into the running denominator (m₀ = sink, l₀ = 1). Decode
 with few queries splits the key tiles of a query over `num_splits` programs (flash-decoding);
 each writes (m, l, unnormalised acc) to fp32 scratch and a second kernel merges them and adds
 the sink. Splits never hold fewer than ⌈2H/block_n⌉ tiles, so the scratch written per split
 (H·D·4 B) never exceeds the key bytes it read. Decode (N = batch) and extend (N = many tokens)
 are the same launch. At the Flash config (block_h 32, block_n 32, 8 warps, 2 stages) the sm_90
-build uses 255 registers per thread with no spills and 82 KB of shared memory, BF16
-`mma.sync` dots (block_h 64 would reach wgmma but spills); the tests compile it for sm_90.
+build uses 255 registers per thread with no spills and 70 KB of shared memory, BF16
+`mma.sync` dots, cp.async-pipelined BF16 rows (block_h 64 would reach wgmma but spills); the
+tests compile it for sm_90.
 
 Memory traffic per query (bytes read from HBM, upper bound; D = head_dim, H = heads,
 n_valid ≤ W + K valid keys, idx = 4 or 8 bytes per slot):
@@ -45,10 +50,12 @@ The ⌈H/block_h⌉ head blocks of a query re-read the same key rows, normally f
 (D 512, H 64, W 128, K 512, int32 slots): 64 KiB q + 2.5 KiB slots + 640 KiB keys + 64 KiB
 out ≈ 0.77 MB per decode query. With packed compressed entries (`PackedSource`, contracts §1/§2:
 the global KV stays 890 B/token, no BF16 copy) a compressed key costs D/2 + D/16 = 288 B
-(E2M1 nibbles + E4M3 scales, decoded exactly in the kernel: `packed_rows.load_fp4_tile_per_dim`)
-instead of 1024 B: 128 KiB SWA + 144 KiB compressed ≈ 0.41 MB per decode query. The decode adds
-registers to a kernel already at 255: the sm_90 build of the packed Flash plan spills ~160 B
-per thread (measured with Triton's ptxas; the BF16 path has none). Extend queries of one request share most rows (neighbouring
+(E2M1 nibbles + E4M3 scales, decoded exactly in the kernel: `packed_rows.load_latent_pair_tiles`,
+two byte gathers per payload byte, decoded once per tile) instead of 1024 B: 128 KiB SWA + 144
+KiB compressed ≈ 0.41 MB per decode query. sm_90 build of the packed Flash plan: the compressed
+key loop is ~2,000 instructions per warp and tile against ~1,200 for BF16 rows (the per-dim
+decode it replaced: ~4,800 and 950 B/thread of spills), 48 B/thread of stack (168 B with
+split-KV). Extend queries of one request share most rows (neighbouring
 windows, overlapping selections), so HBM traffic is below N × this bound.
 
 Why a kernel of our own (checked against what SGLang 0.5.17's wheel ships):
@@ -72,7 +79,6 @@ If the runtime adopts the FP8 "v4" cache layout, FlashMLA's sparse decode is the
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -80,7 +86,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .packed_rows import PackedSource, latent_entry_bytes, load_fp4_tile_per_dim
+from .packed_rows import PackedSource, latent_entry_bytes, load_latent_pair_tiles
+from .sparse_attention_checks import bf16_pairs, check_inputs, validate_values
 
 #: fp32 accumulator elements one program keeps in registers ([block_h, block_d]); 16384 = 64 KiB
 #: = 64 registers per thread at 8 warps, leaving room for q and the logits tile.
@@ -92,14 +99,12 @@ MAX_SPLITS = 16
 #: [heads, block_d] fp32 elements one program of the split-merge kernel combines (16 per thread).
 MERGE_ELEMS_PER_PROGRAM = 2048
 _LOG2E = 1.4426950408889634
-_SLOT_DTYPES = (torch.int32, torch.int64)
-_OUT_DTYPES = (torch.bfloat16, torch.float32)
 
 
 @dataclass(frozen=True)
 class SparseAttentionConfig:
     """Launch parameters. block_h/block_d/block_n are powers of two ≥ 16 (tensor-core tile
-    minimum); `num_splits` ≥ 1 key-tile splits per query; `num_warps`/`num_stages` as Triton."""
+    minimum), block_d ≥ 32 (the kernel splits it into two halves of dims by parity); `num_splits` ≥ 1 key-tile splits per query; `num_warps`/`num_stages` as Triton."""
 
     block_h: int
     block_d: int
@@ -113,6 +118,8 @@ class SparseAttentionConfig:
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"SparseAttentionConfig.{name}={v}: must be a power of two ≥ 16")
+        if self.block_d < 32:
+            raise ValueError(f"SparseAttentionConfig.block_d={self.block_d}: must be ≥ 32 (two halves ≥ 16)")
         if not 1 <= self.num_splits <= MAX_SPLITS:
             raise ValueError(f"SparseAttentionConfig.num_splits={self.num_splits}: must be in 1..{MAX_SPLITS}")
         if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
@@ -132,7 +139,7 @@ def plan_config(num_queries: int, num_heads: int, head_dim: int, window: int, to
     if head_dim < 1 or num_heads < 1 or window < 1 or topk < 0 or sm_count < 1:
         raise ValueError(f"plan_config: bad shape (D={head_dim}, H={num_heads}, W={window}, K={topk}, "
                          f"sm_count={sm_count})")
-    block_d = _pow2_at_least(head_dim)
+    block_d = _pow2_at_least(head_dim, 32)
     if ACC_ELEMS_PER_PROGRAM // block_d < 16:
         raise ValueError(f"sparse_sink_attention: head_dim {head_dim} > {ACC_ELEMS_PER_PROGRAM // 16} "
                          "does not fit one program's fp32 accumulator")
@@ -158,19 +165,21 @@ def merge_heads_per_program(block_d: int) -> int:
 # ---- kernels --------------------------------------------------------------------------------
 
 @triton.jit
-def _dot(a, b, DOT_FP32: tl.constexpr):
-    """fp32-accumulated a·b of BF16 operands; DOT_FP32 (interpreter only) upcasts them first —
+def _dot(a, b, acc, DOT_FP32: tl.constexpr):
+    """acc + a·b, fp32-accumulated, BF16 operands; DOT_FP32 (interpreter only) upcasts them first —
     the same values, since Triton 3.6's interpreter multiplies BF16 dot operands as raw uint16."""
     if DOT_FP32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc=acc, input_precision="ieee")
+    return tl.dot(a, b, acc=acc)
 
 
 @triton.jit
-def _attend_rows(acc, m_i, l_i, q, rows, valid, qk_scale_log2, DOT_FP32: tl.constexpr):
-    """One online-softmax step (log2 domain) over a gathered key tile `rows` [BLOCK_N, BLOCK_D]
-    bf16 whose keys `valid` [BLOCK_N] exist (invalid rows hold zeros)."""
-    s = _dot(q, tl.trans(rows), DOT_FP32) * qk_scale_log2                       # [BLOCK_H, BLOCK_N] fp32
+def _attend_pairs(acc_e, acc_o, m_i, l_i, q_e, q_o, k_e, k_o, valid, qk_scale_log2, DOT_FP32: tl.constexpr):
+    """One online-softmax step (log2 domain) over a key tile split by dimension parity: `k_e` /
+    `k_o` [BLOCK_N, BLOCK_P] bf16 hold dims 2i / 2i+1 of keys `valid` [BLOCK_N] (invalid keys
+    hold zeros); q_e/q_o and acc_e/acc_o likewise. q·k is one fp32 accumulation chain over the
+    even dims, then the odd ones."""
+    s = _dot(q_o, tl.trans(k_o), _dot(q_e, tl.trans(k_e), None, DOT_FP32), DOT_FP32) * qk_scale_log2
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)              # nothing seen yet: no rescale
@@ -179,8 +188,9 @@ def _attend_rows(acc, m_i, l_i, q, rows, valid, qk_scale_log2, DOT_FP32: tl.cons
     l_i = l_i * alpha + tl.sum(p, axis=1)
     p_hi = p.to(tl.bfloat16)
     p_lo = (p - p_hi.to(tl.float32)).to(tl.bfloat16)
-    acc = acc * alpha[:, None] + _dot(p_hi, rows, DOT_FP32) + _dot(p_lo, rows, DOT_FP32)
-    return acc, m_new, l_i
+    acc_e = _dot(p_lo, k_e, _dot(p_hi, k_e, acc_e * alpha[:, None], DOT_FP32), DOT_FP32)
+    acc_o = _dot(p_lo, k_o, _dot(p_hi, k_o, acc_o * alpha[:, None], DOT_FP32), DOT_FP32)
+    return acc_e, acc_o, m_new, l_i
 
 
 @triton.jit
@@ -188,6 +198,17 @@ def _load_slots(slots_ptr, first, n_keys, offs_n):
     """int64 slots (or entries) first..first+BLOCK_N−1 of one list; −1 past its end."""
     idx = first + offs_n
     return tl.load(slots_ptr + idx, mask=idx < n_keys, other=-1).to(tl.int64)
+
+
+@triton.jit
+def _loadbf16_pairs(pairs_ptr, row_stride, slot, valid, offs_p, p_mask):
+    """(even, odd) bf16 [BLOCK_N, BLOCK_P] of the BF16 rows at `slot`, read as int32 words (the
+    cache viewed as int32: word i of a row = dims 2i (low half) and 2i+1 (high half), little
+    endian); one contiguous load per row, halves split by integer truncation and bitcast."""
+    w = tl.load(pairs_ptr + slot[:, None] * row_stride + offs_p[None, :], mask=valid[:, None] & p_mask[None, :],
+                other=0)
+    return (w.to(tl.int16).to(tl.bfloat16, bitcast=True),
+            (w >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True))
 
 
 @triton.jit
@@ -202,16 +223,21 @@ def _sparse_sink_attn_kernel(
         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_COMP: tl.constexpr, COMP_PACKED: tl.constexpr, COMP_SHARE: tl.constexpr, NUM_SPLITS: tl.constexpr,
         DOT_FP32: tl.constexpr):
+    """Every tile is split by dimension parity (dims 2i | 2i+1, column i of the `_e` | `_o`
+    tiles); BF16 rows (`swa_ptr`, `comp_ptr` unless COMP_PACKED) are int32 views of the caches,
+    row strides in int32 words; packed rows (COMP_PACKED) are uint8."""
     t = tl.program_id(0)
     hb = tl.program_id(1)
     split = tl.program_id(2)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_p = tl.arange(0, BLOCK_D // 2)
     offs_n = tl.arange(0, BLOCK_N)
     h_mask = offs_h < H
-    d_mask = offs_d < D
-    q = tl.load(q_ptr + t.to(tl.int64) * q_stride_n + offs_h[:, None] * q_stride_h + offs_d[None, :],
-                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    p_mask = offs_p < D // 2
+    hp_mask = h_mask[:, None] & p_mask[None, :]
+    q_even = q_ptr + t.to(tl.int64) * q_stride_n + offs_h[:, None] * q_stride_h + 2 * offs_p[None, :]
+    q_e = tl.load(q_even, mask=hp_mask, other=0.0)
+    q_o = tl.load(q_even + 1, mask=hp_mask, other=0.0)
 
     if NUM_SPLITS == 1:
         # sink folded into the running state: m₀ = sink (log2 units), l₀ = e^{sink−m₀} = 1
@@ -221,7 +247,8 @@ def _sparse_sink_attn_kernel(
     else:
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    acc_e = tl.zeros([BLOCK_H, BLOCK_D // 2], tl.float32)
+    acc_o = tl.zeros([BLOCK_H, BLOCK_D // 2], tl.float32)
 
     swa_tiles = tl.cdiv(n_swa, BLOCK_N)
     tile_lo = split * tiles_per_split
@@ -230,9 +257,9 @@ def _sparse_sink_attn_kernel(
     for tile in range(tile_lo, tl.minimum(tile_hi, swa_tiles)):
         slot = _load_slots(swa_slots, tile * BLOCK_N, n_swa, offs_n)
         valid = slot >= 0
-        rows = tl.load(swa_ptr + slot[:, None] * swa_row_stride + offs_d[None, :],
-                       mask=valid[:, None] & d_mask[None, :], other=0.0)
-        acc, m_i, l_i = _attend_rows(acc, m_i, l_i, q, rows, valid, qk_scale_log2, DOT_FP32)
+        k_e, k_o = _loadbf16_pairs(swa_ptr, swa_row_stride, slot, valid, offs_p, p_mask)
+        acc_e, acc_o, m_i, l_i = _attend_pairs(acc_e, acc_o, m_i, l_i, q_e, q_o, k_e, k_o, valid, qk_scale_log2,
+                                               DOT_FP32)
     if HAS_COMP:
         comp_slots = comp_slots_ptr + t.to(tl.int64) * comp_slots_stride
         comp_tiles = tl.cdiv(n_comp, BLOCK_N)
@@ -240,23 +267,24 @@ def _sparse_sink_attn_kernel(
             slot = _load_slots(comp_slots, tile * BLOCK_N, n_comp, offs_n)
             valid = slot >= 0
             if COMP_PACKED:   # slot = entry index e; its latent bytes start at row e·ratio, byte 0
-                rows = load_fp4_tile_per_dim(comp_ptr, slot * comp_ratio * comp_row_stride, valid, 0, D,
-                                             comp_row_stride, comp_offset, COMP_SHARE, BLOCK_D, 16, False,
-                                             not DOT_FP32)
+                k_e, k_o = load_latent_pair_tiles(comp_ptr, slot * comp_ratio * comp_row_stride, valid, D,
+                                                  comp_row_stride, comp_offset, COMP_SHARE, BLOCK_D // 2,
+                                                  not DOT_FP32)
             else:
-                rows = tl.load(comp_ptr + slot[:, None] * comp_row_stride + offs_d[None, :],
-                               mask=valid[:, None] & d_mask[None, :], other=0.0)
-            acc, m_i, l_i = _attend_rows(acc, m_i, l_i, q, rows, valid, qk_scale_log2, DOT_FP32)
+                k_e, k_o = _loadbf16_pairs(comp_ptr, comp_row_stride, slot, valid, offs_p, p_mask)
+            acc_e, acc_o, m_i, l_i = _attend_pairs(acc_e, acc_o, m_i, l_i, q_e, q_o, k_e, k_o, valid,
+                                                   qk_scale_log2, DOT_FP32)
 
     if NUM_SPLITS == 1:
-        o = acc / l_i[:, None]
-        tl.store(out_ptr + t.to(tl.int64) * out_stride_n + offs_h[:, None] * out_stride_h + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+        out_even = out_ptr + t.to(tl.int64) * out_stride_n + offs_h[:, None] * out_stride_h + 2 * offs_p[None, :]
+        tl.store(out_even, (acc_e / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=hp_mask)
+        tl.store(out_even + 1, (acc_o / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=hp_mask)
     else:
         # scratch: acc [N, S, H, D], (m, l) [N, S, 2, H], all fp32
         row = t.to(tl.int64) * NUM_SPLITS + split
-        tl.store(part_acc_ptr + (row * H + offs_h[:, None]) * D + offs_d[None, :], acc,
-                 mask=h_mask[:, None] & d_mask[None, :])
+        part_even = part_acc_ptr + (row * H + offs_h[:, None]) * D + 2 * offs_p[None, :]
+        tl.store(part_even, acc_e, mask=hp_mask)
+        tl.store(part_even + 1, acc_o, mask=hp_mask)
         tl.store(part_ml_ptr + row * 2 * H + offs_h, m_i, mask=h_mask)
         tl.store(part_ml_ptr + row * 2 * H + H + offs_h, l_i, mask=h_mask)
 
@@ -305,59 +333,6 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
-def _check_inputs(q: Tensor, swa_cache: Tensor, swa_slots: Tensor, comp_cache: Tensor | PackedSource | None,
-                  comp_slots: Tensor | None, sink: Tensor, scale: float, out: Tensor | None) -> None:
-    if q.dim() != 3 or q.dtype != torch.bfloat16 or q.stride(2) != 1:
-        raise ValueError(f"sparse_sink_attention: q must be [N, H, D] bf16 with unit last stride, got "
-                         f"{tuple(q.shape)} {q.dtype} strides {q.stride()}")
-    N, H, D = q.shape
-    caches = [("swa", swa_cache, swa_slots)] + ([("comp", comp_cache, comp_slots)] if comp_cache is not None else [])
-    if (comp_cache is None) != (comp_slots is None):
-        raise ValueError("sparse_sink_attention: comp_cache and comp_slots must both be given or both be None")
-    for name, cache, slots in caches:
-        if isinstance(cache, PackedSource):
-            if cache.head_dim != D:
-                raise ValueError(f"sparse_sink_attention: packed comp_cache has head_dim {cache.head_dim}, q has {D}")
-        elif cache.dim() != 2 or cache.shape[1] != D or cache.dtype != torch.bfloat16 or cache.stride(1) != 1:
-            raise ValueError(f"sparse_sink_attention: {name}_cache must be [S, {D}] bf16 with unit last stride, "
-                             f"got {tuple(cache.shape)} {cache.dtype} strides {cache.stride()}")
-        if slots.dim() != 2 or slots.shape[0] != N or slots.dtype not in _SLOT_DTYPES or slots.stride(1) != 1:
-            raise ValueError(f"sparse_sink_attention: {name}_slots must be [{N}, n] int32/int64 with unit last "
-                             f"stride, got {tuple(slots.shape)} {slots.dtype} strides {slots.stride()}")
-    if swa_slots.shape[1] < 1:
-        raise ValueError("sparse_sink_attention: swa_slots needs at least one column (the window)")
-    if sink.shape != (H,) or sink.dtype != torch.float32:
-        raise ValueError(f"sparse_sink_attention: sink must be [{H}] float32, got {tuple(sink.shape)} {sink.dtype}")
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"sparse_sink_attention: scale must be a positive finite float, got {scale}")
-    if out is not None and (out.shape != q.shape or out.dtype not in _OUT_DTYPES or out.stride(2) != 1):
-        raise ValueError(f"sparse_sink_attention: out must be [{N}, {H}, {D}] bf16/fp32 with unit last stride, "
-                         f"got {tuple(out.shape)} {out.dtype}")
-    comp_tensor = comp_cache.rows if isinstance(comp_cache, PackedSource) else comp_cache
-    devices = {x.device for x in (q, swa_cache, swa_slots, sink, comp_tensor, comp_slots, out) if x is not None}
-    if len(devices) != 1:
-        raise ValueError(f"sparse_sink_attention: all tensors must be on one device, got {sorted(map(str, devices))}")
-
-
-def _validate_values(swa_cache: Tensor, swa_slots: Tensor, comp_cache: Tensor | PackedSource | None,
-                     comp_slots: Tensor | None, sink: Tensor) -> None:
-    """Host-synchronising checks of the slot (entry) ranges, the sink and empty key sets."""
-    has_key = torch.zeros(swa_slots.shape[0], dtype=torch.bool, device=swa_slots.device)
-    for name, cache, slots in (("swa", swa_cache, swa_slots), ("comp", comp_cache, comp_slots)):
-        if cache is None:
-            continue
-        limit = cache.num_entries if isinstance(cache, PackedSource) else cache.shape[0]
-        bad = (slots < -1) | (slots >= limit)
-        if bool(bad.any()):
-            raise ValueError(f"sparse_sink_attention: {name}_slots holds values outside −1..{limit - 1} "
-                             f"(e.g. {slots[bad][:4].tolist()})")
-        has_key |= (slots >= 0).any(dim=1)
-    if bool((torch.isnan(sink) | (sink == math.inf)).any()):
-        raise ValueError("sparse_sink_attention: sink holds NaN or +∞")
-    if bool((sink == -math.inf).any()) and not bool(has_key.all()):
-        raise ValueError("sparse_sink_attention: a query has no valid key and a head has sink −∞ (empty softmax)")
-
-
 def sparse_sink_attention(q: Tensor, swa_cache: Tensor, swa_slots: Tensor,
                           comp_cache: Tensor | PackedSource | None, comp_slots: Tensor | None, sink: Tensor,
                           scale: float, *, out: Tensor | None = None, config: SparseAttentionConfig | None = None,
@@ -375,13 +350,13 @@ def sparse_sink_attention(q: Tensor, swa_cache: Tensor, swa_slots: Tensor,
     `validate=True`, which checks slot/entry ranges, the sink, and empty key sets with a −∞ sink,
     raising ValueError. `config` overrides `plan_config` (tests, tuning). CPU tensors need the
     kernels defined under `TRITON_INTERPRET=1`."""
-    _check_inputs(q, swa_cache, swa_slots, comp_cache, comp_slots, sink, scale, out)
+    check_inputs(q, swa_cache, swa_slots, comp_cache, comp_slots, sink, scale, out)
     N, H, D = q.shape
     W = swa_slots.shape[1]
     K = comp_slots.shape[1] if comp_slots is not None else 0
     has_comp = comp_cache is not None and K > 0
     if validate:
-        _validate_values(swa_cache, swa_slots, comp_cache, comp_slots, sink)
+        validate_values(swa_cache, swa_slots, comp_cache, comp_slots, sink)
     if q.device.type != "cuda" and not _is_interpreted():
         raise ValueError(f"sparse_sink_attention: tensors on {q.device} need a CUDA device, or TRITON_INTERPRET=1 "
                          "set before this module is imported (Triton's CPU interpreter)")
@@ -400,13 +375,14 @@ def sparse_sink_attention(q: Tensor, swa_cache: Tensor, swa_slots: Tensor,
     part_acc = torch.empty(N, splits, H, D, **f32) if splits > 1 else out
     part_ml = torch.empty(N, splits, 2, H, **f32) if splits > 1 else out
     packed = has_comp and isinstance(comp_cache, PackedSource)
-    comp_cache_arg = (comp_cache.rows if packed else comp_cache) if has_comp else swa_cache
+    swa_pairs = bf16_pairs(swa_cache, "swa")
+    comp_cache_arg = (comp_cache.rows if packed else bf16_pairs(comp_cache, "comp")) if has_comp else swa_pairs
     comp_slots_arg = comp_slots if has_comp else swa_slots
     comp_offset, comp_share, comp_ratio = ((comp_cache.offset, comp_cache.share, comp_cache.ratio) if packed
                                            else (0, 1, 1))
     _sparse_sink_attn_kernel[(N, head_blocks, splits)](
         q, q.stride(0), q.stride(1),
-        swa_cache, swa_cache.stride(0), swa_slots, swa_slots.stride(0), W,
+        swa_pairs, swa_pairs.stride(0), swa_slots, swa_slots.stride(0), W,
         comp_cache_arg, comp_cache_arg.stride(0), comp_slots_arg, comp_slots_arg.stride(0), K,
         comp_offset, comp_ratio,
         sink, out, out.stride(0), out.stride(1),
