@@ -131,7 +131,11 @@ def _w(w: Mapping[str, Tensor], key: str) -> Tensor:
 
 def rms_norm_fp32(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """fp32(x)·rsqrt(mean(x²)+ε)·fp32(w) **without** the BF16 output rounding (the kv path
-    normalises, rotates and quantises in registers, spec §3.4.1)."""
+    normalises, rotates and quantises in registers, spec §3.4.1). Inside `ops.fused_kernels(k)`:
+    `k.rms_norm(..., round_bf16=False)`."""
+    fused = ops.fused_for(x, weight)
+    if fused is not None:
+        return fused.rms_norm(x, weight, eps, False)
     xd = x.to(torch.float64)  # float64, rounded once: device-invariant (ops convention)
     return (xd * torch.rsqrt(xd.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.to(torch.float64)).to(torch.float32)
 

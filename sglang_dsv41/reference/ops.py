@@ -33,12 +33,22 @@ E2M1_MAX = 6.0
 # ---- rounding primitives ------------------------------------------------------------------
 
 def bf16(x: torch.Tensor) -> torch.Tensor:
-    """Round to BF16 (RNE) and return fp32 values."""
+    """Round to BF16 (RNE) and return fp32 values. (fp32 input inside `fused_kernels(k)`, when k
+    accepts the tensor: `k.bf16`, bit-identical.)"""
+    if x.dtype == F32:
+        fused = fused_for(x)
+        if fused is not None:
+            return fused.bf16(x)
     return x.to(BF16).to(F32)
 
 
 def e4m3(x: torch.Tensor) -> torch.Tensor:
-    """Round fp32 values to FP8 E4M3 (RNE) and return fp32 values."""
+    """Round fp32 values to FP8 E4M3 (RNE) and return fp32 values. (Inside `fused_kernels(k)`:
+    `k.e4m3` for fp32 input it accepts, bit-identical.)"""
+    if x.dtype == F32:
+        fused = fused_for(x)
+        if fused is not None:
+            return fused.e4m3(x)
     return x.to(torch.float8_e4m3fn).to(F32)
 
 
@@ -74,6 +84,9 @@ def fp4_fake_quant_e4m3_scale(x: torch.Tensor, group: int = 16) -> torch.Tensor:
 
     scale = e4m3(clamp(amax/6, 2⁻⁹, 448)); value = e2m1(clamp(x/scale, −6, 6))·scale.
     """
+    fused = fused_for(x)
+    if fused is not None:
+        return fused.fp4_fake_quant_e4m3_scale(x, group)
     g = _grouped(x.to(F32), group)
     amax = g.abs().amax(dim=-1, keepdim=True)
     scale = e4m3((amax / E2M1_MAX).clamp(min=2.0**-9, max=E4M3_MAX))
@@ -86,6 +99,9 @@ def fp4_fake_quant_ue8m0_scale(x: torch.Tensor, group: int = 32) -> torch.Tensor
 
     scale = 2^⌈log2(max(amax, 6·2⁻¹²⁶)/6)⌉.
     """
+    fused = fused_for(x)
+    if fused is not None:
+        return fused.fp4_fake_quant_ue8m0_scale(x, group)
     g = _grouped(x.to(F32), group)
     amax = g.abs().amax(dim=-1, keepdim=True)
     scale = pow2_ceil(amax.clamp(min=E2M1_MAX * 2.0**-126) / E2M1_MAX)
@@ -99,7 +115,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """bf16( x·rsqrt(mean(x²) + ε)·w ), returned as fp32 values (spec §3).
 
     Evaluated in float64 and rounded once (the reference's device-invariance convention, see
-    `_matmul_exact`): CPU and CUDA give identical bits."""
+    `_matmul_exact`): CPU and CUDA give identical bits. Inside `fused_kernels(k)`: `k.rms_norm`
+    (one launch; equal up to the rare one-ulp flips stated in `kernels/fused_elementwise.py`)."""
+    fused = fused_for(x, weight)
+    if fused is not None:
+        return fused.rms_norm(x, weight, eps, True)
     xd = x.to(torch.float64)
     y = xd * torch.rsqrt(xd.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.to(torch.float64)
     return bf16(y.to(F32))
@@ -107,7 +127,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def fp8_act_fake_quant(x: torch.Tensor, group: int = 32) -> torch.Tensor:
     """Activation quantisation of FP8 linears: per (token, 32 channels) E4M3 with a UE8M0
-    scale 2^⌈log2(max(amax, 1e−10)/448)⌉ (spec §3.8)."""
+    scale 2^⌈log2(max(amax, 1e−10)/448)⌉ (spec §3.8). Inside `fused_kernels(k)`:
+    `k.fp8_act_fake_quant` (bit-identical)."""
+    fused = fused_for(x)
+    if fused is not None:
+        return fused.fp8_act_fake_quant(x, group)
     g = _grouped(x.to(F32), group)
     amax = g.abs().amax(dim=-1, keepdim=True).clamp(min=1e-10)
     scale = pow2_ceil(amax / E4M3_MAX)
@@ -146,6 +170,62 @@ def dense_backend(backend: DenseBackend | None) -> Iterator[None]:
 def current_dense_backend() -> DenseBackend | None:
     """The backend set by the innermost `dense_backend` block (None = exact float64)."""
     return _DENSE_BACKEND.get()
+
+
+class FusedKernels(Protocol):
+    """One-launch replacements of the elementwise / per-row helpers (`bf16`, `e4m3`,
+    `fp8_act_fake_quant`, `fp4_fake_quant_*`, `rms_norm`, `apply_rope_tail`; also
+    `attention.rms_norm_fp32`, `moe.clamped_swiglu` and the selection of `moe.route`).
+
+    Each method returns what the helper of the same name returns (same shape, fp32 values) with the
+    bound its implementation states (`runtime/fused_ops.py`, `kernels/fused_elementwise.py`:
+    bit-identical, or float64-evaluated and rounded once with rare one-ulp flips). `accepts(t)` says
+    whether the implementation runs on t's device; the helpers use it only when every tensor
+    argument is accepted and otherwise run their own code."""
+
+    def accepts(self, x: torch.Tensor) -> bool: ...
+    def bf16(self, x: torch.Tensor) -> torch.Tensor: ...
+    def e4m3(self, x: torch.Tensor) -> torch.Tensor: ...
+    def fp8_act_fake_quant(self, x: torch.Tensor, group: int) -> torch.Tensor: ...
+    def fp4_fake_quant_e4m3_scale(self, x: torch.Tensor, group: int) -> torch.Tensor: ...
+    def fp4_fake_quant_ue8m0_scale(self, x: torch.Tensor, group: int) -> torch.Tensor: ...
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, round_bf16: bool) -> torch.Tensor: ...
+    def apply_rope_tail(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                        inverse: bool) -> torch.Tensor: ...
+    def clamped_swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor: ...
+    def route_select(self, scores: torch.Tensor, bias: torch.Tensor, top_k: int, renorm_eps: float,
+                     bias_vl: torch.Tensor | None, image_rows: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+_FUSED_KERNELS: contextvars.ContextVar[FusedKernels | None] = contextvars.ContextVar(
+    "sglang_dsv41_fused_kernels", default=None)
+
+
+@contextlib.contextmanager
+def fused_kernels(kernels: FusedKernels | None) -> Iterator[None]:
+    """Run the helpers listed in `FusedKernels` through `kernels` inside the block, for tensors
+    it accepts (context-local: contextvars; restored on exit, also after an exception). `None` =
+    the reference code (the default). The reference (the oracle) never sets it; only the
+    runtime's CUDA forward does (`runtime/fused_ops.py`)."""
+    token = _FUSED_KERNELS.set(kernels)
+    try:
+        yield
+    finally:
+        _FUSED_KERNELS.reset(token)
+
+
+def current_fused_kernels() -> FusedKernels | None:
+    """The implementation set by the innermost `fused_kernels` block (None = reference code)."""
+    return _FUSED_KERNELS.get()
+
+
+def fused_for(*tensors: torch.Tensor) -> FusedKernels | None:
+    """The current fused implementation if it accepts every one of `tensors`, else None."""
+    fused = _FUSED_KERNELS.get()
+    if fused is None or not all(fused.accepts(t) for t in tensors):
+        return None
+    return fused
 
 
 def _matmul_exact(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -208,7 +288,11 @@ def apply_rope_tail(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Te
 
     x: [T, ..., D] (any float; math in fp32, returns fp32); positions: [T] integer.
     (x_{2i} + i·x_{2i+1})·e^{±i·p·f_i}; `inverse` applies the conjugate rotation (spec §3.4.6).
+    Inside `fused_kernels(k)`: `k.apply_rope_tail` (one launch; bound in kernels/fused_elementwise.py).
     """
+    fused = fused_for(x, positions, inv_freq)
+    if fused is not None:
+        return fused.apply_rope_tail(x, positions, inv_freq, inverse)
     rd = 2 * inv_freq.numel()
     xf = x.to(F32)
     head, tail = xf[..., :-rd], xf[..., -rd:].to(torch.float64)

@@ -1,0 +1,428 @@
+"""One-launch Triton versions of the reference's elementwise / per-row chains (spec `model.md` §3, §3.4, §3.6, §3.8).
+
+Each function here computes exactly what the named reference function computes, in one kernel
+launch instead of the 8–25 small torch kernels of the reference code (issue 3: at decode every
+tiny kernel costs ~1–1.5 µs of device time, so the launch count is the cost):
+
+=========================  =======================================================  =========================
+function                   replaces                                                 result vs the reference
+=========================  =======================================================  =========================
+`round_bf16`               `ops.bf16` (fp32 input)                                  bit-identical
+`round_e4m3`               `ops.e4m3` (fp32 input)                                  bit-identical
+`fp8_act_fake_quant`       `ops.fp8_act_fake_quant` (per-32 UE8M0 + E4M3)           bit-identical
+`fp4_fake_quant`           `ops.fp4_fake_quant_e4m3_scale` / `_ue8m0_scale`          bit-identical
+`rms_norm`                 `ops.rms_norm` / `attention.rms_norm_fp32`               see "fp64 results"
+`apply_rope_tail`          `ops.apply_rope_tail` (forward and inverse)              see "fp64 results"
+`clamped_swiglu`           `moe.clamped_swiglu`                                     see "fp64 results"
+`route_select`             `moe.route` after the scores (bias, top-k, renorm)       see "fp64 results"
+=========================  =======================================================  =========================
+
+Rounding is done arithmetically, never by Triton casts whose semantics differ from torch's:
+* BF16: round-to-nearest-even on the fp32 bits (add 0x7FFF + lsb, clear the low half) — what
+  torch's cast does (c10 `round_to_nearest_even`); NaN stays NaN. Triton's interpreter truncates
+  its fp32→bf16 casts, so this also makes the CPU (interpreter) results exact.
+* E4M3 (torch `.to(float8_e4m3fn)`): RNE on the E4M3 grid (quantum 2^(e−3), at least 2⁻⁹), then
+  any magnitude that rounds above 448 — i.e. |v| > 464, plus ±inf and NaN — becomes NaN (torch's
+  conversion has no saturation; Triton's `cvt.rn.satfinite` would give 448, so it is not used).
+  Integer rounding uses (r + 2²³) − 2²³ on |r| < 2²², which is RNE in fp32 hardware and numpy.
+* UE8M0 `pow2_ceil(v)` (v ≥ 2⁻¹²⁶, which every caller's clamp guarantees): v itself when its
+  mantissa bits are zero (m == 0.5 in frexp terms), else 2^(⌊log2 v⌋+1) — from the exponent bits.
+* fp32 divisions use `div_rn` (Triton's `/` on fp32 is `div.full.f32`, not correctly rounded);
+  divisions by powers of two are multiplications by the exact reciprocal. Launches pass
+  `enable_fp_fusion=False` so no a·b+c becomes an FMA.
+
+fp64 results. Where the reference evaluates in float64 and rounds once (rms_norm, RoPE, SwiGLU,
+routing weights) the kernels do the same float64 operations in the same order, except:
+* reductions (rms_norm's Σx², the routing weight sum over k) are summed in a different order;
+  for BF16-valued inputs (every caller's) the squares have ≤ 16 significant bits, so Σx² is exact
+  in float64 — hence order-independent — unless a row's magnitudes span more than ~2¹² (rms
+  norm) / the chosen scores span more than ~2²⁹ (routing);
+* cos / sin / exp are the device's float64 libm (libdevice on CUDA, the same code torch's CUDA
+  kernels call; numpy in the interpreter) rather than the CPU's, so they may differ from a CPU
+  reference in the last float64 bit.
+A float64 difference of a few ulps changes the once-rounded fp32 (and then BF16) result only when
+the float64 value lies within those ulps of a rounding boundary (probability ~2⁻²⁸ per element):
+the results are equal except for such rare one-ulp flips (fp32 ulp for fp32 outputs, BF16 ulp for
+BF16 outputs). On the GPU against the GPU reference they are in practice bit-identical.
+
+Batch invariance: one program per row (token or token×head) or per block of 32-/16-groups; block
+sizes depend only on the row width, never on the number of rows. No host synchronisation, no
+host→device copy: every function is CUDA-graph capturable.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
+
+F32 = torch.float32
+GROUPS_PER_PROGRAM = 16          # quantisation groups per program (fp8 / fp4 fake quant)
+_MAGIC_RNE = 8388608.0           # 2^23: (r + 2^23) − 2^23 rounds |r| < 2^22 to an integer, ties to even
+
+
+# ---- rounding primitives (device functions) ------------------------------------------------
+
+@triton.jit
+def _round_bf16(x):
+    """fp32 → nearest BF16 (ties to even), returned as fp32; NaN stays NaN."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+    return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _rne_int(r):
+    """Round |r| < 2^22 to an integer, ties to even (fp32 hardware rounding)."""
+    return (r + 8388608.0) - 8388608.0
+
+
+@triton.jit
+def _pow2(biased_exp):
+    """2^(biased_exp − 127) as fp32 for biased_exp in [1, 254] (int32)."""
+    return (biased_exp.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_rne(v):
+    """torch's fp32 → float8_e4m3fn → fp32: RNE, |rounded| > 448 (or inf / NaN in) → NaN."""
+    bits = v.to(tl.uint32, bitcast=True)
+    sign = bits & 0x80000000
+    mag = bits ^ sign
+    a = mag.to(tl.float32, bitcast=True)
+    exp_field = (mag >> 23).to(tl.int32)
+    q_exp = tl.maximum(tl.minimum(exp_field, 254), 121) - 3      # quantum 2^(e−3), at least 2^−9
+    n = _rne_int(a * _pow2(254 - q_exp))                         # a / quantum, exact (power of two)
+    q = n * _pow2(q_exp)
+    out = (q.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return tl.where((q > 448.0) | (a != a), float("nan"), out)
+
+
+@triton.jit
+def _pow2_ceil(v):
+    """2^⌈log2 v⌉ for fp32 v ≥ 2^−126 (exact powers of two map to themselves)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    exact = (bits & 0x7FFFFF) == 0
+    up = ((bits >> 23) + 1) << 23
+    return tl.where(exact, bits & 0x7F800000, up).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_rne(x):
+    """Nearest value of the E2M1 grid {0, .5, 1, 1.5, 2, 3, 4, 6} (±), ties to even, clamp ±6."""
+    a = tl.minimum(tl.abs(x), 6.0)
+    inv_step = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
+    step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
+    q = tl.minimum(_rne_int(a * inv_step) * step, 6.0)
+    sign = x.to(tl.uint32, bitcast=True) & 0x80000000
+    return (q.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+# ---- kernels ---------------------------------------------------------------------------------
+
+@triton.jit
+def _round_bf16_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < n
+    tl.store(out_ptr + offs, _round_bf16(tl.load(x_ptr + offs, mask=live, other=0.0)), mask=live)
+
+
+@triton.jit
+def _round_e4m3_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < n
+    tl.store(out_ptr + offs, _e4m3_rne(tl.load(x_ptr + offs, mask=live, other=0.0)), mask=live)
+
+
+@triton.jit
+def _group_quant_kernel(x_ptr, out_ptr, n_groups, GROUP: tl.constexpr, GPP: tl.constexpr, MODE: tl.constexpr):
+    """MODE 0: FP8 activation (UE8M0 per GROUP, E4M3 values); 1: FP4 with E4M3 scales;
+    2: FP4 with UE8M0 scales. One program = GPP consecutive groups of a contiguous tensor."""
+    g = tl.program_id(0).to(tl.int64) * GPP + tl.arange(0, GPP)
+    live = g < n_groups
+    offs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    x = tl.load(x_ptr + offs, mask=live[:, None], other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    if MODE == 0:
+        scale = _pow2_ceil(tl.math.div_rn(tl.maximum(amax, 1e-10), 448.0))
+        inv = _pow2(254 - ((scale.to(tl.uint32, bitcast=True) >> 23).to(tl.int32)))
+        q = _e4m3_rne(x * inv[:, None]) * scale[:, None]
+    elif MODE == 1:
+        scale = _e4m3_rne(tl.minimum(tl.maximum(tl.math.div_rn(amax, 6.0), 0.001953125), 448.0))
+        ratio = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], (GPP, GROUP)))
+        q = _e2m1_rne(tl.minimum(tl.maximum(ratio, -6.0), 6.0)) * scale[:, None]
+    else:
+        scale = _pow2_ceil(tl.math.div_rn(tl.maximum(amax, 7.052966104933725e-38), 6.0))
+        inv = _pow2(254 - ((scale.to(tl.uint32, bitcast=True) >> 23).to(tl.int32)))
+        q = _e2m1_rne(tl.minimum(tl.maximum(x * inv[:, None], -6.0), 6.0)) * scale[:, None]
+    tl.store(out_ptr + offs, q, mask=live[:, None])
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, EPS: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """One row: y = x·(1/sqrt(Σx²/D + ε))·w in float64, rounded once to fp32 (then BF16)."""
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    live = d < D
+    x = tl.load(x_ptr + row * D + d, mask=live, other=0.0).to(tl.float64)
+    w = tl.load(w_ptr + d, mask=live, other=0.0).to(tl.float64)
+    mean_sq = tl.sum(x * x, axis=0) / D
+    r = 1.0 / tl.sqrt(mean_sq + tl.full((1,), EPS, tl.float64))   # EPS exact in float64 (constexpr)
+    y = ((x * r) * w).to(tl.float32)
+    if ROUND_BF16:
+        y = _round_bf16(y)
+    tl.store(out_ptr + row * D + d, y, mask=live)
+
+
+@triton.jit
+def _rope_tail_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, rows_per_token, D, HEAD,
+                      HALF: tl.constexpr, BLOCK_HEAD: tl.constexpr, INVERSE: tl.constexpr,
+                      ROUND_BF16: tl.constexpr):
+    """One row (token × head): dims [0, HEAD) copied, the last 2·HALF dims rotated pairwise."""
+    row = tl.program_id(0).to(tl.int64)
+    base = row * D
+    h = tl.arange(0, BLOCK_HEAD)
+    for h0 in range(0, HEAD, BLOCK_HEAD):
+        hm = (h0 + h) < HEAD
+        v = tl.load(x_ptr + base + h0 + h, mask=hm, other=0.0).to(tl.float32)
+        if ROUND_BF16:
+            v = _round_bf16(v)
+        tl.store(out_ptr + base + h0 + h, v, mask=hm)
+    i = tl.arange(0, HALF)
+    pos = tl.load(pos_ptr + row // rows_per_token).to(tl.float32)
+    ang = (pos * tl.load(freq_ptr + i).to(tl.float32)).to(tl.float64)
+    c = tl.cos(ang)
+    s = tl.sin(ang)
+    if INVERSE:
+        s = -s
+    a = tl.load(x_ptr + base + HEAD + 2 * i).to(tl.float32).to(tl.float64)
+    b = tl.load(x_ptr + base + HEAD + 2 * i + 1).to(tl.float32).to(tl.float64)
+    ra = (a * c - b * s).to(tl.float32)
+    rb = (a * s + b * c).to(tl.float32)
+    if ROUND_BF16:
+        ra = _round_bf16(ra)
+        rb = _round_bf16(rb)
+    tl.store(out_ptr + base + HEAD + 2 * i, ra)
+    tl.store(out_ptr + base + HEAD + 2 * i + 1, rb)
+
+
+@triton.jit
+def _swiglu_kernel(g_ptr, u_ptr, out_ptr, n, limit, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < n
+    g = tl.minimum(_round_bf16(tl.load(g_ptr + offs, mask=live, other=0.0).to(tl.float32)), limit)
+    u = _round_bf16(tl.load(u_ptr + offs, mask=live, other=0.0).to(tl.float32))
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    g64 = g.to(tl.float64)
+    silu = g64 / (1.0 + tl.exp(-g64))
+    tl.store(out_ptr + offs, _round_bf16((silu * u.to(tl.float64)).to(tl.float32)), mask=live)
+
+
+@triton.jit
+def _route_select_kernel(score_ptr, bias_ptr, vl_bias_ptr, image_ptr, expert_ptr, weight_ptr, E,
+                         K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, HAS_VL: tl.constexpr,
+                         RENORM_EPS: tl.constexpr):
+    """One token: K selection rounds over scores + bias (NaN first, then larger value, ties to
+    the lower id), then weights = chosen bias-free scores / (Σ + eps) in float64, rounded to fp32."""
+    t = tl.program_id(0).to(tl.int64)
+    ids = tl.arange(0, BLOCK_E)
+    live = ids < E
+    s = tl.load(score_ptr + t * E + ids, mask=live, other=0.0)
+    bias = tl.load(bias_ptr + ids, mask=live, other=0.0)
+    if HAS_VL:
+        vl = tl.load(vl_bias_ptr + ids, mask=live, other=0.0)
+        is_image = tl.load(image_ptr + t + 0 * ids) != 0
+        bias = tl.where(is_image, vl, bias)
+    v = s + bias
+    is_nan = v != v
+    free = live
+    slot = tl.arange(0, BLOCK_K)
+    experts = tl.zeros((BLOCK_K,), tl.int64)
+    chosen = tl.zeros((BLOCK_K,), tl.float64)
+    total = tl.zeros((1,), tl.float64)
+    for j in tl.static_range(K):
+        free_nan = free & is_nan
+        best = tl.max(tl.where(free & ~is_nan, v, float("-inf")), axis=0)
+        at_best = free & ~is_nan & (v == best)
+        any_nan = tl.max(free_nan.to(tl.int32), axis=0) > 0
+        cand = tl.where(any_nan, free_nan, at_best)
+        pick = tl.min(tl.where(cand, ids, BLOCK_E), axis=0)
+        free = free & (ids != pick)
+        value = tl.sum(tl.where(ids == pick, s, 0.0), axis=0).to(tl.float64)
+        experts = tl.where(slot == j, pick.to(tl.int64), experts)
+        chosen = tl.where(slot == j, value, chosen)
+        total = total + value
+    weights = chosen / (total + tl.full((1,), RENORM_EPS, tl.float64))
+    tl.store(expert_ptr + t * K + slot, experts, mask=slot < K)
+    tl.store(weight_ptr + t * K + slot, weights.to(tl.float32), mask=slot < K)
+
+
+# ---- launchers -------------------------------------------------------------------------------
+
+#: True when the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 at import).
+INTERPRETED = isinstance(_round_bf16_kernel, InterpretedFunction)
+_ELEMENTWISE_BLOCK = 1024
+_ROPE_HEAD_BLOCK = 128
+
+
+def _launch_options(num_warps: int = 4) -> dict:
+    """Compiled launches: no FMA contraction (the reference rounds every product); the
+    interpreter takes no launch options."""
+    return {} if INTERPRETED else {"num_warps": num_warps, "enable_fp_fusion": False}
+
+
+def _check_device(name: str, *tensors: Tensor) -> None:
+    dev = tensors[0].device
+    if any(t.device != dev for t in tensors):
+        raise ValueError(f"{name}: tensors on several devices {sorted({str(t.device) for t in tensors})}")
+    if dev.type != "cuda" and not INTERPRETED:
+        raise RuntimeError(f"{name}: tensors on {dev} need a CUDA device, or TRITON_INTERPRET=1 set before "
+                           "triton is first imported (Triton's CPU interpreter)")
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def round_bf16(x: Tensor) -> Tensor:
+    """`ops.bf16` of an fp32 tensor: BF16 (RNE) values as a new fp32 tensor; bit-identical."""
+    _check_device("round_bf16", x)
+    if x.dtype != F32:
+        raise ValueError(f"round_bf16: fp32 input expected, got {x.dtype} (other dtypes round differently)")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    n = x.numel()
+    if n:
+        _round_bf16_kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](x, out, n, BLOCK=_ELEMENTWISE_BLOCK,
+                                                                 **_launch_options())
+    return out
+
+
+def round_e4m3(x: Tensor) -> Tensor:
+    """`ops.e4m3` of an fp32 tensor (torch's float8_e4m3fn cast and back); bit-identical."""
+    _check_device("round_e4m3", x)
+    if x.dtype != F32:
+        raise ValueError(f"round_e4m3: fp32 input expected, got {x.dtype}")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    n = x.numel()
+    if n:
+        _round_e4m3_kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](x, out, n, BLOCK=_ELEMENTWISE_BLOCK,
+                                                                 **_launch_options())
+    return out
+
+
+def _group_quant(name: str, x: Tensor, group: int, mode: int) -> Tensor:
+    _check_device(name, x)
+    if x.dim() == 0 or x.shape[-1] % group:
+        raise ValueError(f"last dim {tuple(x.shape)[-1:]} is not a multiple of the quantisation group {group}")
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=F32, device=x.device)
+    n_groups = x.numel() // group
+    if n_groups:
+        _group_quant_kernel[(triton.cdiv(n_groups, GROUPS_PER_PROGRAM),)](
+            x, out, n_groups, GROUP=group, GPP=GROUPS_PER_PROGRAM, MODE=mode, **_launch_options())
+    return out
+
+
+def fp8_act_fake_quant(x: Tensor, group: int = 32) -> Tensor:
+    """`ops.fp8_act_fake_quant`: per-`group` UE8M0 scale 2^⌈log2(max(amax, 1e−10)/448)⌉, E4M3
+    values (torch's rounding incl. NaN above 464); fp32 out; bit-identical."""
+    if group & (group - 1):
+        raise ValueError(f"fp8_act_fake_quant: group {group} must be a power of two")
+    return _group_quant("fp8_act_fake_quant", x, group, 0)
+
+
+def fp4_fake_quant(x: Tensor, group: int, scale: str) -> Tensor:
+    """`ops.fp4_fake_quant_e4m3_scale` (scale="e4m3", group 16) or `ops.fp4_fake_quant_ue8m0_scale`
+    (scale="ue8m0", group 32): E2M1 values (RNE, ±6) times the group scale; bit-identical."""
+    modes = {"e4m3": 1, "ue8m0": 2}
+    if scale not in modes:
+        raise ValueError(f"fp4_fake_quant: scale must be one of {sorted(modes)}, got {scale!r}")
+    if group & (group - 1):
+        raise ValueError(f"fp4_fake_quant: group {group} must be a power of two")
+    return _group_quant("fp4_fake_quant", x, group, modes[scale])
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, round_bf16: bool = True) -> Tensor:
+    """`ops.rms_norm` (round_bf16) / `attention.rms_norm_fp32` (not): x·rsqrt(mean(x²)+ε)·w in
+    float64, rounded once to fp32 (then BF16); fp32 out. Bound: module doc, "fp64 results"."""
+    _check_device("rms_norm", x, weight)
+    D = x.shape[-1]
+    if weight.shape != (D,):
+        raise ValueError(f"rms_norm: weight {tuple(weight.shape)} for rows of {D}")
+    block = _pow2_at_least(D)
+    if block > 16384:
+        raise ValueError(f"rms_norm: rows of {D} exceed the one-block limit 16384")
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=F32, device=x.device)
+    rows = x.numel() // D if D else 0
+    if rows:
+        _rms_norm_kernel[(rows,)](x, weight.contiguous(), out, D, EPS=float(eps), BLOCK_D=block,
+                                  ROUND_BF16=round_bf16, **_launch_options(8 if block >= 4096 else 4))
+    return out
+
+
+def apply_rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False,
+                    round_bf16: bool = False) -> Tensor:
+    """`ops.apply_rope_tail` (optionally followed by `ops.bf16`): x [T, ..., D], positions [T];
+    the last 2·len(inv_freq) dims rotated in interleaved pairs; fp32 out. Bound: module doc."""
+    _check_device("apply_rope_tail", x, positions, inv_freq)
+    half = inv_freq.numel()
+    D = x.shape[-1]
+    if half & (half - 1) or 2 * half > D:
+        raise ValueError(f"apply_rope_tail: {half} frequencies (a power of two, 2·{half} ≤ {D} dims required)")
+    if x.dim() < 2 or positions.shape != (x.shape[0],):
+        raise ValueError(f"apply_rope_tail: x {tuple(x.shape)} with positions {tuple(positions.shape)}")
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=F32, device=x.device)
+    rows = x.numel() // D
+    if rows:
+        _rope_tail_kernel[(rows,)](x, positions.contiguous(), inv_freq.contiguous(), out, rows // x.shape[0], D,
+                                   D - 2 * half, HALF=half, BLOCK_HEAD=_ROPE_HEAD_BLOCK, INVERSE=inverse,
+                                   ROUND_BF16=round_bf16, **_launch_options())
+    return out
+
+
+def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
+    """`moe.clamped_swiglu`: bf16(silu(min(bf16(g), L))·clamp(bf16(u), −L, L)), silu and product in
+    float64; fp32 out. Bound: module doc, "fp64 results"."""
+    _check_device("clamped_swiglu", gate, up)
+    if gate.shape != up.shape:
+        raise ValueError(f"clamped_swiglu: gate {tuple(gate.shape)} vs up {tuple(up.shape)}")
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty(gate.shape, dtype=F32, device=gate.device)
+    n = gate.numel()
+    if n:
+        _swiglu_kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](gate, up, out, n, float(limit),
+                                                             BLOCK=_ELEMENTWISE_BLOCK, **_launch_options())
+    return out
+
+
+def route_select(scores: Tensor, bias: Tensor, top_k: int, renorm_eps: float,
+                 bias_vl: Tensor | None = None, image_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """`moe.route` after `scores = sqrt_softplus(logits)` ([T, E] fp32): experts [T, k] int64 =
+    `topk_lower_id_on_ties(scores + row_bias, k)` (exact: comparisons only) and weights [T, k]
+    fp32 = chosen / (Σ chosen + renorm_eps) in float64 (bound: module doc, "fp64 results")."""
+    _check_device("route_select", scores, bias)
+    T, E = scores.shape
+    if not 1 <= top_k <= E:
+        raise ValueError(f"top-k of {top_k} out of {E} experts")
+    if (bias_vl is None) != (image_rows is None):
+        raise ValueError("route_select: pass bias_vl and image_rows together or neither")
+    scores = scores.to(F32).contiguous()
+    experts = torch.empty(T, top_k, dtype=torch.int64, device=scores.device)
+    weights = torch.empty(T, top_k, dtype=F32, device=scores.device)
+    has_vl = bias_vl is not None
+    vl = bias_vl.to(F32).contiguous() if has_vl else bias
+    image = image_rows.contiguous().view(torch.uint8) if has_vl else experts
+    if T:
+        _route_select_kernel[(T,)](scores, bias.to(F32).contiguous(), vl, image, experts, weights, E, K=top_k,
+                                   BLOCK_K=_pow2_at_least(top_k), BLOCK_E=_pow2_at_least(E), HAS_VL=has_vl,
+                                   RENORM_EPS=float(renorm_eps), **_launch_options())
+    return experts, weights
+
+
+__all__ = ["INTERPRETED", "apply_rope_tail", "clamped_swiglu", "fp4_fake_quant", "fp8_act_fake_quant",
+           "rms_norm", "round_bf16", "round_e4m3", "route_select"]

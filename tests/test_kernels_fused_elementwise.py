@@ -1,0 +1,403 @@
+"""One-launch elementwise kernels (`sglang_dsv41.kernels.fused_elementwise`) and their dispatch
+(`ops.fused_kernels`, `runtime.fused_ops`) against the reference helpers (spec §3, §3.4, §3.6, §3.8).
+
+What is pinned:
+* bit for bit: `round_bf16` == `ops.bf16`, `round_e4m3` == torch's float8_e4m3fn cast (every E4M3
+  value, every midpoint (ties to even), their fp32 neighbours, 448 / 464 / >464 → NaN, ±inf, NaN,
+  ±0, subnormals, random magnitudes), FP8 activation and both FP4 fake quantisations (incl. zero
+  groups, −0, the 1e−10 amax clamp, exact powers of two as amax/448 — the pow2-ceil m == 0.5 case);
+  top-k selection of `route` (NaN first, ties → lower id, all −inf rows, vision bias);
+* the float64-evaluated ones (rms_norm, RoPE forward/inverse, SwiGLU, routing weights): equal to the
+  reference on these inputs (their stated bound allows rare one-ulp flips; none occur here);
+* batch invariance: every kernel's row of a batch == that row alone, bitwise;
+* dispatch: without the context the helpers run the reference code; inside it with an
+  implementation that accepts only CUDA, CPU tensors still run the reference code; the context
+  is restored after an exception; with the interpreter-backed implementation the reference's
+  project_q_kv / output_projection / shared_expert / route give the same bits as without;
+* compiled for sm_90 (no GPU needed): no approximate division / sqrt / exp instructions, no
+  saturating fp8 cast, the float64 ε constant exact;
+* GPU (`gpu`): Flash widths vs the reference evaluated on the GPU, and CUDA-graph replay.
+
+The kernel cases run in a child pytest with TRITON_INTERPRET=1 (`test_kernel_cases_in_triton_interpreter`),
+as tests/test_kernels_indexer.py does; the interpreter's own fp32→bf16 cast truncation does not
+matter here because the kernels round to BF16 arithmetically.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang_dsv41.kernels import fused_elementwise as FE
+from sglang_dsv41.reference import attention as A
+from sglang_dsv41.reference import moe, ops
+from sglang_dsv41.runtime.fused_ops import TritonFusedElementwise, fused_elementwise
+
+KERNEL_HERE = FE.INTERPRETED or torch.cuda.is_available()
+DEVICE = "cuda" if torch.cuda.is_available() and not FE.INTERPRETED else "cpu"
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values with equal signs of zero; NaN == NaN."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    both_nan = a.isnan() & b.isnan()
+    return bool(((a == b) & (torch.signbit(a) == torch.signbit(b)) | both_nan).all())
+
+
+def e4m3_probe_values() -> torch.Tensor:
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[~grid.isnan()].unique()
+    mid = (grid[1:] + grid[:-1]) / 2
+    extra = torch.tensor([448.0, 464.0, 472.0, 480.0, 1e30, float("inf"), float("nan"), 2.0**-10, 2.0**-12, 1e-45])
+    base = torch.cat([grid, mid, extra, -grid, -mid, -extra])
+    up = torch.nextafter(base, torch.full_like(base, float("inf")))
+    down = torch.nextafter(base, torch.full_like(base, -float("inf")))
+    g = torch.Generator().manual_seed(3)
+    rand = torch.randn(4096, generator=g) * torch.exp2(torch.randint(-20, 12, (4096,), generator=g).float())
+    return torch.cat([base, up, down, rand])
+
+
+def quant_inputs(g: torch.Generator, rows: int, cols: int) -> list[torch.Tensor]:
+    """Magnitudes from 1e−12 to 1e20, zero / −0 groups, a group below the amax clamp, groups whose
+    amax/448 and amax/6 are exact powers of two (pow2_ceil's m == 0.5 case)."""
+    out = []
+    for scale in (1e-12, 1e-3, 1.0, 1e3, 1e20):
+        x = torch.randn(rows, cols, generator=g) * scale
+        x[0, :32] = 0.0
+        x[1, :32] = -0.0
+        x[2, :32] = 1e-12
+        x[3, :32] = torch.linspace(-1, 1, 32) * 448.0 * 2.0**-3
+        x[3, 5] = 448.0 * 2.0**-3
+        x[4, :32] = 6.0 * 2.0**4 * torch.linspace(-1, 1, 32)
+        out.append(x)
+    return out
+
+
+# ---- kernel cases (interpreter child, or CUDA) ----------------------------------------------------
+
+if KERNEL_HERE:
+
+    def test_kernel_case_round_bf16_and_e4m3_bitwise() -> None:
+        x = e4m3_probe_values().to(DEVICE)
+        assert same_bits(FE.round_e4m3(x).cpu(), x.cpu().to(torch.float8_e4m3fn).float())
+        assert same_bits(FE.round_bf16(x).cpu(), ops.bf16(x.cpu()))
+        g = torch.Generator().manual_seed(4)       # BF16 ties (low half 0x8000) and neighbours, both signs
+        hi = torch.randint(0, 1 << 15, (512,), generator=g, dtype=torch.int32) << 16
+        low = torch.tensor([0x8000, 0x7FFF, 0x8001, 0x0000, 0xFFFF], dtype=torch.int32)
+        bits = (hi[:, None] | low[None, :]).flatten()
+        ties = torch.cat([bits.view(torch.float32), -bits.view(torch.float32)]).to(DEVICE)
+        assert same_bits(FE.round_bf16(ties).cpu(), ops.bf16(ties.cpu()))
+        nan_at = FE.round_e4m3(torch.tensor([463.9, 464.0, 464.01, 480.0, -1e9], device=DEVICE)).cpu()
+        assert nan_at[:2].tolist() == [448.0, 448.0] and bool(nan_at[2:].isnan().all())
+
+    def test_kernel_case_group_quantisation_bitwise() -> None:
+        g = torch.Generator().manual_seed(1)
+        for x in quant_inputs(g, 24, 128):
+            xd = x.to(DEVICE)
+            assert same_bits(FE.fp8_act_fake_quant(xd).cpu(), ops.fp8_act_fake_quant(x))
+            assert same_bits(FE.fp4_fake_quant(xd, 16, "e4m3").cpu(), ops.fp4_fake_quant_e4m3_scale(x))
+            assert same_bits(FE.fp4_fake_quant(xd, 32, "ue8m0").cpu(), ops.fp4_fake_quant_ue8m0_scale(x))
+        exact = torch.full((1, 32), 448.0 * 2.0**-5)               # amax/448 == 2^-5 exactly → scale 2^-5
+        assert same_bits(FE.fp8_act_fake_quant(exact.to(DEVICE)).cpu(), exact)
+        with pytest.raises(ValueError, match="multiple of the quantisation group"):
+            FE.fp8_act_fake_quant(torch.zeros(2, 40, device=DEVICE))
+
+    @pytest.mark.parametrize("D", [32, 96, 128, 1280])
+    def test_kernel_case_rms_norm(D: int) -> None:
+        g = torch.Generator().manual_seed(D)
+        x = ops.bf16(torch.randn(6, D, generator=g) * 3)
+        x[1] = 0.0                                                 # 0·rsqrt(ε) = 0
+        w = ops.bf16(torch.rand(D, generator=g) + 0.5)
+        for eps in (1e-20, 1e-6):
+            got = FE.rms_norm(x.to(DEVICE), w.to(DEVICE), eps).cpu()
+            assert same_bits(got, ops.rms_norm(x, w, eps))
+            got32 = FE.rms_norm(x.to(DEVICE), w.to(DEVICE), eps, round_bf16=False).cpu()
+            assert same_bits(got32, A.rms_norm_fp32(x, w, eps))
+
+    @pytest.mark.parametrize("shape", [(5, 96), (5, 4, 96), (3, 2, 3, 64)], ids=["rows", "heads", "4d"])
+    def test_kernel_case_rope_forward_inverse(shape: tuple[int, ...]) -> None:
+        g = torch.Generator().manual_seed(len(shape))
+        inv = ops.rope_inv_freq(32, 10000.0, None)
+        x = torch.randn(*shape, generator=g)
+        pos = torch.tensor([0, 1, 37, 1000, 65535][:shape[0]])
+        d = lambda t: t.to(DEVICE)  # noqa: E731
+        for inverse in (False, True):
+            want = ops.apply_rope_tail(x, pos, inv, inverse)
+            assert same_bits(FE.apply_rope_tail(d(x), d(pos), d(inv), inverse).cpu(), want)
+            assert same_bits(FE.apply_rope_tail(d(x), d(pos), d(inv), inverse, round_bf16=True).cpu(), ops.bf16(want))
+        back = FE.apply_rope_tail(FE.apply_rope_tail(d(x), d(pos), d(inv)), d(pos), d(inv), inverse=True).cpu()
+        assert torch.allclose(back, x, rtol=0, atol=1e-5)          # the inverse undoes the rotation
+
+    def test_kernel_case_swiglu() -> None:
+        g = torch.Generator().manual_seed(5)
+        gate, up = torch.randn(9, 64, generator=g) * 8, torch.randn(9, 64, generator=g) * 8
+        gate[0, :4] = torch.tensor([10.0, 10.5, -0.0, -30.0])
+        assert same_bits(FE.clamped_swiglu(gate.to(DEVICE), up.to(DEVICE), 10.0).cpu(), moe.clamped_swiglu(gate, up, 10.0))
+
+    def test_kernel_case_route_select() -> None:
+        g = torch.Generator().manual_seed(6)
+        scores = torch.tensor([[0.5, 0.25, 0.25, 1.0, float("nan"), 0.0, 3.0, 0.25]] * 4)
+        scores[1, 4], scores[2], scores[3] = 0.1, float("-inf"), 0.25
+        scores = torch.cat([scores, torch.rand(5, 8, generator=g)])
+        bias = torch.zeros(8)
+        bias[7] = 0.25
+        for k in (1, 2, 5, 8):
+            e, w = FE.route_select(scores.to(DEVICE), bias.to(DEVICE), k, moe.RENORM_EPS)
+            want_e = moe.topk_lower_id_on_ties(scores + bias, k)
+            chosen = scores.gather(-1, want_e).double()
+            want_w = (chosen / (chosen.sum(-1, keepdim=True) + moe.RENORM_EPS)).float()
+            assert torch.equal(e.cpu(), want_e) and same_bits(w.cpu(), want_w)
+        vl = torch.randn(8, generator=g)
+        image = torch.tensor([True, False] * 4 + [True])
+        e, _ = FE.route_select(scores.to(DEVICE), bias.to(DEVICE), 3, moe.RENORM_EPS, vl.to(DEVICE), image.to(DEVICE))
+        row_bias = torch.where(image[:, None], vl.expand(9, 8), bias.expand(9, 8))
+        assert torch.equal(e.cpu(), moe.topk_lower_id_on_ties(scores + row_bias, 3))
+
+    def test_kernel_case_batch_invariance() -> None:
+        g = torch.Generator().manual_seed(7)
+        x = ops.bf16(torch.randn(9, 4, 96, generator=g))
+        pos = torch.arange(9) * 17
+        inv, w = ops.rope_inv_freq(32, 10000.0, None), torch.rand(96, generator=g)
+        scores, bias = torch.rand(9, 8, generator=g), torch.zeros(8)
+        d = lambda t: t.to(DEVICE)  # noqa: E731
+        calls = [lambda a, p, s: FE.rms_norm(a, d(w), 1e-20),
+                 lambda a, p, s: FE.fp8_act_fake_quant(a),
+                 lambda a, p, s: FE.fp4_fake_quant(a, 16, "e4m3"),
+                 lambda a, p, s: FE.apply_rope_tail(a, p, d(inv), True),
+                 lambda a, p, s: FE.clamped_swiglu(a, a * 0.5, 10.0),
+                 lambda a, p, s: FE.route_select(s, d(bias), 3, 1e-20)[1]]
+        for call in calls:
+            batch = call(d(x), d(pos), d(scores)).cpu()
+            for i in (0, 4, 8):
+                alone = call(d(x[i:i + 1]), d(pos[i:i + 1]), d(scores[i:i + 1])).cpu()
+                assert same_bits(batch[i:i + 1], alone)
+
+    def test_kernel_case_dispatch_through_reference_layers() -> None:
+        """The reference sublayer pieces inside the context (CPU accepted under the interpreter,
+        or CUDA) give the reference's bits."""
+        from reference_weights import random_reference_weights, tiny_config
+        cfg = tiny_config(vision=False)
+        t = cfg.text
+        layer = next(r.layer for r in t.layer_roles() if r.ratio and not r.engram)
+        w = {k: v.to(DEVICE) for k, v in random_reference_weights(cfg, seed=2, vision=False).items()
+             if k.startswith(f"layers.{layer}.")}
+        g = torch.Generator().manual_seed(8)
+        x = ops.bf16(torch.randn(3, t.hidden_size, generator=g)).to(DEVICE)
+        o = ops.bf16(torch.randn(3, t.num_attention_heads, t.head_dim, generator=g)).to(DEVICE)
+        pos = torch.tensor([0, 5, 77], device=DEVICE)
+        inv = A.layer_inv_freq(t, 1).to(DEVICE)
+        p, pa = f"layers.{layer}.ffn.", f"layers.{layer}.attn."
+
+        def pieces():
+            r = moe.route(x, w[p + "gate.weight"], w[p + "gate.bias"], t.num_experts_per_tok)
+            return (*A.project_q_kv(t, w, pa, x, pos, inv, True), A.output_projection(t, w, pa, o, pos, inv, True),
+                    moe.shared_expert(x, w[p + "shared_experts.w1.weight"], w[p + "shared_experts.w2.weight"],
+                                      w[p + "shared_experts.w3.weight"], t.swiglu_limit, True),
+                    r.experts, r.weights, r.scores)
+        want = pieces()
+        with fused_elementwise(TritonFusedElementwise((DEVICE,))):
+            got = pieces()
+        assert all(same_bits(a, b) for a, b in zip(got, want))
+
+
+# ---- the interpreter child, dispatch and compile checks (main process) -------------------------
+
+if not FE.INTERPRETED:
+
+    def test_kernel_cases_in_triton_interpreter() -> None:
+        """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        root = Path(__file__).resolve().parents[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "kernel_case", str(Path(__file__))],
+            cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        tail = proc.stdout[-6000:] + proc.stderr[-3000:]
+        assert proc.returncode == 0, tail
+        passed = re.search(r"(\d+) passed", proc.stdout)
+        assert passed and int(passed.group(1)) >= 12, tail
+        assert not re.search(r"\d+ (failed|skipped|error)", proc.stdout), tail
+
+    def test_cpu_without_interpreter_raises() -> None:
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+            FE.round_bf16(torch.zeros(4))
+        with pytest.raises(ValueError, match="interpreter"):
+            TritonFusedElementwise(("cpu",))
+
+    @pytest.mark.parametrize("name,sig,consts", [
+        ("_round_e4m3_kernel", {"x_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"}, {"BLOCK": 1024}),
+        ("_group_quant_kernel", {"x_ptr": "*fp32", "out_ptr": "*fp32", "n_groups": "i32"}, {"GROUP": 32, "GPP": 16, "MODE": 0}),
+        ("_group_quant_kernel", {"x_ptr": "*fp32", "out_ptr": "*fp32", "n_groups": "i32"}, {"GROUP": 16, "GPP": 16, "MODE": 1}),
+        ("_group_quant_kernel", {"x_ptr": "*fp32", "out_ptr": "*fp32", "n_groups": "i32"}, {"GROUP": 32, "GPP": 16, "MODE": 2}),
+        ("_rms_norm_kernel", {"x_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*fp32", "D": "i32"},
+         {"EPS": 1e-20, "BLOCK_D": 8192, "ROUND_BF16": True}),
+        ("_rope_tail_kernel", {"x_ptr": "*fp32", "pos_ptr": "*i64", "freq_ptr": "*fp32", "out_ptr": "*fp32",
+                               "rows_per_token": "i32", "D": "i32", "HEAD": "i32"},
+         {"HALF": 32, "BLOCK_HEAD": 128, "INVERSE": True, "ROUND_BF16": True}),
+        ("_swiglu_kernel", {"g_ptr": "*fp32", "u_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "limit": "fp32"}, {"BLOCK": 1024}),
+        ("_route_select_kernel", {"score_ptr": "*fp32", "bias_ptr": "*fp32", "vl_bias_ptr": "*fp32", "image_ptr": "*u8",
+                                  "expert_ptr": "*i64", "weight_ptr": "*fp32", "E": "i32"},
+         {"K": 6, "BLOCK_K": 8, "BLOCK_E": 512, "HAS_VL": True, "RENORM_EPS": 1e-20}),
+    ], ids=["e4m3", "fp8", "fp4_e4m3", "fp4_ue8m0", "rms_norm", "rope", "swiglu", "route"])
+    def test_kernels_compile_for_hopper_exactly(name: str, sig: dict, consts: dict) -> None:
+        """sm_90 PTX (Triton's bundled compiler, no GPU): no approximate fp32 division / sqrt / exp,
+        no saturating fp8 cast, no fp32 FMA; the float64 ε is the exact double 1e−20."""
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        kern = getattr(FE, name)
+        full = {n: ("constexpr" if n in consts else sig[n]) for n in kern.arg_names}
+        compiled = triton.compile(ASTSource(kern, full, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": 8 if consts.get("BLOCK_D", 0) >= 4096 else 4,
+                                           "enable_fp_fusion": False})
+        ptx = compiled.asm["ptx"]
+        bad = re.findall(r"\b(div\.full\.f32|div\.approx\.\w+|sqrt\.approx\.\w+|ex2\.approx\.\w+|lg2\.approx\.\w+|"
+                         r"rcp\.approx\.ftz\.f32|cvt\.rn\.satfinite\.\w+|fma\.rn\.f32|sin\.approx\.\w+|cos\.approx\.\w+)", ptx)
+        assert not bad, sorted(set(bad))
+        if "EPS" in consts or "RENORM_EPS" in consts:
+            assert "0d3BC79CA10C924223" in ptx            # 1e-20 as a double, not widened from fp32
+
+
+class RecordingKernels:
+    """A FusedKernels stand-in that accepts CPU tensors and records the helpers it replaced."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def accepts(self, x: torch.Tensor) -> bool:
+        return x.device.type == "cpu"
+
+    def __getattr__(self, name: str):
+        def call(*args, **kwargs):
+            self.calls.append(name)
+            raise LookupError(name)
+        return call
+
+
+def test_reference_runs_its_own_code_without_the_context() -> None:
+    assert ops.current_fused_kernels() is None
+    x = torch.randn(2, 64)
+    assert ops.fused_for(x) is None
+    assert torch.equal(ops.bf16(x), x.to(torch.bfloat16).float())
+
+
+def test_context_dispatches_accepted_tensors_and_restores_on_exit() -> None:
+    rec = RecordingKernels()
+    x = torch.randn(2, 64)
+    with pytest.raises(LookupError):
+        with ops.fused_kernels(rec):
+            assert ops.current_fused_kernels() is rec
+            ops.fp8_act_fake_quant(x)
+    assert ops.current_fused_kernels() is None and rec.calls == ["fp8_act_fake_quant"]
+    inv = ops.rope_inv_freq(32, 10000.0, None)
+    helpers = [("bf16", lambda: ops.bf16(x)), ("e4m3", lambda: ops.e4m3(x)),
+               ("rms_norm", lambda: ops.rms_norm(x, torch.ones(64), 1e-6)),
+               ("rms_norm", lambda: A.rms_norm_fp32(x, torch.ones(64), 1e-6)),
+               ("fp4_fake_quant_e4m3_scale", lambda: ops.fp4_fake_quant_e4m3_scale(x)),
+               ("fp4_fake_quant_ue8m0_scale", lambda: ops.fp4_fake_quant_ue8m0_scale(x)),
+               ("apply_rope_tail", lambda: ops.apply_rope_tail(x, torch.arange(2), inv)),
+               ("clamped_swiglu", lambda: moe.clamped_swiglu(x, x, 10.0)),
+               ("route_select", lambda: moe.route(x, torch.randn(8, 64), torch.zeros(8), 2))]
+    for name, helper in helpers:
+        rec.calls.clear()
+        with ops.fused_kernels(rec), pytest.raises(LookupError):
+            helper()
+        assert rec.calls == [name]
+    with ops.fused_kernels(rec):                 # fp64 input rounds differently: reference code
+        assert torch.equal(ops.bf16(x.double()), x.double().to(torch.bfloat16).float())
+
+
+def test_cuda_implementation_leaves_cpu_tensors_to_the_reference() -> None:
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 4, 96, generator=g)
+    pos, inv = torch.arange(3), ops.rope_inv_freq(32, 10000.0, None)
+    want = (ops.rms_norm(x, torch.ones(96), 1e-20), ops.fp8_act_fake_quant(x), ops.apply_rope_tail(x, pos, inv))
+    with fused_elementwise():
+        assert isinstance(ops.current_fused_kernels(), TritonFusedElementwise)
+        got = (ops.rms_norm(x, torch.ones(96), 1e-20), ops.fp8_act_fake_quant(x), ops.apply_rope_tail(x, pos, inv))
+    assert ops.current_fused_kernels() is None
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+# ---- GPU: Flash widths, bitwise / within the stated bound vs the reference on the GPU ----------
+
+def _flips_within_bound(got: torch.Tensor, want: torch.Tensor, bf16_ulps: bool) -> bool:
+    """Equal except rare one-ulp flips (module doc of the kernels): every difference ≤ one ulp
+    (BF16 or fp32) of the reference value, and at most n·2⁻²⁰ + 1 of them."""
+    diff = got != want
+    if not bool(diff.any()):
+        return True
+    _, e = torch.frexp(want.abs().clamp(min=2.0**-126))
+    ulp = torch.ldexp(torch.ones_like(want), e - (8 if bf16_ulps else 24))
+    return bool(((got - want).abs() <= ulp).all()) and int(diff.sum()) <= want.numel() * 2.0**-20 + 1
+
+
+@pytest.mark.gpu
+def test_gpu_flash_widths_match_reference_on_gpu() -> None:
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    T = 64
+    for D in (5120, 1280, 512, 128):                          # hidden, q_lora, head_dim, index_head_dim
+        x = ops.bf16(torch.randn(T, D, generator=g, device=dev) * 2)
+        w = ops.bf16(torch.rand(D, generator=g, device=dev) + 0.5)
+        assert _flips_within_bound(FE.rms_norm(x, w, 1e-20), ops.rms_norm(x, w, 1e-20), True)
+        assert _flips_within_bound(FE.rms_norm(x, w, 1e-20, False), A.rms_norm_fp32(x, w, 1e-20), False)
+        assert same_bits(FE.fp8_act_fake_quant(x * 37.0), ops.fp8_act_fake_quant(x * 37.0))
+        assert same_bits(FE.fp4_fake_quant(x, 16, "e4m3"), ops.fp4_fake_quant_e4m3_scale(x))
+        assert same_bits(FE.fp4_fake_quant(x, 32, "ue8m0"), ops.fp4_fake_quant_ue8m0_scale(x))
+        assert same_bits(FE.round_bf16(x * 1.37), ops.bf16(x * 1.37))
+    probe = e4m3_probe_values().to(dev)
+    assert same_bits(FE.round_e4m3(probe), ops.e4m3(probe))
+    inv = (ops.rope_inv_freq(64, 160000.0, None)).to(dev)
+    pos = torch.randint(0, 1 << 20, (T,), generator=g, device=dev)
+    q = ops.bf16(torch.randn(T, 64, 512, generator=g, device=dev))
+    for inverse in (False, True):
+        assert _flips_within_bound(FE.apply_rope_tail(q, pos, inv, inverse), ops.apply_rope_tail(q, pos, inv, inverse), False)
+        assert _flips_within_bound(FE.apply_rope_tail(q, pos, inv, inverse, True),
+                                   ops.bf16(ops.apply_rope_tail(q, pos, inv, inverse)), True)
+    gate, up = (ops.bf16(torch.randn(T, 2304, generator=g, device=dev) * 6) for _ in range(2))
+    assert _flips_within_bound(FE.clamped_swiglu(gate, up, 10.0), moe.clamped_swiglu(gate, up, 10.0), True)
+    logits = torch.randn(T, 384, generator=g, device=dev) * 3
+    scores, bias = moe.sqrt_softplus(logits), torch.randn(384, generator=g, device=dev) * 0.1
+    e, w = FE.route_select(scores, bias, 6, moe.RENORM_EPS)
+    assert torch.equal(e, moe.topk_lower_id_on_ties(scores + bias, 6))
+    chosen = scores.gather(-1, e).double()
+    assert _flips_within_bound(w, (chosen / (chosen.sum(-1, keepdim=True) + moe.RENORM_EPS)).float(), False)
+
+
+@pytest.mark.gpu
+def test_gpu_graph_capture_replays_the_fused_helpers() -> None:
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(1)
+    x = ops.bf16(torch.randn(4, 1280, generator=g, device=dev))
+    w = torch.rand(1280, generator=g, device=dev) + 0.5
+    q = ops.bf16(torch.randn(4, 8, 512, generator=g, device=dev))
+    pos = torch.tensor([3, 9, 100, 4097], device=dev)
+    inv = ops.rope_inv_freq(64, 10000.0, None).to(dev)
+    scores, bias = torch.rand(4, 384, generator=g, device=dev), torch.zeros(384, device=dev)
+
+    def step():
+        with fused_elementwise():
+            n = ops.rms_norm(x, w, 1e-20)
+            return (ops.fp8_act_fake_quant(n), ops.apply_rope_tail(q, pos, inv), moe.clamped_swiglu(n, x, 10.0),
+                    ops.fp4_fake_quant_ue8m0_scale(n), *FE.route_select(scores, bias, 6, 1e-20))
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        step()                                              # compile / warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for t in (x, q, scores):
+        t.copy_(ops.bf16(torch.randn(t.shape, generator=g, device=dev)).abs())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(same_bits(a, b) for a, b in zip(outs, step()))
