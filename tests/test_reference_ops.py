@@ -118,3 +118,14 @@ def test_cache_profiles() -> None:
 
 def test_softmax_scale() -> None:
     assert ops.softmax_scale(512) == 1 / math.sqrt(512)
+
+
+def test_exact_product_refuses_e4m3_codes_without_scales() -> None:
+    """The CUDA runtime keeps FP8 weights as E4M3 codes + tile scales; the exact (reference) product
+    must never multiply the bare codes (it would silently drop the scales)."""
+    import pytest
+
+    codes = torch.ones(4, 32).to(torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="E4M3"):
+        ops.linear_fp8(torch.ones(2, 32), codes)
+    assert torch.equal(ops.linear_fp8(torch.ones(2, 32), torch.ones(4, 32)), torch.full((2, 4), 32.0))

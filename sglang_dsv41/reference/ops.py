@@ -240,6 +240,9 @@ def _matmul_exact(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     backend = _DENSE_BACKEND.get()
     if backend is not None:
         return backend.matmul(x, weight)
+    if weight.dtype == torch.float8_e4m3fn:     # the CUDA runtime's in-place FP8 form: codes without scales
+        raise TypeError("exact dense product of an E4M3 weight without its tile scales: only a dense backend "
+                        "(runtime/dense_ops.py) multiplies FP8 weights; the reference takes dequantised values")
     return (x.to(torch.float64) @ weight.to(torch.float64).t()).to(F32)
 
 

@@ -40,6 +40,7 @@ from .attention import ForwardScratch, attention_sublayer
 from .batch import BatchLayout
 from .cache import RuntimeCaches
 from .dense_ops import backend_for, dense_math
+from .fused_ops import fused_elementwise
 from .mhc_ops import hc_coefficients, hc_collapse, hc_residual_update, hc_sublayer_input
 from .tensor_parallel import SINGLE, TensorParallel
 
@@ -172,7 +173,7 @@ class TorchForward:
     def hidden_states(self, input_ids: Tensor, layout: BatchLayout, caches: RuntimeCaches) -> Tensor:
         """Final normed hidden states [N, hidden] (BF16 values in fp32) of every batch token;
         writes every cache row of the batch's slots."""
-        with dense_math(self.dense_backend):
+        with dense_math(self.dense_backend), fused_elementwise():   # both leave CPU tensors to the reference code
             return self._hidden_states(input_ids, layout, caches)
 
     def _hidden_states(self, input_ids: Tensor, layout: BatchLayout, caches: RuntimeCaches) -> Tensor:
