@@ -32,6 +32,16 @@ BLOCK_K = 128 (128-byte contiguous weight row segments), 4 warps, 3 stages — 1
 no spills when compiled for sm_90 (checked by the tests without a GPU). It is a tunable: any
 other fixed choice keeps the invariance argument (not the same bits as this one).
 
+Measured (H200, 2026-11-30, docs/validation.md runs 8–9; `benchmarks/fp8_linear.py`, the 9 FP8
+weights of Flash layer 2 = 155 MiB in one eager pass): this configuration is ≈ 412 µs of device
+time per decode step at M = 1 (≈ 395 GB/s, 9 % of the copy bandwidth) — still the largest item
+of the graphed step. Tried and rejected the same day: BLOCK_M 64 / BLOCK_N 32 / 8 warps with a
+shape-only split-K (≥ 4 programs per SM, fixed-order partial sum): 556 µs at M = 1 (better at
+M = 64: whole step 2,161 vs 2,568 µs), and a weight slice then gets a different split than the
+whole weight (different bits for wo_a's group views). cuBLAS on BF16 copies (2 bytes per element)
+ran the same pass in 280 µs eager: the W8A16 kernel has ≥ 3× headroom (next: pipelined weight
+loads through shared memory, a GEMV-shaped kernel for M ≤ 16).
+
 Triton's interpreter (TRITON_INTERPRET=1 before triton is imported) runs the kernel on CPU
 tensors; its BF16 `tl.dot` is wrong in Triton 3.6, so there the BF16-valued operands are
 multiplied as fp32 (same exact products, fp32 accumulation: same bound). Without the interpreter,
@@ -119,10 +129,12 @@ def scales_are_bf16_exact(scales: Tensor) -> bool:
     return bool(ok.all())
 
 
-def fp8_linear(x: Tensor, values: Tensor, scales: Tensor) -> Tensor:
+def fp8_linear(x: Tensor, values: Tensor, scales: Tensor, *, tiles: Fp8LinearConfig | None = None) -> Tensor:
     """x·Wᵀ in fp32 within GEMM_BOUND (module doc); x [M, K] fp32 (BF16-valued) or bf16, values
     [N, K] E4M3 with unit stride along K (a contiguous weight or a row slice of one starting on a
-    tile row), scales [⌈N/32⌉, ⌈K/32⌉] fp32 powers of two for exactly those rows. No host sync."""
+    tile row), scales [⌈N/32⌉, ⌈K/32⌉] fp32 powers of two for exactly those rows. No host sync.
+    `tiles` overrides the launch configuration (benchmarks/fp8_linear.py compares them; the runtime
+    always uses `config_for`: another fixed configuration gives different, equally bounded bits)."""
     if values.dtype != FP8 or values.dim() != 2 or values.stride(1) != 1:
         raise ValueError(f"fp8_linear: values must be 2-D float8_e4m3fn with unit stride along K, got "
                          f"{values.dtype} {tuple(values.shape)} strides {values.stride()}")
@@ -144,7 +156,9 @@ def fp8_linear(x: Tensor, values: Tensor, scales: Tensor) -> Tensor:
     y = torch.empty(M, N, dtype=torch.float32, device=x.device)
     if M == 0:
         return y
-    cfg = config_for(N, K)
+    cfg = tiles or config_for(N, K)
+    if TILE % cfg.block_n:
+        raise ValueError(f"fp8_linear: BLOCK_N {cfg.block_n} must divide the {TILE}-row scale tile")
     grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m))
     launch = {} if INTERPRETED else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     _fp8_linear_kernel[grid](x, values, scales, y, M, N, K, x.stride(0), values.stride(0), scales.stride(0),

@@ -174,16 +174,19 @@ def test_attention_within_one_bf16_ulp_of_cpu_on_identical_inputs(models, record
 
 
 def test_selection_equals_cpu_on_identical_inputs(models, recorded, kernel_ops) -> None:
-    cfg, _, on_device = models
+    cfg, cpu, on_device = models
     roles = [r for r in cfg.text.layer_roles() if r.runs_indexer]
     assert len(recorded["select"]) == BATCHES * len(roles)
+    # the CPU path's (dequantised, exact) weights on the device: `select` is called here outside the
+    # runtime's dense backend, so its query projection must be the exact product on identical weights
+    exact_weights = {name: value.to(DEVICE) for name, value in cpu.weights.items() if ".attn." in name}
     assert any(r.candidate_source for r in roles) and any(r.candidate_consumer for r in roles)
     caches = scenario_caches(on_device, DEVICE)
     for call in recorded["select"]:
         role = call["role"]
         caches = dataclasses.replace(caches, rows=call["rows"].to(DEVICE))
         selection, blocks = kernel_ops.select(
-            cfg.text, role, on_device.weights, call["prefix"], call["x"].to(DEVICE), call["q_lora"].to(DEVICE),
+            cfg.text, role, exact_weights, call["prefix"], call["x"].to(DEVICE), call["q_lora"].to(DEVICE),
             layout_to(call["layout"], DEVICE), caches, call["inv_freq"].to(DEVICE), call["act_quant"],
             None if call["published"] is None else call["published"].to(DEVICE))
         want_selection, want_blocks = call["want"]

@@ -1,0 +1,137 @@
+"""FP8 dense linears of one full-width Flash layer: `kernels.fp8_linear` tile shapes vs cuBLAS BF16 (issue 3).
+
+What it times: every FP8-stored dense weight of Flash layer `--layer` (shapes from
+`names.tensor_inventory`: wq_a, wq_b, wkv, wo_a, wo_b, shared-expert w1/w2/w3, compressor and
+indexer FP8 weights where the layer has them), random E4M3 values with power-of-two tile scales,
+multiplied in sequence — one "layer pass" — at M ∈ {1, 64} rows:
+
+* `fp8_linear` with the runtime's configuration (`config_for`) and with alternative fixed
+  configurations (each batch invariant, different bits);
+* the previous runtime path as the baseline: `torch.mm` of BF16 copies of the same weights with
+  fp32 output (`dense_ops.BlockedBf16Gemm` without its row padding), 2 bytes per weight element.
+
+Per row: median µs of the pass (CUDA events; the pass reads ≈ 155 MiB at Flash widths, 3× the
+H200's L2, so weights come from HBM), the bytes it must read (E4M3 + fp32 tile scales; BF16 for
+the baseline), GB/s and the fraction of the copy bandwidth measured in the same run. Writes
+`fp8_linear.json` and `fp8_linear.png` to `--out`. CUDA only; bounded by the row list.
+
+    python benchmarks/fp8_linear.py [--layer 2] [--rows 1 64] [--out benchmarks/results]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+from device_bandwidth import copy_bandwidth_gbs  # noqa: E402
+
+REPS = 20
+ALTERNATIVES = {"bm16_bn32_w4": (16, 32, 128, 4, 3), "bm64_bn32_w8": (64, 32, 128, 8, 3),
+                "bm64_bn32_bk64_w4": (64, 32, 64, 4, 3), "bm16_bn16_bk256_w4": (16, 16, 256, 4, 3)}
+
+
+def layer_fp8_shapes(layer: int) -> list[tuple[str, int, int]]:
+    from sglang_dsv41.checkpoint.names import Kind, tensor_inventory
+    from sglang_dsv41.config import DeepseekV41Config
+    from sglang_dsv41.presets import flash_config_dict
+
+    cfg = DeepseekV41Config.from_dict(flash_config_dict())
+    prefix = f"layers.{layer}."
+    return [(s.name[len(prefix):], s.shape[0], s.shape[1]) for s in tensor_inventory(cfg, vision=False, dspark=False)
+            if s.name.startswith(prefix) and s.kind is Kind.FP8 and len(s.shape) == 2 and ".experts." not in s.name]
+
+
+def random_fp8(n: int, k: int, g: torch.Generator, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    values = (torch.randn(n, k, generator=g, device=dev) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    exps = torch.randint(-12, -4, (-(-n // 32), -(-k // 32)), generator=g, device=dev)
+    return values, torch.exp2(exps.float())
+
+
+def time_pass(fn, dev: torch.device) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize(dev)
+    times = []
+    for _ in range(REPS):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize(dev)
+        times.append(a.elapsed_time(b) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layer", type=int, default=2)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--out", type=Path, default=HERE / "results")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/fp8_linear.py needs a CUDA GPU")
+    from sglang_dsv41.kernels import fp8_linear as F
+
+    dev, g = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0)
+    shapes = layer_fp8_shapes(args.layer)
+    weights = [(name, *random_fp8(n, k, g, dev)) for name, n, k in shapes]
+    bf16_weights = [(v.float() * s.repeat_interleave(32, 0)[:v.shape[0]].repeat_interleave(32, 1)[:, :v.shape[1]])
+                    .to(torch.bfloat16) for _, v, s in weights]
+    fp8_bytes = sum(F.weight_bytes(*v.shape) for _, v, _ in weights)
+    bf16_bytes = sum(2 * w.numel() for w in bf16_weights)
+    copy_gbs = copy_bandwidth_gbs(dev)
+    variants = {"runtime": None} | {k: F.Fp8LinearConfig(*v) for k, v in ALTERNATIVES.items()}
+    rows, errors = [], []
+    for M in args.rows:
+        xs = {k: torch.randn(M, k, generator=g, device=dev).to(torch.bfloat16).float() for _, _, k in shapes}
+        point: dict = {"rows": M}
+        for label, tiles in variants.items():
+            try:
+                us = time_pass(lambda: [F.fp8_linear(xs[v.shape[1]], v, s, tiles=tiles) for _, v, s in weights], dev)
+                point[label] = dict(us=us, gbs=fp8_bytes / us / 1e3, fraction_of_copy=fp8_bytes / us / 1e3 / copy_gbs)
+            except Exception as exc:  # a tile shape that fails to compile is reported, not fatal
+                errors.append(f"M={M} {label}: {type(exc).__name__}: {exc}"[:400])
+        us = time_pass(lambda: [torch.mm(xs[w.shape[1]].to(torch.bfloat16), w.t(), out_dtype=torch.float32)
+                                for w in bf16_weights], dev)
+        point["cublas_bf16"] = dict(us=us, gbs=bf16_bytes / us / 1e3, fraction_of_copy=bf16_bytes / us / 1e3 / copy_gbs)
+        rows.append(point)
+        print(f"M={M}: " + "  ".join(f"{k} {v['us']:.0f} µs ({100 * v['fraction_of_copy']:.0f} %)"
+                                     for k, v in point.items() if isinstance(v, dict)), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = dict(device=torch.cuda.get_device_name(), layer=args.layer, shapes=shapes, fp8_bytes=fp8_bytes,
+                  bf16_bytes=bf16_bytes, copy_gbs=copy_gbs, rows=rows, errors=errors, when=time.strftime("%F %T"))
+    (args.out / "fp8_linear.json").write_text(json.dumps(result, indent=1))
+    plot(result, args.out / "fp8_linear.png")
+    return 1 if errors else 0
+
+
+def plot(result: dict, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    labels = [k for k in result["rows"][0] if isinstance(result["rows"][0][k], dict)]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / max(1, len(result["rows"]))
+    for i, point in enumerate(result["rows"]):
+        ax.bar([j + i * width for j in range(len(labels))], [point.get(k, {}).get("us", 0) for k in labels], width,
+               label=f"M = {point['rows']}")
+    ax.set_xticks([j + width * (len(result["rows"]) - 1) / 2 for j in range(len(labels))], labels, rotation=20, fontsize=8)
+    ax.set(ylabel="µs per layer pass", title=f"FP8 dense linears of Flash layer {result['layer']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,52 @@
+"""CPU checks of benchmarks/fp8_linear.py (the timing itself needs the GPU; docs/validation.md run 9)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmark_loader import load_benchmark
+
+bench = load_benchmark("fp8_linear.py")
+
+
+def test_layer_pass_is_the_flash_layers_fp8_dense_weights() -> None:
+    shapes = bench.layer_fp8_shapes(2)
+    names = {name for name, _, _ in shapes}
+    assert {"attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_a.weight", "attn.wo_b.weight",
+            "ffn.shared_experts.w1.weight", "ffn.shared_experts.w2.weight", "ffn.shared_experts.w3.weight"} <= names
+    assert not any(".experts." in n for n in names)           # routed experts are MXFP4, timed elsewhere
+    assert 150e6 < sum(n * k for _, n, k in shapes) < 180e6    # ≈ 155 MiB of E4M3 per layer
+
+
+def test_alternative_configurations_are_valid_tile_shapes() -> None:
+    from sglang_dsv41.kernels import fp8_linear as F
+
+    for label, tiles in bench.ALTERNATIVES.items():
+        cfg = F.Fp8LinearConfig(*tiles)
+        assert F.TILE % cfg.block_n == 0, label
+
+
+def test_random_weights_have_power_of_two_scales_in_the_exact_range() -> None:
+    from sglang_dsv41.kernels import fp8_linear as F
+
+    values, scales = bench.random_fp8(64, 96, torch.Generator().manual_seed(0), torch.device("cpu"))
+    assert values.dtype == torch.float8_e4m3fn and scales.shape == (2, 3)
+    assert F.scales_are_bf16_exact(scales)
+
+
+def test_plot_from_a_result(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    point = {"rows": 1, "runtime": {"us": 400.0, "gbs": 400.0, "fraction_of_copy": 0.09},
+             "cublas_bf16": {"us": 280.0, "gbs": 1200.0, "fraction_of_copy": 0.28}}
+    result = dict(layer=2, rows=[point, dict(point, rows=64)])
+    bench.plot(json.loads(json.dumps(result)), tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_refuses_without_cuda() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check")
+    with pytest.raises(SystemExit, match="CUDA"):
+        bench.main(["--rows", "1"])
