@@ -18,10 +18,11 @@ with entry indices.
 The step's components (`step_components`), each a callable on fixed inputs:
 
 * `torch` (`torch_work`) — everything the layer does apart from the kernels below, as the CUDA
-  runtime does it today: the reference's torch code (mHC ×2, q/kv projections, compressor,
-  latent/key FP4 round trips, indexer query, output projection, router, shared expert) with its
-  dense products on tensor cores (`runtime.dense_ops.dense_math`); everything around the GEMMs is
-  still unfused torch (float64 in places) — *not* a fast path;
+  runtime does it: mHC ×2 through `runtime.mhc_ops` (fused Triton kernels on CUDA), q/kv
+  projections, compressor, latent/key FP4 round trips, indexer query, output projection, router
+  and shared expert as the reference's code with its dense products in `runtime.dense_ops.dense_math`
+  (FP8 W8A16 / BF16 tensor cores) and its elementwise chains in `runtime.fused_ops.fused_elementwise`
+  (one Triton launch each); the glue between them is still torch;
 * `torch_fp64` — the same work with the reference's float64 GEMMs (the CPU path);
 * `moe_routed` — `kernels.moe_mxfp4.routed_experts_mxfp4` (MXFP4 W4A16) on the router's choice
   (CPU: the reference routed experts);

@@ -17,6 +17,12 @@ SWA rows, request-scoped ratio-2 pair state — instead of a per-request `Reques
    parallelism, bit-identical to TP 1 (`runtime/tensor_parallel.py`);
 3. final collapse and `norm` (§3.7); the LM head is applied by the caller.
 
+On CUDA the same steps run on kernels, each with its bound stated where it lives: the
+hyper-connections through `runtime/mhc_ops.py` (fused Triton mHC), and the reference helpers
+inside `dense_ops.dense_math` (FP8 W8A16 / BF16 tensor-core products) and
+`fused_ops.fused_elementwise` (one-launch rounding, quantisation, norms, RoPE, SwiGLU, top-k).
+CPU tensors always take the reference's exact code.
+
 Kept free of SGLang imports so the batching / caching invariants are unit-tested directly
 against `ReferenceModel` (`tests/test_runtime_forward.py`).
 """
