@@ -23,9 +23,6 @@ What is pinned:
 """
 from __future__ import annotations
 
-import os
-import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,6 +31,7 @@ import torch
 
 from sglang_dsv41.checkpoint.codecs import dequantize_fp8_block, ue8m0_from_exponent, ue8m0_to_float
 from sglang_dsv41.kernels import fp8_linear as F
+from triton_checks import compile_for_sm90, no_spills, run_kernel_cases_in_interpreter
 from sglang_dsv41.reference import compressor, ops
 from sglang_dsv41.runtime.dense_ops import (BlockedBf16Gemm, DenseWeightCache, Fp8Weight, backend_for, dense_math,
                                             error_bound, fp8_scale_key, is_dense_linear_weight)
@@ -234,10 +232,6 @@ def test_runtime_weights_keep_fp8_dense_weights_as_stored(tiny_checkpoint) -> No
 
 
 def test_kernel_compiles_for_hopper_without_spills() -> None:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     if F.INTERPRETED:
         pytest.skip("compiled kernel only")
     cfg = F.DEFAULT_CONFIG
@@ -245,16 +239,8 @@ def test_kernel_compiles_for_hopper_without_spills() -> None:
     pointers = {"x_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_ptr": "*fp32"}
     kern = F._fp8_linear_kernel
     sig = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in kern.arg_names}
-    compiled = triton.compile(ASTSource(kern, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    cubin = Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / f"fp8_linear_{os.getpid()}.cubin"
-    cubin.write_bytes(compiled.asm["cubin"])
-    try:
-        usage = subprocess.run([str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"),
-                                "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
-    finally:
-        cubin.unlink()
-    assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
+    compiled, usage = compile_for_sm90(kern, sig, consts, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    assert no_spills(usage), usage
     assert "mma" in compiled.asm["ptx"]
 
 
@@ -262,16 +248,7 @@ if not F.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        root = Path(__file__).resolve().parents[1]
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "kernel_case", str(Path(__file__))],
-            cwd=root, env=env, capture_output=True, text=True, timeout=600)
-        tail = proc.stdout[-6000:] + proc.stderr[-3000:]
-        assert proc.returncode == 0, tail
-        passed = re.search(r"(\d+) passed", proc.stdout)
-        assert passed and int(passed.group(1)) >= 8, tail
-        assert not re.search(r"\d+ (failed|skipped|error)", proc.stdout), tail
+        run_kernel_cases_in_interpreter(__file__, min_passed=8)
 
 
 # ---- GPU ----------------------------------------------------------------------------------------------

@@ -24,11 +24,7 @@ matter here because the kernels round to BF16 arithmetically.
 """
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -37,6 +33,7 @@ from sglang_dsv41.kernels import fused_elementwise as FE
 from sglang_dsv41.reference import attention as A
 from sglang_dsv41.reference import moe, ops
 from sglang_dsv41.runtime.fused_ops import TritonFusedElementwise, fused_elementwise
+from triton_checks import run_kernel_cases_in_interpreter
 
 KERNEL_HERE = FE.INTERPRETED or torch.cuda.is_available()
 DEVICE = "cuda" if torch.cuda.is_available() and not FE.INTERPRETED else "cpu"
@@ -214,16 +211,7 @@ if not FE.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        root = Path(__file__).resolve().parents[1]
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "kernel_case", str(Path(__file__))],
-            cwd=root, env=env, capture_output=True, text=True, timeout=600)
-        tail = proc.stdout[-6000:] + proc.stderr[-3000:]
-        assert proc.returncode == 0, tail
-        passed = re.search(r"(\d+) passed", proc.stdout)
-        assert passed and int(passed.group(1)) >= 12, tail
-        assert not re.search(r"\d+ (failed|skipped|error)", proc.stdout), tail
+        run_kernel_cases_in_interpreter(__file__, min_passed=12)
 
     def test_cpu_without_interpreter_raises() -> None:
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):

@@ -21,11 +21,6 @@ with CUDA they also run here, compiled. GPU-only Flash-shape checks are marked `
 from __future__ import annotations
 
 import math
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -38,6 +33,7 @@ from sglang_dsv41.reference.compressor import index_keys
 
 from packed_rows_codec import packed_rows_case
 from reference_weights import random_reference_weights, tiny_config
+from triton_checks import compile_for_sm90, no_spills, run_kernel_cases_in_interpreter
 
 INF = math.inf
 KERNEL_HERE = K.INTERPRETED or torch.cuda.is_available()
@@ -286,42 +282,21 @@ if not K.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        root = Path(__file__).resolve().parents[1]
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "kernel_case", str(Path(__file__))],
-            cwd=root, env=env, capture_output=True, text=True, timeout=600)
-        tail = proc.stdout[-6000:] + proc.stderr[-3000:]
-        assert proc.returncode == 0, tail
-        passed = re.search(r"(\d+) passed", proc.stdout)
-        assert passed and int(passed.group(1)) >= 8, tail
-        assert not re.search(r"\d+ (failed|skipped|error)", proc.stdout), tail
+        run_kernel_cases_in_interpreter(__file__, min_passed=8)
 
     @pytest.mark.parametrize("block_t", [1, 4], ids=["decode_mma", "prefill_wgmma"])
     def test_packed_kernel_compiles_for_hopper_without_spills(block_t: int) -> None:
         """The packed-key kernel at Flash shapes builds for sm_90 (Triton's bundled ptxas, no GPU)
         with no register spills — also where the dot becomes wgmma (block_t·Hi ≥ 64), which the
         join/reshape decode (removed) cannot be lowered to in Triton 3.6."""
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-        import triton
-
         kern = K._index_scores_kernel
         consts = dict(HI=32, DI=128, BLOCK_T=block_t, BLOCK_J=64, J_STEPS=1, DOT_BF16=True, HEAD_SUM_FP64=True,
                       KEY_PACKED=True, KEY_SHARE=356)
         pointers = {"q_ptr": "*fp32", "w_ptr": "*fp32", "key_ptr": "*u8", "out_ptr": "*fp32"}
         sig = {n: "constexpr" if n in consts else pointers.get(n, "*i64" if n.endswith("_ptr") else "i32")
                for n in kern.arg_names}
-        compiled = triton.compile(ASTSource(kern, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": 4 if 32 * block_t * 64 <= 4096 else 8})
-        cubin = Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / f"indexer_{os.getpid()}.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        try:
-            usage = subprocess.run([str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"),
-                                    "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
-        finally:
-            cubin.unlink()
-        assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
+        compiled, usage = compile_for_sm90(kern, sig, consts, {"num_warps": 4 if 32 * block_t * 64 <= 4096 else 8})
+        assert no_spills(usage), usage
         assert ("wgmma" in compiled.asm["ptx"]) == (block_t == 4)
 
     def test_cpu_without_interpreter_raises() -> None:

@@ -22,11 +22,6 @@ before triton is first imported); with CUDA they run here, compiled.
 """
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -35,6 +30,7 @@ from sglang_dsv41.kernels import mhc as K
 from sglang_dsv41.reference import mhc as ref
 from sglang_dsv41.reference.ops import bf16
 from sglang_dsv41.runtime import mhc_ops
+from triton_checks import compile_for_sm90, run_kernel_cases_in_interpreter
 
 KERNEL_HERE = K.INTERPRETED or torch.cuda.is_available()
 DEVICE = "cuda" if torch.cuda.is_available() and not K.INTERPRETED else "cpu"
@@ -161,15 +157,7 @@ if not K.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "kernel_case", str(Path(__file__))],
-            cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=600)
-        tail = proc.stdout[-6000:] + proc.stderr[-3000:]
-        assert proc.returncode == 0, tail
-        passed = re.search(r"(\d+) passed", proc.stdout)
-        assert passed and int(passed.group(1)) == 12, tail
-        assert not re.search(r"\d+ (failed|skipped|error)", proc.stdout), tail
+        run_kernel_cases_in_interpreter(__file__, min_passed=12, exact=True)
 
     def test_cpu_without_interpreter_raises() -> None:
         c = hc_case(1, 4, 64, seed=0, device="cpu")
@@ -201,22 +189,10 @@ if not K.INTERPRETED:
 
     def _compiled(kernel, constexprs: dict, fp64_ptrs: tuple[str, ...] = ()) -> tuple[str, str]:
         """PTX and `cuobjdump -res-usage` of `kernel` built for sm_90 with the wrappers' options."""
-        import triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-
         sig = {n: "constexpr" if n in constexprs else ("*fp64" if n in fp64_ptrs else "*fp32")
                if n.endswith("_ptr") else "i32" for n in kernel.arg_names}
-        compiled = triton.compile(ASTSource(kernel, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": 4, **K._launch_options()})
-        cubin = Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / f"mhc_{os.getpid()}.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        try:
-            usage = subprocess.run([str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"),
-                                    "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
-        finally:
-            cubin.unlink()
-        return compiled.asm["ptx"], usage
+        compiled, usage = compile_for_sm90(kernel, sig, constexprs, {"num_warps": 4, **K._launch_options()})
+        return compiled.asm["ptx"], usage + " "
 
     def test_compiled_sm90_code_has_the_reference_rounding() -> None:
         stream = [(K._hc_residual_update_kernel, dict(HC=4, BLOCK=K.STREAM_BLOCK_H)),

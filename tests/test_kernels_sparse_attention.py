@@ -38,6 +38,7 @@ from sglang_dsv41.reference.attention import attend_with_sink, swa_key_positions
 from sglang_dsv41.runtime.batch import make_layout
 
 from packed_rows_codec import packed_rows_case
+from triton_checks import compile_for_sm90
 
 BF16 = torch.bfloat16
 INTERPRETED = sa._is_interpreted()   # kernels defined under TRITON_INTERPRET=1 in this process
@@ -568,10 +569,6 @@ def test_plan_config_shapes():
 def _hopper_binary(kernel, constexprs: dict, num_warps: int, num_stages: int):
     """Compile `kernel` for sm_90 with BF16 q/out, BF16 cache rows as int32 pair views (uint8
     packed rows when COMP_PACKED), int32 slots; returns (compiled, resource line)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    import triton
-
     pointer_types = {"q_ptr": "*bf16", "swa_ptr": "*i32", "comp_ptr": "*u8" if constexprs.get("COMP_PACKED") else
                      "*i32", "swa_slots_ptr": "*i32", "comp_slots_ptr": "*i32", "sink_ptr": "*fp32",
                      "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"}
@@ -583,20 +580,7 @@ def _hopper_binary(kernel, constexprs: dict, num_warps: int, num_stages: int):
             signature[name] = pointer_types[name]
         else:
             signature[name] = "fp32" if name == "qk_scale_log2" else "i32"
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    cubin = Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / f"sparse_attention_{os.getpid()}.cubin"
-    cubin.write_bytes(compiled.asm["cubin"])
-    try:
-        usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True,
-                               check=True).stdout
-    finally:
-        cubin.unlink()
-    lines = [line.strip() for line in usage.splitlines() if "REG:" in line]
-    assert len(lines) == 1, usage
-    return compiled, lines[0]
+    return compile_for_sm90(kernel, signature, constexprs, {"num_warps": num_warps, "num_stages": num_stages})
 
 
 @pytest.mark.skipif(INTERPRETED, reason="needs the compiled kernels")

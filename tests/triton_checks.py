@@ -1,0 +1,62 @@
+"""Checks shared by the Triton kernel tests (CPU machines, no GPU needed).
+
+* `run_kernel_cases_in_interpreter` — run a test file's `kernel_case` tests in a child pytest with
+  `TRITON_INTERPRET=1` (the variable must be set before triton is imported, hence the child) and
+  assert they all passed, none skipped or failed.
+* `compile_for_sm90` — build a kernel for Hopper (sm_90) with Triton's bundled ptxas and return
+  it with `cuobjdump -res-usage`'s line for it (registers, stack, local memory: spills show up as
+  STACK/LOCAL > 0).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_kernel_cases_in_interpreter(test_file: str | Path, *, min_passed: int, exact: bool = False) -> str:
+    """Child `pytest -k kernel_case test_file` under the interpreter; ≥ `min_passed` (or exactly,
+    with `exact`) must pass and nothing may fail, error or skip. Returns the child's stdout."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "kernel_case",
+                           str(test_file)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    tail = proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, tail
+    passed = re.search(r"(\d+) passed", proc.stdout)
+    assert passed, tail
+    count = int(passed.group(1))
+    assert (count == min_passed) if exact else (count >= min_passed), f"{count} kernel cases passed\n{tail}"
+    assert not re.search(r"\d+ (failed|skipped|error)", proc.stdout), tail
+    return proc.stdout
+
+
+def compile_for_sm90(kernel: Any, signature: dict[str, str], constexprs: dict[str, Any],
+                     options: dict[str, Any]) -> tuple[Any, str]:
+    """(compiled kernel, its `cuobjdump -res-usage` line) for sm_90; `signature` maps every argument
+    name to a Triton type string ("constexpr" for the constexprs)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                              options=options)
+    cubin = Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / f"{kernel.__name__}_{os.getpid()}.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    try:
+        usage = subprocess.run([str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"),
+                                "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    finally:
+        cubin.unlink()
+    lines = [line.strip() for line in usage.splitlines() if "REG:" in line]
+    assert len(lines) == 1, usage
+    return compiled, lines[0]
+
+
+def no_spills(usage_line: str) -> bool:
+    """True when the resource line shows no stack frame and no local memory (no register spills)."""
+    return "STACK:0 " in usage_line + " " and "LOCAL:0 " in usage_line + " "
