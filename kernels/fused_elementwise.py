@@ -285,32 +285,27 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def round_bf16(x: Tensor) -> Tensor:
-    """`ops.bf16` of an fp32 tensor: BF16 (RNE) values as a new fp32 tensor; bit-identical."""
-    _check_device("round_bf16", x)
+def _elementwise(name: str, kernel, x: Tensor) -> Tensor:
+    """Launch a one-input fp32 elementwise `kernel` over x (a new fp32 tensor of x's shape)."""
+    _check_device(name, x)
     if x.dtype != F32:
-        raise ValueError(f"round_bf16: fp32 input expected, got {x.dtype} (other dtypes round differently)")
+        raise ValueError(f"{name}: fp32 input expected, got {x.dtype} (other dtypes round differently)")
     x = x.contiguous()
     out = torch.empty_like(x)
     n = x.numel()
     if n:
-        _round_bf16_kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](x, out, n, BLOCK=_ELEMENTWISE_BLOCK,
-                                                                 **_launch_options())
+        kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](x, out, n, BLOCK=_ELEMENTWISE_BLOCK, **_launch_options())
     return out
+
+
+def round_bf16(x: Tensor) -> Tensor:
+    """`ops.bf16` of an fp32 tensor: BF16 (RNE) values as a new fp32 tensor; bit-identical."""
+    return _elementwise("round_bf16", _round_bf16_kernel, x)
 
 
 def round_e4m3(x: Tensor) -> Tensor:
     """`ops.e4m3` of an fp32 tensor (torch's float8_e4m3fn cast and back); bit-identical."""
-    _check_device("round_e4m3", x)
-    if x.dtype != F32:
-        raise ValueError(f"round_e4m3: fp32 input expected, got {x.dtype}")
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    n = x.numel()
-    if n:
-        _round_e4m3_kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](x, out, n, BLOCK=_ELEMENTWISE_BLOCK,
-                                                                 **_launch_options())
-    return out
+    return _elementwise("round_e4m3", _round_e4m3_kernel, x)
 
 
 def _group_quant(name: str, x: Tensor, group: int, mode: int) -> Tensor:
