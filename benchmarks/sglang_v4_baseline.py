@@ -34,10 +34,45 @@ arithmetic. Only the GPU run can show: that this V4 model loads and captures CUD
 the carried kernels, the MoE/FP8 backends SGLang resolves there, memory fit at 256 x 8K, JIT time, and
 every number.
 
+JIT caches (2026-11-30, after attempts A/B): `--jit-cache DIR` points every JIT cache of the workers at
+DIR (SGLang's tvm-ffi `load_jit` modules, TileLang, DeepGEMM, Triton, inductor, flashinfer, the CUDA PTX
+cache: table in benchmarks/sglang_jit_cache.py); `--warmup` runs the same workers only to compile (same
+server arguments and batches, 2 decode steps, the smaller layer count: both counts share kernel shapes),
+then packs DIR into `$OUT/sglang_jit.tgz.partNN` (<= 4 x 14 MiB) + `sglang_jit.manifest.json` (files and
+bytes per cache, stages, seconds, files per cache every 15 s, `warmup.complete`). Kernels are saved as
+they are built, so a warm-up killed at its limit keeps them and the next warm-up continues;
+`--jit-restore .gpu_jit` stages carried parts (in /tmp/sglang-jit-parts, across calls) and extracts them
+once all are there. The timed JSON records the cache's files before/after (growth = JIT inside the run).
+
     python benchmarks/sglang_v4_baseline.py [--batches 1 8 64 256] [--context 8192] [--layers 2 4] [--out DIR]
-    (GPU machine: bash -c 'source .gpu/bin/setup.sh && timeout 300 python3 benchmarks/sglang_v4_baseline.py
-     --time-budget 270 --out "$OUT"'; worker logs land beside the JSON as sglang_v4_baseline.<L>l.log)
+        [--jit-cache DIR [--jit-restore .gpu_jit] [--jit-pack DIR]] [--warmup [--warmup-layers 2]]
     python benchmarks/sglang_v4_baseline.py --plot-only benchmarks/results/sglang_v4_baseline.json
+
+Next-session sequence (device calls; `run` = the device tool; at most ~30 s between the calls of one
+chain, else /tmp/site, /tmp/sglang_jit and the staged parts are gone; <hash>: `ls .gpu/site`). Commands
+start with S = `R=$OUT; OUT=/tmp/setup-logs; source .gpu/bin/setup.sh || exit 3; OUT=$R;` so setup's
+three logs stay off $OUT (at most 8 files come back); written out in full below.
+  CPU, once: EXTRA="<EXTRA_FOR_V4>" bash ../shared/gpu/build.sh; echo /.gpu_jit/ >> .git/info/exclude
+  1. run(carry=[".gpu/bin", ".gpu/site/extra-<hash>.tar.xz.part00"], timeout_s=120,
+         command="bash -c 'source .gpu/bin/setup.sh; echo setup-rc=$?'")       # rc 3: part staged
+  2. run(carry=[".gpu/bin", ".gpu/site/base-<hash>.tar.xz.part00"], timeout_s=120, command="bash -c 'R=$OUT;
+         OUT=/tmp/setup-logs; source .gpu/bin/setup.sh || exit 3; OUT=$R; timeout 90 python3 -c
+         \"import tilelang, deep_gemm, sglang; print(1)\"'")                  # runtime complete
+  3. warm-up (first one, or continuing): run(carry=[".gpu/bin", ".gpu_jit"], timeout_s=600,
+         command="bash -c 'R=$OUT; OUT=/tmp/setup-logs; source .gpu/bin/setup.sh || exit 3; OUT=$R;
+         timeout 580 python3 benchmarks/sglang_v4_baseline.py --warmup --jit-cache /tmp/sglang_jit
+         --jit-restore .gpu_jit --time-budget 560 --out \"$OUT\"'")
+     output_tail ends "warm-up complete: True|False"; False: call 3 again at once (the warm machine keeps
+     /tmp/sglang_jit). After the last one, on the CPU machine: rm -rf .gpu_jit && mkdir .gpu_jit &&
+     cp /work/.device/<N>/sglang_jit.* .gpu_jit/ (ignored, never committed). With no .gpu_jit yet, 2 and 3
+     can be one call (carry 2's paths, run 3's command).
+  4. timed run after a complete warm-up (same warm machine, or a new chain 1, 2 first):
+     run(carry=[".gpu/bin", ".gpu_jit"], timeout_s=600, command="bash -c 'R=$OUT; OUT=/tmp/setup-logs;
+         source .gpu/bin/setup.sh || exit 3; OUT=$R; timeout 580 python3 benchmarks/sglang_v4_baseline.py
+         --jit-cache /tmp/sglang_jit --jit-restore .gpu_jit --time-budget 560 --out \"$OUT\"'")
+     In its JSON, jit.after.files > jit.before.files means kernels were still compiled during the run.
+  Device time: 1+2 ~3 min with the start; 3 and 4 <= 10 min each. If the warm-up takes two calls, do 4
+  in the next session (chain 1, 2, 4 with the carried .gpu_jit) instead of overrunning 30 min.
 """
 from __future__ import annotations
 
@@ -52,13 +87,18 @@ import subprocess
 import sys
 import tempfile
 import time
+import threading
 import traceback
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sglang_jit_cache  # noqa: E402  (standard library only)
+
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCHES, CONTEXT, LAYER_COUNTS, DECODE_STEPS = (1, 8, 64, 256), 8192, (2, 4), 24
 PAGE = 256                                   # SGLang's V4 page size (arg_groups/overrides.py)
+PACK_RESERVE_S = 40                          # warm-up: seconds kept for packing the cache after the workers
 REQUIRED_MODULES = ("torch", "sglang", "sgl_kernel", "tilelang")
 EXTRA_FOR_V4 = ("tilelang==0.1.11 sgl-deep-gemm==0.1.5.post1 z3-solver==4.15.4.0 cloudpickle==3.1.3 "
                 "ml-dtypes==0.6.0 torch-c-dlpack-ext==0.1.5")
@@ -122,8 +162,10 @@ def sglang_env(deep_gemm_available: bool) -> dict[str, str]:
 
 
 def sglang_argv(model_dir: Path, batches: list[int], context: int, steps: int, mem_fraction: float,
-                moe_runner: str) -> list[str]:
-    """ServerArgs + BenchArgs argument line (the one `python -m sglang.bench_one_batch` takes)."""
+                moe_runner: str, run_steps: int | None = None) -> list[str]:
+    """ServerArgs + BenchArgs argument line (the one `python -m sglang.bench_one_batch` takes). `run_steps`
+    (warm-up) changes only --output-len: the server arguments (context length, pool, graph batch sizes)
+    stay those of the timed run with `steps`, so the warm-up compiles the kernels the timed run uses."""
     ctx_len = -(-(context + steps + 8) // PAGE) * PAGE
     return ["--model-path", str(model_dir), "--load-format", "dummy", "--trust-remote-code",
             "--tp-size", "1", "--context-length", str(ctx_len), "--max-total-tokens", str(max(batches) * ctx_len),
@@ -131,7 +173,8 @@ def sglang_argv(model_dir: Path, batches: list[int], context: int, steps: int, m
             "--swa-full-tokens-ratio", "1.0", "--moe-runner-backend", moe_runner,
             "--sampling-backend", "pytorch", "--cuda-graph-bs-decode", *map(str, batches),
             "--cuda-graph-backend-prefill", "disabled", "--random-seed", "0",
-            "--batch-size", *map(str, batches), "--input-len", str(context), "--output-len", str(steps + 1)]
+            "--batch-size", *map(str, batches), "--input-len", str(context),
+            "--output-len", str((steps if run_steps is None else run_steps) + 1)]
 
 
 def bench_one_batch_command(argv: list[str]) -> str:
@@ -223,11 +266,24 @@ def worker(out: Path, deadline: float, chunk_tokens: int, argv: list[str]) -> in
     from sglang.benchmark import one_batch as ob
     from sglang.srt.model_executor.cuda_graph_config import Phase
     from sglang.srt.server_args import PortArgs, ServerArgs
-    rec: dict[str, Any] = {"argv": argv, "runs": [], "errors": []}
+    rec: dict[str, Any] = {"argv": argv, "runs": [], "errors": [], "jit_progress": []}
+    lock = threading.Lock()
 
     def save() -> None:
-        out.write_text(json.dumps(rec, indent=2))
+        with lock:
+            out.write_text(json.dumps(rec, indent=2))
     t0 = time.perf_counter()
+    cache_dir = os.environ.get("BENCH_JIT_CACHE_DIR")
+
+    def watch_jit() -> None:                 # files per JIT cache every 15 s: progress survives a kill
+        while cache_dir:
+            inv = sglang_jit_cache.inventory(Path(cache_dir))
+            with lock:
+                rec["jit_progress"].append({"t_s": round(time.perf_counter() - t0, 1),
+                                            **{k: v["files"] for k, v in inv["by_cache"].items() if v["files"]}})
+            save()
+            time.sleep(15)
+    threading.Thread(target=watch_jit, daemon=True).start()
     try:
         parser = argparse.ArgumentParser()
         ServerArgs.add_cli_args(parser)
@@ -332,6 +388,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-chunk-tokens", type=int, default=0, help="0: 65536 with DeepGEMM, else 8192")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--plot-only", type=Path)
+    ap.add_argument("--jit-cache", type=Path, help="one directory for every JIT cache of the workers")
+    ap.add_argument("--jit-restore", type=Path, nargs="+", default=[],
+                    help="folders with carried sglang_jit parts (e.g. .gpu_jit): staged, extracted when complete")
+    ap.add_argument("--jit-pack", type=Path, help="after the run, pack --jit-cache here (warm-up: --out)")
+    ap.add_argument("--jit-part-mib", type=int, default=sglang_jit_cache.PART_MIB)
+    ap.add_argument("--warmup", action="store_true", help="compile only: no timing; packs the cache")
+    ap.add_argument("--warmup-layers", type=int, nargs="+", help="layer counts to warm (default: the smaller)")
+    ap.add_argument("--warmup-steps", type=int, default=2, help="decode steps per batch in the warm-up")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     args, rest = ap.parse_known_args(argv)
@@ -343,11 +407,23 @@ def main(argv: list[str] | None = None) -> int:
     pre = preflight()
     env = sglang_env(pre["modules"]["deep_gemm"])
     chunk = args.prefill_chunk_tokens or (65536 if pre["modules"]["deep_gemm"] else 8192)
+    if args.warmup and not args.jit_cache:
+        ap.error("--warmup needs --jit-cache DIR")
+    jit: dict[str, Any] = {}
+    if args.jit_cache:
+        env.update(sglang_jit_cache.jit_cache_env(args.jit_cache), BENCH_JIT_CACHE_DIR=str(args.jit_cache.resolve()))
+        if args.jit_restore:
+            jit["restore"] = sglang_jit_cache.restore(args.jit_cache, args.jit_restore)
+        jit["before"] = sglang_jit_cache.inventory(args.jit_cache)
+        print(f"JIT cache {args.jit_cache}: {jit.get('restore', 'no restore')}; {jit['before']['files']} files",
+              flush=True)
+    if args.warmup:
+        return warmup(args, pre, env, chunk, jit, t_start)
     result: dict[str, Any] = dict(
         what="SGLang 0.5.17 DeepseekV4ForCausalLM (V4-Flash widths, dummy weights) per-layer decode step",
         python=platform.python_version(), preflight=pre, env=env, batches=args.batches, context=args.context,
         layer_counts=args.layers, decode_steps=args.steps, prefill_chunk_tokens=chunk,
-        configs={n: v4_config_dict(n) for n in args.layers}, caveats=nearest_shape_caveats(),
+        configs={n: v4_config_dict(n) for n in args.layers}, caveats=nearest_shape_caveats(), jit=jit,
         timing="one_batch method: torch.cuda.synchronize + perf_counter per decode step (CUDA graph replay "
                "+ host prepare), median of the steps", workers=[], per_layer=[], errors=[])
     args.out.mkdir(parents=True, exist_ok=True)
@@ -380,6 +456,10 @@ def main(argv: list[str] | None = None) -> int:
             json_path.write_text(json.dumps(result, indent=2))
     result["per_layer"] = per_layer(steps_by, args.layers, args.batches)
     result["errors"] += [f"per-layer, batch {r['batch']}: {r['error']}" for r in result["per_layer"] if "error" in r]
+    if args.jit_cache:        # new files here mean the warm-up missed kernels (their JIT ran in this run)
+        jit["after"] = sglang_jit_cache.inventory(args.jit_cache)
+        if args.jit_pack:
+            jit["pack"] = _pack(args.jit_cache, args.jit_pack, {}, args.jit_part_mib)
     result["wall_s"] = time.perf_counter() - t_start
     if pre["modules"]["matplotlib"]:
         plot(result, args.out / "sglang_v4_baseline.png")
@@ -391,6 +471,57 @@ def main(argv: list[str] | None = None) -> int:
                       else f"bs {r['batch']}: {r['error']}" for r in result["per_layer"])
           + f"; errors: {result['errors'] or 'none'}")
     return 1 if result["errors"] else 0
+
+
+def _pack(cache_dir: Path, out: Path, extra: dict[str, Any], part_mib: int) -> dict[str, Any]:
+    try:
+        m = sglang_jit_cache.pack(cache_dir, out, extra, part_mib=part_mib)
+        return {k: m[k] for k in ("id", "files", "bytes", "packed_bytes", "pack_s")} | {"parts": len(m["parts"])}
+    except RuntimeError as exc:
+        return {"error": str(exc)}
+
+
+def warmup(args: argparse.Namespace, pre: dict[str, Any], env: dict[str, str], chunk: int, jit: dict[str, Any],
+           t_start: float) -> int:
+    """Compile only: the timed run's workers (same server arguments, batches, prefill groups) with
+    `--warmup-steps` decode steps, at the smaller layer count unless --warmup-layers says otherwise (both
+    counts have the same kernel shapes). Each JIT system saves a kernel as soon as it is built, so a worker
+    killed at its limit still leaves them; the cache is packed (`sglang_jit.*` in --jit-pack or --out)
+    with a manifest of stages: `warmup.complete` is true when every stage finished."""
+    out = args.jit_pack or args.out
+    out.mkdir(parents=True, exist_ok=True)
+    layer_counts, stages = args.warmup_layers or [min(args.layers)], []
+    if pre["blockers"]:
+        stages.append({"stage": "preflight", "finished": False, "errors": pre["blockers"]})
+    with tempfile.TemporaryDirectory(prefix="sglang_v4_warm_") as tmp:
+        for layers in layer_counts if not pre["blockers"] else []:
+            left = args.time_budget - (time.perf_counter() - t_start) - PACK_RESERVE_S
+            if left < 60:
+                stages.append({"stage": f"{layers} layers", "finished": False, "errors": ["skipped: out of time"]})
+                continue
+            model_dir = write_model_dir(Path(tmp) / f"v4_{layers}l", layers)
+            sargv = sglang_argv(model_dir, args.batches, args.context, args.steps, args.mem_fraction_static,
+                                args.moe_runner_backend, run_steps=args.warmup_steps)
+            print(f"warm-up, {layers} layers: worker with {left:.0f} s", flush=True)
+            rec = _run_worker(layers, model_dir, sargv, env, left, chunk, out / f"sglang_v4_warmup.{layers}l.log")
+            stages.append({"stage": f"{layers} layers: load + decode capture bs {args.batches}, prefill + "
+                                    f"{args.warmup_steps} steps per batch", "layers": layers,
+                           "finished": rec["returncode"] == 0 and not rec["errors"], "returncode": rec["returncode"],
+                           "wall_s": rec["wall_s"], "load_s": rec.get("load_s"),
+                           "batches_done": [{k: r[k] for k in ("batch", "prefill_s", "step_median_us")}
+                                            for r in rec["runs"]],
+                           "errors": rec["errors"], "jit_progress": rec.get("jit_progress", []),
+                           "log_tail": rec["log_tail"][-1500:]})
+            print(f"  finished: {stages[-1]['finished']} ({rec['wall_s']:.0f} s)", flush=True)
+    report = {"warmup": {"complete": bool(stages) and all(s["finished"] for s in stages), "stages": stages,
+                         "layer_counts": layer_counts, "batches": args.batches, "context": args.context,
+                         "env": env, "restore": jit.get("restore"), "before": jit.get("before"),
+                         "wall_s": time.perf_counter() - t_start}}
+    packed = _pack(args.jit_cache, out, report, args.jit_part_mib)
+    if "error" in packed:
+        (out / sglang_jit_cache.MANIFEST).write_text(json.dumps({**report, "pack_error": packed["error"]}, indent=2))
+    print(f"warm-up complete: {report['warmup']['complete']}; pack: {packed}", flush=True)
+    return 0 if report["warmup"]["complete"] and "error" not in packed else 1
 
 
 def plot(result: dict[str, Any], path: Path) -> int:

@@ -118,3 +118,109 @@ def test_blocked_preflight_writes_json_and_fails(tmp_path, monkeypatch):
     result = json.loads((tmp_path / "sglang_v4_baseline.json").read_text())
     assert result["errors"] and any("TileLang" in e for e in result["errors"])
     assert result["configs"]["2"]["hidden_size"] == 4096 and result["workers"] == []
+
+
+# ---- JIT caches, warm-up, pack/restore (benchmarks/sglang_jit_cache.py) -------------------------------
+import importlib.util  # noqa: E402
+import os  # noqa: E402
+
+import sglang_jit_cache as jc  # noqa: E402
+
+
+def _source(module: str) -> str:
+    return Path(importlib.util.find_spec(module).origin).read_text()
+
+
+def test_jit_cache_env_points_every_cache_into_the_dir(tmp_path):
+    env = jc.jit_cache_env(tmp_path / "c")
+    root = (tmp_path / "c").resolve()
+    for var in ("TVM_FFI_CACHE_DIR", "TILELANG_CACHE_DIR", "TILELANG_TMP_DIR", "SGLANG_DG_CACHE_DIR",
+                "DG_JIT_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE",
+                "CUDA_CACHE_PATH", "XDG_CACHE_HOME"):
+        assert root in Path(env[var]).parents, var
+    assert env["SGLANG_DG_CACHE_DIR"] == env["DG_JIT_CACHE_DIR"] == str(root / "deep_gemm")
+    assert len({env[v] for v in ("TVM_FFI_CACHE_DIR", "TILELANG_CACHE_DIR", "TRITON_CACHE_DIR")}) == 3
+    assert not jc._packable(Path(env["TILELANG_TMP_DIR"]).relative_to(root) / "x.so")
+    # the variables are the ones the installed sources read (SGLang overwrites DG_JIT_CACHE_DIR from its own)
+    assert 'os.getenv(\n    "SGLANG_DG_CACHE_DIR"' in _source("sglang.srt.layers.deep_gemm_wrapper.compile_utils")
+    assert '"TVM_FFI_CACHE_DIR"' in _source("sglang.kernels.jit.utils.compile")
+    assert '"TRITON_CACHE_DIR"' in _source("triton.knobs")
+    assert "FLASHINFER_WORKSPACE_BASE" in _source("flashinfer.jit.env")
+
+
+def test_warmup_argument_line_parses_and_keeps_the_server_arguments(model_dir):
+    from sglang.benchmark.one_batch import BenchArgs
+    from sglang.srt.server_args import ServerArgs
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    BenchArgs.add_cli_args(parser)
+    timed = bench.sglang_argv(model_dir, [1, 8, 64, 256], 8192, 24, 0.5, "marlin")
+    warm = bench.sglang_argv(model_dir, [1, 8, 64, 256], 8192, 24, 0.5, "marlin", run_steps=2)
+    a, w = vars(parser.parse_args(timed)), vars(parser.parse_args(warm))
+    assert w["output_len"] == [3] and a["output_len"] == [25]
+    assert {k: v for k, v in a.items() if k != "output_len"} == {k: v for k, v in w.items() if k != "output_len"}
+    assert list(w["cuda_graph_bs_decode"]) == [1, 8, 64, 256] and w["context_length"] == a["context_length"]
+
+
+def _fill_cache(root: Path) -> dict[str, bytes]:
+    rng = __import__("random").Random(0)
+    files = {"tvm_ffi/m__arch_sm90a/m.so": rng.randbytes(900_000), "triton/ab/k.cubin": rng.randbytes(700_000),
+             "deep_gemm/cache/kernel.x.1/kernel.cubin": b"c" * 1000, "tilelang/0.1.11-x86_64/kernels/k/a.so": b"t"}
+    skipped = ("tvm_ffi/m__arch_sm90a/cuda.o", "tilelang/0.1.11-x86_64/.staging/k/a.so", "deep_gemm/tmp/x.cu",
+               "scratch/tilelang_tmp/1.so")
+    for rel, data in {**files, **{s: b"skip" for s in skipped}}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    return files
+
+
+def test_pack_writes_parts_and_manifest(tmp_path):
+    files = _fill_cache(tmp_path / "c")
+    m = jc.pack(tmp_path / "c", tmp_path / "out", {"warmup": {"complete": False}}, part_mib=1)
+    on_disk = json.loads((tmp_path / "out" / jc.MANIFEST).read_text())
+    assert on_disk == json.loads(json.dumps(m)) and on_disk["warmup"] == {"complete": False}
+    assert m["files"] == len(files) and m["bytes"] == sum(map(len, files.values()))
+    assert m["by_cache"]["tvm_ffi"] == {"files": 1, "bytes": 900_000} and m["by_cache"]["tilelang"]["files"] == 1
+    assert len(m["parts"]) == 2 and all(p["bytes"] <= 1 << 20 for p in m["parts"])   # random bytes: ~1.6 MiB
+    assert sum(p["bytes"] for p in m["parts"]) == m["packed_bytes"]
+    with pytest.raises(RuntimeError, match="more than 1"):
+        jc.pack(tmp_path / "c", tmp_path / "out2", part_mib=1, max_parts=1)
+
+
+def test_restore_round_trip_across_calls(tmp_path):
+    files = _fill_cache(tmp_path / "c")
+    jc.pack(tmp_path / "c", tmp_path / "out", part_mib=1)
+    first, second = tmp_path / "call1", tmp_path / "call2"       # two calls, each carrying one part
+    for d, part in ((first, "part00"), (second, "part01")):
+        d.mkdir()
+        (d / jc.MANIFEST).write_bytes((tmp_path / "out" / jc.MANIFEST).read_bytes())
+        (d / f"{jc.PREFIX}.tgz.{part}").write_bytes((tmp_path / "out" / f"{jc.PREFIX}.tgz.{part}").read_bytes())
+    dest, staging = tmp_path / "restored", tmp_path / "staging"
+    r1 = jc.restore(dest, [first, tmp_path / "absent"], staging)
+    assert r1["restored"] is False and r1["missing"] == [f"{jc.PREFIX}.tgz.part01"] and not dest.exists()
+    (dest / "triton/ab").mkdir(parents=True)
+    (dest / "triton/ab/k.cubin").write_bytes(b"newer")           # a file already on the machine is kept
+    r2 = jc.restore(dest, [second], staging)
+    assert r2["restored"] is True and r2["files_new"] == len(files) - 1
+    for rel, data in files.items():
+        assert (dest / rel).read_bytes() == (b"newer" if rel == "triton/ab/k.cubin" else data), rel
+    assert not (dest / "tvm_ffi/m__arch_sm90a/cuda.o").exists() and not (dest / "scratch").exists()
+    assert jc.restore(dest, [], staging)["reason"] == "already restored on this machine"
+    (staging / f"{jc.PREFIX}.tgz.part00").write_bytes(b"corrupt")
+    os.remove(next(dest.glob(".restored-*")))
+    assert jc.restore(dest, [], staging)["missing"] == [f"{jc.PREFIX}.tgz.part00"]
+
+
+def test_warmup_mode_packs_a_manifest_even_when_blocked(tmp_path, monkeypatch):
+    real = bench.importlib.util.find_spec
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda m: None if m == "tilelang" else real(m))
+    with pytest.raises(SystemExit):
+        bench.main(["--warmup", "--out", str(tmp_path / "o")])               # needs --jit-cache
+    (tmp_path / "c" / "triton").mkdir(parents=True)
+    (tmp_path / "c" / "triton" / "k.json").write_text("{}")
+    rc = bench.main(["--warmup", "--jit-cache", str(tmp_path / "c"), "--out", str(tmp_path / "o")])
+    assert rc == 1
+    m = json.loads((tmp_path / "o" / jc.MANIFEST).read_text())
+    assert m["warmup"]["complete"] is False and m["warmup"]["stages"][0]["stage"] == "preflight"
+    assert m["files"] == 1 and m["warmup"]["env"]["TRITON_CACHE_DIR"] == str((tmp_path / "c" / "triton").resolve())
+    assert m["warmup"]["layer_counts"] == [2] and (tmp_path / "o" / f"{jc.PREFIX}.tgz.part00").is_file()
