@@ -7,12 +7,16 @@ multiplied in sequence — one "layer pass" — at M ∈ {1, 64} rows:
 
 * `fp8_linear` with the runtime's configuration (`config_for`) and with alternative fixed
   configurations (each batch invariant, different bits);
+* the swap-AB candidate `kernels.fp8_linear_skinny.fp8_linear_swap_ab` (yᵀ = W·xᵀ: weight rows on
+  the MMA's M side, 16 x rows on its N side; not the runtime default): label `swap_ab` with its
+  `SWAP_AB_CONFIG`, `swap_ab_*` with other fixed configurations (`SWAP_AB_ALTERNATIVES`);
 * the previous runtime path as the baseline: `torch.mm` of BF16 copies of the same weights with
   fp32 output (`dense_ops.BlockedBf16Gemm` without its row padding), 2 bytes per weight element.
 
 Per row: median µs of the pass (CUDA events; the pass reads ≈ 155 MiB at Flash widths, 3× the
 H200's L2, so weights come from HBM), the bytes it must read (E4M3 + fp32 tile scales; BF16 for
-the baseline), GB/s and the fraction of the copy bandwidth measured in the same run. Writes
+the baseline), GB/s and the fraction of the copy bandwidth measured in the same run; `per_weight`:
+each weight alone (runtime, swap_ab, cuBLAS). Writes
 `fp8_linear.json` and `fp8_linear.png` to `--out`. CUDA only; bounded by the row list.
 
     python benchmarks/fp8_linear.py [--layer 2] [--rows 1 64] [--out benchmarks/results]
@@ -35,6 +39,11 @@ from device_bandwidth import copy_bandwidth_gbs  # noqa: E402
 REPS = 20
 ALTERNATIVES = {"bm16_bn32_w4": (16, 32, 128, 4, 3), "bm64_bn32_w8": (64, 32, 128, 8, 3),
                 "bm64_bn32_bk64_w4": (64, 32, 64, 4, 3), "bm16_bn16_bk256_w4": (16, 16, 256, 4, 3)}
+#: `fp8_linear_swap_ab` configurations besides its default (label `swap_ab`): (block_w, block_k, warps, stages)
+SWAP_AB_ALTERNATIVES = {"swap_ab_bw32": (32, 256, 4, 4), "swap_ab_bw128": (128, 128, 4, 4),
+                        "swap_ab_s3": (64, 256, 4, 3)}
+#: variants also timed weight by weight
+PER_WEIGHT_LABELS = ("runtime", "swap_ab")
 
 
 def layer_fp8_shapes(layer: int) -> list[tuple[str, int, int]]:
@@ -54,12 +63,16 @@ def random_fp8(n: int, k: int, g: torch.Generator, dev: torch.device) -> tuple[t
     return values, torch.exp2(exps.float())
 
 
-def time_pass(fn, dev: torch.device) -> float:
+def time_pass(fn, dev: torch.device, l2_flush: torch.Tensor | None = None) -> float:
+    """Median µs of fn() over REPS (after 3 warm-up calls); with `l2_flush`, that buffer is
+    overwritten before every timed call so the call's operands come from HBM, not L2."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize(dev)
     times = []
     for _ in range(REPS):
+        if l2_flush is not None:
+            l2_flush.zero_()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
@@ -67,6 +80,40 @@ def time_pass(fn, dev: torch.device) -> float:
         torch.cuda.synchronize(dev)
         times.append(a.elapsed_time(b) * 1e3)
     return sorted(times)[len(times) // 2]
+
+
+def variant_calls(F, SK) -> dict:
+    """label → call(x, values, scales) for every timed FP8 variant (F = kernels.fp8_linear,
+    SK = kernels.fp8_linear_skinny)."""
+    calls = {"runtime": lambda x, v, s: F.fp8_linear(x, v, s)}
+    for label, tiles in ALTERNATIVES.items():
+        calls[label] = lambda x, v, s, t=F.Fp8LinearConfig(*tiles): F.fp8_linear(x, v, s, tiles=t)
+    calls["swap_ab"] = lambda x, v, s: SK.fp8_linear_swap_ab(x, v, s)
+    for label, cfg in SWAP_AB_ALTERNATIVES.items():
+        calls[label] = lambda x, v, s, c=SK.Fp8SkinnyConfig(*cfg): SK.fp8_linear_swap_ab(x, v, s, config=c)
+    return calls
+
+
+def weight_times(M: int, weights: list, bf16_weights: list, xs: dict, variants: dict, dev: torch.device,
+                 errors: list[str]) -> dict:
+    """{"rows": M, name: {label: µs}} for each weight alone, labels `PER_WEIGHT_LABELS` + cublas_bf16
+    (which kernel wins per shape; a shape-only choice between them stays batch invariant). A
+    256 MiB buffer (5× the H200's L2) is overwritten before each call: one weight alone would
+    otherwise stay in L2 between repetitions."""
+    out: dict = {"rows": M}
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    for (name, v, s), w in zip(weights, bf16_weights):
+        x = xs[v.shape[1]]
+        times = {}
+        for label in PER_WEIGHT_LABELS:
+            try:
+                times[label] = time_pass(lambda: variants[label](x, v, s), dev, flush)
+            except Exception as exc:
+                errors.append(f"M={M} {name} {label}: {type(exc).__name__}: {exc}"[:400])
+        times["cublas_bf16"] = time_pass(lambda: torch.mm(x.to(torch.bfloat16), w.t(), out_dtype=torch.float32), dev,
+                                         flush)
+        out[name] = times
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/fp8_linear.py needs a CUDA GPU")
     from sglang_dsv41.kernels import fp8_linear as F
+    from sglang_dsv41.kernels import fp8_linear_skinny as SK
 
     dev, g = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0)
     shapes = layer_fp8_shapes(args.layer)
@@ -87,14 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     fp8_bytes = sum(F.weight_bytes(*v.shape) for _, v, _ in weights)
     bf16_bytes = sum(2 * w.numel() for w in bf16_weights)
     copy_gbs = copy_bandwidth_gbs(dev)
-    variants = {"runtime": None} | {k: F.Fp8LinearConfig(*v) for k, v in ALTERNATIVES.items()}
-    rows, errors = [], []
+    variants = variant_calls(F, SK)
+    rows, errors, per_weight = [], [], []
     for M in args.rows:
         xs = {k: torch.randn(M, k, generator=g, device=dev).to(torch.bfloat16).float() for _, _, k in shapes}
         point: dict = {"rows": M}
-        for label, tiles in variants.items():
+        for label, call in variants.items():
             try:
-                us = time_pass(lambda: [F.fp8_linear(xs[v.shape[1]], v, s, tiles=tiles) for _, v, s in weights], dev)
+                us = time_pass(lambda: [call(xs[v.shape[1]], v, s) for _, v, s in weights], dev)
                 point[label] = dict(us=us, gbs=fp8_bytes / us / 1e3, fraction_of_copy=fp8_bytes / us / 1e3 / copy_gbs)
             except Exception as exc:  # a tile shape that fails to compile is reported, not fatal
                 errors.append(f"M={M} {label}: {type(exc).__name__}: {exc}"[:400])
@@ -102,11 +150,16 @@ def main(argv: list[str] | None = None) -> int:
                                 for w in bf16_weights], dev)
         point["cublas_bf16"] = dict(us=us, gbs=bf16_bytes / us / 1e3, fraction_of_copy=bf16_bytes / us / 1e3 / copy_gbs)
         rows.append(point)
+        per_weight.append(weight_times(M, weights, bf16_weights, xs, variants, dev, errors))
+        print(f"M={M} per weight (µs): " + "; ".join(f"{n.split('.')[-2]} " + "/".join(f"{t:.0f}" for t in ts.values())
+                                                    for n, ts in per_weight[-1].items() if n != "rows")
+              + f"  [{' / '.join(PER_WEIGHT_LABELS + ('cublas_bf16',))}]", flush=True)
         print(f"M={M}: " + "  ".join(f"{k} {v['us']:.0f} µs ({100 * v['fraction_of_copy']:.0f} %)"
                                      for k, v in point.items() if isinstance(v, dict)), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     result = dict(device=torch.cuda.get_device_name(), layer=args.layer, shapes=shapes, fp8_bytes=fp8_bytes,
-                  bf16_bytes=bf16_bytes, copy_gbs=copy_gbs, rows=rows, errors=errors, when=time.strftime("%F %T"))
+                  bf16_bytes=bf16_bytes, copy_gbs=copy_gbs, rows=rows, per_weight=per_weight, errors=errors,
+                  when=time.strftime("%F %T"))
     (args.out / "fp8_linear.json").write_text(json.dumps(result, indent=1))
     plot(result, args.out / "fp8_linear.png")
     return 1 if errors else 0

@@ -129,30 +129,36 @@ def scales_are_bf16_exact(scales: Tensor) -> bool:
     return bool(ok.all())
 
 
+def checked_inputs(x: Tensor, values: Tensor, scales: Tensor, who: str) -> Tensor:
+    """The input rules of `fp8_linear` (shared with `fp8_linear_skinny`; errors name `who`): values
+    2-D E4M3 with unit stride along K, scales fp32 [⌈N/32⌉, ⌈K/32⌉] with unit stride, x [M, K] fp32
+    or bf16, all on one device (CUDA, or CPU under the interpreter). Returns x with unit K stride."""
+    if values.dtype != FP8 or values.dim() != 2 or values.stride(1) != 1:
+        raise ValueError(f"{who}: values must be 2-D float8_e4m3fn with unit stride along K, got "
+                         f"{values.dtype} {tuple(values.shape)} strides {values.stride()}")
+    N, K = values.shape
+    want = (-(-N // TILE), -(-K // TILE))
+    if scales.dtype != torch.float32 or tuple(scales.shape) != want or scales.stride(1) != 1:
+        raise ValueError(f"{who}: scales must be fp32 {want} with unit stride, got {scales.dtype} "
+                         f"{tuple(scales.shape)} strides {scales.stride()}")
+    if x.dim() != 2 or x.shape[1] != K or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{who}: x must be [M, {K}] fp32 or bf16, got {x.dtype} {tuple(x.shape)}")
+    if not (x.device == values.device == scales.device):
+        raise ValueError(f"{who}: x on {x.device}, values on {values.device}, scales on {scales.device}")
+    if x.device.type != "cuda" and not INTERPRETED:
+        raise RuntimeError(f"{who}: tensors on {x.device} need a CUDA device, or TRITON_INTERPRET=1 set "
+                           "before triton is imported (tests)")
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
 def fp8_linear(x: Tensor, values: Tensor, scales: Tensor, *, tiles: Fp8LinearConfig | None = None) -> Tensor:
     """x·Wᵀ in fp32 within GEMM_BOUND (module doc); x [M, K] fp32 (BF16-valued) or bf16, values
     [N, K] E4M3 with unit stride along K (a contiguous weight or a row slice of one starting on a
     tile row), scales [⌈N/32⌉, ⌈K/32⌉] fp32 powers of two for exactly those rows. No host sync.
     `tiles` overrides the launch configuration (benchmarks/fp8_linear.py compares them; the runtime
     always uses `config_for`: another fixed configuration gives different, equally bounded bits)."""
-    if values.dtype != FP8 or values.dim() != 2 or values.stride(1) != 1:
-        raise ValueError(f"fp8_linear: values must be 2-D float8_e4m3fn with unit stride along K, got "
-                         f"{values.dtype} {tuple(values.shape)} strides {values.stride()}")
-    N, K = values.shape
-    want = (-(-N // TILE), -(-K // TILE))
-    if scales.dtype != torch.float32 or tuple(scales.shape) != want or scales.stride(1) != 1:
-        raise ValueError(f"fp8_linear: scales must be fp32 {want} with unit stride, got {scales.dtype} "
-                         f"{tuple(scales.shape)} strides {scales.stride()}")
-    if x.dim() != 2 or x.shape[1] != K or x.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"fp8_linear: x must be [M, {K}] fp32 or bf16, got {x.dtype} {tuple(x.shape)}")
-    if not (x.device == values.device == scales.device):
-        raise ValueError(f"fp8_linear: x on {x.device}, values on {values.device}, scales on {scales.device}")
-    if x.device.type != "cuda" and not INTERPRETED:
-        raise RuntimeError(f"fp8_linear: tensors on {x.device} need a CUDA device, or TRITON_INTERPRET=1 set "
-                           "before triton is imported (tests)")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    M = x.shape[0]
+    x = checked_inputs(x, values, scales, "fp8_linear")
+    M, (N, K) = x.shape[0], values.shape
     y = torch.empty(M, N, dtype=torch.float32, device=x.device)
     if M == 0:
         return y
@@ -173,4 +179,4 @@ def weight_bytes(n: int, k: int) -> int:
 
 
 __all__ = ["DEFAULT_CONFIG", "FP8", "Fp8LinearConfig", "INTERPRETED", "MAX_EXACT_SCALE_EXPONENT", "MIN_EXACT_SCALE_EXPONENT",
-           "TILE", "config_for", "fp8_linear", "scales_are_bf16_exact", "weight_bytes"]
+           "TILE", "checked_inputs", "config_for", "fp8_linear", "scales_are_bf16_exact", "weight_bytes"]

@@ -50,3 +50,21 @@ def test_refuses_without_cuda() -> None:
         pytest.skip("CPU-only check")
     with pytest.raises(SystemExit, match="CUDA"):
         bench.main(["--rows", "1"])
+
+
+def test_variants_include_the_swap_ab_candidate() -> None:
+    """Every label maps to a call; the swap-AB alternatives are valid skinny configurations
+    (BLOCK_W and BLOCK_K multiples of the 32-row scale tile) and differ from its default."""
+    from sglang_dsv41.kernels import fp8_linear as F
+    from sglang_dsv41.kernels import fp8_linear_skinny as SK
+
+    calls = bench.variant_calls(F, SK)
+    assert {"runtime", "swap_ab"} | set(bench.ALTERNATIVES) | set(bench.SWAP_AB_ALTERNATIVES) == set(calls)
+    assert set(bench.PER_WEIGHT_LABELS) <= set(calls)
+    for label, cfg in bench.SWAP_AB_ALTERNATIVES.items():
+        c = SK.Fp8SkinnyConfig(*cfg)
+        assert c.block_w % F.TILE == 0 and c.block_k % F.TILE == 0 and c != SK.SWAP_AB_CONFIG, label
+    if not torch.cuda.is_available() and not F.INTERPRETED:
+        values, scales = bench.random_fp8(64, 96, torch.Generator().manual_seed(0), torch.device("cpu"))
+        with pytest.raises(RuntimeError, match="fp8_linear_swap_ab: .*TRITON_INTERPRET"):
+            calls["swap_ab"](torch.zeros(1, 96), values, scales)     # the label reaches the candidate
