@@ -29,45 +29,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_dsv41.checkpoint.codecs import dequantize_fp8_block, ue8m0_from_exponent, ue8m0_to_float
+from sglang_dsv41.checkpoint.codecs import dequantize_fp8_block, ue8m0_to_float
 from sglang_dsv41.kernels import fp8_linear as F
-from triton_checks import compile_for_sm90, no_spills, run_kernel_cases_in_interpreter
 from sglang_dsv41.reference import compressor, ops
 from sglang_dsv41.runtime.dense_ops import (BlockedBf16Gemm, DenseWeightCache, Fp8Weight, backend_for, dense_math,
                                             error_bound, fp8_scale_key, is_dense_linear_weight)
 
-F32, F64, BF16, FP8 = torch.float32, torch.float64, torch.bfloat16, torch.float8_e4m3fn
-KERNEL_HERE = F.INTERPRETED or torch.cuda.is_available()
-DEVICE = "cuda" if torch.cuda.is_available() and not F.INTERPRETED else "cpu"
-kernel = pytest.mark.skipif(not KERNEL_HERE, reason="runs in the TRITON_INTERPRET child (or on CUDA)")
-
-
-def fp8_weight(n: int, k: int, g: torch.Generator, exp_range: tuple[int, int] = (-12, -4),
-               device: str = DEVICE) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random E4M3 values [n, k] and fp32 power-of-two tile scales with exponents in exp_range."""
-    codes = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
-    codes[(codes & 0x7F) == 0x7F] = 0x3C                     # no NaN codes
-    exps = torch.randint(exp_range[0], exp_range[1] + 1, (-(-n // 32), -(-k // 32)), generator=g)
-    return codes.view(FP8).to(device), ue8m0_to_float(ue8m0_from_exponent(exps)).to(device)
-
-
-def dequantised(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    n, k = values.shape
-    full = scales.repeat_interleave(32, 0)[:n].repeat_interleave(32, 1)[:, :k]
-    return values.to(F32) * full
-
-
-def bf16_rows(m: int, k: int, g: torch.Generator, device: str = DEVICE) -> torch.Tensor:
-    return torch.randn(m, k, generator=g).to(BF16).to(F32).to(device)
-
-
-def within_gemm_bound(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> tuple[bool, float]:
-    exact = x.to(F64) @ w.to(F64).t()
-    S = x.to(F64).abs() @ w.to(F64).abs().t()
-    err = (y.to(F64) - exact).abs()
-    bound = x.shape[-1] * 2.0**-23 * S
-    return bool((err <= bound).all()), float((err / bound.clamp(min=1e-300)).max())
-
+from fp8_cases import (BF16, DEVICE, F32, F64, FP8, KERNEL_HERE, bf16_rows, check_rows_alone_equal_rows_in_a_batch,
+                       check_within_gemm_bound, dequantised, fp8_weight, kernel, within_gemm_bound)
+from triton_checks import compile_for_sm90, no_spills, run_kernel_cases_in_interpreter
 
 # ---- kernel cases (interpreter child / CUDA) -----------------------------------------------------
 
@@ -75,25 +45,12 @@ def within_gemm_bound(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> tupl
 @pytest.mark.parametrize("m,n,k,x_dtype", [(1, 64, 96, F32), (5, 96, 512, F32), (33, 40, 300, F32),
                                            (17, 64, 160, BF16)])
 def test_kernel_case_within_gemm_bound(m: int, n: int, k: int, x_dtype: torch.dtype) -> None:
-    g = torch.Generator().manual_seed(m * 1000 + n + k)
-    values, scales = fp8_weight(n, k, g, exp_range=(-40, 20))
-    x = bf16_rows(m, k, g).to(x_dtype)
-    y = F.fp8_linear(x, values, scales)
-    assert y.dtype == F32 and y.shape == (m, n)
-    ok, worst = within_gemm_bound(x, dequantised(values, scales), y)
-    assert ok, worst
+    check_within_gemm_bound(F.fp8_linear, m, n, k, x_dtype)
 
 
 @kernel
 def test_kernel_case_rows_alone_equal_rows_in_a_batch() -> None:
-    g = torch.Generator().manual_seed(1)
-    values, scales = fp8_weight(96, 320, g)
-    x = bf16_rows(40, 320, g)
-    full = F.fp8_linear(x, values, scales)
-    for lo, hi in [(0, 1), (7, 8), (39, 40), (3, 20), (16, 33)]:
-        assert torch.equal(F.fp8_linear(x[lo:hi], values, scales), full[lo:hi]), (lo, hi)
-    assert torch.equal(F.fp8_linear(torch.cat([x, x], 1)[:, :320], values, scales), full)   # row-strided x
-    assert F.fp8_linear(x[:0], values, scales).shape == (0, 96)
+    check_rows_alone_equal_rows_in_a_batch(F.fp8_linear)
 
 
 @kernel

@@ -17,51 +17,20 @@ What is pinned:
 """
 from __future__ import annotations
 
-import os
+import functools
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from sglang_dsv41.checkpoint.codecs import ue8m0_from_exponent, ue8m0_to_float
 from sglang_dsv41.kernels import fp8_linear_skinny as S
 from sglang_dsv41.kernels.fp8_linear import INTERPRETED
+from fp8_cases import (BF16, F32, KERNEL_HERE, bf16_rows, check_rows_alone_equal_rows_in_a_batch, check_within_gemm_bound,
+                       dequantised, fp8_weight, kernel, within_gemm_bound)
+from triton_checks import compile_for_sm90, run_kernel_cases_in_interpreter
 
-F32, F64, BF16, FP8 = torch.float32, torch.float64, torch.bfloat16, torch.float8_e4m3fn
-KERNEL_HERE = INTERPRETED or torch.cuda.is_available()
-DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
-kernel = pytest.mark.skipif(not KERNEL_HERE, reason="runs in the TRITON_INTERPRET child (or on CUDA)")
 SMALL_CONFIGS = {"default": None, "bw32_bk64": S.Fp8SkinnyConfig(32, 64, 4, 3),
                  "bw128_bk32": S.Fp8SkinnyConfig(128, 32, 4, 3)}
-
-
-def fp8_weight(n: int, k: int, g: torch.Generator, exp_range: tuple[int, int] = (-12, -4),
-               device: str = DEVICE) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random E4M3 values [n, k] (no NaN codes) and fp32 power-of-two tile scales."""
-    codes = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
-    codes[(codes & 0x7F) == 0x7F] = 0x3C
-    exps = torch.randint(exp_range[0], exp_range[1] + 1, (-(-n // 32), -(-k // 32)), generator=g)
-    return codes.view(FP8).to(device), ue8m0_to_float(ue8m0_from_exponent(exps)).to(device)
-
-
-def dequantised(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    n, k = values.shape
-    return values.to(F32) * scales.repeat_interleave(32, 0)[:n].repeat_interleave(32, 1)[:, :k]
-
-
-def bf16_rows(m: int, k: int, g: torch.Generator, device: str = DEVICE) -> torch.Tensor:
-    return torch.randn(m, k, generator=g).to(BF16).to(F32).to(device)
-
-
-def within_gemm_bound(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> tuple[bool, float]:
-    exact = x.to(F64) @ w.to(F64).t()
-    s = x.to(F64).abs() @ w.to(F64).abs().t()
-    bound = x.shape[-1] * 2.0**-23 * s
-    err = (y.to(F64) - exact).abs()
-    return bool((err <= bound).all()), float((err / bound.clamp(min=1e-300)).max())
 
 
 # ---- kernel cases (interpreter child / CUDA) -----------------------------------------------------
@@ -71,25 +40,13 @@ def within_gemm_bound(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> tupl
 @pytest.mark.parametrize("m,n,k,x_dtype", [(1, 64, 96, F32), (5, 96, 512, F32), (17, 40, 300, F32),
                                            (40, 160, 160, BF16)])
 def test_kernel_case_within_gemm_bound(m: int, n: int, k: int, x_dtype: torch.dtype, config: str) -> None:
-    g = torch.Generator().manual_seed(m * 1000 + n + k)
-    values, scales = fp8_weight(n, k, g, exp_range=(-40, 20))
-    x = bf16_rows(m, k, g).to(x_dtype)
-    y = S.fp8_linear_swap_ab(x, values, scales, config=SMALL_CONFIGS[config])
-    assert y.dtype == F32 and y.shape == (m, n)
-    ok, worst = within_gemm_bound(x, dequantised(values, scales), y)
-    assert ok, worst
+    check_within_gemm_bound(functools.partial(S.fp8_linear_swap_ab, config=SMALL_CONFIGS[config]), m, n, k, x_dtype)
 
 
 @kernel
 def test_kernel_case_rows_alone_equal_rows_in_a_batch() -> None:
-    g = torch.Generator().manual_seed(1)
-    values, scales = fp8_weight(96, 320, g)
-    x = bf16_rows(40, 320, g)
-    full = S.fp8_linear_swap_ab(x, values, scales)
-    for lo, hi in [(0, 1), (7, 8), (39, 40), (3, 20), (16, 33), (0, 5), (0, 17)]:
-        assert torch.equal(S.fp8_linear_swap_ab(x[lo:hi], values, scales), full[lo:hi]), (lo, hi)
-    assert torch.equal(S.fp8_linear_swap_ab(torch.cat([x, x], 1)[:, :320], values, scales), full)   # row-strided x
-    assert S.fp8_linear_swap_ab(x[:0], values, scales).shape == (0, 96)
+    check_rows_alone_equal_rows_in_a_batch(S.fp8_linear_swap_ab,
+                                           ((0, 1), (7, 8), (39, 40), (3, 20), (16, 33), (0, 5), (0, 17)))
 
 
 @kernel
@@ -126,39 +83,25 @@ def test_input_and_configuration_checks() -> None:
             S.fp8_linear_swap_ab(x, values, scales)
 
 
-def compile_for_sm90(config: S.Fp8SkinnyConfig):
+def compiled_for_sm90(config: S.Fp8SkinnyConfig):
     """The kernel built for sm_90 as the runtime launches it (16-divisible pointers, N, K, x/w/y row
     strides — true for every Flash weight; the scale row stride is left unaligned, the worst case),
     with `cuobjdump -res-usage`'s line for it."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     kern = S._fp8_linear_swap_ab_kernel
     consts = dict(BLOCK_W=config.block_w, BLOCK_X=S.BLOCK_X, BLOCK_K=config.block_k, DOT_FP32=False)
     pointers = {"x_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_ptr": "*fp32"}
     sig = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in kern.arg_names}
     aligned = set(pointers) | {"N", "K", "stride_xm", "stride_wn", "stride_ym"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names) if n in aligned}
-    compiled = triton.compile(ASTSource(kern, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": config.num_warps, "num_stages": config.num_stages})
-    cubin = Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / f"fp8_linear_swap_ab_{os.getpid()}.cubin"
-    cubin.write_bytes(compiled.asm["cubin"])
-    try:
-        usage = subprocess.run([str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"),
-                                "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
-    finally:
-        cubin.unlink()
-    lines = [line.strip() for line in usage.splitlines() if "REG:" in line]
-    assert len(lines) == 1, usage
-    return compiled, lines[0]
+    return compile_for_sm90(kern, sig, consts, {"num_warps": config.num_warps, "num_stages": config.num_stages},
+                            attrs)
 
 
 def test_kernel_compiles_for_hopper_without_spills_and_pipelines_the_weight() -> None:
     if INTERPRETED:
         pytest.skip("compiled kernel only")
     cfg = S.SWAP_AB_CONFIG
-    compiled, usage = compile_for_sm90(cfg)
+    compiled, usage = compiled_for_sm90(cfg)
     assert "STACK:0 " in usage + " " and "LOCAL:0 " in usage + " ", usage
     ptx = compiled.asm["ptx"]
     assert "wgmma.mma_async" in ptx
@@ -176,15 +119,7 @@ if not INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "kernel_case", str(Path(__file__))],
-            cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=600)
-        tail = proc.stdout[-6000:] + proc.stderr[-3000:]
-        assert proc.returncode == 0, tail
-        passed = re.search(r"(\d+) passed", proc.stdout)
-        assert passed and int(passed.group(1)) == 14, tail
-        assert not re.search(r"\d+ (failed|skipped|error)", proc.stdout), tail
+        run_kernel_cases_in_interpreter(__file__, min_passed=14, exact=True)
 
 
 # ---- GPU ----------------------------------------------------------------------------------------------

@@ -36,14 +36,16 @@ def run_kernel_cases_in_interpreter(test_file: str | Path, *, min_passed: int, e
 
 
 def compile_for_sm90(kernel: Any, signature: dict[str, str], constexprs: dict[str, Any],
-                     options: dict[str, Any]) -> tuple[Any, str]:
+                     options: dict[str, Any], attrs: dict | None = None) -> tuple[Any, str]:
     """(compiled kernel, its `cuobjdump -res-usage` line) for sm_90; `signature` maps every argument
-    name to a Triton type string ("constexpr" for the constexprs)."""
+    name to a Triton type string ("constexpr" for the constexprs); `attrs` e.g. the 16-byte
+    divisibility the launcher specialises aligned arguments with ({(i,): [["tt.divisibility", 16]]})."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32),
                               options=options)
     cubin = Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / f"{kernel.__name__}_{os.getpid()}.cubin"
     cubin.write_bytes(compiled.asm["cubin"])
