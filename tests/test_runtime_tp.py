@@ -25,6 +25,8 @@ from sglang_dsv41.runtime.forward import TorchForward
 from sglang_dsv41.runtime.tensor_parallel import (ShardPlan, TensorParallel, TensorParallelError, balanced_block,
                                                   load_shard_weights)
 
+from runtime_values import same_value
+
 CPU = torch.device("cpu")
 TP = 2
 SINGLE_PROMPT = prompt(50, 27)
@@ -128,7 +130,7 @@ def test_tp1_shard_loader_equals_runtime_weights(tiny_checkpoint) -> None:
     got = load_shard_weights(stored, cfg, ShardPlan.for_config(cfg.text, 0, 1))
     assert got.keys() == want.keys()
     for name, value in want.items():
-        assert torch.equal(got[name], value), name
+        assert same_value(got[name], value), name
 
 
 def test_shard_loader_holds_only_this_ranks_share(tiny_checkpoint, text) -> None:
@@ -143,7 +145,7 @@ def test_shard_loader_holds_only_this_ranks_share(tiny_checkpoint, text) -> None
         for name, value in shard.items():
             rows = plan.rows_of(name)
             want = full[name] if rows is None else full[name][rows.start:rows.stop]
-            assert torch.equal(value, want), name
+            assert same_value(value, want), name
         i = text.engram_layer_ids[0]
         assert shard[f"layers.{i}.engram.embed.weight"].shape[0] == len(plan.engram_rows[i]) < text.engram_num_embeddings[0]
         assert shard["layers.0.attn.wq_b.weight"].shape[0] == len(plan.heads) * text.head_dim

@@ -5,7 +5,10 @@
 
 * every stored tensor is checked against the inventory first (`checkpoint.loader.check_stored`:
   one error naming every missing / unexpected / mis-typed / mis-shaped tensor);
-* every logical tensor except the routed experts and the FP8 dense weights kept FP8 is the
+* Engram tables (Kind ENGRAM) stay in their stored form — E4M3 rows + UE8M0 row scales, sliced
+  to this process's rows — as `engram_table.StoredEngramTable`, whose lookups dequantise the
+  gathered rows bit for bit like the reference loader (a dequantised Flash table would not fit);
+* every other logical tensor except the routed experts and the FP8 dense weights kept FP8 is the
   reference loader's §2.4 value
   (`checkpoint.loader.logical_tensor`: FP8 tiles dequantised, BF16 rounding rules, FP32 kept),
   as fp32 on `device` — exactly what `load_reference_weights_from_tensors` gives;
@@ -43,6 +46,7 @@ from ..checkpoint.loader import check_stored, logical_tensor
 from ..checkpoint.names import Kind, TensorSpec, tensor_inventory
 from ..config import DeepseekV41Config
 from .dense_ops import fp8_scale_key
+from .engram_table import StoredEngramTable
 from .moe_ops import RoutedExpertsMxfp4, routed_experts_key
 
 F32 = torch.float32
@@ -134,12 +138,14 @@ def runtime_weights(stored: Mapping[str, Tensor], cfg: DeepseekV41Config, device
             if kept is not None:
                 out.update(kept)
                 continue
-        if rows is not None and spec.kind is Kind.ENGRAM:
-            value = logical_tensor(spec, lambda n, r=rows: stored[n][r.start:r.stop])
-        else:
-            value = logical_tensor(spec, stored.__getitem__)
-            if rows is not None:
-                value = value[rows.start:rows.stop]
+        if spec.kind is Kind.ENGRAM:                 # stored form, rows dequantised on lookup (engram_table.py)
+            r = rows if rows is not None else range(spec.shape[0])
+            out[spec.name] = StoredEngramTable(stored[spec.name][r.start:r.stop].to(device).contiguous(),
+                                               stored[spec.scale_name][r.start:r.stop].to(device).contiguous())
+            continue
+        value = logical_tensor(spec, stored.__getitem__)
+        if rows is not None:
+            value = value[rows.start:rows.stop]
         out[spec.name] = value.to(device=device, dtype=F32).contiguous()
     if experts_mxfp4:
         order = sorted(held) if expert_ids is None else [int(e) for e in expert_ids]
