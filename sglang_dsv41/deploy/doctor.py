@@ -255,7 +255,7 @@ def run_checks(dc: DeploymentConfig | None) -> list[Check]:
         path = model_path(dc)
         cfg, _ = model_config_for(dc, path if Path(path, "config.json").is_file() else None)
         p = make_plan(dc, cfg)
-        need_gib = p.weights.resident_per_rank / GIB
+        need_gib = p.weights_per_rank / GIB
         host_need = p.host_need_per_node / GIB if dc.engram.placement == "host" else None
     checks = [Check("INFO", "python", sys.version.split()[0]), check_sglang(), check_recipe(), *check_plugin(),
               *check_runtime(dc), *check_gpus(dc, need_gib), *check_host_memory(host_need), *check_pd(dc),

@@ -39,6 +39,7 @@ from .kv import (
     swa_bytes_per_swa_token, swa_tokens_per_request,
 )
 from .memory import GIB, ShardLayout, WeightPlan, check_against_checkpoint, layout_of, vram_minimum_gb, weight_plan
+from .runtime_residency import RuntimeResidency, runtime_residency
 from .schema import DeployConfigError, DeploymentConfig, apply_override, config_from_dict, raw_config
 
 DEFAULT_MEM_FRACTION = 0.9
@@ -145,6 +146,10 @@ class Plan:
     host_mem_gib: float | None
     problems: list[str]
     status: str = "unvalidated"
+    #: what this project's runtime holds per rank (deploy/runtime_residency.py); None with the reason
+    #: in `runtime_weights_note` when the runtime cannot serve the layout
+    runtime_weights: RuntimeResidency | None = None
+    runtime_weights_note: str = ""
 
     # ---- derived ----------------------------------------------------------------------------
     @property
@@ -152,8 +157,14 @@ class Plan:
         return self.gpu_mem_gib * GIB * self.mem_fraction
 
     @property
+    def weights_per_rank(self) -> float:
+        """The weights the KV budget is left after: this runtime's own (deploy/runtime_residency.py)
+        where it can serve the layout, else the card's layout (deploy/memory.py)."""
+        return self.runtime_weights.per_rank if self.runtime_weights is not None else self.weights.resident_per_rank
+
+    @property
     def kv_budget(self) -> float:
-        return self.static_budget - self.weights.resident_per_rank
+        return self.static_budget - self.weights_per_rank
 
     @property
     def dp(self) -> int:
@@ -264,6 +275,8 @@ class Plan:
             "capacity_tokens_per_server": self.capacity_tokens_per_rank * self.dp,
             "max_full_context_requests": self.max_full_context_requests,
             "fits": ok, "verdict": text, "problems": self.problems, "status": self.status,
+            "runtime_weights_per_rank_gib": None if self.runtime_weights is None else self.runtime_weights.per_rank / GIB,
+            "runtime_weights_note": self.runtime_weights_note,
         }
 
 
@@ -286,6 +299,8 @@ def make_plan(dc: DeploymentConfig, cfg: DeepseekV41Config, model_source: str = 
     frac = mem_fraction if mem_fraction is not None else dc.serving.mem_fraction_static or DEFAULT_MEM_FRACTION
     ctx = context if context is not None else dc.serving.context_length or t.max_position_embeddings
     gpus = max(hw.gpus, 1)
+    runtime_weights, runtime_note = _runtime_weights(dc, cfg)
+    problems = check_against_checkpoint(dc, cfg)
     return Plan(
         name=dc.name, model_source=model_source, gpu=hw.gpu, gpus=hw.gpus, gpu_mem_gib=mem, gpu_mem_source=mem_src,
         mem_fraction=frac, weights=weights, checkpoint=weight_plan(cfg, ShardLayout()), pool=runtime_pool_for(dc, t),
@@ -293,10 +308,30 @@ def make_plan(dc: DeploymentConfig, cfg: DeepseekV41Config, model_source: str = 
         upstream_kv_bytes_per_token={lay: kv_bytes_per_token(t, lay) for lay in ("v4", "v41")},
         upstream_request=per_request_bytes(t, dc.features.kv_layout, draft_tokens=draft),
         context=ctx, batch=batch, servers_per_node=max(1, hw.per_node // gpus) if not hw.kind.is_cpu else 1,
-        host_mem_gib=hw.host_mem_gib, problems=check_against_checkpoint(dc, cfg),
+        host_mem_gib=hw.host_mem_gib, problems=problems,
         status=(f"validated on {dc.validated_on.date} ({dc.validated_on.hardware})" if dc.validated
                 else "unvalidated"),
+        runtime_weights=runtime_weights, runtime_weights_note=runtime_note,
     )
+
+
+def _runtime_weights(dc: DeploymentConfig, cfg: DeepseekV41Config) -> tuple[RuntimeResidency | None, str]:
+    """This runtime's per-rank weights for the deployment's TP size, or None and why it cannot
+    serve the layout (DP attention; a TP size the model's output groups do not divide)."""
+    from ..runtime.tensor_parallel import TensorParallelError
+
+    lay = layout_of(dc)
+    if lay.dp_attention > 1:
+        return None, "DP attention is not supported by this runtime (runtime/requirements.py)"
+    try:
+        found = runtime_residency(cfg, lay.tp)
+    except TensorParallelError as exc:
+        return None, str(exc)
+    note = (f"TP {lay.tp}, text model, routed experts MXFP4 and FP8 dense weights as stored, Engram tables as "
+            "stored and on the GPU" + (" (the config asks for host memory: not implemented by this runtime)"
+                                       if dc.engram.placement == "host" else "")
+            + ", BF16/FP32 tensors as fp32 + BF16 copies of dense linears, embedding and head replicated")
+    return found, note
 
 
 def _count(n: int) -> str:
@@ -327,6 +362,9 @@ def render(p: Plan, source: str) -> str:
               f"{w.stored_per_rank / u:9.2f}",
               f"{'load-time dequantisation (wo_a → BF16)':44s} {'':29s} {w.load_transform_per_rank / u:+9.2f}",
               f"{'resident weights per rank':44s} {'':29s} {w.resident_per_rank / u:9.2f}",
+              (f"{'this runtime holds per rank':44s} {'':29s} {p.runtime_weights.per_rank / u:9.2f}   "
+               f"({p.runtime_weights_note}; deploy/runtime_residency.py)" if p.runtime_weights is not None
+               else f"this runtime cannot serve this layout: {p.runtime_weights_note}"),
               f"vram_minimum_gb (whole checkpoint × 1.2, GB): {vram_minimum_gb(p.checkpoint.stored_total)}", ""]
     if w.engram_placement == "device":
         lines.append(f"Engram: on device, {w.engram_stored / u:.1f} {un} (tables + scales) with rows split over "
@@ -349,7 +387,7 @@ def render(p: Plan, source: str) -> str:
               f"{pool.pair_state_per_request / 2**10:.1f} KiB outside the KV budget (request-scoped, like req_to_token)"]
     if w.included["dspark"]:
         lines.append("  DSpark draft layers: not in the runtime's pool (DSpark is not served yet)")
-    lines += [f"  KV budget per rank: {p.static_budget / GIB:.1f} − {w.resident_per_rank / GIB:.1f} = "
+    lines += [f"  KV budget per rank: {p.static_budget / GIB:.1f} − {p.weights_per_rank / GIB:.1f} = "
               f"{p.kv_budget / GIB:.1f} GiB",
               f"  capacity: {p.capacity_tokens_per_rank:,} full-pool tokens and {p.swa_capacity_per_rank:,} SWA tokens "
               f"per rank; {p.max_full_context_requests} concurrent request(s) of {p.context:,} tokens per server",

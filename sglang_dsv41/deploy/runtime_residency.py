@@ -1,0 +1,90 @@
+"""Weight bytes one GPU rank of THIS project's runtime holds (issue 3; `runtime/weights.py`).
+
+`deploy/memory.py` reproduces the model card's table: the checkpoint as stored, sharded the way
+SGLang shards a DeepSeek-family model (vocab-parallel embedding and head, shared experts split by
+MoE-TP, wo_a dequantised to BF16). The runtime that serves the plugin holds its weights
+differently, and its KV pool gets what is left after *its* weights, so the planner sizes the KV
+budget with this module's figure. Rules, each stated where the runtime implements it:
+
+* Loaded tensors: the text model only — vision and DSpark tensors are not loaded (docs/runtime.md
+  "Limits").
+* Sharding (`runtime/tensor_parallel.py ShardPlan`, rank 0 = the largest share: balanced blocks
+  give the first ranks the extra row): routed experts in contiguous expert blocks, wq_b / attn_sink
+  by heads, wo_a by output groups, Engram tables by rows; everything else — embedding, head,
+  wo_b, wq_a, wkv, shared experts, routers, compressor, indexer, norms — replicated.
+* Formats at rest on CUDA (`runtime_weights(..., experts_mxfp4=True, dense_fp8=True)`):
+  routed experts MXFP4 as stored (E2M1 bytes + UE8M0 scales; the kernel layout's padding is not
+  counted); FP8 dense weights as stored E4M3 with their UE8M0 tile scales decoded to fp32
+  (4 bytes per 32×32 tile; a weight with a scale outside 2^-124..2^119 would be dequantised —
+  data-dependent, not counted); Engram tables as stored; BF16 and FP32 tensors as fp32 values
+  (4 bytes per element), plus a BF16 copy (2 bytes per element) of every dense linear weight
+  (`dense_ops.is_dense_linear_weight`: 2-D `*.weight` other than the embedding tables) made by
+  the dense backend (`DenseWeightCache`).
+
+The figure is checked against the bytes `runtime_weights` + `DenseWeightCache` actually hold for
+the tiny checkpoint at TP 1 and TP 2 (tests/test_deploy_runtime_residency.py).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+from ..checkpoint.names import Kind, TensorSpec, tensor_inventory
+from ..config import DeepseekV41Config
+
+#: bytes per element of a BF16 / FP32 tensor at rest (fp32 values) and of a dense linear weight's BF16 copy
+FP32_AT_REST, BF16_COPY = 4, 2
+
+
+@dataclass
+class RuntimeResidency:
+    """Bytes one rank holds, by the card's component rows (`memory.COMPONENTS` keys)."""
+
+    tp: int
+    by_component: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def per_rank(self) -> float:
+        return sum(self.by_component.values())
+
+
+def is_dense_linear_name(spec: TensorSpec) -> bool:
+    """The runtime's dense backend keeps a BF16 copy of these (`dense_ops.is_dense_linear_weight`)."""
+    return len(spec.shape) == 2 and spec.name.endswith(".weight") and not spec.name.endswith("embed.weight")
+
+
+def tensor_bytes_at_rest(spec: TensorSpec, fraction: float) -> tuple[str, float]:
+    """(component row, bytes) of `fraction` of one logical tensor's rows on a CUDA rank."""
+    main, *scales = spec.stored()
+    scale_elements = sum(math.prod(s.shape) for s in scales)
+    if spec.kind is Kind.FP4:
+        return "experts", fraction * (main.nbytes + sum(s.nbytes for s in scales))
+    if spec.kind is Kind.ENGRAM:
+        return "engram", fraction * (main.nbytes + sum(s.nbytes for s in scales))
+    if spec.kind is Kind.FP8:
+        return "fp8_dense", fraction * (main.nbytes + 4 * scale_elements)
+    per_element = FP32_AT_REST + (BF16_COPY if is_dense_linear_name(spec) else 0)
+    return "unquantised", fraction * spec.numel * per_element
+
+
+@functools.lru_cache(maxsize=32)
+def runtime_residency(cfg: DeepseekV41Config, tp: int) -> RuntimeResidency:
+    """Rank 0's weight bytes at TP `tp` under the runtime's rules (module docstring). Raises the
+    runtime's own `TensorParallelError` for a TP size the model cannot be sharded to."""
+    from ..runtime.tensor_parallel import ShardPlan   # torch-only module; keeps deploy importable first
+
+    plan = ShardPlan.for_config(cfg.text, 0, tp)
+    out = RuntimeResidency(tp=tp)
+    for spec in tensor_inventory(cfg, vision=False, dspark=False):
+        if not plan.holds(spec.name):
+            continue
+        rows = plan.rows_of(spec.name)
+        fraction = 1.0 if rows is None else len(rows) / spec.shape[0]
+        component, nbytes = tensor_bytes_at_rest(spec, fraction)
+        out.by_component[component] = out.by_component.get(component, 0.0) + nbytes
+    return out
+
+
+__all__ = ["BF16_COPY", "FP32_AT_REST", "RuntimeResidency", "is_dense_linear_name", "runtime_residency",
+           "tensor_bytes_at_rest"]
