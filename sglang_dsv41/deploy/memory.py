@@ -29,6 +29,7 @@ from ..config import DeepseekV41Config
 from .schema import DeploymentConfig
 
 GIB = float(1 << 30)
+HUGE_PAGE = 2 << 20  # transparent huge page size the Engram host table asks for (runtime.md §A.7)
 
 # (key, label as the card's table words it)
 COMPONENTS: tuple[tuple[str, str], ...] = (

@@ -1,0 +1,78 @@
+"""The text report of `sglang-dsv41 plan` (`render`): weights by component, this runtime's own
+weights, Engram placement, the KV pool split and capacity, the upstream comparison and the
+verdict — every assumption printed next to its result (deploy/plan.py computes them)."""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from .memory import GIB, HUGE_PAGE, vram_minimum_gb
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+
+def _count(n: int) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.1f}{suffix}"
+    return str(n)
+
+
+def render(p: Plan, source: str) -> str:
+    w, lay = p.weights, p.weights.layout
+    u, un = (GIB, "GiB") if p.checkpoint.stored_total >= GIB else (float(1 << 20), "MiB")  # tiny checkpoints
+    lines = [f"sglang-dsv41 plan — {p.name} ({source}), {p.status}",
+             f"model: {p.model_source}; loaded: vision {'yes' if w.included['vision'] else 'no'}, "
+             f"DSpark draft {'yes' if w.included['dspark'] else 'no'}",
+             f"hardware: {p.gpus} × {p.gpu}, {p.gpu_mem_gib:g} GiB per GPU [{p.gpu_mem_source}]; "
+             f"static budget = {p.mem_fraction:g} × that = {p.static_budget / GIB:.1f} GiB per rank",
+             f"parallel: tp {lay.tp} (attention tp {lay.attn_tp} × dp {lay.dp_attention}), ep {lay.ep}: routed experts "
+             f"1/{lay.tp} per rank, head-split attention and vocab 1/{lay.attn_tp}, shared experts 1/{lay.moe_tp}, "
+             "the rest replicated", "",
+             f"{'weights by component':44s} {'entries':>9s} {'checkpoint':>10s} {'loaded':>8s} {'per rank':>9s}",
+             f"{'':44s} {'':>9s} {un:>10s} {un:>8s} {un:>9s}"]
+    for k, c in w.components.items():
+        whole = p.checkpoint.components[k]
+        lines.append(f"{c.label:44s} {_count(whole.entries):>9s} {whole.stored / u:10.1f} {c.stored / u:8.1f} "
+                     f"{c.per_rank / u:9.2f}")
+    lines += [f"{'total (stored form)':44s} {'':9s} {p.checkpoint.stored_total / u:10.1f} {w.stored_total / u:8.1f} "
+              f"{w.stored_per_rank / u:9.2f}",
+              f"{'load-time dequantisation (wo_a → BF16)':44s} {'':29s} {w.load_transform_per_rank / u:+9.2f}",
+              f"{'resident weights per rank':44s} {'':29s} {w.resident_per_rank / u:9.2f}",
+              (f"{'this runtime holds per rank':44s} {'':29s} {p.runtime_weights.per_rank / u:9.2f}   "
+               f"({p.runtime_weights_note}; deploy/runtime_residency.py)" if p.runtime_weights is not None
+               else f"this runtime cannot serve this layout: {p.runtime_weights_note}"),
+              f"vram_minimum_gb (whole checkpoint × 1.2, GB): {vram_minimum_gb(p.checkpoint.stored_total)}", ""]
+    if w.engram_placement == "device":
+        lines.append(f"Engram: on device, {w.engram_stored / u:.1f} {un} (tables + scales) with rows split over "
+                     f"{lay.tp} rank(s): {w.engram_device_per_rank / u:.2f} {un} per rank (inside the weights above)")
+    else:
+        lines.append(f"Engram: in pinned host memory, {w.engram_host_per_server / u:.1f} {un} per server (read through "
+                     f"UVA; {math.ceil(w.engram_host_per_server / HUGE_PAGE):,} × 2 MiB huge pages); "
+                     f"{p.servers_per_node} server(s) per node → {p.host_need_per_node / u:.1f} {un} host per node")
+    pool, r = p.pool, p.upstream_request
+    cap = f", --max-total-tokens {pool.max_total_tokens:,}" if pool.max_total_tokens is not None else ""
+    lines += ["", f"KV cache: the runtime's SGLang hybrid-SWA pool (docs/runtime.md; --swa-full-tokens-ratio "
+                  f"{pool.swa_full_tokens_ratio:g}, --page-size {pool.page_size}{cap}):",
+              f"  global KV per token: {pool.row_bytes} B packed FP4 row (one KV head, so every TP rank holds it "
+              "whole) = " + " + ".join(f"{b}" for _, _, b in pool.sources) + " B of sources "
+              + ", ".join(f"{la} (ratio {ra})" for la, ra, _ in pool.sources),
+              f"  SWA per SWA token: {pool.swa_token_bytes:,} B; SGLang's cell per full token = {pool.row_bytes} + "
+              f"{pool.swa_full_tokens_ratio:g} × {pool.swa_token_bytes:,} = {pool.cell_bytes:,.1f} B",
+              f"  per decoding request: {pool.swa_tokens_per_request} SWA tokens (window + page) = "
+              f"{pool.swa_tokens_per_request * pool.swa_token_bytes / 2**20:.2f} MiB; ratio-2 pair state "
+              f"{pool.pair_state_per_request / 2**10:.1f} KiB outside the KV budget (request-scoped, like req_to_token)"]
+    if w.included["dspark"]:
+        lines.append("  DSpark draft layers: not in the runtime's pool (DSpark is not served yet)")
+    lines += [f"  KV budget per rank: {p.static_budget / GIB:.1f} − {p.weights_per_rank / GIB:.1f} = "
+              f"{p.kv_budget / GIB:.1f} GiB",
+              f"  capacity: {p.capacity_tokens_per_rank:,} full-pool tokens and {p.swa_capacity_per_rank:,} SWA tokens "
+              f"per rank; {p.max_full_context_requests} concurrent request(s) of {p.context:,} tokens per server",
+              f"  compared with upstream SGLang 0.5.23 layouts (not what this runtime stores; config "
+              f"features.kv_layout {p.upstream_kv_layout}): global KV v4 {p.upstream_kv_bytes_per_token['v4']:.1f} B, "
+              f"v41/FP4 {p.upstream_kv_bytes_per_token['v41']:.1f} B per token (page-padded); per request SWA "
+              f"{r.swa / 2**20:.2f} MiB + DSpark draft SWA {r.dspark_swa / 2**20:.2f} MiB", ""]
+    ok, text = p.verdict()
+    lines.append(f"verdict: {text}")
+    return "\n".join(lines)
