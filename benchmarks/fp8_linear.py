@@ -13,8 +13,8 @@ multiplied in sequence — one "layer pass" — at M ∈ {1, 64} rows:
 * the previous runtime path as the baseline: `torch.mm` of BF16 copies of the same weights with
   fp32 output (`dense_ops.BlockedBf16Gemm` without its row padding), 2 bytes per weight element.
 
-Per row: median µs of the pass (CUDA events; the pass reads ≈ 155 MiB at Flash widths, 3× the
-H200's L2, so weights come from HBM), the bytes it must read (E4M3 + fp32 tile scales; BF16 for
+Per row: median µs of the pass (`step_timing.measure`: CUDA events, L2 flushed before every
+call; the pass reads ≈ 155 MiB at Flash widths), the bytes it must read (E4M3 + fp32 tile scales; BF16 for
 the baseline), GB/s and the fraction of the copy bandwidth measured in the same run; `per_weight`:
 each weight alone (runtime, swap_ab, cuBLAS). Writes
 `fp8_linear.json` and `fp8_linear.png` to `--out`. CUDA only; bounded by the row list.
@@ -35,8 +35,9 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 from device_bandwidth import copy_bandwidth_gbs  # noqa: E402
+from step_timing import measure  # noqa: E402
 
-REPS = 20
+CAP_S = 0.3                 # seconds of timed calls per point
 ALTERNATIVES = {"bm16_bn32_w4": (16, 32, 128, 4, 3), "bm64_bn32_w8": (64, 32, 128, 8, 3),
                 "bm64_bn32_bk64_w4": (64, 32, 64, 4, 3), "bm16_bn16_bk256_w4": (16, 16, 256, 4, 3)}
 #: `fp8_linear_swap_ab` configurations besides its default (label `swap_ab`): (block_w, block_k, warps, stages)
@@ -63,23 +64,10 @@ def random_fp8(n: int, k: int, g: torch.Generator, dev: torch.device) -> tuple[t
     return values, torch.exp2(exps.float())
 
 
-def time_pass(fn, dev: torch.device, l2_flush: torch.Tensor | None = None) -> float:
-    """Median µs of fn() over REPS (after 3 warm-up calls); with `l2_flush`, that buffer is
-    overwritten before every timed call so the call's operands come from HBM, not L2."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize(dev)
-    times = []
-    for _ in range(REPS):
-        if l2_flush is not None:
-            l2_flush.zero_()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize(dev)
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
+def time_pass(fn, dev: torch.device) -> float:
+    """Median µs of fn() (`step_timing.measure`: CUDA events, a 256 MB L2 flush before every call,
+    as many calls as fit in CAP_S)."""
+    return measure(fn, CAP_S, dev)["median_us"]
 
 
 def variant_calls(F, SK) -> dict:
@@ -97,21 +85,18 @@ def variant_calls(F, SK) -> dict:
 def weight_times(M: int, weights: list, bf16_weights: list, xs: dict, variants: dict, dev: torch.device,
                  errors: list[str]) -> dict:
     """{"rows": M, name: {label: µs}} for each weight alone, labels `PER_WEIGHT_LABELS` + cublas_bf16
-    (which kernel wins per shape; a shape-only choice between them stays batch invariant). A
-    256 MiB buffer (5× the H200's L2) is overwritten before each call: one weight alone would
-    otherwise stay in L2 between repetitions."""
+    (which kernel wins per shape; a shape-only choice between them stays batch invariant). The
+    L2 flush before each call (`time_pass`) keeps one weight alone from staying in L2."""
     out: dict = {"rows": M}
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     for (name, v, s), w in zip(weights, bf16_weights):
         x = xs[v.shape[1]]
         times = {}
         for label in PER_WEIGHT_LABELS:
             try:
-                times[label] = time_pass(lambda: variants[label](x, v, s), dev, flush)
+                times[label] = time_pass(lambda: variants[label](x, v, s), dev)
             except Exception as exc:
                 errors.append(f"M={M} {name} {label}: {type(exc).__name__}: {exc}"[:400])
-        times["cublas_bf16"] = time_pass(lambda: torch.mm(x.to(torch.bfloat16), w.t(), out_dtype=torch.float32), dev,
-                                         flush)
+        times["cublas_bf16"] = time_pass(lambda: torch.mm(x.to(torch.bfloat16), w.t(), out_dtype=torch.float32), dev)
         out[name] = times
     return out
 
