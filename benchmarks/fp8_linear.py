@@ -164,7 +164,8 @@ def plot(result: dict, path: Path) -> None:
     for i, point in enumerate(result["rows"]):
         ax.bar([j + i * width for j in range(len(labels))], [point.get(k, {}).get("us", 0) for k in labels], width,
                label=f"M = {point['rows']}")
-    ax.set_xticks([j + width * (len(result["rows"]) - 1) / 2 for j in range(len(labels))], labels, rotation=20, fontsize=8)
+    centres = [j + width * (len(result["rows"]) - 1) / 2 for j in range(len(labels))]
+    ax.set_xticks(centres, labels, rotation=20, fontsize=8)
     ax.set(ylabel="µs per layer pass", title=f"FP8 dense linears of Flash layer {result['layer']}")
     ax.legend()
     fig.tight_layout()

@@ -65,3 +65,21 @@ def check_rows_alone_equal_rows_in_a_batch(multiply, spans=((0, 1), (7, 8), (39,
         assert torch.equal(multiply(x[lo:hi], values, scales), full[lo:hi]), (lo, hi)
     assert torch.equal(multiply(torch.cat([x, x], 1)[:, :320], values, scales), full)   # row-strided x
     assert multiply(x[:0], values, scales).shape == (0, 96)
+
+
+def check_row_prefixes(multiply, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
+                       prefixes: tuple[int, ...]) -> tuple[torch.Tensor, float]:
+    """Each row prefix x[:m] gives the full call's rows bit for bit and stays within GEMM_BOUND;
+    single rows too. Returns (the full product, the worst error / bound)."""
+    w = dequantised(values, scales)
+    full = multiply(x, values, scales)
+    worst = 0.0
+    for m in prefixes:
+        y = multiply(x[:m], values, scales)
+        assert torch.equal(y, full[:m]), m
+        ok, r = within_gemm_bound(x[:m], w, y)
+        assert ok, (m, r)
+        worst = max(worst, r)
+    for i in (0, 17, x.shape[0] - 1):
+        assert torch.equal(multiply(x[i:i + 1], values, scales), full[i:i + 1]), i
+    return full, worst

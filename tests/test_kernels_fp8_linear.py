@@ -35,8 +35,8 @@ from sglang_dsv41.reference import compressor, ops
 from sglang_dsv41.runtime.dense_ops import (BlockedBf16Gemm, DenseWeightCache, Fp8Weight, backend_for, dense_math,
                                             error_bound, fp8_scale_key, is_dense_linear_weight)
 
-from fp8_cases import (BF16, DEVICE, F32, F64, FP8, KERNEL_HERE, bf16_rows, check_rows_alone_equal_rows_in_a_batch,
-                       check_within_gemm_bound, dequantised, fp8_weight, kernel, within_gemm_bound)
+from fp8_cases import (BF16, DEVICE, F32, F64, FP8, KERNEL_HERE, bf16_rows, check_row_prefixes,
+                       check_rows_alone_equal_rows_in_a_batch, check_within_gemm_bound, dequantised, fp8_weight, kernel)
 from triton_checks import compile_for_sm90, no_spills, run_kernel_cases_in_interpreter
 
 # ---- kernel cases (interpreter child / CUDA) -----------------------------------------------------
@@ -222,18 +222,8 @@ def test_flash_shapes_within_bound_and_row_invariant_on_gpu(name: str) -> None:
     n, k = FLASH_SHAPES[name]
     g = torch.Generator().manual_seed(n + k)
     values, scales = fp8_weight(n, k, g, device="cuda")
-    w = dequantised(values, scales)
     x = bf16_rows(300, k, g, device="cuda")
-    worst = 0.0
-    full = F.fp8_linear(x, values, scales)
-    for m in (1, 5, 64, 300):
-        y = F.fp8_linear(x[:m], values, scales)
-        assert torch.equal(y, full[:m]), m
-        ok, r = within_gemm_bound(x[:m], w, y)
-        assert ok, (m, r)
-        worst = max(worst, r)
-    for i in (0, 17, 299):
-        assert torch.equal(F.fp8_linear(x[i:i + 1], values, scales), full[i:i + 1]), i
+    full, worst = check_row_prefixes(F.fp8_linear, x, values, scales, (1, 5, 64, 300))
     if name == "wo_a":
         name_w = "layers.0.attn.wo_a.weight"
         backend = BlockedBf16Gemm(DenseWeightCache.from_weights({name_w: values, fp8_scale_key(name_w): scales}))
