@@ -18,8 +18,8 @@ budget with this module's figure. Rules, each stated where the runtime implement
   (4 bytes per 32×32 tile; a weight with a scale outside 2^-124..2^119 would be dequantised —
   data-dependent, not counted); Engram tables as stored; BF16 and FP32 tensors as fp32 values
   (4 bytes per element), plus a BF16 copy (2 bytes per element) of every dense linear weight
-  (`dense_ops.is_dense_linear_weight`: 2-D `*.weight` other than the embedding tables) made by
-  the dense backend (`DenseWeightCache`).
+  (`dense_ops.is_dense_linear_name`, the predicate the dense backend registers by) made by the
+  dense backend (`DenseWeightCache`).
 
 The figure is checked against the bytes `runtime_weights` + `DenseWeightCache` actually hold for
 the tiny checkpoint at TP 1 and TP 2 (tests/test_deploy_runtime_residency.py).
@@ -49,11 +49,6 @@ class RuntimeResidency:
         return sum(self.by_component.values())
 
 
-def is_dense_linear_name(spec: TensorSpec) -> bool:
-    """The runtime's dense backend keeps a BF16 copy of these (`dense_ops.is_dense_linear_weight`)."""
-    return len(spec.shape) == 2 and spec.name.endswith(".weight") and not spec.name.endswith("embed.weight")
-
-
 def tensor_bytes_at_rest(spec: TensorSpec, fraction: float) -> tuple[str, float]:
     """(component row, bytes) of `fraction` of one logical tensor's rows on a CUDA rank."""
     main, *scales = spec.stored()
@@ -64,7 +59,9 @@ def tensor_bytes_at_rest(spec: TensorSpec, fraction: float) -> tuple[str, float]
         return "engram", fraction * (main.nbytes + sum(s.nbytes for s in scales))
     if spec.kind is Kind.FP8:
         return "fp8_dense", fraction * (main.nbytes + 4 * scale_elements)
-    per_element = FP32_AT_REST + (BF16_COPY if is_dense_linear_name(spec) else 0)
+    from ..runtime.dense_ops import is_dense_linear_name   # imports torch: kept out of `import deploy`
+
+    per_element = FP32_AT_REST + (BF16_COPY if is_dense_linear_name(spec.name, len(spec.shape)) else 0)
     return "unquantised", fraction * spec.numel * per_element
 
 
@@ -86,5 +83,5 @@ def runtime_residency(cfg: DeepseekV41Config, tp: int) -> RuntimeResidency:
     return out
 
 
-__all__ = ["BF16_COPY", "FP32_AT_REST", "RuntimeResidency", "is_dense_linear_name", "runtime_residency",
+__all__ = ["BF16_COPY", "FP32_AT_REST", "RuntimeResidency", "runtime_residency",
            "tensor_bytes_at_rest"]

@@ -73,13 +73,18 @@ ROW_BLOCK = 128
 ACCUMULATION_UNIT = 2.0**-23
 
 
+def is_dense_linear_name(name: str, ndim: int) -> bool:
+    """Names of the weights the dense helpers multiply: 2-D `*.weight` other than the token /
+    Engram embedding tables (read by row, not multiplied); hc_*_fn, q/k_weight are not `*.weight`
+    names. Also used by the planner (`deploy/runtime_residency.py`) on the checkpoint inventory."""
+    return ndim == 2 and name.endswith(".weight") and not name.endswith("embed.weight")
+
+
 def is_dense_linear_weight(name: str, value: object) -> bool:
-    """Weights consumed by the dense helpers: 2-D floating `*.weight` tensors other than the
-    token / Engram embedding tables (read by row, not multiplied). hc_*_fn, q/k_weight are not
-    `*.weight` names and are not routed through the helpers; non-tensor values (e.g. packed MXFP4
-    experts, `runtime/weights.py`) are skipped."""
-    return isinstance(value, Tensor) and value.dim() == 2 and value.is_floating_point() \
-        and name.endswith(".weight") and not name.endswith("embed.weight")
+    """Weights consumed by the dense helpers: floating tensors with a dense-linear name
+    (`is_dense_linear_name`); non-tensor values (packed MXFP4 experts, stored Engram tables,
+    `runtime/weights.py`) are skipped."""
+    return isinstance(value, Tensor) and value.is_floating_point() and is_dense_linear_name(name, value.dim())
 
 
 def fp8_scale_key(name: str) -> str:
@@ -374,4 +379,5 @@ def error_bound(x: Tensor, weight: Tensor, out: Tensor, ref: Tensor, bf16_output
 
 
 __all__ = ["ACCUMULATION_UNIT", "BlockedBf16Gemm", "DenseWeightCache", "FP8", "Fp8Weight", "ROW_BLOCK", "TILE",
-           "backend_for", "dense_math", "error_bound", "fp8_scale_key", "is_dense_linear_weight"]
+           "backend_for", "dense_math", "error_bound", "fp8_scale_key", "is_dense_linear_name",
+           "is_dense_linear_weight"]
