@@ -206,8 +206,9 @@ def nearest_shape_caveats() -> list[str]:
     ]
 
 
-def preflight() -> dict[str, Any]:
-    """Which required / optional modules import, CUDA, nvcc; the blockers as plain sentences."""
+def preflight(need_gpus: int = 1) -> dict[str, Any]:
+    """Which required / optional modules import, CUDA (at least `need_gpus` devices), nvcc; the blockers
+    as plain sentences."""
     import shutil
     mods = {m: importlib.util.find_spec(m) is not None for m in (*REQUIRED_MODULES, "deep_gemm", "matplotlib")}
     info: dict[str, Any] = {"modules": mods, "nvcc": shutil.which("nvcc") or (
@@ -219,8 +220,11 @@ def preflight() -> dict[str, Any]:
     if mods["torch"]:
         import torch
         info["cuda"] = torch.cuda.is_available()      # no context is created here (the workers own the GPU)
+        info["gpus"] = torch.cuda.device_count() if info["cuda"] else 0
         if not info["cuda"]:
             blockers.append("no CUDA device")
+        elif info["gpus"] < need_gpus:
+            blockers.append(f"--parallel-gpus needs {need_gpus} GPUs, {info['gpus']} visible")
     info["blockers"] = blockers
     return info
 
@@ -393,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="folders with carried sglang_jit parts (e.g. .gpu_jit): staged, extracted when complete")
     ap.add_argument("--jit-pack", type=Path, help="after the run, pack --jit-cache here (warm-up: --out)")
     ap.add_argument("--jit-part-mib", type=int, default=sglang_jit_cache.PART_MIB)
+    ap.add_argument("--parallel-gpus", action="store_true",
+                    help="run the layer counts' workers at once, worker k on GPU k (needs as many GPUs)")
     ap.add_argument("--warmup", action="store_true", help="compile only: no timing; packs the cache")
     ap.add_argument("--warmup-layers", type=int, nargs="+", help="layer counts to warm (default: the smaller)")
     ap.add_argument("--warmup-steps", type=int, default=2, help="decode steps per batch in the warm-up")
@@ -404,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot_only:
         return plot(json.loads(args.plot_only.read_text()), args.plot_only.with_suffix(".png"))
     t_start = time.perf_counter()
-    pre = preflight()
+    pre = preflight(len(args.layers) if args.parallel_gpus and not args.warmup else 1)
     env = sglang_env(pre["modules"]["deep_gemm"])
     chunk = args.prefill_chunk_tokens or (65536 if pre["modules"]["deep_gemm"] else 8192)
     if args.warmup and not args.jit_cache:
@@ -435,14 +441,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory(prefix="sglang_v4_") as tmp:
         steps_by: dict[int, dict[int, dict]] = {}
+        jobs = []
         for k, layers in enumerate(args.layers):
             model_dir = write_model_dir(Path(tmp) / f"v4_{layers}l", layers)
             sargv = sglang_argv(model_dir, args.batches, args.context, args.steps, args.mem_fraction_static,
                                 args.moe_runner_backend)
-            left = args.time_budget - (time.perf_counter() - t_start)
-            timeout = left * (0.55 if k == 0 else 1.0) - 5
-            print(f"{layers} layers: worker with {timeout:.0f} s", flush=True)
-            rec = _run_worker(layers, model_dir, sargv, env, timeout, chunk, args.out / f"sglang_v4_baseline.{layers}l.log")
+            jobs.append((k, layers, model_dir, sargv))
+        if args.parallel_gpus:
+            recs = _run_workers_on_gpus(jobs, env, args, t_start, chunk)
+            result["parallel_gpus"] = ("each layer count's worker on its own GPU at the same time "
+                                       "(CUDA_VISIBLE_DEVICES = its index), each with its own JIT cache")
+        for k, layers, model_dir, sargv in jobs:
+            if args.parallel_gpus:
+                rec = recs[k]
+            else:
+                left = args.time_budget - (time.perf_counter() - t_start)
+                timeout = left * (0.55 if k == 0 else 1.0) - 5
+                print(f"{layers} layers: worker with {timeout:.0f} s", flush=True)
+                rec = _run_worker(layers, model_dir, sargv, env, timeout, chunk,
+                                  args.out / f"sglang_v4_baseline.{layers}l.log")
             rec["bench_one_batch_equivalent"] = bench_one_batch_command(sargv)
             result["workers"].append(rec)
             steps_by[layers] = {r["batch"]: r for r in rec["runs"] if not r.get("warmup")}
@@ -458,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     result["errors"] += [f"per-layer, batch {r['batch']}: {r['error']}" for r in result["per_layer"] if "error" in r]
     if args.jit_cache:        # new files here mean the warm-up missed kernels (their JIT ran in this run)
         jit["after"] = sglang_jit_cache.inventory(args.jit_cache)
+        if args.parallel_gpus:
+            jit["after_per_gpu"] = {d.name: sglang_jit_cache.inventory(d) for d in sorted(args.jit_cache.glob("gpu*"))}
         if args.jit_pack:
             jit["pack"] = _pack(args.jit_cache, args.jit_pack, {}, args.jit_part_mib)
     result["wall_s"] = time.perf_counter() - t_start
@@ -471,6 +490,32 @@ def main(argv: list[str] | None = None) -> int:
                       else f"bs {r['batch']}: {r['error']}" for r in result["per_layer"])
           + f"; errors: {result['errors'] or 'none'}")
     return 1 if result["errors"] else 0
+
+
+def worker_env(env: dict[str, str], gpu: int, jit_cache: Path | None) -> dict[str, str]:
+    """The environment of a worker pinned to GPU `gpu`: its own JIT cache under `jit_cache/gpu<k>` so two
+    workers compiling at once never write the same cache entry."""
+    env = {**env, "CUDA_VISIBLE_DEVICES": str(gpu)}
+    if jit_cache is not None:
+        own = jit_cache / f"gpu{gpu}"
+        env.update(sglang_jit_cache.jit_cache_env(own), BENCH_JIT_CACHE_DIR=str(own.resolve()))
+    return env
+
+
+def _run_workers_on_gpus(jobs: list[tuple[int, int, Path, list[str]]], env: dict[str, str],
+                         args: argparse.Namespace, t_start: float, chunk: int) -> dict[int, dict[str, Any]]:
+    """--parallel-gpus: every layer count's worker at once, worker k on GPU k, each with the whole
+    remaining budget (the JIT compile, the longest part on a fresh machine, then runs on both GPUs in
+    parallel instead of one after the other)."""
+    import concurrent.futures as cf
+    left = args.time_budget - (time.perf_counter() - t_start) - 5
+    print(f"layers {[j[1] for j in jobs]}: workers on GPUs {[j[0] for j in jobs]} with {left:.0f} s each",
+          flush=True)
+    with cf.ThreadPoolExecutor(len(jobs)) as pool:
+        futs = {k: pool.submit(_run_worker, layers, model_dir, sargv, worker_env(env, k, args.jit_cache), left,
+                               chunk, args.out / f"sglang_v4_baseline.{layers}l.log")
+                for k, layers, model_dir, sargv in jobs}
+        return {k: f.result() for k, f in futs.items()}
 
 
 def _pack(cache_dir: Path, out: Path, extra: dict[str, Any], part_mib: int) -> dict[str, Any]:

@@ -120,6 +120,49 @@ def test_blocked_preflight_writes_json_and_fails(tmp_path, monkeypatch):
     assert result["configs"]["2"]["hidden_size"] == 4096 and result["workers"] == []
 
 
+
+def test_parallel_gpus_blocks_on_one_visible_gpu(tmp_path, monkeypatch):
+    """--parallel-gpus with fewer GPUs than layer counts stops at the preflight, naming the count."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    pre = bench.preflight(need_gpus=2)
+    assert any("--parallel-gpus needs 2 GPUs, 1 visible" in b for b in pre["blockers"])
+    assert not any("parallel" in b for b in bench.preflight(need_gpus=1)["blockers"])
+
+
+def test_worker_env_pins_the_gpu_and_its_own_jit_cache(tmp_path):
+    env = bench.worker_env({"A": "1"}, 1, tmp_path / "jit")
+    assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["A"] == "1"
+    own = (tmp_path / "jit" / "gpu1").resolve()
+    assert env["BENCH_JIT_CACHE_DIR"] == str(own)
+    assert env["TRITON_CACHE_DIR"].startswith(str(own))
+    assert "BENCH_JIT_CACHE_DIR" not in bench.worker_env({}, 0, None)
+
+
+def test_parallel_workers_start_together_with_the_whole_budget(tmp_path, monkeypatch):
+    """Both workers run at once (each waits for the other to have started), worker k gets GPU k and the
+    remaining budget, and their records land in the JSON in layer order."""
+    import threading
+    started = threading.Barrier(2, timeout=10)
+    seen = {}
+
+    def fake(layers, model_dir, argv, env, timeout, chunk, log):
+        started.wait()
+        seen[layers] = (env["CUDA_VISIBLE_DEVICES"], timeout)
+        return {"runs": [{"batch": 1, "context": 8192, "step_median_us": 100.0 * layers}], "errors": [],
+                "returncode": 0, "layers": layers}
+    monkeypatch.setattr(bench, "_run_worker", fake)
+    monkeypatch.setattr(bench, "preflight", lambda need_gpus=1: {"modules": {"deep_gemm": False,
+                                                                             "matplotlib": False},
+                                                                 "blockers": [], "gpus": need_gpus})
+    rc = bench.main(["--out", str(tmp_path), "--parallel-gpus", "--batches", "1", "--time-budget", "100"])
+    assert rc == 0
+    assert seen[2][0] == "0" and seen[4][0] == "1" and seen[2][1] > 90 and seen[4][1] > 90
+    result = json.loads((tmp_path / "sglang_v4_baseline.json").read_text())
+    assert [w["layers"] for w in result["workers"]] == [2, 4]
+    assert result["per_layer"][0]["per_layer_us"] == 100.0 and "parallel_gpus" in result
+
 # ---- JIT caches, warm-up, pack/restore (benchmarks/sglang_jit_cache.py) -------------------------------
 import importlib.util  # noqa: E402
 import os  # noqa: E402
