@@ -45,34 +45,30 @@ they are built, so a warm-up killed at its limit keeps them and the next warm-up
 once all are there. The timed JSON records the cache's files before/after (growth = JIT inside the run).
 
     python benchmarks/sglang_v4_baseline.py [--batches 1 8 64 256] [--context 8192] [--layers 2 4] [--out DIR]
+        [--parallel-gpus] [--prefill-chunk-tokens N]
         [--jit-cache DIR [--jit-restore .gpu_jit] [--jit-pack DIR]] [--warmup [--warmup-layers 2]]
     python benchmarks/sglang_v4_baseline.py --plot-only benchmarks/results/sglang_v4_baseline.json
 
-Next-session sequence (device calls; `run` = the device tool; at most ~30 s between the calls of one
-chain, else /tmp/site, /tmp/sglang_jit and the staged parts are gone; <hash>: `ls .gpu/site`). Commands
-start with S = `R=$OUT; OUT=/tmp/setup-logs; source .gpu/bin/setup.sh || exit 3; OUT=$R;` so setup's
-three logs stay off $OUT (at most 8 files come back); written out in full below.
-  CPU, once: EXTRA="<EXTRA_FOR_V4>" bash ../shared/gpu/build.sh; echo /.gpu_jit/ >> .git/info/exclude
-  1. run(carry=[".gpu/bin", ".gpu/site/extra-<hash>.tar.xz.part00"], timeout_s=120,
+What worked (2026-11-30, session 4, runs 13-17 in docs/validation.md; 2x H200 = `nvidia-h200-x2`):
+`--parallel-gpus` runs the two layer counts' workers at once, worker k on GPU k, each with its own JIT
+cache (DIR/gpu<k>). On a fresh machine the first decode-graph capture (bs 256) JIT-compiled for 511 s
+(TileLang + DeepGEMM + tvm-ffi), so a call with all four batches runs out of time; the caches stay on
+the warm machine, and the batches then fit short calls (capture 55 s at bs 1, 14 s / 3 s later):
+  CPU, once: EXTRA="<EXTRA_FOR_V4>" bash ../shared/gpu/build.sh        (<hash>: `ls .gpu/site`)
+  1. run(kind="nvidia-h200-x2", carry=[".gpu/bin", ".gpu/site/extra-<hash>.tar.xz.part00"], timeout_s=120,
          command="bash -c 'source .gpu/bin/setup.sh; echo setup-rc=$?'")       # rc 3: part staged
-  2. run(carry=[".gpu/bin", ".gpu/site/base-<hash>.tar.xz.part00"], timeout_s=120, command="bash -c 'R=$OUT;
-         OUT=/tmp/setup-logs; source .gpu/bin/setup.sh || exit 3; OUT=$R; timeout 90 python3 -c
-         \"import tilelang, deep_gemm, sglang; print(1)\"'")                  # runtime complete
-  3. warm-up (first one, or continuing): run(carry=[".gpu/bin", ".gpu_jit"], timeout_s=600,
-         command="bash -c 'R=$OUT; OUT=/tmp/setup-logs; source .gpu/bin/setup.sh || exit 3; OUT=$R;
-         timeout 580 python3 benchmarks/sglang_v4_baseline.py --warmup --jit-cache /tmp/sglang_jit
-         --jit-restore .gpu_jit --time-budget 560 --out \"$OUT\"'")
-     output_tail ends "warm-up complete: True|False"; False: call 3 again at once (the warm machine keeps
-     /tmp/sglang_jit). After the last one, on the CPU machine: rm -rf .gpu_jit && mkdir .gpu_jit &&
-     cp /work/.device/<N>/sglang_jit.* .gpu_jit/ (ignored, never committed). With no .gpu_jit yet, 2 and 3
-     can be one call (carry 2's paths, run 3's command).
-  4. timed run after a complete warm-up (same warm machine, or a new chain 1, 2 first):
-     run(carry=[".gpu/bin", ".gpu_jit"], timeout_s=600, command="bash -c 'R=$OUT; OUT=/tmp/setup-logs;
-         source .gpu/bin/setup.sh || exit 3; OUT=$R; timeout 580 python3 benchmarks/sglang_v4_baseline.py
-         --jit-cache /tmp/sglang_jit --jit-restore .gpu_jit --time-budget 560 --out \"$OUT\"'")
-     In its JSON, jit.after.files > jit.before.files means kernels were still compiled during the run.
-  Device time: 1+2 ~3 min with the start; 3 and 4 <= 10 min each. If the warm-up takes two calls, do 4
-  in the next session (chain 1, 2, 4 with the carried .gpu_jit) instead of overrunning 30 min.
+  2. within 30 s, carry=[".gpu/bin", ".gpu/site/base-<hash>.tar.xz.part00"] (any other work may share this
+     call), then every further call within 30 s of the last, carry=[".gpu/bin"], S = `R=$OUT;
+     OUT=/tmp/setup-logs; source .gpu/bin/setup.sh >/tmp/s.log || exit 3; OUT=$R;`:
+  3. S timeout 580 python3 benchmarks/sglang_v4_baseline.py --parallel-gpus --jit-cache /tmp/sglang_jit
+         --time-budget 560 --out $OUT          # compiles; may end in the capture (no numbers)
+  4. S ... --parallel-gpus --batches 1 --jit-cache /tmp/sglang_jit --time-budget 430 --out $OUT
+  5. S ... --parallel-gpus --batches 8 64 ... ;  6. S ... --parallel-gpus --batches 256 ...
+  then on the CPU machine: python benchmarks/sglang_v4_results.py merge benchmarks/results/sglang_v4_baseline.json
+  <the JSONs of 4, 5, 6> (refuses other models, contexts or repeated batches). Device time ~21 min in all.
+  The single-GPU alternative (warm-up packed to $OUT, carried back as .gpu_jit/, `--jit-restore`) is
+  above; it needs more calls because one capture's compile alone is ~8.5 min.
+Rebuild without EXTRA afterwards (bash ../shared/gpu/build.sh) so the project's own runs carry 49 MiB.
 """
 from __future__ import annotations
 
@@ -94,10 +90,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sglang_jit_cache  # noqa: E402  (standard library only)
+from sglang_v4_results import per_layer, plot, timed_runs  # noqa: E402  (standard library only)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCHES, CONTEXT, LAYER_COUNTS, DECODE_STEPS = (1, 8, 64, 256), 8192, (2, 4), 24
 PAGE = 256                                   # SGLang's V4 page size (arg_groups/overrides.py)
+#: tokens per prefill extend with DeepGEMM: SGLang 0.5.17's V4 compressor plan (kernels/jit/csrc/deepseek_v4/
+#: c_plan.cuh, plan_compress_prefill) requires < 65,536 query tokens per extend (uint16 counts); 65,536 failed
+#: there on the H200 (2026-11-30, run 15)
+PREFILL_CHUNK_DEEPGEMM = 32768
 PACK_RESERVE_S = 40                          # warm-up: seconds kept for packing the cache after the workers
 REQUIRED_MODULES = ("torch", "sglang", "sgl_kernel", "tilelang")
 EXTRA_FOR_V4 = ("tilelang==0.1.11 sgl-deep-gemm==0.1.5.post1 z3-solver==4.15.4.0 cloudpickle==3.1.3 "
@@ -333,27 +334,6 @@ def worker(out: Path, deadline: float, chunk_tokens: int, argv: list[str]) -> in
 
 
 # ---- parent: preflight, two workers, per-layer arithmetic, JSON + PNG -----------------------------
-def per_layer(step_by_layers: dict[int, dict[int, dict]], layer_counts: list[int],
-              batches: list[int]) -> list[dict[str, Any]]:
-    """Per requested batch: per-layer µs = Δstep / Δlayers between the smallest and largest layer count,
-    and the fixed (non-layer) part; an `error` row where either run is missing or the contexts differ."""
-    lo, hi = min(layer_counts), max(layer_counts)
-    rows = []
-    for bs in batches:
-        a, b = step_by_layers.get(lo, {}).get(bs), step_by_layers.get(hi, {}).get(bs)
-        row: dict[str, Any] = {"batch": bs}
-        if a is None or b is None:
-            row["error"] = f"missing run for {lo if a is None else hi} layers"
-        elif a["context"] != b["context"]:
-            row["error"] = f"contexts differ ({a['context']} vs {b['context']})"
-        else:
-            layer_us = (b["step_median_us"] - a["step_median_us"]) / (hi - lo)
-            row.update(context=a["context"], per_layer_us=layer_us, fixed_us=a["step_median_us"] - lo * layer_us,
-                       **{f"step_{n}_layers_us": r["step_median_us"] for n, r in ((lo, a), (hi, b))})
-        rows.append(row)
-    return rows
-
-
 def _run_worker(layers: int, model_dir: Path, argv: list[str], env: dict[str, str], timeout: float,
                 chunk_tokens: int, log: Path) -> dict[str, Any]:
     out = model_dir / "worker.json"
@@ -389,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-budget", type=float, default=285.0, help="seconds for everything")
     ap.add_argument("--mem-fraction-static", type=float, default=0.5)
     ap.add_argument("--moe-runner-backend", default="marlin")
-    ap.add_argument("--prefill-chunk-tokens", type=int, default=0, help="0: 65536 with DeepGEMM, else 8192")
+    ap.add_argument("--prefill-chunk-tokens", type=int, default=0,
+                    help=f"0: {PREFILL_CHUNK_DEEPGEMM} with DeepGEMM, else 8192")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--plot-only", type=Path)
     ap.add_argument("--jit-cache", type=Path, help="one directory for every JIT cache of the workers")
@@ -412,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     pre = preflight(len(args.layers) if args.parallel_gpus and not args.warmup else 1)
     env = sglang_env(pre["modules"]["deep_gemm"])
-    chunk = args.prefill_chunk_tokens or (65536 if pre["modules"]["deep_gemm"] else 8192)
+    chunk = args.prefill_chunk_tokens or (PREFILL_CHUNK_DEEPGEMM if pre["modules"]["deep_gemm"] else 8192)
     if args.warmup and not args.jit_cache:
         ap.error("--warmup needs --jit-cache DIR")
     jit: dict[str, Any] = {}
@@ -453,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
                                        "(CUDA_VISIBLE_DEVICES = its index), each with its own JIT cache")
         for k, layers, model_dir, sargv in jobs:
             if args.parallel_gpus:
-                rec = recs[k]
+                rec, timeout = recs[k], recs[k]["timeout_s"]
             else:
                 left = args.time_budget - (time.perf_counter() - t_start)
                 timeout = left * (0.55 if k == 0 else 1.0) - 5
@@ -462,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
                                   args.out / f"sglang_v4_baseline.{layers}l.log")
             rec["bench_one_batch_equivalent"] = bench_one_batch_command(sargv)
             result["workers"].append(rec)
-            steps_by[layers] = {r["batch"]: r for r in rec["runs"] if not r.get("warmup")}
+            steps_by[layers] = timed_runs(rec)
             result["errors"] += [f"{layers} layers, {e['stage']}: {e['error']}" for e in rec["errors"]]
             if rec["returncode"] == "timeout":
                 result["errors"].append(f"{layers} layers: worker killed at its {timeout:.0f} s limit")
@@ -515,7 +496,7 @@ def _run_workers_on_gpus(jobs: list[tuple[int, int, Path, list[str]]], env: dict
         futs = {k: pool.submit(_run_worker, layers, model_dir, sargv, worker_env(env, k, args.jit_cache), left,
                                chunk, args.out / f"sglang_v4_baseline.{layers}l.log")
                 for k, layers, model_dir, sargv in jobs}
-        return {k: f.result() for k, f in futs.items()}
+        return {k: {**f.result(), "timeout_s": left} for k, f in futs.items()}
 
 
 def _pack(cache_dir: Path, out: Path, extra: dict[str, Any], part_mib: int) -> dict[str, Any]:
@@ -567,34 +548,6 @@ def warmup(args: argparse.Namespace, pre: dict[str, Any], env: dict[str, str], c
         (out / sglang_jit_cache.MANIFEST).write_text(json.dumps({**report, "pack_error": packed["error"]}, indent=2))
     print(f"warm-up complete: {report['warmup']['complete']}; pack: {packed}", flush=True)
     return 0 if report["warmup"]["complete"] and "error" not in packed else 1
-
-
-def plot(result: dict[str, Any], path: Path) -> int:
-    """Per-layer decode µs by batch; our decode_step.json layer total beside it when that file exists."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    rows = [r for r in result.get("per_layer", []) if "per_layer_us" in r]
-    if not rows:
-        print("nothing to plot: no per-layer rows")
-        return 1
-    fig, ax = plt.subplots(figsize=(7, 4))
-    xs = list(range(len(rows)))
-    ax.bar([x - 0.2 for x in xs], [r["per_layer_us"] for r in rows], 0.4, label="SGLang 0.5.17 V4-Flash layer")
-    ours_path = path.parent / "decode_step.json"
-    if ours_path.exists():
-        ours = {r["tokens"]: sum(r.get(c, {}).get("median_us", 0.0) for c in ("attention", "indexer", "moe_routed",
-                                                                              "torch"))
-                for r in json.loads(ours_path.read_text()).get("decode", [])}
-        ax.bar([x + 0.2 for x in xs], [ours.get(r["batch"], 0.0) for r in rows], 0.4,
-               label="ours: V4.1-Flash layer (decode_step.json)")
-    ax.set_xticks(xs, [f"{r['batch']}\n(ctx {r['context']})" for r in rows])
-    ax.set(yscale="log", xlabel="decode batch", ylabel="µs per layer per step",
-           title="Per-layer decode step, one H200")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return 0
 
 
 if __name__ == "__main__":
