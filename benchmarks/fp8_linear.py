@@ -19,7 +19,8 @@ the baseline), GB/s and the fraction of the copy bandwidth measured in the same 
 each weight alone (runtime, swap_ab, cuBLAS). Writes
 `fp8_linear.json` and `fp8_linear.png` to `--out`. CUDA only; bounded by the row list.
 
-    python benchmarks/fp8_linear.py [--layer 2] [--rows 1 64] [--out benchmarks/results]
+    python benchmarks/fp8_linear.py [--layer 2] [--rows 1 64 8192] [--variants L ...] [--per-weight L ...]
+        [--out benchmarks/results]
 """
 from __future__ import annotations
 
@@ -38,13 +39,19 @@ from device_bandwidth import copy_bandwidth_gbs  # noqa: E402
 from step_timing import measure  # noqa: E402
 
 CAP_S = 0.3                 # seconds of timed calls per point
+#: fixed `fp8_linear` configurations (block_m, block_n, block_k, warps, stages). Run 11 (2026-11-30): of the
+#: first four, bm64_bn32_bk64_w4 was fastest over M = 1 and 64 together (451 / 482 µs vs the runtime's 521 / 1,013);
+#: the rest probe around it (BLOCK_K 128/256 at BLOCK_M 64, 4 stages, BLOCK_M 32/128) and the prefill shape (M = 8192)
 ALTERNATIVES = {"bm16_bn32_w4": (16, 32, 128, 4, 3), "bm64_bn32_w8": (64, 32, 128, 8, 3),
-                "bm64_bn32_bk64_w4": (64, 32, 64, 4, 3), "bm16_bn16_bk256_w4": (16, 16, 256, 4, 3)}
+                "bm64_bn32_bk64_w4": (64, 32, 64, 4, 3), "bm16_bn16_bk256_w4": (16, 16, 256, 4, 3),
+                "bm64_bn32_bk128_w4": (64, 32, 128, 4, 3), "bm64_bn32_bk256_w4": (64, 32, 256, 4, 3),
+                "bm64_bn32_bk64_w4_s4": (64, 32, 64, 4, 4), "bm32_bn32_bk64_w4": (32, 32, 64, 4, 3),
+                "bm128_bn32_bk64_w8": (128, 32, 64, 8, 3)}
 #: `fp8_linear_swap_ab` configurations besides its default (label `swap_ab`): (block_w, block_k, warps, stages)
 SWAP_AB_ALTERNATIVES = {"swap_ab_bw32": (32, 256, 4, 4), "swap_ab_bw128": (128, 128, 4, 4),
                         "swap_ab_s3": (64, 256, 4, 3)}
-#: variants also timed weight by weight
-PER_WEIGHT_LABELS = ("runtime", "swap_ab")
+#: variants also timed weight by weight (`--per-weight` overrides)
+PER_WEIGHT_LABELS = ("runtime", "swap_ab", "bm64_bn32_bk64_w4")
 
 
 def layer_fp8_shapes(layer: int) -> list[tuple[str, int, int]]:
@@ -82,16 +89,26 @@ def variant_calls(F, SK) -> dict:
     return calls
 
 
+def select_variants(calls: dict, labels: list[str] | None) -> dict:
+    """The variants `--variants` names (all when None), always with `runtime` first; unknown labels raise."""
+    if labels is None:
+        return calls
+    unknown = sorted(set(labels) - set(calls))
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; known: {sorted(calls)}")
+    return {k: v for k, v in calls.items() if k == "runtime" or k in labels}
+
+
 def weight_times(M: int, weights: list, bf16_weights: list, xs: dict, variants: dict, dev: torch.device,
-                 errors: list[str]) -> dict:
-    """{"rows": M, name: {label: µs}} for each weight alone, labels `PER_WEIGHT_LABELS` + cublas_bf16
+                 errors: list[str], labels: tuple[str, ...] = PER_WEIGHT_LABELS) -> dict:
+    """{"rows": M, name: {label: µs}} for each weight alone, `labels` + cublas_bf16
     (which kernel wins per shape; a shape-only choice between them stays batch invariant). The
     L2 flush before each call (`time_pass`) keeps one weight alone from staying in L2."""
     out: dict = {"rows": M}
     for (name, v, s), w in zip(weights, bf16_weights):
         x = xs[v.shape[1]]
         times = {}
-        for label in PER_WEIGHT_LABELS:
+        for label in labels:
             try:
                 times[label] = time_pass(lambda: variants[label](x, v, s), dev)
             except Exception as exc:
@@ -106,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layer", type=int, default=2)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--variants", nargs="+", help="labels to time (default: all; `runtime` is always timed)")
+    ap.add_argument("--per-weight", nargs="*", default=list(PER_WEIGHT_LABELS),
+                    help="labels also timed weight by weight (none: skip)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/fp8_linear.py needs a CUDA GPU")
@@ -120,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     fp8_bytes = sum(F.weight_bytes(*v.shape) for _, v, _ in weights)
     bf16_bytes = sum(2 * w.numel() for w in bf16_weights)
     copy_gbs = copy_bandwidth_gbs(dev)
-    variants = variant_calls(F, SK)
+    variants = select_variants(variant_calls(F, SK), args.variants)
+    per_weight_labels = tuple(label for label in args.per_weight if label in variants)
     rows, errors, per_weight = [], [], []
     for M in args.rows:
         xs = {k: torch.randn(M, k, generator=g, device=dev).to(torch.bfloat16).float() for _, _, k in shapes}
@@ -135,10 +156,11 @@ def main(argv: list[str] | None = None) -> int:
                                 for w in bf16_weights], dev)
         point["cublas_bf16"] = dict(us=us, gbs=bf16_bytes / us / 1e3, fraction_of_copy=bf16_bytes / us / 1e3 / copy_gbs)
         rows.append(point)
-        per_weight.append(weight_times(M, weights, bf16_weights, xs, variants, dev, errors))
-        print(f"M={M} per weight (µs): " + "; ".join(f"{n.split('.')[-2]} " + "/".join(f"{t:.0f}" for t in ts.values())
-                                                    for n, ts in per_weight[-1].items() if n != "rows")
-              + f"  [{' / '.join(PER_WEIGHT_LABELS + ('cublas_bf16',))}]", flush=True)
+        if per_weight_labels:
+            per_weight.append(weight_times(M, weights, bf16_weights, xs, variants, dev, errors, per_weight_labels))
+            print(f"M={M} per weight (µs): " + "; ".join(f"{n.split('.')[-2]} " + "/".join(f"{t:.0f}" for t in ts.values())
+                                                        for n, ts in per_weight[-1].items() if n != "rows")
+                  + f"  [{' / '.join(per_weight_labels + ('cublas_bf16',))}]", flush=True)
         print(f"M={M}: " + "  ".join(f"{k} {v['us']:.0f} µs ({100 * v['fraction_of_copy']:.0f} %)"
                                      for k, v in point.items() if isinstance(v, dict)), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

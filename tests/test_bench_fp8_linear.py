@@ -68,3 +68,22 @@ def test_variants_include_the_swap_ab_candidate() -> None:
         values, scales = bench.random_fp8(64, 96, torch.Generator().manual_seed(0), torch.device("cpu"))
         with pytest.raises(RuntimeError, match="fp8_linear_swap_ab: .*TRITON_INTERPRET"):
             calls["swap_ab"](torch.zeros(1, 96), values, scales)     # the label reaches the candidate
+
+
+def test_variant_selection_keeps_runtime_and_refuses_unknown_labels() -> None:
+    from sglang_dsv41.kernels import fp8_linear as F
+    from sglang_dsv41.kernels import fp8_linear_skinny as SK
+
+    calls = bench.variant_calls(F, SK)
+    assert bench.select_variants(calls, None) is calls
+    picked = bench.select_variants(calls, ["bm64_bn32_bk64_w4", "swap_ab"])
+    assert list(picked) == ["runtime", "bm64_bn32_bk64_w4", "swap_ab"]
+    with pytest.raises(SystemExit, match="unknown variants \\['bm99'\\]"):
+        bench.select_variants(calls, ["bm99"])
+
+
+def test_alternatives_are_distinct_and_differ_from_the_runtime_configuration() -> None:
+    from sglang_dsv41.kernels import fp8_linear as F
+
+    cfgs = [F.Fp8LinearConfig(*t) for t in bench.ALTERNATIVES.values()]
+    assert len(set(cfgs)) == len(cfgs) and F.DEFAULT_CONFIG not in cfgs
