@@ -41,10 +41,12 @@ from step_timing import measure  # noqa: E402
 CAP_S = 0.3                 # seconds of timed calls per point
 #: fixed `fp8_linear` configurations (block_m, block_n, block_k, warps, stages). Run 11 (2026-11-30): of the
 #: first four, bm64_bn32_bk64_w4 was fastest over M = 1 and 64 together (451 / 482 µs vs the runtime's 521 / 1,013);
-#: the rest probe around it (BLOCK_K 128/256 at BLOCK_M 64, 4 stages, BLOCK_M 32/128) and the prefill shape (M = 8192)
+#: the rest probe around it (BLOCK_K 128 at BLOCK_M 64, 4 stages, BLOCK_M 32/128) and the prefill shape (M = 8192).
+#: Compiled for sm_90 on CPU (tests/triton_checks.compile_for_sm90): BLOCK_M 64 uses wgmma, 16/32 mma.sync;
+#: bm16_bn16_bk256_w4 and bm64_bn32_bk128_w4 spill (stack 16 / 8 B), BLOCK_M 64 with BLOCK_K 256 spills 488 B (left out)
 ALTERNATIVES = {"bm16_bn32_w4": (16, 32, 128, 4, 3), "bm64_bn32_w8": (64, 32, 128, 8, 3),
                 "bm64_bn32_bk64_w4": (64, 32, 64, 4, 3), "bm16_bn16_bk256_w4": (16, 16, 256, 4, 3),
-                "bm64_bn32_bk128_w4": (64, 32, 128, 4, 3), "bm64_bn32_bk256_w4": (64, 32, 256, 4, 3),
+                "bm64_bn32_bk128_w4": (64, 32, 128, 4, 3),
                 "bm64_bn32_bk64_w4_s4": (64, 32, 64, 4, 4), "bm32_bn32_bk64_w4": (32, 32, 64, 4, 3),
                 "bm128_bn32_bk64_w8": (128, 32, 64, 8, 3)}
 #: `fp8_linear_swap_ab` configurations besides its default (label `swap_ab`): (block_w, block_k, warps, stages)
