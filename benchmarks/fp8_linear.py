@@ -43,12 +43,16 @@ CAP_S = 0.3                 # seconds of timed calls per point
 #: first four, bm64_bn32_bk64_w4 was fastest over M = 1 and 64 together (451 / 482 µs vs the runtime's 521 / 1,013);
 #: the rest probe around it (BLOCK_K 128 at BLOCK_M 64, 4 stages, BLOCK_M 32/128) and the prefill shape (M = 8192).
 #: Compiled for sm_90 on CPU (tests/triton_checks.compile_for_sm90): BLOCK_M 64 uses wgmma, 16/32 mma.sync;
-#: bm16_bn16_bk256_w4 and bm64_bn32_bk128_w4 spill (stack 16 / 8 B), BLOCK_M 64 with BLOCK_K 256 spills 488 B (left out)
+#: bm16_bn16_bk256_w4 and bm64_bn32_bk128_w4 spill (stack 16 / 8 B), BLOCK_M 64 with BLOCK_K 256 spills 488 B (left out).
+#: Wide tiles (BLOCK_N a multiple of 32, for prefill: x is re-read once per BLOCK_N columns) without spills on
+#: sm_90: 64 x 64 x 64 with 8 warps (184 registers) and 128 x 128 x 32 with 8 warps, 4 stages (213); 4-warp wide
+#: tiles spill (8-736 B)
 ALTERNATIVES = {"bm16_bn32_w4": (16, 32, 128, 4, 3), "bm64_bn32_w8": (64, 32, 128, 8, 3),
                 "bm64_bn32_bk64_w4": (64, 32, 64, 4, 3), "bm16_bn16_bk256_w4": (16, 16, 256, 4, 3),
                 "bm64_bn32_bk128_w4": (64, 32, 128, 4, 3),
                 "bm64_bn32_bk64_w4_s4": (64, 32, 64, 4, 4), "bm32_bn32_bk64_w4": (32, 32, 64, 4, 3),
-                "bm128_bn32_bk64_w8": (128, 32, 64, 8, 3)}
+                "bm128_bn32_bk64_w8": (128, 32, 64, 8, 3),
+                "bm64_bn64_bk64_w8": (64, 64, 64, 8, 3), "bm128_bn128_bk32_w8_s4": (128, 128, 32, 8, 4)}
 #: `fp8_linear_swap_ab` configurations besides its default (label `swap_ab`): (block_w, block_k, warps, stages)
 SWAP_AB_ALTERNATIVES = {"swap_ab_bw32": (32, 256, 4, 4), "swap_ab_bw128": (128, 128, 4, 4),
                         "swap_ab_s3": (64, 256, 4, 3)}

@@ -21,9 +21,12 @@ its row's dot product accumulated over the same BLOCK_K steps in the same order.
 M are masked loads (zeros) and only ever meet their own output row, so a row's result is the same
 bits alone or in any batch.
 
-Tile scales. BLOCK_N divides 32 and a call's first row is a multiple of 32 (views of
-a weight must start on a tile row, checked by `fp8_linear`), so a program's columns lie in one
-32-row tile row: its scales are one vector along K, broadcast over BLOCK_N.
+Tile scales. A call's first row is a multiple of 32 (views of a weight must start on a tile row,
+checked by `fp8_linear`). With BLOCK_N dividing 32 (the runtime's configuration) a program's
+columns lie in one 32-row tile row: its scales are one vector along K, broadcast over BLOCK_N.
+With BLOCK_N a multiple of 32 (wide tiles for large M, `benchmarks/fp8_linear.py` alternatives)
+each column loads its own tile row's scales — the same exact products, so the same bound; the
+branch is a compile-time constant, so the narrow configuration compiles as before.
 
 Decode (M ≤ 16: one row block) is weight-bandwidth bound: 1 + 4/1024 bytes per weight element
 (E4M3 + fp32 tile scale). One configuration for every shape: BLOCK_M = 16, BLOCK_N = 16 (N/16
@@ -73,7 +76,7 @@ class Fp8LinearConfig:
     num_stages: int
 
 
-#: the launch configuration of every call (module doc); BLOCK_N must divide TILE
+#: the launch configuration of every call (module doc); BLOCK_N divides TILE or is a multiple of it
 DEFAULT_CONFIG = Fp8LinearConfig(block_m=16, block_n=16, block_k=128, num_warps=4, num_stages=3)
 
 
@@ -95,7 +98,8 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    s_row = s_ptr + ((pid_n * BLOCK_N) // 32) * stride_sn       # BLOCK_N divides 32: one tile row
+    s_row = s_ptr + ((pid_n * BLOCK_N) // 32) * stride_sn       # BLOCK_N ≤ 32 (divides 32): one tile row
+    s_cols = s_ptr + (offs_n // 32)[None, :] * stride_sn        # BLOCK_N a multiple of 32: a row per column
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -104,8 +108,12 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn
         k_ok = kk < K
         x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.bfloat16)
         w8 = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)   # Wᵀ tile [BK, BN]
-        s = tl.load(s_row + kk // 32, mask=k_ok, other=0.0)
-        w = (w8.to(tl.float32) * s[:, None]).to(tl.bfloat16)
+        if BLOCK_N <= 32:
+            s = tl.load(s_row + kk // 32, mask=k_ok, other=0.0)
+            w = (w8.to(tl.float32) * s[:, None]).to(tl.bfloat16)
+        else:
+            s2 = tl.load(s_cols + (kk // 32)[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            w = (w8.to(tl.float32) * s2).to(tl.bfloat16)
         if DOT_FP32:
             acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
@@ -163,8 +171,9 @@ def fp8_linear(x: Tensor, values: Tensor, scales: Tensor, *, tiles: Fp8LinearCon
     if M == 0:
         return y
     cfg = tiles or config_for(N, K)
-    if TILE % cfg.block_n:
-        raise ValueError(f"fp8_linear: BLOCK_N {cfg.block_n} must divide the {TILE}-row scale tile")
+    if TILE % cfg.block_n and cfg.block_n % TILE:
+        raise ValueError(f"fp8_linear: BLOCK_N {cfg.block_n} must divide the {TILE}-row scale tile or be a "
+                         "multiple of it")
     grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m))
     launch = {} if INTERPRETED else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     _fp8_linear_kernel[grid](x, values, scales, y, M, N, K, x.stride(0), values.stride(0), scales.stride(0),
