@@ -57,15 +57,20 @@ API_REGISTER_MODULE = "sglang_dsv41.api.register"
 #: * ``model`` — config + model class (`register_config`, `register_model`) and the V4.1 chat
 #:   encoding (`api.register.register_api`: deepseek-recipe prompts, effort, start-up checks);
 #: * ``reasoning_parser`` / ``tool_parser`` — the V4.1 detectors `register_api` registers as
-#:   ``deepseek-v41`` / ``deepseek_v41`` (docs/api.md).
-#: Not provided, so a launch that needs them is refused: Engram host placement
-#: (``engram_host_table``), the FP4 KV layout (``kv_layout_v41``), SWA bounded replay
-#: (``bounded_replay_encoder`` / ``_decoder``), V4.1 DSpark (``dspark``), encoder data-parallel
-#: (``encoder_data_parallel``), and the text-only switch (``text_only`` — the current runtime
-#: never loads the vision tower, so it needs none). TP sizes other than 1/2/4/8, DP attention,
-#: vision serving and CUDA graphs are limits of the runtime (`runtime/requirements.py`), not
-#: capabilities.
-LAUNCH_CAPABILITIES: tuple[str, ...] = ("model", "reasoning_parser", "tool_parser")
+#:   ``deepseek-v41`` / ``deepseek_v41`` (docs/api.md);
+#: * ``engram_host_table`` — the Engram tables in pinned host memory, read by the GPU through UVA,
+#:   switched on by ``SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE=1`` (upstream 0.5.23's spelling) in the
+#:   **per_rank** layout only (``SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT=per_rank``: each TP rank
+#:   pins its own block of rows, the lookup keeps its masked lookup + all-reduce; spec runtime.md
+#:   §A.7). The runtime refuses ``shared`` (one memfd mapping for the TP group), and so does the
+#:   deployment schema.
+#: Not provided, so a launch that needs them is refused: the FP4 KV layout (``kv_layout_v41``),
+#: SWA bounded replay (``bounded_replay_encoder`` / ``_decoder``), V4.1 DSpark (``dspark``),
+#: encoder data-parallel (``encoder_data_parallel``), and the text-only switch (``text_only`` —
+#: the current runtime never loads the vision tower, so it needs none). TP sizes other than
+#: 1/2/4/8, DP attention, vision serving and CUDA graphs are limits of the runtime
+#: (`runtime/requirements.py`), not capabilities.
+LAUNCH_CAPABILITIES: tuple[str, ...] = ("model", "reasoning_parser", "tool_parser", "engram_host_table")
 
 
 class PluginLoadError(SystemExit):

@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 
 from sglang_dsv41.deploy import doctor
+from sglang_dsv41.deploy.memory import GIB, ShardLayout, weight_plan
+from sglang_dsv41.deploy.plan import make_plan, model_config_for
 from sglang_dsv41.deploy.registration import ITEMS, RegistrationReport, probe_registration
+from sglang_dsv41.deploy.runtime_residency import engram_host_shards
 from sglang_dsv41.deploy.schema import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +32,8 @@ def test_doctor_runs_on_this_machine_and_reports_no_gpu(capsys) -> None:
     if doctor.gpu_inventory()[0] == 0:
         assert "[FAIL] gpus: no GPU" in out and rc == 1
     assert "[  OK] plugin: entry point(s) dsv41: SGLang's load_plugins() registers" in out
-    assert "[INFO] capabilities: provided: model, reasoning_parser, tool_parser; not provided yet:" in out
+    assert "[INFO] capabilities: provided: engram_host_table, model, reasoning_parser, tool_parser; not provided yet:" \
+        in out
     assert "[INFO] runtime: torch path (docs/runtime.md): tensor parallel sizes: 1, 2, 4, 8; vision (image input): no" in out
     assert out.rstrip().splitlines()[-1].endswith("; ready") == (rc == 0)
 
@@ -60,8 +64,7 @@ def test_runtime_limits_per_config() -> None:
         checks = doctor.check_runtime(load_config(ROOT / "configs" / f"{name}.yaml"))
         assert [c.status for c in checks] == ["INFO", "OK"], name
     h200 = doctor.check_runtime(load_config(ROOT / "configs" / "h200-tp4.yaml"))
-    assert {c.detail.split(" asks for ")[1].split(" ")[0] for c in h200 if c.status == "FAIL"} == \
-        {"vision", "engram_host_table"}
+    assert {c.detail.split(" asks for ")[1].split(" ")[0] for c in h200 if c.status == "FAIL"} == {"vision"}
     dep = doctor.check_runtime(load_config(ROOT / "configs" / "gb200-dep4.yaml"))
     fails = {c.detail.split(" asks for ")[1].split(" ")[0]: c.detail for c in dep if c.status == "FAIL"}
     assert set(fails) == {"dp_attention", "vision", "kv_cache_dtype", "kv_layout_v41"}
@@ -76,10 +79,22 @@ def test_cpu_engine_check_uses_the_launchers_stub(monkeypatch, tmp_path) -> None
 
 
 def test_doctor_with_a_host_engram_config_checks_host_memory(capsys) -> None:
+    """per_rank layout: each of the 4 ranks pins its own block of rows; one server's blocks add up
+    to one copy of the tables, and an 8-GPU node runs two TP4 servers."""
+    dc = load_config(ROOT / "configs" / "h200-tp4.yaml")
+    cfg = model_config_for(dc, None)[0]
+    shards = engram_host_shards(cfg, 4)
+    per_server = sum(shards)
+    assert per_server == weight_plan(cfg, ShardLayout(tp=4), engram_placement="host").engram_host_per_server
     rc = doctor.cli(["--config", str(ROOT / "configs" / "h200-tp4.yaml")])
     out = capsys.readouterr().out
-    assert "host Engram: needs 377.7 GiB" in out  # two TP4 servers per 8-GPU node, one table each
+    assert f"host Engram: needs {2 * per_server / GIB:.1f} GiB of pinned host memory on this node (layout per_rank: " \
+           f"each of the 4 rank(s) pins its own block of rows, at most {max(shards) / GIB:.2f} GiB; " \
+           f"{per_server / GIB:.1f} GiB per server × 2 server(s) per node)" in out
+    assert "host Engram: needs 377.7 GiB" in out   # the card's 188.8 GiB of tables, twice
     assert rc == 1
+    with pytest.raises(ValueError, match="there is no host table"):
+        doctor.host_engram_layout(make_plan(load_config(ROOT / "configs" / "h200-tp8.yaml"), cfg))
 
 
 def test_host_memory_and_huge_pages_rules() -> None:

@@ -32,8 +32,8 @@ GOLDEN_CACHE_HOME = "/home/user/.cache"
 NONE: frozenset[str] = frozenset()
 ALL = frozenset(CAPABILITIES)
 PLUGIN = frozenset(plugin.LAUNCH_CAPABILITIES)
-NOT_PROVIDED = {"engram_host_table", "kv_layout_v41", "bounded_replay_encoder", "bounded_replay_decoder", "dspark",
-                "encoder_data_parallel"}
+NOT_PROVIDED = {"kv_layout_v41", "bounded_replay_encoder", "bounded_replay_decoder", "dspark", "encoder_data_parallel"}
+HOST_TABLE_ENV = {"SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": "1", "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT": "per_rank"}
 # A runtime without today's limits: what the launcher does once the runtime grows.
 FULL_RUNTIME = RuntimeProfile(name="full", doc="-", flags=(), tp_sizes=(1, 2, 4, 8), vision=True, cuda_graphs=True,
                               pd_disaggregation=True, kv_cache_dtypes=("auto", "bf16", "fp8_e4m3"), dp_attention=True)
@@ -118,7 +118,7 @@ def test_parser_names_are_the_ones_the_api_registers() -> None:
 
 
 def test_plugin_declares_what_it_provides_and_nothing_else() -> None:
-    assert PLUGIN == {"model", "reasoning_parser", "tool_parser"}
+    assert PLUGIN == {"model", "reasoning_parser", "tool_parser", "engram_host_table"}
     assert capabilities.available_capabilities() == PLUGIN   # entry point installed: "model" counts
     assert NOT_PROVIDED <= set(CAPABILITIES) - PLUGIN
     assert "text_only" not in PLUGIN                        # a text-only runtime needs no switch
@@ -215,7 +215,7 @@ def test_dp_attention_is_a_runtime_limit_with_its_reason() -> None:
 
 def test_runtime_limits_name_their_reason() -> None:
     h200 = {u.capability: u for u in build_launch(load_config(ROOT / "configs" / "h200-tp4.yaml"), PLUGIN).unavailable}
-    assert set(h200) == {"vision", "engram_host_table"}
+    assert set(h200) == {"vision"}             # Engram host placement is provided (per_rank)
     assert "text only" in h200["vision"].reason and "features.text_only" in h200["vision"].reason
     text_only = build_launch(load_config(ROOT / "configs" / "gb200-tp4-text-only.yaml"), PLUGIN).unavailable
     assert "vision" not in {u.capability for u in text_only}
@@ -264,8 +264,29 @@ def test_dspark_and_engram_host_emitted_when_provided() -> None:
     assert ("--speculative-algorithm", "DSPARK") in set(zip(cmd.args, cmd.args[1:]))
     assert ("--speculative-dspark-block-size", "5") in set(zip(cmd.args, cmd.args[1:]))
     env = dict(cmd.env)
-    assert env["SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE"] == "1"
-    assert env["SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT"] == "shared"
+    assert {k: env[k] for k in HOST_TABLE_ENV} == HOST_TABLE_ENV
+
+
+def test_host_placement_configs_get_the_host_table_environment_from_the_declared_plugin() -> None:
+    """configs/h200-tp4.yaml (engram.placement host) launched with what the plugin declares: both
+    host-table variables, layout per_rank, in the environment and in the printed shell command; a
+    device-placement config gets neither."""
+    assert "engram_host_table" in plugin.LAUNCH_CAPABILITIES
+    plan = build_launch(load_config(ROOT / "configs" / "h200-tp4.yaml"), PLUGIN)
+    assert "engram_host_table" not in {u.capability for u in plan.unavailable}
+    (cmd,) = plan.commands
+    env = dict(cmd.env)
+    assert {k: env[k] for k in HOST_TABLE_ENV} == HOST_TABLE_ENV
+    assert cmd.shell().startswith("env SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT=per_rank SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE=1 ")
+    for stem in ("h200-tp4-dspark", "mi355x-tp2", "b200-tp2"):
+        env = dict(build_launch(load_config(ROOT / "configs" / f"{stem}.yaml"), PLUGIN).commands[0].env)
+        assert {k: env[k] for k in HOST_TABLE_ENV} == HOST_TABLE_ENV, stem
+    pd = build_launch(load_config(ROOT / "configs" / "h200-pd-1p1d.yaml"), PLUGIN)
+    for cmd in pd.commands:
+        if cmd.role != "router":
+            assert {k: dict(cmd.env)[k] for k in HOST_TABLE_ENV} == HOST_TABLE_ENV, cmd.role
+    device = dict(build_launch(load_config(ROOT / "configs" / "h200-tp8.yaml"), PLUGIN).commands[0].env)
+    assert not set(HOST_TABLE_ENV) & set(device)
 
 
 def test_pd_gives_prefill_decode_router() -> None:

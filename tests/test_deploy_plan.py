@@ -20,6 +20,7 @@ from sglang_dsv41.deploy.kv import (
 )
 from sglang_dsv41.deploy.memory import GIB, ShardLayout, vram_minimum_gb, weight_plan
 from sglang_dsv41.deploy.plan import RuntimePool, make_plan, model_config_for
+from sglang_dsv41.deploy.runtime_residency import runtime_residency
 from sglang_dsv41.deploy.schema import config_from_dict, load_config, raw_config
 from sglang_dsv41.presets import flash_config_dict, tiny_config_dict
 
@@ -170,7 +171,8 @@ def test_h200_tp4_kv_38_5_gib(flash) -> None:
     runtime's pool holds 8.29M full tokens in it (890 B + 0.1 × 40,964 B of SWA pool per token). The 38.5 GiB
     itself is the remainder after the card's 81.2 GiB of weights and the measuring engine's
     activation reserve, so it cannot be reproduced from the checkpoint either; under SGLang's
-    mem_fraction_static 0.9 on 139.8 GiB our KV budget is 52.3 GiB with our 73.5 GiB of weights.
+    mem_fraction_static 0.9 on 139.8 GiB the card's layout leaves 54.3 GiB of KV budget after its
+    71.5 GiB of weights; this runtime's own weights (Engram in host memory) leave 47.4 GiB.
     """
     t = flash.text
     assert 38.5 * GIB / kv_bytes_per_token(t, "v4") / 1e6 == pytest.approx(25.32, abs=0.01)
@@ -182,11 +184,44 @@ def test_h200_tp4_kv_38_5_gib(flash) -> None:
     p = make_plan(dc, flash)
     # the card's layout (Engram in host memory): 139.8 · 0.9 − 71.50 GiB of weights (vision loaded, no DSpark)
     assert (p.static_budget - p.weights.resident_per_rank) / GIB == pytest.approx(139.8 * 0.9 - 71.50, abs=0.01)
-    # this runtime keeps the Engram tables on the GPU (no host placement yet) and the embedding /
-    # head as fp32 (+ a BF16 head copy): 125.58 GiB per rank at TP 4 leave 0.24 GiB of KV budget
-    assert p.runtime_weights is not None and p.runtime_weights.per_rank / GIB == pytest.approx(125.58, abs=0.01)
-    assert p.kv_budget / GIB == pytest.approx(139.8 * 0.9 - 125.58, abs=0.01)
-    assert "host memory: not implemented by this runtime" in p.runtime_weights_note
+    # this runtime puts its Engram shard in pinned host memory (per_rank) and keeps the embedding /
+    # head as fp32 (+ a BF16 head copy): 78.37 GiB per rank on the GPU at TP 4
+    assert p.runtime_weights is not None and p.runtime_weights.per_rank / GIB == pytest.approx(78.37, abs=0.01)
+    assert p.kv_budget / GIB == pytest.approx(139.8 * 0.9 - 78.37, abs=0.01)
+    assert "Engram shard in pinned host memory (per_rank)" in p.runtime_weights_note
+
+
+def test_h200_tp4_fits_this_runtime_with_its_engram_shard_on_the_host(flash) -> None:
+    """engram.placement host, layout per_rank (runtime_residency): the GPU holds the device
+    placement's bytes less the Engram block, that block sits in pinned host memory on every rank,
+    the KV budget is what is left of the static budget, and the recipe fits."""
+    dc = load_config(ROOT / "configs" / "h200-tp4.yaml")
+    assert (dc.engram.placement, dc.engram.host_layout) == ("host", "per_rank")
+    p = make_plan(dc, flash)
+    on_device = runtime_residency(flash, 4)
+    shard = on_device.by_component["engram"]
+    rw = p.runtime_weights
+    assert rw is not None and rw.engram_placement == "host" and "engram" not in rw.by_component
+    assert rw.per_rank == pytest.approx(on_device.per_rank - shard, rel=1e-12)
+    assert rw.host_per_rank == pytest.approx(shard, rel=1e-12)
+    assert p.weights_per_rank == rw.per_rank and p.kv_budget == p.static_budget - rw.per_rank
+    ok, verdict = p.verdict()
+    assert ok and verdict.startswith("fits:"), verdict
+    # the host need: the 4 ranks' blocks add up to the whole tables, once per server, 2 servers per node
+    assert rw.host_per_server == pytest.approx(p.weights.engram_stored, rel=1e-12)
+    assert p.host_need_per_node == pytest.approx(2 * rw.host_per_server, rel=1e-12)
+    assert f"Engram shard in pinned host memory (per_rank): {shard / GIB:.2f} GiB per rank on the host" \
+        in p.runtime_weights_note
+    d = p.to_dict()
+    assert d["engram"]["host_layout"] == "per_rank" and d["engram"]["host_per_rank_gib"] == pytest.approx(shard / GIB)
+    assert d["engram"]["host_per_node_gib"] == pytest.approx(2 * p.weights.engram_stored / GIB)
+    # the same config with the tables on the GPU: the full device residency, far less KV
+    data = raw_config(ROOT / "configs" / "h200-tp4.yaml")
+    data["engram"] = {"placement": "device"}
+    dev = make_plan(config_from_dict(data, "h200-tp4 device"), flash)
+    assert dev.runtime_weights is not None and dev.runtime_weights.per_rank == on_device.per_rank
+    assert dev.kv_budget == pytest.approx(p.kv_budget - shard) and dev.host_need_per_node == 0
+    assert "Engram tables as stored and on the GPU" in dev.runtime_weights_note
 
 
 def test_per_request_state(flash) -> None:
@@ -241,10 +276,11 @@ def test_dep_layout_splits_experts_and_keeps_attention_whole(flash) -> None:
     assert dep.components["fp8_dense"].per_rank > 3 * tp.components["fp8_dense"].per_rank
 
 
-#: Card recipes this runtime cannot fit yet, measured by deploy/runtime_residency.py: they rely on
-#: Engram tables in host memory (not implemented: the runtime keeps them on the GPU) at TP 2 / TP 4.
-RUNTIME_CANNOT_FIT_YET = {"b200-tp2", "b300-tp2", "gb200-tp2", "gb300-tp2", "h200-pd-1p1d", "h200-tp4",
-                          "h200-tp4-dspark"}
+#: Card recipes this runtime cannot fit at batch 1 and the model's context, measured by running the
+#: planner with deploy/runtime_residency.py's weights: none since the runtime's Engram host table
+#: (per_rank) takes the Engram shard off the GPU. (The TP 2 Blackwell recipes and h200-tp4 used to be
+#: here while the tables stayed on the GPU; the tightest now, b200-tp2, keeps 14.9 GiB of KV per rank.)
+RUNTIME_CANNOT_FIT_YET: frozenset[str] = frozenset()
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
@@ -255,10 +291,15 @@ def test_plan_cli_runs_for_every_config(path: Path, capsys) -> None:
     # every shipped config fits its hardware at batch 1 with the card's layout ...
     card_kv_left = out["static_budget_gib"] - out["resident_per_rank_gib"]
     assert card_kv_left >= out["needed_kv_gib"], out["verdict"]
-    # ... and with this runtime's own weights, except the recipes that need Engram in host memory
+    # ... and with this runtime's own weights, except the recipes listed above
     assert out["fits"] == (path.stem not in RUNTIME_CANNOT_FIT_YET), (out["verdict"], out["runtime_weights_note"])
-    if not out["fits"]:
-        assert "host memory: not implemented by this runtime" in out["runtime_weights_note"]
+    engram = out["engram"]
+    if engram["placement"] == "host" and out["runtime_weights_per_rank_gib"] is not None:
+        assert "Engram shard in pinned host memory (per_rank)" in out["runtime_weights_note"]
+        assert engram["host_layout"] == "per_rank" and engram["host_per_rank_gib"] > 0
+        assert engram["host_per_node_gib"] == pytest.approx(engram["servers_per_node"] * engram["stored_gib"])
+    elif engram["placement"] == "device":
+        assert engram["host_per_node_gib"] == 0 and engram["host_layout"] is None
     assert out["resident_per_rank_gib"] > 0 and out["kv_pool"]["global_kv_bytes_per_token"] > 0
 
 
@@ -281,9 +322,11 @@ def test_plan_cli_options_and_checkpoint(tmp_path: Path, capsys) -> None:
     assert "above MegaMoE's 1024" in capsys.readouterr().err
     text_rc = plan_mod.cli(["--config", str(ROOT / "configs" / "h200-tp4.yaml")])
     text = capsys.readouterr().out
-    # the card's recipe (Engram in host memory) does not fit this runtime, which keeps Engram on the GPU
-    assert text_rc == 1 and "verdict: does NOT fit" in text and "Engram: in pinned host memory" in text
-    assert "this runtime holds per rank" in text and "not implemented by this runtime" in text
+    # the card's recipe (Engram in host memory, per_rank) fits this runtime
+    assert text_rc == 0 and "verdict: fits" in text and "Engram: in pinned host memory" in text
+    assert "layout per_rank: each of the 4 rank(s) pins its own block of rows" in text
+    assert "this runtime holds per rank" in text and "Engram shard in pinned host memory (per_rank)" in text
+    assert "377.7 GiB host per node" in text   # the card's 188.8 GiB of tables, two TP4 servers per node
     assert "global KV per token: 890 B packed FP4 row" in text
     assert "compared with upstream SGLang 0.5.23 layouts (not what this runtime stores" in text
 

@@ -1,13 +1,16 @@
 """The planner's figure for this runtime's weights (`deploy/runtime_residency.py`) equals the bytes
-`runtime_weights` + the dense backend's BF16 copies actually hold (tiny checkpoint, TP 1 and 2)."""
+`runtime_weights` + the dense backend's BF16 copies actually hold (tiny checkpoint, TP 1 and 2);
+with Engram host placement (per_rank) the Engram block leaves the GPU figure for the host."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from sglang_dsv41.checkpoint.names import Kind, tensor_inventory
 from sglang_dsv41.checkpoint.reader import CheckpointReader
 from sglang_dsv41.config import DeepseekV41Config
-from sglang_dsv41.deploy.runtime_residency import runtime_residency
+from sglang_dsv41.deploy.memory import ShardLayout, weight_plan
+from sglang_dsv41.deploy.runtime_residency import engram_host_shards, runtime_residency
 from sglang_dsv41.presets import flash_config_dict
 from sglang_dsv41.runtime.dense_ops import DenseWeightCache
 from sglang_dsv41.runtime.engram_table import StoredEngramTable
@@ -53,3 +56,38 @@ def test_flash_figures() -> None:
     assert tp8.per_rank / 2**30 == pytest.approx(68.01, abs=0.01)
     with pytest.raises(TensorParallelError):
         runtime_residency(cfg, 3)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_host_placement_moves_the_engram_block_off_the_gpu(tp: int) -> None:
+    """engram_placement="host" (the runtime's per_rank host table): the GPU figure is the device
+    figure less the Engram block; each rank pins its own balanced block of rows (+ scales) on the
+    host, rank 0 the largest, and the blocks add up to the checkpoint's Engram bytes exactly."""
+    cfg = DeepseekV41Config.from_dict(flash_config_dict())
+    device, host = runtime_residency(cfg, tp), runtime_residency(cfg, tp, "host")
+    assert (device.engram_placement, device.engram_host_by_rank, device.host_layout) == ("device", (), None)
+    assert (host.engram_placement, host.host_layout, len(host.engram_host_by_rank)) == ("host", "per_rank", tp)
+    assert host.by_component == {k: v for k, v in device.by_component.items() if k != "engram"}
+    assert host.per_rank == pytest.approx(device.per_rank - device.by_component["engram"], rel=1e-12)
+    assert host.host_per_rank == host.engram_host_by_rank[0] == device.by_component["engram"]
+    stored = sum(sum(t.nbytes for t in spec.stored()) for spec in tensor_inventory(cfg) if spec.kind is Kind.ENGRAM)
+    assert host.host_per_server == stored == weight_plan(cfg, ShardLayout(tp=tp), engram_placement="host").engram_host_per_server
+    assert max(host.engram_host_by_rank) - min(host.engram_host_by_rank) <= 2 * 264   # one row per table at most
+
+
+def test_engram_host_shards_follow_the_runtimes_row_blocks(tiny_checkpoint) -> None:
+    """The tiny checkpoint at TP 2: each rank's host bytes are its `ShardPlan.engram_rows` of the
+    stored tables (E4M3 rows + UE8M0 scales), read off the checkpoint itself."""
+    cfg = DeepseekV41Config.from_file(tiny_checkpoint)
+    with CheckpointReader(tiny_checkpoint) as reader:
+        tables = {n: reader.get(n) for n in reader.names() if ".engram.embed." in n}
+    assert tables
+    for rank, held in enumerate(engram_host_shards(cfg, 2)):
+        rows = ShardPlan.for_config(cfg.text, rank, 2).engram_rows
+        want = 0
+        for name, t in tables.items():
+            layer = int(name.split(".")[1])
+            want += len(rows[layer]) * (t.numel() // t.shape[0]) * t.element_size()
+        assert held == want, rank
+    with pytest.raises(ValueError, match="engram placement"):
+        runtime_residency(cfg, 2, "peer")

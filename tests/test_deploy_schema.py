@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from sglang_dsv41.deploy.schema import (
-    DeployConfigError, DeploymentConfig, Validation, apply_override, config_from_dict, load_config,
+    DeployConfigError, DeploymentConfig, EngramSpec, Validation, apply_override, config_from_dict, load_config,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,6 +53,21 @@ def test_engram_host_only_where_the_card_offloads(path: Path) -> None:
         assert c.engram.placement == "device"
 
 
+def test_host_layout_is_per_rank_and_shared_is_refused_naming_why() -> None:
+    """This runtime implements the per_rank host table only (spec runtime.md §A.7): the default,
+    what every shipped host config says, and the one a host placement accepts."""
+    assert EngramSpec().host_layout == "per_rank"
+    host = [c for c in map(load_config, CONFIGS) if c.engram.placement == "host"]
+    assert host and all(c.engram.host_layout == "per_rank" for c in host)
+    assert config_from_dict(_with(engram__placement="host")).engram.host_layout == "per_rank"
+    with pytest.raises(DeployConfigError) as e:
+        config_from_dict(_with(engram__placement="host", engram__host_layout="shared"), "test")
+    text = str(e.value)
+    assert "(config): engram.host_layout 'shared' with engram.placement host" in text
+    assert "implements per_rank only" in text and "one memfd mapping for the whole TP group" in text
+    assert "not implemented" in text and "set engram.host_layout: per_rank" in text
+
+
 def _with(**changes: object) -> dict:
     d = copy.deepcopy(BASE)
     for key, value in changes.items():
@@ -79,6 +94,8 @@ ILLEGAL = [
     ({"serving__moe_a2a_backend": "megamoe"}, "needs expert parallelism"),
     ({"hardware__gpu": "CPU", "hardware__gpus": "0", "parallel__tp": "1", "engram__placement": "host"},
      "on CPU the tables are already in host memory"),
+    ({"engram__placement": "host", "engram__host_layout": "shared"},
+     "engram.host_layout 'shared' with engram.placement host: this runtime implements per_rank only"),
     ({"hardware__gpu": "CPU", "hardware__gpus": "0", "parallel__tp": "1", "cuda_graph__decode": "full"},
      "CUDA graphs need a GPU"),
     ({"hardware__gpu": "TPU"}, "unknown GPU kind"),

@@ -46,7 +46,8 @@ CAPABILITIES: dict[str, Capability] = {c.name: c for c in (
     Capability("model", "DeepSeek-V4.1 model, config and chat encoding in SGLang 0.5.17",
                why_not_stock="0.5.17 knows DeepSeek-V4 only; model_type deepseek_v41 needs the plugin's config, "
                              "model class and chat-encoding hooks, loaded through its sglang.srt.plugins entry point"),
-    Capability("engram_host_table", "Engram tables in pinned host memory (card: --engram-config cpu_offload)",
+    Capability("engram_host_table", "Engram tables in pinned host memory, layout per_rank "
+                                    "(card: --engram-config cpu_offload)",
                env=(("SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE", "1"),),
                why_not_stock="0.5.17 has no Engram at all; 0.5.23 switches the host table with "
                              "SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE (runtime.md §A.7)"),

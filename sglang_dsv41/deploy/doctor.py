@@ -7,8 +7,9 @@ parsers (`registration.py`, a fresh interpreter); the launch capabilities it dec
 ones it does not; the current runtime's limits (`runtime/requirements.py`: TP sizes, text only,
 CUDA graphs, …), and with `--config` whether that deployment stays within them;
 deepseek-recipe 0.2.0 (V4.1 chat encoding); GPUs through torch.cuda; host memory and
-transparent huge pages (the Engram host table pins ~189 GiB and asks for 2 MiB huge pages,
-spec `runtime.md` §A.7); Mooncake / NIXL / the router for PD. With `--config`, the checks use
+transparent huge pages (the Engram host table, layout per_rank: each TP rank pins its own block
+of rows, ~189 GiB per server at Flash, once per server on the node, with 2 MiB huge pages; spec
+`runtime.md` §A.7); Mooncake / NIXL / the router for PD. With `--config`, the checks use
 that deployment's needs (GPU count and memory from the planner, host Engram size, PD transfer
 backend); without it, GPU absence is a failure.
 
@@ -24,7 +25,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..runtime.cpu_env import cpu_environment
 from ..runtime.requirements import CURRENT_RUNTIME, RuntimeProfile
@@ -32,6 +33,9 @@ from .capabilities import CAPABILITIES, PLUGIN_GROUP, available_capabilities, pl
 from .command import build_launch, model_path
 from .registration import RegistrationReport, probe_registration
 from .schema import DeployConfigError, DeploymentConfig, load_config
+
+if TYPE_CHECKING:
+    from .plan import Plan
 
 SGLANG_VERSION = "0.5.17"
 RECIPE_VERSION = "0.2.0"
@@ -174,7 +178,9 @@ def thp_mode(path: str = "/sys/kernel/mm/transparent_hugepage/enabled") -> str |
 
 
 def check_host_memory(host_need_gib: float | None, meminfo: dict[str, int] | None = None,
-                      thp: str | None = "unread") -> list[Check]:
+                      thp: str | None = "unread", layout: str = "") -> list[Check]:
+    """Host RAM (and transparent huge pages) against `host_need_gib`, the pinned Engram bytes of
+    this node (None: no host Engram); `layout` says how that need is made up."""
     mi = _meminfo() if meminfo is None else meminfo
     mode = thp_mode() if thp == "unread" else thp
     if "MemTotal" not in mi:
@@ -186,8 +192,9 @@ def check_host_memory(host_need_gib: float | None, meminfo: dict[str, int] | Non
                                         f"{hp} preallocated hugetlbfs pages")]
     if host_need_gib is not None:
         status = "OK" if avail >= host_need_gib else "FAIL"
-        out.append(Check(status, "host Engram", f"needs {host_need_gib:.1f} GiB of pinned host memory on this node, "
-                                                f"{avail:.1f} GiB available"))
+        how = f" ({layout})" if layout else ""
+        out.append(Check(status, "host Engram", f"needs {host_need_gib:.1f} GiB of pinned host memory on this node"
+                                                f"{how}, {avail:.1f} GiB available"))
     if mode is None:
         out.append(Check("WARN" if host_need_gib is None else "FAIL", "huge pages",
                          "transparent huge pages are not available (no /sys/kernel/mm/transparent_hugepage)"))
@@ -198,6 +205,19 @@ def check_host_memory(host_need_gib: float | None, meminfo: dict[str, int] | Non
     else:
         out.append(Check("OK", "huge pages", f"transparent_hugepage '{mode}' (the host table asks with MADV_HUGEPAGE)"))
     return out
+
+
+def host_engram_layout(p: "Plan") -> str:
+    """How a host-placement plan's need per node is made up (spec runtime.md §A.7): in the per_rank
+    layout every TP rank pins its own block of rows (rank 0 the largest), the blocks of one server
+    add up to one copy of the tables, and each server on the node pins its own copy."""
+    if p.weights.engram_placement != "host":
+        raise ValueError(f"{p.name}: Engram placement is {p.weights.engram_placement!r}, there is no host table")
+    rw, per_node = p.runtime_weights, f"{p.servers_per_node} server(s) per node"
+    if rw is None:  # a layout this runtime cannot serve: the card's table size per server
+        return f"{p.host_per_server / GIB:.1f} GiB per server × {per_node}"
+    return (f"layout {rw.host_layout}: each of the {rw.tp} rank(s) pins its own block of rows, at most "
+            f"{rw.host_per_rank / GIB:.2f} GiB; {rw.host_per_server / GIB:.1f} GiB per server × {per_node}")
 
 
 def _importable(module: str) -> str:
@@ -251,15 +271,17 @@ def run_checks(dc: DeploymentConfig | None) -> list[Check]:
     from .plan import make_plan, model_config_for  # the planner is only needed with a config
 
     need_gib = host_need = None
+    layout = ""
     if dc is not None:
         path = model_path(dc)
         cfg, _ = model_config_for(dc, path if Path(path, "config.json").is_file() else None)
         p = make_plan(dc, cfg)
         need_gib = p.weights_per_rank / GIB
-        host_need = p.host_need_per_node / GIB if dc.engram.placement == "host" else None
+        if dc.engram.placement == "host":
+            host_need, layout = p.host_need_per_node / GIB, host_engram_layout(p)
     checks = [Check("INFO", "python", sys.version.split()[0]), check_sglang(), check_recipe(), *check_plugin(),
-              *check_runtime(dc), *check_gpus(dc, need_gib), *check_host_memory(host_need), *check_pd(dc),
-              *check_cpu_engine(dc)]
+              *check_runtime(dc), *check_gpus(dc, need_gib), *check_host_memory(host_need, layout=layout),
+              *check_pd(dc), *check_cpu_engine(dc)]
     return checks
 
 

@@ -1,11 +1,12 @@
 """`sglang-dsv41 plan`: will this deployment fit, and with how much KV cache?
 
 Per rank: weights by the card's components (`memory.weight_plan`), Engram placement and
-sharding, this runtime's own weights (`runtime_residency`: what `runtime_weights` holds), the KV
-budget left in SGLang's static memory (`mem_fraction_static × GPU memory − weights`: this
-runtime's where it can serve the layout, else the card's layout), how the runtime's pool splits
-it, the token capacity, and a verdict for `--batch` requests of `--context` tokens. The text
-report is `plan_report.render`.
+sharding, this runtime's own weights (`runtime_residency`: what `runtime_weights` holds; with
+`engram.placement: host` its Engram shard sits in pinned host memory, layout per_rank, and is
+counted in the host need per node instead), the KV budget left in SGLang's static memory
+(`mem_fraction_static × GPU memory − weights`: this runtime's where it can serve the layout, else
+the card's layout), how the runtime's pool splits it, the token capacity, and a verdict for
+`--batch` requests of `--context` tokens. The text report is `plan_report.render`.
 
 KV is sized with the pool the runtime really uses (`RuntimePool`; phase-2 contracts §2–§3,
 docs/runtime.md): SGLang's hybrid-SWA pool, whose full pool holds one packed FP4 row per token
@@ -43,7 +44,7 @@ from .kv import (
 from .memory import (GIB, HUGE_PAGE, ShardLayout, WeightPlan, check_against_checkpoint, layout_of, vram_minimum_gb,
                      weight_plan)
 from .plan_report import render
-from .runtime_residency import RuntimeResidency, runtime_residency
+from .runtime_residency import HOST_LAYOUT, RuntimeResidency, runtime_residency
 from .schema import DeployConfigError, DeploymentConfig, apply_override, config_from_dict, raw_config
 
 DEFAULT_MEM_FRACTION = 0.9
@@ -208,8 +209,15 @@ class Plan:
         return min(per_full, per_swa) * self.dp
 
     @property
+    def host_per_server(self) -> float:
+        """Pinned host Engram bytes of one server: the sum of this runtime's per_rank shards where
+        it serves the layout (`RuntimeResidency.host_per_server`), else the card's table size."""
+        rw = self.runtime_weights
+        return rw.host_per_server if rw is not None else self.weights.engram_host_per_server
+
+    @property
     def host_need_per_node(self) -> float:
-        return self.weights.engram_host_per_server * self.servers_per_node
+        return self.host_per_server * self.servers_per_node
 
     def verdict(self) -> tuple[bool, str]:
         if self.problems:
@@ -255,10 +263,13 @@ class Plan:
             "load_transform_per_rank_gib": w.load_transform_per_rank / GIB,
             "resident_per_rank_gib": w.resident_per_rank / GIB,
             "engram": {"placement": w.engram_placement, "stored_gib": w.engram_stored / GIB,
+                       "host_layout": HOST_LAYOUT if w.engram_placement == "host" else None,
                        "device_per_rank_gib": w.engram_device_per_rank / GIB,
-                       "host_per_server_gib": w.engram_host_per_server / GIB,
+                       "host_per_rank_gib": (self.runtime_weights.host_per_rank / GIB
+                                             if self.runtime_weights is not None else None),
+                       "host_per_server_gib": self.host_per_server / GIB,
                        "servers_per_node": self.servers_per_node, "host_per_node_gib": self.host_need_per_node / GIB,
-                       "huge_pages_2mib": math.ceil(w.engram_host_per_server / HUGE_PAGE)},
+                       "huge_pages_2mib": math.ceil(self.host_per_server / HUGE_PAGE)},
             "kv_pool": {**asdict(self.pool), "sources": [{"layer": la, "ratio": r, "row_bytes": b}
                                                           for la, r, b in self.pool.sources],
                         "global_kv_bytes_per_token": self.pool.row_bytes,
@@ -327,13 +338,14 @@ def _runtime_weights(dc: DeploymentConfig, cfg: DeepseekV41Config) -> tuple[Runt
     if lay.dp_attention > 1:
         return None, "DP attention is not supported by this runtime (runtime/requirements.py)"
     try:
-        found = runtime_residency(cfg, lay.tp)
+        found = runtime_residency(cfg, lay.tp, dc.engram.placement)
     except TensorParallelError as exc:
         return None, str(exc)
-    note = (f"TP {lay.tp}, text model, routed experts MXFP4 and FP8 dense weights as stored, Engram tables as "
-            "stored and on the GPU" + (" (the config asks for host memory: not implemented by this runtime)"
-                                       if dc.engram.placement == "host" else "")
-            + ", BF16/FP32 tensors as fp32 + BF16 copies of dense linears, embedding and head replicated")
+    engram = ("Engram tables as stored and on the GPU" if found.engram_placement == "device" else
+              f"Engram shard in pinned host memory ({found.host_layout}): {found.host_per_rank / GIB:.2f} GiB per rank "
+              f"on the host, not on the GPU")
+    note = (f"TP {lay.tp}, text model, routed experts MXFP4 and FP8 dense weights as stored, {engram}, "
+            "BF16/FP32 tensors as fp32 + BF16 copies of dense linears, embedding and head replicated")
     return found, note
 
 

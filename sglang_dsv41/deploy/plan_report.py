@@ -48,8 +48,12 @@ def render(p: Plan, source: str) -> str:
         lines.append(f"Engram: on device, {w.engram_stored / u:.1f} {un} (tables + scales) with rows split over "
                      f"{lay.tp} rank(s): {w.engram_device_per_rank / u:.2f} {un} per rank (inside the weights above)")
     else:
-        lines.append(f"Engram: in pinned host memory, {w.engram_host_per_server / u:.1f} {un} per server (read through "
-                     f"UVA; {math.ceil(w.engram_host_per_server / HUGE_PAGE):,} × 2 MiB huge pages); "
+        rw = p.runtime_weights
+        shards = (f"layout {rw.host_layout}: each of the {lay.tp} rank(s) pins its own block of rows, at most "
+                  f"{rw.host_per_rank / u:.2f} {un} per rank, and lookups all-reduce; " if rw is not None else "")
+        lines.append(f"Engram: in pinned host memory, read by the GPU through UVA — {shards}"
+                     f"{p.host_per_server / u:.1f} {un} per server "
+                     f"({math.ceil(p.host_per_server / HUGE_PAGE):,} × 2 MiB huge pages); "
                      f"{p.servers_per_node} server(s) per node → {p.host_need_per_node / u:.1f} {un} host per node")
     pool, r = p.pool, p.upstream_request
     cap = f", --max-total-tokens {pool.max_total_tokens:,}" if pool.max_total_tokens is not None else ""

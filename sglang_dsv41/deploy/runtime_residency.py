@@ -37,16 +37,41 @@ from ..config import DeepseekV41Config
 FP32_AT_REST, BF16_COPY = 4, 2
 
 
+#: where the runtime can put the Engram tables, and the one host layout it implements (§A.7)
+ENGRAM_PLACEMENTS = ("device", "host")
+HOST_LAYOUT = "per_rank"
+
+
 @dataclass
 class RuntimeResidency:
-    """Bytes one rank holds, by the card's component rows (`memory.COMPONENTS` keys)."""
+    """Bytes rank 0 holds on its GPU, by the card's component rows (`memory.COMPONENTS` keys);
+    with host placement also the pinned host bytes every rank maps (per_rank layout)."""
 
     tp: int
     by_component: dict[str, float] = field(default_factory=dict)
+    engram_placement: str = "device"
+    #: pinned host bytes of rank r's Engram rows (+ scales), r = 0..tp-1; () on device
+    engram_host_by_rank: tuple[float, ...] = ()
 
     @property
     def per_rank(self) -> float:
+        """GPU bytes of rank 0 (the largest share)."""
         return sum(self.by_component.values())
+
+    @property
+    def host_layout(self) -> str | None:
+        """The host table layout (`HOST_LAYOUT`) with host placement; None on device."""
+        return HOST_LAYOUT if self.engram_placement == "host" else None
+
+    @property
+    def host_per_rank(self) -> float:
+        """Pinned host bytes of the rank with the largest Engram block (rank 0); 0 on device."""
+        return max(self.engram_host_by_rank, default=0.0)
+
+    @property
+    def host_per_server(self) -> float:
+        """Pinned host bytes of all the server's ranks together (one copy of the tables)."""
+        return sum(self.engram_host_by_rank)
 
 
 def tensor_bytes_at_rest(spec: TensorSpec, fraction: float) -> tuple[str, float]:
@@ -66,9 +91,41 @@ def tensor_bytes_at_rest(spec: TensorSpec, fraction: float) -> tuple[str, float]
 
 
 @functools.lru_cache(maxsize=32)
-def runtime_residency(cfg: DeepseekV41Config, tp: int) -> RuntimeResidency:
-    """Rank 0's weight bytes at TP `tp` under the runtime's rules (module docstring). Raises the
-    runtime's own `TensorParallelError` for a TP size the model cannot be sharded to."""
+def runtime_residency(cfg: DeepseekV41Config, tp: int, engram_placement: str = "device") -> RuntimeResidency:
+    """Rank 0's weight bytes at TP `tp` under the runtime's rules (module docstring): with
+    `engram_placement="host"` the device figure less the Engram block, which moves to
+    `engram_host_by_rank`. Raises the runtime's own `TensorParallelError` for a TP size the model
+    cannot be sharded to, `ValueError` for an unknown placement."""
+    if engram_placement not in ENGRAM_PLACEMENTS:
+        raise ValueError(f"engram placement must be one of {ENGRAM_PLACEMENTS}, got {engram_placement!r}")
+    on_device = _device_residency(cfg, tp)
+    if engram_placement == "device":
+        return on_device
+    gpu = {k: v for k, v in on_device.by_component.items() if k != "engram"}
+    return RuntimeResidency(tp=tp, by_component=gpu, engram_placement="host",
+                            engram_host_by_rank=engram_host_shards(cfg, tp))
+
+
+def engram_host_shards(cfg: DeepseekV41Config, tp: int) -> tuple[float, ...]:
+    """Pinned host bytes each rank r = 0..tp-1 maps in the per_rank layout: its balanced block of
+    every Engram table's rows with their row scales (`ShardPlan.engram_rows`)."""
+    from ..runtime.tensor_parallel import ShardPlan   # torch-only module; keeps deploy importable first
+
+    plans = [ShardPlan.for_config(cfg.text, rank, tp) for rank in range(tp)]
+    shards = [0.0] * tp
+    for spec in tensor_inventory(cfg, vision=False, dspark=False):
+        if spec.kind is not Kind.ENGRAM:
+            continue
+        for rank, plan in enumerate(plans):
+            rows = plan.rows_of(spec.name)
+            fraction = 1.0 if rows is None else len(rows) / spec.shape[0]
+            shards[rank] += tensor_bytes_at_rest(spec, fraction)[1]
+    return tuple(shards)
+
+
+@functools.lru_cache(maxsize=32)
+def _device_residency(cfg: DeepseekV41Config, tp: int) -> RuntimeResidency:
+    """Rank 0's bytes with every weight, the Engram block included, on the GPU."""
     from ..runtime.tensor_parallel import ShardPlan   # torch-only module; keeps deploy importable first
 
     plan = ShardPlan.for_config(cfg.text, 0, tp)
@@ -83,5 +140,5 @@ def runtime_residency(cfg: DeepseekV41Config, tp: int) -> RuntimeResidency:
     return out
 
 
-__all__ = ["BF16_COPY", "FP32_AT_REST", "RuntimeResidency", "runtime_residency",
-           "tensor_bytes_at_rest"]
+__all__ = ["BF16_COPY", "ENGRAM_PLACEMENTS", "FP32_AT_REST", "HOST_LAYOUT", "RuntimeResidency",
+           "engram_host_shards", "runtime_residency", "tensor_bytes_at_rest"]

@@ -116,10 +116,13 @@ class ParallelSpec(_Strict):
 
 
 class EngramSpec(_Strict):
-    """Where the two Engram tables live (spec runtime.md §A.7)."""
+    """Where the two Engram tables live (spec runtime.md §A.7). `host_layout` matters only with
+    `placement: host`: `per_rank` (each TP rank pins its own block of rows; lookups all-reduce) is
+    what this runtime implements; `shared` (one memfd mapping for the whole TP group, upstream's
+    default) is named so that a config asking for it gets a clear refusal, not a type error."""
 
     placement: Literal["device", "host"] = "device"
-    host_layout: Literal["shared", "per_rank"] = "shared"
+    host_layout: Literal["shared", "per_rank"] = "per_rank"
 
 
 class SpeculativeSpec(_Strict):
@@ -265,6 +268,11 @@ def _illegal_combinations(c: DeploymentConfig) -> list[str]:
     if c.engram.placement == "host" and kind.is_cpu:
         out.append("engram.placement host pins host memory for GPU reads (cudaHostRegister/UVA); on CPU the "
                    "tables are already in host memory: use placement device")
+    if c.engram.placement == "host" and c.engram.host_layout != "per_rank":
+        out.append(f"engram.host_layout {c.engram.host_layout!r} with engram.placement host: this runtime implements "
+                   "per_rank only (each TP rank pins its own block of Engram rows in host memory; lookups "
+                   "all-reduce); shared (one memfd mapping for the whole TP group, runtime.md §A.7) is not "
+                   "implemented — set engram.host_layout: per_rank")
     replay = f.bounded_replay
     if kind.is_rocm and (replay.encoder or replay.decoder):
         out.append("features.bounded_replay must be off on ROCm (the card: ROCm needs --no-swa-bounded-replay)")
