@@ -152,9 +152,13 @@ def engram_gather(values: Tensor | RowMajorBytes, scales: Tensor | RowMajorBytes
         read, dest = torch.sort(flat)
     else:
         read, dest = flat, flat                  # dest unused (SORTED=False)
-    launch = {} if INTERPRETED else {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
-    _engram_gather_kernel[(n,)](values, scales, read, dest, out, D=d, BLOCK_D=triton.next_power_of_2(d),
-                                SORTED=sorted_reads, **launch)
+    if INTERPRETED:
+        _engram_gather_kernel[(n,)](values, scales, read, dest, out, D=d, BLOCK_D=triton.next_power_of_2(d),
+                                    SORTED=sorted_reads)
+        return out
+    with torch.cuda.device(device):              # Triton launches on the current device
+        _engram_gather_kernel[(n,)](values, scales, read, dest, out, D=d, BLOCK_D=triton.next_power_of_2(d),
+                                    SORTED=sorted_reads, num_warps=NUM_WARPS, enable_fp_fusion=False)
     return out
 
 

@@ -14,10 +14,14 @@ math: no host synchronisation, so they run inside CUDA graphs.
 `StoredEngramTable` provides what the table's readers use of a tensor (`shape`, `ndim`,
 `device`, indexing by an id tensor, `new_zeros`): `reference.engram.engram_embedding`,
 `TensorParallel.engram_rows` and the static decode forward read it unchanged.
+
+Placement (runtime.md §A.7): this class holds the bytes on the runtime device (`placement ==
+"device"`); `runtime/engram_host.py`'s `HostEngramTable` subclass keeps them in pinned host
+memory read through UVA (`placement == "host"`) with the same lookup bits.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -56,7 +60,13 @@ class StoredEngramTable:
 
     @property
     def device(self) -> torch.device:
+        """Where lookups land and `new_zeros` allocates: here the device holding the bytes."""
         return self.values.device
+
+    @property
+    def placement(self) -> str:
+        """"device": the stored bytes live on `device` (runtime.md §A.7 placement 1)."""
+        return "device"
 
     @property
     def nbytes(self) -> int:
@@ -64,9 +74,10 @@ class StoredEngramTable:
 
     def __getitem__(self, ids: Tensor | slice) -> Tensor | "StoredEngramTable":
         """An id tensor (int64/int32 in [0, rows)): fp32 rows [*ids.shape, d] of the logical
-        (dequantised) table. A slice of rows: those rows, still stored (a TP shard's view)."""
+        (dequantised) table. A slice of rows: those rows, still stored (a TP shard's view, same
+        class and placement)."""
         if isinstance(ids, slice):
-            return StoredEngramTable(self.values[ids], self.scales[ids])
+            return replace(self, values=self.values[ids], scales=self.scales[ids])
         if not isinstance(ids, Tensor) or ids.dtype not in (torch.int64, torch.int32):
             raise TypeError("StoredEngramTable is indexed by an integer id tensor or a slice of rows")
         flat = ids.reshape(-1).to(torch.int64)
@@ -86,11 +97,16 @@ class StoredEngramTable:
         return dequantize_engram_rows(self.values, self.scales).to(F32)
 
     def equal(self, other: object) -> bool:
-        """Same stored bytes (values and scales) — `torch.equal` for stored tables."""
-        return isinstance(other, StoredEngramTable) and torch.equal(self.values.view(torch.uint8), other.values.view(
-            torch.uint8)) and torch.equal(scale_bytes(self.scales), scale_bytes(other.scales))
+        """Same stored bytes (values and scales), whatever the placements — `torch.equal` for stored
+        tables (compared on this table's storage device)."""
+        if not isinstance(other, StoredEngramTable):
+            return False
+        here = self.values.device
+        return torch.equal(self.values.view(torch.uint8), other.values.view(torch.uint8).to(here)) and \
+            torch.equal(scale_bytes(self.scales), scale_bytes(other.scales).to(here))
 
     def to(self, device: torch.device | str) -> "StoredEngramTable":
+        """A copy of the stored bytes on `device`, device placement."""
         return StoredEngramTable(self.values.to(device), self.scales.to(device))
 
 

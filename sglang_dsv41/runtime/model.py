@@ -18,6 +18,11 @@ the glue only:
   `LogitsProcessor` (last-token pruning, logprobs) with an LM head whose logits are the
   reference's correctly rounded fp32 (`ExactFp32HeadMethod`).
 
+Engram placement (runtime.md §A.7): read once at construction from the launcher's variables
+(`engram_host.engram_placement_from_env`: `SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE=1` → the tables
+of this rank's rows in pinned host memory, read through UVA; only the per_rank layout — a
+`shared` layout is refused at start-up).
+
 Numerics = the reference's default `NumericsProfile()` (BF16 caches, FP8 activation quantisation).
 Tensor parallel (`runtime/tensor_parallel.py`, SGLang's TP group): each rank loads only its
 attention groups, routed experts and Engram rows; the forward is bit-identical to TP 1 on CPU
@@ -41,6 +46,7 @@ from . import attention_ops
 from .batch import layout_from_forward_batch
 from .cache import RuntimeCaches
 from .dense_ops import dense_math
+from .engram_host import engram_placement_from_env
 from .forward import TorchForward, fp32_default_dtype
 from .sglang_pool import caches_from_sglang_pool
 from .tensor_parallel import TensorParallel, load_shard_weights
@@ -87,6 +93,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.tp = TensorParallel.from_sglang()
         self.tp.plan(self.cfg.text)    # raises for a --tp the model cannot be sharded with
         self.numerics = NumericsProfile()
+        self.engram_placement = engram_placement_from_env()   # raises now for a layout we do not implement
         self.quant_config = None   # weights are dequantised by our loader, not SGLang's FP8 path
         self.model_path = Path(getattr(config, "_name_or_path", "") or ".")
         self.lm_head = LMHead(self.cfg.text.vocab_size, self.cfg.text.hidden_size)
@@ -107,7 +114,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         experts_mxfp4 = self.device.type == "cuda"
         with fp32_default_dtype():
             on_device = load_shard_weights(stored, self.cfg, self.tp.plan(self.cfg.text), self.device,
-                                           experts_mxfp4=experts_mxfp4)
+                                           experts_mxfp4=experts_mxfp4, engram_placement=self.engram_placement)
             del stored
             hasher = None
             if self.cfg.text.engram_layer_ids:
@@ -118,10 +125,10 @@ class DeepseekV41ForCausalLM(nn.Module):
             on_device["head.weight"] = self.lm_head.weight.detach()   # one fp32 head, in the dense cache too
         self.torch_forward = TorchForward(self.cfg, on_device, hasher, self.numerics, self.tp)
         ops = attention_ops.ops_for(self.device)        # CUDA: raises now if the kernels cannot load
-        logger.info("sglang-dsv41: %s; loaded %d tensors (dequantised to fp32%s); attention + indexer on %s: %s",
-                    self.tp.describe(), len(on_device),
-                    "; routed experts MXFP4 for the Triton kernel" if experts_mxfp4 else "", self.device,
-                    ops.description)
+        logger.info("sglang-dsv41: %s; loaded %d tensors (dequantised to fp32%s); Engram tables: %s placement; "
+                    "attention + indexer on %s: %s", self.tp.describe(), len(on_device),
+                    "; routed experts MXFP4 for the Triton kernel" if experts_mxfp4 else "", self.engram_placement,
+                    self.device, ops.description)
 
     # ---- caches -------------------------------------------------------------------------------
     def _caches_for(self, pool) -> RuntimeCaches:

@@ -127,13 +127,15 @@ class ShardPlan:
 
 
 def load_shard_weights(stored: Mapping[str, Tensor], cfg: DeepseekV41Config, plan: ShardPlan,
-                       device: torch.device | str = "cpu", *, experts_mxfp4: bool = False) -> dict[str, object]:
+                       device: torch.device | str = "cpu", *, experts_mxfp4: bool = False,
+                       engram_placement: str = "device") -> dict[str, object]:
     """This rank's runtime weights on `device`: `runtime.weights.runtime_weights` (every stored
     tensor checked, §2.4 values as fp32, routed experts dequantised or kept MXFP4) restricted to
-    the shard — only this rank's experts are converted, Engram tables are sliced in stored form,
+    the shard — only this rank's experts are converted, Engram tables are sliced in stored form
+    (`engram_placement` "device" or "host": per_rank host tables, `runtime/engram_host.py`),
     sharded attention tensors after dequantisation. TP 1 gives exactly `runtime_weights`' result."""
     return runtime_weights(stored, cfg, torch.device(device), experts_mxfp4=experts_mxfp4,
-                           expert_ids=list(plan.experts), rows_of=plan.rows_of)
+                           expert_ids=list(plan.experts), rows_of=plan.rows_of, engram_placement=engram_placement)
 
 
 class TensorParallel:

@@ -1,13 +1,17 @@
 """Runtime weights from the stored checkpoint tensors (spec `model.md` §2.1–§2.4, §3.8).
 
-`runtime_weights(stored, cfg, device, *, experts_mxfp4, expert_ids=None, rows_of, dense_fp8=None)`
-→ {name → value}:
+`runtime_weights(stored, cfg, device, *, experts_mxfp4, expert_ids=None, rows_of, dense_fp8=None,
+engram_placement="device")` → {name → value}:
 
 * every stored tensor is checked against the inventory first (`checkpoint.loader.check_stored`:
   one error naming every missing / unexpected / mis-typed / mis-shaped tensor);
 * Engram tables (Kind ENGRAM) stay in their stored form — E4M3 rows + UE8M0 row scales, sliced
   to this process's rows — as `engram_table.StoredEngramTable`, whose lookups dequantise the
   gathered rows bit for bit like the reference loader (a dequantised Flash table would not fit);
+  `engram_placement="host"` (runtime.md §A.7, per_rank layout): this process's rows are copied
+  into mmap host memory instead — pinned and read through UVA on CUDA
+  (`engram_host.HostEngramTable`, same lookup bits); on a CPU runtime the same host memory,
+  not pinned (device placement is host memory there too: logged once);
 * every other logical tensor except the routed experts and the FP8 dense weights kept FP8 is the
   reference loader's §2.4 value
   (`checkpoint.loader.logical_tensor`: FP8 tiles dequantised, BF16 rounding rules, FP32 kept),
@@ -35,6 +39,7 @@
 """
 from __future__ import annotations
 
+import logging
 import re
 from typing import Callable, Mapping, Sequence
 
@@ -46,10 +51,12 @@ from ..checkpoint.loader import check_stored, logical_tensor
 from ..checkpoint.names import Kind, TensorSpec, tensor_inventory
 from ..config import DeepseekV41Config
 from .dense_ops import fp8_scale_key
+from .engram_host import EngramPlacement, HostEngramTable
 from .engram_table import StoredEngramTable
 from .moe_ops import RoutedExpertsMxfp4, routed_experts_key
 
 F32 = torch.float32
+logger = logging.getLogger(__name__)
 _ROUTED_EXPERT = re.compile(r"^(?P<prefix>(?:layers|mtp)\.\d+\.)ffn\.experts\.(?P<expert>\d+)\.w[123]\.(?:weight|scale)$")
 
 
@@ -106,15 +113,21 @@ def stored_fp8_dense(spec: TensorSpec, get: Callable[[str], Tensor], device: tor
 def runtime_weights(stored: Mapping[str, Tensor], cfg: DeepseekV41Config, device: torch.device, *,
                     experts_mxfp4: bool, expert_ids: Sequence[int] | None = None,
                     rows_of: Callable[[str], range | None] = lambda name: None,
-                    dense_fp8: bool | None = None) -> dict[str, object]:
+                    dense_fp8: bool | None = None, engram_placement: EngramPlacement = "device") -> dict[str, object]:
     """Weights for `TorchForward` / `moe_ops` on `device` (module docstring). Text model only
     (vision and DSpark tensors are not loaded; their presence is allowed).
 
     `rows_of(name)` (tensor parallel, `ShardPlan.rows_of`): the dim-0 rows of a logical tensor
     this process holds (None = all) — Engram tables and FP8 dense weights kept FP8 are sliced in
     stored form (rows and their scale rows), other tensors after dequantisation.
-    `dense_fp8` (None = `device` is CUDA): keep FP8 dense weights in their stored form."""
+    `dense_fp8` (None = `device` is CUDA): keep FP8 dense weights in their stored form.
+    `engram_placement`: "device" (tables on `device`) or "host" (module docstring)."""
     device = torch.device(device)
+    if engram_placement not in ("device", "host"):
+        raise ValueError(f"engram_placement must be 'device' or 'host', got {engram_placement!r}")
+    if engram_placement == "host" and device.type == "cpu" and cfg.text.engram_layer_ids:
+        logger.info("sglang-dsv41: Engram host placement on a CPU runtime: the tables go to mmap host memory "
+                    "unpinned, as device placement would keep them in host memory too")
     if dense_fp8 is None:
         dense_fp8 = device.type == "cuda"
     check_stored(stored.keys(), cfg, vision=False, dspark=False,
@@ -140,8 +153,9 @@ def runtime_weights(stored: Mapping[str, Tensor], cfg: DeepseekV41Config, device
                 continue
         if spec.kind is Kind.ENGRAM:                 # stored form, rows dequantised on lookup (engram_table.py)
             r = rows if rows is not None else range(spec.shape[0])
-            out[spec.name] = StoredEngramTable(stored[spec.name][r.start:r.stop].to(device).contiguous(),
-                                               stored[spec.scale_name][r.start:r.stop].to(device).contiguous())
+            values, scales = stored[spec.name][r.start:r.stop], stored[spec.scale_name][r.start:r.stop]
+            out[spec.name] = HostEngramTable.copy_of(values, scales, device) if engram_placement == "host" else \
+                StoredEngramTable(values.to(device).contiguous(), scales.to(device).contiguous())
             continue
         value = logical_tensor(spec, stored.__getitem__)
         if rows is not None:
