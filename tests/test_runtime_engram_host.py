@@ -4,7 +4,7 @@ What is pinned (CPU):
 * the placement read from the launcher's variables: unset/0 → device, 1 → host (per_rank, also
   when the layout is unset), `shared` and any other layout or enable value → an error naming it;
 * `HostBuffer`: mmap memory of the asked size starting on a 2 MiB boundary, huge pages requested
-  (the madvise result recorded), nothing registered without CUDA;
+  and collapse attempted (the madvise results recorded), nothing registered without CUDA;
 * `HostEngramTable`: the copied bytes equal the source, `nbytes`, slices are views of the same host
   rows that outlive the parent, lookups on CPU ids equal the device table bit for bit, the reader
   interface (`device` = compute device, `new_zeros`, `engram_embedding`); a CUDA compute device
@@ -87,10 +87,13 @@ def test_host_buffer_is_aligned_mmap_memory_with_huge_pages_requested() -> None:
     assert buf.tensor.dtype == torch.uint8 and buf.tensor.numel() == buf.nbytes == 3 * HUGE_PAGE + 5
     assert buf.tensor.data_ptr() % HUGE_PAGE == 0 and buf.tensor.device == CPU
     assert buf.huge_pages_requested == THP_HERE, buf.huge_page_note
-    assert buf.huge_page_note
+    assert buf.huge_page_note and buf.huge_pages_collapsed is None
     assert not buf.registered
-    buf.tensor[-1] = 7
-    assert int(buf.tensor[-1]) == 7 and int(buf.tensor[0]) == 0           # anonymous memory starts zeroed
+    buf.tensor.fill_(3)
+    collapsed = buf.collapse_huge_pages()                 # kernel-dependent (EINVAL before Linux 6.1 / in VMs)
+    assert buf.huge_pages_collapsed is collapsed and (collapsed or "MADV_COLLAPSE" in buf.huge_page_note)
+    assert int(buf.tensor.sum()) == 3 * buf.nbytes
+    assert int(HostBuffer(HUGE_PAGE).tensor.sum()) == 0                     # anonymous memory starts zeroed
     assert HostBuffer(0).tensor.numel() == 0
     with pytest.raises(ValueError, match="nbytes"):
         HostBuffer(-1)
@@ -107,6 +110,7 @@ def test_host_table_holds_a_copy_and_reads_like_the_device_table() -> None:
     assert table.nbytes == 300 * 64 + 300 * 2 == device_table.nbytes
     assert table.shape == (300, 64) and table.ndim == 2 and table.device == CPU and table.storage_device == CPU
     assert table.huge_pages_requested == THP_HERE and not table.pinned
+    assert all(b.huge_pages_collapsed is not None for b in table.buffers) == THP_HERE     # tried after the copy
     ids = torch.tensor([[0, 299, 5], [5, 17, 0]])
     rows = table[ids]
     assert rows.shape == (2, 3, 64) and rows.dtype == torch.float32 and torch.equal(rows, device_table[ids])

@@ -8,9 +8,10 @@ with device placement) and the lookup keeps its masked lookup + exact all-reduce
 not implemented: `engram_placement_from_env` refuses it.
 
 * `HostBuffer(nbytes)`: anonymous `mmap` memory, transparent huge pages requested with
-  `madvise(MADV_HUGEPAGE)` (`huge_pages_requested` records whether the kernel accepted the
-  advice; whether pages actually became huge is the kernel's choice: `AnonHugePages` in
-  /proc/self/smaps), the usable range starting on a 2 MiB boundary. `register_with_cuda()`
+  `madvise(MADV_HUGEPAGE)` before the copy-in and `MADV_COLLAPSE` after it (`huge_pages_requested`
+  / `huge_pages_collapsed` record whether the kernel accepted each; whether pages actually are
+  huge is the kernel's choice: `AnonHugePages` in /proc/self/smaps), the usable range starting on
+  a 2 MiB boundary. `register_with_cuda()`
   page-locks it with `cudaHostRegister(..., cudaHostRegisterPortable | cudaHostRegisterMapped)`
   (flags 1 | 2: every CUDA context may use it, and it is mapped into the device address space);
   it is unregistered when the buffer is collected (or `close()`d). The memory itself is unmapped
@@ -55,6 +56,7 @@ from .engram_table import StoredEngramTable
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
+MADV_COLLAPSE_LINUX = 25          # include/uapi/asm-generic/mman-common.h
 #: cudaHostRegister flags (CUDA runtime API): portable to every context, mapped into the device space
 CUDA_HOST_REGISTER_PORTABLE = 0x01
 CUDA_HOST_REGISTER_MAPPED = 0x02
@@ -102,12 +104,29 @@ class HostBuffer:
         mapping = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.huge_pages_requested, self.huge_page_note = _request_huge_pages(mapping)
+        self.huge_pages_collapsed: bool | None = None               # set by `collapse_huge_pages`
+        self._mapping = mapping                                     # never closed: see module doc
         whole = torch.frombuffer(mapping, dtype=torch.uint8)        # keeps `mapping` alive
         start = (-whole.data_ptr()) % HUGE_PAGE
         self.tensor: Tensor = whole[start:start + nbytes]
+        self._start = start
         self.nbytes = nbytes
         self.registered = False
         self._finalizer: weakref.finalize | None = None
+
+    def collapse_huge_pages(self) -> bool:
+        """After the copy-in: ask the kernel to collapse the used range into huge pages
+        (Linux ≥ 6.1 `madvise(MADV_COLLAPSE)`, what upstream's per_rank layout adds; Python 3.11's
+        mmap has no constant for it, the value is Linux's 25). Records and returns whether the
+        kernel accepted; a refusal (older kernel, THP off) is noted in `huge_page_note`."""
+        try:
+            used = -(-self.nbytes // HUGE_PAGE) * HUGE_PAGE                    # not the alignment slack
+            self._mapping.madvise(getattr(mmap, "MADV_COLLAPSE", MADV_COLLAPSE_LINUX), self._start, used)
+            self.huge_pages_collapsed = True
+        except OSError as err:
+            self.huge_pages_collapsed = False
+            self.huge_page_note += f"; madvise(MADV_COLLAPSE) refused: {err}"
+        return self.huge_pages_collapsed
 
     def register_with_cuda(self) -> None:
         """Page-lock and map the buffer for every CUDA device (portable | mapped); raises with the
@@ -193,6 +212,8 @@ class HostEngramTable(StoredEngramTable):
         for src in (values, scales):
             buf = HostBuffer(src.numel() * src.element_size())
             buf.tensor.copy_(src.contiguous().view(torch.uint8).reshape(-1))
+            if buf.huge_pages_requested and buf.nbytes:
+                buf.collapse_huge_pages()
             if compute_device.type == "cuda":
                 buf.register_with_cuda()
             held.append((buf, buf.tensor.view(src.dtype).view(src.shape)))
@@ -244,4 +265,4 @@ class HostEngramTable(StoredEngramTable):
 
 
 __all__ = ["CUDA_HOST_REGISTER_MAPPED", "CUDA_HOST_REGISTER_PORTABLE", "ENABLE_ENV", "EngramPlacement", "HUGE_PAGE",
-           "HostBuffer", "HostEngramTable", "LAYOUT_ENV", "SUPPORTED_LAYOUT", "UvaRows", "engram_placement_from_env"]
+           "MADV_COLLAPSE_LINUX", "HostBuffer", "HostEngramTable", "LAYOUT_ENV", "SUPPORTED_LAYOUT", "UvaRows", "engram_placement_from_env"]
