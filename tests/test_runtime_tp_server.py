@@ -105,3 +105,30 @@ def test_gpu_tp_server_greedy_equals_tp1_server(tp: int, ep: int, request: pytes
     print(f"TP {tp} EP {ep} vs TP 1 ({checkpoint.parent.name}): {GPU_NEW_TOKENS} greedy tokens equal, "
           f"max |Δ log p| {delta:.3g}")
     assert delta <= GPU_LOGPROB_BOUND, f"TP {tp} EP {ep}: max |Δ log p| {delta} above {GPU_LOGPROB_BOUND}"
+
+
+HOST_ENGRAM_ENV = {"SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": "1", "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT": "per_rank"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1-host-engram", "tp2-host-engram"])
+def test_gpu_server_with_host_engram_tables_equals_device_tables(tp: int, tiny_checkpoint: Path,
+                                                                tmp_path: Path) -> None:
+    """A server whose Engram tables sit in pinned host memory (the launcher's variables for
+    `engram: {placement: host}`, read through UVA by `kernels/engram_gather.py`) serves the same 64
+    greedy tokens as the TP-1 server with tables on the GPU. The host lookup is bit-identical to the
+    device lookup, so at TP 1 the log-probabilities are equal bit for bit (Δ = 0), and at TP 2 within
+    the TP bound; the server log names the placement."""
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} CUDA devices, found {torch.cuda.device_count()}")
+    key = str(tiny_checkpoint)
+    if key not in _TP1_RESULTS:
+        _TP1_RESULTS[key] = _served(tiny_checkpoint, tmp_path / "tp1.log", 1, None, GPU_NEW_TOKENS)
+    want = _TP1_RESULTS[key]
+    log = tmp_path / f"tp{tp}-host.log"
+    got = _served(tiny_checkpoint, log, tp, HOST_ENGRAM_ENV, GPU_NEW_TOKENS)
+    assert "Engram tables: host placement" in log.read_text(errors="replace")
+    assert [r["output_ids"] for r in got] == [r["output_ids"] for r in want]
+    delta = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(_token_logprobs(g), _token_logprobs(w)))
+    print(f"TP {tp} host Engram vs TP 1 device: {GPU_NEW_TOKENS} greedy tokens equal, max |Δ log p| {delta:.3g}")
+    assert (delta == 0.0) if tp == 1 else (delta <= GPU_LOGPROB_BOUND), delta
