@@ -78,23 +78,20 @@ import json
 import os
 import platform
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import threading
-import traceback
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sglang_jit_cache  # noqa: E402  (standard library only)
 from sglang_v4_results import per_layer, plot, timed_runs  # noqa: E402  (standard library only)
+from sglang_v4_worker import PAGE, worker  # noqa: E402  (imports SGLang only when a worker runs)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCHES, CONTEXT, LAYER_COUNTS, DECODE_STEPS = (1, 8, 64, 256), 8192, (2, 4), 24
-PAGE = 256                                   # SGLang's V4 page size (arg_groups/overrides.py)
 #: tokens per prefill extend with DeepGEMM: SGLang 0.5.17's V4 compressor plan (kernels/jit/csrc/deepseek_v4/
 #: c_plan.cuh, plan_compress_prefill) requires < 65,536 query tokens per extend (uint16 counts); 65,536 failed
 #: there on the H200 (2026-11-30, run 15)
@@ -228,109 +225,6 @@ def preflight(need_gpus: int = 1) -> dict[str, Any]:
             blockers.append(f"--parallel-gpus needs {need_gpus} GPUs, {info['gpus']} visible")
     info["blockers"] = blockers
     return info
-
-
-# ---- worker: one process, one layer count ------------------------------------------------------
-def _time_batch(ob, runner, bs: int, context: int, steps: int, chunk_tokens: int) -> dict[str, Any]:
-    """Prefill `bs` synthetic requests of `context` tokens (groups of <= chunk_tokens, merged), then
-    time `steps` decode steps like one_batch.latency_test_run_once (sync, perf_counter, median)."""
-    import torch
-    runner.clear()
-    reqs = ob.prepare_synthetic_inputs_for_latency_test(bs, context)
-    group = max(1, chunk_tokens // context)
-    runner.synchronize()
-    tic = time.perf_counter()
-    ids, batch = [], None
-    for i in range(0, bs, group):
-        next_ids, _, part = runner.extend(reqs[i:i + group])
-        ids.append(next_ids)
-        if batch is None:
-            batch = part
-        else:
-            batch.merge_batch(part)
-    runner.synchronize()
-    prefill_s = time.perf_counter() - tic
-    next_ids = torch.cat(ids) if len(ids) > 1 else ids[0]
-    lat = []
-    for _ in range(steps):
-        runner.synchronize()
-        tic = time.perf_counter()
-        next_ids, _ = runner.decode(next_ids, batch)
-        runner.synchronize()
-        lat.append(time.perf_counter() - tic)
-    runner.cleanup(batch)
-    q = statistics.quantiles(lat, n=10) if len(lat) >= 2 else lat * 9
-    return dict(batch=bs, context=context, prefill_groups=-(-bs // group), prefill_s=prefill_s,
-                step_median_us=statistics.median(lat) * 1e6, step_p10_us=q[0] * 1e6, step_p90_us=q[-1] * 1e6,
-                steps_us=[x * 1e6 for x in lat])
-
-
-def worker(out: Path, deadline: float, chunk_tokens: int, argv: list[str]) -> int:
-    import torch
-    import sglang
-    from sglang.benchmark import one_batch as ob
-    from sglang.srt.model_executor.cuda_graph_config import Phase
-    from sglang.srt.server_args import PortArgs, ServerArgs
-    rec: dict[str, Any] = {"argv": argv, "runs": [], "errors": [], "jit_progress": []}
-    lock = threading.Lock()
-
-    def save() -> None:
-        with lock:
-            out.write_text(json.dumps(rec, indent=2))
-    t0 = time.perf_counter()
-    cache_dir = os.environ.get("BENCH_JIT_CACHE_DIR")
-
-    def watch_jit() -> None:                 # files per JIT cache every 15 s: progress survives a kill
-        while cache_dir:
-            inv = sglang_jit_cache.inventory(Path(cache_dir))
-            with lock:
-                rec["jit_progress"].append({"t_s": round(time.perf_counter() - t0, 1),
-                                            **{k: v["files"] for k, v in inv["by_cache"].items() if v["files"]}})
-            save()
-            time.sleep(15)
-    threading.Thread(target=watch_jit, daemon=True).start()
-    try:
-        parser = argparse.ArgumentParser()
-        ServerArgs.add_cli_args(parser)
-        ob.BenchArgs.add_cli_args(parser)
-        args = parser.parse_args(argv)
-        server_args, bench = ServerArgs.from_cli_args(args), ob.BenchArgs.from_cli_args(args)
-        if server_args.cuda_graph_config is not None:     # as one_batch.main does
-            server_args.cuda_graph_config[Phase.DECODE].max_bs = max(bench.batch_size)
-        ob._set_envs_and_config(server_args)
-        ob.initialize_moe_config(server_args)
-        ob.initialize_fp8_gemm_config(server_args)
-        ob.initialize_fp4_gemm_config(server_args)
-        ob.configure_logger(server_args, prefix=" TP0")
-        runner, _ = ob.load_model(server_args, PortArgs.init_new(server_args), 0, 0)
-    except Exception as exc:
-        rec["errors"].append({"stage": "server_args/load_model", "error": f"{type(exc).__name__}: {exc}",
-                              "traceback": traceback.format_exc()[-3000:]})
-        save()
-        return 1
-    from sglang.srt.layers import deep_gemm_wrapper
-    rec.update(load_s=time.perf_counter() - t0, sglang=sglang.__version__, torch=torch.__version__,
-               device=torch.cuda.get_device_name(0), deepgemm_enabled=deep_gemm_wrapper.ENABLE_JIT_DEEPGEMM,
-               max_total_num_tokens=runner.torch_runner.max_total_num_tokens,
-               resolved={k: str(getattr(server_args, k, None)) for k in (
-                   "attention_backend", "moe_runner_backend", "fp8_gemm_runner_backend", "kv_cache_dtype",
-                   "page_size", "cuda_graph_config", "max_running_requests", "swa_full_tokens_ratio")})
-    save()
-    plan = [("warmup", 1, PAGE, 4)] + [(f"batch {bs}", bs, bench.input_len[0], bench.output_len[0] - 1)
-                                       for bs in bench.batch_size]
-    for stage, bs, context, steps in plan:
-        if time.time() > deadline:
-            rec["errors"].append({"stage": stage, "error": "skipped: out of time"})
-            continue
-        try:
-            r = _time_batch(ob, runner, bs, context, steps, chunk_tokens)
-            rec["runs"].append({**r, "warmup": stage == "warmup"})
-        except Exception as exc:
-            rec["errors"].append({"stage": stage, "error": f"{type(exc).__name__}: {exc}",
-                                  "traceback": traceback.format_exc()[-3000:]})
-            torch.cuda.empty_cache()
-        save()
-    return 1 if rec["errors"] else 0
 
 
 # ---- parent: preflight, two workers, per-layer arithmetic, JSON + PNG -----------------------------
