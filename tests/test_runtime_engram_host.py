@@ -199,7 +199,8 @@ def test_runtime_weights_host_placement_equals_device_placement(tiny_checkpoint,
         runtime_weights(stored, cfg, CPU, engram_placement="shared", **kw)
 
 
-def _engines(ckpt: Path):
+def _engines(ckpt: Path, device: torch.device = CPU):
+    """{"device" | "host": TorchForward} on `device` (CUDA: MXFP4 experts, as the server loads them)."""
     from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
     from sglang_dsv41.runtime.forward import TorchForward, fp32_default_dtype
 
@@ -209,8 +210,8 @@ def _engines(ckpt: Path):
     engines = {}
     for placement in ("device", "host"):
         with fp32_default_dtype():
-            w = runtime_weights(stored, cfg, CPU, experts_mxfp4=False, engram_placement=placement)
-        engines[placement] = TorchForward(cfg, w, EngramHasher.from_config(cfg, token_map))
+            w = runtime_weights(stored, cfg, device, experts_mxfp4=device.type == "cuda", engram_placement=placement)
+        engines[placement] = TorchForward(cfg, w, EngramHasher.from_config(cfg, token_map).to(device))
     assert any(isinstance(v, HostEngramTable) for v in engines["host"].weights.values())
     return engines
 
@@ -320,19 +321,10 @@ def test_cuda_forward_with_host_tables_equals_device_tables(tiny_checkpoint) -> 
     _need_cuda()
     from cuda_graph_scenarios import clone_caches, decode_step, prefilled, step_tokens
     from runtime_scenarios import one_shot_logits, prompt
-    from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
-    from sglang_dsv41.runtime.forward import TorchForward, fp32_default_dtype
 
     torch.backends.cuda.matmul.allow_tf32 = False
     cuda = torch.device("cuda")
-    cfg = DeepseekV41Config.from_file(tiny_checkpoint)
-    stored = stored_of(tiny_checkpoint)
-    token_map, _ = compressed_token_map(_load_fast_tokenizer(tiny_checkpoint))
-    engines = {}
-    for placement in ("device", "host"):
-        with fp32_default_dtype():
-            w = runtime_weights(stored, cfg, cuda, experts_mxfp4=True, engram_placement=placement)
-        engines[placement] = TorchForward(cfg, w, EngramHasher.from_config(cfg, token_map).to(cuda))
+    engines = _engines(tiny_checkpoint, cuda)
     tokens = prompt(5, 21)
     assert torch.equal(one_shot_logits(engines["host"], cuda, tokens), one_shot_logits(engines["device"], cuda, tokens))
     states = {p: prefilled(e, cuda) for p, e in engines.items()}
