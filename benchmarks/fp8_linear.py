@@ -16,7 +16,8 @@ multiplied in sequence — one "layer pass" — at M ∈ {1, 64} rows:
 Per row: median µs of the pass (`step_timing.measure`: CUDA events, L2 flushed before every
 call; the pass reads ≈ 155 MiB at Flash widths), the bytes it must read (E4M3 + fp32 tile scales; BF16 for
 the baseline), GB/s and the fraction of the copy bandwidth measured in the same run; `per_weight`:
-each weight alone (runtime, swap_ab, cuBLAS). Writes
+each weight alone (runtime, swap_ab, cuBLAS); `agreement`: which variants give the runtime
+configuration's bits (`bit_agreement`). Writes
 `fp8_linear.json` and `fp8_linear.png` to `--out`. CUDA only; bounded by the row list.
 
     python benchmarks/fp8_linear.py [--layer 2] [--rows 1 64 8192] [--variants L ...] [--per-weight L ...]
@@ -95,6 +96,31 @@ def variant_calls(F, SK) -> dict:
     return calls
 
 
+def bit_agreement(weights: list, variants: dict, g: torch.Generator, dev: torch.device, errors: list[str],
+                  rows: int = 300) -> dict:
+    """{label: {"bit_equal": all weights' products bit-identical to the runtime configuration's,
+    "max_abs_diff": largest |Δ|}} at `rows` x rows. Every configuration multiplies exactly and adds the
+    products in K order in 16-wide MMA steps, so they differ only if the tensor-core instruction
+    (mma.sync for BLOCK_M 16/32, wgmma for 64/128) sums a step differently: equal bits would let the
+    runtime pick a tile shape by M (decode narrow, prefill wide) and stay batch invariant."""
+    out: dict = {}
+    xs = {}
+    for _, v, _ in weights:
+        xs.setdefault(v.shape[1], torch.randn(rows, v.shape[1], generator=g, device=dev).to(torch.bfloat16).float())
+    ref = [variants["runtime"](xs[v.shape[1]], v, s) for _, v, s in weights]
+    for label, call in variants.items():
+        if label == "runtime":
+            continue
+        try:
+            got = [call(xs[v.shape[1]], v, s) for _, v, s in weights]
+        except Exception as exc:
+            errors.append(f"agreement {label}: {type(exc).__name__}: {exc}"[:400])
+            continue
+        out[label] = {"bit_equal": all(torch.equal(a, b) for a, b in zip(got, ref)),
+                      "max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(got, ref))}
+    return out
+
+
 def select_variants(calls: dict, labels: list[str] | None) -> dict:
     """The variants `--variants` names (all when None), always with `runtime` first; unknown labels raise."""
     if labels is None:
@@ -169,8 +195,12 @@ def main(argv: list[str] | None = None) -> int:
                   + f"  [{' / '.join(per_weight_labels + ('cublas_bf16',))}]", flush=True)
         print(f"M={M}: " + "  ".join(f"{k} {v['us']:.0f} µs ({100 * v['fraction_of_copy']:.0f} %)"
                                      for k, v in point.items() if isinstance(v, dict)), flush=True)
+    agreement = bit_agreement(weights, variants, g, dev, errors)
+    print("bit-identical to the runtime configuration (300 rows, every weight): "
+          + ", ".join(f"{k} {'yes' if v['bit_equal'] else 'no'}" for k, v in agreement.items()), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     result = dict(device=torch.cuda.get_device_name(), layer=args.layer, shapes=shapes, fp8_bytes=fp8_bytes,
+                  agreement=agreement,
                   bf16_bytes=bf16_bytes, copy_gbs=copy_gbs, rows=rows, per_weight=per_weight, errors=errors,
                   when=time.strftime("%F %T"))
     (args.out / "fp8_linear.json").write_text(json.dumps(result, indent=1))

@@ -87,3 +87,20 @@ def test_alternatives_are_distinct_and_differ_from_the_runtime_configuration() -
 
     cfgs = [F.Fp8LinearConfig(*t) for t in bench.ALTERNATIVES.values()]
     assert len(set(cfgs)) == len(cfgs) and F.DEFAULT_CONFIG not in cfgs
+
+
+def test_bit_agreement_reports_equal_and_different_variants() -> None:
+    """On CPU with stand-in calls: an identical product is `bit_equal`, a perturbed one is not and
+    its difference is reported; a failing variant lands in errors."""
+    g = torch.Generator().manual_seed(0)
+    values, scales = bench.random_fp8(64, 96, g, torch.device("cpu"))
+    exact = lambda x, v, s: x @ (v.float() * s.repeat_interleave(32, 0).repeat_interleave(32, 1)).t()  # noqa: E731
+
+    def broken(x, v, s):
+        raise RuntimeError("no compile")
+    variants = {"runtime": exact, "same": exact, "off": lambda x, v, s: exact(x, v, s) + 1e-3, "broken": broken}
+    errors: list[str] = []
+    out = bench.bit_agreement([("w", values, scales)], variants, g, torch.device("cpu"), errors, rows=5)
+    assert out["same"] == {"bit_equal": True, "max_abs_diff": 0.0}
+    assert out["off"]["bit_equal"] is False and out["off"]["max_abs_diff"] == pytest.approx(1e-3, rel=1e-3)
+    assert "broken" not in out and errors == ["agreement broken: RuntimeError: no compile"]
