@@ -50,11 +50,47 @@ def _time_batch(ob, runner, bs: int, context: int, steps: int, chunk_tokens: int
         next_ids, _ = runner.decode(next_ids, batch)
         runner.synchronize()
         lat.append(time.perf_counter() - tic)
+    try:                       # after the timing: one eager step that records the routing
+        routed = routed_experts_of_one_step(runner.torch_runner, lambda: runner.decode(next_ids, batch))
+    except Exception as exc:   # the count is context, not the measurement: recorded, never fatal
+        routed = {"error": f"{type(exc).__name__}: {exc}"[:400]}
     runner.cleanup(batch)
     q = statistics.quantiles(lat, n=10) if len(lat) >= 2 else lat * 9
     return dict(batch=bs, context=context, prefill_groups=-(-bs // group), prefill_s=prefill_s,
                 step_median_us=statistics.median(lat) * 1e6, step_p10_us=q[0] * 1e6, step_p90_us=q[-1] * 1e6,
-                steps_us=[x * 1e6 for x in lat])
+                steps_us=[x * 1e6 for x in lat], routed_experts=routed)
+
+
+def routed_experts_of_one_step(model_runner, step, topk_cls=None) -> dict[str, Any]:
+    """Distinct routed experts per MoE layer in one decode step, run eagerly: the decode CUDA graph
+    runner is set aside for that step (a replay would not call the modules), every `TopK` module's
+    output is read through a forward hook (`topk_ids`, the standard output format), then both are
+    restored. Why: with dummy weights the router may send a batch to few experts, and how many
+    experts a step reads sets its weight bytes (docs/performance.md, side-by-side caveats)."""
+    if topk_cls is None:
+        from sglang.srt.layers.moe.topk import TopK as topk_cls
+    seen: list[int] = []
+    formats: set[str] = set()
+
+    def hook(_module, _inputs, output) -> None:
+        ids = getattr(output, "topk_ids", None)
+        if ids is None:
+            formats.add(type(output).__name__)
+            return
+        seen.append(int(ids[ids >= 0].unique().numel()))
+    handles = [m.register_forward_hook(hook) for m in model_runner.model.modules() if isinstance(m, topk_cls)]
+    graph_runner = model_runner.decode_cuda_graph_runner
+    model_runner.decode_cuda_graph_runner = None
+    try:
+        step()
+    finally:
+        model_runner.decode_cuda_graph_runner = graph_runner
+        for h in handles:
+            h.remove()
+    out: dict[str, Any] = {"per_layer": seen, "topk_modules": len(handles)}
+    if formats:
+        out["unread_output_formats"] = sorted(formats)
+    return out
 
 
 def worker(out: Path, deadline: float, chunk_tokens: int, argv: list[str]) -> int:

@@ -267,3 +267,50 @@ def test_warmup_mode_packs_a_manifest_even_when_blocked(tmp_path, monkeypatch):
     assert m["warmup"]["complete"] is False and m["warmup"]["stages"][0]["stage"] == "preflight"
     assert m["files"] == 1 and m["warmup"]["env"]["TRITON_CACHE_DIR"] == str((tmp_path / "c" / "triton").resolve())
     assert m["warmup"]["layer_counts"] == [2] and (tmp_path / "o" / f"{jc.PREFIX}.tgz.part00").is_file()
+
+
+def test_routed_expert_count_runs_one_eager_step_and_restores_the_graph_runner():
+    """`routed_experts_of_one_step`: hooks every TopK-class module, counts distinct expert ids per
+    layer (padding ids < 0 left out), runs the step with the decode graph runner set aside, and
+    puts the runner back and removes the hooks — also when the step raises."""
+    import types
+
+    import torch
+    from torch import nn
+
+    import sglang_v4_worker as w
+
+    class FakeTopK(nn.Module):
+        def __init__(self, ids):
+            super().__init__()
+            self.ids = ids
+
+        def forward(self, x):
+            return types.SimpleNamespace(topk_ids=self.ids)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = FakeTopK(torch.tensor([[1, 2], [2, 3]]))
+            self.b = FakeTopK(torch.tensor([[5, 5], [-1, -1]]))
+
+        def forward(self, x):
+            return self.a(x), self.b(x)
+
+    graph = object()
+    runner = types.SimpleNamespace(model=Model(), decode_cuda_graph_runner=graph)
+    calls = []
+
+    def step():
+        calls.append(runner.decode_cuda_graph_runner)
+        runner.model(torch.zeros(1))
+    out = w.routed_experts_of_one_step(runner, step, FakeTopK)
+    assert out == {"per_layer": [3, 1], "topk_modules": 2}
+    assert calls == [None] and runner.decode_cuda_graph_runner is graph
+
+    def failing():
+        raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"):
+        w.routed_experts_of_one_step(runner, failing, FakeTopK)
+    assert runner.decode_cuda_graph_runner is graph
+    assert not runner.model.a._forward_hooks and not runner.model.b._forward_hooks
