@@ -23,7 +23,7 @@ scattered BF16 rows) it
 Writes `benchmarks/results/sparse_attention.json` and `sparse_attention.png`. `--sweep` also times
 a few alternative block configurations per N (for tuning `plan_config`).
 
-    python benchmarks/sparse_attention.py [--sweep] [--out benchmarks/results]
+    python benchmarks/sparse_attention.py [--sweep] [--packed-splits 1 5 10 16] [--out benchmarks/results]
 """
 from __future__ import annotations
 
@@ -34,16 +34,22 @@ import math
 import platform
 from pathlib import Path
 
+import sys
+
 import torch
 import triton
 import triton.testing
-from device_bandwidth import copy_bandwidth_gbs  # benchmarks/ is on sys.path when run as a script
 
-from sglang_dsv41.config import DeepseekV41Config
-from sglang_dsv41.kernels import sparse_attention as sa
-from sglang_dsv41.presets import flash_config_dict
-from sglang_dsv41.reference.attention import attend_with_sink
-from sglang_dsv41.runtime import kv_layout
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+from device_bandwidth import copy_bandwidth_gbs  # noqa: E402
+
+from sglang_dsv41.config import DeepseekV41Config  # noqa: E402
+from sglang_dsv41.kernels import sparse_attention as sa  # noqa: E402
+from sglang_dsv41.presets import flash_config_dict  # noqa: E402
+from sglang_dsv41.reference.attention import attend_with_sink  # noqa: E402
+from sglang_dsv41.runtime import kv_layout  # noqa: E402
 
 HEADS, HEAD_DIM, WINDOW, TOPK = 64, 512, 128, 512
 DECODE_BATCHES = (1, 8, 64, 256)
@@ -181,10 +187,20 @@ def sweep_configs(n: int, planned: sa.SparseAttentionConfig) -> list[sa.SparseAt
     return sorted(out, key=lambda c: (c.block_h, c.block_n, c.num_warps, c.num_splits))
 
 
+def packed_split_counts(requested: list[int], planned: sa.SparseAttentionConfig) -> list[int]:
+    """The requested split counts the kernel accepts for this shape: 1..MAX_SPLITS and at most one
+    split per key tile (W/block_n + K/block_n tiles), so no split is empty."""
+    tiles = -(-WINDOW // planned.block_n) + -(-TOPK // planned.block_n)
+    return sorted({k for k in requested if 1 <= k <= min(sa.MAX_SPLITS, tiles)})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--sweep", action="store_true", help="also time alternative block configurations")
+    parser.add_argument("--packed-splits", type=int, nargs="*", default=[],
+                        help="also time the packed path with these fixed key-split counts (decode-only split "
+                             "candidates: docs/runtime.md next steps)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/sparse_attention.py needs a CUDA GPU")
@@ -234,6 +250,16 @@ def main() -> None:
                                            ratio=c["packed"].ratio, row_bytes=c["packed"].rows.shape[1])),
                    runtime_one_split=dict(bf16_ms=runtime_bf16_ms, packed_ms=runtime_packed_ms,
                                           packed_over_bf16=runtime_packed_ms / runtime_bf16_ms))
+        if args.packed_splits:
+            row["packed_by_splits"] = {}
+            for k in packed_split_counts(args.packed_splits, planned):
+                cfg = dataclasses.replace(planned, num_splits=k)
+                row["packed_by_splits"][k] = triton.testing.do_bench(
+                    lambda: sa.sparse_sink_attention(c["q"], c["swa_cache"], c["swa_slots"], c["packed"],
+                                                     c["packed_entries"], c["sink"], scale, config=cfg),
+                    warmup=25, rep=200, return_mode="median") * 1e3
+            print(f"N={n:4d}  packed µs by key splits: " + ", ".join(
+                f"{k}: {us:.1f}" for k, us in row["packed_by_splits"].items()), flush=True)
         if args.sweep:
             row["sweep"] = []
             for cfg in sweep_configs(n, planned):
