@@ -15,21 +15,28 @@ or makes a shape depend on tensor values raises `HostSync` (item / tolist / bool
 index of a tensor, nonzero, unique, equal, masked_select, boolean-mask indexing, repeat_interleave
 without output_size, .cpu() / .numpy()). `suspended()` disarms it inside test stand-ins of the
 Triton kernels (the kernels themselves are audited by the GPU capture test).
+
+`graph_decode_steps(engine)`: the static step captured in a CUDA graph and replayed (steps 0 and
+1) against the eager static forward on identical cache copies — the per-rank scenario of the TP
+capture test (tests/test_runtime_tp_cuda_graph_gpu.py; CPU: the same sequence with an eager
+stand-in for the graph).
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from runtime_scenarios import ROWS, SHARED_PREFIX, Slots, allocate_caches, prompts, run_batch
 from sglang_dsv41.runtime.batch import BatchLayout, make_layout, static_decode_layout
 from sglang_dsv41.runtime.cache import RuntimeCaches
 from sglang_dsv41.runtime.forward import TorchForward
+from tp_harness import report_stage
 
 #: SGLang's padding values (decode runner, 0.5.17) — seq_len fill = our backend's fill value.
 PAD_ROW, PAD_POSITION, PAD_SLOT, SEQ_LEN_FILL = 0, 0, 0, 1
@@ -220,4 +227,123 @@ def static_decode_logits(engine: TorchForward, batch_size: int = 6, steps: int =
         inputs = decode_step(state, step_tokens(step), batch_size)
         hidden = engine.hidden_states(inputs.input_ids, inputs.static_layout(state.slots.table), state.caches)
         out[f"step{step}"] = engine.logits(hidden)[:inputs.live]
+    return out
+
+
+# ---- capture + replay of the static step at any TP size (tests/test_runtime_tp_cuda_graph_gpu.py) ---------------
+
+#: padded batch size of the captured step: the four live requests + 2 padding requests (as the TP-1 GPU test)
+GRAPH_BS = 6
+
+
+STEP_BUFFERS = ("input_ids", "req_rows", "seq_lens", "positions", "out_slots")
+
+
+def graph_input_buffers(step: DecodeStep) -> DecodeStep:
+    """Fresh copies of `step`'s tensors: the static input buffers a graph is captured on."""
+    return DecodeStep(**{name: getattr(step, name).clone() for name in STEP_BUFFERS}, live=step.live)
+
+
+def _sync_ranks(engine: TorchForward, device: torch.device) -> None:
+    """What SGLang's graph backend does before each warm-up and the capture: the device idle,
+    then a barrier over the TP group (every rank at the same point)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if engine.tp.size > 1:
+        dist.barrier(group=engine.tp.group)
+
+
+class EagerReplay:
+    """CPU stand-in for a captured graph (a dry run of the scenario's bookkeeping, not of capture):
+    `replay()` runs `forward(caches)` eagerly into the fixed output tensor `out`."""
+
+    def __init__(self, forward: Callable[[RuntimeCaches], Tensor], caches: RuntimeCaches, out: Tensor) -> None:
+        self.forward, self.caches, self.out = forward, caches, out
+
+    def replay(self) -> None:
+        self.out.copy_(self.forward(self.caches))
+
+
+def _captured(engine: TorchForward, device: torch.device, forward: Callable[[RuntimeCaches], Tensor],
+              graph_caches: RuntimeCaches, out_shape: tuple[int, int]):
+    """(graph, out): CUDA — two warm-ups on scratch cache copies on a side stream, then
+    `forward(graph_caches)` captured on that stream (SGLang's FullCudaGraphBackend order: sync +
+    barrier before each warm-up and before the capture; global capture mode). Capture records
+    kernels without running them, so `graph_caches` is untouched until the first replay. CPU —
+    the same warm-ups and an `EagerReplay`."""
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        for i in range(2):
+            report_stage(f"warm-up {i}")
+            _sync_ranks(engine, device)
+            forward(clone_caches(graph_caches))
+    if side is None:
+        _sync_ranks(engine, device)
+        stand_in = EagerReplay(forward, graph_caches, torch.empty(out_shape, dtype=torch.float32))
+        return stand_in, stand_in.out
+    torch.cuda.current_stream(device).wait_stream(side)
+    _sync_ranks(engine, device)
+    report_stage("capture")
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, stream=side):
+            out = forward(graph_caches)
+    except Exception as e:   # noqa: BLE001 — re-raised with the diagnosis
+        raise AssertionError(
+            f"{engine.tp.describe()}: CUDA-graph capture of the static decode forward failed: {type(e).__name__}: {e}\n"
+            "Look for a host sync (.item/int/bool/tolist/nonzero on a CUDA tensor), a host → device copy, a "
+            "data-dependent shape, or a collective that cannot be captured (runtime/tensor_parallel.py)") from e
+    return graph, out
+
+
+def graph_decode_steps(engine: TorchForward, batch_size: int = GRAPH_BS) -> dict[str, object]:
+    """The static decode step captured and replayed on `engine`'s device, against eager — one
+    rank's part of the TP capture test (run by `tp_harness.run_tp` on every rank, or in-process
+    at TP 1). After `prefilled`, from caches S (the prefilled state):
+
+    * eager0: eager static forward of step 0 (padded to `batch_size`) on a copy E of S;
+    * capture (`_captured`) of the same forward on its static input buffers over a copy G of S;
+    * replay0: step 0's inputs copied into the buffers, replay over G (= S: capture ran nothing);
+      cache_diffs0 = regions where G and E differ afterwards (expected: none);
+    * replay1 / eager1: step 1's inputs (new slots, positions, tokens) — replay over G, then the
+      eager forward over E; cache_diffs1 likewise.
+
+    Logits are the full padded [batch_size, vocab] fp32 rows (CPU); `live` = live requests in
+    front. Collectives run in the same order on every rank (prefill, eager, warm-ups, replays)."""
+    device = engine.weights["embed.weight"].device
+    report_stage("prefill")
+    state = prefilled(engine, device)
+    table = state.slots.table
+    start = clone_caches(state.caches)
+    eager_caches, graph_caches = clone_caches(start), clone_caches(start)
+    first = decode_step(state, step_tokens(0), batch_size)
+    static = graph_input_buffers(first)
+
+    def eager(step: DecodeStep) -> Tensor:
+        return engine.logits(engine.hidden_states(step.input_ids, step.static_layout(table), eager_caches))
+
+    def captured_forward(caches: RuntimeCaches) -> Tensor:
+        return engine.logits(engine.hidden_states(static.input_ids, static.static_layout(table), caches))
+
+    report_stage("eager step 0")
+    out: dict[str, object] = {"live": first.live, "eager0": eager(first).cpu()}
+    graph, graph_out = _captured(engine, device, captured_forward, graph_caches,
+                                 (batch_size, engine.text.vocab_size))
+    report_stage("replay step 0")
+    first.copy_into(static)
+    graph.replay()
+    out["replay0"] = graph_out.clone().cpu()
+    out["cache_diffs0"] = differences_outside_padding(graph_caches, eager_caches, 0)
+    report_stage("step 1")
+    second = decode_step(state, step_tokens(1), batch_size)
+    second.copy_into(static)
+    graph.replay()
+    out["replay1"] = graph_out.clone().cpu()
+    out["eager1"] = eager(second).cpu()
+    out["cache_diffs1"] = differences_outside_padding(graph_caches, eager_caches, 0)
+    del graph, graph_out
+    _sync_ranks(engine, device)
+    report_stage("done")
     return out
