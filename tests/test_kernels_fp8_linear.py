@@ -37,6 +37,7 @@ from sglang_dsv41.runtime.dense_ops import (BlockedBf16Gemm, DenseWeightCache, F
 
 from fp8_cases import (BF16, DEVICE, F32, F64, FP8, KERNEL_HERE, bf16_rows, check_row_prefixes,
                        check_rows_alone_equal_rows_in_a_batch, check_within_gemm_bound, dequantised, fp8_weight, kernel)
+from tp_harness import stored_tensors
 from triton_checks import compile_for_sm90, no_spills, run_kernel_cases_in_interpreter
 
 # ---- kernel cases (interpreter child / CUDA) -----------------------------------------------------
@@ -165,13 +166,11 @@ class _no_error:
 
 def test_runtime_weights_keep_fp8_dense_weights_as_stored(tiny_checkpoint) -> None:
     from sglang_dsv41.checkpoint.names import Kind, tensor_inventory
-    from sglang_dsv41.checkpoint.reader import CheckpointReader
     from sglang_dsv41.config import DeepseekV41Config
     from sglang_dsv41.runtime.weights import runtime_weights, stored_fp8_dense
 
     cfg = DeepseekV41Config.from_file(tiny_checkpoint)
-    with CheckpointReader(tiny_checkpoint) as reader:
-        stored = {name: reader.get(name) for name in reader.names()}
+    stored = stored_tensors(tiny_checkpoint)
     cpu = torch.device("cpu")
     exact = runtime_weights(stored, cfg, cpu, experts_mxfp4=False)
     kept = runtime_weights(stored, cfg, cpu, experts_mxfp4=False, dense_fp8=True)
@@ -266,15 +265,13 @@ def test_kernel_case_runtime_forward_with_fp8_weights(tiny_checkpoint, monkeypat
     backend: logits of a tiny prompt match the exact CPU path up to the dense bound's size."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from runtime_scenarios import one_shot_logits
-    from sglang_dsv41.checkpoint.reader import CheckpointReader
     from sglang_dsv41.config import DeepseekV41Config
     from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
     from sglang_dsv41.runtime import forward as fwd
     from sglang_dsv41.runtime.weights import runtime_weights
 
     cfg = DeepseekV41Config.from_file(tiny_checkpoint)
-    with CheckpointReader(tiny_checkpoint) as reader:
-        stored = {name: reader.get(name) for name in reader.names()}
+    stored = stored_tensors(tiny_checkpoint)
     token_map, _ = compressed_token_map(_load_fast_tokenizer(tiny_checkpoint))
     hasher = EngramHasher.from_config(cfg, token_map)
     dev = torch.device(DEVICE)

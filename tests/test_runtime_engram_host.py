@@ -30,14 +30,15 @@ import pytest
 import torch
 
 from sglang_dsv41.checkpoint.codecs import ue8m0_from_exponent
-from sglang_dsv41.checkpoint.reader import CheckpointReader
 from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.reference.engram import engram_embedding
 from sglang_dsv41.runtime.engram_host import (ENABLE_ENV, HUGE_PAGE, LAYOUT_ENV, HostBuffer, HostEngramTable, UvaRows,
                                               engram_placement_from_env)
 from sglang_dsv41.runtime.engram_table import StoredEngramTable
-from sglang_dsv41.runtime.tensor_parallel import ShardPlan
+from sglang_dsv41.runtime.tensor_parallel import ShardPlan, TensorParallel
 from sglang_dsv41.runtime.weights import runtime_weights
+
+from tp_harness import engine_for, stored_tensors
 
 CPU = torch.device("cpu")
 THP_HERE = Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
@@ -51,9 +52,6 @@ def random_parts(rows: int, d: int, seed: int = 0) -> tuple[torch.Tensor, torch.
     return codes.view(torch.float8_e4m3fn), ue8m0_from_exponent(exps)
 
 
-def stored_of(ckpt: Path) -> dict[str, torch.Tensor]:
-    with CheckpointReader(ckpt) as reader:
-        return {n: reader.get(n) for n in reader.names()}
 
 
 # ---- the launcher's variables ------------------------------------------------------------------
@@ -174,7 +172,7 @@ def test_cuda_compute_device_needs_registered_buffers() -> None:
 @pytest.mark.parametrize("rank,size", [(0, 1), (1, 2)], ids=["tp1", "tp2_rank1"])
 def test_runtime_weights_host_placement_equals_device_placement(tiny_checkpoint, caplog, rank: int, size: int) -> None:
     cfg = DeepseekV41Config.from_file(tiny_checkpoint)
-    stored = stored_of(tiny_checkpoint)
+    stored = stored_tensors(tiny_checkpoint)
     plan = ShardPlan.for_config(cfg.text, rank, size)
     kw = dict(experts_mxfp4=False, expert_ids=list(plan.experts), rows_of=plan.rows_of)
     device = runtime_weights(stored, cfg, CPU, **kw)
@@ -200,18 +198,8 @@ def test_runtime_weights_host_placement_equals_device_placement(tiny_checkpoint,
 
 
 def _engines(ckpt: Path, device: torch.device = CPU):
-    """{"device" | "host": TorchForward} on `device` (CUDA: MXFP4 experts, as the server loads them)."""
-    from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
-    from sglang_dsv41.runtime.forward import TorchForward, fp32_default_dtype
-
-    cfg = DeepseekV41Config.from_file(ckpt)
-    stored = stored_of(ckpt)
-    token_map, _ = compressed_token_map(_load_fast_tokenizer(ckpt))
-    engines = {}
-    for placement in ("device", "host"):
-        with fp32_default_dtype():
-            w = runtime_weights(stored, cfg, device, experts_mxfp4=device.type == "cuda", engram_placement=placement)
-        engines[placement] = TorchForward(cfg, w, EngramHasher.from_config(cfg, token_map).to(device))
+    """{"device" | "host": TorchForward} on `device`, loaded as the server loads it (tp_harness)."""
+    engines = {p: engine_for(ckpt, TensorParallel(), device, engram_placement=p) for p in ("device", "host")}
     assert any(isinstance(v, HostEngramTable) for v in engines["host"].weights.values())
     return engines
 
@@ -299,7 +287,7 @@ def test_host_table_bytes_are_not_on_the_gpu() -> None:
 def test_runtime_weights_host_tables_on_cuda(tiny_checkpoint, rank: int, size: int) -> None:
     _need_cuda()
     cfg = DeepseekV41Config.from_file(tiny_checkpoint)
-    stored = stored_of(tiny_checkpoint)
+    stored = stored_tensors(tiny_checkpoint)
     plan = ShardPlan.for_config(cfg.text, rank, size)
     kw = dict(experts_mxfp4=False, dense_fp8=False, expert_ids=list(plan.experts), rows_of=plan.rows_of)
     cuda = torch.device("cuda")

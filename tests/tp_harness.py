@@ -69,19 +69,23 @@ def stored_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
         return {name: reader.get(name) for name in reader.names()}
 
 
-def engine_for(ckpt: Path, tp: TensorParallel, device: torch.device = CPU) -> TorchForward:
+def engine_for(ckpt: Path, tp: TensorParallel, device: torch.device = CPU, *,
+               engram_placement: str = "device") -> TorchForward:
     """The runtime forward of `ckpt` holding `tp`'s shard on `device`, loaded as the server
     loads it: CPU → dequantised weights (the reference path); CUDA → routed experts MXFP4 and FP8
-    dense weights kept FP8, under fp32 default dtype, the Engram hasher on the device."""
+    dense weights kept FP8, under fp32 default dtype, the Engram hasher on the device;
+    `engram_placement` "host" keeps the Engram rows in host memory (`runtime/engram_host.py`)."""
     if device.type not in ("cpu", "cuda"):
         raise TPHarnessError(f"engine_for: no runtime for device {device}")
     cfg = DeepseekV41Config.from_file(ckpt)
     token_map, _ = compressed_token_map(_load_fast_tokenizer(ckpt))
     if device.type == "cpu":
-        weights = load_shard_weights(stored_tensors(ckpt), cfg, tp.plan(cfg.text))
+        weights = load_shard_weights(stored_tensors(ckpt), cfg, tp.plan(cfg.text),
+                                     engram_placement=engram_placement)
         return TorchForward(cfg, weights, EngramHasher.from_config(cfg, token_map), tp=tp)
     with fp32_default_dtype():
-        weights = load_shard_weights(stored_tensors(ckpt), cfg, tp.plan(cfg.text), device, experts_mxfp4=True)
+        weights = load_shard_weights(stored_tensors(ckpt), cfg, tp.plan(cfg.text), device, experts_mxfp4=True,
+                                     engram_placement=engram_placement)
         hasher = EngramHasher.from_config(cfg, token_map).to(device)
     return TorchForward(cfg, weights, hasher, tp=tp)
 
