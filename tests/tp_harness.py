@@ -90,10 +90,6 @@ def engine_for(ckpt: Path, tp: TensorParallel, device: torch.device = CPU, *,
     return TorchForward(cfg, weights, hasher, tp=tp)
 
 
-def engine_device(engine: TorchForward) -> torch.device:
-    return engine.weights["embed.weight"].device
-
-
 def held_experts(engine: TorchForward) -> list[int]:
     """Routed expert ids the engine holds: dequantised per-expert tensors (CPU) or the prepared
     MXFP4 layers' `expert_ids` (CUDA: no per-expert keys)."""
