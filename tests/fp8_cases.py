@@ -1,6 +1,12 @@
 """Inputs and the accuracy check shared by the FP8 W8A16 kernel tests (`kernels/fp8_linear.py`,
 `kernels/fp8_linear_skinny.py`): random E4M3 weights with power-of-two tile scales, BF16-valued
-rows, and GEMM_BOUND (|ŷ − x·Wᵀ| ≤ K·2⁻²³·Σ|x||W|, runtime/dense_ops.py) against the float64 product."""
+rows, and GEMM_BOUND (|ŷ − x·Wᵀ| ≤ K·2⁻²³·Σ|x||W|, runtime/dense_ops.py) against the float64 product.
+
+Bit-identity checks (a row alone == the row in a batch, a weight slice == those columns of the
+whole product) use `exact_sum_case` under the Triton interpreter: there `tl.dot` is numpy's matmul,
+whose summation order depends on the host's BLAS kernel and on the shape, so only inputs whose
+every partial sum is exact in fp32 give host-independent bits. On CUDA the kernel's own arithmetic
+decides, and general random inputs are used."""
 from __future__ import annotations
 
 import pytest
@@ -23,6 +29,29 @@ def fp8_weight(n: int, k: int, g: torch.Generator, exp_range: tuple[int, int] = 
     codes[(codes & 0x7F) == 0x7F] = 0x3C
     exps = torch.randint(exp_range[0], exp_range[1] + 1, (-(-n // 32), -(-k // 32)), generator=g)
     return codes.view(FP8).to(device), ue8m0_to_float(ue8m0_from_exponent(exps)).to(device)
+
+
+#: E4M3 values of exact-sum weights: every product with an integer |x| ≤ 8 and a scale 2^-2..2^1 is
+#: a multiple of 2^-3 below 2^6, so sums over K ≤ 2^12 stay below 2^24 units: exact in any order.
+EXACT_SUM_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
+EXACT_SUM_MAX_K = 4096
+
+
+def exact_sum_case(m: int, n: int, k: int, g: torch.Generator,
+                   device: str = DEVICE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(values [n, k] E4M3, scales, x [m, k] fp32) whose products and partial sums are all exact in
+    fp32: any summation order gives the same bits. The tile scales 2^((3i + j) mod 4 − 2) differ
+    between neighbouring tile rows i, so a kernel reading the wrong scale row changes the result."""
+    assert k <= EXACT_SUM_MAX_K, k
+    table = torch.tensor(EXACT_SUM_VALUES)
+    magnitudes = table[torch.randint(0, len(EXACT_SUM_VALUES), (n, k), generator=g)]
+    signs = torch.randint(0, 2, (n, k), generator=g) * 2.0 - 1.0
+    values = (magnitudes * signs).to(FP8)
+    i = torch.arange(-(-n // 32))[:, None]
+    j = torch.arange(-(-k // 32))[None, :]
+    scales = torch.exp2(((3 * i + j) % 4 - 2).float())
+    x = torch.randint(-8, 9, (m, k), generator=g).to(F32)
+    return values.to(device), scales.to(device), x.to(device)
 
 
 def dequantised(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -54,12 +83,21 @@ def check_within_gemm_bound(multiply, m: int, n: int, k: int, x_dtype: torch.dty
     assert ok, worst
 
 
+def bit_identity_case(m: int, n: int, k: int, g: torch.Generator,
+                      exp_range: tuple[int, int] = (-12, -4)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(values, scales, x) for a bit-identity check: `exact_sum_case` under the interpreter (module
+    doc), general random inputs with scale exponents in exp_range on CUDA."""
+    if INTERPRETED:
+        return exact_sum_case(m, n, k, g)
+    values, scales = fp8_weight(n, k, g, exp_range=exp_range)
+    return values, scales, bf16_rows(m, k, g)
+
+
 def check_rows_alone_equal_rows_in_a_batch(multiply, spans=((0, 1), (7, 8), (39, 40), (3, 20), (16, 33))) -> None:
     """Batch invariance: every row span of a 40-row batch alone gives the batch's bits; a
-    row-strided x too; an empty x gives an empty result."""
+    row-strided x too; an empty x gives an empty result (inputs: `bit_identity_case`)."""
     g = torch.Generator().manual_seed(1)
-    values, scales = fp8_weight(96, 320, g)
-    x = bf16_rows(40, 320, g)
+    values, scales, x = bit_identity_case(40, 96, 320, g)
     full = multiply(x, values, scales)
     for lo, hi in spans:
         assert torch.equal(multiply(x[lo:hi], values, scales), full[lo:hi]), (lo, hi)

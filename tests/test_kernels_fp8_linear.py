@@ -35,7 +35,7 @@ from sglang_dsv41.reference import compressor, ops
 from sglang_dsv41.runtime.dense_ops import (BlockedBf16Gemm, DenseWeightCache, Fp8Weight, backend_for, dense_math,
                                             error_bound, fp8_scale_key, is_dense_linear_weight)
 
-from fp8_cases import (BF16, DEVICE, F32, F64, FP8, KERNEL_HERE, bf16_rows, check_row_prefixes,
+from fp8_cases import (BF16, DEVICE, F32, F64, FP8, KERNEL_HERE, bf16_rows, bit_identity_case, check_row_prefixes,
                        check_rows_alone_equal_rows_in_a_batch, check_within_gemm_bound, dequantised, fp8_weight, kernel)
 from tp_harness import stored_tensors
 from triton_checks import compile_for_sm90, no_spills, run_kernel_cases_in_interpreter
@@ -72,11 +72,10 @@ def test_kernel_case_wide_tiles_within_gemm_bound_and_row_invariant(m: int, n: i
 def test_kernel_case_tile_row_views_hit_the_cache() -> None:
     """wo_a-style group slices: same rows, same scale rows, same bits as the whole product."""
     g = torch.Generator().manual_seed(2)
-    values, scales = fp8_weight(128, 192, g, exp_range=(-20, 0))   # distinct scales per tile row
+    values, scales, x = bit_identity_case(6, 128, 192, g, exp_range=(-20, 0))   # distinct scales per tile row
     name = "layers.0.attn.wo_a.weight"
     cache = DenseWeightCache.from_weights({name: values, fp8_scale_key(name): scales})
     backend = BlockedBf16Gemm(cache, audit_inputs=True)
-    x = bf16_rows(6, 192, g)
     whole = backend.matmul(x, values)
     for r0, r1 in [(0, 32), (32, 64), (64, 128), (96, 128)]:
         found = cache.lookup(values[r0:r1])
@@ -129,6 +128,25 @@ def test_scale_range_for_bf16_exact_dequantisation() -> None:
     assert not F.scales_are_bf16_exact(torch.tensor([[0.75]]))
     assert not F.scales_are_bf16_exact(torch.tensor([[float("nan")]]))
     assert not F.scales_are_bf16_exact(ue8m0_to_float(torch.zeros(1, 1, dtype=torch.uint8)))   # 2^-127
+
+
+def test_exact_sum_case_is_exact_in_any_summation_order() -> None:
+    """The bit-identity inputs (fp8_cases.exact_sum_case) sum exactly in fp32: forward, reversed and
+    pairwise orders all equal the float64 product; neighbouring tile rows have different scales."""
+    from fp8_cases import exact_sum_case
+
+    values, scales, x = exact_sum_case(7, 96, 4096, torch.Generator().manual_seed(5), device="cpu")
+    w = dequantised(values.cpu(), scales.cpu())
+    exact = x.to(F64) @ w.to(F64).t()
+    terms = x[:, None, :] * w[None, :, :]                                   # [m, n, k] fp32 products
+    assert torch.equal(terms.to(F64), x.to(F64)[:, None, :] * w.to(F64)[None, :, :])
+    forward = torch.zeros(7, 96)
+    for j in range(0, 4096, 512):
+        forward += terms[..., j:j + 512].sum(-1)
+    assert torch.equal(forward.to(F64), exact)
+    assert torch.equal(terms.flip(-1).cumsum(-1)[..., -1].to(F64), exact)
+    assert torch.equal(terms.view(7, 96, 64, 64).sum(-1).sum(-1).to(F64), exact)
+    assert bool((scales[1:] != scales[:-1]).all()) and exact.abs().max() > 2 ** 10
 
 
 def test_fp8_cache_rules_without_the_kernel() -> None:

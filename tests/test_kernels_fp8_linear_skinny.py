@@ -25,7 +25,8 @@ import torch
 
 from sglang_dsv41.kernels import fp8_linear_skinny as S
 from sglang_dsv41.kernels.fp8_linear import INTERPRETED
-from fp8_cases import (BF16, F32, KERNEL_HERE, bf16_rows, check_row_prefixes, check_rows_alone_equal_rows_in_a_batch,
+from fp8_cases import (BF16, F32, KERNEL_HERE, bf16_rows, bit_identity_case, check_row_prefixes,
+                       check_rows_alone_equal_rows_in_a_batch,
                        check_within_gemm_bound, fp8_weight, kernel)
 from triton_checks import compile_for_sm90, run_kernel_cases_in_interpreter
 
@@ -53,8 +54,7 @@ def test_kernel_case_rows_alone_equal_rows_in_a_batch() -> None:
 def test_kernel_case_tile_row_slices_equal_the_whole_product() -> None:
     """wo_a-style group views: the rows of a slice and their scale rows give the same bits."""
     g = torch.Generator().manual_seed(2)
-    values, scales = fp8_weight(224, 192, g, exp_range=(-20, 0))
-    x = bf16_rows(6, 192, g)
+    values, scales, x = bit_identity_case(6, 224, 192, g, exp_range=(-20, 0))
     whole = S.fp8_linear_swap_ab(x, values, scales)
     for r0, r1 in [(0, 32), (32, 96), (64, 224), (96, 160), (192, 224)]:
         part = S.fp8_linear_swap_ab(x, values[r0:r1], scales[r0 // 32:r1 // 32])
