@@ -111,11 +111,12 @@ HOOKS: tuple[HookSpec, ...] = (
             "full layer's v_head_dim 0 to SWAKVPool only for an allow-list of architectures "
             "(is_hybrid_swa_compress); without it both pools get the packed-row width and K+V rows."),
     HookSpec(
-        target="sglang.srt.model_executor.pool_configurator.HybridSWAPoolConfigurator.__init__",
-        kind="after", impl=f"{_RUNTIME_IMPL}:hybrid_swa_configurator_init_hook",
-        params=("self", "kvc"), area="runtime",
-        why="the torch path keeps one int32 token id per SWA slot (Engram history) beside SGLang's "
-            "pool; without it the token capacity derived from --mem-fraction-static omits those bytes."),
+        target="sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
+        kind="after", impl=f"{_RUNTIME_IMPL}:attach_engram_history_hook",
+        params=("batch", "model_runner", "capture_hidden_mode", "return_hidden_states_before_norm"),
+        area="runtime",
+        why="an extend's Engram n-gram history (the ids before its chunk) comes from the request's own "
+            "token ids; without it a prefix hit or re-prefill has no history and the forward refuses it."),
     HookSpec(
         target="sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc_extend",
         kind="around", impl=f"{_RUNTIME_IMPL}:paged_alloc_extend_hook",

@@ -56,7 +56,8 @@ def prefilled(engine: TorchForward, device: torch.device) -> Prefilled:
     caches = allocate_caches(engine, slots)
     run_batch(engine, caches, slots, [(ROWS["A"], 0, p["A"]), (ROWS["B"], 0, p["B"])])
     slots.share(ROWS["D"], ROWS["A"], SHARED_PREFIX)
-    run_batch(engine, caches, slots, [(ROWS["C"], 0, p["C"]), (ROWS["D"], SHARED_PREFIX, p["D"][SHARED_PREFIX:])])
+    run_batch(engine, caches, slots, [(ROWS["C"], 0, p["C"]), (ROWS["D"], SHARED_PREFIX, p["D"][SHARED_PREFIX:])],
+              context={ROWS["C"]: [], ROWS["D"]: p["D"]})          # D's prefix hit: history from the host
     return Prefilled(slots, caches, {name: len(p[name]) for name in ROWS})
 
 
@@ -127,8 +128,9 @@ def differences_outside_padding(a: RuntimeCaches, b: RuntimeCaches, page: int) -
     for layer, (x, y) in enumerate(zip(a.swa, b.swa)):
         if not torch.equal(x[page:], y[page:]):
             diffs.append(f"swa[{layer}]")
-    if not torch.equal(a.token_ids[page:], b.token_ids[page:]):
-        diffs.append("token_ids")
+    for field in ("ids", "end"):
+        if not torch.equal(getattr(a.engram_history, field), getattr(b.engram_history, field)):
+            diffs.append(f"engram_history.{field}")
     for field in ("pair_kv", "pair_score", "pair_position"):
         for src, x in getattr(a, field).items():
             y = getattr(b, field)[src]

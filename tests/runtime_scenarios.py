@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Mapping, Sequence
 
 import torch
 
 from sglang_dsv41.runtime.batch import BatchLayout, make_layout
 from sglang_dsv41.runtime.cache import RuntimeCaches
+from sglang_dsv41.runtime.engram_history import host_history
 from sglang_dsv41.runtime.forward import TorchForward
 
 ROWS = {"A": 1, "B": 2, "C": 3, "D": 4}
@@ -104,16 +106,23 @@ def allocate_caches(engine: TorchForward, slots: Slots) -> RuntimeCaches:
 
 
 def run_batch(engine: TorchForward, caches: RuntimeCaches, slots: Slots,
-              pieces: list[tuple[int, int, list[int]]]) -> list[torch.Tensor]:
+              pieces: list[tuple[int, int, list[int]]],
+              context: Mapping[int, Sequence[int]] | None = None) -> list[torch.Tensor]:
     """One packed batch: each piece (row, prefix_len, token ids) gets fresh slots for its tokens;
-    returns each piece's fp32 logits [len, vocab] on the CPU."""
+    returns each piece's fp32 logits [len, vocab] on the CPU. `context` (row → the row's ids up to
+    at least its prefix) makes the batch carry the Engram history from the host, as SGLang's
+    extends do (`runtime/engram_history.py`); without it the forward reads the history ring."""
     dev = slots.device
+    history = None
+    if context is not None:
+        history = host_history([context[r] for r, _, _ in pieces], [p for _, p, _ in pieces],
+                               engine.hasher.history_len)
     out_slots = [slots.extend(row, prefix, len(ids)) for row, prefix, ids in pieces]
     positions = torch.cat([torch.arange(prefix, prefix + len(ids), device=dev) for _, prefix, ids in pieces])
     layout = make_layout(torch.tensor([r for r, _, _ in pieces], device=dev),
                          torch.tensor([p for _, p, _ in pieces], device=dev),
                          torch.tensor([len(ids) for _, _, ids in pieces], device=dev), positions,
-                         torch.cat(out_slots), slots.table)
+                         torch.cat(out_slots), slots.table, engram_history=history)
     ids = torch.tensor([t for _, _, piece in pieces for t in piece], device=dev)
     logits = engine.logits(engine.hidden_states(ids, layout, caches)).cpu()
     return list(torch.split(logits, [len(ids) for _, _, ids in pieces]))
@@ -140,8 +149,9 @@ def run_scenario(engine: TorchForward, caches: RuntimeCaches, device: torch.devi
         done[name] += n
         return ROWS[name], start, seq[name][start:start + n]
 
-    def batch(*spec: tuple[str, int]) -> None:
-        for (name, _), logits in zip(spec, run_batch(engine, caches, slots, [piece(name, n) for name, n in spec])):
+    def batch(*spec: tuple[str, int], context: Mapping[int, Sequence[int]] | None = None) -> None:
+        pieces = [piece(name, n) for name, n in spec]
+        for (name, _), logits in zip(spec, run_batch(engine, caches, slots, pieces, context)):
             got[name].append(logits)
 
     batch(("A", len(p["A"])), ("B", 13))
@@ -149,7 +159,8 @@ def run_scenario(engine: TorchForward, caches: RuntimeCaches, device: torch.devi
     batch(("C", len(p["C"])), ("B", len(p["B"]) - 32), ("A", 1))
     slots.share(ROWS["D"], ROWS["A"], SHARED_PREFIX)
     done["D"] = SHARED_PREFIX
-    batch(("D", D_TAIL), ("A", 1), ("B", 1), ("C", 1))
+    batch(("D", D_TAIL), ("A", 1), ("B", 1), ("C", 1),      # D's history comes from the host (a prefix hit)
+          context={ROWS[name]: seq[name][:done[name]] for name in ROWS})
     batch(("A", 1), ("B", 1), ("C", 1), ("D", 1))
     for name in ROWS:
         assert done[name] == len(seq[name]), f"scenario fed {done[name]} of {len(seq[name])} tokens of {name}"

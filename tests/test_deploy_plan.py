@@ -116,7 +116,7 @@ def test_the_plan_sizes_the_runtime_pool_with_the_cards_890_bytes(flash) -> None
     p = make_plan(load_config(ROOT / "configs" / "h200-tp4.yaml"), flash)
     assert p.pool.row_bytes == packed_row_bytes(t) == 890 == kv_bytes_per_token(t, "v41")
     assert [(r, b) for _, r, b in p.pool.sources] == [(2, 178), (2, 178), (2, 178), (1, 356)]
-    assert p.pool.swa_token_bytes == swa_bytes_per_swa_token(t) == 40 * 512 * 2 + 4
+    assert p.pool.swa_token_bytes == swa_bytes_per_swa_token(t) == 40 * 512 * 2
     assert (p.pool.swa_full_tokens_ratio, p.pool.page_size, p.pool.max_total_tokens) == (0.1, 2, None)
     assert p.pool.cell_bytes == pool_bytes_per_full_token(t, 0.1) == pytest.approx(890 + 4096.4)
     assert p.pool.swa_tokens_per_request == 128 + 2
@@ -141,7 +141,7 @@ def test_pool_settings_follow_the_config(flash) -> None:
     data["serving"]["max_total_tokens"] = 1 << 20
     mine = make_plan(config_from_dict(data, "h200-tp8 with pool flags"), flash)
     assert (mine.pool.swa_full_tokens_ratio, mine.pool.page_size, mine.pool.max_total_tokens) == (0.3, 4, 1 << 20)
-    assert mine.pool.cell_bytes == pytest.approx(890 + 0.3 * 40964)
+    assert mine.pool.cell_bytes == pytest.approx(890 + 0.3 * 40960)
     assert mine.capacity_tokens_per_rank == 1 << 20 and mine.swa_capacity_per_rank == int(0.3 * (1 << 20)) // 4 * 4
     cpu = load_config(ROOT / "configs" / "tiny-cpu.yaml")
     data = raw_config(ROOT / "configs" / "tiny-cpu.yaml")
@@ -242,7 +242,7 @@ def test_capacity_and_verdict_follow_context_and_batch(flash) -> None:
     """SGLang splits the budget by the cell: full tokens = budget // cell (page-aligned), SWA =
     ratio × that; a batch fits when both pools hold it."""
     dc = load_config(ROOT / "configs" / "h200-tp8.yaml")
-    cell = 890 + 0.1 * 40964
+    cell = 890 + 0.1 * 40960
     small = make_plan(dc, flash, context=1 << 20, batch=1)
     assert small.verdict()[0]
     assert small.capacity_tokens_per_rank == int(small.kv_budget // cell) // 2 * 2

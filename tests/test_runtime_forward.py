@@ -143,7 +143,8 @@ def test_prefix_shared_through_slots_equals_cold_run(models, expected) -> None:
     shared = 16                                      # page-aligned: what a radix-cache hit hands out
     tail = _prompt(3, 12)[1:]
     slots.share(3, 1, shared)
-    got_c, got_a = run_batch(engine, caches, slots, [(3, shared, tail), (1, len(pa), [ta[0]])])
+    got_c, got_a = run_batch(engine, caches, slots, [(3, shared, tail), (1, len(pa), [ta[0]])],
+                             context={3: pa[:shared], 1: pa})    # a prefix hit: the history comes from the host
     want_c = reference.forward(reference.new_request(), pa[:shared] + tail).logits[shared:]
     _close(got_c, want_c)
     _close(got_a, la[1])                             # the owner of the shared slots is unaffected
@@ -175,7 +176,8 @@ def test_packed_entries_and_pair_state_equal_the_reference_state(models, n: int)
             else:
                 assert pending is None and int(caches.pair_position[src][1]) == -1
     swa = caches.swa_slots(row)
-    assert caches.token_ids[swa].tolist() == prompt
+    K = cfg.text.engram_max_ngram_size - 1
+    assert caches.engram_history.ids[1].tolist() == prompt[-K:] and int(caches.engram_history.end[1]) == n
     for layer in range(cfg.text.num_hidden_layers):
         assert torch.equal(caches.swa[layer][swa].float(), state.attention.swa_kv[layer]), f"layer {layer}"
 
@@ -224,7 +226,7 @@ def test_odd_start_without_pending_pair_state_raises(models) -> None:
     run_batch(engine, caches, slots, [(3, 0, prompt[:16])])
     slots.extend(3, 16, 1)
     with pytest.raises(RuntimeError, match="pending pair state"):
-        run_batch(engine, caches, slots, [(3, 17, prompt[17:])])
+        run_batch(engine, caches, slots, [(3, 17, prompt[17:])], context={3: prompt})
 
 
 def test_window_position_without_live_swa_slot_raises(models) -> None:

@@ -188,10 +188,12 @@ def test_accounting_of_allocated_tiny_caches_matches_the_plan() -> None:
         == RuntimeCaches.planned_swa_bytes_per_token(TINY)
     assert caches.request_state_bytes() == 2 * (2 * 96 * 4 + 8) == RuntimeCaches.planned_request_state_bytes(TINY)
     assert torch.equal(caches.swa_slot_of, torch.arange(32))
-    assert caches.token_ids.dtype == torch.int32 and caches.num_req_rows == 5
+    assert caches.engram_history.ids.shape == (5, TINY.engram_max_ngram_size - 1) and caches.num_req_rows == 5
     line = caches.describe()
     assert "global KV 176 B/token" in line and f"SWA {caches.swa_bytes_per_token()} B/token" in line
-    assert f"pair state {caches.request_state_bytes()} B/request row" in line and "page_size 4" in line
+    assert caches.engram_history_bytes() == 3 * 4 + 8
+    assert f"pair state {caches.request_state_bytes()} B + Engram history 20 B per request row" in line
+    assert "page_size 4" in line
 
 
 def test_flash_per_token_figures_from_the_config() -> None:
@@ -205,7 +207,7 @@ def test_from_buffers_checks_what_it_wraps() -> None:
     rows = torch.zeros(24, layout.storage_row_bytes, dtype=torch.uint8)
     slot_of = torch.zeros(24, dtype=torch.int64)
     caches = RuntimeCaches.from_buffers(TINY, swa, slot_of, rows, 3, pool_id=7, page_size=2)
-    assert caches.num_slots == 24 and caches.num_swa_slots == 16 and caches.token_ids.shape == (16,)
+    assert caches.num_slots == 24 and caches.num_swa_slots == 16 and caches.engram_history.ids.shape[0] == 3
     assert caches.rows is rows and caches.swa[0] is swa[0] and caches.pool_id == 7
     with pytest.raises(ValueError, match="FP8 profile"):
         RuntimeCaches.from_buffers(TINY, swa, slot_of, rows, 3, ops.CacheProfile.FP8)

@@ -163,10 +163,9 @@ def _hybrid_swa_configurator(model_config, ratio: float):
 
 def test_flash_pool_through_sglang_arithmetic_is_890_bytes_per_token(tmp_path: Path) -> None:
     """SGLang's ModelConfig + HybridSWAPoolConfigurator for the Flash config: the full pool is one
-    layer of 445 bf16 = 890 B per token (contracts §2), the SWA pool 40 layers of 512 bf16, and the
-    only addition is the torch path's int32 token id per SWA slot (runtime hook)."""
+    layer of 445 bf16 = 890 B per token (contracts §2), the SWA pool 40 layers of 512 bf16, and
+    nothing is added per token (the Engram history is request-scoped)."""
     from sglang_dsv41 import hooks
-    from sglang_dsv41.runtime.sglang_hooks import TOKEN_ID_BYTES_PER_SWA_SLOT
 
     plugin.register_config()
     hooks.install_hooks(("runtime",))
@@ -178,8 +177,8 @@ def test_flash_pool_through_sglang_arithmetic_is_890_bytes_per_token(tmp_path: P
     assert mc.sliding_window_size == 128
     conf = _hybrid_swa_configurator(mc, ratio=0.1)
     assert conf._full_per_token == 890                                  # global KV, B/token
-    assert conf._swa_per_token * 40 == pytest.approx(40 * 1024 + TOKEN_ID_BYTES_PER_SWA_SLOT)
-    assert conf._cell_size == pytest.approx(890 + 0.1 * (40 * 1024 + TOKEN_ID_BYTES_PER_SWA_SLOT))
+    assert conf._swa_per_token * 40 == pytest.approx(40 * 1024)
+    assert conf._cell_size == pytest.approx(890 + 0.1 * 40 * 1024)
     # the planner's figures (deploy/kv.py) are SGLang's arithmetic and helper A's row layout
     from sglang_dsv41.config import DeepseekV41Config
     from sglang_dsv41.deploy import kv
@@ -196,20 +195,19 @@ def test_flash_pool_through_sglang_arithmetic_is_890_bytes_per_token(tmp_path: P
 
 
 def test_runtime_hooks_leave_other_models_alone() -> None:
-    """The is_hybrid_swa_compress and configurator hooks act on the V4.1 architecture only."""
+    """The is_hybrid_swa_compress and Engram-history hooks act on the V4.1 architecture only."""
     from types import SimpleNamespace
 
-    from sglang_dsv41.runtime.sglang_hooks import derive_hybrid_model_hook, hybrid_swa_configurator_init_hook
+    from sglang_dsv41.runtime.sglang_hooks import attach_engram_history_hook, derive_hybrid_model_hook
 
     other = SimpleNamespace(hf_config=SimpleNamespace(architectures=["MiMoV2FlashForCausalLM"], model_type="mimo_v2"),
                             is_hybrid_swa_compress=False)
     derive_hybrid_model_hook(None, other)
     assert other.is_hybrid_swa_compress is False
-    conf = SimpleNamespace(_swa_per_token=256, _cell_size=1000.0, _swa_layers_num=4, _full_layers_num=1,
-                           _swa_full_tokens_ratio=0.5)
-    kvc = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="llama")))
-    hybrid_swa_configurator_init_hook(None, conf, kvc)
-    assert (conf._swa_per_token, conf._cell_size) == (256, 1000.0)
+    fb = SimpleNamespace(forward_mode=SimpleNamespace(name="EXTEND"))
+    batch = SimpleNamespace(reqs=[SimpleNamespace(origin_input_ids=[1, 2], output_ids=[])])
+    other_model = SimpleNamespace(stage_engram_history=None)       # would raise if called
+    assert attach_engram_history_hook(fb, None, batch, SimpleNamespace(model=other_model)) is fb
 
 
 @pytest.mark.slow

@@ -52,7 +52,7 @@ def test_caches_are_views_of_sglangs_buffers_and_mapping(text, runtime_hooks) ->
     for l, buf in enumerate(caches.swa):
         assert tuple(buf.shape) == (SWA + 2, 96) and buf.data_ptr() == pool.swa_kv_pool.k_buffer[l].data_ptr()
     assert caches.global_bytes_per_token() == 176 and caches.swa_bytes_per_token() == 8 * 96 * 2
-    assert tuple(caches.pair_kv[1].shape) == (5, 96) and tuple(caches.token_ids.shape) == (SWA + 2,)
+    assert tuple(caches.pair_kv[1].shape) == (5, 96) and tuple(caches.engram_history.ids.shape) == (5, text.engram_max_ngram_size - 1)
     # SGLang allocates 5 tokens of a fresh request: the full → SWA mapping we hold follows in place
     zero = torch.tensor([0])
     full_slots = alloc.alloc_extend(zero, zero, torch.tensor([5]), torch.tensor([5]), torch.tensor([-1]), 5)

@@ -148,10 +148,6 @@ def per_request_bytes(t: TextConfig, layout: LayoutName, *, draft_tokens: int = 
 
 
 # ---- the plugin runtime's pool (phase-2 contracts §1–§3) ----------------------------------------
-#: The runtime's SWA token id (Engram history, one int32 per SWA slot, `runtime/sglang_hooks.py`).
-TOKEN_ID_BYTES = 4
-
-
 def packed_entry_bytes(t: TextConfig) -> int:
     """One packed compressed entry: FP4 latent + E4M3 scales + FP4 index key + UE8M0 scales."""
     return t.head_dim // 2 + t.head_dim // 16 + t.index_head_dim // 2 + t.index_head_dim // 32
@@ -164,8 +160,9 @@ def packed_row_bytes(t: TextConfig) -> int:
 
 
 def swa_bytes_per_swa_token(t: TextConfig) -> int:
-    """Bytes per SWA-pool token: bf16 SWA kv of every layer + the runtime's int32 token id."""
-    return t.num_hidden_layers * t.head_dim * 2 + TOKEN_ID_BYTES
+    """Bytes per SWA-pool token: the bf16 SWA kv of every layer (the Engram history is per request,
+    `runtime/engram_history.py`)."""
+    return t.num_hidden_layers * t.head_dim * 2
 
 
 def pool_bytes_per_full_token(t: TextConfig, swa_full_tokens_ratio: float) -> float:

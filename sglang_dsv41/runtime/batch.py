@@ -49,6 +49,8 @@ class BatchLayout:
       a static bound ≥ every seq_len (`req_to_token`'s width).
     * `static`: built by `static_decode_layout` (CUDA-graph decode): unchecked, may hold padding
       tokens, and the forward's value checks (host syncs) are skipped.
+    * `engram_history`: int64 [B, K] ids before each request's chunk from the host
+      (`runtime/engram_history.py`), or None: the forward reads its per-request ring.
     """
 
     req_rows: Tensor
@@ -62,6 +64,7 @@ class BatchLayout:
     req_to_token: Tensor
     max_seq_len: int
     static: bool = False
+    engram_history: Tensor | None = None
 
     @property
     def live_tokens(self) -> Tensor:
@@ -102,7 +105,8 @@ class BatchLayout:
 
 
 def make_layout(req_rows: Tensor, prefix_lens: Tensor, extend_lens: Tensor, positions: Tensor,
-                out_slots: Tensor, req_to_token: Tensor, slot_group: int = SLOT_GROUP) -> BatchLayout:
+                out_slots: Tensor, req_to_token: Tensor, slot_group: int = SLOT_GROUP,
+                engram_history: Tensor | None = None) -> BatchLayout:
     """A checked `BatchLayout` (see the module invariant); all index tensors on one device.
 
     Also checks the slot alignment of packed compressed entries (contract §2): the token at
@@ -126,10 +130,15 @@ def make_layout(req_rows: Tensor, prefix_lens: Tensor, extend_lens: Tensor, posi
                            f"{expected[:8].tolist()}…)")
     out_slots = out_slots.to(device=device, dtype=torch.int64).reshape(-1)
     seq_lens = prefix_lens + extend_lens
+    if engram_history is not None:
+        if engram_history.dim() != 2 or engram_history.shape[0] != B:
+            raise RuntimeError(f"sglang-dsv41: Engram history of shape {tuple(engram_history.shape)} for a batch "
+                               f"of {B} requests")
+        engram_history = engram_history.to(device=device, dtype=torch.int64)
     layout = BatchLayout(req_rows=req_rows, prefix_lens=prefix_lens, extend_lens=extend_lens,
                          seq_lens=seq_lens, starts=starts, positions=pos, token_req=token_req,
                          out_slots=out_slots, req_to_token=req_to_token,
-                         max_seq_len=int(seq_lens.max()) if B else 0)
+                         max_seq_len=int(seq_lens.max()) if B else 0, engram_history=engram_history)
     if N:
         mapped = layout.slots_at(token_req, pos)
         first_of_group = layout.slots_at(token_req, pos - pos % slot_group)
@@ -171,9 +180,10 @@ def static_decode_layout(req_rows: Tensor, seq_lens: Tensor, positions: Tensor, 
 
 
 def layout_from_forward_batch(forward_batch, positions: Tensor, req_to_token: Tensor, *,
-                              static: bool = False) -> BatchLayout:
+                              static: bool = False, engram_history: Tensor | None = None) -> BatchLayout:
     """The `BatchLayout` of an SGLang `ForwardBatch` (extend, decode, mixed or idle); `static`
-    (decode / idle batches of SGLang's CUDA-graph runner only): `static_decode_layout`."""
+    (decode / idle batches of SGLang's CUDA-graph runner only): `static_decode_layout`;
+    `engram_history`: the batch's host-built history (non-static layouts only)."""
     mode = forward_batch.forward_mode
     if static:
         if not (mode.is_decode() or mode.is_idle()):
@@ -191,4 +201,5 @@ def layout_from_forward_batch(forward_batch, positions: Tensor, req_to_token: Te
     else:
         extend_lens = forward_batch.extend_seq_lens.to(device=device, dtype=torch.int64)
     return make_layout(forward_batch.req_pool_indices, seq_lens - extend_lens, extend_lens, positions,
-                       forward_batch.out_cache_loc, req_to_token)
+                       forward_batch.out_cache_loc, req_to_token,
+                       engram_history=engram_history)

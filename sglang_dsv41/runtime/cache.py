@@ -6,7 +6,7 @@ state (spec §3.4, §3.3.1, §3.8; phase-2 contracts §2–§4).
 | `rows` | uint8 [S_full, 2·⌈row_bytes/2⌉] | full slot (SGLang `req_to_token`, `out_cache_loc`) | packed FP4 compressed entries of every kv source (`kv_layout`, contract §1–§2) — SGLang's "full" pool |
 | `swa[l]` | [S_swa, D] bf16 | SWA slot = `swa_slot_of[full slot]` | read-back SWA kv of model layer l (`profile` applied, spec §3.8) — SGLang's SWA pool |
 | `swa_slot_of` | int [S_full] | full slot | its SWA slot (0 = none: SGLang's padding slot; freed outside the window) |
-| `token_ids` | int32 [S_swa] | SWA slot | the (remapped) token id — Engram history (K ≤ W−1 ids before a chunk are always in the live window) |
+| `engram_history` | int32 [num_req_rows, K] + int64 end | SGLang request row | the last K = max_ngram − 1 remapped ids of the request's last forward (`runtime/engram_history.py`); extends bring theirs from the host |
 | `pair_kv[src]`, `pair_score[src]` | fp32 [num_req_rows, D] | SGLang request row | ratio-2 sources: fp32 `wkv` / `wgate` outputs of a request's pending even-position token |
 | `pair_position[src]` | int64 [num_req_rows] | request row | position of that pending token (−1 none) — lets the CPU path refuse a stale pair state |
 
@@ -33,6 +33,7 @@ from torch import Tensor
 
 from ..config import TextConfig
 from ..reference.ops import CacheProfile
+from .engram_history import EngramHistoryRing
 from .kv_layout import CompressedRowLayout, PackedSourceRows, write_entries
 
 #: dtypes that hold our BF16-valued SWA rows exactly (the CUDA attention kernel reads bf16).
@@ -64,7 +65,7 @@ class RuntimeCaches:
     pair_kv: dict[int, Tensor]
     pair_score: dict[int, Tensor]
     pair_position: dict[int, Tensor]
-    token_ids: Tensor
+    engram_history: EngramHistoryRing
     num_req_rows: int
     profile: CacheProfile = CacheProfile.NONE
     pool_id: int = -1
@@ -77,8 +78,8 @@ class RuntimeCaches:
                      page_size: int | None = None) -> "RuntimeCaches":
         """Wrap buffers someone else owns (SGLang's SWAKVPool, `runtime/sglang_pool.py`):
         `swa_rows[l]` [S_swa, D] per model layer, `swa_slot_of` [S_full] full → SWA slot,
-        `rows_u8` uint8 [S_full, ≥ row_bytes]; request-scoped state for `num_req_rows` rows and the
-        token-id buffer are allocated here. Shapes, dtypes and devices are checked."""
+        `rows_u8` uint8 [S_full, ≥ row_bytes]; request-scoped state (pair state, Engram history)
+        for `num_req_rows` rows is allocated here. Shapes, dtypes and devices are checked."""
         profile = CacheProfile(profile)
         if profile not in PACKED_PROFILES:
             raise ValueError(f"cache profile {profile.value!r}: packed FP4 compressed rows hold the "
@@ -112,7 +113,8 @@ class RuntimeCaches:
             pair_kv={s: torch.zeros(num_req_rows, cfg.head_dim, dtype=f32, device=device) for s in ratio2},
             pair_score={s: torch.zeros(num_req_rows, cfg.head_dim, dtype=f32, device=device) for s in ratio2},
             pair_position={s: torch.full((num_req_rows,), -1, dtype=torch.int64, device=device) for s in ratio2},
-            token_ids=torch.zeros(n_swa, dtype=torch.int32, device=device), num_req_rows=num_req_rows,
+            engram_history=EngramHistoryRing.allocate(num_req_rows, cfg.engram_max_ngram_size - 1, device),
+            num_req_rows=num_req_rows,
             profile=profile, pool_id=pool_id, page_size=page_size)
 
     @classmethod
@@ -152,14 +154,14 @@ class RuntimeCaches:
         """SWA kv bytes per SWA slot (all layers)."""
         return sum(b.shape[1] * b.element_size() for b in self.swa)
 
-    def token_id_bytes_per_swa_slot(self) -> int:
-        """Engram history bytes per SWA slot (allocated beside SGLang's pool)."""
-        return self.token_ids.element_size()
-
     def request_state_bytes(self) -> int:
         """Pair-state bytes per request row (allocated beside SGLang's pools)."""
         bufs = [*self.pair_kv.values(), *self.pair_score.values(), *self.pair_position.values()]
         return sum(math.prod(b.shape[1:]) * b.element_size() for b in bufs)
+
+    def engram_history_bytes(self) -> int:
+        """Engram history bytes per request row (allocated beside SGLang's pools)."""
+        return self.engram_history.bytes_per_request_row()
 
     @property
     def num_slots(self) -> int:
@@ -173,8 +175,8 @@ class RuntimeCaches:
         """One log line with the per-token / per-request figures."""
         return (f"sglang-dsv41 caches: global KV {self.global_bytes_per_token()} B/token (packed FP4 rows, "
                 f"{self.num_slots} full slots); SWA {self.swa_bytes_per_token()} B/token ({self.num_swa_slots} "
-                f"SWA slots) + {self.token_id_bytes_per_swa_slot()} B/SWA slot token ids; pair state "
-                f"{self.request_state_bytes()} B/request row; page_size "
+                f"SWA slots); pair state {self.request_state_bytes()} B + Engram history "
+                f"{self.engram_history_bytes()} B per request row; page_size "
                 f"{'unchecked' if self.page_size is None else self.page_size}; profile {self.profile.value}")
 
     # ---- addressing and writes (the forward's only access paths) ----------------------------------
@@ -186,10 +188,6 @@ class RuntimeCaches:
     def write_swa(self, layer: int, full_slots: Tensor, values: Tensor) -> None:
         """SWA kv of tokens in `full_slots` [N] → `swa[layer][swa_slot_of[slot]]`."""
         self.swa[layer][self.swa_slot_of[full_slots].to(torch.int64)] = values.to(self.swa[layer].dtype)
-
-    def write_token_ids(self, full_slots: Tensor, ids: Tensor) -> None:
-        """Remapped ids of tokens in `full_slots` [N] → `token_ids[swa_slot_of[slot]]` (Engram history)."""
-        self.token_ids[self.swa_slot_of[full_slots].to(torch.int64)] = ids.to(self.token_ids.dtype)
 
     def packed(self, source: int) -> PackedSourceRows:
         """Read view of kv source `source`'s packed entries."""

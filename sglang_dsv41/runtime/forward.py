@@ -6,11 +6,10 @@ per-request state is stored differs (`runtime/cache.py`: packed global KV rows, 
 SWA rows, request-scoped ratio-2 pair state — instead of a per-request `RequestState`):
 
 1. ids remapped like `ReferenceModel.remap_ids` (vision: ids ≥ 1,000,000 → image_token_id,
-   §3.1); each token's id is stored at its SWA slot; Engram rows are hashed per request with the
-   n-gram history read from the SWA slots of the request's previous K positions (K < W: always
-   inside the live window)
-   (`EngramHasher.row_ids(..., extend_lens)`, §3.3.1) — so the history survives chunked prefill,
-   decode, prefix-cache hits and preemption;
+   §3.1); Engram rows are hashed per request (`EngramHasher.row_ids(..., extend_lens)`, §3.3.1)
+   with the K ids before its chunk: from the host for an extend (`layout.engram_history`), else
+   from the request's history ring, which every forward advances (`runtime/engram_history.py`) —
+   so the history survives chunked prefill, decode, prefix-cache hits and preemption;
 2. R⁰ = embedding broadcast to the hc streams; per layer: Engram → attn-hc → attention
    (`runtime/attention.py`) → ffn-hc → MoE (`reference.moe.moe_sublayer`), with the lagged pre
    (`reference.mhc`, §3.2); Engram, attention heads and routed experts are sharded under tensor
@@ -46,6 +45,7 @@ from .attention import ForwardScratch, attention_sublayer
 from .batch import BatchLayout
 from .cache import RuntimeCaches
 from .dense_ops import backend_for, dense_math
+from .engram_history import history_tail
 from .fused_ops import fused_elementwise
 from .mhc_ops import hc_coefficients, hc_collapse, hc_residual_update, hc_sublayer_input
 from .tensor_parallel import SINGLE, TensorParallel
@@ -87,9 +87,6 @@ class TorchForward:
         #: per-ratio RoPE inverse frequencies on the model device, made once (no host → device
         #: copy inside a forward: CUDA graphs cannot capture one)
         self.inv_freq = {r: layer_inv_freq(self.text, r).to(device) for r in sorted({x.ratio for x in self.roles})}
-        if hasher is not None and hasher.history_len >= self.text.sliding_window:
-            raise ValueError(f"Engram history of {hasher.history_len} ids does not fit inside the SWA window "
-                             f"{self.text.sliding_window}: the runtime reads it from the window's SWA slots")
 
     def remap_ids(self, ids: Tensor) -> Tensor:
         """Language-model ids (spec §3.1 item 3), the reference's rule."""
@@ -106,21 +103,28 @@ class TorchForward:
         torch._assert_async(((ids >= 0) & (ids < vocab)).all(), f"sglang-dsv41: token id outside [0, {vocab})")
         return ids
 
+    def engram_history(self, layout: BatchLayout, caches: RuntimeCaches) -> Tensor:
+        """int64 [B, K] remapped ids before each request's chunk (NO_TOKEN where the position is
+        < 0): the layout's host history (remapped here), else the request rows' ring (CPU: a stale
+        row raises)."""
+        ring = caches.engram_history
+        if layout.engram_history is None:
+            return ring.read(layout.req_rows, layout.prefix_lens, check=layout.host_checks)
+        host = layout.engram_history
+        if host.shape[1] != ring.history_len:
+            raise RuntimeError(f"sglang-dsv41: Engram history of {host.shape[1]} ids, the model needs {ring.history_len}")
+        remap = self.remap_ids_on_device if layout.static else self.remap_ids
+        return torch.where(host >= 0, remap(host.clamp(min=0)).reshape(host.shape), host)
+
     def engram_rows(self, ids: Tensor, layout: BatchLayout, caches: RuntimeCaches) -> list[Tensor]:
-        """Row ids per Engram layer; history = each request's last K ids before its chunk, read
-        from the SWA slots of its earlier positions (pad id where the position is < 0). CPU: a
-        history position without a live SWA slot raises (CUDA and static layouts: no host sync)."""
+        """Row ids per Engram layer (history: `engram_history`; pad id before position 0), then
+        the request rows' ring advanced to the end of this batch (padding tokens write nothing)."""
         assert self.hasher is not None
-        K = self.hasher.history_len
-        back = layout.prefix_lens[:, None] - K + torch.arange(K, device=ids.device)[None, :]   # [B, K]
-        present = back >= 0
-        req = torch.arange(layout.num_requests, device=ids.device)[:, None].expand_as(back)
-        swa = caches.swa_slots(layout.slots_at(req, back.clamp(min=0)))
-        if layout.host_checks and bool((present & (swa <= 0)).any()):
-            raise RuntimeError("sglang-dsv41: an Engram history position before a chunk has no live SWA slot "
-                               f"(prefix lens {layout.prefix_lens.tolist()}; freed by the SWA radix cache?)")
-        history = torch.where(present, caches.token_ids[swa.clamp(min=0)].to(torch.int64),
-                              torch.full_like(swa, self.hasher.pad_token_id))
+        history = self.engram_history(layout, caches)
+        tail = history_tail(history, ids, layout.starts, layout.prefix_lens, layout.extend_lens)
+        caches.engram_history.advance(layout.req_rows, layout.seq_lens, tail,
+                                      live=layout.live_tokens[layout.last_tokens] if layout.static else None)
+        history = torch.where(history >= 0, history, torch.full_like(history, self.hasher.pad_token_id))
         if layout.static:
             return self._decode_engram_rows(ids, layout.positions, history)
         return self.hasher.row_ids(ids, layout.positions, history, layout.extend_lens)
@@ -192,7 +196,6 @@ class TorchForward:
             raise ValueError(f"{N} input ids for a layout of {layout.num_tokens} tokens")
         if N == 0:
             return torch.zeros(0, t.hidden_size, dtype=F32, device=ids.device)
-        caches.write_token_ids(layout.out_slots, ids)
         image_rows = (ids == self.cfg.image_token_id) if self.cfg.has_vision else None
         engram_rows = self.engram_rows(ids, layout, caches) if self.hasher is not None else []
         linear = functools.partial(linear_fp8, act_quant=act_quant)

@@ -101,6 +101,10 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.register_buffer("_device_anchor", torch.zeros(1, dtype=F32), persistent=False)
         self.torch_forward: TorchForward | None = None
         self.caches: RuntimeCaches | None = None
+        #: ids of Engram history an extend brings from the host (`runtime/engram_history.py`); 0 = none
+        text = self.cfg.text
+        self.engram_history_len = text.engram_max_ngram_size - 1 if text.engram_layer_ids else 0
+        self._staged_history: tuple[list[int], Tensor] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -142,6 +146,26 @@ class DeepseekV41ForCausalLM(nn.Module):
             logger.info(self.caches.describe())
         return self.caches
 
+    # ---- Engram history of extends (`runtime/engram_history.py`) ------------------------------------
+    def stage_engram_history(self, starts: list[int], history: Tensor) -> None:
+        """Called by the `ForwardBatch.init_new` hook for the extend batch about to run: its
+        requests' chunk starts and their host-built history [B, K]."""
+        self._staged_history = (list(starts), history)
+
+    def _take_engram_history(self, forward_batch) -> Tensor | None:
+        """The staged history of this extend / mixed batch (None for decode or without Engram);
+        raises when what was staged belongs to another batch."""
+        if not self.engram_history_len or forward_batch.forward_mode.name not in ("EXTEND", "MIXED"):
+            return None
+        staged, self._staged_history = self._staged_history, None
+        starts = [int(s) - int(e) for s, e in zip(forward_batch.seq_lens_cpu.tolist(),
+                                                   forward_batch.extend_seq_lens_cpu)]
+        if staged is None or staged[0] != starts:
+            raise RuntimeError(f"sglang-dsv41: no Engram history was staged for this extend batch (chunk starts "
+                               f"{starts}, staged {None if staged is None else staged[0]}): is the "
+                               "ForwardBatch.init_new hook installed?")
+        return staged[1]
+
     # ---- forward ------------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, input_ids: Tensor, positions: Tensor, forward_batch, *args, **kwargs):
@@ -158,7 +182,8 @@ class DeepseekV41ForCausalLM(nn.Module):
             caches = self._caches_for(get_token_to_kv_pool())
             layout = layout_from_forward_batch(forward_batch, positions.to(self.device),
                                                get_req_to_token_pool().req_to_token,
-                                               static=self.device.type == "cuda" and sglang_graph_capture())
+                                               static=self.device.type == "cuda" and sglang_graph_capture(),
+                                               engram_history=self._take_engram_history(forward_batch))
             hidden = self.torch_forward.hidden_states(input_ids.to(self.device), layout, caches)
             with dense_math(self.torch_forward.dense_backend):     # CUDA: tensor-core LM head (dense_ops)
                 return self.logits_processor(input_ids, hidden, self.lm_head, forward_batch)

@@ -8,17 +8,11 @@ The pool SGLang builds for a V4.1 model is its own hybrid-SWA `SWAKVPool` (phase
   the full layer's `v_head_dim = 0` to `SWAKVPool` only when `is_hybrid_swa_compress` is set, and
   sets it from an architecture allow-list. Without the hook both pools would get the full layer's
   row width (ceil(row_bytes/2) elements) and K+V rows. Only our architecture is touched.
-* `hybrid_swa_configurator_init_hook` — AFTER `HybridSWAPoolConfigurator.__init__`: SGLang
-  budgets `head_dim·2` bytes per full token (the packed row, exactly our global KV) and
-  `ratio × L × swa_head_dim·2` per full token for the SWA pool — the pool itself needs no
-  correction. The torch path adds one int32 token id per **SWA slot** (Engram history,
-  contracts §4), so the hook adds 4 B per SWA token to SGLang's per-token costs
-  (`_swa_per_token`, spread over the SWA layers, and `_cell_size` at `swa_full_tokens_ratio`).
-  Not counted per token, on purpose: the ratio-2 pair state (`pair_kv`/`pair_score`) is
-  **request-scoped** — `num_req_rows × (#ratio-2 sources) × 2·D·4` bytes (Flash 12 KiB per
-  request row), allocated like SGLang's own request-scoped `req_to_token` rows (context_len·4 B
-  per row, 4 MiB at 1M context) from the memory outside the KV budget; it does not grow with
-  tokens, so a per-token cell cannot express it.
+* `attach_engram_history_hook` — AFTER `ForwardBatch.init_new`: an extend (or mixed) batch of
+  our model carries each request's Engram history, the K ids before its chunk, built from the
+  request's own ids (`origin_input_ids + output_ids`, `runtime/engram_history.py`). The model
+  keeps no token ids per cache slot, so SGLang's own per-token KV costs are exact and HiCache,
+  PD and preemption move nothing for Engram.
 * `paged_alloc_extend_hook` / `paged_alloc_decode_hook` — AROUND
   `PagedTokenToKVPoolAllocator.alloc_extend` / `alloc_decode`: the runtime needs an even
   `--page-size` (contracts §2), and SGLang's paged allocator computes the new slots with Triton
@@ -31,11 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from .engram_history import host_history
 from .hf_config import ARCHITECTURE, MODEL_TYPE
-
-#: Bytes the torch path keeps per SWA slot beside SGLang's pool: the int32 token id (contracts §4).
-TOKEN_ID_BYTES_PER_SWA_SLOT = 4
-
 
 def _is_v41(hf_config) -> bool:
     return getattr(hf_config, "model_type", None) == MODEL_TYPE and hasattr(hf_config, "parsed")
@@ -49,18 +40,19 @@ def derive_hybrid_model_hook(result, self) -> None:
     return result
 
 
-def swa_slot_side_bytes(hf_config) -> int:
-    """Bytes the torch path keeps per SWA slot beside SGLang's pool; 0 for any other model."""
-    return TOKEN_ID_BYTES_PER_SWA_SLOT if _is_v41(hf_config) else 0
-
-
-def hybrid_swa_configurator_init_hook(result, self, kvc) -> None:
-    """Add the per-SWA-slot token id to SGLang's hybrid-SWA per-token costs (V4.1 only)."""
-    extra = swa_slot_side_bytes(kvc.model_config.hf_config)
-    if extra:
-        self._swa_per_token += extra / self._swa_layers_num
-        per_full_token = 1.0 if self._full_layers_num == 0 else self._swa_full_tokens_ratio
-        self._cell_size += extra * per_full_token
+def attach_engram_history_hook(result, cls, batch, model_runner, *args, **kwargs):
+    """Stage the Engram history [B, K] of an extend / mixed batch of a V4.1 model with Engram
+    layers (`engram_history_len` > 0) on the model, which its forward of that batch takes
+    (SGLang's runners copy the ForwardBatch into their own buffers, dropping extra attributes).
+    Any other batch or model is untouched."""
+    K = int(getattr(getattr(model_runner, "model", None), "engram_history_len", 0) or 0)
+    if not K or result is None or batch is None or result.forward_mode.name not in ("EXTEND", "MIXED"):
+        return result
+    starts = [int(s) - int(e) for s, e in zip(result.seq_lens_cpu.tolist(), result.extend_seq_lens_cpu)]
+    tokens = [list(req.origin_input_ids) + list(req.output_ids) for req in batch.reqs]
+    if len(tokens) != len(starts):
+        raise RuntimeError(f"sglang-dsv41: {len(tokens)} requests but {len(starts)} sequence lengths in the batch")
+    model_runner.model.stage_engram_history(starts, host_history(tokens, starts, K, device=result.seq_lens.device))
     return result
 
 
