@@ -153,7 +153,7 @@ class RuntimeProfile:
                  f"DP attention: {yes_no[self.dp_attention]}",
                  f"--kv-cache-dtype: {', '.join(self.kv_cache_dtypes)}"]
         for d in DEVICES:
-            lines.append(f"SGLang flags on {d}: {' '.join(self.server_args(d)) or '(none)'}")
+            lines.append(f"server defaults on {d}: {' '.join(self.server_args(d)) or '(none)'}")
         return lines
 
 
