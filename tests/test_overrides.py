@@ -38,6 +38,7 @@ def _declared(sa: Any, device: str, tp: int = 1) -> dict[str, Any]:
 
 def test_cpu_defaults(resolve) -> None:
     sa = resolve("cpu")
+    assert getattr(sa, overrides.GIVEN_ATTR) == {}                  # nothing given: every default applies
     assert _declared(sa, "cpu") == CURRENT_RUNTIME.defaults("cpu")
     assert sa.page_size == 2 and sa.attention_backend == "torch_native" and sa.swa_full_tokens_ratio == 0.1
     assert sa.max_total_tokens == 16384 and sa.sleep_on_idle is True
@@ -76,6 +77,7 @@ def test_every_user_value_wins(resolve, device: str) -> None:
     assert set(declared) - SWITCHES <= set(want)          # every non-switch default is exercised
     for name, value in want.items():
         sa = resolve(device, **{name: value})
+        assert getattr(sa, overrides.GIVEN_ATTR) == {name: value}
         assert getattr(sa, name) == value, name
         others = {n: v for n, v in declared.items() if n != name and not (device == "cpu" and n == "sampling_backend")}
         assert {n: getattr(sa, n) for n in others} == others, name     # the rest still defaulted

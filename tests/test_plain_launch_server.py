@@ -1,5 +1,6 @@
 """End to end on CPU: plain ``python -m sglang.launch_server --model-path <tiny> --device cpu`` with
-no model flag serves V4.1 correctly (issue 13 item 3): the plugin's declared defaults
+no model flag serves V4.1 correctly (issue 13 item 3) and refuses, before any scheduler starts,
+flags the runtime cannot serve: the plugin's declared defaults
 (`sglang_dsv41/overrides.py`) are what SGLang resolved, greedy tokens equal the reference's, a
 repeated prompt hits the prefix cache, and a chat reply carries its trace in
 ``reasoning_content`` and its answer in ``content`` (the default reasoning parser).
@@ -86,6 +87,19 @@ def server(tiny_checkpoint: Path, prepared: dict[str, str], tmp_path_factory: py
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoint: Path) -> ReferenceModel:
     return ReferenceModel.from_checkpoint(tiny_checkpoint)
+
+
+def test_plain_launch_refuses_what_the_runtime_cannot_serve_at_start_up(tiny_checkpoint: Path,
+                                                                        prepared: dict[str, str]) -> None:
+    """Before any scheduler starts: the process exits with one line per refused flag."""
+    run = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path", str(tiny_checkpoint),
+                          "--device", "cpu", "--port", str(free_port()), "--page-size", "3",
+                          "--kv-cache-dtype", "fp8_e4m3"],
+                         env={**os.environ, **prepared}, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    assert "ServerArgsRefused: sglang-dsv41: DeepSeek-V4.1 cannot be served with these server arguments:" in run.stderr
+    assert "\n  --page-size 3: " in run.stderr and "\n  --kv-cache-dtype fp8_e4m3: " in run.stderr
+    assert "Scheduler" not in run.stderr and "Uvicorn" not in run.stderr
 
 
 def test_sglang_resolved_the_declared_defaults(server: PlainServer) -> None:
