@@ -104,6 +104,14 @@ HOOKS: tuple[HookSpec, ...] = (
         why="SGLang applies the grammar bitmask only to GPU logits (RuntimeError on CPU, which "
             "kills a CPU server); xgrammar's CPU kernel does it."),
     HookSpec(
+        target="sglang.srt.server_args.ServerArgs._handle_cuda_graph_config",
+        kind="before", impl="sglang_dsv41.overrides:resolve_server_args_hook",
+        params=("self",), area="runtime",
+        why="a plain `python -m sglang.launch_server` of a V4.1 checkpoint must refuse at start-up what "
+            "the runtime cannot serve, record what the user gave (SGLang fills backends before its model "
+            "overrides run) and set the defaults outside SGLang's override whitelist (parsers, memory, "
+            "CUDA-graph flags, needed before SGLang resolves its graph configuration)."),
+    HookSpec(
         target="sglang.srt.configs.model_config.ModelConfig._derive_hybrid_model",
         kind="after", impl=f"{_RUNTIME_IMPL}:derive_hybrid_model_hook",
         params=("self",), area="runtime",

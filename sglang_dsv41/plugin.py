@@ -15,7 +15,10 @@ scheduler process (runtime.md §B "The general-purpose hook"; cpu.md §4). It re
 4. the attention backend `dsv41` (`runtime/graph_backend.py`: torch_native plus the decode
    CUDA-graph hooks) in SGLang's `--attention-backend` choices and backend registry;
 5. the chat API (`sglang_dsv41.api.register.register_api()`: parsers and chat hooks), when that
-   module is installed.
+   module is installed;
+6. the model's server-argument defaults in SGLang's override registry and its start-up refusals
+   (`sglang_dsv41/overrides.py`; its hook is one of the runtime area's), so a plain
+   `python -m sglang.launch_server --model-path <V4.1>` needs no extra flag.
 
 Architecture name — we keep `DeepseekV41ForCausalLM` (upstream 0.5.23 rewrites it to
 `DeepseekV4ForCausalLM`). Reason: in 0.5.17 every path keyed on the V4 architecture name is
@@ -32,7 +35,7 @@ refuses the checkpoint.
 
 What `sglang-dsv41 launch` may ask of this plugin is `LAUNCH_CAPABILITIES` (names defined in
 `deploy/capabilities.py`); what the runtime behind the model class can serve (TP 1/2/4/8, no DP
-attention, text only, no CUDA graphs, the SGLang flags it needs) is
+attention, text only, decode CUDA graphs at TP 1, the server defaults it declares) is
 `runtime/requirements.CURRENT_RUNTIME`.
 
 No silent fallback: SGLang's loader catches `Exception` from a plugin and carries on, which
@@ -156,6 +159,13 @@ def register_graph_backend() -> None:
     graph_backend.register()
 
 
+def register_server_defaults() -> None:
+    """The V4.1 server-argument defaults in SGLang's model-override registry (`overrides.py`)."""
+    from . import overrides
+
+    overrides.register()
+
+
 def register() -> None:
     """Entry point run by SGLang in every process; idempotent. Any failure stops the process."""
     check_sglang_version()
@@ -164,6 +174,7 @@ def register() -> None:
         register_model()
         register_runtime_hooks()
         register_graph_backend()
+        register_server_defaults()
         register_api_if_present()
     except PluginLoadError:
         raise

@@ -1,19 +1,21 @@
 """`sglang-dsv41 serve`: run `python -m sglang.launch_server` for a V4.1 checkpoint, on GPU or CPU.
 
+It adds only what plain SGLang cannot do itself:
+
 * Device: CUDA when `torch.cuda.is_available()`, else SGLang's CPU engine (`--device` overrides).
 * CPU: the environment SGLang 0.5.17 needs is prepared here (`runtime/cpu_env.py`: the
   `libcuda.so.1` stand-in compiled into the cache dir, `SGLANG_USE_CPU_ENGINE=1`,
-  `LD_LIBRARY_PATH`, `HF_HUB_OFFLINE=1`).
-* Runtime flags: whatever the current runtime declares for the device
-  (`runtime/requirements.py`, shared with `sglang-dsv41 launch`): today the torch path's
-  `--attention-backend torch_native` everywhere, `--disable-cuda-graph --sampling-backend
-  pytorch` on CUDA, a bounded `--max-total-tokens` and `--sleep-on-idle` on CPU. A flag the
-  user passes wins. A `--tp-size` the runtime cannot run is refused before SGLang starts.
+  `LD_LIBRARY_PATH`, `HF_HUB_OFFLINE=1`; with `--tp-size N > 1` the per-rank core binding).
 * Checkpoint: `--model-path`, or the tiny random checkpoint made on first use in
   `~/.cache/sglang-dsv41/tiny-seed<seed>` (written to a temporary directory, then renamed).
-* Every other argument is passed to SGLang unchanged. The server replaces this process (`exec`),
-  so signals reach SGLang directly. The plugin is loaded by SGLang through its entry point; the
-  user sets no environment variables.
+
+The model's server flags (page size, attention backend, parsers, ...) are not added here: the
+plugin declares them as the model's defaults inside SGLang (`sglang_dsv41/overrides.py`), which
+also refuses, at start-up, values the runtime cannot serve. Every other argument is passed to
+SGLang unchanged. A short banner (what runs, the tiny checkpoint being made, the exact command)
+goes to stderr; the server then replaces this process (`exec`), so signals reach SGLang
+directly. The plugin is loaded by SGLang through its entry point; the user sets no environment
+variables. `--dry-run` prints the environment and the command instead.
 """
 from __future__ import annotations
 
@@ -25,9 +27,12 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from .runtime.cpu_env import cache_root, cpu_environment
-from .runtime.requirements import CURRENT_RUNTIME, TP_FLAGS, flag_value
+from .runtime.requirements import TP_FLAGS, flag_value
+
+BANNER = "sglang-dsv41 serve:"
 
 
 @dataclass(frozen=True)
@@ -38,10 +43,15 @@ class LaunchCommand:
     env: dict[str, str]
     device: str
     dry_run: bool = False
+    model: str = ""
+
+    def prepared_env(self) -> dict[str, str]:
+        """The variables this launcher set or changed (the CPU environment; none on CUDA)."""
+        return {k: v for k, v in sorted(self.env.items()) if os.environ.get(k) != v}
 
     def shell(self) -> str:
-        keys = ("SGLANG_USE_CPU_ENGINE", "LD_LIBRARY_PATH", "HF_HUB_OFFLINE")
-        prefix = " ".join(f"{k}={shlex.quote(self.env[k])}" for k in keys if k in self.env and self.device == "cpu")
+        """The command with the prepared environment in front, copy-pastable."""
+        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.prepared_env().items())
         return (prefix + " " if prefix else "") + " ".join(shlex.quote(a) for a in self.argv)
 
 
@@ -51,18 +61,22 @@ def tiny_checkpoint_dir(seed: int = 0, root: Path | None = None, preset: str = "
     return (Path(root) if root is not None else cache_root()) / f"{preset}-seed{seed}"
 
 
-def tiny_checkpoint(seed: int = 0, root: Path | None = None, preset: str = "tiny") -> Path:
+def tiny_checkpoint(seed: int = 0, root: Path | None = None, preset: str = "tiny",
+                    on_make: Callable[[Path], None] | None = None) -> Path:
     """Path of the `preset` (tiny | tiny-tp8) random checkpoint for `seed`, made on first use
     (spec model.md §7).
 
     A cached checkpoint written by another generator version (`synth.GENERATOR_VERSION`, kept
-    in the index metadata) is replaced: the cache never serves weights of older value rules."""
+    in the index metadata) is replaced: the cache never serves weights of older value rules.
+    `on_make(target)` is called before a checkpoint is written (not when the cache has it)."""
     from .checkpoint.synth import GENERATOR_VERSION, INDEX_FILE, generator_version, make_checkpoint
 
     target = tiny_checkpoint_dir(seed, root, preset)
     root = target.parent
     if generator_version(target) == GENERATOR_VERSION:
         return target
+    if on_make is not None:
+        on_make(target)
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{preset}-seed{seed}-", dir=root))
     stale = root / f"{tmp.name}-stale"
@@ -90,6 +104,15 @@ def pick_device(requested: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def say(line: str) -> None:
+    """One banner line on stderr (stdout stays the dry run's command)."""
+    print(f"{BANNER} {line}", file=sys.stderr, flush=True)
+
+
+def _announce_tiny(target: Path) -> None:
+    say(f"making the tiny checkpoint in {target} (first use; once per generator version)…")
+
+
 def build_launch(argv: list[str]) -> LaunchCommand:
     """Parse `sglang-dsv41 serve` arguments into the SGLang launch command (no side effects
     except building the CPU stub / tiny checkpoint when needed)."""
@@ -103,31 +126,32 @@ def build_launch(argv: list[str]) -> LaunchCommand:
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     ours, rest = ap.parse_known_args(argv)
-    try:
-        CURRENT_RUNTIME.check_server_args(rest)
-    except ValueError as e:
-        ap.error(str(e))
     device = pick_device(ours.device)
-    model = ours.model_path if ours.model_path is not None else tiny_checkpoint(ours.tiny_seed)
-    args = ["--model-path", str(Path(model).resolve()), "--host", ours.host, "--port", str(ours.port)]
+    if ours.model_path is not None:
+        model, what = Path(ours.model_path).resolve(), "the V4.1 checkpoint"
+    else:
+        model = tiny_checkpoint(ours.tiny_seed, on_make=_announce_tiny).resolve()
+        what = f"the tiny random checkpoint (seed {ours.tiny_seed})"
+    args = ["--model-path", str(model), "--host", ours.host, "--port", str(ours.port), "--device", device]
     if device == "cpu":
         tp = flag_value(rest, TP_FLAGS)
-        env = cpu_environment(tp_size=int(tp) if tp else 1)
-        args += ["--device", "cpu"]
+        env = cpu_environment(tp_size=int(tp) if tp and tp.isdigit() else 1)
     else:
         env = dict(os.environ)
-        args += ["--device", "cuda"]
-    args += CURRENT_RUNTIME.server_args(device, rest)
     argv_out = [sys.executable, "-m", "sglang.launch_server", *args, *rest]
-    return LaunchCommand(argv=argv_out, env=env, device=device, dry_run=ours.dry_run)
+    return LaunchCommand(argv=argv_out, env=env, device=device, dry_run=ours.dry_run,
+                         model=f"{what} {model}")
 
 
 def cli(argv: list[str]) -> int:
     """Entry point of `sglang-dsv41 serve`: exec the SGLang server (does not return on success)."""
     launch = build_launch(argv)
+    say(f"DeepSeek-V4.1 on {launch.device}: {launch.model}, served by SGLang with the sglang-dsv41 plugin "
+        "(the model's server defaults come from the plugin)")
     if launch.dry_run:
         print(launch.shell())
         return 0
+    say(f"running: {launch.shell()}")
     sys.stdout.flush()
     sys.stderr.flush()
     os.execvpe(launch.argv[0], launch.argv, launch.env)

@@ -1,7 +1,7 @@
 """`sglang-dsv41 launch`: dry-run output pinned per config (tests/golden/launch/*.txt, rendered
 with the capabilities the plugin declares and the current runtime), every generated flag
 accepted by SGLang 0.5.17's own argument parser once the plugin's parsers are registered, the
-runtime's flags shared with `serve`, unavailable plugin options and runtime limits reported
+model's server defaults left to the plugin (named in notes, never emitted), unavailable plugin options and runtime limits reported
 (never dropped), and the run path's refusal/exec behaviour.
 
 Regenerate the golden files after an intended change with
@@ -102,12 +102,10 @@ def test_every_generated_flag_exists_in_sglang_0_5_17(path: Path, sglang_parser)
             ns = _parse(sglang_parser, c.args)
             assert ns.model_path == model_path(dc) and ns.tp_size == dc.parallel.tp
             assert ns.reasoning_parser == "deepseek-v41" and ns.tool_call_parser == "deepseek-v41"
-            if gpu:                                             # the runtime's flags, on every config
-                assert ns.attention_backend == "dsv41" and ns.sampling_backend == "pytorch"
-                assert ns.disable_cuda_graph == (dc.parallel.tp > 1)   # decode graphs at TP 1
-            else:
-                assert ns.attention_backend == "torch_native"
-                assert ns.sleep_on_idle and ns.device == "cpu"
+            # the model's server defaults are the plugin's, applied inside SGLang: never emitted
+            assert ns.attention_backend is None and ns.page_size is None and ns.sampling_backend is None
+            assert ns.swa_full_tokens_ratio == 0.8 and not ns.sleep_on_idle and not ns.disable_cuda_graph
+            assert ns.device == (None if gpu else "cpu")
 
 
 def test_parser_names_are_the_ones_the_api_registers() -> None:
@@ -234,28 +232,27 @@ def test_a_runtime_with_vision_needs_the_text_only_switch() -> None:
     assert "text_only" in required_capabilities(dc, FULL_RUNTIME)
 
 
-def test_launch_and_serve_take_the_runtime_flags_from_one_declaration(tiny_checkpoint: Path, tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))   # serve builds the CPU stub in the cache
-    for config, device in (("tiny-h200-tp1", "cuda"), ("tiny-cpu", "cpu")):
-        args = build_launch(load_config(ROOT / "configs" / f"{config}.yaml"), PLUGIN).commands[0].args
-        flags = CURRENT_RUNTIME.server_args(device)
-        configured = {"--max-total-tokens"} if device == "cpu" else set()   # tiny-cpu sets its own pool size
-        for f in CURRENT_RUNTIME.flags:
-            if device in f.devices and not f.multi_gpu_only and f.flag not in configured:   # tiny: TP 1
-                i = args.index(f.flag)
-                assert list(args[i:i + len(f.args())]) == f.args()
-        served = serve.build_launch(["--device", device, "--model-path", str(tiny_checkpoint)]).argv
-        i = served.index(flags[0])
-        assert served[i:i + len(flags)] == flags
+def test_launch_names_the_plugin_defaults_its_command_leaves_to_sglang() -> None:
+    """The dry run's notes list exactly the declared defaults the command does not set (one
+    declaration, `runtime/requirements.py`); a config's own value (tiny-cpu's pool size) is kept."""
+    for config, device, tp in (("tiny-h200-tp1", "cuda", 1), ("tiny-h200-tp2", "cuda", 2), ("tiny-cpu", "cpu", 1)):
+        plan = build_launch(load_config(ROOT / "configs" / f"{config}.yaml"), PLUGIN)
+        args = plan.commands[0].args
+        noted = [n for n in plan.notes if n.startswith("default the plugin declares")]
+        want = [f for f in CURRENT_RUNTIME.flags if f.wanted(device, tp) and f.flag not in args]
+        assert [n.split(": ", 1)[1].split(" — ")[0] for n in noted] == [" ".join(f.args()) for f in want]
+        assert not any(f.flag in args for f in want)
+    cpu = build_launch(load_config(ROOT / "configs" / "tiny-cpu.yaml"), PLUGIN).commands[0].args
+    assert cpu[cpu.index("--max-total-tokens") + 1] == "8192"
 
 
 def test_a_flag_the_user_sets_wins_over_the_runtime(capsys) -> None:
     path = str(ROOT / "configs" / "tiny-h200-tp1.yaml")
-    assert launch.cli(["--config", path, "--dry-run", "--", "--attention-backend", "triton"]) == 0
+    assert launch.cli(["--config", path, "--dry-run", "--", "--attention-backend", "torch_native"]) == 0
     out = capsys.readouterr().out
-    assert out.count("--attention-backend") == 1 and "--attention-backend triton" in out
-    assert "added for the torch path runtime (docs/runtime.md): --attention-backend" not in out
+    assert out.count("--attention-backend") == 1 and "--attention-backend torch_native" in out
+    assert "default the plugin declares for the torch path runtime, applied by SGLang at start-up " \
+           "(docs/runtime.md): --attention-backend" not in out
 
 
 def test_dspark_and_engram_host_emitted_when_provided() -> None:

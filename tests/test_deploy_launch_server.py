@@ -2,8 +2,8 @@
 server that answers `/generate` and `/v1/chat/completions` (issue 5 with issue 3's runtime).
 
 Exactly as a user runs it: the launcher makes the tiny checkpoint in the (empty, per-test) cache,
-builds the CPU environment, adds the runtime's flags and the V4.1 parser names, and `exec`s
-SGLang. One server; every wait bounded; the process group is killed (`tests/server_helpers.py`, shared
+builds the CPU environment, adds the config's flags and the V4.1 parser names, and `exec`s
+SGLang, which applies the plugin's server defaults (attention backend, page size, sleep-on-idle). One server; every wait bounded; the process group is killed (`tests/server_helpers.py`, shared
 with `tests/test_runtime_server.py`, which checks the numerics in depth — here a short greedy
 continuation is compared with the reference once, and the chat reply is checked to pass through
 the V4.1 reasoning parser).

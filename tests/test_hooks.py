@@ -133,7 +133,8 @@ def _cpu_allocator(pages: int, page_size: int):
 def test_runtime_pool_hooks_are_applied(runtime_hooks):
     targets = {s.target.rsplit(".", 2)[-2] + "." + s.target.rsplit(".", 1)[-1] for s in runtime_hooks}
     assert targets == {"ModelConfig._derive_hybrid_model", "ForwardBatch.init_new",
-                       "PagedTokenToKVPoolAllocator.alloc_extend", "PagedTokenToKVPoolAllocator.alloc_decode"}
+                       "PagedTokenToKVPoolAllocator.alloc_extend", "PagedTokenToKVPoolAllocator.alloc_decode",
+                       "ServerArgs._handle_cuda_graph_config"}
     assert all(hooks.is_applied(s) for s in runtime_hooks)
 
 

@@ -38,26 +38,26 @@ def test_cuda_stub_builds_once_and_answers_no_device(cache_home: Path) -> None:
     assert out.stdout.split() == ["100", "100", "0"]              # CUDA_ERROR_NO_DEVICE, no devices
 
 
-def test_cpu_launch_prepares_environment_and_flags(cache_home: Path, tiny_checkpoint: Path) -> None:
+def test_cpu_launch_prepares_environment_and_passes_flags_through(cache_home: Path, tiny_checkpoint: Path) -> None:
     launch = serve.build_launch(["--device", "cpu", "--model-path", str(tiny_checkpoint), "--port", "31234",
                                  "--chunked-prefill-size", "64"])
     a = launch.argv
     assert a[:3] == [sys.executable, "-m", "sglang.launch_server"]
-    flags = dict(zip(a[3::1], a[4::1]))
-    assert flags["--model-path"] == str(tiny_checkpoint.resolve()) and flags["--port"] == "31234"
-    assert flags["--device"] == "cpu" and flags["--attention-backend"] == "torch_native"
-    assert flags["--max-total-tokens"] == "16384"                    # the runtime's CPU default
-    assert "--sleep-on-idle" in a and a[-2:] == ["--chunked-prefill-size", "64"]   # passed through
+    assert a[3:] == ["--model-path", str(tiny_checkpoint.resolve()), "--host", "127.0.0.1", "--port", "31234",
+                     "--device", "cpu", "--chunked-prefill-size", "64"]      # no model flags: the plugin's defaults
     env = launch.env
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
     assert env["LD_LIBRARY_PATH"].split(os.pathsep)[0] == str(cache_home / "cuda-stub")
 
 
-def test_user_flags_win_over_cpu_defaults(cache_home: Path, tiny_checkpoint: Path) -> None:
-    launch = serve.build_launch(["--device", "cpu", "--model-path", str(tiny_checkpoint),
-                                 "--max-total-tokens=2048", "--attention-backend", "torch_native"])
-    assert launch.argv.count("--attention-backend") == 1
-    assert "--max-total-tokens=2048" in launch.argv and "--max-total-tokens" not in launch.argv
+def test_no_runtime_flag_is_injected_on_any_device(cache_home: Path, tiny_checkpoint: Path) -> None:
+    from sglang_dsv41.runtime.requirements import CURRENT_RUNTIME
+
+    for device in ("cpu", "cuda"):
+        for tp in ("1", "2"):
+            a = serve.build_launch(["--device", device, "--model-path", str(tiny_checkpoint), "--tp-size", tp]).argv
+            assert not [f.flag for f in CURRENT_RUNTIME.flags if f.flag in a], (device, tp)
+            assert a[-2:] == ["--tp-size", tp]
 
 
 def test_default_model_is_the_tiny_checkpoint_made_once(cache_home: Path) -> None:
@@ -69,52 +69,40 @@ def test_default_model_is_the_tiny_checkpoint_made_once(cache_home: Path) -> Non
     assert not [p for p in cache_home.iterdir() if p.name.startswith(".tiny")]   # no temp dirs left
 
 
-def test_dry_run_prints_the_command(cache_home: Path, tiny_checkpoint: Path,
-                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_dry_run_prints_the_environment_and_the_command(cache_home: Path, tiny_checkpoint: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
     assert serve.cli(["--dry-run", "--device", "cpu", "--model-path", str(tiny_checkpoint)]) == 0
-    out = capsys.readouterr().out
-    assert "SGLANG_USE_CPU_ENGINE=1" in out and "-m sglang.launch_server" in out and "--dry-run" not in out
+    captured = capsys.readouterr()
+    (line,) = captured.out.splitlines()
+    assert line.startswith("HF_HUB_OFFLINE=1 LD_LIBRARY_PATH=") and " SGLANG_USE_CPU_ENGINE=1 " in line
+    assert "-m sglang.launch_server --model-path" in line and "--dry-run" not in line
+    assert captured.err.startswith("sglang-dsv41 serve: DeepSeek-V4.1 on cpu: the V4.1 checkpoint ")
 
 
-def test_cuda_launch_uses_the_runtime_flags_without_cpu_environment(tiny_checkpoint: Path,
+def test_banner_names_the_tiny_checkpoint_being_made_and_the_command(cache_home: Path,
+                                                                     capsys: pytest.CaptureFixture[str],
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
-    launch = serve.build_launch(["--device", "cuda", "--model-path", str(tiny_checkpoint)])
-    a = launch.argv
-    assert a[a.index("--device") + 1] == "cuda" and a[a.index("--attention-backend") + 1] == "dsv41"
-    assert "--disable-cuda-graph" not in a and a[a.index("--cuda-graph-max-bs-decode") + 1] == "16"   # decode graphs at TP 1
-    assert "--sleep-on-idle" not in a and "--max-total-tokens" not in a
-    assert a[a.index("--sampling-backend") + 1] == "pytorch"   # no flashinfer JIT on a fresh GPU machine
-    assert "SGLANG_USE_CPU_ENGINE" not in launch.env
-    tp2 = serve.build_launch(["--device", "cuda", "--model-path", str(tiny_checkpoint), "--tp-size", "2"]).argv
-    assert "--disable-cuda-graph" in tp2                              # TP > 1 stays eager for now
+    """`serve` without --model-path: 'making the tiny checkpoint…' once, then (real run) the exact
+    command on stderr before SGLang replaces the process."""
+    made: list[Path] = []
+    monkeypatch.setattr("sglang_dsv41.checkpoint.synth.make_checkpoint",
+                        lambda preset, out, seed, progress: made.append(Path(out)))
+    ran: list[list[str]] = []
+    monkeypatch.setattr(serve.os, "execvpe", lambda file, argv, env: ran.append(argv))
+    serve.cli(["--device", "cpu", "--tiny-seed", "5"])
+    err = capsys.readouterr().err.splitlines()
+    target = cache_home / "tiny-seed5"
+    assert err[0] == f"sglang-dsv41 serve: making the tiny checkpoint in {target} (first use; once per generator version)…"
+    assert err[1].startswith("sglang-dsv41 serve: DeepSeek-V4.1 on cpu: the tiny random checkpoint (seed 5)")
+    assert err[2].startswith("sglang-dsv41 serve: running: HF_HUB_OFFLINE=1 ") and ran and made
+    assert err[2].endswith(" ".join(ran[0][1:]))
 
 
-def test_flags_come_from_the_runtime_declaration(tiny_checkpoint: Path, cache_home: Path) -> None:
-    from sglang_dsv41.runtime.requirements import CURRENT_RUNTIME
-
-    for device in ("cpu", "cuda"):
-        a = serve.build_launch(["--device", device, "--model-path", str(tiny_checkpoint)]).argv
-        want = CURRENT_RUNTIME.server_args(device)
-        i = a.index(want[0])
-        assert a[i:i + len(want)] == want
-
-
-def test_tp_beyond_the_runtime_is_refused_before_sglang_starts(tiny_checkpoint: Path,
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
-    for flag in (["--tp-size", "3"], ["--tensor-parallel-size=16"]):
-        with pytest.raises(SystemExit):
-            serve.build_launch(["--device", "cuda", "--model-path", str(tiny_checkpoint), *flag])
-        err = capsys.readouterr().err
-        assert "runtime supports TP1/TP2/TP4/TP8 only" in err and "must divide o_groups" in err
-    with pytest.raises(SystemExit):
-        serve.build_launch(["--device", "cuda", "--model-path", str(tiny_checkpoint), "--tp-size", "2",
-                            "--dp-size", "2", "--enable-dp-attention"])
-    assert "--enable-dp-attention: the runtime shards attention over the whole TP group" in capsys.readouterr().err
-    assert "--tp-size" in serve.build_launch(["--device", "cuda", "--model-path", str(tiny_checkpoint),
-                                              "--tp-size", "2"]).argv
-    assert "--tp-size" in serve.build_launch(["--device", "cuda", "--model-path", str(tiny_checkpoint),
-                                              "--tp-size", "1"]).argv
+def test_a_cached_tiny_checkpoint_is_not_announced(cache_home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    serve.tiny_checkpoint(seed=4)
+    capsys.readouterr()
+    assert serve.cli(["--dry-run", "--device", "cpu", "--tiny-seed", "4"]) == 0
+    assert "making the tiny checkpoint" not in capsys.readouterr().err
 
 
 def test_cpu_environment_for_tensor_parallel_binds_cores_and_disables_pynccl() -> None:

@@ -7,10 +7,12 @@ Invariants
   parser). Options 0.5.17 lacks go through a plugin capability (`capabilities.py`) and are
   emitted only when the plugin provides them; otherwise they are reported in
   `LaunchPlan.unavailable` — never silently dropped.
-* The flags the runtime needs (`runtime/requirements.py`, the same declaration `sglang-dsv41
-  serve` uses) are added unless the config sets them itself; what the config asks for beyond
-  the runtime (a TP size it does not shard, DP attention, vision, CUDA graphs, PD, a KV dtype)
-  is reported in `LaunchPlan.unavailable` with the runtime's reason (`runtime_limits`).
+* The model's server defaults (`runtime/requirements.py`) are not emitted: the plugin declares
+  them inside SGLang (`sglang_dsv41/overrides.py`), which applies those the command leaves unset
+  at start-up; the dry run names them in a note. What the config asks for beyond the runtime (a
+  TP size it does not shard, DP attention, vision, CUDA graphs, PD, a KV dtype) is reported in
+  `LaunchPlan.unavailable` with the runtime's reason (`runtime_limits`) — the server would
+  refuse it at start-up.
 * Output is deterministic (fixed flag order, environment sorted by name), so a dry run can be
   pinned by golden files. Machine-dependent parts are resolved by the launcher at run time and
   named in a note: SGLang's CPU environment (`Command.cpu_engine`, `runtime/cpu_env.py`) and
@@ -226,13 +228,8 @@ def _server_command(dc: DeploymentConfig, role: str, caps: frozenset[str], pd_ro
         tail += list(pd_role.extra_args)
         env.update(pd_role.env)
     tail += list(dc.serving.extra_args)
-    return Command(role, SERVER_MODULE, tuple(args + runtime_args(dc, runtime, args + tail) + tail),
-                   tuple(sorted(env.items())), cpu_engine=dc.hardware.kind.is_cpu)
-
-
-def runtime_args(dc: DeploymentConfig, runtime: RuntimeProfile, given: list[str]) -> list[str]:
-    """The runtime's flags for the config's device that the config does not set itself."""
-    return runtime.server_args(device_of(dc), given)
+    return Command(role, SERVER_MODULE, tuple(args + tail), tuple(sorted(env.items())),
+                   cpu_engine=dc.hardware.kind.is_cpu)
 
 
 def _router_command(dc: DeploymentConfig) -> Command:
@@ -243,12 +240,12 @@ def _router_command(dc: DeploymentConfig) -> Command:
     return Command("router", ROUTER_MODULE, args)
 
 
-def _notes(dc: DeploymentConfig, runtime: RuntimeProfile) -> list[str]:
+def _notes(dc: DeploymentConfig, runtime: RuntimeProfile, server: Command) -> list[str]:
     notes = []
-    configured = _server_args(dc, dc.serving.host, dc.serving.port) + list(dc.serving.extra_args)
     for f in runtime.flags:
-        if f.applies(device_of(dc), configured):          # exactly the flags runtime_args added
-            notes.append(f"added for the {runtime.name} runtime ({runtime.doc}): {' '.join(f.args())} — {f.why}")
+        if f.applies(device_of(dc), server.args):         # a default this command leaves to the plugin
+            notes.append(f"default the plugin declares for the {runtime.name} runtime, applied by SGLang at "
+                         f"start-up ({runtime.doc}): {' '.join(f.args())} — {f.why}")
     if dc.model.tiny_seed is not None and dc.model.architecture == "tiny":
         notes.append(f"model: the tiny random checkpoint (seed {dc.model.tiny_seed}) in the sglang-dsv41 cache — "
                      "the one `sglang-dsv41 serve` uses — made on first launch; for another directory run "
@@ -274,10 +271,10 @@ def build_launch(dc: DeploymentConfig, caps: frozenset[str], runtime: RuntimePro
     blocked = tuple(runtime_limits(dc, runtime) + missing)
     if dc.pd is None:
         server = _server_command(dc, "server", caps, None, runtime)
-        return LaunchPlan(dc.name, (server,), blocked, tuple(_notes(dc, runtime)))
+        return LaunchPlan(dc.name, (server,), blocked, tuple(_notes(dc, runtime, server)))
     cmds = (_server_command(dc, "prefill", caps, dc.pd.prefill, runtime),
             _server_command(dc, "decode", caps, dc.pd.decode, runtime), _router_command(dc))
-    notes = _notes(dc, runtime)
+    notes = _notes(dc, runtime, cmds[0])
     notes.append(f"router: the {ROUTER_MODULE} module comes from the separate sglang-router package")
     return LaunchPlan(dc.name, cmds, blocked, tuple(notes))
 

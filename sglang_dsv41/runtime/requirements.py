@@ -1,20 +1,25 @@
 """What the current runtime needs from SGLang 0.5.17 and what it can serve — declared once.
 
-`sglang-dsv41 serve`, `sglang-dsv41 launch` and `sglang-dsv41 doctor` all read this module, so
-the SGLang flags the model needs and the limits users are told about cannot disagree
-(docs/runtime.md "What is torch-path-only for now"; docs/deploy.md "Runtime limits").
+The plugin applies the declared server-argument defaults inside SGLang itself
+(`sglang_dsv41/overrides.py`: a plain `python -m sglang.launch_server --model-path <V4.1>` gets
+them), and refuses there, at start-up, what the runtime cannot serve. `sglang-dsv41 launch`,
+`doctor` and the planner read the same declaration, so the defaults, the limits users are told
+about and the values the server resolves cannot disagree (docs/runtime.md "Server defaults and
+start-up refusals"; docs/deploy.md "Runtime limits").
 
 Invariants
 ----------
-* `RuntimeProfile.server_args(device, given)` returns the flags the runtime needs on that
-  device that `given` does not already set — a flag the user (or a deployment config) sets
-  itself always wins, and is never repeated.
+* Each `ServerFlag` names an SGLang CLI flag whose `ServerArgs` field is `ServerFlag.dest`
+  (the flag without ``--``, dashes as underscores) and its typed default (`True` for a switch).
+* `RuntimeProfile.server_args(device, given)` returns, as CLI arguments, the declared defaults
+  on that device that `given` does not already set — a flag the user (or a deployment config)
+  sets itself always wins; `RuntimeProfile.defaults(device, tp_size)` returns the same as
+  `{dest: value}` for the in-server override.
 * Every limit has a plain reason (`RuntimeProfile.reasons`), phrased for a user who asked for
   more ("runtime supports TP1/TP2/TP4/TP8 only for now (...)"); nothing here imports torch or
   SGLang.
 * `CURRENT_RUNTIME` is the profile of the code in `runtime/` today; when the runtime grows
-  (Triton kernels, TP, vision, CUDA graphs) this declaration changes with it, and the launcher's
-  golden dry-runs (`tests/golden/launch/`) show the difference.
+  (Triton kernels, TP, vision, CUDA graphs) this declaration changes with it.
 """
 from __future__ import annotations
 
@@ -32,6 +37,11 @@ DP_ATTENTION_FLAG = "--enable-dp-attention"
 PAGE_SIZE = 2
 #: SWA pool tokens per full-pool token (SGLang `--swa-full-tokens-ratio`; see the flag's reason).
 SWA_FULL_TOKENS_RATIO = 0.1
+#: The names `sglang_dsv41.api.register` registers the V4.1 parsers under (first spelling of
+#: `api.reasoning_parser.PARSER_NAMES` / `api.tool_parser.PARSER_NAMES`; tests/test_overrides.py
+#: pins the match — repeated here because this module imports no SGLang code).
+REASONING_PARSER = "deepseek-v41"
+TOOL_CALL_PARSER = "deepseek-v41"
 
 
 def has_flag(args: Sequence[str], flag: str) -> bool:
@@ -53,21 +63,34 @@ def flag_value(args: Sequence[str], flags: Sequence[str]) -> str | None:
 
 @dataclass(frozen=True)
 class ServerFlag:
-    """One SGLang server flag the runtime needs on some devices, and why."""
+    """One SGLang server flag the runtime needs on some devices, its typed default and why."""
 
     flag: str
-    value: str | None  # None: a switch
+    default: object  # typed ServerArgs value; True for a switch
     devices: tuple[Device, ...]
     why: str
-    multi_gpu_only: bool = False  # only when the given args ask for --tp-size > 1
+    multi_gpu_only: bool = False  # only when the tensor-parallel size is > 1
+
+    @property
+    def dest(self) -> str:
+        """The `ServerArgs` field the flag sets."""
+        return self.flag[2:].replace("-", "_")
+
+    @property
+    def value(self) -> str | None:
+        """The CLI value (None for a switch)."""
+        return None if self.default is True else str(self.default)
+
+    def wanted(self, device: Device, tp_size: int) -> bool:
+        """Whether the runtime needs this flag on `device` at tensor-parallel size `tp_size`."""
+        return device in self.devices and (tp_size > 1 or not self.multi_gpu_only)
 
     def applies(self, device: Device, given: Sequence[str]) -> bool:
-        if device not in self.devices or has_flag(given, self.flag):
+        """Whether the flag is wanted and the CLI arguments `given` do not set it themselves."""
+        if has_flag(given, self.flag):
             return False
-        if self.multi_gpu_only:
-            tp = flag_value(given, TP_FLAGS)
-            return tp is not None and tp.isdigit() and int(tp) > 1
-        return True
+        tp = flag_value(given, TP_FLAGS)
+        return self.wanted(device, int(tp) if tp is not None and tp.isdigit() else 1)
 
     def args(self) -> list[str]:
         return [self.flag] if self.value is None else [self.flag, self.value]
@@ -88,6 +111,7 @@ class RuntimeProfile:
     cuda_graph_tp_sizes: tuple[int, ...] = (1, 2, 4, 8)  # TP sizes whose decode is captured
     prefill_cuda_graphs: bool = True
     dp_attention: bool = False  # SGLang --enable-dp-attention (each rank its own requests)
+    attention_backends: tuple[str, ...] = ()  # SGLang --attention-backend values the runtime accepts
     reasons: dict[str, str] = field(default_factory=dict)  # limit name -> why, for refusals
 
     def server_args(self, device: Device, given: Sequence[str] = ()) -> list[str]:
@@ -100,21 +124,18 @@ class RuntimeProfile:
                 out += f.args()
         return out
 
+    def defaults(self, device: Device, tp_size: int = 1) -> dict[str, object]:
+        """`{ServerArgs field: value}` of the flags wanted on `device` at `tp_size` (declaration order)."""
+        if device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+        return {f.dest: f.default for f in self.flags if f.wanted(device, tp_size)}
+
     def supports_tp(self, tp: int) -> bool:
         return tp in self.tp_sizes
 
     def tp_reason(self) -> str:
         sizes = "/".join(f"TP{n}" for n in self.tp_sizes)
         return f"runtime supports {sizes} only for now ({self.reasons['tensor_parallel']})"
-
-    def check_server_args(self, args: Sequence[str]) -> None:
-        """Raise ValueError when `args` ask for a tensor-parallel size or DP attention the runtime
-        cannot run."""
-        tp = flag_value(args, TP_FLAGS)
-        if tp is not None and (not tp.isdigit() or not self.supports_tp(int(tp))):
-            raise ValueError(f"--tp-size {tp}: {self.tp_reason()}")
-        if has_flag(args, DP_ATTENTION_FLAG) and not self.dp_attention:
-            raise ValueError(f"{DP_ATTENTION_FLAG}: {self.reasons['dp_attention']}")
 
     def graph_summary(self) -> str:
         if not self.cuda_graphs:
@@ -132,7 +153,7 @@ class RuntimeProfile:
                  f"DP attention: {yes_no[self.dp_attention]}",
                  f"--kv-cache-dtype: {', '.join(self.kv_cache_dtypes)}"]
         for d in DEVICES:
-            lines.append(f"SGLang flags on {d}: {' '.join(self.server_args(d)) or '(none)'}")
+            lines.append(f"server defaults on {d}: {' '.join(self.server_args(d)) or '(none)'}")
         return lines
 
 
@@ -146,28 +167,33 @@ TORCH_PATH = RuntimeProfile(
         ServerFlag("--attention-backend", GRAPH_BACKEND_NAME, ("cuda",),
                    "torch_native plus the decode CUDA-graph hooks SGLang's graph runner calls "
                    "(runtime/graph_backend.py); the model computes its own attention"),
-        ServerFlag("--page-size", str(PAGE_SIZE), ("cpu", "cuda"),
+        ServerFlag("--page-size", PAGE_SIZE, ("cpu", "cuda"),
                    "a ratio-2 compressed entry spans the rows of 2 consecutive token slots, so pages must be "
                    "even; 2 is the smallest such size: prefix hits are page-aligned (at most 1 token "
                    "recomputed) and SGLang's SWA eviction keeps max(window, page) = window tokens"),
-        ServerFlag("--swa-full-tokens-ratio", str(SWA_FULL_TOKENS_RATIO), ("cpu", "cuda"),
+        ServerFlag("--swa-full-tokens-ratio", SWA_FULL_TOKENS_RATIO, ("cpu", "cuda"),
                    "an SWA token costs L·2·head_dim bytes (Flash 40 KiB) against 890 B of global KV; SGLang's "
                    "default 0.8 would spend 97 % of the KV budget on SWA slots, while a decoding request needs "
                    "only window + page of them (0.1 covers requests from ~1,300 tokens up at Flash)"),
-        ServerFlag("--cuda-graph-max-bs-decode", "16", ("cuda",),
+        ServerFlag("--cuda-graph-max-bs-decode", 16, ("cuda",),
                    "decode runs as CUDA graphs (static decode layout, runtime/batch.py); each captured batch "
                    "size is one more capture at start-up and the static indexer width is the context "
                    "length, so a modest ceiling keeps start-up and graph memory small"),
-        ServerFlag("--disable-cuda-graph", None, ("cuda",),
+        ServerFlag("--disable-cuda-graph", True, ("cuda",),
                    "tensor parallel > 1 decodes eagerly until graph capture with its collectives is "
                    "validated on GPUs (the static forward at TP 2 equals TP 1 on CPU)", multi_gpu_only=True),
         ServerFlag("--sampling-backend", "pytorch", ("cuda",),
                    "flashinfer's sampler JIT-compiles with nvcc on a fresh machine (minutes); the torch sampler "
                    "is exact for greedy and fast enough for the torch path"),
-        ServerFlag("--max-total-tokens", "16384", ("cpu",),
+        ServerFlag("--max-total-tokens", 16384, ("cpu",),
                    "SGLang's CPU engine otherwise sizes the KV pool from all free RAM"),
-        ServerFlag("--sleep-on-idle", None, ("cpu",),
+        ServerFlag("--sleep-on-idle", True, ("cpu",),
                    "otherwise the CPU scheduler busy-polls a core"),
+        ServerFlag("--reasoning-parser", REASONING_PARSER, ("cpu", "cuda"),
+                   "thinking is on by default (model card): the trace belongs in reasoning_content, which "
+                   "SGLang fills only with a reasoning parser; without one the trace lands in content"),
+        ServerFlag("--tool-call-parser", TOOL_CALL_PARSER, ("cpu", "cuda"),
+                   "V4.1 writes DSML tool calls; without the parser they reach the client as text in content"),
     ),
     tp_sizes=(1, 2, 4, 8),
     vision=False,
@@ -176,6 +202,7 @@ TORCH_PATH = RuntimeProfile(
     prefill_cuda_graphs=False,
     pd_disaggregation=False,
     kv_cache_dtypes=("auto", "bf16"),
+    attention_backends=("torch_native", GRAPH_BACKEND_NAME),
     reasons={
         "tensor_parallel": "attention is sharded by whole output groups, so --tp-size must divide o_groups and "
                            "the head count (the model checks this at start-up, runtime/tensor_parallel.py)",
@@ -186,12 +213,20 @@ TORCH_PATH = RuntimeProfile(
                   "refused; set features.text_only: true to serve text",
         "cuda_graphs": "the runtime captures decode CUDA graphs at TP 1 only (static decode layout); prefill runs "
                        "eagerly, and TP > 1 eagerly until graph capture with its collectives is validated on "
-                       "GPUs (the launcher adds --disable-cuda-graph there)",
+                       "GPUs (the plugin defaults --disable-cuda-graph there)",
         "pd_disaggregation": "the runtime keeps request-scoped state beside SGLang's pool (the pending first token "
                              "of a ratio-2 pair) and cannot transfer it between prefill and decode servers yet",
         "kv_cache_dtype": "the runtime needs SGLang's pool in bf16: its global rows hold packed FP4 entries "
                           "(890 B/token at Flash, already compressed) and its SWA rows BF16 values; a pool of another "
                           "dtype (e.g. fp8_e4m3) is refused at start-up",
+        "attention_backend": "the model computes its own attention from its slot caches; SGLang's backend only "
+                             "has to construct over the single-KV-head, v_head_dim 0 pool (torch_native) and, for "
+                             f"decode CUDA graphs, answer the graph runner ({GRAPH_BACKEND_NAME})",
+        "page_size": "a ratio-2 compressed entry spans the rows of 2 consecutive token slots, which must share a "
+                     "page (phase-2 contracts §2), so the page size must be a multiple of the largest compress "
+                     "ratio of a kv source",
+        "hybrid_swa": "the runtime's caches are SGLang's hybrid-SWA pool (packed rows + SWA rows); "
+                      "--disable-hybrid-swa-memory would give it a pool it cannot read",
     },
 )
 

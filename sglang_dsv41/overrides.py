@@ -1,0 +1,184 @@
+"""DeepSeek-V4.1's SGLang server-argument defaults and start-up refusals, inside SGLang itself.
+
+A plain ``python -m sglang.launch_server --model-path <V4.1 checkpoint>`` resolves what the torch
+path needs (`runtime/requirements.CURRENT_RUNTIME`, the one declaration the wrappers, `doctor`
+and the planner also read): page size 2, the attention backend (``torch_native`` on CPU,
+``dsv41`` on CUDA), ``--swa-full-tokens-ratio 0.1``, the V4.1 reasoning and tool-call parsers,
+and the device's memory / graph / sampling settings. docs/runtime.md "Server defaults and
+start-up refusals" lists them.
+
+How, in SGLang 0.5.17's resolution (`ServerArgs.__post_init__`), in the main process (the plugin
+is loaded before the arguments are parsed; scheduler processes receive the resolved object):
+
+1. `resolve_server_args_hook` — BEFORE `ServerArgs._handle_cuda_graph_config` (HookRegistry entry
+   in `sglang_dsv41.hooks`), i.e. after the device and model path are resolved and before SGLang
+   fills any backend, memory or CUDA-graph value. For a V4.1 checkpoint it records the values the
+   user gave (`given_values`: a field differing from its `ServerArgs` default), refuses what the
+   runtime cannot serve (`refusals`; `ValueError` naming each flag), and sets the declared defaults
+   whose fields SGLang's override registry does not accept (not ``resolvable``: the parsers,
+   ``max_total_tokens``, ``sleep_on_idle``, the CUDA-graph flags — the latter must be in place
+   before SGLang resolves its graph configuration, which the registry's declarations reach too
+   late).
+2. `deepseek_v41_overrides` — the provider registered with SGLang's own registry
+   (`register_model_override("DeepseekV41ForCausalLM")`): declares the defaults of the resolvable
+   fields (page size, attention backend, SWA ratio, sampling backend), which SGLang's later
+   passes read through its declaration overlay.
+
+Invariants: a value the user gave is never replaced (it is refused when the runtime cannot serve
+it); nothing happens for any other architecture; a provider without the hook's record raises
+instead of guessing what the user gave. A field given with exactly its SGLang default (e.g.
+``--swa-full-tokens-ratio 0.8``) cannot be told apart from an absent flag — SGLang keeps no
+record of the command line — and gets the declared default.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from .runtime.hf_config import ARCHITECTURE
+from .runtime.requirements import CURRENT_RUNTIME, DEVICES, PAGE_SIZE, RuntimeProfile
+
+logger = logging.getLogger(__name__)
+
+#: `ServerArgs` attribute holding the user's values of the fields in `WATCHED_FIELDS` (set by the hook).
+GIVEN_ATTR = "_dsv41_given"
+#: Fields the refusals read, besides the declared defaults' own fields.
+CHECKED_FIELDS = ("page_size", "kv_cache_dtype", "tp_size", "enable_dp_attention", "attention_backend",
+                  "prefill_attention_backend", "decode_attention_backend", "disable_hybrid_swa_memory")
+WATCHED_FIELDS = tuple(dict.fromkeys((*(f.dest for f in CURRENT_RUNTIME.flags), *CHECKED_FIELDS)))
+_BACKEND_FLAGS = {"attention_backend": "--attention-backend",
+                  "prefill_attention_backend": "--prefill-attention-backend",
+                  "decode_attention_backend": "--decode-attention-backend"}
+
+
+class ServerArgsRefused(ValueError):
+    """Server arguments the V4.1 runtime cannot serve; the message names every flag to change."""
+
+
+def is_v41(server_args: Any) -> bool:
+    """Whether `server_args` serves a DeepSeek-V4.1 checkpoint (architecture of its HF config)."""
+    from sglang.srt.server_args import ConnectorType, parse_connector_type
+
+    if parse_connector_type(server_args.model_path) == ConnectorType.INSTANCE:
+        return False
+    archs = getattr(server_args.get_model_config().hf_config, "architectures", None) or []
+    return bool(archs) and archs[0] == ARCHITECTURE
+
+
+def given_values(server_args: Any, names: tuple[str, ...] = WATCHED_FIELDS) -> dict[str, Any]:
+    """`{field: value}` of the `names` whose value differs from the `ServerArgs` class default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(type(server_args))}
+    return {n: getattr(server_args, n) for n in names
+            if defaults.get(n, dataclasses.MISSING) is dataclasses.MISSING or getattr(server_args, n) != defaults[n]}
+
+
+def runtime_device(server_args: Any) -> str:
+    device = str(server_args.device).split(":")[0]
+    if device not in DEVICES:
+        raise ServerArgsRefused(f"sglang-dsv41: --device {device}: the DeepSeek-V4.1 torch path runs on "
+                                f"{' or '.join(DEVICES)} only")
+    return device
+
+
+def refusals(given: dict[str, Any], text_config: Any, device: str,
+             profile: RuntimeProfile = CURRENT_RUNTIME) -> list[str]:
+    """One message per user value the runtime cannot serve, each naming its flag (empty: all fine)."""
+    from .runtime.sglang_pool import required_page_multiple
+    from .runtime.tensor_parallel import ShardPlan, TensorParallelError
+
+    out: list[str] = []
+    page = given.get("page_size")
+    multiple = required_page_multiple(text_config)
+    if page is not None and (page < 1 or page % multiple):
+        out.append(f"--page-size {page}: {profile.reasons['page_size']} (this checkpoint: {multiple}); "
+                   f"use --page-size {PAGE_SIZE} or another multiple of {multiple}")
+    dtype = given.get("kv_cache_dtype")
+    if dtype is not None and dtype not in profile.kv_cache_dtypes:
+        out.append(f"--kv-cache-dtype {dtype}: {profile.reasons['kv_cache_dtype']}; use one of "
+                   f"{', '.join(profile.kv_cache_dtypes)}")
+    tp = given.get("tp_size")
+    if tp is not None:
+        if not profile.supports_tp(tp):
+            out.append(f"--tp-size {tp}: {profile.tp_reason()}")
+        else:
+            try:
+                ShardPlan.for_config(text_config, 0, tp)
+            except TensorParallelError as e:
+                out.append(f"--tp-size {tp}: {e}")
+    if given.get("enable_dp_attention") and not profile.dp_attention:
+        out.append(f"--enable-dp-attention: {profile.reasons['dp_attention']}")
+    default_backend = profile.defaults(device).get("attention_backend")
+    for name, flag in _BACKEND_FLAGS.items():
+        backend = given.get(name)
+        if backend is not None and backend not in profile.attention_backends:
+            out.append(f"{flag} {backend}: {profile.reasons['attention_backend']}; leave it unset (default "
+                       f"{default_backend} on {device}) or use one of {', '.join(profile.attention_backends)}")
+    if given.get("disable_hybrid_swa_memory"):
+        out.append(f"--disable-hybrid-swa-memory: {profile.reasons['hybrid_swa']}")
+    return out
+
+
+def _resolvable() -> frozenset[str]:
+    from sglang.srt.arg_groups.arg_utils import resolvable_fields
+    from sglang.srt.server_args import ServerArgs
+
+    return resolvable_fields(ServerArgs)
+
+
+def _tp_size(server_args: Any) -> int:
+    return int(server_args.tp_size or 1)
+
+
+def resolve_server_args_hook(server_args: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE `ServerArgs._handle_cuda_graph_config`: record, refuse, set the non-resolvable
+    defaults (module doc, step 1). Other architectures: nothing."""
+    if not is_v41(server_args):
+        return None
+    given = given_values(server_args)
+    object.__setattr__(server_args, GIVEN_ATTR, given)
+    device = runtime_device(server_args)
+    problems = refusals(given, server_args.get_model_config().hf_config.parsed().text, device)
+    if problems:
+        raise ServerArgsRefused("sglang-dsv41: DeepSeek-V4.1 cannot be served with these server arguments:\n  "
+                                + "\n  ".join(problems))
+    resolvable = _resolvable()
+    applied = {}
+    for name, value in CURRENT_RUNTIME.defaults(device, _tp_size(server_args)).items():
+        if name not in resolvable and name not in given:
+            setattr(server_args, name, value)
+            applied[name] = value
+    if applied:
+        logger.info("sglang-dsv41: DeepSeek-V4.1 defaults on %s: %s", device, applied)
+    return None
+
+
+def deepseek_v41_overrides(server_args: Any, hf_config: Any) -> dict:
+    """SGLang override provider for `DeepseekV41ForCausalLM`: the declared defaults of the
+    resolvable fields the user did not give (module doc, step 2). Reads, never writes."""
+    given = getattr(server_args, GIVEN_ATTR, None)
+    if given is None:
+        raise RuntimeError("sglang-dsv41: the server-args hook (sglang_dsv41.hooks, "
+                           "ServerArgs._handle_cuda_graph_config) did not run, so the values the user gave "
+                           "are unknown; is the plugin's runtime area installed?")
+    resolvable = _resolvable()
+    declared = {name: value
+                for name, value in CURRENT_RUNTIME.defaults(runtime_device(server_args), _tp_size(server_args)).items()
+                if name in resolvable and name not in given}
+    if declared:
+        logger.info("sglang-dsv41: DeepSeek-V4.1 declared defaults: %s", declared)
+    return declared
+
+
+_registered = False
+
+
+def register() -> None:
+    """Register `deepseek_v41_overrides` with SGLang's model-override registry (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from sglang.srt.arg_groups.overrides import register_model_override
+
+    register_model_override(ARCHITECTURE)(deepseek_v41_overrides)
+    _registered = True
