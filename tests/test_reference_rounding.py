@@ -63,7 +63,7 @@ def bf16_np(x: np.ndarray) -> np.ndarray:
 
 
 def rope_np(x: np.ndarray, pos: np.ndarray, inv: np.ndarray) -> np.ndarray:
-    """Upstream's `rope_tail` (dsv41_sparse.py:96-104): complex64 product in fp32, no rounding."""
+    """Upstream's `rope_tail` (dsv41_sparse.py:89-98): complex64 product in fp32, no rounding."""
     rd = 2 * inv.size
     ang = pos.astype(f32)[:, None] * inv[None, :]
     c, s = exact_cos_sin(ang)
@@ -197,7 +197,7 @@ def test_compressor_and_indexer_quantise_bf16_rotated_tails() -> None:
 
 
 def test_index_head_weights_are_bf16_of_bf16_times_scale() -> None:
-    """`head_weights = head_weights_raw(x) * scale` on a BF16 tensor (dsv41_sparse.py:268-270)."""
+    """`head_weights = head_weights_raw(x) * scale` on a BF16 tensor (dsv41_sparse.py:282-283)."""
     from sglang_dsv41.reference.indexer import index_query
     from test_reference_attention import attention_weights, tiny_text
 

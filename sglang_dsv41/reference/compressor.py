@@ -17,7 +17,7 @@ into one compressed latent per `ratio` tokens and, from each latent, one indexer
   **pre-RoPE** latent; indexer.wk is a BF16 GEMM with BF16 out.
 
 The rotated tail is rounded to BF16 before the FP4 round trip, as upstream does on every path
-(`dsv41_sparse.py:44,103`, `fp4_rope_fake_quant.py:49`, `fp4_indexer_rope.cuh:109-111`):
+(`dsv41_sparse.py:31-44,97`, `fp4_rope_fake_quant.py:49`, `fp4_indexer_rope.cuh:109-111`):
 `rope_entry_values` is that step, shared with the runtime's packed-entry writer.
 """
 from __future__ import annotations

@@ -37,8 +37,8 @@ def index_query(cfg: TextConfig, w, prefix: str, x: Tensor, q_lora: Tensor, posi
     w = bf16(bf16(weights_proj·x)·fp32(index_head_dim^−1/2·index_n_heads^−1/2)) (spec §3.4.4).
 
     As upstream: the rotated tail is rounded to BF16 before the FP4 round trip
-    (`dsv41_sparse.py:44,103`); the head weights are a BF16 tensor times the fp32 factor, rounded
-    to BF16 again (`dsv41_sparse.py:268-270`, `fp4_indexer_rope.cuh:288-291`; for Flash the
+    (`dsv41_sparse.py:31-44,97`); the head weights are a BF16 tensor times the fp32 factor, rounded
+    to BF16 again (`dsv41_sparse.py:282-283`, `fp4_indexer_rope.cuh:288-291`; for Flash the
     factor is 1/64 and the second rounding is exact).
     """
     for name in ("indexer.wq_b.weight", "indexer.weights_proj.weight"):

@@ -317,7 +317,7 @@ def apply_rope_tail(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Te
     """Rotate the last 2·len(inv_freq) dims of x (interleaved / GPT-J pairs) at `positions`.
 
     x: [T, ..., D] (any float; returns fp32); positions: [T] integer. As upstream's torch path
-    (`srt/layers/attention/dsv4/dsv41_sparse.py:96-104`, a complex64 product): angle = fp32(p·f),
+    (`srt/layers/attention/dsv4/dsv41_sparse.py:89-98`, a complex64 product): angle = fp32(p·f),
     (c, s) = `rope_cos_sin(angle)`, and with (a, b) = (x_2i, x_2i+1) in fp32
     a' = a·c − b·s, b' = a·s + b·c — each product and the sum an fp32 rounding (no FMA);
     `inverse` uses −s (the conjugate rotation, spec §3.4.6). The result is NOT rounded to BF16:
@@ -342,9 +342,9 @@ def apply_rope_tail(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Te
 def bf16_rope_tail(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                    inverse: bool = False) -> torch.Tensor:
     """bf16(apply_rope_tail(x)): the rotated tail rounded to BF16, as upstream's `rope_tail`
-    ends in `.to(x.dtype)` for its BF16 tensors (`dsv41_sparse.py:103`). Used for q, the
+    ends in `.to(x.dtype)` for its BF16 tensors (`dsv41_sparse.py:97`). Used for q, the
     attention output, and — before the FP4 round trip — compressed latents, index keys and index
-    queries (`dsv41_sparse.py:44`, `fp4_rope_fake_quant.py:49`). x's non-rotated dims must
+    queries (`dsv41_sparse.py:31-44`, `fp4_rope_fake_quant.py:49`). x's non-rotated dims must
     already be BF16-valued (they pass through the rounding unchanged)."""
     return bf16(apply_rope_tail(x, positions, inv_freq, inverse))
 
