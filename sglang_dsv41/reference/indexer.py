@@ -48,7 +48,7 @@ def index_query(cfg: TextConfig, w, prefix: str, x: Tensor, q_lora: Tensor, posi
     q = ops.linear_fp8(q_lora, w[prefix + "indexer.wq_b.weight"], act_quant)
     q = q.reshape(T, cfg.index_n_heads, cfg.index_head_dim)
     q = ops.fp4_fake_quant_ue8m0_scale(ops.bf16_rope_tail(q, positions, inv_freq))
-    scale = float(torch.tensor(cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5, dtype=torch.float32))
+    scale = ops.fp32_scalar(cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
     head_weights = ops.bf16(ops.linear_bf16(x, w[prefix + "indexer.weights_proj.weight"]) * scale)
     return IndexQuery(q=q, head_weights=head_weights)
 

@@ -18,6 +18,7 @@ import contextlib
 import contextvars
 import enum
 import math
+import struct
 from typing import Iterator, Protocol
 
 import torch
@@ -28,9 +29,16 @@ F32 = torch.float32
 BF16 = torch.bfloat16
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
+
+
+def fp32_scalar(v: float) -> float:
+    """The Python float v rounded to the nearest fp32 value (no tensor, no device sync)."""
+    return struct.unpack("<f", struct.pack("<f", v))[0]
+
+
 #: fp32(1/6): upstream's FP4 quantisers multiply amax by this reciprocal instead of dividing by 6
 #: (`kernels/ops/quantization/fp4_fake_quant.py:30-32,58`, `fp4_rope_fake_quant.py:56,60`).
-INV_E2M1_MAX = float(torch.tensor(1.0 / E2M1_MAX, dtype=torch.float32))
+INV_E2M1_MAX = fp32_scalar(1.0 / E2M1_MAX)
 
 
 # ---- rounding primitives ------------------------------------------------------------------
