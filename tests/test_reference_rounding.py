@@ -25,11 +25,18 @@ POSITIONS = (0, 65_535, 65_536, 1_048_575)
 
 # ---- independent restatements of upstream's definitions -----------------------------------------
 
+def mp_to_f32(v) -> np.float32:
+    """The fp32 nearest to the mpmath value v (ties to even), without a double rounding."""
+    f = f32(float(v))
+    cands = (np.nextafter(f, f32(-np.inf)), f, np.nextafter(f, f32(np.inf)))
+    return min(cands, key=lambda c: (abs(mpmath.mpf(float(c)) - v), int(np.array(c, dtype=f32).view(np.uint32)) & 1))
+
+
 def pow_fp32(base: float, exponent: np.ndarray) -> np.ndarray:
     """fp32 base^e correctly rounded (60-digit mpmath). numpy's float32 `power` is not: it is
     off by one ulp for 4 of the 32 Flash exponents, so it cannot serve as the definition."""
     mpmath.mp.dps = 60
-    return np.array([f32(float(mpmath.power(mpmath.mpf(base), mpmath.mpf(float(e))))) for e in exponent], dtype=f32)
+    return np.array([mp_to_f32(mpmath.power(mpmath.mpf(base), mpmath.mpf(float(e)))) for e in exponent], dtype=f32)
 
 
 def upstream_inv_freq(dim: int, base: float, scaling: RopeScaling | None) -> np.ndarray:
@@ -50,8 +57,8 @@ def upstream_inv_freq(dim: int, base: float, scaling: RopeScaling | None) -> np.
 def exact_cos_sin(angle: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin of fp32 angles, correctly rounded to fp32 (60-digit mpmath)."""
     mpmath.mp.dps = 60
-    c = [f32(float(mpmath.cos(mpmath.mpf(float(a))))) for a in angle.ravel()]
-    s = [f32(float(mpmath.sin(mpmath.mpf(float(a))))) for a in angle.ravel()]
+    c = [mp_to_f32(mpmath.cos(mpmath.mpf(float(a)))) for a in angle.ravel()]
+    s = [mp_to_f32(mpmath.sin(mpmath.mpf(float(a)))) for a in angle.ravel()]
     return np.array(c, dtype=f32).reshape(angle.shape), np.array(s, dtype=f32).reshape(angle.shape)
 
 
