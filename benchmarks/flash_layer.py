@@ -51,7 +51,7 @@ from sglang_dsv41.config import DeepseekV41Config, LayerRole
 from sglang_dsv41.kernels.packed_rows import PackedSource
 from sglang_dsv41.reference import ops
 from sglang_dsv41.reference.attention import layer_inv_freq, output_projection, project_q_kv
-from sglang_dsv41.reference.compressor import index_keys, linear_fp32_out, stored_latents
+from sglang_dsv41.reference.compressor import linear_fp32_out, rope_entry_values, stored_latents
 from sglang_dsv41.reference.indexer import index_query, visible_counts
 from sglang_dsv41.reference.moe import Routing, route, routed_expert, shared_expert
 from sglang_dsv41.runtime.kv_layout import (CompressedRowLayout, decode_entry_keys, decode_entry_latents,
@@ -241,14 +241,15 @@ def torch_work(layer: Layer, R: Tensor, positions: Tensor) -> tuple[Tensor, Rout
     co = hc("attn", R)
     x = hc_sublayer_input(R, co.pre, w[p + "attn_norm.weight"], t.rms_norm_eps)
     q_lora, q, kv = project_q_kv(t, w, pa, x, positions, inv_freq, True)
-    ops.swa_cache_roundtrip(kv, CACHE, t.qk_rope_head_dim)
+    ops.swa_cache_roundtrip(kv, positions, inv_freq, CACHE, t.qk_rope_head_dim)
     if layer.role.computes_latents:
         a = linear_fp32_out(x, w[pa + "compressor.wkv.weight"])
         if layer.role.ratio == 2:
             linear_fp32_out(x, w[pa + "compressor.wgate.weight"])
         latents = ops.rms_norm(ops.bf16(a), w[pa + "compressor.norm.weight"], t.rms_norm_eps)
-        stored_latents(t, latents, positions, inv_freq, CACHE)
-        index_keys(t, w, pa, latents, positions, inv_freq)
+        roped, k = rope_entry_values(t, w, pa, latents, positions, inv_freq)
+        stored_latents(t, roped, CACHE)
+        ops.fp4_fake_quant_ue8m0_scale(k)
     if layer.role.runs_indexer:
         index_query(t, w, pa, x, q_lora, positions, inv_freq, True)
     y = output_projection(t, w, pa, q, positions, inv_freq, True)

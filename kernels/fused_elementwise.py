@@ -12,7 +12,7 @@ function                   replaces                                             
 `fp8_act_fake_quant`       `ops.fp8_act_fake_quant` (per-32 UE8M0 + E4M3)           bit-identical
 `fp4_fake_quant`           `ops.fp4_fake_quant_e4m3_scale` / `_ue8m0_scale`          bit-identical
 `rms_norm`                 `ops.rms_norm` / `attention.rms_norm_fp32`               see "fp64 results"
-`apply_rope_tail`          `ops.apply_rope_tail` (forward and inverse)              see "fp64 results"
+`apply_rope_tail`          `ops.apply_rope_tail` (forward and inverse)              see "RoPE"
 `clamped_swiglu`           `moe.clamped_swiglu`                                     see "fp64 results"
 `route_select`             `moe.route` after the scores (bias, top-k, renorm)       see "fp64 results"
 =========================  =======================================================  =========================
@@ -31,7 +31,12 @@ Rounding is done arithmetically, never by Triton casts whose semantics differ fr
   divisions by powers of two are multiplications by the exact reciprocal. Launches pass
   `enable_fp_fusion=False` so no a·b+c becomes an FMA.
 
-fp64 results. Where the reference evaluates in float64 and rounds once (rms_norm, RoPE, SwiGLU,
+RoPE (`ops.apply_rope_tail`): the angle is the fp32 product p·f, cos/sin are float64 cos/sin of
+it rounded once to fp32 (the reference's `ops.rope_cos_sin`), the rotation is fp32 products and
+sums in the reference's order (no FMA) — bit-identical except where the device's float64 cos/sin
+differ in the last float64 bit at an fp32 rounding boundary (see below).
+
+fp64 results. Where the reference evaluates in float64 and rounds once (rms_norm, SwiGLU,
 routing weights) the kernels do the same float64 operations in the same order, except:
 * reductions (rms_norm's Σx², the routing weight sum over k) are summed in a different order;
   for BF16-valued inputs (every caller's) the squares have ≤ 16 significant bits, so Σx² is exact
@@ -138,7 +143,9 @@ def _round_e4m3_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 @triton.jit
 def _group_quant_kernel(x_ptr, out_ptr, n_groups, GROUP: tl.constexpr, GPP: tl.constexpr, MODE: tl.constexpr):
     """MODE 0: FP8 activation (UE8M0 per GROUP, E4M3 values); 1: FP4 with E4M3 scales;
-    2: FP4 with UE8M0 scales. One program = GPP consecutive groups of a contiguous tensor."""
+    2: FP4 with UE8M0 scales. One program = GPP consecutive groups of a contiguous tensor.
+    FP4 scales take amax·fp32(1/6) (`ops.INV_E2M1_MAX`, upstream's reciprocal), not amax/6."""
+    INV6 = 0.1666666716337204                                    # fp32(1/6), exact as an fp32 constant
     g = tl.program_id(0).to(tl.int64) * GPP + tl.arange(0, GPP)
     live = g < n_groups
     offs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
@@ -149,11 +156,11 @@ def _group_quant_kernel(x_ptr, out_ptr, n_groups, GROUP: tl.constexpr, GPP: tl.c
         inv = _pow2(254 - ((scale.to(tl.uint32, bitcast=True) >> 23).to(tl.int32)))
         q = _e4m3_rne(x * inv[:, None]) * scale[:, None]
     elif MODE == 1:
-        scale = _e4m3_rne(tl.minimum(tl.maximum(tl.math.div_rn(amax, 6.0), 0.001953125), 448.0))
+        scale = _e4m3_rne(tl.minimum(tl.maximum(amax * INV6, 0.001953125), 448.0))
         ratio = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], (GPP, GROUP)))
         q = _e2m1_rne(tl.minimum(tl.maximum(ratio, -6.0), 6.0)) * scale[:, None]
     else:
-        scale = _pow2_ceil(tl.math.div_rn(tl.maximum(amax, 7.052966104933725e-38), 6.0))
+        scale = _pow2_ceil(tl.maximum(amax, 7.052966104933725e-38) * INV6)
         inv = _pow2(254 - ((scale.to(tl.uint32, bitcast=True) >> 23).to(tl.int32)))
         q = _e2m1_rne(tl.minimum(tl.maximum(x * inv[:, None], -6.0), 6.0)) * scale[:, None]
     tl.store(out_ptr + offs, q, mask=live[:, None])
@@ -192,14 +199,14 @@ def _rope_tail_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, rows_per_token, D, HEAD
     i = tl.arange(0, HALF)
     pos = tl.load(pos_ptr + row // rows_per_token).to(tl.float32)
     ang = (pos * tl.load(freq_ptr + i).to(tl.float32)).to(tl.float64)
-    c = tl.cos(ang)
-    s = tl.sin(ang)
+    c = tl.cos(ang).to(tl.float32)          # the correctly rounded fp32 table entry (ops.rope_cos_sin)
+    s = tl.sin(ang).to(tl.float32)
     if INVERSE:
         s = -s
-    a = tl.load(x_ptr + base + HEAD + 2 * i).to(tl.float32).to(tl.float64)
-    b = tl.load(x_ptr + base + HEAD + 2 * i + 1).to(tl.float32).to(tl.float64)
-    ra = (a * c - b * s).to(tl.float32)
-    rb = (a * s + b * c).to(tl.float32)
+    a = tl.load(x_ptr + base + HEAD + 2 * i).to(tl.float32)
+    b = tl.load(x_ptr + base + HEAD + 2 * i + 1).to(tl.float32)
+    ra = a * c - b * s                      # fp32 products and sum, no FMA (launch option)
+    rb = a * s + b * c
     if ROUND_BF16:
         ra = _round_bf16(ra)
         rb = _round_bf16(rb)

@@ -99,7 +99,8 @@ def test_signed_sqrt_and_clamp():
     assert _gate_for_dot(2.0) == pytest.approx(1 / (1 + math.exp(-2.0)), rel=1e-6)      # dot 4
     assert _gate_for_dot(-2.0) == pytest.approx(1 / (1 + math.exp(2.0)), rel=1e-6)      # dot −4
     assert _gate_for_dot(0.125) == pytest.approx(1 / (1 + math.exp(-0.5)), rel=1e-6)   # dot 0.25
-    assert _gate_for_dot(0.0) == 0.5                                                     # sign(0) = 0
+    # dot = +0: upstream copies the sign (srt/layers/engram.py:1291), so the clamp gives +1e-3
+    assert _gate_for_dot(0.0) == pytest.approx(1 / (1 + math.exp(-math.sqrt(GATE_DOT_FLOOR))), rel=1e-7)
     # |dot| = 1e−9 < 1e−6: clamped to √1e−6 = 1e−3 (unclamped would give sigmoid(3.2e−5)).
     tiny = _gate_for_dot(5e-10)
     assert tiny == pytest.approx(1 / (1 + math.exp(-math.sqrt(GATE_DOT_FLOOR))), rel=1e-7)

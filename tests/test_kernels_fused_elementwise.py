@@ -5,9 +5,12 @@ What is pinned:
 * bit for bit: `round_bf16` == `ops.bf16`, `round_e4m3` == torch's float8_e4m3fn cast (every E4M3
   value, every midpoint (ties to even), their fp32 neighbours, 448 / 464 / >464 → NaN, ±inf, NaN,
   ±0, subnormals, random magnitudes), FP8 activation and both FP4 fake quantisations (incl. zero
-  groups, −0, the 1e−10 amax clamp, exact powers of two as amax/448 — the pow2-ceil m == 0.5 case);
+  groups, −0, the 1e−10 amax clamp, exact powers of two as amax/448 — the pow2-ceil m == 0.5 case;
+  FP4 scales from amax·fp32(1/6), probed where that differs from amax/6);
+* RoPE (fp32 rotation of correctly rounded fp32 cos/sin): bit for bit, also with Flash's tables at
+  positions 0, 65,535, 65,536 and 1,048,575;
   top-k selection of `route` (NaN first, ties → lower id, all −inf rows, vision bias);
-* the float64-evaluated ones (rms_norm, RoPE forward/inverse, SwiGLU, routing weights): equal to the
+* the float64-evaluated ones (rms_norm, SwiGLU, routing weights): equal to the
   reference on these inputs (their stated bound allows rare one-ulp flips; none occur here);
 * batch invariance: every kernel's row of a batch == that row alone, bitwise;
 * dispatch: without the context the helpers run the reference code; inside it with an
@@ -133,6 +136,41 @@ if KERNEL_HERE:
         back = FE.apply_rope_tail(FE.apply_rope_tail(d(x), d(pos), d(inv)), d(pos), d(inv), inverse=True).cpu()
         assert torch.allclose(back, x, rtol=0, atol=1e-5)          # the inverse undoes the rotation
 
+    @pytest.mark.parametrize("table", ["compressed", "swa"])
+    def test_kernel_case_rope_flash_tables_at_pinned_positions(table: str) -> None:
+        """Flash's fp32 tables (ops.rope_inv_freq, pinned against upstream's formula in
+        tests/test_reference_rounding.py) at positions 0, 65,535, 65,536 and 1,048,575: the
+        kernel's fp32 rotation (cos/sin correctly rounded to fp32) equals the reference's bits."""
+        from sglang_dsv41.config import RopeScaling
+        scaling = RopeScaling(factor=16, original_max_position_embeddings=65536) if table == "compressed" else None
+        inv = ops.rope_inv_freq(64, 160000.0 if table == "compressed" else 10000.0, scaling)
+        g = torch.Generator().manual_seed(18)
+        pos = torch.tensor([0, 65535, 65536, 1048575, 1048574, 524288])
+        x = ops.bf16(torch.randn(6, 3, 128, generator=g))
+        d = lambda t: t.to(DEVICE)  # noqa: E731
+        for inverse in (False, True):
+            want = ops.apply_rope_tail(x, pos, inv, inverse)
+            assert same_bits(FE.apply_rope_tail(d(x), d(pos), d(inv), inverse).cpu(), want)
+            assert same_bits(FE.apply_rope_tail(d(x), d(pos), d(inv), inverse, round_bf16=True).cpu(),
+                             ops.bf16_rope_tail(x, pos, inv, inverse))
+
+    def test_kernel_case_fp4_scales_take_the_fp32_reciprocal() -> None:
+        """fp32 amax values near 6× an E4M3 rounding tie, where e4m3(amax·fp32(1/6)) and
+        e4m3(amax/6) can differ, and 6·2^k (UE8M0 powers of two) ± one ulp: bitwise the reference."""
+        ties = torch.tensor([(1 + (2 * j + 1) / 16) * 2.0**k for k in range(-8, 8) for j in range(8)]) * 6
+        near = (ties.view(torch.int32)[:, None] + torch.arange(-3, 4, dtype=torch.int32)[None]).view(torch.float32)
+        pow2 = (torch.tensor([6 * 2.0**k for k in range(-30, 8)]).view(torch.int32)[:, None]
+                + torch.arange(-1, 2, dtype=torch.int32)[None]).view(torch.float32)
+        amax = torch.cat((near.flatten(), pow2.flatten()))
+        amax = torch.cat((amax, amax.new_zeros((-amax.numel()) % 32)))
+        x = torch.zeros(amax.numel(), 32)
+        x[:, 0], x[:, 5] = amax, amax * 0.3
+        e4m3_mul = (amax * ops.INV_E2M1_MAX).clamp(2.0**-9, 448.0).to(torch.float8_e4m3fn).float()
+        e4m3_div = (amax / 6.0).clamp(2.0**-9, 448.0).to(torch.float8_e4m3fn).float()
+        assert not torch.equal(e4m3_mul, e4m3_div)                # the probe holds a differing amax
+        assert same_bits(FE.fp4_fake_quant(x.to(DEVICE), 16, "e4m3").cpu(), ops.fp4_fake_quant_e4m3_scale(x))
+        assert same_bits(FE.fp4_fake_quant(x.to(DEVICE), 32, "ue8m0").cpu(), ops.fp4_fake_quant_ue8m0_scale(x))
+
     def test_kernel_case_swiglu() -> None:
         g = torch.Generator().manual_seed(5)
         gate, up = torch.randn(9, 64, generator=g) * 8, torch.randn(9, 64, generator=g) * 8
@@ -211,7 +249,7 @@ if not FE.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        run_kernel_cases_in_interpreter(__file__, min_passed=12)
+        run_kernel_cases_in_interpreter(__file__, min_passed=16)
 
     def test_cpu_without_interpreter_raises() -> None:
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):

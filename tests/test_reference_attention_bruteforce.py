@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,16 +33,18 @@ def _one_thread():
 
 
 def yarn_table(t: TextConfig, ratio: int) -> torch.Tensor:
+    """Upstream's fp32 table (`kernels/ops/attention/dsv4/rope.py:50-63`) in numpy float32."""
     d = t.qk_rope_head_dim
-    i = torch.arange(d // 2, dtype=torch.float64)
-    if ratio == 0:
-        return (t.rope_theta ** (-2 * i / d)).float()
-    base, sc = t.compress_rope_theta, t.rope_scaling
-    inv = base ** (-2 * i / d)
-    corr = lambda r: d * math.log(sc.original_max_position_embeddings / (2 * math.pi * r)) / (2 * math.log(base))  # noqa: E731
-    low, high = max(math.floor(corr(sc.beta_fast)), 0), min(math.ceil(corr(sc.beta_slow)), d - 1)
-    ramp = ((i - low) / (high - low)).clamp(0, 1)
-    return (inv / sc.factor * ramp + inv * (1 - ramp)).float()
+    f32 = np.float32
+    base = t.rope_theta if ratio == 0 else t.compress_rope_theta
+    inv = f32(1.0) / np.power(f32(base), np.arange(0, d, 2, dtype=f32) / f32(d))
+    if ratio != 0:
+        sc = t.rope_scaling
+        corr = lambda r: d * math.log(sc.original_max_position_embeddings / (2 * math.pi * r)) / (2 * math.log(base))  # noqa: E731
+        low, high = max(math.floor(corr(sc.beta_fast)), 0), min(math.ceil(corr(sc.beta_slow)), d - 1)
+        smooth = f32(1) - np.clip((np.arange(d // 2, dtype=f32) - f32(low)) / f32(high - low), f32(0), f32(1))
+        inv = inv / f32(sc.factor) * (f32(1) - smooth) + inv * smooth
+    return torch.from_numpy(inv.astype(f32))
 
 
 def complex_rope(x: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, conj: bool = False) -> torch.Tensor:
@@ -56,6 +59,25 @@ def complex_rope(x: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, conj: bo
 
 def norm32(x, w, eps):
     return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w
+
+
+def swa_row(kv: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, profile, rd: int) -> torch.Tensor:
+    """Upstream's SWA store per layout: v4 rotates and quantises the fp32 normed row (nope E4M3
+    per 64 with amax floored at 1e-4, RoPE dims BF16); the BF16 and v41 stores round the normed
+    row to BF16, rotate, round again (v41 then E4M3 per 32)."""
+    if profile == FP8:
+        row = complex_rope(kv, pos, inv)
+        nope = row[:, :-rd].reshape(row.shape[0], -1, 64)
+        amax = nope.abs().amax(-1, keepdim=True).clamp(min=np.float32(1e-4))
+        scale = 2.0 ** torch.ceil(torch.log2(amax.double() / 448)).float()
+        q = (nope / scale).to(torch.float8_e4m3fn).float() * scale
+        return torch.cat((q.reshape(row.shape[0], -1), ops.bf16(row[:, -rd:])), dim=1)
+    row = ops.bf16(complex_rope(ops.bf16(kv), pos, inv))
+    if profile == NONE:
+        return row
+    g = row.reshape(row.shape[0], -1, 32)
+    scale = 2.0 ** torch.ceil(torch.log2((g.abs().amax(-1, keepdim=True).double() / 448).clamp(min=1e-4))).float()
+    return ((g / scale).to(torch.float8_e4m3fn).float() * scale).reshape(row.shape)
 
 
 def ranked(scores: list[float], allowed: list[int], k: int) -> list[int]:
@@ -74,7 +96,7 @@ def dense_reference(t: TextConfig, w, xs, profile, act_quant=True):
         q_lora = ops.rms_norm(ops.linear_fp8(x, w[p_ + "wq_a.weight"], act_quant), w[p_ + "q_norm.weight"], t.rms_norm_eps)
         q = ops.bf16(complex_rope(ops.linear_fp8(q_lora, w[p_ + "wq_b.weight"], act_quant).view(T, H, D), pos, inv))
         kv = norm32(ops.linear_fp8(x, w[p_ + "wkv.weight"], act_quant), w[p_ + "kv_norm.weight"], t.rms_norm_eps)
-        swa[r.layer] = ops.swa_cache_roundtrip(complex_rope(kv, pos, inv), profile, rd)
+        swa[r.layer] = swa_row(kv, pos, inv, profile, rd)
         if r.computes_latents:
             wkv = w[p_ + "compressor.wkv.weight"].double()
             if r.ratio == 1:
@@ -86,10 +108,10 @@ def dense_reference(t: TextConfig, w, xs, profile, act_quant=True):
                 pooled = (a * torch.softmax(s, dim=1)).sum(1)
                 lat, lpos = ops.rms_norm(ops.bf16(pooled), w[p_ + "compressor.norm.weight"], t.rms_norm_eps), 2 * torch.arange(n)
             latents[r.layer] = ops.compressed_cache_roundtrip(
-                ops.fp4_fake_quant_e4m3_scale(complex_rope(lat, lpos, inv)), profile, rd)
+                ops.fp4_fake_quant_e4m3_scale(ops.bf16(complex_rope(lat, lpos, inv))), profile, rd)
             k = ops.rms_norm(ops.bf16(lat.double() @ w[p_ + "indexer.wk.weight"].double().t()),
                              w[p_ + "indexer.k_norm.weight"], t.rms_norm_eps)
-            keys_idx[r.layer] = ops.fp4_fake_quant_ue8m0_scale(complex_rope(k, lpos, inv))
+            keys_idx[r.layer] = ops.fp4_fake_quant_ue8m0_scale(ops.bf16(complex_rope(k, lpos, inv)))
         cols_swa = pos[None, :]
         mask_swa = (cols_swa <= pos[:, None]) & (cols_swa > pos[:, None] - W)
         if r.ratio == 0:
@@ -98,9 +120,9 @@ def dense_reference(t: TextConfig, w, xs, profile, act_quant=True):
             comp, N = latents[r.kv_source], latents[r.kv_source].shape[0]
             if r.runs_indexer:
                 qi = ops.linear_fp8(q_lora, w[p_ + "indexer.wq_b.weight"], act_quant).view(T, t.index_n_heads, -1)
-                qi = ops.fp4_fake_quant_ue8m0_scale(complex_rope(qi, pos, inv))
-                hw = (x.double() @ w[p_ + "indexer.weights_proj.weight"].double().t()).to(torch.bfloat16).double()
-                hw = hw / math.sqrt(t.index_head_dim * t.index_n_heads)
+                qi = ops.fp4_fake_quant_ue8m0_scale(ops.bf16(complex_rope(qi, pos, inv)))
+                hw = (x.double() @ w[p_ + "indexer.weights_proj.weight"].double().t()).to(torch.bfloat16)
+                hw = (hw * (t.index_head_dim ** -0.5 * t.index_n_heads ** -0.5)).double()  # a BF16 tensor op
                 S = sum(hw[:, h:h + 1] * torch.relu(qi[:, h].double() @ keys_idx[r.kv_source].double().t())
                         for h in range(t.index_n_heads)).float()
                 sel, blk = [], []

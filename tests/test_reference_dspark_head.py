@@ -54,12 +54,12 @@ def test_context_kv_matches_formula_with_base_rope_and_no_yarn():
     for s, kv in enumerate(got):
         p = f"mtp.{s}.attn."
         z = linear_fp8(main_x, W[p + "wkv.weight"], True)
-        # normalise → rotate in fp32 (no BF16 rounding in between), then the BF16 cache read-back
+        # BF16 cache: normalise → BF16 → rotate → BF16 (upstream's bf16 kv store)
         pre = z * torch.rsqrt(z.pow(2).mean(dim=-1, keepdim=True) + T.rms_norm_eps) * W[p + "kv_norm.weight"]
-        assert torch.equal(kv, bf16(apply_rope_tail(pre, positions, base)))
+        assert torch.equal(kv, bf16(apply_rope_tail(bf16(pre), positions, base)))
         assert torch.equal(kv[0], bf16(pre[0]))  # position 0: no rotation
         for wrong in (yarn_base, yarn_compressed):
-            assert not torch.allclose(kv[3:], bf16(apply_rope_tail(pre, positions, wrong))[3:], atol=1e-2)
+            assert not torch.allclose(kv[3:], bf16(apply_rope_tail(bf16(pre), positions, wrong))[3:], atol=1e-2)
         nope = T.head_dim - T.qk_rope_head_dim
         assert torch.equal(kv[:, :nope], bf16(pre[:, :nope]))  # RoPE only on the tail
 
@@ -72,8 +72,9 @@ def test_context_kv_applies_the_cache_profile():
     fp8 = dspark.context_kv_from_features(T, W, feats, pos, profile=CacheProfile.FP8, act_quant=True)
     for s, (a, b) in enumerate(zip(none, fp8)):
         raw = project_kv(T, W, f"mtp.{s}.attn.", main_x, pos, dspark.draft_rope_inv_freq(T), True)
-        assert torch.equal(a, swa_cache_roundtrip(raw, CacheProfile.NONE, T.qk_rope_head_dim))
-        assert torch.equal(b, swa_cache_roundtrip(raw, CacheProfile.FP8, T.qk_rope_head_dim))
+        inv = dspark.draft_rope_inv_freq(T)
+        assert torch.equal(a, swa_cache_roundtrip(raw, pos, inv, CacheProfile.NONE, T.qk_rope_head_dim))
+        assert torch.equal(b, swa_cache_roundtrip(raw, pos, inv, CacheProfile.FP8, T.qk_rope_head_dim))
         assert not torch.equal(a, b)
 
 

@@ -102,12 +102,14 @@ def test_rope_interleaved_matches_complex_rotation_and_inverts() -> None:
 
 def test_cache_profiles() -> None:
     torch.manual_seed(1)
-    kv = torch.randn(6, 96)
-    none = ops.swa_cache_roundtrip(kv, ops.CacheProfile.NONE, 32)
-    fp8 = ops.swa_cache_roundtrip(kv, ops.CacheProfile.FP8, 32)
-    fp4 = ops.swa_cache_roundtrip(kv, ops.CacheProfile.FP4, 32)
-    assert torch.equal(none, kv.to(torch.bfloat16).float())
-    assert torch.equal(fp8[:, 64:], none[:, 64:])       # v4 layout keeps RoPE dims in BF16
+    kv = torch.randn(6, 96)                       # fp32 normed kv, before RoPE
+    pos = torch.tensor([0, 1, 2, 3, 100, 4000])
+    inv = ops.rope_inv_freq(32, 10000.0, None)
+    none = ops.swa_cache_roundtrip(kv, pos, inv, ops.CacheProfile.NONE, 32)
+    fp8 = ops.swa_cache_roundtrip(kv, pos, inv, ops.CacheProfile.FP8, 32)
+    fp4 = ops.swa_cache_roundtrip(kv, pos, inv, ops.CacheProfile.FP4, 32)
+    assert torch.equal(none, ops.bf16(ops.apply_rope_tail(ops.bf16(kv), pos, inv)))
+    assert torch.equal(fp8[:, 64:], ops.bf16(ops.apply_rope_tail(kv, pos, inv)[:, 64:]))  # v4: fp32 rotation, BF16
     assert not torch.equal(fp8[:, :64], none[:, :64])
     assert not torch.equal(fp4[:, 64:], none[:, 64:])   # v41 layout quantises all dims
     latent = ops.fp4_fake_quant_e4m3_scale(torch.randn(6, 96))

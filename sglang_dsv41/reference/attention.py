@@ -4,9 +4,10 @@ One call = one layer on one chunk of one request:
 
 1. projections (§3.4.1): q_lora = RMSNorm_q_norm(wq_a·x) (BF16); q = wq_b·q_lora viewed
    [T, heads, head_dim], RoPE'd on the last qk_rope_head_dim dims (BF16, no per-head norm);
-   kv = RoPE(RMSNorm_kv_norm(wkv·x)) kept fp32 (normalise→rotate happen in registers), then
-   the SWA cache round trip of the profile (§3.8) — attention reads back this value, for the
-   current token too;
+   kv = RMSNorm_kv_norm(wkv·x) kept fp32, then rotated and stored as the profile's cache layout
+   does (`ops.swa_cache_roundtrip`: BF16 before and after RoPE, except the v4 layout, which
+   rotates and quantises from fp32; §3.8) — attention reads back this value, for the current
+   token too;
 2. RoPE per layer (§3.4.2): ratio 0 → `rope_theta`, no YaRN; ratio 1/2 → `compress_rope_theta`
    + YaRN for every RoPE of the layer (q, kv, compressed kv, indexer q/k);
 3. kv sources write compressed latents + index keys (`compressor.py`); indexer layers select
@@ -147,15 +148,17 @@ def project_q(cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor, 
                           _w(w, prefix + "q_norm.weight"), cfg.rms_norm_eps)
     q = ops.linear_fp8(q_lora, _w(w, prefix + "wq_b.weight"), act_quant)
     q = q.reshape(x.shape[0], cfg.num_attention_heads, cfg.head_dim)
-    return q_lora, ops.bf16(ops.apply_rope_tail(q, positions, inv_freq))
+    return q_lora, ops.bf16_rope_tail(q, positions, inv_freq)
 
 
 def project_kv(cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor, positions: Tensor,
                inv_freq: Tensor, act_quant: bool) -> Tensor:
-    """kv [T, head_dim] fp32 = RoPE(RMSNorm_kv_norm(wkv·x)) before the cache round trip."""
-    kv = rms_norm_fp32(ops.linear_fp8(x, _w(w, prefix + "wkv.weight"), act_quant),
-                       _w(w, prefix + "kv_norm.weight"), cfg.rms_norm_eps)
-    return ops.apply_rope_tail(kv, positions, inv_freq)
+    """kv [T, head_dim] fp32 = RMSNorm_kv_norm(wkv·x), **not rotated** and not rounded: the
+    rotation and its roundings belong to the cache store (`ops.swa_cache_roundtrip(kv, positions,
+    inv_freq, profile, rope_dim)`), which rounds differently per layout. (`positions`, `inv_freq`
+    are unused here; kept so the projection helpers share one signature.)"""
+    return rms_norm_fp32(ops.linear_fp8(x, _w(w, prefix + "wkv.weight"), act_quant),
+                         _w(w, prefix + "kv_norm.weight"), cfg.rms_norm_eps)
 
 
 def project_q_kv(cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor, positions: Tensor,
@@ -197,7 +200,7 @@ def output_projection(cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, o: 
     rows [g·o_lora, (g+1)·o_lora)) → flatten group-major → wo_b (FP8). Returns [T, hidden]."""
     T = o.shape[0]
     G, r = cfg.o_groups, cfg.o_lora_rank
-    o = ops.bf16(ops.apply_rope_tail(o, positions, inv_freq, inverse=True))
+    o = ops.bf16_rope_tail(o, positions, inv_freq, inverse=True)
     o_groups = o.reshape(T, G, cfg.heads_per_group * cfg.head_dim)
     wo_a = _w(w, prefix + "wo_a.weight")
     u = torch.cat([ops.linear_bf16(o_groups[:, g], wo_a[g * r:(g + 1) * r]) for g in range(G)], dim=1)
@@ -298,7 +301,8 @@ def attention_sublayer(cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor]
     inv_freq = layer_inv_freq(cfg, role.ratio).to(x.device)
 
     q_lora, q, kv = project_q_kv(cfg, w, prefix, x, positions, inv_freq, act_quant)
-    _append(state.swa_kv, layer, ops.swa_cache_roundtrip(kv, state.profile, cfg.qk_rope_head_dim),
+    _append(state.swa_kv, layer,
+            ops.swa_cache_roundtrip(kv, positions, inv_freq, state.profile, cfg.qk_rope_head_dim),
             state.length, "SWA kv")
     keys, valid = _gather(state.swa_kv[layer], swa_key_positions(positions, cfg.sliding_window))
 

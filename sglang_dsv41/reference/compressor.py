@@ -12,12 +12,13 @@ into one compressed latent per `ratio` tokens and, from each latent, one indexer
   ends on an even position leaves its last token *pending* (`PendingPairToken`), and the next
   chunk completes the pair.
 * stored latent (what attention reads back):
-  `compressed_cache_roundtrip(FP4fake_E4M3(RoPE(latent, pos)), profile)`;
-* index key: `FP4fake_UE8M0(RoPE(RMSNorm_k_norm(indexer.wk·latent), pos))` — from the
+  `compressed_cache_roundtrip(FP4fake_E4M3(bf16(RoPE(latent, pos))), profile)`;
+* index key: `FP4fake_UE8M0(bf16(RoPE(RMSNorm_k_norm(indexer.wk·latent), pos)))` — from the
   **pre-RoPE** latent; indexer.wk is a BF16 GEMM with BF16 out.
 
-RoPE math is fp32; the RoPE'd latent and index key are fake-quantised without an intermediate
-BF16 rounding (spec §3.4.3 writes FP4fake(RoPE(·)) directly).
+The rotated tail is rounded to BF16 before the FP4 round trip, as upstream does on every path
+(`dsv41_sparse.py:31-44,97`, `fp4_rope_fake_quant.py:49`, `fp4_indexer_rope.cuh:109-111`):
+`rope_entry_values` is that step, shared with the runtime's packed-entry writer.
 """
 from __future__ import annotations
 
@@ -118,20 +119,27 @@ def ratio2_latents(cfg: TextConfig, w, prefix: str, x: Tensor, positions: Tensor
     return latents, pos[0 : 2 * n_pairs : 2], new_pending
 
 
-def stored_latents(cfg: TextConfig, latents: Tensor, rope_positions: Tensor, inv_freq: Tensor,
-                   profile: ops.CacheProfile) -> Tensor:
-    """What attention reads back for each latent: FP4 (per-16 E4M3) of the RoPE'd latent, then
-    the cache profile's round trip (spec §3.4.3, §3.8)."""
-    roped = ops.apply_rope_tail(latents, rope_positions, inv_freq)
+def rope_entry_values(cfg: TextConfig, w, prefix: str, latents: Tensor, rope_positions: Tensor,
+                      inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+    """The values right before the FP4 round trips, both BF16-valued: (bf16(RoPE(latent)),
+    bf16(RoPE(RMSNorm_k_norm(indexer.wk·latent)))) — [n, head_dim], [n, index_head_dim]."""
+    roped = ops.bf16_rope_tail(latents, rope_positions, inv_freq)
+    k = ops.linear_bf16(latents, _weight(w, prefix, "indexer.wk.weight"))
+    k = ops.rms_norm(k, _weight(w, prefix, "indexer.k_norm.weight"), cfg.rms_norm_eps)
+    return roped, ops.bf16_rope_tail(k, rope_positions, inv_freq)
+
+
+def stored_latents(cfg: TextConfig, roped: Tensor, profile: ops.CacheProfile) -> Tensor:
+    """What attention reads back for each latent: FP4 (per-16 E4M3) of the BF16 RoPE'd latent
+    (`rope_entry_values`), then the cache profile's round trip (spec §3.4.3, §3.8)."""
     return ops.compressed_cache_roundtrip(ops.fp4_fake_quant_e4m3_scale(roped), profile, cfg.qk_rope_head_dim)
 
 
 def index_keys(cfg: TextConfig, w, prefix: str, latents: Tensor, rope_positions: Tensor,
                inv_freq: Tensor) -> Tensor:
     """Indexer keys [n, index_head_dim] from the pre-RoPE latents (spec §3.4.3)."""
-    k = ops.linear_bf16(latents, _weight(w, prefix, "indexer.wk.weight"))
-    k = ops.rms_norm(k, _weight(w, prefix, "indexer.k_norm.weight"), cfg.rms_norm_eps)
-    return ops.fp4_fake_quant_ue8m0_scale(ops.apply_rope_tail(k, rope_positions, inv_freq))
+    _, k = rope_entry_values(cfg, w, prefix, latents, rope_positions, inv_freq)
+    return ops.fp4_fake_quant_ue8m0_scale(k)
 
 
 def compress_chunk(cfg: TextConfig, w, prefix: str, ratio: int, x: Tensor, positions: Tensor,
@@ -147,9 +155,10 @@ def compress_chunk(cfg: TextConfig, w, prefix: str, ratio: int, x: Tensor, posit
         latents, rope_pos, new_pending = ratio2_latents(cfg, w, prefix, x, positions, pending)
     else:
         raise ValueError(f"compressor: unsupported compress ratio {ratio} (V4.1 uses 1 and 2)")
+    roped, k = rope_entry_values(cfg, w, prefix, latents, rope_pos, inv_freq)
     entries = CompressedEntries(
-        latents=stored_latents(cfg, latents, rope_pos, inv_freq, profile),
-        index_keys=index_keys(cfg, w, prefix, latents, rope_pos, inv_freq),
+        latents=stored_latents(cfg, roped, profile),
+        index_keys=ops.fp4_fake_quant_ue8m0_scale(k),
         rope_positions=rope_pos,
     )
     return entries, new_pending

@@ -92,10 +92,10 @@ def stage_context_kv(cfg: TextConfig, w: Mapping[str, Tensor], stage: int, main_
                      positions: Tensor, *, profile: CacheProfile, act_quant: bool) -> Tensor:
     """Stage `stage`'s cached kv [T, head_dim] for context tokens: read-back of
     RoPE(RMSNorm_{kv_norm}(wkv · main_x), positions) with base RoPE and no YaRN — the same kv
-    path as an attention layer (normalise → rotate in fp32, then the cache round trip)."""
+    path as an attention layer (normalise, then rotate and store as the cache layout does)."""
     inv_freq = draft_rope_inv_freq(cfg).to(main_x.device)
     kv = project_kv(cfg, w, stage_prefix(stage) + "attn.", main_x, positions, inv_freq, act_quant)
-    return swa_cache_roundtrip(kv, profile, cfg.qk_rope_head_dim)
+    return swa_cache_roundtrip(kv, positions, inv_freq, profile, cfg.qk_rope_head_dim)
 
 
 def context_kv_from_features(cfg: TextConfig, w: Mapping[str, Tensor], features: Tensor, positions: Tensor,
@@ -162,7 +162,7 @@ def stage_attention(cfg: TextConfig, w: Mapping[str, Tensor], stage: int, x: Ten
     prefix = stage_prefix(stage) + "attn."
     inv_freq = draft_rope_inv_freq(cfg).to(x.device)
     _, q, kv = project_q_kv(cfg, w, prefix, x, positions, inv_freq, act_quant)
-    block_kv = swa_cache_roundtrip(kv, profile, cfg.qk_rope_head_dim)
+    block_kv = swa_cache_roundtrip(kv, positions, inv_freq, profile, cfg.qk_rope_head_dim)
     keys = torch.cat((context_kv.to(F32), block_kv), dim=0)
     keys = keys.unsqueeze(0).expand(x.shape[0], *keys.shape)
     o = attend_with_sink(q, keys, _get(w, prefix + "attn_sink"))

@@ -13,7 +13,8 @@ Invariants:
   [key_0 … key_{hc−1}, value], each H wide.
 * Per stream c, in fp32: dot = Σ_d h_d·w_d·key_{c,d} · rsqrt(mean(h²)+ε) · rsqrt(mean(key_c²)+ε)
   · H^{−1/2}, with h = R_c, w = q_weight[c] ⊙ k_weight[c] and two **separate** RMS factors;
-  g = sigmoid(sign(dot)·sqrt(max(|dot|, 1e−6))); R_c ← bf16(h + g·value). The same value
+  g = sigmoid(copysign(sqrt(max(|dot|, 1e−6)), dot)); R_c ← bf16(h + g·value) (fp32 product and
+  sum, upstream `srt/layers/engram.py:1291-1292`). The same value
   vector is added (gated per stream) to every stream.
 * Rows of image tokens (only when the model has vision) keep R unchanged.
 """
@@ -47,8 +48,9 @@ def engram_embedding(row_ids: Tensor, table: Tensor) -> Tensor:
 
 def engram_gate(residual: Tensor, keys: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float) -> Tensor:
     """g [T, hc] (fp32) from residual [T, hc, H] and keys [T, hc, H] (spec §3.3.2):
-    sigmoid(sign(dot)·sqrt(max(|dot|, 1e−6))) with dot the doubly RMS-normalised weighted
-    inner product of each stream with its own key."""
+    sigmoid(copysign(sqrt(max(|dot|, 1e−6)), dot)) with dot the doubly RMS-normalised weighted
+    inner product of each stream with its own key. The sign is copied as upstream does
+    (`srt/layers/engram.py:1291`): dot = ±0 gives ±1e−3, not 0."""
     f64 = torch.float64  # evaluated in float64, rounded once: device-invariant (ops convention)
     h = residual.to(f64)
     key = keys.to(f64)
@@ -58,8 +60,15 @@ def engram_gate(residual: Tensor, keys: Tensor, q_weight: Tensor, k_weight: Tens
     h_rms_inv = torch.rsqrt(h.pow(2).mean(dim=-1) + eps)
     key_rms_inv = torch.rsqrt(key.pow(2).mean(dim=-1) + eps)
     dot = inner * h_rms_inv * key_rms_inv * (hidden ** -0.5)
-    signed_sqrt = torch.sign(dot) * torch.sqrt(dot.abs().clamp(min=GATE_DOT_FLOOR))
+    signed_sqrt = torch.copysign(torch.sqrt(dot.abs().clamp(min=GATE_DOT_FLOOR)), dot)
     return torch.sigmoid(signed_sqrt).to(F32)
+
+
+def gated_residual(R: Tensor, gate: Tensor, value: Tensor) -> Tensor:
+    """bf16(R + g·value) with fp32 product and fp32 sum, in upstream's order
+    (`srt/layers/engram.py:1292`: `(h + gate·value.float()).to(x.dtype)`); R [T, hc, H],
+    gate [T, hc], value [T, H]. Returns fp32 BF16-valued [T, hc, H]."""
+    return bf16(R.to(F32) + gate.to(F32)[:, :, None] * value.to(F32)[:, None, :])
 
 
 def engram_residual_update(
@@ -103,7 +112,7 @@ def engram_residual_update(
     value = kv[:, hc * hidden:]                                # [T, H], shared by all streams
 
     gate = engram_gate(R, keys, q_weight, k_weight, eps)       # [T, hc]
-    updated = bf16((R.to(torch.float64) + gate.to(torch.float64)[:, :, None] * value.to(torch.float64)[:, None, :]).to(F32))
+    updated = gated_residual(R, gate, value)
     if image_rows is not None:
         updated = torch.where(image_rows.to(torch.bool)[:, None, None], R.to(F32), updated)
     return updated.to(R.dtype)

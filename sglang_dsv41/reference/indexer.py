@@ -28,16 +28,18 @@ class IndexQuery:
     """Per-token indexer query: FP4 (UE8M0) heads and the per-head score weights."""
 
     q: Tensor             # [T, index_n_heads, index_head_dim] FP4 values (RoPE'd before quant)
-    head_weights: Tensor  # [T, index_n_heads] fp32
+    head_weights: Tensor  # [T, index_n_heads] BF16-valued fp32
 
 
 def index_query(cfg: TextConfig, w, prefix: str, x: Tensor, q_lora: Tensor, positions: Tensor,
                 inv_freq: Tensor, act_quant: bool) -> IndexQuery:
-    """q_idx = FP4fake_UE8M0(RoPE(view(indexer.wq_b·q_lora))) and
-    w = (weights_proj·x)·index_head_dim^−1/2·index_n_heads^−1/2 (spec §3.4.4).
+    """q_idx = FP4fake_UE8M0(bf16(RoPE(view(indexer.wq_b·q_lora)))) and
+    w = bf16(bf16(weights_proj·x)·fp32(index_head_dim^−1/2·index_n_heads^−1/2)) (spec §3.4.4).
 
-    weights_proj is a BF16 GEMM with BF16 out; the constant factor is applied in fp32 without a
-    further rounding (for Flash it is 1/64, exact either way).
+    As upstream: the rotated tail is rounded to BF16 before the FP4 round trip
+    (`dsv41_sparse.py:31-44,97`); the head weights are a BF16 tensor times the fp32 factor, rounded
+    to BF16 again (`dsv41_sparse.py:282-283`, `fp4_indexer_rope.cuh:288-291`; for Flash the
+    factor is 1/64 and the second rounding is exact).
     """
     for name in ("indexer.wq_b.weight", "indexer.weights_proj.weight"):
         if prefix + name not in w:
@@ -45,9 +47,9 @@ def index_query(cfg: TextConfig, w, prefix: str, x: Tensor, q_lora: Tensor, posi
     T = x.shape[0]
     q = ops.linear_fp8(q_lora, w[prefix + "indexer.wq_b.weight"], act_quant)
     q = q.reshape(T, cfg.index_n_heads, cfg.index_head_dim)
-    q = ops.fp4_fake_quant_ue8m0_scale(ops.apply_rope_tail(q, positions, inv_freq))
-    scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
-    head_weights = ops.linear_bf16(x, w[prefix + "indexer.weights_proj.weight"]) * scale
+    q = ops.fp4_fake_quant_ue8m0_scale(ops.bf16_rope_tail(q, positions, inv_freq))
+    scale = ops.fp32_scalar(cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
+    head_weights = ops.bf16(ops.linear_bf16(x, w[prefix + "indexer.weights_proj.weight"]) * scale)
     return IndexQuery(q=q, head_weights=head_weights)
 
 

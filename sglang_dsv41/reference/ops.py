@@ -18,16 +18,26 @@ import contextlib
 import contextvars
 import enum
 import math
+import struct
 from typing import Iterator, Protocol
 
 import torch
 
-from ..config import RopeScaling, yarn_ramp_bounds
 
 F32 = torch.float32
 BF16 = torch.bfloat16
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
+
+
+def fp32_scalar(v: float) -> float:
+    """The Python float v rounded to the nearest fp32 value (no tensor, no device sync)."""
+    return struct.unpack("<f", struct.pack("<f", v))[0]
+
+
+#: fp32(1/6): upstream's FP4 quantisers multiply amax by this reciprocal instead of dividing by 6
+#: (`kernels/ops/quantization/fp4_fake_quant.py:30-32,58`, `fp4_rope_fake_quant.py:56,60`).
+INV_E2M1_MAX = fp32_scalar(1.0 / E2M1_MAX)
 
 
 # ---- rounding primitives ------------------------------------------------------------------
@@ -82,14 +92,17 @@ def _grouped(x: torch.Tensor, group: int) -> torch.Tensor:
 def fp4_fake_quant_e4m3_scale(x: torch.Tensor, group: int = 16) -> torch.Tensor:
     """Compressed-latent FP4 round trip: E2M1 values, one E4M3 scale per 16 (spec §3.4.3).
 
-    scale = e4m3(clamp(amax/6, 2⁻⁹, 448)); value = e2m1(clamp(x/scale, −6, 6))·scale.
+    scale = e4m3(clamp(amax·fp32(1/6), 2⁻⁹, 448)); value = e2m1(clamp(x/scale, −6, 6))·scale.
+    amax is multiplied by the fp32 reciprocal of 6, as upstream's quantiser does; for BF16-valued
+    inputs (every model caller's, spec §3.4.3 after the BF16 rounding of the rotated tail) this
+    equals amax/6 after the E4M3 rounding (tests/test_reference_rounding.py).
     """
     fused = fused_for(x)
     if fused is not None:
         return fused.fp4_fake_quant_e4m3_scale(x, group)
     g = _grouped(x.to(F32), group)
     amax = g.abs().amax(dim=-1, keepdim=True)
-    scale = e4m3((amax / E2M1_MAX).clamp(min=2.0**-9, max=E4M3_MAX))
+    scale = e4m3((amax * INV_E2M1_MAX).clamp(min=2.0**-9, max=E4M3_MAX))
     q = e2m1_rne((g / scale).clamp(-E2M1_MAX, E2M1_MAX)) * scale
     return q.reshape(x.shape)
 
@@ -97,14 +110,14 @@ def fp4_fake_quant_e4m3_scale(x: torch.Tensor, group: int = 16) -> torch.Tensor:
 def fp4_fake_quant_ue8m0_scale(x: torch.Tensor, group: int = 32) -> torch.Tensor:
     """Indexer q/k FP4 round trip: E2M1 values, one UE8M0 scale per 32, no Hadamard (spec §3.4.3).
 
-    scale = 2^⌈log2(max(amax, 6·2⁻¹²⁶)/6)⌉.
+    scale = 2^⌈log2(max(amax, 6·2⁻¹²⁶)·fp32(1/6))⌉ (the fp32 reciprocal, as upstream).
     """
     fused = fused_for(x)
     if fused is not None:
         return fused.fp4_fake_quant_ue8m0_scale(x, group)
     g = _grouped(x.to(F32), group)
     amax = g.abs().amax(dim=-1, keepdim=True)
-    scale = pow2_ceil(amax.clamp(min=E2M1_MAX * 2.0**-126) / E2M1_MAX)
+    scale = pow2_ceil(amax.clamp(min=E2M1_MAX * 2.0**-126) * INV_E2M1_MAX)
     q = e2m1_rne((g / scale).clamp(-E2M1_MAX, E2M1_MAX)) * scale
     return q.reshape(x.shape)
 
@@ -269,46 +282,6 @@ def matmul_fp32_exact(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _matmul_exact(x, weight)
 
 
-# ---- RoPE / YaRN (spec §3.4.2) ------------------------------------------------------------
-
-def rope_inv_freq(rope_dim: int, base: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Inverse frequencies [rope_dim/2] (fp32). YaRN (if given) blends each frequency towards
-    freq/factor over the ramp [low, high] (Flash compressed layers: 15..25). No mscale."""
-    i = torch.arange(rope_dim // 2, dtype=torch.float64)
-    inv = base ** (-2.0 * i / rope_dim)
-    if scaling is not None and scaling.original_max_position_embeddings > 0:
-        low, high = yarn_ramp_bounds(rope_dim, base, scaling.original_max_position_embeddings,
-                                     scaling.beta_fast, scaling.beta_slow)
-        span = (high - low) if high > low else 1e-3
-        ramp = ((i - low) / span).clamp(0.0, 1.0)
-        inv = inv * ramp / scaling.factor + inv * (1.0 - ramp)
-    return inv.to(F32)
-
-
-def apply_rope_tail(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-                    inverse: bool = False) -> torch.Tensor:
-    """Rotate the last 2·len(inv_freq) dims of x (interleaved / GPT-J pairs) at `positions`.
-
-    x: [T, ..., D] (any float; math in fp32, returns fp32); positions: [T] integer.
-    (x_{2i} + i·x_{2i+1})·e^{±i·p·f_i}; `inverse` applies the conjugate rotation (spec §3.4.6).
-    Inside `fused_kernels(k)`: `k.apply_rope_tail` (one launch; bound in kernels/fused_elementwise.py).
-    """
-    fused = fused_for(x, positions, inv_freq)
-    if fused is not None:
-        return fused.apply_rope_tail(x, positions, inv_freq, inverse)
-    rd = 2 * inv_freq.numel()
-    xf = x.to(F32)
-    head, tail = xf[..., :-rd], xf[..., -rd:].to(torch.float64)
-    ang = positions.to(F32)[:, None] * inv_freq.to(F32)[None, :]  # [T, rd/2], the fp32 angle
-    ang = ang.to(torch.float64).reshape(ang.shape[0], *([1] * (x.dim() - 2)), ang.shape[1])
-    cos, sin = torch.cos(ang), torch.sin(ang)  # float64, rounded once below (device-invariant)
-    if inverse:
-        sin = -sin
-    a, b = tail[..., 0::2], tail[..., 1::2]
-    rot = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
-    return torch.cat((head, rot.to(F32)), dim=-1)
-
-
 # ---- KV-cache quantisation profiles (spec §3.8) -------------------------------------------
 
 class CacheProfile(str, enum.Enum):
@@ -328,27 +301,42 @@ class CacheProfile(str, enum.Enum):
 
 
 def _fp8_v4_roundtrip(x: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """v4 layout: nope dims E4M3 with one UE8M0 per 64, scale 2^⌈log2(max(amax, 1e−4)/448)⌉ —
+    upstream's floor is on amax (`main_norm_rope.cuh:431`, `store.cuh:68`); RoPE dims BF16."""
     nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
     g = _grouped(nope, 64)
-    scale = pow2_ceil(g.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / E4M3_MAX)
+    scale = pow2_ceil(g.abs().amax(dim=-1, keepdim=True).clamp(min=1e-4) / E4M3_MAX)
     q = (e4m3(g / scale) * scale).reshape(nope.shape)
     return torch.cat((q, bf16(rope)), dim=-1)
 
 
 def _fp8_v41_roundtrip(x: torch.Tensor) -> torch.Tensor:
+    """v41 SWA layout: every dim E4M3 with one UE8M0 per 32, scale 2^⌈log2(max(amax/448, 1e−4))⌉
+    (`kv_layout.cuh:172-186`, computed there from amax's bits: equal, since the fp32 quotient
+    amax/448 never rounds across a power of two)."""
     g = _grouped(x, 32)
     scale = pow2_ceil((g.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp(min=1e-4))
     return (e4m3(g / scale) * scale).reshape(x.shape)
 
 
-def swa_cache_roundtrip(kv: torch.Tensor, profile: CacheProfile, rope_dim: int) -> torch.Tensor:
-    """What attention reads back for a token's SWA kv (post norm + RoPE, fp32 in)."""
-    kv = kv.to(F32)
-    if profile is CacheProfile.NONE:
-        return bf16(kv)
+def swa_cache_roundtrip(kv_normed: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                        profile: CacheProfile, rope_dim: int) -> torch.Tensor:
+    """What attention reads back for a token's SWA kv, from the **pre-RoPE** normalised kv
+    (fp32 values of RMSNorm_kv_norm, not rounded): rotate and store as upstream's kernel for
+    the profile's layout does (spec §3.4.1, §3.8):
+
+    * NONE (BF16 cache, `fused_norm_rope.cuh:132,157-163`): bf16(normed) → RoPE → BF16;
+    * FP8 (v4 layout, `main_norm_rope.cuh:413-434`): the nope dims are quantised from the fp32
+      normed values; the RoPE dims are rotated from the fp32 values and stored BF16;
+    * FP4 (v41 layouts, `main_norm_rope.cuh:393-409`): bf16(normed) → RoPE → BF16 → E4M3 per 32.
+    """
+    kv = kv_normed.to(F32)
     if profile is CacheProfile.FP8:
-        return _fp8_v4_roundtrip(kv, rope_dim)
-    return _fp8_v41_roundtrip(kv)
+        return _fp8_v4_roundtrip(apply_rope_tail(kv, positions, inv_freq), rope_dim)
+    row = bf16_rope_tail(bf16(kv), positions, inv_freq)
+    if profile is CacheProfile.NONE:
+        return row
+    return _fp8_v41_roundtrip(row)
 
 
 def compressed_cache_roundtrip(latent_fp4: torch.Tensor, profile: CacheProfile, rope_dim: int) -> torch.Tensor:
@@ -362,3 +350,8 @@ def compressed_cache_roundtrip(latent_fp4: torch.Tensor, profile: CacheProfile, 
 def softmax_scale(head_dim: int) -> float:
     """Attention softmax scale head_dim^−1/2; no YaRN mscale anywhere (spec §3.4.2)."""
     return 1.0 / math.sqrt(head_dim)
+
+
+# RoPE lives in `rope.py` (it uses the rounding helpers above); re-exported here, where every
+# caller has always found it.
+from .rope import apply_rope_tail, bf16_rope_tail, rope_cos_sin, rope_inv_freq  # noqa: E402,F401

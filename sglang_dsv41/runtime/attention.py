@@ -42,7 +42,7 @@ from torch import Tensor
 from ..config import LayerRole, TextConfig
 from ..reference import ops
 from ..reference.attention import layer_inv_freq, swa_key_positions
-from ..reference.compressor import linear_fp32_out, ratio1_latents
+from ..reference.compressor import linear_fp32_out, ratio1_latents, rope_entry_values
 from . import attention_ops
 from .batch import BatchLayout
 from .cache import RuntimeCaches
@@ -86,14 +86,12 @@ def _pair_latents(cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, a_first
 def _packed_entries(cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, latents: Tensor, rope_positions: Tensor,
                     inv_freq: Tensor, caches: RuntimeCaches) -> Tensor:
     """uint8 [n, E] packed entries of pre-RoPE latents: the encoders take the values right before
-    the reference's FP4 fake quantisation — RoPE(latent) (`compressor.stored_latents`) and
-    RoPE(RMSNorm_k_norm(indexer.wk·latent)) (`compressor.index_keys`) — so the decoded entries are
-    the reference's stored latents and index keys bit for bit (spec §3.4.3; cache profiles
-    NONE / FP4, whose compressed read-back is the FP4 value itself, spec §3.8)."""
-    roped = ops.apply_rope_tail(latents, rope_positions, inv_freq)
-    k = ops.linear_bf16(latents, w[prefix + "indexer.wk.weight"])
-    k = ops.rms_norm(k, w[prefix + "indexer.k_norm.weight"], cfg.rms_norm_eps)
-    return encode_entries(caches.layout, roped, ops.apply_rope_tail(k, rope_positions, inv_freq))
+    the reference's FP4 fake quantisation — `compressor.rope_entry_values` (the BF16-rounded
+    RoPE'd latent and index key) — so the decoded entries are the reference's stored latents and
+    index keys bit for bit (spec §3.4.3; cache profiles NONE / FP4, whose compressed read-back is
+    the FP4 value itself, spec §3.8)."""
+    roped, k = rope_entry_values(cfg, w, prefix, latents, rope_positions, inv_freq)
+    return encode_entries(caches.layout, roped, k)
 
 
 def _check_pair_state(src: int, from_state: Tensor, req_rows: Tensor, pos: Tensor, caches: RuntimeCaches) -> None:
@@ -196,7 +194,8 @@ def attention_sublayer(cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor]
         inv_freq = scratch.inv_freq[role.ratio] = layer_inv_freq(cfg, role.ratio).to(x.device)
 
     q_lora, q, kv = tp.project_q_kv(cfg, w, prefix, x, pos, inv_freq, act_quant)
-    caches.write_swa(layer, layout.out_slots, ops.swa_cache_roundtrip(kv, caches.profile, cfg.qk_rope_head_dim))
+    caches.write_swa(layer, layout.out_slots,
+                     ops.swa_cache_roundtrip(kv, pos, inv_freq, caches.profile, cfg.qk_rope_head_dim))
     window = _request_slots(layout, swa_key_positions(pos, cfg.sliding_window))           # [N, W] full slots
     swa_slots = caches.swa_slots(window)
     if layout.host_checks:

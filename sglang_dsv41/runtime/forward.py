@@ -37,9 +37,9 @@ from torch import Tensor
 from ..config import DeepseekV41Config
 from ..engram_hash import MULTIMODAL_PAD_ID_BASE, EngramHasher
 from ..reference.attention import layer_inv_freq
-from ..reference.engram import engram_gate
+from ..reference.engram import engram_gate, gated_residual
 from ..reference.model import language_model_ids
-from ..reference.ops import F32, bf16, linear_fp8, matmul_fp32_exact, rms_norm
+from ..reference.ops import F32, linear_fp8, matmul_fp32_exact, rms_norm
 from ..reference.state import NumericsProfile
 from .attention import ForwardScratch, attention_sublayer
 from .batch import BatchLayout
@@ -156,8 +156,8 @@ class TorchForward:
                                  linear) -> Tensor:
         """`reference.engram.engram_residual_update` (spec §3.3.2) without its host-side range
         check of the row ids (`engram_embedding` reads min/max on the host), for static layouts:
-        the same table lookup, `wkv` linear, `engram_gate` and float64 update rounded once to
-        BF16 (bit-identical: tests/test_runtime_cuda_graph.py). Sharded tables go through
+        the same table lookup, `wkv` linear, `engram_gate` and `gated_residual` (fp32, then
+        BF16; bit-identical: tests/test_runtime_cuda_graph.py). Sharded tables go through
         `TensorParallel.engram_rows(..., check=False)` (masked lookup + exact all-reduce)."""
         t, w, p = self.text, self.weights, f"layers.{layer}.engram."
         tokens, hc, hidden = R.shape
@@ -167,8 +167,7 @@ class TorchForward:
         keys = kv[:, : hc * hidden].reshape(tokens, hc, hidden)
         value = kv[:, hc * hidden:]
         gate = engram_gate(R, keys, w[p + "q_weight"], w[p + "k_weight"], t.rms_norm_eps)
-        f64 = torch.float64
-        updated = bf16((R.to(f64) + gate.to(f64)[:, :, None] * value.to(f64)[:, None, :]).to(F32))
+        updated = gated_residual(R, gate, value)
         if image_rows is not None:
             updated = torch.where(image_rows.to(torch.bool)[:, None, None], R.to(F32), updated)
         return updated.to(R.dtype)

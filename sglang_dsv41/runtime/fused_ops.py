@@ -7,10 +7,11 @@ run one Triton kernel each (`kernels/fused_elementwise.py`) for tensors on a CUD
 their own code for any other tensor, so a CPU forward inside the block is unchanged.
 
 Numerics (kernels/fused_elementwise.py states the details): `bf16`, `e4m3`, the FP8 / FP4 fake
-quantisations and the top-k selection are bit-identical to the reference; `rms_norm`, RoPE,
-SwiGLU and the routing weights evaluate the reference's float64 formula and round once, equal to
-the reference except for rare one-ulp flips (fp32 ulp, or BF16 ulp where the output is BF16)
-where the float64 value sits within a few float64 ulps of a rounding boundary. Every kernel is
+quantisations and the top-k selection are bit-identical to the reference; RoPE is the
+reference's fp32 rotation of fp32-rounded float64 cos/sin; `rms_norm`, SwiGLU and the routing
+weights evaluate the reference's float64 formula and round once — all equal to the reference
+except for rare one-ulp flips (fp32 ulp, or BF16 ulp where the output is BF16) where a float64
+value sits within a few float64 ulps of a rounding boundary. Every kernel is
 batch invariant and CUDA-graph capturable (no host sync, no host→device copy).
 """
 from __future__ import annotations

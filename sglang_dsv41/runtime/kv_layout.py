@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from ..config import TextConfig
-from ..reference.ops import E2M1_MAX, E4M3_MAX, e2m1_rne, e4m3, pow2_ceil
+from ..reference.ops import E2M1_MAX, E4M3_MAX, INV_E2M1_MAX, e2m1_rne, e4m3, pow2_ceil
 
 #: E2M1 magnitudes indexed by the 3-bit magnitude code (the MXFP4 code of `checkpoint/codecs.py`).
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -157,7 +157,7 @@ def _check_2d(values: Tensor, dim: int, what: str) -> Tensor:
 
 def encode_latents(values: Tensor) -> Tensor:
     """[n, D] finite pre-quantisation (RoPE'd) latents → uint8 [n, D/2 + D/16]: E2M1 codes then E4M3
-    scale bytes, with scale = e4m3(clamp(amax₁₆/6, 2⁻⁹, 448)) and code = rne_e2m1(x/scale) —
+    scale bytes, with scale = e4m3(clamp(amax₁₆·fp32(1/6), 2⁻⁹, 448)) and code = rne_e2m1(x/scale) —
     the reference's `fp4_fake_quant_e4m3_scale` (spec §3.4.3, contract §1 items 1–2)."""
     if values.dim() != 2 or values.shape[1] % (2 * LATENT_GROUP):
         raise ValueError(f"encode_latents: expected [n, D] with D % 32 == 0, got {tuple(values.shape)}")
@@ -165,7 +165,7 @@ def encode_latents(values: Tensor) -> Tensor:
     n, D = x.shape
     g = x.reshape(n, D // LATENT_GROUP, LATENT_GROUP)
     amax = g.abs().amax(dim=-1, keepdim=True)
-    scale = e4m3((amax / E2M1_MAX).clamp(min=LATENT_SCALE_MIN, max=E4M3_MAX))
+    scale = e4m3((amax * INV_E2M1_MAX).clamp(min=LATENT_SCALE_MIN, max=E4M3_MAX))
     v = e2m1_rne((g / scale).clamp(-E2M1_MAX, E2M1_MAX)).reshape(n, D)
     scale_bytes = scale.reshape(n, -1).to(torch.float8_e4m3fn).view(torch.uint8)
     return torch.cat((_pack_nibbles(_e2m1_codes(v)), scale_bytes), dim=1)
@@ -183,7 +183,7 @@ def decode_latents(packed: Tensor, head_dim: int) -> Tensor:
 
 def encode_keys(values: Tensor) -> Tensor:
     """[n, Dk] finite pre-quantisation (RoPE'd) index keys → uint8 [n, Dk/2 + Dk/32]: E2M1 codes then
-    UE8M0 exponent bytes, scale = 2^⌈log2(max(amax₃₂, 6·2⁻¹²⁶)/6)⌉ — the reference's
+    UE8M0 exponent bytes, scale = 2^⌈log2(max(amax₃₂, 6·2⁻¹²⁶)·fp32(1/6))⌉ — the reference's
     `fp4_fake_quant_ue8m0_scale` (spec §3.4.3, contract §1 items 3–4)."""
     if values.dim() != 2 or values.shape[1] % KEY_GROUP:
         raise ValueError(f"encode_keys: expected [n, Dk] with Dk % 32 == 0, got {tuple(values.shape)}")
@@ -191,7 +191,7 @@ def encode_keys(values: Tensor) -> Tensor:
     n, Dk = x.shape
     g = x.reshape(n, Dk // KEY_GROUP, KEY_GROUP)
     amax = g.abs().amax(dim=-1, keepdim=True)
-    scale = pow2_ceil(amax.clamp(min=KEY_AMAX_MIN) / E2M1_MAX)
+    scale = pow2_ceil(amax.clamp(min=KEY_AMAX_MIN) * INV_E2M1_MAX)
     v = e2m1_rne((g / scale).clamp(-E2M1_MAX, E2M1_MAX)).reshape(n, Dk)
     # a normal power of two 2^k has fp32 bits (k + 127) << 23: the biased exponent is the byte
     exponent = ((scale.reshape(n, -1).view(torch.int32) >> 23) & 0xFF).to(torch.uint8)

@@ -207,7 +207,7 @@ class TensorParallel:
             return output_projection(cfg, w, prefix, o, positions, inv_freq, act_quant)
         T, r = o.shape[0], cfg.o_lora_rank
         local = self.plan(cfg).local_text_config(cfg)
-        o = ops.bf16(ops.apply_rope_tail(o, positions, inv_freq, inverse=True))
+        o = ops.bf16_rope_tail(o, positions, inv_freq, inverse=True)
         o_groups = o.reshape(T, local.o_groups, local.heads_per_group * cfg.head_dim)
         wo_a = w[prefix + "wo_a.weight"]
         if wo_a.shape[0] != local.o_groups * r:
