@@ -64,7 +64,7 @@ USER_VALUES = {
             "max_total_tokens": 2048, "reasoning_parser": "deepseek_v41", "tool_call_parser": "deepseek_v41"},
     "cuda": {"page_size": 4, "attention_backend": "torch_native", "swa_full_tokens_ratio": 0.5,
              "cuda_graph_max_bs_decode": 8, "sampling_backend": "flashinfer", "reasoning_parser": "deepseek_v41",
-             "tool_call_parser": "deepseek_v41", "max_total_tokens": 4096},
+             "tool_call_parser": "deepseek_v41", "max_total_tokens": 4096, "mem_fraction_static": 0.5},
 }
 SWITCHES = {name for name, value in {**CURRENT_RUNTIME.defaults("cpu"), **CURRENT_RUNTIME.defaults("cuda", 2)}.items()
             if value is True}

@@ -37,6 +37,8 @@ DP_ATTENTION_FLAG = "--enable-dp-attention"
 PAGE_SIZE = 2
 #: SWA pool tokens per full-pool token (SGLang `--swa-full-tokens-ratio`; see the flag's reason).
 SWA_FULL_TOKENS_RATIO = 0.1
+#: Share of GPU memory for weights + KV pool on CUDA (SGLang `--mem-fraction-static`; see the flag's reason).
+CUDA_MEM_FRACTION_STATIC = 0.85
 #: The names `sglang_dsv41.api.register` registers the V4.1 parsers under (first spelling of
 #: `api.reasoning_parser.PARSER_NAMES` / `api.tool_parser.PARSER_NAMES`; tests/test_overrides.py
 #: pins the match — repeated here because this module imports no SGLang code).
@@ -182,6 +184,10 @@ TORCH_PATH = RuntimeProfile(
         ServerFlag("--disable-cuda-graph", True, ("cuda",),
                    "tensor parallel > 1 decodes eagerly until graph capture with its collectives is "
                    "validated on GPUs (the static forward at TP 2 equals TP 1 on CPU)", multi_gpu_only=True),
+        ServerFlag("--mem-fraction-static", CUDA_MEM_FRACTION_STATIC, ("cuda",),
+                   "SGLang's automatic fraction (0.907 on an H200) leaves too little for the runtime's fp32 "
+                   "activations and SGLang's eager/graph buffers, sized by the 8K prefill chunk: a plain "
+                   "launch of the tiny checkpoint ran out of memory building them (docs/validation.md)"),
         ServerFlag("--sampling-backend", "pytorch", ("cuda",),
                    "flashinfer's sampler JIT-compiles with nvcc on a fresh machine (minutes); the torch sampler "
                    "is exact for greedy and fast enough for the torch path"),
