@@ -24,6 +24,11 @@ is loaded before the arguments are parsed; scheduler processes receive the resol
    fields (page size, attention backend, SWA ratio, sampling backend), which SGLang's later
    passes read through its declaration overlay.
 
+On CUDA the KV pool is capped at `CUDA_TOKENS_PER_CONTEXT` × the context length tokens (an upper
+bound only: SGLang takes the smaller of it and what memory allows). SGLang 0.5.17 sizes its eager
+runner's token buffers by the pool's token count, and a small checkpoint's tiny rows would give
+hundreds of millions of tokens: the tiny checkpoint's plain launch ran out of memory there.
+
 Invariants: a value the user gave is never replaced (it is refused when the runtime cannot serve
 it); nothing happens for any other architecture; a provider without the hook's record raises
 instead of guessing what the user gave. A field given with exactly its SGLang default (e.g.
@@ -37,7 +42,7 @@ import logging
 from typing import Any
 
 from .runtime.hf_config import ARCHITECTURE
-from .runtime.requirements import CURRENT_RUNTIME, DEVICES, PAGE_SIZE, RuntimeProfile
+from .runtime.requirements import CUDA_TOKENS_PER_CONTEXT, CURRENT_RUNTIME, DEVICES, PAGE_SIZE, RuntimeProfile
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +153,9 @@ def resolve_server_args_hook(server_args: Any, *args: Any, **kwargs: Any) -> Non
         if name not in resolvable and name not in given:
             setattr(server_args, name, value)
             applied[name] = value
+    if device == "cuda" and "max_total_tokens" not in given:
+        cap = CUDA_TOKENS_PER_CONTEXT * int(server_args.get_model_config().context_len)
+        server_args.max_total_tokens = applied["max_total_tokens"] = cap
     if applied:
         logger.info("sglang-dsv41: DeepSeek-V4.1 defaults on %s: %s", device, applied)
     return None

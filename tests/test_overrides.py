@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from sglang_dsv41 import overrides, plugin
-from sglang_dsv41.runtime.requirements import (CURRENT_RUNTIME, REASONING_PARSER, TOOL_CALL_PARSER,
+from sglang_dsv41.runtime.requirements import (CUDA_TOKENS_PER_CONTEXT, CURRENT_RUNTIME, REASONING_PARSER, TOOL_CALL_PARSER,
                                                GRAPH_BACKEND_NAME)
 
 
@@ -50,7 +50,10 @@ def test_cuda_defaults_reach_the_graph_configuration(resolve) -> None:
     assert _declared(sa, "cuda") == CURRENT_RUNTIME.defaults("cuda")
     assert sa.attention_backend == GRAPH_BACKEND_NAME and sa.sampling_backend == "pytorch" and sa.page_size == 2
     assert sa.cuda_graph_config.decode.max_bs == 16 and max(sa.cuda_graph_config.decode.bs) == 16
-    assert sa.disable_cuda_graph is False and sa.max_total_tokens is None and sa.sleep_on_idle is False
+    assert sa.disable_cuda_graph is False and sa.sleep_on_idle is False
+    # the pool cap: CUDA_TOKENS_PER_CONTEXT context lengths (SGLang's eager buffers scale with the pool)
+    assert sa.max_total_tokens == CUDA_TOKENS_PER_CONTEXT * sa.get_model_config().context_len
+    assert resolve("cuda", max_total_tokens=4096).max_total_tokens == 4096
 
 
 def test_cuda_tensor_parallel_decodes_eagerly(resolve) -> None:

@@ -39,6 +39,9 @@ PAGE_SIZE = 2
 SWA_FULL_TOKENS_RATIO = 0.1
 #: Share of GPU memory for weights + KV pool on CUDA (SGLang `--mem-fraction-static`; see the flag's reason).
 CUDA_MEM_FRACTION_STATIC = 0.85
+#: CUDA KV-pool cap in context lengths (`overrides.py`: bounds SGLang's token-sized eager buffers;
+#: Flash's 1M context makes it 268M tokens, far above what memory gives it).
+CUDA_TOKENS_PER_CONTEXT = 256
 #: The names `sglang_dsv41.api.register` registers the V4.1 parsers under (first spelling of
 #: `api.reasoning_parser.PARSER_NAMES` / `api.tool_parser.PARSER_NAMES`; tests/test_overrides.py
 #: pins the match — repeated here because this module imports no SGLang code).
