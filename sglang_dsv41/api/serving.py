@@ -257,7 +257,19 @@ def setup_http_server_hook(original, *args, **kwargs):
 
         install_chat_middleware(http_server.app)
         install_http_guard(http_server.app, lambda: ServingLimits.of(tokenizer_manager))
+        _name_the_model(bound.arguments.get("server_args"), tokenizer_manager)
     return original(*args, **kwargs)
+
+
+def _name_the_model(server_args: Any, tokenizer_manager: Any) -> None:
+    """Without ``--served-model-name`` SGLang reports ``--model-path`` (a local path) as the model
+    id; report the checkpoint's name instead (`model_name.public_model_name`)."""
+    from .model_name import public_model_name
+
+    if server_args is None or server_args.served_model_name != server_args.model_path:
+        return  # the operator named the model
+    # server_args is read-only once resolved; the tokenizer manager owns the name it reports
+    tokenizer_manager.served_model_name = public_model_name(server_args.model_path)
 
 
 def install_chat_middleware(app: Any) -> None:
