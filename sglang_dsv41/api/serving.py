@@ -19,6 +19,12 @@ Flow of one ``/v1/chat/completions`` request for a model whose ``model_type`` is
 5. `get_reasoning_from_request_hook` / `reasoning_parser_init_hook` make the reasoning parser
    and the reasoning grammar use the decision, whatever the tokenizer's chat template says.
 
+Bad input (issue 20; `request_guard`): steps 2 and the completion hook check the top-logprob
+count, ``n`` and — on the converted request — token ids, prompt length, sampling parameters and
+media before the request is queued or its stream starts; `validate_one_request_hook` re-checks
+the ids on every path into the scheduler; `setup_http_server_hook` also installs
+`http_guard` (``/generate`` guard, error-path scrubbing) and names the model.
+
 Every rule violation raises `ValueError` (SGLang answers HTTP 400).
 """
 from __future__ import annotations
