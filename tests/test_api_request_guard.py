@@ -142,3 +142,26 @@ def test_error_scrub_middleware_touches_error_bodies_only():
 ])
 def test_public_model_name(path, name):
     assert public_model_name(path) == name
+
+
+def test_tokenizer_manager_hook_refuses_ids_on_every_path_into_the_scheduler():
+    """The HookRegistry BEFORE hook on `TokenizerManager._validate_one_request` (hooks.py) refuses
+    out-of-vocabulary ids before SGLang's own checks — the Python Engine and batch paths have no
+    HTTP guard in front of them. Other models pass through unchanged."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    from sglang_dsv41.api.register import register_api
+
+    register_api()
+
+    def manager(model_type):
+        return SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type=model_type),
+                                                            vocab_size=1024),
+                               context_len=4096, mm_processor=None)
+
+    with pytest.raises(RequestRejected, match=r"input_ids\[1\] = 2000"):
+        TokenizerManager._validate_one_request(manager("deepseek_v41"), SimpleNamespace(), [0, 2000])
+    with pytest.raises(AttributeError):   # not ours: SGLang's own code runs (and needs a real manager)
+        TokenizerManager._validate_one_request(manager("llama"), SimpleNamespace(), [0, 2000])
