@@ -79,6 +79,8 @@ BAD: dict[str, tuple[str, dict[str, Any], str]] = {
     "generate_n": (GEN, sp(n=0), "sampling_params.n"),
     "generate_logit_bias": (GEN, sp(logit_bias={"99999": 1.0}), "logit_bias"),
     "generate_regex": (GEN, sp(regex="(["), "regex"),
+    "generate_stop_regex": (GEN, sp(stop_regex="(["), "not a valid regular expression"),   # was a 500
+    "chat_stop_regex": (CHAT, chat(stop_regex=["(["]), "not a valid regular expression"),
     "generate_top_logprobs": (GEN, gen(return_logprob=True, top_logprobs_num=50), "top_logprobs_num = 50"),
     "generate_image_data": (GEN, gen(image_data="data:image/png;base64,iVBORw0KGgo="), "text model only"),
     "completion_negative_id": (COMP, comp(prompt=[0, 5, -1]), "prompt[2] = -1"),

@@ -57,6 +57,8 @@ def test_top_logprobs_limit_is_openais():
     ({"sampling_params": {"bogus": 1}}, "bogus"),
     ({"sampling_params": [{"max_new_tokens": 1}, {"top_p": 2}]}, "sampling_params[1]: top_p"),
     ({"sampling_params": {"n": 0}}, "sampling_params.n"),
+    ({"sampling_params": {"stop_regex": "(["}}, "not a valid regular expression"),
+    ({"sampling_params": {"stop_regex": ["a", 3]}}, "must be a string"),
     ({"sampling_params": "hot"}, "must be an object"),
     ({"image_data": ["x"]}, "text model only"),
     ({"top_logprobs_num": 21}, "top_logprobs_num"),

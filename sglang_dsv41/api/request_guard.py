@@ -16,6 +16,7 @@ the request field to change.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -88,6 +89,20 @@ def check_choice_count(value: Any, field: str) -> None:
         raise RequestRejected(f"{field} = {value!r}: the number of choices must be an integer >= 1")
 
 
+def check_stop_regex(value: Any, field: str) -> None:
+    """Stop regexes compile (SGLang parses them with `sre_parse` while building the request; a bad
+    one was an HTTP 500)."""
+    for pattern in (value if isinstance(value, list) else [value]):
+        if pattern is None:
+            continue
+        if not isinstance(pattern, str):
+            raise RequestRejected(f"{field}: a stop regex must be a string, got {pattern!r}")
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise RequestRejected(f"{field}: {pattern!r} is not a valid regular expression ({exc})") from exc
+
+
 def check_sampling_params(params: Any, field: str, limits: ServingLimits) -> None:
     """SGLang's own `SamplingParams` construction and `verify`, run before queueing."""
     from sglang.srt.sampling.sampling_params import SamplingParams
@@ -99,6 +114,7 @@ def check_sampling_params(params: Any, field: str, limits: ServingLimits) -> Non
         if not isinstance(one, Mapping):
             raise RequestRejected(f"{where} must be an object")
         check_choice_count(one.get("n"), f"{where}.n")
+        check_stop_regex(one.get("stop_regex"), f"{where}.stop_regex")
         try:
             SamplingParams(**one).verify(limits.vocab_size)
         except TypeError as exc:
