@@ -106,6 +106,12 @@ HOOKS: tuple[HookSpec, ...] = (
         why="every path into the scheduler (HTTP, Engine, batches): an id outside the "
             "vocabulary raises inside the scheduler loop and takes the whole server down."),
     HookSpec(
+        target="sglang.srt.managers.tokenizer_manager.TokenizerManager.sigterm_watchdog",
+        kind="around", impl=f"{_API_IMPL}:sigterm_watchdog_hook",
+        params=("self",), area="api",
+        why="SGLang drains on SIGTERM without a bound and then SIGKILLs its own process tree "
+            "(exit status -9 after a clean drain); api/shutdown.py bounds the drain and exits 0."),
+    HookSpec(
         target="sglang.srt.constrained.xgrammar_backend.XGrammarGrammar.allocate_vocab_mask",
         kind="around", impl="sglang_dsv41.api.cpu_grammar:allocate_vocab_mask_hook",
         params=("self", "vocab_size", "batch_size", "device"), area="api",

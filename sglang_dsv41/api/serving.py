@@ -250,6 +250,18 @@ def reasoning_parser_init_hook(original, *args, **kwargs):
     return original(*bound.args, **bound.kwargs)
 
 
+# -- TokenizerManager.sigterm_watchdog (AROUND) --------------------------------------------------
+def sigterm_watchdog_hook(original, self):
+    """V4.1 servers: bounded drain and exit status 0 on SIGTERM (`shutdown`); others unchanged.
+    Both branches return the coroutine the manager schedules."""
+    if not _serves_dsv41(self):
+        return original(self)
+    from .shutdown import drain_timeout_s, sigterm_watchdog_replacement
+
+    drain_timeout_s()  # a bad SGLANG_DSV41_DRAIN_TIMEOUT_S fails the start-up, not the shutdown
+    return sigterm_watchdog_replacement(self)
+
+
 # -- http_server._setup_and_run_http_server (AROUND) --------------------------------------------
 def setup_http_server_hook(original, *args, **kwargs):
     """Install `ChatReasoningMiddleware` on SGLang's app when the served model is V4.1."""
