@@ -167,3 +167,29 @@ def test_tokenizer_manager_hook_refuses_ids_on_every_path_into_the_scheduler():
         TokenizerManager._validate_one_request(manager("deepseek_v41"), SimpleNamespace(), [0, 2000])
     with pytest.raises(AttributeError):   # not ours: SGLang's own code runs (and needs a real manager)
         TokenizerManager._validate_one_request(manager("llama"), SimpleNamespace(), [0, 2000])
+
+
+def test_drain_aborts_after_the_timeout_and_the_timeout_is_validated(monkeypatch):
+    """`api/shutdown.py`: a clean drain aborts nothing; requests still running at the timeout are
+    aborted once; a bad SGLANG_DSV41_DRAIN_TIMEOUT_S is refused naming the variable."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.tokenizer_manager import ServerStatus
+
+    from sglang_dsv41.api import shutdown
+
+    monkeypatch.setattr(shutdown, "POLL_S", 0.01)
+    monkeypatch.setattr(shutdown, "ABORT_GRACE_S", 0.05)
+    calls = []
+    stuck = SimpleNamespace(rid_to_state={"a": 1}, server_status=ServerStatus.Up,
+                            abort_request=lambda abort_all: calls.append(abort_all))
+    assert asyncio.run(shutdown.drain(stuck, 0.05)) == 1 and calls == [True]
+    done = SimpleNamespace(rid_to_state={}, server_status=ServerStatus.Up, abort_request=None)
+    assert asyncio.run(shutdown.drain(done, 0.05)) == 0
+    monkeypatch.setenv(shutdown.DRAIN_TIMEOUT_ENV, "-1")
+    with pytest.raises(ValueError, match="SGLANG_DSV41_DRAIN_TIMEOUT_S"):
+        shutdown.drain_timeout_s()
+    monkeypatch.setenv(shutdown.DRAIN_TIMEOUT_ENV, "2.5")
+    assert shutdown.drain_timeout_s() == 2.5
+    monkeypatch.delenv(shutdown.DRAIN_TIMEOUT_ENV)
+    assert shutdown.drain_timeout_s() == shutdown.DEFAULT_DRAIN_TIMEOUT_S
