@@ -124,7 +124,7 @@ STREAMED = [name for name in BAD if name not in ("generate_regex", "chat_respons
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
     srv = Server(tiny_checkpoint, tmp_path_factory.mktemp("bad_input") / "server.log",
-                 ["--max-total-tokens", "8192", "--max-running-requests", "8"])
+                 ["--max-total-tokens", "8192", "--max-running-requests", "8", "--enable-metrics"])
     try:
         srv.wait_ready()
         yield srv
@@ -215,6 +215,37 @@ def test_quick_instruction_task_through_the_server(server: Server, encoder: Prom
 def test_models_reports_a_model_name_not_a_path(server: Server) -> None:
     ids = [m["id"] for m in server.get("/v1/models")["data"]]
     assert ids and not any(i.startswith("/") for i in ids), ids
+
+
+def test_metrics_serves_sglangs_and_the_runtimes_gauges(server: Server, tokens_before: list[int]) -> None:
+    """Issue 20 item 4 (`runtime/metrics.py`), on this module's server (``--enable-metrics``, to
+    spare CI a second server): SGLang's own metrics and ours, with the values the runtime logs."""
+    import urllib.request
+
+    with urllib.request.urlopen(server.url("/metrics"), timeout=REQUEST_TIMEOUT_S) as r:
+        text = r.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        m = re.match(r"^(sglang_dsv41:\w+)\{(.*)\} (\S+)$", line)
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+            samples[(m.group(1), labels.get("pool") or labels.get("tier") or labels.get("placement"))] = \
+                float(m.group(3))
+    assert "sglang:num_running_reqs" in text, text[:2000]
+    log = server.log_tail(10**7)
+    found = re.search(r"caches: global KV (\d+) B/token \(packed FP4 rows, (\d+) full slots\); SWA (\d+) "
+                      r"B/token \((\d+) SWA slots\) \+ (\d+) B/SWA slot", log)
+    assert found, log[-3000:]
+    g_bytes, g_slots, s_bytes, s_slots, id_bytes = map(int, found.groups())
+    assert (g_bytes, s_bytes, id_bytes) == (176, 1536, 4)          # tiny: 88 bf16; 8 × 96 bf16; int32
+    assert samples[("sglang_dsv41:kv_bytes_per_token", "global")] == g_bytes
+    assert samples[("sglang_dsv41:kv_bytes_per_token", "swa")] == s_bytes
+    assert samples[("sglang_dsv41:kv_bytes_per_token", "swa_token_ids")] == id_bytes
+    assert samples[("sglang_dsv41:kv_slots", "global")] == g_slots
+    assert samples[("sglang_dsv41:kv_slots", "swa")] == s_slots
+    assert samples[("sglang_dsv41:engram_bytes", "device")] > 0       # the tiny server keeps them on device
+    assert samples[("sglang_dsv41:engram_bytes", "host")] == 0
+    assert samples[("sglang_dsv41:engram_placement", "device")] == 1
 
 
 def test_after_every_bad_request_greedy_still_gives_the_reference_tokens(
