@@ -193,3 +193,18 @@ def test_drain_aborts_after_the_timeout_and_the_timeout_is_validated(monkeypatch
     assert shutdown.drain_timeout_s() == 2.5
     monkeypatch.delenv(shutdown.DRAIN_TIMEOUT_ENV)
     assert shutdown.drain_timeout_s() == shutdown.DEFAULT_DRAIN_TIMEOUT_S
+
+
+def test_text_prompts_over_the_context_are_counted_only_when_they_could_be():
+    counted = []
+
+    def count(text):
+        counted.append(text)
+        return len(text.split())
+
+    limits = ServingLimits(vocab_size=1024, context_len=64, accepts_media=False, count_tokens=count)
+    check_generate_body({"text": "a b c"}, limits)
+    assert counted == []                          # 5 bytes: cannot be 64 tokens, not encoded
+    check_generate_body({"text": "x" * 200}, limits)   # one "token" by this count
+    with pytest.raises(RequestRejected, match=r"text\[1\]: the prompt has 70 tokens"):
+        check_generate_body({"text": ["ok", "w " * 70]}, limits)

@@ -17,8 +17,8 @@ the request field to change.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat `top_logprobs`; applied to every route
 MM_FIELDS = ("image_data", "video_data", "audio_data")
@@ -30,17 +30,21 @@ class RequestRejected(ValueError):
 
 @dataclass(frozen=True)
 class ServingLimits:
-    """What the served model accepts. ``accepts_media`` is False on a text-only server."""
+    """What the served model accepts. ``accepts_media`` is False on a text-only server;
+    ``count_tokens`` (the server tokenizer's count for a text prompt) is None without one."""
 
     vocab_size: int
     context_len: int
     accepts_media: bool
+    count_tokens: Callable[[str], int] | None = field(default=None, compare=False)
 
     @classmethod
     def of(cls, tokenizer_manager: Any) -> "ServingLimits":
+        tokenizer = getattr(tokenizer_manager, "tokenizer", None)
         return cls(vocab_size=int(tokenizer_manager.model_config.vocab_size),
                    context_len=int(tokenizer_manager.context_len),
-                   accepts_media=getattr(tokenizer_manager, "mm_processor", None) is not None)
+                   accepts_media=getattr(tokenizer_manager, "mm_processor", None) is not None,
+                   count_tokens=None if tokenizer is None else (lambda t: len(tokenizer.encode(t))))
 
 
 def _is_int(value: Any) -> bool:
@@ -72,6 +76,24 @@ def check_token_ids(ids: Any, field: str, limits: ServingLimits, *, check_length
         if check_length and len(seq) >= limits.context_len:
             raise RequestRejected(f"{where}: the prompt has {len(seq)} tokens; the model's context "
                                   f"length is {limits.context_len} (prompt + new tokens must fit)")
+
+
+def check_text_length(text: Any, field: str, limits: ServingLimits) -> None:
+    """A text prompt (or a batch of them) shorter than the context, counted by the server's
+    tokenizer — only for texts of at least ``context_len - 2`` UTF-8 bytes (a byte-level BPE
+    token covers at least one byte, so shorter texts fit), so ordinary prompts are not encoded
+    twice. SGLang checks the length itself later, but inside the stream of a streamed request."""
+    if limits.count_tokens is None:
+        return
+    texts = text if isinstance(text, list) else [text]
+    for i, one in enumerate(texts):
+        if not isinstance(one, str) or len(one.encode()) + 2 < limits.context_len:
+            continue
+        n = limits.count_tokens(one)
+        if n >= limits.context_len:
+            where = f"{field}[{i}]" if isinstance(text, list) else field
+            raise RequestRejected(f"{where}: the prompt has {n} tokens; the model's context length "
+                                  f"is {limits.context_len} (prompt + new tokens must fit)")
 
 
 def check_top_logprobs(value: Any, field: str) -> None:
@@ -136,6 +158,8 @@ def check_generate_body(body: Mapping[str, Any], limits: ServingLimits) -> None:
     """The raw JSON body of SGLang's native ``/generate``."""
     if body.get("input_ids") is not None:
         check_token_ids(body["input_ids"], "input_ids", limits)
+    elif body.get("text") is not None:
+        check_text_length(body["text"], "text", limits)
     check_top_logprobs(body.get("top_logprobs_num"), "top_logprobs_num")
     check_sampling_params(body.get("sampling_params"), "sampling_params", limits)
     check_no_media(body, limits)
@@ -146,5 +170,7 @@ def check_adapted_request(adapted: Any, limits: ServingLimits) -> None:
     the ids it will queue (the client's, or our encoder's) and its sampling parameters."""
     if getattr(adapted, "input_ids", None) is not None:
         check_token_ids(adapted.input_ids, "prompt", limits)
+    elif getattr(adapted, "text", None) is not None:
+        check_text_length(adapted.text, "prompt", limits)
     check_sampling_params(getattr(adapted, "sampling_params", None), "sampling parameters", limits)
     check_no_media({name: getattr(adapted, name, None) for name in MM_FIELDS}, limits)
