@@ -92,6 +92,26 @@ HOOKS: tuple[HookSpec, ...] = (
         why="installs the middleware that validates reasoning fields before SGLang's pydantic "
             "model (integer top-level efforts, card-worded 400s)."),
     HookSpec(
+        target="sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion."
+               "_convert_to_internal_request",
+        kind="around", impl=f"{_API_IMPL}:completion_convert_hook",
+        params=("self", "request", "raw_request"), area="api",
+        why="token-id prompts outside the vocabulary kill the scheduler (negative, >= vocab) or "
+            "are read as image tokens (>= 1,000,000); logprobs > 20 and bad sampling parameters "
+            "must be a 400 before a stream starts (api/request_guard.py)."),
+    HookSpec(
+        target="sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+        kind="before", impl=f"{_API_IMPL}:validate_one_request_hook",
+        params=("self", "obj", "input_ids"), area="api",
+        why="every path into the scheduler (HTTP, Engine, batches): an id outside the "
+            "vocabulary raises inside the scheduler loop and takes the whole server down."),
+    HookSpec(
+        target="sglang.srt.managers.tokenizer_manager.TokenizerManager.sigterm_watchdog",
+        kind="around", impl=f"{_API_IMPL}:sigterm_watchdog_hook",
+        params=("self",), area="api",
+        why="SGLang drains on SIGTERM without a bound and then SIGKILLs its own process tree "
+            "(exit status -9 after a clean drain); api/shutdown.py bounds the drain and exits 0."),
+    HookSpec(
         target="sglang.srt.constrained.xgrammar_backend.XGrammarGrammar.allocate_vocab_mask",
         kind="around", impl="sglang_dsv41.api.cpu_grammar:allocate_vocab_mask_hook",
         params=("self", "vocab_size", "batch_size", "device"), area="api",

@@ -12,9 +12,12 @@ from sglang_dsv41.api.effort import CARD_TABLE, DEEPSEEK_API_TABLE, ReasoningDec
 from sglang_dsv41.api.encoding import (
     ENCODING,
     IMAGE_TOKEN,
+    TASK_TOKENS,
+    TASKS,
     ChatEncodingError,
     encode_chat,
     render_chat,
+    task_decision,
 )
 from sglang_dsv41.api.prompt_tokens import PromptTokenEncoder, backend_tokenizer
 from sglang_dsv41.checkpoint.tokenizer import build_tiny_tokenizer
@@ -264,7 +267,10 @@ def test_continue_final_message_and_trailing_assistant():
 
 
 @pytest.mark.parametrize("messages,kwargs,needle", [
-    ([Q], {"task": "domain"}, "quick-instruction"),
+    ([Q], {"task": "summarise"}, "quick-instruction tasks are"),
+    ([Q, {"role": "assistant", "content": "x"}], {"task": "domain"}, "ends with a user message"),
+    ([Q, {"role": "assistant", "content": "x"}], {"task": "action", "continue_final_message": True},
+     "ends with a user message"),
     ([], {}, "must not be empty"),
     ([{"role": "function", "content": "x"}], {}, "role 'function'"),
     ([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "v"}}]}], {}, "video_url"),
@@ -294,3 +300,56 @@ def test_encoder_needs_fast_tokenizer_and_known_specials(tok_dir):
         enc.encode("<x>", [(0, 3)])
     with pytest.raises(ValueError, match="ascending"):
         enc.encode("abc", [(2, 3), (0, 1)])
+
+
+# -- quick-instruction tasks (launch blog; the rule of SGLang 0.5.23's DeepSeek encoder) ---------
+MULTI = [{"role": "system", "content": "You are terse."}, Q,
+         {"role": "assistant", "content": "323"}, {"role": "user", "content": "Is that prime?"}]
+
+
+def test_task_tokens_are_single_tokens_of_the_checkpoint_tokenizer(encoder):
+    assert set(TASK_TOKENS) == set(TASKS) == {"action", "query", "authority", "domain", "title", "read_url"}
+    ids = {encoder.special_id(t) for t in TASK_TOKENS.values()}
+    assert len(ids) == len(TASKS)
+
+
+@pytest.mark.parametrize("messages", [[Q], MULTI])
+@pytest.mark.parametrize("decision,header", [(THINK_ON, "<think>"), (THINK_OFF, "</think>")])
+def test_action_follows_the_generation_header(encoder, messages, decision, header):
+    plain = render_chat(messages, decision=decision)
+    task = render_chat(messages, decision=decision, task="action")
+    assert plain.text.endswith(f"{ASSISTANT}{header}")
+    assert task.text == plain.text + "<｜action｜>"
+    ids, plain_ids = encode_chat(task, encoder), encode_chat(plain, encoder)
+    assert ids == plain_ids + [encoder.special_id("<｜action｜>")]
+
+
+@pytest.mark.parametrize("name", [t for t in TASKS if t != "action"])
+@pytest.mark.parametrize("messages", [[Q], MULTI])
+def test_other_tasks_replace_the_generation_header_without_thinking(encoder, name, messages):
+    token = TASK_TOKENS[name]
+    off = render_chat(messages, decision=THINK_OFF)
+    for decision in (THINK_OFF, decide()):  # the card default (thinking on) is not used
+        task = render_chat(messages, decision=decision, task=name)
+        assert task.text == off.text[:-len(f"{ASSISTANT}</think>")] + token
+        assert "Reasoning Effort" not in task.text
+        ids = encode_chat(task, encoder)
+        assert ids == encode_chat(off, encoder)[:-2] + [encoder.special_id(token)]
+    assert task_decision(decide(), name).thinking is False
+    assert task_decision(decide(), "action") == decide()
+
+
+def test_thinking_asked_by_the_request_contradicts_a_non_action_task():
+    with pytest.raises(ChatEncodingError, match="answered without thinking"):
+        render_chat([Q], decision=decide(reasoning_effort=60), task="query")
+    with pytest.raises(ChatEncodingError, match="chat_template_kwargs.thinking=true"):
+        task_decision(decide(thinking=True), "title", thinking_requested=True)
+    assert render_chat([Q], decision=decide(reasoning_effort=60), task="action").text.endswith(
+        "<think><｜action｜>")
+    assert task_decision(decide(thinking=True), "action", thinking_requested=True).thinking
+
+
+def test_task_token_typed_by_the_user_stays_text(encoder):
+    typed = {"role": "user", "content": "Tag this <｜domain｜> please"}
+    ids = encode_chat(render_chat([typed], decision=THINK_OFF, task="domain"), encoder)
+    assert ids.count(encoder.special_id("<｜domain｜>")) == 1 and ids[-1] == encoder.special_id("<｜domain｜>")

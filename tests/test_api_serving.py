@@ -69,7 +69,10 @@ class FakeTokenizerManager:
             stream_response_default_include_usage=False, tokenizer_metrics_custom_labels_header=None)
         self.model_config = SimpleNamespace(
             hf_config=SimpleNamespace(model_type=model_type, architectures=["DeepseekV4ForCausalLM"]),
-            is_multimodal=multimodal, get_default_sampling_params=lambda: {})
+            is_multimodal=multimodal, get_default_sampling_params=lambda: {},
+            vocab_size=len(tokenizer))
+        self.context_len = 4096
+        self.mm_processor = object() if multimodal else None  # request_guard: media accepted?
         self.tokenizer = tokenizer
         self.request_logger = SimpleNamespace(log_requests=False, log_requests_level=0)
         self.served_model_name = "deepseek-ai/DeepSeek-V4.1-Flash"
@@ -204,7 +207,9 @@ def test_request_knobs(sg, tokenizer, extra, line):
     ({"chat_template_kwargs": {"thinking": "yes"}}, "boolean"),
     ({"chat_template_kwargs": {"thinking": True}, "reasoning_effort": "none"}, "reasoning_effort='none'"),
     ({"chat_template_kwargs": {"thinking": False, "reasoning_effort": 40}}, "reasoning budget"),
-    ({"task": "domain"}, "quick-instruction"),
+    ({"task": "domain", "chat_template_kwargs": {"thinking": True}}, "answered without thinking"),
+    ({"task": "query", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+     "ends with a user message"),
 ])
 def test_rejections_are_400(sg, tokenizer, extra, needle):
     serving, tm = make(sg, tokenizer, outputs=["never"])

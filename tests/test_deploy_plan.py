@@ -287,7 +287,13 @@ RUNTIME_CANNOT_FIT_YET: frozenset[str] = frozenset()
 def test_plan_cli_runs_for_every_config(path: Path, capsys) -> None:
     rc = plan_mod.cli(["--config", str(path), "--json"])
     out = json.loads(capsys.readouterr().out)
-    assert rc in (0, 1) and (rc == 0) == out["fits"]
+    assert rc in (0, 1) and (rc == 0) == (out["fits"] and not out["launch_refusals"])
+    # issue 20: plan and launch agree on what cannot be served as configured
+    from sglang_dsv41.deploy.capabilities import available_capabilities
+    from sglang_dsv41.deploy.command import build_launch
+
+    refused = build_launch(load_config(path), available_capabilities()).unavailable
+    assert [r.split(":")[0] for r in out["launch_refusals"]] == [u.capability for u in refused]
     # every shipped config fits its hardware at batch 1 with the card's layout ...
     card_kv_left = out["static_budget_gib"] - out["resident_per_rank_gib"]
     assert card_kv_left >= out["needed_kv_gib"], out["verdict"]
@@ -322,8 +328,10 @@ def test_plan_cli_options_and_checkpoint(tmp_path: Path, capsys) -> None:
     assert "above MegaMoE's 1024" in capsys.readouterr().err
     text_rc = plan_mod.cli(["--config", str(ROOT / "configs" / "h200-tp4.yaml")])
     text = capsys.readouterr().out
-    # the card's recipe (Engram in host memory, per_rank) fits this runtime
-    assert text_rc == 0 and "verdict: fits" in text and "Engram: in pinned host memory" in text
+    # the card's recipe (Engram in host memory, per_rank) fits this runtime's memory, but the
+    # launcher refuses it until vision is served (or features.text_only is set): plan says so, rc 1
+    assert "verdict: fits" in text and "Engram: in pinned host memory" in text
+    assert text_rc == 1 and "launch: CANNOT BE SERVED AS CONFIGURED YET" in text and "  - vision:" in text
     assert "layout per_rank: each of the 4 rank(s) pins its own block of rows" in text
     assert "this runtime holds per rank" in text and "Engram shard in pinned host memory (per_rank)" in text
     assert "377.7 GiB host per node" in text   # the card's 188.8 GiB of tables, two TP4 servers per node

@@ -162,3 +162,16 @@ def test_tiny_configs_use_the_cached_tiny_checkpoint() -> None:
     for name in ("tiny-cpu", "tiny-h200-tp1", "tiny-h200-tp2"):
         c = load_config(ROOT / "configs" / f"{name}.yaml")
         assert c.model.tiny_seed == 0 and c.model.architecture == "tiny" and c.features.text_only
+
+
+@pytest.mark.parametrize("command", ["launch", "plan", "doctor"])
+def test_a_missing_or_unreadable_config_is_one_line_not_a_traceback(command, tmp_path, capsys) -> None:
+    """Issue 20: `launch --config` with a missing file printed a Python traceback."""
+    from sglang_dsv41 import cli
+
+    for path, needle in ((tmp_path / "nope.yaml", "no deployment config at"),
+                         (tmp_path, "cannot read the deployment config")):
+        assert cli.main([command, "--config", str(path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"sglang-dsv41 {command}: {needle}") and "(--config)" in err
+        assert len(err.splitlines()) == 1 and "Traceback" not in err

@@ -103,18 +103,43 @@ def test_setup_http_server_hook_installs_middleware_for_v41_only(installed):
                  subprocess_watchdog, execute_warmup_func=None, launch_callback=None):
         return "ran"
 
-    def manager(model_type):
-        return SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type=model_type)))
+    from fastapi.exceptions import RequestValidationError
 
-    ours = lambda: [m for m in http_server.app.user_middleware if m.cls is ChatReasoningMiddleware]
-    saved = list(http_server.app.user_middleware)
+    from sglang_dsv41.api.http_guard import ErrorScrubMiddleware, GenerateGuardMiddleware
+
+    def manager(model_type):
+        return SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type=model_type)),
+                               served_model_name="/root/.cache/sglang-dsv41/tiny-seed0")
+
+    def args():
+        return SimpleNamespace(model_path="/root/.cache/sglang-dsv41/tiny-seed0",
+                               served_model_name="/root/.cache/sglang-dsv41/tiny-seed0")
+
+    app = http_server.app
+    ours = lambda: [m.cls for m in app.user_middleware
+                    if m.cls in (ChatReasoningMiddleware, GenerateGuardMiddleware, ErrorScrubMiddleware)]
+    saved, saved_handlers = list(app.user_middleware), dict(app.exception_handlers)
     try:
-        assert setup_http_server_hook(original, None, manager("llama"), None, None, [{}], None) == "ran"
-        assert not ours()
-        assert setup_http_server_hook(original, None, manager("deepseek_v41"), None, None, [{}], None) == "ran"
-        assert len(ours()) == 1
+        tm = manager("llama")
+        assert setup_http_server_hook(original, args(), tm, None, None, [{}], None) == "ran"
+        assert not ours() and tm.served_model_name.startswith("/")
+        assert not getattr(app.exception_handlers[RequestValidationError], "sglang_dsv41", False)
+        tm, sa = manager("deepseek_v41"), args()
+        assert setup_http_server_hook(original, sa, tm, None, None, [{}], None) == "ran"
+        assert sorted(c.__name__ for c in ours()) == ["ChatReasoningMiddleware", "ErrorScrubMiddleware",
+                                                      "GenerateGuardMiddleware"]
+        assert app.user_middleware[0].cls is ErrorScrubMiddleware      # outermost: sees every error
+        assert app.exception_handlers[RequestValidationError].sglang_dsv41
+        assert tm.served_model_name == "tiny-seed0"
+        named = SimpleNamespace(model_path="/ckpt", served_model_name="my-model")
+        tm = manager("deepseek_v41")
+        tm.served_model_name = "my-model"
+        setup_http_server_hook(original, named, tm, None, None, [{}], None)
+        assert tm.served_model_name == "my-model"      # the operator's name is kept
     finally:
-        http_server.app.user_middleware[:] = saved
+        app.user_middleware[:] = saved
+        app.exception_handlers.clear()
+        app.exception_handlers.update(saved_handlers)
 
 
 # ---- runtime area: pool hooks (runtime/sglang_hooks.py) ------------------------------------------

@@ -67,3 +67,15 @@ def test_cli_targets_resolve() -> None:
 def test_console_script_is_installed() -> None:
     out = subprocess.run([sys.executable, "-m", "sglang_dsv41.cli", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "make-checkpoint" in out.stdout
+
+
+def test_readme_keeps_three_commands_and_warns_about_max_tokens_on_cpu() -> None:
+    """Issue 20: without `max_tokens` the card's request runs to the tiny checkpoint's context on CPU
+    (minutes) — the README says so in prose and still shows exactly its three commands."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert text.count("```sh") == 3
+    prose = " ".join(text.split())
+    assert re.search(r"always send `max_tokens` on CPU", prose) and "4,096-token context" in prose
+    assert "Thinking is on by default" in prose

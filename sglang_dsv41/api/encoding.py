@@ -24,8 +24,12 @@ are mapped to recipe's message classes here, and:
   images must not contain that spelling (it would steal a placeholder) → 400.
 * ``tool_choice``: required/named are rendered as ``auto`` (the named tool alone) and enforced by
   the DSML grammar of `tool_parser`; ``none`` renders no tools.
-* quick-instruction ``task`` is rejected (400): recipe 0.2.0's V4.1 encoder has no task tokens
-  and the card does not define them.
+* quick-instruction ``task`` (launch blog "quick instruction tasks"; recipe 0.2.0 has no task
+  tokens, the checkpoint tokenizer has ``<｜action｜>``, ``<｜query｜>``, ``<｜authority｜>``,
+  ``<｜domain｜>``, ``<｜title｜>``, ``<｜read_url｜>``): the conversation must end with a user
+  message; ``action`` appends its token after the generation header
+  (``<｜Assistant｜><think><｜action｜>`` / ``…</think><｜action｜>``), every other task *replaces*
+  the header by its token and is answered without thinking (`task_decision`).
 """
 from __future__ import annotations
 
@@ -46,6 +50,8 @@ _RENDER_TIER = "high"
 _RENDER_TIER_VALUE = 75  # recipe 0.2.0's value for tier "high" (checked at render time)
 EFFORT_LINE = "Reasoning Effort: {} (range 1-100, the higher the value, the more thorough the reasoning)"
 PART_JOINER = "\n\n"
+TASKS = ("action", "query", "authority", "domain", "title", "read_url")
+TASK_TOKENS = {task: f"<｜{task}｜>" for task in TASKS}
 
 
 class ChatEncodingError(ValueError):
@@ -206,6 +212,51 @@ def _splice_effort(rendered: dr.RenderedPrompt, effort: int) -> tuple[str, list[
     return text, [(s + delta, e + delta) if s >= start else (s, e) for s, e in ranges]
 
 
+def task_decision(decision: ReasoningDecision, task: str | None, *,
+                  thinking_requested: bool = False) -> ReasoningDecision:
+    """The reasoning mode a request with quick-instruction ``task`` is rendered and parsed in:
+    unchanged for no task and ``action``; thinking off for the other tasks (their token replaces
+    the generation header, so there is no trace). Thinking asked for *by the request* (a thinking
+    toggle, ``thinking_requested``, or an effort, seen in ``decision.source``) together with such
+    a task is a contradiction (400); a default (card or server) is simply unused."""
+    if task is None or task == "action" or not decision.thinking:
+        return decision
+    from_default = decision.source == "card default" or decision.source.startswith("server default")
+    if thinking_requested or not from_default:
+        asked = decision.source if not from_default else "chat_template_kwargs.thinking=true"
+        raise ChatEncodingError(f"task={task!r} is answered without thinking, but the request asks "
+                                f"for thinking ({asked}); remove that field or use task='action'")
+    return ReasoningDecision(False, None, f"task={task}")
+
+
+def _check_task(task: Any, messages: Sequence[Mapping[str, Any]]) -> None:
+    if task not in TASK_TOKENS:
+        raise ChatEncodingError(f"task={task!r}: quick-instruction tasks are {list(TASKS)}")
+    last = messages[-1].get("role") if messages else None
+    if last != "user":
+        raise ChatEncodingError(f"task={task!r} needs a conversation that ends with a user "
+                                f"message; the last message has role {last!r}")
+
+
+def _apply_task(text: str, ranges: list[tuple[int, int]], task: str, thinking: bool
+                ) -> tuple[str, list[tuple[int, int]]]:
+    """Put the task token at the generation header that recipe rendered at the end of the prompt
+    (``<｜Assistant｜>`` then ``<think>`` or ``</think>``), see the module doc."""
+    header = [SPECIAL_TOKENS.token(dr.SpecialToken.Assistant),
+              SPECIAL_TOKENS.token(dr.SpecialToken.ThinkingStart if thinking
+                                   else dr.SpecialToken.ThinkingEnd)]
+    tail = ranges[-2:]
+    if len(tail) != 2 or [text[s:e] for s, e in tail] != header or tail[1][1] != len(text) \
+            or tail[0][1] != tail[1][0]:
+        raise RuntimeError(f"deepseek-recipe did not end the prompt with the generation header "
+                           f"{''.join(header)!r}; the recipe format changed")
+    token = TASK_TOKENS[task]
+    if task == "action":
+        return text + token, ranges + [(len(text), len(text) + len(token))]
+    start = tail[0][0]
+    return text[:start] + token, ranges[:-2] + [(start, start + len(token))]
+
+
 def render_chat(messages: Sequence[Mapping[str, Any]], *, decision: ReasoningDecision,
                 tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: Any = "auto",
                 response_format: Mapping[str, Any] | None = None,
@@ -214,12 +265,11 @@ def render_chat(messages: Sequence[Mapping[str, Any]], *, decision: ReasoningDec
     the named tool for a named choice); ``tool_choice`` is ``"auto"``, ``"required"``,
     ``"named"`` or ``"none"`` (only ``"none"`` changes the prompt: no tools at all).
     Raises `ChatEncodingError` (HTTP 400)."""
-    if task is not None:
-        raise ChatEncodingError(
-            f"task={task!r}: quick-instruction tasks are not supported for DeepSeek-V4.1 "
-            "(deepseek-recipe 0.2.0's V4.1 encoder defines no task tokens)")
     if not messages:
         raise ChatEncodingError("messages must not be empty")
+    if task is not None:
+        _check_task(task, messages)
+        decision = task_decision(decision, task)
     msgs, images = _messages(messages, continue_final_message=continue_final_message,
                              show_tools=tool_choice != "none")
     show_tools = tools if tool_choice != "none" else None
@@ -239,6 +289,8 @@ def render_chat(messages: Sequence[Mapping[str, Any]], *, decision: ReasoningDec
         text, ranges = _splice_effort(rendered, int(decision.effort))
     else:
         text, ranges = rendered.prompt, [tuple(r) for r in rendered.special_ranges]
+    if task is not None:
+        text, ranges = _apply_task(text, ranges, task, decision.thinking)
     n_placeholders = sum(1 for s, e in ranges if text[s:e] == IMAGE_TOKEN)
     if n_placeholders != len(images):
         raise RuntimeError(f"rendered {n_placeholders} image placeholders for {len(images)} images")

@@ -19,6 +19,12 @@ Flow of one ``/v1/chat/completions`` request for a model whose ``model_type`` is
 5. `get_reasoning_from_request_hook` / `reasoning_parser_init_hook` make the reasoning parser
    and the reasoning grammar use the decision, whatever the tokenizer's chat template says.
 
+Bad input (issue 20; `request_guard`): steps 2 and the completion hook check the top-logprob
+count, ``n`` and — on the converted request — token ids, prompt length, sampling parameters and
+media before the request is queued or its stream starts; `validate_one_request_hook` re-checks
+the ids on every path into the scheduler; `setup_http_server_hook` also installs
+`http_guard` (``/generate`` guard, error-path scrubbing) and names the model.
+
 Every rule violation raises `ValueError` (SGLang answers HTTP 400).
 """
 from __future__ import annotations
@@ -32,11 +38,19 @@ from typing import Any
 from .effort import (
     ReasoningDecision,
     effort_table_from_env,
+    read_request_reasoning,
     resolve_reasoning,
     validate_server_defaults,
 )
-from .encoding import encode_chat, render_chat
+from .encoding import encode_chat, render_chat, task_decision
 from .prompt_tokens import PromptTokenEncoder
+from .request_guard import (
+    ServingLimits,
+    check_adapted_request,
+    check_choice_count,
+    check_token_ids,
+    check_top_logprobs,
+)
 from .reasoning_parser import PARSER_NAMES as REASONING_PARSER_NAMES
 from .tool_parser import PARSER_NAMES as TOOL_PARSER_NAMES
 
@@ -107,11 +121,23 @@ def _decide(serving: Any, request: Any) -> ReasoningDecision:
                              server_defaults=serving.default_chat_template_kwargs)
 
 
+def _thinking_requested(serving: Any, request: Any) -> bool:
+    """True when the request itself turns thinking on (toggle or effort), defaults aside."""
+    if request.task in (None, "action"):
+        return False
+    said = read_request_reasoning(request.chat_template_kwargs, request.reasoning_effort,
+                                  serving._dsv41_table)
+    return said.thinking is True
+
+
 # -- OpenAIServingChat._convert_to_internal_request (AROUND) ------------------------------------
 def convert_to_internal_request_hook(original, self, request, raw_request=None):
     if not _is_ours(self):
         return original(self, request, raw_request)
-    decision = _decide(self, request)
+    check_top_logprobs(request.top_logprobs, "top_logprobs")
+    check_choice_count(request.n, "n")
+    decision = task_decision(_decide(self, request), request.task,
+                             thinking_requested=_thinking_requested(self, request))
     ctk = dict(request.chat_template_kwargs or {})
     ctk.pop("reasoning_effort", None)
     ctk["thinking"] = ctk["enable_thinking"] = decision.thinking
@@ -127,7 +153,34 @@ def convert_to_internal_request_hook(original, self, request, raw_request=None):
     if conversion.prompt_ids is not None and getattr(adapted, "input_ids", None) is None:
         adapted.text = None  # SGLang's multimodal branch passed the prompt text; use our ids
         adapted.input_ids = conversion.prompt_ids
+    check_adapted_request(adapted, ServingLimits.of(self.tokenizer_manager))
     return adapted, processed
+
+
+def _serves_dsv41(tokenizer_manager: Any) -> bool:
+    return is_dsv41_config(getattr(getattr(tokenizer_manager, "model_config", None), "hf_config", None))
+
+
+# -- OpenAIServingCompletion._convert_to_internal_request (AROUND) ------------------------------
+def completion_convert_hook(original, self, request, raw_request=None):
+    """`/v1/completions`: the client's ``logprobs`` count, token-id prompts and sampling
+    parameters are checked (`request_guard`) before the request is queued or streamed."""
+    if not _serves_dsv41(self.tokenizer_manager):
+        return original(self, request, raw_request)
+    check_top_logprobs(request.logprobs, "logprobs")
+    check_choice_count(request.n, "n")
+    adapted, processed = original(self, request, raw_request)
+    check_adapted_request(adapted, ServingLimits.of(self.tokenizer_manager))
+    return adapted, processed
+
+
+# -- TokenizerManager._validate_one_request (BEFORE) --------------------------------------------
+def validate_one_request_hook(self, obj, input_ids, *args, **kwargs):
+    """Last line for every path into the scheduler (HTTP, the Python Engine, batches, text
+    prompts): the ids about to be queued are in the vocabulary. SGLang's own length check follows
+    (it may truncate, so length is not checked here)."""
+    if input_ids is not None and _serves_dsv41(self):
+        check_token_ids(list(input_ids), "input_ids", ServingLimits.of(self), check_length=False)
 
 
 # -- OpenAIServingChat._apply_jinja_template (AROUND) -------------------------------------------
@@ -197,6 +250,18 @@ def reasoning_parser_init_hook(original, *args, **kwargs):
     return original(*bound.args, **bound.kwargs)
 
 
+# -- TokenizerManager.sigterm_watchdog (AROUND) --------------------------------------------------
+def sigterm_watchdog_hook(original, self):
+    """V4.1 servers: bounded drain and exit status 0 on SIGTERM (`shutdown`); others unchanged.
+    Both branches return the coroutine the manager schedules."""
+    if not _serves_dsv41(self):
+        return original(self)
+    from .shutdown import drain_timeout_s, sigterm_watchdog_replacement
+
+    drain_timeout_s()  # a bad SGLANG_DSV41_DRAIN_TIMEOUT_S fails the start-up, not the shutdown
+    return sigterm_watchdog_replacement(self)
+
+
 # -- http_server._setup_and_run_http_server (AROUND) --------------------------------------------
 def setup_http_server_hook(original, *args, **kwargs):
     """Install `ChatReasoningMiddleware` on SGLang's app when the served model is V4.1."""
@@ -206,8 +271,23 @@ def setup_http_server_hook(original, *args, **kwargs):
     if is_dsv41_config(hf_config):
         from sglang.srt.entrypoints import http_server
 
+        from .http_guard import install_http_guard
+
         install_chat_middleware(http_server.app)
+        install_http_guard(http_server.app, lambda: ServingLimits.of(tokenizer_manager))
+        _name_the_model(bound.arguments.get("server_args"), tokenizer_manager)
     return original(*args, **kwargs)
+
+
+def _name_the_model(server_args: Any, tokenizer_manager: Any) -> None:
+    """Without ``--served-model-name`` SGLang reports ``--model-path`` (a local path) as the model
+    id; report the checkpoint's name instead (`model_name.public_model_name`)."""
+    from .model_name import public_model_name
+
+    if server_args is None or server_args.served_model_name != server_args.model_path:
+        return  # the operator named the model
+    # server_args is read-only once resolved; the tokenizer manager owns the name it reports
+    tokenizer_manager.served_model_name = public_model_name(server_args.model_path)
 
 
 def install_chat_middleware(app: Any) -> None:

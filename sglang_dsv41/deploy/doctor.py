@@ -11,7 +11,8 @@ transparent huge pages (the Engram host table, layout per_rank: each TP rank pin
 of rows, ~189 GiB per server at Flash, once per server on the node, with 2 MiB huge pages; spec
 `runtime.md` §A.7); Mooncake / NIXL / the router for PD. With `--config`, the checks use
 that deployment's needs (GPU count and memory from the planner, host Engram size, PD transfer
-backend); without it, GPU absence is a failure.
+backend); without it, a machine without a GPU is reported as a warning, not a failure — the
+README's main job (`sglang-dsv41 serve`) then runs on the CPU, so the CPU engine is checked too.
 
 Invariant: exit status is non-zero iff at least one FAIL was printed.
 """
@@ -137,6 +138,9 @@ def check_gpus(dc: DeploymentConfig | None, need_gib: float | None,
     n, devs, err = inventory()
     if dc is not None and dc.hardware.kind.is_cpu:
         return [Check("INFO", "gpus", f"CPU config; {n} GPU(s) visible" + (f" ({err})" if err else ""))]
+    if n == 0 and dc is None:
+        return [Check("WARN", "gpus", f"no GPU ({err}): `sglang-dsv41 serve` runs the tiny checkpoint "
+                                      "on the CPU; GPU deployments (--config) need one")]
     if n == 0:
         return [Check("FAIL", "gpus", f"no GPU: {err}")]
     names = ", ".join(sorted({d[0] for d in devs}))
@@ -246,10 +250,12 @@ def check_pd(dc: DeploymentConfig | None) -> list[Check]:
     return out
 
 
-def check_cpu_engine(dc: DeploymentConfig | None, timeout_s: float = 120.0) -> list[Check]:
-    """CPU serving: sgl_kernel's PyPI build links libcuda.so.1 even on CPU (spec cpu.md §3); the
-    launcher supplies a stand-in (`runtime/cpu_env.py`) — check it builds and sgl_kernel imports with it."""
-    if dc is None or not dc.hardware.kind.is_cpu:
+def check_cpu_engine(dc: DeploymentConfig | None, timeout_s: float = 120.0, *,
+                     no_gpu: bool = False) -> list[Check]:
+    """CPU serving (a CPU config, or no config on a machine without GPU — ``no_gpu``): sgl_kernel's
+    PyPI build links libcuda.so.1 even on CPU (spec cpu.md §3); the launcher supplies a stand-in
+    (`runtime/cpu_env.py`) — check it builds and sgl_kernel imports with it."""
+    if not (dc is None and no_gpu) and (dc is None or not dc.hardware.kind.is_cpu):
         return []
     try:
         env = cpu_environment()
@@ -281,7 +287,7 @@ def run_checks(dc: DeploymentConfig | None) -> list[Check]:
             host_need, layout = p.host_need_per_node / GIB, host_engram_layout(p)
     checks = [Check("INFO", "python", sys.version.split()[0]), check_sglang(), check_recipe(), *check_plugin(),
               *check_runtime(dc), *check_gpus(dc, need_gib), *check_host_memory(host_need, layout=layout),
-              *check_pd(dc), *check_cpu_engine(dc)]
+              *check_pd(dc), *check_cpu_engine(dc, no_gpu=dc is None and gpu_inventory()[0] == 0)]
     return checks
 
 

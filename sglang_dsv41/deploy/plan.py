@@ -154,6 +154,9 @@ class Plan:
     #: in `runtime_weights_note` when the runtime cannot serve the layout
     runtime_weights: RuntimeResidency | None = None
     runtime_weights_note: str = ""
+    #: what `sglang-dsv41 launch` refuses for this config (capability: reason), from the same
+    #: `command.build_launch` the launcher and `--dry-run` use; empty when it launches
+    launch_refusals: tuple[str, ...] = ()
 
     # ---- derived ----------------------------------------------------------------------------
     @property
@@ -289,6 +292,7 @@ class Plan:
             "capacity_tokens_per_server": self.capacity_tokens_per_rank * self.dp,
             "max_full_context_requests": self.max_full_context_requests,
             "fits": ok, "verdict": text, "problems": self.problems, "status": self.status,
+            "launch_refusals": list(self.launch_refusals),
             "runtime_weights_per_rank_gib": None if self.runtime_weights is None else self.runtime_weights.per_rank / GIB,
             "runtime_weights_note": self.runtime_weights_note,
         }
@@ -316,6 +320,7 @@ def make_plan(dc: DeploymentConfig, cfg: DeepseekV41Config, model_source: str = 
     runtime_weights, runtime_note = _runtime_weights(dc, cfg)
     problems = check_against_checkpoint(dc, cfg)
     return Plan(
+        launch_refusals=launch_refusals(dc),
         name=dc.name, model_source=model_source, gpu=hw.gpu, gpus=hw.gpus, gpu_mem_gib=mem, gpu_mem_source=mem_src,
         mem_fraction=frac, weights=weights, checkpoint=weight_plan(cfg, ShardLayout()), pool=runtime_pool_for(dc, t),
         upstream_kv_layout=dc.features.kv_layout,
@@ -347,6 +352,15 @@ def _runtime_weights(dc: DeploymentConfig, cfg: DeepseekV41Config) -> tuple[Runt
     note = (f"TP {lay.tp}, text model, routed experts MXFP4 and FP8 dense weights as stored, {engram}, "
             "BF16/FP32 tensors as fp32 + BF16 copies of dense linears, embedding and head replicated")
     return found, note
+
+
+def launch_refusals(dc: DeploymentConfig) -> tuple[str, ...]:
+    """``capability: reason`` for each option the launcher refuses (runtime limits, capabilities
+    the installed plugin lacks) — so `plan` never calls a config servable that `launch` refuses."""
+    from .capabilities import available_capabilities
+    from .command import build_launch
+
+    return tuple(f"{u.capability}: {u.reason}" for u in build_launch(dc, available_capabilities()).unavailable)
 
 
 def _scale_parallel(data: dict[str, Any], gpus: int) -> None:
@@ -388,4 +402,4 @@ def cli(argv: list[str] | None = None) -> int:
         return 2
     p = make_plan(dc, cfg, src, gpu_mem=a.gpu_mem, mem_fraction=a.mem_fraction, context=a.context, batch=a.batch)
     print(json.dumps(p.to_dict(), indent=2) if a.json else render(p, a.config))
-    return 0 if p.verdict()[0] else 1
+    return 0 if p.verdict()[0] and not p.launch_refusals else 1

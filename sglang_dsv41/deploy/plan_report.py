@@ -79,4 +79,8 @@ def render(p: Plan, source: str) -> str:
               f"{r.swa / 2**20:.2f} MiB + DSpark draft SWA {r.dspark_swa / 2**20:.2f} MiB", ""]
     ok, text = p.verdict()
     lines.append(f"verdict: {text}")
+    if p.launch_refusals:
+        lines.append("launch: CANNOT BE SERVED AS CONFIGURED YET — `sglang-dsv41 launch` refuses it (exit 3) "
+                     "unless --allow-unavailable; the verdict above is about memory only:")
+        lines += [f"  - {r}" for r in p.launch_refusals]
     return "\n".join(lines)

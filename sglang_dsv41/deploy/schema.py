@@ -354,22 +354,30 @@ def config_from_dict(data: Any, source: str = "<config>") -> DeploymentConfig:
         raise DeployConfigError(_format_validation_error(source, e)) from None
 
 
-def load_config(path: str | Path) -> DeploymentConfig:
+def _read_yaml(path: str | Path) -> Any:
+    """The parsed YAML of a config file; a missing / unreadable file or bad YAML is a
+    `DeployConfigError` naming the file (the CLIs print it as one line)."""
     p = Path(path)
     try:
         text = p.read_text()
     except FileNotFoundError:
-        raise DeployConfigError(f"no deployment config at {p}") from None
+        raise DeployConfigError(f"no deployment config at {p} (--config)") from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
+        raise DeployConfigError(f"cannot read the deployment config {p} (--config): "
+                                f"{e.strerror if isinstance(e, OSError) else e}") from None
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise DeployConfigError(f"{p}: not valid YAML ({e})") from None
-    return config_from_dict(data, str(p))
+
+
+def load_config(path: str | Path) -> DeploymentConfig:
+    return config_from_dict(_read_yaml(path), str(Path(path)))
 
 
 def raw_config(path: str | Path) -> dict[str, Any]:
     """The YAML mapping as written (for `--set` overrides before validation)."""
-    data = yaml.safe_load(Path(path).read_text())
+    data = _read_yaml(path)
     if not isinstance(data, dict):
         raise DeployConfigError(f"{path}: a deployment config is a YAML mapping")
     return data

@@ -42,7 +42,7 @@ from ..config import DeepseekV41Config
 from ..engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
 from ..reference.ops import F32, matmul_fp32_exact
 from ..reference.state import NumericsProfile
-from . import attention_ops
+from . import attention_ops, metrics
 from .batch import layout_from_forward_batch
 from .cache import RuntimeCaches
 from .dense_ops import dense_math
@@ -133,6 +133,8 @@ class DeepseekV41ForCausalLM(nn.Module):
                     "attention + indexer on %s: %s", self.tp.describe(), len(on_device),
                     "; routed experts MXFP4 for the Triton kernel" if experts_mxfp4 else "", self.engram_placement,
                     self.device, ops.description)
+        metrics.publish_engram((t for t in on_device.values() if hasattr(t, "placement")),
+                               self.engram_placement, self.tp.rank)
 
     # ---- caches -------------------------------------------------------------------------------
     def _caches_for(self, pool) -> RuntimeCaches:
@@ -144,6 +146,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             num_req_rows = int(get_req_to_token_pool().req_to_token.shape[0])
             self.caches = caches_from_sglang_pool(pool, None, self.cfg.text, num_req_rows, self.numerics.cache)
             logger.info(self.caches.describe())
+            metrics.publish_caches(self.caches, self.tp.rank)
         return self.caches
 
     # ---- Engram history of extends (`runtime/engram_history.py`) ------------------------------------

@@ -1,0 +1,37 @@
+"""`runtime/metrics.py`: nothing is created without --enable-metrics; with it, the gauges carry
+the caches' figures and the Engram bytes per tier (the scrape through a real server:
+tests/test_api_bad_input.py::test_metrics_serves_sglangs_and_the_runtimes_gauges)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from prometheus_client import REGISTRY
+
+from sglang_dsv41.runtime import metrics
+
+
+def _value(name: str, **labels: str) -> float | None:
+    return REGISTRY.get_sample_value(metrics.PREFIX + name, labels)
+
+
+def test_disabled_without_a_server(monkeypatch) -> None:
+    assert metrics.metrics_enabled() is False          # no SGLang server args in this process
+    monkeypatch.setattr(metrics, "_gauges", {})
+    metrics.publish_engram([SimpleNamespace(placement="host", nbytes=5)], "host", 0)
+    assert metrics._gauges == {}
+
+
+def test_gauges_per_pool_and_tier(monkeypatch) -> None:
+    monkeypatch.setattr(metrics, "metrics_enabled", lambda: True)
+    caches = SimpleNamespace(global_bytes_per_token=lambda: 176, swa_bytes_per_token=lambda: 1536,
+                             token_id_bytes_per_swa_slot=lambda: 4, num_slots=8194, num_swa_slots=818)
+    metrics.publish_caches(caches, tp_rank=3)
+    assert _value("kv_bytes_per_token", tp_rank="3", pool="global") == 176
+    assert _value("kv_bytes_per_token", tp_rank="3", pool="swa") == 1536
+    assert _value("kv_bytes_per_token", tp_rank="3", pool="swa_token_ids") == 4
+    assert _value("kv_slots", tp_rank="3", pool="swa") == 818
+    tables = [SimpleNamespace(placement="host", nbytes=100), SimpleNamespace(placement="host", nbytes=20)]
+    metrics.publish_engram(tables, "host", tp_rank=3)
+    assert _value("engram_bytes", tp_rank="3", tier="host") == 120
+    assert _value("engram_bytes", tp_rank="3", tier="device") == 0
+    assert _value("engram_placement", tp_rank="3", placement="host") == 1
