@@ -232,18 +232,19 @@ def test_metrics_serves_sglangs_and_the_runtimes_gauges(server: Server, tokens_b
         m = re.match(r"^(sglang_dsv41:\w+)\{(.*)\} (\S+)$", line)
         if m:
             labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
-            samples[(m.group(1), labels.get("pool") or labels.get("tier") or labels.get("placement"))] = \
+            samples[(m.group(1), labels.get("pool") or labels.get("tier") or labels.get("placement") or labels.get("state"))] = \
                 float(m.group(3))
     assert "sglang:num_running_reqs" in text, text[:2000]
     log = server.log_tail(10**7)
     found = re.search(r"caches: global KV (\d+) B/token \(packed FP4 rows, (\d+) full slots\); SWA (\d+) "
-                      r"B/token \((\d+) SWA slots\) \+ (\d+) B/SWA slot", log)
+                      r"B/token \((\d+) SWA slots\); pair state (\d+) B \+ Engram history (\d+) B", log)
     assert found, log[-3000:]
-    g_bytes, g_slots, s_bytes, s_slots, id_bytes = map(int, found.groups())
-    assert (g_bytes, s_bytes, id_bytes) == (176, 1536, 4)          # tiny: 88 bf16; 8 × 96 bf16; int32
+    g_bytes, g_slots, s_bytes, s_slots, pair_bytes, history_bytes = map(int, found.groups())
+    assert (g_bytes, s_bytes, history_bytes) == (176, 1536, 3 * 4 + 8)   # tiny: 88 bf16; 8 × 96 bf16; K=3 int32 + end
     assert samples[("sglang_dsv41:kv_bytes_per_token", "global")] == g_bytes
     assert samples[("sglang_dsv41:kv_bytes_per_token", "swa")] == s_bytes
-    assert samples[("sglang_dsv41:kv_bytes_per_token", "swa_token_ids")] == id_bytes
+    assert samples[("sglang_dsv41:request_state_bytes", "pair_state")] == pair_bytes
+    assert samples[("sglang_dsv41:request_state_bytes", "engram_history")] == history_bytes
     assert samples[("sglang_dsv41:kv_slots", "global")] == g_slots
     assert samples[("sglang_dsv41:kv_slots", "swa")] == s_slots
     assert samples[("sglang_dsv41:engram_bytes", "device")] > 0       # the tiny server keeps them on device

@@ -111,14 +111,14 @@ def test_resident_weights_per_rank_tp2_matches_card_tp4_does_not(flash) -> None:
 def test_the_plan_sizes_the_runtime_pool_with_the_cards_890_bytes(flash) -> None:
     """The card's 890 B/token global KV is what the runtime's pool stores per token (contracts §2:
     one packed row, 356 for the ratio-1 source + 178 per ratio-2 source), on every TP rank; the
-    SWA pool adds ratio × L·2·head_dim + 4 B per full token to SGLang's cell."""
+    SWA pool adds ratio × L·2·head_dim per full token to SGLang's cell."""
     t = flash.text
     p = make_plan(load_config(ROOT / "configs" / "h200-tp4.yaml"), flash)
     assert p.pool.row_bytes == packed_row_bytes(t) == 890 == kv_bytes_per_token(t, "v41")
     assert [(r, b) for _, r, b in p.pool.sources] == [(2, 178), (2, 178), (2, 178), (1, 356)]
     assert p.pool.swa_token_bytes == swa_bytes_per_swa_token(t) == 40 * 512 * 2
     assert (p.pool.swa_full_tokens_ratio, p.pool.page_size, p.pool.max_total_tokens) == (0.1, 2, None)
-    assert p.pool.cell_bytes == pool_bytes_per_full_token(t, 0.1) == pytest.approx(890 + 4096.4)
+    assert p.pool.cell_bytes == pool_bytes_per_full_token(t, 0.1) == pytest.approx(890 + 4096.0)
     assert p.pool.swa_tokens_per_request == 128 + 2
     assert RuntimePool.for_model(t, 0.1, 2, None) == p.pool
     for tp in (2, 8):   # not split across TP ranks (one KV head): the same pool on every rank
@@ -168,7 +168,7 @@ def test_h200_tp4_kv_38_5_gib(flash) -> None:
 
     38.5 GiB holds 25.3M tokens in the v4 layout upstream Hopper uses (1632.5 B/token) and 46.4M
     in the FP4 layout; "about 20M" implies ~2.07 KB/token, which neither layout gives. Our
-    runtime's pool holds 8.29M full tokens in it (890 B + 0.1 × 40,964 B of SWA pool per token). The 38.5 GiB
+    runtime's pool holds 8.29M full tokens in it (890 B + 0.1 × 40,960 B of SWA pool per token). The 38.5 GiB
     itself is the remainder after the card's 81.2 GiB of weights and the measuring engine's
     activation reserve, so it cannot be reproduced from the checkpoint either; under SGLang's
     mem_fraction_static 0.9 on 139.8 GiB the card's layout leaves 54.3 GiB of KV budget after its

@@ -6,7 +6,7 @@ What is pinned:
   requests (after their prefills), the static decode forward padded SGLang-style to a larger
   batch (row 0, seq_len 1, position 0, slot 0, stale ids) gives the live requests' logits bit
   for bit equal to the eager forward of the live requests alone, and leaves every cache
-  byte outside the padding page equal — packed rows, SWA rows, token ids, and the pair state of
+  byte outside the padding page equal — packed rows, SWA rows, the Engram history ring, and the pair state of
   every request row including the padding row 0. The padding tokens did run (they wrote the
   padding page), so the masks are what keeps row 0 and the live slots clean.
 * The same with the CUDA implementations' orchestration (`KernelAttentionOps`: static-width

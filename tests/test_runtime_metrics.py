@@ -24,11 +24,13 @@ def test_disabled_without_a_server(monkeypatch) -> None:
 def test_gauges_per_pool_and_tier(monkeypatch) -> None:
     monkeypatch.setattr(metrics, "metrics_enabled", lambda: True)
     caches = SimpleNamespace(global_bytes_per_token=lambda: 176, swa_bytes_per_token=lambda: 1536,
-                             token_id_bytes_per_swa_slot=lambda: 4, num_slots=8194, num_swa_slots=818)
+                             request_state_bytes=lambda: 1552, engram_history_bytes=lambda: 20, num_slots=8194,
+                             num_swa_slots=818)
     metrics.publish_caches(caches, tp_rank=3)
     assert _value("kv_bytes_per_token", tp_rank="3", pool="global") == 176
     assert _value("kv_bytes_per_token", tp_rank="3", pool="swa") == 1536
-    assert _value("kv_bytes_per_token", tp_rank="3", pool="swa_token_ids") == 4
+    assert _value("request_state_bytes", tp_rank="3", state="pair_state") == 1552
+    assert _value("request_state_bytes", tp_rank="3", state="engram_history") == 20
     assert _value("kv_slots", tp_rank="3", pool="swa") == 818
     tables = [SimpleNamespace(placement="host", nbytes=100), SimpleNamespace(placement="host", nbytes=20)]
     metrics.publish_engram(tables, "host", tp_rank=3)
