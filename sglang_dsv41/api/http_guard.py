@@ -22,6 +22,7 @@ import json
 import re
 from typing import Any, Awaitable, Callable
 
+from .http_middleware import read_body, replaying
 from .request_guard import RequestRejected, ServingLimits, check_generate_body
 
 GENERATE_PATH = "/generate"
@@ -75,16 +76,10 @@ class GenerateGuardMiddleware:
                 scope.get("path") != GENERATE_PATH:
             await self.app(scope, receive, send)
             return
-        chunks: list[bytes] = []
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                await self.app(scope, receive, send)  # disconnected: let the app see it
-                return
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        raw = b"".join(chunks)
+        raw = await read_body(receive)
+        if raw is None:
+            await self.app(scope, receive, send)  # disconnected: let the app see it
+            return
         try:
             parsed = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
@@ -95,16 +90,7 @@ class GenerateGuardMiddleware:
             except RequestRejected as exc:
                 await _send_json(send, 400, {"error": {"message": str(exc)}})
                 return
-        replayed = False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": raw, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(raw, receive), send)
 
 
 class ErrorScrubMiddleware:

@@ -56,6 +56,32 @@ def _error_body(message: str) -> bytes:
                        "param": None, "code": 400}).encode()
 
 
+async def read_body(receive: Callable) -> bytes | None:
+    """The whole request body of an ASGI request, or None when the client disconnected first."""
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def replaying(body: bytes, receive: Callable) -> Callable:
+    """An ASGI ``receive`` that yields `body` once, then defers to `receive`."""
+    replayed = False
+
+    async def replay() -> dict:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
 class ChatReasoningMiddleware:
     """Pure ASGI middleware; ``table`` is read per request so tests can switch it."""
 
@@ -68,16 +94,10 @@ class ChatReasoningMiddleware:
                 scope.get("path") != CHAT_PATH:
             await self.app(scope, receive, send)
             return
-        chunks: list[bytes] = []
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                await self.app(scope, receive, send)  # disconnected: let the app see it
-                return
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        raw = b"".join(chunks)
+        raw = await read_body(receive)
+        if raw is None:
+            await self.app(scope, receive, send)  # disconnected: let the app see it
+            return
         body = raw
         try:
             parsed = json.loads(raw)
@@ -97,13 +117,4 @@ class ChatReasoningMiddleware:
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode()))
         scope = dict(scope, headers=headers)
-        replayed = False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(body, receive), send)
