@@ -7,6 +7,8 @@ group; every wait and every request is bounded by a timeout, and `stop()` kills 
 """
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import signal
@@ -126,3 +128,13 @@ def _sse_payloads(response: Any) -> Iterator[str]:
         line = raw.decode().strip()
         if line.startswith("data:"):
             yield line[len("data:"):].strip()
+
+
+@contextlib.contextmanager
+def running(srv: "Server") -> Iterator["Server"]:
+    """`srv` once it answers; stopped on exit, also when it fails to start."""
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from server_helpers import REQUEST_TIMEOUT_S, Server
+from server_helpers import REQUEST_TIMEOUT_S, Server, running
 from sglang_dsv41.api.prompt_tokens import PromptTokenEncoder
 
 pytestmark = pytest.mark.slow
@@ -126,13 +126,9 @@ STREAMED = [name for name in BAD if name not in ("generate_regex", "chat_respons
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
-    srv = Server(tiny_checkpoint, tmp_path_factory.mktemp("bad_input") / "server.log",
-                 ["--max-total-tokens", "8192", "--max-running-requests", "8", "--enable-metrics"])
-    try:
-        srv.wait_ready()
+    with running(Server(tiny_checkpoint, tmp_path_factory.mktemp("bad_input") / "server.log",
+                     ["--max-total-tokens", "8192", "--max-running-requests", "8", "--enable-metrics"])) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import deepseek_recipe as dr
 import pytest
 
-from server_helpers import REQUEST_TIMEOUT_S, Server
+from server_helpers import REQUEST_TIMEOUT_S, Server, running
 from sglang_dsv41.api.effort import CARD_TABLE, resolve_reasoning
 from sglang_dsv41.api.encoding import SPECIAL_TOKENS, encode_chat, render_chat
 from sglang_dsv41.api.prompt_tokens import PromptTokenEncoder
@@ -62,15 +62,11 @@ JSON_MAX_TOKENS = 60    # {"unit":"C","ok":false} without free whitespace is < 3
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
-    srv = Server(tiny_checkpoint, tmp_path_factory.mktemp("api_server") / "server.log",
-                 ["--max-total-tokens", "8192", "--max-running-requests", "16",
-                  "--reasoning-parser", PARSER, "--tool-call-parser", PARSER,
-                  "--constrained-json-disable-any-whitespace"])
-    try:
-        srv.wait_ready()
+    with running(Server(tiny_checkpoint, tmp_path_factory.mktemp("api_server") / "server.log",
+                     ["--max-total-tokens", "8192", "--max-running-requests", "16",
+                      "--reasoning-parser", PARSER, "--tool-call-parser", PARSER,
+                      "--constrained-json-disable-any-whitespace"])) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

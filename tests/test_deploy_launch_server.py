@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from server_helpers import Server, free_port
+from server_helpers import Server, free_port, running
 from sglang_dsv41.reference.model import ReferenceModel
 
 pytestmark = pytest.mark.slow
@@ -49,12 +49,8 @@ def cache_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def launched(cache_home: Path, tmp_path_factory: pytest.TempPathFactory):
-    srv = LaunchedServer(CONFIG, cache_home, tmp_path_factory.mktemp("launch") / "server.log")
-    try:
-        srv.wait_ready()
+    with running(LaunchedServer(CONFIG, cache_home, tmp_path_factory.mktemp("launch") / "server.log")) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def test_launch_serves_the_config_with_the_runtime_flags_and_parsers(launched: LaunchedServer,

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from server_helpers import Server, free_port
+from server_helpers import Server, free_port, running
 from sglang_dsv41.reference.model import ReferenceModel
 from sglang_dsv41.runtime.requirements import CURRENT_RUNTIME, PAGE_SIZE
 
@@ -75,13 +75,9 @@ def prepared(tiny_checkpoint: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint: Path, prepared: dict[str, str], tmp_path_factory: pytest.TempPathFactory):
-    srv = PlainServer(["--model-path", str(tiny_checkpoint), "--device", "cpu"], prepared,
-                      tmp_path_factory.mktemp("plain") / "server.log")
-    try:
-        srv.wait_ready()
+    with running(PlainServer(["--model-path", str(tiny_checkpoint), "--device", "cpu"], prepared,
+                          tmp_path_factory.mktemp("plain") / "server.log")) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ import pytest
 import torch
 
 from runtime_scenarios import greedy_generate, one_shot_logits, runtime_engine
-from server_helpers import REQUEST_TIMEOUT_S, Server
+from server_helpers import REQUEST_TIMEOUT_S, Server, running
 from sglang_dsv41.reference.model import ReferenceModel
 from sglang_dsv41.runtime.requirements import PAGE_SIZE
 
@@ -49,14 +49,10 @@ LOGPROB_ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
-    srv = Server(tiny_checkpoint, tmp_path_factory.mktemp("server") / "server.log",
-                 ["--max-total-tokens", "4096", "--chunked-prefill-size", str(CHUNK), "--enable-mixed-chunk",
-                  "--max-running-requests", "8"])
-    try:
-        srv.wait_ready()
+    with running(Server(tiny_checkpoint, tmp_path_factory.mktemp("server") / "server.log",
+                     ["--max-total-tokens", "4096", "--chunked-prefill-size", str(CHUNK), "--enable-mixed-chunk",
+                      "--max-running-requests", "8"])) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 class KernelPathOracle:

@@ -22,7 +22,7 @@ import json
 import re
 from typing import Any, Awaitable, Callable
 
-from .http_middleware import read_body, replaying
+from .http_middleware import read_body, replaying, send_json
 from .request_guard import RequestRejected, ServingLimits, check_generate_body
 
 GENERATE_PATH = "/generate"
@@ -57,11 +57,7 @@ def scrub_error_body(body: bytes) -> bytes:
 
 
 async def _send_json(send: Callable, status: int, payload: dict[str, Any]) -> None:
-    body = json.dumps(payload, ensure_ascii=False).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
+    await send_json(send, status, json.dumps(payload, ensure_ascii=False).encode())
 
 
 class GenerateGuardMiddleware:

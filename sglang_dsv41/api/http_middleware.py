@@ -68,6 +68,14 @@ async def read_body(receive: Callable) -> bytes | None:
             return b"".join(chunks)
 
 
+async def send_json(send: Callable, status: int, body: bytes) -> None:
+    """One complete JSON response (`body` already encoded) through an ASGI ``send``."""
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
 def replaying(body: bytes, receive: Callable) -> Callable:
     """An ASGI ``receive`` that yields `body` once, then defers to `receive`."""
     replayed = False
@@ -108,11 +116,7 @@ class ChatReasoningMiddleware:
                 body = json.dumps(canonical_chat_body(parsed, self._table()),
                                   ensure_ascii=False).encode()
             except ReasoningRequestError as exc:
-                payload = _error_body(str(exc))
-                await send({"type": "http.response.start", "status": 400,
-                            "headers": [(b"content-type", b"application/json"),
-                                        (b"content-length", str(len(payload)).encode())]})
-                await send({"type": "http.response.body", "body": payload})
+                await send_json(send, 400, _error_body(str(exc)))
                 return
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode()))
