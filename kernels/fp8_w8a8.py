@@ -1,0 +1,327 @@
+"""W8A8 FP8 GEMM for 32×32-tile weights on Hopper tensor cores (spec `model.md` §2.3, §3.8; issue 21).
+
+`fp8_w8a8_linear(x, values, scales, groups=1)`: x [M, G·K] (bf16, or fp32 holding any values),
+values [N, K] `float8_e4m3fn` with unit stride along K, scales [⌈N/32⌉, K/32] fp32 powers of two
+(one per 32×32 weight tile, the UE8M0 byte decoded at load) → y [M, N] BF16. With `groups` G > 1
+it is the grouped product of `wo_a`: output columns of group g (rows g·N/G … of values) read x's
+columns g·K … (g+1)·K − 1 — one launch over all groups.
+
+Arithmetic — upstream's Hopper numerics (DeepGEMM SM90 block32, spec §3.8):
+1. activations per (row, 32 columns): s = 2^⌈log2(max(amax, 1e−10)/448)⌉ (UE8M0), q = e4m3(x/s)
+   with round-to-nearest-even — `_quantize_groups`, the same values as `reference.ops.
+   fp8_act_fake_quant` (s comes from amax's bits: amax = m·2^e, m ∈ [1, 2), gives e − 8, plus 1
+   when m > 1.75 = 448/2^8; the fp32 quotient amax/448 the reference rounds keeps that decision);
+2. per 32-wide K block kb: p = q[:, kb]·w[:, kb]ᵀ on the tensor cores (E4M3 operands, fp32
+   result; one MMA K-step), then acc += p·s_x[m, kb]·s_w[n/32, kb] in fp32 (power-of-two scales:
+   the products are exact);
+3. K is cut into `k_chunks(n, k)` chunks — a function of the weight's shape only. Each chunk's
+   blocks accumulate into a fresh fp32 sum, in ascending kb; the chunk sums are added in
+   ascending order starting from 0, then rounded once to BF16 (RNE). At small M every chunk is
+   its own program (split-K: fp32 partials [chunks, M, N], then `_sum_chunks_kernel`); at large M
+   one program walks all chunks. The order of additions is the same either way, so the
+   configuration (chosen by M, `config_for_rows`) changes the bits only if the tensor cores'
+   32-product step does (mma.sync for BLOCK_M 16 vs wgmma for ≥ 64: measured by
+   `benchmarks/fp8_w8a8.py`, `agreement`).
+
+Error against the exact product of the quantised operands, y* = Σ_k q_k·s_x·w_k (what the
+reference's `linear_fp8` rounds to BF16): every E4M3·E4M3 product is exact; the tensor core sums
+32 of them with its own alignment (Hopper's FP8 MMA keeps fewer than fp32's bits: at most
+2⁻¹³·Σ|products| assumed, the DeepSeek-V3 report's ~14 bits), the fp32 sums add ≤ K/32 roundings
+of 2⁻²⁴; so |ŷ − bf16(y*)| ≤ ulp_bf16(y*) + 2⁻¹²·S with S = Σ_k |q_k·s_x·w_k| (the tests' bound,
+`w8a8_error_bound`). Under the Triton interpreter the MMA is numpy's fp32 matmul.
+
+Decode (M ≤ 16) reads every weight byte once: 1 B per weight + 4 B per tile scale; the x tile is
+quantised inside the GEMM (`fused_quant`, no extra launch). Prefill quantises x once
+(`quantize_activations`: one pass, 3 B per element) and runs large tiles.
+
+Triton's interpreter (TRITON_INTERPRET=1 before triton is imported) rounds fp32 → E4M3 and
+fp32 → BF16 wrongly (Triton 3.6: truncation in some cases), and its FP8 `tl.dot` is unusable, so
+under it (`INTERPRETED`) the kernels round with integer arithmetic (`_rne_e4m3`, `_rne_bf16`)
+and multiply the E4M3 values as fp32. Compiled kernels use the hardware conversions and FP8 MMA.
+CPU tensors without the interpreter raise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
+
+TILE = 32
+FP8 = torch.float8_e4m3fn
+AMAX_FLOOR = 1e-10
+#: split-K targets about this many programs for a weight (2 per SM of an H200's 132): shape-only
+TARGET_PROGRAMS = 264
+#: columns per program assumed when cutting K into chunks (shape-only; any BLOCK_N may run them)
+CHUNK_BLOCK_N = 64
+#: at least this many 32-wide K blocks per chunk
+MIN_CHUNK_BLOCKS = 4
+
+
+@dataclass(frozen=True)
+class W8A8Config:
+    """Launch configuration. `sub_blocks` 32-wide K blocks are loaded per loop step (one dot each);
+    `fused_quant`: quantise x inside the GEMM; `split_k`: one program per K chunk (fp32 partials)."""
+    block_m: int
+    block_n: int
+    sub_blocks: int
+    num_warps: int
+    num_stages: int
+    fused_quant: bool
+    split_k: bool
+
+
+#: compiled for sm_90 on CPU (tests): decode 71 registers, mma.sync on E4M3 widened to f16 (exact);
+#: mid 180 and prefill 240 registers with wgmma m64nNk32 E4M3; cp.async pipelining, no spills
+DECODE_CONFIG = W8A8Config(16, 64, 4, 4, 4, fused_quant=True, split_k=True)
+MID_CONFIG = W8A8Config(64, 128, 1, 4, 4, fused_quant=True, split_k=True)
+PREFILL_CONFIG = W8A8Config(64, 256, 1, 8, 3, fused_quant=False, split_k=False)
+#: rows → configuration: the first tier whose row limit is ≥ M
+ROW_TIERS: tuple[tuple[int, W8A8Config], ...] = ((16, DECODE_CONFIG), (256, MID_CONFIG))
+
+
+def config_for_rows(m: int) -> W8A8Config:
+    """The configuration for M rows (decode: small tiles + split-K; prefill: large tiles)."""
+    for limit, cfg in ROW_TIERS:
+        if m <= limit:
+            return cfg
+    return PREFILL_CONFIG
+
+
+def k_chunks(n: int, k: int) -> int:
+    """How many chunks K is cut into for a weight [n, k] (module doc, step 3) — shape only:
+    enough for ≈ TARGET_PROGRAMS programs of CHUNK_BLOCK_N columns, ≥ MIN_CHUNK_BLOCKS blocks each."""
+    blocks = -(-k // TILE)
+    column_programs = -(-n // CHUNK_BLOCK_N)
+    wanted = max(1, min(-(-TARGET_PROGRAMS // column_programs), blocks // MIN_CHUNK_BLOCKS))
+    per_chunk = -(-blocks // wanted)
+    return -(-blocks // per_chunk)
+
+
+# ---- shared device helpers -------------------------------------------------------------------------
+
+@triton.jit
+def _rne_e4m3(v):
+    """fp32 → nearest E4M3 value (ties to even) as fp32, for |v| ≤ 448, by integer arithmetic."""
+    e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(e, -6)                                          # E4M3 subnormal spacing 2^-9
+    ulp = ((e + 124) << 23).to(tl.float32, bitcast=True)           # 2^(e-3)
+    t = v / ulp                                                    # exact: |t| < 16
+    return ((t + 12582912.0) - 12582912.0) * ulp                   # 1.5·2^23: RNE to an integer
+
+
+@triton.jit
+def _rne_bf16(v):
+    """fp32 → nearest BF16 value (ties to even) as fp32, for finite v, by integer arithmetic."""
+    b = v.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantize_groups(xv, INTERPRET: tl.constexpr):
+    """xv [R, 32] fp32 → (E4M3 values [R, 32] — fp32-valued under the interpreter —, scales [R])."""
+    amax = tl.maximum(tl.max(tl.abs(xv), axis=1), 1e-10)
+    bits = amax.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)   # ⌈log2(amax/448)⌉
+    scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    v = xv * inv[:, None]                                          # exact (power of two), |v| ≤ 448
+    if INTERPRET:
+        q = _rne_e4m3(v)
+    else:
+        q = v.to(tl.float8e4nv)
+    return q, scale
+
+
+# ---- kernels -----------------------------------------------------------------------------------------
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, R, BLOCK_R: tl.constexpr, INTERPRET: tl.constexpr):
+    """x viewed as [R, 32] contiguous groups → q [R, 32] E4M3, s [R] fp32."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, 32)
+    ok = rows < R
+    offs = rows.to(tl.int64)[:, None] * 32 + cols[None, :]
+    q, s = _quantize_groups(tl.load(x_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32), INTERPRET)
+    tl.store(q_ptr + offs, q.to(tl.float8e4nv), mask=ok[:, None])
+    tl.store(s_ptr + rows, s, mask=ok)
+
+
+@triton.jit
+def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, n_per_group, chunk_blocks, n_chunks,
+                 stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_oc,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, FUSED_QUANT: tl.constexpr,
+                 SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, 32)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    group = (pid_n * BLOCK_N) // n_per_group                      # BLOCK_N divides n_per_group
+    k_blocks = K // 32
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + group * K
+    xs_rows = xs_ptr + offs_m.to(tl.int64) * stride_xsm + group * k_blocks
+    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
+    ws_cols = ws_ptr + (offs_n // 32).to(tl.int64) * stride_wsn
+    if SPLIT_K:
+        c_begin = tl.program_id(2)
+        c_end = c_begin + 1
+    else:
+        c_begin = 0
+        c_end = n_chunks
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for c in range(c_begin, c_end):
+        kb_begin = c * chunk_blocks
+        kb_end = tl.minimum(kb_begin + chunk_blocks, k_blocks)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb0 in range(kb_begin, kb_end, SUB):
+            for j in tl.static_range(SUB):
+                kb = kb0 + j
+                live = kb < kb_end
+                kk = kb * 32 + offs_k
+                if FUSED_QUANT:
+                    xv = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & live, other=0.0).to(tl.float32)
+                    xq, sx = _quantize_groups(xv, INTERPRET)
+                else:
+                    xq = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & live, other=0.0)
+                    sx = tl.load(xs_rows + kb, mask=m_ok & live, other=0.0)
+                wt = tl.load(w_cols + kk[:, None], mask=n_ok[None, :] & live, other=0.0)      # Wᵀ block [32, BN]
+                sw = tl.load(ws_cols + kb, mask=n_ok & live, other=0.0)
+                if INTERPRET:
+                    p = tl.dot(xq.to(tl.float32), wt.to(tl.float32), input_precision="ieee")
+                else:
+                    p = tl.dot(xq, wt)
+                acc += p * sx[:, None] * sw[None, :]
+        if SPLIT_K:
+            total = acc
+        else:
+            total += acc
+    if SPLIT_K:
+        part = out_ptr + tl.program_id(2).to(tl.int64) * stride_oc
+        tl.store(part + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], total,
+                 mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        if INTERPRET:
+            total = _rne_bf16(total)
+        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], total.to(tl.bfloat16),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_chunks_kernel(p_ptr, y_ptr, n_chunks, size, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    """y = bf16(((0 + p[0]) + p[1]) + …) over the chunk partials p [n_chunks, size] fp32."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < size
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c in range(n_chunks):
+        total += tl.load(p_ptr + c * size + offs, mask=ok, other=0.0)
+    if INTERPRET:
+        total = _rne_bf16(total)
+    tl.store(y_ptr + offs, total.to(tl.bfloat16), mask=ok)
+
+
+INTERPRETED = isinstance(_w8a8_kernel, InterpretedFunction)
+QUANT_BLOCK_R = 64
+SUM_BLOCK = 1024
+
+
+# ---- host API ------------------------------------------------------------------------------------------
+
+def _check_device(who: str, *tensors: Tensor) -> None:
+    dev = tensors[0].device
+    if any(t.device != dev for t in tensors):
+        raise ValueError(f"{who}: tensors on {[str(t.device) for t in tensors]}")
+    if dev.type != "cuda" and not INTERPRETED:
+        raise RuntimeError(f"{who}: tensors on {dev} need a CUDA device, or TRITON_INTERPRET=1 set before "
+                           "triton is imported (tests)")
+
+
+def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [M, K] (bf16/fp32, K a multiple of 32) → (q [M, K] E4M3, s [M, K/32] fp32 powers of two):
+    x ≈ q·s per 32-column group, exactly `reference.ops.fp8_act_fake_quant`'s values. One pass."""
+    if x.dim() != 2 or x.shape[1] % TILE or x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"quantize_activations: x must be [M, K] bf16/fp32 with K a multiple of {TILE}, "
+                         f"got {x.dtype} {tuple(x.shape)}")
+    _check_device("quantize_activations", x)
+    x = x.contiguous()
+    M, K = x.shape
+    q = torch.empty(M, K, dtype=FP8, device=x.device)
+    s = torch.empty(M, K // TILE, dtype=torch.float32, device=x.device)
+    R = M * K // TILE
+    if R:
+        _quantize_kernel[(triton.cdiv(R, QUANT_BLOCK_R),)](x, q, s, R, BLOCK_R=QUANT_BLOCK_R, INTERPRET=INTERPRETED)
+    return q, s
+
+
+def _checked(x: Tensor, values: Tensor, scales: Tensor, groups: int) -> tuple[int, int, int, int]:
+    who = "fp8_w8a8_linear"
+    if values.dtype != FP8 or values.dim() != 2 or values.stride(1) != 1:
+        raise ValueError(f"{who}: values must be 2-D float8_e4m3fn with unit stride along K, got {values.dtype} "
+                         f"{tuple(values.shape)} strides {values.stride()}")
+    N, K = values.shape
+    if K % TILE:
+        raise ValueError(f"{who}: K = {K} must be a multiple of {TILE}")
+    want = (-(-N // TILE), K // TILE)
+    if scales.dtype != torch.float32 or tuple(scales.shape) != want or scales.stride(1) != 1:
+        raise ValueError(f"{who}: scales must be fp32 {want} with unit stride, got {scales.dtype} "
+                         f"{tuple(scales.shape)} strides {scales.stride()}")
+    if groups < 1 or N % groups or (N // groups) % TILE:
+        raise ValueError(f"{who}: {N} output rows do not split into {groups} groups of whole 32-row tiles")
+    if x.dim() != 2 or x.shape[1] != groups * K or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{who}: x must be [M, {groups * K}] fp32 or bf16, got {x.dtype} {tuple(x.shape)}")
+    _check_device(who, x, values, scales)
+    return x.shape[0], N, K, N // groups
+
+
+def fp8_w8a8_linear(x: Tensor, values: Tensor, scales: Tensor, *, groups: int = 1,
+                    config: W8A8Config | None = None) -> Tensor:
+    """y [M, N] BF16 = x·Wᵀ with upstream's W8A8 numerics (module doc); `groups` > 1: the grouped
+    product (x [M, groups·K], group g's output rows read x's g-th K columns), one launch. `config`
+    overrides `config_for_rows(M)` (benchmarks). No host sync."""
+    M, N, K, n_per_group = _checked(x, values, scales, groups)
+    y = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
+    if M == 0:
+        return y
+    cfg = config or config_for_rows(M)
+    block_n = cfg.block_n
+    while groups > 1 and n_per_group % block_n:
+        block_n //= 2
+    if block_n < 16:
+        raise ValueError(f"fp8_w8a8_linear: {n_per_group} rows per group need a 16-row divisor")
+    if cfg.fused_quant:
+        xq, xs = (x if x.stride(1) == 1 else x.contiguous()), x        # xs unused (constexpr path)
+        stride_xs = 0
+    else:
+        xq, xs = quantize_activations(x)
+        stride_xs = xs.stride(0)
+    chunks = k_chunks(N, K)
+    blocks = K // TILE
+    chunk_blocks = -(-blocks // chunks)
+    split = cfg.split_k and chunks > 1
+    grid = (triton.cdiv(N, block_n), triton.cdiv(M, cfg.block_m), chunks if split else 1)
+    out = torch.empty(chunks, M, N, dtype=torch.float32, device=x.device) if split else y
+    launch = {} if INTERPRETED else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    _w8a8_kernel[grid](xq, xs, values, scales, out, M, N, K, n_per_group, chunk_blocks, chunks,
+                       xq.stride(0), stride_xs, values.stride(0), scales.stride(0), out.stride(-2),
+                       out.stride(0) if split else 0, BLOCK_M=cfg.block_m, BLOCK_N=block_n, SUB=cfg.sub_blocks,
+                       FUSED_QUANT=cfg.fused_quant, SPLIT_K=split, INTERPRET=INTERPRETED, **launch)
+    if split:
+        size = M * N
+        _sum_chunks_kernel[(triton.cdiv(size, SUM_BLOCK),)](out, y, chunks, size, BLOCK=SUM_BLOCK,
+                                                            INTERPRET=INTERPRETED)
+    return y
+
+
+def weight_bytes(n: int, k: int) -> int:
+    """Device bytes of one FP8 weight [n, k]: E4M3 values + fp32 tile scales."""
+    return n * k + 4 * (-(-n // TILE)) * (-(-k // TILE))
+
+
+__all__ = ["DECODE_CONFIG", "FP8", "INTERPRETED", "MID_CONFIG", "PREFILL_CONFIG", "ROW_TIERS", "TILE", "W8A8Config",
+           "config_for_rows", "fp8_w8a8_linear", "k_chunks", "quantize_activations", "weight_bytes"]
