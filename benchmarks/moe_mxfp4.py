@@ -18,18 +18,26 @@ For T ∈ {1, 8, 64, 256} tokens (uniform random routing: the most distinct expe
 4. does the same for two comparison paths with the same routing: **bf16** — the experts
    dequantised to BF16 (4× the bytes) through the same `matmul_ogs` calls, epilogue and combine;
    **marlin** — SGLang 0.5.17's DeepSeek-V4 Hopper FP4 path (`prepare_moe_mxfp4_layer_for_marlin`
-   + `fused_marlin_moe(clamp_limit=10)`, router weights pre-multiplied by 1.5). A comparison path
-   that fails to build or run is reported with its error in the JSON.
+   + `fused_marlin_moe(clamp_limit=10)`, router weights pre-multiplied by 1.5);
+   **flashinfer_cutlass** — what upstream picks on SM90: FlashInfer's CUTLASS W4A16
+   `cutlass_fused_moe(use_w4_group_scaling=True, swiglu_limit=10)` on the checkpoint bytes repacked
+   as SGLang 0.5.17 does (w13 = [w3; w1] halves, `interleave_moe_weights_for_sm90_mixed_gemm` +
+   `interleave_moe_scales_for_sm90_mixed_gemm`). Its module is nvcc-JIT-built on first use, so
+   it runs only with `--flashinfer-ready MARKER` (a file that `scripts/gpu/flashinfer_moe_jit.py`
+   writes once the build finished); otherwise it is reported as not built. A comparison path
+   that fails to build or run is reported with its error in the JSON. `prepare_s`: wall seconds
+   each path's load-time conversion (repack) of the 384-expert layer took.
 
 Writes `benchmarks/results/moe_mxfp4.json` and `moe_mxfp4.png`.
 
-    python benchmarks/moe_mxfp4.py [--tokens 1 8 64 256] [--out benchmarks/results]
+    python benchmarks/moe_mxfp4.py [--tokens 1 8 64 256] [--flashinfer-ready MARKER] [--out benchmarks/results]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import platform
+import time
 import traceback
 from pathlib import Path
 from types import SimpleNamespace
@@ -151,6 +159,40 @@ def marlin_path(raw: dict[str, torch.Tensor]) -> Callable:
     return run
 
 
+def flashinfer_cutlass_path(raw: dict[str, torch.Tensor]) -> Callable:
+    """FlashInfer CUTLASS W4A16 (upstream's SM90 choice), weights repacked as SGLang 0.5.17 does
+    for SM90 (`mxfp4.py` gpt-oss and `mxfp4_flashinfer_cutlass_moe.py` DSv4 paths): w13 halves in
+    [up; gate] = [w3; w1] order, byte- and scale-interleaved; clamp 10, α = 1, β = 0 (defaults)."""
+    from flashinfer.fused_moe import (cutlass_fused_moe, interleave_moe_scales_for_sm90_mixed_gemm,
+                                      interleave_moe_weights_for_sm90_mixed_gemm)
+    from flashinfer.fused_moe.core import ActivationType
+
+    w13 = interleave_moe_weights_for_sm90_mixed_gemm(torch.cat((raw["w3"], raw["w1"]), dim=1).contiguous(), "fp4")
+    w2 = interleave_moe_weights_for_sm90_mixed_gemm(raw["w2"].contiguous(), "fp4")
+    s13 = interleave_moe_scales_for_sm90_mixed_gemm(torch.cat((raw["w3_scale"], raw["w1_scale"]), dim=1), group_size=32)
+    s2 = interleave_moe_scales_for_sm90_mixed_gemm(raw["w2_scale"].contiguous(), group_size=32)
+    limit = torch.full((EXPERTS,), LIMIT, dtype=torch.float32, device=raw["w1"].device)
+
+    def run(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], HIDDEN, dtype=torch.bfloat16, device=x.device)
+        cutlass_fused_moe(input=x, token_selected_experts=ids.to(torch.int32), token_final_scales=(w * SCALE).float(),
+                          fc1_expert_weights=w13, fc2_expert_weights=w2, output_dtype=torch.bfloat16,
+                          quant_scales=[s13.view(torch.int32), s2.view(torch.int32)], swiglu_limit=limit,
+                          use_w4_group_scaling=True, activation_type=ActivationType.Swiglu,
+                          tune_max_num_tokens=triton.next_power_of_2(x.shape[0]), output=out)
+        return out
+    return run
+
+
+def timed_build(build: Callable[[], Callable]) -> tuple[Callable, float]:
+    """(build(), wall seconds it took, device work included)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn = build()
+    torch.cuda.synchronize()
+    return fn, time.perf_counter() - t0
+
+
 # ---- timing -----------------------------------------------------------------------------------
 def time_call(fn: Callable[[], torch.Tensor]) -> dict:
     """Median µs of one call, eager and replayed as a CUDA graph (L2 flushed before each call)."""
@@ -183,6 +225,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    parser.add_argument("--flashinfer-ready", type=Path, default=None,
+                        help="marker file written when FlashInfer's CUTLASS MoE JIT module was built "
+                             "(scripts/gpu/flashinfer_moe_jit.py); without it that path is reported as not built")
     parser.add_argument("--time-even-if-inaccurate", action="store_true",
                         help="record a failed accuracy self-check in the JSON (within_bound=false) and "
                              "time anyway — for diagnosing, never for reporting a result")
@@ -196,8 +241,8 @@ def main() -> None:
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
     raw = random_layer(device, seed=0)
-    experts = mx.prepare_mxfp4_stacked(raw["w1"], raw["w1_scale"], raw["w3"], raw["w3_scale"],
-                                       raw["w2"], raw["w2_scale"], device=device)
+    experts, prepare_s = timed_build(lambda: mx.prepare_mxfp4_stacked(
+        raw["w1"], raw["w1_scale"], raw["w3"], raw["w3_scale"], raw["w2"], raw["w2_scale"], device=device))
     ours = lambda x, ids, w: mx.routed_experts_mxfp4(x, ids, w, experts, swiglu_limit=LIMIT, routed_scale=SCALE)
 
     # 1. self-check (aborts on failure), then build and check the comparison paths
@@ -220,13 +265,22 @@ def main() -> None:
     check["batch_invariant_8_vs_64"] = bool(torch.equal(ours(big_x, big_ids, big_w)[:CHECK_TOKENS], out_chk))
     check["batch_invariant_1_vs_8"] = bool(torch.equal(ours(x_chk[:1], ids_chk[:1], w_chk[:1]), out_chk[:1]))
     paths: dict[str, Callable] = {"mxfp4": ours}
-    path_info: dict[str, dict] = {"mxfp4": dict(check=check, bytes_per_expert=experts.checkpoint_bytes_per_expert())}
-    for name, build, per_expert in (("bf16", bf16_baseline, 2 * (3 * INTER * HIDDEN)),
-                                    ("marlin", marlin_path, experts.checkpoint_bytes_per_expert())):
+    path_info: dict[str, dict] = {"mxfp4": dict(check=check, bytes_per_expert=experts.checkpoint_bytes_per_expert(),
+                                                prepare_s=prepare_s)}
+    comparisons = [("bf16", bf16_baseline, 2 * (3 * INTER * HIDDEN)),
+                   ("marlin", marlin_path, experts.checkpoint_bytes_per_expert())]
+    if args.flashinfer_ready is not None and args.flashinfer_ready.exists():
+        comparisons.append(("flashinfer_cutlass", flashinfer_cutlass_path, experts.checkpoint_bytes_per_expert()))
+    else:
+        path_info["flashinfer_cutlass"] = dict(error="not built: FlashInfer's CUTLASS MoE module is nvcc-JIT-compiled "
+                                                     "at first use and its build had not finished (no --flashinfer-ready "
+                                                     f"marker {args.flashinfer_ready})")
+    for name, build, per_expert in comparisons:
         try:
-            fn = build(raw)
+            fn, build_s = timed_build(lambda: build(raw))
             paths[name] = fn
-            path_info[name] = dict(check=accuracy(fn(x_chk, ids_chk, w_chk), ref), bytes_per_expert=per_expert)
+            path_info[name] = dict(check=accuracy(fn(x_chk, ids_chk, w_chk), ref), bytes_per_expert=per_expert,
+                                   prepare_s=build_s)
         except Exception as exc:
             path_info[name] = dict(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(limit=4))
         print(f"{name}: {path_info[name].get('check', path_info[name].get('error'))}", flush=True)

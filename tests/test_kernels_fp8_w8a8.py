@@ -23,7 +23,7 @@ What is pinned:
   mutation checks; M = 0;
 * main process: input validation, the shape-only K chunking, the row tiers, and the compiled
   sm_90 kernels (registers, no spills, wgmma on E4M3 for BLOCK_M ≥ 64, cp.async pipelining);
-* GPU (`gpu`): Flash shapes at M = 1…512 within the bound, grouped wo_a, split-K == one-program
+* GPU (`gpu`): Flash shapes at M = 1…300 within the bound, grouped wo_a, split-K == one-program
   bits, and a row alone == the row in a batch within one row tier.
 """
 from __future__ import annotations
@@ -46,9 +46,10 @@ CONFIGS = {"decode": W.DECODE_CONFIG, "mid": W.MID_CONFIG, "prefill": W.PREFILL_
 
 
 def oracle(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, groups: int = 1):
-    """(reference linear_fp8 result [M, N] fp32, per-element bound) for the (grouped) product."""
-    w = dequantised(values.cpu(), scales.cpu()).to(F32)
-    xf = x.detach().float().cpu()
+    """(reference linear_fp8 result [M, N] fp32, per-element bound) for the (grouped) product, on
+    the CPU (the GPU tests: on the GPU — a test oracle, not the serving path)."""
+    w = dequantised(values, scales).to(F32)
+    xf = x.detach().float()
     n, k = w.shape
     ng = n // groups
     ys, ystar, s = [], [], []
@@ -63,7 +64,7 @@ def oracle(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, groups: 
 
 
 def within(y: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> tuple[bool, float]:
-    err = (y.detach().cpu().to(F64) - ref.to(F64)).abs()
+    err = (y.detach().to(F64) - ref.to(F64)).abs()
     return bool((err <= bound).all()) and bool(torch.isfinite(y).all()), float((err / bound).max())
 
 
@@ -86,9 +87,9 @@ def test_kernel_case_quantize_matches_the_reference(dtype: torch.dtype) -> None:
     x = x.to(dtype).to(DEVICE)
     q, s = W.quantize_activations(x)
     assert q.dtype == W.FP8 and s.shape == (7, 8) and s.dtype == F32
-    deq = (q.float().cpu().view(7, 8, 32) * s.cpu()[..., None]).view(7, 256)
-    assert torch.equal(deq, ops.fp8_act_fake_quant(x.float().cpu()))
-    mant, _ = torch.frexp(s.cpu())
+    deq = (q.float().view(7, 8, 32) * s[..., None]).view(7, 256)
+    assert torch.equal(deq, ops.fp8_act_fake_quant(x.float()))
+    mant, _ = torch.frexp(s)
     assert bool((mant == 0.5).all())                    # powers of two (UE8M0)
     assert q.float().abs().max() <= 448
 
@@ -115,8 +116,8 @@ def test_kernel_case_configurations_agree_bit_for_bit_on_exact_sums() -> None:
     ref, _ = oracle(x, values, scales)
     for label, cfg in CONFIGS.items():
         y = W.fp8_w8a8_linear(x, values, scales, config=cfg)
-        assert torch.equal(y.float().cpu(), ref), label
-    assert torch.equal(W.fp8_w8a8_linear(x[:1], values, scales).float().cpu(), ref[:1])
+        assert torch.equal(y.float(), ref), label
+    assert torch.equal(W.fp8_w8a8_linear(x[:1], values, scales).float(), ref[:1])
 
 
 class _CountingLaunch:
@@ -281,8 +282,8 @@ def _flash_case(n: int, k: int, m: int, seed: int):
 @pytest.mark.parametrize("name", sorted(FLASH_SHAPES))
 def test_gpu_flash_shapes_within_bound_at_every_row_tier(name: str) -> None:
     n, k = FLASH_SHAPES[name]
-    values, scales, x = _flash_case(n, k, 512, seed=len(name))
-    for m in (1, 8, 64, 256, 512):
+    values, scales, x = _flash_case(n, k, 300, seed=len(name))
+    for m in (1, 8, 64, 256, 300):
         ok, worst = within(W.fp8_w8a8_linear(x[:m], values, scales), *oracle(x[:m], values, scales))
         assert ok, (m, worst)
 
