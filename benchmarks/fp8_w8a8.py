@@ -5,8 +5,10 @@ What it times, for M ∈ {1, 8, 64, 256, 8192} rows: every FP8-stored dense weig
 `--layer` (shapes from `names.tensor_inventory`; `wo_a` as its 8 groups), random E4M3 values with
 power-of-two tile scales, multiplied in sequence — one "layer pass" — by
 
-* `w8a8`: `fp8_w8a8_linear` with its row-tier configuration (`config_for_rows`), `wo_a` grouped
-  in one launch; `w8a8_<label>`: the same with a fixed configuration of `ALTERNATIVES`;
+* `w8a8`: `fp8_w8a8_linear` as the runtime would call it — the Triton kernel with its row-tier
+  configuration (`config_for_rows`) below `BF16_GEMM_MIN_ROWS` rows, the prefill form (dequantise +
+  cuBLAS BF16) from there; `wo_a` grouped in one GEMM launch; `w8a8_bf16_gemm`: the prefill form
+  at every M; `w8a8_<label>`: the Triton kernel with a fixed configuration of `ALTERNATIVES`;
 * `fp8_linear`: today's runtime kernel (W8A16, BF16 activations, fp32 out; `wo_a` as 8 group calls,
   as `runtime/` does);
 * `cublas_bf16`: `torch.mm` on BF16 copies of the dequantised weights (`wo_a`: one `torch.bmm`).
@@ -49,10 +51,15 @@ ROWS = (1, 8, 64, 256, 8192)
 ALTERNATIVES = {"bm16_bn128_sub4": ((16, 128, 4, 4, 4, True, True), (1, 64)),
                 "bm16_bn64_sub8": ((16, 64, 8, 4, 4, True, True), (1, 64)),
                 "bm16_bn64_nosplit": ((16, 64, 4, 4, 4, True, False), (1, 64)),
+                "bm16_bn32_sub4": ((16, 32, 4, 4, 4, True, True), (1, 64)),
+                "bm16_bn64_w2": ((16, 64, 4, 2, 4, True, True), (1, 64)),
+                "bm16_bn64_sub2_s6": ((16, 64, 2, 4, 6, True, True), (1, 64)),
                 "bm64_bn64_sub4": ((64, 64, 4, 4, 4, True, True), (1, 8192)),
                 "bm64_bn128_prequant": ((64, 128, 2, 4, 4, False, False), (8, 8192)),
                 "bm64_bn256_fused": ((64, 256, 1, 8, 3, True, False), (8, 8192)),
                 "bm128_bn128_w8": ((128, 128, 1, 8, 3, False, False), (64, 8192))}
+#: the prefill form forced at every M (`fp8_w8a8_linear(bf16_gemm=True)`): dequantise + cuBLAS BF16
+BF16_GEMM = "bf16_gemm"
 PER_WEIGHT = ("w8a8", "fp8_linear", "cublas_bf16")
 
 
@@ -93,12 +100,13 @@ def variant_configs(W, labels: list[str] | None) -> dict[str, object]:
         if unknown:
             raise SystemExit(f"unknown variants {unknown}; known: {sorted(ALTERNATIVES)}")
     chosen = ALTERNATIVES if labels is None else {k: ALTERNATIVES[k] for k in labels}
-    return {"w8a8": None} | {f"w8a8_{k}": W.W8A8Config(*v[0]) for k, v in chosen.items()}
+    return ({"w8a8": None, "w8a8_bf16_gemm": BF16_GEMM}
+            | {f"w8a8_{k}": W.W8A8Config(*v[0]) for k, v in chosen.items()})
 
 
 def timed_at(label: str, m: int) -> bool:
     """Whether variant `label` is timed at M = m (`ALTERNATIVES`' row ranges; baselines always)."""
-    if not label.startswith("w8a8_"):
+    if not label.startswith("w8a8_") or label == "w8a8_bf16_gemm":
         return True
     lo, hi = ALTERNATIVES[label[len("w8a8_"):]][1]
     return lo <= m <= hi
@@ -122,6 +130,10 @@ def weight_calls(W, F, weights: list, bf16: list) -> dict[str, list[Callable]]:
 
 
 def w8a8_calls(W, weights: list, cfg) -> list[Callable]:
+    """One call per weight: the row tiers (cfg None), the prefill form (BF16_GEMM) or a fixed config."""
+    if cfg == BF16_GEMM:
+        return [lambda x, v=v, s=s, groups=groups: W.fp8_w8a8_linear(x, v, s, groups=groups, bf16_gemm=True)
+                for _, _, _, groups, v, s in weights]
     return [lambda x, v=v, s=s, groups=groups: W.fp8_w8a8_linear(x, v, s, groups=groups, config=cfg)
             for _, _, _, groups, v, s in weights]
 
@@ -251,7 +263,9 @@ def run(args: argparse.Namespace, dev: torch.device, copy_gbs: float) -> int:
     result = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else str(dev), layer=args.layer,
                   shapes=[(name, n, k, groups) for name, n, k, groups, *_ in weights],
                   fp8_bytes=fp8_bytes, bf16_bytes=bf16_bytes, copy_gbs=copy_gbs,
-                  configs={k: (v.__dict__ if v else "row tiers") for k, v in configs.items()},
+                  configs={k: (v.__dict__ if isinstance(v, W.W8A8Config) else (v or "row tiers"))
+                           for k, v in configs.items()},
+                  bf16_gemm_min_rows=W.BF16_GEMM_MIN_ROWS,
                   row_tiers={str(lim): c.__dict__ for lim, c in W.ROW_TIERS} | {"above": W.PREFILL_CONFIG.__dict__},
                   rows=rows, per_weight=per_weight, agreement=agree, accuracy_over_bound=acc, errors=errors,
                   timing="step_timing.measure median, 256 MB L2 flush per call; graph = one CUDAGraph replay of the pass",

@@ -31,8 +31,15 @@ of 2⁻²⁴; so |ŷ − bf16(y*)| ≤ ulp_bf16(y*) + 2⁻¹²·S with S = Σ_k 
 `w8a8_error_bound`). Under the Triton interpreter the MMA is numpy's fp32 matmul.
 
 Decode (M ≤ 16) reads every weight byte once: 1 B per weight + 4 B per tile scale; the x tile is
-quantised inside the GEMM (`fused_quant`, no extra launch). Prefill quantises x once
-(`quantize_activations`: one pass, 3 B per element) and runs large tiles.
+quantised inside the GEMM (`fused_quant`, no extra launch). Triton cannot keep the FP8 MMAs in
+flight while it scales each 32-K step, so at prefill sizes the kernel stays far below the tensor
+cores' rate (docs/performance.md); from BF16_GEMM_MIN_ROWS rows `fp8_w8a8_linear` therefore runs
+the *prefill form*: the quantised activations q·s and the dequantised weight as transient BF16
+copies (both exact), one cuBLAS BF16 GEMM with fp32 accumulation (reduced-precision split-K
+reductions disallowed), one BF16 rounding — the same quantised operands, exact products and
+fp32 sums: inside the same bound, with other bits (upstream's own SM90 fallback for M ≥ 64 is
+this form, spec `hopper-kernels.md` §1a). Its weight scales must lie in 2^-124…2^119
+(`fp8_linear.scales_are_bf16_exact`, checked when weights are loaded).
 
 Triton's interpreter (TRITON_INTERPRET=1 before triton is imported) rounds fp32 → E4M3 and
 fp32 → BF16 wrongly (Triton 3.6: truncation in some cases), and its FP8 `tl.dot` is unusable, so
@@ -81,6 +88,8 @@ MID_CONFIG = W8A8Config(64, 128, 1, 4, 4, fused_quant=True, split_k=True)
 PREFILL_CONFIG = W8A8Config(64, 256, 1, 8, 3, fused_quant=False, split_k=False)
 #: rows → configuration: the first tier whose row limit is ≥ M
 ROW_TIERS: tuple[tuple[int, W8A8Config], ...] = ((16, DECODE_CONFIG), (256, MID_CONFIG))
+#: from this many rows `fp8_w8a8_linear` runs the prefill form (dequantise + cuBLAS BF16, module doc)
+BF16_GEMM_MIN_ROWS = 129
 
 
 def config_for_rows(m: int) -> W8A8Config:
@@ -140,15 +149,34 @@ def _quantize_groups(xv, INTERPRET: tl.constexpr):
 # ---- kernels -----------------------------------------------------------------------------------------
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, s_ptr, R, BLOCK_R: tl.constexpr, INTERPRET: tl.constexpr):
-    """x viewed as [R, 32] contiguous groups → q [R, 32] E4M3, s [R] fp32."""
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, R, BLOCK_R: tl.constexpr, FAKE_BF16: tl.constexpr,
+                     INTERPRET: tl.constexpr):
+    """x viewed as [R, 32] contiguous groups → q [R, 32] E4M3 and s [R] fp32, or (FAKE_BF16) the
+    values q·s in BF16 (exact: an E4M3 value times a power of two ≥ 2^-42)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, 32)
     ok = rows < R
     offs = rows.to(tl.int64)[:, None] * 32 + cols[None, :]
     q, s = _quantize_groups(tl.load(x_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32), INTERPRET)
-    tl.store(q_ptr + offs, q.to(tl.float8e4nv), mask=ok[:, None])
-    tl.store(s_ptr + rows, s, mask=ok)
+    if FAKE_BF16:
+        tl.store(q_ptr + offs, (q.to(tl.float32) * s[:, None]).to(tl.bfloat16), mask=ok[:, None])
+    else:
+        tl.store(q_ptr + offs, q.to(tl.float8e4nv), mask=ok[:, None])
+        tl.store(s_ptr + rows, s, mask=ok)
+
+
+@triton.jit
+def _dequantize_weight_kernel(w_ptr, ws_ptr, out_ptr, N, K, stride_wn, stride_wsn,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out [N, K] BF16 = values · tile scale (exact for scales 2^-124…2^119, `fp8_linear` doc)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    v = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :], mask=ok, other=0.0)
+    sc = tl.load(ws_ptr + (offs_n // 32).to(tl.int64)[:, None] * stride_wsn + (offs_k // 32)[None, :], mask=ok,
+                 other=0.0)
+    tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :], (v.to(tl.float32) * sc).to(tl.bfloat16),
+             mask=ok)
 
 
 @triton.jit
@@ -229,6 +257,7 @@ def _sum_chunks_kernel(p_ptr, y_ptr, n_chunks, size, BLOCK: tl.constexpr, INTERP
 INTERPRETED = isinstance(_w8a8_kernel, InterpretedFunction)
 QUANT_BLOCK_R = 64
 SUM_BLOCK = 1024
+DEQUANT_BLOCK = 64
 
 
 # ---- host API ------------------------------------------------------------------------------------------
@@ -255,8 +284,57 @@ def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
     s = torch.empty(M, K // TILE, dtype=torch.float32, device=x.device)
     R = M * K // TILE
     if R:
-        _quantize_kernel[(triton.cdiv(R, QUANT_BLOCK_R),)](x, q, s, R, BLOCK_R=QUANT_BLOCK_R, INTERPRET=INTERPRETED)
+        _quantize_kernel[(triton.cdiv(R, QUANT_BLOCK_R),)](x, q, s, R, BLOCK_R=QUANT_BLOCK_R, FAKE_BF16=False,
+                                                           INTERPRET=INTERPRETED)
     return q, s
+
+
+def fake_quantize_activations_bf16(x: Tensor) -> Tensor:
+    """x [M, K] → the quantised activations q·s as BF16 [M, K] (exactly `reference.ops.
+    fp8_act_fake_quant`'s values). One pass."""
+    if x.dim() != 2 or x.shape[1] % TILE or x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"fake_quantize_activations_bf16: x must be [M, K] bf16/fp32 with K a multiple of {TILE}, "
+                         f"got {x.dtype} {tuple(x.shape)}")
+    _check_device("fake_quantize_activations_bf16", x)
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    R = x.numel() // TILE
+    if R:
+        _quantize_kernel[(triton.cdiv(R, QUANT_BLOCK_R),)](x, out, out, R, BLOCK_R=QUANT_BLOCK_R, FAKE_BF16=True,
+                                                           INTERPRET=INTERPRETED)
+    return out
+
+
+def dequantize_weight_bf16(values: Tensor, scales: Tensor) -> Tensor:
+    """values [N, K] E4M3 · their 32×32 tile scales → BF16 [N, K], exact when every scale is
+    2^s with −124 ≤ s ≤ 119 (`fp8_linear.scales_are_bf16_exact`, checked at load time). One pass:
+    1 B read, 2 B written per element."""
+    N, K = values.shape
+    out = torch.empty(N, K, dtype=torch.bfloat16, device=values.device)
+    if out.numel():
+        _dequantize_weight_kernel[(triton.cdiv(N, DEQUANT_BLOCK), triton.cdiv(K, DEQUANT_BLOCK))](
+            values, scales, out, N, K, values.stride(0), scales.stride(0), BLOCK_N=DEQUANT_BLOCK, BLOCK_K=DEQUANT_BLOCK)
+    return out
+
+
+def _bf16_gemm(x: Tensor, values: Tensor, scales: Tensor, groups: int) -> Tensor:
+    """The prefill form (module doc): BF16 copies of the quantised activations and of the weight
+    (transient), one cuBLAS GEMM (`wo_a`: one batched GEMM) with fp32 accumulation and fp32
+    split-K reductions (reduced-precision reduction disallowed for the call), one BF16 rounding."""
+    M = x.shape[0]
+    N, K = values.shape
+    xb = fake_quantize_activations_bf16(x)
+    wb = dequantize_weight_bf16(values, scales)
+    allowed = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        if groups == 1:
+            return xb @ wb.t()
+        r = N // groups
+        y = torch.bmm(xb.view(M, groups, K).transpose(0, 1), wb.view(groups, r, K).transpose(1, 2))
+        return y.transpose(0, 1).reshape(M, N)
+    finally:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = allowed
 
 
 def _checked(x: Tensor, values: Tensor, scales: Tensor, groups: int) -> tuple[int, int, int, int]:
@@ -280,11 +358,15 @@ def _checked(x: Tensor, values: Tensor, scales: Tensor, groups: int) -> tuple[in
 
 
 def fp8_w8a8_linear(x: Tensor, values: Tensor, scales: Tensor, *, groups: int = 1,
-                    config: W8A8Config | None = None) -> Tensor:
+                    config: W8A8Config | None = None, bf16_gemm: bool | None = None) -> Tensor:
     """y [M, N] BF16 = x·Wᵀ with upstream's W8A8 numerics (module doc); `groups` > 1: the grouped
-    product (x [M, groups·K], group g's output rows read x's g-th K columns), one launch. `config`
-    overrides `config_for_rows(M)` (benchmarks). No host sync."""
+    product (x [M, groups·K], group g's output rows read x's g-th K columns), one GEMM launch.
+    From BF16_GEMM_MIN_ROWS rows (or with `bf16_gemm=True`) the prefill form runs (`_bf16_gemm`);
+    below, the Triton kernel with `config` or `config_for_rows(M)`. No host sync."""
     M, N, K, n_per_group = _checked(x, values, scales, groups)
+    use_bf16_gemm = bf16_gemm if bf16_gemm is not None else (config is None and M >= BF16_GEMM_MIN_ROWS)
+    if use_bf16_gemm:
+        return _bf16_gemm(x, values, scales, groups)
     y = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     if M == 0:
         return y
@@ -323,5 +405,5 @@ def weight_bytes(n: int, k: int) -> int:
     return n * k + 4 * (-(-n // TILE)) * (-(-k // TILE))
 
 
-__all__ = ["DECODE_CONFIG", "FP8", "INTERPRETED", "MID_CONFIG", "PREFILL_CONFIG", "ROW_TIERS", "TILE", "W8A8Config",
+__all__ = ["BF16_GEMM_MIN_ROWS", "DECODE_CONFIG", "FP8", "dequantize_weight_bf16", "fake_quantize_activations_bf16", "INTERPRETED", "MID_CONFIG", "PREFILL_CONFIG", "ROW_TIERS", "TILE", "W8A8Config",
            "config_for_rows", "fp8_w8a8_linear", "k_chunks", "quantize_activations", "weight_bytes"]

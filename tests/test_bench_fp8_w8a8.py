@@ -39,8 +39,9 @@ def test_fixed_configurations_are_valid_and_distinct() -> None:
     assert len(set(cfgs)) == len(cfgs)
     for c in cfgs:
         assert c.block_m in (16, 32, 64, 128) and c.block_n % 16 == 0 and 1024 % c.block_n == 0   # wo_a groups
-    assert set(bench.variant_configs(W, None)) == {"w8a8"} | {f"w8a8_{k}" for k in bench.ALTERNATIVES}
-    assert bench.variant_configs(W, [])["w8a8"] is None and len(bench.variant_configs(W, [])) == 1
+    assert set(bench.variant_configs(W, None)) == {"w8a8", "w8a8_bf16_gemm"} | {f"w8a8_{k}" for k in bench.ALTERNATIVES}
+    assert bench.variant_configs(W, []) == {"w8a8": None, "w8a8_bf16_gemm": bench.BF16_GEMM}
+    assert bench.timed_at("w8a8_bf16_gemm", 1) and bench.timed_at("w8a8_bf16_gemm", 8192)
     with pytest.raises(SystemExit, match="unknown variants \\['nope'\\]"):
         bench.variant_configs(W, ["nope"])
     assert bench.timed_at("cublas_bf16", 8192) and bench.timed_at("w8a8", 1)
@@ -84,15 +85,17 @@ def test_kernel_case_end_to_end_on_cpu_with_small_shapes(tmp_path, monkeypatch) 
     result = json.loads((tmp_path / "fp8_w8a8.json").read_text())
     assert status == 0 and result["errors"] == [], result["errors"]
     assert [p["rows"] for p in result["rows"]] == [1, 64]
-    labels = {"w8a8", "w8a8_bm16_bn64_sub8", "w8a8_bm64_bn128_prequant", "fp8_linear", "cublas_bf16"}
+    labels = {"w8a8", "w8a8_bf16_gemm", "w8a8_bm16_bn64_sub8", "w8a8_bm64_bn128_prequant", "fp8_linear", "cublas_bf16"}
     assert set(result["rows"][0]) == {"rows"} | labels - {"w8a8_bm64_bn128_prequant"}     # timed from 8 rows
     for point in result["rows"][1:]:
         assert labels <= set(point)
         for label in labels & set(point):
             assert point[label]["eager_us"] > 0 and point[label]["bytes"] > 0 and "graph_error" in point[label]
     assert result["fp8_bytes"] == sum(n * k + 4 * (n // 32) * (k // 32) for _, n, k, _ in small)
-    assert set(result["agreement"]) == {"mid_tier", "prefill_tier", "w8a8_bm16_bn64_sub8", "w8a8_bm64_bn128_prequant"}
-    assert all(result["agreement"].values())        # the interpreter's fp32 MMA: one summation order
+    assert set(result["agreement"]) == {"mid_tier", "prefill_tier", "w8a8_bf16_gemm", "w8a8_bm16_bn64_sub8",
+                                        "w8a8_bm64_bn128_prequant"}
+    triton = {k: v for k, v in result["agreement"].items() if k != "w8a8_bf16_gemm"}
+    assert all(triton.values())        # the interpreter's fp32 MMA: one summation order for every Triton config
     assert set(result["accuracy_over_bound"]) == {n for n, *_ in small}
     assert all(0 <= v <= 1 for v in result["accuracy_over_bound"].values())
     assert len(result["per_weight"]) == 2 and set(result["per_weight"][0]["attn.wo_a.weight"]) == set(bench.PER_WEIGHT)

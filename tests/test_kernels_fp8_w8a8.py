@@ -172,6 +172,29 @@ def test_kernel_case_bound_catches_a_wrong_tile_scale_and_a_wrong_row() -> None:
 
 
 @kernel
+@pytest.mark.parametrize("groups", [1, 3])
+def test_kernel_case_prefill_form_within_bound(groups: int) -> None:
+    """The dequantise + BF16 GEMM form (chosen from BF16_GEMM_MIN_ROWS rows): exact BF16 operands
+    (fake-quantised x == the reference's values, dequantised W == the tiles' values), within the
+    bound, grouped == per-group; the row tiers pick it from BF16_GEMM_MIN_ROWS rows."""
+    g = torch.Generator().manual_seed(8 + groups)
+    values, scales = fp8_weight(groups * 64, 96, g, exp_range=(-30, 10))
+    x = random_x(W.BF16_GEMM_MIN_ROWS, groups * 96, g)
+    xb = W.fake_quantize_activations_bf16(x)
+    assert xb.dtype == BF16 and torch.equal(xb.float(), ops.fp8_act_fake_quant(x.float()))
+    assert torch.equal(W.dequantize_weight_bf16(values, scales).float(), dequantised(values, scales))
+    y = W.fp8_w8a8_linear(x, values, scales, groups=groups)
+    ok, worst = within(y, *oracle(x, values, scales, groups))
+    assert ok, worst
+    assert torch.equal(y, W.fp8_w8a8_linear(x, values, scales, groups=groups, bf16_gemm=True))
+    for gi in range(groups):
+        rows_g = slice(gi * 64, (gi + 1) * 64)
+        alone = W.fp8_w8a8_linear(x[:, gi * 96:(gi + 1) * 96], values[rows_g], scales[gi * 2:(gi + 1) * 2],
+                                  bf16_gemm=True)
+        assert torch.equal(alone, y[:, rows_g]), gi
+
+
+@kernel
 def test_kernel_case_empty_and_strided_x() -> None:
     g = torch.Generator().manual_seed(6)
     values, scales = fp8_weight(32, 64, g)
@@ -227,6 +250,7 @@ def test_row_tiers() -> None:
     assert W.config_for_rows(1) is W.config_for_rows(16) is W.DECODE_CONFIG
     assert W.config_for_rows(17) is W.config_for_rows(256) is W.MID_CONFIG
     assert W.config_for_rows(257) is W.config_for_rows(8192) is W.PREFILL_CONFIG
+    assert 16 < W.BF16_GEMM_MIN_ROWS <= 257                 # the Triton prefill tier is a forced-config option
     assert W.DECODE_CONFIG.fused_quant and W.DECODE_CONFIG.split_k and not W.PREFILL_CONFIG.split_k
 
 
@@ -267,7 +291,7 @@ if not W.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        run_kernel_cases_in_interpreter(__file__, min_passed=22, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=24, exact=True)
 
 
 # ---- GPU ------------------------------------------------------------------------------------------
@@ -283,9 +307,11 @@ def _flash_case(n: int, k: int, m: int, seed: int):
 def test_gpu_flash_shapes_within_bound_at_every_row_tier(name: str) -> None:
     n, k = FLASH_SHAPES[name]
     values, scales, x = _flash_case(n, k, 300, seed=len(name))
-    for m in (1, 8, 64, 256, 300):
+    for m in (1, 8, 64, 256, 300):               # decode, mid, then the prefill (BF16 GEMM) form
         ok, worst = within(W.fp8_w8a8_linear(x[:m], values, scales), *oracle(x[:m], values, scales))
         assert ok, (m, worst)
+    ok, worst = within(W.fp8_w8a8_linear(x, values, scales, config=W.PREFILL_CONFIG), *oracle(x, values, scales))
+    assert ok, ("triton prefill tier", worst)
 
 
 @pytest.mark.gpu
@@ -293,10 +319,10 @@ def test_gpu_grouped_wo_a_at_flash_shape() -> None:
     g = torch.Generator().manual_seed(11)
     values, scales = fp8_weight(8192, 4096, g)
     x = random_x(300, 8 * 4096, g)
-    for m in (1, 64, 300):
-        y = W.fp8_w8a8_linear(x[:m], values, scales, groups=8)
+    for m, cfg in ((1, None), (64, None), (300, None), (300, W.PREFILL_CONFIG)):
+        y = W.fp8_w8a8_linear(x[:m], values, scales, groups=8, config=cfg)
         ok, worst = within(y, *oracle(x[:m], values, scales, groups=8))
-        assert ok, (m, worst)
+        assert ok, (m, cfg, worst)
 
 
 @pytest.mark.gpu

@@ -3,31 +3,39 @@
 # against today's W8A16 kernel and cuBLAS BF16, and the routed-expert benchmark (ours, Marlin, FlashInfer
 # CUTLASS when its nvcc JIT build — started first, in the background, niced — finishes in time).
 # Run from the checkout root with `.gpu` carried. Every step is capped; logs and results in $OUT.
-# Knobs: FP8_ARGS (extra benchmarks/fp8_w8a8.py arguments), MOE=0 skips the MoE benchmark, JIT=0 the
-# FlashInfer build, BUDGET (s, default 540) — the whole script ends by then.
+# Knobs: STEPS (default "tests fp8 moe", run in that order), FP8_ARGS (extra benchmarks/fp8_w8a8.py
+# arguments), JIT=0 skips the FlashInfer build, BUDGET (s, default 540: the script ends by then),
+# TEST_CAP / FP8_CAP (s, per step; the MoE step gets what is left).
 set -uo pipefail
 : "${OUT:=/tmp/out}"; mkdir -p "$OUT"
 T0=$SECONDS; BUDGET=${BUDGET:-540}
 left() { echo $((BUDGET - (SECONDS - T0))); }
+cap() { local c=$1 l; l=$(left); [ "$c" -lt "$l" ] && echo "$c" || echo $((l > 5 ? l - 5 : 1)); }
 source .gpu/bin/setup.sh || exit 3
 export XDG_CACHE_HOME=/tmp/cache CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
 MARK=/tmp/flashinfer_moe_ready; JP=
+objects() { find /tmp/cache /root/.cache -name '*.o' -path '*fused_moe_90*' 2>/dev/null | wc -l; }
 if [ "${JIT:-1}" = 1 ]; then
   MAX_JOBS=10 nice -n 19 timeout $(($(left) - 30)) python3 scripts/gpu/flashinfer_moe_jit.py $MARK >"$OUT/flashinfer_jit.log" 2>&1 & JP=$!
 fi
-timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kernels_fp8_w8a8.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
-echo "RESULT gpu_tests rc=${PIPESTATUS[0]} at $((SECONDS - T0)) s"
-timeout $(($(left) > 330 ? 200 : $(left) - 130)) python3 benchmarks/fp8_w8a8.py --out "$OUT" ${FP8_ARGS:-} 2>&1 | tee "$OUT/fp8_w8a8.log" | tail -12
-echo "RESULT fp8_w8a8 rc=${PIPESTATUS[0]} at $((SECONDS - T0)) s"
-if [ "${MOE:-1}" = 1 ]; then
-  [ -n "$JP" ] && ! [ -e $MARK ] && echo "flashinfer JIT still building at $((SECONDS - T0)) s: $(find /tmp/cache /root/.cache -name '*.o' -path '*fused_moe_90*' 2>/dev/null | wc -l) objects"
-  timeout $(($(left) - 10)) python3 benchmarks/moe_mxfp4.py --out "$OUT" --flashinfer-ready $MARK 2>&1 | tee "$OUT/moe_mxfp4.log" | tail -12
-  echo "RESULT moe_mxfp4 rc=${PIPESTATUS[0]} at $((SECONDS - T0)) s"
-fi
+for step in ${STEPS:-tests fp8 moe}; do
+  case $step in
+    tests) timeout $(cap "${TEST_CAP:-150}") python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kernels_fp8_w8a8.py 2>&1 \
+             | tee "$OUT/gpu_tests.log" | tail -15 ;;
+    fp8) timeout $(cap "${FP8_CAP:-200}") python3 benchmarks/fp8_w8a8.py --out "$OUT" ${FP8_ARGS:-} 2>&1 \
+             | tee "$OUT/fp8_w8a8.log" | tail -12 ;;
+    moe) [ -n "$JP" ] && ! [ -e $MARK ] && echo "flashinfer JIT still building at $((SECONDS - T0)) s: $(objects) objects"
+         timeout $(cap 100000) python3 benchmarks/moe_mxfp4.py --out "$OUT" --flashinfer-ready $MARK 2>&1 \
+             | tee "$OUT/moe_mxfp4.log" | tail -12 ;;
+    *) echo "unknown step $step"; continue ;;
+  esac
+  echo "RESULT $step rc=${PIPESTATUS[0]} at $((SECONDS - T0)) s"
+done
 if [ -n "$JP" ]; then
   kill $JP 2>/dev/null
-  echo "flashinfer JIT: marker=$(cat $MARK 2>/dev/null || echo none); objects built: $(find /tmp/cache /root/.cache -name '*.o' -path '*fused_moe_90*' 2>/dev/null | wc -l) of $(find /tmp/cache /root/.cache -name '*.ninja' -path '*fused_moe_90*' -exec grep -c '^build .*\.o:' {} + 2>/dev/null | head -1)"
+  echo "flashinfer JIT: marker=$(cat $MARK 2>/dev/null || echo none); objects built: $(objects) of" \
+       "$(find /tmp/cache /root/.cache -name '*.ninja' -path '*fused_moe_90*' -exec grep -c '^build .*\.o:' {} + 2>/dev/null | head -1)"
   tail -5 "$OUT/flashinfer_jit.log"
 fi
 echo "RESULT done at $((SECONDS - T0)) s"
