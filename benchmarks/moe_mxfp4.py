@@ -30,7 +30,7 @@ For T ∈ {1, 8, 64, 256} tokens (uniform random routing: the most distinct expe
 
 Writes `benchmarks/results/moe_mxfp4.json` and `moe_mxfp4.png`.
 
-    python benchmarks/moe_mxfp4.py [--tokens 1 8 64 256] [--flashinfer-ready MARKER] [--out benchmarks/results]
+    python benchmarks/moe_mxfp4.py [--tokens 1 8 64 256] [--skip-bf16] [--flashinfer-ready MARKER] [--out benchmarks/results]
 """
 from __future__ import annotations
 
@@ -225,6 +225,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    parser.add_argument("--skip-bf16", action="store_true",
+                        help="leave out the BF16-dequantised comparison path (27 GB of copies: saves device time)")
     parser.add_argument("--flashinfer-ready", type=Path, default=None,
                         help="marker file written when FlashInfer's CUTLASS MoE JIT module was built "
                              "(scripts/gpu/flashinfer_moe_jit.py); without it that path is reported as not built")
@@ -267,8 +269,8 @@ def main() -> None:
     paths: dict[str, Callable] = {"mxfp4": ours}
     path_info: dict[str, dict] = {"mxfp4": dict(check=check, bytes_per_expert=experts.checkpoint_bytes_per_expert(),
                                                 prepare_s=prepare_s)}
-    comparisons = [("bf16", bf16_baseline, 2 * (3 * INTER * HIDDEN)),
-                   ("marlin", marlin_path, experts.checkpoint_bytes_per_expert())]
+    comparisons = [] if args.skip_bf16 else [("bf16", bf16_baseline, 2 * (3 * INTER * HIDDEN))]
+    comparisons.append(("marlin", marlin_path, experts.checkpoint_bytes_per_expert()))
     if args.flashinfer_ready is not None and args.flashinfer_ready.exists():
         comparisons.append(("flashinfer_cutlass", flashinfer_cutlass_path, experts.checkpoint_bytes_per_expert()))
     else:

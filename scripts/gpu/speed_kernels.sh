@@ -3,7 +3,7 @@
 # against today's W8A16 kernel and cuBLAS BF16, and the routed-expert benchmark (ours, Marlin, FlashInfer
 # CUTLASS when its nvcc JIT build — started first, in the background, niced — finishes in time).
 # Run from the checkout root with `.gpu` carried. Every step is capped; logs and results in $OUT.
-# Knobs: STEPS (default "tests fp8 moe", run in that order), FP8_ARGS (extra benchmarks/fp8_w8a8.py
+# Knobs: STEPS (default "tests fp8 moe", run in that order), FP8_ARGS / MOE_ARGS (extra benchmark
 # arguments), JIT=0 skips the FlashInfer build, BUDGET (s, default 540: the script ends by then),
 # TEST_CAP / FP8_CAP / MOE_CAP (s, per step, each also bounded by what is left of BUDGET).
 set -uo pipefail
@@ -26,7 +26,7 @@ for step in ${STEPS:-tests fp8 moe}; do
     fp8) timeout $(cap "${FP8_CAP:-200}") python3 benchmarks/fp8_w8a8.py --out "$OUT" ${FP8_ARGS:-} 2>&1 \
              | tee "$OUT/fp8_w8a8.log" | tail -12 ;;
     moe) [ -n "$JP" ] && ! [ -e $MARK ] && echo "flashinfer JIT still building at $((SECONDS - T0)) s: $(objects) objects"
-         timeout $(cap "${MOE_CAP:-300}") python3 benchmarks/moe_mxfp4.py --out "$OUT" --flashinfer-ready $MARK 2>&1 \
+         timeout $(cap "${MOE_CAP:-300}") python3 benchmarks/moe_mxfp4.py --out "$OUT" --flashinfer-ready $MARK ${MOE_ARGS:-} 2>&1 \
              | tee "$OUT/moe_mxfp4.log" | tail -12 ;;
     *) echo "unknown step $step"; continue ;;
   esac
