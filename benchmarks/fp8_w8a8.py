@@ -45,9 +45,9 @@ from step_timing import capture_graph, measure, settle_after_failed_capture  # n
 
 ROWS = (1, 8, 64, 256, 8192)
 #: fixed configurations swept besides the row tiers: label → ((block_m, block_n, sub_blocks, warps, stages,
-#: fused_quant, split_k), (fewest rows, most rows) timed). All compile for sm_90 without spills (CPU check,
-#: 2026-12-02): decode-shaped (BLOCK_M 16: mma.sync on E4M3 widened to f16) and wgmma-shaped (BLOCK_M ≥ 64:
-#: m64nNk32 E4M3). Decode shapes are not timed at prefill sizes (they re-quantise x per column block).
+#: fused_quant, split_k), (fewest rows, most rows) timed). All compile for sm_90 without spills: decode-shaped
+#: (BLOCK_M 16: mma.sync on E4M3 widened to f16) and wgmma-shaped (BLOCK_M ≥ 64: m64nNk32 E4M3). Decode shapes are
+#: not timed at prefill sizes (they re-quantise x per column block). Results: docs/performance.md.
 ALTERNATIVES = {"bm16_bn128_sub4": ((16, 128, 4, 4, 4, True, True), (1, 64)),
                 "bm16_bn64_sub8": ((16, 64, 8, 4, 4, True, True), (1, 64)),
                 "bm16_bn64_nosplit": ((16, 64, 4, 4, 4, True, False), (1, 64)),

@@ -12,23 +12,25 @@ Arithmetic — upstream's Hopper numerics (DeepGEMM SM90 block32, spec §3.8):
    fp8_act_fake_quant` (s comes from amax's bits: amax = m·2^e, m ∈ [1, 2), gives e − 8, plus 1
    when m > 1.75 = 448/2^8; the fp32 quotient amax/448 the reference rounds keeps that decision);
 2. per 32-wide K block kb: p = q[:, kb]·w[:, kb]ᵀ on the tensor cores (E4M3 operands, fp32
-   result; one MMA K-step), then acc += p·s_x[m, kb]·s_w[n/32, kb] in fp32 (power-of-two scales:
+   result), then acc += p·s_x[m, kb]·s_w[n/32, kb] in fp32 (power-of-two scales:
    the products are exact);
 3. K is cut into `k_chunks(n, k)` chunks — a function of the weight's shape only. Each chunk's
    blocks accumulate into a fresh fp32 sum, in ascending kb; the chunk sums are added in
    ascending order starting from 0, then rounded once to BF16 (RNE). At small M every chunk is
    its own program (split-K: fp32 partials [chunks, M, N], then `_sum_chunks_kernel`); at large M
-   one program walks all chunks. The order of additions is the same either way, so the
-   configuration (chosen by M, `config_for_rows`) changes the bits only if the tensor cores'
-   32-product step does (mma.sync for BLOCK_M 16 vs wgmma for ≥ 64: measured by
-   `benchmarks/fp8_w8a8.py`, `agreement`).
+   one program walks all chunks. The order of additions is the same either way, so within one
+   MMA kind a row's bits depend neither on the batch nor on split-K. The row tiers use different
+   MMA instructions (`mma.sync` on E4M3 widened to f16 for BLOCK_M 16, `wgmma` on E4M3 for ≥ 64)
+   and the prefill form is a cuBLAS GEMM, so the bits change at the tier boundaries (each stays
+   within the bound below; docs/performance.md).
 
 Error against the exact product of the quantised operands, y* = Σ_k q_k·s_x·w_k (what the
 reference's `linear_fp8` rounds to BF16): every E4M3·E4M3 product is exact; the tensor core sums
 32 of them with its own alignment (Hopper's FP8 MMA keeps fewer than fp32's bits: at most
 2⁻¹³·Σ|products| assumed, the DeepSeek-V3 report's ~14 bits), the fp32 sums add ≤ K/32 roundings
-of 2⁻²⁴; so |ŷ − bf16(y*)| ≤ ulp_bf16(y*) + 2⁻¹²·S with S = Σ_k |q_k·s_x·w_k| (the tests' bound,
-`w8a8_error_bound`). Under the Triton interpreter the MMA is numpy's fp32 matmul.
+of 2⁻²⁴: |ỹ − y*| ≤ ε = 2⁻¹²·S with S = Σ_k |q_k·s_x·w_k|, and after the BF16 roundings
+|ŷ − bf16(y*)| ≤ 2⁻⁷·|y*| + 2ε (the bound of tests/test_kernels_fp8_w8a8.py, derived there). Under
+the Triton interpreter the MMA is numpy's fp32 matmul.
 
 Decode (M ≤ 16) reads every weight byte once: 1 B per weight + 4 B per tile scale; the x tile is
 quantised inside the GEMM (`fused_quant`, no extra launch). Triton cannot keep the FP8 MMAs in
@@ -81,8 +83,7 @@ class W8A8Config:
     split_k: bool
 
 
-#: compiled for sm_90 on CPU (tests): decode 71 registers, mma.sync on E4M3 widened to f16 (exact);
-#: mid 180 and prefill 240 registers with wgmma m64nNk32 E4M3; cp.async pipelining, no spills
+#: the tests compile these for sm_90 (no spills, cp.async pipelining; wgmma on E4M3 for BLOCK_M ≥ 64)
 DECODE_CONFIG = W8A8Config(16, 64, 4, 4, 4, fused_quant=True, split_k=True)
 MID_CONFIG = W8A8Config(64, 128, 1, 4, 4, fused_quant=True, split_k=True)
 PREFILL_CONFIG = W8A8Config(64, 256, 1, 8, 3, fused_quant=False, split_k=False)
@@ -405,5 +406,6 @@ def weight_bytes(n: int, k: int) -> int:
     return n * k + 4 * (-(-n // TILE)) * (-(-k // TILE))
 
 
-__all__ = ["BF16_GEMM_MIN_ROWS", "DECODE_CONFIG", "FP8", "dequantize_weight_bf16", "fake_quantize_activations_bf16", "INTERPRETED", "MID_CONFIG", "PREFILL_CONFIG", "ROW_TIERS", "TILE", "W8A8Config",
-           "config_for_rows", "fp8_w8a8_linear", "k_chunks", "quantize_activations", "weight_bytes"]
+__all__ = ["BF16_GEMM_MIN_ROWS", "DECODE_CONFIG", "FP8", "INTERPRETED", "MID_CONFIG", "PREFILL_CONFIG", "ROW_TIERS",
+           "TILE", "W8A8Config", "config_for_rows", "dequantize_weight_bf16", "fake_quantize_activations_bf16",
+           "fp8_w8a8_linear", "k_chunks", "quantize_activations", "weight_bytes"]
