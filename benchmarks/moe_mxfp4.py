@@ -30,13 +30,15 @@ For T ∈ {1, 8, 64, 256} tokens (uniform random routing: the most distinct expe
 
 Writes `benchmarks/results/moe_mxfp4.json` and `moe_mxfp4.png`.
 
-    python benchmarks/moe_mxfp4.py [--tokens 1 8 64 256] [--skip-bf16] [--flashinfer-ready MARKER] [--out benchmarks/results]
+    python benchmarks/moe_mxfp4.py [--tokens 1 8 64 256] [--skip-bf16] [--flashinfer-ready MARKER]
+        [--out benchmarks/results]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import platform
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -46,7 +48,11 @@ from typing import Callable
 import torch
 import triton
 import triton.testing
-from device_bandwidth import copy_bandwidth_gbs  # benchmarks/ is on sys.path when run as a script
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+from device_bandwidth import copy_bandwidth_gbs  # noqa: E402
 from triton_kernels.matmul_ogs import PrecisionConfig, matmul_ogs
 
 from sglang_dsv41.checkpoint.codecs import E2M1_VALUES, dequantize_mxfp4, ue8m0_to_float
@@ -184,6 +190,19 @@ def flashinfer_cutlass_path(raw: dict[str, torch.Tensor]) -> Callable:
     return run
 
 
+def comparison_paths(args: argparse.Namespace, mxfp4_bytes_per_expert: int) -> tuple[list, dict]:
+    """([(name, build(raw), bytes per expert)], {name: {"error": why not built}}) for the comparison
+    paths the arguments ask for: bf16 (unless --skip-bf16), marlin, and flashinfer_cutlass only when
+    the JIT-ready marker exists (its nvcc build takes far longer than a benchmark)."""
+    comparisons = [] if args.skip_bf16 else [("bf16", bf16_baseline, 2 * (3 * INTER * HIDDEN))]
+    comparisons.append(("marlin", marlin_path, mxfp4_bytes_per_expert))
+    if args.flashinfer_ready is not None and args.flashinfer_ready.exists():
+        return comparisons + [("flashinfer_cutlass", flashinfer_cutlass_path, mxfp4_bytes_per_expert)], {}
+    return comparisons, {"flashinfer_cutlass": dict(
+        error="not built: FlashInfer's CUTLASS MoE module is nvcc-JIT-compiled at first use and its build had not "
+              f"finished (no --flashinfer-ready marker {args.flashinfer_ready})")}
+
+
 def timed_build(build: Callable[[], Callable]) -> tuple[Callable, float]:
     """(build(), wall seconds it took, device work included)."""
     torch.cuda.synchronize()
@@ -221,7 +240,7 @@ def with_bandwidth(t: dict, nbytes: int, copy_gbs: float) -> dict:
     return t
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
@@ -233,7 +252,11 @@ def main() -> None:
     parser.add_argument("--time-even-if-inaccurate", action="store_true",
                         help="record a failed accuracy self-check in the JSON (within_bound=false) and "
                              "time anyway — for diagnosing, never for reporting a result")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/moe_mxfp4.py needs a CUDA GPU")
     import matplotlib
@@ -269,14 +292,8 @@ def main() -> None:
     paths: dict[str, Callable] = {"mxfp4": ours}
     path_info: dict[str, dict] = {"mxfp4": dict(check=check, bytes_per_expert=experts.checkpoint_bytes_per_expert(),
                                                 prepare_s=prepare_s)}
-    comparisons = [] if args.skip_bf16 else [("bf16", bf16_baseline, 2 * (3 * INTER * HIDDEN))]
-    comparisons.append(("marlin", marlin_path, experts.checkpoint_bytes_per_expert()))
-    if args.flashinfer_ready is not None and args.flashinfer_ready.exists():
-        comparisons.append(("flashinfer_cutlass", flashinfer_cutlass_path, experts.checkpoint_bytes_per_expert()))
-    else:
-        path_info["flashinfer_cutlass"] = dict(error="not built: FlashInfer's CUTLASS MoE module is nvcc-JIT-compiled "
-                                                     "at first use and its build had not finished (no --flashinfer-ready "
-                                                     f"marker {args.flashinfer_ready})")
+    comparisons, not_built = comparison_paths(args, experts.checkpoint_bytes_per_expert())
+    path_info |= not_built
     for name, build, per_expert in comparisons:
         try:
             fn, build_s = timed_build(lambda: build(raw))
