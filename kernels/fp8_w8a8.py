@@ -4,7 +4,10 @@
 values [N, K] `float8_e4m3fn` with unit stride along K, scales [⌈N/32⌉, K/32] fp32 powers of two
 (one per 32×32 weight tile, the UE8M0 byte decoded at load) → y [M, N] BF16. With `groups` G > 1
 it is the grouped product of `wo_a`: output columns of group g (rows g·N/G … of values) read x's
-columns g·K … (g+1)·K − 1 — one launch over all groups.
+columns g·K … (g+1)·K − 1 — one launch over all groups. `act_quant=False` leaves the activations
+unquantised (x rounded to BF16, BF16 MMA on the exact BF16 weight values: W8A16): that is `wo_a`'s
+arithmetic in upstream and in the reference (BF16 on the dequantised weight, spec §2.4.1), with
+fp8_linear's bound |ỹ − y*| ≤ K·2⁻²³·S before the BF16 rounding.
 
 Arithmetic — upstream's Hopper numerics (DeepGEMM SM90 block32, spec §3.8):
 1. activations per (row, 32 columns): s = 2^⌈log2(max(amax, 1e−10)/448)⌉ (UE8M0), q = e4m3(x/s)
@@ -184,7 +187,7 @@ def _dequantize_weight_kernel(w_ptr, ws_ptr, out_ptr, N, K, stride_wn, stride_ws
 def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, n_per_group, chunk_blocks, n_chunks,
                  stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_oc,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, FUSED_QUANT: tl.constexpr,
-                 SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr):
+                 SPLIT_K: tl.constexpr, ACT_QUANT: tl.constexpr, INTERPRET: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -214,7 +217,11 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, n_per_group, ch
                 kb = kb0 + j
                 live = kb < kb_end
                 kk = kb * 32 + offs_k
-                if FUSED_QUANT:
+                if not ACT_QUANT:                                 # W8A16: x rounded to BF16, scale 1
+                    xv = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & live, other=0.0).to(tl.float32)
+                    xq = _rne_bf16(xv) if INTERPRET else xv.to(tl.bfloat16)
+                    sx = tl.full((BLOCK_M,), 1.0, tl.float32)
+                elif FUSED_QUANT:
                     xv = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & live, other=0.0).to(tl.float32)
                     xq, sx = _quantize_groups(xv, INTERPRET)
                 else:
@@ -224,8 +231,10 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, n_per_group, ch
                 sw = tl.load(ws_cols + kb, mask=n_ok & live, other=0.0)
                 if INTERPRET:
                     p = tl.dot(xq.to(tl.float32), wt.to(tl.float32), input_precision="ieee")
-                else:
+                elif ACT_QUANT:
                     p = tl.dot(xq, wt)
+                else:
+                    p = tl.dot(xq, wt.to(tl.bfloat16))                # E4M3 → BF16 exact, products exact
                 acc += p * sx[:, None] * sw[None, :]
         if SPLIT_K:
             total = acc
@@ -318,13 +327,13 @@ def dequantize_weight_bf16(values: Tensor, scales: Tensor) -> Tensor:
     return out
 
 
-def _bf16_gemm(x: Tensor, values: Tensor, scales: Tensor, groups: int) -> Tensor:
+def _bf16_gemm(x: Tensor, values: Tensor, scales: Tensor, groups: int, act_quant: bool) -> Tensor:
     """The prefill form (module doc): BF16 copies of the quantised activations and of the weight
     (transient), one cuBLAS GEMM (`wo_a`: one batched GEMM) with fp32 accumulation and fp32
     split-K reductions (reduced-precision reduction disallowed for the call), one BF16 rounding."""
     M = x.shape[0]
     N, K = values.shape
-    xb = fake_quantize_activations_bf16(x)
+    xb = fake_quantize_activations_bf16(x) if act_quant else x.to(torch.bfloat16)
     wb = dequantize_weight_bf16(values, scales)
     allowed = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
@@ -358,16 +367,18 @@ def _checked(x: Tensor, values: Tensor, scales: Tensor, groups: int) -> tuple[in
     return x.shape[0], N, K, N // groups
 
 
-def fp8_w8a8_linear(x: Tensor, values: Tensor, scales: Tensor, *, groups: int = 1,
+def fp8_w8a8_linear(x: Tensor, values: Tensor, scales: Tensor, *, groups: int = 1, act_quant: bool = True,
                     config: W8A8Config | None = None, bf16_gemm: bool | None = None) -> Tensor:
     """y [M, N] BF16 = x·Wᵀ with upstream's W8A8 numerics (module doc); `groups` > 1: the grouped
     product (x [M, groups·K], group g's output rows read x's g-th K columns), one GEMM launch.
     From BF16_GEMM_MIN_ROWS rows (or with `bf16_gemm=True`) the prefill form runs (`_bf16_gemm`);
-    below, the Triton kernel with `config` or `config_for_rows(M)`. No host sync."""
+    below, the Triton kernel with `config` or `config_for_rows(M)`. `act_quant=False`: no activation
+    quantisation — x rounded to BF16, exact products, fp32 sums, BF16 out: the reference's
+    `linear_bf16` on the dequantised weight, i.e. what `wo_a` is (spec §2.4.1, §3.8). No host sync."""
     M, N, K, n_per_group = _checked(x, values, scales, groups)
     use_bf16_gemm = bf16_gemm if bf16_gemm is not None else (config is None and M >= BF16_GEMM_MIN_ROWS)
     if use_bf16_gemm:
-        return _bf16_gemm(x, values, scales, groups)
+        return _bf16_gemm(x, values, scales, groups, act_quant)
     y = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     if M == 0:
         return y
@@ -377,7 +388,7 @@ def fp8_w8a8_linear(x: Tensor, values: Tensor, scales: Tensor, *, groups: int = 
         block_n //= 2
     if block_n < 16:
         raise ValueError(f"fp8_w8a8_linear: {n_per_group} rows per group need a 16-row divisor")
-    if cfg.fused_quant:
+    if cfg.fused_quant or not act_quant:
         xq, xs = (x if x.stride(1) == 1 else x.contiguous()), x        # xs unused (constexpr path)
         stride_xs = 0
     else:
@@ -393,7 +404,8 @@ def fp8_w8a8_linear(x: Tensor, values: Tensor, scales: Tensor, *, groups: int = 
     _w8a8_kernel[grid](xq, xs, values, scales, out, M, N, K, n_per_group, chunk_blocks, chunks,
                        xq.stride(0), stride_xs, values.stride(0), scales.stride(0), out.stride(-2),
                        out.stride(0) if split else 0, BLOCK_M=cfg.block_m, BLOCK_N=block_n, SUB=cfg.sub_blocks,
-                       FUSED_QUANT=cfg.fused_quant, SPLIT_K=split, INTERPRET=INTERPRETED, **launch)
+                       FUSED_QUANT=cfg.fused_quant, SPLIT_K=split, ACT_QUANT=act_quant, INTERPRET=INTERPRETED,
+                       **launch)
     if split:
         size = M * N
         _sum_chunks_kernel[(triton.cdiv(size, SUM_BLOCK),)](out, y, chunks, size, BLOCK=SUM_BLOCK,

@@ -45,9 +45,10 @@ CONFIGS = {"decode": W.DECODE_CONFIG, "mid": W.MID_CONFIG, "prefill": W.PREFILL_
            "prefill_split": W.W8A8Config(64, 64, 2, 4, 3, fused_quant=False, split_k=True)}
 
 
-def oracle(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, groups: int = 1):
-    """(reference linear_fp8 result [M, N] fp32, per-element bound) for the (grouped) product, on
-    the CPU (the GPU tests: on the GPU — a test oracle, not the serving path)."""
+def oracle(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, groups: int = 1, act_quant: bool = True):
+    """(reference result [M, N] fp32, per-element bound) for the (grouped) product: `linear_fp8`
+    (W8A8), or with act_quant=False `linear_bf16` (W8A16, wo_a's arithmetic) whose fp32 sums get
+    fp8_linear's K·2⁻²³·S. On x's device (the GPU tests: a test oracle, not the serving path)."""
     w = dequantised(values, scales).to(F32)
     xf = x.detach().float()
     n, k = w.shape
@@ -55,12 +56,13 @@ def oracle(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, groups: 
     ys, ystar, s = [], [], []
     for g in range(groups):
         xg, wg = xf[:, g * k:(g + 1) * k], w[g * ng:(g + 1) * ng]
-        ys.append(ops.linear_fp8(xg, wg))
-        xq = ops.fp8_act_fake_quant(xg).to(F64)
+        ys.append(ops.linear_fp8(xg, wg) if act_quant else ops.linear_bf16(ops.bf16(xg), wg))
+        xq = (ops.fp8_act_fake_quant(xg) if act_quant else ops.bf16(xg)).to(F64)
         ystar.append(xq @ wg.to(F64).t())
         s.append(xq.abs() @ wg.to(F64).abs().t())
     ystar, s = torch.cat(ystar, 1), torch.cat(s, 1)
-    return torch.cat(ys, 1), 2.0 ** -7 * ystar.abs() + 2 * MMA_STEP_EPS * s + 2.0 ** -133
+    eps = MMA_STEP_EPS if act_quant else k * 2.0 ** -23
+    return torch.cat(ys, 1), 2.0 ** -7 * ystar.abs() + 2 * eps * s + 2.0 ** -133
 
 
 def within(y: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> tuple[bool, float]:
@@ -149,6 +151,25 @@ def test_kernel_case_grouped_wo_a_is_one_launch_equal_to_the_groups(label: str, 
         alone = W.fp8_w8a8_linear(x[:, gi * k:(gi + 1) * k].contiguous(), values[rows_g], scales[gi * 2:(gi + 1) * 2],
                                   config=CONFIGS[label])
         assert torch.equal(alone, y[:, rows_g]), gi
+
+
+@kernel
+@pytest.mark.parametrize("label", ["decode", "mid", "prefill", "bf16_gemm"])
+def test_kernel_case_wo_a_without_activation_quantisation(label: str, monkeypatch) -> None:
+    """act_quant=False (wo_a's W8A16 arithmetic): within the bound of the reference's per-group
+    `linear_bf16` on the dequantised weight, one launch, and not the W8A8 result."""
+    g = torch.Generator().manual_seed(9)
+    groups, rows, k, m = 4, 64, 160, 5
+    values, scales = fp8_weight(groups * rows, k, g, exp_range=(-20, 0))
+    x = random_x(m, groups * k, g, F32)
+    counting = _CountingLaunch(W._w8a8_kernel)
+    monkeypatch.setattr(W, "_w8a8_kernel", counting)
+    kw = dict(bf16_gemm=True) if label == "bf16_gemm" else dict(config=CONFIGS[label])
+    y = W.fp8_w8a8_linear(x, values, scales, groups=groups, act_quant=False, **kw)
+    assert len(counting.grids) == (0 if label == "bf16_gemm" else 1)
+    ok, worst = within(y, *oracle(x, values, scales, groups, act_quant=False))
+    assert ok, worst
+    assert not torch.equal(y, W.fp8_w8a8_linear(x, values, scales, groups=groups, **kw))     # W8A8 differs
 
 
 @kernel
@@ -254,9 +275,9 @@ def test_row_tiers() -> None:
     assert W.DECODE_CONFIG.fused_quant and W.DECODE_CONFIG.split_k and not W.PREFILL_CONFIG.split_k
 
 
-def _compile(cfg: W.W8A8Config):
+def _compile(cfg: W.W8A8Config, act_quant: bool = True):
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SUB=cfg.sub_blocks, FUSED_QUANT=cfg.fused_quant,
-                  SPLIT_K=cfg.split_k, INTERPRET=False)
+                  SPLIT_K=cfg.split_k, ACT_QUANT=act_quant, INTERPRET=False)
     pointers = {"x_ptr": "*bf16" if cfg.fused_quant else "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv",
                 "ws_ptr": "*fp32", "out_ptr": "*fp32" if cfg.split_k else "*bf16"}
     kern = W._w8a8_kernel
@@ -270,15 +291,19 @@ def _compile(cfg: W.W8A8Config):
                             attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
 
 
-@pytest.mark.parametrize("label", ["decode", "mid", "prefill"])
-def test_kernel_compiles_for_hopper_on_tensor_cores_without_spills(label: str) -> None:
+@pytest.mark.parametrize("label,act_quant", [("decode", True), ("mid", True), ("prefill", True),
+                                             ("decode", False), ("mid", False)])
+def test_kernel_compiles_for_hopper_on_tensor_cores_without_spills(label: str, act_quant: bool) -> None:
     if W.INTERPRETED:
         pytest.skip("compiled kernel only")
     cfg = CONFIGS[label]
-    compiled, usage = _compile(cfg)
+    compiled, usage = _compile(cfg, act_quant)
     ptx = compiled.asm["ptx"]
     assert no_spills(usage), usage
     assert "cp.async" in ptx                                              # pipelined global loads
+    if not act_quant:                                                     # W8A16: BF16 MMA, no E4M3 rounding
+        assert re.search(r"(wgmma\.mma_async|mma\.sync)\S*bf16", ptx) and "cvt.rn.satfinite.e4m3x2" not in ptx
+        return
     if cfg.block_m >= 64:
         assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", ptx)
     else:
@@ -291,7 +316,7 @@ if not W.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        run_kernel_cases_in_interpreter(__file__, min_passed=24, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=28, exact=True)
 
 
 # ---- GPU ------------------------------------------------------------------------------------------
@@ -322,6 +347,17 @@ def test_gpu_grouped_wo_a_at_flash_shape() -> None:
     for m, cfg in ((1, None), (64, None), (300, None), (300, W.PREFILL_CONFIG)):
         y = W.fp8_w8a8_linear(x[:m], values, scales, groups=8, config=cfg)
         ok, worst = within(y, *oracle(x[:m], values, scales, groups=8))
+        assert ok, (m, cfg, worst)
+
+
+@pytest.mark.gpu
+def test_gpu_wo_a_without_activation_quantisation_at_flash_shape() -> None:
+    g = torch.Generator().manual_seed(13)
+    values, scales = fp8_weight(8192, 4096, g)
+    x = random_x(300, 8 * 4096, g)
+    for m, cfg in ((1, None), (64, None), (300, None), (300, W.PREFILL_CONFIG)):
+        y = W.fp8_w8a8_linear(x[:m], values, scales, groups=8, act_quant=False, config=cfg)
+        ok, worst = within(y, *oracle(x[:m], values, scales, groups=8, act_quant=False))
         assert ok, (m, cfg, worst)
 
 
