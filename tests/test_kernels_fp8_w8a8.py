@@ -36,7 +36,7 @@ import torch
 from sglang_dsv41.kernels import fp8_w8a8 as W
 from sglang_dsv41.reference import ops
 
-from fp8_cases import BF16, DEVICE, F32, F64, KERNEL_HERE, dequantised, exact_sum_case, fp8_weight, kernel
+from fp8_cases import BF16, DEVICE, F32, F64, dequantised, exact_sum_case, fp8_weight, kernel
 from triton_checks import compile_for_sm90, no_spills, run_kernel_cases_in_interpreter
 
 MMA_STEP_EPS = 2.0 ** -12
