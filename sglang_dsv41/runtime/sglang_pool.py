@@ -9,7 +9,8 @@ the unified radix tree with FULL + SWA components — and two HookRegistry entri
 * `memory_pool_configurator_hook` — AROUND `create_memory_pool_configurator`: our
   `DeepseekV41PoolConfigurator` divides the KV budget by the cell row_stride + ratio · L · D · 2
   (Flash 896 + 0.1 · 40,960 B) and splits it into full and SWA tokens with SGLang's own solver;
-  it logs the global KV bytes per token. Refuses what the pool cannot be built for.
+  it logs the global KV bytes per token. Refuses what the pool cannot be built for or serve yet
+  (non-bf16 KV, no hybrid-SWA memory, unified memory, a draft worker, HiCache, PD).
 * `build_token_to_kv_pool_hook` — AROUND `KVCacheConfigurator._build_token_to_kv_pool`: builds
   `DeepseekV41KVPool` from those sizes, SGLang's page size and its `req_to_token` rows (the pair
   ring has one row each), with ring slots for the speculative draft tokens. Refuses a KV dtype
@@ -55,6 +56,12 @@ def check_pool_flags(kvc) -> None:
     if kvc.is_draft_worker:
         raise _fail("speculative decoding with a draft worker is not supported by the V4.1 pool yet "
                     "(drop --speculative-algorithm)")
+    if getattr(kvc.server_args, "enable_hierarchical_cache", False):
+        raise _fail("--enable-hierarchical-cache: HiCache host pools for the V4.1 pool are not built yet "
+                    "(SGLang's _SwaStrategy builds MHA host pools; docs/runtime.md \"KV pool\")")
+    if getattr(kvc.server_args, "disaggregation_mode", "null") != "null":
+        raise _fail("--disaggregation-mode: PD transfer of the V4.1 pool is not wired yet (SGLang's non-MLA path "
+                    "splits the one global-KV buffer into K/V halves; docs/runtime.md \"KV pool\")")
     if getattr(kvc.server_args, "enable_unified_memory", False):
         raise _fail("--enable-unified-memory builds SGLang's own pools, not the V4.1 pool: drop the flag")
     if kvc.kv_cache_dtype != KV_DTYPE:
