@@ -87,6 +87,18 @@ def test_pool_layers_number_global_rows_then_swa_layers() -> None:
         pool.get_value_buffer(3)
 
 
+def test_hicache_swa_strategy_recognises_the_pool() -> None:
+    """HiCache's `_SwaStrategy` (the one a FULL + SWA unified radix tree gets) matches the pool and
+    reads its layer mapping: global rows = transfer layer 0, SWA of model layer l = 1 + l."""
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _SwaStrategy, _swa_layer_mappings
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    pool = _pool(TINY)
+    assert _SwaStrategy().matches(pool, {ComponentType.FULL, ComponentType.SWA})
+    full, swa = _swa_layer_mappings(pool)
+    assert full == {0: 0} and swa == {1 + l: l for l in range(8)}
+
+
 # ---- SGLang's allocator over the pool -------------------------------------------------------------
 
 def test_caches_are_the_pools_buffers_and_sglangs_mapping(runtime_hooks) -> None:
