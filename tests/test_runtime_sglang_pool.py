@@ -257,12 +257,15 @@ def test_sglang_sizes_the_flash_pool_with_896_byte_rows(tmp_path: Path, caplog) 
     with caplog.at_level("INFO"):
         conf = pool_configurator.create_memory_pool_configurator(_kvc(mc))
     assert "global KV 896 B/token (890 B packed FP4 rows padded to 16 B)" in caplog.text
+    assert "request state (pair ring + Engram history) 24644 B per request row" in caplog.text
     assert conf._full_per_token == 896 and conf._cell_size == pytest.approx(896 + 0.1 * 40 * 1024)
     from sglang_dsv41.deploy import kv
 
     assert kv.pool_bytes_per_full_token(FLASH, 0.1) == pytest.approx(conf._cell_size)
+    reserved = conf.request_state_bytes(int(10**9 // conf._cell_size))
+    assert reserved == (2048 + 1) * (3 * 2 * (2 * 512 * 4 + 8) + 3 * 4 + 8)    # 2048..4096 rows: SGLang's rule
     sizes = conf.calculate_pool_sizes(10**9, page_size=2)
-    assert sizes.full_max_total_num_tokens == int(10**9 // conf._cell_size) // 2 * 2
+    assert sizes.full_max_total_num_tokens == int((10**9 - reserved) // conf._cell_size) // 2 * 2
     assert sizes.swa_max_total_num_tokens == int(sizes.full_max_total_num_tokens * 0.1) // 2 * 2
     with pytest.raises(RuntimeError, match="--kv-cache-dtype"):
         pool_configurator.create_memory_pool_configurator(_kvc(mc, kv_cache_dtype=torch.float8_e4m3fn))

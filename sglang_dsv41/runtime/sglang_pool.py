@@ -7,8 +7,10 @@ the unified radix tree with FULL + SWA components — and two HookRegistry entri
 (`sglang_dsv41.hooks`) replace what it would size and build from per-layer K/V head dims:
 
 * `memory_pool_configurator_hook` — AROUND `create_memory_pool_configurator`: our
-  `DeepseekV41PoolConfigurator` divides the KV budget by the cell row_stride + ratio · L · D · 2
-  (Flash 896 + 0.1 · 40,960 B) and splits it into full and SWA tokens with SGLang's own solver;
+  `DeepseekV41PoolConfigurator` reserves the request-scoped state (pair ring + Engram history per
+  request row, for as many rows as SGLang will allow), divides the rest of the KV budget by the
+  cell row_stride + ratio · L · D · 2 (Flash 896 + 0.1 · 40,960 B) and splits it into full and
+  SWA tokens with SGLang's own solver;
   it logs the global KV bytes per token. Refuses what the pool cannot be built for or serve yet
   (non-bf16 KV, no hybrid-SWA memory, unified memory, a draft worker, HiCache, PD).
 * `build_token_to_kv_pool_hook` — AROUND `KVCacheConfigurator._build_token_to_kv_pool`: builds
@@ -28,6 +30,7 @@ import torch
 from sglang.srt.model_executor.pool_configurator import HybridSWAPoolConfigurator
 
 from ..config import TextConfig
+from .cache import RuntimeCaches
 from .hf_config import ARCHITECTURE
 from .kv_rows import pair_ring_slots, text_row_payload_bytes, text_row_stride_bytes
 
@@ -93,10 +96,30 @@ class DeepseekV41PoolConfigurator(HybridSWAPoolConfigurator):
         self._sliding_window_size = kvc.sliding_window_size
         self._page_size = kvc.page_size
         self._cell_size = self._full_per_token + self._swa_full_tokens_ratio * self._swa_per_token * self._swa_layers_num
+        self._request_row_bytes = (RuntimeCaches.planned_request_state_bytes(text, draft_tokens(kvc.server_args))
+                                   + (text.engram_max_ngram_size - 1) * 4 + 8)
+        self._context_len = int(getattr(kvc.model_config, "context_len", 0) or 0)
+        requested = getattr(kvc.server_args, "max_running_requests", None)
+        dp = int(getattr(getattr(kvc, "ps", None), "attn_dp_size", 1) or 1)
+        self._requested_requests = None if requested is None else int(requested) // dp
         logger.info("sglang-dsv41 KV pool sizing: global KV %d B/token (%d B packed FP4 rows padded to 16 B), "
-                    "SWA %d B per SWA token, --swa-full-tokens-ratio %s: %.1f B per full token",
+                    "SWA %d B per SWA token, --swa-full-tokens-ratio %s: %.1f B per full token; request state "
+                    "(pair ring + Engram history) %d B per request row, reserved first",
                     self._full_per_token, text_row_payload_bytes(text), self._swa_per_token * self._swa_layers_num,
-                    self._swa_full_tokens_ratio, self._cell_size)
+                    self._swa_full_tokens_ratio, self._cell_size, self._request_row_bytes)
+
+    def request_state_bytes(self, token_capacity: int) -> int:
+        """Bytes of the request-scoped state for the request rows SGLang will allow at this token
+        capacity (its `resolve_max_num_reqs` rule: the requested count, else 2048..4096 by context)."""
+        reqs = self._requested_requests
+        if reqs is None:
+            estimated = int(token_capacity / self._context_len * 512) if self._context_len else 4096
+            reqs = min(max(min(estimated, 4096), 2048), token_capacity // 2)
+        return (reqs + 1) * self._request_row_bytes
+
+    def calculate_pool_sizes(self, available_bytes: int, page_size: int):
+        fixed = self.request_state_bytes(int(available_bytes // self._cell_size))
+        return super().calculate_pool_sizes(max(available_bytes - fixed, 0), page_size)
 
 
 def memory_pool_configurator_hook(original, kvc):
