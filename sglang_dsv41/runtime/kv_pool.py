@@ -134,15 +134,15 @@ class DeepseekV41KVPool(SWAKVPool):
         self.full_to_swa_index_mapping: Tensor | None = None
         self.layout = layout
         self.runtime_caches = RuntimeCaches.from_buffers(
-            cfg, self.swa_kv_pool.buffers, self._identity_mapping(), self.full_kv_pool.buffers[0], num_req_rows,
+            cfg, self.swa_kv_pool.buffers, self._unregistered_mapping(), self.full_kv_pool.buffers[0], num_req_rows,
             profile, pool_id=id(self), page_size=page_size, pair_slots=pair_slots)
         self.runtime_caches.layer_waiter = self.wait_for_model_layer
         self.mem_usage = (self.full_kv_pool.mem_usage + self.swa_kv_pool.mem_usage
                           + self.request_state_bytes() / GB)
         logger.info(self.describe())
 
-    def _identity_mapping(self) -> Tensor:
-        """Placeholder mapping until SGLang's allocator registers its own (`register_mapping`)."""
+    def _unregistered_mapping(self) -> Tensor:
+        """All-zero (every slot → the padding SWA slot) until SGLang's allocator registers its mapping (`register_mapping`); `pool_caches` refuses a pool without one."""
         return torch.zeros(self.size + self.page_size, dtype=torch.int64, device=self.device)
 
     # ---- SGLang's hybrid-SWA interface ---------------------------------------------------------
