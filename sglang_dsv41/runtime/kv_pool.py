@@ -142,7 +142,8 @@ class DeepseekV41KVPool(SWAKVPool):
         logger.info(self.describe())
 
     def _unregistered_mapping(self) -> Tensor:
-        """All-zero (every slot → the padding SWA slot) until SGLang's allocator registers its mapping (`register_mapping`); `pool_caches` refuses a pool without one."""
+        """All-zero (every slot → the padding SWA slot) until SGLang's allocator registers its
+        mapping (`register_mapping`); `pool_caches` refuses a pool without one."""
         return torch.zeros(self.size + self.page_size, dtype=torch.int64, device=self.device)
 
     # ---- SGLang's hybrid-SWA interface ---------------------------------------------------------
