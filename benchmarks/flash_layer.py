@@ -175,7 +175,7 @@ def build_layer(cfg: DeepseekV41Config, layer: int, device: torch.device, seed: 
 class Caches:
     """Request b owns token slots b·C .. b·C + C − 1 (C = context, a multiple of the ratio r).
     `swa`: BF16 SWA rows [S, D] (the runtime's format). `packed`: the layer's kv source in uint8
-    packed rows [S, storage_row_bytes] (contracts §1–§2, only this source's columns written;
+    packed rows [S, row_stride] (contracts §1–§2, only this source's columns written;
     entry e = slot // r holds the compressed position completed by slot e·r + r − 1). `latents` /
     `keys`: BF16 copies of the decoded entries at that completing slot (the BF16 variants), or None."""
     swa: Tensor
@@ -200,7 +200,7 @@ def make_caches(layer: Layer, requests: int, context: int, device: torch.device,
     g = torch.Generator(device=device).manual_seed(seed)
     S, D, Dk = requests * context, t.head_dim, t.index_head_dim
     swa = torch.randn(S, D, generator=g, device=device).to(torch.bfloat16)
-    rows = torch.zeros(S, layout.storage_row_bytes, dtype=torch.uint8, device=device)
+    rows = torch.zeros(S, layout.row_stride, dtype=torch.uint8, device=device)
     latents = torch.zeros(S, D, dtype=torch.bfloat16, device=device) if bf16_copies else None
     keys = torch.zeros(S, Dk, dtype=torch.bfloat16, device=device) if bf16_copies else None
     n = S // src.ratio

@@ -132,12 +132,19 @@ HOOKS: tuple[HookSpec, ...] = (
             "overrides run) and set the defaults outside SGLang's override whitelist (parsers, memory, "
             "CUDA-graph flags, needed before SGLang resolves its graph configuration)."),
     HookSpec(
-        target="sglang.srt.configs.model_config.ModelConfig._derive_hybrid_model",
-        kind="after", impl=f"{_RUNTIME_IMPL}:derive_hybrid_model_hook",
-        params=("self",), area="runtime",
-        why="SGLang passes the SWA layers' own head dims (swa_head_dim D, swa_v_head_dim 0) and the "
-            "full layer's v_head_dim 0 to SWAKVPool only for an allow-list of architectures "
-            "(is_hybrid_swa_compress); without it both pools get the packed-row width and K+V rows."),
+        target="sglang.srt.model_executor.pool_configurator.create_memory_pool_configurator",
+        kind="around", impl="sglang_dsv41.runtime.sglang_pool:memory_pool_configurator_hook",
+        params=("kvc",), area="runtime",
+        why="SGLang sizes hybrid-SWA pools from per-layer K/V head dims; the V4.1 pool holds one 16-B-aligned "
+            "global KV row per full token (Flash 896 B) plus L bf16 SWA rows per SWA token, which only our "
+            "configurator budgets (and logs); it also refuses flags the pool cannot be built for."),
+    HookSpec(
+        target="sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool",
+        kind="around", impl="sglang_dsv41.runtime.sglang_pool:build_token_to_kv_pool_hook",
+        params=("self", "sizes", "is_dsa_model", "is_dsv4_model", "req_to_token_pool"), area="runtime",
+        why="builds our DeepseekV41KVPool (a SWAKVPool with FULL = global KV rows, SWA = per-layer SWA rows, "
+            "plus the pair ring) instead of SGLang's MHA sub-pools, which would need a fake layer and "
+            "zero-width V buffers to hold the V4.1 rows."),
     HookSpec(
         target="sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
         kind="after", impl=f"{_RUNTIME_IMPL}:attach_engram_history_hook",

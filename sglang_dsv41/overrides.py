@@ -89,7 +89,7 @@ def runtime_device(server_args: Any) -> str:
 def refusals(given: dict[str, Any], text_config: Any, device: str,
              profile: RuntimeProfile = CURRENT_RUNTIME) -> list[str]:
     """One message per user value the runtime cannot serve, each naming its flag (empty: all fine)."""
-    from .runtime.sglang_pool import required_page_multiple
+    from .runtime.kv_rows import required_page_multiple
     from .runtime.tensor_parallel import ShardPlan, TensorParallelError
 
     out: list[str] = []

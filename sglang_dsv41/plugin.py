@@ -8,10 +8,10 @@ scheduler process (runtime.md §B "The general-purpose hook"; cpu.md §4). It re
 2. our model class under the architecture `DeepseekV41ForCausalLM` in SGLang's `ModelRegistry`
    (`runtime/model.py`);
 3. the runtime's HookRegistry entries (area "runtime" of `sglang_dsv41.hooks`), installed and
-   verified: SGLang's hybrid-SWA pool gets the SWA layers' own head dims for our architecture
-   (`ModelConfig._derive_hybrid_model`), its budget per token counts the runtime's int32 token id
-   per SWA slot (`HybridSWAPoolConfigurator.__init__`), and the paged allocator's
-   `alloc_extend` / `alloc_decode` run in torch on CPU servers (SGLang's are Triton kernels);
+   verified: SGLang sizes and builds our KV pool (`create_memory_pool_configurator`,
+   `KVCacheConfigurator._build_token_to_kv_pool`; `runtime/kv_pool.py`), and the paged
+   allocator's `alloc_extend` / `alloc_decode` run in torch on CPU servers (SGLang's are Triton
+   kernels);
 4. the attention backend `dsv41` (`runtime/graph_backend.py`: torch_native plus the decode
    CUDA-graph hooks) in SGLang's `--attention-backend` choices and backend registry;
 5. the chat API (`sglang_dsv41.api.register.register_api()`: parsers and chat hooks), when that
@@ -26,7 +26,7 @@ written for V4's layout and kernels — `is_deepseek_v4()` selects the DSV4 pool
 `DeepSeekV4TokenToKVPool` (ratios 4/128 only), the `dsv4` attention backend (FlashMLA, CUDA),
 page size 256, an fp8 KV dtype, V4 server-arg defaults, the V4 chat encoder and the DSpark/NextN
 draft renames. Our torch-path model computes its own attention over its own row layout in SGLang's
-hybrid-SWA pool (packed FP4 rows + BF16 SWA rows, docs/runtime.md), so none of these may engage;
+pool (packed FP4 rows + BF16 SWA rows, `runtime/kv_pool.py`, docs/runtime.md), so none of these may engage;
 a distinct architecture gets SGLang's generic decoder paths only, and the SGLang-facing config
 (`DeepseekV41HFConfig`) hides the attributes that would trigger attribute-keyed special cases
 (DSA/MLA, MTP, multimodal, FP8). `tests/test_runtime_plugin.py` pins this: a V4.1 checkpoint

@@ -123,9 +123,9 @@ def test_packed_caches(bench, setup, ratio: int) -> None:
     src = layout.source(built.role.kv_source)
     r, S = src.ratio, requests * C
     assert caches.swa.shape == (S, cfg.text.head_dim) and caches.swa.dtype == torch.bfloat16
-    assert caches.packed.rows.shape == (S, layout.storage_row_bytes) and caches.packed.rows.dtype == torch.uint8
+    assert caches.packed.rows.shape == (S, layout.row_stride) and caches.packed.rows.dtype == torch.uint8
     assert (caches.packed.offset, caches.packed.share, caches.packed.ratio) == (src.offset, src.share, r)
-    outside = torch.ones(layout.storage_row_bytes, dtype=torch.bool)
+    outside = torch.ones(layout.row_stride, dtype=torch.bool)
     outside[src.offset: src.offset + src.share] = False
     assert not caches.packed.rows[:, outside].any()                         # other sources untouched
     reader = PackedSourceRows(caches.packed.rows, src, layout)

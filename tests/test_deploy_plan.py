@@ -21,6 +21,7 @@ from sglang_dsv41.deploy.kv import (
 from sglang_dsv41.deploy.memory import GIB, ShardLayout, vram_minimum_gb, weight_plan
 from sglang_dsv41.deploy.plan import RuntimePool, make_plan, model_config_for
 from sglang_dsv41.deploy.runtime_residency import runtime_residency
+from sglang_dsv41.runtime.cache import RuntimeCaches
 from sglang_dsv41.deploy.schema import config_from_dict, load_config, raw_config
 from sglang_dsv41.presets import flash_config_dict, tiny_config_dict
 
@@ -108,17 +109,20 @@ def test_resident_weights_per_rank_tp2_matches_card_tp4_does_not(flash) -> None:
     assert non_engram / GIB == pytest.approx(286.4, abs=0.05)
 
 
-def test_the_plan_sizes_the_runtime_pool_with_the_cards_890_bytes(flash) -> None:
-    """The card's 890 B/token global KV is what the runtime's pool stores per token (contracts §2:
-    one packed row, 356 for the ratio-1 source + 178 per ratio-2 source), on every TP rank; the
-    SWA pool adds ratio × L·2·head_dim per full token to SGLang's cell."""
+def test_the_plan_sizes_the_runtime_pool_with_896_byte_rows(flash) -> None:
+    """The card's 890 B/token of packed entries (contracts §2: 356 for the ratio-1 source + 178 per
+    ratio-2 source), stored padded to 16 B = 896 B per token, is what the runtime's pool holds, on
+    every TP rank — under upstream H200's 1,632.5; the SWA pool adds ratio × L·2·head_dim per full
+    token to the cell. The row formula is the runtime's own (`runtime/kv_rows.py`)."""
     t = flash.text
     p = make_plan(load_config(ROOT / "configs" / "h200-tp4.yaml"), flash)
-    assert p.pool.row_bytes == packed_row_bytes(t) == 890 == kv_bytes_per_token(t, "v41")
+    assert p.pool.row_bytes == packed_row_bytes(t) == 896 == RuntimeCaches.planned_global_bytes_per_token(t)
+    assert sum(b for _, _, b in p.pool.sources) == 890 == kv_bytes_per_token(t, "v41")
+    assert p.pool.row_bytes <= 896 < kv_bytes_per_token(t, "v4")
     assert [(r, b) for _, r, b in p.pool.sources] == [(2, 178), (2, 178), (2, 178), (1, 356)]
     assert p.pool.swa_token_bytes == swa_bytes_per_swa_token(t) == 40 * 512 * 2
     assert (p.pool.swa_full_tokens_ratio, p.pool.page_size, p.pool.max_total_tokens) == (0.1, 2, None)
-    assert p.pool.cell_bytes == pool_bytes_per_full_token(t, 0.1) == pytest.approx(890 + 4096.0)
+    assert p.pool.cell_bytes == pool_bytes_per_full_token(t, 0.1) == pytest.approx(896 + 4096.0)
     assert p.pool.swa_tokens_per_request == 128 + 2
     assert RuntimePool.for_model(t, 0.1, 2, None) == p.pool
     for tp in (2, 8):   # not split across TP ranks (one KV head): the same pool on every rank
@@ -128,7 +132,7 @@ def test_the_plan_sizes_the_runtime_pool_with_the_cards_890_bytes(flash) -> None
         assert other.pool == p.pool and other.weights.layout.tp == tp
         assert other.capacity_tokens_per_rank == max(0, int(other.kv_budget // p.pool.cell_bytes)) // 2 * 2
     d = plan_mod.make_plan(load_config(ROOT / "configs" / "h200-tp4.yaml"), flash).to_dict()
-    assert d["kv_pool"]["global_kv_bytes_per_token"] == 890
+    assert d["kv_pool"]["global_kv_bytes_per_token"] == 896
     assert d["upstream_comparison"]["kv_bytes_per_token"] == {"v4": 1632.5, "v41": 890.0}
     assert "comparison only" in d["upstream_comparison"]["note"]
 
@@ -141,7 +145,7 @@ def test_pool_settings_follow_the_config(flash) -> None:
     data["serving"]["max_total_tokens"] = 1 << 20
     mine = make_plan(config_from_dict(data, "h200-tp8 with pool flags"), flash)
     assert (mine.pool.swa_full_tokens_ratio, mine.pool.page_size, mine.pool.max_total_tokens) == (0.3, 4, 1 << 20)
-    assert mine.pool.cell_bytes == pytest.approx(890 + 0.3 * 40960)
+    assert mine.pool.cell_bytes == pytest.approx(896 + 0.3 * 40960)
     assert mine.capacity_tokens_per_rank == 1 << 20 and mine.swa_capacity_per_rank == int(0.3 * (1 << 20)) // 4 * 4
     cpu = load_config(ROOT / "configs" / "tiny-cpu.yaml")
     data = raw_config(ROOT / "configs" / "tiny-cpu.yaml")
@@ -168,7 +172,7 @@ def test_h200_tp4_kv_38_5_gib(flash) -> None:
 
     38.5 GiB holds 25.3M tokens in the v4 layout upstream Hopper uses (1632.5 B/token) and 46.4M
     in the FP4 layout; "about 20M" implies ~2.07 KB/token, which neither layout gives. Our
-    runtime's pool holds 8.29M full tokens in it (890 B + 0.1 × 40,960 B of SWA pool per token). The 38.5 GiB
+    runtime's pool holds 8.28M full tokens in it (896 B + 0.1 × 40,960 B of SWA pool per token). The 38.5 GiB
     itself is the remainder after the card's 81.2 GiB of weights and the measuring engine's
     activation reserve, so it cannot be reproduced from the checkpoint either; under SGLang's
     mem_fraction_static 0.9 on 139.8 GiB the card's layout leaves 54.3 GiB of KV budget after its
@@ -179,7 +183,7 @@ def test_h200_tp4_kv_38_5_gib(flash) -> None:
     assert 38.5 * GIB / kv_bytes_per_token(t, "v41") / 1e6 == pytest.approx(46.45, abs=0.01)
     implied = 38.5 * GIB / 20e6
     assert not (0.9 < implied / kv_bytes_per_token(t, "v4") < 1.1)
-    assert RuntimePool.for_model(t, 0.1, 2, None).full_tokens(38.5 * GIB) / 1e6 == pytest.approx(8.29, abs=0.01)
+    assert RuntimePool.for_model(t, 0.1, 2, None).full_tokens(38.5 * GIB) / 1e6 == pytest.approx(8.28, abs=0.01)
     dc = load_config(ROOT / "configs" / "h200-tp4.yaml")
     p = make_plan(dc, flash)
     # the card's layout (Engram in host memory): 139.8 · 0.9 − 71.50 GiB of weights (vision loaded, no DSpark)
@@ -226,11 +230,12 @@ def test_h200_tp4_fits_this_runtime_with_its_engram_shard_on_the_host(flash) -> 
 
 def test_per_request_state(flash) -> None:
     """Runtime: window + page SWA tokens per decoding request, fewer for a shorter request; the
-    pair state (fp32 kv + score per ratio-2 source) is request-scoped. Upstream v4 for comparison."""
+    pair ring (2 slots of fp32 kv + score + int64 position per ratio-2 source) is request-scoped.
+    Upstream v4 for comparison."""
     t = flash.text
     pool = RuntimePool.for_model(t, 0.1, 2, None)
     assert pool.swa_tokens_of(1 << 20) == 130 and pool.swa_tokens_of(7) == 8 and pool.full_tokens_of(7) == 8
-    assert pool.pair_state_per_request == 3 * 2 * 512 * 4
+    assert pool.pair_state_per_request == 3 * 2 * (2 * 512 * 4 + 8) == RuntimeCaches.planned_request_state_bytes(t)
     r0 = per_request_bytes(t, "v4")
     assert r0.swa == 40 * 2 * 149760  # 2 pages of 256 × 584 B padded to 576 B, per layer
     assert r0.pair_state == 3 * 2 * 2 * 512 * 4 and r0.dspark_swa == 0
@@ -242,7 +247,7 @@ def test_capacity_and_verdict_follow_context_and_batch(flash) -> None:
     """SGLang splits the budget by the cell: full tokens = budget // cell (page-aligned), SWA =
     ratio × that; a batch fits when both pools hold it."""
     dc = load_config(ROOT / "configs" / "h200-tp8.yaml")
-    cell = 890 + 0.1 * 40960
+    cell = 896 + 0.1 * 40960
     small = make_plan(dc, flash, context=1 << 20, batch=1)
     assert small.verdict()[0]
     assert small.capacity_tokens_per_rank == int(small.kv_budget // cell) // 2 * 2
@@ -335,7 +340,7 @@ def test_plan_cli_options_and_checkpoint(tmp_path: Path, capsys) -> None:
     assert "layout per_rank: each of the 4 rank(s) pins its own block of rows" in text
     assert "this runtime holds per rank" in text and "Engram shard in pinned host memory (per_rank)" in text
     assert "377.7 GiB host per node" in text   # the card's 188.8 GiB of tables, two TP4 servers per node
-    assert "global KV per token: 890 B packed FP4 row" in text
+    assert "global KV per token: 896 B packed FP4 row" in text
     assert "compared with upstream SGLang 0.5.23 layouts (not what this runtime stores" in text
 
 

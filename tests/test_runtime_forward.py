@@ -170,11 +170,12 @@ def test_packed_entries_and_pair_state_equal_the_reference_state(models, n: int)
         assert torch.equal(packed.keys(entries), state.attention.index_keys[src]), f"source {src}"
         if ratio == 2:
             pending = state.attention.pending[src]
+            kv, score, held = caches.pending_pair(src, torch.tensor([1]), torch.tensor([n - 1]))
             if n % 2:
-                assert pending is not None and int(caches.pair_position[src][1]) == n - 1
-                assert torch.equal(caches.pair_kv[src][1], pending.a) and torch.equal(caches.pair_score[src][1], pending.s)
+                assert pending is not None and int(held) == n - 1
+                assert torch.equal(kv[0], pending.a) and torch.equal(score[0], pending.s)
             else:
-                assert pending is None and int(caches.pair_position[src][1]) == -1
+                assert pending is None and int(held) == -1
     swa = caches.swa_slots(row)
     K = cfg.text.engram_max_ngram_size - 1
     assert caches.engram_history.ids[1].tolist() == prompt[-K:] and int(caches.engram_history.end[1]) == n

@@ -3,7 +3,7 @@
 
 What is pinned:
 * layout arithmetic: Flash entries of 356 B, shares 178/178/178/356 at offsets 0/178/356/534,
-  exactly 890 B of global KV per token (SGLang head_dim 445); tiny 88 B entries, 176 B rows;
+  890 B of packed entries per token, stored in 896-B rows (16-B aligned); tiny 88 B entries, 176 B rows;
 * codecs: decode(encode(x)) equals the reference fake quantisation (`ops.fp4_fake_quant_e4m3_scale`
   for latents, `ops.fp4_fake_quant_ue8m0_scale` for index keys) bit for bit, signs of zeros
   included, on random values over many magnitudes and on edge values (zeros, negative, clamped
@@ -13,8 +13,8 @@ What is pinned:
 * rows: write/read round trip for every source of both layouts, the §2 byte address rule,
   sources never touch each other's columns, entry −1 writes only the padding entry 0 and reads
   as zeros;
-* accounting: `global_bytes_per_token` 890 (Flash, from the config) / 176 (tiny, allocated),
-  SWA L·D·2, pair state per request row; planned == allocated; `describe` states them.
+* accounting: `global_bytes_per_token` 896 (Flash, from the config) / 176 (tiny, allocated),
+  SWA L·D·2, pair ring per request row; planned == allocated; `describe` states them.
 """
 from __future__ import annotations
 
@@ -37,13 +37,13 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 # ---- layout ----------------------------------------------------------------------------------------
 
-def test_flash_layout_is_exactly_890_bytes_per_token() -> None:
+def test_flash_layout_is_890_packed_bytes_in_896_byte_rows() -> None:
     layout = K.CompressedRowLayout.from_config(FLASH)
     assert layout.entry_bytes == 256 + 32 + 64 + 4 == 356
     assert [(s.layer, s.ratio, s.offset, s.share) for s in layout.sources] == \
         [(2, 2, 0, 178), (8, 2, 178, 178), (14, 2, 356, 178), (20, 1, 534, 356)]
-    assert layout.row_bytes == 890 and layout.sglang_head_dim == 445 and layout.storage_row_bytes == 890
-    assert RuntimeCaches.planned_global_bytes_per_token(FLASH) == 890
+    assert layout.row_bytes == 890 and layout.row_stride == 896 and layout.row_stride % 16 == 0
+    assert RuntimeCaches.planned_global_bytes_per_token(FLASH) == 896
 
 
 def test_tiny_layout_is_176_bytes_per_token() -> None:
@@ -51,7 +51,7 @@ def test_tiny_layout_is_176_bytes_per_token() -> None:
     assert layout.entry_bytes == 48 + 6 + 32 + 2 == 88
     assert [(s.layer, s.ratio, s.offset, s.share) for s in layout.sources] == [(1, 2, 0, 44), (3, 2, 44, 44),
                                                                                 (4, 1, 88, 88)]
-    assert layout.row_bytes == 176 and layout.sglang_head_dim == 88
+    assert layout.row_bytes == 176 == layout.row_stride
     with pytest.raises(KeyError, match="not a kv source"):
         layout.source(0)
 
@@ -140,7 +140,7 @@ def test_codec_shape_errors() -> None:
 def test_rows_round_trip_every_source_without_touching_the_others(cfg) -> None:
     layout = K.CompressedRowLayout.from_config(cfg)
     S = 64
-    rows = torch.zeros(S, layout.storage_row_bytes, dtype=torch.uint8)
+    rows = torch.zeros(S, layout.row_stride, dtype=torch.uint8)
     g = torch.Generator().manual_seed(2)
     written = {}
     for src in layout.sources:
@@ -165,7 +165,7 @@ def test_rows_round_trip_every_source_without_touching_the_others(cfg) -> None:
 def test_entry_minus_one_writes_only_the_padding_entry_and_reads_zeros() -> None:
     layout = K.CompressedRowLayout.from_config(TINY)
     src = layout.source(1)                                               # ratio 2
-    rows = torch.zeros(16, layout.storage_row_bytes, dtype=torch.uint8)
+    rows = torch.zeros(16, layout.row_stride, dtype=torch.uint8)
     data = torch.full((3, src.entry_bytes), 7, dtype=torch.uint8)
     K.write_entries(rows, src, torch.tensor([-1, 5, -1]), data)
     assert torch.equal(K.read_entries(rows, src, torch.tensor([5, -1])),
@@ -186,7 +186,8 @@ def test_accounting_of_allocated_tiny_caches_matches_the_plan() -> None:
     assert caches.rows.shape == (32, 176) and caches.rows.dtype == torch.uint8
     assert caches.swa_bytes_per_token() == TINY.num_hidden_layers * TINY.head_dim * 2 \
         == RuntimeCaches.planned_swa_bytes_per_token(TINY)
-    assert caches.request_state_bytes() == 2 * (2 * 96 * 4 + 8) == RuntimeCaches.planned_request_state_bytes(TINY)
+    assert caches.request_state_bytes() == 2 * 2 * (2 * 96 * 4 + 8) == RuntimeCaches.planned_request_state_bytes(TINY)
+    assert caches.pair_ring_slots == 2 and caches.pair_kv[1].shape == (5, 2, 96) and caches.pair_position[1].shape == (5, 2)
     assert torch.equal(caches.swa_slot_of, torch.arange(32))
     assert caches.engram_history.ids.shape == (5, TINY.engram_max_ngram_size - 1) and caches.num_req_rows == 5
     line = caches.describe()
@@ -198,13 +199,14 @@ def test_accounting_of_allocated_tiny_caches_matches_the_plan() -> None:
 
 def test_flash_per_token_figures_from_the_config() -> None:
     assert RuntimeCaches.planned_swa_bytes_per_token(FLASH) == 40 * 512 * 2
-    assert RuntimeCaches.planned_request_state_bytes(FLASH) == 3 * (2 * 512 * 4 + 8)
+    assert RuntimeCaches.planned_request_state_bytes(FLASH) == 3 * 2 * (2 * 512 * 4 + 8)
+    assert RuntimeCaches.planned_request_state_bytes(FLASH, draft_tokens=5) == 3 * 8 * (2 * 512 * 4 + 8)
 
 
 def test_from_buffers_checks_what_it_wraps() -> None:
     layout = K.CompressedRowLayout.from_config(TINY)
     swa = [torch.zeros(16, TINY.head_dim, dtype=torch.bfloat16) for _ in range(TINY.num_hidden_layers)]
-    rows = torch.zeros(24, layout.storage_row_bytes, dtype=torch.uint8)
+    rows = torch.zeros(24, layout.row_stride, dtype=torch.uint8)
     slot_of = torch.zeros(24, dtype=torch.int64)
     caches = RuntimeCaches.from_buffers(TINY, swa, slot_of, rows, 3, pool_id=7, page_size=2)
     assert caches.num_slots == 24 and caches.num_swa_slots == 16 and caches.engram_history.ids.shape[0] == 3

@@ -72,13 +72,13 @@ def test_v41_checkpoint_resolves_to_our_class_and_no_v4_path(tiny_checkpoint: Pa
     assert not is_deepseek_v4(mc.hf_config) and not is_deepseek_dsa(mc.hf_config)
     assert mc.attention_arch == AttentionArch.MHA
     assert not mc.is_multimodal and mc.quantization is None
-    # SGLang's own hybrid-SWA pool (contracts §3): layer 0 = one packed global-KV row per token
-    # (176 B = 88 bf16 for tiny), layers 1..8 = one bf16 SWA row of head_dim 96 per token; no V rows
-    assert mc.is_hybrid_swa and mc.is_hybrid_swa_compress and not mc.is_deepseek_v4_arch
-    assert mc.num_hidden_layers == 9 and mc.full_attention_layer_ids == [0]
-    assert mc.swa_attention_layer_ids == list(range(1, 9))
-    assert (mc.get_num_kv_heads(1), mc.head_dim, mc.v_head_dim) == (1, 88, 0)
-    assert (mc.get_swa_num_kv_heads(1), mc.swa_head_dim, mc.swa_v_head_dim) == (1, 96, 0)
+    # the model as it is: 8 decoder layers, each sliding-window attention over one KV head of 96
+    # (K = V); SGLang takes its hybrid-SWA path, and our pool (runtime/kv_pool.py) holds the rows
+    assert mc.is_hybrid_swa and not mc.is_hybrid_swa_compress and not mc.is_deepseek_v4_arch
+    assert mc.num_hidden_layers == 8 and mc.full_attention_layer_ids == []
+    assert mc.swa_attention_layer_ids == list(range(8))
+    assert (mc.get_num_kv_heads(1), mc.head_dim, mc.v_head_dim) == (1, 96, 96)
+    assert (mc.get_swa_num_kv_heads(1), mc.swa_head_dim, mc.swa_v_head_dim) == (1, 96, 96)
     assert mc.sliding_window_size == 8
     assert mc.context_len == 4096
     # V4's own class is untouched: we add an architecture, we do not replace V4
@@ -95,11 +95,11 @@ def test_hf_config_exposes_a_generic_decoder_and_validates(tiny_checkpoint: Path
     cfg = DeepseekV41HFConfig.from_dict(raw)
     assert cfg.parsed() == DeepseekV41Config.from_dict(raw)
     assert cfg.dsv41_config_json == raw                         # untouched original
-    assert (cfg.num_key_value_heads, cfg.head_dim, cfg.v_head_dim) == (1, 88, 0)
-    assert (cfg.swa_num_key_value_heads, cfg.swa_head_dim, cfg.swa_v_head_dim) == (1, 96, 0)
-    assert cfg.is_hybrid_swa and cfg.hybrid_layer_pattern == [0] + [1] * 8
-    assert (cfg.num_hidden_layers, cfg.sliding_window) == (9, 8)
-    for hidden in ("text_config", "vision_config", "quantization_config",
+    assert (cfg.num_key_value_heads, cfg.head_dim) == (1, 96)
+    assert cfg.is_hybrid_swa and cfg.hybrid_layer_pattern == [1] * 8
+    assert (cfg.num_hidden_layers, cfg.sliding_window) == (8, 8)
+    for hidden in ("text_config", "vision_config", "quantization_config", "v_head_dim", "swa_head_dim",
+                   "swa_v_head_dim", "swa_num_key_value_heads",
                    "rope_scaling", "index_topk", "kv_lora_rank", "num_nextn_predict_layers"):
         assert not hasattr(cfg, hidden), hidden
     again = DeepseekV41HFConfig.from_dict(cfg.to_dict())       # SGLang deep-copies / re-creates configs
@@ -133,77 +133,13 @@ def test_stock_sglang_refuses_a_v41_checkpoint(tiny_checkpoint: Path) -> None:
     assert "REFUSED:" in run.stdout and "deepseek_v41" in run.stdout, run.stdout
 
 
-def _flash_model_config(tmp_path: Path):
-    import json
-
-    from sglang.srt.configs.model_config import ModelConfig
-
-    from sglang_dsv41.presets import flash_config_dict
-
-    (tmp_path / "config.json").write_text(json.dumps(flash_config_dict()))
-    return ModelConfig(str(tmp_path))
-
-
-def _hybrid_swa_configurator(model_config, ratio: float):
-    """SGLang's own HybridSWAPoolConfigurator for `model_config` (bf16 pool, attention TP 1)."""
-    from types import SimpleNamespace
-
-    import torch
-    from sglang.srt.model_executor.pool_configurator import HybridSWAPoolConfigurator
-    from sglang.srt.runtime_context import get_parallel
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
-    kvc = SimpleNamespace(kv_cache_dtype_str="auto", model_config=model_config, kv_cache_dtype=torch.bfloat16,
-                          server_args=SimpleNamespace(swa_full_tokens_ratio=ratio),
-                          sliding_window_size=model_config.sliding_window_size, page_size=2,
-                          spec_algorithm=SpeculativeAlgorithm.NONE, is_draft_worker=False, spec_aux_config=None)
-    with get_parallel().override(attn_tp_size=1):
-        return HybridSWAPoolConfigurator(kvc)
-
-
-def test_flash_pool_through_sglang_arithmetic_is_890_bytes_per_token(tmp_path: Path) -> None:
-    """SGLang's ModelConfig + HybridSWAPoolConfigurator for the Flash config: the full pool is one
-    layer of 445 bf16 = 890 B per token (contracts §2), the SWA pool 40 layers of 512 bf16, and
-    nothing is added per token (the Engram history is request-scoped)."""
-    from sglang_dsv41 import hooks
-
-    plugin.register_config()
-    hooks.install_hooks(("runtime",))
-    mc = _flash_model_config(tmp_path)
-    assert mc.is_hybrid_swa and mc.is_hybrid_swa_compress
-    assert (mc.head_dim, mc.v_head_dim, mc.get_num_kv_heads(1)) == (445, 0, 1)
-    assert (mc.swa_head_dim, mc.swa_v_head_dim, mc.get_swa_num_kv_heads(1)) == (512, 0, 1)
-    assert mc.full_attention_layer_ids == [0] and mc.swa_attention_layer_ids == list(range(1, 41))
-    assert mc.sliding_window_size == 128
-    conf = _hybrid_swa_configurator(mc, ratio=0.1)
-    assert conf._full_per_token == 890                                  # global KV, B/token
-    assert conf._swa_per_token * 40 == pytest.approx(40 * 1024)
-    assert conf._cell_size == pytest.approx(890 + 0.1 * 40 * 1024)
-    # the planner's figures (deploy/kv.py) are SGLang's arithmetic and helper A's row layout
-    from sglang_dsv41.config import DeepseekV41Config
-    from sglang_dsv41.deploy import kv
-    from sglang_dsv41.presets import flash_config_dict
-    from sglang_dsv41.runtime.kv_layout import CompressedRowLayout
-
-    t = DeepseekV41Config.from_dict(flash_config_dict()).text
-    assert kv.packed_row_bytes(t) == CompressedRowLayout.from_config(t).row_bytes == 890
-    assert kv.pool_bytes_per_full_token(t, 0.1) == pytest.approx(conf._cell_size)
-    assert kv.swa_bytes_per_swa_token(t) == pytest.approx(conf._swa_per_token * 40)
-    sizes = conf.calculate_pool_sizes(10**9, page_size=2)
-    assert sizes.full_max_total_num_tokens == int(10**9 // conf._cell_size) // 2 * 2
-    assert sizes.swa_max_total_num_tokens == int(sizes.full_max_total_num_tokens * 0.1) // 2 * 2
-
-
 def test_runtime_hooks_leave_other_models_alone() -> None:
-    """The is_hybrid_swa_compress and Engram-history hooks act on the V4.1 architecture only."""
+    """The Engram-history hook acts on the V4.1 architecture only (the pool hooks' dispatch:
+    tests/test_runtime_sglang_pool.py)."""
     from types import SimpleNamespace
 
-    from sglang_dsv41.runtime.sglang_hooks import attach_engram_history_hook, derive_hybrid_model_hook
+    from sglang_dsv41.runtime.sglang_hooks import attach_engram_history_hook
 
-    other = SimpleNamespace(hf_config=SimpleNamespace(architectures=["MiMoV2FlashForCausalLM"], model_type="mimo_v2"),
-                            is_hybrid_swa_compress=False)
-    derive_hybrid_model_hook(None, other)
-    assert other.is_hybrid_swa_compress is False
     fb = SimpleNamespace(forward_mode=SimpleNamespace(name="EXTEND"))
     batch = SimpleNamespace(reqs=[SimpleNamespace(origin_input_ids=[1, 2], output_ids=[])])
     other_model = SimpleNamespace(stage_engram_history=None)       # would raise if called

@@ -129,15 +129,18 @@ def test_server_is_configured_as_requested(server: Server) -> None:
         assert "CUDA-graph decode up to batch size" in log
 
 
-def test_sglang_built_the_hybrid_swa_pool(server: Server) -> None:
-    """SGLang itself built and sized the contracts §2–§3 pool: a full pool of ONE layer of packed
-    rows (tiny: 88 bf16 = 176 B/token), a SWA pool of L = 8 layers of head_dim 96 sized by
-    --swa-full-tokens-ratio 0.1 (4096 → 408 tokens), page size 2; our caches wrap it."""
-    server.generate(_prompt(1, 12), n=1)                  # at least one forward has built the caches
+def test_sglang_built_the_v41_pool(server: Server) -> None:
+    """SGLang itself sized and built our pool (runtime/kv_pool.py) at start-up: global KV rows of
+    176 B/token (tiny: 16-B aligned already), a SWA component of L = 8 layers of 96 bf16 sized by
+    --swa-full-tokens-ratio 0.1 (4096 → 408 tokens), page size 2, reported in SGLang's own
+    allocation log lines; the forward's caches are the pool's."""
+    server.generate(_prompt(1, 12), n=1)                  # at least one forward has used the caches
     log = server.log_tail(10**7)
-    assert re.search(r"SWAKVPool mem usage: [0-9.]+ GB, swa size: 408, full size: 4096", log), log[-3000:]
-    assert re.search(r"SGLang SWAKVPool: full pool 1 layer \[4098, 1, 88\] torch\.bfloat16 = 176 B/token row; "
-                     r"SWA pool 8 layers \[410, 1, 96\] torch\.bfloat16 = 1536 B/SWA token; page_size 2", log)
+    assert "sglang-dsv41 KV pool sizing: global KV 176 B/token" in log, log[-3000:]
+    assert re.search(r"Full \(global KV rows\) KV Cache is allocated\. dtype: torch\.uint8, #tokens: 4096", log)
+    assert re.search(r"SWA KV Cache is allocated\. dtype: torch\.bfloat16, #tokens: 408", log)
+    assert re.search(r"DeepseekV41KVPool: global KV 176 B/token \(176 B packed FP4 \+ 0 B pad\), 4096 full slots; "
+                     r"SWA 1536 B/token \(8 layers x 192 B\), 408 SWA slots; pair ring 2 slots", log)
     assert re.search(r"sglang-dsv41 caches: global KV 176 B/token .*4098 full slots.*410 SWA slots", log)
 
 

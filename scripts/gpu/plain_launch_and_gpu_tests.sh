@@ -45,6 +45,7 @@ except Exception as e:  # report, do not hide: the RESULT line below says ok=0
     print("result parse failed:", e)
 PY
 [ $ok = 1 ] || tail -60 "$OUT/plain_server.log"
+grep -m2 -e "KV pool sizing" -e "DeepseekV41KVPool: global KV" "$OUT/plain_server.log" || echo "pool log lines: none"
 echo "RESULT plain_launch up=$up ok=$ok at $((SECONDS - T0)) s"
 [ "${GPU_TESTS:-1}" = 1 ] || exit $((1 - ok))
 left=$((560 - (SECONDS - T0)))

@@ -3,13 +3,14 @@
 
 Two descriptions live here:
 
-* the **plugin runtime's pool** (`runtime/hf_config.py`, `runtime/sglang_pool.py`): SGLang's own
-  hybrid-SWA pool with a full pool of one packed row per token — Σ over kv sources of
-  ceil(E / ratio), E = D/2 + D/16 + Dk/2 + Dk/32 (Flash 356 + 3·178 = **890 B/token**, tiny
-  176), on every GPU, no page padding (page size 2) — and a SWA pool of L bf16 rows of D per SWA
-  token (+ the runtime's int32 token id), sized by SGLang as `swa_full_tokens_ratio` × full
-  tokens; a decoding request keeps `sliding_window + page_size` SWA tokens (SGLang frees the
-  rest). Functions: `packed_row_bytes`, `swa_bytes_per_swa_token`, `pool_bytes_per_full_token`,
+* the **plugin runtime's pool** (`runtime/kv_pool.py`, sized by `runtime/sglang_pool.py`): a
+  hybrid-SWA pool whose FULL component holds one packed row per token — Σ over kv sources of
+  ceil(E / ratio), E = D/2 + D/16 + Dk/2 + Dk/32 (Flash 356 + 3·178 = 890 B), stored padded to
+  a multiple of 16 B (**896 B/token** at Flash, tiny 176) on every GPU — and a SWA pool of L
+  bf16 rows of D per SWA token, sized as `swa_full_tokens_ratio` × full tokens; a decoding
+  request keeps `sliding_window + page_size` SWA tokens (SGLang frees the rest). The row and
+  pair-ring formulas are the runtime's own (`runtime/kv_rows.py`), not a copy. Functions:
+  `packed_row_bytes`, `swa_bytes_per_swa_token`, `pool_bytes_per_full_token`,
   `swa_tokens_per_request`.
 * SGLang 0.5.23's own V4.1 layouts (`v4` on Hopper, `v41` on SM100), below — what upstream
   stores; the deployment configs' `features.kv_layout` names them.
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..config import TextConfig
+from ..runtime import kv_rows
 
 PAGE_TOKENS = 256
 LayoutName = Literal["v4", "v41"]
@@ -124,7 +126,8 @@ def swa_page_bytes(t: TextConfig, layout: LayoutName) -> int:
 
 
 def pair_ring_rows(draft_tokens: int) -> int:
-    return 2 if draft_tokens == 0 else 1 << math.ceil(math.log2(2 + draft_tokens))
+    """Pending-pair ring slots per request and ratio-2 source (`kv_rows.pair_ring_slots`)."""
+    return kv_rows.pair_ring_slots(draft_tokens)
 
 
 @dataclass(frozen=True)
@@ -150,13 +153,13 @@ def per_request_bytes(t: TextConfig, layout: LayoutName, *, draft_tokens: int = 
 # ---- the plugin runtime's pool (phase-2 contracts §1–§3) ----------------------------------------
 def packed_entry_bytes(t: TextConfig) -> int:
     """One packed compressed entry: FP4 latent + E4M3 scales + FP4 index key + UE8M0 scales."""
-    return t.head_dim // 2 + t.head_dim // 16 + t.index_head_dim // 2 + t.index_head_dim // 32
+    return kv_rows.entry_bytes(t.head_dim, t.index_head_dim)
 
 
 def packed_row_bytes(t: TextConfig) -> int:
-    """Global KV bytes per token = the runtime's packed row (Flash 890, tiny 176; contracts §2)."""
-    entry = packed_entry_bytes(t)
-    return sum(-(-entry // t.compress_ratios[s]) for s in t.kv_source_layer_ids)
+    """Global KV bytes per token = the runtime pool's stored row: the packed entries' shares
+    padded to 16 B (Flash 890 → 896, tiny 176; `kv_rows.text_row_stride_bytes`)."""
+    return kv_rows.text_row_stride_bytes(t)
 
 
 def swa_bytes_per_swa_token(t: TextConfig) -> int:

@@ -10,7 +10,7 @@ the card's layout), how the runtime's pool splits it, the token capacity, and a 
 
 KV is sized with the pool the runtime really uses (`RuntimePool`; phase-2 contracts §2–§3,
 docs/runtime.md): SGLang's hybrid-SWA pool, whose full pool holds one packed FP4 row per token
-(`kv.packed_row_bytes`, Flash 890 B — the card's global-KV figure) and whose SWA pool holds
+(`kv.packed_row_bytes`: the card's 890 B of packed FP4 entries, stored in 16-B-aligned 896-B rows) and whose SWA pool holds
 `--swa-full-tokens-ratio` × as many tokens of L bf16 rows (`kv.swa_bytes_per_swa_token`).
 SGLang divides the budget by the cell `kv.pool_bytes_per_full_token` (row + ratio × SWA token)
 and a decoding request keeps `kv.swa_tokens_per_request` SWA tokens. SGLang 0.5.23's upstream
@@ -35,6 +35,7 @@ from typing import Any
 from ..config import ConfigError, DeepseekV41Config
 from ..presets import flash_config_dict, tiny_config_dict, tiny_tp8_config_dict
 from ..config import TextConfig
+from ..runtime import kv_rows
 from ..runtime.requirements import CURRENT_RUNTIME, PAGE_SIZE, SWA_FULL_TOKENS_RATIO, flag_value
 from .command import device_of
 from .kv import (
@@ -71,14 +72,14 @@ class RuntimePool:
     replicated on every TP rank (one KV head); the SWA pool is `swa_full_tokens_ratio` × the full
     pool, both page-aligned, as SGLang 0.5.17's HybridSWAPoolConfigurator sizes them."""
 
-    row_bytes: int  # global KV per full token: the packed row (Flash 890, tiny 176)
+    row_bytes: int  # global KV per full token: the stored packed row (Flash 890 padded to 896, tiny 176)
     sources: tuple[tuple[int, int, int], ...]  # (layer, ratio, bytes of the row) per kv source
     swa_token_bytes: int  # per SWA token: L bf16 rows of head_dim + the runtime's int32 token id
     cell_bytes: float  # per full token of budget: row + ratio × SWA token
     swa_full_tokens_ratio: float
     page_size: int
     swa_tokens_per_request: int  # window + page: what a decoding request keeps
-    pair_state_per_request: int  # fp32 pending ratio-2 pair, request-scoped, outside the KV budget
+    pair_state_per_request: int  # fp32 pending ratio-2 pair ring (2 slots), request-scoped, outside the KV budget
     max_total_tokens: int | None  # --max-total-tokens: SGLang caps the full pool at it
 
     @classmethod
@@ -86,12 +87,13 @@ class RuntimePool:
         entry = packed_entry_bytes(t)
         sources = tuple((s, t.compress_ratios[s], -(-entry // t.compress_ratios[s])) for s in t.kv_source_layer_ids)
         row = packed_row_bytes(t)
-        assert row == sum(b for _, _, b in sources)  # contracts §2: the row is the sources' shares
+        assert row == kv_rows.round_up(sum(b for _, _, b in sources), kv_rows.ROW_ALIGN)  # contracts §2 + 16-B pad
         ratio2 = sum(1 for _, r, _ in sources if r == 2)
         return cls(row_bytes=row, sources=sources, swa_token_bytes=swa_bytes_per_swa_token(t),
                    cell_bytes=pool_bytes_per_full_token(t, ratio), swa_full_tokens_ratio=ratio, page_size=page,
                    swa_tokens_per_request=swa_tokens_per_request(t, page),
-                   pair_state_per_request=ratio2 * 2 * t.head_dim * 4, max_total_tokens=max_total_tokens)
+                   pair_state_per_request=ratio2 * kv_rows.pair_ring_slots(0) * (2 * t.head_dim * 4 + 8),
+                   max_total_tokens=max_total_tokens)
 
     def full_tokens(self, budget: float) -> int:
         """Full-pool tokens SGLang allocates from `budget` bytes (capped by --max-total-tokens)."""

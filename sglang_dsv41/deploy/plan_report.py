@@ -61,11 +61,12 @@ def render(p: Plan, source: str) -> str:
                   f"{pool.swa_full_tokens_ratio:g}, --page-size {pool.page_size}{cap}):",
               f"  global KV per token: {pool.row_bytes} B packed FP4 row (one KV head, so every TP rank holds it "
               "whole) = " + " + ".join(f"{b}" for _, _, b in pool.sources) + " B of sources "
-              + ", ".join(f"{la} (ratio {ra})" for la, ra, _ in pool.sources),
+              + ", ".join(f"{la} (ratio {ra})" for la, ra, _ in pool.sources)
+              + f" + {pool.row_bytes - sum(b for _, _, b in pool.sources)} B padding to 16 B",
               f"  SWA per SWA token: {pool.swa_token_bytes:,} B; SGLang's cell per full token = {pool.row_bytes} + "
               f"{pool.swa_full_tokens_ratio:g} × {pool.swa_token_bytes:,} = {pool.cell_bytes:,.1f} B",
               f"  per decoding request: {pool.swa_tokens_per_request} SWA tokens (window + page) = "
-              f"{pool.swa_tokens_per_request * pool.swa_token_bytes / 2**20:.2f} MiB; ratio-2 pair state "
+              f"{pool.swa_tokens_per_request * pool.swa_token_bytes / 2**20:.2f} MiB; ratio-2 pair ring "
               f"{pool.pair_state_per_request / 2**10:.1f} KiB outside the KV budget (request-scoped, like req_to_token)"]
     if w.included["dspark"]:
         lines.append("  DSpark draft layers: not in the runtime's pool (DSpark is not served yet)")

@@ -10,8 +10,8 @@ math; CUDA: the Triton kernels), so this sublayer reads the same on both devices
 2. kv sources write packed FP4 entries (`kv_layout`): ratio 1 → every token completes entry
    e = its slot; ratio 2 → the odd-position token p completes the pair (p−1, p), entry
    e = slot(p) // 2, pooled from its own fp32 `wkv` / `wgate` outputs and its first token's —
-   taken from the batch when p−1 is in it, else from the request's pair state
-   `pair_kv/pair_score[src][req_row]`; after the layer every request whose last batch token is
+   taken from the batch when p−1 is in it, else from the request's pair ring
+   (`RuntimeCaches.pending_pair`); after the layer every request whose last batch token is
    at an even position stores that token's outputs there (spec §3.4.3). Whole batch, no
    per-request loop; even tokens write "no entry" (−1, the padding-page sink);
 3. indexer layers: `attention_ops.select` (keys = the source's FP4 index keys of compressed
@@ -94,16 +94,17 @@ def _packed_entries(cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, laten
     return encode_entries(caches.layout, roped, k)
 
 
-def _check_pair_state(src: int, from_state: Tensor, req_rows: Tensor, pos: Tensor, caches: RuntimeCaches) -> None:
+def _check_pair_state(src: int, from_state: Tensor, req_rows: Tensor, pos: Tensor, stored: Tensor) -> None:
     """CPU only: an odd token whose first token is not in the batch needs the request's pending
-    pair state of position p − 1 (a prefix hit at an odd length would not have one)."""
-    stale = from_state & (caches.pair_position[src][req_rows] != pos - 1)
+    pair state of position p − 1 (`stored`: the ring's position; a prefix hit at an odd length
+    would not have one)."""
+    stale = from_state & (stored != pos - 1)
     if bool(stale.any()):
         t = int(torch.nonzero(stale)[0, 0])
         raise RuntimeError(
             f"sglang-dsv41: kv source {src}: the token at odd position {int(pos[t])} of request row "
             f"{int(req_rows[t])} completes a ratio-2 pair whose first token is neither in this batch nor "
-            f"the request's pending pair state (holds position {int(caches.pair_position[src][req_rows[t]])}); "
+            f"the request's pending pair state (holds position {int(stored[t])}); "
             "a forward must start at an even position or continue the request's previous chunk "
             "(prefix hits are page-aligned with an even page_size, contract §4)")
 
@@ -129,11 +130,12 @@ def _write_compressed(cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor],
     odd = (pos % 2) == 1
     in_batch = (pos > layout.prefix_lens[layout.token_req])[:, None]          # token p − 1 is in the batch
     prev = (torch.arange(pos.shape[0], device=pos.device) - 1).clamp(min=0)
-    if layout.host_checks:
-        _check_pair_state(src, odd & ~in_batch[:, 0], req_rows, pos, caches)
-    a_first = torch.where(in_batch, a[prev], caches.pair_kv[src][req_rows])
-    s_first = torch.where(in_batch, s[prev], caches.pair_score[src][req_rows])
     first_pos = (pos - 1).clamp(min=0)                   # odd p: the pair's first token p − 1 (RoPE position)
+    a_held, s_held, held_pos = caches.pending_pair(src, req_rows, first_pos)
+    if layout.host_checks:
+        _check_pair_state(src, odd & ~in_batch[:, 0], req_rows, pos, held_pos)
+    a_first = torch.where(in_batch, a[prev], a_held)
+    s_first = torch.where(in_batch, s[prev], s_held)
     latents = _pair_latents(cfg, w, prefix, a_first, s_first, a, s)
     entries = torch.where(odd & live, out // 2, -1)
     caches.write_entries(src, entries, _packed_entries(cfg, w, prefix, latents, first_pos, inv_freq, caches))
@@ -142,11 +144,7 @@ def _write_compressed(cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor],
     last = layout.last_tokens
     live_req = live[last]
     pending = ((pos[last] % 2) == 0) & live_req
-    rows = layout.req_rows
-    caches.pair_kv[src][rows] = torch.where(pending[:, None], a[last], caches.pair_kv[src][rows])
-    caches.pair_score[src][rows] = torch.where(pending[:, None], s[last], caches.pair_score[src][rows])
-    caches.pair_position[src][rows] = torch.where(live_req, torch.where(pending, pos[last], -1),
-                                                  caches.pair_position[src][rows])
+    caches.store_pending_pairs(src, layout.req_rows, pos[last], pending, live_req, a[last], s[last])
 
 
 def _selection(cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str, x: Tensor,
@@ -194,6 +192,7 @@ def attention_sublayer(cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor]
         inv_freq = scratch.inv_freq[role.ratio] = layer_inv_freq(cfg, role.ratio).to(x.device)
 
     q_lora, q, kv = tp.project_q_kv(cfg, w, prefix, x, pos, inv_freq, act_quant)
+    caches.wait_for_layer(layer, global_rows=role.ratio > 0)          # HiCache load-back has landed
     caches.write_swa(layer, layout.out_slots,
                      ops.swa_cache_roundtrip(kv, pos, inv_freq, caches.profile, cfg.qk_rope_head_dim))
     window = _request_slots(layout, swa_key_positions(pos, cfg.sliding_window))           # [N, W] full slots

@@ -3,12 +3,16 @@ state (spec §3.4, §3.3.1, §3.8; phase-2 contracts §2–§4).
 
 | field | shape / dtype | indexed by | holds |
 |---|---|---|---|
-| `rows` | uint8 [S_full, 2·⌈row_bytes/2⌉] | full slot (SGLang `req_to_token`, `out_cache_loc`) | packed FP4 compressed entries of every kv source (`kv_layout`, contract §1–§2) — SGLang's "full" pool |
+| `rows` | uint8 [S_full, row_stride] | full slot (SGLang `req_to_token`, `out_cache_loc`) | packed FP4 compressed entries of every kv source (`kv_layout`, contract §1–§2), padded to 16 B — the pool's FULL component |
 | `swa[l]` | [S_swa, D] bf16 | SWA slot = `swa_slot_of[full slot]` | read-back SWA kv of model layer l (`profile` applied, spec §3.8) — SGLang's SWA pool |
 | `swa_slot_of` | int [S_full] | full slot | its SWA slot (0 = none: SGLang's padding slot; freed outside the window) |
 | `engram_history` | int32 [num_req_rows, K] + int64 end | SGLang request row | the last K = max_ngram − 1 remapped ids of the request's last forward (`runtime/engram_history.py`); extends bring theirs from the host |
-| `pair_kv[src]`, `pair_score[src]` | fp32 [num_req_rows, D] | SGLang request row | ratio-2 sources: fp32 `wkv` / `wgate` outputs of a request's pending even-position token |
-| `pair_position[src]` | int64 [num_req_rows] | request row | position of that pending token (−1 none) — lets the CPU path refuse a stale pair state |
+| `pair_kv[src]`, `pair_score[src]` | fp32 [num_req_rows, ring, D] | request row, ring slot ⌊p/2⌋ mod ring | ratio-2 sources: fp32 `wkv` / `wgate` outputs of a request's pending even-position token p |
+| `pair_position[src]` | int64 [num_req_rows, ring] | request row, ring slot | position of that pending token (−1 none) — lets the CPU path refuse a stale pair state |
+
+The pair ring (`kv_rows.pair_ring_slots`: 2, or ≥ 2 + draft tokens under speculation) keys each
+pending pair by its compressed position, so draft tokens of one request never overwrite the
+committed pair, and PD can ship a request's rows by request row.
 
 Exactness: every stored value is the reference's value exactly — SWA read-back values are BF16
 (profile NONE) or E4M3 × power-of-two (FP8 / FP4 profiles), all BF16-representable; compressed
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -35,6 +40,7 @@ from ..config import TextConfig
 from ..reference.ops import CacheProfile
 from .engram_history import EngramHistoryRing
 from .kv_layout import CompressedRowLayout, PackedSourceRows, write_entries
+from .kv_rows import pair_ring_slots
 
 #: dtypes that hold our BF16-valued SWA rows exactly (the CUDA attention kernel reads bf16).
 EXACT_SWA_DTYPES = (torch.bfloat16, torch.float32)
@@ -67,19 +73,23 @@ class RuntimeCaches:
     pair_position: dict[int, Tensor]
     engram_history: EngramHistoryRing
     num_req_rows: int
+    pair_ring_slots: int = 2
     profile: CacheProfile = CacheProfile.NONE
     pool_id: int = -1
     page_size: int | None = None
+    #: the pool's per-layer load wait `(model layer, reads global rows)` (`kv_pool.DeepseekV41KVPool.wait_for_model_layer`)
+    layer_waiter: Callable[[int, bool], None] | None = None
 
     # ---- construction -----------------------------------------------------------------------------
     @classmethod
     def from_buffers(cls, cfg: TextConfig, swa_rows: list[Tensor], swa_slot_of: Tensor, rows_u8: Tensor,
                      num_req_rows: int, profile: CacheProfile = CacheProfile.NONE, *, pool_id: int = -1,
-                     page_size: int | None = None) -> "RuntimeCaches":
+                     page_size: int | None = None, pair_slots: int = 2) -> "RuntimeCaches":
         """Wrap buffers someone else owns (SGLang's SWAKVPool, `runtime/sglang_pool.py`):
         `swa_rows[l]` [S_swa, D] per model layer, `swa_slot_of` [S_full] full → SWA slot,
-        `rows_u8` uint8 [S_full, ≥ row_bytes]; request-scoped state (pair state, Engram history)
-        for `num_req_rows` rows is allocated here. Shapes, dtypes and devices are checked."""
+        `rows_u8` uint8 [S_full, ≥ row_bytes]; request-scoped state (pair ring of `pair_slots`
+        slots, Engram history) for `num_req_rows` rows is allocated here. Shapes, dtypes and
+        devices are checked."""
         profile = CacheProfile(profile)
         if profile not in PACKED_PROFILES:
             raise ValueError(f"cache profile {profile.value!r}: packed FP4 compressed rows hold the "
@@ -106,35 +116,40 @@ class RuntimeCaches:
                 or swa_slot_of.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"swa_slot_of: expected int32/int64 [{rows_u8.shape[0]}] on {device}, got "
                              f"{swa_slot_of.dtype} {tuple(swa_slot_of.shape)} on {swa_slot_of.device}")
+        if pair_slots < 2 or pair_slots & (pair_slots - 1):
+            raise ValueError(f"pair ring of {pair_slots} slots: expected a power of two ≥ 2 (kv_rows.pair_ring_slots)")
         f32 = torch.float32
         ratio2 = _ratio2_sources(cfg)
+        ring = (num_req_rows, pair_slots)
         return cls(
             layout=layout, swa=list(swa_rows), swa_slot_of=swa_slot_of, rows=rows_u8,
-            pair_kv={s: torch.zeros(num_req_rows, cfg.head_dim, dtype=f32, device=device) for s in ratio2},
-            pair_score={s: torch.zeros(num_req_rows, cfg.head_dim, dtype=f32, device=device) for s in ratio2},
-            pair_position={s: torch.full((num_req_rows,), -1, dtype=torch.int64, device=device) for s in ratio2},
+            pair_kv={s: torch.zeros(*ring, cfg.head_dim, dtype=f32, device=device) for s in ratio2},
+            pair_score={s: torch.zeros(*ring, cfg.head_dim, dtype=f32, device=device) for s in ratio2},
+            pair_position={s: torch.full(ring, -1, dtype=torch.int64, device=device) for s in ratio2},
             engram_history=EngramHistoryRing.allocate(num_req_rows, cfg.engram_max_ngram_size - 1, device),
-            num_req_rows=num_req_rows,
+            num_req_rows=num_req_rows, pair_ring_slots=pair_slots,
             profile=profile, pool_id=pool_id, page_size=page_size)
 
     @classmethod
     def allocate(cls, cfg: TextConfig, num_slots: int, num_req_rows: int, device: torch.device | str = "cpu",
-                 profile: CacheProfile = CacheProfile.NONE, *, page_size: int | None = None) -> "RuntimeCaches":
+                 profile: CacheProfile = CacheProfile.NONE, *, page_size: int | None = None,
+                 pair_slots: int = 2) -> "RuntimeCaches":
         """Stand-alone buffers for tests and tools: `num_slots` full slots = SWA slots (identity
         `swa_slot_of`), bf16 SWA rows, zeroed packed rows. Slots 0..page_size−1 are the padding
         page: slot maps handed to the forward must start at page 1 (`tests/runtime_scenarios.py`)."""
         layout = CompressedRowLayout.from_config(cfg)
         swa = [torch.zeros(num_slots, cfg.head_dim, dtype=torch.bfloat16, device=device)
                for _ in range(cfg.num_hidden_layers)]
-        rows = torch.zeros(num_slots, layout.storage_row_bytes, dtype=torch.uint8, device=device)
+        rows = torch.zeros(num_slots, layout.row_stride, dtype=torch.uint8, device=device)
         identity = torch.arange(num_slots, dtype=torch.int64, device=device)
-        return cls.from_buffers(cfg, swa, identity, rows, num_req_rows, profile, page_size=page_size)
+        return cls.from_buffers(cfg, swa, identity, rows, num_req_rows, profile, page_size=page_size,
+                                pair_slots=pair_slots)
 
     # ---- accounting -------------------------------------------------------------------------------
     @staticmethod
     def planned_global_bytes_per_token(cfg: TextConfig) -> int:
-        """Packed compressed-row bytes per full slot, from the config (890 at Flash)."""
-        return CompressedRowLayout.from_config(cfg).row_bytes
+        """Stored global-KV row bytes per full slot, from the config (896 at Flash: 890 + pad)."""
+        return CompressedRowLayout.from_config(cfg).row_stride
 
     @staticmethod
     def planned_swa_bytes_per_token(cfg: TextConfig) -> int:
@@ -142,13 +157,14 @@ class RuntimeCaches:
         return cfg.num_hidden_layers * cfg.head_dim * 2
 
     @staticmethod
-    def planned_request_state_bytes(cfg: TextConfig) -> int:
-        """Pair-state bytes per request row: per ratio-2 source fp32 a and s [D] + int64 position."""
-        return len(_ratio2_sources(cfg)) * (2 * cfg.head_dim * 4 + 8)
+    def planned_request_state_bytes(cfg: TextConfig, draft_tokens: int = 0) -> int:
+        """Pair-ring bytes per request row: per ratio-2 source and ring slot, fp32 a and s [D] +
+        int64 position."""
+        return len(_ratio2_sources(cfg)) * pair_ring_slots(draft_tokens) * (2 * cfg.head_dim * 4 + 8)
 
     def global_bytes_per_token(self) -> int:
-        """Bytes of global KV per full slot (the layout's row bytes; 890 at Flash, 176 tiny)."""
-        return self.layout.row_bytes
+        """Bytes of global KV per full slot (the stored row; 896 at Flash, 176 tiny)."""
+        return self.rows[0].nbytes
 
     def swa_bytes_per_token(self) -> int:
         """SWA kv bytes per SWA slot (all layers)."""
@@ -178,6 +194,45 @@ class RuntimeCaches:
                 f"SWA slots); pair state {self.request_state_bytes()} B + Engram history "
                 f"{self.engram_history_bytes()} B per request row; page_size "
                 f"{'unchecked' if self.page_size is None else self.page_size}; profile {self.profile.value}")
+
+    def bind_swa_mapping(self, swa_slot_of: Tensor) -> None:
+        """Point `swa_slot_of` at SGLang's full → SWA mapping (a view, updated in place by SGLang)."""
+        if swa_slot_of.shape != (self.num_slots,) or swa_slot_of.device != self.rows.device \
+                or swa_slot_of.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"full → SWA mapping: expected int32/int64 [{self.num_slots}] on {self.rows.device}, "
+                             f"got {swa_slot_of.dtype} {tuple(swa_slot_of.shape)} on {swa_slot_of.device}")
+        self.swa_slot_of = swa_slot_of
+
+    def wait_for_layer(self, layer: int, *, global_rows: bool) -> None:
+        """Before the forward touches model layer `layer`'s rows (and the global KV rows when the
+        layer reads compressed entries): SGLang's per-layer load wait, so a HiCache load-back of
+        those rows has landed. No-op for stand-alone caches (`allocate`)."""
+        if self.layer_waiter is not None:
+            self.layer_waiter(layer, global_rows)
+
+    # ---- the ratio-2 pair ring (spec §3.4.3) --------------------------------------------------------
+    def pair_slot(self, positions: Tensor) -> Tensor:
+        """Ring slot of the pending pair whose first token sits at even position p: ⌊p/2⌋ mod ring."""
+        return torch.div(positions.clamp(min=0), 2, rounding_mode="floor") % self.pair_ring_slots
+
+    def pending_pair(self, source: int, req_rows: Tensor, first_positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(kv [n, D], score [n, D], stored position [n]) of the pairs whose first tokens are at
+        `first_positions` [n] of requests `req_rows` [n] (stored position −1: none)."""
+        slot = self.pair_slot(first_positions)
+        return (self.pair_kv[source][req_rows, slot], self.pair_score[source][req_rows, slot],
+                self.pair_position[source][req_rows, slot])
+
+    def store_pending_pairs(self, source: int, req_rows: Tensor, positions: Tensor, pending: Tensor, live: Tensor,
+                            kv: Tensor, score: Tensor) -> None:
+        """After a forward: each live request whose last token (at `positions`) is `pending` (even
+        position) stores its kv / score in that position's slot; a live request ending on an odd
+        position marks its slot empty (−1); rows of non-live (padding) requests keep their values."""
+        slot = self.pair_slot(positions)
+        held_kv, held_score = self.pair_kv[source][req_rows, slot], self.pair_score[source][req_rows, slot]
+        held_pos = self.pair_position[source][req_rows, slot]
+        self.pair_kv[source][req_rows, slot] = torch.where(pending[:, None], kv, held_kv)
+        self.pair_score[source][req_rows, slot] = torch.where(pending[:, None], score, held_score)
+        self.pair_position[source][req_rows, slot] = torch.where(live, torch.where(pending, positions, -1), held_pos)
 
     # ---- addressing and writes (the forward's only access paths) ----------------------------------
     def swa_slots(self, full_slots: Tensor) -> Tensor:

@@ -3,7 +3,7 @@ SGLang 0.5.17's decode graph runner calls (`model_executor/runner/decode_cuda_gr
 
 The model computes its own attention from its slot caches (`runtime/attention.py`); it never
 calls the backend's `forward`. SGLang still needs a backend object: to construct one over our
-single-KV-head, v_head_dim 0 pool (torch_native does — the eager behaviour stays exactly
+V4.1 pool (torch_native does — the eager behaviour stays exactly
 torch_native's), and, for CUDA graphs, to answer:
 
 * `init_cuda_graph_state(max_bs, max_num_tokens)`: nothing to allocate — the model's per-step

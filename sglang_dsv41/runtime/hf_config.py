@@ -13,24 +13,18 @@ Invariants
 * The whole original dict is kept, unchanged, in `dsv41_config_json`; the model class re-parses
   it (`DeepseekV41HFConfig.parsed()`), so every V4.1 number comes from our parser, never from
   attributes SGLang may rewrite.
-* The attributes SGLang reads describe a **hybrid-SWA decoder** whose pool is exactly ours
-  (contracts §3), so SGLang itself builds, sizes and evicts it (`SWAKVPool`, SWA radix cache):
-  - `num_hidden_layers = L + 1`, `hybrid_layer_pattern = [0] + [1]·L`: SGLang layer 0 is one
-    "full attention" layer holding the packed compressed row of every token (global KV,
-    contracts §2), SGLang layer 1 + l the SWA kv of model layer l;
-  - full layer: `num_key_value_heads = 1`, `head_dim = ceil(row_bytes / 2)` bf16 elements
-    (Flash 445 → 890 B/token; tiny 88 → 176 B), `v_head_dim = 0`;
-  - SWA layers: `swa_num_key_value_heads = 1`, `swa_head_dim = D` (the model's head_dim),
-    `swa_v_head_dim = 0` — one bf16 row per token, K = V (spec §3.4.5);
-  - `is_hybrid_swa = True` (SGLang's opt-in for custom hybrid-SWA architectures) and
-    `sliding_window = W`.
-  The asymmetric full/SWA head dims reach the pool only with `ModelConfig.is_hybrid_swa_compress`
-  set, which our `ModelConfig._derive_hybrid_model` hook does for this architecture
-  (`runtime/sglang_hooks.py`).
-* `sliding_window` is now **deliberately exposed**: it is the window SGLang's SWA pool frees
-  slots outside of and the SWA radix cache requires before matching a prefix (positions p−W..p−1
-  of a hit at p are kept, exactly the keys our attention reads, spec §3.4.5). Our attention still
-  applies the window itself; SGLang's attention backend never reads the pool.
+* The attributes SGLang reads describe the model as it is (`sglang_attributes`): L decoder layers
+  (`num_hidden_layers = L`), every one with sliding-window attention of window W over one KV head
+  of `head_dim = D` whose keys are its values (spec §3.4.5): `num_key_value_heads = 1`,
+  `hybrid_layer_pattern = [1]·L`, `sliding_window = W`, and `is_hybrid_swa = True` (SGLang's
+  opt-in for custom hybrid-SWA architectures), so SGLang takes its hybrid-SWA path (SWA slot
+  allocator, FULL + SWA radix tree). The compressed global KV is not a layer: it is a buffer of
+  our pool (`runtime/kv_pool.py`), which SGLang sizes and builds through the hooks of
+  `runtime/sglang_pool.py` — no fake layer, no fake head dim, no zero-width V.
+* `sliding_window` is the window SGLang's SWA pool frees slots outside of and the SWA radix
+  cache requires before matching a prefix (positions p−W..p−1 of a hit at p are kept, exactly
+  the keys our attention reads, spec §3.4.5). Our attention applies the window itself; SGLang's
+  attention backend never reads the pool.
 * Deliberately **not** exposed (they would switch on SGLang paths written for other models):
   `text_config` / `vision_config` (multimodal detection, phase 1 is text-only),
   `quantization_config` (SGLang's FP8 machinery; the torch path dequantises itself, spec §2.4),
@@ -45,7 +39,6 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from ..config import DeepseekV41Config, TextConfig
-from .kv_layout import CompressedRowLayout
 
 MODEL_TYPE = DeepseekV41Config.MODEL_TYPE
 ARCHITECTURE = DeepseekV41Config.ARCHITECTURE
@@ -57,20 +50,16 @@ _TEXT_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "max_positio
 _HIDDEN_TOP_LEVEL = ("text_config", "vision_config", "quantization_config")
 
 
-def sglang_pool_attributes(text: TextConfig) -> dict[str, Any]:
-    """The attributes that make SGLang build the contracts §3 hybrid-SWA pool (module doc)."""
+def sglang_attributes(text: TextConfig) -> dict[str, Any]:
+    """The attention shape SGLang reads (module docstring): L sliding-window layers, one KV head of D."""
     layers = text.num_hidden_layers
     return {
-        "num_hidden_layers": layers + 1,
+        "num_hidden_layers": layers,
         "is_hybrid_swa": True,
-        "hybrid_layer_pattern": [0] + [1] * layers,
+        "hybrid_layer_pattern": [1] * layers,
         "sliding_window": text.sliding_window,
         "num_key_value_heads": 1,
-        "head_dim": CompressedRowLayout.from_config(text).sglang_head_dim,
-        "v_head_dim": 0,
-        "swa_num_key_value_heads": 1,
-        "swa_head_dim": text.head_dim,
-        "swa_v_head_dim": 0,
+        "head_dim": text.head_dim,
     }
 
 
@@ -90,7 +79,7 @@ class DeepseekV41HFConfig(PretrainedConfig):
             kwargs.pop(key, None)
         for name in _TEXT_FIELDS:
             kwargs[name] = getattr(parsed.text, name)
-        kwargs.update(sglang_pool_attributes(parsed.text))
+        kwargs.update(sglang_attributes(parsed.text))
         kwargs["dsv41_config_json"] = copy.deepcopy(raw)
         kwargs.setdefault("bos_token_id", parsed.bos_token_id)
         kwargs.setdefault("eos_token_id", raw.get("eos_token_id", parsed.eos_token_id))

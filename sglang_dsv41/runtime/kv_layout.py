@@ -25,17 +25,18 @@ order). Its entry e — compressed position j of a request, completed by the tok
 j·r + r − 1 — is e = slot(that token) // r, and byte b of the entry lives at row e·r + b // share,
 column offset + b % share. With SGLang's page_size a multiple of r the r tokens of one entry
 occupy exactly the slots e·r .. e·r + r − 1 (aligned pages), so the entry lives in its own
-request's rows. Row bytes = Σ share [890 at Flash; 176 tiny].
+request's rows. Row bytes = Σ share [890 at Flash; 176 tiny]; the pool stores each row padded to a
+multiple of 16 B (`row_stride`, 896 at Flash; formula shared with the planner in `kv_rows`).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from ..config import TextConfig
+from .kv_rows import ROW_ALIGN, entry_bytes as packed_entry_bytes, round_up, source_shares
 from ..reference.ops import E2M1_MAX, E4M3_MAX, INV_E2M1_MAX, e2m1_rne, e4m3, pow2_ceil
 
 #: E2M1 magnitudes indexed by the 3-bit magnitude code (the MXFP4 code of `checkpoint/codecs.py`).
@@ -74,13 +75,13 @@ class CompressedRowLayout:
         if D % (2 * LATENT_GROUP) or Dk % KEY_GROUP or Dk % 2:
             raise ValueError(f"packed FP4 entries need head_dim % 32 == 0 and index_head_dim % 32 == 0, "
                              f"got {D} and {Dk}")
-        entry = latent_bytes(D) + key_bytes(Dk)
+        entry = packed_entry_bytes(D, Dk)
         sources, offset = [], 0
         for layer in cfg.kv_source_layer_ids:
             ratio = cfg.compress_ratios[layer]
             if ratio not in (1, 2):
                 raise ValueError(f"kv source {layer}: compress ratio {ratio} is not a V4.1 ratio (1 or 2)")
-            share = math.ceil(entry / ratio)
+            (share,) = source_shares(D, Dk, (ratio,))
             sources.append(SourceColumns(layer=layer, ratio=ratio, offset=offset, share=share, entry_bytes=entry))
             offset += share
         return cls(head_dim=D, index_head_dim=Dk, sources=tuple(sources))
@@ -95,14 +96,9 @@ class CompressedRowLayout:
         return sum(s.share for s in self.sources)
 
     @property
-    def sglang_head_dim(self) -> int:
-        """head_dim of SGLang's one-head bf16 "full" layer that holds the row: ⌈row_bytes/2⌉."""
-        return math.ceil(self.row_bytes / 2)
-
-    @property
-    def storage_row_bytes(self) -> int:
-        """Width of the uint8 view of SGLang's row (2·sglang_head_dim ≥ row_bytes)."""
-        return 2 * self.sglang_head_dim
+    def row_stride(self) -> int:
+        """Bytes of one stored row: `row_bytes` padded to 16 B (`kv_rows`; Flash 896, tiny 176)."""
+        return round_up(self.row_bytes, ROW_ALIGN)
 
     @property
     def max_ratio(self) -> int:

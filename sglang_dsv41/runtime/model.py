@@ -8,8 +8,8 @@ the glue only:
   Engram E4M3 rows, BF16/FP32 rest) is checked against the inventory and dequantised with the
   reference loader's §2.4 rules (`checkpoint.loader`); vision and DSpark tensors are skipped
   (phase 1 serves text);
-* caches: `RuntimeCaches` around SGLang's token pool, created on the first forward from the pool
-  SGLang allocated (its token capacity), rebuilt if SGLang replaces the pool;
+* caches: the `RuntimeCaches` our pool (`runtime/kv_pool.py`, built by SGLang at start-up) holds
+  over its buffers;
 * forward: the batch layout from the `ForwardBatch` and SGLang's `req_to_token`
   (`runtime/batch.py`; the static decode layout while SGLang's CUDA-graph runner captures,
   `sglang_graph_capture`), `TorchForward.hidden_states` (`runtime/forward.py`; attention and the
@@ -48,7 +48,7 @@ from .cache import RuntimeCaches
 from .dense_ops import dense_math
 from .engram_host import engram_placement_from_env
 from .forward import TorchForward, fp32_default_dtype
-from .sglang_pool import caches_from_sglang_pool
+from .kv_pool import pool_caches
 from .tensor_parallel import TensorParallel, load_shard_weights
 
 logger = logging.getLogger(__name__)
@@ -138,13 +138,10 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     # ---- caches -------------------------------------------------------------------------------
     def _caches_for(self, pool) -> RuntimeCaches:
-        """`RuntimeCaches` over SGLang's hybrid-SWA pool (`runtime/sglang_pool.py`), rebuilt if
-        SGLang replaces the pool; the full → SWA mapping is the one registered on the pool."""
-        from sglang.srt.model_executor.forward_context import get_req_to_token_pool
-
+        """The `RuntimeCaches` our pool built at construction (`runtime/kv_pool.py`); checked and
+        published once per pool."""
         if self.caches is None or self.caches.pool_id != id(pool):
-            num_req_rows = int(get_req_to_token_pool().req_to_token.shape[0])
-            self.caches = caches_from_sglang_pool(pool, None, self.cfg.text, num_req_rows, self.numerics.cache)
+            self.caches = pool_caches(pool, self.numerics.cache)
             logger.info(self.caches.describe())
             metrics.publish_caches(self.caches, self.tp.rank)
         return self.caches

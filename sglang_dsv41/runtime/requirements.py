@@ -168,7 +168,7 @@ TORCH_PATH = RuntimeProfile(
     flags=(
         ServerFlag("--attention-backend", "torch_native", ("cpu",),
                    "the model computes its own attention from its slot caches; SGLang's backend only has to "
-                   "construct, and torch_native accepts the single-KV-head, v_head_dim = 0 pool"),
+                   "construct, and torch_native accepts the V4.1 pool"),
         ServerFlag("--attention-backend", GRAPH_BACKEND_NAME, ("cuda",),
                    "torch_native plus the decode CUDA-graph hooks SGLang's graph runner calls "
                    "(runtime/graph_backend.py); the model computes its own attention"),
@@ -177,7 +177,7 @@ TORCH_PATH = RuntimeProfile(
                    "even; 2 is the smallest such size: prefix hits are page-aligned (at most 1 token "
                    "recomputed) and SGLang's SWA eviction keeps max(window, page) = window tokens"),
         ServerFlag("--swa-full-tokens-ratio", SWA_FULL_TOKENS_RATIO, ("cpu", "cuda"),
-                   "an SWA token costs L·2·head_dim bytes (Flash 40 KiB) against 890 B of global KV; SGLang's "
+                   "an SWA token costs L·2·head_dim bytes (Flash 40 KiB) against 896 B of global KV; SGLang's "
                    "default 0.8 would spend 97 % of the KV budget on SWA slots, while a decoding request needs "
                    "only window + page of them (0.1 covers requests from ~1,300 tokens up at Flash)"),
         ServerFlag("--cuda-graph-max-bs-decode", 16, ("cuda",),
@@ -225,11 +225,11 @@ TORCH_PATH = RuntimeProfile(
                        "GPUs (the plugin defaults --disable-cuda-graph there)",
         "pd_disaggregation": "the runtime keeps request-scoped state beside SGLang's pool (the pending first token "
                              "of a ratio-2 pair) and cannot transfer it between prefill and decode servers yet",
-        "kv_cache_dtype": "the runtime needs SGLang's pool in bf16: its global rows hold packed FP4 entries "
-                          "(890 B/token at Flash, already compressed) and its SWA rows BF16 values; a pool of another "
-                          "dtype (e.g. fp8_e4m3) is refused at start-up",
+        "kv_cache_dtype": "the runtime's pool stores BF16 SWA rows and packed FP4 global rows (896 B/token at "
+                          "Flash, already compressed): a KV dtype other than bf16 (e.g. fp8_e4m3) is refused at "
+                          "start-up",
         "attention_backend": "the model computes its own attention from its slot caches; SGLang's backend only "
-                             "has to construct over the single-KV-head, v_head_dim 0 pool (torch_native) and, for "
+                             "has to construct over the V4.1 pool (torch_native) and, for "
                              f"decode CUDA graphs, answer the graph runner ({GRAPH_BACKEND_NAME})",
         "page_size": "a ratio-2 compressed entry spans the rows of 2 consecutive token slots, which must share a "
                      "page (phase-2 contracts §2), so the page size must be a multiple of the largest compress "

@@ -1,13 +1,8 @@
 """Implementations of the runtime area's HookRegistry entries (the table is `sglang_dsv41.hooks`).
 
-The pool SGLang builds for a V4.1 model is its own hybrid-SWA `SWAKVPool` (phase-2 contracts
-§2–§3, `runtime/hf_config.py`); these hooks make the stock code build and size it correctly:
+The V4.1 pool's own hooks live in `runtime/sglang_pool.py`; these make the stock scheduler paths
+serve the model:
 
-* `derive_hybrid_model_hook` — AFTER `ModelConfig._derive_hybrid_model`: SGLang passes the SWA
-  layers' own head dims (`swa_head_dim = D`, `swa_v_head_dim = 0`, `swa_num_key_value_heads`) and
-  the full layer's `v_head_dim = 0` to `SWAKVPool` only when `is_hybrid_swa_compress` is set, and
-  sets it from an architecture allow-list. Without the hook both pools would get the full layer's
-  row width (ceil(row_bytes/2) elements) and K+V rows. Only our architecture is touched.
 * `attach_engram_history_hook` — AFTER `ForwardBatch.init_new`: an extend (or mixed) batch of
   our model carries each request's Engram history, the K ids before its chunk, built from the
   request's own ids (`origin_input_ids + output_ids`, `runtime/engram_history.py`). The model
@@ -26,18 +21,6 @@ from __future__ import annotations
 import torch
 
 from .engram_history import host_history
-from .hf_config import ARCHITECTURE, MODEL_TYPE
-
-def _is_v41(hf_config) -> bool:
-    return getattr(hf_config, "model_type", None) == MODEL_TYPE and hasattr(hf_config, "parsed")
-
-
-def derive_hybrid_model_hook(result, self) -> None:
-    """Set `is_hybrid_swa_compress` for our architecture (asymmetric full/SWA pool rows)."""
-    archs = getattr(self.hf_config, "architectures", None) or []
-    if archs and archs[0] == ARCHITECTURE and _is_v41(self.hf_config):
-        self.is_hybrid_swa_compress = True
-    return result
 
 
 def attach_engram_history_hook(result, cls, batch, model_runner, *args, **kwargs):

@@ -1,128 +1,148 @@
-"""`RuntimeCaches` over the pool SGLang built for a V4.1 model (phase-2 contracts §2–§4).
+"""How SGLang 0.5.17 sizes and builds the V4.1 pool (`runtime/kv_pool.DeepseekV41KVPool`; docs/runtime.md
+"KV pool"; spec runtime.md §B "Memory-pool sizing" / "Memory-pool class").
 
-SGLang builds a hybrid-SWA `SWAKVPool` from the attributes of `runtime/hf_config.py` (plus the
-`is_hybrid_swa_compress` hook, `runtime/sglang_hooks.py`):
+The HF config is honest (`runtime/hf_config.py`: L layers, every one with sliding-window
+attention, `is_hybrid_swa`), so SGLang takes its hybrid-SWA path — `SWATokenToKVPoolAllocator`,
+the unified radix tree with FULL + SWA components — and two HookRegistry entries
+(`sglang_dsv41.hooks`) replace what it would size and build from per-layer K/V head dims:
 
-* full pool — ONE layer (SGLang layer 0), `k_buffer[0]` bf16 [S_full + page, 1, ceil(row_bytes/2)]:
-  the packed compressed row of every token (global KV, contracts §2), viewed here as uint8
-  [S_full + page, 2·ceil(row_bytes/2)];
-* SWA pool — one layer per model layer (SGLang layer 1 + l), `k_buffer[l]` bf16
-  [S_swa + page, 1, D]: the SWA kv of model layer l;
-* the full → SWA slot mapping, owned by SGLang's `SWATokenToKVPoolAllocator` and registered on
-  the pool (`full_to_swa_index_mapping`, S_full + page entries plus a trailing −1 sentinel),
-  updated in place by every allocation and SWA eviction — we keep a view, never a copy.
+* `memory_pool_configurator_hook` — AROUND `create_memory_pool_configurator`: our
+  `DeepseekV41PoolConfigurator` reserves the request-scoped state (pair ring + Engram history per
+  request row, for as many rows as SGLang will allow), divides the rest of the KV budget by the
+  cell row_stride + ratio · L · D · 2 (Flash 896 + 0.1 · 40,960 B) and splits it into full and
+  SWA tokens with SGLang's own solver;
+  it logs the global KV bytes per token. Refuses what the pool cannot be built for or serve yet
+  (non-bf16 KV, no hybrid-SWA memory, unified memory, a draft worker, HiCache, PD).
+* `build_token_to_kv_pool_hook` — AROUND `KVCacheConfigurator._build_token_to_kv_pool`: builds
+  `DeepseekV41KVPool` from those sizes, SGLang's page size and its `req_to_token` rows (the pair
+  ring has one row each), with ring slots for the speculative draft tokens. Refuses a KV dtype
+  other than bf16 and a page size that is not a multiple of the largest compress ratio, at
+  start-up, naming the flag.
 
-Invariants checked here, each with a message naming the SGLang flag to change: the pool type,
-the layer → sub-pool mapping, every buffer's shape and bf16 dtype, one device, and
-`page_size % 2 == 0` whenever a ratio-2 kv source exists (a ratio-2 entry spans two token rows
-that must share a page, contracts §2). The buffers are wrapped, not copied: what SGLang frees,
-moves or evicts is what the forward sees.
+Any other architecture goes to SGLang's own code unchanged.
 """
 from __future__ import annotations
 
 import logging
 
 import torch
-from torch import Tensor
+
+from sglang.srt.model_executor.pool_configurator import HybridSWAPoolConfigurator
 
 from ..config import TextConfig
-from ..reference.ops import CacheProfile
 from .cache import RuntimeCaches
-from .kv_layout import CompressedRowLayout
+from .hf_config import ARCHITECTURE
+from .kv_rows import pair_ring_slots, text_row_payload_bytes, text_row_stride_bytes
 
 logger = logging.getLogger(__name__)
-
-#: SGLang dtype of both sub-pools: the packed rows are reinterpreted bytes, the SWA rows bf16 values.
-POOL_DTYPE = torch.bfloat16
+#: The only KV dtype the pool's SWA rows are (BF16 values, spec §3.8).
+KV_DTYPE = torch.bfloat16
 
 
 def _fail(what: str) -> RuntimeError:
     return RuntimeError(f"sglang-dsv41: {what}")
 
 
-def required_page_multiple(cfg: TextConfig) -> int:
-    """The largest compress ratio of a kv source: SGLang's page_size must be a multiple of it."""
-    return max((cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids), default=1)
+def v41_text_config(model_config) -> TextConfig | None:
+    """Our parsed text config when SGLang's `ModelConfig` is a V4.1 checkpoint's, else None."""
+    hf = getattr(model_config, "hf_config", None)
+    archs = getattr(hf, "architectures", None) or []
+    if not archs or archs[0] != ARCHITECTURE or not hasattr(hf, "parsed"):
+        return None
+    return hf.parsed().text
 
 
-def check_page_size(page_size: int, cfg: TextConfig) -> None:
-    multiple = required_page_multiple(cfg)
-    if page_size % multiple:
-        raise _fail(f"SGLang page_size {page_size} is not a multiple of {multiple}: a ratio-{multiple} "
-                    f"compressed entry spans {multiple} token rows that must share a page (contracts §2); "
-                    f"serve with --page-size 2 (or another multiple of {multiple})")
+def check_pool_flags(kvc) -> None:
+    """Start-up refusals for a configuration the pool cannot serve (each names the flag)."""
+    if not kvc.is_hybrid_swa:
+        raise _fail("the V4.1 pool is a hybrid-SWA pool: drop --disable-hybrid-swa-memory")
+    if kvc.is_draft_worker:
+        raise _fail("speculative decoding with a draft worker is not supported by the V4.1 pool yet "
+                    "(drop --speculative-algorithm)")
+    if getattr(kvc.server_args, "enable_hierarchical_cache", False):
+        raise _fail("--enable-hierarchical-cache: HiCache host pools for the V4.1 pool are not built yet "
+                    "(SGLang's _SwaStrategy builds MHA host pools; docs/runtime.md \"KV pool\")")
+    if getattr(kvc.server_args, "disaggregation_mode", "null") != "null":
+        raise _fail("--disaggregation-mode: PD transfer of the V4.1 pool is not wired yet (SGLang's non-MLA path "
+                    "splits the one global-KV buffer into K/V halves; docs/runtime.md \"KV pool\")")
+    if getattr(kvc.server_args, "enable_unified_memory", False):
+        raise _fail("--enable-unified-memory builds SGLang's own pools, not the V4.1 pool: drop the flag")
+    if kvc.kv_cache_dtype != KV_DTYPE:
+        raise _fail(f"--kv-cache-dtype resolves to {kvc.kv_cache_dtype}; the V4.1 pool stores BF16 SWA rows "
+                    "and packed FP4 global rows: serve with --kv-cache-dtype auto (or bf16) and a bf16 model dtype")
 
 
-def _buffer(buf: Tensor, what: str, slots: int | None, width: int) -> Tensor:
-    """`buf` [slots, 1, width] bf16 → its [slots, width] view."""
-    if buf.dtype != POOL_DTYPE:
-        raise _fail(f"{what} has dtype {buf.dtype}; the torch path needs a bf16 pool: serve with "
-                    "--kv-cache-dtype auto (or bf16) and a bf16 model dtype")
-    if buf.dim() != 3 or buf.shape[1] != 1 or buf.shape[2] != width or (slots is not None and buf.shape[0] != slots):
-        want = f"[{'S' if slots is None else slots}, 1, {width}]"
-        raise _fail(f"{what} has shape {tuple(buf.shape)}, expected {want} (one KV head; are the "
-                    "sglang-dsv41 hooks installed? is_hybrid_swa_compress passes the SWA head dims)")
-    return buf[:, 0, :]
+def draft_tokens(server_args) -> int:
+    """Draft tokens per decode step under speculative decoding (0 without)."""
+    if getattr(server_args, "speculative_algorithm", None) is None:
+        return 0
+    return int(getattr(server_args, "speculative_num_draft_tokens", None) or 0)
 
 
-def _mapping(pool, allocator_or_mapping) -> Tensor:
-    """The full → SWA slot mapping: a tensor, or the `full_to_swa_index_mapping` of an allocator
-    (or of the pool, where SGLang's allocator registers it)."""
-    if isinstance(allocator_or_mapping, Tensor):
-        return allocator_or_mapping
-    for owner in (allocator_or_mapping, pool):
-        mapping = getattr(owner, "full_to_swa_index_mapping", None)
-        if isinstance(mapping, Tensor):
-            return mapping
-    raise _fail("no full → SWA slot mapping: neither the allocator nor the SWAKVPool has "
-                "full_to_swa_index_mapping (SGLang's SWATokenToKVPoolAllocator registers it)")
+class DeepseekV41PoolConfigurator(HybridSWAPoolConfigurator):
+    """SGLang's hybrid-SWA sizing with the V4.1 pool's honest per-token bytes: one global row
+    (row_stride) per full token, L bf16 SWA rows of D per SWA token, `--swa-full-tokens-ratio`
+    SWA tokens per full token. The solver (`_solve_pool_sizes`) is SGLang's."""
+
+    def __init__(self, kvc, text: TextConfig) -> None:
+        check_pool_flags(kvc)
+        self.kv_cache_dtype_str = kvc.kv_cache_dtype_str
+        self._full_layers_num = 1
+        self._swa_layers_num = text.num_hidden_layers
+        self._full_per_token = text_row_stride_bytes(text)
+        self._swa_per_token = text.head_dim * KV_DTYPE.itemsize
+        self._draft_full_layers_num = self._draft_swa_full_layers_num = 0
+        self._swa_full_tokens_ratio = kvc.server_args.swa_full_tokens_ratio
+        self._sliding_window_size = kvc.sliding_window_size
+        self._page_size = kvc.page_size
+        self._cell_size = self._full_per_token + self._swa_full_tokens_ratio * self._swa_per_token * self._swa_layers_num
+        self._request_row_bytes = (RuntimeCaches.planned_request_state_bytes(text, draft_tokens(kvc.server_args))
+                                   + (text.engram_max_ngram_size - 1) * 4 + 8)
+        self._context_len = int(getattr(kvc.model_config, "context_len", 0) or 0)
+        requested = getattr(kvc.server_args, "max_running_requests", None)
+        dp = int(getattr(getattr(kvc, "ps", None), "attn_dp_size", 1) or 1)
+        self._requested_requests = None if requested is None else int(requested) // dp
+        logger.info("sglang-dsv41 KV pool sizing: global KV %d B/token (%d B packed FP4 rows padded to 16 B), "
+                    "SWA %d B per SWA token, --swa-full-tokens-ratio %s: %.1f B per full token; request state "
+                    "(pair ring + Engram history) %d B per request row, reserved first",
+                    self._full_per_token, text_row_payload_bytes(text), self._swa_per_token * self._swa_layers_num,
+                    self._swa_full_tokens_ratio, self._cell_size, self._request_row_bytes)
+
+    def request_state_bytes(self, token_capacity: int) -> int:
+        """Bytes of the request-scoped state for the request rows SGLang will allow at this token
+        capacity (its `resolve_max_num_reqs` rule: the requested count, else 2048..4096 by context)."""
+        reqs = self._requested_requests
+        if reqs is None:
+            estimated = int(token_capacity / self._context_len * 512) if self._context_len else 4096
+            reqs = min(max(min(estimated, 4096), 2048), token_capacity // 2)
+        return (reqs + 1) * self._request_row_bytes
+
+    def calculate_pool_sizes(self, available_bytes: int, page_size: int):
+        fixed = self.request_state_bytes(int(available_bytes // self._cell_size))
+        return super().calculate_pool_sizes(max(available_bytes - fixed, 0), page_size)
 
 
-def caches_from_sglang_pool(pool, allocator_or_mapping, cfg: TextConfig, num_req_rows: int,
-                            profile: CacheProfile = CacheProfile.NONE) -> RuntimeCaches:
-    """Wrap SGLang's hybrid-SWA pool as the forward's `RuntimeCaches` (module doc).
-
-    `allocator_or_mapping`: SGLang's token allocator, the mapping tensor itself, or None (the
-    mapping registered on the pool); `num_req_rows`: rows of SGLang's `req_to_token` (the
-    request-scoped pair state gets one row each)."""
-    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
-
-    if not isinstance(pool, SWAKVPool):
-        raise _fail(f"expected SGLang's hybrid-SWA pool (SWAKVPool), got {type(pool).__name__}: the "
-                    "V4.1 config makes SGLang build one unless --disable-hybrid-swa-memory is given")
-    layers = cfg.num_hidden_layers
-    expected = {0: (0, False), **{1 + l: (l, True) for l in range(layers)}}
-    if dict(pool.layers_mapping) != expected:
-        raise _fail(f"SWAKVPool layers {dict(pool.layers_mapping)} are not layer 0 = packed rows, "
-                    f"layers 1..{layers} = SWA (hybrid_layer_pattern of runtime/hf_config.py)")
-    check_page_size(int(pool.page_size), cfg)
-
-    full_k = pool.full_kv_pool.k_buffer
-    swa_k = pool.swa_kv_pool.k_buffer
-    if len(full_k) != 1 or len(swa_k) != layers:
-        raise _fail(f"SWAKVPool has {len(full_k)} full and {len(swa_k)} SWA layers, expected 1 and {layers}")
-    head_dim = CompressedRowLayout.from_config(cfg).sglang_head_dim
-    rows = _buffer(full_k[0], "the full (packed-row) pool", None, head_dim).view(torch.uint8)
-    n_swa = swa_k[0].shape[0]
-    swa = [_buffer(buf, f"SWA pool layer {l}", n_swa, cfg.head_dim) for l, buf in enumerate(swa_k)]
-
-    mapping = _mapping(pool, allocator_or_mapping)
-    if mapping.dim() != 1 or mapping.shape[0] < rows.shape[0]:
-        raise _fail(f"full → SWA mapping of shape {tuple(mapping.shape)} does not cover the "
-                    f"{rows.shape[0]} full slots")
-    devices = {t.device for t in (rows, mapping, *swa)}
-    if len(devices) != 1:
-        raise _fail(f"pool buffers and mapping on several devices: {sorted(map(str, devices))}")
-    logger.info(describe_sglang_pool(pool))
-    return RuntimeCaches.from_buffers(cfg, swa, mapping[: rows.shape[0]], rows, num_req_rows, profile,
-                                      pool_id=id(pool), page_size=int(pool.page_size))
+def memory_pool_configurator_hook(original, kvc):
+    """AROUND `create_memory_pool_configurator`: ours for a V4.1 model (module docstring)."""
+    text = v41_text_config(kvc.model_config)
+    if text is None:
+        return original(kvc)
+    return DeepseekV41PoolConfigurator(kvc, text)
 
 
-def describe_sglang_pool(pool) -> str:
-    """One log line with the shapes of the pool SGLang built (read from its buffers)."""
-    full, swa = pool.full_kv_pool.k_buffer, pool.swa_kv_pool.k_buffer
-    row = full[0].shape[2] * full[0].element_size()
-    swa_bytes = sum(b.shape[2] * b.element_size() for b in swa)
-    return (f"sglang-dsv41: SGLang SWAKVPool: full pool {len(full)} layer {list(full[0].shape)} {full[0].dtype} "
-            f"= {row} B/token row; SWA pool {len(swa)} layers {list(swa[0].shape)} {swa[0].dtype} = {swa_bytes} "
-            f"B/SWA token; page_size {pool.page_size}")
+def build_token_to_kv_pool_hook(original, self, *args, **kwargs):
+    """AROUND `KVCacheConfigurator._build_token_to_kv_pool`: `DeepseekV41KVPool` for a V4.1 model."""
+    text = v41_text_config(self.model_config)
+    if text is None:
+        return original(self, *args, **kwargs)
+    from .kv_pool import DeepseekV41KVPool
+
+    check_pool_flags(self)
+    sizes, req_to_token_pool = kwargs["sizes"], kwargs["req_to_token_pool"]
+    try:
+        return DeepseekV41KVPool(text, size=int(sizes.full_max_total_num_tokens),
+                                 size_swa=int(sizes.swa_max_total_num_tokens), page_size=int(self.pool_page_size),
+                                 num_req_rows=int(req_to_token_pool.req_to_token.shape[0]), device=self.device,
+                                 pair_slots=pair_ring_slots(draft_tokens(self.server_args)))
+    except ValueError as e:       # page size: name the flag
+        raise _fail(f"{e} (--page-size)") from e
