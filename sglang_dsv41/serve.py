@@ -69,7 +69,7 @@ def tiny_checkpoint(seed: int = 0, root: Path | None = None, preset: str = "tiny
     A cached checkpoint written by another generator version (`synth.GENERATOR_VERSION`, kept
     in the index metadata) is replaced: the cache never serves weights of older value rules.
     `on_make(target)` is called before a checkpoint is written (not when the cache has it)."""
-    from .checkpoint.synth import GENERATOR_VERSION, INDEX_FILE, generator_version, make_checkpoint
+    from .checkpoint.synth import GENERATOR_VERSION, generator_version, make_checkpoint
 
     target = tiny_checkpoint_dir(seed, root, preset)
     root = target.parent
