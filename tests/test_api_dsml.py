@@ -89,7 +89,13 @@ SHAPES = {
                                      par("c", " 1.5 ", False),
                                      par("d", '\n{"x": [1, {"y": "z"}]}', False)) + "\n" + CLOSE,
                    "", [("search", {"a": True, "b": None, "c": 1.5, "d": {"x": [1, {"y": "z"}]}})]),
-    "lookalikes in content": ("use <｜DS and </ and < and ｜DSML｜ freely", "use <｜DS and </ and < and ｜DSML｜ freely", []),
+    "lookalikes in content": ("use <｜DS and </ and < and ｜DSM freely", "use <｜DS and </ and < and ｜DSM freely", []),
+    # issue 20: the special token without its "<" (the tiny model emits it) is never text
+    "bare token in content": ("a ｜DSML｜b｜DSML｜", "a b", []),
+    "bare token in a value": (f"{OPEN}\n{inv('search', par('q', 'x｜DSML｜y'))}\n{CLOSE}", "",
+                              [("search", {"q": "xy"})]),
+    "bare token before a call": (f"ok ｜DSML｜\n\n{OPEN}\n{inv('noargs')}\n{CLOSE}", "ok",
+                                 [("noargs", {})]),
     "trailing partial": ("ends with <｜DSM", "ends with <｜DSM", []),
 }
 
@@ -141,7 +147,7 @@ def check_event_invariants(events):
         assert isinstance(json.loads(call.arguments), dict)
     for e in events:
         text = getattr(e, "text", "") + getattr(e, "arguments", "")
-        assert "<｜DSML｜" not in text and "</｜DSML｜" not in text
+        assert "｜DSML｜" not in text  # no tag, no bare token
 
 
 def test_streaming_arguments_are_incremental():
@@ -176,7 +182,7 @@ PIECES = st.sampled_from([
     OPEN, CLOSE, "\n", "\n\n", inv("get_weather", CITY, DAYS), inv("noargs"), inv("nope", CITY),
     inv("search", par("q", "{bad", string=False)), '<｜DSML｜ invoke name="search">',
     par("q", "v"), "</｜DSML｜ invoke>", "</｜DSML｜ parameter>", '<｜DSML｜ parameter name="q" string="true">',
-    "<｜DSML｜", "<｜DS", "<", "</", "<think>", "text ",
+    "<｜DSML｜", "<｜DS", "<", "</", "<think>", "text ", "｜DSML｜", "｜DS",
 ])
 REPLIES = st.lists(st.one_of(PIECES, SAFE_TEXT), max_size=12).map("".join)
 

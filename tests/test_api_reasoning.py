@@ -111,3 +111,55 @@ def test_thinking_off_never_swallows_untagged_text(text):
     if not text.startswith("<think>"):
         assert reasoning == ""
         assert content == (text[len("</think>"):] if text.startswith("</think>") else text)
+
+
+# --- the SGLang detector: no DSML markup in reasoning, nor in content without a tool parser -----
+# "｜" only inside whole markers: dropping a tag between "｜DS" and "ML｜" would join them (the
+# dropped-markup guarantee is about the markers the model emits, which are single tokens)
+DETECTOR_PIECES = st.sampled_from(["</think>", "<think>", "｜DSML｜", "<｜DSML｜ calls>",
+                                   "</｜DSML｜ calls>", '<｜DSML｜ invoke name="f">', "</｜DSML｜ invoke>",
+                                   "<", "\n\n", "text", " "])
+DETECTOR_REPLIES = st.lists(st.one_of(DETECTOR_PIECES, st.text(
+    alphabet=st.characters(blacklist_characters="｜"), max_size=4)), max_size=10).map("".join)
+
+
+def _detector(thinking: bool, tool_parser_runs: bool):
+    from sglang_dsv41.api.reasoning_parser import DeepseekV41ReasoningDetector
+
+    detector = DeepseekV41ReasoningDetector(force_reasoning=thinking)
+    detector.set_tool_parser_runs(tool_parser_runs)
+    return detector
+
+
+@pytest.mark.parametrize("thinking,tools,reply,want", [
+    (False, False, "The answer｜DSML｜ is 323.｜DSML｜", ("", "The answer is 323.")),
+    (True, False, "Hmm｜DSML｜ ok</think>323", ("Hmm ok", "323")),
+    (True, False, "Hmm｜DSML｜ still thinking", ("Hmm still thinking", "")),
+    (True, False, "I call f." + CALL, ("I call f.\n\n", "")),           # undeclared call: skipped
+    (False, False, "a</｜DSML｜ invoke>b\n\n<｜DSML｜ calls>\n</｜DSML｜ calls> c", ("", "ab c")),
+    # a tool parser reads the content: markup stays for it (bare tokens are its business too)
+    (True, True, "r｜DSML｜</think>x" + CALL, ("r", "x" + CALL)),
+    (False, True, "x｜DSML｜y", ("", "x｜DSML｜y")),
+])
+def test_detector_drops_dsml_markup(thinking, tools, reply, want):
+    result = _detector(thinking, tools).detect_and_parse(reply)
+    assert (result.reasoning_text, result.normal_text) == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(DETECTOR_REPLIES, st.data(), st.booleans(), st.booleans())
+def test_detector_any_chunking_equals_one_shot(text, data, thinking, tools):
+    cuts = sorted(data.draw(st.sets(st.integers(0, len(text)), max_size=len(text))))
+    bounds = [0, *cuts, len(text)]
+    detector = _detector(thinking, tools)
+    reasoning = content = ""
+    for a, b in zip(bounds, bounds[1:]):
+        out = detector.parse_streaming_increment(text[a:b])
+        reasoning, content = reasoning + out.reasoning_text, content + out.normal_text
+    end = detector.finish()
+    whole = _detector(thinking, tools).detect_and_parse(text)
+    assert (reasoning + end.reasoning_text, content + end.normal_text) == (whole.reasoning_text,
+                                                                          whole.normal_text)
+    assert "｜DSML｜" not in whole.reasoning_text
+    if not tools:
+        assert "｜DSML｜" not in whole.normal_text

@@ -528,3 +528,96 @@ def test_http_malformed_bodies_left_to_sglang(http):
                             headers={"content-type": "application/json"}).status_code == 400
     bad_kwargs = {**CARD_BODY, "chat_template_kwargs": "thinking"}
     assert http.client.post("/v1/chat/completions", json=bad_kwargs).status_code == 400
+
+
+# --- reasoning and tool calls together, on recorded token streams (issue 20 item 2) -------------
+def token_stream(tokenizer, text: str) -> list[str]:
+    """The cumulative texts SGLang's detokenizer hands the serving layer, one token at a time
+    (special tokens kept, as this model's requests force): ``｜DSML｜`` and ``</think>`` are single
+    tokens of the checkpoint tokenizer, so markers arrive whole, never split."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.convert_tokens_to_ids("｜DSML｜") in ids or "｜DSML｜" not in text
+    texts = [tokenizer.decode(ids[: i + 1], skip_special_tokens=False) for i in range(len(ids))]
+    assert texts[-1] == text
+    return texts
+
+
+def reply_of(sg, serving, tm, body: dict, stream: bool):
+    """(reasoning, content, [(name, arguments dict)], finish_reason, raw JSON text) of one reply,
+    streamed replies folded from their SSE deltas (a non-streamed reply reads the final text)."""
+    if not stream:
+        tm.outputs = tm.outputs[-1:]
+    response = call(sg, serving, {**body, "stream": stream})
+    if stream:
+        events = sse_events(response)
+        reasoning, content, calls, finish = merged_stream(events)
+        return reasoning, content, [(n, json.loads(a)) for n, a in calls], finish, json.dumps(events)
+    status, answer = as_json(response)
+    assert status == 200, answer
+    choice = answer["choices"][0]
+    msg = choice["message"]
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+             for c in msg["tool_calls"] or []]
+    return (msg["reasoning_content"] or "", msg["content"] or "", calls, choice["finish_reason"],
+            json.dumps(answer))
+
+
+THINK_THEN_CALL = "I need the weather first.</think>" + CALLS
+REASONED_TOOL_BODY = {"messages": TOOL_BODY["messages"], "tools": [WEATHER, SEARCH]}  # card default: thinking on
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_then_tool_calls(sg, tokenizer, stream):
+    """A trace, ``</think>``, then a DSML calls block: ``reasoning_content`` holds the trace,
+    ``tool_calls`` the calls, nothing in ``content``, finish_reason ``tool_calls``; the stream's
+    deltas reassemble to the same reply."""
+    serving, tm = make(sg, tokenizer, outputs=token_stream(tokenizer, THINK_THEN_CALL))
+    reasoning, content, calls, finish, raw = reply_of(sg, serving, tm, REASONED_TOOL_BODY, stream)
+    assert (reasoning, content, calls, finish) == ("I need the weather first.", "", WANT_CALLS, "tool_calls")
+    assert "DSML" not in raw and "think>" not in raw
+    assert prompt_text(tm, tokenizer).endswith("<｜Assistant｜><think>") and "## Tools" in prompt_text(tm, tokenizer)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_then_tool_calls_cut_by_length(sg, tokenizer, stream):
+    """``max_tokens`` spent inside the call: the open call is completed (valid JSON) and the
+    finish reason stays ``length``."""
+    cut = THINK_THEN_CALL[: THINK_THEN_CALL.index("is</｜DSML｜")]  # inside "Paris"
+    serving, tm = make(sg, tokenizer, outputs=token_stream(tokenizer, cut))
+    tm.finish = {"type": "length", "length": 40}
+    reasoning, content, calls, finish, _ = reply_of(sg, serving, tm, REASONED_TOOL_BODY, stream)
+    assert (reasoning, content, finish) == ("I need the weather first.", "", "length")
+    assert calls == [("get_weather", {"city": "Par"})]
+
+
+# --- no bare ｜DSML｜ in content (issue 20 item 5) ------------------------------------------------
+BARE = "｜DSML｜"
+
+
+BARE_CASES = {  # name: (request fields, reply, (reasoning, content, calls))
+    # no tools: no tool parser runs, the reasoning parser drops the markup
+    "off-no-tools": ({"chat_template_kwargs": {"thinking": False}},
+        f"The answer{BARE} is 323.{BARE}", ("", "The answer is 323.", [])),
+    "on-no-tools": ({}, f"Hmm{BARE} ok</think>323{BARE}", ("Hmm ok", "323", [])),
+    "on-no-tools-in-trace-only": ({}, f"Hmm{BARE}", ("Hmm", "", [])),
+    "off-undeclared-call": ({"chat_template_kwargs": {"thinking": False}}, "Sure." + CALLS,
+        ("", "Sure.", [])),
+    "tool-choice-none": ({"tools": [WEATHER, SEARCH], "tool_choice": "none"}, f"r{BARE}</think>a{BARE}b",
+        ("r", "ab", [])),
+    # tools: the DSML tool parser drops a bare token in content and in string values
+    "tools-off": ({"tools": [WEATHER, SEARCH], "chat_template_kwargs": {"thinking": False}},
+        f"Let me check.{BARE}" + CALLS.replace("Paris", f"Par{BARE}is"), ("", "Let me check.", WANT_CALLS)),
+    "tools-on": ({"tools": [WEATHER, SEARCH]}, f"I{BARE} need it.</think>{BARE}" + CALLS,
+        ("I need it.", "", WANT_CALLS)),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("name", sorted(BARE_CASES))
+def test_bare_dsml_token_never_reaches_the_client(sg, tokenizer, stream, name):
+    body, reply, want = BARE_CASES[name]
+    serving, tm = make(sg, tokenizer, outputs=token_stream(tokenizer, reply))
+    reasoning, content, calls, _, raw = reply_of(sg, serving, tm, {"messages": TOOL_BODY["messages"], **body},
+                                                 stream)
+    assert (reasoning, content, calls) == want
+    assert "DSML" not in raw

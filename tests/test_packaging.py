@@ -71,7 +71,8 @@ def test_console_script_is_installed() -> None:
 
 def test_readme_keeps_three_commands_and_warns_about_max_tokens_on_cpu() -> None:
     """Issue 20: without `max_tokens` the card's request runs to the tiny checkpoint's context on CPU
-    (minutes) — the README says so in prose and still shows exactly its three commands."""
+    (minutes) — the README says so in prose, says what to expect (install, start-up and test
+    times, thinking on by default) and still shows exactly its three commands."""
     import re
 
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
@@ -79,3 +80,6 @@ def test_readme_keeps_three_commands_and_warns_about_max_tokens_on_cpu() -> None
     prose = " ".join(text.split())
     assert re.search(r"always send `max_tokens` on CPU", prose) and "4,096-token context" in prose
     assert "Thinking is on by default" in prose
+    # what to expect: install time, server start-up, test time
+    assert "about half a minute" in prose and "about 1.5–2 minutes" in prose
+    assert "about 17 minutes" in prose

@@ -27,7 +27,9 @@ Invariants (tested, including a hypothesis property over random chunkings):
   prefix of its final arguments (equal once the invoke is closed or `finish` ran), and
   `closed_arguments` gives the final arguments at any point.
 * DSML markup never reaches content or arguments: every ``<｜DSML｜…>`` / ``</｜DSML｜…>`` tag is
-  consumed, including stray or unknown ones; a string value ends at the first DSML tag.
+  consumed, including stray or unknown ones, and so is a bare ``｜DSML｜`` token (the model's
+  special token without its ``<``: the tiny model emits it); a string value ends at the first
+  DSML tag.
 * Robust shapes: a bare ``invoke`` without ``calls``; a section or invoke left unterminated (end
   of stream closes it); a malformed sibling (bad JSON in a ``string="false"`` value becomes that
   raw text as a JSON string; an ``invoke`` tag without a name is skipped) never costs the other
@@ -56,6 +58,8 @@ PARAM_OPEN = f'<{DSML_TOKEN} parameter name="{{name}}" string="{{string}}">'
 PARAM_CLOSE = f"</{DSML_TOKEN} parameter>"
 BARE_INVOKE_PREFIX = f"<{DSML_TOKEN} invoke"
 _TAG_PREFIXES = (f"<{DSML_TOKEN}", f"</{DSML_TOKEN}")
+# what the scanner stops at: a tag, or the bare special token (dropped wherever it stands)
+_MARKERS = (*_TAG_PREFIXES, DSML_TOKEN)
 # section names of V3.2 / V4 accepted as aliases of V4.1's "calls"
 _SECTION_NAMES = ("calls", "tool_calls", "function_calls")
 _TAG_RE = re.compile(r"<(/?)" + DSML_TOKEN + r"\s*([A-Za-z_]+)(.*)>\Z", re.S)
@@ -101,9 +105,9 @@ def render_call(name: str, arguments: dict) -> str:
 
 
 def _partial_prefix_len(text: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a DSML tag prefix."""
+    """Length of the longest suffix of ``text`` that is a proper prefix of a DSML marker."""
     best = 0
-    for prefix in _TAG_PREFIXES:
+    for prefix in _MARKERS:
         for n in range(min(len(prefix) - 1, len(text)), 0, -1):
             if text.endswith(prefix[:n]):
                 best = max(best, n)
@@ -112,7 +116,7 @@ def _partial_prefix_len(text: str) -> int:
 
 
 def _find_tag_start(text: str) -> int:
-    hits = [i for i in (text.find(p) for p in _TAG_PREFIXES) if i >= 0]
+    hits = [i for i in (text.find(p) for p in _MARKERS) if i >= 0]
     return min(hits) if hits else -1
 
 
@@ -248,6 +252,10 @@ class DsmlStreamParser:
         if start > 0:
             self._buf = buf[start:]
             self._text(buf[:start], out)
+            return True
+        if buf.startswith(DSML_TOKEN):  # a bare marker, outside any tag: never text
+            logger.debug("dropping a bare %s token in state %s", DSML_TOKEN, self._state)
+            self._buf = buf[len(DSML_TOKEN):]
             return True
         end = buf.find(">")
         if end < 0:

@@ -238,16 +238,34 @@ def get_reasoning_from_request_hook(original, self, request):
 # -- ReasoningParser.__init__ (AROUND) ----------------------------------------------------------
 def reasoning_parser_init_hook(original, *args, **kwargs):
     """For our parser names, ``force_reasoning`` := the request's decision (a chat template that
-    SGLang detected as always-thinking must not misroute a non-thinking reply)."""
+    SGLang detected as always-thinking must not misroute a non-thinking reply), and the detector
+    learns whether a tool parser will read the content (else it drops DSML markup itself)."""
     bound = inspect.signature(original).bind(*args, **kwargs)
     model_type = bound.arguments.get("model_type")
     request = bound.arguments.get("request")
-    if isinstance(model_type, str) and model_type.lower() in REASONING_PARSER_NAMES \
-            and request is not None:
+    ours = isinstance(model_type, str) and model_type.lower() in REASONING_PARSER_NAMES \
+        and request is not None
+    if ours:
         thinking = _canonical_thinking(request)
         if thinking is not None:
             bound.arguments["force_reasoning"] = thinking
-    return original(*bound.args, **bound.kwargs)
+    result = original(*bound.args, **bound.kwargs)
+    if ours:
+        bound.arguments["self"].detector.set_tool_parser_runs(_declares_tools(request))
+    return result
+
+
+def _declares_tools(request: Any) -> bool:
+    """True when SGLang's chat serving hands this request's content to the tool-call parser:
+    tools declared (on the request or a system/developer message) and ``tool_choice`` not
+    ``none`` (`OpenAIServingChat._effective_tools`; a server without ``--tool-call-parser``
+    returns the raw reply, docs/api.md)."""
+    if getattr(request, "tool_choice", None) == "none":
+        return False
+    if getattr(request, "tools", None):
+        return True
+    return any(getattr(m, "role", None) in ("system", "developer") and getattr(m, "tools", None)
+               for m in getattr(request, "messages", None) or [])
 
 
 # -- TokenizerManager.sigterm_watchdog (AROUND) --------------------------------------------------
