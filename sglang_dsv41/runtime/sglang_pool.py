@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ..config import TextConfig
-from ..reference.ops import CacheProfile
+from ..numerics.profile import CacheProfile
 from .cache import RuntimeCaches
 from .kv_layout import CompressedRowLayout
 
