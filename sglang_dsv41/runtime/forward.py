@@ -25,20 +25,20 @@ import contextlib
 from typing import Iterator, Mapping
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..config import DeepseekV41Config
 from ..engram_hash import MULTIMODAL_PAD_ID_BASE, EngramHasher
 from ..numerics.geometry import language_model_ids
 from ..numerics.profile import NumericsProfile
 from ..numerics.rope import layer_inv_freq
-from .attention import ForwardScratch, attention_sublayer
+from .attention import ForwardScratch
 from .attention_ops import ops_for
 from .backend import ComputeBackend, backend_for
 from .batch import BatchLayout
 from .cache import RuntimeCaches
-from .engram_gate import engram_update
 from .engram_history import history_tail
+from .layers import DeepseekV41DecoderLayer, ForwardStep, OwnedTensors, RMSNorm
 from .mhc_ops import mhc_for
 from .moe_ops import moe_for
 from .tensor_parallel import SINGLE, TensorParallel
@@ -58,28 +58,41 @@ def fp32_default_dtype() -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-class TorchForward:
-    """Weights + constants of one model; `hidden_states` runs a batch (see the module doc).
+class TorchForward(nn.Module):
+    """The DeepSeek-V4.1 text model: embedding, `DeepseekV41DecoderLayer`s, final norm and LM-head
+    weight, each owning its parameters (`runtime/layers.py`); `hidden_states` runs a batch (see
+    the module doc).
 
-    `weights`: DeepSeek-native names → dequantised fp32 tensors (`checkpoint.loader`), on the
-    device the forward runs on; `hasher`: the Engram hasher (None without Engram layers).
+    `weights`: DeepSeek-native names → runtime values (`runtime/weights.py`) on the device the
+    forward runs on, taken over by the layers (no copies); a value no layer owns raises.
+    `hasher`: the Engram hasher (None without Engram layers).
     """
 
     def __init__(self, cfg: DeepseekV41Config, weights: Mapping[str, Tensor], hasher: EngramHasher | None,
                  numerics: NumericsProfile = NumericsProfile(), tp: TensorParallel = SINGLE,
                  backend: ComputeBackend | None = None) -> None:
+        super().__init__()
         if cfg.text.engram_layer_ids and hasher is None:
             raise ValueError("the model has Engram layers: an EngramHasher is required (spec §3.3.1)")
         self.cfg = cfg
         self.text = cfg.text
         self.roles = self.text.layer_roles()
-        self.weights = weights
+        self.embed = OwnedTensors(weights, "embed.")
+        self.layers = nn.ModuleList(DeepseekV41DecoderLayer(weights, self.text, role) for role in self.roles)
+        self.norm = RMSNorm(weights, "norm.", self.text.rms_norm_eps)
+        self.head = OwnedTensors(weights, "head.")
+        owned = {n: v for m in self.modules() if isinstance(m, OwnedTensors) for n, v in m.tensors.items()}
+        unowned = sorted(set(weights) - set(owned))
+        if unowned:
+            raise ValueError(f"{len(unowned)} weight(s) no layer owns, e.g. {unowned[:4]}")
+        #: every owned value by its checkpoint name (the same objects the layers hold)
+        self.weights: dict[str, object] = owned
         self.hasher = hasher
         self.numerics = numerics
         self.tp = tp
         tp.plan(self.text)     # raises now for a TP size the model cannot be sharded with
         device = weights["embed.weight"].device
-        self.backend = backend_for(device, weights) if backend is None else backend
+        self.backend = backend_for(device, owned) if backend is None else backend
         self.attention_ops = ops_for(device)
         self.mhc = mhc_for(device)
         self.moe = moe_for(device)
@@ -151,20 +164,6 @@ class TorchForward:
         compressed = h.token_map.to(tok.device)[tok]
         return [h.layer_row_ids(compressed, layer) for layer in h.layers]
 
-    def _engram(self, layer: int, R: Tensor, row_ids: Tensor, image_rows: Tensor | None, check: bool) -> Tensor:
-        """The Engram update of `layer` (spec §3.3.2) over this rank's view of its table."""
-        p = f"layers.{layer}.engram."
-        table, ids = self.tp.engram_rows(self.text, layer, row_ids, self.weights, check=check)
-        return engram_update(self.backend, R, table[ids.to(torch.int64)], self.weights[p + "wkv.weight"],
-                             self.weights[p + "q_weight"], self.weights[p + "k_weight"], self.text.rms_norm_eps,
-                             self.numerics.act_quant, image_rows)
-
-    def _hc(self, layer: int, sub: str, R: Tensor):
-        w, t = self.weights, self.text
-        p = f"layers.{layer}.hc_{sub}_"
-        return self.mhc.coefficients(R, w[p + "fn"], w[p + "base"], w[p + "scale"], rms_eps=t.rms_norm_eps,
-                                     hc_eps=t.hc_eps, sinkhorn_iters=t.hc_sinkhorn_iters)
-
     @torch.no_grad()
     def hidden_states(self, input_ids: Tensor, layout: BatchLayout, caches: RuntimeCaches) -> Tensor:
         """Final normed hidden states [N, hidden] (BF16 values in fp32) of every batch token;
@@ -178,7 +177,7 @@ class TorchForward:
         return hidden
 
     def _hidden_states(self, input_ids: Tensor, layout: BatchLayout, caches: RuntimeCaches) -> Tensor:
-        t, w, act_quant, be, mhc = self.text, self.weights, self.numerics.act_quant, self.backend, self.mhc
+        t = self.text
         if caches.profile is not self.numerics.cache:
             raise ValueError(f"caches hold profile {caches.profile}, the model computes {self.numerics.cache}")
         ids = self.remap_ids_on_device(input_ids) if layout.static else self.remap_ids(input_ids)
@@ -187,28 +186,21 @@ class TorchForward:
             raise ValueError(f"{N} input ids for a layout of {layout.num_tokens} tokens")
         if N == 0:
             return torch.zeros(0, t.hidden_size, dtype=F32, device=ids.device)
-        image_rows = (ids == self.cfg.image_token_id) if self.cfg.has_vision else None
-        engram_rows = self.engram_rows(ids, layout, caches) if self.hasher is not None else []
-        experts, reduce = self.tp.experts_and_reduce(t)
-
-        R = w["embed.weight"][ids].unsqueeze(1).expand(N, t.hc_mult, t.hidden_size).contiguous()
-        scratch = ForwardScratch(inv_freq=dict(self.inv_freq))
+        step = ForwardStep(self.backend, self.attention_ops, self.mhc, self.moe, self.tp, self.numerics.act_quant,
+                           layout, caches, ForwardScratch(inv_freq=dict(self.inv_freq)),
+                           (ids == self.cfg.image_token_id) if self.cfg.has_vision else None)
+        if self.hasher is not None:
+            step.engram_rows = dict(zip(t.engram_layer_ids, self.engram_rows(ids, layout, caches)))
+        R = self.embed["weight"][ids].unsqueeze(1).expand(N, t.hc_mult, t.hidden_size).contiguous()
         carried_pre: Tensor | None = None
-        for role in self.roles:
-            i = role.layer
-            if role.engram:
-                R = self._engram(i, R, engram_rows[t.engram_layer_ids.index(i)], image_rows, not layout.static)
-            co = self._hc(i, "attn", R)
-            x = mhc.sublayer_input(R, carried_pre, w[f"layers.{i}.attn_norm.weight"], t.rms_norm_eps)
-            y = attention_sublayer(be, self.attention_ops, t, role, w, x, layout, caches, scratch, act_quant, self.tp)
-            R, carried_pre = mhc.residual_update(R, y, co), co.pre
-            co = self._hc(i, "ffn", R)
-            x = mhc.sublayer_input(R, carried_pre, w[f"layers.{i}.ffn_norm.weight"], t.rms_norm_eps)
-            y = self.moe(be, t, w, f"layers.{i}.", x, image_rows, act_quant, experts, reduce)
-            R, carried_pre = mhc.residual_update(R, y, co), co.pre
+        for layer in self.layers:
+            R, carried_pre = layer(R, carried_pre, step)
         assert carried_pre is not None
-        return be.rms_norm(mhc.collapse(R, carried_pre), w["norm.weight"], t.rms_norm_eps)
+        return self.norm(self.mhc.collapse(R, carried_pre), self.backend)
+
+    def forward(self, input_ids: Tensor, layout: BatchLayout, caches: RuntimeCaches) -> Tensor:
+        return self.hidden_states(input_ids, layout, caches)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """fp32 logits [N, vocab] of the BF16 head (spec §3.7)."""
-        return self.backend.matmul(hidden, self.weights["head.weight"])
+        return self.backend.matmul(hidden, self.head["weight"])

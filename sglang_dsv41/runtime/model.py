@@ -132,7 +132,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                 hasher = EngramHasher.from_config(self.cfg, token_map).to(self.device)
         with torch.no_grad():
             self.lm_head.weight.copy_(on_device["head.weight"])
-            on_device["head.weight"] = self.lm_head.weight.detach()   # one fp32 head, in the dense cache too
+            on_device["head.weight"] = self.lm_head.weight   # one head parameter, owned by both (deduplicated)
         self.torch_forward = TorchForward(self.cfg, on_device, hasher, self.numerics, self.tp)
         self.lm_head.quant_method.backend = self.torch_forward.backend
         logger.info("sglang-dsv41: %s; loaded %d tensors (dequantised to fp32%s); Engram tables: %s placement; "
