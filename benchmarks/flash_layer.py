@@ -20,10 +20,10 @@ The step's components (`step_components`), each a callable on fixed inputs:
 * `torch` (`torch_work`) — everything the layer does apart from the kernels below, as the CUDA
   runtime does it: mHC ×2 through `runtime.mhc_ops` (fused Triton kernels on CUDA), q/kv
   projections, compressor, latent/key FP4 round trips, indexer query, output projection, router
-  and shared expert as the reference's code with its dense products in `runtime.dense_ops.dense_math`
-  (FP8 W8A16 / BF16 tensor cores) and its elementwise chains in `runtime.fused_ops.fused_elementwise`
-  (one Triton launch each); the glue between them is still torch;
-* `torch_fp64` — the same work with the reference's float64 GEMMs (the CPU path);
+  and shared expert through the runtime's math (`runtime.attention_math`, `runtime.moe_ops`) on
+  the layer's compute backend (`runtime.backend`: on CUDA `TritonBackend`, FP8 W8A16 / BF16
+  tensor-core products and one Triton launch per elementwise chain); the glue is still torch;
+* `torch_fp64` — the same work on the exact torch backend (float64 GEMMs, the deterministic tier);
 * `moe_routed` — `kernels.moe_mxfp4.routed_experts_mxfp4` (MXFP4 W4A16) on the router's choice
   (CPU: the reference routed experts);
 * `attention` / `indexer` (CUDA, `kernel_components`) — Triton `sparse_sink_attention` (one key
@@ -49,20 +49,24 @@ from sglang_dsv41.checkpoint.loader import logical_tensor, stored_problem
 from sglang_dsv41.checkpoint.names import Kind, TensorSpec, tensor_inventory
 from sglang_dsv41.config import DeepseekV41Config, LayerRole
 from sglang_dsv41.kernels.packed_rows import PackedSource
-from sglang_dsv41.reference import ops
-from sglang_dsv41.reference.attention import layer_inv_freq, output_projection, project_q_kv
-from sglang_dsv41.reference.compressor import linear_fp32_out, rope_entry_values, stored_latents
-from sglang_dsv41.reference.indexer import index_query, visible_counts
-from sglang_dsv41.reference.moe import Routing, route, routed_expert, shared_expert
+from sglang_dsv41.numerics import rounding as ops
+from sglang_dsv41.numerics.geometry import softmax_scale, visible_counts
+from sglang_dsv41.numerics.profile import CacheProfile
+from sglang_dsv41.numerics.rope import layer_inv_freq
+from sglang_dsv41.runtime.attention_math import (index_query, output_projection, pair_scores, project_q_kv,
+                                                 rope_entry_values, swa_cache_roundtrip)
+from sglang_dsv41.runtime.backend import ComputeBackend, ExactTorchBackend, backend_for
 from sglang_dsv41.runtime.kv_layout import (CompressedRowLayout, decode_entry_keys, decode_entry_latents,
                                             encode_entries, write_entries)
-from sglang_dsv41.runtime.mhc_ops import hc_coefficients, hc_residual_update, hc_sublayer_input
+from sglang_dsv41.runtime.indexer_select import select_for_role
+from sglang_dsv41.runtime.mhc_ops import mhc_for
+from sglang_dsv41.runtime.moe_ops import Routing, route, routed_expert, shared_expert
 
 if str(Path(__file__).resolve().parent) not in sys.path:   # sibling benchmark modules (loaded by path too)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_timing import _describe  # noqa: E402
 
-CACHE = ops.CacheProfile.NONE            # the stored latent is FP4 only (no further cache round trip)
+CACHE = CacheProfile.NONE            # the stored latent is FP4 only (no further cache round trip)
 ENCODE_CHUNK = 1 << 16                   # entries encoded per chunk when filling the packed rows
 
 
@@ -118,7 +122,7 @@ class Layer:
     expert_bytes: int             # stored bytes of one routed expert
     inv_freq: Tensor              # RoPE inverse frequencies on the device (made once, like the runtime)
     cached_dense_bytes: int = 0   # bytes the dense path reads (E4M3 + scales, BF16 copies, fp32 rest)
-    dense_backend: object = None  # runtime.dense_ops.BlockedBf16Gemm on CUDA
+    backend: ComputeBackend | None = None  # the runtime's compute backend for the weights' device
 
     @property
     def text(self):
@@ -156,12 +160,10 @@ def build_layer(cfg: DeepseekV41Config, layer: int, device: torch.device, seed: 
         prefix = f"layers.{layer}."
         weights[routed_experts_key(prefix)] = prepare_layer_experts(stored, prefix, t.n_routed_experts, device)
     del stored
-    backend, cached = None, 0
+    backend, cached = backend_for(device, weights), 0
     if device.type == "cuda":
-        from sglang_dsv41.runtime.dense_ops import backend_for, is_dense_linear_weight
-        backend = backend_for(weights)
-        assert backend is not None
-        cached = backend.cache.resident_bytes() + sum(        # + the non-linear fp32 tensors the torch path reads
+        from sglang_dsv41.runtime.dense_ops import is_dense_linear_weight
+        cached = backend.dense.cache.resident_bytes() + sum(        # + the non-linear fp32 tensors the torch path reads
             v.numel() * v.element_size() for k, v in weights.items()
             if isinstance(v, Tensor) and not is_dense_linear_weight(k, v) and not k.endswith(".scale"))
     per_expert = 3 * (t.moe_intermediate_size * t.hidden_size // 2 + t.moe_intermediate_size * t.hidden_size // TILE)
@@ -228,38 +230,39 @@ def queries(layer: Layer, caches: Caches, req: Tensor, positions: Tensor) -> dic
 
 
 # ---- components ---------------------------------------------------------------------------------
-def torch_work(layer: Layer, R: Tensor, positions: Tensor) -> tuple[Tensor, Routing]:
-    """The layer's torch work as the runtime runs it (module docstring); returns the MoE input
-    and its routing. The attention output is stood in for by q (attention is timed apart). No host
-    sync and no host → device copy (RoPE frequencies are made once in `build_layer`), so it can be
-    captured in a CUDA graph."""
+def torch_work(layer: Layer, R: Tensor, positions: Tensor, be: ComputeBackend | None = None) -> tuple[Tensor, Routing]:
+    """The layer's torch work as the runtime runs it (module docstring) on `be` (default: the
+    layer's backend); returns the MoE input and its routing. The attention output is stood in for
+    by q (attention is timed apart). No host sync and no host → device copy (RoPE frequencies are
+    made once in `build_layer`), so it can be captured in a CUDA graph."""
+    be = layer.backend if be is None else be
     t, w, i = layer.text, layer.weights, layer.role.layer
     p, pa = f"layers.{i}.", f"layers.{i}.attn."
-    hc = lambda sub, R_: hc_coefficients(R_, w[f"{p}hc_{sub}_fn"], w[f"{p}hc_{sub}_base"], w[f"{p}hc_{sub}_scale"],  # noqa: E731
-                                         rms_eps=t.rms_norm_eps, hc_eps=t.hc_eps, sinkhorn_iters=t.hc_sinkhorn_iters)
+    mhc = mhc_for(R.device)
+    hc = lambda sub, R_: mhc.coefficients(R_, w[f"{p}hc_{sub}_fn"], w[f"{p}hc_{sub}_base"], w[f"{p}hc_{sub}_scale"],  # noqa: E731
+                                          rms_eps=t.rms_norm_eps, hc_eps=t.hc_eps, sinkhorn_iters=t.hc_sinkhorn_iters)
     inv_freq = layer.inv_freq
     co = hc("attn", R)
-    x = hc_sublayer_input(R, co.pre, w[p + "attn_norm.weight"], t.rms_norm_eps)
-    q_lora, q, kv = project_q_kv(t, w, pa, x, positions, inv_freq, True)
-    ops.swa_cache_roundtrip(kv, positions, inv_freq, CACHE, t.qk_rope_head_dim)
+    x = mhc.sublayer_input(R, co.pre, w[p + "attn_norm.weight"], t.rms_norm_eps)
+    q_lora, q, kv = project_q_kv(be, t, w, pa, x, positions, inv_freq, True, t.num_attention_heads)
+    swa_cache_roundtrip(be, kv, positions, inv_freq, CACHE, t.qk_rope_head_dim)
     if layer.role.computes_latents:
-        a = linear_fp32_out(x, w[pa + "compressor.wkv.weight"])
-        if layer.role.ratio == 2:
-            linear_fp32_out(x, w[pa + "compressor.wgate.weight"])
-        latents = ops.rms_norm(ops.bf16(a), w[pa + "compressor.norm.weight"], t.rms_norm_eps)
-        roped, k = rope_entry_values(t, w, pa, latents, positions, inv_freq)
-        stored_latents(t, roped, CACHE)
-        ops.fp4_fake_quant_ue8m0_scale(k)
+        a, _ = pair_scores(be, w, pa, x) if layer.role.ratio == 2 else (
+            be.linear_bf16(x, w[pa + "compressor.wkv.weight"], out_fp32=True), None)
+        latents = be.rms_norm(be.bf16(a), w[pa + "compressor.norm.weight"], t.rms_norm_eps)
+        roped, k = rope_entry_values(be, t, w, pa, latents, positions, inv_freq)
+        be.fp4_fake_quant_e4m3_scale(roped)
+        be.fp4_fake_quant_ue8m0_scale(k)
     if layer.role.runs_indexer:
-        index_query(t, w, pa, x, q_lora, positions, inv_freq, True)
-    y = output_projection(t, w, pa, q, positions, inv_freq, True)
-    R = hc_residual_update(R, y, co)
+        index_query(be, t, w, pa, x, q_lora, positions, inv_freq, True)
+    y = output_projection(be, t, w, pa, q, positions, inv_freq, True)
+    R = mhc.residual_update(R, y, co)
     co_f = hc("ffn", R)
-    x = hc_sublayer_input(R, co.pre, w[p + "ffn_norm.weight"], t.rms_norm_eps)
-    routing = route(x, w[p + "ffn.gate.weight"], w[p + "ffn.gate.bias"], t.num_experts_per_tok)
-    shared = shared_expert(x, w[p + "ffn.shared_experts.w1.weight"], w[p + "ffn.shared_experts.w2.weight"],
+    x = mhc.sublayer_input(R, co.pre, w[p + "ffn_norm.weight"], t.rms_norm_eps)
+    routing = route(be, x, w[p + "ffn.gate.weight"], w[p + "ffn.gate.bias"], t.num_experts_per_tok)
+    shared = shared_expert(be, x, w[p + "ffn.shared_experts.w1.weight"], w[p + "ffn.shared_experts.w2.weight"],
                            w[p + "ffn.shared_experts.w3.weight"], t.swiglu_limit, True)
-    hc_residual_update(R, shared, co_f)
+    mhc.residual_update(R, shared, co_f)
     return x, routing
 
 
@@ -277,8 +280,9 @@ def moe_routed(layer: Layer, x: Tensor, routing: Routing) -> Tensor:
     for e in torch.unique(routing.experts).tolist():
         rows, slot = torch.nonzero(routing.experts == e, as_tuple=True)
         q = f"{p}ffn.experts.{e}."
-        per_slot[rows, slot] = routed_expert(x[rows], layer.weights[q + "w1.weight"], layer.weights[q + "w2.weight"],
-                                             layer.weights[q + "w3.weight"], t.swiglu_limit).double()
+        per_slot[rows, slot] = routed_expert(ExactTorchBackend(), x[rows], layer.weights[q + "w1.weight"],
+                                             layer.weights[q + "w2.weight"], layer.weights[q + "w3.weight"],
+                                             t.swiglu_limit).double()
     return ops.bf16((t.routed_scaling_factor * (routing.weights.double().unsqueeze(-1) * per_slot).sum(1)).float())
 
 
@@ -306,13 +310,13 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor,
         return K.index_scores(iq, head_w, caches.packed, entries, req, n_vis, head_sum_fp64=True, check_inputs=False)
 
     def indexer():
-        return K.select_for_role(t, role, scores_packed(), n_vis, None, check_nan=False)[0]
+        return select_for_role(K, t, role, scores_packed(), n_vis, None, check_nan=False)[0]
 
     sel = indexer()
     comp_entries = torch.where(sel >= 0, entries[req[:, None], sel.clamp(min=0)], -1)
     cfg_att = dataclasses.replace(SA.plan_config(q.shape[0], t.num_attention_heads, t.head_dim, t.sliding_window,
                                                  comp_entries.shape[1], 1), num_splits=1)
-    qb, scale = q.to(torch.bfloat16), ops.softmax_scale(t.head_dim)
+    qb, scale = q.to(torch.bfloat16), softmax_scale(t.head_dim)
 
     def attention():
         return SA.sparse_sink_attention(qb, caches.swa, qs["swa_slots"], caches.packed, comp_entries, sink, scale,
@@ -330,7 +334,7 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor,
         return SA.sparse_sink_attention(qb, caches.swa, qs["swa_slots"], caches.latents, comp_slots, sink, scale,
                                         config=cfg_att)
     comps["attention_bf16"] = attention_bf16
-    comps["indexer_bf16"] = lambda: K.select_for_role(t, role, scores_bf16(), n_vis, None, check_nan=False)[0]
+    comps["indexer_bf16"] = lambda: select_for_role(K, t, role, scores_bf16(), n_vis, None, check_nan=False)[0]
     same = {"attention": _within_two_bf16_ulps(attention(), attention_bf16()),
             "indexer": torch.equal(scores_packed(), scores_bf16())}
     return comps, same
@@ -355,22 +359,14 @@ def step_components(layer: Layer, caches: Caches, req: Tensor, positions: Tensor
     label = f"N={N}"
     g = torch.Generator(device=dev).manual_seed(N)
     R = ops.bf16(torch.randn(N, t.hc_mult, t.hidden_size, generator=g, device=dev))
-    from sglang_dsv41.runtime.dense_ops import dense_math
-    with dense_math(layer.dense_backend):       # E4M3 weights (CUDA) need the backend; None = exact
-        x, routing = torch_work(layer, R, positions)
+    x, routing = torch_work(layer, R, positions)
     q = ops.bf16(torch.randn(N, t.num_attention_heads, t.head_dim, generator=g, device=dev))
     sink = layer.weights[f"layers.{layer.role.layer}.attn.attn_sink"]
     comps: dict[str, Callable] = {"torch": lambda: torch_work(layer, R, positions),
                                   "moe_routed": lambda: moe_routed(layer, x, routing)}
-    if layer.dense_backend is not None:
-        from sglang_dsv41.runtime.dense_ops import dense_math
-
-        def on_tensor_cores():      # + one-launch elementwise helpers (runtime/fused_ops.py)
-            from sglang_dsv41.runtime.fused_ops import fused_elementwise
-            with dense_math(layer.dense_backend), fused_elementwise():
-                return torch_work(layer, R, positions)
-        comps = {"torch": on_tensor_cores, "torch_fp64": comps["torch"], "moe_routed": comps["moe_routed"]}
-        if layer.dense_backend.cache.fp8_elements:     # E4M3 weights: no fp32 copy for the float64 GEMMs
+    if dev.type == "cuda":
+        comps["torch_fp64"] = lambda: torch_work(layer, R, positions, ExactTorchBackend())
+        if layer.backend.dense.cache.fp8_elements:     # E4M3 weights: no fp32 copy for the float64 GEMMs
             del comps["torch_fp64"]
     distinct = int(torch.unique(routing.experts).numel())
     n_vis = int(visible_counts(positions, layer.role.ratio).max())

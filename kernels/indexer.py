@@ -62,7 +62,6 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
-from ..config import LayerRole, TextConfig
 from .packed_rows import PackedSource, key_entry_bytes, load_fp4_tile_per_dim
 
 NEG_INF = float("-inf")
@@ -365,22 +364,16 @@ def restrict_to_blocks(scores: Tensor, blocks: Tensor, block: int) -> Tensor:
     return scores.masked_fill(~inside, NEG_INF)
 
 
-def select_for_role(cfg: TextConfig, role: LayerRole, scores: Tensor, n_visible: Tensor,
-                    published_blocks: Tensor | None, *, check_nan: bool = True) -> tuple[Tensor, Tensor | None]:
-    """(selection [N, index_topk], blocks [N, candidate_topk_blocks] or None) of an indexer layer
-    from its `index_scores` — the whole-batch form of `reference.indexer.run_indexer`'s tail."""
-    if not role.runs_indexer:
-        raise ValueError(f"layer {role.layer} does not run an indexer")
-    B = cfg.candidate_block_size
-    blocks = (candidate_blocks(scores, n_visible, B, cfg.candidate_topk_blocks, check_nan=check_nan)
-              if role.candidate_source else None)
-    ranked = scores
-    if role.candidate_consumer:
-        if published_blocks is None:
-            raise ValueError(f"layer {role.layer} is a candidate consumer but no candidate blocks were published "
-                             f"in this forward (candidate source {cfg.candidate_source_layer_id})")
-        ranked = restrict_to_blocks(scores, published_blocks, B)
-    return select_topk(ranked, cfg.index_topk, check_nan=check_nan), blocks
+def select_indices(scores: Tensor, n_visible: Tensor, published_blocks: Tensor | None, *, index_topk: int,
+                   block_size: int, topk_blocks: int, publish_blocks: bool,
+                   check_nan: bool = True) -> tuple[Tensor, Tensor | None]:
+    """(selection [N, index_topk], blocks [N, topk_blocks] when `publish_blocks`, else None) from
+    `index_scores`: blocks of `block_size` entries are published from the unrestricted scores;
+    with `published_blocks` the ranking is restricted to those blocks first."""
+    blocks = (candidate_blocks(scores, n_visible, block_size, topk_blocks, check_nan=check_nan)
+              if publish_blocks else None)
+    ranked = scores if published_blocks is None else restrict_to_blocks(scores, published_blocks, block_size)
+    return select_topk(ranked, index_topk, check_nan=check_nan), blocks
 
 
 def entry_slot_table(req_to_token: Tensor, req_rows: Tensor, n_entries: Tensor, ratio: int, width: int) -> Tensor:

@@ -48,7 +48,6 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
-from ..reference.mhc import HcCoefficients
 
 F32 = torch.float32
 #: Columns of F per program of the partial-dot kernel (fixed: the float64 partials do not depend on T).
@@ -247,8 +246,8 @@ def _coefficient_rows(name: str, coeff: Tensor, T: int, shape: tuple[int, ...]) 
 
 
 def hc_coefficients(residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *,
-                    rms_eps: float, hc_eps: float, sinkhorn_iters: int) -> HcCoefficients:
-    """pre [T, hc], post [T, hc], comb [T, hc, hc] (fp32) of one hyper-connection from the residual
+                    rms_eps: float, hc_eps: float, sinkhorn_iters: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(pre [T, hc], post [T, hc], comb [T, hc, hc]) fp32 of one hyper-connection from the residual
     entering it (spec §3.2); float64 inside, each value within 1 fp32 ulp of the reference."""
     T, hc, H = _check_residual("hc_coefficients", residual)
     rows, K = hc * (2 + hc), hc * H
@@ -263,7 +262,7 @@ def hc_coefficients(residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *
     post = torch.empty(T, hc, dtype=F32, device=dev)
     comb = torch.empty(T, hc, hc, dtype=F32, device=dev)
     if T == 0:
-        return HcCoefficients(pre=pre, post=post, comb=comb)
+        return pre, post, comb
     x = residual.reshape(T, K)
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -284,7 +283,7 @@ def hc_coefficients(residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *
         partials, base.to(F32).contiguous(), scale.to(F32).contiguous(), pre, post, comb, K, num_chunks,
         sinkhorn_iters, HC=hc, SLOT=slot, CHUNKS_PAD=_pow2_at_least(num_chunks),
         RMS_EPS=float(rms_eps), HC_EPS=float(hc_eps), **opts)
-    return HcCoefficients(pre=pre, post=post, comb=comb)
+    return pre, post, comb
 
 
 def hc_sublayer_input(residual: Tensor, carried_pre: Tensor | None, norm_weight: Tensor,
@@ -335,20 +334,20 @@ def hc_collapse(residual: Tensor, last_pre: Tensor) -> Tensor:
     return hc_weighted_sum(residual, last_pre)
 
 
-def hc_residual_update(residual: Tensor, sublayer_out: Tensor, coeffs: HcCoefficients) -> Tensor:
+def hc_residual_update(residual: Tensor, sublayer_out: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     """R'_k = bf16(post_k·y + Σ_j comb_jk·R_j), fp32 multiply-then-add in the reference's order:
     [T, hc, H] fp32 holding BF16 values, bit-identical to the reference (spec §3.2)."""
     T, hc, H = _check_residual("hc_residual_update", residual)
     if sublayer_out.shape != (T, H):
         raise ValueError(f"hc_residual_update: sublayer output {tuple(sublayer_out.shape)}, expected {(T, H)}")
-    dev = _check_device("hc_residual_update", residual, sublayer_out, coeffs.post, coeffs.comb)
+    dev = _check_device("hc_residual_update", residual, sublayer_out, post, comb)
     out = torch.empty(T, hc, H, dtype=F32, device=dev)
     if T == 0:
         return out
     r = residual.contiguous()
     y = sublayer_out.contiguous()
-    post = _coefficient_rows("hc_residual_update", coeffs.post, T, (hc,))
-    comb = _coefficient_rows("hc_residual_update", coeffs.comb, T, (hc, hc))
+    post = _coefficient_rows("hc_residual_update", post, T, (hc,))
+    comb = _coefficient_rows("hc_residual_update", comb, T, (hc, hc))
     opts = _launch_options()
     if not INTERPRETED:
         opts["num_warps"] = 4

@@ -7,9 +7,9 @@ What is pinned:
   dequantised weight, for fp32 and bf16 activations, partial tiles and tile scales spread over
   2^-40..2^20; each row alone == the row inside any batch, bit for bit; a tile-row slice of a
   registered weight (what `wo_a[g·r:(g+1)·r]` is) resolves to the same rows and scales and gives
-  the same bits as those columns of the whole product (a wrong scale row would not); the dense
-  helpers under `dense_math` with E4M3 weights are within `error_bound` of the reference on the
-  dequantised weights, and non-FP8 weights keep the BF16 path;
+  the same bits as those columns of the whole product (a wrong scale row would not); the
+  runtime's linears on the tensor-core products with E4M3 weights are within `error_bound` of the
+  reference on the dequantised weights, and non-FP8 weights keep the BF16 path;
 * pure torch (main process): the BF16-exactness range of the tile scales (every E4M3 code × 2^s
   is BF16-exact for −124 ≤ s ≤ 119, not outside — checked exhaustively); the cache's FP8 view
   rules (unaligned / strided views, unregistered weights and missing scales raise); the CPU
@@ -32,9 +32,11 @@ import torch
 from sglang_dsv41.checkpoint.codecs import dequantize_fp8_block, ue8m0_to_float
 from sglang_dsv41.kernels import fp8_linear as F
 from sglang_dsv41.reference import compressor, ops
-from sglang_dsv41.runtime.dense_ops import (BlockedBf16Gemm, DenseWeightCache, Fp8Weight, backend_for, dense_math,
-                                            error_bound, fp8_scale_key, is_dense_linear_weight)
+from sglang_dsv41.runtime.backend import backend_for
+from sglang_dsv41.runtime.dense_ops import (BlockedBf16Gemm, DenseWeightCache, Fp8Weight, error_bound, fp8_scale_key,
+                                            is_dense_linear_weight)
 
+from backend_helpers import TensorCoreProducts
 from fp8_cases import (BF16, DEVICE, F32, F64, FP8, KERNEL_HERE, bf16_rows, bit_identity_case, check_row_prefixes,
                        check_rows_alone_equal_rows_in_a_batch, check_within_gemm_bound, dequantised, fp8_weight, kernel)
 from tp_harness import stored_tensors
@@ -95,16 +97,16 @@ def test_kernel_case_dense_helpers_with_fp8_weights() -> None:
     cache = DenseWeightCache.from_weights(weights)
     assert cache.fp8_elements == values.numel() and cache.bf16_elements == bf16_weight.numel()
     assert cache.lookup(bf16_weight).dtype == BF16
-    backend = BlockedBf16Gemm(cache, audit_inputs=True)
+    backend = TensorCoreProducts(BlockedBf16Gemm(cache, audit_inputs=True))
     x = bf16_rows(9, 256, g) * 4
     for weight, exact_w in [(values, w), (bf16_weight, bf16_weight)]:
         ref = {"linear_fp8": ops.linear_fp8(x, exact_w), "linear_bf16": ops.linear_bf16(x, exact_w),
                "matmul_fp32_exact": ops.matmul_fp32_exact(x, exact_w),
                "linear_fp32_out": compressor.linear_fp32_out(x, exact_w)}
-        with dense_math(backend):
-            got = {"linear_fp8": ops.linear_fp8(x, weight), "linear_bf16": ops.linear_bf16(x, weight),
-                   "matmul_fp32_exact": ops.matmul_fp32_exact(x, weight),
-                   "linear_fp32_out": compressor.linear_fp32_out(x, weight)}
+        got = {"linear_fp8": backend.linear_fp8(x, weight), "linear_bf16": backend.linear_bf16(x, weight),
+               "matmul_fp32_exact": backend.matmul(x, weight),
+               "linear_fp32_out": backend.linear_bf16(x, weight, out_fp32=True)}
+        backend.finish()
         for name, out in got.items():
             xq = ops.fp8_act_fake_quant(x) if name == "linear_fp8" else x
             bound = error_bound(xq, exact_w, out, ref[name], bf16_output=name in ("linear_fp8", "linear_bf16"))
@@ -169,7 +171,7 @@ def test_fp8_cache_rules_without_the_kernel() -> None:
     with pytest.raises(ValueError, match="fp32"):
         DenseWeightCache().add_fp8(values, scales[:2])
     with pytest.raises(ValueError, match="FP8 .* on CPU"):
-        backend_for({"w.weight": values, "w.scale": scales})
+        backend_for(torch.device("cpu"), {"w.weight": values, "w.scale": scales})
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET") if not KERNEL_HERE else _no_error():
         F.fp8_linear(torch.zeros(1, 64), values, scales)
 
@@ -270,7 +272,7 @@ def test_tiny_runtime_on_cuda_holds_fp8_weights_only(tiny_checkpoint) -> None:
     cuda = runtime_engine(tiny_checkpoint, torch.device("cuda"))
     fp8_names = [n for n, t in cuda.weights.items() if isinstance(t, torch.Tensor) and t.dtype == FP8]
     assert fp8_names and all(fp8_scale_key(n) in cuda.weights for n in fp8_names)
-    cache = cuda.dense_backend.cache
+    cache = cuda.backend.dense.cache
     assert cache.fp8_elements == sum(cuda.weights[n].numel() for n in fp8_names)
     bf16_copied = sum(t.numel() for n, t in cuda.weights.items() if isinstance(t, torch.Tensor) and t.dtype == F32
                       and t.dim() == 2 and n.endswith(".weight") and not n.endswith("embed.weight"))
@@ -297,11 +299,11 @@ def test_kernel_case_runtime_forward_with_fp8_weights(tiny_checkpoint, monkeypat
         exact_w = runtime_weights(stored, cfg, torch.device("cpu"), experts_mxfp4=False)
         fp8_w = runtime_weights(stored, cfg, dev, experts_mxfp4=dev.type == "cuda", dense_fp8=True)
     exact = fwd.TorchForward(cfg, exact_w, hasher)
+    backend = None
     if dev.type == "cpu":
-        monkeypatch.setattr(fwd, "backend_for",
-                            lambda w: BlockedBf16Gemm(DenseWeightCache.from_weights(w), audit_inputs=True))
-    fast = fwd.TorchForward(cfg, fp8_w, hasher.to(dev))
-    assert fast.dense_backend is not None and fast.dense_backend.cache.fp8_elements > 0
+        backend = TensorCoreProducts(BlockedBf16Gemm(DenseWeightCache.from_weights(fp8_w), audit_inputs=True))
+    fast = fwd.TorchForward(cfg, fp8_w, hasher.to(dev), backend=backend)
+    assert fast.backend.dense.cache.fp8_elements > 0
     tokens = list(range(5, 30))
     want = one_shot_logits(exact, torch.device("cpu"), tokens)
     got = one_shot_logits(fast, dev, tokens).cpu()

@@ -1,5 +1,5 @@
-"""One-launch elementwise kernels (`sglang_dsv41.kernels.fused_elementwise`) and their dispatch
-(`ops.fused_kernels`, `runtime.fused_ops`) against the reference helpers (spec §3, §3.4, §3.6, §3.8).
+"""One-launch elementwise kernels (`sglang_dsv41.kernels.fused_elementwise`) and the runtime's CUDA
+backend over them (`runtime.backend.TritonBackend`) against the reference helpers (spec §3, §3.4, §3.6, §3.8).
 
 What is pinned:
 * bit for bit: `round_bf16` == `ops.bf16`, `round_e4m3` == torch's float8_e4m3fn cast (every E4M3
@@ -13,10 +13,9 @@ What is pinned:
 * the float64-evaluated ones (rms_norm, SwiGLU, routing weights): equal to the
   reference on these inputs (their stated bound allows rare one-ulp flips; none occur here);
 * batch invariance: every kernel's row of a batch == that row alone, bitwise;
-* dispatch: without the context the helpers run the reference code; inside it with an
-  implementation that accepts only CUDA, CPU tensors still run the reference code; the context
-  is restored after an exception; with the interpreter-backed implementation the reference's
-  project_q_kv / output_projection / shared_expert / route give the same bits as without;
+* the backend: each `TritonBackend` primitive is its kernel; the runtime's project_q_kv /
+  output_projection / shared_expert / route on `TritonBackend` (interpreter or CUDA) give the
+  reference's bits; the reference has no backend switch left;
 * compiled for sm_90 (no GPU needed): no approximate division / sqrt / exp instructions, no
   saturating fp8 cast, the float64 ε constant exact;
 * GPU (`gpu`): Flash widths vs the reference evaluated on the GPU, and CUDA-graph replay.
@@ -35,7 +34,9 @@ import torch
 from sglang_dsv41.kernels import fused_elementwise as FE
 from sglang_dsv41.reference import attention as A
 from sglang_dsv41.reference import moe, ops
-from sglang_dsv41.runtime.fused_ops import TritonFusedElementwise, fused_elementwise
+from sglang_dsv41.runtime.attention_math import output_projection, project_q_kv
+from sglang_dsv41.runtime.backend import ExactTorchBackend, TritonBackend
+from sglang_dsv41.runtime.moe_ops import route, shared_expert
 from triton_checks import run_kernel_cases_in_interpreter
 
 KERNEL_HERE = FE.INTERPRETED or torch.cuda.is_available()
@@ -231,15 +232,18 @@ if KERNEL_HERE:
         inv = A.layer_inv_freq(t, 1).to(DEVICE)
         p, pa = f"layers.{layer}.ffn.", f"layers.{layer}.attn."
 
-        def pieces():
-            r = moe.route(x, w[p + "gate.weight"], w[p + "gate.bias"], t.num_experts_per_tok)
-            return (*A.project_q_kv(t, w, pa, x, pos, inv, True), A.output_projection(t, w, pa, o, pos, inv, True),
-                    moe.shared_expert(x, w[p + "shared_experts.w1.weight"], w[p + "shared_experts.w2.weight"],
-                                      w[p + "shared_experts.w3.weight"], t.swiglu_limit, True),
-                    r.experts, r.weights, r.scores)
-        want = pieces()
-        with fused_elementwise(TritonFusedElementwise((DEVICE,))):
-            got = pieces()
+        r = moe.route(x, w[p + "gate.weight"], w[p + "gate.bias"], t.num_experts_per_tok)
+        want = (*A.project_q_kv(t, w, pa, x, pos, inv, True), A.output_projection(t, w, pa, o, pos, inv, True),
+                moe.shared_expert(x, w[p + "shared_experts.w1.weight"], w[p + "shared_experts.w2.weight"],
+                                  w[p + "shared_experts.w3.weight"], t.swiglu_limit, True),
+                r.experts, r.weights, r.scores)
+        be = TritonBackend(ExactTorchBackend(), device_types=(DEVICE,))      # kernels + the exact product
+        r = route(be, x, w[p + "gate.weight"], w[p + "gate.bias"], t.num_experts_per_tok)
+        got = (*project_q_kv(be, t, w, pa, x, pos, inv, True, t.num_attention_heads),
+               output_projection(be, t, w, pa, o, pos, inv, True),
+               shared_expert(be, x, w[p + "shared_experts.w1.weight"], w[p + "shared_experts.w2.weight"],
+                             w[p + "shared_experts.w3.weight"], t.swiglu_limit, True),
+               r.experts, r.weights, r.scores)
         assert all(same_bits(a, b) for a, b in zip(got, want))
 
 
@@ -255,7 +259,7 @@ if not FE.INTERPRETED:
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
             FE.round_bf16(torch.zeros(4))
         with pytest.raises(ValueError, match="interpreter"):
-            TritonFusedElementwise(("cpu",))
+            TritonBackend(ExactTorchBackend(), device_types=("cpu",))
 
     @pytest.mark.parametrize("name,sig,consts", [
         ("_round_e4m3_kernel", {"x_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"}, {"BLOCK": 1024}),
@@ -291,65 +295,26 @@ if not FE.INTERPRETED:
             assert "0d3BC79CA10C924223" in ptx            # 1e-20 as a double, not widened from fp32
 
 
-class RecordingKernels:
-    """A FusedKernels stand-in that accepts CPU tensors and records the helpers it replaced."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def accepts(self, x: torch.Tensor) -> bool:
-        return x.device.type == "cpu"
-
-    def __getattr__(self, name: str):
-        def call(*args, **kwargs):
-            self.calls.append(name)
-            raise LookupError(name)
-        return call
-
-
-def test_reference_runs_its_own_code_without_the_context() -> None:
-    assert ops.current_fused_kernels() is None
+def test_reference_has_no_backend_switch() -> None:
+    for name in ("fused_for", "fused_kernels", "current_fused_kernels", "dense_backend", "current_dense_backend"):
+        assert not hasattr(ops, name), name
     x = torch.randn(2, 64)
-    assert ops.fused_for(x) is None
     assert torch.equal(ops.bf16(x), x.to(torch.bfloat16).float())
 
 
-def test_context_dispatches_accepted_tensors_and_restores_on_exit() -> None:
-    rec = RecordingKernels()
-    x = torch.randn(2, 64)
-    with pytest.raises(LookupError):
-        with ops.fused_kernels(rec):
-            assert ops.current_fused_kernels() is rec
-            ops.fp8_act_fake_quant(x)
-    assert ops.current_fused_kernels() is None and rec.calls == ["fp8_act_fake_quant"]
-    inv = ops.rope_inv_freq(32, 10000.0, None)
-    helpers = [("bf16", lambda: ops.bf16(x)), ("e4m3", lambda: ops.e4m3(x)),
-               ("rms_norm", lambda: ops.rms_norm(x, torch.ones(64), 1e-6)),
-               ("rms_norm", lambda: A.rms_norm_fp32(x, torch.ones(64), 1e-6)),
-               ("fp4_fake_quant_e4m3_scale", lambda: ops.fp4_fake_quant_e4m3_scale(x)),
-               ("fp4_fake_quant_ue8m0_scale", lambda: ops.fp4_fake_quant_ue8m0_scale(x)),
-               ("apply_rope_tail", lambda: ops.apply_rope_tail(x, torch.arange(2), inv)),
-               ("clamped_swiglu", lambda: moe.clamped_swiglu(x, x, 10.0)),
-               ("route_select", lambda: moe.route(x, torch.randn(8, 64), torch.zeros(8), 2))]
-    for name, helper in helpers:
-        rec.calls.clear()
-        with ops.fused_kernels(rec), pytest.raises(LookupError):
-            helper()
-        assert rec.calls == [name]
-    with ops.fused_kernels(rec):                 # fp64 input rounds differently: reference code
-        assert torch.equal(ops.bf16(x.double()), x.double().to(torch.bfloat16).float())
-
-
-def test_cuda_implementation_leaves_cpu_tensors_to_the_reference() -> None:
-    g = torch.Generator().manual_seed(9)
-    x = torch.randn(3, 4, 96, generator=g)
-    pos, inv = torch.arange(3), ops.rope_inv_freq(32, 10000.0, None)
-    want = (ops.rms_norm(x, torch.ones(96), 1e-20), ops.fp8_act_fake_quant(x), ops.apply_rope_tail(x, pos, inv))
-    with fused_elementwise():
-        assert isinstance(ops.current_fused_kernels(), TritonFusedElementwise)
-        got = (ops.rms_norm(x, torch.ones(96), 1e-20), ops.fp8_act_fake_quant(x), ops.apply_rope_tail(x, pos, inv))
-    assert ops.current_fused_kernels() is None
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+def test_triton_backend_primitives_are_the_kernels(monkeypatch) -> None:
+    calls: list[str] = []
+    for name in ("round_bf16", "fp8_act_fake_quant", "fp4_fake_quant", "rms_norm", "apply_rope_tail",
+                 "clamped_swiglu", "route_select"):
+        monkeypatch.setattr(FE, name, lambda *a, _n=name, **k: calls.append(_n) or (a[0], a[0]))
+    be = TritonBackend(ExactTorchBackend())
+    x, inv = torch.randn(2, 64), ops.rope_inv_freq(32, 10000.0, None)
+    be.bf16(x), be.fp8_act_fake_quant(x), be.fp4_fake_quant_e4m3_scale(x), be.fp4_fake_quant_ue8m0_scale(x)
+    be.rms_norm(x, torch.ones(64), 1e-6), be.apply_rope_tail(x, torch.arange(2), inv)
+    be.clamped_swiglu(x, x, 10.0), be.route_select(x, torch.zeros(64), 2, 1e-20, None, None)
+    assert calls == ["round_bf16", "fp8_act_fake_quant", "fp4_fake_quant", "fp4_fake_quant", "rms_norm",
+                     "apply_rope_tail", "clamped_swiglu", "route_select"]
+    assert torch.equal(be.matmul(x, torch.eye(64)), ExactTorchBackend().matmul(x, torch.eye(64)))
 
 
 # ---- GPU: Flash widths, bitwise / within the stated bound vs the reference on the GPU ----------
@@ -409,11 +374,12 @@ def test_gpu_graph_capture_replays_the_fused_helpers() -> None:
     inv = ops.rope_inv_freq(64, 10000.0, None).to(dev)
     scores, bias = torch.rand(4, 384, generator=g, device=dev), torch.zeros(384, device=dev)
 
+    be = TritonBackend(ExactTorchBackend())
+
     def step():
-        with fused_elementwise():
-            n = ops.rms_norm(x, w, 1e-20)
-            return (ops.fp8_act_fake_quant(n), ops.apply_rope_tail(q, pos, inv), moe.clamped_swiglu(n, x, 10.0),
-                    ops.fp4_fake_quant_ue8m0_scale(n), *FE.route_select(scores, bias, 6, 1e-20))
+        n = be.rms_norm(x, w, 1e-20)
+        return (be.fp8_act_fake_quant(n), be.apply_rope_tail(q, pos, inv), be.clamped_swiglu(n, x, 10.0),
+                be.fp4_fake_quant_ue8m0_scale(n), *FE.route_select(scores, bias, 6, 1e-20))
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):

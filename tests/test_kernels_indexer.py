@@ -30,6 +30,7 @@ from sglang_dsv41.reference import indexer as ref
 from sglang_dsv41.reference import ops
 from sglang_dsv41.reference.attention import layer_inv_freq
 from sglang_dsv41.reference.compressor import index_keys
+from sglang_dsv41.runtime.indexer_select import select_for_role
 
 from packed_rows_codec import packed_rows_case
 from reference_weights import random_reference_weights, tiny_config
@@ -251,8 +252,8 @@ if KERNEL_HERE:
                                        ratio, int(b["seq_lens"].max()) // ratio)
             scores = K.index_scores(query.q.to(dev), query.head_weights.to(dev), b["key_cache"][src].to(dev),
                                     slots.to(dev), b["token_req"].to(dev), n_vis.to(dev))
-            selection, blocks = K.select_for_role(
-                cfg, role, scores, n_vis.to(dev),
+            selection, blocks = select_for_role(
+                K, cfg, role, scores, n_vis.to(dev),
                 published_kernel if role.candidate_consumer else None)
             # reference: one request at a time
             sel_ref, blocks_ref = [], []
@@ -391,9 +392,9 @@ def test_select_for_role_errors() -> None:
     plain = next(r for r in roles.values() if not r.runs_indexer)
     scores, n = torch.zeros(1, 8), torch.tensor([8])
     with pytest.raises(ValueError, match="no candidate blocks"):
-        K.select_for_role(cfg, consumer, scores, n, None)
+        select_for_role(K, cfg, consumer, scores, n, None)
     with pytest.raises(ValueError, match="does not run an indexer"):
-        K.select_for_role(cfg, plain, scores, n, None)
+        select_for_role(K, cfg, plain, scores, n, None)
 
 
 def test_entry_index_table_is_slot_of_completing_token_div_ratio() -> None:

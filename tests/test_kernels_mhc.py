@@ -10,7 +10,7 @@ What is pinned:
   BF16 rounding is bit arithmetic, so the interpreter gives the compiled bits too;
 * batch invariance: a row of a batch == the row alone, bitwise, for every op;
 * BF16-typed residual / sublayer output are read like the reference's `.to(fp32)`;
-* the dispatch runs the reference for CPU tensors (no kernel call) and raises for other devices;
+* the runtime's CPU implementation (`mhc_ops.TorchMhc`) equals the reference bit for bit, `mhc_for` raises for other devices;
   the kernels raise for CPU tensors without the interpreter;
 * the compiled sm_90 code (built here with Triton's bundled ptxas, no GPU) has no fp32 FMA in
   the stream kernels, no approximate fp64 math in the coefficient kernel and no register spills.
@@ -36,6 +36,29 @@ KERNEL_HERE = K.INTERPRETED or torch.cuda.is_available()
 DEVICE = "cuda" if torch.cuda.is_available() and not K.INTERPRETED else "cpu"
 RMS_EPS, HC_EPS = 1e-20, 1e-6
 PER_TOKEN = ("R", "y", "pre")   # the case entries with a token axis
+
+
+class Shaped:
+    """A runtime mHC implementation (`mhc_ops.TorchMhc` / `TritonMhc`) in the reference's call shape."""
+
+    def __init__(self, impl) -> None:
+        self.impl = impl
+
+    def hc_coefficients(self, *args, **kwargs) -> ref.HcCoefficients:
+        co = self.impl.coefficients(*args, **kwargs)
+        return ref.HcCoefficients(co.pre, co.post, co.comb)
+
+    def hc_sublayer_input(self, residual, carried_pre, weight, eps):
+        return self.impl.sublayer_input(residual, carried_pre, weight, eps)
+
+    def hc_residual_update(self, residual, y, co):
+        return self.impl.residual_update(residual, y, co)
+
+    def hc_collapse(self, residual, pre):
+        return self.impl.collapse(residual, pre)
+
+
+KO = Shaped(mhc_ops.TritonMhc())       # the kernels, through the runtime's CUDA implementation
 
 
 def hc_case(T: int, hc: int, H: int, seed: int, device: str = DEVICE) -> dict:
@@ -89,24 +112,24 @@ def all_ops(impl, c: dict, co: ref.HcCoefficients) -> dict[str, torch.Tensor]:
 
 def check_against_reference(c: dict, iters: int = 20) -> None:
     want = reference_coefficients(c, iters)
-    assert_coefficients_close(coefficients(K, c, iters), want)
+    assert_coefficients_close(coefficients(KO, c, iters), want)
     cpu = {k: v.cpu() for k, v in c.items()}
     on_dev = ref.HcCoefficients(*(t.to(c["R"].device) for t in (want.pre, want.post, want.comb)))
     for pre in (c["pre"], None):
         got = K.hc_sublayer_input(c["R"], pre, c["weight"], RMS_EPS).cpu()
         expected = ref.hc_sublayer_input(cpu["R"], None if pre is None else cpu["pre"], cpu["weight"], RMS_EPS)
         assert got.dtype == torch.float32 and torch.equal(got, expected)
-    assert torch.equal(K.hc_residual_update(c["R"], c["y"], on_dev).cpu(), ref.hc_residual_update(cpu["R"], cpu["y"], want))
+    assert torch.equal(KO.hc_residual_update(c["R"], c["y"], on_dev).cpu(), ref.hc_residual_update(cpu["R"], cpu["y"], want))
     assert torch.equal(K.hc_collapse(c["R"], c["pre"]).cpu(), ref.hc_collapse(cpu["R"], cpu["pre"]))
 
 
 def check_batch_invariance(c: dict, rows: list[int]) -> None:
     co = reference_coefficients(c)
     co = ref.HcCoefficients(*(t.to(c["R"].device) for t in (co.pre, co.post, co.comb)))
-    batch = all_ops(K, c, co)
+    batch = all_ops(KO, c, co)
     for t in rows:
         alone = {k: v[t:t + 1] if k in PER_TOKEN else v for k, v in c.items()}
-        single = all_ops(K, alone, ref.HcCoefficients(co.pre[t:t + 1], co.post[t:t + 1], co.comb[t:t + 1]))
+        single = all_ops(KO, alone, ref.HcCoefficients(co.pre[t:t + 1], co.post[t:t + 1], co.comb[t:t + 1]))
         for name, out in single.items():
             assert torch.equal(out, batch[name][t:t + 1]), (name, t)
 
@@ -131,22 +154,22 @@ if KERNEL_HERE:
         co = reference_coefficients(c)
         co_dev = ref.HcCoefficients(*(t.to(DEVICE) for t in (co.pre, co.post, co.comb)))
         R16, y16 = c["R"].to(torch.bfloat16), c["y"].to(torch.bfloat16)
-        assert_coefficients_close(K.hc_coefficients(R16, c["fn"], c["base"], c["scale"], rms_eps=RMS_EPS,
+        assert_coefficients_close(KO.hc_coefficients(R16, c["fn"], c["base"], c["scale"], rms_eps=RMS_EPS,
                                                     hc_eps=HC_EPS, sinkhorn_iters=20), co)
-        assert torch.equal(K.hc_residual_update(R16, y16, co_dev), K.hc_residual_update(c["R"], c["y"], co_dev))
+        assert torch.equal(KO.hc_residual_update(R16, y16, co_dev), KO.hc_residual_update(c["R"], c["y"], co_dev))
         assert torch.equal(K.hc_sublayer_input(R16, c["pre"], c["weight"], RMS_EPS),
                            K.hc_sublayer_input(c["R"], c["pre"], c["weight"], RMS_EPS))
 
     def test_kernel_case_empty_batch_and_bad_shapes() -> None:
         c = hc_case(2, 4, 64, seed=1)
         empty = {k: v[:0] if k in PER_TOKEN else v for k, v in c.items()}
-        assert coefficients(K, empty).comb.shape == (0, 4, 4)
+        assert coefficients(KO, empty).comb.shape == (0, 4, 4)
         assert K.hc_sublayer_input(empty["R"], None, c["weight"], RMS_EPS).shape == (0, 64)
         with pytest.raises(ValueError, match="fn has shape"):
-            K.hc_coefficients(c["R"], c["fn"][:, :-1], c["base"], c["scale"], rms_eps=RMS_EPS, hc_eps=HC_EPS,
+            KO.hc_coefficients(c["R"], c["fn"][:, :-1], c["base"], c["scale"], rms_eps=RMS_EPS, hc_eps=HC_EPS,
                               sinkhorn_iters=20)
         with pytest.raises(ValueError, match="at least one iteration"):
-            coefficients(K, c, iters=0)
+            coefficients(KO, c, iters=0)
         with pytest.raises(ValueError, match="power of two"):
             K.hc_collapse(c["R"][:, :3], c["pre"][:, :3])
 
@@ -162,30 +185,20 @@ if not K.INTERPRETED:
     def test_cpu_without_interpreter_raises() -> None:
         c = hc_case(1, 4, 64, seed=0, device="cpu")
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-            K.hc_residual_update(c["R"], c["y"], reference_coefficients(c))
+            KO.hc_residual_update(c["R"], c["y"], reference_coefficients(c))
 
-    def test_dispatch_runs_the_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    def test_torch_implementation_equals_the_reference_on_cpu() -> None:
         c = hc_case(3, 4, 64, seed=2, device="cpu")
         co = reference_coefficients(c)
         expected = all_ops(ref, c, co)
-        calls: list[str] = []
-        for name in ("hc_coefficients", "hc_sublayer_input", "hc_residual_update", "hc_collapse"):
-            original = getattr(ref, name)
-
-            def recorded(*args, _name=name, _original=original, **kwargs):
-                calls.append(_name)
-                return _original(*args, **kwargs)
-            monkeypatch.setattr(mhc_ops.reference, name, recorded)
-        monkeypatch.setattr(mhc_ops, "_kernels", lambda: pytest.fail("kernels used for CPU tensors"))
-        got = all_ops(mhc_ops, c, co)
-        assert sorted(set(calls)) == ["hc_coefficients", "hc_collapse", "hc_residual_update", "hc_sublayer_input"]
+        got = all_ops(Shaped(mhc_ops.mhc_for(torch.device("cpu"))), c, co)
+        assert isinstance(mhc_ops.mhc_for(torch.device("cpu")), mhc_ops.TorchMhc)
         for name, out in got.items():
             assert torch.equal(out, expected[name]), name
 
-    def test_dispatch_rejects_other_devices() -> None:
-        c = hc_case(1, 4, 64, seed=0, device="meta")
+    def test_other_devices_raise() -> None:
         with pytest.raises(ValueError, match="no mHC implementation"):
-            mhc_ops.hc_collapse(c["R"], c["pre"])
+            mhc_ops.mhc_for(torch.device("meta"))
 
     def _compiled(kernel, constexprs: dict, fp64_ptrs: tuple[str, ...] = ()) -> tuple[str, str]:
         """PTX and `cuobjdump -res-usage` of `kernel` built for sm_90 with the wrappers' options."""
@@ -229,10 +242,13 @@ def test_gpu_batch_invariant_at_flash_width() -> None:
 @pytest.mark.gpu
 def test_gpu_dispatch_uses_kernels() -> None:
     c = hc_case(7, 4, 4096, seed=12, device="cuda")
-    co = coefficients(K, c)
-    assert all(torch.equal(a, b) for a, b in zip((coefficients(mhc_ops, c).comb, coefficients(mhc_ops, c).pre),
-                                                (co.comb, co.pre)))
-    assert torch.equal(mhc_ops.hc_residual_update(c["R"], c["y"], co), K.hc_residual_update(c["R"], c["y"], co))
+    co = coefficients(KO, c)
+    runtime = mhc_ops.mhc_for(torch.device("cuda"))
+    assert isinstance(runtime, mhc_ops.TritonMhc)
+    mine = coefficients(Shaped(runtime), c)
+    assert torch.equal(mine.comb, co.comb) and torch.equal(mine.pre, co.pre)
+    assert torch.equal(runtime.residual_update(c["R"], c["y"], co), K.hc_residual_update(c["R"], c["y"], co.post,
+                                                                                          co.comb))
 
 
 @pytest.mark.gpu
@@ -240,11 +256,13 @@ def test_gpu_cuda_graph_replay_equals_eager() -> None:
     c = hc_case(7, 4, 4096, seed=13, device="cuda")
     fresh = hc_case(7, 4, 4096, seed=14, device="cuda")
 
+    runtime = Shaped(mhc_ops.mhc_for(torch.device("cuda")))
+
     def step() -> tuple[torch.Tensor, ...]:
-        co = coefficients(mhc_ops, c)
-        x = mhc_ops.hc_sublayer_input(c["R"], c["pre"], c["weight"], RMS_EPS)
-        R2 = mhc_ops.hc_residual_update(c["R"], c["y"], co)
-        return co.pre, co.post, co.comb, x, R2, mhc_ops.hc_collapse(R2, co.pre)
+        co = coefficients(runtime, c)
+        x = runtime.hc_sublayer_input(c["R"], c["pre"], c["weight"], RMS_EPS)
+        R2 = runtime.hc_residual_update(c["R"], c["y"], co)
+        return co.pre, co.post, co.comb, x, R2, runtime.hc_collapse(R2, co.pre)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -1,10 +1,10 @@
 """Device dispatch of the runtime's attention and indexer (`runtime/attention_ops.py`) — on CPU.
 
 What is pinned:
-* CPU tensors → the reference path; CUDA → the Triton kernels (the real kernel functions); a
-  kernel module that cannot be imported, or kernels built for Triton's interpreter, make CUDA
-  raise (no torch fallback), while CPU is unaffected; other devices raise; `attend` / `select`
-  dispatch on their own tensors' device.
+* CPU → the torch path; CUDA → the Triton kernels (the real kernel functions); a kernel module
+  that cannot be imported, or kernels built for Triton's interpreter, make CUDA raise (no torch
+  fallback), while CPU is unaffected; other devices raise; a model picks its implementations
+  once, at construction.
 * The CUDA implementation's whole-batch orchestration (window SWA slots, the kernel's
   `PackedSource` of the layer's kv source with entry indices, sink, scale and the
   batch-invariant launch config; the indexer's packed entry-index table, visibility,
@@ -36,8 +36,10 @@ from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
 from sglang_dsv41.kernels import indexer as kernel_indexer
 from sglang_dsv41.kernels import sparse_attention as kernel_attention
-from sglang_dsv41.reference.ops import softmax_scale
-from sglang_dsv41.runtime import attention_ops
+from sglang_dsv41.numerics.geometry import softmax_scale
+from sglang_dsv41.runtime import attention_ops, moe_ops
+from sglang_dsv41.runtime.backend import ExactTorchBackend
+from sglang_dsv41.runtime.mhc_ops import TorchMhc
 from sglang_dsv41.runtime.kv_layout import CompressedRowLayout, PackedSourceRows, SourceColumns
 from sglang_dsv41.runtime.forward import TorchForward
 
@@ -63,16 +65,16 @@ def engine(tiny_checkpoint) -> tuple[DeepseekV41Config, TorchForward]:
 
 # ---- dispatch ----------------------------------------------------------------------------------
 
-def test_cpu_tensors_use_the_reference_path() -> None:
-    assert attention_ops.ops_for(CPU) is attention_ops.REFERENCE_OPS
-    assert isinstance(attention_ops.REFERENCE_OPS, attention_ops.ReferenceAttentionOps)
+def test_cpu_uses_the_torch_path() -> None:
+    assert attention_ops.ops_for(CPU) is attention_ops.TORCH_OPS
+    assert isinstance(attention_ops.TORCH_OPS, attention_ops.TorchAttentionOps)
 
 def test_cuda_tensors_use_the_triton_kernels(fresh_kernel_ops) -> None:
     ops = attention_ops.ops_for(torch.device("cuda"))
     assert isinstance(ops, attention_ops.KernelAttentionOps)
     assert ops.sparse_attention.sparse_sink_attention is kernel_attention.sparse_sink_attention
     assert ops.indexer.index_scores is kernel_indexer.index_scores
-    assert ops.indexer.select_for_role is kernel_indexer.select_for_role
+    assert ops.indexer.select_indices is kernel_indexer.select_indices
     assert attention_ops.ops_for(torch.device("cuda", 0)) is ops      # loaded once
 
 @pytest.mark.parametrize("missing", sorted(attention_ops.KERNEL_MODULES.values()))
@@ -80,7 +82,7 @@ def test_missing_kernel_on_cuda_raises(fresh_kernel_ops, monkeypatch, missing: s
     monkeypatch.setitem(sys.modules, missing, None)                   # import → ImportError
     with pytest.raises(RuntimeError, match=re.escape(missing)):
         attention_ops.ops_for(torch.device("cuda"))
-    assert attention_ops.ops_for(CPU) is attention_ops.REFERENCE_OPS  # CPU does not need them
+    assert attention_ops.ops_for(CPU) is attention_ops.TORCH_OPS  # CPU does not need them
 
 def test_interpreter_built_kernels_refused_on_cuda(fresh_kernel_ops, monkeypatch) -> None:
     monkeypatch.setattr(kernel_indexer, "INTERPRETED", True)
@@ -91,27 +93,10 @@ def test_other_devices_raise() -> None:
     with pytest.raises(RuntimeError, match="no attention implementation for device 'meta'"):
         attention_ops.ops_for(torch.device("meta"))
 
-def test_attend_and_select_dispatch_on_their_tensors_device(monkeypatch) -> None:
-    calls = []
-
-    class Recorder:
-        description = "recorder"
-
-        def attend(self, q, *args):
-            return ("attend", q)
-
-        def select(self, cfg, role, w, prefix, x, *args, **kwargs):
-            return ("select", x)
-
-    def ops_for(device: torch.device):
-        calls.append(device)
-        return Recorder()
-
-    monkeypatch.setattr(attention_ops, "ops_for", ops_for)
-    q, x = torch.zeros(2, 1, 16, device="meta"), torch.zeros(2, 8)
-    assert attention_ops.attend(q, None, None, None, None, None) == ("attend", q)
-    assert attention_ops.select(None, None, None, "", x, None, None, None, None, True, None) == ("select", x)
-    assert calls == [q.device, x.device]
+def test_model_picks_its_implementations_once_by_device(engine) -> None:
+    _, forward = engine
+    assert isinstance(forward.backend, ExactTorchBackend) and forward.attention_ops is attention_ops.TORCH_OPS
+    assert isinstance(forward.mhc, TorchMhc) and forward.moe is moe_ops._moe_cpu
 
 # ---- the CUDA orchestration with exact stand-ins for the two Triton entry points ----------
 
@@ -126,7 +111,7 @@ def _exact_sparse_sink_attention(calls: list[str]):
             c = comp_cache
             packed = PackedSourceRows(c.rows, SourceColumns(-1, c.ratio, c.offset, c.share, c.entry_bytes),
                                       CompressedRowLayout(c.head_dim, c.index_head_dim, ()))
-        o = attention_ops.REFERENCE_OPS.attend(q.float(), sink, swa_cache, swa_slots, packed, comp_slots)
+        o = attention_ops.TORCH_OPS.attend(q.float(), sink, swa_cache, swa_slots, packed, comp_slots)
         return o.to(torch.bfloat16)
     return sparse_sink_attention
 
@@ -162,10 +147,10 @@ def test_kernel_orchestration_with_exact_stand_ins_equals_cpu_path(engine, monke
     stand_in = attention_ops.KernelAttentionOps(
         SimpleNamespace(sparse_sink_attention=_exact_sparse_sink_attention(calls),
                         plan_config=kernel_attention.plan_config, PackedSource=kernel_attention.PackedSource),
-        SimpleNamespace(index_scores=_exact_index_scores(calls), select_for_role=kernel_indexer.select_for_role,
+        SimpleNamespace(index_scores=_exact_index_scores(calls), select_indices=kernel_indexer.select_indices,
                         entry_index_table=_counted(calls, "table", kernel_indexer.entry_index_table),
                         PackedSource=kernel_indexer.PackedSource))
-    monkeypatch.setattr(attention_ops, "ops_for", lambda device: stand_in)
+    monkeypatch.setattr(forward, "attention_ops", stand_in)
     monkeypatch.setattr(attention_ops, "SCORE_ELEMENTS_PER_CHUNK", chunk_elements)
     got = run_scenario(forward, scenario_caches(forward, CPU), CPU, decode)
     batches, indexer_layers = 5, sum(r.runs_indexer for r in cfg.text.layer_roles())

@@ -26,6 +26,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from backend_helpers import TensorCoreProducts
 from cuda_graph_scenarios import (PAD_SLOT, HostSync, clone_caches, decode_step, differences_outside_padding,
                                   no_host_sync, prefilled, step_tokens, suspended)
 from runtime_scenarios import PAGE_SIZE
@@ -38,7 +39,7 @@ from sglang_dsv41.kernels import sparse_attention as kernel_attention
 from sglang_dsv41.reference.moe import routed_expert
 from sglang_dsv41.reference.ops import bf16
 from sglang_dsv41.runtime import attention_ops, moe_ops
-from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm, DenseWeightCache, dense_math
+from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm, DenseWeightCache
 from sglang_dsv41.runtime.forward import TorchForward
 from sglang_dsv41.runtime.kv_layout import CompressedRowLayout, PackedSourceRows, SourceColumns
 
@@ -71,7 +72,7 @@ def _sparse_sink_attention(calls: list[str]):
         with suspended():
             calls.append("attend")
             packed = None if comp_cache is None else _packed_rows(comp_cache)
-            return attention_ops.REFERENCE_OPS.attend(q.float(), sink, swa_cache, swa_slots, packed,
+            return attention_ops.TORCH_OPS.attend(q.float(), sink, swa_cache, swa_slots, packed,
                                                       comp_slots).to(torch.bfloat16)
     return sparse_sink_attention
 
@@ -94,7 +95,7 @@ def _kernel_ops(calls: list[str]) -> attention_ops.KernelAttentionOps:
     return attention_ops.KernelAttentionOps(
         SimpleNamespace(sparse_sink_attention=_sparse_sink_attention(calls), plan_config=kernel_attention.plan_config,
                         PackedSource=kernel_attention.PackedSource),
-        SimpleNamespace(index_scores=_index_scores(calls), select_for_role=kernel_indexer.select_for_role,
+        SimpleNamespace(index_scores=_index_scores(calls), select_indices=kernel_indexer.select_indices,
                         entry_index_table=kernel_indexer.entry_index_table, PackedSource=kernel_indexer.PackedSource))
 
 
@@ -127,7 +128,7 @@ def test_static_decode_equals_eager_and_padding_writes_no_live_state(engine, sta
 def test_static_decode_with_kernel_orchestration(engine, start, monkeypatch) -> None:
     """CUDA implementations' orchestration (stand-in kernels): same bits, static-width scores."""
     calls: list[str] = []
-    monkeypatch.setattr(attention_ops, "ops_for", lambda device: _kernel_ops(calls))
+    monkeypatch.setattr(engine, "attention_ops", _kernel_ops(calls))
     _compare_steps(engine, start, 6)
     width = start.slots.table.shape[1]
     widths = {c for c in calls if c.startswith("scores")}
@@ -160,7 +161,7 @@ def _cuda_path_engine(engine: TorchForward, monkeypatch, calls: list[str]) -> To
             stacked, range(E), E, CPU)
 
     def routed_experts_mxfp4(x, topk_ids, topk_weights, experts, *, swiglu_limit, routed_scale):
-        with suspended(), dense_math(None):       # the stand-in's own math: exact float64
+        with suspended():                         # the stand-in's own math: exact float64
             calls.append("moe")
             xs = x.float()
             per_slot = torch.zeros(*topk_ids.shape, xs.shape[1], dtype=torch.float64)
@@ -172,10 +173,11 @@ def _cuda_path_engine(engine: TorchForward, monkeypatch, calls: list[str]) -> To
 
     monkeypatch.setattr(moe_mxfp4, "routed_experts_mxfp4", routed_experts_mxfp4)
     monkeypatch.setattr(moe_ops, "_moe_cpu", moe_ops._moe_cuda)
-    monkeypatch.setattr(attention_ops, "ops_for", lambda device: _kernel_ops(calls))
-    cuda_like = TorchForward(cfg, weights, engine.hasher, engine.numerics, engine.tp)
-    cuda_like.dense_backend = BlockedBf16Gemm(DenseWeightCache.from_weights(weights))
+    cuda_like = TorchForward(cfg, weights, engine.hasher, engine.numerics, engine.tp,
+                             backend=TensorCoreProducts(BlockedBf16Gemm(DenseWeightCache.from_weights(weights))))
+    cuda_like.attention_ops = _kernel_ops(calls)
     return cuda_like
+
 
 
 def test_static_decode_has_no_host_sync_on_the_cuda_code_path(engine, start, monkeypatch) -> None:

@@ -1,32 +1,27 @@
-"""The dense-product switch (`ops.dense_backend`) and the tensor-core backend (`runtime/dense_ops.py`) on CPU.
+"""The runtime's dense products (`runtime/backend.py`, `runtime/dense_ops.py`) on CPU.
 
-* default backend: every dense helper is bit-identical to the float64 formula it had before the
-  switch, with and without an explicitly entered default (`dense_backend(None)`);
-* the switch is context-local (threads, copied contexts) and restored after exceptions;
-* `BlockedBf16Gemm` on CPU tensors (same operands, fp32 accumulation) is within `error_bound` of
-  the exact reference for every helper, and the bound is tight enough to catch an fp32-output
-  helper that rounds to BF16;
+* the exact torch backend's linears equal the reference's helpers bit for bit;
+* the tensor-core product (`BlockedBf16Gemm`, fp32 accumulation of BF16 operands) is within
+  `error_bound` of the exact reference for every linear, and the bound is tight enough to catch
+  an fp32-output linear that rounds to BF16;
 * a row's result does not depend on how many rows share the call (row blocks);
 * weight cache: views resolve, unregistered weights raise, BF16 weights pass through;
-* the input audit flags a non-BF16 activation; no float64 tensor is created inside the backend;
-* the tiny reference model runs end to end under the backend with the audit on (every weight
-  registered and BF16-exact, every activation BF16-valued).
+* the input audit flags a non-BF16 activation and is dropped after a failed forward; no float64
+  tensor is created inside the product;
+* the tiny checkpoint's runtime forward runs end to end on the tensor-core products with the
+  audit on (every weight registered and BF16-exact, every activation BF16-valued).
 """
 from __future__ import annotations
 
-import contextvars
-import threading
-
-import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from reference_weights import TINY_TEST_COMPRESSED_VOCAB, random_reference_weights, tiny_config
+from backend_helpers import TensorCoreProducts
+from runtime_scenarios import fixed_decode_tokens, run_scenario, runtime_engine, scenario_caches
 from sglang_dsv41.reference import compressor, ops
-from sglang_dsv41.reference.model import ReferenceModel
-from sglang_dsv41.runtime.dense_ops import (BlockedBf16Gemm, DenseWeightCache, backend_for, dense_math,
-                                            error_bound)
+from sglang_dsv41.runtime.backend import ExactTorchBackend, backend_for
+from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm, DenseWeightCache, error_bound
 
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 
@@ -44,7 +39,7 @@ def _bf16_values(*shape: int, g: torch.Generator, positive: bool = False) -> tor
     return ops.bf16(v.abs() if positive else v)
 
 
-def _helpers(x: torch.Tensor, w: torch.Tensor) -> dict[str, torch.Tensor]:
+def _reference(x: torch.Tensor, w: torch.Tensor) -> dict[str, torch.Tensor]:
     return {
         "linear_fp8": ops.linear_fp8(x, w),
         "linear_fp8_noquant": ops.linear_fp8(x, w, act_quant=False),
@@ -55,16 +50,14 @@ def _helpers(x: torch.Tensor, w: torch.Tensor) -> dict[str, torch.Tensor]:
     }
 
 
-def _before_switch(x: torch.Tensor, w: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The helpers' float64 formulas as they were before the switch existed."""
-    exact = lambda a: (a.to(F64) @ w.to(F64).t()).to(F32)  # noqa: E731
+def _runtime(be, x: torch.Tensor, w: torch.Tensor) -> dict[str, torch.Tensor]:
     return {
-        "linear_fp8": ops.bf16(exact(ops.fp8_act_fake_quant(x))),
-        "linear_fp8_noquant": ops.bf16(exact(x.to(F32))),
-        "linear_bf16": ops.bf16(exact(x)),
-        "linear_bf16_fp32": exact(x),
-        "matmul_fp32_exact": exact(x),
-        "linear_fp32_out": exact(x),
+        "linear_fp8": be.linear_fp8(x, w),
+        "linear_fp8_noquant": be.linear_fp8(x, w, act_quant=False),
+        "linear_bf16": be.linear_bf16(x, w),
+        "linear_bf16_fp32": be.linear_bf16(x, w, out_fp32=True),
+        "matmul_fp32_exact": be.matmul(x, w),
+        "linear_fp32_out": be.linear_bf16(x, w, out_fp32=True),
     }
 
 
@@ -72,55 +65,22 @@ BF16_OUTPUT = {"linear_fp8": True, "linear_fp8_noquant": True, "linear_bf16": Tr
                "linear_bf16_fp32": False, "matmul_fp32_exact": False, "linear_fp32_out": False}
 
 
-def test_default_backend_is_bit_identical_to_the_float64_formulas() -> None:
+def test_exact_backend_is_bit_identical_to_the_reference_helpers() -> None:
     g = torch.Generator().manual_seed(0)
     x, w = _bf16_values(7, 96, g=g), _fp8_like_weight(64, 96, g)
-    before = _before_switch(x, w)
-    plain = _helpers(x, w)
-    with ops.dense_backend(None):
-        explicit = _helpers(x, w)
-    for name in before:
-        assert torch.equal(plain[name], before[name]), name
-        assert torch.equal(explicit[name], before[name]), name
-
-
-class _Tag:
-    def matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return torch.full((*x.shape[:-1], weight.shape[0]), 7.0)
-
-
-def test_switch_is_context_local_and_restored_after_exceptions() -> None:
-    x, w = torch.ones(2, 4), torch.ones(3, 4)
-    tag = _Tag()
-    assert ops.current_dense_backend() is None
-    with ops.dense_backend(tag):
-        assert ops.current_dense_backend() is tag
-        assert torch.equal(ops.matmul_fp32_exact(x, w), torch.full((2, 3), 7.0))
-        with ops.dense_backend(None):                       # nested: exact again, then back
-            assert torch.equal(ops.matmul_fp32_exact(x, w), torch.full((2, 3), 4.0))
-        assert ops.current_dense_backend() is tag
-        seen: list[object] = []
-        t = threading.Thread(target=lambda: seen.append(ops.current_dense_backend()))
-        t.start()
-        t.join()
-        assert seen == [None]                               # another thread starts on the default
-        assert contextvars.copy_context().run(ops.current_dense_backend) is tag
-    assert ops.current_dense_backend() is None
-    with pytest.raises(RuntimeError, match="boom"):
-        with ops.dense_backend(tag):
-            raise RuntimeError("boom")
-    assert ops.current_dense_backend() is None
-    assert torch.equal(ops.matmul_fp32_exact(x, w), torch.full((2, 3), 4.0))
+    want, got = _reference(x, w), _runtime(ExactTorchBackend(), x, w)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
 
 
 @pytest.mark.parametrize("rows,k,n", [(1, 64, 32), (9, 512, 96), (130, 1024, 64), (3, 4096, 32)])
 def test_backend_within_the_derived_bound(rows: int, k: int, n: int) -> None:
     g = torch.Generator().manual_seed(rows * 7 + k)
     x, w = _bf16_values(rows, k, g=g), _fp8_like_weight(n, k, g)
-    backend = BlockedBf16Gemm(DenseWeightCache.from_weights({"a.weight": w}), audit_inputs=True)
-    ref = _helpers(x, w)
-    with dense_math(backend):
-        out = _helpers(x, w)
+    backend = TensorCoreProducts(BlockedBf16Gemm(DenseWeightCache.from_weights({"a.weight": w}), audit_inputs=True))
+    ref = _reference(x, w)
+    out = _runtime(backend, x, w)
+    backend.finish()
     for name in ref:
         xq = ops.fp8_act_fake_quant(x) if name == "linear_fp8" else x
         bound = error_bound(xq, w, out[name], ref[name], bf16_output=BF16_OUTPUT[name])
@@ -174,24 +134,22 @@ def test_weight_cache_views_unregistered_and_bf16_weights() -> None:
     out = BlockedBf16Gemm(cache).matmul(x, odd)
     ref = ops.matmul_fp32_exact(x, odd)
     assert bool(((out.to(F64) - ref.to(F64)).abs() <= error_bound(x, odd, out, ref, False)).all())
-    assert backend_for({"a.weight": wo_a}) is None          # CPU weights: the exact reference math
+    assert isinstance(backend_for(torch.device("cpu"), {"a.weight": wo_a}), ExactTorchBackend)   # CPU: exact
 
 
 def test_input_audit() -> None:
     g = torch.Generator().manual_seed(4)
     w = _fp8_like_weight(32, 64, g)
-    backend = BlockedBf16Gemm(DenseWeightCache.from_weights({"a.weight": w}), audit_inputs=True)
-    with dense_math(backend):
-        ops.linear_bf16(_bf16_values(3, 64, g=g), w)
+    backend = TensorCoreProducts(BlockedBf16Gemm(DenseWeightCache.from_weights({"a.weight": w}), audit_inputs=True))
+    backend.linear_bf16(_bf16_values(3, 64, g=g), w)
+    backend.finish()
+    backend.matmul(torch.randn(3, 64, generator=g), w)
     with pytest.raises(ValueError, match="not BF16-valued"):
-        with dense_math(backend):
-            ops.matmul_fp32_exact(torch.randn(3, 64, generator=g), w)
-    with pytest.raises(RuntimeError, match="inner"):         # the forward's own error wins ...
-        with dense_math(backend):
-            ops.matmul_fp32_exact(torch.randn(3, 64, generator=g), w)
-            raise RuntimeError("inner")
-    with dense_math(backend):                                 # ... and its audit is discarded
-        ops.linear_bf16(_bf16_values(3, 64, g=g), w)
+        backend.finish()
+    backend.matmul(torch.randn(3, 64, generator=g), w)
+    backend.finish(ok=False)                                 # a failed forward's audit is dropped ...
+    backend.linear_bf16(_bf16_values(3, 64, g=g), w)
+    backend.finish()                                         # ... and not reported by the next one
 
 
 class DtypeAudit(TorchDispatchMode):
@@ -225,19 +183,15 @@ def test_backend_creates_no_float64_tensor() -> None:
     assert F64 in exact_audit.dtypes
 
 
-def test_tiny_reference_forward_under_the_backend() -> None:
-    cfg = tiny_config(vision=False)
-    weights = random_reference_weights(cfg, seed=3, vision=False, dspark=False)
-    model = ReferenceModel(cfg, weights, engram_token_map=np.arange(TINY_TEST_COMPRESSED_VOCAB))
-    cache = DenseWeightCache.from_weights(model.weights)
+def test_tiny_runtime_forward_on_tensor_core_products(tiny_checkpoint) -> None:
+    cpu = torch.device("cpu")
+    engine = runtime_engine(tiny_checkpoint, cpu)
+    cache = DenseWeightCache.from_weights(engine.weights)
     assert cache.fp32_elements == 0 and cache.bf16_elements > 0    # every dense weight is BF16-exact
+    dense = BlockedBf16Gemm(cache, audit_inputs=True)
     calls = []
-    backend = BlockedBf16Gemm(cache, audit_inputs=True)
-    inner = backend.matmul
-    backend.matmul = lambda x, w: calls.append(1) or inner(x, w)  # type: ignore[method-assign]
-    ids = list(range(5, 5 + 9))
-    exact = model.forward(model.new_request(), ids).logits
-    with dense_math(backend):
-        fast = model.forward(model.new_request(), ids).logits
-    assert len(calls) > 0 and bool(torch.isfinite(fast).all())
-    assert fast.shape == exact.shape
+    inner = dense.matmul
+    dense.matmul = lambda x, w: calls.append(1) or inner(x, w)  # type: ignore[method-assign]
+    engine.backend = TensorCoreProducts(dense)
+    got = run_scenario(engine, scenario_caches(engine, cpu), cpu, fixed_decode_tokens())
+    assert len(calls) > 0 and all(bool(torch.isfinite(v).all()) for v in got.values())

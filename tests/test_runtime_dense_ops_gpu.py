@@ -1,30 +1,30 @@
 """The tensor-core dense backend (`runtime/dense_ops.py`) on the H200 (marked `gpu`).
 
-* every dense helper (`linear_fp8` with/without activation quant, `linear_bf16` BF16/fp32 out,
-  `matmul_fp32_exact`, `compressor.linear_fp32_out`) under `BlockedBf16Gemm` is within
+* every runtime linear (`linear_fp8` with/without activation quant, `linear_bf16` BF16/fp32 out,
+  the bare product) on `BlockedBf16Gemm` is within
   `error_bound` of the exact float64 reference, at the tiny config's and Flash's weight shapes
   (LM head included), for 1, 37 and 300 rows; the worst error / bound ratio is printed;
 * a row's result is bit-identical alone and inside a batch (row blocks) at Flash shapes;
 * no float64 tensor is created inside the backend (dtype audit of every op) and its peak extra
   memory is far below a weight copy (the BF16 copy is made once at registration, not per call);
 * an fp32 (non-BF16-exact) weight refuses to run with TF32 on;
-* the tiny reference model runs on CUDA under the backend with the input audit on.
+* the tiny checkpoint's runtime forward runs on CUDA on the backend with the input audit on.
 
 Run on the GPU machine: `python -m pytest -q -m gpu -s tests/test_runtime_dense_ops_gpu.py`.
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from reference_weights import TINY_TEST_COMPRESSED_VOCAB, random_reference_weights, tiny_config
+from backend_helpers import TensorCoreProducts
+from reference_weights import tiny_config
+from runtime_scenarios import fixed_decode_tokens, run_scenario, runtime_engine, scenario_caches
 from test_runtime_dense_ops import DtypeAudit
 from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.presets import flash_config_dict
 from sglang_dsv41.reference import compressor, ops
-from sglang_dsv41.reference.model import ReferenceModel
-from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm, DenseWeightCache, backend_for, dense_math, error_bound
+from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm, DenseWeightCache, error_bound
 
 pytestmark = pytest.mark.gpu
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
@@ -54,13 +54,15 @@ def _fp8_like(n: int, k: int, g: torch.Generator) -> torch.Tensor:
     return (ops.e4m3(tiles / scale) * scale).reshape(wp.shape)[:n, :k].contiguous()
 
 
-HELPERS = {
-    "linear_fp8": (lambda x, w: ops.linear_fp8(x, w), True),
-    "linear_fp8_noquant": (lambda x, w: ops.linear_fp8(x, w, act_quant=False), True),
-    "linear_bf16": (lambda x, w: ops.linear_bf16(x, w), True),
-    "linear_bf16_fp32": (lambda x, w: ops.linear_bf16(x, w, out_fp32=True), False),
-    "matmul_fp32_exact": (ops.matmul_fp32_exact, False),
-    "linear_fp32_out": (compressor.linear_fp32_out, False),
+HELPERS = {   # name: (reference helper, runtime linear on backend `be`, BF16 output)
+    "linear_fp8": (lambda x, w: ops.linear_fp8(x, w), lambda be, x, w: be.linear_fp8(x, w), True),
+    "linear_fp8_noquant": (lambda x, w: ops.linear_fp8(x, w, act_quant=False),
+                           lambda be, x, w: be.linear_fp8(x, w, act_quant=False), True),
+    "linear_bf16": (lambda x, w: ops.linear_bf16(x, w), lambda be, x, w: be.linear_bf16(x, w), True),
+    "linear_bf16_fp32": (lambda x, w: ops.linear_bf16(x, w, out_fp32=True),
+                         lambda be, x, w: be.linear_bf16(x, w, out_fp32=True), False),
+    "matmul_fp32_exact": (ops.matmul_fp32_exact, lambda be, x, w: be.matmul(x, w), False),
+    "linear_fp32_out": (compressor.linear_fp32_out, lambda be, x, w: be.linear_bf16(x, w, out_fp32=True), False),
 }
 
 
@@ -72,13 +74,14 @@ def test_every_helper_within_its_bound(config: str) -> None:
     worst = 0.0
     for name, (n, k) in _shapes(cfg).items():
         w = _fp8_like(n, k, g)
-        backend = BlockedBf16Gemm(DenseWeightCache.from_weights({f"{name}.weight": w}), audit_inputs=True)
+        backend = TensorCoreProducts(BlockedBf16Gemm(DenseWeightCache.from_weights({f"{name}.weight": w}),
+                                                     audit_inputs=True))
         for rows in (1, 37, 300):
             x = ops.bf16(torch.randn(rows, k, generator=g, device=CUDA))
-            for fn_name, (fn, bf16_out) in HELPERS.items():
+            for fn_name, (fn, runtime_fn, bf16_out) in HELPERS.items():
                 ref = fn(x, w)
-                with dense_math(backend):
-                    out = fn(x, w)
+                out = runtime_fn(backend, x, w)
+                backend.finish()
                 xq = ops.fp8_act_fake_quant(x) if fn_name == "linear_fp8" else x
                 bound = error_bound(xq, w, out, ref, bf16_output=bf16_out)
                 err = (out.to(F64) - ref.to(F64)).abs()
@@ -118,14 +121,14 @@ def test_no_float64_and_no_per_call_weight_conversion() -> None:
     g = torch.Generator(device=CUDA).manual_seed(2)
     n, k = _shapes(cfg)["wo_b"]
     w = _fp8_like(n, k, g)
-    backend = BlockedBf16Gemm(DenseWeightCache.from_weights({"wo_b.weight": w}), audit_inputs=True)
+    dense = BlockedBf16Gemm(DenseWeightCache.from_weights({"wo_b.weight": w}), audit_inputs=True)
     x = ops.bf16(torch.randn(5, k, generator=g, device=CUDA))
 
     def calls() -> None:
-        with dense_math(backend):
-            ops.linear_fp8(x, w)
-            ops.matmul_fp32_exact(x, w)
-            ops.matmul_fp32_exact(x[:, : k // 2].contiguous(), w[:, : k // 2])     # a view of the weight
+        dense.matmul(ops.fp8_act_fake_quant(x), w)
+        dense.matmul(x, w)
+        dense.matmul(x[:, : k // 2].contiguous(), w[:, : k // 2])     # a view of the weight
+        dense.raise_if_inputs_inexact()
 
     audit = DtypeAudit()
     with audit:
@@ -158,18 +161,11 @@ def test_fp32_weight_refuses_tf32() -> None:
         torch.backends.cuda.matmul.allow_tf32 = previous
 
 
-def test_tiny_reference_model_on_cuda_under_the_backend() -> None:
+def test_tiny_runtime_forward_on_cuda_with_the_input_audit(tiny_checkpoint) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
-    cfg = tiny_config(vision=False)
-    weights = random_reference_weights(cfg, seed=3, vision=False, dspark=False)
-    model = ReferenceModel(cfg, weights, device=CUDA, engram_token_map=np.arange(TINY_TEST_COMPRESSED_VOCAB))
-    backend = backend_for(model.weights)
-    assert backend is not None and backend.cache.fp32_elements == 0
-    backend.audit_inputs = True
-    ids = list(range(5, 5 + 9))
-    exact = model.forward(model.new_request(), ids).logits
-    with dense_math(backend):
-        fast = model.forward(model.new_request(), ids).logits
-    assert bool(torch.isfinite(fast).all())
-    print(f"\n[dense_ops tiny model] max |logit diff| vs exact = {float((fast - exact).abs().max()):.3g} "
-          f"(not bounded end to end: see tests/test_runtime_forward_gpu.py)")
+    engine = runtime_engine(tiny_checkpoint, CUDA)
+    dense = engine.backend.dense
+    assert dense.cache.fp8_elements > 0
+    dense.audit_inputs = True
+    got = run_scenario(engine, scenario_caches(engine, CUDA), CUDA, fixed_decode_tokens())
+    assert all(bool(torch.isfinite(v).all()) for v in got.values())

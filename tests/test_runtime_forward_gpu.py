@@ -43,6 +43,7 @@ from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compres
 from sglang_dsv41.kernels import indexer as kernel_indexer
 from sglang_dsv41.kernels import sparse_attention as kernel_attention
 from sglang_dsv41.runtime import attention_ops
+from sglang_dsv41.runtime.backend import ExactTorchBackend
 from sglang_dsv41.runtime.forward import TorchForward
 from sglang_dsv41.runtime.kv_layout import PackedSourceRows
 
@@ -77,10 +78,11 @@ def kernel_ops() -> attention_ops.KernelAttentionOps:
 
 
 @pytest.fixture
-def kernel_dispatch(monkeypatch, kernel_ops) -> dict[str, int]:
-    """DEVICE tensors run the kernels (under the interpreter: CPU tensors too); counts the calls."""
+def kernel_dispatch(monkeypatch, models, kernel_ops) -> dict[str, int]:
+    """The DEVICE forward runs the kernels (under the interpreter: on CPU tensors too); counts the calls."""
+    _, _, on_device = models
     counts = {"attend": 0, "select": 0}
-    real = attention_ops.ops_for
+    assert INTERPRETED or isinstance(on_device.attention_ops, attention_ops.KernelAttentionOps)
 
     class Counting:
         description = kernel_ops.description
@@ -93,13 +95,7 @@ def kernel_dispatch(monkeypatch, kernel_ops) -> dict[str, int]:
             counts["select"] += 1
             return kernel_ops.select(*args, **kwargs)
 
-    def ops_for(device: torch.device):
-        if device.type == DEVICE.type:
-            assert INTERPRETED or isinstance(real(device), attention_ops.KernelAttentionOps)
-            return Counting()
-        return real(device)
-
-    monkeypatch.setattr(attention_ops, "ops_for", ops_for)
+    monkeypatch.setattr(on_device, "attention_ops", Counting())
     return counts
 
 
@@ -126,27 +122,30 @@ def recorded(models) -> dict[str, list]:
     """Every attend / select call of the packed scenarios on the CPU path: inputs and outputs."""
     cfg, cpu, _ = models
     calls: dict[str, list] = {"attend": [], "select": []}
-    cpu_attend, cpu_select = attention_ops.attend, attention_ops.select
+    torch_ops = cpu.attention_ops
 
-    def attend(q, sink, swa_cache, swa_slots, packed, comp_entries):
-        out = cpu_attend(q, sink, swa_cache, swa_slots, packed, comp_entries)
-        args = tuple(_snapshot(a) for a in (q, sink, swa_cache, swa_slots, packed, comp_entries))
-        calls["attend"].append((args, out))
-        return out
+    class Recording:
+        description = "recording"
 
-    def select(cfg_, role, w, prefix, x, q_lora, layout, caches, inv_freq, act_quant, published, entry_tables=None):
-        out = cpu_select(cfg_, role, w, prefix, x, q_lora, layout, caches, inv_freq, act_quant, published,
-                         entry_tables)
-        calls["select"].append(dict(
-            role=role, prefix=prefix, x=x.clone(), q_lora=q_lora.clone(),
-            layout=dataclasses.replace(layout, req_to_token=layout.req_to_token.clone()),
-            rows=caches.rows.clone(), inv_freq=inv_freq, act_quant=act_quant,
-            published=None if published is None else published.clone(), want=out))
-        return out
+        def attend(self, q, sink, swa_cache, swa_slots, packed, comp_entries):
+            out = torch_ops.attend(q, sink, swa_cache, swa_slots, packed, comp_entries)
+            args = tuple(_snapshot(a) for a in (q, sink, swa_cache, swa_slots, packed, comp_entries))
+            calls["attend"].append((args, out))
+            return out
+
+        def select(self, be, cfg_, role, w, prefix, x, q_lora, layout, caches, inv_freq, act_quant, published,
+                   entry_tables=None):
+            out = torch_ops.select(be, cfg_, role, w, prefix, x, q_lora, layout, caches, inv_freq, act_quant,
+                                   published, entry_tables)
+            calls["select"].append(dict(
+                role=role, prefix=prefix, x=x.clone(), q_lora=q_lora.clone(),
+                layout=dataclasses.replace(layout, req_to_token=layout.req_to_token.clone()),
+                rows=caches.rows.clone(), inv_freq=inv_freq, act_quant=act_quant,
+                published=None if published is None else published.clone(), want=out))
+            return out
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(attention_ops, "attend", attend)
-        mp.setattr(attention_ops, "select", select)
+        mp.setattr(cpu, "attention_ops", Recording())
         run_scenario(cpu, scenario_caches(cpu, CPU), CPU, fixed_decode_tokens())
     return calls
 
@@ -177,8 +176,8 @@ def test_selection_equals_cpu_on_identical_inputs(models, recorded, kernel_ops) 
     cfg, cpu, on_device = models
     roles = [r for r in cfg.text.layer_roles() if r.runs_indexer]
     assert len(recorded["select"]) == BATCHES * len(roles)
-    # the CPU path's (dequantised, exact) weights on the device: `select` is called here outside the
-    # runtime's dense backend, so its query projection must be the exact product on identical weights
+    # the CPU path's (dequantised) weights on the device with the exact torch backend: the query
+    # projection is then the CPU path's product on identical weights
     exact_weights = {name: value.to(DEVICE) for name, value in cpu.weights.items() if ".attn." in name}
     assert any(r.candidate_source for r in roles) and any(r.candidate_consumer for r in roles)
     caches = scenario_caches(on_device, DEVICE)
@@ -186,7 +185,7 @@ def test_selection_equals_cpu_on_identical_inputs(models, recorded, kernel_ops) 
         role = call["role"]
         caches = dataclasses.replace(caches, rows=call["rows"].to(DEVICE))
         selection, blocks = kernel_ops.select(
-            cfg.text, role, exact_weights, call["prefix"], call["x"].to(DEVICE), call["q_lora"].to(DEVICE),
+            ExactTorchBackend(), cfg.text, role, exact_weights, call["prefix"], call["x"].to(DEVICE), call["q_lora"].to(DEVICE),
             layout_to(call["layout"], DEVICE), caches, call["inv_freq"].to(DEVICE), call["act_quant"],
             None if call["published"] is None else call["published"].to(DEVICE))
         want_selection, want_blocks = call["want"]

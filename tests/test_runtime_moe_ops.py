@@ -28,6 +28,7 @@ from sglang_dsv41.presets import flash_config_dict
 from sglang_dsv41.reference import moe as ref_moe
 from sglang_dsv41.reference.ops import bf16
 from sglang_dsv41.runtime import moe_ops
+from sglang_dsv41.runtime.backend import ExactTorchBackend
 from sglang_dsv41.runtime.weights import is_routed_expert_tensor, runtime_weights
 
 from runtime_values import logical
@@ -50,6 +51,11 @@ def tiny_stored(tiny_checkpoint):
     return DeepseekV41Config.from_file(tiny_checkpoint), stored
 
 
+def moe_sublayer(t, w, p, x, *, image_rows, act_quant, experts=None, reduce=None):
+    """The model's MoE implementation for x's device (`moe_for`) on the exact torch primitives."""
+    return moe_ops.moe_for(x.device)(ExactTorchBackend(), t, w, p, x, image_rows, act_quant, experts, reduce)
+
+
 # ---------------------------------------------------------------------------------------------
 # CPU: the reference path
 # ---------------------------------------------------------------------------------------------
@@ -61,7 +67,7 @@ def test_cpu_tp1_is_bit_identical_to_the_reference(tiny, vision: bool) -> None:
     image_rows = (torch.arange(37) % 3 == 0) if vision else None
     for layer in (0, t.num_hidden_layers - 1):
         p = f"layers.{layer}."
-        got = moe_ops.moe_sublayer(t, w, p, x, image_rows=image_rows, act_quant=True)
+        got = moe_sublayer(t, w, p, x, image_rows=image_rows, act_quant=True)
         want = ref_moe.moe_sublayer(t, w, p, x, image_rows=image_rows, act_quant=True)
         assert torch.equal(got, want)
 
@@ -82,20 +88,20 @@ def test_cpu_expert_split_with_reduce_is_bit_identical(tiny) -> None:
         return keep
 
     for name, shard in (("a", shard_a), ("b", shard_b)):
-        moe_ops.moe_sublayer(t, w, p, x, image_rows=None, act_quant=True, experts=shard, reduce=capture(name))
+        moe_sublayer(t, w, p, x, image_rows=None, act_quant=True, experts=shard, reduce=capture(name))
     want = ref_moe.moe_sublayer(t, w, p, x, image_rows=None, act_quant=True)
-    got_a = moe_ops.moe_sublayer(t, w, p, x, image_rows=None, act_quant=True, experts=shard_a,
+    got_a = moe_sublayer(t, w, p, x, image_rows=None, act_quant=True, experts=shard_a,
                                  reduce=lambda part: part + partials["b"])
-    got_b = moe_ops.moe_sublayer(t, w, p, x, image_rows=None, act_quant=True, experts=shard_b,
+    got_b = moe_sublayer(t, w, p, x, image_rows=None, act_quant=True, experts=shard_b,
                                  reduce=lambda part: partials["a"] + part)
     assert torch.equal(got_a, want) and torch.equal(got_b, want)
     # each shard alone is only part of the routed sum: the split is not vacuous
-    alone = moe_ops.moe_sublayer(t, w, p, x, image_rows=None, act_quant=True, experts=shard_a)
+    alone = moe_sublayer(t, w, p, x, image_rows=None, act_quant=True, experts=shard_a)
     assert not torch.equal(alone, want)
     assert partials["a"].abs().sum() > 0 and partials["b"].abs().sum() > 0
     # a shard's weights suffice (other experts' tensors absent)
     own = {k: v for k, v in w.items() if not any(f"experts.{e}." in k for e in shard_b)}
-    assert torch.equal(moe_ops.moe_sublayer(t, own, p, x, image_rows=None, act_quant=True, experts=shard_a,
+    assert torch.equal(moe_sublayer(t, own, p, x, image_rows=None, act_quant=True, experts=shard_a,
                                             reduce=lambda part: part + partials["b"]), want)
 
 
@@ -104,14 +110,14 @@ def test_cpu_rejects_bad_calls(tiny) -> None:
     t = cfg.text
     x = _x(3, t.hidden_size, seed=3)
     with pytest.raises(ValueError, match="distinct"):
-        moe_ops.moe_sublayer(t, w, "layers.0.", x, image_rows=None, act_quant=True, experts=[0, 0])
+        moe_sublayer(t, w, "layers.0.", x, image_rows=None, act_quant=True, experts=[0, 0])
     with pytest.raises(ValueError, match="distinct"):
-        moe_ops.moe_sublayer(t, w, "layers.0.", x, image_rows=None, act_quant=True, experts=[t.n_routed_experts])
+        moe_sublayer(t, w, "layers.0.", x, image_rows=None, act_quant=True, experts=[t.n_routed_experts])
     no_experts = {k: v for k, v in w.items() if not is_routed_expert_tensor(k)}
     with pytest.raises(KeyError, match="dequantised"):
-        moe_ops.moe_sublayer(t, no_experts, "layers.0.", x, image_rows=None, act_quant=True)
+        moe_sublayer(t, no_experts, "layers.0.", x, image_rows=None, act_quant=True)
     with pytest.raises(RuntimeError, match="no MoE implementation"):
-        moe_ops.moe_sublayer(t, w, "layers.0.", x.to("meta"), image_rows=None, act_quant=True)
+        moe_ops.moe_for(torch.device("meta"))
 
 
 def test_routing_plan_with_absent_slots() -> None:
@@ -244,11 +250,11 @@ def test_cuda_matches_reference_on_tiny_checkpoint(tiny_stored) -> None:
         for layer in range(t.num_hidden_layers):
             p = f"layers.{layer}."
             y, bound = _reference_parts(t, w_ref, p, x)
-            _assert_within(moe_ops.moe_sublayer(t, w, p, x, image_rows=None, act_quant=True), y, bound)
+            _assert_within(moe_sublayer(t, w, p, x, image_rows=None, act_quant=True), y, bound)
             part_b = {}
-            moe_ops.moe_sublayer(t, w_b, p, x, image_rows=None, act_quant=True, experts=shard_b,
+            moe_sublayer(t, w_b, p, x, image_rows=None, act_quant=True, experts=shard_b,
                                  reduce=lambda q: part_b.setdefault("p", q.clone()))
-            split = moe_ops.moe_sublayer(t, w_a, p, x, image_rows=None, act_quant=True, experts=shard_a,
+            split = moe_sublayer(t, w_a, p, x, image_rows=None, act_quant=True, experts=shard_a,
                                          reduce=lambda q: q + part_b["p"])
             _assert_within(split, y, bound)
 
@@ -303,4 +309,4 @@ def test_cuda_matches_reference_at_flash_shape() -> None:
     for T in (1, 5, 64):
         x = _x(T, t.hidden_size, seed=100 + T, device=dev)
         y, bound = _reference_parts(t, w_ref, "layers.3.", x)
-        _assert_within(moe_ops.moe_sublayer(t, w, "layers.3.", x, image_rows=None, act_quant=True), y, bound)
+        _assert_within(moe_sublayer(t, w, "layers.3.", x, image_rows=None, act_quant=True), y, bound)

@@ -32,6 +32,8 @@ import torch
 from torch import Tensor
 
 from ..config import LayerRole, TextConfig
+from ..numerics.geometry import swa_key_positions
+from ..numerics.rope import layer_inv_freq
 from . import ops
 from .compressor import PendingPairToken, compress_chunk
 from .indexer import run_indexer
@@ -116,14 +118,6 @@ class ChunkScratch:
 
 # ---- reusable pieces (also for the DSpark draft's SWA-only stages) ---------------------------
 
-def layer_inv_freq(cfg: TextConfig, ratio: int) -> Tensor:
-    """RoPE inverse frequencies of a layer (spec §3.4.2): ratio 0 → `rope_theta` without YaRN;
-    ratio 1/2 → `compress_rope_theta` with the config's YaRN scaling."""
-    if ratio == 0:
-        return ops.rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, None)
-    return ops.rope_inv_freq(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling)
-
-
 def _w(w: Mapping[str, Tensor], key: str) -> Tensor:
     if key not in w:
         raise KeyError(f"attention weights: missing '{key}'")
@@ -132,11 +126,7 @@ def _w(w: Mapping[str, Tensor], key: str) -> Tensor:
 
 def rms_norm_fp32(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """fp32(x)·rsqrt(mean(x²)+ε)·fp32(w) **without** the BF16 output rounding (the kv path
-    normalises, rotates and quantises in registers, spec §3.4.1). Inside `ops.fused_kernels(k)`:
-    `k.rms_norm(..., round_bf16=False)`."""
-    fused = ops.fused_for(x, weight)
-    if fused is not None:
-        return fused.rms_norm(x, weight, eps, False)
+    normalises, rotates and quantises in registers, spec §3.4.1)."""
     xd = x.to(torch.float64)  # float64, rounded once: device-invariant (ops convention)
     return (xd * torch.rsqrt(xd.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.to(torch.float64)).to(torch.float32)
 
@@ -205,13 +195,6 @@ def output_projection(cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, o: 
     wo_a = _w(w, prefix + "wo_a.weight")
     u = torch.cat([ops.linear_bf16(o_groups[:, g], wo_a[g * r:(g + 1) * r]) for g in range(G)], dim=1)
     return ops.linear_fp8(u, _w(w, prefix + "wo_b.weight"), act_quant)
-
-
-def swa_key_positions(positions: Tensor, window: int) -> Tensor:
-    """[T, window] absolute positions p−W+1..p (oldest first); −1 where before position 0."""
-    offsets = torch.arange(-(window - 1), 1, device=positions.device)
-    pos = positions.to(torch.int64)[:, None] + offsets[None, :]
-    return torch.where(pos >= 0, pos, -1)
 
 
 def _gather(cache: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:

@@ -70,7 +70,7 @@ def linear_fp32_out(x: Tensor, weight: Tensor) -> Tensor:
     dot product, hence independent of the batch size. (`ops.linear_bf16(out_fp32=True)` uses an
     fp32 GEMM, whose last bits differ between a 1-row and an n-row call on CPU BLAS; these fp32
     values are kept in the state for a pending pair, so chunked == one-shot needs invariance.)
-    Same product as `ops.matmul_fp32_exact`, through which it runs (so `ops.dense_backend` applies).
+    Same product as `ops.matmul_fp32_exact`, through which it runs.
     """
     return ops.matmul_fp32_exact(x, weight)
 

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ..config import LayerRole, TextConfig
+from ..numerics.geometry import visible_counts  # noqa: F401  (re-exported)
 from . import ops
 
 
@@ -64,13 +65,6 @@ def index_scores(query: IndexQuery, keys: Tensor) -> Tensor:
     dots = torch.einsum("thd,nd->thn", query.q.to(f64), keys.to(f64))
     scores = torch.einsum("th,thn->tn", query.head_weights.to(f64), torch.relu(dots)).to(torch.float32)
     return scores + 0.0  # −0.0 → +0.0, so equal scores are bit-identical
-
-
-def visible_counts(positions: Tensor, ratio: int) -> Tensor:
-    """n_t = ⌊(p_t + 1)/ratio⌋: compressed positions visible to each query (spec §3.4.4)."""
-    if ratio < 1:
-        raise ValueError(f"visible_counts: ratio must be ≥ 1, got {ratio}")
-    return torch.div(positions.to(torch.int64) + 1, ratio, rounding_mode="floor")
 
 
 def top_k_lower_index_on_ties(scores: Tensor, allowed: Tensor, k: int) -> Tensor:

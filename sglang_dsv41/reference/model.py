@@ -28,7 +28,8 @@ from torch import Tensor
 
 from ..checkpoint.names import tensor_inventory
 from ..config import DeepseekV41Config
-from ..engram_hash import MULTIMODAL_PAD_ID_BASE, EngramHasher, compressed_token_map
+from ..engram_hash import EngramHasher, compressed_token_map
+from ..numerics.geometry import language_model_ids
 from . import attention as attention_mod
 from . import moe as moe_mod
 from .attention import AttentionState, ChunkScratch
@@ -38,17 +39,6 @@ from .ops import F32, bf16, linear_fp8, matmul_fp32_exact, rms_norm
 from .state import ForwardOutput, NumericsProfile, RequestState, empty_features
 
 
-
-def language_model_ids(token_ids: Tensor, cfg: DeepseekV41Config) -> Tensor:
-    """Ids the language model sees (spec §3.1 item 3): with vision, multimodal pad ids
-    (≥ 1,000,000) read as `image_token_id`; anything outside the vocabulary raises."""
-    ids = token_ids.to(torch.int64).reshape(-1)
-    if cfg.has_vision:
-        ids = torch.where(ids >= MULTIMODAL_PAD_ID_BASE, torch.full_like(ids, cfg.image_token_id), ids)
-    vocab = cfg.text.vocab_size
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-        raise ValueError(f"token ids outside the vocabulary [0, {vocab}): min {int(ids.min())}, max {int(ids.max())}")
-    return ids
 
 class ReferenceModel:
     """DeepSeek-V4.1 reference (spec §3). `weights`: DeepSeek-native names → dequantised fp32

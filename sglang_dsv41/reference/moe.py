@@ -31,7 +31,7 @@ import torch.nn.functional as F_
 from torch import Tensor
 
 from ..config import TextConfig
-from .ops import F32, bf16, fused_for, linear_bf16, linear_fp8, matmul_fp32_exact
+from .ops import F32, bf16, linear_bf16, linear_fp8, matmul_fp32_exact
 
 F64 = torch.float64
 
@@ -92,10 +92,6 @@ def route(x: Tensor, gate_weight: Tensor, bias: Tensor, top_k: int,
     if (bias_vl is None) != (image_rows is None):
         raise ValueError("route: pass bias_vl and image_rows together (vision models) or neither")
     scores = sqrt_softplus(matmul_fp32_exact(x, gate_weight))
-    fused = fused_for(scores, bias) if bias_vl is None else fused_for(scores, bias, bias_vl, image_rows)
-    if fused is not None:   # inside ops.fused_kernels: selection + weights in one launch
-        experts, weights = fused.route_select(scores, bias, top_k, RENORM_EPS, bias_vl, image_rows)
-        return Routing(experts=experts, weights=weights, scores=scores)
     row_bias = bias.to(F32).expand_as(scores)
     if bias_vl is not None:
         row_bias = torch.where(image_rows.unsqueeze(-1), bias_vl.to(F32).expand_as(scores), row_bias)
@@ -107,10 +103,7 @@ def route(x: Tensor, gate_weight: Tensor, bias: Tensor, top_k: int,
 
 def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
     """bf16( silu(min(bf16(g), L)) ⊙ clamp(bf16(u), −L, L) ) (spec §3.6); the fp32 silu/product
-    is evaluated in fp64 and rounded once (to BF16). Inside `ops.fused_kernels(k)`: `k.clamped_swiglu`."""
-    fused = fused_for(gate, up)
-    if fused is not None:
-        return fused.clamped_swiglu(gate, up, limit)
+    is evaluated in fp64 and rounded once (to BF16)."""
     g = bf16(gate).clamp(max=limit).to(F64)
     u = bf16(up).clamp(min=-limit, max=limit).to(F64)
     return bf16((F_.silu(g) * u).to(F32))

@@ -18,25 +18,7 @@ import torch
 from torch import Tensor
 
 from .attention import AttentionState
-from .ops import CacheProfile
-
-
-@dataclass(frozen=True)
-class NumericsProfile:
-    """Pinned deployment numerics (spec §3.8, §11 item 20)."""
-
-    cache: CacheProfile = CacheProfile.NONE
-    act_quant: bool = True
-
-    @classmethod
-    def parse(cls, cache: str | CacheProfile = "none", act_quant: bool = True) -> "NumericsProfile":
-        """From CLI-style values: cache ∈ {"none", "fp8", "fp4"}."""
-        try:
-            profile = CacheProfile(cache)
-        except ValueError:
-            raise ValueError(f"unknown cache profile {cache!r}; expected one of "
-                             f"{[p.value for p in CacheProfile]}") from None
-        return cls(cache=profile, act_quant=bool(act_quant))
+from ..numerics.profile import CacheProfile, NumericsProfile  # noqa: F401  (re-exported)
 
 
 @dataclass

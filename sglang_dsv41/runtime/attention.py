@@ -1,12 +1,11 @@
 """The attention sublayer over a packed SGLang batch (spec §3.4, §3.5; phase-2 contracts §1–§4).
 
-The math is the reference's (`sglang_dsv41.reference.attention` / `compressor` / `indexer` /
-`ops`), called on tensors; only the cache storage and addressing differ (`runtime/cache.py`).
-Attention and the indexer selection run through `attention_ops` (CPU: the reference's float64
-math; CUDA: the Triton kernels), so this sublayer reads the same on both devices:
+The per-token math is `attention_math` on the model's compute backend; the cache storage and
+addressing are `runtime/cache.py`'s. Attention and the indexer selection run through the
+model's `attention_ops` implementation (CPU: float64 torch; CUDA: the Triton kernels):
 
 1. `project_q_kv` for every token of the batch at once (per-token math); the SWA read-back
-   (`ops.swa_cache_roundtrip`) goes to `swa[layer][swa_slot_of[slot]]`;
+   (`swa_cache_roundtrip`) goes to `swa[layer][swa_slot_of[slot]]`;
 2. kv sources write packed FP4 entries (`kv_layout`): ratio 1 → every token completes entry
    e = its slot; ratio 2 → the odd-position token p completes the pair (p−1, p), entry
    e = slot(p) // 2, pooled from its own fp32 `wkv` / `wgate` outputs and its first token's —
@@ -40,10 +39,12 @@ import torch
 from torch import Tensor
 
 from ..config import LayerRole, TextConfig
-from ..reference import ops
-from ..reference.attention import layer_inv_freq, swa_key_positions
-from ..reference.compressor import linear_fp32_out, ratio1_latents, rope_entry_values
-from . import attention_ops
+from ..numerics.geometry import swa_key_positions
+from ..numerics.rope import layer_inv_freq
+from .attention_math import (output_projection, pair_latents, pair_scores, project_q_kv, ratio1_latents,
+                             rope_entry_values, swa_cache_roundtrip)
+from .attention_ops import AttentionOps
+from .backend import ComputeBackend
 from .batch import BatchLayout
 from .cache import RuntimeCaches
 from .kv_layout import encode_entries, entry_positions
@@ -71,26 +72,14 @@ class ForwardScratch:
     entry_tables: dict[int, Tensor] = field(default_factory=dict)
 
 
-def _pair_latents(cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, a_first: Tensor, s_first: Tensor,
-                  a_second: Tensor, s_second: Tensor) -> Tensor:
-    """Pre-RoPE latents of ratio-2 pairs from their tokens' fp32 `wkv` (a) and `wgate` (s)
-    outputs: σ = per-dimension softmax over the pair (float64), pooled = a₁σ₁ + a₂σ₂ rounded once
-    to fp32, latent = RMSNorm_norm(bf16(pooled)) — `reference.compressor.ratio2_latents`' pooling,
-    row by row (spec §3.4.3)."""
-    sigma = torch.softmax(torch.stack((s_first, s_second), dim=1).to(torch.float64), dim=1)
-    a = torch.stack((a_first, a_second), dim=1).to(torch.float64)
-    pooled = (a[:, 0] * sigma[:, 0] + a[:, 1] * sigma[:, 1]).to(torch.float32)
-    return ops.rms_norm(ops.bf16(pooled), w[prefix + "compressor.norm.weight"], cfg.rms_norm_eps)
-
-
-def _packed_entries(cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, latents: Tensor, rope_positions: Tensor,
-                    inv_freq: Tensor, caches: RuntimeCaches) -> Tensor:
+def _packed_entries(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, latents: Tensor,
+                    rope_positions: Tensor, inv_freq: Tensor, caches: RuntimeCaches) -> Tensor:
     """uint8 [n, E] packed entries of pre-RoPE latents: the encoders take the values right before
-    the reference's FP4 fake quantisation — `compressor.rope_entry_values` (the BF16-rounded
+    the reference's FP4 fake quantisation — `attention_math.rope_entry_values` (the BF16-rounded
     RoPE'd latent and index key) — so the decoded entries are the reference's stored latents and
     index keys bit for bit (spec §3.4.3; cache profiles NONE / FP4, whose compressed read-back is
     the FP4 value itself, spec §3.8)."""
-    roped, k = rope_entry_values(cfg, w, prefix, latents, rope_positions, inv_freq)
+    roped, k = rope_entry_values(be, cfg, w, prefix, latents, rope_positions, inv_freq)
     return encode_entries(caches.layout, roped, k)
 
 
@@ -109,7 +98,7 @@ def _check_pair_state(src: int, from_state: Tensor, req_rows: Tensor, pos: Tenso
             "(prefix hits are page-aligned with an even page_size, contract §4)")
 
 
-def _write_compressed(cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str, x: Tensor,
+def _write_compressed(be: ComputeBackend, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str, x: Tensor,
                       layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor) -> None:
     """Packed entries of a kv-source layer for the whole batch (spec §3.4.3, contract §2, §4).
 
@@ -118,14 +107,13 @@ def _write_compressed(cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor],
     src, ratio, pos, out = role.layer, role.ratio, layout.positions, layout.out_slots
     live = layout.live_tokens
     if ratio == 1:
-        latents = ratio1_latents(cfg, w, prefix, x)
+        latents = ratio1_latents(be, cfg, w, prefix, x)
         caches.write_entries(src, torch.where(live, out, -1),
-                             _packed_entries(cfg, w, prefix, latents, pos, inv_freq, caches))
+                             _packed_entries(be, cfg, w, prefix, latents, pos, inv_freq, caches))
         return
     if ratio != 2:
         raise ValueError(f"layer {src}: compress ratio {ratio} is not a V4.1 ratio (1 or 2)")
-    a = linear_fp32_out(x, w[prefix + "compressor.wkv.weight"])
-    s = linear_fp32_out(x, w[prefix + "compressor.wgate.weight"])
+    a, s = pair_scores(be, w, prefix, x)
     req_rows = layout.req_rows[layout.token_req]                              # [N] request row per token
     odd = (pos % 2) == 1
     in_batch = (pos > layout.prefix_lens[layout.token_req])[:, None]          # token p − 1 is in the batch
@@ -136,9 +124,9 @@ def _write_compressed(cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor],
         _check_pair_state(src, odd & ~in_batch[:, 0], req_rows, pos, held_pos)
     a_first = torch.where(in_batch, a[prev], a_held)
     s_first = torch.where(in_batch, s[prev], s_held)
-    latents = _pair_latents(cfg, w, prefix, a_first, s_first, a, s)
+    latents = pair_latents(be, cfg, w, prefix, a_first, s_first, a, s)
     entries = torch.where(odd & live, out // 2, -1)
-    caches.write_entries(src, entries, _packed_entries(cfg, w, prefix, latents, first_pos, inv_freq, caches))
+    caches.write_entries(src, entries, _packed_entries(be, cfg, w, prefix, latents, first_pos, inv_freq, caches))
     # pending first tokens: requests whose last batch token sits at an even position; padding
     # requests (last token not live) write their rows' own values back (no change)
     last = layout.last_tokens
@@ -147,9 +135,9 @@ def _write_compressed(cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor],
     caches.store_pending_pairs(src, layout.req_rows, pos[last], pending, live_req, a[last], s[last])
 
 
-def _selection(cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str, x: Tensor,
-               q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, scratch: ForwardScratch,
-               inv_freq: Tensor, act_quant: bool) -> Tensor:
+def _selection(be: ComputeBackend, ops: AttentionOps, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor],
+               prefix: str, x: Tensor, q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches,
+               scratch: ForwardScratch, inv_freq: Tensor, act_quant: bool) -> Tensor:
     """[N, index_topk] selected compressed positions of this layer's queries (spec §3.4.4)."""
     if not role.runs_indexer:
         from_layer = role.selection_from
@@ -162,8 +150,8 @@ def _selection(cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix
         if cand not in scratch.blocks:
             raise RuntimeError(f"layer {role.layer}: candidate source {cand} did not run in this forward")
         published = scratch.blocks[cand]
-    selection, blocks = attention_ops.select(cfg, role, w, prefix, x, q_lora, layout, caches, inv_freq,
-                                             act_quant, published, scratch.entry_tables)
+    selection, blocks = ops.select(be, cfg, role, w, prefix, x, q_lora, layout, caches, inv_freq,
+                                   act_quant, published, scratch.entry_tables)
     scratch.selections[role.layer] = selection
     if role.candidate_source:
         assert blocks is not None
@@ -178,9 +166,9 @@ def _request_slots(layout: BatchLayout, positions: Tensor) -> Tensor:
     return torch.where(valid, slots, -1)
 
 
-def attention_sublayer(cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], x: Tensor,
-                       layout: BatchLayout, caches: RuntimeCaches, scratch: ForwardScratch,
-                       act_quant: bool, tp: TensorParallel = SINGLE) -> Tensor:
+def attention_sublayer(be: ComputeBackend, ops: AttentionOps, cfg: TextConfig, role: LayerRole,
+                       w: Mapping[str, Tensor], x: Tensor, layout: BatchLayout, caches: RuntimeCaches,
+                       scratch: ForwardScratch, act_quant: bool, tp: TensorParallel = SINGLE) -> Tensor:
     """One attention sublayer on the whole batch; x [N, hidden] → [N, hidden] (BF16 values).
     Under tensor parallelism (`runtime/tensor_parallel.py`) q, attention and the grouped `wo_a`
     run for this rank's heads only; everything else (caches, compressor, indexer) is replicated."""
@@ -191,10 +179,10 @@ def attention_sublayer(cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor]
     if inv_freq is None or inv_freq.device != x.device:
         inv_freq = scratch.inv_freq[role.ratio] = layer_inv_freq(cfg, role.ratio).to(x.device)
 
-    q_lora, q, kv = tp.project_q_kv(cfg, w, prefix, x, pos, inv_freq, act_quant)
+    q_lora, q, kv = project_q_kv(be, cfg, w, prefix, x, pos, inv_freq, act_quant, len(tp.plan(cfg).heads))
     caches.wait_for_layer(layer, global_rows=role.ratio > 0)          # HiCache load-back has landed
     caches.write_swa(layer, layout.out_slots,
-                     ops.swa_cache_roundtrip(kv, pos, inv_freq, caches.profile, cfg.qk_rope_head_dim))
+                     swa_cache_roundtrip(be, kv, pos, inv_freq, caches.profile, cfg.qk_rope_head_dim))
     window = _request_slots(layout, swa_key_positions(pos, cfg.sliding_window))           # [N, W] full slots
     swa_slots = caches.swa_slots(window)
     if layout.host_checks:
@@ -203,15 +191,15 @@ def attention_sublayer(cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor]
     packed = comp_entries = None
     if role.ratio > 0:
         if role.computes_latents:
-            _write_compressed(cfg, role, w, prefix, x, layout, caches, inv_freq)
-        selection = _selection(cfg, role, w, prefix, x, q_lora, layout, caches, scratch, inv_freq, act_quant)
+            _write_compressed(be, cfg, role, w, prefix, x, layout, caches, inv_freq)
+        selection = _selection(be, ops, cfg, role, w, prefix, x, q_lora, layout, caches, scratch, inv_freq, act_quant)
         comp_positions = torch.where(selection >= 0, entry_positions(selection, role.ratio), -1)
         comp_slots = _request_slots(layout, comp_positions)                                # [N, index_topk]
         comp_entries = torch.where(comp_slots >= 0, comp_slots // role.ratio, -1)
         packed = caches.packed(role.kv_source)
 
-    o = attention_ops.attend(q, w[prefix + "attn_sink"], caches.swa[layer], swa_slots, packed, comp_entries)
-    return tp.output_projection(cfg, w, prefix, o, pos, inv_freq, act_quant)
+    o = ops.attend(q, w[prefix + "attn_sink"], caches.swa[layer], swa_slots, packed, comp_entries)
+    return output_projection(be, cfg, w, prefix, o, pos, inv_freq, act_quant, gather=tp.all_gather_columns)
 
 
 def _check_window(layer: int, window: Tensor, swa_slots: Tensor, layout: BatchLayout) -> None:

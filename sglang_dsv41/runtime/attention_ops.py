@@ -1,19 +1,15 @@
-"""Sparse attention and indexer selection of one layer, implemented per device (spec §3.4.4, §3.4.5).
+"""Sparse attention and indexer selection of one layer, one implementation per device (spec §3.4.4, §3.4.5).
 
-`attend(...)` and `select(...)` dispatch on the device of their tensors — explicitly, never as
-a fallback:
+`ops_for(device)` picks the implementation once per model (any other device raises):
 
-| tensors on | `attend` | `select` |
+| device | `attend` | `select` |
 |---|---|---|
-| CPU  | rows gathered + reference `attend_with_sink` (float64, rounded once to BF16) | per request, reference `run_indexer` (float64 scores, stable sort) |
-| CUDA | Triton `kernels.sparse_attention.sparse_sink_attention` | whole batch: reference `index_query`, Triton `kernels.indexer.index_scores` (float64 head sum), `select_for_role` |
+| CPU  | rows gathered + `attend_with_sink` (float64, rounded once to BF16) | per request, `indexer_select.run_indexer_cpu` (float64 scores, stable sort) |
+| CUDA | Triton `kernels.sparse_attention.sparse_sink_attention` | whole batch: `attention_math.index_query`, Triton `kernels.indexer.index_scores`, `indexer_select.select_for_role` |
 
-CPU is the reference design: bit-identical to `ReferenceModel` (tests/test_runtime_forward.py).
-CUDA always runs the kernels; if they cannot be imported (or were built for Triton's CPU
-interpreter) the first CUDA call raises. Any other device raises. The CUDA forward is not
-bit-identical to the reference (attention differs by up to one BF16 ulp per sublayer, and later
-layers amplify it), but it is batch-invariant: a request gets the same bits alone, chunked,
-batched or on a prefix-cache hit (tests/test_runtime_forward_gpu.py).
+CPU is bit-identical to `ReferenceModel` (tests/test_runtime_forward.py). On CUDA the kernels
+must import (and not be built for the interpreter) or `ops_for` raises; attention differs from
+the CPU value by up to one BF16 ulp per sublayer (kernel docstring).
 
 Contracts (both implementations):
 * `attend(q, sink, swa_cache, swa_slots, packed, comp_entries)`: q [N, H, D] BF16-valued fp32;
@@ -24,7 +20,7 @@ Contracts (both implementations):
   CUDA: within one BF16 ulp of the output scale (max |o| of that query and head) of the CPU
   value on the same inputs (kernel docstring, measured on an H200); batch-invariant
   (`ATTENTION_KEY_SPLITS`).
-* `select(cfg, role, w, prefix, x, q_lora, layout, caches, inv_freq, act_quant, published)`:
+* `select(be, cfg, role, w, prefix, x, q_lora, layout, caches, inv_freq, act_quant, published)`:
   (selection [N, index_topk] request-local compressed positions, ascending, −1 padded;
   candidate blocks [N, candidate_topk_blocks] for the candidate source, else None).
   `published` = the candidate source's blocks for the same N queries (consumers only). Keys of
@@ -52,11 +48,13 @@ import torch
 from torch import Tensor
 
 from ..config import LayerRole, TextConfig
-from ..reference.attention import attend_with_sink
-from ..reference.indexer import index_query, run_indexer, visible_counts
-from ..reference.ops import softmax_scale
+from ..numerics.geometry import softmax_scale, visible_counts
+from ..numerics.rounding import bf16
+from .attention_math import index_query
+from .backend import ComputeBackend
 from .batch import BatchLayout
 from .cache import RuntimeCaches
+from .indexer_select import run_indexer_cpu, select_for_role
 from .kv_layout import PackedSourceRows, entry_positions
 
 #: The kernel modules the CUDA path needs (installed from `kernels/`, see pyproject.toml).
@@ -83,10 +81,26 @@ class AttentionOps(Protocol):
     def attend(self, q: Tensor, sink: Tensor, swa_cache: Tensor, swa_slots: Tensor,
                packed: PackedSourceRows | None, comp_entries: Tensor | None) -> Tensor: ...
 
-    def select(self, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str, x: Tensor,
-               q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
+    def select(self, be: ComputeBackend, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str,
+               x: Tensor, q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
                act_quant: bool, published: Tensor | None,
                entry_tables: dict[int, Tensor] | None = None) -> tuple[Tensor, Tensor | None]: ...
+
+
+def attend_with_sink(q: Tensor, keys: Tensor, sink: Tensor, valid: Tensor) -> Tensor:
+    """o_h = Σ_j e^{s_j} k_j / (Σ_j e^{s_j} + e^{sink_h}), scale D^−1/2, K = V (spec §3.4.5):
+    q [T, H, D], keys [T, S, D], valid [T, S]; float64, rounded once to BF16 (fp32 values)."""
+    T, S, D = keys.shape
+    qf, kf = q.to(torch.float64), keys.to(torch.float64)
+    logits = torch.einsum("thd,tsd->ths", qf, kf) * softmax_scale(D)
+    logits = torch.where(valid[:, None, :], logits, -torch.inf)
+    sink_logit = sink.to(torch.float64)[None, :].expand(T, -1)
+    m = torch.maximum(logits.amax(dim=2), sink_logit)
+    if not bool(torch.isfinite(m).all()):
+        raise ValueError("attend_with_sink: a query has no valid key and a −∞ sink (empty softmax)")
+    p = torch.exp(logits - m[:, :, None])
+    denom = p.sum(dim=2) + torch.exp(sink_logit - m)
+    return bf16(torch.einsum("ths,tsd->thd", p, kf) / denom[:, :, None])
 
 
 def gather_rows(buffer: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
@@ -96,11 +110,11 @@ def gather_rows(buffer: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(valid[..., None], rows, 0.0), valid
 
 
-class ReferenceAttentionOps:
-    """CPU: the reference's float64 math on gathered rows and decoded packed entries
+class TorchAttentionOps:
+    """CPU: float64 attention and scores on gathered rows and decoded packed entries
     (bit-identical to `ReferenceModel`)."""
 
-    description = "torch reference path (float64, bit-identical to ReferenceModel)"
+    description = "torch path (float64 sums, bit-identical to ReferenceModel)"
 
     def attend(self, q: Tensor, sink: Tensor, swa_cache: Tensor, swa_slots: Tensor,
                packed: PackedSourceRows | None, comp_entries: Tensor | None) -> Tensor:
@@ -111,11 +125,11 @@ class ReferenceAttentionOps:
             keys, valid = torch.cat((keys, c_keys), dim=1), torch.cat((valid, c_valid), dim=1)
         return attend_with_sink(q, keys, sink, valid)
 
-    def select(self, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str, x: Tensor,
-               q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
+    def select(self, be: ComputeBackend, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str,
+               x: Tensor, q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
                act_quant: bool, published: Tensor | None,
                entry_tables: dict[int, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
-        """Per request: `run_indexer` over the decoded index keys of compressed positions
+        """Per request: `run_indexer_cpu` over the decoded index keys of compressed positions
         0..⌊seq_len/ratio⌋−1 (what the reference state holds)."""
         src, ratio = role.kv_source, role.ratio
         assert src is not None
@@ -126,10 +140,12 @@ class ReferenceAttentionOps:
             n_entries = int(layout.seq_lens[b]) // ratio
             entry_slots = layout.request_slots(b, entry_positions(torch.arange(n_entries, device=x.device), ratio))
             keys = packed.keys(entry_slots // ratio)
-            result = run_indexer(cfg, role, w, prefix, x[rows], q_lora[rows], layout.positions[rows], keys,
-                                 inv_freq, act_quant, None if published is None else published[rows])
-            selections.append(result.selection)
-            blocks.append(result.blocks)
+            query = index_query(be, cfg, w, prefix, x[rows], q_lora[rows], layout.positions[rows], inv_freq,
+                                act_quant)
+            selection, published_blocks = run_indexer_cpu(cfg, role, query, layout.positions[rows], keys,
+                                                          None if published is None else published[rows])
+            selections.append(selection)
+            blocks.append(published_blocks)
         return torch.cat(selections), (torch.cat(blocks) if role.candidate_source else None)
 
 
@@ -164,8 +180,8 @@ class KernelAttentionOps:
             sink.to(torch.float32), softmax_scale(D), config=dataclasses.replace(plan, num_splits=ATTENTION_KEY_SPLITS))
         return o.to(torch.float32)
 
-    def select(self, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str, x: Tensor,
-               q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
+    def select(self, be: ComputeBackend, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str,
+               x: Tensor, q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
                act_quant: bool, published: Tensor | None,
                entry_tables: dict[int, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
         """Whole batch: compressed position j of request r is packed entry slot(j·ratio + ratio − 1)
@@ -184,7 +200,7 @@ class KernelAttentionOps:
         src, ratio = role.kv_source, role.ratio
         assert src is not None
         K = self.indexer
-        query = index_query(cfg, w, prefix, x, q_lora, layout.positions, inv_freq, act_quant)
+        query = index_query(be, cfg, w, prefix, x, q_lora, layout.positions, inv_freq, act_quant)
         n_visible = visible_counts(layout.positions, ratio)
         width = layout.max_seq_len // ratio
         entry_table = None if entry_tables is None else entry_tables.get(ratio)
@@ -204,7 +220,7 @@ class KernelAttentionOps:
             part = slice(start, min(start + rows, N))
             scores = K.index_scores(query.q[part], query.head_weights[part], key_cache, entry_table,
                                     layout.token_req[part], n_visible[part], head_sum_fp64=True, check_inputs=False)
-            selection, chunk_blocks = K.select_for_role(cfg, role, scores, n_visible[part],
+            selection, chunk_blocks = select_for_role(K, cfg, role, scores, n_visible[part],
                                                         None if published is None else published[part],
                                                         check_nan=False)
             selections.append(selection)
@@ -214,7 +230,7 @@ class KernelAttentionOps:
         return torch.cat(selections), (torch.cat(blocks) if role.candidate_source else None)
 
 
-REFERENCE_OPS = ReferenceAttentionOps()
+TORCH_OPS = TorchAttentionOps()
 
 
 @functools.cache
@@ -235,28 +251,12 @@ def kernel_ops() -> KernelAttentionOps:
 
 
 def ops_for(device: torch.device) -> AttentionOps:
-    """CPU → `ReferenceAttentionOps`; CUDA → `KernelAttentionOps` (raises if the kernels cannot
+    """CPU → `TorchAttentionOps`; CUDA → `KernelAttentionOps` (raises if the kernels cannot
     load); any other device raises."""
     if device.type == "cpu":
-        return REFERENCE_OPS
+        return TORCH_OPS
     if device.type == "cuda":
         return kernel_ops()
     raise RuntimeError(f"sglang-dsv41: no attention implementation for device '{device}' (CPU: torch "
                        "reference path; CUDA: Triton kernels)")
 
-
-def attend(q: Tensor, sink: Tensor, swa_cache: Tensor, swa_slots: Tensor, packed: PackedSourceRows | None,
-           comp_entries: Tensor | None) -> Tensor:
-    """Sparse attention with sink over SWA rows and packed compressed entries (module contract),
-    on q's device."""
-    return ops_for(q.device).attend(q, sink, swa_cache, swa_slots, packed, comp_entries)
-
-
-def select(cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str, x: Tensor, q_lora: Tensor,
-           layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor, act_quant: bool,
-           published: Tensor | None, entry_tables: dict[int, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
-    """Indexer selection of an indexer layer for the whole batch (module contract), on x's device.
-    `entry_tables`: a per-forward cache of the batch's entry-index tables by ratio (CUDA), so the
-    indexer layers reading the same ratio build it once."""
-    return ops_for(x.device).select(cfg, role, w, prefix, x, q_lora, layout, caches, inv_freq, act_quant,
-                                    published, entry_tables=entry_tables)

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from ..config import TextConfig
-from ..reference.ops import CacheProfile
+from ..numerics.profile import CacheProfile
 from .engram_history import EngramHistoryRing
 from .kv_layout import CompressedRowLayout, PackedSourceRows, write_entries
 from .kv_rows import pair_ring_slots

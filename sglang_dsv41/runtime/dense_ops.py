@@ -1,9 +1,8 @@
-"""The dense products of the CUDA forward on tensor cores (spec `model.md` §3.8; `ops.DenseBackend`).
+"""The dense products of the CUDA forward on tensor cores (spec `model.md` §3.8; `backend.TritonBackend.matmul`).
 
-The reference evaluates every dense product (`ops.linear_fp8`, `ops.linear_bf16`,
-`ops.matmul_fp32_exact`, `compressor.linear_fp32_out`) as `x.f64 @ w.f64ᵀ` rounded once — exact,
-but on CUDA a float64 copy of every weight per call. `BlockedBf16Gemm` replaces only that product
-(`ops.dense_backend`); quantisation and the final rounding stay the reference's code.
+The reference evaluates every dense product as `x.f64 @ w.f64ᵀ` rounded once — exact, but on
+CUDA a float64 copy of every weight per call. The CUDA backend (`runtime/backend.py`) computes
+that product with `BlockedBf16Gemm`; quantisation and the final rounding are the backend's.
 
 Weights. FP8-stored dense weights (spec §2.3, 32×32 tiles) reach the CUDA runtime **as stored**:
 `runtime/weights.py` puts the E4M3 tensor [N, K] under the weight's name and its fp32
@@ -54,14 +53,12 @@ bound, so the padding is nearly free).
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Mapping
 
 import torch
 from torch import Tensor
 
-from ..reference import ops
 
 BF16 = torch.bfloat16
 F32 = torch.float32
@@ -246,11 +243,11 @@ def _fp8_rows(entry: _Entry, view: Tensor, rel: int) -> Fp8Weight:
 
 
 class BlockedBf16Gemm:
-    """`ops.DenseBackend` on tensor cores: BF16 operands, fp32 accumulation and output. E4M3
+    """The CUDA backend's dense product on tensor cores: BF16 operands, fp32 accumulation and output. E4M3
     weights (`Fp8Weight`) go to `kernels.fp8_linear` (row invariant by itself); BF16 / fp32
     weights to cuBLAS with rows in fixed blocks of `row_block` (module doc). `audit_inputs` checks, without a host sync per
     call, that every activation multiplied in BF16 is BF16-exact; `raise_if_inputs_inexact`
-    (called by `dense_math` on exit) reports a violation."""
+    (called by the backend after each forward) reports a violation."""
 
     def __init__(self, cache: DenseWeightCache, row_block: int = ROW_BLOCK, audit_inputs: bool = False) -> None:
         if row_block < 1:
@@ -328,37 +325,12 @@ def _mm_fp32_out(a: Tensor, wt: Tensor) -> Tensor:
     return torch.mm(a.to(F32), wt.to(F32))
 
 
-@contextlib.contextmanager
-def dense_math(backend: BlockedBf16Gemm | None) -> Iterator[None]:
-    """Run the block with `backend` as the dense backend (`ops.dense_backend`); None = the exact
-    float64 reference math. On a normal exit an auditing backend reports inexact inputs."""
-    try:
-        with ops.dense_backend(backend):
-            yield
-    except BaseException:
-        if backend is not None:
-            backend.discard_audit()
-        raise
-    if backend is not None:
-        backend.raise_if_inputs_inexact()
-
-
-def backend_for(weights: Mapping[str, object]) -> BlockedBf16Gemm | None:
-    """The backend the runtime uses for `weights` (all on one device): CUDA → `BlockedBf16Gemm`
-    over a cache of the dense weights (built now, once, at load; E4M3 weights in place); CPU →
-    None (the exact reference math, bit-identical), which needs dequantised weights: E4M3 dense
-    weights on CPU raise."""
-    devices = {t.device for t in weights.values() if isinstance(t, Tensor)}
-    if len(devices) > 1:
-        raise ValueError(f"dense backend: weights on several devices {sorted(map(str, devices))}")
-    if not devices or next(iter(devices)).type != "cuda":
-        fp8 = [n for n, t in weights.items() if isinstance(t, Tensor) and t.dtype == FP8]
-        if fp8:
-            raise ValueError(f"dense backend: {len(fp8)} FP8 (E4M3) dense weight(s) on CPU, e.g. {fp8[0]}: the CPU "
-                             "path is the exact reference math on dequantised weights (runtime_weights(..., "
-                             "dense_fp8=False))")
-        return None
-    return BlockedBf16Gemm(DenseWeightCache.from_weights(weights))
+def check_weights_for_cpu(weights: Mapping[str, object]) -> None:
+    """The CPU backends multiply dequantised weights: E4M3 dense weights on CPU raise."""
+    fp8 = [n for n, t in weights.items() if isinstance(t, Tensor) and t.dtype == FP8]
+    if fp8:
+        raise ValueError(f"dense backend: {len(fp8)} FP8 (E4M3) dense weight(s) on CPU, e.g. {fp8[0]}: the CPU "
+                         "path multiplies dequantised weights (runtime_weights(..., dense_fp8=False))")
 
 
 def error_bound(x: Tensor, weight: Tensor, out: Tensor, ref: Tensor, bf16_output: bool) -> Tensor:
@@ -379,5 +351,5 @@ def error_bound(x: Tensor, weight: Tensor, out: Tensor, ref: Tensor, bf16_output
 
 
 __all__ = ["ACCUMULATION_UNIT", "BlockedBf16Gemm", "DenseWeightCache", "FP8", "Fp8Weight", "ROW_BLOCK", "TILE",
-           "backend_for", "dense_math", "error_bound", "fp8_scale_key", "is_dense_linear_name",
+           "check_weights_for_cpu", "error_bound", "fp8_scale_key", "is_dense_linear_name",
            "is_dense_linear_weight"]

@@ -1,54 +1,49 @@
 """The DeepSeek-V4.1 forward of a packed batch over the runtime caches — no SGLang objects (spec §3).
 
-`TorchForward.hidden_states(input_ids, layout, caches)` follows the reference model
-(`reference/model.py`) step by step and calls the reference's math on tensors; only how the
-per-request state is stored differs (`runtime/cache.py`: packed global KV rows, window-bounded
-SWA rows, request-scoped ratio-2 pair state — instead of a per-request `RequestState`):
+`TorchForward.hidden_states(input_ids, layout, caches)` follows the model step by step; the
+per-request state lives in `runtime/cache.py` (packed global KV rows, window-bounded SWA rows,
+request-scoped ratio-2 pair state):
 
-1. ids remapped like `ReferenceModel.remap_ids` (vision: ids ≥ 1,000,000 → image_token_id,
-   §3.1); Engram rows are hashed per request (`EngramHasher.row_ids(..., extend_lens)`, §3.3.1)
-   with the K ids before its chunk: from the host for an extend (`layout.engram_history`), else
-   from the request's history ring, which every forward advances (`runtime/engram_history.py`) —
-   so the history survives chunked prefill, decode, prefix-cache hits and preemption;
+1. ids remapped (vision: ids ≥ 1,000,000 → image_token_id, §3.1); Engram rows hashed per request
+   (`EngramHasher.row_ids(..., extend_lens)`, §3.3.1) with the K ids before its chunk: from the
+   host for an extend (`layout.engram_history`), else from the request's history ring
+   (`runtime/engram_history.py`);
 2. R⁰ = embedding broadcast to the hc streams; per layer: Engram → attn-hc → attention
-   (`runtime/attention.py`) → ffn-hc → MoE (`reference.moe.moe_sublayer`), with the lagged pre
-   (`reference.mhc`, §3.2); Engram, attention heads and routed experts are sharded under tensor
-   parallelism, bit-identical to TP 1 (`runtime/tensor_parallel.py`);
+   (`runtime/attention.py`) → ffn-hc → MoE (`runtime/moe_ops.py`), with the lagged pre (§3.2);
+   attention heads, routed experts and Engram rows are sharded under tensor parallelism
+   (`runtime/tensor_parallel.py`);
 3. final collapse and `norm` (§3.7); the LM head is applied by the caller.
 
-On CUDA the same steps run on kernels, each with its bound stated where it lives: the
-hyper-connections through `runtime/mhc_ops.py` (fused Triton mHC), and the reference helpers
-inside `dense_ops.dense_math` (FP8 W8A16 / BF16 tensor-core products) and
-`fused_ops.fused_elementwise` (one-launch rounding, quantisation, norms, RoPE, SwiGLU, top-k).
-CPU tensors always take the reference's exact code.
-
-Kept free of SGLang imports so the batching / caching invariants are unit-tested directly
-against `ReferenceModel` (`tests/test_runtime_forward.py`).
+The implementations are chosen once, by the weights' device: the compute backend
+(`runtime/backend.py`), attention + indexer (`attention_ops.ops_for`), mHC (`mhc_ops.mhc_for`)
+and MoE (`moe_ops.moe_for`). Kept free of SGLang imports so the batching / caching invariants
+are unit-tested directly against `ReferenceModel` (`tests/test_runtime_forward.py`).
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Iterator, Mapping
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..config import DeepseekV41Config
 from ..engram_hash import MULTIMODAL_PAD_ID_BASE, EngramHasher
-from ..reference.attention import layer_inv_freq
-from ..reference.engram import engram_gate, gated_residual
-from ..reference.model import language_model_ids
-from ..reference.ops import F32, linear_fp8, matmul_fp32_exact, rms_norm
-from ..reference.state import NumericsProfile
-from .attention import ForwardScratch, attention_sublayer
+from ..numerics.geometry import language_model_ids
+from ..numerics.profile import NumericsProfile
+from ..numerics.rope import layer_inv_freq
+from .attention import ForwardScratch
+from .attention_ops import ops_for
+from .backend import ComputeBackend, backend_for
 from .batch import BatchLayout
 from .cache import RuntimeCaches
-from .dense_ops import backend_for, dense_math
 from .engram_history import history_tail
-from .fused_ops import fused_elementwise
-from .mhc_ops import hc_coefficients, hc_collapse, hc_residual_update, hc_sublayer_input
+from .layers import DeepseekV41DecoderLayer, ForwardStep, OwnedTensors, RMSNorm
+from .mhc_ops import mhc_for
+from .moe_ops import moe_for
 from .tensor_parallel import SINGLE, TensorParallel
+
+F32 = torch.float32
 
 
 @contextlib.contextmanager
@@ -63,27 +58,44 @@ def fp32_default_dtype() -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-class TorchForward:
-    """Weights + constants of one model; `hidden_states` runs a batch (see the module doc).
+class TorchForward(nn.Module):
+    """The DeepSeek-V4.1 text model: embedding, `DeepseekV41DecoderLayer`s, final norm and LM-head
+    weight, each owning its parameters (`runtime/layers.py`); `hidden_states` runs a batch (see
+    the module doc).
 
-    `weights`: DeepSeek-native names → dequantised fp32 tensors (`checkpoint.loader`), on the
-    device the forward runs on; `hasher`: the Engram hasher (None without Engram layers).
+    `weights`: DeepSeek-native names → runtime values (`runtime/weights.py`) on the device the
+    forward runs on, taken over by the layers (no copies); a value no layer owns raises.
+    `hasher`: the Engram hasher (None without Engram layers).
     """
 
     def __init__(self, cfg: DeepseekV41Config, weights: Mapping[str, Tensor], hasher: EngramHasher | None,
-                 numerics: NumericsProfile = NumericsProfile(), tp: TensorParallel = SINGLE) -> None:
+                 numerics: NumericsProfile = NumericsProfile(), tp: TensorParallel = SINGLE,
+                 backend: ComputeBackend | None = None) -> None:
+        super().__init__()
         if cfg.text.engram_layer_ids and hasher is None:
             raise ValueError("the model has Engram layers: an EngramHasher is required (spec §3.3.1)")
         self.cfg = cfg
         self.text = cfg.text
         self.roles = self.text.layer_roles()
-        self.weights = weights
-        self.dense_backend = backend_for(weights)   # CUDA: tensor-core dense products (dense_ops); CPU: None = exact
+        self.embed = OwnedTensors(weights, "embed.")
+        self.layers = nn.ModuleList(DeepseekV41DecoderLayer(weights, self.text, role) for role in self.roles)
+        self.norm = RMSNorm(weights, "norm.", self.text.rms_norm_eps)
+        self.head = OwnedTensors(weights, "head.")
+        owned = {n: v for m in self.modules() if isinstance(m, OwnedTensors) for n, v in m.tensors.items()}
+        unowned = sorted(set(weights) - set(owned))
+        if unowned:
+            raise ValueError(f"{len(unowned)} weight(s) no layer owns, e.g. {unowned[:4]}")
+        #: every owned value by its checkpoint name (the same objects the layers hold)
+        self.weights: dict[str, object] = owned
         self.hasher = hasher
         self.numerics = numerics
         self.tp = tp
         tp.plan(self.text)     # raises now for a TP size the model cannot be sharded with
         device = weights["embed.weight"].device
+        self.backend = backend_for(device, owned) if backend is None else backend
+        self.attention_ops = ops_for(device)
+        self.mhc = mhc_for(device)
+        self.moe = moe_for(device)
         #: per-ratio RoPE inverse frequencies on the model device, made once (no host → device
         #: copy inside a forward: CUDA graphs cannot capture one)
         self.inv_freq = {r: layer_inv_freq(self.text, r).to(device) for r in sorted({x.ratio for x in self.roles})}
@@ -152,41 +164,20 @@ class TorchForward:
         compressed = h.token_map.to(tok.device)[tok]
         return [h.layer_row_ids(compressed, layer) for layer in h.layers]
 
-    def _engram_update_on_device(self, layer: int, R: Tensor, row_ids: Tensor, image_rows: Tensor | None,
-                                 linear) -> Tensor:
-        """`reference.engram.engram_residual_update` (spec §3.3.2) without its host-side range
-        check of the row ids (`engram_embedding` reads min/max on the host), for static layouts:
-        the same table lookup, `wkv` linear, `engram_gate` and `gated_residual` (fp32, then
-        BF16; bit-identical: tests/test_runtime_cuda_graph.py). Sharded tables go through
-        `TensorParallel.engram_rows(..., check=False)` (masked lookup + exact all-reduce)."""
-        t, w, p = self.text, self.weights, f"layers.{layer}.engram."
-        tokens, hc, hidden = R.shape
-        table, ids = self.tp.engram_rows(t, layer, row_ids, w, check=False)
-        emb = table[ids.to(torch.int64)].reshape(tokens, -1)
-        kv = linear(emb, w[p + "wkv.weight"]).to(F32)
-        keys = kv[:, : hc * hidden].reshape(tokens, hc, hidden)
-        value = kv[:, hc * hidden:]
-        gate = engram_gate(R, keys, w[p + "q_weight"], w[p + "k_weight"], t.rms_norm_eps)
-        updated = gated_residual(R, gate, value)
-        if image_rows is not None:
-            updated = torch.where(image_rows.to(torch.bool)[:, None, None], R.to(F32), updated)
-        return updated.to(R.dtype)
-
-    def _hc(self, layer: int, sub: str, R: Tensor):
-        w, t = self.weights, self.text
-        p = f"layers.{layer}.hc_{sub}_"
-        return hc_coefficients(R, w[p + "fn"], w[p + "base"], w[p + "scale"], rms_eps=t.rms_norm_eps,
-                               hc_eps=t.hc_eps, sinkhorn_iters=t.hc_sinkhorn_iters)
-
     @torch.no_grad()
     def hidden_states(self, input_ids: Tensor, layout: BatchLayout, caches: RuntimeCaches) -> Tensor:
         """Final normed hidden states [N, hidden] (BF16 values in fp32) of every batch token;
         writes every cache row of the batch's slots."""
-        with dense_math(self.dense_backend), fused_elementwise():   # both leave CPU tensors to the reference code
-            return self._hidden_states(input_ids, layout, caches)
+        try:
+            hidden = self._hidden_states(input_ids, layout, caches)
+        except BaseException:
+            self.backend.finish(ok=False)
+            raise
+        self.backend.finish()
+        return hidden
 
     def _hidden_states(self, input_ids: Tensor, layout: BatchLayout, caches: RuntimeCaches) -> Tensor:
-        t, w, act_quant = self.text, self.weights, self.numerics.act_quant
+        t = self.text
         if caches.profile is not self.numerics.cache:
             raise ValueError(f"caches hold profile {caches.profile}, the model computes {self.numerics.cache}")
         ids = self.remap_ids_on_device(input_ids) if layout.static else self.remap_ids(input_ids)
@@ -195,33 +186,21 @@ class TorchForward:
             raise ValueError(f"{N} input ids for a layout of {layout.num_tokens} tokens")
         if N == 0:
             return torch.zeros(0, t.hidden_size, dtype=F32, device=ids.device)
-        image_rows = (ids == self.cfg.image_token_id) if self.cfg.has_vision else None
-        engram_rows = self.engram_rows(ids, layout, caches) if self.hasher is not None else []
-        linear = functools.partial(linear_fp8, act_quant=act_quant)
-
-        R = w["embed.weight"][ids].unsqueeze(1).expand(N, t.hc_mult, t.hidden_size).contiguous()
-        scratch = ForwardScratch(inv_freq=dict(self.inv_freq))
+        step = ForwardStep(self.backend, self.attention_ops, self.mhc, self.moe, self.tp, self.numerics.act_quant,
+                           layout, caches, ForwardScratch(inv_freq=dict(self.inv_freq)),
+                           (ids == self.cfg.image_token_id) if self.cfg.has_vision else None)
+        if self.hasher is not None:
+            step.engram_rows = dict(zip(t.engram_layer_ids, self.engram_rows(ids, layout, caches)))
+        R = self.embed["weight"][ids].unsqueeze(1).expand(N, t.hc_mult, t.hidden_size).contiguous()
         carried_pre: Tensor | None = None
-        for role in self.roles:
-            i = role.layer
-            if role.engram:
-                rows_i = engram_rows[t.engram_layer_ids.index(i)]
-                if layout.static:
-                    R = self._engram_update_on_device(i, R, rows_i, image_rows, linear)
-                else:
-                    R = self.tp.engram_residual_update(t, i, R, rows_i, w, image_rows=image_rows, linear=linear)
-            co = self._hc(i, "attn", R)
-            x = hc_sublayer_input(R, carried_pre, w[f"layers.{i}.attn_norm.weight"], t.rms_norm_eps)
-            y = attention_sublayer(t, role, w, x, layout, caches, scratch, act_quant, self.tp)
-            R, carried_pre = hc_residual_update(R, y, co), co.pre
-            co = self._hc(i, "ffn", R)
-            x = hc_sublayer_input(R, carried_pre, w[f"layers.{i}.ffn_norm.weight"], t.rms_norm_eps)
-            y = self.tp.moe_sublayer(t, w, f"layers.{i}.", x, image_rows=image_rows, act_quant=act_quant)
-            R, carried_pre = hc_residual_update(R, y, co), co.pre
+        for layer in self.layers:
+            R, carried_pre = layer(R, carried_pre, step)
         assert carried_pre is not None
-        return rms_norm(hc_collapse(R, carried_pre), w["norm.weight"], t.rms_norm_eps)
+        return self.norm(self.mhc.collapse(R, carried_pre), self.backend)
+
+    def forward(self, input_ids: Tensor, layout: BatchLayout, caches: RuntimeCaches) -> Tensor:
+        return self.hidden_states(input_ids, layout, caches)
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """fp32 logits [N, vocab] of the BF16 head, correctly rounded (spec §3.7)."""
-        with dense_math(self.dense_backend):
-            return matmul_fp32_exact(hidden, self.weights["head.weight"])
+        """fp32 logits [N, vocab] of the BF16 head (spec §3.7)."""
+        return self.backend.matmul(hidden, self.head["weight"])

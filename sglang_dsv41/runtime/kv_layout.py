@@ -37,7 +37,7 @@ from torch import Tensor
 
 from ..config import TextConfig
 from .kv_rows import ROW_ALIGN, entry_bytes as packed_entry_bytes, round_up, source_shares
-from ..reference.ops import E2M1_MAX, E4M3_MAX, INV_E2M1_MAX, e2m1_rne, e4m3, pow2_ceil
+from ..numerics.rounding import E2M1_MAX, E4M3_MAX, INV_E2M1_MAX, e2m1_rne, e4m3, pow2_ceil
 
 #: E2M1 magnitudes indexed by the 3-bit magnitude code (the MXFP4 code of `checkpoint/codecs.py`).
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)

@@ -36,7 +36,7 @@ from sglang.srt.mem_cache.memory_pool import KVCache
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
 from ..config import TextConfig
-from ..reference.ops import CacheProfile
+from ..numerics.profile import CacheProfile
 from .cache import RuntimeCaches, check_page_size
 from .kv_layout import CompressedRowLayout
 

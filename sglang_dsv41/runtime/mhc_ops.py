@@ -1,69 +1,121 @@
-"""The mHC hyper-connection ops, implemented per device (spec `model.md` §3.2).
+"""The mHC hyper-connection ops of the runtime, one implementation per device (spec `model.md` §3.2).
 
-Each function has the signature of its `reference.mhc` namesake and dispatches on the
-residual's device — explicitly, never as a fallback for a failing kernel:
+`mhc_for(device)` picks, once per model:
 
-| residual on | implementation |
+| device | implementation |
 |---|---|
-| CPU  | `reference.mhc` (the oracle itself, float64 torch ops) |
-| CUDA | `kernels.mhc` (fused Triton: 2 launches for the coefficients, 1 per other op) |
+| CPU  | `TorchMhc`: the §3.2 formulas in torch (coefficients in float64, rounded once to fp32) |
+| CUDA | `TritonMhc`: `kernels.mhc` (fused Triton: 2 launches for the coefficients, 1 per other op) |
 
-Any other device raises `ValueError`; kernel errors propagate.
-
-Numerics on CUDA (stated in `kernels/mhc.py`): `hc_residual_update`, `hc_collapse` and the
-weighted sum of `hc_sublayer_input` are bit-identical to the reference; the sublayer input's
-RMSNorm (float64, rounded once) is bitwise equal except where the float64 summation order of
-Σx² moves a value across an fp32 rounding boundary (probability ~2⁻²⁹ per element);
-`hc_coefficients` (float64 inside, rounded once to fp32) is within 1 fp32 ulp of the reference.
-Every op is batch invariant and CUDA-graph capturable.
+Both are tested against `reference.mhc` (tests/test_runtime_mhc.py, tests/test_kernels_mhc.py):
+CPU bit-identical; CUDA within the bounds stated in `kernels/mhc.py` (coefficients within 1 fp32
+ulp, stream sums bit-identical).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 from torch import Tensor
 
-from ..reference import mhc as reference
-from ..reference.mhc import HcCoefficients
+from ..numerics.rounding import bf16
 
-__all__ = ["HcCoefficients", "hc_coefficients", "hc_sublayer_input", "hc_residual_update", "hc_collapse"]
-
-
-def _on_cuda(op: str, residual: Tensor) -> bool:
-    """True for CUDA tensors (kernels), False for CPU tensors (reference); other devices raise."""
-    kind = residual.device.type
-    if kind == "cuda":
-        return True
-    if kind == "cpu":
-        return False
-    raise ValueError(f"{op}: no mHC implementation for {residual.device} tensors (CPU → reference, CUDA → kernels)")
+F32, F64 = torch.float32, torch.float64
 
 
-def _kernels():
-    from ..kernels import mhc as kernels   # Triton is imported only where the kernels run
-    return kernels
+@dataclass(frozen=True)
+class HcCoefficients:
+    """pre [T, hc] (carried to the next hyper-connection), post [T, hc], comb [T, hc, hc] with
+    comb[t, j, k] = weight of input stream j in output stream k (fp32)."""
+
+    pre: Tensor
+    post: Tensor
+    comb: Tensor
 
 
-def hc_coefficients(residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *,
-                    rms_eps: float, hc_eps: float, sinkhorn_iters: int) -> HcCoefficients:
-    """pre/post/comb of one hyper-connection from the residual entering it (spec §3.2)."""
-    impl = _kernels() if _on_cuda("hc_coefficients", residual) else reference
-    return impl.hc_coefficients(residual, fn, base, scale, rms_eps=rms_eps, hc_eps=hc_eps,
-                                sinkhorn_iters=sinkhorn_iters)
+class TorchMhc:
+    """CPU: the §3.2 formulas; coefficients float64-evaluated and rounded once, stream sums fp32 in
+    a fixed order (post·y first, then j = 0, 1, …)."""
+
+    name = "torch"
+
+    def coefficients(self, residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *,
+                     rms_eps: float, hc_eps: float, sinkhorn_iters: int) -> HcCoefficients:
+        T, hc, H = residual.shape
+        if fn.shape != (hc * (2 + hc), hc * H):
+            raise ValueError(f"hc fn has shape {tuple(fn.shape)}, expected {(hc * (2 + hc), hc * H)}")
+        if sinkhorn_iters < 1:
+            raise ValueError(f"Sinkhorn needs at least one iteration, got {sinkhorn_iters}")
+        x = residual.to(F64).reshape(T, hc * H)
+        mix = (x @ fn.to(F64).t()) * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + rms_eps)
+        a, b = scale.to(F64), base.to(F64)
+        pre = torch.sigmoid(a[0] * mix[:, :hc] + b[:hc]) + hc_eps
+        post = 2.0 * torch.sigmoid(a[1] * mix[:, hc:2 * hc] + b[hc:2 * hc])
+        m = torch.softmax((a[2] * mix[:, 2 * hc:] + b[2 * hc:]).reshape(T, hc, hc), dim=-1) + hc_eps
+        m = m / (m.sum(dim=-2, keepdim=True) + hc_eps)
+        for _ in range(sinkhorn_iters - 1):
+            m = m / (m.sum(dim=-1, keepdim=True) + hc_eps)
+            m = m / (m.sum(dim=-2, keepdim=True) + hc_eps)
+        return HcCoefficients(pre=pre.to(F32), post=post.to(F32), comb=m.to(F32))
+
+    def weighted_sum(self, residual: Tensor, pre: Tensor) -> Tensor:
+        r, p = residual.to(F32), pre.to(F32)
+        acc = p[:, 0, None] * r[:, 0]
+        for j in range(1, r.shape[1]):
+            acc = acc + p[:, j, None] * r[:, j]
+        return bf16(acc)
+
+    def sublayer_input(self, residual: Tensor, carried_pre: Tensor | None, norm_weight: Tensor,
+                       rms_eps: float) -> Tensor:
+        x = residual[:, 0, :].to(F32) if carried_pre is None else self.weighted_sum(residual, carried_pre)
+        xd = x.to(F64)
+        return bf16((xd * torch.rsqrt(xd.pow(2).mean(dim=-1, keepdim=True) + rms_eps)
+                     * norm_weight.to(F64)).to(F32))
+
+    def residual_update(self, residual: Tensor, sublayer_out: Tensor, co: HcCoefficients) -> Tensor:
+        r, comb, y = residual.to(F32), co.comb.to(F32), sublayer_out.to(F32)
+        out = []
+        for k in range(r.shape[1]):
+            acc = co.post[:, k, None] * y
+            for j in range(r.shape[1]):
+                acc = acc + comb[:, j, k, None] * r[:, j]
+            out.append(acc)
+        return bf16(torch.stack(out, dim=1))
+
+    def collapse(self, residual: Tensor, last_pre: Tensor) -> Tensor:
+        return self.weighted_sum(residual, last_pre)
 
 
-def hc_sublayer_input(residual: Tensor, carried_pre: Tensor | None, norm_weight: Tensor,
-                      rms_eps: float) -> Tensor:
-    """RMSNorm(bf16(Σ_j pre_j·R_j)) with the lagged pre; stream 0 when `carried_pre` is None (spec §3.2)."""
-    impl = _kernels() if _on_cuda("hc_sublayer_input", residual) else reference
-    return impl.hc_sublayer_input(residual, carried_pre, norm_weight, rms_eps)
+class TritonMhc:
+    """CUDA: the fused kernels of `kernels.mhc` (bounds stated there)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from ..kernels import mhc as kernels   # Triton is imported only where the kernels run
+
+        self.k = kernels
+
+    def coefficients(self, residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *,
+                     rms_eps: float, hc_eps: float, sinkhorn_iters: int) -> HcCoefficients:
+        return HcCoefficients(*self.k.hc_coefficients(residual, fn, base, scale, rms_eps=rms_eps, hc_eps=hc_eps,
+                                                      sinkhorn_iters=sinkhorn_iters))
+
+    def sublayer_input(self, residual: Tensor, carried_pre: Tensor | None, norm_weight: Tensor,
+                       rms_eps: float) -> Tensor:
+        return self.k.hc_sublayer_input(residual, carried_pre, norm_weight, rms_eps)
+
+    def residual_update(self, residual: Tensor, sublayer_out: Tensor, co: HcCoefficients) -> Tensor:
+        return self.k.hc_residual_update(residual, sublayer_out, co.post, co.comb)
+
+    def collapse(self, residual: Tensor, last_pre: Tensor) -> Tensor:
+        return self.k.hc_collapse(residual, last_pre)
 
 
-def hc_residual_update(residual: Tensor, sublayer_out: Tensor, coeffs: HcCoefficients) -> Tensor:
-    """R'_k = bf16(post_k·y + Σ_j comb_jk·R_j) in fp32 math (spec §3.2)."""
-    impl = _kernels() if _on_cuda("hc_residual_update", residual) else reference
-    return impl.hc_residual_update(residual, sublayer_out, coeffs)
-
-
-def hc_collapse(residual: Tensor, last_pre: Tensor) -> Tensor:
-    """Final stream reduction h = bf16(Σ_j pre_j·R_j) with the last ffn-hc's pre (spec §3.2)."""
-    impl = _kernels() if _on_cuda("hc_collapse", residual) else reference
-    return impl.hc_collapse(residual, last_pre)
+def mhc_for(device: torch.device) -> TorchMhc | TritonMhc:
+    """CPU → `TorchMhc`; CUDA → `TritonMhc`; any other device raises."""
+    if device.type == "cpu":
+        return TorchMhc()
+    if device.type == "cuda":
+        return TritonMhc()
+    raise ValueError(f"no mHC implementation for device '{device}' (CPU → torch, CUDA → Triton kernels)")

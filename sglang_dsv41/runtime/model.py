@@ -15,8 +15,8 @@ the glue only:
   `sglang_graph_capture`), `TorchForward.hidden_states` (`runtime/forward.py`; attention and the
   indexer through `runtime/attention_ops.py`: the reference's float64 math on CPU, the Triton
   kernels on CUDA — checked at `load_weights`, which raises if they cannot load), then SGLang's
-  `LogitsProcessor` (last-token pruning, logprobs) with an LM head whose logits are the
-  reference's correctly rounded fp32 (`ExactFp32HeadMethod`).
+  `LogitsProcessor` (last-token pruning, logprobs) with an LM head whose logits come from the
+  model's compute backend (`BackendHeadMethod`).
 
 Engram placement (runtime.md §A.7): read once at construction from the launcher's variables
 (`engram_host.engram_placement_from_env`: `SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE=1` → the tables
@@ -40,12 +40,11 @@ from torch import Tensor, nn
 
 from ..config import DeepseekV41Config
 from ..engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
-from ..reference.ops import F32, matmul_fp32_exact
-from ..reference.state import NumericsProfile
-from . import attention_ops, metrics
+from ..numerics.profile import NumericsProfile
+from . import metrics
+from .backend import ComputeBackend
 from .batch import layout_from_forward_batch
 from .cache import RuntimeCaches
-from .dense_ops import dense_math
 from .engram_host import engram_placement_from_env
 from .forward import TorchForward, fp32_default_dtype
 from .kv_pool import pool_caches
@@ -54,15 +53,22 @@ from .tensor_parallel import TensorParallel, load_shard_weights
 logger = logging.getLogger(__name__)
 
 
-class ExactFp32HeadMethod:
-    """LM-head "quant method" for SGLang's LogitsProcessor: logits = h·headᵀ accumulated in fp64
-    and rounded once to fp32 (`ops.matmul_fp32_exact`), bit-identical to the reference's head; on
-    CUDA the forward runs it under `dense_ops.dense_math` (tensor cores, within that bound)."""
+F32 = torch.float32
+
+
+class BackendHeadMethod:
+    """LM-head "quant method" for SGLang's LogitsProcessor: fp32 logits = h·headᵀ through the
+    model's compute backend (`runtime/backend.py`; set at load, before any forward)."""
+
+    def __init__(self) -> None:
+        self.backend: ComputeBackend | None = None
 
     def apply(self, layer: nn.Module, hidden_states: Tensor, bias: Tensor | None = None) -> Tensor:
         if bias is not None:
             raise ValueError("the DeepSeek-V4.1 LM head has no bias")
-        return matmul_fp32_exact(hidden_states, layer.weight)
+        if self.backend is None:
+            raise RuntimeError("sglang-dsv41: LM head used before load_weights chose the compute backend")
+        return self.backend.matmul(hidden_states, layer.weight)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Nothing to repack: the head is held dequantised (BF16 values in fp32)."""
@@ -74,7 +80,7 @@ class LMHead(nn.Module):
     def __init__(self, vocab: int, hidden: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(vocab, hidden, dtype=F32), requires_grad=False)
-        self.quant_method = ExactFp32HeadMethod()
+        self.quant_method = BackendHeadMethod()
 
 
 class DeepseekV41ForCausalLM(nn.Module):
@@ -126,13 +132,13 @@ class DeepseekV41ForCausalLM(nn.Module):
                 hasher = EngramHasher.from_config(self.cfg, token_map).to(self.device)
         with torch.no_grad():
             self.lm_head.weight.copy_(on_device["head.weight"])
-            on_device["head.weight"] = self.lm_head.weight.detach()   # one fp32 head, in the dense cache too
+            on_device["head.weight"] = self.lm_head.weight   # one head parameter, owned by both (deduplicated)
         self.torch_forward = TorchForward(self.cfg, on_device, hasher, self.numerics, self.tp)
-        ops = attention_ops.ops_for(self.device)        # CUDA: raises now if the kernels cannot load
+        self.lm_head.quant_method.backend = self.torch_forward.backend
         logger.info("sglang-dsv41: %s; loaded %d tensors (dequantised to fp32%s); Engram tables: %s placement; "
-                    "attention + indexer on %s: %s", self.tp.describe(), len(on_device),
+                    "compute backend %s; attention + indexer on %s: %s", self.tp.describe(), len(on_device),
                     "; routed experts MXFP4 for the Triton kernel" if experts_mxfp4 else "", self.engram_placement,
-                    self.device, ops.description)
+                    self.torch_forward.backend.name, self.device, self.torch_forward.attention_ops.description)
         metrics.publish_engram((t for t in on_device.values() if hasattr(t, "placement")),
                                self.engram_placement, self.tp.rank)
 
@@ -185,8 +191,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                                                static=self.device.type == "cuda" and sglang_graph_capture(),
                                                engram_history=self._take_engram_history(forward_batch))
             hidden = self.torch_forward.hidden_states(input_ids.to(self.device), layout, caches)
-            with dense_math(self.torch_forward.dense_backend):     # CUDA: tensor-core LM head (dense_ops)
-                return self.logits_processor(input_ids, hidden, self.lm_head, forward_batch)
+            return self.logits_processor(input_ids, hidden, self.lm_head, forward_batch)
 
 
 def sglang_graph_capture() -> bool:

@@ -1,45 +1,22 @@
-"""The MoE sublayer, implemented per device (spec `model.md` §3.6, §3.8).
+"""The MoE sublayer of the runtime, one implementation per device (spec `model.md` §3.6, §3.8).
 
-`moe_sublayer(cfg, weights, prefix, x, *, image_rows, act_quant, experts=None, reduce=None)`
-dispatches on `x.device` — explicitly, never as a fallback:
+`moe_for(device)` picks, once per model:
 
-| x on | routing, shared expert | routed experts |
+| device | routing, shared expert | routed experts |
 |---|---|---|
-| CPU  | reference (`reference.moe.route`, `shared_expert`) | reference `routed_expert` per expert (float64), weights dequantised fp32 (`{prefix}ffn.experts.{e}.w1/w2/w3.weight`) |
-| CUDA | reference (the same torch math on the GPU) | `kernels.moe_mxfp4` (Triton `matmul_ogs`, MXFP4 W4A16) on the weights kept MXFP4: `weights[routed_experts_key(prefix)]` (`RoutedExpertsMxfp4`, prepared once at load by `runtime.weights`) |
+| CPU  | `route` / `shared_expert` on the compute backend | `routed_expert` per expert on dequantised fp32 weights (`{prefix}ffn.experts.{e}.w1/w2/w3.weight`) |
+| CUDA | the same on the Triton backend | `kernels.moe_mxfp4` (Triton `matmul_ogs`, MXFP4 W4A16) on `weights[routed_experts_key(prefix)]` (`RoutedExpertsMxfp4`, prepared once at load) |
 
-Any other device raises; a CUDA call without prepared experts (or a CPU call without the
-dequantised ones) raises with the reason.
+The runtime's copy of `reference/moe.py`, tested against it (tests/test_runtime_moe_ops.py).
 
-Expert parallelism. `experts` = the expert ids this process holds (None = all). The routed
-partial P[t] = Σ over the slots j of token t whose expert is held here of w[t,j]·E_{e_j}(x[t])
-is formed in float64; `reduce` (e.g. an all-reduce over the expert shards) maps P to the sum over
-all shards; then the reference's finalize: y = bf16(S(x) + bf16(fp32(s · P))), s =
-routed_scaling_factor. With experts=None and reduce=None this is plain TP1.
+Expert parallelism. `experts` = the expert ids this process holds (None = all). The routed partial
+P[t] = Σ over the slots j of token t whose expert is held here of w[t,j]·E_{e_j}(x[t]) is formed
+in float64; `reduce` maps P to the sum over all shards; then y = bf16(S(x) + bf16(fp32(s·P))).
+Each product w·E is exact in float64, so the split sum equals the TP-1 sum (tested).
 
-Numerics.
-* CPU, experts=None, reduce=None: bit-identical to `reference.moe.moe_sublayer` (same calls in
-  the same order).
-* CPU, split over shards with reduce = Σ of the shards' P: each product w·E is exact in float64
-  (24 + 8 significant bits) and the masked slots add exact zeros, so P_A + P_B equals the
-  unsplit Σ_j except when the k products of a token span more than ~18 binades (then they differ
-  by ≤ 2⁻⁵² relative before the fp32 rounding) — in practice bit-identical (tested).
-* CUDA: routing and the shared expert are the reference's torch math (float64, rounded once);
-  the routed experts are the kernel's (fp32 tensor-core accumulation, `kernels/moe_mxfp4.py`).
-  Per output element, against the reference on the same inputs and routing (`moe_error_bound`):
-
-      |y − y_ref| ≤ ulp(y_ref) + ulp(R_ref) + s·Σ_j w_j·ulp(E_j)
-
-  where R_ref = bf16(fp32(s·Σ_j w_j E_j)) is the reference's routed term and E_j its per-slot BF16
-  expert outputs: `routed_error_bound` (= ulp(R_ref) + s·Σ_j w_j·ulp(E_j), derived in
-  `kernels/moe_mxfp4.py`) bounds |R − R_ref|, and the final bf16(S + R) can flip by one more ulp
-  of the output. At most `ROUTED_DIFF_FRACTION_BOUND` (2 %) of the outputs differ (an output can
-  only differ where its routed term does). This is the bound of a call outside
-  `runtime.dense_ops.dense_math`; inside it (the CUDA forward) the router logits and the shared
-  expert's GEMMs run on tensor cores and their own bound (`dense_ops.error_bound`) adds to S.
-  TP1 uses the kernel's fused fp64 combine (`routed_experts_mxfp4`); the expert-parallel path
-  takes the per-slot outputs (`routed_expert_outputs`, slots of other shards never computed)
-  and forms P in torch float64 — the same finalize up to float64 summation order.
+CUDA bound against the reference on the same inputs and routing (`moe_error_bound`):
+|y − y_ref| ≤ ulp(y_ref) + ulp(R_ref) + s·Σ_j w_j·ulp(E_j) (derived in `kernels/moe_mxfp4.py`),
+plus the dense products' GEMM bound on the router logits and shared expert.
 """
 from __future__ import annotations
 
@@ -50,10 +27,12 @@ import torch
 from torch import Tensor
 
 from ..config import TextConfig
-from ..reference.moe import route, routed_expert, shared_expert
-from ..reference.ops import F32, bf16
+from ..numerics.rounding import bf16
+from .backend import ComputeBackend
 
-F64 = torch.float64
+F32, F64 = torch.float32, torch.float64
+SOFTPLUS_THRESHOLD = 20.0
+RENORM_EPS = 1e-20
 #: The weights-mapping key suffix of a layer's prepared MXFP4 routed experts (not a checkpoint name).
 PREPARED_EXPERTS_SUFFIX = "ffn.experts.mxfp4"
 
@@ -89,6 +68,46 @@ class RoutedExpertsMxfp4:
         return cls(prepared, ids, n_routed_experts, index.to(device))
 
 
+@dataclass(frozen=True)
+class Routing:
+    """experts [T, k] long, weights [T, k] fp32 (renormalised, bias-free), scores [T, E] fp32."""
+
+    experts: Tensor
+    weights: Tensor
+    scores: Tensor
+
+
+def sqrt_softplus(logits: Tensor) -> Tensor:
+    """s = sqrt(softplus(z)), softplus(z) = z if z > 20 else log1p(exp(z)); float64, rounded once."""
+    z = logits.to(F64)
+    soft = torch.where(z > SOFTPLUS_THRESHOLD, z, torch.log1p(torch.exp(z.clamp(max=SOFTPLUS_THRESHOLD))))
+    return torch.sqrt(soft).to(F32)
+
+
+def route(be: ComputeBackend, x: Tensor, gate_weight: Tensor, bias: Tensor, top_k: int,
+          bias_vl: Tensor | None = None, image_rows: Tensor | None = None) -> Routing:
+    """Router (spec §3.6): scores = sqrt_softplus(fp32 logits); selection on scores + bias
+    (`bias_vl` on image rows), ties → lower id; weights renormalised without the bias."""
+    if (bias_vl is None) != (image_rows is None):
+        raise ValueError("route: pass bias_vl and image_rows together (vision models) or neither")
+    scores = sqrt_softplus(be.matmul(x, gate_weight))
+    experts, weights = be.route_select(scores, bias, top_k, RENORM_EPS, bias_vl, image_rows)
+    return Routing(experts=experts, weights=weights, scores=scores)
+
+
+def routed_expert(be: ComputeBackend, x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, limit: float) -> Tensor:
+    """One routed expert, W4A16 on dequantised weights: BF16 activations and outputs."""
+    h = be.clamped_swiglu(be.linear_bf16(x, w1), be.linear_bf16(x, w3), limit)
+    return be.linear_bf16(h, w2)
+
+
+def shared_expert(be: ComputeBackend, x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, limit: float,
+                  act_quant: bool) -> Tensor:
+    """The shared expert: FP8 dense weights, activation quantisation per `act_quant` (§3.8)."""
+    h = be.clamped_swiglu(be.linear_fp8(x, w1, act_quant), be.linear_fp8(x, w3, act_quant), limit)
+    return be.linear_fp8(h, w2, act_quant)
+
+
 def _held_experts(experts: Sequence[int] | None, n: int) -> tuple[int, ...]:
     ids = tuple(range(n)) if experts is None else tuple(int(e) for e in experts)
     if not ids or len(set(ids)) != len(ids) or any(not 0 <= e < n for e in ids):
@@ -102,14 +121,15 @@ def _finalize(cfg: TextConfig, partial: Tensor, shared: Tensor) -> Tensor:
     return bf16(shared + routed)
 
 
-def _moe_cpu(cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor, image_rows: Tensor | None,
-             act_quant: bool, experts: Sequence[int] | None, reduce: RoutedReduce | None) -> Tensor:
-    """The reference's float64 math (`reference.moe.moe_sublayer`), restricted to held experts."""
+def _moe_cpu(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor,
+             image_rows: Tensor | None, act_quant: bool, experts: Sequence[int] | None,
+             reduce: RoutedReduce | None) -> Tensor:
+    """Per held expert on dequantised weights; the routed partial in float64."""
     p = f"{prefix}ffn."
     E, k, limit = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.swiglu_limit
     held = _held_experts(experts, E)
     bias_vl = w[p + "gate.bias_vl"] if image_rows is not None else None
-    routing = route(x, w[p + "gate.weight"], w[p + "gate.bias"], k, bias_vl=bias_vl, image_rows=image_rows)
+    routing = route(be, x, w[p + "gate.weight"], w[p + "gate.bias"], k, bias_vl=bias_vl, image_rows=image_rows)
     if routing.scores.shape[-1] != E:
         raise ValueError(f"{p}gate.weight has {routing.scores.shape[-1]} experts, expected {E}")
     missing = [e for e in held if f"{p}experts.{e}.w1.weight" not in w]
@@ -123,19 +143,21 @@ def _moe_cpu(cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor, i
         if e not in held_set:
             continue
         rows, slot = torch.nonzero(routing.experts == e, as_tuple=True)
-        per_slot[rows, slot] = routed_expert(x[rows], w[f"{p}experts.{e}.w1.weight"], w[f"{p}experts.{e}.w2.weight"],
+        per_slot[rows, slot] = routed_expert(be, x[rows], w[f"{p}experts.{e}.w1.weight"],
+                                             w[f"{p}experts.{e}.w2.weight"],
                                              w[f"{p}experts.{e}.w3.weight"], limit).to(F64)
     partial = (routing.weights.to(F64).unsqueeze(-1) * per_slot).sum(dim=1)
     if reduce is not None:
         partial = reduce(partial)
-    shared = shared_expert(x, w[p + "shared_experts.w1.weight"], w[p + "shared_experts.w2.weight"],
+    shared = shared_expert(be, x, w[p + "shared_experts.w1.weight"], w[p + "shared_experts.w2.weight"],
                            w[p + "shared_experts.w3.weight"], limit, act_quant)
     return _finalize(cfg, partial, shared)
 
 
-def _moe_cuda(cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor, image_rows: Tensor | None,
-              act_quant: bool, experts: Sequence[int] | None, reduce: RoutedReduce | None) -> Tensor:
-    """Reference routing + shared expert; routed experts through the MXFP4 kernel."""
+def _moe_cuda(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor,
+              image_rows: Tensor | None, act_quant: bool, experts: Sequence[int] | None,
+              reduce: RoutedReduce | None) -> Tensor:
+    """Routing + shared expert on the backend; routed experts through the MXFP4 kernel."""
     from ..kernels import moe_mxfp4 as mx
 
     p = f"{prefix}ffn."
@@ -150,10 +172,10 @@ def _moe_cuda(cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor, 
         raise ValueError(f"{key}: prepared experts {held_ref.expert_ids[:8]}… differ from the experts "
                          f"passed {held[:8]}…")
     bias_vl = w[p + "gate.bias_vl"] if image_rows is not None else None
-    routing = route(x, w[p + "gate.weight"], w[p + "gate.bias"], k, bias_vl=bias_vl, image_rows=image_rows)
+    routing = route(be, x, w[p + "gate.weight"], w[p + "gate.bias"], k, bias_vl=bias_vl, image_rows=image_rows)
     if routing.scores.shape[-1] != E:
         raise ValueError(f"{p}gate.weight has {routing.scores.shape[-1]} experts, expected {E}")
-    shared = shared_expert(x, w[p + "shared_experts.w1.weight"], w[p + "shared_experts.w2.weight"],
+    shared = shared_expert(be, x, w[p + "shared_experts.w1.weight"], w[p + "shared_experts.w2.weight"],
                            w[p + "shared_experts.w3.weight"], limit, act_quant)
     T, H = x.shape
     xb = x.to(torch.bfloat16)                       # x holds BF16 values: exact
@@ -173,18 +195,18 @@ def _moe_cuda(cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor, 
     return _finalize(cfg, partial, shared)
 
 
-def moe_sublayer(cfg: TextConfig, weights: Mapping[str, Tensor], prefix: str, x: Tensor, *,
-                 image_rows: Tensor | None, act_quant: bool, experts: Sequence[int] | None = None,
-                 reduce: RoutedReduce | None = None) -> Tensor:
-    """MoE output y = S(x) + s·Σ_k w_k·E_{e_k}(x) of the layer with weight prefix `prefix` for x
-    [T, hidden] (BF16 values in fp32), on x's device (module docstring: dispatch, expert
-    parallelism, numerics). `image_rows` [T] bool selects `gate.bias_vl` (vision models only)."""
-    if x.device.type == "cpu":
-        return _moe_cpu(cfg, weights, prefix, x, image_rows, act_quant, experts, reduce)
-    if x.device.type == "cuda":
-        return _moe_cuda(cfg, weights, prefix, x, image_rows, act_quant, experts, reduce)
-    raise RuntimeError(f"sglang-dsv41: no MoE implementation for device '{x.device}' (CPU: torch reference "
-                       "path; CUDA: MXFP4 Triton kernels)")
+MoeSublayer = Callable[..., Tensor]
+
+
+def moe_for(device: torch.device) -> MoeSublayer:
+    """The MoE implementation of a model on `device` (module doc); any other device raises. Its
+    call: (be, cfg, weights, prefix, x, image_rows, act_quant, experts, reduce) → y [T, hidden]."""
+    if device.type == "cpu":
+        return _moe_cpu
+    if device.type == "cuda":
+        return _moe_cuda
+    raise RuntimeError(f"sglang-dsv41: no MoE implementation for device '{device}' (CPU: torch; CUDA: MXFP4 "
+                       "Triton kernels)")
 
 
 def moe_error_bound(ref_out: Tensor, ref_routed: Tensor, per_slot: Tensor, topk_weights: Tensor,

@@ -41,10 +41,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..config import DeepseekV41Config, TextConfig
-from ..reference import ops
-from ..reference.attention import output_projection, project_q_kv
-from ..reference.engram import engram_residual_update
-from . import moe_ops
 from .weights import runtime_weights
 
 _LAYER = r"layers\.(\d+)\."
@@ -191,32 +187,6 @@ class TensorParallel:
         dist.all_gather(parts, t.contiguous(), group=self.group)
         return torch.cat(parts, dim=1)
 
-    # ---- attention (spec §3.4.1, §3.4.6) ----------------------------------------------------
-    def project_q_kv(self, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor,
-                     positions: Tensor, inv_freq: Tensor, act_quant: bool) -> tuple[Tensor, Tensor, Tensor]:
-        """(q_lora replicated, q [T, local heads, head_dim], kv replicated) — the reference's
-        `project_q_kv` with this rank's `wq_b` rows (each head's q is a complete value)."""
-        return project_q_kv(self.plan(cfg).local_text_config(cfg), w, prefix, x, positions, inv_freq, act_quant)
-
-    def output_projection(self, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, o: Tensor,
-                          positions: Tensor, inv_freq: Tensor, act_quant: bool) -> Tensor:
-        """o [T, local heads, head_dim] → [T, hidden]: `reference.attention.output_projection`
-        with the grouped `wo_a` of this rank's groups, the group outputs all-gathered, then
-        `wo_b` on the full vector."""
-        if self.size == 1:
-            return output_projection(cfg, w, prefix, o, positions, inv_freq, act_quant)
-        T, r = o.shape[0], cfg.o_lora_rank
-        local = self.plan(cfg).local_text_config(cfg)
-        o = ops.bf16_rope_tail(o, positions, inv_freq, inverse=True)
-        o_groups = o.reshape(T, local.o_groups, local.heads_per_group * cfg.head_dim)
-        wo_a = w[prefix + "wo_a.weight"]
-        if wo_a.shape[0] != local.o_groups * r:
-            raise ValueError(f"{prefix}wo_a.weight has {wo_a.shape[0]} rows, this rank holds "
-                             f"{local.o_groups} groups × {r}")
-        u = torch.cat([ops.linear_bf16(o_groups[:, g], wo_a[g * r:(g + 1) * r]) for g in range(local.o_groups)],
-                      dim=1)
-        return ops.linear_fp8(self.all_gather_columns(u), w[prefix + "wo_b.weight"], act_quant)
-
     # ---- Engram (spec §3.3.2) ---------------------------------------------------------------
     def engram_rows(self, cfg: TextConfig, layer: int, row_ids: Tensor, w: Mapping[str, Tensor], *,
                     check: bool = True) -> tuple[Tensor, Tensor]:
@@ -226,12 +196,12 @@ class TensorParallel:
         0..T·columns−1. `check` validates the id range on the host (off in static / CUDA-graph
         forwards, which must not synchronise)."""
         table = w[f"layers.{layer}.engram.embed.weight"]
-        if self.size == 1:
-            return table, row_ids
-        held = self.plan(cfg).engram_rows[layer]
         total = cfg.engram_num_embeddings[cfg.engram_layer_ids.index(layer)]
         if check and row_ids.numel() and (int(row_ids.min()) < 0 or int(row_ids.max()) >= total):
             raise ValueError(f"Engram row ids outside the table [0, {total}) of layer {layer}")
+        if self.size == 1:
+            return table, row_ids
+        held = self.plan(cfg).engram_rows[layer]
         local = row_ids.to(torch.int64) - held.start
         owned = (local >= 0) & (local < len(held))
         rows = table[local.clamp(0, max(len(held) - 1, 0))] if len(held) else \
@@ -240,29 +210,14 @@ class TensorParallel:
         gathered = self.all_reduce_sum(rows.contiguous()).reshape(-1, table.shape[1])
         return gathered, torch.arange(gathered.shape[0], device=row_ids.device).reshape(row_ids.shape)
 
-    def engram_residual_update(self, cfg: TextConfig, layer: int, R: Tensor, row_ids: Tensor,
-                               w: Mapping[str, Tensor], *, image_rows: Tensor | None,
-                               linear: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
-        """`reference.engram.engram_residual_update` over this rank's view of the layer's table
-        (`engram_rows`)."""
-        p = f"layers.{layer}.engram."
-        gathered, ids = self.engram_rows(cfg, layer, row_ids, w)
-        return engram_residual_update(R, ids, gathered, w[p + "wkv.weight"], w[p + "q_weight"], w[p + "k_weight"],
-                                      cfg.rms_norm_eps, image_rows=image_rows, linear=linear)
-
     # ---- MoE (spec §3.6) --------------------------------------------------------------------
-    def moe_sublayer(self, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor, *,
-                     image_rows: Tensor | None, act_quant: bool) -> Tensor:
-        """`runtime.moe_ops.moe_sublayer` (CPU: reference math; CUDA: MXFP4 kernel) with expert
-        parallelism: routing replicated, this rank's experts form the float64 routed partial of
-        their slots (zero elsewhere), the partials are all-reduced, then the reference's
-        finalize. Each w·E product is exact in float64, so the sum over ranks equals the TP-1
-        sum whenever a token's k products fit 53 bits together (decisions_tp.md)."""
+    def experts_and_reduce(self, cfg: TextConfig) -> tuple[range | None, Callable[[Tensor], Tensor] | None]:
+        """(held experts, reduce of the float64 routed partial): (None, None) at TP 1; sharded,
+        this rank's expert block and the all-reduce over ranks (`moe_ops` module doc)."""
         if self.size == 1:
-            return moe_ops.moe_sublayer(cfg, w, prefix, x, image_rows=image_rows, act_quant=act_quant)
-        return moe_ops.moe_sublayer(cfg, w, prefix, x, image_rows=image_rows, act_quant=act_quant,
-                                    experts=self.plan(cfg).experts, reduce=self.all_reduce_sum)
+            return None, None
+        return self.plan(cfg).experts, self.all_reduce_sum
 
 
 SINGLE = TensorParallel()
-"""TP size 1: no collectives, the reference's computation."""
+"""TP size 1: no collectives."""

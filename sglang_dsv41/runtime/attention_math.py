@@ -1,0 +1,114 @@
+"""Per-token math of the attention sublayer on a compute backend (spec `model.md` §3.4.1–§3.4.6).
+
+The runtime's own copy of the reference's projections, compressor latents and indexer query
+(`reference/attention.py`, `compressor.py`, `indexer.py`); each is tested against its reference
+namesake (tests/test_runtime_attention_math.py). Weights come from the mapping `w` under the
+layer's `prefix`; `be` is the model's `ComputeBackend`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+from torch import Tensor
+
+from ..config import TextConfig
+from ..numerics.profile import CacheProfile
+from ..numerics.rounding import fp8_v4_roundtrip, fp8_v41_roundtrip, fp32_scalar
+from .backend import ComputeBackend
+
+F32, F64 = torch.float32, torch.float64
+
+
+def project_q_kv(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor,
+                 positions: Tensor, inv_freq: Tensor, act_quant: bool, n_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(q_lora [T, q_lora_rank], q [T, n_heads, head_dim] RoPE'd, kv [T, head_dim] fp32 pre-RoPE):
+    q_lora = RMSNorm(wq_a·x), q = wq_b·q_lora (BF16), kv = RMSNorm_kv(wkv·x) not rounded (§3.4.1).
+    `n_heads` = the heads this rank holds (the rows of its `wq_b`)."""
+    q_lora = be.rms_norm(be.linear_fp8(x, w[prefix + "wq_a.weight"], act_quant), w[prefix + "q_norm.weight"],
+                         cfg.rms_norm_eps)
+    q = be.linear_fp8(q_lora, w[prefix + "wq_b.weight"], act_quant).reshape(x.shape[0], n_heads, cfg.head_dim)
+    kv = be.rms_norm(be.linear_fp8(x, w[prefix + "wkv.weight"], act_quant), w[prefix + "kv_norm.weight"],
+                     cfg.rms_norm_eps, round_bf16=False)
+    return q_lora, be.bf16_rope_tail(q, positions, inv_freq), kv
+
+
+def swa_cache_roundtrip(be: ComputeBackend, kv: Tensor, positions: Tensor, inv_freq: Tensor,
+                        profile: CacheProfile, rope_dim: int) -> Tensor:
+    """What attention reads back for a token's SWA kv (§3.4.1, §3.8): NONE bf16 → RoPE → BF16;
+    FP8 (v4) rotated from fp32, nope dims E4M3 per 64; FP4 (v41) the NONE row, E4M3 per 32."""
+    kv = kv.to(F32)
+    if profile is CacheProfile.FP8:
+        return fp8_v4_roundtrip(be.apply_rope_tail(kv, positions, inv_freq), rope_dim)
+    row = be.bf16_rope_tail(be.bf16(kv), positions, inv_freq)
+    return row if profile is CacheProfile.NONE else fp8_v41_roundtrip(row)
+
+
+def output_projection(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, o: Tensor,
+                      positions: Tensor, inv_freq: Tensor, act_quant: bool,
+                      gather: Callable[[Tensor], Tensor] = lambda u: u) -> Tensor:
+    """o [T, local heads, head_dim] → inverse RoPE (BF16) → per-group `wo_a` (BF16 out) of the
+    groups held → `gather` (TP: all-gather the group outputs in group order) → `wo_b` (§3.4.6)."""
+    T, r = o.shape[0], cfg.o_lora_rank
+    group_width = cfg.heads_per_group * cfg.head_dim
+    groups = o.shape[1] * o.shape[2] // group_width
+    wo_a = w[prefix + "wo_a.weight"]
+    if wo_a.shape[0] != groups * r:
+        raise ValueError(f"{prefix}wo_a.weight has {wo_a.shape[0]} rows for {groups} groups × {r}")
+    o = be.bf16_rope_tail(o, positions, inv_freq, inverse=True).reshape(T, groups, group_width)
+    u = torch.cat([be.linear_bf16(o[:, g], wo_a[g * r:(g + 1) * r]) for g in range(groups)], dim=1)
+    return be.linear_fp8(gather(u), w[prefix + "wo_b.weight"], act_quant)
+
+
+def ratio1_latents(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor) -> Tensor:
+    """[T, head_dim] BF16-valued pre-RoPE latents, one per token (§3.4.3, ratio 1)."""
+    return be.rms_norm(be.linear_bf16(x, w[prefix + "compressor.wkv.weight"]), w[prefix + "compressor.norm.weight"],
+                       cfg.rms_norm_eps)
+
+
+def pair_scores(be: ComputeBackend, w: Mapping[str, Tensor], prefix: str, x: Tensor) -> tuple[Tensor, Tensor]:
+    """(a, s): the fp32 `wkv` and `wgate` outputs a ratio-2 pair is pooled from (§3.4.3)."""
+    return (be.linear_bf16(x, w[prefix + "compressor.wkv.weight"], out_fp32=True),
+            be.linear_bf16(x, w[prefix + "compressor.wgate.weight"], out_fp32=True))
+
+
+def pair_latents(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, a_first: Tensor,
+                 s_first: Tensor, a_second: Tensor, s_second: Tensor) -> Tensor:
+    """Pre-RoPE latents of ratio-2 pairs: σ = per-dimension softmax over the pair, pooled =
+    a₁σ₁ + a₂σ₂ (float64, rounded once to fp32), latent = RMSNorm(bf16(pooled)) (§3.4.3)."""
+    sigma = torch.softmax(torch.stack((s_first, s_second), dim=1).to(F64), dim=1)
+    a = torch.stack((a_first, a_second), dim=1).to(F64)
+    pooled = (a[:, 0] * sigma[:, 0] + a[:, 1] * sigma[:, 1]).to(F32)
+    return be.rms_norm(be.bf16(pooled), w[prefix + "compressor.norm.weight"], cfg.rms_norm_eps)
+
+
+def rope_entry_values(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, latents: Tensor,
+                      rope_positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+    """(bf16(RoPE(latent)), bf16(RoPE(RMSNorm_k(indexer.wk·latent)))): the values right before
+    the FP4 round trips of a compressed entry (§3.4.3)."""
+    roped = be.bf16_rope_tail(latents, rope_positions, inv_freq)
+    k = be.rms_norm(be.linear_bf16(latents, w[prefix + "indexer.wk.weight"]), w[prefix + "indexer.k_norm.weight"],
+                    cfg.rms_norm_eps)
+    return roped, be.bf16_rope_tail(k, rope_positions, inv_freq)
+
+
+@dataclass
+class IndexQuery:
+    """Per-token indexer query: FP4 (UE8M0) heads [T, heads, d] and head weights [T, heads]."""
+
+    q: Tensor
+    head_weights: Tensor
+
+
+def index_query(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor,
+                q_lora: Tensor, positions: Tensor, inv_freq: Tensor, act_quant: bool) -> IndexQuery:
+    """q = FP4_UE8M0(bf16(RoPE(indexer.wq_b·q_lora))), weights = bf16(bf16(weights_proj·x)·
+    fp32(d^−1/2·heads^−1/2)) (§3.4.4)."""
+    T = x.shape[0]
+    q = be.linear_fp8(q_lora, w[prefix + "indexer.wq_b.weight"], act_quant)
+    q = be.fp4_fake_quant_ue8m0_scale(be.bf16_rope_tail(q.reshape(T, cfg.index_n_heads, cfg.index_head_dim),
+                                                        positions, inv_freq))
+    scale = fp32_scalar(cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
+    head_weights = be.bf16(be.linear_bf16(x, w[prefix + "indexer.weights_proj.weight"]) * scale)
+    return IndexQuery(q=q, head_weights=head_weights)

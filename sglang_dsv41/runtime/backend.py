@@ -1,0 +1,209 @@
+"""Compute backends of the runtime forward, chosen once per model by device (spec `model.md` §3, §3.8).
+
+A backend implements the primitives every layer calls — rounding, fake quantisation, RMSNorm,
+RoPE, SwiGLU, routing selection and the dense product x·wᵀ — and the linears built from them.
+Layers hold one backend and never dispatch per call; `backend_for(device, weights)` picks it:
+
+| name | device | arithmetic |
+|---|---|---|
+| `exact` | CPU | float64-evaluated sums rounded once: bit-identical to the reference (the deterministic tier) |
+| `triton` | CUDA | one-launch Triton kernels (`kernels.fused_elementwise`) and tensor-core products (`dense_ops.BlockedBf16Gemm`) |
+
+The registry (`BACKENDS`) maps names to classes; an unknown device or name raises.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F_
+from torch import Tensor
+
+from ..numerics import rounding as R
+from ..numerics.rope import apply_rope_tail
+
+F32, F64 = torch.float32, torch.float64
+
+
+class ComputeBackend(ABC):
+    """The primitives of the runtime math (module doc). Tensors hold fp32 values unless stated."""
+
+    name: str = ""
+    #: True when sums are evaluated exactly (float64) and the forward is batch invariant
+    deterministic: bool = False
+
+    @abstractmethod
+    def bf16(self, x: Tensor) -> Tensor: ...
+    @abstractmethod
+    def fp8_act_fake_quant(self, x: Tensor) -> Tensor: ...
+    @abstractmethod
+    def fp4_fake_quant_e4m3_scale(self, x: Tensor) -> Tensor: ...
+    @abstractmethod
+    def fp4_fake_quant_ue8m0_scale(self, x: Tensor) -> Tensor: ...
+    @abstractmethod
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float, round_bf16: bool = True) -> Tensor: ...
+    @abstractmethod
+    def apply_rope_tail(self, x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False) -> Tensor: ...
+    @abstractmethod
+    def clamped_swiglu(self, gate: Tensor, up: Tensor, limit: float) -> Tensor: ...
+    @abstractmethod
+    def route_select(self, scores: Tensor, bias: Tensor, top_k: int, renorm_eps: float,
+                     bias_vl: Tensor | None, image_rows: Tensor | None) -> tuple[Tensor, Tensor]: ...
+    @abstractmethod
+    def matmul(self, x: Tensor, weight: Tensor) -> Tensor:
+        """fp32 x·weightᵀ; x [..., K] holds the already-quantised activation, weight [N, K]."""
+
+    # ---- built from the primitives -------------------------------------------------------------
+    def bf16_rope_tail(self, x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False) -> Tensor:
+        return self.bf16(self.apply_rope_tail(x, positions, inv_freq, inverse))
+
+    def linear_fp8(self, x: Tensor, weight: Tensor, act_quant: bool = True) -> Tensor:
+        """FP8 dense linear (spec §3.8): activation fake-quant, product, BF16 output."""
+        xf = self.fp8_act_fake_quant(x) if act_quant else x.to(F32)
+        return self.bf16(self.matmul(xf, weight))
+
+    def linear_bf16(self, x: Tensor, weight: Tensor, out_fp32: bool = False) -> Tensor:
+        """BF16-weight linear; BF16 output unless `out_fp32`."""
+        y = self.matmul(x, weight)
+        return y if out_fp32 else self.bf16(y)
+
+    def finish(self, ok: bool = True) -> None:
+        """Called after each forward, `ok` False when it raised (e.g. to report or drop a deferred
+        audit); nothing by default."""
+
+
+def topk_lower_id_on_ties(values: Tensor, k: int) -> Tensor:
+    """Indices [T, k] of the k best entries per row: NaN first, then larger value, ties → lower id
+    (spec §3.6, §12), by k explicit selection rounds (no host sync)."""
+    T, E = values.shape
+    if not 1 <= k <= E:
+        raise ValueError(f"top-k of {k} out of {E} experts")
+    v = values.to(F32)
+    ids = torch.arange(E, device=v.device).expand(T, E)
+    is_nan = torch.isnan(v)
+    taken = torch.zeros(T, E, dtype=torch.bool, device=v.device)
+    chosen = []
+    for _ in range(k):
+        free = ~taken
+        free_nan = free & is_nan
+        masked = torch.where(free & ~is_nan, v, torch.full_like(v, -torch.inf))
+        best = masked.max(dim=-1, keepdim=True).values
+        at_best = free & ~is_nan & (v == best)
+        candidates = torch.where(free_nan.any(dim=-1, keepdim=True), free_nan, at_best)
+        pick = torch.where(candidates, ids, torch.full_like(ids, E)).min(dim=-1).values
+        chosen.append(pick)
+        taken.scatter_(1, pick.unsqueeze(-1), True)
+    return torch.stack(chosen, dim=-1)
+
+
+class ExactTorchBackend(ComputeBackend):
+    """CPU, float64-evaluated and rounded once: bit-identical to the reference's helpers."""
+
+    name = "exact"
+    deterministic = True
+
+    def bf16(self, x: Tensor) -> Tensor:
+        return R.bf16(x)
+
+    def fp8_act_fake_quant(self, x: Tensor) -> Tensor:
+        return R.fp8_act_fake_quant(x)
+
+    def fp4_fake_quant_e4m3_scale(self, x: Tensor) -> Tensor:
+        return R.fp4_fake_quant_e4m3_scale(x)
+
+    def fp4_fake_quant_ue8m0_scale(self, x: Tensor) -> Tensor:
+        return R.fp4_fake_quant_ue8m0_scale(x)
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float, round_bf16: bool = True) -> Tensor:
+        xd = x.to(F64)
+        y = (xd * torch.rsqrt(xd.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.to(F64)).to(F32)
+        return R.bf16(y) if round_bf16 else y
+
+    def apply_rope_tail(self, x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False) -> Tensor:
+        return apply_rope_tail(x, positions, inv_freq, inverse)
+
+    def clamped_swiglu(self, gate: Tensor, up: Tensor, limit: float) -> Tensor:
+        g = R.bf16(gate).clamp(max=limit).to(F64)
+        u = R.bf16(up).clamp(min=-limit, max=limit).to(F64)
+        return R.bf16((F_.silu(g) * u).to(F32))
+
+    def route_select(self, scores: Tensor, bias: Tensor, top_k: int, renorm_eps: float,
+                     bias_vl: Tensor | None, image_rows: Tensor | None) -> tuple[Tensor, Tensor]:
+        row_bias = bias.to(F32).expand_as(scores)
+        if bias_vl is not None:
+            row_bias = torch.where(image_rows.unsqueeze(-1), bias_vl.to(F32).expand_as(scores), row_bias)
+        experts = topk_lower_id_on_ties(scores + row_bias, top_k)
+        chosen = scores.gather(-1, experts).to(F64)
+        return experts, (chosen / (chosen.sum(dim=-1, keepdim=True) + renorm_eps)).to(F32)
+
+    def matmul(self, x: Tensor, weight: Tensor) -> Tensor:
+        if weight.dtype == torch.float8_e4m3fn:
+            raise TypeError("the exact CPU backend multiplies dequantised weights; got an E4M3 weight")
+        return (x.to(F64) @ weight.to(F64).t()).to(F32)
+
+
+class TritonBackend(ComputeBackend):
+    """CUDA: `kernels.fused_elementwise` (one launch per primitive; bit-identical or rare
+    one-ulp flips, bounds stated there) and the tensor-core dense products of `dense`
+    (`dense_ops.BlockedBf16Gemm`, GEMM_BOUND). `device_types=("cpu",)` is for tests under
+    Triton's interpreter."""
+
+    name = "triton"
+
+    def __init__(self, dense, device_types: tuple[str, ...] = ("cuda",)) -> None:
+        from ..kernels import fused_elementwise as fe
+
+        if "cpu" in device_types and not fe.INTERPRETED:
+            raise ValueError("TritonBackend on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
+        self.fe, self.dense, self.device_types = fe, dense, tuple(device_types)
+
+    def bf16(self, x: Tensor) -> Tensor:
+        return self.fe.round_bf16(x.to(F32))
+
+    def fp8_act_fake_quant(self, x: Tensor) -> Tensor:
+        return self.fe.fp8_act_fake_quant(x.to(F32), 32)
+
+    def fp4_fake_quant_e4m3_scale(self, x: Tensor) -> Tensor:
+        return self.fe.fp4_fake_quant(x.to(F32), 16, "e4m3")
+
+    def fp4_fake_quant_ue8m0_scale(self, x: Tensor) -> Tensor:
+        return self.fe.fp4_fake_quant(x.to(F32), 32, "ue8m0")
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float, round_bf16: bool = True) -> Tensor:
+        return self.fe.rms_norm(x, weight, eps, round_bf16)
+
+    def apply_rope_tail(self, x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False) -> Tensor:
+        return self.fe.apply_rope_tail(x, positions, inv_freq, inverse)
+
+    def clamped_swiglu(self, gate: Tensor, up: Tensor, limit: float) -> Tensor:
+        return self.fe.clamped_swiglu(gate, up, limit)
+
+    def route_select(self, scores: Tensor, bias: Tensor, top_k: int, renorm_eps: float,
+                     bias_vl: Tensor | None, image_rows: Tensor | None) -> tuple[Tensor, Tensor]:
+        return self.fe.route_select(scores, bias, top_k, renorm_eps, bias_vl, image_rows)
+
+    def matmul(self, x: Tensor, weight: Tensor) -> Tensor:
+        return self.dense.matmul(x, weight)
+
+    def finish(self, ok: bool = True) -> None:
+        if ok:
+            self.dense.raise_if_inputs_inexact()
+        else:
+            self.dense.discard_audit()
+
+
+BACKENDS: dict[str, type[ComputeBackend]] = {"exact": ExactTorchBackend, "triton": TritonBackend}
+
+
+def backend_for(device: torch.device, weights: Mapping[str, object]) -> ComputeBackend:
+    """The backend of a model whose weights live on `device`: CPU → `exact`; CUDA → `triton` over
+    a dense-weight cache built now (E4M3 weights in place); any other device raises."""
+    from .dense_ops import BlockedBf16Gemm, DenseWeightCache, check_weights_for_cpu
+
+    if device.type == "cpu":
+        check_weights_for_cpu(weights)
+        return ExactTorchBackend()
+    if device.type == "cuda":
+        return TritonBackend(BlockedBf16Gemm(DenseWeightCache.from_weights(weights)))
+    raise RuntimeError(f"sglang-dsv41: no compute backend for device '{device}' (CPU: exact torch; CUDA: Triton)")

@@ -1,0 +1,42 @@
+"""The Engram residual update of the runtime (spec `model.md` §3.3.2).
+
+R ← bf16(R + g·value) per stream, with [keys | value] = FP8 linear of the concatenated table rows
+and g = sigmoid(copysign(sqrt(max(|dot|, 1e−6)), dot)) from the doubly RMS-normalised weighted
+inner product of each stream with its key. Image rows keep R. The runtime's copy of
+`reference/engram.py`, tested against it (tests/test_runtime_engram_gate.py).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..numerics.rounding import bf16
+from .backend import ComputeBackend
+
+F32, F64 = torch.float32, torch.float64
+#: |dot| is clamped below by this before the square root (spec §3.3.2).
+GATE_DOT_FLOOR = 1e-6
+
+
+def engram_gate(residual: Tensor, keys: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float) -> Tensor:
+    """g [T, hc] fp32 from residual and keys [T, hc, H] (float64, rounded once)."""
+    h, key = residual.to(F64), keys.to(F64)
+    inner = (h * (q_weight.to(F64) * k_weight.to(F64)) * key).sum(dim=-1)
+    dot = (inner * torch.rsqrt(h.pow(2).mean(dim=-1) + eps) * torch.rsqrt(key.pow(2).mean(dim=-1) + eps)
+           * (h.shape[-1] ** -0.5))
+    return torch.sigmoid(torch.copysign(torch.sqrt(dot.abs().clamp(min=GATE_DOT_FLOOR)), dot)).to(F32)
+
+
+def engram_update(be: ComputeBackend, R: Tensor, rows: Tensor, wkv: Tensor, q_weight: Tensor, k_weight: Tensor,
+                  eps: float, act_quant: bool, image_rows: Tensor | None) -> Tensor:
+    """The residual after the Engram gate. R [T, hc, H] BF16 values; rows [T, columns, d] the
+    looked-up table rows; wkv [(hc+1)·H, columns·d]; image_rows [T] bool or None."""
+    tokens, hc, hidden = R.shape
+    kv = be.linear_fp8(rows.reshape(tokens, -1), wkv, act_quant).to(F32)
+    keys = kv[:, : hc * hidden].reshape(tokens, hc, hidden)
+    value = kv[:, hc * hidden:]
+    gate = engram_gate(R, keys, q_weight, k_weight, eps)
+    updated = bf16(R.to(F32) + gate[:, :, None] * value[:, None, :])
+    if image_rows is not None:
+        updated = torch.where(image_rows.to(torch.bool)[:, None, None], R.to(F32), updated)
+    return updated.to(R.dtype)

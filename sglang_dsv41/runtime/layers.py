@@ -1,0 +1,184 @@
+"""The DeepSeek-V4.1 layers as `nn.Module`s that own their parameters (spec §3; issue 13 item 2).
+
+Each layer owns the tensors under its checkpoint prefix (`OwnedTensors`): tensors become
+parameters (no grad; dtype as loaded: fp32, E4M3 with fp32 tile scales, uint8), the bytes of a
+stored Engram table become buffers, so `named_parameters()` / `named_buffers()` list every tensor
+the model holds (the prepared MXFP4 expert packs of the CUDA path are held as the layer's
+`experts_mxfp4` attribute). The math is the runtime's (`attention.py`, `moe_ops.py`, `mhc_ops.py`,
+`engram_gate.py`) on the implementations the model picked once, at construction (`ForwardStep`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+from torch import Tensor, nn
+
+from ..config import LayerRole, TextConfig
+from .attention import ForwardScratch, attention_sublayer
+from .backend import ComputeBackend
+from .batch import BatchLayout
+from .cache import RuntimeCaches
+from .engram_gate import engram_update
+from .engram_table import StoredEngramTable
+from .mhc_ops import HcCoefficients
+from .tensor_parallel import TensorParallel
+
+
+@dataclass
+class ForwardStep:
+    """What the layers of one forward read: the implementations chosen at construction, the
+    batch (`layout`, `caches`), this forward's scratch and its per-token inputs."""
+
+    backend: ComputeBackend
+    attention_ops: object
+    mhc: object
+    moe: Callable[..., Tensor]
+    tp: TensorParallel
+    act_quant: bool
+    layout: BatchLayout
+    caches: RuntimeCaches
+    scratch: ForwardScratch
+    image_rows: Tensor | None
+    engram_rows: dict[int, Tensor] = field(default_factory=dict)
+
+
+def _owned(value: object) -> object:
+    if isinstance(value, nn.Parameter) or not isinstance(value, Tensor):
+        return value
+    return nn.Parameter(value, requires_grad=False)
+
+
+class OwnedTensors(nn.Module):
+    """Owns the values of `weights` whose names start with `prefix`, registered under submodules
+    that follow the rest of the name (`wq_a.weight` → `self.wq_a.weight`). `tensors` maps the full
+    names to the owned values (the same storage; what the functional math reads)."""
+
+    def __init__(self, weights: Mapping[str, object], prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+        self.tensors: dict[str, object] = {}
+        for name, value in weights.items():
+            if name.startswith(prefix):
+                self.tensors[name] = self._register(name[len(prefix):], value)
+
+    def _register(self, relative: str, value: object) -> object:
+        *path, leaf = relative.split(".")
+        owner: nn.Module = self
+        for part in path:
+            child = owner._modules.get(part)
+            if child is None:
+                child = nn.Module()
+                owner.add_module(part, child)
+            owner = child
+        owned = _owned(value)
+        if isinstance(owned, nn.Parameter):
+            owner.register_parameter(leaf, owned)
+        elif isinstance(owned, StoredEngramTable):
+            holder = nn.Module()
+            holder.register_buffer("values", owned.values, persistent=False)
+            holder.register_buffer("scales", owned.scales, persistent=False)
+            owner.add_module(leaf, holder)
+        else:
+            setattr(owner, leaf, owned)            # prepared MXFP4 experts (kernel-layout packs)
+        return owned
+
+    def __getitem__(self, name: str) -> object:
+        return self.tensors[self.prefix + name]
+
+
+class RMSNorm(OwnedTensors):
+    """`{prefix}weight`; y = bf16(x·rsqrt(mean(x²) + ε)·w) on the model's backend."""
+
+    def __init__(self, weights: Mapping[str, object], prefix: str, eps: float) -> None:
+        super().__init__(weights, prefix)
+        self.eps = eps
+
+    def forward(self, x: Tensor, backend: ComputeBackend) -> Tensor:
+        return backend.rms_norm(x, self["weight"], self.eps)
+
+
+class HyperConnection(OwnedTensors):
+    """One mHC hyper-connection (`{prefix}fn`, `base`, `scale`; spec §3.2)."""
+
+    def __init__(self, weights: Mapping[str, object], prefix: str, cfg: TextConfig) -> None:
+        super().__init__(weights, prefix)
+        self.cfg = cfg
+
+    def forward(self, R: Tensor, step: ForwardStep) -> HcCoefficients:
+        t = self.cfg
+        return step.mhc.coefficients(R, self["fn"], self["base"], self["scale"], rms_eps=t.rms_norm_eps,
+                                     hc_eps=t.hc_eps, sinkhorn_iters=t.hc_sinkhorn_iters)
+
+    def sublayer_input(self, R: Tensor, carried_pre: Tensor | None, norm: RMSNorm, step: ForwardStep) -> Tensor:
+        """RMSNorm(bf16(Σ_j pre_j·R_j)) with the lagged pre (stream 0 when None)."""
+        return step.mhc.sublayer_input(R, carried_pre, norm["weight"], norm.eps)
+
+    def residual_update(self, R: Tensor, y: Tensor, co: HcCoefficients, step: ForwardStep) -> Tensor:
+        return step.mhc.residual_update(R, y, co)
+
+
+class Attention(OwnedTensors):
+    """The attention sublayer with its compressor and indexer (`layers.{i}.attn.*`; spec §3.4)."""
+
+    def __init__(self, weights: Mapping[str, object], cfg: TextConfig, role: LayerRole) -> None:
+        super().__init__(weights, f"layers.{role.layer}.attn.")
+        self.cfg, self.role = cfg, role
+
+    def forward(self, x: Tensor, step: ForwardStep) -> Tensor:
+        return attention_sublayer(step.backend, step.attention_ops, self.cfg, self.role, self.tensors, x, step.layout,
+                                  step.caches, step.scratch, step.act_quant, step.tp)
+
+
+class MoE(OwnedTensors):
+    """Router, shared expert and the routed experts held here (`layers.{i}.ffn.*`; spec §3.6)."""
+
+    def __init__(self, weights: Mapping[str, object], cfg: TextConfig, layer: int) -> None:
+        super().__init__(weights, f"layers.{layer}.ffn.")
+        self.cfg, self.layer_prefix = cfg, f"layers.{layer}."
+
+    def forward(self, x: Tensor, step: ForwardStep) -> Tensor:
+        experts, reduce = step.tp.experts_and_reduce(self.cfg)
+        return step.moe(step.backend, self.cfg, self.tensors, self.layer_prefix, x, step.image_rows, step.act_quant,
+                        experts, reduce)
+
+
+class Engram(OwnedTensors):
+    """The Engram residual update of one layer (`layers.{i}.engram.*`; spec §3.3.2)."""
+
+    def __init__(self, weights: Mapping[str, object], cfg: TextConfig, layer: int) -> None:
+        super().__init__(weights, f"layers.{layer}.engram.")
+        self.cfg, self.layer = cfg, layer
+
+    def forward(self, R: Tensor, step: ForwardStep) -> Tensor:
+        table, ids = step.tp.engram_rows(self.cfg, self.layer, step.engram_rows[self.layer], self.tensors,
+                                         check=not step.layout.static)
+        return engram_update(step.backend, R, table[ids.to(torch.int64)], self["wkv.weight"], self["q_weight"],
+                             self["k_weight"], self.cfg.rms_norm_eps, step.act_quant, step.image_rows)
+
+
+class DeepseekV41DecoderLayer(nn.Module):
+    """Engram → hc-pre → attention → hc-post → hc-pre → MoE → hc-post, with the lagged pre (§3.2)."""
+
+    def __init__(self, weights: Mapping[str, object], cfg: TextConfig, role: LayerRole) -> None:
+        super().__init__()
+        i = role.layer
+        self.engram = Engram(weights, cfg, i) if role.engram else None
+        self.attn_norm = RMSNorm(weights, f"layers.{i}.attn_norm.", cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(weights, f"layers.{i}.ffn_norm.", cfg.rms_norm_eps)
+        self.hc_attn = HyperConnection(weights, f"layers.{i}.hc_attn_", cfg)
+        self.hc_ffn = HyperConnection(weights, f"layers.{i}.hc_ffn_", cfg)
+        self.attn = Attention(weights, cfg, role)
+        self.ffn = MoE(weights, cfg, i)
+
+    def forward(self, R: Tensor, carried_pre: Tensor | None, step: ForwardStep) -> tuple[Tensor, Tensor]:
+        if self.engram is not None:
+            R = self.engram(R, step)
+        co = self.hc_attn(R, step)
+        x = self.hc_attn.sublayer_input(R, carried_pre, self.attn_norm, step)
+        R = self.hc_attn.residual_update(R, self.attn(x, step), co, step)
+        co_ffn = self.hc_ffn(R, step)
+        x = self.hc_ffn.sublayer_input(R, co.pre, self.ffn_norm, step)
+        R = self.hc_ffn.residual_update(R, self.ffn(x, step), co_ffn, step)
+        return R, co_ffn.pre

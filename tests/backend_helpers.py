@@ -1,0 +1,25 @@
+"""Test backends: the exact torch primitives with the CUDA backend's tensor-core products, so the
+CUDA path's dense arithmetic (`dense_ops.BlockedBf16Gemm`) runs on CPU tensors."""
+from __future__ import annotations
+
+from sglang_dsv41.runtime.backend import ExactTorchBackend
+from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm
+
+
+class TensorCoreProducts(ExactTorchBackend):
+    """`ExactTorchBackend` whose dense product is `dense.matmul` (and whose `finish` reports its audit)."""
+
+    name = "exact+blocked-gemm"
+    deterministic = False
+
+    def __init__(self, dense: BlockedBf16Gemm) -> None:
+        self.dense = dense
+
+    def matmul(self, x, weight):
+        return self.dense.matmul(x, weight)
+
+    def finish(self, ok: bool = True) -> None:
+        if ok:
+            self.dense.raise_if_inputs_inexact()
+        else:
+            self.dense.discard_audit()

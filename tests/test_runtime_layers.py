@@ -1,0 +1,63 @@
+"""The runtime model as `nn.Module`s that own their parameters (`runtime/layers.py`, issue 13 item 2).
+
+* every runtime weight of the tiny checkpoint is owned by exactly one layer: `named_parameters()`
+  / `named_buffers()` reach every tensor (same storage, no copy) under its checkpoint name
+  (hyper-connections: `hc_attn.fn` for `hc_attn_fn`), and the parameter count is the weights';
+* a weight no layer owns raises;
+* the decoder layer's forward fits on one screen and runs Engram → hc → attention → hc → MoE → hc;
+* the model picks its implementations once, at construction (backend, attention, mHC, MoE).
+"""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from runtime_scenarios import runtime_engine
+from sglang_dsv41.runtime.backend import ExactTorchBackend
+from sglang_dsv41.runtime.forward import TorchForward
+from sglang_dsv41.runtime.layers import DeepseekV41DecoderLayer
+from sglang_dsv41.runtime.mhc_ops import TorchMhc
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint) -> TorchForward:
+    return runtime_engine(tiny_checkpoint, CPU)
+
+
+def _checkpoint_name(module_name: str) -> str:
+    return module_name.replace(".hc_attn.", ".hc_attn_").replace(".hc_ffn.", ".hc_ffn_")
+
+
+def test_every_weight_is_a_parameter_under_its_name(engine) -> None:
+    params = {_checkpoint_name(n): p for n, p in engine.named_parameters()}
+    tensors = {n: v for n, v in engine.weights.items() if isinstance(v, torch.Tensor)}
+    assert set(params) == set(tensors)
+    assert all(params[n] is tensors[n] for n in tensors)
+    assert all(not p.requires_grad for p in params.values())
+    assert sum(p.numel() for p in engine.parameters()) == sum(t.numel() for t in tensors.values())
+    layer0 = {n for n, _ in engine.layers[0].named_parameters()}
+    assert {"attn.wq_a.weight", "attn_norm.weight", "ffn.gate.weight", "hc_attn.fn"} <= layer0
+
+
+def test_a_weight_no_layer_owns_raises(engine) -> None:
+    weights = dict(engine.weights)
+    weights["layers.0.mystery.weight"] = torch.zeros(2)
+    with pytest.raises(ValueError, match="no layer owns.*mystery"):
+        TorchForward(engine.cfg, weights, engine.hasher)
+
+
+def test_decoder_layer_forward_fits_on_one_screen() -> None:
+    source = inspect.getsource(DeepseekV41DecoderLayer.forward).splitlines()
+    assert len(source) <= 20, len(source)
+    body = "\n".join(source)
+    order = [body.index(s) for s in ("self.engram(", "self.hc_attn(", "self.attn(", "self.hc_ffn(", "self.ffn(")]
+    assert order == sorted(order)
+
+
+def test_implementations_are_chosen_at_construction(engine) -> None:
+    assert isinstance(engine.backend, ExactTorchBackend) and isinstance(engine.mhc, TorchMhc)
+    assert len(engine.layers) == engine.text.num_hidden_layers
