@@ -1,7 +1,8 @@
 """End to end on CPU: plain ``python -m sglang.launch_server --model-path <tiny> --device cpu`` with
 no model flag serves V4.1 correctly (issue 13 item 3) and refuses, before any scheduler starts,
 flags the runtime cannot serve: the plugin's declared defaults
-(`sglang_dsv41/overrides.py`) are what SGLang resolved, greedy tokens equal the reference's, a
+(`sglang_dsv41/overrides.py`) are what SGLang resolved, greedy tokens are the reference's top-1
+up to the numerics contract's margin (`test_runtime_server.within_contract`), a
 repeated prompt hits the prefix cache, and a chat reply carries its trace in
 ``reasoning_content`` and its answer in ``content`` (the default reasoning parser).
 
@@ -15,7 +16,7 @@ so the test steers it through the public API only: a ``logit_bias`` on ``</think
 the reference's logits on the server's own prompt ids so that the reference's greedy reply reasons
 for k ≥ 1 tokens, closes the trace, then answers; the margin between the chosen bias and the
 logits it separates is at least `BIAS_GAP`, far above the server's logit error against the
-reference (tests/test_runtime_server.py: logprobs within 1e-5).
+reference (the numerics contract: within `LOGIT_BOUND`, tests/test_runtime_numerics_contract.py).
 """
 from __future__ import annotations
 
@@ -105,12 +106,14 @@ def test_sglang_resolved_the_declared_defaults(server: PlainServer) -> None:
     assert info["page_size"] == PAGE_SIZE and info["reasoning_parser"] == "deepseek-v41"
 
 
-def test_greedy_equals_reference_and_a_repeat_hits_the_prefix_cache(server: PlainServer,
-                                                                    reference: ReferenceModel) -> None:
+def test_greedy_within_the_contract_and_a_repeat_hits_the_prefix_cache(server: PlainServer,
+                                                                       reference: ReferenceModel) -> None:
+    from test_runtime_server import within_contract
+
     g = torch.Generator().manual_seed(7)
     prompt = [0] + torch.randint(3, 990, (22,), generator=g).tolist()
     first = server.generate(prompt, NEW_TOKENS)
-    assert first["output_ids"] == reference.generate(prompt, NEW_TOKENS)
+    assert len(first["output_ids"]) == NEW_TOKENS and within_contract(reference, prompt, first["output_ids"])
     again = server.generate(prompt, NEW_TOKENS)
     assert again["meta_info"]["cached_tokens"] > 0
     assert again["meta_info"]["cached_tokens"] >= len(prompt) - PAGE_SIZE        # page-aligned hit

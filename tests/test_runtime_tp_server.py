@@ -5,8 +5,10 @@
   `SGLANG_NCCL_SO_PATH` pointing at no file — torch here is a CUDA build, so 0.5.17 loads
   libnccl and builds a PyNccl communicator for the TP group on the CPU device, which raises
   "Expected a cuda device, but got: cpu"; without the library it is disabled) serves
-  greedy tokens equal to `ReferenceModel.generate`: the CPU forward is bit-identical to TP 1,
-  which is bit-identical to the reference (tests/test_runtime_tp.py, test_runtime_forward.py);
+  greedy tokens the reference ranks top-1 up to the numerics contract's margin
+  (`test_runtime_server.within_contract`; the server's fp32 CPU path is held to the contract,
+  tests/test_runtime_numerics_contract.py); on the exact backend TP 2 is bit-identical to TP 1
+  (tests/test_runtime_tp.py);
 * CUDA (`gpu`, parametrised TP 2, 4, 4 + EP 4, 8, 8 + EP 8; each skipped when fewer devices
   exist): the TP-N server's greedy tokens (`GPU_NEW_TOKENS`) equal a TP-1 server's on the same
   prompts and checkpoint, and the chosen tokens' log-probabilities agree within
@@ -61,12 +63,14 @@ def _token_logprobs(result: dict) -> list[float]:
 
 
 @pytest.mark.slow
-def test_cpu_tp2_server_greedy_equals_reference(tiny_checkpoint: Path, tmp_path: Path) -> None:
+def test_cpu_tp2_server_greedy_within_the_contract(tiny_checkpoint: Path, tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("the CPU-engine variant (the GPU machine runs the gpu variant)")
     got = _served_tokens(tiny_checkpoint, tmp_path / "tp2.log", 2, CPU_TP2_ENV)
+    from test_runtime_server import within_contract
+
     reference = ReferenceModel.from_checkpoint(tiny_checkpoint)
-    assert got == [reference.generate(p, NEW_TOKENS) for p in _prompts()]
+    assert all(len(t) == NEW_TOKENS and within_contract(reference, p, t) for p, t in zip(_prompts(), got))
 
 
 GPU_NEW_TOKENS = 64

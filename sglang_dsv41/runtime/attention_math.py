@@ -76,9 +76,9 @@ def pair_scores(be: ComputeBackend, w: Mapping[str, Tensor], prefix: str, x: Ten
 def pair_latents(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, a_first: Tensor,
                  s_first: Tensor, a_second: Tensor, s_second: Tensor) -> Tensor:
     """Pre-RoPE latents of ratio-2 pairs: σ = per-dimension softmax over the pair, pooled =
-    a₁σ₁ + a₂σ₂ (float64, rounded once to fp32), latent = RMSNorm(bf16(pooled)) (§3.4.3)."""
-    sigma = torch.softmax(torch.stack((s_first, s_second), dim=1).to(F64), dim=1)
-    a = torch.stack((a_first, a_second), dim=1).to(F64)
+    a₁σ₁ + a₂σ₂ (in `be.acc`, rounded to fp32), latent = RMSNorm(bf16(pooled)) (§3.4.3)."""
+    sigma = torch.softmax(torch.stack((s_first, s_second), dim=1).to(be.acc), dim=1)
+    a = torch.stack((a_first, a_second), dim=1).to(be.acc)
     pooled = (a[:, 0] * sigma[:, 0] + a[:, 1] * sigma[:, 1]).to(F32)
     return be.rms_norm(be.bf16(pooled), w[prefix + "compressor.norm.weight"], cfg.rms_norm_eps)
 

@@ -87,14 +87,14 @@ class AttentionOps(Protocol):
                entry_tables: dict[int, Tensor] | None = None) -> tuple[Tensor, Tensor | None]: ...
 
 
-def attend_with_sink(q: Tensor, keys: Tensor, sink: Tensor, valid: Tensor) -> Tensor:
+def attend_with_sink(q: Tensor, keys: Tensor, sink: Tensor, valid: Tensor, acc: torch.dtype = torch.float64) -> Tensor:
     """o_h = Σ_j e^{s_j} k_j / (Σ_j e^{s_j} + e^{sink_h}), scale D^−1/2, K = V (spec §3.4.5):
-    q [T, H, D], keys [T, S, D], valid [T, S]; float64, rounded once to BF16 (fp32 values)."""
+    q [T, H, D], keys [T, S, D], valid [T, S]; evaluated in `acc` (float64: rounded once), then BF16."""
     T, S, D = keys.shape
-    qf, kf = q.to(torch.float64), keys.to(torch.float64)
+    qf, kf = q.to(acc), keys.to(acc)
     logits = torch.einsum("thd,tsd->ths", qf, kf) * softmax_scale(D)
     logits = torch.where(valid[:, None, :], logits, -torch.inf)
-    sink_logit = sink.to(torch.float64)[None, :].expand(T, -1)
+    sink_logit = sink.to(acc)[None, :].expand(T, -1)
     m = torch.maximum(logits.amax(dim=2), sink_logit)
     if not bool(torch.isfinite(m).all()):
         raise ValueError("attend_with_sink: a query has no valid key and a −∞ sink (empty softmax)")
@@ -111,10 +111,12 @@ def gather_rows(buffer: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class TorchAttentionOps:
-    """CPU: float64 attention and scores on gathered rows and decoded packed entries
-    (bit-identical to `ReferenceModel`)."""
+    """CPU: attention and index scores in torch on gathered rows and decoded packed entries,
+    summed in `acc` (float64: bit-identical to `ReferenceModel`; fp32: the serving path)."""
 
-    description = "torch path (float64 sums, bit-identical to ReferenceModel)"
+    def __init__(self, acc: torch.dtype = torch.float64) -> None:
+        self.acc = acc
+        self.description = f"torch path ({'float64 sums, bit-identical to ReferenceModel' if acc == torch.float64 else 'fp32'})"
 
     def attend(self, q: Tensor, sink: Tensor, swa_cache: Tensor, swa_slots: Tensor,
                packed: PackedSourceRows | None, comp_entries: Tensor | None) -> Tensor:
@@ -123,7 +125,7 @@ class TorchAttentionOps:
             c_valid = comp_entries >= 0
             c_keys = torch.where(c_valid[..., None], packed.latents(comp_entries), 0.0)
             keys, valid = torch.cat((keys, c_keys), dim=1), torch.cat((valid, c_valid), dim=1)
-        return attend_with_sink(q, keys, sink, valid)
+        return attend_with_sink(q, keys, sink, valid, self.acc)
 
     def select(self, be: ComputeBackend, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str,
                x: Tensor, q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
@@ -143,7 +145,7 @@ class TorchAttentionOps:
             query = index_query(be, cfg, w, prefix, x[rows], q_lora[rows], layout.positions[rows], inv_freq,
                                 act_quant)
             selection, published_blocks = run_indexer_cpu(cfg, role, query, layout.positions[rows], keys,
-                                                          None if published is None else published[rows])
+                                                          None if published is None else published[rows], self.acc)
             selections.append(selection)
             blocks.append(published_blocks)
         return torch.cat(selections), (torch.cat(blocks) if role.candidate_source else None)
@@ -231,6 +233,7 @@ class KernelAttentionOps:
 
 
 TORCH_OPS = TorchAttentionOps()
+FP32_TORCH_OPS = TorchAttentionOps(torch.float32)
 
 
 @functools.cache
@@ -250,11 +253,11 @@ def kernel_ops() -> KernelAttentionOps:
     return KernelAttentionOps(modules["sparse_attention"], modules["indexer"])
 
 
-def ops_for(device: torch.device) -> AttentionOps:
-    """CPU → `TorchAttentionOps`; CUDA → `KernelAttentionOps` (raises if the kernels cannot
+def ops_for(device: torch.device, acc: torch.dtype = torch.float64) -> AttentionOps:
+    """CPU → `TorchAttentionOps` summing in `acc`; CUDA → `KernelAttentionOps` (raises if the kernels cannot
     load); any other device raises."""
     if device.type == "cpu":
-        return TORCH_OPS
+        return TORCH_OPS if acc == torch.float64 else FP32_TORCH_OPS
     if device.type == "cuda":
         return kernel_ops()
     raise RuntimeError(f"sglang-dsv41: no attention implementation for device '{device}' (CPU: torch "

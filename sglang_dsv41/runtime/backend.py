@@ -6,8 +6,12 @@ Layers hold one backend and never dispatch per call; `backend_for(device, weight
 
 | name | device | arithmetic |
 |---|---|---|
-| `exact` | CPU | float64-evaluated sums rounded once: bit-identical to the reference (the deterministic tier) |
+| `torch` | CPU (serving default) | fp32 torch: products, norms, softmaxes and sums in fp32, BF16 rounding points as the model; judged by tolerance against the reference (docs/runtime.md "Numerics contract") |
+| `exact` | CPU (`--enable-deterministic-inference`, tests) | float64-evaluated sums rounded once: bit-identical to the reference, batch invariant |
 | `triton` | CUDA | one-launch Triton kernels (`kernels.fused_elementwise`) and tensor-core products (`dense_ops.BlockedBf16Gemm`) |
+
+`acc` is the dtype the runtime's torch reductions outside the primitives use with this backend
+(attention on CPU, index scores, mHC coefficients, Engram gate, pair pooling, routed sums).
 
 The registry (`BACKENDS`) maps names to classes; an unknown device or name raises.
 """
@@ -21,7 +25,7 @@ import torch.nn.functional as F_
 from torch import Tensor
 
 from ..numerics import rounding as R
-from ..numerics.rope import apply_rope_tail
+from ..numerics.rope import apply_rope_tail, rope_cos_sin_fp32
 
 F32, F64 = torch.float32, torch.float64
 
@@ -32,6 +36,8 @@ class ComputeBackend(ABC):
     name: str = ""
     #: True when sums are evaluated exactly (float64) and the forward is batch invariant
     deterministic: bool = False
+    #: dtype of the runtime's own torch reductions on this backend (module doc)
+    acc: torch.dtype = F64
 
     @abstractmethod
     def bf16(self, x: Tensor) -> Tensor: ...
@@ -143,6 +149,41 @@ class ExactTorchBackend(ComputeBackend):
         return (x.to(F64) @ weight.to(F64).t()).to(F32)
 
 
+class FastTorchBackend(ExactTorchBackend):
+    """CPU serving: the same formulas in fp32 (no float64 anywhere in the forward); products on
+    fp32 weights through the CPU BLAS. Not bit-identical to the reference: bounded by the
+    numerics contract (docs/runtime.md, tests/test_runtime_numerics_contract.py)."""
+
+    name = "torch"
+    deterministic = False
+    acc = F32
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float, round_bf16: bool = True) -> Tensor:
+        xf = x.to(F32)
+        y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * weight
+        return R.bf16(y) if round_bf16 else y
+
+    def apply_rope_tail(self, x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False) -> Tensor:
+        return apply_rope_tail(x, positions, inv_freq, inverse, cos_sin=rope_cos_sin_fp32)
+
+    def clamped_swiglu(self, gate: Tensor, up: Tensor, limit: float) -> Tensor:
+        return R.bf16(F_.silu(R.bf16(gate).clamp(max=limit)) * R.bf16(up).clamp(min=-limit, max=limit))
+
+    def route_select(self, scores: Tensor, bias: Tensor, top_k: int, renorm_eps: float,
+                     bias_vl: Tensor | None, image_rows: Tensor | None) -> tuple[Tensor, Tensor]:
+        row_bias = bias.expand_as(scores)
+        if bias_vl is not None:
+            row_bias = torch.where(image_rows.unsqueeze(-1), bias_vl.expand_as(scores), row_bias)
+        experts = torch.topk(scores + row_bias, top_k, dim=-1, sorted=False).indices
+        chosen = scores.gather(-1, experts)
+        return experts, chosen / (chosen.sum(dim=-1, keepdim=True) + renorm_eps)
+
+    def matmul(self, x: Tensor, weight: Tensor) -> Tensor:
+        if weight.dtype == torch.float8_e4m3fn:
+            raise TypeError("the CPU backend multiplies dequantised weights; got an E4M3 weight")
+        return x.to(F32) @ weight.t()
+
+
 class TritonBackend(ComputeBackend):
     """CUDA: `kernels.fused_elementwise` (one launch per primitive; bit-identical or rare
     one-ulp flips, bounds stated there) and the tensor-core dense products of `dense`
@@ -193,17 +234,19 @@ class TritonBackend(ComputeBackend):
             self.dense.discard_audit()
 
 
-BACKENDS: dict[str, type[ComputeBackend]] = {"exact": ExactTorchBackend, "triton": TritonBackend}
+BACKENDS: dict[str, type[ComputeBackend]] = {"torch": FastTorchBackend, "exact": ExactTorchBackend,
+                                             "triton": TritonBackend}
 
 
-def backend_for(device: torch.device, weights: Mapping[str, object]) -> ComputeBackend:
-    """The backend of a model whose weights live on `device`: CPU → `exact`; CUDA → `triton` over
-    a dense-weight cache built now (E4M3 weights in place); any other device raises."""
+def backend_for(device: torch.device, weights: Mapping[str, object], deterministic: bool = True) -> ComputeBackend:
+    """The backend of a model whose weights live on `device`: CPU → `exact` when `deterministic`,
+    else `torch` (fp32); CUDA → `triton` over a dense-weight cache built now (E4M3 weights in
+    place); any other device raises."""
     from .dense_ops import BlockedBf16Gemm, DenseWeightCache, check_weights_for_cpu
 
     if device.type == "cpu":
         check_weights_for_cpu(weights)
-        return ExactTorchBackend()
+        return ExactTorchBackend() if deterministic else FastTorchBackend()
     if device.type == "cuda":
         return TritonBackend(BlockedBf16Gemm(DenseWeightCache.from_weights(weights)))
     raise RuntimeError(f"sglang-dsv41: no compute backend for device '{device}' (CPU: exact torch; CUDA: Triton)")

@@ -18,10 +18,11 @@ F32, F64 = torch.float32, torch.float64
 GATE_DOT_FLOOR = 1e-6
 
 
-def engram_gate(residual: Tensor, keys: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float) -> Tensor:
-    """g [T, hc] fp32 from residual and keys [T, hc, H] (float64, rounded once)."""
-    h, key = residual.to(F64), keys.to(F64)
-    inner = (h * (q_weight.to(F64) * k_weight.to(F64)) * key).sum(dim=-1)
+def engram_gate(residual: Tensor, keys: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float,
+                acc: torch.dtype = F64) -> Tensor:
+    """g [T, hc] fp32 from residual and keys [T, hc, H], evaluated in `acc` (float64: rounded once)."""
+    h, key = residual.to(acc), keys.to(acc)
+    inner = (h * (q_weight.to(acc) * k_weight.to(acc)) * key).sum(dim=-1)
     dot = (inner * torch.rsqrt(h.pow(2).mean(dim=-1) + eps) * torch.rsqrt(key.pow(2).mean(dim=-1) + eps)
            * (h.shape[-1] ** -0.5))
     return torch.sigmoid(torch.copysign(torch.sqrt(dot.abs().clamp(min=GATE_DOT_FLOOR)), dot)).to(F32)
@@ -35,7 +36,7 @@ def engram_update(be: ComputeBackend, R: Tensor, rows: Tensor, wkv: Tensor, q_we
     kv = be.linear_fp8(rows.reshape(tokens, -1), wkv, act_quant).to(F32)
     keys = kv[:, : hc * hidden].reshape(tokens, hc, hidden)
     value = kv[:, hc * hidden:]
-    gate = engram_gate(R, keys, q_weight, k_weight, eps)
+    gate = engram_gate(R, keys, q_weight, k_weight, eps, be.acc)
     updated = bf16(R.to(F32) + gate[:, :, None] * value[:, None, :])
     if image_rows is not None:
         updated = torch.where(image_rows.to(torch.bool)[:, None, None], R.to(F32), updated)

@@ -70,7 +70,7 @@ class TorchForward(nn.Module):
 
     def __init__(self, cfg: DeepseekV41Config, weights: Mapping[str, Tensor], hasher: EngramHasher | None,
                  numerics: NumericsProfile = NumericsProfile(), tp: TensorParallel = SINGLE,
-                 backend: ComputeBackend | None = None) -> None:
+                 backend: ComputeBackend | None = None, deterministic: bool = True) -> None:
         super().__init__()
         if cfg.text.engram_layer_ids and hasher is None:
             raise ValueError("the model has Engram layers: an EngramHasher is required (spec §3.3.1)")
@@ -92,9 +92,9 @@ class TorchForward(nn.Module):
         self.tp = tp
         tp.plan(self.text)     # raises now for a TP size the model cannot be sharded with
         device = weights["embed.weight"].device
-        self.backend = backend_for(device, owned) if backend is None else backend
-        self.attention_ops = ops_for(device)
-        self.mhc = mhc_for(device)
+        self.backend = backend_for(device, owned, deterministic) if backend is None else backend
+        self.attention_ops = ops_for(device, self.backend.acc)
+        self.mhc = mhc_for(device, self.backend.acc)
         self.moe = moe_for(device)
         #: per-ratio RoPE inverse frequencies on the model device, made once (no host → device
         #: copy inside a forward: CUDA graphs cannot capture one)

@@ -20,10 +20,10 @@ from ..numerics.geometry import visible_counts
 from .attention_math import IndexQuery
 
 
-def index_scores(query: IndexQuery, keys: Tensor) -> Tensor:
-    """S[t, j] = Σ_h w[t,h]·ReLU(q[t,h]·k[j]) ([T, N] fp32; float64 rounded once, −0 → +0)."""
-    dots = torch.einsum("thd,nd->thn", query.q.to(torch.float64), keys.to(torch.float64))
-    scores = torch.einsum("th,thn->tn", query.head_weights.to(torch.float64), torch.relu(dots)).to(torch.float32)
+def index_scores(query: IndexQuery, keys: Tensor, acc: torch.dtype = torch.float64) -> Tensor:
+    """S[t, j] = Σ_h w[t,h]·ReLU(q[t,h]·k[j]) ([T, N] fp32; summed in `acc`, −0 → +0)."""
+    dots = torch.einsum("thd,nd->thn", query.q.to(acc), keys.to(acc))
+    scores = torch.einsum("th,thn->tn", query.head_weights.to(acc), torch.relu(dots)).to(torch.float32)
     return scores + 0.0
 
 
@@ -64,11 +64,11 @@ def candidate_blocks(scores: Tensor, n_visible: Tensor, block_size: int, n_block
 
 
 def run_indexer_cpu(cfg: TextConfig, role: LayerRole, query: IndexQuery, positions: Tensor, keys: Tensor,
-                    published_blocks: Tensor | None) -> tuple[Tensor, Tensor | None]:
+                    published_blocks: Tensor | None, acc: torch.dtype = torch.float64) -> tuple[Tensor, Tensor | None]:
     """(selection, published blocks or None) of one request's chunk against its index keys [N, d]."""
     if not role.runs_indexer:
         raise ValueError(f"layer {role.layer} does not run an indexer")
-    scores = index_scores(query, keys)
+    scores = index_scores(query, keys, acc)
     n_visible = visible_counts(positions, role.ratio)
     allowed = torch.arange(keys.shape[0], device=scores.device)[None, :] < n_visible[:, None]
     if role.candidate_consumer:

@@ -34,10 +34,14 @@ class HcCoefficients:
 
 
 class TorchMhc:
-    """CPU: the §3.2 formulas; coefficients float64-evaluated and rounded once, stream sums fp32 in
-    a fixed order (post·y first, then j = 0, 1, …)."""
+    """CPU: the §3.2 formulas; coefficients and the sublayer-input norm evaluated in `acc`
+    (float64: rounded once, bit-identical to the reference), stream sums fp32 in a fixed order
+    (post·y first, then j = 0, 1, …)."""
 
     name = "torch"
+
+    def __init__(self, acc: torch.dtype = F64) -> None:
+        self.acc = acc
 
     def coefficients(self, residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *,
                      rms_eps: float, hc_eps: float, sinkhorn_iters: int) -> HcCoefficients:
@@ -46,9 +50,9 @@ class TorchMhc:
             raise ValueError(f"hc fn has shape {tuple(fn.shape)}, expected {(hc * (2 + hc), hc * H)}")
         if sinkhorn_iters < 1:
             raise ValueError(f"Sinkhorn needs at least one iteration, got {sinkhorn_iters}")
-        x = residual.to(F64).reshape(T, hc * H)
-        mix = (x @ fn.to(F64).t()) * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + rms_eps)
-        a, b = scale.to(F64), base.to(F64)
+        x = residual.to(self.acc).reshape(T, hc * H)
+        mix = (x @ fn.to(self.acc).t()) * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + rms_eps)
+        a, b = scale.to(self.acc), base.to(self.acc)
         pre = torch.sigmoid(a[0] * mix[:, :hc] + b[:hc]) + hc_eps
         post = 2.0 * torch.sigmoid(a[1] * mix[:, hc:2 * hc] + b[hc:2 * hc])
         m = torch.softmax((a[2] * mix[:, 2 * hc:] + b[2 * hc:]).reshape(T, hc, hc), dim=-1) + hc_eps
@@ -68,9 +72,9 @@ class TorchMhc:
     def sublayer_input(self, residual: Tensor, carried_pre: Tensor | None, norm_weight: Tensor,
                        rms_eps: float) -> Tensor:
         x = residual[:, 0, :].to(F32) if carried_pre is None else self.weighted_sum(residual, carried_pre)
-        xd = x.to(F64)
+        xd = x.to(self.acc)
         return bf16((xd * torch.rsqrt(xd.pow(2).mean(dim=-1, keepdim=True) + rms_eps)
-                     * norm_weight.to(F64)).to(F32))
+                     * norm_weight.to(self.acc)).to(F32))
 
     def residual_update(self, residual: Tensor, sublayer_out: Tensor, co: HcCoefficients) -> Tensor:
         r, comb, y = residual.to(F32), co.comb.to(F32), sublayer_out.to(F32)
@@ -84,6 +88,21 @@ class TorchMhc:
 
     def collapse(self, residual: Tensor, last_pre: Tensor) -> Tensor:
         return self.weighted_sum(residual, last_pre)
+
+
+class Fp32TorchMhc(TorchMhc):
+    """CPU serving path: `TorchMhc` in fp32 with the stream sums as one batched product each
+    (summation order free: within the numerics contract, not bit-identical)."""
+
+    def __init__(self) -> None:
+        super().__init__(F32)
+
+    def weighted_sum(self, residual: Tensor, pre: Tensor) -> Tensor:
+        return bf16(torch.bmm(pre.to(F32).unsqueeze(1), residual.to(F32)).squeeze(1))
+
+    def residual_update(self, residual: Tensor, sublayer_out: Tensor, co: HcCoefficients) -> Tensor:
+        mixed = torch.bmm(co.comb.to(F32).transpose(1, 2), residual.to(F32))          # [T, hc(k), H]
+        return bf16(torch.addcmul(mixed, co.post.to(F32).unsqueeze(-1), sublayer_out.to(F32).unsqueeze(1)))
 
 
 class TritonMhc:
@@ -112,10 +131,10 @@ class TritonMhc:
         return self.k.hc_collapse(residual, last_pre)
 
 
-def mhc_for(device: torch.device) -> TorchMhc | TritonMhc:
-    """CPU → `TorchMhc`; CUDA → `TritonMhc`; any other device raises."""
+def mhc_for(device: torch.device, acc: torch.dtype = F64) -> TorchMhc | TritonMhc:
+    """CPU → `TorchMhc` evaluating in `acc`; CUDA → `TritonMhc`; any other device raises."""
     if device.type == "cpu":
-        return TorchMhc()
+        return TorchMhc() if acc == F64 else Fp32TorchMhc()
     if device.type == "cuda":
         return TritonMhc()
     raise ValueError(f"no mHC implementation for device '{device}' (CPU → torch, CUDA → Triton kernels)")

@@ -12,9 +12,10 @@ the glue only:
   over its buffers;
 * forward: the batch layout from the `ForwardBatch` and SGLang's `req_to_token`
   (`runtime/batch.py`; the static decode layout while SGLang's CUDA-graph runner captures,
-  `sglang_graph_capture`), `TorchForward.hidden_states` (`runtime/forward.py`; attention and the
-  indexer through `runtime/attention_ops.py`: the reference's float64 math on CPU, the Triton
-  kernels on CUDA — checked at `load_weights`, which raises if they cannot load), then SGLang's
+  `sglang_graph_capture`), `TorchForward.hidden_states` (`runtime/forward.py`, an `nn.Module`
+  registered here at load; its implementations picked once by device: on CPU the fp32 backend,
+  or the exact float64 one under `--enable-deterministic-inference`; on CUDA the Triton kernels,
+  which must load at `load_weights`), then SGLang's
   `LogitsProcessor` (last-token pruning, logprobs) with an LM head whose logits come from the
   model's compute backend (`BackendHeadMethod`).
 
@@ -23,10 +24,10 @@ Engram placement (runtime.md §A.7): read once at construction from the launcher
 of this rank's rows in pinned host memory, read through UVA; only the per_rank layout — a
 `shared` layout is refused at start-up).
 
-Numerics = the reference's default `NumericsProfile()` (BF16 caches, FP8 activation quantisation).
-Tensor parallel (`runtime/tensor_parallel.py`, SGLang's TP group): each rank loads only its
-attention groups, routed experts and Engram rows; the forward is bit-identical to TP 1 on CPU
-(exact collectives); caches, indexer and the LM head are replicated, so the logits are complete on
+Numerics profile `NumericsProfile()` (BF16 caches, FP8 activation quantisation); the numerics
+contract against the reference: docs/runtime.md. Tensor parallel (`runtime/tensor_parallel.py`,
+SGLang's TP group): each rank loads only its attention groups, routed experts and Engram rows; on
+the exact backend the forward is bit-identical to TP 1 on CPU (exact collectives); caches, indexer and the LM head are replicated, so the logits are complete on
 every rank and SGLang's LogitsProcessor must not all-gather them (`skip_all_gather=True`).
 """
 from __future__ import annotations
@@ -133,7 +134,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         with torch.no_grad():
             self.lm_head.weight.copy_(on_device["head.weight"])
             on_device["head.weight"] = self.lm_head.weight   # one head parameter, owned by both (deduplicated)
-        self.torch_forward = TorchForward(self.cfg, on_device, hasher, self.numerics, self.tp)
+        self.torch_forward = TorchForward(self.cfg, on_device, hasher, self.numerics, self.tp,
+                                          deterministic=deterministic_inference())
         self.lm_head.quant_method.backend = self.torch_forward.backend
         logger.info("sglang-dsv41: %s; loaded %d tensors (dequantised to fp32%s); Engram tables: %s placement; "
                     "compute backend %s; attention + indexer on %s: %s", self.tp.describe(), len(on_device),
@@ -192,6 +194,14 @@ class DeepseekV41ForCausalLM(nn.Module):
                                                engram_history=self._take_engram_history(forward_batch))
             hidden = self.torch_forward.hidden_states(input_ids.to(self.device), layout, caches)
             return self.logits_processor(input_ids, hidden, self.lm_head, forward_batch)
+
+
+def deterministic_inference() -> bool:
+    """SGLang's `--enable-deterministic-inference`: on CPU the exact float64 backend (bit-identical
+    to the reference, batch invariant, ~10× slower: docs/performance.md); default the fp32 path."""
+    from sglang.srt.server_args import get_global_server_args
+
+    return bool(getattr(get_global_server_args(), "enable_deterministic_inference", False))
 
 
 def sglang_graph_capture() -> bool:

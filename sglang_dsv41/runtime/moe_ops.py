@@ -77,9 +77,9 @@ class Routing:
     scores: Tensor
 
 
-def sqrt_softplus(logits: Tensor) -> Tensor:
-    """s = sqrt(softplus(z)), softplus(z) = z if z > 20 else log1p(exp(z)); float64, rounded once."""
-    z = logits.to(F64)
+def sqrt_softplus(logits: Tensor, acc: torch.dtype = F64) -> Tensor:
+    """s = sqrt(softplus(z)), softplus(z) = z if z > 20 else log1p(exp(z)); in `acc`, rounded to fp32."""
+    z = logits.to(acc)
     soft = torch.where(z > SOFTPLUS_THRESHOLD, z, torch.log1p(torch.exp(z.clamp(max=SOFTPLUS_THRESHOLD))))
     return torch.sqrt(soft).to(F32)
 
@@ -90,7 +90,7 @@ def route(be: ComputeBackend, x: Tensor, gate_weight: Tensor, bias: Tensor, top_
     (`bias_vl` on image rows), ties → lower id; weights renormalised without the bias."""
     if (bias_vl is None) != (image_rows is None):
         raise ValueError("route: pass bias_vl and image_rows together (vision models) or neither")
-    scores = sqrt_softplus(be.matmul(x, gate_weight))
+    scores = sqrt_softplus(be.matmul(x, gate_weight), be.acc)
     experts, weights = be.route_select(scores, bias, top_k, RENORM_EPS, bias_vl, image_rows)
     return Routing(experts=experts, weights=weights, scores=scores)
 
@@ -124,7 +124,7 @@ def _finalize(cfg: TextConfig, partial: Tensor, shared: Tensor) -> Tensor:
 def _moe_cpu(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor,
              image_rows: Tensor | None, act_quant: bool, experts: Sequence[int] | None,
              reduce: RoutedReduce | None) -> Tensor:
-    """Per held expert on dequantised weights; the routed partial in float64."""
+    """Per held expert on dequantised weights; the routed partial in `be.acc`."""
     p = f"{prefix}ffn."
     E, k, limit = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.swiglu_limit
     held = _held_experts(experts, E)
@@ -137,7 +137,7 @@ def _moe_cpu(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefi
         raise KeyError(f"{p}experts.{missing[0]}.w1.weight: the CPU MoE needs the routed experts dequantised "
                        f"(load with experts_mxfp4=False); {len(missing)} held expert(s) missing")
     T, H = x.shape
-    per_slot = torch.zeros(T, k, H, dtype=F64, device=x.device)
+    per_slot = torch.zeros(T, k, H, dtype=be.acc, device=x.device)
     held_set = set(held)
     for e in torch.unique(routing.experts).tolist():
         if e not in held_set:
@@ -145,8 +145,8 @@ def _moe_cpu(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefi
         rows, slot = torch.nonzero(routing.experts == e, as_tuple=True)
         per_slot[rows, slot] = routed_expert(be, x[rows], w[f"{p}experts.{e}.w1.weight"],
                                              w[f"{p}experts.{e}.w2.weight"],
-                                             w[f"{p}experts.{e}.w3.weight"], limit).to(F64)
-    partial = (routing.weights.to(F64).unsqueeze(-1) * per_slot).sum(dim=1)
+                                             w[f"{p}experts.{e}.w3.weight"], limit).to(be.acc)
+    partial = (routing.weights.to(be.acc).unsqueeze(-1) * per_slot).sum(dim=1)
     if reduce is not None:
         partial = reduce(partial)
     shared = shared_expert(be, x, w[p + "shared_experts.w1.weight"], w[p + "shared_experts.w2.weight"],
