@@ -2,11 +2,11 @@
 CUDA path's dense arithmetic (`dense_ops.BlockedBf16Gemm`) runs on CPU tensors."""
 from __future__ import annotations
 
-from sglang_dsv41.runtime.backend import ExactTorchBackend
+from sglang_dsv41.runtime import backend
 from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm
 
 
-class TensorCoreProducts(ExactTorchBackend):
+class TensorCoreProducts(backend.TensorCoreProducts, backend.ExactTorchBackend):
     """`ExactTorchBackend` whose dense product is `dense.matmul` (and whose `finish` reports its audit)."""
 
     name = "exact+blocked-gemm"
@@ -14,12 +14,3 @@ class TensorCoreProducts(ExactTorchBackend):
 
     def __init__(self, dense: BlockedBf16Gemm) -> None:
         self.dense = dense
-
-    def matmul(self, x, weight):
-        return self.dense.matmul(x, weight)
-
-    def finish(self, ok: bool = True) -> None:
-        if ok:
-            self.dense.raise_if_inputs_inexact()
-        else:
-            self.dense.discard_audit()

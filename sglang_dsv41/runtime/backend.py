@@ -184,7 +184,23 @@ class FastTorchBackend(ExactTorchBackend):
         return x.to(F32) @ weight.t()
 
 
-class TritonBackend(ComputeBackend):
+class TensorCoreProducts:
+    """Mixin: dense products on `self.dense` (`dense_ops.BlockedBf16Gemm`), whose input audit
+    `finish` reports (raises on an inexact BF16 input) or discards after a failed forward."""
+
+    dense: object
+
+    def matmul(self, x: Tensor, weight: Tensor) -> Tensor:
+        return self.dense.matmul(x, weight)
+
+    def finish(self, ok: bool = True) -> None:
+        if ok:
+            self.dense.raise_if_inputs_inexact()
+        else:
+            self.dense.discard_audit()
+
+
+class TritonBackend(TensorCoreProducts, ComputeBackend):
     """CUDA: `kernels.fused_elementwise` (one launch per primitive; bit-identical or rare
     one-ulp flips, bounds stated there) and the tensor-core dense products of `dense`
     (`dense_ops.BlockedBf16Gemm`, GEMM_BOUND). `device_types=("cpu",)` is for tests under
@@ -224,14 +240,6 @@ class TritonBackend(ComputeBackend):
                      bias_vl: Tensor | None, image_rows: Tensor | None) -> tuple[Tensor, Tensor]:
         return self.fe.route_select(scores, bias, top_k, renorm_eps, bias_vl, image_rows)
 
-    def matmul(self, x: Tensor, weight: Tensor) -> Tensor:
-        return self.dense.matmul(x, weight)
-
-    def finish(self, ok: bool = True) -> None:
-        if ok:
-            self.dense.raise_if_inputs_inexact()
-        else:
-            self.dense.discard_audit()
 
 
 BACKENDS: dict[str, type[ComputeBackend]] = {"torch": FastTorchBackend, "exact": ExactTorchBackend,
