@@ -22,6 +22,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
+from sglang_dsv41.kernels.fused_elementwise import check_device
+
 TILE = 32
 FP8 = torch.float8_e4m3fn
 QUANT_BLOCK_R = 64
@@ -94,15 +96,6 @@ def _dequantize_weight_kernel(w_ptr, ws_ptr, out_ptr, N, K, stride_wn, stride_ws
 
 
 INTERPRETED = isinstance(_quantize_kernel, InterpretedFunction)
-
-
-def check_device(who: str, *tensors: Tensor) -> None:
-    dev = tensors[0].device
-    if any(t.device != dev for t in tensors):
-        raise ValueError(f"{who}: tensors on {[str(t.device) for t in tensors]}")
-    if dev.type != "cuda" and not INTERPRETED:
-        raise RuntimeError(f"{who}: tensors on {dev} need a CUDA device, or TRITON_INTERPRET=1 set before "
-                           "triton is imported (tests)")
 
 
 def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:

@@ -279,7 +279,8 @@ def _launch_options(num_warps: int = 4) -> dict:
     return {} if INTERPRETED else {"num_warps": num_warps, "enable_fp_fusion": False}
 
 
-def _check_device(name: str, *tensors: Tensor) -> None:
+def check_device(name: str, *tensors: Tensor) -> None:
+    """All tensors on one device, and a CUDA one unless Triton's interpreter runs (tests)."""
     dev = tensors[0].device
     if any(t.device != dev for t in tensors):
         raise ValueError(f"{name}: tensors on several devices {sorted({str(t.device) for t in tensors})}")
@@ -294,7 +295,7 @@ def _pow2_at_least(n: int) -> int:
 
 def _elementwise(name: str, kernel, x: Tensor) -> Tensor:
     """Launch a one-input fp32 elementwise `kernel` over x (a new fp32 tensor of x's shape)."""
-    _check_device(name, x)
+    check_device(name, x)
     if x.dtype != F32:
         raise ValueError(f"{name}: fp32 input expected, got {x.dtype} (other dtypes round differently)")
     x = x.contiguous()
@@ -316,7 +317,7 @@ def round_e4m3(x: Tensor) -> Tensor:
 
 
 def _group_quant(name: str, x: Tensor, group: int, mode: int) -> Tensor:
-    _check_device(name, x)
+    check_device(name, x)
     if x.dim() == 0 or x.shape[-1] % group:
         raise ValueError(f"last dim {tuple(x.shape)[-1:]} is not a multiple of the quantisation group {group}")
     x = x.contiguous()
@@ -350,7 +351,7 @@ def fp4_fake_quant(x: Tensor, group: int, scale: str) -> Tensor:
 def rms_norm(x: Tensor, weight: Tensor, eps: float, round_bf16: bool = True) -> Tensor:
     """`ops.rms_norm` (round_bf16) / `attention.rms_norm_fp32` (not): x·rsqrt(mean(x²)+ε)·w in
     float64, rounded once to fp32 (then BF16); fp32 out. Bound: module doc, "fp64 results"."""
-    _check_device("rms_norm", x, weight)
+    check_device("rms_norm", x, weight)
     D = x.shape[-1]
     if weight.shape != (D,):
         raise ValueError(f"rms_norm: weight {tuple(weight.shape)} for rows of {D}")
@@ -370,7 +371,7 @@ def apply_rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: boo
                     round_bf16: bool = False) -> Tensor:
     """`ops.apply_rope_tail` (optionally followed by `ops.bf16`): x [T, ..., D], positions [T];
     the last 2·len(inv_freq) dims rotated in interleaved pairs; fp32 out. Bound: module doc."""
-    _check_device("apply_rope_tail", x, positions, inv_freq)
+    check_device("apply_rope_tail", x, positions, inv_freq)
     half = inv_freq.numel()
     D = x.shape[-1]
     if half & (half - 1) or 2 * half > D:
@@ -390,7 +391,7 @@ def apply_rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: boo
 def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
     """`moe.clamped_swiglu`: bf16(silu(min(bf16(g), L))·clamp(bf16(u), −L, L)), silu and product in
     float64; fp32 out. Bound: module doc, "fp64 results"."""
-    _check_device("clamped_swiglu", gate, up)
+    check_device("clamped_swiglu", gate, up)
     if gate.shape != up.shape:
         raise ValueError(f"clamped_swiglu: gate {tuple(gate.shape)} vs up {tuple(up.shape)}")
     gate, up = gate.contiguous(), up.contiguous()
@@ -407,7 +408,7 @@ def route_select(scores: Tensor, bias: Tensor, top_k: int, renorm_eps: float,
     """`moe.route` after `scores = sqrt_softplus(logits)` ([T, E] fp32): experts [T, k] int64 =
     `topk_lower_id_on_ties(scores + row_bias, k)` (exact: comparisons only) and weights [T, k]
     fp32 = chosen / (Σ chosen + renorm_eps) in float64 (bound: module doc, "fp64 results")."""
-    _check_device("route_select", scores, bias)
+    check_device("route_select", scores, bias)
     T, E = scores.shape
     if not 1 <= top_k <= E:
         raise ValueError(f"top-k of {top_k} out of {E} experts")
