@@ -142,6 +142,13 @@ def register_runtime_hooks() -> None:
     hooks.install_hooks(("runtime",))
 
 
+def register_hicache_strategy() -> None:
+    """Our HiCache host stack first in SGLang's hybrid-pool assembler (`runtime/hicache_stack.py`)."""
+    from .runtime import hicache_stack
+
+    hicache_stack.register()
+
+
 def register_api_if_present() -> bool:
     """Call `sglang_dsv41.api.register.register_api()` if that module is installed."""
     if importlib.util.find_spec(API_REGISTER_MODULE) is None:
@@ -173,6 +180,7 @@ def register() -> None:
         register_config()
         register_model()
         register_runtime_hooks()
+        register_hicache_strategy()
         register_graph_backend()
         register_server_defaults()
         register_api_if_present()

@@ -12,7 +12,8 @@ the unified radix tree with FULL + SWA components — and two HookRegistry entri
   cell row_stride + ratio · L · D · 2 (Flash 896 + 0.1 · 40,960 B) and splits it into full and
   SWA tokens with SGLang's own solver;
   it logs the global KV bytes per token. Refuses what the pool cannot be built for or serve yet
-  (non-bf16 KV, no hybrid-SWA memory, unified memory, a draft worker, HiCache, PD).
+  (non-bf16 KV, no hybrid-SWA memory, unified memory, a draft worker, PD, HiCache settings
+  `runtime/hicache_stack.check_hicache_flags` refuses).
 * `build_token_to_kv_pool_hook` — AROUND `KVCacheConfigurator._build_token_to_kv_pool`: builds
   `DeepseekV41KVPool` from those sizes, SGLang's page size and its `req_to_token` rows (the pair
   ring has one row each), with ring slots for the speculative draft tokens. Refuses a KV dtype
@@ -60,8 +61,9 @@ def check_pool_flags(kvc) -> None:
         raise _fail("speculative decoding with a draft worker is not supported by the V4.1 pool yet "
                     "(drop --speculative-algorithm)")
     if getattr(kvc.server_args, "enable_hierarchical_cache", False):
-        raise _fail("--enable-hierarchical-cache: HiCache host pools for the V4.1 pool are not built yet "
-                    "(SGLang's _SwaStrategy builds MHA host pools; docs/runtime.md \"KV pool\")")
+        from .hicache_stack import check_hicache_flags
+
+        check_hicache_flags(kvc.server_args)          # HiCache itself is served (runtime/hicache_stack.py)
     if getattr(kvc.server_args, "disaggregation_mode", "null") != "null":
         raise _fail("--disaggregation-mode: PD transfer of the V4.1 pool is not wired yet (SGLang's non-MLA path "
                     "splits the one global-KV buffer into K/V halves; docs/runtime.md \"KV pool\")")

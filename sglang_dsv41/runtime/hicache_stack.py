@@ -1,0 +1,130 @@
+"""HiCache for the V4.1 pool: our `StackStrategy`, registered first in SGLang 0.5.17's
+hybrid-pool assembler (`register_stack_strategy`; docs/hicache.md; spec integration.md §1.1–§1.3).
+
+`--enable-hierarchical-cache` on our `DeepseekV41KVPool` (a `SWAKVPool`, so a FULL + SWA unified
+radix tree) would otherwise get SGLang's generic `_SwaStrategy`, whose MHA host pools read K/V
+head dims our components do not have. Ours builds, from the pool's own components:
+
+| pool entry | host pool | device side | transfer layers |
+|---|---|---|---|
+| `PoolName.KV` (anchor) | `ComponentHostPool(full_kv_pool)` | the global KV rows (every buffer of the FULL component) | 0 |
+| `PoolName.SWA` | `ComponentHostPool(swa_kv_pool)` | SWA rows of model layer l, allocated through SGLang's `swa_attn_allocator` | 1 + l |
+
+Transfer layer ids are the pool's layer ids (`kv_pool.layers_mapping`), so the controller's
+per-layer load counter is what `DeepseekV41KVPool.wait_for_model_layer` waits on. The SWA entry is
+what keeps prefix hits exact (SGLang's SWA component restores the window from it); the request-scoped
+pair ring is not mirrored (a hit is page-aligned, so it starts at an even position with no pending pair).
+
+Sizing: `--hicache-ratio` × each component's device slots, or `--hicache-size` GB split between
+the two components in proportion to their device bytes (SGLang's rule for hybrid SWA stacks).
+Storage (L3): `STORAGE_BACKENDS` only; the start-up check (`check_hicache_flags`) refuses the rest.
+"""
+from __future__ import annotations
+
+import logging
+
+from sglang.srt.mem_cache.hicache_storage import PoolName
+from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
+    StackBuildResult,
+    StackStrategy,
+    _STRATEGIES,
+    build_pool_entry,
+    register_stack_strategy,
+)
+from sglang.srt.mem_cache.memory_pool_host import HostPoolGroup
+from sglang.srt.mem_cache.pool_host.common import get_allocator_type
+from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+from .hicache_host import HOST_LAYOUT, IO_BACKENDS, ComponentHostPool
+
+logger = logging.getLogger(__name__)
+#: L3 backends the V4.1 host pools serve (flat-page API only: no zero-copy page buffers).
+STORAGE_BACKENDS = ("file",)
+
+
+def check_hicache_flags(server_args) -> None:
+    """Start-up refusals of HiCache settings the V4.1 host pools cannot serve (each names the flag)."""
+    if not getattr(server_args, "enable_hierarchical_cache", False):
+        return
+    backend = getattr(server_args, "hicache_storage_backend", None)
+    if backend is not None and backend not in STORAGE_BACKENDS:
+        raise RuntimeError(f"sglang-dsv41: --hicache-storage-backend {backend}: the V4.1 host pools serve only "
+                           f"{list(STORAGE_BACKENDS)} (flat pages; docs/hicache.md)")
+    io = getattr(server_args, "hicache_io_backend", "kernel")
+    if io not in IO_BACKENDS:
+        raise RuntimeError(f"sglang-dsv41: --hicache-io-backend {io}: the V4.1 host pools copy with "
+                           f"{list(IO_BACKENDS)} only")
+    if getattr(server_args, "disaggregation_decode_enable_offload_kvcache", False):
+        raise RuntimeError("sglang-dsv41: --disaggregation-decode-enable-offload-kvcache is not supported with the "
+                           "V4.1 pool")
+
+
+def _host_sizes_gb(server_args, components) -> list[float]:
+    """`--hicache-size` GB split by device bytes, or zeros (then `--hicache-ratio` sizes each)."""
+    total_gb = float(getattr(server_args, "hicache_size", 0) or 0)
+    if total_gb <= 0:
+        return [0.0] * len(components)
+    device_bytes = [c.get_kv_size_bytes() for c in components]
+    return [total_gb * b / sum(device_bytes) for b in device_bytes]
+
+
+class DeepseekV41StackStrategy(StackStrategy):
+    """The V4.1 pool's host stack (module docstring)."""
+
+    def matches(self, kvcache, components) -> bool:
+        from .kv_pool import DeepseekV41KVPool
+
+        return isinstance(kvcache, DeepseekV41KVPool) and components == {ComponentType.FULL, ComponentType.SWA}
+
+    def build(self, *, cache, kvcache, params, server_args, load_cache_event, storage_backend=None,
+              storage_backend_extra_config=None, prefetch_threshold=256, model_name=None,
+              enable_storage_metrics=False) -> StackBuildResult:
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        check_hicache_flags(server_args)
+        if server_args.hicache_mem_layout != HOST_LAYOUT:
+            logger.info("sglang-dsv41 HiCache: the V4.1 host pools are %s (one host tensor per device buffer); "
+                        "--hicache-mem-layout %s does not apply to them", HOST_LAYOUT, server_args.hicache_mem_layout)
+        full, swa = kvcache.full_kv_pool, kvcache.swa_kv_pool
+        full_gb, swa_gb = _host_sizes_gb(server_args, (full, swa))
+        allocator_type = get_allocator_type(server_args)
+        ratio = server_args.hicache_ratio
+        full_host = ComponentHostPool(full, ratio=ratio, host_size_gb=full_gb, page_size=params.page_size,
+                                      allocator_type=allocator_type, label="full")
+        swa_host = ComponentHostPool(swa, ratio=ratio, host_size_gb=swa_gb, page_size=params.page_size,
+                                     allocator_type=allocator_type, label="swa")
+        full_map = {g: l for g, (l, is_swa) in kvcache.layers_mapping.items() if not is_swa}
+        swa_map = {g: l for g, (l, is_swa) in kvcache.layers_mapping.items() if is_swa}
+        layers = len(full_map | swa_map)
+        swa_allocator = params.token_to_kv_pool_allocator.swa_attn_allocator
+        group = HostPoolGroup([
+            build_pool_entry(name=PoolName.KV, host_pool=full_host, device_pool=full, layer_mapping=full_map,
+                             transfer_layer_num=layers, is_anchor=True),
+            build_pool_entry(name=PoolName.SWA, host_pool=swa_host, device_pool=swa, layer_mapping=swa_map,
+                             transfer_layer_num=layers,
+                             host_evict_fn=lambda n: cache.evict_host(n, ComponentType.SWA),
+                             device_evict_fn=lambda n: cache.evict(EvictParams(swa_num_tokens=n)),
+                             device_alloc_fn=swa_allocator.alloc, device_free_fn=swa_allocator.free),
+        ])
+        controller = HybridCacheController(
+            params.token_to_kv_pool_allocator, group, params.page_size, params.tp_cache_group,
+            load_cache_event=load_cache_event, attn_cp_group=params.attn_cp_cache_group,
+            attn_tp_group=params.attn_tp_cache_group, pp_group=params.pp_cache_group,
+            write_policy=server_args.hicache_write_policy, io_backend=server_args.hicache_io_backend,
+            storage_backend=storage_backend, prefetch_threshold=prefetch_threshold, model_name=model_name,
+            storage_backend_extra_config=storage_backend_extra_config, transfer_layer_num=layers,
+            enable_storage_metrics=enable_storage_metrics)
+        logger.info("sglang-dsv41 HiCache: host pools full %d slots x %d B, SWA %d slots x %d B (%d layers), "
+                    "io %s, write policy %s, storage %s", full_host.size, full_host.size_per_token, swa_host.size,
+                    swa_host.size_per_token, layers, server_args.hicache_io_backend,
+                    server_args.hicache_write_policy, storage_backend)
+        return StackBuildResult(host_pool_group=group, cache_controller=controller,
+                                component_host_pools={ComponentType.FULL: full_host, ComponentType.SWA: swa_host},
+                                transfer_layer_num=layers, pools_desc="sglang-dsv41 global KV rows + SWA rows")
+
+
+def register() -> None:
+    """Put `DeepseekV41StackStrategy` first in SGLang's strategy list (idempotent)."""
+    if not any(isinstance(s, DeepseekV41StackStrategy) for s in _STRATEGIES):
+        register_stack_strategy(DeepseekV41StackStrategy())

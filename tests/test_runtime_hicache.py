@@ -1,0 +1,186 @@
+"""HiCache host pools of the V4.1 pool (`runtime/hicache_host.py`) and our stack strategy
+(`runtime/hicache_stack.py`): page round trips device → host → device for every buffer of a
+component (one buffer or several of different widths and dtypes, as the FULL component has after
+the two-buffer split), per-layer loads touch only their layer, the flat-page API the file L3
+backend uses, sizing, the strategy's selection ahead of SGLang's `_SwaStrategy`, and the start-up
+refusals. The end-to-end server test is tests/test_runtime_hicache_server.py."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_dsv41.config import DeepseekV41Config
+from sglang_dsv41.presets import tiny_config_dict
+
+TINY = DeepseekV41Config.from_dict(tiny_config_dict(1000)).text
+PAGE = 2
+
+
+class _Component:
+    """A pool component as `kv_pool._RowsComponent` presents it (buffers, sizes, layers)."""
+
+    def __init__(self, widths_dtypes, *, size=32, layers=1, label="test"):
+        g = torch.Generator().manual_seed(len(widths_dtypes) + layers)
+        self.buffers = []
+        for w, d in widths_dtypes:
+            raw = torch.randint(0, 256, (size + PAGE, w * torch.empty(0, dtype=d).element_size()),
+                                dtype=torch.uint8, generator=g)
+            self.buffers.append(raw.view(d) if d != torch.uint8 else raw)
+        self.size, self.page_size, self.layer_num, self.device = size, PAGE, layers, "cpu"
+        self.store_dtype, self.start_layer, self.end_layer = widths_dtypes[0][1], 0, layers - 1
+        self.allocation_label = label
+        self.layer_shard_enabled = False
+
+
+def _host(component, ratio=2.0, size_gb=0.0):
+    from sglang_dsv41.runtime.hicache_host import ComponentHostPool
+
+    return ComponentHostPool(component, ratio=ratio, host_size_gb=size_gb, page_size=PAGE, label="test")
+
+
+COMPONENTS = {
+    "global-rows": ([(176, torch.uint8)], 1),
+    "two-buffers": ([(160, torch.uint8), (48, torch.bfloat16)], 1),      # latents + index keys
+    "swa": ([(96, torch.bfloat16)] * 3, 3),
+}
+
+
+@pytest.mark.parametrize("io", ["kernel", "direct"])
+@pytest.mark.parametrize("name", list(COMPONENTS))
+def test_page_round_trip_device_host_device(name, io) -> None:
+    buffers, layers = COMPONENTS[name]
+    comp = _Component(buffers, layers=layers)
+    host = _host(comp)
+    assert host.layout == "layer_first" and host.size >= 2 * comp.size
+    assert host.get_size_per_token() == sum(b[0].nbytes for b in comp.buffers)
+    want = [b.clone() for b in comp.buffers]
+    dev_slots = torch.tensor([6, 7, 2, 3, 20, 21])
+    host_slots = host.alloc(len(dev_slots))
+    assert host_slots is not None and len(host_slots) == 6
+    host.backup_from_device_all_layer(comp, host_slots, dev_slots, io)
+    for b in comp.buffers:
+        b.zero_()
+    new_slots = torch.tensor([10, 11, 30, 31, 4, 5])
+    for layer in range(layers):
+        host.load_to_device_per_layer(comp, host_slots, new_slots, layer, io)
+    for b, w in zip(comp.buffers, want):
+        assert torch.equal(b[new_slots].view(torch.uint8), w[dev_slots].view(torch.uint8))
+        untouched = torch.ones(len(b), dtype=torch.bool)
+        untouched[new_slots] = False
+        assert not b[untouched].view(torch.uint8).any()
+    assert host.free(host_slots) == 6
+
+
+def test_per_layer_load_touches_only_that_layers_buffers() -> None:
+    comp = _Component([(96, torch.bfloat16)] * 3, layers=3)
+    host = _host(comp)
+    slots = host.alloc(2)
+    host.backup_from_device_all_layer(comp, slots, torch.tensor([4, 5]), "direct")
+    for b in comp.buffers:
+        b.zero_()
+    host.load_to_device_per_layer(comp, slots, torch.tensor([8, 9]), 1, "direct")
+    assert comp.buffers[1][8:10].any() and not comp.buffers[0].any() and not comp.buffers[2].any()
+
+
+@pytest.mark.parametrize("name", list(COMPONENTS))
+def test_flat_page_api(name) -> None:
+    buffers, layers = COMPONENTS[name]
+    comp = _Component(buffers, layers=layers)
+    host = _host(comp)
+    slots = host.alloc(4)
+    host.backup_from_device_all_layer(comp, slots, torch.tensor([2, 3, 12, 13]), "direct")
+    page = host.get_data_page(slots[2])
+    assert page.dtype == torch.uint8 and page.numel() == host.page_bytes == PAGE * host.get_size_per_token()
+    assert host.get_dummy_flat_data_page().shape == page.shape
+    other = host.alloc(2)
+    host.set_from_flat_data_page(other[0], page.clone())
+    for h in host.kv_buffer:
+        assert torch.equal(h[other].view(torch.uint8), h[slots[2:]].view(torch.uint8))
+    expected = torch.cat([b[12:14].contiguous().view(torch.uint8).reshape(-1) for b in comp.buffers])
+    assert torch.equal(page, expected)                       # buffer order, page rows contiguous
+    with pytest.raises(ValueError, match="does not start a page"):
+        host.get_data_page(int(slots[0]) + 1)
+    with pytest.raises(ValueError, match="a page is"):
+        host.set_from_flat_data_page(other[0], page[:-1])
+
+
+def test_sizing_by_ratio_and_by_gigabytes() -> None:
+    from sglang_dsv41.runtime.hicache_stack import _host_sizes_gb
+
+    comp = _Component([(176, torch.uint8)], size=64)
+    assert _host(comp, ratio=3.0).size == 3 * 64 + PAGE                  # SGLang's rule: one page added
+    per_token = 176
+    assert _host(comp, size_gb=per_token * 100 / 1e9).size == 100 + PAGE
+    swa = _Component([(96, torch.bfloat16)] * 3, size=16, layers=3)
+    for c in (comp, swa):
+        c.get_kv_size_bytes = (lambda c=c: sum(b.nbytes for b in c.buffers))
+    full_gb, swa_gb = _host_sizes_gb(SimpleNamespace(hicache_size=2), (comp, swa))
+    assert full_gb + swa_gb == pytest.approx(2) and full_gb / swa_gb == pytest.approx(
+        comp.get_kv_size_bytes() / swa.get_kv_size_bytes())
+    assert _host_sizes_gb(SimpleNamespace(hicache_size=0), (comp, swa)) == [0.0, 0.0]
+
+
+def test_bad_io_backend_and_component_shapes_are_errors() -> None:
+    from sglang_dsv41.runtime.hicache_host import buffers_by_layer
+
+    comp = _Component([(176, torch.uint8)])
+    host = _host(comp)
+    with pytest.raises(ValueError, match="kernel_ascend"):
+        host.load_to_device_per_layer(comp, host.alloc(2), torch.tensor([2, 3]), 0, "kernel_ascend")
+    with pytest.raises(ValueError, match="2 host slots for 4 device slots"):
+        host.backup_from_device_all_layer(comp, host.alloc(2), torch.tensor([2, 3, 4, 5]), "direct")
+    assert buffers_by_layer(_Component([(8, torch.uint8)] * 2, layers=1)) == [[0, 1]]
+    with pytest.raises(ValueError, match="3 buffers for 2 layers"):
+        buffers_by_layer(_Component([(8, torch.uint8)] * 3, layers=2))
+    with pytest.raises(NotImplementedError, match="--hicache-storage-backend file"):
+        host.get_page_buffer_meta(torch.tensor([0, 1]))
+
+
+def test_the_v41_pool_components_are_mirrored_buffer_for_buffer() -> None:
+    from sglang_dsv41.runtime.kv_pool import DeepseekV41KVPool
+
+    pool = DeepseekV41KVPool(TINY, size=64, size_swa=32, page_size=PAGE, num_req_rows=3, device="cpu")
+    full, swa = _host(pool.full_kv_pool), _host(pool.swa_kv_pool)
+    assert [h.shape[1:] for h in full.kv_buffer] == [b.shape[1:] for b in pool.full_kv_pool.buffers]
+    assert full.buffers_of_layer == [list(range(len(pool.full_kv_pool.buffers)))]
+    assert swa.buffers_of_layer == [[l] for l in range(TINY.num_hidden_layers)]
+    assert [h.dtype for h in swa.kv_buffer] == [torch.bfloat16] * TINY.num_hidden_layers
+
+
+# ---- the strategy -------------------------------------------------------------------------------
+
+def test_our_strategy_is_selected_for_our_pool_ahead_of_sglangs() -> None:
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _STRATEGIES, _SwaStrategy, _select_strategy
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    from sglang_dsv41.runtime import hicache_stack
+    from sglang_dsv41.runtime.kv_pool import DeepseekV41KVPool
+
+    hicache_stack.register()
+    hicache_stack.register()                                  # idempotent
+    ours = [s for s in _STRATEGIES if isinstance(s, hicache_stack.DeepseekV41StackStrategy)]
+    assert len(ours) == 1 and _STRATEGIES.index(ours[0]) < min(
+        i for i, s in enumerate(_STRATEGIES) if isinstance(s, _SwaStrategy))
+    pool = DeepseekV41KVPool(TINY, size=64, size_swa=32, page_size=PAGE, num_req_rows=3, device="cpu")
+    both = {ComponentType.FULL, ComponentType.SWA}
+    assert isinstance(_select_strategy(pool, both), hicache_stack.DeepseekV41StackStrategy)
+    assert not ours[0].matches(pool, {ComponentType.FULL})
+    assert not ours[0].matches(SimpleNamespace(), both)
+
+
+@pytest.mark.parametrize("over,flag", [
+    (dict(hicache_storage_backend="mooncake"), "--hicache-storage-backend mooncake"),
+    (dict(hicache_storage_backend="hf3fs"), "--hicache-storage-backend hf3fs"),
+    (dict(hicache_io_backend="kernel_ascend"), "--hicache-io-backend kernel_ascend"),
+    (dict(disaggregation_decode_enable_offload_kvcache=True), "--disaggregation-decode-enable-offload-kvcache"),
+])
+def test_unsupported_hicache_settings_are_refused_naming_the_flag(over, flag) -> None:
+    from sglang_dsv41.runtime.hicache_stack import check_hicache_flags
+
+    args = SimpleNamespace(enable_hierarchical_cache=True, hicache_storage_backend=None, hicache_io_backend="kernel")
+    check_hicache_flags(args)                                   # L2 alone: served
+    check_hicache_flags(SimpleNamespace(**{**vars(args), "hicache_storage_backend": "file"}))
+    with pytest.raises(RuntimeError, match=flag):
+        check_hicache_flags(SimpleNamespace(**{**vars(args), **over}))
