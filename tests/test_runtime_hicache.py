@@ -106,20 +106,21 @@ def test_flat_page_api(name) -> None:
         host.set_from_flat_data_page(other[0], page[:-1])
 
 
-def test_sizing_by_ratio_and_by_gigabytes() -> None:
-    from sglang_dsv41.runtime.hicache_stack import _host_sizes_gb
+def test_both_host_pools_get_the_same_slot_count() -> None:
+    """Equal slot counts (hicache_stack "Sizing"): by ratio of the FULL device slots, or by GB over
+    one token's bytes of both components; exact through SGLang's GB → slots rounding."""
+    from sglang_dsv41.runtime.hicache_stack import _gb_for, host_slots
 
-    comp = _Component([(176, torch.uint8)], size=64)
-    assert _host(comp, ratio=3.0).size == 3 * 64 + PAGE                  # SGLang's rule: one page added
-    per_token = 176
-    assert _host(comp, size_gb=per_token * 100 / 1e9).size == 100 + PAGE
+    full = _Component([(176, torch.uint8)], size=64)
     swa = _Component([(96, torch.bfloat16)] * 3, size=16, layers=3)
-    for c in (comp, swa):
-        c.get_kv_size_bytes = (lambda c=c: sum(b.nbytes for b in c.buffers))
-    full_gb, swa_gb = _host_sizes_gb(SimpleNamespace(hicache_size=2), (comp, swa))
-    assert full_gb + swa_gb == pytest.approx(2) and full_gb / swa_gb == pytest.approx(
-        comp.get_kv_size_bytes() / swa.get_kv_size_bytes())
-    assert _host_sizes_gb(SimpleNamespace(hicache_size=0), (comp, swa)) == [0.0, 0.0]
+    assert host_slots(SimpleNamespace(hicache_size=0, hicache_ratio=3.0), full, swa) == 192
+    per_token = 176 + 3 * 96 * 2
+    assert host_slots(SimpleNamespace(hicache_size=per_token * 100 / 1e9, hicache_ratio=2.0), full, swa) == 100
+    for slots in (100, 192, 12345):
+        sizes = {_host(c, size_gb=_gb_for(slots, c)).size for c in (full, swa)}
+        assert sizes == {slots // PAGE * PAGE + PAGE}                 # SGLang adds one page
+    with pytest.raises(RuntimeError, match="--hicache-size or --hicache-ratio"):
+        host_slots(SimpleNamespace(hicache_size=0, hicache_ratio=0.01), full, swa)
 
 
 def test_bad_io_backend_and_component_shapes_are_errors() -> None:

@@ -271,7 +271,8 @@ def test_sglang_sizes_the_flash_pool_with_896_byte_rows(tmp_path: Path, caplog) 
         pool_configurator.create_memory_pool_configurator(_kvc(mc, kv_cache_dtype=torch.float8_e4m3fn))
     with pytest.raises(RuntimeError, match="--disable-hybrid-swa-memory"):
         pool_configurator.create_memory_pool_configurator(_kvc(mc, is_hybrid_swa=False))
-    for flag, over in (("--enable-hierarchical-cache", dict(enable_hierarchical_cache=True)),
+    for flag, over in (("--hicache-storage-backend mooncake",
+                        dict(enable_hierarchical_cache=True, hicache_storage_backend="mooncake")),
                        ("--disaggregation-mode", dict(disaggregation_mode="prefill"))):
         args = SimpleNamespace(swa_full_tokens_ratio=0.1, speculative_algorithm=None, **over)
         with pytest.raises(RuntimeError, match=flag):

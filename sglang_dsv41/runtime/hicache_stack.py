@@ -15,8 +15,16 @@ per-layer load counter is what `DeepseekV41KVPool.wait_for_model_layer` waits on
 what keeps prefix hits exact (SGLang's SWA component restores the window from it); the request-scoped
 pair ring is not mirrored (a hit is page-aligned, so it starts at an even position with no pending pair).
 
-Sizing: `--hicache-ratio` × each component's device slots, or `--hicache-size` GB split between
-the two components in proportion to their device bytes (SGLang's rule for hybrid SWA stacks).
+Sizing: both host pools get the SAME number of slots — `--hicache-ratio` × the FULL component's
+device slots, or `--hicache-size` GB / (bytes of one token's global rows + SWA rows). SGLang's
+generic rule (each host pool = ratio × its own device pool) leaves the SWA host pool
+`--swa-full-tokens-ratio` times smaller than the full one, while a backup copies every SWA row a
+node still holds on device (a whole prompt when it was just prefilled): SWA host space then runs
+out first, the SWA host LRU drops the windows of older prefixes whose global rows are still on the
+host, and the SWA match validator vetoes every such hit — 0 cached tokens (SGLang#35129's shape).
+A node's SWA host rows are a subset of its tokens, and a node keeps host SWA rows only while its
+global rows are on the host, so with equal slot counts the SWA host pool can never be the one
+that is full.
 Storage (L3): `STORAGE_BACKENDS` only; the start-up check (`check_hicache_flags`) refuses the rest.
 """
 from __future__ import annotations
@@ -60,13 +68,29 @@ def check_hicache_flags(server_args) -> None:
                            "V4.1 pool")
 
 
-def _host_sizes_gb(server_args, components) -> list[float]:
-    """`--hicache-size` GB split by device bytes, or zeros (then `--hicache-ratio` sizes each)."""
-    total_gb = float(getattr(server_args, "hicache_size", 0) or 0)
-    if total_gb <= 0:
-        return [0.0] * len(components)
-    device_bytes = [c.get_kv_size_bytes() for c in components]
-    return [total_gb * b / sum(device_bytes) for b in device_bytes]
+def _token_bytes(component) -> int:
+    """Bytes of one slot across every buffer (all layers) of a pool component."""
+    return sum(b[0].nbytes for b in component.buffers)
+
+
+def host_slots(server_args, full, swa) -> int:
+    """Host slots of BOTH host pools (the same count, module docstring "Sizing"): `--hicache-size`
+    GB divided by the bytes of one host token (global rows + every SWA layer), else
+    `--hicache-ratio` × the FULL component's device slots."""
+    size_gb = float(getattr(server_args, "hicache_size", 0) or 0)
+    if size_gb > 0:
+        slots = int(size_gb * 1e9 // (_token_bytes(full) + _token_bytes(swa)))
+    else:
+        slots = int(full.size * server_args.hicache_ratio)
+    if slots < full.page_size:
+        raise RuntimeError(f"sglang-dsv41: the HiCache host tier holds {slots} tokens (< one page): raise "
+                           "--hicache-size or --hicache-ratio")
+    return slots
+
+
+def _gb_for(slots: int, component) -> float:
+    """`host_size` (GB) that SGLang's `HostKVCache` turns into exactly `slots` slots of `component`."""
+    return (slots + 0.5) * _token_bytes(component) / 1e9
 
 
 class DeepseekV41StackStrategy(StackStrategy):
@@ -87,13 +111,11 @@ class DeepseekV41StackStrategy(StackStrategy):
             logger.info("sglang-dsv41 HiCache: the V4.1 host pools are %s (one host tensor per device buffer); "
                         "--hicache-mem-layout %s does not apply to them", HOST_LAYOUT, server_args.hicache_mem_layout)
         full, swa = kvcache.full_kv_pool, kvcache.swa_kv_pool
-        full_gb, swa_gb = _host_sizes_gb(server_args, (full, swa))
+        slots = host_slots(server_args, full, swa)
         allocator_type = get_allocator_type(server_args)
-        ratio = server_args.hicache_ratio
-        full_host = ComponentHostPool(full, ratio=ratio, host_size_gb=full_gb, page_size=params.page_size,
-                                      allocator_type=allocator_type, label="full")
-        swa_host = ComponentHostPool(swa, ratio=ratio, host_size_gb=swa_gb, page_size=params.page_size,
-                                     allocator_type=allocator_type, label="swa")
+        full_host, swa_host = (ComponentHostPool(c, ratio=server_args.hicache_ratio, host_size_gb=_gb_for(slots, c),
+                                                 page_size=params.page_size, allocator_type=allocator_type, label=n)
+                               for c, n in ((full, "full"), (swa, "swa")))
         full_map = {g: l for g, (l, is_swa) in kvcache.layers_mapping.items() if not is_swa}
         swa_map = {g: l for g, (l, is_swa) in kvcache.layers_mapping.items() if is_swa}
         layers = len(full_map | swa_map)
