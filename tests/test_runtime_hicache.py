@@ -172,6 +172,7 @@ def test_our_strategy_is_selected_for_our_pool_ahead_of_sglangs() -> None:
 
 
 @pytest.mark.parametrize("over,flag", [
+    (dict(hicache_storage_backend="file"), "--hicache-storage-backend file"),
     (dict(hicache_storage_backend="mooncake"), "--hicache-storage-backend mooncake"),
     (dict(hicache_storage_backend="hf3fs"), "--hicache-storage-backend hf3fs"),
     (dict(hicache_io_backend="kernel_ascend"), "--hicache-io-backend kernel_ascend"),
@@ -182,6 +183,37 @@ def test_unsupported_hicache_settings_are_refused_naming_the_flag(over, flag) ->
 
     args = SimpleNamespace(enable_hierarchical_cache=True, hicache_storage_backend=None, hicache_io_backend="kernel")
     check_hicache_flags(args)                                   # L2 alone: served
-    check_hicache_flags(SimpleNamespace(**{**vars(args), "hicache_storage_backend": "file"}))
     with pytest.raises(RuntimeError, match=flag):
         check_hicache_flags(SimpleNamespace(**{**vars(args), **over}))
+
+
+def test_pages_round_trip_through_sglangs_file_backend(tmp_path, monkeypatch) -> None:
+    """The L3 `file` backend (SGLang's `HiCacheFile`, v2 per-pool API) writes our flat pages of
+    both pools and reads them back into other host slots byte for byte."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig, PoolName, PoolTransfer
+
+    monkeypatch.delenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", raising=False)
+    full = _Component([(160, torch.uint8), (48, torch.bfloat16)], layers=1, label="full")
+    swa = _Component([(96, torch.bfloat16)] * 3, layers=3, label="swa")
+    hosts = {PoolName.KV: (_host(full), full), PoolName.SWA: (_host(swa), swa)}
+    config = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                  is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
+                                  model_name="tiny")
+    store = HiCacheFile(config, file_path=str(tmp_path))
+    written, read = {}, {}
+    for name, (host, comp) in hosts.items():
+        store.register_mem_host_pool_v2(host, name)
+        written[name] = host.alloc(4)
+        host.backup_from_device_all_layer(comp, written[name], torch.tensor([2, 3, 14, 15]), "direct")
+        read[name] = host.alloc(4)
+    keys = ["page-a", "page-b"]
+    ok = store.batch_set_v2([PoolTransfer(name=n, host_indices=written[n], keys=keys) for n in hosts])
+    assert ok == {PoolName.KV: [True, True], PoolName.SWA: [True, True]}
+    assert len(list(tmp_path.iterdir())) == 4
+    ok = store.batch_get_v2([PoolTransfer(name=n, host_indices=read[n], keys=keys) for n in hosts])
+    assert ok == {PoolName.KV: [True, True], PoolName.SWA: [True, True]}
+    for name, (host, _) in hosts.items():
+        for h in host.kv_buffer:
+            assert torch.equal(h[read[name]].view(torch.uint8), h[written[name]].view(torch.uint8))
+    missing = store.batch_get_v2([PoolTransfer(name=PoolName.KV, host_indices=read[PoolName.KV][:2], keys=["none"])])
+    assert missing == {PoolName.KV: [False]}

@@ -25,7 +25,7 @@ host, and the SWA match validator vetoes every such hit — 0 cached tokens (SGL
 A node's SWA host rows are a subset of its tokens, and a node keeps host SWA rows only while its
 global rows are on the host, so with equal slot counts the SWA host pool can never be the one
 that is full.
-Storage (L3): `STORAGE_BACKENDS` only; the start-up check (`check_hicache_flags`) refuses the rest.
+Storage (L3): not served yet (`STORAGE_BACKENDS`); the start-up check (`check_hicache_flags`) refuses it.
 """
 from __future__ import annotations
 
@@ -47,8 +47,9 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from .hicache_host import HOST_LAYOUT, IO_BACKENDS, ComponentHostPool
 
 logger = logging.getLogger(__name__)
-#: L3 backends the V4.1 host pools serve (flat-page API only: no zero-copy page buffers).
-STORAGE_BACKENDS = ("file",)
+#: L3 backends served. None yet: the host pools' flat pages round-trip through SGLang's `file`
+#: backend (tests/test_runtime_hicache.py), but no server run covers L3 (prefetch, restart reload).
+STORAGE_BACKENDS: tuple[str, ...] = ()
 
 
 def check_hicache_flags(server_args) -> None:
@@ -57,8 +58,8 @@ def check_hicache_flags(server_args) -> None:
         return
     backend = getattr(server_args, "hicache_storage_backend", None)
     if backend is not None and backend not in STORAGE_BACKENDS:
-        raise RuntimeError(f"sglang-dsv41: --hicache-storage-backend {backend}: the V4.1 host pools serve only "
-                           f"{list(STORAGE_BACKENDS)} (flat pages; docs/hicache.md)")
+        raise RuntimeError(f"sglang-dsv41: --hicache-storage-backend {backend}: HiCache L3 (storage) is not served "
+                           "for the V4.1 pool yet; drop the flag to serve the host tier (L2) alone (docs/hicache.md)")
     io = getattr(server_args, "hicache_io_backend", "kernel")
     if io not in IO_BACKENDS:
         raise RuntimeError(f"sglang-dsv41: --hicache-io-backend {io}: the V4.1 host pools copy with "
