@@ -12,11 +12,13 @@ scheduler process (runtime.md §B "The general-purpose hook"; cpu.md §4). It re
    `KVCacheConfigurator._build_token_to_kv_pool`; `runtime/kv_pool.py`), and the paged
    allocator's `alloc_extend` / `alloc_decode` run in torch on CPU servers (SGLang's are Triton
    kernels);
-4. the attention backend `dsv41` (`runtime/graph_backend.py`: torch_native plus the decode
+4. our HiCache stack strategy, first in SGLang's hybrid-pool assembler (`runtime/hicache_stack.py`;
+   docs/hicache.md), so `--enable-hierarchical-cache` mirrors the V4.1 pool in host pools of ours;
+5. the attention backend `dsv41` (`runtime/graph_backend.py`: torch_native plus the decode
    CUDA-graph hooks) in SGLang's `--attention-backend` choices and backend registry;
-5. the chat API (`sglang_dsv41.api.register.register_api()`: parsers and chat hooks), when that
+6. the chat API (`sglang_dsv41.api.register.register_api()`: parsers and chat hooks), when that
    module is installed;
-6. the model's server-argument defaults in SGLang's override registry and its start-up refusals
+7. the model's server-argument defaults in SGLang's override registry and its start-up refusals
    (`sglang_dsv41/overrides.py`; its hook is one of the runtime area's), so a plain
    `python -m sglang.launch_server --model-path <V4.1>` needs no extra flag.
 
