@@ -64,8 +64,8 @@ def check_pool_flags(kvc) -> None:
         raise _fail("--enable-hierarchical-cache: HiCache host pools for the V4.1 pool are not built yet "
                     "(SGLang's _SwaStrategy builds MHA host pools; docs/runtime.md \"KV pool\")")
     if getattr(kvc.server_args, "disaggregation_mode", "null") != "null":
-        raise _fail("--disaggregation-mode: PD transfer of the V4.1 pool is not wired yet (SGLang's non-MLA path "
-                    "splits the one global-KV buffer into K/V halves; docs/runtime.md \"KV pool\")")
+        raise _fail("--disaggregation-mode: PD transfer of the V4.1 pool is not wired yet (the pair ring's "
+                    "state indices and a layout check between the peers; docs/runtime.md \"KV pool\")")
     if getattr(kvc.server_args, "enable_unified_memory", False):
         raise _fail("--enable-unified-memory builds SGLang's own pools, not the V4.1 pool: drop the flag")
     if kvc.kv_cache_dtype != KV_DTYPE:
@@ -81,8 +81,9 @@ def draft_tokens(server_args) -> int:
 
 
 class DeepseekV41PoolConfigurator(HybridSWAPoolConfigurator):
-    """SGLang's hybrid-SWA sizing with the V4.1 pool's honest per-token bytes: one global row
-    (row_stride) per full token, L bf16 SWA rows of D per SWA token, `--swa-full-tokens-ratio`
+    """SGLang's hybrid-SWA sizing with the V4.1 pool's honest per-token bytes: a latent row and an
+    index-key row of global KV per full token (`kv_rows.text_row_stride_bytes`), L bf16 SWA rows of D
+    per SWA token, `--swa-full-tokens-ratio`
     SWA tokens per full token. The solver (`_solve_pool_sizes`) is SGLang's."""
 
     def __init__(self, kvc, text: TextConfig) -> None:
