@@ -148,6 +148,14 @@ def test_the_v41_pool_components_are_mirrored_buffer_for_buffer() -> None:
     assert full.buffers_of_layer == [list(range(len(pool.full_kv_pool.buffers)))]
     assert swa.buffers_of_layer == [[l] for l in range(TINY.num_hidden_layers)]
     assert [h.dtype for h in swa.kv_buffer] == [torch.bfloat16] * TINY.num_hidden_layers
+    comp = pool.full_kv_pool
+    for b in comp.buffers:
+        b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8).view(b.dtype))
+    want = [b[[4, 5]].clone() for b in comp.buffers]
+    slots = full.alloc(2)
+    full.backup_from_device_all_layer(comp, slots, torch.tensor([4, 5]), "kernel")
+    full.load_to_device_per_layer(comp, slots, torch.tensor([8, 9]), 0, "kernel")
+    assert all(torch.equal(b[[8, 9]], w) for b, w in zip(comp.buffers, want))
 
 
 # ---- the strategy -------------------------------------------------------------------------------
