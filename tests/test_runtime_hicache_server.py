@@ -38,7 +38,7 @@ pytestmark = pytest.mark.slow
 POLICY = os.environ.get("HICACHE_E2E_POLICY", "write_back")
 FLAGS = {
     "write_back": ["--hicache-write-policy", "write_back", "--hicache-io-backend", "direct",
-                   "--hicache-size", "0.004"],
+                   "--hicache-size", "1"],
     "write_through": ["--hicache-write-policy", "write_through", "--hicache-io-backend", "kernel",
                       "--hicache-ratio", "4"],
 }
