@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # H200 (one GPU), one device call: HiCache L2 with the V4.1 pool (docs/hicache.md, issue 14).
-# For each setting (write_through + io kernel + --hicache-ratio; write_back + io direct + --hicache-size):
+# For each setting (write_through with io kernel + --hicache-ratio, and with io direct + --hicache-size):
 # plain `python -m sglang.launch_server --model-path <tiny> --enable-hierarchical-cache ...` with a
 # 512-token device pool; a long prompt cold, 6 other prompts that evict it, the long prompt again:
 # report cached_tokens (device / host), greedy equality and max |dlogprob| vs the cold run.
@@ -59,5 +59,5 @@ PY
   echo "RESULT hicache_$name up=$up ok=$ok at $((SECONDS - T0)) s"
 }
 run_setting write_through --hicache-write-policy write_through --hicache-io-backend kernel --hicache-ratio 4
-run_setting write_back --hicache-write-policy write_back --hicache-io-backend direct --hicache-size 1
+run_setting direct_size --hicache-write-policy write_through --hicache-io-backend direct --hicache-size 1
 exit $fails

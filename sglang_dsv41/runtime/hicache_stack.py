@@ -50,6 +50,10 @@ logger = logging.getLogger(__name__)
 #: L3 backends served. None yet: the host pools' flat pages round-trip through SGLang's `file`
 #: backend (tests/test_runtime_hicache.py), but no server run covers L3 (prefetch, restart reload).
 STORAGE_BACKENDS: tuple[str, ...] = ()
+#: Write policies served. write_back backs a node up only when the device evicts it; by then the
+#: small SWA device pool has dropped its window, the backup holds no SWA rows and the match
+#: validator vetoes every host hit (measured: 0 cached tokens). write_through_selective is untested.
+WRITE_POLICIES = ("write_through",)
 
 
 def check_hicache_flags(server_args) -> None:
@@ -60,6 +64,11 @@ def check_hicache_flags(server_args) -> None:
     if backend is not None and backend not in STORAGE_BACKENDS:
         raise RuntimeError(f"sglang-dsv41: --hicache-storage-backend {backend}: HiCache L3 (storage) is not served "
                            "for the V4.1 pool yet; drop the flag to serve the host tier (L2) alone (docs/hicache.md)")
+    policy = getattr(server_args, "hicache_write_policy", "write_through")
+    if policy not in WRITE_POLICIES:
+        raise RuntimeError(f"sglang-dsv41: --hicache-write-policy {policy}: the V4.1 pool serves HiCache with "
+                           f"{list(WRITE_POLICIES)} only (write_back backs a prefix up when the device evicts it, "
+                           "after its SWA window is gone, so it never hits; docs/hicache.md)")
     io = getattr(server_args, "hicache_io_backend", "kernel")
     if io not in IO_BACKENDS:
         raise RuntimeError(f"sglang-dsv41: --hicache-io-backend {io}: the V4.1 host pools copy with "
