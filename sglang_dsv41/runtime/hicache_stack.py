@@ -50,9 +50,9 @@ logger = logging.getLogger(__name__)
 #: L3 backends served. None yet: the host pools' flat pages round-trip through SGLang's `file`
 #: backend (tests/test_runtime_hicache.py), but no server run covers L3 (prefetch, restart reload).
 STORAGE_BACKENDS: tuple[str, ...] = ()
-#: Write policies served. write_back backs a node up only when the device evicts it; by then the
-#: small SWA device pool has dropped its window, the backup holds no SWA rows and the match
-#: validator vetoes every host hit (measured: 0 cached tokens). write_through_selective is untested.
+#: Write policies served. write_back gave 0 host hits on CPU (docs/hicache.md; inferred cause: a node
+#: is backed up only when the device evicts it, after the small SWA pool dropped its window, so the
+#: match validator vetoes the hit). write_through_selective is untested.
 WRITE_POLICIES = ("write_through",)
 
 
