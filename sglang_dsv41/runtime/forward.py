@@ -38,6 +38,7 @@ from .backend import ComputeBackend, backend_for
 from .batch import BatchLayout
 from .cache import RuntimeCaches
 from .engram_history import history_tail
+from .indexer_stats import IndexerSelectionStats
 from .layers import DeepseekV41DecoderLayer, ForwardStep, OwnedTensors, RMSNorm
 from .mhc_ops import mhc_for
 from .moe_ops import moe_for
@@ -99,6 +100,7 @@ class TorchForward(nn.Module):
         #: per-ratio RoPE inverse frequencies on the model device, made once (no host → device
         #: copy inside a forward: CUDA graphs cannot capture one)
         self.inv_freq = {r: layer_inv_freq(self.text, r).to(device) for r in sorted({x.ratio for x in self.roles})}
+        self.selection_stats = IndexerSelectionStats(self.text.index_topk, tp.rank)
 
     def remap_ids(self, ids: Tensor) -> Tensor:
         """Language-model ids (spec §3.1 item 3), the reference's rule."""
@@ -196,6 +198,8 @@ class TorchForward(nn.Module):
         for layer in self.layers:
             R, carried_pre = layer(R, carried_pre, step)
         assert carried_pre is not None
+        if not layout.static:                           # a graph capture must not sync with the host
+            self.selection_stats.observe(step.scratch.selections, N)
         return self.norm(self.mhc.collapse(R, carried_pre), self.backend)
 
     def forward(self, input_ids: Tensor, layout: BatchLayout, caches: RuntimeCaches) -> Tensor:
