@@ -87,7 +87,8 @@ def _repo_frame() -> str:
 
 @pytest.fixture(scope="module")
 def weights(tiny_checkpoint):
-    """(config, dequantised CPU weights = the reference's, FP8-kept weights on DEVICE, hasher)."""
+    """(config, dequantised CPU weights = the reference's, FP8-kept weights on DEVICE — routed
+    experts MXFP4 on CUDA, as the CUDA MoE needs them —, hasher)."""
     from sglang_dsv41.checkpoint.reader import CheckpointReader
     from sglang_dsv41.config import DeepseekV41Config
     from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
@@ -99,7 +100,7 @@ def weights(tiny_checkpoint):
         stored = {name: reader.get(name) for name in reader.names()}
     with fp32_default_dtype():
         exact = runtime_weights(stored, cfg, CPU, experts_mxfp4=False)
-        fp8 = runtime_weights(stored, cfg, DEVICE, experts_mxfp4=False, dense_fp8=True)
+        fp8 = runtime_weights(stored, cfg, DEVICE, experts_mxfp4=DEVICE.type == "cuda", dense_fp8=True)
     token_map, _ = compressed_token_map(_load_fast_tokenizer(tiny_checkpoint))
     return cfg, exact, fp8, EngramHasher.from_config(cfg, token_map)
 
