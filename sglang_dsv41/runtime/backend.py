@@ -16,14 +16,18 @@ sqrt-softplus): float64 only on `exact`; fp32 on `torch` and `triton` (issue 21:
 the GPU path; bounded by the numerics contract, docs/runtime.md).
 
 FP8 dense linears on `triton` (`fp8_gemm`, FP8_GEMMS; spec §3.8, issue 21):
-* `w8a8` (serving default): `kernels.fp8_w8a8` — activations quantised per 1×32 to E4M3 with
-  UE8M0 scales inside the GEMM, E4M3 tensor-core products, fp32 sums, BF16 out (upstream's
-  Hopper numerics); `wo_a` is one grouped launch with `act_quant=False` (W8A16 arithmetic, as the
-  reference). Bound: kernels/fp8_w8a8.py. Its row tiers use different MMA instructions, so a
-  row's bits depend on the batch size (not batch invariant);
-* `w8a16` (`--enable-deterministic-inference`, or SGLANG_DSV41_FP8_GEMM=w8a16 for comparisons):
-  fake-quantised activations times the dequantised tile in BF16 (`kernels.fp8_linear`, one fixed
-  launch configuration: row invariant), `wo_a` one launch per group. Bound: dense_ops GEMM_BOUND.
+* `tiered` (serving default): W8A16 arithmetic (fake-quantised activations times the
+  dequantised tile, fp32 sums) in two implementations by row count — below
+  `kernels.fp8_w8a8.BF16_GEMM_MIN_ROWS` rows the `w8a16` kernel, from there the BF16-copy cuBLAS
+  form of `kernels.fp8_w8a8` (prefill). Within the contract; a row's bits depend on which tier
+  its batch took (not batch invariant);
+* `w8a16` (`--enable-deterministic-inference`): `kernels.fp8_linear` at every row count, one fixed
+  launch configuration (row invariant), `wo_a` one launch per group. Bound: dense_ops GEMM_BOUND;
+* `w8a8` (opt-in, SGLANG_DSV41_FP8_GEMM=w8a8): `kernels.fp8_w8a8` at every row count —
+  activations quantised per 1×32 to E4M3 with UE8M0 scales inside the GEMM, E4M3 tensor-core
+  products (upstream's Hopper numerics); `wo_a` one grouped launch with `act_quant=False`. Its
+  end-to-end agreement with the reference is below the contract's (docs/runtime.md "Numerics
+  contract"), so it is not the default.
 Weights not held as E4M3 tiles (BF16 copies, fp32) go through `matmul` in either mode.
 
 The registry (`BACKENDS`) maps names to classes; an unknown device or name raises.
@@ -43,7 +47,7 @@ from ..numerics.rope import apply_rope_tail, rope_cos_sin_fp32
 
 F32, F64 = torch.float32, torch.float64
 #: FP8 dense-linear arithmetics of the CUDA backend (module doc), and the variable that picks one
-FP8_GEMMS = ("w8a8", "w8a16")
+FP8_GEMMS = ("tiered", "w8a16", "w8a8")
 FP8_GEMM_ENV = "SGLANG_DSV41_FP8_GEMM"
 
 
@@ -251,7 +255,7 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
     name = "triton"
     acc = F32
 
-    def __init__(self, dense, device_types: tuple[str, ...] = ("cuda",), fp8_gemm: str = "w8a8") -> None:
+    def __init__(self, dense, device_types: tuple[str, ...] = ("cuda",), fp8_gemm: str = "tiered") -> None:
         from ..kernels import engram_gate as eg
         from ..kernels import fused_elementwise as fe
 
@@ -262,23 +266,27 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
         self.fe, self.eg, self.dense, self.device_types = fe, eg, dense, tuple(device_types)
         self.fp8_gemm = fp8_gemm
 
-    def _w8a8_operand(self, weight: Tensor):
-        """The E4M3 tiles (`dense_ops.Fp8Weight`) of `weight` when FP8 linears run W8A8, else None
-        (w8a16 mode, or a weight the dense products hold as BF16 / fp32)."""
-        if self.fp8_gemm != "w8a8":
+    def _w8a8_operand(self, weight: Tensor, x: Tensor):
+        """The E4M3 tiles (`dense_ops.Fp8Weight`) of `weight` when this product runs
+        `kernels.fp8_w8a8` (`w8a8`; `tiered` from BF16_GEMM_MIN_ROWS rows of `x`), else None (the
+        `w8a16` kernel, or a weight the dense products hold as BF16 / fp32)."""
+        from ..kernels.fp8_w8a8 import BF16_GEMM_MIN_ROWS
+
+        rows = x.numel() // max(x.shape[-1], 1)
+        if not (self.fp8_gemm == "w8a8" or (self.fp8_gemm == "tiered" and rows >= BF16_GEMM_MIN_ROWS)):
             return None
         fp8_operand = getattr(self.dense, "fp8_operand", None)      # test doubles hold no E4M3 tiles
         return None if fp8_operand is None else fp8_operand(weight)
 
     def linear_fp8(self, x: Tensor, weight: Tensor, act_quant: bool = True) -> Tensor:
-        w = self._w8a8_operand(weight)
+        w = self._w8a8_operand(weight, x)
         if w is None:
             return super().linear_fp8(x, weight, act_quant)
         return self.dense.w8a8(x, w, act_quant=act_quant, groups=1)
 
     def linear_bf16_grouped(self, x: Tensor, weight: Tensor, groups: int) -> Tensor:
         _group_shape(x, weight, groups)
-        w = self._w8a8_operand(weight)
+        w = self._w8a8_operand(weight, x)
         if w is None:
             return super().linear_bf16_grouped(x, weight, groups)
         return self.dense.w8a8(x, w, act_quant=False, groups=groups)
@@ -319,11 +327,11 @@ BACKENDS: dict[str, type[ComputeBackend]] = {"torch": FastTorchBackend, "exact":
 
 def fp8_gemm_for(deterministic: bool) -> str:
     """The CUDA backend's FP8 linear arithmetic (module doc): SGLANG_DSV41_FP8_GEMM when set (an
-    unknown value raises), else `w8a16` when `deterministic` (row invariant), else `w8a8`."""
+    unknown value raises), else `w8a16` when `deterministic` (row invariant), else `tiered`."""
     chosen = os.environ.get(FP8_GEMM_ENV, "").strip().lower()
     if chosen and chosen not in FP8_GEMMS:
         raise ValueError(f"{FP8_GEMM_ENV}={chosen!r}: expected one of {FP8_GEMMS}")
-    return chosen or ("w8a16" if deterministic else "w8a8")
+    return chosen or ("w8a16" if deterministic else "tiered")
 
 
 def backend_for(device: torch.device, weights: Mapping[str, object], deterministic: bool = True) -> ComputeBackend:
