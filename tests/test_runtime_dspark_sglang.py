@@ -122,13 +122,17 @@ def test_dspark_refusals(hf):
                                                                               text, "cpu"))
 
 
-def test_pool_still_refuses_a_draft_worker():
-    """On CUDA the draft worker's pool is the GPU half (docs/dspark.md): refused, named."""
-    from sglang_dsv41.runtime.sglang_pool import check_pool_flags
+def test_pool_still_refuses_a_draft_worker(registered, tiny_checkpoint):
+    """The draft worker's pool is the GPU half (docs/dspark.md): our pool builder recognises the
+    draft's ModelConfig (renamed architecture) and refuses it, naming the flag."""
+    from sglang.srt.configs.model_config import ModelConfig
 
-    kvc = SimpleNamespace(is_hybrid_swa=True, is_draft_worker=True, server_args=SimpleNamespace())
-    with pytest.raises(RuntimeError, match="draft worker"):
-        check_pool_flags(kvc)
+    from sglang_dsv41.runtime.sglang_pool import build_token_to_kv_pool_hook
+
+    draft = ModelConfig(str(tiny_checkpoint), is_draft_model=True, speculative_algorithm="DSPARK")
+    kvc = SimpleNamespace(model_config=draft, is_hybrid_swa=True, is_draft_worker=True, server_args=SimpleNamespace())
+    with pytest.raises(RuntimeError, match="draft worker.*--speculative-algorithm"):
+        build_token_to_kv_pool_hook(lambda *a, **k: pytest.fail("SGLang's own pool built"), kvc)
 
 
 # ---- target side: capture of the DSpark layers' attention input ------------------------------

@@ -12,8 +12,7 @@ docs/dspark.md; integration.md §3.5).
 """
 from __future__ import annotations
 
-from .dspark_model import DRAFT_ARCHITECTURE
-from .hf_config import ARCHITECTURE
+from .hf_config import ARCHITECTURE, DRAFT_ARCHITECTURE
 
 DSPARK = "DSPARK"
 

@@ -40,10 +40,12 @@ from .dspark_draft import DSparkDraft
 from .dspark_kv import DSparkContextKV
 from .dspark_weights import dspark_runtime_weights, require_dspark
 from .forward import fp32_default_dtype
+from .hf_config import DRAFT_ARCHITECTURE
+
+__all__ = ["DRAFT_ARCHITECTURE", "DeepseekV41ForCausalLMDSpark", "dspark_context_of"]
 
 logger = logging.getLogger(__name__)
 F32 = torch.float32
-DRAFT_ARCHITECTURE = "DeepseekV41ForCausalLMDSpark"
 
 
 def dspark_context_of(pool) -> DSparkContextKV:

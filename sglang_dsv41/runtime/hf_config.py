@@ -47,6 +47,8 @@ from ..config import DeepseekV41Config, TextConfig
 
 MODEL_TYPE = DeepseekV41Config.MODEL_TYPE
 ARCHITECTURE = DeepseekV41Config.ARCHITECTURE
+#: The architecture of a V4.1 DSpark draft `ModelConfig` (set by the `_config_draft_model` hook).
+DRAFT_ARCHITECTURE = "DeepseekV41ForCausalLMDSpark"
 
 #: SGLang-facing attributes copied from `text_config` (everything else stays in the raw dict).
 _TEXT_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "max_position_embeddings",
