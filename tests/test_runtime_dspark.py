@@ -280,6 +280,9 @@ def test_sglang_class_interface_and_static_mode(sglang_draft):
     assert model.gamma == cfg.text.dspark_block_size and model.num_stages == cfg.text.num_nextn_predict_layers
     assert model.markov_head.markov_rank == cfg.text.dspark_markov_rank
     assert model.confidence_head is None and not model.enable_confidence_head   # SGLang default: static verify
+    assert model.lm_head.weight.shape == (cfg.text.vocab_size, cfg.text.hidden_size)      # the attached target head
+    with pytest.raises(RuntimeError, match="PD"):
+        model.prune_to_ctx_kv_injection()
     with pytest.raises(ValueError, match="weight"):
         model.attach_shared_modules(embed_tokens=_Holder(torch.zeros(3, 3)), lm_head=_Holder(torch.zeros(3, 3)))
     names = {n for n, _ in model.named_parameters()}

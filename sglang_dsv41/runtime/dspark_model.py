@@ -123,6 +123,16 @@ class DeepseekV41ForCausalLMDSpark(nn.Module):
         return self._shared[name].weight
 
     @property
+    def lm_head(self) -> nn.Module | None:
+        """The target's LM head once attached (SGLang's draft sampler reads its size and dtype)."""
+        return self._shared.get("lm_head")
+
+    def prune_to_ctx_kv_injection(self) -> None:
+        """SGLang calls this on a PD prefill server; PD with the V4.1 pool is not wired (refused at
+        start-up), so reaching it is a bug, not a mode."""
+        raise RuntimeError("sglang-dsv41 DSpark: PD disaggregation with the DSpark draft is not supported yet")
+
+    @property
     def markov_head(self):
         return self._loaded().markov_head
 

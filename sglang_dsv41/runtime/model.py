@@ -82,6 +82,7 @@ class LMHead(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(vocab, hidden, dtype=F32), requires_grad=False)
         self.quant_method = BackendHeadMethod()
+        self.org_vocab_size = vocab          # read by SGLang's DSpark draft sampler
 
 
 class DeepseekV41ForCausalLM(nn.Module):
