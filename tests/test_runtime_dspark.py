@@ -288,3 +288,31 @@ def test_sglang_class_interface_and_static_mode(sglang_draft):
     names = {n for n, _ in model.named_parameters()}
     assert names and all(".mtp" not in n for n in names) and len(names) == len(set(names))
     assert not any("embed_tokens" in n or "lm_head" in n for n in names)         # target modules not owned
+
+
+def test_base_logits_go_through_the_target_head_method(sglang_draft):
+    """With the target's `LMHead`, the product is its method's (the target backend holds the head
+    on CUDA); same values as the draft's own product on the exact backend."""
+    from sglang_dsv41.runtime.backend import ExactTorchBackend
+    from sglang_dsv41.runtime.model import LMHead
+
+    model, cfg, w = sglang_draft
+    x = bf16(torch.randn(2 * model.gamma, cfg.text.hidden_size, generator=torch.Generator().manual_seed(3)))
+    own, _ = model.compute_base_logits(x)
+    head = LMHead(cfg.text.vocab_size, cfg.text.hidden_size)
+    head.weight.data.copy_(w["head.weight"])
+    calls = []
+
+    class Recording(ExactTorchBackend):
+        def matmul(self, a, b):
+            calls.append(b is head.weight)
+            return super().matmul(a, b)
+
+    head.quant_method.backend = Recording()
+    embed = _Holder(w["embed.weight"])
+    try:
+        model.attach_shared_modules(embed_tokens=embed, lm_head=head)
+        via_target, _ = model.compute_base_logits(x)
+    finally:
+        model.attach_shared_modules(embed_tokens=embed, lm_head=_Holder(w["head.weight"]))
+    assert calls == [True] and torch.equal(via_target, own)

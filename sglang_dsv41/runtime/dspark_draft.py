@@ -144,10 +144,18 @@ class DSparkDraft(nn.Module):
         assert carried is not None
         return self.mhc.collapse(R, carried)
 
-    def base_logits(self, hidden: Tensor, head_weight: Tensor) -> Tensor:
-        """head · RMSNorm_norm(hidden) → fp32 [N, V] (no Markov bias)."""
+    def final_norm(self, hidden: Tensor) -> Tensor:
+        """RMSNorm_norm(hidden) (last stage's `norm`), the LM head's input."""
         with self._audited():
-            return self.backend.matmul(self.norm(hidden, self.backend), head_weight)
+            return self.norm(hidden, self.backend)
+
+    def base_logits(self, hidden: Tensor, head_weight: Tensor) -> Tensor:
+        """head · RMSNorm_norm(hidden) → fp32 [N, V] (no Markov bias) on the draft's backend
+        (CPU; on CUDA the head belongs to the target's dense cache: `DeepseekV41ForCausalLMDSpark`
+        multiplies through the target's LM-head method)."""
+        h = self.final_norm(hidden)
+        with self._audited():
+            return self.backend.matmul(h, head_weight)
 
     def confidence(self, hidden: Tensor, prev_tokens: Tensor) -> Tensor:
         """[B, γ] confidences of hidden [B, γ, H] and prev tokens [B, γ] (module doc)."""

@@ -16,7 +16,9 @@ What the worker calls, and what it gets:
   committed length; returns `LogitsProcessorOutput(next_token_logits=None, hidden_states=x)`
   with x [bs·γ, H] the collapsed pre-norm hidden (BF16 values). Context keys come from the
   draft pool's `DSparkContextKV` (`dspark_context_of`) through SGLang's `req_to_token`.
-* `compute_base_logits(x)` → (fp32 logits [N, V] = head·RMSNorm_norm(x), confidence tap = x).
+* `compute_base_logits(x)` → (fp32 logits [N, V] = head·RMSNorm_norm(x), confidence tap = x); the
+  product runs through the target LM head's own method when it has one (`model.BackendHeadMethod`:
+  the target's backend, which holds the head weight), else on the draft's backend.
 * `markov_head.sample_block(...)`, `markov_head.get_prev_embeddings(...)` (`dspark_heads.MarkovHead`).
 * `compute_confidence(anchor_tokens=, sampled_tokens=, x_post_hc=)` → [bs, γ] in (0, 1).
   `confidence_head` is the head only when SGLang's ragged-verify mode is not `static` (the mode
@@ -206,8 +208,13 @@ class DeepseekV41ForCausalLMDSpark(nn.Module):
     # ---- heads --------------------------------------------------------------------------------
     @torch.no_grad()
     def compute_base_logits(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        weight = self._shared_weight("lm_head")
+        method = getattr(self._shared["lm_head"], "quant_method", None)
         with fp32_default_dtype():
-            return self._loaded().base_logits(x, self._shared_weight("lm_head")), x
+            if method is None:
+                return self._loaded().base_logits(x, weight), x
+            # the target's head method: its backend holds the head (CUDA dense cache), same math
+            return method.apply(self._shared["lm_head"], self._loaded().final_norm(x)), x
 
     @torch.no_grad()
     def compute_confidence(self, *, anchor_tokens: Tensor, sampled_tokens: Tensor, x_post_hc: Tensor) -> Tensor:
