@@ -13,7 +13,8 @@ Invariants:
 * `window(stage, req_rows, req_to_token, prefix_lens, window)` returns, per request, the rows of
   positions P−W..P−1 (oldest first; positions < 0 invalid), P = the request's committed length —
   the keys every block row of that request attends besides the block itself.
-* Only `write_rows` writes; a slot −1 writes nothing (rejected / padding rows).
+* Only `write_rows` writes; a slot −1 (rejected / padding rows) lands in row 0, SGLang's padding
+  slot, which no live request reads.
 """
 from __future__ import annotations
 
@@ -54,10 +55,9 @@ class DSparkContextKV:
         if values.shape != (slots.shape[0], self.kv[stage].shape[1]):
             raise ValueError(f"DSpark context kv: {tuple(values.shape)} values for {slots.shape[0]} slots of width "
                              f"{self.kv[stage].shape[1]}")
-        keep = slots >= 0
-        if not bool(keep.all()):
-            slots, values = slots[keep], values[keep]
-        self.kv[stage][slots] = values.to(self.dtype)
+        # no host sync (CUDA graphs): a −1 slot writes row 0, SGLang's padding slot, which no live
+        # request's window reads (`window` masks positions < 0 and live positions never map to 0)
+        self.kv[stage][slots.clamp(min=0)] = values.to(self.dtype)
 
     def window(self, stage: int, req_rows: Tensor, req_to_token: Tensor, prefix_lens: Tensor,
                window: int) -> tuple[Tensor, Tensor]:
