@@ -132,6 +132,16 @@ class TritonMhc:
         return self.k.hc_collapse(residual, last_pre)
 
 
+def stream_mean(residual: Tensor) -> Tensor:
+    """bf16(mean over the hc streams) [T, H], summed in fp32 in stream order (the DSpark target
+    feature, spec `model.md` §4: the attention input of a captured layer). Same on every device."""
+    r = residual.to(F32)
+    acc = r[:, 0]
+    for j in range(1, r.shape[1]):
+        acc = acc + r[:, j]
+    return bf16(acc / r.shape[1])
+
+
 def mhc_for(device: torch.device, acc: torch.dtype = F64) -> TorchMhc | TritonMhc:
     """CPU → `TorchMhc` evaluating in `acc`; CUDA → `TritonMhc`; any other device raises."""
     if device.type == "cpu":
