@@ -7,7 +7,8 @@ issue 13 item 1).
 * `TorchForward.for_loading` + `load_weights` gives the old loading path's values
   (`runtime_weights` / `load_shard_weights`) bit for bit: CPU form, CUDA form (E4M3 kept, MXFP4
   prepared; built on CPU) and each TP-2 shard; and the same logits;
-* the runtime values are the parameters themselves or views of them (no second copy);
+* the runtime values are the parameters themselves or views of them (no second copy), and the
+  parameters hold exactly the bytes the inventory predicts for the CPU form;
 * reload (`update_weights_from_disk`'s path) replaces the values, a partial reload of an FP8
   weight without its scale raises, bad / unknown / missing tensors raise one error naming them;
 * SGLang's dummy load (its `initialize_dummy_weights`, then `post_load_weights`) gives a model
@@ -20,7 +21,7 @@ import torch
 
 from runtime_scenarios import one_shot_logits, prompt
 from tp_harness import stored_tensors
-from sglang_dsv41.checkpoint.names import stored_inventory
+from sglang_dsv41.checkpoint.names import Kind, stored_inventory, tensor_inventory
 from sglang_dsv41.checkpoint.reader import CheckpointFormatError
 from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
@@ -180,3 +181,23 @@ def test_sglang_dummy_load_gives_a_finite_forward(tiny) -> None:
         model.post_load_weights()
     logits = one_shot_logits(model, CPU, prompt(3, 9))
     assert torch.isfinite(logits).all()
+
+
+def expected_cpu_bytes(cfg: DeepseekV41Config) -> int:
+    """Bytes a TP-1 CPU model holds, from the inventory: fp32 values of dense / plain tensors and
+    experts, the stored scale bytes next to them, Engram tables as stored."""
+    total = 0
+    for spec in tensor_inventory(cfg, vision=False, dspark=False):
+        stored = spec.stored()
+        if spec.kind is Kind.ENGRAM:
+            total += sum(s.nbytes for s in stored)
+        else:
+            total += 4 * spec.numel + sum(s.nbytes for s in stored[1:])       # + scale bytes (FP8, FP4)
+    return total
+
+
+def test_parameters_hold_exactly_the_expected_bytes(tiny) -> None:
+    model = streamed(tiny)
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert held == expected_cpu_bytes(tiny[0])
+    assert sum(b.numel() for b in model.buffers()) == 0
