@@ -9,8 +9,8 @@ issue 13 item 1).
   prepared; built on CPU) and each TP-2 shard; and the same logits;
 * the runtime values are the parameters themselves or views of them (no second copy), and the
   parameters hold exactly the bytes the inventory predicts for the CPU form;
-* reload (`update_weights_from_disk`'s path) replaces the values, a partial reload of an FP8
-  weight without its scale raises, bad / unknown / missing tensors raise one error naming them;
+* reload (`update_weights_from_disk`'s path) replaces the values, a partial reload (an FP8
+  weight without its scale, one expert of a layer) raises, bad / unknown / missing tensors raise one error naming them;
 * SGLang's dummy load (its `initialize_dummy_weights`, then `post_load_weights`) gives a model
   whose forward is finite.
 """
@@ -153,6 +153,14 @@ def test_reload_replaces_values_and_partial_fp8_reload_raises(tiny) -> None:
     kept = streamed(tiny, cuda_form=True)
     with pytest.raises(RuntimeError, match="wq_a.*reloaded in part"):
         kept.load_weights([("layers.0.attn.wq_a.weight", stored["layers.0.attn.wq_a.weight"])])
+    one_expert = [(n, t) for n, t in stored.items() if n.startswith("layers.1.ffn.experts.0.")]
+    assert len(one_expert) == 6
+    for form in (model, streamed(tiny, cuda_form=True)):
+        with pytest.raises(RuntimeError, match="routed experts.*reloaded in part"):
+            form.load_weights(one_expert)
+    layer1 = [(n, t) for n, t in stored.items() if n.startswith("layers.1.ffn.experts.")]
+    model.load_weights(layer1)                       # every expert of the layer: accepted, and repairs it
+    assert_same_values(model.weights, runtime_weights(stored, cfg, CPU, experts_mxfp4=False))
 
 
 def test_bad_unknown_and_missing_tensors_raise_one_error(tiny) -> None:

@@ -15,7 +15,8 @@ runtime value *in place of* it (`param.data` is replaced, never duplicated):
 
 Processing is idempotent: it runs when a loader touched the layer since the last run. A loader
 that finds its parameter in processed form puts the stored form back first, so reloading
-(`update_weights_from_disk`) works; a layer reloaded in part (a weight without its scale) raises.
+(`update_weights_from_disk`) works; a layer reloaded in part (a weight without its scale, some
+of a layer's experts) raises.
 `apply` calls the model's compute backend (`runtime/backend.py`) with the parameters.
 """
 from __future__ import annotations
@@ -188,6 +189,8 @@ class Mxfp4ExpertsMethod:
         layer.expert_ids, layer.local = list(expert_ids), {e: i for i, e in enumerate(expert_ids)}
         layer.n_routed_experts, layer.hidden, layer.intermediate = n_routed_experts, H, I
         layer.stale, layer.prepared = True, None
+        #: parameters given their stored form back by a reload → the (expert, block) slots refilled since
+        layer.refilled: dict[str, set[tuple[int, int]]] = {}
         layer.stored_specs = {"w1": w1.stored(), "w3": w1.stored(), "w2": w2.stored()}
         layer.stored_shapes = {"w13_weight": (E, 2 * I, H // 2), "w13_scale": (E, 2 * I, H // TILE),
                                "w2_weight": (E, H, I // 2), "w2_scale": (E, H, I // TILE)}
@@ -208,10 +211,13 @@ class Mxfp4ExpertsMethod:
             local = layer.local.get(int(expert_id))
             if local is None:
                 return                                  # another rank's expert (expert parallel)
-            restore_stored_form(param, layer.stored_shapes[name], U8)
+            if param.dtype != U8 or tuple(param.shape) != layer.stored_shapes[name]:
+                restore_stored_form(param, layer.stored_shapes[name], U8)
+                layer.refilled[name] = set()
             raw = scale_bytes(loaded) if is_scale else packed_fp4_bytes(loaded)
             n = raw.shape[0]
             param.data[local, block * n:(block + 1) * n].copy_(raw)
+            layer.refilled.get(name, set()).add((local, block))
             layer.stale = True
 
         return load
@@ -219,10 +225,12 @@ class Mxfp4ExpertsMethod:
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if not layer.stale:
             return
+        blocks = {n: len(layer.expert_ids) * (2 if n.startswith("w13") else 1) for n in layer.stored_shapes}
         if any(getattr(layer, n).dtype != U8 or tuple(getattr(layer, n).shape) != s
-               for n, s in layer.stored_shapes.items()):
-            raise RuntimeError(f"routed experts {layer.expert_ids[:4]}…: reloaded in part; load all four stacked "
-                               "tensors of the layer together")
+               for n, s in layer.stored_shapes.items()) or \
+                any(len(slots) != blocks[n] for n, slots in layer.refilled.items()):
+            raise RuntimeError(f"routed experts {layer.expert_ids[:4]}…: reloaded in part; a reload loads every "
+                               "held expert's w1, w2, w3 weights and scales of the layer")
         I = layer.intermediate
         if self.prepare:
             from ..kernels.moe_mxfp4_weights import prepare_mxfp4_stacked
@@ -241,7 +249,7 @@ class Mxfp4ExpertsMethod:
                 E, N, half = packed.shape
                 getattr(layer, w).data = dequantize_mxfp4(packed.reshape(E * N, half),
                                                           scale.reshape(E * N, -1)).reshape(E, N, 2 * half)
-        layer.stale = False
+        layer.stale, layer.refilled = False, {}
 
     def runtime_values(self, layer: nn.Module) -> dict[str, object]:
         """What the MoE math reads, relative to the layer: `mxfp4` (prepared) or the per-expert
