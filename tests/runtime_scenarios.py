@@ -188,23 +188,24 @@ def greedy_generate(engine: TorchForward, device: torch.device, prompt_ids: list
 
 
 def runtime_engine(checkpoint: Path, device: torch.device, deterministic: bool = True) -> TorchForward:
-    """The forward the server builds for `checkpoint` on `device`: SGLang hands over the stored
-    tensors, `runtime_weights` checks and prepares them (CUDA: routed experts stay MXFP4 for
-    the Triton kernel; CPU: everything dequantised, the reference path). `deterministic`: as
-    `--enable-deterministic-inference` (CPU: exact backend; CUDA: W8A16 FP8 linears)."""
+    """The forward the server builds for `checkpoint` on `device`: parameters created in stored
+    form, the stored tensors streamed in (`TorchForward.for_loading` + `load_weights`; CUDA:
+    routed experts stay MXFP4 for the Triton kernel and FP8 dense weights E4M3; CPU: everything
+    dequantised, the reference path). `deterministic`: as `--enable-deterministic-inference`
+    (CPU: exact backend; CUDA: W8A16 FP8 linears at every row count)."""
     from sglang_dsv41.checkpoint.reader import CheckpointReader
     from sglang_dsv41.config import DeepseekV41Config
     from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
     from sglang_dsv41.runtime.forward import fp32_default_dtype
-    from sglang_dsv41.runtime.weights import runtime_weights
 
     cfg = DeepseekV41Config.from_file(checkpoint)
-    with CheckpointReader(checkpoint) as reader:
-        stored = {name: reader.get(name) for name in reader.names()}
-    with fp32_default_dtype():
-        weights = runtime_weights(stored, cfg, device, experts_mxfp4=device.type == "cuda")
     token_map, _ = compressed_token_map(_load_fast_tokenizer(checkpoint))
-    return TorchForward(cfg, weights, EngramHasher.from_config(cfg, token_map).to(device), deterministic=deterministic)
+    on_cuda = device.type == "cuda"
+    with fp32_default_dtype(), torch.device(device), CheckpointReader(checkpoint) as reader:
+        engine = TorchForward.for_loading(cfg, EngramHasher.from_config(cfg, token_map).to(device),
+                                          experts_mxfp4=on_cuda, dense_fp8=on_cuda, deterministic=deterministic)
+        engine.load_weights((name, reader.get(name)) for name in reader.names())
+    return engine
 
 
 def layout_to(layout: BatchLayout, device: torch.device) -> BatchLayout:

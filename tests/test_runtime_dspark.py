@@ -299,8 +299,7 @@ def test_base_logits_go_through_the_target_head_method(sglang_draft):
     model, cfg, w = sglang_draft
     x = bf16(torch.randn(2 * model.gamma, cfg.text.hidden_size, generator=torch.Generator().manual_seed(3)))
     own, _ = model.compute_base_logits(x)
-    head = LMHead(cfg.text.vocab_size, cfg.text.hidden_size)
-    head.weight.data.copy_(w["head.weight"])
+    head = LMHead(torch.nn.Parameter(w["head.weight"].clone(), requires_grad=False))
     calls = []
 
     class Recording(ExactTorchBackend):

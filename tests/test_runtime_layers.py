@@ -1,8 +1,8 @@
 """The runtime model as `nn.Module`s that own their parameters (`runtime/layers.py`, issue 13 item 2).
 
-* every runtime weight of the tiny checkpoint is owned by exactly one layer: `named_parameters()`
-  / `named_buffers()` reach every tensor (same storage, no copy) under its checkpoint name
-  (hyper-connections: `hc_attn.fn` for `hc_attn_fn`), and the parameter count is the weights';
+* every runtime weight of the tiny checkpoint is a parameter under its checkpoint name
+  (hyper-connections: `hc_attn.fn` for `hc_attn_fn`) or, for the stacked routed experts, a view
+  of one (same storage, no copy; `weight_modules.parameter_target`);
 * a weight no layer owns raises;
 * the decoder layer's forward fits on one screen and runs Engram → hc → attention → hc → MoE → hc;
 * the model picks its implementations once, at construction (backend, attention, mHC, MoE).
@@ -19,6 +19,7 @@ from sglang_dsv41.runtime.backend import ExactTorchBackend
 from sglang_dsv41.runtime.forward import TorchForward
 from sglang_dsv41.runtime.layers import DeepseekV41DecoderLayer
 from sglang_dsv41.runtime.mhc_ops import TorchMhc
+from sglang_dsv41.runtime.weight_modules import parameter_target
 
 CPU = torch.device("cpu")
 
@@ -28,17 +29,16 @@ def engine(tiny_checkpoint) -> TorchForward:
     return runtime_engine(tiny_checkpoint, CPU)
 
 
-def _checkpoint_name(module_name: str) -> str:
-    return module_name.replace(".hc_attn.", ".hc_attn_").replace(".hc_ffn.", ".hc_ffn_")
-
-
 def test_every_weight_is_a_parameter_under_its_name(engine) -> None:
-    params = {_checkpoint_name(n): p for n, p in engine.named_parameters()}
-    tensors = {n: v for n, v in engine.weights.items() if isinstance(v, torch.Tensor)}
-    assert set(params) == set(tensors)
-    assert all(params[n] is tensors[n] for n in tensors)
+    params = dict(engine.named_parameters())
+    storages = {p.untyped_storage().data_ptr() for p in params.values()}
+    for name, value in engine.weights.items():
+        target, extra = parameter_target(name)
+        if not extra and isinstance(value, torch.Tensor):            # not a stacked expert view
+            assert params[target] is value, name
+        tensors = [value] if isinstance(value, torch.Tensor) else [value.values, value.scales]
+        assert all(t.untyped_storage().data_ptr() in storages for t in tensors), name   # no copy
     assert all(not p.requires_grad for p in params.values())
-    assert sum(p.numel() for p in engine.parameters()) == sum(t.numel() for t in tensors.values())
     layer0 = {n for n, _ in engine.layers[0].named_parameters()}
     assert {"attn.wq_a.weight", "attn_norm.weight", "ffn.gate.weight", "hc_attn.fn"} <= layer0
 

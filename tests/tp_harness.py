@@ -9,8 +9,8 @@ value}, importable in a fresh process — and returns every rank's {held_experts
 Backends:
 * "gloo" (default): CPU ranks, the CPU engine (dequantised experts, the reference math);
 * "nccl": rank r on `cuda:r` (`torch.cuda.set_device(r)` before `init_process_group`), the engine
-  built as the server builds it (`runtime/model.py`: `load_shard_weights(..., experts_mxfp4=True)`
-  under `fp32_default_dtype()`, FP8 dense weights kept FP8, `EngramHasher(...).to(device)`), with
+  built as the server builds it (`runtime/model.py`: `TorchForward.for_loading` + streamed
+  `load_weights` under `fp32_default_dtype()`, FP8 dense weights kept FP8, `EngramHasher(...).to(device)`), with
   SGLang's default NCCL environment (NVLink SHARP off, cuMem off, 8 device connections).
   Both are checked before anything is spawned (`TPHarnessError`).
 
@@ -41,7 +41,7 @@ from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
 from sglang_dsv41.runtime.forward import TorchForward, fp32_default_dtype
 from sglang_dsv41.runtime.moe_ops import RoutedExpertsMxfp4
-from sglang_dsv41.runtime.tensor_parallel import TensorParallel, load_shard_weights
+from sglang_dsv41.runtime.tensor_parallel import TensorParallel
 
 WORKER_TIMEOUT_S = 240
 BACKENDS = ("gloo", "nccl")
@@ -72,22 +72,20 @@ def stored_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
 def engine_for(ckpt: Path, tp: TensorParallel, device: torch.device = CPU, *,
                engram_placement: str = "device") -> TorchForward:
     """The runtime forward of `ckpt` holding `tp`'s shard on `device`, loaded as the server
-    loads it: CPU → dequantised weights (the reference path); CUDA → routed experts MXFP4 and FP8
-    dense weights kept FP8, under fp32 default dtype, the Engram hasher on the device;
-    `engram_placement` "host" keeps the Engram rows in host memory (`runtime/engram_host.py`)."""
+    loads it (`TorchForward.for_loading` + streamed `load_weights`): CPU → dequantised weights
+    (the reference path); CUDA → routed experts MXFP4 and FP8 dense weights kept FP8, under fp32
+    default dtype, the Engram hasher on the device; `engram_placement` "host" keeps the Engram
+    rows in host memory (`runtime/engram_host.py`)."""
     if device.type not in ("cpu", "cuda"):
         raise TPHarnessError(f"engine_for: no runtime for device {device}")
     cfg = DeepseekV41Config.from_file(ckpt)
     token_map, _ = compressed_token_map(_load_fast_tokenizer(ckpt))
-    if device.type == "cpu":
-        weights = load_shard_weights(stored_tensors(ckpt), cfg, tp.plan(cfg.text),
-                                     engram_placement=engram_placement)
-        return TorchForward(cfg, weights, EngramHasher.from_config(cfg, token_map), tp=tp)
-    with fp32_default_dtype():
-        weights = load_shard_weights(stored_tensors(ckpt), cfg, tp.plan(cfg.text), device, experts_mxfp4=True,
-                                     engram_placement=engram_placement)
-        hasher = EngramHasher.from_config(cfg, token_map).to(device)
-    return TorchForward(cfg, weights, hasher, tp=tp)
+    on_cuda = device.type == "cuda"
+    with fp32_default_dtype(), torch.device(device):
+        engine = TorchForward.for_loading(cfg, EngramHasher.from_config(cfg, token_map).to(device), tp=tp,
+                                          experts_mxfp4=on_cuda, dense_fp8=on_cuda, engram_placement=engram_placement)
+        engine.load_weights(stored_tensors(ckpt).items())
+    return engine
 
 
 def held_experts(engine: TorchForward) -> list[int]:

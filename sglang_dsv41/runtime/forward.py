@@ -22,11 +22,13 @@ are unit-tested directly against `ReferenceModel` (`tests/test_runtime_forward.p
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
 
+from ..checkpoint.names import stored_inventory
+from ..checkpoint.reader import CheckpointFormatError
 from ..config import DeepseekV41Config
 from ..engram_hash import MULTIMODAL_PAD_ID_BASE, EngramHasher
 from ..numerics.geometry import language_model_ids
@@ -43,6 +45,7 @@ from .layers import DeepseekV41DecoderLayer, ForwardStep, OwnedTensors, RMSNorm
 from .mhc_ops import mhc_for
 from .moe_ops import moe_for
 from .tensor_parallel import SINGLE, TensorParallel
+from .weight_modules import loading_weights, parameter_target
 
 F32 = torch.float32
 
@@ -69,7 +72,7 @@ class TorchForward(nn.Module):
     `hasher`: the Engram hasher (None without Engram layers).
     """
 
-    def __init__(self, cfg: DeepseekV41Config, weights: Mapping[str, Tensor], hasher: EngramHasher | None,
+    def __init__(self, cfg: DeepseekV41Config, weights: Mapping[str, object], hasher: EngramHasher | None,
                  numerics: NumericsProfile = NumericsProfile(), tp: TensorParallel = SINGLE,
                  backend: ComputeBackend | None = None, deterministic: bool = True) -> None:
         super().__init__()
@@ -82,29 +85,95 @@ class TorchForward(nn.Module):
         self.layers = nn.ModuleList(DeepseekV41DecoderLayer(weights, self.text, role) for role in self.roles)
         self.norm = RMSNorm(weights, "norm.", self.text.rms_norm_eps)
         self.head = OwnedTensors(weights, "head.")
-        owned = {n: v for m in self.modules() if isinstance(m, OwnedTensors) for n, v in m.tensors.items()}
-        unowned = sorted(set(weights) - set(owned))
+        owners = [m for m in self.modules() if isinstance(m, OwnedTensors)]
+        unowned = sorted(set(weights) - set().union(*(m.consumed for m in owners)))
         if unowned:
             raise ValueError(f"{len(unowned)} weight(s) no layer owns, e.g. {unowned[:4]}")
-        #: every owned value by its checkpoint name (the same objects the layers hold)
-        self.weights: dict[str, object] = owned
         self.hasher = hasher
         self.numerics = numerics
         self.tp = tp
         tp.plan(self.text)     # raises now for a TP size the model cannot be sharded with
-        device = weights["embed.weight"].device
-        self.backend = backend_for(device, owned, deterministic) if backend is None else backend
+        self._fixed_backend, self.deterministic = backend, deterministic
+        self.selection_stats = IndexerSelectionStats(self.text.index_topk, tp.rank)
+        #: DSpark target layers whose attention input each forward captures (`set_capture_layers`), and
+        #: the last forward's captures [N, H] each, in that order (None before one ran / without capture)
+        self.capture_layers: tuple[int, ...] = ()
+        self.captured: list[Tensor] | None = None
+        #: the weight modules (`runtime/weight_modules.py`) of a model built for streaming
+        self.weight_modules = [w for m in owners for w in m.weight_modules()]
+        self._loaded_once = not self.weight_modules
+        self.ready = False
+        if self._loaded_once:
+            self.finish_loading()
+
+    @classmethod
+    def for_loading(cls, cfg: DeepseekV41Config, hasher: EngramHasher | None, *,
+                    numerics: NumericsProfile = NumericsProfile(), tp: TensorParallel = SINGLE,
+                    experts_mxfp4: bool, dense_fp8: bool, engram_placement: str = "device",
+                    backend: ComputeBackend | None = None, deterministic: bool = True) -> "TorchForward":
+        """The model with this rank's parameters created in stored form on the current default
+        device (`runtime/weight_modules.py`), ready for `load_weights` (or dummy values +
+        `post_load_weights`)."""
+        placeholders = loading_weights(cfg, tp.plan(cfg.text), experts_mxfp4=experts_mxfp4, dense_fp8=dense_fp8,
+                                       engram_placement=engram_placement, compute_device=torch.empty(0).device)
+        return cls(cfg, placeholders, hasher, numerics, tp, backend, deterministic)
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        """Stream stored checkpoint tensors into the parameters through their `weight_loader`s
+        (`weight_modules.parameter_target`), then `post_load_weights`. Vision / DSpark tensors are
+        skipped; an unknown, mis-typed or mis-shaped tensor, or on the first load a missing one,
+        raises one `CheckpointFormatError` naming every offender. Returns the names loaded."""
+        if not self.weight_modules:
+            raise RuntimeError("this model was built from runtime values; build it with TorchForward.for_loading")
+        params = dict(self.named_parameters())
+        known, wanted = stored_inventory(self.cfg), stored_inventory(self.cfg, vision=False, dspark=False)
+        seen: set[str] = set()
+        problems: list[str] = []
+        for name, tensor in weights:
+            if name not in wanted:
+                if name not in known:
+                    problems.append(f"unexpected tensor {name} (not in the inventory for this config)")
+                continue
+            target, extra = parameter_target(name)
+            param = params[target]
+            try:
+                param.weight_loader(param, tensor, *extra)
+            except CheckpointFormatError as err:
+                problems.append(str(err))
+            seen.add(name)
+        missing = sorted(set(wanted) - seen) if not self._loaded_once else []
+        if missing:
+            problems.append(f"missing {len(missing)} tensor(s): {', '.join(missing[:12])}")
+        if problems:
+            raise CheckpointFormatError("checkpoint does not match its config:\n  " + "\n  ".join(problems))
+        self._loaded_once = True
+        self.post_load_weights()
+        return seen
+
+    def post_load_weights(self) -> None:
+        """Process every weight module (idempotent), then `finish_loading`."""
+        for module in self.weight_modules:
+            module.process()
+        self.finish_loading()
+
+    def finish_loading(self) -> None:
+        """Rebuild what reads the weights: the layers' name → value maps, `weights`, the compute
+        backend (its dense-weight cache) and the implementations picked by device."""
+        owners = [m for m in self.modules() if isinstance(m, OwnedTensors)]
+        for m in owners:
+            m.refresh()
+        #: every owned value by its checkpoint name (the same objects the layers hold)
+        self.weights: dict[str, object] = {n: v for m in owners for n, v in m.tensors.items()}
+        device = self.weights["embed.weight"].device
+        fixed = self._fixed_backend
+        self.backend = backend_for(device, self.weights, self.deterministic) if fixed is None else fixed
         self.attention_ops = ops_for(device, self.backend.acc)
         self.mhc = mhc_for(device, self.backend.acc)
         self.moe = moe_for(device)
         #: per-ratio RoPE inverse frequencies on the model device, made once (no host → device
         #: copy inside a forward: CUDA graphs cannot capture one)
         self.inv_freq = {r: layer_inv_freq(self.text, r).to(device) for r in sorted({x.ratio for x in self.roles})}
-        self.selection_stats = IndexerSelectionStats(self.text.index_topk, tp.rank)
-        #: DSpark target layers whose attention input each forward captures (`set_capture_layers`), and
-        #: the last forward's captures [N, H] each, in that order (None before one ran / without capture)
-        self.capture_layers: tuple[int, ...] = ()
-        self.captured: list[Tensor] | None = None
+        self.ready = True
 
     def set_capture_layers(self, layer_ids) -> None:
         """Capture the stream-mean attention input (after Engram) of `layer_ids`, in that order (spec §4)."""
@@ -182,6 +251,8 @@ class TorchForward(nn.Module):
     def hidden_states(self, input_ids: Tensor, layout: BatchLayout, caches: RuntimeCaches) -> Tensor:
         """Final normed hidden states [N, hidden] (BF16 values in fp32) of every batch token;
         writes every cache row of the batch's slots."""
+        if not self.ready:
+            raise RuntimeError("sglang-dsv41: forward before the weights were loaded (load_weights / post_load_weights)")
         try:
             hidden = self._hidden_states(input_ids, layout, caches)
         except BaseException:

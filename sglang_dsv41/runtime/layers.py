@@ -54,19 +54,38 @@ def _owned(value: object) -> object:
 
 class OwnedTensors(nn.Module):
     """Owns the values of `weights` whose names start with `prefix`, registered under submodules
-    that follow the rest of the name (`wq_a.weight` → `self.wq_a.weight`). `tensors` maps the full
-    names to the owned values (the same storage; what the functional math reads)."""
+    that follow the rest of the name (`wq_a.weight` → `self.wq_a.weight`); a weight module
+    (`runtime/weight_modules.py`, keyed by its prefix: `wq_a`) is registered there itself.
+    `tensors` maps the full names to what the functional math reads (the same storage):
+    `refresh()` rebuilds it from the weight modules after their weights were processed."""
 
     def __init__(self, weights: Mapping[str, object], prefix: str) -> None:
         super().__init__()
         self.prefix = prefix
         self.tensors: dict[str, object] = {}
+        self._weight_modules: dict[str, nn.Module] = {}
         for name, value in weights.items():
-            if name.startswith(prefix):
+            if isinstance(value, nn.Module):
+                if (name + ".").startswith(prefix):
+                    self._weight_modules[name] = value
+                    self._place(name[len(prefix):], value)
+            elif name.startswith(prefix):
                 self.tensors[name] = self._register(name[len(prefix):], value)
+        self._plain = dict(self.tensors)
+        #: the keys of `weights` this layer took over
+        self.consumed = set(self._plain) | set(self._weight_modules)
 
-    def _register(self, relative: str, value: object) -> object:
-        *path, leaf = relative.split(".")
+    def weight_modules(self) -> list[nn.Module]:
+        return list(self._weight_modules.values())
+
+    def refresh(self) -> None:
+        """Rebuild `tensors` after the weight modules processed their weights."""
+        tensors = dict(self._plain)
+        for name, module in self._weight_modules.items():
+            tensors.update({f"{name}.{leaf}": v for leaf, v in module.runtime_values().items()})
+        self.tensors = tensors
+
+    def _owner(self, path: list[str]) -> nn.Module:
         owner: nn.Module = self
         for part in path:
             child = owner._modules.get(part)
@@ -74,6 +93,15 @@ class OwnedTensors(nn.Module):
                 child = nn.Module()
                 owner.add_module(part, child)
             owner = child
+        return owner
+
+    def _place(self, relative: str, module: nn.Module) -> None:
+        *path, leaf = relative.split(".")
+        self._owner(path).add_module(leaf, module)
+
+    def _register(self, relative: str, value: object) -> object:
+        *path, leaf = relative.split(".")
+        owner = self._owner(path)
         owned = _owned(value)
         if isinstance(owned, nn.Parameter):
             owner.register_parameter(leaf, owned)

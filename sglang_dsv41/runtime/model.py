@@ -4,16 +4,17 @@ SGLang interface: `__init__(config, quant_config, prefix)`, `load_weights(iterab
 tensor))`, `forward(input_ids, positions, forward_batch) -> LogitsProcessorOutput`. This module is
 the glue only:
 
-* weights: every stored tensor of the checkpoint (real format: FP8 32×32 tiles, MXFP4 experts,
-  Engram E4M3 rows, BF16/FP32 rest) is checked against the inventory and dequantised with the
-  reference loader's §2.4 rules (`checkpoint.loader`); vision and DSpark tensors are skipped
-  (phase 1 serves text);
+* weights: parameters created at construction in stored form (FP8 32×32 tiles, stacked MXFP4
+  experts, Engram E4M3 rows; BF16/FP32 rest as their §2.4 values) with per-layer quantisation
+  methods and `weight_loader`s (`runtime/quant_methods.py`, `runtime/weight_modules.py`);
+  `load_weights` streams the checkpoint into them, checking each tensor against the inventory;
+  vision and DSpark tensors are skipped (phase 1 serves text);
 * caches: the `RuntimeCaches` our pool (`runtime/kv_pool.py`, built by SGLang at start-up) holds
   over its buffers;
 * forward: the batch layout from the `ForwardBatch` and SGLang's `req_to_token`
   (`runtime/batch.py`; the static decode layout while SGLang's CUDA-graph runner captures,
   `sglang_graph_capture`), `TorchForward.hidden_states` (`runtime/forward.py`, an `nn.Module`
-  registered here at load; its implementations picked once by device: on CPU the fp32 backend,
+  built here at construction; its implementations picked once by device at load: on CPU the fp32 backend,
   or the exact float64 one under `--enable-deterministic-inference`; on CUDA the Triton kernels,
   which must load at `load_weights`), then SGLang's
   `LogitsProcessor` (last-token pruning, logprobs) with an LM head whose logits come from the
@@ -49,7 +50,7 @@ from .cache import RuntimeCaches
 from .engram_host import engram_placement_from_env
 from .forward import TorchForward, fp32_default_dtype
 from .kv_pool import pool_caches
-from .tensor_parallel import TensorParallel, load_shard_weights
+from .tensor_parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -76,18 +77,21 @@ class BackendHeadMethod:
 
 
 class LMHead(nn.Module):
-    """Holds `head.weight` [vocab, hidden]; SGLang's LogitsProcessor calls `quant_method.apply`."""
+    """SGLang's LogitsProcessor calls `quant_method.apply(lm_head, hidden)`; `weight` is the
+    model's `head.weight` parameter (one parameter, owned by `TorchForward.head`)."""
 
-    def __init__(self, vocab: int, hidden: int) -> None:
+    def __init__(self, weight: nn.Parameter) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(vocab, hidden, dtype=F32), requires_grad=False)
+        self.weight = weight
         self.quant_method = BackendHeadMethod()
-        self.org_vocab_size = vocab          # read by SGLang's DSpark draft sampler
+        self.org_vocab_size = weight.shape[0]          # read by SGLang's DSpark draft sampler
 
 
 class DeepseekV41ForCausalLM(nn.Module):
     """SGLang model class for architecture `DeepseekV41ForCausalLM` (torch path, any TP size
-    dividing o_groups)."""
+    dividing o_groups). Its parameters are created at construction, in stored form
+    (`runtime/weight_modules.py`), on SGLang's target device; `load_weights` streams the
+    checkpoint into them."""
 
     def __init__(self, config, quant_config=None, prefix: str = "") -> None:
         super().__init__()
@@ -102,12 +106,20 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.tp.plan(self.cfg.text)    # raises for a --tp the model cannot be sharded with
         self.numerics = NumericsProfile()
         self.engram_placement = engram_placement_from_env()   # raises now for a layout we do not implement
-        self.quant_config = None   # weights are dequantised by our loader, not SGLang's FP8 path
+        self.quant_config = None   # our quantisation methods are per layer (`runtime/quant_methods.py`)
         self.model_path = Path(getattr(config, "_name_or_path", "") or ".")
-        self.lm_head = LMHead(self.cfg.text.vocab_size, self.cfg.text.hidden_size)
-        self.logits_processor = LogitsProcessor(config, skip_all_gather=True)   # logits are replicated
         self.register_buffer("_device_anchor", torch.zeros(1, dtype=F32), persistent=False)
-        self.torch_forward: TorchForward | None = None
+        on_cuda = self.device.type == "cuda"
+        with fp32_default_dtype():
+            hasher = None
+            if self.cfg.text.engram_layer_ids:
+                token_map, _ = compressed_token_map(_load_fast_tokenizer(self.model_path))
+                hasher = EngramHasher.from_config(self.cfg, token_map).to(self.device)
+            self.torch_forward = TorchForward.for_loading(
+                self.cfg, hasher, numerics=self.numerics, tp=self.tp, experts_mxfp4=on_cuda, dense_fp8=on_cuda,
+                engram_placement=self.engram_placement, deterministic=deterministic_inference())
+        self.lm_head = LMHead(self.torch_forward.head.tensors["head.weight"])
+        self.logits_processor = LogitsProcessor(config, skip_all_gather=True)   # logits are replicated
         self.caches: RuntimeCaches | None = None
         #: ids of Engram history an extend brings from the host (`runtime/engram_history.py`); 0 = none
         text = self.cfg.text
@@ -122,29 +134,30 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     # ---- weights (spec §2) --------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """Check every stored tensor against the inventory and dequantise (§2.3–§2.4); on CUDA the
-        routed experts stay MXFP4 in the kernel layout (`runtime.weights`, `runtime.moe_ops`)."""
-        stored = {name: tensor for name, tensor in weights}
-        experts_mxfp4 = self.device.type == "cuda"
+        """Stream the stored tensors into the parameters by name (`TorchForward.load_weights`:
+        every tensor checked against the inventory), then `post_load_weights`. Also the path of
+        SGLang's `update_weights_from_disk` (a reload: a subset of the tensors is accepted)."""
         with fp32_default_dtype():
-            on_device = load_shard_weights(stored, self.cfg, self.tp.plan(self.cfg.text), self.device,
-                                           experts_mxfp4=experts_mxfp4, engram_placement=self.engram_placement)
-            del stored
-            hasher = None
-            if self.cfg.text.engram_layer_ids:
-                token_map, _ = compressed_token_map(_load_fast_tokenizer(self.model_path))
-                hasher = EngramHasher.from_config(self.cfg, token_map).to(self.device)
-        with torch.no_grad():
-            self.lm_head.weight.copy_(on_device["head.weight"])
-            on_device["head.weight"] = self.lm_head.weight   # one head parameter, owned by both (deduplicated)
-        self.torch_forward = TorchForward(self.cfg, on_device, hasher, self.numerics, self.tp,
-                                          deterministic=deterministic_inference())
-        self.lm_head.quant_method.backend = self.torch_forward.backend
-        logger.info("sglang-dsv41: %s; loaded %d tensors (dequantised to fp32%s); Engram tables: %s placement; "
-                    "compute backend %s; attention + indexer on %s: %s", self.tp.describe(), len(on_device),
-                    "; routed experts MXFP4 for the Triton kernel" if experts_mxfp4 else "", self.engram_placement,
-                    self.torch_forward.backend.name, self.device, self.torch_forward.attention_ops.description)
-        metrics.publish_engram((t for t in on_device.values() if hasattr(t, "placement")),
+            loaded = self.torch_forward.load_weights(weights)
+        self._loaded(len(loaded))
+
+    def post_load_weights(self) -> None:
+        """Process the parameters into their runtime form and pick the compute backend. SGLang's
+        dummy / remote loaders call this after filling the parameters themselves."""
+        with fp32_default_dtype():
+            self.torch_forward.post_load_weights()
+        self._loaded(None)
+
+    def _loaded(self, count: int | None) -> None:
+        tf = self.torch_forward
+        self.lm_head.quant_method.backend = tf.backend
+        held = sum(p.numel() * p.element_size() for p in self.parameters())
+        logger.info("sglang-dsv41: %s; %s; parameters hold %.3f GiB%s; Engram tables: %s placement; compute "
+                    "backend %s; attention + indexer on %s: %s", self.tp.describe(),
+                    "weights filled by the loader" if count is None else f"streamed {count} stored tensors",
+                    held / 2**30, "; routed experts MXFP4 for the Triton kernel" if self.device.type == "cuda" else "",
+                    self.engram_placement, tf.backend.name, self.device, tf.attention_ops.description)
+        metrics.publish_engram((t for t in tf.weights.values() if hasattr(t, "placement")),
                                self.engram_placement, self.tp.rank)
 
     # ---- DSpark target side (docs/dspark.md) --------------------------------------------------
@@ -200,8 +213,6 @@ class DeepseekV41ForCausalLM(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, forward_batch, *args, **kwargs):
         from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
 
-        if self.torch_forward is None:
-            raise RuntimeError("sglang-dsv41: forward before load_weights")
         if getattr(forward_batch, "input_embeds", None) is not None:
             raise RuntimeError("sglang-dsv41 torch path: input_embeds requests are not supported "
                                "(text token ids only in this phase)")
