@@ -258,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                   layer=args.layer, role=dataclasses.asdict(layer.role), context=args.context,
                   copy_bandwidth_gbs=copy_gbs, stored_layer_bytes=layer.stored_bytes,
                   kv_format=dict(row_bytes=CompressedRowLayout.from_config(cfg.text).row_bytes,
+                                 latent_row_bytes=CompressedRowLayout.from_config(cfg.text).latent_row_stride,
+                                 key_row_bytes=CompressedRowLayout.from_config(cfg.text).key_row_stride,
                                  latent_entry_bytes=latent_bytes(cfg.text.head_dim),
                                  key_entry_bytes=key_bytes(cfg.text.index_head_dim), swa="bf16 rows"),
                   timing=(f"CUDA events, 256 MB L2 flush before every call, median of ≤{MAX_REPS} calls within "

@@ -10,10 +10,11 @@ the other dense tensors dequantised to fp32 (`loader.logical_tensor`), routed ex
 in the kernel layout (`runtime.weights.prepare_layer_experts`).
 
 Caches (`make_caches`) are the runtime's formats (phase-2 contracts §1–§5): BF16 SWA rows, and
-the layer's kv source as **packed FP4 entries** in uint8 per-token rows
-(`runtime.kv_layout.encode_entries` / `write_entries`, `CompressedRowLayout.from_config`; 288 B
-latent + 68 B index key per entry), read by the kernels through `kernels.packed_rows.PackedSource`
-with entry indices.
+the layer's kv source as **packed FP4 entries** in two uint8 per-token row buffers, as the pool
+holds them (`runtime.kv_layout.encode_entries` / `write_source_entries`,
+`CompressedRowLayout.from_config`; 288 B latent part in the latent rows + 68 B index-key part in
+the index-key rows per entry), read by the kernels through `kernels.packed_rows.PackedSource`
+(attention: the latent rows, indexer: the key rows) with entry indices.
 
 The step's components (`step_components`), each a callable on fixed inputs:
 
@@ -57,7 +58,7 @@ from sglang_dsv41.runtime.attention_math import (index_query, output_projection,
                                                  rope_entry_values, swa_cache_roundtrip)
 from sglang_dsv41.runtime.backend import ComputeBackend, ExactTorchBackend, backend_for
 from sglang_dsv41.runtime.kv_layout import (CompressedRowLayout, decode_entry_keys, decode_entry_latents,
-                                            encode_entries, write_entries)
+                                            encode_entries, write_source_entries)
 from sglang_dsv41.runtime.indexer_select import select_for_role
 from sglang_dsv41.runtime.mhc_ops import mhc_for
 from sglang_dsv41.runtime.moe_ops import Routing, route, routed_expert, shared_expert
@@ -176,12 +177,14 @@ def build_layer(cfg: DeepseekV41Config, layer: int, device: torch.device, seed: 
 @dataclasses.dataclass
 class Caches:
     """Request b owns token slots b·C .. b·C + C − 1 (C = context, a multiple of the ratio r).
-    `swa`: BF16 SWA rows [S, D] (the runtime's format). `packed`: the layer's kv source in uint8
-    packed rows [S, row_stride] (contracts §1–§2, only this source's columns written;
-    entry e = slot // r holds the compressed position completed by slot e·r + r − 1). `latents` /
+    `swa`: BF16 SWA rows [S, D] (the runtime's format). `packed_latents` / `packed_keys`: the
+    layer's kv source in the uint8 latent rows [S, latent_row_stride] / index-key rows [S,
+    key_row_stride] (contracts §1–§2, only this source's columns written; entry e = slot // r
+    holds the compressed position completed by slot e·r + r − 1). `latents` /
     `keys`: BF16 copies of the decoded entries at that completing slot (the BF16 variants), or None."""
     swa: Tensor
-    packed: PackedSource
+    packed_latents: PackedSource
+    packed_keys: PackedSource
     layout: CompressedRowLayout
     latents: Tensor | None
     keys: Tensor | None
@@ -202,7 +205,8 @@ def make_caches(layer: Layer, requests: int, context: int, device: torch.device,
     g = torch.Generator(device=device).manual_seed(seed)
     S, D, Dk = requests * context, t.head_dim, t.index_head_dim
     swa = torch.randn(S, D, generator=g, device=device).to(torch.bfloat16)
-    rows = torch.zeros(S, layout.row_stride, dtype=torch.uint8, device=device)
+    latent_rows = torch.zeros(S, layout.latent_row_stride, dtype=torch.uint8, device=device)
+    key_rows = torch.zeros(S, layout.key_row_stride, dtype=torch.uint8, device=device)
     latents = torch.zeros(S, D, dtype=torch.bfloat16, device=device) if bf16_copies else None
     keys = torch.zeros(S, Dk, dtype=torch.bfloat16, device=device) if bf16_copies else None
     n = S // src.ratio
@@ -210,13 +214,14 @@ def make_caches(layer: Layer, requests: int, context: int, device: torch.device,
         e = torch.arange(e0, min(n, e0 + ENCODE_CHUNK), device=device)
         entries = encode_entries(layout, torch.randn(e.numel(), D, generator=g, device=device),
                                  torch.randn(e.numel(), Dk, generator=g, device=device))
-        write_entries(rows, src, e, entries)
+        write_source_entries(latent_rows, key_rows, src, e, entries)
         if bf16_copies:          # decoded values are BF16-exact (kernels/packed_rows.py)
             slot = e * src.ratio + src.ratio - 1
             latents[slot] = decode_entry_latents(layout, entries).to(torch.bfloat16)
             keys[slot] = decode_entry_keys(layout, entries).to(torch.bfloat16)
-    packed = PackedSource(rows, src.offset, src.share, src.ratio, D, Dk)
-    return Caches(swa, packed, layout, latents, keys, context)
+    packed_latents = PackedSource(latent_rows, src.latent.offset, src.latent.share, src.ratio, D, Dk, "latent")
+    packed_keys = PackedSource(key_rows, src.key.offset, src.key.share, src.ratio, D, Dk, "key")
+    return Caches(swa, packed_latents, packed_keys, layout, latents, keys, context)
 
 
 def queries(layer: Layer, caches: Caches, req: Tensor, positions: Tensor) -> dict[str, Tensor]:
@@ -294,7 +299,7 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor,
     from sglang_dsv41.kernels import indexer as K
     from sglang_dsv41.kernels import sparse_attention as SA
     t, role, pos, req = layer.text, layer.role, qs["positions"], qs["req"]
-    r = caches.packed.ratio
+    r = caches.packed_keys.ratio
     n_vis = visible_counts(pos, r)
     width = caches.context // r
     R = qs["req_to_token"].shape[0]
@@ -307,7 +312,8 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor,
     head_w = torch.rand(q.shape[0], t.index_n_heads, generator=g, device=pos.device) / t.index_n_heads
 
     def scores_packed():
-        return K.index_scores(iq, head_w, caches.packed, entries, req, n_vis, head_sum_fp64=True, check_inputs=False)
+        return K.index_scores(iq, head_w, caches.packed_keys, entries, req, n_vis, head_sum_fp64=True,
+                              check_inputs=False)
 
     def indexer():
         return select_for_role(K, t, role, scores_packed(), n_vis, None, check_nan=False)[0]
@@ -319,7 +325,7 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor,
     qb, scale = q.to(torch.bfloat16), softmax_scale(t.head_dim)
 
     def attention():
-        return SA.sparse_sink_attention(qb, caches.swa, qs["swa_slots"], caches.packed, comp_entries, sink, scale,
+        return SA.sparse_sink_attention(qb, caches.swa, qs["swa_slots"], caches.packed_latents, comp_entries, sink, scale,
                                         config=cfg_att)
     comps: dict[str, Callable] = {"attention": attention, "indexer": indexer}
     if caches.latents is None:

@@ -17,7 +17,7 @@ scattered slots of a pool of N·E rows. For every (N, E) it
 3. counts the scoring kernel's compulsory HBM bytes (`score_bytes_per_query`) and reports GB/s
    against the device copy bandwidth measured here (read + write of 2 GiB);
 4. the packed path (contracts §1/§2): the same keys are also stored as packed FP4 entries of the
-   Flash ratio-1 kv source in 890-byte rows (production codec `runtime/kv_layout.py`; the key
+   Flash ratio-1 kv source in 170-byte index-key rows (production codec `runtime/kv_layout.py`; the key
    rows ARE the decoded entries), entry index = slot. Asserts packed scores == BF16-key scores
    bit for bit (whole [N, E], both head sums), then times scoring and the source layer; bytes
    count 68 B per key entry (Di/2 nibbles + Di/32 UE8M0) instead of a 256 B BF16 row.
@@ -60,26 +60,25 @@ ENCODE_CHUNK = 1 << 20
 
 def decode_case(n: int, e: int, device: torch.device, seed: int) -> dict:
     """n requests of e visible entries each, one query each. Keys are written as packed FP4
-    entries (890-byte Flash rows, ratio-1 source) and `keys` holds their decoded BF16 values, so
+    entries (170-byte Flash index-key rows, ratio-1 source) and `keys` holds their decoded BF16 values, so
     `slots` address both (entry index = slot at ratio 1)."""
     g = torch.Generator(device=device).manual_seed(seed)
     rows = n * e
     layout = kv_layout.CompressedRowLayout.from_config(DeepseekV41Config.from_dict(flash_config_dict()).text)
     source = layout.sources[KEY_SOURCE]
-    packed_rows = torch.zeros(rows, layout.row_bytes, dtype=torch.uint8, device=device)
+    packed_rows = torch.zeros(rows, layout.key_row_bytes, dtype=torch.uint8, device=device)
     keys = torch.empty(rows, DI, dtype=torch.bfloat16, device=device)
-    latent_part = kv_layout.latent_bytes(layout.head_dim)
     for r0 in range(0, rows, ENCODE_CHUNK):                                # FP4 rows, chunked
         idx = torch.arange(r0, min(rows, r0 + ENCODE_CHUNK), device=device)
         key_part = kv_layout.encode_keys(torch.randn(idx.numel(), DI, generator=g, device=device))
-        latent_zeros = torch.zeros(idx.numel(), latent_part, dtype=torch.uint8, device=device)
-        kv_layout.write_entries(packed_rows, source, idx, torch.cat([latent_zeros, key_part], dim=1))
+        kv_layout.write_entries(packed_rows, source.key, idx, key_part)
         keys[idx] = kv_layout.decode_keys(key_part, DI).to(torch.bfloat16)
     return dict(
         q=ops.fp4_fake_quant_ue8m0_scale(torch.randn(n, HI, DI, generator=g, device=device)),
         w=ops.bf16(torch.randn(n, HI, generator=g, device=device)) / 64,
         keys=keys,
-        packed=K.PackedSource(packed_rows, source.offset, source.share, source.ratio, layout.head_dim, DI),
+        packed=K.PackedSource(packed_rows, source.key.offset, source.key.share, source.ratio, layout.head_dim, DI,
+                              "key"),
         slots=torch.randperm(rows, generator=g, device=device).view(n, e),
         token_req=torch.arange(n, device=device),
         n_visible=torch.full((n,), e, dtype=torch.int64, device=device))

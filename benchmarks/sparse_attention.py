@@ -13,7 +13,7 @@ scattered BF16 rows) it
    count + the BF16 output; split-KV scratch is not counted: it stays in L2) and reports GB/s
    against the device copy bandwidth measured here (`dst.copy_(src)` of 2 GiB, read + write);
 4. the packed path (contracts §1/§2): the compressed keys are packed FP4 entries of a ratio-2
-   kv source in 890-byte Flash rows (written with the production codec `runtime/kv_layout.py`),
+   kv source in 720-byte Flash latent rows (written with the production codec `runtime/kv_layout.py`),
    `comp_slots` entry indices. Asserts its output is within 2 BF16 ulps of the output scale of
    the BF16 path on a cache of the decoded latents (same entries), then times it; its compulsory bytes count 288 B per
    valid compressed entry (D/2 nibbles + D/16 E4M3 scales) instead of a 1024-byte BF16 row;
@@ -81,27 +81,26 @@ ENCODE_CHUNK = 1 << 17
 
 
 def add_packed_case(c: dict, seed: int) -> None:
-    """c["packed"]: PackedSource over 890-byte Flash rows (one row per pool slot) whose source
+    """c["packed"]: PackedSource over 720-byte Flash latent rows (one row per pool slot) whose source
     PACKED_SOURCE holds random RoPE'd-latent-like entries; c["packed_entries"]: [n, K] int32 entry
     indices (scattered, −1 where the slot selection has holes); c["packed_bf16"]: the decoded
     latents of every entry as a BF16 cache (the BF16 path's input for the bit-identity check)."""
     device = c["q"].device
     layout = kv_layout.CompressedRowLayout.from_config(DeepseekV41Config.from_dict(flash_config_dict()).text)
     source = layout.sources[PACKED_SOURCE]
-    rows = torch.zeros(c["swa_cache"].shape[0], layout.row_bytes, dtype=torch.uint8, device=device)
+    rows = torch.zeros(c["swa_cache"].shape[0], layout.latent_row_bytes, dtype=torch.uint8, device=device)
     n_entries = rows.shape[0] // source.ratio
     decoded = torch.empty(n_entries, HEAD_DIM, dtype=torch.bfloat16, device=device)
     g = torch.Generator(device=device).manual_seed(seed)
     for e0 in range(0, n_entries, ENCODE_CHUNK):
         idx = torch.arange(e0, min(n_entries, e0 + ENCODE_CHUNK), device=device)
-        latents = torch.randn(idx.numel(), HEAD_DIM, generator=g, device=device)
-        keys = torch.randn(idx.numel(), layout.index_head_dim, generator=g, device=device)
-        data = kv_layout.encode_entries(layout, latents, keys)
-        kv_layout.write_entries(rows, source, idx, data)
-        decoded[idx] = kv_layout.decode_entry_latents(layout, data).to(torch.bfloat16)
+        data = kv_layout.encode_latents(torch.randn(idx.numel(), HEAD_DIM, generator=g, device=device))
+        kv_layout.write_entries(rows, source.latent, idx, data)
+        decoded[idx] = kv_layout.decode_latents(data, HEAD_DIM).to(torch.bfloat16)
     slots = c["comp_slots"].long()
     entries = torch.where(slots >= 0, slots % n_entries, -1)       # same holes, scattered entries
-    c["packed"] = sa.PackedSource(rows, source.offset, source.share, source.ratio, HEAD_DIM, layout.index_head_dim)
+    c["packed"] = sa.PackedSource(rows, source.latent.offset, source.latent.share, source.ratio, HEAD_DIM,
+                                  layout.index_head_dim, "latent")
     c["packed_entries"] = entries.to(torch.int32)
     c["packed_bf16"] = decoded
 

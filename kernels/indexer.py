@@ -26,8 +26,8 @@ Bytes read per query (Flash, Di = 128, bf16 index-key rows; decode = one query p
 tile of one query): per visible entry 8 B slot id + 256 B key row, 4 B score write = 268 B,
 plus the query (Hi·Di·4 B) and head weights once per program from L2. A prefill tile of BLOCK_T
 queries shares the slot/key reads: (8 + 256)/BLOCK_T + 4 B per entry and query. With packed
-entries (`PackedSource`, contracts §1/§2) a key costs Di/2 + Di/32 = 68 B (E2M1 nibbles + UE8M0
-exponents at the entry's key bytes, decoded exactly in the kernel by
+entries (`PackedSource` of the index-key rows, contracts §1/§2) a key costs Di/2 + Di/32 = 68 B
+(E2M1 nibbles + UE8M0 exponents, the entry's key part, decoded exactly in the kernel by
 `packed_rows.load_fp4_tile_per_dim`): 8 + 68 + 4 = 80 B per visible entry at decode.
 
 Why our own kernel. SGLang 0.5.17's DeepSeek-V4 FP4 indexer (`srt/layers/attention/dsv4/
@@ -71,7 +71,7 @@ NEG_INF = float("-inf")
 def _index_scores_kernel(q_ptr, w_ptr, key_ptr, slot_ptr, nvis_ptr, order_ptr, tile_req_ptr,
                          tile_lo_ptr, tile_hi_ptr, out_ptr, num_slots, num_entries,
                          stride_qn, stride_qh, stride_wn, stride_ks, stride_sr, stride_on,
-                         key_offset, key_ratio, key_first_byte,
+                         key_offset, key_ratio,
                          HI: tl.constexpr, DI: tl.constexpr, BLOCK_T: tl.constexpr,
                          BLOCK_J: tl.constexpr, J_STEPS: tl.constexpr, DOT_BF16: tl.constexpr,
                          HEAD_SUM_FP64: tl.constexpr, KEY_PACKED: tl.constexpr, KEY_SHARE: tl.constexpr):
@@ -105,8 +105,8 @@ def _index_scores_kernel(q_ptr, w_ptr, key_ptr, slot_ptr, nvis_ptr, order_ptr, t
         j_in = j < num_entries
         slot = tl.load(slot_ptr + req * stride_sr + j, mask=j_in & (j < tile_vis), other=-1).to(tl.int64)
         has = (slot >= 0) & (slot < num_slots)                  # packed: slot = entry e < S // ratio
-        if KEY_PACKED:   # entry e's key bytes: payload + UE8M0 scales from entry byte key_first_byte
-            keys = load_fp4_tile_per_dim(key_ptr, slot * key_ratio * stride_ks, has, key_first_byte, DI, stride_ks,
+        if KEY_PACKED:   # entry e's key part (index-key rows): payload + UE8M0 scales from its byte 0
+            keys = load_fp4_tile_per_dim(key_ptr, slot * key_ratio * stride_ks, has, 0, DI, stride_ks,
                                          key_offset, KEY_SHARE, DI, 32, True, DOT_BF16)
         else:
             keys = tl.load(key_ptr + slot[:, None] * stride_ks + d[None, :], mask=has[:, None], other=0.0)
@@ -201,14 +201,17 @@ def index_scores(q: Tensor, head_w: Tensor, key_cache: Tensor | PackedSource, en
 
     q [N, Hi, Di] fp32/bf16 FP4-valued (RoPE'd); head_w [N, Hi] fp32 (already ×Di^−½·Hi^−½);
     key_cache [S, Di] bf16 (or fp32) FP4-valued rows with entry_slots [R, E] int their rows — or
-    a `PackedSource` (contracts §1/§2/§5) with entry_slots the entry indices e (`entry_index_table`):
-    the kernel then reads entry e's key nibbles and UE8M0 scales and decodes them exactly, giving
+    a `PackedSource` of the index-key rows (part "key", contracts §1/§2/§5) with entry_slots the
+    entry indices e (`entry_index_table`): the kernel then reads entry e's key nibbles and UE8M0
+    scales and decodes them exactly, giving
     the BF16-key path's scores bit for bit on the decoded keys. −1 = none. token_req [N] request
     of each query (any order); n_visible [N] = ⌊(p+1)/ratio⌋. `check_inputs` validates values (one
     host sync; turn off inside CUDA graphs). Block sizes and launch options default from the
     shapes; overrides are for tuning (benchmarks/indexer.py).
     """
     packed = isinstance(key_cache, PackedSource)
+    if packed:
+        key_cache.require_part("key", "index_scores")
     key_tensor = key_cache.rows if packed else key_cache
     if q.dim() != 3 or head_w.shape != q.shape[:2] or key_tensor.dim() != 2 or entry_slots.dim() != 2:
         raise ValueError(f"index_scores: shapes q {tuple(q.shape)}, head_w {tuple(head_w.shape)}, key_cache "
@@ -274,7 +277,7 @@ def index_scores(q: Tensor, head_w: Tensor, key_cache: Tensor | PackedSource, en
         launch["num_warps"] = num_warps or (4 if m_rows * block_j <= 4096 else 8)
         if num_stages is not None:
             launch["num_stages"] = num_stages
-    key_layout = ((key_cache.offset, key_cache.ratio, key_cache.key_payload_start) if packed else (0, 1, 0))
+    key_layout = (key_cache.offset, key_cache.ratio) if packed else (0, 1)
     args = (q, head_w, key_tensor, entry_slots, n_visible.contiguous(), order, tile_req, tile_lo, tile_hi, out,
             num_keys, E, q.stride(0), q.stride(1), head_w.stride(0), key_tensor.stride(0),
             entry_slots.stride(0), out.stride(0), *key_layout)

@@ -1,12 +1,15 @@
 """Native reads of packed FP4 compressed entries for the Triton kernels (contracts phase 2 §1, §2, §5;
 spec `model.md` §3.4.3 / §3.4.4 for the quantisers).
 
-One compressed entry of a kv source (E = D/2 + D/16 + Dk/2 + Dk/32 bytes, Flash 356) is, in order:
-latent payload (D/2 B: E2M1 codes, dim 2i in the low nibble of byte i, dim 2i+1 in the high
-nibble), latent scales (D/16 B: float8_e4m3fn bits, scale g covers dims 16g..16g+15), key payload
-(Dk/2 B, same nibble rule), key scales (Dk/32 B: UE8M0 exponents, scale 2^(b−127), group of 32).
-A source of ratio r with column share `share` = ⌈E/r⌉ at column `offset` stores byte j of entry e
-at row e·r + j // share, column offset + j % share of the uint8 row tensor (§2).
+One compressed entry of a kv source has two parts, each stored in a row buffer of its own (§2):
+the **latent** part (D/2 + D/16 bytes, Flash 288) — latent payload (D/2 B: E2M1 codes, dim 2i in
+the low nibble of byte i, dim 2i+1 in the high nibble), then latent scales (D/16 B: float8_e4m3fn
+bits, scale g covers dims 16g..16g+15) — in the latent rows, read by `sparse_attention`; the
+**key** part (Dk/2 + Dk/32 bytes, Flash 68) — key payload (Dk/2 B, same nibble rule), then key
+scales (Dk/32 B: UE8M0 exponents, scale 2^(b−127), group of 32) — in the index-key rows, read by
+`indexer`. In a part's rows a source of ratio r with column share `share` = ⌈P/r⌉ (P the part's
+bytes) at column `offset` stores byte j of the part of entry e at row e·r + j // share, column
+offset + j % share of the uint8 row tensor.
 
 Decoded values are exact: value = e2m1(code) × scale, a ≤ 6-significant-bit product (E4M3 scale)
 or a power-of-two multiple of an E2M1 value (UE8M0), so every decoded latent and key is a BF16
@@ -36,13 +39,19 @@ def key_entry_bytes(index_head_dim: int) -> int:
     return index_head_dim // 2 + index_head_dim // 32
 
 
+#: The parts of an entry, each in its own row buffer: latents (attention), index keys (indexer).
+PARTS = ("latent", "key")
+
+
 @dataclass(frozen=True)
 class PackedSource:
-    """One kv source's packed compressed entries inside the per-token rows (contracts §5).
+    """One part (`part`: "latent" or "key") of one kv source's packed compressed entries inside
+    that part's per-token rows (contracts §5).
 
-    `rows` uint8 [S, row_bytes] (any row stride, unit last stride; e.g. SGLang's bf16 full-pool
-    buffer viewed as bytes); entries e ∈ [0, S // ratio) of this source; `share` must equal
-    ⌈entry_bytes / ratio⌉ and [offset, offset + share) must lie inside a row (checked here)."""
+    `rows` uint8 [S, row_bytes] (any row stride, unit last stride): the latent rows for "latent",
+    the index-key rows for "key"; entries e ∈ [0, S // ratio) of this source; `share` must equal
+    ⌈entry_bytes / ratio⌉ (`entry_bytes`: the part's bytes) and [offset, offset + share) must lie
+    inside a row (checked here)."""
 
     rows: Tensor
     offset: int
@@ -50,6 +59,7 @@ class PackedSource:
     ratio: int
     head_dim: int
     index_head_dim: int
+    part: str
 
     def __post_init__(self) -> None:
         r = self.rows
@@ -59,6 +69,9 @@ class PackedSource:
         if self.head_dim < 16 or self.head_dim % 16 or self.index_head_dim < 32 or self.index_head_dim % 32:
             raise ValueError(f"PackedSource: head_dim {self.head_dim} must be a multiple of 16 and index_head_dim "
                              f"{self.index_head_dim} a multiple of 32 (one scale per 16 / 32 dims)")
+        if self.part not in PARTS:
+            raise ValueError(f"PackedSource: part {self.part!r} is not one of {PARTS} (an entry's latent and "
+                             "index-key parts live in separate row buffers)")
         if self.ratio < 1:
             raise ValueError(f"PackedSource: ratio must be ≥ 1, got {self.ratio}")
         want = -(-self.entry_bytes // self.ratio)
@@ -71,18 +84,19 @@ class PackedSource:
 
     @property
     def entry_bytes(self) -> int:
-        """E = D/2 + D/16 + Dk/2 + Dk/32 (contracts §1)."""
-        return latent_entry_bytes(self.head_dim) + key_entry_bytes(self.index_head_dim)
+        """Bytes of this part of one entry: D/2 + D/16 (latent) or Dk/2 + Dk/32 (key), contracts §1."""
+        return latent_entry_bytes(self.head_dim) if self.part == "latent" else key_entry_bytes(self.index_head_dim)
 
     @property
     def num_entries(self) -> int:
         """Entries addressable in `rows`: e·ratio + ratio − 1 < S."""
         return self.rows.shape[0] // self.ratio
 
-    @property
-    def key_payload_start(self) -> int:
-        """Byte index (within an entry) of the first index-key payload byte."""
-        return latent_entry_bytes(self.head_dim)
+    def require_part(self, part: str, reader: str) -> None:
+        """Raise unless this source addresses `part` (a reader of latents handed key rows, say)."""
+        if self.part != part:
+            raise ValueError(f"{reader}: reads the {part} part of packed entries, got a PackedSource of the "
+                             f"{self.part} rows")
 
 
 # ---- jit helpers (inlined into the kernels) -------------------------------------------------

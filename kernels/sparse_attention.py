@@ -48,8 +48,9 @@ n_valid ≤ W + K valid keys, idx = 4 or 8 bytes per slot):
     written: H·D·2 (out); with s > 1 splits also s·H·(D + 2)·4 written and read back (L2-resident).
 The ⌈H/block_h⌉ head blocks of a query re-read the same key rows, normally from L2. Flash
 (D 512, H 64, W 128, K 512, int32 slots): 64 KiB q + 2.5 KiB slots + 640 KiB keys + 64 KiB
-out ≈ 0.77 MB per decode query. With packed compressed entries (`PackedSource`, contracts §1/§2:
-the global KV stays 890 B/token, no BF16 copy) a compressed key costs D/2 + D/16 = 288 B
+out ≈ 0.77 MB per decode query. With packed compressed entries (`PackedSource` of the latent
+rows, contracts §1/§2: the global KV stays 896 B/token, no BF16 copy) a compressed key costs
+D/2 + D/16 = 288 B
 (E2M1 nibbles + E4M3 scales, decoded exactly in the kernel: `packed_rows.load_latent_pair_tiles`,
 two byte gathers per payload byte, decoded once per tile) instead of 1024 B: 128 KiB SWA + 144
 KiB compressed ≈ 0.41 MB per decode query. sm_90 build of the packed Flash plan: the compressed
@@ -343,8 +344,8 @@ def sparse_sink_attention(q: Tensor, swa_cache: Tensor, swa_slots: Tensor,
     Returns [N, H, D] bf16, or fills `out` (bf16, or fp32 for the unrounded result).
 
     `swa_cache` is [S, D] bf16 rows (row stride free, unit last stride); slots int32/int64.
-    `comp_cache` is either such a BF16 cache (`comp_slots` = its rows) or a `PackedSource` of
-    packed FP4 entries (contracts §1/§2; `comp_slots` = entry indices e): the kernel then reads
+    `comp_cache` is either such a BF16 cache (`comp_slots` = its rows) or a `PackedSource` of the
+    latent rows (part "latent", contracts §1/§2; `comp_slots` = entry indices e): the kernel then reads
     entry e's latent nibbles and E4M3 scales and decodes them exactly, so the result is bit for
     bit the BF16 path's on a cache holding the decoded latents. No host synchronisation unless
     `validate=True`, which checks slot/entry ranges, the sink, and empty key sets with a −∞ sink,

@@ -32,6 +32,7 @@ def check_inputs(q: Tensor, swa_cache: Tensor, swa_slots: Tensor, comp_cache: Te
         raise ValueError("sparse_sink_attention: comp_cache and comp_slots must both be given or both be None")
     for name, cache, slots in caches:
         if isinstance(cache, PackedSource):
+            cache.require_part("latent", "sparse_sink_attention")
             if cache.head_dim != D:
                 raise ValueError(f"sparse_sink_attention: packed comp_cache has head_dim {cache.head_dim}, q has {D}")
         elif cache.dim() != 2 or cache.shape[1] != D or cache.dtype != torch.bfloat16 or cache.stride(1) != 1:

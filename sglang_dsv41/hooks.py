@@ -138,8 +138,8 @@ HOOKS: tuple[HookSpec, ...] = (
         target="sglang.srt.model_executor.pool_configurator.create_memory_pool_configurator",
         kind="around", impl="sglang_dsv41.runtime.sglang_pool:memory_pool_configurator_hook",
         params=("kvc",), area="runtime",
-        why="SGLang sizes hybrid-SWA pools from per-layer K/V head dims; the V4.1 pool holds one 16-B-aligned "
-            "global KV row per full token (Flash 896 B) plus L bf16 SWA rows per SWA token, which only our "
+        why="SGLang sizes hybrid-SWA pools from per-layer K/V head dims; the V4.1 pool holds a 16-B-aligned "
+            "latent row and index-key row per full token (Flash 720 + 176 = 896 B) plus L bf16 SWA rows per SWA token, which only our "
             "configurator budgets (and logs); it also refuses flags the pool cannot be built for."),
     HookSpec(
         target="sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool",

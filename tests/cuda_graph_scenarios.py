@@ -123,8 +123,9 @@ def differences_outside_padding(a: RuntimeCaches, b: RuntimeCaches, page: int) -
     (full / SWA slots 0..page−1: identity SWA map in stand-alone caches). Request-scoped pair
     state is compared for every row, the padding row 0 included."""
     diffs = []
-    if not torch.equal(a.rows[page:], b.rows[page:]):
-        diffs.append("packed compressed rows")
+    for name in ("latent_rows", "key_rows"):
+        if not torch.equal(getattr(a, name)[page:], getattr(b, name)[page:]):
+            diffs.append(f"packed compressed {name}")
     for layer, (x, y) in enumerate(zip(a.swa, b.swa)):
         if not torch.equal(x[page:], y[page:]):
             diffs.append(f"swa[{layer}]")

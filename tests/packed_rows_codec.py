@@ -3,7 +3,8 @@
 Independent of the kernels (which decode with integer arithmetic in Triton): the encoder derives
 codes and scale bytes from the reference fake-quantisers' own values (`reference.ops`), the
 decoder uses table look-ups and torch's float8 cast. Used by tests/test_kernels_*.py to build
-packed rows and the BF16 caches holding the same decoded values.
+packed rows — latent rows and index-key rows are separate buffers — and the BF16 caches holding
+the same decoded values.
 """
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ E2M1_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 
 def entry_bytes(head_dim: int, index_head_dim: int) -> int:
-    """E = D/2 + D/16 + Dk/2 + Dk/32 (contracts §1)."""
-    return head_dim // 2 + head_dim // 16 + index_head_dim // 2 + index_head_dim // 32
+    """E = D/2 + D/16 + Dk/2 + Dk/32 (contracts §1): both parts."""
+    return latent_part_bytes(head_dim) + key_part_bytes(index_head_dim)
 
 
 def _codes(grid: Tensor) -> Tensor:
@@ -93,40 +94,68 @@ def read_entries(rows: Tensor, entries: Tensor, n_bytes: int, offset: int, share
     return rows[r, c]
 
 
-def tiny_like_layout(head_dim: int, index_head_dim: int, ratios: tuple[int, ...]) -> list[tuple[int, int, int]]:
-    """(offset, share, ratio) of each source in order, shares ⌈E/r⌉, offsets cumulative (§2)."""
-    e = entry_bytes(head_dim, index_head_dim)
+def latent_part_bytes(head_dim: int) -> int:
+    """Latent part of an entry, in the latent rows: D/2 + D/16 (contracts §1)."""
+    return head_dim // 2 + head_dim // 16
+
+
+def key_part_bytes(index_head_dim: int) -> int:
+    """Index-key part of an entry, in the index-key rows: Dk/2 + Dk/32 (contracts §1)."""
+    return index_head_dim // 2 + index_head_dim // 32
+
+
+def part_layout(part_bytes: int, ratios: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(offset, share, ratio) of each source in one part's rows, shares ⌈P/r⌉, offsets cumulative (§2)."""
     out, offset = [], 0
     for r in ratios:
-        share = -(-e // r)
+        share = -(-part_bytes // r)
         out.append((offset, share, r))
         offset += share
     return out
 
 
 def packed_rows_case(num_rows: int, head_dim: int, index_head_dim: int, ratios: tuple[int, ...], source: int,
-                     seed: int, pad_columns: int = 0) -> dict:
-    """Rows of `num_rows` tokens holding several sources (random garbage everywhere) with every
-    entry of source `source` written from random latents/keys; returns the rows (a column slice
-    of a wider tensor when pad_columns > 0), the source's (offset, share, ratio), and the decoded
-    BF16 latents / keys of its entries (the BF16-path caches, indexed by entry)."""
+                     seed: int, part: str, pad_columns: int = 0) -> dict:
+    """One part's rows ("latent": the latent rows, "key": the index-key rows) of `num_rows` tokens
+    holding several sources (random garbage everywhere) with every entry of source `source`
+    written from random latents/keys; returns the rows (a column slice of a wider tensor when
+    pad_columns > 0), the source's (offset, share, ratio) in them, and the decoded BF16 values of
+    its entries' part (the BF16-path cache, indexed by entry: `latent_cache` or `key_cache`)."""
+    if part not in ("latent", "key"):
+        raise ValueError(f"part {part!r}")
     g = torch.Generator().manual_seed(seed)
-    layout = tiny_like_layout(head_dim, index_head_dim, ratios)
+    n_bytes = latent_part_bytes(head_dim) if part == "latent" else key_part_bytes(index_head_dim)
+    layout = part_layout(n_bytes, ratios)
     row_bytes = sum(share for _, share, _ in layout)
     wide = torch.randint(0, 256, (num_rows, row_bytes + pad_columns), generator=g, dtype=torch.uint8)
     rows = wide[:, :row_bytes]
     offset, share, ratio = layout[source]
     n = num_rows // ratio
     scale = 2.0 ** torch.randint(-4, 5, (n, 1), generator=g)
-    latents = torch.randn(n, head_dim, generator=g) * scale
-    keys = torch.randn(n, index_head_dim, generator=g) * scale
-    data = torch.cat([encode_latent(latents), encode_index_key(keys)], dim=1)
+    if part == "latent":
+        values = torch.randn(n, head_dim, generator=g) * scale
+        data = encode_latent(values)
+    else:
+        values = torch.randn(n, index_head_dim, generator=g) * scale
+        data = encode_index_key(values)
     entries = torch.arange(n)
     write_entries(rows, entries, data, offset, share, ratio)
-    lat_bytes = head_dim // 2 + head_dim // 16
     back = read_entries(rows, entries, data.shape[1], offset, share, ratio)
-    latent_values = decode_latent(back[:, :lat_bytes], head_dim)
-    key_values = decode_index_key(back[:, lat_bytes:], index_head_dim)
-    return dict(rows=rows, offset=offset, share=share, ratio=ratio, latents=latents, keys=keys,
-                latent_values=latent_values, key_values=key_values,
-                latent_cache=latent_values.to(torch.bfloat16), key_cache=key_values.to(torch.bfloat16))
+    decoded = decode_latent(back, head_dim) if part == "latent" else decode_index_key(back, index_head_dim)
+    return dict(rows=rows, offset=offset, share=share, ratio=ratio, part=part, values=values,
+                decoded=decoded, **{f"{part}_cache": decoded.to(torch.bfloat16)})
+
+
+def kernel_source_as_runtime_rows(c):
+    """A kernel `PackedSource` (one part's rows) as the runtime's `kv_layout.PackedSourceRows`, so
+    exact torch stand-ins of the kernels decode what the kernel would read. The other part's
+    rows are an empty [S, 0] tensor: a stand-in that reads the wrong part fails."""
+    from sglang_dsv41.runtime.kv_layout import CompressedRowLayout, KvSource, PackedSourceRows, SourceColumns
+
+    this = SourceColumns(-1, c.ratio, c.offset, c.share, c.entry_bytes)
+    none = SourceColumns(-1, c.ratio, 0, 1, 1)
+    empty = c.rows.new_zeros(c.rows.shape[0], 0)
+    layout = CompressedRowLayout(c.head_dim, c.index_head_dim, ())
+    if c.part == "latent":
+        return PackedSourceRows(c.rows, empty, KvSource(-1, c.ratio, latent=this, key=none), layout)
+    return PackedSourceRows(empty, c.rows, KvSource(-1, c.ratio, latent=none, key=this), layout)

@@ -236,7 +236,7 @@ def test_metrics_serves_sglangs_and_the_runtimes_gauges(server: Server, tokens_b
                       r"B/token \((\d+) SWA slots\); pair state (\d+) B \+ Engram history (\d+) B", log)
     assert found, log[-3000:]
     g_bytes, g_slots, s_bytes, s_slots, pair_bytes, history_bytes = map(int, found.groups())
-    assert (g_bytes, s_bytes, history_bytes) == (176, 1536, 3 * 4 + 8)   # tiny: 176-B rows; 8 × 96 bf16; K=3 int32 + end
+    assert (g_bytes, s_bytes, history_bytes) == (192, 1536, 3 * 4 + 8)   # tiny: 112 + 80-B rows; 8 × 96 bf16; K=3 int32 + end
     assert samples[("sglang_dsv41:kv_bytes_per_token", "global")] == g_bytes
     assert samples[("sglang_dsv41:kv_bytes_per_token", "swa")] == s_bytes
     assert samples[("sglang_dsv41:request_state_bytes", "pair_state")] == pair_bytes

@@ -123,12 +123,16 @@ def test_packed_caches(bench, setup, ratio: int) -> None:
     src = layout.source(built.role.kv_source)
     r, S = src.ratio, requests * C
     assert caches.swa.shape == (S, cfg.text.head_dim) and caches.swa.dtype == torch.bfloat16
-    assert caches.packed.rows.shape == (S, layout.row_stride) and caches.packed.rows.dtype == torch.uint8
-    assert (caches.packed.offset, caches.packed.share, caches.packed.ratio) == (src.offset, src.share, r)
-    outside = torch.ones(layout.row_stride, dtype=torch.bool)
-    outside[src.offset: src.offset + src.share] = False
-    assert not caches.packed.rows[:, outside].any()                         # other sources untouched
-    reader = PackedSourceRows(caches.packed.rows, src, layout)
+    lat, key = caches.packed_latents, caches.packed_keys
+    assert lat.rows.shape == (S, layout.latent_row_stride) and key.rows.shape == (S, layout.key_row_stride)
+    assert lat.rows.dtype == key.rows.dtype == torch.uint8 and (lat.part, key.part) == ("latent", "key")
+    assert (lat.offset, lat.share, lat.ratio) == (src.latent.offset, src.latent.share, r)
+    assert (key.offset, key.share, key.ratio) == (src.key.offset, src.key.share, r)
+    for packed, cols in ((lat, src.latent), (key, src.key)):
+        outside = torch.ones(packed.rows.shape[1], dtype=torch.bool)
+        outside[cols.offset: cols.offset + cols.share] = False
+        assert not packed.rows[:, outside].any()                           # other sources untouched
+    reader = PackedSourceRows(lat.rows, key.rows, src, layout)
     e = torch.arange(S // r)
     slot = e * r + r - 1
     assert torch.equal(reader.latents(e), caches.latents[slot].float())
@@ -137,7 +141,7 @@ def test_packed_caches(bench, setup, ratio: int) -> None:
     assert not caches.latents[(torch.arange(S) % r) != r - 1].any()       # copies only at completing slots
     plain = bench.make_caches(built, requests, C, torch.device("cpu"))
     assert plain.latents is None and plain.keys is None
-    assert torch.equal(plain.packed.rows, caches.packed.rows)              # same seed, same entries
+    assert torch.equal(plain.packed_latents.rows, lat.rows) and torch.equal(plain.packed_keys.rows, key.rows)
     if r > 1:
         with pytest.raises(ValueError, match="multiple of the compress ratio"):
             bench.make_caches(built, 1, 2 * r + 1, torch.device("cpu"))

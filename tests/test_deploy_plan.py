@@ -21,6 +21,7 @@ from sglang_dsv41.deploy.kv import (
 from sglang_dsv41.deploy.memory import GIB, ShardLayout, vram_minimum_gb, weight_plan
 from sglang_dsv41.deploy.plan import RuntimePool, make_plan, model_config_for
 from sglang_dsv41.deploy.runtime_residency import runtime_residency
+from sglang_dsv41.runtime import kv_rows
 from sglang_dsv41.runtime.cache import RuntimeCaches
 from sglang_dsv41.deploy.schema import config_from_dict, load_config, raw_config
 from sglang_dsv41.presets import flash_config_dict, tiny_config_dict
@@ -110,16 +111,19 @@ def test_resident_weights_per_rank_tp2_matches_card_tp4_does_not(flash) -> None:
 
 
 def test_the_plan_sizes_the_runtime_pool_with_896_byte_rows(flash) -> None:
-    """The card's 890 B/token of packed entries (contracts §2: 356 for the ratio-1 source + 178 per
-    ratio-2 source), stored padded to 16 B = 896 B per token, is what the runtime's pool holds, on
+    """The card's 890 B/token of packed entries (contracts §2: 288 + 68 for the ratio-1 source,
+    144 + 34 per ratio-2 source), stored as a 720-B latent row + a 176-B index-key row (each padded
+    to 16 B) = 896 B per token, is what the runtime's pool holds, on
     every TP rank — under upstream H200's 1,632.5; the SWA pool adds ratio × L·2·head_dim per full
     token to the cell. The row formula is the runtime's own (`runtime/kv_rows.py`)."""
     t = flash.text
     p = make_plan(load_config(ROOT / "configs" / "h200-tp4.yaml"), flash)
     assert p.pool.row_bytes == packed_row_bytes(t) == 896 == RuntimeCaches.planned_global_bytes_per_token(t)
-    assert sum(b for _, _, b in p.pool.sources) == 890 == kv_bytes_per_token(t, "v41")
+    assert sum(s[2] + s[3] for s in p.pool.sources) == 890 == kv_bytes_per_token(t, "v41")
     assert p.pool.row_bytes <= 896 < kv_bytes_per_token(t, "v4")
-    assert [(r, b) for _, r, b in p.pool.sources] == [(2, 178), (2, 178), (2, 178), (1, 356)]
+    assert [s[1:] for s in p.pool.sources] == [(2, 144, 34), (2, 144, 34), (2, 144, 34), (1, 288, 68)]
+    assert (p.pool.latent_row_bytes, p.pool.key_row_bytes) == (720, 176) == (
+        kv_rows.text_latent_row_stride_bytes(t), kv_rows.text_key_row_stride_bytes(t))
     assert p.pool.swa_token_bytes == swa_bytes_per_swa_token(t) == 40 * 512 * 2
     assert (p.pool.swa_full_tokens_ratio, p.pool.page_size, p.pool.max_total_tokens) == (0.1, 2, None)
     assert p.pool.cell_bytes == pool_bytes_per_full_token(t, 0.1) == pytest.approx(896 + 4096.0)
@@ -133,6 +137,7 @@ def test_the_plan_sizes_the_runtime_pool_with_896_byte_rows(flash) -> None:
         assert other.capacity_tokens_per_rank == max(0, int(other.kv_budget // p.pool.cell_bytes)) // 2 * 2
     d = plan_mod.make_plan(load_config(ROOT / "configs" / "h200-tp4.yaml"), flash).to_dict()
     assert d["kv_pool"]["global_kv_bytes_per_token"] == 896
+    assert d["kv_pool"]["sources"][3] == {"layer": 20, "ratio": 1, "latent_bytes": 288, "key_bytes": 68}
     assert d["upstream_comparison"]["kv_bytes_per_token"] == {"v4": 1632.5, "v41": 890.0}
     assert "comparison only" in d["upstream_comparison"]["note"]
 
@@ -340,7 +345,8 @@ def test_plan_cli_options_and_checkpoint(tmp_path: Path, capsys) -> None:
     assert "layout per_rank: each of the 4 rank(s) pins its own block of rows" in text
     assert "this runtime holds per rank" in text and "Engram shard in pinned host memory (per_rank)" in text
     assert "377.7 GiB host per node" in text   # the card's 188.8 GiB of tables, two TP4 servers per node
-    assert "global KV per token: 896 B packed FP4 row" in text
+    assert "global KV per token: 896 B in two packed FP4 rows" in text
+    assert "latent row 720 B (144 + 144 + 144 + 288 + 0 pad) + index-key row 176 B (34 + 34 + 34 + 68 + 6 pad)" in text
     assert "compared with upstream SGLang 0.5.23 layouts (not what this runtime stores" in text
 
 

@@ -167,13 +167,13 @@ if KERNEL_HERE:
     PACKED_IDS = ["tiny_ratio2", "tiny_ratio1", "flash_ratio2", "flash_ratio1"]
 
     def packed_key_case(hi: int, di: int, dim: int, ratios: tuple, source: int, seed: int):
-        """`packed_case` queries and requests over packed rows: entry_slots become entry indices of
-        a PackedSource (every source's columns present, garbage outside `source`), plus the BF16
-        key cache of the decoded keys indexed by entry — the BF16 path's input."""
+        """`packed_case` queries and requests over packed index-key rows: entry_slots become entry
+        indices of a PackedSource (every source's columns present, garbage outside `source`), plus
+        the BF16 key cache of the decoded keys indexed by entry — the BF16 path's input."""
         q, w, _, entries, token_req, n_visible = packed_case(hi, di, seed=seed, shuffle=True)
         ratio = ratios[source]
-        pr = packed_rows_case(700 * ratio, dim, di, ratios, source, seed, pad_columns=6)   # 700 entries ≥ S
-        src = K.PackedSource(pr["rows"].to(DEVICE), pr["offset"], pr["share"], ratio, dim, di)
+        pr = packed_rows_case(700 * ratio, dim, di, ratios, source, seed, "key", pad_columns=6)   # 700 entries ≥ S
+        src = K.PackedSource(pr["rows"].to(DEVICE), pr["offset"], pr["share"], ratio, dim, di, "key")
         return (q, w, entries, token_req, n_visible), src, pr["key_cache"].to(DEVICE)
 
     @pytest.mark.parametrize("hi,di,dim,ratios,source", PACKED_SHAPES if DEVICE == "cuda" else PACKED_SHAPES[:3],
@@ -197,6 +197,11 @@ if KERNEL_HERE:
             K.index_scores(q, w, src, bad, token_req, n_visible)
         with pytest.raises(ValueError, match="key width 64"):
             K.index_scores(q[:, :, :32].contiguous(), w, src, entries, token_req, n_visible)
+        assert (src.rows.shape[1], src.share, src.entry_bytes) == (68, 17, 34)   # tiny key rows: 17 + 17 + 34
+        latents = K.PackedSource(torch.zeros(src.rows.shape[0], 108, dtype=torch.uint8, device=DEVICE), 0, 27, 2,
+                                 96, 64, "latent")
+        with pytest.raises(ValueError, match="reads the key part"):          # latent rows are not the indexer's
+            K.index_scores(q, w, latents, entries, token_req, n_visible)
 
     @pytest.fixture(scope="module")
     def tiny_batch():
@@ -292,7 +297,7 @@ if not K.INTERPRETED:
         join/reshape decode (removed) cannot be lowered to in Triton 3.6."""
         kern = K._index_scores_kernel
         consts = dict(HI=32, DI=128, BLOCK_T=block_t, BLOCK_J=64, J_STEPS=1, DOT_BF16=True, HEAD_SUM_FP64=True,
-                      KEY_PACKED=True, KEY_SHARE=356)
+                      KEY_PACKED=True, KEY_SHARE=68)
         pointers = {"q_ptr": "*fp32", "w_ptr": "*fp32", "key_ptr": "*u8", "out_ptr": "*fp32"}
         sig = {n: "constexpr" if n in consts else pointers.get(n, "*i64" if n.endswith("_ptr") else "i32")
                for n in kern.arg_names}
@@ -489,13 +494,13 @@ def test_gpu_flash_fp64_head_sum_is_bitwise(N: int) -> None:
 @pytest.mark.parametrize("source", [1, 3], ids=["ratio2", "ratio1"])
 @pytest.mark.parametrize("N", [1, 64, 1024])
 def test_gpu_flash_packed_keys_bit_identical_to_bf16_keys(N: int, source: int) -> None:
-    """Flash indexer shapes (Hi 32, Di 128, E = 8192 visible entries per request) over the 890-byte
-    Flash row: packed FP4 keys give the BF16-key path's scores bit for bit, both head sums."""
+    """Flash indexer shapes (Hi 32, Di 128, E = 8192 visible entries per request) over the 170-byte
+    Flash index-key row: packed FP4 keys give the BF16-key path's scores bit for bit, both head sums."""
     ratios, n_entries, E = (2, 2, 2, 1), 16384, 8192
     g = torch.Generator().manual_seed(N + source)
-    pr = packed_rows_case(n_entries * ratios[source], 512, 128, ratios, source, seed=N)
-    src = K.PackedSource(pr["rows"].cuda(), pr["offset"], pr["share"], ratios[source], 512, 128)
-    assert src.rows.shape[1] == 890 and src.num_entries == n_entries
+    pr = packed_rows_case(n_entries * ratios[source], 512, 128, ratios, source, seed=N, part="key")
+    src = K.PackedSource(pr["rows"].cuda(), pr["offset"], pr["share"], ratios[source], 512, 128, "key")
+    assert src.rows.shape[1] == 170 and src.num_entries == n_entries
     R = N if N <= 64 else 4
     per = N // R
     entries = torch.randint(0, n_entries, (R, E), generator=g).cuda()

@@ -336,8 +336,8 @@ TINY_RATIOS, FLASH_RATIOS = (2, 2, 1), (2, 2, 2, 1)     # kv-source ratios in kv
 def packed_case(n, heads, dim, index_dim, window, topk, num_rows, ratios, source, seed, hole_frac=0.25,
                 pad_columns=0, device="cpu", slot_dtype=torch.int64):
     """(q, swa_cache, swa_slots, PackedSource, entries, bf16 cache of the decoded latents, sink):
-    rows hold every source's columns (garbage outside `source`), entries −1 at `hole_frac`."""
-    pr = packed_rows_case(num_rows, dim, index_dim, ratios, source, seed, pad_columns=pad_columns)
+    latent rows hold every source's columns (garbage outside `source`), entries −1 at `hole_frac`."""
+    pr = packed_rows_case(num_rows, dim, index_dim, ratios, source, seed, "latent", pad_columns=pad_columns)
     q, swa, ss, _, _, sink = random_case(n, heads, dim, window, topk, num_rows, seed + 1000, hole_frac=hole_frac,
                                          slot_dtype=slot_dtype)
     g = torch.Generator().manual_seed(seed + 2000)
@@ -345,7 +345,7 @@ def packed_case(n, heads, dim, index_dim, window, topk, num_rows, ratios, source
     entries = torch.randint(0, n_entries, (n, topk), generator=g)
     entries[torch.rand(n, topk, generator=g) < hole_frac] = -1
     to = dict(device=device)
-    src = sa.PackedSource(pr["rows"].to(**to), pr["offset"], pr["share"], pr["ratio"], dim, index_dim)
+    src = sa.PackedSource(pr["rows"].to(**to), pr["offset"], pr["share"], pr["ratio"], dim, index_dim, "latent")
     return (q.to(**to), swa.to(**to), ss.to(**to), src, entries.to(slot_dtype).to(**to),
             pr["latent_cache"].to(**to), sink.to(**to))
 
@@ -397,10 +397,10 @@ def test_packed_latents_bit_identical_to_bf16_path_tiny(source, pad):
 @interpreter
 @pytest.mark.parametrize("source", [1, 3], ids=["ratio2", "ratio1"])
 def test_packed_latents_bit_identical_flash_dims_split(source):
-    """Flash head_dim 512 / index_head_dim 128 in the Flash 4-source row (890 B), split key tiles."""
+    """Flash head_dim 512 / index_head_dim 128 in the Flash 4-source latent row (720 B), split key tiles."""
     case = packed_case(n=3, heads=8, dim=512, index_dim=128, window=16, topk=24, num_rows=64, ratios=FLASH_RATIOS,
                        source=source, seed=30 + source, slot_dtype=torch.int32)
-    assert case[3].rows.shape[1] == 890 and case[3].entry_bytes == 356
+    assert case[3].rows.shape[1] == 720 and case[3].entry_bytes == 288
     cfg = sa.SparseAttentionConfig(block_h=16, block_d=512, block_n=16, num_splits=2, num_warps=4, num_stages=2)
     assert_packed_equals_bf16_path(sa, *case, 512 ** -0.5, config=cfg)
 
@@ -416,14 +416,20 @@ def test_packed_input_errors():
         f(q, swa, ss, src, bad, sink, 0.1, validate=True)
     with pytest.raises(ValueError, match="head_dim 96"):
         f(q[..., :64].contiguous(), swa[:, :64].contiguous(), ss, src, entries, sink, 0.1)
+    assert (src.rows.shape[1], src.share, src.entry_bytes) == (108, 27, 54)   # tiny latent rows: 27 + 27 + 54
     with pytest.raises(ValueError, match="share"):
-        sa.PackedSource(src.rows, 0, 45, 2, 96, 64)
+        sa.PackedSource(src.rows, 0, 28, 2, 96, 64, "latent")
     with pytest.raises(ValueError, match="do not fit"):
-        sa.PackedSource(src.rows, 140, 44, 2, 96, 64)
+        sa.PackedSource(src.rows, 90, 27, 2, 96, 64, "latent")
     with pytest.raises(ValueError, match="uint8"):
-        sa.PackedSource(src.rows.float(), 0, 44, 2, 96, 64)
+        sa.PackedSource(src.rows.float(), 0, 27, 2, 96, 64, "latent")
     with pytest.raises(ValueError, match="multiple of 16"):
-        sa.PackedSource(src.rows, 0, 44, 2, 88, 64)
+        sa.PackedSource(src.rows, 0, 27, 2, 88, 64, "latent")
+    with pytest.raises(ValueError, match="part 'entry'"):        # one merged latent + key row is no format
+        sa.PackedSource(src.rows, 0, 27, 2, 96, 64, "entry")
+    keys = sa.PackedSource(src.rows, 0, 17, 2, 96, 64, "key")   # index-key rows are not attention's
+    with pytest.raises(ValueError, match="reads the latent part"):
+        f(q, swa, ss, keys, entries, sink, 0.1)
 
 
 @triton.jit
@@ -449,7 +455,7 @@ def test_latent_pair_tiles_decode_even_and_odd_dims(dim, index_dim, ratios, sour
     """The parity-split decode: column i of `even` / `odd` is dim 2i / 2i+1 of the decoded latent
     (low / high nibble of byte i, scale group i // 8), entries −1 (holes, tail) decode to +0, a
     non-power-of-two D (96: 48 of 64 pair columns) is masked; entries straddle rows at ratio 2."""
-    pr = packed_rows_case(40, dim, index_dim, ratios, source, seed=60 + source)
+    pr = packed_rows_case(40, dim, index_dim, ratios, source, seed=60 + source, part="latent")
     n_entries = pr["latent_cache"].shape[0]
     entries = torch.randperm(n_entries, generator=torch.Generator().manual_seed(61))[:12]
     entries[[1, 5]] = -1
@@ -518,8 +524,10 @@ def test_test_codec_equals_runtime_kv_layout():
         layout = kv_layout.CompressedRowLayout.from_config(text)
         D, Dk = text.head_dim, text.index_head_dim
         ratios = tuple(text.compress_ratios[i] for i in text.kv_source_layer_ids)
-        ours = codec.tiny_like_layout(D, Dk, ratios)
-        assert [(c.offset, c.share, c.ratio) for c in layout.sources] == ours
+        assert [(c.latent.offset, c.latent.share, c.ratio) for c in layout.sources] == \
+            codec.part_layout(codec.latent_part_bytes(D), ratios)
+        assert [(c.key.offset, c.key.share, c.ratio) for c in layout.sources] == \
+            codec.part_layout(codec.key_part_bytes(Dk), ratios)
         assert layout.entry_bytes == codec.entry_bytes(D, Dk)
         n = 40
         lat = torch.randn(n, D, generator=g) * 2.0 ** torch.randint(-14, 12, (n, 1), generator=g)
@@ -529,13 +537,17 @@ def test_test_codec_equals_runtime_kv_layout():
         ours_bytes = torch.cat([codec.encode_latent(lat), codec.encode_index_key(key)], dim=1)
         theirs = kv_layout.encode_entries(layout, lat, key)
         assert torch.equal(ours_bytes, theirs)
-        for src in layout.sources:
-            rows_a = torch.zeros(2 * n + 4, layout.row_bytes, dtype=torch.uint8)
-            rows_b = rows_a.clone()
-            entries = torch.randperm(n + 2, generator=g)[:n // src.ratio]
-            kv_layout.write_entries(rows_a, src, entries, theirs[:entries.numel()])
-            codec.write_entries(rows_b, entries, ours_bytes[:entries.numel()], src.offset, src.share, src.ratio)
-            assert torch.equal(rows_a, rows_b)
+        split = codec.latent_part_bytes(D)
+        for source in layout.sources:
+            entries = torch.randperm(n + 2, generator=g)[:n // source.ratio]
+            lat_a = torch.zeros(2 * n + 4, layout.latent_row_stride, dtype=torch.uint8)
+            key_a = torch.zeros(2 * n + 4, layout.key_row_stride, dtype=torch.uint8)
+            lat_b, key_b = lat_a.clone(), key_a.clone()
+            kv_layout.write_source_entries(lat_a, key_a, source, entries, theirs[:entries.numel()])
+            for rows, src, part in ((lat_b, source.latent, ours_bytes[:, :split]),
+                                    (key_b, source.key, ours_bytes[:, split:])):
+                codec.write_entries(rows, entries, part[:entries.numel()], src.offset, src.share, src.ratio)
+            assert torch.equal(lat_a, lat_b) and torch.equal(key_a, key_b)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="needs the compiled kernels")
@@ -599,7 +611,7 @@ def test_compiles_for_hopper_without_spills(case, packed):
                      "tiny": (5, 4, 96, 8, 4)}[case]
     cfg = sa.plan_config(n, h, d, w, k, sm_count=132)
     consts = dict(BLOCK_H=cfg.block_h, BLOCK_D=cfg.block_d, BLOCK_N=cfg.block_n, HAS_COMP=True,
-                  COMP_PACKED=packed, COMP_SHARE=178 if packed else 1, NUM_SPLITS=cfg.num_splits, DOT_FP32=False)
+                  COMP_PACKED=packed, COMP_SHARE=144 if packed else 1, NUM_SPLITS=cfg.num_splits, DOT_FP32=False)
     compiled, usage = _hopper_binary(sa._sparse_sink_attn_kernel, consts, cfg.num_warps, cfg.num_stages)
     stack = int(re.search(r"STACK:(\d+) ", usage).group(1))
     assert stack <= (256 if packed else 0) and "LOCAL:0 " in usage, usage
@@ -667,13 +679,13 @@ def test_gpu_cuda_graph_replay_matches_eager():
 @pytest.mark.parametrize("source", [1, 3], ids=["ratio2", "ratio1"])
 @pytest.mark.parametrize("n", [1, 64, 2048])
 def test_gpu_packed_flash_within_two_bf16_ulps_of_bf16_path(n, source):
-    """Flash shape (D 512, Dk 128, H 64, W 128, top-512) in the 890-byte Flash row, planned config
-    (split-KV at n = 1): packed FP4 entries give the BF16-cache path's bits (bf16 and fp32 out)."""
+    """Flash shape (D 512, Dk 128, H 64, W 128, top-512) in the 720-byte Flash latent row, planned
+    config (split-KV at n = 1): packed FP4 entries give the BF16-cache path's bits (bf16 and fp32 out)."""
     mod = _gpu_module()
     case = packed_case(n=n, heads=64, dim=512, index_dim=128, window=128, topk=512, num_rows=8192,
                        ratios=FLASH_RATIOS, source=source, seed=400 + n + source, hole_frac=0.1, device="cuda",
                        slot_dtype=torch.int32)
-    assert case[3].rows.shape[1] == 890
+    assert case[3].rows.shape[1] == 720
     assert_packed_equals_bf16_path(mod, *case, 512 ** -0.5)
 
 

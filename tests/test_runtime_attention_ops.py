@@ -40,7 +40,7 @@ from sglang_dsv41.numerics.geometry import softmax_scale
 from sglang_dsv41.runtime import attention_ops, moe_ops
 from sglang_dsv41.runtime.backend import ExactTorchBackend
 from sglang_dsv41.runtime.mhc_ops import TorchMhc
-from sglang_dsv41.runtime.kv_layout import CompressedRowLayout, PackedSourceRows, SourceColumns
+from packed_rows_codec import kernel_source_as_runtime_rows
 from sglang_dsv41.runtime.forward import TorchForward
 
 CPU = torch.device("cpu")
@@ -108,9 +108,8 @@ def _exact_sparse_sink_attention(calls: list[str]):
         packed = None
         if comp_cache is not None:                  # the kernel's PackedSource → the runtime's decoder
             assert isinstance(comp_cache, kernel_attention.PackedSource) and comp_slots.shape[0] == q.shape[0]
-            c = comp_cache
-            packed = PackedSourceRows(c.rows, SourceColumns(-1, c.ratio, c.offset, c.share, c.entry_bytes),
-                                      CompressedRowLayout(c.head_dim, c.index_head_dim, ()))
+            assert comp_cache.part == "latent"
+            packed = kernel_source_as_runtime_rows(comp_cache)
         o = attention_ops.TORCH_OPS.attend(q.float(), sink, swa_cache, swa_slots, packed, comp_slots)
         return o.to(torch.bfloat16)
     return sparse_sink_attention
@@ -120,9 +119,8 @@ def _exact_index_scores(calls: list[str]):
         """The kernel's contract in float64 (reference `index_scores` per query)."""
         assert head_sum_fp64 and not check_inputs and isinstance(key_cache, kernel_indexer.PackedSource)
         calls.append("scores")
-        c = key_cache                                                     # the kernel's PackedSource → our decoder
-        packed = PackedSourceRows(c.rows, SourceColumns(-1, c.ratio, c.offset, c.share, c.entry_bytes),
-                                  CompressedRowLayout(c.head_dim, c.index_head_dim, ()))
+        assert key_cache.part == "key"                                    # the kernel's PackedSource → our decoder
+        packed = kernel_source_as_runtime_rows(key_cache)
         slots = entry_slots[token_req]                                    # [N, E] entry indices
         keys = packed.keys(slots.reshape(-1)).reshape(*slots.shape, -1).double()   # [N, E, Di]
         dots = torch.einsum("thd,ted->the", q.double(), keys)

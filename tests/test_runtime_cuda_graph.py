@@ -41,7 +41,8 @@ from sglang_dsv41.reference.ops import bf16
 from sglang_dsv41.runtime import attention_ops, moe_ops
 from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm, DenseWeightCache
 from sglang_dsv41.runtime.forward import TorchForward
-from sglang_dsv41.runtime.kv_layout import CompressedRowLayout, PackedSourceRows, SourceColumns
+from packed_rows_codec import kernel_source_as_runtime_rows
+from sglang_dsv41.runtime.kv_layout import PackedSourceRows
 
 CPU = torch.device("cpu")
 STEPS = 3
@@ -63,8 +64,7 @@ def start(engine):
 # ---- exact torch stand-ins of the Triton kernels (run with the trap suspended) -------------------
 
 def _packed_rows(c) -> PackedSourceRows:
-    return PackedSourceRows(c.rows, SourceColumns(-1, c.ratio, c.offset, c.share, c.entry_bytes),
-                            CompressedRowLayout(c.head_dim, c.index_head_dim, ()))
+    return kernel_source_as_runtime_rows(c)
 
 
 def _sparse_sink_attention(calls: list[str]):

@@ -112,8 +112,8 @@ def _snapshot(arg, device: torch.device | None = None):
     if arg is None:
         return None
     if isinstance(arg, PackedSourceRows):
-        rows = arg.rows.clone() if device is None else arg.rows.to(device)
-        return dataclasses.replace(arg, rows=rows)
+        move = (lambda t: t.clone()) if device is None else (lambda t: t.to(device))
+        return dataclasses.replace(arg, latent_rows=move(arg.latent_rows), key_rows=move(arg.key_rows))
     return arg.clone() if device is None else arg.to(device)
 
 
@@ -140,7 +140,8 @@ def recorded(models) -> dict[str, list]:
             calls["select"].append(dict(
                 role=role, prefix=prefix, x=x.clone(), q_lora=q_lora.clone(),
                 layout=dataclasses.replace(layout, req_to_token=layout.req_to_token.clone()),
-                rows=caches.rows.clone(), inv_freq=inv_freq, act_quant=act_quant,
+                latent_rows=caches.latent_rows.clone(), key_rows=caches.key_rows.clone(), inv_freq=inv_freq,
+                act_quant=act_quant,
                 published=None if published is None else published.clone(), want=out))
             return out
 
@@ -183,7 +184,8 @@ def test_selection_equals_cpu_on_identical_inputs(models, recorded, kernel_ops) 
     caches = scenario_caches(on_device, DEVICE)
     for call in recorded["select"]:
         role = call["role"]
-        caches = dataclasses.replace(caches, rows=call["rows"].to(DEVICE))
+        caches = dataclasses.replace(caches, latent_rows=call["latent_rows"].to(DEVICE),
+                                     key_rows=call["key_rows"].to(DEVICE))
         selection, blocks = kernel_ops.select(
             ExactTorchBackend(), cfg.text, role, exact_weights, call["prefix"], call["x"].to(DEVICE), call["q_lora"].to(DEVICE),
             layout_to(call["layout"], DEVICE), caches, call["inv_freq"].to(DEVICE), call["act_quant"],

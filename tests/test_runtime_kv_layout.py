@@ -2,18 +2,19 @@
 §3.8; contracts phase 2 §1–§2), and the cache accounting of `runtime/cache.py` (§4).
 
 What is pinned:
-* layout arithmetic: Flash entries of 356 B, shares 178/178/178/356 at offsets 0/178/356/534,
-  890 B of packed entries per token, stored in 896-B rows (16-B aligned); tiny 88 B entries, 176 B rows;
+* layout arithmetic: Flash entries of 356 B = 288 B latent + 68 B index key; latent shares
+  144/144/144/288 (720 B), key shares 34/34/34/68 (170 B → 176), two buffers of 720 + 176 = 896 B
+  per token (each 16-B aligned); tiny 88 B entries, 112 + 80 = 192 B;
 * codecs: decode(encode(x)) equals the reference fake quantisation (`ops.fp4_fake_quant_e4m3_scale`
   for latents, `ops.fp4_fake_quant_ue8m0_scale` for index keys) bit for bit, signs of zeros
   included, on random values over many magnitudes and on edge values (zeros, negative, clamped
   maxima, E4M3-subnormal and UE8M0-floor scales, exact rounding ties); the byte order of contract
   §1 on a hand-made entry; why the encoders take pre-quantisation values (the E4M3 round trip is
   not idempotent);
-* rows: write/read round trip for every source of both layouts, the §2 byte address rule,
-  sources never touch each other's columns, entry −1 writes only the padding entry 0 and reads
-  as zeros;
-* accounting: `global_bytes_per_token` 896 (Flash, from the config) / 176 (tiny, allocated),
+* rows: write/read round trip for every source and part of both layouts, the §2 byte address
+  rule, sources never touch each other's columns, latents land only in the latent rows and keys
+  only in the key rows, entry −1 writes only the padding entry 0 and reads as zeros;
+* accounting: `global_bytes_per_token` 896 (Flash, from the config) / 192 (tiny, allocated),
   SWA L·D·2, pair ring per request row; planned == allocated; `describe` states them.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.presets import flash_config_dict, tiny_config_dict
 from sglang_dsv41.reference import ops
-from sglang_dsv41.runtime import kv_layout as K
+from sglang_dsv41.runtime import kv_layout as K, kv_rows
 from sglang_dsv41.runtime.cache import RuntimeCaches
 
 FLASH = DeepseekV41Config.from_dict(flash_config_dict()).text
@@ -37,21 +38,31 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 # ---- layout ----------------------------------------------------------------------------------------
 
-def test_flash_layout_is_890_packed_bytes_in_896_byte_rows() -> None:
+def _columns(layout, part):
+    return [(s.layer, s.ratio, getattr(s, part).offset, getattr(s, part).share) for s in layout.sources]
+
+
+def test_flash_layout_is_890_packed_bytes_in_720_plus_176_byte_rows() -> None:
     layout = K.CompressedRowLayout.from_config(FLASH)
     assert layout.entry_bytes == 256 + 32 + 64 + 4 == 356
-    assert [(s.layer, s.ratio, s.offset, s.share) for s in layout.sources] == \
-        [(2, 2, 0, 178), (8, 2, 178, 178), (14, 2, 356, 178), (20, 1, 534, 356)]
-    assert layout.row_bytes == 890 and layout.row_stride == 896 and layout.row_stride % 16 == 0
+    assert _columns(layout, "latent") == [(2, 2, 0, 144), (8, 2, 144, 144), (14, 2, 288, 144), (20, 1, 432, 288)]
+    assert _columns(layout, "key") == [(2, 2, 0, 34), (8, 2, 34, 34), (14, 2, 68, 34), (20, 1, 102, 68)]
+    assert (layout.latent_row_bytes, layout.latent_row_stride) == (720, 720)
+    assert (layout.key_row_bytes, layout.key_row_stride) == (170, 176)
+    assert layout.row_bytes == 890 and layout.row_stride == 896
     assert RuntimeCaches.planned_global_bytes_per_token(FLASH) == 896
+    assert kv_rows.text_row_stride_bytes(FLASH) == 896 and kv_rows.text_row_payload_bytes(FLASH) == 890
 
 
-def test_tiny_layout_is_176_bytes_per_token() -> None:
+def test_tiny_layout_is_112_plus_80_bytes_per_token() -> None:
     layout = K.CompressedRowLayout.from_config(TINY)
     assert layout.entry_bytes == 48 + 6 + 32 + 2 == 88
-    assert [(s.layer, s.ratio, s.offset, s.share) for s in layout.sources] == [(1, 2, 0, 44), (3, 2, 44, 44),
-                                                                                (4, 1, 88, 88)]
-    assert layout.row_bytes == 176 == layout.row_stride
+    assert _columns(layout, "latent") == [(1, 2, 0, 27), (3, 2, 27, 27), (4, 1, 54, 54)]
+    assert _columns(layout, "key") == [(1, 2, 0, 17), (3, 2, 17, 17), (4, 1, 34, 34)]
+    assert (layout.latent_row_bytes, layout.latent_row_stride) == (108, 112)
+    assert (layout.key_row_bytes, layout.key_row_stride) == (68, 80)
+    assert layout.row_bytes == 176 and layout.row_stride == 192
+    assert (kv_rows.text_latent_row_stride_bytes(TINY), kv_rows.text_key_row_stride_bytes(TINY)) == (112, 80)
     with pytest.raises(KeyError, match="not a kv source"):
         layout.source(0)
 
@@ -136,43 +147,69 @@ def test_codec_shape_errors() -> None:
 
 # ---- rows ------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("part", ["latent", "key"])
 @pytest.mark.parametrize("cfg", [TINY, FLASH], ids=["tiny", "flash"])
-def test_rows_round_trip_every_source_without_touching_the_others(cfg) -> None:
+def test_rows_round_trip_every_source_without_touching_the_others(cfg, part) -> None:
     layout = K.CompressedRowLayout.from_config(cfg)
     S = 64
-    rows = torch.zeros(S, layout.row_stride, dtype=torch.uint8)
+    rows = torch.zeros(S, getattr(layout, f"{part}_row_stride"), dtype=torch.uint8)
     g = torch.Generator().manual_seed(2)
     written = {}
-    for src in layout.sources:
+    for source in layout.sources:
+        src = getattr(source, part)
         n_entries = S // src.ratio
         idx = torch.randperm(n_entries - 1, generator=g)[:10] + 1       # distinct, never the sink entry 0
         data = torch.randint(0, 256, (10, src.entry_bytes), generator=g, dtype=torch.uint8)
         K.write_entries(rows, src, idx, data)
         written[src.layer] = (idx, data)
-    for src in layout.sources:
+    for source in layout.sources:
+        src = getattr(source, part)
         idx, data = written[src.layer]
         assert torch.equal(K.read_entries(rows, src, idx), data), f"source {src.layer}"
         e, j = int(idx[3]), torch.arange(src.entry_bytes)                # the §2 address rule
         assert torch.equal(rows[e * src.ratio + j // src.share, src.offset + j % src.share], data[3])
     used = torch.zeros_like(rows, dtype=torch.bool)
-    for src in layout.sources:
+    for source in layout.sources:
+        src = getattr(source, part)
         idx, _ = written[src.layer]
         r = (idx[:, None] * src.ratio + torch.arange(src.ratio)).reshape(-1)
         used[r[:, None], torch.arange(src.offset, src.offset + src.share)[None, :]] = True
     assert not bool(rows[~used].any())                                   # nothing written elsewhere
 
 
+def test_caches_write_latents_to_latent_rows_and_keys_to_key_rows() -> None:
+    """The two buffers are separately addressable: a whole entry written through the caches puts
+    its latent part (D/2 + D/16 B) only in the latent rows and its key part only in the key rows."""
+    caches = RuntimeCaches.allocate(TINY, 32, 2)
+    layout = caches.layout
+    g = torch.Generator().manual_seed(5)
+    lat, key = torch.randn(2, TINY.head_dim, generator=g), torch.randn(2, TINY.index_head_dim, generator=g)
+    entries = K.encode_entries(layout, lat, key)
+    caches.write_entries(1, torch.tensor([3, 6]), entries)
+    src = layout.source(1)
+    assert torch.equal(K.read_entries(caches.latent_rows, src.latent, torch.tensor([3, 6])), K.encode_latents(lat))
+    assert torch.equal(K.read_entries(caches.key_rows, src.key, torch.tensor([3, 6])), K.encode_keys(key))
+    view = caches.packed(1)
+    assert torch.equal(view.entries(torch.tensor([3, 6])), entries)
+    assert torch.equal(view.latents(torch.tensor([3])), K.decode_latents(K.encode_latents(lat[:1]), TINY.head_dim))
+    caches.key_rows.zero_()                                              # keys gone, latents untouched
+    assert not bool(view.keys(torch.tensor([3, 6])).any()) and torch.equal(
+        view.latents(torch.tensor([3, 6])), K.decode_latents(K.encode_latents(lat), TINY.head_dim))
+
+
 def test_entry_minus_one_writes_only_the_padding_entry_and_reads_zeros() -> None:
     layout = K.CompressedRowLayout.from_config(TINY)
-    src = layout.source(1)                                               # ratio 2
-    rows = torch.zeros(16, layout.row_stride, dtype=torch.uint8)
+    source = layout.source(1)                                            # ratio 2
+    src = source.latent
+    rows = torch.zeros(16, layout.latent_row_stride, dtype=torch.uint8)
     data = torch.full((3, src.entry_bytes), 7, dtype=torch.uint8)
     K.write_entries(rows, src, torch.tensor([-1, 5, -1]), data)
     assert torch.equal(K.read_entries(rows, src, torch.tensor([5, -1])),
                        torch.cat((data[1:2], torch.zeros(1, src.entry_bytes, dtype=torch.uint8))))
     touched = rows.any(dim=1).nonzero().flatten().tolist()
     assert touched == [0, 1, 10, 11]                                     # sink rows 0..1 and entry 5's rows
-    view = K.PackedSourceRows(rows, src, layout)
+    key_rows = torch.zeros(16, layout.key_row_stride, dtype=torch.uint8)
+    view = K.PackedSourceRows(rows, key_rows, source, layout)
     entries = torch.tensor([[5, -1], [-1, -1]])
     assert view.latents(entries).shape == (2, 2, 96) and view.keys(entries).shape == (2, 2, 64)
     assert not bool(view.keys(entries)[0, 1].any()) and not bool(view.latents(entries)[1].any())
@@ -182,8 +219,9 @@ def test_entry_minus_one_writes_only_the_padding_entry_and_reads_zeros() -> None
 
 def test_accounting_of_allocated_tiny_caches_matches_the_plan() -> None:
     caches = RuntimeCaches.allocate(TINY, 32, 5, page_size=4)
-    assert caches.global_bytes_per_token() == 176 == RuntimeCaches.planned_global_bytes_per_token(TINY)
-    assert caches.rows.shape == (32, 176) and caches.rows.dtype == torch.uint8
+    assert caches.global_bytes_per_token() == 192 == RuntimeCaches.planned_global_bytes_per_token(TINY)
+    assert caches.latent_rows.shape == (32, 112) and caches.latent_rows.dtype == torch.uint8
+    assert caches.key_rows.shape == (32, 80) and caches.key_rows.dtype == torch.uint8
     assert caches.swa_bytes_per_token() == TINY.num_hidden_layers * TINY.head_dim * 2 \
         == RuntimeCaches.planned_swa_bytes_per_token(TINY)
     assert caches.request_state_bytes() == 2 * 2 * (2 * 96 * 4 + 8) == RuntimeCaches.planned_request_state_bytes(TINY)
@@ -191,7 +229,7 @@ def test_accounting_of_allocated_tiny_caches_matches_the_plan() -> None:
     assert torch.equal(caches.swa_slot_of, torch.arange(32))
     assert caches.engram_history.ids.shape == (5, TINY.engram_max_ngram_size - 1) and caches.num_req_rows == 5
     line = caches.describe()
-    assert "global KV 176 B/token" in line and f"SWA {caches.swa_bytes_per_token()} B/token" in line
+    assert "global KV 192 B/token" in line and f"SWA {caches.swa_bytes_per_token()} B/token" in line
     assert caches.engram_history_bytes() == 3 * 4 + 8
     assert f"pair state {caches.request_state_bytes()} B + Engram history 20 B per request row" in line
     assert "page_size 4" in line
@@ -206,18 +244,32 @@ def test_flash_per_token_figures_from_the_config() -> None:
 def test_from_buffers_checks_what_it_wraps() -> None:
     layout = K.CompressedRowLayout.from_config(TINY)
     swa = [torch.zeros(16, TINY.head_dim, dtype=torch.bfloat16) for _ in range(TINY.num_hidden_layers)]
-    rows = torch.zeros(24, layout.row_stride, dtype=torch.uint8)
+    lat = torch.zeros(24, layout.latent_row_stride, dtype=torch.uint8)
+    key = torch.zeros(24, layout.key_row_stride, dtype=torch.uint8)
     slot_of = torch.zeros(24, dtype=torch.int64)
-    caches = RuntimeCaches.from_buffers(TINY, swa, slot_of, rows, 3, pool_id=7, page_size=2)
+    caches = RuntimeCaches.from_buffers(TINY, swa, slot_of, lat, key, 3, pool_id=7, page_size=2)
     assert caches.num_slots == 24 and caches.num_swa_slots == 16 and caches.engram_history.ids.shape[0] == 3
-    assert caches.rows is rows and caches.swa[0] is swa[0] and caches.pool_id == 7
+    assert caches.latent_rows is lat and caches.key_rows is key and caches.swa[0] is swa[0] and caches.pool_id == 7
     with pytest.raises(ValueError, match="FP8 profile"):
-        RuntimeCaches.from_buffers(TINY, swa, slot_of, rows, 3, ops.CacheProfile.FP8)
-    with pytest.raises(ValueError, match="packed rows"):
-        RuntimeCaches.from_buffers(TINY, swa, slot_of, rows[:, :100], 3)
+        RuntimeCaches.from_buffers(TINY, swa, slot_of, lat, key, 3, ops.CacheProfile.FP8)
+    with pytest.raises(ValueError, match="packed latent rows"):
+        RuntimeCaches.from_buffers(TINY, swa, slot_of, lat[:, :100], key, 3)
+    with pytest.raises(ValueError, match="packed key rows"):
+        RuntimeCaches.from_buffers(TINY, swa, slot_of, lat, key[:, :60], 3)
+    with pytest.raises(ValueError, match="packed key rows"):
+        RuntimeCaches.from_buffers(TINY, swa, slot_of, lat, key[:20], 3)
     with pytest.raises(ValueError, match="swa_slot_of"):
-        RuntimeCaches.from_buffers(TINY, swa, slot_of[:10], rows, 3)
+        RuntimeCaches.from_buffers(TINY, swa, slot_of[:10], lat, key, 3)
     with pytest.raises(ValueError, match="cannot hold the SWA kv exactly"):
-        RuntimeCaches.from_buffers(TINY, [b.to(torch.float16) for b in swa], slot_of, rows, 3)
+        RuntimeCaches.from_buffers(TINY, [b.to(torch.float16) for b in swa], slot_of, lat, key, 3)
     with pytest.raises(ValueError, match="page_size 3"):
-        RuntimeCaches.from_buffers(TINY, swa, slot_of, rows, 3, page_size=3)
+        RuntimeCaches.from_buffers(TINY, swa, slot_of, lat, key, 3, page_size=3)
+
+
+def test_one_merged_buffer_is_refused() -> None:
+    """The global KV is two buffers: views of one merged [S, latent + key] tensor are refused."""
+    layout = K.CompressedRowLayout.from_config(TINY)
+    swa = [torch.zeros(16, TINY.head_dim, dtype=torch.bfloat16) for _ in range(TINY.num_hidden_layers)]
+    merged = torch.zeros(24, layout.row_stride, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="share one storage"):
+        RuntimeCaches.from_buffers(TINY, swa, torch.zeros(24, dtype=torch.int64), merged[:, :112], merged[:, 112:], 3)

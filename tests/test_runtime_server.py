@@ -146,18 +146,21 @@ def test_server_is_configured_as_requested(server: Server) -> None:
 
 
 def test_sglang_built_the_v41_pool(server: Server) -> None:
-    """SGLang itself sized and built our pool (runtime/kv_pool.py) at start-up: global KV rows of
-    176 B/token (tiny: 16-B aligned already), a SWA component of L = 8 layers of 96 bf16 sized by
-    --swa-full-tokens-ratio 0.1 (4096 → 408 tokens), page size 2, reported in SGLang's own
+    """SGLang itself sized and built our pool (runtime/kv_pool.py) at start-up: global KV of
+    192 B/token (tiny: a 112-B latent row + an 80-B index-key row, 16-B aligned), a SWA component
+    of L = 8 layers of 96 bf16 sized by --swa-full-tokens-ratio 0.1 (4096 → 408 tokens), page size 2, reported in SGLang's own
     allocation log lines; the forward's caches are the pool's."""
     server.generate(_prompt(1, 12), n=1)                  # at least one forward has used the caches
     log = server.log_tail(10**7)
-    assert "sglang-dsv41 KV pool sizing: global KV 176 B/token" in log, log[-3000:]
-    assert re.search(r"Full \(global KV rows\) KV Cache is allocated\. dtype: torch\.uint8, #tokens: 4096", log)
+    assert "sglang-dsv41 KV pool sizing: global KV 192 B/token = latent row 112 B + index-key row 80 B" in log, \
+        log[-3000:]
+    assert re.search(r"Full \(global KV latent \+ index-key rows\) KV Cache is allocated\. dtype: torch\.uint8, "
+                     r"#tokens: 4096", log)
     assert re.search(r"SWA KV Cache is allocated\. dtype: torch\.bfloat16, #tokens: 408", log)
-    assert re.search(r"DeepseekV41KVPool: global KV 176 B/token \(176 B packed FP4 \+ 0 B pad\), 4096 full slots; "
+    assert re.search(r"DeepseekV41KVPool: global KV 192 B/token = latent rows 112 B \(108 B packed FP4\) \+ "
+                     r"index-key rows 80 B \(68 B packed FP4\), 4096 full slots; "
                      r"SWA 1536 B/token \(8 layers x 192 B\), 408 SWA slots; pair ring 2 slots", log)
-    assert re.search(r"sglang-dsv41 caches: global KV 176 B/token .*4098 full slots.*410 SWA slots", log)
+    assert re.search(r"sglang-dsv41 caches: global KV 192 B/token .*4098 full slots.*410 SWA slots", log)
 
 
 def test_greedy_within_the_contract_and_prefix_cache_hits(server: Server, reference: ReferenceModel) -> None:

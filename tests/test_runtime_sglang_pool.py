@@ -43,26 +43,51 @@ def _allocator(pool, page_size: int = 2):
 
 # ---- buffer descriptions (PD registration, HiCache item sizes) ---------------------------------------
 
-@pytest.mark.parametrize("text,row,swa_row", [(FLASH, 896, 1024), (TINY, 176, 192)], ids=["flash", "tiny"])
-def test_buffers_are_described_as_they_are(text, row, swa_row) -> None:
+@pytest.mark.parametrize("text,lat_row,key_row,swa_row", [(FLASH, 720, 176, 1024), (TINY, 112, 80, 192)],
+                         ids=["flash", "tiny"])
+def test_buffers_are_described_as_they_are(text, lat_row, key_row, swa_row) -> None:
     pool = _pool(text)
     full = pool.get_contiguous_buf_infos()
     state = pool.get_state_buf_infos()
     request = pool.get_request_state_buf_infos()
     L = text.num_hidden_layers
-    assert (len(full[0]), len(state[0])) == (1, L)
-    assert full[2] == [2 * row] and state[2] == [2 * swa_row] * L          # one page = page_size rows
-    assert full[1] == [(FULL + 2) * row] and state[1] == [(SWA + 2) * swa_row] * L
+    assert (len(full[0]), len(state[0])) == (2, L)                          # latent rows, index-key rows
+    assert full[2] == [2 * lat_row, 2 * key_row] and state[2] == [2 * swa_row] * L   # one page = page_size rows
+    assert full[1] == [(FULL + 2) * lat_row, (FULL + 2) * key_row] and state[1] == [(SWA + 2) * swa_row] * L
     for ptrs, lens, items in (full, state, request):
         assert all(p for p in ptrs) and len(set(ptrs)) == len(ptrs)
         assert all(n > 0 for n in lens) and all(i > 0 and i % 16 == 0 for i in items)   # no zero width
-    assert len(state[0]) % 2 == 0 and len(request[0]) % 2 == 0               # PD's non-MLA K/V halving
-    assert pool.full_kv_pool.row_bytes == row == kv_rows.text_row_stride_bytes(text) and row % 16 == 0
-    assert pool.swa_kv_pool.row_bytes == swa_row
+    for infos in (full, state, request):                                    # PD's non-MLA K/V halving
+        assert len(infos[0]) % 2 == 0 and len(infos[1]) == len(infos[2]) == len(infos[0])
+    row = lat_row + key_row
+    assert pool.full_kv_pool.token_bytes == row == kv_rows.text_row_stride_bytes(text)
+    assert (kv_rows.text_latent_row_stride_bytes(text), kv_rows.text_key_row_stride_bytes(text)) == (lat_row, key_row)
+    assert pool.swa_kv_pool.token_bytes == L * swa_row
     ratio2 = sum(text.compress_ratios[s] == 2 for s in text.kv_source_layer_ids)
     assert request[2] == [2 * text.head_dim * 4] * (2 * ratio2)               # a request row: ring × D fp32
     k, v = pool.get_kv_size_bytes()
     assert k == (FULL + 2) * row + L * (SWA + 2) * swa_row and v == pool.request_state_bytes() > 0
+
+
+def test_global_rows_are_two_buffers_pd_halves_into_latents_and_keys() -> None:
+    """Fails if the global rows are merged back into one buffer: SGLang's non-MLA PD path
+    (`get_mha_kv_ptrs_with_pp`) splits the kv_data pointer list into a K half and a V half, so
+    one buffer would be dropped (odd count) or sent as a zero-size V. K half = latent rows, V half
+    = index-key rows, each its own allocation, both behind pool layer 0 (`_wait_for_layer(0)`)."""
+    pool = _pool(TINY)
+    ptrs, lens, items = pool.get_contiguous_buf_infos()
+    half = len(ptrs) // 2
+    assert len(ptrs) == 2 * half == 2
+    lat, key = pool.full_kv_pool.latent_rows, pool.full_kv_pool.key_rows
+    assert ptrs[:half] == [lat.data_ptr()] and ptrs[half:] == [key.data_ptr()]
+    assert lat.untyped_storage().data_ptr() != key.untyped_storage().data_ptr()
+    assert not (lat.data_ptr() <= key.data_ptr() < lat.data_ptr() + lat.nbytes)
+    assert items[:half] == [2 * pool.layout.latent_row_stride] and items[half:] == [2 * pool.layout.key_row_stride]
+    assert pool.get_key_buffer(0) is lat and pool.get_value_buffer(0) is key
+    caches = pool.runtime_caches
+    assert caches.latent_rows is lat and caches.key_rows is key
+    with pytest.raises(IndexError, match="one pool layer"):
+        pool.full_kv_pool.get_key_buffer(1)
 
 
 def test_flash_global_kv_is_at_most_896_bytes_per_token() -> None:
@@ -70,9 +95,10 @@ def test_flash_global_kv_is_at_most_896_bytes_per_token() -> None:
     from sglang_dsv41.deploy.kv import kv_bytes_per_token, packed_row_bytes
 
     pool = _pool(FLASH)
-    assert pool.layout.row_bytes == 890 and pool.full_kv_pool.row_bytes == 896 == packed_row_bytes(FLASH)
+    assert pool.layout.row_bytes == 890 and pool.full_kv_pool.token_bytes == 896 == packed_row_bytes(FLASH)
     assert pool.runtime_caches.global_bytes_per_token() == 896 < kv_bytes_per_token(FLASH, "v4")
-    assert "global KV 896 B/token (890 B packed FP4 + 6 B pad)" in pool.describe()
+    assert ("global KV 896 B/token = latent rows 720 B (720 B packed FP4) + index-key rows 176 B "
+            "(170 B packed FP4)") in pool.describe()
 
 
 def test_pool_layers_number_global_rows_then_swa_layers() -> None:
@@ -81,7 +107,8 @@ def test_pool_layers_number_global_rows_then_swa_layers() -> None:
     pool = _pool(TINY)
     assert pool.layers_mapping == {0: (0, False), **{1 + l: (l, True) for l in range(8)}}
     assert [transfer_layer_of_swa(l) for l in (0, 7)] == [1, 8]
-    assert pool.get_key_buffer(0) is pool.full_kv_pool.buffers[0]
+    assert pool.get_key_buffer(0) is pool.full_kv_pool.latent_rows
+    assert pool.get_value_buffer(0) is pool.full_kv_pool.key_rows
     assert pool.get_key_buffer(3) is pool.swa_kv_pool.buffers[2]
     with pytest.raises(NotImplementedError, match="no separate values"):
         pool.get_value_buffer(3)
@@ -109,8 +136,10 @@ def test_caches_are_the_pools_buffers_and_sglangs_mapping(runtime_hooks) -> None
         pool_caches(pool, CacheProfile.NONE)
     alloc = _allocator(pool)
     caches = pool_caches(pool, CacheProfile.NONE)
-    assert caches is pool.runtime_caches and caches.rows is pool.full_kv_pool.buffers[0]
-    assert caches.rows.shape == (FULL + 2, 176) and caches.rows.dtype == torch.uint8
+    assert caches is pool.runtime_caches and caches.latent_rows is pool.full_kv_pool.buffers[0]
+    assert caches.key_rows is pool.full_kv_pool.buffers[1]
+    assert caches.latent_rows.shape == (FULL + 2, 112) and caches.latent_rows.dtype == torch.uint8
+    assert caches.key_rows.shape == (FULL + 2, 80) and caches.key_rows.dtype == torch.uint8
     assert all(a is b for a, b in zip(caches.swa, pool.swa_kv_pool.buffers))
     assert caches.swa_slot_of.data_ptr() == alloc.full_to_swa_index_mapping.data_ptr()
     zero = torch.tensor([0])
@@ -256,7 +285,7 @@ def test_sglang_sizes_the_flash_pool_with_896_byte_rows(tmp_path: Path, caplog) 
     assert mc.swa_attention_layer_ids == list(range(40)) and mc.full_attention_layer_ids == []
     with caplog.at_level("INFO"):
         conf = pool_configurator.create_memory_pool_configurator(_kvc(mc))
-    assert "global KV 896 B/token (890 B packed FP4 rows padded to 16 B)" in caplog.text
+    assert "global KV 896 B/token = latent row 720 B + index-key row 176 B (890 B packed FP4" in caplog.text
     assert "request state (pair ring + Engram history) 24644 B per request row" in caplog.text
     assert conf._full_per_token == 896 and conf._cell_size == pytest.approx(896 + 0.1 * 40 * 1024)
     from sglang_dsv41.deploy import kv

@@ -4,9 +4,10 @@
 Two descriptions live here:
 
 * the **plugin runtime's pool** (`runtime/kv_pool.py`, sized by `runtime/sglang_pool.py`): a
-  hybrid-SWA pool whose FULL component holds one packed row per token — Σ over kv sources of
-  ceil(E / ratio), E = D/2 + D/16 + Dk/2 + Dk/32 (Flash 356 + 3·178 = 890 B), stored padded to
-  a multiple of 16 B (**896 B/token** at Flash, tiny 176) on every GPU — and a SWA pool of L
+  hybrid-SWA pool whose FULL component holds two packed rows per token — a latent row, Σ over kv
+  sources of ceil((D/2 + D/16) / ratio) (Flash 288 + 3·144 = 720 B), and an index-key row, Σ of
+  ceil((Dk/2 + Dk/32) / ratio) (Flash 68 + 3·34 = 170 B), each padded to a multiple of 16 B
+  (720 + 176 = **896 B/token** at Flash, tiny 112 + 80 = 192) on every GPU — and a SWA pool of L
   bf16 rows of D per SWA token, sized as `swa_full_tokens_ratio` × full tokens; a decoding
   request keeps `sliding_window + page_size` SWA tokens (SGLang frees the rest). The row and
   pair-ring formulas are the runtime's own (`runtime/kv_rows.py`), not a copy. Functions:
@@ -156,9 +157,21 @@ def packed_entry_bytes(t: TextConfig) -> int:
     return kv_rows.entry_bytes(t.head_dim, t.index_head_dim)
 
 
+def packed_latent_row_bytes(t: TextConfig) -> int:
+    """The runtime pool's stored latent row per token (Flash 720, tiny 112;
+    `kv_rows.text_latent_row_stride_bytes`)."""
+    return kv_rows.text_latent_row_stride_bytes(t)
+
+
+def packed_key_row_bytes(t: TextConfig) -> int:
+    """The runtime pool's stored index-key row per token (Flash 170 → 176, tiny 68 → 80;
+    `kv_rows.text_key_row_stride_bytes`)."""
+    return kv_rows.text_key_row_stride_bytes(t)
+
+
 def packed_row_bytes(t: TextConfig) -> int:
-    """Global KV bytes per token = the runtime pool's stored row: the packed entries' shares
-    padded to 16 B (Flash 890 → 896, tiny 176; `kv_rows.text_row_stride_bytes`)."""
+    """Global KV bytes per token = the runtime pool's two stored rows, latent + index key, each
+    padded to 16 B (Flash 720 + 176 = 896, tiny 112 + 80 = 192; `kv_rows.text_row_stride_bytes`)."""
     return kv_rows.text_row_stride_bytes(t)
 
 

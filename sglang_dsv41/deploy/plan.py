@@ -10,7 +10,7 @@ the card's layout), how the runtime's pool splits it, the token capacity, and a 
 
 KV is sized with the pool the runtime really uses (`RuntimePool`; phase-2 contracts §2–§3,
 docs/runtime.md): SGLang's hybrid-SWA pool, whose full pool holds one packed FP4 row per token
-(`kv.packed_row_bytes`: the card's 890 B of packed FP4 entries, stored in 16-B-aligned 896-B rows) and whose SWA pool holds
+(`kv.packed_row_bytes`: the card's 890 B of packed FP4 entries, stored as a 720-B latent row + a 176-B index-key row = 896 B) and whose SWA pool holds
 `--swa-full-tokens-ratio` × as many tokens of L bf16 rows (`kv.swa_bytes_per_swa_token`).
 SGLang divides the budget by the cell `kv.pool_bytes_per_full_token` (row + ratio × SWA token)
 and a decoding request keeps `kv.swa_tokens_per_request` SWA tokens. SGLang 0.5.23's upstream
@@ -39,8 +39,8 @@ from ..runtime import kv_rows
 from ..runtime.requirements import CURRENT_RUNTIME, PAGE_SIZE, SWA_FULL_TOKENS_RATIO, flag_value
 from .command import device_of
 from .kv import (
-    RequestCost, kv_bytes_per_token, packed_entry_bytes, packed_row_bytes, per_request_bytes, pool_bytes_per_full_token,
-    swa_bytes_per_swa_token, swa_tokens_per_request,
+    RequestCost, kv_bytes_per_token, packed_entry_bytes, packed_key_row_bytes, packed_latent_row_bytes, packed_row_bytes,
+    per_request_bytes, pool_bytes_per_full_token, swa_bytes_per_swa_token, swa_tokens_per_request,
 )
 from .memory import (GIB, HUGE_PAGE, ShardLayout, WeightPlan, check_against_checkpoint, layout_of, vram_minimum_gb,
                      weight_plan)
@@ -72,8 +72,10 @@ class RuntimePool:
     replicated on every TP rank (one KV head); the SWA pool is `swa_full_tokens_ratio` × the full
     pool, both page-aligned, as SGLang 0.5.17's HybridSWAPoolConfigurator sizes them."""
 
-    row_bytes: int  # global KV per full token: the stored packed row (Flash 890 padded to 896, tiny 176)
-    sources: tuple[tuple[int, int, int], ...]  # (layer, ratio, bytes of the row) per kv source
+    row_bytes: int  # global KV per full token: latent row + index-key row as stored (Flash 720 + 176 = 896, tiny 192)
+    latent_row_bytes: int  # the stored latent row (Flash 720, tiny 112)
+    key_row_bytes: int  # the stored index-key row (Flash 176, tiny 80)
+    sources: tuple[tuple[int, int, int, int], ...]  # (layer, ratio, latent bytes, index-key bytes) per kv source
     swa_token_bytes: int  # per SWA token: L bf16 rows of head_dim + the runtime's int32 token id
     cell_bytes: float  # per full token of budget: row + ratio × SWA token
     swa_full_tokens_ratio: float
@@ -84,12 +86,18 @@ class RuntimePool:
 
     @classmethod
     def for_model(cls, t: TextConfig, ratio: float, page: int, max_total_tokens: int | None) -> "RuntimePool":
-        entry = packed_entry_bytes(t)
-        sources = tuple((s, t.compress_ratios[s], -(-entry // t.compress_ratios[s])) for s in t.kv_source_layer_ids)
+        lat, key = kv_rows.latent_part_bytes(t.head_dim), kv_rows.key_part_bytes(t.index_head_dim)
+        assert lat + key == packed_entry_bytes(t)
+        sources = tuple((s, r, -(-lat // r), -(-key // r)) for s, r in
+                        ((s, t.compress_ratios[s]) for s in t.kv_source_layer_ids))
+        lat_row, key_row = packed_latent_row_bytes(t), packed_key_row_bytes(t)
+        assert lat_row == kv_rows.round_up(sum(s[2] for s in sources), kv_rows.ROW_ALIGN)  # contracts §2 + 16-B pad
+        assert key_row == kv_rows.round_up(sum(s[3] for s in sources), kv_rows.ROW_ALIGN)
         row = packed_row_bytes(t)
-        assert row == kv_rows.round_up(sum(b for _, _, b in sources), kv_rows.ROW_ALIGN)  # contracts §2 + 16-B pad
-        ratio2 = sum(1 for _, r, _ in sources if r == 2)
-        return cls(row_bytes=row, sources=sources, swa_token_bytes=swa_bytes_per_swa_token(t),
+        assert row == lat_row + key_row
+        ratio2 = sum(1 for s in sources if s[1] == 2)
+        return cls(row_bytes=row, latent_row_bytes=lat_row, key_row_bytes=key_row, sources=sources,
+                   swa_token_bytes=swa_bytes_per_swa_token(t),
                    cell_bytes=pool_bytes_per_full_token(t, ratio), swa_full_tokens_ratio=ratio, page_size=page,
                    swa_tokens_per_request=swa_tokens_per_request(t, page),
                    pair_state_per_request=ratio2 * kv_rows.pair_ring_slots(0) * (2 * t.head_dim * 4 + 8),
@@ -275,8 +283,8 @@ class Plan:
                        "host_per_server_gib": self.host_per_server / GIB,
                        "servers_per_node": self.servers_per_node, "host_per_node_gib": self.host_need_per_node / GIB,
                        "huge_pages_2mib": math.ceil(self.host_per_server / HUGE_PAGE)},
-            "kv_pool": {**asdict(self.pool), "sources": [{"layer": la, "ratio": r, "row_bytes": b}
-                                                          for la, r, b in self.pool.sources],
+            "kv_pool": {**asdict(self.pool), "sources": [{"layer": la, "ratio": r, "latent_bytes": lb, "key_bytes": kb}
+                                                          for la, r, lb, kb in self.pool.sources],
                         "global_kv_bytes_per_token": self.pool.row_bytes,
                         "swa_bytes_per_request": self.pool.swa_tokens_per_request * self.pool.swa_token_bytes,
                         "full_tokens_per_rank": self.capacity_tokens_per_rank,

@@ -59,10 +59,13 @@ def render(p: Plan, source: str) -> str:
     cap = f", --max-total-tokens {pool.max_total_tokens:,}" if pool.max_total_tokens is not None else ""
     lines += ["", f"KV cache: the runtime's SGLang hybrid-SWA pool (docs/runtime.md; --swa-full-tokens-ratio "
                   f"{pool.swa_full_tokens_ratio:g}, --page-size {pool.page_size}{cap}):",
-              f"  global KV per token: {pool.row_bytes} B packed FP4 row (one KV head, so every TP rank holds it "
-              "whole) = " + " + ".join(f"{b}" for _, _, b in pool.sources) + " B of sources "
-              + ", ".join(f"{la} (ratio {ra})" for la, ra, _ in pool.sources)
-              + f" + {pool.row_bytes - sum(b for _, _, b in pool.sources)} B padding to 16 B",
+              f"  global KV per token: {pool.row_bytes} B in two packed FP4 rows (one KV head, so every TP rank "
+              f"holds them whole) = latent row {pool.latent_row_bytes} B ("
+              + " + ".join(f"{s[2]}" for s in pool.sources)
+              + f" + {pool.latent_row_bytes - sum(s[2] for s in pool.sources)} pad) + index-key row "
+              f"{pool.key_row_bytes} B (" + " + ".join(f"{s[3]}" for s in pool.sources)
+              + f" + {pool.key_row_bytes - sum(s[3] for s in pool.sources)} pad) over sources "
+              + ", ".join(f"{s[0]} (ratio {s[1]})" for s in pool.sources) + "; padding to 16 B per row",
               f"  SWA per SWA token: {pool.swa_token_bytes:,} B; SGLang's cell per full token = {pool.row_bytes} + "
               f"{pool.swa_full_tokens_ratio:g} × {pool.swa_token_bytes:,} = {pool.cell_bytes:,.1f} B",
               f"  per decoding request: {pool.swa_tokens_per_request} SWA tokens (window + page) = "

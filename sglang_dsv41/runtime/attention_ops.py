@@ -14,7 +14,8 @@ the CPU value by up to one BF16 ulp per sublayer (kernel docstring).
 Contracts (both implementations):
 * `attend(q, sink, swa_cache, swa_slots, packed, comp_entries)`: q [N, H, D] BF16-valued fp32;
   `swa_cache` [S_swa, D] rows addressed by SWA slot, `swa_slots` [N, W] the query's window;
-  `packed` the layer's kv source (`kv_layout.PackedSourceRows`: packed FP4 rows, contract §1–§2)
+  `packed` the layer's kv source (`kv_layout.PackedSourceRows`: packed FP4 latent and index-key
+  rows, contract §1–§2)
   and `comp_entries` [N, K] its selected entry indices (both None for ratio-0 layers); −1 = no
   key; no de-duplication between the two lists (§3.4.5). Returns [N, H, D] BF16-valued fp32.
   CUDA: within one BF16 ulp of the output scale (max |o| of that query and head) of the CPU
@@ -29,8 +30,9 @@ Contracts (both implementations):
   the same selection (exact tie rule of `select_topk`).
 
 Packed entries on CUDA: both kernels read them natively (`kernels.packed_rows.PackedSource` of
-the layer's kv source, entry indices instead of slots; exact in-kernel E2M1 × E4M3 / UE8M0
-decode), so no BF16 copy of the compressed cache is ever made.
+the layer's kv source — attention its latent rows, the indexer its index-key rows — entry
+indices instead of slots; exact in-kernel E2M1 × E4M3 / UE8M0 decode), so no BF16 copy of the
+compressed cache is ever made.
 
 The CUDA path has no per-request loop and no host synchronisation (slot tables are built on
 the device; the only loop is over query chunks of the [N, E] score matrix, whose sizes are known
@@ -164,7 +166,8 @@ class KernelAttentionOps:
     def attend(self, q: Tensor, sink: Tensor, swa_cache: Tensor, swa_slots: Tensor,
                packed: PackedSourceRows | None, comp_entries: Tensor | None) -> Tensor:
         """One launch: SWA rows by SWA slot, compressed keys read from the packed rows by entry
-        index (`PackedSource` with the source's offset / share / ratio, contract §5)."""
+        index (`PackedSource` of the latent rows with the source's latent offset / share / ratio,
+        contract §5)."""
         if swa_cache.dtype != torch.bfloat16:
             raise RuntimeError(f"sglang-dsv41: the CUDA attention kernel reads BF16 SWA cache rows, got "
                                f"{swa_cache.dtype} (serve with the model dtype bfloat16 and --kv-cache-dtype auto)")
@@ -173,10 +176,10 @@ class KernelAttentionOps:
         plan = self.sparse_attention.plan_config(N, H, D, swa_slots.shape[1], K, sm_count=1)
         comp_cache = None
         if packed is not None and comp_entries is not None:
-            src = packed.source
+            src = packed.source.latent
             comp_cache = self.sparse_attention.PackedSource(
-                rows=packed.rows, offset=src.offset, share=src.share, ratio=src.ratio,
-                head_dim=packed.layout.head_dim, index_head_dim=packed.layout.index_head_dim)
+                rows=packed.latent_rows, offset=src.offset, share=src.share, ratio=src.ratio,
+                head_dim=packed.layout.head_dim, index_head_dim=packed.layout.index_head_dim, part="latent")
         o = self.sparse_attention.sparse_sink_attention(
             q.to(torch.bfloat16), swa_cache, swa_slots, comp_cache, comp_entries if comp_cache is not None else None,
             sink.to(torch.float32), softmax_scale(D), config=dataclasses.replace(plan, num_splits=ATTENTION_KEY_SPLITS))
@@ -212,9 +215,10 @@ class KernelAttentionOps:
             if entry_tables is not None:
                 entry_tables[ratio] = entry_table
         packed = caches.packed(src)
-        key_cache = K.PackedSource(rows=packed.rows, offset=packed.source.offset, share=packed.source.share,
-                                   ratio=packed.source.ratio, head_dim=packed.layout.head_dim,
-                                   index_head_dim=packed.layout.index_head_dim)
+        key_src = packed.source.key
+        key_cache = K.PackedSource(rows=packed.key_rows, offset=key_src.offset, share=key_src.share,
+                                   ratio=key_src.ratio, head_dim=packed.layout.head_dim,
+                                   index_head_dim=packed.layout.index_head_dim, part="key")
         N = layout.num_tokens
         rows = max(1, SCORE_ELEMENTS_PER_CHUNK // max(width, 1))
         selections, blocks = [], []

@@ -3,7 +3,8 @@ state (spec §3.4, §3.3.1, §3.8; phase-2 contracts §2–§4).
 
 | field | shape / dtype | indexed by | holds |
 |---|---|---|---|
-| `rows` | uint8 [S_full, row_stride] | full slot (SGLang `req_to_token`, `out_cache_loc`) | packed FP4 compressed entries of every kv source (`kv_layout`, contract §1–§2), padded to 16 B — the pool's FULL component |
+| `latent_rows` | uint8 [S_full, latent_row_stride] | full slot (SGLang `req_to_token`, `out_cache_loc`) | latent part (FP4 + E4M3 scales) of the packed compressed entries of every kv source (`kv_layout`, contract §1–§2), padded to 16 B — the pool's FULL component, first buffer |
+| `key_rows` | uint8 [S_full, key_row_stride] | full slot | index-key part (FP4 + UE8M0 scales) of the same entries, padded to 16 B — the FULL component's second buffer |
 | `swa[l]` | [S_swa, D] bf16 | SWA slot = `swa_slot_of[full slot]` | read-back SWA kv of model layer l (`profile` applied, spec §3.8) — SGLang's SWA pool |
 | `swa_slot_of` | int [S_full] | full slot | its SWA slot (0 = none: SGLang's padding slot; freed outside the window) |
 | `engram_history` | int32 [num_req_rows, K] + int64 end | SGLang request row | the last K = max_ngram − 1 remapped ids of the request's last forward (`runtime/engram_history.py`); extends bring theirs from the host |
@@ -39,7 +40,7 @@ from torch import Tensor
 from ..config import TextConfig
 from ..numerics.profile import CacheProfile
 from .engram_history import EngramHistoryRing
-from .kv_layout import CompressedRowLayout, PackedSourceRows, write_entries
+from .kv_layout import CompressedRowLayout, PackedSourceRows, write_source_entries
 from .kv_rows import pair_ring_slots
 
 #: dtypes that hold our BF16-valued SWA rows exactly (the CUDA attention kernel reads bf16).
@@ -67,7 +68,8 @@ class RuntimeCaches:
     layout: CompressedRowLayout
     swa: list[Tensor]
     swa_slot_of: Tensor
-    rows: Tensor
+    latent_rows: Tensor
+    key_rows: Tensor
     pair_kv: dict[int, Tensor]
     pair_score: dict[int, Tensor]
     pair_position: dict[int, Tensor]
@@ -82,12 +84,13 @@ class RuntimeCaches:
 
     # ---- construction -----------------------------------------------------------------------------
     @classmethod
-    def from_buffers(cls, cfg: TextConfig, swa_rows: list[Tensor], swa_slot_of: Tensor, rows_u8: Tensor,
-                     num_req_rows: int, profile: CacheProfile = CacheProfile.NONE, *, pool_id: int = -1,
+    def from_buffers(cls, cfg: TextConfig, swa_rows: list[Tensor], swa_slot_of: Tensor, latent_rows: Tensor,
+                     key_rows: Tensor, num_req_rows: int, profile: CacheProfile = CacheProfile.NONE, *, pool_id: int = -1,
                      page_size: int | None = None, pair_slots: int = 2) -> "RuntimeCaches":
         """Wrap buffers someone else owns (SGLang's SWAKVPool, `runtime/sglang_pool.py`):
         `swa_rows[l]` [S_swa, D] per model layer, `swa_slot_of` [S_full] full → SWA slot,
-        `rows_u8` uint8 [S_full, ≥ row_bytes]; request-scoped state (pair ring of `pair_slots`
+        `latent_rows` uint8 [S_full, ≥ latent_row_bytes] and `key_rows` uint8 [S_full,
+        ≥ key_row_bytes] (two separate buffers); request-scoped state (pair ring of `pair_slots`
         slots, Engram history) for `num_req_rows` rows is allocated here. Shapes, dtypes and
         devices are checked."""
         profile = CacheProfile(profile)
@@ -100,7 +103,7 @@ class RuntimeCaches:
             check_page_size(page_size, layout)
         if len(swa_rows) != cfg.num_hidden_layers:
             raise ValueError(f"{len(swa_rows)} SWA buffers for {cfg.num_hidden_layers} layers")
-        device = rows_u8.device
+        device = latent_rows.device
         n_swa = swa_rows[0].shape[0]
         for layer, buf in enumerate(swa_rows):
             if buf.dim() != 2 or buf.shape != (n_swa, cfg.head_dim) or buf.device != device:
@@ -109,12 +112,18 @@ class RuntimeCaches:
             if buf.dtype not in EXACT_SWA_DTYPES:
                 raise ValueError(f"SWA buffer dtype {buf.dtype} cannot hold the SWA kv exactly; serve with "
                                  "--kv-cache-dtype auto (bf16) on the torch path")
-        if rows_u8.dtype != torch.uint8 or rows_u8.dim() != 2 or rows_u8.shape[1] < layout.row_bytes:
-            raise ValueError(f"packed rows: expected uint8 [S, ≥ {layout.row_bytes}], got {rows_u8.dtype} "
-                             f"{tuple(rows_u8.shape)}")
-        if swa_slot_of.dim() != 1 or swa_slot_of.shape[0] != rows_u8.shape[0] or swa_slot_of.device != device \
+        n_full = latent_rows.shape[0] if latent_rows.dim() == 2 else -1
+        for name, rows, width in (("latent", latent_rows, layout.latent_row_bytes), ("key", key_rows, layout.key_row_bytes)):
+            if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] < width or rows.shape[0] != n_full \
+                    or rows.device != device:
+                raise ValueError(f"packed {name} rows: expected uint8 [{n_full}, ≥ {width}] on {device}, got "
+                                 f"{rows.dtype} {tuple(rows.shape)} on {rows.device}")
+        if latent_rows.untyped_storage().data_ptr() == key_rows.untyped_storage().data_ptr():
+            raise ValueError("packed latent rows and key rows share one storage: the global KV is two buffers "
+                             "(kv_layout; PD sends them as its K and V halves)")
+        if swa_slot_of.dim() != 1 or swa_slot_of.shape[0] != n_full or swa_slot_of.device != device \
                 or swa_slot_of.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"swa_slot_of: expected int32/int64 [{rows_u8.shape[0]}] on {device}, got "
+            raise ValueError(f"swa_slot_of: expected int32/int64 [{n_full}] on {device}, got "
                              f"{swa_slot_of.dtype} {tuple(swa_slot_of.shape)} on {swa_slot_of.device}")
         if pair_slots < 2 or pair_slots & (pair_slots - 1):
             raise ValueError(f"pair ring of {pair_slots} slots: expected a power of two ≥ 2 (kv_rows.pair_ring_slots)")
@@ -122,7 +131,7 @@ class RuntimeCaches:
         ratio2 = _ratio2_sources(cfg)
         ring = (num_req_rows, pair_slots)
         return cls(
-            layout=layout, swa=list(swa_rows), swa_slot_of=swa_slot_of, rows=rows_u8,
+            layout=layout, swa=list(swa_rows), swa_slot_of=swa_slot_of, latent_rows=latent_rows, key_rows=key_rows,
             pair_kv={s: torch.zeros(*ring, cfg.head_dim, dtype=f32, device=device) for s in ratio2},
             pair_score={s: torch.zeros(*ring, cfg.head_dim, dtype=f32, device=device) for s in ratio2},
             pair_position={s: torch.full(ring, -1, dtype=torch.int64, device=device) for s in ratio2},
@@ -135,20 +144,22 @@ class RuntimeCaches:
                  profile: CacheProfile = CacheProfile.NONE, *, page_size: int | None = None,
                  pair_slots: int = 2) -> "RuntimeCaches":
         """Stand-alone buffers for tests and tools: `num_slots` full slots = SWA slots (identity
-        `swa_slot_of`), bf16 SWA rows, zeroed packed rows. Slots 0..page_size−1 are the padding
+        `swa_slot_of`), bf16 SWA rows, zeroed packed latent and key rows. Slots 0..page_size−1 are the padding
         page: slot maps handed to the forward must start at page 1 (`tests/runtime_scenarios.py`)."""
         layout = CompressedRowLayout.from_config(cfg)
         swa = [torch.zeros(num_slots, cfg.head_dim, dtype=torch.bfloat16, device=device)
                for _ in range(cfg.num_hidden_layers)]
-        rows = torch.zeros(num_slots, layout.row_stride, dtype=torch.uint8, device=device)
+        latent_rows = torch.zeros(num_slots, layout.latent_row_stride, dtype=torch.uint8, device=device)
+        key_rows = torch.zeros(num_slots, layout.key_row_stride, dtype=torch.uint8, device=device)
         identity = torch.arange(num_slots, dtype=torch.int64, device=device)
-        return cls.from_buffers(cfg, swa, identity, rows, num_req_rows, profile, page_size=page_size,
+        return cls.from_buffers(cfg, swa, identity, latent_rows, key_rows, num_req_rows, profile, page_size=page_size,
                                 pair_slots=pair_slots)
 
     # ---- accounting -------------------------------------------------------------------------------
     @staticmethod
     def planned_global_bytes_per_token(cfg: TextConfig) -> int:
-        """Stored global-KV row bytes per full slot, from the config (896 at Flash: 890 + pad)."""
+        """Stored global-KV bytes per full slot, latent + key row, from the config (896 at Flash:
+        720 + 176)."""
         return CompressedRowLayout.from_config(cfg).row_stride
 
     @staticmethod
@@ -163,8 +174,8 @@ class RuntimeCaches:
         return len(_ratio2_sources(cfg)) * pair_ring_slots(draft_tokens) * (2 * cfg.head_dim * 4 + 8)
 
     def global_bytes_per_token(self) -> int:
-        """Bytes of global KV per full slot (the stored row; 896 at Flash, 176 tiny)."""
-        return self.rows[0].nbytes
+        """Bytes of global KV per full slot (latent + key row as stored; 896 at Flash, 192 tiny)."""
+        return self.latent_rows[0].nbytes + self.key_rows[0].nbytes
 
     def swa_bytes_per_token(self) -> int:
         """SWA kv bytes per SWA slot (all layers)."""
@@ -181,7 +192,7 @@ class RuntimeCaches:
 
     @property
     def num_slots(self) -> int:
-        return int(self.rows.shape[0])
+        return int(self.latent_rows.shape[0])
 
     @property
     def num_swa_slots(self) -> int:
@@ -197,9 +208,9 @@ class RuntimeCaches:
 
     def bind_swa_mapping(self, swa_slot_of: Tensor) -> None:
         """Point `swa_slot_of` at SGLang's full → SWA mapping (a view, updated in place by SGLang)."""
-        if swa_slot_of.shape != (self.num_slots,) or swa_slot_of.device != self.rows.device \
+        if swa_slot_of.shape != (self.num_slots,) or swa_slot_of.device != self.latent_rows.device \
                 or swa_slot_of.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"full → SWA mapping: expected int32/int64 [{self.num_slots}] on {self.rows.device}, "
+            raise ValueError(f"full → SWA mapping: expected int32/int64 [{self.num_slots}] on {self.latent_rows.device}, "
                              f"got {swa_slot_of.dtype} {tuple(swa_slot_of.shape)} on {swa_slot_of.device}")
         self.swa_slot_of = swa_slot_of
 
@@ -245,9 +256,10 @@ class RuntimeCaches:
         self.swa[layer][self.swa_slot_of[full_slots].to(torch.int64)] = values.to(self.swa[layer].dtype)
 
     def packed(self, source: int) -> PackedSourceRows:
-        """Read view of kv source `source`'s packed entries."""
-        return PackedSourceRows(self.rows, self.layout.source(source), self.layout)
+        """Read view of kv source `source`'s packed entries (latent and key rows)."""
+        return PackedSourceRows(self.latent_rows, self.key_rows, self.layout.source(source), self.layout)
 
     def write_entries(self, source: int, entry_idx: Tensor, entry_bytes: Tensor) -> None:
-        """Packed entries uint8 [n, E] of `source` at `entry_idx` [n] (−1 = none, contract §2)."""
-        write_entries(self.rows, self.layout.source(source), entry_idx, entry_bytes)
+        """Packed entries uint8 [n, E] of `source` at `entry_idx` [n] (−1 = none, contract §2): the
+        latent part into the latent rows, the key part into the key rows."""
+        write_source_entries(self.latent_rows, self.key_rows, self.layout.source(source), entry_idx, entry_bytes)

@@ -19,14 +19,19 @@ already fake-quantised values would not do: the E4M3-scale round trip is not ide
 scale is an E4M3 subnormal — e.g. amax/6 = 1.6·2⁻⁹ → scale 2·2⁻⁹, max value 4·scale, whose
 second round trip picks scale 2⁻⁹ and clamps 8 to 6.)
 
-The **row** (contract §2, SGLang's "full" pool, one per token slot): a source of ratio r owns
-share = ⌈E/r⌉ bytes of every row at a cumulative offset (sources in `kv_source_layer_ids`
-order). Its entry e — compressed position j of a request, completed by the token at position
-j·r + r − 1 — is e = slot(that token) // r, and byte b of the entry lives at row e·r + b // share,
-column offset + b % share. With SGLang's page_size a multiple of r the r tokens of one entry
-occupy exactly the slots e·r .. e·r + r − 1 (aligned pages), so the entry lives in its own
-request's rows. Row bytes = Σ share [890 at Flash; 176 tiny]; the pool stores each row padded to a
-multiple of 16 B (`row_stride`, 896 at Flash; formula shared with the planner in `kv_rows`).
+The **rows** (contract §2, SGLang's "full" pool, one row of each per token slot) are two
+buffers: the **latent rows** hold parts 1–2 of every entry (P_lat = D/2 + D/16 bytes [288]), the
+**index-key rows** parts 3–4 (P_key = Dk/2 + Dk/32 [68]), so attention reads latents only, the
+indexer keys only, and PD's K/V halving sends both (`kv_pool`). In each part's buffer a source
+of ratio r owns share = ⌈P/r⌉ bytes of every row at a cumulative offset (sources in
+`kv_source_layer_ids` order). Its entry e — compressed position j of a request, completed by
+the token at position j·r + r − 1 — is e = slot(that token) // r, and byte b of the entry's part
+lives at row e·r + b // share, column offset + b % share. With SGLang's page_size a multiple of r
+the r tokens of one entry occupy exactly the slots e·r .. e·r + r − 1 (aligned pages), so the
+entry lives in its own request's rows. Payload per token: latent Σ share [720 at Flash; 108 tiny],
+key Σ share [170; 68]; each buffer's row is padded to a multiple of 16 B (`latent_row_stride`
+720 / 112, `key_row_stride` 176 / 80: Flash 896 B/token in all; formula shared with the planner
+in `kv_rows`).
 """
 from __future__ import annotations
 
@@ -36,14 +41,14 @@ import torch
 from torch import Tensor
 
 from ..config import TextConfig
-from .kv_rows import ROW_ALIGN, entry_bytes as packed_entry_bytes, round_up, source_shares
+from .kv_rows import (KEY_GROUP, LATENT_GROUP, ROW_ALIGN, key_part_bytes as key_bytes,
+                      latent_part_bytes as latent_bytes, part_shares, round_up)
 from ..numerics.rounding import E2M1_MAX, E4M3_MAX, INV_E2M1_MAX, e2m1_rne, e4m3, pow2_ceil
 
 #: E2M1 magnitudes indexed by the 3-bit magnitude code (the MXFP4 code of `checkpoint/codecs.py`).
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-#: Quantisation groups: one E4M3 scale per 16 latent dims, one UE8M0 scale per 32 key dims.
-LATENT_GROUP = 16
-KEY_GROUP = 32
+#: The two parts of an entry, each in a row buffer of its own.
+PARTS = ("latent", "key")
 #: Smallest latent scale (before the E4M3 cast) and smallest key amax (spec §3.4.3).
 LATENT_SCALE_MIN = 2.0 ** -9
 KEY_AMAX_MIN = E2M1_MAX * 2.0 ** -126
@@ -51,8 +56,9 @@ KEY_AMAX_MIN = E2M1_MAX * 2.0 ** -126
 
 @dataclass(frozen=True)
 class SourceColumns:
-    """Where kv source `layer` (compress ratio `ratio`) lives in every row: `share` bytes at
-    column `offset`; each of its entries is `entry_bytes` long, spread over `ratio` rows."""
+    """Where one part (latent or index key) of kv source `layer`'s entries lives in that part's
+    rows: `share` bytes at column `offset`; each entry's part is `entry_bytes` long, spread over
+    `ratio` rows."""
 
     layer: int
     ratio: int
@@ -62,12 +68,23 @@ class SourceColumns:
 
 
 @dataclass(frozen=True)
+class KvSource:
+    """Kv source `layer` (compress ratio `ratio`): the columns of its latents in the latent rows
+    and of its index keys in the index-key rows."""
+
+    layer: int
+    ratio: int
+    latent: SourceColumns
+    key: SourceColumns
+
+
+@dataclass(frozen=True)
 class CompressedRowLayout:
     """The row layout of contract §2 for one model config (see the module docstring)."""
 
     head_dim: int
     index_head_dim: int
-    sources: tuple[SourceColumns, ...]
+    sources: tuple[KvSource, ...]
 
     @classmethod
     def from_config(cls, cfg: TextConfig) -> "CompressedRowLayout":
@@ -75,15 +92,18 @@ class CompressedRowLayout:
         if D % (2 * LATENT_GROUP) or Dk % KEY_GROUP or Dk % 2:
             raise ValueError(f"packed FP4 entries need head_dim % 32 == 0 and index_head_dim % 32 == 0, "
                              f"got {D} and {Dk}")
-        entry = packed_entry_bytes(D, Dk)
-        sources, offset = [], 0
+        sources, lat_off, key_off = [], 0, 0
         for layer in cfg.kv_source_layer_ids:
             ratio = cfg.compress_ratios[layer]
             if ratio not in (1, 2):
                 raise ValueError(f"kv source {layer}: compress ratio {ratio} is not a V4.1 ratio (1 or 2)")
-            (share,) = source_shares(D, Dk, (ratio,))
-            sources.append(SourceColumns(layer=layer, ratio=ratio, offset=offset, share=share, entry_bytes=entry))
-            offset += share
+            (lat_share,) = part_shares(latent_bytes(D), (ratio,))
+            (key_share,) = part_shares(key_bytes(Dk), (ratio,))
+            sources.append(KvSource(
+                layer=layer, ratio=ratio,
+                latent=SourceColumns(layer, ratio, offset=lat_off, share=lat_share, entry_bytes=latent_bytes(D)),
+                key=SourceColumns(layer, ratio, offset=key_off, share=key_share, entry_bytes=key_bytes(Dk))))
+            lat_off, key_off = lat_off + lat_share, key_off + key_share
         return cls(head_dim=D, index_head_dim=Dk, sources=tuple(sources))
 
     @property
@@ -91,34 +111,44 @@ class CompressedRowLayout:
         return latent_bytes(self.head_dim) + key_bytes(self.index_head_dim)
 
     @property
+    def latent_row_bytes(self) -> int:
+        """Latent bytes per token (Σ latent share; 720 at Flash, 108 tiny)."""
+        return sum(s.latent.share for s in self.sources)
+
+    @property
+    def key_row_bytes(self) -> int:
+        """Index-key bytes per token (Σ key share; 170 at Flash, 68 tiny)."""
+        return sum(s.key.share for s in self.sources)
+
+    @property
+    def latent_row_stride(self) -> int:
+        """Bytes of one stored latent row, padded to 16 B (`kv_rows`; Flash 720, tiny 112)."""
+        return round_up(self.latent_row_bytes, ROW_ALIGN)
+
+    @property
+    def key_row_stride(self) -> int:
+        """Bytes of one stored index-key row, padded to 16 B (`kv_rows`; Flash 176, tiny 80)."""
+        return round_up(self.key_row_bytes, ROW_ALIGN)
+
+    @property
     def row_bytes(self) -> int:
-        """Bytes of global KV per token (Σ share; 890 at Flash)."""
-        return sum(s.share for s in self.sources)
+        """Packed bytes of global KV per token over both buffers (890 at Flash, 176 tiny)."""
+        return self.latent_row_bytes + self.key_row_bytes
 
     @property
     def row_stride(self) -> int:
-        """Bytes of one stored row: `row_bytes` padded to 16 B (`kv_rows`; Flash 896, tiny 176)."""
-        return round_up(self.row_bytes, ROW_ALIGN)
+        """Stored bytes of global KV per token: latent row + index-key row (Flash 896, tiny 192)."""
+        return self.latent_row_stride + self.key_row_stride
 
     @property
     def max_ratio(self) -> int:
         return max((s.ratio for s in self.sources), default=1)
 
-    def source(self, layer: int) -> SourceColumns:
+    def source(self, layer: int) -> KvSource:
         for s in self.sources:
             if s.layer == layer:
                 return s
         raise KeyError(f"layer {layer} is not a kv source (sources: {[s.layer for s in self.sources]})")
-
-
-def latent_bytes(head_dim: int) -> int:
-    """Latent part of an entry: D/2 code bytes + D/16 E4M3 scale bytes."""
-    return head_dim // 2 + head_dim // LATENT_GROUP
-
-
-def key_bytes(index_head_dim: int) -> int:
-    """Index-key part of an entry: Dk/2 code bytes + Dk/32 UE8M0 bytes."""
-    return index_head_dim // 2 + index_head_dim // KEY_GROUP
 
 
 # ---- E2M1 nibbles --------------------------------------------------------------------------------
@@ -245,8 +275,9 @@ def _entry_row_index(source: SourceColumns, entry_idx: Tensor) -> Tensor:
 
 
 def write_entries(rows: Tensor, source: SourceColumns, entry_idx: Tensor, entry_bytes: Tensor) -> None:
-    """Scatter packed entries uint8 [n, E] of `source` into `rows` uint8 [S, ≥ row_bytes] by the
-    contract §2 rule (byte b of entry e → row e·r + b // share, column offset + b % share).
+    """Scatter one part of packed entries, uint8 [n, P] (P = `source.entry_bytes`), into that
+    part's `rows` uint8 [S, ≥ offset + share] by the contract §2 rule (byte b of entry e → row
+    e·r + b // share, column offset + b % share).
 
     Entry −1 means "nothing to write": those rows go to entry 0 — rows 0..r−1, inside SGLang's
     reserved padding page 0 (page_size is a multiple of r), never read as a request's entry — so
@@ -262,7 +293,7 @@ def write_entries(rows: Tensor, source: SourceColumns, entry_idx: Tensor, entry_
 
 
 def read_entries(rows: Tensor, source: SourceColumns, entry_idx: Tensor) -> Tensor:
-    """Gather packed entries of `source` (inverse of `write_entries`): uint8 [n, E]; entry −1 →
+    """Gather one part of packed entries (inverse of `write_entries`): uint8 [n, P]; entry −1 →
     all-zero bytes (decodes to zeros; callers mask it as "no key")."""
     flat = entry_idx.reshape(-1).to(torch.int64)
     n = flat.numel()
@@ -274,23 +305,39 @@ def read_entries(rows: Tensor, source: SourceColumns, entry_idx: Tensor) -> Tens
 
 @dataclass(frozen=True)
 class PackedSourceRows:
-    """One kv source's packed entries inside the rows, as attention (latents) and the indexer
-    (keys) read them; entry −1 = no key (zeros)."""
+    """One kv source's packed entries inside the two row buffers, as attention (latents, from
+    `latent_rows`) and the indexer (keys, from `key_rows`) read them; entry −1 = no key (zeros)."""
 
-    rows: Tensor
-    source: SourceColumns
+    latent_rows: Tensor
+    key_rows: Tensor
+    source: KvSource
     layout: CompressedRowLayout
 
     def entries(self, entry_idx: Tensor) -> Tensor:
-        """uint8 [..., E] packed entries at `entry_idx` [...] (−1 → zeros)."""
-        return read_entries(self.rows, self.source, entry_idx).reshape(*entry_idx.shape, self.source.entry_bytes)
+        """uint8 [..., E] whole packed entries (latent part, then key part) at `entry_idx` [...]
+        (−1 → zeros)."""
+        both = torch.cat((read_entries(self.latent_rows, self.source.latent, entry_idx),
+                          read_entries(self.key_rows, self.source.key, entry_idx)), dim=1)
+        return both.reshape(*entry_idx.shape, self.layout.entry_bytes)
 
     def latents(self, entry_idx: Tensor) -> Tensor:
         """fp32 [..., D] stored latents (zeros where −1)."""
-        flat = read_entries(self.rows, self.source, entry_idx)
-        return decode_entry_latents(self.layout, flat).reshape(*entry_idx.shape, self.layout.head_dim)
+        flat = read_entries(self.latent_rows, self.source.latent, entry_idx)
+        return decode_latents(flat, self.layout.head_dim).reshape(*entry_idx.shape, self.layout.head_dim)
 
     def keys(self, entry_idx: Tensor) -> Tensor:
         """fp32 [..., Dk] FP4 index keys (zeros where −1)."""
-        flat = read_entries(self.rows, self.source, entry_idx)
-        return decode_entry_keys(self.layout, flat).reshape(*entry_idx.shape, self.layout.index_head_dim)
+        flat = read_entries(self.key_rows, self.source.key, entry_idx)
+        return decode_keys(flat, self.layout.index_head_dim).reshape(*entry_idx.shape, self.layout.index_head_dim)
+
+
+def write_source_entries(latent_rows: Tensor, key_rows: Tensor, source: KvSource, entry_idx: Tensor,
+                         entry_bytes: Tensor) -> None:
+    """Whole packed entries uint8 [n, E] of `source` at `entry_idx` [n] (−1 = none): the latent
+    part into `latent_rows`, the key part into `key_rows` (contract §2)."""
+    if entry_bytes.dim() != 2 or entry_bytes.shape[1] != source.latent.entry_bytes + source.key.entry_bytes:
+        raise ValueError(f"write_source_entries: expected uint8 [n, {source.latent.entry_bytes + source.key.entry_bytes}], "
+                         f"got {entry_bytes.dtype} {tuple(entry_bytes.shape)}")
+    split = source.latent.entry_bytes
+    write_entries(latent_rows, source.latent, entry_idx, entry_bytes[:, :split])
+    write_entries(key_rows, source.key, entry_idx, entry_bytes[:, split:])

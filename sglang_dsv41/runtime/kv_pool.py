@@ -11,12 +11,18 @@ Buffers, each as it is (no zero-width tensor, every row a multiple of 16 B):
 
 | component | buffer | shape / dtype | indexed by |
 |---|---|---|---|
-| FULL (`full_kv_pool`) | global KV rows | uint8 [S_full + page, row_stride] (Flash 896 = 890 packed + 6 pad) | full slot |
+| FULL (`full_kv_pool`) | global KV latent rows ("K") | uint8 [S_full + page, latent_row_stride] (Flash 720 = 288 + 3·144) | full slot |
+| FULL (`full_kv_pool`) | global KV index-key rows ("V") | uint8 [S_full + page, key_row_stride] (Flash 176 = 68 + 3·34 + 6 pad) | full slot |
 | SWA (`swa_kv_pool`) | SWA rows of model layer l | bf16 [S_swa + page, D] per layer (K = V, spec §3.4.5) | SWA slot |
 | request state | ratio-2 pair ring of source s | fp32 kv, score [R, ring, D]; int64 position [R, ring] | request row, ⌊p/2⌋ mod ring |
 
+Global KV: Flash 720 + 176 = 896 B/token (tiny 112 + 80 = 192), `kv_rows`. It is two buffers, not
+one, so SGLang's non-MLA PD path — which splits `get_contiguous_buf_infos()` into a K half and a V
+half — sends both, and so attention (latents) and the indexer (keys) read separate rows.
+
 Pool layer ids (SGLang's `layers_mapping` and the HiCache transfer-layer ids): 0 = the global KV
-rows (read by every compressed layer, so loaded first), 1 + l = the SWA rows of model layer l.
+rows, both buffers (read by every compressed layer, so loaded first), 1 + l = the SWA rows of
+model layer l.
 The model's config says `num_hidden_layers = L`: these ids number the pool's buffers, not model
 layers (`transfer_layer_of_swa`).
 
@@ -61,22 +67,25 @@ def _page_infos(buffers: Sequence[Tensor], page_size: int) -> tuple[list[int], l
 
 
 class _RowsComponent(KVCache):
-    """One component of the pool: `buffers[i]` [size + page, width] slot-major rows, one per pool
-    layer of the component. Reads and writes go through `RuntimeCaches`; this class answers what
-    SGLang's allocator, radix cache, PD and offload paths ask of a component."""
+    """One component of the pool: `buffers[i]` [size + page, widths[i]] slot-major rows. Reads and
+    writes go through `RuntimeCaches`; this class answers what SGLang's allocator, radix cache, PD
+    and offload paths ask of a component."""
 
-    def __init__(self, size: int, page_size: int, dtype: torch.dtype, width: int, layers: int,
+    def __init__(self, size: int, page_size: int, dtype: torch.dtype, widths: Sequence[int], layers: int,
                  device: str, label: str) -> None:
         super().__init__(size, page_size, dtype, layers, device, False, allocation_label=label)
-        if width <= 0 or width * torch.empty(0, dtype=dtype).element_size() % 16:
-            raise ValueError(f"sglang-dsv41 pool {label}: row of {width} {dtype} is not a positive multiple of 16 B")
-        self.width = width
-        self.buffers = [torch.zeros(size + page_size, width, dtype=dtype, device=device) for _ in range(layers)]
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        for width in widths:
+            if width <= 0 or width * itemsize % 16:
+                raise ValueError(f"sglang-dsv41 pool {label}: row of {width} {dtype} is not a positive multiple "
+                                 "of 16 B")
+        self.buffers = [torch.zeros(size + page_size, w, dtype=dtype, device=device) for w in widths]
         self._finalize_allocation_log(size)       # SGLang's "<label> KV Cache is allocated" line; sets mem_usage
 
     @property
-    def row_bytes(self) -> int:
-        return self.buffers[0][0].nbytes
+    def token_bytes(self) -> int:
+        """Bytes one slot holds over all of the component's buffers."""
+        return sum(b[0].nbytes for b in self.buffers)
 
     def get_kv_size_bytes(self) -> int:
         return sum(b.nbytes for b in self.buffers)
@@ -84,15 +93,8 @@ class _RowsComponent(KVCache):
     def get_contiguous_buf_infos(self):
         return _page_infos(self.buffers, self.page_size)
 
-    def get_key_buffer(self, layer_id: int) -> Tensor:
-        return self.buffers[layer_id]
-
-    def get_value_buffer(self, layer_id: int) -> Tensor:
-        raise NotImplementedError(f"sglang-dsv41 pool {self.allocation_label}: rows hold no separate values "
-                                  "(read them with get_key_buffer)")
-
     def get_kv_buffer(self, layer_id: int):
-        raise NotImplementedError(f"sglang-dsv41 pool {self.allocation_label}: no K/V pair; use get_key_buffer")
+        return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
 
     def set_kv_buffer(self, *args, **kwargs) -> None:
         raise NotImplementedError("sglang-dsv41: the model writes its rows through RuntimeCaches, never "
@@ -108,6 +110,52 @@ class _RowsComponent(KVCache):
     def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None) -> None:
         for b, rows in zip(self.buffers, kv_cache_cpu):
             b[indices] = rows.to(b.device)
+
+
+class _SwaRows(_RowsComponent):
+    """The SWA component: one bf16 [size + page, D] buffer per model layer (K = V, spec §3.4.5)."""
+
+    def __init__(self, size: int, page_size: int, head_dim: int, layers: int, device: str) -> None:
+        super().__init__(size, page_size, SWA_DTYPE, [head_dim] * layers, layers, device, "SWA")
+
+    def get_key_buffer(self, layer_id: int) -> Tensor:
+        return self.buffers[layer_id]
+
+    def get_value_buffer(self, layer_id: int) -> Tensor:
+        raise NotImplementedError("sglang-dsv41 pool SWA: rows hold no separate values (K = V; read them with "
+                                  "get_key_buffer)")
+
+    def get_kv_buffer(self, layer_id: int):
+        raise NotImplementedError("sglang-dsv41 pool SWA: no K/V pair (K = V); use get_key_buffer")
+
+
+class _GlobalRows(_RowsComponent):
+    """The FULL component: one pool layer (`GLOBAL_ROWS_LAYER`) of two uint8 buffers, the latent
+    rows (its "K") and the index-key rows (its "V"), `kv_layout` contract §2."""
+
+    def __init__(self, size: int, page_size: int, layout: CompressedRowLayout, device: str) -> None:
+        super().__init__(size, page_size, torch.uint8, [layout.latent_row_stride, layout.key_row_stride], 1,
+                         device, "Full (global KV latent + index-key rows)")
+
+    @property
+    def latent_rows(self) -> Tensor:
+        return self.buffers[0]
+
+    @property
+    def key_rows(self) -> Tensor:
+        return self.buffers[1]
+
+    def _check_layer(self, layer_id: int) -> None:
+        if layer_id != 0:
+            raise IndexError(f"sglang-dsv41 pool: the global KV rows are one pool layer (0), got {layer_id}")
+
+    def get_key_buffer(self, layer_id: int) -> Tensor:
+        self._check_layer(layer_id)
+        return self.latent_rows
+
+    def get_value_buffer(self, layer_id: int) -> Tensor:
+        self._check_layer(layer_id)
+        return self.key_rows
 
 
 class DeepseekV41KVPool(SWAKVPool):
@@ -127,16 +175,16 @@ class DeepseekV41KVPool(SWAKVPool):
         self.start_layer = 0
         self.layer_transfer_counter = None
         self.enable_custom_mem_pool, self.custom_mem_pool = False, None
-        self.full_kv_pool = _RowsComponent(size, page_size, torch.uint8, layout.row_stride, 1, device,
-                                           "Full (global KV rows)")
-        self.swa_kv_pool = _RowsComponent(size_swa, page_size, SWA_DTYPE, cfg.head_dim, L, device, "SWA")
+        self.full_kv_pool = _GlobalRows(size, page_size, layout, device)
+        self.swa_kv_pool = _SwaRows(size_swa, page_size, cfg.head_dim, L, device)
         self.layers_mapping = {GLOBAL_ROWS_LAYER: (0, False),
                                **{transfer_layer_of_swa(l): (l, True) for l in range(L)}}
         self.full_to_swa_index_mapping: Tensor | None = None
         self.layout = layout
         self.compress_ratios = tuple(cfg.compress_ratios)
         self.runtime_caches = RuntimeCaches.from_buffers(
-            cfg, self.swa_kv_pool.buffers, self._unregistered_mapping(), self.full_kv_pool.buffers[0], num_req_rows,
+            cfg, self.swa_kv_pool.buffers, self._unregistered_mapping(), self.full_kv_pool.latent_rows,
+            self.full_kv_pool.key_rows, num_req_rows,
             profile, pool_id=id(self), page_size=page_size, pair_slots=pair_slots)
         self.runtime_caches.layer_waiter = self.wait_for_model_layer
         self.mem_usage = (self.full_kv_pool.mem_usage + self.swa_kv_pool.mem_usage
@@ -161,7 +209,11 @@ class DeepseekV41KVPool(SWAKVPool):
                 self.request_state_bytes())
 
     def get_contiguous_buf_infos(self):
-        """PD kv_data: the global KV rows, one page item = page · row_stride bytes."""
+        """PD kv_data: the two global KV buffers, an even count for SGLang's non-MLA K/V halving
+        (`get_mha_kv_ptrs_with_pp`): [latent rows, index-key rows] — the first half ("K") is the
+        latent rows, item = page · latent_row_stride B (Flash page 2: 1440); the second half ("V")
+        the index-key rows, item = page · key_row_stride B (352). Both are "the global rows",
+        pool layer `GLOBAL_ROWS_LAYER`."""
         return self.full_kv_pool.get_contiguous_buf_infos()
 
     def get_state_buf_infos(self):
@@ -204,10 +256,12 @@ class DeepseekV41KVPool(SWAKVPool):
 
     def describe(self) -> str:
         c = self.runtime_caches
-        return (f"sglang-dsv41 DeepseekV41KVPool: global KV {self.full_kv_pool.row_bytes} B/token "
-                f"({self.layout.row_bytes} B packed FP4 + {self.full_kv_pool.row_bytes - self.layout.row_bytes} B "
-                f"pad), {self.size} full slots; SWA {self.swa_kv_pool.row_bytes * self.swa_layer_nums} B/token "
-                f"({self.swa_layer_nums} layers x {self.swa_kv_pool.row_bytes} B), {self.size_swa} SWA slots; "
+        lay = self.layout
+        return (f"sglang-dsv41 DeepseekV41KVPool: global KV {self.full_kv_pool.token_bytes} B/token = latent rows "
+                f"{lay.latent_row_stride} B ({lay.latent_row_bytes} B packed FP4) + index-key rows "
+                f"{lay.key_row_stride} B ({lay.key_row_bytes} B packed FP4), {self.size} full slots; "
+                f"SWA {self.swa_kv_pool.token_bytes} B/token ({self.swa_layer_nums} layers x "
+                f"{self.swa_kv_pool.buffers[0][0].nbytes} B), {self.size_swa} SWA slots; "
                 f"pair ring {c.pair_ring_slots} slots = {c.request_state_bytes()} B per request row x "
                 f"{c.num_req_rows} rows; page_size {self.page_size}; {self.mem_usage:.3f} GB")
 

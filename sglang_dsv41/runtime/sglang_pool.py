@@ -9,7 +9,7 @@ the unified radix tree with FULL + SWA components — and two HookRegistry entri
 * `memory_pool_configurator_hook` — AROUND `create_memory_pool_configurator`: our
   `DeepseekV41PoolConfigurator` reserves the request-scoped state (pair ring + Engram history per
   request row, for as many rows as SGLang will allow), divides the rest of the KV budget by the
-  cell row_stride + ratio · L · D · 2 (Flash 896 + 0.1 · 40,960 B) and splits it into full and
+  cell latent + index-key row strides + ratio · L · D · 2 (Flash 720 + 176 + 0.1 · 40,960 B) and splits it into full and
   SWA tokens with SGLang's own solver;
   it logs the global KV bytes per token. Refuses what the pool cannot be built for or serve yet
   (non-bf16 KV, no hybrid-SWA memory, unified memory, a draft worker, HiCache, a PD transfer backend
@@ -33,7 +33,8 @@ from sglang.srt.model_executor.pool_configurator import HybridSWAPoolConfigurato
 from ..config import TextConfig
 from .cache import RuntimeCaches
 from .hf_config import ARCHITECTURE
-from .kv_rows import pair_ring_slots, text_row_payload_bytes, text_row_stride_bytes
+from .kv_rows import (pair_ring_slots, text_key_row_stride_bytes, text_latent_row_stride_bytes, text_row_payload_bytes,
+                      text_row_stride_bytes)
 
 logger = logging.getLogger(__name__)
 #: The only KV dtype the pool's SWA rows are (BF16 values, spec §3.8).
@@ -83,8 +84,9 @@ def draft_tokens(server_args) -> int:
 
 
 class DeepseekV41PoolConfigurator(HybridSWAPoolConfigurator):
-    """SGLang's hybrid-SWA sizing with the V4.1 pool's honest per-token bytes: one global row
-    (row_stride) per full token, L bf16 SWA rows of D per SWA token, `--swa-full-tokens-ratio`
+    """SGLang's hybrid-SWA sizing with the V4.1 pool's honest per-token bytes: a latent row and an
+    index-key row of global KV per full token (`kv_rows.text_row_stride_bytes`), L bf16 SWA rows of D
+    per SWA token, `--swa-full-tokens-ratio`
     SWA tokens per full token. The solver (`_solve_pool_sizes`) is SGLang's."""
 
     def __init__(self, kvc, text: TextConfig) -> None:
@@ -105,10 +107,12 @@ class DeepseekV41PoolConfigurator(HybridSWAPoolConfigurator):
         requested = getattr(kvc.server_args, "max_running_requests", None)
         dp = int(getattr(getattr(kvc, "ps", None), "attn_dp_size", 1) or 1)
         self._requested_requests = None if requested is None else int(requested) // dp
-        logger.info("sglang-dsv41 KV pool sizing: global KV %d B/token (%d B packed FP4 rows padded to 16 B), "
+        logger.info("sglang-dsv41 KV pool sizing: global KV %d B/token = latent row %d B + index-key row %d B "
+                    "(%d B packed FP4, each row padded to 16 B), "
                     "SWA %d B per SWA token, --swa-full-tokens-ratio %s: %.1f B per full token; request state "
                     "(pair ring + Engram history) %d B per request row, reserved first",
-                    self._full_per_token, text_row_payload_bytes(text), self._swa_per_token * self._swa_layers_num,
+                    self._full_per_token, text_latent_row_stride_bytes(text), text_key_row_stride_bytes(text),
+                    text_row_payload_bytes(text), self._swa_per_token * self._swa_layers_num,
                     self._swa_full_tokens_ratio, self._cell_size, self._request_row_bytes)
 
     def request_state_bytes(self, token_capacity: int) -> int:
