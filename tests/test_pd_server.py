@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from server_helpers import REQUEST_TIMEOUT_S, Server, free_port
-from test_runtime_server import LOGPROB_ATOL, _prompt, _reference_logprobs, reference, within_contract  # noqa: F401
+from test_runtime_server import LOGPROB_ATOL, _prompt, _reference_logprobs, within_contract
+from test_runtime_server import reference as reference  # noqa: F401  (the module's oracle fixture)
 
 pytestmark = pytest.mark.slow
 

@@ -108,8 +108,7 @@ def test_restore_sets_positions_and_engram_history() -> None:
 # ---- registration checks and the fingerprint ----------------------------------------------------
 
 def _kv_args(pool, state_types=("swa", "c128_state")):
-    kv = pool.full_kv_pool.get_contiguous_buf_infos()
-    kv = (kv[0] * 2, kv[1] * 2, kv[2] * 2)                     # two global buffers (latents + keys)
+    kv = pool.get_contiguous_buf_infos()                       # two global buffers (latents + index keys)
     states = [pool.get_state_buf_infos(), pool.get_c128_state_buf_infos()]
     return SimpleNamespace(kv_data_ptrs=kv[0], kv_data_lens=kv[1], kv_item_lens=kv[2], page_size=2,
                            state_types=list(state_types), state_data_ptrs=[s[0] for s in states],

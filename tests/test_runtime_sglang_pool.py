@@ -301,7 +301,8 @@ def test_sglang_sizes_the_flash_pool_with_896_byte_rows(tmp_path: Path, caplog) 
     with pytest.raises(RuntimeError, match="--disable-hybrid-swa-memory"):
         pool_configurator.create_memory_pool_configurator(_kvc(mc, is_hybrid_swa=False))
     for flag, over in (("--enable-hierarchical-cache", dict(enable_hierarchical_cache=True)),
-                       ("--disaggregation-mode", dict(disaggregation_mode="prefill"))):
+                       ("--disaggregation-transfer-backend nixl",
+                        dict(disaggregation_mode="prefill", disaggregation_transfer_backend="nixl"))):
         args = SimpleNamespace(swa_full_tokens_ratio=0.1, speculative_algorithm=None, **over)
         with pytest.raises(RuntimeError, match=flag):
             pool_configurator.create_memory_pool_configurator(_kvc(mc, server_args=args))
