@@ -82,7 +82,8 @@ class Router:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--host", "127.0.0.1",
              "--port", str(self.port), "--prefill", prefill.url(""), str(bootstrap_port), "--decode", decode.url(""),
-             "--policy", "round_robin", "--health-check-interval-secs", "2", "--health-failure-threshold", "1"],
+             "--policy", "round_robin", "--health-check-interval-secs", "5", "--health-failure-threshold", "3",
+             "--health-check-timeout-secs", "30", "--disable-circuit-breaker"],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def url(self, path: str) -> str:
