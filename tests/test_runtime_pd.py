@@ -213,3 +213,19 @@ def test_bootstrap_route_round_trip() -> None:
         assert requests.get(url, timeout=5).json() == layout
     finally:
         server.close()
+
+
+def test_serve_adds_the_cpu_pd_environment(tmp_path, monkeypatch) -> None:
+    """`sglang-dsv41 serve --disaggregation-mode ...` on CPU sets Mooncake-over-TCP and the other
+    PD variables (cpu.md §5), keeping values the user set; without PD it sets none of them."""
+    from sglang_dsv41.runtime.cpu_env import PD_CPU_ENVIRONMENT
+    from sglang_dsv41.serve import build_launch
+
+    for k in PD_CPU_ENVIRONMENT:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SGLANG_HOST_IP", "10.0.0.7")
+    pd = build_launch(["--device", "cpu", "--model-path", str(tmp_path), "--disaggregation-mode", "prefill"]).env
+    assert pd["MC_FORCE_TCP"] == "1" and pd["MOONCAKE_PROTOCOL"] == "tcp"
+    assert pd["SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX"] == "0" and pd["SGLANG_HOST_IP"] == "10.0.0.7"
+    plain = build_launch(["--device", "cpu", "--model-path", str(tmp_path)]).env
+    assert not {"MC_FORCE_TCP", "MOONCAKE_PROTOCOL", "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX"} & set(plain)
