@@ -14,9 +14,12 @@ times what the runtime runs on CUDA for that layer:
 * `indexer` — Triton `index_scores` (float64 head sum) over the packed keys of C/2 entries
   (`key_cache=PackedSource`, `entry_index_table`) + `select_for_role`;
 * `moe_routed` — `kernels.moe_mxfp4.routed_experts_mxfp4` (MXFP4 W4A16) on the router's choice;
-* `torch` — everything else the layer does, as the CUDA runtime does it today (reference torch
-  code with its dense products on tensor cores; unfused, float64 in places) — *not* a fast path;
-* `torch_fp64` — the same work with the reference's float64 GEMMs (the CPU path), for comparison;
+* `torch` — everything else the layer does, as the CUDA runtime does it today (the runtime's
+  math on the serving backend: FP8 linears W8A8 — SGLANG_DSV41_FP8_GEMM=w8a16 picks the old
+  W8A16 path —, fused elementwise kernels, torch glue; unfused) — *not* a fast path;
+* `torch_w8a16` / `torch_w8a8` — the same work with the other FP8 arithmetic on the same
+  weights (before / after issue 21's W8A8 GEMM in one run; not in the step);
+* `torch_fp64` — the same work with the reference's float64 GEMMs (CPU layers only), for comparison;
 * `attention_bf16` / `indexer_bf16` (full run only) — the same kernels over BF16 copies of the
   decoded entries (the pre-packing format); their outputs must equal the packed ones bit for bit
   (`packed_equals_bf16`: attention within 2 BF16 ulps of the output scale, index scores bitwise; checked
@@ -59,6 +62,7 @@ from torch import Tensor
 
 from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.presets import flash_config_dict
+from sglang_dsv41.runtime.backend import FP8_GEMMS
 from sglang_dsv41.runtime.kv_layout import CompressedRowLayout, key_bytes, latent_bytes
 
 if str(Path(__file__).resolve().parent) not in sys.path:   # sibling benchmark modules (loaded by path too)
@@ -70,7 +74,7 @@ from step_timing import (BUDGET_NOTE, GRAPH_WARMUP_CALLS, MAX_REPS, _describe, a
 
 #: This script's public names, and those of flash_layer.py / step_timing.py that the tests and
 #: decode_step_profile.py use from it (re-exported).
-__all__ = ["BATCHES", "QUICK_BATCHES", "CONTEXT", "PREFILL_TOKENS", "CAP_S", "QUICK_CAP_S", "BUDGET_S",
+__all__ = ["ALT_TORCH", "BATCHES", "QUICK_BATCHES", "CONTEXT", "PREFILL_TOKENS", "CAP_S", "QUICK_CAP_S", "BUDGET_S",
            "QUICK_BUDGET_S", "STEP_PARTS", "SLOT_ID_BYTES", "ROW_KEYS", "PATHS", "step_bytes", "run_point",
            "failed_row", "decode_row_problems", "main", "plot", "DeepseekV41Config", "flash_config_dict",
            "Caches", "Layer", "build_layer", "make_caches", "moe_routed", "queries", "step_components", "stored_layer",
@@ -83,6 +87,7 @@ CAP_S, QUICK_CAP_S = 2.0, 0.5
 BUDGET_S, QUICK_BUDGET_S = 225.0, 105.0   # wall budgets (full < 4 min, quick < 2 min incl. start-up)
 STEP_PARTS = ("torch", "indexer", "attention", "moe_routed")   # one decode step of the layer, in order
 SLOT_ID_BYTES = 8                        # int64 slot / entry ids, as passed to the kernels
+ALT_TORCH = tuple(f"torch_{m}" for m in FP8_GEMMS)   # `torch` with either FP8 arithmetic (one is the step's)
 
 
 # ---- bytes --------------------------------------------------------------------------------------
@@ -110,7 +115,9 @@ def step_bytes(layer: Layer, N: int, n_visible: int, distinct_experts: int) -> d
             "indexer_bf16": dict(current=N * (idx_fixed + n_visible * Dk * 2), design=idx_packed),
             "moe_routed": dict(current=experts, design=experts),
             "torch": dict(current=layer.cached_dense_bytes or layer.held_dense_bytes, design=dense_stored),
-            "torch_fp64": dict(current=layer.held_dense_bytes, design=dense_stored)}
+            "torch_fp64": dict(current=layer.held_dense_bytes, design=dense_stored),
+            **{f"torch_{m}": dict(current=layer.cached_dense_bytes or layer.held_dense_bytes, design=dense_stored)
+               for m in FP8_GEMMS}}
 
 
 # ---- one point ----------------------------------------------------------------------------------
@@ -152,7 +159,7 @@ def failed_row(N: int, error: str) -> dict:
 def decode_row_problems(row: Mapping) -> list[str]:
     """Schema check of one decode row (what `main` writes): [] when well formed."""
     problems = [f"missing key {k}" for k in ROW_KEYS if k not in row]
-    for name in (*STEP_PARTS, "torch_fp64", "attention_bf16", "indexer_bf16", "eager", "graph"):
+    for name in (*STEP_PARTS, *ALT_TORCH, "torch_fp64", "attention_bf16", "indexer_bf16", "eager", "graph"):
         part = row.get(name)
         if part is None:
             continue
@@ -171,9 +178,11 @@ def decode_row_problems(row: Mapping) -> list[str]:
     return problems
 
 
-PATHS = {"torch": "NOT a fast path: reference torch code (mHC, projections, compressor, indexer query, "
-                  "router, shared expert), dense products on tensor cores (dense_ops: BF16 weight copies, "
-                  "fixed row blocks), everything else unfused torch incl. float64 elementwise math",
+PATHS = {"torch": "NOT a fast path: the runtime's math (mHC kernels, projections, compressor, indexer query, "
+                  "router, shared expert) on the serving backend: FP8 linears by fp8_gemm (W8A8 default), BF16 "
+                  "products on tensor cores (dense_ops), fused elementwise kernels, unfused torch glue in fp32",
+         "torch_w8a16": "torch with the W8A16 FP8 linears (kernels.fp8_linear, wo_a one launch per group): before",
+         "torch_w8a8": "torch with the W8A8 FP8 linears (kernels.fp8_w8a8, wo_a one grouped launch): after",
          "torch_fp64": "the same with float64 GEMMs on fp32-dequantised weights (CPU path); not in the step",
          "attention": "Triton sparse_sink_attention: BF16 SWA rows + packed FP4 latents (PackedSource, 288 B/entry, "
                       "decoded in the kernel) — the runtime's phase-2 format",
@@ -239,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(failed_row(N, _describe(exc)))
         r = rows[-1]
         errors.extend(f"N={N} row: {p}" for p in decode_row_problems(r))
-        parts = "  ".join(f"{c} {r[c]['median_us']:.0f}" for c in STEP_PARTS if "median_us" in r.get(c, {}))
+        parts = "  ".join(f"{c} {r[c]['median_us']:.0f}" for c in (*STEP_PARTS, *ALT_TORCH)
+                          if "median_us" in r.get(c, {}))
         print(f"N={N:4d} µs: {parts}  | step eager {r['layer_us_eager'] or float('nan'):.0f}  graph "
               f"{r['layer_us_graph'] or float('nan'):.0f}  excluded {list(r['graph_excluded']) or 'none'}", flush=True)
     del caches
@@ -255,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             return p | dict(tokens_per_s=PREFILL_TOKENS / (p["layer_us_sum"] * 1e-6) if p["layer_us_sum"] else None)
         prefill = attempt("prefill", run_prefill, errors, skipped, deadline)
     result = dict(device=props.name, torch=torch.__version__, python=platform.python_version(),
-                  layer=args.layer, role=dataclasses.asdict(layer.role), context=args.context,
+                  layer=args.layer, fp8_gemm=getattr(layer.backend, "fp8_gemm", None), role=dataclasses.asdict(layer.role), context=args.context,
                   copy_bandwidth_gbs=copy_gbs, stored_layer_bytes=layer.stored_bytes,
                   kv_format=dict(row_bytes=CompressedRowLayout.from_config(cfg.text).row_bytes,
                                  latent_row_bytes=CompressedRowLayout.from_config(cfg.text).latent_row_stride,

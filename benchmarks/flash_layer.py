@@ -22,9 +22,13 @@ The step's components (`step_components`), each a callable on fixed inputs:
   runtime does it: mHC ×2 through `runtime.mhc_ops` (fused Triton kernels on CUDA), q/kv
   projections, compressor, latent/key FP4 round trips, indexer query, output projection, router
   and shared expert through the runtime's math (`runtime.attention_math`, `runtime.moe_ops`) on
-  the layer's compute backend (`runtime.backend`: on CUDA `TritonBackend`, FP8 W8A16 / BF16
-  tensor-core products and one Triton launch per elementwise chain); the glue is still torch;
-* `torch_fp64` — the same work on the exact torch backend (float64 GEMMs, the deterministic tier);
+  the layer's compute backend (`runtime.backend`: on CUDA `TritonBackend` as the server builds it
+  — FP8 linears W8A8 unless SGLANG_DSV41_FP8_GEMM=w8a16, BF16 tensor-core products, one Triton
+  launch per elementwise chain); the glue is still torch;
+* `torch_w8a16` / `torch_w8a8` (CUDA) — the same work with the other FP8 arithmetic
+  (`backend.FP8_GEMMS`) on the same weights, so one run compares both;
+* `torch_fp64` — the same work on the exact torch backend (float64 GEMMs, the deterministic tier;
+  CPU layers only: E4M3 weights have no fp32 copy);
 * `moe_routed` — `kernels.moe_mxfp4.routed_experts_mxfp4` (MXFP4 W4A16) on the router's choice
   (CPU: the reference routed experts);
 * `attention` / `indexer` (CUDA, `kernel_components`) — Triton `sparse_sink_attention` (one key
@@ -56,7 +60,7 @@ from sglang_dsv41.numerics.profile import CacheProfile
 from sglang_dsv41.numerics.rope import layer_inv_freq
 from sglang_dsv41.runtime.attention_math import (index_query, output_projection, pair_scores, project_q_kv,
                                                  rope_entry_values, swa_cache_roundtrip)
-from sglang_dsv41.runtime.backend import ComputeBackend, ExactTorchBackend, backend_for
+from sglang_dsv41.runtime.backend import FP8_GEMMS, ComputeBackend, ExactTorchBackend, TritonBackend, backend_for
 from sglang_dsv41.runtime.kv_layout import (CompressedRowLayout, decode_entry_keys, decode_entry_latents,
                                             encode_entries, write_source_entries)
 from sglang_dsv41.runtime.indexer_select import select_for_role
@@ -130,9 +134,11 @@ class Layer:
         return self.cfg.text
 
 
-def build_layer(cfg: DeepseekV41Config, layer: int, device: torch.device, seed: int = 0) -> Layer:
+def build_layer(cfg: DeepseekV41Config, layer: int, device: torch.device, seed: int = 0,
+                deterministic: bool | None = None) -> Layer:
     """`stored_layer` loaded like the runtime: CUDA keeps the routed experts MXFP4 (kernel layout),
-    CPU dequantises them (the reference path)."""
+    CPU dequantises them (the reference path). The backend: `backend_for(device, weights,
+    deterministic)`; None = the exact backend on CPU, the serving backend on CUDA."""
     from sglang_dsv41.runtime.moe_ops import routed_experts_key
     stored = stored_layer(cfg, layer, device, seed)
     weights: dict = {}
@@ -161,7 +167,9 @@ def build_layer(cfg: DeepseekV41Config, layer: int, device: torch.device, seed: 
         prefix = f"layers.{layer}."
         weights[routed_experts_key(prefix)] = prepare_layer_experts(stored, prefix, t.n_routed_experts, device)
     del stored
-    backend, cached = backend_for(device, weights), 0
+    if deterministic is None:
+        deterministic = device.type == "cpu"
+    backend, cached = backend_for(device, weights, deterministic), 0
     if device.type == "cuda":
         from sglang_dsv41.runtime.dense_ops import is_dense_linear_weight
         cached = backend.dense.cache.resident_bytes() + sum(        # + the non-linear fp32 tensors the torch path reads
@@ -374,6 +382,10 @@ def step_components(layer: Layer, caches: Caches, req: Tensor, positions: Tensor
         comps["torch_fp64"] = lambda: torch_work(layer, R, positions, ExactTorchBackend())
         if layer.backend.dense.cache.fp8_elements:     # E4M3 weights: no fp32 copy for the float64 GEMMs
             del comps["torch_fp64"]
+        if isinstance(layer.backend, TritonBackend):   # the other FP8 arithmetic on the same weights
+            other = next(m for m in FP8_GEMMS if m != layer.backend.fp8_gemm)
+            alt = TritonBackend(layer.backend.dense, fp8_gemm=other)
+            comps[f"torch_{other}"] = lambda: torch_work(layer, R, positions, alt)
     distinct = int(torch.unique(routing.experts).numel())
     n_vis = int(visible_counts(positions, layer.role.ratio).max())
     out: dict = dict(tokens=N, distinct_experts=distinct, visible_entries=n_vis)

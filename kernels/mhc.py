@@ -1,27 +1,32 @@
 """Fused Triton kernels of the mHC hyper-connections (spec `model.md` §3.2; semantics =
 `sglang_dsv41.reference.mhc`, whose functions these replace one for one on CUDA tensors).
 
-Four ops, 1–2 launches each (the reference spends ~600 tiny float64 torch kernels per layer):
+Four ops, 1–2 launches each (the reference spends ~600 tiny float64 torch kernels per layer).
+Everything is fp32 (issue 21: no float64 on the GPU path); the reference evaluates the
+coefficients and the norm in float64 and rounds once, so those two ops are bounded, not
+bit-identical (tests/test_kernels_mhc.py):
 
 * `hc_coefficients` (2 launches). `_hc_mix_partials_kernel`, grid (⌈T/16⌉, ⌈hc·H/128⌉): a
   program holds one 128-column slice of F [hc·(2+hc), hc·H] (24 × 128 fp32 = 12 KB at Flash) and,
-  for each of its ≤ 16 tokens, forms the float64 partial dots F[:, slice]·x[slice] and the
-  partial Σx² of that slice (products of fp32 F and BF16-valued x are exact in float64). At
-  T = 1 the 1.5 MB F read is spread over 128 programs. `_hc_coefficients_kernel`, one program per
-  token, adds the partials in a fixed order (one `tl.sum` over the slice axis, a shape fixed by
-  hc·H only), then in float64: m = dot·(1/√(Σx²/(hc·H) + rms_eps)), pre = σ(α₀m + b) + hc_eps,
+  for each of its ≤ 16 tokens, forms the fp32 partial dots F[:, slice]·x[slice] and the partial
+  Σx² of that slice. At T = 1 the 1.5 MB F read is spread over 128 programs.
+  `_hc_coefficients_kernel`, one program per token, adds the partials in a fixed order (one
+  `tl.sum` over the slice axis, a shape fixed by hc·H only), then in fp32 (IEEE division and
+  square root, the device's exp): m = dot·(1/√(Σx²/(hc·H) + rms_eps)), pre = σ(α₀m + b) + hc_eps,
   post = 2σ(α₁m + b), comb = the finite `iters`-step Sinkhorn of α₂m + b (row softmax with the
-  row max subtracted, +ε, column normalise, then (iters − 1)×(row, column)); each rounded once to
-  fp32. Bound: every coefficient is within 1 fp32 ulp of the reference (the reference's float64
-  value rounded once to fp32 — only the float64 summation order and libm's last bit differ, so
-  an fp32 result differs only where the float64 value lies within ~1e-15 relative of an fp32
-  rounding boundary: rare single-ulp differences).
+  row max subtracted, +ε, column normalise, then (iters − 1)×(row, column)). Bound
+  (COEFFICIENT_BOUND = 2⁻¹⁴, absolute; the coefficients lie in [0, 2]): each fp32 dot is within
+  ≈ (K/128 + 7)·2⁻²⁴·Σ|F·x| of the exact one (partial sums over 128 columns, then a tree), the
+  rsqrt, sigmoid and each Sinkhorn normalisation (sums of hc = 4 terms) add a few fp32 ulps, and
+  σ, softmax and the normalisations are contractions (derivatives ≤ 1), so for |α| ≤ 1 and
+  Σ|F·x|·inv_rms ≤ 2⁸ the coefficients move by ≪ 2⁻¹⁴. Measured under the interpreter (T ≤ 20,
+  H ≤ 4096): ≤ 2⁻²²·⁴; α × 1.001 moves them by 2⁻¹⁰·⁵ (the test's mutation check).
 * `hc_sublayer_input` (1 launch, one program per token over the whole row): bf16(Σ_j pre_j·R_j)
   with IEEE fp32 multiplies and adds in stream order j = 0, 1, … (stream 0 as is when
-  `carried_pre` is None), then the reference RMSNorm: float64 x·(1/√(Σx²/H + eps))·w, rounded to
-  fp32 then to BF16. The weighted sum is bit-identical; the norm differs from the reference
-  only through the float64 order of Σx² (exact in practice: squares of BF16 values have 16
-  significant bits) — bitwise equal except with probability ~2⁻²⁹ per element.
+  `carried_pre` is None), then RMSNorm in fp32: x·(1/√(Σx²/H + eps))·w, rounded to BF16. The
+  weighted sum is bit-identical to the reference; the norm's fp32 factor is within a few fp32
+  ulps of the reference's float64 one, so the BF16 result is the reference's or one BF16 ulp
+  from it (a rounding-boundary flip).
 * `hc_residual_update` (1 launch, grid (T, ⌈H/256⌉)): R'_k = bf16(post_k·y + Σ_j comb_jk·R_j),
   fp32 multiply then add in the reference's order (post·y first, then j = 0, 1, …), compiled with
   `enable_fp_fusion=False` (no FMA contraction): bit-identical to the reference on the same
@@ -30,8 +35,7 @@ Four ops, 1–2 launches each (the reference spends ~600 tiny float64 torch kern
 
 Rounding to BF16 is done on the fp32 bit pattern (round to nearest even; NaN kept), not with a
 Triton cast, so the interpreter (which truncates BF16 casts) gives the compiled kernel's bits.
-Float64 constants (eps) are materialised with `tl.full(..., tl.float64)` from constexprs, never
-passed as fp32 kernel scalars (1e-20 is not an fp32 value).
+The eps constants are constexprs (rounded to fp32; 1e-20 is a normal fp32 value).
 
 Batch invariance: every token is computed by the same code on the same tile shapes — block
 sizes depend on hc and H only, never on T — so a token's result does not depend on how many
@@ -50,7 +54,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 
 F32 = torch.float32
-#: Columns of F per program of the partial-dot kernel (fixed: the float64 partials do not depend on T).
+#: Columns of F per program of the partial-dot kernel (fixed: the fp32 partials do not depend on T).
 MIX_BLOCK_K = 128
 #: Tokens per program of the partial-dot kernel (F's slice is loaded once for them).
 MIX_BLOCK_T = 16
@@ -58,6 +62,8 @@ MIX_BLOCK_T = 16
 STREAM_BLOCK_H = 256
 #: Largest row the one-program-per-token sublayer-input kernel takes (next power of two of H).
 MAX_ROW_BLOCK = 16384
+#: |coefficient − reference| bound of `hc_coefficients` (absolute; module doc)
+COEFFICIENT_BOUND = 2.0 ** -14
 
 
 @triton.jit
@@ -73,7 +79,7 @@ def _hc_mix_partials_kernel(x_ptr, f_ptr, part_ptr, T, K, stride_xt, NUM_CHUNKS,
                             ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, SLOT: tl.constexpr,
                             BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
     """part[t, c, r] = Σ_{k in chunk c} F[r, k]·x[t, k] (r < ROWS) and part[t, c, ROWS] = Σ x²,
-    float64, for the ≤ BLOCK_T tokens of this program's token block."""
+    fp32, for the ≤ BLOCK_T tokens of this program's token block."""
     tb = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     k = c * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -81,11 +87,10 @@ def _hc_mix_partials_kernel(x_ptr, f_ptr, part_ptr, T, K, stride_xt, NUM_CHUNKS,
     r = tl.arange(0, ROWS_PAD)
     r_ok = r < ROWS
     f = tl.load(f_ptr + r[:, None] * K + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-    f = f.to(tl.float64)
     t0 = tb * BLOCK_T
     for i in range(0, tl.minimum(BLOCK_T, T - t0)):
         t = t0 + i
-        x = tl.load(x_ptr + t * stride_xt + k, mask=k_ok, other=0.0).to(tl.float64)
+        x = tl.load(x_ptr + t * stride_xt + k, mask=k_ok, other=0.0).to(tl.float32)
         dots = tl.sum(f * x[None, :], axis=1)
         sumsq = tl.sum(x * x, axis=0)
         out = part_ptr + (t * NUM_CHUNKS + c) * SLOT
@@ -94,16 +99,15 @@ def _hc_mix_partials_kernel(x_ptr, f_ptr, part_ptr, T, K, stride_xt, NUM_CHUNKS,
 
 
 @triton.jit
-def _sigmoid_f64(z):
-    one = tl.full([], 1.0, tl.float64)
-    return (one) / (one + tl.exp(-z))
+def _sigmoid(z):
+    return tl.div_rn(1.0, 1.0 + tl.exp(-z))
 
 
 @triton.jit
 def _hc_coefficients_kernel(part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, K, NUM_CHUNKS, iters,
                             HC: tl.constexpr, SLOT: tl.constexpr, CHUNKS_PAD: tl.constexpr,
                             RMS_EPS: tl.constexpr, HC_EPS: tl.constexpr):
-    """One token: fixed-order sum of the partials, then rsqrt / sigmoid / Sinkhorn in float64."""
+    """One token: fixed-order sum of the partials, then rsqrt / sigmoid / Sinkhorn in fp32."""
     t = tl.program_id(0).to(tl.int64)      # token offsets beyond 2^31 elements
     ROWS: tl.constexpr = HC * (2 + HC)
     c = tl.arange(0, CHUNKS_PAD)
@@ -116,30 +120,27 @@ def _hc_coefficients_kernel(part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, co
     comb_ptrs = p[:, None, None] + 2 * HC + j[None, :, None] * HC + j[None, None, :]
     comb_dot = tl.sum(tl.load(comb_ptrs, mask=c_ok[:, None, None], other=0.0), axis=0)
 
-    rms_eps = tl.full([], RMS_EPS, tl.float64)
-    hc_eps = tl.full([], HC_EPS, tl.float64)
-    one = tl.full([], 1.0, tl.float64)
-    mean = (sumsq) / (K.to(tl.float64))
-    inv_rms = (one) / (tl.sqrt(mean + rms_eps))
-    a0 = tl.load(scale_ptr).to(tl.float64)
-    a1 = tl.load(scale_ptr + 1).to(tl.float64)
-    a2 = tl.load(scale_ptr + 2).to(tl.float64)
-    b_pre = tl.load(base_ptr + j).to(tl.float64)
-    b_post = tl.load(base_ptr + HC + j).to(tl.float64)
-    b_comb = tl.load(base_ptr + 2 * HC + j[:, None] * HC + j[None, :]).to(tl.float64)
+    mean = tl.div_rn(sumsq, K.to(tl.float32))
+    inv_rms = tl.div_rn(1.0, tl.sqrt_rn(mean + RMS_EPS))
+    a0 = tl.load(scale_ptr)
+    a1 = tl.load(scale_ptr + 1)
+    a2 = tl.load(scale_ptr + 2)
+    b_pre = tl.load(base_ptr + j)
+    b_post = tl.load(base_ptr + HC + j)
+    b_comb = tl.load(base_ptr + 2 * HC + j[:, None] * HC + j[None, :])
 
-    pre = _sigmoid_f64(a0 * (pre_dot * inv_rms) + b_pre) + hc_eps
-    post = 2.0 * _sigmoid_f64(a1 * (post_dot * inv_rms) + b_post)
+    pre = _sigmoid(a0 * (pre_dot * inv_rms) + b_pre) + HC_EPS
+    post = 2.0 * _sigmoid(a1 * (post_dot * inv_rms) + b_post)
     logits = a2 * (comb_dot * inv_rms) + b_comb                      # [j, k]
     e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    m = (e) / (tl.sum(e, axis=1)[:, None]) + hc_eps
-    m = (m) / (tl.sum(m, axis=0)[None, :] + hc_eps)
+    m = tl.div_rn(e, tl.broadcast_to(tl.sum(e, axis=1)[:, None], (HC, HC))) + HC_EPS
+    m = tl.div_rn(m, tl.broadcast_to(tl.sum(m, axis=0)[None, :] + HC_EPS, (HC, HC)))
     for _ in range(1, iters):
-        m = (m) / (tl.sum(m, axis=1)[:, None] + hc_eps)
-        m = (m) / (tl.sum(m, axis=0)[None, :] + hc_eps)
-    tl.store(pre_ptr + t * HC + j, pre.to(tl.float32))
-    tl.store(post_ptr + t * HC + j, post.to(tl.float32))
-    tl.store(comb_ptr + t * HC * HC + j[:, None] * HC + j[None, :], m.to(tl.float32))
+        m = tl.div_rn(m, tl.broadcast_to(tl.sum(m, axis=1)[:, None] + HC_EPS, (HC, HC)))
+        m = tl.div_rn(m, tl.broadcast_to(tl.sum(m, axis=0)[None, :] + HC_EPS, (HC, HC)))
+    tl.store(pre_ptr + t * HC + j, pre)
+    tl.store(post_ptr + t * HC + j, post)
+    tl.store(comb_ptr + t * HC * HC + j[:, None] * HC + j[None, :], m)
 
 
 @triton.jit
@@ -155,7 +156,7 @@ def _weighted_sum(r_ptr, pre_ptr, t, H, offs, mask, HC: tl.constexpr):
 def _hc_sublayer_input_kernel(r_ptr, pre_ptr, w_ptr, out_ptr, H, stride_rt, stride_ot,
                               HC: tl.constexpr, HAS_PRE: tl.constexpr, BLOCK: tl.constexpr,
                               RMS_EPS: tl.constexpr):
-    """One token: x = bf16(Σ_j pre_j·R_j) (or R_0), out = bf16(fp32(x·(1/√(mean x² + eps))·w)) in float64."""
+    """One token: x = bf16(Σ_j pre_j·R_j) (or R_0), out = bf16(x·(1/√(mean x² + eps))·w) in fp32."""
     t = tl.program_id(0).to(tl.int64)      # token offsets beyond 2^31 elements
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -164,13 +165,11 @@ def _hc_sublayer_input_kernel(r_ptr, pre_ptr, w_ptr, out_ptr, H, stride_rt, stri
         x = _bf16_round(_weighted_sum(r, pre_ptr, t, H, offs, mask, HC))
     else:
         x = tl.load(r + offs, mask=mask, other=0.0).to(tl.float32)
-    xd = x.to(tl.float64)
-    one = tl.full([], 1.0, tl.float64)
-    mean = (tl.sum(xd * xd, axis=0)) / (H.to(tl.float64))
-    inv_rms = (one) / (tl.sqrt(mean + tl.full([], RMS_EPS, tl.float64)))
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float64)
-    y = (xd * inv_rms) * w
-    tl.store(out_ptr + t * stride_ot + offs, _bf16_round(y.to(tl.float32)), mask=mask)
+    mean = tl.div_rn(tl.sum(x * x, axis=0), H.to(tl.float32))
+    inv_rms = tl.div_rn(1.0, tl.sqrt_rn(mean + RMS_EPS))
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = (x * inv_rms) * w
+    tl.store(out_ptr + t * stride_ot + offs, _bf16_round(y), mask=mask)
 
 
 @triton.jit
@@ -248,7 +247,7 @@ def _coefficient_rows(name: str, coeff: Tensor, T: int, shape: tuple[int, ...]) 
 def hc_coefficients(residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *,
                     rms_eps: float, hc_eps: float, sinkhorn_iters: int) -> tuple[Tensor, Tensor, Tensor]:
     """(pre [T, hc], post [T, hc], comb [T, hc, hc]) fp32 of one hyper-connection from the residual
-    entering it (spec §3.2); float64 inside, each value within 1 fp32 ulp of the reference."""
+    entering it (spec §3.2); fp32 inside, each value within COEFFICIENT_BOUND of the reference."""
     T, hc, H = _check_residual("hc_coefficients", residual)
     rows, K = hc * (2 + hc), hc * H
     if tuple(fn.shape) != (rows, K):
@@ -269,7 +268,7 @@ def hc_coefficients(residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *
     f = fn.to(F32).contiguous()
     num_chunks = triton.cdiv(K, MIX_BLOCK_K)
     slot = _pow2_at_least(rows + 1)
-    partials = torch.empty(T, num_chunks, slot, dtype=torch.float64, device=dev)
+    partials = torch.empty(T, num_chunks, slot, dtype=F32, device=dev)
     opts = _launch_options()
     if not INTERPRETED:
         opts["num_warps"] = 4
@@ -289,7 +288,8 @@ def hc_coefficients(residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *
 def hc_sublayer_input(residual: Tensor, carried_pre: Tensor | None, norm_weight: Tensor,
                       rms_eps: float) -> Tensor:
     """x_in = RMSNorm(bf16(Σ_j pre_j·R_j)) with the lagged pre, or RMSNorm(R_0) when `carried_pre`
-    is None (spec §3.2): [T, H] fp32 holding BF16 values, as the reference."""
+    is None (spec §3.2): [T, H] fp32 holding BF16 values, each the reference's or one BF16 ulp
+    from it (module doc)."""
     T, hc, H = _check_residual("hc_sublayer_input", residual)
     if norm_weight.shape != (H,):
         raise ValueError(f"hc_sublayer_input: norm weight {tuple(norm_weight.shape)}, expected {(H,)}")

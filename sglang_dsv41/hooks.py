@@ -29,6 +29,7 @@ from typing import Callable, Iterable
 _SERVING_CHAT = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat"
 _API_IMPL = "sglang_dsv41.api.serving"
 _RUNTIME_IMPL = "sglang_dsv41.runtime.sglang_hooks"
+_DSPARK_IMPL = "sglang_dsv41.runtime.dspark_hooks"
 _PD_LAYOUT = "sglang_dsv41.runtime.pd_layout"
 _PD_STATE = "sglang_dsv41.runtime.pd_state"
 _DISAGG = "sglang.srt.disaggregation"
@@ -169,6 +170,18 @@ HOOKS: tuple[HookSpec, ...] = (
         params=("self", "seq_lens", "seq_lens_cpu", "last_loc"), area="runtime",
         why="as alloc_extend: the paged decode allocation is a Triton kernel; a CPU server would die "
             "on its first decode step."),
+    HookSpec(
+        target="sglang.srt.configs.model_config.ModelConfig._config_draft_model",
+        kind="after", impl=f"{_DSPARK_IMPL}:config_draft_model_hook",
+        params=("self",), area="runtime",
+        why="SGLang renames only the V4 architecture to a DSpark draft class; without this the DSPARK draft "
+            "worker of a V4.1 checkpoint would load the 40-layer target class as its draft (docs/dspark.md)."),
+    HookSpec(
+        target="sglang.srt.speculative.draft_worker_common._resolve_draft_attention_backend_fallback",
+        kind="around", impl=f"{_DSPARK_IMPL}:draft_attention_backend_hook",
+        params=("draft_server_args", "algo_label"), area="runtime",
+        why="SGLang replaces a draft attention backend outside its list by flashinfer, which would build its "
+            "metadata over the V4.1 draft pool; the V4.1 draft reads its pool through the runtime's own backend."),
 )
 
 HOOKS += (

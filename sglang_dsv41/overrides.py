@@ -50,7 +50,8 @@ logger = logging.getLogger(__name__)
 GIVEN_ATTR = "_dsv41_given"
 #: Fields the refusals read, besides the declared defaults' own fields.
 CHECKED_FIELDS = ("page_size", "kv_cache_dtype", "tp_size", "enable_dp_attention", "attention_backend",
-                  "prefill_attention_backend", "decode_attention_backend", "disable_hybrid_swa_memory")
+                  "prefill_attention_backend", "decode_attention_backend", "disable_hybrid_swa_memory",
+                  "speculative_algorithm")
 WATCHED_FIELDS = tuple(dict.fromkeys((*(f.dest for f in CURRENT_RUNTIME.flags), *CHECKED_FIELDS)))
 _BACKEND_FLAGS = {"attention_backend": "--attention-backend",
                   "prefill_attention_backend": "--prefill-attention-backend",
@@ -121,7 +122,31 @@ def refusals(given: dict[str, Any], text_config: Any, device: str,
                        f"{default_backend} on {device}) or use one of {', '.join(profile.attention_backends)}")
     if given.get("disable_hybrid_swa_memory"):
         out.append(f"--disable-hybrid-swa-memory: {profile.reasons['hybrid_swa']}")
+    out += speculative_refusals(given.get("speculative_algorithm"), text_config, device)
     return out
+
+
+#: Why SGLang 0.5.17's DSpark worker cannot run on a CPU server (docs/dspark.md "CPU").
+DSPARK_CPU_REASON = ("SGLang 0.5.17's DSpark worker is CUDA-only: its argument handler refuses any non-CUDA "
+                     "device (speculative_hook._handle_dspark), its accept and cache-location steps are Triton "
+                     "kernels (accept_greedy_triton, assign_extend_cache_locs_func) and it records tensors on "
+                     "CUDA streams (Tensor.record_stream); serve without --speculative-algorithm on CPU")
+
+
+def speculative_refusals(algorithm: Any, text_config: Any, device: str) -> list[str]:
+    """DSpark is V4.1's only speculative method, on CUDA only, for a checkpoint with DSpark stages."""
+    if algorithm is None:
+        return []
+    name = str(getattr(algorithm, "name", algorithm)).upper()
+    flag = f"--speculative-algorithm {name}"
+    if name != "DSPARK":
+        return [f"{flag}: DeepSeek-V4.1's only speculative method is its bundled DSpark draft "
+                "(--speculative-algorithm DSPARK)"]
+    if text_config.num_nextn_predict_layers < 1:
+        return [f"{flag}: this checkpoint has no DSpark stages (num_nextn_predict_layers = 0)"]
+    if device != "cuda":
+        return [f"{flag} on {device}: {DSPARK_CPU_REASON}"]
+    return []
 
 
 def _resolvable() -> frozenset[str]:

@@ -6,7 +6,8 @@ scheduler process (runtime.md §B "The general-purpose hook"; cpu.md §4). It re
 1. the V4.1 config class for `model_type = "deepseek_v41"` in transformers' `AutoConfig` and in
    SGLang's `_CONFIG_REGISTRY` (`runtime/hf_config.py`);
 2. our model class under the architecture `DeepseekV41ForCausalLM` in SGLang's `ModelRegistry`
-   (`runtime/model.py`);
+   (`runtime/model.py`), and its DSpark draft under `DeepseekV41ForCausalLMDSpark`
+   (`runtime/dspark_model.py`);
 3. the runtime's HookRegistry entries (area "runtime" of `sglang_dsv41.hooks`), installed and
    verified: SGLang sizes and builds our KV pool (`create_memory_pool_configurator`,
    `KVCacheConfigurator._build_token_to_kv_pool`; `runtime/kv_pool.py`), and the paged
@@ -123,16 +124,20 @@ def register_config() -> None:
 
 
 def register_model() -> None:
-    """Our model class under `DeepseekV41ForCausalLM` in SGLang's ModelRegistry."""
+    """Our model classes in SGLang's ModelRegistry: `DeepseekV41ForCausalLM` and its DSpark draft
+    `DeepseekV41ForCausalLMDSpark` (chosen by the `_config_draft_model` hook, docs/dspark.md)."""
     from sglang.srt.models.registry import ModelRegistry
 
     from .runtime.hf_config import ARCHITECTURE
     from .runtime.model import DeepseekV41ForCausalLM
 
-    present = ModelRegistry.models.get(ARCHITECTURE)
-    if present is not None and present is not DeepseekV41ForCausalLM:
-        raise PluginLoadError(f"architecture {ARCHITECTURE} is already registered by {present!r}")
-    ModelRegistry.models[ARCHITECTURE] = DeepseekV41ForCausalLM
+    from .runtime.dspark_model import DRAFT_ARCHITECTURE, DeepseekV41ForCausalLMDSpark
+
+    for arch, cls in ((ARCHITECTURE, DeepseekV41ForCausalLM), (DRAFT_ARCHITECTURE, DeepseekV41ForCausalLMDSpark)):
+        present = ModelRegistry.models.get(arch)
+        if present is not None and present is not cls:
+            raise PluginLoadError(f"architecture {arch} is already registered by {present!r}")
+        ModelRegistry.models[arch] = cls
 
 
 def register_runtime_hooks() -> None:

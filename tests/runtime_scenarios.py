@@ -187,10 +187,11 @@ def greedy_generate(engine: TorchForward, device: torch.device, prompt_ids: list
     return tokens
 
 
-def runtime_engine(checkpoint: Path, device: torch.device) -> TorchForward:
+def runtime_engine(checkpoint: Path, device: torch.device, deterministic: bool = True) -> TorchForward:
     """The forward the server builds for `checkpoint` on `device`: SGLang hands over the stored
     tensors, `runtime_weights` checks and prepares them (CUDA: routed experts stay MXFP4 for
-    the Triton kernel; CPU: everything dequantised, the reference path)."""
+    the Triton kernel; CPU: everything dequantised, the reference path). `deterministic`: as
+    `--enable-deterministic-inference` (CPU: exact backend; CUDA: W8A16 FP8 linears)."""
     from sglang_dsv41.checkpoint.reader import CheckpointReader
     from sglang_dsv41.config import DeepseekV41Config
     from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
@@ -203,7 +204,7 @@ def runtime_engine(checkpoint: Path, device: torch.device) -> TorchForward:
     with fp32_default_dtype():
         weights = runtime_weights(stored, cfg, device, experts_mxfp4=device.type == "cuda")
     token_map, _ = compressed_token_map(_load_fast_tokenizer(checkpoint))
-    return TorchForward(cfg, weights, EngramHasher.from_config(cfg, token_map).to(device))
+    return TorchForward(cfg, weights, EngramHasher.from_config(cfg, token_map).to(device), deterministic=deterministic)
 
 
 def layout_to(layout: BatchLayout, device: torch.device) -> BatchLayout:

@@ -127,7 +127,8 @@ STREAMED = [name for name in BAD if name not in ("generate_regex", "chat_respons
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
     with running(Server(tiny_checkpoint, tmp_path_factory.mktemp("bad_input") / "server.log",
-                     ["--max-total-tokens", "8192", "--max-running-requests", "8", "--enable-metrics"])) as srv:
+                     ["--max-total-tokens", "8192", "--max-running-requests", "8", "--enable-metrics"],
+                     env={"SGLANG_DSV41_INDEXER_STATS_EVERY": "1"})) as srv:
         yield srv
 
 
@@ -142,6 +143,16 @@ def encoder(tiny_checkpoint: Path) -> PromptTokenEncoder:
     from tokenizers import Tokenizer
 
     return PromptTokenEncoder(Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json")))
+
+
+def _series(text: str, name: str) -> list[tuple[str, dict[str, str], str]]:
+    """(name, labels, value) of every exposition line of metric `name` in a /metrics page."""
+    found = []
+    for line in text.splitlines():
+        m = re.match(r"^(\S+?)\{(.*)\} (\S+)$", line)
+        if m and m.group(1) == name:
+            found.append((name, dict(re.findall(r'(\w+)="([^"]*)"', m.group(2))), m.group(3)))
+    return found
 
 
 def _health(server: Server) -> int:
@@ -246,6 +257,15 @@ def test_metrics_serves_sglangs_and_the_runtimes_gauges(server: Server, tokens_b
     assert samples[("sglang_dsv41:engram_bytes", "device")] > 0       # the tiny server keeps them on device
     assert samples[("sglang_dsv41:engram_bytes", "host")] == 0
     assert samples[("sglang_dsv41:engram_placement", "device")] == 1
+    # indexer selection statistics (runtime/indexer_stats.py; this server samples every forward)
+    fills = {labels["layer"]: float(v) for name, labels, v in _series(text, "sglang_dsv41:indexer_topk_fill")}
+    selected = {labels["layer"]: float(v) for name, labels, v in _series(text, "sglang_dsv41:indexer_selected_entries")}
+    assert fills and set(fills) == set(selected), text[-3000:]
+    for layer, fill in fills.items():
+        assert 0 < fill <= 1 and selected[layer] > 0, (layer, fill, selected[layer])
+    forwards = [float(v) for _, _, v in _series(text, "sglang_dsv41:indexer_sampled_forwards_total")]
+    tokens = [float(v) for _, _, v in _series(text, "sglang_dsv41:indexer_sampled_tokens_total")]
+    assert forwards and forwards[0] >= NEW_TOKENS and tokens[0] >= forwards[0] + len(PROMPT) - 1, (forwards, tokens)
 
 
 def test_after_every_bad_request_greedy_still_gives_the_reference_tokens(

@@ -217,8 +217,10 @@ if KERNEL_HERE:
                 assert same_bits(batch[i:i + 1], alone)
 
     def test_kernel_case_dispatch_through_reference_layers() -> None:
-        """The reference sublayer pieces inside the context (CPU accepted under the interpreter,
-        or CUDA) give the reference's bits."""
+        """The runtime's sublayer pieces on `TritonBackend` (CPU accepted under the interpreter,
+        or CUDA) give the reference's bits — except the router scores, which the backend forms in
+        fp32 (`acc`, no float64 on the GPU path): within 4 fp32 ulps, the same experts, weights
+        within 8 fp32 ulps."""
         from reference_weights import random_reference_weights, tiny_config
         cfg = tiny_config(vision=False)
         t = cfg.text
@@ -244,7 +246,11 @@ if KERNEL_HERE:
                shared_expert(be, x, w[p + "shared_experts.w1.weight"], w[p + "shared_experts.w2.weight"],
                              w[p + "shared_experts.w3.weight"], t.swiglu_limit, True),
                r.experts, r.weights, r.scores)
-        assert all(same_bits(a, b) for a, b in zip(got, want))
+        assert be.acc == torch.float32
+        assert all(same_bits(a, b) for a, b in zip(got[:-3], want[:-3]))
+        assert torch.equal(got[-3], want[-3])
+        for g_, w_, ulps in ((got[-1], want[-1], 4), (got[-2], want[-2], 8)):
+            assert bool(((g_ - w_).abs() <= ulps * 2.0 ** -23 * w_.abs()).all()), float((g_ - w_).abs().max())
 
 
 # ---- the interpreter child, dispatch and compile checks (main process) -------------------------

@@ -2,18 +2,21 @@
 (`sglang_dsv41.runtime.mhc_ops`) vs the reference (`reference.mhc`, spec §3.2).
 
 What is pinned:
-* `hc_coefficients`: pre / post / comb within 1 fp32 ulp of the reference (float64 inside,
-  rounded once; only the float64 summation order differs), at T ∈ {1, 3, 5, 20} (20 > the
-  kernel's 16-token block), H ∈ {64, 96} (96: a partial 128-column slice), 1 and 20 Sinkhorn steps;
+* `hc_coefficients` (fp32 inside; the reference: float64 rounded once): pre / post / comb within
+  `K.COEFFICIENT_BOUND` (2⁻¹⁴ absolute) of the reference, at T ∈ {1, 3, 5, 20} (20 > the kernel's
+  16-token block), H ∈ {64, 96} (96: a partial 128-column slice), 1 and 20 Sinkhorn steps; the
+  bound fails for α scaled by 1.001 (`test_kernel_case_coefficient_bound_can_fail`);
 * `hc_residual_update`, `hc_collapse`: bit-identical to the reference on the reference's coefficients;
-* `hc_sublayer_input`: bit-identical (with a carried pre and with `carried_pre=None` = stream 0);
-  BF16 rounding is bit arithmetic, so the interpreter gives the compiled bits too;
+* `hc_sublayer_input` (fp32 norm): every element the reference's or one BF16 ulp from it (with a
+  carried pre and with `carried_pre=None` = stream 0), and at most 1 % of them differ; BF16
+  rounding is bit arithmetic, so the interpreter gives the compiled bits too;
 * batch invariance: a row of a batch == the row alone, bitwise, for every op;
 * BF16-typed residual / sublayer output are read like the reference's `.to(fp32)`;
 * the runtime's CPU implementation (`mhc_ops.TorchMhc`) equals the reference bit for bit, `mhc_for` raises for other devices;
   the kernels raise for CPU tensors without the interpreter;
 * the compiled sm_90 code (built here with Triton's bundled ptxas, no GPU) has no fp32 FMA in
-  the stream kernels, no approximate fp64 math in the coefficient kernel and no register spills.
+  the stream kernels, IEEE fp32 division / square root and no float64 at all in the coefficient
+  kernels, and no register spills.
 GPU (`gpu` marker): the same bounds at tiny and Flash widths (hc = 4, H = 4096, T = 1 / 7 / 64),
 batch invariance at T = 64, and a CUDA-graph capture + replay of the ops == eager, bitwise.
 
@@ -86,17 +89,20 @@ def reference_coefficients(c: dict, iters: int = 20) -> ref.HcCoefficients:
     return coefficients(ref, {k: v.cpu() for k, v in c.items()}, iters)
 
 
-def assert_within_one_fp32_ulp(got: torch.Tensor, want: torch.Tensor) -> None:
-    got, want = got.cpu(), want.cpu()
-    assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape
-    top = torch.maximum(got.abs(), want.abs())
-    ulp = torch.nextafter(top, torch.full_like(top, float("inf"))) - top
-    assert bool(((got - want).abs() <= ulp).all()), (got - want).abs().max()
-
-
 def assert_coefficients_close(got: ref.HcCoefficients, want: ref.HcCoefficients) -> None:
     for name in ("pre", "post", "comb"):
-        assert_within_one_fp32_ulp(getattr(got, name), getattr(want, name))
+        g, w = getattr(got, name).cpu(), getattr(want, name).cpu()
+        assert g.dtype == w.dtype == torch.float32 and g.shape == w.shape
+        assert bool(((g - w).abs() <= K.COEFFICIENT_BOUND).all()), (name, float((g - w).abs().max()))
+
+
+def assert_within_one_bf16_ulp(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Every element the reference's or its BF16 neighbour; at most 1 % differ."""
+    got, want = got.cpu(), want.cpu()
+    _, e = torch.frexp(want.abs().clamp(min=2.0 ** -126))
+    ulp = torch.ldexp(torch.ones_like(want), e - 8)
+    assert bool(((got - want).abs() <= ulp).all()), float((got - want).abs().max())
+    assert int((got != want).sum()) <= 0.01 * want.numel() + 1, int((got != want).sum())
 
 
 def all_ops(impl, c: dict, co: ref.HcCoefficients) -> dict[str, torch.Tensor]:
@@ -118,7 +124,8 @@ def check_against_reference(c: dict, iters: int = 20) -> None:
     for pre in (c["pre"], None):
         got = K.hc_sublayer_input(c["R"], pre, c["weight"], RMS_EPS).cpu()
         expected = ref.hc_sublayer_input(cpu["R"], None if pre is None else cpu["pre"], cpu["weight"], RMS_EPS)
-        assert got.dtype == torch.float32 and torch.equal(got, expected)
+        assert got.dtype == torch.float32
+        assert_within_one_bf16_ulp(got, expected)
     assert torch.equal(KO.hc_residual_update(c["R"], c["y"], on_dev).cpu(), ref.hc_residual_update(cpu["R"], cpu["y"], want))
     assert torch.equal(K.hc_collapse(c["R"], c["pre"]).cpu(), ref.hc_collapse(cpu["R"], cpu["pre"]))
 
@@ -145,6 +152,14 @@ if KERNEL_HERE:
 
     def test_kernel_case_single_sinkhorn_step() -> None:
         check_against_reference(hc_case(3, 4, 64, seed=7), iters=1)
+
+    def test_kernel_case_coefficient_bound_can_fail() -> None:
+        c = hc_case(5, 4, 96, seed=4)
+        want = reference_coefficients(c)
+        assert_coefficients_close(coefficients(KO, c), want)
+        bad = coefficients(KO, dict(c, scale=c["scale"] * 1.001))
+        assert not all(bool(((getattr(bad, n).cpu() - getattr(want, n)).abs() <= K.COEFFICIENT_BOUND).all())
+                       for n in ("pre", "post", "comb"))
 
     def test_kernel_case_batch_invariant() -> None:
         check_batch_invariance(hc_case(20, 4, 96, seed=3), rows=[0, 7, 16, 19])
@@ -180,7 +195,7 @@ if not K.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        run_kernel_cases_in_interpreter(__file__, min_passed=12, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=13, exact=True)
 
     def test_cpu_without_interpreter_raises() -> None:
         c = hc_case(1, 4, 64, seed=0, device="cpu")
@@ -216,13 +231,15 @@ if not K.INTERPRETED:
             assert "mul.rn.f32" in ptx and "add.rn.f32" in ptx and "fma.rn.f32" not in ptx, kernel
             assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
         ptx, usage = _compiled(K._hc_coefficients_kernel, dict(HC=4, SLOT=32, CHUNKS_PAD=128, RMS_EPS=RMS_EPS,
-                                                               HC_EPS=HC_EPS), fp64_ptrs=("part_ptr",))
-        assert "sqrt.rn.f64" in ptx and "div.rn.f64" in ptx and "cvt.rn.f32.f64" in ptx
-        assert ".approx." not in ptx and "div.full" not in ptx   # fp64 exp/sqrt/div, never fp32 approximations
+                                                               HC_EPS=HC_EPS))
+        assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx and "div.full" not in ptx and "sqrt.approx" not in ptx
+        assert ".f64" not in ptx                                 # no float64 on the GPU path (issue 21)
         assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
         ptx, usage = _compiled(K._hc_mix_partials_kernel, dict(ROWS=24, ROWS_PAD=32, SLOT=32, BLOCK_K=K.MIX_BLOCK_K,
-                                                               BLOCK_T=K.MIX_BLOCK_T), fp64_ptrs=("part_ptr",))
-        assert "mul.rn.f64" in ptx and "STACK:0 " in usage and "LOCAL:0 " in usage, usage
+                                                               BLOCK_T=K.MIX_BLOCK_T))
+        assert ".f64" not in ptx and "STACK:0 " in usage and "LOCAL:0 " in usage, usage
+        ptx, _ = _compiled(K._hc_sublayer_input_kernel, dict(HC=4, HAS_PRE=True, BLOCK=4096, RMS_EPS=RMS_EPS))
+        assert ".f64" not in ptx and "sqrt.rn.f32" in ptx
 
 
 # ---- GPU ------------------------------------------------------------------------------------

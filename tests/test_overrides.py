@@ -98,6 +98,8 @@ REFUSED = [  # (flags, the flag the message must name)
     ({"attention_backend": "triton"}, "--attention-backend triton"),
     ({"decode_attention_backend": "flashinfer"}, "--decode-attention-backend flashinfer"),
     ({"disable_hybrid_swa_memory": True}, "--disable-hybrid-swa-memory"),
+    ({"speculative_algorithm": "DSPARK"}, "--speculative-algorithm DSPARK on cpu"),   # SGLang's worker: CUDA only
+    ({"speculative_algorithm": "EAGLE"}, "--speculative-algorithm EAGLE"),            # V4.1: DSpark only
 ]
 
 
@@ -188,3 +190,11 @@ def test_other_architectures_are_untouched(resolve, tmp_path: Path) -> None:
     sa = ServerArgs(model_path=str(tmp_path), device="cpu", skip_tokenizer_init=True)
     assert not hasattr(sa, overrides.GIVEN_ATTR)
     assert sa.page_size == 1 and sa.reasoning_parser is None and sa.swa_full_tokens_ratio == 0.8
+
+
+def test_dspark_on_cuda_resolves_with_the_bundled_draft(resolve, tiny_checkpoint: Path) -> None:
+    """SGLang's own DSPARK argument handling finds the draft bundled in the V4.1 checkpoint
+    (top-level dspark_* fields, runtime/hf_config.py): draft path = model path, γ + 1 = 6 tokens."""
+    sa = resolve("cuda", speculative_algorithm="DSPARK")
+    assert sa.speculative_draft_model_path == str(tiny_checkpoint)
+    assert (sa.speculative_num_draft_tokens, sa.speculative_num_steps, sa.speculative_eagle_topk) == (6, 1, 1)

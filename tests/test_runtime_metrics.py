@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 from prometheus_client import REGISTRY
 
 from sglang_dsv41.runtime import metrics
@@ -37,3 +38,50 @@ def test_gauges_per_pool_and_tier(monkeypatch) -> None:
     assert _value("engram_bytes", tp_rank="3", tier="host") == 120
     assert _value("engram_bytes", tp_rank="3", tier="device") == 0
     assert _value("engram_placement", tp_rank="3", placement="host") == 1
+
+
+def test_indexer_selection_summary_counts_valid_entries_per_query() -> None:
+    import torch
+
+    from sglang_dsv41.runtime.indexer_stats import selection_summary
+
+    sel = {4: torch.tensor([[0, 1, -1, -1], [0, 1, 2, 3]]), 2: torch.tensor([[-1, -1, -1, -1], [5, -1, -1, -1]])}
+    layers, means = selection_summary(sel)
+    assert layers == [2, 4]
+    assert means.tolist() == [0.5, 3.0]
+
+
+def test_indexer_stats_sample_every_nth_forward_and_publish(monkeypatch) -> None:
+    import torch
+
+    from sglang_dsv41.runtime import indexer_stats
+
+    monkeypatch.setattr(metrics, "_gauges", {})
+    stats = indexer_stats.IndexerSelectionStats(index_topk=4, tp_rank=5, every=3, enabled=True)
+    sel = {1: torch.tensor([[0, 1, 2, -1]])}
+    stats.observe(sel, num_tokens=1)
+    stats.observe(sel, num_tokens=1)
+    assert _value("indexer_topk_fill", tp_rank="5", layer="1") is None          # not sampled yet
+    stats.observe(sel, num_tokens=7)
+    assert _value("indexer_selected_entries", tp_rank="5", layer="1") == 3.0
+    assert _value("indexer_topk_fill", tp_rank="5", layer="1") == 0.75
+    assert _value("indexer_sampled_forwards_total", tp_rank="5") == 1
+    assert _value("indexer_sampled_tokens_total", tp_rank="5") == 7
+
+
+def test_indexer_stats_off_without_metrics_or_with_interval_zero(monkeypatch) -> None:
+    import torch
+
+    from sglang_dsv41.runtime import indexer_stats
+
+    monkeypatch.setattr(metrics, "_gauges", {})
+    sel = {1: torch.tensor([[0, -1]])}
+    indexer_stats.IndexerSelectionStats(2, 0).observe(sel, 1)         # no server: metrics disabled
+    indexer_stats.IndexerSelectionStats(2, 0, every=0, enabled=True).observe(sel, 1)
+    assert metrics._gauges == {}
+    monkeypatch.setenv(indexer_stats.EVERY_ENV, "-2")
+    with pytest.raises(ValueError, match="must be ≥ 0"):
+        indexer_stats.sampling_interval()
+    monkeypatch.setenv(indexer_stats.EVERY_ENV, "often")
+    with pytest.raises(ValueError, match="not an integer"):
+        indexer_stats.sampling_interval()

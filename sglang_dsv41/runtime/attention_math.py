@@ -18,7 +18,7 @@ from ..numerics.profile import CacheProfile
 from ..numerics.rounding import fp8_v4_roundtrip, fp8_v41_roundtrip, fp32_scalar
 from .backend import ComputeBackend
 
-F32, F64 = torch.float32, torch.float64
+F32 = torch.float32
 
 
 def project_q_kv(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor,
@@ -49,15 +49,15 @@ def output_projection(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tenso
                       positions: Tensor, inv_freq: Tensor, act_quant: bool,
                       gather: Callable[[Tensor], Tensor] = lambda u: u) -> Tensor:
     """o [T, local heads, head_dim] → inverse RoPE (BF16) → per-group `wo_a` (BF16 out) of the
-    groups held → `gather` (TP: all-gather the group outputs in group order) → `wo_b` (§3.4.6)."""
+    groups held (`be.linear_bf16_grouped`: one launch on CUDA) → `gather` (TP: all-gather the group outputs in group order) → `wo_b` (§3.4.6)."""
     T, r = o.shape[0], cfg.o_lora_rank
     group_width = cfg.heads_per_group * cfg.head_dim
     groups = o.shape[1] * o.shape[2] // group_width
     wo_a = w[prefix + "wo_a.weight"]
     if wo_a.shape[0] != groups * r:
         raise ValueError(f"{prefix}wo_a.weight has {wo_a.shape[0]} rows for {groups} groups × {r}")
-    o = be.bf16_rope_tail(o, positions, inv_freq, inverse=True).reshape(T, groups, group_width)
-    u = torch.cat([be.linear_bf16(o[:, g], wo_a[g * r:(g + 1) * r]) for g in range(groups)], dim=1)
+    o = be.bf16_rope_tail(o, positions, inv_freq, inverse=True).reshape(T, groups * group_width)
+    u = be.linear_bf16_grouped(o, wo_a, groups)
     return be.linear_fp8(gather(u), w[prefix + "wo_b.weight"], act_quant)
 
 
@@ -76,7 +76,8 @@ def pair_scores(be: ComputeBackend, w: Mapping[str, Tensor], prefix: str, x: Ten
 def pair_latents(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, a_first: Tensor,
                  s_first: Tensor, a_second: Tensor, s_second: Tensor) -> Tensor:
     """Pre-RoPE latents of ratio-2 pairs: σ = per-dimension softmax over the pair, pooled =
-    a₁σ₁ + a₂σ₂ (in `be.acc`, rounded to fp32), latent = RMSNorm(bf16(pooled)) (§3.4.3)."""
+    a₁σ₁ + a₂σ₂ (in `be.acc`: float64 rounded to fp32 on `exact`, fp32 elsewhere — elementwise,
+    batch invariant), latent = RMSNorm(bf16(pooled)) (§3.4.3)."""
     sigma = torch.softmax(torch.stack((s_first, s_second), dim=1).to(be.acc), dim=1)
     a = torch.stack((a_first, a_second), dim=1).to(be.acc)
     pooled = (a[:, 0] * sigma[:, 0] + a[:, 1] * sigma[:, 1]).to(F32)

@@ -8,15 +8,33 @@ Layers hold one backend and never dispatch per call; `backend_for(device, weight
 |---|---|---|
 | `torch` | CPU (serving default) | fp32 torch: products, norms, softmaxes and sums in fp32, BF16 rounding points as the model; judged by tolerance against the reference (docs/runtime.md "Numerics contract") |
 | `exact` | CPU (`--enable-deterministic-inference`, tests) | float64-evaluated sums rounded once: bit-identical to the reference, batch invariant |
-| `triton` | CUDA | one-launch Triton kernels (`kernels.fused_elementwise`) and tensor-core products (`dense_ops.BlockedBf16Gemm`) |
+| `triton` | CUDA | one-launch Triton kernels (`kernels.fused_elementwise`, `kernels.engram_gate`) and tensor-core products (`dense_ops.BlockedBf16Gemm`); FP8 dense linears by `fp8_gemm` (below) |
 
 `acc` is the dtype the runtime's torch reductions outside the primitives use with this backend
-(attention on CPU, index scores, mHC coefficients, Engram gate, pair pooling, routed sums).
+(attention on CPU, index scores, mHC coefficients, pair pooling, routed sums, router
+sqrt-softplus): float64 only on `exact`; fp32 on `torch` and `triton` (issue 21: no float64 on
+the GPU path; bounded by the numerics contract, docs/runtime.md).
+
+FP8 dense linears on `triton` (`fp8_gemm`, FP8_GEMMS; spec §3.8, issue 21):
+* `tiered` (serving default): W8A16 arithmetic (fake-quantised activations times the
+  dequantised tile, fp32 sums) in two implementations by row count — below
+  `kernels.fp8_w8a8.BF16_GEMM_MIN_ROWS` rows the `w8a16` kernel, from there the BF16-copy cuBLAS
+  form of `kernels.fp8_w8a8` (prefill). Within the contract; a row's bits depend on which tier
+  its batch took (not batch invariant);
+* `w8a16` (`--enable-deterministic-inference`): `kernels.fp8_linear` at every row count, one fixed
+  launch configuration (row invariant), `wo_a` one launch per group. Bound: dense_ops GEMM_BOUND;
+* `w8a8` (opt-in, SGLANG_DSV41_FP8_GEMM=w8a8): `kernels.fp8_w8a8` at every row count —
+  activations quantised per 1×32 to E4M3 with UE8M0 scales inside the GEMM, E4M3 tensor-core
+  products (upstream's Hopper numerics); `wo_a` one grouped launch with `act_quant=False`. Its
+  end-to-end agreement with the reference is below the contract's (docs/runtime.md "Numerics
+  contract"), so it is not the default.
+Weights not held as E4M3 tiles (BF16 copies, fp32) go through `matmul` in either mode.
 
 The registry (`BACKENDS`) maps names to classes; an unknown device or name raises.
 """
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from typing import Mapping
 
@@ -28,6 +46,9 @@ from ..numerics import rounding as R
 from ..numerics.rope import apply_rope_tail, rope_cos_sin_fp32
 
 F32, F64 = torch.float32, torch.float64
+#: FP8 dense-linear arithmetics of the CUDA backend (module doc), and the variable that picks one
+FP8_GEMMS = ("tiered", "w8a16", "w8a8")
+FP8_GEMM_ENV = "SGLANG_DSV41_FP8_GEMM"
 
 
 class ComputeBackend(ABC):
@@ -74,9 +95,33 @@ class ComputeBackend(ABC):
         y = self.matmul(x, weight)
         return y if out_fp32 else self.bf16(y)
 
+    def linear_bf16_grouped(self, x: Tensor, weight: Tensor, groups: int) -> Tensor:
+        """Grouped BF16-arithmetic linear (`wo_a`, spec §3.4.6): x [T, groups·K], weight
+        [groups·r, K]; output columns g·r … (g+1)·r − 1 = linear_bf16(x[:, g·K …], weight[g·r …]).
+        BF16 output [T, groups·r]. Default: one `linear_bf16` per group."""
+        r, K = _group_shape(x, weight, groups)
+        return torch.cat([self.linear_bf16(x[:, g * K:(g + 1) * K], weight[g * r:(g + 1) * r])
+                          for g in range(groups)], dim=1)
+
+    def engram_gate(self, residual: Tensor, keys: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float) -> Tensor:
+        """g [T, hc] fp32 (spec §3.3.2) from residual and keys [T, hc, H]: the torch formula in
+        `acc` (runtime/engram_gate.py)."""
+        from .engram_gate import engram_gate
+
+        return engram_gate(residual, keys, q_weight, k_weight, eps, self.acc)
+
     def finish(self, ok: bool = True) -> None:
         """Called after each forward, `ok` False when it raised (e.g. to report or drop a deferred
         audit); nothing by default."""
+
+
+def _group_shape(x: Tensor, weight: Tensor, groups: int) -> tuple[int, int]:
+    """(rows per group r, columns per group K) of a grouped product; bad shapes raise."""
+    if groups < 1 or weight.dim() != 2 or weight.shape[0] % groups or x.dim() != 2 \
+            or x.shape[1] != groups * weight.shape[1]:
+        raise ValueError(f"grouped linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not form "
+                         f"{groups} groups (x [T, groups·K], weight [groups·r, K])")
+    return weight.shape[0] // groups, weight.shape[1]
 
 
 def topk_lower_id_on_ties(values: Tensor, k: int) -> Tensor:
@@ -202,18 +247,52 @@ class TensorCoreProducts:
 
 class TritonBackend(TensorCoreProducts, ComputeBackend):
     """CUDA: `kernels.fused_elementwise` (one launch per primitive; bit-identical or rare
-    one-ulp flips, bounds stated there) and the tensor-core dense products of `dense`
-    (`dense_ops.BlockedBf16Gemm`, GEMM_BOUND). `device_types=("cpu",)` is for tests under
-    Triton's interpreter."""
+    one-ulp flips, bounds stated there), the fp32 Engram gate kernel, the tensor-core dense
+    products of `dense` (`dense_ops.BlockedBf16Gemm`, GEMM_BOUND) and FP8 linears by `fp8_gemm`
+    (module doc). torch reductions outside the primitives run in fp32 (`acc`).
+    `device_types=("cpu",)` is for tests under Triton's interpreter."""
 
     name = "triton"
+    acc = F32
 
-    def __init__(self, dense, device_types: tuple[str, ...] = ("cuda",)) -> None:
+    def __init__(self, dense, device_types: tuple[str, ...] = ("cuda",), fp8_gemm: str = "tiered") -> None:
+        from ..kernels import engram_gate as eg
         from ..kernels import fused_elementwise as fe
 
         if "cpu" in device_types and not fe.INTERPRETED:
             raise ValueError("TritonBackend on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
-        self.fe, self.dense, self.device_types = fe, dense, tuple(device_types)
+        if fp8_gemm not in FP8_GEMMS:
+            raise ValueError(f"TritonBackend: fp8_gemm must be one of {FP8_GEMMS}, got {fp8_gemm!r}")
+        self.fe, self.eg, self.dense, self.device_types = fe, eg, dense, tuple(device_types)
+        self.fp8_gemm = fp8_gemm
+
+    def _w8a8_operand(self, weight: Tensor, x: Tensor):
+        """The E4M3 tiles (`dense_ops.Fp8Weight`) of `weight` when this product runs
+        `kernels.fp8_w8a8` (`w8a8`; `tiered` from BF16_GEMM_MIN_ROWS rows of `x`), else None (the
+        `w8a16` kernel, or a weight the dense products hold as BF16 / fp32)."""
+        from ..kernels.fp8_w8a8 import BF16_GEMM_MIN_ROWS
+
+        rows = x.numel() // max(x.shape[-1], 1)
+        if not (self.fp8_gemm == "w8a8" or (self.fp8_gemm == "tiered" and rows >= BF16_GEMM_MIN_ROWS)):
+            return None
+        fp8_operand = getattr(self.dense, "fp8_operand", None)      # test doubles hold no E4M3 tiles
+        return None if fp8_operand is None else fp8_operand(weight)
+
+    def linear_fp8(self, x: Tensor, weight: Tensor, act_quant: bool = True) -> Tensor:
+        w = self._w8a8_operand(weight, x)
+        if w is None:
+            return super().linear_fp8(x, weight, act_quant)
+        return self.dense.w8a8(x, w, act_quant=act_quant, groups=1)
+
+    def linear_bf16_grouped(self, x: Tensor, weight: Tensor, groups: int) -> Tensor:
+        _group_shape(x, weight, groups)
+        w = self._w8a8_operand(weight, x)
+        if w is None:
+            return super().linear_bf16_grouped(x, weight, groups)
+        return self.dense.w8a8(x, w, act_quant=False, groups=groups)
+
+    def engram_gate(self, residual: Tensor, keys: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float) -> Tensor:
+        return self.eg.engram_gate(residual, keys, q_weight, k_weight, eps)
 
     def bf16(self, x: Tensor) -> Tensor:
         return self.fe.round_bf16(x.to(F32))
@@ -246,15 +325,25 @@ BACKENDS: dict[str, type[ComputeBackend]] = {"torch": FastTorchBackend, "exact":
                                              "triton": TritonBackend}
 
 
+def fp8_gemm_for(deterministic: bool) -> str:
+    """The CUDA backend's FP8 linear arithmetic (module doc): SGLANG_DSV41_FP8_GEMM when set (an
+    unknown value raises), else `w8a16` when `deterministic` (row invariant), else `tiered`."""
+    chosen = os.environ.get(FP8_GEMM_ENV, "").strip().lower()
+    if chosen and chosen not in FP8_GEMMS:
+        raise ValueError(f"{FP8_GEMM_ENV}={chosen!r}: expected one of {FP8_GEMMS}")
+    return chosen or ("w8a16" if deterministic else "tiered")
+
+
 def backend_for(device: torch.device, weights: Mapping[str, object], deterministic: bool = True) -> ComputeBackend:
     """The backend of a model whose weights live on `device`: CPU → `exact` when `deterministic`,
     else `torch` (fp32); CUDA → `triton` over a dense-weight cache built now (E4M3 weights in
-    place); any other device raises."""
+    place), FP8 linears by `fp8_gemm_for(deterministic)`; any other device raises."""
     from .dense_ops import BlockedBf16Gemm, DenseWeightCache, check_weights_for_cpu
 
     if device.type == "cpu":
         check_weights_for_cpu(weights)
         return ExactTorchBackend() if deterministic else FastTorchBackend()
     if device.type == "cuda":
-        return TritonBackend(BlockedBf16Gemm(DenseWeightCache.from_weights(weights)))
+        return TritonBackend(BlockedBf16Gemm(DenseWeightCache.from_weights(weights)),
+                             fp8_gemm=fp8_gemm_for(deterministic))
     raise RuntimeError(f"sglang-dsv41: no compute backend for device '{device}' (CPU: exact torch; CUDA: Triton)")

@@ -244,7 +244,8 @@ def _fp8_rows(entry: _Entry, view: Tensor, rel: int) -> Fp8Weight:
 
 class BlockedBf16Gemm:
     """The CUDA backend's dense product on tensor cores: BF16 operands, fp32 accumulation and output. E4M3
-    weights (`Fp8Weight`) go to `kernels.fp8_linear` (row invariant by itself); BF16 / fp32
+    weights (`Fp8Weight`) go to `kernels.fp8_linear` (row invariant by itself), or — the backend's
+    W8A8 FP8 linears — to `kernels.fp8_w8a8` through `w8a8`; BF16 / fp32
     weights to cuBLAS with rows in fixed blocks of `row_block` (module doc). `audit_inputs` checks, without a host sync per
     call, that every activation multiplied in BF16 is BF16-exact; `raise_if_inputs_inexact`
     (called by the backend after each forward) reports a violation."""
@@ -281,6 +282,31 @@ class BlockedBf16Gemm:
                 raise RuntimeError("dense backend: fp32 weight GEMM with TF32 enabled (its bound needs fp32)")
             a = _fresh(x2, F32)
         return self._blocked(a, w).reshape(*lead, N)
+
+    def fp8_operand(self, weight: Tensor) -> Fp8Weight | None:
+        """The E4M3 tiles of a registered FP8 weight (or a tile-row view of one); None for a
+        weight held as BF16 / fp32; an unregistered weight raises (`DenseWeightCache.lookup`)."""
+        w = self.cache.lookup(weight)
+        return w if isinstance(w, Fp8Weight) else None
+
+    def w8a8(self, x: Tensor, w: Fp8Weight, *, act_quant: bool, groups: int) -> Tensor:
+        """`kernels.fp8_w8a8.fp8_w8a8_linear` of x [..., groups·K] (BF16 / fp32) and the tiles `w`:
+        BF16-valued fp32 [..., N] (bound: that module). `act_quant=False` (W8A16 arithmetic)
+        multiplies x rounded to BF16, so x is audited like the BF16 products."""
+        from ..kernels.fp8_w8a8 import fp8_w8a8_linear
+
+        K = groups * w.shape[1]
+        if x.shape[-1] != K:
+            raise ValueError(f"dense backend: x [..., {x.shape[-1]}] against {groups} group(s) of FP8 weight "
+                             f"{tuple(w.shape)}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, K)
+        if x2.dtype not in (F32, BF16):
+            x2 = x2.to(F32)
+        if self.audit_inputs and not act_quant:
+            self._audit(x2)
+        y = fp8_w8a8_linear(x2, w.values, w.scales, groups=groups, act_quant=act_quant)
+        return y.to(F32).reshape(*lead, w.shape[0])
 
     def _audit(self, x2: Tensor) -> None:
         """Accumulate (no host sync) whether x2 holds a value that is not BF16-exact."""

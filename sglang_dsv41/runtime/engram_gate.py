@@ -20,7 +20,8 @@ GATE_DOT_FLOOR = 1e-6
 
 def engram_gate(residual: Tensor, keys: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float,
                 acc: torch.dtype = F64) -> Tensor:
-    """g [T, hc] fp32 from residual and keys [T, hc, H], evaluated in `acc` (float64: rounded once)."""
+    """g [T, hc] fp32 from residual and keys [T, hc, H], evaluated in `acc` (float64: rounded once)
+    — the CPU backends' `engram_gate`; CUDA runs the fp32 kernel `kernels.engram_gate`."""
     h, key = residual.to(acc), keys.to(acc)
     inner = (h * (q_weight.to(acc) * k_weight.to(acc)) * key).sum(dim=-1)
     dot = (inner * torch.rsqrt(h.pow(2).mean(dim=-1) + eps) * torch.rsqrt(key.pow(2).mean(dim=-1) + eps)
@@ -36,7 +37,7 @@ def engram_update(be: ComputeBackend, R: Tensor, rows: Tensor, wkv: Tensor, q_we
     kv = be.linear_fp8(rows.reshape(tokens, -1), wkv, act_quant).to(F32)
     keys = kv[:, : hc * hidden].reshape(tokens, hc, hidden)
     value = kv[:, hc * hidden:]
-    gate = engram_gate(R, keys, q_weight, k_weight, eps, be.acc)
+    gate = be.engram_gate(R, keys, q_weight, k_weight, eps)
     updated = bf16(R.to(F32) + gate[:, :, None] * value[:, None, :])
     if image_rows is not None:
         updated = torch.where(image_rows.to(torch.bool)[:, None, None], R.to(F32), updated)

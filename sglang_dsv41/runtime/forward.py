@@ -38,6 +38,7 @@ from .backend import ComputeBackend, backend_for
 from .batch import BatchLayout
 from .cache import RuntimeCaches
 from .engram_history import history_tail
+from .indexer_stats import IndexerSelectionStats
 from .layers import DeepseekV41DecoderLayer, ForwardStep, OwnedTensors, RMSNorm
 from .mhc_ops import mhc_for
 from .moe_ops import moe_for
@@ -99,6 +100,19 @@ class TorchForward(nn.Module):
         #: per-ratio RoPE inverse frequencies on the model device, made once (no host → device
         #: copy inside a forward: CUDA graphs cannot capture one)
         self.inv_freq = {r: layer_inv_freq(self.text, r).to(device) for r in sorted({x.ratio for x in self.roles})}
+        self.selection_stats = IndexerSelectionStats(self.text.index_topk, tp.rank)
+        #: DSpark target layers whose attention input each forward captures (`set_capture_layers`), and
+        #: the last forward's captures [N, H] each, in that order (None before one ran / without capture)
+        self.capture_layers: tuple[int, ...] = ()
+        self.captured: list[Tensor] | None = None
+
+    def set_capture_layers(self, layer_ids) -> None:
+        """Capture the stream-mean attention input (after Engram) of `layer_ids`, in that order (spec §4)."""
+        ids = tuple(int(i) for i in layer_ids)
+        bad = [i for i in ids if not 0 <= i < len(self.layers)]
+        if bad or len(set(ids)) != len(ids):
+            raise ValueError(f"DSpark capture layers {list(ids)}: need distinct layer ids in 0..{len(self.layers) - 1}")
+        self.capture_layers = ids
 
     def remap_ids(self, ids: Tensor) -> Tensor:
         """Language-model ids (spec §3.1 item 3), the reference's rule."""
@@ -185,6 +199,7 @@ class TorchForward(nn.Module):
         if N != layout.num_tokens:
             raise ValueError(f"{N} input ids for a layout of {layout.num_tokens} tokens")
         if N == 0:
+            self.captured = [torch.zeros(0, t.hidden_size, dtype=F32, device=ids.device) for _ in self.capture_layers]
             return torch.zeros(0, t.hidden_size, dtype=F32, device=ids.device)
         step = ForwardStep(self.backend, self.attention_ops, self.mhc, self.moe, self.tp, self.numerics.act_quant,
                            layout, caches, ForwardScratch(inv_freq=dict(self.inv_freq)),
@@ -192,10 +207,14 @@ class TorchForward(nn.Module):
         if self.hasher is not None:
             step.engram_rows = dict(zip(t.engram_layer_ids, self.engram_rows(ids, layout, caches)))
         R = self.embed["weight"][ids].unsqueeze(1).expand(N, t.hc_mult, t.hidden_size).contiguous()
+        step.captured = dict.fromkeys(self.capture_layers) if self.capture_layers else None
         carried_pre: Tensor | None = None
         for layer in self.layers:
             R, carried_pre = layer(R, carried_pre, step)
         assert carried_pre is not None
+        if not layout.static:                           # a graph capture must not sync with the host
+            self.selection_stats.observe(step.scratch.selections, N)
+        self.captured = [step.captured[i] for i in self.capture_layers] if step.captured is not None else None
         return self.norm(self.mhc.collapse(R, carried_pre), self.backend)
 
     def forward(self, input_ids: Tensor, layout: BatchLayout, caches: RuntimeCaches) -> Tensor:

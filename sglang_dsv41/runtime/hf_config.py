@@ -30,6 +30,11 @@ Invariants
   `quantization_config` (SGLang's FP8 machinery; the torch path dequantises itself, spec §2.4),
   `rope_scaling` / `rope_theta` (transformers' RoPE normalisation), `index_topk` /
   `kv_lora_rank` (DSA/MLA detection), `num_nextn_predict_layers` (MTP/EAGLE detection).
+* The DSpark fields SGLang's DSPARK path reads from the top level (`dspark_attributes`, only for
+  a checkpoint with DSpark stages): `dspark_block_size`, `dspark_noise_token_id`,
+  `dspark_target_layer_ids`, `dspark_markov_rank` — `checkpoint_bundles_dspark_draft` then finds
+  the bundled draft and `parse_dspark_draft_config` its γ, mask token, capture layers and Markov
+  rank (docs/dspark.md). Nothing else in SGLang 0.5.17 reads them.
 """
 from __future__ import annotations
 
@@ -42,6 +47,8 @@ from ..config import DeepseekV41Config, TextConfig
 
 MODEL_TYPE = DeepseekV41Config.MODEL_TYPE
 ARCHITECTURE = DeepseekV41Config.ARCHITECTURE
+#: The architecture of a V4.1 DSpark draft `ModelConfig` (set by the `_config_draft_model` hook).
+DRAFT_ARCHITECTURE = "DeepseekV41ForCausalLMDSpark"
 
 #: SGLang-facing attributes copied from `text_config` (everything else stays in the raw dict).
 _TEXT_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "max_position_embeddings",
@@ -63,6 +70,19 @@ def sglang_attributes(text: TextConfig) -> dict[str, Any]:
     }
 
 
+def dspark_attributes(text: TextConfig) -> dict[str, Any]:
+    """The top-level `dspark_*` fields of SGLang's bundled-draft convention (module doc); none
+    for a checkpoint without DSpark stages."""
+    if text.num_nextn_predict_layers < 1:
+        return {}
+    return {
+        "dspark_block_size": text.dspark_block_size,
+        "dspark_noise_token_id": text.dspark_noise_token_id,
+        "dspark_target_layer_ids": list(text.dspark_target_layer_ids),
+        "dspark_markov_rank": text.dspark_markov_rank,
+    }
+
+
 class DeepseekV41HFConfig(PretrainedConfig):
     """`model_type = "deepseek_v41"` for transformers/SGLang; validation by `DeepseekV41Config`."""
 
@@ -80,6 +100,7 @@ class DeepseekV41HFConfig(PretrainedConfig):
         for name in _TEXT_FIELDS:
             kwargs[name] = getattr(parsed.text, name)
         kwargs.update(sglang_attributes(parsed.text))
+        kwargs.update(dspark_attributes(parsed.text))
         kwargs["dsv41_config_json"] = copy.deepcopy(raw)
         kwargs.setdefault("bos_token_id", parsed.bos_token_id)
         kwargs.setdefault("eos_token_id", raw.get("eos_token_id", parsed.eos_token_id))

@@ -22,7 +22,7 @@ from .batch import BatchLayout
 from .cache import RuntimeCaches
 from .engram_gate import engram_update
 from .engram_table import StoredEngramTable
-from .mhc_ops import HcCoefficients
+from .mhc_ops import HcCoefficients, stream_mean
 from .tensor_parallel import TensorParallel
 
 
@@ -42,6 +42,8 @@ class ForwardStep:
     scratch: ForwardScratch
     image_rows: Tensor | None
     engram_rows: dict[int, Tensor] = field(default_factory=dict)
+    #: DSpark capture (`set_dspark_layers_to_capture`): layer id → its stream-mean attention input
+    captured: dict[int, Tensor] | None = None
 
 
 def _owned(value: object) -> object:
@@ -163,7 +165,7 @@ class DeepseekV41DecoderLayer(nn.Module):
 
     def __init__(self, weights: Mapping[str, object], cfg: TextConfig, role: LayerRole) -> None:
         super().__init__()
-        i = role.layer
+        i = self.layer = role.layer
         self.engram = Engram(weights, cfg, i) if role.engram else None
         self.attn_norm = RMSNorm(weights, f"layers.{i}.attn_norm.", cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(weights, f"layers.{i}.ffn_norm.", cfg.rms_norm_eps)
@@ -175,6 +177,8 @@ class DeepseekV41DecoderLayer(nn.Module):
     def forward(self, R: Tensor, carried_pre: Tensor | None, step: ForwardStep) -> tuple[Tensor, Tensor]:
         if self.engram is not None:
             R = self.engram(R, step)
+        if step.captured is not None and self.layer in step.captured:
+            step.captured[self.layer] = stream_mean(R)          # DSpark feature: input after Engram (§4)
         co = self.hc_attn(R, step)
         x = self.hc_attn.sublayer_input(R, carried_pre, self.attn_norm, step)
         R = self.hc_attn.residual_update(R, self.attn(x, step), co, step)

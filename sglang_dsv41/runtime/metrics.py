@@ -10,7 +10,8 @@ one series per TP rank) and appear next to SGLang's own ``sglang:`` metrics:
 * ``sglang_dsv41:kv_slots{pool}`` — slots of the full (``global``) and ``swa`` pools;
 * ``sglang_dsv41:engram_bytes{tier}`` — Engram table bytes this rank holds on the ``device``
   and in ``host`` memory (0 for the tier not used);
-* ``sglang_dsv41:engram_placement{placement}`` — 1 for the configured placement.
+* ``sglang_dsv41:engram_placement{placement}`` — 1 for the configured placement;
+* indexer selection statistics (`runtime/indexer_stats.py`), sampled from eager forwards.
 
 Without ``--enable-metrics`` nothing is created. Every series carries ``tp_rank``.
 """
@@ -32,7 +33,8 @@ def metrics_enabled() -> bool:
         return False   # no server (tests, the reference engine): nothing to export
 
 
-def _gauge(name: str, doc: str, label: str):
+def gauge(name: str, doc: str, label: str):
+    """The `sglang_dsv41:<name>` gauge labelled (tp_rank, `label`), made once per process."""
     if name not in _gauges:
         from prometheus_client import Gauge
 
@@ -41,17 +43,26 @@ def _gauge(name: str, doc: str, label: str):
     return _gauges[name]
 
 
+def counter(name: str, doc: str):
+    """The `sglang_dsv41:<name>_total` counter labelled (tp_rank), made once per process."""
+    if name not in _gauges:
+        from prometheus_client import Counter
+
+        _gauges[name] = Counter(PREFIX + name, doc, labelnames=("tp_rank",))
+    return _gauges[name]
+
+
 def publish_caches(caches: Any, tp_rank: int) -> None:
     """KV figures of a `RuntimeCaches` (what its log line states)."""
     if not metrics_enabled():
         return
-    per_token = _gauge("kv_bytes_per_token", "KV cache bytes per token of each pool", "pool")
+    per_token = gauge("kv_bytes_per_token", "KV cache bytes per token of each pool", "pool")
     per_token.labels(str(tp_rank), "global").set(caches.global_bytes_per_token())
     per_token.labels(str(tp_rank), "swa").set(caches.swa_bytes_per_token())
-    per_request = _gauge("request_state_bytes", "request-scoped state bytes per request row", "state")
+    per_request = gauge("request_state_bytes", "request-scoped state bytes per request row", "state")
     per_request.labels(str(tp_rank), "pair_state").set(caches.request_state_bytes())
     per_request.labels(str(tp_rank), "engram_history").set(caches.engram_history_bytes())
-    slots = _gauge("kv_slots", "slots of each KV pool", "pool")
+    slots = gauge("kv_slots", "slots of each KV pool", "pool")
     slots.labels(str(tp_rank), "global").set(caches.num_slots)
     slots.labels(str(tp_rank), "swa").set(caches.num_swa_slots)
 
@@ -63,8 +74,8 @@ def publish_engram(tables: Iterable[Any], placement: str, tp_rank: int) -> None:
     per_tier = dict.fromkeys(TIERS, 0)
     for table in tables:
         per_tier[table.placement] += int(table.nbytes)
-    bytes_gauge = _gauge("engram_bytes", "Engram table bytes held by this rank, per memory tier", "tier")
+    bytes_gauge = gauge("engram_bytes", "Engram table bytes held by this rank, per memory tier", "tier")
     for tier, nbytes in per_tier.items():
         bytes_gauge.labels(str(tp_rank), tier).set(nbytes)
-    _gauge("engram_placement", "configured Engram table placement (1)", "placement").labels(
+    gauge("engram_placement", "configured Engram table placement (1)", "placement").labels(
         str(tp_rank), placement).set(1)

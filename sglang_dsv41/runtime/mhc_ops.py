@@ -5,11 +5,12 @@
 | device | implementation |
 |---|---|
 | CPU  | `TorchMhc`: the §3.2 formulas in torch (coefficients in float64, rounded once to fp32) |
-| CUDA | `TritonMhc`: `kernels.mhc` (fused Triton: 2 launches for the coefficients, 1 per other op) |
+| CUDA | `TritonMhc`: `kernels.mhc` (fused Triton, fp32: 2 launches for the coefficients, 1 per other op) |
 
 Both are tested against `reference.mhc` (tests/test_runtime_mhc.py, tests/test_kernels_mhc.py):
-CPU bit-identical; CUDA within the bounds stated in `kernels/mhc.py` (coefficients within 1 fp32
-ulp, stream sums bit-identical).
+CPU bit-identical (`Fp32TorchMhc`: the numerics contract); CUDA within the bounds stated in
+`kernels/mhc.py` (coefficients within 2⁻¹⁴, the sublayer input within one BF16 ulp, stream sums
+bit-identical).
 """
 from __future__ import annotations
 
@@ -129,6 +130,16 @@ class TritonMhc:
 
     def collapse(self, residual: Tensor, last_pre: Tensor) -> Tensor:
         return self.k.hc_collapse(residual, last_pre)
+
+
+def stream_mean(residual: Tensor) -> Tensor:
+    """bf16(mean over the hc streams) [T, H], summed in fp32 in stream order (the DSpark target
+    feature, spec `model.md` §4: the attention input of a captured layer). Same on every device."""
+    r = residual.to(F32)
+    acc = r[:, 0]
+    for j in range(1, r.shape[1]):
+        acc = acc + r[:, j]
+    return bf16(acc / r.shape[1])
 
 
 def mhc_for(device: torch.device, acc: torch.dtype = F64) -> TorchMhc | TritonMhc:

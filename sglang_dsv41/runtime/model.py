@@ -82,6 +82,7 @@ class LMHead(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(vocab, hidden, dtype=F32), requires_grad=False)
         self.quant_method = BackendHeadMethod()
+        self.org_vocab_size = vocab          # read by SGLang's DSpark draft sampler
 
 
 class DeepseekV41ForCausalLM(nn.Module):
@@ -112,6 +113,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         text = self.cfg.text
         self.engram_history_len = text.engram_max_ngram_size - 1 if text.engram_layer_ids else 0
         self._staged_history: tuple[list[int], Tensor] | None = None
+        #: DSpark target layers to capture (`set_dspark_layers_to_capture`); empty = none
+        self.dspark_capture_layers: tuple[int, ...] = ()
 
     @property
     def device(self) -> torch.device:
@@ -143,6 +146,24 @@ class DeepseekV41ForCausalLM(nn.Module):
                     self.torch_forward.backend.name, self.device, self.torch_forward.attention_ops.description)
         metrics.publish_engram((t for t in on_device.values() if hasattr(t, "placement")),
                                self.engram_placement, self.tp.rank)
+
+    # ---- DSpark target side (docs/dspark.md) --------------------------------------------------
+    def set_dspark_layers_to_capture(self, layer_ids) -> None:
+        """SGLang's DSPARK worker: capture the stream-mean attention input of `layer_ids` (the
+        checkpoint's `dspark_target_layer_ids`, in order) and return it as aux hidden states."""
+        ids = tuple(int(i) for i in layer_ids)
+        if ids != tuple(self.cfg.text.dspark_target_layer_ids):
+            raise ValueError(f"DSpark capture layers {list(ids)} differ from this checkpoint's "
+                             f"dspark_target_layer_ids {list(self.cfg.text.dspark_target_layer_ids)}")
+        self.dspark_capture_layers = ids
+        if self.torch_forward is not None:
+            self.torch_forward.set_capture_layers(ids)
+
+    def get_input_embeddings(self) -> nn.Module:
+        """The module owning `embed.weight` [vocab, hidden] (shared with the DSpark draft)."""
+        if self.torch_forward is None:
+            raise RuntimeError("sglang-dsv41: get_input_embeddings before load_weights")
+        return self.torch_forward.embed
 
     # ---- caches -------------------------------------------------------------------------------
     def _caches_for(self, pool) -> RuntimeCaches:
@@ -192,8 +213,11 @@ class DeepseekV41ForCausalLM(nn.Module):
                                                get_req_to_token_pool().req_to_token,
                                                static=self.device.type == "cuda" and sglang_graph_capture(),
                                                engram_history=self._take_engram_history(forward_batch))
+            if self.torch_forward.capture_layers != self.dspark_capture_layers:
+                self.torch_forward.set_capture_layers(self.dspark_capture_layers)
             hidden = self.torch_forward.hidden_states(input_ids.to(self.device), layout, caches)
-            return self.logits_processor(input_ids, hidden, self.lm_head, forward_batch)
+            return self.logits_processor(input_ids, hidden, self.lm_head, forward_batch,
+                                         aux_hidden_states=self.torch_forward.captured)
 
 
 def deterministic_inference() -> bool:

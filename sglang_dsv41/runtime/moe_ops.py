@@ -11,8 +11,10 @@ The runtime's copy of `reference/moe.py`, tested against it (tests/test_runtime_
 
 Expert parallelism. `experts` = the expert ids this process holds (None = all). The routed partial
 P[t] = Σ over the slots j of token t whose expert is held here of w[t,j]·E_{e_j}(x[t]) is formed
-in float64; `reduce` maps P to the sum over all shards; then y = bf16(S(x) + bf16(fp32(s·P))).
-Each product w·E is exact in float64, so the split sum equals the TP-1 sum (tested).
+in the backend's `acc`; `reduce` maps P to the sum over all shards; then y = bf16(S(x) +
+bf16(fp32(s·P))). On `exact` (float64) each product w·E is exact, so the split sum equals the
+TP-1 sum (tested); on `torch` / `triton` (fp32, no float64 on the GPU path) it is within the
+numerics contract (a 2-rank sum is one commutative addition: the same on every rank).
 
 CUDA bound against the reference on the same inputs and routing (`moe_error_bound`):
 |y − y_ref| ≤ ulp(y_ref) + ulp(R_ref) + s·Σ_j w_j·ulp(E_j) (derived in `kernels/moe_mxfp4.py`),
@@ -78,7 +80,8 @@ class Routing:
 
 
 def sqrt_softplus(logits: Tensor, acc: torch.dtype = F64) -> Tensor:
-    """s = sqrt(softplus(z)), softplus(z) = z if z > 20 else log1p(exp(z)); in `acc`, rounded to fp32."""
+    """s = sqrt(softplus(z)), softplus(z) = z if z > 20 else log1p(exp(z)); in `acc` (the
+    backend's: float64 only on `exact`), rounded to fp32. Elementwise: batch invariant."""
     z = logits.to(acc)
     soft = torch.where(z > SOFTPLUS_THRESHOLD, z, torch.log1p(torch.exp(z.clamp(max=SOFTPLUS_THRESHOLD))))
     return torch.sqrt(soft).to(F32)
@@ -116,7 +119,7 @@ def _held_experts(experts: Sequence[int] | None, n: int) -> tuple[int, ...]:
 
 
 def _finalize(cfg: TextConfig, partial: Tensor, shared: Tensor) -> Tensor:
-    """Reference finalize of a float64 routed sum: bf16(S + bf16(fp32(s·P)))."""
+    """Reference finalize of a routed sum P (float64 or fp32): bf16(S + bf16(fp32(s·P)))."""
     routed = bf16((cfg.routed_scaling_factor * partial).to(F32))
     return bf16(shared + routed)
 
@@ -184,11 +187,11 @@ def _moe_cuda(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], pref
                                          swiglu_limit=limit, routed_scale=s).to(F32)
         return bf16(shared + routed)
     local = held_ref.local_index[routing.experts]                       # [T, k], −1 = other shard
-    partial = torch.zeros(T, H, dtype=F64, device=x.device)
+    partial = torch.zeros(T, H, dtype=be.acc, device=x.device)
     if T:
         y, plan = mx.routed_expert_outputs(xb, local, held_ref.prepared, swiglu_limit=limit, allow_absent=True)
-        per_slot = y[plan.slot_rows.long(), :H].view(T, k, H).to(F64)
-        contrib = routing.weights.to(F64).unsqueeze(-1) * per_slot
+        per_slot = y[plan.slot_rows.long(), :H].view(T, k, H).to(be.acc)
+        contrib = routing.weights.to(be.acc).unsqueeze(-1) * per_slot
         partial = torch.where((local >= 0).unsqueeze(-1), contrib, 0.0).sum(dim=1)   # unwritten rows masked
     if reduce is not None:
         partial = reduce(partial)

@@ -32,7 +32,7 @@ from sglang.srt.model_executor.pool_configurator import HybridSWAPoolConfigurato
 
 from ..config import TextConfig
 from .cache import RuntimeCaches
-from .hf_config import ARCHITECTURE
+from .hf_config import ARCHITECTURE, DRAFT_ARCHITECTURE
 from .kv_rows import (pair_ring_slots, text_key_row_stride_bytes, text_latent_row_stride_bytes, text_row_payload_bytes,
                       text_row_stride_bytes)
 
@@ -46,10 +46,11 @@ def _fail(what: str) -> RuntimeError:
 
 
 def v41_text_config(model_config) -> TextConfig | None:
-    """Our parsed text config when SGLang's `ModelConfig` is a V4.1 checkpoint's, else None."""
+    """Our parsed text config when SGLang's `ModelConfig` is a V4.1 checkpoint's (target or its DSpark
+    draft, so the draft worker meets the same pool checks), else None."""
     hf = getattr(model_config, "hf_config", None)
     archs = getattr(hf, "architectures", None) or []
-    if not archs or archs[0] != ARCHITECTURE or not hasattr(hf, "parsed"):
+    if not archs or archs[0] not in (ARCHITECTURE, DRAFT_ARCHITECTURE) or not hasattr(hf, "parsed"):
         return None
     return hf.parsed().text
 

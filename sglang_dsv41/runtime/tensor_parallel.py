@@ -15,11 +15,13 @@ Shard plan (`ShardPlan.for_config`), rank r of N:
   exactly `reference.attention.output_projection` (spec §3.4.6). Needs o_groups % N == 0 and
   num_attention_heads % N == 0;
 * routed experts (expert parallel): rank r owns a contiguous balanced block of expert ids; the
-  router runs replicated, each rank forms the float64 routed partial Σ w_j·E_j over the slots
-  of its experts (`runtime.moe_ops`' `experts=` / `reduce=` hook), the partials are
-  all-reduced and the reference's finalize follows (spec §3.6). Every product w_j·E_j is exact
-  in float64 (24 × 8 significant bits), so the sum is the TP-1 sum unless a token's k products
-  span more than ~21 binades (then ≤ 2⁻⁵³ relative before the fp32 rounding);
+  router runs replicated, each rank forms the routed partial Σ w_j·E_j over the slots of its
+  experts in the backend's `acc` (`runtime.moe_ops`' `experts=` / `reduce=` hook), the partials
+  are all-reduced and the reference's finalize follows (spec §3.6). On the exact backend
+  (float64) every product w_j·E_j is exact (24 × 8 significant bits), so the sum is the TP-1
+  sum unless a token's k products span more than ~21 binades (then ≤ 2⁻⁵³ relative before the
+  fp32 rounding); on the fp32 backends (CPU serving, CUDA: no float64 on the GPU path) the sum
+  is fp32, within the numerics contract of TP 1 rather than bit-identical;
 * Engram tables, by rows: rank r holds a contiguous balanced block of each table's rows; the
   looked-up rows are −0.0 where another rank owns them and are all-reduced (exact, as above),
   then the reference's Engram update runs on the gathered rows (spec §3.3.2);
@@ -27,7 +29,7 @@ Shard plan (`ShardPlan.for_config`), rank r of N:
   own weights and `q_lora` is replicated), mHC, dense projections, shared expert, LM head.
 
 Collectives run on a `torch.distributed` process group — SGLang's TP group's `device_group`
-(NCCL on CUDA, gloo on CPU; both sum float64), see `TensorParallel.from_sglang`.
+(NCCL on CUDA, gloo on CPU; both sum float64 and fp32), see `TensorParallel.from_sglang`.
 """
 from __future__ import annotations
 
@@ -212,7 +214,7 @@ class TensorParallel:
 
     # ---- MoE (spec §3.6) --------------------------------------------------------------------
     def experts_and_reduce(self, cfg: TextConfig) -> tuple[range | None, Callable[[Tensor], Tensor] | None]:
-        """(held experts, reduce of the float64 routed partial): (None, None) at TP 1; sharded,
+        """(held experts, reduce of the routed partial in `acc`): (None, None) at TP 1; sharded,
         this rank's expert block and the all-reduce over ranks (`moe_ops` module doc)."""
         if self.size == 1:
             return None, None
