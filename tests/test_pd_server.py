@@ -239,10 +239,16 @@ def test_decode_killed_then_prefill_serves_on_and_router_answers_503(pd) -> None
     assert result["out"][0] != 200, result
     time.sleep(5)
     assert prefill.proc.poll() is None and _up(prefill.url("/health")), prefill.log_tail()
+    # The router notices a dead worker by its health checks (3 failures, 5 s apart): a request it
+    # forwards before that waits on the prefill's bootstrap timeout (docs/pd.md "Faults").
+    time.sleep(20)
     deadline, status, body = time.monotonic() + 90, None, None
     while time.monotonic() < deadline:
-        status, body = _http(router.url("/generate"), {"input_ids": _prompt(41, 12), "sampling_params": {
-            "max_new_tokens": 2, "temperature": 0}}, timeout=60)
+        try:
+            status, body = _http(router.url("/generate"), {"input_ids": _prompt(41, 12), "sampling_params": {
+                "max_new_tokens": 2, "temperature": 0}}, timeout=20)
+        except (urllib.error.URLError, TimeoutError, OSError) as e:
+            status, body = None, repr(e)
         if status == 503:
             break
         time.sleep(3)
