@@ -83,7 +83,7 @@ class Router:
             [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--host", "127.0.0.1",
              "--port", str(self.port), "--prefill", prefill.url(""), str(bootstrap_port), "--decode", decode.url(""),
              "--policy", "round_robin", "--health-check-interval-secs", "5", "--health-failure-threshold", "3",
-             "--health-check-timeout-secs", "30", "--disable-circuit-breaker"],
+             "--health-check-timeout-secs", "30", "--disable-circuit-breaker", "--disable-retries"],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def url(self, path: str) -> str:
@@ -225,9 +225,9 @@ def test_decode_killed_then_prefill_serves_on_and_router_answers_503(pd) -> None
     def long_request() -> None:
         try:
             result["out"] = _http(router.url("/generate"), {"input_ids": _prompt(40, 300), "sampling_params": {
-                "max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}, timeout=240)
-        except Exception as e:        # a dropped connection is an error too
-            result["out"] = (599, repr(e))
+                "max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}, timeout=120)
+        except Exception as e:        # reported below: a client-side timeout is a hang, not an answer
+            result["out"] = (None, repr(e))
 
     t = threading.Thread(target=long_request)
     t.start()
@@ -236,7 +236,7 @@ def test_decode_killed_then_prefill_serves_on_and_router_answers_503(pd) -> None
     decode.proc.wait(timeout=30)
     t.join(timeout=300)
     assert not t.is_alive(), "the client hangs after the decode server died"
-    assert result["out"][0] != 200, result
+    assert result["out"][0] is not None and result["out"][0] >= 400, result      # an HTTP error, not a timeout
     time.sleep(5)
     assert prefill.proc.poll() is None and _up(prefill.url("/health")), prefill.log_tail()
     # The router notices a dead worker by its health checks (3 failures, 5 s apart): a request it
