@@ -30,6 +30,9 @@ _SERVING_CHAT = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat"
 _API_IMPL = "sglang_dsv41.api.serving"
 _RUNTIME_IMPL = "sglang_dsv41.runtime.sglang_hooks"
 _DSPARK_IMPL = "sglang_dsv41.runtime.dspark_hooks"
+_PD_LAYOUT = "sglang_dsv41.runtime.pd_layout"
+_PD_STATE = "sglang_dsv41.runtime.pd_state"
+_DISAGG = "sglang.srt.disaggregation"
 
 
 @dataclass(frozen=True)
@@ -179,6 +182,46 @@ HOOKS: tuple[HookSpec, ...] = (
         params=("draft_server_args", "algo_label"), area="runtime",
         why="SGLang replaces a draft attention backend outside its list by flashinfer, which would build its "
             "metadata over the V4.1 draft pool; the V4.1 draft reads its pool through the runtime's own backend."),
+)
+
+HOOKS += (
+    # ---- PD disaggregation of the V4.1 pool (docs/pd.md, runtime/pd_state.py, runtime/pd_layout.py) ----
+    HookSpec(
+        target=f"{_DISAGG}.utils.setup_state_kv_args", kind="after",
+        impl=f"{_PD_LAYOUT}:setup_state_kv_args_hook",
+        params=("kv_args", "token_to_kv_pool", "draft_token_to_kv_pool", "total_kv_layers", "req_to_token_pool"),
+        area="runtime",
+        why="SGLang registers whatever the pool lists: zero-size regions break Mooncake transfers and an odd "
+            "buffer count loses its last buffer in the K/V halving; the layout fingerprint for the bootstrap "
+            "handshake is taken here, and the pool selected for the pair-ring index rule."),
+    HookSpec(
+        target=f"{_DISAGG}.utils.get_dsv4_c128_state_indices", kind="around",
+        impl=f"{_PD_STATE}:c128_state_indices_hook",
+        params=("req_pool_idx", "seq_len", "online", "ring_size"), area="runtime",
+        why="the pair ring travels as SGLang's request-scoped C128_STATE component; SGLang's index rule is "
+            "V4's 128-token ring, the V4.1 pool needs the boundary row (N odd: the pending pair of N - 1) of "
+            "each side's own ring (prefill.py and decode.py import the function by name: HookRegistry "
+            "propagates the patch to them)."),
+    HookSpec(
+        target=f"{_DISAGG}.decode_schedule_batch_mixin.ScheduleBatchDisaggregationDecodeMixin.prepare_for_prebuilt",
+        kind="after", impl=f"{_PD_STATE}:prepare_for_prebuilt_hook", params=("self",), area="runtime",
+        why="a transferred request's first decode step reads its pending-pair position and Engram history "
+            "ring, which follow from the prompt ids and are not transferred; without them the CPU forward "
+            "refuses the request as stale."),
+    HookSpec(
+        target=f"{_DISAGG}.common.conn.CommonKVBootstrapServer._setup_routes", kind="after",
+        impl=f"{_PD_LAYOUT}:bootstrap_routes_hook", params=("self",), area="runtime",
+        why="the prefill's bootstrap server serves its layout fingerprint (SGLang checks only page size and "
+            "KV dtype between peers)."),
+    HookSpec(
+        target=f"{_DISAGG}.common.conn.CommonKVManager.register_to_bootstrap", kind="after",
+        impl=f"{_PD_LAYOUT}:register_to_bootstrap_hook", params=("self",), area="runtime",
+        why="the prefill publishes its layout fingerprint next to SGLang's parallel info."),
+    HookSpec(
+        target=f"{_DISAGG}.common.conn.CommonKVManager.try_ensure_parallel_info", kind="around",
+        impl=f"{_PD_LAYOUT}:try_ensure_parallel_info_hook", params=("self", "bootstrap_addr"), area="runtime",
+        why="a decode server must refuse a prefill with another layout (item sizes, ratios, page size, TP, "
+            "DSpark block) instead of copying bytes into the wrong rows."),
 )
 
 _installed: set[tuple[str, str]] = set()

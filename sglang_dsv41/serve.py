@@ -135,7 +135,8 @@ def build_launch(argv: list[str]) -> LaunchCommand:
     args = ["--model-path", str(model), "--host", ours.host, "--port", str(ours.port), "--device", device]
     if device == "cpu":
         tp = flag_value(rest, TP_FLAGS)
-        env = cpu_environment(tp_size=int(tp) if tp and tp.isdigit() else 1)
+        mode = flag_value(rest, ("--disaggregation-mode",))
+        env = cpu_environment(tp_size=int(tp) if tp and tp.isdigit() else 1, pd=mode not in (None, "null"))
     else:
         env = dict(os.environ)
     argv_out = [sys.executable, "-m", "sglang.launch_server", *args, *rest]

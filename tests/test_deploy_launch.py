@@ -155,7 +155,8 @@ def test_unavailable_options_are_listed_not_dropped(path: Path) -> None:
 
 def test_only_the_tiny_configs_are_servable_today() -> None:
     servable = {p.stem for p in CONFIGS if not build_launch(load_config(p), PLUGIN).unavailable}
-    assert servable == {"tiny-cpu", "tiny-h200-tp1", "tiny-h200-tp2", "tiny-h200-tp4", "tiny-h200-tp8"}
+    assert servable == {"tiny-cpu", "tiny-cpu-pd-1p1d", "tiny-h200-tp1", "tiny-h200-tp2", "tiny-h200-tp4",
+                        "tiny-h200-tp8"}
 
 
 @pytest.mark.parametrize("tp", [4, 8])
@@ -223,7 +224,7 @@ def test_runtime_limits_name_their_reason() -> None:
     b300 = {u.capability for u in build_launch(load_config(ROOT / "configs" / "b300-dep8.yaml"), PLUGIN).unavailable}
     assert {"kv_cache_dtype", "kv_layout_v41"} <= b300
     pd = {u.capability for u in build_launch(load_config(ROOT / "configs" / "h200-pd-1p1d.yaml"), PLUGIN).unavailable}
-    assert "pd_disaggregation" in pd
+    assert "pd_disaggregation" not in pd        # PD over Mooncake is served (docs/pd.md)
 
 
 def test_a_runtime_with_vision_needs_the_text_only_switch() -> None:

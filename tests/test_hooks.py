@@ -166,8 +166,11 @@ def test_runtime_pool_hooks_are_applied(runtime_hooks):
     assert targets == {"pool_configurator.create_memory_pool_configurator",
                        "KVCacheConfigurator._build_token_to_kv_pool", "ForwardBatch.init_new",
                        "PagedTokenToKVPoolAllocator.alloc_extend", "PagedTokenToKVPoolAllocator.alloc_decode",
-                       "ServerArgs._handle_cuda_graph_config", "ModelConfig._config_draft_model",
-                       "draft_worker_common._resolve_draft_attention_backend_fallback"}
+                       "ServerArgs._handle_cuda_graph_config", "utils.setup_state_kv_args",
+                       "utils.get_dsv4_c128_state_indices", "ScheduleBatchDisaggregationDecodeMixin.prepare_for_prebuilt",
+                       "CommonKVBootstrapServer._setup_routes", "CommonKVManager.register_to_bootstrap",
+                       "CommonKVManager.try_ensure_parallel_info",
+                       "ModelConfig._config_draft_model", "draft_worker_common._resolve_draft_attention_backend_fallback"}
     assert all(hooks.is_applied(s) for s in runtime_hooks)
 
 

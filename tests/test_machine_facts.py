@@ -30,5 +30,14 @@ def test_ci_prints_the_facts_before_the_tests() -> None:
     steps = [i for i, line in enumerate(run) if line.startswith("python3 ")]
     commands = [run[i] for i in steps]
     assert [c.split("#")[0].strip() for c in commands] == [
-        'python3 -m pip install -e ".[test]"', "python3 scripts/machine_facts.py", "python3 -m ruff check .",
+        'python3 -m pip install -e ".[test]"', 'python3 -m pip install -e ".[pd]"', "python3 scripts/machine_facts.py", "python3 -m ruff check .",
         "python3 -m pytest -q"]
+
+
+def test_ci_installs_the_pd_stack_and_requires_it() -> None:
+    """`.ci/run` installs libibverbs1 when the loader lacks it (Mooncake links it) and makes the PD
+    server tests fail rather than skip without the PD stack (docs/pd.md)."""
+    run = (ROOT / ".ci" / "run").read_text()
+    assert "apt-get install -y -qq libibverbs1" in run and "ldconfig -p | grep 'libibverbs" in run
+    assert "export SGLANG_DSV41_PD_REQUIRED=1" in run
+    assert run.index("SGLANG_DSV41_PD_REQUIRED") < run.index("python3 -m pytest")

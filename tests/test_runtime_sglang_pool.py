@@ -302,7 +302,8 @@ def test_sglang_sizes_the_flash_pool_with_896_byte_rows(tmp_path: Path, caplog) 
         pool_configurator.create_memory_pool_configurator(_kvc(mc, is_hybrid_swa=False))
     for flag, over in (("--hicache-storage-backend mooncake",
                         dict(enable_hierarchical_cache=True, hicache_storage_backend="mooncake")),
-                       ("--disaggregation-mode", dict(disaggregation_mode="prefill"))):
+                       ("--disaggregation-transfer-backend nixl",
+                        dict(disaggregation_mode="prefill", disaggregation_transfer_backend="nixl"))):
         args = SimpleNamespace(swa_full_tokens_ratio=0.1, speculative_algorithm=None, **over)
         with pytest.raises(RuntimeError, match=flag):
             pool_configurator.create_memory_pool_configurator(_kvc(mc, server_args=args))

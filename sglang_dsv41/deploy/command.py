@@ -26,6 +26,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
+from ..runtime.cpu_env import PD_CPU_ENVIRONMENT
 from ..runtime.requirements import CURRENT_RUNTIME, Device, RuntimeProfile
 from ..serve import tiny_checkpoint_dir
 from .capabilities import CAPABILITIES
@@ -138,7 +139,8 @@ def runtime_limits(dc: DeploymentConfig, runtime: RuntimeProfile = CURRENT_RUNTI
     if graphs and (not runtime.cuda_graphs or (prefill_graphs and not runtime.prefill_cuda_graphs)
                    or p.tp not in runtime.cuda_graph_tp_sizes):
         limit("cuda_graphs", f"CUDA graphs ({graphs}){f' at TP {p.tp}' if p.tp > 1 else ''}")
-    if dc.pd is not None and not runtime.pd_disaggregation:
+    if dc.pd is not None and (not runtime.pd_disaggregation
+                               or dc.pd.transfer_backend not in runtime.pd_transfer_backends):
         limit("pd_disaggregation", f"prefill/decode disaggregation over {dc.pd.transfer_backend}")
     if dc.serving.kv_cache_dtype not in runtime.kv_cache_dtypes:
         limit("kv_cache_dtype", f"--kv-cache-dtype {dc.serving.kv_cache_dtype}")
@@ -221,7 +223,11 @@ def _server_command(dc: DeploymentConfig, role: str, caps: frozenset[str], pd_ro
     tail: list[str] = []
     if pd_role is not None:
         assert dc.pd is not None
-        tail += ["--disaggregation-mode", role, "--disaggregation-transfer-backend", dc.pd.transfer_backend]
+        tcp = dc.pd.transfer_backend == "mooncake_tcp"          # SGLang's mooncake backend over TCP (docs/pd.md)
+        tail += ["--disaggregation-mode", role, "--disaggregation-transfer-backend",
+                 "mooncake" if tcp else dc.pd.transfer_backend]
+        if tcp:
+            env.update(PD_CPU_ENVIRONMENT)
         tail += _opt("--disaggregation-bootstrap-port", pd_role.bootstrap_port)
         if pd_role.base_gpu_id:
             tail += ["--base-gpu-id", str(pd_role.base_gpu_id)]

@@ -18,6 +18,12 @@ Tensor parallel on CPU (`--tp-size N > 1`, one process per rank over gloo) needs
   SGLang would otherwise load libnccl and build a PyNccl communicator for the CPU TP group, which
   fails ("Expected a cuda device, but got: cpu"); with no library PyNccl reports itself disabled
   and the gloo group carries the collectives.
+
+PD disaggregation on CPU (`--disaggregation-mode`, Mooncake over TCP; spec cpu.md §5, docs/pd.md)
+needs `MC_FORCE_TCP=1` and `MOONCAKE_PROTOCOL=tcp` (no RDMA device discovery), `SGLANG_HOST_IP`
+(default 127.0.0.1: otherwise SGLang advertises the NIC address) and
+`SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX=0` (its early send records a CUDA event: the
+prefill scheduler dies on its first prefix hit). Values already set are kept.
 """
 from __future__ import annotations
 
@@ -91,11 +97,19 @@ def omp_thread_binding(tp_size: int, cores: int | None = None) -> str:
     return "|".join(ranges)
 
 
+#: What PD over Mooncake needs on CPU (module doc); `setdefault`ed.
+PD_CPU_ENVIRONMENT = {"MC_FORCE_TCP": "1", "MOONCAKE_PROTOCOL": "tcp", "SGLANG_HOST_IP": "127.0.0.1",
+                      "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "0"}
+
+
 def cpu_environment(base: dict[str, str] | None = None, stub_dir: Path | None = None,
-                    tp_size: int = 1) -> dict[str, str]:
-    """`base` (default: os.environ) plus what SGLang's CPU engine needs for `tp_size` ranks (see
-    the module doc)."""
+                    tp_size: int = 1, pd: bool = False) -> dict[str, str]:
+    """`base` (default: os.environ) plus what SGLang's CPU engine needs for `tp_size` ranks, and for
+    PD disaggregation when `pd` (see the module doc)."""
     env = dict(os.environ if base is None else base)
+    if pd:
+        for k, v in PD_CPU_ENVIRONMENT.items():
+            env.setdefault(k, v)
     if tp_size > 1:
         env["SGLANG_CPU_OMP_THREADS_BIND"] = omp_thread_binding(tp_size)
         env["SGLANG_NCCL_SO_PATH"] = NO_NCCL_LIBRARY

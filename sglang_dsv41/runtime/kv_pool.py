@@ -45,6 +45,7 @@ from ..config import TextConfig
 from ..numerics.profile import CacheProfile
 from .cache import RuntimeCaches, check_page_size
 from .kv_layout import CompressedRowLayout
+from .pd_state import pair_row_buf_infos
 
 logger = logging.getLogger(__name__)
 GB = 1 << 30
@@ -180,6 +181,7 @@ class DeepseekV41KVPool(SWAKVPool):
                                **{transfer_layer_of_swa(l): (l, True) for l in range(L)}}
         self.full_to_swa_index_mapping: Tensor | None = None
         self.layout = layout
+        self.compress_ratios = tuple(cfg.compress_ratios)
         self.runtime_caches = RuntimeCaches.from_buffers(
             cfg, self.swa_kv_pool.buffers, self._unregistered_mapping(), self.full_kv_pool.latent_rows,
             self.full_kv_pool.key_rows, num_req_rows,
@@ -228,6 +230,20 @@ class DeepseekV41KVPool(SWAKVPool):
 
     def request_state_bytes(self) -> int:
         return self.runtime_caches.request_state_bytes() * self.runtime_caches.num_req_rows
+
+    # ---- PD: the pair ring as SGLang's request-scoped C128_STATE component (runtime/pd_state.py) ----
+    def get_c128_state_buf_infos(self):
+        """The pair ring with one ring row per item (boundary-row transfer, `pd_state`)."""
+        return pair_row_buf_infos(self.runtime_caches)
+
+    def get_ring_size(self, ratio: int) -> int:
+        """Pair-ring slots per request (what SGLang's C128 index rule is handed; `pd_state` uses it)."""
+        return self.runtime_caches.pair_ring_slots
+
+    def clear_c128_req_state(self, req_pool_idx: int) -> None:
+        """Decode, before a transfer into request row `req_pool_idx`: no pending pair."""
+        for pos in self.runtime_caches.pair_position.values():
+            pos[req_pool_idx].fill_(-1)
 
     # ---- the forward's per-layer load wait ------------------------------------------------------
     def wait_for_model_layer(self, model_layer: int, global_rows: bool) -> None:

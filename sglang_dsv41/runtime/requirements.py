@@ -117,6 +117,7 @@ class RuntimeProfile:
     prefill_cuda_graphs: bool = True
     dp_attention: bool = False  # SGLang --enable-dp-attention (each rank its own requests)
     attention_backends: tuple[str, ...] = ()  # SGLang --attention-backend values the runtime accepts
+    pd_transfer_backends: tuple[str, ...] = ("mooncake", "mooncake_tcp", "nixl")  # deploy `pd.transfer_backend`s
     reasons: dict[str, str] = field(default_factory=dict)  # limit name -> why, for refusals
 
     def server_args(self, device: Device, given: Sequence[str] = ()) -> list[str]:
@@ -209,9 +210,10 @@ TORCH_PATH = RuntimeProfile(
     cuda_graphs=True,
     cuda_graph_tp_sizes=(1,),
     prefill_cuda_graphs=False,
-    pd_disaggregation=False,
+    pd_disaggregation=True,
     kv_cache_dtypes=("auto", "bf16"),
     attention_backends=("torch_native", GRAPH_BACKEND_NAME),
+    pd_transfer_backends=("mooncake", "mooncake_tcp"),
     reasons={
         "tensor_parallel": "attention is sharded by whole output groups, so --tp-size must divide o_groups and "
                            "the head count (the model checks this at start-up, runtime/tensor_parallel.py)",
@@ -223,8 +225,8 @@ TORCH_PATH = RuntimeProfile(
         "cuda_graphs": "the runtime captures decode CUDA graphs at TP 1 only (static decode layout); prefill runs "
                        "eagerly, and TP > 1 eagerly until graph capture with its collectives is validated on "
                        "GPUs (the plugin defaults --disable-cuda-graph there)",
-        "pd_disaggregation": "the runtime keeps request-scoped state beside SGLang's pool (the pending first token "
-                             "of a ratio-2 pair) and cannot transfer it between prefill and decode servers yet",
+        "pd_disaggregation": "the V4.1 pool's PD transfer is built and tested over Mooncake only (equal TP on "
+                             "both sides, docs/pd.md); other transfer backends are refused at start-up",
         "kv_cache_dtype": "the runtime's pool stores BF16 SWA rows and packed FP4 global rows (896 B/token at "
                           "Flash, already compressed): a KV dtype other than bf16 (e.g. fp8_e4m3) is refused at "
                           "start-up",

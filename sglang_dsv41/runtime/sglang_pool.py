@@ -12,8 +12,8 @@ the unified radix tree with FULL + SWA components — and two HookRegistry entri
   cell latent + index-key row strides + ratio · L · D · 2 (Flash 720 + 176 + 0.1 · 40,960 B) and splits it into full and
   SWA tokens with SGLang's own solver;
   it logs the global KV bytes per token. Refuses what the pool cannot be built for or serve yet
-  (non-bf16 KV, no hybrid-SWA memory, unified memory, a draft worker, PD, HiCache settings
-  `runtime/hicache_stack.check_hicache_flags` refuses).
+  (non-bf16 KV, no hybrid-SWA memory, unified memory, a draft worker, HiCache settings
+  `runtime/hicache_stack.check_hicache_flags` refuses, a PD transfer backend other than mooncake).
 * `build_token_to_kv_pool_hook` — AROUND `KVCacheConfigurator._build_token_to_kv_pool`: builds
   `DeepseekV41KVPool` from those sizes, SGLang's page size and its `req_to_token` rows (the pair
   ring has one row each), with ring slots for the speculative draft tokens. Refuses a KV dtype
@@ -67,8 +67,10 @@ def check_pool_flags(kvc) -> None:
 
         check_hicache_flags(kvc.server_args)          # HiCache itself is served (runtime/hicache_stack.py)
     if getattr(kvc.server_args, "disaggregation_mode", "null") != "null":
-        raise _fail("--disaggregation-mode: PD transfer of the V4.1 pool is not wired yet (the pair ring's "
-                    "state indices and a layout check between the peers; docs/runtime.md \"KV pool\")")
+        backend = getattr(kvc.server_args, "disaggregation_transfer_backend", "mooncake")
+        if backend != "mooncake":
+            raise _fail(f"--disaggregation-transfer-backend {backend}: the V4.1 pool's PD transfer is built and "
+                        "tested over mooncake only (docs/pd.md)")
     if getattr(kvc.server_args, "enable_unified_memory", False):
         raise _fail("--enable-unified-memory builds SGLang's own pools, not the V4.1 pool: drop the flag")
     if kvc.kv_cache_dtype != KV_DTYPE:

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# H200 (one GPU), one device call: PD 1P1D of the tiny checkpoint (docs/pd.md) — a prefill and a
+# decode server sharing GPU 0 (--mem-fraction-static 0.3 each), Mooncake over TCP on 127.0.0.1,
+# sglang-router in front; greedy /generate through the router (odd and even prompt lengths, a
+# repeat for the prefill-side prefix hit) compared with a colocated server's tokens, and a chat
+# request (reasoning split). Needs the CUDA Mooncake wheel and the router in the environment
+# (`pip install -e ".[pd-cuda]"`, plus libibverbs1); exits 5 naming what is missing.
+# Run from the checkout root with `.gpu` carried. Every wait is capped, every process group killed;
+# logs and results in $OUT.
+set -uo pipefail
+: "${OUT:=/tmp/out}"; mkdir -p "$OUT"
+T0=$SECONDS
+source .gpu/bin/setup.sh || exit 3
+export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
+export MC_FORCE_TCP=1 MOONCAKE_PROTOCOL=tcp SGLANG_HOST_IP=127.0.0.1
+python3 -c "import mooncake.engine, sglang_router" 2>"$OUT/pd_imports.log" || {
+  cat "$OUT/pd_imports.log"; echo "RESULT pd_1p1d missing the PD stack (pip install -e '.[pd-cuda]'; apt-get install libibverbs1)"; exit 5; }
+CK=/tmp/tiny; J='Content-Type: application/json'
+P=http://127.0.0.1:30010; D=http://127.0.0.1:30020; R=http://127.0.0.1:30000; C=http://127.0.0.1:30030
+timeout 120 python3 -m sglang_dsv41.cli make-checkpoint --preset tiny --out $CK --quiet || exit 4
+PIDS=()
+start() {  # name, args...
+  local name=$1; shift
+  setsid "$@" >"$OUT/$name.log" 2>&1 & PIDS+=($!)
+}
+stop_all() { for p in "${PIDS[@]}"; do kill -- -$p 2>/dev/null; done; sleep 5; for p in "${PIDS[@]}"; do kill -9 -- -$p 2>/dev/null; done; }
+trap stop_all EXIT
+wait_up() {  # url, seconds
+  local s0=$SECONDS
+  while [ $((SECONDS - s0)) -lt $2 ]; do curl -sf -m 10 "$1" >/dev/null && return 0; sleep 3; done; return 1
+}
+COMMON=(--model-path $CK --mem-fraction-static 0.3 --disaggregation-transfer-backend mooncake)
+start prefill python3 -m sglang.launch_server "${COMMON[@]}" --port 30010 --disaggregation-mode prefill \
+  --disaggregation-bootstrap-port 38998
+start decode python3 -m sglang.launch_server "${COMMON[@]}" --port 30020 --disaggregation-mode decode
+up=0; wait_up $P/health 300 && wait_up $D/health 300 && up=1
+echo "servers up=$up at $((SECONDS - T0)) s"
+ok=0
+if [ $up = 1 ]; then
+  start router python3 -m sglang_router.launch_router --pd-disaggregation --host 127.0.0.1 --port 30000 \
+    --prefill $P 38998 --decode $D --policy round_robin
+  if wait_up $R/health 120; then
+    for n in 41 42 41; do
+      ids=$(python3 -c "print([0]+[(7*i)%900+3 for i in range($n-1)])")
+      curl -sf -m 120 $R/generate -H "$J" -d "{\"input_ids\":$ids,\"sampling_params\":{\"max_new_tokens\":16,\"temperature\":0,\"ignore_eos\":true}}" \
+        >"$OUT/pd_gen_$n.json.$SECONDS" || echo "request n=$n failed"
+    done
+    curl -sf -m 120 $R/v1/chat/completions -H "$J" -d '{"model":"x","messages":[{"role":"user","content":"What is 17*19?"}],"max_tokens":32}' \
+      >"$OUT/pd_chat.json" && ok=1
+  fi
+fi
+stop_all; PIDS=()
+# the colocated reference: one plain server, same prompts
+start colocated python3 -m sglang.launch_server --model-path $CK --mem-fraction-static 0.3 --port 30030
+if wait_up $C/health_generate 300; then
+  for n in 41 42; do
+    ids=$(python3 -c "print([0]+[(7*i)%900+3 for i in range($n-1)])")
+    curl -sf -m 120 $C/generate -H "$J" -d "{\"input_ids\":$ids,\"sampling_params\":{\"max_new_tokens\":16,\"temperature\":0,\"ignore_eos\":true}}" \
+      >"$OUT/colocated_$n.json" || echo "colocated n=$n failed"
+  done
+fi
+stop_all; PIDS=()
+python3 - "$OUT" <<'PY'
+import glob, json, sys
+o = sys.argv[1]
+try:
+    for n in (41, 42):
+        runs = [json.load(open(f)) for f in sorted(glob.glob(f"{o}/pd_gen_{n}.json.*"), key=lambda f: int(f.rsplit(".", 1)[1]))]
+        ref = json.load(open(f"{o}/colocated_{n}.json"))["output_ids"]
+        print(f"n={n}: PD == colocated {[r['output_ids'] == ref for r in runs]}, cached_tokens {[r['meta_info'].get('cached_tokens') for r in runs]}")
+    m = json.load(open(f"{o}/pd_chat.json"))["choices"][0]["message"]
+    print("chat keys:", sorted(k for k, v in m.items() if v), "reasoning chars:", len(m.get("reasoning_content") or ""))
+except Exception as e:  # report, do not hide: the RESULT line says ok=0 where a request failed
+    print("result parse failed:", e)
+PY
+grep -h -m1 "sglang-dsv41 PD layout" "$OUT/prefill.log" "$OUT/decode.log" || echo "no PD layout lines"
+[ $ok = 1 ] || { tail -40 "$OUT/prefill.log"; tail -40 "$OUT/decode.log"; }
+echo "RESULT pd_1p1d up=$up ok=$ok at $((SECONDS - T0)) s"
+exit $((1 - ok))

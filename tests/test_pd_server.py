@@ -1,0 +1,255 @@
+"""End to end: prefill/decode disaggregation of the tiny checkpoint over Mooncake (TCP on CPU) with
+SGLang's router (issue 15; docs/pd.md; spec cpu.md §5, integration.md §2).
+
+One 1P1D set-up for the module, started as a user would: a prefill and a decode
+`sglang-dsv41 serve --disaggregation-mode ...` (which sets the CPU PD environment,
+`runtime/cpu_env.py`) and `python -m sglang_router.launch_router --pd-disaggregation`, all on
+127.0.0.1, every wait bounded, every process group killed at the end. The prefill chunks its
+prompts (`--chunked-prefill-size 12`), so a pending ratio-2 pair crosses chunks before it
+crosses servers. Decode output is held to the same oracle as the colocated server's
+(tests/test_runtime_server.py: the reference teacher-forced on the tokens, within the numerics
+contract; logprobs within its bound), which avoids a third server. The fault test runs last: it
+kills the decode server.
+
+Needs the `[pd]` extra and libibverbs (`.ci/run` installs both); without them the module is
+skipped, unless `SGLANG_DSV41_PD_REQUIRED=1` (set by `.ci/run`), where it fails.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from server_helpers import REQUEST_TIMEOUT_S, Server, free_port
+from test_runtime_server import LOGPROB_ATOL, _prompt, _reference_logprobs, within_contract
+from test_runtime_server import reference as reference  # noqa: F401  (the module's oracle fixture)
+
+pytestmark = pytest.mark.slow
+
+STARTUP_TIMEOUT_S = 600
+NEW_TOKENS = 12
+COMMON = ["--max-total-tokens", "4096", "--max-running-requests", "8", "--disaggregation-transfer-backend", "mooncake"]
+
+
+def _pd_missing() -> str | None:
+    for module in ("mooncake.engine", "sglang_router"):
+        try:
+            if importlib.util.find_spec(module.split(".")[0]) is None:
+                return f"{module} is not installed (pip install -e '.[pd]')"
+            if module == "mooncake.engine":
+                subprocess.run([sys.executable, "-c", "import mooncake.engine"], check=True, capture_output=True,
+                               timeout=120)
+        except subprocess.CalledProcessError as e:
+            return f"mooncake does not import: {e.stderr.decode()[-300:]} (apt-get install libibverbs1)"
+    return None
+
+
+def _http(url: str, body: dict[str, Any] | None = None, timeout: float = REQUEST_TIMEOUT_S) -> tuple[int, Any]:
+    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+            return r.status, json.loads(raw) if raw.strip().startswith((b"{", b"[")) else raw.decode()
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.read().decode(errors="replace")
+
+
+def _up(url: str) -> bool:
+    try:
+        return _http(url, timeout=30)[0] == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
+
+
+class Router:
+    def __init__(self, prefill: Server, bootstrap_port: int, decode: Server, log: Path) -> None:
+        self.port = free_port()
+        self._log = open(log, "w")
+        self.log_path = log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--host", "127.0.0.1",
+             "--port", str(self.port), "--prefill", prefill.url(""), str(bootstrap_port), "--decode", decode.url(""),
+             "--policy", "round_robin", "--health-check-interval-secs", "5", "--health-failure-threshold", "3",
+             "--health-check-timeout-secs", "30", "--disable-circuit-breaker", "--disable-retries"],
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self._log.close()
+
+
+def _wait(what: str, ok, procs, logs, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        dead = [p for p in procs if p.proc.poll() is not None]
+        if dead:
+            raise RuntimeError(f"{what}: a process exited:\n" + "\n".join(log() for log in logs))
+        if ok():
+            return
+        time.sleep(3)
+    raise TimeoutError(f"{what} not ready after {timeout_s} s:\n" + "\n".join(log() for log in logs))
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+    missing = _pd_missing()
+    if missing:
+        if os.environ.get("SGLANG_DSV41_PD_REQUIRED") == "1":
+            pytest.fail(f"SGLANG_DSV41_PD_REQUIRED=1 but {missing}")
+        pytest.skip(missing)
+    logs = tmp_path_factory.mktemp("pd")
+    boot = free_port()
+    prefill = Server(tiny_checkpoint, logs / "prefill.log",
+                     [*COMMON, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot),
+                      "--chunked-prefill-size", "12"])
+    decode = Server(tiny_checkpoint, logs / "decode.log", [*COMMON, "--disaggregation-mode", "decode"])
+    router = None
+    try:
+        _wait("prefill and decode", lambda: _up(prefill.url("/health")) and _up(decode.url("/health")),
+              [prefill, decode], [prefill.log_tail, decode.log_tail])
+        router = Router(prefill, boot, decode, logs / "router.log")
+        _wait("router", lambda: _up(router.url("/health")), [prefill, decode, router],
+              [prefill.log_tail, decode.log_tail], timeout_s=120)
+        yield prefill, decode, router
+    finally:
+        for proc in (router, decode, prefill):
+            if proc is not None:
+                proc.stop()
+
+
+def _generate(router: Router, ids: list[int], n: int = NEW_TOKENS, logprob: bool = False) -> dict[str, Any]:
+    status, out = _http(router.url("/generate"), {"input_ids": ids, "return_logprob": logprob, "sampling_params": {
+        "max_new_tokens": n, "temperature": 0, "ignore_eos": True}})
+    assert status == 200, f"{status}: {out}"
+    return out
+
+
+def test_both_servers_registered_the_v41_layout(pd) -> None:
+    prefill, decode, _ = pd
+    for srv in (prefill, decode):
+        log = srv.log_tail(10**7)
+        assert "sglang-dsv41 PD layout: {" in log and "'state_types': ['swa', 'c128_state']" in log, log[-3000:]
+
+
+@pytest.mark.parametrize("seed,n", [(11, 41), (12, 42), (13, 27)], ids=["odd-41", "even-42", "odd-27"])
+def test_decode_output_is_the_colocated_servers(pd, reference, seed: int, n: int) -> None:
+    """Greedy tokens within the contract of the reference (odd lengths: the pending pair crossed
+    servers as the boundary row) and logprobs within the colocated server's bound."""
+    prefill, decode, router = pd
+    prompt = _prompt(seed, n)
+    out = _generate(router, prompt, logprob=True)
+    tokens = out["output_ids"]
+    assert len(tokens) == NEW_TOKENS
+    assert within_contract(reference, prompt, tokens), (tokens, decode.log_tail())
+    got = [lp for lp, _tok, _ in out["meta_info"]["output_token_logprobs"]]
+    want = _reference_logprobs(reference, prompt, tokens)
+    assert max(abs(a - b) for a, b in zip(got, want)) <= LOGPROB_ATOL
+
+
+def test_prefill_prefix_hit_gives_the_same_tokens(pd) -> None:
+    _, _, router = pd
+    prompt = _prompt(21, 37)
+    cold = _generate(router, prompt)
+    warm = _generate(router, prompt)
+    assert warm["meta_info"]["cached_tokens"] >= 32, warm["meta_info"]
+    assert warm["output_ids"] == cold["output_ids"]
+    longer = _generate(router, prompt + _prompt(22, 9)[1:])        # a hit on a prefix, then new tokens
+    assert longer["meta_info"]["cached_tokens"] >= 32
+
+
+def test_concurrent_requests(pd) -> None:
+    _, _, router = pd
+    prompts = [_prompt(30 + i, 20 + 3 * i) for i in range(4)]
+    alone = [_generate(router, p)["output_ids"] for p in prompts]
+    results: list[Any] = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        try:
+            results[i] = _generate(router, prompts[i])["output_ids"]
+        except Exception as e:        # reported below
+            results[i] = e
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=REQUEST_TIMEOUT_S + 30)
+    assert results == alone
+
+
+def test_chat_splits_reasoning(pd, tiny_checkpoint: Path) -> None:
+    """Thinking on (the card default): the reply's trace is in reasoning_content, content empty
+    (the model cannot close the trace: </think> is biased away)."""
+    from tokenizers import Tokenizer
+
+    _, _, router = pd
+    think_end = Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json")).token_to_id("</think>")
+    assert think_end is not None
+    status, out = _http(router.url("/v1/chat/completions"), {
+        "model": "tiny", "messages": [{"role": "user", "content": "What is 17*19?"}], "max_tokens": 8,
+        "temperature": 0, "logit_bias": {str(think_end): -100}})
+    assert status == 200, out
+    message = out["choices"][0]["message"]
+    assert message["reasoning_content"] and not message["content"], message
+    assert out["choices"][0]["finish_reason"] == "length"
+
+
+def test_decode_killed_then_prefill_serves_on_and_router_answers_503(pd) -> None:
+    """Runs last (kills the decode server): a request in flight when decode dies gets an error, not
+    a hang; the prefill stays up; the router answers 503 with a message once decode is gone."""
+    prefill, decode, router = pd
+    result: dict[str, Any] = {}
+
+    def long_request() -> None:
+        try:
+            result["out"] = _http(router.url("/generate"), {"input_ids": _prompt(40, 300), "sampling_params": {
+                "max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}, timeout=120)
+        except Exception as e:        # reported below: a client-side timeout is a hang, not an answer
+            result["out"] = (None, repr(e))
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    time.sleep(1.0)                                       # the prefill is computing / sending the prompt
+    os.killpg(decode.proc.pid, signal.SIGKILL)
+    decode.proc.wait(timeout=30)
+    t.join(timeout=300)
+    assert not t.is_alive(), "the client hangs after the decode server died"
+    assert result["out"][0] is not None and result["out"][0] >= 400, result      # an HTTP error, not a timeout
+    time.sleep(5)
+    assert prefill.proc.poll() is None and _up(prefill.url("/health")), prefill.log_tail()
+    # The router notices a dead worker by its health checks (3 failures, 5 s apart): a request it
+    # forwards before that waits on the prefill's bootstrap timeout (docs/pd.md "Faults").
+    time.sleep(20)
+    deadline, status, body = time.monotonic() + 90, None, None
+    while time.monotonic() < deadline:
+        try:
+            status, body = _http(router.url("/generate"), {"input_ids": _prompt(41, 12), "sampling_params": {
+                "max_new_tokens": 2, "temperature": 0}}, timeout=20)
+        except (urllib.error.URLError, TimeoutError, OSError) as e:
+            status, body = None, repr(e)
+        if status == 503:
+            break
+        time.sleep(3)
+    assert status == 503 and "decode" in str(body).lower(), (status, body)
