@@ -42,7 +42,7 @@ from .dspark_draft import DSparkDraft
 from .dspark_kv import DSparkContextKV
 from .dspark_weights import dspark_runtime_weights, require_dspark
 from .forward import fp32_default_dtype
-from .hf_config import DRAFT_ARCHITECTURE
+from .hf_config import DRAFT_ARCHITECTURE, parsed_config
 
 __all__ = ["DRAFT_ARCHITECTURE", "DeepseekV41ForCausalLMDSpark", "dspark_context_of"]
 
@@ -71,11 +71,8 @@ class DeepseekV41ForCausalLMDSpark(nn.Module):
 
     def __init__(self, config, quant_config=None, prefix: str = "") -> None:
         super().__init__()
-        if not hasattr(config, "parsed"):
-            raise TypeError(f"expected the sglang-dsv41 config class, got {type(config).__name__} "
-                            "(is the sglang-dsv41 plugin loaded?)")
         self.config = config
-        self.cfg: DeepseekV41Config = config.parsed()
+        self.cfg: DeepseekV41Config = parsed_config(config)
         require_dspark(self.cfg)
         text = self.cfg.text
         self.gamma = self.block_size = text.dspark_block_size

@@ -57,6 +57,15 @@ _TEXT_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "max_positio
 _HIDDEN_TOP_LEVEL = ("text_config", "vision_config", "quantization_config")
 
 
+def parsed_config(config) -> DeepseekV41Config:
+    """The parsed `DeepseekV41Config` of the HF config SGLang hands a model class; any other config
+    class means the plugin did not register ours."""
+    if not hasattr(config, "parsed"):
+        raise TypeError(f"expected the sglang-dsv41 config class, got {type(config).__name__} "
+                        "(is the sglang-dsv41 plugin loaded?)")
+    return config.parsed()
+
+
 def sglang_attributes(text: TextConfig) -> dict[str, Any]:
     """The attention shape SGLang reads (module docstring): L sliding-window layers, one KV head of D."""
     layers = text.num_hidden_layers

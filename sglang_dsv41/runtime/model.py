@@ -49,6 +49,7 @@ from .batch import layout_from_forward_batch
 from .cache import RuntimeCaches
 from .engram_host import engram_placement_from_env
 from .forward import TorchForward, fp32_default_dtype
+from .hf_config import parsed_config
 from .kv_pool import pool_caches
 from .tensor_parallel import TensorParallel
 
@@ -97,11 +98,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         super().__init__()
         from sglang.srt.layers.logits_processor import LogitsProcessor
 
-        if not hasattr(config, "parsed"):
-            raise TypeError(f"expected the sglang-dsv41 config class, got {type(config).__name__} "
-                            "(is the sglang-dsv41 plugin loaded?)")
         self.config = config
-        self.cfg: DeepseekV41Config = config.parsed()
+        self.cfg: DeepseekV41Config = parsed_config(config)
         self.tp = TensorParallel.from_sglang()
         self.tp.plan(self.cfg.text)    # raises for a --tp the model cannot be sharded with
         self.numerics = NumericsProfile()
