@@ -174,3 +174,16 @@ def test_target_model_set_dspark_layers_to_capture_checks_the_ids(registered, ti
     assert model.dspark_capture_layers == tuple(ids)
     with pytest.raises(ValueError, match="dspark_target_layer_ids"):
         model.set_dspark_layers_to_capture(ids[::-1])
+
+
+def test_model_classes_refuse_a_config_the_plugin_did_not_make() -> None:
+    """Target and draft classes parse SGLang's HF config through `hf_config.parsed_config`; a
+    foreign config class is refused naming the likely cause."""
+    from types import SimpleNamespace
+
+    from sglang_dsv41.runtime.dspark_model import DeepseekV41ForCausalLMDSpark
+    from sglang_dsv41.runtime.model import DeepseekV41ForCausalLM
+
+    for cls in (DeepseekV41ForCausalLM, DeepseekV41ForCausalLMDSpark):
+        with pytest.raises(TypeError, match="is the sglang-dsv41 plugin loaded"):
+            cls(SimpleNamespace(model_type="llama"))
