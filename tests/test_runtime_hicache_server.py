@@ -55,7 +55,7 @@ PREFILL_LINE = re.compile(r"#cached-token: (\d+), .*swa token usage: ([0-9.]+)")
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
     args = ["--max-total-tokens", str(DEVICE_TOKENS), "--swa-full-tokens-ratio", str(SWA_RATIO),
-            "--enable-hierarchical-cache", *FLAGS[SETTING]]
+            "--enable-hierarchical-cache", "--enable-metrics", *FLAGS[SETTING]]
     with running(Server(tiny_checkpoint, tmp_path_factory.mktemp("hicache") / "server.log", args)) as srv:
         yield srv
 
@@ -149,3 +149,17 @@ def test_reload_restores_about_one_window_of_swa_rows(server: Server) -> None:
     in_use = _warm_prefill(server, warm["meta_info"]["cached_tokens"]) * swa_pool
     assert in_use <= SWA_WINDOW + 3 * PAGE + 0.01 * swa_pool, in_use
     assert server.proc.poll() is None and "Traceback" not in server.log_tail(10_000_000)
+
+
+def test_host_tier_hits_are_in_the_metrics(server: Server) -> None:
+    """Issue 20 item 4, HiCache tier hits: SGLang's `sglang:cached_tokens_total` counts the cached
+    prompt tokens by source; after the reloads above its `host` series is positive, and the host
+    tier's size is exported (docs/observability.md)."""
+    import urllib.request
+
+    with urllib.request.urlopen(server.url("/metrics"), timeout=60) as r:
+        text = r.read().decode()
+    host = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("sglang:cached_tokens_total{") and 'cache_source="host"' in line]
+    assert host and sum(host) >= LONG - 2, [line for line in text.splitlines() if "cached_tokens_total" in line]
+    assert "sglang:hicache_host_total_tokens" in text
