@@ -78,6 +78,7 @@ class DSparkDraft(nn.Module):
         self.mhc = mhc_for(device, self.backend.acc)
         self.moe = moe_for(device)
         self.markov_head.backend = self.backend
+        self.confidence_head.acc = self.backend.acc
         #: RoPE of every stage: the ratio-0 one (base rope_theta, no YaRN), made once on the device
         self.inv_freq = layer_inv_freq(t, 0).to(device)
 

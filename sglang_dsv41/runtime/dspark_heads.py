@@ -87,15 +87,18 @@ class ConfidenceHead(OwnedTensors):
         self.register_buffer("sts_temperatures", torch.ones((), dtype=F32, device=self["proj.weight"].device),
                              persistent=False)
         self._last_confidence_raw: Tensor | None = None
+        #: accumulation dtype of the product (the draft sets its backend's `acc`)
+        self.acc: torch.dtype = F32
 
     def forward(self, hidden_states: Tensor, markov_embed_stack: Tensor) -> Tensor:
         """Raw confidence logits [..., γ] of hidden [..., H] and Markov features [..., r]
-        (fp32 product, summed in float64 and rounded once: `proj` is a 1-row fp32 weight)."""
+        (fp32 products summed in `acc` — the backend's: float64 rounded once on `exact`, fp32 on
+        the serving backends; `proj` is a 1-row fp32 weight)."""
         proj = self["proj.weight"].to(F32)
         feats = torch.cat((hidden_states.to(F32), markov_embed_stack.to(F32)), dim=-1)
         if feats.shape[-1] != proj.shape[1]:
             raise ValueError(f"confidence proj expects {proj.shape[1]} inputs, got {feats.shape[-1]}")
-        return (feats.to(torch.float64) @ proj.to(torch.float64).t()).squeeze(-1).to(F32)
+        return (feats.to(self.acc) @ proj.to(self.acc).t()).squeeze(-1).to(F32)
 
     def apply_sts(self, confidence_raw: Tensor) -> Tensor:
         self._last_confidence_raw = confidence_raw
