@@ -187,6 +187,46 @@ def greedy_generate(engine: TorchForward, device: torch.device, prompt_ids: list
     return tokens
 
 
+@dataclasses.dataclass(frozen=True)
+class ContractMeasurement:
+    """The end-to-end numerics contract's figures of a serving path against the reference on the
+    scenario prompts (tests/test_runtime_numerics_contract.py)."""
+
+    agree: int
+    total: int
+    worst_logit_diff: float
+    greedy_equal: list[int]
+    greedy_steps: int
+
+    @property
+    def top1(self) -> float:
+        return self.agree / self.total
+
+    def summary(self, label: str) -> str:
+        return (f"{label} vs reference, teacher-forced over {self.total} positions: top-1 agreement "
+                f"{self.top1:.2%}, max |Δlogit| {self.worst_logit_diff:.3g}; free-running greedy: "
+                f"{self.greedy_equal} of {self.greedy_steps} tokens equal per prompt")
+
+
+def measure_contract(engine: TorchForward, device: torch.device, reference, greedy_steps: int) -> ContractMeasurement:
+    """Teacher-forced on the reference's own greedy tokens: top-1 agreement and max |Δlogit| over
+    every position of every scenario prompt; plus free-running greedy agreement per prompt."""
+    agree = total = 0
+    worst = 0.0
+    greedy_equal = []
+    for prompt_ids in prompts().values():
+        tokens = reference.generate(prompt_ids, greedy_steps)
+        ids = prompt_ids + tokens[:-1]
+        want = reference.forward(reference.new_request(), ids).logits
+        got = one_shot_logits(engine, device, ids).cpu()
+        agree += int((got.argmax(-1) == want.argmax(-1)).sum())
+        total += len(ids)
+        worst = max(worst, float((got - want).abs().max()))
+        greedy_equal.append(sum(a == b for a, b in zip(greedy_generate(engine, device, prompt_ids, greedy_steps),
+                                                       tokens)))
+    return ContractMeasurement(agree, total, worst, greedy_equal, greedy_steps)
+
+
 def runtime_engine(checkpoint: Path, device: torch.device, deterministic: bool = True) -> TorchForward:
     """The forward the server builds for `checkpoint` on `device`: parameters created in stored
     form, the stored tensors streamed in (`TorchForward.for_loading` + `load_weights`; CUDA:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from reference_weights import random_reference_weights, tiny_config
-from runtime_scenarios import greedy_generate, one_shot_logits, prompts, runtime_engine
+from runtime_scenarios import measure_contract, runtime_engine
 from sglang_dsv41.numerics.profile import CacheProfile
 from sglang_dsv41.numerics.rope import layer_inv_freq
 from sglang_dsv41.reference import attention as RA
@@ -135,20 +135,7 @@ def end_to_end(tiny_checkpoint):
 
 def test_teacher_forced_top1_and_logits_within_the_contract(end_to_end) -> None:
     reference, fast = end_to_end
-    agree = total = 0
-    worst = 0.0
-    greedy_equal = []
-    for name, prompt in prompts().items():
-        tokens = reference.generate(prompt, GREEDY_STEPS)
-        ids = prompt + tokens[:-1]
-        want = reference.forward(reference.new_request(), ids).logits
-        got = one_shot_logits(fast, CPU, ids)
-        agree += int((got.argmax(-1) == want.argmax(-1)).sum())
-        total += len(ids)
-        worst = max(worst, float((got - want).abs().max()))
-        greedy_equal.append(sum(a == b for a, b in zip(greedy_generate(fast, CPU, prompt, GREEDY_STEPS), tokens)))
-    print(f"\nfp32 CPU path vs reference, teacher-forced over {total} positions: top-1 agreement "
-          f"{agree / total:.2%}, max |Δlogit| {worst:.3g}; free-running greedy: {greedy_equal} of "
-          f"{GREEDY_STEPS} tokens equal per prompt")
-    assert agree / total >= MIN_TOP1_AGREEMENT
-    assert worst <= LOGIT_BOUND, worst
+    m = measure_contract(fast, CPU, reference, GREEDY_STEPS)
+    print("\n" + m.summary("fp32 CPU path"))
+    assert m.top1 >= MIN_TOP1_AGREEMENT
+    assert m.worst_logit_diff <= LOGIT_BOUND, m.worst_logit_diff

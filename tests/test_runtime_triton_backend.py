@@ -285,27 +285,14 @@ def test_gpu_cuda_forward_creates_no_float64_tensor(tiny_checkpoint) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8_gemm", B.FP8_GEMMS)
 def test_gpu_teacher_forced_contract(tiny_checkpoint, fp8_gemm: str, monkeypatch) -> None:
-    from runtime_scenarios import greedy_generate, one_shot_logits, prompts, runtime_engine
+    from runtime_scenarios import measure_contract, runtime_engine
     from sglang_dsv41.reference.model import ReferenceModel
 
     monkeypatch.setenv(B.FP8_GEMM_ENV, fp8_gemm)
     reference = ReferenceModel.from_checkpoint(tiny_checkpoint)
     engine = runtime_engine(tiny_checkpoint, DEVICE, deterministic=False)
     assert engine.backend.fp8_gemm == fp8_gemm
-    agree = total = 0
-    worst = 0.0
-    greedy_equal = []
-    for prompt in prompts().values():
-        tokens = reference.generate(prompt, GREEDY_STEPS)
-        ids = prompt + tokens[:-1]
-        want = reference.forward(reference.new_request(), ids).logits
-        got = one_shot_logits(engine, DEVICE, ids).cpu()
-        agree += int((got.argmax(-1) == want.argmax(-1)).sum())
-        total += len(ids)
-        worst = max(worst, float((got - want).abs().max()))
-        greedy_equal.append(sum(a == b for a, b in zip(greedy_generate(engine, DEVICE, prompt, GREEDY_STEPS), tokens)))
-    print(f"\nCUDA {fp8_gemm} vs reference, teacher-forced over {total} positions: top-1 agreement "
-          f"{agree / total:.2%}, max |Δlogit| {worst:.3g}; free-running greedy: {greedy_equal} of "
-          f"{GREEDY_STEPS} tokens equal per prompt")
-    assert agree / total >= (W8A8_MIN_TOP1_AGREEMENT if fp8_gemm == "w8a8" else MIN_TOP1_AGREEMENT)
-    assert worst <= LOGIT_BOUND, worst
+    m = measure_contract(engine, DEVICE, reference, GREEDY_STEPS)
+    print("\n" + m.summary(f"CUDA {fp8_gemm}"))
+    assert m.top1 >= (W8A8_MIN_TOP1_AGREEMENT if fp8_gemm == "w8a8" else MIN_TOP1_AGREEMENT)
+    assert m.worst_logit_diff <= LOGIT_BOUND, m.worst_logit_diff
