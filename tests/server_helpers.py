@@ -19,7 +19,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -138,3 +138,24 @@ def running(srv: "Server") -> Iterator["Server"]:
         yield srv
     finally:
         srv.stop()
+
+
+def concurrently(calls: list[Callable[[], Any]], timeout_s: float = REQUEST_TIMEOUT_S + 30) -> list[Any]:
+    """Run `calls` in threads at once; each result, or the exception a call raised, in order
+    (None for a call still running after `timeout_s`)."""
+    import threading
+
+    results: list[Any] = [None] * len(calls)
+
+    def one(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except Exception as e:        # returned: the caller decides how to report it
+            results[i] = e
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout_s)
+    return results

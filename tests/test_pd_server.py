@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from server_helpers import REQUEST_TIMEOUT_S, Server, free_port
+from server_helpers import REQUEST_TIMEOUT_S, Server, concurrently, free_port
 from test_runtime_server import LOGPROB_ATOL, _prompt, _reference_logprobs, within_contract
 from test_runtime_server import reference as reference  # noqa: F401  (the module's oracle fixture)
 
@@ -183,19 +183,7 @@ def test_concurrent_requests(pd) -> None:
     _, _, router = pd
     prompts = [_prompt(30 + i, 20 + 3 * i) for i in range(4)]
     alone = [_generate(router, p)["output_ids"] for p in prompts]
-    results: list[Any] = [None] * len(prompts)
-
-    def one(i: int) -> None:
-        try:
-            results[i] = _generate(router, prompts[i])["output_ids"]
-        except Exception as e:        # reported below
-            results[i] = e
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=REQUEST_TIMEOUT_S + 30)
+    results = concurrently([lambda p=p: _generate(router, p)["output_ids"] for p in prompts])
     assert results == alone
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
@@ -41,7 +40,7 @@ import pytest
 import torch
 
 from runtime_scenarios import greedy_generate, one_shot_logits, runtime_engine
-from server_helpers import REQUEST_TIMEOUT_S, Server, running
+from server_helpers import REQUEST_TIMEOUT_S, Server, concurrently, running
 from sglang_dsv41.reference.model import ReferenceModel
 from test_runtime_numerics_contract import LOGIT_BOUND
 from sglang_dsv41.runtime.requirements import PAGE_SIZE
@@ -94,19 +93,7 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 
 def _concurrently(server: Server, prompts: list[list[int]], logprob: bool = False) -> list[dict[str, Any]]:
-    results: list[Any] = [None] * len(prompts)
-
-    def one(i: int) -> None:
-        try:
-            results[i] = server.generate(prompts[i], NEW_TOKENS, logprob=logprob)
-        except Exception as e:  # re-raised below with the server log
-            results[i] = e
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=REQUEST_TIMEOUT_S + 30)
+    results = concurrently([lambda p=p: server.generate(p, NEW_TOKENS, logprob=logprob) for p in prompts])
     for r in results:
         if not isinstance(r, dict):
             raise AssertionError(f"request failed: {r!r}\n{server.log_tail()}")
