@@ -89,6 +89,10 @@ class Router:
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
 
+    def log_tail(self, n: int = 4000) -> str:
+        self._log.flush()
+        return "router log:\n" + self.log_path.read_text(errors="replace")[-n:]
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -130,8 +134,10 @@ def pd(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
         _wait("prefill and decode", lambda: _up(prefill.url("/health")) and _up(decode.url("/health")),
               [prefill, decode], [prefill.log_tail, decode.log_tail])
         router = Router(prefill, boot, decode, logs / "router.log")
-        _wait("router", lambda: _up(router.url("/health")), [prefill, decode, router],
-              [prefill.log_tail, decode.log_tail], timeout_s=120)
+        # The router's /health is 200 before it has registered any worker (registration runs in the
+        # background); /readiness is 503 until a healthy prefill and decode are registered.
+        _wait("router", lambda: _up(router.url("/readiness")), [prefill, decode, router],
+              [prefill.log_tail, decode.log_tail, router.log_tail], timeout_s=300)
         yield prefill, decode, router
     finally:
         for proc in (router, decode, prefill):

@@ -44,7 +44,7 @@ if [ $up = 1 ]; then
   if [ $ROUTER = 1 ]; then
     start router python3 -m sglang_router.launch_router --pd-disaggregation --host 127.0.0.1 --port 30000 \
       --prefill $P 38998 --decode $D --policy round_robin
-    if wait_up $R/health 120; then
+    if wait_up $R/readiness 300; then
       for n in 41 42 41; do
         ids=$(python3 -c "print([0]+[(7*i)%900+3 for i in range($n-1)])")
         curl -sf -m 120 $R/generate -H "$J" -d "{\"input_ids\":$ids,\"sampling_params\":{\"max_new_tokens\":16,\"temperature\":0,\"ignore_eos\":true}}" \
