@@ -114,7 +114,7 @@ class DeepseekV41PoolConfigurator(HybridSWAPoolConfigurator):
         self._cell_size = (self._full_per_token + self._draft_per_token
                            + self._swa_full_tokens_ratio * self._swa_per_token * self._swa_layers_num)
         self._request_row_bytes = (RuntimeCaches.planned_request_state_bytes(text, draft_tokens(kvc.server_args))
-                                   + (text.engram_max_ngram_size - 1) * 4 + 8)
+                                   + (text.engram_max_ngram_size - 1 + draft_tokens(kvc.server_args)) * 4 + 8)
         self._context_len = int(getattr(kvc.model_config, "context_len", 0) or 0)
         requested = getattr(kvc.server_args, "max_running_requests", None)
         dp = int(getattr(getattr(kvc, "ps", None), "attn_dp_size", 1) or 1)
@@ -168,6 +168,7 @@ def build_token_to_kv_pool_hook(original, self, *args, **kwargs):
         return DeepseekV41KVPool(text, size=int(sizes.full_max_total_num_tokens),
                                  size_swa=int(sizes.swa_max_total_num_tokens), page_size=int(self.pool_page_size),
                                  num_req_rows=int(req_to_token_pool.req_to_token.shape[0]), device=self.device,
-                                 pair_slots=pair_ring_slots(draft_tokens(self.server_args)))
+                                 pair_slots=pair_ring_slots(draft_tokens(self.server_args)),
+                                 verify_width=draft_tokens(self.server_args))
     except ValueError as e:       # page size: name the flag
         raise _fail(f"{e} (--page-size)") from e
