@@ -212,3 +212,40 @@ def test_commit_hook_commits_a_v41_target_and_leaves_others_alone() -> None:
     assert commit_after_verify_hook(None, other, batch=batch, seq_lens_pre_verify=pre, commit_lens=commit) is None
     with pytest.raises(RuntimeError, match="SGLang's call changed"):
         commit_after_verify_hook(None, worker, batch, pre)
+
+
+def test_layout_of_sglang_verify_batches() -> None:
+    """`layout_from_forward_batch` of SGLang's TARGET_VERIFY batch: w = spec_info.draft_token_num
+    tokens per request from seq_lens (uniform, or a ragged layout's verify_lens, eager only); the
+    graph form is the static verify layout; a batch without its width is refused."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from sglang_dsv41.runtime.batch import layout_from_forward_batch
+
+    slots = Slots(CPU, rows=4, max_context=64)
+    for r, n in ((1, 10), (2, 13)):
+        slots.extend(r, 0, n)
+    out = torch.cat([slots.extend(1, 4, W), slots.extend(2, 7, W)])
+    positions = torch.cat([torch.arange(4, 4 + W), torch.arange(7, 7 + W)])
+
+    def batch(spec, loc=out, pos=positions):
+        return SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY, req_pool_indices=torch.tensor([1, 2]),
+                               seq_lens=torch.tensor([4, 7]), out_cache_loc=loc, spec_info=spec), pos
+
+    fb, pos = batch(SimpleNamespace(draft_token_num=W, ragged_verify_layout=None))
+    layout = layout_from_forward_batch(fb, pos, slots.table)
+    assert layout.verify_width == W and layout.extend_lens.tolist() == [W, W] and layout.seq_lens.tolist() == [10, 13]
+    graph = layout_from_forward_batch(fb, pos, slots.table, static=True)
+    assert graph.static and graph.verify_width == W and torch.equal(graph.token_req, layout.token_req)
+    keep = torch.tensor([0, 1, 2, W, W + 1, W + 2, W + 3])                   # verify lens 3 and 4
+    fb, pos = batch(SimpleNamespace(draft_token_num=W, ragged_verify_layout=SimpleNamespace(
+        verify_lens=torch.tensor([3, 4], dtype=torch.int32))), out[keep], positions[keep])
+    ragged = layout_from_forward_batch(fb, pos, slots.table)
+    assert ragged.extend_lens.tolist() == [3, 4] and ragged.verify_width == W
+    with pytest.raises(RuntimeError, match="eager only"):
+        layout_from_forward_batch(fb, pos, slots.table, static=True)
+    fb, pos = batch(SimpleNamespace())
+    with pytest.raises(RuntimeError, match="draft_token_num"):
+        layout_from_forward_batch(fb, pos, slots.table)
