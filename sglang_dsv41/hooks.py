@@ -182,6 +182,13 @@ HOOKS: tuple[HookSpec, ...] = (
         params=("draft_server_args", "algo_label"), area="runtime",
         why="SGLang replaces a draft attention backend outside its list by flashinfer, which would build its "
             "metadata over the V4.1 draft pool; the V4.1 draft reads its pool through the runtime's own backend."),
+    HookSpec(
+        target="sglang.srt.speculative.dspark_components.dspark_worker_v2.DSparkWorkerV2."
+               "_commit_target_mamba_states_after_verify",
+        kind="after", impl=f"{_DSPARK_IMPL}:commit_after_verify_hook",
+        params=("self", "batch", "seq_lens_pre_verify", "seq_lens_post_verify", "commit_lens"), area="runtime",
+        why="the worker's only post-accept call into the target's state (a no-op unless the model is Mamba-like); "
+            "the V4.1 target commits its Engram history there to anchor + accepted drafts (docs/dspark.md)."),
 )
 
 HOOKS += (

@@ -222,8 +222,8 @@ def sglang_draft(tiny_checkpoint, stored):
 
 
 def test_sglang_class_write_forward_heads(sglang_draft):
-    """write_target_hidden_kv (with commit_lens) → forward in TARGET_VERIFY layout through SGLang's
-    forward context → compute_base_logits / markov / compute_confidence == the reference."""
+    """write_target_hidden_kv (with commit_lens) into the draft pool → forward in TARGET_VERIFY layout
+    through SGLang's forward context → compute_base_logits / markov / compute_confidence == the reference."""
     from sglang.srt.layers.logits_processor import LogitsProcessorOutput
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
@@ -231,7 +231,10 @@ def test_sglang_class_write_forward_heads(sglang_draft):
     model, cfg, w = sglang_draft
     t = cfg.text
     lengths, anchors = (6, 13), (17, 400)
-    store = DSparkContextKV(t.num_nextn_predict_layers, 64, t.head_dim, "cpu")
+    from sglang_dsv41.runtime.dspark_pool import DeepseekV41DSparkPool
+
+    pool = DeepseekV41DSparkPool(t, size=62, page_size=2, device="cpu")       # the draft worker's pool
+    store = pool.dspark_context
     req_to_token = torch.zeros(3, 32, dtype=torch.int64)
     contexts = []
     for b, P in enumerate(lengths):
@@ -242,7 +245,7 @@ def test_sglang_class_write_forward_heads(sglang_draft):
         req_to_token[b + 1, :P + 2] = torch.arange(1 + 30 * b, 1 + 30 * b + P + 2)
         # a verify-window write: P real rows then 2 rejected ones (commit_lens masks them)
         flat = torch.cat((feats.reshape(P, -1), torch.randn(2, N_FEAT * t.hidden_size)))
-        model.write_target_hidden_kv(target_hidden=flat, pool=SimpleNamespace(dspark_context=store),
+        model.write_target_hidden_kv(target_hidden=flat, pool=pool,
                                      positions=torch.arange(P + 2), cache_loc=req_to_token[b + 1, :P + 2],
                                      cache_loc_2d=req_to_token[b + 1, :P + 2].reshape(1, -1),
                                      commit_lens=torch.tensor([P]))
@@ -251,7 +254,7 @@ def test_sglang_class_write_forward_heads(sglang_draft):
     positions = torch.cat([torch.arange(P, P + model.gamma) for P in lengths])
     batch = SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY, req_pool_indices=torch.tensor([1, 2]),
                             seq_lens=torch.tensor(lengths))
-    backend = SimpleNamespace(token_to_kv_pool=SimpleNamespace(dspark_context=store),
+    backend = SimpleNamespace(token_to_kv_pool=pool,
                               req_to_token_pool=SimpleNamespace(req_to_token=req_to_token))
     with forward_context(ForwardContext(attn_backend=backend)):
         out = model.forward(ids, positions, batch)

@@ -122,17 +122,29 @@ def test_dspark_refusals(hf):
                                                                               text, "cpu"))
 
 
-def test_pool_still_refuses_a_draft_worker(registered, tiny_checkpoint):
-    """The draft worker's pool is the GPU half (docs/dspark.md): our pool builder recognises the
-    draft's ModelConfig (renamed architecture) and refuses it, naming the flag."""
+def test_pool_builder_gives_the_draft_worker_its_draft_pool(registered, tiny_checkpoint):
+    """SGLang's draft worker builds its pool through our hook (the draft's ModelConfig, renamed
+    architecture): a `DeepseekV41DSparkPool` over the target's full slots, which the draft model
+    finds its context store in (tests/test_runtime_dspark_pool.py checks the buffers)."""
     from sglang.srt.configs.model_config import ModelConfig
 
+    from sglang_dsv41.runtime.dspark_model import dspark_context_of
+    from sglang_dsv41.runtime.dspark_pool import DeepseekV41DSparkPool
     from sglang_dsv41.runtime.sglang_pool import build_token_to_kv_pool_hook
 
     draft = ModelConfig(str(tiny_checkpoint), is_draft_model=True, speculative_algorithm="DSPARK")
-    kvc = SimpleNamespace(model_config=draft, is_hybrid_swa=True, is_draft_worker=True, server_args=SimpleNamespace())
-    with pytest.raises(RuntimeError, match="draft worker.*--speculative-algorithm"):
-        build_token_to_kv_pool_hook(lambda *a, **k: pytest.fail("SGLang's own pool built"), kvc)
+    args = SimpleNamespace(speculative_algorithm="DSPARK", speculative_num_draft_tokens=6)
+    kvc = SimpleNamespace(model_config=draft, is_hybrid_swa=True, is_draft_worker=True, server_args=args,
+                          kv_cache_dtype=torch.bfloat16, pool_page_size=2, device="cpu")
+    sizes = SimpleNamespace(full_max_total_num_tokens=64, swa_max_total_num_tokens=32)
+    pool = build_token_to_kv_pool_hook(lambda *a, **k: pytest.fail("SGLang's own pool built"), kvc, sizes=sizes,
+                                       is_dsa_model=False, is_dsv4_model=False, req_to_token_pool=None)
+    assert isinstance(pool, DeepseekV41DSparkPool) and pool.size == 64
+    assert dspark_context_of(pool) is pool.dspark_context and pool.dspark_context.rows == 66
+    hicache = SimpleNamespace(**{**vars(kvc), "server_args": SimpleNamespace(**vars(args),
+                                                                             enable_hierarchical_cache=True)})
+    with pytest.raises(RuntimeError, match="--enable-hierarchical-cache with --speculative-algorithm DSPARK"):
+        build_token_to_kv_pool_hook(lambda *a, **k: None, hicache, sizes=sizes, req_to_token_pool=None)
 
 
 # ---- target side: capture of the DSpark layers' attention input ------------------------------

@@ -11,7 +11,8 @@ model's `attention_ops` implementation (CPU: float64 torch; CUDA: the Triton ker
    e = slot(p) // 2, pooled from its own fp32 `wkv` / `wgate` outputs and its first token's —
    taken from the batch when p−1 is in it, else from the request's pair ring
    (`RuntimeCaches.pending_pair`); after the layer every request whose last batch token is
-   at an even position stores that token's outputs there (spec §3.4.3). Whole batch, no
+   at an even position stores that token's outputs there (spec §3.4.3) — in a DSpark verify
+   batch every even position of the block does (`store_block_pairs`). Whole batch, no
    per-request loop; even tokens write "no entry" (−1, the padding-page sink);
 3. indexer layers: `attention_ops.select` (keys = the source's FP4 index keys of compressed
    positions 0..⌊seq_len/ratio⌋−1, entry slot(j·r + r − 1) // r — exactly the keys the reference
@@ -127,6 +128,14 @@ def _write_compressed(be: ComputeBackend, cfg: TextConfig, role: LayerRole, w: M
     latents = pair_latents(be, cfg, w, prefix, a_first, s_first, a, s)
     entries = torch.where(odd & live, out // 2, -1)
     caches.write_entries(src, entries, _packed_entries(be, cfg, w, prefix, latents, first_pos, inv_freq, caches))
+    if layout.verify_width:
+        # DSpark verify: any draft position may become the committed end, so every live token keeps
+        # the pending pair of its compressed position (odd tokens re-write their in-batch partner's,
+        # identical values); the ring (≥ 2 + w slots) never lets them clobber the committed pair
+        keep = live & (~odd | in_batch[:, 0])
+        caches.store_block_pairs(src, req_rows, pos - pos % 2, keep, torch.where(odd[:, None], a_first, a),
+                                 torch.where(odd[:, None], s_first, s))
+        return
     # pending first tokens: requests whose last batch token sits at an even position; padding
     # requests (last token not live) write their rows' own values back (no change)
     last = layout.last_tokens

@@ -10,7 +10,15 @@ Invariant checked here (the torch path depends on it): every request's tokens ar
 the batch and sit at consecutive absolute positions starting at its prefix length, and
 `out_cache_loc` equals the request's `req_to_token` row at those positions, and those slots are
 aligned in groups of `SLOT_GROUP` (packed compressed entries, contract §2). Anything else
-(speculative verify/draft modes, a mismatched slot map) raises instead of computing garbage.
+(draft modes, a mismatched slot map) raises instead of computing garbage.
+
+DSpark verify (`TARGET_VERIFY`, docs/dspark.md "Target verify"): SGLang's DSPARK worker runs the
+target once over w = γ+1 tokens per request [anchor, d_0 … d_{γ−1}] at positions P..P+w−1, P =
+`seq_lens` (the committed length; the slots of the window are already in `req_to_token`). Its
+layout is an extend of w tokens per request (`verify_lens` of a ragged layout under
+`SGLANG_RAGGED_VERIFY_MODE` compact / cap-accept, eager only) with `verify_width` = w: the forward
+then keeps every draft position's ratio-2 pending pair and stages the block's Engram ids instead
+of advancing the history (`runtime/engram_history.py`); the worker's commit applies them.
 
 Static decode layouts (CUDA graphs). `static_decode_layout` builds the layout of a decode batch
 that SGLang's decode graph runner captures or replays: one token per request, every shape a
@@ -24,13 +32,13 @@ padding page / SWA slot 0 / the "no entry" sink, which no live query reads.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 #: SGLang forward modes the torch path serves (by `ForwardMode.name`).
-SUPPORTED_MODES = ("EXTEND", "DECODE", "MIXED", "IDLE")
+SUPPORTED_MODES = ("EXTEND", "DECODE", "MIXED", "IDLE", "TARGET_VERIFY")
 #: Slots come in aligned groups of the largest V4.1 compress ratio (2): the r tokens of one
 #: compressed entry hold its packed bytes (contract §2), so SGLang's page_size must be even.
 SLOT_GROUP = 2
@@ -51,6 +59,8 @@ class BatchLayout:
       tokens, and the forward's value checks (host syncs) are skipped.
     * `engram_history`: int64 [B, K] ids before each request's chunk from the host
       (`runtime/engram_history.py`), or None: the forward reads its per-request ring.
+    * `verify_width`: w of a DSpark verify batch (module doc; its tokens are speculative), 0
+      otherwise.
     """
 
     req_rows: Tensor
@@ -65,6 +75,7 @@ class BatchLayout:
     max_seq_len: int
     static: bool = False
     engram_history: Tensor | None = None
+    verify_width: int = 0
 
     @property
     def live_tokens(self) -> Tensor:
@@ -179,12 +190,51 @@ def static_decode_layout(req_rows: Tensor, seq_lens: Tensor, positions: Tensor, 
                        max_seq_len=int(req_to_token.shape[1]), static=True)
 
 
+def static_verify_layout(req_rows: Tensor, seq_lens: Tensor, positions: Tensor, out_slots: Tensor,
+                         req_to_token: Tensor, width: int) -> BatchLayout:
+    """The layout of a DSpark verify batch inside a CUDA graph: request b's w tokens are
+    b·w..b·w+w−1 at positions seq_lens[b]..seq_lens[b]+w−1; unchecked and sync-free like
+    `static_decode_layout` (padding requests: row 0, slot 0, masked by `live_tokens`)."""
+    device = positions.device
+    pos = positions.to(torch.int64).reshape(-1)
+    req_rows, seq_lens = (x.to(device=device, dtype=torch.int64).reshape(-1) for x in (req_rows, seq_lens))
+    slots = out_slots.to(device=device, dtype=torch.int64).reshape(-1)
+    B = req_rows.numel()
+    if width < 1 or pos.numel() != B * width or seq_lens.numel() != B or slots.numel() != B * width:
+        raise RuntimeError(f"sglang-dsv41 static verify layout: {pos.numel()} positions, {B} request rows, "
+                           f"{seq_lens.numel()} seq_lens, {slots.numel()} out slots for width {width}")
+    widths = torch.full_like(seq_lens, width)
+    return BatchLayout(req_rows=req_rows, prefix_lens=seq_lens, extend_lens=widths, seq_lens=seq_lens + widths,
+                       starts=torch.arange(B, device=device) * width, positions=pos,
+                       token_req=torch.arange(B * width, device=device) // width, out_slots=slots,
+                       req_to_token=req_to_token, max_seq_len=int(req_to_token.shape[1]), static=True,
+                       verify_width=width)
+
+
+def verify_lens_of(forward_batch) -> tuple[Tensor | None, int]:
+    """(per-request verify lengths of a ragged layout or None, w = tokens per request) of a
+    TARGET_VERIFY batch's spec info."""
+    spec = getattr(forward_batch, "spec_info", None)
+    width = int(getattr(spec, "draft_token_num", 0) or 0)
+    if width < 1:
+        raise RuntimeError("sglang-dsv41: a TARGET_VERIFY batch without its verify width (spec_info.draft_token_num)")
+    ragged = getattr(spec, "ragged_verify_layout", None)
+    return (None if ragged is None else ragged.verify_lens), width
+
+
 def layout_from_forward_batch(forward_batch, positions: Tensor, req_to_token: Tensor, *,
                               static: bool = False, engram_history: Tensor | None = None) -> BatchLayout:
     """The `BatchLayout` of an SGLang `ForwardBatch` (extend, decode, mixed or idle); `static`
     (decode / idle batches of SGLang's CUDA-graph runner only): `static_decode_layout`;
     `engram_history`: the batch's host-built history (non-static layouts only)."""
     mode = forward_batch.forward_mode
+    if static and mode.is_target_verify():
+        ragged, width = verify_lens_of(forward_batch)
+        if ragged is not None:
+            raise RuntimeError("sglang-dsv41: ragged DSpark verify (SGLANG_RAGGED_VERIFY_MODE compact / cap-accept) "
+                               "runs eager only: serve with --disable-cuda-graph or SGLANG_RAGGED_VERIFY_MODE=static")
+        return static_verify_layout(forward_batch.req_pool_indices, forward_batch.seq_lens, positions,
+                                    forward_batch.out_cache_loc, req_to_token, width)
     if static:
         if not (mode.is_decode() or mode.is_idle()):
             raise RuntimeError(f"sglang-dsv41: a static (CUDA-graph) layout is for decode batches, got {mode.name}")
@@ -196,6 +246,12 @@ def layout_from_forward_batch(forward_batch, positions: Tensor, req_to_token: Te
                            "split prefill need the later kernel phase)")
     device = positions.device
     seq_lens = forward_batch.seq_lens.to(device=device, dtype=torch.int64)
+    if mode.is_target_verify():
+        ragged, width = verify_lens_of(forward_batch)
+        extend_lens = torch.full_like(seq_lens, width) if ragged is None else ragged.to(device, torch.int64)
+        layout = make_layout(forward_batch.req_pool_indices, seq_lens, extend_lens, positions,
+                             forward_batch.out_cache_loc, req_to_token)
+        return replace(layout, verify_width=width)
     if mode.is_decode() or mode.is_idle():
         extend_lens = torch.ones_like(seq_lens)
     else:

@@ -86,12 +86,13 @@ class RuntimeCaches:
     @classmethod
     def from_buffers(cls, cfg: TextConfig, swa_rows: list[Tensor], swa_slot_of: Tensor, latent_rows: Tensor,
                      key_rows: Tensor, num_req_rows: int, profile: CacheProfile = CacheProfile.NONE, *, pool_id: int = -1,
-                     page_size: int | None = None, pair_slots: int = 2) -> "RuntimeCaches":
+                     page_size: int | None = None, pair_slots: int = 2, verify_width: int = 0) -> "RuntimeCaches":
         """Wrap buffers someone else owns (SGLang's SWAKVPool, `runtime/sglang_pool.py`):
         `swa_rows[l]` [S_swa, D] per model layer, `swa_slot_of` [S_full] full → SWA slot,
         `latent_rows` uint8 [S_full, ≥ latent_row_bytes] and `key_rows` uint8 [S_full,
         ≥ key_row_bytes] (two separate buffers); request-scoped state (pair ring of `pair_slots`
-        slots, Engram history) for `num_req_rows` rows is allocated here. Shapes, dtypes and
+        slots, Engram history with a staged DSpark verify block of `verify_width` ids) for
+        `num_req_rows` rows is allocated here. Shapes, dtypes and
         devices are checked."""
         profile = CacheProfile(profile)
         if profile not in PACKED_PROFILES:
@@ -135,14 +136,15 @@ class RuntimeCaches:
             pair_kv={s: torch.zeros(*ring, cfg.head_dim, dtype=f32, device=device) for s in ratio2},
             pair_score={s: torch.zeros(*ring, cfg.head_dim, dtype=f32, device=device) for s in ratio2},
             pair_position={s: torch.full(ring, -1, dtype=torch.int64, device=device) for s in ratio2},
-            engram_history=EngramHistoryRing.allocate(num_req_rows, cfg.engram_max_ngram_size - 1, device),
+            engram_history=EngramHistoryRing.allocate(num_req_rows, cfg.engram_max_ngram_size - 1, device,
+                                                     verify_width),
             num_req_rows=num_req_rows, pair_ring_slots=pair_slots,
             profile=profile, pool_id=pool_id, page_size=page_size)
 
     @classmethod
     def allocate(cls, cfg: TextConfig, num_slots: int, num_req_rows: int, device: torch.device | str = "cpu",
                  profile: CacheProfile = CacheProfile.NONE, *, page_size: int | None = None,
-                 pair_slots: int = 2) -> "RuntimeCaches":
+                 pair_slots: int = 2, verify_width: int = 0) -> "RuntimeCaches":
         """Stand-alone buffers for tests and tools: `num_slots` full slots = SWA slots (identity
         `swa_slot_of`), bf16 SWA rows, zeroed packed latent and key rows. Slots 0..page_size−1 are the padding
         page: slot maps handed to the forward must start at page 1 (`tests/runtime_scenarios.py`)."""
@@ -153,7 +155,7 @@ class RuntimeCaches:
         key_rows = torch.zeros(num_slots, layout.key_row_stride, dtype=torch.uint8, device=device)
         identity = torch.arange(num_slots, dtype=torch.int64, device=device)
         return cls.from_buffers(cfg, swa, identity, latent_rows, key_rows, num_req_rows, profile, page_size=page_size,
-                                pair_slots=pair_slots)
+                                pair_slots=pair_slots, verify_width=verify_width)
 
     # ---- accounting -------------------------------------------------------------------------------
     @staticmethod
@@ -244,6 +246,18 @@ class RuntimeCaches:
         self.pair_kv[source][req_rows, slot] = torch.where(pending[:, None], kv, held_kv)
         self.pair_score[source][req_rows, slot] = torch.where(pending[:, None], score, held_score)
         self.pair_position[source][req_rows, slot] = torch.where(live, torch.where(pending, positions, -1), held_pos)
+
+    def store_block_pairs(self, source: int, req_rows: Tensor, first_positions: Tensor, keep: Tensor, kv: Tensor,
+                          score: Tensor) -> None:
+        """DSpark verify (per token): where `keep`, the pair starting at even `first_positions` of
+        request row `req_rows` holds kv / score; elsewhere the slot keeps its values. Two tokens of
+        one pair write the same values (the caller's contract), so duplicates are harmless."""
+        slot = self.pair_slot(first_positions)
+        held_kv, held_score = self.pair_kv[source][req_rows, slot], self.pair_score[source][req_rows, slot]
+        held_pos = self.pair_position[source][req_rows, slot]
+        self.pair_kv[source][req_rows, slot] = torch.where(keep[:, None], kv, held_kv)
+        self.pair_score[source][req_rows, slot] = torch.where(keep[:, None], score, held_score)
+        self.pair_position[source][req_rows, slot] = torch.where(keep, first_positions, held_pos)
 
     # ---- addressing and writes (the forward's only access paths) ----------------------------------
     def swa_slots(self, full_slots: Tensor) -> Tensor:

@@ -9,6 +9,10 @@ docs/dspark.md; integration.md §3.5).
   fallback`: SGLang falls back to flashinfer for a draft backend outside its list; a V4.1 draft
   keeps the V4.1 runtime's backend (`dsv41` / `torch_native`), whose `token_to_kv_pool` is the
   draft pool the draft model reads (`get_token_to_kv_pool()`). Other models are untouched.
+* `commit_after_verify_hook` — AFTER `DSparkWorkerV2._commit_target_mamba_states_after_verify`
+  (called once per verify step with the pre-verify lengths and `commit_lens` = 1 + accepted):
+  a V4.1 target commits its staged verify block's Engram ids (`commit_dspark_verify`); pair-ring
+  slots and rows of rejected positions need no commit (position-keyed, rewritten before read).
 """
 from __future__ import annotations
 
@@ -61,3 +65,15 @@ def draft_attention_backend_hook(original, *args, **kwargs):
         raise ValueError(f"sglang-dsv41: draft attention backend {backend!r}: the V4.1 DSpark draft runs on the V4.1 "
                          f"runtime's backends only ({', '.join(_runtime_backends())})")
     return backend
+
+
+def commit_after_verify_hook(result, self, *args, batch=None, seq_lens_pre_verify=None, commit_lens=None, **kwargs):
+    """Commit the V4.1 target's verify step (module doc); other targets are untouched."""
+    model = self.target_worker.model_runner.model
+    commit = getattr(model, "commit_dspark_verify", None)
+    if commit is not None:
+        if batch is None or seq_lens_pre_verify is None or commit_lens is None:
+            raise RuntimeError("sglang-dsv41: DSpark verify commit called without batch / seq_lens_pre_verify / "
+                               "commit_lens (SGLang's call changed: tests/test_hooks.py pins it)")
+        commit(batch.req_pool_indices, seq_lens_pre_verify, commit_lens)
+    return result

@@ -13,6 +13,12 @@ prefix_len[b] − K .. prefix_len[b] − 1, −1 where the position is < 0:
   forward (`end`), written by every forward; a decode step reads it (CUDA-graph safe: shapes
   depend on the batch size only). A forward given no host history reads the ring, and on CPU
   refuses a row whose `end` is not the request's prefix length (a stale row).
+
+DSpark verify (docs/dspark.md): a verify forward over [anchor, d_0, …] at P.. reads the ring
+(ending at P) but does not advance it; it stages the block's ids (`stage_verify`, per request row,
+`verify_ids` [rows, ≥ w]). After acceptance SGLang's worker commits c = 1 + accepted tokens
+(`commit_verify`): the ring then holds the ids up to P + c, exactly as if those c tokens had been
+forwarded one at a time; rejected drafts leave nothing behind.
 """
 from __future__ import annotations
 
@@ -46,22 +52,61 @@ def host_history(tokens: Sequence[Sequence[int]], starts: Sequence[int], history
 @dataclass
 class EngramHistoryRing:
     """Last K remapped ids of each request row (`ids`, int32 [rows, K], NO_TOKEN = none) and the
-    position after them (`end`, int64 [rows], −1 = never written)."""
+    position after them (`end`, int64 [rows], −1 = never written); under DSpark, `verify_ids`
+    int32 [rows, verify width] holds each row's last verify block (module doc)."""
 
     ids: Tensor
     end: Tensor
+    verify_ids: Tensor | None = None
 
     @classmethod
-    def allocate(cls, num_req_rows: int, history_len: int, device: torch.device | str) -> "EngramHistoryRing":
+    def allocate(cls, num_req_rows: int, history_len: int, device: torch.device | str,
+                 verify_width: int = 0) -> "EngramHistoryRing":
+        if verify_width < 0:
+            raise ValueError(f"Engram verify width must be ≥ 0, got {verify_width}")
+        staged = (torch.full((num_req_rows, verify_width), NO_TOKEN, dtype=torch.int32, device=device)
+                  if verify_width else None)
         return cls(ids=torch.full((num_req_rows, history_len), NO_TOKEN, dtype=torch.int32, device=device),
-                   end=torch.full((num_req_rows,), -1, dtype=torch.int64, device=device))
+                   end=torch.full((num_req_rows,), -1, dtype=torch.int64, device=device), verify_ids=staged)
+
+    @property
+    def verify_width(self) -> int:
+        return 0 if self.verify_ids is None else int(self.verify_ids.shape[1])
+
+    def stage_verify(self, req_rows: Tensor, local: Tensor, ids: Tensor, live: Tensor) -> None:
+        """Stage a verify batch's ids: token t (request row `req_rows[t]`, index `local[t]` in its
+        block) → verify_ids[row, local]; tokens with `live` False (graph padding) write nothing."""
+        if self.verify_ids is None:
+            raise RuntimeError("sglang-dsv41: a DSpark verify forward on caches built without a verify width "
+                               "(the pool was built without --speculative-algorithm)")
+        local = local.clamp(max=self.verify_width - 1)
+        held = self.verify_ids[req_rows, local]
+        self.verify_ids[req_rows, local] = torch.where(live, ids.to(self.verify_ids.dtype), held)
+
+    def commit_verify(self, req_rows: Tensor, prefix_lens: Tensor, commit_lens: Tensor, check: bool) -> None:
+        """Advance each row from P = `prefix_lens` to P + `commit_lens` with its staged block's first
+        commit_lens ids (module doc); `check` (host sync) refuses a row not at P or a commit
+        longer than the staged block."""
+        if self.verify_ids is None:
+            raise RuntimeError("sglang-dsv41: Engram verify commit without a staged verify block")
+        req_rows, prefix_lens, commit_lens = (x.to(device=self.ids.device, dtype=torch.int64).reshape(-1)
+                                              for x in (req_rows, prefix_lens, commit_lens))
+        W = self.verify_width
+        if check and bool(((commit_lens < 1) | (commit_lens > W)).any()):
+            raise RuntimeError(f"sglang-dsv41: Engram verify commit of {commit_lens.tolist()} tokens, staged blocks "
+                               f"hold {W}")
+        history = self.read(req_rows, prefix_lens, check)
+        B = req_rows.numel()
+        block = self.verify_ids[req_rows].to(torch.int64).reshape(-1)
+        tail = history_tail(history, block, torch.arange(B, device=block.device) * W, prefix_lens, commit_lens)
+        self.advance(req_rows, prefix_lens + commit_lens, tail)
 
     @property
     def history_len(self) -> int:
         return int(self.ids.shape[1])
 
     def bytes_per_request_row(self) -> int:
-        return self.history_len * self.ids.element_size() + self.end.element_size()
+        return (self.history_len + self.verify_width) * self.ids.element_size() + self.end.element_size()
 
     def read(self, req_rows: Tensor, prefix_lens: Tensor, check: bool) -> Tensor:
         """int64 [B, K] history of the requests at `req_rows` (all NO_TOKEN where the prefix is

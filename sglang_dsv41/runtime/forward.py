@@ -213,31 +213,40 @@ class TorchForward(nn.Module):
 
     def engram_rows(self, ids: Tensor, layout: BatchLayout, caches: RuntimeCaches) -> list[Tensor]:
         """Row ids per Engram layer (history: `engram_history`; pad id before position 0), then
-        the request rows' ring advanced to the end of this batch (padding tokens write nothing)."""
+        the request rows' ring advanced to the end of this batch (padding tokens write nothing);
+        a DSpark verify batch stages its ids instead (`EngramHistoryRing.stage_verify`)."""
         assert self.hasher is not None
         history = self.engram_history(layout, caches)
-        tail = history_tail(history, ids, layout.starts, layout.prefix_lens, layout.extend_lens)
-        caches.engram_history.advance(layout.req_rows, layout.seq_lens, tail,
-                                      live=layout.live_tokens[layout.last_tokens] if layout.static else None)
+        if layout.verify_width:
+            local = torch.arange(ids.shape[0], device=ids.device) - layout.starts[layout.token_req]
+            caches.engram_history.stage_verify(layout.req_rows[layout.token_req], local, ids, layout.live_tokens)
+        else:
+            tail = history_tail(history, ids, layout.starts, layout.prefix_lens, layout.extend_lens)
+            caches.engram_history.advance(layout.req_rows, layout.seq_lens, tail,
+                                          live=layout.live_tokens[layout.last_tokens] if layout.static else None)
         history = torch.where(history >= 0, history, torch.full_like(history, self.hasher.pad_token_id))
         if layout.static:
-            return self._decode_engram_rows(ids, layout.positions, history)
+            return self._static_engram_rows(ids, layout.positions, history, max(layout.verify_width, 1))
         return self.hasher.row_ids(ids, layout.positions, history, layout.extend_lens)
 
-    def _decode_engram_rows(self, ids: Tensor, positions: Tensor, history: Tensor) -> list[Tensor]:
-        """`EngramHasher.row_ids` for one token per request (static decode layouts) without its
-        host-side checks (`_segments` sums extend_lens on the host, `compressed_window` validates
-        ids): the n-gram window of token b is (ids[b], history[b, K−1], history[b, K−2], …) —
-        `EngramHasher.window`'s rule with local index 0 (same index clamp) — then the same
-        blocking, pad id, token map and per-layer hash (`layer_row_ids`). Bit-identical to
-        `row_ids` (tests/test_runtime_cuda_graph.py compares the logits)."""
+    def _static_engram_rows(self, ids: Tensor, positions: Tensor, history: Tensor, width: int) -> list[Tensor]:
+        """`EngramHasher.row_ids` for `width` tokens per request (static decode: 1; static
+        DSpark verify: w) without its host-side checks (`_segments` sums extend_lens on the host,
+        `compressed_window` validates ids): the n-gram window of the token at index i of its
+        request is (ids[i], ids[i−1], …, then history[b, K−1], history[b, K−2], …) —
+        `EngramHasher.window`'s rule (same index clamp) — then the same blocking, pad id, token
+        map and per-layer hash (`layer_row_ids`). Bit-identical to `row_ids`
+        (tests/test_runtime_cuda_graph.py, tests/test_runtime_dspark_verify.py)."""
         h = self.hasher
         assert h is not None
         K, M = h.history_len, h.max_ngram
+        B = history.shape[0]
         shifts = torch.arange(M, device=ids.device)
-        back = -shifts                                                    # local index 0 − s
-        from_hist = history[:, (back + K).clamp(min=0, max=K - 1)]      # [B, M]
-        tok = torch.where((back >= 0)[None, :], ids[:, None], from_hist)
+        back = torch.arange(width, device=ids.device)[:, None] - shifts[None, :]          # [w, M] local index i − s
+        block = ids.reshape(B, width)
+        from_hist = history[:, (back + K).clamp(min=0, max=K - 1)]                          # [B, w, M]
+        from_ids = block[:, back.clamp(min=0)]                                              # [B, w, M]
+        tok = torch.where((back >= 0)[None], from_ids, from_hist).reshape(B * width, M)
         if h.image_token_id is not None:
             tok = torch.where(tok >= MULTIMODAL_PAD_ID_BASE, torch.full_like(tok, h.image_token_id), tok)
         blocked = positions[:, None] < shifts[None, :]

@@ -15,6 +15,7 @@ Buffers, each as it is (no zero-width tensor, every row a multiple of 16 B):
 | FULL (`full_kv_pool`) | global KV index-key rows ("V") | uint8 [S_full + page, key_row_stride] (Flash 176 = 68 + 3·34 + 6 pad) | full slot |
 | SWA (`swa_kv_pool`) | SWA rows of model layer l | bf16 [S_swa + page, D] per layer (K = V, spec §3.4.5) | SWA slot |
 | request state | ratio-2 pair ring of source s | fp32 kv, score [R, ring, D]; int64 position [R, ring] | request row, ⌊p/2⌋ mod ring |
+| request state | Engram history (+ staged DSpark verify block of `verify_width` ids) | int32 [R, K (+ w)]; int64 end [R] | request row |
 
 Global KV: Flash 720 + 176 = 896 B/token (tiny 112 + 80 = 192), `kv_rows`. It is two buffers, not
 one, so SGLang's non-MLA PD path — which splits `get_contiguous_buf_infos()` into a K half and a V
@@ -163,7 +164,8 @@ class DeepseekV41KVPool(SWAKVPool):
     request-scoped pair ring; `runtime_caches` is the forward's view of all of them."""
 
     def __init__(self, cfg: TextConfig, *, size: int, size_swa: int, page_size: int, num_req_rows: int,
-                 device: str, pair_slots: int = 2, profile: CacheProfile = CacheProfile.NONE) -> None:
+                 device: str, pair_slots: int = 2, profile: CacheProfile = CacheProfile.NONE,
+                 verify_width: int = 0) -> None:
         layout = CompressedRowLayout.from_config(cfg)
         check_page_size(page_size, layout)
         L = cfg.num_hidden_layers
@@ -185,7 +187,8 @@ class DeepseekV41KVPool(SWAKVPool):
         self.runtime_caches = RuntimeCaches.from_buffers(
             cfg, self.swa_kv_pool.buffers, self._unregistered_mapping(), self.full_kv_pool.latent_rows,
             self.full_kv_pool.key_rows, num_req_rows,
-            profile, pool_id=id(self), page_size=page_size, pair_slots=pair_slots)
+            profile, pool_id=id(self), page_size=page_size, pair_slots=pair_slots,
+            verify_width=verify_width)
         self.runtime_caches.layer_waiter = self.wait_for_model_layer
         self.mem_usage = (self.full_kv_pool.mem_usage + self.swa_kv_pool.mem_usage
                           + self.request_state_bytes() / GB)

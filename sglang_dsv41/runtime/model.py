@@ -176,6 +176,16 @@ class DeepseekV41ForCausalLM(nn.Module):
             raise RuntimeError("sglang-dsv41: get_input_embeddings before load_weights")
         return self.torch_forward.embed
 
+    @torch.no_grad()
+    def commit_dspark_verify(self, req_pool_indices: Tensor, prefix_lens: Tensor, commit_lens: Tensor) -> None:
+        """SGLang's DSPARK worker after acceptance (hook `dspark_hooks.commit_after_verify_hook`):
+        each request keeps anchor + accepted drafts, c = `commit_lens` tokens of its verify block
+        at `prefix_lens`; the Engram history advances to P + c (`EngramHistoryRing.commit_verify`)."""
+        if self.caches is None:
+            raise RuntimeError("sglang-dsv41: DSpark verify commit before any forward built the caches")
+        self.caches.engram_history.commit_verify(req_pool_indices, prefix_lens, commit_lens,
+                                                 check=self.device.type == "cpu")
+
     # ---- caches -------------------------------------------------------------------------------
     def _caches_for(self, pool) -> RuntimeCaches:
         """The `RuntimeCaches` our pool built at construction (`runtime/kv_pool.py`); checked and

@@ -11,14 +11,17 @@ the unified radix tree with FULL + SWA components — and two HookRegistry entri
   request row, for as many rows as SGLang will allow), divides the rest of the KV budget by the
   cell latent + index-key row strides + ratio · L · D · 2 (Flash 720 + 176 + 0.1 · 40,960 B) and splits it into full and
   SWA tokens with SGLang's own solver;
-  it logs the global KV bytes per token. Refuses what the pool cannot be built for or serve yet
-  (non-bf16 KV, no hybrid-SWA memory, unified memory, a draft worker, HiCache settings
+  it logs the global KV bytes per token; under `--speculative-algorithm DSPARK` the cell also
+  holds the draft's context rows (`dspark_pool.draft_bytes_per_token`, one row per stage and full
+  slot). Refuses what the pool cannot be built for or serve yet
+  (non-bf16 KV, no hybrid-SWA memory, unified memory, HiCache or PD with DSpark, HiCache settings
   `runtime/hicache_stack.check_hicache_flags` refuses, a PD transfer backend other than mooncake).
 * `build_token_to_kv_pool_hook` — AROUND `KVCacheConfigurator._build_token_to_kv_pool`: builds
   `DeepseekV41KVPool` from those sizes, SGLang's page size and its `req_to_token` rows (the pair
   ring has one row each), with ring slots for the speculative draft tokens. Refuses a KV dtype
   other than bf16 and a page size that is not a multiple of the largest compress ratio, at
-  start-up, naming the flag.
+  start-up, naming the flag. For SGLang's DSpark draft worker (`is_draft_worker`) it builds
+  `dspark_pool.DeepseekV41DSparkPool` over the target's full-slot count instead.
 
 Any other architecture goes to SGLang's own code unchanged.
 """
@@ -32,6 +35,7 @@ from sglang.srt.model_executor.pool_configurator import HybridSWAPoolConfigurato
 
 from ..config import TextConfig
 from .cache import RuntimeCaches
+from .dspark_pool import draft_bytes_per_token
 from .hf_config import ARCHITECTURE, DRAFT_ARCHITECTURE
 from .kv_rows import (pair_ring_slots, text_key_row_stride_bytes, text_latent_row_stride_bytes, text_row_payload_bytes,
                       text_row_stride_bytes)
@@ -59,9 +63,12 @@ def check_pool_flags(kvc) -> None:
     """Start-up refusals for a configuration the pool cannot serve (each names the flag)."""
     if not kvc.is_hybrid_swa:
         raise _fail("the V4.1 pool is a hybrid-SWA pool: drop --disable-hybrid-swa-memory")
-    if kvc.is_draft_worker:
-        raise _fail("speculative decoding with a draft worker is not supported by the V4.1 pool yet "
-                    "(drop --speculative-algorithm)")
+    if kvc.is_draft_worker or draft_tokens(kvc.server_args):
+        for flag, on in (("--enable-hierarchical-cache", getattr(kvc.server_args, "enable_hierarchical_cache", False)),
+                         ("--disaggregation-mode", getattr(kvc.server_args, "disaggregation_mode", "null") != "null")):
+            if on:
+                raise _fail(f"{flag} with --speculative-algorithm DSPARK: the DSpark draft pool is not wired "
+                            "into HiCache / PD transfers yet (docs/dspark.md)")
     if getattr(kvc.server_args, "enable_hierarchical_cache", False):
         from .hicache_stack import check_hicache_flags
 
@@ -102,9 +109,12 @@ class DeepseekV41PoolConfigurator(HybridSWAPoolConfigurator):
         self._swa_full_tokens_ratio = kvc.server_args.swa_full_tokens_ratio
         self._sliding_window_size = kvc.sliding_window_size
         self._page_size = kvc.page_size
-        self._cell_size = self._full_per_token + self._swa_full_tokens_ratio * self._swa_per_token * self._swa_layers_num
+        #: DSpark draft context rows per full slot (0 without --speculative-algorithm)
+        self._draft_per_token = draft_bytes_per_token(text) if draft_tokens(kvc.server_args) else 0
+        self._cell_size = (self._full_per_token + self._draft_per_token
+                           + self._swa_full_tokens_ratio * self._swa_per_token * self._swa_layers_num)
         self._request_row_bytes = (RuntimeCaches.planned_request_state_bytes(text, draft_tokens(kvc.server_args))
-                                   + (text.engram_max_ngram_size - 1) * 4 + 8)
+                                   + (text.engram_max_ngram_size - 1 + draft_tokens(kvc.server_args)) * 4 + 8)
         self._context_len = int(getattr(kvc.model_config, "context_len", 0) or 0)
         requested = getattr(kvc.server_args, "max_running_requests", None)
         dp = int(getattr(getattr(kvc, "ps", None), "attn_dp_size", 1) or 1)
@@ -112,10 +122,11 @@ class DeepseekV41PoolConfigurator(HybridSWAPoolConfigurator):
         logger.info("sglang-dsv41 KV pool sizing: global KV %d B/token = latent row %d B + index-key row %d B "
                     "(%d B packed FP4, each row padded to 16 B), "
                     "SWA %d B per SWA token, --swa-full-tokens-ratio %s: %.1f B per full token; request state "
-                    "(pair ring + Engram history) %d B per request row, reserved first",
+                    "(pair ring + Engram history) %d B per request row, reserved first; DSpark draft context %d B "
+                    "per full token",
                     self._full_per_token, text_latent_row_stride_bytes(text), text_key_row_stride_bytes(text),
                     text_row_payload_bytes(text), self._swa_per_token * self._swa_layers_num,
-                    self._swa_full_tokens_ratio, self._cell_size, self._request_row_bytes)
+                    self._swa_full_tokens_ratio, self._cell_size, self._request_row_bytes, self._draft_per_token)
 
     def request_state_bytes(self, token_capacity: int) -> int:
         """Bytes of the request-scoped state for the request rows SGLang will allow at this token
@@ -148,10 +159,16 @@ def build_token_to_kv_pool_hook(original, self, *args, **kwargs):
 
     check_pool_flags(self)
     sizes, req_to_token_pool = kwargs["sizes"], kwargs["req_to_token_pool"]
+    if self.is_draft_worker:
+        from .dspark_pool import DeepseekV41DSparkPool
+
+        return DeepseekV41DSparkPool(text, size=int(sizes.full_max_total_num_tokens),
+                                     page_size=int(self.pool_page_size), device=self.device)
     try:
         return DeepseekV41KVPool(text, size=int(sizes.full_max_total_num_tokens),
                                  size_swa=int(sizes.swa_max_total_num_tokens), page_size=int(self.pool_page_size),
                                  num_req_rows=int(req_to_token_pool.req_to_token.shape[0]), device=self.device,
-                                 pair_slots=pair_ring_slots(draft_tokens(self.server_args)))
+                                 pair_slots=pair_ring_slots(draft_tokens(self.server_args)),
+                                 verify_width=draft_tokens(self.server_args))
     except ValueError as e:       # page size: name the flag
         raise _fail(f"{e} (--page-size)") from e

@@ -1,0 +1,251 @@
+"""The target's DSpark verify forward on CPU (`TARGET_VERIFY`; docs/dspark.md "Target verify"):
+one forward over w = γ+1 tokens per request [anchor, d_0 … d_4], acceptance by the oracle's
+`reference/dspark_verify.verify_greedy`, then the commit of anchor + accepted drafts — against
+the reference, which verifies on a clone of its request state and re-runs only the accepted
+tokens (`speculative_generate`'s exact rollback).
+
+Exact backend: bit-identical (LOGIT_ATOL 0), as tests/test_runtime_forward.py. Checked:
+* every round's verify logits == the reference's verify logits of the same block;
+* emitted tokens == plain greedy decoding; accept lengths 0..γ all occur, prompts ending on odd
+  and even positions (pair ring: a rejected draft's pending pair never clobbers the committed one);
+* after commit the Engram history ring == a sequential run's; rejected drafts leave no state that
+  a later round reads (later rounds stay bit-identical);
+* the CUDA-graph form (`static_verify_layout`, with a padding request) == the eager layout.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from runtime_scenarios import Slots, allocate_caches, run_batch
+from sglang_dsv41.checkpoint.loader import load_reference_weights
+from sglang_dsv41.config import DeepseekV41Config
+from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
+from sglang_dsv41.reference.dspark_verify import verify_greedy
+from sglang_dsv41.reference.model import ReferenceModel
+from sglang_dsv41.runtime.batch import make_layout, static_verify_layout
+from sglang_dsv41.runtime.cache import RuntimeCaches
+from sglang_dsv41.runtime.forward import TorchForward
+
+CPU = torch.device("cpu")
+GAMMA = 5
+W = GAMMA + 1
+ROUNDS = 5
+#: per round and request, the index of the first corrupted draft (GAMMA: none) — every accept length
+CORRUPT = {1: [0, 2, GAMMA, 1, 4], 2: [3, GAMMA, 0, 4, 2]}
+
+
+@pytest.fixture(scope="module")
+def models(tiny_checkpoint):
+    cfg = DeepseekV41Config.from_file(tiny_checkpoint)
+    assert cfg.text.dspark_block_size == GAMMA
+    weights = load_reference_weights(tiny_checkpoint, cfg, vision=False, dspark=False)
+    token_map, _ = compressed_token_map(_load_fast_tokenizer(tiny_checkpoint))
+    return cfg, ReferenceModel(cfg, weights, engram_token_map=token_map), TorchForward(
+        cfg, weights, EngramHasher.from_config(cfg, token_map))
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [0] + torch.randint(3, 990, (n - 1,), generator=g).tolist()
+
+
+PROMPTS = {1: _prompt(5, 21), 2: _prompt(6, 26)}         # P = 21 (odd), 26 (even)
+
+
+def _caches(engine: TorchForward, slots: Slots) -> RuntimeCaches:
+    return RuntimeCaches.allocate(engine.text, slots.num_slots(), slots.host.shape[0], device=CPU,
+                                  page_size=slots.page_size, pair_slots=8, verify_width=W)
+
+
+def _verify(engine, caches, slots, blocks: dict[int, tuple[int, list[int]]], *, static: bool = False,
+            pad: int = 0) -> dict[int, torch.Tensor]:
+    """One verify forward: row → (P, [anchor, d_0 …]); slots P..P+w−1 written into the table first
+    (SGLang's verify window); `static`: the CUDA-graph layout, with `pad` padding requests."""
+    rows = list(blocks)
+    out = torch.cat([slots.extend(r, p, len(ids)) for r, (p, ids) in blocks.items()])
+    positions = torch.cat([torch.arange(p, p + len(ids)) for p, ids in blocks.values()])
+    ids = torch.tensor([t for _, block in blocks.values() for t in block])
+    prefix = torch.tensor([p for p, _ in blocks.values()])
+    if static:
+        layout = static_verify_layout(torch.tensor(rows + [0] * pad), torch.cat([prefix, torch.ones(pad, dtype=torch.long)]),
+                                      torch.cat([positions, torch.zeros(pad * W, dtype=torch.long)]),
+                                      torch.cat([out, torch.zeros(pad * W, dtype=torch.long)]), slots.table, W)
+        ids = torch.cat([ids, torch.zeros(pad * W, dtype=torch.long)])
+    else:
+        layout = dataclasses.replace(make_layout(torch.tensor(rows), prefix, torch.full((len(rows),), W), positions,
+                                                 out, slots.table), verify_width=W)
+    logits = engine.logits(engine.hidden_states(ids, layout, caches))
+    return dict(zip(rows, torch.split(logits[: len(rows) * W], W)))
+
+
+def _reference_rounds(reference: ReferenceModel, prompt: list[int], corrupt: list[int], vocab: int):
+    """The oracle: per round (block, verify logits, outcome), verifying on a clone and re-running
+    the accepted tokens; drafts = greedy continuation, first corrupted at `corrupt[r]`."""
+    state = reference.new_request()
+    anchor = int(torch.argmax(reference.forward(state, prompt).logits[-1]))
+    rounds = []
+    for cut in corrupt:
+        probe = state.clone()
+        drafts, last = [], anchor
+        truth = probe.clone()
+        for _ in range(GAMMA):                       # greedy continuation of the anchor
+            last = int(torch.argmax(reference.forward(truth, [last]).logits[-1]))
+            drafts.append(last)
+        if cut < GAMMA:
+            drafts[cut] = (drafts[cut] + 1) % vocab
+        logits = reference.forward(probe, [anchor] + drafts).logits
+        outcome = verify_greedy(drafts, logits)
+        reference.forward(state, [anchor] + drafts[: outcome.accepted])
+        rounds.append(([anchor] + drafts, logits, outcome))
+        anchor = outcome.tokens[-1]
+    return rounds
+
+
+def test_verify_then_commit_equals_the_reference_rollback(models) -> None:
+    cfg, reference, engine = models
+    oracle = {r: _reference_rounds(reference, PROMPTS[r], CORRUPT[r], cfg.text.vocab_size) for r in PROMPTS}
+    accepted = {r: [o.accepted for _, _, o in oracle[r]] for r in PROMPTS}
+    assert sorted(set(accepted[1]) | set(accepted[2])) == list(range(GAMMA + 1)), accepted
+    slots = Slots(CPU, rows=4, max_context=64)
+    caches = _caches(engine, slots)
+    run_batch(engine, caches, slots, [(r, 0, PROMPTS[r]) for r in PROMPTS])
+    P = {r: len(PROMPTS[r]) for r in PROMPTS}
+    emitted: dict[int, list[int]] = {r: [oracle[r][0][0][0]] for r in PROMPTS}
+    for k in range(ROUNDS):
+        got = _verify(engine, caches, slots, {r: (P[r], oracle[r][k][0]) for r in PROMPTS})
+        commit = []
+        for r in PROMPTS:
+            block, want, outcome = oracle[r][k]
+            torch.testing.assert_close(got[r], want, atol=0, rtol=0)
+            mine = verify_greedy(block[1:], got[r])
+            assert mine == outcome
+            emitted[r] += list(mine.tokens)
+            commit.append(mine.accepted + 1)
+        caches.engram_history.commit_verify(torch.tensor(list(PROMPTS)), torch.tensor([P[r] for r in PROMPTS]),
+                                            torch.tensor(commit), check=True)
+        for r, c in zip(PROMPTS, commit):
+            P[r] += c
+    for r in PROMPTS:                                 # greedy speculative output == plain greedy output
+        n = len(emitted[r])
+        assert emitted[r] == reference.generate(PROMPTS[r], n), r
+        assert int(caches.engram_history.end[r]) == P[r]
+
+
+def test_engram_ring_after_commit_equals_a_sequential_run(models) -> None:
+    _, _, engine = models
+    prompt, tail = PROMPTS[1], [7, 8, 9, 10, 11, 12]
+    seq_slots = Slots(CPU, rows=4, max_context=64)
+    seq = _caches(engine, seq_slots)
+    run_batch(engine, seq, seq_slots, [(1, 0, prompt)])
+    spec_slots = Slots(CPU, rows=4, max_context=64)
+    spec = _caches(engine, spec_slots)
+    run_batch(engine, spec, spec_slots, [(1, 0, prompt)])
+    P = len(prompt)
+    for c in (1, 3, 6):
+        _verify(engine, spec, spec_slots, {1: (P, tail)})
+        spec.engram_history.commit_verify(torch.tensor([1]), torch.tensor([P]), torch.tensor([c]), check=True)
+        for t in tail[:c]:
+            run_batch(engine, seq, seq_slots, [(1, P, [t])])
+            P += 1
+        assert torch.equal(spec.engram_history.ids[1], seq.engram_history.ids[1])
+        assert int(spec.engram_history.end[1]) == int(seq.engram_history.end[1]) == P
+        tail = [t + 20 for t in tail]
+    with pytest.raises(RuntimeError, match="staged blocks hold 6"):
+        spec.engram_history.commit_verify(torch.tensor([1]), torch.tensor([P]), torch.tensor([7]), check=True)
+    with pytest.raises(RuntimeError, match="not at its prefix length"):
+        spec.engram_history.commit_verify(torch.tensor([1]), torch.tensor([P + 1]), torch.tensor([1]), check=True)
+
+
+def test_static_verify_layout_with_padding_equals_eager(models) -> None:
+    """The CUDA-graph form of the verify batch (no host checks, padded by a request at row 0,
+    slot 0) computes the same logits and the same committed state as the eager layout."""
+    cfg, reference, engine = models
+    block = {r: _reference_rounds(reference, PROMPTS[r], [2], cfg.text.vocab_size)[0][0] for r in PROMPTS}
+    results = []
+    for static in (False, True):
+        slots = Slots(CPU, rows=4, max_context=64)
+        caches = _caches(engine, slots)
+        run_batch(engine, caches, slots, [(r, 0, PROMPTS[r]) for r in PROMPTS])
+        got = _verify(engine, caches, slots, {r: (len(PROMPTS[r]), block[r]) for r in PROMPTS}, static=static,
+                      pad=2 if static else 0)
+        caches.engram_history.commit_verify(torch.tensor(list(PROMPTS)), torch.tensor([len(p) for p in PROMPTS.values()]),
+                                            torch.tensor([3, 3]), check=True)
+        after = run_batch(engine, caches, slots, [(r, len(PROMPTS[r]) + 3, [block[r][3]]) for r in PROMPTS])
+        results.append((got, after, caches.engram_history.ids[1:3].clone()))
+    (eager, eager_after, eager_ring), (graph, graph_after, graph_ring) = results
+    for r in PROMPTS:
+        torch.testing.assert_close(graph[r], eager[r], atol=0, rtol=0)
+    for a, b in zip(graph_after, eager_after):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert torch.equal(graph_ring, eager_ring)
+
+
+def test_verify_needs_caches_with_a_verify_width(models) -> None:
+    _, _, engine = models
+    slots = Slots(CPU, rows=4, max_context=64)
+    caches = allocate_caches(engine, slots)
+    run_batch(engine, caches, slots, [(1, 0, PROMPTS[1])])
+    with pytest.raises(RuntimeError, match="without a verify width"):
+        _verify(engine, caches, slots, {1: (len(PROMPTS[1]), [1, 2, 3, 4, 5, 6])})
+
+
+def test_commit_hook_commits_a_v41_target_and_leaves_others_alone() -> None:
+    """The AFTER hook on `DSparkWorkerV2._commit_target_mamba_states_after_verify` (target pinned by
+    tests/test_hooks.py) hands the batch's rows, pre-verify lengths and commit lengths to a V4.1
+    target's `commit_dspark_verify`; another target is untouched."""
+    from types import SimpleNamespace
+
+    from sglang_dsv41.runtime.dspark_hooks import commit_after_verify_hook
+
+    calls = []
+    target = SimpleNamespace(commit_dspark_verify=lambda *a: calls.append(a))
+    worker = SimpleNamespace(target_worker=SimpleNamespace(model_runner=SimpleNamespace(model=target)))
+    batch = SimpleNamespace(req_pool_indices=torch.tensor([3, 4]))
+    pre, commit = torch.tensor([10, 21]), torch.tensor([1, 6])
+    assert commit_after_verify_hook("r", worker, batch=batch, seq_lens_pre_verify=pre, seq_lens_post_verify=pre + commit,
+                                    commit_lens=commit) == "r"
+    assert len(calls) == 1 and calls[0][0] is batch.req_pool_indices and calls[0][1] is pre and calls[0][2] is commit
+    other = SimpleNamespace(target_worker=SimpleNamespace(model_runner=SimpleNamespace(model=object())))
+    assert commit_after_verify_hook(None, other, batch=batch, seq_lens_pre_verify=pre, commit_lens=commit) is None
+    with pytest.raises(RuntimeError, match="SGLang's call changed"):
+        commit_after_verify_hook(None, worker, batch, pre)
+
+
+def test_layout_of_sglang_verify_batches() -> None:
+    """`layout_from_forward_batch` of SGLang's TARGET_VERIFY batch: w = spec_info.draft_token_num
+    tokens per request from seq_lens (uniform, or a ragged layout's verify_lens, eager only); the
+    graph form is the static verify layout; a batch without its width is refused."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from sglang_dsv41.runtime.batch import layout_from_forward_batch
+
+    slots = Slots(CPU, rows=4, max_context=64)
+    for r, n in ((1, 10), (2, 13)):
+        slots.extend(r, 0, n)
+    out = torch.cat([slots.extend(1, 4, W), slots.extend(2, 7, W)])
+    positions = torch.cat([torch.arange(4, 4 + W), torch.arange(7, 7 + W)])
+
+    def batch(spec, loc=out, pos=positions):
+        return SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY, req_pool_indices=torch.tensor([1, 2]),
+                               seq_lens=torch.tensor([4, 7]), out_cache_loc=loc, spec_info=spec), pos
+
+    fb, pos = batch(SimpleNamespace(draft_token_num=W, ragged_verify_layout=None))
+    layout = layout_from_forward_batch(fb, pos, slots.table)
+    assert layout.verify_width == W and layout.extend_lens.tolist() == [W, W] and layout.seq_lens.tolist() == [10, 13]
+    graph = layout_from_forward_batch(fb, pos, slots.table, static=True)
+    assert graph.static and graph.verify_width == W and torch.equal(graph.token_req, layout.token_req)
+    keep = torch.tensor([0, 1, 2, W, W + 1, W + 2, W + 3])                   # verify lens 3 and 4
+    fb, pos = batch(SimpleNamespace(draft_token_num=W, ragged_verify_layout=SimpleNamespace(
+        verify_lens=torch.tensor([3, 4], dtype=torch.int32))), out[keep], positions[keep])
+    ragged = layout_from_forward_batch(fb, pos, slots.table)
+    assert ragged.extend_lens.tolist() == [3, 4] and ragged.verify_width == W
+    with pytest.raises(RuntimeError, match="eager only"):
+        layout_from_forward_batch(fb, pos, slots.table, static=True)
+    fb, pos = batch(SimpleNamespace())
+    with pytest.raises(RuntimeError, match="draft_token_num"):
+        layout_from_forward_batch(fb, pos, slots.table)
