@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tp_harness import engine_for, run_tp, stored_tensors
 from runtime_scenarios import fixed_decode_tokens, one_shot_logits, prompt, run_scenario, scenario_caches
@@ -112,11 +111,16 @@ def test_plan_rejects_invalid_ranks(text, rank, size) -> None:
         ShardPlan.for_config(text, rank, size)
 
 
-def test_tensor_parallel_above_one_needs_a_process_group() -> None:
-    if dist.is_initialized():
-        pytest.skip("a default process group exists in this process")
-    with pytest.raises(TensorParallelError, match="initialised torch.distributed"):
+def test_tensor_parallel_above_one_needs_sglangs_tp_group() -> None:
+    with pytest.raises(TensorParallelError, match="needs SGLang's TP group"):
         TensorParallel(0, 2)
+
+
+def test_tensor_parallel_refuses_a_group_of_another_shape() -> None:
+    class Group:          # what TensorParallel reads of SGLang's GroupCoordinator
+        world_size, rank_in_group = 4, 1
+    with pytest.raises(TensorParallelError, match="rank 1 of 4, asked for rank 0 of 2"):
+        TensorParallel(0, 2, Group())
 
 
 # ---- shard loader -------------------------------------------------------------------------

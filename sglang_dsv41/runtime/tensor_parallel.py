@@ -28,18 +28,19 @@ Shard plan (`ShardPlan.for_config`), rank r of N:
 * everything else is replicated: the KV caches, compressor, indexer (its projections are its
   own weights and `q_lora` is replicated), mHC, dense projections, shared expert, LM head.
 
-Collectives run on a `torch.distributed` process group — SGLang's TP group's `device_group`
-(NCCL on CUDA, gloo on CPU; both sum float64 and fp32), see `TensorParallel.from_sglang`.
+Collectives are SGLang's: the TP `GroupCoordinator`'s `all_reduce` / `all_gather` (custom
+all-reduce or pynccl on CUDA, where nothing is float64; gloo's torch.distributed path on CPU,
+which sums float64 and fp32), see `TensorParallel.from_sglang`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from ..config import DeepseekV41Config, TextConfig
@@ -137,32 +138,33 @@ def load_shard_weights(stored: Mapping[str, Tensor], cfg: DeepseekV41Config, pla
 
 
 class TensorParallel:
-    """Rank `rank` of a TP group of `size` over `group` (a torch.distributed process group;
-    None = the default group). `size == 1` needs no group and every method is the reference's
-    computation with no collective."""
+    """Rank `rank` of a TP group of `size` whose collectives are SGLang's (`comm`: the
+    `GroupCoordinator` of `parallel_state.get_tp_group()`, whose `all_reduce` is
+    `tensor_model_parallel_all_reduce`: custom all-reduce / pynccl on CUDA, gloo on CPU).
+    `size == 1` needs no group and every method is the reference's computation with no
+    collective."""
 
-    def __init__(self, rank: int = 0, size: int = 1, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, rank: int = 0, size: int = 1, comm=None) -> None:
         if size < 1 or not 0 <= rank < size:
             raise TensorParallelError(f"tensor parallel rank {rank} of size {size} is not a valid rank")
-        if size > 1 and not dist.is_initialized():
-            raise TensorParallelError(f"tensor parallel size {size} needs an initialised torch.distributed "
-                                      "process group")
-        if size > 1 and dist.get_world_size(group) != size:
-            raise TensorParallelError(f"process group has {dist.get_world_size(group)} ranks, TP size is {size}")
-        self.rank, self.size, self.group = rank, size, group
+        if size > 1 and comm is None:
+            raise TensorParallelError(f"tensor parallel size {size} needs SGLang's TP group "
+                                      "(parallel_state.initialize_model_parallel; TensorParallel.from_sglang)")
+        if size > 1 and (comm.world_size, comm.rank_in_group) != (size, rank):
+            raise TensorParallelError(f"SGLang's TP group is rank {comm.rank_in_group} of {comm.world_size}, "
+                                      f"asked for rank {rank} of {size}")
+        self.rank, self.size, self.comm = rank, size, comm
         self._plans: dict[int, ShardPlan] = {}
 
     @classmethod
     def from_sglang(cls) -> "TensorParallel":
-        """SGLang's TP group: its `device_group` (NCCL for CUDA tensors, gloo on a CPU server) —
-        the torch process group, not SGLang's communicator wrappers (custom all-reduce kernels
-        and the CPU shared-memory all-reduce do not take float64)."""
+        """SGLang's TP group (`get_tp_group()`); size 1 when it has one rank."""
         from sglang.srt.distributed.parallel_state import get_tp_group
 
         tp = get_tp_group()
         if tp.world_size == 1:
             return cls()
-        return cls(tp.rank_in_group, tp.world_size, tp.device_group)
+        return cls(tp.rank_in_group, tp.world_size, tp)
 
     def plan(self, text: TextConfig) -> ShardPlan:
         key = id(text)
@@ -173,21 +175,33 @@ class TensorParallel:
     def describe(self) -> str:
         return "tensor parallel size 1" if self.size == 1 else f"tensor parallel rank {self.rank} of {self.size}"
 
-    # ---- collectives ------------------------------------------------------------------------
+    # ---- collectives (SGLang's) ---------------------------------------------------------------
     def all_reduce_sum(self, t: Tensor) -> Tensor:
-        """In-place sum over ranks (returns `t`). Exact for disjoint supports with −0.0 elsewhere
-        (−0.0 is the additive identity of IEEE addition, ±0 included)."""
-        if self.size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
-        return t
+        """Sum over ranks through SGLang's `tensor_model_parallel_all_reduce` path (may return a
+        new tensor: use the result). Exact for disjoint supports with −0.0 elsewhere (−0.0 is
+        the additive identity of IEEE addition, ±0 included)."""
+        return self.comm.all_reduce(t) if self.size > 1 else t
+
+    def all_gather(self, t: Tensor, dim: int = -1) -> Tensor:
+        """Rank-ordered concatenation along `dim` (values moved, not combined)."""
+        return self.comm.all_gather(t.contiguous(), dim) if self.size > 1 else t
 
     def all_gather_columns(self, t: Tensor) -> Tensor:
-        """[T, c] per rank → [T, size·c], rank-ordered blocks (values moved, not combined)."""
+        """[T, c] per rank → [T, size·c], rank-ordered blocks."""
+        return self.all_gather(t, 1)
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            self.comm.barrier()
+
+    def graph_capture(self, stream):
+        """SGLang's capture context of the TP group on `stream` (custom all-reduce buffers
+        registered, pynccl enabled), as its CUDA-graph runner uses it; a no-op at size 1."""
         if self.size == 1:
-            return t
-        parts = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(parts, t.contiguous(), group=self.group)
-        return torch.cat(parts, dim=1)
+            return contextlib.nullcontext()
+        from sglang.srt.distributed.parallel_state import GraphCaptureContext
+
+        return self.comm.graph_capture(GraphCaptureContext(stream))
 
     # ---- Engram (spec §3.3.2) ---------------------------------------------------------------
     def engram_rows(self, cfg: TextConfig, layer: int, row_ids: Tensor, w: Mapping[str, Tensor], *,
