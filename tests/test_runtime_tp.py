@@ -6,8 +6,11 @@
   request alone; every rank's logits equal the TP-1 logits exactly (and each other);
 * the shard plan: group/head/expert/Engram-row ranges partition the model, illegal sizes and
   ranks are rejected with a message naming the constraint;
-* the shard loader: each rank holds only its experts and Engram rows, and every held tensor
-  equals the corresponding slice of the TP-1 weights.
+* the shard loader: each rank holds only its experts, Engram rows and vocabulary block of the
+  embedding / LM head (SGLang's vocab-parallel split), and every held tensor equals the
+  corresponding slice of the TP-1 weights;
+* collectives are SGLang's: the harness builds SGLang's parallel state (gloo) and the ranks'
+  `TensorParallel.from_sglang()` reduces through `tensor_model_parallel_all_reduce`.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
 from sglang_dsv41.runtime.forward import TorchForward
 from sglang_dsv41.runtime.tensor_parallel import (ShardPlan, TensorParallel, TensorParallelError, balanced_block,
-                                                  load_shard_weights)
+                                                  load_shard_weights, vocab_shard)
 
 from runtime_values import same_value
 
@@ -92,6 +95,21 @@ def test_plan_partitions_groups_heads_experts_and_engram_rows(text) -> None:
         assert list(p.heads) == [h for g in p.groups for h in range(g * text.heads_per_group, (g + 1) * text.heads_per_group)]
 
 
+@pytest.mark.parametrize("vocab", [None, 129280, 1000])
+def test_vocab_shards_are_sglangs_vocab_parallel_split(text, vocab) -> None:
+    """The embedding / LM-head rows of each rank are the ids SGLang's VocabParallelEmbedding and
+    ParallelLMHead give that rank (vocabulary padded to 64, equal blocks, padding held by nobody)."""
+    from sglang.srt.layers.vocab_parallel_embedding import pad_vocab_size, vocab_range_from_global_vocab_size
+
+    V = text.vocab_size if vocab is None else vocab
+    for size in (1, 2, 4, 8):
+        shards = [vocab_shard(V, size, r) for r in range(size)]
+        assert [i for held, _ in shards for i in held] == list(range(V))
+        for r, (held, per) in enumerate(shards):
+            lo, hi = vocab_range_from_global_vocab_size(pad_vocab_size(V), r, size)
+            assert (held.start, held.stop, per) == (min(lo, V), min(hi, V), hi - lo)
+
+
 def test_balanced_block_covers_uneven_counts() -> None:
     blocks = [balanced_block(10, 4, r) for r in range(4)]
     assert [len(b) for b in blocks] == [3, 3, 2, 2]
@@ -156,6 +174,8 @@ def test_shard_loader_holds_only_this_ranks_share(tiny_checkpoint, text) -> None
         assert shard["layers.0.attn.wo_a.weight"].shape[0] == len(plan.groups) * text.o_lora_rank
         assert shard["layers.0.attn.attn_sink"].shape == (len(plan.heads),)
         assert shard["layers.0.attn.wo_b.weight"].shape == full["layers.0.attn.wo_b.weight"].shape
+        for name in ("embed.weight", "head.weight"):     # vocabulary-parallel rows
+            assert shard[name].shape == (len(plan.vocab), text.hidden_size) and len(plan.vocab) < text.vocab_size
 
 
 def test_tp2_static_decode_equals_tp1(tiny_checkpoint, tmp_path) -> None:

@@ -25,8 +25,12 @@ Shard plan (`ShardPlan.for_config`), rank r of N:
 * Engram tables, by rows: rank r holds a contiguous balanced block of each table's rows; the
   looked-up rows are −0.0 where another rank owns them and are all-reduced (exact, as above),
   then the reference's Engram update runs on the gathered rows (spec §3.3.2);
+* embedding and LM head, by vocabulary rows as SGLang's `VocabParallelEmbedding` /
+  `ParallelLMHead` split them (`vocab_shard`): the embedding looks up its own ids, −0.0 elsewhere,
+  and all-reduces (exact); the head computes its block of logits and all-gathers them (values
+  moved), so both are bit-identical to TP 1 (`runtime/vocab_parallel.py`);
 * everything else is replicated: the KV caches, compressor, indexer (its projections are its
-  own weights and `q_lora` is replicated), mHC, dense projections, shared expert, LM head.
+  own weights and `q_lora` is replicated), mHC, dense projections, shared expert.
 
 Collectives are SGLang's: the TP `GroupCoordinator`'s `all_reduce` / `all_gather` (custom
 all-reduce or pynccl on CUDA, where nothing is float64; gloo's torch.distributed path on CPU,
@@ -51,10 +55,24 @@ _HEAD_ROWS = re.compile(_LAYER + r"attn\.(wq_b\.weight|attn_sink)$")
 _GROUP_ROWS = re.compile(_LAYER + r"attn\.wo_a\.weight$")
 _EXPERT = re.compile(_LAYER + r"ffn\.experts\.(\d+)\.w[123]\.weight$")
 _ENGRAM_TABLE = re.compile(_LAYER + r"engram\.embed\.weight$")
+_VOCAB_ROWS = ("embed.weight", "head.weight")
+#: SGLang's `DEFAULT_VOCAB_PADDING_SIZE`: the vocabulary is padded to a multiple of this before the split
+VOCAB_PADDING = 64
 
 
 class TensorParallelError(ValueError):
     """A tensor-parallel size or rank this model cannot be sharded with."""
+
+
+def vocab_shard(vocab: int, size: int, rank: int) -> tuple[range, int]:
+    """(token ids rank `rank` holds, per-rank width) of a vocabulary of `vocab` ids split as SGLang's
+    `VocabParallelEmbedding` / `ParallelLMHead` split it: padded to a multiple of `VOCAB_PADDING`,
+    equal blocks of padded / size ids; the ids past `vocab` are padding (held by nobody)."""
+    padded = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
+    if padded % size:
+        raise TensorParallelError(f"tensor parallel size {size} does not divide the padded vocabulary ({padded})")
+    per = padded // size
+    return range(min(rank * per, vocab), min((rank + 1) * per, vocab)), per
 
 
 def balanced_block(n: int, size: int, rank: int) -> range:
@@ -75,6 +93,8 @@ class ShardPlan:
     heads: range
     experts: range
     engram_rows: dict[int, range]          # Engram layer id → table rows held
+    vocab: range                           # token ids of `embed` / `head` rows held (`vocab_shard`)
+    vocab_per_rank: int                    # padded width of every rank's block of logits
     head_dim: int
     o_lora_rank: int
 
@@ -94,7 +114,8 @@ class ShardPlan:
                                       "routed experts (each rank owns at least one expert)")
         groups = range(rank * G // size, (rank + 1) * G // size)
         hpg = text.heads_per_group
-        return cls(rank=rank, size=size, groups=groups, heads=range(groups.start * hpg, groups.stop * hpg),
+        vocab, per = vocab_shard(text.vocab_size, size, rank)
+        return cls(vocab=vocab, vocab_per_rank=per, rank=rank, size=size, groups=groups, heads=range(groups.start * hpg, groups.stop * hpg),
                    experts=balanced_block(text.n_routed_experts, size, rank),
                    engram_rows={layer: balanced_block(rows, size, rank)
                                 for layer, rows in zip(text.engram_layer_ids, text.engram_num_embeddings)},
@@ -114,6 +135,8 @@ class ShardPlan:
         """The dim-0 rows of logical tensor `name` this rank holds; None = the whole tensor."""
         if self.size == 1:
             return None
+        if name in _VOCAB_ROWS:
+            return self.vocab
         if _HEAD_ROWS.match(name):
             per_head = self.head_dim if name.endswith("wq_b.weight") else 1
             return range(self.heads.start * per_head, self.heads.stop * per_head)
