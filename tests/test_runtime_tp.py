@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from tp_harness import engine_for, run_tp, stored_tensors
-from runtime_scenarios import fixed_decode_tokens, one_shot_logits, prompt, run_scenario, scenario_caches
+from runtime_scenarios import (ContractMeasurement, fixed_decode_tokens, measure_contract, one_shot_logits, prompt,
+                               run_scenario, scenario_caches)
 from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
 from sglang_dsv41.runtime.forward import TorchForward
@@ -64,6 +65,35 @@ def test_tp2_logits_equal_tp1_bit_for_bit(tiny_checkpoint, tmp_path, tp1_outputs
             assert got[name].shape == want.shape, (rank, name)
             assert torch.equal(got[name], want), \
                 f"rank {rank}, {name}: max |Δ| {float((got[name] - want).abs().max())}"
+
+
+def _fp32_contract(engine: TorchForward) -> dict[str, object]:
+    """This rank's shard on the fp32 serving backend (what a CPU server runs without
+    --enable-deterministic-inference) measured against the reference (`measure_contract`)."""
+    import dataclasses
+
+    from test_runtime_numerics_contract import GREEDY_STEPS
+    from tp_harness import worker_checkpoint
+    from sglang_dsv41.reference.model import ReferenceModel
+
+    fast = TorchForward(engine.cfg, engine.weights, engine.hasher, tp=engine.tp, deterministic=False)
+    assert not fast.backend.deterministic
+    m = measure_contract(fast, CPU, ReferenceModel.from_checkpoint(worker_checkpoint()), GREEDY_STEPS)
+    return dataclasses.asdict(m)
+
+
+def test_tp2_fp32_serving_path_within_the_numerics_contract(tiny_checkpoint, tmp_path) -> None:
+    """TP 2 on gloo with the fp32 CPU backend (SGLang's all-reduce summing fp32 routed partials):
+    the end-to-end contract TP 1 is held to — top-1 ≥ 99 % teacher-forced, every logit within
+    LOGIT_BOUND of the reference — and both ranks agree."""
+    from test_runtime_numerics_contract import LOGIT_BOUND, MIN_TOP1_AGREEMENT
+
+    ranks = [ContractMeasurement(**r["logits"])
+             for r in run_tp(tiny_checkpoint, tmp_path, TP, "test_runtime_tp:_fp32_contract")]
+    print("\n" + ranks[0].summary("TP 2 fp32 CPU path"))
+    assert ranks[0] == ranks[1]
+    assert ranks[0].top1 >= MIN_TOP1_AGREEMENT
+    assert ranks[0].worst_logit_diff <= LOGIT_BOUND, ranks[0].worst_logit_diff
 
 
 def test_tp1_engine_equals_the_plain_runtime(tiny_checkpoint, tp1_outputs) -> None:

@@ -57,6 +57,14 @@ NCCL_WORKER_ENV = {"NCCL_NVLS_ENABLE": "0", "NCCL_CUMEM_ENABLE": "0", "CUDA_DEVI
 CPU = torch.device("cpu")
 
 _stage_file: Path | None = None
+_checkpoint: Path | None = None
+
+
+def worker_checkpoint() -> Path:
+    """The checkpoint the `run_tp` worker calling this loaded (for scenarios that need the reference)."""
+    if _checkpoint is None:
+        raise RuntimeError("worker_checkpoint() outside a run_tp worker")
+    return _checkpoint
 
 
 class TPHarnessError(ValueError):
@@ -128,8 +136,10 @@ def init_sglang_tp(rank: int, size: int, init_method: str, backend: str, timeout
     (`init_distributed_environment` + `initialize_model_parallel`): the runtime's collectives then
     go through `tensor_model_parallel_all_reduce` / `_all_gather` (gloo on CPU; pynccl and custom
     all-reduce on CUDA)."""
-    from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.distributed.parallel_state import (init_distributed_environment, initialize_model_parallel,
+                                                       set_custom_all_reduce)
 
+    set_custom_all_reduce(backend == "nccl")       # custom all-reduce is CUDA-only (the CPU server fails it)
     init_distributed_environment(world_size=size, rank=rank, distributed_init_method=init_method, local_rank=rank,
                                  backend=backend, timeout=int(timeout_s))
     initialize_model_parallel(tensor_model_parallel_size=size)
@@ -152,8 +162,9 @@ def _on_cpu(value: object) -> object:
 
 def _tp_worker(rank: int, size: int, ckpt: str, rendezvous: str, out_dir: str, scenario: str, backend: str,
                timeout_s: float) -> None:
-    global _stage_file
+    global _stage_file, _checkpoint
     out = Path(out_dir)
+    _checkpoint = Path(ckpt)
     _stage_file = out / f"rank{rank}.stage"
     torch.set_num_threads(1)
     try:
