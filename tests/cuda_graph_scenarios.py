@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from runtime_scenarios import ROWS, SHARED_PREFIX, Slots, allocate_caches, prompts, run_batch
@@ -252,8 +251,7 @@ def _sync_ranks(engine: TorchForward, device: torch.device) -> None:
     then a barrier over the TP group (every rank at the same point)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    if engine.tp.size > 1:
-        dist.barrier(group=engine.tp.group)
+    engine.tp.barrier()
 
 
 class EagerReplay:
@@ -271,7 +269,8 @@ def _captured(engine: TorchForward, device: torch.device, forward: Callable[[Run
               graph_caches: RuntimeCaches, out_shape: tuple[int, int]):
     """(graph, out): CUDA — two warm-ups on scratch cache copies on a side stream, then
     `forward(graph_caches)` captured on that stream (SGLang's FullCudaGraphBackend order: sync +
-    barrier before each warm-up and before the capture; global capture mode). Capture records
+    barrier before each warm-up and before the capture; global capture mode; inside the TP group's
+    `graph_capture` context, as SGLang's runner). Capture records
     kernels without running them, so `graph_caches` is untouched until the first replay. CPU —
     the same warm-ups and an `EagerReplay`."""
     side = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -291,7 +290,7 @@ def _captured(engine: TorchForward, device: torch.device, forward: Callable[[Run
     report_stage("capture")
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph, stream=side):
+        with engine.tp.graph_capture(side), torch.cuda.graph(graph, stream=side):
             out = forward(graph_caches)
     except Exception as e:   # noqa: BLE001 — re-raised with the diagnosis
         raise AssertionError(

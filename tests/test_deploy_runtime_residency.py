@@ -10,7 +10,7 @@ from sglang_dsv41.checkpoint.names import Kind, tensor_inventory
 from sglang_dsv41.checkpoint.reader import CheckpointReader
 from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.deploy.memory import ShardLayout, weight_plan
-from sglang_dsv41.deploy.runtime_residency import engram_host_shards, runtime_residency
+from sglang_dsv41.deploy.runtime_residency import engram_host_shards, runtime_residency, tensor_bytes_at_rest
 from sglang_dsv41.presets import flash_config_dict
 from sglang_dsv41.runtime.dense_ops import DenseWeightCache
 from sglang_dsv41.runtime.engram_table import StoredEngramTable
@@ -46,14 +46,22 @@ def test_planned_bytes_equal_what_the_runtime_holds(tiny_checkpoint, tp: int) ->
 
 
 def test_flash_figures() -> None:
-    """Flash: the embedding and head stay whole on every rank (fp32, + a BF16 head copy), Engram
-    rows and routed experts split by TP; TP sizes the output groups do not divide are refused."""
+    """Flash: the embedding and head split by vocabulary blocks (fp32 at rest; SGLang's
+    vocab-parallel split: 129,280 ids = 8 × 16,160), Engram rows and routed experts split by TP;
+    TP sizes the output groups do not divide are refused."""
+    from sglang_dsv41.runtime.tensor_parallel import vocab_shard
+
     cfg = DeepseekV41Config.from_dict(flash_config_dict())
     tp1, tp8 = runtime_residency(cfg, 1), runtime_residency(cfg, 8)
-    assert tp8.by_component["unquantised"] == pytest.approx(tp1.by_component["unquantised"], rel=1e-5)   # attn_sink split
+    vocab = sum(tensor_bytes_at_rest(s, 1.0)[1] for s in tensor_inventory(cfg, vision=False, dspark=False)
+                if s.name in ("embed.weight", "head.weight"))
+    held = vocab_shard(cfg.text.vocab_size, 8, 0)[1] / cfg.text.vocab_size
+    assert held == 1 / 8
+    assert tp8.by_component["unquantised"] == pytest.approx(tp1.by_component["unquantised"] - vocab * (1 - held),
+                                                           rel=1e-5)   # and attn_sink split
     assert tp8.by_component["engram"] == pytest.approx(tp1.by_component["engram"] / 8, rel=1e-6)
     assert tp8.by_component["experts"] == pytest.approx(tp1.by_component["experts"] / 8, rel=1e-6)
-    assert tp8.per_rank / 2**30 == pytest.approx(68.01, abs=0.01)
+    assert tp8.per_rank / 2**30 == pytest.approx(62.61, abs=0.01)
     with pytest.raises(TensorParallelError):
         runtime_residency(cfg, 3)
 

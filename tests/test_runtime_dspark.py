@@ -302,7 +302,7 @@ def test_base_logits_go_through_the_target_head_method(sglang_draft):
     model, cfg, w = sglang_draft
     x = bf16(torch.randn(2 * model.gamma, cfg.text.hidden_size, generator=torch.Generator().manual_seed(3)))
     own, _ = model.compute_base_logits(x)
-    head = LMHead(torch.nn.Parameter(w["head.weight"].clone(), requires_grad=False))
+    head = LMHead(torch.nn.Parameter(w["head.weight"].clone(), requires_grad=False), cfg.text.vocab_size)
     calls = []
 
     class Recording(ExactTorchBackend):
@@ -310,7 +310,8 @@ def test_base_logits_go_through_the_target_head_method(sglang_draft):
             calls.append(b is head.weight)
             return super().matmul(a, b)
 
-    head.quant_method.backend = Recording()
+    recording = Recording()
+    head.quant_method.logits = lambda h: recording.matmul(h, head.weight)     # the model sets TorchForward.logits
     embed = _Holder(w["embed.weight"])
     try:
         model.attach_shared_modules(embed_tokens=embed, lm_head=head)

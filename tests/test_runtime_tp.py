@@ -6,8 +6,11 @@
   request alone; every rank's logits equal the TP-1 logits exactly (and each other);
 * the shard plan: group/head/expert/Engram-row ranges partition the model, illegal sizes and
   ranks are rejected with a message naming the constraint;
-* the shard loader: each rank holds only its experts and Engram rows, and every held tensor
-  equals the corresponding slice of the TP-1 weights.
+* the shard loader: each rank holds only its experts, Engram rows and vocabulary block of the
+  embedding / LM head (SGLang's vocab-parallel split), and every held tensor equals the
+  corresponding slice of the TP-1 weights;
+* collectives are SGLang's: the harness builds SGLang's parallel state (gloo) and the ranks'
+  `TensorParallel.from_sglang()` reduces through `tensor_model_parallel_all_reduce`.
 """
 from __future__ import annotations
 
@@ -15,15 +18,15 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tp_harness import engine_for, run_tp, stored_tensors
-from runtime_scenarios import fixed_decode_tokens, one_shot_logits, prompt, run_scenario, scenario_caches
+from runtime_scenarios import (ContractMeasurement, fixed_decode_tokens, measure_contract, one_shot_logits, prompt,
+                               run_scenario, scenario_caches)
 from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
 from sglang_dsv41.runtime.forward import TorchForward
 from sglang_dsv41.runtime.tensor_parallel import (ShardPlan, TensorParallel, TensorParallelError, balanced_block,
-                                                  load_shard_weights)
+                                                  load_shard_weights, vocab_shard)
 
 from runtime_values import same_value
 
@@ -64,6 +67,35 @@ def test_tp2_logits_equal_tp1_bit_for_bit(tiny_checkpoint, tmp_path, tp1_outputs
                 f"rank {rank}, {name}: max |Δ| {float((got[name] - want).abs().max())}"
 
 
+def _fp32_contract(engine: TorchForward) -> dict[str, object]:
+    """This rank's shard on the fp32 serving backend (what a CPU server runs without
+    --enable-deterministic-inference) measured against the reference (`measure_contract`)."""
+    import dataclasses
+
+    from test_runtime_numerics_contract import GREEDY_STEPS
+    from tp_harness import worker_checkpoint
+    from sglang_dsv41.reference.model import ReferenceModel
+
+    fast = TorchForward(engine.cfg, engine.weights, engine.hasher, tp=engine.tp, deterministic=False)
+    assert not fast.backend.deterministic
+    m = measure_contract(fast, CPU, ReferenceModel.from_checkpoint(worker_checkpoint()), GREEDY_STEPS)
+    return dataclasses.asdict(m)
+
+
+def test_tp2_fp32_serving_path_within_the_numerics_contract(tiny_checkpoint, tmp_path) -> None:
+    """TP 2 on gloo with the fp32 CPU backend (SGLang's all-reduce summing fp32 routed partials):
+    the end-to-end contract TP 1 is held to — top-1 ≥ 99 % teacher-forced, every logit within
+    LOGIT_BOUND of the reference — and both ranks agree."""
+    from test_runtime_numerics_contract import LOGIT_BOUND, MIN_TOP1_AGREEMENT
+
+    ranks = [ContractMeasurement(**r["logits"])
+             for r in run_tp(tiny_checkpoint, tmp_path, TP, "test_runtime_tp:_fp32_contract")]
+    print("\n" + ranks[0].summary("TP 2 fp32 CPU path"))
+    assert ranks[0] == ranks[1]
+    assert ranks[0].top1 >= MIN_TOP1_AGREEMENT
+    assert ranks[0].worst_logit_diff <= LOGIT_BOUND, ranks[0].worst_logit_diff
+
+
 def test_tp1_engine_equals_the_plain_runtime(tiny_checkpoint, tp1_outputs) -> None:
     """TP 1 through `load_shard_weights` is the plain runtime (reference loader, no tp argument)."""
     from sglang_dsv41.checkpoint.loader import load_reference_weights
@@ -93,6 +125,21 @@ def test_plan_partitions_groups_heads_experts_and_engram_rows(text) -> None:
         assert list(p.heads) == [h for g in p.groups for h in range(g * text.heads_per_group, (g + 1) * text.heads_per_group)]
 
 
+@pytest.mark.parametrize("vocab", [None, 129280, 1000])
+def test_vocab_shards_are_sglangs_vocab_parallel_split(text, vocab) -> None:
+    """The embedding / LM-head rows of each rank are the ids SGLang's VocabParallelEmbedding and
+    ParallelLMHead give that rank (vocabulary padded to 64, equal blocks, padding held by nobody)."""
+    from sglang.srt.layers.vocab_parallel_embedding import pad_vocab_size, vocab_range_from_global_vocab_size
+
+    V = text.vocab_size if vocab is None else vocab
+    for size in (1, 2, 4, 8):
+        shards = [vocab_shard(V, size, r) for r in range(size)]
+        assert [i for held, _ in shards for i in held] == list(range(V))
+        for r, (held, per) in enumerate(shards):
+            lo, hi = vocab_range_from_global_vocab_size(pad_vocab_size(V), r, size)
+            assert (held.start, held.stop, per) == (min(lo, V), min(hi, V), hi - lo)
+
+
 def test_balanced_block_covers_uneven_counts() -> None:
     blocks = [balanced_block(10, 4, r) for r in range(4)]
     assert [len(b) for b in blocks] == [3, 3, 2, 2]
@@ -112,11 +159,16 @@ def test_plan_rejects_invalid_ranks(text, rank, size) -> None:
         ShardPlan.for_config(text, rank, size)
 
 
-def test_tensor_parallel_above_one_needs_a_process_group() -> None:
-    if dist.is_initialized():
-        pytest.skip("a default process group exists in this process")
-    with pytest.raises(TensorParallelError, match="initialised torch.distributed"):
+def test_tensor_parallel_above_one_needs_sglangs_tp_group() -> None:
+    with pytest.raises(TensorParallelError, match="needs SGLang's TP group"):
         TensorParallel(0, 2)
+
+
+def test_tensor_parallel_refuses_a_group_of_another_shape() -> None:
+    class Group:          # what TensorParallel reads of SGLang's GroupCoordinator
+        world_size, rank_in_group = 4, 1
+    with pytest.raises(TensorParallelError, match="rank 1 of 4, asked for rank 0 of 2"):
+        TensorParallel(0, 2, Group())
 
 
 # ---- shard loader -------------------------------------------------------------------------
@@ -152,6 +204,8 @@ def test_shard_loader_holds_only_this_ranks_share(tiny_checkpoint, text) -> None
         assert shard["layers.0.attn.wo_a.weight"].shape[0] == len(plan.groups) * text.o_lora_rank
         assert shard["layers.0.attn.attn_sink"].shape == (len(plan.heads),)
         assert shard["layers.0.attn.wo_b.weight"].shape == full["layers.0.attn.wo_b.weight"].shape
+        for name in ("embed.weight", "head.weight"):     # vocabulary-parallel rows
+            assert shard[name].shape == (len(plan.vocab), text.hidden_size) and len(plan.vocab) < text.vocab_size
 
 
 def test_tp2_static_decode_equals_tp1(tiny_checkpoint, tmp_path) -> None:

@@ -1,14 +1,16 @@
 """CUDA-graph capture of the static decode forward at TP 2 with NCCL collectives (issue 3: graphs at TP > 1).
 
 The question: does capture + replay of the static TP-2 decode step — attention groups, routed
-experts and Engram rows sharded, `TensorParallel.all_gather_columns` / `all_reduce_sum` (float64
-MoE partials, fp32 Engram rows) as plain `torch.distributed` calls on an NCCL group — give the
-eager bits? The runtime's launcher adds `--disable-cuda-graph` at TP > 1 until this passes
+experts, Engram rows and the vocabulary sharded, `TensorParallel.all_gather` / `all_reduce_sum`
+(fp32 MoE partials, Engram and embedding rows, head logits) through SGLang's TP `GroupCoordinator`
+(custom all-reduce / pynccl, captured inside its `graph_capture` context as SGLang's runner does)
+— give the eager bits? The runtime's launcher adds `--disable-cuda-graph` at TP > 1 until this passes
 (runtime/requirements.py: `cuda_graph_tp_sizes`).
 
 GPU (`gpu`, two CUDA devices; skipped with the reason otherwise): `tp_harness.run_tp(...,
 backend="nccl")` spawns one process per GPU (rank r on cuda:r, the engine loaded as the server
-loads it, SGLang's default NCCL environment) and runs `cuda_graph_scenarios.graph_decode_steps`
+loads it, SGLang's default NCCL environment, SGLang's parallel state built as its scheduler
+builds it) and runs `cuda_graph_scenarios.graph_decode_steps`
 on each: the four requests prefilled, step 0 (batch 6 = 4 live + 2 SGLang padding requests)
 eager, two warm-ups on a side stream, the step captured on that stream in every rank in the same
 order (SGLang's sync + barrier before each warm-up and the capture), replayed with step 0's

@@ -1,8 +1,8 @@
 """Spawned tensor-parallel ranks for the TP tests (tests/test_runtime_tp*.py).
 
 `run_tp(ckpt, tmp, size, scenario, *, backend="gloo", timeout_s=WORKER_TIMEOUT_S)` starts `size`
-processes (spawn), each builds the runtime forward of `ckpt` with its `TensorParallel(rank, size)`
-shard and runs `scenario` — a "module:function" name taking the engine and returning {name:
+processes (spawn), each builds SGLang's TP group (`init_sglang_tp`) and the runtime forward of `ckpt`
+with its `TensorParallel.from_sglang()` shard and runs `scenario` — a "module:function" name taking the engine and returning {name:
 value}, importable in a fresh process — and returns every rank's {held_experts, logits} (`logits`
 = the scenario's dict, tensors moved to the CPU).
 
@@ -22,7 +22,6 @@ in an NCCL kernel for the rank that died) is killed. A timeout names each rank's
 (`report_stage`, written to `rank{r}.stage`)."""
 from __future__ import annotations
 
-import datetime
 import importlib
 import os
 import sys
@@ -39,11 +38,13 @@ from torch.multiprocessing.spawn import ProcessException
 from sglang_dsv41.checkpoint.reader import CheckpointReader
 from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
+from sglang_dsv41.runtime.cpu_env import NO_NCCL_LIBRARY
 from sglang_dsv41.runtime.forward import TorchForward, fp32_default_dtype
 from sglang_dsv41.runtime.moe_ops import RoutedExpertsMxfp4
 from sglang_dsv41.runtime.tensor_parallel import TensorParallel
 
-WORKER_TIMEOUT_S = 240
+#: per run; generous: the CI machine is shared (TP 8 = 8 processes on 2 cores at load ~18 took > 240 s)
+WORKER_TIMEOUT_S = 600
 BACKENDS = ("gloo", "nccl")
 POLL_S = 1.0
 #: after the first rank's error file appears: time for the others to report theirs
@@ -57,6 +58,14 @@ NCCL_WORKER_ENV = {"NCCL_NVLS_ENABLE": "0", "NCCL_CUMEM_ENABLE": "0", "CUDA_DEVI
 CPU = torch.device("cpu")
 
 _stage_file: Path | None = None
+_checkpoint: Path | None = None
+
+
+def worker_checkpoint() -> Path:
+    """The checkpoint the `run_tp` worker calling this loaded (for scenarios that need the reference)."""
+    if _checkpoint is None:
+        raise RuntimeError("worker_checkpoint() outside a run_tp worker")
+    return _checkpoint
 
 
 class TPHarnessError(ValueError):
@@ -123,6 +132,20 @@ def check_request(size: int, backend: str, timeout_s: float) -> None:
                                  f"found {found}")
 
 
+def init_sglang_tp(rank: int, size: int, init_method: str, backend: str, timeout_s: float) -> None:
+    """SGLang's distributed environment and TP group of `size` ranks, as its scheduler builds them
+    (`init_distributed_environment` + `initialize_model_parallel`): the runtime's collectives then
+    go through `tensor_model_parallel_all_reduce` / `_all_gather` (gloo on CPU; pynccl and custom
+    all-reduce on CUDA)."""
+    from sglang.srt.distributed.parallel_state import (init_distributed_environment, initialize_model_parallel,
+                                                       set_custom_all_reduce)
+
+    set_custom_all_reduce(backend == "nccl")       # custom all-reduce is CUDA-only (the CPU server fails it)
+    init_distributed_environment(world_size=size, rank=rank, distributed_init_method=init_method, local_rank=rank,
+                                 backend=backend, timeout=int(timeout_s))
+    initialize_model_parallel(tensor_model_parallel_size=size)
+
+
 def _scenario(name: str):
     module, function = name.split(":")
     return getattr(importlib.import_module(module), function)
@@ -140,23 +163,25 @@ def _on_cpu(value: object) -> object:
 
 def _tp_worker(rank: int, size: int, ckpt: str, rendezvous: str, out_dir: str, scenario: str, backend: str,
                timeout_s: float) -> None:
-    global _stage_file
+    global _stage_file, _checkpoint
     out = Path(out_dir)
+    _checkpoint = Path(ckpt)
     _stage_file = out / f"rank{rank}.stage"
     torch.set_num_threads(1)
     try:
         report_stage("init_process_group")
         device = CPU
+        if backend == "gloo":      # SGLang's CPU TP group: no PyNccl communicator (runtime/cpu_env.py)
+            os.environ["SGLANG_NCCL_SO_PATH"] = NO_NCCL_LIBRARY
         if backend == "nccl":
             for key, value in NCCL_WORKER_ENV.items():
                 os.environ.setdefault(key, value)
             device = torch.device("cuda", rank)
             torch.cuda.set_device(device)
             torch.backends.cuda.matmul.allow_tf32 = False     # the runtime refuses TF32 (runtime/model.py)
-        dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        init_sglang_tp(rank, size, f"file://{rendezvous}", backend, timeout_s)
         report_stage("engine")
-        engine = engine_for(Path(ckpt), TensorParallel(rank, size), device)
+        engine = engine_for(Path(ckpt), TensorParallel.from_sglang(), device)
         report_stage("scenario")
         result = {"held_experts": held_experts(engine), "logits": _on_cpu(_scenario(scenario)(engine))}
         partial = out / f"rank{rank}.pt.partial"
@@ -169,7 +194,10 @@ def _tp_worker(rank: int, size: int, ckpt: str, rendezvous: str, out_dir: str, s
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
-    dist.destroy_process_group()
+    from sglang.srt.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    destroy_model_parallel()
+    destroy_distributed_environment()
 
 
 def _read_all(tmp: Path, size: int, suffix: str) -> dict[int, str]:

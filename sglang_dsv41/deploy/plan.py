@@ -360,7 +360,7 @@ def _runtime_weights(dc: DeploymentConfig, cfg: DeepseekV41Config) -> tuple[Runt
               f"Engram shard in pinned host memory ({found.host_layout}): {found.host_per_rank / GIB:.2f} GiB per rank "
               f"on the host, not on the GPU")
     note = (f"TP {lay.tp}, text model, routed experts MXFP4 and FP8 dense weights as stored, {engram}, "
-            "BF16/FP32 tensors as fp32 + BF16 copies of dense linears, embedding and head replicated")
+            "BF16/FP32 tensors as fp32 + BF16 copies of dense linears, embedding and head vocab-parallel")
     return found, note
 
 

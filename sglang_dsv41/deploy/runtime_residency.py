@@ -10,8 +10,9 @@ budget with this module's figure. Rules, each stated where the runtime implement
   "Limits").
 * Sharding (`runtime/tensor_parallel.py ShardPlan`, rank 0 = the largest share: balanced blocks
   give the first ranks the extra row): routed experts in contiguous expert blocks, wq_b / attn_sink
-  by heads, wo_a by output groups, Engram tables by rows; everything else — embedding, head,
-  wo_b, wq_a, wkv, shared experts, routers, compressor, indexer, norms — replicated.
+  by heads, wo_a by output groups, Engram tables by rows, embedding and head by vocabulary blocks
+  (SGLang's vocab-parallel split); everything else — wo_b, wq_a, wkv, shared experts, routers,
+  compressor, indexer, norms — replicated.
 * Formats at rest on CUDA (`runtime_weights(..., experts_mxfp4=True, dense_fp8=True)`):
   routed experts MXFP4 as stored (E2M1 bytes + UE8M0 scales; the kernel layout's padding is not
   counted); FP8 dense weights as stored E4M3 with their UE8M0 tile scales decoded to fp32

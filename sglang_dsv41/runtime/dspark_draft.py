@@ -22,7 +22,7 @@ reference, tests) or the fp32 one.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -117,10 +117,11 @@ class DSparkDraft(nn.Module):
             raise
         self.backend.finish()
 
-    def block_hidden(self, embed_weight: Tensor, ids: Tensor, positions: Tensor,
+    def block_hidden(self, embed_weight: Tensor | Callable[[Tensor], Tensor], ids: Tensor, positions: Tensor,
                      windows: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
         """Collapsed hidden [B·γ, H] of B blocks: `ids` / `positions` [B·γ] (block-major),
-        `windows[s]` = (keys [B, W, D], valid [B, W]) of stage s's context (module doc)."""
+        `windows[s]` = (keys [B, W, D], valid [B, W]) of stage s's context (module doc).
+        `embed_weight`: the target's embedding weight, or its vocabulary-parallel module (ids → rows)."""
         t, g = self.text, self.gamma
         N = ids.shape[0]
         if N % g or positions.shape[0] != N:
@@ -133,12 +134,13 @@ class DSparkDraft(nn.Module):
             return self._block_hidden(embed_weight, ids.to(device=self.device, dtype=torch.int64),
                                       positions.to(device=self.device, dtype=torch.int64), windows)
 
-    def _block_hidden(self, embed_weight: Tensor, ids: Tensor, positions: Tensor,
+    def _block_hidden(self, embed_weight: Tensor | Callable[[Tensor], Tensor], ids: Tensor, positions: Tensor,
                       windows: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
         t, g, N = self.text, self.gamma, ids.shape[0]
         step = DraftStep(self.backend, self.mhc, self.moe, self.numerics.act_quant, self.numerics.cache, self.inv_freq,
                          positions, g, list(windows))
-        R = embed_weight[ids].to(F32).unsqueeze(1).expand(N, t.hc_mult, t.hidden_size).contiguous()
+        rows = embed_weight[ids] if isinstance(embed_weight, Tensor) else embed_weight(ids)
+        R = rows.to(F32).unsqueeze(1).expand(N, t.hc_mult, t.hidden_size).contiguous()
         carried: Tensor | None = None
         for stage in self.stages:
             R, carried = stage(R, carried, step)

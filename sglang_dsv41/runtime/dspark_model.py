@@ -43,6 +43,7 @@ from .dspark_kv import DSparkContextKV
 from .dspark_weights import dspark_runtime_weights, require_dspark
 from .forward import fp32_default_dtype
 from .hf_config import DRAFT_ARCHITECTURE, parsed_config
+from .vocab_parallel import VocabParallelEmbedding
 
 __all__ = ["DRAFT_ARCHITECTURE", "DeepseekV41ForCausalLMDSpark", "dspark_context_of"]
 
@@ -111,10 +112,20 @@ class DeepseekV41ForCausalLMDSpark(nn.Module):
         t = self.cfg.text
         for name, module in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
             w = getattr(module, "weight", None)
-            if not isinstance(w, Tensor) or tuple(w.shape) != (t.vocab_size, t.hidden_size):
-                raise ValueError(f"DSpark {name} must hold a weight [{t.vocab_size}, {t.hidden_size}], got "
-                                 f"{None if w is None else tuple(w.shape)}")
+            # vocabulary-parallel target modules hold their rank's rows (`runtime/vocab_parallel.py`)
+            rows = len(module.vocab) if isinstance(module, VocabParallelEmbedding) else \
+                t.vocab_size if name == "embed_tokens" or w is None else w.shape[0]
+            if not isinstance(w, Tensor) or tuple(w.shape) != (rows, t.hidden_size) or \
+                    getattr(module, "org_vocab_size", t.vocab_size) != t.vocab_size:
+                raise ValueError(f"DSpark {name} must hold a weight [{rows}, {t.hidden_size}] of a "
+                                 f"{t.vocab_size}-token vocabulary, got {None if w is None else tuple(w.shape)}")
         self._shared = {"embed_tokens": embed_tokens, "lm_head": lm_head}
+
+    def _embedding(self) -> Tensor | VocabParallelEmbedding:
+        """The target's embedding as `DSparkDraft.block_hidden` takes it: the vocabulary-parallel
+        module (complete rows on every rank) or a plain weight."""
+        module = self._shared.get("embed_tokens")
+        return module if isinstance(module, VocabParallelEmbedding) else self._shared_weight("embed_tokens")
 
     def _shared_weight(self, name: str) -> Tensor:
         if name not in self._shared:
@@ -168,7 +179,8 @@ class DeepseekV41ForCausalLMDSpark(nn.Module):
     # ---- block forward ------------------------------------------------------------------------
     def forward_embed(self, input_ids: Tensor) -> Tensor:
         """Target embedding rows of `input_ids` [N] → [N, H] (fp32, BF16 values)."""
-        return self._shared_weight("embed_tokens")[input_ids.to(torch.int64)].to(F32)
+        embed, ids = self._embedding(), input_ids.to(torch.int64)
+        return (embed(ids) if isinstance(embed, VocabParallelEmbedding) else embed[ids]).to(F32)
 
     def block_hidden(self, input_ids: Tensor, positions: Tensor, req_rows: Tensor, prefix_lens: Tensor,
                      req_to_token: Tensor, store: DSparkContextKV) -> Tensor:
@@ -185,7 +197,7 @@ class DeepseekV41ForCausalLMDSpark(nn.Module):
         windows = [store.window(s, req_rows, req_to_token, prefix_lens.to(req_to_token.device), W)
                    for s in range(store.stages)]
         with fp32_default_dtype():
-            return draft.block_hidden(self._shared_weight("embed_tokens"), input_ids, positions, windows)
+            return draft.block_hidden(self._embedding(), input_ids, positions, windows)
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor, positions: Tensor, forward_batch, input_embeds: Tensor | None = None,

@@ -12,7 +12,8 @@ request-scoped ratio-2 pair state):
    (`runtime/attention.py`) → ffn-hc → MoE (`runtime/moe_ops.py`), with the lagged pre (§3.2);
    attention heads, routed experts and Engram rows are sharded under tensor parallelism
    (`runtime/tensor_parallel.py`);
-3. final collapse and `norm` (§3.7); the LM head is applied by the caller.
+3. final collapse and `norm` (§3.7); the LM head is applied by the caller (`logits`). Embedding
+   and LM head are vocabulary-parallel (`runtime/vocab_parallel.py`).
 
 The implementations are chosen once, by the weights' device: the compute backend
 (`runtime/backend.py`), attention + indexer (`attention_ops.ops_for`), mHC (`mhc_ops.mhc_for`)
@@ -45,6 +46,7 @@ from .layers import DeepseekV41DecoderLayer, ForwardStep, OwnedTensors, RMSNorm
 from .mhc_ops import mhc_for
 from .moe_ops import moe_for
 from .tensor_parallel import SINGLE, TensorParallel
+from .vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from .weight_modules import loading_weights, parameter_target
 
 F32 = torch.float32
@@ -81,10 +83,11 @@ class TorchForward(nn.Module):
         self.cfg = cfg
         self.text = cfg.text
         self.roles = self.text.layer_roles()
-        self.embed = OwnedTensors(weights, "embed.")
+        plan = tp.plan(self.text)     # raises now for a TP size the model cannot be sharded with
+        self.embed = VocabParallelEmbedding(weights, "embed.", plan, tp)
         self.layers = nn.ModuleList(DeepseekV41DecoderLayer(weights, self.text, role) for role in self.roles)
         self.norm = RMSNorm(weights, "norm.", self.text.rms_norm_eps)
-        self.head = OwnedTensors(weights, "head.")
+        self.head = ParallelLMHead(weights, "head.", plan, tp, self.text.vocab_size)
         owners = [m for m in self.modules() if isinstance(m, OwnedTensors)]
         unowned = sorted(set(weights) - set().union(*(m.consumed for m in owners)))
         if unowned:
@@ -92,7 +95,6 @@ class TorchForward(nn.Module):
         self.hasher = hasher
         self.numerics = numerics
         self.tp = tp
-        tp.plan(self.text)     # raises now for a TP size the model cannot be sharded with
         self._fixed_backend, self.deterministic = backend, deterministic
         self.selection_stats = IndexerSelectionStats(self.text.index_topk, tp.rank)
         #: DSpark target layers whose attention input each forward captures (`set_capture_layers`), and
@@ -286,7 +288,7 @@ class TorchForward(nn.Module):
                            (ids == self.cfg.image_token_id) if self.cfg.has_vision else None)
         if self.hasher is not None:
             step.engram_rows = dict(zip(t.engram_layer_ids, self.engram_rows(ids, layout, caches)))
-        R = self.embed["weight"][ids].unsqueeze(1).expand(N, t.hc_mult, t.hidden_size).contiguous()
+        R = self.embed(ids).unsqueeze(1).expand(N, t.hc_mult, t.hidden_size).contiguous()
         step.captured = dict.fromkeys(self.capture_layers) if self.capture_layers else None
         carried_pre: Tensor | None = None
         for layer in self.layers:
@@ -301,5 +303,6 @@ class TorchForward(nn.Module):
         return self.hidden_states(input_ids, layout, caches)
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """fp32 logits [N, vocab] of the BF16 head (spec §3.7)."""
-        return self.backend.matmul(hidden, self.head["weight"])
+        """fp32 logits [N, vocab] of the BF16 head (spec §3.7), complete on every rank
+        (`runtime/vocab_parallel.py`)."""
+        return self.head(hidden, self.backend)

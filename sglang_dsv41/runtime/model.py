@@ -27,15 +27,16 @@ of this rank's rows in pinned host memory, read through UVA; only the per_rank l
 
 Numerics profile `NumericsProfile()` (BF16 caches, FP8 activation quantisation); the numerics
 contract against the reference: docs/runtime.md. Tensor parallel (`runtime/tensor_parallel.py`,
-SGLang's TP group): each rank loads only its attention groups, routed experts and Engram rows; on
-the exact backend the forward is bit-identical to TP 1 on CPU (exact collectives); caches, indexer and the LM head are replicated, so the logits are complete on
-every rank and SGLang's LogitsProcessor must not all-gather them (`skip_all_gather=True`).
+SGLang's TP group and collectives): each rank loads only its attention groups, routed experts,
+Engram rows and vocabulary block of the embedding and LM head; the head gathers its logits itself
+(`runtime/vocab_parallel.py`), so they are complete on every rank and SGLang's LogitsProcessor
+must not all-gather them (`skip_all_gather=True`).
 """
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import Tensor, nn
@@ -44,7 +45,6 @@ from ..config import DeepseekV41Config
 from ..engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
 from ..numerics.profile import NumericsProfile
 from . import metrics
-from .backend import ComputeBackend
 from .batch import layout_from_forward_batch
 from .cache import RuntimeCaches
 from .engram_host import engram_placement_from_env
@@ -61,31 +61,32 @@ F32 = torch.float32
 
 class BackendHeadMethod:
     """LM-head "quant method" for SGLang's LogitsProcessor: fp32 logits = h·headᵀ through the
-    model's compute backend (`runtime/backend.py`; set at load, before any forward)."""
+    model's compute backend, vocabulary-parallel and gathered on every rank
+    (`TorchForward.logits`, `runtime/vocab_parallel.py`; set at load, before any forward)."""
 
     def __init__(self) -> None:
-        self.backend: ComputeBackend | None = None
+        self.logits: Callable[[Tensor], Tensor] | None = None
 
     def apply(self, layer: nn.Module, hidden_states: Tensor, bias: Tensor | None = None) -> Tensor:
         if bias is not None:
             raise ValueError("the DeepSeek-V4.1 LM head has no bias")
-        if self.backend is None:
+        if self.logits is None:
             raise RuntimeError("sglang-dsv41: LM head used before load_weights chose the compute backend")
-        return self.backend.matmul(hidden_states, layer.weight)
+        return self.logits(hidden_states)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Nothing to repack: the head is held dequantised (BF16 values in fp32)."""
 
 
 class LMHead(nn.Module):
-    """SGLang's LogitsProcessor calls `quant_method.apply(lm_head, hidden)`; `weight` is the
-    model's `head.weight` parameter (one parameter, owned by `TorchForward.head`)."""
+    """SGLang's LogitsProcessor calls `quant_method.apply(lm_head, hidden)`; `weight` is this
+    rank's block of the model's `head.weight` (one parameter, owned by `TorchForward.head`)."""
 
-    def __init__(self, weight: nn.Parameter) -> None:
+    def __init__(self, weight: nn.Parameter, vocab_size: int) -> None:
         super().__init__()
         self.weight = weight
         self.quant_method = BackendHeadMethod()
-        self.org_vocab_size = weight.shape[0]          # read by SGLang's DSpark draft sampler
+        self.org_vocab_size = vocab_size               # read by SGLang's DSpark draft sampler
 
 
 class DeepseekV41ForCausalLM(nn.Module):
@@ -116,8 +117,8 @@ class DeepseekV41ForCausalLM(nn.Module):
             self.torch_forward = TorchForward.for_loading(
                 self.cfg, hasher, numerics=self.numerics, tp=self.tp, experts_mxfp4=on_cuda, dense_fp8=on_cuda,
                 engram_placement=self.engram_placement, deterministic=deterministic_inference())
-        self.lm_head = LMHead(self.torch_forward.head.tensors["head.weight"])
-        self.logits_processor = LogitsProcessor(config, skip_all_gather=True)   # logits are replicated
+        self.lm_head = LMHead(self.torch_forward.head.tensors["head.weight"], self.cfg.text.vocab_size)
+        self.logits_processor = LogitsProcessor(config, skip_all_gather=True)   # the head gathers its logits
         self.caches: RuntimeCaches | None = None
         #: ids of Engram history an extend brings from the host (`runtime/engram_history.py`); 0 = none
         text = self.cfg.text
@@ -148,7 +149,7 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     def _loaded(self, count: int | None) -> None:
         tf = self.torch_forward
-        self.lm_head.quant_method.backend = tf.backend
+        self.lm_head.quant_method.logits = tf.logits
         held = sum(p.numel() * p.element_size() for p in self.parameters())
         logger.info("sglang-dsv41: %s; %s; parameters hold %.3f GiB%s; Engram tables: %s placement; compute "
                     "backend %s; attention + indexer on %s: %s", self.tp.describe(),

@@ -25,21 +25,26 @@ Shard plan (`ShardPlan.for_config`), rank r of N:
 * Engram tables, by rows: rank r holds a contiguous balanced block of each table's rows; the
   looked-up rows are −0.0 where another rank owns them and are all-reduced (exact, as above),
   then the reference's Engram update runs on the gathered rows (spec §3.3.2);
+* embedding and LM head, by vocabulary rows as SGLang's `VocabParallelEmbedding` /
+  `ParallelLMHead` split them (`vocab_shard`): the embedding looks up its own ids, −0.0 elsewhere,
+  and all-reduces (exact); the head computes its block of logits and all-gathers them (values
+  moved), so both are bit-identical to TP 1 (`runtime/vocab_parallel.py`);
 * everything else is replicated: the KV caches, compressor, indexer (its projections are its
-  own weights and `q_lora` is replicated), mHC, dense projections, shared expert, LM head.
+  own weights and `q_lora` is replicated), mHC, dense projections, shared expert.
 
-Collectives run on a `torch.distributed` process group — SGLang's TP group's `device_group`
-(NCCL on CUDA, gloo on CPU; both sum float64 and fp32), see `TensorParallel.from_sglang`.
+Collectives are SGLang's: the TP `GroupCoordinator`'s `all_reduce` / `all_gather` (custom
+all-reduce or pynccl on CUDA, where nothing is float64; gloo's torch.distributed path on CPU,
+which sums float64 and fp32), see `TensorParallel.from_sglang`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from ..config import DeepseekV41Config, TextConfig
@@ -50,10 +55,24 @@ _HEAD_ROWS = re.compile(_LAYER + r"attn\.(wq_b\.weight|attn_sink)$")
 _GROUP_ROWS = re.compile(_LAYER + r"attn\.wo_a\.weight$")
 _EXPERT = re.compile(_LAYER + r"ffn\.experts\.(\d+)\.w[123]\.weight$")
 _ENGRAM_TABLE = re.compile(_LAYER + r"engram\.embed\.weight$")
+_VOCAB_ROWS = ("embed.weight", "head.weight")
+#: SGLang's `DEFAULT_VOCAB_PADDING_SIZE`: the vocabulary is padded to a multiple of this before the split
+VOCAB_PADDING = 64
 
 
 class TensorParallelError(ValueError):
     """A tensor-parallel size or rank this model cannot be sharded with."""
+
+
+def vocab_shard(vocab: int, size: int, rank: int) -> tuple[range, int]:
+    """(token ids rank `rank` holds, per-rank width) of a vocabulary of `vocab` ids split as SGLang's
+    `VocabParallelEmbedding` / `ParallelLMHead` split it: padded to a multiple of `VOCAB_PADDING`,
+    equal blocks of padded / size ids; the ids past `vocab` are padding (held by nobody)."""
+    padded = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
+    if padded % size:
+        raise TensorParallelError(f"tensor parallel size {size} does not divide the padded vocabulary ({padded})")
+    per = padded // size
+    return range(min(rank * per, vocab), min((rank + 1) * per, vocab)), per
 
 
 def balanced_block(n: int, size: int, rank: int) -> range:
@@ -74,6 +93,8 @@ class ShardPlan:
     heads: range
     experts: range
     engram_rows: dict[int, range]          # Engram layer id → table rows held
+    vocab: range                           # token ids of `embed` / `head` rows held (`vocab_shard`)
+    vocab_per_rank: int                    # padded width of every rank's block of logits
     head_dim: int
     o_lora_rank: int
 
@@ -93,7 +114,8 @@ class ShardPlan:
                                       "routed experts (each rank owns at least one expert)")
         groups = range(rank * G // size, (rank + 1) * G // size)
         hpg = text.heads_per_group
-        return cls(rank=rank, size=size, groups=groups, heads=range(groups.start * hpg, groups.stop * hpg),
+        vocab, per = vocab_shard(text.vocab_size, size, rank)
+        return cls(vocab=vocab, vocab_per_rank=per, rank=rank, size=size, groups=groups, heads=range(groups.start * hpg, groups.stop * hpg),
                    experts=balanced_block(text.n_routed_experts, size, rank),
                    engram_rows={layer: balanced_block(rows, size, rank)
                                 for layer, rows in zip(text.engram_layer_ids, text.engram_num_embeddings)},
@@ -113,6 +135,8 @@ class ShardPlan:
         """The dim-0 rows of logical tensor `name` this rank holds; None = the whole tensor."""
         if self.size == 1:
             return None
+        if name in _VOCAB_ROWS:
+            return self.vocab
         if _HEAD_ROWS.match(name):
             per_head = self.head_dim if name.endswith("wq_b.weight") else 1
             return range(self.heads.start * per_head, self.heads.stop * per_head)
@@ -137,32 +161,33 @@ def load_shard_weights(stored: Mapping[str, Tensor], cfg: DeepseekV41Config, pla
 
 
 class TensorParallel:
-    """Rank `rank` of a TP group of `size` over `group` (a torch.distributed process group;
-    None = the default group). `size == 1` needs no group and every method is the reference's
-    computation with no collective."""
+    """Rank `rank` of a TP group of `size` whose collectives are SGLang's (`comm`: the
+    `GroupCoordinator` of `parallel_state.get_tp_group()`, whose `all_reduce` is
+    `tensor_model_parallel_all_reduce`: custom all-reduce / pynccl on CUDA, gloo on CPU).
+    `size == 1` needs no group and every method is the reference's computation with no
+    collective."""
 
-    def __init__(self, rank: int = 0, size: int = 1, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, rank: int = 0, size: int = 1, comm=None) -> None:
         if size < 1 or not 0 <= rank < size:
             raise TensorParallelError(f"tensor parallel rank {rank} of size {size} is not a valid rank")
-        if size > 1 and not dist.is_initialized():
-            raise TensorParallelError(f"tensor parallel size {size} needs an initialised torch.distributed "
-                                      "process group")
-        if size > 1 and dist.get_world_size(group) != size:
-            raise TensorParallelError(f"process group has {dist.get_world_size(group)} ranks, TP size is {size}")
-        self.rank, self.size, self.group = rank, size, group
+        if size > 1 and comm is None:
+            raise TensorParallelError(f"tensor parallel size {size} needs SGLang's TP group "
+                                      "(parallel_state.initialize_model_parallel; TensorParallel.from_sglang)")
+        if size > 1 and (comm.world_size, comm.rank_in_group) != (size, rank):
+            raise TensorParallelError(f"SGLang's TP group is rank {comm.rank_in_group} of {comm.world_size}, "
+                                      f"asked for rank {rank} of {size}")
+        self.rank, self.size, self.comm = rank, size, comm
         self._plans: dict[int, ShardPlan] = {}
 
     @classmethod
     def from_sglang(cls) -> "TensorParallel":
-        """SGLang's TP group: its `device_group` (NCCL for CUDA tensors, gloo on a CPU server) —
-        the torch process group, not SGLang's communicator wrappers (custom all-reduce kernels
-        and the CPU shared-memory all-reduce do not take float64)."""
+        """SGLang's TP group (`get_tp_group()`); size 1 when it has one rank."""
         from sglang.srt.distributed.parallel_state import get_tp_group
 
         tp = get_tp_group()
         if tp.world_size == 1:
             return cls()
-        return cls(tp.rank_in_group, tp.world_size, tp.device_group)
+        return cls(tp.rank_in_group, tp.world_size, tp)
 
     def plan(self, text: TextConfig) -> ShardPlan:
         key = id(text)
@@ -173,21 +198,33 @@ class TensorParallel:
     def describe(self) -> str:
         return "tensor parallel size 1" if self.size == 1 else f"tensor parallel rank {self.rank} of {self.size}"
 
-    # ---- collectives ------------------------------------------------------------------------
+    # ---- collectives (SGLang's) ---------------------------------------------------------------
     def all_reduce_sum(self, t: Tensor) -> Tensor:
-        """In-place sum over ranks (returns `t`). Exact for disjoint supports with −0.0 elsewhere
-        (−0.0 is the additive identity of IEEE addition, ±0 included)."""
-        if self.size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
-        return t
+        """Sum over ranks through SGLang's `tensor_model_parallel_all_reduce` path (may return a
+        new tensor: use the result). Exact for disjoint supports with −0.0 elsewhere (−0.0 is
+        the additive identity of IEEE addition, ±0 included)."""
+        return self.comm.all_reduce(t) if self.size > 1 else t
+
+    def all_gather(self, t: Tensor, dim: int = -1) -> Tensor:
+        """Rank-ordered concatenation along `dim` (values moved, not combined)."""
+        return self.comm.all_gather(t.contiguous(), dim) if self.size > 1 else t
 
     def all_gather_columns(self, t: Tensor) -> Tensor:
-        """[T, c] per rank → [T, size·c], rank-ordered blocks (values moved, not combined)."""
+        """[T, c] per rank → [T, size·c], rank-ordered blocks."""
+        return self.all_gather(t, 1)
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            self.comm.barrier()
+
+    def graph_capture(self, stream):
+        """SGLang's capture context of the TP group on `stream` (custom all-reduce buffers
+        registered, pynccl enabled), as its CUDA-graph runner uses it; a no-op at size 1."""
         if self.size == 1:
-            return t
-        parts = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(parts, t.contiguous(), group=self.group)
-        return torch.cat(parts, dim=1)
+            return contextlib.nullcontext()
+        from sglang.srt.distributed.parallel_state import GraphCaptureContext
+
+        return self.comm.graph_capture(GraphCaptureContext(stream))
 
     # ---- Engram (spec §3.3.2) ---------------------------------------------------------------
     def engram_rows(self, cfg: TextConfig, layer: int, row_ids: Tensor, w: Mapping[str, Tensor], *,
