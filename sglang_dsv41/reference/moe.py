@@ -55,10 +55,12 @@ class Routing:
 def sqrt_softplus(logits: Tensor) -> Tensor:
     """s = sqrt(softplus(z)) with softplus(z) = z if z > 20 else log1p(exp(z)) (§3.6): softplus
     in fp64 rounded once to fp32, then the fp32 sqrt of that value (upstream
-    `moe_fused_gate.py:199-202`: `sqrt(sp)` on the fp32 softplus)."""
+    `moe_fused_gate.py:199-202`: `sqrt(sp)` on the fp32 softplus). The fp32 sqrt is taken as a
+    float64 sqrt rounded to fp32 — the correctly rounded fp32 sqrt (an exact fp32 sqrt lies
+    ≥ 2⁻⁵⁰ relative from an fp32 midpoint); torch's CPU fp32 `sqrt` is not correctly rounded."""
     z = logits.to(F64)
     soft = torch.where(z > SOFTPLUS_THRESHOLD, z, torch.log1p(torch.exp(z.clamp(max=SOFTPLUS_THRESHOLD))))
-    return torch.sqrt(soft.to(F32))
+    return torch.sqrt(soft.to(F32).to(F64)).to(F32)
 
 
 def topk_lower_id_on_ties(values: Tensor, k: int) -> Tensor:

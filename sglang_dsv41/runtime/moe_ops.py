@@ -83,10 +83,11 @@ class Routing:
 def sqrt_softplus(logits: Tensor, acc: torch.dtype = F64) -> Tensor:
     """s = sqrt(softplus(z)), softplus(z) = z if z > 20 else log1p(exp(z)) in `acc` (the
     backend's: float64 only on `exact`) rounded to fp32, then the fp32 sqrt (upstream's gate
-    takes the sqrt of the fp32 softplus). Elementwise: batch invariant."""
+    takes the sqrt of the fp32 softplus), as a sqrt in `acc` rounded to fp32 (float64: the
+    correctly rounded fp32 sqrt, which torch's CPU fp32 sqrt is not). Elementwise: batch invariant."""
     z = logits.to(acc)
     soft = torch.where(z > SOFTPLUS_THRESHOLD, z, torch.log1p(torch.exp(z.clamp(max=SOFTPLUS_THRESHOLD))))
-    return torch.sqrt(soft.to(F32))
+    return torch.sqrt(soft.to(F32).to(acc)).to(F32)
 
 
 def route(be: ComputeBackend, x: Tensor, gate_weight: Tensor, bias: Tensor, top_k: int,
