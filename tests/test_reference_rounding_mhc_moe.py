@@ -159,3 +159,31 @@ def test_routed_scaling_factor_is_folded_into_the_fp32_weights() -> None:
     shared = moe.shared_expert(x, *(w[f"{p}shared_experts.w{n}.weight"] for n in (1, 2, 3)), t.swiglu_limit, True)
     assert torch.equal(y, ops.bf16(shared + routed))
     assert math.isclose(t.routed_scaling_factor, 1.5)
+
+
+def test_engram_gate_is_upstreams_fp32_steps_and_the_runtime_follows() -> None:
+    """`engram_gate` (srt/layers/engram.py:1280-1291; the fused kernel has no FMA): fp32
+    w = q·k, (h·w)·key, rsqrt·rsqrt, Σ·rstd·H^-½, max(|dot|, 1e-6), sqrt; Σ, rsqrt, sigmoid
+    once-rounded from float64."""
+    from sglang_dsv41.reference.engram import engram_gate
+    from sglang_dsv41.runtime.engram_gate import engram_gate as runtime_gate
+
+    g = torch.Generator().manual_seed(11)
+    T, hc, H = 64, 4, 48
+    R = ops.bf16(torch.randn(T, hc, H, generator=g) * 2)
+    keys = ops.bf16(torch.randn(T, hc, H, generator=g))
+    keys[0] = 0.0                                                        # dot = +0 → sigmoid(+1e-3)
+    qw, kw = (ops.bf16(1 + 0.3 * torch.randn(hc, H, generator=g)) for _ in range(2))
+    eps = 1e-20
+    h, k = R.numpy(), keys.numpy()
+    w = qw.numpy() * kw.numpy()
+    inner = rsum((h * w) * k, -1)[..., 0]
+    rs_h = (1.0 / np.sqrt((h.astype(np.float64) ** 2).mean(-1) + eps)).astype(f32)
+    rs_k = (1.0 / np.sqrt((k.astype(np.float64) ** 2).mean(-1) + eps)).astype(f32)
+    dot = inner * (rs_h * rs_k) * f32(H ** -0.5)
+    mag = np.sqrt(np.maximum(np.abs(dot), f32(1e-6)))                    # IEEE fp32 sqrt
+    want = sigmoid_once(np.copysign(mag, dot))
+    got = engram_gate(R, keys, qw, kw, eps)
+    assert np.array_equal(got.numpy(), want)
+    assert torch.equal(runtime_gate(R, keys, qw, kw, eps), got)
+    assert got[0, 0].item() == float(sigmoid_once(np.array([f32(1e-3)]))[0])
