@@ -36,8 +36,8 @@ it rounded once to fp32 (the reference's `ops.rope_cos_sin`), the rotation is fp
 sums in the reference's order (no FMA) — bit-identical except where the device's float64 cos/sin
 differ in the last float64 bit at an fp32 rounding boundary (see below).
 
-fp64 results. Where the reference evaluates in float64 and rounds once (rms_norm, SwiGLU,
-routing weights) the kernels do the same float64 operations in the same order, except:
+fp64 results. Where the reference evaluates in float64 and rounds once (rms_norm, SwiGLU, the
+routing weight sum) the kernels do the same float64 operations in the same order, except:
 * reductions (rms_norm's Σx², the routing weight sum over k) are summed in a different order;
   for BF16-valued inputs (every caller's) the squares have ≤ 16 significant bits, so Σx² is exact
   in float64 — hence order-independent — unless a row's magnitudes span more than ~2¹² (rms
@@ -231,7 +231,9 @@ def _route_select_kernel(score_ptr, bias_ptr, vl_bias_ptr, image_ptr, expert_ptr
                          K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, HAS_VL: tl.constexpr,
                          RENORM_EPS: tl.constexpr):
     """One token: K selection rounds over scores + bias (NaN first, then larger value, ties to
-    the lower id), then weights = chosen bias-free scores / (Σ + eps) in float64, rounded to fp32."""
+    the lower id), then weights = chosen / (fp32(Σ chosen) + eps): Σ in float64 rounded once, the
+    add in fp32, the fp32 quotient as a float64 division rounded to fp32 (= IEEE fp32 division:
+    53 ≥ 2·24 + 2, so the double rounding is innocuous)."""
     t = tl.program_id(0).to(tl.int64)
     ids = tl.arange(0, BLOCK_E)
     live = ids < E
@@ -260,9 +262,10 @@ def _route_select_kernel(score_ptr, bias_ptr, vl_bias_ptr, image_ptr, expert_ptr
         experts = tl.where(slot == j, pick.to(tl.int64), experts)
         chosen = tl.where(slot == j, value, chosen)
         total = total + value
-    weights = chosen / (total + tl.full((1,), RENORM_EPS, tl.float64))
+    denom = total.to(tl.float32) + tl.full((1,), RENORM_EPS, tl.float32)
+    weights = (chosen / denom.to(tl.float64)).to(tl.float32)
     tl.store(expert_ptr + t * K + slot, experts, mask=slot < K)
-    tl.store(weight_ptr + t * K + slot, weights.to(tl.float32), mask=slot < K)
+    tl.store(weight_ptr + t * K + slot, weights, mask=slot < K)
 
 
 # ---- launchers -------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ What is pinned:
 * RoPE (fp32 rotation of correctly rounded fp32 cos/sin): bit for bit, also with Flash's tables at
   positions 0, 65,535, 65,536 and 1,048,575;
   top-k selection of `route` (NaN first, ties → lower id, all −inf rows, vision bias);
-* the float64-evaluated ones (rms_norm, SwiGLU, routing weights): equal to the
+* the float64-evaluated ones (rms_norm, SwiGLU, the routing weight sum; the renorm add and
+  division are fp32, as upstream's gate): equal to the
   reference on these inputs (their stated bound allows rare one-ulp flips; none occur here);
 * batch invariance: every kernel's row of a batch == that row alone, bitwise;
 * the backend: each `TritonBackend` primitive is its kernel; the runtime's project_q_kv /
@@ -188,8 +189,10 @@ if KERNEL_HERE:
         for k in (1, 2, 5, 8):
             e, w = FE.route_select(scores.to(DEVICE), bias.to(DEVICE), k, moe.RENORM_EPS)
             want_e = moe.topk_lower_id_on_ties(scores + bias, k)
-            chosen = scores.gather(-1, want_e).double()
-            want_w = (chosen / (chosen.sum(-1, keepdim=True) + moe.RENORM_EPS)).float()
+            chosen = scores.gather(-1, want_e)
+            # upstream's gate: fp32(Σ) + fp32(1e-20) in fp32, then the fp32 division
+            denom = chosen.double().sum(-1, keepdim=True).float() + torch.tensor(moe.RENORM_EPS, dtype=torch.float32)
+            want_w = chosen / denom
             assert torch.equal(e.cpu(), want_e) and same_bits(w.cpu(), want_w)
         vl = torch.randn(8, generator=g)
         image = torch.tensor([True, False] * 4 + [True])
@@ -297,8 +300,10 @@ if not FE.INTERPRETED:
         bad = re.findall(r"\b(div\.full\.f32|div\.approx\.\w+|sqrt\.approx\.\w+|ex2\.approx\.\w+|lg2\.approx\.\w+|"
                          r"rcp\.approx\.ftz\.f32|cvt\.rn\.satfinite\.\w+|fma\.rn\.f32|sin\.approx\.\w+|cos\.approx\.\w+)", ptx)
         assert not bad, sorted(set(bad))
-        if "EPS" in consts or "RENORM_EPS" in consts:
+        if "EPS" in consts:
             assert "0d3BC79CA10C924223" in ptx            # 1e-20 as a double, not widened from fp32
+        if "RENORM_EPS" in consts:
+            assert "0f1E3CE508" in ptx                    # fp32(1e-20): the renorm add is fp32, as upstream's
 
 
 def test_reference_has_no_backend_switch() -> None:
@@ -365,8 +370,8 @@ def test_gpu_flash_widths_match_reference_on_gpu() -> None:
     scores, bias = moe.sqrt_softplus(logits), torch.randn(384, generator=g, device=dev) * 0.1
     e, w = FE.route_select(scores, bias, 6, moe.RENORM_EPS)
     assert torch.equal(e, moe.topk_lower_id_on_ties(scores + bias, 6))
-    chosen = scores.gather(-1, e).double()
-    assert _flips_within_bound(w, (chosen / (chosen.sum(-1, keepdim=True) + moe.RENORM_EPS)).float(), False)
+    chosen = scores.gather(-1, e)
+    assert _flips_within_bound(w, chosen / moe.renorm_denominator(chosen), False)
 
 
 @pytest.mark.gpu

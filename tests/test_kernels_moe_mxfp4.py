@@ -275,7 +275,8 @@ def test_combine_is_the_reference_finalize(interpreted, T: int, k: int, H: int) 
     w = (w / w.sum(-1, keepdim=True)).float()
     out = interpreted.combine_routed(y_rows, plan, w, SCALE, H)
     per_slot = y_rows.double()[plan.slot_rows.long()].view(T, k, -1)[..., :H]
-    # reference.moe.moe_sublayer's finalize, fed the same per-slot expert outputs
+    # the kernel's definition bf16(s·Σ w·E) (the runtime passes w' = fp32(w·s) and s = 1, which
+    # is reference.moe.moe_sublayer's finalize), fed the same per-slot expert outputs
     want = bf16((SCALE * (w.double().unsqueeze(-1) * per_slot).sum(dim=1)).float()).to(torch.bfloat16)
     assert out.dtype == torch.bfloat16 and torch.equal(out, want)
     with pytest.raises(ValueError, match="fp32"):

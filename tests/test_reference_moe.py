@@ -66,8 +66,10 @@ def test_bias_selects_but_does_not_weight() -> None:
     assert (r.experts == 7).any(dim=-1).all()
     scores = sqrt_softplus((x.double() @ w.double().t()).float())
     assert torch.equal(r.scores, scores)
-    chosen = scores.gather(-1, r.experts).double()
-    assert torch.equal(r.weights, (chosen / (chosen.sum(-1, keepdim=True) + 1e-20)).float())
+    chosen = scores.gather(-1, r.experts)
+    # upstream's gate: fp32 Σ (here the exact sum rounded once), fp32 + 1e-20, fp32 division
+    denom = chosen.double().sum(-1, keepdim=True).float() + torch.tensor(1e-20, dtype=torch.float32)
+    assert torch.equal(r.weights, chosen / denom)
     assert torch.allclose(r.weights.sum(-1), torch.ones(T))
     # the unbiased top-1 is still chosen as the other expert when it is not 7
     unbiased_best = torch.where(scores.argmax(-1) == 7, scores.topk(2).indices[:, 1], scores.argmax(-1))

@@ -217,7 +217,8 @@ def _reference_parts(t, w_ref, p: str, x: torch.Tensor):
         q = f"{p}ffn.experts.{e}."
         per_slot[rows, slot] = ref_moe.routed_expert(x[rows], w_ref[q + "w1.weight"], w_ref[q + "w2.weight"],
                                                      w_ref[q + "w3.weight"], t.swiglu_limit).double()
-    routed = bf16((t.routed_scaling_factor * (routing.weights.double().unsqueeze(-1) * per_slot).sum(1)).float())
+    scaled = moe_ops.scaled_weights(t, routing.weights)                   # fp32(w·s), as the reference
+    routed = bf16((scaled.double().unsqueeze(-1) * per_slot).sum(1).float())
     y = ref_moe.moe_sublayer(t, w_ref, p, x, image_rows=None, act_quant=True)
     bound = moe_ops.moe_error_bound(y, routed, per_slot, routing.weights, t.routed_scaling_factor)
     return y, bound

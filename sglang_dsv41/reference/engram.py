@@ -11,8 +11,9 @@ Invariants:
 * emb_t = concat over the hash columns (column order) of the dequantised BF16 table rows.
 * kv_t = engram.wkv(emb_t) through the model's FP8 linear (BF16 output), split
   [key_0 … key_{hc−1}, value], each H wide.
-* Per stream c, in fp32: dot = Σ_d h_d·w_d·key_{c,d} · rsqrt(mean(h²)+ε) · rsqrt(mean(key_c²)+ε)
-  · H^{−1/2}, with h = R_c, w = q_weight[c] ⊙ k_weight[c] and two **separate** RMS factors;
+* Per stream c, in fp32: dot = Σ_d (h_d·w_d)·key_{c,d} · (rsqrt(mean(h²)+ε) · rsqrt(mean(key_c²)+ε))
+  · H^{−1/2}, with h = R_c, w = q_weight[c] ⊙ k_weight[c] and two **separate** RMS factors
+  (upstream's fp32 steps; reductions and transcendentals float64, rounded once);
   g = sigmoid(copysign(sqrt(max(|dot|, 1e−6)), dot)); R_c ← bf16(h + g·value) (fp32 product and
   sum, upstream `srt/layers/engram.py:1291-1292`). The same value
   vector is added (gated per stream) to every stream.
@@ -25,7 +26,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .ops import F32, bf16, linear_fp8
+from .ops import F32, bf16, fp32_scalar, linear_fp8
 
 #: |dot| is clamped below by this before the square root (spec §3.3.2).
 GATE_DOT_FLOOR = 1e-6
@@ -50,18 +51,24 @@ def engram_gate(residual: Tensor, keys: Tensor, q_weight: Tensor, k_weight: Tens
     """g [T, hc] (fp32) from residual [T, hc, H] and keys [T, hc, H] (spec §3.3.2):
     sigmoid(copysign(sqrt(max(|dot|, 1e−6)), dot)) with dot the doubly RMS-normalised weighted
     inner product of each stream with its own key. The sign is copied as upstream does
-    (`srt/layers/engram.py:1291`): dot = ±0 gives ±1e−3, not 0."""
-    f64 = torch.float64  # evaluated in float64, rounded once: device-invariant (ops convention)
-    h = residual.to(f64)
-    key = keys.to(f64)
+    (`srt/layers/engram.py:1291`): dot = ±0 gives ±1e−3, not 0.
+
+    Rounded as upstream's fp32 gate (`engram.py:1280-1291`, `kernels/ops/embeddings/engram_gate.py`,
+    no FMA): w = q·k, h·w, (h·w)·key, rs_h·rs_k, Σ·rstd, ·H^−½, max and the sqrt are fp32
+    operations; the sum over H, the two rsqrt(mean(·²) + ε) and the sigmoid are evaluated in
+    float64 and rounded once (reductions / transcendentals: device-invariant ops convention).
+    """
+    f64 = torch.float64
+    h = residual.to(F32)
+    key = keys.to(F32)
     hidden = h.shape[-1]
-    w = q_weight.to(F32).to(f64) * k_weight.to(F32).to(f64)     # [hc, H]
-    inner = (h * w * key).sum(dim=-1)                          # [T, hc]
-    h_rms_inv = torch.rsqrt(h.pow(2).mean(dim=-1) + eps)
-    key_rms_inv = torch.rsqrt(key.pow(2).mean(dim=-1) + eps)
-    dot = inner * h_rms_inv * key_rms_inv * (hidden ** -0.5)
-    signed_sqrt = torch.copysign(torch.sqrt(dot.abs().clamp(min=GATE_DOT_FLOOR)), dot)
-    return torch.sigmoid(signed_sqrt).to(F32)
+    w = q_weight.to(F32) * k_weight.to(F32)                              # [hc, H] fp32
+    inner = ((h * w) * key).to(f64).sum(dim=-1).to(F32)                  # fp32 products, exact sum once
+    h_rms_inv = torch.rsqrt(h.to(f64).pow(2).mean(dim=-1) + eps).to(F32)
+    key_rms_inv = torch.rsqrt(key.to(f64).pow(2).mean(dim=-1) + eps).to(F32)
+    dot = inner * (h_rms_inv * key_rms_inv) * fp32_scalar(hidden ** -0.5)
+    mag = torch.sqrt(dot.abs().clamp(min=fp32_scalar(GATE_DOT_FLOOR)).to(f64)).to(F32)   # correctly rounded fp32 sqrt
+    return torch.sigmoid(torch.copysign(mag, dot).to(f64)).to(F32)
 
 
 def gated_residual(R: Tensor, gate: Tensor, value: Tensor) -> Tensor:

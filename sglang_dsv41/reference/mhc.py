@@ -18,11 +18,14 @@ Invariants (spec §3.2, §11 items 1–3, §12 first bullet):
   first hyper-connection of the model has none and reads stream 0.
 * Residual update: R'_k = bf16(post_k·y + Σ_j comb_jk·R_j) in fp32 math.
 * Final collapse: h = bf16(Σ_j pre_j·R_j) with the pre of the last layer's ffn-hc.
-* Token-wise, chunk- and device-invariant: the coefficients (mix, rsqrt, sigmoid, softmax,
-  Sinkhorn) are evaluated in fp64 and rounded once to fp32 — the fp32 formula's value without
-  fp32 rounding noise, whatever the BLAS, reduction order or libm — and the stream sums run in
-  a fixed order (post·y first, then j = 0, 1, …) with IEEE fp32 multiplies and adds. A token's
-  coefficients and residual depend neither on how many tokens share the call nor on the device.
+* Rounding (upstream `kernels/ops/layernorm/mhc.py` `hc_split_sinkhorn_kernel` and the torch
+  fallback `_mix_stats_impl`; audit in docs/reference.md): every value is fp32 after every step,
+  as upstream's kernels hold it. Reductions (F·x, mean of squares, Sinkhorn row/column sums) and
+  transcendentals (rsqrt, sigmoid, exp) are evaluated in fp64 and rounded once to fp32 — the
+  fp32 value free of reduction-order and libm noise, so token-wise, chunk- and device-invariant;
+  the elementwise steps between them (mix·rsqrt, ·α + b, + ε, the Sinkhorn divisions, c − max)
+  are IEEE fp32 operations in upstream's order, without FMA contraction (the torch fallback's
+  form). Stream sums run in a fixed order (post·y first, then j = 0, 1, …), IEEE fp32.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .ops import F32, bf16, rms_norm
+from .ops import F32, bf16, fp32_scalar, rms_norm
 
 F64 = torch.float64
 
@@ -49,22 +52,31 @@ class HcCoefficients:
     comb: Tensor
 
 
-def sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:
-    """Finite Sinkhorn normalisation of [..., hc, hc] logits (spec §3.2, §12).
+def _rounded_sum(m: Tensor, dim: int) -> Tensor:
+    """Σ along `dim` of fp32 values, in fp64 and rounded once to fp32 (order-free)."""
+    return m.to(F64).sum(dim=dim, keepdim=True).to(F32)
 
-    M ← softmax_k(C); M ← M + ε; M ← M / (colsum + ε); then (iters − 1) times:
+
+def sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:
+    """Finite Sinkhorn normalisation of [..., hc, hc] fp32 logits (spec §3.2, §12), rounded as
+    upstream's `hc_split_sinkhorn_kernel` (`kernels/ops/layernorm/mhc.py:280-299`).
+
+    M ← exp(C − rowmax)/rowsum + ε; M ← M / (colsum + ε); then (iters − 1) times:
     M ← M / (rowsum + ε); M ← M / (colsum + ε). rowsum_j = Σ_k M_jk, colsum_k = Σ_j M_jk.
-    Exactly `iters` column normalisations; never iterated to convergence. Evaluated in fp64,
-    returned as fp32.
+    Exactly `iters` column normalisations; never iterated to convergence. fp32 after every
+    step: exp and the sums in fp64 rounded once, the subtraction, divisions and + ε in fp32.
     """
     if iters < 1:
         raise ValueError(f"Sinkhorn needs at least one iteration, got {iters}")
-    m = torch.softmax(logits.to(F64), dim=-1) + eps
-    m = m / (m.sum(dim=-2, keepdim=True) + eps)
+    e32 = fp32_scalar(eps)
+    c = logits.to(F32)
+    ex = torch.exp((c - c.amax(dim=-1, keepdim=True)).to(F64)).to(F32)
+    m = ex / _rounded_sum(ex, -1) + e32
+    m = m / (_rounded_sum(m, -2) + e32)
     for _ in range(iters - 1):
-        m = m / (m.sum(dim=-1, keepdim=True) + eps)
-        m = m / (m.sum(dim=-2, keepdim=True) + eps)
-    return m.to(F32)
+        m = m / (_rounded_sum(m, -1) + e32)
+        m = m / (_rounded_sum(m, -2) + e32)
+    return m
 
 
 def hc_coefficients(residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *,
@@ -77,15 +89,18 @@ def hc_coefficients(residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *
     if fn.shape != (hc * (2 + hc), hc * H):
         raise ValueError(f"hc fn has shape {tuple(fn.shape)}, expected {(hc * (2 + hc), hc * H)}")
     x = residual.to(F64).reshape(T, hc * H)                       # stream-major flatten
-    # upstream: fp32-equivalent precision (tf32×3 / split-bf16×3 / fp32); here fp64, rounded once
-    mix = (x @ fn.to(F64).t()) * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + rms_eps)
-    a = scale.to(F64)
-    b = base.to(F64)
-    pre = torch.sigmoid(a[0] * mix[:, :hc] + b[:hc]) + hc_eps
-    post = 2.0 * torch.sigmoid(a[1] * mix[:, hc:2 * hc] + b[hc:2 * hc])
-    comb_logits = (a[2] * mix[:, 2 * hc:] + b[2 * hc:]).reshape(T, hc, hc)
-    comb = sinkhorn(comb_logits, sinkhorn_iters, hc_eps)
-    return HcCoefficients(pre=pre.to(F32), post=post.to(F32), comb=comb)
+    # upstream: fp32-equivalent products (tf32×3 / split-bf16×3 / fp32); here fp64, rounded once
+    mix = (x @ fn.to(F64).t()).to(F32) * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + rms_eps).to(F32)
+    a, b = scale.to(F32), base.to(F32)
+    z = mix * torch.cat([a[0].expand(hc), a[1].expand(hc), a[2].expand(hc * hc)]) + b   # fp32 ·α, + b
+
+    def sigmoid(v: Tensor) -> Tensor:
+        return torch.sigmoid(v.to(F64)).to(F32)
+
+    pre = sigmoid(z[:, :hc]) + fp32_scalar(hc_eps)
+    post = 2.0 * sigmoid(z[:, hc:2 * hc])
+    comb = sinkhorn(z[:, 2 * hc:].reshape(T, hc, hc), sinkhorn_iters, hc_eps)
+    return HcCoefficients(pre=pre, post=post, comb=comb)
 
 
 def hc_weighted_sum(residual: Tensor, pre: Tensor) -> Tensor:

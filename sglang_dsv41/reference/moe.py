@@ -15,11 +15,14 @@ Invariants:
 * Routed experts: MXFP4 weights (dequantised fp32 here) with BF16 activations — the Hopper
   W4A16 path (spec §3.8); `act_quant` never applies to them. The shared expert is an FP8
   dense linear (`ops.linear_fp8`, activation quantisation per `act_quant`).
-* y = bf16(S(x) + bf16(routed_scaling_factor · Σ_k w_k·E_{e_k}(x))), the routed sum in fp32.
-* Every fp32 quantity above (logits, softplus/sqrt, renormalised weights, silu·u, the routed
-  sum) is evaluated in fp64 and rounded once to fp32 — the fp32 formula's value free of fp32
-  rounding noise — so routing and outputs do not depend on chunking, BLAS, reduction order
-  or the device's libm.
+* y = bf16(S(x) + bf16(Σ_k fp32(w_k·s)·E_{e_k}(x))), s = routed_scaling_factor folded into the
+  fp32 routing weights as upstream's MXFP4 MoE paths do (`moe_fused_gate` APPLY_SCALE), the
+  routed sum in fp32.
+* Reductions and transcendentals (logits, softplus, Σ_k s_k, silu·u, the routed sum) are
+  evaluated in fp64 and rounded once to fp32 — the fp32 formula's value free of fp32 rounding
+  noise — so routing and outputs do not depend on chunking, BLAS, reduction order or the
+  device's libm. The elementwise IEEE steps upstream takes on those fp32 values (sqrt of the
+  fp32 softplus, + 1e−20, the division, × s) are fp32 operations (audit: docs/reference.md).
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ import torch.nn.functional as F_
 from torch import Tensor
 
 from ..config import TextConfig
-from .ops import F32, bf16, linear_bf16, linear_fp8, matmul_fp32_exact
+from .ops import F32, bf16, fp32_scalar, linear_bf16, linear_fp8, matmul_fp32_exact
 
 F64 = torch.float64
 
@@ -50,10 +53,14 @@ class Routing:
 
 
 def sqrt_softplus(logits: Tensor) -> Tensor:
-    """s = sqrt(softplus(z)) with softplus(z) = z if z > 20 else log1p(exp(z)), fp32 (§3.6)."""
+    """s = sqrt(softplus(z)) with softplus(z) = z if z > 20 else log1p(exp(z)) (§3.6): softplus
+    in fp64 rounded once to fp32, then the fp32 sqrt of that value (upstream
+    `moe_fused_gate.py:199-202`: `sqrt(sp)` on the fp32 softplus). The fp32 sqrt is taken as a
+    float64 sqrt rounded to fp32 — the correctly rounded fp32 sqrt (an exact fp32 sqrt lies
+    ≥ 2⁻⁵⁰ relative from an fp32 midpoint); torch's CPU fp32 `sqrt` is not correctly rounded."""
     z = logits.to(F64)
     soft = torch.where(z > SOFTPLUS_THRESHOLD, z, torch.log1p(torch.exp(z.clamp(max=SOFTPLUS_THRESHOLD))))
-    return torch.sqrt(soft).to(F32)
+    return torch.sqrt(soft.to(F32).to(F64)).to(F32)
 
 
 def topk_lower_id_on_ties(values: Tensor, k: int) -> Tensor:
@@ -96,9 +103,16 @@ def route(x: Tensor, gate_weight: Tensor, bias: Tensor, top_k: int,
     if bias_vl is not None:
         row_bias = torch.where(image_rows.unsqueeze(-1), bias_vl.to(F32).expand_as(scores), row_bias)
     experts = topk_lower_id_on_ties(scores + row_bias, top_k)
-    chosen = scores.gather(-1, experts).to(F64)
-    weights = (chosen / (chosen.sum(dim=-1, keepdim=True) + RENORM_EPS)).to(F32)
+    chosen = scores.gather(-1, experts)
+    weights = chosen / renorm_denominator(chosen)
     return Routing(experts=experts, weights=weights, scores=scores)
+
+
+def renorm_denominator(chosen: Tensor) -> Tensor:
+    """fp32(Σ_k s_k) + 1e−20 in fp32, [T, 1]: the sum of the k selected fp32 scores in fp64,
+    rounded once (order-free), then upstream's fp32 add (`moe_fused_gate.py:276-281`); the
+    weights are the fp32 quotients s_k / this."""
+    return chosen.to(F64).sum(dim=-1, keepdim=True).to(F32) + fp32_scalar(RENORM_EPS)
 
 
 def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
@@ -124,7 +138,7 @@ def shared_expert(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, limit: float, a
 def moe_sublayer(cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor, *,
                  image_rows: Tensor | None, act_quant: bool,
                  n_experts: int | None = None, top_k: int | None = None) -> Tensor:
-    """MoE output y = S(x) + routed_scaling_factor·Σ_k w_k·E_{e_k}(x) (spec §3.6).
+    """MoE output y = S(x) + Σ_k fp32(w_k·routed_scaling_factor)·E_{e_k}(x) (spec §3.6).
 
     `prefix` is the layer's weight prefix (`layers.3.` or, for DSpark stages, `mtp.0.`);
     reads `{prefix}ffn.*`. `image_rows` [T] bool enables the `gate.bias_vl` row bias (pass it
@@ -147,8 +161,8 @@ def moe_sublayer(cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tenso
         per_slot[rows, slot] = routed_expert(x[rows], w[f"{p}experts.{e}.w1.weight"],
                                              w[f"{p}experts.{e}.w2.weight"],
                                              w[f"{p}experts.{e}.w3.weight"], limit).to(F64)
-    weighted = routing.weights.to(F64).unsqueeze(-1) * per_slot
-    routed = bf16((cfg.routed_scaling_factor * weighted.sum(dim=1)).to(F32))
+    scaled = routing.weights * fp32_scalar(cfg.routed_scaling_factor)      # fp32, as the top-k kernel
+    routed = bf16((scaled.to(F64).unsqueeze(-1) * per_slot).sum(dim=1).to(F32))
     shared = shared_expert(x, w[p + "shared_experts.w1.weight"], w[p + "shared_experts.w2.weight"],
                            w[p + "shared_experts.w3.weight"], limit, act_quant)
     return bf16(shared + routed)

@@ -185,8 +185,9 @@ class ExactTorchBackend(ComputeBackend):
         if bias_vl is not None:
             row_bias = torch.where(image_rows.unsqueeze(-1), bias_vl.to(F32).expand_as(scores), row_bias)
         experts = topk_lower_id_on_ties(scores + row_bias, top_k)
-        chosen = scores.gather(-1, experts).to(F64)
-        return experts, (chosen / (chosen.sum(dim=-1, keepdim=True) + renorm_eps)).to(F32)
+        chosen = scores.gather(-1, experts)
+        denom = chosen.to(F64).sum(dim=-1, keepdim=True).to(F32) + R.fp32_scalar(renorm_eps)
+        return experts, chosen / denom                    # fp32 add and division (as upstream's gate)
 
     def matmul(self, x: Tensor, weight: Tensor) -> Tensor:
         if weight.dtype == torch.float8_e4m3fn:

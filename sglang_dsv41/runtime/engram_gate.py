@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..numerics.rounding import bf16
+from ..numerics.rounding import bf16, fp32_scalar
 from .backend import ComputeBackend
 
 F32, F64 = torch.float32, torch.float64
@@ -20,13 +20,19 @@ GATE_DOT_FLOOR = 1e-6
 
 def engram_gate(residual: Tensor, keys: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float,
                 acc: torch.dtype = F64) -> Tensor:
-    """g [T, hc] fp32 from residual and keys [T, hc, H], evaluated in `acc` (float64: rounded once)
-    — the CPU backends' `engram_gate`; CUDA runs the fp32 kernel `kernels.engram_gate`."""
-    h, key = residual.to(acc), keys.to(acc)
-    inner = (h * (q_weight.to(acc) * k_weight.to(acc)) * key).sum(dim=-1)
-    dot = (inner * torch.rsqrt(h.pow(2).mean(dim=-1) + eps) * torch.rsqrt(key.pow(2).mean(dim=-1) + eps)
-           * (h.shape[-1] ** -0.5))
-    return torch.sigmoid(torch.copysign(torch.sqrt(dot.abs().clamp(min=GATE_DOT_FLOOR)), dot)).to(F32)
+    """g [T, hc] fp32 from residual and keys [T, hc, H] — the CPU backends' `engram_gate`; CUDA
+    runs the fp32 kernel `kernels.engram_gate`. Upstream's fp32 steps (w = q·k, (h·w)·key,
+    rs_h·rs_k, ·rstd, ·H^−½, max, sqrt); the sum over H, the rsqrts and the sigmoid in `acc`
+    (float64: rounded once, bit-identical to the reference), the sqrt as an `acc` sqrt of the
+    fp32 value (float64: the correctly rounded fp32 sqrt)."""
+    h, key = residual.to(F32), keys.to(F32)
+    w = q_weight.to(F32) * k_weight.to(F32)
+    inner = ((h * w) * key).to(acc).sum(dim=-1).to(F32)
+    rstd = (torch.rsqrt(h.to(acc).pow(2).mean(dim=-1) + eps).to(F32)
+            * torch.rsqrt(key.to(acc).pow(2).mean(dim=-1) + eps).to(F32))
+    dot = inner * rstd * fp32_scalar(h.shape[-1] ** -0.5)
+    mag = torch.sqrt(dot.abs().clamp(min=fp32_scalar(GATE_DOT_FLOOR)).to(acc)).to(F32)
+    return torch.sigmoid(torch.copysign(mag, dot).to(acc)).to(F32)
 
 
 def engram_update(be: ComputeBackend, R: Tensor, rows: Tensor, wkv: Tensor, q_weight: Tensor, k_weight: Tensor,

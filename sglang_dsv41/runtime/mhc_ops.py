@@ -4,7 +4,7 @@
 
 | device | implementation |
 |---|---|
-| CPU  | `TorchMhc`: the §3.2 formulas in torch (coefficients in float64, rounded once to fp32) |
+| CPU  | `TorchMhc`: the §3.2 formulas in torch, rounded as the reference (reductions and transcendentals in float64 rounded once to fp32, the elementwise steps fp32) |
 | CUDA | `TritonMhc`: `kernels.mhc` (fused Triton, fp32: 2 launches for the coefficients, 1 per other op) |
 
 Both are tested against `reference.mhc` (tests/test_runtime_mhc.py, tests/test_kernels_mhc.py):
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..numerics.rounding import bf16
+from ..numerics.rounding import bf16, fp32_scalar
 
 F32, F64 = torch.float32, torch.float64
 
@@ -35,9 +35,10 @@ class HcCoefficients:
 
 
 class TorchMhc:
-    """CPU: the §3.2 formulas; coefficients and the sublayer-input norm evaluated in `acc`
-    (float64: rounded once, bit-identical to the reference), stream sums fp32 in a fixed order
-    (post·y first, then j = 0, 1, …)."""
+    """CPU: the §3.2 formulas; the coefficients' reductions and transcendentals and the
+    sublayer-input norm evaluated in `acc` (float64: rounded once, bit-identical to the
+    reference), every other coefficient step fp32 (upstream's `hc_split_sinkhorn_kernel` order),
+    stream sums fp32 in a fixed order (post·y first, then j = 0, 1, …)."""
 
     name = "torch"
 
@@ -51,17 +52,28 @@ class TorchMhc:
             raise ValueError(f"hc fn has shape {tuple(fn.shape)}, expected {(hc * (2 + hc), hc * H)}")
         if sinkhorn_iters < 1:
             raise ValueError(f"Sinkhorn needs at least one iteration, got {sinkhorn_iters}")
-        x = residual.to(self.acc).reshape(T, hc * H)
-        mix = (x @ fn.to(self.acc).t()) * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + rms_eps)
-        a, b = scale.to(self.acc), base.to(self.acc)
-        pre = torch.sigmoid(a[0] * mix[:, :hc] + b[:hc]) + hc_eps
-        post = 2.0 * torch.sigmoid(a[1] * mix[:, hc:2 * hc] + b[hc:2 * hc])
-        m = torch.softmax((a[2] * mix[:, 2 * hc:] + b[2 * hc:]).reshape(T, hc, hc), dim=-1) + hc_eps
-        m = m / (m.sum(dim=-2, keepdim=True) + hc_eps)
+        acc, e32 = self.acc, fp32_scalar(hc_eps)
+
+        def once(v: Tensor) -> Tensor:          # a reduction / transcendental in `acc`, to fp32
+            return v.to(F32)
+
+        def rsum(m: Tensor, dim: int) -> Tensor:
+            return once(m.to(acc).sum(dim=dim, keepdim=True))
+
+        x = residual.to(acc).reshape(T, hc * H)
+        mix = once(x @ fn.to(acc).t()) * once(torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + rms_eps))
+        a, b = scale.to(F32), base.to(F32)
+        z = mix * torch.cat([a[0].expand(hc), a[1].expand(hc), a[2].expand(hc * hc)]) + b
+        pre = once(torch.sigmoid(z[:, :hc].to(acc))) + e32
+        post = 2.0 * once(torch.sigmoid(z[:, hc:2 * hc].to(acc)))
+        c = z[:, 2 * hc:].reshape(T, hc, hc)
+        ex = once(torch.exp((c - c.amax(dim=-1, keepdim=True)).to(acc)))
+        m = ex / rsum(ex, -1) + e32
+        m = m / (rsum(m, -2) + e32)
         for _ in range(sinkhorn_iters - 1):
-            m = m / (m.sum(dim=-1, keepdim=True) + hc_eps)
-            m = m / (m.sum(dim=-2, keepdim=True) + hc_eps)
-        return HcCoefficients(pre=pre.to(F32), post=post.to(F32), comb=m.to(F32))
+            m = m / (rsum(m, -1) + e32)
+            m = m / (rsum(m, -2) + e32)
+        return HcCoefficients(pre=pre, post=post, comb=m)
 
     def weighted_sum(self, residual: Tensor, pre: Tensor) -> Tensor:
         r, p = residual.to(F32), pre.to(F32)

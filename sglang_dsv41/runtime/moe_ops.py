@@ -10,9 +10,10 @@
 The runtime's copy of `reference/moe.py`, tested against it (tests/test_runtime_moe_ops.py).
 
 Expert parallelism. `experts` = the expert ids this process holds (None = all). The routed partial
-P[t] = Σ over the slots j of token t whose expert is held here of w[t,j]·E_{e_j}(x[t]) is formed
-in the backend's `acc`; `reduce` maps P to the sum over all shards; then y = bf16(S(x) +
-bf16(fp32(s·P))). On `exact` (float64) each product w·E is exact, so the split sum equals the
+P[t] = Σ over the slots j of token t whose expert is held here of w'[t,j]·E_{e_j}(x[t]) is formed
+in the backend's `acc`, w' = fp32(w·s) (s = routed_scaling_factor folded into the fp32 routing
+weights, as upstream's MXFP4 MoE paths do); `reduce` maps P to the sum over all shards; then
+y = bf16(S(x) + bf16(fp32(P))). On `exact` (float64) each product w·E is exact, so the split sum equals the
 TP-1 sum (tested); on `torch` / `triton` (fp32, no float64 on the GPU path) it is within the
 numerics contract (a 2-rank sum is one commutative addition: the same on every rank).
 
@@ -29,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ..config import TextConfig
-from ..numerics.rounding import bf16
+from ..numerics.rounding import bf16, fp32_scalar
 from .backend import ComputeBackend
 
 F32, F64 = torch.float32, torch.float64
@@ -80,11 +81,13 @@ class Routing:
 
 
 def sqrt_softplus(logits: Tensor, acc: torch.dtype = F64) -> Tensor:
-    """s = sqrt(softplus(z)), softplus(z) = z if z > 20 else log1p(exp(z)); in `acc` (the
-    backend's: float64 only on `exact`), rounded to fp32. Elementwise: batch invariant."""
+    """s = sqrt(softplus(z)), softplus(z) = z if z > 20 else log1p(exp(z)) in `acc` (the
+    backend's: float64 only on `exact`) rounded to fp32, then the fp32 sqrt (upstream's gate
+    takes the sqrt of the fp32 softplus), as a sqrt in `acc` rounded to fp32 (float64: the
+    correctly rounded fp32 sqrt, which torch's CPU fp32 sqrt is not). Elementwise: batch invariant."""
     z = logits.to(acc)
     soft = torch.where(z > SOFTPLUS_THRESHOLD, z, torch.log1p(torch.exp(z.clamp(max=SOFTPLUS_THRESHOLD))))
-    return torch.sqrt(soft).to(F32)
+    return torch.sqrt(soft.to(F32).to(acc)).to(F32)
 
 
 def route(be: ComputeBackend, x: Tensor, gate_weight: Tensor, bias: Tensor, top_k: int,
@@ -118,10 +121,15 @@ def _held_experts(experts: Sequence[int] | None, n: int) -> tuple[int, ...]:
     return ids
 
 
-def _finalize(cfg: TextConfig, partial: Tensor, shared: Tensor) -> Tensor:
-    """Reference finalize of a routed sum P (float64 or fp32): bf16(S + bf16(fp32(s·P)))."""
-    routed = bf16((cfg.routed_scaling_factor * partial).to(F32))
-    return bf16(shared + routed)
+def scaled_weights(cfg: TextConfig, weights: Tensor) -> Tensor:
+    """w' = fp32(w · fp32(routed_scaling_factor)) [T, k]: the factor folded into the fp32 routing
+    weights (upstream's top-k kernel with apply_routed_scaling_factor_on_output)."""
+    return weights.to(F32) * fp32_scalar(cfg.routed_scaling_factor)
+
+
+def _finalize(partial: Tensor, shared: Tensor) -> Tensor:
+    """Reference finalize of a routed sum P = Σ w'·E (float64 or fp32): bf16(S + bf16(fp32(P)))."""
+    return bf16(shared + bf16(partial.to(F32)))
 
 
 def _moe_cpu(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor,
@@ -149,12 +157,12 @@ def _moe_cpu(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefi
         per_slot[rows, slot] = routed_expert(be, x[rows], w[f"{p}experts.{e}.w1.weight"],
                                              w[f"{p}experts.{e}.w2.weight"],
                                              w[f"{p}experts.{e}.w3.weight"], limit).to(be.acc)
-    partial = (routing.weights.to(be.acc).unsqueeze(-1) * per_slot).sum(dim=1)
+    partial = (scaled_weights(cfg, routing.weights).to(be.acc).unsqueeze(-1) * per_slot).sum(dim=1)
     if reduce is not None:
         partial = reduce(partial)
     shared = shared_expert(be, x, w[p + "shared_experts.w1.weight"], w[p + "shared_experts.w2.weight"],
                            w[p + "shared_experts.w3.weight"], limit, act_quant)
-    return _finalize(cfg, partial, shared)
+    return _finalize(partial, shared)
 
 
 def _moe_cuda(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor,
@@ -164,7 +172,7 @@ def _moe_cuda(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], pref
     from ..kernels import moe_mxfp4 as mx
 
     p = f"{prefix}ffn."
-    E, k, limit, s = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.swiglu_limit, cfg.routed_scaling_factor
+    E, k, limit = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.swiglu_limit
     key = routed_experts_key(prefix)
     held_ref = w.get(key)
     if not isinstance(held_ref, RoutedExpertsMxfp4):
@@ -182,20 +190,21 @@ def _moe_cuda(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], pref
                            w[p + "shared_experts.w3.weight"], limit, act_quant)
     T, H = x.shape
     xb = x.to(torch.bfloat16)                       # x holds BF16 values: exact
+    weights = scaled_weights(cfg, routing.weights)
     if experts is None and reduce is None:
-        routed = mx.routed_experts_mxfp4(xb, routing.experts, routing.weights, held_ref.prepared,
-                                         swiglu_limit=limit, routed_scale=s).to(F32)
+        routed = mx.routed_experts_mxfp4(xb, routing.experts, weights, held_ref.prepared,
+                                         swiglu_limit=limit, routed_scale=1.0).to(F32)
         return bf16(shared + routed)
     local = held_ref.local_index[routing.experts]                       # [T, k], −1 = other shard
     partial = torch.zeros(T, H, dtype=be.acc, device=x.device)
     if T:
         y, plan = mx.routed_expert_outputs(xb, local, held_ref.prepared, swiglu_limit=limit, allow_absent=True)
         per_slot = y[plan.slot_rows.long(), :H].view(T, k, H).to(be.acc)
-        contrib = routing.weights.to(be.acc).unsqueeze(-1) * per_slot
+        contrib = weights.to(be.acc).unsqueeze(-1) * per_slot
         partial = torch.where((local >= 0).unsqueeze(-1), contrib, 0.0).sum(dim=1)   # unwritten rows masked
     if reduce is not None:
         partial = reduce(partial)
-    return _finalize(cfg, partial, shared)
+    return _finalize(partial, shared)
 
 
 MoeSublayer = Callable[..., Tensor]
