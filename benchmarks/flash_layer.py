@@ -320,7 +320,7 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor,
     head_w = torch.rand(q.shape[0], t.index_n_heads, generator=g, device=pos.device) / t.index_n_heads
 
     def scores_packed():
-        return K.index_scores(iq, head_w, caches.packed_keys, entries, req, n_vis, head_sum_fp64=True,
+        return K.index_scores(iq, head_w, caches.packed_keys, entries, req, n_vis, head_sum_exact=True,
                               check_inputs=False)
 
     def indexer():
@@ -342,7 +342,7 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor,
     comp_slots = torch.where(comp_entries >= 0, comp_entries * r + r - 1, -1)
 
     def scores_bf16():
-        return K.index_scores(iq, head_w, caches.keys, slots, req, n_vis, head_sum_fp64=True, check_inputs=False)
+        return K.index_scores(iq, head_w, caches.keys, slots, req, n_vis, head_sum_exact=True, check_inputs=False)
 
     def attention_bf16():
         return SA.sparse_sink_attention(qb, caches.swa, qs["swa_slots"], caches.latents, comp_slots, sink, scale,

@@ -91,10 +91,10 @@ def packed_args_of(c: dict) -> tuple:
 def check_packed_bit_identical(c: dict) -> None:
     """Packed-key scores == BF16-key scores on the decoded keys, every query and entry."""
     for fp64 in (True, False):
-        packed = K.index_scores(*packed_args_of(c), head_sum_fp64=fp64)
-        plain = K.index_scores(*args_of(c), head_sum_fp64=fp64)
+        packed = K.index_scores(*packed_args_of(c), head_sum_exact=fp64)
+        plain = K.index_scores(*args_of(c), head_sum_exact=fp64)
         if not torch.equal(packed.view(torch.int32), plain.view(torch.int32)):
-            raise AssertionError(f"packed-key scores (head_sum_fp64={fp64}) differ from the BF16-key path in "
+            raise AssertionError(f"packed-key scores (head_sum_exact={fp64}) differ from the BF16-key path in "
                                  f"{int((packed != plain).sum())} entries")
 
 
@@ -105,7 +105,7 @@ def args_of(c: dict) -> tuple:
 def check_against_oracle(c: dict) -> dict:
     """Item 1 of the module docstring; raises AssertionError on any disagreement."""
     exact = K.index_scores(*args_of(c))
-    fast = K.index_scores(*args_of(c), head_sum_fp64=False)
+    fast = K.index_scores(*args_of(c), head_sum_exact=False)
     n = c["q"].shape[0]
     worst_fast = 0.0
     for t in sorted({0, n - 1}):
@@ -151,7 +151,7 @@ def measure(c: dict, sweep: bool) -> dict:
     blocks = K.candidate_blocks(scores, nv, BLOCK, TOPK_BLOCKS)
     t = dict(
         scores_fp64_sum=bench(lambda: K.index_scores(*a, **off)),
-        scores_fp32_sum=bench(lambda: K.index_scores(*a, head_sum_fp64=False, **off)),
+        scores_fp32_sum=bench(lambda: K.index_scores(*a, head_sum_exact=False, **off)),
         select_topk=bench(lambda: K.select_topk(scores, TOPK, check_nan=False)),
         candidate_blocks=bench(lambda: K.candidate_blocks(scores, nv, BLOCK, TOPK_BLOCKS, check_nan=False)),
         restrict_to_blocks=bench(lambda: K.restrict_to_blocks(scores, blocks, BLOCK)),
@@ -165,7 +165,7 @@ def measure(c: dict, sweep: bool) -> dict:
     p = packed_args_of(c)
     t.update(
         scores_packed_fp64_sum=bench(lambda: K.index_scores(*p, **off)),
-        scores_packed_fp32_sum=bench(lambda: K.index_scores(*p, head_sum_fp64=False, **off)),
+        scores_packed_fp32_sum=bench(lambda: K.index_scores(*p, head_sum_exact=False, **off)),
         layer_source_packed=bench(lambda: K.select_topk(K.index_scores(*p, **off), TOPK, check_nan=False)),
     )
     if c["slots"].shape[1] <= TORCH_PATH_MAX_E:

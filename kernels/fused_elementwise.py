@@ -31,24 +31,23 @@ Rounding is done arithmetically, never by Triton casts whose semantics differ fr
   divisions by powers of two are multiplications by the exact reciprocal. Launches pass
   `enable_fp_fusion=False` so no a·b+c becomes an FMA.
 
-RoPE (`ops.apply_rope_tail`): the angle is the fp32 product p·f, cos/sin are float64 cos/sin of
-it rounded once to fp32 (the reference's `ops.rope_cos_sin`), the rotation is fp32 products and
-sums in the reference's order (no FMA) — bit-identical except where the device's float64 cos/sin
-differ in the last float64 bit at an fp32 rounding boundary (see below).
+RoPE (`ops.apply_rope_tail`): the angle is the fp32 product p·f; the reference rounds float64
+cos/sin of it once to fp32 (`ops.rope_cos_sin`), the kernel rounds a double-fp32 cos/sin once
+(`double_fp32.cos_sin`: π/2 reduction in four exact fp32 parts, Taylor in r²; see "fp64 results" for the
+bound); the rotation is fp32 products and sums in the reference's order (no FMA).
 
-fp64 results. Where the reference evaluates in float64 and rounds once (rms_norm, SwiGLU, the
-routing weight sum) the kernels do the same float64 operations in the same order, except:
-* reductions (rms_norm's Σx², the routing weight sum over k) are summed in a different order;
-  for BF16-valued inputs (every caller's) the squares have ≤ 16 significant bits, so Σx² is exact
-  in float64 — hence order-independent — unless a row's magnitudes span more than ~2¹² (rms
-  norm) / the chosen scores span more than ~2²⁹ (routing);
-* cos / sin / exp are the device's float64 libm (libdevice on CUDA, the same code torch's CUDA
-  kernels call; numpy in the interpreter) rather than the CPU's, so they may differ from a CPU
-  reference in the last float64 bit.
-A float64 difference of a few ulps changes the once-rounded fp32 (and then BF16) result only when
-the float64 value lies within those ulps of a rounding boundary (probability ~2⁻²⁸ per element):
-the results are equal except for such rare one-ulp flips (fp32 ulp for fp32 outputs, BF16 ulp for
-BF16 outputs). On the GPU against the GPU reference they are in practice bit-identical.
+fp64 results. Where the reference evaluates in float64 and rounds once (rms_norm, SwiGLU,
+the routing weights' Σ; RoPE's cos/sin) the kernels evaluate the same formula in double-fp32 (`double_fp32`: pairs of
+fp32, exact products and sums, ≲ 2⁻⁴⁴ relative error per result; exp by Cody–Waite reduction and
+a degree-12 Taylor polynomial in double-fp32) and round once — no float64 in these kernels. Their
+fp32 (then BF16) results equal the reference's except where the exact value lies within ~2⁻⁴⁴
+relative of an fp32 rounding boundary (probability ~2⁻²⁰ per element): rare one-ulp flips (fp32
+ulp for fp32 outputs, BF16 ulp for BF16 outputs). Domains: rms_norm and routing weights for
+finite inputs whose squares / products stay normal in fp32; SwiGLU outputs below 2⁻¹²⁶ in
+magnitude (gate < −87) are scaled in two roundings, so they may differ by one subnormal ulp;
+cos/sin for |angle| < 2²⁴, where the reduced argument carries ≲ 2⁻⁴⁹ absolute error (flips a
+little likelier for angles within 2⁻⁵ of a multiple of π/2). Checked bitwise on 342k angles incl.
+Flash's tables at positions up to 2²⁰ (interpreter).
 
 Batch invariance: one program per row (token or token×head) or per block of 32-/16-groups; block
 sizes depend only on the row width, never on the number of rows. No host synchronisation, no
@@ -61,6 +60,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
+
+from . import double_fp32 as DF
 
 F32 = torch.float32
 GROUPS_PER_PROGRAM = 16          # quantisation groups per program (fp8 / fp4 fake quant)
@@ -167,16 +168,22 @@ def _group_quant_kernel(x_ptr, out_ptr, n_groups, GROUP: tl.constexpr, GPP: tl.c
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, EPS: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """One row: y = x·(1/sqrt(Σx²/D + ε))·w in float64, rounded once to fp32 (then BF16)."""
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, EPS_HI: tl.constexpr, EPS_LO: tl.constexpr, BLOCK_D: tl.constexpr,
+                     LOG2_D: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """One row: y = x·(1/sqrt(Σx²/D + ε))·w in double-fp32, rounded once to fp32 (then BF16)."""
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     live = d < D
-    x = tl.load(x_ptr + row * D + d, mask=live, other=0.0).to(tl.float64)
-    w = tl.load(w_ptr + d, mask=live, other=0.0).to(tl.float64)
-    mean_sq = tl.sum(x * x, axis=0) / D
-    r = 1.0 / tl.sqrt(mean_sq + tl.full((1,), EPS, tl.float64))   # EPS exact in float64 (constexpr)
-    y = ((x * r) * w).to(tl.float32)
+    x = tl.load(x_ptr + row * D + d, mask=live, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + d, mask=live, other=0.0).to(tl.float32)
+    sq_h, sq_l = DF.two_prod(x, x)
+    ss_h, ss_l = DF.df_tree_sum(sq_h, sq_l, LOG2_D)
+    m_h, m_l = DF.df_div_f(ss_h, ss_l, D.to(tl.float32))
+    m_h, m_l = DF.df_add(m_h, m_l, EPS_HI, EPS_LO)
+    r_h, r_l = DF.df_rsqrt(m_h, m_l)
+    y_h, y_l = DF.df_mul_f(r_h, r_l, x)
+    y_h, y_l = DF.df_mul_f(y_h, y_l, w)
+    y = y_h + y_l
     if ROUND_BF16:
         y = _round_bf16(y)
     tl.store(out_ptr + row * D + d, y, mask=live)
@@ -198,9 +205,7 @@ def _rope_tail_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, rows_per_token, D, HEAD
         tl.store(out_ptr + base + h0 + h, v, mask=hm)
     i = tl.arange(0, HALF)
     pos = tl.load(pos_ptr + row // rows_per_token).to(tl.float32)
-    ang = (pos * tl.load(freq_ptr + i).to(tl.float32)).to(tl.float64)
-    c = tl.cos(ang).to(tl.float32)          # the correctly rounded fp32 table entry (ops.rope_cos_sin)
-    s = tl.sin(ang).to(tl.float32)
+    c, s = DF.cos_sin(pos * tl.load(freq_ptr + i).to(tl.float32))   # ≈ ops.rope_cos_sin (double-fp32)
     if INVERSE:
         s = -s
     a = tl.load(x_ptr + base + HEAD + 2 * i).to(tl.float32)
@@ -216,14 +221,30 @@ def _rope_tail_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, rows_per_token, D, HEAD
 
 @triton.jit
 def _swiglu_kernel(g_ptr, u_ptr, out_ptr, n, limit, BLOCK: tl.constexpr):
+    """bf16(fp32(silu(g)·u)) with silu(g) = g/(1 + e^−g) in double-fp32: for g < 0 as
+    g·E/(1 + E), E = e^g = m·2^k, the 2^k applied last (in two normal steps) so g down to −200
+    keeps its fp32 result; below, the result is a signed zero as in float64."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = offs < n
     g = tl.minimum(_round_bf16(tl.load(g_ptr + offs, mask=live, other=0.0).to(tl.float32)), limit)
     u = _round_bf16(tl.load(u_ptr + offs, mask=live, other=0.0).to(tl.float32))
     u = tl.minimum(tl.maximum(u, -limit), limit)
-    g64 = g.to(tl.float64)
-    silu = g64 / (1.0 + tl.exp(-g64))
-    tl.store(out_ptr + offs, _round_bf16((silu * u.to(tl.float64)).to(tl.float32)), mask=live)
+    neg = g < 0.0
+    m_h, m_l, k = DF.exp_neg(tl.maximum(-tl.abs(g), -200.0))
+    e_scale = _pow2(tl.maximum(k, -126) + 127)                   # E = m·2^k (0 below 2^−126: negligible in 1 + E)
+    e_scale = tl.where(k < -126, 0.0, e_scale)
+    d_h, d_l = DF.df_add_f(m_h * e_scale, m_l * e_scale, 1.0)
+    n_h = tl.where(neg, m_h, 1.0)
+    n_l = tl.where(neg, m_l, 0.0)
+    v_h, v_l = DF.df_mul_f(n_h, n_l, g)
+    v_h, v_l = DF.df_mul_f(v_h, v_l, u)
+    y_h, y_l = DF.df_div(v_h, v_l, d_h, d_l)
+    y = y_h + y_l
+    kk = tl.where(neg, k, 0)
+    k1 = tl.maximum(kk, -120)
+    y = y * _pow2(k1 + 127) * _pow2(tl.maximum(kk - k1, -126) + 127)
+    y = tl.where(y == 0.0, (g * u) * 0.0, y)                     # a zero keeps float64's sign: sign(g)·sign(u)
+    tl.store(out_ptr + offs, _round_bf16(y), mask=live)
 
 
 @triton.jit
@@ -231,9 +252,8 @@ def _route_select_kernel(score_ptr, bias_ptr, vl_bias_ptr, image_ptr, expert_ptr
                          K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, HAS_VL: tl.constexpr,
                          RENORM_EPS: tl.constexpr):
     """One token: K selection rounds over scores + bias (NaN first, then larger value, ties to
-    the lower id), then weights = chosen / (fp32(Σ chosen) + eps): Σ in float64 rounded once, the
-    add in fp32, the fp32 quotient as a float64 division rounded to fp32 (= IEEE fp32 division:
-    53 ≥ 2·24 + 2, so the double rounding is innocuous)."""
+    the lower id), then weights = chosen / (fp32(Σ chosen) + eps): Σ in double-fp32 rounded once to
+    fp32, the add and the division in fp32 (IEEE, `div_rn`) as upstream's gate (docs/reference.md)."""
     t = tl.program_id(0).to(tl.int64)
     ids = tl.arange(0, BLOCK_E)
     live = ids < E
@@ -248,8 +268,9 @@ def _route_select_kernel(score_ptr, bias_ptr, vl_bias_ptr, image_ptr, expert_ptr
     free = live
     slot = tl.arange(0, BLOCK_K)
     experts = tl.zeros((BLOCK_K,), tl.int64)
-    chosen = tl.zeros((BLOCK_K,), tl.float64)
-    total = tl.zeros((1,), tl.float64)
+    chosen = tl.zeros((BLOCK_K,), tl.float32)
+    total_h = tl.zeros((1,), tl.float32)
+    total_l = tl.zeros((1,), tl.float32)
     for j in tl.static_range(K):
         free_nan = free & is_nan
         best = tl.max(tl.where(free & ~is_nan, v, float("-inf")), axis=0)
@@ -258,12 +279,12 @@ def _route_select_kernel(score_ptr, bias_ptr, vl_bias_ptr, image_ptr, expert_ptr
         cand = tl.where(any_nan, free_nan, at_best)
         pick = tl.min(tl.where(cand, ids, BLOCK_E), axis=0)
         free = free & (ids != pick)
-        value = tl.sum(tl.where(ids == pick, s, 0.0), axis=0).to(tl.float64)
+        value = tl.sum(tl.where(ids == pick, s, 0.0), axis=0)
         experts = tl.where(slot == j, pick.to(tl.int64), experts)
         chosen = tl.where(slot == j, value, chosen)
-        total = total + value
-    denom = total.to(tl.float32) + tl.full((1,), RENORM_EPS, tl.float32)
-    weights = (chosen / denom.to(tl.float64)).to(tl.float32)
+        total_h, total_l = DF.df_add_f(total_h, total_l, value)
+    denom = (total_h + total_l) + tl.full((1,), RENORM_EPS, tl.float32)
+    weights = tl.math.div_rn(chosen, tl.broadcast_to(denom, (BLOCK_K,)))
     tl.store(expert_ptr + t * K + slot, experts, mask=slot < K)
     tl.store(weight_ptr + t * K + slot, weights, mask=slot < K)
 
@@ -353,7 +374,7 @@ def fp4_fake_quant(x: Tensor, group: int, scale: str) -> Tensor:
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, round_bf16: bool = True) -> Tensor:
     """`ops.rms_norm` (round_bf16) / `attention.rms_norm_fp32` (not): x·rsqrt(mean(x²)+ε)·w in
-    float64, rounded once to fp32 (then BF16); fp32 out. Bound: module doc, "fp64 results"."""
+    double-fp32, rounded once to fp32 (then BF16); fp32 out. Bound: module doc, "fp64 results"."""
     check_device("rms_norm", x, weight)
     D = x.shape[-1]
     if weight.shape != (D,):
@@ -365,7 +386,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, round_bf16: bool = True) -> 
     out = torch.empty(x.shape, dtype=F32, device=x.device)
     rows = x.numel() // D if D else 0
     if rows:
-        _rms_norm_kernel[(rows,)](x, weight.contiguous(), out, D, EPS=float(eps), BLOCK_D=block,
+        eps_hi, eps_lo = DF.split_constant(float(eps))
+        _rms_norm_kernel[(rows,)](x, weight.contiguous(), out, D, EPS_HI=eps_hi, EPS_LO=eps_lo, BLOCK_D=block,
+                                  LOG2_D=block.bit_length() - 1,
                                   ROUND_BF16=round_bf16, **_launch_options(8 if block >= 4096 else 4))
     return out
 
@@ -393,7 +416,7 @@ def apply_rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: boo
 
 def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
     """`moe.clamped_swiglu`: bf16(silu(min(bf16(g), L))·clamp(bf16(u), −L, L)), silu and product in
-    float64; fp32 out. Bound: module doc, "fp64 results"."""
+    double-fp32; fp32 out. Bound: module doc, "fp64 results"."""
     check_device("clamped_swiglu", gate, up)
     if gate.shape != up.shape:
         raise ValueError(f"clamped_swiglu: gate {tuple(gate.shape)} vs up {tuple(up.shape)}")
@@ -410,7 +433,7 @@ def route_select(scores: Tensor, bias: Tensor, top_k: int, renorm_eps: float,
                  bias_vl: Tensor | None = None, image_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """`moe.route` after `scores = sqrt_softplus(logits)` ([T, E] fp32): experts [T, k] int64 =
     `topk_lower_id_on_ties(scores + row_bias, k)` (exact: comparisons only) and weights [T, k]
-    fp32 = chosen / (Σ chosen + renorm_eps) in float64 (bound: module doc, "fp64 results")."""
+    fp32 = chosen / (fp32(Σ chosen) + renorm_eps), the Σ in double-fp32 rounded once, the rest fp32."""
     check_device("route_select", scores, bias)
     T, E = scores.shape
     if not 1 <= top_k <= E:

@@ -14,10 +14,12 @@ visibility are not loaded or multiplied, only written −∞. No host sync (unle
 
 Numerics. The FP4×FP4 products are exact, so each dot is exact while its partial sums fit fp32's
 24 bits (per-32 scale exponents of q and k spanning < 2^13, no underflow) — true for indexer data.
-`head_sum_fp64=True` (default) then forms Σ_h w·ReLU(dot) in float64 and rounds once to fp32,
-like the reference: scores equal the reference's bit for bit unless a float64 rounding of that
-sum straddles an fp32 rounding boundary, so selections keep the runtime's bit-identity with the
-reference. `head_sum_fp64=False` sums in fp32 (cheaper in prefill). Either way, for any
+`head_sum_exact=True` (default) then forms Σ_h w·ReLU(dot) from exact products with a pairwise
+error-free extraction sum (`double_fp32.exact_sum`, float64-grade: ≲ 2⁻⁴⁸·max term before the one
+rounding to fp32, order-independent; no float64 on the GPU) like the reference's float64 sum: scores equal the reference's bit
+for bit unless the exact sum lies within that error of an fp32 rounding boundary (probability
+≈ 2⁻²⁰ per score), so selections keep the runtime's bit-identity with the reference but for
+such near-ties. `head_sum_exact=False` sums in fp32 (cheaper in prefill). Either way, for any
 summation order and tensor cores that truncate (ε = 2^-23 per operation):
     |S_kernel − S_ref| ≤ (Di + Hi + 2)·2^-23 · Σ_h |w_h|·Σ_d |q_hd|·|k_jd|.
 Scores are canonicalised (−0 → +0).
@@ -62,6 +64,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
+from . import double_fp32 as DF
 from .packed_rows import PackedSource, key_entry_bytes, load_fp4_tile_per_dim
 
 NEG_INF = float("-inf")
@@ -74,7 +77,7 @@ def _index_scores_kernel(q_ptr, w_ptr, key_ptr, slot_ptr, nvis_ptr, order_ptr, t
                          key_offset, key_ratio,
                          HI: tl.constexpr, DI: tl.constexpr, BLOCK_T: tl.constexpr,
                          BLOCK_J: tl.constexpr, J_STEPS: tl.constexpr, DOT_BF16: tl.constexpr,
-                         HEAD_SUM_FP64: tl.constexpr, KEY_PACKED: tl.constexpr, KEY_SHARE: tl.constexpr):
+                         HEAD_SUM_EXACT: tl.constexpr, KEY_PACKED: tl.constexpr, KEY_SHARE: tl.constexpr):
     """One tile of queries of one request × J_STEPS·BLOCK_J entries (see the module docstring)."""
     tile = tl.program_id(0)
     req = tl.load(tile_req_ptr + tile)
@@ -115,11 +118,12 @@ def _index_scores_kernel(q_ptr, w_ptr, key_ptr, slot_ptr, nvis_ptr, order_ptr, t
         else:
             acc = tl.dot(q, tl.trans(keys.to(tl.float32)), input_precision="ieee", out_dtype=tl.float32)
         relu = tl.maximum(acc, 0.0)
-        if HEAD_SUM_FP64:
-            terms = relu.to(tl.float64) * w.to(tl.float64)[:, None]
+        if HEAD_SUM_EXACT:   # exact products w·ReLU(dot), error-free extraction sum (float64-grade)
+            t_h, t_l = DF.two_prod(relu, tl.broadcast_to(w[:, None], (BLOCK_T * HI, BLOCK_J)))
+            s_h, s_l = DF.exact_sum(tl.reshape(t_h, (BLOCK_T, HI, BLOCK_J)), tl.reshape(t_l, (BLOCK_T, HI, BLOCK_J)), 1, HI)
+            s = tl.reshape(s_h + s_l, (BLOCK_T, BLOCK_J))
         else:
-            terms = relu * w[:, None]
-        s = tl.sum(tl.reshape(terms, (BLOCK_T, HI, BLOCK_J)), axis=1).to(tl.float32)
+            s = tl.sum(tl.reshape(relu * w[:, None], (BLOCK_T, HI, BLOCK_J)), axis=1)
         s = tl.where(s == 0.0, 0.0, s)                         # −0 → +0
         valid = (j[None, :] < nvis[:, None]) & has[None, :]
         tl.store(out_ptr + qid[:, None] * stride_on + j[None, :], tl.where(valid, s, float("-inf")),
@@ -194,7 +198,7 @@ def _check_scoring_inputs(num_keys: int, entry_slots: Tensor, token_req: Tensor,
 
 
 def index_scores(q: Tensor, head_w: Tensor, key_cache: Tensor | PackedSource, entry_slots: Tensor,
-                 token_req: Tensor, n_visible: Tensor, *, head_sum_fp64: bool = True, check_inputs: bool = True,
+                 token_req: Tensor, n_visible: Tensor, *, head_sum_exact: bool = True, check_inputs: bool = True,
                  block_t: int | None = None, block_j: int = 64, j_steps: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None) -> Tensor:
     """[N, E] fp32 indexer scores for a packed batch; −∞ where j ≥ n_visible[t] or entry_slots is −1.
@@ -271,7 +275,7 @@ def index_scores(q: Tensor, head_w: Tensor, key_cache: Tensor | PackedSource, en
         raise ValueError(f"index_scores: {grid[1]} entry programs for E = {E}; raise block_j or j_steps")
     m_rows = block_t * HI
     launch = dict(HI=HI, DI=DI, BLOCK_T=block_t, BLOCK_J=block_j, J_STEPS=j_steps,
-                  DOT_BF16=not INTERPRETED, HEAD_SUM_FP64=head_sum_fp64, KEY_PACKED=packed,
+                  DOT_BF16=not INTERPRETED, HEAD_SUM_EXACT=head_sum_exact, KEY_PACKED=packed,
                   KEY_SHARE=key_cache.share if packed else 1)
     if not INTERPRETED:  # launch options of the compiled kernel (the interpreter has none)
         launch["num_warps"] = num_warps or (4 if m_rows * block_j <= 4096 else 8)

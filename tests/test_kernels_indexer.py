@@ -21,6 +21,7 @@ with CUDA they also run here, compiled. GPU-only Flash-shape checks are marked `
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -120,7 +121,7 @@ if KERNEL_HERE:
         exact = K.index_scores(*case).cpu()
         assert torch.equal(exact, expected)
         assert not bool((exact == 0).logical_and(exact.signbit()).any())       # −0 canonicalised
-        fast = K.index_scores(*case, head_sum_fp64=False).cpu()
+        fast = K.index_scores(*case, head_sum_exact=False).cpu()
         finite = expected > -INF
         assert torch.equal(fast > -INF, finite)
         err = (fast.double() - expected.double()).where(finite, 0.0).abs()
@@ -180,9 +181,9 @@ if KERNEL_HERE:
                              ids=PACKED_IDS if DEVICE == "cuda" else PACKED_IDS[:3])   # CI time: 3 in the interpreter
     def test_kernel_case_packed_keys_bit_identical_to_bf16_keys(hi, di, dim, ratios, source) -> None:
         (q, w, entries, token_req, n_visible), src, cache = packed_key_case(hi, di, dim, ratios, source, seed=60)
-        for head_sum_fp64 in (True, False):
-            packed = K.index_scores(q, w, src, entries, token_req, n_visible, head_sum_fp64=head_sum_fp64)
-            plain = K.index_scores(q, w, cache, entries, token_req, n_visible, head_sum_fp64=head_sum_fp64)
+        for head_sum_exact in (True, False):
+            packed = K.index_scores(q, w, src, entries, token_req, n_visible, head_sum_exact=head_sum_exact)
+            plain = K.index_scores(q, w, cache, entries, token_req, n_visible, head_sum_exact=head_sum_exact)
             assert torch.equal(packed.view(torch.int32), plain.view(torch.int32))
             assert int((packed > -INF).sum()) > 100
         if source == 0:   # the decoded keys score like the reference on them
@@ -294,9 +295,9 @@ if not K.INTERPRETED:
     def test_packed_kernel_compiles_for_hopper_without_spills(block_t: int) -> None:
         """The packed-key kernel at Flash shapes builds for sm_90 (Triton's bundled ptxas, no GPU)
         with no register spills — also where the dot becomes wgmma (block_t·Hi ≥ 64), which the
-        join/reshape decode (removed) cannot be lowered to in Triton 3.6."""
+        join/reshape decode (removed) cannot be lowered to in Triton 3.6; no float64 instruction."""
         kern = K._index_scores_kernel
-        consts = dict(HI=32, DI=128, BLOCK_T=block_t, BLOCK_J=64, J_STEPS=1, DOT_BF16=True, HEAD_SUM_FP64=True,
+        consts = dict(HI=32, DI=128, BLOCK_T=block_t, BLOCK_J=64, J_STEPS=1, DOT_BF16=True, HEAD_SUM_EXACT=True,
                       KEY_PACKED=True, KEY_SHARE=68)
         pointers = {"q_ptr": "*fp32", "w_ptr": "*fp32", "key_ptr": "*u8", "out_ptr": "*fp32"}
         sig = {n: "constexpr" if n in consts else pointers.get(n, "*i64" if n.endswith("_ptr") else "i32")
@@ -304,6 +305,7 @@ if not K.INTERPRETED:
         compiled, usage = compile_for_sm90(kern, sig, consts, {"num_warps": 4 if 32 * block_t * 64 <= 4096 else 8})
         assert no_spills(usage), usage
         assert ("wgmma" in compiled.asm["ptx"]) == (block_t == 4)
+        assert not re.search(r"\.f64\b", compiled.asm["ptx"])     # double-fp32 head sum: no float64 (issue 21)
 
     def test_cpu_without_interpreter_raises() -> None:
         case = packed_case(2, 64, seed=0, shuffle=False, device="cpu")
@@ -469,8 +471,8 @@ def test_gpu_flash_scores_within_bound_and_topk_sets(N: int) -> None:
     gap = top[:, k - 1] - top[:, k]                                      # oracle k-th vs (k+1)-th
     want = K.select_topk(expected, k)
     assert torch.equal(want, ref.top_k_lower_index_on_ties(expected, finite, k))     # CUDA topk path
-    for head_sum_fp64 in (True, False):
-        got = K.index_scores(*case, head_sum_fp64=head_sum_fp64)
+    for head_sum_exact in (True, False):
+        got = K.index_scores(*case, head_sum_exact=head_sum_exact)
         assert torch.equal(got > -INF, finite)
         err = (got.double() - expected.double()).where(finite, 0.0).abs()
         assert bool((err <= bound).all())
@@ -509,7 +511,7 @@ def test_gpu_flash_packed_keys_bit_identical_to_bf16_keys(N: int, source: int) -
     token_req = torch.arange(R).repeat_interleave(per).cuda()
     n_visible = (E - per + 1 + torch.arange(per).repeat(R)).cuda()
     cache = pr["key_cache"].cuda()
-    for head_sum_fp64 in (True, False):
-        packed = K.index_scores(q, w, src, entries, token_req, n_visible, head_sum_fp64=head_sum_fp64)
-        plain = K.index_scores(q, w, cache, entries, token_req, n_visible, head_sum_fp64=head_sum_fp64)
+    for head_sum_exact in (True, False):
+        packed = K.index_scores(q, w, src, entries, token_req, n_visible, head_sum_exact=head_sum_exact)
+        plain = K.index_scores(q, w, cache, entries, token_req, n_visible, head_sum_exact=head_sum_exact)
         assert torch.equal(packed.view(torch.int32), plain.view(torch.int32))

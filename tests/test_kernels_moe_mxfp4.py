@@ -192,17 +192,26 @@ def test_routed_call_checks_device_and_shapes() -> None:
 def interpreted():
     """A second copy of the module whose @triton.jit functions are Triton-interpreter functions
     (TRITON_INTERPRET is read when a function is decorated). The canonical module is untouched."""
+    import sglang_dsv41.kernels as pkg
+    from sglang_dsv41.kernels import double_fp32
     name = "sglang_dsv41.kernels._moe_mxfp4_interpreted"
+    df_name = "sglang_dsv41.kernels.double_fp32"
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
+        df_spec = importlib.util.spec_from_file_location(df_name, double_fp32.__file__)
+        df_mod = importlib.util.module_from_spec(df_spec)
+        df_spec.loader.exec_module(df_mod)                  # interpreted device functions for the copy
+        sys.modules[df_name], pkg.double_fp32 = df_mod, df_mod
         spec = importlib.util.spec_from_file_location(name, mx.__file__)
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
         assert isinstance(mod._combine_kernel, InterpretedFunction)
+        sys.modules[df_name], pkg.double_fp32 = double_fp32, double_fp32
         yield mod
     finally:
+        sys.modules[df_name], pkg.double_fp32 = double_fp32, double_fp32
         sys.modules.pop(name, None)
         if old is None:
             os.environ.pop("TRITON_INTERPRET", None)

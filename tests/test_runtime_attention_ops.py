@@ -115,9 +115,9 @@ def _exact_sparse_sink_attention(calls: list[str]):
     return sparse_sink_attention
 
 def _exact_index_scores(calls: list[str]):
-    def index_scores(q, head_w, key_cache, entry_slots, token_req, n_visible, *, head_sum_fp64, check_inputs):
+    def index_scores(q, head_w, key_cache, entry_slots, token_req, n_visible, *, head_sum_exact, check_inputs):
         """The kernel's contract in float64 (reference `index_scores` per query)."""
-        assert head_sum_fp64 and not check_inputs and isinstance(key_cache, kernel_indexer.PackedSource)
+        assert head_sum_exact and not check_inputs and isinstance(key_cache, kernel_indexer.PackedSource)
         calls.append("scores")
         assert key_cache.part == "key"                                    # the kernel's PackedSource → our decoder
         packed = kernel_source_as_runtime_rows(key_cache)

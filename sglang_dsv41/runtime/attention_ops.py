@@ -225,7 +225,7 @@ class KernelAttentionOps:
         for start in range(0, max(N, 1), rows):
             part = slice(start, min(start + rows, N))
             scores = K.index_scores(query.q[part], query.head_weights[part], key_cache, entry_table,
-                                    layout.token_req[part], n_visible[part], head_sum_fp64=True, check_inputs=False)
+                                    layout.token_req[part], n_visible[part], head_sum_exact=True, check_inputs=False)
             selection, chunk_blocks = select_for_role(K, cfg, role, scores, n_visible[part],
                                                         None if published is None else published[part],
                                                         check_nan=False)
