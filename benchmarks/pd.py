@@ -291,7 +291,8 @@ def run(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
             rport = free_port()
             procs.append(Proc([sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--host",
                                "127.0.0.1", "--port", str(rport), "--prefill", P, str(boot), "--decode", D,
-                               "--policy", "round_robin"], logs / "router.log"))
+                               "--policy", "round_robin", "--prometheus-host", "127.0.0.1", "--prometheus-port",
+                               str(free_port())], logs / "router.log"))
             wait_up(f"http://127.0.0.1:{rport}/readiness", procs, args.startup_s)
             target = Target(f"http://127.0.0.1:{rport}")
         result["pd"] = measure(args, target, P)
@@ -324,6 +325,7 @@ def plot(result: dict[str, Any], path: Path) -> str:
     for ax, title in zip(axes, ("mean TTFT (s)", "mean ITL (ms)", "output tokens/s")):
         ax.set(xlabel="concurrency", title=title, xscale="log", xticks=result["concurrency"])
         ax.set_xticklabels([str(c) for c in result["concurrency"]])
+        ax.minorticks_off()
         ax.legend()
     fig.suptitle(f"1P1D vs colocated, {result['device']}, prompt {result['prompt_len']}, "
                  f"{result['new_tokens']} new tokens" + ("" if result["router"] else " (no router)"))

@@ -83,7 +83,9 @@ class Router:
             [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--host", "127.0.0.1",
              "--port", str(self.port), "--prefill", prefill.url(""), str(bootstrap_port), "--decode", decode.url(""),
              "--policy", "round_robin", "--health-check-interval-secs", "5", "--health-failure-threshold", "3",
-             "--health-check-timeout-secs", "30", "--disable-circuit-breaker", "--disable-retries"],
+             "--health-check-timeout-secs", "30", "--disable-circuit-breaker", "--disable-retries",
+             # its metrics listener defaults to port 29000: a second router on the host would panic
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def url(self, path: str) -> str:
