@@ -83,7 +83,9 @@ class Router:
             [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--host", "127.0.0.1",
              "--port", str(self.port), "--prefill", prefill.url(""), str(bootstrap_port), "--decode", decode.url(""),
              "--policy", "round_robin", "--health-check-interval-secs", "5", "--health-failure-threshold", "3",
-             "--health-check-timeout-secs", "30", "--disable-circuit-breaker", "--disable-retries"],
+             "--health-check-timeout-secs", "30", "--disable-circuit-breaker", "--disable-retries",
+             # its metrics listener defaults to port 29000: a second router on the host would panic
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def url(self, path: str) -> str:
@@ -208,6 +210,40 @@ def test_chat_splits_reasoning(pd, tiny_checkpoint: Path) -> None:
     message = out["choices"][0]["message"]
     assert message["reasoning_content"] and not message["content"], message
     assert out["choices"][0]["finish_reason"] == "length"
+
+
+def _router_stream(router: Router, body: dict[str, Any]) -> list[dict[str, Any]]:
+    req = urllib.request.Request(router.url("/v1/chat/completions"), data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+        payloads = [line.decode().strip()[len("data:"):].strip() for line in r if line.startswith(b"data:")]
+    assert payloads and payloads[-1] == "[DONE]", payloads[-3:]
+    return [json.loads(p) for p in payloads[:-1]]
+
+
+def test_tool_call_through_pd(pd) -> None:
+    """`tools` + a named tool_choice through the router (thinking off): the DSML grammar runs on
+    both sides (prefill samples the first token, decode the rest), and the reply is a parsed call of
+    the named tool with schema-valid arguments and no markup in content, streamed the same as
+    non-streamed — the checks tests/test_api_server.py makes on the colocated server (equality with
+    a colocated reply: benchmarks/pd.py, docs/pd.md). A named choice shows the model one tool: the
+    prompt (~300 tokens, 12-token chunks here) is the cost of this test on a loaded CPU."""
+    from test_api_server import CLOCK, TOOL_MAX_TOKENS, WEATHER, _assemble, _assert_valid_call, _calls
+
+    _, decode, router = pd
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Weather or time?"}], "temperature": 0,
+            "max_tokens": TOOL_MAX_TOKENS, "tools": [WEATHER, CLOCK], "parallel_tool_calls": False,
+            "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+            "chat_template_kwargs": {"thinking": False}}
+    status, out = _http(router.url("/v1/chat/completions"), body)
+    assert status == 200, (status, out, decode.log_tail())
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    calls = _calls(choice)
+    assert len(calls) == 1 and not (choice["message"].get("content") or "").strip(), choice
+    _assert_valid_call(calls[0], {"get_time"})
+    streamed = _assemble(_router_stream(router, body))
+    assert streamed["tool_calls"] == calls and streamed["finish_reason"] == "tool_calls", streamed
 
 
 def test_decode_killed_then_prefill_serves_on_and_router_answers_503(pd) -> None:

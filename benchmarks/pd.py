@@ -1,0 +1,374 @@
+"""PD 1P1D against a colocated server on one checkpoint (issue 15 "Benchmark"; docs/pd.md
+"Benchmark").
+
+Starts the servers itself, one set-up at a time on 127.0.0.1: a colocated `sglang-dsv41 serve`,
+then a prefill and a decode server (`--disaggregation-mode`, Mooncake; `sglang-dsv41 serve` adds
+the CPU PD environment) behind `sglang-router` — or, with `--no-router` (the GPU device call
+cannot carry the router wheel), the client posts each request to both servers with bootstrap
+host/port/room, as the router does. The same client runs in both set-ups:
+
+* at each concurrency C, C streams at a time of greedy ``/generate`` (prompt ``--prompt-len``
+  random ids, ``--new-tokens`` with EOS ignored), ``--rounds`` waves: TTFT (first streamed
+  chunk), ITL ((last − first chunk time) / (tokens − 1)) and output tokens/s of the wave;
+* transfer, PD only: SGLang's own per-request numbers from the prefill's ``/metrics``
+  (``sglang:kv_transfer_{latency_ms,total_mb,speed_gb_s}`` histograms, differenced around each
+  concurrency level; its total counts KV pages × Σ kv item lens + state indices × Σ state item
+  lens), next to the exact KV-page bytes of one prompt from the layout fingerprint the prefill
+  publishes (``⌈N / page⌉ · Σ kv_item_lens``);
+* a ``tools`` chat request (tool_choice required, thinking off) in both set-ups: whether the PD
+  reply's parsed call equals the colocated one.
+
+Writes JSON and a PNG (when matplotlib is present). Every wait is bounded; every process group is
+killed at the end.
+
+    python benchmarks/pd.py --out benchmarks/results/pd_cpu.json            # CPU, ~4 min
+    python benchmarks/pd.py --no-router --server-arg=--mem-fraction-static --server-arg=0.3 \\
+        --concurrency 1 8 32 --prompt-len 1024 --new-tokens 64 --out $OUT/pd_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LAYOUT_ROUTE = "/sglang_dsv41/layout"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather now.", "parameters": {
+    "type": "object", "required": ["unit"], "properties": {"unit": {"type": "string", "enum": ["C", "F"]}}}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "description": "Time now.", "parameters": {
+    "type": "object", "required": ["zone"], "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}}}}
+TOOLS_CHAT = {"model": "m", "messages": [{"role": "user", "content": "Weather or time?"}], "temperature": 0,
+              "max_tokens": 160, "tools": [WEATHER, CLOCK], "parallel_tool_calls": False, "tool_choice": "required",
+              "chat_template_kwargs": {"thinking": False}}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(url: str, body: dict[str, Any] | None = None, timeout: float = 300) -> Any:
+    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        raw = r.read()
+    return json.loads(raw) if raw.strip().startswith((b"{", b"[")) else raw.decode()
+
+
+class Proc:
+    """One process in its own group, output to `log`."""
+
+    def __init__(self, argv: list[str], log: Path) -> None:
+        self.log = log
+        self._f = open(log, "w")
+        self.p = subprocess.Popen(argv, stdout=self._f, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def tail(self, n: int = 3000) -> str:
+        self._f.flush()
+        return f"--- {self.log.name}\n" + self.log.read_text(errors="replace")[-n:]
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            os.killpg(self.p.pid, signal.SIGTERM)
+            try:
+                self.p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.p.pid, signal.SIGKILL)
+                self.p.wait(timeout=30)
+        self._f.close()
+
+
+def wait_up(url: str, procs: list[Proc], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(p.p.poll() is not None for p in procs):
+            raise RuntimeError(f"a process exited before {url} answered:\n" + "\n".join(p.tail() for p in procs))
+        try:
+            with urllib.request.urlopen(url, timeout=30) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(3)
+    raise TimeoutError(f"{url} not up after {timeout_s} s:\n" + "\n".join(p.tail() for p in procs))
+
+
+def serve(args: argparse.Namespace, port: int, log: Path, extra: list[str]) -> Proc:
+    return Proc([sys.executable, "-m", "sglang_dsv41.cli", "serve", "--device", args.device, "--model-path",
+                 str(args.checkpoint), "--port", str(port), "--max-total-tokens", str(args.max_total_tokens),
+                 "--max-running-requests", str(max(args.concurrency)), *args.server_arg, *extra], log)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [0] + [rng.randrange(3, 900) for _ in range(n - 1)]
+
+
+def stream_generate(url: str, ids: list[int], new_tokens: int, extra: dict[str, Any]) -> dict[str, Any]:
+    """One streamed greedy /generate: TTFT, ITL, tokens (client clock)."""
+    body = {"input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0,
+                                                                  "ignore_eos": True}, **extra}
+    req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    first = last = None
+    tokens = 0
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for line in r:
+            line = line.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            n = int(chunk["meta_info"]["completion_tokens"])
+            if n > tokens:
+                last = time.perf_counter() - t0
+                first = last if first is None else first
+                tokens = n
+    if tokens != new_tokens:
+        raise RuntimeError(f"{tokens} of {new_tokens} tokens streamed")
+    return {"ttft_s": first, "itl_s": (last - first) / (tokens - 1) if tokens > 1 else None, "tokens": tokens}
+
+
+class Target:
+    """Where the client sends a request: one URL, or (router-less PD) prefill + decode with
+    bootstrap fields."""
+
+    def __init__(self, url: str, prefill: str | None = None, bootstrap_port: int | None = None) -> None:
+        self.url, self.prefill, self.boot = url, prefill, bootstrap_port
+        self._room = random.Random(7).randrange(1 << 30)
+        self._lock = threading.Lock()
+
+    def call(self, send: Callable[[str, dict[str, Any]], Any]) -> Any:
+        if self.prefill is None:
+            return send(self.url, {})
+        with self._lock:
+            self._room += 1
+            extra = {"bootstrap_host": "127.0.0.1", "bootstrap_port": self.boot, "bootstrap_room": self._room}
+        errors: list[BaseException] = []
+
+        def to_prefill() -> None:
+            try:
+                send(self.prefill, extra)
+            except BaseException as e:    # re-raised below: a failed prefill fails the request
+                errors.append(e)
+
+        t = threading.Thread(target=to_prefill)
+        t.start()
+        out = send(self.url, extra)
+        t.join(timeout=600)
+        if errors:
+            raise errors[0]
+        return out
+
+
+def run_level(target: Target, c: int, rounds: int, plen: int, new_tokens: int, seed: int) -> dict[str, Any]:
+    rows: list[Any] = []
+    t0 = time.perf_counter()
+    for r in range(rounds):
+        wave: list[Any] = [None] * c
+
+        def one(i: int, r: int = r) -> None:
+            ids = prompt(seed + 1000 * r + i, plen)
+            try:
+                wave[i] = target.call(lambda url, extra: stream_generate(url, ids, new_tokens, extra)
+                                      if url == target.url else http(url + "/generate", {
+                                          "input_ids": ids, "sampling_params": {"max_new_tokens": new_tokens,
+                                                                                "temperature": 0, "ignore_eos": True},
+                                          **extra}, timeout=600))
+            except Exception as e:       # counted as an error in the result
+                wave[i] = repr(e)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(c)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=900)
+        rows += wave
+    wall = time.perf_counter() - t0
+    ok = [x for x in rows if isinstance(x, dict)]
+
+    def stat(key: str) -> dict[str, float | None]:
+        vals = sorted(x[key] for x in ok if x[key] is not None)
+        if not vals:
+            return {"mean": None, "p50": None, "max": None}
+        return {"mean": sum(vals) / len(vals), "p50": vals[len(vals) // 2], "max": vals[-1]}
+
+    return {"concurrency": c, "requests": len(rows), "errors": [x for x in rows if not isinstance(x, dict)][:3],
+            "n_errors": len(rows) - len(ok), "wall_s": wall, "ttft_s": stat("ttft_s"), "itl_s": stat("itl_s"),
+            "output_tokens_per_s": sum(x["tokens"] for x in ok) / wall}
+
+
+def transfer_metrics(prefill_url: str) -> dict[str, float]:
+    return parse_transfer(http(prefill_url + "/metrics", timeout=60))
+
+
+def parse_transfer(text: str) -> dict[str, float]:
+    """Sums and counts of the kv_transfer histograms in a Prometheus text (all label sets)."""
+    out: dict[str, float] = {}
+    for name in ("latency_ms", "total_mb", "speed_gb_s"):
+        for part in ("sum", "count"):
+            pat = rf"^sglang:kv_transfer_{name}_{part}(?:{{[^}}]*}})?\s+([0-9.eE+-]+)$"
+            out[f"{name}_{part}"] = sum(float(m) for m in re.findall(pat, text, flags=re.M))
+    return out
+
+
+def transfer_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    d = {k: after[k] - before[k] for k in before}
+    out: dict[str, float | None] = {}
+    for name in ("latency_ms", "total_mb", "speed_gb_s"):
+        n = d[f"{name}_count"]
+        out[f"mean_{name}"] = d[f"{name}_sum"] / n if n else None
+    out["transfers"] = d["latency_ms_count"]
+    return out
+
+
+def tool_call(target: Target) -> dict[str, Any]:
+    def send(url: str, extra: dict[str, Any]) -> Any:
+        return http(url + "/v1/chat/completions", {**TOOLS_CHAT, **extra}, timeout=600)
+
+    choice = target.call(send)["choices"][0]
+    calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+             for c in choice["message"].get("tool_calls") or []]
+    return {"finish_reason": choice["finish_reason"], "tool_calls": calls,
+            "content": choice["message"].get("content") or ""}
+
+
+def measure(args: argparse.Namespace, target: Target, prefill_url: str | None) -> dict[str, Any]:
+    target.call(lambda url, extra: http(url + "/generate", {"input_ids": prompt(2, args.prompt_len), "sampling_params": {
+        "max_new_tokens": 2, "temperature": 0}, **extra}, timeout=600))          # warm-up
+    levels = []
+    for c in args.concurrency:
+        before = transfer_metrics(prefill_url) if prefill_url else None
+        level = run_level(target, c, args.rounds, args.prompt_len, args.new_tokens, seed=10 * c)
+        if prefill_url:
+            time.sleep(2)
+            level["transfer"] = transfer_delta(before, transfer_metrics(prefill_url))
+        levels.append(level)
+        print(json.dumps({k: level[k] for k in ("concurrency", "n_errors", "ttft_s", "itl_s", "output_tokens_per_s")}),
+              flush=True)
+    return {"levels": levels, "tool_call": tool_call(target)}
+
+
+def run(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
+    result: dict[str, Any] = {"device": args.device, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                              "rounds": args.rounds, "concurrency": args.concurrency, "router": not args.no_router}
+    procs: list[Proc] = []
+    try:
+        port = free_port()
+        procs = [serve(args, port, logs / "colocated.log", [])]
+        wait_up(f"http://127.0.0.1:{port}/health_generate", procs, args.startup_s)
+        result["colocated"] = measure(args, Target(f"http://127.0.0.1:{port}"), None)
+    finally:
+        for p in procs:
+            p.stop()
+    procs = []
+    try:
+        pport, dport, boot = free_port(), free_port(), free_port()
+        pd = ["--disaggregation-transfer-backend", "mooncake"]
+        procs = [serve(args, pport, logs / "prefill.log", [*pd, "--disaggregation-mode", "prefill",
+                                                            "--disaggregation-bootstrap-port", str(boot),
+                                                            "--enable-metrics"]),
+                 serve(args, dport, logs / "decode.log", [*pd, "--disaggregation-mode", "decode"])]
+        P, D = f"http://127.0.0.1:{pport}", f"http://127.0.0.1:{dport}"
+        wait_up(P + "/health", procs, args.startup_s)
+        wait_up(D + "/health", procs, args.startup_s)
+        if args.no_router:
+            target = Target(D, prefill=P, bootstrap_port=boot)
+        else:
+            rport = free_port()
+            procs.append(Proc([sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--host",
+                               "127.0.0.1", "--port", str(rport), "--prefill", P, str(boot), "--decode", D,
+                               "--policy", "round_robin", "--prometheus-host", "127.0.0.1", "--prometheus-port",
+                               str(free_port())], logs / "router.log"))
+            wait_up(f"http://127.0.0.1:{rport}/readiness", procs, args.startup_s)
+            target = Target(f"http://127.0.0.1:{rport}")
+        result["pd"] = measure(args, target, P)
+        layout = http(f"http://127.0.0.1:{boot}{LAYOUT_ROUTE}", timeout=30)
+        pages = math.ceil(args.prompt_len / layout["page_size"])
+        result["layout"] = layout
+        result["kv_page_bytes_per_request"] = pages * sum(layout["kv_item_lens"])
+    finally:
+        for p in procs:
+            p.stop()
+    result["tool_call_equal"] = result["pd"]["tool_call"] == result["colocated"]["tool_call"]
+    return result
+
+
+def plot(result: dict[str, Any], path: Path) -> str:
+    """TTFT, ITL and throughput against concurrency, colocated vs PD; '' when written."""
+    try:
+        import matplotlib
+    except ImportError:
+        return "matplotlib not installed"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for name in ("colocated", "pd"):
+        lv = result[name]["levels"]
+        cs = [x["concurrency"] for x in lv]
+        axes[0].plot(cs, [x["ttft_s"]["mean"] for x in lv], "o-", label=name)
+        axes[1].plot(cs, [1e3 * (x["itl_s"]["mean"] or 0) for x in lv], "o-", label=name)
+        axes[2].plot(cs, [x["output_tokens_per_s"] for x in lv], "o-", label=name)
+    for ax, title in zip(axes, ("mean TTFT (s)", "mean ITL (ms)", "output tokens/s")):
+        ax.set(xlabel="concurrency", title=title, xscale="log", xticks=result["concurrency"])
+        ax.set_xticklabels([str(c) for c in result["concurrency"]])
+        ax.minorticks_off()
+        ax.legend()
+    fig.suptitle(f"1P1D vs colocated, {result['device']}, prompt {result['prompt_len']}, "
+                 f"{result['new_tokens']} new tokens" + ("" if result["router"] else " (no router)"))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--checkpoint", type=Path, help="default: a tiny checkpoint made in a temp dir")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--max-total-tokens", type=int, default=8192)
+    ap.add_argument("--server-arg", action="append", default=[], help="extra `serve` argument (repeat)")
+    ap.add_argument("--no-router", action="store_true", help="post to prefill and decode with bootstrap fields")
+    ap.add_argument("--startup-s", type=float, default=600)
+    ap.add_argument("--out", type=Path, default=RESULTS / "pd_cpu.json")
+    args = ap.parse_args(argv)
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = Path(os.environ.get("OUT", tmp))
+        if args.checkpoint is None:
+            args.checkpoint = Path(tmp) / "tiny"
+            subprocess.run([sys.executable, "-m", "sglang_dsv41.cli", "make-checkpoint", "--preset", "tiny", "--out",
+                            str(args.checkpoint), "--quiet"], check=True, timeout=300)
+        t0 = time.perf_counter()
+        result = run(args, logs)
+        result["wall_s"] = time.perf_counter() - t0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    note = plot(result, args.out.with_suffix(".png"))
+    result["png"] = note or args.out.with_suffix(".png").name
+    args.out.write_text(json.dumps(result, indent=2))
+    errors = sum(x["n_errors"] for k in ("colocated", "pd") for x in result[k]["levels"])
+    print(json.dumps({"wall_s": result["wall_s"], "errors": errors, "tool_call_equal": result["tool_call_equal"],
+                      "kv_page_bytes_per_request": result["kv_page_bytes_per_request"],
+                      "transfer": [x.get("transfer") for x in result["pd"]["levels"]], "png": result["png"]}))
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""PD faults that need a pair of their own: transfer timeouts, aborted requests and a prefill server
+killed with requests in flight (issue 15 item 4; docs/pd.md "Faults").
+
+One 1P1D set-up for the module, started as `test_pd_server.py` starts its own (two
+`sglang-dsv41 serve --disaggregation-mode ...` and `sglang-router`, 127.0.0.1, Mooncake TCP),
+but with SGLang's transfer timeouts lowered to `TIMEOUT_S`: the prefill drops a request whose
+decode never bootstraps (`SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`), the decode drops one whose KV
+never arrives (`SGLANG_DISAGGREGATION_WAITING_TIMEOUT`). "Nothing leaks" is checked on the pools
+themselves: after every fault both servers go idle (no running, waiting or PD-queued request, per
+`/v1/loads`), and once the prefix cache is flushed their used tokens equal the baseline taken
+before the first request. The last test kills the prefill server, so it runs last; it then starts
+a new prefill and a new router and serves again.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import urllib.error
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from server_helpers import Server, free_port
+from test_pd_server import COMMON, Router, _http, _pd_missing, _up, _wait
+from test_runtime_server import _prompt
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT_S = 60          # both transfer timeouts; above a loaded host's stalls of a small prefill (docs/pd.md)
+SETTLE_S = 180          # bound on a server going idle and its pool back to baseline
+ENV = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(TIMEOUT_S),
+       "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(TIMEOUT_S)}
+QUEUES = ("prefill_bootstrap_queue_reqs", "prefill_inflight_queue_reqs", "decode_prealloc_queue_reqs",
+          "decode_transfer_queue_reqs", "decode_retracted_queue_reqs")
+
+
+def _prefill(checkpoint: Path, log: Path, boot: int) -> Server:
+    return Server(checkpoint, log, [*COMMON, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
+                                    str(boot), "--chunked-prefill-size", "64"], env=ENV)
+
+
+def pool(srv: Server) -> dict[str, int]:
+    """Running, waiting and PD-queued requests and used pool tokens of one server (`/v1/loads`,
+    summed over DP ranks)."""
+    status, loads = _http(srv.url("/v1/loads?include=all"), timeout=30)
+    assert status == 200, loads
+    ranks = loads.get("loads", loads) if isinstance(loads, dict) else loads
+    out = {k: sum(int(r.get(k) or 0) for r in ranks) for k in ("num_running_reqs", "num_waiting_reqs",
+                                                                   "num_used_tokens")}
+    for q in QUEUES:
+        out[q] = sum(int((r.get("disaggregation") or {}).get(q) or 0) for r in ranks)
+    return out
+
+
+def settled(srv: Server, baseline: int | None = None, timeout_s: float = SETTLE_S) -> dict[str, int]:
+    """Wait until `srv` holds no request, flush its prefix cache, and return its pool state once
+    the used tokens equal `baseline` (any value when None); AssertionError with the state at the
+    bound otherwise."""
+    deadline = time.monotonic() + timeout_s
+    state: dict[str, int] = {}
+    while time.monotonic() < deadline:
+        state = pool(srv)
+        if any(v for k, v in state.items() if k != "num_used_tokens"):
+            time.sleep(1)
+            continue
+        _http(srv.url("/flush_cache"), {}, timeout=30)
+        time.sleep(1)                     # the scheduler publishes its load snapshot a moment later
+        state = pool(srv)
+        if baseline is None or state["num_used_tokens"] == baseline:
+            return state
+    raise AssertionError(f"not settled to {baseline} used tokens in {timeout_s} s: {state}\n{srv.log_tail()}")
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+    missing = _pd_missing()
+    if missing:
+        if os.environ.get("SGLANG_DSV41_PD_REQUIRED") == "1":
+            pytest.fail(f"SGLANG_DSV41_PD_REQUIRED=1 but {missing}")
+        pytest.skip(missing)
+    logs = tmp_path_factory.mktemp("pd_faults")
+    boot = free_port()
+    state: dict[str, Any] = {"logs": logs, "checkpoint": tiny_checkpoint, "boot": boot}
+    state["prefill"] = _prefill(tiny_checkpoint, logs / "prefill.log", boot)
+    state["decode"] = Server(tiny_checkpoint, logs / "decode.log", [*COMMON, "--disaggregation-mode", "decode"],
+                             env=ENV)
+    try:
+        p, d = state["prefill"], state["decode"]
+        _wait("prefill and decode", lambda: _up(p.url("/health")) and _up(d.url("/health")), [p, d],
+              [p.log_tail, d.log_tail])
+        state["router"] = Router(p, boot, d, logs / "router.log")
+        r = state["router"]
+        _wait("router", lambda: _up(r.url("/readiness")), [p, d, r], [p.log_tail, d.log_tail, r.log_tail],
+              timeout_s=300)
+        # idle and flushed, both pools hold nothing: every later check is "back to 0"
+        state["baseline"] = {"prefill": settled(p, 0)["num_used_tokens"], "decode": settled(d, 0)["num_used_tokens"]}
+        yield state
+    finally:
+        for key in ("router", "new_router", "decode", "prefill", "new_prefill"):
+            if state.get(key) is not None:
+                state[key].stop()
+
+
+def _body(seed: int, n: int, new_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {"input_ids": _prompt(seed, n), "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0,
+                                                               "ignore_eos": True}, **extra}
+
+
+def _both_settled(pair: dict[str, Any], prefill: Server | None = None) -> None:
+    settled(prefill or pair["prefill"], pair["baseline"]["prefill"])
+    settled(pair["decode"], pair["baseline"]["decode"])
+
+
+def _serves(router: Router, seed: int = 90) -> list[int]:
+    status, out = _http(router.url("/generate"), _body(seed, 33, 6), timeout=300)
+    assert status == 200, (status, out, router.log_tail())
+    assert len(out["output_ids"]) == 6
+    return out["output_ids"]
+
+
+def _room() -> int:
+    return int(time.time() * 1000) % (1 << 40)
+
+
+def test_decode_whose_kv_never_arrives_times_out_and_frees_its_pages(pair) -> None:
+    """Sent to the decode only (bootstrap fields as the router adds them): the decode reserves pages,
+    bootstraps with the prefill, and the KV never comes. SGLang's waiting timeout fails it with a
+    message; the reserved pages return."""
+    decode = pair["decode"]
+    t0 = time.monotonic()
+    status, out = _http(decode.url("/generate"), _body(50, 40, 4, bootstrap_host="127.0.0.1",
+                                                      bootstrap_port=pair["boot"], bootstrap_room=_room()),
+                        timeout=TIMEOUT_S + 120)
+    waited = time.monotonic() - t0
+    assert status >= 400 or "error" in str(out).lower(), (status, out)
+    assert "timed out" in str(out).lower(), (status, out)
+    assert TIMEOUT_S - 1 <= waited < TIMEOUT_S + 60, waited
+    _both_settled(pair)
+    _serves(pair["router"])
+
+
+def test_prefill_whose_decode_never_comes_times_out(pair) -> None:
+    """Sent to the prefill only: it waits in the bootstrap queue for a decode that never
+    bootstraps and is dropped after the bootstrap timeout with a message; nothing is held."""
+    prefill = pair["prefill"]
+    t0 = time.monotonic()
+    status, out = _http(prefill.url("/generate"), _body(51, 40, 4, bootstrap_host="127.0.0.1",
+                                                       bootstrap_port=pair["boot"], bootstrap_room=_room()),
+                        timeout=TIMEOUT_S + 120)
+    waited = time.monotonic() - t0
+    assert status >= 400 or "error" in str(out).lower(), (status, out)
+    assert "timed out" in str(out).lower(), (status, out)
+    assert TIMEOUT_S - 1 <= waited < TIMEOUT_S + 60, waited
+    _both_settled(pair)
+    _serves(pair["router"])
+
+
+@pytest.mark.parametrize("stage", ["transfer-early", "transfer-late", "decoding"])
+def test_aborted_requests_leak_nothing(pair, stage: str) -> None:
+    """Two long requests through the router, then `/abort_request` (abort_all) on the decode and the
+    prefill — while the decode waits for their KV (transfer-*: on CPU a 400-token prefill keeps them
+    in the decode's transfer queue for seconds) or once the decode is generating; and a third whose
+    client disconnects. Both pools return to 0 and the pair serves on."""
+    router, prefill, decode = pair["router"], pair["prefill"], pair["decode"]
+    results: dict[int, Any] = {}
+
+    plen = 40 if stage == "decoding" else 400     # decoding: through prefill and transfer at once
+
+    def send(i: int, timeout: float) -> None:
+        try:
+            results[i] = _http(router.url("/generate"), _body(60 + i, plen, 200), timeout=timeout)
+        except Exception as e:            # the disconnecting client's timeout, or a reset
+            results[i] = (None, repr(e))
+
+    delay_s = {"transfer-early": 0.3, "transfer-late": 3.0}.get(stage, 1.0)
+    threads = [threading.Thread(target=send, args=(i, 200)) for i in range(2)]
+    threads.append(threading.Thread(target=send, args=(2, delay_s + 0.5)))
+    for t in threads:
+        t.start()
+    time.sleep(delay_s)
+    if stage == "decoding":               # wait until the decode runs them (transfer done)
+        deadline = time.monotonic() + 120
+        while pool(decode)["num_running_reqs"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert pool(decode)["num_running_reqs"] > 0, pool(decode)
+    for srv in (decode, prefill):
+        _http(srv.url("/abort_request"), {"abort_all": True}, timeout=30)
+    for t in threads:
+        t.join(timeout=240)
+    assert not any(t.is_alive() for t in threads), "a client hangs after abort"
+    for i in range(2):                    # aborted or (if it was already done) answered: never a hang
+        assert results[i][0] is not None, results
+    _both_settled(pair)
+    _serves(router)
+
+
+def test_prefill_killed_with_requests_in_flight(pair) -> None:
+    """Runs last (kills the prefill). Requests in flight get an error, not a hang; the decode stays
+    up and frees what it reserved; a new prefill behind a new router serves the same tokens."""
+    router, prefill, decode = pair["router"], pair["prefill"], pair["decode"]
+    before = _serves(router)
+    results: dict[int, Any] = {}
+
+    def send(i: int) -> None:
+        try:
+            results[i] = _http(router.url("/generate"), _body(70 + i, 600, 100), timeout=200)
+        except Exception as e:            # a client-side timeout is a hang: reported below
+            results[i] = (None, repr(e))
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    os.killpg(prefill.proc.pid, signal.SIGKILL)
+    prefill.proc.wait(timeout=30)
+    for t in threads:
+        t.join(timeout=260)
+    assert not any(t.is_alive() for t in threads), "a client hangs after the prefill server died"
+    for i in range(3):                    # decode's heartbeat (2 × 5 s) notices the lost prefill
+        status, body = results[i]
+        assert status is not None and status >= 400, (i, results[i], router.log_tail())
+        assert "prefill" in str(body).lower(), (i, body)
+    assert decode.proc.poll() is None and _up(decode.url("/health")), decode.log_tail()
+    settled(decode, pair["baseline"]["decode"])
+    router.stop()
+    pair["router"] = None
+
+    boot = free_port()
+    new = pair["new_prefill"] = _prefill(pair["checkpoint"], pair["logs"] / "prefill2.log", boot)
+    _wait("new prefill", lambda: _up(new.url("/health")), [new, decode], [new.log_tail, decode.log_tail])
+    new_router = pair["new_router"] = Router(new, boot, decode, pair["logs"] / "router2.log")
+    _wait("new router", lambda: _up(new_router.url("/readiness")), [new, decode, new_router],
+          [new.log_tail, decode.log_tail, new_router.log_tail], timeout_s=300)
+    try:
+        after = _serves(new_router)
+    except (urllib.error.URLError, OSError) as e:
+        raise AssertionError(f"{e!r}\n{decode.log_tail()}\n{new.log_tail()}") from e
+    assert after == before
+    _both_settled(pair, prefill=new)
