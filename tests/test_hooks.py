@@ -170,7 +170,8 @@ def test_runtime_pool_hooks_are_applied(runtime_hooks):
                        "utils.get_dsv4_c128_state_indices", "ScheduleBatchDisaggregationDecodeMixin.prepare_for_prebuilt",
                        "CommonKVBootstrapServer._setup_routes", "CommonKVManager.register_to_bootstrap",
                        "CommonKVManager.try_ensure_parallel_info",
-                       "ModelConfig._config_draft_model", "draft_worker_common._resolve_draft_attention_backend_fallback"}
+                       "ModelConfig._config_draft_model", "draft_worker_common._resolve_draft_attention_backend_fallback",
+                       "UnifiedRadixCache.load_back"}
     assert all(hooks.is_applied(s) for s in runtime_hooks)
 
 
