@@ -103,3 +103,26 @@ def test_swa_restore_bound_is_the_window_in_whole_pages(window, page, bound) -> 
     from sglang_dsv41.runtime.hicache_swa_bound import swa_restore_bound
 
     assert swa_restore_bound(window, page) == bound
+
+
+@pytest.mark.parametrize("ours", [True, False])
+def test_the_load_back_hook_bounds_only_the_v41_trees_load_back(ours) -> None:
+    """`load_back_hook` splits before SGLang's load_back when the tree's SWA host pool is ours,
+    and leaves any other tree alone; it always calls SGLang's load_back."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    from sglang_dsv41.runtime.hicache_host import ComponentHostPool
+    from sglang_dsv41.runtime.hicache_swa_bound import load_back_hook
+
+    core = _tree()
+    leaf = _chain(core, [(40, "host")])[-1]
+    core.components_by_type[ComponentType.SWA]._swa_kv_pool_host = (
+        object.__new__(ComponentHostPool) if ours else SimpleNamespace())
+    calls = []
+    cache = SimpleNamespace(cache_controller=object(), tree_core=core, _apply_cache_actions=calls.append)
+    result = load_back_hook(lambda self, node_id, mem_quota, req=None: ("loaded", node_id, mem_quota, req),
+                            cache, leaf.id, 7, req="r")
+    assert result == ("loaded", leaf.id, 7, "r") and calls == []
+    assert _swa_restored(core, leaf) == (WINDOW if ours else 40)
