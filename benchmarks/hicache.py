@@ -29,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -178,6 +179,7 @@ def main() -> int:
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--request-timeout", type=float, default=300)
     p.add_argument("--out", type=Path, default=RESULTS / "hicache.json")
+    p.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()), help="server logs")
     args = p.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     settings = {"off": args.common_flags.split(),
@@ -186,7 +188,7 @@ def main() -> int:
                        f"{args.user} user ids per turn, {args.device_tokens}-token device pool, {args.device}",
               "args": {k: str(v) for k, v in vars(args).items()}}
     for name, flags in settings.items():
-        server = Server(args, flags, args.out.with_name(f"{args.out.stem}_{name}.log"))
+        server = Server(args, flags, args.log_dir / f"{args.out.stem}_{name}.log")
         try:
             t0 = time.monotonic()
             server.wait_ready(args.startup_timeout)
