@@ -231,6 +231,17 @@ HOOKS += (
             "DSpark block) instead of copying bytes into the wrong rows."),
 )
 
+HOOKS += (
+    # ---- HiCache of the V4.1 pool (docs/hicache.md, runtime/hicache_swa_bound.py) ----
+    HookSpec(
+        target="sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.load_back", kind="around",
+        impl="sglang_dsv41.runtime.hicache_swa_bound:load_back_hook", params=("self", "node_id", "mem_quota", "req"),
+        area="runtime",
+        why="SGLang restores the whole host SWA chunk of each host-only ancestor until the window is covered "
+            "(SGLang#31771): a chunk longer than the window would take that many slots of the small SWA device "
+            "pool; the hook splits it first so a load-back restores at most the window, page-rounded."),
+)
+
 _installed: set[tuple[str, str]] = set()
 
 

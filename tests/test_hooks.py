@@ -171,7 +171,7 @@ def test_runtime_pool_hooks_are_applied(runtime_hooks):
                        "CommonKVBootstrapServer._setup_routes", "CommonKVManager.register_to_bootstrap",
                        "CommonKVManager.try_ensure_parallel_info",
                        "ModelConfig._config_draft_model", "draft_worker_common._resolve_draft_attention_backend_fallback",
-                       "DSparkWorkerV2._commit_target_mamba_states_after_verify"}
+                       "DSparkWorkerV2._commit_target_mamba_states_after_verify", "UnifiedRadixCache.load_back"}
     assert all(hooks.is_applied(s) for s in runtime_hooks)
 
 

@@ -180,9 +180,10 @@ def test_our_strategy_is_selected_for_our_pool_ahead_of_sglangs() -> None:
 
 
 @pytest.mark.parametrize("over,flag", [
-    (dict(hicache_storage_backend="file"), "--hicache-storage-backend file"),
     (dict(hicache_storage_backend="mooncake"), "--hicache-storage-backend mooncake"),
     (dict(hicache_storage_backend="hf3fs"), "--hicache-storage-backend hf3fs"),
+    (dict(hicache_storage_backend="nixl"), "--hicache-storage-backend nixl"),
+    (dict(hicache_storage_backend="dynamic"), "--hicache-storage-backend dynamic"),
     (dict(hicache_io_backend="kernel_ascend"), "--hicache-io-backend kernel_ascend"),
     (dict(hicache_write_policy="write_back"), "--hicache-write-policy write_back"),
     (dict(hicache_write_policy="write_through_selective"), "--hicache-write-policy write_through_selective"),
@@ -194,6 +195,7 @@ def test_unsupported_hicache_settings_are_refused_naming_the_flag(over, flag) ->
     args = SimpleNamespace(enable_hierarchical_cache=True, hicache_storage_backend=None, hicache_io_backend="kernel",
                            hicache_write_policy="write_through")
     check_hicache_flags(args)                                   # L2 alone: served
+    check_hicache_flags(SimpleNamespace(**{**vars(args), "hicache_storage_backend": "file"}))   # L3 file: served
     with pytest.raises(RuntimeError, match=flag):
         check_hicache_flags(SimpleNamespace(**{**vars(args), **over}))
 

@@ -25,7 +25,11 @@ host, and the SWA match validator vetoes every such hit — 0 cached tokens (SGL
 A node's SWA host rows are a subset of its tokens, and a node keeps host SWA rows only while its
 global rows are on the host, so with equal slot counts the SWA host pool can never be the one
 that is full.
-Storage (L3): not served yet (`STORAGE_BACKENDS`); the start-up check (`check_hicache_flags`) refuses it.
+Storage (L3): SGLang's `file` backend (`STORAGE_BACKENDS`) stores each page of each host pool as one
+file of the pool's flat page (`ComponentHostPool.get_data_page`): `KV` = the page's global latent +
+index-key rows, `SWA` = every layer's SWA rows of the page; SGLang's SWA component writes and
+prefetches only the trailing window's SWA pages. The start-up check (`check_hicache_flags`) refuses
+every other backend (they need zero-copy page buffers or pool names the V4.1 pools do not have).
 """
 from __future__ import annotations
 
@@ -47,9 +51,9 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from .hicache_host import HOST_LAYOUT, IO_BACKENDS, ComponentHostPool
 
 logger = logging.getLogger(__name__)
-#: L3 backends served. None yet: the host pools' flat pages round-trip through SGLang's `file`
-#: backend (tests/test_runtime_hicache.py), but no server run covers L3 (prefetch, restart reload).
-STORAGE_BACKENDS: tuple[str, ...] = ()
+#: L3 backends served: SGLang's `file` backend reads and writes the host pools' flat pages
+#: (tests/test_runtime_hicache_storage_server.py: restart reload, reload after host eviction).
+STORAGE_BACKENDS: tuple[str, ...] = ("file",)
 #: Write policies served. write_back gave 0 host hits on CPU (docs/hicache.md; inferred cause: a node
 #: is backed up only when the device evicts it, after the small SWA pool dropped its window, so the
 #: match validator vetoes the hit). write_through_selective is untested.
@@ -62,8 +66,10 @@ def check_hicache_flags(server_args) -> None:
         return
     backend = getattr(server_args, "hicache_storage_backend", None)
     if backend is not None and backend not in STORAGE_BACKENDS:
-        raise RuntimeError(f"sglang-dsv41: --hicache-storage-backend {backend}: HiCache L3 (storage) is not served "
-                           "for the V4.1 pool yet; drop the flag to serve the host tier (L2) alone (docs/hicache.md)")
+        raise RuntimeError(f"sglang-dsv41: --hicache-storage-backend {backend}: HiCache L3 (storage) for the V4.1 "
+                           f"pool is served with {list(STORAGE_BACKENDS)} only ({backend} needs zero-copy page "
+                           "buffers or pool names the V4.1 host pools do not have); use --hicache-storage-backend "
+                           "file, or drop the flag to serve the host tier (L2) alone (docs/hicache.md)")
     policy = getattr(server_args, "hicache_write_policy", "write_through")
     if policy not in WRITE_POLICIES:
         raise RuntimeError(f"sglang-dsv41: --hicache-write-policy {policy}: the V4.1 pool serves HiCache with "

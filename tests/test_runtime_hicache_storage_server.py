@@ -1,0 +1,150 @@
+"""End to end on CPU: HiCache L3 with SGLang's `file` storage backend serves the tiny V4.1 checkpoint
+(docs/hicache.md "L3"; issue 14).
+
+Two servers in turn on ONE storage directory, each `--enable-hierarchical-cache
+--hicache-storage-backend file` over a small device pool (`--max-total-tokens 512`, SWA pool 128)
+and a small host tier (`--hicache-ratio 2`: 1,024 host slots), write_through:
+
+* server A serves a long prompt (cold run) and writes its pages to storage: one `KV` file per page
+  (the page's global latent rows + index-key rows) and one `SWA` file per page (every layer's SWA
+  rows), of exactly those sizes; A is stopped;
+* server B, started fresh on the same directory, serves the same prompt: SGLang prefetches its
+  prefix from storage (`cached_tokens_details.storage`, `cached_tokens_total{cache_source=storage}`)
+  and the greedy tokens and logprobs equal A's cold run;
+* within B, a prompt pushed out of the device AND the host tier by other traffic comes back from
+  storage, equal to its cold run.
+
+`prefetch_threshold` is lowered to 16 tokens (SGLang's default, 256, is longer than these prompts).
+Every wait is bounded; each server's process group is killed when it is done.
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from server_helpers import Server, running
+from test_runtime_hicache_server import LONG, NEW, OTHER, _assert_equal_to_cold, _prompt
+
+pytestmark = pytest.mark.slow
+
+DEVICE_TOKENS, HOST_RATIO = 512, 2
+#: enough other prompts (each 1 + OTHER tokens) to overflow the device pool and the host tier
+EVICT_ALL = 12
+WRITE_WAIT_S = 180
+
+
+def _args() -> list[str]:
+    return ["--max-total-tokens", str(DEVICE_TOKENS), "--swa-full-tokens-ratio", "0.25",
+            "--enable-hierarchical-cache", "--enable-metrics", "--hicache-write-policy", "write_through",
+            "--hicache-io-backend", "direct", "--hicache-ratio", str(HOST_RATIO),
+            "--hicache-storage-backend", "file",
+            "--hicache-storage-backend-extra-config", json.dumps({"prefetch_threshold": 16})]
+
+
+def _server(checkpoint: Path, store: Path, log: Path) -> Server:
+    return Server(checkpoint, log, _args(), env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(store)})
+
+
+def _run(server: Server, ids: list[int]) -> dict:
+    out = server.post("/generate", {"input_ids": ids, "return_logprob": True, "top_logprobs_num": 2,
+                                    "sampling_params": {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}})
+    assert len(out["output_ids"]) == NEW
+    return out
+
+
+def _details(out: dict) -> dict:
+    return out["meta_info"].get("cached_tokens_details") or {}
+
+
+def _pages(store: Path) -> tuple[set[str], set[str]]:
+    """(KV page files, SWA page files) in the storage directory."""
+    names = {p.name for p in store.iterdir() if p.suffix == ".bin"}
+    return {n for n in names if ".swa_" not in n}, {n for n in names if ".swa_" in n}
+
+
+def _wait_for_pages(store: Path, before: set[str], kv_pages: int) -> None:
+    """Block until at least `kv_pages` new KV page files and some new SWA page files are written."""
+    deadline = time.monotonic() + WRITE_WAIT_S
+    while time.monotonic() < deadline:
+        kv, swa = _pages(store)
+        if len(kv - before) >= kv_pages and swa - before:
+            return
+        time.sleep(1)
+    raise TimeoutError(f"storage holds {len(kv - before)} new KV pages after {WRITE_WAIT_S} s")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("hicache_l3")
+
+
+@pytest.fixture(scope="module")
+def cold_a(tiny_checkpoint: Path, store: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Server A: the long prompt's cold run, its pages written to storage; A stopped."""
+    from sglang_dsv41.runtime.requirements import PAGE_SIZE
+
+    long = _prompt(random.Random(11), LONG)
+    with running(_server(tiny_checkpoint, store, tmp_path_factory.mktemp("a") / "server.log")) as a:
+        before = set().union(*_pages(store))
+        cold = _run(a, long)
+        assert cold["meta_info"]["cached_tokens"] == 0
+        _wait_for_pages(store, before, len(long) // PAGE_SIZE)
+    return long, cold
+
+
+@pytest.fixture(scope="module")
+def server_b(cold_a, tiny_checkpoint: Path, store: Path, tmp_path_factory: pytest.TempPathFactory):
+    with running(_server(tiny_checkpoint, store, tmp_path_factory.mktemp("b") / "server.log")) as b:
+        yield b
+
+
+def test_storage_pages_hold_every_mirrored_component(cold_a, store: Path, tiny_checkpoint: Path) -> None:
+    """Each KV page file is one page of global latent + index-key rows, each SWA page file one
+    page of every layer's SWA rows (runtime/hicache_host.py "flat pages")."""
+    from sglang_dsv41.config import DeepseekV41Config
+    from sglang_dsv41.runtime.kv_layout import CompressedRowLayout
+    from sglang_dsv41.runtime.requirements import PAGE_SIZE
+
+    cfg = DeepseekV41Config.from_file(tiny_checkpoint).text
+    lay = CompressedRowLayout.from_config(cfg)
+    kv, swa = _pages(store)
+    assert kv and swa
+    assert {(store / n).stat().st_size for n in kv} == {PAGE_SIZE * (lay.latent_row_stride + lay.key_row_stride)}
+    assert {(store / n).stat().st_size for n in swa} == {PAGE_SIZE * cfg.num_hidden_layers * cfg.head_dim * 2}
+
+
+def test_a_new_server_reloads_the_prefix_from_storage(cold_a, server_b: Server) -> None:
+    long, cold = cold_a
+    warm = _run(server_b, long)
+    d = _details(warm)
+    assert d.get("storage", 0) >= LONG - 2 and warm["meta_info"]["cached_tokens"] == d["storage"], warm["meta_info"]
+    assert d.get("storage_backend") == "HiCacheFile"
+    assert warm["output_ids"] == cold["output_ids"]
+    _assert_equal_to_cold(warm, cold)
+
+
+def test_a_prefix_evicted_from_device_and_host_comes_back_from_storage(server_b: Server) -> None:
+    rng = random.Random(12)
+    long = _prompt(rng, LONG)
+    cold = _run(server_b, long)
+    assert cold["meta_info"]["cached_tokens"] == 0
+    for _ in range(EVICT_ALL):                      # 13 × 121 tokens > 512 device + 1,024 host slots
+        _run(server_b, _prompt(rng, OTHER))
+    warm = _run(server_b, long)
+    d = _details(warm)
+    assert d.get("storage", 0) >= LONG - 2 and d.get("host", 0) == 0, warm["meta_info"]
+    _assert_equal_to_cold(warm, cold)
+
+
+def test_storage_hits_are_in_the_metrics(server_b: Server) -> None:
+    with urllib.request.urlopen(server_b.url("/metrics"), timeout=60) as r:
+        text = r.read().decode()
+    storage = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("sglang:cached_tokens_total{") and 'cache_source="storage_HiCacheFile"' in line]
+    assert storage and sum(storage) >= 2 * (LONG - 2), storage
+    assert server_b.proc.poll() is None and "Traceback" not in server_b.log_tail(10_000_000)
