@@ -180,6 +180,14 @@ def register_server_defaults() -> None:
     overrides.register()
 
 
+def register_vision() -> None:
+    """Our image processor, tokenizer-as-processor and multimodal architecture in SGLang's
+    registries (`runtime/mm_processor.py`)."""
+    from .runtime import mm_processor
+
+    mm_processor.register()
+
+
 def register() -> None:
     """Entry point run by SGLang in every process; idempotent. Any failure stops the process."""
     check_sglang_version()
@@ -190,6 +198,7 @@ def register() -> None:
         register_hicache_strategy()
         register_graph_backend()
         register_server_defaults()
+        register_vision()
         register_api_if_present()
     except PluginLoadError:
         raise
