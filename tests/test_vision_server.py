@@ -5,7 +5,7 @@ tokens) is prefilled across chunks. The oracle is `ReferenceModel` (CPU) with th
 image: teacher-forced on the server's greedy tokens, each is the reference's top-1 up to the
 serving-path contract (`test_runtime_server.within_contract`'s margin 2·LOGIT_BOUND). Also: the
 card's image request on `/v1/chat/completions` (data URL), multi-image, an image request hitting
-the prefix cache, every bad input → 4xx with a message and the server still serving, and the
+the prefix cache, more images than `--limit-mm-data-per-request`, every bad input → 4xx with a message and the server still serving, and the
 text-only mode (`--language-model-only`): images → 400, text served, refused with
 `--mm-enable-dp-encoder` at start-up. Every wait is bounded; every server is stopped.
 """
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 8
 SERVER_ARGS = ["--max-total-tokens", "4096", "--chunked-prefill-size", "12", "--enable-mixed-chunk",
-               "--max-running-requests", "8"]
+               "--max-running-requests", "8", "--limit-mm-data-per-request", '{"image": 4}']
 
 
 def make_image(seed: int, size: tuple[int, int]) -> Image.Image:
@@ -100,6 +100,13 @@ def test_multi_image_request(server: Server, reference: ReferenceModel) -> None:
     prompt = _prompt(reference, 3, 24, 3)
     tokens = generate(server, prompt, images)["output_ids"]
     assert within_contract(reference, prompt, images, tokens)
+
+
+def test_more_images_than_the_configured_limit_is_a_400(server: Server) -> None:
+    url = png_data_url(make_image(10, (30, 30)))
+    status, body = _chat(server, [*[{"type": "image_url", "image_url": {"url": url}}] * 5,
+                                  {"type": "text", "text": "x"}])
+    assert status == 400 and "exceeds limit 4" in str(body), body
 
 
 def test_image_request_hits_the_prefix_cache(server: Server, reference: ReferenceModel) -> None:
