@@ -37,9 +37,7 @@ def test_tower_on_cuda_matches_the_reference(tiny_checkpoint: Path) -> None:
 
 
 def test_card_requests_on_the_gpu_server(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    from test_runtime_vision import _image as image
-
-    url = png_data_url(image(5, (200, 90)))
+    url = png_data_url(_image(5, (200, 90)))
     with running(Server(tiny_checkpoint, tmp_path / "server.log", ["--max-total-tokens", "4096"])) as srv:
         text = srv.post("/v1/chat/completions", {"model": "x", "max_tokens": 16, "messages": [
             {"role": "user", "content": "What is 17*19? Return only the integer."}]})
