@@ -169,6 +169,11 @@ def test_unsupported_format_zero_size_and_pixel_cap_are_4xx(server: Server) -> N
         status, body = _chat(server, [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "x"}])
         assert 400 <= status < 500 and message in str(body), (status, body)
     assert _chat(server, "ok?", max_tokens=2)[0] == 200
+    # streamed: refused before the stream starts (a 4xx, not a 200 stream with an error event)
+    status, body = server.post_status("/v1/chat/completions", {
+        "model": "tiny", "stream": True, "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": cases[0][0]}}, {"type": "text", "text": "x"}]}]})
+    assert status == 400 and "unsupported image format" in str(body), (status, body)
 
 
 def _zero_width_png() -> str:
