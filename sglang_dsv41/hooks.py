@@ -136,6 +136,12 @@ HOOKS: tuple[HookSpec, ...] = (
             "overrides run) and set the defaults outside SGLang's override whitelist (parsers, memory, "
             "CUDA-graph flags, needed before SGLang resolves its graph configuration)."),
     HookSpec(
+        target="sglang.srt.server_args.ServerArgs.add_cli_args",
+        kind="after", impl="sglang_dsv41.overrides:add_cli_args_hook",
+        params=("parser",), area="runtime",
+        why="registers the card's `--language-model-only` flag (SGLang 0.5.17 has none): it sets "
+            "enable_multimodal=False, so the vision tower and its weights are skipped and image requests get a 400."),
+    HookSpec(
         target="sglang.srt.model_executor.pool_configurator.create_memory_pool_configurator",
         kind="around", impl="sglang_dsv41.runtime.sglang_pool:memory_pool_configurator_hook",
         params=("kvc",), area="runtime",

@@ -168,10 +168,15 @@ def resolve_server_args_hook(server_args: Any, *args: Any, **kwargs: Any) -> Non
     given = given_values(server_args)
     object.__setattr__(server_args, GIVEN_ATTR, given)
     device = runtime_device(server_args)
-    problems = refusals(given, server_args.get_model_config().hf_config.parsed().text, device)
+    parsed = server_args.get_model_config().hf_config.parsed()
+    problems = refusals(given, parsed.text, device) + vision_refusals(server_args, parsed.has_vision)
     if problems:
         raise ServerArgsRefused("sglang-dsv41: DeepSeek-V4.1 cannot be served with these server arguments:\n  "
                                 + "\n  ".join(problems))
+    if not parsed.has_vision or server_args.enable_multimodal is False:
+        # text only: no multimodal processor, so image requests are refused (api/request_guard.py)
+        server_args.enable_multimodal = False
+        server_args.get_model_config().is_multimodal = False
     resolvable = _resolvable()
     applied = {}
     for name, value in CURRENT_RUNTIME.defaults(device, _tp_size(server_args)).items():
@@ -184,6 +189,27 @@ def resolve_server_args_hook(server_args: Any, *args: Any, **kwargs: Any) -> Non
     if applied:
         logger.info("sglang-dsv41: DeepSeek-V4.1 defaults on %s: %s", device, applied)
     return None
+
+
+def add_cli_args_hook(result: Any, parser: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER `ServerArgs.add_cli_args`: `--language-model-only` (the card's text-only mode) stores
+    ``enable_multimodal = False`` — an existing field, so every process receives it (docs/vision.md)."""
+    if any("--language-model-only" in a.option_strings for a in parser._actions):
+        return None
+    parser.add_argument("--language-model-only", dest="enable_multimodal", action="store_const", const=False,
+                        help="sglang-dsv41: serve DeepSeek-V4.1 as a text model: the vision tower and its "
+                             "weights are not loaded, and image requests are refused with 400.")
+    return None
+
+
+def vision_refusals(server_args: Any, has_vision: bool) -> list[str]:
+    """Start-up refusals of the vision modes (docs/vision.md)."""
+    if server_args.enable_multimodal is False and getattr(server_args, "mm_enable_dp_encoder", False):
+        return ["--language-model-only and --mm-enable-dp-encoder are mutually exclusive: text-only mode "
+                "has no vision encoder to run data-parallel; drop one of them"]
+    if server_args.enable_multimodal and not has_vision:
+        return ["--enable-multimodal: this checkpoint has no vision_config (no vision tower)"]
+    return []
 
 
 def deepseek_v41_overrides(server_args: Any, hf_config: Any) -> dict:

@@ -22,6 +22,10 @@ scheduler process (runtime.md §B "The general-purpose hook"; cpu.md §4). It re
 7. the model's server-argument defaults in SGLang's override registry and its start-up refusals
    (`sglang_dsv41/overrides.py`; its hook is one of the runtime area's), so a plain
    `python -m sglang.launch_server --model-path <V4.1>` needs no extra flag.
+8. image input (`runtime/mm_processor.py`, docs/vision.md): our architecture as multimodal, our
+   image processor and the tokenizer as its "processor", in SGLang's own registries; the
+   `--language-model-only` flag is added to SGLang's parser by a runtime-area hook
+   (`overrides.add_cli_args_hook`).
 
 Architecture name — we keep `DeepseekV41ForCausalLM` (upstream 0.5.23 rewrites it to
 `DeepseekV4ForCausalLM`). Reason: in 0.5.17 every path keyed on the V4 architecture name is
@@ -72,10 +76,12 @@ API_REGISTER_MODULE = "sglang_dsv41.api.register"
 #:   deployment schema.
 #: Not provided, so a launch that needs them is refused: the FP4 KV layout (``kv_layout_v41``),
 #: SWA bounded replay (``bounded_replay_encoder`` / ``_decoder``), V4.1 DSpark (``dspark``),
-#: encoder data-parallel (``encoder_data_parallel``), and the text-only switch (``text_only`` —
-#: the current runtime never loads the vision tower, so it needs none). TP sizes other than
-#: 1/2/4/8, DP attention, vision serving and CUDA graphs are limits of the runtime
-#: (`runtime/requirements.py`), not capabilities.
+#: encoder data-parallel (``encoder_data_parallel``), and the text-only switch (``text_only``: the
+#: plugin now has the CLI flag ``--language-model-only`` (docs/vision.md), but `deploy/capabilities.py`
+#: still declares it as an environment variable, and `runtime/requirements.py` still says the runtime
+#: serves text only; both are the deployment area's to update). TP sizes other than 1/2/4/8, DP
+#: attention, vision serving and CUDA graphs are limits of the runtime (`runtime/requirements.py`),
+#: not capabilities.
 LAUNCH_CAPABILITIES: tuple[str, ...] = ("model", "reasoning_parser", "tool_parser", "engram_host_table")
 
 
@@ -180,6 +186,14 @@ def register_server_defaults() -> None:
     overrides.register()
 
 
+def register_vision() -> None:
+    """Our image processor, tokenizer-as-processor and multimodal architecture in SGLang's
+    registries (`runtime/mm_processor.py`)."""
+    from .runtime import mm_processor
+
+    mm_processor.register()
+
+
 def register() -> None:
     """Entry point run by SGLang in every process; idempotent. Any failure stops the process."""
     check_sglang_version()
@@ -190,6 +204,7 @@ def register() -> None:
         register_hicache_strategy()
         register_graph_backend()
         register_server_defaults()
+        register_vision()
         register_api_if_present()
     except PluginLoadError:
         raise

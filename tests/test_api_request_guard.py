@@ -71,8 +71,21 @@ def test_generate_body_rejected(body, needle):
 
 def test_generate_body_accepted_and_media_on_a_multimodal_server():
     check_generate_body({"input_ids": [1, 2], "sampling_params": {"temperature": 0, "n": 2}}, LIMITS)
-    check_generate_body({"text": "hi", "image_data": ["x"]},
-                        ServingLimits(vocab_size=1024, context_len=64, accepts_media=True))
+    import base64
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 3)).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    media = ServingLimits(vocab_size=1024, context_len=64, accepts_media=True)
+    check_generate_body({"text": "hi", "image_data": [url]}, media)
+    # every image is loaded before queueing: a bad one is refused with its reason (docs/vision.md)
+    with pytest.raises(RequestRejected, match="image 1: cannot read image file 'x'"):
+        check_generate_body({"text": "hi", "image_data": [url, "x"]}, media)
+    with pytest.raises(RequestRejected, match="image input only"):
+        check_generate_body({"text": "hi", "audio_data": ["a.wav"]}, media)
 
 
 def test_scrub_removes_paths_and_traceback_lines():

@@ -398,10 +398,22 @@ def test_regex_constraint_passes_through(sg, tokenizer):
 
 
 # --- images ----------------------------------------------------------------------------------------
+def _png_url() -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 3)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
 def test_multimodal_request_passes_ids_and_images(sg, tokenizer):
     serving, tm = make(sg, tokenizer, outputs=["A cat."], multimodal=True)
+    url = _png_url()                       # a real image: every image is loaded before queueing
     content = [{"type": "text", "text": "Describe <｜User｜>"},
-               {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+               {"type": "image_url", "image_url": {"url": url}}]
     call(sg, serving, {"messages": [{"role": "user", "content": content}],
                        "chat_template_kwargs": {"thinking": False}})
     adapted = tm.seen[-1]
@@ -409,7 +421,14 @@ def test_multimodal_request_passes_ids_and_images(sg, tokenizer):
     image_id = tokenizer.convert_tokens_to_ids("<｜deepseek_image｜>")
     user_id = tokenizer.convert_tokens_to_ids("<｜User｜>")
     assert adapted.input_ids.count(image_id) == 1 and adapted.input_ids.count(user_id) == 1
-    assert [im.url for im in adapted.image_data] == ["data:image/png;base64,AAAA"]
+    assert [im.url for im in adapted.image_data] == [url]
+
+
+def test_multimodal_server_refuses_a_corrupt_image_before_queueing(sg, tokenizer):
+    serving, tm = make(sg, tokenizer, outputs=["x"], multimodal=True)
+    content = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+    status, body = as_json(call(sg, serving, {"messages": [{"role": "user", "content": content}]}))
+    assert status == 400 and "image 0: not a readable image" in body["message"]
 
 
 def test_text_only_server_rejects_images(sg, tokenizer):

@@ -166,13 +166,37 @@ def test_runtime_pool_hooks_are_applied(runtime_hooks):
     assert targets == {"pool_configurator.create_memory_pool_configurator",
                        "KVCacheConfigurator._build_token_to_kv_pool", "ForwardBatch.init_new",
                        "PagedTokenToKVPoolAllocator.alloc_extend", "PagedTokenToKVPoolAllocator.alloc_decode",
-                       "ServerArgs._handle_cuda_graph_config", "utils.setup_state_kv_args",
+                       "ServerArgs._handle_cuda_graph_config", "ServerArgs.add_cli_args", "utils.setup_state_kv_args",
                        "utils.get_dsv4_c128_state_indices", "ScheduleBatchDisaggregationDecodeMixin.prepare_for_prebuilt",
                        "CommonKVBootstrapServer._setup_routes", "CommonKVManager.register_to_bootstrap",
                        "CommonKVManager.try_ensure_parallel_info",
                        "ModelConfig._config_draft_model", "draft_worker_common._resolve_draft_attention_backend_fallback",
                        "DSparkWorkerV2._commit_target_mamba_states_after_verify", "UnifiedRadixCache.load_back"}
     assert all(hooks.is_applied(s) for s in runtime_hooks)
+
+
+def test_language_model_only_flag_is_registered(runtime_hooks):
+    """`--language-model-only` (docs/vision.md) parses into enable_multimodal=False; absent, None."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    assert parser.parse_args(["--model-path", "x", "--language-model-only"]).enable_multimodal is False
+    assert parser.parse_args(["--model-path", "x"]).enable_multimodal is None
+
+
+def test_vision_refusals():
+    from types import SimpleNamespace
+
+    from sglang_dsv41.overrides import vision_refusals
+
+    both = SimpleNamespace(enable_multimodal=False, mm_enable_dp_encoder=True)
+    assert "mutually exclusive" in vision_refusals(both, has_vision=True)[0]
+    assert vision_refusals(SimpleNamespace(enable_multimodal=None, mm_enable_dp_encoder=True), True) == []
+    assert "no vision_config" in vision_refusals(SimpleNamespace(enable_multimodal=True,
+                                                                 mm_enable_dp_encoder=False), False)[0]
 
 
 @pytest.mark.parametrize("page_size", [2, 4])

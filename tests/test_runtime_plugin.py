@@ -68,10 +68,11 @@ def test_v41_checkpoint_resolves_to_our_class_and_no_v4_path(tiny_checkpoint: Pa
     assert cls is DeepseekV41ForCausalLM and arch == "DeepseekV41ForCausalLM"
     assert mc.hf_config.architectures == ["DeepseekV41ForCausalLM"]
     assert mc.hf_config.model_type == "deepseek_v41"
-    # none of the V4 / DSA / MLA / multimodal / FP8 paths engage for our architecture
+    # none of the V4 / DSA / MLA / FP8 paths engage for our architecture; a checkpoint with a
+    # vision_config is multimodal through our registration (runtime/mm_processor.py, docs/vision.md)
     assert not is_deepseek_v4(mc.hf_config) and not is_deepseek_dsa(mc.hf_config)
     assert mc.attention_arch == AttentionArch.MHA
-    assert not mc.is_multimodal and mc.quantization is None
+    assert mc.is_multimodal and mc.is_multimodal_chunked_prefill_supported and mc.quantization is None
     # the model as it is: 8 decoder layers, each sliding-window attention over one KV head of 96
     # (K = V); SGLang takes its hybrid-SWA path, and our pool (runtime/kv_pool.py) holds the rows
     assert mc.is_hybrid_swa and not mc.is_hybrid_swa_compress and not mc.is_deepseek_v4_arch

@@ -21,7 +21,7 @@ from sglang_dsv41.reference.vision import (
     unfold_features,
     vision_rope_angles,
 )
-from sglang_dsv41.reference.vision_preprocess import preprocess_image
+from sglang_dsv41.vision_preprocess import preprocess_image
 
 CFG = DeepseekV41Config.from_dict(tiny_config_dict(500))
 

@@ -15,7 +15,7 @@ from PIL import Image, ImageOps
 
 from sglang_dsv41.config import DeepseekV41Config, VisionConfig
 from sglang_dsv41.presets import flash_config_dict, tiny_config_dict
-from sglang_dsv41.reference.vision_preprocess import (
+from sglang_dsv41.vision_preprocess import (
     ImageGrid,
     normalize_pixels,
     patchify,

@@ -145,8 +145,32 @@ def check_sampling_params(params: Any, field: str, limits: ServingLimits) -> Non
             raise RequestRejected(f"{where}: {exc}") from exc
 
 
+def _flat(data: Any) -> list[Any]:
+    if isinstance(data, (list, tuple)):
+        return [x for d in data for x in _flat(d)]
+    return [] if data in (None, "") else [data]
+
+
+def check_images(image_data: Any) -> None:
+    """Every image of a request loads (`runtime/image_io.py`: corrupt, truncated, zero-size,
+    over the pixel cap, unsupported format, unreadable file or URL → 400), checked before the
+    request is queued or its stream starts; the processor loads them again (docs/vision.md)."""
+    from ..runtime.image_io import load_image
+
+    for i, item in enumerate(_flat(image_data)):
+        try:
+            load_image(item, where=f"image {i}")
+        except ValueError as err:
+            raise RequestRejected(str(err)) from err
+
+
 def check_no_media(fields: Mapping[str, Any], limits: ServingLimits) -> None:
+    """Text-only server: no media field. Multimodal server: images only, each loadable."""
     if limits.accepts_media:
+        for name in ("video_data", "audio_data"):
+            if fields.get(name) not in (None, [], ""):
+                raise RequestRejected(f"{name}: DeepSeek-V4.1 takes image input only; remove the field")
+        check_images(fields.get("image_data"))
         return
     for name in MM_FIELDS:
         if fields.get(name) not in (None, [], ""):

@@ -196,7 +196,7 @@ class ReferenceModel:
         """Expand each image placeholder to its span and encode it (spec §5): returns the new ids
         and (absolute offset, span rows [n, H]) per image."""
         from .vision import VisionEncoder, expand_image_placeholders
-        from .vision_preprocess import preprocess_image
+        from ..vision_preprocess import preprocess_image
 
         if not self.cfg.has_vision:
             raise ValueError("images given but the config has no vision tower")

@@ -30,7 +30,7 @@ from PIL import Image
 from ..checkpoint.names import tensor_inventory
 from ..config import DeepseekV41Config, VisionConfig
 from .ops import rms_norm
-from .vision_preprocess import PreprocessedImage, plan_image_grid
+from ..vision_preprocess import PreprocessedImage, plan_image_grid
 
 _FP32_NAMES_SUFFIX = ("norm1.weight", "norm2.weight")
 

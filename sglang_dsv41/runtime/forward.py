@@ -52,6 +52,18 @@ from .weight_modules import loading_weights, parameter_target
 F32 = torch.float32
 
 
+def merge_image_rows(embeds: Tensor, ids: Tensor, image_embeds: tuple[Tensor, Tensor], image_id: int) -> Tensor:
+    """`embeds` with rows `positions` replaced by `rows` (positions must hold `image_id`)."""
+    positions, rows = image_embeds
+    if positions.shape[0] != rows.shape[0]:
+        raise ValueError(f"{positions.shape[0]} image positions for {rows.shape[0]} image rows")
+    if not bool((ids[positions] == image_id).all()):
+        raise ValueError(f"sglang-dsv41: image rows placed on positions not holding the image token {image_id}")
+    out = embeds.clone()
+    out[positions] = rows.to(out.dtype)
+    return out
+
+
 @contextlib.contextmanager
 def fp32_default_dtype() -> Iterator[None]:
     """The reference math assumes torch's default float dtype (fp32); SGLang builds and loads
@@ -259,20 +271,24 @@ class TorchForward(nn.Module):
         return [h.layer_row_ids(compressed, layer) for layer in h.layers]
 
     @torch.no_grad()
-    def hidden_states(self, input_ids: Tensor, layout: BatchLayout, caches: RuntimeCaches) -> Tensor:
+    def hidden_states(self, input_ids: Tensor, layout: BatchLayout, caches: RuntimeCaches,
+                      image_embeds: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """Final normed hidden states [N, hidden] (BF16 values in fp32) of every batch token;
-        writes every cache row of the batch's slots."""
+        writes every cache row of the batch's slots. `image_embeds` = (batch positions int64 [M],
+        rows [M, hidden]): those positions' embeddings are replaced by the vision tower's span
+        rows before the hyper-connection expansion (spec §3.1 item 4); each must carry an image id."""
         if not self.ready:
             raise RuntimeError("sglang-dsv41: forward before the weights were loaded (load_weights / post_load_weights)")
         try:
-            hidden = self._hidden_states(input_ids, layout, caches)
+            hidden = self._hidden_states(input_ids, layout, caches, image_embeds)
         except BaseException:
             self.backend.finish(ok=False)
             raise
         self.backend.finish()
         return hidden
 
-    def _hidden_states(self, input_ids: Tensor, layout: BatchLayout, caches: RuntimeCaches) -> Tensor:
+    def _hidden_states(self, input_ids: Tensor, layout: BatchLayout, caches: RuntimeCaches,
+                       image_embeds: tuple[Tensor, Tensor] | None = None) -> Tensor:
         t = self.text
         if caches.profile is not self.numerics.cache:
             raise ValueError(f"caches hold profile {caches.profile}, the model computes {self.numerics.cache}")
@@ -288,7 +304,10 @@ class TorchForward(nn.Module):
                            (ids == self.cfg.image_token_id) if self.cfg.has_vision else None)
         if self.hasher is not None:
             step.engram_rows = dict(zip(t.engram_layer_ids, self.engram_rows(ids, layout, caches)))
-        R = self.embed(ids).unsqueeze(1).expand(N, t.hc_mult, t.hidden_size).contiguous()
+        E = self.embed(ids)
+        if image_embeds is not None:
+            E = merge_image_rows(E, ids, image_embeds, self.cfg.image_token_id)
+        R = E.unsqueeze(1).expand(N, t.hc_mult, t.hidden_size).contiguous()
         step.captured = dict.fromkeys(self.capture_layers) if self.capture_layers else None
         carried_pre: Tensor | None = None
         for layer in self.layers:

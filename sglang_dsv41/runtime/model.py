@@ -8,7 +8,13 @@ the glue only:
   experts, Engram E4M3 rows; BF16/FP32 rest as their §2.4 values) with per-layer quantisation
   methods and `weight_loader`s (`runtime/quant_methods.py`, `runtime/weight_modules.py`);
   `load_weights` streams the checkpoint into them, checking each tensor against the inventory;
-  vision and DSpark tensors are skipped (phase 1 serves text);
+  vision tensors go to the vision tower (`runtime/vision.py`; none is built, and they are
+  skipped, when the checkpoint has no `vision_config` or the server runs `--language-model-only`);
+  DSpark tensors are skipped (the draft loads its own);
+* images (docs/vision.md): `pad_input_ids` writes each image's hash pad value over its span; an
+  extend's image-span rows (`runtime/vision_batch.py`) replace those tokens' embeddings before the
+  hyper-connection expansion, while the raw ids (pads read as `image_token_id`) drive the image
+  routing bias and Engram blocking;
 * caches: the `RuntimeCaches` our pool (`runtime/kv_pool.py`, built by SGLang at start-up) holds
   over its buffers;
 * forward: the batch layout from the `ForwardBatch` and SGLang's `req_to_token`
@@ -52,6 +58,8 @@ from .forward import TorchForward, fp32_default_dtype
 from .hf_config import parsed_config
 from .kv_pool import pool_caches
 from .tensor_parallel import TensorParallel
+from .vision import VisionTower, is_vision_tensor
+from .vision_batch import SpanCache, batch_image_rows
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +125,9 @@ class DeepseekV41ForCausalLM(nn.Module):
             self.torch_forward = TorchForward.for_loading(
                 self.cfg, hasher, numerics=self.numerics, tp=self.tp, experts_mxfp4=on_cuda, dense_fp8=on_cuda,
                 engram_placement=self.engram_placement, deterministic=deterministic_inference())
+            #: the vision tower (None: no vision_config, or --language-model-only)
+            self.vision_tower = VisionTower(self.cfg) if self.cfg.has_vision and not language_model_only() else None
+        self._spans = SpanCache()
         self.lm_head = LMHead(self.torch_forward.head.tensors["head.weight"], self.cfg.text.vocab_size)
         self.logits_processor = LogitsProcessor(config, skip_all_gather=True)   # the head gathers its logits
         self.caches: RuntimeCaches | None = None
@@ -136,8 +147,20 @@ class DeepseekV41ForCausalLM(nn.Module):
         """Stream the stored tensors into the parameters by name (`TorchForward.load_weights`:
         every tensor checked against the inventory), then `post_load_weights`. Also the path of
         SGLang's `update_weights_from_disk` (a reload: a subset of the tensors is accepted)."""
+        vision: list[tuple[str, Tensor]] = []
+
+        def text_only():
+            for name, tensor in weights:
+                if self.vision_tower is not None and is_vision_tensor(name):
+                    vision.append((name, tensor))
+                else:
+                    yield name, tensor
+
         with fp32_default_dtype():
-            loaded = self.torch_forward.load_weights(weights)
+            loaded = self.torch_forward.load_weights(text_only())
+            if self.vision_tower is not None:
+                loaded |= self.vision_tower.load_weights(vision)
+                self._spans = SpanCache()
         self._loaded(len(loaded))
 
     def post_load_weights(self) -> None:
@@ -156,6 +179,9 @@ class DeepseekV41ForCausalLM(nn.Module):
                     "weights filled by the loader" if count is None else f"streamed {count} stored tensors",
                     held / 2**30, "; routed experts MXFP4 for the Triton kernel" if self.device.type == "cuda" else "",
                     self.engram_placement, tf.backend.name, self.device, tf.attention_ops.description)
+        if self.vision_tower is not None:
+            logger.info("sglang-dsv41: vision tower loaded (%d ViT layers, torch path on %s)",
+                        self.cfg.vision.num_hidden_layers, self.device)
         metrics.publish_engram((t for t in tf.weights.values() if hasattr(t, "placement")),
                                self.engram_placement, self.tp.rank)
 
@@ -217,11 +243,20 @@ class DeepseekV41ForCausalLM(nn.Module):
                                "ForwardBatch.init_new hook installed?")
         return staged[1]
 
+    # ---- images (docs/vision.md) ----------------------------------------------------------------
+    def pad_input_ids(self, input_ids: list[int], mm_inputs) -> list[int]:
+        """SGLang's scheduler: each image span → its item's pad value (≥ 1,000,000, from the image
+        hash), so radix-cache and HiCache keys encode image content."""
+        from sglang.srt.managers.mm_utils import MultiModalityDataPaddingPatternMultimodalTokens
+
+        return MultiModalityDataPaddingPatternMultimodalTokens().pad_input_tokens(input_ids, mm_inputs)
+
     # ---- forward ------------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, input_ids: Tensor, positions: Tensor, forward_batch, *args, **kwargs):
         from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
 
+        image_embeds = batch_image_rows(forward_batch, self.vision_tower, self._spans)
         if getattr(forward_batch, "input_embeds", None) is not None:
             raise RuntimeError("sglang-dsv41 torch path: input_embeds requests are not supported "
                                "(text token ids only in this phase)")
@@ -235,9 +270,16 @@ class DeepseekV41ForCausalLM(nn.Module):
                                                engram_history=self._take_engram_history(forward_batch))
             if self.torch_forward.capture_layers != self.dspark_capture_layers:
                 self.torch_forward.set_capture_layers(self.dspark_capture_layers)
-            hidden = self.torch_forward.hidden_states(input_ids.to(self.device), layout, caches)
+            hidden = self.torch_forward.hidden_states(input_ids.to(self.device), layout, caches, image_embeds)
             return self.logits_processor(input_ids, hidden, self.lm_head, forward_batch,
                                          aux_hidden_states=self.torch_forward.captured)
+
+
+def language_model_only() -> bool:
+    """`--language-model-only` (registered by the plugin: `enable_multimodal = False`)."""
+    from sglang.srt.server_args import get_global_server_args
+
+    return getattr(get_global_server_args(), "enable_multimodal", None) is False
 
 
 def deterministic_inference() -> bool:

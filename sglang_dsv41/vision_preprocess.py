@@ -1,5 +1,7 @@
 """Image preprocessing for the V4.1 vision tower: grid plan, resize + pad, normalise, patchify.
 
+Shared by the reference (`reference/vision.py`) and the runtime (`runtime/vision.py`); pure functions.
+
 Spec: `shared/spec/model.md` §5.1 (and §7 for the tiny vision config, §8 item 17).
 
 Invariants
@@ -54,7 +56,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from ..config import VisionConfig
+from .config import VisionConfig
 
 PAD_GRAY = 127  # spec §5.1: ImageOps.pad fill colour (127, 127, 127)
 

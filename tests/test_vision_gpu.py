@@ -1,0 +1,51 @@
+"""The vision path on one CUDA GPU (issue 17; docs/vision.md): the runtime tower on CUDA against
+the reference's span rows, and a real server on the tiny checkpoint answering the card's two
+verification requests (text 17*19 and an image) plus a repeated image request (same greedy
+tokens, prefix hit through the image). Skipped without CUDA; run by scripts/gpu/vision.sh."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from server_helpers import Server, running
+from sglang_dsv41.config import DeepseekV41Config
+from sglang_dsv41.reference.model import ReferenceModel
+from sglang_dsv41.runtime.vision import VisionTower, is_vision_tensor
+from sglang_dsv41.vision_preprocess import preprocess_image
+from test_runtime_vision import REL_BOUND, _image
+from test_vision_server import png_data_url
+from tp_harness import stored_tensors
+
+pytestmark = pytest.mark.gpu
+
+
+def test_tower_on_cuda_matches_the_reference(tiny_checkpoint: Path) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = DeepseekV41Config.from_file(tiny_checkpoint / "config.json")
+    with torch.device("cuda"):
+        tower = VisionTower(cfg)
+    tower.load_weights((n, v) for n, v in stored_tensors(tiny_checkpoint).items() if is_vision_tensor(n))
+    reference = ReferenceModel.from_checkpoint(tiny_checkpoint)
+    for size in [(84, 84), (200, 90), (1000, 1000)]:
+        img = _image(sum(size), size)
+        ours = tower.encode(preprocess_image(img, cfg.vision)).cpu()
+        (_, ref), = reference.encode_images([cfg.image_token_id], [img])[1]
+        assert ours.shape == ref.shape
+        assert (ours - ref.float()).abs().max().item() <= REL_BOUND * ref.abs().max().item()
+
+
+def test_card_requests_on_the_gpu_server(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    url = png_data_url(_image(5, (200, 90)))
+    with running(Server(tiny_checkpoint, tmp_path / "server.log", ["--max-total-tokens", "4096"])) as srv:
+        text = srv.post("/v1/chat/completions", {"model": "x", "max_tokens": 16, "messages": [
+            {"role": "user", "content": "What is 17*19? Return only the integer."}]})
+        assert text["choices"][0]["message"] is not None
+        msg = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                            {"type": "text", "text": "Describe this image."}]}]
+        first = srv.post("/v1/chat/completions", {"model": "x", "max_tokens": 16, "temperature": 0, "messages": msg})
+        again = srv.post("/v1/chat/completions", {"model": "x", "max_tokens": 16, "temperature": 0, "messages": msg})
+        assert first["usage"]["prompt_tokens"] > text["usage"]["prompt_tokens"]
+        assert first["choices"][0]["message"] == again["choices"][0]["message"]
+        assert "vision tower loaded" in srv.log_tail(400_000)

@@ -1,0 +1,209 @@
+"""Image requests through a real `sglang-dsv41 serve` on the tiny checkpoint (issue 17; docs/vision.md).
+
+The server runs `--chunked-prefill-size 12 --enable-mixed-chunk`, so every image span (≥ 11
+tokens) is prefilled across chunks. The oracle is `ReferenceModel` (CPU) with the same decoded
+image: teacher-forced on the server's greedy tokens, each is the reference's top-1 up to the
+serving-path contract (`test_runtime_server.within_contract`'s margin 2·LOGIT_BOUND). Also: the
+card's image request on `/v1/chat/completions` (data URL), multi-image, an image request hitting
+the prefix cache, more images than `--limit-mm-data-per-request`, every bad input → 4xx with a message and the server still serving, and the
+text-only mode (`--language-model-only`): images → 400, text served, refused with
+`--mm-enable-dp-encoder` at start-up. Every wait is bounded; every server is stopped.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from server_helpers import Server, running
+from sglang_dsv41.reference.model import ReferenceModel
+from test_runtime_numerics_contract import LOGIT_BOUND
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 8
+SERVER_ARGS = ["--max-total-tokens", "4096", "--chunked-prefill-size", "12", "--enable-mixed-chunk",
+               "--max-running-requests", "8", "--limit-mm-data-per-request", '{"image": 4}']
+
+
+def make_image(seed: int, size: tuple[int, int]) -> Image.Image:
+    arr = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    return Image.fromarray(arr)
+
+
+def png_data_url(img: Image.Image) -> str:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+    with running(Server(tiny_checkpoint, tmp_path_factory.mktemp("vision") / "server.log", SERVER_ARGS)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint: Path) -> ReferenceModel:
+    return ReferenceModel.from_checkpoint(tiny_checkpoint)
+
+
+def generate(server: Server, ids: list[int], images: list[Image.Image]) -> dict:
+    return server.post("/generate", {"input_ids": ids, "image_data": [png_data_url(i) for i in images],
+                                     "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0,
+                                                         "ignore_eos": True}})
+
+
+def within_contract(reference: ReferenceModel, prompt: list[int], images: list[Image.Image],
+                    tokens: list[int]) -> bool:
+    """Teacher-forced on the server's tokens, each is the reference's top-1 within 2·LOGIT_BOUND."""
+    ids, spans = reference.encode_images(prompt, images)
+    logits = reference.forward(reference.new_request(), ids + tokens[:-1], image_embeds=spans).logits
+    logits = logits[len(ids) - 1:].double()
+    margin = logits.max(dim=-1).values - logits[torch.arange(len(tokens)), torch.tensor(tokens)]
+    return bool((margin <= 2 * LOGIT_BOUND).all())
+
+
+def _prompt(reference: ReferenceModel, seed: int, n_text: int, n_images: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    text = torch.randint(3, 990, (n_text,), generator=g).tolist()
+    cut = sorted(torch.randperm(n_text - 1, generator=g)[:n_images].add(1).tolist())
+    out, last = [0], 0
+    for c in cut:
+        out += text[last:c] + [reference.cfg.image_token_id]
+        last = c
+    return out + text[last:]
+
+
+def test_image_request_matches_the_reference(server: Server, reference: ReferenceModel) -> None:
+    img = make_image(1, (200, 90))
+    prompt = _prompt(reference, 1, 20, 1)
+    res = generate(server, prompt, [img])
+    tokens = res["output_ids"]
+    n_span = len(reference.encode_images(prompt, [img])[0]) - len(prompt) + 1
+    assert res["meta_info"]["prompt_tokens"] == len(prompt) - 1 + n_span
+    assert len(tokens) == NEW_TOKENS and within_contract(reference, prompt, [img], tokens), server.log_tail()
+    # the image changes the answer's input: a different image is a different request
+    other = generate(server, prompt, [make_image(2, (200, 90))])
+    assert other["meta_info"]["cached_tokens"] < len(prompt) - 1 + n_span - 1
+
+
+def test_multi_image_request(server: Server, reference: ReferenceModel) -> None:
+    images = [make_image(3, (84, 84)), make_image(4, (300, 120)), make_image(5, (60, 400))]
+    prompt = _prompt(reference, 3, 24, 3)
+    tokens = generate(server, prompt, images)["output_ids"]
+    assert within_contract(reference, prompt, images, tokens)
+
+
+def test_more_images_than_the_configured_limit_is_a_400(server: Server) -> None:
+    url = png_data_url(make_image(10, (30, 30)))
+    status, body = _chat(server, [*[{"type": "image_url", "image_url": {"url": url}}] * 5,
+                                  {"type": "text", "text": "x"}])
+    assert status == 400 and "exceeds limit 4" in str(body), body
+
+
+def test_image_request_hits_the_prefix_cache(server: Server, reference: ReferenceModel) -> None:
+    img = make_image(6, (150, 150))
+    prompt = _prompt(reference, 6, 30, 1)
+    first = generate(server, prompt, [img])
+    again = generate(server, prompt, [img])
+    n_ids = first["meta_info"]["prompt_tokens"]
+    assert again["meta_info"]["cached_tokens"] >= n_ids - 2        # page-aligned hit through the image span
+    assert again["output_ids"] == first["output_ids"]
+    # a longer prompt sharing the image prefix hits the cache and stays within the contract
+    longer = prompt + [17, 18, 19, 20]
+    res = generate(server, longer, [img])
+    assert res["meta_info"]["cached_tokens"] >= n_ids - 2
+    assert within_contract(reference, longer, [img], res["output_ids"])
+
+
+def _chat(server: Server, content, max_tokens: int = 8) -> tuple[int, dict]:
+    return server.post_status("/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens, "temperature": 0})
+
+
+def test_card_image_request_on_chat_completions(server: Server, reference: ReferenceModel) -> None:
+    img = make_image(7, (200, 90))
+    text = [{"type": "text", "text": "What is in this image? Answer in one word."}]
+    status, plain = _chat(server, text)
+    assert status == 200, plain
+    status, res = _chat(server, [{"type": "image_url", "image_url": {"url": png_data_url(img)}}, *text])
+    assert status == 200, res
+    n_span = len(reference.encode_images([reference.cfg.image_token_id], [img])[0])
+    # the image adds its span (the placeholder is expanded) to the text prompt
+    assert res["usage"]["prompt_tokens"] - plain["usage"]["prompt_tokens"] >= n_span - 1
+    assert res["choices"][0]["message"] is not None
+
+
+@pytest.mark.parametrize("url, message", [
+    ("data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"x" * 40).decode(), "image"),
+    ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAAB", "image"),          # truncated PNG
+    ("data:image/png;base64,@@@", "base64"),
+    ("/nonexistent/dir/image.png", "cannot read image file"),
+    ("http://127.0.0.1:9/nothing.png", "cannot read image URL"),
+])
+def test_bad_image_is_a_4xx_and_the_server_stays_up(server: Server, url: str, message: str) -> None:
+    status, body = _chat(server, [{"type": "image_url", "image_url": {"url": url}},
+                                  {"type": "text", "text": "hi"}])
+    assert 400 <= status < 500, body
+    assert message in str(body), body
+    status, ok = _chat(server, "still there?", max_tokens=2)
+    assert status == 200, ok
+
+
+def test_unsupported_format_zero_size_and_pixel_cap_are_4xx(server: Server) -> None:
+    tiff = io.BytesIO()
+    make_image(8, (16, 16)).save(tiff, format="TIFF")
+    cases = [("data:image/tiff;base64," + base64.b64encode(tiff.getvalue()).decode(), "unsupported image format"),
+             (_zero_width_png(), "image"),
+             (png_data_url(Image.new("RGB", (9000, 8000))), "over the cap")]
+    for url, message in cases:
+        status, body = _chat(server, [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "x"}])
+        assert 400 <= status < 500 and message in str(body), (status, body)
+    assert _chat(server, "ok?", max_tokens=2)[0] == 200
+    # streamed: refused before the stream starts (a 4xx, not a 200 stream with an error event)
+    status, body = server.post_status("/v1/chat/completions", {
+        "model": "tiny", "stream": True, "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": cases[0][0]}}, {"type": "text", "text": "x"}]}]})
+    assert status == 400 and "unsupported image format" in str(body), (status, body)
+
+
+def _zero_width_png() -> str:
+    """A PNG whose header declares width 0 (PIL cannot write one; the IHDR is patched)."""
+    import struct
+    import zlib
+
+    buf = io.BytesIO()
+    Image.new("RGB", (1, 1)).save(buf, format="PNG")
+    raw = bytearray(buf.getvalue())
+    ihdr = raw.index(b"IHDR")
+    raw[ihdr + 4:ihdr + 8] = struct.pack(">I", 0)
+    raw[ihdr + 17:ihdr + 21] = struct.pack(">I", zlib.crc32(bytes(raw[ihdr:ihdr + 17])))
+    return "data:image/png;base64," + base64.b64encode(bytes(raw)).decode()
+
+
+# ---- text-only mode --------------------------------------------------------------------------------
+def test_language_model_only_refuses_images_and_serves_text(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    with running(Server(tiny_checkpoint, tmp_path / "lm_only.log", [*SERVER_ARGS, "--language-model-only"])) as srv:
+        assert "vision tower loaded" not in srv.log_tail(200_000)
+        status, body = _chat(srv, [{"type": "image_url", "image_url": {"url": png_data_url(make_image(9, (50, 50)))}},
+                                   {"type": "text", "text": "hi"}])
+        assert status == 400 and "only supports text" in str(body), body
+        status, ok = _chat(srv, "What is 17*19? Return only the integer.", max_tokens=4)
+        assert status == 200, ok
+
+
+def test_language_model_only_with_dp_encoder_is_refused_at_start_up(tiny_checkpoint: Path) -> None:
+    argv = [sys.executable, "-m", "sglang_dsv41.cli", "serve", "--device", "cpu", "--model-path", str(tiny_checkpoint),
+            "--language-model-only", "--mm-enable-dp-encoder"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "--language-model-only and --mm-enable-dp-encoder are mutually exclusive" in proc.stdout + proc.stderr
