@@ -33,6 +33,7 @@ from sglang.srt.mem_cache.memory_pool import KVCache
 from ..config import TextConfig
 from ..numerics.profile import CacheProfile
 from .dspark_kv import DSparkContextKV
+from .kv_pool import RowBufferCopies
 
 logger = logging.getLogger(__name__)
 GB = 1 << 30
@@ -49,7 +50,7 @@ def draft_bytes_per_token(text: TextConfig, profile: CacheProfile = CacheProfile
     return draft_stages(text) * text.head_dim * itemsize
 
 
-class DeepseekV41DSparkPool(KVCache):
+class DeepseekV41DSparkPool(RowBufferCopies, KVCache):
     """The draft worker's pool (module doc): `dspark_context` is the store the draft model reads
     and `write_target_hidden_kv` fills; pool layer s = stage s's rows."""
 
@@ -107,17 +108,6 @@ class DeepseekV41DSparkPool(KVCache):
     def set_kv_buffer(self, *args, **kwargs) -> None:
         raise NotImplementedError("sglang-dsv41: the DSpark draft writes its rows through write_target_hidden_kv, "
                                   "never through an attention backend's set_kv_buffer")
-
-    def move_kv_cache(self, tgt_loc: Tensor, src_loc: Tensor) -> None:
-        for b in self.buffers:
-            b[tgt_loc] = b[src_loc]
-
-    def get_cpu_copy(self, indices, mamba_indices=None):
-        return [b[indices].to("cpu") for b in self.buffers]
-
-    def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None) -> None:
-        for b, rows in zip(self.buffers, kv_cache_cpu):
-            b[indices] = rows.to(b.device)
 
     def describe(self) -> str:
         c = self.dspark_context

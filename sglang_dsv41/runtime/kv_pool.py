@@ -67,7 +67,25 @@ def _page_infos(buffers: Sequence[Tensor], page_size: int) -> tuple[list[int], l
             [b[0].nbytes * page_size for b in buffers])
 
 
-class _RowsComponent(KVCache):
+class RowBufferCopies:
+    """SGLang's row moves and CPU copies over `self.buffers`, every buffer indexed by slot in dim 0
+    (the target's component pools and the DSpark draft pool)."""
+
+    buffers: list[Tensor]
+
+    def move_kv_cache(self, tgt_loc: Tensor, src_loc: Tensor) -> None:
+        for b in self.buffers:
+            b[tgt_loc] = b[src_loc]
+
+    def get_cpu_copy(self, indices, mamba_indices=None):
+        return [b[indices].to("cpu") for b in self.buffers]
+
+    def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None) -> None:
+        for b, rows in zip(self.buffers, kv_cache_cpu):
+            b[indices] = rows.to(b.device)
+
+
+class _RowsComponent(RowBufferCopies, KVCache):
     """One component of the pool: `buffers[i]` [size + page, widths[i]] slot-major rows. Reads and
     writes go through `RuntimeCaches`; this class answers what SGLang's allocator, radix cache, PD
     and offload paths ask of a component."""
@@ -101,16 +119,6 @@ class _RowsComponent(KVCache):
         raise NotImplementedError("sglang-dsv41: the model writes its rows through RuntimeCaches, never "
                                   "through an attention backend's set_kv_buffer")
 
-    def move_kv_cache(self, tgt_loc: Tensor, src_loc: Tensor) -> None:
-        for b in self.buffers:
-            b[tgt_loc] = b[src_loc]
-
-    def get_cpu_copy(self, indices, mamba_indices=None):
-        return [b[indices].to("cpu") for b in self.buffers]
-
-    def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None) -> None:
-        for b, rows in zip(self.buffers, kv_cache_cpu):
-            b[indices] = rows.to(b.device)
 
 
 class _SwaRows(_RowsComponent):
