@@ -49,7 +49,8 @@ def test_capture_flag_follows_sglang_model_capture_mode() -> None:
 
 
 def _batch(mode_name: str):
-    mode = SimpleNamespace(name=mode_name, is_decode=lambda: mode_name == "DECODE", is_idle=lambda: False)
+    mode = SimpleNamespace(name=mode_name, is_decode=lambda: mode_name == "DECODE", is_idle=lambda: False,
+                           is_target_verify=lambda: False)
     return SimpleNamespace(forward_mode=mode, req_pool_indices=torch.tensor([1, 0]), seq_lens=torch.tensor([5, 1]),
                            out_cache_loc=torch.tensor([9, 0]), extend_seq_lens=torch.tensor([1, 1]))
 

@@ -62,7 +62,7 @@ PREFILL_LINE = re.compile(r"#cached-token: (\d+), .*swa token usage: ([0-9.]+)")
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
     args = ["--max-total-tokens", str(DEVICE_TOKENS), "--swa-full-tokens-ratio", str(SWA_RATIO),
-            "--enable-hierarchical-cache", "--enable-metrics", *FLAGS[SETTING]]
+            "--enable-hierarchical-cache", "--enable-metrics", "--language-model-only", *FLAGS[SETTING]]
     with running(Server(tiny_checkpoint, tmp_path_factory.mktemp("hicache") / "server.log", args)) as srv:
         yield srv
 

@@ -40,7 +40,7 @@ WRITE_WAIT_S = 180
 
 def _args() -> list[str]:
     return ["--max-total-tokens", str(DEVICE_TOKENS), "--swa-full-tokens-ratio", "0.25",
-            "--enable-hierarchical-cache", "--enable-metrics", "--hicache-write-policy", "write_through",
+            "--enable-hierarchical-cache", "--enable-metrics", "--language-model-only", "--hicache-write-policy", "write_through",
             "--hicache-io-backend", "direct", "--hicache-ratio", str(HOST_RATIO),
             "--hicache-storage-backend", "file",
             "--hicache-storage-backend-extra-config", json.dumps({"prefetch_threshold": 16})]
