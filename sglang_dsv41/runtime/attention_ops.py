@@ -89,6 +89,9 @@ class AttentionOps(Protocol):
                entry_tables: dict[int, Tensor] | None = None) -> tuple[Tensor, Tensor | None]: ...
 
 
+EMPTY_SOFTMAX = "attend_with_sink: a query has no valid key and a −∞ sink (empty softmax)"
+
+
 def attend_with_sink(q: Tensor, keys: Tensor, sink: Tensor, valid: Tensor, acc: torch.dtype = torch.float64) -> Tensor:
     """o_h = Σ_j e^{s_j} k_j / (Σ_j e^{s_j} + e^{sink_h}), scale D^−1/2, K = V (spec §3.4.5):
     q [T, H, D], keys [T, S, D], valid [T, S]; evaluated in `acc` (float64: rounded once), then BF16."""
@@ -98,8 +101,11 @@ def attend_with_sink(q: Tensor, keys: Tensor, sink: Tensor, valid: Tensor, acc: 
     logits = torch.where(valid[:, None, :], logits, -torch.inf)
     sink_logit = sink.to(acc)[None, :].expand(T, -1)
     m = torch.maximum(logits.amax(dim=2), sink_logit)
-    if not bool(torch.isfinite(m).all()):
-        raise ValueError("attend_with_sink: a query has no valid key and a −∞ sink (empty softmax)")
+    if m.device.type == "cpu":
+        if not bool(torch.isfinite(m).all()):
+            raise ValueError(EMPTY_SOFTMAX)
+    else:  # no host sync: CUDA-graph capturable, still fails loudly (device-side assert)
+        torch._assert_async(torch.isfinite(m).all(), EMPTY_SOFTMAX)
     p = torch.exp(logits - m[:, :, None])
     denom = p.sum(dim=2) + torch.exp(sink_logit - m)
     return bf16(torch.einsum("ths,tsd->thd", p, kf) / denom[:, :, None])
