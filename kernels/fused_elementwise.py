@@ -190,33 +190,40 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, EPS_HI: tl.constexpr, EPS_LO: tl.
 
 
 @triton.jit
-def _rope_tail_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, rows_per_token, D, HEAD,
-                      HALF: tl.constexpr, BLOCK_HEAD: tl.constexpr, INVERSE: tl.constexpr,
-                      ROUND_BF16: tl.constexpr):
-    """One row (token × head): dims [0, HEAD) copied, the last 2·HALF dims rotated pairwise."""
-    row = tl.program_id(0).to(tl.int64)
-    base = row * D
-    h = tl.arange(0, BLOCK_HEAD)
+def _rope_tail_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, T, R, D, HEAD,
+                      HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HEAD: tl.constexpr,
+                      INVERSE: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """BLOCK_T tokens × BLOCK_R of their R rows (heads): dims [0, HEAD) copied, the last 2·HALF
+    rotated pairwise; cos/sin computed once per token and shared by its rows."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    r = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = (t < T)[:, None, None] & (r < R)[None, :, None]                      # [BT, BR, 1]
+    base = (t[:, None, None] * R + r[None, :, None]) * D
+    h = tl.arange(0, BLOCK_HEAD)[None, None, :]
     for h0 in range(0, HEAD, BLOCK_HEAD):
-        hm = (h0 + h) < HEAD
+        hm = live & ((h0 + h) < HEAD)
         v = tl.load(x_ptr + base + h0 + h, mask=hm, other=0.0).to(tl.float32)
         if ROUND_BF16:
             v = _round_bf16(v)
         tl.store(out_ptr + base + h0 + h, v, mask=hm)
     i = tl.arange(0, HALF)
-    pos = tl.load(pos_ptr + row // rows_per_token).to(tl.float32)
-    c, s = DF.cos_sin(pos * tl.load(freq_ptr + i).to(tl.float32))   # ≈ ops.rope_cos_sin (double-fp32)
+    pos = tl.load(pos_ptr + t, mask=t < T, other=0).to(tl.float32)
+    c, s = DF.cos_sin(pos[:, None] * tl.load(freq_ptr + i).to(tl.float32)[None, :])   # ≈ ops.rope_cos_sin
     if INVERSE:
         s = -s
-    a = tl.load(x_ptr + base + HEAD + 2 * i).to(tl.float32)
-    b = tl.load(x_ptr + base + HEAD + 2 * i + 1).to(tl.float32)
+    c = c[:, None, :]
+    s = s[:, None, :]
+    pa = base + HEAD + 2 * i[None, None, :]
+    rm = live & (i[None, None, :] < HALF)
+    a = tl.load(x_ptr + pa, mask=rm, other=0.0).to(tl.float32)
+    b = tl.load(x_ptr + pa + 1, mask=rm, other=0.0).to(tl.float32)
     ra = a * c - b * s                      # fp32 products and sum, no FMA (launch option)
     rb = a * s + b * c
     if ROUND_BF16:
         ra = _round_bf16(ra)
         rb = _round_bf16(rb)
-    tl.store(out_ptr + base + HEAD + 2 * i, ra)
-    tl.store(out_ptr + base + HEAD + 2 * i + 1, rb)
+    tl.store(out_ptr + pa, ra, mask=rm)
+    tl.store(out_ptr + pa + 1, rb, mask=rm)
 
 
 @triton.jit
@@ -295,6 +302,10 @@ def _route_select_kernel(score_ptr, bias_ptr, vl_bias_ptr, image_ptr, expert_ptr
 INTERPRETED = isinstance(_round_bf16_kernel, InterpretedFunction)
 _ELEMENTWISE_BLOCK = 1024
 _ROPE_HEAD_BLOCK = 128
+# tokens × rows (heads) per program: one token's rows share its cos/sin; the interpreter (CPU) takes
+# large tiles, since its cost is per program
+_ROPE_TOKEN_BLOCK = 16 if INTERPRETED else 1
+_ROPE_ROW_BLOCK = 64 if INTERPRETED else 8
 
 
 def _launch_options(num_warps: int = 4) -> dict:
@@ -408,9 +419,13 @@ def apply_rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: boo
     out = torch.empty(x.shape, dtype=F32, device=x.device)
     rows = x.numel() // D
     if rows:
-        _rope_tail_kernel[(rows,)](x, positions.contiguous(), inv_freq.contiguous(), out, rows // x.shape[0], D,
-                                   D - 2 * half, HALF=half, BLOCK_HEAD=_ROPE_HEAD_BLOCK, INVERSE=inverse,
-                                   ROUND_BF16=round_bf16, **_launch_options())
+        T, R = x.shape[0], rows // x.shape[0]
+        block_t, block_r = _ROPE_TOKEN_BLOCK, min(_pow2_at_least(R), _ROPE_ROW_BLOCK)
+        grid = (triton.cdiv(T, block_t), triton.cdiv(R, block_r))
+        _rope_tail_kernel[grid](x, positions.contiguous(), inv_freq.contiguous(), out, T, R, D, D - 2 * half,
+                                HALF=half, BLOCK_T=block_t, BLOCK_R=block_r,
+                                BLOCK_HEAD=min(_ROPE_HEAD_BLOCK, _pow2_at_least(max(D - 2 * half, 1))),
+                                INVERSE=inverse, ROUND_BF16=round_bf16, **_launch_options())
     return out
 
 

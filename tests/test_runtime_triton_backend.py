@@ -209,10 +209,10 @@ def test_kernel_case_forward_on_the_backend_creates_no_float64(weights) -> None:
     cfg, exact, fp8, hasher = weights
     reference = TorchForward(cfg, exact, hasher)
     fast = TorchForward(cfg, fp8, hasher.to(DEVICE), backend=triton_backend(fp8, "w8a8"))
-    tokens = list(range(5, 30))
+    tokens = list(range(5, 22))
     with Float64Watch() as watch:
         got = one_shot_logits(fast, DEVICE, tokens).cpu()
-        greedy_generate(fast, DEVICE, tokens[:8], 3)
+        greedy_generate(fast, DEVICE, tokens[:6], 2)     # a prefill, then one decode step
     assert not watch.seen, watch.seen[:5]
     want = one_shot_logits(reference, CPU, tokens)
     assert float((got - want).abs().max()) <= LOGIT_BOUND, float((got - want).abs().max())
