@@ -323,7 +323,10 @@ def test_layout_of_sglang_verify_batches() -> None:
         verify_lens=torch.tensor([3, 4], dtype=torch.int32))), out[keep], positions[keep])
     ragged = layout_from_forward_batch(fb, pos, slots.table)
     assert ragged.extend_lens.tolist() == [3, 4] and ragged.verify_width == W
-    static = layout_from_forward_batch(fb, pos, slots.table, static=True)       # adaptive verification in a graph
+    from cuda_graph_scenarios import no_host_sync
+
+    with no_host_sync():                                                       # adaptive verification in a graph
+        static = layout_from_forward_batch(fb, pos, slots.table, static=True)
     assert static.static and static.extend_lens.tolist() == [3, 4] and static.verify_width == W
     assert torch.equal(static.token_req, ragged.token_req) and torch.equal(static.starts, ragged.starts)
     fb, pos = batch(SimpleNamespace())
