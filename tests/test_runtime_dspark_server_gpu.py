@@ -85,4 +85,7 @@ def test_dspark_adaptive_verification_greedy_equals_plain_greedy(tiny_checkpoint
     log = (tmp_path / "adaptive.log").read_text()
     assert "ragged-verify scheduler enabled (mode=compact" in log
     lengths = [o["meta_info"]["spec_accept_length"] for o in spec[1]]
-    print(f"DSpark adaptive verification, batch 8: accept length per request {[round(x, 2) for x in lengths]}")
+    cap = re.search(r"^sglang:spec_cap_length\{[^}]*\} ([0-9.eE+-]+)$", spec[2], re.M)   # mean verify window
+    assert cap is not None and 0.0 < float(cap.group(1)) <= 6.0, spec[2][-2000:]
+    print(f"DSpark adaptive verification, batch 8: accept length per request {[round(x, 2) for x in lengths]}, "
+          f"mean verify window {float(cap.group(1)):.2f} of 6")
