@@ -268,7 +268,8 @@ def test_dspark_and_engram_host_emitted_when_provided() -> None:
 def test_dspark_adaptive_verification_follows_the_hardware() -> None:
     """NVIDIA: adaptive verification on by default (SGLang's compact ragged verify), with the
     config's profiled SPS table when given; ROCm (the card) or `adaptive_verification: false`:
-    off, the whole block verified; the settings are refused without DSpark or with adaptive off."""
+    off, the whole block verified; the settings are refused without DSpark or with adaptive off;
+    synthetic acceptance (benchmarks only) is emitted only when asked, with verification off."""
     from sglang_dsv41.deploy.schema import config_from_dict, raw_config
 
     def launched(**spec):
@@ -299,6 +300,15 @@ def test_dspark_adaptive_verification_follows_the_hardware() -> None:
     data["speculative"].update(adaptive_verification=False, sps_table="t.json")
     with pytest.raises(Exception, match="adaptive verification is off"):
         config_from_dict(data)
+    env, _, notes = launched(adaptive_verification=False, synthetic_acceptance_length=3.51)  # benchmarks only
+    assert env["SGLANG_SIMULATE_ACC_LEN"] == "3.51" and "SYNTHETIC acceptance" in notes
+    assert "SGLANG_SIMULATE_ACC_LEN" not in launched()[0]                                     # never the default
+    for bad, why in (({"synthetic_acceptance_length": 3.51}, "needs speculative.adaptive_verification: false"),
+                     ({"adaptive_verification": False, "synthetic_acceptance_length": 7}, "exceeds block_size")):
+        data = raw_config(ROOT / "configs" / "h200-tp4-dspark.yaml")
+        data["speculative"].update(bad)
+        with pytest.raises(Exception, match=why):
+            config_from_dict(data)
 
 
 def test_host_placement_configs_get_the_host_table_environment_from_the_declared_plugin() -> None:

@@ -170,6 +170,8 @@ def _capability_args_env(dc: DeploymentConfig, name: str) -> tuple[list[str], di
         if adaptive_verification(dc):          # SGLang's compact ragged verify (docs/dspark.md)
             env["SGLANG_RAGGED_VERIFY_MODE"] = "compact"
             args += _opt("--speculative-dspark-sps-table-path", dc.speculative.sps_table)
+        if dc.speculative.synthetic_acceptance_length is not None:     # benchmarks only
+            env["SGLANG_SIMULATE_ACC_LEN"] = f"{dc.speculative.synthetic_acceptance_length:g}"
     return args, env
 
 
@@ -264,6 +266,10 @@ def _notes(dc: DeploymentConfig, runtime: RuntimeProfile, server: Command) -> li
         notes.append(f"model: the {preset} random checkpoint (seed {dc.model.tiny_seed}) in the sglang-dsv41 cache, "
                      "made on first launch; for another directory run "
                      f"`{MAKE_TINY.replace('--preset tiny', f'--preset {preset}')}` and pass --model-path DIR")
+    if dc.speculative.synthetic_acceptance_length is not None:
+        notes.append(f"DSpark: SYNTHETIC acceptance (SGLANG_SIMULATE_ACC_LEN="
+                     f"{dc.speculative.synthetic_acceptance_length:g}) — for throughput benchmarks only: drafts are "
+                     "accepted at that mean length without verification, so the output is not the model's")
     if dc.speculative.enabled:
         if not adaptive_verification(dc):
             notes.append("DSpark: adaptive verification off (ROCm / CPU default, or the config's choice): every "

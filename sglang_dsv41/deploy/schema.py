@@ -131,12 +131,16 @@ class SpeculativeSpec(_Strict):
     step-cost table make worthwhile; SGLang's `SGLANG_RAGGED_VERIFY_MODE=compact`):
     `adaptive_verification` None = the hardware's default (on for NVIDIA, off on ROCm and CPU, as
     the card); `sps_table` = a profiled SGLang SPS cost table for this hardware (JSON,
-    `--speculative-dspark-sps-table-path`), without which SGLang verifies every draft."""
+    `--speculative-dspark-sps-table-path`), without which SGLang verifies every draft.
+    `synthetic_acceptance_length`: benchmarks only (InferenceX's golden AL 3.51 at block 5) —
+    SGLang's `SGLANG_SIMULATE_ACC_LEN` accepts that mean length instead of verifying, so the
+    output is not the model's; needs adaptive verification off (a verify-all schedule)."""
 
     algorithm: str = "none"
     block_size: int | None = Field(default=None, ge=1)
     adaptive_verification: bool | None = None
     sps_table: str | None = None
+    synthetic_acceptance_length: float | None = Field(default=None, ge=1.0)
 
     @property
     def enabled(self) -> bool:
@@ -286,6 +290,15 @@ def _illegal_combinations(c: DeploymentConfig) -> list[str]:
         out.append("speculative.adaptive_verification / sps_table are set but speculative.algorithm is 'none'")
     if spec.enabled and spec.adaptive_verification and kind.is_cpu:
         out.append("speculative.adaptive_verification on CPU: SGLang 0.5.17's DSpark worker runs on CUDA only")
+    synthetic = spec.synthetic_acceptance_length
+    if synthetic is not None and not spec.enabled:
+        out.append("speculative.synthetic_acceptance_length is set but speculative.algorithm is 'none'")
+    elif synthetic is not None and spec.block_size is not None and synthetic > spec.block_size + 1:
+        out.append(f"speculative.synthetic_acceptance_length {synthetic} exceeds block_size + 1 = {spec.block_size + 1} "
+                   "(a round emits at most the block and the bonus token)")
+    elif synthetic is not None and adaptive_verification(c):
+        out.append("speculative.synthetic_acceptance_length needs speculative.adaptive_verification: false "
+                   "(SGLang simulates acceptance on a verify-all schedule only)")
     if spec.sps_table is not None and spec.enabled and not adaptive_verification(c):
         out.append("speculative.sps_table is set but adaptive verification is off (the table only sizes "
                    "adaptive verify lengths)")
