@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# H200 (one GPU), one device call (issue 16, docs/dspark.md): the tiny checkpoint served twice —
+# H200 (one GPU), one device call (issue 16, docs/dspark.md): first SGLang's sampled accept step
+# against the oracle's chain rejection in distribution (tests/test_runtime_dspark_accept_gpu.py),
+# then the tiny checkpoint served twice —
 # plain greedy, then with `--speculative-algorithm DSPARK` (its bundled draft, γ = 5, 6 verify
 # tokens) — and the greedy outputs compared for 64 new tokens at batch 1 and batch 8 (8 prompts in
 # one /generate call). Reports per-request acceptance (meta_info spec_accept_length /
@@ -29,6 +31,9 @@ export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
 CK=/tmp/tiny; PORT=30000; U=http://127.0.0.1:$PORT; J='Content-Type: application/json'
 timeout 120 python3 -m sglang_dsv41.cli make-checkpoint --preset tiny --out $CK --quiet || exit 4
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader >"$W/gpu.txt" 2>&1
+# SGLang's sampled (chain / "block") rejection vs the oracle's, in distribution (no server)
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_runtime_dspark_accept_gpu.py 2>&1 | tail -3 \
+  | sed 's/^/accept: /' | tee -a "$OUT/summary.txt"
 
 python3 - "$W" <<'PY'
 import json, sys, torch
