@@ -66,8 +66,10 @@ def _verify(engine, caches, slots, blocks: dict[int, tuple[int, list[int]]], *, 
             pad: int = 0) -> dict[int, torch.Tensor]:
     """One verify forward: row → (P, [anchor, d_0 …]) of w or fewer tokens (adaptive verification:
     a ragged batch); slots P.. written into the table first (SGLang's verify window); `static`:
-    the CUDA-graph layout, with `pad` padding requests (uniform: w tokens each; ragged: 2 tokens
-    each plus one ghost token past every request, as SGLang's graph tier pads a compact batch)."""
+    the CUDA-graph layout, with `pad` padding requests (uniform: w tokens each; ragged: the batch
+    padded by 3 tokens to its graph tier and the verify lengths the runner stages for the graph,
+    SGLang's `padded_to_bucket(cap=w)`: padding rows, else the last real row, take the padding
+    tokens up to w each, any rest are ghost tokens of no request)."""
     rows = list(blocks)
     lens = [len(ids) for _, ids in blocks.values()]
     ragged = any(n != W for n in lens)
@@ -76,12 +78,15 @@ def _verify(engine, caches, slots, blocks: dict[int, tuple[int, list[int]]], *, 
     ids = torch.tensor([t for _, block in blocks.values() for t in block])
     prefix = torch.tensor([p for p, _ in blocks.values()])
     if static:
-        extra = pad * 2 + 1 if ragged else pad * W
+        extra = 3 if ragged else pad * W
         req_rows, seq_lens = torch.tensor(rows + [0] * pad), torch.cat([prefix, torch.ones(pad, dtype=torch.long)])
         positions, out = (torch.cat([x, torch.zeros(extra, dtype=torch.long)]) for x in (positions, out))
         if ragged:
-            layout = static_ragged_verify_layout(req_rows, seq_lens, torch.tensor(lens + [2] * pad), positions, out,
-                                                 slots.table, W)
+            from sglang.srt.speculative.ragged_verify import RaggedVerifyLayout
+
+            staged = RaggedVerifyLayout.from_verify_lens(verify_lens_cpu=lens, device=CPU, grid=[sum(lens) + extra]
+                                                         ).padded_to_bucket(padded_bs=len(rows) + pad, cap=W)
+            layout = static_ragged_verify_layout(req_rows, seq_lens, staged.verify_lens, positions, out, slots.table, W)
         else:
             layout = static_verify_layout(req_rows, seq_lens, positions, out, slots.table, W)
         ids = torch.cat([ids, torch.zeros(extra, dtype=torch.long)])
@@ -207,7 +212,8 @@ CORRUPT_RAGGED = {1: [GAMMA, 0, 2, GAMMA], 2: [3, GAMMA, GAMMA, GAMMA]}
 def test_adaptive_verification_ragged_lengths_through_sglang_accept(models) -> None:
     """Adaptive verification (`SGLANG_RAGGED_VERIFY_MODE=compact`): each request verifies only
     its first v − 1 drafts. The ragged verify forward — eager and in its CUDA-graph form
-    (`static_ragged_verify_layout`, with a padding request and a ghost token) — gives the
+    (`static_ragged_verify_layout` over the verify lengths SGLang's runner stages: padding tokens
+    in a padding request or in the last real request, ghost tokens) — gives the
     reference's verify logits bit for bit; SGLang's own accept step (`accept_draft_tokens` on the
     strided logits, capped by the verify lengths) accepts exactly what `verify_greedy` accepts on
     the truncated block; after the commits the output equals plain greedy decoding."""
@@ -234,7 +240,7 @@ def test_adaptive_verification_ragged_lengths_through_sglang_accept(models) -> N
         logits_seen = []
         for k in range(len(VERIFY[1])):
             blocks = {r: oracle[r][k][0] for r in PROMPTS}
-            got = _verify(engine, caches, slots, {r: (P[r], blocks[r]) for r in PROMPTS}, static=static, pad=1)
+            got = _verify(engine, caches, slots, {r: (P[r], blocks[r]) for r in PROMPTS}, static=static, pad=k % 2)
             lens = [len(blocks[r]) for r in PROMPTS]
             layout = RaggedVerifyLayout.from_verify_lens(verify_lens_cpu=lens, device=CPU, grid=[sum(lens)])
             strided = ScatterCompactToStrided.execute(compact=torch.cat([got[r] for r in PROMPTS]), layout=layout,
