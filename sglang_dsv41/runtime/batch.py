@@ -218,9 +218,11 @@ def static_ragged_verify_layout(req_rows: Tensor, seq_lens: Tensor, verify_lens:
     """The layout of a DSpark verify batch with per-request verify lengths (adaptive verification,
     `SGLANG_RAGGED_VERIFY_MODE=compact`) inside a CUDA graph: request b's `verify_lens[b]` ≤ w
     tokens are consecutive from exclusive-cumsum(verify_lens)[b], at positions seq_lens[b]..;
-    the batch is padded to the graph tier (N ≥ Σ verify_lens) with tokens at slot 0, and padding
-    requests (row 0) may hold some of them — all masked by `live_tokens`. Unchecked and sync-free
-    like `static_verify_layout`; `verify_lens` is the runner's device buffer, refreshed per replay."""
+    the batch is padded to the graph tier with tokens at slot 0 (position 0), which SGLang's
+    runner (`padded_to_bucket(cap=w)`) hands to padding requests (row 0) or to the last real
+    request up to w tokens each; the rest belong to no request (ghosts, token_req clamped to the
+    last) — all masked by `live_tokens`. Unchecked and sync-free like `static_verify_layout`;
+    `verify_lens` is the runner's device buffer, refreshed per replay."""
     device = positions.device
     pos = positions.to(torch.int64).reshape(-1)
     req_rows, seq_lens, lens = (x.to(device=device, dtype=torch.int64).reshape(-1)
