@@ -265,6 +265,52 @@ def test_dspark_and_engram_host_emitted_when_provided() -> None:
     assert {k: env[k] for k in HOST_TABLE_ENV} == HOST_TABLE_ENV
 
 
+def test_dspark_adaptive_verification_follows_the_hardware() -> None:
+    """NVIDIA: adaptive verification on by default (SGLang's compact ragged verify), with the
+    config's profiled SPS table when given; ROCm (the card) or `adaptive_verification: false`:
+    off, the whole block verified; the settings are refused without DSpark or with adaptive off;
+    synthetic acceptance (benchmarks only) is emitted only when asked, with verification off."""
+    from sglang_dsv41.deploy.schema import config_from_dict, raw_config
+
+    def launched(**spec):
+        data = raw_config(ROOT / "configs" / "h200-tp4-dspark.yaml")
+        gpu = spec.pop("gpu", None)
+        if gpu:
+            data["hardware"]["gpu"] = gpu
+        data["speculative"].update(spec)
+        plan = build_launch(config_from_dict(data), ALL)
+        cmd = plan.commands[0]
+        return dict(cmd.env), dict(zip(cmd.args, cmd.args[1:])), " ".join(plan.notes)
+
+    env, args, notes = launched()
+    assert env["SGLANG_RAGGED_VERIFY_MODE"] == "compact" and "--speculative-dspark-sps-table-path" not in args
+    assert "without a profiled SPS cost table" in notes
+    env, args, notes = launched(sps_table="/tables/h200.json")
+    assert env["SGLANG_RAGGED_VERIFY_MODE"] == "compact" and args["--speculative-dspark-sps-table-path"] == "/tables/h200.json"
+    assert "SPS" not in notes
+    for off in ({"adaptive_verification": False}, {"gpu": "MI355X"}):
+        env, args, notes = launched(**off)
+        assert "SGLANG_RAGGED_VERIFY_MODE" not in env and args["--speculative-algorithm"] == "DSPARK", off
+        assert "every round verifies the whole block" in notes
+    base = raw_config(ROOT / "configs" / "h200-tp4.yaml")
+    base["speculative"] = {"adaptive_verification": True}
+    with pytest.raises(Exception, match="algorithm is 'none'"):
+        config_from_dict(base)
+    data = raw_config(ROOT / "configs" / "h200-tp4-dspark.yaml")
+    data["speculative"].update(adaptive_verification=False, sps_table="t.json")
+    with pytest.raises(Exception, match="adaptive verification is off"):
+        config_from_dict(data)
+    env, _, notes = launched(adaptive_verification=False, synthetic_acceptance_length=3.51)  # benchmarks only
+    assert env["SGLANG_SIMULATE_ACC_LEN"] == "3.51" and "SYNTHETIC acceptance" in notes
+    assert "SGLANG_SIMULATE_ACC_LEN" not in launched()[0]                                     # never the default
+    for bad, why in (({"synthetic_acceptance_length": 3.51}, "needs speculative.adaptive_verification: false"),
+                     ({"adaptive_verification": False, "synthetic_acceptance_length": 7}, "exceeds block_size")):
+        data = raw_config(ROOT / "configs" / "h200-tp4-dspark.yaml")
+        data["speculative"].update(bad)
+        with pytest.raises(Exception, match=why):
+            config_from_dict(data)
+
+
 def test_host_placement_configs_get_the_host_table_environment_from_the_declared_plugin() -> None:
     """configs/h200-tp4.yaml (engram.placement host) launched with what the plugin declares: both
     host-table variables, layout per_rank, in the environment and in the printed shell command; a

@@ -91,14 +91,12 @@ def test_sglang_allocator_registers_its_mapping_and_rows_follow_full_slots() -> 
     assert torch.equal(keys[0, 2:], values)
 
 
-def test_target_configurator_budgets_the_draft_rows(tmp_path: Path) -> None:
-    """Under DSPARK the target's cell per full token grows by stages · D · 2 B (the draft pool is
-    sized by the target's full-slot count); without speculation it does not."""
+def _configurators(tmp_path: Path):
+    """The target's configurator for Flash without speculation and under DSPARK (6 verify tokens)."""
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     from sglang_dsv41 import plugin
-    from sglang_dsv41.runtime.dspark_pool import draft_bytes_per_token
     from sglang_dsv41.runtime.sglang_pool import memory_pool_configurator_hook
 
     plugin.register_config()
@@ -114,7 +112,37 @@ def test_target_configurator_budgets_the_draft_rows(tmp_path: Path) -> None:
                               device="cpu")
         return memory_pool_configurator_hook(lambda k: pytest.fail("SGLang's configurator"), kvc)
 
-    plain, spec = conf(None, None), conf("DSPARK", 6)
+    return conf(None, None), conf("DSPARK", 6)
+
+
+def test_target_configurator_budgets_the_draft_rows(tmp_path: Path) -> None:
+    """Under DSPARK the target's cell per full token grows by stages · D · 2 B (the draft pool is
+    sized by the target's full-slot count); without speculation it does not."""
+    from sglang_dsv41.runtime.dspark_pool import draft_bytes_per_token
+
+    plain, spec = _configurators(tmp_path)
     assert spec._draft_per_token == draft_bytes_per_token(FLASH) == 3 * 512 * 2 and plain._draft_per_token == 0
     assert spec._cell_size == pytest.approx(plain._cell_size + 3072)
     assert spec._request_row_bytes > plain._request_row_bytes           # pair ring of 8 slots instead of 2
+
+
+def test_planner_draft_row_equals_the_draft_pool_and_the_configurator(tmp_path: Path) -> None:
+    """`sglang-dsv41 plan` sizes the draft context the runtime allocates: its draft row per full
+    token == `DeepseekV41DSparkPool.token_bytes` (the buffers as built) == the configurator's
+    `_draft_per_token`, its cell == the configurator's, its pair ring == the one the target pool
+    builds for the verify width (Flash, h200-tp4-dspark.yaml; tiny: the pool's own rows)."""
+    from sglang_dsv41.deploy.kv import draft_row_bytes
+    from sglang_dsv41.deploy.plan import make_plan
+    from sglang_dsv41.deploy.schema import load_config
+    from sglang_dsv41.runtime.cache import RuntimeCaches
+
+    plain, spec = _configurators(tmp_path)
+    root = Path(__file__).resolve().parents[1]
+    flash = DeepseekV41Config.from_dict(flash_config_dict())
+    planned = make_plan(load_config(root / "configs" / "h200-tp4-dspark.yaml"), flash).pool
+    unplanned = make_plan(load_config(root / "configs" / "h200-tp4.yaml"), flash).pool
+    assert planned.draft_row_bytes == _pool(FLASH).token_bytes == spec._draft_per_token == 3072
+    assert unplanned.draft_row_bytes == plain._draft_per_token == 0
+    assert planned.cell_bytes == pytest.approx(spec._cell_size) and unplanned.cell_bytes == pytest.approx(plain._cell_size)
+    assert planned.draft_tokens == 6 and planned.pair_state_per_request == RuntimeCaches.planned_request_state_bytes(FLASH, 6)
+    assert draft_row_bytes(TINY, 6) == _pool(TINY).token_bytes and draft_row_bytes(TINY, 0) == 0

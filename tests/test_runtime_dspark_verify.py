@@ -10,7 +10,9 @@ Exact backend: bit-identical (LOGIT_ATOL 0), as tests/test_runtime_forward.py. C
   and even positions (pair ring: a rejected draft's pending pair never clobbers the committed one);
 * after commit the Engram history ring == a sequential run's; rejected drafts leave no state that
   a later round reads (later rounds stay bit-identical);
-* the CUDA-graph form (`static_verify_layout`, with a padding request) == the eager layout.
+* the CUDA-graph form (`static_verify_layout`, with a padding request) == the eager layout;
+* adaptive verification (ragged verify lengths, eager and `static_ragged_verify_layout`) through
+  SGLang's own accept step: accept counts == the oracle's on the truncated block, output == greedy.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
 from sglang_dsv41.reference.dspark_verify import verify_greedy
 from sglang_dsv41.reference.model import ReferenceModel
-from sglang_dsv41.runtime.batch import make_layout, static_verify_layout
+from sglang_dsv41.runtime.batch import make_layout, static_ragged_verify_layout, static_verify_layout
 from sglang_dsv41.runtime.cache import RuntimeCaches
 from sglang_dsv41.runtime.forward import TorchForward
 
@@ -62,32 +64,48 @@ def _caches(engine: TorchForward, slots: Slots) -> RuntimeCaches:
 
 def _verify(engine, caches, slots, blocks: dict[int, tuple[int, list[int]]], *, static: bool = False,
             pad: int = 0) -> dict[int, torch.Tensor]:
-    """One verify forward: row → (P, [anchor, d_0 …]); slots P..P+w−1 written into the table first
-    (SGLang's verify window); `static`: the CUDA-graph layout, with `pad` padding requests."""
+    """One verify forward: row → (P, [anchor, d_0 …]) of w or fewer tokens (adaptive verification:
+    a ragged batch); slots P.. written into the table first (SGLang's verify window); `static`:
+    the CUDA-graph layout, with `pad` padding requests (uniform: w tokens each; ragged: the batch
+    padded by 3 tokens to its graph tier and the verify lengths the runner stages for the graph,
+    SGLang's `padded_to_bucket(cap=w)`: padding rows, else the last real row, take the padding
+    tokens up to w each, any rest are ghost tokens of no request)."""
     rows = list(blocks)
+    lens = [len(ids) for _, ids in blocks.values()]
+    ragged = any(n != W for n in lens)
     out = torch.cat([slots.extend(r, p, len(ids)) for r, (p, ids) in blocks.items()])
     positions = torch.cat([torch.arange(p, p + len(ids)) for p, ids in blocks.values()])
     ids = torch.tensor([t for _, block in blocks.values() for t in block])
     prefix = torch.tensor([p for p, _ in blocks.values()])
     if static:
-        layout = static_verify_layout(torch.tensor(rows + [0] * pad), torch.cat([prefix, torch.ones(pad, dtype=torch.long)]),
-                                      torch.cat([positions, torch.zeros(pad * W, dtype=torch.long)]),
-                                      torch.cat([out, torch.zeros(pad * W, dtype=torch.long)]), slots.table, W)
-        ids = torch.cat([ids, torch.zeros(pad * W, dtype=torch.long)])
+        extra = 3 if ragged else pad * W
+        req_rows, seq_lens = torch.tensor(rows + [0] * pad), torch.cat([prefix, torch.ones(pad, dtype=torch.long)])
+        positions, out = (torch.cat([x, torch.zeros(extra, dtype=torch.long)]) for x in (positions, out))
+        if ragged:
+            from sglang.srt.speculative.ragged_verify import RaggedVerifyLayout
+
+            staged = RaggedVerifyLayout.from_verify_lens(verify_lens_cpu=lens, device=CPU, grid=[sum(lens) + extra]
+                                                         ).padded_to_bucket(padded_bs=len(rows) + pad, cap=W)
+            layout = static_ragged_verify_layout(req_rows, seq_lens, staged.verify_lens, positions, out, slots.table, W)
+        else:
+            layout = static_verify_layout(req_rows, seq_lens, positions, out, slots.table, W)
+        ids = torch.cat([ids, torch.zeros(extra, dtype=torch.long)])
     else:
-        layout = dataclasses.replace(make_layout(torch.tensor(rows), prefix, torch.full((len(rows),), W), positions,
+        layout = dataclasses.replace(make_layout(torch.tensor(rows), prefix, torch.tensor(lens), positions,
                                                  out, slots.table), verify_width=W)
     logits = engine.logits(engine.hidden_states(ids, layout, caches))
-    return dict(zip(rows, torch.split(logits[: len(rows) * W], W)))
+    return dict(zip(rows, torch.split(logits[: sum(lens)], lens)))
 
 
-def _reference_rounds(reference: ReferenceModel, prompt: list[int], corrupt: list[int], vocab: int):
+def _reference_rounds(reference: ReferenceModel, prompt: list[int], corrupt: list[int], vocab: int,
+                      verify: list[int] | None = None):
     """The oracle: per round (block, verify logits, outcome), verifying on a clone and re-running
-    the accepted tokens; drafts = greedy continuation, first corrupted at `corrupt[r]`."""
+    the accepted tokens; drafts = greedy continuation, first corrupted at `corrupt[r]`; `verify[r]`
+    (adaptive verification): the block holds only the anchor + the first verify[r] − 1 drafts."""
     state = reference.new_request()
     anchor = int(torch.argmax(reference.forward(state, prompt).logits[-1]))
     rounds = []
-    for cut in corrupt:
+    for r, cut in enumerate(corrupt):
         probe = state.clone()
         drafts, last = [], anchor
         truth = probe.clone()
@@ -96,6 +114,8 @@ def _reference_rounds(reference: ReferenceModel, prompt: list[int], corrupt: lis
             drafts.append(last)
         if cut < GAMMA:
             drafts[cut] = (drafts[cut] + 1) % vocab
+        if verify is not None:
+            drafts = drafts[: verify[r] - 1]
         logits = reference.forward(probe, [anchor] + drafts).logits
         outcome = verify_greedy(drafts, logits)
         reference.forward(state, [anchor] + drafts[: outcome.accepted])
@@ -183,6 +203,71 @@ def test_static_verify_layout_with_padding_equals_eager(models) -> None:
     assert torch.equal(graph_ring, eager_ring)
 
 
+#: adaptive verification: per round and request, tokens verified (anchor + drafts; 1..W) and the
+#: first corrupted draft — accepts 0..4 and every cap by the verify length occur
+VERIFY = {1: [3, 1, 6, 4], 2: [6, 4, 2, 5]}
+CORRUPT_RAGGED = {1: [GAMMA, 0, 2, GAMMA], 2: [3, GAMMA, GAMMA, GAMMA]}
+
+
+def test_adaptive_verification_ragged_lengths_through_sglang_accept(models) -> None:
+    """Adaptive verification (`SGLANG_RAGGED_VERIFY_MODE=compact`): each request verifies only
+    its first v − 1 drafts. The ragged verify forward — eager and in its CUDA-graph form
+    (`static_ragged_verify_layout` over the verify lengths SGLang's runner stages: padding tokens
+    in a padding request or in the last real request, ghost tokens) — gives the
+    reference's verify logits bit for bit; SGLang's own accept step (`accept_draft_tokens` on the
+    strided logits, capped by the verify lengths) accepts exactly what `verify_greedy` accepts on
+    the truncated block; after the commits the output equals plain greedy decoding."""
+    from types import SimpleNamespace
+
+    from sglang.kernels.ops.speculative.dspark.dspark_verify_window import ScatterCompactToStrided
+    from sglang.srt.speculative.dspark_components.dspark_verify import accept_draft_tokens
+    from sglang.srt.speculative.ragged_verify import RaggedVerifyLayout
+
+    cfg, reference, engine = models
+    oracle = {r: _reference_rounds(reference, PROMPTS[r], CORRUPT_RAGGED[r], cfg.text.vocab_size, VERIFY[r])
+              for r in PROMPTS}
+    accepted = sorted({o.accepted for r in PROMPTS for _, _, o in oracle[r]})
+    capped = sum(o.accepted == len(b) - 1 and c >= len(b) - 1 for r in PROMPTS
+                 for (b, _, o), c in zip(oracle[r], CORRUPT_RAGGED[r]))
+    assert accepted == [0, 1, 2, 3, 4] and capped >= 3, (accepted, capped)
+    runs = {}
+    for static in (False, True):
+        slots = Slots(CPU, rows=4, max_context=64)
+        caches = _caches(engine, slots)
+        run_batch(engine, caches, slots, [(r, 0, PROMPTS[r]) for r in PROMPTS])
+        P = {r: len(PROMPTS[r]) for r in PROMPTS}
+        emitted: dict[int, list[int]] = {r: [oracle[r][0][0][0]] for r in PROMPTS}
+        logits_seen = []
+        for k in range(len(VERIFY[1])):
+            blocks = {r: oracle[r][k][0] for r in PROMPTS}
+            got = _verify(engine, caches, slots, {r: (P[r], blocks[r]) for r in PROMPTS}, static=static, pad=k % 2)
+            lens = [len(blocks[r]) for r in PROMPTS]
+            layout = RaggedVerifyLayout.from_verify_lens(verify_lens_cpu=lens, device=CPU, grid=[sum(lens)])
+            strided = ScatterCompactToStrided.execute(compact=torch.cat([got[r] for r in PROMPTS]), layout=layout,
+                                                      fill_value=0.0, verify_num_draft_tokens=W)
+            ids = torch.tensor([t for r in PROMPTS for t in blocks[r]])[:, None]
+            candidates = ScatterCompactToStrided.execute(compact=ids, layout=layout, fill_value=0,
+                                                         verify_num_draft_tokens=W)[: len(lens) * W].view(-1, W)
+            correct, bonus, _ = accept_draft_tokens(
+                candidates=candidates, target_logits=strided[: len(lens) * W], draft_block=SimpleNamespace(greedy_mask=None),
+                sampling_info=None, draft_input=None, gamma=GAMMA, verify_num_draft_tokens=W, cutoff_layout=layout)
+            for i, r in enumerate(PROMPTS):
+                block, want, outcome = oracle[r][k]
+                torch.testing.assert_close(got[r], want, atol=0, rtol=0)
+                assert (int(correct[i]), int(bonus[i])) == (outcome.accepted, outcome.tokens[-1]), (k, r)
+                emitted[r] += list(outcome.tokens)
+            commit = (correct + 1).tolist()
+            caches.engram_history.commit_verify(torch.tensor(list(PROMPTS)), torch.tensor([P[r] for r in PROMPTS]),
+                                                torch.tensor(commit), check=True)
+            for r, c in zip(PROMPTS, commit):
+                P[r] += c
+            logits_seen.append(got)
+        runs[static] = (emitted, caches.engram_history.ids[1:3].clone(), logits_seen)
+    for r in PROMPTS:
+        assert runs[False][0][r] == runs[True][0][r] == reference.generate(PROMPTS[r], len(runs[False][0][r])), r
+    assert torch.equal(runs[False][1], runs[True][1])
+
+
 def test_verify_needs_caches_with_a_verify_width(models) -> None:
     _, _, engine = models
     slots = Slots(CPU, rows=4, max_context=64)
@@ -216,8 +301,8 @@ def test_commit_hook_commits_a_v41_target_and_leaves_others_alone() -> None:
 
 def test_layout_of_sglang_verify_batches() -> None:
     """`layout_from_forward_batch` of SGLang's TARGET_VERIFY batch: w = spec_info.draft_token_num
-    tokens per request from seq_lens (uniform, or a ragged layout's verify_lens, eager only); the
-    graph form is the static verify layout; a batch without its width is refused."""
+    tokens per request from seq_lens (uniform, or a ragged layout's verify_lens); the graph forms
+    are the static (ragged) verify layouts; a batch without its width is refused."""
     from types import SimpleNamespace
 
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -244,8 +329,12 @@ def test_layout_of_sglang_verify_batches() -> None:
         verify_lens=torch.tensor([3, 4], dtype=torch.int32))), out[keep], positions[keep])
     ragged = layout_from_forward_batch(fb, pos, slots.table)
     assert ragged.extend_lens.tolist() == [3, 4] and ragged.verify_width == W
-    with pytest.raises(RuntimeError, match="eager only"):
-        layout_from_forward_batch(fb, pos, slots.table, static=True)
+    from cuda_graph_scenarios import no_host_sync
+
+    with no_host_sync():                                                       # adaptive verification in a graph
+        static = layout_from_forward_batch(fb, pos, slots.table, static=True)
+    assert static.static and static.extend_lens.tolist() == [3, 4] and static.verify_width == W
+    assert torch.equal(static.token_req, ragged.token_req) and torch.equal(static.starts, ragged.starts)
     fb, pos = batch(SimpleNamespace())
     with pytest.raises(RuntimeError, match="draft_token_num"):
         layout_from_forward_batch(fb, pos, slots.table)

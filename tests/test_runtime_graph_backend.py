@@ -35,6 +35,9 @@ def test_register_makes_the_name_parse_and_resolve() -> None:
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
     assert isinstance(backend, TorchNativeAttnBackend) and type(backend).__name__ == "Dsv41GraphAttnBackend"
     assert backend.get_cuda_graph_seq_len_fill_value() == 1
+    # SGLang's runner admits compact (adaptive-verification) verify batches into graphs only then
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+    assert backend.supports_ragged_verify_graph and not AttentionBackend.supports_ragged_verify_graph
     backend.init_cuda_graph_state(16, 16)
     assert (backend.cuda_graph_max_bs, backend.cuda_graph_max_num_tokens) == (16, 16)
 

@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# H200 (one GPU), one device call (issue 16, docs/dspark.md): the tiny checkpoint served twice —
+# H200 (one GPU), one device call (issue 16, docs/dspark.md): first SGLang's sampled accept step
+# against the oracle's chain rejection in distribution (tests/test_runtime_dspark_accept_gpu.py),
+# then the tiny checkpoint served twice —
 # plain greedy, then with `--speculative-algorithm DSPARK` (its bundled draft, γ = 5, 6 verify
 # tokens) — and the greedy outputs compared for 64 new tokens at batch 1 and batch 8 (8 prompts in
 # one /generate call). Reports per-request acceptance (meta_info spec_accept_length /
 # spec_accept_rate) and SGLang's gauges (sglang:spec_accept_length / _rate, --enable-metrics).
 #
-# Usage (checkout root, `.gpu` carried): bash scripts/gpu/dspark.sh [graphs|nograph|both]
-#   graphs  (default) DSPARK with CUDA graphs (verify + draft graphs up to batch 8); if that server
-#           does not come up, one eager retry (--disable-cuda-graph) when time is left;
-#   nograph DSPARK eager only (--disable-cuda-graph on both servers);
-#   both    graphs, then eager (time permitting).
+# Usage (checkout root, `.gpu` carried): bash scripts/gpu/dspark.sh [graphs|nograph|both|adaptive]
+#   graphs   (default) DSPARK with CUDA graphs (verify + draft graphs up to batch 8); if that server
+#            does not come up, one eager retry (--disable-cuda-graph) when time is left;
+#   nograph  DSPARK eager only (--disable-cuda-graph on both servers);
+#   both     graphs, then eager (time permitting);
+#   adaptive DSPARK with adaptive verification in CUDA graphs (SGLANG_RAGGED_VERIFY_MODE=compact,
+#            a synthetic SPS table with steps/s ∝ 1/tokens, so low-confidence drafts are trimmed:
+#            ragged verify lengths, `runtime/batch.static_ragged_verify_layout`); then graphs.
 # DSPARK_EXTRA="..." adds server flags to the DSPARK server (e.g. SGLANG_RAGGED_VERIFY_MODE is an
 # env var: export it before). Caps: checkpoint 120 s, each start 200 s, each request 90 s, metrics
 # 15 s, each shutdown 15 s; the script stops starting servers after 420 s (whole call < 600 s).
@@ -26,6 +31,9 @@ export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
 CK=/tmp/tiny; PORT=30000; U=http://127.0.0.1:$PORT; J='Content-Type: application/json'
 timeout 120 python3 -m sglang_dsv41.cli make-checkpoint --preset tiny --out $CK --quiet || exit 4
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader >"$W/gpu.txt" 2>&1
+# SGLang's sampled (chain / "block") rejection vs the oracle's, in distribution (no server)
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_runtime_dspark_accept_gpu.py 2>&1 | tail -3 \
+  | sed 's/^/accept: /' | tee -a "$OUT/summary.txt"
 
 python3 - "$W" <<'PY'
 import json, sys, torch
@@ -37,6 +45,10 @@ json.dump({"input_ids": prompts, "sampling_params": sp}, open(f"{sys.argv[1]}/re
 # the plain server also returns its top-2 logprobs: a greedy difference at a near-tie is numerics
 json.dump({"input_ids": prompts, "sampling_params": sp, "return_logprob": True, "top_logprobs_num": 2},
           open(f"{sys.argv[1]}/req_b8_lp.json", "w"))
+# adaptive verification: a cost table where a verify token always costs as much as the tokens before
+tokens = [1, 2, 4, 8, 16, 32, 48, 64]
+json.dump({"sample_batch_tokens": tokens, "sample_steps_per_sec": [1000.0 / t for t in tokens],
+           "max_batch_tokens": 64}, open(f"{sys.argv[1]}/sps.json", "w"))
 PY
 
 serve() {  # $1 = tag, rest = extra server flags; writes $OUT/<tag>_b1.json, <tag>_b8.json; returns 0 when up
@@ -103,7 +115,14 @@ PY
 
 SPEC="--speculative-algorithm DSPARK --speculative-dspark-block-size 5 ${DSPARK_EXTRA:-}"
 rc=1
-if [ "$MODE" = nograph ]; then
+if [ "$MODE" = adaptive ]; then
+  serve plain
+  if SGLANG_RAGGED_VERIFY_MODE=compact serve dspark_adaptive $SPEC --speculative-dspark-sps-table-path "$W/sps.json"; then
+    compare dspark_adaptive && rc=0
+    grep -m3 -E "ragged-verify scheduler enabled|SPS table" "$OUT/dspark_adaptive_server.log" | tee -a "$OUT/summary.txt"
+  fi
+  serve dspark $SPEC && compare dspark || rc=1
+elif [ "$MODE" = nograph ]; then
   serve plain --disable-cuda-graph
   serve dspark_eager $SPEC --disable-cuda-graph && compare dspark_eager && rc=0
 else

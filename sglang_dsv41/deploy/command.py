@@ -30,7 +30,7 @@ from ..runtime.cpu_env import PD_CPU_ENVIRONMENT
 from ..runtime.requirements import CURRENT_RUNTIME, Device, RuntimeProfile
 from ..serve import tiny_checkpoint_dir
 from .capabilities import CAPABILITIES
-from .schema import DeploymentConfig, PDRoleSpec
+from .schema import DeploymentConfig, PDRoleSpec, adaptive_verification
 
 SERVER_MODULE = "sglang.launch_server"
 ROUTER_MODULE = "sglang_router.launch_router"
@@ -167,6 +167,11 @@ def _capability_args_env(dc: DeploymentConfig, name: str) -> tuple[list[str], di
         env["SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT"] = dc.engram.host_layout
     if name == "dspark":
         args += ["--speculative-algorithm", "DSPARK", "--speculative-dspark-block-size", str(dc.speculative.block_size)]
+        if adaptive_verification(dc):          # SGLang's compact ragged verify (docs/dspark.md)
+            env["SGLANG_RAGGED_VERIFY_MODE"] = "compact"
+            args += _opt("--speculative-dspark-sps-table-path", dc.speculative.sps_table)
+        if dc.speculative.synthetic_acceptance_length is not None:     # benchmarks only
+            env["SGLANG_SIMULATE_ACC_LEN"] = f"{dc.speculative.synthetic_acceptance_length:g}"
     return args, env
 
 
@@ -261,6 +266,18 @@ def _notes(dc: DeploymentConfig, runtime: RuntimeProfile, server: Command) -> li
         notes.append(f"model: the {preset} random checkpoint (seed {dc.model.tiny_seed}) in the sglang-dsv41 cache, "
                      "made on first launch; for another directory run "
                      f"`{MAKE_TINY.replace('--preset tiny', f'--preset {preset}')}` and pass --model-path DIR")
+    if dc.speculative.synthetic_acceptance_length is not None:
+        notes.append(f"DSpark: SYNTHETIC acceptance (SGLANG_SIMULATE_ACC_LEN="
+                     f"{dc.speculative.synthetic_acceptance_length:g}) — for throughput benchmarks only: drafts are "
+                     "accepted at that mean length without verification, so the output is not the model's")
+    if dc.speculative.enabled:
+        if not adaptive_verification(dc):
+            notes.append("DSpark: adaptive verification off (ROCm / CPU default, or the config's choice): every "
+                         "round verifies the whole block")
+        elif dc.speculative.sps_table is None:
+            notes.append("DSpark: adaptive verification on (SGLANG_RAGGED_VERIFY_MODE=compact) but without a profiled "
+                         "SPS cost table (speculative.sps_table) for this hardware SGLang verifies every draft and "
+                         "warns at start-up")
     if dc.hardware.kind.is_cpu:
         notes.append("CPU: `sglang-dsv41 launch` adds SGLang's CPU environment (runtime/cpu_env.py: "
                      "SGLANG_USE_CPU_ENGINE=1, HF_HUB_OFFLINE=1, a libcuda.so.1 stand-in first on LD_LIBRARY_PATH; "

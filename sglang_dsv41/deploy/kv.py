@@ -181,9 +181,17 @@ def swa_bytes_per_swa_token(t: TextConfig) -> int:
     return t.num_hidden_layers * t.head_dim * 2
 
 
-def pool_bytes_per_full_token(t: TextConfig, swa_full_tokens_ratio: float) -> float:
-    """SGLang's hybrid-SWA cell: packed row + ratio × SWA token (what the KV budget is divided by)."""
-    return packed_row_bytes(t) + swa_full_tokens_ratio * swa_bytes_per_swa_token(t)
+def draft_row_bytes(t: TextConfig, draft_tokens: int = 0) -> int:
+    """The runtime's DSpark draft context bytes per full token under speculative decoding (0
+    without): one bf16 row of head_dim per stage (`kv_rows.draft_context_row_bytes`, what
+    `runtime/dspark_pool.DeepseekV41DSparkPool` allocates per full slot; Flash 3072, tiny 576)."""
+    return kv_rows.draft_context_row_bytes(t.num_nextn_predict_layers, t.head_dim) if draft_tokens else 0
+
+
+def pool_bytes_per_full_token(t: TextConfig, swa_full_tokens_ratio: float, draft_tokens: int = 0) -> float:
+    """SGLang's hybrid-SWA cell: packed row + DSpark draft row (under speculation) + ratio × SWA
+    token (what the KV budget is divided by; `runtime/sglang_pool.DeepseekV41PoolConfigurator`)."""
+    return packed_row_bytes(t) + draft_row_bytes(t, draft_tokens) + swa_full_tokens_ratio * swa_bytes_per_swa_token(t)
 
 
 def swa_tokens_per_request(t: TextConfig, page_size: int) -> int:

@@ -39,7 +39,7 @@ from ..runtime import kv_rows
 from ..runtime.requirements import CURRENT_RUNTIME, PAGE_SIZE, SWA_FULL_TOKENS_RATIO, flag_value
 from .command import device_of
 from .kv import (
-    RequestCost, kv_bytes_per_token, packed_entry_bytes, packed_key_row_bytes, packed_latent_row_bytes, packed_row_bytes,
+    RequestCost, draft_row_bytes, kv_bytes_per_token, packed_entry_bytes, packed_key_row_bytes, packed_latent_row_bytes, packed_row_bytes,
     per_request_bytes, pool_bytes_per_full_token, swa_bytes_per_swa_token, swa_tokens_per_request,
 )
 from .memory import (GIB, HUGE_PAGE, ShardLayout, WeightPlan, check_against_checkpoint, layout_of, vram_minimum_gb,
@@ -81,11 +81,14 @@ class RuntimePool:
     swa_full_tokens_ratio: float
     page_size: int
     swa_tokens_per_request: int  # window + page: what a decoding request keeps
-    pair_state_per_request: int  # fp32 pending ratio-2 pair ring (2 slots), request-scoped, outside the KV budget
+    pair_state_per_request: int  # fp32 pending ratio-2 pair ring (2 slots; 8 under DSpark), request-scoped, outside the KV budget
     max_total_tokens: int | None  # --max-total-tokens: SGLang caps the full pool at it
+    draft_row_bytes: int = 0  # DSpark draft context per full token (stages × head_dim bf16), 0 without speculation
+    draft_tokens: int = 0  # tokens one verify forward holds per request (block + 1 under DSpark, else 0)
 
     @classmethod
-    def for_model(cls, t: TextConfig, ratio: float, page: int, max_total_tokens: int | None) -> "RuntimePool":
+    def for_model(cls, t: TextConfig, ratio: float, page: int, max_total_tokens: int | None,
+                  draft_tokens: int = 0) -> "RuntimePool":
         lat, key = kv_rows.latent_part_bytes(t.head_dim), kv_rows.key_part_bytes(t.index_head_dim)
         assert lat + key == packed_entry_bytes(t)
         sources = tuple((s, r, -(-lat // r), -(-key // r)) for s, r in
@@ -98,10 +101,11 @@ class RuntimePool:
         ratio2 = sum(1 for s in sources if s[1] == 2)
         return cls(row_bytes=row, latent_row_bytes=lat_row, key_row_bytes=key_row, sources=sources,
                    swa_token_bytes=swa_bytes_per_swa_token(t),
-                   cell_bytes=pool_bytes_per_full_token(t, ratio), swa_full_tokens_ratio=ratio, page_size=page,
-                   swa_tokens_per_request=swa_tokens_per_request(t, page),
-                   pair_state_per_request=ratio2 * kv_rows.pair_ring_slots(0) * (2 * t.head_dim * 4 + 8),
-                   max_total_tokens=max_total_tokens)
+                   cell_bytes=pool_bytes_per_full_token(t, ratio, draft_tokens), swa_full_tokens_ratio=ratio,
+                   page_size=page, swa_tokens_per_request=swa_tokens_per_request(t, page),
+                   pair_state_per_request=ratio2 * kv_rows.pair_ring_slots(draft_tokens) * (2 * t.head_dim * 4 + 8),
+                   max_total_tokens=max_total_tokens, draft_row_bytes=draft_row_bytes(t, draft_tokens),
+                   draft_tokens=draft_tokens)
 
     def full_tokens(self, budget: float) -> int:
         """Full-pool tokens SGLang allocates from `budget` bytes (capped by --max-total-tokens)."""
@@ -128,15 +132,17 @@ class RuntimePool:
 
 def runtime_pool_for(dc: DeploymentConfig, t: TextConfig) -> RuntimePool:
     """The pool `sglang-dsv41 launch` would get for `dc`: the runtime's --swa-full-tokens-ratio /
-    --page-size / CPU --max-total-tokens unless the config sets them (`serving.*`, extra_args)."""
+    --page-size / CPU --max-total-tokens unless the config sets them (`serving.*`, extra_args);
+    under DSpark the cell holds the draft's context row and the pair ring its verify tokens."""
     extra = list(dc.serving.extra_args)
     configured = ["--max-total-tokens", str(dc.serving.max_total_tokens)] if dc.serving.max_total_tokens else []
     args = configured + CURRENT_RUNTIME.server_args(device_of(dc), configured + extra) + extra
     ratio = flag_value(args, ("--swa-full-tokens-ratio",))
     page = flag_value(args, ("--page-size",))
     cap = flag_value(args, ("--max-total-tokens",))
+    verify = dc.speculative.block_size + 1 if dc.speculative.enabled and dc.speculative.block_size else 0
     return RuntimePool.for_model(t, float(ratio) if ratio else SWA_FULL_TOKENS_RATIO, int(page) if page else PAGE_SIZE,
-                                 int(cap) if cap else None)
+                                 int(cap) if cap else None, verify)
 
 
 @dataclass

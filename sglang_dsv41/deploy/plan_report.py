@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from ..runtime import kv_rows
 from .memory import GIB, HUGE_PAGE, vram_minimum_gb
 
 if TYPE_CHECKING:
@@ -67,12 +68,15 @@ def render(p: Plan, source: str) -> str:
               + f" + {pool.key_row_bytes - sum(s[3] for s in pool.sources)} pad) over sources "
               + ", ".join(f"{s[0]} (ratio {s[1]})" for s in pool.sources) + "; padding to 16 B per row",
               f"  SWA per SWA token: {pool.swa_token_bytes:,} B; SGLang's cell per full token = {pool.row_bytes} + "
+              + (f"{pool.draft_row_bytes:,} (DSpark draft) + " if pool.draft_row_bytes else "") +
               f"{pool.swa_full_tokens_ratio:g} × {pool.swa_token_bytes:,} = {pool.cell_bytes:,.1f} B",
               f"  per decoding request: {pool.swa_tokens_per_request} SWA tokens (window + page) = "
               f"{pool.swa_tokens_per_request * pool.swa_token_bytes / 2**20:.2f} MiB; ratio-2 pair ring "
               f"{pool.pair_state_per_request / 2**10:.1f} KiB outside the KV budget (request-scoped, like req_to_token)"]
-    if w.included["dspark"]:
-        lines.append("  DSpark draft layers: not in the runtime's pool (DSpark is not served yet)")
+    if pool.draft_row_bytes:
+        lines.append(f"  DSpark draft context: {pool.draft_row_bytes:,} B per full token (one bf16 row of head_dim per "
+                     f"stage, in the cell above), pair ring {kv_rows.pair_ring_slots(pool.draft_tokens)} slots for "
+                     f"{pool.draft_tokens}-token verify forwards")
     lines += [f"  KV budget per rank: {p.static_budget / GIB:.1f} − {p.weights_per_rank / GIB:.1f} = "
               f"{p.kv_budget / GIB:.1f} GiB",
               f"  capacity: {p.capacity_tokens_per_rank:,} full-pool tokens and {p.swa_capacity_per_rank:,} SWA tokens "

@@ -126,8 +126,21 @@ class EngramSpec(_Strict):
 
 
 class SpeculativeSpec(_Strict):
+    """DSpark: `block_size` = the checkpoint's dspark_block_size (5 at Flash). Adaptive
+    verification (verify per request only as many drafted tokens as the confidence head and the
+    step-cost table make worthwhile; SGLang's `SGLANG_RAGGED_VERIFY_MODE=compact`):
+    `adaptive_verification` None = the hardware's default (on for NVIDIA, off on ROCm and CPU, as
+    the card); `sps_table` = a profiled SGLang SPS cost table for this hardware (JSON,
+    `--speculative-dspark-sps-table-path`), without which SGLang verifies every draft.
+    `synthetic_acceptance_length`: benchmarks only (InferenceX's golden AL 3.51 at block 5) —
+    SGLang's `SGLANG_SIMULATE_ACC_LEN` accepts that mean length instead of verifying, so the
+    output is not the model's; needs adaptive verification off (a verify-all schedule)."""
+
     algorithm: str = "none"
     block_size: int | None = Field(default=None, ge=1)
+    adaptive_verification: bool | None = None
+    sps_table: str | None = None
+    synthetic_acceptance_length: float | None = Field(default=None, ge=1.0)
 
     @property
     def enabled(self) -> bool:
@@ -225,6 +238,17 @@ class DeploymentConfig(_Strict):
         return self
 
 
+def adaptive_verification(c: DeploymentConfig) -> bool:
+    """Whether DSpark verifies adaptively on this deployment (`SpeculativeSpec`): the config's
+    choice, else on for NVIDIA GPUs and off on ROCm (the card: vLLM refuses it there) and CPU."""
+    spec, kind = c.speculative, c.hardware.kind
+    if not spec.enabled:
+        return False
+    if spec.adaptive_verification is not None:
+        return spec.adaptive_verification
+    return not (kind.is_cpu or kind.is_rocm)
+
+
 def _illegal_combinations(c: DeploymentConfig) -> list[str]:
     """Every rule the config breaks (the validator reports the first; `problems()` all)."""
     out: list[str] = []
@@ -262,6 +286,22 @@ def _illegal_combinations(c: DeploymentConfig) -> list[str]:
         out.append("speculative.block_size is set but speculative.algorithm is 'none'")
     if spec.enabled and spec.block_size is None:
         out.append("speculative.block_size must be given with DSpark (the checkpoint's dspark_block_size, 5 for Flash)")
+    if not spec.enabled and (spec.adaptive_verification is not None or spec.sps_table is not None):
+        out.append("speculative.adaptive_verification / sps_table are set but speculative.algorithm is 'none'")
+    if spec.enabled and spec.adaptive_verification and kind.is_cpu:
+        out.append("speculative.adaptive_verification on CPU: SGLang 0.5.17's DSpark worker runs on CUDA only")
+    synthetic = spec.synthetic_acceptance_length
+    if synthetic is not None and not spec.enabled:
+        out.append("speculative.synthetic_acceptance_length is set but speculative.algorithm is 'none'")
+    elif synthetic is not None and spec.block_size is not None and synthetic > spec.block_size + 1:
+        out.append(f"speculative.synthetic_acceptance_length {synthetic} exceeds block_size + 1 = {spec.block_size + 1} "
+                   "(a round emits at most the block and the bonus token)")
+    elif synthetic is not None and adaptive_verification(c):
+        out.append("speculative.synthetic_acceptance_length needs speculative.adaptive_verification: false "
+                   "(SGLang simulates acceptance on a verify-all schedule only)")
+    if spec.sps_table is not None and spec.enabled and not adaptive_verification(c):
+        out.append("speculative.sps_table is set but adaptive verification is off (the table only sizes "
+                   "adaptive verify lengths)")
     if f.kv_layout == "v41" and not kind.supports_v41_kv_layout:
         out.append(f"features.kv_layout v41 needs SM100/SM103 or gfx950; {hw.gpu} ({kind.arch}) only has the v4 "
                    "layout (runtime.md §A.3)")

@@ -140,7 +140,9 @@ class TorchAttentionOps:
                act_quant: bool, published: Tensor | None,
                entry_tables: dict[int, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
         """Per request: `run_indexer_cpu` over the decoded index keys of compressed positions
-        0..⌊seq_len/ratio⌋−1 (what the reference state holds)."""
+        0..⌊seq_len/ratio⌋−1 (what the reference state holds); tokens past every request (the
+        ghost tail of a padded ragged verify graph, `batch.static_ragged_verify_layout`) select
+        nothing."""
         src, ratio = role.kv_source, role.ratio
         assert src is not None
         packed = caches.packed(src)
@@ -156,6 +158,11 @@ class TorchAttentionOps:
                                                           None if published is None else published[rows], self.acc)
             selections.append(selection)
             blocks.append(published_blocks)
+        ghosts = layout.num_tokens - int(layout.extend_lens.sum())     # a static ragged verify's tail padding
+        if ghosts:
+            selections.append(selections[-1].new_full((ghosts, *selections[-1].shape[1:]), -1))
+            if role.candidate_source:
+                blocks.append(blocks[-1].new_full((ghosts, *blocks[-1].shape[1:]), -1))
         return torch.cat(selections), (torch.cat(blocks) if role.candidate_source else None)
 
 

@@ -15,8 +15,9 @@ aligned in groups of `SLOT_GROUP` (packed compressed entries, contract §2). Any
 DSpark verify (`TARGET_VERIFY`, docs/dspark.md "Target verify"): SGLang's DSPARK worker runs the
 target once over w = γ+1 tokens per request [anchor, d_0 … d_{γ−1}] at positions P..P+w−1, P =
 `seq_lens` (the committed length; the slots of the window are already in `req_to_token`). Its
-layout is an extend of w tokens per request (`verify_lens` of a ragged layout under
-`SGLANG_RAGGED_VERIFY_MODE` compact / cap-accept, eager only) with `verify_width` = w: the forward
+layout is an extend of w tokens per request (`verify_lens` ≤ w of a ragged layout under
+`SGLANG_RAGGED_VERIFY_MODE` compact / cap-accept: adaptive verification) with `verify_width` = w
+(CUDA graphs: `static_verify_layout`, `static_ragged_verify_layout`): the forward
 then keeps every draft position's ratio-2 pending pair and stages the block's Engram ids instead
 of advancing the history (`runtime/engram_history.py`); the worker's commit applies them.
 
@@ -55,8 +56,9 @@ class BatchLayout:
     * `max_seq_len`: max(seq_lens) as a host int (0 without requests), read once per forward so
       per-layer code sizes its tensors without synchronising with the device; in a static layout
       a static bound ≥ every seq_len (`req_to_token`'s width).
-    * `static`: built by `static_decode_layout` (CUDA-graph decode): unchecked, may hold padding
-      tokens, and the forward's value checks (host syncs) are skipped.
+    * `static`: built by `static_decode_layout` / `static_verify_layout` /
+      `static_ragged_verify_layout` (CUDA graphs): unchecked, may hold padding tokens, and the
+      forward's value checks (host syncs) are skipped.
     * `engram_history`: int64 [B, K] ids before each request's chunk from the host
       (`runtime/engram_history.py`), or None: the forward reads its per-request ring.
     * `verify_width`: w of a DSpark verify batch (module doc; its tokens are speculative), 0
@@ -211,6 +213,34 @@ def static_verify_layout(req_rows: Tensor, seq_lens: Tensor, positions: Tensor, 
                        verify_width=width)
 
 
+def static_ragged_verify_layout(req_rows: Tensor, seq_lens: Tensor, verify_lens: Tensor, positions: Tensor,
+                                out_slots: Tensor, req_to_token: Tensor, width: int) -> BatchLayout:
+    """The layout of a DSpark verify batch with per-request verify lengths (adaptive verification,
+    `SGLANG_RAGGED_VERIFY_MODE=compact`) inside a CUDA graph: request b's `verify_lens[b]` ≤ w
+    tokens are consecutive from exclusive-cumsum(verify_lens)[b], at positions seq_lens[b]..;
+    the batch is padded to the graph tier with tokens at slot 0 (position 0), which SGLang's
+    runner (`padded_to_bucket(cap=w)`) hands to padding requests (row 0) or to the last real
+    request up to w tokens each; the rest belong to no request (ghosts, token_req clamped to the
+    last) — all masked by `live_tokens`. Unchecked and sync-free like `static_verify_layout`;
+    `verify_lens` is the runner's device buffer, refreshed per replay."""
+    device = positions.device
+    pos = positions.to(torch.int64).reshape(-1)
+    req_rows, seq_lens, lens = (x.to(device=device, dtype=torch.int64).reshape(-1)
+                                for x in (req_rows, seq_lens, verify_lens))
+    slots = out_slots.to(device=device, dtype=torch.int64).reshape(-1)
+    B, N = req_rows.numel(), pos.numel()
+    if width < 1 or B < 1 or seq_lens.numel() != B or lens.numel() != B or slots.numel() != N:
+        raise RuntimeError(f"sglang-dsv41 static ragged verify layout: {N} positions, {B} request rows, "
+                           f"{seq_lens.numel()} seq_lens, {lens.numel()} verify lens, {slots.numel()} out slots "
+                           f"(width {width})")
+    ends = torch.cumsum(lens, 0)
+    token_req = torch.searchsorted(ends, torch.arange(N, device=device), right=True).clamp(max=B - 1)
+    return BatchLayout(req_rows=req_rows, prefix_lens=seq_lens, extend_lens=lens, seq_lens=seq_lens + lens,
+                       starts=ends - lens, positions=pos, token_req=token_req, out_slots=slots,
+                       req_to_token=req_to_token, max_seq_len=int(req_to_token.shape[1]), static=True,
+                       verify_width=width)
+
+
 def verify_lens_of(forward_batch) -> tuple[Tensor | None, int]:
     """(per-request verify lengths of a ragged layout or None, w = tokens per request) of a
     TARGET_VERIFY batch's spec info."""
@@ -231,8 +261,8 @@ def layout_from_forward_batch(forward_batch, positions: Tensor, req_to_token: Te
     if static and mode.is_target_verify():
         ragged, width = verify_lens_of(forward_batch)
         if ragged is not None:
-            raise RuntimeError("sglang-dsv41: ragged DSpark verify (SGLANG_RAGGED_VERIFY_MODE compact / cap-accept) "
-                               "runs eager only: serve with --disable-cuda-graph or SGLANG_RAGGED_VERIFY_MODE=static")
+            return static_ragged_verify_layout(forward_batch.req_pool_indices, forward_batch.seq_lens, ragged,
+                                               positions, forward_batch.out_cache_loc, req_to_token, width)
         return static_verify_layout(forward_batch.req_pool_indices, forward_batch.seq_lens, positions,
                                     forward_batch.out_cache_loc, req_to_token, width)
     if static:

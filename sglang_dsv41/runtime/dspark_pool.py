@@ -34,6 +34,7 @@ from ..config import TextConfig
 from ..numerics.profile import CacheProfile
 from .dspark_kv import DSparkContextKV
 from .kv_pool import RowBufferCopies
+from .kv_rows import draft_context_row_bytes
 
 logger = logging.getLogger(__name__)
 GB = 1 << 30
@@ -46,8 +47,7 @@ def draft_stages(text: TextConfig) -> int:
 
 def draft_bytes_per_token(text: TextConfig, profile: CacheProfile = CacheProfile.NONE) -> int:
     """Draft context bytes per target full slot: stages · D · (2 bf16, 4 fp32 under FP8)."""
-    itemsize = 4 if CacheProfile(profile) is CacheProfile.FP8 else 2
-    return draft_stages(text) * text.head_dim * itemsize
+    return draft_context_row_bytes(draft_stages(text), text.head_dim, CacheProfile(profile) is CacheProfile.FP8)
 
 
 class DeepseekV41DSparkPool(RowBufferCopies, KVCache):

@@ -240,27 +240,28 @@ class TorchForward(nn.Module):
                                           live=layout.live_tokens[layout.last_tokens] if layout.static else None)
         history = torch.where(history >= 0, history, torch.full_like(history, self.hasher.pad_token_id))
         if layout.static:
-            return self._static_engram_rows(ids, layout.positions, history, max(layout.verify_width, 1))
+            return self._static_engram_rows(ids, layout, history)
         return self.hasher.row_ids(ids, layout.positions, history, layout.extend_lens)
 
-    def _static_engram_rows(self, ids: Tensor, positions: Tensor, history: Tensor, width: int) -> list[Tensor]:
-        """`EngramHasher.row_ids` for `width` tokens per request (static decode: 1; static
-        DSpark verify: w) without its host-side checks (`_segments` sums extend_lens on the host,
-        `compressed_window` validates ids): the n-gram window of the token at index i of its
-        request is (ids[i], ids[i−1], …, then history[b, K−1], history[b, K−2], …) —
+    def _static_engram_rows(self, ids: Tensor, layout: BatchLayout, history: Tensor) -> list[Tensor]:
+        """`EngramHasher.row_ids` of a static layout (decode: 1 token per request; DSpark verify: w
+        or a ragged verify length) without its host-side checks (`_segments` sums extend_lens on
+        the host, `compressed_window` validates ids): the n-gram window of the token at index i of
+        its request b is (ids[i], ids[i−1], …, then history[b, K−1], history[b, K−2], …) —
         `EngramHasher.window`'s rule (same index clamp) — then the same blocking, pad id, token
         map and per-layer hash (`layer_row_ids`). Bit-identical to `row_ids`
         (tests/test_runtime_cuda_graph.py, tests/test_runtime_dspark_verify.py)."""
         h = self.hasher
         assert h is not None
         K, M = h.history_len, h.max_ngram
-        B = history.shape[0]
+        positions, token_req = layout.positions, layout.token_req
+        N = ids.shape[0]
         shifts = torch.arange(M, device=ids.device)
-        back = torch.arange(width, device=ids.device)[:, None] - shifts[None, :]          # [w, M] local index i − s
-        block = ids.reshape(B, width)
-        from_hist = history[:, (back + K).clamp(min=0, max=K - 1)]                          # [B, w, M]
-        from_ids = block[:, back.clamp(min=0)]                                              # [B, w, M]
-        tok = torch.where((back >= 0)[None], from_ids, from_hist).reshape(B * width, M)
+        index = torch.arange(N, device=ids.device)
+        back = (index - layout.starts[token_req])[:, None] - shifts[None, :]              # [N, M] local index i − s
+        from_hist = history[token_req[:, None], (back + K).clamp(min=0, max=K - 1)]       # [N, M]
+        from_ids = ids[(index[:, None] - shifts[None, :]).clamp(min=0)]                   # [N, M]
+        tok = torch.where(back >= 0, from_ids, from_hist)
         if h.image_token_id is not None:
             tok = torch.where(tok >= MULTIMODAL_PAD_ID_BASE, torch.full_like(tok, h.image_token_id), tok)
         blocked = positions[:, None] < shifts[None, :]

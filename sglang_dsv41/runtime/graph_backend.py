@@ -14,7 +14,10 @@ torch_native's), and, for CUDA graphs, to answer:
   0 (seq_len 1 = position + 1), consistent with the runner's padding of positions (0),
   req_pool_indices (0, the padding row) and out_cache_loc (0, the padding page);
 * `init_forward_metadata_out_graph` / `_in_graph`: no-ops (base class) — nothing outside the
-  model's forward depends on the batch.
+  model's forward depends on the batch;
+* `supports_ragged_verify_graph`: True — under `SGLANG_RAGGED_VERIFY_MODE=compact` (DSpark
+  adaptive verification) the runner captures compact verify batches per token tier and refreshes
+  the layout's `verify_lens` before each replay; the model's static ragged verify layout reads it.
 
 `register()` adds the name to SGLang's `--attention-backend` choices and its backend registry
 (`attention_registry.register_attention_backend`, `server_args.add_attention_backend_choices`);
@@ -37,6 +40,10 @@ def backend_class() -> type:
 
     class Dsv41GraphAttnBackend(TorchNativeAttnBackend):
         """torch_native + the decode CUDA-graph hooks (module docstring)."""
+
+        #: the model builds a compact verify batch's layout inside the graph from the runner's
+        #: refreshed verify_lens buffer (`batch.static_ragged_verify_layout`)
+        supports_ragged_verify_graph = True
 
         def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
             self.cuda_graph_max_bs = int(max_bs)

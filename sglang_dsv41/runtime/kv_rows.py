@@ -83,6 +83,15 @@ def pair_ring_slots(draft_tokens: int) -> int:
     return 2 if draft_tokens == 0 else 1 << (1 + draft_tokens).bit_length()
 
 
+def draft_context_row_bytes(stages: int, head_dim: int, fp32: bool = False) -> int:
+    """DSpark draft context bytes per target full slot: one row of `head_dim` per stage, bf16
+    (fp32 under the FP8 cache profile) — what `runtime/dspark_pool.DeepseekV41DSparkPool` stores
+    (Flash 3 · 512 · 2 = 3072, tiny 576)."""
+    if stages < 0 or head_dim < 1:
+        raise ValueError(f"draft context rows of {stages} stage(s) × {head_dim}")
+    return stages * head_dim * (4 if fp32 else 2)
+
+
 def _ratios(t) -> list[int]:
     return [t.compress_ratios[s] for s in t.kv_source_layer_ids]
 
