@@ -241,7 +241,8 @@ def _zero_width_png() -> str:
 
 # ---- text-only mode --------------------------------------------------------------------------------
 def test_language_model_only_refuses_images_and_serves_text(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    with running(Server(tiny_checkpoint, tmp_path / "lm_only.log", [*SERVER_ARGS, "--language-model-only"])) as srv:
+    args = [*SERVER_ARGS[:-2], "--language-model-only"]     # no image limit: refused on a text-only server
+    with running(Server(tiny_checkpoint, tmp_path / "lm_only.log", args)) as srv:
         assert "vision tower loaded" not in srv.log_tail(200_000)
         status, body = _chat(srv, [{"type": "image_url", "image_url": {"url": png_data_url(make_image(9, (50, 50)))}},
                                    {"type": "text", "text": "hi"}])
