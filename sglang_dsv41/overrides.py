@@ -37,7 +37,6 @@ record of the command line — and gets the declared default.
 """
 from __future__ import annotations
 
-
 import dataclasses
 import json
 import logging
