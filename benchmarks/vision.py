@@ -1,14 +1,15 @@
 """Vision benchmark: image requests against text-only requests on one server (issue 17;
 docs/vision.md, numbers in docs/performance.md).
 
-Cases, each sent ``--reps`` times as streamed greedy `/v1/chat/completions` (the card's API path)
-with the same text:
+Cases, each sent ``--reps`` times as streamed greedy `/v1/chat/completions` (the card's API path);
+the user text starts with the request's number, so only the chat preamble before the user message
+is a prefix-cache hit:
 
 * ``text``: the text alone;
-* ``image_<W>x<H>``: one image per resolution in ``--sizes`` before the text; every rep uses a
-  new random image, so nothing is a prefix-cache hit;
-* ``repeat_<W>x<H>``: the last resolution's first image again (a prefix-cache hit through the
-  image span: the tower does not run).
+* ``image_<W>x<H>``: one image per resolution in ``--sizes`` after the number, before the text;
+  every rep uses a new random image;
+* ``repeat_<W>x<H>``: the last resolution's first request again, same image and text (a prefix-cache
+  hit through the image span: the tower does not run).
 
 Per request: time to first token (first streamed chunk carrying text or reasoning text),
 latency, prompt and cached tokens (``usage``). Per resolution, client-side preprocessing
@@ -125,12 +126,13 @@ class Server:
         self.log.close()
 
 
-def chat(url: str, images: list[bytes], max_tokens: int, timeout_s: float) -> dict:
+def chat(url: str, number: int, images: list[bytes], max_tokens: int, timeout_s: float) -> dict:
     """One streamed greedy chat request: TTFT, latency and the final usage."""
     content = [{"type": "image_url", "image_url": {"url": data_url(p)}} for p in images]
     body = {"model": "default", "stream": True, "stream_options": {"include_usage": True},
             "max_tokens": max_tokens, "temperature": 0,
-            "messages": [{"role": "user", "content": [*content, {"type": "text", "text": TEXT}]}]}
+            "messages": [{"role": "user", "content": [{"type": "text", "text": f"Request {number}."}, *content,
+                                                      {"type": "text", "text": TEXT}]}]}
     req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
@@ -153,16 +155,17 @@ def chat(url: str, images: list[bytes], max_tokens: int, timeout_s: float) -> di
 
 
 def run_cases(url: str, args: argparse.Namespace, sizes: list[tuple[int, int]]) -> dict[str, dict]:
-    cases: dict[str, list[list[bytes]]] = {"text": [[] for _ in range(args.reps)]}
+    number = iter(range(1, 1_000_000))
+    cases: dict[str, list[tuple[int, list[bytes]]]] = {"text": [(next(number), []) for _ in range(args.reps)]}
     for i, (w, h) in enumerate(sizes):
-        cases[f"image_{w}x{h}"] = [[make_png(1000 * (i + 1) + r, (w, h))] for r in range(args.reps)]
+        cases[f"image_{w}x{h}"] = [(next(number), [make_png(1000 * (i + 1) + r, (w, h))]) for r in range(args.reps)]
     w, h = sizes[-1]
     cases[f"repeat_{w}x{h}"] = [cases[f"image_{w}x{h}"][0]] * args.reps
-    chat(url, [make_png(7, (64, 64))], args.max_tokens, args.request_timeout)        # warm-up, not recorded
+    chat(url, 0, [make_png(7, (64, 64))], args.max_tokens, args.request_timeout)        # warm-up, not recorded
     out = {}
     for name, requests in cases.items():
         t0 = time.perf_counter()
-        rows = [chat(url, images, args.max_tokens, args.request_timeout) for images in requests]
+        rows = [chat(url, n, images, args.max_tokens, args.request_timeout) for n, images in requests]
         wall = time.perf_counter() - t0
         out[name] = {"requests": rows, "ttft_ms_mean": 1e3 * mean(r["ttft_s"] for r in rows),
                      "ttft_ms_median": 1e3 * median(r["ttft_s"] for r in rows),
