@@ -241,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                        f"{args.reps} reps, {args.max_tokens} new tokens, sequential",
               "machine": _machine(),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "load_average_1_5_15_at_start": list(os.getloadavg()),
               "args": {k: str(v) for k, v in vars(args).items()},
               "preprocessing": preprocessing(args.model_path, sizes, args.reps)}
     if not args.dry_run:
@@ -254,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if server is not None:
                 server.stop()
+        result["load_average_1_5_15_at_end"] = list(os.getloadavg())
         result["png"] = plot(result, args.out.with_suffix(".png"))
     args.out.write_text(json.dumps(result, indent=1))
     print("->", args.out)
