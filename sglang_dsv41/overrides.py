@@ -38,6 +38,7 @@ record of the command line — and gets the declared default.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from typing import Any
 
@@ -203,12 +204,38 @@ def add_cli_args_hook(result: Any, parser: Any, *args: Any, **kwargs: Any) -> No
 
 
 def vision_refusals(server_args: Any, has_vision: bool) -> list[str]:
-    """Start-up refusals of the vision modes (docs/vision.md)."""
+    """Start-up refusals of the vision modes and of `--limit-mm-data-per-request` (docs/vision.md)."""
     if server_args.enable_multimodal is False and getattr(server_args, "mm_enable_dp_encoder", False):
         return ["--language-model-only and --mm-enable-dp-encoder are mutually exclusive: text-only mode "
                 "has no vision encoder to run data-parallel; drop one of them"]
     if server_args.enable_multimodal and not has_vision:
         return ["--enable-multimodal: this checkpoint has no vision_config (no vision tower)"]
+    return _image_limit_refusals(getattr(server_args, "limit_mm_data_per_request", None),
+                                 has_vision and server_args.enable_multimodal is not False)
+
+
+def _image_limit_refusals(limit: Any, serves_images: bool) -> list[str]:
+    """`--limit-mm-data-per-request` for V4.1: '{"image": N}', N ≥ 1, on a server that takes images."""
+    if not limit:
+        return []
+    flag = "--limit-mm-data-per-request"
+    if isinstance(limit, str):
+        try:
+            limit = json.loads(limit)
+        except ValueError:
+            return [f"{flag} {limit!r} is not JSON; write '{{\"image\": N}}'"]
+    if not isinstance(limit, dict):
+        return [f"{flag} must be a JSON object such as '{{\"image\": N}}', got {limit!r}"]
+    if not serves_images:
+        return [f"{flag} on a text-only server (--language-model-only, or a checkpoint without vision_config): "
+                "every image is refused already; drop the limit"]
+    other = sorted(set(limit) - {"image"})
+    if other:
+        return [f"{flag}: DeepSeek-V4.1 takes images only, not {', '.join(other)}; write '{{\"image\": N}}'"]
+    n = limit.get("image")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        return [f"{flag}: the image limit must be an integer ≥ 1, got {n!r} (no images at all: use "
+                "--language-model-only)"]
     return []
 
 

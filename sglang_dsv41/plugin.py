@@ -74,15 +74,15 @@ API_REGISTER_MODULE = "sglang_dsv41.api.register"
 #:   pins its own block of rows, the lookup keeps its masked lookup + all-reduce; spec runtime.md
 #:   §A.7). The runtime refuses ``shared`` (one memfd mapping for the TP group), and so does the
 #:   deployment schema.
+#: * ``text_only`` — the card's ``--language-model-only``, a real CLI flag the plugin adds to SGLang's
+#:   parser (`overrides.add_cli_args_hook`): no vision tower, image requests refused (docs/vision.md).
 #: Not provided, so a launch that needs them is refused: the FP4 KV layout (``kv_layout_v41``),
-#: SWA bounded replay (``bounded_replay_encoder`` / ``_decoder``), V4.1 DSpark (``dspark``),
-#: encoder data-parallel (``encoder_data_parallel``), and the text-only switch (``text_only``: the
-#: plugin now has the CLI flag ``--language-model-only`` (docs/vision.md), but `deploy/capabilities.py`
-#: still declares it as an environment variable, and `runtime/requirements.py` still says the runtime
-#: serves text only; both are the deployment area's to update). TP sizes other than 1/2/4/8, DP
-#: attention, vision serving and CUDA graphs are limits of the runtime (`runtime/requirements.py`),
-#: not capabilities.
-LAUNCH_CAPABILITIES: tuple[str, ...] = ("model", "reasoning_parser", "tool_parser", "engram_host_table")
+#: SWA bounded replay (``bounded_replay_encoder`` / ``_decoder``), V4.1 DSpark (``dspark``) and
+#: encoder data-parallel (``encoder_data_parallel``: the tower is replicated on every rank, but
+#: ``--mm-enable-dp-encoder``'s split of the images over ranks is not implemented or tested).
+#: TP sizes other than 1/2/4/8, DP attention and CUDA graphs are limits of the runtime
+#: (`runtime/requirements.py`), not capabilities.
+LAUNCH_CAPABILITIES: tuple[str, ...] = ("model", "reasoning_parser", "tool_parser", "engram_host_table", "text_only")
 
 
 class PluginLoadError(SystemExit):

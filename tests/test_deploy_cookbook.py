@@ -55,7 +55,7 @@ SHORT = {"tensor_parallel": "TP size", "dp_attention": "DP attention", "vision":
          "kv_layout_v41": "FP4 KV", "engram_host_table": "Engram host", "dspark": "DSpark", "pd_disaggregation": "PD",
          "bounded_replay_encoder": "encoder replay", "bounded_replay_decoder": "decoder replay",
          "encoder_data_parallel": "encoder DP", "model": "no plugin", "reasoning_parser": "no parser",
-         "tool_parser": "no parser", "text_only": "text-only switch"}
+         "tool_parser": "no parser", "text_only": "text-only switch", "pd_vision": "PD images"}
 
 
 def test_readme_status_column_matches_what_launch_does() -> None:

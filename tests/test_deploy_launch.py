@@ -12,6 +12,7 @@ The tiny configs' checkpoint path lives in the cache; the golden files are rende
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from pathlib import Path
 
@@ -36,7 +37,8 @@ NOT_PROVIDED = {"kv_layout_v41", "bounded_replay_encoder", "bounded_replay_decod
 HOST_TABLE_ENV = {"SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": "1", "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT": "per_rank"}
 # A runtime without today's limits: what the launcher does once the runtime grows.
 FULL_RUNTIME = RuntimeProfile(name="full", doc="-", flags=(), tp_sizes=(1, 2, 4, 8), vision=True, cuda_graphs=True,
-                              pd_disaggregation=True, kv_cache_dtypes=("auto", "bf16", "fp8_e4m3"), dp_attention=True)
+                              pd_disaggregation=True, kv_cache_dtypes=("auto", "bf16", "fp8_e4m3"), dp_attention=True,
+                              pd_vision=True)
 # Today's runtime with TP1 only: the tensor-parallel refusal the launcher gives for a size it cannot shard.
 TP1_RUNTIME = RuntimeProfile(name="tp1", doc="-", flags=(), tp_sizes=(1,), vision=False, cuda_graphs=False,
                              pd_disaggregation=False, kv_cache_dtypes=("auto",), reasons=TORCH_PATH.reasons)
@@ -51,16 +53,19 @@ def fixed_cache_home(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="session")
 def sglang_parser() -> argparse.ArgumentParser:
     """SGLang 0.5.17's own CLI parser, built after the plugin registered its parser names (as SGLang
-    does: plugins load before argument parsing). Importing server_args takes seconds: once per session."""
+    does: plugins load before argument parsing) with the plugin's `--language-model-only` added (the
+    `ServerArgs.add_cli_args` hook's function). Importing server_args takes seconds: once per session."""
     from sglang.srt.server_args import ServerArgs
 
     from sglang_dsv41.api.register import register_parsers
+    from sglang_dsv41.overrides import add_cli_args_hook
     from sglang_dsv41.runtime import graph_backend
 
     register_parsers()
     graph_backend.register()                  # `--attention-backend dsv41`, as the plugin load does
     ap = argparse.ArgumentParser(exit_on_error=False)
     ServerArgs.add_cli_args(ap)
+    add_cli_args_hook(None, ap)
     return ap
 
 
@@ -116,20 +121,28 @@ def test_parser_names_are_the_ones_the_api_registers() -> None:
 
 
 def test_plugin_declares_what_it_provides_and_nothing_else() -> None:
-    assert PLUGIN == {"model", "reasoning_parser", "tool_parser", "engram_host_table"}
+    assert PLUGIN == {"model", "reasoning_parser", "tool_parser", "engram_host_table", "text_only"}
     assert capabilities.available_capabilities() == PLUGIN   # entry point installed: "model" counts
     assert NOT_PROVIDED <= set(CAPABILITIES) - PLUGIN
-    assert "text_only" not in PLUGIN                        # a text-only runtime needs no switch
+    assert CAPABILITIES["text_only"].args == ("--language-model-only",) and not CAPABILITIES["text_only"].env
 
 
 def test_language_only_is_not_text_only(sglang_parser) -> None:
-    """0.5.17's --language-only exists but is EPD disaggregation, so text-only must not map to it."""
-    assert "--language-model-only" not in sglang_parser._option_string_actions
+    """0.5.17's --language-only exists but is EPD disaggregation, so text-only must not map to it;
+    it maps to the plugin's --language-model-only (enable_multimodal False), which stock 0.5.17 lacks."""
+    from sglang.srt.server_args import ServerArgs
+
+    stock = argparse.ArgumentParser(exit_on_error=False)
+    ServerArgs.add_cli_args(stock)
+    assert "--language-model-only" not in stock._option_string_actions
     assert "--language-only" in sglang_parser._option_string_actions
     dc = load_config(ROOT / "configs" / "gb200-tp4-text-only.yaml")
     for caps in (NONE, ALL):
         args = build_launch(dc, caps).commands[0].args
         assert "--language-only" not in args
+    args = build_launch(dc, PLUGIN).commands[0].args
+    assert "--language-model-only" in args and _parse(sglang_parser, args).enable_multimodal is False
+    assert [u.capability for u in build_launch(dc, NONE).unavailable if u.capability == "text_only"] == ["text_only"]
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
@@ -153,10 +166,12 @@ def test_unavailable_options_are_listed_not_dropped(path: Path) -> None:
     assert build_launch(dc, ALL, FULL_RUNTIME).unavailable == ()
 
 
-def test_only_the_tiny_configs_are_servable_today() -> None:
+def test_the_configs_servable_today() -> None:
+    """The tiny configs, and the card recipes that ask for nothing beyond the runtime (TP 4/8, Engram
+    per_rank, BF16 KV, images): h200-tp4, h200-tp8, mi355x-tp2."""
     servable = {p.stem for p in CONFIGS if not build_launch(load_config(p), PLUGIN).unavailable}
     assert servable == {"tiny-cpu", "tiny-cpu-pd-1p1d", "tiny-h200-tp1", "tiny-h200-tp2", "tiny-h200-tp4",
-                        "tiny-h200-tp8"}
+                        "tiny-h200-tp8", "h200-tp4", "h200-tp8", "mi355x-tp2"}
 
 
 @pytest.mark.parametrize("tp", [4, 8])
@@ -214,8 +229,11 @@ def test_dp_attention_is_a_runtime_limit_with_its_reason() -> None:
 
 def test_runtime_limits_name_their_reason() -> None:
     h200 = {u.capability: u for u in build_launch(load_config(ROOT / "configs" / "h200-tp4.yaml"), PLUGIN).unavailable}
-    assert set(h200) == {"vision"}             # Engram host placement is provided (per_rank)
-    assert "text only" in h200["vision"].reason and "features.text_only" in h200["vision"].reason
+    assert h200 == {}             # Engram host placement is provided (per_rank), vision is served
+    no_vision = dataclasses.replace(TORCH_PATH, vision=False)   # a text-only runtime refuses image input
+    h200 = {u.capability: u for u in build_launch(load_config(ROOT / "configs" / "h200-tp4.yaml"), PLUGIN,
+                                                  no_vision).unavailable}
+    assert set(h200) == {"vision"} and "features.text_only" in h200["vision"].reason
     text_only = build_launch(load_config(ROOT / "configs" / "gb200-tp4-text-only.yaml"), PLUGIN).unavailable
     assert "vision" not in {u.capability for u in text_only}
     mi325 = {u.capability: u
@@ -223,14 +241,16 @@ def test_runtime_limits_name_their_reason() -> None:
     assert "decode full" in mi325["cuda_graphs"].what
     b300 = {u.capability for u in build_launch(load_config(ROOT / "configs" / "b300-dep8.yaml"), PLUGIN).unavailable}
     assert {"kv_cache_dtype", "kv_layout_v41"} <= b300
-    pd = {u.capability for u in build_launch(load_config(ROOT / "configs" / "h200-pd-1p1d.yaml"), PLUGIN).unavailable}
-    assert "pd_disaggregation" not in pd        # PD over Mooncake is served (docs/pd.md)
+    pd = {u.capability: u for u in build_launch(load_config(ROOT / "configs" / "h200-pd-1p1d.yaml"), PLUGIN).unavailable}
+    assert set(pd) == {"pd_vision"}             # PD over Mooncake is served (docs/pd.md), images through it are not
+    assert "features.text_only" in pd["pd_vision"].reason
 
 
 def test_a_runtime_with_vision_needs_the_text_only_switch() -> None:
     dc = load_config(ROOT / "configs" / "gb200-tp4-text-only.yaml")
-    assert "text_only" not in required_capabilities(dc, TORCH_PATH)
+    assert "text_only" in required_capabilities(dc, TORCH_PATH)       # today's runtime loads the tower
     assert "text_only" in required_capabilities(dc, FULL_RUNTIME)
+    assert "text_only" not in required_capabilities(dc, dataclasses.replace(TORCH_PATH, vision=False))
 
 
 def test_launch_names_the_plugin_defaults_its_command_leaves_to_sglang() -> None:

@@ -80,3 +80,22 @@ def test_chat_completion_goes_through_the_v41_reasoning_parser(launched: Launche
     plain = launched.post("/v1/chat/completions", {**body, "chat_template_kwargs": {"thinking": False}})
     assert plain["choices"][0]["message"]["reasoning_content"] is None
     assert plain["usage"]["prompt_tokens"] < thinking["usage"]["prompt_tokens"]   # no effort line in the prompt
+
+
+def test_the_config_serves_images(launched: LaunchedServer) -> None:
+    """configs/tiny-cpu.yaml is not text-only: the card's image request is served (docs/vision.md)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (96, 80), (200, 30, 30)).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    text = {"type": "text", "text": "What is in this image?"}
+    body = {"model": "tiny-dsv41", "max_tokens": 4, "temperature": 0}
+    plain = launched.post("/v1/chat/completions", {**body, "messages": [{"role": "user", "content": [text]}]})
+    image = launched.post("/v1/chat/completions", {**body, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, text]}]})
+    assert image["choices"][0]["message"]["role"] == "assistant"
+    assert image["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"] + 1     # the image's span

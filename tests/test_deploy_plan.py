@@ -194,9 +194,11 @@ def test_h200_tp4_kv_38_5_gib(flash) -> None:
     # the card's layout (Engram in host memory): 139.8 · 0.9 − 71.50 GiB of weights (vision loaded, no DSpark)
     assert (p.static_budget - p.weights.resident_per_rank) / GIB == pytest.approx(139.8 * 0.9 - 71.50, abs=0.01)
     # this runtime puts its Engram shard in pinned host memory (per_rank) and holds the embedding /
-    # head as fp32 vocabulary blocks (+ a BF16 head copy): 73.75 GiB per rank on the GPU at TP 4
-    assert p.runtime_weights is not None and p.runtime_weights.per_rank / GIB == pytest.approx(73.75, abs=0.01)
-    assert p.kv_budget / GIB == pytest.approx(139.8 * 0.9 - 73.75, abs=0.01)
+    # head as fp32 vocabulary blocks (+ a BF16 head copy): 73.75 GiB of text model per rank on the GPU
+    # at TP 4, plus the vision tower (485M parameters as fp32, replicated): 1.81 GiB
+    assert p.runtime_weights is not None and p.runtime_weights.by_component["vision"] / GIB == pytest.approx(1.81, abs=0.01)
+    assert p.runtime_weights.per_rank / GIB == pytest.approx(73.75 + 1.81, abs=0.01)
+    assert p.kv_budget / GIB == pytest.approx(139.8 * 0.9 - 75.56, abs=0.01)
     assert "Engram shard in pinned host memory (per_rank)" in p.runtime_weights_note
 
 
@@ -207,7 +209,7 @@ def test_h200_tp4_fits_this_runtime_with_its_engram_shard_on_the_host(flash) -> 
     dc = load_config(ROOT / "configs" / "h200-tp4.yaml")
     assert (dc.engram.placement, dc.engram.host_layout) == ("host", "per_rank")
     p = make_plan(dc, flash)
-    on_device = runtime_residency(flash, 4)
+    on_device = runtime_residency(flash, 4, vision=True)       # the recipe serves images: the tower is loaded
     shard = on_device.by_component["engram"]
     rw = p.runtime_weights
     assert rw is not None and rw.engram_placement == "host" and "engram" not in rw.by_component
@@ -338,10 +340,13 @@ def test_plan_cli_options_and_checkpoint(tmp_path: Path, capsys) -> None:
     assert "above MegaMoE's 1024" in capsys.readouterr().err
     text_rc = plan_mod.cli(["--config", str(ROOT / "configs" / "h200-tp4.yaml")])
     text = capsys.readouterr().out
-    # the card's recipe (Engram in host memory, per_rank) fits this runtime's memory, but the
-    # launcher refuses it until vision is served (or features.text_only is set): plan says so, rc 1
+    # the card's recipe (Engram in host memory, per_rank, images served) fits this runtime's memory
+    # and launches: rc 0; the tower is in the runtime's weights, an image's tokens in the context
     assert "verdict: fits" in text and "Engram: in pinned host memory" in text
-    assert text_rc == 1 and "launch: CANNOT BE SERVED AS CONFIGURED YET" in text and "  - vision:" in text
+    assert text_rc == 0 and "launch: CANNOT BE SERVED AS CONFIGURED YET" not in text
+    assert "vision tower 1851.2 MiB fp32 replicated per rank" in text
+    assert "images: no cap on images per request (the card's default; one image shown); an image at the " \
+           "1024-token cap takes 1,058 prompt tokens" in text
     assert "layout per_rank: each of the 4 rank(s) pins its own block of rows" in text
     assert "this runtime holds per rank" in text and "Engram shard in pinned host memory (per_rank)" in text
     assert "377.7 GiB host per node" in text   # the card's 188.8 GiB of tables, two TP4 servers per node

@@ -99,3 +99,17 @@ def test_engram_host_shards_follow_the_runtimes_row_blocks(tiny_checkpoint) -> N
         assert held == want, rank
     with pytest.raises(ValueError, match="engram placement"):
         runtime_residency(cfg, 2, "peer")
+
+
+def test_vision_row_equals_the_towers_parameters(tiny_checkpoint) -> None:
+    """vision=True adds the bytes `runtime/vision.VisionTower` holds (every tensor an fp32
+    parameter, the same on every rank); a checkpoint without a tower, or vision=False, adds none."""
+    from sglang_dsv41.runtime.vision import VisionTower
+
+    cfg = DeepseekV41Config.from_file(tiny_checkpoint)
+    tower = VisionTower(cfg)
+    held = sum(p.numel() * p.element_size() for p in tower.parameters())
+    for tp in (1, 2):
+        with_tower, text = runtime_residency(cfg, tp, vision=True), runtime_residency(cfg, tp)
+        assert with_tower.by_component["vision"] == held and "vision" not in text.by_component
+        assert with_tower.per_rank == text.per_rank + held

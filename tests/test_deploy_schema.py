@@ -101,6 +101,13 @@ ILLEGAL = [
     ({"hardware__gpu": "TPU"}, "unknown GPU kind"),
     ({"serving__mem_fraction_static": "1.5"}, "less than 1"),
     ({"serving__no_such_key": "1"}, "Extra inputs are not permitted"),
+    ({"features__text_only": "true", "features__max_images_per_request": "2"},
+     "features.max_images_per_request 2 with features.text_only: a text-only server refuses every image"),
+    ({"features__max_images_per_request": "0"}, "greater than or equal to 1"),
+    ({"serving__extra_args": '["--limit-mm-data-per-request", "{\\"image\\": 2}"]'},
+     "--limit-mm-data-per-request in extra_args: set features.max_images_per_request: N instead"),
+    ({"serving__extra_args": '["--language-model-only"]'},
+     "--language-model-only in extra_args: set features.text_only: true instead"),
     ({"model__tiny_seed": "0", "model__architecture": "tiny", "model__path": "/ckpt"}, "two checkpoint sources"),
     ({"model__tiny_seed": "0"}, "set model.architecture: tiny"),
 ]
@@ -161,7 +168,8 @@ def test_architecture_names_a_known_preset() -> None:
 def test_tiny_configs_use_the_cached_tiny_checkpoint() -> None:
     for name in ("tiny-cpu", "tiny-h200-tp1", "tiny-h200-tp2"):
         c = load_config(ROOT / "configs" / f"{name}.yaml")
-        assert c.model.tiny_seed == 0 and c.model.architecture == "tiny" and c.features.text_only
+        # images served on CPU (tests/test_vision_server.py); text-only on the GPU until validated there
+        assert c.model.tiny_seed == 0 and c.model.architecture == "tiny" and c.features.text_only == (name != "tiny-cpu")
 
 
 @pytest.mark.parametrize("command", ["launch", "plan", "doctor"])
@@ -175,3 +183,31 @@ def test_a_missing_or_unreadable_config_is_one_line_not_a_traceback(command, tmp
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"sglang-dsv41 {command}: {needle}") and "(--config)" in err
         assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_image_limit_is_emitted_parsed_and_checked_against_the_context() -> None:
+    """features.max_images_per_request → SGLang's --limit-mm-data-per-request '{"image": N}' (its
+    own check answers 'Image count M exceeds limit N'); N images that cannot fit the context at the
+    per-image token cap are refused with the numbers, and so is a cap on a checkpoint without a tower."""
+    import json
+
+    from sglang_dsv41.config import DeepseekV41Config
+    from sglang_dsv41.deploy.command import build_launch
+    from sglang_dsv41.deploy.memory import check_against_checkpoint
+    from sglang_dsv41.deploy.vision_config import image_span_tokens
+    from sglang_dsv41.presets import flash_config_dict
+
+    dc = config_from_dict(_with(features__max_images_per_request="4", serving__context_length="8192"))
+    args = build_launch(dc, frozenset()).commands[0].args
+    i = args.index("--limit-mm-data-per-request")
+    assert json.loads(args[i + 1]) == {"image": 4}
+    flash = DeepseekV41Config.from_dict(flash_config_dict())
+    assert image_span_tokens(flash.vision) == 32 * 33 + 2
+    assert check_against_checkpoint(dc, flash) == []
+    eight = config_from_dict(_with(features__max_images_per_request="8", serving__context_length="8192"))
+    (problem,) = check_against_checkpoint(eight, flash)
+    assert "8 image(s) at the 1024-token cap need at least 8,216 prompt tokens, above the 8,192-token context" in problem
+    no_tower = flash_config_dict()
+    no_tower.pop("vision_config")
+    (problem,) = check_against_checkpoint(dc, DeepseekV41Config.from_dict(no_tower))
+    assert "features.max_images_per_request: the checkpoint has no vision tower" in problem

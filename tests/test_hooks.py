@@ -197,6 +197,17 @@ def test_vision_refusals():
     assert vision_refusals(SimpleNamespace(enable_multimodal=None, mm_enable_dp_encoder=True), True) == []
     assert "no vision_config" in vision_refusals(SimpleNamespace(enable_multimodal=True,
                                                                  mm_enable_dp_encoder=False), False)[0]
+    # --limit-mm-data-per-request (docs/vision.md): '{"image": N}' with N >= 1, on a server that takes images
+    def limit(value, enable=None, has_vision=True):
+        args = SimpleNamespace(enable_multimodal=enable, mm_enable_dp_encoder=False, limit_mm_data_per_request=value)
+        return vision_refusals(args, has_vision)
+
+    assert limit({"image": 4}) == limit('{"image": 1}') == limit(None) == []
+    assert "takes images only, not video" in limit({"image": 2, "video": 1})[0]
+    assert "integer ≥ 1, got 0" in limit({"image": 0})[0] and "integer ≥ 1, got '2'" in limit({"image": "2"})[0]
+    assert "is not JSON" in limit("{image: 2}")[0] and "must be a JSON object" in limit("[2]")[0]
+    assert "on a text-only server" in limit({"image": 2}, enable=False)[0]
+    assert "on a text-only server" in limit({"image": 2}, has_vision=False)[0]
 
 
 @pytest.mark.parametrize("page_size", [2, 4])

@@ -4,8 +4,8 @@ The server runs `--chunked-prefill-size 12 --enable-mixed-chunk`, so every image
 tokens) is prefilled across chunks. The oracle is `ReferenceModel` (CPU) with the same decoded
 image: teacher-forced on the server's greedy tokens, each is the reference's top-1 up to the
 serving-path contract (`test_runtime_server.within_contract`'s margin 2·LOGIT_BOUND). Also: the
-card's image request on `/v1/chat/completions` (data URL), multi-image, an image request hitting
-the prefix cache, more images than `--limit-mm-data-per-request`, every bad input → 4xx with a message and the server still serving, and the
+card's two verification requests on `/v1/chat/completions` (text `17*19`, and an image; data URL),
+multi-image, multi-turn with images in two turns, an image request hitting the prefix cache, more images than `--limit-mm-data-per-request`, every bad input → 4xx with a message and the server still serving, and the
 text-only mode (`--language-model-only`): images → 400, text served, refused with
 `--mm-enable-dp-encoder` at start-up. Every wait is bounded; every server is stopped.
 """
@@ -130,17 +130,68 @@ def _chat(server: Server, content, max_tokens: int = 8) -> tuple[int, dict]:
         "max_tokens": max_tokens, "temperature": 0})
 
 
-def test_card_image_request_on_chat_completions(server: Server, reference: ReferenceModel) -> None:
-    img = make_image(7, (200, 90))
-    text = [{"type": "text", "text": "What is in this image? Answer in one word."}]
-    status, plain = _chat(server, text)
+def _is_completion(res: dict, max_tokens: int) -> dict:
+    """The chat-completion shape the card's client reads (the tiny model's words are random)."""
+    assert res["object"] == "chat.completion" and len(res["choices"]) == 1, res
+    choice = res["choices"][0]
+    msg = choice["message"]
+    assert msg["role"] == "assistant" and choice["finish_reason"] in ("stop", "length"), choice
+    assert isinstance(msg.get("content") or "", str) and isinstance(msg.get("reasoning_content") or "", str)
+    usage = res["usage"]
+    assert 0 < usage["completion_tokens"] <= max_tokens and usage["prompt_tokens"] > 0, usage
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"], usage
+    return usage
+
+
+def test_card_verification_requests_on_chat_completions(server: Server, reference: ReferenceModel) -> None:
+    """The card's "Verifying" pair on `/v1/chat/completions`: its text request (17*19, as a plain
+    string; 323 is checked on the real checkpoint only) and an image request with the same text."""
+    card = "What is 17*19? Return only the integer."
+    status, plain = _chat(server, card)
     assert status == 200, plain
-    status, res = _chat(server, [{"type": "image_url", "image_url": {"url": png_data_url(img)}}, *text])
+    text_usage = _is_completion(plain, 8)
+    img = make_image(7, (200, 90))
+    status, res = _chat(server, [{"type": "image_url", "image_url": {"url": png_data_url(img)}},
+                                 {"type": "text", "text": card}])
     assert status == 200, res
+    usage = _is_completion(res, 8)
     n_span = len(reference.encode_images([reference.cfg.image_token_id], [img])[0])
-    # the image adds its span (the placeholder is expanded) to the text prompt
-    assert res["usage"]["prompt_tokens"] - plain["usage"]["prompt_tokens"] >= n_span - 1
-    assert res["choices"][0]["message"] is not None
+    # the placeholder is expanded to the image's span, which usage reports as image tokens; the
+    # prompt also gains the part joiner between the image and the text
+    assert usage["prompt_tokens_details"]["image_tokens"] == n_span, usage
+    assert usage["prompt_tokens"] - text_usage["prompt_tokens"] >= n_span, (usage, text_usage, n_span)
+
+
+def test_multi_turn_with_images_in_two_turns(server: Server, reference: ReferenceModel) -> None:
+    """Turn 2 = turn 1's prompt + its reply + a new image: it hits the cache through turn 1's image
+    span and stays within the contract; the same turn 2 with a different first image (same size)
+    misses from that image on — the cache is keyed on image content, not on the placeholder."""
+    a, b, other_a = make_image(11, (120, 100)), make_image(12, (90, 160)), make_image(13, (120, 100))
+    turn1 = _prompt(reference, 11, 16, 1)
+    first = generate(server, turn1, [a])
+    n1 = first["meta_info"]["prompt_tokens"]
+    turn2 = turn1 + first["output_ids"] + _prompt(reference, 12, 12, 1)[1:]
+    second = generate(server, turn2, [a, b])
+    assert second["meta_info"]["cached_tokens"] >= n1 - 2, second["meta_info"]       # through image a's span
+    assert within_contract(reference, turn2, [a, b], second["output_ids"]), server.log_tail()
+    start_a = turn1.index(reference.cfg.image_token_id)
+    swapped = generate(server, turn2, [other_a, b])
+    assert swapped["meta_info"]["cached_tokens"] <= start_a + 1, swapped["meta_info"]
+    # the chat API: the second turn's prompt carries both images' spans
+    url_a, url_b = png_data_url(a), png_data_url(b)
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url_a}},
+                                         {"type": "text", "text": "What is this?"}]}]
+    status, r1 = server.post_status("/v1/chat/completions", {"model": "tiny", "messages": msgs, "max_tokens": 4,
+                                                             "temperature": 0})
+    assert status == 200, r1
+    msgs += [{"role": "assistant", "content": r1["choices"][0]["message"]["content"] or "ok"},
+             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url_b}},
+                                          {"type": "text", "text": "And this one?"}]}]
+    status, r2 = server.post_status("/v1/chat/completions", {"model": "tiny", "messages": msgs, "max_tokens": 4,
+                                                             "temperature": 0})
+    assert status == 200, r2
+    span_b = len(reference.encode_images([reference.cfg.image_token_id], [b])[0])
+    assert r2["usage"]["prompt_tokens"] > r1["usage"]["prompt_tokens"] + span_b, (r1["usage"], r2["usage"])
 
 
 @pytest.mark.parametrize("url, message", [
@@ -192,7 +243,8 @@ def _zero_width_png() -> str:
 
 # ---- text-only mode --------------------------------------------------------------------------------
 def test_language_model_only_refuses_images_and_serves_text(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    with running(Server(tiny_checkpoint, tmp_path / "lm_only.log", [*SERVER_ARGS, "--language-model-only"])) as srv:
+    args = [*SERVER_ARGS[:-2], "--language-model-only"]     # no image limit: refused on a text-only server
+    with running(Server(tiny_checkpoint, tmp_path / "lm_only.log", args)) as srv:
         assert "vision tower loaded" not in srv.log_tail(200_000)
         status, body = _chat(srv, [{"type": "image_url", "image_url": {"url": png_data_url(make_image(9, (50, 50)))}},
                                    {"type": "text", "text": "hi"}])

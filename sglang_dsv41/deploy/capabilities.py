@@ -52,9 +52,10 @@ CAPABILITIES: dict[str, Capability] = {c.name: c for c in (
                why_not_stock="0.5.17 has no Engram at all; 0.5.23 switches the host table with "
                              "SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE (runtime.md §A.7)"),
     Capability("text_only", "text-only serving, no vision tower (card: --language-model-only)",
-               env=(("SGLANG_DSV41_LANGUAGE_MODEL_ONLY", "1"),),
-               why_not_stock="0.5.17 has no --language-model-only; its --language-only is encoder/prefill/decode "
-                             "disaggregation (needs encoder servers, refused for this architecture)"),
+               args=("--language-model-only",),
+               why_not_stock="0.5.17 has no --language-model-only (the plugin adds it to SGLang's parser); its "
+                             "--language-only is encoder/prefill/decode disaggregation (needs encoder servers, refused "
+                             "for this architecture)"),
     Capability("encoder_data_parallel", "vision encoder data-parallel (card: --mm-encoder-tp-mode data)",
                args=("--mm-enable-dp-encoder",),
                why_not_stock="0.5.17 has --mm-enable-dp-encoder, but only the plugin's ViT can honour it "

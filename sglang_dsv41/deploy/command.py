@@ -31,6 +31,7 @@ from ..runtime.requirements import CURRENT_RUNTIME, Device, RuntimeProfile
 from ..serve import tiny_checkpoint_dir
 from .capabilities import CAPABILITIES
 from .schema import DeploymentConfig, PDRoleSpec, adaptive_verification
+from .vision_config import limit_args
 
 SERVER_MODULE = "sglang.launch_server"
 ROUTER_MODULE = "sglang_router.launch_router"
@@ -93,9 +94,9 @@ class LaunchPlan:
 
 
 def required_capabilities(dc: DeploymentConfig, runtime: RuntimeProfile = CURRENT_RUNTIME) -> list[str]:
-    """Plugin capabilities `dc` needs. Text-only needs a switch only from a runtime that can load
-    the vision tower; a text-only runtime serves it as it is (a config wanting vision hits
-    `runtime_limits` instead)."""
+    """Plugin capabilities `dc` needs. Text-only needs the `--language-model-only` switch only from
+    a runtime that loads the vision tower (a text-only runtime would serve it as it is, and a
+    config wanting vision would hit `runtime_limits` instead)."""
     f = dc.features
     want = ["model"]
     want += ["reasoning_parser"] if dc.serving.reasoning_parser else []
@@ -139,6 +140,8 @@ def runtime_limits(dc: DeploymentConfig, runtime: RuntimeProfile = CURRENT_RUNTI
     if graphs and (not runtime.cuda_graphs or (prefill_graphs and not runtime.prefill_cuda_graphs)
                    or p.tp not in runtime.cuda_graph_tp_sizes):
         limit("cuda_graphs", f"CUDA graphs ({graphs}){f' at TP {p.tp}' if p.tp > 1 else ''}")
+    if dc.pd is not None and not dc.features.text_only and runtime.vision and not runtime.pd_vision:
+        limit("pd_vision", "image input with prefill/decode disaggregation")
     if dc.pd is not None and (not runtime.pd_disaggregation
                                or dc.pd.transfer_backend not in runtime.pd_transfer_backends):
         limit("pd_disaggregation", f"prefill/decode disaggregation over {dc.pd.transfer_backend}")
@@ -198,6 +201,7 @@ def _server_args(dc: DeploymentConfig, host: str, port: int) -> list[str]:
     args += _opt("--context-length", s.context_length) + _opt("--max-running-requests", s.max_running_requests)
     args += _opt("--max-total-tokens", s.max_total_tokens) + _opt("--mem-fraction-static", s.mem_fraction_static)
     args += _opt("--chunked-prefill-size", s.chunked_prefill_size)
+    args += limit_args(dc.features.max_images_per_request)
     if s.kv_cache_dtype != "auto":
         args += ["--kv-cache-dtype", s.kv_cache_dtype]
     args += _opt("--cuda-graph-backend-decode", g.decode) + _opt("--cuda-graph-backend-prefill", g.prefill)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from ..checkpoint.names import Kind, TensorSpec, tensor_inventory
 from ..config import DeepseekV41Config
+from . import vision_config
 from .schema import DeploymentConfig
 
 GIB = float(1 << 30)
@@ -212,6 +213,4 @@ def check_against_checkpoint(dc: DeploymentConfig, cfg: DeepseekV41Config) -> li
     if t.num_attention_heads % lay.attn_tp or t.o_groups % lay.attn_tp:
         out.append(f"attention TP {lay.attn_tp} must divide num_attention_heads ({t.num_attention_heads}) and "
                    f"o_groups ({t.o_groups})")
-    if not cfg.has_vision and (dc.features.encoder_data_parallel):
-        out.append("features.encoder_data_parallel: the checkpoint has no vision tower")
-    return out
+    return out + vision_config.checkpoint_problems(dc, cfg)

@@ -47,6 +47,7 @@ from .memory import (GIB, HUGE_PAGE, ShardLayout, WeightPlan, check_against_chec
 from .plan_report import render
 from .runtime_residency import HOST_LAYOUT, RuntimeResidency, runtime_residency
 from .schema import DeployConfigError, DeploymentConfig, apply_override, config_from_dict, raw_config
+from .vision_config import image_budget, serves_vision
 
 DEFAULT_MEM_FRACTION = 0.9
 
@@ -173,6 +174,8 @@ class Plan:
     #: what `sglang-dsv41 launch` refuses for this config (capability: reason), from the same
     #: `command.build_launch` the launcher and `--dry-run` use; empty when it launches
     launch_refusals: tuple[str, ...] = ()
+    #: the image part of one request's prompt (`vision_config.image_budget`); None: no vision served
+    images: dict[str, Any] | None = None
 
     # ---- derived ----------------------------------------------------------------------------
     @property
@@ -309,6 +312,7 @@ class Plan:
             "max_full_context_requests": self.max_full_context_requests,
             "fits": ok, "verdict": text, "problems": self.problems, "status": self.status,
             "launch_refusals": list(self.launch_refusals),
+            "images": self.images,
             "runtime_weights_per_rank_gib": None if self.runtime_weights is None else self.runtime_weights.per_rank / GIB,
             "runtime_weights_note": self.runtime_weights_note,
         }
@@ -317,8 +321,7 @@ class Plan:
 def make_plan(dc: DeploymentConfig, cfg: DeepseekV41Config, model_source: str = "", *, gpu_mem: float | None = None,
               mem_fraction: float | None = None, context: int | None = None, batch: int = 1) -> Plan:
     hw = dc.hardware
-    text_only = dc.features.text_only
-    weights = weight_plan(cfg, layout_of(dc), vision=not text_only, dspark=dc.speculative.enabled,
+    weights = weight_plan(cfg, layout_of(dc), vision=serves_vision(dc, cfg), dspark=dc.speculative.enabled,
                           engram_placement=dc.engram.placement)
     t = cfg.text
     draft = dc.speculative.block_size or 0
@@ -337,6 +340,7 @@ def make_plan(dc: DeploymentConfig, cfg: DeepseekV41Config, model_source: str = 
     problems = check_against_checkpoint(dc, cfg)
     return Plan(
         launch_refusals=launch_refusals(dc),
+        images=image_budget(dc, cfg),
         name=dc.name, model_source=model_source, gpu=hw.gpu, gpus=hw.gpus, gpu_mem_gib=mem, gpu_mem_source=mem_src,
         mem_fraction=frac, weights=weights, checkpoint=weight_plan(cfg, ShardLayout()), pool=runtime_pool_for(dc, t),
         upstream_kv_layout=dc.features.kv_layout,
@@ -359,13 +363,15 @@ def _runtime_weights(dc: DeploymentConfig, cfg: DeepseekV41Config) -> tuple[Runt
     if lay.dp_attention > 1:
         return None, "DP attention is not supported by this runtime (runtime/requirements.py)"
     try:
-        found = runtime_residency(cfg, lay.tp, dc.engram.placement)
+        found = runtime_residency(cfg, lay.tp, dc.engram.placement, vision=serves_vision(dc, cfg))
     except TensorParallelError as exc:
         return None, str(exc)
     engram = ("Engram tables as stored and on the GPU" if found.engram_placement == "device" else
               f"Engram shard in pinned host memory ({found.host_layout}): {found.host_per_rank / GIB:.2f} GiB per rank "
               f"on the host, not on the GPU")
-    note = (f"TP {lay.tp}, text model, routed experts MXFP4 and FP8 dense weights as stored, {engram}, "
+    tower = (f", vision tower {found.by_component['vision'] / 2**20:.1f} MiB fp32 replicated per rank"
+             if "vision" in found.by_component else "")
+    note = (f"TP {lay.tp}, text model{tower}, routed experts MXFP4 and FP8 dense weights as stored, {engram}, "
             "BF16/FP32 tensors as fp32 + BF16 copies of dense linears, embedding and head vocab-parallel")
     return found, note
 

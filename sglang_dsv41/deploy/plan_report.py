@@ -45,6 +45,13 @@ def render(p: Plan, source: str) -> str:
                f"({p.runtime_weights_note}; deploy/runtime_residency.py)" if p.runtime_weights is not None
                else f"this runtime cannot serve this layout: {p.runtime_weights_note}"),
               f"vram_minimum_gb (whole checkpoint × 1.2, GB): {vram_minimum_gb(p.checkpoint.stored_total)}", ""]
+    if p.images is not None:
+        im = p.images
+        count = (f"{im['images']} image(s) per request (features.max_images_per_request)" if im["images"]
+                 else "no cap on images per request (the card's default; one image shown)")
+        lines += [f"images: {count}; an image at the {im['max_image_tokens']}-token cap takes "
+                  f"{im['tokens_per_image']:,} prompt tokens (square grid: start + rows of patches and a newline + "
+                  f"end), so {im['tokens']:,} of each request's {p.context:,}-token context, KV sized with it", ""]
     if w.engram_placement == "device":
         lines.append(f"Engram: on device, {w.engram_stored / u:.1f} {un} (tables + scales) with rows split over "
                      f"{lay.tp} rank(s): {w.engram_device_per_rank / u:.2f} {un} per rank (inside the weights above)")

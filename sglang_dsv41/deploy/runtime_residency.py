@@ -6,8 +6,9 @@ MoE-TP, wo_a dequantised to BF16). The runtime that serves the plugin holds its 
 differently, and its KV pool gets what is left after *its* weights, so the planner sizes the KV
 budget with this module's figure. Rules, each stated where the runtime implements it:
 
-* Loaded tensors: the text model only — vision and DSpark tensors are not loaded (docs/runtime.md
-  "Limits").
+* Loaded tensors: the text model, and with `vision=True` the vision tower (ViT, aligner, span
+  markers: `runtime/vision.VisionTower`, every tensor an fp32 parameter replicated on every rank,
+  component row "vision"); DSpark tensors are not loaded (docs/runtime.md "Limits").
 * Sharding (`runtime/tensor_parallel.py ShardPlan`, rank 0 = the largest share: balanced blocks
   give the first ranks the extra row): routed experts in contiguous expert blocks, wq_b / attn_sink
   by heads, wo_a by output groups, Engram tables by rows, embedding and head by vocabulary blocks
@@ -92,19 +93,27 @@ def tensor_bytes_at_rest(spec: TensorSpec, fraction: float) -> tuple[str, float]
 
 
 @functools.lru_cache(maxsize=32)
-def runtime_residency(cfg: DeepseekV41Config, tp: int, engram_placement: str = "device") -> RuntimeResidency:
+def runtime_residency(cfg: DeepseekV41Config, tp: int, engram_placement: str = "device",
+                      vision: bool = False) -> RuntimeResidency:
     """Rank 0's weight bytes at TP `tp` under the runtime's rules (module docstring): with
     `engram_placement="host"` the device figure less the Engram block, which moves to
-    `engram_host_by_rank`. Raises the runtime's own `TensorParallelError` for a TP size the model
-    cannot be sharded to, `ValueError` for an unknown placement."""
+    `engram_host_by_rank`; with `vision` (and a checkpoint that has a tower) plus the "vision"
+    row. Raises the runtime's own `TensorParallelError` for a TP size the model cannot be sharded
+    to, `ValueError` for an unknown placement."""
     if engram_placement not in ENGRAM_PLACEMENTS:
         raise ValueError(f"engram placement must be one of {ENGRAM_PLACEMENTS}, got {engram_placement!r}")
     on_device = _device_residency(cfg, tp)
-    if engram_placement == "device":
-        return on_device
-    gpu = {k: v for k, v in on_device.by_component.items() if k != "engram"}
-    return RuntimeResidency(tp=tp, by_component=gpu, engram_placement="host",
-                            engram_host_by_rank=engram_host_shards(cfg, tp))
+    gpu = {k: v for k, v in on_device.by_component.items() if engram_placement == "device" or k != "engram"}
+    if vision and cfg.has_vision:
+        gpu["vision"] = vision_tower_bytes(cfg)
+    host = engram_host_shards(cfg, tp) if engram_placement == "host" else ()
+    return RuntimeResidency(tp=tp, by_component=gpu, engram_placement=engram_placement, engram_host_by_rank=host)
+
+
+def vision_tower_bytes(cfg: DeepseekV41Config) -> float:
+    """Bytes of the vision tower on every rank: each vision tensor as an fp32 parameter."""
+    return float(sum(spec.numel * FP32_AT_REST for spec in tensor_inventory(cfg, dspark=False)
+                     if spec.group == "vision"))
 
 
 def engram_host_shards(cfg: DeepseekV41Config, tp: int) -> tuple[float, ...]:
@@ -142,4 +151,4 @@ def _device_residency(cfg: DeepseekV41Config, tp: int) -> RuntimeResidency:
 
 
 __all__ = ["BF16_COPY", "ENGRAM_PLACEMENTS", "FP32_AT_REST", "HOST_LAYOUT", "RuntimeResidency",
-           "engram_host_shards", "runtime_residency", "tensor_bytes_at_rest"]
+           "engram_host_shards", "runtime_residency", "tensor_bytes_at_rest", "vision_tower_bytes"]

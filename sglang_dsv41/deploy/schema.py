@@ -23,6 +23,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from . import vision_config
 from .hardware import GPU_KINDS, GpuKind, gpu_kind
 
 DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4.1-Flash"
@@ -155,8 +156,13 @@ class BoundedReplaySpec(_Strict):
 
 
 class FeaturesSpec(_Strict):
+    """Model features. Vision: served unless `text_only` (card: --language-model-only);
+    `max_images_per_request` caps images per request (SGLang --limit-mm-data-per-request; the card
+    sets no cap). Vision rules: `deploy/vision_config.py`."""
+
     text_only: bool = False
     encoder_data_parallel: bool = False
+    max_images_per_request: int | None = Field(default=None, ge=1)
     tool_calls: bool = True
     kv_layout: Literal["v4", "v41"] = "v4"
     bounded_replay: BoundedReplaySpec = BoundedReplaySpec()
@@ -274,10 +280,7 @@ def _illegal_combinations(c: DeploymentConfig) -> list[str]:
         out.append(f"parallel.ep ({par.ep}) must be 1 or equal parallel.tp ({par.tp}): SGLang 0.5.17 requires "
                    "ep_size * moe_dp_size == tp_size")
     # --- model features ----------------------------------------------------------------------
-    if f.text_only and f.encoder_data_parallel:
-        out.append("features.text_only and features.encoder_data_parallel are mutually exclusive: text-only skips "
-                   "the vision encoder, so there is no encoder to run data-parallel (card: 'mutually exclusive "
-                   "with Text only')")
+    out += vision_config.schema_problems(c)
     spec = c.speculative
     if spec.enabled and spec.algorithm.lower() != "dspark":
         out.append(f"speculative.algorithm {spec.algorithm!r}: DSpark is the only speculative method for "

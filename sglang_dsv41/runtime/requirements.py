@@ -116,6 +116,7 @@ class RuntimeProfile:
     cuda_graph_tp_sizes: tuple[int, ...] = (1, 2, 4, 8)  # TP sizes whose decode is captured
     prefill_cuda_graphs: bool = True
     dp_attention: bool = False  # SGLang --enable-dp-attention (each rank its own requests)
+    pd_vision: bool = False  # image requests through prefill/decode disaggregation
     attention_backends: tuple[str, ...] = ()  # SGLang --attention-backend values the runtime accepts
     pd_transfer_backends: tuple[str, ...] = ("mooncake", "mooncake_tcp", "nixl")  # deploy `pd.transfer_backend`s
     reasons: dict[str, str] = field(default_factory=dict)  # limit name -> why, for refusals
@@ -206,7 +207,7 @@ TORCH_PATH = RuntimeProfile(
                    "V4.1 writes DSML tool calls; without the parser they reach the client as text in content"),
     ),
     tp_sizes=(1, 2, 4, 8),
-    vision=False,
+    vision=True,
     cuda_graphs=True,
     cuda_graph_tp_sizes=(1,),
     prefill_cuda_graphs=False,
@@ -220,11 +221,14 @@ TORCH_PATH = RuntimeProfile(
         "dp_attention": "the runtime shards attention over the whole TP group, every rank computing the same "
                         "tokens; SGLang's DP attention gives each rank its own requests, which the runtime does not "
                         "gather; serve with plain --tp-size",
-        "vision": "the runtime serves text only for now: vision tensors are not loaded and image requests are "
-                  "refused; set features.text_only: true to serve text",
+        "vision": "the runtime serves images from a checkpoint with a vision_config (ViT + aligner on the torch "
+                  "path, replicated on every TP rank, docs/vision.md); features.text_only: true "
+                  "(--language-model-only) skips the tower and refuses image requests",
         "cuda_graphs": "the runtime captures decode CUDA graphs at TP 1 only (static decode layout); prefill runs "
                        "eagerly, and TP > 1 eagerly until graph capture with its collectives is validated on "
                        "GPUs (the plugin defaults --disable-cuda-graph there)",
+        "pd_vision": "image requests through prefill/decode disaggregation are not built or tested (the decode "
+                     "side's image spans, docs/vision.md); set features.text_only: true for a PD deployment",
         "pd_disaggregation": "the V4.1 pool's PD transfer is built and tested over Mooncake only (equal TP on "
                              "both sides, docs/pd.md); other transfer backends are refused at start-up",
         "kv_cache_dtype": "the runtime's pool stores BF16 SWA rows and packed FP4 global rows (896 B/token at "

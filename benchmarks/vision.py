@@ -1,0 +1,266 @@
+"""Vision benchmark: image requests against text-only requests on one server (issue 17;
+docs/vision.md, numbers in docs/performance.md).
+
+Cases, each sent ``--reps`` times as streamed greedy `/v1/chat/completions` (the card's API path);
+the user text starts with the request's number, so only the chat preamble before the user message
+is a prefix-cache hit:
+
+* ``text``: the text alone;
+* ``image_<W>x<H>``: one image per resolution in ``--sizes`` after the number, before the text;
+  every rep uses a new random image;
+* ``repeat_<W>x<H>``: the last resolution's first request again, same image and text (a prefix-cache
+  hit through the image span: the tower does not run).
+
+Per request: time to first token (first streamed chunk carrying text or reasoning text),
+latency, prompt and cached tokens (``usage``). Per resolution, client-side preprocessing
+(decode the PNG + plan the grid + resize/pad + normalise + patchify, `vision_preprocess`, the
+same code the server's processor runs) is timed in this process. Requests/s is sequential (one in
+flight). The server is `sglang-dsv41 serve` (``--model-path``) or an existing one (``--url``).
+
+``--dry-run`` starts no server: it writes only the per-resolution grids, span tokens and
+preprocessing times (CI runs this on the tiny checkpoint).
+
+    python benchmarks/vision.py --model-path /tmp/tiny --device cpu --out benchmarks/results/vision_cpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from statistics import mean, median
+
+import numpy as np
+from PIL import Image
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TEXT = "What is in this image? Answer in one word."
+
+
+def make_png(seed: int, size: tuple[int, int]) -> bytes:
+    """A random RGB image of `size` (W, H) as PNG bytes."""
+    arr = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def preprocessing(model_path: str, sizes: list[tuple[int, int]], reps: int) -> dict[str, dict]:
+    """Per resolution: the planned grid, the image's span tokens and the median preprocessing time."""
+    from sglang_dsv41.config import DeepseekV41Config
+    from sglang_dsv41.runtime.image_io import load_image
+    from sglang_dsv41.vision_preprocess import preprocess_image
+
+    vcfg = DeepseekV41Config.from_file(model_path).vision
+    if vcfg is None:
+        raise SystemExit(f"{model_path}: the checkpoint has no vision_config (no vision tower)")
+    out = {}
+    for w, h in sizes:
+        times, pre = [], None
+        for r in range(reps):
+            png = make_png(10_000 + r, (w, h))
+            t0 = time.perf_counter()
+            pre = preprocess_image(load_image(png), vcfg)
+            times.append(time.perf_counter() - t0)
+        g = pre.grid
+        out[f"{w}x{h}"] = {"grid_tokens": [g.n_h, g.n_w], "vit_patches": g.num_patches,
+                           "span_tokens": g.n_h * (g.n_w + 1) + 2, "preprocess_ms_median": 1e3 * median(times),
+                           "max_image_tokens": vcfg.max_image_tokens}
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One `sglang-dsv41 serve` process group; every wait is bounded."""
+
+    def __init__(self, args: argparse.Namespace, log: Path) -> None:
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        argv = [sys.executable, "-m", "sglang_dsv41.cli", "serve", "--device", args.device, "--model-path",
+                args.model_path, "--port", str(port), "--enable-cache-report", *args.server_flags.split()]
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} (log: {self.log.name})")
+            try:
+                with urllib.request.urlopen(self.url + "/health_generate", timeout=60) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(3)
+        raise TimeoutError(f"server not ready after {timeout_s} s (log: {self.log.name})")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self.log.close()
+
+
+def chat(url: str, number: int, images: list[bytes], max_tokens: int, timeout_s: float) -> dict:
+    """One streamed greedy chat request: TTFT, latency and the final usage."""
+    content = [{"type": "image_url", "image_url": {"url": data_url(p)}} for p in images]
+    body = {"model": "default", "stream": True, "stream_options": {"include_usage": True},
+            "max_tokens": max_tokens, "temperature": 0,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": f"Request {number}."}, *content,
+                                                      {"type": "text", "text": TEXT}]}]}
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft, usage = None, None
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data:"):])
+            delta = (chunk.get("choices") or [{}])[0].get("delta") or {}
+            if ttft is None and (delta.get("content") or delta.get("reasoning_content")):
+                ttft = time.perf_counter() - t0
+            usage = chunk.get("usage") or usage
+    if ttft is None or usage is None:
+        raise RuntimeError("the stream carried no text or no usage")
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"ttft_s": ttft, "latency_s": time.perf_counter() - t0, "prompt_tokens": usage["prompt_tokens"],
+            "cached_tokens": int(cached or 0), "completion_tokens": usage["completion_tokens"]}
+
+
+def run_cases(url: str, args: argparse.Namespace, sizes: list[tuple[int, int]]) -> dict[str, dict]:
+    number = iter(range(1, 1_000_000))
+    cases: dict[str, list[tuple[int, list[bytes]]]] = {"text": [(next(number), []) for _ in range(args.reps)]}
+    for i, (w, h) in enumerate(sizes):
+        cases[f"image_{w}x{h}"] = [(next(number), [make_png(1000 * (i + 1) + r, (w, h))]) for r in range(args.reps)]
+    w, h = sizes[-1]
+    cases[f"repeat_{w}x{h}"] = [cases[f"image_{w}x{h}"][0]] * args.reps
+    chat(url, 0, [make_png(7, (64, 64))], args.max_tokens, args.request_timeout)        # warm-up, not recorded
+    out = {}
+    for name, requests in cases.items():
+        t0 = time.perf_counter()
+        rows = [chat(url, n, images, args.max_tokens, args.request_timeout) for n, images in requests]
+        wall = time.perf_counter() - t0
+        out[name] = {"requests": rows, "ttft_ms_mean": 1e3 * mean(r["ttft_s"] for r in rows),
+                     "ttft_ms_median": 1e3 * median(r["ttft_s"] for r in rows),
+                     "latency_ms_mean": 1e3 * mean(r["latency_s"] for r in rows),
+                     "requests_per_s": len(rows) / wall, "prompt_tokens": rows[0]["prompt_tokens"],
+                     "cached_tokens_mean": mean(r["cached_tokens"] for r in rows)}
+        print(name, {k: v for k, v in out[name].items() if k != "requests"})
+    return out
+
+
+def plot(result: dict, path: Path) -> str:
+    try:
+        import matplotlib
+    except ImportError:
+        return "matplotlib not installed"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = result["cases"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    names = list(cases)
+    a.bar(names, [cases[n]["ttft_ms_median"] for n in names], color="tab:blue", label="TTFT (median)")
+    a.plot(names, [cases[n]["latency_ms_mean"] for n in names], "o", color="tab:red", label="latency (mean)")
+    a.set(ylabel="ms", title="time to first token / latency per request")
+    a.tick_params(axis="x", rotation=20)
+    a.legend()
+    pre = result["preprocessing"]
+    b.bar(list(pre), [pre[k]["preprocess_ms_median"] for k in pre], color="tab:green")
+    for i, k in enumerate(pre):
+        b.annotate(f"{pre[k]['span_tokens']} tok", (i, pre[k]["preprocess_ms_median"]), ha="center", va="bottom")
+    b.set(ylabel="ms (median)", title="client-side preprocessing per image")
+    for ax in (a, b):
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(result["title"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return str(path)
+
+
+def _machine() -> str:
+    model = platform.processor()
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{platform.machine()} {model}, {os.cpu_count()} cores visible".replace("  ", " ")
+
+
+def _size(text: str) -> tuple[int, int]:
+    w, _, h = text.partition("x")
+    return int(w), int(h)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path", required=True, help="checkpoint (its vision_config plans the grids)")
+    p.add_argument("--url", help="an already running server (default: start `sglang-dsv41 serve`)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--server-flags", default="--max-total-tokens 4096", help="extra flags of the started server")
+    p.add_argument("--sizes", default="112x112,1024x768", help="image resolutions WxH, comma-separated")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--startup-timeout", type=float, default=600)
+    p.add_argument("--request-timeout", type=float, default=300)
+    p.add_argument("--dry-run", action="store_true", help="preprocessing only, no server")
+    p.add_argument("--out", type=Path, default=RESULTS / "vision_cpu.json")
+    p.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()), help="server log")
+    args = p.parse_args(argv)
+    sizes = [_size(s) for s in args.sizes.split(",")]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"title": f"vision, {args.device}: 1 image at {', '.join(f'{w}x{h}' for w, h in sizes)} vs text, "
+                       f"{args.reps} reps, {args.max_tokens} new tokens, sequential",
+              "machine": _machine(),
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "load_average_1_5_15_at_start": list(os.getloadavg()),
+              "args": {k: str(v) for k, v in vars(args).items()},
+              "preprocessing": preprocessing(args.model_path, sizes, args.reps)}
+    if not args.dry_run:
+        server = None if args.url else Server(args, args.log_dir / f"{args.out.stem}.log")
+        try:
+            t0 = time.monotonic()
+            if server is not None:
+                server.wait_ready(args.startup_timeout)
+            result["startup_s"] = time.monotonic() - t0
+            result["cases"] = run_cases(args.url or server.url, args, sizes)
+        finally:
+            if server is not None:
+                server.stop()
+        result["load_average_1_5_15_at_end"] = list(os.getloadavg())
+        result["png"] = plot(result, args.out.with_suffix(".png"))
+    args.out.write_text(json.dumps(result, indent=1))
+    print("->", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Vision settings of a deployment config: what the schema refuses and what the planner counts.
+
+The card (seed 004): a 32-layer ViT + 3× aligner in front of the text stack, at most 1024 tokens
+per image, no limit on images per prompt; Text only (`--language-model-only`) skips the tower,
+Encoder parallel runs it data-parallel, the two are mutually exclusive. SGLang 0.5.17 caps images
+per request with `--limit-mm-data-per-request '{"image": N}'` (its tokenizer manager answers
+"Image count M exceeds limit N per request."), emitted from `features.max_images_per_request`.
+
+Invariants
+----------
+* Vision switches are set through `features`, never through `serving.extra_args`: the planner
+  sizes weights and image tokens from `features`, so a raw flag would make plan and server
+  disagree. A raw `--limit-mm-data-per-request` is refused with the field to use instead.
+* `schema_problems` needs no checkpoint; `checkpoint_problems` needs its `vision_config`
+  (the per-image token cap). Both return messages that name the fields (schema invariant).
+* `image_span_tokens(vcfg)` is the prompt length of one image at the token cap, square grid:
+  n·(n+1)+2 with n = ⌊√max_image_tokens⌋ (start + n rows of n patches and a newline + end;
+  docs/vision.md). Wider or taller images at the cap have fewer or more rows; the planner's
+  budget is this square figure, the refusal uses the shortest possible span (cap + 3).
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from ..config import VisionConfig
+
+if TYPE_CHECKING:
+    from ..config import DeepseekV41Config
+    from .schema import DeploymentConfig
+
+LIMIT_FLAG = "--limit-mm-data-per-request"
+#: raw server flags that switch vision modes; `features` sets them (module invariants)
+FEATURE_FLAGS = {"--language-model-only": "features.text_only: true",
+                 "--enable-multimodal": "features.text_only: false (the default)",
+                 "--mm-enable-dp-encoder": "features.encoder_data_parallel: true",
+                 LIMIT_FLAG: "features.max_images_per_request: N"}
+
+
+def limit_args(max_images: int | None) -> list[str]:
+    """SGLang's per-request image cap for `features.max_images_per_request` ([] when unset)."""
+    return [] if max_images is None else [LIMIT_FLAG, f'{{"image": {max_images}}}']
+
+
+def schema_problems(dc: "DeploymentConfig") -> list[str]:
+    """Vision rules a config breaks without looking at the checkpoint."""
+    f, out = dc.features, []
+    if f.text_only and f.encoder_data_parallel:
+        out.append("features.text_only and features.encoder_data_parallel are mutually exclusive: text-only skips "
+                   "the vision encoder, so there is no encoder to run data-parallel (card: 'mutually exclusive "
+                   "with Text only')")
+    if f.text_only and f.max_images_per_request is not None:
+        out.append(f"features.max_images_per_request {f.max_images_per_request} with features.text_only: a text-only "
+                   "server refuses every image; drop one of them")
+    extra = [*dc.serving.extra_args]
+    if dc.pd is not None:
+        extra += [*dc.pd.prefill.extra_args, *dc.pd.decode.extra_args]
+    for flag, field in FEATURE_FLAGS.items():
+        if any(a == flag or a.startswith(flag + "=") for a in extra):
+            out.append(f"{flag} in extra_args: set {field} instead (the planner sizes the vision tower and image "
+                       "tokens from features, and the launcher emits the flag)")
+    return out
+
+
+def image_span_tokens(vcfg: VisionConfig) -> int:
+    """Prompt tokens of one square image at the token cap (module invariants)."""
+    n = math.isqrt(vcfg.max_image_tokens)
+    return n * (n + 1) + 2
+
+
+def serves_vision(dc: "DeploymentConfig", cfg: "DeepseekV41Config") -> bool:
+    """Whether the deployment loads the tower: a checkpoint with a vision_config, not text-only."""
+    return cfg.has_vision and not dc.features.text_only
+
+
+def image_budget(dc: "DeploymentConfig", cfg: "DeepseekV41Config") -> dict[str, object] | None:
+    """The image part of one request's prompt, for the plan (None when vision is not served):
+    `images` is `features.max_images_per_request` (None: no cap, the card's default; the tokens
+    are then those of one image), `tokens_per_image` the square span at the cap."""
+    if not serves_vision(dc, cfg):
+        return None
+    assert cfg.vision is not None
+    span = image_span_tokens(cfg.vision)
+    n = dc.features.max_images_per_request
+    return {"images": n, "tokens_per_image": span, "tokens": span * (n or 1),
+            "max_image_tokens": cfg.vision.max_image_tokens}
+
+
+def checkpoint_problems(dc: "DeploymentConfig", cfg: "DeepseekV41Config") -> list[str]:
+    """Vision rules that need the checkpoint's config.json."""
+    f, out = dc.features, []
+    if cfg.vision is None:
+        if f.encoder_data_parallel:
+            out.append("features.encoder_data_parallel: the checkpoint has no vision tower")
+        if f.max_images_per_request is not None:
+            out.append("features.max_images_per_request: the checkpoint has no vision tower (no vision_config)")
+        return out
+    n = f.max_images_per_request
+    context = dc.serving.context_length or cfg.text.max_position_embeddings
+    shortest = cfg.vision.max_image_tokens + 3          # one row of the cap + newline, start, end
+    if n is not None and n * shortest > context:
+        out.append(f"features.max_images_per_request {n}: {n} image(s) at the {cfg.vision.max_image_tokens}-token cap "
+                   f"need at least {n * shortest:,} prompt tokens, above the {context:,}-token context "
+                   f"(serving.context_length); lower the image count or raise the context")
+    return out
+
+
+__all__ = ["FEATURE_FLAGS", "LIMIT_FLAG", "checkpoint_problems", "image_budget", "image_span_tokens", "limit_args",
+           "schema_problems", "serves_vision"]
