@@ -30,13 +30,14 @@ file of the pool's flat page (`ComponentHostPool.get_data_page`): `KV` = the pag
 index-key rows, `SWA` = every layer's SWA rows of the page; SGLang's SWA component writes and
 prefetches only the trailing window's SWA pages. The start-up check (`check_hicache_flags`) refuses
 every other backend (they need zero-copy page buffers or pool names the V4.1 pools do not have).
+The controller is SGLang's `HybridCacheController` with storage failures turned into misses
+(`hicache_faults.StorageFaultGuard`: a storage tier that is down or full costs a cold prefill).
 """
 from __future__ import annotations
 
 import logging
 
 from sglang.srt.mem_cache.hicache_storage import PoolName
-from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
 from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
     StackBuildResult,
     StackStrategy,
@@ -48,6 +49,7 @@ from sglang.srt.mem_cache.memory_pool_host import HostPoolGroup
 from sglang.srt.mem_cache.pool_host.common import get_allocator_type
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
+from .hicache_faults import StorageFaultGuard
 from .hicache_host import HOST_LAYOUT, IO_BACKENDS, ComponentHostPool
 
 logger = logging.getLogger(__name__)
@@ -145,7 +147,7 @@ class DeepseekV41StackStrategy(StackStrategy):
                              device_evict_fn=lambda n: cache.evict(EvictParams(swa_num_tokens=n)),
                              device_alloc_fn=swa_allocator.alloc, device_free_fn=swa_allocator.free),
         ])
-        controller = HybridCacheController(
+        controller = StorageFaultGuard(
             params.token_to_kv_pool_allocator, group, params.page_size, params.tp_cache_group,
             load_cache_event=load_cache_event, attn_cp_group=params.attn_cp_cache_group,
             attn_tp_group=params.attn_tp_cache_group, pp_group=params.pp_cache_group,
