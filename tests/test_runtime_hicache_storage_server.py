@@ -177,11 +177,17 @@ def _failures(server: Server) -> dict[str, float]:
 
 def _flush(server: Server) -> None:
     """Empty the device and host tiers (storage stays); SGLang flushes only when idle."""
+    import urllib.error
+
     deadline = time.monotonic() + 120
     while True:
-        status, _ = server.post_status("/flush_cache?timeout=30", {})
-        if status == 200:
-            return
+        try:
+            with urllib.request.urlopen(urllib.request.Request(server.url("/flush_cache?timeout=30"), data=b"",
+                                                               method="POST"), timeout=60) as r:
+                if r.status == 200:
+                    return
+        except urllib.error.HTTPError as e:           # 400 while a request is still in the scheduler
+            e.close()
         assert time.monotonic() < deadline, server.log_tail()
         time.sleep(1)
 

@@ -60,6 +60,14 @@ STORAGE_BACKENDS: tuple[str, ...] = ("file",)
 #: is backed up only when the device evicts it, after the small SWA pool dropped its window, so the
 #: match validator vetoes the hit). write_through_selective is untested.
 WRITE_POLICIES = ("write_through",)
+#: why a known L3 backend is refused (docs/hicache.md "Mooncake"); others get the generic reason
+_REFUSED_BACKENDS = {
+    "mooncake": "SGLang 0.5.17's MooncakeStore moves zero-copy objects, for this pool two per page per pool "
+                "(its MHA K/V key scheme: a page's K and V rows, and for SWA a `v_buffer`); the V4.1 host "
+                "pools hold latent + index-key rows and one SWA row per layer, with no K/V split and no "
+                "`get_page_buffer_meta`. The Mooncake store itself runs on CPU over TCP; the pool mapping is "
+                "what is missing",
+}
 
 
 def check_hicache_flags(server_args) -> None:
@@ -68,9 +76,10 @@ def check_hicache_flags(server_args) -> None:
         return
     backend = getattr(server_args, "hicache_storage_backend", None)
     if backend is not None and backend not in STORAGE_BACKENDS:
+        why = _REFUSED_BACKENDS.get(backend, "it needs zero-copy page buffers or pool names the V4.1 host pools "
+                                             "do not have")
         raise RuntimeError(f"sglang-dsv41: --hicache-storage-backend {backend}: HiCache L3 (storage) for the V4.1 "
-                           f"pool is served with {list(STORAGE_BACKENDS)} only ({backend} needs zero-copy page "
-                           "buffers or pool names the V4.1 host pools do not have); use --hicache-storage-backend "
+                           f"pool is served with {list(STORAGE_BACKENDS)} only ({why}); use --hicache-storage-backend "
                            "file, or drop the flag to serve the host tier (L2) alone (docs/hicache.md)")
     policy = getattr(server_args, "hicache_write_policy", "write_through")
     if policy not in WRITE_POLICIES:
