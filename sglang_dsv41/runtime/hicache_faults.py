@@ -101,9 +101,9 @@ class StorageFaultGuard(HybridCacheController):
         try:
             super()._page_transfer(operation)
         except Exception as e:
+            self.storage_faults.record("read", _error(e))     # counted before the scheduler can move on
             operation.mark_terminate()
             operation.pool_transfers_done = True
-            self.storage_faults.record("read", _error(e))
             return
         short = _short_pages(operation, self.page_size)
         if short and not getattr(operation, "dsv41_stopped", False):
