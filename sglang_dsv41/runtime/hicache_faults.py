@@ -59,10 +59,10 @@ class FaultLog:
         self._lock = threading.Lock()
 
     def record(self, op: str, detail: str) -> None:
-        if metrics.metrics_enabled():
-            metrics.counter("hicache_storage_failures", "failed HiCache storage (L3) operations", "op").labels(
-                str(self.tp_rank), op).inc()
-        with self._lock:
+        with self._lock:                               # the storage threads record concurrently
+            if metrics.metrics_enabled():
+                metrics.counter("hicache_storage_failures", "failed HiCache storage (L3) operations", "op").labels(
+                    str(self.tp_rank), op).inc()
             self.counts[op] += 1
             self._unreported[op] += 1
             now = time.monotonic()
