@@ -363,3 +363,50 @@ def test_checkpoint_rules(flash) -> None:
     p = make_plan(dc, cfg)
     assert not p.verdict()[0] and "num_nextn_predict_layers = 0" in p.verdict()[1]
     assert model_config_for(dc, None)[1].startswith("preset flash")
+
+
+def test_plan_shows_the_hicache_host_tier(flash, capsys) -> None:
+    """`plan` sizes the HiCache host tier (L2) as the runtime allocates it (deploy/hicache_plan.py):
+    bytes per host token = the real pool's FULL + SWA component rows (the host pools mirror them
+    buffer for buffer), tokens = `hicache_stack.host_slots` for the same flags; the tier counts in the
+    host check; flags come from `plan` or from the config's `--enable-hierarchical-cache` args."""
+    from types import SimpleNamespace
+
+    from sglang_dsv41.runtime.hicache_stack import host_slots
+    from sglang_dsv41.runtime.kv_pool import DeepseekV41KVPool
+
+    cpu = load_config(ROOT / "configs" / "tiny-cpu.yaml")
+    tiny = model_config_for(cpu, None)[0]
+    for cfg, dc, bytes_per_token in ((tiny, cpu, 192 + 1536), (flash, load_config(ROOT / "configs" / "h200-tp8.yaml"),
+                                                              896 + 40 * 512 * 2)):
+        p = make_plan(dc, cfg, hicache_size=1)
+        h = p.hicache
+        real = DeepseekV41KVPool(cfg.text, size=8, size_swa=8, page_size=2, num_req_rows=1, device="cpu")
+        rows = [sum(b[0].nbytes for b in c.buffers) for c in (real.full_kv_pool, real.swa_kv_pool)]
+        assert [h.full_row_bytes, h.swa_row_bytes] == rows and h.bytes_per_token == bytes_per_token
+        assert h.tokens_per_rank == host_slots(SimpleNamespace(hicache_size=1, hicache_ratio=2),
+                                               real.full_kv_pool, real.swa_kv_pool) == int(1e9 // bytes_per_token)
+    p = make_plan(cpu, tiny, hicache_ratio=4)                    # the ratio is of the device pool (8,192 tokens)
+    full = DeepseekV41KVPool(tiny.text, size=p.capacity_tokens_per_rank, size_swa=8, page_size=2, num_req_rows=1,
+                             device="cpu")
+    assert p.hicache.tokens_per_rank == 4 * 8192 == host_slots(SimpleNamespace(hicache_size=0, hicache_ratio=4),
+                                                               full.full_kv_pool, full.swa_kv_pool)
+
+    p = make_plan(load_config(ROOT / "configs" / "h200-tp8.yaml"), flash, hicache_ratio=2)
+    assert p.hicache.tokens_per_rank == 2 * p.capacity_tokens_per_rank and p.hicache.ranks_per_node == 8
+    assert p.hicache.bytes_per_node == 8 * p.hicache.tokens_per_rank * 41_856
+    assert make_plan(load_config(ROOT / "configs" / "h200-tp8.yaml"), flash).hicache is None
+
+    data = raw_config(ROOT / "configs" / "h200-tp8.yaml")
+    data["serving"]["extra_args"] = ["--enable-hierarchical-cache", "--hicache-size", "64"]
+    data["hardware"]["host_mem_gib"] = 256                        # 8 ranks × 64 GB do not fit
+    p = make_plan(config_from_dict(data, "h200-tp8 + HiCache"), flash)
+    assert p.hicache.tokens_per_rank == int(64e9 // 41_856) and p.hicache.setting == "--hicache-size 64"
+    ok, text = p.verdict()
+    assert not ok and "host Engram + HiCache need" in text
+    assert p.to_dict()["hicache_host_tier"]["bytes_per_rank"] == p.hicache.bytes_per_rank
+
+    assert plan_mod.cli(["--config", str(ROOT / "configs" / "tiny-cpu.yaml"), "--hicache-ratio", "2"]) == 0
+    assert "HiCache host tier (L2, --hicache-ratio 2): 16,384 tokens per rank × 1,728 B" in capsys.readouterr().out
+    assert plan_mod.cli(["--config", str(ROOT / "configs" / "tiny-cpu.yaml"), "--hicache-ratio", "0"]) == 2
+    assert "--hicache-ratio > 0" in capsys.readouterr().err

@@ -198,6 +198,9 @@ def test_unsupported_hicache_settings_are_refused_naming_the_flag(over, flag) ->
     check_hicache_flags(SimpleNamespace(**{**vars(args), "hicache_storage_backend": "file"}))   # L3 file: served
     with pytest.raises(RuntimeError, match=flag):
         check_hicache_flags(SimpleNamespace(**{**vars(args), **over}))
+    if over.get("hicache_storage_backend") == "mooncake":     # the known reason, not the generic one
+        with pytest.raises(RuntimeError, match="MooncakeStore moves zero-copy objects.*no K/V split"):
+            check_hicache_flags(SimpleNamespace(**{**vars(args), **over}))
 
 
 def test_pages_round_trip_through_sglangs_file_backend(tmp_path, monkeypatch) -> None:
@@ -230,3 +233,50 @@ def test_pages_round_trip_through_sglangs_file_backend(tmp_path, monkeypatch) ->
             assert torch.equal(h[read[name]].view(torch.uint8), h[written[name]].view(torch.uint8))
     missing = store.batch_get_v2([PoolTransfer(name=PoolName.KV, host_indices=read[PoolName.KV][:2], keys=["none"])])
     assert missing == {PoolName.KV: [False]}
+
+
+def test_a_full_file_store_fails_writes_and_each_failure_is_counted_and_warned(tmp_path, monkeypatch, caplog) -> None:
+    """Storage full (runtime/hicache_faults.py): SGLang's `HiCacheFile` refuses every write when the
+    filesystem would fall below its `min_free_space` (here: more than any disk), `batch_set_v2`
+    returns False per page; the guard counts the operation's unwritten pages, and its warning is
+    rate-limited per op (one line, then a count)."""
+    import logging
+
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig, PoolName, PoolTransfer
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import StorageOperation
+
+    from sglang_dsv41.runtime.hicache_faults import FaultLog, _short_pages
+
+    monkeypatch.delenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", raising=False)
+    full = _Component([(160, torch.uint8), (48, torch.bfloat16)], layers=1, label="full")
+    swa = _Component([(96, torch.bfloat16)] * 3, layers=3, label="swa")
+    config = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                  is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
+                                  model_name="tiny", extra_config={"min_free_space": 10 ** 18})
+    store = HiCacheFile(config, file_path=str(tmp_path))
+    hosts = {PoolName.KV: _host(full), PoolName.SWA: _host(swa)}
+    for name, host in hosts.items():
+        store.register_mem_host_pool_v2(host, name)
+    keys = ["page-a", "page-b"]
+    transfers = [PoolTransfer(name=n, host_indices=h.alloc(4), keys=keys) for n, h in hosts.items()]
+    results = store.batch_set_v2(transfers)
+    assert results == {PoolName.KV: [False, False], PoolName.SWA: [False, False]} and not list(tmp_path.iterdir())
+
+    op = StorageOperation(transfers[0].host_indices, list(range(4)), hash_value=keys, pool_transfers=transfers[1:])
+    op.pool_storage_result.update_extra_pool_hit_pages({PoolName.SWA: results[PoolName.SWA]})
+    assert _short_pages(op, PAGE) == 2                       # nothing of KV or SWA was written
+    op.completed_tokens = 2 * PAGE
+    op.pool_storage_result.update_extra_pool_hit_pages({PoolName.SWA: [True, False]})
+    assert _short_pages(op, PAGE) == 1                       # KV written, one SWA page not
+    op.pool_storage_result.update_extra_pool_hit_pages({PoolName.SWA: [True, True]})
+    assert _short_pages(op, PAGE) == 0
+
+    log = FaultLog("file", tp_rank=0, every_s=3600)
+    with caplog.at_level(logging.WARNING, logger="sglang_dsv41.runtime.hicache_faults"):
+        for _ in range(3):
+            log.record("write", "2 of 2 pages not written")
+        log.record("query", "NotADirectoryError: x")
+    lines = [r.getMessage() for r in caplog.records if r.name == "sglang_dsv41.runtime.hicache_faults"]
+    assert log.counts == {"query": 1, "read": 0, "write": 3}
+    assert len(lines) == 2 and "storage write failed on the file backend (1 since the last warning)" in lines[0]
+    assert "storage query failed" in lines[1] and "down or full" in lines[1]

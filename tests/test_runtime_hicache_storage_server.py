@@ -12,15 +12,24 @@ and a small host tier (`--hicache-ratio 2`: 1,024 host slots), write_through:
   prefix from storage (`cached_tokens_details.storage`, `cached_tokens_total{cache_source=storage}`)
   and the greedy tokens and logprobs equal A's cold run;
 * within B, a prompt pushed out of the device AND the host tier by other traffic comes back from
-  storage, equal to its cold run.
+  storage, equal to its cold run;
+* storage faults in B (runtime/hicache_faults.py; issue 14 "down or full"): pages truncated on disk
+  (a read that raises), then the directory replaced by a plain file (existence queries and writes
+  raise or fail): every request is served, equal to its cold run; the host tier holds exactly what
+  it holds after a fault-free cold run (the failed prefetch's host slots are released); each
+  failed op is logged as a warning and counted in `sglang_dsv41:hicache_storage_failures_total`; once
+  the directory is back, the same server (no flush since the faults) reloads from storage again.
 
-`prefetch_threshold` is lowered to 16 tokens (SGLang's default, 256, is longer than these prompts).
+`prefetch_threshold` is lowered to 16 tokens (SGLang's default, 256, is longer than these prompts);
+the prefetch stop policy is `timeout` (a prefetch is used once complete, or dropped after SGLang's
+1 s base timeout), so whether a request hits storage does not depend on thread timing.
 Every wait is bounded; each server's process group is killed when it is done.
 """
 from __future__ import annotations
 
 import json
 import random
+import re
 import time
 import urllib.request
 from pathlib import Path
@@ -42,7 +51,7 @@ def _args() -> list[str]:
     return ["--max-total-tokens", str(DEVICE_TOKENS), "--swa-full-tokens-ratio", "0.25",
             "--enable-hierarchical-cache", "--enable-metrics", "--language-model-only", "--hicache-write-policy", "write_through",
             "--hicache-io-backend", "direct", "--hicache-ratio", str(HOST_RATIO),
-            "--hicache-storage-backend", "file",
+            "--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy", "timeout",
             "--hicache-storage-backend-extra-config", json.dumps({"prefetch_threshold": 16})]
 
 
@@ -148,3 +157,98 @@ def test_storage_hits_are_in_the_metrics(server_b: Server) -> None:
                if line.startswith("sglang:cached_tokens_total{") and 'cache_source="storage_HiCacheFile"' in line]
     assert storage and sum(storage) >= 2 * (LONG - 2), storage
     assert server_b.proc.poll() is None and "Traceback" not in server_b.log_tail(10_000_000)
+
+
+def _metrics(server: Server) -> str:
+    with urllib.request.urlopen(server.url("/metrics"), timeout=60) as r:
+        return r.read().decode()
+
+
+def _sum(text: str, name: str, label: str = "") -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and label in line)
+
+
+def _failures(server: Server) -> dict[str, float]:
+    text = _metrics(server)
+    return {op: _sum(text, "sglang_dsv41:hicache_storage_failures_total", f'op="{op}"')
+            for op in ("query", "read", "write")}
+
+
+def _flush(server: Server) -> None:
+    """Empty the device and host tiers (storage stays); SGLang flushes only when idle."""
+    import urllib.error
+
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(server.url("/flush_cache?timeout=30"), data=b"",
+                                                               method="POST"), timeout=60) as r:
+                if r.status == 200:
+                    return
+        except urllib.error.HTTPError as e:           # 400 while a request is still in the scheduler
+            e.close()
+        assert time.monotonic() < deadline, server.log_tail()
+        time.sleep(1)
+
+
+def _host_used_after_rerun(server: Server, ids: list[int]) -> float:
+    """Host-tier tokens in use, as SGLang samples them at the prefill of `ids` re-sent (a device hit)."""
+    assert _run(server, ids)["meta_info"]["cached_tokens"] >= len(ids) - 2
+    return _sum(_metrics(server), "sglang:hicache_host_used_tokens")
+
+
+def _wait_for(cond, what: str, server: Server, timeout_s: float = WRITE_WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} not seen after {timeout_s} s\n{server.log_tail()}"
+        time.sleep(1)
+
+
+def test_broken_or_unreachable_storage_costs_a_cold_prefill(cold_a, server_b: Server, store: Path) -> None:
+    """Issue 14: "a storage backend that is down or full gives a logged warning and a cold prefill,
+    never a crash or a wrong answer" (module docstring; docs/hicache.md "Storage faults")."""
+    from sglang_dsv41.runtime.requirements import PAGE_SIZE
+
+    rng = random.Random(13)
+    p, x, q = (_prompt(rng, LONG) for _ in range(3))
+    before = set().union(*_pages(store))
+    cold_p = _run(server_b, p)
+    _wait_for_pages(store, before, LONG // PAGE_SIZE)
+    broken = set().union(*_pages(store)) - before
+    for name in broken:                                       # a short read on every page of p
+        (store / name).write_bytes(b"")
+    failed0 = _failures(server_b)
+
+    _flush(server_b)                                          # reference: a fault-free cold run
+    _run(server_b, x)
+    host_ref = _host_used_after_rerun(server_b, x)
+
+    _flush(server_b)                                          # p misses device and host, hits storage
+    warm_p = _run(server_b, p)
+    assert warm_p["meta_info"]["cached_tokens"] == 0 and not _details(warm_p).get("storage"), warm_p["meta_info"]
+    _assert_equal_to_cold(warm_p, cold_p)
+    assert _failures(server_b)["read"] > failed0["read"]
+    assert _host_used_after_rerun(server_b, p) == host_ref    # the failed prefetch's host slots are back
+
+    gone = store.with_name(store.name + "-gone")              # storage down: the directory is a file now
+    store.rename(gone)
+    store.write_bytes(b"")
+    try:
+        out_q = _run(server_b, q)                             # its storage query raises, its write fails
+        assert out_q["meta_info"]["cached_tokens"] == 0
+        _wait_for(lambda: _failures(server_b)["write"] > failed0["write"], "a failed storage write", server_b)
+        assert _failures(server_b)["query"] > failed0["query"]
+        assert _run(server_b, q)["output_ids"] == out_q["output_ids"]
+    finally:
+        store.unlink()
+        gone.rename(store)
+
+    long, cold = cold_a                                       # storage back, same threads: reloads again
+    warm = _run(server_b, long)
+    assert _details(warm).get("storage", 0) >= LONG - 2, warm["meta_info"]
+    _assert_equal_to_cold(warm, cold)
+    log = server_b.log_tail(10_000_000)
+    for op in ("query", "read", "write"):
+        assert re.search(rf"sglang-dsv41 HiCache: storage {op} failed on the file backend", log), op
+    assert server_b.proc.poll() is None and "Traceback" not in log

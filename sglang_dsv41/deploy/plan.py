@@ -38,6 +38,7 @@ from ..config import TextConfig
 from ..runtime import kv_rows
 from ..runtime.requirements import CURRENT_RUNTIME, PAGE_SIZE, SWA_FULL_TOKENS_RATIO, flag_value
 from .command import device_of
+from .hicache_plan import HostTier, hicache_setting, host_tier
 from .kv import (
     RequestCost, draft_row_bytes, kv_bytes_per_token, packed_entry_bytes, packed_key_row_bytes, packed_latent_row_bytes, packed_row_bytes,
     per_request_bytes, pool_bytes_per_full_token, swa_bytes_per_swa_token, swa_tokens_per_request,
@@ -176,6 +177,8 @@ class Plan:
     launch_refusals: tuple[str, ...] = ()
     #: the image part of one request's prompt (`vision_config.image_budget`); None: no vision served
     images: dict[str, Any] | None = None
+    #: the HiCache host tier (L2) per rank (deploy/hicache_plan.py); None without HiCache
+    hicache: HostTier | None = None
 
     # ---- derived ----------------------------------------------------------------------------
     @property
@@ -239,7 +242,9 @@ class Plan:
 
     @property
     def host_need_per_node(self) -> float:
-        return self.host_per_server * self.servers_per_node
+        """Host bytes per node: pinned Engram of each server + each rank's HiCache host tier."""
+        tier = self.hicache.bytes_per_node if self.hicache is not None else 0
+        return self.host_per_server * self.servers_per_node + tier
 
     def verdict(self) -> tuple[bool, str]:
         if self.problems:
@@ -248,7 +253,7 @@ class Plan:
             return False, "no device memory budget (CPU config: pass --gpu-mem with the host memory to use)"
         if self.host_mem_gib is not None and self.host_need_per_node > self.host_mem_gib * GIB:
             over = (self.host_need_per_node - self.host_mem_gib * GIB) / GIB
-            return False, f"does NOT fit: host Engram needs {self.host_need_per_node / GIB:.1f} GiB per node, " \
+            return False, f"does NOT fit: host Engram + HiCache need {self.host_need_per_node / GIB:.1f} GiB per node, " \
                           f"{over:.1f} GiB more than hardware.host_mem_gib ({self.host_mem_gib:g})"
         if self.kv_budget <= 0:
             return False, f"does NOT fit: resident weights exceed the static budget by {-self.kv_budget / GIB:.1f} GiB per rank"
@@ -315,11 +320,13 @@ class Plan:
             "images": self.images,
             "runtime_weights_per_rank_gib": None if self.runtime_weights is None else self.runtime_weights.per_rank / GIB,
             "runtime_weights_note": self.runtime_weights_note,
+            "hicache_host_tier": None if self.hicache is None else self.hicache.to_dict(),
         }
 
 
 def make_plan(dc: DeploymentConfig, cfg: DeepseekV41Config, model_source: str = "", *, gpu_mem: float | None = None,
-              mem_fraction: float | None = None, context: int | None = None, batch: int = 1) -> Plan:
+              mem_fraction: float | None = None, context: int | None = None, batch: int = 1,
+              hicache_ratio: float | None = None, hicache_size: float | None = None) -> Plan:
     hw = dc.hardware
     weights = weight_plan(cfg, layout_of(dc), vision=serves_vision(dc, cfg), dspark=dc.speculative.enabled,
                           engram_placement=dc.engram.placement)
@@ -338,7 +345,7 @@ def make_plan(dc: DeploymentConfig, cfg: DeepseekV41Config, model_source: str = 
     gpus = max(hw.gpus, 1)
     runtime_weights, runtime_note = _runtime_weights(dc, cfg)
     problems = check_against_checkpoint(dc, cfg)
-    return Plan(
+    plan = Plan(
         launch_refusals=launch_refusals(dc),
         images=image_budget(dc, cfg),
         name=dc.name, model_source=model_source, gpu=hw.gpu, gpus=hw.gpus, gpu_mem_gib=mem, gpu_mem_source=mem_src,
@@ -352,6 +359,16 @@ def make_plan(dc: DeploymentConfig, cfg: DeepseekV41Config, model_source: str = 
                 else "unvalidated"),
         runtime_weights=runtime_weights, runtime_weights_note=runtime_note,
     )
+    ratio, size = hicache_setting(dc.serving.extra_args, hicache_ratio, hicache_size)
+    if ratio is not None or size:
+        lay = plan.weights.layout
+        ranks = min(lay.tp, hw.per_node) * plan.servers_per_node if not hw.kind.is_cpu else lay.tp
+        try:
+            plan.hicache = host_tier(plan.pool.row_bytes, plan.pool.swa_token_bytes, plan.capacity_tokens_per_rank,
+                                     plan.pool.page_size, ranks, ratio, size)
+        except ValueError as e:
+            plan.problems.append(str(e))
+    return plan
 
 
 def _runtime_weights(dc: DeploymentConfig, cfg: DeepseekV41Config) -> tuple[RuntimeResidency | None, str]:
@@ -405,6 +422,8 @@ def cli(argv: list[str] | None = None) -> int:
     ap.add_argument("--mem-fraction", type=float, help="SGLang mem_fraction_static (weights + KV share)")
     ap.add_argument("--context", type=int, help="tokens per request (default: serving.context_length or the model's)")
     ap.add_argument("--batch", type=int, default=1, help="concurrent requests of --context tokens (default 1)")
+    ap.add_argument("--hicache-ratio", type=float, help="HiCache host tier (L2) = this × the device pool, per rank")
+    ap.add_argument("--hicache-size", type=float, help="HiCache host tier (L2) in GB per rank (overrides the ratio)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     a = ap.parse_args(argv)
@@ -416,12 +435,17 @@ def cli(argv: list[str] | None = None) -> int:
             apply_override(data, s)
         dc = config_from_dict(data, a.config)
         cfg, src = model_config_for(dc, a.checkpoint)
-    except (DeployConfigError, ConfigError, FileNotFoundError) as e:
+    except (DeployConfigError, ConfigError, FileNotFoundError, ValueError) as e:
         print(f"sglang-dsv41 plan: {e}", file=sys.stderr)
         return 2
     if a.batch < 1 or (a.context is not None and a.context < 1):
         print("sglang-dsv41 plan: --batch and --context must be ≥ 1", file=sys.stderr)
         return 2
-    p = make_plan(dc, cfg, src, gpu_mem=a.gpu_mem, mem_fraction=a.mem_fraction, context=a.context, batch=a.batch)
+    try:
+        p = make_plan(dc, cfg, src, gpu_mem=a.gpu_mem, mem_fraction=a.mem_fraction, context=a.context, batch=a.batch,
+                      hicache_ratio=a.hicache_ratio, hicache_size=a.hicache_size)
+    except ValueError as e:
+        print(f"sglang-dsv41 plan: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(p.to_dict(), indent=2) if a.json else render(p, a.config))
     return 0 if p.verdict()[0] and not p.launch_refusals else 1

@@ -88,6 +88,7 @@ def render(p: Plan, source: str) -> str:
               f"{p.kv_budget / GIB:.1f} GiB",
               f"  capacity: {p.capacity_tokens_per_rank:,} full-pool tokens and {p.swa_capacity_per_rank:,} SWA tokens "
               f"per rank; {p.max_full_context_requests} concurrent request(s) of {p.context:,} tokens per server",
+              *_hicache_lines(p),
               f"  compared with upstream SGLang 0.5.23 layouts (not what this runtime stores; config "
               f"features.kv_layout {p.upstream_kv_layout}): global KV v4 {p.upstream_kv_bytes_per_token['v4']:.1f} B, "
               f"v41/FP4 {p.upstream_kv_bytes_per_token['v41']:.1f} B per token (page-padded); per request SWA "
@@ -99,3 +100,14 @@ def render(p: Plan, source: str) -> str:
                      "unless --allow-unavailable; the verdict above is about memory only:")
         lines += [f"  - {r}" for r in p.launch_refusals]
     return "\n".join(lines)
+
+
+def _hicache_lines(p: Plan) -> list[str]:
+    """The HiCache host tier (L2), when the plan has one (deploy/hicache_plan.py)."""
+    h = p.hicache
+    if h is None:
+        return []
+    return [f"  HiCache host tier (L2, {h.setting}): {h.tokens_per_rank:,} tokens per rank × {h.bytes_per_token:,} B "
+            f"(global rows {h.full_row_bytes} + SWA rows {h.swa_row_bytes:,}, both host pools) = "
+            f"{h.bytes_per_rank / GIB:.2f} GiB host per rank; {h.ranks_per_node} rank(s) per node → "
+            f"{h.bytes_per_node / GIB:.2f} GiB host per node (in the host check of the verdict)"]

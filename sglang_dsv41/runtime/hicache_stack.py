@@ -30,13 +30,14 @@ file of the pool's flat page (`ComponentHostPool.get_data_page`): `KV` = the pag
 index-key rows, `SWA` = every layer's SWA rows of the page; SGLang's SWA component writes and
 prefetches only the trailing window's SWA pages. The start-up check (`check_hicache_flags`) refuses
 every other backend (they need zero-copy page buffers or pool names the V4.1 pools do not have).
+The controller is SGLang's `HybridCacheController` with storage failures turned into misses
+(`hicache_faults.StorageFaultGuard`: a storage tier that is down or full costs a cold prefill).
 """
 from __future__ import annotations
 
 import logging
 
 from sglang.srt.mem_cache.hicache_storage import PoolName
-from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
 from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
     StackBuildResult,
     StackStrategy,
@@ -48,6 +49,7 @@ from sglang.srt.mem_cache.memory_pool_host import HostPoolGroup
 from sglang.srt.mem_cache.pool_host.common import get_allocator_type
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
+from .hicache_faults import StorageFaultGuard
 from .hicache_host import HOST_LAYOUT, IO_BACKENDS, ComponentHostPool
 
 logger = logging.getLogger(__name__)
@@ -58,6 +60,14 @@ STORAGE_BACKENDS: tuple[str, ...] = ("file",)
 #: is backed up only when the device evicts it, after the small SWA pool dropped its window, so the
 #: match validator vetoes the hit). write_through_selective is untested.
 WRITE_POLICIES = ("write_through",)
+#: why a known L3 backend is refused (docs/hicache.md "Mooncake"); others get the generic reason
+_REFUSED_BACKENDS = {
+    "mooncake": "SGLang 0.5.17's MooncakeStore moves zero-copy objects, for this pool two per page per pool "
+                "(its MHA K/V key scheme: a page's K and V rows, and for SWA a `v_buffer`); the V4.1 host "
+                "pools hold latent + index-key rows and one SWA row per layer, with no K/V split and no "
+                "`get_page_buffer_meta`. The Mooncake store itself runs on CPU over TCP; the pool mapping is "
+                "what is missing",
+}
 
 
 def check_hicache_flags(server_args) -> None:
@@ -66,9 +76,10 @@ def check_hicache_flags(server_args) -> None:
         return
     backend = getattr(server_args, "hicache_storage_backend", None)
     if backend is not None and backend not in STORAGE_BACKENDS:
+        why = _REFUSED_BACKENDS.get(backend, "it needs zero-copy page buffers or pool names the V4.1 host pools "
+                                             "do not have")
         raise RuntimeError(f"sglang-dsv41: --hicache-storage-backend {backend}: HiCache L3 (storage) for the V4.1 "
-                           f"pool is served with {list(STORAGE_BACKENDS)} only ({backend} needs zero-copy page "
-                           "buffers or pool names the V4.1 host pools do not have); use --hicache-storage-backend "
+                           f"pool is served with {list(STORAGE_BACKENDS)} only ({why}); use --hicache-storage-backend "
                            "file, or drop the flag to serve the host tier (L2) alone (docs/hicache.md)")
     policy = getattr(server_args, "hicache_write_policy", "write_through")
     if policy not in WRITE_POLICIES:
@@ -145,7 +156,7 @@ class DeepseekV41StackStrategy(StackStrategy):
                              device_evict_fn=lambda n: cache.evict(EvictParams(swa_num_tokens=n)),
                              device_alloc_fn=swa_allocator.alloc, device_free_fn=swa_allocator.free),
         ])
-        controller = HybridCacheController(
+        controller = StorageFaultGuard(
             params.token_to_kv_pool_allocator, group, params.page_size, params.tp_cache_group,
             load_cache_event=load_cache_event, attn_cp_group=params.attn_cp_cache_group,
             attn_tp_group=params.attn_tp_cache_group, pp_group=params.pp_cache_group,

@@ -11,7 +11,9 @@ one series per TP rank) and appear next to SGLang's own ``sglang:`` metrics:
 * ``sglang_dsv41:engram_bytes{tier}`` — Engram table bytes this rank holds on the ``device``
   and in ``host`` memory (0 for the tier not used);
 * ``sglang_dsv41:engram_placement{placement}`` — 1 for the configured placement;
-* indexer selection statistics (`runtime/indexer_stats.py`), sampled from eager forwards.
+* indexer selection statistics (`runtime/indexer_stats.py`), sampled from eager forwards;
+* ``sglang_dsv41:hicache_storage_failures_total{op}`` — failed HiCache L3 storage operations
+  (``query`` / ``read`` / ``write``, `runtime/hicache_faults.py`).
 
 Without ``--enable-metrics`` nothing is created. Every series carries ``tp_rank``.
 """
@@ -43,12 +45,12 @@ def gauge(name: str, doc: str, label: str):
     return _gauges[name]
 
 
-def counter(name: str, doc: str):
-    """The `sglang_dsv41:<name>_total` counter labelled (tp_rank), made once per process."""
+def counter(name: str, doc: str, label: str | None = None):
+    """The `sglang_dsv41:<name>_total` counter labelled (tp_rank[, `label`]), made once per process."""
     if name not in _gauges:
         from prometheus_client import Counter
 
-        _gauges[name] = Counter(PREFIX + name, doc, labelnames=("tp_rank",))
+        _gauges[name] = Counter(PREFIX + name, doc, labelnames=("tp_rank",) + ((label,) if label else ()))
     return _gauges[name]
 
 
