@@ -95,6 +95,32 @@ class Router:
         self._log.flush()
         return "router log:\n" + self.log_path.read_text(errors="replace")[-n:]
 
+    # sglang-router 0.3.2's worker API (docs/pd.md "Replacing a worker"): POST /workers and
+    # DELETE /workers/{id} queue a job and answer 202; GET /workers/{id} has the job's outcome.
+    def workers(self) -> list[dict[str, Any]]:
+        status, out = _http(self.url("/workers"), timeout=30)
+        assert status == 200, (status, out)
+        return out["workers"]
+
+    def add_worker(self, url: str, worker_type: str, bootstrap_port: int | None = None) -> str:
+        body: dict[str, Any] = {"url": url, "worker_type": worker_type}
+        if bootstrap_port is not None:
+            body["bootstrap_port"] = bootstrap_port
+        status, out = _http(self.url("/workers"), body, timeout=30)
+        assert status == 202, (status, out)
+        return out["worker_id"]
+
+    def remove_worker(self, worker_id: str) -> None:
+        req = urllib.request.Request(self.url(f"/workers/{worker_id}"), method="DELETE")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 202, r.read()
+
+    def job_failure(self, worker_id: str) -> str | None:
+        """The failure message of the last job queued for `worker_id` (None while none failed)."""
+        status, out = _http(self.url(f"/workers/{worker_id}"), timeout=30)
+        job = out.get("job_status") if status == 200 and isinstance(out, dict) else None
+        return job.get("message") or "failed" if job and job.get("status") == "failed" else None
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
