@@ -250,6 +250,7 @@ def tool_call(target: Target) -> dict[str, Any]:
 
 
 def measure(args: argparse.Namespace, target: Target, prefill_url: str | None) -> dict[str, Any]:
+    load0 = os.getloadavg()[0]
     target.call(lambda url, extra: http(url + "/generate", {"input_ids": prompt(2, args.prompt_len), "sampling_params": {
         "max_new_tokens": 2, "temperature": 0}, **extra}, timeout=600))          # warm-up
     levels = []
@@ -262,7 +263,9 @@ def measure(args: argparse.Namespace, target: Target, prefill_url: str | None) -
         levels.append(level)
         print(json.dumps({k: level[k] for k in ("concurrency", "n_errors", "ttft_s", "itl_s", "output_tokens_per_s")}),
               flush=True)
-    return {"levels": levels, "tool_call": tool_call(target)}
+    out = {"levels": levels, "tool_call": tool_call(target)}
+    out["loadavg_1m_start_end"] = [round(load0, 2), round(os.getloadavg()[0], 2)]    # the host is shared
+    return out
 
 
 def run(args: argparse.Namespace, logs: Path) -> dict[str, Any]:

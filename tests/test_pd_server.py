@@ -296,8 +296,12 @@ def test_decode_killed_then_prefill_serves_on_and_router_answers_503(pd) -> None
     time.sleep(5)
     assert prefill.proc.poll() is None and _up(prefill.url("/health")), prefill.log_tail()
     # The router notices a dead worker by its health checks (3 failures, 5 s apart): a request it
-    # forwards before that waits on the prefill's bootstrap timeout (docs/pd.md "Faults").
-    time.sleep(20)
+    # forwards before that waits on the prefill's bootstrap timeout (docs/pd.md "Faults"), so wait
+    # for the router's own view of the decode (GET /workers) first.
+    deadline = time.monotonic() + 120
+    while any(w["worker_type"] == "decode" and w["is_healthy"] for w in router.workers()):
+        assert time.monotonic() < deadline, (router.workers(), router.log_tail())
+        time.sleep(2)
     deadline, status, body = time.monotonic() + 90, None, None
     while time.monotonic() < deadline:
         try:
