@@ -5,8 +5,9 @@ One 1P1D set-up for the module, started as a user would: a prefill and a decode
 `sglang-dsv41 serve --disaggregation-mode ...` (which sets the CPU PD environment,
 `runtime/cpu_env.py`) and `python -m sglang_router.launch_router --pd-disaggregation`, all on
 127.0.0.1, every wait bounded, every process group killed at the end. The prefill chunks its
-prompts (`--chunked-prefill-size 12`), so a pending ratio-2 pair crosses chunks before it
-crosses servers. Decode output is held to the same oracle as the colocated server's
+prompts (`--chunked-prefill-size 24`: the 27-, 41- and 42-token oracle prompts take 2 chunks
+each; 12 until session 9, where the tool-call prompt's ~600 tokens in 50 chunks cost 240 s on a
+loaded host), so a pending ratio-2 pair crosses chunks before it crosses servers. Decode output is held to the same oracle as the colocated server's
 (tests/test_runtime_server.py: the reference teacher-forced on the tokens, within the numerics
 contract; logprobs within its bound), which avoids a third server. The fault test runs last: it
 kills the decode server.
@@ -155,7 +156,7 @@ def pd(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
     boot = free_port()
     prefill = Server(tiny_checkpoint, logs / "prefill.log",
                      [*COMMON, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot),
-                      "--chunked-prefill-size", "12"])
+                      "--chunked-prefill-size", "24"])
     decode = Server(tiny_checkpoint, logs / "decode.log", [*COMMON, "--disaggregation-mode", "decode"])
     router = None
     try:
@@ -253,7 +254,8 @@ def test_tool_call_through_pd(pd) -> None:
     the named tool with schema-valid arguments and no markup in content, streamed the same as
     non-streamed — the checks tests/test_api_server.py makes on the colocated server (equality with
     a colocated reply: benchmarks/pd.py, docs/pd.md). A named choice shows the model one tool: the
-    prompt (~300 tokens, 12-token chunks here) is the cost of this test on a loaded CPU."""
+    prompt (~600 tokens with the DSML tool instructions, 24-token chunks here) is the cost of this
+    test on a loaded CPU."""
     from test_api_server import CLOCK, TOOL_MAX_TOKENS, WEATHER, _assemble, _assert_valid_call, _calls
 
     _, decode, router = pd
