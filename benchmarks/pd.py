@@ -107,9 +107,12 @@ def wait_up(url: str, procs: list[Proc], timeout_s: float) -> None:
 
 
 def serve(args: argparse.Namespace, port: int, log: Path, extra: list[str]) -> Proc:
+    """Every server of both set-ups gets the same flags (metrics on everywhere, so that their cost
+    is on both sides of the comparison); `extra` adds only the PD role."""
     return Proc([sys.executable, "-m", "sglang_dsv41.cli", "serve", "--device", args.device, "--model-path",
                  str(args.checkpoint), "--port", str(port), "--max-total-tokens", str(args.max_total_tokens),
-                 "--max-running-requests", str(max(args.concurrency)), *args.server_arg, *extra], log)
+                 "--max-running-requests", str(max(args.concurrency)), "--enable-metrics", *args.server_arg,
+                 *extra], log)
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -247,6 +250,7 @@ def tool_call(target: Target) -> dict[str, Any]:
 
 
 def measure(args: argparse.Namespace, target: Target, prefill_url: str | None) -> dict[str, Any]:
+    load0 = os.getloadavg()[0]
     target.call(lambda url, extra: http(url + "/generate", {"input_ids": prompt(2, args.prompt_len), "sampling_params": {
         "max_new_tokens": 2, "temperature": 0}, **extra}, timeout=600))          # warm-up
     levels = []
@@ -259,7 +263,9 @@ def measure(args: argparse.Namespace, target: Target, prefill_url: str | None) -
         levels.append(level)
         print(json.dumps({k: level[k] for k in ("concurrency", "n_errors", "ttft_s", "itl_s", "output_tokens_per_s")}),
               flush=True)
-    return {"levels": levels, "tool_call": tool_call(target)}
+    out = {"levels": levels, "tool_call": tool_call(target)}
+    out["loadavg_1m_start_end"] = [round(load0, 2), round(os.getloadavg()[0], 2)]    # the host is shared
+    return out
 
 
 def run(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
@@ -279,8 +285,7 @@ def run(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
         pport, dport, boot = free_port(), free_port(), free_port()
         pd = ["--disaggregation-transfer-backend", "mooncake"]
         procs = [serve(args, pport, logs / "prefill.log", [*pd, "--disaggregation-mode", "prefill",
-                                                            "--disaggregation-bootstrap-port", str(boot),
-                                                            "--enable-metrics"]),
+                                                            "--disaggregation-bootstrap-port", str(boot)]),
                  serve(args, dport, logs / "decode.log", [*pd, "--disaggregation-mode", "decode"])]
         P, D = f"http://127.0.0.1:{pport}", f"http://127.0.0.1:{dport}"
         wait_up(P + "/health", procs, args.startup_s)
@@ -357,8 +362,12 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run([sys.executable, "-m", "sglang_dsv41.cli", "make-checkpoint", "--preset", "tiny", "--out",
                             str(args.checkpoint), "--quiet"], check=True, timeout=300)
         t0 = time.perf_counter()
+        load0 = os.getloadavg()
         result = run(args, logs)
         result["wall_s"] = time.perf_counter() - t0
+        # a shared host's load moves both set-ups' numbers: record it with the date
+        result["host"] = {"date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "cpus": os.cpu_count(),
+                          "loadavg_1m_start_end": [round(load0[0], 2), round(os.getloadavg()[0], 2)]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     note = plot(result, args.out.with_suffix(".png"))
     result["png"] = note or args.out.with_suffix(".png").name

@@ -9,7 +9,7 @@ never arrives (`SGLANG_DISAGGREGATION_WAITING_TIMEOUT`). "Nothing leaks" is chec
 themselves: after every fault both servers go idle (no running, waiting or PD-queued request, per
 `/v1/loads`), and once the prefix cache is flushed their used tokens equal the baseline taken
 before the first request. The last test kills the prefill server, so it runs last; it then starts
-a new prefill and a new router and serves again.
+a new prefill, registers it with the same router (sglang-router's worker API) and serves again.
 """
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def pair(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
         state["baseline"] = {"prefill": settled(p, 0)["num_used_tokens"], "decode": settled(d, 0)["num_used_tokens"]}
         yield state
     finally:
-        for key in ("router", "new_router", "decode", "prefill", "new_prefill"):
+        for key in ("router", "decode", "prefill", "new_prefill"):
             if state.get(key) is not None:
                 state[key].stop()
 
@@ -125,20 +125,37 @@ def _room() -> int:
     return int(time.time() * 1000) % (1 << 40)
 
 
-@pytest.mark.parametrize("side,seed", [("decode", 50), ("prefill", 51)])
-def test_one_sided_request_times_out_and_frees_its_pages(pair, side: str, seed: int) -> None:
-    """A request sent to one server only (bootstrap fields as the router adds them). Decode: it
-    reserves pages, bootstraps with the prefill, and the KV never comes; SGLang's waiting timeout
-    fails it. Prefill: it waits in the bootstrap queue for a decode that never bootstraps and is
-    dropped after the bootstrap timeout. Either way the client gets a message and nothing is held."""
-    t0 = time.monotonic()
-    status, out = _http(pair[side].url("/generate"), _body(seed, 40, 4, bootstrap_host="127.0.0.1",
-                                                         bootstrap_port=pair["boot"], bootstrap_room=_room()),
+def test_one_sided_requests_time_out_and_free_their_pages(pair) -> None:
+    """A request sent to one server only (bootstrap fields as the router adds them), one to each
+    side at once (independent rooms: the two waits overlap, one timeout's wall time for both).
+    Decode: it reserves pages, bootstraps with the prefill, and the KV never comes; SGLang's waiting
+    timeout fails it. Prefill: it waits in the bootstrap queue for a decode that never bootstraps
+    and is dropped after the bootstrap timeout. Either way the client gets a message and nothing is
+    held."""
+    results: dict[str, Any] = {}
+
+    def send(side: str, seed: int, room: int) -> None:
+        t0 = time.monotonic()
+        try:
+            out = _http(pair[side].url("/generate"), _body(seed, 40, 4, bootstrap_host="127.0.0.1",
+                                                         bootstrap_port=pair["boot"], bootstrap_room=room),
                         timeout=TIMEOUT_S + 120)
-    waited = time.monotonic() - t0
-    assert status >= 400 or "error" in str(out).lower(), (status, out)
-    assert "timed out" in str(out).lower(), (status, out)
-    assert TIMEOUT_S - 1 <= waited < TIMEOUT_S + 60, waited
+        except Exception as e:            # a client-side timeout: reported below
+            out = (None, repr(e))
+        results[side] = (*out, time.monotonic() - t0)
+
+    room = _room()
+    threads = [threading.Thread(target=send, args=(side, seed, room + i))
+               for i, (side, seed) in enumerate((("decode", 50), ("prefill", 51)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=TIMEOUT_S + 180)
+    assert not any(t.is_alive() for t in threads), "a one-sided request hangs"
+    for side, (status, out, waited) in results.items():
+        assert status is not None and (status >= 400 or "error" in str(out).lower()), (side, status, out)
+        assert "timed out" in str(out).lower(), (side, status, out)
+        assert TIMEOUT_S - 1 <= waited < TIMEOUT_S + 60, (side, waited)
     _both_settled(pair)
     _serves(pair["router"])
 
@@ -184,7 +201,8 @@ def test_aborted_requests_leak_nothing(pair, stage: str) -> None:
 
 def test_prefill_killed_with_requests_in_flight(pair) -> None:
     """Runs last (kills the prefill). Requests in flight get an error, not a hang; the decode stays
-    up and frees what it reserved; a new prefill behind a new router serves the same tokens."""
+    up and frees what it reserved; a new prefill (new HTTP and bootstrap ports) registered with the
+    same router through its worker API, the dead one removed, serves the same tokens."""
     router, prefill, decode = pair["router"], pair["prefill"], pair["decode"]
     before = _serves(router)
     results: dict[int, Any] = {}
@@ -210,17 +228,26 @@ def test_prefill_killed_with_requests_in_flight(pair) -> None:
         assert "prefill" in str(body).lower(), (i, body)
     assert decode.proc.poll() is None and _up(decode.url("/health")), decode.log_tail()
     settled(decode, pair["baseline"]["decode"])
-    router.stop()
-    pair["router"] = None
+    dead = [w["id"] for w in router.workers() if w["worker_type"] == "prefill"]
+    assert len(dead) == 1, router.workers()
 
     boot = free_port()
     new = pair["new_prefill"] = _prefill(pair["checkpoint"], pair["logs"] / "prefill2.log", boot)
     _wait("new prefill", lambda: _up(new.url("/health")), [new, decode], [new.log_tail, decode.log_tail])
-    new_router = pair["new_router"] = Router(new, boot, decode, pair["logs"] / "router2.log")
-    _wait("new router", lambda: _up(new_router.url("/readiness")), [new, decode, new_router],
-          [new.log_tail, decode.log_tail, new_router.log_tail], timeout_s=300)
+    new_id = router.add_worker(new.url(""), "prefill", boot)
+    router.remove_worker(dead[0])
+    want = {("prefill", new.url(""), boot, True), ("decode", decode.url(""), None, True)}
+
+    def registered() -> bool:
+        failed = router.job_failure(new_id)
+        assert failed is None, f"the router's AddWorker job failed: {failed}\n{router.log_tail()}"
+        got = {(w["worker_type"], w["url"], w.get("bootstrap_port"), w["is_healthy"]) for w in router.workers()}
+        return got == want and _up(router.url("/readiness"))
+
+    _wait("the router's new prefill", registered, [new, decode, router], [new.log_tail, decode.log_tail,
+                                                                           router.log_tail], timeout_s=300)
     try:
-        after = _serves(new_router)
+        after = _serves(router)
     except (urllib.error.URLError, OSError) as e:
         raise AssertionError(f"{e!r}\n{decode.log_tail()}\n{new.log_tail()}") from e
     assert after == before

@@ -5,8 +5,9 @@ One 1P1D set-up for the module, started as a user would: a prefill and a decode
 `sglang-dsv41 serve --disaggregation-mode ...` (which sets the CPU PD environment,
 `runtime/cpu_env.py`) and `python -m sglang_router.launch_router --pd-disaggregation`, all on
 127.0.0.1, every wait bounded, every process group killed at the end. The prefill chunks its
-prompts (`--chunked-prefill-size 12`), so a pending ratio-2 pair crosses chunks before it
-crosses servers. Decode output is held to the same oracle as the colocated server's
+prompts (`--chunked-prefill-size 24`: the 27-, 41- and 42-token oracle prompts take 2 chunks
+each; 12 until session 9, where the tool-call prompt's ~600 tokens in 50 chunks cost 240 s on a
+loaded host), so a pending ratio-2 pair crosses chunks before it crosses servers. Decode output is held to the same oracle as the colocated server's
 (tests/test_runtime_server.py: the reference teacher-forced on the tokens, within the numerics
 contract; logprobs within its bound), which avoids a third server. The fault test runs last: it
 kills the decode server.
@@ -95,6 +96,32 @@ class Router:
         self._log.flush()
         return "router log:\n" + self.log_path.read_text(errors="replace")[-n:]
 
+    # sglang-router 0.3.2's worker API (docs/pd.md "Replacing a worker"): POST /workers and
+    # DELETE /workers/{id} queue a job and answer 202; GET /workers/{id} has the job's outcome.
+    def workers(self) -> list[dict[str, Any]]:
+        status, out = _http(self.url("/workers"), timeout=30)
+        assert status == 200, (status, out)
+        return out["workers"]
+
+    def add_worker(self, url: str, worker_type: str, bootstrap_port: int | None = None) -> str:
+        body: dict[str, Any] = {"url": url, "worker_type": worker_type}
+        if bootstrap_port is not None:
+            body["bootstrap_port"] = bootstrap_port
+        status, out = _http(self.url("/workers"), body, timeout=30)
+        assert status == 202, (status, out)
+        return out["worker_id"]
+
+    def remove_worker(self, worker_id: str) -> None:
+        req = urllib.request.Request(self.url(f"/workers/{worker_id}"), method="DELETE")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 202, r.read()
+
+    def job_failure(self, worker_id: str) -> str | None:
+        """The failure message of the last job queued for `worker_id` (None while none failed)."""
+        status, out = _http(self.url(f"/workers/{worker_id}"), timeout=30)
+        job = out.get("job_status") if status == 200 and isinstance(out, dict) else None
+        return job.get("message") or "failed" if job and job.get("status") == "failed" else None
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -129,7 +156,7 @@ def pd(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
     boot = free_port()
     prefill = Server(tiny_checkpoint, logs / "prefill.log",
                      [*COMMON, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot),
-                      "--chunked-prefill-size", "12"])
+                      "--chunked-prefill-size", "24"])
     decode = Server(tiny_checkpoint, logs / "decode.log", [*COMMON, "--disaggregation-mode", "decode"])
     router = None
     try:
@@ -227,7 +254,8 @@ def test_tool_call_through_pd(pd) -> None:
     the named tool with schema-valid arguments and no markup in content, streamed the same as
     non-streamed — the checks tests/test_api_server.py makes on the colocated server (equality with
     a colocated reply: benchmarks/pd.py, docs/pd.md). A named choice shows the model one tool: the
-    prompt (~300 tokens, 12-token chunks here) is the cost of this test on a loaded CPU."""
+    prompt (~600 tokens with the DSML tool instructions, 24-token chunks here) is the cost of this
+    test on a loaded CPU."""
     from test_api_server import CLOCK, TOOL_MAX_TOKENS, WEATHER, _assemble, _assert_valid_call, _calls
 
     _, decode, router = pd
@@ -270,8 +298,12 @@ def test_decode_killed_then_prefill_serves_on_and_router_answers_503(pd) -> None
     time.sleep(5)
     assert prefill.proc.poll() is None and _up(prefill.url("/health")), prefill.log_tail()
     # The router notices a dead worker by its health checks (3 failures, 5 s apart): a request it
-    # forwards before that waits on the prefill's bootstrap timeout (docs/pd.md "Faults").
-    time.sleep(20)
+    # forwards before that waits on the prefill's bootstrap timeout (docs/pd.md "Faults"), so wait
+    # for the router's own view of the decode (GET /workers) first.
+    deadline = time.monotonic() + 120
+    while any(w["worker_type"] == "decode" and w["is_healthy"] for w in router.workers()):
+        assert time.monotonic() < deadline, (router.workers(), router.log_tail())
+        time.sleep(2)
     deadline, status, body = time.monotonic() + 90, None, None
     while time.monotonic() < deadline:
         try:

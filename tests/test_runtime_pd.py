@@ -229,3 +229,24 @@ def test_serve_adds_the_cpu_pd_environment(tmp_path, monkeypatch) -> None:
     assert pd["SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX"] == "0" and pd["SGLANG_HOST_IP"] == "10.0.0.7"
     plain = build_launch(["--device", "cpu", "--model-path", str(tmp_path)]).env
     assert not {"MC_FORCE_TCP", "MOONCAKE_PROTOCOL", "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX"} & set(plain)
+
+
+# ---- PD + DSpark: refused until the draft pool's state is transferred ---------------------------
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+@pytest.mark.parametrize("draft_worker", [False, True], ids=["target", "draft"])
+def test_pd_with_dspark_is_refused_at_start_up(mode: str, draft_worker: bool) -> None:
+    """Either PD role with `--speculative-algorithm DSPARK`, on the target's pool and the draft
+    worker's, stops start-up naming both flags (docs/pd.md "Limits"); PD alone passes the check."""
+    from sglang_dsv41.runtime.sglang_pool import check_pool_flags
+
+    def kvc(spec: str | None) -> SimpleNamespace:
+        args = SimpleNamespace(speculative_algorithm=spec, speculative_num_draft_tokens=6 if spec else None,
+                               disaggregation_mode=mode, disaggregation_transfer_backend="mooncake",
+                               enable_hierarchical_cache=False, enable_unified_memory=False)
+        return SimpleNamespace(is_hybrid_swa=True, is_draft_worker=draft_worker and spec is not None,
+                               server_args=args, kv_cache_dtype=torch.bfloat16)
+
+    with pytest.raises(RuntimeError, match="--disaggregation-mode with --speculative-algorithm DSPARK"):
+        check_pool_flags(kvc("DSPARK"))
+    check_pool_flags(kvc(None))
