@@ -1,19 +1,27 @@
-"""Tensor / expert parallelism of the torch path, bit-identical to TP 1 (issue 3; spec §3.4, §3.3, §3.6).
+"""Tensor / expert parallelism of the torch path, bit-identical to TP 1 on the exact backend
+(issue 3, issue 13 item 4; spec §3.4, §3.3, §3.6).
 
 The reference evaluates every order-sensitive fp32 formula in float64 and rounds once, so the
 shard plan below is chosen such that no rounded value is ever split across ranks: each rank
-computes complete values of its share and the collectives only *move* values (all-gather) or
-add exact zeros to them (all-reduce of disjoint supports). TP size N therefore gives the same
-bits as TP 1.
+computes complete values of its share, or exact float64 partial sums of a value rounded once
+after the all-reduce; the collectives move values (all-gather), add exact zeros to them
+(all-reduce of disjoint supports) or add exact partials. TP size N therefore gives the same bits
+as TP 1 on the exact backend.
 
 Shard plan (`ShardPlan.for_config`), rank r of N:
 
 * attention heads, by output groups: rank r owns o_groups r·G/N .. (r+1)·G/N − 1 and their
   heads; it computes q (`wq_b` rows of its heads), attention with its heads' sinks, the inverse
-  RoPE and the grouped `wo_a` of its groups (BF16 outputs, each a complete value); the group
-  outputs are all-gathered in group order and `wo_b` (replicated) runs on the full vector —
-  exactly `reference.attention.output_projection` (spec §3.4.6). Needs o_groups % N == 0 and
-  num_attention_heads % N == 0;
+  RoPE and the grouped `wo_a` of its groups (BF16 outputs, each a complete value); `wo_b` is
+  row-parallel over exactly those columns (`cols_of`; SGLang's `RowParallelLinear`,
+  `runtime/parallel_linear.py`): its partial product in the backend's `acc` is all-reduced and
+  rounded once (`row_parallel`). The columns split on 32-wide activation blocks, so each rank's
+  products are the TP-1 products: on the exact backend the float64 sum is the TP-1 sum (as for
+  the routed partial below), on the fp32 backends within the numerics contract. Needs
+  o_groups % N == 0 and num_attention_heads % N == 0;
+* shared expert: `w1` / `w3` column-parallel and `w2` row-parallel over equal intermediate blocks
+  when each block is whole 32-wide tiles (`shared_expert_block`; else replicated); `w2`'s
+  partial shares the routed partial's all-reduce (`shared_expert`, `moe_ops`);
 * routed experts (expert parallel): rank r owns a contiguous balanced block of expert ids; the
   router runs replicated, each rank forms the routed partial Σ w_j·E_j over the slots of its
   experts in the backend's `acc` (`runtime.moe_ops`' `experts=` / `reduce=` hook), the partials
@@ -30,7 +38,7 @@ Shard plan (`ShardPlan.for_config`), rank r of N:
   and all-reduces (exact); the head computes its block of logits and all-gathers them (values
   moved), so both are bit-identical to TP 1 (`runtime/vocab_parallel.py`);
 * everything else is replicated: the KV caches, compressor, indexer (its projections are its
-  own weights and `q_lora` is replicated), mHC, dense projections, shared expert.
+  own weights and `q_lora` is replicated), mHC, `wq_a`, `wkv`, router.
 
 Collectives are SGLang's: the TP `GroupCoordinator`'s `all_reduce` / `all_gather` (custom
 all-reduce or pynccl on CUDA, where nothing is float64; gloo's torch.distributed path on CPU,
