@@ -41,13 +41,17 @@ def test_planned_bytes_equal_what_the_runtime_holds(tiny_checkpoint, tp: int) ->
         stored = {n: reader.get(n) for n in reader.names()}
     plan = ShardPlan.for_config(cfg.text, 0, tp)
     w = runtime_weights(stored, cfg, torch.device("cpu"), experts_mxfp4=True, dense_fp8=True,
-                        expert_ids=list(plan.experts), rows_of=plan.rows_of)
+                        expert_ids=list(plan.experts), rows_of=plan.rows_of, cols_of=plan.cols_of)
     assert runtime_residency(cfg, tp).per_rank == held_bytes(w)
+    if tp > 1:                                  # the row-parallel wo_b is counted by its columns
+        wo_b = w["layers.0.attn.wo_b.weight"]
+        assert wo_b.shape[1] * tp == cfg.text.o_groups * cfg.text.o_lora_rank
 
 
 def test_flash_figures() -> None:
     """Flash: the embedding and head split by vocabulary blocks (fp32 at rest; SGLang's
-    vocab-parallel split: 129,280 ids = 8 × 16,160), Engram rows and routed experts split by TP;
+    vocab-parallel split: 129,280 ids = 8 × 16,160), Engram rows, routed experts, `wo_b` and the
+    shared expert split by TP;
     TP sizes the output groups do not divide are refused."""
     from sglang_dsv41.runtime.tensor_parallel import vocab_shard
 
@@ -61,7 +65,13 @@ def test_flash_figures() -> None:
                                                            rel=1e-5)   # and attn_sink split
     assert tp8.by_component["engram"] == pytest.approx(tp1.by_component["engram"] / 8, rel=1e-6)
     assert tp8.by_component["experts"] == pytest.approx(tp1.by_component["experts"] / 8, rel=1e-6)
-    assert tp8.per_rank / 2**30 == pytest.approx(62.61, abs=0.01)
+    split = ("attn.wq_b.weight", "attn.wo_a.weight",             # by heads / output groups
+             "attn.wo_b.weight", "shared_experts.w1.weight", "shared_experts.w2.weight",   # row / column-parallel
+             "shared_experts.w3.weight")
+    fp8 = [s for s in tensor_inventory(cfg, vision=False, dspark=False) if s.kind is Kind.FP8]
+    assert tp8.by_component["fp8_dense"] == pytest.approx(
+        sum(tensor_bytes_at_rest(s, 1 / 8 if s.name.endswith(split) else 1.0)[1] for s in fp8), rel=1e-6)
+    assert tp8.per_rank / 2**30 == pytest.approx(60.08, abs=0.01)
     with pytest.raises(TensorParallelError):
         runtime_residency(cfg, 3)
 

@@ -185,6 +185,14 @@ def test_tp1_shard_loader_equals_runtime_weights(tiny_checkpoint) -> None:
         assert same_value(got[name], value), name
 
 
+def shard_of(value: torch.Tensor, plan: ShardPlan, name: str) -> torch.Tensor:
+    """The rows (`rows_of`) and columns (`cols_of`: row-parallel linears) of `value` `plan` holds."""
+    rows, cols = plan.rows_of(name), plan.cols_of(name)
+    if rows is not None:
+        value = value[rows.start:rows.stop]
+    return value if cols is None else value[:, cols.start:cols.stop]
+
+
 def test_shard_loader_holds_only_this_ranks_share(tiny_checkpoint, text) -> None:
     cfg = DeepseekV41Config.from_file(tiny_checkpoint)
     stored = stored_tensors(tiny_checkpoint)
@@ -195,15 +203,17 @@ def test_shard_loader_holds_only_this_ranks_share(tiny_checkpoint, text) -> None
         experts = {int(n.split(".")[4]) for n in shard if ".ffn.experts." in n}
         assert experts == set(plan.experts)
         for name, value in shard.items():
-            rows = plan.rows_of(name)
-            want = full[name] if rows is None else full[name][rows.start:rows.stop]
-            assert same_value(value, want), name
+            assert same_value(value, shard_of(full[name], plan, name)), name
         i = text.engram_layer_ids[0]
         assert shard[f"layers.{i}.engram.embed.weight"].shape[0] == len(plan.engram_rows[i]) < text.engram_num_embeddings[0]
         assert shard["layers.0.attn.wq_b.weight"].shape[0] == len(plan.heads) * text.head_dim
         assert shard["layers.0.attn.wo_a.weight"].shape[0] == len(plan.groups) * text.o_lora_rank
         assert shard["layers.0.attn.attn_sink"].shape == (len(plan.heads),)
-        assert shard["layers.0.attn.wo_b.weight"].shape == full["layers.0.attn.wo_b.weight"].shape
+        # row-parallel wo_b: the input columns of this rank's groups; the tiny shared expert (32
+        # columns) would split a 32-wide tile at TP 2, so the plan replicates it
+        assert shard["layers.0.attn.wo_b.weight"].shape == (text.hidden_size, len(plan.groups) * text.o_lora_rank)
+        assert plan.shared is None
+        assert shard["layers.0.ffn.shared_experts.w2.weight"].shape == full["layers.0.ffn.shared_experts.w2.weight"].shape
         for name in ("embed.weight", "head.weight"):     # vocabulary-parallel rows
             assert shard[name].shape == (len(plan.vocab), text.hidden_size) and len(plan.vocab) < text.vocab_size
 

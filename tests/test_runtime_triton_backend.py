@@ -236,6 +236,31 @@ def test_kernel_case_tiered_runs_the_w8a8_module_from_its_prefill_row_count(weig
     assert calls == [W.BF16_GEMM_MIN_ROWS], calls
 
 
+@kernel
+def test_kernel_case_row_parallel_partials_sum_within_the_contract(weights) -> None:
+    """TP 2 row-parallel `wo_b` (`TensorParallel.row_parallel`): each rank's partial on its 32-wide
+    column block (`linear_fp8_partial`: the W8A16 kernel, fp32, not rounded) summed and rounded
+    once is within the contract's per-sublayer bound of the whole linear."""
+    from sglang_dsv41.runtime.dense_ops import fp8_scale_key
+
+    cfg, _, fp8, _ = weights
+    name = "layers.0.attn.wo_b.weight"
+    values, scales = fp8[name], fp8[fp8_scale_key(name)]
+    half = values.shape[1] // 2
+    shards = {}
+    for r in range(2):
+        shards[f"r{r}.weight"] = values[:, r * half:(r + 1) * half].contiguous()
+        shards[f"r{r}.scale"] = scales[:, r * half // 32:(r + 1) * half // 32].contiguous()
+    sharded = B.TritonBackend(BlockedBf16Gemm(DenseWeightCache.from_weights(shards, lambda n, v: n.endswith(".weight"))),
+                              device_types=(DEVICE.type,), fp8_gemm="tiered")
+    x = _bf16(12, values.shape[1], seed=5).to(DEVICE)
+    parts = [sharded.linear_fp8_partial(x[:, r * half:(r + 1) * half], shards[f"r{r}.weight"]) for r in range(2)]
+    assert all(part.dtype == torch.float32 for part in parts)
+    got = sharded.linear_fp8_finish(parts[0] + parts[1])
+    want = triton_backend(fp8, "w8a16").linear_fp8(x, values)
+    assert within_ulps(got.float().cpu(), want.float().cpu()), float((got - want).abs().max())
+
+
 def test_fp8_gemm_choice(monkeypatch) -> None:
     monkeypatch.delenv(B.FP8_GEMM_ENV, raising=False)
     assert B.fp8_gemm_for(deterministic=True) == "w8a16"
@@ -265,7 +290,7 @@ if not INTERPRETED:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
         from triton_checks import run_kernel_cases_in_interpreter
 
-        run_kernel_cases_in_interpreter(__file__, min_passed=5, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=6, exact=True)
 
 
 # ---- GPU: the CUDA forward as the server builds it ---------------------------------------------

@@ -11,9 +11,11 @@ budget with this module's figure. Rules, each stated where the runtime implement
   component row "vision"); DSpark tensors are not loaded (docs/runtime.md "Limits").
 * Sharding (`runtime/tensor_parallel.py ShardPlan`, rank 0 = the largest share: balanced blocks
   give the first ranks the extra row): routed experts in contiguous expert blocks, wq_b / attn_sink
-  by heads, wo_a by output groups, Engram tables by rows, embedding and head by vocabulary blocks
-  (SGLang's vocab-parallel split); everything else — wo_b, wq_a, wkv, shared experts, routers,
-  compressor, indexer, norms — replicated.
+  by heads, wo_a by output groups, wo_b by the columns of those groups (row-parallel), the shared
+  expert by intermediate blocks (w1/w3 rows, w2 columns) when each block is whole 32-wide tiles
+  (`ShardPlan.shared`, else replicated), Engram tables by rows, embedding and head by vocabulary
+  blocks (SGLang's vocab-parallel split); everything else — wq_a, wkv, routers, compressor,
+  indexer, norms — replicated.
 * Formats at rest on CUDA (`runtime_weights(..., experts_mxfp4=True, dense_fp8=True)`):
   routed experts MXFP4 as stored (E2M1 bytes + UE8M0 scales; the kernel layout's padding is not
   counted); FP8 dense weights as stored E4M3 with their UE8M0 tile scales decoded to fp32
@@ -77,7 +79,8 @@ class RuntimeResidency:
 
 
 def tensor_bytes_at_rest(spec: TensorSpec, fraction: float) -> tuple[str, float]:
-    """(component row, bytes) of `fraction` of one logical tensor's rows on a CUDA rank."""
+    """(component row, bytes) of `fraction` of one logical tensor (its rows and, for the
+    row-parallel linears, columns held: `ShardPlan.fraction_of`) on a CUDA rank."""
     main, *scales = spec.stored()
     scale_elements = sum(math.prod(s.shape) for s in scales)
     if spec.kind is Kind.FP4:
@@ -143,8 +146,7 @@ def _device_residency(cfg: DeepseekV41Config, tp: int) -> RuntimeResidency:
     for spec in tensor_inventory(cfg, vision=False, dspark=False):
         if not plan.holds(spec.name):
             continue
-        rows = plan.rows_of(spec.name)
-        fraction = 1.0 if rows is None else len(rows) / spec.shape[0]
+        fraction = plan.fraction_of(spec.name, spec.shape)     # rows and (row-parallel) columns held
         component, nbytes = tensor_bytes_at_rest(spec, fraction)
         out.by_component[component] = out.by_component.get(component, 0.0) + nbytes
     return out

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..config import LayerRole, TextConfig
 from ..numerics.geometry import swa_key_positions
@@ -177,10 +177,15 @@ def _request_slots(layout: BatchLayout, positions: Tensor) -> Tensor:
 
 def attention_sublayer(be: ComputeBackend, ops: AttentionOps, cfg: TextConfig, role: LayerRole,
                        w: Mapping[str, Tensor], x: Tensor, layout: BatchLayout, caches: RuntimeCaches,
-                       scratch: ForwardScratch, act_quant: bool, tp: TensorParallel = SINGLE) -> Tensor:
+                       scratch: ForwardScratch, act_quant: bool, tp: TensorParallel = SINGLE,
+                       wo_b: nn.Module | None = None) -> Tensor:
     """One attention sublayer on the whole batch; x [N, hidden] → [N, hidden] (BF16 values).
     Under tensor parallelism (`runtime/tensor_parallel.py`) q, attention and the grouped `wo_a`
-    run for this rank's heads only; everything else (caches, compressor, indexer) is replicated."""
+    run for this rank's heads only, `wo_b` is the row-parallel layer over those groups' outputs
+    (`TensorParallel.row_parallel`: one all-reduce); everything else (caches, compressor,
+    indexer) is replicated. Without `wo_b` (TP 1 only) the weight is read from `w`."""
+    if wo_b is None and tp.size > 1:
+        raise ValueError("attention_sublayer: tensor parallel size > 1 needs the row-parallel wo_b layer")
     layer = role.layer
     prefix = f"layers.{layer}.attn."
     pos = layout.positions
@@ -208,7 +213,8 @@ def attention_sublayer(be: ComputeBackend, ops: AttentionOps, cfg: TextConfig, r
         packed = caches.packed(role.kv_source)
 
     o = ops.attend(q, w[prefix + "attn_sink"], caches.swa[layer], swa_slots, packed, comp_entries)
-    return output_projection(be, cfg, w, prefix, o, pos, inv_freq, act_quant, gather=tp.all_gather_columns)
+    project = None if wo_b is None else (lambda u: tp.row_parallel(wo_b, u, be, act_quant))
+    return output_projection(be, cfg, w, prefix, o, pos, inv_freq, act_quant, wo_b=project)
 
 
 def _check_window(layer: int, window: Tensor, swa_slots: Tensor, layout: BatchLayout) -> None:

@@ -47,9 +47,11 @@ def swa_cache_roundtrip(be: ComputeBackend, kv: Tensor, positions: Tensor, inv_f
 
 def output_projection(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, o: Tensor,
                       positions: Tensor, inv_freq: Tensor, act_quant: bool,
-                      gather: Callable[[Tensor], Tensor] = lambda u: u) -> Tensor:
+                      wo_b: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """o [T, local heads, head_dim] → inverse RoPE (BF16) → per-group `wo_a` (BF16 out) of the
-    groups held (`be.linear_bf16_grouped`: one launch on CUDA) → `gather` (TP: all-gather the group outputs in group order) → `wo_b` (§3.4.6)."""
+    groups held (`be.linear_bf16_grouped`: one launch on CUDA) → `wo_b` (§3.4.6): the given
+    projection of the held groups' outputs (the model's row-parallel layer, all-reduced:
+    `TensorParallel.row_parallel`), else the FP8 linear of `w[prefix + "wo_b.weight"]` (whole)."""
     T, r = o.shape[0], cfg.o_lora_rank
     group_width = cfg.heads_per_group * cfg.head_dim
     groups = o.shape[1] * o.shape[2] // group_width
@@ -58,7 +60,7 @@ def output_projection(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tenso
         raise ValueError(f"{prefix}wo_a.weight has {wo_a.shape[0]} rows for {groups} groups × {r}")
     o = be.bf16_rope_tail(o, positions, inv_freq, inverse=True).reshape(T, groups * group_width)
     u = be.linear_bf16_grouped(o, wo_a, groups)
-    return be.linear_fp8(gather(u), w[prefix + "wo_b.weight"], act_quant)
+    return wo_b(u) if wo_b is not None else be.linear_fp8(u, w[prefix + "wo_b.weight"], act_quant)
 
 
 def ratio1_latents(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor) -> Tensor:

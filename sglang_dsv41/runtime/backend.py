@@ -90,6 +90,22 @@ class ComputeBackend(ABC):
         xf = self.fp8_act_fake_quant(x) if act_quant else x.to(F32)
         return self.bf16(self.matmul(xf, weight))
 
+    def matmul_acc(self, x: Tensor, weight: Tensor) -> Tensor:
+        """x·weightᵀ in `acc`, not rounded further (a row-parallel partial product); default the
+        fp32 `matmul`."""
+        return self.matmul(x, weight)
+
+    def linear_fp8_partial(self, x: Tensor, weight: Tensor, act_quant: bool = True) -> Tensor:
+        """A row-parallel shard of `linear_fp8` (x and weight hold this rank's input columns,
+        split on 32-wide activation blocks): the product in `acc`; the ranks' sum through
+        `linear_fp8_finish` is `linear_fp8` of the whole (exactly on the float64 backend)."""
+        xf = self.fp8_act_fake_quant(x) if act_quant else x.to(F32)
+        return self.matmul_acc(xf, weight)
+
+    def linear_fp8_finish(self, summed: Tensor) -> Tensor:
+        """BF16 output of an all-reduced row-parallel partial (`linear_fp8_partial`)."""
+        return self.bf16(summed.to(F32))
+
     def linear_bf16(self, x: Tensor, weight: Tensor, out_fp32: bool = False) -> Tensor:
         """BF16-weight linear; BF16 output unless `out_fp32`."""
         y = self.matmul(x, weight)
@@ -192,7 +208,12 @@ class ExactTorchBackend(ComputeBackend):
     def matmul(self, x: Tensor, weight: Tensor) -> Tensor:
         if weight.dtype == torch.float8_e4m3fn:
             raise TypeError("the exact CPU backend multiplies dequantised weights; got an E4M3 weight")
-        return (x.to(F64) @ weight.to(F64).t()).to(F32)
+        return self.matmul_acc(x, weight).to(F32)
+
+    def matmul_acc(self, x: Tensor, weight: Tensor) -> Tensor:
+        if weight.dtype == torch.float8_e4m3fn:
+            raise TypeError("the exact CPU backend multiplies dequantised weights; got an E4M3 weight")
+        return x.to(F64) @ weight.to(F64).t()
 
 
 class FastTorchBackend(ExactTorchBackend):
@@ -228,6 +249,9 @@ class FastTorchBackend(ExactTorchBackend):
         if weight.dtype == torch.float8_e4m3fn:
             raise TypeError("the CPU backend multiplies dequantised weights; got an E4M3 weight")
         return x.to(F32) @ weight.t()
+
+    def matmul_acc(self, x: Tensor, weight: Tensor) -> Tensor:
+        return self.matmul(x, weight)
 
 
 class TensorCoreProducts:

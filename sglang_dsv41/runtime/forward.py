@@ -10,15 +10,17 @@ request-scoped ratio-2 pair state):
    (`runtime/engram_history.py`);
 2. R⁰ = embedding broadcast to the hc streams; per layer: Engram → attn-hc → attention
    (`runtime/attention.py`) → ffn-hc → MoE (`runtime/moe_ops.py`), with the lagged pre (§3.2);
-   attention heads, routed experts and Engram rows are sharded under tensor parallelism
+   attention heads, `wo_b` and the shared expert (SGLang's row / column-parallel linears),
+   routed experts and Engram rows are sharded under tensor parallelism
    (`runtime/tensor_parallel.py`);
 3. final collapse and `norm` (§3.7); the LM head is applied by the caller (`logits`). Embedding
    and LM head are vocabulary-parallel (`runtime/vocab_parallel.py`).
 
 The implementations are chosen once, by the weights' device: the compute backend
 (`runtime/backend.py`), attention + indexer (`attention_ops.ops_for`), mHC (`mhc_ops.mhc_for`)
-and MoE (`moe_ops.moe_for`). Kept free of SGLang imports so the batching / caching invariants
-are unit-tested directly against `ReferenceModel` (`tests/test_runtime_forward.py`).
+and MoE (`moe_ops.moe_for`). The only SGLang objects are the parallel linears' layer classes
+(`runtime/parallel_linear.py`: `wo_b`, shared expert); no server state, so the batching / caching
+invariants are unit-tested directly against `ReferenceModel` (`tests/test_runtime_forward.py`).
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ from .cache import RuntimeCaches
 from .engram_history import history_tail
 from .indexer_stats import IndexerSelectionStats
 from .layers import DeepseekV41DecoderLayer, ForwardStep, OwnedTensors, RMSNorm
+from .parallel_linear import with_parallel_linears
 from .mhc_ops import mhc_for
 from .moe_ops import moe_for
 from .tensor_parallel import SINGLE, TensorParallel
@@ -96,6 +99,7 @@ class TorchForward(nn.Module):
         self.text = cfg.text
         self.roles = self.text.layer_roles()
         plan = tp.plan(self.text)     # raises now for a TP size the model cannot be sharded with
+        weights = with_parallel_linears(weights, cfg, plan)
         self.embed = VocabParallelEmbedding(weights, "embed.", plan, tp)
         self.layers = nn.ModuleList(DeepseekV41DecoderLayer(weights, self.text, role) for role in self.roles)
         self.norm = RMSNorm(weights, "norm.", self.text.rms_norm_eps)
@@ -114,7 +118,7 @@ class TorchForward(nn.Module):
         self.capture_layers: tuple[int, ...] = ()
         self.captured: list[Tensor] | None = None
         #: the weight modules (`runtime/weight_modules.py`) of a model built for streaming
-        self.weight_modules = [w for m in owners for w in m.weight_modules()]
+        self.weight_modules = [w for m in owners for w in m.weight_modules() if not getattr(w, "prebuilt", False)]
         self._loaded_once = not self.weight_modules
         self.ready = False
         if self._loaded_once:

@@ -117,6 +117,13 @@ class OwnedTensors(nn.Module):
     def __getitem__(self, name: str) -> object:
         return self.tensors[self.prefix + name]
 
+    def weight_module(self, name: str) -> nn.Module:
+        """The weight module under `prefix + name` (e.g. `wo_b`); a missing one raises."""
+        module = self._weight_modules.get(self.prefix + name)
+        if module is None:
+            raise KeyError(f"{self.prefix}{name}: no weight module (the model builds it as a parallel linear)")
+        return module
+
 
 class RMSNorm(OwnedTensors):
     """`{prefix}weight`; y = bf16(x·rsqrt(mean(x²) + ε)·w) on the model's backend."""
@@ -158,11 +165,13 @@ class Attention(OwnedTensors):
 
     def forward(self, x: Tensor, step: ForwardStep) -> Tensor:
         return attention_sublayer(step.backend, step.attention_ops, self.cfg, self.role, self.tensors, x, step.layout,
-                                  step.caches, step.scratch, step.act_quant, step.tp)
+                                  step.caches, step.scratch, step.act_quant, step.tp, self.weight_module("wo_b"))
 
 
 class MoE(OwnedTensors):
-    """Router, shared expert and the routed experts held here (`layers.{i}.ffn.*`; spec §3.6)."""
+    """Router, shared expert (SGLang parallel linears: column-parallel w1 / w3, row-parallel w2,
+    reduced with the routed partial in one all-reduce) and the routed experts held here
+    (`layers.{i}.ffn.*`; spec §3.6)."""
 
     def __init__(self, weights: Mapping[str, object], cfg: TextConfig, layer: int) -> None:
         super().__init__(weights, f"layers.{layer}.ffn.")
@@ -170,8 +179,13 @@ class MoE(OwnedTensors):
 
     def forward(self, x: Tensor, step: ForwardStep) -> Tensor:
         experts, reduce = step.tp.experts_and_reduce(self.cfg)
+        w1, w2, w3 = (self.weight_module(f"shared_experts.{n}") for n in ("w1", "w2", "w3"))
+
+        def shared(h: Tensor) -> tuple[Tensor, bool]:
+            return step.tp.shared_expert(w1, w2, w3, h, step.backend, step.act_quant, self.cfg.swiglu_limit)
+
         return step.moe(step.backend, self.cfg, self.tensors, self.layer_prefix, x, step.image_rows, step.act_quant,
-                        experts, reduce)
+                        experts, reduce, shared)
 
 
 class Engram(OwnedTensors):

@@ -127,6 +127,31 @@ def scaled_weights(cfg: TextConfig, weights: Tensor) -> Tensor:
     return weights.to(F32) * fp32_scalar(cfg.routed_scaling_factor)
 
 
+#: the shared expert of a layer's parallel linears, x → (output, is it a partial in `acc`)
+#: (`TensorParallel.shared_expert`); None: the FP8 weights `shared_experts.w1/w2/w3.weight` of `w`
+SharedExpert = Callable[[Tensor], tuple[Tensor, bool]]
+
+
+def _shared(be: ComputeBackend, w: Mapping[str, Tensor], p: str, x: Tensor, limit: float, act_quant: bool,
+            shared: SharedExpert | None) -> tuple[Tensor, bool]:
+    if shared is not None:
+        return shared(x)
+    return shared_expert(be, x, w[p + "shared_experts.w1.weight"], w[p + "shared_experts.w2.weight"],
+                         w[p + "shared_experts.w3.weight"], limit, act_quant), False
+
+
+def _reduce(be: ComputeBackend, partial: Tensor, shared: Tensor, shared_partial: bool,
+            reduce: RoutedReduce | None) -> tuple[Tensor, Tensor]:
+    """(routed partial summed over ranks, shared expert output BF16): a sharded shared expert's
+    partial goes through the same all-reduce as the routed partial (one collective)."""
+    if not shared_partial:
+        return (partial if reduce is None else reduce(partial)), shared
+    if reduce is None:
+        raise ValueError("a row-parallel shared expert needs the TP all-reduce")
+    both = reduce(torch.stack([partial.to(be.acc), shared.to(be.acc)]))
+    return both[0], be.linear_fp8_finish(both[1])
+
+
 def _finalize(partial: Tensor, shared: Tensor) -> Tensor:
     """Reference finalize of a routed sum P = Σ w'·E (float64 or fp32): bf16(S + bf16(fp32(P)))."""
     return bf16(shared + bf16(partial.to(F32)))
@@ -134,7 +159,7 @@ def _finalize(partial: Tensor, shared: Tensor) -> Tensor:
 
 def _moe_cpu(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor,
              image_rows: Tensor | None, act_quant: bool, experts: Sequence[int] | None,
-             reduce: RoutedReduce | None) -> Tensor:
+             reduce: RoutedReduce | None, shared: SharedExpert | None = None) -> Tensor:
     """Per held expert on dequantised weights; the routed partial in `be.acc`."""
     p = f"{prefix}ffn."
     E, k, limit = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.swiglu_limit
@@ -158,16 +183,13 @@ def _moe_cpu(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefi
                                              w[f"{p}experts.{e}.w2.weight"],
                                              w[f"{p}experts.{e}.w3.weight"], limit).to(be.acc)
     partial = (scaled_weights(cfg, routing.weights).to(be.acc).unsqueeze(-1) * per_slot).sum(dim=1)
-    if reduce is not None:
-        partial = reduce(partial)
-    shared = shared_expert(be, x, w[p + "shared_experts.w1.weight"], w[p + "shared_experts.w2.weight"],
-                           w[p + "shared_experts.w3.weight"], limit, act_quant)
-    return _finalize(partial, shared)
+    shared_out, shared_partial = _shared(be, w, p, x, limit, act_quant, shared)
+    return _finalize(*_reduce(be, partial, shared_out, shared_partial, reduce))
 
 
 def _moe_cuda(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor,
               image_rows: Tensor | None, act_quant: bool, experts: Sequence[int] | None,
-              reduce: RoutedReduce | None) -> Tensor:
+              reduce: RoutedReduce | None, shared: SharedExpert | None = None) -> Tensor:
     """Routing + shared expert on the backend; routed experts through the MXFP4 kernel."""
     from ..kernels import moe_mxfp4 as mx
 
@@ -186,15 +208,14 @@ def _moe_cuda(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], pref
     routing = route(be, x, w[p + "gate.weight"], w[p + "gate.bias"], k, bias_vl=bias_vl, image_rows=image_rows)
     if routing.scores.shape[-1] != E:
         raise ValueError(f"{p}gate.weight has {routing.scores.shape[-1]} experts, expected {E}")
-    shared = shared_expert(be, x, w[p + "shared_experts.w1.weight"], w[p + "shared_experts.w2.weight"],
-                           w[p + "shared_experts.w3.weight"], limit, act_quant)
+    shared_out, shared_partial = _shared(be, w, p, x, limit, act_quant, shared)
     T, H = x.shape
     xb = x.to(torch.bfloat16)                       # x holds BF16 values: exact
     weights = scaled_weights(cfg, routing.weights)
-    if experts is None and reduce is None:
+    if experts is None and reduce is None and not shared_partial:
         routed = mx.routed_experts_mxfp4(xb, routing.experts, weights, held_ref.prepared,
                                          swiglu_limit=limit, routed_scale=1.0).to(F32)
-        return bf16(shared + routed)
+        return bf16(shared_out + routed)
     local = held_ref.local_index[routing.experts]                       # [T, k], −1 = other shard
     partial = torch.zeros(T, H, dtype=be.acc, device=x.device)
     if T:
@@ -202,9 +223,7 @@ def _moe_cuda(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], pref
         per_slot = y[plan.slot_rows.long(), :H].view(T, k, H).to(be.acc)
         contrib = weights.to(be.acc).unsqueeze(-1) * per_slot
         partial = torch.where((local >= 0).unsqueeze(-1), contrib, 0.0).sum(dim=1)   # unwritten rows masked
-    if reduce is not None:
-        partial = reduce(partial)
-    return _finalize(partial, shared)
+    return _finalize(*_reduce(be, partial, shared_out, shared_partial, reduce))
 
 
 MoeSublayer = Callable[..., Tensor]
@@ -212,7 +231,7 @@ MoeSublayer = Callable[..., Tensor]
 
 def moe_for(device: torch.device) -> MoeSublayer:
     """The MoE implementation of a model on `device` (module doc); any other device raises. Its
-    call: (be, cfg, weights, prefix, x, image_rows, act_quant, experts, reduce) → y [T, hidden]."""
+    call: (be, cfg, weights, prefix, x, image_rows, act_quant, experts, reduce, shared=None) → y [T, hidden]."""
     if device.type == "cpu":
         return _moe_cpu
     if device.type == "cuda":

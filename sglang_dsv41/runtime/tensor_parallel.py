@@ -1,19 +1,27 @@
-"""Tensor / expert parallelism of the torch path, bit-identical to TP 1 (issue 3; spec §3.4, §3.3, §3.6).
+"""Tensor / expert parallelism of the torch path, bit-identical to TP 1 on the exact backend
+(issue 3, issue 13 item 4; spec §3.4, §3.3, §3.6).
 
 The reference evaluates every order-sensitive fp32 formula in float64 and rounds once, so the
 shard plan below is chosen such that no rounded value is ever split across ranks: each rank
-computes complete values of its share and the collectives only *move* values (all-gather) or
-add exact zeros to them (all-reduce of disjoint supports). TP size N therefore gives the same
-bits as TP 1.
+computes complete values of its share, or exact float64 partial sums of a value rounded once
+after the all-reduce; the collectives move values (all-gather), add exact zeros to them
+(all-reduce of disjoint supports) or add exact partials. TP size N therefore gives the same bits
+as TP 1 on the exact backend.
 
 Shard plan (`ShardPlan.for_config`), rank r of N:
 
 * attention heads, by output groups: rank r owns o_groups r·G/N .. (r+1)·G/N − 1 and their
   heads; it computes q (`wq_b` rows of its heads), attention with its heads' sinks, the inverse
-  RoPE and the grouped `wo_a` of its groups (BF16 outputs, each a complete value); the group
-  outputs are all-gathered in group order and `wo_b` (replicated) runs on the full vector —
-  exactly `reference.attention.output_projection` (spec §3.4.6). Needs o_groups % N == 0 and
-  num_attention_heads % N == 0;
+  RoPE and the grouped `wo_a` of its groups (BF16 outputs, each a complete value); `wo_b` is
+  row-parallel over exactly those columns (`cols_of`; SGLang's `RowParallelLinear`,
+  `runtime/parallel_linear.py`): its partial product in the backend's `acc` is all-reduced and
+  rounded once (`row_parallel`). The columns split on 32-wide activation blocks, so each rank's
+  products are the TP-1 products: on the exact backend the float64 sum is the TP-1 sum (as for
+  the routed partial below), on the fp32 backends within the numerics contract. Needs
+  o_groups % N == 0 and num_attention_heads % N == 0;
+* shared expert: `w1` / `w3` column-parallel and `w2` row-parallel over equal intermediate blocks
+  when each block is whole 32-wide tiles (`shared_expert_block`; else replicated); `w2`'s
+  partial shares the routed partial's all-reduce (`shared_expert`, `moe_ops`);
 * routed experts (expert parallel): rank r owns a contiguous balanced block of expert ids; the
   router runs replicated, each rank forms the routed partial Σ w_j·E_j over the slots of its
   experts in the backend's `acc` (`runtime.moe_ops`' `experts=` / `reduce=` hook), the partials
@@ -30,7 +38,7 @@ Shard plan (`ShardPlan.for_config`), rank r of N:
   and all-reduces (exact); the head computes its block of logits and all-gathers them (values
   moved), so both are bit-identical to TP 1 (`runtime/vocab_parallel.py`);
 * everything else is replicated: the KV caches, compressor, indexer (its projections are its
-  own weights and `q_lora` is replicated), mHC, dense projections, shared expert.
+  own weights and `q_lora` is replicated), mHC, `wq_a`, `wkv`, router.
 
 Collectives are SGLang's: the TP `GroupCoordinator`'s `all_reduce` / `all_gather` (custom
 all-reduce or pynccl on CUDA, where nothing is float64; gloo's torch.distributed path on CPU,
@@ -55,6 +63,11 @@ _HEAD_ROWS = re.compile(_LAYER + r"attn\.(wq_b\.weight|attn_sink)$")
 _GROUP_ROWS = re.compile(_LAYER + r"attn\.wo_a\.weight$")
 _EXPERT = re.compile(_LAYER + r"ffn\.experts\.(\d+)\.w[123]\.weight$")
 _ENGRAM_TABLE = re.compile(_LAYER + r"engram\.embed\.weight$")
+_WO_B = re.compile(_LAYER + r"attn\.wo_b\.weight$")
+_SHARED_UP = re.compile(_LAYER + r"ffn\.shared_experts\.w[13]\.weight$")
+_SHARED_DOWN = re.compile(_LAYER + r"ffn\.shared_experts\.w2\.weight$")
+#: the FP8 tile / activation-quantisation block width a row-parallel split must follow (spec §2.1, §3.8)
+SPLIT_ALIGN = 32
 _VOCAB_ROWS = ("embed.weight", "head.weight")
 #: SGLang's `DEFAULT_VOCAB_PADDING_SIZE`: the vocabulary is padded to a multiple of this before the split
 VOCAB_PADDING = 64
@@ -73,6 +86,17 @@ def vocab_shard(vocab: int, size: int, rank: int) -> tuple[range, int]:
         raise TensorParallelError(f"tensor parallel size {size} does not divide the padded vocabulary ({padded})")
     per = padded // size
     return range(min(rank * per, vocab), min((rank + 1) * per, vocab)), per
+
+
+def shared_expert_block(intermediate: int, size: int, rank: int) -> range | None:
+    """Rank `rank`'s block of the shared expert's intermediate columns: equal blocks when each is
+    a multiple of `SPLIT_ALIGN` (the row-parallel `w2` then reads whole 32-wide activation blocks
+    and FP8 tiles, so its partial sums are exact pieces of the TP-1 sum), else None (replicated;
+    e.g. the tiny preset's 32 columns at TP 2)."""
+    if size == 1 or intermediate % (size * SPLIT_ALIGN):
+        return None
+    per = intermediate // size
+    return range(rank * per, (rank + 1) * per)
 
 
 def balanced_block(n: int, size: int, rank: int) -> range:
@@ -97,6 +121,9 @@ class ShardPlan:
     vocab_per_rank: int                    # padded width of every rank's block of logits
     head_dim: int
     o_lora_rank: int
+    #: shared-expert intermediate columns held (w1/w3 rows, w2 columns); None = replicated, when
+    #: the per-rank block would split a 32-wide FP8 tile / activation block (`shared_expert_block`)
+    shared: range | None = None
 
     @classmethod
     def for_config(cls, text: TextConfig, rank: int, size: int) -> "ShardPlan":
@@ -119,7 +146,8 @@ class ShardPlan:
                    experts=balanced_block(text.n_routed_experts, size, rank),
                    engram_rows={layer: balanced_block(rows, size, rank)
                                 for layer, rows in zip(text.engram_layer_ids, text.engram_num_embeddings)},
-                   head_dim=text.head_dim, o_lora_rank=text.o_lora_rank)
+                   head_dim=text.head_dim, o_lora_rank=text.o_lora_rank,
+                   shared=shared_expert_block(text.moe_intermediate_size * text.n_shared_experts, size, rank))
 
     def local_text_config(self, text: TextConfig) -> TextConfig:
         """`text` with this rank's head and group counts (heads_per_group unchanged): the shapes
@@ -145,7 +173,33 @@ class ShardPlan:
         m = _ENGRAM_TABLE.match(name)
         if m:
             return self.engram_rows[int(m.group(1))]
+        if self.shared is not None and _SHARED_UP.match(name):
+            return self.shared
         return None
+
+    def cols_of(self, name: str) -> range | None:
+        """The dim-1 columns (input features) of logical tensor `name` this rank holds — the
+        row-parallel linears: `wo_b` by the output groups of this rank (its own `wo_a` outputs),
+        the shared expert's `w2` by `shared`; None = every column."""
+        if self.size == 1:
+            return None
+        if _WO_B.match(name):
+            return range(self.groups.start * self.o_lora_rank, self.groups.stop * self.o_lora_rank)
+        if self.shared is not None and _SHARED_DOWN.match(name):
+            return self.shared
+        return None
+
+    def fraction_of(self, name: str, shape: tuple[int, ...]) -> float:
+        """The share of logical tensor `name` (of `shape`) this rank holds (the planner's count)."""
+        rows, cols = self.rows_of(name), self.cols_of(name)
+        return (1.0 if rows is None else len(rows) / shape[0]) * (1.0 if cols is None else len(cols) / shape[1])
+
+    def parallel_kind(self, name: str) -> str | None:
+        """"row" / "column" for the linears built as SGLang's Row- / ColumnParallelLinear
+        (`runtime/parallel_linear.py`: `wo_b`, the shared expert's w2 and w1/w3), else None."""
+        if _WO_B.match(name) or _SHARED_DOWN.match(name):
+            return "row"
+        return "column" if _SHARED_UP.match(name) else None
 
 
 def load_shard_weights(stored: Mapping[str, Tensor], cfg: DeepseekV41Config, plan: ShardPlan,
@@ -157,7 +211,8 @@ def load_shard_weights(stored: Mapping[str, Tensor], cfg: DeepseekV41Config, pla
     (`engram_placement` "device" or "host": per_rank host tables, `runtime/engram_host.py`),
     sharded attention tensors after dequantisation. TP 1 gives exactly `runtime_weights`' result."""
     return runtime_weights(stored, cfg, torch.device(device), experts_mxfp4=experts_mxfp4,
-                           expert_ids=list(plan.experts), rows_of=plan.rows_of, engram_placement=engram_placement)
+                           expert_ids=list(plan.experts), rows_of=plan.rows_of, cols_of=plan.cols_of,
+                           engram_placement=engram_placement)
 
 
 class TensorParallel:
@@ -225,6 +280,33 @@ class TensorParallel:
         from sglang.srt.distributed.parallel_state import GraphCaptureContext
 
         return self.comm.graph_capture(GraphCaptureContext(stream))
+
+    # ---- row-parallel linears (runtime/parallel_linear.py) -----------------------------------
+    def row_parallel(self, layer, x: Tensor, backend, act_quant: bool) -> Tensor:
+        """BF16 output of row-parallel `layer` (SGLang's `RowParallelLinear` with our method) on
+        this rank's input columns `x`: its partial product in the backend's `acc` all-reduced and
+        rounded once when the layer is sharded; its complete output at tp size 1."""
+        self._check_layer(layer)
+        y = layer.quant_method.apply(layer, x, backend=backend, act_quant=act_quant)
+        return backend.linear_fp8_finish(self.all_reduce_sum(y)) if layer.tp_size > 1 else y
+
+    def shared_expert(self, w1, w2, w3, x: Tensor, backend, act_quant: bool, limit: float) -> tuple[Tensor, bool]:
+        """The shared expert over its parallel layers (column-parallel w1 / w3, row-parallel w2):
+        (w2's partial in `acc`, True) when sharded — the caller all-reduces it together with the
+        routed partial (`moe_ops`) — else (the BF16 output, False)."""
+        for layer in (w1, w2, w3):
+            self._check_layer(layer)
+
+        def up(layer):
+            return layer.quant_method.apply(layer, x, backend=backend, act_quant=act_quant)
+
+        h = backend.clamped_swiglu(up(w1), up(w3), limit)
+        return w2.quant_method.apply(w2, h, backend=backend, act_quant=act_quant), w2.tp_size > 1
+
+    def _check_layer(self, layer) -> None:
+        if (layer.tp_rank, layer.tp_size) not in ((0, 1), (self.rank, self.size)):
+            raise TensorParallelError(f"{layer.spec.name}: built for tp rank {layer.tp_rank} of {layer.tp_size}, "
+                                      f"run at {self.describe()}")
 
     # ---- Engram (spec §3.3.2) ---------------------------------------------------------------
     def engram_rows(self, cfg: TextConfig, layer: int, row_ids: Tensor, w: Mapping[str, Tensor], *,

@@ -4,7 +4,9 @@
 `loading_weights(cfg, plan, ...)` builds, for this rank, one placeholder per logical tensor of the
 text model (`checkpoint.names.tensor_inventory`), keyed as the layers take them over
 (`runtime/layers.py` `OwnedTensors`): a plain fp32 `Parameter` under its checkpoint name, or a
-module under its prefix — `Linear` (FP8 tiles or BF16; `runtime/quant_methods.py`),
+module under its prefix — `Linear` (FP8 tiles or BF16; `runtime/quant_methods.py`), SGLang's
+`RowParallelLinear` / `ColumnParallelLinear` for `wo_b` and the shared expert
+(`runtime/parallel_linear.py`),
 `RoutedExperts` (one per layer, stacked MXFP4) and `EngramTable` (stored E4M3 rows). After
 loading, `runtime_values()` of each module gives what the layer math reads, under the names
 `runtime/weights.py` gives them.
@@ -30,6 +32,7 @@ from .engram_host import HostBuffer, HostEngramTable
 from .engram_table import StoredEngramTable
 from .quant_methods import (UNIT_SCALE_BYTE, Bf16LinearMethod, Fp8TileLinearMethod, Mxfp4ExpertsMethod,
                             check_stored, new_parameter, plain_parameter)
+from .parallel_linear import parallel_fp8_linear
 from .tensor_parallel import ShardPlan
 
 E4M3, U8 = torch.float8_e4m3fn, torch.uint8
@@ -150,6 +153,8 @@ def loading_weights(cfg: DeepseekV41Config, plan: ShardPlan, *, experts_mxfp4: b
             m = _EXPERT.match(spec.name)
             assert m is not None, spec.name
             experts.setdefault(m["prefix"], {}).setdefault(m["w"], spec)
+        elif spec.kind is Kind.FP8 and plan.parallel_kind(spec.name):
+            out[_module_key(spec.name)] = parallel_fp8_linear(spec, plan, dense_fp8)
         elif spec.kind is Kind.FP8:
             out[_module_key(spec.name)] = Linear(spec, rows, fp8)
         elif spec.kind is Kind.ENGRAM:

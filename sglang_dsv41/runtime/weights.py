@@ -32,8 +32,8 @@ engram_placement="device")` → {name → value}:
   scale outside that range is loaded dequantised like the CPU path. `dense_fp8=False` (CPU: the
   exact reference math needs fp32): dequantised fp32 like the rest.
 * `expert_ids` (expert parallel): the routed experts this process holds, in order (default all);
-  only those are converted / dequantised; `rows_of` (tensor parallel): the rows of sharded
-  tensors this process holds.
+  only those are converted / dequantised; `rows_of` / `cols_of` (tensor parallel): the rows /
+  columns of sharded tensors this process holds.
 
 `is_routed_expert_tensor(name)` tells a stored routed-expert tensor (weight or scale) from the rest.
 """
@@ -83,8 +83,14 @@ def prepare_layer_experts(stored: Mapping[str, Tensor], prefix: str, n_routed_ex
     return RoutedExpertsMxfp4.build(prepared, ids, n_routed_experts, torch.device(device))
 
 
+def _aligned(spec: TensorSpec, what: str, r: range, n: int) -> None:
+    if r.step != 1 or r.start % TILE or (r.stop % TILE and r.stop != n):
+        raise ValueError(f"{spec.name}: {what} {r.start}..{r.stop} of {n} do not follow the {TILE}-wide "
+                         "FP8 tiles; this shard cannot keep the weight in its stored form")
+
+
 def stored_fp8_dense(spec: TensorSpec, get: Callable[[str], Tensor], device: torch.device,
-                     rows: range | None = None) -> dict[str, Tensor] | None:
+                     rows: range | None = None, cols: range | None = None) -> dict[str, Tensor] | None:
     """An FP8 dense weight as the CUDA dense backend holds it (module doc): {spec.name: E4M3
     [rows, K] contiguous, fp8_scale_key(spec.name): fp32 tile scales of those rows}, on `device`;
     None when its scales are not all BF16-exact (the caller loads it dequantised). `rows`: a
@@ -98,12 +104,13 @@ def stored_fp8_dense(spec: TensorSpec, get: Callable[[str], Tensor], device: tor
         raise TypeError(f"{spec.name}: FP8 weights must be float8_e4m3fn, got {values.dtype}")
     scales = ue8m0_to_float(scale)
     if rows is not None:
-        n = values.shape[0]
-        if rows.step != 1 or rows.start % TILE or (rows.stop % TILE and rows.stop != n):
-            raise ValueError(f"{spec.name}: rows {rows.start}..{rows.stop} of {n} do not follow the {TILE}-row "
-                             "FP8 tiles; this shard cannot keep the weight in its stored form")
+        _aligned(spec, "rows", rows, values.shape[0])
         values = values[rows.start:rows.stop]
         scales = scales[rows.start // TILE: -(-rows.stop // TILE)]
+    if cols is not None:
+        _aligned(spec, "columns", cols, values.shape[1])
+        values = values[:, cols.start:cols.stop]
+        scales = scales[:, cols.start // TILE: -(-cols.stop // TILE)]
     if not scales_are_bf16_exact(scales):
         return None
     return {spec.name: values.to(device).contiguous(),
@@ -113,12 +120,14 @@ def stored_fp8_dense(spec: TensorSpec, get: Callable[[str], Tensor], device: tor
 def runtime_weights(stored: Mapping[str, Tensor], cfg: DeepseekV41Config, device: torch.device, *,
                     experts_mxfp4: bool, expert_ids: Sequence[int] | None = None,
                     rows_of: Callable[[str], range | None] = lambda name: None,
+                    cols_of: Callable[[str], range | None] = lambda name: None,
                     dense_fp8: bool | None = None, engram_placement: EngramPlacement = "device") -> dict[str, object]:
     """Weights for `TorchForward` / `moe_ops` on `device` (module docstring). Text model only
     (vision and DSpark tensors are not loaded; their presence is allowed).
 
     `rows_of(name)` (tensor parallel, `ShardPlan.rows_of`): the dim-0 rows of a logical tensor
-    this process holds (None = all) — Engram tables and FP8 dense weights kept FP8 are sliced in
+    this process holds (None = all), `cols_of(name)` its dim-1 columns (the row-parallel
+    linears, `ShardPlan.cols_of`) — Engram tables and FP8 dense weights kept FP8 are sliced in
     stored form (rows and their scale rows), other tensors after dequantisation.
     `dense_fp8` (None = `device` is CUDA): keep FP8 dense weights in their stored form.
     `engram_placement`: "device" (tables on `device`) or "host" (module docstring)."""
@@ -145,9 +154,9 @@ def runtime_weights(stored: Mapping[str, Tensor], cfg: DeepseekV41Config, device
                 expert_layers.append(prefix)
             if experts_mxfp4 or expert not in held:
                 continue
-        rows = rows_of(spec.name)
+        rows, cols = rows_of(spec.name), cols_of(spec.name)
         if dense_fp8 and spec.kind is Kind.FP8:
-            kept = stored_fp8_dense(spec, stored.__getitem__, device, rows)
+            kept = stored_fp8_dense(spec, stored.__getitem__, device, rows, cols)
             if kept is not None:
                 out.update(kept)
                 continue
@@ -160,6 +169,8 @@ def runtime_weights(stored: Mapping[str, Tensor], cfg: DeepseekV41Config, device
         value = logical_tensor(spec, stored.__getitem__)
         if rows is not None:
             value = value[rows.start:rows.stop]
+        if cols is not None:
+            value = value[:, cols.start:cols.stop]
         out[spec.name] = value.to(device=device, dtype=F32).contiguous()
     if experts_mxfp4:
         order = sorted(held) if expert_ids is None else [int(e) for e in expert_ids]

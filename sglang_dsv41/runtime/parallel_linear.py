@@ -1,0 +1,234 @@
+"""Row- and column-parallel FP8 linears as SGLang's parallel linear layers (issue 13 item 4).
+
+`wo_b` and the shared expert's `w2` are SGLang `RowParallelLinear`s, the shared expert's `w1` /
+`w3` `ColumnParallelLinear`s (one per checkpoint tensor, so parameter names stay the
+checkpoint's), built with this rank's `tp_rank` / `tp_size` from the shard plan
+(`ShardPlan.parallel_kind`, `cols_of`, `rows_of`; size 1 where the plan replicates them) and
+our quantisation config: SGLang's own FP8 method does not fit the checkpoint's format (32×32
+UE8M0 tiles, E4M3 activations fake-quantised per 32 with power-of-two scales, CPU math in fp32 /
+float64; its block-FP8 kernels are CUDA / AMX only), so `Fp8TileParallelMethod` is a
+`LinearMethodBase` of ours:
+
+* `create_weights` (SGLang's signature): `weight` E4M3 [n, k] and `scale` UE8M0 bytes of the
+  32×32 tiles covering it, with SGLang's `output_dim` / `input_dim` attributes; their loaders
+  check the stored tensor against the inventory, turn scales into bytes, then call the layer's
+  own SGLang `weight_loader`, which narrows this rank's rows / columns (`tp_rank`). Shards must
+  follow the tiles (the plan guarantees it; anything else raises here).
+* `process_weights_after_loading`: as `quant_methods.Fp8TileLinearMethod` (E4M3 + fp32 tile
+  scales kept for the CUDA dense backend, else the fp32 §2.4 value); idempotent, reloadable.
+* `apply(layer, x, bias=None, *, backend, act_quant=True)`: the compute backend's FP8 linear —
+  complete BF16 output for a column-parallel layer or at tp_size 1 (the CUDA path's kernels as
+  before: W8A16, tiered W8A8); for a sharded row-parallel layer the partial product in the
+  backend's `acc` dtype (`linear_fp8_partial`), which `TensorParallel.row_parallel` all-reduces through SGLang's
+  TP group and rounds once: exact on the float64 backend (the split follows the 32-wide
+  activation blocks, so every rank's products are the TP-1 products), fp32 sums elsewhere.
+
+SGLang's `forward` is not used: it all-reduces inside, and the model needs the unrounded partial
+(one all-reduce with the routed experts' partial, `moe_ops`).
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from sglang.srt.layers.linear import ColumnParallelLinear, RowParallelLinear
+from sglang.srt.layers.quantization.base_config import LinearMethodBase, QuantizationConfig
+from torch import Tensor, nn
+
+from ..checkpoint.codecs import TILE, scale_bytes, ue8m0_to_float
+from ..checkpoint.names import Kind, TensorSpec, tensor_inventory
+from ..config import DeepseekV41Config
+from .backend import ComputeBackend
+from .dense_ops import fp8_scale_key
+from .quant_methods import UNIT_SCALE_BYTE, check_stored, new_parameter, restore_stored_form
+from .tensor_parallel import ShardPlan
+
+F32, E4M3, U8 = torch.float32, torch.float8_e4m3fn, torch.uint8
+
+
+def _tiles(r: range) -> range:
+    return range(r.start // TILE, -(-r.stop // TILE))
+
+
+class Fp8TileParallelMethod(LinearMethodBase):
+    """FP8 32×32-tile linear as an SGLang linear method (module doc)."""
+
+    def __init__(self, spec: TensorSpec, keep_fp8: bool) -> None:
+        if spec.kind is not Kind.FP8:
+            raise ValueError(f"{spec.name}: kind {spec.kind} is not FP8")
+        self.spec, self.keep_fp8 = spec, keep_fp8
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra) -> None:
+        spec, sglang_loader = self.spec, extra["weight_loader"]
+        N, K = spec.shape
+        if (output_size, input_size) != (N, K):
+            raise ValueError(f"{spec.name}: layer {output_size}×{input_size} is not the stored {N}×{K}")
+        n, k, rank = sum(output_partition_sizes), input_size_per_partition, layer.tp_rank
+        row_parallel = isinstance(layer, RowParallelLinear)
+        rows = range(N) if row_parallel else range(rank * n, (rank + 1) * n)
+        cols = range(rank * k, (rank + 1) * k) if row_parallel else range(K)
+        for what, r, full in (("rows", rows, N), ("columns", cols, K)):
+            if r.start % TILE or (r.stop % TILE and r.stop != full):
+                raise ValueError(f"{spec.name}: {what} {r.start}..{r.stop} of {full} (tp rank {rank} of "
+                                 f"{layer.tp_size}) do not follow the {TILE}-wide FP8 tiles")
+        layer.spec, layer.rows, layer.cols, layer.stale = spec, rows, cols, True
+        layer.row_parallel = row_parallel
+        layer.weight_shape = (n, k)
+        layer.scale_shape = (len(_tiles(rows)), len(_tiles(cols)))
+        want_w, want_s = spec.stored()
+
+        def load_weight(param: nn.Parameter, loaded: Tensor) -> None:
+            check_stored(want_w, loaded)
+            restore_stored_form(param, layer.weight_shape, E4M3)
+            sglang_loader(param, loaded)                       # narrows this rank's rows / columns
+            layer.stale = True
+
+        def load_scale(param: nn.Parameter, loaded: Tensor) -> None:
+            check_stored(want_s, loaded)
+            restore_stored_form(param, layer.scale_shape, U8)
+            sglang_loader(param, scale_bytes(loaded))
+            layer.stale = True
+
+        split = {"input_dim": 1, "output_dim": 0}
+        weight = new_parameter(torch.empty(layer.weight_shape, dtype=E4M3), load_weight)
+        scale = new_parameter(torch.full(layer.scale_shape, UNIT_SCALE_BYTE, dtype=U8), load_scale)
+        for p in (weight, scale):
+            for key, value in split.items():
+                setattr(p, key, value)
+        layer.register_parameter("weight", weight)
+        layer.register_parameter("scale", scale)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if not layer.stale:
+            return
+        w, s = layer.weight, layer.scale
+        if w.dtype != E4M3 or s.dtype != U8:
+            raise RuntimeError(f"{layer.spec.name}: reloaded in part (weight {w.dtype}, scale {s.dtype}); an FP8 "
+                               "weight and its scale are loaded together")
+        scales = ue8m0_to_float(s.data)
+        from ..kernels.fp8_linear import scales_are_bf16_exact
+
+        if self.keep_fp8 and bool(scales_are_bf16_exact(scales)):
+            s.data = scales.contiguous()
+        else:
+            n, k = layer.weight_shape
+            per = scales.repeat_interleave(TILE, dim=0).repeat_interleave(TILE, dim=1)[:n, :k]
+            w.data = (w.data.to(F32) * per).contiguous()
+        layer.stale = False
+
+    def set_values(self, layer: nn.Module, weight: Tensor, scale: Tensor | None) -> None:
+        """Take over processed runtime values (`runtime/weights.py`'s E4M3 + fp32 scales or fp32
+        value of this rank's shard) without a copy."""
+        if tuple(weight.shape) != layer.weight_shape:
+            raise ValueError(f"{layer.spec.name}: value {tuple(weight.shape)} is not this rank's "
+                             f"{layer.weight_shape}")
+        if (weight.dtype == E4M3) != (scale is not None):
+            raise ValueError(f"{layer.spec.name}: an E4M3 value comes with its fp32 tile scales, an fp32 one without")
+        layer.weight.data = weight
+        if scale is not None:
+            layer.scale.data = scale
+        layer.stale = False
+
+    def runtime_values(self, layer: nn.Module) -> dict[str, object]:
+        kept = layer.weight.dtype == E4M3
+        return {"weight": layer.weight, **({"scale": layer.scale} if kept else {})}
+
+    def apply(self, layer: nn.Module, x: Tensor, bias: Tensor | None = None, *,
+              backend: ComputeBackend | None = None, act_quant: bool = True) -> Tensor:
+        if backend is None:
+            raise TypeError(f"{layer.spec.name}: apply needs the model's compute backend (backend=)")
+        if bias is not None:
+            raise ValueError(f"{layer.spec.name}: the checkpoint's linears have no bias")
+        if layer.row_parallel and layer.tp_size > 1:
+            return backend.linear_fp8_partial(x, layer.weight, act_quant)
+        return backend.linear_fp8(x, layer.weight, act_quant)
+
+
+class Dsv41Fp8TileConfig(QuantizationConfig):
+    """The quantisation config that hands one layer `Fp8TileParallelMethod` (its tensor spec)."""
+
+    def __init__(self, spec: TensorSpec, keep_fp8: bool) -> None:
+        super().__init__()
+        self.spec, self.keep_fp8 = spec, keep_fp8
+
+    def get_name(self) -> str:
+        return "dsv41_fp8_tile"
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.float32, torch.bfloat16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Dsv41Fp8TileConfig":
+        raise NotImplementedError("built per layer by sglang_dsv41.runtime.parallel_linear, not from a config file")
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> Fp8TileParallelMethod:
+        return Fp8TileParallelMethod(self.spec, self.keep_fp8)
+
+    def get_scaled_act_names(self) -> list[str]:
+        return []
+
+
+class _ParallelFp8:
+    """What the model asks of a weight module (`process`, `runtime_values`, `set_values`)."""
+
+    def process(self) -> None:
+        self.quant_method.process_weights_after_loading(self)
+
+    def runtime_values(self) -> dict[str, object]:
+        return self.quant_method.runtime_values(self)
+
+    def set_values(self, weight: Tensor, scale: Tensor | None = None) -> None:
+        self.quant_method.set_values(self, weight, scale)
+
+
+class RowParallelFp8(_ParallelFp8, RowParallelLinear):
+    """SGLang's `RowParallelLinear` over an FP8 tile weight (module doc)."""
+
+
+class ColumnParallelFp8(_ParallelFp8, ColumnParallelLinear):
+    """SGLang's `ColumnParallelLinear` over an FP8 tile weight (module doc)."""
+
+
+def parallel_fp8_linear(spec: TensorSpec, plan: ShardPlan, keep_fp8: bool) -> nn.Module:
+    """The SGLang parallel linear of `spec` on this rank (`plan.parallel_kind`); tp size 1 where
+    the plan replicates the tensor (no rows / columns of it are split)."""
+    kind = plan.parallel_kind(spec.name)
+    if kind is None:
+        raise ValueError(f"{spec.name} is not one of the parallel linears (wo_b, shared expert)")
+    sharded = (plan.cols_of if kind == "row" else plan.rows_of)(spec.name) is not None
+    rank, size = (plan.rank, plan.size) if sharded else (0, 1)
+    N, K = spec.shape
+    cls = RowParallelFp8 if kind == "row" else ColumnParallelFp8
+    return cls(K, N, bias=False, params_dtype=F32, quant_config=Dsv41Fp8TileConfig(spec, keep_fp8),
+               prefix=spec.name.rsplit(".", 1)[0], tp_rank=rank, tp_size=size)
+
+
+def is_parallel_linear(module: object) -> bool:
+    return isinstance(module, _ParallelFp8)
+
+
+def with_parallel_linears(weights: Mapping[str, object], cfg: DeepseekV41Config,
+                          plan: ShardPlan) -> dict[str, object]:
+    """`weights` (name → runtime value, `runtime/weights.py`) with the values of the parallel
+    linears taken over by their layers (`weight`, and `scale` when kept E4M3): a model built from
+    values runs the same layers as one built for loading. Values must be this rank's shard."""
+    out = dict(weights)
+    for spec in tensor_inventory(cfg, vision=False, dspark=False):
+        value = out.get(spec.name)
+        if spec.kind is not Kind.FP8 or not plan.parallel_kind(spec.name) or not isinstance(value, Tensor):
+            continue
+        kept = value.dtype == E4M3
+        layer = parallel_fp8_linear(spec, plan, keep_fp8=kept)
+        layer.set_values(out.pop(spec.name), out.pop(fp8_scale_key(spec.name)) if kept else None)
+        layer.prebuilt = True
+        out[spec.name.rsplit(".", 1)[0]] = layer
+    return out
