@@ -35,12 +35,12 @@ from sglang.srt.layers.linear import ColumnParallelLinear, RowParallelLinear
 from sglang.srt.layers.quantization.base_config import LinearMethodBase, QuantizationConfig
 from torch import Tensor, nn
 
-from ..checkpoint.codecs import TILE, scale_bytes, ue8m0_to_float
+from ..checkpoint.codecs import TILE, scale_bytes
 from ..checkpoint.names import Kind, TensorSpec, tensor_inventory
 from ..config import DeepseekV41Config
 from .backend import ComputeBackend
 from .dense_ops import fp8_scale_key
-from .quant_methods import UNIT_SCALE_BYTE, check_stored, new_parameter, restore_stored_form
+from .quant_methods import UNIT_SCALE_BYTE, check_stored, loaded_tile_scales, new_parameter, restore_stored_form
 from .tensor_parallel import ShardPlan
 
 F32, E4M3, U8 = torch.float32, torch.float8_e4m3fn, torch.uint8
@@ -102,19 +102,15 @@ class Fp8TileParallelMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if not layer.stale:
             return
-        w, s = layer.weight, layer.scale
-        if w.dtype != E4M3 or s.dtype != U8:
-            raise RuntimeError(f"{layer.spec.name}: reloaded in part (weight {w.dtype}, scale {s.dtype}); an FP8 "
-                               "weight and its scale are loaded together")
-        scales = ue8m0_to_float(s.data)
+        scales = loaded_tile_scales(layer)
         from ..kernels.fp8_linear import scales_are_bf16_exact
 
         if self.keep_fp8 and bool(scales_are_bf16_exact(scales)):
-            s.data = scales.contiguous()
+            layer.scale.data = scales.contiguous()
         else:
             n, k = layer.weight_shape
             per = scales.repeat_interleave(TILE, dim=0).repeat_interleave(TILE, dim=1)[:n, :k]
-            w.data = (w.data.to(F32) * per).contiguous()
+            layer.weight.data = (layer.weight.data.to(F32) * per).contiguous()
         layer.stale = False
 
     def set_values(self, layer: nn.Module, weight: Tensor, scale: Tensor | None) -> None:

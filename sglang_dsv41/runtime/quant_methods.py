@@ -74,6 +74,16 @@ def plain_parameter(spec: TensorSpec, rows: range | None, on_load: Callable[[], 
     return new_parameter(torch.empty((len(r),) + tuple(spec.shape[1:]), dtype=F32), load)
 
 
+def loaded_tile_scales(layer: nn.Module) -> Tensor:
+    """fp32 tile scales of an FP8 layer whose E4M3 weight and UE8M0 scale bytes were both loaded;
+    a partial reload (one of the two already processed) raises."""
+    w, s = layer.weight, layer.scale
+    if w.dtype != E4M3 or s.dtype != U8:
+        raise RuntimeError(f"{layer.spec.name}: reloaded in part (weight {w.dtype}, scale {s.dtype}); an FP8 "
+                           "weight and its scale are loaded together")
+    return ue8m0_to_float(s.data)
+
+
 class Bf16LinearMethod:
     """A BF16-kind linear held as its fp32 §2.4 value (the backends multiply it as BF16 values)."""
 
@@ -128,15 +138,11 @@ class Fp8TileLinearMethod:
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if not layer.stale:
             return
-        w, s = layer.weight, layer.scale
-        if w.dtype != E4M3 or s.dtype != U8:
-            raise RuntimeError(f"{layer.spec.name}: reloaded in part (weight {w.dtype}, scale {s.dtype}); an FP8 "
-                               "weight and its scale are loaded together")
-        scales = ue8m0_to_float(s.data)
+        scales = loaded_tile_scales(layer)
         if self.keep_fp8 and self._keepable(layer, scales):
-            s.data = scales.contiguous()
+            layer.scale.data = scales.contiguous()
         else:
-            w.data = self._dequantised(layer, scales)
+            layer.weight.data = self._dequantised(layer, scales)
         layer.stale = False
 
     def _keepable(self, layer: nn.Module, scales: Tensor) -> bool:
