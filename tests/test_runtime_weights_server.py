@@ -8,8 +8,8 @@ One plain ``python -m sglang.launch_server`` on the tiny checkpoint (seed 0), st
   updating back gives the first tokens exactly;
 * the start-up log reports the bytes the parameters hold, equal to the stored form's bytes
   processed on CPU (fp32 dense values, stored scale / Engram bytes);
-* a second server with ``--load-format dummy`` starts (SGLang fills the parameters, the model
-  processes them) and generates.
+* a second server with ``--load-format dummy`` starts (the model streams valid random weights in
+  the stored formats through its own loader, `runtime/dummy_weights.py`) and generates.
 """
 from __future__ import annotations
 
@@ -93,4 +93,6 @@ def test_dummy_load_format_serves(tiny_checkpoint, env, tmp_path_factory) -> Non
                              env, log)) as srv:
         out = srv.generate(_prompt(), NEW_TOKENS)["output_ids"]
         assert len(out) == NEW_TOKENS
-        assert "weights filled by the loader" in srv.log_tail(10**7)
+        log_text = srv.log_tail(10**7)
+        assert "dummy weights: valid random values in the stored formats generated on cpu" in log_text
+        assert "streamed" in log_text and "weights filled by the loader" not in log_text
