@@ -108,3 +108,14 @@ def test_dspark_draft_fills_itself_under_a_dummy_load(tiny_checkpoint, monkeypat
     model = dspark_model.DeepseekV41ForCausalLMDSpark(hf)
     model.post_load_weights()
     assert model.draft is not None
+
+
+def test_config_only_directory(tmp_path) -> None:
+    from sglang_dsv41.checkpoint.synth import cli
+
+    assert cli(["--preset", "tiny", "--config-only", "--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "special_tokens_map.json", "tokenizer.json",
+                                                          "tokenizer_config.json"]
+    assert DeepseekV41Config.from_file(tmp_path).text.num_hidden_layers == 8
+    assert cli(["--preset", "tiny", "--config-only", "--out", str(tmp_path)]) == 1          # no silent overwrite
+    assert cli(["--preset", "tiny", "--config-only", "--layers", "4", "--out", str(tmp_path), "--overwrite"]) == 1
