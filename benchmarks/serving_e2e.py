@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -59,11 +60,16 @@ def run_client(url: str, levels: list[int], args: argparse.Namespace) -> list[di
     rows = []
     for c in levels:
         n = max(c * args.rounds, args.min_requests)
+        limit = min(args.level_timeout_s, args.deadline - time.monotonic())
+        if limit < 20:
+            print(f"[{args.label}] C={c}: skipped, {limit:.0f} s of --budget-s left", flush=True)
+            rows.append({"concurrency": c, "skipped": f"{limit:.0f} s of --budget-s left"})
+            continue
 
         def send(i: int, c: int = c) -> dict[str, Any]:
             ids = prompt(args.seed + 100_000 * c + i, args.input_len, *args.id_range)
-            return stream_generate(url, ids, args.output_len, {}, timeout=args.level_timeout_s)
-        row = closed_loop(send, c, n, args.level_timeout_s)
+            return stream_generate(url, ids, args.output_len, {}, timeout=limit)
+        row = closed_loop(send, c, n, limit)
         print(f"[{args.label}] C={c}: {row['output_tokens_per_s']:.1f} output tok/s, TTFT p50 "
               f"{_ms(row['ttft_s']['p50'])} ms, ITL p50 {_ms(row['itl_s']['p50'])} ms, {row['n_errors']} errors",
               flush=True)
@@ -82,6 +88,11 @@ def client(args: argparse.Namespace) -> int:
                            "output_len": args.output_len, "concurrency": args.concurrency,
                            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
     proc = None
+    args.deadline = time.monotonic() + args.budget_s
+
+    def stop_on_term(signum, frame):          # `timeout` sends SIGTERM: still stop the server (finally)
+        raise SystemExit(f"signal {signum}")
+    signal.signal(signal.SIGTERM, stop_on_term)
     try:
         if args.url:
             url = args.url
@@ -91,7 +102,7 @@ def client(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             proc = Proc(argv, args.out_dir / f"{args.label}_server.log")
             url = f"http://127.0.0.1:{port}"
-            wait_up(url + "/health_generate", [proc], args.startup_s)
+            wait_up(url + "/health_generate", [proc], min(args.startup_s, args.deadline - time.monotonic()))
             rec["startup_s"] = time.perf_counter() - t0
             print(f"[{args.label}] up after {rec['startup_s']:.0f} s", flush=True)
         t0 = time.perf_counter()
@@ -104,7 +115,7 @@ def client(args: argparse.Namespace) -> int:
         if proc is not None:
             rec["dummy_log"] = [ln for ln in proc.log.read_text(errors="replace").splitlines()
                                 if "dummy weights" in ln or "parameters hold" in ln][:4]
-    except Exception as e:       # recorded with the server log's tail; the exit status says it failed
+    except (Exception, SystemExit) as e:   # recorded with the server log's tail; the exit status says it failed
         rec["error"] = f"{type(e).__name__}: {e}"[:4000]
         print(f"[{args.label}] FAILED: {rec['error'][:2000]}", flush=True)
     finally:
@@ -115,7 +126,7 @@ def client(args: argparse.Namespace) -> int:
 
 
 def _level(rec: dict[str, Any], c: int) -> dict[str, Any] | None:
-    return next((r for r in rec.get("levels", []) if r["concurrency"] == c), None)
+    return next((r for r in rec.get("levels", []) if r["concurrency"] == c and "skipped" not in r), None)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -133,7 +144,7 @@ def report(args: argparse.Namespace) -> int:
         rows = []
         for lv in recs[num].get("levels", []):
             other = _level(recs[den], lv["concurrency"])
-            if other is None:
+            if other is None or "skipped" in lv:
                 continue
             rows.append({"concurrency": lv["concurrency"],
                          "output_tokens_per_s": _ratio(lv["output_tokens_per_s"], other["output_tokens_per_s"]),
@@ -156,7 +167,7 @@ def plot(recs: dict[str, Any], path: Path) -> str:
         return "no PNG: matplotlib missing"
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for label, rec in recs.items():
-        lv = rec.get("levels") or []
+        lv = [r for r in rec.get("levels") or [] if "skipped" not in r]
         if not lv:
             continue
         cs = [r["concurrency"] for r in lv]
@@ -198,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--id-range", type=int, nargs=2, default=list(ID_RANGE), help="prompt ids: uniform in [LOW, HIGH)")
     c.add_argument("--startup-s", type=float, default=240)
     c.add_argument("--level-timeout-s", type=float, default=120)
+    c.add_argument("--budget-s", type=float, default=1800, help="whole run (start-up included): levels past it are skipped")
     r = sub.add_parser("report", help="combine <label>.json files: ratios, JSON + PNG")
     r.add_argument("dir", type=Path)
     r.add_argument("--out", type=Path, default=RESULTS / "serving_e2e.json")

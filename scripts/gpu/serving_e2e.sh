@@ -45,16 +45,17 @@ ran=0
 for step in $STEPS; do
   [ "$(left)" -lt 30 ] && { echo "$step: skipped, $(left) s left" | tee -a "$OUT/summary.txt"; continue; }
   case $step in
-    prep) rc=0; timeout "$(cap 90)" python3 benchmarks/serving_e2e.py model-dirs $M --layers "$LAYERS" &&
+    prep) rc=0; { [ -f $M/sglang_v4/tokenizer.json ] && grep -q "\"num_hidden_layers\": $LAYERS," $M/dsv41/config.json; } ||
+          timeout "$(cap 90)" python3 benchmarks/serving_e2e.py model-dirs $M --layers "$LAYERS" &&
           timeout "$(cap 60)" python3 -m sglang_dsv41.runtime.routing_spread $M/dsv41 --device cuda \
             --batches 1 16 64 256 --out "$OUT/routing_spread.json" | python3 -c \
             'import json,sys; d=json.load(sys.stdin); [print("routing spread N=%d: %.1f distinct experts (uniform %.1f)" % (r["tokens"], r["distinct_experts"], r["uniform_expectation"])) for r in d["per_batch"]]' \
             | tee -a "$OUT/summary.txt" || rc=$? ;;
-    ours) s=${OURS_STARTUP_S:-150}
-          timeout "$(cap $((s + 150)))" $CLIENT --label ours --startup-s "$s" --concurrency $OURS_CONC -- "${OURS[@]}"
+    ours) s=${OURS_STARTUP_S:-150}; b=$(( $(cap $((s + 150))) - 15 ))
+          timeout $((b + 10)) $CLIENT --label ours --budget-s $b --startup-s "$s" --concurrency $OURS_CONC -- "${OURS[@]}"
           rc=$?; ran=1 ;;
-    dspark) s=${OURS_STARTUP_S:-150}
-          SGLANG_SIMULATE_ACC_LEN=${ACC_LEN:-3.51} timeout "$(cap $((s + 120)))" $CLIENT --label ours_dspark \
+    dspark) s=${OURS_STARTUP_S:-150}; b=$(( $(cap $((s + 120))) - 15 ))
+          SGLANG_SIMULATE_ACC_LEN=${ACC_LEN:-3.51} timeout $((b + 10)) $CLIENT --label ours_dspark --budget-s $b \
             --startup-s "$s" --concurrency ${DSPARK_CONC:-1 8 32} -- "${OURS[@]}" \
             --speculative-algorithm DSPARK --speculative-dspark-block-size 5
           rc=$?; ran=1 ;;
@@ -65,8 +66,8 @@ for step in $STEPS; do
 from sglang_v4_baseline import sglang_env; import sglang_jit_cache as j; from pathlib import Path
 e = {**sglang_env(u.find_spec("deep_gemm") is not None), **j.jit_cache_env(Path("/tmp/sglang_jit"))}
 print(" ".join(f"{k}={v}" for k, v in e.items()))')
-          s=${SGLANG_STARTUP_S:-200}
-          env $envs timeout "$(cap $((s + 150)))" $CLIENT --label sglang_v4 --startup-s "$s" --concurrency ${CONC:-1 16 64} -- \
+          s=${SGLANG_STARTUP_S:-200}; b=$(( $(cap $((s + 150))) - 15 ))
+          env $envs timeout $((b + 10)) $CLIENT --label sglang_v4 --budget-s $b --startup-s "$s" --concurrency ${CONC:-1 16 64} -- \
             python3 -m sglang.launch_server --model-path $M/sglang_v4 --load-format dummy --trust-remote-code \
             --context-length $CTX --mem-fraction-static $MEM --max-running-requests 64 --cuda-graph-max-bs 64 \
             --moe-runner-backend marlin --swa-full-tokens-ratio 1.0 --sampling-backend pytorch \
