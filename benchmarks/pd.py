@@ -33,14 +33,15 @@ import math
 import os
 import random
 import re
+import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any, Callable
-
-from serving_client import Proc, free_port, http, prompt, stream_generate, summarize_level, wait_up
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LAYOUT_ROUTE = "/sglang_dsv41/layout"
@@ -53,6 +54,58 @@ TOOLS_CHAT = {"model": "m", "messages": [{"role": "user", "content": "Weather or
               "chat_template_kwargs": {"thinking": False}}
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(url: str, body: dict[str, Any] | None = None, timeout: float = 300) -> Any:
+    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        raw = r.read()
+    return json.loads(raw) if raw.strip().startswith((b"{", b"[")) else raw.decode()
+
+
+class Proc:
+    """One process in its own group, output to `log`."""
+
+    def __init__(self, argv: list[str], log: Path) -> None:
+        self.log = log
+        self._f = open(log, "w")
+        self.p = subprocess.Popen(argv, stdout=self._f, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def tail(self, n: int = 3000) -> str:
+        self._f.flush()
+        return f"--- {self.log.name}\n" + self.log.read_text(errors="replace")[-n:]
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            os.killpg(self.p.pid, signal.SIGTERM)
+            try:
+                self.p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.p.pid, signal.SIGKILL)
+                self.p.wait(timeout=30)
+        self._f.close()
+
+
+def wait_up(url: str, procs: list[Proc], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(p.p.poll() is not None for p in procs):
+            raise RuntimeError(f"a process exited before {url} answered:\n" + "\n".join(p.tail() for p in procs))
+        try:
+            with urllib.request.urlopen(url, timeout=30) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(3)
+    raise TimeoutError(f"{url} not up after {timeout_s} s:\n" + "\n".join(p.tail() for p in procs))
+
+
 def serve(args: argparse.Namespace, port: int, log: Path, extra: list[str]) -> Proc:
     """Every server of both set-ups gets the same flags (metrics on everywhere, so that their cost
     is on both sides of the comparison); `extra` adds only the PD role."""
@@ -60,6 +113,36 @@ def serve(args: argparse.Namespace, port: int, log: Path, extra: list[str]) -> P
                  str(args.checkpoint), "--port", str(port), "--max-total-tokens", str(args.max_total_tokens),
                  "--max-running-requests", str(max(args.concurrency)), "--enable-metrics", *args.server_arg,
                  *extra], log)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [0] + [rng.randrange(3, 900) for _ in range(n - 1)]
+
+
+def stream_generate(url: str, ids: list[int], new_tokens: int, extra: dict[str, Any]) -> dict[str, Any]:
+    """One streamed greedy /generate: TTFT, ITL, tokens (client clock)."""
+    body = {"input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0,
+                                                                  "ignore_eos": True}, **extra}
+    req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    first = last = None
+    tokens = 0
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for line in r:
+            line = line.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            n = int(chunk["meta_info"]["completion_tokens"])
+            if n > tokens:
+                last = time.perf_counter() - t0
+                first = last if first is None else first
+                tokens = n
+    if tokens != new_tokens:
+        raise RuntimeError(f"{tokens} of {new_tokens} tokens streamed")
+    return {"ttft_s": first, "itl_s": (last - first) / (tokens - 1) if tokens > 1 else None, "tokens": tokens}
 
 
 class Target:
@@ -117,7 +200,18 @@ def run_level(target: Target, c: int, rounds: int, plen: int, new_tokens: int, s
         for t in threads:
             t.join(timeout=900)
         rows += wave
-    return summarize_level(rows, time.perf_counter() - t0, c)
+    wall = time.perf_counter() - t0
+    ok = [x for x in rows if isinstance(x, dict)]
+
+    def stat(key: str) -> dict[str, float | None]:
+        vals = sorted(x[key] for x in ok if x[key] is not None)
+        if not vals:
+            return {"mean": None, "p50": None, "max": None}
+        return {"mean": sum(vals) / len(vals), "p50": vals[len(vals) // 2], "max": vals[-1]}
+
+    return {"concurrency": c, "requests": len(rows), "errors": [x for x in rows if not isinstance(x, dict)][:3],
+            "n_errors": len(rows) - len(ok), "wall_s": wall, "ttft_s": stat("ttft_s"), "itl_s": stat("itl_s"),
+            "output_tokens_per_s": sum(x["tokens"] for x in ok) / wall}
 
 
 def transfer_metrics(prefill_url: str) -> dict[str, float]:

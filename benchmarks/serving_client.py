@@ -1,6 +1,7 @@
 """Shared HTTP serving-benchmark pieces (standard library only): a server process in its own group,
 bounded readiness waits, random-id prompts, one streamed greedy ``/generate`` with client-side TTFT
-and ITL, and a closed-loop load level. Used by `benchmarks/serving_e2e.py` and `benchmarks/pd.py`.
+and ITL, and a closed-loop load level. Used by `benchmarks/serving_e2e.py`; `pd.py` holds the same pieces (its
+`free_port` … `stream_generate`, `run_level`'s statistics) and can import them from here.
 
 Metrics (client clock): TTFT = time to the first streamed chunk that carries a token; ITL = (last −
 first token time) / (tokens − 1) of one request (a chunk holding several tokens — speculative
