@@ -41,7 +41,7 @@ def dummy_load_requested(*, draft: bool = False) -> bool:
     from sglang.srt.server_args import get_global_server_args
 
     args = get_global_server_args()
-    fmt = (getattr(args, "speculative_draft_load_format", None) if draft else None) or args.load_format
+    fmt = (getattr(args, "speculative_draft_load_format", None) if draft else None) or getattr(args, "load_format", None)
     return str(fmt) == "dummy"
 
 
