@@ -8,11 +8,12 @@ One plain ``python -m sglang.launch_server`` on the tiny checkpoint (seed 0), st
   updating back gives the first tokens exactly;
 * the start-up log reports the bytes the parameters hold, equal to the stored form's bytes
   processed on CPU (fp32 dense values, stored scale / Engram bytes);
-* a second server with ``--load-format dummy`` starts (SGLang fills the parameters, the model
-  processes them) and generates.
+* a second server with ``--load-format dummy`` starts (the model streams valid random weights in
+  the stored formats through its own loader, `runtime/dummy_weights.py`) and generates.
 """
 from __future__ import annotations
 
+import json
 import re
 import time
 from pathlib import Path
@@ -93,4 +94,27 @@ def test_dummy_load_format_serves(tiny_checkpoint, env, tmp_path_factory) -> Non
                              env, log)) as srv:
         out = srv.generate(_prompt(), NEW_TOKENS)["output_ids"]
         assert len(out) == NEW_TOKENS
-        assert "weights filled by the loader" in srv.log_tail(10**7)
+        log_text = srv.log_tail(10**7)
+        _serving_e2e_client_and_report(srv, tmp_path_factory.mktemp("e2e"))
+        assert "dummy weights: valid random values in the stored formats generated on cpu" in log_text
+        assert "streamed" in log_text and "weights filled by the loader" not in log_text
+
+
+def _serving_e2e_client_and_report(srv, out: Path) -> None:
+    """benchmarks/serving_e2e.py's client (closed loop, streamed /generate) against this server at
+    tiny lengths, then its report pairing the run with a copy of itself (every ratio 1)."""
+    from benchmark_loader import load_benchmark
+
+    e2e = load_benchmark("serving_e2e.py")
+    assert e2e.main(["client", "--label", "ours", "--out-dir", str(out), "--url", srv.url(""), "--concurrency", "1",
+                     "2", "--input-len", "12", "--output-len", "4", "--rounds", "1", "--min-requests", "2",
+                     "--id-range", "3", "900", "--level-timeout-s", "120"]) == 0
+    rec = json.loads((out / "ours.json").read_text())
+    assert [lv["concurrency"] for lv in rec["levels"]] == [1, 2]
+    for lv in rec["levels"]:
+        assert lv["n_errors"] == 0 and lv["requests"] == 2 and lv["output_tokens_per_s"] > 0
+        assert lv["ttft_s"]["p50"] > 0 and lv["itl_s"]["p50"] > 0
+    (out / "sglang_v4.json").write_text(json.dumps(rec))
+    assert e2e.main(["report", str(out), "--out", str(out / "e2e_report.json")]) == 0
+    ratios = json.loads((out / "e2e_report.json").read_text())["ratios"]["ours/sglang_v4"]["per_concurrency"]
+    assert [r["output_tokens_per_s"] for r in ratios] == [1.0, 1.0]

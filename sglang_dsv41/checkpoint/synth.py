@@ -88,14 +88,17 @@ def _generator(seed: int, name: str) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(tensor_seed(seed, name)))
 
 
-def _normal(g: np.random.Generator, shape: tuple[int, ...]) -> Tensor:
+def _normal(g: np.random.Generator | torch.Generator, shape: tuple[int, ...]) -> Tensor:
+    """Standard normal fp32: numpy stream on the host, or a torch generator's own device."""
+    if isinstance(g, torch.Generator):
+        return torch.randn(shape, generator=g, device=g.device, dtype=torch.float32)
     return torch.from_numpy(g.standard_normal(size=shape, dtype=np.float32))
 
 
 def _hc_base(hc: int, g: np.random.Generator) -> Tensor:
     """[pre (hc), post (hc), comb (hc²)]: pre/post logits ≈ 0; comb favours the identity mix."""
     base = 0.1 * _normal(g, (hc * (2 + hc),))
-    base[2 * hc:] += HC_COMB_IDENTITY_LOGIT * torch.eye(hc).flatten()
+    base[2 * hc:] += HC_COMB_IDENTITY_LOGIT * torch.eye(hc, device=base.device).flatten()
     return base
 
 
@@ -161,11 +164,37 @@ def _random_mxfp4(spec: TensorSpec, g: np.random.Generator) -> tuple[Tensor, Ten
     return packed, ue8m0_from_exponent(offset + e0)
 
 
-def stored_tensors(spec: TensorSpec, cfg: DeepseekV41Config, seed: int) -> list[tuple[str, Tensor]]:
-    """The stored tensors of one logical tensor (weight, then `.scale` where quantised)."""
-    g = _generator(seed, spec.name)
+def _random_mxfp4_torch(spec: TensorSpec, g: torch.Generator) -> tuple[Tensor, Tensor]:
+    """`_random_mxfp4`'s distribution drawn by a torch generator on its device."""
+    out_f, in_f = spec.shape
+    table = _FP4_PAIR_TABLES.get(g.device)
+    if table is None:
+        table = _FP4_PAIR_TABLES[g.device] = torch.from_numpy(_FP4_PAIR_TABLE).to(g.device)
+    draws = torch.randint(0, 1 << 16, (out_f, in_f // 2), generator=g, device=g.device, dtype=torch.int32)
+    gain = OUTPUT_PROJECTION_GAIN if spec.name.endswith(".w2.weight") else 1.0
+    e0 = round(math.log2(gain / math.sqrt(in_f) / (_FP4_CODE_RMS * math.sqrt(1.75))))
+    offset = torch.randint(-1, 2, (out_f, in_f // TILE), generator=g, device=g.device, dtype=torch.int32)
+    return table[draws], ue8m0_from_exponent(offset + e0)
+
+
+_FP4_PAIR_TABLES: dict[torch.device, Tensor] = {}
+
+
+def torch_generator(seed: int, name: str, device: torch.device) -> torch.Generator:
+    """torch generator of one tensor on `device`, seeded from `tensor_seed` (63 bits)."""
+    g = torch.Generator(device=device)
+    g.manual_seed(tensor_seed(seed, name) & ((1 << 63) - 1))
+    return g
+
+
+def stored_tensors(spec: TensorSpec, cfg: DeepseekV41Config, seed: int,
+                   device: torch.device | None = None) -> list[tuple[str, Tensor]]:
+    """The stored tensors of one logical tensor (weight, then `.scale` where quantised). Without
+    `device`: numpy streams on the host (byte-identical checkpoints); with it: the same rules
+    drawn by a torch generator on `device` (same distributions, other values; the dummy load)."""
+    g = _generator(seed, spec.name) if device is None else torch_generator(seed, spec.name, torch.device(device))
     if spec.kind is Kind.FP4:
-        packed, scale = _random_mxfp4(spec, g)
+        packed, scale = _random_mxfp4(spec, g) if device is None else _random_mxfp4_torch(spec, g)
         return [(spec.name, packed), (spec.scale_name, scale)]  # type: ignore[list-item]
     value = logical_value(spec, cfg, g)
     if spec.kind is Kind.BF16:
@@ -312,6 +341,19 @@ def make_checkpoint(preset: str, out: Path, seed: int, *, layers: int | None = N
     return out
 
 
+def make_config_dir(preset: str, out: Path, *, layers: int | None = None, engram_rows: int | None = None,
+                    overwrite: bool = False) -> Path:
+    """`preset`'s tokenizer files and `config.json` only, no tensors: the model directory of a
+    `--load-format dummy` server (`runtime/dummy_weights.py` generates the weights)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    _clear_previous(out, overwrite)
+    write_tokenizer_and_config(preset, out, layers=layers, engram_rows=engram_rows)
+    return out
+
+
 def generator_version(path: Path) -> int | None:
     """The `GENERATOR_VERSION` recorded in a synthetic checkpoint's index (None: not ours / older
     than version 2, or no index)."""
@@ -323,7 +365,8 @@ def generator_version(path: Path) -> int | None:
 
 
 def cli(argv: list[str]) -> int:
-    """`sglang-dsv41 make-checkpoint --preset tiny|tiny-tp8|slice --out DIR --seed N [--layers L] [--engram-rows R]`."""
+    """`sglang-dsv41 make-checkpoint --preset tiny|tiny-tp8|slice --out DIR --seed N [--layers L] [--engram-rows R]
+    [--config-only]`."""
     ap = argparse.ArgumentParser(prog="sglang-dsv41 make-checkpoint",
                                  description="Write a synthetic DeepSeek-V4.1 checkpoint in the released format.")
     ap.add_argument("--preset", required=True, choices=PRESETS)
@@ -334,7 +377,17 @@ def cli(argv: list[str]) -> int:
     ap.add_argument("--shard-size-mb", type=float, default=None, help="maximum shard size in MiB")
     ap.add_argument("--overwrite", action="store_true", help="replace checkpoint files already in --out")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--config-only", action="store_true",
+                    help="write config.json + tokenizer only (for --load-format dummy servers)")
     a = ap.parse_args(argv)
+    if a.config_only:
+        try:
+            out = make_config_dir(a.preset, a.out, layers=a.layers, engram_rows=a.engram_rows, overwrite=a.overwrite)
+        except (ValueError, FileExistsError) as e:
+            print(f"make-checkpoint: {e}", file=sys.stderr)
+            return 1
+        print(f"wrote {out}: config.json + tokenizer, no tensors (serve with --load-format dummy)")
+        return 0
     shard_bytes = None if a.shard_size_mb is None else max(1, int(a.shard_size_mb * (1 << 20)))
     try:
         out = make_checkpoint(a.preset, a.out, a.seed, layers=a.layers, engram_rows=a.engram_rows,

@@ -30,17 +30,20 @@ What the worker calls, and what it gets:
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Iterable
 
 import torch
 from torch import Tensor, nn
 
+from ..checkpoint.names import tensor_inventory
 from ..config import DeepseekV41Config
 from ..numerics.profile import NumericsProfile
 from .dspark_draft import DSparkDraft
 from .dspark_kv import DSparkContextKV
-from .dspark_weights import dspark_runtime_weights, require_dspark
+from .dspark_weights import dspark_runtime_weights, dspark_specs, require_dspark
+from .dummy_weights import DUMMY_SEED, dummy_load_requested, dummy_seed, dummy_stored_tensors, meta_stored_tensors
 from .forward import fp32_default_dtype
 from .hf_config import DRAFT_ARCHITECTURE, parsed_config
 from .vocab_parallel import VocabParallelEmbedding
@@ -102,6 +105,26 @@ class DeepseekV41ForCausalLMDSpark(nn.Module):
         logger.info("sglang-dsv41: DSpark draft loaded (%d stages, γ = %d, %d tensors, backend %s, adaptive "
                     "verification %s)", self.num_stages, self.gamma, len(on_device), self.draft.backend.name,
                     "on" if self.adaptive_verification else "off (ragged-verify mode static)")
+
+    def post_load_weights(self) -> None:
+        """SGLang's dummy loader calls this instead of `load_weights`: with `--load-format dummy`
+        (or a dummy draft load format) the draft gets valid random `mtp.*` tensors in the stored
+        formats, generated on its device (`runtime/dummy_weights.py`); the target's tensors, which
+        the draft only checks, go in as meta tensors. Any other loader must have loaded the draft."""
+        if self.draft is not None:
+            return
+        if not dummy_load_requested(draft=True):
+            raise RuntimeError("sglang-dsv41 DSpark draft: post_load_weights without load_weights outside "
+                               "--load-format dummy; this loader cannot fill the draft")
+        self.load_dummy_weights(dummy_seed())
+
+    def load_dummy_weights(self, seed: int = DUMMY_SEED) -> None:
+        """`load_weights` with valid random DSpark tensors on the draft's device (`post_load_weights`)."""
+        draft = dspark_specs(self.cfg)
+        names = {s.name for s in draft}
+        rest = [s for s in tensor_inventory(self.cfg, vision=False, dspark=True) if s.name not in names]
+        self.load_weights(itertools.chain(dummy_stored_tensors(self.cfg, self.device, seed=seed, specs=draft),
+                                          meta_stored_tensors(rest)))
 
     def _loaded(self) -> DSparkDraft:
         if self.draft is None:

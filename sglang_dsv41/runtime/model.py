@@ -41,18 +41,21 @@ must not all-gather them (`skip_all_gather=True`).
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
 from torch import Tensor, nn
 
+from ..checkpoint.names import tensor_inventory
 from ..config import DeepseekV41Config
 from ..engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
 from ..numerics.profile import NumericsProfile
 from . import metrics
 from .batch import layout_from_forward_batch
 from .cache import RuntimeCaches
+from .dummy_weights import DUMMY_SEED, dummy_load_requested, dummy_seed, dummy_stored_tensors
 from .engram_host import engram_placement_from_env
 from .forward import TorchForward, fp32_default_dtype
 from .hf_config import parsed_config
@@ -137,6 +140,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         self._staged_history: tuple[list[int], Tensor] | None = None
         #: DSpark target layers to capture (`set_dspark_layers_to_capture`); empty = none
         self.dspark_capture_layers: tuple[int, ...] = ()
+        #: whether `load_weights` has streamed weights in (SGLang's dummy loader never calls it)
+        self._streamed = False
 
     @property
     def device(self) -> torch.device:
@@ -162,10 +167,30 @@ class DeepseekV41ForCausalLM(nn.Module):
                 loaded |= self.vision_tower.load_weights(vision)
                 self._spans = SpanCache()
         self._loaded(len(loaded))
+        self._streamed = True
+
+    def load_dummy_weights(self, seed: int = DUMMY_SEED) -> float:
+        """Stream valid random weights in the stored formats, generated on the model's device, through
+        `load_weights` (`runtime/dummy_weights.py`: every tensor of the inventory, vision included
+        when the tower is built); returns the seconds it took."""
+        t0 = time.perf_counter()
+        specs = tensor_inventory(self.cfg, vision=self.vision_tower is not None, dspark=False)
+        self.load_weights(dummy_stored_tensors(self.cfg, self.device, seed=seed, specs=specs))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        took = time.perf_counter() - t0
+        logger.info("sglang-dsv41: dummy weights: valid random values in the stored formats generated on %s "
+                    "in %.1f s (seed %d)", self.device, took, seed)
+        return took
 
     def post_load_weights(self) -> None:
         """Process the parameters into their runtime form and pick the compute backend. SGLang's
-        dummy / remote loaders call this after filling the parameters themselves."""
+        remote loaders call this after filling the parameters themselves; its dummy loader too,
+        and then (nothing streamed yet, `--load-format dummy`) the parameters get valid random
+        values in the stored formats instead (`load_dummy_weights`)."""
+        if not self._streamed and dummy_load_requested():
+            self.load_dummy_weights(dummy_seed())
+            return
         with fp32_default_dtype():
             self.torch_forward.post_load_weights()
         self._loaded(None)

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# H200 (one GPU), one device call (issue 21 items 3-4, issue 16 "Benchmark"): the end-to-end serving
+# benchmark of benchmarks/serving_e2e.py — a 4-layer full-width DeepSeek-V4.1-Flash served by plain
+# `python -m sglang.launch_server --load-format dummy` from a config-only directory (config.json +
+# tokenizer; the weights are generated on the GPU at load, runtime/dummy_weights.py), against SGLang
+# 0.5.17's own DeepSeek-V4-Flash at the same layer count with dummy weights, driven by the same client
+# (random ids, 1K in / 256 out, concurrency 1 / 16 / 64): output tokens/s, TTFT, ITL and their ratios.
+#
+# Steps (STEPS, in this order, default "prep ours sglang"):
+#   prep    the two model directories (serving_e2e.py model-dirs, ~15 s) and the routing spread of the
+#           dummy routers on the GPU ($OUT/routing_spread.json: distinct experts per step vs uniform);
+#   ours    our server, the client, stop. With dspark in STEPS the levels are 1 8 16 32 64 (no-spec
+#           baseline of the DSpark variant at 8 / 32 too);
+#   dspark  our server + its bundled drafter, --speculative-algorithm DSPARK (block 5), synthetic
+#           acceptance SGLANG_SIMULATE_ACC_LEN=${ACC_LEN:-3.51} (benchmarks only; verify-all), levels 1 8 32;
+#   sglang  SGLang's DeepseekV4ForCausalLM (V4-Flash widths, 4 layers, dummy, marlin MXFP4 experts). Needs
+#           the GPU runtime built with EXTRA (tilelang, deep-gemm: benchmarks/sglang_v4_baseline.py's
+#           docstring) — without tilelang it is skipped with the reason; its CUDA-graph capture JIT-compiles
+#           for minutes on a fresh machine (session 4: 55 s at bs 1, 511 s at bs 256), so run it on a
+#           machine that is still warm or give it SGLANG_STARTUP_S (default 200) — JIT caches in
+#           /tmp/sglang_jit (kept while the machine stays warm).
+#   report  $OUT/serving_e2e.json + .png (always run at the end when any client ran).
+# Lead's order: STEPS="prep ours" first (~150 s), then STEPS="prep sglang" (warm machine), then
+# STEPS="prep ours dspark". Every wait is capped; the script stops starting steps past BUDGET (s,
+# default 300). Knobs: CONC (override levels), LAYERS (4), IN_LEN (1024), OUT_LEN (256), ROUNDS (2),
+# OURS_STARTUP_S (150), SGLANG_STARTUP_S (200), MEM (0.85), DSPARK_MEM (0.7: the drafter's ~8 GB load after
+# the target's pool, its stored tensors on the GPU while they convert), ACC_LEN (3.51).
+# Outputs in $OUT: summary.txt, serving_e2e.json/.png, routing_spread.json, e2e/<label>.json and
+# e2e/<label>_server.log (the lead copies serving_e2e.json/.png to benchmarks/results/).
+set -uo pipefail
+: "${OUT:=/tmp/out}"; mkdir -p "$OUT/e2e"
+T0=$SECONDS; BUDGET=${BUDGET:-300}
+left() { echo $((BUDGET - (SECONDS - T0))); }
+cap() { local c=$1 l; l=$(left); [ "$c" -lt "$l" ] && echo "$c" || echo $((l > 5 ? l - 5 : 1)); }
+source .gpu/bin/setup.sh || exit 3
+export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
+STEPS=${STEPS:-prep ours sglang}; LAYERS=${LAYERS:-4}; M=/tmp/e2e_models
+IN_LEN=${IN_LEN:-1024}; OUT_LEN=${OUT_LEN:-256}; ROUNDS=${ROUNDS:-2}; MEM=${MEM:-0.85}
+CTX=$(( (IN_LEN + OUT_LEN + 64 + 255) / 256 * 256 ))
+CLIENT="python3 benchmarks/serving_e2e.py client --out-dir $OUT/e2e --input-len $IN_LEN --output-len $OUT_LEN --rounds $ROUNDS"
+OURS=(python3 -m sglang.launch_server --model-path $M/dsv41 --load-format dummy --context-length $CTX
+      --max-running-requests 64 --cuda-graph-max-bs 64 --random-seed 0 --language-model-only)
+case " $STEPS " in *" dspark "*) OURS_CONC=${CONC:-1 8 16 32 64} ;; *) OURS_CONC=${CONC:-1 16 64} ;; esac
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$OUT/summary.txt"
+ran=0
+for step in $STEPS; do
+  [ "$(left)" -lt 30 ] && { echo "$step: skipped, $(left) s left" | tee -a "$OUT/summary.txt"; continue; }
+  case $step in
+    prep) rc=0; { [ -f $M/sglang_v4/tokenizer.json ] && grep -q "\"num_hidden_layers\": $LAYERS," $M/dsv41/config.json; } ||
+          timeout "$(cap 90)" python3 benchmarks/serving_e2e.py model-dirs $M --layers "$LAYERS" &&
+          timeout "$(cap 60)" python3 -m sglang_dsv41.runtime.routing_spread $M/dsv41 --device cuda \
+            --batches 1 16 64 256 --out "$OUT/routing_spread.json" | python3 -c \
+            'import json,sys; d=json.load(sys.stdin); [print("routing spread N=%d: %.1f distinct experts (uniform %.1f)" % (r["tokens"], r["distinct_experts"], r["uniform_expectation"])) for r in d["per_batch"]]' \
+            | tee -a "$OUT/summary.txt" || rc=$? ;;
+    ours) s=${OURS_STARTUP_S:-150}; b=$(( $(cap $((s + 150))) - 15 ))
+          timeout $((b + 10)) $CLIENT --label ours --budget-s $b --startup-s "$s" --concurrency $OURS_CONC -- "${OURS[@]}" --mem-fraction-static $MEM
+          rc=$?; ran=1 ;;
+    dspark) s=${OURS_STARTUP_S:-150}; b=$(( $(cap $((s + 120))) - 15 ))
+          SGLANG_SIMULATE_ACC_LEN=${ACC_LEN:-3.51} timeout $((b + 10)) $CLIENT --label ours_dspark --budget-s $b \
+            --startup-s "$s" --concurrency ${DSPARK_CONC:-1 8 32} -- "${OURS[@]}" \
+            --speculative-algorithm DSPARK --speculative-dspark-block-size 5 --mem-fraction-static ${DSPARK_MEM:-0.7}
+          rc=$?; ran=1 ;;
+    sglang) python3 -c 'import tilelang' 2>/dev/null || {
+              echo "sglang: skipped: tilelang missing (build the GPU runtime with EXTRA, sglang_v4_baseline.py)" \
+                | tee -a "$OUT/summary.txt"; continue; }
+          envs=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); import importlib.util as u
+from sglang_v4_baseline import sglang_env; import sglang_jit_cache as j; from pathlib import Path
+e = {**sglang_env(u.find_spec("deep_gemm") is not None), **j.jit_cache_env(Path("/tmp/sglang_jit"))}
+print(" ".join(f"{k}={v}" for k, v in e.items()))')
+          s=${SGLANG_STARTUP_S:-200}; b=$(( $(cap $((s + 150))) - 15 ))
+          env $envs timeout $((b + 10)) $CLIENT --label sglang_v4 --budget-s $b --startup-s "$s" --concurrency ${CONC:-1 16 64} -- \
+            python3 -m sglang.launch_server --model-path $M/sglang_v4 --load-format dummy --trust-remote-code \
+            --context-length $CTX --mem-fraction-static $MEM --max-running-requests 64 --cuda-graph-max-bs 64 \
+            --moe-runner-backend marlin --swa-full-tokens-ratio 1.0 --sampling-backend pytorch \
+            --cuda-graph-backend-prefill disabled --random-seed 0
+          rc=$?; ran=1 ;;
+    *) echo "unknown step $step"; continue ;;
+  esac
+  echo "RESULT $step rc=$rc at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
+done
+if [ $ran = 1 ]; then
+  timeout 60 python3 benchmarks/serving_e2e.py report "$OUT/e2e" --out "$OUT/serving_e2e.json" | tail -40 | tee -a "$OUT/summary.txt"
+fi
+grep -h -e "dummy weights" -e "up after" "$OUT"/e2e/*_server.log 2>/dev/null | head -4 | tee -a "$OUT/summary.txt"
+echo "RESULT done at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
