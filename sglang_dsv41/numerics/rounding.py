@@ -101,3 +101,18 @@ def fp8_v41_roundtrip(x: torch.Tensor) -> torch.Tensor:
     g = grouped(x, 32)
     scale = pow2_ceil((g.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp(min=1e-4))
     return (e4m3(g / scale) * scale).reshape(x.shape)
+
+
+def pair_pool(a: torch.Tensor, s: torch.Tensor, exp_dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Ratio-2 pooling of a pair, a, s [n, 2, D] fp32 → [n, D] fp32, in upstream's fp32 steps
+    (`pool_pairs` = `(kv2 * score2.softmax(dim=1)).sum(dim=1)`, `dsv41_sparse.py:170-172`, and
+    its bitwise Triton twin `c2_decode_pool.py:86-97`): m = max(s₀, s₁); e_i = exp(s_i − m);
+    σ_i = e_i / (e₀ + e₁) (IEEE division); pooled = a₀σ₀ + a₁σ₁, products rounded before the sum.
+    Every step is one fp32 operation except exp, evaluated in `exp_dtype` and rounded to fp32
+    (float64: the correctly rounded fp32 exp, the device-invariant form of CUDA's `expf`)."""
+    a, s = a.to(F32), s.to(F32)
+    m = torch.maximum(s[:, 0], s[:, 1]).unsqueeze(1)
+    e = torch.exp((s - m).to(exp_dtype)).to(F32)
+    sigma = e / (e[:, 0] + e[:, 1]).unsqueeze(1)
+    t = a * sigma
+    return t[:, 0] + t[:, 1]
