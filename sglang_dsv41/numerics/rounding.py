@@ -116,3 +116,18 @@ def pair_pool(a: torch.Tensor, s: torch.Tensor, exp_dtype: torch.dtype = torch.f
     sigma = e / (e[:, 0] + e[:, 1]).unsqueeze(1)
     t = a * sigma
     return t[:, 0] + t[:, 1]
+
+
+def slot_sum_fp32(weights: torch.Tensor, per_slot: torch.Tensor) -> torch.Tensor:
+    """The routed sum Σ_j w_j·E_j [T, H] fp32 as upstream's MoE finalize forms it
+    (`finalizeMoeRoutingKernel`, FlashInfer `cutlass_fused_moe_kernels.cuh`): from +0, the slots
+    j = 0 … k−1 in order, acc ← fp32(acc + fp32(w_j·E_j)) — each product rounded before its add
+    (the project's no-FMA convention, docs/reference.md "Rounding audit"). weights [T, k] fp32,
+    per_slot [T, k, H] (BF16 values in any float dtype). Elementwise per token: batch invariant."""
+    w, e = weights.to(F32), per_slot.to(F32)
+    if w.shape != e.shape[:2]:
+        raise ValueError(f"slot_sum_fp32: weights {tuple(w.shape)} do not match per_slot {tuple(e.shape)}")
+    acc = torch.zeros(e.shape[0], e.shape[2], dtype=F32, device=e.device)
+    for j in range(e.shape[1]):
+        acc = acc + w[:, j, None] * e[:, j]
+    return acc
