@@ -277,6 +277,27 @@ def test_ratio2_pooling_is_upstreams_fp32_steps() -> None:
                                             t.rms_norm_eps))
 
 
+def test_index_scores_round_where_upstream_rounds() -> None:
+    """`fp4_index_logits_paged` (fp4_indexer.py:425-430) and the prefill `scores`
+    (dsv41_sparse.py:285-291): bf16 dot → ReLU → × BF16 weight → BF16 → Σ_h → BF16, restated in
+    numpy (the dot and the head sum exact, then fp32)."""
+    from sglang_dsv41.reference.indexer import IndexQuery, index_scores
+
+    g = torch.Generator().manual_seed(31)
+    q = ops.fp4_fake_quant_ue8m0_scale(torch.randn(3, 32, 128, generator=g))
+    w = ops.bf16(torch.randn(3, 32, generator=g)) / 64
+    k = ops.fp4_fake_quant_ue8m0_scale(torch.randn(300, 128, generator=g))
+    got = index_scores(IndexQuery(q, w), k)
+    d = np.einsum("thd,nd->thn", q.double().numpy(), k.double().numpy()).astype(f32)
+    terms = bf16_np(np.maximum(bf16_np(d), f32(0)) * w.numpy()[:, :, None])
+    want = bf16_np(terms.astype(np.float64).sum(axis=1).astype(f32))
+    assert same(got, want)
+    # the float64 score rounded once to fp32 (the reference before) differs, and BF16 scores tie
+    old = np.einsum("th,thn->tn", w.double().numpy(), np.maximum(d.astype(np.float64), 0)).astype(f32)
+    assert not np.array_equal(old, want)
+    assert any(len(np.unique(row[row > 0])) < (row > 0).sum() for row in want)
+
+
 # ---- scale edges --------------------------------------------------------------------------------
 
 def test_e4m3_scale_uses_the_fp32_reciprocal() -> None:
