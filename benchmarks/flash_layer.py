@@ -296,7 +296,7 @@ def moe_routed(layer: Layer, x: Tensor, routing: Routing) -> Tensor:
         per_slot[rows, slot] = routed_expert(ExactTorchBackend(), x[rows], layer.weights[q + "w1.weight"],
                                              layer.weights[q + "w2.weight"], layer.weights[q + "w3.weight"],
                                              t.swiglu_limit).double()
-    return ops.bf16((t.routed_scaling_factor * (routing.weights.double().unsqueeze(-1) * per_slot).sum(1)).float())
+    return ops.bf16(ops.slot_sum_fp32(routing.weights * ops.fp32_scalar(t.routed_scaling_factor), per_slot))
 
 
 def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor,

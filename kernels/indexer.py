@@ -12,16 +12,17 @@ tensor cores (BF16 operands: FP4 values E2M1·2^s are exact in BF16), accumulate
 ReLU, head weights and the head sum are fused. Entry tiles past every query of the tile's
 visibility are not loaded or multiplied, only written −∞. No host sync (unless `check_inputs`).
 
-Numerics. The FP4×FP4 products are exact, so each dot is exact while its partial sums fit fp32's
-24 bits (per-32 scale exponents of q and k spanning < 2^13, no underflow) — true for indexer data.
-`head_sum_exact=True` (default) then forms Σ_h w·ReLU(dot) from exact products with a pairwise
-error-free extraction sum (`double_fp32.exact_sum`, float64-grade: ≲ 2⁻⁴⁸·max term before the one
-rounding to fp32, order-independent; no float64 on the GPU) like the reference's float64 sum: scores equal the reference's bit
-for bit unless the exact sum lies within that error of an fp32 rounding boundary (probability
-≈ 2⁻²⁰ per score), so selections keep the runtime's bit-identity with the reference but for
-such near-ties. `head_sum_exact=False` sums in fp32 (cheaper in prefill). Either way, for any
-summation order and tensor cores that truncate (ε = 2^-23 per operation):
-    |S_kernel − S_ref| ≤ (Di + Hi + 2)·2^-23 · Σ_h |w_h|·Σ_d |q_hd|·|k_jd|.
+Numerics (upstream's rounding points, issue 18: `fp4_index_logits_paged` rounds "bf16 dot ->
+relu -> * bf16 weight -> bf16 -> sum -> bf16"): S = bf16(Σ_h bf16(w_h·ReLU(bf16(dot_h)))). The
+FP4×FP4 products are exact, so each dot is exact while its partial sums fit fp32's 24 bits
+(per-32 scale exponents of q and k spanning < 2^13, no underflow) — true for indexer data — and
+w·ReLU(d) (BF16 × BF16) is exact in fp32. `head_sum_exact=True` (default) sums the BF16 terms
+with a pairwise error-free extraction sum (`double_fp32.exact_sum`, float64-grade: ≲ 2⁻⁴⁸·max
+term before the rounding to fp32, order-independent; no float64 on the GPU) like the reference's
+float64 sum: scores equal the reference's bit for bit unless the exact sum lies within that error
+of an fp32 rounding boundary that is also a BF16 one. `head_sum_exact=False` sums in fp32
+(cheaper in prefill; upstream's own order-dependent fp32 sum), equal to the reference unless the
+exact sum lies within the fp32 sum's error of a BF16 rounding boundary.
 Scores are canonicalised (−0 → +0).
 
 Bytes read per query (Flash, Di = 128, bf16 index-key rows; decode = one query per request, a
@@ -71,6 +72,15 @@ NEG_INF = float("-inf")
 
 
 @triton.jit
+def _round_bf16(x):
+    """fp32 → nearest BF16 (ties to even) kept in fp32, by bit arithmetic (the same compiled and in
+    the interpreter); NaN stays NaN."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def _index_scores_kernel(q_ptr, w_ptr, key_ptr, slot_ptr, nvis_ptr, order_ptr, tile_req_ptr,
                          tile_lo_ptr, tile_hi_ptr, out_ptr, num_slots, num_entries,
                          stride_qn, stride_qh, stride_wn, stride_ks, stride_sr, stride_on,
@@ -117,13 +127,15 @@ def _index_scores_kernel(q_ptr, w_ptr, key_ptr, slot_ptr, nvis_ptr, order_ptr, t
             acc = tl.dot(q, tl.trans(keys.to(tl.bfloat16)), out_dtype=tl.float32)
         else:
             acc = tl.dot(q, tl.trans(keys.to(tl.float32)), input_precision="ieee", out_dtype=tl.float32)
-        relu = tl.maximum(acc, 0.0)
-        if HEAD_SUM_EXACT:   # exact products w·ReLU(dot), error-free extraction sum (float64-grade)
-            t_h, t_l = DF.two_prod(relu, tl.broadcast_to(w[:, None], (BLOCK_T * HI, BLOCK_J)))
-            s_h, s_l = DF.exact_sum(tl.reshape(t_h, (BLOCK_T, HI, BLOCK_J)), tl.reshape(t_l, (BLOCK_T, HI, BLOCK_J)), 1, HI)
+        relu = tl.maximum(_round_bf16(acc), 0.0)                    # upstream: bf16(dot), ReLU
+        terms = _round_bf16(relu * w[:, None])                     # BF16 × BF16: exact in fp32, → BF16
+        if HEAD_SUM_EXACT:   # error-free extraction sum of the BF16 terms (float64-grade)
+            terms3 = tl.reshape(terms, (BLOCK_T, HI, BLOCK_J))
+            s_h, s_l = DF.exact_sum(terms3, tl.zeros_like(terms3), 1, HI)
             s = tl.reshape(s_h + s_l, (BLOCK_T, BLOCK_J))
         else:
-            s = tl.sum(tl.reshape(relu * w[:, None], (BLOCK_T, HI, BLOCK_J)), axis=1)
+            s = tl.sum(tl.reshape(terms, (BLOCK_T, HI, BLOCK_J)), axis=1)
+        s = _round_bf16(s)                                          # upstream: bf16(Σ_h)
         s = tl.where(s == 0.0, 0.0, s)                         # −0 → +0
         valid = (j[None, :] < nvis[:, None]) & has[None, :]
         tl.store(out_ptr + qid[:, None] * stride_on + j[None, :], tl.where(valid, s, float("-inf")),

@@ -7,8 +7,10 @@ What it computes (the routed term of `reference.moe.moe_sublayer`, for given rou
     g, u   = bf16(W1·x), bf16(W3·x),  L = swiglu_limit (10)
 
 with BF16 activations and MXFP4 weights (E2M1, low nibble = even element, one UE8M0 scale per
-32 inputs). The weighted sum is accumulated in double-fp32 (float64-grade, `double_fp32`) and rounded
-once to fp32 then to BF16, as in the reference, so with the same per-slot BF16 expert outputs the result is bit-identical to it.
+32 inputs). The weighted sum is formed in fp32 in slot order, each product rounded before its add
+(upstream's finalize, `numerics.rounding.slot_sum_fp32`), then rounded to BF16, as in the reference,
+so with the same per-slot BF16 expert outputs the result is bit-identical to it (s = 1, as the
+runtime calls it with the factor folded into the fp32 weights).
 Where it differs from `reference.moe`: both GEMMs accumulate in fp32 on tensor cores (the
 reference: fp64, rounded once), and silu(g)·u is evaluated in fp32 (reference: fp64). Either
 can move g, u, h or E by one BF16 ulp in rare elements. Hopper's BF16 MMA does not round each
@@ -47,8 +49,8 @@ here with our own routing data, our own fused SwiGLU epilogue and our own combin
   above and u both sides, silu·u in fp32, rounds h to BF16 — §3.6 order. g/u rows are
   interleaved (row 2i = W1[i], 2i+1 = W3[i]) so one N tile holds matching gate/up columns.
 * Combine: GEMM2 runs unweighted (per-slot BF16 outputs, as the reference); `_combine_kernel`
-  then forms bf16(fp32(s·Σ_j w_j·E_j)) in double-fp32 — the reference's finalize, bit for bit
-  except where the exact sum lies within ~2⁻⁴² (relative) of an fp32 rounding boundary that is also a BF16 tie.
+  then forms bf16(fp32(s·R)), R the fp32 slot-order sum of w_j·E_j — the reference's finalize,
+  bit for bit (s = 1).
   (matmul_ogs' own `gammas` + reduce would scale before BF16 rounding: a different rounding.)
 
 Rejected (evidence from the installed sources):
@@ -91,7 +93,6 @@ from triton_kernels.tensor import make_ragged_tensor_metadata, make_ragged_tenso
 from triton_kernels.tensor_details.ragged_tensor import RaggedTensorMetadata
 
 # load-time conversion (kernels/moe_mxfp4_weights.py), re-exported: callers import it from here
-from sglang_dsv41.kernels import double_fp32 as DF
 from sglang_dsv41.kernels.moe_mxfp4_weights import (HIDDEN_ALIGN, INTERMEDIATE_ALIGN, PREPARE_CHUNK, SCALE_NUM_WARPS,
                                                    UE8M0_ONE, PreparedMxfp4Experts, dequantize_prepared,
                                                    prepare_mxfp4_experts, prepare_mxfp4_stacked)
@@ -174,21 +175,21 @@ def clamped_swiglu_tile(acc, limit):
 @triton.jit
 def _combine_kernel(Y, stride_y, SlotRows, Weights, Out, stride_out, scale, H,
                     TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Out[t, :H] = bf16(fp32(scale · Σ_j Weights[t, j] · Y[SlotRows[t·k + j], :H])), the sum and
-    the scaling in double-fp32 (`double_fp32`: the products are exact, the sum float64-grade)."""
+    """Out[t, :H] = bf16(fp32(scale · R)), R = Σ_j Weights[t, j] · Y[SlotRows[t·k + j], :H] in fp32
+    in slot order from +0, each product rounded before its add (`numerics.rounding.slot_sum_fp32`,
+    upstream's finalize); `+ 0.0` keeps the compiler from contracting product and add into an FMA."""
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
-    acc_h = tl.full([BLOCK_H], 0.0, tl.float32)
-    acc_l = tl.full([BLOCK_H], 0.0, tl.float32)
+    acc = tl.full([BLOCK_H], 0.0, tl.float32)
     for j in tl.static_range(TOP_K):
         row = tl.load(SlotRows + t * TOP_K + j).to(tl.int64)
         w = tl.load(Weights + t * TOP_K + j).to(tl.float32)
         y = tl.load(Y + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
-        p, e = DF.two_prod(y, tl.full([BLOCK_H], 0.0, tl.float32) + w)
-        acc_h, acc_l = DF.df_add(acc_h, acc_l, p, e)
-    acc_h, acc_l = DF.df_mul_f(acc_h, acc_l, tl.full([BLOCK_H], 0.0, tl.float32) + scale)
-    v = round_to_bf16(acc_h + acc_l)
+        p = y * w
+        p = p + 0.0
+        acc = acc + p
+    v = round_to_bf16(acc * scale)
     tl.store(Out + t.to(tl.int64) * stride_out + cols, v.to(Out.dtype.element_ty), mask=mask)
 
 
@@ -209,15 +210,17 @@ def routed_error_bound(ref: Tensor, per_slot: Tensor, topk_weights: Tensor, rout
     ref [T, H]: the reference output bf16(fp32(s·Σ_j w_j·E_j)); per_slot [T, k, H]: the
     reference's per-slot BF16 expert outputs E_j; topk_weights [T, k]. Returns fp32 [T, H]
 
-        B = ulp(ref) + s·Σ_j w_j·ulp(E_j).
+        B = ulp(ref) + s·Σ_j w_j·ulp(E_j) + 4(k + 1)·2⁻²⁴·s·Σ_j w_j·|E_j|.
 
     Derivation. The kernel's E'_j and the reference's E_j are BF16 roundings of two values A'_j,
     A_j that differ by accumulation order/precision (fp32 truncating tensor-core sums vs fp64)
     and by the rare 1-ulp flips of g, u, h that this propagates: |A' − A| ≪ ulp(E), so E'_j ≠ E_j
     only where A_j lies near a rounding boundary, and then E'_j − E_j = ±ulp(E_j). The combine
-    is the reference's finalize (double-fp32: float64-grade), so with S = s·Σ w_j E_j the sums differ by at most
-    s·Σ_j w_j·ulp(E_j), and the final rounding bf16(fp32(S)) adds at most ½ulp on each side
-    (ulp(ref) in total). This is tight: one term alone reaches 0.125/RMS(row) at |ref| ∈
+    is the reference's finalize (the fp32 slot-order sum), so with S = s·Σ w_j E_j the exact sums
+    differ by at most s·Σ_j w_j·ulp(E_j); each fp32 chain (k products, each of a possibly rounded
+    w·s, k sums and a final ·s, each rounding off by ≤ 2⁻²⁴ of the magnitude sum) is within
+    2(k + 1)·2⁻²⁴·s·Σ_j w_j|E_j| of its exact sum, and the final rounding to BF16 adds at most ½ulp on each side (ulp(ref) in
+    total). This is tight: one term alone reaches 0.125/RMS(row) at |ref| ∈
     [16, 32), so no fixed multiple of RMS(row) below ~2⁻⁵ bounds it at the Flash shape.
     The differing fraction ≈ P(E flip)·E[s·Σ w_j ulp(E_j)/ulp(ref)]/2 ≈ 1 %·2.4/2 with Hopper's
     truncating accumulation over K = 5120/2304 (CPU emulation: ≤ 1.2 %), bounded by
@@ -225,7 +228,9 @@ def routed_error_bound(ref: Tensor, per_slot: Tensor, topk_weights: Tensor, rout
     """
     w = topk_weights.to(torch.float64).unsqueeze(-1)
     per_expert = (w * bf16_ulp(per_slot).to(torch.float64)).sum(dim=1) * float(routed_scale)
-    return (bf16_ulp(ref).to(torch.float64) + per_expert).float()
+    k = per_slot.shape[1]
+    chains = 4 * (k + 1) * 2.0 ** -24 * (w * per_slot.to(torch.float64).abs()).sum(dim=1) * float(routed_scale)
+    return (bf16_ulp(ref).to(torch.float64) + per_expert + chains).float()
 
 
 def _exact_fp32(v: float, what: str) -> float:
@@ -237,7 +242,8 @@ def _exact_fp32(v: float, what: str) -> float:
 
 def combine_routed(y_rows: Tensor, plan: RoutingPlan, topk_weights: Tensor, routed_scale: float,
                    hidden: int) -> Tensor:
-    """[T, hidden] bf16 = bf16(routed_scale · Σ_j w[t,j] · y_rows[slot_rows[t·k+j]]) (double-fp32 sum).
+    """[T, hidden] bf16 = bf16(fp32(routed_scale · R)), R = Σ_j w[t,j] · y_rows[slot_rows[t·k+j]] in fp32
+    in slot order (the reference's finalize for routed_scale = 1, as the runtime calls it).
     `y_rows` [T·k, ≥hidden] BF16 per-slot expert outputs in grouped order."""
     T, k = plan.n_tokens, plan.top_k
     if tuple(topk_weights.shape) != (T, k) or topk_weights.dtype != torch.float32:

@@ -27,6 +27,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from sglang_dsv41.checkpoint.codecs import E2M1_VALUES, dequantize_mxfp4
 from sglang_dsv41.kernels import moe_mxfp4 as mx
+from sglang_dsv41.numerics.rounding import slot_sum_fp32
 from sglang_dsv41.reference.moe import clamped_swiglu, routed_expert
 from sglang_dsv41.reference.ops import bf16
 
@@ -284,9 +285,9 @@ def test_combine_is_the_reference_finalize(interpreted, T: int, k: int, H: int) 
     w = (w / w.sum(-1, keepdim=True)).float()
     out = interpreted.combine_routed(y_rows, plan, w, SCALE, H)
     per_slot = y_rows.double()[plan.slot_rows.long()].view(T, k, -1)[..., :H]
-    # the kernel's definition bf16(s·Σ w·E) (the runtime passes w' = fp32(w·s) and s = 1, which
-    # is reference.moe.moe_sublayer's finalize), fed the same per-slot expert outputs
-    want = bf16((SCALE * (w.double().unsqueeze(-1) * per_slot).sum(dim=1)).float()).to(torch.bfloat16)
+    # the kernel's definition bf16(fp32(s·R)), R the fp32 slot-order sum (the runtime passes
+    # w' = fp32(w·s) and s = 1: reference.moe.moe_sublayer's finalize), fed the same per-slot outputs
+    want = bf16(slot_sum_fp32(w, per_slot) * SCALE).to(torch.bfloat16)
     assert out.dtype == torch.bfloat16 and torch.equal(out, want)
     with pytest.raises(ValueError, match="fp32"):
         interpreted.combine_routed(y_rows, plan, w.double(), SCALE, H)
@@ -300,7 +301,8 @@ def test_combine_is_the_reference_finalize(interpreted, T: int, k: int, H: int) 
 def reference_routed(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, raw: dict[str, torch.Tensor]
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """reference.moe: routed_expert per (token, slot) with codec-dequantised weights, then the
-    sublayer's finalize bf16(fp32(1.5·Σ_k w_k·E_k)) — on x's device. Returns (output [T, H],
+    sublayer's finalize bf16(R), R = the fp32 slot-order sum of fp32(1.5·w_k)·E_k — on x's device.
+    Returns (output [T, H],
     per-slot expert outputs [T, k, H] fp64)."""
     T, k = ids.shape
     dev = x.device
@@ -309,7 +311,7 @@ def reference_routed(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, raw: d
         rows, slot = torch.nonzero(ids == e, as_tuple=True)
         deq = {n: dequantize_mxfp4(raw[n][e], raw[n + "_scale"][e]).to(dev) for n in ("w1", "w2", "w3")}
         per_slot[rows, slot] = routed_expert(x[rows].float(), deq["w1"], deq["w2"], deq["w3"], LIMIT).double()
-    return bf16((SCALE * (w.double().unsqueeze(-1) * per_slot).sum(dim=1)).float()), per_slot
+    return bf16(slot_sum_fp32(w * SCALE, per_slot)), per_slot
 
 
 def assert_within_bound(out: torch.Tensor, ref: torch.Tensor, per_slot: torch.Tensor, w: torch.Tensor) -> None:
@@ -375,7 +377,9 @@ def test_bf16_ulp() -> None:
     assert torch.equal(mx.bf16_ulp(v), want)
     r = torch.tensor([[19.125, 0.5]])
     b = mx.routed_error_bound(r, torch.tensor([[[3.0, -40.0], [0.25, 1.0]]]), torch.tensor([[0.5, 0.5]]), 1.5)
-    assert torch.equal(b, torch.tensor([[0.125 + 0.75 * (2.0 ** -6 + 2.0 ** -9), 2.0 ** -8 + 0.75 * (0.25 + 2.0 ** -7)]]))
+    chains = 4 * 3 * 2.0 ** -24 * 1.5                                   # 4(k + 1)·2⁻²⁴·s, k = 2
+    assert torch.equal(b, torch.tensor([[0.125 + 0.75 * (2.0 ** -6 + 2.0 ** -9) + chains * (0.5 * 3 + 0.5 * 0.25),
+                                         2.0 ** -8 + 0.75 * (0.25 + 2.0 ** -7) + chains * (0.5 * 40 + 0.5 * 1)]]))
 
 
 @pytest.mark.gpu

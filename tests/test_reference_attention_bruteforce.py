@@ -123,8 +123,10 @@ def dense_reference(t: TextConfig, w, xs, profile, act_quant=True):
                 qi = ops.fp4_fake_quant_ue8m0_scale(ops.bf16(complex_rope(qi, pos, inv)))
                 hw = (x.double() @ w[p_ + "indexer.weights_proj.weight"].double().t()).to(torch.bfloat16)
                 hw = (hw * (t.index_head_dim ** -0.5 * t.index_n_heads ** -0.5)).double()  # a BF16 tensor op
-                S = sum(hw[:, h:h + 1] * torch.relu(qi[:, h].double() @ keys_idx[r.kv_source].double().t())
-                        for h in range(t.index_n_heads)).float()
+                # upstream's rounding points: bf16(dot), bf16(w·ReLU), bf16(Σ_h) (dot and Σ exact, then fp32)
+                S = ops.bf16(sum(ops.bf16(hw[:, h:h + 1].float() * torch.relu(ops.bf16(
+                    (qi[:, h].double() @ keys_idx[r.kv_source].double().t()).float()))).double()
+                    for h in range(t.index_n_heads)).float())
                 sel, blk = [], []
                 for i in range(T):
                     n_vis, row = (i + 1) // r.ratio, S[i].tolist()

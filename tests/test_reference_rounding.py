@@ -222,6 +222,82 @@ def test_index_head_weights_are_bf16_of_bf16_times_scale() -> None:
     assert same(query.head_weights, bf16_np(raw * scale))
 
 
+def test_fp4_of_rotated_tails_at_the_pinned_positions() -> None:
+    """The issue's positions 0, 65,535, 65,536 and 1,048,575 on both Flash tables: bf16(RoPE) then
+    FP4 (UE8M0 per 32 and E4M3 per 16), each step restated in numpy."""
+    for name in ("flash_compressed", "flash_swa"):
+        dim, base, scaling = TABLES[name]
+        inv = upstream_inv_freq(dim, base, scaling)
+        g = torch.Generator().manual_seed(21)
+        pos = np.array(POSITIONS * 8, dtype=np.int64)
+        x = ops.bf16(torch.randn(len(pos), 2 * dim, generator=g) * 2)
+        roped = ops.bf16_rope_tail(x, torch.from_numpy(pos), torch.from_numpy(inv))
+        want = bf16_np(rope_np(x.numpy(), pos, inv))
+        assert same(roped, want)
+        assert same(ops.fp4_fake_quant_ue8m0_scale(roped), fake_quant_fp4_np(want))
+        assert same(ops.fp4_fake_quant_e4m3_scale(roped), fake_quant_compressed_kv_np(want))
+
+
+# ---- ratio-2 pooling ------------------------------------------------------------------------------
+
+def pair_pool_np(a: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """`pool_pairs` (dsv41_sparse.py:170-172) / `c2_decode_pool.py:86-97` in numpy float32: max,
+    exp(s − max) (float64 then one rounding: the correctly rounded fp32 exp), e₀ + e₁, IEEE
+    division, products rounded before the one fp32 add."""
+    m = np.maximum(s[:, 0], s[:, 1])[:, None]
+    e = np.exp((s - m).astype(np.float64)).astype(f32)
+    sig = e / (e[:, 0] + e[:, 1])[:, None]
+    t = a * sig
+    return t[:, 0] + t[:, 1]
+
+
+def test_ratio2_pooling_is_upstreams_fp32_steps() -> None:
+    from sglang_dsv41.numerics.rounding import pair_pool
+    from sglang_dsv41.reference.compressor import _weight, linear_fp32_out, ratio2_latents
+    from test_reference_attention import attention_weights, tiny_text
+
+    g = torch.Generator().manual_seed(11)
+    a, s = torch.randn(4096, 2, 8, generator=g) * 4, torch.randn(4096, 2, 8, generator=g) * 3
+    want = pair_pool_np(a.numpy(), s.numpy())
+    assert same(pair_pool(a, s), want)
+    # the float64 evaluation rounded once (the reference before) differs somewhere
+    old = (a.double() * torch.softmax(s.double(), dim=1)).sum(1).float()
+    assert not torch.equal(old, torch.from_numpy(want))
+    # the reference compressor pools with it
+    t, w = tiny_text(), attention_weights(seed=6)
+    src = next(i for i in t.kv_source_layer_ids if t.compress_ratios[i] == 2)
+    prefix = f"layers.{src}.attn."
+    x = ops.bf16(torch.randn(8, t.hidden_size, generator=g))
+    lat, _, pending = ratio2_latents(t, w, prefix, x, torch.arange(8), None)
+    av = linear_fp32_out(x, _weight(w, prefix, "compressor.wkv.weight")).view(4, 2, -1)
+    sv = linear_fp32_out(x, _weight(w, prefix, "compressor.wgate.weight")).view(4, 2, -1)
+    pooled = torch.from_numpy(pair_pool_np(av.numpy(), sv.numpy()))
+    assert pending is None
+    assert torch.equal(lat, ops.rms_norm(ops.bf16(pooled), _weight(w, prefix, "compressor.norm.weight"),
+                                            t.rms_norm_eps))
+
+
+def test_index_scores_round_where_upstream_rounds() -> None:
+    """`fp4_index_logits_paged` (fp4_indexer.py:425-430) and the prefill `scores`
+    (dsv41_sparse.py:285-291): bf16 dot → ReLU → × BF16 weight → BF16 → Σ_h → BF16, restated in
+    numpy (the dot and the head sum exact, then fp32)."""
+    from sglang_dsv41.reference.indexer import IndexQuery, index_scores
+
+    g = torch.Generator().manual_seed(31)
+    q = ops.fp4_fake_quant_ue8m0_scale(torch.randn(3, 32, 128, generator=g))
+    w = ops.bf16(torch.randn(3, 32, generator=g)) / 64
+    k = ops.fp4_fake_quant_ue8m0_scale(torch.randn(300, 128, generator=g))
+    got = index_scores(IndexQuery(q, w), k)
+    d = np.einsum("thd,nd->thn", q.double().numpy(), k.double().numpy()).astype(f32)
+    terms = bf16_np(np.maximum(bf16_np(d), f32(0)) * w.numpy()[:, :, None])
+    want = bf16_np(terms.astype(np.float64).sum(axis=1).astype(f32))
+    assert same(got, want)
+    # the float64 score rounded once to fp32 (the reference before) differs, and BF16 scores tie
+    old = np.einsum("th,thn->tn", w.double().numpy(), np.maximum(d.astype(np.float64), 0)).astype(f32)
+    assert not np.array_equal(old, want)
+    assert any(len(np.unique(row[row > 0])) < (row > 0).sum() for row in want)
+
+
 # ---- scale edges --------------------------------------------------------------------------------
 
 def test_e4m3_scale_uses_the_fp32_reciprocal() -> None:

@@ -138,8 +138,10 @@ def test_renormalised_weights_are_fp32_quotients() -> None:
 
 def test_routed_scaling_factor_is_folded_into_the_fp32_weights() -> None:
     """APPLY_SCALE (moe_fused_gate.py:282-283, fuse_routed_scaling_factor_in_topk on the MXFP4
-    methods): w' = fp32(w·1.5); routed = bf16(Σ_k w'_k·E_k); y = bf16(S + routed) (the shared add
-    with alpha 1, mxfp4_flashinfer_trtllm_moe.py:561-565)."""
+    methods): w' = fp32(w·1.5); routed = bf16(Σ_k w'_k·E_k) with the sum as FlashInfer's finalize
+    (`finalizeMoeRoutingKernel`: fp32 from +0 in slot order, acc + w'·E; products rounded, the
+    project's no-FMA convention); y = bf16(S + routed) (the shared add with alpha 1,
+    mxfp4_flashinfer_trtllm_moe.py:561-565)."""
     from reference_weights import random_reference_weights, tiny_config
 
     cfg = tiny_config()
@@ -150,12 +152,15 @@ def test_routed_scaling_factor_is_folded_into_the_fp32_weights() -> None:
     y = moe.moe_sublayer(t, w, "layers.1.", x, image_rows=None, act_quant=True)
     r = moe.route(x, w[p + "gate.weight"], w[p + "gate.bias"], t.num_experts_per_tok)
     wp = r.weights.numpy() * f32(t.routed_scaling_factor)                      # fp32 product
-    routed = np.zeros((x.shape[0], t.hidden_size))
+    routed = np.zeros((x.shape[0], t.hidden_size), dtype=f32)
+    exact = np.zeros((x.shape[0], t.hidden_size))
     for i in range(x.shape[0]):
-        for j, e in enumerate(r.experts[i].tolist()):
+        for j, e in enumerate(r.experts[i].tolist()):                          # slot (selection) order
             out = moe.routed_expert(x[i:i + 1], *(w[f"{p}experts.{e}.w{n}.weight"] for n in (1, 2, 3)), t.swiglu_limit)
-            routed[i] += float(wp[i, j]) * out[0].double().numpy()                # exact in float64 here
-    routed = ops.bf16(torch.from_numpy(routed).float())
+            routed[i] = routed[i] + wp[i, j] * out[0].numpy()                  # fp32 product, fp32 add
+            exact[i] += float(wp[i, j]) * out[0].double().numpy()
+    assert not np.array_equal(routed, exact.astype(f32))                      # the order is visible in fp32
+    routed = ops.bf16(torch.from_numpy(routed))
     shared = moe.shared_expert(x, *(w[f"{p}shared_experts.w{n}.weight"] for n in (1, 2, 3)), t.swiglu_limit, True)
     assert torch.equal(y, ops.bf16(shared + routed))
     assert math.isclose(t.routed_scaling_factor, 1.5)

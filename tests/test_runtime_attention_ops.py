@@ -37,6 +37,7 @@ from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compres
 from sglang_dsv41.kernels import indexer as kernel_indexer
 from sglang_dsv41.kernels import sparse_attention as kernel_attention
 from sglang_dsv41.numerics.geometry import softmax_scale
+from sglang_dsv41.numerics.rounding import bf16
 from sglang_dsv41.runtime import attention_ops, moe_ops
 from sglang_dsv41.runtime.backend import ExactTorchBackend
 from sglang_dsv41.runtime.mhc_ops import TorchMhc
@@ -116,15 +117,17 @@ def _exact_sparse_sink_attention(calls: list[str]):
 
 def _exact_index_scores(calls: list[str]):
     def index_scores(q, head_w, key_cache, entry_slots, token_req, n_visible, *, head_sum_exact, check_inputs):
-        """The kernel's contract in float64 (reference `index_scores` per query)."""
+        """The kernel's contract: bf16(Σ_h bf16(w·ReLU(bf16(dot)))), dots and head sum in float64
+        (reference `index_scores` per query)."""
         assert head_sum_exact and not check_inputs and isinstance(key_cache, kernel_indexer.PackedSource)
         calls.append("scores")
         assert key_cache.part == "key"                                    # the kernel's PackedSource → our decoder
         packed = kernel_source_as_runtime_rows(key_cache)
         slots = entry_slots[token_req]                                    # [N, E] entry indices
         keys = packed.keys(slots.reshape(-1)).reshape(*slots.shape, -1).double()   # [N, E, Di]
-        dots = torch.einsum("thd,ted->the", q.double(), keys)
-        scores = torch.einsum("th,the->te", head_w.double(), torch.relu(dots)).float() + 0.0
+        dots = bf16(torch.einsum("thd,ted->the", q.double(), keys).float())
+        terms = bf16(torch.relu(dots) * head_w.float().unsqueeze(-1))
+        scores = bf16(terms.double().sum(dim=1).float()) + 0.0
         visible = (torch.arange(slots.shape[1])[None, :] < n_visible[:, None]) & (slots >= 0)
         return torch.where(visible, scores, -math.inf)
     return index_scores

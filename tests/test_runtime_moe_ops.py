@@ -82,7 +82,7 @@ def test_cpu_expert_split_with_reduce_is_bit_identical(tiny) -> None:
 
     def capture(name):
         def keep(partial: torch.Tensor) -> torch.Tensor:
-            assert partial.dtype == torch.float64 and partial.shape == x.shape
+            assert partial.dtype == torch.float64 and partial.shape == (x.shape[0], t.num_experts_per_tok, x.shape[1])
             partials[name] = partial.clone()
             return partial
         return keep

@@ -101,3 +101,33 @@ def fp8_v41_roundtrip(x: torch.Tensor) -> torch.Tensor:
     g = grouped(x, 32)
     scale = pow2_ceil((g.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp(min=1e-4))
     return (e4m3(g / scale) * scale).reshape(x.shape)
+
+
+def pair_pool(a: torch.Tensor, s: torch.Tensor, exp_dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Ratio-2 pooling of a pair, a, s [n, 2, D] fp32 → [n, D] fp32, in upstream's fp32 steps
+    (`pool_pairs` = `(kv2 * score2.softmax(dim=1)).sum(dim=1)`, `dsv41_sparse.py:170-172`, and
+    its bitwise Triton twin `c2_decode_pool.py:86-97`): m = max(s₀, s₁); e_i = exp(s_i − m);
+    σ_i = e_i / (e₀ + e₁) (IEEE division); pooled = a₀σ₀ + a₁σ₁, products rounded before the sum.
+    Every step is one fp32 operation except exp, evaluated in `exp_dtype` and rounded to fp32
+    (float64: the correctly rounded fp32 exp, the device-invariant form of CUDA's `expf`)."""
+    a, s = a.to(F32), s.to(F32)
+    m = torch.maximum(s[:, 0], s[:, 1]).unsqueeze(1)
+    e = torch.exp((s - m).to(exp_dtype)).to(F32)
+    sigma = e / (e[:, 0] + e[:, 1]).unsqueeze(1)
+    t = a * sigma
+    return t[:, 0] + t[:, 1]
+
+
+def slot_sum_fp32(weights: torch.Tensor, per_slot: torch.Tensor) -> torch.Tensor:
+    """The routed sum Σ_j w_j·E_j [T, H] fp32 as upstream's MoE finalize forms it
+    (`finalizeMoeRoutingKernel`, FlashInfer `cutlass_fused_moe_kernels.cuh`): from +0, the slots
+    j = 0 … k−1 in order, acc ← fp32(acc + fp32(w_j·E_j)) — each product rounded before its add
+    (the project's no-FMA convention, docs/reference.md "Rounding audit"). weights [T, k] fp32,
+    per_slot [T, k, H] (BF16 values in any float dtype). Elementwise per token: batch invariant."""
+    w, e = weights.to(F32), per_slot.to(F32)
+    if w.shape != e.shape[:2]:
+        raise ValueError(f"slot_sum_fp32: weights {tuple(w.shape)} do not match per_slot {tuple(e.shape)}")
+    acc = torch.zeros(e.shape[0], e.shape[2], dtype=F32, device=e.device)
+    for j in range(e.shape[1]):
+        acc = acc + w[:, j, None] * e[:, j]
+    return acc

@@ -7,7 +7,8 @@ into one compressed latent per `ratio` tokens and, from each latent, one indexer
   compressed position g = p, RoPE position p.
 * ratio 2: a_t = compressor.wkv·x_t, s_t = compressor.wgate·x_t (BF16 GEMM, **fp32** out);
   for the pair g = (2g, 2g+1): σ = per-dimension 2-way softmax of (s_2g, s_2g+1);
-  pooled_g = a_2g·σ_2g + a_2g+1·σ_2g+1 (fp32); latent_g = RMSNorm_norm(bf16(pooled_g));
+  pooled_g = a_2g·σ_2g + a_2g+1·σ_2g+1 in upstream's fp32 steps (`numerics.rounding.pair_pool`);
+  latent_g = RMSNorm_norm(bf16(pooled_g));
   RoPE position 2g. The latent exists only once token 2g+1 has been processed: a chunk that
   ends on an even position leaves its last token *pending* (`PendingPairToken`), and the next
   chunk completes the pair.
@@ -28,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ..config import TextConfig
+from ..numerics.rounding import pair_pool
 from . import ops
 
 
@@ -111,10 +113,8 @@ def ratio2_latents(cfg: TextConfig, w, prefix: str, x: Tensor, positions: Tensor
     D = a.shape[1]
     a_pairs = a[: 2 * n_pairs].reshape(n_pairs, 2, D)
     s_pairs = s[: 2 * n_pairs].reshape(n_pairs, 2, D)
-    # per-dimension softmax over the pair's two tokens; float64 then one rounding (device-invariant)
-    sigma = torch.softmax(s_pairs.to(torch.float64), dim=1)
-    a64 = a_pairs.to(torch.float64)
-    pooled = (a64[:, 0] * sigma[:, 0] + a64[:, 1] * sigma[:, 1]).to(torch.float32)
+    # per-dimension softmax over the pair's two tokens and the weighted sum, upstream's fp32 steps
+    pooled = pair_pool(a_pairs, s_pairs)
     latents = ops.rms_norm(ops.bf16(pooled), _weight(w, prefix, "compressor.norm.weight"), cfg.rms_norm_eps)
     return latents, pos[0 : 2 * n_pairs : 2], new_pending
 

@@ -55,15 +55,18 @@ def index_query(cfg: TextConfig, w, prefix: str, x: Tensor, q_lora: Tensor, posi
 
 
 def index_scores(query: IndexQuery, keys: Tensor) -> Tensor:
-    """S[t, j] = Σ_h w[t,h]·ReLU(q[t,h]·k[j]) for every cached key j ([T, N] fp32).
+    """S[t, j] = Σ_h w[t,h]·ReLU(q[t,h]·k[j]) for every cached key j ([T, N] fp32, BF16 values).
 
-    Evaluated in float64 and rounded once to fp32, so a score does not depend on the evaluation
-    order / batch size (the FP4×FP4 dot products are exact either way; upstream accumulates in
-    fp32, so near-ties may order differently there — spec §3.4.4, §8).
+    Upstream's rounding points on H200 (decode `fp4_index_logits_paged`, `fp4_indexer.py:425-430`:
+    "bf16 dot -> relu -> * bf16 weight -> bf16 -> sum -> bf16"; prefill `scores`,
+    `dsv41_sparse.py:289-291`, the same in BF16 torch ops): d = bf16(q·k), p_h = bf16(w_h·ReLU(d_h)),
+    S = bf16(Σ_h p_h). The dots and the head sum are evaluated in float64 and rounded once to fp32
+    before their BF16 rounding (order-free: batch invariant); w·ReLU(d) is exact in fp32.
     """
     f64 = torch.float64
-    dots = torch.einsum("thd,nd->thn", query.q.to(f64), keys.to(f64))
-    scores = torch.einsum("th,thn->tn", query.head_weights.to(f64), torch.relu(dots)).to(torch.float32)
+    dots = ops.bf16(torch.einsum("thd,nd->thn", query.q.to(f64), keys.to(f64)).to(torch.float32))
+    terms = ops.bf16(torch.relu(dots) * query.head_weights.to(torch.float32).unsqueeze(-1))
+    scores = ops.bf16(terms.to(f64).sum(dim=1).to(torch.float32))
     return scores + 0.0  # −0.0 → +0.0, so equal scores are bit-identical
 
 

@@ -17,8 +17,8 @@ Invariants:
   dense linear (`ops.linear_fp8`, activation quantisation per `act_quant`).
 * y = bf16(S(x) + bf16(Σ_k fp32(w_k·s)·E_{e_k}(x))), s = routed_scaling_factor folded into the
   fp32 routing weights as upstream's MXFP4 MoE paths do (`moe_fused_gate` APPLY_SCALE), the
-  routed sum in fp32.
-* Reductions and transcendentals (logits, softplus, Σ_k s_k, silu·u, the routed sum) are
+  routed sum in fp32 in slot order as upstream's finalize (`numerics.rounding.slot_sum_fp32`).
+* Reductions and transcendentals (logits, softplus, Σ_k s_k, silu·u) are
   evaluated in fp64 and rounded once to fp32 — the fp32 formula's value free of fp32 rounding
   noise — so routing and outputs do not depend on chunking, BLAS, reduction order or the
   device's libm. The elementwise IEEE steps upstream takes on those fp32 values (sqrt of the
@@ -34,6 +34,7 @@ import torch.nn.functional as F_
 from torch import Tensor
 
 from ..config import TextConfig
+from ..numerics.rounding import slot_sum_fp32
 from .ops import F32, bf16, fp32_scalar, linear_bf16, linear_fp8, matmul_fp32_exact
 
 F64 = torch.float64
@@ -138,7 +139,8 @@ def shared_expert(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, limit: float, a
 def moe_sublayer(cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor, *,
                  image_rows: Tensor | None, act_quant: bool,
                  n_experts: int | None = None, top_k: int | None = None) -> Tensor:
-    """MoE output y = S(x) + Σ_k fp32(w_k·routed_scaling_factor)·E_{e_k}(x) (spec §3.6).
+    """MoE output y = S(x) + Σ_k fp32(w_k·routed_scaling_factor)·E_{e_k}(x) (spec §3.6), the sum
+    in fp32 in slot order (selection order) as upstream's finalize.
 
     `prefix` is the layer's weight prefix (`layers.3.` or, for DSpark stages, `mtp.0.`);
     reads `{prefix}ffn.*`. `image_rows` [T] bool enables the `gate.bias_vl` row bias (pass it
@@ -162,7 +164,7 @@ def moe_sublayer(cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tenso
                                              w[f"{p}experts.{e}.w2.weight"],
                                              w[f"{p}experts.{e}.w3.weight"], limit).to(F64)
     scaled = routing.weights * fp32_scalar(cfg.routed_scaling_factor)      # fp32, as the top-k kernel
-    routed = bf16((scaled.to(F64).unsqueeze(-1) * per_slot).sum(dim=1).to(F32))
+    routed = bf16(slot_sum_fp32(scaled, per_slot))                          # upstream's finalize order
     shared = shared_expert(x, w[p + "shared_experts.w1.weight"], w[p + "shared_experts.w2.weight"],
                            w[p + "shared_experts.w3.weight"], limit, act_quant)
     return bf16(shared + routed)

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..config import TextConfig
 from ..numerics.profile import CacheProfile
-from ..numerics.rounding import fp8_v4_roundtrip, fp8_v41_roundtrip, fp32_scalar
+from ..numerics.rounding import fp8_v4_roundtrip, fp8_v41_roundtrip, fp32_scalar, pair_pool
 from .backend import ComputeBackend
 
 F32 = torch.float32
@@ -78,11 +78,11 @@ def pair_scores(be: ComputeBackend, w: Mapping[str, Tensor], prefix: str, x: Ten
 def pair_latents(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, a_first: Tensor,
                  s_first: Tensor, a_second: Tensor, s_second: Tensor) -> Tensor:
     """Pre-RoPE latents of ratio-2 pairs: σ = per-dimension softmax over the pair, pooled =
-    a₁σ₁ + a₂σ₂ (in `be.acc`: float64 rounded to fp32 on `exact`, fp32 elsewhere — elementwise,
-    batch invariant), latent = RMSNorm(bf16(pooled)) (§3.4.3)."""
-    sigma = torch.softmax(torch.stack((s_first, s_second), dim=1).to(be.acc), dim=1)
-    a = torch.stack((a_first, a_second), dim=1).to(be.acc)
-    pooled = (a[:, 0] * sigma[:, 0] + a[:, 1] * sigma[:, 1]).to(F32)
+    a₁σ₁ + a₂σ₂ in upstream's fp32 steps (`numerics.rounding.pair_pool`; exp in `be.acc`:
+    correctly rounded on `exact`, fp32 elsewhere — elementwise, batch invariant),
+    latent = RMSNorm(bf16(pooled)) (§3.4.3)."""
+    pooled = pair_pool(torch.stack((a_first, a_second), dim=1), torch.stack((s_first, s_second), dim=1),
+                       be.acc)
     return be.rms_norm(be.bf16(pooled), w[prefix + "compressor.norm.weight"], cfg.rms_norm_eps)
 
 

@@ -17,13 +17,16 @@ from torch import Tensor
 
 from ..config import LayerRole, TextConfig
 from ..numerics.geometry import visible_counts
+from ..numerics.rounding import bf16
 from .attention_math import IndexQuery
 
 
 def index_scores(query: IndexQuery, keys: Tensor, acc: torch.dtype = torch.float64) -> Tensor:
-    """S[t, j] = Σ_h w[t,h]·ReLU(q[t,h]·k[j]) ([T, N] fp32; summed in `acc`, −0 → +0)."""
-    dots = torch.einsum("thd,nd->thn", query.q.to(acc), keys.to(acc))
-    scores = torch.einsum("th,thn->tn", query.head_weights.to(acc), torch.relu(dots)).to(torch.float32)
+    """S[t, j] = bf16(Σ_h bf16(w[t,h]·ReLU(bf16(q[t,h]·k[j])))) ([T, N] fp32; the dots and the head
+    sum in `acc`, rounded to fp32 then BF16 — upstream's rounding points; −0 → +0)."""
+    dots = bf16(torch.einsum("thd,nd->thn", query.q.to(acc), keys.to(acc)).to(torch.float32))
+    terms = bf16(torch.relu(dots) * query.head_weights.to(torch.float32).unsqueeze(-1))
+    scores = bf16(terms.to(acc).sum(dim=1).to(torch.float32))
     return scores + 0.0
 
 

@@ -9,16 +9,19 @@
 
 The runtime's copy of `reference/moe.py`, tested against it (tests/test_runtime_moe_ops.py).
 
+Routed sum. y = bf16(S(x) + bf16(R)), R = Σ_j w'[t,j]·E_{e_j}(x[t]) in fp32 in slot order
+(`numerics.rounding.slot_sum_fp32`, upstream's finalize), w' = fp32(w·s) (s = routed_scaling_factor
+folded into the fp32 routing weights, as upstream's MXFP4 MoE paths do).
+
 Expert parallelism. `experts` = the expert ids this process holds (None = all). The routed partial
-P[t] = Σ over the slots j of token t whose expert is held here of w'[t,j]·E_{e_j}(x[t]) is formed
-in the backend's `acc`, w' = fp32(w·s) (s = routed_scaling_factor folded into the fp32 routing
-weights, as upstream's MXFP4 MoE paths do); `reduce` maps P to the sum over all shards; then
-y = bf16(S(x) + bf16(fp32(P))). On `exact` (float64) each product w·E is exact, so the split sum equals the
-TP-1 sum (tested); on `torch` / `triton` (fp32, no float64 on the GPU path) it is within the
-numerics contract (a 2-rank sum is one commutative addition: the same on every rank).
+is the per-slot expert outputs [T, k, H] (BF16 values in the backend's `acc`) of the slots whose
+expert is held here, −0.0 elsewhere; `reduce` sums it over the shards — exact, since each slot is
+held by exactly one shard — and R is formed after it, so the split equals TP 1 bit for bit on
+every backend (tested). The all-reduce carries k values per hidden element instead of one.
 
 CUDA bound against the reference on the same inputs and routing (`moe_error_bound`):
-|y − y_ref| ≤ ulp(y_ref) + ulp(R_ref) + s·Σ_j w_j·ulp(E_j) (derived in `kernels/moe_mxfp4.py`),
+|y − y_ref| ≤ ulp(y_ref) + ulp(R_ref) + s·Σ_j w_j·ulp(E_j) + 4(k + 1)·2⁻²⁴·s·Σ_j w_j·|E_j|
+(`routed_error_bound`, derived in `kernels/moe_mxfp4.py`),
 plus the dense products' GEMM bound on the router logits and shared expert.
 """
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 from torch import Tensor
 
 from ..config import TextConfig
-from ..numerics.rounding import bf16, fp32_scalar
+from ..numerics.rounding import bf16, fp32_scalar, slot_sum_fp32
 from .backend import ComputeBackend
 
 F32, F64 = torch.float32, torch.float64
@@ -140,21 +143,22 @@ def _shared(be: ComputeBackend, w: Mapping[str, Tensor], p: str, x: Tensor, limi
                          w[p + "shared_experts.w3.weight"], limit, act_quant), False
 
 
-def _reduce(be: ComputeBackend, partial: Tensor, shared: Tensor, shared_partial: bool,
+def _reduce(be: ComputeBackend, per_slot: Tensor, shared: Tensor, shared_partial: bool,
             reduce: RoutedReduce | None) -> tuple[Tensor, Tensor]:
-    """(routed partial summed over ranks, shared expert output BF16): a sharded shared expert's
-    partial goes through the same all-reduce as the routed partial (one collective)."""
+    """(per-slot expert outputs [T, k, H] summed over ranks, shared expert output BF16): a sharded
+    shared expert's partial goes through the same all-reduce as the routed one (one collective)."""
     if not shared_partial:
-        return (partial if reduce is None else reduce(partial)), shared
+        return (per_slot if reduce is None else reduce(per_slot)), shared
     if reduce is None:
         raise ValueError("a row-parallel shared expert needs the TP all-reduce")
-    both = reduce(torch.stack([partial.to(be.acc), shared.to(be.acc)]))
-    return both[0], be.linear_fp8_finish(both[1])
+    k = per_slot.shape[1]
+    both = reduce(torch.cat([per_slot.to(be.acc), shared.to(be.acc).unsqueeze(1)], dim=1))
+    return both[:, :k], be.linear_fp8_finish(both[:, k])
 
 
-def _finalize(partial: Tensor, shared: Tensor) -> Tensor:
-    """Reference finalize of a routed sum P = Σ w'·E (float64 or fp32): bf16(S + bf16(fp32(P)))."""
-    return bf16(shared + bf16(partial.to(F32)))
+def _finalize(weights: Tensor, per_slot: Tensor, shared: Tensor) -> Tensor:
+    """Reference finalize: bf16(S + bf16(R)), R = the fp32 slot-order sum of w'·E."""
+    return bf16(shared + bf16(slot_sum_fp32(weights, per_slot)))
 
 
 def _moe_cpu(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor,
@@ -173,7 +177,7 @@ def _moe_cpu(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefi
         raise KeyError(f"{p}experts.{missing[0]}.w1.weight: the CPU MoE needs the routed experts dequantised "
                        f"(load with experts_mxfp4=False); {len(missing)} held expert(s) missing")
     T, H = x.shape
-    per_slot = torch.zeros(T, k, H, dtype=be.acc, device=x.device)
+    per_slot = torch.full((T, k, H), -0.0, dtype=be.acc, device=x.device)   # −0.0: the all-reduce's identity
     held_set = set(held)
     for e in torch.unique(routing.experts).tolist():
         if e not in held_set:
@@ -182,9 +186,8 @@ def _moe_cpu(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefi
         per_slot[rows, slot] = routed_expert(be, x[rows], w[f"{p}experts.{e}.w1.weight"],
                                              w[f"{p}experts.{e}.w2.weight"],
                                              w[f"{p}experts.{e}.w3.weight"], limit).to(be.acc)
-    partial = (scaled_weights(cfg, routing.weights).to(be.acc).unsqueeze(-1) * per_slot).sum(dim=1)
     shared_out, shared_partial = _shared(be, w, p, x, limit, act_quant, shared)
-    return _finalize(*_reduce(be, partial, shared_out, shared_partial, reduce))
+    return _finalize(scaled_weights(cfg, routing.weights), *_reduce(be, per_slot, shared_out, shared_partial, reduce))
 
 
 def _moe_cuda(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor,
@@ -217,13 +220,12 @@ def _moe_cuda(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], pref
                                          swiglu_limit=limit, routed_scale=1.0).to(F32)
         return bf16(shared_out + routed)
     local = held_ref.local_index[routing.experts]                       # [T, k], −1 = other shard
-    partial = torch.zeros(T, H, dtype=be.acc, device=x.device)
+    per_slot = torch.full((T, k, H), -0.0, dtype=be.acc, device=x.device)
     if T:
         y, plan = mx.routed_expert_outputs(xb, local, held_ref.prepared, swiglu_limit=limit, allow_absent=True)
-        per_slot = y[plan.slot_rows.long(), :H].view(T, k, H).to(be.acc)
-        contrib = weights.to(be.acc).unsqueeze(-1) * per_slot
-        partial = torch.where((local >= 0).unsqueeze(-1), contrib, 0.0).sum(dim=1)   # unwritten rows masked
-    return _finalize(*_reduce(be, partial, shared_out, shared_partial, reduce))
+        per_slot = torch.where((local >= 0).unsqueeze(-1), y[plan.slot_rows.long(), :H].view(T, k, H).to(be.acc),
+                               per_slot)                                   # unwritten rows masked
+    return _finalize(weights, *_reduce(be, per_slot, shared_out, shared_partial, reduce))
 
 
 MoeSublayer = Callable[..., Tensor]

@@ -23,13 +23,11 @@ Shard plan (`ShardPlan.for_config`), rank r of N:
   when each block is whole 32-wide tiles (`shared_expert_block`; else replicated); `w2`'s
   partial shares the routed partial's all-reduce (`shared_expert`, `moe_ops`);
 * routed experts (expert parallel): rank r owns a contiguous balanced block of expert ids; the
-  router runs replicated, each rank forms the routed partial Σ w_j·E_j over the slots of its
-  experts in the backend's `acc` (`runtime.moe_ops`' `experts=` / `reduce=` hook), the partials
-  are all-reduced and the reference's finalize follows (spec §3.6). On the exact backend
-  (float64) every product w_j·E_j is exact (24 × 8 significant bits), so the sum is the TP-1
-  sum unless a token's k products span more than ~21 binades (then ≤ 2⁻⁵³ relative before the
-  fp32 rounding); on the fp32 backends (CPU serving, CUDA: no float64 on the GPU path) the sum
-  is fp32, within the numerics contract of TP 1 rather than bit-identical;
+  router runs replicated, each rank contributes the per-slot expert outputs [T, k, H] of the
+  slots of its experts (−0.0 elsewhere; `runtime.moe_ops`' `experts=` / `reduce=` hook), they
+  are all-reduced — exact, each slot has one owner — and the reference's finalize (the fp32
+  slot-order sum, upstream's) follows (spec §3.6): bit-identical to TP 1 on every backend, for
+  k values per hidden element in the collective;
 * Engram tables, by rows: rank r holds a contiguous balanced block of each table's rows; the
   looked-up rows are −0.0 where another rank owns them and are all-reduced (exact, as above),
   then the reference's Engram update runs on the gathered rows (spec §3.3.2);
