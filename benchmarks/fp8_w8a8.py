@@ -8,7 +8,8 @@ power-of-two tile scales, multiplied in sequence — one "layer pass" — by
 * `w8a8`: `fp8_w8a8_linear` as the runtime would call it — the Triton kernel with its row-tier
   configuration (`config_for_rows`) below `BF16_GEMM_MIN_ROWS` rows, the prefill form (dequantise +
   cuBLAS BF16) from there; `wo_a` grouped in one GEMM launch; `w8a8_bf16_gemm`: the prefill form
-  at every M; `w8a8_<label>`: the Triton kernel with a fixed configuration of `ALTERNATIVES`;
+  at every M; `w8a8_<label>`: the Triton kernel with a fixed configuration of `ALTERNATIVES`
+  (`w8a8_s7_*`: session 7's row tiers, for old-vs-new in one run);
 * `fp8_linear`: today's runtime kernel (W8A16, BF16 activations, fp32 out; `wo_a` as 8 group calls,
   as `runtime/` does);
 * `cublas_bf16`: `torch.mm` on BF16 copies of the dequantised weights (`wo_a`: one `torch.bmm`).
@@ -18,7 +19,8 @@ Per point: median µs eager and as a replayed CUDA graph (`step_timing.measure`:
 2 B per element for BF16), GB/s and the fraction of the copy bandwidth measured in the same run
 (decode), and TFLOP/s (2·M·N·K; prefill). `per_weight`: each weight alone (graph µs) for
 `w8a8`, `fp8_linear`, `cublas_bf16`. `agreement`: whether each configuration gives the decode
-configuration's bits (64 rows, every weight) — the row tiers are batch invariant only if they do.
+configuration's bits (64 rows, every weight) — configurations with another chunking or MMA give
+other bits (module doc of kernels/fp8_w8a8.py).
 `accuracy`: the first rows of each weight against `reference.ops.linear_fp8` on the CPU, as a
 fraction of the tests' bound (`tests/test_kernels_fp8_w8a8.py`). Writes `fp8_w8a8.json` and
 `fp8_w8a8.png` to `--out`. CUDA only.
@@ -45,19 +47,23 @@ from step_timing import capture_graph, measure, settle_after_failed_capture  # n
 
 ROWS = (1, 8, 64, 256, 8192)
 #: fixed configurations swept besides the row tiers: label → ((block_m, block_n, sub_blocks, warps, stages,
-#: fused_quant, split_k), (fewest rows, most rows) timed). All compile for sm_90 without spills: decode-shaped
-#: (BLOCK_M 16: mma.sync on E4M3 widened to f16) and wgmma-shaped (BLOCK_M ≥ 64: m64nNk32 E4M3). Decode shapes are
-#: not timed at prefill sizes (they re-quantise x per column block). Results: docs/performance.md.
-ALTERNATIVES = {"bm16_bn128_sub4": ((16, 128, 4, 4, 4, True, True), (1, 64)),
+#: fused_quant, split_k[, fp8_mma, target_programs]), (fewest rows, most rows) timed). All compile for sm_90
+#: without spills: decode-shaped (BLOCK_M 16: mma.sync f16) and wgmma-shaped (BLOCK_M ≥ 64: f16, or E4M3 with
+#: fp8_mma). Decode shapes are not timed at prefill sizes (they re-quantise x per column block). `s7_*`:
+#: session 7's tiers (decode: 4 stages, ≈ 2 programs per SM; mid: E4M3 wgmma). Results: docs/performance.md.
+ALTERNATIVES = {"s7_decode": ((16, 64, 4, 4, 4, True, True, False, 264), (1, 64)),
+                "s7_mid_fp8": ((64, 128, 1, 4, 4, True, True, True, 264), (17, 256)),
+                "decode_t528": ((16, 64, 4, 4, 3, True, True, False, 528), (1, 64)),
+                "decode_t2112": ((16, 64, 4, 4, 3, True, True, False, 2112), (1, 64)),
+                "decode_s4_t1056": ((16, 64, 4, 4, 4, True, True, False, 1056), (1, 64)),
+                "decode_bn32_t1056": ((16, 32, 4, 4, 3, True, True, False, 1056), (1, 64)),
+                "decode_prequant_t1056": ((16, 64, 4, 4, 3, False, True, False, 1056), (1, 64)),
+                "mid_t1056": ((64, 128, 1, 4, 4, True, True, False, 1056), (17, 256)),
                 "bm16_bn64_sub8": ((16, 64, 8, 4, 4, True, True), (1, 64)),
-                "bm16_bn64_nosplit": ((16, 64, 4, 4, 4, True, False), (1, 64)),
-                "bm16_bn32_sub4": ((16, 32, 4, 4, 4, True, True), (1, 64)),
-                "bm16_bn64_w2": ((16, 64, 4, 2, 4, True, True), (1, 64)),
-                "bm16_bn64_sub2_s6": ((16, 64, 2, 4, 6, True, True), (1, 64)),
-                "bm64_bn64_sub4": ((64, 64, 4, 4, 4, True, True), (1, 8192)),
-                "bm64_bn128_prequant": ((64, 128, 2, 4, 4, False, False), (8, 8192)),
-                "bm64_bn256_fused": ((64, 256, 1, 8, 3, True, False), (8, 8192)),
-                "bm128_bn128_w8": ((128, 128, 1, 8, 3, False, False), (64, 8192))}
+                "bm64_bn128_prequant": ((64, 128, 2, 4, 4, False, False), (8, 8192))}
+#: the sweep of scripts/gpu/speed3.sh (old vs new at decode, the levers around the new decode tier)
+SPEED3_VARIANTS = ("s7_decode", "s7_mid_fp8", "decode_t528", "decode_t2112", "decode_s4_t1056",
+                   "decode_bn32_t1056", "decode_prequant_t1056", "mid_t1056")
 #: the prefill form forced at every M (`fp8_w8a8_linear(bf16_gemm=True)`): dequantise + cuBLAS BF16
 BF16_GEMM = "bf16_gemm"
 PER_WEIGHT = ("w8a8", "fp8_linear", "cublas_bf16")

@@ -28,6 +28,7 @@ What is pinned:
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -40,8 +41,8 @@ from fp8_cases import BF16, DEVICE, F32, F64, dequantised, exact_sum_case, fp8_w
 from triton_checks import compile_for_sm90, no_spills, run_kernel_cases_in_interpreter
 
 MMA_STEP_EPS = 2.0 ** -12
-CONFIGS = {"decode": W.DECODE_CONFIG, "mid": W.MID_CONFIG, "prefill": W.PREFILL_CONFIG,
-           "decode_one_program": W.W8A8Config(16, 64, 4, 4, 4, fused_quant=True, split_k=False),
+CONFIGS = {"decode": W.DECODE_CONFIG, "mid": W.MID_CONFIG, "prefill": W.PREFILL_CONFIG, "mid_fp8": W.MID_FP8_CONFIG,
+           "decode_one_program": dataclasses.replace(W.DECODE_CONFIG, split_k=False),
            "prefill_split": W.W8A8Config(64, 64, 2, 4, 3, fused_quant=False, split_k=True)}
 
 
@@ -254,30 +255,34 @@ FLASH_SHAPES = {"wq_a": (1280, 5120), "wkv": (512, 5120), "wq_b": (32768, 1280),
                 "indexer_wq_b": (4096, 1280), "engram_wkv": (25600, 6144)}
 
 
-def test_k_chunks_are_shape_only_and_cover_k() -> None:
+@pytest.mark.parametrize("target", [W.TARGET_PROGRAMS, W.DECODE_TARGET_PROGRAMS])
+def test_k_chunks_are_shape_only_and_cover_k(target: int) -> None:
     for name, (n, k) in FLASH_SHAPES.items():
-        chunks = W.k_chunks(n, k)
+        chunks = W.k_chunks(n, k, target)
         blocks = k // 32
         per = -(-blocks // chunks)
         assert (chunks - 1) * per < blocks <= chunks * per, name            # no empty chunk
         assert per >= W.MIN_CHUNK_BLOCKS or chunks == 1, name
         column_programs = -(-n // W.CHUNK_BLOCK_N)
-        assert chunks <= -(-W.TARGET_PROGRAMS // column_programs), name      # never more splits than needed
-        assert column_programs * chunks >= W.TARGET_PROGRAMS // 2 or chunks == 1, name
+        assert chunks <= -(-target // column_programs), name                 # never more splits than needed
+        assert column_programs * chunks >= target // 2 or per == W.MIN_CHUNK_BLOCKS or chunks == 1, name
     assert W.k_chunks(32768, 1280) == 1 and W.k_chunks(512, 5120) > 8
+    assert W.k_chunks(32768, 1280, W.DECODE_TARGET_PROGRAMS) == 3 and W.k_chunks(512, 5120, W.DECODE_TARGET_PROGRAMS) == 40
 
 
 def test_row_tiers() -> None:
     assert W.config_for_rows(1) is W.config_for_rows(16) is W.DECODE_CONFIG
     assert W.config_for_rows(17) is W.config_for_rows(256) is W.MID_CONFIG
     assert W.config_for_rows(257) is W.config_for_rows(8192) is W.PREFILL_CONFIG
+    assert W.config_for_rows(16, fp8_mma=True) is W.DECODE_CONFIG and W.config_for_rows(17, fp8_mma=True) is W.MID_FP8_CONFIG
+    assert not any(c.fp8_mma for _, c in W.ROW_TIERS) and W.MID_FP8_CONFIG.fp8_mma
     assert 16 < W.BF16_GEMM_MIN_ROWS <= 257                 # the Triton prefill tier is a forced-config option
     assert W.DECODE_CONFIG.fused_quant and W.DECODE_CONFIG.split_k and not W.PREFILL_CONFIG.split_k
 
 
 def _compile(cfg: W.W8A8Config, act_quant: bool = True):
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SUB=cfg.sub_blocks, FUSED_QUANT=cfg.fused_quant,
-                  SPLIT_K=cfg.split_k, ACT_QUANT=act_quant, INTERPRET=False)
+                  SPLIT_K=cfg.split_k, ACT_QUANT=act_quant, FP8_MMA=cfg.fp8_mma, INTERPRET=False)
     pointers = {"x_ptr": "*bf16" if cfg.fused_quant else "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv",
                 "ws_ptr": "*fp32", "out_ptr": "*fp32" if cfg.split_k else "*bf16"}
     kern = W._w8a8_kernel
@@ -291,7 +296,7 @@ def _compile(cfg: W.W8A8Config, act_quant: bool = True):
                             attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
 
 
-@pytest.mark.parametrize("label,act_quant", [("decode", True), ("mid", True), ("prefill", True),
+@pytest.mark.parametrize("label,act_quant", [("decode", True), ("mid", True), ("prefill", True), ("mid_fp8", True),
                                              ("decode", False), ("mid", False)])
 def test_kernel_compiles_for_hopper_on_tensor_cores_without_spills(label: str, act_quant: bool) -> None:
     if W.INTERPRETED:
@@ -304,10 +309,10 @@ def test_kernel_compiles_for_hopper_on_tensor_cores_without_spills(label: str, a
     if not act_quant:                                                     # W8A16: BF16 MMA, no E4M3 rounding
         assert re.search(r"(wgmma\.mma_async|mma\.sync)\S*bf16", ptx) and "cvt.rn.satfinite.e4m3x2" not in ptx
         return
-    if cfg.block_m >= 64:
-        assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", ptx)
-    else:
-        assert "mma.sync.aligned" in ptx                                   # E4M3 widened to f16: exact
+    fp8_wgmma = re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", ptx)
+    assert bool(fp8_wgmma) == cfg.fp8_mma                                 # FP8 MMA sums only when asked
+    if not cfg.fp8_mma:                                                   # E4M3 widened to f16: exact products
+        assert re.search(r"(wgmma\.mma_async\S*|mma\.sync\S*)\.f32\.f16\.f16", ptx)
     if cfg.fused_quant:
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx                       # hardware RNE quantisation
 
@@ -316,7 +321,7 @@ if not W.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        run_kernel_cases_in_interpreter(__file__, min_passed=28, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=31, exact=True)
 
 
 # ---- GPU ------------------------------------------------------------------------------------------
