@@ -25,7 +25,9 @@ Arithmetic — upstream's Hopper numerics (DeepGEMM SM90 block32, spec §3.8):
    configuration's `target_programs` only. Each chunk's
    blocks accumulate into a fresh fp32 sum, in ascending kb; the chunk sums are added in
    ascending order starting from 0, then rounded once to BF16 (RNE). At small M every chunk is
-   its own program (split-K: fp32 partials [chunks, M, N], then `_sum_chunks_kernel`); at large M
+   its own program (split-K: fp32 partials [chunks, M, N]); with `counters` the last program of an
+   output tile to finish (an acq_rel arrival count per tile, reset by that program) adds the
+   partials in that order inside the same launch, else `_sum_chunks_kernel` does; at large M
    one program walks all chunks. The order of additions is the same either way, so within one
    configuration a row's bits depend neither on the batch nor on split-K. The row tiers use
    different MMA instructions and chunkings and the prefill form is a cuBLAS GEMM, so the bits
@@ -138,10 +140,11 @@ def k_chunks(n: int, k: int, target: int = TARGET_PROGRAMS) -> int:
 # ---- kernels -----------------------------------------------------------------------------------------
 
 @triton.jit
-def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, n_per_group, chunk_blocks, n_chunks,
-                 stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_oc,
+def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, y_ptr, counters_ptr, M, N, K, n_per_group, chunk_blocks,
+                 n_chunks, stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_oc,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, FUSED_QUANT: tl.constexpr,
-                 SPLIT_K: tl.constexpr, ACT_QUANT: tl.constexpr, FP8_MMA: tl.constexpr, INTERPRET: tl.constexpr):
+                 SPLIT_K: tl.constexpr, ACT_QUANT: tl.constexpr, FP8_MMA: tl.constexpr, FIXUP: tl.constexpr,
+                 INTERPRET: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -197,9 +200,21 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, n_per_group, ch
         else:
             total += acc
     if SPLIT_K:
-        part = out_ptr + tl.program_id(2).to(tl.int64) * stride_oc
-        tl.store(part + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], total,
-                 mask=m_ok[:, None] & n_ok[None, :])
+        tile = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        ok = m_ok[:, None] & n_ok[None, :]
+        tl.store(out_ptr + tl.program_id(2).to(tl.int64) * stride_oc + tile, total, mask=ok)
+        if FIXUP:                                     # the tile's last-arriving chunk sums all (fixed order)
+            tl.debug_barrier()                        # every thread's partial stored before the release
+            slot = counters_ptr + pid_m * tl.num_programs(0) + pid_n
+            arrived = tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu")
+            if arrived == n_chunks - 1:
+                y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for c in range(n_chunks):
+                    y += tl.load(out_ptr + c * stride_oc + tile, mask=ok, other=0.0, cache_modifier=".cg")
+                if INTERPRET:
+                    y = _rne_bf16(y)
+                tl.store(y_ptr + tile, y.to(tl.bfloat16), mask=ok)
+                tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")     # ready for the next launch
     else:
         if INTERPRET:
             total = _rne_bf16(total)
@@ -267,7 +282,8 @@ def _checked(x: Tensor, values: Tensor, scales: Tensor, groups: int) -> tuple[in
 
 
 def fp8_w8a8_linear(x: Tensor, values: Tensor, scales: Tensor, *, groups: int = 1, act_quant: bool = True,
-                    config: W8A8Config | None = None, bf16_gemm: bool | None = None, fp8_mma: bool = False) -> Tensor:
+                    config: W8A8Config | None = None, bf16_gemm: bool | None = None, fp8_mma: bool = False,
+                    counters: Tensor | None = None) -> Tensor:
     """y [M, N] BF16 = x·Wᵀ with upstream's W8A8 numerics (module doc); `groups` > 1: the grouped
     product (x [M, groups·K], group g's output rows read x's g-th K columns), one GEMM launch.
     From BF16_GEMM_MIN_ROWS rows (or with `bf16_gemm=True`) the prefill form runs (`_bf16_gemm`);
@@ -298,19 +314,27 @@ def fp8_w8a8_linear(x: Tensor, values: Tensor, scales: Tensor, *, groups: int = 
     chunk_blocks = -(-blocks // chunks)
     split = cfg.split_k and chunks > 1
     grid = (triton.cdiv(N, block_n), triton.cdiv(M, cfg.block_m), chunks if split else 1)
+    fixup = split and counters is not None and counters.numel() >= grid[0] * grid[1]
     out = torch.empty(chunks, M, N, dtype=torch.float32, device=x.device) if split else y
     launch = {} if INTERPRETED else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    _w8a8_kernel[grid](xq, xs, values, scales, out, M, N, K, n_per_group, chunk_blocks, chunks,
-                       xq.stride(0), stride_xs, values.stride(0), scales.stride(0), out.stride(-2),
+    _w8a8_kernel[grid](xq, xs, values, scales, out, y, counters if fixup else y, M, N, K, n_per_group, chunk_blocks,
+                       chunks, xq.stride(0), stride_xs, values.stride(0), scales.stride(0), out.stride(-2),
                        out.stride(0) if split else 0, BLOCK_M=cfg.block_m, BLOCK_N=block_n, SUB=cfg.sub_blocks,
                        FUSED_QUANT=cfg.fused_quant, SPLIT_K=split, ACT_QUANT=act_quant, FP8_MMA=cfg.fp8_mma,
-                       INTERPRET=INTERPRETED,
-                       **launch)
-    if split:
+                       FIXUP=fixup, INTERPRET=INTERPRETED, **launch)
+    if split and not fixup:
         size = M * N
         _sum_chunks_kernel[(triton.cdiv(size, SUM_BLOCK),)](out, y, chunks, size, BLOCK=SUM_BLOCK,
                                                             INTERPRET=INTERPRETED)
     return y
+
+
+def split_k_counters(n: int, device: torch.device | str) -> Tensor:
+    """The zeroed int32 arrival counters `fp8_w8a8_linear(counters=)` needs for a weight with `n`
+    output rows at every row tier below BF16_GEMM_MIN_ROWS (one per output tile); allocate once,
+    outside CUDA-graph capture: each launch leaves them zero again."""
+    tiles = max(triton.cdiv(BF16_GEMM_MIN_ROWS - 1, c.block_m) * triton.cdiv(n, 16) for _, c in ROW_TIERS)
+    return torch.zeros(tiles, dtype=torch.int32, device=device)
 
 
 def weight_bytes(n: int, k: int) -> int:
@@ -321,4 +345,4 @@ def weight_bytes(n: int, k: int) -> int:
 __all__ = ["BF16_GEMM_MIN_ROWS", "DECODE_CONFIG", "DECODE_S7_CONFIG", "DECODE_TARGET_PROGRAMS", "FP8",
            "FP8_MMA_ROW_TIERS", "INTERPRETED", "MID_CONFIG", "MID_FP8_CONFIG", "PREFILL_CONFIG", "ROW_TIERS",
            "TILE", "W8A8Config", "config_for_rows", "dequantize_weight_bf16", "fake_quantize_activations_bf16",
-           "fp8_w8a8_linear", "k_chunks", "quantize_activations", "weight_bytes"]
+           "fp8_w8a8_linear", "k_chunks", "quantize_activations", "split_k_counters", "weight_bytes"]
