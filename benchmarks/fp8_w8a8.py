@@ -5,9 +5,9 @@ What it times, for M ∈ {1, 8, 64, 256, 8192} rows: every FP8-stored dense weig
 `--layer` (shapes from `names.tensor_inventory`; `wo_a` as its 8 groups), random E4M3 values with
 power-of-two tile scales, multiplied in sequence — one "layer pass" — by
 
-* `w8a8`: `fp8_w8a8_linear` as the runtime would call it — the Triton kernel with its row-tier
-  configuration (`config_for_rows`) below `BF16_GEMM_MIN_ROWS` rows, the prefill form (dequantise +
-  cuBLAS BF16) from there; `wo_a` grouped in one GEMM launch; `w8a8_bf16_gemm`: the prefill form
+* `w8a8`: `fp8_w8a8_linear` as the runtime calls it — the Triton kernel with its row-tier
+  configuration (`config_for_rows`) and the weight's split-K counters (the chunk sum inside the GEMM
+  launch) below `BF16_GEMM_MIN_ROWS` rows, the prefill form (dequantise + cuBLAS BF16) from there; `wo_a` grouped in one GEMM launch; `w8a8_bf16_gemm`: the prefill form
   at every M; `w8a8_<label>`: the Triton kernel with a fixed configuration of `ALTERNATIVES`
   (`w8a8_s7_*`: session 7's row tiers, for old-vs-new in one run);
 * `fp8_linear`: today's runtime kernel (W8A16, BF16 activations, fp32 out; `wo_a` as 8 group calls,
@@ -26,7 +26,7 @@ fraction of the tests' bound (`tests/test_kernels_fp8_w8a8.py`). Writes `fp8_w8a
 `fp8_w8a8.png` to `--out`. CUDA only.
 
     python benchmarks/fp8_w8a8.py [--layer 2] [--rows 1 8 64 256 8192] [--variants L ...]
-        [--no-per-weight] [--cap-s 0.25] [--out benchmarks/results]
+        [--no-per-weight | --per-weight-rows M ...] [--cap-s 0.25] [--out benchmarks/results]
 """
 from __future__ import annotations
 
@@ -135,13 +135,16 @@ def weight_calls(W, F, weights: list, bf16: list) -> dict[str, list[Callable]]:
     return {"fp8_linear": fp8_linear, "cublas_bf16": cublas}
 
 
-def w8a8_calls(W, weights: list, cfg) -> list[Callable]:
-    """One call per weight: the row tiers (cfg None), the prefill form (BF16_GEMM) or a fixed config."""
+def w8a8_calls(W, weights: list, cfg, counters: list | None = None) -> list[Callable]:
+    """One call per weight: the row tiers (cfg None), the prefill form (BF16_GEMM) or a fixed config;
+    `counters` (one `split_k_counters` per weight): split-K summed inside the GEMM launch, as the
+    runtime's weights do; None: a second launch sums (session 7)."""
+    cs = counters or [None] * len(weights)
     if cfg == BF16_GEMM:
         return [lambda x, v=v, s=s, groups=groups: W.fp8_w8a8_linear(x, v, s, groups=groups, bf16_gemm=True)
                 for _, _, _, groups, v, s in weights]
-    return [lambda x, v=v, s=s, groups=groups: W.fp8_w8a8_linear(x, v, s, groups=groups, config=cfg)
-            for _, _, _, groups, v, s in weights]
+    return [lambda x, v=v, s=s, groups=groups, c=c: W.fp8_w8a8_linear(x, v, s, groups=groups, config=cfg, counters=c)
+            for (_, _, _, groups, v, s), c in zip(weights, cs)]
 
 
 def time_eager_and_graph(fn: Callable[[], object], cap_s: float, dev: torch.device) -> dict:
@@ -203,6 +206,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     ap.add_argument("--variants", nargs="*", help="ALTERNATIVES labels to sweep (default: all; none: only the tiers)")
     ap.add_argument("--no-per-weight", action="store_true", help="skip the weight-by-weight timings")
+    ap.add_argument("--per-weight-rows", type=int, nargs="+", help="time weight by weight only at these M (default: all)")
     ap.add_argument("--cap-s", type=float, default=0.25, help="seconds of timed calls per point")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args(argv)
@@ -227,6 +231,7 @@ def run(args: argparse.Namespace, dev: torch.device, copy_gbs: float) -> int:
     g = torch.Generator(device=dev).manual_seed(0)
     weights = [(name, n, k, groups, *random_fp8(n, k, g, dev)) for name, n, k, groups in layer_shapes(args.layer)]
     bf16 = [dequantised_bf16(v, s) for *_, v, s in weights]
+    counters = [W.split_k_counters(n, dev) for _, n, *_ in weights]
     fp8_bytes = sum(W.weight_bytes(n, k) for _, n, k, *_ in weights)
     bf16_bytes = sum(2 * n * k for _, n, k, *_ in weights)
     configs = variant_configs(W, args.variants)
@@ -235,7 +240,8 @@ def run(args: argparse.Namespace, dev: torch.device, copy_gbs: float) -> int:
     agree, acc = {}, {}
     for m in args.rows:
         xs = [torch.randn(m, groups * k, generator=g, device=dev).to(torch.bfloat16) for _, _, k, groups, *_ in weights]
-        calls = {label: w8a8_calls(W, weights, cfg) for label, cfg in configs.items()} | baselines
+        calls = {label: w8a8_calls(W, weights, cfg, None if label.startswith("w8a8_s7_") else counters)
+                 for label, cfg in configs.items()} | baselines
         point: dict = {"rows": m}
         for label, fns in calls.items():
             if not timed_at(label, m):
@@ -250,7 +256,7 @@ def run(args: argparse.Namespace, dev: torch.device, copy_gbs: float) -> int:
         print(f"M={m}: " + "  ".join(f"{k} {v.get('graph_us', v['eager_us']):.0f}µs/{v['tflops']:.0f}TF/"
                                       f"{100 * v['fraction_of_copy']:.0f}%" for k, v in point.items()
                                       if isinstance(v, dict)), flush=True)
-        if not args.no_per_weight:
+        if not args.no_per_weight and (args.per_weight_rows is None or m in args.per_weight_rows):
             pw: dict = {"rows": m}
             for (name, n, k, *_), x, i in zip(weights, xs, range(len(weights))):
                 pw[name] = {}

@@ -56,6 +56,7 @@ def test_arguments() -> None:
     assert args.rows == [1, 8, 64, 256, 8192] and args.layer == 2 and args.variants is None and not args.no_per_weight
     args = bench.parse_args(["--rows", "1", "64", "--variants", "bm16_bn64_sub8", "--no-per-weight", "--cap-s", "0.1"])
     assert args.rows == [1, 64] and args.variants == ["bm16_bn64_sub8"] and args.no_per_weight and args.cap_s == 0.1
+    assert bench.parse_args(["--per-weight-rows", "1"]).per_weight_rows == [1]
     with pytest.raises(SystemExit):
         bench.parse_args(["--rows", "0"])
 

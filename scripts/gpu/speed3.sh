@@ -14,7 +14,7 @@
 #   4. $OUT/speed3.json: test counts + failures, the contract lines, per M the pass µs and share of
 #      copy bandwidth, per N the torch part old → new and the graphed step.
 # Run from the checkout root with `.gpu` carried. Every step is capped; the script ends within BUDGET
-# (s, default 300). Knobs: STEPS (default "tests fp8 decode"), TEST_CAP (120), FP8_CAP (85), FP8_ARGS
+# (s, default 300). Knobs: STEPS (default "tests fp8 decode"), TEST_CAP (110), FP8_CAP (85), FP8_ARGS
 # (extra fp8_w8a8.py arguments), DECODE_ARGS (extra decode_step.py arguments).
 set -uo pipefail
 : "${OUT:=/tmp/out}"; mkdir -p "$OUT"
@@ -27,11 +27,11 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --fo
 VARIANTS=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import fp8_w8a8 as b; print(' '.join(b.SPEED3_VARIANTS))")
 for step in ${STEPS:-tests fp8 decode}; do
   case $step in
-    tests) t=$(cap "${TEST_CAP:-120}")
+    tests) t=$(cap "${TEST_CAP:-110}")
            timeout -s INT -k 15 "$t" python3 -m pytest -m gpu -q -s -p no:cacheprovider --junitxml "$OUT/gpu_tests.xml" \
              tests/test_kernels_fp8_w8a8.py tests/test_runtime_triton_backend.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -20 ;;
     fp8) timeout $(cap "${FP8_CAP:-85}") python3 benchmarks/fp8_w8a8.py --out "$OUT" --rows 1 8 64 256 \
-           --variants $VARIANTS --cap-s 0.1 ${FP8_ARGS:-} 2>&1 | tee "$OUT/fp8_w8a8.log" | tail -8 ;;
+           --variants $VARIANTS --per-weight-rows 1 --cap-s 0.05 ${FP8_ARGS:-} 2>&1 | tee "$OUT/fp8_w8a8.log" | tail -8 ;;
     decode) b=$(( $(left) - 25 )); [ "$b" -lt 40 ] && { echo "decode: only $b s left, skipped"; continue; }
            timeout $((b + 20)) python3 benchmarks/decode_step.py --out "$OUT" --quick --batches 1 8 64 \
              --budget-s "$b" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode_step.log" | tail -8 ;;
