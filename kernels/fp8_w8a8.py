@@ -287,9 +287,16 @@ def fp8_w8a8_linear(x: Tensor, values: Tensor, scales: Tensor, *, groups: int = 
     """y [M, N] BF16 = x·Wᵀ with upstream's W8A8 numerics (module doc); `groups` > 1: the grouped
     product (x [M, groups·K], group g's output rows read x's g-th K columns), one GEMM launch.
     From BF16_GEMM_MIN_ROWS rows (or with `bf16_gemm=True`) the prefill form runs (`_bf16_gemm`);
-    below, the Triton kernel with `config` or `config_for_rows(M, fp8_mma)`. `act_quant=False`: no activation
-    quantisation — x rounded to BF16, exact products, fp32 sums, BF16 out: the reference's
-    `linear_bf16` on the dequantised weight, i.e. what `wo_a` is (spec §2.4.1, §3.8). No host sync."""
+    below, the Triton kernel with `config` or `config_for_rows(M, fp8_mma)`. `act_quant=False`: no
+    activation quantisation — x rounded to BF16, exact products, fp32 sums, BF16 out: the reference's
+    `linear_bf16` on the dequantised weight, i.e. what `wo_a` is (spec §2.4.1, §3.8). `counters`
+    (`split_k_counters`, zero): split-K sums its chunks inside the GEMM launch (module doc, step 3)
+    when they cover the launch's output tiles; else a second launch does (the same bits). No host
+    sync."""
+    if counters is not None and (counters.dtype != torch.int32 or counters.dim() != 1
+                                 or counters.device != values.device):
+        raise ValueError(f"fp8_w8a8_linear: counters must be 1-D int32 on {values.device} (split_k_counters), got "
+                         f"{counters.dtype} {tuple(counters.shape)} on {counters.device}")
     M, N, K, n_per_group = _checked(x, values, scales, groups)
     use_bf16_gemm = bf16_gemm if bf16_gemm is not None else (config is None and M >= BF16_GEMM_MIN_ROWS)
     if use_bf16_gemm:
