@@ -15,10 +15,11 @@ times what the runtime runs on CUDA for that layer:
   (`key_cache=PackedSource`, `entry_index_table`) + `select_for_role`;
 * `moe_routed` — `kernels.moe_mxfp4.routed_experts_mxfp4` (MXFP4 W4A16) on the router's choice;
 * `torch` — everything else the layer does, as the CUDA runtime does it today (the runtime's
-  math on the serving backend: FP8 linears W8A8 — SGLANG_DSV41_FP8_GEMM=w8a16 picks the old
-  W8A16 path —, fused elementwise kernels, torch glue; unfused) — *not* a fast path;
-* `torch_w8a16` / `torch_w8a8` — the same work with the other FP8 arithmetic on the same
-  weights (before / after issue 21's W8A8 GEMM in one run; not in the step);
+  math on the serving backend: FP8 linears `tiered` (kernels.fp8_w8a8, exact-product MMAs) —
+  SGLANG_DSV41_FP8_GEMM=w8a16 / fp8_mma picks another —, fused elementwise kernels, torch glue; unfused) — *not* a fast path;
+* `torch_w8a16` (or, when that is the step's, `torch_tiered`) — the same work with the W8A16
+  kernel `kernels.fp8_linear` (session 7's decode default) on the same weights (before / after
+  in one run; not in the step);
 * `torch_fp64` — the same work with the reference's float64 GEMMs (CPU layers only), for comparison;
 * `attention_bf16` / `indexer_bf16` (full run only) — the same kernels over BF16 copies of the
   decoded entries (the pre-packing format); their outputs must equal the packed ones bit for bit
@@ -182,7 +183,8 @@ PATHS = {"torch": "NOT a fast path: the runtime's math (mHC kernels, projections
                   "router, shared expert) on the serving backend: FP8 linears by fp8_gemm (W8A8 default), BF16 "
                   "products on tensor cores (dense_ops), fused elementwise kernels, unfused torch glue in fp32",
          "torch_w8a16": "torch with the W8A16 FP8 linears (kernels.fp8_linear, wo_a one launch per group): before",
-         "torch_w8a8": "torch with the W8A8 FP8 linears (kernels.fp8_w8a8, wo_a one grouped launch): after",
+         "torch_tiered": "torch with the tiered FP8 linears (kernels.fp8_w8a8, wo_a one grouped launch): after",
+         "torch_fp8_mma": "torch with the fp8_mma FP8 linears (tiered with the mid row tier on FP8 wgmma)",
          "torch_fp64": "the same with float64 GEMMs on fp32-dequantised weights (CPU path); not in the step",
          "attention": "Triton sparse_sink_attention: BF16 SWA rows + packed FP4 latents (PackedSource, 288 B/entry, "
                       "decoded in the kernel) — the runtime's phase-2 format",

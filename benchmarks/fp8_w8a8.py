@@ -5,10 +5,11 @@ What it times, for M ∈ {1, 8, 64, 256, 8192} rows: every FP8-stored dense weig
 `--layer` (shapes from `names.tensor_inventory`; `wo_a` as its 8 groups), random E4M3 values with
 power-of-two tile scales, multiplied in sequence — one "layer pass" — by
 
-* `w8a8`: `fp8_w8a8_linear` as the runtime would call it — the Triton kernel with its row-tier
-  configuration (`config_for_rows`) below `BF16_GEMM_MIN_ROWS` rows, the prefill form (dequantise +
-  cuBLAS BF16) from there; `wo_a` grouped in one GEMM launch; `w8a8_bf16_gemm`: the prefill form
-  at every M; `w8a8_<label>`: the Triton kernel with a fixed configuration of `ALTERNATIVES`;
+* `w8a8`: `fp8_w8a8_linear` as the runtime calls it — the Triton kernel with its row-tier
+  configuration (`config_for_rows`) and the weight's split-K counters (the chunk sum inside the GEMM
+  launch) below `BF16_GEMM_MIN_ROWS` rows, the prefill form (dequantise + cuBLAS BF16) from there; `wo_a` grouped in one GEMM launch; `w8a8_bf16_gemm`: the prefill form
+  at every M; `w8a8_<label>`: the Triton kernel with a fixed configuration of `ALTERNATIVES`
+  (`w8a8_s7_*`: session 7's row tiers, for old-vs-new in one run);
 * `fp8_linear`: today's runtime kernel (W8A16, BF16 activations, fp32 out; `wo_a` as 8 group calls,
   as `runtime/` does);
 * `cublas_bf16`: `torch.mm` on BF16 copies of the dequantised weights (`wo_a`: one `torch.bmm`).
@@ -18,13 +19,14 @@ Per point: median µs eager and as a replayed CUDA graph (`step_timing.measure`:
 2 B per element for BF16), GB/s and the fraction of the copy bandwidth measured in the same run
 (decode), and TFLOP/s (2·M·N·K; prefill). `per_weight`: each weight alone (graph µs) for
 `w8a8`, `fp8_linear`, `cublas_bf16`. `agreement`: whether each configuration gives the decode
-configuration's bits (64 rows, every weight) — the row tiers are batch invariant only if they do.
+configuration's bits (64 rows, every weight) — configurations with another chunking or MMA give
+other bits (module doc of kernels/fp8_w8a8.py).
 `accuracy`: the first rows of each weight against `reference.ops.linear_fp8` on the CPU, as a
 fraction of the tests' bound (`tests/test_kernels_fp8_w8a8.py`). Writes `fp8_w8a8.json` and
 `fp8_w8a8.png` to `--out`. CUDA only.
 
     python benchmarks/fp8_w8a8.py [--layer 2] [--rows 1 8 64 256 8192] [--variants L ...]
-        [--no-per-weight] [--cap-s 0.25] [--out benchmarks/results]
+        [--no-per-weight | --per-weight-rows M ...] [--cap-s 0.25] [--out benchmarks/results]
 """
 from __future__ import annotations
 
@@ -45,19 +47,23 @@ from step_timing import capture_graph, measure, settle_after_failed_capture  # n
 
 ROWS = (1, 8, 64, 256, 8192)
 #: fixed configurations swept besides the row tiers: label → ((block_m, block_n, sub_blocks, warps, stages,
-#: fused_quant, split_k), (fewest rows, most rows) timed). All compile for sm_90 without spills: decode-shaped
-#: (BLOCK_M 16: mma.sync on E4M3 widened to f16) and wgmma-shaped (BLOCK_M ≥ 64: m64nNk32 E4M3). Decode shapes are
-#: not timed at prefill sizes (they re-quantise x per column block). Results: docs/performance.md.
-ALTERNATIVES = {"bm16_bn128_sub4": ((16, 128, 4, 4, 4, True, True), (1, 64)),
+#: fused_quant, split_k[, fp8_mma, target_programs]), (fewest rows, most rows) timed). All compile for sm_90
+#: without spills: decode-shaped (BLOCK_M 16: mma.sync f16) and wgmma-shaped (BLOCK_M ≥ 64: f16, or E4M3 with
+#: fp8_mma). Decode shapes are not timed at prefill sizes (they re-quantise x per column block). `s7_*`:
+#: session 7's tiers (decode: 4 stages, ≈ 2 programs per SM; mid: E4M3 wgmma). Results: docs/performance.md.
+ALTERNATIVES = {"s7_decode": ((16, 64, 4, 4, 4, True, True, False, 264), (1, 64)),
+                "s7_mid_fp8": ((64, 128, 1, 4, 4, True, True, True, 264), (17, 256)),
+                "decode_t528": ((16, 64, 4, 4, 3, True, True, False, 528), (1, 64)),
+                "decode_t2112": ((16, 64, 4, 4, 3, True, True, False, 2112), (1, 64)),
+                "decode_s4_t1056": ((16, 64, 4, 4, 4, True, True, False, 1056), (1, 64)),
+                "decode_bn32_t1056": ((16, 32, 4, 4, 3, True, True, False, 1056), (1, 64)),
+                "decode_prequant_t1056": ((16, 64, 4, 4, 3, False, True, False, 1056), (1, 64)),
+                "mid_t1056": ((64, 128, 1, 4, 4, True, True, False, 1056), (17, 256)),
                 "bm16_bn64_sub8": ((16, 64, 8, 4, 4, True, True), (1, 64)),
-                "bm16_bn64_nosplit": ((16, 64, 4, 4, 4, True, False), (1, 64)),
-                "bm16_bn32_sub4": ((16, 32, 4, 4, 4, True, True), (1, 64)),
-                "bm16_bn64_w2": ((16, 64, 4, 2, 4, True, True), (1, 64)),
-                "bm16_bn64_sub2_s6": ((16, 64, 2, 4, 6, True, True), (1, 64)),
-                "bm64_bn64_sub4": ((64, 64, 4, 4, 4, True, True), (1, 8192)),
-                "bm64_bn128_prequant": ((64, 128, 2, 4, 4, False, False), (8, 8192)),
-                "bm64_bn256_fused": ((64, 256, 1, 8, 3, True, False), (8, 8192)),
-                "bm128_bn128_w8": ((128, 128, 1, 8, 3, False, False), (64, 8192))}
+                "bm64_bn128_prequant": ((64, 128, 2, 4, 4, False, False), (8, 8192))}
+#: the sweep of scripts/gpu/speed3.sh (old vs new at decode, the levers around the new decode tier)
+SPEED3_VARIANTS = ("s7_decode", "s7_mid_fp8", "decode_t528", "decode_t2112", "decode_s4_t1056",
+                   "decode_bn32_t1056", "decode_prequant_t1056", "mid_t1056")
 #: the prefill form forced at every M (`fp8_w8a8_linear(bf16_gemm=True)`): dequantise + cuBLAS BF16
 BF16_GEMM = "bf16_gemm"
 PER_WEIGHT = ("w8a8", "fp8_linear", "cublas_bf16")
@@ -129,13 +135,16 @@ def weight_calls(W, F, weights: list, bf16: list) -> dict[str, list[Callable]]:
     return {"fp8_linear": fp8_linear, "cublas_bf16": cublas}
 
 
-def w8a8_calls(W, weights: list, cfg) -> list[Callable]:
-    """One call per weight: the row tiers (cfg None), the prefill form (BF16_GEMM) or a fixed config."""
+def w8a8_calls(W, weights: list, cfg, counters: list | None = None) -> list[Callable]:
+    """One call per weight: the row tiers (cfg None), the prefill form (BF16_GEMM) or a fixed config;
+    `counters` (one `split_k_counters` per weight): split-K summed inside the GEMM launch, as the
+    runtime's weights do; None: a second launch sums (session 7)."""
+    cs = counters or [None] * len(weights)
     if cfg == BF16_GEMM:
         return [lambda x, v=v, s=s, groups=groups: W.fp8_w8a8_linear(x, v, s, groups=groups, bf16_gemm=True)
                 for _, _, _, groups, v, s in weights]
-    return [lambda x, v=v, s=s, groups=groups: W.fp8_w8a8_linear(x, v, s, groups=groups, config=cfg)
-            for _, _, _, groups, v, s in weights]
+    return [lambda x, v=v, s=s, groups=groups, c=c: W.fp8_w8a8_linear(x, v, s, groups=groups, config=cfg, counters=c)
+            for (_, _, _, groups, v, s), c in zip(weights, cs)]
 
 
 def time_eager_and_graph(fn: Callable[[], object], cap_s: float, dev: torch.device) -> dict:
@@ -197,6 +206,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     ap.add_argument("--variants", nargs="*", help="ALTERNATIVES labels to sweep (default: all; none: only the tiers)")
     ap.add_argument("--no-per-weight", action="store_true", help="skip the weight-by-weight timings")
+    ap.add_argument("--per-weight-rows", type=int, nargs="+", help="time weight by weight only at these M (default: all)")
     ap.add_argument("--cap-s", type=float, default=0.25, help="seconds of timed calls per point")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args(argv)
@@ -221,6 +231,7 @@ def run(args: argparse.Namespace, dev: torch.device, copy_gbs: float) -> int:
     g = torch.Generator(device=dev).manual_seed(0)
     weights = [(name, n, k, groups, *random_fp8(n, k, g, dev)) for name, n, k, groups in layer_shapes(args.layer)]
     bf16 = [dequantised_bf16(v, s) for *_, v, s in weights]
+    counters = [W.split_k_counters(n, dev) for _, n, *_ in weights]
     fp8_bytes = sum(W.weight_bytes(n, k) for _, n, k, *_ in weights)
     bf16_bytes = sum(2 * n * k for _, n, k, *_ in weights)
     configs = variant_configs(W, args.variants)
@@ -229,7 +240,8 @@ def run(args: argparse.Namespace, dev: torch.device, copy_gbs: float) -> int:
     agree, acc = {}, {}
     for m in args.rows:
         xs = [torch.randn(m, groups * k, generator=g, device=dev).to(torch.bfloat16) for _, _, k, groups, *_ in weights]
-        calls = {label: w8a8_calls(W, weights, cfg) for label, cfg in configs.items()} | baselines
+        calls = {label: w8a8_calls(W, weights, cfg, None if label.startswith("w8a8_s7_") else counters)
+                 for label, cfg in configs.items()} | baselines
         point: dict = {"rows": m}
         for label, fns in calls.items():
             if not timed_at(label, m):
@@ -244,7 +256,7 @@ def run(args: argparse.Namespace, dev: torch.device, copy_gbs: float) -> int:
         print(f"M={m}: " + "  ".join(f"{k} {v.get('graph_us', v['eager_us']):.0f}µs/{v['tflops']:.0f}TF/"
                                       f"{100 * v['fraction_of_copy']:.0f}%" for k, v in point.items()
                                       if isinstance(v, dict)), flush=True)
-        if not args.no_per_weight:
+        if not args.no_per_weight and (args.per_weight_rows is None or m in args.per_weight_rows):
             pw: dict = {"rows": m}
             for (name, n, k, *_), x, i in zip(weights, xs, range(len(weights))):
                 pw[name] = {}

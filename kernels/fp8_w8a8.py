@@ -14,23 +14,29 @@ Arithmetic — upstream's Hopper numerics (DeepGEMM SM90 block32, spec §3.8):
    with round-to-nearest-even — `fp8_quant._quantize_groups`, the same values as `reference.ops.
    fp8_act_fake_quant` (s comes from amax's bits: amax = m·2^e, m ∈ [1, 2), gives e − 8, plus 1
    when m > 1.75 = 448/2^8; the fp32 quotient amax/448 the reference rounds keeps that decision);
-2. per 32-wide K block kb: p = q[:, kb]·w[:, kb]ᵀ on the tensor cores (E4M3 operands, fp32
-   result), then acc += p·s_x[m, kb]·s_w[n/32, kb] in fp32 (power-of-two scales:
-   the products are exact);
-3. K is cut into `k_chunks(n, k)` chunks — a function of the weight's shape only. Each chunk's
+2. per 32-wide K block kb: p = q[:, kb]·w[:, kb]ᵀ on the tensor cores (fp32 result), then
+   acc += p·s_x[m, kb]·s_w[n/32, kb] in fp32 (power-of-two scales: the products are exact). By
+   default the E4M3 operands are widened to f16 first (exact) and multiplied on f16 MMAs
+   (`mma.sync` for BLOCK_M 16, `wgmma` for BLOCK_M 64): exact products, fp32 sums — the
+   reference's arithmetic on the same quantised operands. `fp8_mma` (opt-in, MID_FP8_CONFIG) feeds
+   E4M3 to `wgmma` directly: Hopper's FP8 MMA sums the 32 products with ~14 bits (DeepGEMM
+   block32's accumulation class), which measured below the end-to-end contract (docs/runtime.md);
+3. K is cut into `k_chunks(n, k, target)` chunks — a function of the weight's shape and the
+   configuration's `target_programs` only. Each chunk's
    blocks accumulate into a fresh fp32 sum, in ascending kb; the chunk sums are added in
    ascending order starting from 0, then rounded once to BF16 (RNE). At small M every chunk is
-   its own program (split-K: fp32 partials [chunks, M, N], then `_sum_chunks_kernel`); at large M
+   its own program (split-K: fp32 partials [chunks, M, N]); with `counters` the last program of an
+   output tile to finish (an acq_rel arrival count per tile, reset by that program) adds the
+   partials in that order inside the same launch, else `_sum_chunks_kernel` does; at large M
    one program walks all chunks. The order of additions is the same either way, so within one
-   MMA kind a row's bits depend neither on the batch nor on split-K. The row tiers use different
-   MMA instructions (`mma.sync` on E4M3 widened to f16 for BLOCK_M 16, `wgmma` on E4M3 for ≥ 64)
-   and the prefill form is a cuBLAS GEMM, so the bits change at the tier boundaries (each stays
-   within the bound below; docs/performance.md).
+   configuration a row's bits depend neither on the batch nor on split-K. The row tiers use
+   different MMA instructions and chunkings and the prefill form is a cuBLAS GEMM, so the bits
+   change at the tier boundaries (each stays within the bound below; docs/performance.md).
 
 Error against the exact product of the quantised operands, y* = Σ_k q_k·s_x·w_k (what the
 reference's `linear_fp8` rounds to BF16): every E4M3·E4M3 product is exact; the tensor core sums
-32 of them with its own alignment (Hopper's FP8 MMA keeps fewer than fp32's bits: at most
-2⁻¹³·Σ|products| assumed, the DeepSeek-V3 report's ~14 bits), the fp32 sums add ≤ K/32 roundings
+32 of them in fp32 (f16 MMA) or, with `fp8_mma`, with its own alignment (Hopper's FP8 MMA keeps
+fewer than fp32's bits: at most 2⁻¹³·Σ|products| assumed, the DeepSeek-V3 report's ~14 bits), the fp32 sums add ≤ K/32 roundings
 of 2⁻²⁴: |ỹ − y*| ≤ ε = 2⁻¹²·S with S = Σ_k |q_k·s_x·w_k|, and after the BF16 roundings
 |ŷ − bf16(y*)| ≤ 2⁻⁷·|y*| + 2ε (the bound of tests/test_kernels_fp8_w8a8.py, derived there). Under
 the Triton interpreter the MMA is numpy's fp32 matmul.
@@ -76,7 +82,10 @@ MIN_CHUNK_BLOCKS = 4
 @dataclass(frozen=True)
 class W8A8Config:
     """Launch configuration. `sub_blocks` 32-wide K blocks are loaded per loop step (one dot each);
-    `fused_quant`: quantise x inside the GEMM; `split_k`: one program per K chunk (fp32 partials)."""
+    `fused_quant`: quantise x inside the GEMM; `split_k`: one program per K chunk (fp32 partials);
+    `fp8_mma`: the E4M3 operands go into the MMA as they are (Hopper's FP8 tensor-core sums,
+    ~14 bits), else widened to f16 first (exact products, fp32 sums: the reference's arithmetic);
+    `target_programs`: the program count `k_chunks` aims at (shape-only)."""
     block_m: int
     block_n: int
     sub_blocks: int
@@ -84,32 +93,46 @@ class W8A8Config:
     num_stages: int
     fused_quant: bool
     split_k: bool
+    fp8_mma: bool = False
+    target_programs: int = TARGET_PROGRAMS
 
 
-#: the tests compile these for sm_90 (no spills, cp.async pipelining; wgmma on E4M3 for BLOCK_M ≥ 64)
-DECODE_CONFIG = W8A8Config(16, 64, 4, 4, 4, fused_quant=True, split_k=True)
+#: split-K target of the decode tier: ≈ 8 programs per SM, so small weights spread over the GPU
+DECODE_TARGET_PROGRAMS = 1056
+
+#: the tests compile these for sm_90 (no spills, cp.async pipelining). Row tiers of the serving
+#: default (`fp8_mma` False): `mma.sync` f16 for BLOCK_M 16, `wgmma` f16 for BLOCK_M 64 — exact
+#: products, fp32 sums (docs/performance.md "session 10")
+DECODE_CONFIG = W8A8Config(16, 64, 4, 4, 3, fused_quant=True, split_k=True, target_programs=DECODE_TARGET_PROGRAMS)
 MID_CONFIG = W8A8Config(64, 128, 1, 4, 4, fused_quant=True, split_k=True)
 PREFILL_CONFIG = W8A8Config(64, 256, 1, 8, 3, fused_quant=False, split_k=False)
-#: rows → configuration: the first tier whose row limit is ≥ M
+#: the mid tier on Hopper's FP8 MMA (`wgmma` m64nNk32 e4m3: DeepGEMM block32's accumulation class)
+MID_FP8_CONFIG = W8A8Config(64, 128, 1, 4, 4, fused_quant=True, split_k=True, fp8_mma=True)
+#: session 7's decode tier (4 stages, ≈ 2 programs per SM), kept for old-vs-new measurements
+DECODE_S7_CONFIG = W8A8Config(16, 64, 4, 4, 4, fused_quant=True, split_k=True)
+#: rows → configuration: the first tier whose row limit is ≥ M (`fp8_mma`: FP8_MMA_ROW_TIERS)
 ROW_TIERS: tuple[tuple[int, W8A8Config], ...] = ((16, DECODE_CONFIG), (256, MID_CONFIG))
+FP8_MMA_ROW_TIERS: tuple[tuple[int, W8A8Config], ...] = ((16, DECODE_CONFIG), (256, MID_FP8_CONFIG))
 #: from this many rows `fp8_w8a8_linear` runs the prefill form (dequantise + cuBLAS BF16, module doc)
 BF16_GEMM_MIN_ROWS = 129
 
 
-def config_for_rows(m: int) -> W8A8Config:
-    """The configuration for M rows (decode: small tiles + split-K; prefill: large tiles)."""
-    for limit, cfg in ROW_TIERS:
+def config_for_rows(m: int, fp8_mma: bool = False) -> W8A8Config:
+    """The configuration for M rows (decode: small tiles + split-K; prefill: large tiles);
+    `fp8_mma`: the mid tier on the FP8 MMA (FP8_MMA_ROW_TIERS)."""
+    for limit, cfg in (FP8_MMA_ROW_TIERS if fp8_mma else ROW_TIERS):
         if m <= limit:
             return cfg
     return PREFILL_CONFIG
 
 
-def k_chunks(n: int, k: int) -> int:
-    """How many chunks K is cut into for a weight [n, k] (module doc, step 3) — shape only:
-    enough for ≈ TARGET_PROGRAMS programs of CHUNK_BLOCK_N columns, ≥ MIN_CHUNK_BLOCKS blocks each."""
+def k_chunks(n: int, k: int, target: int = TARGET_PROGRAMS) -> int:
+    """How many chunks K is cut into for a weight [n, k] (module doc, step 3) — shape only (and
+    the configuration's `target`): enough for ≈ `target` programs of CHUNK_BLOCK_N columns,
+    ≥ MIN_CHUNK_BLOCKS blocks each."""
     blocks = -(-k // TILE)
     column_programs = -(-n // CHUNK_BLOCK_N)
-    wanted = max(1, min(-(-TARGET_PROGRAMS // column_programs), blocks // MIN_CHUNK_BLOCKS))
+    wanted = max(1, min(-(-target // column_programs), blocks // MIN_CHUNK_BLOCKS))
     per_chunk = -(-blocks // wanted)
     return -(-blocks // per_chunk)
 
@@ -117,10 +140,11 @@ def k_chunks(n: int, k: int) -> int:
 # ---- kernels -----------------------------------------------------------------------------------------
 
 @triton.jit
-def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, n_per_group, chunk_blocks, n_chunks,
-                 stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_oc,
+def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, y_ptr, counters_ptr, M, N, K, n_per_group, chunk_blocks,
+                 n_chunks, stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_oc,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, FUSED_QUANT: tl.constexpr,
-                 SPLIT_K: tl.constexpr, ACT_QUANT: tl.constexpr, INTERPRET: tl.constexpr):
+                 SPLIT_K: tl.constexpr, ACT_QUANT: tl.constexpr, FP8_MMA: tl.constexpr, FIXUP: tl.constexpr,
+                 INTERPRET: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -164,8 +188,10 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, n_per_group, ch
                 sw = tl.load(ws_cols + kb, mask=n_ok & live, other=0.0)
                 if INTERPRET:
                     p = tl.dot(xq.to(tl.float32), wt.to(tl.float32), input_precision="ieee")
+                elif ACT_QUANT and FP8_MMA:
+                    p = tl.dot(xq, wt)                                # Hopper FP8 MMA sums (~14 bits)
                 elif ACT_QUANT:
-                    p = tl.dot(xq, wt)
+                    p = tl.dot(xq.to(tl.float16), wt.to(tl.float16))  # E4M3 → f16 exact, products exact
                 else:
                     p = tl.dot(xq, wt.to(tl.bfloat16))                # E4M3 → BF16 exact, products exact
                 acc += p * sx[:, None] * sw[None, :]
@@ -174,9 +200,21 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, n_per_group, ch
         else:
             total += acc
     if SPLIT_K:
-        part = out_ptr + tl.program_id(2).to(tl.int64) * stride_oc
-        tl.store(part + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], total,
-                 mask=m_ok[:, None] & n_ok[None, :])
+        tile = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        ok = m_ok[:, None] & n_ok[None, :]
+        tl.store(out_ptr + tl.program_id(2).to(tl.int64) * stride_oc + tile, total, mask=ok)
+        if FIXUP:                                     # the tile's last-arriving chunk sums all (fixed order)
+            tl.debug_barrier()                        # every thread's partial stored before the release
+            slot = counters_ptr + pid_m * tl.num_programs(0) + pid_n
+            arrived = tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu")
+            if arrived == n_chunks - 1:
+                y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for c in range(n_chunks):
+                    y += tl.load(out_ptr + c * stride_oc + tile, mask=ok, other=0.0, cache_modifier=".cg")
+                if INTERPRET:
+                    y = _rne_bf16(y)
+                tl.store(y_ptr + tile, y.to(tl.bfloat16), mask=ok)
+                tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")     # ready for the next launch
     else:
         if INTERPRET:
             total = _rne_bf16(total)
@@ -244,13 +282,21 @@ def _checked(x: Tensor, values: Tensor, scales: Tensor, groups: int) -> tuple[in
 
 
 def fp8_w8a8_linear(x: Tensor, values: Tensor, scales: Tensor, *, groups: int = 1, act_quant: bool = True,
-                    config: W8A8Config | None = None, bf16_gemm: bool | None = None) -> Tensor:
+                    config: W8A8Config | None = None, bf16_gemm: bool | None = None, fp8_mma: bool = False,
+                    counters: Tensor | None = None) -> Tensor:
     """y [M, N] BF16 = x·Wᵀ with upstream's W8A8 numerics (module doc); `groups` > 1: the grouped
     product (x [M, groups·K], group g's output rows read x's g-th K columns), one GEMM launch.
     From BF16_GEMM_MIN_ROWS rows (or with `bf16_gemm=True`) the prefill form runs (`_bf16_gemm`);
-    below, the Triton kernel with `config` or `config_for_rows(M)`. `act_quant=False`: no activation
-    quantisation — x rounded to BF16, exact products, fp32 sums, BF16 out: the reference's
-    `linear_bf16` on the dequantised weight, i.e. what `wo_a` is (spec §2.4.1, §3.8). No host sync."""
+    below, the Triton kernel with `config` or `config_for_rows(M, fp8_mma)`. `act_quant=False`: no
+    activation quantisation — x rounded to BF16, exact products, fp32 sums, BF16 out: the reference's
+    `linear_bf16` on the dequantised weight, i.e. what `wo_a` is (spec §2.4.1, §3.8). `counters`
+    (`split_k_counters`, zero): split-K sums its chunks inside the GEMM launch (module doc, step 3)
+    when they cover the launch's output tiles; else a second launch does (the same bits). No host
+    sync."""
+    if counters is not None and (counters.dtype != torch.int32 or counters.dim() != 1
+                                 or counters.device != values.device):
+        raise ValueError(f"fp8_w8a8_linear: counters must be 1-D int32 on {values.device} (split_k_counters), got "
+                         f"{counters.dtype} {tuple(counters.shape)} on {counters.device}")
     M, N, K, n_per_group = _checked(x, values, scales, groups)
     use_bf16_gemm = bf16_gemm if bf16_gemm is not None else (config is None and M >= BF16_GEMM_MIN_ROWS)
     if use_bf16_gemm:
@@ -258,7 +304,7 @@ def fp8_w8a8_linear(x: Tensor, values: Tensor, scales: Tensor, *, groups: int = 
     y = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     if M == 0:
         return y
-    cfg = config or config_for_rows(M)
+    cfg = config or config_for_rows(M, fp8_mma)
     block_n = cfg.block_n
     while groups > 1 and n_per_group % block_n:
         block_n //= 2
@@ -270,23 +316,32 @@ def fp8_w8a8_linear(x: Tensor, values: Tensor, scales: Tensor, *, groups: int = 
     else:
         xq, xs = quantize_activations(x)
         stride_xs = xs.stride(0)
-    chunks = k_chunks(N, K)
+    chunks = k_chunks(N, K, cfg.target_programs)
     blocks = K // TILE
     chunk_blocks = -(-blocks // chunks)
     split = cfg.split_k and chunks > 1
     grid = (triton.cdiv(N, block_n), triton.cdiv(M, cfg.block_m), chunks if split else 1)
+    fixup = split and counters is not None and counters.numel() >= grid[0] * grid[1]
     out = torch.empty(chunks, M, N, dtype=torch.float32, device=x.device) if split else y
     launch = {} if INTERPRETED else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    _w8a8_kernel[grid](xq, xs, values, scales, out, M, N, K, n_per_group, chunk_blocks, chunks,
-                       xq.stride(0), stride_xs, values.stride(0), scales.stride(0), out.stride(-2),
+    _w8a8_kernel[grid](xq, xs, values, scales, out, y, counters if fixup else y, M, N, K, n_per_group, chunk_blocks,
+                       chunks, xq.stride(0), stride_xs, values.stride(0), scales.stride(0), out.stride(-2),
                        out.stride(0) if split else 0, BLOCK_M=cfg.block_m, BLOCK_N=block_n, SUB=cfg.sub_blocks,
-                       FUSED_QUANT=cfg.fused_quant, SPLIT_K=split, ACT_QUANT=act_quant, INTERPRET=INTERPRETED,
-                       **launch)
-    if split:
+                       FUSED_QUANT=cfg.fused_quant, SPLIT_K=split, ACT_QUANT=act_quant, FP8_MMA=cfg.fp8_mma,
+                       FIXUP=fixup, INTERPRET=INTERPRETED, **launch)
+    if split and not fixup:
         size = M * N
         _sum_chunks_kernel[(triton.cdiv(size, SUM_BLOCK),)](out, y, chunks, size, BLOCK=SUM_BLOCK,
                                                             INTERPRET=INTERPRETED)
     return y
+
+
+def split_k_counters(n: int, device: torch.device | str) -> Tensor:
+    """The zeroed int32 arrival counters `fp8_w8a8_linear(counters=)` needs for a weight with `n`
+    output rows at every row tier below BF16_GEMM_MIN_ROWS (one per output tile); allocate once,
+    outside CUDA-graph capture: each launch leaves them zero again."""
+    tiles = max(triton.cdiv(BF16_GEMM_MIN_ROWS - 1, c.block_m) * triton.cdiv(n, 16) for _, c in ROW_TIERS)
+    return torch.zeros(tiles, dtype=torch.int32, device=device)
 
 
 def weight_bytes(n: int, k: int) -> int:
@@ -294,6 +349,7 @@ def weight_bytes(n: int, k: int) -> int:
     return n * k + 4 * (-(-n // TILE)) * (-(-k // TILE))
 
 
-__all__ = ["BF16_GEMM_MIN_ROWS", "DECODE_CONFIG", "FP8", "INTERPRETED", "MID_CONFIG", "PREFILL_CONFIG", "ROW_TIERS",
+__all__ = ["BF16_GEMM_MIN_ROWS", "DECODE_CONFIG", "DECODE_S7_CONFIG", "DECODE_TARGET_PROGRAMS", "FP8",
+           "FP8_MMA_ROW_TIERS", "INTERPRETED", "MID_CONFIG", "MID_FP8_CONFIG", "PREFILL_CONFIG", "ROW_TIERS",
            "TILE", "W8A8Config", "config_for_rows", "dequantize_weight_bf16", "fake_quantize_activations_bf16",
-           "fp8_w8a8_linear", "k_chunks", "quantize_activations", "weight_bytes"]
+           "fp8_w8a8_linear", "k_chunks", "quantize_activations", "split_k_counters", "weight_bytes"]

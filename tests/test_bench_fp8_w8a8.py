@@ -46,6 +46,7 @@ def test_fixed_configurations_are_valid_and_distinct() -> None:
         bench.variant_configs(W, ["nope"])
     assert bench.timed_at("cublas_bf16", 8192) and bench.timed_at("w8a8", 1)
     assert bench.timed_at("w8a8_bm16_bn64_sub8", 64) and not bench.timed_at("w8a8_bm16_bn64_sub8", 8192)
+    assert set(bench.SPEED3_VARIANTS) <= set(bench.ALTERNATIVES)
     for label, (_, (lo, hi)) in bench.ALTERNATIVES.items():                # decode shapes stay at decode sizes
         assert 1 <= lo <= hi <= 8192 and (hi <= 64 or bench.ALTERNATIVES[label][0][0] >= 64), label
 
@@ -55,6 +56,7 @@ def test_arguments() -> None:
     assert args.rows == [1, 8, 64, 256, 8192] and args.layer == 2 and args.variants is None and not args.no_per_weight
     args = bench.parse_args(["--rows", "1", "64", "--variants", "bm16_bn64_sub8", "--no-per-weight", "--cap-s", "0.1"])
     assert args.rows == [1, 64] and args.variants == ["bm16_bn64_sub8"] and args.no_per_weight and args.cap_s == 0.1
+    assert bench.parse_args(["--per-weight-rows", "1"]).per_weight_rows == [1]
     with pytest.raises(SystemExit):
         bench.parse_args(["--rows", "0"])
 
@@ -77,6 +79,8 @@ def test_plot_from_a_result(tmp_path) -> None:
 
 @pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET child (CPU tensors)")
 def test_kernel_case_end_to_end_on_cpu_with_small_shapes(tmp_path, monkeypatch) -> None:
+    from sglang_dsv41.kernels import fp8_w8a8 as W
+
     small = [("attn.wq_a.weight", 64, 96, 1), ("attn.wo_a.weight", 128, 64, 2), ("attn.wo_b.weight", 96, 128, 1)]
     monkeypatch.setattr(bench, "layer_shapes", lambda layer: small)
     args = bench.parse_args(["--rows", "1", "64", "--variants", "bm16_bn64_sub8", "bm64_bn128_prequant",
@@ -94,8 +98,8 @@ def test_kernel_case_end_to_end_on_cpu_with_small_shapes(tmp_path, monkeypatch) 
     assert result["fp8_bytes"] == sum(n * k + 4 * (n // 32) * (k // 32) for _, n, k, _ in small)
     assert set(result["agreement"]) == {"mid_tier", "prefill_tier", "w8a8_bf16_gemm", "w8a8_bm16_bn64_sub8",
                                         "w8a8_bm64_bn128_prequant"}
-    triton = {k: v for k, v in result["agreement"].items() if k != "w8a8_bf16_gemm"}
-    assert all(triton.values())        # the interpreter's fp32 MMA: one summation order for every Triton config
+    # the interpreter's fp32 MMA: a configuration with the decode tier's chunking gives its bits
+    assert result["agreement"]["w8a8_bm16_bn64_sub8"] == (W.k_chunks(64, 96, 264) == W.k_chunks(64, 96, W.DECODE_TARGET_PROGRAMS))
     assert set(result["accuracy_over_bound"]) == {n for n, *_ in small}
     assert all(0 <= v <= 1 for v in result["accuracy_over_bound"].values())
     assert len(result["per_weight"]) == 2 and set(result["per_weight"][0]["attn.wo_a.weight"]) == set(bench.PER_WEIGHT)

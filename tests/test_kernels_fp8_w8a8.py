@@ -28,6 +28,7 @@ What is pinned:
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -40,8 +41,8 @@ from fp8_cases import BF16, DEVICE, F32, F64, dequantised, exact_sum_case, fp8_w
 from triton_checks import compile_for_sm90, no_spills, run_kernel_cases_in_interpreter
 
 MMA_STEP_EPS = 2.0 ** -12
-CONFIGS = {"decode": W.DECODE_CONFIG, "mid": W.MID_CONFIG, "prefill": W.PREFILL_CONFIG,
-           "decode_one_program": W.W8A8Config(16, 64, 4, 4, 4, fused_quant=True, split_k=False),
+CONFIGS = {"decode": W.DECODE_CONFIG, "mid": W.MID_CONFIG, "prefill": W.PREFILL_CONFIG, "mid_fp8": W.MID_FP8_CONFIG,
+           "decode_one_program": dataclasses.replace(W.DECODE_CONFIG, split_k=False),
            "prefill_split": W.W8A8Config(64, 64, 2, 4, 3, fused_quant=False, split_k=True)}
 
 
@@ -97,7 +98,7 @@ def test_kernel_case_quantize_matches_the_reference(dtype: torch.dtype) -> None:
 
 
 @kernel
-@pytest.mark.parametrize("label", list(CONFIGS))
+@pytest.mark.parametrize("label", [k for k, c in CONFIGS.items() if not (W.INTERPRETED and c.fp8_mma)])  # fp32 dot there
 @pytest.mark.parametrize("m,n,k,dtype", [(1, 64, 256, BF16), (19, 96, 160, F32), (70, 160, 384, BF16)])
 def test_kernel_case_within_bound_of_the_reference(label: str, m: int, n: int, k: int, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(m * 7 + n + k)
@@ -120,6 +121,29 @@ def test_kernel_case_configurations_agree_bit_for_bit_on_exact_sums() -> None:
         y = W.fp8_w8a8_linear(x, values, scales, config=cfg)
         assert torch.equal(y.float(), ref), label
     assert torch.equal(W.fp8_w8a8_linear(x[:1], values, scales).float(), ref[:1])
+
+
+@kernel
+def test_kernel_case_split_k_sums_inside_the_launch_with_counters(monkeypatch) -> None:
+    """With `split_k_counters` the last chunk of each output tile sums the partials in the fixed
+    order inside the GEMM launch: the same bits as the second-launch sum (too few counters), one
+    launch, and the counters are zero again afterwards."""
+    g = torch.Generator().manual_seed(10)
+    values, scales = fp8_weight(96, 640, g, exp_range=(-20, 0))
+    x = random_x(3, 640, g, F32)
+    assert W.k_chunks(96, 640, W.DECODE_TARGET_PROGRAMS) > 1
+    counters = W.split_k_counters(96, DEVICE)
+    sums = _CountingLaunch(W._sum_chunks_kernel)
+    monkeypatch.setattr(W, "_sum_chunks_kernel", sums)
+    two_launch = W.fp8_w8a8_linear(x, values, scales)
+    assert len(sums.grids) == 1
+    one_launch = W.fp8_w8a8_linear(x, values, scales, counters=counters)
+    assert len(sums.grids) == 1 and torch.equal(one_launch, two_launch)
+    assert not counters.any()
+    too_few = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    assert torch.equal(W.fp8_w8a8_linear(x, values, scales, counters=too_few), two_launch) and len(sums.grids) == 2
+    ok, worst = within(one_launch, *oracle(x, values, scales))
+    assert ok, worst
 
 
 class _CountingLaunch:
@@ -243,6 +267,8 @@ def test_bad_inputs_raise_clear_errors() -> None:
         W.fp8_w8a8_linear(x, values, scales, groups=2)
     with pytest.raises(ValueError, match="multiple of 32"):
         W.quantize_activations(torch.zeros(2, 40))
+    with pytest.raises(ValueError, match="counters must be 1-D int32"):
+        W.fp8_w8a8_linear(x, values, scales, counters=torch.zeros(4))
     if not W.INTERPRETED:
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
             W.fp8_w8a8_linear(x, values, scales)
@@ -254,32 +280,37 @@ FLASH_SHAPES = {"wq_a": (1280, 5120), "wkv": (512, 5120), "wq_b": (32768, 1280),
                 "indexer_wq_b": (4096, 1280), "engram_wkv": (25600, 6144)}
 
 
-def test_k_chunks_are_shape_only_and_cover_k() -> None:
+@pytest.mark.parametrize("target", [W.TARGET_PROGRAMS, W.DECODE_TARGET_PROGRAMS])
+def test_k_chunks_are_shape_only_and_cover_k(target: int) -> None:
     for name, (n, k) in FLASH_SHAPES.items():
-        chunks = W.k_chunks(n, k)
+        chunks = W.k_chunks(n, k, target)
         blocks = k // 32
         per = -(-blocks // chunks)
         assert (chunks - 1) * per < blocks <= chunks * per, name            # no empty chunk
         assert per >= W.MIN_CHUNK_BLOCKS or chunks == 1, name
         column_programs = -(-n // W.CHUNK_BLOCK_N)
-        assert chunks <= -(-W.TARGET_PROGRAMS // column_programs), name      # never more splits than needed
-        assert column_programs * chunks >= W.TARGET_PROGRAMS // 2 or chunks == 1, name
+        assert chunks <= -(-target // column_programs), name                 # never more splits than needed
+        assert column_programs * chunks >= target // 2 or per == W.MIN_CHUNK_BLOCKS or chunks == 1, name
     assert W.k_chunks(32768, 1280) == 1 and W.k_chunks(512, 5120) > 8
+    assert W.k_chunks(32768, 1280, W.DECODE_TARGET_PROGRAMS) == 3 and W.k_chunks(512, 5120, W.DECODE_TARGET_PROGRAMS) == 40
 
 
 def test_row_tiers() -> None:
     assert W.config_for_rows(1) is W.config_for_rows(16) is W.DECODE_CONFIG
     assert W.config_for_rows(17) is W.config_for_rows(256) is W.MID_CONFIG
     assert W.config_for_rows(257) is W.config_for_rows(8192) is W.PREFILL_CONFIG
+    assert W.config_for_rows(16, fp8_mma=True) is W.DECODE_CONFIG and W.config_for_rows(17, fp8_mma=True) is W.MID_FP8_CONFIG
+    assert not any(c.fp8_mma for _, c in W.ROW_TIERS) and W.MID_FP8_CONFIG.fp8_mma
     assert 16 < W.BF16_GEMM_MIN_ROWS <= 257                 # the Triton prefill tier is a forced-config option
     assert W.DECODE_CONFIG.fused_quant and W.DECODE_CONFIG.split_k and not W.PREFILL_CONFIG.split_k
 
 
-def _compile(cfg: W.W8A8Config, act_quant: bool = True):
+def _compile(cfg: W.W8A8Config, act_quant: bool = True, fixup: bool = False):
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SUB=cfg.sub_blocks, FUSED_QUANT=cfg.fused_quant,
-                  SPLIT_K=cfg.split_k, ACT_QUANT=act_quant, INTERPRET=False)
+                  SPLIT_K=cfg.split_k, ACT_QUANT=act_quant, FP8_MMA=cfg.fp8_mma, FIXUP=fixup, INTERPRET=False)
     pointers = {"x_ptr": "*bf16" if cfg.fused_quant else "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv",
-                "ws_ptr": "*fp32", "out_ptr": "*fp32" if cfg.split_k else "*bf16"}
+                "ws_ptr": "*fp32", "out_ptr": "*fp32" if cfg.split_k else "*bf16", "y_ptr": "*bf16",
+                "counters_ptr": "*i32"}
     kern = W._w8a8_kernel
     names = list(kern.arg_names)
     sig = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in names}
@@ -291,23 +322,27 @@ def _compile(cfg: W.W8A8Config, act_quant: bool = True):
                             attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
 
 
-@pytest.mark.parametrize("label,act_quant", [("decode", True), ("mid", True), ("prefill", True),
+@pytest.mark.parametrize("label,act_quant", [("decode", True), ("mid", True), ("prefill", True), ("mid_fp8", True),
                                              ("decode", False), ("mid", False)])
 def test_kernel_compiles_for_hopper_on_tensor_cores_without_spills(label: str, act_quant: bool) -> None:
     if W.INTERPRETED:
         pytest.skip("compiled kernel only")
     cfg = CONFIGS[label]
-    compiled, usage = _compile(cfg, act_quant)
+    fixup = cfg.split_k
+    compiled, usage = _compile(cfg, act_quant, fixup)
     ptx = compiled.asm["ptx"]
     assert no_spills(usage), usage
     assert "cp.async" in ptx                                              # pipelined global loads
+    if fixup:                  # partials stored, CTA barrier, one release/acquire arrival, L2 reads of partials
+        stores, atom = ptx.find("st.global"), ptx.find("atom.global.gpu.acq_rel.add")
+        assert 0 <= stores < ptx.find("bar.sync", stores) < atom and "ld.global.cg" in ptx[atom:]
     if not act_quant:                                                     # W8A16: BF16 MMA, no E4M3 rounding
         assert re.search(r"(wgmma\.mma_async|mma\.sync)\S*bf16", ptx) and "cvt.rn.satfinite.e4m3x2" not in ptx
         return
-    if cfg.block_m >= 64:
-        assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", ptx)
-    else:
-        assert "mma.sync.aligned" in ptx                                   # E4M3 widened to f16: exact
+    fp8_wgmma = re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", ptx)
+    assert bool(fp8_wgmma) == cfg.fp8_mma                                 # FP8 MMA sums only when asked
+    if not cfg.fp8_mma:                                                   # E4M3 widened to f16: exact products
+        assert re.search(r"(wgmma\.mma_async\S*|mma\.sync\S*)\.f32\.f16\.f16", ptx)
     if cfg.fused_quant:
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx                       # hardware RNE quantisation
 
@@ -316,7 +351,7 @@ if not W.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        run_kernel_cases_in_interpreter(__file__, min_passed=28, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=29, exact=True)
 
 
 # ---- GPU ------------------------------------------------------------------------------------------
@@ -362,11 +397,38 @@ def test_gpu_wo_a_without_activation_quantisation_at_flash_shape() -> None:
 
 
 @pytest.mark.gpu
+def test_gpu_split_k_inside_the_launch_replays_in_a_cuda_graph() -> None:
+    """The in-launch split-K sum (counters) at every Flash shape: equal to the two-launch sum, and
+    a captured call replayed 3 times gives the eager bits with the counters left at zero."""
+    for name, (n, k) in sorted(FLASH_SHAPES.items()):
+        values, scales, x = _flash_case(n, k, 8, seed=len(name) + 1)
+        counters = W.split_k_counters(n, x.device)
+        want = W.fp8_w8a8_linear(x, values, scales)
+        assert torch.equal(W.fp8_w8a8_linear(x, values, scales, counters=counters), want), name
+        out = torch.empty_like(want)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            out.copy_(W.fp8_w8a8_linear(x, values, scales, counters=counters))
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out.copy_(W.fp8_w8a8_linear(x, values, scales, counters=counters))
+        for _ in range(3):
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want) and not counters.any(), name
+
+
+@pytest.mark.gpu
 def test_gpu_split_k_equals_one_program_and_rows_are_batch_invariant_within_a_tier() -> None:
     values, scales, x = _flash_case(1280, 5120, 16, seed=12)
     assert W.k_chunks(1280, 5120) > 1
     split = W.fp8_w8a8_linear(x, values, scales, config=W.DECODE_CONFIG)
     one = W.fp8_w8a8_linear(x, values, scales, config=CONFIGS["decode_one_program"])
     assert torch.equal(split, one)
+    counters = W.split_k_counters(1280, x.device)
+    assert torch.equal(W.fp8_w8a8_linear(x, values, scales, counters=counters), split) and not counters.any()
     for lo, hi in ((0, 1), (5, 6), (3, 11)):
         assert torch.equal(W.fp8_w8a8_linear(x[lo:hi], values, scales), split[lo:hi]), (lo, hi)

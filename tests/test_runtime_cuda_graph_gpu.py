@@ -15,10 +15,10 @@ captured buffers. Pinned:
    (unpadded, checked layout) bit for bit — padding is invisible and the CUDA forward is
    batch-invariant (tests/test_runtime_forward_gpu.py, item 2), and the live caches match.
 
-Both FP8 arithmetics of the CUDA backend are captured (`backend.FP8_GEMMS`): `w8a16` (the
-engine under `--enable-deterministic-inference`) and `w8a8` (the serving default). The padded
-(6) and live (4) batches fall in the same row tier of the W8A8 kernel, whose rows are invariant
-within a tier, so item 2 holds for both.
+Both FP8 engines of the CUDA backend are captured (`backend.FP8_GEMMS`): `w8a16` (the engine
+under `--enable-deterministic-inference`) and `tiered` (the serving default, `kernels/fp8_w8a8.py`).
+The padded (6) and live (4) batches fall in the same row tier of the W8A8 kernel (the decode tier,
+≤ 16 rows), whose rows are invariant within a tier, so item 2 holds for both.
 
 A failed capture (a host synchronisation, a host → device copy or a data-dependent shape inside
 the static forward) fails test 1 with the capture error and what to look for.
@@ -37,7 +37,7 @@ GRAPH_BS = 6
 STEPS = 4
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["deterministic-w8a16", "serving-w8a8"])
+@pytest.fixture(scope="module", params=[True, False], ids=["deterministic-w8a16", "serving-tiered"])
 def captured(tiny_checkpoint, request):
     torch.backends.cuda.matmul.allow_tf32 = False
     engine = runtime_engine(tiny_checkpoint, CUDA, deterministic=request.param)

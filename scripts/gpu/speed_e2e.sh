@@ -58,7 +58,7 @@ try:
     us = lambda part: (part or {}).get("median_us")
     rows = []
     for r in d.get("decode", []):
-        w16, w8 = us(r.get("torch_w8a16")), us(r.get("torch_w8a8")) or us(r.get("torch"))
+        w16, w8 = us(r.get("torch_w8a16")), us(r.get("torch"))
         rows.append(dict(N=r["tokens"], torch_w8a16_us=w16, torch_w8a8_us=w8,
                          speedup=(w16 / w8) if w16 and w8 else None, step_eager_us=r.get("layer_us_eager"),
                          step_graph_us=r.get("layer_us_graph"), attention_us=us(r.get("attention")),

@@ -95,9 +95,12 @@ def fp8_scale_key(name: str) -> str:
 @dataclass(frozen=True)
 class Fp8Weight:
     """An FP8 weight (or a tile-row-aligned row slice of one) as the kernel takes it: E4M3 values
-    [N, K] (unit stride along K) and the fp32 power-of-two scales [⌈N/32⌉, ⌈K/32⌉] of those rows."""
+    [N, K] (unit stride along K) and the fp32 power-of-two scales [⌈N/32⌉, ⌈K/32⌉] of those rows;
+    `counters`: the registered weight's split-K arrival counters (`kernels.fp8_w8a8.split_k_counters`,
+    made at load, shared by its views), or None."""
     values: Tensor
     scales: Tensor
+    counters: Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -110,6 +113,7 @@ class _Entry:
     compute: Tensor    # contiguous BF16 copy, or `original` itself (fp32 kept, or E4M3 values)
     offset: int        # storage offset of `original` (elements)
     scales: Tensor | None = None   # FP8 entries: fp32 tile scales of `original`
+    counters: Tensor | None = None  # FP8 entries on CUDA: split-K arrival counters (kernels.fp8_w8a8)
 
 
 class DenseWeightCache:
@@ -171,7 +175,12 @@ class DenseWeightCache:
         self.fp8_elements += values.numel()
         self.scale_elements += scales.numel()
         key = values.untyped_storage().data_ptr()
-        self._by_storage.setdefault(key, []).append(_Entry(values, values, values.storage_offset(), scales))
+        counters = None
+        if values.device.type == "cuda":
+            from ..kernels.fp8_w8a8 import split_k_counters
+
+            counters = split_k_counters(values.shape[0], values.device)
+        self._by_storage.setdefault(key, []).append(_Entry(values, values, values.storage_offset(), scales, counters))
 
     def add(self, weight: Tensor) -> None:
         """Register a contiguous fp32 weight: BF16 copy if every value is BF16-exact (one check,
@@ -239,7 +248,7 @@ def _fp8_rows(entry: _Entry, view: Tensor, rel: int) -> Fp8Weight:
                          f"weight [{N}, {K}] is not a row slice starting on a {TILE}-row tile boundary")
     row0 = rel // K
     scales = entry.scales[row0 // TILE: -(-(row0 + view.shape[0]) // TILE)]
-    return Fp8Weight(view, scales)
+    return Fp8Weight(view, scales, entry.counters)
 
 
 class BlockedBf16Gemm:
@@ -289,10 +298,11 @@ class BlockedBf16Gemm:
         w = self.cache.lookup(weight)
         return w if isinstance(w, Fp8Weight) else None
 
-    def w8a8(self, x: Tensor, w: Fp8Weight, *, act_quant: bool, groups: int) -> Tensor:
+    def w8a8(self, x: Tensor, w: Fp8Weight, *, act_quant: bool, groups: int, fp8_mma: bool = False) -> Tensor:
         """`kernels.fp8_w8a8.fp8_w8a8_linear` of x [..., groups·K] (BF16 / fp32) and the tiles `w`:
-        BF16-valued fp32 [..., N] (bound: that module). `act_quant=False` (W8A16 arithmetic)
-        multiplies x rounded to BF16, so x is audited like the BF16 products."""
+        BF16-valued fp32 [..., N] (bound: that module); `fp8_mma`: its FP8-MMA row tiers.
+        `act_quant=False` (W8A16 arithmetic) multiplies x rounded to BF16, so x is audited like
+        the BF16 products."""
         from ..kernels.fp8_w8a8 import fp8_w8a8_linear
 
         K = groups * w.shape[1]
@@ -305,7 +315,8 @@ class BlockedBf16Gemm:
             x2 = x2.to(F32)
         if self.audit_inputs and not act_quant:
             self._audit(x2)
-        y = fp8_w8a8_linear(x2, w.values, w.scales, groups=groups, act_quant=act_quant)
+        y = fp8_w8a8_linear(x2, w.values, w.scales, groups=groups, act_quant=act_quant, fp8_mma=fp8_mma,
+                            counters=w.counters)
         return y.to(F32).reshape(*lead, w.shape[0])
 
     def _audit(self, x2: Tensor) -> None:
