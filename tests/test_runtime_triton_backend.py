@@ -3,18 +3,19 @@ item 5; issue 21: W8A8 FP8 linears, no float64 on the GPU path).
 
 The backend runs on FP8 weights as the CUDA server loads them (`runtime_weights(..., dense_fp8=True)`:
 E4M3 tiles + power-of-two scales) in every FP8 mode (`backend.FP8_GEMMS`): `tiered` (serving
-default: `kernels.fp8_w8a8` with exact-product MMAs, its BF16-copy cuBLAS form from the prefill row
-count), `w8a16` (`--enable-deterministic-inference`) and `fp8_mma` (opt-in: the mid row tier on
-Hopper's FP8 MMA). Pinned:
+default: the `w8a16` kernel below the prefill row count, the BF16-copy cuBLAS form of
+`kernels.fp8_w8a8` from there), `w8a16` (`--enable-deterministic-inference`), `w8a8_f16` (opt-in:
+`kernels.fp8_w8a8` with exact-product MMAs at every row count) and `fp8_mma` (opt-in: its mid row
+tier on Hopper's FP8 MMA). Pinned:
 
 * kernel cases (TRITON_INTERPRET child on CPU machines, compiled on CUDA):
   - every sublayer piece — projections, output projection (grouped `wo_a`), ratio-2 pair
     latents, router, shared expert, Engram update — within the CPU contract's bound
     (`test_runtime_numerics_contract.SUBLAYER_ULPS` BF16 ulps of the row's largest reference
     magnitude) of the reference on the dequantised weights, and the router picks its experts;
-  - `tiered` and `fp8_mma` run every FP8 linear through `fp8_w8a8_linear` at every row count
-    (`wo_a`: one grouped launch with act_quant=False; `fp8_mma` passes fp8_mma=True); `w8a16`
-    never calls it;
+  - `w8a8_f16` and `fp8_mma` run every FP8 linear through `fp8_w8a8_linear` at every row count
+    (`wo_a`: one grouped launch with act_quant=False; `fp8_mma` passes fp8_mma=True); `tiered`
+    calls it from the prefill row count only; `w8a16` never calls it;
   - no float64 tensor is created by those pieces, nor by a whole forward on the backend
     (`Float64Watch`, a torch dispatch mode: every op's outputs are checked). Under the interpreter
     the model runs on CPU tensors, so attention, mHC and the routed experts are the fp32 CPU
@@ -178,8 +179,9 @@ def test_kernel_case_sublayers_within_the_contract_without_float64(weights, fp8_
     cfg, exact, fp8, _ = weights
     be = triton_backend(fp8, fp8_gemm)
     calls: list[tuple[int, bool, bool]] = []
+    rows: list[int] = []
     kernel_fn = W.fp8_w8a8_linear
-    monkeypatch.setattr(W, "fp8_w8a8_linear", lambda x, v, s, **kw: calls.append(
+    monkeypatch.setattr(W, "fp8_w8a8_linear", lambda x, v, s, **kw: rows.append(x.shape[0]) or calls.append(
         (kw["groups"], kw["act_quant"], kw.get("fp8_mma", False))) or kernel_fn(x, v, s, **kw))
     inputs = piece_inputs(cfg, exact)
     with Float64Watch() as watch:
@@ -197,6 +199,8 @@ def test_kernel_case_sublayers_within_the_contract_without_float64(weights, fp8_
     groups = cfg.text.o_groups
     if fp8_gemm == "w8a16":
         assert not calls
+    elif fp8_gemm == "tiered":                                  # the prefill form only
+        assert all(r >= W.BF16_GEMM_MIN_ROWS for r in rows), rows
     else:                                                       # wq_a wkv wq_b wo_b 3 shared engram; wo_a grouped
         mma = fp8_gemm == "fp8_mma"
         assert (groups, False, False) in calls and calls.count((1, True, mma)) >= 8, calls
@@ -223,21 +227,23 @@ def test_kernel_case_forward_on_the_backend_creates_no_float64(weights) -> None:
 
 
 @kernel
-def test_kernel_case_tiered_runs_the_w8a8_module_at_every_row_count(weights, monkeypatch) -> None:
-    """`tiered`: `fp8_w8a8_linear` at decode (split-K tier), mid and prefill row counts — the
-    reference's quantised operands, within the contract's per-sublayer bound of the w8a16
-    backend's result (the same operands summed another way)."""
+@pytest.mark.parametrize("fp8_gemm", ["tiered", "w8a8_f16"])
+def test_kernel_case_which_row_counts_run_the_w8a8_module(weights, fp8_gemm: str, monkeypatch) -> None:
+    """`w8a8_f16`: `fp8_w8a8_linear` at decode (split-K tier), mid and prefill row counts; `tiered`:
+    at the prefill row count only (the `w8a16` kernel below). Both within the contract's
+    per-sublayer bound of the w8a16 backend's result (the same operands summed another way)."""
     cfg, exact, fp8, _ = weights
     calls: list[int] = []
     kernel_fn = W.fp8_w8a8_linear
     monkeypatch.setattr(W, "fp8_w8a8_linear", lambda x, v, s, **kw: calls.append(x.shape[0]) or kernel_fn(x, v, s, **kw))
-    tiered, w8a16 = triton_backend(fp8, "tiered"), triton_backend(fp8, "w8a16")
+    be, w8a16 = triton_backend(fp8, fp8_gemm), triton_backend(fp8, "w8a16")
     name = next(n for n in fp8 if n.endswith("attn.wq_a.weight"))
     for rows in (1, 20, W.BF16_GEMM_MIN_ROWS):
         x = _bf16(rows, cfg.text.hidden_size, seed=rows).to(DEVICE)
-        got, want = tiered.linear_fp8(x, fp8[name]), w8a16.linear_fp8(x, fp8[name])
+        got, want = be.linear_fp8(x, fp8[name]), w8a16.linear_fp8(x, fp8[name])
         assert within_ulps(got.float().cpu(), want.float().cpu()), rows
-    assert calls == [1, 20, W.BF16_GEMM_MIN_ROWS], calls
+    want_calls = [1, 20, W.BF16_GEMM_MIN_ROWS] if fp8_gemm == "w8a8_f16" else [W.BF16_GEMM_MIN_ROWS]
+    assert calls == want_calls, calls
 
 
 @kernel
@@ -294,7 +300,7 @@ if not INTERPRETED:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
         from triton_checks import run_kernel_cases_in_interpreter
 
-        run_kernel_cases_in_interpreter(__file__, min_passed=6, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=8, exact=True)
 
 
 # ---- GPU: the CUDA forward as the server builds it ---------------------------------------------

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# H200 (one GPU), one device call (issue 21, branch speed3): the dense FP8 linears' new serving default
-# (`tiered` = kernels/fp8_w8a8.py at every row count with exact-product f16 MMAs, the decode tier split
-# over ≈ 8 programs per SM) against session 7's paths, and the end-to-end contract with it.
+# H200 (one GPU), one device call (issue 21, branch speed3): the dense FP8 linears' candidate default
+# (`w8a8_f16` = kernels/fp8_w8a8.py at every row count with exact-product f16 MMAs, the decode tier split
+# over ≈ 8 programs per SM; opt-in until this run) against session 7's paths (`tiered`, the serving
+# default), and the end-to-end contract with it.
 #   1. tests: `pytest -m gpu` of tests/test_kernels_fp8_w8a8.py (every tier at the 9 Flash shapes within
 #      the bound, grouped wo_a, split-K == one program) and of tests/test_runtime_triton_backend.py (no
-#      float64 on the CUDA forward; teacher-forced contract on the tiny checkpoint for `tiered` — the
-#      new default —, `w8a16` and `fp8_mma`; the measured top-1 / |Δlogit| lines are printed);
+#      float64 on the CUDA forward; teacher-forced contract on the tiny checkpoint for every mode:
+#      `tiered`, `w8a16`, `w8a8_f16` (the candidate) and `fp8_mma`; the measured top-1 / |Δlogit| lines are printed);
 #   2. fp8: benchmarks/fp8_w8a8.py at M = 1/8/64/256: `w8a8` (the new row tiers) against `fp8_linear`
 #      (session 7's decode default, W8A16 kernel), `w8a8_s7_decode` / `w8a8_s7_mid_fp8` (session 7's
 #      W8A8 tiers), cuBLAS BF16 and the decode levers of benchmarks/fp8_w8a8.py SPEED3_VARIANTS;
-#   3. decode: benchmarks/decode_step.py --quick N = 1/8/64 (0.5 s caps, no prefill): the layer step on the new default,
-#      `torch_w8a16` (session 7's default) on the same weights in the same run;
+#   3. decode: benchmarks/decode_step.py --quick N = 1/8/64 (0.5 s caps, no prefill): the layer step on `w8a8_f16`
+#      (SGLANG_DSV41_FP8_GEMM), against `torch_w8a16` (session 7's decode arithmetic) on the same weights in the same run;
 #   4. $OUT/speed3.json: test counts + failures, the contract lines, per M the pass µs and share of
 #      copy bandwidth, per N the torch part old → new and the graphed step.
 # Run from the checkout root with `.gpu` carried. Every step is capped; the script ends within BUDGET
@@ -33,7 +34,7 @@ for step in ${STEPS:-tests fp8 decode}; do
     fp8) timeout $(cap "${FP8_CAP:-85}") python3 benchmarks/fp8_w8a8.py --out "$OUT" --rows 1 8 64 256 \
            --variants $VARIANTS --per-weight-rows 1 --cap-s 0.05 ${FP8_ARGS:-} 2>&1 | tee "$OUT/fp8_w8a8.log" | tail -8 ;;
     decode) b=$(( $(left) - 25 )); [ "$b" -lt 40 ] && { echo "decode: only $b s left, skipped"; continue; }
-           timeout $((b + 20)) python3 benchmarks/decode_step.py --out "$OUT" --quick --batches 1 8 64 \
+           SGLANG_DSV41_FP8_GEMM=w8a8_f16 timeout $((b + 20)) python3 benchmarks/decode_step.py --out "$OUT" --quick --batches 1 8 64 \
              --budget-s "$b" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode_step.log" | tail -8 ;;
     *) echo "unknown step $step"; continue ;;
   esac

@@ -18,15 +18,17 @@ the GPU path; bounded by the numerics contract, docs/runtime.md).
 FP8 dense linears on `triton` (`fp8_gemm`, FP8_GEMMS; spec §3.8, issue 21). Every choice uses the
 reference's operands — activations quantised per 1×32 to E4M3 with UE8M0 scales (`wo_a`: BF16, not
 quantised), E4M3 weights with their tile scales — and differs only in how the products are summed:
-* `tiered` (serving default): `kernels.fp8_w8a8` — the activation quantisation fused into the
-  GEMM, E4M3 operands widened to f16 on the tensor cores (exact products, fp32 sums), split-K at
-  decode; from `kernels.fp8_w8a8.BF16_GEMM_MIN_ROWS` rows its BF16-copy cuBLAS form (prefill);
-  `wo_a` one grouped launch. Within the contract; a row's bits depend on which row tier its batch
-  took (not batch invariant);
+* `tiered` (serving default): below `kernels.fp8_w8a8.BF16_GEMM_MIN_ROWS` rows the `w8a16`
+  kernel, from there the BF16-copy cuBLAS form of `kernels.fp8_w8a8` (prefill). Within the
+  contract on the H200; a row's bits depend on which tier its batch took (not batch invariant);
+* `w8a8_f16` (opt-in until its H200 run, docs/performance.md "session 10"): `kernels.fp8_w8a8` at
+  every row count — the activation quantisation fused into the GEMM, E4M3 operands widened to
+  f16 on the tensor cores (exact products, fp32 sums), split-K at decode summed inside the launch;
+  from BF16_GEMM_MIN_ROWS rows its prefill form; `wo_a` one grouped launch;
 * `w8a16` (`--enable-deterministic-inference`): `kernels.fp8_linear` at every row count — the
   fake-quantised activations as BF16 times the dequantised tile, one fixed launch configuration
   (row invariant), `wo_a` one launch per group. Bound: dense_ops GEMM_BOUND;
-* `fp8_mma` (opt-in): as `tiered`, but 17–128 rows on Hopper's FP8 MMA (E4M3 `wgmma`, ~14-bit
+* `fp8_mma` (opt-in): as `w8a8_f16`, but 17–128 rows on Hopper's FP8 MMA (E4M3 `wgmma`, ~14-bit
   sums per 32 products: DeepGEMM block32's accumulation class). Below the end-to-end contract
   (docs/runtime.md "Numerics contract"), hence not the default.
 Weights not held as E4M3 tiles (BF16 copies, fp32) go through `matmul` in either mode.
@@ -48,7 +50,7 @@ from ..numerics.rope import apply_rope_tail, rope_cos_sin_fp32
 
 F32, F64 = torch.float32, torch.float64
 #: FP8 dense-linear arithmetics of the CUDA backend (module doc), and the variable that picks one
-FP8_GEMMS = ("tiered", "w8a16", "fp8_mma")
+FP8_GEMMS = ("tiered", "w8a16", "w8a8_f16", "fp8_mma")
 FP8_GEMM_ENV = "SGLANG_DSV41_FP8_GEMM"
 
 
@@ -292,24 +294,27 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
         self.fe, self.eg, self.dense, self.device_types = fe, eg, dense, tuple(device_types)
         self.fp8_gemm = fp8_gemm
 
-    def _w8a8_operand(self, weight: Tensor):
-        """The E4M3 tiles (`dense_ops.Fp8Weight`) of `weight` when this backend runs
-        `kernels.fp8_w8a8` (`tiered`, `fp8_mma`), else None (the `w8a16` kernel, or a weight the
-        dense products hold as BF16 / fp32)."""
-        if self.fp8_gemm == "w8a16":
+    def _w8a8_operand(self, weight: Tensor, x: Tensor):
+        """The E4M3 tiles (`dense_ops.Fp8Weight`) of `weight` when this product runs
+        `kernels.fp8_w8a8` (`w8a8_f16`, `fp8_mma`; `tiered` from BF16_GEMM_MIN_ROWS rows of `x`),
+        else None (the `w8a16` kernel, or a weight the dense products hold as BF16 / fp32)."""
+        from ..kernels.fp8_w8a8 import BF16_GEMM_MIN_ROWS
+
+        rows = x.numel() // max(x.shape[-1], 1)
+        if self.fp8_gemm == "w8a16" or (self.fp8_gemm == "tiered" and rows < BF16_GEMM_MIN_ROWS):
             return None
         fp8_operand = getattr(self.dense, "fp8_operand", None)      # test doubles hold no E4M3 tiles
         return None if fp8_operand is None else fp8_operand(weight)
 
     def linear_fp8(self, x: Tensor, weight: Tensor, act_quant: bool = True) -> Tensor:
-        w = self._w8a8_operand(weight)
+        w = self._w8a8_operand(weight, x)
         if w is None:
             return super().linear_fp8(x, weight, act_quant)
         return self.dense.w8a8(x, w, act_quant=act_quant, groups=1, fp8_mma=self.fp8_gemm == "fp8_mma")
 
     def linear_bf16_grouped(self, x: Tensor, weight: Tensor, groups: int) -> Tensor:
         _group_shape(x, weight, groups)
-        w = self._w8a8_operand(weight)
+        w = self._w8a8_operand(weight, x)
         if w is None:
             return super().linear_bf16_grouped(x, weight, groups)
         return self.dense.w8a8(x, w, act_quant=False, groups=groups)
