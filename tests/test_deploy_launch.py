@@ -40,7 +40,7 @@ FULL_RUNTIME = RuntimeProfile(name="full", doc="-", flags=(), tp_sizes=(1, 2, 4,
                               pd_disaggregation=True, kv_cache_dtypes=("auto", "bf16", "fp8_e4m3"), dp_attention=True,
                               pd_vision=True)
 # Today's runtime with TP1 only: the tensor-parallel refusal the launcher gives for a size it cannot shard.
-TP1_RUNTIME = RuntimeProfile(name="tp1", doc="-", flags=(), tp_sizes=(1,), vision=False, cuda_graphs=False,
+TP1_RUNTIME = RuntimeProfile(name="tp1", doc="-", flags=(), tp_sizes=(1,), vision=True, cuda_graphs=False,
                              pd_disaggregation=False, kv_cache_dtypes=("auto",), reasons=TORCH_PATH.reasons)
 
 
