@@ -115,3 +115,15 @@ def test_flash_figure_and_the_plan_verdict() -> None:
     assert not ok and "the vision tower's activations" in text
     data["features"] = {"text_only": True}
     assert plan_mod.make_plan(config_from_dict(data, "text"), flash).vision_activation is None
+
+
+def test_encoder_data_parallel_adds_the_gather_at_tp_above_one() -> None:
+    tiny = DeepseekV41Config.from_dict(tiny_config_dict(1024))
+    data = raw_config(ROOT / "configs" / "tiny-h200-tp2.yaml")
+    va = vision_activation(config_from_dict(data, "tp2"), tiny, 2048, fused_attention=True)
+    span_rows = va["images_per_batch"] * 32 * tiny.text.hidden_size * 4       # 32: the tiny cap's square span
+    assert va["encoder"] == "data-parallel over 2 ranks" and va["encoder_gather_bytes"] == 2 * span_rows
+    data["parallel"], data["hardware"]["gpus"] = {"tp": 1}, 1
+    one = vision_activation(config_from_dict(data, "tp1"), tiny, 2048, fused_attention=True)
+    assert one["encoder_gather_bytes"] == 0 and "no-op at TP 1" in one["encoder"]
+    assert one["total_bytes"] == va["total_bytes"] - va["encoder_gather_bytes"]

@@ -57,9 +57,11 @@ def render(p: Plan, source: str) -> str:
             lines.append(f"vision activations per rank: ViT peak {va['vit_peak_bytes'] / 2**20:.1f} MiB (one image at the cap; "
                          f"images run one at a time, attention {va['attention']}) + span cache "
                          f"{va['span_cache_bytes'] / 2**20:.1f} MiB + batch rows {va['batch_rows_bytes'] / 2**20:.1f} MiB "
-                         f"(≤ {va['images_per_batch']} image(s) in a {va['prefill_tokens']:,}-token prefill chunk) = "
+                         f"(≤ {va['images_per_batch']} image(s) in a {va['prefill_tokens']:,}-token prefill chunk)"
+                         + (f" + encoder all-gather {va['encoder_gather_bytes'] / 2**20:.1f} MiB"
+                            if va["encoder_gather_bytes"] else "") + " = "
                          f"{va['total_bytes'] / 2**20:.1f} MiB of the {p.activation_room / 2**20:,.0f} MiB outside "
-                         "the static budget")
+                         f"the static budget; encoder: {va['encoder']}")
         lines.append("")
     if w.engram_placement == "device":
         lines.append(f"Engram: on device, {w.engram_stored / u:.1f} {un} (tables + scales) with rows split over "

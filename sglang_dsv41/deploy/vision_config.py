@@ -26,7 +26,10 @@ Invariants
   tests/test_vision_activation.py measures the live bytes on CPU and holds the formula to them.
 * `vision_activation` adds what a prefill batch holds besides: the span cache's rows
   (`vision_batch.SpanCache`, up to 16 images' spans) and the batch's image rows (positions inside
-  one prefill chunk, twice: the pieces and their concatenation), H fp32 values per row.
+  one prefill chunk, twice: the pieces and their concatenation), H fp32 values per row. With
+  `features.encoder_data_parallel` at TP > 1 (`--mm-enable-dp-encoder`: each rank encodes its share
+  of the batch's images, then one all-gather) also the gather: every rank's padded block and the
+  gathered result, at most twice the batch's image rows.
 """
 from __future__ import annotations
 
@@ -129,8 +132,14 @@ def vision_activation(dc: "DeploymentConfig", cfg: "DeepseekV41Config", prefill_
     vit = vit_activation_bytes(cfg.vision, hidden, fused_attention=fused_attention)
     cache = min(images, SPAN_CACHE_IMAGES) * span * hidden * 4
     rows = 2 * min(prefill_tokens, images * span) * hidden * 4
+    dp = dc.features.encoder_data_parallel and dc.parallel.tp > 1
+    gather = 2 * images * span * hidden * 4 if dp else 0
     return {"images_per_batch": images, "prefill_tokens": prefill_tokens, "vit_peak_bytes": vit,
-            "span_cache_bytes": cache, "batch_rows_bytes": rows, "total_bytes": vit + cache + rows,
+            "span_cache_bytes": cache, "batch_rows_bytes": rows, "encoder_gather_bytes": gather,
+            "encoder": (f"data-parallel over {dc.parallel.tp} ranks" if dp else
+                        "every rank encodes every image" + (" (encoder_data_parallel is a no-op at TP 1)"
+                                                            if dc.features.encoder_data_parallel else "")),
+            "total_bytes": vit + cache + rows + gather,
             "attention": "fused (no score matrix)" if fused_attention else "math (heads·N² scores)"}
 
 
