@@ -15,11 +15,11 @@ export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
 CK=/tmp/tiny
 timeout 60 python3 -m sglang_dsv41.cli make-checkpoint --preset tiny --out $CK --quiet || exit 4
 echo "checkpoint at $((SECONDS - T0)) s"
-timeout 100 python3 benchmarks/vision.py --model-path $CK --device cuda --vit --vit-dims flash --vit-images 4 \
+timeout -k 15 100 python3 benchmarks/vision.py --model-path $CK --device cuda --vit --vit-dims flash --vit-images 4 \
     --no-server --sizes 1024x768 --out "$OUT/vision_vit_h200.json"
 echo "RESULT vision_vit rc=$? at $((SECONDS - T0)) s"
 left=$((BUDGET - 10 - (SECONDS - T0)))
-timeout $left python3 benchmarks/vision.py --model-path $CK --device cuda --sizes 448x448 \
+timeout -k 15 $left python3 benchmarks/vision.py --model-path $CK --device cuda --sizes 448x448 \
     --images-per-request 1,4,16 --reps 3 --max-tokens 8 --startup-timeout 150 --request-timeout 30 \
     --server-flags "--max-total-tokens 8192" --log-dir "$OUT" --out "$OUT/vision_h200.json"
 echo "RESULT vision_served rc=$? at $((SECONDS - T0)) s"
