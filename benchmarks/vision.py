@@ -353,7 +353,12 @@ def main(argv: list[str] | None = None) -> int:
                 server.stop()
     if "cases" in result or "vit" in result:
         result["load_average_1_5_15_at_end"] = list(os.getloadavg())
-        result["png"] = plot(result, args.out.with_suffix(".png"))
+        args.out.write_text(json.dumps(result, indent=1))     # the numbers first: a plot error loses nothing
+        try:
+            result["png"] = plot(result, args.out.with_suffix(".png"))
+        except Exception as exc:                               # reported in the JSON and printed
+            result["png"] = f"plot failed: {exc!r}"
+            print(result["png"])
     args.out.write_text(json.dumps(result, indent=1))
     print("->", args.out)
     return 0
