@@ -331,8 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     multi = (f", {'/'.join(map(str, args.images_per_request))} images per request at {sizes[-1][0]}x{sizes[-1][1]}"
              if args.images_per_request else "")
-    result = {"title": f"vision, {args.device}: 1 image at {', '.join(f'{w}x{h}' for w, h in sizes)} vs text{multi}, "
-                       f"{args.reps} reps, {args.max_tokens} new tokens, sequential",
+    title = (f"vision, {args.device}: the ViT alone, {args.vit_images} images per case" if args.no_server else
+             f"vision, {args.device}: 1 image at {', '.join(f'{w}x{h}' for w, h in sizes)} vs text{multi}, "
+             f"{args.reps} reps, {args.max_tokens} new tokens, sequential")
+    result = {"title": title,
               "machine": _machine(),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "load_average_1_5_15_at_start": list(os.getloadavg()),
