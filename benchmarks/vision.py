@@ -9,7 +9,9 @@ is a prefix-cache hit:
 * ``image_<W>x<H>``: one image per resolution in ``--sizes`` after the number, before the text;
   every rep uses a new random image;
 * ``repeat_<W>x<H>``: the last resolution's first request again, same image and text (a prefix-cache
-  hit through the image span: the tower does not run).
+  hit through the image span: the tower does not run);
+* ``images_<K>``, for each K of ``--images-per-request`` (e.g. 1,4,16): K new random images of the last
+  resolution in one request (issue 17's TTFT at 1 / 4 / 16 images per request).
 
 Per request: time to first token (first streamed chunk carrying text or reasoning text),
 latency, prompt and cached tokens (``usage``). Per resolution, client-side preprocessing
@@ -19,6 +21,13 @@ flight). The server is `sglang-dsv41 serve` (``--model-path``) or an existing on
 
 ``--dry-run`` starts no server: it writes only the per-resolution grids, span tokens and
 preprocessing times (CI runs this on the tiny checkpoint).
+
+``--vit`` adds the tower's own throughput, in this process on ``--device``: `runtime/vision.VisionTower`
+with ``--vit-dims`` (``flash``: the card's 32-layer ViT, random BF16-valued weights; ``checkpoint``:
+the checkpoint's dims) encodes ``--vit-images`` images per case (each ``--sizes`` resolution, and
+``cap``: a square grid at the token cap, the planner's worst case), images/s after one warm-up.
+On CUDA it also records the peak allocated bytes above the weights while one cap image encodes,
+next to the planner's figure (`deploy/vision_config.vit_activation_bytes`, fused attention).
 
     python benchmarks/vision.py --model-path /tmp/tiny --device cpu --out benchmarks/results/vision_cpu.json
 """
@@ -161,6 +170,9 @@ def run_cases(url: str, args: argparse.Namespace, sizes: list[tuple[int, int]]) 
         cases[f"image_{w}x{h}"] = [(next(number), [make_png(1000 * (i + 1) + r, (w, h))]) for r in range(args.reps)]
     w, h = sizes[-1]
     cases[f"repeat_{w}x{h}"] = [cases[f"image_{w}x{h}"][0]] * args.reps
+    for k in args.images_per_request:
+        cases[f"images_{k}"] = [(next(number), [make_png(100_000 * k + 100 * r + j, (w, h)) for j in range(k)])
+                                for r in range(args.reps)]
     chat(url, 0, [make_png(7, (64, 64))], args.max_tokens, args.request_timeout)        # warm-up, not recorded
     out = {}
     for name, requests in cases.items():
@@ -176,6 +188,73 @@ def run_cases(url: str, args: argparse.Namespace, sizes: list[tuple[int, int]]) 
     return out
 
 
+def _cap_image(vcfg) -> "object":
+    """Random patches on a square grid at the token cap (the planner's worst case)."""
+    import math
+
+    import torch
+
+    from sglang_dsv41.vision_preprocess import ImageGrid, PreprocessedImage
+
+    side, k, p = math.isqrt(vcfg.max_image_tokens), vcfg.downsample_ratio, vcfg.patch_size
+    grid = ImageGrid(resized_width=side * k * p, resized_height=side * k * p, vit_h=side * k, vit_w=side * k,
+                     n_h=side, n_w=side, resize_plain=False)
+    patches = torch.randn(grid.num_patches, 3 * p * p, generator=torch.Generator().manual_seed(3))
+    return PreprocessedImage(patches=patches.to(torch.bfloat16), grid=grid)
+
+
+def vit_throughput(args: argparse.Namespace, sizes: list[tuple[int, int]]) -> dict[str, object]:
+    """Images/s of the tower alone per case, and on CUDA the peak activation of one cap image (module doc)."""
+    import torch
+
+    from sglang_dsv41.config import DeepseekV41Config
+    from sglang_dsv41.deploy.vision_config import vit_activation_bytes
+    from sglang_dsv41.presets import flash_config_dict
+    from sglang_dsv41.runtime.forward import fp32_default_dtype
+    from sglang_dsv41.runtime.image_io import load_image
+    from sglang_dsv41.runtime.vision import VisionTower
+    from sglang_dsv41.vision_preprocess import preprocess_image
+
+    cfg = (DeepseekV41Config.from_dict(flash_config_dict()) if args.vit_dims == "flash"
+           else DeepseekV41Config.from_file(args.model_path))
+    device = torch.device(args.device)
+    with fp32_default_dtype(), torch.device(device):
+        tower = VisionTower(cfg)
+    with torch.no_grad():
+        for name, p in tower.named_parameters():
+            p.copy_(torch.ones_like(p) if "norm" in name else (0.02 * torch.randn_like(p)).bfloat16().float())
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    cases = {f"{w}x{h}": [preprocess_image(load_image(make_png(500 + i, (w, h))), cfg.vision)
+                          for i in range(args.vit_images)] for w, h in sizes}
+    cases["cap"] = [_cap_image(cfg.vision)] * args.vit_images
+    out: dict[str, object] = {"dims": args.vit_dims, "layers": cfg.vision.num_hidden_layers,
+                              "hidden": cfg.vision.hidden_size, "images_per_case": args.vit_images, "cases": {}}
+    for name, images in cases.items():
+        tower.encode(images[0])                     # warm-up (kernel selection, allocator)
+        sync()
+        t0 = time.perf_counter()
+        for pre in images:
+            tower.encode(pre)
+        sync()
+        wall = time.perf_counter() - t0
+        g = images[0].grid
+        out["cases"][name] = {"images_per_s": len(images) / wall, "ms_per_image": 1e3 * wall / len(images),
+                              "vit_patches": g.num_patches, "tokens": g.num_tokens}
+        print("vit", name, out["cases"][name])
+    if device.type == "cuda":
+        sync()
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        tower.encode(cases["cap"][0])
+        sync()
+        measured = torch.cuda.max_memory_allocated(device) - before
+        planned = vit_activation_bytes(cfg.vision, cfg.text.hidden_size, fused_attention=True)
+        out["cap_peak_activation"] = {"measured_bytes": measured, "planned_bytes": planned,
+                                      "planned_over_measured": planned / measured if measured else None}
+        print("vit cap peak activation", out["cap_peak_activation"])
+    return out
+
+
 def plot(result: dict, path: Path) -> str:
     try:
         import matplotlib
@@ -184,19 +263,26 @@ def plot(result: dict, path: Path) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cases = result["cases"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    cases = result.get("cases", {})
+    vit = (result.get("vit") or {}).get("cases", {})
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
     names = list(cases)
     a.bar(names, [cases[n]["ttft_ms_median"] for n in names], color="tab:blue", label="TTFT (median)")
     a.plot(names, [cases[n]["latency_ms_mean"] for n in names], "o", color="tab:red", label="latency (mean)")
     a.set(ylabel="ms", title="time to first token / latency per request")
     a.tick_params(axis="x", rotation=20)
     a.legend()
-    pre = result["preprocessing"]
-    b.bar(list(pre), [pre[k]["preprocess_ms_median"] for k in pre], color="tab:green")
-    for i, k in enumerate(pre):
-        b.annotate(f"{pre[k]['span_tokens']} tok", (i, pre[k]["preprocess_ms_median"]), ha="center", va="bottom")
-    b.set(ylabel="ms (median)", title="client-side preprocessing per image")
+    if vit:
+        b.bar(list(vit), [vit[k]["images_per_s"] for k in vit], color="tab:purple")
+        for i, k in enumerate(vit):
+            b.annotate(f"{vit[k]['vit_patches']} patches", (i, vit[k]["images_per_s"]), ha="center", va="bottom")
+        b.set(ylabel="images/s", title=f"ViT alone ({result['vit']['dims']} dims, {result['vit']['layers']} layers)")
+    else:
+        pre = result["preprocessing"]
+        b.bar(list(pre), [pre[k]["preprocess_ms_median"] for k in pre], color="tab:green")
+        for i, k in enumerate(pre):
+            b.annotate(f"{pre[k]['span_tokens']} tok", (i, pre[k]["preprocess_ms_median"]), ha="center", va="bottom")
+        b.set(ylabel="ms (median)", title="client-side preprocessing per image")
     for ax in (a, b):
         ax.grid(alpha=0.3, axis="y")
     fig.suptitle(result["title"], fontsize=9)
@@ -231,20 +317,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--request-timeout", type=float, default=300)
+    p.add_argument("--images-per-request", default="", help="also K images per request, for each K (e.g. 1,4,16)")
+    p.add_argument("--vit", action="store_true", help="also the tower's own images/s in this process (module doc)")
+    p.add_argument("--vit-dims", choices=("flash", "checkpoint"), default="checkpoint")
+    p.add_argument("--vit-images", type=int, default=4, help="images per --vit case")
+    p.add_argument("--no-server", action="store_true", help="no request cases (with --vit: the tower only)")
     p.add_argument("--dry-run", action="store_true", help="preprocessing only, no server")
     p.add_argument("--out", type=Path, default=RESULTS / "vision_cpu.json")
     p.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()), help="server log")
     args = p.parse_args(argv)
     sizes = [_size(s) for s in args.sizes.split(",")]
+    args.images_per_request = [int(k) for k in args.images_per_request.split(",") if k.strip()]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"title": f"vision, {args.device}: 1 image at {', '.join(f'{w}x{h}' for w, h in sizes)} vs text, "
-                       f"{args.reps} reps, {args.max_tokens} new tokens, sequential",
+    multi = (f", {'/'.join(map(str, args.images_per_request))} images per request at {sizes[-1][0]}x{sizes[-1][1]}"
+             if args.images_per_request else "")
+    title = (f"vision, {args.device}: the ViT alone, {args.vit_images} images per case" if args.no_server else
+             f"vision, {args.device}: 1 image at {', '.join(f'{w}x{h}' for w, h in sizes)} vs text{multi}, "
+             f"{args.reps} reps, {args.max_tokens} new tokens, sequential")
+    result = {"title": title,
               "machine": _machine(),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "load_average_1_5_15_at_start": list(os.getloadavg()),
               "args": {k: str(v) for k, v in vars(args).items()},
               "preprocessing": preprocessing(args.model_path, sizes, args.reps)}
-    if not args.dry_run:
+    if args.vit and not args.dry_run:
+        result["vit"] = vit_throughput(args, sizes)
+    if not args.dry_run and not args.no_server:
         server = None if args.url else Server(args, args.log_dir / f"{args.out.stem}.log")
         try:
             t0 = time.monotonic()
@@ -255,12 +353,19 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if server is not None:
                 server.stop()
+    if "cases" in result or "vit" in result:
         result["load_average_1_5_15_at_end"] = list(os.getloadavg())
-        result["png"] = plot(result, args.out.with_suffix(".png"))
+        args.out.write_text(json.dumps(result, indent=1))     # the numbers first: a plot error loses nothing
+        try:
+            result["png"] = plot(result, args.out.with_suffix(".png"))
+        except Exception as exc:                               # reported in the JSON and printed
+            result["png"] = f"plot failed: {exc!r}"
+            print(result["png"])
     args.out.write_text(json.dumps(result, indent=1))
     print("->", args.out)
     return 0
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # an outer `timeout` still stops the server
     sys.exit(main())

@@ -76,13 +76,15 @@ API_REGISTER_MODULE = "sglang_dsv41.api.register"
 #:   deployment schema.
 #: * ``text_only`` — the card's ``--language-model-only``, a real CLI flag the plugin adds to SGLang's
 #:   parser (`overrides.add_cli_args_hook`): no vision tower, image requests refused (docs/vision.md).
+#: * ``encoder_data_parallel`` — SGLang's own ``--mm-enable-dp-encoder``: at TP > 1 the images of a
+#:   batch are split over the ranks and all-gathered (`runtime/vision_batch.encode_images`); at TP 1
+#:   it changes nothing (SGLang warns so).
 #: Not provided, so a launch that needs them is refused: the FP4 KV layout (``kv_layout_v41``),
-#: SWA bounded replay (``bounded_replay_encoder`` / ``_decoder``), V4.1 DSpark (``dspark``) and
-#: encoder data-parallel (``encoder_data_parallel``: the tower is replicated on every rank, but
-#: ``--mm-enable-dp-encoder``'s split of the images over ranks is not implemented or tested).
+#: SWA bounded replay (``bounded_replay_encoder`` / ``_decoder``) and V4.1 DSpark (``dspark``).
 #: TP sizes other than 1/2/4/8, DP attention and CUDA graphs are limits of the runtime
 #: (`runtime/requirements.py`), not capabilities.
-LAUNCH_CAPABILITIES: tuple[str, ...] = ("model", "reasoning_parser", "tool_parser", "engram_host_table", "text_only")
+LAUNCH_CAPABILITIES: tuple[str, ...] = ("model", "reasoning_parser", "tool_parser", "engram_host_table", "text_only",
+                                        "encoder_data_parallel")
 
 
 class PluginLoadError(SystemExit):

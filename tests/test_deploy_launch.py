@@ -33,14 +33,14 @@ GOLDEN_CACHE_HOME = "/home/user/.cache"
 NONE: frozenset[str] = frozenset()
 ALL = frozenset(CAPABILITIES)
 PLUGIN = frozenset(plugin.LAUNCH_CAPABILITIES)
-NOT_PROVIDED = {"kv_layout_v41", "bounded_replay_encoder", "bounded_replay_decoder", "dspark", "encoder_data_parallel"}
+NOT_PROVIDED = {"kv_layout_v41", "bounded_replay_encoder", "bounded_replay_decoder", "dspark"}
 HOST_TABLE_ENV = {"SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": "1", "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT": "per_rank"}
 # A runtime without today's limits: what the launcher does once the runtime grows.
 FULL_RUNTIME = RuntimeProfile(name="full", doc="-", flags=(), tp_sizes=(1, 2, 4, 8), vision=True, cuda_graphs=True,
                               pd_disaggregation=True, kv_cache_dtypes=("auto", "bf16", "fp8_e4m3"), dp_attention=True,
                               pd_vision=True)
 # Today's runtime with TP1 only: the tensor-parallel refusal the launcher gives for a size it cannot shard.
-TP1_RUNTIME = RuntimeProfile(name="tp1", doc="-", flags=(), tp_sizes=(1,), vision=False, cuda_graphs=False,
+TP1_RUNTIME = RuntimeProfile(name="tp1", doc="-", flags=(), tp_sizes=(1,), vision=True, cuda_graphs=False,
                              pd_disaggregation=False, kv_cache_dtypes=("auto",), reasons=TORCH_PATH.reasons)
 
 
@@ -121,10 +121,12 @@ def test_parser_names_are_the_ones_the_api_registers() -> None:
 
 
 def test_plugin_declares_what_it_provides_and_nothing_else() -> None:
-    assert PLUGIN == {"model", "reasoning_parser", "tool_parser", "engram_host_table", "text_only"}
+    assert PLUGIN == {"model", "reasoning_parser", "tool_parser", "engram_host_table", "text_only",
+                      "encoder_data_parallel"}
     assert capabilities.available_capabilities() == PLUGIN   # entry point installed: "model" counts
     assert NOT_PROVIDED <= set(CAPABILITIES) - PLUGIN
     assert CAPABILITIES["text_only"].args == ("--language-model-only",) and not CAPABILITIES["text_only"].env
+    assert CAPABILITIES["encoder_data_parallel"].args == ("--mm-enable-dp-encoder",)   # SGLang's own flag
 
 
 def test_language_only_is_not_text_only(sglang_parser) -> None:

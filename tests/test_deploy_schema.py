@@ -154,7 +154,7 @@ def test_override_rejects_malformed_assignment() -> None:
 def test_tiny_tp_configs_use_the_cached_tiny_tp8_checkpoint() -> None:
     for name in ("tiny-h200-tp4", "tiny-h200-tp8"):
         c = load_config(ROOT / "configs" / f"{name}.yaml")
-        assert c.model.tiny_seed == 0 and c.model.architecture == "tiny-tp8" and c.features.text_only
+        assert c.model.tiny_seed == 0 and c.model.architecture == "tiny-tp8" and not c.features.text_only
         assert c.validated_on == "unvalidated"
 
 
@@ -168,8 +168,10 @@ def test_architecture_names_a_known_preset() -> None:
 def test_tiny_configs_use_the_cached_tiny_checkpoint() -> None:
     for name in ("tiny-cpu", "tiny-h200-tp1", "tiny-h200-tp2"):
         c = load_config(ROOT / "configs" / f"{name}.yaml")
-        # images served on CPU (tests/test_vision_server.py); text-only on the GPU until validated there
-        assert c.model.tiny_seed == 0 and c.model.architecture == "tiny" and c.features.text_only == (name != "tiny-cpu")
+        # images served on CPU (tests/test_vision_server.py) and on the H200 (tests/test_vision_gpu.py)
+        assert c.model.tiny_seed == 0 and c.model.architecture == "tiny" and not c.features.text_only
+    dspark = load_config(ROOT / "configs" / "tiny-h200-tp1-dspark.yaml")
+    assert dspark.features.text_only          # DSpark drafting over image spans is not built (docs/vision.md)
 
 
 @pytest.mark.parametrize("command", ["launch", "plan", "doctor"])

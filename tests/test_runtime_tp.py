@@ -4,6 +4,8 @@
   the shared runtime scenarios (packed extend of mixed lengths, chunked prefill at odd and even
   boundaries mixed with decode, a prefix shared through slots, batched decode) and a single
   request alone; every rank's logits equal the TP-1 logits exactly (and each other);
+* `--mm-enable-dp-encoder` (`vision_batch.encode_images` with the TP group): the images split over
+  the two ranks and all-gathered give TP 1's span rows exactly;
 * the shard plan: group/head/expert/Engram-row ranges partition the model, illegal sizes and
   ranks are rejected with a message naming the constraint;
 * the shard loader: each rank holds only its experts, Engram rows and vocabulary block of the
@@ -41,7 +43,38 @@ _engine = engine_for
 def _outputs(engine: TorchForward) -> dict[str, torch.Tensor]:
     got = run_scenario(engine, scenario_caches(engine, CPU), CPU, fixed_decode_tokens())
     got["single"] = one_shot_logits(engine, CPU, SINGLE_PROMPT)
+    got["vision_rows"] = _encoder_rows(engine)
     return got
+
+
+def _encoder_rows(engine: TorchForward) -> torch.Tensor:
+    """Five images of three sizes through `vision_batch.encode_images` with the engine's TP group:
+    at TP 2 that is `--mm-enable-dp-encoder` (each rank encodes its share, then one all-gather); the
+    rows must equal TP 1's, which encodes all five. Seeded weights: the same tower on every rank."""
+    from types import SimpleNamespace
+
+    from sglang_dsv41.runtime.forward import fp32_default_dtype
+    from sglang_dsv41.runtime.mm_processor import GRID_KEY
+    from sglang_dsv41.runtime.vision import VisionTower
+    from sglang_dsv41.runtime.vision_batch import encode_images
+    from sglang_dsv41.vision_preprocess import ImageGrid
+
+    gen = torch.Generator().manual_seed(17)
+    with fp32_default_dtype():
+        tower = VisionTower(engine.cfg)
+    with torch.no_grad():
+        for p in tower.parameters():
+            p.copy_((0.05 * torch.randn(p.shape, generator=gen)).bfloat16().float())
+    items = []
+    for i, (n_h, n_w) in enumerate([(2, 3), (1, 1), (3, 3), (2, 2), (1, 2)]):
+        g = ImageGrid(resized_width=42 * n_w, resized_height=42 * n_h, vit_h=3 * n_h, vit_w=3 * n_w, n_h=n_h, n_w=n_w,
+                      resize_plain=False)
+        patches = torch.randn(g.num_patches, 588, generator=gen).bfloat16()
+        items.append(SimpleNamespace(hash=i, offsets=[(0, g.num_tokens - 1)], feature=patches,
+                                     model_specific_data={GRID_KEY: dict(vars(g))}))
+    rows, encoded_here = encode_images(items, tower, engine.tp)
+    assert encoded_here == len(items) if engine.tp.size == 1 else 0 < encoded_here < len(items), encoded_here
+    return torch.cat(rows)
 
 
 def tiny_config_experts(ckpt: Path) -> int:

@@ -15,7 +15,7 @@ from PIL import Image
 from sglang_dsv41.runtime import image_io
 from sglang_dsv41.runtime.image_io import load_image
 from sglang_dsv41.runtime.mm_processor import GRID_KEY, expand_placeholders
-from sglang_dsv41.runtime.vision_batch import SpanCache, batch_image_rows
+from sglang_dsv41.runtime.vision_batch import SpanCache, batch_image_rows, owners
 from sglang_dsv41.vision_preprocess import ImageGrid
 
 
@@ -114,3 +114,9 @@ def test_batch_rows_follow_chunks_and_prefix_hits() -> None:
     assert batch_image_rows(batch([0], [4], [None]), tower, cache) is None
     with pytest.raises(RuntimeError, match="language-model-only"):
         batch_image_rows(batch([0], [4], [mm]), None, cache)
+
+
+def test_encoder_owners_balance_patches_deterministically() -> None:
+    """`--mm-enable-dp-encoder`'s split: most patches first, to the least-loaded rank (ties: lower)."""
+    assert owners([9, 1, 27, 4, 2], 2) == [1, 1, 0, 1, 1]
+    assert owners([5, 5, 5, 5], 4) == [0, 1, 2, 3] and owners([], 2) == [] and owners([3], 8) == [0]

@@ -59,7 +59,8 @@ CAPABILITIES: dict[str, Capability] = {c.name: c for c in (
     Capability("encoder_data_parallel", "vision encoder data-parallel (card: --mm-encoder-tp-mode data)",
                args=("--mm-enable-dp-encoder",),
                why_not_stock="0.5.17 has --mm-enable-dp-encoder, but only the plugin's ViT can honour it "
-                             "(the V4.1 ViT is replicated per rank; runtime.md §A.10)"),
+                             "(the V4.1 ViT is replicated per rank and splits a batch's images over the TP ranks: "
+                             "runtime/vision_batch.py; runtime.md §A.10)"),
     Capability("bounded_replay_encoder", "encoder SWA bounded replay (blog: experimental)",
                env=(("SGLANG_DSV41_ENCODER_SWA_BOUNDED_REPLAY", "1"),),
                why_not_stock="0.5.23's --enable-encoder-swa-bounded-replay does not exist in 0.5.17"),

@@ -48,7 +48,7 @@ from .memory import (GIB, HUGE_PAGE, ShardLayout, WeightPlan, check_against_chec
 from .plan_report import render
 from .runtime_residency import HOST_LAYOUT, RuntimeResidency, runtime_residency
 from .schema import DeployConfigError, DeploymentConfig, apply_override, config_from_dict, raw_config
-from .vision_config import image_budget, serves_vision
+from .vision_config import image_budget, serves_vision, vision_activation
 
 DEFAULT_MEM_FRACTION = 0.9
 
@@ -179,6 +179,9 @@ class Plan:
     images: dict[str, Any] | None = None
     #: the HiCache host tier (L2) per rank (deploy/hicache_plan.py); None without HiCache
     hicache: HostTier | None = None
+    #: the vision tower's activation memory per rank in one prefill batch
+    #: (`vision_config.vision_activation`); None: no vision served
+    vision_activation: dict[str, Any] | None = None
 
     # ---- derived ----------------------------------------------------------------------------
     @property
@@ -190,6 +193,11 @@ class Plan:
         """The weights the KV budget is left after: this runtime's own (deploy/runtime_residency.py)
         where it can serve the layout, else the card's layout (deploy/memory.py)."""
         return self.runtime_weights.per_rank if self.runtime_weights is not None else self.weights.resident_per_rank
+
+    @property
+    def activation_room(self) -> float:
+        """Per-rank memory SGLang leaves outside the static budget (activations, CUDA graphs)."""
+        return self.gpu_mem_gib * GIB * (1 - self.mem_fraction)
 
     @property
     def kv_budget(self) -> float:
@@ -270,6 +278,11 @@ class Plan:
                               f"{over / GIB:.1f} GiB more than the {self.kv_budget / GIB:.1f} GiB left ({tokens})"
             return False, f"does NOT fit: {what} need {tokens}; --max-total-tokens {pool.max_total_tokens:,} caps " \
                           "the full pool"
+        va = self.vision_activation
+        if va is not None and va["total_bytes"] > self.activation_room:
+            return False, f"does NOT fit: the vision tower's activations ({va['total_bytes'] / GIB:.2f} GiB per rank " \
+                          f"in a prefill batch) exceed the {self.activation_room / GIB:.2f} GiB outside the static " \
+                          f"budget ((1 − {self.mem_fraction:g}) × {self.gpu_mem_gib:g} GiB); lower mem_fraction_static"
         return True, f"fits: {what} need {self.needed_kv / GIB:.2f} GiB of KV per rank of the " \
                      f"{self.kv_budget / GIB:.1f} GiB left (margin {(self.kv_budget - self.needed_kv) / GIB:.1f} GiB; " \
                      f"{tokens})"
@@ -318,6 +331,7 @@ class Plan:
             "fits": ok, "verdict": text, "problems": self.problems, "status": self.status,
             "launch_refusals": list(self.launch_refusals),
             "images": self.images,
+            "vision_activation": self.vision_activation,
             "runtime_weights_per_rank_gib": None if self.runtime_weights is None else self.runtime_weights.per_rank / GIB,
             "runtime_weights_note": self.runtime_weights_note,
             "hicache_host_tier": None if self.hicache is None else self.hicache.to_dict(),
@@ -358,6 +372,8 @@ def make_plan(dc: DeploymentConfig, cfg: DeepseekV41Config, model_source: str = 
         status=(f"validated on {dc.validated_on.date} ({dc.validated_on.hardware})" if dc.validated
                 else "unvalidated"),
         runtime_weights=runtime_weights, runtime_weights_note=runtime_note,
+        vision_activation=vision_activation(dc, cfg, prefill_tokens(dc.serving.chunked_prefill_size, mem, ctx),
+                                            fused_attention=not hw.kind.is_cpu),
     )
     ratio, size = hicache_setting(dc.serving.extra_args, hicache_ratio, hicache_size)
     if ratio is not None or size:
@@ -369,6 +385,16 @@ def make_plan(dc: DeploymentConfig, cfg: DeepseekV41Config, model_source: str = 
         except ValueError as e:
             plan.problems.append(str(e))
     return plan
+
+
+def prefill_tokens(chunked_prefill_size: int | None, gpu_mem_gib: float, context: int) -> int:
+    """Tokens of one prefill chunk: serving.chunked_prefill_size, else SGLang 0.5.17's default for
+    the GPU's memory (`ServerArgs._handle_gpu_memory_settings`: 2K below 35 GiB, 4K below 60, 8K
+    below 160, else 16K); -1 (chunking off) or a larger value than the context: the context."""
+    size = chunked_prefill_size
+    if size is None:
+        size = 2048 if gpu_mem_gib < 35 else 4096 if gpu_mem_gib < 60 else 8192 if gpu_mem_gib < 160 else 16384
+    return context if size <= 0 else min(size, context)
 
 
 def _runtime_weights(dc: DeploymentConfig, cfg: DeepseekV41Config) -> tuple[RuntimeResidency | None, str]:

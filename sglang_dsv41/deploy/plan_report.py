@@ -51,7 +51,18 @@ def render(p: Plan, source: str) -> str:
                  else "no cap on images per request (the card's default; one image shown)")
         lines += [f"images: {count}; an image at the {im['max_image_tokens']}-token cap takes "
                   f"{im['tokens_per_image']:,} prompt tokens (square grid: start + rows of patches and a newline + "
-                  f"end), so {im['tokens']:,} of each request's {p.context:,}-token context, KV sized with it", ""]
+                  f"end), so {im['tokens']:,} of each request's {p.context:,}-token context, KV sized with it"]
+        va = p.vision_activation
+        if va is not None:
+            lines.append(f"vision activations per rank: ViT peak {va['vit_peak_bytes'] / 2**20:.1f} MiB (one image at the cap; "
+                         f"images run one at a time, attention {va['attention']}) + span cache "
+                         f"{va['span_cache_bytes'] / 2**20:.1f} MiB + batch rows {va['batch_rows_bytes'] / 2**20:.1f} MiB "
+                         f"(≤ {va['images_per_batch']} image(s) in a {va['prefill_tokens']:,}-token prefill chunk)"
+                         + (f" + encoder all-gather {va['encoder_gather_bytes'] / 2**20:.1f} MiB"
+                            if va["encoder_gather_bytes"] else "") + " = "
+                         f"{va['total_bytes'] / 2**20:.1f} MiB of the {p.activation_room / 2**20:,.0f} MiB outside "
+                         f"the static budget; encoder: {va['encoder']}")
+        lines.append("")
     if w.engram_placement == "device":
         lines.append(f"Engram: on device, {w.engram_stored / u:.1f} {un} (tables + scales) with rows split over "
                      f"{lay.tp} rank(s): {w.engram_device_per_rank / u:.2f} {un} per rank (inside the weights above)")

@@ -17,6 +17,19 @@ Invariants
   n·(n+1)+2 with n = ⌊√max_image_tokens⌋ (start + n rows of n patches and a newline + end;
   docs/vision.md). Wider or taller images at the cap have fewer or more rows; the planner's
   budget is this square figure, the refusal uses the shortest possible span (cap + 3).
+* `vit_activation_bytes` is the peak of live tensors while `runtime/vision.VisionTower.encode` runs
+  ONE image at the token cap (the tower encodes images one after another, so the peak does not grow
+  with the image count): N = k²·cap patches, T = cap tokens, fp32 (4 B) intermediates of the
+  torch path (docs/vision.md "ViT activation memory"). Terms, in bytes: patches + RoPE tables
+  12·N·p² + 6·N·hd, plus the largest stage of attention 32·N·D + (scores 8·heads·N² with SDPA's
+  math kernel, CPU; 16·N·D with a fused kernel, CUDA), MLP 8·N·D + 20·N·I, aligner 16·N·D + 18·T·H.
+  tests/test_vision_activation.py measures the live bytes on CPU and holds the formula to them.
+* `vision_activation` adds what a prefill batch holds besides: the span cache's rows
+  (`vision_batch.SpanCache`, up to 16 images' spans) and the batch's image rows (positions inside
+  one prefill chunk, twice: the pieces and their concatenation), H fp32 values per row. With
+  `features.encoder_data_parallel` at TP > 1 (`--mm-enable-dp-encoder`: each rank encodes its share
+  of the batch's images, then one all-gather) also the gather: every rank's padded block and the
+  gathered result, at most twice the batch's image rows.
 """
 from __future__ import annotations
 
@@ -86,6 +99,50 @@ def image_budget(dc: "DeploymentConfig", cfg: "DeepseekV41Config") -> dict[str, 
             "max_image_tokens": cfg.vision.max_image_tokens}
 
 
+#: images whose span rows `runtime/vision_batch.SpanCache` keeps (its default capacity)
+SPAN_CACHE_IMAGES = 16
+
+
+def vit_activation_bytes(vcfg: VisionConfig, text_hidden: int, *, fused_attention: bool) -> int:
+    """Peak live bytes of encoding one image at the token cap (module invariants)."""
+    k, p, d, i, hd, heads = (vcfg.downsample_ratio, vcfg.patch_size, vcfg.hidden_size, vcfg.intermediate_size,
+                             vcfg.head_dim, vcfg.num_attention_heads)
+    t = vcfg.max_image_tokens
+    n = k * k * t
+    base = 12 * n * p * p + 6 * n * hd
+    attention = 32 * n * d + (16 * n * d if fused_attention else 8 * heads * n * n)
+    mlp = 8 * n * d + 20 * n * i
+    aligner = 16 * n * d + 18 * t * text_hidden
+    return base + max(attention, mlp, aligner)
+
+
+def vision_activation(dc: "DeploymentConfig", cfg: "DeepseekV41Config", prefill_tokens: int,
+                      fused_attention: bool) -> dict[str, object] | None:
+    """The vision part of one prefill batch's activation memory per rank (None: no vision served).
+    `images_per_batch`: images at the cap whose spans one chunk of `prefill_tokens` can overlap
+    (capped by features.max_images_per_request × serving.max_running_requests when both are set)."""
+    if not serves_vision(dc, cfg):
+        return None
+    assert cfg.vision is not None
+    span, hidden = image_span_tokens(cfg.vision), cfg.text.hidden_size
+    images = -(-prefill_tokens // (cfg.vision.max_image_tokens + 3)) + 1
+    n, running = dc.features.max_images_per_request, dc.serving.max_running_requests
+    if n is not None and running is not None:
+        images = min(images, n * running)
+    vit = vit_activation_bytes(cfg.vision, hidden, fused_attention=fused_attention)
+    cache = min(images, SPAN_CACHE_IMAGES) * span * hidden * 4
+    rows = 2 * min(prefill_tokens, images * span) * hidden * 4
+    dp = dc.features.encoder_data_parallel and dc.parallel.tp > 1
+    gather = 2 * images * span * hidden * 4 if dp else 0
+    return {"images_per_batch": images, "prefill_tokens": prefill_tokens, "vit_peak_bytes": vit,
+            "span_cache_bytes": cache, "batch_rows_bytes": rows, "encoder_gather_bytes": gather,
+            "encoder": (f"data-parallel over {dc.parallel.tp} ranks" if dp else
+                        "every rank encodes every image" + (" (encoder_data_parallel is a no-op at TP 1)"
+                                                            if dc.features.encoder_data_parallel else "")),
+            "total_bytes": vit + cache + rows + gather,
+            "attention": "fused (no score matrix)" if fused_attention else "math (heads·N² scores)"}
+
+
 def checkpoint_problems(dc: "DeploymentConfig", cfg: "DeepseekV41Config") -> list[str]:
     """Vision rules that need the checkpoint's config.json."""
     f, out = dc.features, []
@@ -105,5 +162,5 @@ def checkpoint_problems(dc: "DeploymentConfig", cfg: "DeepseekV41Config") -> lis
     return out
 
 
-__all__ = ["FEATURE_FLAGS", "LIMIT_FLAG", "checkpoint_problems", "image_budget", "image_span_tokens", "limit_args",
-           "schema_problems", "serves_vision"]
+__all__ = ["FEATURE_FLAGS", "LIMIT_FLAG", "SPAN_CACHE_IMAGES", "checkpoint_problems", "image_budget", "image_span_tokens", "limit_args",
+           "schema_problems", "serves_vision", "vision_activation", "vit_activation_bytes"]

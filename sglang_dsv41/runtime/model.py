@@ -131,6 +131,9 @@ class DeepseekV41ForCausalLM(nn.Module):
             #: the vision tower (None: no vision_config, or --language-model-only)
             self.vision_tower = VisionTower(self.cfg) if self.cfg.has_vision and not language_model_only() else None
         self._spans = SpanCache()
+        #: SGLang's --mm-enable-dp-encoder: the images of a batch split over the TP ranks (vision_batch.py);
+        #: at TP 1 there is nothing to split (SGLang warns so itself)
+        self._encoder_dp = self.tp if self.vision_tower is not None and self.tp.size > 1 and dp_encoder() else None
         self.lm_head = LMHead(self.torch_forward.head.tensors["head.weight"], self.cfg.text.vocab_size)
         self.logits_processor = LogitsProcessor(config, skip_all_gather=True)   # the head gathers its logits
         self.caches: RuntimeCaches | None = None
@@ -205,8 +208,10 @@ class DeepseekV41ForCausalLM(nn.Module):
                     held / 2**30, "; routed experts MXFP4 for the Triton kernel" if self.device.type == "cuda" else "",
                     self.engram_placement, tf.backend.name, self.device, tf.attention_ops.description)
         if self.vision_tower is not None:
-            logger.info("sglang-dsv41: vision tower loaded (%d ViT layers, torch path on %s)",
-                        self.cfg.vision.num_hidden_layers, self.device)
+            logger.info("sglang-dsv41: vision tower loaded (%d ViT layers, torch path on %s; %s)",
+                        self.cfg.vision.num_hidden_layers, self.device,
+                        f"encoder data-parallel over {self.tp.size} ranks" if self._encoder_dp is not None
+                        else "every rank encodes every image")
         metrics.publish_engram((t for t in tf.weights.values() if hasattr(t, "placement")),
                                self.engram_placement, self.tp.rank)
 
@@ -281,7 +286,7 @@ class DeepseekV41ForCausalLM(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, forward_batch, *args, **kwargs):
         from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
 
-        image_embeds = batch_image_rows(forward_batch, self.vision_tower, self._spans)
+        image_embeds = batch_image_rows(forward_batch, self.vision_tower, self._spans, self._encoder_dp)
         if getattr(forward_batch, "input_embeds", None) is not None:
             raise RuntimeError("sglang-dsv41 torch path: input_embeds requests are not supported "
                                "(text token ids only in this phase)")
@@ -305,6 +310,13 @@ def language_model_only() -> bool:
     from sglang.srt.server_args import get_global_server_args
 
     return getattr(get_global_server_args(), "enable_multimodal", None) is False
+
+
+def dp_encoder() -> bool:
+    """SGLang's `--mm-enable-dp-encoder` (the encoder replicated, images split over the TP ranks)."""
+    from sglang.srt.server_args import get_global_server_args
+
+    return bool(getattr(get_global_server_args(), "mm_enable_dp_encoder", False))
 
 
 def deterministic_inference() -> bool:
