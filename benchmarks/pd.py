@@ -71,10 +71,29 @@ def http(url: str, body: dict[str, Any] | None = None, timeout: float = 300) -> 
 class Proc:
     """One process in its own group, output to `log`."""
 
-    def __init__(self, argv: list[str], log: Path) -> None:
+    def __init__(self, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.log = log
         self._f = open(log, "w")
-        self.p = subprocess.Popen(argv, stdout=self._f, stderr=subprocess.STDOUT, start_new_session=True)
+        self.p = subprocess.Popen(argv, stdout=self._f, stderr=subprocess.STDOUT, start_new_session=True,
+                                  env=None if not env else {**os.environ, **env})
+
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) of the process and its descendants so far (the scheduler,
+        tokenizer and detokenizer of a server are its children)."""
+        import psutil
+
+        total = 0.0
+        try:
+            root = psutil.Process(self.p.pid)
+            for q in [root, *root.children(recursive=True)]:
+                try:
+                    t = q.cpu_times()
+                    total += t.user + t.system
+                except psutil.NoSuchProcess:
+                    pass
+        except psutil.NoSuchProcess:
+            pass
+        return total
 
     def tail(self, n: int = 3000) -> str:
         self._f.flush()
@@ -106,13 +125,14 @@ def wait_up(url: str, procs: list[Proc], timeout_s: float) -> None:
     raise TimeoutError(f"{url} not up after {timeout_s} s:\n" + "\n".join(p.tail() for p in procs))
 
 
-def serve(args: argparse.Namespace, port: int, log: Path, extra: list[str]) -> Proc:
+def serve(args: argparse.Namespace, port: int, log: Path, extra: list[str],
+          env: dict[str, str] | None = None) -> Proc:
     """Every server of both set-ups gets the same flags (metrics on everywhere, so that their cost
-    is on both sides of the comparison); `extra` adds only the PD role."""
+    is on both sides of the comparison); `extra` adds only the PD role, `env` its thread split."""
     return Proc([sys.executable, "-m", "sglang_dsv41.cli", "serve", "--device", args.device, "--model-path",
                  str(args.checkpoint), "--port", str(port), "--max-total-tokens", str(args.max_total_tokens),
                  "--max-running-requests", str(max(args.concurrency)), "--enable-metrics", *args.server_arg,
-                 *extra], log)
+                 *extra], log, env)
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -249,20 +269,25 @@ def tool_call(target: Target) -> dict[str, Any]:
             "content": choice["message"].get("content") or ""}
 
 
-def measure(args: argparse.Namespace, target: Target, prefill_url: str | None) -> dict[str, Any]:
+def measure(args: argparse.Namespace, target: Target, prefill_url: str | None,
+            procs: dict[str, Proc]) -> dict[str, Any]:
+    """Every level also records each server's CPU seconds over its wall time (`cpu_s`): on a
+    shared CPU host this shows who burns the cores (docs/pd.md "Concurrent PD requests on CPU")."""
     load0 = os.getloadavg()[0]
     target.call(lambda url, extra: http(url + "/generate", {"input_ids": prompt(2, args.prompt_len), "sampling_params": {
         "max_new_tokens": 2, "temperature": 0}, **extra}, timeout=600))          # warm-up
     levels = []
     for c in args.concurrency:
         before = transfer_metrics(prefill_url) if prefill_url else None
+        cpu0 = {k: p.cpu_s() for k, p in procs.items()}
         level = run_level(target, c, args.rounds, args.prompt_len, args.new_tokens, seed=10 * c)
+        level["cpu_s"] = {k: round(p.cpu_s() - cpu0[k], 2) for k, p in procs.items()}
         if prefill_url:
             time.sleep(2)
             level["transfer"] = transfer_delta(before, transfer_metrics(prefill_url))
         levels.append(level)
-        print(json.dumps({k: level[k] for k in ("concurrency", "n_errors", "ttft_s", "itl_s", "output_tokens_per_s")}),
-              flush=True)
+        print(json.dumps({k: level[k] for k in ("concurrency", "n_errors", "ttft_s", "itl_s", "output_tokens_per_s",
+                                                "wall_s", "cpu_s")}), flush=True)
     out = {"levels": levels, "tool_call": tool_call(target)}
     out["loadavg_1m_start_end"] = [round(load0, 2), round(os.getloadavg()[0], 2)]    # the host is shared
     return out
@@ -271,22 +296,27 @@ def measure(args: argparse.Namespace, target: Target, prefill_url: str | None) -
 def run(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     result: dict[str, Any] = {"device": args.device, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                               "rounds": args.rounds, "concurrency": args.concurrency, "router": not args.no_router}
+    result["pd_threads"] = args.pd_threads
     procs: list[Proc] = []
-    try:
-        port = free_port()
-        procs = [serve(args, port, logs / "colocated.log", [])]
-        wait_up(f"http://127.0.0.1:{port}/health_generate", procs, args.startup_s)
-        result["colocated"] = measure(args, Target(f"http://127.0.0.1:{port}"), None)
-    finally:
-        for p in procs:
-            p.stop()
+    if "colocated" in args.setups:
+        try:
+            port = free_port()
+            procs = [serve(args, port, logs / "colocated.log", [])]
+            wait_up(f"http://127.0.0.1:{port}/health_generate", procs, args.startup_s)
+            result["colocated"] = measure(args, Target(f"http://127.0.0.1:{port}"), None, {"colocated": procs[0]})
+        finally:
+            for p in procs:
+                p.stop()
+    if "pd" not in args.setups:
+        return result
     procs = []
+    env = {"OMP_NUM_THREADS": str(args.pd_threads)} if args.pd_threads else None
     try:
         pport, dport, boot = free_port(), free_port(), free_port()
         pd = ["--disaggregation-transfer-backend", "mooncake"]
         procs = [serve(args, pport, logs / "prefill.log", [*pd, "--disaggregation-mode", "prefill",
-                                                            "--disaggregation-bootstrap-port", str(boot)]),
-                 serve(args, dport, logs / "decode.log", [*pd, "--disaggregation-mode", "decode"])]
+                                                            "--disaggregation-bootstrap-port", str(boot)], env),
+                 serve(args, dport, logs / "decode.log", [*pd, "--disaggregation-mode", "decode"], env)]
         P, D = f"http://127.0.0.1:{pport}", f"http://127.0.0.1:{dport}"
         wait_up(P + "/health", procs, args.startup_s)
         wait_up(D + "/health", procs, args.startup_s)
@@ -300,7 +330,7 @@ def run(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
                                str(free_port())], logs / "router.log"))
             wait_up(f"http://127.0.0.1:{rport}/readiness", procs, args.startup_s)
             target = Target(f"http://127.0.0.1:{rport}")
-        result["pd"] = measure(args, target, P)
+        result["pd"] = measure(args, target, P, dict(zip(("prefill", "decode", "router"), procs)))
         layout = http(f"http://127.0.0.1:{boot}{LAYOUT_ROUTE}", timeout=30)
         pages = math.ceil(args.prompt_len / layout["page_size"])
         result["layout"] = layout
@@ -308,7 +338,8 @@ def run(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     finally:
         for p in procs:
             p.stop()
-    result["tool_call_equal"] = result["pd"]["tool_call"] == result["colocated"]["tool_call"]
+    if "colocated" in result:
+        result["tool_call_equal"] = result["pd"]["tool_call"] == result["colocated"]["tool_call"]
     return result
 
 
@@ -322,6 +353,8 @@ def plot(result: dict[str, Any], path: Path) -> str:
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     for name in ("colocated", "pd"):
+        if name not in result:
+            continue
         lv = result[name]["levels"]
         cs = [x["concurrency"] for x in lv]
         axes[0].plot(cs, [x["ttft_s"]["mean"] for x in lv], "o-", label=name)
@@ -352,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-arg", action="append", default=[], help="extra `serve` argument (repeat)")
     ap.add_argument("--no-router", action="store_true", help="post to prefill and decode with bootstrap fields")
     ap.add_argument("--startup-s", type=float, default=600)
+    ap.add_argument("--setups", nargs="+", default=["colocated", "pd"], choices=("colocated", "pd"))
+    ap.add_argument("--pd-threads", type=int, default=0,
+                    help="OMP_NUM_THREADS of each PD server (0: unset; on CPU: cores / 2, docs/pd.md)")
     ap.add_argument("--out", type=Path, default=RESULTS / "pd_cpu.json")
     args = ap.parse_args(argv)
     import tempfile
@@ -372,10 +408,11 @@ def main(argv: list[str] | None = None) -> int:
     note = plot(result, args.out.with_suffix(".png"))
     result["png"] = note or args.out.with_suffix(".png").name
     args.out.write_text(json.dumps(result, indent=2))
-    errors = sum(x["n_errors"] for k in ("colocated", "pd") for x in result[k]["levels"])
-    print(json.dumps({"wall_s": result["wall_s"], "errors": errors, "tool_call_equal": result["tool_call_equal"],
-                      "kv_page_bytes_per_request": result["kv_page_bytes_per_request"],
-                      "transfer": [x.get("transfer") for x in result["pd"]["levels"]], "png": result["png"]}))
+    errors = sum(x["n_errors"] for k in ("colocated", "pd") if k in result for x in result[k]["levels"])
+    print(json.dumps({"wall_s": result["wall_s"], "errors": errors, "tool_call_equal": result.get("tool_call_equal"),
+                      "kv_page_bytes_per_request": result.get("kv_page_bytes_per_request"),
+                      "transfer": [x.get("transfer") for x in result.get("pd", {}).get("levels", [])],
+                      "png": result["png"]}))
     return 1 if errors else 0
 
 

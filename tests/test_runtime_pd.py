@@ -345,3 +345,34 @@ def test_plain_prefill_cannot_feed_a_dspark_decode() -> None:
     _, _, _, spec = _side(8, True)
     diff = pd_layout.mismatch(plain, spec)
     assert diff is not None and "dspark_context: prefill []" in diff and "kv_buffers: prefill 2, decode 6" in diff
+
+
+# ---- CPU: no busy-wait while requests wait on the peer (runtime/pd_cpu.py) ------------------------
+
+def test_cpu_pd_scheduler_waits_instead_of_spinning(runtime_hooks) -> None:
+    """`Scheduler.on_idle` (hooked): a CPU PD server with requests only in its disaggregation queues
+    waits on SGLang's idle poller; a fully idle, GPU or non-PD server is left to SGLang."""
+    from sglang_dsv41.runtime import pd_cpu
+
+    assert any(s.impl.endswith("pd_cpu:on_idle_hook") for s in runtime_hooks)       # installed and verified
+
+    class Poller:
+        def __init__(self) -> None:
+            self.waits: list[int] = []
+
+        def poll(self, ms: int) -> None:
+            self.waits.append(ms)
+
+    def sched(device: str, mode: str, idle: bool) -> SimpleNamespace:
+        return SimpleNamespace(server_args=SimpleNamespace(device=device, disaggregation_mode=mode),
+                               is_fully_idle=lambda: idle, idle_sleeper=SimpleNamespace(poller=Poller()))
+
+    waiting = sched("cpu", "decode", idle=False)
+    assert pd_cpu.on_idle_hook("r", waiting) == "r" and waiting.idle_sleeper.poller.waits == [pd_cpu.WAIT_MS]
+    for other in (sched("cpu", "prefill", True), sched("cuda", "decode", False), sched("cpu", "null", False)):
+        pd_cpu.on_idle_hook(None, other)
+        assert other.idle_sleeper.poller.waits == []
+    t0 = __import__("time").perf_counter()
+    pd_cpu.on_idle_hook(None, SimpleNamespace(server_args=waiting.server_args, is_fully_idle=lambda: False,
+                                              idle_sleeper=None))
+    assert __import__("time").perf_counter() - t0 >= pd_cpu.WAIT_MS / 1000 * 0.9   # no poller: a plain sleep
