@@ -10,6 +10,9 @@ host/port/room, as the router does. The same client runs in both set-ups:
 * at each concurrency C, C streams at a time of greedy ``/generate`` (prompt ``--prompt-len``
   random ids, ``--new-tokens`` with EOS ignored), ``--rounds`` waves: TTFT (first streamed
   chunk), ITL ((last − first chunk time) / (tokens − 1)) and output tokens/s of the wave;
+* several ``--prompt-len`` values run one after another on the same servers (levels carry
+  ``prompt_len``); on CUDA the device-to-device copy bandwidth of GPU 0 is measured first
+  (``device_copy_gb_s``), the ceiling for the per-request transfer bandwidth;
 * transfer, PD only: SGLang's own per-request numbers from the prefill's ``/metrics``
   (``sglang:kv_transfer_{latency_ms,total_mb,speed_gb_s}`` histograms, differenced around each
   concurrency level; its total counts KV pages × Σ kv item lens + state indices × Σ state item
@@ -71,10 +74,29 @@ def http(url: str, body: dict[str, Any] | None = None, timeout: float = 300) -> 
 class Proc:
     """One process in its own group, output to `log`."""
 
-    def __init__(self, argv: list[str], log: Path) -> None:
+    def __init__(self, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.log = log
         self._f = open(log, "w")
-        self.p = subprocess.Popen(argv, stdout=self._f, stderr=subprocess.STDOUT, start_new_session=True)
+        self.p = subprocess.Popen(argv, stdout=self._f, stderr=subprocess.STDOUT, start_new_session=True,
+                                  env=None if not env else {**os.environ, **env})
+
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) of the process and its descendants so far (the scheduler,
+        tokenizer and detokenizer of a server are its children)."""
+        import psutil
+
+        total = 0.0
+        try:
+            root = psutil.Process(self.p.pid)
+            for q in [root, *root.children(recursive=True)]:
+                try:
+                    t = q.cpu_times()
+                    total += t.user + t.system
+                except psutil.NoSuchProcess:
+                    pass
+        except psutil.NoSuchProcess:
+            pass
+        return total
 
     def tail(self, n: int = 3000) -> str:
         self._f.flush()
@@ -106,13 +128,14 @@ def wait_up(url: str, procs: list[Proc], timeout_s: float) -> None:
     raise TimeoutError(f"{url} not up after {timeout_s} s:\n" + "\n".join(p.tail() for p in procs))
 
 
-def serve(args: argparse.Namespace, port: int, log: Path, extra: list[str]) -> Proc:
+def serve(args: argparse.Namespace, port: int, log: Path, extra: list[str],
+          env: dict[str, str] | None = None) -> Proc:
     """Every server of both set-ups gets the same flags (metrics on everywhere, so that their cost
-    is on both sides of the comparison); `extra` adds only the PD role."""
+    is on both sides of the comparison); `extra` adds only the PD role, `env` its thread split."""
     return Proc([sys.executable, "-m", "sglang_dsv41.cli", "serve", "--device", args.device, "--model-path",
                  str(args.checkpoint), "--port", str(port), "--max-total-tokens", str(args.max_total_tokens),
                  "--max-running-requests", str(max(args.concurrency)), "--enable-metrics", *args.server_arg,
-                 *extra], log)
+                 *extra], log, env)
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -249,44 +272,82 @@ def tool_call(target: Target) -> dict[str, Any]:
             "content": choice["message"].get("content") or ""}
 
 
-def measure(args: argparse.Namespace, target: Target, prefill_url: str | None) -> dict[str, Any]:
+def measure(args: argparse.Namespace, target: Target, prefill_url: str | None,
+            procs: dict[str, Proc]) -> dict[str, Any]:
+    """Every level also records each server's CPU seconds over its wall time (`cpu_s`): on a
+    shared CPU host this shows who burns the cores (docs/pd.md "Concurrent PD requests on CPU")."""
     load0 = os.getloadavg()[0]
-    target.call(lambda url, extra: http(url + "/generate", {"input_ids": prompt(2, args.prompt_len), "sampling_params": {
-        "max_new_tokens": 2, "temperature": 0}, **extra}, timeout=600))          # warm-up
+    target.call(lambda url, extra: http(url + "/generate", {"input_ids": prompt(2, args.prompt_len[0]),
+                                                            "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+                                                            **extra}, timeout=600))          # warm-up
     levels = []
-    for c in args.concurrency:
+    for plen, c in [(n, c) for n in args.prompt_len for c in args.concurrency]:
         before = transfer_metrics(prefill_url) if prefill_url else None
-        level = run_level(target, c, args.rounds, args.prompt_len, args.new_tokens, seed=10 * c)
+        cpu0 = {k: p.cpu_s() for k, p in procs.items()}
+        level = {"prompt_len": plen, **run_level(target, c, args.rounds, plen, args.new_tokens, seed=10 * c + plen)}
+        level["cpu_s"] = {k: round(p.cpu_s() - cpu0[k], 2) for k, p in procs.items()}
         if prefill_url:
             time.sleep(2)
             level["transfer"] = transfer_delta(before, transfer_metrics(prefill_url))
         levels.append(level)
-        print(json.dumps({k: level[k] for k in ("concurrency", "n_errors", "ttft_s", "itl_s", "output_tokens_per_s")}),
-              flush=True)
+        print(json.dumps({k: level[k] for k in ("prompt_len", "concurrency", "n_errors", "ttft_s", "itl_s", "output_tokens_per_s",
+                                                "wall_s", "cpu_s")}), flush=True)
     out = {"levels": levels, "tool_call": tool_call(target)}
     out["loadavg_1m_start_end"] = [round(load0, 2), round(os.getloadavg()[0], 2)]    # the host is shared
     return out
 
 
+def device_copy_gb_s(nbytes: int = 1 << 30, reps: int = 10) -> float:
+    """Device-to-device copy bandwidth of GPU 0 (read + write counted once, as a transfer is): the
+    ceiling the per-request KV transfer bandwidth is held against on a GPU."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    gb_s = nbytes * reps / (time.perf_counter() - t0) / 1e9
+    del src, dst
+    torch.cuda.empty_cache()
+    return gb_s
+
+
+def save(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """Write what is measured so far (a capped run that is stopped keeps its finished set-ups)."""
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+
+
 def run(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
-    result: dict[str, Any] = {"device": args.device, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+    result: dict[str, Any] = {"device": args.device, "prompt_len": args.prompt_len,
+                              "device_copy_gb_s": device_copy_gb_s() if args.device == "cuda" else None, "new_tokens": args.new_tokens,
                               "rounds": args.rounds, "concurrency": args.concurrency, "router": not args.no_router}
+    result["pd_threads"] = args.pd_threads
     procs: list[Proc] = []
-    try:
-        port = free_port()
-        procs = [serve(args, port, logs / "colocated.log", [])]
-        wait_up(f"http://127.0.0.1:{port}/health_generate", procs, args.startup_s)
-        result["colocated"] = measure(args, Target(f"http://127.0.0.1:{port}"), None)
-    finally:
-        for p in procs:
-            p.stop()
+    if "colocated" in args.setups:
+        try:
+            port = free_port()
+            procs = [serve(args, port, logs / "colocated.log", [])]
+            wait_up(f"http://127.0.0.1:{port}/health_generate", procs, args.startup_s)
+            result["colocated"] = measure(args, Target(f"http://127.0.0.1:{port}"), None, {"colocated": procs[0]})
+            save(args, result)
+        finally:
+            for p in procs:
+                p.stop()
+    if "pd" not in args.setups:
+        return result
     procs = []
+    env = {"OMP_NUM_THREADS": str(args.pd_threads)} if args.pd_threads else None
     try:
         pport, dport, boot = free_port(), free_port(), free_port()
         pd = ["--disaggregation-transfer-backend", "mooncake"]
         procs = [serve(args, pport, logs / "prefill.log", [*pd, "--disaggregation-mode", "prefill",
-                                                            "--disaggregation-bootstrap-port", str(boot)]),
-                 serve(args, dport, logs / "decode.log", [*pd, "--disaggregation-mode", "decode"])]
+                                                            "--disaggregation-bootstrap-port", str(boot)], env),
+                 serve(args, dport, logs / "decode.log", [*pd, "--disaggregation-mode", "decode"], env)]
         P, D = f"http://127.0.0.1:{pport}", f"http://127.0.0.1:{dport}"
         wait_up(P + "/health", procs, args.startup_s)
         wait_up(D + "/health", procs, args.startup_s)
@@ -300,15 +361,16 @@ def run(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
                                str(free_port())], logs / "router.log"))
             wait_up(f"http://127.0.0.1:{rport}/readiness", procs, args.startup_s)
             target = Target(f"http://127.0.0.1:{rport}")
-        result["pd"] = measure(args, target, P)
+        result["pd"] = measure(args, target, P, dict(zip(("prefill", "decode", "router"), procs)))
         layout = http(f"http://127.0.0.1:{boot}{LAYOUT_ROUTE}", timeout=30)
-        pages = math.ceil(args.prompt_len / layout["page_size"])
         result["layout"] = layout
-        result["kv_page_bytes_per_request"] = pages * sum(layout["kv_item_lens"])
+        result["kv_page_bytes_per_request"] = {n: math.ceil(n / layout["page_size"]) * sum(layout["kv_item_lens"])
+                                               for n in args.prompt_len}
     finally:
         for p in procs:
             p.stop()
-    result["tool_call_equal"] = result["pd"]["tool_call"] == result["colocated"]["tool_call"]
+    if "colocated" in result:
+        result["tool_call_equal"] = result["pd"]["tool_call"] == result["colocated"]["tool_call"]
     return result
 
 
@@ -322,17 +384,20 @@ def plot(result: dict[str, Any], path: Path) -> str:
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     for name in ("colocated", "pd"):
-        lv = result[name]["levels"]
-        cs = [x["concurrency"] for x in lv]
-        axes[0].plot(cs, [x["ttft_s"]["mean"] for x in lv], "o-", label=name)
-        axes[1].plot(cs, [1e3 * (x["itl_s"]["mean"] or 0) for x in lv], "o-", label=name)
-        axes[2].plot(cs, [x["output_tokens_per_s"] for x in lv], "o-", label=name)
+        if name not in result:
+            continue
+        for plen in result["prompt_len"]:
+            lv = [x for x in result[name]["levels"] if x["prompt_len"] == plen]
+            cs, label = [x["concurrency"] for x in lv], f"{name} {plen}"
+            axes[0].plot(cs, [x["ttft_s"]["mean"] for x in lv], "o-", label=label)
+            axes[1].plot(cs, [1e3 * (x["itl_s"]["mean"] or 0) for x in lv], "o-", label=label)
+            axes[2].plot(cs, [x["output_tokens_per_s"] for x in lv], "o-", label=label)
     for ax, title in zip(axes, ("mean TTFT (s)", "mean ITL (ms)", "output tokens/s")):
         ax.set(xlabel="concurrency", title=title, xscale="log", xticks=result["concurrency"])
         ax.set_xticklabels([str(c) for c in result["concurrency"]])
         ax.minorticks_off()
         ax.legend()
-    fig.suptitle(f"1P1D vs colocated, {result['device']}, prompt {result['prompt_len']}, "
+    fig.suptitle(f"1P1D vs colocated, {result['device']}, prompts {result['prompt_len']}, "
                  f"{result['new_tokens']} new tokens" + ("" if result["router"] else " (no router)"))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -346,14 +411,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, nargs="+", default=[256])
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--max-total-tokens", type=int, default=8192)
     ap.add_argument("--server-arg", action="append", default=[], help="extra `serve` argument (repeat)")
     ap.add_argument("--no-router", action="store_true", help="post to prefill and decode with bootstrap fields")
     ap.add_argument("--startup-s", type=float, default=600)
+    ap.add_argument("--setups", nargs="+", default=["colocated", "pd"], choices=("colocated", "pd"))
+    ap.add_argument("--pd-threads", type=int, default=0,
+                    help="OMP_NUM_THREADS of each PD server (0: unset; on CPU: cores / 2, docs/pd.md)")
     ap.add_argument("--out", type=Path, default=RESULTS / "pd_cpu.json")
     args = ap.parse_args(argv)
+
+    def stop(signum, frame):                 # `timeout` sends SIGTERM: stop the servers, keep the JSON
+        raise SystemExit(f"stopped by signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(os.environ.get("OUT", tmp))
@@ -368,14 +441,14 @@ def main(argv: list[str] | None = None) -> int:
         # a shared host's load moves both set-ups' numbers: record it with the date
         result["host"] = {"date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "cpus": os.cpu_count(),
                           "loadavg_1m_start_end": [round(load0[0], 2), round(os.getloadavg()[0], 2)]}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     note = plot(result, args.out.with_suffix(".png"))
     result["png"] = note or args.out.with_suffix(".png").name
-    args.out.write_text(json.dumps(result, indent=2))
-    errors = sum(x["n_errors"] for k in ("colocated", "pd") for x in result[k]["levels"])
-    print(json.dumps({"wall_s": result["wall_s"], "errors": errors, "tool_call_equal": result["tool_call_equal"],
-                      "kv_page_bytes_per_request": result["kv_page_bytes_per_request"],
-                      "transfer": [x.get("transfer") for x in result["pd"]["levels"]], "png": result["png"]}))
+    save(args, result)
+    errors = sum(x["n_errors"] for k in ("colocated", "pd") if k in result for x in result[k]["levels"])
+    print(json.dumps({"wall_s": result["wall_s"], "errors": errors, "tool_call_equal": result.get("tool_call_equal"),
+                      "kv_page_bytes_per_request": result.get("kv_page_bytes_per_request"),
+                      "transfer": [x.get("transfer") for x in result.get("pd", {}).get("levels", [])],
+                      "png": result["png"]}))
     return 1 if errors else 0
 
 

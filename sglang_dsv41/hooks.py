@@ -205,7 +205,8 @@ HOOKS += (
         params=("kv_args", "token_to_kv_pool", "draft_token_to_kv_pool", "total_kv_layers", "req_to_token_pool"),
         area="runtime",
         why="SGLang registers whatever the pool lists: zero-size regions break Mooncake transfers and an odd "
-            "buffer count loses its last buffer in the K/V halving; the layout fingerprint for the bootstrap "
+            "buffer count loses its last buffer in the K/V halving (a DSpark draft pool's odd stage count is "
+            "padded here); the layout fingerprint for the bootstrap "
             "handshake is taken here, and the pool selected for the pair-ring index rule."),
     HookSpec(
         target=f"{_DISAGG}.utils.get_dsv4_c128_state_indices", kind="around",
@@ -234,7 +235,13 @@ HOOKS += (
         target=f"{_DISAGG}.common.conn.CommonKVManager.try_ensure_parallel_info", kind="around",
         impl=f"{_PD_LAYOUT}:try_ensure_parallel_info_hook", params=("self", "bootstrap_addr"), area="runtime",
         why="a decode server must refuse a prefill with another layout (item sizes, ratios, page size, TP, "
-            "DSpark block) instead of copying bytes into the wrong rows."),
+            "DSpark context) instead of copying bytes into the wrong rows."),
+    HookSpec(
+        target="sglang.srt.managers.scheduler.Scheduler.on_idle", kind="after",
+        impl="sglang_dsv41.runtime.pd_cpu:on_idle_hook", params=("self",), area="runtime",
+        why="a CPU PD server whose requests only wait on the peer spins its event loop at full speed (on_idle "
+            "returns at once unless fully idle), taking a core from the peer's forward: concurrent PD requests "
+            "serialised on CPU (docs/pd.md)."),
 )
 
 HOOKS += (

@@ -169,7 +169,7 @@ def test_runtime_pool_hooks_are_applied(runtime_hooks):
                        "ServerArgs._handle_cuda_graph_config", "ServerArgs.add_cli_args", "utils.setup_state_kv_args",
                        "utils.get_dsv4_c128_state_indices", "ScheduleBatchDisaggregationDecodeMixin.prepare_for_prebuilt",
                        "CommonKVBootstrapServer._setup_routes", "CommonKVManager.register_to_bootstrap",
-                       "CommonKVManager.try_ensure_parallel_info",
+                       "CommonKVManager.try_ensure_parallel_info", "Scheduler.on_idle",
                        "ModelConfig._config_draft_model", "draft_worker_common._resolve_draft_attention_backend_fallback",
                        "DSparkWorkerV2._commit_target_mamba_states_after_verify", "UnifiedRadixCache.load_back"}
     assert all(hooks.is_applied(s) for s in runtime_hooks)

@@ -284,13 +284,31 @@ def test_sglang_class_interface_and_static_mode(sglang_draft):
     assert model.markov_head.markov_rank == cfg.text.dspark_markov_rank
     assert model.confidence_head is None and not model.enable_confidence_head   # SGLang default: static verify
     assert model.lm_head.weight.shape == (cfg.text.vocab_size, cfg.text.hidden_size)      # the attached target head
-    with pytest.raises(RuntimeError, match="PD"):
-        model.prune_to_ctx_kv_injection()
     with pytest.raises(ValueError, match="weight"):
         model.attach_shared_modules(embed_tokens=_Holder(torch.zeros(3, 3)), lm_head=_Holder(torch.zeros(3, 3)))
     names = {n for n, _ in model.named_parameters()}
     assert names and all(".mtp" not in n for n in names) and len(names) == len(set(names))
     assert not any("embed_tokens" in n or "lm_head" in n for n in names)         # target modules not owned
+
+
+def test_pd_prefill_prune_keeps_context_rows_and_refuses_a_block(sglang_draft):
+    """On a PD prefill SGLang calls `prune_to_ctx_kv_injection`: the context rows are still written
+    (they travel to the decode, docs/pd.md), a block forward is refused."""
+    from sglang_dsv41.runtime.dspark_pool import DeepseekV41DSparkPool
+
+    model, cfg, _ = sglang_draft
+    pool = DeepseekV41DSparkPool(cfg.text, size=30, page_size=2, device="cpu")
+    try:
+        model.prune_to_ctx_kv_injection()
+        model.write_target_hidden_kv(target_hidden=_features(3, seed=5).reshape(3, -1), pool=pool,
+                                     positions=torch.arange(3), cache_loc=torch.tensor([4, 5, 6]))
+        assert pool.dspark_context.kv[0][4:7].abs().sum() > 0 and not pool.dspark_context.kv[0][7:].any()
+        with pytest.raises(RuntimeError, match="PD prefill"):
+            model.block_hidden(torch.zeros(model.gamma, dtype=torch.int64), torch.arange(3, 3 + model.gamma),
+                               torch.tensor([1]), torch.tensor([3]), torch.zeros(2, 8, dtype=torch.int64),
+                               pool.dspark_context)
+    finally:
+        model.context_only = False
 
 
 def test_base_logits_go_through_the_target_head_method(sglang_draft):

@@ -145,14 +145,15 @@ def test_pool_builder_gives_the_draft_worker_its_draft_pool(registered, tiny_che
                                                                              enable_hierarchical_cache=True)})
     with pytest.raises(RuntimeError, match="--enable-hierarchical-cache with --speculative-algorithm DSPARK"):
         build_token_to_kv_pool_hook(lambda *a, **k: None, hicache, sizes=sizes, req_to_token_pool=None)
-    for flag, extra in (("--disaggregation-mode", dict(disaggregation_mode="decode")),
-                        ("--enable-hierarchical-cache", dict(enable_hierarchical_cache=True))):
-        for draft_worker in (True, False):                   # the draft's pool and the target's
-            refused = SimpleNamespace(**{**vars(kvc), "is_draft_worker": draft_worker,
-                                         "server_args": SimpleNamespace(**vars(args), **extra)})
-            with pytest.raises(RuntimeError, match=f"{flag} with --speculative-algorithm DSPARK: the DSpark draft "
-                                                   "pool is not wired into HiCache / PD"):
-                build_token_to_kv_pool_hook(lambda *a, **k: None, refused, sizes=sizes, req_to_token_pool=None)
+    for draft_worker in (True, False):                        # the draft's pool and the target's
+        refused = SimpleNamespace(**{**vars(kvc), "is_draft_worker": draft_worker,
+                                     "server_args": SimpleNamespace(**vars(args), enable_hierarchical_cache=True)})
+        with pytest.raises(RuntimeError, match="--enable-hierarchical-cache with --speculative-algorithm DSPARK"):
+            build_token_to_kv_pool_hook(lambda *a, **k: None, refused, sizes=sizes, req_to_token_pool=None)
+    # PD + DSpark: refused on CPU only (tests/test_runtime_pd.py checks both devices)
+    pd = SimpleNamespace(**{**vars(kvc), "server_args": SimpleNamespace(**vars(args), disaggregation_mode="decode")})
+    with pytest.raises(RuntimeError, match="--disaggregation-mode with --speculative-algorithm DSPARK on cpu"):
+        build_token_to_kv_pool_hook(lambda *a, **k: None, pd, sizes=sizes, req_to_token_pool=None)
 
 
 # ---- target side: capture of the DSpark layers' attention input ------------------------------

@@ -18,6 +18,12 @@ from sglang_dsv41.runtime.kv_rows import pair_ring_slots
 TINY = DeepseekV41Config.from_dict(tiny_config_dict(1000)).text
 
 
+def _draft_pool():
+    from sglang_dsv41.runtime.dspark_pool import DeepseekV41DSparkPool
+
+    return DeepseekV41DSparkPool(TINY, size=64, page_size=2, device="cpu")
+
+
 def _pool(pair_slots: int = 2, rows: int = 5):
     from sglang_dsv41.runtime.kv_pool import DeepseekV41KVPool
 
@@ -136,10 +142,11 @@ def test_fingerprint_ignores_ring_size_and_names_every_difference() -> None:
     b = pd_layout.fingerprint(_kv_args(_pool(pair_slots=8)), _pool(pair_slots=8), plain, 1)
     assert pd_layout.mismatch(a, b) is None                     # boundary row: rings may differ
     dspark = SimpleNamespace(speculative_algorithm="DSPARK", speculative_num_draft_tokens=6)
-    c = pd_layout.fingerprint(_kv_args(_pool()), _pool(), dspark, 2)
+    c = pd_layout.fingerprint(_kv_args(_pool()), _pool(), dspark, 2, draft_pool=_draft_pool())
     c["page_size"] = 4
     diff = pd_layout.mismatch(a, c)
-    assert "attn_tp_size: prefill 1, decode 2" in diff and "dspark_block: prefill 0, decode 6" in diff
+    row = 2 * TINY.head_dim * 2                                 # bf16 row of D per slot, page of 2
+    assert "attn_tp_size: prefill 1, decode 2" in diff and f"dspark_context: prefill [], decode {[row] * 3}" in diff
     assert "page_size: prefill 2, decode 4" in diff
 
 
@@ -231,22 +238,141 @@ def test_serve_adds_the_cpu_pd_environment(tmp_path, monkeypatch) -> None:
     assert not {"MC_FORCE_TCP", "MOONCAKE_PROTOCOL", "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX"} & set(plain)
 
 
-# ---- PD + DSpark: refused until the draft pool's state is transferred ---------------------------
+# ---- PD + DSpark: the draft context in kv_data, refused on CPU -----------------------------------
 
 @pytest.mark.parametrize("mode", ["prefill", "decode"])
 @pytest.mark.parametrize("draft_worker", [False, True], ids=["target", "draft"])
-def test_pd_with_dspark_is_refused_at_start_up(mode: str, draft_worker: bool) -> None:
+def test_pd_with_dspark_is_refused_on_cpu_only(mode: str, draft_worker: bool) -> None:
     """Either PD role with `--speculative-algorithm DSPARK`, on the target's pool and the draft
-    worker's, stops start-up naming both flags (docs/pd.md "Limits"); PD alone passes the check."""
+    worker's, stops start-up on CPU (SGLang's DSpark worker is CUDA-only) and passes on CUDA."""
     from sglang_dsv41.runtime.sglang_pool import check_pool_flags
 
-    def kvc(spec: str | None) -> SimpleNamespace:
+    def kvc(spec: str | None, device: str) -> SimpleNamespace:
         args = SimpleNamespace(speculative_algorithm=spec, speculative_num_draft_tokens=6 if spec else None,
                                disaggregation_mode=mode, disaggregation_transfer_backend="mooncake",
-                               enable_hierarchical_cache=False, enable_unified_memory=False)
+                               enable_hierarchical_cache=False, enable_unified_memory=False, device=device)
         return SimpleNamespace(is_hybrid_swa=True, is_draft_worker=draft_worker and spec is not None,
                                server_args=args, kv_cache_dtype=torch.bfloat16)
 
-    with pytest.raises(RuntimeError, match="--disaggregation-mode with --speculative-algorithm DSPARK"):
-        check_pool_flags(kvc("DSPARK"))
-    check_pool_flags(kvc(None))
+    with pytest.raises(RuntimeError, match="--disaggregation-mode with --speculative-algorithm DSPARK on cpu"):
+        check_pool_flags(kvc("DSPARK", "cpu"))
+    check_pool_flags(kvc("DSPARK", "cuda"))
+    check_pool_flags(kvc(None, "cpu"))
+
+
+class _MemmoveEngine:
+    """Mooncake's `batch_transfer_sync` as a local memmove (both pools live in this process)."""
+
+    def batch_transfer_sync(self, session, srcs, dsts, lens) -> int:
+        import ctypes
+
+        for s, d, n in zip(srcs, dsts, lens):
+            ctypes.memmove(d, s, n)
+        return 0
+
+
+def _send(src: list, dst: list, items: list, src_idx, dst_idx) -> None:
+    """SGLang's own non-MLA send (`MooncakeKVManager._send_kvcache_generic`: K/V halving, block
+    grouping, address arithmetic) with the memmove engine."""
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+    mgr = object.__new__(MooncakeKVManager)
+    mgr.is_mla_backend = mgr.is_hybrid_mla_backend = mgr.enable_custom_mem_pool = False
+    mgr.kv_args, mgr.engine = SimpleNamespace(prefill_start_layer=0), _MemmoveEngine()
+    assert mgr._send_kvcache_generic("s", src, dst, items, np.asarray(src_idx, dtype=np.int32),
+                                     np.asarray(dst_idx, dtype=np.int32), executor=None) == 0
+
+
+def _side(pair_slots: int, draft: bool):
+    """One server's pool (+ DSpark draft pool) and its kv_args as `setup_state_kv_args_hook` leaves them."""
+    pool, dpool = _pool(pair_slots=pair_slots), (_draft_pool() if draft else None)
+    args = _kv_args(pool)
+    if dpool is not None:                                       # SGLang appends the draft's buffers
+        for lst, extra in zip((args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens),
+                              dpool.get_contiguous_buf_infos()):
+            lst += extra
+        pd_layout.pad_kv_list(args, pool)
+    pd_layout.check_regions(args)
+    spec = SimpleNamespace(speculative_algorithm="DSPARK" if draft else None)
+    return pool, dpool, args, pd_layout.fingerprint(args, pool, spec, 1, draft_pool=dpool)
+
+
+@pytest.mark.parametrize("prefill_ring,decode_ring,draft", [(2, 8, False), (8, 16, True)],
+                         ids=["plain-to-spec-ring", "dspark-both-unequal-draft-tokens"])
+def test_state_transfer_lands_in_the_decode_layout(prefill_ring, decode_ring, draft) -> None:
+    """A request of odd length N through SGLang's send: KV pages (+ the DSpark context rows), the
+    SWA rows and the boundary row of the pair ring land where the decode's layout (its own ring
+    size) reads them; the fingerprints agree although the rings differ."""
+    p, pdraft, pargs, pfp = _side(prefill_ring, draft)
+    d, ddraft, dargs, dfp = _side(decode_ring, draft)
+    assert pd_layout.mismatch(pfp, dfp) is None
+    if draft:                                                   # 2 global + 3 stages + 1 pad
+        assert len(pargs.kv_data_ptrs) == 6 and pargs.kv_item_lens[-1] == pd_layout.PAD_ITEM
+    g = torch.Generator().manual_seed(0)
+    for b in p.full_kv_pool.buffers + p.swa_kv_pool.buffers + (pdraft.buffers if draft else []):
+        b.view(torch.uint8).copy_(torch.randint(0, 256, b.view(torch.uint8).shape, generator=g, dtype=torch.uint8))
+    n, prow, drow = 9, 1, 3                                     # odd: the pair of position 8 is pending
+    src = min(p.runtime_caches.pair_kv)
+    want = torch.randn(TINY.head_dim, generator=g)
+    p.runtime_caches.pair_kv[src][prow, p.runtime_caches.pair_slot(torch.tensor(n - 1))] = want
+    ppages, dpages = [1, 2, 3, 4, 5], [7, 11, 12, 13, 20]       # ceil(9 / page 2) pages each side
+    _send(pargs.kv_data_ptrs, dargs.kv_data_ptrs, pargs.kv_item_lens, ppages, dpages)
+    for st, (sp, dp, it) in enumerate(zip(pargs.state_data_ptrs, dargs.state_data_ptrs, pargs.state_item_lens)):
+        if pargs.state_types[st] == "c128_state":
+            sidx, didx = pd_state.boundary_rows(prow, n, prefill_ring), pd_state.boundary_rows(drow, n, decode_ring)
+        else:
+            sidx, didx = [1], [4]                               # SWA pages of the last window
+        _send(sp, dp, it, sidx, didx)
+    def pages(b, idx):                                         # slot-major rows (as bytes), page of 2
+        u = b.view(torch.uint8)
+        return u.view(-1, 2, u.shape[-1])[idx]
+
+    pairs = list(zip(p.full_kv_pool.buffers, d.full_kv_pool.buffers))
+    pairs += list(zip(pdraft.buffers, ddraft.buffers)) if draft else []
+    assert all(torch.equal(pages(pb, ppages), pages(db, dpages)) for pb, db in pairs)
+    assert all(torch.equal(pages(pb, [1]), pages(db, [4])) for pb, db in zip(p.swa_kv_pool.buffers,
+                                                                             d.swa_kv_pool.buffers))
+    d.clear_c128_req_state(drow)
+    pd_state.restore_after_transfer(d.runtime_caches, [drow], [list(range(n))], lambda ids: ids)
+    kv, _score, pos = d.runtime_caches.pending_pair(src, torch.tensor([drow]), torch.tensor([n - 1]))
+    assert torch.equal(kv[0], want) and int(pos[0]) == n - 1
+
+
+def test_plain_prefill_cannot_feed_a_dspark_decode() -> None:
+    """The decode's draft reads the prompt's context rows, which only a DSpark prefill writes: the
+    fingerprints differ on `dspark_context` (and the kv buffer count), so the decode refuses."""
+    _, _, _, plain = _side(2, False)
+    _, _, _, spec = _side(8, True)
+    diff = pd_layout.mismatch(plain, spec)
+    assert diff is not None and "dspark_context: prefill []" in diff and "kv_buffers: prefill 2, decode 6" in diff
+
+
+# ---- CPU: no busy-wait while requests wait on the peer (runtime/pd_cpu.py) ------------------------
+
+def test_cpu_pd_scheduler_waits_instead_of_spinning(runtime_hooks) -> None:
+    """`Scheduler.on_idle` (hooked): a CPU PD server with requests only in its disaggregation queues
+    waits on SGLang's idle poller; a fully idle, GPU or non-PD server is left to SGLang."""
+    from sglang_dsv41.runtime import pd_cpu
+
+    assert any(s.impl.endswith("pd_cpu:on_idle_hook") for s in runtime_hooks)       # installed and verified
+
+    class Poller:
+        def __init__(self) -> None:
+            self.waits: list[int] = []
+
+        def poll(self, ms: int) -> None:
+            self.waits.append(ms)
+
+    def sched(device: str, mode: str, idle: bool) -> SimpleNamespace:
+        return SimpleNamespace(server_args=SimpleNamespace(device=device, disaggregation_mode=mode),
+                               is_fully_idle=lambda: idle, idle_sleeper=SimpleNamespace(poller=Poller()))
+
+    waiting = sched("cpu", "decode", idle=False)
+    assert pd_cpu.on_idle_hook("r", waiting) == "r" and waiting.idle_sleeper.poller.waits == [pd_cpu.WAIT_MS]
+    for other in (sched("cpu", "prefill", True), sched("cuda", "decode", False), sched("cpu", "null", False)):
+        pd_cpu.on_idle_hook(None, other)
+        assert other.idle_sleeper.poller.waits == []
+    t0 = __import__("time").perf_counter()
+    pd_cpu.on_idle_hook(None, SimpleNamespace(server_args=waiting.server_args, is_fully_idle=lambda: False,
+                                              idle_sleeper=None))
+    assert __import__("time").perf_counter() - t0 >= pd_cpu.WAIT_MS / 1000 * 0.9   # no poller: a plain sleep

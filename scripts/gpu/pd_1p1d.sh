@@ -6,7 +6,7 @@
 # request (reasoning split). Needs the CUDA Mooncake wheel and the router in the environment
 # (`pip install -e ".[pd-cuda]"`, plus libibverbs1); exits 5 naming what is missing.
 # Run from the checkout root with `.gpu` carried. Every wait is capped, every process group killed;
-# logs and results in $OUT. `pd_1p1d.sh bench` runs benchmarks/pd.py instead (below).
+# logs and results in $OUT. `pd_1p1d.sh bench` runs benchmarks/pd.py instead (below, ≤ 300 s).
 set -uo pipefail
 : "${OUT:=/tmp/out}"; mkdir -p "$OUT"
 T0=$SECONDS
@@ -22,13 +22,21 @@ ROUTER=1; python3 -c "import sglang_router" 2>/dev/null || ROUTER=0
 CK=/tmp/tiny; J='Content-Type: application/json'
 P=http://127.0.0.1:30010; D=http://127.0.0.1:30020; R=http://127.0.0.1:30000; C=http://127.0.0.1:30030
 timeout 120 python3 -m sglang_dsv41.cli make-checkpoint --preset tiny --out $CK --quiet || exit 4
-# `pd_1p1d.sh bench`: benchmarks/pd.py instead (colocated, then 1P1D on the same GPU; TTFT, ITL,
-# throughput, SGLang's per-request transfer size/latency/bandwidth); JSON + PNG in $OUT.
+# `pd_1p1d.sh bench`: benchmarks/pd.py instead — the device-to-device copy bandwidth of the GPU,
+# then colocated and 1P1D (both servers on the same GPU) at prompts of 1K, 8K and 32K tokens
+# (BENCH_PROMPTS), concurrency 1 and 8 (BENCH_CONC), 32 new tokens: TTFT, ITL, throughput, SGLang's
+# per-request KV transfer size / latency / bandwidth. The tiny checkpoint's context is 4K, so the
+# servers get --context-length 40960 (SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1: numbers only,
+# outputs past 4K are not meaningful). JSON + PNG + server logs in $OUT; the benchmark gets
+# BENCH_S seconds (default 270) so the whole call stays under 300 s.
 if [ "${1:-}" = bench ]; then
   NR=(); [ $ROUTER = 1 ] || NR=(--no-router)
-  timeout 560 python3 benchmarks/pd.py --device cuda --checkpoint $CK "${NR[@]}" --server-arg=--mem-fraction-static \
-    --server-arg=0.3 --concurrency 1 8 32 --rounds 2 --prompt-len 1024 --new-tokens 64 --max-total-tokens 65536 \
-    --startup-s 240 --out "$OUT/pd_h200.json"
+  export SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1
+  # shellcheck disable=SC2086
+  timeout "${BENCH_S:-270}" python3 benchmarks/pd.py --device cuda --checkpoint $CK "${NR[@]}" \
+    --server-arg=--mem-fraction-static --server-arg=0.3 --server-arg=--context-length --server-arg=40960 \
+    --concurrency ${BENCH_CONC:-1 8} --rounds 1 --prompt-len ${BENCH_PROMPTS:-1024 8192 32768} --new-tokens 32 \
+    --max-total-tokens 400000 --startup-s 120 --out "$OUT/pd_h200.json"
   rc=$?; echo "RESULT pd_bench rc=$rc router=$ROUTER at $((SECONDS - T0)) s"; exit $rc
 fi
 PIDS=()

@@ -87,6 +87,8 @@ class DeepseekV41ForCausalLMDSpark(nn.Module):
         self.register_buffer("_device_anchor", torch.zeros(1, dtype=F32), persistent=False)
         self.draft: DSparkDraft | None = None
         self._shared: dict[str, nn.Module] = {}
+        #: set by `prune_to_ctx_kv_injection` on a PD prefill: context rows only, no block forward
+        self.context_only = False
 
     @property
     def device(self) -> torch.device:
@@ -161,9 +163,12 @@ class DeepseekV41ForCausalLMDSpark(nn.Module):
         return self._shared.get("lm_head")
 
     def prune_to_ctx_kv_injection(self) -> None:
-        """SGLang calls this on a PD prefill server; PD with the V4.1 pool is not wired (refused at
-        start-up), so reaching it is a bug, not a mode."""
-        raise RuntimeError("sglang-dsv41 DSpark: PD disaggregation with the DSpark draft is not supported yet")
+        """SGLang's DSpark worker calls this on a PD prefill server, which only writes the prompt's
+        context rows (`write_target_hidden_kv`; they travel to the decode in kv_data, docs/pd.md
+        "PD + DSpark"). The V4.1 draft keeps its weights (the context rows need each stage's
+        projections; its heads are small) and refuses a block forward from then on."""
+        self.context_only = True
+        logger.info("sglang-dsv41: DSpark draft on a PD prefill: context rows only")
 
     @property
     def markov_head(self):
@@ -209,6 +214,9 @@ class DeepseekV41ForCausalLMDSpark(nn.Module):
                      req_to_token: Tensor, store: DSparkContextKV) -> Tensor:
         """[bs·γ, H] hidden of bs blocks (SGLang-free entry of `forward`)."""
         draft = self._loaded()
+        if self.context_only:
+            raise RuntimeError("sglang-dsv41 DSpark: a block forward on a PD prefill server (the draft there "
+                               "writes context rows only)")
         g, W = self.gamma, self.cfg.text.sliding_window
         if input_ids.shape[0] != req_rows.shape[0] * g:
             raise ValueError(f"DSpark draft forward: {input_ids.shape[0]} ids for {req_rows.shape[0]} blocks of {g}")

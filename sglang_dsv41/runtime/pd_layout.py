@@ -19,20 +19,30 @@ server:
   mismatch — a `RuntimeError` naming both sides' values, as SGLang's own page-size check does.
 
 The fingerprint: kv and state item lengths and buffer counts, state types, compress ratios, page
-size, attention TP/PP sizes (the non-MLA transfer maps equal TP only) and the DSpark block (draft
-tokens; a draft pool would add KV buffers). Pair-ring sizes are not part of it: the boundary-row
-rule lets them differ.
+size, attention TP/PP sizes (the non-MLA transfer maps equal TP only) and the DSpark context block
+(`dspark_context`: the item lengths of the DSpark draft pool's stage buffers, which SGLang appends
+to `kv_data` on a server with `--speculative-algorithm DSPARK`; [] without). The draft token count
+is not part of it: it only sizes the pair ring, and the boundary-row rule lets rings differ. A
+prefill without DSpark cannot feed a DSpark decode (the draft reads the prompt's context rows,
+which only a DSpark prefill writes), so `dspark_context` refuses that pairing.
+
+With a draft pool `kv_data` is 2 global buffers + S stage buffers; for an odd S the hook appends
+one pad buffer (`PAD_ITEM` bytes per page, never read) so that SGLang's K/V halving keeps every
+buffer — both sides do the same, and SGLang's equal-count mapping pairs buffer i with buffer i.
 """
 from __future__ import annotations
 
 import logging
 
 import requests
+import torch
 
 logger = logging.getLogger(__name__)
 
 ROUTE = "/sglang_dsv41/layout"
 _ATTR = "sglang_dsv41_layout"
+#: Bytes per page of the pad buffer that makes an odd `kv_data` list even (module docstring).
+PAD_ITEM = 16
 
 
 def _fail(what: str) -> RuntimeError:
@@ -55,9 +65,27 @@ def check_regions(kv_args) -> None:
                         "and would drop the last one")
 
 
-def fingerprint(kv_args, pool, server_args, attn_tp_size: int) -> dict:
+def pad_kv_list(kv_args, pool) -> None:
+    """Append one pad buffer (PAD_ITEM bytes per page of the pool, kept on `pool`) when `kv_data`
+    has an odd count; SGLang's non-MLA send would drop the last buffer otherwise."""
+    if len(kv_args.kv_data_ptrs) % 2 == 0:
+        return
+    pages = kv_args.kv_data_lens[0] // kv_args.kv_item_lens[0]
+    pool.pd_pad = torch.zeros(pages * PAD_ITEM, dtype=torch.uint8, device=pool.device)
+    kv_args.kv_data_ptrs.append(pool.pd_pad.data_ptr())
+    kv_args.kv_data_lens.append(pool.pd_pad.nbytes)
+    kv_args.kv_item_lens.append(PAD_ITEM)
+
+
+def dspark_context(draft_pool) -> list[int]:
+    """Item lengths (bytes per page) of the DSpark draft pool's stage buffers; [] without one."""
+    if draft_pool is None:
+        return []
+    return [int(x) for x in draft_pool.get_contiguous_buf_infos()[2]]
+
+
+def fingerprint(kv_args, pool, server_args, attn_tp_size: int, draft_pool=None) -> dict:
     """What both sides of a transfer must agree on (module docstring)."""
-    spec = getattr(server_args, "speculative_algorithm", None)
     return {
         "kv_item_lens": [int(x) for x in kv_args.kv_item_lens],
         "kv_buffers": len(kv_args.kv_data_ptrs),
@@ -67,8 +95,7 @@ def fingerprint(kv_args, pool, server_args, attn_tp_size: int) -> dict:
         "page_size": int(kv_args.page_size if getattr(kv_args, "page_size", None) else pool.page_size),
         "attn_tp_size": int(attn_tp_size),
         "pp_size": int(getattr(server_args, "pp_size", 1) or 1),
-        "dspark_block": (int(getattr(server_args, "speculative_num_draft_tokens", 0) or 0)
-                         if spec is not None and str(spec).upper() == "DSPARK" else 0),
+        "dspark_context": dspark_context(draft_pool),
     }
 
 
@@ -93,9 +120,11 @@ def setup_state_kv_args_hook(result, kv_args, token_to_kv_pool, draft_token_to_k
 
     if not isinstance(token_to_kv_pool, DeepseekV41KVPool):
         return result
+    if draft_token_to_kv_pool is not None:
+        pad_kv_list(kv_args, token_to_kv_pool)
     check_regions(kv_args)
     setattr(kv_args, _ATTR, fingerprint(kv_args, token_to_kv_pool, get_global_server_args(),
-                                          get_parallel().attn_tp_size))
+                                          get_parallel().attn_tp_size, draft_token_to_kv_pool))
     set_pd_pool(token_to_kv_pool)
     logger.info("sglang-dsv41 PD layout: %s", getattr(kv_args, _ATTR))
     return result

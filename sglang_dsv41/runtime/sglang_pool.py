@@ -14,7 +14,7 @@ the unified radix tree with FULL + SWA components — and two HookRegistry entri
   it logs the global KV bytes per token; under `--speculative-algorithm DSPARK` the cell also
   holds the draft's context rows (`dspark_pool.draft_bytes_per_token`, one row per stage and full
   slot). Refuses what the pool cannot be built for or serve yet
-  (non-bf16 KV, no hybrid-SWA memory, unified memory, HiCache or PD with DSpark, HiCache settings
+  (non-bf16 KV, no hybrid-SWA memory, unified memory, HiCache with DSpark, PD with DSpark on CPU, HiCache settings
   `runtime/hicache_stack.check_hicache_flags` refuses, a PD transfer backend other than mooncake).
 * `build_token_to_kv_pool_hook` — AROUND `KVCacheConfigurator._build_token_to_kv_pool`: builds
   `DeepseekV41KVPool` from those sizes, SGLang's page size and its `req_to_token` rows (the pair
@@ -64,11 +64,14 @@ def check_pool_flags(kvc) -> None:
     if not kvc.is_hybrid_swa:
         raise _fail("the V4.1 pool is a hybrid-SWA pool: drop --disable-hybrid-swa-memory")
     if kvc.is_draft_worker or draft_tokens(kvc.server_args):
-        for flag, on in (("--enable-hierarchical-cache", getattr(kvc.server_args, "enable_hierarchical_cache", False)),
-                         ("--disaggregation-mode", getattr(kvc.server_args, "disaggregation_mode", "null") != "null")):
-            if on:
-                raise _fail(f"{flag} with --speculative-algorithm DSPARK: the DSpark draft pool is not wired "
-                            "into HiCache / PD transfers yet (docs/dspark.md)")
+        if getattr(kvc.server_args, "enable_hierarchical_cache", False):
+            raise _fail("--enable-hierarchical-cache with --speculative-algorithm DSPARK: the DSpark draft pool is "
+                        "not wired into HiCache yet (docs/dspark.md)")
+        device = str(getattr(kvc.server_args, "device", None) or getattr(kvc, "device", "cuda"))
+        if getattr(kvc.server_args, "disaggregation_mode", "null") != "null" and device == "cpu":
+            raise _fail("--disaggregation-mode with --speculative-algorithm DSPARK on cpu: SGLang 0.5.17's DSpark "
+                        "worker runs on CUDA only; PD + DSpark (draft context rows in kv_data, docs/pd.md) is "
+                        "served on GPU")
     if getattr(kvc.server_args, "enable_hierarchical_cache", False):
         from .hicache_stack import check_hicache_flags
 
