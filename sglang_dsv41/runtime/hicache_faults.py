@@ -95,7 +95,10 @@ class StorageFaultGuard(HybridCacheController):
 
     def __init__(self, *args, **kwargs) -> None:
         # before SGLang's __init__, which starts the storage threads
-        self.storage_faults = FaultLog(str(kwargs.get("storage_backend")), tp_rank=0)
+        backend = kwargs.get("storage_backend")
+        if backend == "dynamic":                       # our Mooncake store (hicache_mooncake.py) names itself
+            backend = (kwargs.get("storage_backend_extra_config") or {}).get("backend_name", backend)
+        self.storage_faults = FaultLog(str(backend), tp_rank=0)
         super().__init__(*args, **kwargs)
         self.storage_faults.tp_rank = int(getattr(self, "tp_rank", 0))
 
