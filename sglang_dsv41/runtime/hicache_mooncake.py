@@ -143,7 +143,7 @@ class MooncakeFlatStore(HiCacheStorage):
                          s["protocol"], s["device_name"], s["master_server_address"])
         if rc != 0:
             raise RuntimeError(f"sglang-dsv41 HiCache mooncake: MooncakeDistributedStore.setup returned {rc} "
-                               f"({ {k: v for k, v in s.items()} })")
+                               f"({s})")
         logger.info("sglang-dsv41 HiCache: Mooncake store L3 at master %s (%s), keys %s/...", s["master_server_address"],
                     s["protocol"], self.prefix)
         return store
