@@ -174,6 +174,9 @@ def resolve_server_args_hook(server_args: Any, *args: Any, **kwargs: Any) -> Non
     if problems:
         raise ServerArgsRefused("sglang-dsv41: DeepSeek-V4.1 cannot be served with these server arguments:\n  "
                                 + "\n  ".join(problems))
+    from .runtime.hicache_stack import resolve_storage_backend
+
+    resolve_storage_backend(server_args)              # --hicache-storage-backend mooncake: ours (docs/hicache.md)
     if not parsed.has_vision or server_args.enable_multimodal is False:
         # text only: no multimodal processor, so image requests are refused (api/request_guard.py)
         server_args.enable_multimodal = False

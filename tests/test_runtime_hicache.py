@@ -180,7 +180,6 @@ def test_our_strategy_is_selected_for_our_pool_ahead_of_sglangs() -> None:
 
 
 @pytest.mark.parametrize("over,flag", [
-    (dict(hicache_storage_backend="mooncake"), "--hicache-storage-backend mooncake"),
     (dict(hicache_storage_backend="hf3fs"), "--hicache-storage-backend hf3fs"),
     (dict(hicache_storage_backend="nixl"), "--hicache-storage-backend nixl"),
     (dict(hicache_storage_backend="dynamic"), "--hicache-storage-backend dynamic"),
@@ -198,9 +197,6 @@ def test_unsupported_hicache_settings_are_refused_naming_the_flag(over, flag) ->
     check_hicache_flags(SimpleNamespace(**{**vars(args), "hicache_storage_backend": "file"}))   # L3 file: served
     with pytest.raises(RuntimeError, match=flag):
         check_hicache_flags(SimpleNamespace(**{**vars(args), **over}))
-    if over.get("hicache_storage_backend") == "mooncake":     # the known reason, not the generic one
-        with pytest.raises(RuntimeError, match="MooncakeStore moves zero-copy objects.*no K/V split"):
-            check_hicache_flags(SimpleNamespace(**{**vars(args), **over}))
 
 
 def test_pages_round_trip_through_sglangs_file_backend(tmp_path, monkeypatch) -> None:

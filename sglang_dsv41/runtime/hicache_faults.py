@@ -40,6 +40,19 @@ from . import metrics
 
 logger = logging.getLogger(__name__)
 
+_CC = "sglang.srt.managers.cache_controller.HiCacheController"
+_HCC = "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController"
+#: The SGLang 0.5.17 internals `StorageFaultGuard` overrides (it is a subclass, not a HookRegistry entry:
+#: only the controller our stack strategy builds is changed). Each: the method's parameters as written
+#: for, and the SGLang thread function that must call it as `self.<method>(operation)` for the override to
+#: take effect. tests/test_runtime_hicache_guard.py fails when either moves (the hooks.py rule).
+OVERRIDES: dict[str, tuple[tuple[str, ...], str | None]] = {
+    "_storage_hit_query": (("self", "operation"), f"{_CC}.prefetch_thread_func"),
+    "_page_transfer": (("self", "operation"), f"{_CC}.prefetch_io_aux_func"),
+    "_page_backup": (("self", "operation"), f"{_HCC}.backup_thread_func"),
+    "terminate_prefetch": (("self", "operation"), None),      # called by the radix cache (public)
+}
+
 OPS = ("query", "read", "write")
 WARN_EVERY_S = 30.0
 #: what a failure of each op costs (in the warning)
@@ -82,7 +95,10 @@ class StorageFaultGuard(HybridCacheController):
 
     def __init__(self, *args, **kwargs) -> None:
         # before SGLang's __init__, which starts the storage threads
-        self.storage_faults = FaultLog(str(kwargs.get("storage_backend")), tp_rank=0)
+        backend = kwargs.get("storage_backend")
+        if backend == "dynamic":                       # our Mooncake store (hicache_mooncake.py) names itself
+            backend = (kwargs.get("storage_backend_extra_config") or {}).get("backend_name", backend)
+        self.storage_faults = FaultLog(str(backend), tp_rank=0)
         super().__init__(*args, **kwargs)
         self.storage_faults.tp_rank = int(getattr(self, "tp_rank", 0))
 

@@ -25,16 +25,18 @@ host, and the SWA match validator vetoes every such hit — 0 cached tokens (SGL
 A node's SWA host rows are a subset of its tokens, and a node keeps host SWA rows only while its
 global rows are on the host, so with equal slot counts the SWA host pool can never be the one
 that is full.
-Storage (L3): SGLang's `file` backend (`STORAGE_BACKENDS`) stores each page of each host pool as one
-file of the pool's flat page (`ComponentHostPool.get_data_page`): `KV` = the page's global latent +
-index-key rows, `SWA` = every layer's SWA rows of the page; SGLang's SWA component writes and
-prefetches only the trailing window's SWA pages. The start-up check (`check_hicache_flags`) refuses
-every other backend (they need zero-copy page buffers or pool names the V4.1 pools do not have).
+Storage (L3): SGLang's `file` backend and our Mooncake store (`STORAGE_BACKENDS`) store each page of
+each host pool as one file / object of the pool's flat page (`ComponentHostPool.get_data_page`): `KV` =
+the page's global latent + index-key rows, `SWA` = every layer's SWA rows of the page; SGLang's SWA
+component writes and prefetches only the trailing window's SWA pages. The start-up check
+(`check_hicache_flags`) refuses every other backend (they need zero-copy page buffers the V4.1 pools
+do not have).
 The controller is SGLang's `HybridCacheController` with storage failures turned into misses
 (`hicache_faults.StorageFaultGuard`: a storage tier that is down or full costs a cold prefill).
 """
 from __future__ import annotations
 
+import json
 import logging
 
 from sglang.srt.mem_cache.hicache_storage import PoolName
@@ -54,20 +56,48 @@ from .hicache_host import HOST_LAYOUT, IO_BACKENDS, ComponentHostPool
 
 logger = logging.getLogger(__name__)
 #: L3 backends served: SGLang's `file` backend reads and writes the host pools' flat pages
-#: (tests/test_runtime_hicache_storage_server.py: restart reload, reload after host eviction).
-STORAGE_BACKENDS: tuple[str, ...] = ("file",)
+#: (tests/test_runtime_hicache_storage_server.py: restart reload, reload after host eviction); `mooncake`
+#: is our `hicache_mooncake.MooncakeFlatStore` (the same flat pages as Mooncake store objects), served as
+#: SGLang's `dynamic` backend (`resolve_storage_backend`; tests/test_runtime_hicache_mooncake_server.py).
+STORAGE_BACKENDS: tuple[str, ...] = ("file", "mooncake")
 #: Write policies served. write_back gave 0 host hits on CPU (docs/hicache.md; inferred cause: a node
 #: is backed up only when the device evicts it, after the small SWA pool dropped its window, so the
 #: match validator vetoes the hit). write_through_selective is untested.
 WRITE_POLICIES = ("write_through",)
-#: why a known L3 backend is refused (docs/hicache.md "Mooncake"); others get the generic reason
-_REFUSED_BACKENDS = {
-    "mooncake": "SGLang 0.5.17's MooncakeStore moves zero-copy objects, for this pool two per page per pool "
-                "(its MHA K/V key scheme: a page's K and V rows, and for SWA a `v_buffer`); the V4.1 host "
-                "pools hold latent + index-key rows and one SWA row per layer, with no K/V split and no "
-                "`get_page_buffer_meta`. The Mooncake store itself runs on CPU over TCP; the pool mapping is "
-                "what is missing",
-}
+
+
+def _extra_config(server_args) -> dict:
+    raw = getattr(server_args, "hicache_storage_backend_extra_config", None)
+    if not raw:
+        return {}
+    try:
+        extra = json.loads(raw) if isinstance(raw, str) else dict(raw)
+    except (ValueError, TypeError) as e:
+        raise RuntimeError(f"sglang-dsv41: --hicache-storage-backend-extra-config is not a JSON object: {e}") from e
+    if not isinstance(extra, dict):
+        raise RuntimeError("sglang-dsv41: --hicache-storage-backend-extra-config must be a JSON object")
+    return extra
+
+
+def resolve_storage_backend(server_args) -> None:
+    """`--hicache-storage-backend mooncake` → SGLang's `dynamic` backend with our flat-page Mooncake store
+    (`hicache_mooncake.dynamic_config` over the user's extra config). Runs before SGLang resolves its
+    HiCache flags, so SGLang's zero-copy Mooncake set-up (transfer engine, allocator, page-first layout)
+    never runs for the V4.1 pool."""
+    if not getattr(server_args, "enable_hierarchical_cache", False) or \
+            getattr(server_args, "hicache_storage_backend", None) != "mooncake":
+        return
+    from .hicache_mooncake import BACKEND_NAME, dynamic_config, mooncake_settings
+
+    extra = dynamic_config(_extra_config(server_args))
+    try:
+        mooncake_settings(extra)
+    except ValueError as e:
+        raise RuntimeError(f"sglang-dsv41: --hicache-storage-backend mooncake: {e}") from e
+    server_args.hicache_storage_backend = "dynamic"
+    server_args.hicache_storage_backend_extra_config = json.dumps(extra)
+    logger.info("sglang-dsv41 HiCache: --hicache-storage-backend mooncake is served by %s (flat pages as Mooncake "
+                "objects) through SGLang's dynamic storage backend", BACKEND_NAME)
 
 
 def check_hicache_flags(server_args) -> None:
@@ -75,12 +105,21 @@ def check_hicache_flags(server_args) -> None:
     if not getattr(server_args, "enable_hierarchical_cache", False):
         return
     backend = getattr(server_args, "hicache_storage_backend", None)
-    if backend is not None and backend not in STORAGE_BACKENDS:
-        why = _REFUSED_BACKENDS.get(backend, "it needs zero-copy page buffers or pool names the V4.1 host pools "
-                                             "do not have")
+    if backend == "dynamic":
+        from .hicache_mooncake import is_ours
+
+        if not is_ours(_extra_config(server_args)):
+            raise RuntimeError("sglang-dsv41: --hicache-storage-backend dynamic: the V4.1 host pools have flat pages "
+                               "only (no zero-copy page buffers); the dynamic backend is served for our Mooncake "
+                               "store only: use --hicache-storage-backend mooncake or file (docs/hicache.md)")
+    elif backend == "mooncake":
+        raise RuntimeError("sglang-dsv41: --hicache-storage-backend mooncake was not resolved to the V4.1 Mooncake "
+                           "store (hicache_stack.resolve_storage_backend did not run)")
+    elif backend is not None and backend not in STORAGE_BACKENDS:
         raise RuntimeError(f"sglang-dsv41: --hicache-storage-backend {backend}: HiCache L3 (storage) for the V4.1 "
-                           f"pool is served with {list(STORAGE_BACKENDS)} only ({why}); use --hicache-storage-backend "
-                           "file, or drop the flag to serve the host tier (L2) alone (docs/hicache.md)")
+                           f"pool is served with {list(STORAGE_BACKENDS)} only (the others read zero-copy page "
+                           "buffers the V4.1 host pools do not have); drop the flag to serve the host tier (L2) "
+                           "alone (docs/hicache.md)")
     policy = getattr(server_args, "hicache_write_policy", "write_through")
     if policy not in WRITE_POLICIES:
         raise RuntimeError(f"sglang-dsv41: --hicache-write-policy {policy}: the V4.1 pool serves HiCache with "
@@ -139,7 +178,7 @@ class DeepseekV41StackStrategy(StackStrategy):
                         "--hicache-mem-layout %s does not apply to them", HOST_LAYOUT, server_args.hicache_mem_layout)
         full, swa = kvcache.full_kv_pool, kvcache.swa_kv_pool
         slots = host_slots(server_args, full, swa)
-        allocator_type = get_allocator_type(server_args)
+        allocator_type = get_allocator_type(server_args)          # "dynamic" (our Mooncake store): plain memory
         full_host, swa_host = (ComponentHostPool(c, ratio=server_args.hicache_ratio, host_size_gb=_gb_for(slots, c),
                                                  page_size=params.page_size, allocator_type=allocator_type, label=n)
                                for c, n in ((full, "full"), (swa, "swa")))
