@@ -46,6 +46,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serving_client  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 LAYOUT_ROUTE = "/sglang_dsv41/layout"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather now.", "parameters": {
@@ -71,14 +74,8 @@ def http(url: str, body: dict[str, Any] | None = None, timeout: float = 300) -> 
     return json.loads(raw) if raw.strip().startswith((b"{", b"[")) else raw.decode()
 
 
-class Proc:
-    """One process in its own group, output to `log`."""
-
-    def __init__(self, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
-        self.log = log
-        self._f = open(log, "w")
-        self.p = subprocess.Popen(argv, stdout=self._f, stderr=subprocess.STDOUT, start_new_session=True,
-                                  env=None if not env else {**os.environ, **env})
+class Proc(serving_client.Proc):
+    """`serving_client.Proc` plus the CPU seconds of its process tree."""
 
     def cpu_s(self) -> float:
         """CPU seconds (user + system) of the process and its descendants so far (the scheduler,
@@ -98,34 +95,8 @@ class Proc:
             pass
         return total
 
-    def tail(self, n: int = 3000) -> str:
-        self._f.flush()
-        return f"--- {self.log.name}\n" + self.log.read_text(errors="replace")[-n:]
 
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            os.killpg(self.p.pid, signal.SIGTERM)
-            try:
-                self.p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.p.pid, signal.SIGKILL)
-                self.p.wait(timeout=30)
-        self._f.close()
-
-
-def wait_up(url: str, procs: list[Proc], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if any(p.p.poll() is not None for p in procs):
-            raise RuntimeError(f"a process exited before {url} answered:\n" + "\n".join(p.tail() for p in procs))
-        try:
-            with urllib.request.urlopen(url, timeout=30) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(3)
-    raise TimeoutError(f"{url} not up after {timeout_s} s:\n" + "\n".join(p.tail() for p in procs))
+wait_up = serving_client.wait_up
 
 
 def serve(args: argparse.Namespace, port: int, log: Path, extra: list[str],
