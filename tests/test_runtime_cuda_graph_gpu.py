@@ -16,7 +16,7 @@ captured buffers. Pinned:
    batch-invariant (tests/test_runtime_forward_gpu.py, item 2), and the live caches match.
 
 Both FP8 engines of the CUDA backend are captured (`backend.FP8_GEMMS`): `w8a16` (the engine
-under `--enable-deterministic-inference`) and `tiered` (the serving default, `kernels/fp8_w8a8.py`).
+under `--enable-deterministic-inference`) and `w8a8_f16` (the serving default, `kernels/fp8_w8a8.py`).
 The padded (6) and live (4) batches fall in the same row tier of the W8A8 kernel (the decode tier,
 ≤ 16 rows), whose rows are invariant within a tier, so item 2 holds for both.
 
@@ -37,7 +37,7 @@ GRAPH_BS = 6
 STEPS = 4
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["deterministic-w8a16", "serving-tiered"])
+@pytest.fixture(scope="module", params=[True, False], ids=["deterministic-w8a16", "serving-default"])
 def captured(tiny_checkpoint, request):
     torch.backends.cuda.matmul.allow_tf32 = False
     engine = runtime_engine(tiny_checkpoint, CUDA, deterministic=request.param)

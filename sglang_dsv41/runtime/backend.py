@@ -18,13 +18,12 @@ the GPU path; bounded by the numerics contract, docs/runtime.md).
 FP8 dense linears on `triton` (`fp8_gemm`, FP8_GEMMS; spec §3.8, issue 21). Every choice uses the
 reference's operands — activations quantised per 1×32 to E4M3 with UE8M0 scales (`wo_a`: BF16, not
 quantised), E4M3 weights with their tile scales — and differs only in how the products are summed:
-* `tiered` (serving default): below `kernels.fp8_w8a8.BF16_GEMM_MIN_ROWS` rows the `w8a16`
-  kernel, from there the BF16-copy cuBLAS form of `kernels.fp8_w8a8` (prefill). Within the
-  contract on the H200; a row's bits depend on which tier its batch took (not batch invariant);
-* `w8a8_f16` (opt-in until its H200 run, docs/performance.md "session 10"): `kernels.fp8_w8a8` at
+* `w8a8_f16` (serving default since its H200 run, docs/performance.md "session 11"): `kernels.fp8_w8a8` at
   every row count — the activation quantisation fused into the GEMM, E4M3 operands widened to
   f16 on the tensor cores (exact products, fp32 sums), split-K at decode summed inside the launch;
-  from BF16_GEMM_MIN_ROWS rows its prefill form; `wo_a` one grouped launch;
+  from BF16_GEMM_MIN_ROWS rows its prefill form; `wo_a` one grouped launch. Not batch invariant;
+* `tiered` (opt-in; the default until session 11): below `kernels.fp8_w8a8.BF16_GEMM_MIN_ROWS` rows
+  the `w8a16` kernel, from there the BF16-copy cuBLAS form of `kernels.fp8_w8a8` (prefill);
 * `w8a16` (`--enable-deterministic-inference`): `kernels.fp8_linear` at every row count — the
   fake-quantised activations as BF16 times the dequantised tile, one fixed launch configuration
   (row invariant), `wo_a` one launch per group. Bound: dense_ops GEMM_BOUND;
@@ -50,7 +49,7 @@ from ..numerics.rope import apply_rope_tail, rope_cos_sin_fp32
 
 F32, F64 = torch.float32, torch.float64
 #: FP8 dense-linear arithmetics of the CUDA backend (module doc), and the variable that picks one
-FP8_GEMMS = ("tiered", "w8a16", "w8a8_f16", "fp8_mma")
+FP8_GEMMS = ("w8a8_f16", "tiered", "w8a16", "fp8_mma")
 FP8_GEMM_ENV = "SGLANG_DSV41_FP8_GEMM"
 
 
@@ -283,7 +282,7 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
     name = "triton"
     acc = F32
 
-    def __init__(self, dense, device_types: tuple[str, ...] = ("cuda",), fp8_gemm: str = "tiered") -> None:
+    def __init__(self, dense, device_types: tuple[str, ...] = ("cuda",), fp8_gemm: str = "w8a8_f16") -> None:
         from ..kernels import engram_gate as eg
         from ..kernels import fused_elementwise as fe
 
@@ -355,11 +354,11 @@ BACKENDS: dict[str, type[ComputeBackend]] = {"torch": FastTorchBackend, "exact":
 
 def fp8_gemm_for(deterministic: bool) -> str:
     """The CUDA backend's FP8 linear arithmetic (module doc): SGLANG_DSV41_FP8_GEMM when set (an
-    unknown value raises), else `w8a16` when `deterministic` (row invariant), else `tiered`."""
+    unknown value raises), else `w8a16` when `deterministic` (row invariant), else `w8a8_f16`."""
     chosen = os.environ.get(FP8_GEMM_ENV, "").strip().lower()
     if chosen and chosen not in FP8_GEMMS:
         raise ValueError(f"{FP8_GEMM_ENV}={chosen!r}: expected one of {FP8_GEMMS}")
-    return chosen or ("w8a16" if deterministic else "tiered")
+    return chosen or ("w8a16" if deterministic else "w8a8_f16")
 
 
 def backend_for(device: torch.device, weights: Mapping[str, object], deterministic: bool = True) -> ComputeBackend:
