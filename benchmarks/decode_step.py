@@ -43,12 +43,17 @@ prefill of one 8K-token request through the same components (tokens/s), unless `
 Writes `benchmarks/results/decode_step.json` (then `.png`); exit status 1 iff `errors` is non-empty
 (a component or the graph of the step failed, a packed/BF16 mismatch, a malformed row, no plot).
 
-    python benchmarks/decode_step.py [--quick] [--batches 1 8 64 256] [--context 8192] [--layer 2]
+With `--profile`, the graphed step is also broken down by component for every --profile-fp8 mode
+(`step_profile.py`: dense linears by name, attention, indexer, compressor, experts, mHC, norms,
+launch gaps) into `decode_step_profile_graph.json` / `.png`.
+
+    python benchmarks/decode_step.py [--quick] [--batches 1 8 64 256] [--context 8192] [--layer 2] [--profile]
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import platform
@@ -211,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="batches 1 and 64, shorter caps, no BF16 variants, no prefill (< 2 min)")
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--no-graph", action="store_true", help="eager timings only")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile the graphed step by component (step_profile.py): "
+                         "decode_step_profile_graph.json / .png")
+    ap.add_argument("--profile-fp8", nargs="+", default=["tiered", "w8a8_f16"], choices=FP8_GEMMS,
+                    help="FP8 linear modes the profile runs (default: tiered w8a8_f16)")
     ap.add_argument("--budget-s", type=float,
                     help=f"wall budget (default {BUDGET_S:.0f} s, quick {QUICK_BUDGET_S:.0f} s)")
     args = ap.parse_args(argv)
@@ -254,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
                           if "median_us" in r.get(c, {}))
         print(f"N={N:4d} µs: {parts}  | step eager {r['layer_us_eager'] or float('nan'):.0f}  graph "
               f"{r['layer_us_graph'] or float('nan'):.0f}  excluded {list(r['graph_excluded']) or 'none'}", flush=True)
+    if args.profile:
+        profile_path = attempt("profile", functools.partial(write_profile, layer, caches, batches, args, props.name, errors),
+                               errors, skipped, deadline)
+        print(f"profile: {profile_path}", flush=True)
     del caches
     torch.cuda.empty_cache()
     prefill = None
@@ -293,6 +307,29 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {path} ({result['wall_s']:.0f} s); skipped: {skipped or 'none'}; "
           f"graph exclusions: {result['graph_capture_failures'] or 'none'}; errors: {errors or 'none'}")
     return 1 if errors else 0
+
+
+def write_profile(layer: Layer, caches: Caches, batches, args, device_name: str, errors: list[str]) -> dict:
+    """`--profile`: step_profile.profile_rows at every N and --profile-fp8 mode → JSON (+ PNG)."""
+    import step_profile as sp
+    t0 = time.perf_counter()
+    rows = sp.profile_rows(layer, caches, batches, args.profile_fp8, args.context, STEP_PARTS, errors)
+    engram = layer.role.layer in layer.text.engram_layer_ids
+    result = dict(device=device_name, layer=args.layer, context=args.context, method=sp.__doc__,
+                  components=sp.COMPONENTS, rows=rows, wall_s=time.perf_counter() - t0,
+                  engram=("in this layer's torch part" if engram else
+                          f"not in layer {args.layer}'s step (Engram layers {list(layer.text.engram_layer_ids)})"))
+    path = args.out / "decode_step_profile_graph.json"
+    path.write_text(json.dumps(result, indent=1))
+    try:
+        sp.plot(rows, args.out / "decode_step_profile_graph.png", device_name)
+    except Exception as exc:
+        errors.append(f"profile plot: {_describe(exc)}")
+    for r in rows:
+        comps = "  ".join(f"{c} {us:.0f}" for c, us in r.get("by_component", {}).items())
+        print(f"profile {r['fp8_gemm']} N={r['tokens']}: span {r.get('span_us', float('nan')):.0f} µs "
+              f"(events {r.get('graph_wall_us', float('nan')):.0f}) | {comps or r.get('error')}", flush=True)
+    return dict(path=str(path), rows=len(rows))
 
 
 def plot(rows: list[dict], path: Path, device_name: str) -> None:

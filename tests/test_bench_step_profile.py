@@ -1,0 +1,89 @@
+"""benchmarks/step_profile.py on CPU: labels from a real (CPU) profiler trace, kernel attribution
+through CUPTI correlation ids, graph-replay grouping, alignment and the component roll-up on
+synthetic traces (the GPU pass runs from scripts/gpu/speed4.sh)."""
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from benchmark_loader import BENCHMARKS, load_benchmark
+
+
+@pytest.fixture(scope="module")
+def sp():
+    sys.path.insert(0, str(BENCHMARKS))
+    return load_benchmark("step_profile.py")
+
+
+class _Backend:
+    def linear_fp8(self, x, weight, act_quant=True):
+        return self.bf16(x @ weight.t())
+
+    def bf16(self, x):
+        return x.to(torch.bfloat16).float()
+
+    def rms_norm(self, x, weight, eps, round_bf16=True):
+        return x * weight
+
+
+def test_labels_follow_the_runtime_calls_and_are_restored(sp) -> None:
+    w = {"layers.2.attn.wq_a.weight": torch.ones(4, 4), "layers.2.attn_norm.weight": torch.ones(4)}
+    names = sp.weight_names(w, 2)
+    assert sorted(names.values()) == ["attn.wq_a", "attn_norm"]
+    be = _Backend()
+    module = SimpleNamespace(route=lambda x: x + 1)
+    with sp.labels_on(be, names, module):
+        trace = sp._trace_of(lambda: (be.linear_fp8(torch.ones(2, 4), w["layers.2.attn.wq_a.weight"]),
+                                      be.rms_norm(torch.ones(4), w["layers.2.attn_norm.weight"], 1e-6),
+                                      module.route(torch.ones(1))))
+    assert "linear_fp8" not in vars(be) and "bf16" not in vars(be) and module.route(1) == 2
+    ranges = [e for e in trace["traceEvents"] if e.get("cat") == "user_annotation"]
+    got = {e["name"] for e in ranges}
+    assert {"dsv41:linear:attn.wq_a", "dsv41:elementwise:bf16", "dsv41:norm", "dsv41:router"} <= got
+    bf16 = next(e for e in ranges if e["name"] == "dsv41:elementwise:bf16")
+    assert sp.label_at(ranges, bf16["tid"], bf16["ts"] + bf16["dur"] / 2) == "linear:attn.wq_a"   # linear dominates
+    norm = next(e for e in ranges if e["name"] == "dsv41:norm")
+    assert sp.label_at(ranges, norm["tid"], norm["ts"]) == "norm"
+    assert sp.label_at(ranges, norm["tid"], -1.0) == "unlabelled"
+
+
+def _ev(cat, name, ts, dur, corr=None, tid=1):
+    return dict(ph="X", cat=cat, name=name, ts=ts, dur=dur, tid=tid, args={} if corr is None else {"correlation": corr})
+
+
+def test_attribution_replays_alignment_and_components(sp) -> None:
+    eager_trace = {"traceEvents": [
+        _ev("user_annotation", "dsv41:part:torch", 0, 100), _ev("user_annotation", "dsv41:mhc", 1, 9),
+        _ev("user_annotation", "dsv41:linear:attn.wq_a", 10, 20), _ev("user_annotation", "dsv41:part:attention", 100, 50),
+        _ev("cuda_driver", "cuLaunchKernel", 2, 1, corr=1), _ev("cuda_runtime", "cudaLaunchKernel", 12, 1, corr=2),
+        _ev("cuda_runtime", "cudaLaunchKernel", 40, 1, corr=3), _ev("cuda_driver", "cuLaunchKernel", 110, 1, corr=4),
+        _ev("kernel", "mhc_k", 1000, 5, corr=1), _ev("kernel", "gemm", 1010, 30, corr=2),
+        _ev("kernel", "glue", 1050, 2, corr=3), _ev("kernel", "attn", 1060, 40, corr=4)]}
+    eager = sp.labelled_kernels(eager_trace)
+    assert [lab for _, lab, _ in eager] == ["mhc", "linear:attn.wq_a", "part:torch", "part:attention"]
+    graph_trace = {"traceEvents": [
+        _ev("cuda_runtime", "cudaGraphLaunch", 0, 1, corr=10), _ev("cuda_runtime", "cudaLaunchKernel", 5, 1, corr=11),
+        _ev("cuda_runtime", "cudaGraphLaunch", 50, 1, corr=12),
+        *[_ev("kernel", n, t0 + t, d, corr=c) for c, t0 in ((10, 0), (12, 500))
+          for n, t, d in (("mhc_k", 0, 4), ("gemm", 6, 20), ("glue", 30, 2), ("attn", 34, 30), ("new_k", 70, 2))],
+        _ev("kernel", "flush", 200, 50, corr=11)]}
+    replays = sp.graph_replays(graph_trace)
+    assert [len(r) for r in replays] == [5, 5] and all(e["name"] != "flush" for r in replays for e in r)
+    assert sp.busy_span(replays[0]) == (58.0, 72.0)
+    s = sp.summarise(eager, replays, fp8_linears=["attn.wq_a"])
+    comp = s["by_component"]
+    assert comp["dense_fp8"] == 20 and comp["mhc"] == 4 and comp["attention"] == 30 and comp["torch_glue"] == 2
+    assert comp["unattributed"] == 2 and comp["launch_gaps"] == pytest.approx(14.0)
+    assert s["by_linear"] == {"attn.wq_a": 20} and s["matched_fraction"] == pytest.approx(0.8)
+    assert s["eager_device_us"]["part:attention"] == 40 and s["eager_launches"] == 4
+
+
+def test_component_names(sp) -> None:
+    assert sp.component("linear:ffn.shared_experts.w1", ["ffn.shared_experts.w1"]) == "shared_expert"
+    assert sp.component("linear:attn.compressor.wkv", ["attn.wq_a"]) == "dense_bf16"
+    assert sp.component("indexer_query") == "indexer" and sp.component("glue:out_proj") == "torch_glue"
+    assert sp.component("elementwise:fp8_act_fake_quant") == "elementwise" and sp.component("weird") == "unattributed"
+    assert set(sp.COMPONENT_OF[i][1] for i in range(len(sp.COMPONENT_OF))) <= set(sp.COMPONENTS)
