@@ -43,11 +43,13 @@ prefill of one 8K-token request through the same components (tokens/s), unless `
 Writes `benchmarks/results/decode_step.json` (then `.png`); exit status 1 iff `errors` is non-empty
 (a component or the graph of the step failed, a packed/BF16 mismatch, a malformed row, no plot).
 
-With `--profile`, the graphed step is also broken down by component for every --profile-fp8 mode
+With `--variants`, the kernel choices of issue 21 are timed old against new per N (`kernel_variants.py`:
+attention split-KV, fp32 indexer head sum, MoE launch flags, FP8 modes, the whole step) into
+`decode_step_variants.json`. With `--profile`, the graphed step is also broken down by component for every --profile-fp8 mode
 (`step_profile.py`: dense linears by name, attention, indexer, compressor, experts, mHC, norms,
 launch gaps) into `decode_step_profile_graph.json` / `.png`.
 
-    python benchmarks/decode_step.py [--quick] [--batches 1 8 64 256] [--context 8192] [--layer 2] [--profile]
+    python benchmarks/decode_step.py [--quick] [--batches 1 8 64 256] [--context 8192] [--layer 2] [--variants] [--profile]
 """
 from __future__ import annotations
 
@@ -221,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
                          "decode_step_profile_graph.json / .png")
     ap.add_argument("--profile-fp8", nargs="+", default=["tiered", "w8a8_f16"], choices=FP8_GEMMS,
                     help="FP8 linear modes the profile runs (default: tiered w8a8_f16)")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time the kernel choices old against new per N (kernel_variants.py): "
+                         "decode_step_variants.json")
     ap.add_argument("--budget-s", type=float,
                     help=f"wall budget (default {BUDGET_S:.0f} s, quick {QUICK_BUDGET_S:.0f} s)")
     args = ap.parse_args(argv)
@@ -264,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
                           if "median_us" in r.get(c, {}))
         print(f"N={N:4d} µs: {parts}  | step eager {r['layer_us_eager'] or float('nan'):.0f}  graph "
               f"{r['layer_us_graph'] or float('nan'):.0f}  excluded {list(r['graph_excluded']) or 'none'}", flush=True)
+    if args.variants:
+        attempt("variants", functools.partial(write_variants, layer, caches, batches, args, props.name, errors),
+                errors, skipped, deadline)
     if args.profile:
         profile_path = attempt("profile", functools.partial(write_profile, layer, caches, batches, args, props.name, errors),
                                errors, skipped, deadline)
@@ -307,6 +315,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {path} ({result['wall_s']:.0f} s); skipped: {skipped or 'none'}; "
           f"graph exclusions: {result['graph_capture_failures'] or 'none'}; errors: {errors or 'none'}")
     return 1 if errors else 0
+
+
+def write_variants(layer: Layer, caches: Caches, batches, args, device_name: str, errors: list[str]) -> dict:
+    """`--variants`: kernel_variants.run_variants at every N → decode_step_variants.json."""
+    import kernel_variants as kv
+    t0 = time.perf_counter()
+    rows = {}
+    for N in batches:
+        rows[N] = kv.run_variants(layer, caches, N, args.context, errors)
+        print(kv.summary_line(N, rows[N]), flush=True)
+    path = args.out / "decode_step_variants.json"
+    path.write_text(json.dumps(dict(device=device_name, layer=args.layer, context=args.context, method=kv.__doc__,
+                                    rows=rows, wall_s=time.perf_counter() - t0), indent=1))
+    return dict(path=str(path))
 
 
 def write_profile(layer: Layer, caches: Caches, batches, args, device_name: str, errors: list[str]) -> dict:

@@ -33,8 +33,9 @@ The step's components (`step_components`), each a callable on fixed inputs:
 * `moe_routed` — `kernels.moe_mxfp4.routed_experts_mxfp4` (MXFP4 W4A16) on the router's choice
   (CPU: the reference routed experts);
 * `attention` / `indexer` (CUDA, `kernel_components`) — Triton `sparse_sink_attention` (one key
-  split) over the BF16 SWA rows + 512 selected packed entries per query, and Triton
-  `index_scores` (float64 head sum) over the packed keys + `select_for_role`;
+  split, or split-KV with SGLANG_DSV41_ATTN_SPLITS=decode) over the BF16 SWA rows + 512 selected
+  packed entries per query, and Triton `index_scores` (float64 head sum, or fp32 with
+  SGLANG_DSV41_INDEXER_HEAD_SUM=fp32) over the packed keys + `select_for_role`;
 * `attention_bf16` / `indexer_bf16` — the same kernels over BF16 copies of the decoded entries,
   when the caches hold them; `kernel_components` reports whether the packed outputs equal them
   (attention within 2 BF16 ulps of the output scale, index scores bitwise).
@@ -300,11 +301,18 @@ def moe_routed(layer: Layer, x: Tensor, routing: Routing) -> Tensor:
     return ops.bf16(ops.slot_sum_fp32(routing.weights * ops.fp32_scalar(t.routed_scaling_factor), per_slot))
 
 
-def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor,
-                      sink: Tensor) -> tuple[dict[str, Callable], dict[str, bool]]:
+def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor, sink: Tensor, *,
+                      splits: str | None = None, head_sum: str | None = None,
+                      block_h: int | None = None) -> tuple[dict[str, Callable], dict[str, bool]]:
     """Attention and indexer through the Triton kernels on the packed rows, as the runtime calls
     them (CUDA only, no host sync), plus the BF16 variants when `caches` holds BF16 copies; and
-    {component: packed output == BF16 output} for those."""
+    {component: packed output == BF16 output} for those. `splits` / `head_sum`: the runtime's kernel
+    choices (`runtime.attention_ops`: SGLANG_DSV41_ATTN_SPLITS / SGLANG_DSV41_INDEXER_HEAD_SUM when
+    None); `block_h` overrides the decode plan's heads per program."""
+    from sglang_dsv41.runtime.attention_ops import (ATTENTION_SPLITS, ATTENTION_SPLITS_ENV, INDEXER_HEAD_SUM_ENV,
+                                                    INDEXER_HEAD_SUMS, kernel_choice)
+    splits = splits or kernel_choice(ATTENTION_SPLITS_ENV, ATTENTION_SPLITS)
+    exact = (head_sum or kernel_choice(INDEXER_HEAD_SUM_ENV, INDEXER_HEAD_SUMS)) == "fp64"
     from sglang_dsv41.kernels import indexer as K
     from sglang_dsv41.kernels import sparse_attention as SA
     t, role, pos, req = layer.text, layer.role, qs["positions"], qs["req"]
@@ -321,7 +329,7 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor,
     head_w = torch.rand(q.shape[0], t.index_n_heads, generator=g, device=pos.device) / t.index_n_heads
 
     def scores_packed():
-        return K.index_scores(iq, head_w, caches.packed_keys, entries, req, n_vis, head_sum_exact=True,
+        return K.index_scores(iq, head_w, caches.packed_keys, entries, req, n_vis, head_sum_exact=exact,
                               check_inputs=False)
 
     def indexer():
@@ -329,8 +337,9 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor,
 
     sel = indexer()
     comp_entries = torch.where(sel >= 0, entries[req[:, None], sel.clamp(min=0)], -1)
-    cfg_att = dataclasses.replace(SA.plan_config(q.shape[0], t.num_attention_heads, t.head_dim, t.sliding_window,
-                                                 comp_entries.shape[1], 1), num_splits=1)
+    shape = (q.shape[0], t.num_attention_heads, t.head_dim, t.sliding_window, comp_entries.shape[1])
+    cfg_att = (SA.plan_decode_config(*shape, SA.device_sm_count(q.device), block_h=block_h) if splits == "decode"
+               else dataclasses.replace(SA.plan_config(*shape, 1), num_splits=1))
     qb, scale = q.to(torch.bfloat16), softmax_scale(t.head_dim)
 
     def attention():
@@ -343,7 +352,7 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor,
     comp_slots = torch.where(comp_entries >= 0, comp_entries * r + r - 1, -1)
 
     def scores_bf16():
-        return K.index_scores(iq, head_w, caches.keys, slots, req, n_vis, head_sum_exact=True, check_inputs=False)
+        return K.index_scores(iq, head_w, caches.keys, slots, req, n_vis, head_sum_exact=exact, check_inputs=False)
 
     def attention_bf16():
         return SA.sparse_sink_attention(qb, caches.swa, qs["swa_slots"], caches.latents, comp_slots, sink, scale,

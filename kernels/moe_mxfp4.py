@@ -76,8 +76,11 @@ path of spec §3.8; the swizzles above are Hopper's).
 """
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Callable
 
 import numpy as np
 import torch
@@ -85,6 +88,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton_kernels.matmul_ogs_details import opt_flags as _opt_flags
 from triton_kernels.matmul_ogs import (FlexCtx, FnSpecs, FusedActivation, GatherIndx, PrecisionConfig,
                                        RoutingData, matmul_ogs)
 from triton_kernels.numerics import InFlexData
@@ -285,6 +289,57 @@ def _check_call(x: Tensor, topk_ids: Tensor, experts: PreparedMxfp4Experts) -> N
         raise ValueError("topk_ids must be [T, k] on x's device")
 
 
+# ---------------------------------------------------------------------------------------------
+# Launch flags at decode (issue 21: opt-in until measured, docs/performance.md "session 11")
+# ---------------------------------------------------------------------------------------------
+#: triton_kernels opt-flag constraints the decode switch may set (Hopper MXFP4: no TMA, so no
+#: `is_persistent`; no split-K with MX weights)
+DECODE_FLAG_KEYS = ("block_m", "block_k", "num_stages", "epilogue_subtile")
+DECODE_FLAGS_ENV = "SGLANG_DSV41_MOE_DECODE_FLAGS"
+#: calls with at most this many tokens take the decode flags
+DECODE_FLAG_MAX_TOKENS = 16
+
+
+def parse_decode_flags(text: str) -> dict[str, int]:
+    """"block_k=256,num_stages=4" → {"block_k": 256, "num_stages": 4}; "" → {}; an unknown key or
+    a non-positive / non-integer value raises ValueError."""
+    flags: dict[str, int] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key not in DECODE_FLAG_KEYS or not value.strip().isdigit() or int(value) < 1:
+            raise ValueError(f"{DECODE_FLAGS_ENV}: bad item {item!r} (expected key=positive int, key in "
+                             f"{DECODE_FLAG_KEYS})")
+        flags[key] = int(value)
+    return flags
+
+
+@lru_cache(maxsize=1)
+def decode_flags() -> dict[str, int]:
+    """The decode flags SGLANG_DSV41_MOE_DECODE_FLAGS names (read once; {} = triton_kernels' own)."""
+    return parse_decode_flags(os.environ.get(DECODE_FLAGS_ENV, ""))
+
+
+@contextlib.contextmanager
+def decode_flags_scope(flags: dict[str, int]):
+    """triton_kernels' opt-flag constraints set to `flags` inside (process-global; reset on exit,
+    also after an exception); nothing for {}."""
+    if not flags:
+        yield
+        return
+    _opt_flags.update_opt_flags_constraints(dict(flags))
+    try:
+        yield
+    finally:
+        _opt_flags.reset_opt_flags_constraints()
+
+
+def with_decode_flags(flags: dict[str, int], fn: Callable[[], Tensor]) -> Tensor:
+    """fn() inside `decode_flags_scope(flags)`."""
+    with decode_flags_scope(flags):
+        return fn()
+
+
 def routed_expert_outputs(x: Tensor, topk_ids: Tensor, experts: PreparedMxfp4Experts, *, swiglu_limit: float,
                           allow_absent: bool = False) -> tuple[Tensor, RoutingPlan]:
     """Per-slot expert outputs: (y [T·k, H_pad] bf16 in grouped order, plan); slot s = t·k + j has
@@ -297,10 +352,11 @@ def routed_expert_outputs(x: Tensor, topk_ids: Tensor, experts: PreparedMxfp4Exp
     xp = x.contiguous()
     if experts.hidden_padded != experts.hidden:
         xp = F.pad(xp, (0, experts.hidden_padded - experts.hidden))
-    h = matmul_ogs(xp, experts.w13, None, plan.routing_data(), gather_indx=plan.gather(),
-                   precision_config=_mx_precision(experts.w13_scale),
-                   fused_activation=clamped_swiglu_activation(swiglu_limit))
-    y = matmul_ogs(h, experts.w2, None, plan.routing_data(), precision_config=_mx_precision(experts.w2_scale))
+    with decode_flags_scope(decode_flags() if x.shape[0] <= DECODE_FLAG_MAX_TOKENS else {}):     # SGLANG_DSV41_MOE_DECODE_FLAGS at ≤ DECODE_FLAG_MAX_TOKENS tokens
+        h = matmul_ogs(xp, experts.w13, None, plan.routing_data(), gather_indx=plan.gather(),
+                       precision_config=_mx_precision(experts.w13_scale),
+                       fused_activation=clamped_swiglu_activation(swiglu_limit))
+        y = matmul_ogs(h, experts.w2, None, plan.routing_data(), precision_config=_mx_precision(experts.w2_scale))
     return y, plan
 
 
@@ -320,7 +376,8 @@ def routed_experts_mxfp4(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, expe
     return combine_routed(y, plan, topk_weights, routed_scale, experts.hidden)
 
 
-__all__ = ["COMBINE_BLOCK_H", "HIDDEN_ALIGN", "INTERMEDIATE_ALIGN", "PREPARE_CHUNK", "PreparedMxfp4Experts",
+__all__ = ["COMBINE_BLOCK_H", "DECODE_FLAGS_ENV", "DECODE_FLAG_KEYS", "DECODE_FLAG_MAX_TOKENS", "decode_flags",
+           "decode_flags_scope", "parse_decode_flags", "with_decode_flags", "HIDDEN_ALIGN", "INTERMEDIATE_ALIGN", "PREPARE_CHUNK", "PreparedMxfp4Experts",
            "ROUTED_DIFF_FRACTION_BOUND", "RoutingPlan", "SCALE_NUM_WARPS", "UE8M0_ONE", "bf16_ulp",
            "clamped_swiglu_activation", "clamped_swiglu_tile", "combine_routed", "dequantize_prepared",
            "make_routing_plan", "prepare_mxfp4_experts", "prepare_mxfp4_stacked", "round_to_bf16",

@@ -80,6 +80,7 @@ If the runtime adopts the FP8 "v4" cache layout, FlashMLA's sparse decode is the
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -96,7 +97,9 @@ ACC_ELEMS_PER_PROGRAM = 16384
 #: Bytes of one gathered key tile ([block_n, block_d] BF16) in shared memory per pipeline stage.
 KEY_TILE_BYTES = 32768
 #: Upper bound on key-tile splits of one query (flash-decoding).
-MAX_SPLITS = 16
+MAX_SPLITS = 32
+#: Largest query count `plan_decode_config` splits (above it: one split).
+DECODE_SPLIT_MAX_QUERIES = 16
 #: [heads, block_d] fp32 elements one program of the split-merge kernel combines (16 per thread).
 MERGE_ELEMS_PER_PROGRAM = 2048
 _LOG2E = 1.4426950408889634
@@ -156,6 +159,33 @@ def plan_config(num_queries: int, num_heads: int, head_dim: int, window: int, to
         splits = triton.cdiv(tiles, triton.cdiv(tiles, splits))   # no empty split
     return SparseAttentionConfig(block_h=block_h, block_d=block_d, block_n=block_n, num_splits=splits,
                                  num_warps=num_warps, num_stages=2)
+
+
+def plan_decode_config(num_queries: int, num_heads: int, head_dim: int, window: int, topk: int,
+                       sm_count: int, block_h: int | None = None) -> SparseAttentionConfig:
+    """Split-KV for small decode batches: `plan_config`'s blocks (or `block_h`), and for
+    N ≤ DECODE_SPLIT_MAX_QUERIES as many key-tile splits as fill the multiprocessors,
+    ⌈sm_count / (N·⌈H/block_h⌉)⌉, down to one tile per split (≤ tiles, ≤ MAX_SPLITS; no empty
+    split). Unlike `plan_config` a split may hold fewer than ⌈2H/block_n⌉ tiles: its scratch
+    (H·(D + 2)·4 B written and read back, L2-resident) then exceeds the keys it reads, which pays at
+    these N because the launch would otherwise run on N·⌈H/block_h⌉ multiprocessors (2 at Flash,
+    N = 1). Above DECODE_SPLIT_MAX_QUERIES: one split. The split count depends on N, so a query's
+    bits depend on its batch's size class (≤ / > DECODE_SPLIT_MAX_QUERIES): not batch invariant."""
+    base = plan_config(num_queries, num_heads, head_dim, window, topk, sm_count)
+    if block_h is not None:
+        base = dataclasses.replace(base, block_h=block_h)
+    if num_queries > DECODE_SPLIT_MAX_QUERIES or num_queries < 1:
+        return dataclasses.replace(base, num_splits=1)
+    tiles = triton.cdiv(window, base.block_n) + triton.cdiv(topk, base.block_n)
+    programs = num_queries * triton.cdiv(num_heads, base.block_h)
+    splits = max(1, min(tiles, MAX_SPLITS, triton.cdiv(sm_count, programs)))
+    splits = triton.cdiv(tiles, triton.cdiv(tiles, splits))   # no empty split
+    return dataclasses.replace(base, num_splits=splits)
+
+
+def device_sm_count(device: torch.device) -> int:
+    """Multiprocessors of `device` (1 on CPU: the interpreter)."""
+    return _sm_count(device)
 
 
 def merge_heads_per_program(block_d: int) -> int:

@@ -174,6 +174,20 @@ def test_routing_plan_groups_slots_by_expert() -> None:
         mx.make_routing_plan(ids.float(), E)
 
 
+def test_decode_flags_parse_and_scope_restores_the_constraints() -> None:
+    from triton_kernels.matmul_ogs_details import opt_flags
+    assert mx.parse_decode_flags(" block_k=256, num_stages=4 ") == {"block_k": 256, "num_stages": 4}
+    assert mx.parse_decode_flags("") == {}
+    for bad in ("is_persistent=1", "block_k=0", "block_k=x", "split_k=2"):
+        with pytest.raises(ValueError, match="SGLANG_DSV41_MOE_DECODE_FLAGS"):
+            mx.parse_decode_flags(bad)
+    seen = []
+    with pytest.raises(RuntimeError, match="inside"):
+        mx.with_decode_flags({"block_k": 64}, lambda: seen.append(dict(opt_flags._opt_flags_constraints))
+                             or (_ for _ in ()).throw(RuntimeError("inside")))
+    assert seen == [{"block_k": 64}] and opt_flags._opt_flags_constraints == {}
+
+
 def test_routed_call_checks_device_and_shapes() -> None:
     p = prepare(random_experts(2, 256, 128, seed=4))
     x = torch.zeros(3, 256, dtype=torch.bfloat16)

@@ -243,7 +243,7 @@ def test_sink_only_query_outputs_zero_and_large_sink_suppresses():
 
 
 @interpreter
-@pytest.mark.parametrize("splits", [2, 3, 4])
+@pytest.mark.parametrize("splits", [2, 3, 5])      # 5: one tile per split, `plan_decode_config`'s floor
 def test_split_kv_matches_unsplit(splits):
     shape = dict(heads=4, dim=96, window=40, topk=24)    # 3 + 2 tiles of 16 keys
     q, swa, ss, comp, cs, sink = random_case(n=5, slots=90, seed=8, **shape)
@@ -565,6 +565,11 @@ def test_plan_config_shapes():
     assert one.num_splits == 5            # 20 tiles, ≥ ⌈2·64/32⌉ = 4 tiles per split
     assert sa.plan_config(16, 64, 512, 128, 512, sm_count=132).num_splits == 4     # ⌊132/32⌋
     assert sa.plan_config(64, 64, 512, 128, 512, sm_count=132).num_splits == 1     # one wave already
+    dec = [sa.plan_decode_config(n, 64, 512, 128, 512, sm_count=132) for n in (1, 8, 16, 17, 2048)]
+    assert [c.num_splits for c in dec] == [20, 7, 5, 1, 1]   # 20 tiles: ⌈132/2⌉ → 20, ⌈132/16⌉ = 9 → 7, 5 → 5
+    assert all((c.block_h, c.block_n, c.block_d) == (32, 32, 512) for c in dec)
+    assert sa.plan_decode_config(1, 64, 512, 128, 512, sm_count=132, block_h=16).num_splits == 20
+    assert sa.plan_decode_config(8, 64, 512, 128, 512, sm_count=132, block_h=16).num_splits == 5   # ⌈132/32⌉ = 5
     tiny = sa.plan_config(5, 4, 96, 8, 4, sm_count=132)
     assert (tiny.block_d, tiny.block_h, tiny.block_n, tiny.num_warps) == (128, 16, 16, 4)
     with pytest.raises(ValueError, match="head_dim"):
@@ -642,6 +647,25 @@ def test_gpu_flash_shape_matches_oracle(n):
                                              slot_dtype=torch.int32)
     ss[0, :100] = -1                                     # a query near its sequence start
     check_against_oracle(mod, q, swa, ss, comp, cs, sink, 512 ** -0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 8])
+@pytest.mark.parametrize("block_h", [32, 16])
+def test_gpu_decode_plan_flash_matches_oracle_and_packed(n, block_h):
+    """`plan_decode_config` (SGLANG_DSV41_ATTN_SPLITS=decode) at the Flash shape: the oracle bound
+    on BF16 rows, and the packed FP4 entries give the BF16 path's bits under the same plan."""
+    mod = _gpu_module()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = mod.plan_decode_config(n, 64, 512, 128, 512, sm_count=sms, block_h=block_h)
+    assert cfg.num_splits > 1
+    q, swa, ss, comp, cs, sink = random_case(n=n, slots=4096, seed=700 + n, heads=64, dim=512, window=128, topk=512,
+                                             hole_frac=0.1, device="cuda", slot_dtype=torch.int32)
+    ss[0, :100] = -1
+    check_against_oracle(mod, q, swa, ss, comp, cs, sink, 512 ** -0.5, config=cfg)
+    case = packed_case(n=n, heads=64, dim=512, index_dim=128, window=128, topk=512, num_rows=8192,
+                       ratios=FLASH_RATIOS, source=1, seed=710 + n, hole_frac=0.1, device="cuda", slot_dtype=torch.int32)
+    assert_packed_equals_bf16_path(mod, *case, 512 ** -0.5, config=cfg)
 
 
 @pytest.mark.gpu

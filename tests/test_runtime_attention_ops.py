@@ -181,3 +181,37 @@ def test_gpu_sublayer_tests_pass_in_the_triton_interpreter() -> None:
     tail = proc.stdout[-6000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, tail
     assert re.search(r"\b2 passed", proc.stdout) and not re.search(r"\d+ (failed|skipped|error)", proc.stdout), tail
+
+
+def test_kernel_choices_come_from_the_environment(monkeypatch) -> None:
+    """SGLANG_DSV41_ATTN_SPLITS picks the attention plan (one split by default, `plan_decode_config`
+    with the device's multiprocessors for "decode"); SGLANG_DSV41_INDEXER_HEAD_SUM the head sum;
+    unknown values raise."""
+    seen: list[tuple] = []
+
+    def plan_decode_config(*shape, sm_count):
+        seen.append(("decode", shape, sm_count))
+        return kernel_attention.plan_decode_config(*shape, sm_count=sm_count)
+
+    def attend(q, swa_cache, swa_slots, comp_cache, comp_slots, sink, scale, *, config):
+        seen.append(("attend", config.num_splits))
+        return torch.zeros_like(q)
+    fake = SimpleNamespace(plan_config=kernel_attention.plan_config, plan_decode_config=plan_decode_config,
+                           device_sm_count=lambda device: 132, sparse_sink_attention=attend)
+    q, sink = torch.zeros(1, 64, 512), torch.zeros(64)
+    swa, slots = torch.zeros(4, 512, dtype=torch.bfloat16), torch.zeros(1, 128, dtype=torch.long)
+    for env in ("SGLANG_DSV41_ATTN_SPLITS", "SGLANG_DSV41_INDEXER_HEAD_SUM"):
+        monkeypatch.delenv(env, raising=False)
+    default = attention_ops.KernelAttentionOps(fake, SimpleNamespace())
+    assert (default.splits, default.head_sum) == ("one", "fp64")
+    default.attend(q, sink, swa, slots, None, None)
+    assert seen == [("attend", 1)]
+    monkeypatch.setenv("SGLANG_DSV41_ATTN_SPLITS", "decode")
+    monkeypatch.setenv("SGLANG_DSV41_INDEXER_HEAD_SUM", "FP32")
+    chosen = attention_ops.KernelAttentionOps(fake, SimpleNamespace())
+    assert (chosen.splits, chosen.head_sum) == ("decode", "fp32")
+    chosen.attend(q, sink, swa, slots, None, None)
+    assert seen[1:] == [("decode", (1, 64, 512, 128, 0), 132), ("attend", 4)]   # 4 SWA tiles of 32, one each
+    monkeypatch.setenv("SGLANG_DSV41_ATTN_SPLITS", "many")
+    with pytest.raises(ValueError, match="SGLANG_DSV41_ATTN_SPLITS='many'"):
+        attention_ops.KernelAttentionOps(fake, SimpleNamespace())

@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import os
 from types import ModuleType
 from typing import Mapping, Protocol
 
@@ -73,6 +74,22 @@ SCORE_ELEMENTS_PER_CHUNK = 1 << 25
 #: order with it). With the float64 head sum of the indexer, the whole CUDA forward then gives the
 #: same bits for a request whether it runs alone, chunked, batched or on a prefix-cache hit.
 ATTENTION_KEY_SPLITS = 1
+#: Kernel choices of the CUDA path (issue 21; opt-in until measured on the H200, docs/performance.md
+#: "session 11"): SGLANG_DSV41_ATTN_SPLITS = "one" (default, ATTENTION_KEY_SPLITS: batch invariant) |
+#: "decode" (`plan_decode_config`: split-KV over the multiprocessors for ≤ DECODE_SPLIT_MAX_QUERIES
+#: queries; a query's bits then depend on its batch's size class); SGLANG_DSV41_INDEXER_HEAD_SUM =
+#: "fp64" (default: scores equal the reference's bit for bit) | "fp32" (fp32 head sum, within the
+#: kernel's stated bound; ties near a rounding boundary may select differently).
+ATTENTION_SPLITS_ENV, ATTENTION_SPLITS = "SGLANG_DSV41_ATTN_SPLITS", ("one", "decode")
+INDEXER_HEAD_SUM_ENV, INDEXER_HEAD_SUMS = "SGLANG_DSV41_INDEXER_HEAD_SUM", ("fp64", "fp32")
+
+
+def kernel_choice(env: str, choices: tuple[str, ...]) -> str:
+    """The value of `env` (first of `choices` when unset); an unknown value raises."""
+    chosen = os.environ.get(env, "").strip().lower() or choices[0]
+    if chosen not in choices:
+        raise ValueError(f"{env}={chosen!r}: expected one of {choices}")
+    return chosen
 
 
 class AttentionOps(Protocol):
@@ -172,9 +189,15 @@ class KernelAttentionOps:
     description = ("Triton kernels (sparse_sink_attention and index_scores reading packed FP4 entries; "
                    "float64 head sum + select_for_role, whole batch)")
 
-    def __init__(self, sparse_attention: ModuleType, indexer: ModuleType) -> None:
+    def __init__(self, sparse_attention: ModuleType, indexer: ModuleType, splits: str | None = None,
+                 head_sum: str | None = None) -> None:
         self.sparse_attention = sparse_attention
         self.indexer = indexer
+        self.splits = splits or kernel_choice(ATTENTION_SPLITS_ENV, ATTENTION_SPLITS)
+        self.head_sum = head_sum or kernel_choice(INDEXER_HEAD_SUM_ENV, INDEXER_HEAD_SUMS)
+        if self.splits not in ATTENTION_SPLITS or self.head_sum not in INDEXER_HEAD_SUMS:
+            raise ValueError(f"KernelAttentionOps: splits {self.splits!r} / head_sum {self.head_sum!r} not in "
+                             f"{ATTENTION_SPLITS} / {INDEXER_HEAD_SUMS}")
 
     def attend(self, q: Tensor, sink: Tensor, swa_cache: Tensor, swa_slots: Tensor,
                packed: PackedSourceRows | None, comp_entries: Tensor | None) -> Tensor:
@@ -186,7 +209,12 @@ class KernelAttentionOps:
                                f"{swa_cache.dtype} (serve with the model dtype bfloat16 and --kv-cache-dtype auto)")
         N, H, D = q.shape
         K = 0 if comp_entries is None else comp_entries.shape[1]
-        plan = self.sparse_attention.plan_config(N, H, D, swa_slots.shape[1], K, sm_count=1)
+        if self.splits == "decode":
+            plan = self.sparse_attention.plan_decode_config(
+                N, H, D, swa_slots.shape[1], K, sm_count=self.sparse_attention.device_sm_count(q.device))
+        else:
+            plan = dataclasses.replace(self.sparse_attention.plan_config(N, H, D, swa_slots.shape[1], K, sm_count=1),
+                                       num_splits=ATTENTION_KEY_SPLITS)
         comp_cache = None
         if packed is not None and comp_entries is not None:
             src = packed.source.latent
@@ -195,7 +223,7 @@ class KernelAttentionOps:
                 head_dim=packed.layout.head_dim, index_head_dim=packed.layout.index_head_dim, part="latent")
         o = self.sparse_attention.sparse_sink_attention(
             q.to(torch.bfloat16), swa_cache, swa_slots, comp_cache, comp_entries if comp_cache is not None else None,
-            sink.to(torch.float32), softmax_scale(D), config=dataclasses.replace(plan, num_splits=ATTENTION_KEY_SPLITS))
+            sink.to(torch.float32), softmax_scale(D), config=plan)
         return o.to(torch.float32)
 
     def select(self, be: ComputeBackend, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str,
@@ -238,7 +266,8 @@ class KernelAttentionOps:
         for start in range(0, max(N, 1), rows):
             part = slice(start, min(start + rows, N))
             scores = K.index_scores(query.q[part], query.head_weights[part], key_cache, entry_table,
-                                    layout.token_req[part], n_visible[part], head_sum_exact=True, check_inputs=False)
+                                    layout.token_req[part], n_visible[part], head_sum_exact=self.head_sum == "fp64",
+                                    check_inputs=False)
             selection, chunk_blocks = select_for_role(K, cfg, role, scores, n_visible[part],
                                                         None if published is None else published[part],
                                                         check_nan=False)

@@ -1,0 +1,137 @@
+"""Old against new for the decode-step kernel choices of issue 21 (session 11), in one process
+(`decode_step.py --variants`).
+
+Per decode batch N, on the layer and caches `decode_step.py` built, every variant of a component is
+captured alone in a CUDA graph and its replay timed (`step_timing.measure`: CUDA events, 256 MB L2
+flush before each replay, median), with its output compared with the old variant's:
+
+* `attention`: `one_split` (the runtime default, ATTENTION_KEY_SPLITS = 1) · `decode_splits`
+  (`plan_decode_config`, SGLANG_DSV41_ATTN_SPLITS=decode) · `decode_splits_h16` (the same with 16
+  heads per program) — agreement: within 2 BF16 ulps of the output scale;
+* `indexer`: `fp64_head_sum` (default) · `fp32_head_sum` (SGLANG_DSV41_INDEXER_HEAD_SUM=fp32) —
+  agreement: the mean fraction of each query's selection that is the same set;
+* `moe_routed`: `default` (triton_kernels' own launch flags) · `flags:<k=v,...>` for each of
+  MOE_FLAG_SETS (SGLANG_DSV41_MOE_DECODE_FLAGS) — agreement: max |Δ| in units of the
+  output's BF16 ulp, and the fraction of equal elements;
+* `torch`: the layer's torch work with FP8 linears `tiered` (default) · `w8a8_f16`;
+* `step`: the whole step `default` (tiered, fp64 head sum, one split, default MoE flags) · `new`
+  (w8a8_f16, fp32 head sum, decode splits, default MoE flags) — the graphed layer step old → new.
+A variant that fails records its error; the others still run.
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch
+from torch import Tensor
+
+#: MoE launch-flag sets tried at decode (triton_kernels' opt-flag constraints)
+MOE_FLAG_SETS = ("is_persistent=1", "block_k=256", "num_stages=4", "block_k=128,num_stages=5")
+CAP_S = 0.3
+
+
+def selection_agreement(a: Tensor, b: Tensor) -> float:
+    """Mean over queries of |set(a_t) ∩ set(b_t)| / |set(a_t)| (−1 = empty slot, ignored)."""
+    total = 0.0
+    for x, y in zip(a.tolist(), b.tolist()):
+        sx, sy = {v for v in x if v >= 0}, {v for v in y if v >= 0}
+        total += len(sx & sy) / len(sx) if sx else float(not sy)
+    return total / max(1, a.shape[0])
+
+
+def ulp_agreement(got: Tensor, want: Tensor) -> dict:
+    """max |got − want| in BF16 ulps of |want| (elementwise) and the fraction of equal elements."""
+    w = want.float()
+    ulp = torch.ldexp(torch.ones_like(w), torch.frexp(w.abs().clamp(min=2.0 ** -126))[1] - 8)
+    d = (got.float() - w).abs()
+    return dict(max_ulps=float((d / ulp).max()) if d.numel() else 0.0, equal_fraction=float((d == 0).float().mean()))
+
+
+def _graph_us(fn: Callable[[], object], dev) -> dict:
+    from step_timing import capture_graph, measure
+    g = capture_graph([fn], warmup_calls=2)
+    return dict(graph_us=measure(g.replay, CAP_S, dev)["median_us"])
+
+
+def variant_callables(layer, caches, N: int, context: int) -> dict[str, dict[str, Callable]]:
+    """{component: {variant: callable}} at decode batch N (module doc)."""
+    import flash_layer as fl
+    from sglang_dsv41.kernels import moe_mxfp4 as mx
+    from sglang_dsv41.numerics import rounding as ops
+    from sglang_dsv41.runtime.backend import TritonBackend
+    t, dev = layer.text, torch.device("cuda")
+    req, pos = torch.arange(N, device=dev), torch.full((N,), context - 1, dtype=torch.long, device=dev)
+    g = torch.Generator(device=dev).manual_seed(N)
+    R = ops.bf16(torch.randn(N, t.hc_mult, t.hidden_size, generator=g, device=dev))
+    q = ops.bf16(torch.randn(N, t.num_attention_heads, t.head_dim, generator=g, device=dev))
+    sink = layer.weights[f"layers.{layer.role.layer}.attn.attn_sink"]
+    qs = fl.queries(layer, caches, req, pos)
+    old, _ = fl.kernel_components(layer, caches, qs, q, sink, splits="one", head_sum="fp64")
+    new, _ = fl.kernel_components(layer, caches, qs, q, sink, splits="decode", head_sum="fp32")
+    h16, _ = fl.kernel_components(layer, caches, qs, q, sink, splits="decode", head_sum="fp32", block_h=16)
+    x, routing = fl.torch_work(layer, R, pos)
+    backends = {m: TritonBackend(layer.backend.dense, fp8_gemm=m) for m in ("tiered", "w8a8_f16")}
+    moe = {"default": lambda: fl.moe_routed(layer, x, routing)}
+    for flags in MOE_FLAG_SETS:
+        moe[f"flags:{flags}"] = (lambda f: lambda: mx.with_decode_flags(
+            mx.parse_decode_flags(f), lambda: fl.moe_routed(layer, x, routing)))(flags)
+    torch_parts = {m: (lambda be: lambda: fl.torch_work(layer, R, pos, be))(be) for m, be in backends.items()}
+
+    def step(parts):
+        return lambda: [p() for p in parts]
+    return {"attention": {"one_split": old["attention"], "decode_splits": new["attention"],
+                          "decode_splits_h16": h16["attention"]},
+            "indexer": {"fp64_head_sum": old["indexer"], "fp32_head_sum": new["indexer"]},
+            "moe_routed": moe, "torch": torch_parts,
+            "step": {"default": step([torch_parts["tiered"], old["indexer"], old["attention"], moe["default"]]),
+                     "new": step([torch_parts["w8a8_f16"], new["indexer"], new["attention"], moe["default"]])}}
+
+
+def agreement(component: str, got, want) -> dict:
+    if component == "attention":
+        return ulp_agreement(got, want)
+    if component == "indexer":
+        return dict(selection_agreement=selection_agreement(got, want))
+    if component == "moe_routed":
+        return ulp_agreement(got, want)
+    return {}
+
+
+def run_variants(layer, caches, N: int, context: int, errors: list[str]) -> dict:
+    """Timings and agreements of every variant at N (module doc)."""
+    from step_timing import _describe
+    dev = torch.device("cuda")
+    out: dict[str, dict] = {}
+    try:
+        table = variant_callables(layer, caches, N, context)
+    except Exception as exc:
+        errors.append(f"variants N={N} set-up: {_describe(exc)}")
+        return dict(error=_describe(exc))
+    for comp, variants in table.items():
+        out[comp] = {}
+        first = next(iter(variants))
+        want = None
+        for name, fn in variants.items():
+            try:
+                got = fn()
+                torch.cuda.synchronize()
+                row = _graph_us(fn, dev)
+                if name == first:
+                    want = got
+                elif want is not None:
+                    row |= agreement(comp, got, want)
+            except Exception as exc:
+                errors.append(f"variants N={N} {comp}/{name}: {_describe(exc)}")
+                row = dict(error=_describe(exc))
+            out[comp][name] = row
+        torch.cuda.empty_cache()
+    return out
+
+
+def summary_line(N: int, row: Mapping) -> str:
+    parts = []
+    for comp, variants in row.items():
+        if isinstance(variants, Mapping):
+            us = " / ".join(f"{n} {v['graph_us']:.0f}" if "graph_us" in v else f"{n} ERR" for n, v in variants.items())
+            parts.append(f"{comp}: {us}")
+    return f"variants N={N} µs (graph): " + " | ".join(parts)
