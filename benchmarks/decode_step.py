@@ -232,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/decode_step.py needs a CUDA GPU")
     t_start = time.perf_counter()
-    deadline = t_start + (args.budget_s or (QUICK_BUDGET_S if args.quick else BUDGET_S))
+    budget = args.budget_s or (QUICK_BUDGET_S if args.quick else BUDGET_S)
+    deadline = t_start + budget
     from device_bandwidth import copy_bandwidth_gbs
     torch.backends.cuda.matmul.allow_tf32 = False        # the dense backend's fp32 GEMMs need it off
     dev = torch.device("cuda")
@@ -270,10 +271,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"N={N:4d} µs: {parts}  | step eager {r['layer_us_eager'] or float('nan'):.0f}  graph "
               f"{r['layer_us_graph'] or float('nan'):.0f}  excluded {list(r['graph_excluded']) or 'none'}", flush=True)
     if args.variants:
-        attempt("variants", functools.partial(write_variants, layer, caches, batches, args, props.name, errors),
+        attempt("variants", functools.partial(write_variants, layer, caches, batches, args, props.name, errors,
+                                              deadline - 0.3 * budget if args.profile else deadline),
                 errors, skipped, deadline)
     if args.profile:
-        profile_path = attempt("profile", functools.partial(write_profile, layer, caches, batches, args, props.name, errors),
+        profile_path = attempt("profile", functools.partial(write_profile, layer, caches, batches, args, props.name, errors,
+                                                               deadline),
                                errors, skipped, deadline)
         print(f"profile: {profile_path}", flush=True)
     del caches
@@ -317,13 +320,15 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if errors else 0
 
 
-def write_variants(layer: Layer, caches: Caches, batches, args, device_name: str, errors: list[str]) -> dict:
-    """`--variants`: kernel_variants.run_variants at every N → decode_step_variants.json."""
+def write_variants(layer: Layer, caches: Caches, batches, args, device_name: str, errors: list[str],
+                   deadline: float) -> dict:
+    """`--variants`: kernel_variants.run_variants at every N → decode_step_variants.json (what is
+    past `deadline` is recorded as skipped)."""
     import kernel_variants as kv
     t0 = time.perf_counter()
     rows = {}
     for N in batches:
-        rows[N] = kv.run_variants(layer, caches, N, args.context, errors)
+        rows[N] = kv.run_variants(layer, caches, N, args.context, errors, deadline)
         print(kv.summary_line(N, rows[N]), flush=True)
     path = args.out / "decode_step_variants.json"
     path.write_text(json.dumps(dict(device=device_name, layer=args.layer, context=args.context, method=kv.__doc__,
@@ -331,11 +336,13 @@ def write_variants(layer: Layer, caches: Caches, batches, args, device_name: str
     return dict(path=str(path))
 
 
-def write_profile(layer: Layer, caches: Caches, batches, args, device_name: str, errors: list[str]) -> dict:
+def write_profile(layer: Layer, caches: Caches, batches, args, device_name: str, errors: list[str],
+                  deadline: float) -> dict:
     """`--profile`: step_profile.profile_rows at every N and --profile-fp8 mode → JSON (+ PNG)."""
     import step_profile as sp
     t0 = time.perf_counter()
-    rows = sp.profile_rows(layer, caches, batches, args.profile_fp8, args.context, STEP_PARTS, errors)
+    rows = sp.profile_rows(layer, caches, batches, args.profile_fp8, args.context, STEP_PARTS, errors,
+                           deadline=deadline)
     engram = layer.role.layer in layer.text.engram_layer_ids
     result = dict(device=device_name, layer=args.layer, context=args.context, method=sp.__doc__,
                   components=sp.COMPONENTS, rows=rows, wall_s=time.perf_counter() - t0,

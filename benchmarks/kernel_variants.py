@@ -11,7 +11,7 @@ flush before each replay, median), with its output compared with the old variant
 * `indexer`: `fp64_head_sum` (default) · `fp32_head_sum` (SGLANG_DSV41_INDEXER_HEAD_SUM=fp32) —
   agreement: the mean fraction of each query's selection that is the same set;
 * `moe_routed`: `default` (triton_kernels' own launch flags) · `flags:<k=v,...>` for each of
-  MOE_FLAG_SETS (SGLANG_DSV41_MOE_DECODE_FLAGS) — agreement: max |Δ| in units of the
+  MOE_FLAG_SETS (SGLANG_DSV41_MOE_DECODE_FLAGS; at N ≤ DECODE_FLAG_MAX_TOKENS only, as the runtime) — agreement: max |Δ| in units of the
   output's BF16 ulp, and the fraction of equal elements;
 * `torch`: the layer's torch work with FP8 linears `tiered` (default) · `w8a8_f16`;
 * `step`: the whole step `default` (tiered, fp64 head sum, one split, default MoE flags) · `new`
@@ -20,13 +20,15 @@ A variant that fails records its error; the others still run.
 """
 from __future__ import annotations
 
+import math
+import time
 from typing import Callable, Mapping
 
 import torch
 from torch import Tensor
 
 #: MoE launch-flag sets tried at decode (triton_kernels' opt-flag constraints)
-MOE_FLAG_SETS = ("is_persistent=1", "block_k=256", "num_stages=4", "block_k=128,num_stages=5")
+MOE_FLAG_SETS = ("block_k=256", "block_k=64", "num_stages=5", "block_m=16,num_stages=4")
 CAP_S = 0.3
 
 
@@ -72,7 +74,7 @@ def variant_callables(layer, caches, N: int, context: int) -> dict[str, dict[str
     x, routing = fl.torch_work(layer, R, pos)
     backends = {m: TritonBackend(layer.backend.dense, fp8_gemm=m) for m in ("tiered", "w8a8_f16")}
     moe = {"default": lambda: fl.moe_routed(layer, x, routing)}
-    for flags in MOE_FLAG_SETS:
+    for flags in (MOE_FLAG_SETS if N <= mx.DECODE_FLAG_MAX_TOKENS else ()):    # the runtime applies them up to there
         moe[f"flags:{flags}"] = (lambda f: lambda: mx.with_decode_flags(
             mx.parse_decode_flags(f), lambda: fl.moe_routed(layer, x, routing)))(flags)
     torch_parts = {m: (lambda be: lambda: fl.torch_work(layer, R, pos, be))(be) for m, be in backends.items()}
@@ -97,8 +99,9 @@ def agreement(component: str, got, want) -> dict:
     return {}
 
 
-def run_variants(layer, caches, N: int, context: int, errors: list[str]) -> dict:
-    """Timings and agreements of every variant at N (module doc)."""
+def run_variants(layer, caches, N: int, context: int, errors: list[str], deadline: float = math.inf) -> dict:
+    """Timings and agreements of every variant at N (module doc); variants past `deadline`
+    (time.perf_counter) are recorded as skipped."""
     from step_timing import _describe
     dev = torch.device("cuda")
     out: dict[str, dict] = {}
@@ -112,6 +115,9 @@ def run_variants(layer, caches, N: int, context: int, errors: list[str]) -> dict
         first = next(iter(variants))
         want = None
         for name, fn in variants.items():
+            if time.perf_counter() > deadline:
+                out[comp][name] = dict(skipped="over the wall budget")
+                continue
             try:
                 got = fn()
                 torch.cuda.synchronize()
@@ -132,6 +138,7 @@ def summary_line(N: int, row: Mapping) -> str:
     parts = []
     for comp, variants in row.items():
         if isinstance(variants, Mapping):
-            us = " / ".join(f"{n} {v['graph_us']:.0f}" if "graph_us" in v else f"{n} ERR" for n, v in variants.items())
+            us = " / ".join(f"{n} {v['graph_us']:.0f}" if "graph_us" in v else f"{n} {'ERR' if 'error' in v else '-'}"
+                            for n, v in variants.items())
             parts.append(f"{comp}: {us}")
     return f"variants N={N} µs (graph): " + " | ".join(parts)

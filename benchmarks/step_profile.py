@@ -12,11 +12,11 @@ Method (two passes under `torch.profiler`, CUDA activity, chrome trace parsed he
    runtime calls (instance attributes on the compute backend, names of `flash_layer`'s globals and
    the mHC object, all restored afterwards — nothing in `runtime/` changes). A kernel's label is
    the innermost range open on the launching thread at its launch (CPU launch time via the CUPTI
-   correlation id), except that a `linear:` range dominates the ranges nested in it (its activation
+   correlation id; else the op with its "External id"), except that a `linear:` range dominates the ranges nested in it (its activation
    quantisation and rounding belong to the linear);
-2. **graphed**: the same parts captured in one CUDA graph (`step_timing.capture_graph`) replayed
-   REPLAYS times, a 256 MB L2 flush (outside the graph) before each; each replay's kernels (one
-   graph-launch correlation id) sorted by start. Labels come from the eager pass by aligning the
+2. **graphed**: the same parts captured in one CUDA graph (`step_timing.capture_graph`, inside the
+   trace) replayed 1 + REPLAYS times, a 256 MB L2 flush (outside the graph) before each; each
+   replay's kernels (one graph-launch correlation id) sorted by start, the first replay dropped. Labels come from the eager pass by aligning the
    two kernel-name sequences (`difflib`, exact names; unmatched graph kernels → "unattributed").
 Per label and component: the median over replays of the summed device µs; `gaps_us` = span − busy.
 The profiler's own overhead lengthens spans a little; `graph_wall_us` (CUDA events, no profiler,
@@ -27,8 +27,10 @@ from __future__ import annotations
 import contextlib
 import difflib
 import json
+import math
 import statistics
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
@@ -165,9 +167,13 @@ def labelled_kernels(trace: Mapping) -> list[tuple[str, str, float]]:
     ranges = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") == "user_annotation"
               and str(e.get("name", "")).startswith(PREFIX)]
     launches = _launches(trace)
+    ops = {e["args"]["External id"]: e for e in trace.get("traceEvents", [])     # fallback: the launching op
+           if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")
+           and "External id" in e.get("args", {})}
     out = []
     for k in sorted(_device_events(trace), key=lambda e: e["ts"]):
-        launch = launches.get(k.get("args", {}).get("correlation"))
+        args = k.get("args", {})
+        launch = launches.get(args.get("correlation")) or ops.get(args.get("External id"))
         label = label_at(ranges, launch.get("tid"), launch["ts"]) if launch else "unlabelled"
         out.append((k["name"], label, float(k["dur"])))
     return out
@@ -234,14 +240,17 @@ def summarise(eager: Sequence[tuple[str, str, float]], replays: Sequence[Sequenc
     span, busy = statistics.median(spans or [0.0]), statistics.median(busys or [0.0])
     by_comp["launch_gaps"] = span - busy
     eager_us: dict[str, float] = defaultdict(float)
+    eager_comp: dict[str, float] = defaultdict(float)
     for _, label, us in eager:
         eager_us[label] += us
+        eager_comp[component(label, fp8)] += us
     return dict(replays=len(replays), kernels_per_replay=counts, span_us=span, busy_us=busy, gaps_us=span - busy,
                 matched_fraction=min(matched or [0.0]),
                 by_component={c: by_comp[c] for c in COMPONENTS if c in by_comp},
                 by_linear={k[len("linear:"):]: v for k, v in sorted(med.items()) if k.startswith("linear:")},
                 by_label=dict(sorted(med.items(), key=lambda kv: -kv[1])),
                 eager_device_us=dict(sorted(eager_us.items(), key=lambda kv: -kv[1])),
+                eager_by_component={c: eager_comp[c] for c in COMPONENTS if c in eager_comp},
                 eager_launches=len(eager))
 
 
@@ -274,25 +283,28 @@ def profile_step(parts: Mapping[str, Callable[[], object]], labels: Callable[[],
         eager_once()                                # warm-up (compiles, autotunes) outside the trace
         flush.zero_()
         eager = labelled_kernels(_trace_of(eager_once))
-    graph = capture_graph(list(parts.values()))
+    held = []
 
-    def replay_all():
-        for _ in range(replays):
+    def capture_and_replay():          # captured inside the trace, so CUPTI sees the graph's kernels
+        held.append(capture_graph(list(parts.values())))
+        for _ in range(replays + 1):
             flush.zero_()
-            graph.replay()
+            held[0].replay()
         torch.cuda.synchronize()
-    graph.replay()
-    replays_events = graph_replays(_trace_of(replay_all))
+    replays_events = graph_replays(_trace_of(capture_and_replay))[1:]     # the first replay warms up
     out = summarise(eager, replays_events, fp8_linears)
-    out["graph_wall_us"] = measure(graph.replay, 0.3, dev)["median_us"]
+    out["graph_wall_us"] = measure(held[0].replay, 0.3, dev)["median_us"]
+    if not replays_events:
+        out["error"] = "no kernels of a graph launch in the trace: only eager_* figures hold"
     return out
 
 
 def profile_rows(layer, caches, batches: Sequence[int], modes: Sequence[str], context: int, parts_order: Sequence[str],
-                 errors: list[str], replays: int = REPLAYS) -> list[dict]:
+                 errors: list[str], replays: int = REPLAYS, deadline: float = math.inf) -> list[dict]:
     """`profile_step` of the step (`parts_order`) at every FP8 mode × N (decode: one query per
     request at position context − 1); the mode is set on the layer's backend for the duration
-    (`TritonBackend.fp8_gemm`, read per call)."""
+    (`TritonBackend.fp8_gemm`, read per call). Points past `deadline` (time.perf_counter) are
+    recorded as skipped."""
     import flash_layer
     from step_timing import _describe
     be, dev = layer.backend, torch.device("cuda")
@@ -306,11 +318,16 @@ def profile_rows(layer, caches, batches: Sequence[int], modes: Sequence[str], co
             for N in batches:
                 pos = torch.full((N,), context - 1, dtype=torch.long, device=dev)
                 row = dict(fp8_gemm=mode, tokens=N)
+                if time.perf_counter() > deadline:
+                    rows.append(row | dict(skipped="over the wall budget"))
+                    continue
                 try:
                     comps, meta = flash_layer.step_components(layer, caches, torch.arange(N, device=dev), pos, errors)
                     parts = {c: comps[c] for c in parts_order if c in comps}
                     row |= dict(parts=list(parts), distinct_experts=meta.get("distinct_experts"))
                     row |= profile_step(parts, lambda: labels_on(be, names, flash_layer), fp8, replays)
+                    if "error" in row:
+                        errors.append(f"profile {mode} N={N}: {row['error']}")
                 except Exception as exc:
                     errors.append(f"profile {mode} N={N}: {_describe(exc)}")
                     row["error"] = _describe(exc)

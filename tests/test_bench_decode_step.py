@@ -263,3 +263,28 @@ def test_plot_eager_vs_graph(bench, tmp_path) -> None:
     rows.append(bench.failed_row(64, "RuntimeError: x"))
     bench.plot(rows, tmp_path / "p.png", "CPU")
     assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_profile_labels_cover_the_torch_work(bench, setup) -> None:
+    """`--profile`'s labels (benchmarks/step_profile.py) on the CPU torch work: every runtime call it
+    wraps is reached with the layer's own weight tensors (named linears), the grouped `wo_a`'s
+    per-group slices count to `wo_a`, and everything is restored afterwards."""
+    import flash_layer as fl
+    import step_profile as sp
+    cfg, _, built = setup
+    t = cfg.text
+    R = bf16(torch.randn(1, t.hc_mult, t.hidden_size, generator=torch.Generator().manual_seed(3)))
+    names = sp.weight_names(built.weights, built.role.layer)
+    with sp.labels_on(built.backend, names, fl):
+        trace = sp._trace_of(lambda: fl.torch_work(built, R, torch.tensor([15])))
+    assert fl.mhc_for.__module__ != sp.__name__ and not {"linear_fp8", "rms_norm"} & set(vars(built.backend))
+    ranges = [e for e in trace["traceEvents"] if e.get("cat") == "user_annotation" and e["name"].startswith(sp.PREFIX)]
+    labels = {e["name"][len(sp.PREFIX):] for e in ranges}
+    want = {"mhc", "compressor", "indexer_query", "router", "shared_expert", "linear:attn.wq_a", "linear:attn.wq_b",
+            "linear:attn.wkv", "linear:attn.wo_a", "linear:attn.wo_b", "linear:attn.indexer.wq_b",
+            "linear:ffn.shared_experts.w1", "linear:ffn.shared_experts.w2", "linear:ffn.shared_experts.w3"}
+    assert want <= labels, want - labels
+    for r in ranges:       # unnamed products (wo_a's group slices) sit inside a named linear
+        if r["name"].endswith("linear:?"):
+            assert sp.label_at(ranges, r["tid"], r["ts"] + r["dur"] / 2).startswith("linear:attn."), r
+    assert {sp.component(lab) for lab in labels} <= set(sp.COMPONENTS) - {"unattributed"}

@@ -3,6 +3,7 @@ through CUPTI correlation ids, graph-replay grouping, alignment and the componen
 synthetic traces (the GPU pass runs from scripts/gpu/speed4.sh)."""
 from __future__ import annotations
 
+import json
 import sys
 from types import SimpleNamespace
 
@@ -87,3 +88,39 @@ def test_component_names(sp) -> None:
     assert sp.component("indexer_query") == "indexer" and sp.component("glue:out_proj") == "torch_glue"
     assert sp.component("elementwise:fp8_act_fake_quant") == "elementwise" and sp.component("weird") == "unattributed"
     assert set(sp.COMPONENT_OF[i][1] for i in range(len(sp.COMPONENT_OF))) <= set(sp.COMPONENTS)
+
+
+def test_variant_agreements() -> None:
+    kv = load_benchmark("kernel_variants.py")
+    a = torch.tensor([[3, 1, 2, -1], [5, 6, -1, -1], [-1, -1, -1, -1]])
+    b = torch.tensor([[1, 2, 4, -1], [6, 5, -1, -1], [-1, -1, -1, -1]])
+    assert kv.selection_agreement(a, b) == pytest.approx((2 / 3 + 1 + 1) / 3)
+    want = torch.tensor([1.0, 1.0, -3.0, 0.0]).to(torch.bfloat16)
+    got = torch.tensor([1.0, 1.0078125, -3.0, 0.0]).to(torch.bfloat16)      # one ulp at 1.0 (2⁻⁷)
+    assert kv.ulp_agreement(got, want) == dict(max_ulps=1.0, equal_fraction=0.75)
+    assert all(kv.MOE_FLAG_SETS) and "moe_routed" in kv.summary_line(1, {"moe_routed": {"default": {"graph_us": 5.0}}})
+
+
+def test_speed4_summary_reads_what_the_run_wrote_and_records_missing_files(tmp_path) -> None:
+    import importlib.util
+    path = BENCHMARKS.parent / "scripts" / "gpu" / "speed4_summary.py"
+    spec = importlib.util.spec_from_file_location("speed4_summary", path)
+    summ = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summ)
+    (tmp_path / "gpu_tests.xml").write_text('<testsuite><testcase classname="a" name="ok"/>'
+                                            '<testcase classname="a" name="bad"><failure/></testcase></testsuite>')
+    (tmp_path / "decode_step_variants.json").write_text(json.dumps({"rows": {"1": {"attention": {
+        "one_split": {"graph_us": 150.04}, "decode_splits": {"graph_us": 30.0, "max_ulps": 1.0},
+        "decode_splits_h16": {"error": "x" * 500}}}}}))
+    (tmp_path / "decode_step_profile_graph.json").write_text(json.dumps({"rows": [
+        {"fp8_gemm": "tiered", "tokens": 1, "span_us": 800.0, "busy_us": 700.0, "gaps_us": 100.0, "graph_wall_us": 790.0,
+         "kernels_per_replay": [190], "matched_fraction": 1.0, "by_component": {"dense_fp8": 300.0},
+         "by_linear": {"attn.wq_b": 40.0}}, {"fp8_gemm": "w8a8_f16", "tokens": 1, "skipped": "over"}]}))
+    assert summ.main([str(tmp_path)]) == 0
+    got = json.loads((tmp_path / "speed4.json").read_text())
+    assert got["tests"] == dict(total=2, failed=["a::bad"], skipped=0)
+    assert "FileNotFoundError" in got["decode"]["error"]
+    att = got["variants"]["1"]["attention"]
+    assert att["one_split"] == {"graph_us": 150.04} and len(att["decode_splits_h16"]["error"]) == 300
+    assert got["profile"][0]["components"] == {"dense_fp8": 300.0} and got["profile"][0]["kernels"] == 190
+    assert got["profile"][1] == {"fp8_gemm": "w8a8_f16", "N": 1, "skipped": "over"}

@@ -414,6 +414,24 @@ def test_routed_experts_match_reference_on_gpu(E: int, H: int, I: int, k: int, T
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("flags", ["block_k=256", "block_k=64", "num_stages=5", "block_m=16,num_stages=4"])
+def test_routed_experts_with_decode_flags_on_gpu(flags: str) -> None:
+    """SGLANG_DSV41_MOE_DECODE_FLAGS candidates (benchmarks/kernel_variants.py MOE_FLAG_SETS) at the
+    Flash shape, T = 1: the same bound as the default launch."""
+    dev = torch.device("cuda")
+    if torch.cuda.get_device_capability(dev)[0] != 9:
+        pytest.skip("the MXFP4 W4A16 path is Hopper-only")
+    E, H, I, k, T = 12, 5120, 2304, 6, 1
+    raw = random_experts(E, H, I, seed=77)
+    p = prepare(raw, device=dev)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(78)).to(torch.bfloat16).to(dev)
+    ids, w = _routing(T, k, E, seed=79, device=dev)
+    out = mx.with_decode_flags(mx.parse_decode_flags(flags),
+                               lambda: mx.routed_experts_mxfp4(x, ids, w, p, swiglu_limit=LIMIT, routed_scale=SCALE))
+    assert_within_bound(out, *reference_routed(x, ids, w, raw), w)
+
+
+@pytest.mark.gpu
 def test_routed_experts_from_tiny_checkpoint_on_gpu(tiny_checkpoint) -> None:
     from sglang_dsv41.checkpoint.reader import CheckpointReader
 
