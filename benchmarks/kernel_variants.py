@@ -7,7 +7,8 @@ flush before each replay, median), with its output compared with the old variant
 
 * `attention`: `one_split` (the runtime default, ATTENTION_KEY_SPLITS = 1) · `decode_splits`
   (`plan_decode_config`, SGLANG_DSV41_ATTN_SPLITS=decode) · `decode_splits_h16` (the same with 16
-  heads per program) — agreement: within 2 BF16 ulps of the output scale;
+  heads per program) — agreement: max |Δ| in BF16 ulps of the output scale (each is within 1 of
+  the exact value, so ≤ 2) and the fraction of equal elements;
 * `indexer`: `fp64_head_sum` (default) · `fp32_head_sum` (SGLANG_DSV41_INDEXER_HEAD_SUM=fp32) —
   agreement: the mean fraction of each query's selection that is the same set;
 * `moe_routed`: `default` (triton_kernels' own launch flags) · `flags:<k=v,...>` for each of
@@ -47,6 +48,17 @@ def ulp_agreement(got: Tensor, want: Tensor) -> dict:
     ulp = torch.ldexp(torch.ones_like(w), torch.frexp(w.abs().clamp(min=2.0 ** -126))[1] - 8)
     d = (got.float() - w).abs()
     return dict(max_ulps=float((d / ulp).max()) if d.numel() else 0.0, equal_fraction=float((d == 0).float().mean()))
+
+
+def scale_ulp_agreement(got: Tensor, want: Tensor) -> dict:
+    """Attention's contract measure: max |got − want| in BF16 ulps of the output scale (max |o| of
+    the query and head, last dim), and the fraction of equal elements."""
+    w = want.float()
+    scale = w.abs().amax(dim=-1, keepdim=True).clamp(min=2.0 ** -126)
+    ulp = torch.exp2(torch.floor(torch.log2(scale)) - 7)
+    d = (got.float() - w).abs()
+    return dict(max_scale_ulps=float((d / ulp).max()) if d.numel() else 0.0,
+                equal_fraction=float((d == 0).float().mean()))
 
 
 def _graph_us(fn: Callable[[], object], dev) -> dict:
@@ -91,7 +103,7 @@ def variant_callables(layer, caches, N: int, context: int) -> dict[str, dict[str
 
 def agreement(component: str, got, want) -> dict:
     if component == "attention":
-        return ulp_agreement(got, want)
+        return scale_ulp_agreement(got, want)
     if component == "indexer":
         return dict(selection_agreement=selection_agreement(got, want))
     if component == "moe_routed":

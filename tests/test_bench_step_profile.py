@@ -98,6 +98,9 @@ def test_variant_agreements() -> None:
     want = torch.tensor([1.0, 1.0, -3.0, 0.0]).to(torch.bfloat16)
     got = torch.tensor([1.0, 1.0078125, -3.0, 0.0]).to(torch.bfloat16)      # one ulp at 1.0 (2⁻⁷)
     assert kv.ulp_agreement(got, want) == dict(max_ulps=1.0, equal_fraction=0.75)
+    o = torch.tensor([[[4.0, 0.5]]])                                     # scale 4: ulp 2⁻⁵
+    assert kv.scale_ulp_agreement(o + torch.tensor([0.0, 2.0 ** -5]), o) == dict(max_scale_ulps=1.0,
+                                                                               equal_fraction=0.5)
     assert all(kv.MOE_FLAG_SETS) and "moe_routed" in kv.summary_line(1, {"moe_routed": {"default": {"graph_us": 5.0}}})
 
 
