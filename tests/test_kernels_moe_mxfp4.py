@@ -351,13 +351,17 @@ def _routing(T: int, k: int, E: int, seed: int, device) -> tuple[torch.Tensor, t
 def _truncating_fp32_matmul(a: torch.Tensor, weight: torch.Tensor, chunk: int = 16) -> torch.Tensor:
     """a·weightᵀ the way a Hopper BF16 MMA accumulates (a model): each `chunk`-product partial
     sum exact, added to an fp32 accumulator and truncated toward zero (not rounded to nearest)."""
-    acc = torch.zeros(a.shape[0], weight.shape[0], dtype=torch.float32)
-    a64, w64 = a.double(), weight.double()
-    for k0 in range(0, a.shape[1], chunk):
-        exact = acc.double() + a64[:, k0:k0 + chunk] @ w64[:, k0:k0 + chunk].t()
+    acc = torch.zeros(a.shape[0], weight.shape[0], dtype=torch.float64)
+    K = a.shape[1]
+    pad = -K % chunk                                   # zero columns add nothing
+    a64 = torch.nn.functional.pad(a.double(), (0, pad)).view(a.shape[0], -1, chunk)
+    w64 = torch.nn.functional.pad(weight.double(), (0, pad)).view(weight.shape[0], -1, chunk)
+    partials = torch.einsum("rck,nck->crn", a64, w64)  # every chunk's exact partial sum, one product
+    for c in range(partials.shape[0]):
+        exact = acc + partials[c]
         f = exact.float()
-        acc = (f.view(torch.int32) - (f.double().abs() > exact.abs()).int()).view(torch.float32)
-    return acc
+        acc = (f.view(torch.int32) - (f.double().abs() > exact.abs()).int()).view(torch.float32).double()
+    return acc.float()
 
 
 def test_bound_holds_for_an_emulation_of_the_kernel_at_flash_shape() -> None:
