@@ -68,7 +68,9 @@ def _graph_us(fn: Callable[[], object], dev) -> dict:
 
 
 def variant_callables(layer, caches, N: int, context: int) -> dict[str, dict[str, Callable]]:
-    """{component: {variant: callable}} at decode batch N (module doc)."""
+    """{component: {variant: callable}} at decode batch N (module doc), in the order they run: the
+    whole step first (its `new` compiles most of what the others need), the MoE flag sets last
+    (each compiles two GEMMs)."""
     import flash_layer as fl
     from sglang_dsv41.kernels import moe_mxfp4 as mx
     from sglang_dsv41.numerics import rounding as ops
@@ -93,12 +95,12 @@ def variant_callables(layer, caches, N: int, context: int) -> dict[str, dict[str
 
     def step(parts):
         return lambda: [p() for p in parts]
-    return {"attention": {"one_split": old["attention"], "decode_splits": new["attention"],
+    return {"step": {"default": step([torch_parts["tiered"], old["indexer"], old["attention"], moe["default"]]),
+                     "new": step([torch_parts["w8a8_f16"], new["indexer"], new["attention"], moe["default"]])},
+            "attention": {"one_split": old["attention"], "decode_splits": new["attention"],
                           "decode_splits_h16": h16["attention"]},
             "indexer": {"fp64_head_sum": old["indexer"], "fp32_head_sum": new["indexer"]},
-            "moe_routed": moe, "torch": torch_parts,
-            "step": {"default": step([torch_parts["tiered"], old["indexer"], old["attention"], moe["default"]]),
-                     "new": step([torch_parts["w8a8_f16"], new["indexer"], new["attention"], moe["default"]])}}
+            "torch": torch_parts, "moe_routed": moe}
 
 
 def agreement(component: str, got, want) -> dict:

@@ -650,8 +650,7 @@ def test_gpu_flash_shape_matches_oracle(n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [1, 8])
-@pytest.mark.parametrize("block_h", [32, 16])
+@pytest.mark.parametrize("n,block_h", [(1, 32), (8, 32), (1, 16)])
 def test_gpu_decode_plan_flash_matches_oracle_and_packed(n, block_h):
     """`plan_decode_config` (SGLANG_DSV41_ATTN_SPLITS=decode) at the Flash shape: the oracle bound
     on BF16 rows, and the packed FP4 entries give the BF16 path's bits under the same plan."""
