@@ -9,19 +9,22 @@ flush before each replay, median), with its output compared with the old variant
   (`plan_decode_config`, SGLANG_DSV41_ATTN_SPLITS=decode) · `decode_splits_h16` (the same with 16
   heads per program) — agreement: max |Δ| in BF16 ulps of the output scale (each is within 1 of
   the exact value, so ≤ 2) and the fraction of equal elements;
-* `indexer`: `fp64_head_sum` (default) · `fp32_head_sum` (SGLANG_DSV41_INDEXER_HEAD_SUM=fp32) —
-  agreement: the mean fraction of each query's selection that is the same set;
+* `indexer`: `fp64_head_sum` (default) · `fp32_head_sum` (SGLANG_DSV41_INDEXER_HEAD_SUM=fp32) ·
+  each with `_fused_topk` (`kernels.topk_select`, SGLANG_DSV41_INDEXER_TOPK=fused: the same
+  selection in one launch) — agreement: the mean fraction of each query's selection that is the same set;
 * `moe_routed`: `default` (triton_kernels' own launch flags) · `flags:<k=v,...>` for each of
   MOE_FLAG_SETS (SGLANG_DSV41_MOE_DECODE_FLAGS; at N ≤ DECODE_FLAG_MAX_TOKENS only, as the runtime) — agreement: max |Δ| in units of the
   output's BF16 ulp, and the fraction of equal elements;
 * `torch`: the layer's torch work with FP8 linears `tiered` (default) · `w8a8_f16`;
-* `step`: the whole step `default` (tiered, fp64 head sum, one split, default MoE flags) · `new`
-  (w8a8_f16, fp32 head sum, decode splits, default MoE flags) — the graphed layer step old → new.
+* `step`: the whole step `default` (tiered, fp64 head sum, torch top-k, one split, default MoE flags) ·
+  `new` (w8a8_f16, fp32 head sum, fused top-k, decode splits, default MoE flags) — the graphed layer
+  step old → new.
 A variant that fails records its error; the others still run.
 """
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Callable, Mapping
 
@@ -61,6 +64,22 @@ def scale_ulp_agreement(got: Tensor, want: Tensor) -> dict:
                 equal_fraction=float((d == 0).float().mean()))
 
 
+def with_env(name: str, value: str, fn: Callable[[], object]) -> Callable[[], object]:
+    """fn with os.environ[name] = value for the call (the kernels read their switch per call; a
+    CUDA graph keeps what the captured call chose)."""
+    def run():
+        old = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            return fn()
+        finally:
+            if old is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = old
+    return run
+
+
 def _graph_us(fn: Callable[[], object], dev) -> dict:
     from step_timing import capture_graph, measure
     g = capture_graph([fn], warmup_calls=2)
@@ -72,6 +91,7 @@ def variant_callables(layer, caches, N: int, context: int) -> dict[str, dict[str
     whole step first (its `new` compiles most of what the others need), the MoE flag sets last
     (each compiles two GEMMs)."""
     import flash_layer as fl
+    from sglang_dsv41.kernels import indexer as K
     from sglang_dsv41.kernels import moe_mxfp4 as mx
     from sglang_dsv41.numerics import rounding as ops
     from sglang_dsv41.runtime.backend import TritonBackend
@@ -93,13 +113,17 @@ def variant_callables(layer, caches, N: int, context: int) -> dict[str, dict[str
             mx.parse_decode_flags(f), lambda: fl.moe_routed(layer, x, routing)))(flags)
     torch_parts = {m: (lambda be: lambda: fl.torch_work(layer, R, pos, be))(be) for m, be in backends.items()}
 
+    fused = with_env(K.TOPK_METHOD_ENV, "fused", new["indexer"])
+
     def step(parts):
         return lambda: [p() for p in parts]
     return {"step": {"default": step([torch_parts["tiered"], old["indexer"], old["attention"], moe["default"]]),
-                     "new": step([torch_parts["w8a8_f16"], new["indexer"], new["attention"], moe["default"]])},
+                     "new": step([torch_parts["w8a8_f16"], fused, new["attention"], moe["default"]])},
             "attention": {"one_split": old["attention"], "decode_splits": new["attention"],
                           "decode_splits_h16": h16["attention"]},
-            "indexer": {"fp64_head_sum": old["indexer"], "fp32_head_sum": new["indexer"]},
+            "indexer": {"fp64_head_sum": old["indexer"], "fp32_head_sum": new["indexer"],
+                        "fp32_head_sum_fused_topk": fused,
+                        "fp64_head_sum_fused_topk": with_env(K.TOPK_METHOD_ENV, "fused", old["indexer"])},
             "torch": torch_parts, "moe_routed": moe}
 
 

@@ -58,6 +58,7 @@ tensors (tests); its BF16 `tl.dot` gives wrong results (Triton 3.6), so operands
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -66,6 +67,7 @@ from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
 from . import double_fp32 as DF
+from . import topk_select as TS
 from .packed_rows import PackedSource, key_entry_bytes, load_fp4_tile_per_dim
 
 NEG_INF = float("-inf")
@@ -319,11 +321,27 @@ def _order_keys(scores: Tensor) -> Tensor:
     return monotone * 2**32 + low[None, :]
 
 
-def select_topk(scores: Tensor, k: int, *, check_nan: bool = True, max_chunk_elements: int = 1 << 24) -> Tensor:
+#: How `select_topk` ranks (issue 21; opt-in until measured, docs/performance.md "session 11"):
+#: "torch" (default: int64 keys + torch.topk + sort) or "fused" (`kernels.topk_select`, one launch,
+#: the same result bit for bit, rows of ≤ FUSED_MAX_ENTRIES columns) — SGLANG_DSV41_INDEXER_TOPK.
+TOPK_METHOD_ENV, TOPK_METHODS = "SGLANG_DSV41_INDEXER_TOPK", ("torch", "fused")
+
+
+def topk_method() -> str:
+    """The ranking method SGLANG_DSV41_INDEXER_TOPK names ("torch" when unset); others raise."""
+    chosen = os.environ.get(TOPK_METHOD_ENV, "").strip().lower() or TOPK_METHODS[0]
+    if chosen not in TOPK_METHODS:
+        raise ValueError(f"{TOPK_METHOD_ENV}={chosen!r}: expected one of {TOPK_METHODS}")
+    return chosen
+
+
+def select_topk(scores: Tensor, k: int, *, check_nan: bool = True, max_chunk_elements: int = 1 << 24,
+                method: str | None = None) -> Tensor:
     """[N, k] int64: per row the min(k, #finite-or-+∞) columns with the largest scores, ties →
     lower column (−0 == +0), sorted ascending, −1 padded — `top_k_lower_index_on_ties` with
     allowed = (score > −∞). NaN raises (one host sync) unless `check_nan=False` (then the caller
-    guarantees none, e.g. inside a CUDA graph)."""
+    guarantees none, e.g. inside a CUDA graph). `method` (default `topk_method()`): "fused" ranks
+    rows of ≤ `topk_select.FUSED_MAX_ENTRIES` columns in one Triton launch, same result."""
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise TypeError(f"select_topk: want a 2-D fp32 score tensor, got {scores.dtype} {tuple(scores.shape)}")
     if k < 1:
@@ -335,6 +353,8 @@ def select_topk(scores: Tensor, k: int, *, check_nan: bool = True, max_chunk_ele
         return out
     if check_nan and bool(torch.isnan(scores).any()):
         raise ValueError("select_topk: NaN score (cannot be ranked)")
+    if (method or topk_method()) == "fused" and E <= TS.FUSED_MAX_ENTRIES and (scores.is_cuda or INTERPRETED):
+        return TS.select_topk_fused(scores, k)
     big = torch.iinfo(torch.int64).max
     rows = max(1, max_chunk_elements // E)
     for r0 in range(0, N, rows):

@@ -143,6 +143,19 @@ if KERNEL_HERE:
         q, w, keys, slots, token_req, n_visible = case                  # int32 index tensors
         assert torch.equal(K.index_scores(q, w, keys, slots.int(), token_req.int(), n_visible.int()), base)
 
+    def test_kernel_case_fused_topk_equals_torch_path() -> None:
+        """`kernels.topk_select` (SGLANG_DSV41_INDEXER_TOPK=fused) == the torch ranking bit for bit:
+        exact ties, ±0, ±∞, rows wider than one chunk, k above the allowed count, empty rows."""
+        g = torch.Generator().manual_seed(5)
+        values = torch.tensor([-1.5, -0.0, 0.0, 0.25, 0.25, 1.0, 3.0, INF, -INF])
+        for N, E, k, tied in ((3, 1300, 40, True), (2, 700, 600, False), (1, 90, 7, True), (2, 0, 3, False)):
+            s = values[torch.randint(0, 9, (N, E), generator=g)] if tied else torch.randn(N, E, generator=g)
+            s = s.to(DEVICE)
+            want = K.select_topk(s, k, method="torch")
+            assert torch.equal(K.select_topk(s, k, method="fused"), want), (N, E, k)
+        s[:, :] = -INF
+        assert torch.equal(K.select_topk(s, 3, method="fused"), torch.full((2, 3), -1, device=DEVICE))
+
     def test_kernel_case_input_checks() -> None:
         q, w, keys, slots, token_req, n_visible = packed_case(2, 64, seed=3, shuffle=False)
         holed = slots.clone()
@@ -335,6 +348,28 @@ def test_select_topk_equals_reference_on_ties() -> None:
         masked = scores.masked_fill(~allowed, -INF)
         assert torch.equal(K.select_topk(masked, k), expected), (trial, N, E, k)
         assert torch.equal(K.select_topk(masked, k, max_chunk_elements=max(E, 1)), expected)  # one row per chunk
+
+
+def test_topk_method_from_the_environment(monkeypatch) -> None:
+    monkeypatch.delenv("SGLANG_DSV41_INDEXER_TOPK", raising=False)
+    assert K.topk_method() == "torch"
+    monkeypatch.setenv("SGLANG_DSV41_INDEXER_TOPK", " Fused ")
+    assert K.topk_method() == "fused"
+    monkeypatch.setenv("SGLANG_DSV41_INDEXER_TOPK", "radix")
+    with pytest.raises(ValueError, match="SGLANG_DSV41_INDEXER_TOPK='radix'"):
+        K.select_topk(torch.zeros(1, 4), 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,E", [(1, 4096), (8, 65536), (64, 4096)])
+def test_gpu_fused_topk_equals_torch_path_at_flash_widths(N: int, E: int) -> None:
+    """The fused ranking at decode widths (context 8K / 128K at ratio 2), top-512 and the candidate
+    blocks' top-k: the torch path's result bit for bit, on BF16-valued scores (many exact ties)."""
+    g = torch.Generator(device="cuda").manual_seed(N + E)
+    s = ops.bf16(torch.randn(N, E, generator=g, device="cuda"))
+    s[:, E // 2:] = -INF                                            # invisible half
+    for k in (512, 8):
+        assert torch.equal(K.select_topk(s, k, method="fused"), K.select_topk(s, k, method="torch"))
 
 
 def test_select_topk_zero_signs_and_edges() -> None:

@@ -3,7 +3,8 @@
 # layer at N = 1 / 8 / 64 — where its graphed time goes, and the session-11 kernel choices old vs new.
 #   1. tests: `pytest -m gpu` of the new choices' GPU tests — attention split-KV decode plan at the Flash
 #      shape (oracle bound + packed == BF16 path; SGLANG_DSV41_ATTN_SPLITS=decode), the split-KV graph test,
-#      the fp32/fp64 indexer head sums within the bound (SGLANG_DSV41_INDEXER_HEAD_SUM); the MoE decode
+#      the fp32/fp64 indexer head sums within the bound (SGLANG_DSV41_INDEXER_HEAD_SUM), the one-launch top-k
+#      equal to the torch ranking (SGLANG_DSV41_INDEXER_TOPK=fused); the MoE decode
 #      launch-flag candidates' bound test (tests/test_kernels_moe_mxfp4.py -k decode_flags, 8 GEMM compiles) is
 #      left to the run that flips SGLANG_DSV41_MOE_DECODE_FLAGS: here the variants compare them with the default;
 #   2. decode: ONE process of benchmarks/decode_step.py --quick --batches 1 8 64 (0.5 s caps, no prefill):
@@ -30,7 +31,7 @@ for step in ${STEPS:-tests decode}; do
     tests) t=$(cap "${TEST_CAP:-75}")
            timeout -s INT -k 15 "$t" python3 -m pytest -m gpu -q -s -p no:cacheprovider --junitxml "$OUT/gpu_tests.xml" \
              tests/test_kernels_sparse_attention.py tests/test_kernels_indexer.py tests/test_kernels_moe_mxfp4.py \
-             -k "decode_plan or cuda_graph_replay or scores_within_bound" 2>&1 | tee "$OUT/gpu_tests.log" | tail -12 ;;
+             -k "decode_plan or cuda_graph_replay or scores_within_bound or fused_topk" 2>&1 | tee "$OUT/gpu_tests.log" | tail -12 ;;
     decode) b=$(( $(left) - 20 )); [ "$b" -lt 60 ] && { echo "decode: only $b s left, skipped"; continue; }
            timeout $((b + 15)) python3 benchmarks/decode_step.py --out "$OUT" --quick --batches 1 8 64 --variants --profile \
              --budget-s "$b" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode_step.log" | grep -v "^ " | tail -24 ;;

@@ -1,0 +1,106 @@
+"""Top-k selection of index scores in one launch (issue 21: the indexer's decode step without the
+~10 torch launches of `indexer.select_topk` per call) — same result, bit for bit.
+
+Contract = `kernels.indexer.select_topk`: per row of fp32 scores [N, E], the min(k, #allowed)
+columns with the largest scores (allowed = score > −∞; +∞ allowed), ties → lower column, −0 == +0,
+sorted ascending, −1 padded to k; NaN must not occur (the caller's guarantee, as with
+`check_nan=False`).
+
+Method, one program per row (no sort): each score maps to the order-preserving unsigned key
+u = monotone(int32 bits of the canonical score) + 2³¹ (−0 made +0 first). The take-th largest key
+T among the allowed columns is found by bisection on its 32 bits, most significant first: T | 2^b
+is kept when at least `take` allowed keys are ≥ it (32 counting passes over the row, each a
+masked sum over chunks of BLOCK_E columns). Then g = #(u > T) columns are in, and the `take − g`
+lowest columns with u = T. One last pass in column order writes every chosen column j at its
+rank among the chosen (a running count + an inclusive cumsum within the chunk), so the output
+row is ascending by construction; the positions from `take` to k − 1 get −1.
+
+Cost: 33 reads of the row (fp32, from L2 after the first) and one write of k int64 — at
+decode (N = 1, E = 4096) 33 × 16 KB against the torch path's ~10 launches with int64 temporaries
+of 28 B per entry. Rows are independent programs, so a prefill chunk of N rows is N programs;
+for very wide rows (E ≫ 64 K) at small N the 33 passes of one program are slow, hence
+`FUSED_MAX_ENTRIES`: the dispatcher (`kernels.indexer.select_topk`) uses this kernel only up to it.
+No host sync. Triton's interpreter runs it on CPU tensors (tests).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+#: Columns per chunk of a pass.
+BLOCK_E = 1024
+#: Widest row the dispatcher sends here (wider rows: the torch path).
+FUSED_MAX_ENTRIES = 1 << 16
+
+
+@triton.jit
+def _ukey(s):
+    """Order-preserving unsigned key (int64 in [0, 2³²)) of fp32 scores; −0 → +0."""
+    s = tl.where(s == 0.0, 0.0, s)
+    bits = s.to(tl.int32, bitcast=True).to(tl.int64)
+    mono = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return mono + 2147483648
+
+
+@triton.jit
+def _topk_rows_kernel(s_ptr, out_ptr, E, K, stride_s, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = s_ptr + row * stride_s
+    offs = tl.arange(0, BLOCK)
+    allowed_n = tl.zeros([BLOCK], tl.int64)
+    for c in range(0, E, BLOCK):
+        s = tl.load(base + c + offs, mask=c + offs < E, other=float("-inf"))
+        allowed_n += (s > float("-inf")).to(tl.int64)
+    take = tl.minimum(tl.sum(allowed_n, axis=0), K)
+    thr = (take * 0).to(tl.int64)                       # the take-th largest key, built bit by bit
+    for i in range(32):
+        cand = thr | (tl.full([], 1, tl.int64) << (31 - i))
+        n = tl.zeros([BLOCK], tl.int64)
+        for c in range(0, E, BLOCK):
+            s = tl.load(base + c + offs, mask=c + offs < E, other=float("-inf"))
+            n += ((s > float("-inf")) & (_ukey(s) >= cand)).to(tl.int64)
+        thr = tl.where(tl.sum(n, axis=0) >= take, cand, thr)
+    above = tl.zeros([BLOCK], tl.int64)
+    for c in range(0, E, BLOCK):
+        s = tl.load(base + c + offs, mask=c + offs < E, other=float("-inf"))
+        above += ((s > float("-inf")) & (_ukey(s) > thr)).to(tl.int64)
+    need_eq = take - tl.sum(above, axis=0)              # lowest columns with key == thr still to take
+    seen_eq = (take * 0).to(tl.int64)
+    written = (take * 0).to(tl.int64)
+    obase = out_ptr + row * stride_o
+    for c in range(0, E, BLOCK):
+        cols = c + offs
+        s = tl.load(base + cols, mask=cols < E, other=float("-inf"))
+        ok = s > float("-inf")
+        u = _ukey(s)
+        eq = (ok & (u == thr)).to(tl.int64)
+        eq_rank = seen_eq + tl.cumsum(eq, axis=0)       # 1-based rank among the equal keys so far
+        chosen = (ok & (u > thr)) | ((eq > 0) & (eq_rank <= need_eq))
+        pos = written + tl.cumsum(chosen.to(tl.int64), axis=0) - 1
+        tl.store(obase + pos, cols.to(tl.int64), mask=chosen)
+        seen_eq += tl.sum(eq, axis=0)
+        written += tl.sum(chosen.to(tl.int64), axis=0)
+    for c in range(0, K, BLOCK):
+        p = c + offs
+        tl.store(obase + p, tl.full([BLOCK], -1, tl.int64), mask=(p >= take) & (p < K))
+
+
+def select_topk_fused(scores: Tensor, k: int) -> Tensor:
+    """[N, k] int64, `kernels.indexer.select_topk(scores, k, check_nan=False)` bit for bit (module
+    doc); scores fp32 [N, E] (CUDA, or CPU under TRITON_INTERPRET=1)."""
+    if scores.dim() != 2 or scores.dtype != torch.float32:
+        raise TypeError(f"select_topk_fused: want a 2-D fp32 score tensor, got {scores.dtype} {tuple(scores.shape)}")
+    if k < 1:
+        raise ValueError(f"select_topk_fused: k must be ≥ 1, got {k}")
+    N, E = scores.shape
+    out = torch.empty((N, k), dtype=torch.int64, device=scores.device)
+    if N == 0:
+        return out
+    if E == 0:
+        return out.fill_(-1)
+    s = scores if scores.stride(1) == 1 else scores.contiguous()
+    _topk_rows_kernel[(N,)](s, out, E, k, s.stride(0), out.stride(0), BLOCK=min(BLOCK_E, triton.next_power_of_2(
+        max(E, k, 16))))
+    return out
