@@ -15,9 +15,10 @@ lowest columns with u = T. One last pass in column order writes every chosen col
 rank among the chosen (a running count + an inclusive cumsum within the chunk), so the output
 row is ascending by construction; the positions from `take` to k − 1 get −1.
 
-Cost: 33 reads of the row (fp32, from L2 after the first) and one write of k int64 — at
-decode (N = 1, E = 4096) 33 × 16 KB against the torch path's ~10 launches with int64 temporaries
-of 28 B per entry. Rows are independent programs, so a prefill chunk of N rows is N programs;
+Cost: rows of ≤ RESIDENT_MAX_ENTRIES columns are read twice (held in registers for the 34
+counting passes, re-read for the write pass), wider rows 35 times (chunks of BLOCK_E, from L2
+after the first); one write of k int64 — at decode (N = 1, E = 4096) against the torch path's
+~10 launches with int64 temporaries of 28 B per entry. Rows are independent programs, so a prefill chunk of N rows is N programs;
 for very wide rows (E ≫ 64 K) at small N the 33 passes of one program are slow, hence
 `FUSED_MAX_ENTRIES`: the dispatcher (`kernels.indexer.select_topk`) uses this kernel only up to it.
 No host sync. Triton's interpreter runs it on CPU tensors (tests).
@@ -29,8 +30,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-#: Columns per chunk of a pass.
+#: Columns per chunk of a pass; rows of at most RESIDENT_MAX_ENTRIES columns are held in registers
+#: (one chunk, loaded once) — the decode widths of moderate contexts.
 BLOCK_E = 1024
+RESIDENT_MAX_ENTRIES = 8192
 #: Widest row the dispatcher sends here (wider rows: the torch path).
 FUSED_MAX_ENTRIES = 1 << 16
 
@@ -45,30 +48,36 @@ def _ukey(s):
 
 
 @triton.jit
-def _topk_rows_kernel(s_ptr, out_ptr, E, K, stride_s, stride_o, BLOCK: tl.constexpr):
+def _count_at_least(base, E, cand, s_res, offs, BLOCK: tl.constexpr, RESIDENT: tl.constexpr):
+    """#(allowed columns with key ≥ cand) of the row (RESIDENT: its scores are `s_res`)."""
+    if RESIDENT:
+        n = tl.sum(((s_res > float("-inf")) & (_ukey(s_res) >= cand)).to(tl.int64), axis=0)
+    else:
+        acc = tl.zeros([BLOCK], tl.int64)
+        for c in range(0, E, BLOCK):
+            s = tl.load(base + c + offs, mask=c + offs < E, other=float("-inf"))
+            acc += ((s > float("-inf")) & (_ukey(s) >= cand)).to(tl.int64)
+        n = tl.sum(acc, axis=0)
+    return n
+
+
+@triton.jit
+def _topk_rows_kernel(s_ptr, out_ptr, E, K, stride_s, stride_o, BLOCK: tl.constexpr, RESIDENT: tl.constexpr):
+    """One row per program (module doc). RESIDENT (E ≤ BLOCK): the row is loaded once and every
+    counting pass runs on registers."""
     row = tl.program_id(0).to(tl.int64)
     base = s_ptr + row * stride_s
     offs = tl.arange(0, BLOCK)
-    allowed_n = tl.zeros([BLOCK], tl.int64)
-    for c in range(0, E, BLOCK):
-        s = tl.load(base + c + offs, mask=c + offs < E, other=float("-inf"))
-        allowed_n += (s > float("-inf")).to(tl.int64)
-    take = tl.minimum(tl.sum(allowed_n, axis=0), K)
-    thr = (take * 0).to(tl.int64)                       # the take-th largest key, built bit by bit
+    s_res = tl.load(base + offs, mask=offs < E, other=float("-inf")) if RESIDENT else tl.zeros([BLOCK], tl.float32)
+    zero = tl.full([], 0, tl.int64)
+    take = tl.minimum(_count_at_least(base, E, zero, s_res, offs, BLOCK, RESIDENT), K)
+    thr = zero                                           # the take-th largest key, built bit by bit
     for i in range(32):
         cand = thr | (tl.full([], 1, tl.int64) << (31 - i))
-        n = tl.zeros([BLOCK], tl.int64)
-        for c in range(0, E, BLOCK):
-            s = tl.load(base + c + offs, mask=c + offs < E, other=float("-inf"))
-            n += ((s > float("-inf")) & (_ukey(s) >= cand)).to(tl.int64)
-        thr = tl.where(tl.sum(n, axis=0) >= take, cand, thr)
-    above = tl.zeros([BLOCK], tl.int64)
-    for c in range(0, E, BLOCK):
-        s = tl.load(base + c + offs, mask=c + offs < E, other=float("-inf"))
-        above += ((s > float("-inf")) & (_ukey(s) > thr)).to(tl.int64)
-    need_eq = take - tl.sum(above, axis=0)              # lowest columns with key == thr still to take
-    seen_eq = (take * 0).to(tl.int64)
-    written = (take * 0).to(tl.int64)
+        thr = tl.where(_count_at_least(base, E, cand, s_res, offs, BLOCK, RESIDENT) >= take, cand, thr)
+    need_eq = take - _count_at_least(base, E, thr + 1, s_res, offs, BLOCK, RESIDENT)   # equal keys to take
+    seen_eq = zero
+    written = zero
     obase = out_ptr + row * stride_o
     for c in range(0, E, BLOCK):
         cols = c + offs
@@ -101,6 +110,8 @@ def select_topk_fused(scores: Tensor, k: int) -> Tensor:
     if E == 0:
         return out.fill_(-1)
     s = scores if scores.stride(1) == 1 else scores.contiguous()
-    _topk_rows_kernel[(N,)](s, out, E, k, s.stride(0), out.stride(0), BLOCK=min(BLOCK_E, triton.next_power_of_2(
-        max(E, k, 16))))
+    resident = E <= RESIDENT_MAX_ENTRIES
+    block = triton.next_power_of_2(max(E, 16)) if resident else BLOCK_E
+    _topk_rows_kernel[(N,)](s, out, E, k, s.stride(0), out.stride(0), BLOCK=block, RESIDENT=resident,
+                            num_warps=8 if block >= 4096 else 4)
     return out

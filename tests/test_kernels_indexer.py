@@ -143,16 +143,23 @@ if KERNEL_HERE:
         q, w, keys, slots, token_req, n_visible = case                  # int32 index tensors
         assert torch.equal(K.index_scores(q, w, keys, slots.int(), token_req.int(), n_visible.int()), base)
 
-    def test_kernel_case_fused_topk_equals_torch_path() -> None:
+    def test_kernel_case_fused_topk_equals_torch_path(monkeypatch) -> None:
         """`kernels.topk_select` (SGLANG_DSV41_INDEXER_TOPK=fused) == the torch ranking bit for bit:
-        exact ties, ±0, ±∞, rows wider than one chunk, k above the allowed count, empty rows."""
+        exact ties, ±0, ±∞, k above the allowed count, empty rows; rows held in registers and
+        (resident limit lowered) rows read in chunks."""
+        from sglang_dsv41.kernels import topk_select as TS
         g = torch.Generator().manual_seed(5)
         values = torch.tensor([-1.5, -0.0, 0.0, 0.25, 0.25, 1.0, 3.0, INF, -INF])
-        for N, E, k, tied in ((3, 1300, 40, True), (2, 700, 600, False), (1, 90, 7, True), (2, 0, 3, False)):
+        for N, E, k, tied, chunked in ((2, 900, 40, True, False), (1, 700, 600, False, True),
+                                       (2, 600, 30, True, True), (1, 90, 7, True, False), (2, 0, 3, False, False)):
+            if chunked:
+                monkeypatch.setattr(TS, "RESIDENT_MAX_ENTRIES", 128)
+                monkeypatch.setattr(TS, "BLOCK_E", 256)
             s = values[torch.randint(0, 9, (N, E), generator=g)] if tied else torch.randn(N, E, generator=g)
             s = s.to(DEVICE)
             want = K.select_topk(s, k, method="torch")
-            assert torch.equal(K.select_topk(s, k, method="fused"), want), (N, E, k)
+            assert torch.equal(K.select_topk(s, k, method="fused"), want), (N, E, k, chunked)
+            monkeypatch.undo()
         s[:, :] = -INF
         assert torch.equal(K.select_topk(s, 3, method="fused"), torch.full((2, 3), -1, device=DEVICE))
 
