@@ -221,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="also profile the graphed step by component (step_profile.py): "
                          "decode_step_profile_graph.json / .png")
-    ap.add_argument("--profile-fp8", nargs="+", default=["tiered", "w8a8_f16"], choices=FP8_GEMMS,
-                    help="FP8 linear modes the profile runs (default: tiered w8a8_f16)")
+    ap.add_argument("--profile-fp8", nargs="+", default=["w8a8_f16", "tiered"], choices=FP8_GEMMS,
+                    help="FP8 linear modes the profile runs (default: w8a8_f16 tiered)")
     ap.add_argument("--variants", action="store_true",
                     help="also time the kernel choices old against new per N (kernel_variants.py): "
                          "decode_step_variants.json")

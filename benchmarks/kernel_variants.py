@@ -15,9 +15,9 @@ flush before each replay, median), with its output compared with the old variant
 * `moe_routed`: `default` (triton_kernels' own launch flags) · `flags:<k=v,...>` for each of
   MOE_FLAG_SETS (SGLANG_DSV41_MOE_DECODE_FLAGS; at N ≤ DECODE_FLAG_MAX_TOKENS only, as the runtime) — agreement: max |Δ| in units of the
   output's BF16 ulp, and the fraction of equal elements;
-* `torch`: the layer's torch work with FP8 linears `tiered` (default) · `w8a8_f16`;
-* `step`: the whole step `default` (tiered, fp64 head sum, torch top-k, one split, default MoE flags) ·
-  `new` (w8a8_f16, fp32 head sum, fused top-k, decode splits, default MoE flags) — the graphed layer
+* `torch`: the layer's torch work with FP8 linears `w8a8_f16` (the serving default) · `tiered`;
+* `step`: the whole step `default` (w8a8_f16, fp64 head sum, torch top-k, one split, default MoE flags)
+  · `new` (w8a8_f16, fp32 head sum, fused top-k, decode splits, default MoE flags) — the graphed layer
   step old → new.
 A variant that fails records its error; the others still run.
 """
@@ -106,7 +106,7 @@ def variant_callables(layer, caches, N: int, context: int) -> dict[str, dict[str
     new, _ = fl.kernel_components(layer, caches, qs, q, sink, splits="decode", head_sum="fp32")
     h16, _ = fl.kernel_components(layer, caches, qs, q, sink, splits="decode", head_sum="fp32", block_h=16)
     x, routing = fl.torch_work(layer, R, pos)
-    backends = {m: TritonBackend(layer.backend.dense, fp8_gemm=m) for m in ("tiered", "w8a8_f16")}
+    backends = {m: TritonBackend(layer.backend.dense, fp8_gemm=m) for m in ("w8a8_f16", "tiered")}
     moe = {"default": lambda: fl.moe_routed(layer, x, routing)}
     for flags in (MOE_FLAG_SETS if N <= mx.DECODE_FLAG_MAX_TOKENS else ()):    # the runtime applies them up to there
         moe[f"flags:{flags}"] = (lambda f: lambda: mx.with_decode_flags(
@@ -117,7 +117,7 @@ def variant_callables(layer, caches, N: int, context: int) -> dict[str, dict[str
 
     def step(parts):
         return lambda: [p() for p in parts]
-    return {"step": {"default": step([torch_parts["tiered"], old["indexer"], old["attention"], moe["default"]]),
+    return {"step": {"default": step([torch_parts["w8a8_f16"], old["indexer"], old["attention"], moe["default"]]),
                      "new": step([torch_parts["w8a8_f16"], fused, new["attention"], moe["default"]])},
             "attention": {"one_split": old["attention"], "decode_splits": new["attention"],
                           "decode_splits_h16": h16["attention"]},

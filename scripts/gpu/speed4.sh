@@ -8,16 +8,16 @@
 #      launch-flag candidates' bound test (tests/test_kernels_moe_mxfp4.py -k decode_flags, 8 GEMM compiles) is
 #      left to the run that flips SGLANG_DSV41_MOE_DECODE_FLAGS: here the variants compare them with the default;
 #   2. decode: ONE process of benchmarks/decode_step.py --quick --batches 1 8 64 (0.5 s caps, no prefill):
-#      the step's components and graphed step on the defaults (tiered FP8 linears), then --variants
+#      the step's components and graphed step on the defaults (w8a8_f16 FP8 linears), then --variants
 #      (benchmarks/kernel_variants.py: each choice old → new as a CUDA-graph replay with its agreement, and the
 #      whole step default → new), then --profile (benchmarks/step_profile.py: the graphed step by component —
 #      dense linears by name, attention, indexer, compressor, experts, mHC, norms, launch gaps — for
-#      `tiered` and `w8a8_f16`, JSON + PNG);
+#      `w8a8_f16` and `tiered`, JSON + PNG);
 #   3. $OUT/speed4.json: test counts + failures, per N the variants' µs and agreements, per (mode, N) the
 #      profile's components, span, gaps and CUDA-event wall, and the decode rows' graphed step.
 # Run from the checkout root with `.gpu` carried. Every step is capped; the script ends within BUDGET
 # (s, default 300). Knobs: STEPS (default "tests decode"), TEST_CAP (75), DECODE_ARGS (extra decode_step.py
-# arguments, e.g. "--profile-fp8 tiered").
+# arguments, e.g. "--profile-fp8 w8a8_f16" to profile the default only).
 set -uo pipefail
 : "${OUT:=/tmp/out}"; mkdir -p "$OUT"
 T0=$SECONDS; BUDGET=${BUDGET:-300}
