@@ -14,7 +14,8 @@
 #      dense linears by name, attention, indexer, compressor, experts, mHC, norms, launch gaps — for
 #      `w8a8_f16` and `tiered`, JSON + PNG);
 #   3. $OUT/speed4.json: test counts + failures, per N the variants' µs and agreements, per (mode, N) the
-#      profile's components, span, gaps and CUDA-event wall, and the decode rows' graphed step.
+#      profile's components, span, gaps and CUDA-event wall, and the decode rows' graphed step. The logs and
+#      the junit file end in $OUT/logs.tar.gz (7 files come back: the device call returns at most 8).
 # Run from the checkout root with `.gpu` carried. Every step is capped; the script ends within BUDGET
 # (s, default 300). Knobs: STEPS (default "tests decode"), TEST_CAP (75), DECODE_ARGS (extra decode_step.py
 # arguments, e.g. "--profile-fp8 w8a8_f16" to profile the default only).
@@ -40,4 +41,8 @@ for step in ${STEPS:-tests decode}; do
   echo "RESULT $step rc=${PIPESTATUS[0]} at $((SECONDS - T0)) s"
 done
 timeout 15 python3 scripts/gpu/speed4_summary.py "$OUT"
+# at most 8 files come back from $OUT: the logs and the junit file travel as one archive
+(cd "$OUT" && tar czf logs.tar.gz $(ls gpu_tests.log gpu_tests.xml decode_step.log 2>/dev/null) \
+   && rm -f gpu_tests.log gpu_tests.xml decode_step.log)
+echo "files in \$OUT: $(ls "$OUT" | tr '\n' ' ') ($(ls "$OUT" | wc -l) of at most 8)"
 echo "RESULT done at $((SECONDS - T0)) s"
