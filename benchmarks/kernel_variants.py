@@ -31,8 +31,18 @@ from typing import Callable, Mapping
 import torch
 from torch import Tensor
 
-#: MoE launch-flag sets tried at decode (triton_kernels' opt-flag constraints)
+#: MoE launch-flag sets tried at decode (triton_kernels' opt-flag constraints); KERNEL_VARIANTS_MOE_FLAGS
+#: replaces them (sets separated by ";", "none" for none: each set compiles two GEMMs)
 MOE_FLAG_SETS = ("block_k=256", "block_k=64", "num_stages=5", "block_m=16,num_stages=4")
+MOE_FLAGS_ENV = "KERNEL_VARIANTS_MOE_FLAGS"
+
+
+def moe_flag_sets() -> tuple[str, ...]:
+    """MOE_FLAG_SETS, or the sets KERNEL_VARIANTS_MOE_FLAGS names."""
+    text = os.environ.get(MOE_FLAGS_ENV)
+    if text is None:
+        return MOE_FLAG_SETS
+    return () if text.strip().lower() == "none" else tuple(t.strip() for t in text.split(";") if t.strip())
 CAP_S = 0.3
 
 
@@ -108,7 +118,7 @@ def variant_callables(layer, caches, N: int, context: int) -> dict[str, dict[str
     x, routing = fl.torch_work(layer, R, pos)
     backends = {m: TritonBackend(layer.backend.dense, fp8_gemm=m) for m in ("w8a8_f16", "tiered")}
     moe = {"default": lambda: fl.moe_routed(layer, x, routing)}
-    for flags in (MOE_FLAG_SETS if N <= mx.DECODE_FLAG_MAX_TOKENS else ()):    # the runtime applies them up to there
+    for flags in (moe_flag_sets() if N <= mx.DECODE_FLAG_MAX_TOKENS else ()):    # the runtime applies them up to there
         moe[f"flags:{flags}"] = (lambda f: lambda: mx.with_decode_flags(
             mx.parse_decode_flags(f), lambda: fl.moe_routed(layer, x, routing)))(flags)
     torch_parts = {m: (lambda be: lambda: fl.torch_work(layer, R, pos, be))(be) for m, be in backends.items()}

@@ -90,7 +90,7 @@ def test_component_names(sp) -> None:
     assert set(sp.COMPONENT_OF[i][1] for i in range(len(sp.COMPONENT_OF))) <= set(sp.COMPONENTS)
 
 
-def test_variant_agreements() -> None:
+def test_variant_agreements(monkeypatch) -> None:
     kv = load_benchmark("kernel_variants.py")
     a = torch.tensor([[3, 1, 2, -1], [5, 6, -1, -1], [-1, -1, -1, -1]])
     b = torch.tensor([[1, 2, 4, -1], [6, 5, -1, -1], [-1, -1, -1, -1]])
@@ -101,6 +101,12 @@ def test_variant_agreements() -> None:
     o = torch.tensor([[[4.0, 0.5]]])                                     # scale 4: ulp 2⁻⁵
     assert kv.scale_ulp_agreement(o + torch.tensor([0.0, 2.0 ** -5]), o) == dict(max_scale_ulps=1.0,
                                                                                equal_fraction=0.5)
+    monkeypatch.setenv("KERNEL_VARIANTS_MOE_FLAGS", "block_k=256; num_stages=4 ;")
+    assert kv.moe_flag_sets() == ("block_k=256", "num_stages=4")
+    monkeypatch.setenv("KERNEL_VARIANTS_MOE_FLAGS", "None")
+    assert kv.moe_flag_sets() == ()
+    monkeypatch.delenv("KERNEL_VARIANTS_MOE_FLAGS")
+    assert kv.moe_flag_sets() == kv.MOE_FLAG_SETS
     assert all(kv.MOE_FLAG_SETS) and "moe_routed" in kv.summary_line(1, {"moe_routed": {"default": {"graph_us": 5.0}}})
 
 

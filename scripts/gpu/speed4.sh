@@ -18,7 +18,8 @@
 #      the junit file end in $OUT/logs.tar.gz (7 files come back: the device call returns at most 8).
 # Run from the checkout root with `.gpu` carried. Every step is capped; the script ends within BUDGET
 # (s, default 300). Knobs: STEPS (default "tests decode"), TEST_CAP (75), DECODE_ARGS (extra decode_step.py
-# arguments, e.g. "--profile-fp8 w8a8_f16" to profile the default only).
+# arguments, e.g. "--profile-fp8 w8a8_f16" to profile the default only), KERNEL_VARIANTS_MOE_FLAGS ("none"
+# skips the MoE flag sets, whose 8 GEMM compiles are the variants' largest cost on a fresh machine).
 set -uo pipefail
 : "${OUT:=/tmp/out}"; mkdir -p "$OUT"
 T0=$SECONDS; BUDGET=${BUDGET:-300}
