@@ -312,18 +312,23 @@ def test_combine_is_the_reference_finalize(interpreted, T: int, k: int, H: int) 
 # ---------------------------------------------------------------------------------------------
 # GPU (Hopper): the full routed call against reference.moe
 # ---------------------------------------------------------------------------------------------
-def reference_routed(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, raw: dict[str, torch.Tensor]
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """reference.moe: routed_expert per (token, slot) with codec-dequantised weights, then the
-    sublayer's finalize bf16(R), R = the fp32 slot-order sum of fp32(1.5·w_k)·E_k — on x's device.
-    Returns (output [T, H],
+def dequantized_expert(raw: dict[str, torch.Tensor], e: int) -> dict[str, torch.Tensor]:
+    """{w1, w2, w3} of expert e, codec-dequantised (fp32, CPU)."""
+    return {n: dequantize_mxfp4(raw[n][e], raw[n + "_scale"][e]) for n in ("w1", "w2", "w3")}
+
+
+def reference_routed(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, raw: dict[str, torch.Tensor],
+                     deq_of: dict[int, dict[str, torch.Tensor]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.moe: routed_expert per (token, slot) with codec-dequantised weights (`deq_of[e]`
+    when given, else dequantised here), then the sublayer's finalize bf16(R), R = the fp32
+    slot-order sum of fp32(1.5·w_k)·E_k — on x's device. Returns (output [T, H],
     per-slot expert outputs [T, k, H] fp64)."""
     T, k = ids.shape
     dev = x.device
     per_slot = torch.zeros(T, k, x.shape[1], dtype=torch.float64, device=dev)
     for e in torch.unique(ids).tolist():
         rows, slot = torch.nonzero(ids == e, as_tuple=True)
-        deq = {n: dequantize_mxfp4(raw[n][e], raw[n + "_scale"][e]).to(dev) for n in ("w1", "w2", "w3")}
+        deq = {n: v.to(dev) for n, v in (deq_of[e] if deq_of is not None else dequantized_expert(raw, e)).items()}
         per_slot[rows, slot] = routed_expert(x[rows].float(), deq["w1"], deq["w2"], deq["w3"], LIMIT).double()
     return bf16(slot_sum_fp32(w * SCALE, per_slot)), per_slot
 
@@ -374,15 +379,15 @@ def test_bound_holds_for_an_emulation_of_the_kernel_at_flash_shape() -> None:
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16).float()
     ids, w = _routing(T, k, E, seed=T + 1, device="cpu")
     emulated = torch.zeros(T, k, H, dtype=torch.float64)
-    for e in torch.unique(ids).tolist():
+    deq_of = {e: dequantized_expert(raw, e) for e in torch.unique(ids).tolist()}   # shared with the reference
+    for e, deq in deq_of.items():
         rows, slot = torch.nonzero(ids == e, as_tuple=True)
-        deq = {n: dequantize_mxfp4(raw[n][e], raw[n + "_scale"][e]) for n in ("w1", "w2", "w3")}
         gate = bf16(_truncating_fp32_matmul(x[rows], deq["w1"])).clamp(max=LIMIT)
         up = bf16(_truncating_fp32_matmul(x[rows], deq["w3"])).clamp(min=-LIMIT, max=LIMIT)
         h = bf16(gate / (1.0 + torch.exp(-gate)) * up)
         emulated[rows, slot] = bf16(_truncating_fp32_matmul(h, deq["w2"])).double()
     out = bf16((SCALE * (w.double().unsqueeze(-1) * emulated).sum(dim=1)).float())
-    ref, per_slot = reference_routed(x, ids, w, raw)
+    ref, per_slot = reference_routed(x, ids, w, raw, deq_of)
     assert not torch.equal(out, ref)
     assert_within_bound(out, ref, per_slot, w)
     rms = ref.pow(2).mean(dim=-1, keepdim=True).sqrt()
