@@ -9,7 +9,9 @@ host/port/room, as the router does. The same client runs in both set-ups:
 
 * at each concurrency C, C streams at a time of greedy ``/generate`` (prompt ``--prompt-len``
   random ids, ``--new-tokens`` with EOS ignored), ``--rounds`` waves: TTFT (first streamed
-  chunk), ITL ((last − first chunk time) / (tokens − 1)) and output tokens/s of the wave;
+  chunk), ITL ((last − first chunk time) / (tokens − 1)) and output tokens/s of the wave, and
+  the gaps between the token-carrying chunks of the level's first request (even tokens or
+  bursts behind a late first chunk);
 * several ``--prompt-len`` values run one after another on the same servers (levels carry
   ``prompt_len``); on CUDA the device-to-device copy bandwidth of GPU 0 is measured first
   (``device_copy_gb_s``), the ceiling for the per-request transfer bandwidth;
@@ -123,6 +125,7 @@ def stream_generate(url: str, ids: list[int], new_tokens: int, extra: dict[str, 
     t0 = time.perf_counter()
     first = last = None
     tokens = 0
+    arrivals: list[float] = []
     with urllib.request.urlopen(req, timeout=600) as r:
         for line in r:
             line = line.strip()
@@ -134,9 +137,11 @@ def stream_generate(url: str, ids: list[int], new_tokens: int, extra: dict[str, 
                 last = time.perf_counter() - t0
                 first = last if first is None else first
                 tokens = n
+                arrivals.append(last)
     if tokens != new_tokens:
         raise RuntimeError(f"{tokens} of {new_tokens} tokens streamed")
-    return {"ttft_s": first, "itl_s": (last - first) / (tokens - 1) if tokens > 1 else None, "tokens": tokens}
+    return {"ttft_s": first, "itl_s": (last - first) / (tokens - 1) if tokens > 1 else None, "tokens": tokens,
+            "gaps_ms": [round(1e3 * (b - a), 1) for a, b in zip(arrivals, arrivals[1:])]}
 
 
 class Target:
@@ -205,7 +210,8 @@ def run_level(target: Target, c: int, rounds: int, plen: int, new_tokens: int, s
 
     return {"concurrency": c, "requests": len(rows), "errors": [x for x in rows if not isinstance(x, dict)][:3],
             "n_errors": len(rows) - len(ok), "wall_s": wall, "ttft_s": stat("ttft_s"), "itl_s": stat("itl_s"),
-            "output_tokens_per_s": sum(x["tokens"] for x in ok) / wall}
+            "output_tokens_per_s": sum(x["tokens"] for x in ok) / wall,
+            "chunk_gaps_ms_first_request": ok[0]["gaps_ms"] if ok else None}
 
 
 def transfer_metrics(prefill_url: str) -> dict[str, float]:
