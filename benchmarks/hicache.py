@@ -11,9 +11,9 @@ another from the device:
 The workload is S sessions of T turns, interleaved round-robin (turn t of every session, then turn
 t + 1): turn 1 is a random prompt of ``--first`` token ids, turn t + 1 is turn t's prompt + its
 greedy reply (``--reply`` tokens) + ``--user`` new ids, so every turn after the first could reuse
-the whole previous turn. Each request streams `/generate`; TTFT is the time to its first chunk,
-the hit is SGLang's ``cached_tokens`` (by tier: ``cached_tokens_details``). Both settings must
-give the same greedy replies (exit 1 otherwise).
+the whole previous turn. Each request streams `/generate` (`serving_client.py`); TTFT is the time
+to its first chunk with a token, the hit is SGLang's ``cached_tokens`` (by tier:
+``cached_tokens_details``). Both settings must give the same greedy replies (exit 1 otherwise).
 
 Writes JSON (per request and summary) and a PNG (hit rate and mean TTFT per turn, on vs off):
 
@@ -23,100 +23,43 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from statistics import mean
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving_client import Proc, free_port, stream_generate, wait_up  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def start_server(args: argparse.Namespace, flags: list[str], log: Path) -> tuple[Proc, str]:
+    """One `sglang-dsv41 serve` process group on a free port (`serving_client.Proc`) and its URL."""
+    port = free_port()
+    argv = [sys.executable, "-m", "sglang_dsv41.cli", "serve", "--device", args.device, "--model-path",
+            args.model_path, "--port", str(port), "--max-total-tokens", str(args.device_tokens),
+            "--enable-cache-report", *flags]
+    return Proc(argv, log), f"http://127.0.0.1:{port}"
 
 
-class Server:
-    """One `sglang-dsv41 serve` process group; every wait is bounded."""
-
-    def __init__(self, args: argparse.Namespace, flags: list[str], log: Path) -> None:
-        self.port = _free_port()
-        argv = [sys.executable, "-m", "sglang_dsv41.cli", "serve", "--device", args.device, "--model-path",
-                args.model_path, "--port", str(self.port), "--max-total-tokens", str(args.device_tokens),
-                "--enable-cache-report", *flags]
-        self.log = open(log, "w")
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} (log: {self.log.name})")
-            try:
-                with urllib.request.urlopen(self.url("/health_generate"), timeout=60) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
-            time.sleep(3)
-        raise TimeoutError(f"server not ready after {timeout_s} s (log: {self.log.name})")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-        self.log.close()
-
-    def generate(self, ids: list[int], n: int, timeout_s: float) -> dict:
-        """Stream a greedy `/generate`; the last chunk plus the client-side TTFT and latency."""
-        body = {"input_ids": ids, "stream": True,
-                "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
-        req = urllib.request.Request(self.url("/generate"), data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        t0 = time.perf_counter()
-        ttft, last = None, None
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                last = json.loads(line[len("data:"):])
-        if last is None:
-            raise RuntimeError("empty stream")
-        return {**last, "ttft_s": ttft, "latency_s": time.perf_counter() - t0}
-
-
-def run_sessions(server: Server, args: argparse.Namespace) -> list[dict]:
+def run_sessions(url: str, args: argparse.Namespace) -> list[dict]:
+    """The sessions' turns round-robin, each a streamed greedy `/generate` (`serving_client.stream_generate`;
+    TTFT on the client clock, the hit from the last chunk's ``meta_info``)."""
     rng = random.Random(args.seed)
     prompts = [[0] + [rng.randrange(3, args.vocab) for _ in range(args.first)] for _ in range(args.sessions)]
     rows = []
     for turn in range(1, args.turns + 1):
         for s in range(args.sessions):
-            out = server.generate(prompts[s], args.reply, args.request_timeout)
-            meta = out["meta_info"]
+            out = stream_generate(url, prompts[s], args.reply, {}, timeout=args.request_timeout, keep_last=True)
+            meta, output_ids = out["last"]["meta_info"], out["last"]["output_ids"]
             rows.append({"session": s, "turn": turn, "prompt_tokens": len(prompts[s]),
                          "cached_tokens": int(meta.get("cached_tokens", 0)),
                          "cached_details": meta.get("cached_tokens_details"),
-                         "ttft_s": out["ttft_s"], "latency_s": out["latency_s"], "output_ids": out["output_ids"]})
-            prompts[s] = prompts[s] + out["output_ids"] + [rng.randrange(3, args.vocab) for _ in range(args.user)]
+                         "ttft_s": out["ttft_s"], "latency_s": out["latency_s"], "output_ids": output_ids})
+            prompts[s] = prompts[s] + output_ids + [rng.randrange(3, args.vocab) for _ in range(args.user)]
     return rows
 
 
@@ -188,11 +131,11 @@ def main() -> int:
                        f"{args.user} user ids per turn, {args.device_tokens}-token device pool, {args.device}",
               "args": {k: str(v) for k, v in vars(args).items()}}
     for name, flags in settings.items():
-        server = Server(args, flags, args.log_dir / f"{args.out.stem}_{name}.log")
+        server, url = start_server(args, flags, args.log_dir / f"{args.out.stem}_{name}.log")
         try:
             t0 = time.monotonic()
-            server.wait_ready(args.startup_timeout)
-            rows = run_sessions(server, args)
+            wait_up(url + "/health_generate", [server], args.startup_timeout)
+            rows = run_sessions(url, args)
             result[name] = {"flags": flags, "startup_s": time.monotonic() - t0, "summary": summarize(rows),
                             "requests": rows}
         finally:

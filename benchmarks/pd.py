@@ -9,7 +9,9 @@ host/port/room, as the router does. The same client runs in both set-ups:
 
 * at each concurrency C, C streams at a time of greedy ``/generate`` (prompt ``--prompt-len``
   random ids, ``--new-tokens`` with EOS ignored), ``--rounds`` waves: TTFT (first streamed
-  chunk), ITL ((last − first chunk time) / (tokens − 1)) and output tokens/s of the wave;
+  chunk), ITL ((last − first chunk time) / (tokens − 1)) and output tokens/s of the wave, and
+  the gaps between the token-carrying chunks of the level's first request (even tokens or
+  bursts behind a late first chunk);
 * several ``--prompt-len`` values run one after another on the same servers (levels carry
   ``prompt_len``); on CUDA the device-to-device copy bandwidth of GPU 0 is measured first
   (``device_copy_gb_s``), the ceiling for the per-request transfer bandwidth;
@@ -123,6 +125,7 @@ def stream_generate(url: str, ids: list[int], new_tokens: int, extra: dict[str, 
     t0 = time.perf_counter()
     first = last = None
     tokens = 0
+    arrivals: list[float] = []
     with urllib.request.urlopen(req, timeout=600) as r:
         for line in r:
             line = line.strip()
@@ -134,9 +137,11 @@ def stream_generate(url: str, ids: list[int], new_tokens: int, extra: dict[str, 
                 last = time.perf_counter() - t0
                 first = last if first is None else first
                 tokens = n
+                arrivals.append(last)
     if tokens != new_tokens:
         raise RuntimeError(f"{tokens} of {new_tokens} tokens streamed")
-    return {"ttft_s": first, "itl_s": (last - first) / (tokens - 1) if tokens > 1 else None, "tokens": tokens}
+    return {"ttft_s": first, "itl_s": (last - first) / (tokens - 1) if tokens > 1 else None, "tokens": tokens,
+            "gaps_ms": [round(1e3 * (b - a), 1) for a, b in zip(arrivals, arrivals[1:])]}
 
 
 class Target:
@@ -205,7 +210,8 @@ def run_level(target: Target, c: int, rounds: int, plen: int, new_tokens: int, s
 
     return {"concurrency": c, "requests": len(rows), "errors": [x for x in rows if not isinstance(x, dict)][:3],
             "n_errors": len(rows) - len(ok), "wall_s": wall, "ttft_s": stat("ttft_s"), "itl_s": stat("itl_s"),
-            "output_tokens_per_s": sum(x["tokens"] for x in ok) / wall}
+            "output_tokens_per_s": sum(x["tokens"] for x in ok) / wall,
+            "chunk_gaps_ms_first_request": ok[0]["gaps_ms"] if ok else None}
 
 
 def transfer_metrics(prefill_url: str) -> dict[str, float]:
@@ -293,52 +299,67 @@ def save(args: argparse.Namespace, result: dict[str, Any]) -> None:
     args.out.write_text(json.dumps(result, indent=2))
 
 
+def start_pd(args: argparse.Namespace, logs: Path) -> tuple[list[Proc], str, str, int]:
+    """Prefill and decode servers (not waited for): processes, their URLs, the bootstrap port."""
+    env = {"OMP_NUM_THREADS": str(args.pd_threads)} if args.pd_threads else None
+    pport, dport, boot = free_port(), free_port(), free_port()
+    pd = ["--disaggregation-transfer-backend", "mooncake"]
+    procs = [serve(args, pport, logs / "prefill.log", [*pd, "--disaggregation-mode", "prefill",
+                                                        "--disaggregation-bootstrap-port", str(boot)], env),
+             serve(args, dport, logs / "decode.log", [*pd, "--disaggregation-mode", "decode"], env)]
+    return procs, f"http://127.0.0.1:{pport}", f"http://127.0.0.1:{dport}", boot
+
+
+def pd_target(args: argparse.Namespace, logs: Path, procs: list[Proc], P: str, D: str, boot: int) -> Target:
+    """Wait for both PD servers, then start the router (appended to `procs`) unless `--no-router`."""
+    wait_up(P + "/health", procs, args.startup_s)
+    wait_up(D + "/health", procs, args.startup_s)
+    if args.no_router:
+        return Target(D, prefill=P, bootstrap_port=boot)
+    rport = free_port()
+    procs.append(Proc([sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--host",
+                       "127.0.0.1", "--port", str(rport), "--prefill", P, str(boot), "--decode", D,
+                       "--policy", "round_robin", "--prometheus-host", "127.0.0.1", "--prometheus-port",
+                       str(free_port())], logs / "router.log"))
+    wait_up(f"http://127.0.0.1:{rport}/readiness", procs, args.startup_s)
+    return Target(f"http://127.0.0.1:{rport}")
+
+
 def run(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
+    """The set-ups one after another; with `--start-together` every server starts at once (one
+    start-up wait instead of two: a budgeted GPU call) and the set-ups are still measured one
+    after another, each colocated server stopped before the PD part."""
     result: dict[str, Any] = {"device": args.device, "prompt_len": args.prompt_len,
                               "device_copy_gb_s": device_copy_gb_s() if args.device == "cuda" else None, "new_tokens": args.new_tokens,
                               "rounds": args.rounds, "concurrency": args.concurrency, "router": not args.no_router}
     result["pd_threads"] = args.pd_threads
-    procs: list[Proc] = []
-    if "colocated" in args.setups:
-        try:
-            port = free_port()
-            procs = [serve(args, port, logs / "colocated.log", [])]
-            wait_up(f"http://127.0.0.1:{port}/health_generate", procs, args.startup_s)
-            result["colocated"] = measure(args, Target(f"http://127.0.0.1:{port}"), None, {"colocated": procs[0]})
-            save(args, result)
-        finally:
-            for p in procs:
-                p.stop()
-    if "pd" not in args.setups:
-        return result
-    procs = []
-    env = {"OMP_NUM_THREADS": str(args.pd_threads)} if args.pd_threads else None
+    result["start_together"] = args.start_together
+    colocated: list[Proc] = []
+    pd_procs: list[Proc] = []
     try:
-        pport, dport, boot = free_port(), free_port(), free_port()
-        pd = ["--disaggregation-transfer-backend", "mooncake"]
-        procs = [serve(args, pport, logs / "prefill.log", [*pd, "--disaggregation-mode", "prefill",
-                                                            "--disaggregation-bootstrap-port", str(boot)], env),
-                 serve(args, dport, logs / "decode.log", [*pd, "--disaggregation-mode", "decode"], env)]
-        P, D = f"http://127.0.0.1:{pport}", f"http://127.0.0.1:{dport}"
-        wait_up(P + "/health", procs, args.startup_s)
-        wait_up(D + "/health", procs, args.startup_s)
-        if args.no_router:
-            target = Target(D, prefill=P, bootstrap_port=boot)
-        else:
-            rport = free_port()
-            procs.append(Proc([sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--host",
-                               "127.0.0.1", "--port", str(rport), "--prefill", P, str(boot), "--decode", D,
-                               "--policy", "round_robin", "--prometheus-host", "127.0.0.1", "--prometheus-port",
-                               str(free_port())], logs / "router.log"))
-            wait_up(f"http://127.0.0.1:{rport}/readiness", procs, args.startup_s)
-            target = Target(f"http://127.0.0.1:{rport}")
-        result["pd"] = measure(args, target, P, dict(zip(("prefill", "decode", "router"), procs)))
+        if "colocated" in args.setups:
+            port = free_port()
+            colocated = [serve(args, port, logs / "colocated.log", [])]
+        if "pd" in args.setups and args.start_together:
+            pd_procs, P, D, boot = start_pd(args, logs)
+        if colocated:
+            wait_up(f"http://127.0.0.1:{port}/health_generate", colocated + pd_procs, args.startup_s)
+            result["colocated"] = measure(args, Target(f"http://127.0.0.1:{port}"), None, {"colocated": colocated[0]})
+            save(args, result)
+            for p in colocated:
+                p.stop()
+        if "pd" not in args.setups:
+            return result
+        if not pd_procs:
+            pd_procs, P, D, boot = start_pd(args, logs)
+        target = pd_target(args, logs, pd_procs, P, D, boot)
+        result["pd"] = measure(args, target, P, dict(zip(("prefill", "decode", "router"), pd_procs)))
         layout = http(f"http://127.0.0.1:{boot}{LAYOUT_ROUTE}", timeout=30)
         result["layout"] = layout
         result["kv_page_bytes_per_request"] = {n: math.ceil(n / layout["page_size"]) * sum(layout["kv_item_lens"])
                                                for n in args.prompt_len}
     finally:
-        for p in procs:
+        for p in colocated + pd_procs:
             p.stop()
     if "colocated" in result:
         result["tool_call_equal"] = result["pd"]["tool_call"] == result["colocated"]["tool_call"]
@@ -389,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-router", action="store_true", help="post to prefill and decode with bootstrap fields")
     ap.add_argument("--startup-s", type=float, default=600)
     ap.add_argument("--setups", nargs="+", default=["colocated", "pd"], choices=("colocated", "pd"))
+    ap.add_argument("--start-together", action="store_true",
+                    help="start every server at once (one start-up wait; the set-ups are still measured in turn)")
     ap.add_argument("--pd-threads", type=int, default=0,
                     help="OMP_NUM_THREADS of each PD server (0: unset; on CPU: cores / 2, docs/pd.md)")
     ap.add_argument("--out", type=Path, default=RESULTS / "pd_cpu.json")

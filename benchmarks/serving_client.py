@@ -1,7 +1,7 @@
 """Shared HTTP serving-benchmark pieces (standard library only): a server process in its own group,
 bounded readiness waits, random-id prompts, one streamed greedy ``/generate`` with client-side TTFT
-and ITL, and a closed-loop load level. Used by `benchmarks/serving_e2e.py`; `pd.py` holds the same pieces (its
-`free_port` … `stream_generate`, `run_level`'s statistics) and can import them from here.
+and ITL, and a closed-loop load level. Used by `benchmarks/serving_e2e.py`, `hicache.py` (servers, waits,
+streamed requests) and `pd.py` (servers, waits).
 
 Metrics (client clock): TTFT = time to the first streamed chunk that carries a token; ITL = (last −
 first token time) / (tokens − 1) of one request (a chunk holding several tokens — speculative
@@ -83,8 +83,10 @@ def prompt(seed: int, n: int, low: int = 3, high: int = 900) -> list[int]:
 
 
 def stream_generate(url: str, ids: list[int], new_tokens: int, extra: dict[str, Any],
-                    timeout: float = 600) -> dict[str, Any]:
-    """One streamed greedy /generate with EOS ignored: TTFT, ITL, tokens (client clock)."""
+                    timeout: float = 600, keep_last: bool = False) -> dict[str, Any]:
+    """One streamed greedy /generate with EOS ignored: TTFT, ITL, tokens (client clock); with
+    `keep_last`, also the last streamed chunk as ``last`` (its ``output_ids`` and ``meta_info``,
+    e.g. ``cached_tokens``)."""
     body = {"input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0,
                                                                   "ignore_eos": True}, **extra}
     req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
@@ -92,6 +94,7 @@ def stream_generate(url: str, ids: list[int], new_tokens: int, extra: dict[str, 
     t0 = time.perf_counter()
     first = last = None
     tokens = 0
+    chunk: dict[str, Any] | None = None
     with urllib.request.urlopen(req, timeout=timeout) as r:
         for line in r:
             line = line.strip()
@@ -105,8 +108,11 @@ def stream_generate(url: str, ids: list[int], new_tokens: int, extra: dict[str, 
                 tokens = n
     if tokens != new_tokens:
         raise RuntimeError(f"{tokens} of {new_tokens} tokens streamed")
-    return {"ttft_s": first, "itl_s": (last - first) / (tokens - 1) if tokens > 1 else None, "tokens": tokens,
-            "latency_s": time.perf_counter() - t0}
+    row = {"ttft_s": first, "itl_s": (last - first) / (tokens - 1) if tokens > 1 else None, "tokens": tokens,
+           "latency_s": time.perf_counter() - t0}
+    if keep_last:
+        row["last"] = chunk
+    return row
 
 
 def stat(rows: list[dict[str, Any]], key: str) -> dict[str, float | None]:

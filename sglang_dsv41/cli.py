@@ -13,7 +13,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "make-checkpoint": ("sglang_dsv41.checkpoint.synth:cli", "write a synthetic checkpoint (tiny | tiny-tp8 | slice) in the real format"),
     "verify": ("sglang_dsv41.checkpoint.verify:cli", "check a checkpoint directory against its config.json"),
     "demo": ("sglang_dsv41.demo:cli", "render a chat request and generate with the pure-PyTorch reference"),
-    "plan": ("sglang_dsv41.deploy.plan:cli", "memory plan per rank for a deployment config"),
+    "plan": ("sglang_dsv41.deploy.plan_cli:cli", "memory plan per rank for a deployment config"),
     "launch": ("sglang_dsv41.deploy.launch:cli", "turn a deployment config into the SGLang launch command(s) and run them"),
     "doctor": ("sglang_dsv41.deploy.doctor:cli", "check the environment for serving DeepSeek-V4.1"),
     "serve": ("sglang_dsv41.serve:cli", "serve a V4.1 checkpoint with SGLang on GPU or CPU (default: the tiny checkpoint)"),

@@ -14,12 +14,14 @@ import pytest
 
 from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.deploy import plan as plan_mod
+from sglang_dsv41.deploy import plan_cli
 from sglang_dsv41.deploy.kv import (
     compressed_slot_bytes, index_key_bytes, kv_bytes_per_token, main_slot_bytes, packed_row_bytes, pair_ring_rows,
     per_request_bytes, pool_bytes_per_full_token, swa_bytes_per_swa_token,
 )
 from sglang_dsv41.deploy.memory import GIB, ShardLayout, vram_minimum_gb, weight_plan
-from sglang_dsv41.deploy.plan import RuntimePool, make_plan, model_config_for
+from sglang_dsv41.deploy.plan import make_plan, model_config_for
+from sglang_dsv41.deploy.runtime_pool import RuntimePool
 from sglang_dsv41.deploy.runtime_residency import runtime_residency
 from sglang_dsv41.runtime import kv_rows
 from sglang_dsv41.runtime.cache import RuntimeCaches
@@ -298,7 +300,7 @@ RUNTIME_CANNOT_FIT_YET: frozenset[str] = frozenset()
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_plan_cli_runs_for_every_config(path: Path, capsys) -> None:
-    rc = plan_mod.cli(["--config", str(path), "--json"])
+    rc = plan_cli.cli(["--config", str(path), "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc in (0, 1) and (rc == 0) == (out["fits"] and not out["launch_refusals"])
     # issue 20: plan and launch agree on what cannot be served as configured
@@ -325,21 +327,21 @@ def test_plan_cli_runs_for_every_config(path: Path, capsys) -> None:
 def test_plan_cli_options_and_checkpoint(tmp_path: Path, capsys) -> None:
     cfg = tiny_config_dict(1024)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    rc = plan_mod.cli(["--config", str(ROOT / "configs" / "tiny-h200-tp2.yaml"), "--checkpoint", str(tmp_path),
+    rc = plan_cli.cli(["--config", str(ROOT / "configs" / "tiny-h200-tp2.yaml"), "--checkpoint", str(tmp_path),
                        "--gpu-mem", "10", "--context", "4096", "--batch", "3", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["gpu_mem_gib"] == 10 and out["context"] == 4096 and out["batch"] == 3
     assert out["model_source"].endswith("config.json")
-    rc = plan_mod.cli(["--config", str(ROOT / "configs" / "h200-tp4.yaml"), "--gpus", "8", "--json"])
+    rc = plan_cli.cli(["--config", str(ROOT / "configs" / "h200-tp4.yaml"), "--gpus", "8", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert out["layout"]["tp"] == 8 and out["gpus"] == 8
-    rc = plan_mod.cli(["--config", str(ROOT / "configs" / "b200-dep8.yaml"), "--gpus", "4", "--json",
+    rc = plan_cli.cli(["--config", str(ROOT / "configs" / "b200-dep8.yaml"), "--gpus", "4", "--json",
                        "--set", "serving.chunked_prefill_size=4096"])
     out = json.loads(capsys.readouterr().out)
     assert out["layout"] == {"tp": 4, "dp_attention": 4, "ep": 4}
-    assert plan_mod.cli(["--config", str(ROOT / "configs" / "b200-dep8.yaml"), "--gpus", "4"]) == 2
+    assert plan_cli.cli(["--config", str(ROOT / "configs" / "b200-dep8.yaml"), "--gpus", "4"]) == 2
     assert "above MegaMoE's 1024" in capsys.readouterr().err
-    text_rc = plan_mod.cli(["--config", str(ROOT / "configs" / "h200-tp4.yaml")])
+    text_rc = plan_cli.cli(["--config", str(ROOT / "configs" / "h200-tp4.yaml")])
     text = capsys.readouterr().out
     # the card's recipe (Engram in host memory, per_rank, images served) fits this runtime's memory
     # and launches: rc 0; the tower is in the runtime's weights, an image's tokens in the context
@@ -407,7 +409,7 @@ def test_plan_shows_the_hicache_host_tier(flash, capsys) -> None:
     assert not ok and "host Engram + HiCache need" in text
     assert p.to_dict()["hicache_host_tier"]["bytes_per_rank"] == p.hicache.bytes_per_rank
 
-    assert plan_mod.cli(["--config", str(ROOT / "configs" / "tiny-cpu.yaml"), "--hicache-ratio", "2"]) == 0
+    assert plan_cli.cli(["--config", str(ROOT / "configs" / "tiny-cpu.yaml"), "--hicache-ratio", "2"]) == 0
     assert "HiCache host tier (L2, --hicache-ratio 2): 16,384 tokens per rank × 1,728 B" in capsys.readouterr().out
-    assert plan_mod.cli(["--config", str(ROOT / "configs" / "tiny-cpu.yaml"), "--hicache-ratio", "0"]) == 2
+    assert plan_cli.cli(["--config", str(ROOT / "configs" / "tiny-cpu.yaml"), "--hicache-ratio", "0"]) == 2
     assert "--hicache-ratio > 0" in capsys.readouterr().err

@@ -1,44 +1,49 @@
 #!/usr/bin/env bash
-# H200 (one GPU), one device call, ≤ 300 s (docs/pd.md "PD + DSpark"): PD 1P1D of the tiny
-# checkpoint with `--speculative-algorithm DSPARK` on BOTH servers (prefill and decode sharing GPU 0,
-# --mem-fraction-static 0.3 each, Mooncake over TCP on 127.0.0.1), greedy /generate for prompts of
-# odd and even length (41, 42, 97: the boundary row of the pair ring travels for the odd ones) and
-# the greedy output compared token for token with a colocated plain server (no speculation).
+# H200 (one GPU), one device call, < 300 s (docs/pd.md "PD + DSpark"): PD 1P1D of the tiny
+# checkpoint with `--speculative-algorithm DSPARK` on BOTH servers of a pair (prefill and decode
+# sharing GPU 0, Mooncake over TCP on 127.0.0.1), greedy /generate for prompts of odd and even
+# length (41, 42, 97: the boundary row of the pair ring travels for the odd ones) and the greedy
+# output compared token for token with a colocated plain server (no speculation) on the same GPU.
 # The DSpark draft's context rows travel in kv_data (2 global buffers + 3 stages + 1 pad), the
 # layout fingerprint's dspark_context must agree (printed from both logs).
 #
-# Usage (checkout root, `.gpu` carried, the CUDA Mooncake wheel + libibverbs1 installed):
-#   bash scripts/gpu/pd_dspark.sh [equal|unequal]
-#   equal    (default) both servers γ = 5 (--speculative-dspark-block-size 5);
-#   unequal  prefill γ = 5 (pair ring 8), decode γ = 7 (pair ring 16): the boundary row lands in
-#            each side's own ring slot; the fingerprint must still agree.
-# Caps: checkpoint 60 s, each server start 120 s, each request 60 s, each shutdown 15 s; no server
-# is started after BUDGET (default 200) s, so the call ends < 300 s. The client posts to both
-# servers with bootstrap host/port/room (what sglang-router does; the router wheel does not fit
-# the call). Outputs in $OUT: summary.txt, plain / prefill / decode logs. Exit 0 only when every
-# PD output equals the plain server's.
+# Usage (checkout root, `.gpu` built with PD=1 carried: it holds the Mooncake transfer engine):
+#   bash scripts/gpu/pd_dspark.sh [both|equal|unequal]
+#   equal    one pair, both servers γ = 5 (--speculative-dspark-block-size 5);
+#   unequal  one pair, prefill γ = 5 (pair ring 8), decode γ = 7 (pair ring 16): the boundary row
+#            lands in each side's own ring slot; the fingerprint must still agree;
+#   both     (default) the two pairs side by side (5 servers), each checked against the plain one.
+# Every server starts at once (one start-up wait; --mem-fraction-static 0.12 each and a 65,536-token
+# pool cap, as each sizes its static memory from what is free when it starts). Caps: checkpoint
+# 60 s, every wait and request by what is left of BUDGET (default 285 s from the start), each
+# shutdown 15 s. The client posts to both servers of a pair with bootstrap host/port/room (what
+# sglang-router does; the router wheel does not fit the call). Outputs: summary.txt and the server
+# logs in $OUT (at most 8 files come back: plain, 4 PD logs, summary, setup's two). Exit 0 only
+# when every PD output equals the plain server's. Pass: per pair "n=41/42/97: PD+DSpark == plain
+# True", two equal "sglang-dsv41 PD layout" lines per pair, "RESULT pd_dspark mode=both rc=0".
 set -uo pipefail
 : "${OUT:=/tmp/out}"; mkdir -p "$OUT"
-MODE=${1:-equal}
-BUDGET=${BUDGET:-200}
+MODE=${1:-both}
+BUDGET=${BUDGET:-285}
 T0=$SECONDS
+left() { local l=$((BUDGET - (SECONDS - T0) - ${1:-0})); [ $l -gt 1 ] && echo $l || echo 1; }  # seconds left, less a reserve
 source .gpu/bin/setup.sh || exit 3
 export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
 export MC_FORCE_TCP=1 MOONCAKE_PROTOCOL=tcp SGLANG_HOST_IP=127.0.0.1
-python3 -c "import mooncake.engine" 2>"$OUT/pd_imports.log" || {
-  cat "$OUT/pd_imports.log"; echo "RESULT pd_dspark missing the PD stack (pip install -e '.[pd-cuda]'; apt-get install libibverbs1)"; exit 5; }
+python3 -c "import mooncake.engine" 2>/tmp/pd_imports.log || {
+  cat /tmp/pd_imports.log; echo "RESULT pd_dspark missing the PD stack (carry .gpu built with PD=1: ../shared/gpu/build.sh)"; exit 5; }
 case $MODE in
-  equal) PG=5; DG=5 ;;
-  unequal) PG=5; DG=7 ;;
-  *) echo "usage: pd_dspark.sh [equal|unequal]"; exit 2 ;;
+  equal) PAIRS=("equal 5 5 30010 30020 38998") ;;
+  unequal) PAIRS=("unequal 5 7 30010 30020 38998") ;;
+  both) PAIRS=("equal 5 5 30010 30020 38998" "unequal 5 7 30040 30050 38999") ;;
+  *) echo "usage: pd_dspark.sh [both|equal|unequal]"; exit 2 ;;
 esac
 CK=/tmp/tiny; W=/tmp/pd_dspark; rm -rf $W; mkdir -p $W
-P=http://127.0.0.1:30010; D=http://127.0.0.1:30020; C=http://127.0.0.1:30030
+C=http://127.0.0.1:30030
 timeout 60 python3 -m sglang_dsv41.cli make-checkpoint --preset tiny --out $CK --quiet || exit 4
 PIDS=()
 start() {  # name, args...
   local name=$1; shift
-  if [ $((SECONDS - T0)) -gt "$BUDGET" ]; then echo "$name: not started (budget)" | tee -a "$OUT/summary.txt"; return 1; fi
   setsid "$@" >"$OUT/$name.log" 2>&1 & PIDS+=($!)
 }
 stop_all() {
@@ -52,12 +57,11 @@ wait_up() {  # url, seconds
   local s0=$SECONDS
   while [ $((SECONDS - s0)) -lt "$2" ]; do curl -sf -m 10 "$1" >/dev/null && return 0; sleep 2; done; return 1
 }
-ask() {  # out-file, url [, bootstrap room] -> /generate of the three prompts, sequential
-  timeout 200 python3 - "$@" <<'PY'
+ask() {  # out-file, url [, prefill url, bootstrap port, bootstrap room] -> /generate of the three prompts, sequential
+  timeout "$(left 25)" python3 - "$@" <<'PY'
 import json, sys, threading, urllib.request
 out, url = sys.argv[1], sys.argv[2]
 pd = len(sys.argv) > 3
-P = "http://127.0.0.1:30010"
 def post(u, body, into):
     req = urllib.request.Request(u + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as r:
@@ -68,8 +72,8 @@ for k, n in enumerate((41, 42, 97)):
             "sampling_params": {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}}
     got, side = [], []
     if pd:
-        body.update(bootstrap_host="127.0.0.1", bootstrap_port=38998, bootstrap_room=int(sys.argv[3]) + k)
-        t = threading.Thread(target=post, args=(P, body, side)); t.start()
+        body.update(bootstrap_host="127.0.0.1", bootstrap_port=int(sys.argv[4]), bootstrap_room=int(sys.argv[5]) + k)
+        t = threading.Thread(target=post, args=(sys.argv[3], body, side)); t.start()
     post(url, body, got)
     if pd:
         t.join(65)
@@ -77,44 +81,58 @@ for k, n in enumerate((41, 42, 97)):
 json.dump(res, open(out, "w"))
 PY
 }
-# 1. the colocated plain reference
-start plain python3 -m sglang.launch_server --model-path $CK --mem-fraction-static 0.3 --port 30030 --disable-cuda-graph
-if wait_up $C/health_generate 120; then ask $W/plain.json $C || echo "plain requests failed" | tee -a "$OUT/summary.txt"
+# every server at once: the colocated plain reference and each DSpark pair
+CAP=(--mem-fraction-static 0.12 --max-total-tokens 65536 --disable-cuda-graph)
+start plain python3 -m sglang.launch_server --model-path $CK "${CAP[@]}" --port 30030
+SPEC=(--speculative-algorithm DSPARK)
+COMMON=(--model-path $CK "${CAP[@]}" --disaggregation-transfer-backend mooncake)
+for pair in "${PAIRS[@]}"; do
+  read -r name pg dg pport dport boot <<<"$pair"
+  start "prefill_$name" python3 -m sglang.launch_server "${COMMON[@]}" "${SPEC[@]}" --speculative-dspark-block-size "$pg" \
+    --port "$pport" --disaggregation-mode prefill --disaggregation-bootstrap-port "$boot"
+  start "decode_$name" python3 -m sglang.launch_server "${COMMON[@]}" "${SPEC[@]}" --speculative-dspark-block-size "$dg" \
+    --port "$dport" --disaggregation-mode decode
+done
+if wait_up $C/health_generate "$(left 40)"; then ask $W/plain.json $C || echo "plain requests failed" | tee -a "$OUT/summary.txt"
 else echo "plain server not up" | tee -a "$OUT/summary.txt"; tail -30 "$OUT/plain.log"; fi
 echo "plain done at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
+room=5000
+for pair in "${PAIRS[@]}"; do
+  read -r name pg dg pport dport boot <<<"$pair"
+  P=http://127.0.0.1:$pport; D=http://127.0.0.1:$dport
+  up=0; wait_up $P/health "$(left 30)" && wait_up $D/health "$(left 30)" && up=1
+  echo "PD $name up=$up (prefill γ=$pg, decode γ=$dg) at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
+  if [ $up = 1 ]; then ask "$W/pd_$name.json" "$D" "$P" "$boot" $room || echo "PD $name requests failed" | tee -a "$OUT/summary.txt"; fi
+  room=$((room + 100))
+  grep -h -m1 "sglang-dsv41 PD layout" "$OUT/prefill_$name.log" "$OUT/decode_$name.log" 2>/dev/null | cut -c1-400 | tee -a "$OUT/summary.txt"
+done
 stop_all
-# 2. 1P1D, DSpark on both sides
-SPEC=(--speculative-algorithm DSPARK --disable-cuda-graph)
-COMMON=(--model-path $CK --mem-fraction-static 0.3 --disaggregation-transfer-backend mooncake)
-up=0
-start prefill python3 -m sglang.launch_server "${COMMON[@]}" "${SPEC[@]}" --speculative-dspark-block-size $PG \
-  --port 30010 --disaggregation-mode prefill --disaggregation-bootstrap-port 38998 && \
-start decode python3 -m sglang.launch_server "${COMMON[@]}" "${SPEC[@]}" --speculative-dspark-block-size $DG \
-  --port 30020 --disaggregation-mode decode && \
-wait_up $P/health 120 && wait_up $D/health 120 && up=1
-echo "PD up=$up (prefill γ=$PG, decode γ=$DG) at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
-if [ $up = 1 ]; then ask $W/pd.json $D 5000 || echo "PD requests failed" | tee -a "$OUT/summary.txt"; fi
-grep -h -m1 "sglang-dsv41 PD layout" "$OUT/prefill.log" "$OUT/decode.log" 2>/dev/null | cut -c1-400 | tee -a "$OUT/summary.txt"
-stop_all
-python3 - "$W" "$MODE" <<'PY' | tee -a "$OUT/summary.txt"
+python3 - "$W" "$MODE" "${PAIRS[@]}" <<'PY' | tee -a "$OUT/summary.txt"
 import json, sys
-w, mode = sys.argv[1], sys.argv[2]
-try:
-    plain, pd = (json.load(open(f"{w}/{t}.json")) for t in ("plain", "pd"))
-except Exception as e:
-    print(f"RESULT pd_dspark_{mode}_greedy_equal 0 (missing output: {e})"); sys.exit(1)
+w, mode, pairs = sys.argv[1], sys.argv[2], [p.split()[0] for p in sys.argv[3:]]
 ok = True
-for n, ref in plain.items():
-    got = pd.get(n, {}).get("output_ids")
-    eq = got == ref["output_ids"]
-    ok = ok and eq and len(ref["output_ids"]) == 48
-    first = None if eq or got is None else next(i for i, (a, b) in enumerate(zip(ref["output_ids"], got)) if a != b)
-    print(f"n={n}: PD+DSpark == plain {eq}, decode accept length {pd.get(n, {}).get('accept_length')}"
-          + ("" if eq else f", first difference at token {first}"))
+try:
+    plain = json.load(open(f"{w}/plain.json"))
+except Exception as e:
+    print(f"RESULT pd_dspark_{mode}_greedy_equal 0 (no plain output: {e})"); sys.exit(1)
+for name in pairs:
+    try:
+        pd = json.load(open(f"{w}/pd_{name}.json"))
+    except Exception as e:
+        print(f"{name}: missing output ({e})"); ok = False; continue
+    for n, ref in plain.items():
+        got = pd.get(n, {}).get("output_ids")
+        eq = got == ref["output_ids"]
+        ok = ok and eq and len(ref["output_ids"]) == 48
+        first = None if eq or got is None else next(i for i, (a, b) in enumerate(zip(ref["output_ids"], got)) if a != b)
+        print(f"{name} n={n}: PD+DSpark == plain {eq}, decode accept length {pd.get(n, {}).get('accept_length')}"
+              + ("" if eq else f", first difference at token {first}"))
 print(f"RESULT pd_dspark_{mode}_greedy_equal {int(ok)}")
 sys.exit(0 if ok else 1)
 PY
 rc=$?
-[ $rc = 0 ] || { grep -nE "Error|error|Traceback|sglang-dsv41" "$OUT/prefill.log" "$OUT/decode.log" | tail -30; }
+if [ $rc != 0 ]; then
+  for f in "$OUT"/prefill_*.log "$OUT"/decode_*.log; do grep -nE "Error|error|Traceback|sglang-dsv41" "$f" | tail -15; done
+fi
 echo "RESULT pd_dspark mode=$MODE rc=$rc at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
 exit $rc

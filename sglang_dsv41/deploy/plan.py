@@ -1,21 +1,13 @@
-"""`sglang-dsv41 plan`: will this deployment fit, and with how much KV cache?
+"""The memory plan of one deployment per rank (`make_plan` → `Plan`); `sglang-dsv41 plan` is
+`plan_cli.cli`, its text report `plan_report.render`.
 
 Per rank: weights by the card's components (`memory.weight_plan`), Engram placement and
 sharding, this runtime's own weights (`runtime_residency`: what `runtime_weights` holds; with
 `engram.placement: host` its Engram shard sits in pinned host memory, layout per_rank, and is
 counted in the host need per node instead), the KV budget left in SGLang's static memory
 (`mem_fraction_static × GPU memory − weights`: this runtime's where it can serve the layout, else
-the card's layout), how the runtime's pool splits it, the token capacity, and a verdict for
-`--batch` requests of `--context` tokens. The text report is `plan_report.render`.
-
-KV is sized with the pool the runtime really uses (`RuntimePool`; phase-2 contracts §2–§3,
-docs/runtime.md): SGLang's hybrid-SWA pool, whose full pool holds one packed FP4 row per token
-(`kv.packed_row_bytes`: the card's 890 B of packed FP4 entries, stored as a 720-B latent row + a 176-B index-key row = 896 B) and whose SWA pool holds
-`--swa-full-tokens-ratio` × as many tokens of L bf16 rows (`kv.swa_bytes_per_swa_token`).
-SGLang divides the budget by the cell `kv.pool_bytes_per_full_token` (row + ratio × SWA token)
-and a decoding request keeps `kv.swa_tokens_per_request` SWA tokens. SGLang 0.5.23's upstream
-layouts (`features.kv_layout` v4/v41, `kv.kv_bytes_per_token`) appear only in the section
-labelled as a comparison with upstream; nothing is sized with them.
+the card's layout), how the runtime's pool splits it (`runtime_pool.RuntimePool`), the token
+capacity, and a verdict for `--batch` requests of `--context` tokens.
 
 Invariant: every number is computed from the deployment config and the checkpoint's
 config.json (`--checkpoint DIR`, else the preset the config names); the report prints each
@@ -24,31 +16,24 @@ next to the result.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, DeepseekV41Config
+from ..config import DeepseekV41Config
 from ..presets import flash_config_dict, tiny_config_dict, tiny_tp8_config_dict
-from ..config import TextConfig
-from ..runtime import kv_rows
-from ..runtime.requirements import CURRENT_RUNTIME, PAGE_SIZE, SWA_FULL_TOKENS_RATIO, flag_value
-from .command import device_of
 from .hicache_plan import HostTier, hicache_setting, host_tier
-from .kv import (
-    RequestCost, draft_row_bytes, kv_bytes_per_token, packed_entry_bytes, packed_key_row_bytes, packed_latent_row_bytes, packed_row_bytes,
-    per_request_bytes, pool_bytes_per_full_token, swa_bytes_per_swa_token, swa_tokens_per_request,
-)
+from .kv import RequestCost, kv_bytes_per_token, per_request_bytes
 from .memory import (GIB, HUGE_PAGE, ShardLayout, WeightPlan, check_against_checkpoint, layout_of, vram_minimum_gb,
                      weight_plan)
-from .plan_report import render
+from .runtime_pool import RuntimePool, runtime_pool_for
 from .runtime_residency import HOST_LAYOUT, RuntimeResidency, runtime_residency
-from .schema import DeployConfigError, DeploymentConfig, apply_override, config_from_dict, raw_config
+from .schema import DeploymentConfig
 from .vision_config import image_budget, serves_vision, vision_activation
+
+__all__ = ["DEFAULT_MEM_FRACTION", "Plan", "RuntimePool", "launch_refusals", "make_plan", "model_config_for",
+           "prefill_tokens", "runtime_pool_for"]
 
 DEFAULT_MEM_FRACTION = 0.9
 
@@ -66,85 +51,6 @@ def model_config_for(dc: DeploymentConfig, checkpoint: str | None) -> tuple[Deep
         return (DeepseekV41Config.from_dict(tiny_tp8_config_dict(vocab)),
                 "preset tiny-tp8 (presets.tiny_tp8_config_dict)")
     return DeepseekV41Config.from_dict(tiny_config_dict(vocab)), "preset tiny (presets.tiny_config_dict)"
-
-
-@dataclass(frozen=True)
-class RuntimePool:
-    """The runtime's SGLang hybrid-SWA pool on one rank (module docstring). The global KV is
-    replicated on every TP rank (one KV head); the SWA pool is `swa_full_tokens_ratio` × the full
-    pool, both page-aligned, as SGLang 0.5.17's HybridSWAPoolConfigurator sizes them."""
-
-    row_bytes: int  # global KV per full token: latent row + index-key row as stored (Flash 720 + 176 = 896, tiny 192)
-    latent_row_bytes: int  # the stored latent row (Flash 720, tiny 112)
-    key_row_bytes: int  # the stored index-key row (Flash 176, tiny 80)
-    sources: tuple[tuple[int, int, int, int], ...]  # (layer, ratio, latent bytes, index-key bytes) per kv source
-    swa_token_bytes: int  # per SWA token: L bf16 rows of head_dim + the runtime's int32 token id
-    cell_bytes: float  # per full token of budget: row + ratio × SWA token
-    swa_full_tokens_ratio: float
-    page_size: int
-    swa_tokens_per_request: int  # window + page: what a decoding request keeps
-    pair_state_per_request: int  # fp32 pending ratio-2 pair ring (2 slots; 8 under DSpark), request-scoped, outside the KV budget
-    max_total_tokens: int | None  # --max-total-tokens: SGLang caps the full pool at it
-    draft_row_bytes: int = 0  # DSpark draft context per full token (stages × head_dim bf16), 0 without speculation
-    draft_tokens: int = 0  # tokens one verify forward holds per request (block + 1 under DSpark, else 0)
-
-    @classmethod
-    def for_model(cls, t: TextConfig, ratio: float, page: int, max_total_tokens: int | None,
-                  draft_tokens: int = 0) -> "RuntimePool":
-        lat, key = kv_rows.latent_part_bytes(t.head_dim), kv_rows.key_part_bytes(t.index_head_dim)
-        assert lat + key == packed_entry_bytes(t)
-        sources = tuple((s, r, -(-lat // r), -(-key // r)) for s, r in
-                        ((s, t.compress_ratios[s]) for s in t.kv_source_layer_ids))
-        lat_row, key_row = packed_latent_row_bytes(t), packed_key_row_bytes(t)
-        assert lat_row == kv_rows.round_up(sum(s[2] for s in sources), kv_rows.ROW_ALIGN)  # contracts §2 + 16-B pad
-        assert key_row == kv_rows.round_up(sum(s[3] for s in sources), kv_rows.ROW_ALIGN)
-        row = packed_row_bytes(t)
-        assert row == lat_row + key_row
-        ratio2 = sum(1 for s in sources if s[1] == 2)
-        return cls(row_bytes=row, latent_row_bytes=lat_row, key_row_bytes=key_row, sources=sources,
-                   swa_token_bytes=swa_bytes_per_swa_token(t),
-                   cell_bytes=pool_bytes_per_full_token(t, ratio, draft_tokens), swa_full_tokens_ratio=ratio,
-                   page_size=page, swa_tokens_per_request=swa_tokens_per_request(t, page),
-                   pair_state_per_request=ratio2 * kv_rows.pair_ring_slots(draft_tokens) * (2 * t.head_dim * 4 + 8),
-                   max_total_tokens=max_total_tokens, draft_row_bytes=draft_row_bytes(t, draft_tokens),
-                   draft_tokens=draft_tokens)
-
-    def full_tokens(self, budget: float) -> int:
-        """Full-pool tokens SGLang allocates from `budget` bytes (capped by --max-total-tokens)."""
-        n = max(0, int(budget // self.cell_bytes))
-        if self.max_total_tokens is not None:
-            n = min(n, self.max_total_tokens)
-        return n // self.page_size * self.page_size
-
-    def swa_tokens(self, full_tokens: int) -> int:
-        return int(full_tokens * self.swa_full_tokens_ratio) // self.page_size * self.page_size
-
-    def full_tokens_of(self, context: int) -> int:
-        """Full-pool slots of one request of `context` tokens (whole pages)."""
-        return -(-context // self.page_size) * self.page_size
-
-    def swa_tokens_of(self, context: int) -> int:
-        """SWA slots one decoding request of `context` tokens keeps (SGLang frees the rest)."""
-        return min(self.full_tokens_of(context), self.swa_tokens_per_request)
-
-    def budget_for(self, full: int, swa: int) -> float:
-        """KV bytes SGLang needs so that its split gives ≥ `full` full and ≥ `swa` SWA tokens."""
-        return self.cell_bytes * max(full, swa / self.swa_full_tokens_ratio)
-
-
-def runtime_pool_for(dc: DeploymentConfig, t: TextConfig) -> RuntimePool:
-    """The pool `sglang-dsv41 launch` would get for `dc`: the runtime's --swa-full-tokens-ratio /
-    --page-size / CPU --max-total-tokens unless the config sets them (`serving.*`, extra_args);
-    under DSpark the cell holds the draft's context row and the pair ring its verify tokens."""
-    extra = list(dc.serving.extra_args)
-    configured = ["--max-total-tokens", str(dc.serving.max_total_tokens)] if dc.serving.max_total_tokens else []
-    args = configured + CURRENT_RUNTIME.server_args(device_of(dc), configured + extra) + extra
-    ratio = flag_value(args, ("--swa-full-tokens-ratio",))
-    page = flag_value(args, ("--page-size",))
-    cap = flag_value(args, ("--max-total-tokens",))
-    verify = dc.speculative.block_size + 1 if dc.speculative.enabled and dc.speculative.block_size else 0
-    return RuntimePool.for_model(t, float(ratio) if ratio else SWA_FULL_TOKENS_RATIO, int(page) if page else PAGE_SIZE,
-                                 int(cap) if cap else None, verify)
 
 
 @dataclass
@@ -426,52 +332,3 @@ def launch_refusals(dc: DeploymentConfig) -> tuple[str, ...]:
     from .command import build_launch
 
     return tuple(f"{u.capability}: {u.reason}" for u in build_launch(dc, available_capabilities()).unavailable)
-
-
-def _scale_parallel(data: dict[str, Any], gpus: int) -> None:
-    """`--gpus N`: the same layout on N GPUs (tp = N; DP/EP that spanned tp keep spanning it)."""
-    par = data.setdefault("parallel", {})
-    old = par.get("tp", 1)
-    for key in ("dp_attention", "ep"):
-        if par.get(key, 1) == old and old > 1:
-            par[key] = gpus
-    par["tp"] = gpus
-    data.setdefault("hardware", {})["gpus"] = gpus
-
-
-def cli(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="sglang-dsv41 plan", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", required=True, help="deployment config (configs/*.yaml)")
-    ap.add_argument("--checkpoint", help="checkpoint directory: take the architecture from its config.json")
-    ap.add_argument("--gpus", type=int, help="GPUs per server (rescales tp, and DP/EP where they span tp)")
-    ap.add_argument("--gpu-mem", type=float, help="GiB of memory per GPU")
-    ap.add_argument("--mem-fraction", type=float, help="SGLang mem_fraction_static (weights + KV share)")
-    ap.add_argument("--context", type=int, help="tokens per request (default: serving.context_length or the model's)")
-    ap.add_argument("--batch", type=int, default=1, help="concurrent requests of --context tokens (default 1)")
-    ap.add_argument("--hicache-ratio", type=float, help="HiCache host tier (L2) = this × the device pool, per rank")
-    ap.add_argument("--hicache-size", type=float, help="HiCache host tier (L2) in GB per rank (overrides the ratio)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
-    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
-    a = ap.parse_args(argv)
-    try:
-        data = raw_config(a.config)
-        if a.gpus is not None:
-            _scale_parallel(data, a.gpus)
-        for s in a.set:
-            apply_override(data, s)
-        dc = config_from_dict(data, a.config)
-        cfg, src = model_config_for(dc, a.checkpoint)
-    except (DeployConfigError, ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"sglang-dsv41 plan: {e}", file=sys.stderr)
-        return 2
-    if a.batch < 1 or (a.context is not None and a.context < 1):
-        print("sglang-dsv41 plan: --batch and --context must be ≥ 1", file=sys.stderr)
-        return 2
-    try:
-        p = make_plan(dc, cfg, src, gpu_mem=a.gpu_mem, mem_fraction=a.mem_fraction, context=a.context, batch=a.batch,
-                      hicache_ratio=a.hicache_ratio, hicache_size=a.hicache_size)
-    except ValueError as e:
-        print(f"sglang-dsv41 plan: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(p.to_dict(), indent=2) if a.json else render(p, a.config))
-    return 0 if p.verdict()[0] and not p.launch_refusals else 1
