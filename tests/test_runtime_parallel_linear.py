@@ -9,7 +9,11 @@ partials are summed here as SGLang's all-reduce sums them):
   intermediate splits on 32-wide blocks (TP 2 and 4) sum to the TP-1 output bit for bit on the
   exact backend, and within fp32 rounding on the serving backend;
 * the plan replicates a shared expert whose blocks would split a tile (the tiny one at TP 2);
-  misaligned shards and layers run at the wrong TP size raise.
+  misaligned shards and layers run at the wrong TP size raise;
+* `wq_b` / `wo_a` are `ColumnParallelLinear`s holding the plan's head / group rows, and the
+  embedding / LM head SGLang's `VocabParallelEmbedding` / `ParallelLMHead` (`runtime/vocab_parallel.py`)
+  whose loaders give each rank its vocabulary rows (SGLang's `shard_indices`) and whose
+  masked lookups sum to TP 1's rows.
 """
 from __future__ import annotations
 
@@ -32,7 +36,8 @@ WO_B = "layers.0.attn.wo_b.weight"
 def tiny(tiny_checkpoint):
     cfg = DeepseekV41Config.from_file(tiny_checkpoint)
     with CheckpointReader(tiny_checkpoint) as reader:
-        stored = {n: reader.get(n) for n in reader.names() if ".wo_b." in n or ".shared_experts." in n}
+        stored = {n: reader.get(n) for n in reader.names()
+                  if any(k in n for k in (".wo_b.", ".shared_experts.", ".wq_b.", ".wo_a.", "embed.", "head."))}
     return cfg, stored
 
 
@@ -149,3 +154,51 @@ def test_misaligned_shard_and_wrong_tp_size_raise(tiny) -> None:
     layer = _loaded(spec, ShardPlan.for_config(cfg.text, 0, 2), stored)
     with pytest.raises(TensorParallelError, match="built for tp rank 0 of 2"):
         TensorParallel().row_parallel(layer, torch.zeros(1, 32), ExactTorchBackend(), True)
+
+
+def test_wq_b_and_wo_a_are_column_parallel_by_heads_and_groups(tiny) -> None:
+    from sglang.srt.layers.linear import ColumnParallelLinear
+
+    cfg, stored = tiny
+    size = cfg.text.o_groups                       # tiny: 2 output groups, one per rank
+    for name in ("layers.0.attn.wq_b.weight", "layers.0.attn.wo_a.weight"):
+        spec = _spec(cfg, name)
+        full = _loaded(spec, ShardPlan.for_config(cfg.text, 0, 1), stored).weight
+        for rank in range(size):
+            plan = ShardPlan.for_config(cfg.text, rank, size)
+            layer = _loaded(spec, plan, stored)
+            rows = plan.rows_of(name)
+            assert isinstance(layer, ColumnParallelLinear) and (layer.tp_rank, layer.tp_size) == (rank, size)
+            assert torch.equal(layer.weight, full[rows.start:rows.stop]), (name, rank)
+
+
+def test_vocab_layers_are_sglangs_and_load_their_rows(tiny) -> None:
+    from sglang.srt.layers import vocab_parallel_embedding as sgl
+
+    from sglang_dsv41.checkpoint.loader import logical_tensor
+    from sglang_dsv41.runtime.vocab_parallel import vocab_layer
+
+    cfg, stored = tiny
+    V, H = cfg.text.vocab_size, cfg.text.hidden_size
+    ids = torch.tensor([0, 5, V // 2 - 1, V // 2, V - 1, 7])
+    for name, cls in (("embed.weight", sgl.VocabParallelEmbedding), ("head.weight", sgl.ParallelLMHead)):
+        spec = _spec(cfg, name)
+        full = logical_tensor(spec, lambda _: stored[name])
+        for size in (1, 2):
+            rows = []
+            for rank in range(size):
+                plan = ShardPlan.for_config(cfg.text, rank, size)
+                layer = vocab_layer(spec, plan)
+                assert isinstance(layer, cls) and layer.tp_size == size
+                idx = layer.shard_indices
+                assert range(idx.org_vocab_start_index, idx.org_vocab_end_index) == plan.vocab
+                layer.weight.weight_loader(layer.weight, stored[name])
+                assert [n for n, _ in layer.named_parameters()] == ["weight"]
+                assert torch.equal(layer.weight, full[plan.vocab.start:plan.vocab.stop])
+                local = ids - plan.vocab.start
+                mine = (local >= 0) & (local < len(plan.vocab))
+                got = layer.quant_method.embedding(layer, local.clamp(0, len(plan.vocab) - 1))
+                rows.append(torch.where(mine[:, None], got, torch.full_like(got, -0.0)))
+            assert torch.equal(sum(rows[1:], rows[0]), full[ids]) and rows[0].shape == (len(ids), H)
+        with pytest.raises(Exception, match="embed.weight|head.weight"):
+            layer.weight.weight_loader(layer.weight, stored[name][:, :H // 2])

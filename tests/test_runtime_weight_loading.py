@@ -94,7 +94,18 @@ def test_checkpoint_names_map_one_to_one_onto_parameters(tiny) -> None:
     layer0 = {n for n, _ in model.layers[0].named_parameters()}
     assert {"attn.wq_a.weight", "attn.wq_a.scale", "ffn.experts.w13_weight", "ffn.experts.w2_scale",
             "hc_attn.fn"} <= layer0
-    assert model.layers[0].attn.wq_a.quant_method.__class__.__name__ == "Fp8TileLinearMethod"
+    # every linear, the embedding and the head are SGLang's layer classes with our quant methods
+    from sglang.srt.layers import linear, vocab_parallel_embedding as vocab
+
+    attn = model.layers[0].attn
+    kinds = {"wq_a": linear.ReplicatedLinear, "wkv": linear.ReplicatedLinear, "wq_b": linear.ReplicatedLinear,
+             "wo_a": linear.ReplicatedLinear, "wo_b": linear.RowParallelLinear}
+    for name, cls in kinds.items():
+        assert isinstance(getattr(attn, name), (cls, linear.ColumnParallelLinear)), name
+        assert type(getattr(attn, name).quant_method).__name__ == "Fp8TileParallelMethod", name
+    assert isinstance(model.layers[0].ffn.gate, linear.ReplicatedLinear)
+    assert type(model.layers[0].ffn.gate.quant_method).__name__ == "Bf16ReplicatedMethod"
+    assert isinstance(model.embed, vocab.VocabParallelEmbedding) and isinstance(model.head, vocab.ParallelLMHead)
 
 
 def test_streaming_equals_the_old_loading_path_cpu_form(tiny) -> None:

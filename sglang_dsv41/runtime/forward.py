@@ -10,7 +10,8 @@ request-scoped ratio-2 pair state):
    (`runtime/engram_history.py`);
 2. R⁰ = embedding broadcast to the hc streams; per layer: Engram → attn-hc → attention
    (`runtime/attention.py`) → ffn-hc → MoE (`runtime/moe_ops.py`), with the lagged pre (§3.2);
-   attention heads, `wo_b` and the shared expert (SGLang's row / column-parallel linears),
+   attention heads (`wq_b` / `wo_a` SGLang column-parallel linears), `wo_b` and the shared expert
+   (SGLang's row / column-parallel linears),
    routed experts and Engram rows are sharded under tensor parallelism
    (`runtime/tensor_parallel.py`);
 3. final collapse and `norm` (§3.7); the LM head is applied by the caller (`logits`). Embedding
@@ -18,9 +19,10 @@ request-scoped ratio-2 pair state):
 
 The implementations are chosen once, by the weights' device: the compute backend
 (`runtime/backend.py`), attention + indexer (`attention_ops.ops_for`), mHC (`mhc_ops.mhc_for`)
-and MoE (`moe_ops.moe_for`). The only SGLang objects are the parallel linears' layer classes
-(`runtime/parallel_linear.py`: `wo_b`, shared expert); no server state, so the batching / caching
-invariants are unit-tested directly against `ReferenceModel` (`tests/test_runtime_forward.py`).
+and MoE (`moe_ops.moe_for`). The only SGLang objects are layer classes — every linear
+(`runtime/parallel_linear.py`), the embedding and the LM head (`runtime/vocab_parallel.py`) —
+and the TP group's collectives; no server state, so the batching / caching invariants are
+unit-tested directly against `ReferenceModel` (`tests/test_runtime_forward.py`).
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ from .parallel_linear import with_parallel_linears
 from .mhc_ops import mhc_for
 from .moe_ops import moe_for
 from .tensor_parallel import SINGLE, TensorParallel
-from .vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from .vocab_parallel import ParallelLMHead, VocabParallelEmbedding, with_vocab_layers
 from .weight_modules import loading_weights, parameter_target
 
 F32 = torch.float32
@@ -99,13 +101,13 @@ class TorchForward(nn.Module):
         self.text = cfg.text
         self.roles = self.text.layer_roles()
         plan = tp.plan(self.text)     # raises now for a TP size the model cannot be sharded with
-        weights = with_parallel_linears(weights, cfg, plan)
-        self.embed = VocabParallelEmbedding(weights, "embed.", plan, tp)
+        weights = with_vocab_layers(with_parallel_linears(weights, cfg, plan), cfg, plan)
+        self.embed: VocabParallelEmbedding = self._vocab_layer(weights, "embed", VocabParallelEmbedding, tp)
         self.layers = nn.ModuleList(DeepseekV41DecoderLayer(weights, self.text, role) for role in self.roles)
         self.norm = RMSNorm(weights, "norm.", self.text.rms_norm_eps)
-        self.head = ParallelLMHead(weights, "head.", plan, tp, self.text.vocab_size)
+        self.head: ParallelLMHead = self._vocab_layer(weights, "head", ParallelLMHead, tp)
         owners = [m for m in self.modules() if isinstance(m, OwnedTensors)]
-        unowned = sorted(set(weights) - set().union(*(m.consumed for m in owners)))
+        unowned = sorted(set(weights) - {"embed", "head"} - set().union(*(m.consumed for m in owners)))
         if unowned:
             raise ValueError(f"{len(unowned)} weight(s) no layer owns, e.g. {unowned[:4]}")
         self.hasher = hasher
@@ -119,10 +121,19 @@ class TorchForward(nn.Module):
         self.captured: list[Tensor] | None = None
         #: the weight modules (`runtime/weight_modules.py`) of a model built for streaming
         self.weight_modules = [w for m in owners for w in m.weight_modules() if not getattr(w, "prebuilt", False)]
+        self.weight_modules += [w for w in (self.embed, self.head) if not getattr(w, "prebuilt", False)]
         self._loaded_once = not self.weight_modules
         self.ready = False
         if self._loaded_once:
             self.finish_loading()
+
+    @staticmethod
+    def _vocab_layer(weights: Mapping[str, object], key: str, cls: type, tp: TensorParallel) -> nn.Module:
+        layer = weights.get(key)
+        if not isinstance(layer, cls):
+            raise ValueError(f"{key}.weight: no {cls.__name__} layer among the weights (got {type(layer).__name__})")
+        layer.attach(tp)
+        return layer
 
     @classmethod
     def for_loading(cls, cfg: DeepseekV41Config, hasher: EngramHasher | None, *,
@@ -182,6 +193,7 @@ class TorchForward(nn.Module):
             m.refresh()
         #: every owned value by its checkpoint name (the same objects the layers hold)
         self.weights: dict[str, object] = {n: v for m in owners for n, v in m.tensors.items()}
+        self.weights.update({"embed.weight": self.embed.weight, "head.weight": self.head.weight})
         device = self.weights["embed.weight"].device
         fixed = self._fixed_backend
         self.backend = backend_for(device, self.weights, self.deterministic) if fixed is None else fixed
@@ -329,4 +341,4 @@ class TorchForward(nn.Module):
     def logits(self, hidden: Tensor) -> Tensor:
         """fp32 logits [N, vocab] of the BF16 head (spec §3.7), complete on every rank
         (`runtime/vocab_parallel.py`)."""
-        return self.head(hidden, self.backend)
+        return self.head.logits(hidden, self.backend)

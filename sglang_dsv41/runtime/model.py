@@ -134,7 +134,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         #: SGLang's --mm-enable-dp-encoder: the images of a batch split over the TP ranks (vision_batch.py);
         #: at TP 1 there is nothing to split (SGLang warns so itself)
         self._encoder_dp = self.tp if self.vision_tower is not None and self.tp.size > 1 and dp_encoder() else None
-        self.lm_head = LMHead(self.torch_forward.head.tensors["head.weight"], self.cfg.text.vocab_size)
+        self.lm_head = LMHead(self.torch_forward.head.weight, self.cfg.text.vocab_size)
         self.logits_processor = LogitsProcessor(config, skip_all_gather=True)   # the head gathers its logits
         self.caches: RuntimeCaches | None = None
         #: ids of Engram history an extend brings from the host (`runtime/engram_history.py`); 0 = none

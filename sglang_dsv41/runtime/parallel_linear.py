@@ -1,21 +1,25 @@
-"""Row- and column-parallel FP8 linears as SGLang's parallel linear layers (issue 13 item 4).
+"""The model's linears as SGLang's linear layers with quantisation methods of ours (issue 13 item 4).
 
-`wo_b` and the shared expert's `w2` are SGLang `RowParallelLinear`s, the shared expert's `w1` /
-`w3` `ColumnParallelLinear`s (one per checkpoint tensor, so parameter names stay the
-checkpoint's), built with this rank's `tp_rank` / `tp_size` from the shard plan
-(`ShardPlan.parallel_kind`, `cols_of`, `rows_of`; size 1 where the plan replicates them) and
-our quantisation config: SGLang's own FP8 method does not fit the checkpoint's format (32×32
-UE8M0 tiles, E4M3 activations fake-quantised per 32 with power-of-two scales, CPU math in fp32 /
-float64; its block-FP8 kernels are CUDA / AMX only), so `Fp8TileParallelMethod` is a
-`LinearMethodBase` of ours:
+Every linear of the text model is an SGLang layer, one per checkpoint tensor (so parameter names
+stay the checkpoint's; `MergedColumnParallelLinear` would rename them), built with this rank's
+`tp_rank` / `tp_size` from the shard plan (`linear_kind`; size 1 where the plan splits nothing):
+`wo_b` and the shared expert's `w2` are `RowParallelLinear`s; `wq_b` (by heads), `wo_a` (by
+output groups) and the shared expert's `w1` / `w3` `ColumnParallelLinear`s; `wq_a`, `wkv`, the
+indexer's `wq_b`, Engram's `wkv` and the BF16 linears (router, compressor, indexer `wk` /
+`weights_proj`) `ReplicatedLinear`s. Quantisation config `Dsv41Fp8TileConfig` hands each layer
+its method: SGLang's own FP8 method does not fit the checkpoint's format (32×32 UE8M0 tiles, E4M3
+activations fake-quantised per 32 with power-of-two scales, CPU math in fp32 / float64; its
+block-FP8 kernels are CUDA / AMX only), so `Fp8TileParallelMethod` is a `LinearMethodBase` of
+ours (`Bf16ReplicatedMethod` for the BF16 ones):
 
 * `create_weights` (SGLang's signature): `weight` E4M3 [n, k] and `scale` UE8M0 bytes of the
   32×32 tiles covering it, with SGLang's `output_dim` / `input_dim` attributes; their loaders
   check the stored tensor against the inventory, turn scales into bytes, then call the layer's
   own SGLang `weight_loader`, which narrows this rank's rows / columns (`tp_rank`). Shards must
   follow the tiles (the plan guarantees it; anything else raises here).
-* `process_weights_after_loading`: as `quant_methods.Fp8TileLinearMethod` (E4M3 + fp32 tile
-  scales kept for the CUDA dense backend, else the fp32 §2.4 value); idempotent, reloadable.
+* `process_weights_after_loading`: E4M3 + fp32 tile scales kept for the CUDA dense backend
+  (`keep_fp8` and every scale BF16-exact), else the fp32 §2.4 value (`attn.wo_a`: BF16-rounded);
+  idempotent, reloadable.
 * `apply(layer, x, bias=None, *, backend, act_quant=True)`: the compute backend's FP8 linear —
   complete BF16 output for a column-parallel layer or at tp_size 1 (the CUDA path's kernels as
   before: W8A16, tiered W8A8); for a sharded row-parallel layer the partial product in the
@@ -31,15 +35,16 @@ from __future__ import annotations
 from typing import Mapping
 
 import torch
-from sglang.srt.layers.linear import ColumnParallelLinear, RowParallelLinear
+from sglang.srt.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from sglang.srt.layers.quantization.base_config import LinearMethodBase, QuantizationConfig
 from torch import Tensor, nn
 
 from ..checkpoint.codecs import TILE, scale_bytes
+from ..checkpoint.loader import logical_tensor
 from ..checkpoint.names import Kind, TensorSpec, tensor_inventory
 from ..config import DeepseekV41Config
 from .backend import ComputeBackend
-from .dense_ops import fp8_scale_key
+from .dense_ops import fp8_scale_key, is_dense_linear_name
 from .quant_methods import UNIT_SCALE_BYTE, check_stored, loaded_tile_scales, new_parameter, restore_stored_form
 from .tensor_parallel import ShardPlan
 
@@ -64,14 +69,14 @@ class Fp8TileParallelMethod(LinearMethodBase):
         N, K = spec.shape
         if (output_size, input_size) != (N, K):
             raise ValueError(f"{spec.name}: layer {output_size}×{input_size} is not the stored {N}×{K}")
-        n, k, rank = sum(output_partition_sizes), input_size_per_partition, layer.tp_rank
+        n, k, rank = sum(output_partition_sizes), input_size_per_partition, getattr(layer, "tp_rank", 0)
         row_parallel = isinstance(layer, RowParallelLinear)
         rows = range(N) if row_parallel else range(rank * n, (rank + 1) * n)
         cols = range(rank * k, (rank + 1) * k) if row_parallel else range(K)
         for what, r, full in (("rows", rows, N), ("columns", cols, K)):
             if r.start % TILE or (r.stop % TILE and r.stop != full):
                 raise ValueError(f"{spec.name}: {what} {r.start}..{r.stop} of {full} (tp rank {rank} of "
-                                 f"{layer.tp_size}) do not follow the {TILE}-wide FP8 tiles")
+                                 f"{getattr(layer, 'tp_size', 1)}) do not follow the {TILE}-wide FP8 tiles")
         layer.spec, layer.rows, layer.cols, layer.stale = spec, rows, cols, True
         layer.row_parallel = row_parallel
         layer.weight_shape = (n, k)
@@ -110,7 +115,10 @@ class Fp8TileParallelMethod(LinearMethodBase):
         else:
             n, k = layer.weight_shape
             per = scales.repeat_interleave(TILE, dim=0).repeat_interleave(TILE, dim=1)[:n, :k]
-            layer.weight.data = (layer.weight.data.to(F32) * per).contiguous()
+            value = layer.weight.data.to(F32) * per
+            if self.spec.name.endswith("attn.wo_a.weight"):       # §2.4: wo_a's value is BF16-rounded
+                value = value.to(torch.bfloat16).to(F32)
+            layer.weight.data = value.contiguous()
         layer.stale = False
 
     def set_values(self, layer: nn.Module, weight: Tensor, scale: Tensor | None) -> None:
@@ -136,13 +144,60 @@ class Fp8TileParallelMethod(LinearMethodBase):
             raise TypeError(f"{layer.spec.name}: apply needs the model's compute backend (backend=)")
         if bias is not None:
             raise ValueError(f"{layer.spec.name}: the checkpoint's linears have no bias")
-        if layer.row_parallel and layer.tp_size > 1:
+        if layer.row_parallel and getattr(layer, "tp_size", 1) > 1:
             return backend.linear_fp8_partial(x, layer.weight, act_quant)
         return backend.linear_fp8(x, layer.weight, act_quant)
 
 
+class Bf16ReplicatedMethod(LinearMethodBase):
+    """A BF16-kind linear (router, compressor, indexer `wk` / `weights_proj`) as an SGLang linear
+    method: `weight` is the fp32 §2.4 value (BF16 values); its loader checks the stored tensor,
+    applies the load-time rules and calls the layer's SGLang `weight_loader`. Replicated only."""
+
+    def __init__(self, spec: TensorSpec) -> None:
+        if spec.kind not in (Kind.BF16, Kind.FP32):
+            raise ValueError(f"{spec.name}: kind {spec.kind} is not a BF16 linear")
+        self.spec = spec
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra) -> None:
+        spec, sglang_loader = self.spec, extra["weight_loader"]
+        if (sum(output_partition_sizes), input_size_per_partition) != spec.shape:
+            raise ValueError(f"{spec.name}: a BF16 linear is replicated; layer "
+                             f"{sum(output_partition_sizes)}×{input_size_per_partition} is not the stored {spec.shape}")
+        layer.spec, layer.stale = spec, False
+        want = spec.stored()[0]
+
+        def load(param: nn.Parameter, loaded: Tensor) -> None:
+            check_stored(want, loaded)
+            sglang_loader(param, logical_tensor(spec, lambda _: loaded))
+
+        layer.register_parameter("weight", new_parameter(torch.empty(spec.shape, dtype=F32), load))
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Nothing to convert: the parameter is loaded in its runtime form."""
+
+    def set_values(self, layer: nn.Module, weight: Tensor, scale: Tensor | None) -> None:
+        if tuple(weight.shape) != tuple(self.spec.shape) or weight.dtype != F32 or scale is not None:
+            raise ValueError(f"{self.spec.name}: value {tuple(weight.shape)} {weight.dtype} is not its fp32 "
+                             f"{tuple(self.spec.shape)} value")
+        layer.weight.data = weight
+
+    def runtime_values(self, layer: nn.Module) -> dict[str, object]:
+        return {"weight": layer.weight}
+
+    def apply(self, layer: nn.Module, x: Tensor, bias: Tensor | None = None, *,
+              backend: ComputeBackend | None = None, out_fp32: bool = False) -> Tensor:
+        if backend is None:
+            raise TypeError(f"{self.spec.name}: apply needs the model's compute backend (backend=)")
+        if bias is not None:
+            raise ValueError(f"{self.spec.name}: the checkpoint's linears have no bias")
+        return backend.linear_bf16(x, layer.weight, out_fp32)
+
+
 class Dsv41Fp8TileConfig(QuantizationConfig):
-    """The quantisation config that hands one layer `Fp8TileParallelMethod` (its tensor spec)."""
+    """The quantisation config that hands one layer its method: `Fp8TileParallelMethod` for an FP8
+    tensor spec, `Bf16ReplicatedMethod` for a BF16 one."""
 
     def __init__(self, spec: TensorSpec, keep_fp8: bool) -> None:
         super().__init__()
@@ -166,8 +221,10 @@ class Dsv41Fp8TileConfig(QuantizationConfig):
     def from_config(cls, config: dict) -> "Dsv41Fp8TileConfig":
         raise NotImplementedError("built per layer by sglang_dsv41.runtime.parallel_linear, not from a config file")
 
-    def get_quant_method(self, layer: nn.Module, prefix: str) -> Fp8TileParallelMethod:
-        return Fp8TileParallelMethod(self.spec, self.keep_fp8)
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase:
+        if self.spec.kind is Kind.FP8:
+            return Fp8TileParallelMethod(self.spec, self.keep_fp8)
+        return Bf16ReplicatedMethod(self.spec)
 
     def get_scaled_act_names(self) -> list[str]:
         return []
@@ -194,18 +251,43 @@ class ColumnParallelFp8(_ParallelFp8, ColumnParallelLinear):
     """SGLang's `ColumnParallelLinear` over an FP8 tile weight (module doc)."""
 
 
-def parallel_fp8_linear(spec: TensorSpec, plan: ShardPlan, keep_fp8: bool) -> nn.Module:
-    """The SGLang parallel linear of `spec` on this rank (`plan.parallel_kind`); tp size 1 where
-    the plan replicates the tensor (no rows / columns of it are split)."""
+class ReplicatedDsv41(_ParallelFp8, ReplicatedLinear):
+    """SGLang's `ReplicatedLinear` over an FP8 tile or a BF16 weight (module doc)."""
+
+
+def linear_kind(spec: TensorSpec, plan: ShardPlan) -> str:
+    """"row" / "column" (SGLang's Row- / ColumnParallelLinear) or "replicated" for a linear of
+    the model: `wo_b`, the shared expert (`plan.parallel_kind`), `wq_b` / `wo_a` column-parallel
+    by heads / output groups (`plan.rows_of`), every other linear replicated."""
     kind = plan.parallel_kind(spec.name)
-    if kind is None:
-        raise ValueError(f"{spec.name} is not one of the parallel linears (wo_b, shared expert)")
+    if kind is not None:
+        return kind
+    return "replicated" if plan.rows_of(spec.name) is None else "column"
+
+
+def is_model_linear(spec: TensorSpec) -> bool:
+    """Whether `spec` is one of the text model's linears built as an SGLang linear layer."""
+    if spec.kind is Kind.FP8:
+        return True
+    return spec.kind in (Kind.BF16, Kind.FP32) and spec.name.startswith("layers.") and \
+        is_dense_linear_name(spec.name, len(spec.shape))
+
+
+def parallel_fp8_linear(spec: TensorSpec, plan: ShardPlan, keep_fp8: bool) -> nn.Module:
+    """The SGLang linear layer of `spec` on this rank (`linear_kind`), with our quantisation
+    method; tp size 1 where the plan splits none of its rows / columns."""
+    if not is_model_linear(spec):
+        raise ValueError(f"{spec.name} is not one of the model's linears")
+    kind = linear_kind(spec, plan)
+    N, K = spec.shape
+    args = dict(bias=False, params_dtype=F32, quant_config=Dsv41Fp8TileConfig(spec, keep_fp8),
+                prefix=spec.name.rsplit(".", 1)[0])
+    if kind == "replicated":
+        return ReplicatedDsv41(K, N, **args)
     sharded = (plan.cols_of if kind == "row" else plan.rows_of)(spec.name) is not None
     rank, size = (plan.rank, plan.size) if sharded else (0, 1)
-    N, K = spec.shape
     cls = RowParallelFp8 if kind == "row" else ColumnParallelFp8
-    return cls(K, N, bias=False, params_dtype=F32, quant_config=Dsv41Fp8TileConfig(spec, keep_fp8),
-               prefix=spec.name.rsplit(".", 1)[0], tp_rank=rank, tp_size=size)
+    return cls(K, N, tp_rank=rank, tp_size=size, **args)
 
 
 def is_parallel_linear(module: object) -> bool:
@@ -214,13 +296,14 @@ def is_parallel_linear(module: object) -> bool:
 
 def with_parallel_linears(weights: Mapping[str, object], cfg: DeepseekV41Config,
                           plan: ShardPlan) -> dict[str, object]:
-    """`weights` (name → runtime value, `runtime/weights.py`) with the values of the parallel
-    linears taken over by their layers (`weight`, and `scale` when kept E4M3): a model built from
-    values runs the same layers as one built for loading. Values must be this rank's shard."""
+    """`weights` (name → runtime value, `runtime/weights.py`) with the values of the model's
+    linears taken over by their SGLang layers (`weight`, and `scale` when kept E4M3): a model
+    built from values runs the same layers as one built for loading. Values must be this rank's
+    shard."""
     out = dict(weights)
     for spec in tensor_inventory(cfg, vision=False, dspark=False):
         value = out.get(spec.name)
-        if spec.kind is not Kind.FP8 or not plan.parallel_kind(spec.name) or not isinstance(value, Tensor):
+        if not is_model_linear(spec) or not isinstance(value, Tensor):
             continue
         kept = value.dtype == E4M3
         layer = parallel_fp8_linear(spec, plan, keep_fp8=kept)

@@ -1,7 +1,9 @@
 """Quantisation methods of the runtime's weights: parameters as stored, loaded by `weight_loader`s
 (spec `model.md` §2.1–§2.4; issue 13 item 1).
 
-Each method follows SGLang's shape (`create_weights` → `weight_loader`s → `process_weights_after_loading`
+The linears' methods are SGLang `LinearMethodBase`s in `runtime/parallel_linear.py`
+(`Fp8TileParallelMethod`, `Bf16ReplicatedMethod`), the embedding / head's in
+`runtime/vocab_parallel.py`. Each method follows SGLang's shape (`create_weights` → `weight_loader`s → `process_weights_after_loading`
 → `apply`). Parameters are created in their stored form (this rank's rows), so `named_parameters()`
 lists what the checkpoint holds; each loader checks the tensor against the inventory
 (`checkpoint.loader.stored_problem`) and copies it in. Processing turns the stored form into the
@@ -9,8 +11,6 @@ runtime value *in place of* it (`param.data` is replaced, never duplicated):
 
 | method | parameters (stored form) | after processing |
 |---|---|---|
-| `Fp8TileLinearMethod` | `weight` E4M3 [n, K], `scale` UE8M0 bytes of the 32×32 tiles covering those rows | `keep_fp8`: E4M3 + fp32 tile scales (the CUDA dense backend's input); else the §2.4 value as fp32 (`attn.wo_a`: BF16-rounded), scale bytes kept |
-| `Bf16LinearMethod` | `weight` fp32, the §2.4 value | unchanged |
 | `Mxfp4ExpertsMethod` | `w13_weight` / `w2_weight` packed E2M1 [E_held, N, K/2], `w13_scale` / `w2_scale` UE8M0 [E_held, N, K/32]; w13 = w1 rows then w3 rows | `prepare`: the kernel layout (`RoutedExpertsMxfp4`), stored bytes released; else dequantised fp32 |
 
 Processing is idempotent: it runs when a loader touched the layer since the last run. A loader
@@ -31,7 +31,6 @@ from ..checkpoint.codecs import TILE, dequantize_mxfp4, packed_fp4_bytes, scale_
 from ..checkpoint.loader import logical_tensor, stored_problem
 from ..checkpoint.names import Kind, StoredTensor, TensorSpec
 from ..checkpoint.reader import CheckpointFormatError
-from .backend import ComputeBackend
 
 F32, E4M3, U8 = torch.float32, torch.float8_e4m3fn, torch.uint8
 #: UE8M0 byte of 2^0: the scale a created-but-unloaded parameter holds (dummy weights stay finite)
@@ -82,96 +81,6 @@ def loaded_tile_scales(layer: nn.Module) -> Tensor:
         raise RuntimeError(f"{layer.spec.name}: reloaded in part (weight {w.dtype}, scale {s.dtype}); an FP8 "
                            "weight and its scale are loaded together")
     return ue8m0_to_float(s.data)
-
-
-class Bf16LinearMethod:
-    """A BF16-kind linear held as its fp32 §2.4 value (the backends multiply it as BF16 values)."""
-
-    def create_weights(self, layer: nn.Module, spec: TensorSpec, rows: range | None) -> None:
-        layer.register_parameter("weight", plain_parameter(spec, rows))
-
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """Nothing to convert: the parameter is loaded in its runtime form."""
-
-    def runtime_values(self, layer: nn.Module) -> dict[str, object]:
-        return {"weight": layer.weight}
-
-    def apply(self, layer: nn.Module, x: Tensor, backend: ComputeBackend, out_fp32: bool = False) -> Tensor:
-        return backend.linear_bf16(x, layer.weight, out_fp32)
-
-
-class Fp8TileLinearMethod:
-    """An FP8 weight with 32×32 UE8M0 tile scales (module table). `keep_fp8`: keep E4M3 where
-    the backend can (this rank's rows start on a tile row and every scale is BF16-exact;
-    unaligned rows raise, out-of-range scales fall back to the fp32 value, as `runtime.weights`)."""
-
-    def __init__(self, keep_fp8: bool) -> None:
-        self.keep_fp8 = keep_fp8
-
-    def create_weights(self, layer: nn.Module, spec: TensorSpec, rows: range | None) -> None:
-        if spec.kind is not Kind.FP8:
-            raise ValueError(f"{spec.name}: kind {spec.kind} is not FP8")
-        N, K = spec.shape
-        r = rows if rows is not None else range(N)
-        layer.spec, layer.rows, layer.stale = spec, r, True
-        layer.tiles = range(r.start // TILE, -(-r.stop // TILE))
-        layer.weight_shape = (len(r), K)
-        layer.scale_shape = (len(layer.tiles), -(-K // TILE))
-        want_w, want_s = spec.stored()
-
-        def load_weight(param: nn.Parameter, loaded: Tensor) -> None:
-            check_stored(want_w, loaded)
-            restore_stored_form(param, layer.weight_shape, E4M3)
-            param.data.copy_(loaded[r.start:r.stop])
-            layer.stale = True
-
-        def load_scale(param: nn.Parameter, loaded: Tensor) -> None:
-            check_stored(want_s, loaded)
-            restore_stored_form(param, layer.scale_shape, U8)
-            param.data.copy_(scale_bytes(loaded)[layer.tiles.start:layer.tiles.stop])
-            layer.stale = True
-
-        layer.register_parameter("weight", new_parameter(torch.empty(layer.weight_shape, dtype=E4M3), load_weight))
-        layer.register_parameter("scale", new_parameter(torch.full(layer.scale_shape, UNIT_SCALE_BYTE, dtype=U8),
-                                                        load_scale))
-
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if not layer.stale:
-            return
-        scales = loaded_tile_scales(layer)
-        if self.keep_fp8 and self._keepable(layer, scales):
-            layer.scale.data = scales.contiguous()
-        else:
-            layer.weight.data = self._dequantised(layer, scales)
-        layer.stale = False
-
-    def _keepable(self, layer: nn.Module, scales: Tensor) -> bool:
-        from ..kernels.fp8_linear import scales_are_bf16_exact
-
-        r, N = layer.rows, layer.spec.shape[0]
-        if r.start % TILE or (r.stop % TILE and r.stop != N):
-            raise ValueError(f"{layer.spec.name}: rows {r.start}..{r.stop} of {N} do not follow the {TILE}-row "
-                             "FP8 tiles; this shard cannot keep the weight in its stored form")
-        return bool(scales_are_bf16_exact(scales))
-
-    @staticmethod
-    def _dequantised(layer: nn.Module, scales: Tensor) -> Tensor:
-        """The §2.4 value of this rank's rows: E4M3 × tile scale (exact), `wo_a` rounded to BF16."""
-        n, K = layer.weight_shape
-        offset = layer.rows.start - layer.tiles.start * TILE
-        per_row = scales.repeat_interleave(TILE, dim=0)[offset:offset + n]
-        value = layer.weight.data.to(F32) * per_row.repeat_interleave(TILE, dim=1)[:, :K]
-        if layer.spec.name.endswith("attn.wo_a.weight"):
-            value = value.to(torch.bfloat16).to(F32)
-        return value.contiguous()
-
-    def runtime_values(self, layer: nn.Module) -> dict[str, object]:
-        """`weight`, and `scale` (fp32 tile scales) while the weight is kept E4M3."""
-        kept = layer.weight.dtype == E4M3
-        return {"weight": layer.weight, **({"scale": layer.scale} if kept else {})}
-
-    def apply(self, layer: nn.Module, x: Tensor, backend: ComputeBackend, act_quant: bool = True) -> Tensor:
-        return backend.linear_fp8(x, layer.weight, act_quant)
 
 
 #: shard id → (stacked parameter, row block) of a routed expert's stored tensors

@@ -4,9 +4,10 @@
 `loading_weights(cfg, plan, ...)` builds, for this rank, one placeholder per logical tensor of the
 text model (`checkpoint.names.tensor_inventory`), keyed as the layers take them over
 (`runtime/layers.py` `OwnedTensors`): a plain fp32 `Parameter` under its checkpoint name, or a
-module under its prefix — `Linear` (FP8 tiles or BF16; `runtime/quant_methods.py`), SGLang's
-`RowParallelLinear` / `ColumnParallelLinear` for `wo_b` and the shared expert
-(`runtime/parallel_linear.py`),
+module under its prefix — every linear an SGLang linear layer with our quantisation method
+(`runtime/parallel_linear.py`: `RowParallelLinear` for `wo_b` / shared `w2`, `ColumnParallelLinear`
+for `wq_b`, `wo_a`, shared `w1` / `w3`, `ReplicatedLinear` for the rest; FP8 tiles or BF16), SGLang's `VocabParallelEmbedding` / `ParallelLMHead` for `embed` /
+`head` (`runtime/vocab_parallel.py`),
 `RoutedExperts` (one per layer, stacked MXFP4) and `EngramTable` (stored E4M3 rows). After
 loading, `runtime_values()` of each module gives what the layer math reads, under the names
 `runtime/weights.py` gives them.
@@ -26,14 +27,12 @@ from torch import Tensor, nn
 from ..checkpoint.codecs import TILE, scale_bytes
 from ..checkpoint.names import Kind, TensorSpec, tensor_inventory
 from ..config import DeepseekV41Config
-from .backend import ComputeBackend
-from .dense_ops import is_dense_linear_name
 from .engram_host import HostBuffer, HostEngramTable
 from .engram_table import StoredEngramTable
-from .quant_methods import (UNIT_SCALE_BYTE, Bf16LinearMethod, Fp8TileLinearMethod, Mxfp4ExpertsMethod,
-                            check_stored, new_parameter, plain_parameter)
-from .parallel_linear import parallel_fp8_linear
+from .quant_methods import UNIT_SCALE_BYTE, Mxfp4ExpertsMethod, check_stored, new_parameter, plain_parameter
+from .parallel_linear import is_model_linear, parallel_fp8_linear
 from .tensor_parallel import ShardPlan
+from .vocab_parallel import vocab_layer
 
 E4M3, U8 = torch.float8_e4m3fn, torch.uint8
 _EXPERT = re.compile(r"^(?P<prefix>layers\.\d+\.)ffn\.experts\.(?P<e>\d+)\.(?P<w>w[123])\.(?P<leaf>weight|scale)$")
@@ -47,24 +46,6 @@ def parameter_target(name: str) -> tuple[str, tuple]:
         stacked = "w2" if m["w"] == "w2" else "w13"
         return f"{m['prefix']}ffn.experts.{stacked}_{m['leaf']}", (m["w"], int(m["e"]))
     return _HC.sub(r".hc_\1.", name), ()
-
-
-class Linear(nn.Module):
-    """One linear of the model: parameters and math from its quantisation method."""
-
-    def __init__(self, spec: TensorSpec, rows: range | None, method) -> None:
-        super().__init__()
-        self.quant_method = method
-        method.create_weights(self, spec, rows)
-
-    def forward(self, x: Tensor, backend: ComputeBackend, *args) -> Tensor:
-        return self.quant_method.apply(self, x, backend, *args)
-
-    def process(self) -> None:
-        self.quant_method.process_weights_after_loading(self)
-
-    def runtime_values(self) -> dict[str, object]:
-        return self.quant_method.runtime_values(self)
 
 
 class RoutedExperts(nn.Module):
@@ -146,21 +127,18 @@ def loading_weights(cfg: DeepseekV41Config, plan: ShardPlan, *, experts_mxfp4: b
     """Placeholders of this rank's weights (module doc), created on the current default device."""
     out: dict[str, object] = {}
     experts: dict[str, dict[str, TensorSpec]] = {}
-    fp8, bf16 = Fp8TileLinearMethod(dense_fp8), Bf16LinearMethod()
     for spec in tensor_inventory(cfg, vision=False, dspark=False):
         rows = plan.rows_of(spec.name)
-        if spec.kind is Kind.FP4:
+        if spec.name in ("embed.weight", "head.weight"):
+            out[_module_key(spec.name)] = vocab_layer(spec, plan)
+        elif spec.kind is Kind.FP4:
             m = _EXPERT.match(spec.name)
             assert m is not None, spec.name
             experts.setdefault(m["prefix"], {}).setdefault(m["w"], spec)
-        elif spec.kind is Kind.FP8 and plan.parallel_kind(spec.name):
+        elif is_model_linear(spec):
             out[_module_key(spec.name)] = parallel_fp8_linear(spec, plan, dense_fp8)
-        elif spec.kind is Kind.FP8:
-            out[_module_key(spec.name)] = Linear(spec, rows, fp8)
         elif spec.kind is Kind.ENGRAM:
             out[_module_key(spec.name)] = EngramTable(spec, rows, engram_placement, compute_device)
-        elif spec.name.startswith("layers.") and is_dense_linear_name(spec.name, len(spec.shape)):
-            out[_module_key(spec.name)] = Linear(spec, rows, bf16)
         else:
             out[spec.name] = plain_parameter(spec, rows)
     for prefix, specs in experts.items():
