@@ -5,7 +5,8 @@
 # tests/test_runtime_triton_backend.py (the numerics contract on the CUDA path); (2) plain
 # `python -m sglang.launch_server --model-path <tiny>` with no flag, greedy /generate twice
 # (equal, prefix hit) and a chat request. Run from the checkout root with `.gpu` carried.
-# BUDGET caps the whole call (s); every wait is capped; logs and results in $OUT.
+# BUDGET caps the whole call (s); TESTS overrides the test files; every wait is capped; logs and
+# results in $OUT.
 set -uo pipefail
 : "${OUT:=/tmp/out}" "${BUDGET:=290}"; mkdir -p "$OUT"
 T0=$SECONDS
@@ -13,7 +14,7 @@ source .gpu/bin/setup.sh || exit 3
 export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
 left() { echo $((BUDGET - (SECONDS - T0))); }
 rc=0
-for f in tests/test_runtime_forward_gpu.py tests/test_runtime_triton_backend.py; do
+for f in ${TESTS:-tests/test_runtime_forward_gpu.py tests/test_runtime_triton_backend.py}; do
   l=$(($(left) - 130)); [ $l -gt 20 ] || { echo "RESULT $f not run: budget spent"; rc=1; continue; }
   name=$(basename "$f" .py)
   timeout -k 10 $l python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short "$f" >"$OUT/$name.log" 2>&1
