@@ -4,9 +4,11 @@ checkpoint with its bundled draft (γ = 5). Three servers start at once and are 
 
 * `plain` — no speculation, the greedy baseline;
 * `dspark` — `--speculative-algorithm DSPARK`, uniform verify (SGLang's `static` ragged mode);
-* `adaptive` — DSPARK with adaptive verification (`SGLANG_RAGGED_VERIFY_MODE=compact`) and a
-  synthetic SPS table where a verify token costs as much as the tokens before it, so SGLang's
-  planner trims low-confidence drafts (ragged verify batches, in CUDA graphs).
+* `adaptive` — the deployment config `configs/tiny-h200-tp1-dspark.yaml` started by
+  `sglang-dsv41 launch` (DSPARK, adaptive verification: `SGLANG_RAGGED_VERIFY_MODE=compact`) with a
+  synthetic SPS table (`speculative.sps_table`) where a verify token costs as much as the tokens
+  before it, so SGLang's planner trims low-confidence drafts (ragged verify batches, in CUDA
+  graphs); `serving.mem_fraction_static` 0.5 instead of 0.15 because three servers share the GPU.
 
 All three prefill in chunks of 32 tokens (the prompts are 12–60 tokens), so every comparison also
 covers chunked prefill with DSpark on. Checked: greedy output == plain greedy for 64 new tokens at
@@ -23,13 +25,16 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
 
-from server_helpers import Server
+from server_helpers import Server, free_port
 
 pytestmark = pytest.mark.gpu
 NEW_TOKENS = 64
@@ -46,6 +51,20 @@ SPS_TABLE = {"sample_batch_tokens": SPS_TOKENS, "sample_steps_per_sec": [1000.0 
              "max_batch_tokens": 64}
 
 
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny-h200-tp1-dspark.yaml"
+
+
+class LaunchedServer(Server):
+    """A deployment config run by `sglang-dsv41 launch --config` (which execs SGLang), as a `Server`."""
+
+    def __init__(self, config: Path, checkpoint: Path, log: Path, sets: list[str], extra: list[str]) -> None:
+        self.port, self.log_path, self.device = free_port(), log, "cuda"
+        argv = [sys.executable, "-m", "sglang_dsv41.cli", "launch", "--config", str(config), "--model-path",
+                str(checkpoint), "--port", str(self.port), *[a for kv in sets for a in ("--set", kv)], "--", *extra]
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def _prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(16)
     return [[0] + torch.randint(3, 990, (int(n),), generator=g).tolist() for n in torch.randint(12, 60, (8,), generator=g)]
@@ -58,15 +77,15 @@ class Shared:
     def __init__(self, checkpoint, log_dir) -> None:
         table = log_dir / "sps.json"
         table.write_text(json.dumps(SPS_TABLE))
-        specs = {"plain": (COMMON, None), "dspark": (COMMON + SPEC, None),
-                 "adaptive": (COMMON + SPEC + ["--speculative-dspark-sps-table-path", str(table)],
-                              {"SGLANG_RAGGED_VERIFY_MODE": "compact"})}
         self.servers: dict[str, Server] = {}
         self.errors: dict[str, str] = {}
         self._greedy: dict[str, tuple[list[dict], list[dict], dict[str, float]]] = {}
         try:
-            for name, (args, env) in specs.items():
-                self.servers[name] = Server(checkpoint, log_dir / f"{name}.log", args, env=env)
+            for name, args in (("plain", COMMON), ("dspark", COMMON + SPEC)):
+                self.servers[name] = Server(checkpoint, log_dir / f"{name}.log", args)
+            self.servers["adaptive"] = LaunchedServer(
+                CONFIG, checkpoint, log_dir / "adaptive.log",
+                [f"speculative.sps_table={table}", "serving.mem_fraction_static=0.5"], COMMON)
         except BaseException:
             self.stop()
             raise
