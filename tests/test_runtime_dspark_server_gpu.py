@@ -41,7 +41,8 @@ NEW_TOKENS = 64
 GAMMA = 5
 STARTUP_S = 240
 EXTRA = os.environ.get("SGLANG_DSV41_DSPARK_TEST_EXTRA", "").split()
-COMMON = ["--max-running-requests", "8", "--cuda-graph-max-bs", "8", "--enable-metrics", "--decode-log-interval", "1",
+COMMON = ["--max-running-requests", "8", "--cuda-graph-max-bs", "8", "--context-length", "2048", "--enable-metrics",
+          "--decode-log-interval", "1",
           "--chunked-prefill-size", "32", *EXTRA]
 SPEC = ["--speculative-algorithm", "DSPARK", "--speculative-dspark-block-size", str(GAMMA)]
 GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
