@@ -148,7 +148,7 @@ def test_planner_adds_the_flash_drafter() -> None:
     every rank of this runtime; a `*-dspark` config's plan leaves its KV budget after it."""
     from pathlib import Path
 
-    from sglang_dsv41.deploy.plan import make_plan
+    from sglang_dsv41.deploy.plan import _runtime_weights
     from sglang_dsv41.deploy.schema import load_config
 
     cfg = DeepseekV41Config.from_dict(flash_config_dict())
@@ -159,8 +159,8 @@ def test_planner_adds_the_flash_drafter() -> None:
     draft = runtime_residency(cfg, 4, "host", dspark=True).by_component["dspark"]
     assert draft / 2**30 == pytest.approx(7.58, abs=0.01)
     root = Path(__file__).resolve().parents[1] / "configs"
-    plans = {stem: make_plan(load_config(root / f"{stem}.yaml"), cfg) for stem in ("h200-tp4-dspark", "h200-tp4")}
-    spec, base = plans["h200-tp4-dspark"].runtime_weights, plans["h200-tp4"].runtime_weights
+    (spec, note), (base, _) = (_runtime_weights(load_config(root / f"{stem}.yaml"), cfg)
+                               for stem in ("h200-tp4-dspark", "h200-tp4"))     # what `plan` budgets KV after
     assert spec is not None and base is not None
     assert spec.per_rank == pytest.approx(base.per_rank + draft, rel=1e-12)
-    assert "DSpark draft 7.58 GiB whole on every rank" in plans["h200-tp4-dspark"].runtime_weights_note
+    assert "DSpark draft 7.58 GiB whole on every rank" in note

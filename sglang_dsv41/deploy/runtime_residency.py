@@ -126,12 +126,22 @@ def vision_tower_bytes(cfg: DeepseekV41Config) -> float:
                      if spec.group == "vision"))
 
 
+@functools.lru_cache(maxsize=32)
 def dspark_draft_bytes(cfg: DeepseekV41Config) -> float:
     """Bytes of the DSpark draft on every rank: each `mtp.*` tensor whole, at rest as the target's
     (routed experts MXFP4 as stored, FP8 dense as stored + fp32 tile scales, the rest fp32 + BF16
     copies of dense linears: the draft's dense backend registers its own weights)."""
-    return float(sum(tensor_bytes_at_rest(spec, 1.0)[1] for spec in tensor_inventory(cfg, vision=False, dspark=True)
-                     if spec.name.startswith("mtp.")))
+    from ..runtime.dense_ops import is_dense_linear_name
+
+    sizes: dict[tuple, float] = {}         # the stages' experts repeat a few shapes: size each once
+    total = 0.0
+    for spec in tensor_inventory(cfg, vision=False, dspark=True):
+        if spec.name.startswith("mtp."):
+            key = (spec.kind, tuple(spec.shape), is_dense_linear_name(spec.name, len(spec.shape)))
+            if key not in sizes:
+                sizes[key] = tensor_bytes_at_rest(spec, 1.0)[1]
+            total += sizes[key]
+    return total
 
 
 def engram_host_shards(cfg: DeepseekV41Config, tp: int) -> tuple[float, ...]:
