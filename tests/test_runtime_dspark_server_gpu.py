@@ -39,7 +39,7 @@ from server_helpers import Server, free_port
 pytestmark = pytest.mark.gpu
 NEW_TOKENS = 64
 GAMMA = 5
-STARTUP_S = 240
+STARTUP_S = 200
 EXTRA = os.environ.get("SGLANG_DSV41_DSPARK_TEST_EXTRA", "").split()
 COMMON = ["--max-running-requests", "8", "--cuda-graph-max-bs", "8", "--context-length", "2048", "--enable-metrics",
           "--decode-log-interval", "1",

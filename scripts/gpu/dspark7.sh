@@ -20,10 +20,10 @@ source .gpu/bin/setup.sh || exit 3
 export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>&1 | sed 's/^/gpu: /' | tee "$OUT/summary.txt"
 PYTEST=(python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short)
-left=$((BUDGET - (SECONDS - T0) - 15))
-timeout $left "${PYTEST[@]}" tests/test_runtime_dspark_accept_gpu.py >"$OUT/accept.log" 2>&1 &
+left=$((BUDGET - (SECONDS - T0) - 25))   # SIGINT at the cap: pytest stops its servers (-k 20: then KILL)
+timeout -s INT -k 20 $left "${PYTEST[@]}" tests/test_runtime_dspark_accept_gpu.py >"$OUT/accept.log" 2>&1 &
 ACC=$!
-timeout $left "${PYTEST[@]}" -s --durations=0 --basetemp=$W/pt tests/test_runtime_dspark_server_gpu.py >"$OUT/server.log" 2>&1
+timeout -s INT -k 20 $left "${PYTEST[@]}" -s --durations=0 --basetemp=$W/pt tests/test_runtime_dspark_server_gpu.py >"$OUT/server.log" 2>&1
 src=$?
 wait $ACC; arc=$?
 echo "RESULT tests/test_runtime_dspark_accept_gpu.py rc=$arc $(tail -1 "$OUT/accept.log")" | tee -a "$OUT/summary.txt"
