@@ -10,8 +10,8 @@ checkpoint with its bundled draft (γ = 5). Three servers start at once and are 
   before it, so SGLang's planner trims low-confidence drafts (ragged verify batches, in CUDA
   graphs); `serving.mem_fraction_static` 0.5 instead of 0.15 because three servers share the GPU.
 
-All three prefill in chunks of 32 tokens (the prompts are 12–60 tokens), so every comparison also
-covers chunked prefill with DSpark on. Checked: greedy output == plain greedy for 64 new tokens at
+All three are text-only with context 2048 (as the config) and prefill in chunks of 32 tokens (the
+prompts are 12–60 tokens), so every comparison also covers chunked prefill with DSpark on. Checked: greedy output == plain greedy for 64 new tokens at
 batch 1 and 8 on both DSpark servers; a prefix hit on the DSpark server gives the plain server's
 output; sampled decoding (block rejection) runs and reports its acceptance; per-request acceptance
 (`meta_info`: length, rate, correct-draft histogram) is consistent with the request, and SGLang's
@@ -42,7 +42,7 @@ GAMMA = 5
 STARTUP_S = 200
 EXTRA = os.environ.get("SGLANG_DSV41_DSPARK_TEST_EXTRA", "").split()
 COMMON = ["--max-running-requests", "8", "--cuda-graph-max-bs", "8", "--context-length", "2048", "--enable-metrics",
-          "--decode-log-interval", "1",
+          "--decode-log-interval", "1", "--language-model-only",
           "--chunked-prefill-size", "32", *EXTRA]
 SPEC = ["--speculative-algorithm", "DSPARK", "--speculative-dspark-block-size", str(GAMMA)]
 GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
