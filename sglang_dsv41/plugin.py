@@ -79,12 +79,15 @@ API_REGISTER_MODULE = "sglang_dsv41.api.register"
 #: * ``encoder_data_parallel`` — SGLang's own ``--mm-enable-dp-encoder``: at TP > 1 the images of a
 #:   batch are split over the ranks and all-gathered (`runtime/vision_batch.encode_images`); at TP 1
 #:   it changes nothing (SGLang warns so).
-#: Not provided, so a launch that needs them is refused: the FP4 KV layout (``kv_layout_v41``),
-#: SWA bounded replay (``bounded_replay_encoder`` / ``_decoder``) and V4.1 DSpark (``dspark``).
+#: * ``dspark`` — SGLang's own ``--speculative-algorithm DSPARK`` worker with the plugin's V4.1 draft
+#:   class, draft pool, verify forward and Engram-history commit (docs/dspark.md); greedy output equal
+#:   to plain greedy on the H200 with CUDA graphs (tiny checkpoint, sessions 9 and 10; docs/validation.md).
+#: Not provided, so a launch that needs them is refused: the FP4 KV layout (``kv_layout_v41``) and
+#: SWA bounded replay (``bounded_replay_encoder`` / ``_decoder``).
 #: TP sizes other than 1/2/4/8, DP attention and CUDA graphs are limits of the runtime
 #: (`runtime/requirements.py`), not capabilities.
 LAUNCH_CAPABILITIES: tuple[str, ...] = ("model", "reasoning_parser", "tool_parser", "engram_host_table", "text_only",
-                                        "encoder_data_parallel")
+                                        "encoder_data_parallel", "dspark")
 
 
 class PluginLoadError(SystemExit):

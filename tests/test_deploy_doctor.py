@@ -35,7 +35,7 @@ def test_doctor_runs_on_this_machine_and_reports_no_gpu(capsys) -> None:
         assert "[  OK] cpu engine: sgl_kernel imports with the libcuda.so.1 stand-in" in out
         assert "[FAIL]" not in out and rc == 0
     assert "[  OK] plugin: entry point(s) dsv41: SGLang's load_plugins() registers" in out
-    assert "[INFO] capabilities: provided: encoder_data_parallel, engram_host_table, model, reasoning_parser, text_only, tool_parser; " \
+    assert "[INFO] capabilities: provided: dspark, encoder_data_parallel, engram_host_table, model, reasoning_parser, text_only, tool_parser; " \
            "not provided yet:" in out
     assert "[INFO] runtime: torch path (docs/runtime.md): tensor parallel sizes: 1, 2, 4, 8; vision (image input): yes" in out
     assert out.rstrip().splitlines()[-1].endswith("; ready") == (rc == 0)

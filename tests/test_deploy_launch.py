@@ -33,7 +33,7 @@ GOLDEN_CACHE_HOME = "/home/user/.cache"
 NONE: frozenset[str] = frozenset()
 ALL = frozenset(CAPABILITIES)
 PLUGIN = frozenset(plugin.LAUNCH_CAPABILITIES)
-NOT_PROVIDED = {"kv_layout_v41", "bounded_replay_encoder", "bounded_replay_decoder", "dspark"}
+NOT_PROVIDED = {"kv_layout_v41", "bounded_replay_encoder", "bounded_replay_decoder"}
 HOST_TABLE_ENV = {"SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": "1", "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT": "per_rank"}
 # A runtime without today's limits: what the launcher does once the runtime grows.
 FULL_RUNTIME = RuntimeProfile(name="full", doc="-", flags=(), tp_sizes=(1, 2, 4, 8), vision=True, cuda_graphs=True,
@@ -122,7 +122,7 @@ def test_parser_names_are_the_ones_the_api_registers() -> None:
 
 def test_plugin_declares_what_it_provides_and_nothing_else() -> None:
     assert PLUGIN == {"model", "reasoning_parser", "tool_parser", "engram_host_table", "text_only",
-                      "encoder_data_parallel"}
+                      "encoder_data_parallel", "dspark"}
     assert capabilities.available_capabilities() == PLUGIN   # entry point installed: "model" counts
     assert NOT_PROVIDED <= set(CAPABILITIES) - PLUGIN
     assert CAPABILITIES["text_only"].args == ("--language-model-only",) and not CAPABILITIES["text_only"].env
@@ -170,10 +170,10 @@ def test_unavailable_options_are_listed_not_dropped(path: Path) -> None:
 
 def test_the_configs_servable_today() -> None:
     """The tiny configs, and the card recipes that ask for nothing beyond the runtime (TP 4/8, Engram
-    per_rank, BF16 KV, images): h200-tp4, h200-tp8, mi355x-tp2."""
+    per_rank, BF16 KV, images, DSpark): h200-tp4, h200-tp4-dspark, h200-tp8, mi355x-tp2."""
     servable = {p.stem for p in CONFIGS if not build_launch(load_config(p), PLUGIN).unavailable}
-    assert servable == {"tiny-cpu", "tiny-cpu-pd-1p1d", "tiny-h200-tp1", "tiny-h200-tp2", "tiny-h200-tp4",
-                        "tiny-h200-tp8", "h200-tp4", "h200-tp8", "mi355x-tp2"}
+    assert servable == {"tiny-cpu", "tiny-cpu-pd-1p1d", "tiny-h200-tp1", "tiny-h200-tp1-dspark", "tiny-h200-tp2",
+                        "tiny-h200-tp4", "tiny-h200-tp8", "h200-tp4", "h200-tp4-dspark", "h200-tp8", "mi355x-tp2"}
 
 
 @pytest.mark.parametrize("tp", [4, 8])

@@ -123,3 +123,44 @@ def test_vision_row_equals_the_towers_parameters(tiny_checkpoint) -> None:
         with_tower, text = runtime_residency(cfg, tp, vision=True), runtime_residency(cfg, tp)
         assert with_tower.by_component["vision"] == held and "vision" not in text.by_component
         assert with_tower.per_rank == text.per_rank + held
+
+
+def test_dspark_row_equals_what_the_draft_holds(tiny_checkpoint) -> None:
+    """dspark=True adds the DSpark draft as `runtime/dspark_weights.dspark_runtime_weights` holds it
+    on CUDA (MXFP4 experts, FP8 dense kept, BF16 copies of the dense linears its Triton backend
+    registers), whole on every rank; dspark=False, or a checkpoint without stages, adds none."""
+    from sglang_dsv41.runtime.dspark_weights import dspark_runtime_weights
+
+    cfg = DeepseekV41Config.from_file(tiny_checkpoint)
+    with CheckpointReader(tiny_checkpoint) as reader:
+        stored = {n: reader.get(n) for n in reader.names()}
+    draft = dspark_runtime_weights(stored, cfg, torch.device("cpu"), experts_mxfp4=True, dense_fp8=True)
+    held = held_bytes(draft)
+    assert held > 0
+    for tp in (1, 2):
+        with_draft, plain = runtime_residency(cfg, tp, dspark=True), runtime_residency(cfg, tp)
+        assert with_draft.by_component["dspark"] == held and "dspark" not in plain.by_component
+        assert with_draft.per_rank == plain.per_rank + held
+
+
+def test_planner_adds_the_flash_drafter() -> None:
+    """Flash: the drafter is ~14.2B parameters in the card's table (weight_plan) and 7.58 GiB on
+    every rank of this runtime; a `*-dspark` config's plan leaves its KV budget after it."""
+    from pathlib import Path
+
+    from sglang_dsv41.deploy.plan import _runtime_weights
+    from sglang_dsv41.deploy.schema import load_config
+
+    cfg = DeepseekV41Config.from_dict(flash_config_dict())
+    with_draft, without = (weight_plan(cfg, ShardLayout(tp=4), dspark=d) for d in (True, False))
+    params = sum(c.entries for k, c in with_draft.components.items() if k != "scales") - \
+        sum(c.entries for k, c in without.components.items() if k != "scales")
+    assert params / 1e9 == pytest.approx(14.2, abs=0.05)
+    draft = runtime_residency(cfg, 4, "host", dspark=True).by_component["dspark"]
+    assert draft / 2**30 == pytest.approx(7.58, abs=0.01)
+    root = Path(__file__).resolve().parents[1] / "configs"
+    (spec, note), (base, _) = (_runtime_weights(load_config(root / f"{stem}.yaml"), cfg)
+                               for stem in ("h200-tp4-dspark", "h200-tp4"))     # what `plan` budgets KV after
+    assert spec is not None and base is not None
+    assert spec.per_rank == pytest.approx(base.per_rank + draft, rel=1e-12)
+    assert "DSpark draft 7.58 GiB whole on every rank" in note

@@ -8,6 +8,8 @@ Exact backend: bit-identical (LOGIT_ATOL 0), as tests/test_runtime_forward.py. C
 * every round's verify logits == the reference's verify logits of the same block;
 * emitted tokens == plain greedy decoding; accept lengths 0..γ all occur, prompts ending on odd
   and even positions (pair ring: a rejected draft's pending pair never clobbers the committed one);
+* request states from chunked prefill, a prefix hit and a reused request row verify like cold ones;
+* the pair ring holds every even block position's pair (any commit length) and the committed one;
 * after commit the Engram history ring == a sequential run's; rejected drafts leave no state that
   a later round reads (later rounds stay bit-identical);
 * the CUDA-graph form (`static_verify_layout`, with a padding request) == the eager layout;
@@ -30,6 +32,7 @@ from sglang_dsv41.reference.model import ReferenceModel
 from sglang_dsv41.runtime.batch import make_layout, static_ragged_verify_layout, static_verify_layout
 from sglang_dsv41.runtime.cache import RuntimeCaches
 from sglang_dsv41.runtime.forward import TorchForward
+from sglang_dsv41.runtime.kv_rows import pair_ring_slots
 
 CPU = torch.device("cpu")
 GAMMA = 5
@@ -55,6 +58,9 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 
 PROMPTS = {1: _prompt(5, 21), 2: _prompt(6, 26)}         # P = 21 (odd), 26 (even)
+#: the rollback test's requests: row 2's prompt shares row 1's first 16 tokens (a prefix hit); P = 21, 26
+HIT = 16
+ROLLBACK = {1: PROMPTS[1], 2: PROMPTS[1][:HIT] + _prompt(7, 11)[1:]}
 
 
 def _caches(engine: TorchForward, slots: Slots) -> RuntimeCaches:
@@ -124,33 +130,48 @@ def _reference_rounds(reference: ReferenceModel, prompt: list[int], corrupt: lis
     return rounds
 
 
+def _rollback_states(engine, caches, slots) -> None:
+    """The rollback test's request states as SGLang builds them: row 1 prefilled in three chunks
+    (9, 8, 4 tokens: a chunk starts at an odd position, taking its pair from the pair state); row 2
+    first serves another request (prefill + a decode that leaves a pending pair and an Engram
+    history in the row: what a preempted or finished request leaves), then row 1's first 16 slots
+    (a page-aligned prefix hit, history from the host) + its own 10-token tail."""
+    a, b, other = ROLLBACK[1], ROLLBACK[2], _prompt(8, 12)
+    run_batch(engine, caches, slots, [(1, 0, a[:9]), (2, 0, other)])
+    run_batch(engine, caches, slots, [(1, 9, a[9:17]), (2, 12, [5])])
+    slots.share(2, 1, HIT)
+    run_batch(engine, caches, slots, [(1, 17, a[17:]), (2, HIT, b[HIT:])], context={1: a[:17], 2: b[:HIT]})
+
+
 def test_verify_then_commit_equals_the_reference_rollback(models) -> None:
+    """Rounds of verify + commit from request states built by chunked prefill, a prefix hit and a
+    reused request row (`_rollback_states`) == the reference's cold verify-on-clone rollback."""
     cfg, reference, engine = models
-    oracle = {r: _reference_rounds(reference, PROMPTS[r], CORRUPT[r], cfg.text.vocab_size) for r in PROMPTS}
-    accepted = {r: [o.accepted for _, _, o in oracle[r]] for r in PROMPTS}
+    oracle = {r: _reference_rounds(reference, ROLLBACK[r], CORRUPT[r], cfg.text.vocab_size) for r in ROLLBACK}
+    accepted = {r: [o.accepted for _, _, o in oracle[r]] for r in ROLLBACK}
     assert sorted(set(accepted[1]) | set(accepted[2])) == list(range(GAMMA + 1)), accepted
     slots = Slots(CPU, rows=4, max_context=64)
     caches = _caches(engine, slots)
-    run_batch(engine, caches, slots, [(r, 0, PROMPTS[r]) for r in PROMPTS])
-    P = {r: len(PROMPTS[r]) for r in PROMPTS}
-    emitted: dict[int, list[int]] = {r: [oracle[r][0][0][0]] for r in PROMPTS}
+    _rollback_states(engine, caches, slots)
+    P = {r: len(ROLLBACK[r]) for r in ROLLBACK}
+    emitted: dict[int, list[int]] = {r: [oracle[r][0][0][0]] for r in ROLLBACK}
     for k in range(ROUNDS):
-        got = _verify(engine, caches, slots, {r: (P[r], oracle[r][k][0]) for r in PROMPTS})
+        got = _verify(engine, caches, slots, {r: (P[r], oracle[r][k][0]) for r in ROLLBACK})
         commit = []
-        for r in PROMPTS:
+        for r in ROLLBACK:
             block, want, outcome = oracle[r][k]
             torch.testing.assert_close(got[r], want, atol=0, rtol=0)
             mine = verify_greedy(block[1:], got[r])
             assert mine == outcome
             emitted[r] += list(mine.tokens)
             commit.append(mine.accepted + 1)
-        caches.engram_history.commit_verify(torch.tensor(list(PROMPTS)), torch.tensor([P[r] for r in PROMPTS]),
+        caches.engram_history.commit_verify(torch.tensor(list(ROLLBACK)), torch.tensor([P[r] for r in ROLLBACK]),
                                             torch.tensor(commit), check=True)
-        for r, c in zip(PROMPTS, commit):
+        for r, c in zip(ROLLBACK, commit):
             P[r] += c
-    for r in PROMPTS:                                 # greedy speculative output == plain greedy output
+    for r in ROLLBACK:                                 # greedy speculative output == plain greedy output
         n = len(emitted[r])
-        assert emitted[r] == reference.generate(PROMPTS[r], n), r
+        assert emitted[r] == reference.generate(ROLLBACK[r], n), r
         assert int(caches.engram_history.end[r]) == P[r]
 
 
@@ -177,6 +198,40 @@ def test_engram_ring_after_commit_equals_a_sequential_run(models) -> None:
         spec.engram_history.commit_verify(torch.tensor([1]), torch.tensor([P]), torch.tensor([7]), check=True)
     with pytest.raises(RuntimeError, match="not at its prefix length"):
         spec.engram_history.commit_verify(torch.tensor([1]), torch.tensor([P + 1]), torch.tensor([1]), check=True)
+
+
+def test_pair_ring_holds_every_pair_a_verify_may_commit(models) -> None:
+    """The ratio-2 pair ring (`kv_rows.pair_ring_slots(γ)` = 8 slots): after one verify forward
+    over P..P+5, every even position q of the block (a commit of any length may leave q's pair
+    pending) holds q's pair (kv, score, position) bit for bit as a sequential run stores it, and so
+    does the committed pending pair P−1 (P odd) the block must not clobber — at P = 21 and 26. The
+    2-slot ring of a server without speculation would not: the check fails there."""
+    _, _, engine = models
+    block = {r: [3, 5, 7, 9, 11, 13] for r in PROMPTS}
+    P = {r: len(PROMPTS[r]) for r in PROMPTS}
+    want = [(r, q) for r in PROMPTS for q in range(P[r] - 1, P[r] + W) if q % 2 == 0]
+    assert len(want) == 7 and pair_ring_slots(GAMMA) == 8
+
+    def ring(caches: RuntimeCaches, keys) -> dict:
+        return {(src, r, q): [t.clone() for t in caches.pending_pair(src, torch.tensor([r]), torch.tensor([q]))]
+                for src in caches.pair_kv for r, q in keys}
+
+    slots = Slots(CPU, rows=4, max_context=64)
+    seq = _caches(engine, slots)
+    run_batch(engine, seq, slots, [(r, 0, PROMPTS[r]) for r in PROMPTS])
+    pairs = ring(seq, [(r, q) for r, q in want if q < P[r]])
+    for k in range(W):                                          # the block token by token
+        run_batch(engine, seq, slots, [(r, P[r] + k, [block[r][k]]) for r in PROMPTS])
+        pairs |= ring(seq, [(r, q) for r, q in want if q == P[r] + k])
+    for slots_in_ring in (8, 2):
+        slots = Slots(CPU, rows=4, max_context=64)
+        caches = RuntimeCaches.allocate(engine.text, slots.num_slots(), slots.host.shape[0], device=CPU,
+                                        page_size=slots.page_size, pair_slots=slots_in_ring, verify_width=W)
+        run_batch(engine, caches, slots, [(r, 0, PROMPTS[r]) for r in PROMPTS])
+        _verify(engine, caches, slots, {r: (P[r], block[r]) for r in PROMPTS})
+        held = ring(caches, want)
+        same = all(all(torch.equal(a, b) for a, b in zip(held[key], pairs[key])) for key in pairs)
+        assert same == (slots_in_ring == 8), slots_in_ring
 
 
 def test_static_verify_layout_with_padding_equals_eager(models) -> None:

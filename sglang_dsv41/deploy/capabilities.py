@@ -82,8 +82,7 @@ CAPABILITIES: dict[str, Capability] = {c.name: c for c in (
                              "'<｜DSML｜ calls>' (runtime.md §A.10)"),
     Capability("dspark", "DSpark speculative decoding for V4.1",
                why_not_stock="0.5.17's DSPARK worker drives V4 drafts; V4.1 needs the plugin's draft class, draft "
-                             "pool, verify forward and Engram-history commit (runtime.md §A.8) — written and tested on "
-                             "CPU, declared once scripts/gpu/dspark.sh passes on a GPU (docs/dspark.md)"),
+                             "pool, verify forward and Engram-history commit (runtime.md §A.8; docs/dspark.md)"),
 )}
 
 

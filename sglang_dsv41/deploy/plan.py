@@ -312,7 +312,8 @@ def _runtime_weights(dc: DeploymentConfig, cfg: DeepseekV41Config) -> tuple[Runt
     if lay.dp_attention > 1:
         return None, "DP attention is not supported by this runtime (runtime/requirements.py)"
     try:
-        found = runtime_residency(cfg, lay.tp, dc.engram.placement, vision=serves_vision(dc, cfg))
+        found = runtime_residency(cfg, lay.tp, dc.engram.placement, vision=serves_vision(dc, cfg),
+                                  dspark=dc.speculative.enabled)
     except TensorParallelError as exc:
         return None, str(exc)
     engram = ("Engram tables as stored and on the GPU" if found.engram_placement == "device" else
@@ -320,6 +321,8 @@ def _runtime_weights(dc: DeploymentConfig, cfg: DeepseekV41Config) -> tuple[Runt
               f"on the host, not on the GPU")
     tower = (f", vision tower {found.by_component['vision'] / 2**20:.1f} MiB fp32 replicated per rank"
              if "vision" in found.by_component else "")
+    if "dspark" in found.by_component:
+        tower += f", DSpark draft {found.by_component['dspark'] / GIB:.2f} GiB whole on every rank"
     note = (f"TP {lay.tp}, text model{tower}, routed experts MXFP4 and FP8 dense weights as stored, {engram}, "
             "BF16/FP32 tensors as fp32 + BF16 copies of dense linears, embedding and head vocab-parallel")
     return found, note

@@ -8,7 +8,9 @@ budget with this module's figure. Rules, each stated where the runtime implement
 
 * Loaded tensors: the text model, and with `vision=True` the vision tower (ViT, aligner, span
   markers: `runtime/vision.VisionTower`, every tensor an fp32 parameter replicated on every rank,
-  component row "vision"); DSpark tensors are not loaded (docs/runtime.md "Limits").
+  component row "vision"); with `dspark=True` the DSpark draft's `mtp.*` tensors, which SGLang's
+  draft worker loads whole on every rank (`runtime/dspark_weights.py`, no TP split; component row
+  "dspark": ~14.2B parameters, 7.5 GiB at Flash).
 * Sharding (`runtime/tensor_parallel.py ShardPlan`, rank 0 = the largest share: balanced blocks
   give the first ranks the extra row): routed experts in contiguous expert blocks, wq_b / attn_sink
   by heads, wo_a by output groups, wo_b by the columns of those groups (row-parallel), the shared
@@ -21,9 +23,9 @@ budget with this module's figure. Rules, each stated where the runtime implement
   counted); FP8 dense weights as stored E4M3 with their UE8M0 tile scales decoded to fp32
   (4 bytes per 32×32 tile; a weight with a scale outside 2^-124..2^119 would be dequantised —
   data-dependent, not counted); Engram tables as stored; BF16 and FP32 tensors as fp32 values
-  (4 bytes per element), plus a BF16 copy (2 bytes per element) of every dense linear weight
-  (`dense_ops.is_dense_linear_name`, the predicate the dense backend registers by) made by the
-  dense backend (`DenseWeightCache`).
+  (4 bytes per element), plus a BF16 copy (2 bytes per element) of every BF16-stored dense linear
+  weight (`dense_ops.is_dense_linear_name`, the predicate the dense backend registers by) made by
+  the dense backend (`DenseWeightCache`; FP32-stored weights are not BF16-exact and stay fp32).
 
 The figure is checked against the bytes `runtime_weights` + `DenseWeightCache` actually hold for
 the tiny checkpoint at TP 1 and TP 2 (tests/test_deploy_runtime_residency.py).
@@ -91,17 +93,20 @@ def tensor_bytes_at_rest(spec: TensorSpec, fraction: float) -> tuple[str, float]
         return "fp8_dense", fraction * (main.nbytes + 4 * scale_elements)
     from ..runtime.dense_ops import is_dense_linear_name   # imports torch: kept out of `import deploy`
 
-    per_element = FP32_AT_REST + (BF16_COPY if is_dense_linear_name(spec.name, len(spec.shape)) else 0)
+    # a BF16 copy only of BF16-stored weights: an FP32-stored one (the DSpark confidence head) is
+    # not BF16-exact, so `DenseWeightCache.add` keeps it fp32
+    copy = spec.kind is Kind.BF16 and is_dense_linear_name(spec.name, len(spec.shape))
+    per_element = FP32_AT_REST + (BF16_COPY if copy else 0)
     return "unquantised", fraction * spec.numel * per_element
 
 
 @functools.lru_cache(maxsize=32)
 def runtime_residency(cfg: DeepseekV41Config, tp: int, engram_placement: str = "device",
-                      vision: bool = False) -> RuntimeResidency:
+                      vision: bool = False, dspark: bool = False) -> RuntimeResidency:
     """Rank 0's weight bytes at TP `tp` under the runtime's rules (module docstring): with
     `engram_placement="host"` the device figure less the Engram block, which moves to
     `engram_host_by_rank`; with `vision` (and a checkpoint that has a tower) plus the "vision"
-    row. Raises the runtime's own `TensorParallelError` for a TP size the model cannot be sharded
+    row; with `dspark` (and a checkpoint with DSpark stages) plus the "dspark" row. Raises the runtime's own `TensorParallelError` for a TP size the model cannot be sharded
     to, `ValueError` for an unknown placement."""
     if engram_placement not in ENGRAM_PLACEMENTS:
         raise ValueError(f"engram placement must be one of {ENGRAM_PLACEMENTS}, got {engram_placement!r}")
@@ -109,6 +114,8 @@ def runtime_residency(cfg: DeepseekV41Config, tp: int, engram_placement: str = "
     gpu = {k: v for k, v in on_device.by_component.items() if engram_placement == "device" or k != "engram"}
     if vision and cfg.has_vision:
         gpu["vision"] = vision_tower_bytes(cfg)
+    if dspark and cfg.text.num_nextn_predict_layers > 0:
+        gpu["dspark"] = dspark_draft_bytes(cfg)
     host = engram_host_shards(cfg, tp) if engram_placement == "host" else ()
     return RuntimeResidency(tp=tp, by_component=gpu, engram_placement=engram_placement, engram_host_by_rank=host)
 
@@ -117,6 +124,24 @@ def vision_tower_bytes(cfg: DeepseekV41Config) -> float:
     """Bytes of the vision tower on every rank: each vision tensor as an fp32 parameter."""
     return float(sum(spec.numel * FP32_AT_REST for spec in tensor_inventory(cfg, dspark=False)
                      if spec.group == "vision"))
+
+
+@functools.lru_cache(maxsize=32)
+def dspark_draft_bytes(cfg: DeepseekV41Config) -> float:
+    """Bytes of the DSpark draft on every rank: each `mtp.*` tensor whole, at rest as the target's
+    (routed experts MXFP4 as stored, FP8 dense as stored + fp32 tile scales, the rest fp32 + BF16
+    copies of dense linears: the draft's dense backend registers its own weights)."""
+    from ..runtime.dense_ops import is_dense_linear_name
+
+    sizes: dict[tuple, float] = {}         # the stages' experts repeat a few shapes: size each once
+    total = 0.0
+    for spec in tensor_inventory(cfg, vision=False, dspark=True):
+        if spec.name.startswith("mtp."):
+            key = (spec.kind, tuple(spec.shape), is_dense_linear_name(spec.name, len(spec.shape)))
+            if key not in sizes:
+                sizes[key] = tensor_bytes_at_rest(spec, 1.0)[1]
+            total += sizes[key]
+    return total
 
 
 def engram_host_shards(cfg: DeepseekV41Config, tp: int) -> tuple[float, ...]:
@@ -153,4 +178,4 @@ def _device_residency(cfg: DeepseekV41Config, tp: int) -> RuntimeResidency:
 
 
 __all__ = ["BF16_COPY", "ENGRAM_PLACEMENTS", "FP32_AT_REST", "HOST_LAYOUT", "RuntimeResidency",
-           "engram_host_shards", "runtime_residency", "tensor_bytes_at_rest", "vision_tower_bytes"]
+           "dspark_draft_bytes", "engram_host_shards", "runtime_residency", "tensor_bytes_at_rest", "vision_tower_bytes"]
