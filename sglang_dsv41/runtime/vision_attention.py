@@ -29,6 +29,12 @@ BF16, F32 = torch.bfloat16, torch.float32
 BACKENDS = ("sdpa", "fa3", "triton")
 
 
+def _bf16(x: Tensor) -> Tensor:
+    """fp32 holding the BF16 rounding of `x` (the same live tensors as `vision._bf16`, which the
+    planner's activation formula counts: tests/test_vision_activation.py)."""
+    return x.to(BF16).to(F32)
+
+
 def pick_backend(requested: str, device: torch.device) -> str:
     """The backend for `device`: ``auto`` → fa3 on CUDA SM 9.x, triton on other CUDA, sdpa elsewhere;
     a named backend is checked against the device (a clear error, never a silent fallback)."""
@@ -67,13 +73,13 @@ class ViTAttention:
         """fp32 holding the BF16 rounding of x·Wᵀ + b (x and W BF16-valued)."""
         if self.fast:
             return F.linear(x.to(BF16), weight.to(BF16), None if bias is None else bias.to(BF16)).to(F32)
-        return F.linear(x, weight, bias).to(BF16).to(F32)
+        return _bf16(F.linear(x, weight, bias))
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         n, heads, hd = q.shape
         if self._core is None:
             out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
-            return out.transpose(0, 1).reshape(n, heads * hd).to(BF16).to(F32)
+            return _bf16(out.transpose(0, 1).reshape(n, heads * hd))
         cu_seqlens = torch.tensor([0, n], dtype=torch.int32, device=q.device)
         out = self._core.forward(q.to(BF16).contiguous(), k.to(BF16).contiguous(), v.to(BF16).contiguous(),
                                  cu_seqlens=cu_seqlens, bsz=1, seq_len=n, softmax_scale=hd ** -0.5, max_seqlen=n)
