@@ -17,7 +17,8 @@ Per request: time to first token (first streamed chunk carrying text or reasonin
 latency, prompt and cached tokens (``usage``). Per resolution, client-side preprocessing
 (decode the PNG + plan the grid + resize/pad + normalise + patchify, `vision_preprocess`, the
 same code the server's processor runs) is timed in this process. Requests/s is sequential (one in
-flight). The server is `sglang-dsv41 serve` (``--model-path``) or an existing one (``--url``).
+flight). The server is `sglang-dsv41 serve` (``--model-path``; its process, port and bounded
+readiness wait come from `serving_client.py`) or an existing one (``--url``).
 
 ``--dry-run`` starts no server: it writes only the per-resolution grids, span tokens and
 preprocessing times (CI runs this on the tiny checkpoint).
@@ -25,9 +26,11 @@ preprocessing times (CI runs this on the tiny checkpoint).
 ``--vit`` adds the tower's own throughput, in this process on ``--device``: `runtime/vision.VisionTower`
 with ``--vit-dims`` (``flash``: the card's 32-layer ViT, random BF16-valued weights; ``checkpoint``:
 the checkpoint's dims) encodes ``--vit-images`` images per case (each ``--sizes`` resolution, and
-``cap``: a square grid at the token cap, the planner's worst case), images/s after one warm-up.
-On CUDA it also records the peak allocated bytes above the weights while one cap image encodes,
-next to the planner's figure (`deploy/vision_config.vit_activation_bytes`, fused attention).
+``cap``: a square grid at the token cap, the planner's worst case), images/s after one warm-up, for
+each ``--vit-attention`` backend (`runtime/vision_attention.py`: ``auto`` is SGLang's FA3 vision
+attention with BF16 operands on an H200; ``sdpa`` the fp32 torch path). On CUDA it also records,
+per backend, the peak allocated bytes above the weights while one cap image encodes, next to the
+planner's figure (`deploy/vision_config.vit_activation_bytes`, fused attention).
 
     python benchmarks/vision.py --model-path /tmp/tiny --device cpu --out benchmarks/results/vision_cpu.json
 """
@@ -40,18 +43,18 @@ import json
 import os
 import platform
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 from statistics import mean, median
 
 import numpy as np
 from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving_client import Proc, free_port, wait_up  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TEXT = "What is in this image? Answer in one word."
@@ -93,46 +96,12 @@ def preprocessing(model_path: str, sizes: list[tuple[int, int]], reps: int) -> d
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """One `sglang-dsv41 serve` process group; every wait is bounded."""
-
-    def __init__(self, args: argparse.Namespace, log: Path) -> None:
-        port = _free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        argv = [sys.executable, "-m", "sglang_dsv41.cli", "serve", "--device", args.device, "--model-path",
-                args.model_path, "--port", str(port), "--enable-cache-report", *args.server_flags.split()]
-        self.log = open(log, "w")
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} (log: {self.log.name})")
-            try:
-                with urllib.request.urlopen(self.url + "/health_generate", timeout=60) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
-            time.sleep(3)
-        raise TimeoutError(f"server not ready after {timeout_s} s (log: {self.log.name})")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-        self.log.close()
+def start_server(args: argparse.Namespace) -> tuple[Proc, str]:
+    """`sglang-dsv41 serve` on a free port in its own process group (log under ``--log-dir``)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "sglang_dsv41.cli", "serve", "--device", args.device, "--model-path",
+            args.model_path, "--port", str(port), "--enable-cache-report", *args.server_flags.split()]
+    return Proc(argv, args.log_dir / f"{args.out.stem}.log"), f"http://127.0.0.1:{port}"
 
 
 def chat(url: str, number: int, images: list[bytes], max_tokens: int, timeout_s: float) -> dict:
@@ -204,7 +173,9 @@ def _cap_image(vcfg) -> "object":
 
 
 def vit_throughput(args: argparse.Namespace, sizes: list[tuple[int, int]]) -> dict[str, object]:
-    """Images/s of the tower alone per case, and on CUDA the peak activation of one cap image (module doc)."""
+    """Images/s of the tower alone per case and ``--vit-attention`` backend, and on CUDA the peak
+    activation of one cap image (module doc). ``cases`` / ``cap_peak_activation`` are the first
+    backend's; ``by_backend`` holds every backend's."""
     import torch
 
     from sglang_dsv41.config import DeepseekV41Config
@@ -212,47 +183,70 @@ def vit_throughput(args: argparse.Namespace, sizes: list[tuple[int, int]]) -> di
     from sglang_dsv41.presets import flash_config_dict
     from sglang_dsv41.runtime.forward import fp32_default_dtype
     from sglang_dsv41.runtime.image_io import load_image
-    from sglang_dsv41.runtime.vision import VisionTower
     from sglang_dsv41.vision_preprocess import preprocess_image
 
     cfg = (DeepseekV41Config.from_dict(flash_config_dict()) if args.vit_dims == "flash"
            else DeepseekV41Config.from_file(args.model_path))
     device = torch.device(args.device)
-    with fp32_default_dtype(), torch.device(device):
-        tower = VisionTower(cfg)
-    with torch.no_grad():
-        for name, p in tower.named_parameters():
-            p.copy_(torch.ones_like(p) if "norm" in name else (0.02 * torch.randn_like(p)).bfloat16().float())
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     cases = {f"{w}x{h}": [preprocess_image(load_image(make_png(500 + i, (w, h))), cfg.vision)
                           for i in range(args.vit_images)] for w, h in sizes}
     cases["cap"] = [_cap_image(cfg.vision)] * args.vit_images
     out: dict[str, object] = {"dims": args.vit_dims, "layers": cfg.vision.num_hidden_layers,
-                              "hidden": cfg.vision.hidden_size, "images_per_case": args.vit_images, "cases": {}}
-    for name, images in cases.items():
-        tower.encode(images[0])                     # warm-up (kernel selection, allocator)
-        sync()
-        t0 = time.perf_counter()
-        for pre in images:
-            tower.encode(pre)
-        sync()
-        wall = time.perf_counter() - t0
-        g = images[0].grid
-        out["cases"][name] = {"images_per_s": len(images) / wall, "ms_per_image": 1e3 * wall / len(images),
-                              "vit_patches": g.num_patches, "tokens": g.num_tokens}
-        print("vit", name, out["cases"][name])
-    if device.type == "cuda":
-        sync()
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        tower.encode(cases["cap"][0])
-        sync()
-        measured = torch.cuda.max_memory_allocated(device) - before
-        planned = vit_activation_bytes(cfg.vision, cfg.text.hidden_size, fused_attention=True)
-        out["cap_peak_activation"] = {"measured_bytes": measured, "planned_bytes": planned,
-                                      "planned_over_measured": planned / measured if measured else None}
-        print("vit cap peak activation", out["cap_peak_activation"])
+                              "hidden": cfg.vision.hidden_size, "images_per_case": args.vit_images, "by_backend": {}}
+    for requested in args.vit_attention.split(","):
+        with fp32_default_dtype(), torch.device(device):
+            tower = _random_tower(cfg, requested)
+        if tower.attn.backend in out["by_backend"]:       # e.g. auto,sdpa on CPU
+            continue
+        row: dict[str, object] = {"backend": tower.attn.backend, "describe": tower.attn.describe(), "cases": {}}
+        for name, images in cases.items():
+            tower.encode(images[0])                     # warm-up (kernel selection, allocator)
+            sync()
+            t0 = time.perf_counter()
+            for pre in images:
+                tower.encode(pre)
+            sync()
+            wall = time.perf_counter() - t0
+            g = images[0].grid
+            row["cases"][name] = {"images_per_s": len(images) / wall, "ms_per_image": 1e3 * wall / len(images),
+                                  "vit_patches": g.num_patches, "tokens": g.num_tokens}
+            print("vit", row["backend"], name, row["cases"][name], flush=True)
+        if device.type == "cuda":
+            sync()
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            tower.encode(cases["cap"][0])
+            sync()
+            measured = torch.cuda.max_memory_allocated(device) - before
+            planned = vit_activation_bytes(cfg.vision, cfg.text.hidden_size, fused_attention=True)
+            row["cap_peak_activation"] = {"measured_bytes": measured, "planned_bytes": planned,
+                                          "planned_over_measured": planned / measured if measured else None}
+            print("vit", row["backend"], "cap peak activation", row["cap_peak_activation"], flush=True)
+        out["by_backend"][row["backend"]] = row
+        if "cases" not in out:
+            out["cases"] = row["cases"]
+            if "cap_peak_activation" in row:
+                out["cap_peak_activation"] = row["cap_peak_activation"]
+        del tower
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return out
+
+
+def _random_tower(cfg, attention: str):
+    """The tower on the current device with random BF16-valued weights (norms 1), seed 0."""
+    import torch
+
+    from sglang_dsv41.runtime.vision import VisionTower
+
+    tower = VisionTower(cfg, attention=attention)
+    gen = torch.Generator(device=tower.device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in tower.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype)
+            p.copy_(torch.ones_like(p) if "norm" in name else (0.02 * noise).bfloat16().float())
+    return tower
 
 
 def plot(result: dict, path: Path) -> str:
@@ -273,9 +267,17 @@ def plot(result: dict, path: Path) -> str:
     a.tick_params(axis="x", rotation=20)
     a.legend()
     if vit:
-        b.bar(list(vit), [vit[k]["images_per_s"] for k in vit], color="tab:purple")
+        backends = (result["vit"].get("by_backend") or {"": {"cases": vit}})
+        width = 0.8 / len(backends)
+        for j, (backend, row) in enumerate(backends.items()):
+            xs = [i + (j - (len(backends) - 1) / 2) * width for i in range(len(vit))]
+            b.bar(xs, [row["cases"][k]["images_per_s"] for k in vit], width=width, label=backend or None)
         for i, k in enumerate(vit):
             b.annotate(f"{vit[k]['vit_patches']} patches", (i, vit[k]["images_per_s"]), ha="center", va="bottom")
+        b.set_xticks(range(len(vit)), list(vit))
+        b.set_yscale("log")
+        if len(backends) > 1:
+            b.legend()
         b.set(ylabel="images/s", title=f"ViT alone ({result['vit']['dims']} dims, {result['vit']['layers']} layers)")
     else:
         pre = result["preprocessing"]
@@ -321,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vit", action="store_true", help="also the tower's own images/s in this process (module doc)")
     p.add_argument("--vit-dims", choices=("flash", "checkpoint"), default="checkpoint")
     p.add_argument("--vit-images", type=int, default=4, help="images per --vit case")
+    p.add_argument("--vit-attention", default="auto", help="ViT attention backends for --vit, comma-separated "
+                   "(auto, sdpa, fa3, triton: runtime/vision_attention.py)")
     p.add_argument("--no-server", action="store_true", help="no request cases (with --vit: the tower only)")
     p.add_argument("--dry-run", action="store_true", help="preprocessing only, no server")
     p.add_argument("--out", type=Path, default=RESULTS / "vision_cpu.json")
@@ -343,13 +347,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.vit and not args.dry_run:
         result["vit"] = vit_throughput(args, sizes)
     if not args.dry_run and not args.no_server:
-        server = None if args.url else Server(args, args.log_dir / f"{args.out.stem}.log")
+        server, url = (None, args.url) if args.url else start_server(args)
         try:
             t0 = time.monotonic()
             if server is not None:
-                server.wait_ready(args.startup_timeout)
+                wait_up(url + "/health_generate", [server], args.startup_timeout)
             result["startup_s"] = time.monotonic() - t0
-            result["cases"] = run_cases(args.url or server.url, args, sizes)
+            result["cases"] = run_cases(url, args, sizes)
         finally:
             if server is not None:
                 server.stop()

@@ -100,6 +100,8 @@ REFUSED = [  # (flags, the flag the message must name)
     ({"disable_hybrid_swa_memory": True}, "--disable-hybrid-swa-memory"),
     ({"speculative_algorithm": "DSPARK"}, "--speculative-algorithm DSPARK on cpu"),   # SGLang's worker: CUDA only
     ({"speculative_algorithm": "EAGLE"}, "--speculative-algorithm EAGLE"),            # V4.1: DSpark only
+    ({"enable_multimodal": False, "mm_enable_dp_encoder": True},                      # --language-model-only
+     "--language-model-only and --mm-enable-dp-encoder are mutually exclusive"),
 ]
 
 

@@ -1,6 +1,6 @@
 """A real `sglang-dsv41 serve --tp-size 2` (issue 3: "TP2 == TP1").
 
-* CPU (`slow`): SGLang's CPU engine at TP 2 (two scheduler ranks over gloo; one core per rank via
+* CPU (`slow`): SGLang's CPU engine at TP 2 (with `--mm-enable-dp-encoder`; text and image requests) (two scheduler ranks over gloo; one core per rank via
   `SGLANG_CPU_OMP_THREADS_BIND=0|1` — SGLang otherwise requires one NUMA node per rank; and
   `SGLANG_NCCL_SO_PATH` pointing at no file — torch here is a CUDA build, so 0.5.17 loads
   libnccl and builds a PyNccl communicator for the TP group on the CPU device, which raises
@@ -53,10 +53,6 @@ def _served(checkpoint: Path, log: Path, tp: int, env: dict[str, str] | None, ne
         srv.stop()
 
 
-def _served_tokens(checkpoint: Path, log: Path, tp: int, env: dict[str, str] | None) -> list[list[int]]:
-    return [r["output_ids"] for r in _served(checkpoint, log, tp, env, NEW_TOKENS, logprob=False)]
-
-
 def _token_logprobs(result: dict) -> list[float]:
     """The chosen tokens' log-probabilities (`meta_info.output_token_logprobs`: [logprob, id, text])."""
     return [float(entry[0]) for entry in result["meta_info"]["output_token_logprobs"]]
@@ -64,13 +60,32 @@ def _token_logprobs(result: dict) -> list[float]:
 
 @pytest.mark.slow
 def test_cpu_tp2_server_greedy_within_the_contract(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """Text and image requests on one TP-2 CPU server with `--mm-enable-dp-encoder` (issue 17: a
+    TP > 1 image request through the real scheduler; the three-image request's images are split
+    over both ranks, `runtime/vision_batch.encode_images`, and all-gathered over gloo)."""
     if torch.cuda.is_available():
         pytest.skip("the CPU-engine variant (the GPU machine runs the gpu variant)")
-    got = _served_tokens(tiny_checkpoint, tmp_path / "tp2.log", 2, CPU_TP2_ENV)
     from test_runtime_server import within_contract
+    from test_vision_server import _prompt, generate, make_image
+    from test_vision_server import within_contract as image_within_contract
 
     reference = ReferenceModel.from_checkpoint(tiny_checkpoint)
+    image_cases = [(_prompt(reference, 71, 16, 1), [make_image(71, (200, 90))]),
+                   (_prompt(reference, 72, 20, 3), [make_image(s, wh) for s, wh in
+                                                     ((72, (84, 84)), (73, (300, 120)), (74, (60, 400)))])]
+    log = tmp_path / "tp2.log"
+    srv = Server(tiny_checkpoint, log, ["--tp-size", "2", "--max-total-tokens", "2048", "--max-running-requests",
+                                        "4", "--mm-enable-dp-encoder"], env=CPU_TP2_ENV)
+    try:
+        srv.wait_ready()
+        got = [srv.generate(p, NEW_TOKENS)["output_ids"] for p in _prompts()]
+        image_got = [generate(srv, p, images)["output_ids"] for p, images in image_cases]
+    finally:
+        srv.stop()
     assert all(len(t) == NEW_TOKENS and within_contract(reference, p, t) for p, t in zip(_prompts(), got))
+    assert "encoder data-parallel over 2 ranks" in log.read_text(errors="replace")
+    for (prompt, images), tokens in zip(image_cases, image_got):
+        assert len(tokens) == NEW_TOKENS and image_within_contract(reference, prompt, images, tokens), len(images)
 
 
 GPU_NEW_TOKENS = 64

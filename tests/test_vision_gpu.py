@@ -1,7 +1,7 @@
 """The vision path on one CUDA GPU (issue 17; docs/vision.md): the runtime tower on CUDA against
 the reference's span rows, and a real server on the tiny checkpoint answering the card's two
 verification requests (text 17*19 and an image) plus a repeated image request (same greedy
-tokens, prefix hit through the image). Skipped without CUDA; run by scripts/gpu/vision.sh."""
+tokens, prefix hit through the image). Skipped without CUDA; run by scripts/gpu/vision_card.sh."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,11 +21,15 @@ from tp_harness import stored_tensors
 pytestmark = pytest.mark.gpu
 
 
-def test_tower_on_cuda_matches_the_reference(tiny_checkpoint: Path) -> None:
+@pytest.mark.parametrize("attention", ["auto", "triton", "sdpa"])
+def test_tower_on_cuda_matches_the_reference(tiny_checkpoint: Path, attention: str) -> None:
+    """auto: SGLang's FA3 vision attention with BF16 operands on an H200 (`runtime/vision_attention.py`)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = DeepseekV41Config.from_file(tiny_checkpoint / "config.json")
     with torch.device("cuda"):
-        tower = VisionTower(cfg)
+        tower = VisionTower(cfg, attention=attention)
+    if attention == "auto" and torch.cuda.get_device_capability()[0] == 9:
+        assert tower.attn.backend == "fa3"
     tower.load_weights((n, v) for n, v in stored_tensors(tiny_checkpoint).items() if is_vision_tensor(n))
     reference = ReferenceModel.from_checkpoint(tiny_checkpoint)
     for size in [(84, 84), (200, 90), (1000, 1000)]:
@@ -48,4 +52,7 @@ def test_card_requests_on_the_gpu_server(tiny_checkpoint: Path, tmp_path: Path) 
         again = srv.post("/v1/chat/completions", {"model": "x", "max_tokens": 16, "temperature": 0, "messages": msg})
         assert first["usage"]["prompt_tokens"] > text["usage"]["prompt_tokens"]
         assert first["choices"][0]["message"] == again["choices"][0]["message"]
-        assert "vision tower loaded" in srv.log_tail(400_000)
+        log = srv.log_tail(400_000)
+        assert "vision tower loaded" in log
+        if torch.cuda.get_device_capability()[0] == 9:
+            assert "attention: SGLang VisionFlash3Attention (FA3)" in log

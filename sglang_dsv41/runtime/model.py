@@ -208,8 +208,8 @@ class DeepseekV41ForCausalLM(nn.Module):
                     held / 2**30, "; routed experts MXFP4 for the Triton kernel" if self.device.type == "cuda" else "",
                     self.engram_placement, tf.backend.name, self.device, tf.attention_ops.description)
         if self.vision_tower is not None:
-            logger.info("sglang-dsv41: vision tower loaded (%d ViT layers, torch path on %s; %s)",
-                        self.cfg.vision.num_hidden_layers, self.device,
+            logger.info("sglang-dsv41: vision tower loaded (%d ViT layers on %s, attention: %s; %s)",
+                        self.cfg.vision.num_hidden_layers, self.device, self.vision_tower.attn.describe(),
                         f"encoder data-parallel over {self.tp.size} ranks" if self._encoder_dp is not None
                         else "every rank encodes every image")
         metrics.publish_engram((t for t in tf.weights.values() if hasattr(t, "placement")),

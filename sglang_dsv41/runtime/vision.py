@@ -9,11 +9,13 @@
 (`quant_methods.plain_parameter`). `load_weights` streams the checkpoint's vision tensors in and
 raises on an unknown or, on the first load, a missing one.
 
-Numerics (the torch path, any device): every module boundary is BF16-valued; linears multiply
-in fp32 and round once (bias included); RMSNorm, RoPE, softmax, SwiGLU and GELU (erf) in fp32.
-This is the reference's rule (`reference/vision.py`) except RMSNorm (fp32 here, float64 there)
-and the attention product (`scaled_dot_product_attention` here): the span rows agree with the
-reference's within the bound pinned in tests/test_runtime_vision.py.
+Numerics: every module boundary is BF16-valued; linears round their product once (bias
+included); RMSNorm, RoPE, softmax, SwiGLU and GELU (erf) in fp32. This is the reference's rule
+(`reference/vision.py`) except RMSNorm (fp32 here, float64 there) and the attention kernel. The
+attention core and the linears' operand precision come from `vision_attention.py` by device:
+torch SDPA with fp32 operands on CPU, SGLang's FA3 / Triton vision attention with BF16 operands on
+CUDA. Either way the span rows agree with the reference's within the bound pinned in
+tests/test_runtime_vision.py.
 
 Invariants
 ----------
@@ -34,6 +36,7 @@ from ..checkpoint.reader import CheckpointFormatError
 from ..config import DeepseekV41Config
 from ..vision_preprocess import PreprocessedImage
 from .quant_methods import plain_parameter
+from .vision_attention import ViTAttention, pick_backend
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -60,10 +63,6 @@ def _bf16(x: Tensor) -> Tensor:
     return x.to(BF16).to(F32)
 
 
-def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    return _bf16(F.linear(x, weight, bias))
-
-
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return _bf16(x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight)
 
@@ -85,9 +84,10 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class VisionTower(nn.Module):
-    """ViT + aligner + span markers (module doc). Built on the current default device."""
+    """ViT + aligner + span markers (module doc). Built on the current default device; `attention`
+    names the `vision_attention` backend (``auto``: by that device)."""
 
-    def __init__(self, cfg: DeepseekV41Config) -> None:
+    def __init__(self, cfg: DeepseekV41Config, attention: str = "auto") -> None:
         super().__init__()
         if cfg.vision is None:
             raise ValueError("config has no vision_config: this checkpoint has no vision tower")
@@ -96,6 +96,7 @@ class VisionTower(nn.Module):
         for name, spec in self.specs.items():
             _place(self, name, plain_parameter(spec, None))
         self._loaded_once = False
+        self.attn = ViTAttention(pick_backend(attention, self.device))
 
     @property
     def device(self) -> torch.device:
@@ -129,16 +130,15 @@ class VisionTower(nn.Module):
     def _attention(self, block: nn.Module, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         v = self.vcfg
         n, heads, hd = x.shape[0], v.num_attention_heads, v.head_dim
-        qkv = _linear(x, block.attn.wqkv.weight, block.attn.wqkv.bias)
+        qkv = self.attn.linear(x, block.attn.wqkv.weight, block.attn.wqkv.bias)
         q, k, val = qkv.view(n, 3, heads, hd).unbind(1)          # fused rows: [q | k | v]
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), val.transpose(0, 1))
-        out = _bf16(out.transpose(0, 1).reshape(n, heads * hd))
-        return _linear(out, block.attn.wo.weight, block.attn.wo.bias)
+        out = self.attn.attend(q, k, val)
+        return self.attn.linear(out, block.attn.wo.weight, block.attn.wo.bias)
 
     def _mlp(self, block: nn.Module, x: Tensor) -> Tensor:
-        gate, up = _linear(x, block.mlp.w1.weight).chunk(2, dim=-1)   # w1 rows: [gate | up]
-        return _linear(_bf16(F.silu(gate) * up), block.mlp.w2.weight)
+        gate, up = self.attn.linear(x, block.mlp.w1.weight).chunk(2, dim=-1)   # w1 rows: [gate | up]
+        return self.attn.linear(_bf16(F.silu(gate) * up), block.mlp.w2.weight)
 
     def vit(self, pre: PreprocessedImage) -> Tensor:
         """[vit_h·vit_w, D] BF16-valued fp32: patch embed → blocks → final RMSNorm."""
@@ -146,7 +146,7 @@ class VisionTower(nn.Module):
         if tuple(pre.patches.shape) != (g.num_patches, 3 * v.patch_size ** 2):
             raise ValueError(f"patches {tuple(pre.patches.shape)} do not match grid {g}")
         vit = self.vision
-        x = _linear(pre.patches.to(self.device, F32), vit.patch_embed.proj.weight, vit.patch_embed.proj.bias)
+        x = self.attn.linear(pre.patches.to(self.device, F32), vit.patch_embed.proj.weight, vit.patch_embed.proj.bias)
         angles = rope_angles(g.vit_h, g.vit_w, v.head_dim, v.rope_theta, self.device)
         cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
         eps = v.rms_norm_eps
@@ -163,8 +163,8 @@ class VisionTower(nn.Module):
         grid = feats.reshape(g.vit_h, g.vit_w, -1).permute(2, 0, 1)
         grid = F.pad(grid, (0, (-g.vit_w) % k, 0, (-g.vit_h) % k))
         cols = F.unfold(grid[None], kernel_size=k, stride=k)[0].transpose(0, 1)
-        h = _linear(cols, self.aligner.w1.weight, self.aligner.w1.bias)
-        return _linear(_bf16(F.gelu(h, approximate="none")), self.aligner.w2.weight, self.aligner.w2.bias)
+        h = self.attn.linear(cols, self.aligner.w1.weight, self.aligner.w1.bias)
+        return self.attn.linear(_bf16(F.gelu(h, approximate="none")), self.aligner.w2.weight, self.aligner.w2.bias)
 
     @torch.no_grad()
     def encode(self, pre: PreprocessedImage) -> Tensor:
