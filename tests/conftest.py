@@ -3,6 +3,11 @@
 * `gpu` tests are skipped when CUDA is absent (CI has no GPU) — a skip is not a pass: they are
   run on the GPU machine and logged in docs/validation.md.
 * `tiny_checkpoint`: one tiny checkpoint per test session, made with the real writer.
+* Child pytest runs under the Triton interpreter (each `test_kernel_cases_in_triton_interpreter`,
+  and tests marked `child_run(*argv)`) are queued when collection ends and run ahead on a spare
+  core at nice 19 (`child_runs`); the tests then assert on their output.
+* `shared_servers`: servers shared by several modules (`shared_servers.GROUPS`); the modules of a
+  group run next to each other and the server stops after the group's last collected test.
 """
 from __future__ import annotations
 
@@ -17,7 +22,70 @@ import torch
 torch.set_num_threads(1)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "child_run(*argv): the test asserts on `child_runs.run(argv)`; "
+                                       "conftest prefetches it (tests/child_runs.py)")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    import child_runs
+    from shared_servers import group_of
+    from triton_checks import kernel_cases_argv
+
+    _LAST_OF_GROUP.clear()
+    for item in session.items:
+        group = group_of(item.path.name)
+        if group is not None:
+            _LAST_OF_GROUP[group] = item.nodeid
+
+    argvs = []
+    for item in session.items:
+        if any(m.name == "skip" for m in item.iter_markers()) or "gpu" in item.keywords:
+            continue
+        mark = item.get_closest_marker("child_run")
+        if mark is not None:
+            argvs.append(tuple(mark.args))
+        elif item.name == "test_kernel_cases_in_triton_interpreter":
+            argvs.append(kernel_cases_argv(item.path))
+    child_runs.prefetch(argvs)
+
+
+_LAST_OF_GROUP: dict[str, str] = {}     # shared-server group -> node id of its last collected test
+_SHARED: list = []                      # the session's SharedServers, once a test asked for it
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    result = yield
+    for group, nodeid in _LAST_OF_GROUP.items():
+        if nodeid == item.nodeid and _SHARED:
+            _SHARED[0].stop(group)
+    return result
+
+
+@pytest.fixture(scope="session")
+def shared_servers(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+    from shared_servers import SharedServers
+
+    servers = SharedServers(tiny_checkpoint, tmp_path_factory)
+    _SHARED.append(servers)
+    try:
+        yield servers
+    finally:
+        servers.stop_all()
+        _SHARED.remove(servers)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    import child_runs
+
+    child_runs.stop()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from shared_servers import grouped_order
+
+    items[:] = grouped_order(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run with -m gpu on the GPU machine; see docs/validation.md)")

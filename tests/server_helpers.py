@@ -67,7 +67,7 @@ class Server:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             if self._healthy():
                 return
-            time.sleep(3)
+            time.sleep(1)
         raise TimeoutError(f"server not ready after {timeout_s} s:\n{self.log_tail()}")
 
     def get(self, path: str) -> dict[str, Any]:

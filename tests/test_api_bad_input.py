@@ -1,6 +1,6 @@
 """No request can crash the server (issue 20 item 1; docs/api.md "Bad input").
 
-One `sglang-dsv41 serve` on the tiny checkpoint for the whole module (CPU in CI). Every bad
+The shared ``api`` `sglang-dsv41 serve` on the tiny checkpoint (tests/shared_servers.py). Every bad
 request of `BAD` goes through the real HTTP front door — `/generate`, `/v1/completions`,
 `/v1/chat/completions`, streamed and not — and must get a 4xx whose message names the problem
 and shows no server path; after each one `/health` must answer 200. At the end a normal greedy
@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from server_helpers import REQUEST_TIMEOUT_S, Server, running
+from server_helpers import REQUEST_TIMEOUT_S, Server
 from sglang_dsv41.api.prompt_tokens import PromptTokenEncoder
 
 pytestmark = pytest.mark.slow
@@ -127,11 +127,10 @@ STREAMED = [name for name in BAD if name not in ("generate_regex", "chat_respons
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
-    with running(Server(tiny_checkpoint, tmp_path_factory.mktemp("bad_input") / "server.log",
-                     ["--max-total-tokens", "8192", "--max-running-requests", "8", "--enable-metrics"],
-                     env={"SGLANG_DSV41_INDEXER_STATS_EVERY": "1"})) as srv:
-        yield srv
+def server(shared_servers) -> Server:
+    """The shared ``api`` server (tests/shared_servers.py: ``--enable-metrics``, indexer statistics
+    every forward)."""
+    return shared_servers.get("api")
 
 
 @pytest.fixture(scope="module")

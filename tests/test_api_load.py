@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from benchmark_loader import load_benchmark
-from server_helpers import REQUEST_TIMEOUT_S, Server, running
+from server_helpers import REQUEST_TIMEOUT_S, Server
 
 pytestmark = pytest.mark.slow
 
@@ -31,11 +31,12 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "observability.md"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
-    with running(Server(tiny_checkpoint, tmp_path_factory.mktemp("load") / "server.log",
-                        ["--max-running-requests", str(LOAD_REQUESTS), "--enable-metrics",
-                         "--enable-cache-report"])) as srv:
-        yield srv
+def server(shared_servers) -> Server:
+    """The shared ``api`` server (tests/shared_servers.py: ``--max-running-requests`` =
+    `LOAD_REQUESTS`, ``--enable-metrics --enable-cache-report``)."""
+    srv = shared_servers.get("api")
+    assert srv.get("/get_server_info")["max_running_requests"] >= LOAD_REQUESTS
+    return srv
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """The DeepSeek-V4.1 chat API through a real server with the model (issue 4; docs/api.md
 "Verified end to end").
 
-One `sglang-dsv41 serve` process on the tiny checkpoint for the module, launched with
+The shared ``api`` `sglang-dsv41 serve` on the tiny checkpoint (tests/shared_servers.py), launched with
 ``--reasoning-parser deepseek-v41 --tool-call-parser deepseek-v41`` (CPU in CI; on a CUDA machine
 the same tests serve from the GPU). The tiny model's output is random, so the tests assert
 structure, never content, and steer the model only through the public API:
@@ -28,7 +28,7 @@ from typing import Any, Callable
 import deepseek_recipe as dr
 import pytest
 
-from server_helpers import REQUEST_TIMEOUT_S, Server, running
+from server_helpers import REQUEST_TIMEOUT_S, Server
 from sglang_dsv41.api.effort import CARD_TABLE, resolve_reasoning
 from sglang_dsv41.api.encoding import SPECIAL_TOKENS, encode_chat, render_chat
 from sglang_dsv41.api.prompt_tokens import PromptTokenEncoder
@@ -61,12 +61,10 @@ JSON_MAX_TOKENS = 60    # {"unit":"C","ok":false} without free whitespace is < 3
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
-    with running(Server(tiny_checkpoint, tmp_path_factory.mktemp("api_server") / "server.log",
-                     ["--max-total-tokens", "8192", "--max-running-requests", "16",
-                      "--reasoning-parser", PARSER, "--tool-call-parser", PARSER,
-                      "--constrained-json-disable-any-whitespace"])) as srv:
-        yield srv
+def server(shared_servers) -> Server:
+    """The shared ``api`` server (tests/shared_servers.py: the `PARSER` parsers,
+    ``--constrained-json-disable-any-whitespace``)."""
+    return shared_servers.get("api")
 
 
 @pytest.fixture(scope="module")

@@ -21,11 +21,7 @@ loosened there) and in the interpreter (which truncates fp32→bf16, spec §12).
 from __future__ import annotations
 
 import math
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -37,6 +33,7 @@ from sglang_dsv41.kernels.packed_rows import load_latent_pair_tiles
 from sglang_dsv41.reference.attention import attend_with_sink, swa_key_positions
 from sglang_dsv41.runtime.batch import make_layout
 
+import child_runs
 from packed_rows_codec import packed_rows_case
 from triton_checks import compile_for_sm90
 
@@ -46,16 +43,17 @@ interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INT
                                                          "test_interpreter_cases")
 
 
+INTERPRETER_ARGV = child_runs.interpreter_argv(__file__, "-m", "not gpu", "-k",
+                                               "not test_interpreter_cases and not test_compiled_kernels_refuse_cpu_tensors"
+                                               " and not test_compiles_for_hopper_without_spills")
+
+
 @pytest.mark.skipif(INTERPRETED, reason="this process is the interpreter child")
+@pytest.mark.child_run(*INTERPRETER_ARGV)
 def test_interpreter_cases():
-    """This file's CPU tests under Triton's interpreter, in one child pytest process."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = Path(__file__).resolve().parents[1]
-    parent_only = ("not test_interpreter_cases and not test_compiled_kernels_refuse_cpu_tensors and "
-                   "not test_compiles_for_hopper_without_spills")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
-                           "-k", parent_only, str(Path(__file__).resolve())], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)
+    """This file's CPU tests under Triton's interpreter, in one child pytest process (which may
+    have run ahead on a spare core: `child_runs`)."""
+    proc = child_runs.run(INTERPRETER_ARGV, timeout_s=600)
     summary = proc.stdout.strip().splitlines()[-1:] if proc.stdout.strip() else []
     assert proc.returncode == 0, f"interpreter tests failed:\n{proc.stdout[-12000:]}\n{proc.stderr[-4000:]}"
     assert summary and " passed" in summary[0] and "skipped" not in summary[0], proc.stdout[-4000:]

@@ -1,15 +1,16 @@
-"""PD faults that need a pair of their own: transfer timeouts, aborted requests and a prefill server
-killed with requests in flight (issue 15 item 4; docs/pd.md "Faults").
+"""PD faults: transfer timeouts, aborted requests and a prefill server killed with requests in
+flight (issue 15 item 4; docs/pd.md "Faults").
 
-One 1P1D set-up for the module, started as `test_pd_server.py` starts its own (two
-`sglang-dsv41 serve --disaggregation-mode ...` and `sglang-router`, 127.0.0.1, Mooncake TCP),
-but with SGLang's transfer timeouts lowered to `TIMEOUT_S`: the prefill drops a request whose
+The session's 1P1D (`pd_cluster.PDCluster`, shared with `test_pd_server.py`: two
+`sglang-dsv41 serve --disaggregation-mode ...` and `sglang-router`, 127.0.0.1, Mooncake TCP), with
+SGLang's transfer timeouts lowered to `TIMEOUT_S`: the prefill drops a request whose
 decode never bootstraps (`SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`), the decode drops one whose KV
 never arrives (`SGLANG_DISAGGREGATION_WAITING_TIMEOUT`). "Nothing leaks" is checked on the pools
 themselves: after every fault both servers go idle (no running, waiting or PD-queued request, per
 `/v1/loads`), and once the prefix cache is flushed their used tokens equal the baseline taken
 before the first request. The last test kills the prefill server, so it runs last; it then starts
-a new prefill, registers it with the same router (sglang-router's worker API) and serves again.
+a new prefill, registers it with the same router (sglang-router's worker API) and serves again;
+the shared set-up keeps the new prefill.
 """
 from __future__ import annotations
 
@@ -18,28 +19,20 @@ import signal
 import threading
 import time
 import urllib.error
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from server_helpers import Server, free_port
-from test_pd_server import COMMON, Router, _http, _pd_missing, _up, _wait
+from pd_cluster import TIMEOUT_S
+from server_helpers import Server
+from test_pd_server import Router, _http, _pd_missing, _up, _wait
 from test_runtime_server import _prompt
 
 pytestmark = pytest.mark.slow
 
-TIMEOUT_S = 60          # both transfer timeouts; above a loaded host's stalls of a small prefill (docs/pd.md)
 SETTLE_S = 180          # bound on a server going idle and its pool back to baseline
-ENV = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(TIMEOUT_S),
-       "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(TIMEOUT_S)}
 QUEUES = ("prefill_bootstrap_queue_reqs", "prefill_inflight_queue_reqs", "decode_prealloc_queue_reqs",
           "decode_transfer_queue_reqs", "decode_retracted_queue_reqs")
-
-
-def _prefill(checkpoint: Path, log: Path, boot: int) -> Server:
-    return Server(checkpoint, log, [*COMMON, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
-                                    str(boot), "--chunked-prefill-size", "64"], env=ENV)
 
 
 def pool(srv: Server) -> dict[str, int]:
@@ -75,33 +68,19 @@ def settled(srv: Server, baseline: int | None = None, timeout_s: float = SETTLE_
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+def pair(shared_servers) -> dict[str, Any]:
     missing = _pd_missing()
     if missing:
         if os.environ.get("SGLANG_DSV41_PD_REQUIRED") == "1":
             pytest.fail(f"SGLANG_DSV41_PD_REQUIRED=1 but {missing}")
         pytest.skip(missing)
-    logs = tmp_path_factory.mktemp("pd_faults")
-    boot = free_port()
-    state: dict[str, Any] = {"logs": logs, "checkpoint": tiny_checkpoint, "boot": boot}
-    state["prefill"] = _prefill(tiny_checkpoint, logs / "prefill.log", boot)
-    state["decode"] = Server(tiny_checkpoint, logs / "decode.log", [*COMMON, "--disaggregation-mode", "decode"],
-                             env=ENV)
-    try:
-        p, d = state["prefill"], state["decode"]
-        _wait("prefill and decode", lambda: _up(p.url("/health")) and _up(d.url("/health")), [p, d],
-              [p.log_tail, d.log_tail])
-        state["router"] = Router(p, boot, d, logs / "router.log")
-        r = state["router"]
-        _wait("router", lambda: _up(r.url("/readiness")), [p, d, r], [p.log_tail, d.log_tail, r.log_tail],
-              timeout_s=300)
-        # idle and flushed, both pools hold nothing: every later check is "back to 0"
-        state["baseline"] = {"prefill": settled(p, 0)["num_used_tokens"], "decode": settled(d, 0)["num_used_tokens"]}
-        yield state
-    finally:
-        for key in ("router", "decode", "prefill", "new_prefill"):
-            if state.get(key) is not None:
-                state[key].stop()
+    cluster = shared_servers.pd()
+    p, d = cluster.prefill, cluster.decode
+    state: dict[str, Any] = {"cluster": cluster, "boot": cluster.boot, "prefill": p, "decode": d,
+                             "router": cluster.router}
+    # idle and flushed, both pools hold nothing: every later check is "back to 0"
+    state["baseline"] = {"prefill": settled(p, 0)["num_used_tokens"], "decode": settled(d, 0)["num_used_tokens"]}
+    return state
 
 
 def _body(seed: int, n: int, new_tokens: int, **extra: Any) -> dict[str, Any]:
@@ -231,8 +210,8 @@ def test_prefill_killed_with_requests_in_flight(pair) -> None:
     dead = [w["id"] for w in router.workers() if w["worker_type"] == "prefill"]
     assert len(dead) == 1, router.workers()
 
-    boot = free_port()
-    new = pair["new_prefill"] = _prefill(pair["checkpoint"], pair["logs"] / "prefill2.log", boot)
+    new, boot = pair["cluster"].new_prefill("prefill_replacement")
+    pair["cluster"].adopt_prefill(new, boot)              # the shared set-up's prefill from now on
     _wait("new prefill", lambda: _up(new.url("/health")), [new, decode], [new.log_tail, decode.log_tail])
     new_id = router.add_worker(new.url(""), "prefill", boot)
     router.remove_worker(dead[0])

@@ -1,13 +1,13 @@
 """End to end: prefill/decode disaggregation of the tiny checkpoint over Mooncake (TCP on CPU) with
 SGLang's router (issue 15; docs/pd.md; spec cpu.md §5, integration.md §2).
 
-One 1P1D set-up for the module, started as a user would: a prefill and a decode
-`sglang-dsv41 serve --disaggregation-mode ...` (which sets the CPU PD environment,
-`runtime/cpu_env.py`) and `python -m sglang_router.launch_router --pd-disaggregation`, all on
-127.0.0.1, every wait bounded, every process group killed at the end. The prefill chunks its
-prompts (`--chunked-prefill-size 24`: the 27-, 41- and 42-token oracle prompts take 2 chunks
-each; 12 until session 9, where the tool-call prompt's ~600 tokens in 50 chunks cost 240 s on a
-loaded host), so a pending ratio-2 pair crosses chunks before it crosses servers. Decode output is held to the same oracle as the colocated server's
+The session's 1P1D set-up (`pd_cluster.PDCluster`, shared with `test_pd_faults.py`), started as a
+user would: a prefill and a decode `sglang-dsv41 serve --disaggregation-mode ...` (which sets the
+CPU PD environment, `runtime/cpu_env.py`) and `python -m sglang_router.launch_router
+--pd-disaggregation`, all on 127.0.0.1, every wait bounded, every process group killed at the end.
+The prefill chunks its prompts (`pd_cluster.CHUNK` = 64: the 67-, 81- and 82-token oracle prompts
+take 2 chunks each, so a pending ratio-2 pair crosses chunks before it crosses servers; the
+tool-call prompt's ~600 tokens take 10). Decode output is held to the same oracle as the colocated server's
 (tests/test_runtime_server.py: the reference teacher-forced on the tokens, within the numerics
 contract; logprobs within its bound), which avoids a third server. The fault test runs last: it
 kills the decode server.
@@ -146,32 +146,14 @@ def _wait(what: str, ok, procs, logs, timeout_s: float = STARTUP_TIMEOUT_S) -> N
 
 
 @pytest.fixture(scope="module")
-def pd(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+def pd(shared_servers) -> tuple[Server, Server, Router]:
     missing = _pd_missing()
     if missing:
         if os.environ.get("SGLANG_DSV41_PD_REQUIRED") == "1":
             pytest.fail(f"SGLANG_DSV41_PD_REQUIRED=1 but {missing}")
         pytest.skip(missing)
-    logs = tmp_path_factory.mktemp("pd")
-    boot = free_port()
-    prefill = Server(tiny_checkpoint, logs / "prefill.log",
-                     [*COMMON, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot),
-                      "--chunked-prefill-size", "24"])
-    decode = Server(tiny_checkpoint, logs / "decode.log", [*COMMON, "--disaggregation-mode", "decode"])
-    router = None
-    try:
-        _wait("prefill and decode", lambda: _up(prefill.url("/health")) and _up(decode.url("/health")),
-              [prefill, decode], [prefill.log_tail, decode.log_tail])
-        router = Router(prefill, boot, decode, logs / "router.log")
-        # The router's /health is 200 before it has registered any worker (registration runs in the
-        # background); /readiness is 503 until a healthy prefill and decode are registered.
-        _wait("router", lambda: _up(router.url("/readiness")), [prefill, decode, router],
-              [prefill.log_tail, decode.log_tail, router.log_tail], timeout_s=300)
-        yield prefill, decode, router
-    finally:
-        for proc in (router, decode, prefill):
-            if proc is not None:
-                proc.stop()
+    cluster = shared_servers.pd()          # (re)started if a process of it is gone; the router is ready
+    return cluster.prefill, cluster.decode, cluster.router
 
 
 def _generate(router: Router, ids: list[int], n: int = NEW_TOKENS, logprob: bool = False) -> dict[str, Any]:
@@ -188,7 +170,7 @@ def test_both_servers_registered_the_v41_layout(pd) -> None:
         assert "sglang-dsv41 PD layout: {" in log and "'state_types': ['swa', 'c128_state']" in log, log[-3000:]
 
 
-@pytest.mark.parametrize("seed,n", [(11, 41), (12, 42), (13, 27)], ids=["odd-41", "even-42", "odd-27"])
+@pytest.mark.parametrize("seed,n", [(11, 81), (12, 82), (13, 67)], ids=["odd-81", "even-82", "odd-67"])
 def test_decode_output_is_the_colocated_servers(pd, reference, seed: int, n: int) -> None:
     """Greedy tokens within the contract of the reference (odd lengths: the pending pair crossed
     servers as the boundary row) and logprobs within the colocated server's bound."""
@@ -254,7 +236,7 @@ def test_tool_call_through_pd(pd) -> None:
     the named tool with schema-valid arguments and no markup in content, streamed the same as
     non-streamed — the checks tests/test_api_server.py makes on the colocated server (equality with
     a colocated reply: benchmarks/pd.py, docs/pd.md). A named choice shows the model one tool: the
-    prompt (~600 tokens with the DSML tool instructions, 24-token chunks here) is the cost of this
+    prompt (~600 tokens with the DSML tool instructions, 64-token chunks here) is the cost of this
     test on a loaded CPU."""
     from test_api_server import CLOCK, TOOL_MAX_TOKENS, WEATHER, _assemble, _assert_valid_call, _calls
 

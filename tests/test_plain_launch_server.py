@@ -8,8 +8,8 @@ repeated prompt hits the prefix cache, and a chat reply carries its trace in
 
 The environment is exactly what ``sglang-dsv41 serve --dry-run`` prints for this checkpoint (the
 CPU engine switch, the libcuda stand-in on ``LD_LIBRARY_PATH``, offline hub), on top of the test's
-own environment; the only flag besides the two above is ``--port`` (a free one). One server for
-the module; every wait and request is bounded; its process group is killed at the end.
+own environment; the only flag besides the two above is ``--port`` (a free one). The shared ``plain``
+server (tests/shared_servers.py); every wait and request is bounded; its process group is killed at the end.
 
 The chat case needs a reply that closes its trace after a few tokens. The tiny model is random,
 so the test steers it through the public API only: a ``logit_bias`` on ``</think>`` chosen from
@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from server_helpers import Server, free_port, running
+from server_helpers import Server, free_port
 from sglang_dsv41.reference.model import ReferenceModel
 from sglang_dsv41.runtime.requirements import CURRENT_RUNTIME, PAGE_SIZE
 
@@ -75,10 +75,10 @@ def prepared(tiny_checkpoint: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint: Path, prepared: dict[str, str], tmp_path_factory: pytest.TempPathFactory):
-    with running(PlainServer(["--model-path", str(tiny_checkpoint), "--device", "cpu"], prepared,
-                          tmp_path_factory.mktemp("plain") / "server.log")) as srv:
-        yield srv
+def server(prepared: dict[str, str], shared_servers) -> PlainServer:
+    """The shared ``plain`` server (tests/shared_servers.py): `PlainServer` with the model path,
+    ``--device cpu`` and the `prepared` environment."""
+    return shared_servers.get("plain")
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,7 @@ What is pinned:
 from __future__ import annotations
 
 import math
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,6 +28,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import child_runs
 from runtime_scenarios import fixed_decode_tokens, run_scenario, scenario_caches
 from sglang_dsv41.checkpoint.loader import load_reference_weights
 from sglang_dsv41.config import DeepseekV41Config
@@ -168,16 +167,17 @@ def test_kernel_orchestration_with_exact_stand_ins_equals_cpu_path(engine, monke
 
 # ---- the real kernels in Triton's interpreter ---------------------------------------------------
 
+INTERPRETER_ARGV = child_runs.interpreter_argv(Path(__file__).resolve().parent / "test_runtime_forward_gpu.py",
+                                               "-W", "ignore::DeprecationWarning", "-k", "identical_inputs")
+
+
 @pytest.mark.slow
+@pytest.mark.child_run(*INTERPRETER_ARGV)
 def test_gpu_sublayer_tests_pass_in_the_triton_interpreter() -> None:
     """tests/test_runtime_forward_gpu.py's identical-input tests, CPU tensors, TRITON_INTERPRET=1
-    (~50 s; its batch-invariance test passes there too, 75 s more, and is left to the GPU run)."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = Path(__file__).resolve().parents[1]
-    target = Path(__file__).resolve().parent / "test_runtime_forward_gpu.py"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W",
-                           "ignore::DeprecationWarning", "-k", "identical_inputs", str(target)],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    (~50 s; its batch-invariance test passes there too, 75 s more, and is left to the GPU run;
+    the child may have run ahead on a spare core: `child_runs`)."""
+    proc = child_runs.run(INTERPRETER_ARGV, timeout_s=900)
     tail = proc.stdout[-6000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, tail
     assert re.search(r"\b2 passed", proc.stdout) and not re.search(r"\d+ (failed|skipped|error)", proc.stdout), tail

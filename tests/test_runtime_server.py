@@ -1,7 +1,7 @@
 """End to end: `sglang-dsv41 serve` on the tiny checkpoint vs its oracle (issue 3 items 4 and 5;
 spec cpu.md §3). On CPU the oracle is `ReferenceModel`; on CUDA see "On CUDA" below.
 
-One server for the module, started exactly as a user would (`python -m sglang_dsv41.cli serve`,
+The shared ``chunked`` server (tests/shared_servers.py), started exactly as a user would (`python -m sglang_dsv41.cli serve`,
 which prepares the CPU environment itself), with `--chunked-prefill-size 12 --enable-mixed-chunk`
 and the runtime's `--page-size 2` (SGLang needs the chunk size to be a multiple of the page size,
 so chunks and prefix hits start at even positions; decode steps end requests at odd and even
@@ -40,7 +40,7 @@ import pytest
 import torch
 
 from runtime_scenarios import greedy_generate, one_shot_logits, runtime_engine
-from server_helpers import REQUEST_TIMEOUT_S, Server, concurrently, running
+from server_helpers import REQUEST_TIMEOUT_S, Server, concurrently
 from sglang_dsv41.reference.model import ReferenceModel
 from test_runtime_numerics_contract import LOGIT_BOUND
 from sglang_dsv41.runtime.requirements import PAGE_SIZE
@@ -53,11 +53,10 @@ LOGPROB_ATOL = 1e-5 if torch.cuda.is_available() else 2 * LOGIT_BOUND   # CUDA: 
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
-    with running(Server(tiny_checkpoint, tmp_path_factory.mktemp("server") / "server.log",
-                     ["--max-total-tokens", "4096", "--chunked-prefill-size", str(CHUNK), "--enable-mixed-chunk",
-                      "--max-running-requests", "8"])) as srv:
-        yield srv
+def server(shared_servers) -> Server:
+    """The shared ``chunked`` server (tests/shared_servers.py: ``--max-total-tokens 4096
+    --chunked-prefill-size 12 --enable-mixed-chunk --max-running-requests 8``)."""
+    return shared_servers.get("chunked")
 
 
 class KernelPathOracle:

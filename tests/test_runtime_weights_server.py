@@ -43,10 +43,10 @@ def other_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint: Path, env: dict[str, str], tmp_path_factory: pytest.TempPathFactory):
-    with running(PlainServer(["--model-path", str(tiny_checkpoint), "--device", "cpu"], env,
-                             tmp_path_factory.mktemp("weights") / "server.log")) as srv:
-        yield srv
+def server(shared_servers) -> PlainServer:
+    """The shared ``plain`` server (tests/shared_servers.py), started as `test_plain_launch_server.py`
+    describes; the swap test puts the first weights back."""
+    return shared_servers.get("plain")
 
 
 def _update(server, path: Path) -> dict:

@@ -22,14 +22,14 @@ import torch
 from PIL import Image
 
 from server_helpers import Server, running
+from shared_servers import CHUNKED_ARGS
 from sglang_dsv41.reference.model import ReferenceModel
 from test_runtime_numerics_contract import LOGIT_BOUND
 
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 8
-SERVER_ARGS = ["--max-total-tokens", "4096", "--chunked-prefill-size", "12", "--enable-mixed-chunk",
-               "--max-running-requests", "8", "--limit-mm-data-per-request", '{"image": 4}']
+SERVER_ARGS = CHUNKED_ARGS     # the shared ``chunked`` server's (the image limit last)
 
 
 def make_image(seed: int, size: tuple[int, int]) -> Image.Image:
@@ -44,9 +44,9 @@ def png_data_url(img: Image.Image) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
-    with running(Server(tiny_checkpoint, tmp_path_factory.mktemp("vision") / "server.log", SERVER_ARGS)) as srv:
-        yield srv
+def server(shared_servers) -> Server:
+    """The shared ``chunked`` server (tests/shared_servers.py), started with `SERVER_ARGS`."""
+    return shared_servers.get("chunked")
 
 
 @pytest.fixture(scope="module")

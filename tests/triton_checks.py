@@ -2,7 +2,8 @@
 
 * `run_kernel_cases_in_interpreter` — run a test file's `kernel_case` tests in a child pytest with
   `TRITON_INTERPRET=1` (the variable must be set before triton is imported, hence the child) and
-  assert they all passed, none skipped or failed.
+  assert they all passed, none skipped or failed (the child may have run ahead of the test on a spare
+  core: `child_runs`).
 * `compile_for_sm90` — build a kernel for Hopper (sm_90) with Triton's bundled ptxas and return
   it with `cuobjdump -res-usage`'s line for it (registers, stack, local memory: spills show up as
   STACK/LOCAL > 0).
@@ -12,19 +13,21 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+import child_runs
+
+
+def kernel_cases_argv(test_file: str | Path) -> tuple[str, ...]:
+    """The child pytest arguments of `run_kernel_cases_in_interpreter` (also what conftest prefetches)."""
+    return child_runs.interpreter_argv(test_file, "-k", "kernel_case")
 
 
 def run_kernel_cases_in_interpreter(test_file: str | Path, *, min_passed: int, exact: bool = False) -> str:
     """Child `pytest -k kernel_case test_file` under the interpreter; ≥ `min_passed` (or exactly,
     with `exact`) must pass and nothing may fail, error or skip. Returns the child's stdout."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "kernel_case",
-                           str(test_file)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = child_runs.run(kernel_cases_argv(test_file), timeout_s=600)
     tail = proc.stdout[-6000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, tail
     passed = re.search(r"(\d+) passed", proc.stdout)
