@@ -27,8 +27,8 @@ preprocessing times (CI runs this on the tiny checkpoint).
 with ``--vit-dims`` (``flash``: the card's 32-layer ViT, random BF16-valued weights; ``checkpoint``:
 the checkpoint's dims) encodes ``--vit-images`` images per case (each ``--sizes`` resolution, and
 ``cap``: a square grid at the token cap, the planner's worst case), images/s after one warm-up, for
-each ``--vit-attention`` backend (`runtime/vision_attention.py`: ``auto`` is SGLang's FA3 vision
-attention with BF16 operands on an H200; ``sdpa`` the fp32 torch path). On CUDA it also records,
+each ``--vit-attention`` backend (`runtime/vision_attention.py`: ``auto`` is SGLang's Triton vision
+attention with BF16 operands on CUDA; ``sdpa`` the fp32 torch path). On CUDA it also records,
 per backend, the peak allocated bytes above the weights while one cap image encodes, next to the
 planner's figure (`deploy/vision_config.vit_activation_bytes`, fused attention).
 

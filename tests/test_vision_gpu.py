@@ -21,15 +21,19 @@ from tp_harness import stored_tensors
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("attention", ["auto", "triton", "sdpa"])
+FA3_FAILED = pytest.mark.xfail(strict=True, reason="failed on the H200 in session 11 (its traceback was cut "
+                               "by the call's budget; docs/vision.md 'Not done'), so `auto` is triton")
+
+
+@pytest.mark.parametrize("attention", ["auto", "triton", "sdpa", pytest.param("fa3", marks=FA3_FAILED)])
 def test_tower_on_cuda_matches_the_reference(tiny_checkpoint: Path, attention: str) -> None:
-    """auto: SGLang's FA3 vision attention with BF16 operands on an H200 (`runtime/vision_attention.py`)."""
+    """auto: SGLang's Triton vision attention with BF16 operands (`runtime/vision_attention.py`)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = DeepseekV41Config.from_file(tiny_checkpoint / "config.json")
     with torch.device("cuda"):
         tower = VisionTower(cfg, attention=attention)
-    if attention == "auto" and torch.cuda.get_device_capability()[0] == 9:
-        assert tower.attn.backend == "fa3"
+    if attention == "auto":
+        assert tower.attn.backend == "triton"
     tower.load_weights((n, v) for n, v in stored_tensors(tiny_checkpoint).items() if is_vision_tensor(n))
     reference = ReferenceModel.from_checkpoint(tiny_checkpoint)
     for size in [(84, 84), (200, 90), (1000, 1000)]:
@@ -55,4 +59,4 @@ def test_card_requests_on_the_gpu_server(tiny_checkpoint: Path, tmp_path: Path) 
         log = srv.log_tail(400_000)
         assert "vision tower loaded" in log
         if torch.cuda.get_device_capability()[0] == 9:
-            assert "attention: SGLang VisionFlash3Attention (FA3)" in log
+            assert "attention: SGLang VisionTritonAttention" in log

@@ -3,7 +3,7 @@
 # 1. The ViT alone, in process on cuda: the card's 32-layer ViT (Flash dims, random BF16-valued
 #    weights) encodes 4 images at 1024x768 and 4 at the 1024-token cap: images/s, and the peak
 #    activation of one cap image next to the planner's figure (deploy/vision_config.py); once with
-#    the served backend (auto: SGLang's FA3 vision attention, BF16 operands) and once with the fp32
+#    the served backend (auto: SGLang's Triton vision attention, BF16 operands) and once with the fp32
 #    torch path (sdpa), runtime/vision_attention.py.
 # 2. `sglang-dsv41 serve --device cuda` on the tiny checkpoint (vision on): streamed chat TTFT for
 #    text, 1 image, the same image again (prefix hit), and 1 / 4 / 16 images per request.

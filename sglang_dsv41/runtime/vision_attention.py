@@ -5,12 +5,12 @@ Backends (`pick_backend`; `VisionTower(cfg, attention=...)` overrides ``auto``):
 
 * ``sdpa`` — torch's `scaled_dot_product_attention` on fp32 operands holding BF16 values, linears
   multiplied in fp32. The CPU path (``auto`` on every device but CUDA).
-* ``fa3`` — SGLang 0.5.17's `VisionFlash3Attention` (sgl_kernel's FA3 varlen kernel, the one its
-  `VisionAttention` runs with ``qkv_backend="fa3"``) on BF16 operands. ``auto`` on CUDA SM 9.x
-  (H100 / H200).
 * ``triton`` — SGLang's `VisionTritonAttention` (its non-causal `context_attention_fwd` Triton
-  kernel) on BF16 operands. ``auto`` on other CUDA GPUs; it also runs on CPU tensors under
-  ``TRITON_INTERPRET=1``, which is how CPU tests check the fast path against the reference.
+  kernel) on BF16 operands. ``auto`` on CUDA: it met the reference bound on the H200
+  (docs/vision.md); it also runs on CPU tensors under ``TRITON_INTERPRET=1``.
+* ``fa3`` — SGLang 0.5.17's `VisionFlash3Attention` (sgl_kernel's FA3 varlen kernel, the one its
+  `VisionAttention` runs with ``qkv_backend="fa3"``) on BF16 operands, CUDA SM 9.x only. Named
+  only: its tower test failed on the H200 (docs/vision.md "Not done").
 
 With ``fa3`` / ``triton`` the tower's linears take BF16 operands too (`linear`): the weights hold
 BF16 values, so casting them is exact, and a BF16 GEMM accumulates in fp32 and rounds its output
@@ -36,14 +36,12 @@ def _bf16(x: Tensor) -> Tensor:
 
 
 def pick_backend(requested: str, device: torch.device) -> str:
-    """The backend for `device`: ``auto`` → fa3 on CUDA SM 9.x, triton on other CUDA, sdpa elsewhere;
+    """The backend for `device`: ``auto`` → triton on CUDA, sdpa elsewhere;
     a named backend is checked against the device (a clear error, never a silent fallback)."""
     if requested not in ("auto", *BACKENDS):
         raise ValueError(f"unknown ViT attention backend {requested!r}: one of auto, {', '.join(BACKENDS)}")
     if requested == "auto":
-        if device.type != "cuda":
-            return "sdpa"
-        return "fa3" if torch.cuda.get_device_capability(device)[0] == 9 else "triton"
+        return "triton" if device.type == "cuda" else "sdpa"
     if requested == "fa3" and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9):
         raise ValueError(f"ViT attention 'fa3' needs a CUDA SM 9.x device, not {device}")
     return requested
