@@ -36,7 +36,7 @@ from typing import Mapping
 
 import torch
 from sglang.srt.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from sglang.srt.layers.quantization.base_config import LinearMethodBase, QuantizationConfig
+from sglang.srt.layers.quantization.base_config import LinearMethodBase
 from torch import Tensor, nn
 
 from ..checkpoint.codecs import TILE, scale_bytes
@@ -45,7 +45,8 @@ from ..checkpoint.names import Kind, TensorSpec, tensor_inventory
 from ..config import DeepseekV41Config
 from .backend import ComputeBackend
 from .dense_ops import fp8_scale_key, is_dense_linear_name
-from .quant_methods import UNIT_SCALE_BYTE, check_stored, loaded_tile_scales, new_parameter, restore_stored_form
+from .quant_methods import (UNIT_SCALE_BYTE, PerLayerQuantConfig, check_stored, loaded_tile_scales, new_parameter,
+                            restore_stored_form)
 from .tensor_parallel import ShardPlan
 
 F32, E4M3, U8 = torch.float32, torch.float8_e4m3fn, torch.uint8
@@ -195,7 +196,7 @@ class Bf16ReplicatedMethod(LinearMethodBase):
         return backend.linear_bf16(x, layer.weight, out_fp32)
 
 
-class Dsv41Fp8TileConfig(QuantizationConfig):
+class Dsv41Fp8TileConfig(PerLayerQuantConfig):
     """The quantisation config that hands one layer its method: `Fp8TileParallelMethod` for an FP8
     tensor spec, `Bf16ReplicatedMethod` for a BF16 one."""
 
@@ -205,21 +206,6 @@ class Dsv41Fp8TileConfig(QuantizationConfig):
 
     def get_name(self) -> str:
         return "dsv41_fp8_tile"
-
-    def get_supported_act_dtypes(self) -> list[torch.dtype]:
-        return [torch.float32, torch.bfloat16]
-
-    @classmethod
-    def get_min_capability(cls) -> int:
-        return 0
-
-    @staticmethod
-    def get_config_filenames() -> list[str]:
-        return []
-
-    @classmethod
-    def from_config(cls, config: dict) -> "Dsv41Fp8TileConfig":
-        raise NotImplementedError("built per layer by sglang_dsv41.runtime.parallel_linear, not from a config file")
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase:
         if self.spec.kind is Kind.FP8:

@@ -25,6 +25,7 @@ import dataclasses
 from typing import Callable
 
 import torch
+from sglang.srt.layers.quantization.base_config import QuantizationConfig
 from torch import Tensor, nn
 
 from ..checkpoint.codecs import TILE, dequantize_mxfp4, packed_fp4_bytes, scale_bytes, ue8m0_to_float
@@ -177,3 +178,23 @@ class Mxfp4ExpertsMethod:
             out[f"{e}.w3.weight"] = layer.w13_weight[i, I:]
             out[f"{e}.w2.weight"] = layer.w2_weight[i]
         return out
+
+
+class PerLayerQuantConfig(QuantizationConfig):
+    """Base of the quantisation configs the runtime builds per layer (one tensor spec each), never
+    from a checkpoint's quantisation file: subclasses name themselves and hand out the method."""
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.float32, torch.bfloat16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict) -> "PerLayerQuantConfig":
+        raise NotImplementedError(f"{cls.__name__} is built per layer by the runtime, not from a config file")

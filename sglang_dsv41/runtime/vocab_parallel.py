@@ -28,7 +28,7 @@ from typing import Mapping
 
 import torch
 import torch.nn.functional as F
-from sglang.srt.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from sglang.srt.layers.quantization.base_config import QuantizeMethodBase
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead as SGLangParallelLMHead
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding as SGLangVocabParallelEmbedding
 from sglang.srt.runtime_context import get_parallel
@@ -38,7 +38,7 @@ from ..checkpoint.loader import logical_tensor
 from ..checkpoint.names import Kind, TensorSpec, tensor_inventory
 from ..config import DeepseekV41Config
 from .backend import ComputeBackend
-from .quant_methods import check_stored, new_parameter
+from .quant_methods import PerLayerQuantConfig, check_stored, new_parameter
 from .tensor_parallel import VOCAB_PADDING, ShardPlan, TensorParallel
 
 F32 = torch.float32
@@ -86,7 +86,7 @@ class Bf16VocabMethod(QuantizeMethodBase):
         return backend.matmul(x, layer.weight)
 
 
-class Dsv41VocabConfig(QuantizationConfig):
+class Dsv41VocabConfig(PerLayerQuantConfig):
     """The quantisation config that hands the layer `Bf16VocabMethod` (its tensor spec)."""
 
     def __init__(self, spec: TensorSpec) -> None:
@@ -95,21 +95,6 @@ class Dsv41VocabConfig(QuantizationConfig):
 
     def get_name(self) -> str:
         return "dsv41_bf16_vocab"
-
-    def get_supported_act_dtypes(self) -> list[torch.dtype]:
-        return [torch.float32, torch.bfloat16]
-
-    @classmethod
-    def get_min_capability(cls) -> int:
-        return 0
-
-    @staticmethod
-    def get_config_filenames() -> list[str]:
-        return []
-
-    @classmethod
-    def from_config(cls, config: dict) -> "Dsv41VocabConfig":
-        raise NotImplementedError("built per layer by sglang_dsv41.runtime.vocab_parallel, not from a config file")
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> Bf16VocabMethod:
         return Bf16VocabMethod(self.spec)
