@@ -56,6 +56,14 @@ def _tiles(r: range) -> range:
     return range(r.start // TILE, -(-r.stop // TILE))
 
 
+def _check_apply_args(name: str, backend: ComputeBackend | None, bias: Tensor | None) -> None:
+    """A linear's `apply` needs the model's compute backend, and the checkpoint's linears have no bias."""
+    if backend is None:
+        raise TypeError(f"{name}: apply needs the model's compute backend (backend=)")
+    if bias is not None:
+        raise ValueError(f"{name}: the checkpoint's linears have no bias")
+
+
 class Fp8TileParallelMethod(LinearMethodBase):
     """FP8 32×32-tile linear as an SGLang linear method (module doc)."""
 
@@ -141,10 +149,7 @@ class Fp8TileParallelMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: Tensor, bias: Tensor | None = None, *,
               backend: ComputeBackend | None = None, act_quant: bool = True) -> Tensor:
-        if backend is None:
-            raise TypeError(f"{layer.spec.name}: apply needs the model's compute backend (backend=)")
-        if bias is not None:
-            raise ValueError(f"{layer.spec.name}: the checkpoint's linears have no bias")
+        _check_apply_args(layer.spec.name, backend, bias)
         if layer.row_parallel and getattr(layer, "tp_size", 1) > 1:
             return backend.linear_fp8_partial(x, layer.weight, act_quant)
         return backend.linear_fp8(x, layer.weight, act_quant)
@@ -189,10 +194,7 @@ class Bf16ReplicatedMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: Tensor, bias: Tensor | None = None, *,
               backend: ComputeBackend | None = None, out_fp32: bool = False) -> Tensor:
-        if backend is None:
-            raise TypeError(f"{self.spec.name}: apply needs the model's compute backend (backend=)")
-        if bias is not None:
-            raise ValueError(f"{self.spec.name}: the checkpoint's linears have no bias")
+        _check_apply_args(self.spec.name, backend, bias)
         return backend.linear_bf16(x, layer.weight, out_fp32)
 
 
