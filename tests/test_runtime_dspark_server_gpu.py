@@ -86,7 +86,8 @@ class Shared:
                 self.servers[name] = Server(checkpoint, log_dir / f"{name}.log", args)
             self.servers["adaptive"] = LaunchedServer(
                 CONFIG, checkpoint, log_dir / "adaptive.log",
-                [f"speculative.sps_table={table}", "serving.mem_fraction_static=0.5"], COMMON)
+                [f"speculative.sps_table={table}", "serving.mem_fraction_static=0.5"],
+                [a for a in COMMON if a != "--language-model-only"])  # the config's features.text_only emits it
         except BaseException:
             self.stop()
             raise
