@@ -21,11 +21,20 @@ from tp_harness import stored_tensors
 pytestmark = pytest.mark.gpu
 
 
-FA3_FAILED = pytest.mark.xfail(strict=True, reason="failed on the H200 in session 11 (its traceback was cut "
-                               "by the call's budget; docs/vision.md 'Not done'), so `auto` is triton")
+def _fa3_importable() -> bool:
+    try:
+        from sgl_kernel import flash_ops  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
-@pytest.mark.parametrize("attention", ["auto", "triton", "sdpa", pytest.param("fa3", marks=FA3_FAILED)])
+#: session 12's H200 traceback: `ImportError: Can not import FA3 in sgl_kernel`: the `.gpu` layer
+#: leaves sgl_kernel's FA3 module (`flash_ops`, 1.1 GB) out (shared/gpu/README.md), so `auto` is triton
+FA3_IMPORTABLE = pytest.mark.skipif(not _fa3_importable(), reason="sgl_kernel.flash_ops (FA3) is not installed")
+
+
+@pytest.mark.parametrize("attention", ["auto", "triton", "sdpa", pytest.param("fa3", marks=FA3_IMPORTABLE)])
 def test_tower_on_cuda_matches_the_reference(tiny_checkpoint: Path, attention: str) -> None:
     """auto: SGLang's Triton vision attention with BF16 operands (`runtime/vision_attention.py`)."""
     torch.backends.cuda.matmul.allow_tf32 = False
