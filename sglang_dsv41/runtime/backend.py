@@ -339,6 +339,12 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
     def apply_rope_tail(self, x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False) -> Tensor:
         return self.fe.apply_rope_tail(x, positions, inv_freq, inverse)
 
+    def bf16_rope_tail(self, x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False) -> Tensor:
+        """RoPE and the BF16 rounding in one launch (the kernel's `round_bf16`: the same bits as
+        `bf16(apply_rope_tail(x))`, tests/test_kernels_fused_elementwise.py), one pass over x
+        instead of two — at prefill x is q ([T, heads, head_dim] fp32, 1 GB at 8K Flash tokens)."""
+        return self.fe.apply_rope_tail(x, positions, inv_freq, inverse, round_bf16=True)
+
     def clamped_swiglu(self, gate: Tensor, up: Tensor, limit: float) -> Tensor:
         return self.fe.clamped_swiglu(gate, up, limit)
 
