@@ -22,7 +22,8 @@ decode_step.py's prefill row; no L2 flush: the 8K working set dwarfs L2).
 
 Variants (`VARIANTS`, old against new in one process): `before` = session 11's path (RoPE and its
 BF16 rounding as two launches); `default` = the serving defaults now; `new` = every prefill opt-in
-(BF16 attention workspace, fp32 indexer head sum, fused top-k); then each opt-in alone. A variant
+(BF16 attention workspace, fp32 indexer head sum, fused top-k, BF16-weight products in one GEMM);
+then each opt-in alone. A variant
 sets its environment switches (and instance patches) for its duration only.
 """
 from __future__ import annotations
@@ -43,13 +44,16 @@ SWITCHES = {"SGLANG_DSV41_ATTN_PREFILL": "packed", "SGLANG_DSV41_INDEXER_HEAD_SU
             "SGLANG_DSV41_INDEXER_TOPK": "torch"}
 NEW = {"SGLANG_DSV41_ATTN_PREFILL": "bf16", "SGLANG_DSV41_INDEXER_HEAD_SUM": "fp32",
        "SGLANG_DSV41_INDEXER_TOPK": "fused"}
-#: name → (environment, backend patch name or None)
-VARIANTS: dict[str, tuple[dict[str, str], str | None]] = {
-    "before": ({}, "two_pass_rope"), "default": ({}, None), "new": (NEW, None),
-    "attn_bf16_workspace": ({"SGLANG_DSV41_ATTN_PREFILL": "bf16"}, None),
-    "indexer_fp32_head_sum": ({"SGLANG_DSV41_INDEXER_HEAD_SUM": "fp32"}, None),
-    "indexer_fused_topk": ({"SGLANG_DSV41_INDEXER_TOPK": "fused"}, None)}
-DEFAULT_VARIANTS = ("before", "default", "new", "attn_bf16_workspace", "indexer_fp32_head_sum", "indexer_fused_topk")
+#: name → (environment, backend patches): `two_pass_rope` = session 11's RoPE (`TwoPassRope`);
+#: `whole_bf16_rows` = SGLANG_DSV41_BF16_GEMM=whole (`BlockedBf16Gemm.whole_rows`, read at build: set on the layer's backend)
+VARIANTS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
+    "before": ({}, ("two_pass_rope",)), "default": ({}, ()), "new": (NEW, ("whole_bf16_rows",)),
+    "attn_bf16_workspace": ({"SGLANG_DSV41_ATTN_PREFILL": "bf16"}, ()),
+    "indexer_fp32_head_sum": ({"SGLANG_DSV41_INDEXER_HEAD_SUM": "fp32"}, ()),
+    "indexer_fused_topk": ({"SGLANG_DSV41_INDEXER_TOPK": "fused"}, ()),
+    "whole_bf16_rows": ({}, ("whole_bf16_rows",))}
+DEFAULT_VARIANTS = ("before", "default", "new", "attn_bf16_workspace", "indexer_fp32_head_sum", "indexer_fused_topk",
+                    "whole_bf16_rows")
 PREFILL_COMPONENTS = ("dense_fp8", "dense_bf16", "attention", "indexer_scores", "indexer_topk", "indexer_query",
                       "compressor", "router", "moe_experts", "moe_routing", "moe_combine", "shared_expert", "mhc",
                       "norms", "rope", "elementwise", "torch_glue", "engram", "unattributed")
@@ -122,13 +126,17 @@ def summarise_passes(passes: Sequence[Sequence[tuple[str, str, float]]], spans: 
 def variant_scope(name: str, backend) -> Iterable[None]:
     """The variant's switches (all of SWITCHES, defaults where it sets none) and backend patch,
     restored on exit."""
-    env, patch = VARIANTS[name]
+    env, patches = VARIANTS[name]
     saved = {k: os.environ.get(k) for k in SWITCHES}
     os.environ.update(SWITCHES | env)
     saved_fe = getattr(backend, "fe", None)
-    patched = patch == "two_pass_rope" and saved_fe is not None     # only the Triton backend launches kernels
+    patched = "two_pass_rope" in patches and saved_fe is not None     # only the Triton backend launches kernels
     if patched:                        # session 11: RoPE, then the BF16 rounding as a second launch
         backend.fe = TwoPassRope(saved_fe)
+    dense = getattr(backend, "dense", None)
+    saved_whole = getattr(dense, "whole_rows", None)
+    if saved_whole is not None:
+        dense.whole_rows = "whole_bf16_rows" in patches
     try:
         yield
     finally:
@@ -139,6 +147,8 @@ def variant_scope(name: str, backend) -> Iterable[None]:
                 os.environ[k] = v
         if patched:
             backend.fe = saved_fe
+        if saved_whole is not None:
+            dense.whole_rows = saved_whole
 
 
 class TwoPassRope:
@@ -209,7 +219,7 @@ def profile_variant(layer, caches, tokens: int, name: str, parts_order: Sequence
     fp8 = [names[id(v)] for v in layer.weights.values()
            if isinstance(v, torch.Tensor) and v.dtype == torch.float8_e4m3fn and id(v) in names]
     pos = torch.arange(tokens, device=dev)
-    row: dict = dict(variant=name, tokens=tokens, env=SWITCHES | VARIANTS[name][0], patch=VARIANTS[name][1])
+    row: dict = dict(variant=name, tokens=tokens, env=SWITCHES | VARIANTS[name][0], patches=list(VARIANTS[name][1]))
     with variant_scope(name, layer.backend):
         comps, meta = flash_layer.step_components(layer, caches, torch.zeros_like(pos), pos, errors)
         parts = {c: comps[c] for c in parts_order if c in comps}

@@ -121,14 +121,15 @@ def test_prefill_profile_attribution_and_variants(sp, monkeypatch) -> None:
     monkeypatch.delenv("SGLANG_DSV41_ATTN_PREFILL", raising=False)
     be = SimpleNamespace(fe=SimpleNamespace(apply_rope_tail=lambda x, p, f, inverse=False, round_bf16=False:
                                             x + 1 if not round_bf16 else torch.round(x + 1),
-                                            round_bf16=torch.round))
+                                            round_bf16=torch.round), dense=SimpleNamespace(whole_rows=False))
     with pp.variant_scope("before", be):
         assert {k: os.environ[k] for k in pp.SWITCHES} == pp.SWITCHES
         assert torch.equal(be.fe.apply_rope_tail(torch.tensor([0.25]), None, None, round_bf16=True), torch.tensor([1.0]))
     assert not isinstance(be.fe, pp.TwoPassRope) and os.environ["SGLANG_DSV41_INDEXER_TOPK"] == "fused"
     assert "SGLANG_DSV41_ATTN_PREFILL" not in os.environ
     with pp.variant_scope("new", be):
-        assert {k: os.environ[k] for k in pp.SWITCHES} == pp.NEW
+        assert {k: os.environ[k] for k in pp.SWITCHES} == pp.NEW and be.dense.whole_rows
+    assert not be.dense.whole_rows
     assert set(pp.DEFAULT_VARIANTS) <= set(pp.VARIANTS)
 
 
