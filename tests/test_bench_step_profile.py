@@ -186,3 +186,33 @@ def test_prefill_selection_agreement_is_the_set_overlap() -> None:
     assert pp.selection_agreement(b[2:], a[:1]) == 0.0
     got = pp.agreement({"indexer": a}, {"indexer": a.clone()})
     assert got == {"indexer": dict(selection_overlap=1.0, equal=True)}
+
+
+def test_speed5_summary_checks_and_missing_files(tmp_path) -> None:
+    import importlib.util
+    path = BENCHMARKS.parent / "scripts" / "gpu" / "speed5_summary.py"
+    spec = importlib.util.spec_from_file_location("speed5_summary", path)
+    summ = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summ)
+    assert summ.main([str(tmp_path)]) == 0                  # nothing written: errors recorded, all checks false
+    got = json.loads((tmp_path / "speed5.json").read_text())
+    assert "FileNotFoundError" in got["prefill"]["error"] and not any(got["checks"].values())
+    (tmp_path / "gpu_tests.xml").write_text('<testsuite><testcase classname="a" name="ok"/></testsuite>')
+    row = lambda name, agreement: dict(variant=name, tokens_per_s=1e5, wall_us_total=8e4,   # noqa: E731
+                                       wall_us={"torch": 5e4, "attention": 3e4}, device_us=7e4, gaps_us=1e3,
+                                       by_component={"attention": 3e4, "dense_fp8": 4e4},
+                                       by_linear={"attn.wo_b": dict(gemm=900.0, operands=100.0, total=1e3)},
+                                       top_kernels=[dict(kernel="k", label="part:attention", us=3e4, count=1)],
+                                       agreement=agreement, agreement_with="before")
+    rows = [row("before", {}), row("attn_bf16_workspace", {"attention": dict(max_scale_ulps=1.0)}),
+            row("indexer_fused_topk", {"indexer": dict(selection_overlap=1.0, equal=True)}),
+            row("indexer_fp32_head_sum", {"indexer": dict(selection_overlap=0.995, equal=False)}),
+            dict(variant="new", error="boom")]
+    (tmp_path / "prefill_profile.json").write_text(json.dumps(dict(tokens=8192, layer=2, rows=rows)))
+    summ.main([str(tmp_path)])
+    got = json.loads((tmp_path / "speed5.json").read_text())
+    assert got["checks"] == dict(gpu_tests_pass=True, every_variant_profiled=False, workspace_attention_within_bound=True,
+                                 fused_topk_same_selection=True, fp32_head_sum_overlap=True)
+    before = got["prefill"]["rows"][0]
+    assert before["components_ms"] == {"dense_fp8": 40.0, "attention": 30.0} and before["wall_ms"] == 80.0
+    assert before["linears_ms"]["attn.wo_b"] == dict(gemm=0.9, operands=0.1, total=1.0)
