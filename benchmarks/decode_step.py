@@ -322,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                   wall_s=time.perf_counter() - t_start)
     path.write_text(json.dumps(result, indent=2))
     try:
-        plot(rows, args.out / "decode_step.png", props.name)
+        if rows:
+            plot(rows, args.out / "decode_step.png", props.name)
     except Exception as exc:
         errors.append(f"plot: {_describe(exc)}")
         path.write_text(json.dumps(result, indent=2))
