@@ -304,12 +304,13 @@ def moe_routed(layer: Layer, x: Tensor, routing: Routing) -> Tensor:
 
 def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor, sink: Tensor, *,
                       splits: str | None = None, head_sum: str | None = None,
-                      block_h: int | None = None) -> tuple[dict[str, Callable], dict[str, bool]]:
+                      block_h: int | None = None, att_config=None) -> tuple[dict[str, Callable], dict[str, bool]]:
     """Attention and indexer through the Triton kernels on the packed rows, as the runtime calls
     them (CUDA only, no host sync), plus the BF16 variants when `caches` holds BF16 copies; and
     {component: packed output == BF16 output} for those. `splits` / `head_sum`: the runtime's kernel
     choices (`runtime.attention_ops`: SGLANG_DSV41_ATTN_SPLITS / SGLANG_DSV41_INDEXER_HEAD_SUM when
-    None); `block_h` overrides the decode plan's heads per program."""
+    None); `block_h` overrides the decode plan's heads per program; `att_config` (a
+    `SparseAttentionConfig`) replaces the attention launch configuration (prefill sweeps)."""
     from sglang_dsv41.runtime.attention_ops import (ATTENTION_SPLITS, ATTENTION_SPLITS_ENV, INDEXER_HEAD_SUM_ENV,
                                                     INDEXER_HEAD_SUMS, kernel_choice)
     from sglang_dsv41.runtime import attention_prefill as AP
@@ -343,6 +344,7 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor, sink: T
     shape = (q.shape[0], t.num_attention_heads, t.head_dim, t.sliding_window, comp_entries.shape[1])
     cfg_att = (SA.plan_decode_config(*shape, SA.device_sm_count(q.device), block_h=block_h) if splits == "decode"
                else dataclasses.replace(SA.plan_config(*shape, 1), num_splits=1))
+    cfg_att = att_config or cfg_att
     qb, scale = q.to(torch.bfloat16), softmax_scale(t.head_dim)
 
     def attention():

@@ -24,7 +24,9 @@ Variants (`VARIANTS`, old against new in one process): `before` = session 11's p
 BF16 rounding as two launches); `default` = the serving defaults now; `new` = every prefill opt-in
 (BF16 attention workspace, fp32 indexer head sum, fused top-k, BF16-weight products in one GEMM);
 then each opt-in alone. A variant
-sets its environment switches (and instance patches) for its duration only.
+sets its environment switches (and instance patches) for its duration only. Last (`attention_sweep`,
+deadline permitting): the attention alone at the prefill shape on the BF16 workspace under a few launch
+configurations (ATTENTION_SWEEP), losers kept.
 """
 from __future__ import annotations
 
@@ -57,6 +59,11 @@ DEFAULT_VARIANTS = ("before", "default", "new", "attn_bf16_workspace", "indexer_
 PREFILL_COMPONENTS = ("dense_fp8", "dense_bf16", "attention", "indexer_scores", "indexer_topk", "indexer_query",
                       "compressor", "router", "moe_experts", "moe_routing", "moe_combine", "shared_expert", "mhc",
                       "norms", "rope", "elementwise", "torch_glue", "engram", "unattributed")
+#: attention launch configurations timed at the prefill shape on the BF16 workspace (`attention_sweep`),
+#: as changes to the planned one (`kernels.sparse_attention.plan_config`: block_h 32, block_n 32, 8 warps,
+#: 2 stages at Flash); losers are kept in the JSON
+ATTENTION_SWEEP = {"plan": {}, "stages3": dict(num_stages=3), "block_h16_w4": dict(block_h=16, num_warps=4),
+                   "block_h16_w8": dict(block_h=16, num_warps=8), "block_n64_s1": dict(block_n=64, num_stages=1)}
 #: kernel-name fragments of a linear's operand passes (not its GEMM)
 OPERAND_KERNELS = ("quantize", "dequantize", "round")
 
@@ -247,6 +254,48 @@ def profile_variant(layer, caches, tokens: int, name: str, parts_order: Sequence
     return row
 
 
+def attention_sweep(layer, caches, tokens: int, errors: list[str], deadline: float, repeats: int = REPEATS) -> dict:
+    """ATTENTION_SWEEP at the prefill shape with the BF16 workspace (SGLANG_DSV41_ATTN_PREFILL=bf16
+    for the duration): per configuration the CUDA-event µs (median of `repeats`) and the output
+    against the planned configuration's (BF16 ulps of the output scale); a configuration that fails
+    (e.g. out of shared memory) is recorded with its error; past `deadline`: skipped."""
+    import dataclasses
+
+    import flash_layer
+    import kernel_variants as kv
+    from sglang_dsv41.kernels import sparse_attention as SA
+    from step_timing import _describe
+    t, dev = layer.text, layer.inv_freq.device
+    pos = torch.arange(tokens, device=dev)
+    qs = flash_layer.queries(layer, caches, torch.zeros_like(pos), pos)
+    g = torch.Generator(device=dev).manual_seed(tokens)
+    q = flash_layer.ops.bf16(torch.randn(tokens, t.num_attention_heads, t.head_dim, generator=g, device=dev))
+    sink = layer.weights[f"layers.{layer.role.layer}.attn.attn_sink"]
+    plan = dataclasses.replace(SA.plan_config(tokens, t.num_attention_heads, t.head_dim, t.sliding_window,
+                                              t.index_topk, 1), num_splits=1)
+    out: dict = {}
+    reference = None
+    with variant_scope("attn_bf16_workspace", layer.backend):
+        for name, change in ATTENTION_SWEEP.items():
+            if time.perf_counter() > deadline:
+                out[name] = dict(skipped="over the wall budget")
+                continue
+            cfg = dataclasses.replace(plan, **change)
+            try:
+                comps, _ = flash_layer.kernel_components(layer, caches, qs, q, sink, att_config=cfg)
+                o = comps["attention"]()
+                row = dict(config=dataclasses.asdict(cfg),
+                           us=_part_walls({"attention": comps["attention"]}, repeats, dev)["attention"])
+                if reference is None:
+                    reference = o
+                row["agreement_with_plan"] = kv.scale_ulp_agreement(o, reference)
+                out[name] = row
+            except Exception as exc:
+                errors.append(f"attention sweep {name}: {_describe(exc)}")
+                out[name] = dict(config=dataclasses.asdict(cfg), error=_describe(exc)[:300])
+    return out
+
+
 def write_prefill_profile(layer, out: Path, device_name: str, tokens: int, parts_order: Sequence[str],
                           variants: Sequence[str], errors: list[str], deadline: float = float("inf"),
                           repeats: int = REPEATS) -> dict:
@@ -285,10 +334,14 @@ def write_prefill_profile(layer, out: Path, device_name: str, tokens: int, parts
             walls = "  ".join(f"{p} {us / 1e3:.2f}" for p, us in r["wall_us"].items())
             print(f"prefill {name}: {r['tokens_per_s']:,.0f} tokens/s, wall ms {walls} | device ms {comps} | "
                   f"gaps {r['gaps_us'] / 1e3:.2f}", flush=True)
+    sweep = (attention_sweep(layer, caches, tokens, errors, deadline, repeats)
+             if layer.inv_freq.device.type == "cuda" else dict(skipped="CUDA only"))
+    print("attention sweep (workspace) µs: " + "  ".join(f"{k} {v['us']:.0f}" if "us" in v else f"{k} -"
+                                                         for k, v in sweep.items() if isinstance(v, dict)), flush=True)
     del caches
     engram = layer.role.layer in layer.text.engram_layer_ids
     result = dict(device=device_name, layer=layer.role.layer, tokens=tokens, method=__doc__,
-                  components=PREFILL_COMPONENTS, rows=rows, wall_s=time.perf_counter() - t0,
+                  components=PREFILL_COMPONENTS, rows=rows, attention_sweep=sweep, wall_s=time.perf_counter() - t0,
                   engram=("in this layer's torch part" if engram else
                           f"not in layer {layer.role.layer} (Engram layers {list(layer.text.engram_layer_ids)})"))
     path = out / "prefill_profile.json"

@@ -208,7 +208,10 @@ def test_speed5_summary_checks_and_missing_files(tmp_path) -> None:
             row("indexer_fused_topk", {"indexer": dict(selection_overlap=1.0, equal=True)}),
             row("indexer_fp32_head_sum", {"indexer": dict(selection_overlap=0.995, equal=False)}),
             dict(variant="new", error="boom")]
-    (tmp_path / "prefill_profile.json").write_text(json.dumps(dict(tokens=8192, layer=2, rows=rows)))
+    sweep = {"plan": dict(us=900.4, config=dict(block_h=32, block_n=32, num_warps=8, num_stages=2, block_d=512),
+                          agreement_with_plan=dict(max_scale_ulps=0.0)), "block_n64_s1": dict(error="smem")}
+    (tmp_path / "prefill_profile.json").write_text(json.dumps(dict(tokens=8192, layer=2, rows=rows,
+                                                                   attention_sweep=sweep)))
     summ.main([str(tmp_path)])
     got = json.loads((tmp_path / "speed5.json").read_text())
     assert got["checks"] == dict(gpu_tests_pass=True, every_variant_profiled=False, workspace_attention_within_bound=True,
@@ -216,3 +219,5 @@ def test_speed5_summary_checks_and_missing_files(tmp_path) -> None:
     before = got["prefill"]["rows"][0]
     assert before["components_ms"] == {"dense_fp8": 40.0, "attention": 30.0} and before["wall_ms"] == 80.0
     assert before["linears_ms"]["attn.wo_b"] == dict(gemm=0.9, operands=0.1, total=1.0)
+    assert got["prefill"]["attention_sweep"]["plan"]["us"] == 900 and "block_d" not in got["prefill"][
+        "attention_sweep"]["plan"]["config"] and got["prefill"]["attention_sweep"]["block_n64_s1"] == dict(error="smem")

@@ -46,7 +46,12 @@ def prefill(out: Path) -> dict:
             linears_ms={k: {p: _ms(v) for p, v in parts.items()} for k, parts in r.get("by_linear", {}).items()},
             top_kernels=[dict(k, us=round(k["us"])) for k in r.get("top_kernels", [])[:12]],
             agreement=r.get("agreement"), agreement_with=r.get("agreement_with")))
-    return dict(tokens=d.get("tokens"), layer=d.get("layer"), engram=d.get("engram"), rows=rows)
+    sweep = {name: (dict(us=round(v["us"]), agreement_with_plan=v.get("agreement_with_plan"),
+                         config={k: v["config"][k] for k in ("block_h", "block_n", "num_warps", "num_stages")})
+                    if isinstance(v, dict) and "us" in v else v)
+             for name, v in (d.get("attention_sweep") or {}).items()}
+    return dict(tokens=d.get("tokens"), layer=d.get("layer"), engram=d.get("engram"), rows=rows,
+                attention_sweep=sweep)
 
 
 def checks(result: dict) -> dict:
@@ -88,6 +93,7 @@ def main(argv: list[str]) -> int:
                   f"{r['wall_ms_by_part']} | device {r['device_ms']} ms: {top} | agreement {r['agreement']}")
         else:
             print(f"{r.get('variant')}: {r}")
+    print(f"attention sweep (BF16 workspace): {result.get('prefill', {}).get('attention_sweep')}")
     return 0
 
 
