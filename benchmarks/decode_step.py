@@ -223,6 +223,12 @@ def main(argv: list[str] | None = None) -> int:
                          "decode_step_profile_graph.json / .png")
     ap.add_argument("--profile-fp8", nargs="+", default=["w8a8_f16", "tiered"], choices=FP8_GEMMS,
                     help="FP8 linear modes the profile runs (default: w8a8_f16 tiered)")
+    ap.add_argument("--profile-prefill", action="store_true",
+                    help="also profile one PREFILL_TOKENS prefill by component for every --prefill-variants entry "
+                         "(prefill_profile.py): prefill_profile.json / .png")
+    ap.add_argument("--prefill-variants", nargs="+",
+                    help="prefill_profile.VARIANTS names (default: prefill_profile.DEFAULT_VARIANTS)")
+    ap.add_argument("--no-decode", action="store_true", help="skip the decode batches (e.g. with --profile-prefill)")
     ap.add_argument("--variants", action="store_true",
                     help="also time the kernel choices old against new per N (kernel_variants.py): "
                          "decode_step_variants.json")
@@ -256,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     errors: list[str] = []
     skipped: list[str] = []
     rows = []
-    for N in batches:
+    for N in () if args.no_decode else batches:
         pos = torch.full((N,), args.context - 1, dtype=torch.long, device=dev)
         try:
             rows.append(run_point(layer, caches, torch.arange(N, device=dev), pos, cap, copy_gbs, errors,
@@ -281,6 +287,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"profile: {profile_path}", flush=True)
     del caches
     torch.cuda.empty_cache()
+    if args.profile_prefill:
+        import prefill_profile as pp
+        attempt("prefill profile", functools.partial(
+            pp.write_prefill_profile, layer, args.out, props.name, PREFILL_TOKENS, STEP_PARTS,
+            args.prefill_variants or pp.DEFAULT_VARIANTS, errors, deadline), errors, skipped, deadline)
     prefill = None
     if not (args.quick or args.no_prefill):
         pos = torch.arange(PREFILL_TOKENS, device=dev)
@@ -311,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                   wall_s=time.perf_counter() - t_start)
     path.write_text(json.dumps(result, indent=2))
     try:
-        plot(rows, args.out / "decode_step.png", props.name)
+        if rows:
+            plot(rows, args.out / "decode_step.png", props.name)
     except Exception as exc:
         errors.append(f"plot: {_describe(exc)}")
         path.write_text(json.dumps(result, indent=2))

@@ -34,7 +34,8 @@ The step's components (`step_components`), each a callable on fixed inputs:
   (CPU: the reference routed experts);
 * `attention` / `indexer` (CUDA, `kernel_components`) — Triton `sparse_sink_attention` (one key
   split, or split-KV with SGLANG_DSV41_ATTN_SPLITS=decode) over the BF16 SWA rows + 512 selected
-  packed entries per query, and Triton `index_scores` (float64 head sum, or fp32 with
+  packed entries per query (at prefill with SGLANG_DSV41_ATTN_PREFILL=bf16: over the runtime's BF16
+  workspace of the decoded entries, `runtime.attention_prefill`, its decode timed with it), and Triton `index_scores` (float64 head sum, or fp32 with
   SGLANG_DSV41_INDEXER_HEAD_SUM=fp32) over the packed keys + `select_for_role`;
 * `attention_bf16` / `indexer_bf16` — the same kernels over BF16 copies of the decoded entries,
   when the caches hold them; `kernel_components` reports whether the packed outputs equal them
@@ -303,16 +304,19 @@ def moe_routed(layer: Layer, x: Tensor, routing: Routing) -> Tensor:
 
 def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor, sink: Tensor, *,
                       splits: str | None = None, head_sum: str | None = None,
-                      block_h: int | None = None) -> tuple[dict[str, Callable], dict[str, bool]]:
+                      block_h: int | None = None, att_config=None) -> tuple[dict[str, Callable], dict[str, bool]]:
     """Attention and indexer through the Triton kernels on the packed rows, as the runtime calls
     them (CUDA only, no host sync), plus the BF16 variants when `caches` holds BF16 copies; and
     {component: packed output == BF16 output} for those. `splits` / `head_sum`: the runtime's kernel
     choices (`runtime.attention_ops`: SGLANG_DSV41_ATTN_SPLITS / SGLANG_DSV41_INDEXER_HEAD_SUM when
-    None); `block_h` overrides the decode plan's heads per program."""
+    None); `block_h` overrides the decode plan's heads per program; `att_config` (a
+    `SparseAttentionConfig`) replaces the attention launch configuration (prefill sweeps)."""
     from sglang_dsv41.runtime.attention_ops import (ATTENTION_SPLITS, ATTENTION_SPLITS_ENV, INDEXER_HEAD_SUM_ENV,
                                                     INDEXER_HEAD_SUMS, kernel_choice)
+    from sglang_dsv41.runtime import attention_prefill as AP
     splits = splits or kernel_choice(ATTENTION_SPLITS_ENV, ATTENTION_SPLITS)
     exact = (head_sum or kernel_choice(INDEXER_HEAD_SUM_ENV, INDEXER_HEAD_SUMS)) == "fp64"
+    prefill = kernel_choice(AP.PREFILL_ENV, AP.PREFILL_CHOICES)
     from sglang_dsv41.kernels import indexer as K
     from sglang_dsv41.kernels import sparse_attention as SA
     t, role, pos, req = layer.text, layer.role, qs["positions"], qs["req"]
@@ -340,11 +344,19 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor, sink: T
     shape = (q.shape[0], t.num_attention_heads, t.head_dim, t.sliding_window, comp_entries.shape[1])
     cfg_att = (SA.plan_decode_config(*shape, SA.device_sm_count(q.device), block_h=block_h) if splits == "decode"
                else dataclasses.replace(SA.plan_config(*shape, 1), num_splits=1))
+    cfg_att = att_config or cfg_att
     qb, scale = q.to(torch.bfloat16), softmax_scale(t.head_dim)
 
     def attention():
         return SA.sparse_sink_attention(qb, caches.swa, qs["swa_slots"], caches.packed_latents, comp_entries, sink, scale,
                                         config=cfg_att)
+    if AP.applies(prefill, False, q.shape[0], R, width):      # the runtime's prefill workspace (decoded per call)
+        latent_cols = caches.layout.source(role.kv_source).latent
+
+        def attention():
+            ws = AP.latent_workspace(caches.packed_latents.rows, latent_cols, t.head_dim, entries)
+            return SA.sparse_sink_attention(qb, caches.swa, qs["swa_slots"], ws, AP.workspace_rows(req, sel, width),
+                                            sink, scale, config=cfg_att)
     comps: dict[str, Callable] = {"attention": attention, "indexer": indexer}
     if caches.latents is None:
         return comps, {}

@@ -43,7 +43,7 @@ DEVICE_CATS = ("kernel", "gpu_memset", "gpu_memcpy")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 #: backend primitives labelled "elementwise:<name>" / "norm"
 ELEMENTWISE = ("bf16", "fp8_act_fake_quant", "fp4_fake_quant_e4m3_scale", "fp4_fake_quant_ue8m0_scale",
-               "apply_rope_tail", "clamped_swiglu", "route_select", "engram_gate")
+               "apply_rope_tail", "bf16_rope_tail", "clamped_swiglu", "route_select", "engram_gate")
 #: flash_layer globals wrapped with a component label
 FUNCTIONS = {"project_q_kv": "glue:qkv_proj", "swa_cache_roundtrip": "glue:swa_roundtrip",
              "pair_scores": "compressor", "rope_entry_values": "compressor", "index_query": "indexer_query",

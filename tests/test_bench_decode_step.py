@@ -288,3 +288,26 @@ def test_profile_labels_cover_the_torch_work(bench, setup) -> None:
         if r["name"].endswith("linear:?"):
             assert sp.label_at(ranges, r["tid"], r["ts"] + r["dur"] / 2).startswith("linear:attn."), r
     assert {sp.component(lab) for lab in labels} <= set(sp.COMPONENTS) - {"unattributed"}
+    import prefill_profile as pp                 # `--profile-prefill`'s components of the same labels
+    comps = {pp.prefill_component(lab, "k", [n for n in names.values() if n.startswith("attn.w")]) for lab in labels}
+    assert comps <= set(pp.PREFILL_COMPONENTS) - {"unattributed"}
+    assert {"dense_fp8", "compressor", "indexer_query", "router", "shared_expert", "mhc", "norms", "rope"} <= comps
+
+
+def test_prefill_profile_flow_on_a_tiny_cpu_layer(bench, setup, tmp_path) -> None:
+    """`--profile-prefill`'s flow (benchmarks/prefill_profile.py) on the tiny CPU layer: every variant
+    builds its parts under its switches, runs the labelled passes and the timed ones and lands in the
+    JSON (no kernels on CPU: walls only; the components come from the H200 run)."""
+    import json
+
+    import prefill_profile as pp
+    _, _, built = setup
+    errors: list[str] = []
+    pp.write_prefill_profile(built, tmp_path, "cpu", 16, bench.STEP_PARTS, ("before", "new"), errors, repeats=1)
+    assert [e for e in errors if not e.startswith("prefill profile plot")] == []
+    got = json.loads((tmp_path / "prefill_profile.json").read_text())
+    assert [r["variant"] for r in got["rows"]] == ["before", "new"] and got["tokens"] == 16
+    for r in got["rows"]:
+        assert r["parts"] == ["torch", "moe_routed"] and set(r["wall_us"]) == {"torch", "moe_routed"}
+        assert r["tokens_per_s"] > 0 and r["passes"] == 1 and r["agreement_with"] == "before"
+    assert got["rows"][1]["env"] == pp.NEW and "not in layer" in got["engram"]

@@ -4,6 +4,7 @@ synthetic traces (the GPU pass runs from scripts/gpu/speed4.sh)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from types import SimpleNamespace
 
@@ -90,6 +91,48 @@ def test_component_names(sp) -> None:
     assert set(sp.COMPONENT_OF[i][1] for i in range(len(sp.COMPONENT_OF))) <= set(sp.COMPONENTS)
 
 
+def test_prefill_profile_attribution_and_variants(sp, monkeypatch) -> None:
+    """benchmarks/prefill_profile.py on CPU: kernels of the indexer / routed-expert parts split by
+    name, linears by GEMM and operand passes, medians over passes; a variant's switches are set for
+    its duration (all of them) and restored; `before`'s two-launch RoPE gives the fused call's values."""
+    pp = load_benchmark("prefill_profile.py")
+    assert pp.prefill_component("part:indexer", "_index_scores_kernel") == "indexer_scores"
+    assert pp.prefill_component("part:indexer", "_topk_rows_kernel") == "indexer_topk"
+    assert pp.prefill_component("part:moe_routed", "_p_matmul_ogs_x") == "moe_experts"
+    assert pp.prefill_component("part:moe_routed", "_combine_kernel") == "moe_combine"
+    assert pp.prefill_component("part:moe_routed", "radix_sort") == "moe_routing"
+    assert pp.prefill_component("linear:attn.indexer.wq_b", "g") == "indexer_query"
+    assert pp.prefill_component("linear:attn.compressor.wgate", "g") == "compressor"
+    assert pp.prefill_component("linear:attn.wo_b", "g", ["attn.wo_b"]) == "dense_fp8"
+    assert pp.prefill_component("elementwise:bf16_rope_tail", "k") == "rope"
+    assert pp.prefill_component("indexer_query", "k") == "indexer_query"
+    passes = [[("gemm_a", "linear:attn.wo_b", 10.0), ("_quantize_kernel", "linear:attn.wo_b", 2.0),
+               ("_index_scores_kernel", "part:indexer", 5.0), ("sort", "part:indexer", 1.0), ("x", "mhc", 3.0)],
+              [("gemm_a", "linear:attn.wo_b", 12.0), ("_quantize_kernel", "linear:attn.wo_b", 2.0),
+               ("_index_scores_kernel", "part:indexer", 7.0), ("sort", "part:indexer", 1.0)],
+              [("gemm_a", "linear:attn.wo_b", 11.0), ("_quantize_kernel", "linear:attn.wo_b", 4.0),
+               ("_index_scores_kernel", "part:indexer", 6.0), ("sort", "part:indexer", 1.0), ("x", "mhc", 5.0)]]
+    s = pp.summarise_passes(passes, [(30.0, 40.0), (20.0, 22.0), (25.0, 35.0)], ["attn.wo_b"], top=2)
+    assert s["by_component"] == dict(dense_fp8=14.0, indexer_scores=6.0, indexer_topk=1.0, mhc=3.0)
+    assert s["by_linear"] == {"attn.wo_b": dict(gemm=11.0, operands=2.0, total=13.0)}
+    assert (s["busy_us"], s["span_us"], s["gaps_us"]) == (25.0, 35.0, 10.0) and s["kernels_per_pass"] == [5, 4, 5]
+    assert [k["kernel"] for k in s["top_kernels"]] == ["gemm_a", "_index_scores_kernel"]
+    monkeypatch.setenv("SGLANG_DSV41_INDEXER_TOPK", "fused")
+    monkeypatch.delenv("SGLANG_DSV41_ATTN_PREFILL", raising=False)
+    be = SimpleNamespace(fe=SimpleNamespace(apply_rope_tail=lambda x, p, f, inverse=False, round_bf16=False:
+                                            x + 1 if not round_bf16 else torch.round(x + 1),
+                                            round_bf16=torch.round), dense=SimpleNamespace(whole_rows=False))
+    with pp.variant_scope("before", be):
+        assert {k: os.environ[k] for k in pp.SWITCHES} == pp.SWITCHES
+        assert torch.equal(be.fe.apply_rope_tail(torch.tensor([0.25]), None, None, round_bf16=True), torch.tensor([1.0]))
+    assert not isinstance(be.fe, pp.TwoPassRope) and os.environ["SGLANG_DSV41_INDEXER_TOPK"] == "fused"
+    assert "SGLANG_DSV41_ATTN_PREFILL" not in os.environ
+    with pp.variant_scope("new", be):
+        assert {k: os.environ[k] for k in pp.SWITCHES} == pp.NEW and be.dense.whole_rows
+    assert not be.dense.whole_rows
+    assert set(pp.DEFAULT_VARIANTS) <= set(pp.VARIANTS)
+
+
 def test_variant_agreements(monkeypatch) -> None:
     kv = load_benchmark("kernel_variants.py")
     a = torch.tensor([[3, 1, 2, -1], [5, 6, -1, -1], [-1, -1, -1, -1]])
@@ -133,3 +176,48 @@ def test_speed4_summary_reads_what_the_run_wrote_and_records_missing_files(tmp_p
     assert att["one_split"] == {"graph_us": 150.04} and len(att["decode_splits_h16"]["error"]) == 300
     assert got["profile"][0]["components"] == {"dense_fp8": 300.0} and got["profile"][0]["kernels"] == 190
     assert got["profile"][1] == {"fp8_gemm": "w8a8_f16", "N": 1, "skipped": "over"}
+
+
+def test_prefill_selection_agreement_is_the_set_overlap() -> None:
+    pp = load_benchmark("prefill_profile.py")
+    a = torch.tensor([[3, 1, 2, -1], [5, 6, -1, -1], [-1, -1, -1, -1]])
+    b = torch.tensor([[1, 2, 4, -1], [6, 5, -1, -1], [-1, -1, -1, -1]])
+    assert pp.selection_agreement(a, b) == pytest.approx((2 / 3 + 1 + 1) / 3)
+    assert pp.selection_agreement(b[2:], a[:1]) == 0.0
+    got = pp.agreement({"indexer": a}, {"indexer": a.clone()})
+    assert got == {"indexer": dict(selection_overlap=1.0, equal=True)}
+
+
+def test_speed5_summary_checks_and_missing_files(tmp_path) -> None:
+    import importlib.util
+    path = BENCHMARKS.parent / "scripts" / "gpu" / "speed5_summary.py"
+    spec = importlib.util.spec_from_file_location("speed5_summary", path)
+    summ = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summ)
+    assert summ.main([str(tmp_path)]) == 0                  # nothing written: errors recorded, all checks false
+    got = json.loads((tmp_path / "speed5.json").read_text())
+    assert "FileNotFoundError" in got["prefill"]["error"] and not any(got["checks"].values())
+    (tmp_path / "gpu_tests.xml").write_text('<testsuite><testcase classname="a" name="ok"/></testsuite>')
+    row = lambda name, agreement: dict(variant=name, tokens_per_s=1e5, wall_us_total=8e4,   # noqa: E731
+                                       wall_us={"torch": 5e4, "attention": 3e4}, device_us=7e4, gaps_us=1e3,
+                                       by_component={"attention": 3e4, "dense_fp8": 4e4},
+                                       by_linear={"attn.wo_b": dict(gemm=900.0, operands=100.0, total=1e3)},
+                                       top_kernels=[dict(kernel="k", label="part:attention", us=3e4, count=1)],
+                                       agreement=agreement, agreement_with="before")
+    rows = [row("before", {}), row("attn_bf16_workspace", {"attention": dict(max_scale_ulps=1.0)}),
+            row("indexer_fused_topk", {"indexer": dict(selection_overlap=1.0, equal=True)}),
+            row("indexer_fp32_head_sum", {"indexer": dict(selection_overlap=0.995, equal=False)}),
+            dict(variant="new", error="boom")]
+    sweep = {"plan": dict(us=900.4, config=dict(block_h=32, block_n=32, num_warps=8, num_stages=2, block_d=512),
+                          agreement_with_plan=dict(max_scale_ulps=0.0)), "block_n64_s1": dict(error="smem")}
+    (tmp_path / "prefill_profile.json").write_text(json.dumps(dict(tokens=8192, layer=2, rows=rows,
+                                                                   attention_sweep=sweep)))
+    summ.main([str(tmp_path)])
+    got = json.loads((tmp_path / "speed5.json").read_text())
+    assert got["checks"] == dict(gpu_tests_pass=True, every_variant_profiled=False, workspace_attention_within_bound=True,
+                                 fused_topk_same_selection=True, fp32_head_sum_overlap=True)
+    before = got["prefill"]["rows"][0]
+    assert before["components_ms"] == {"dense_fp8": 40.0, "attention": 30.0} and before["wall_ms"] == 80.0
+    assert before["linears_ms"]["attn.wo_b"] == dict(gemm=0.9, operands=0.1, total=1.0)
+    assert got["prefill"]["attention_sweep"]["plan"]["us"] == 900 and "block_d" not in got["prefill"][
+        "attention_sweep"]["plan"]["config"] and got["prefill"]["attention_sweep"]["block_n64_s1"] == dict(error="smem")

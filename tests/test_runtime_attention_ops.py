@@ -106,6 +106,14 @@ def _exact_sparse_sink_attention(calls: list[str]):
         assert scale == softmax_scale(q.shape[-1]) and swa_slots.shape[:1] == q.shape[:1]
         calls.append("attend")
         packed = None
+        if isinstance(comp_cache, torch.Tensor):    # the prefill workspace: BF16 rows by row index
+            assert comp_cache.dtype == torch.bfloat16 and comp_slots.shape[0] == q.shape[0]
+            calls.append("workspace")
+            keys, valid = attention_ops.gather_rows(swa_cache, swa_slots)
+            c_keys, c_valid = attention_ops.gather_rows(comp_cache, comp_slots)
+            o = attention_ops.attend_with_sink(q.float(), torch.cat((keys, c_keys), dim=1), sink,
+                                               torch.cat((valid, c_valid), dim=1))
+            return o.to(torch.bfloat16)
         if comp_cache is not None:                  # the kernel's PackedSource → the runtime's decoder
             assert isinstance(comp_cache, kernel_attention.PackedSource) and comp_slots.shape[0] == q.shape[0]
             assert comp_cache.part == "latent"
@@ -138,31 +146,64 @@ def _counted(calls: list[str], name: str, fn):
     return counted
 
 
-@pytest.mark.parametrize("chunk_elements", [DEFAULT_CHUNK, 150])
-def test_kernel_orchestration_with_exact_stand_ins_equals_cpu_path(engine, monkeypatch, chunk_elements: int) -> None:
+@pytest.fixture(scope="module")
+def cpu_scenario_logits(engine) -> dict[str, torch.Tensor]:
+    _, forward = engine
+    return run_scenario(forward, scenario_caches(forward, CPU), CPU, fixed_decode_tokens())
+
+
+@pytest.mark.parametrize("chunk_elements, prefill", [(DEFAULT_CHUNK, "packed"), (150, "packed"),
+                                                     (DEFAULT_CHUNK, "bf16")])
+def test_kernel_orchestration_with_exact_stand_ins_equals_cpu_path(engine, cpu_scenario_logits, monkeypatch,
+                                                                   chunk_elements: int, prefill: str) -> None:
+    """… also with the prefill workspace (SGLANG_DSV41_ATTN_PREFILL=bf16, every eager batch taking it
+    here): compressed keys read as BF16 rows of the decoded workspace by request-local position
+    give the same logits as the packed entries."""
     cfg, forward = engine
-    decode = fixed_decode_tokens()
-    want = run_scenario(forward, scenario_caches(forward, CPU), CPU, decode)
+    want = cpu_scenario_logits
     calls: list[str] = []
+    monkeypatch.setenv("SGLANG_DSV41_ATTN_PREFILL", prefill)
+    monkeypatch.setattr(attention_ops.AP, "PREFILL_MIN_QUERIES", 1)
     stand_in = attention_ops.KernelAttentionOps(
         SimpleNamespace(sparse_sink_attention=_exact_sparse_sink_attention(calls),
                         plan_config=kernel_attention.plan_config, PackedSource=kernel_attention.PackedSource),
         SimpleNamespace(index_scores=_exact_index_scores(calls), select_indices=kernel_indexer.select_indices,
                         entry_index_table=_counted(calls, "table", kernel_indexer.entry_index_table),
                         PackedSource=kernel_indexer.PackedSource))
+    assert stand_in.prefill == prefill
     monkeypatch.setattr(forward, "attention_ops", stand_in)
     monkeypatch.setattr(attention_ops, "SCORE_ELEMENTS_PER_CHUNK", chunk_elements)
-    got = run_scenario(forward, scenario_caches(forward, CPU), CPU, decode)
+    got = run_scenario(forward, scenario_caches(forward, CPU), CPU, fixed_decode_tokens())
     batches, indexer_layers = 5, sum(r.runs_indexer for r in cfg.text.layer_roles())
     ratios = {r.ratio for r in cfg.text.layer_roles() if r.runs_indexer}
-    assert calls.count("table") == batches * len(ratios)   # one entry table per ratio and forward
+    compressed_ratios = {r.ratio for r in cfg.text.layer_roles() if r.ratio > 0}
+    tables = len(compressed_ratios) if prefill == "bf16" else len(ratios)
+    assert calls.count("table") == batches * tables   # one entry table per ratio and forward
     assert calls.count("attend") == batches * cfg.text.num_hidden_layers
+    compressed_layers = sum(r.ratio > 0 for r in cfg.text.layer_roles())
+    assert calls.count("workspace") == (batches * compressed_layers if prefill == "bf16" else 0)
     if chunk_elements == DEFAULT_CHUNK:
         assert calls.count("scores") == batches * indexer_layers      # one chunk per layer
     else:
         assert calls.count("scores") > 4 * batches * indexer_layers   # many query chunks
     for name in want:
         assert torch.equal(got[name], want[name]), name
+
+
+def test_prefill_workspace_rules() -> None:
+    """`attention_prefill.applies`: only `bf16`, never static, ≥ PREFILL_MIN_QUERIES tokens and a
+    workspace of ≤ WORKSPACE_MAX_ENTRIES rows; a bad choice raises. Rows: b·width + j, −1 kept."""
+    AP = attention_ops.AP
+    big = AP.PREFILL_MIN_QUERIES
+    assert AP.applies("bf16", False, big, 1, 4096)
+    assert not AP.applies("packed", False, big, 1, 4096)
+    assert not AP.applies("bf16", True, big, 1, 4096)
+    assert not AP.applies("bf16", False, big - 1, 1, 4096)
+    assert not AP.applies("bf16", False, big, 2, AP.WORKSPACE_MAX_ENTRIES // 2 + 1)
+    with pytest.raises(ValueError, match="SGLANG_DSV41_ATTN_PREFILL='fp8'"):
+        AP.applies("fp8", False, big, 1, 4096)
+    rows = AP.workspace_rows(torch.tensor([0, 1, 1]), torch.tensor([[0, 3, -1], [2, -1, -1], [0, 1, 5]]), 8)
+    assert rows.tolist() == [[0, 3, -1], [10, -1, -1], [8, 9, 13]]
 
 
 # ---- the real kernels in Triton's interpreter ---------------------------------------------------
@@ -200,10 +241,10 @@ def test_kernel_choices_come_from_the_environment(monkeypatch) -> None:
                            device_sm_count=lambda device: 132, sparse_sink_attention=attend)
     q, sink = torch.zeros(1, 64, 512), torch.zeros(64)
     swa, slots = torch.zeros(4, 512, dtype=torch.bfloat16), torch.zeros(1, 128, dtype=torch.long)
-    for env in ("SGLANG_DSV41_ATTN_SPLITS", "SGLANG_DSV41_INDEXER_HEAD_SUM"):
+    for env in ("SGLANG_DSV41_ATTN_SPLITS", "SGLANG_DSV41_INDEXER_HEAD_SUM", "SGLANG_DSV41_ATTN_PREFILL"):
         monkeypatch.delenv(env, raising=False)
     default = attention_ops.KernelAttentionOps(fake, SimpleNamespace())
-    assert (default.splits, default.head_sum) == ("one", "fp64")
+    assert (default.splits, default.head_sum, default.prefill) == ("one", "fp64", "packed")
     default.attend(q, sink, swa, slots, None, None)
     assert seen == [("attend", 1)]
     monkeypatch.setenv("SGLANG_DSV41_ATTN_SPLITS", "decode")

@@ -112,6 +112,33 @@ def test_rows_do_not_depend_on_the_batch() -> None:
     assert backend.matmul(x[:0], w).shape == (0, 96)
 
 
+def test_whole_rows_one_gemm_within_the_bound(monkeypatch) -> None:
+    """`whole_rows` (SGLANG_DSV41_BF16_GEMM=whole, serving only): more than a block of rows in one
+    GEMM, within the same bound; a batch of ≤ one block is the blocked call. The switch: unknown
+    values and `whole` with the deterministic backend raise."""
+    from sglang_dsv41.runtime import backend as B
+    from sglang_dsv41.runtime import dense_ops as D
+    g = torch.Generator().manual_seed(4)
+    x, w = _bf16_values(300, 256, g=g), _fp8_like_weight(96, 256, g)
+    calls = []
+    mm = D._mm_fp32_out
+    monkeypatch.setattr(D, "_mm_fp32_out", lambda a, wt: calls.append(a.shape[0]) or mm(a, wt))
+    whole = BlockedBf16Gemm(DenseWeightCache.from_weights({"a.weight": w}), row_block=64, whole_rows=True)
+    out = whole.matmul(x, w)
+    ref = ops.matmul_fp32_exact(x, w)
+    assert calls == [300] and bool(((out.to(F64) - ref.to(F64)).abs() <= error_bound(x, w, out, ref, False)).all())
+    assert torch.equal(whole.matmul(x[:50], w), BlockedBf16Gemm(whole.cache, row_block=64).matmul(x[:50], w))
+    monkeypatch.delenv(B.BF16_GEMM_ENV, raising=False)
+    assert B.bf16_gemm_for(False) == B.bf16_gemm_for(True) == "blocked"
+    monkeypatch.setenv(B.BF16_GEMM_ENV, "Whole")
+    assert B.bf16_gemm_for(False) == "whole"
+    with pytest.raises(ValueError, match="not row invariant"):
+        B.bf16_gemm_for(True)
+    monkeypatch.setenv(B.BF16_GEMM_ENV, "split")
+    with pytest.raises(ValueError, match="SGLANG_DSV41_BF16_GEMM='split'"):
+        B.bf16_gemm_for(False)
+
+
 def test_weight_cache_views_unregistered_and_bf16_weights() -> None:
     g = torch.Generator().manual_seed(3)
     wo_a = _fp8_like_weight(128, 64, g)

@@ -87,9 +87,12 @@ def kernel_dispatch(monkeypatch, models, kernel_ops) -> dict[str, int]:
     class Counting:
         description = kernel_ops.description
 
-        def attend(self, *args):
+        def attend(self, *args, **kwargs):
             counts["attend"] += 1
-            return kernel_ops.attend(*args)
+            return kernel_ops.attend(*args, **kwargs)
+
+        def prefill_workspace(self, *args):
+            return kernel_ops.prefill_workspace(*args)
 
         def select(self, *args, **kwargs):
             counts["select"] += 1
@@ -132,6 +135,9 @@ def recorded(models) -> dict[str, list]:
             args = tuple(_snapshot(a) for a in (q, sink, swa_cache, swa_slots, packed, comp_entries))
             calls["attend"].append((args, out))
             return out
+
+        def prefill_workspace(self, *args):
+            return torch_ops.prefill_workspace(*args)
 
         def select(self, be, cfg_, role, w, prefix, x, q_lora, layout, caches, inv_freq, act_quant, published,
                    entry_tables=None):

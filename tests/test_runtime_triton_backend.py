@@ -333,3 +333,30 @@ def test_gpu_teacher_forced_contract(tiny_checkpoint, fp8_gemm: str, monkeypatch
     print("\n" + m.summary(f"CUDA {fp8_gemm}"))
     assert m.top1 >= (FP8_MMA_MIN_TOP1_AGREEMENT if fp8_gemm == "fp8_mma" else MIN_TOP1_AGREEMENT)
     assert m.worst_logit_diff <= (FP8_MMA_LOGIT_BOUND if fp8_gemm == "fp8_mma" else LOGIT_BOUND), m.worst_logit_diff
+
+
+@pytest.mark.gpu
+def test_gpu_teacher_forced_contract_with_the_prefill_opt_ins(tiny_checkpoint, monkeypatch) -> None:
+    """The session-12 prefill opt-ins on the serving default: SGLANG_DSV41_ATTN_PREFILL=bf16 (the
+    BF16 workspace of decoded compressed entries; its size rule lowered to one query so every eager
+    forward here takes it) and SGLANG_DSV41_BF16_GEMM=whole (BF16-weight products in one GEMM) keep
+    the end-to-end contract."""
+    from runtime_scenarios import measure_contract, runtime_engine
+    from sglang_dsv41.reference.model import ReferenceModel
+    from sglang_dsv41.runtime import attention_ops
+    from sglang_dsv41.runtime import attention_prefill as AP
+
+    monkeypatch.setenv(AP.PREFILL_ENV, "bf16")
+    monkeypatch.setenv(B.BF16_GEMM_ENV, "whole")
+    monkeypatch.setattr(AP, "PREFILL_MIN_QUERIES", 1)
+    attention_ops.kernel_ops.cache_clear()           # the kernel ops read their switches when made
+    try:
+        reference = ReferenceModel.from_checkpoint(tiny_checkpoint)
+        engine = runtime_engine(tiny_checkpoint, DEVICE, deterministic=False)
+        assert engine.attention_ops.prefill == "bf16" and engine.backend.dense.whole_rows
+        m = measure_contract(engine, DEVICE, reference, GREEDY_STEPS)
+    finally:
+        attention_ops.kernel_ops.cache_clear()
+    print("\n" + m.summary("CUDA w8a8_f16 + prefill opt-ins"))
+    assert m.top1 >= MIN_TOP1_AGREEMENT
+    assert m.worst_logit_diff <= LOGIT_BOUND, m.worst_logit_diff

@@ -71,6 +71,9 @@ class ForwardScratch:
     #: The batch's entry-index table per compress ratio (CUDA indexer), built by the first
     #: indexer layer of that ratio in this forward and reused by the others.
     entry_tables: dict[int, Tensor] = field(default_factory=dict)
+    #: BF16 workspaces of decoded compressed entries per kv source (CUDA prefill, opt-in:
+    #: `attention_prefill`), made by the first layer reading that source in this forward.
+    workspaces: dict[int, Tensor] = field(default_factory=dict)
 
 
 def _packed_entries(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, latents: Tensor,
@@ -202,7 +205,7 @@ def attention_sublayer(be: ComputeBackend, ops: AttentionOps, cfg: TextConfig, r
     if layout.host_checks:
         _check_window(layer, window, swa_slots, layout)
 
-    packed = comp_entries = None
+    packed = comp_entries = workspace = None
     if role.ratio > 0:
         if role.computes_latents:
             _write_compressed(be, cfg, role, w, prefix, x, layout, caches, inv_freq)
@@ -211,8 +214,10 @@ def attention_sublayer(be: ComputeBackend, ops: AttentionOps, cfg: TextConfig, r
         comp_slots = _request_slots(layout, comp_positions)                                # [N, index_topk]
         comp_entries = torch.where(comp_slots >= 0, comp_slots // role.ratio, -1)
         packed = caches.packed(role.kv_source)
+        workspace = ops.prefill_workspace(layout, packed, role.kv_source, role.ratio, selection, scratch)
 
-    o = ops.attend(q, w[prefix + "attn_sink"], caches.swa[layer], swa_slots, packed, comp_entries)
+    extra = {} if workspace is None else {"workspace": workspace}
+    o = ops.attend(q, w[prefix + "attn_sink"], caches.swa[layer], swa_slots, packed, comp_entries, **extra)
     project = None if wo_b is None else (lambda u: tp.row_parallel(wo_b, u, be, act_quant))
     return output_projection(be, cfg, w, prefix, o, pos, inv_freq, act_quant, wo_b=project)
 

@@ -53,6 +53,7 @@ from torch import Tensor
 from ..config import LayerRole, TextConfig
 from ..numerics.geometry import softmax_scale, visible_counts
 from ..numerics.rounding import bf16
+from . import attention_prefill as AP
 from .attention_math import index_query
 from .backend import ComputeBackend
 from .batch import BatchLayout
@@ -98,7 +99,11 @@ class AttentionOps(Protocol):
     description: str
 
     def attend(self, q: Tensor, sink: Tensor, swa_cache: Tensor, swa_slots: Tensor,
-               packed: PackedSourceRows | None, comp_entries: Tensor | None) -> Tensor: ...
+               packed: PackedSourceRows | None, comp_entries: Tensor | None,
+               workspace: tuple[Tensor, Tensor] | None = None) -> Tensor: ...
+
+    def prefill_workspace(self, layout: BatchLayout, packed: PackedSourceRows, source: int, ratio: int,
+                          selection: Tensor, scratch) -> tuple[Tensor, Tensor] | None: ...
 
     def select(self, be: ComputeBackend, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str,
                x: Tensor, q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
@@ -144,13 +149,21 @@ class TorchAttentionOps:
         self.description = f"torch path ({'float64 sums, bit-identical to ReferenceModel' if acc == torch.float64 else 'fp32'})"
 
     def attend(self, q: Tensor, sink: Tensor, swa_cache: Tensor, swa_slots: Tensor,
-               packed: PackedSourceRows | None, comp_entries: Tensor | None) -> Tensor:
+               packed: PackedSourceRows | None, comp_entries: Tensor | None,
+               workspace: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        if workspace is not None:
+            raise ValueError("the torch attention reads the packed rows (no prefill workspace on CPU)")
         keys, valid = gather_rows(swa_cache, swa_slots)
         if packed is not None and comp_entries is not None:
             c_valid = comp_entries >= 0
             c_keys = torch.where(c_valid[..., None], packed.latents(comp_entries), 0.0)
             keys, valid = torch.cat((keys, c_keys), dim=1), torch.cat((valid, c_valid), dim=1)
         return attend_with_sink(q, keys, sink, valid, self.acc)
+
+    def prefill_workspace(self, layout: BatchLayout, packed: PackedSourceRows, source: int, ratio: int,
+                          selection: Tensor, scratch) -> None:
+        """The CPU path reads the packed rows directly: never a workspace."""
+        return None
 
     def select(self, be: ComputeBackend, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str,
                x: Tensor, q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
@@ -190,20 +203,24 @@ class KernelAttentionOps:
                    "float64 head sum + select_for_role, whole batch)")
 
     def __init__(self, sparse_attention: ModuleType, indexer: ModuleType, splits: str | None = None,
-                 head_sum: str | None = None) -> None:
+                 head_sum: str | None = None, prefill: str | None = None) -> None:
         self.sparse_attention = sparse_attention
         self.indexer = indexer
         self.splits = splits or kernel_choice(ATTENTION_SPLITS_ENV, ATTENTION_SPLITS)
         self.head_sum = head_sum or kernel_choice(INDEXER_HEAD_SUM_ENV, INDEXER_HEAD_SUMS)
-        if self.splits not in ATTENTION_SPLITS or self.head_sum not in INDEXER_HEAD_SUMS:
-            raise ValueError(f"KernelAttentionOps: splits {self.splits!r} / head_sum {self.head_sum!r} not in "
-                             f"{ATTENTION_SPLITS} / {INDEXER_HEAD_SUMS}")
+        self.prefill = prefill or kernel_choice(AP.PREFILL_ENV, AP.PREFILL_CHOICES)
+        if self.splits not in ATTENTION_SPLITS or self.head_sum not in INDEXER_HEAD_SUMS \
+                or self.prefill not in AP.PREFILL_CHOICES:
+            raise ValueError(f"KernelAttentionOps: splits {self.splits!r} / head_sum {self.head_sum!r} / prefill "
+                             f"{self.prefill!r} not in {ATTENTION_SPLITS} / {INDEXER_HEAD_SUMS} / {AP.PREFILL_CHOICES}")
 
     def attend(self, q: Tensor, sink: Tensor, swa_cache: Tensor, swa_slots: Tensor,
-               packed: PackedSourceRows | None, comp_entries: Tensor | None) -> Tensor:
+               packed: PackedSourceRows | None, comp_entries: Tensor | None,
+               workspace: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """One launch: SWA rows by SWA slot, compressed keys read from the packed rows by entry
         index (`PackedSource` of the latent rows with the source's latent offset / share / ratio,
-        contract §5)."""
+        contract §5), or — `workspace` = (BF16 rows, rows [N, K]) from `prefill_workspace` — from
+        the BF16 workspace by row."""
         if swa_cache.dtype != torch.bfloat16:
             raise RuntimeError(f"sglang-dsv41: the CUDA attention kernel reads BF16 SWA cache rows, got "
                                f"{swa_cache.dtype} (serve with the model dtype bfloat16 and --kv-cache-dtype auto)")
@@ -216,7 +233,11 @@ class KernelAttentionOps:
             plan = dataclasses.replace(self.sparse_attention.plan_config(N, H, D, swa_slots.shape[1], K, sm_count=1),
                                        num_splits=ATTENTION_KEY_SPLITS)
         comp_cache = None
-        if packed is not None and comp_entries is not None:
+        if workspace is not None:
+            comp_cache, comp_entries = workspace
+            if comp_entries.shape != (N, K):
+                raise ValueError(f"attend: workspace rows {tuple(comp_entries.shape)}, expected {(N, K)}")
+        elif packed is not None and comp_entries is not None:
             src = packed.source.latent
             comp_cache = self.sparse_attention.PackedSource(
                 rows=packed.latent_rows, offset=src.offset, share=src.share, ratio=src.ratio,
@@ -225,6 +246,27 @@ class KernelAttentionOps:
             q.to(torch.bfloat16), swa_cache, swa_slots, comp_cache, comp_entries if comp_cache is not None else None,
             sink.to(torch.float32), softmax_scale(D), config=plan)
         return o.to(torch.float32)
+
+    def prefill_workspace(self, layout: BatchLayout, packed: PackedSourceRows, source: int, ratio: int,
+                          selection: Tensor, scratch) -> tuple[Tensor, Tensor] | None:
+        """(BF16 workspace of kv source `source`, rows [N, K] of `selection`) when this batch runs
+        the prefill workspace path (`attention_prefill.applies`), else None. The workspace is
+        decoded once per source and forward (`scratch.workspaces`; later layers reading the same
+        source reuse it: nothing writes its rows after the source layer) over the batch's
+        entry-index table of that ratio (`scratch.entry_tables`, built here when no indexer layer
+        of the ratio has yet)."""
+        width = layout.max_seq_len // ratio
+        if not AP.applies(self.prefill, layout.static, layout.num_tokens, layout.num_requests, width):
+            return None
+        rows = scratch.workspaces.get(source)
+        if rows is None:
+            table = scratch.entry_tables.get(ratio)
+            if table is None:
+                table = scratch.entry_tables[ratio] = self.indexer.entry_index_table(
+                    layout.req_to_token, layout.req_rows, layout.seq_lens // ratio, ratio, width)
+            rows = scratch.workspaces[source] = AP.latent_workspace(packed.latent_rows, packed.source.latent,
+                                                                    packed.layout.head_dim, table)
+        return rows, AP.workspace_rows(layout.token_req, selection, width)
 
     def select(self, be: ComputeBackend, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str,
                x: Tensor, q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,

@@ -51,6 +51,9 @@ F32, F64 = torch.float32, torch.float64
 #: FP8 dense-linear arithmetics of the CUDA backend (module doc), and the variable that picks one
 FP8_GEMMS = ("w8a8_f16", "tiered", "w8a16", "fp8_mma")
 FP8_GEMM_ENV = "SGLANG_DSV41_FP8_GEMM"
+#: BF16 / fp32-weight products on CUDA: `blocked` (default: fixed 128-row blocks, row invariant) |
+#: `whole` (opt-in, serving only: a batch of more rows in one GEMM — `dense_ops.BlockedBf16Gemm.whole_rows`)
+BF16_GEMMS, BF16_GEMM_ENV = ("blocked", "whole"), "SGLANG_DSV41_BF16_GEMM"
 
 
 class ComputeBackend(ABC):
@@ -339,6 +342,12 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
     def apply_rope_tail(self, x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False) -> Tensor:
         return self.fe.apply_rope_tail(x, positions, inv_freq, inverse)
 
+    def bf16_rope_tail(self, x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False) -> Tensor:
+        """RoPE and the BF16 rounding in one launch (the kernel's `round_bf16`: the same bits as
+        `bf16(apply_rope_tail(x))`, tests/test_kernels_fused_elementwise.py), one pass over x
+        instead of two — at prefill x is q ([T, heads, head_dim] fp32, 1 GB at 8K Flash tokens)."""
+        return self.fe.apply_rope_tail(x, positions, inv_freq, inverse, round_bf16=True)
+
     def clamped_swiglu(self, gate: Tensor, up: Tensor, limit: float) -> Tensor:
         return self.fe.clamped_swiglu(gate, up, limit)
 
@@ -361,16 +370,29 @@ def fp8_gemm_for(deterministic: bool) -> str:
     return chosen or ("w8a16" if deterministic else "w8a8_f16")
 
 
+def bf16_gemm_for(deterministic: bool) -> str:
+    """The CUDA backend's BF16-weight product rows (BF16_GEMMS): SGLANG_DSV41_BF16_GEMM when set,
+    else `blocked`; an unknown value, or `whole` with `deterministic` (row invariance), raises."""
+    chosen = os.environ.get(BF16_GEMM_ENV, "").strip().lower() or BF16_GEMMS[0]
+    if chosen not in BF16_GEMMS:
+        raise ValueError(f"{BF16_GEMM_ENV}={chosen!r}: expected one of {BF16_GEMMS}")
+    if chosen == "whole" and deterministic:
+        raise ValueError(f"{BF16_GEMM_ENV}=whole is not row invariant: not with --enable-deterministic-inference")
+    return chosen
+
+
 def backend_for(device: torch.device, weights: Mapping[str, object], deterministic: bool = True) -> ComputeBackend:
     """The backend of a model whose weights live on `device`: CPU → `exact` when `deterministic`,
     else `torch` (fp32); CUDA → `triton` over a dense-weight cache built now (E4M3 weights in
-    place), FP8 linears by `fp8_gemm_for(deterministic)`; any other device raises."""
+    place), FP8 linears by `fp8_gemm_for(deterministic)`, BF16-weight rows by
+    `bf16_gemm_for(deterministic)`; any other device raises."""
     from .dense_ops import BlockedBf16Gemm, DenseWeightCache, check_weights_for_cpu
 
     if device.type == "cpu":
         check_weights_for_cpu(weights)
         return ExactTorchBackend() if deterministic else FastTorchBackend()
     if device.type == "cuda":
-        return TritonBackend(BlockedBf16Gemm(DenseWeightCache.from_weights(weights)),
+        whole = bf16_gemm_for(deterministic) == "whole"
+        return TritonBackend(BlockedBf16Gemm(DenseWeightCache.from_weights(weights), whole_rows=whole),
                              fp8_gemm=fp8_gemm_for(deterministic))
     raise RuntimeError(f"sglang-dsv41: no compute backend for device '{device}' (CPU: exact torch; CUDA: Triton)")

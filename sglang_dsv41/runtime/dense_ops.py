@@ -49,7 +49,11 @@ fp32 result can depend on how many rows share a call — the CUDA forward would 
 invariant. `BlockedBf16Gemm` therefore multiplies rows in zero-padded blocks of exactly
 `row_block` rows, one fixed-shape GEMM per block: a row's result depends only on its own values
 and the weight, never on the batch (decode pads to one block; decode GEMMs are weight-bandwidth
-bound, so the padding is nearly free).
+bound, so the padding is nearly free). At prefill that is one small GEMM per 128 rows (64 cuBLAS
+calls and a concatenation per linear at 8K tokens); `whole_rows=True` (opt-in for the serving path,
+`backend.BF16_GEMM_ENV`) multiplies a batch of more than `row_block` rows in one GEMM instead: the
+same operands and fp32 accumulation, so the same GEMM_BOUND, but a row's bits then depend on the
+batch's row count (like the FP8 row tiers of `w8a8_f16`); never with the deterministic backend.
 """
 from __future__ import annotations
 
@@ -259,11 +263,14 @@ class BlockedBf16Gemm:
     call, that every activation multiplied in BF16 is BF16-exact; `raise_if_inputs_inexact`
     (called by the backend after each forward) reports a violation."""
 
-    def __init__(self, cache: DenseWeightCache, row_block: int = ROW_BLOCK, audit_inputs: bool = False) -> None:
+    def __init__(self, cache: DenseWeightCache, row_block: int = ROW_BLOCK, audit_inputs: bool = False,
+                 whole_rows: bool = False) -> None:
         if row_block < 1:
             raise ValueError(f"row_block must be ≥ 1, got {row_block}")
         self.cache = cache
         self.row_block = row_block
+        #: more than `row_block` rows in one GEMM (module doc, "Row-block invariance"): not row invariant
+        self.whole_rows = whole_rows
         self.audit_inputs = audit_inputs
         self._inexact: Tensor | None = None
 
@@ -328,6 +335,8 @@ class BlockedBf16Gemm:
         M, B = a.shape[0], self.row_block
         if M == 0:
             return a.new_zeros(0, w.shape[0], dtype=F32)
+        if self.whole_rows and M > B:
+            return _mm_fp32_out(a, w.t())
         pad = (-M) % B
         if pad:
             a = torch.cat((a, a.new_zeros(pad, a.shape[1])))

@@ -1,0 +1,377 @@
+"""Per-component GPU time of one 8K-token prefill of a full-width Flash layer (issue 21; `decode_step.py --profile-prefill`).
+
+What it answers: of the device time of one prefill chunk — one request, positions 0 … T − 1
+(T = `decode_step.PREFILL_TOKENS`, 8,192), through the parts behind decode_step.py's prefill
+tokens/s (`decode_step.STEP_PARTS`: the layer's torch work, the indexer, attention, the routed
+experts; layer 2 = ratio-2 kv source with the indexer) — how much each component takes:
+`PREFILL_COMPONENTS` — the FP8 GEMMs (also by weight name, split into the GEMM and its operand
+passes: activation quantisation, weight dequantisation), BF16 linears, attention, indexer scoring /
+top-k / query, compressor, router, routed experts (MXFP4 GEMMs / routing plan / combine), shared
+expert, mHC, norms, RoPE, the other elementwise kernels, torch glue and what is left unlabelled.
+Engram is not in layer 2 (the JSON says so).
+
+Method: eager (a prefill chunk is not graphed). Per variant one warm-up pass (compiles), then
+`REPEATS` passes, each under `torch.profiler` with `step_profile.labels_on`'s labels (the runtime's
+linears by weight name, norms, elementwise primitives, mHC, compressor, router, …; nothing in
+`runtime/` changes) and "part:<name>" ranges: every kernel takes the label open at its launch
+(`step_profile.labelled_kernels`); kernels of the parts `indexer` and `moe_routed` are told apart
+by name (`prefill_component`). Per component the median over passes of the summed device µs;
+`gaps_us` = span − union of kernel time (host-side launch and sync gaps of the eager pass). Then
+`REPEATS` unprofiled passes timed per part with CUDA events (`wall_us`, the figure comparable with
+decode_step.py's prefill row; no L2 flush: the 8K working set dwarfs L2).
+
+Variants (`VARIANTS`, old against new in one process): `before` = session 11's path (RoPE and its
+BF16 rounding as two launches); `default` = the serving defaults now; `new` = every prefill opt-in
+(BF16 attention workspace, fp32 indexer head sum, fused top-k, BF16-weight products in one GEMM);
+then each opt-in alone. A variant
+sets its environment switches (and instance patches) for its duration only. Last (`attention_sweep`,
+deadline permitting): the attention alone at the prefill shape on the BF16 workspace under a few launch
+configurations (ATTENTION_SWEEP), losers kept.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, Sequence
+
+import torch
+
+REPEATS = 3
+#: the switches a variant may set; every variant sets all of them (unset = the default value)
+SWITCHES = {"SGLANG_DSV41_ATTN_PREFILL": "packed", "SGLANG_DSV41_INDEXER_HEAD_SUM": "fp64",
+            "SGLANG_DSV41_INDEXER_TOPK": "torch"}
+NEW = {"SGLANG_DSV41_ATTN_PREFILL": "bf16", "SGLANG_DSV41_INDEXER_HEAD_SUM": "fp32",
+       "SGLANG_DSV41_INDEXER_TOPK": "fused"}
+#: name → (environment, backend patches): `two_pass_rope` = session 11's RoPE (`TwoPassRope`);
+#: `whole_bf16_rows` = SGLANG_DSV41_BF16_GEMM=whole (`BlockedBf16Gemm.whole_rows`, read at build: set on the layer's backend)
+VARIANTS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
+    "before": ({}, ("two_pass_rope",)), "default": ({}, ()), "new": (NEW, ("whole_bf16_rows",)),
+    "attn_bf16_workspace": ({"SGLANG_DSV41_ATTN_PREFILL": "bf16"}, ()),
+    "indexer_fp32_head_sum": ({"SGLANG_DSV41_INDEXER_HEAD_SUM": "fp32"}, ()),
+    "indexer_fused_topk": ({"SGLANG_DSV41_INDEXER_TOPK": "fused"}, ()),
+    "whole_bf16_rows": ({}, ("whole_bf16_rows",))}
+DEFAULT_VARIANTS = ("before", "default", "new", "attn_bf16_workspace", "indexer_fp32_head_sum", "indexer_fused_topk",
+                    "whole_bf16_rows")
+PREFILL_COMPONENTS = ("dense_fp8", "dense_bf16", "attention", "indexer_scores", "indexer_topk", "indexer_query",
+                      "compressor", "router", "moe_experts", "moe_routing", "moe_combine", "shared_expert", "mhc",
+                      "norms", "rope", "elementwise", "torch_glue", "engram", "unattributed")
+#: attention launch configurations timed at the prefill shape on the BF16 workspace (`attention_sweep`),
+#: as changes to the planned one (`kernels.sparse_attention.plan_config`: block_h 32, block_n 32, 8 warps,
+#: 2 stages at Flash); losers are kept in the JSON
+ATTENTION_SWEEP = {"plan": {}, "stages3": dict(num_stages=3), "block_h16_w4": dict(block_h=16, num_warps=4),
+                   "block_h16_w8": dict(block_h=16, num_warps=8), "block_n64_s1": dict(block_n=64, num_stages=1)}
+#: kernel-name fragments of a linear's operand passes (not its GEMM)
+OPERAND_KERNELS = ("quantize", "dequantize", "round")
+
+
+def prefill_component(label: str, kernel: str, fp8_linears: Iterable[str] = ()) -> str:
+    """The PREFILL_COMPONENTS entry of a kernel `kernel` launched under `label` (module doc)."""
+    import step_profile as sp
+    if label == "part:indexer":
+        return "indexer_scores" if "index_scores" in kernel else "indexer_topk"
+    if label == "part:moe_routed":
+        return "moe_combine" if "combine" in kernel else "moe_experts" if "matmul" in kernel else "moe_routing"
+    if label.startswith("linear:"):
+        name = label[len("linear:"):]
+        for fragment, comp in (("compressor", "compressor"), ("indexer.", "indexer_query"),
+                               ("shared_experts", "shared_expert"), ("engram", "engram")):
+            if fragment in name:
+                return comp
+        return "dense_fp8" if name in set(fp8_linears) else "dense_bf16"
+    if label in ("elementwise:apply_rope_tail", "elementwise:bf16_rope_tail"):
+        return "rope"
+    comp = sp.component(label, fp8_linears)
+    return "indexer_query" if comp == "indexer" else comp
+
+
+def summarise_passes(passes: Sequence[Sequence[tuple[str, str, float]]], spans: Sequence[tuple[float, float]],
+                     fp8_linears: Iterable[str], top: int = 30) -> dict:
+    """Per component / linear / label the median over passes of the summed device µs; the busy
+    time, span and gaps (median); the `top` kernels of the first pass by µs (name, label, count)."""
+    fp8 = list(fp8_linears)
+    comp_runs: dict[str, list[float]] = defaultdict(list)
+    label_runs: dict[str, list[float]] = defaultdict(list)
+    linear_runs: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for kernels in passes:
+        comp: dict[str, float] = defaultdict(float)
+        labels: dict[str, float] = defaultdict(float)
+        linears: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        for name, label, us in kernels:
+            comp[prefill_component(label, name, fp8)] += us
+            labels[label] += us
+            if label.startswith("linear:"):
+                part = "operands" if any(f in name.lower() for f in OPERAND_KERNELS) else "gemm"
+                linears[label[len("linear:"):]][part] += us
+        for key in set(comp) | set(comp_runs):
+            comp_runs[key].append(comp.get(key, 0.0))
+        for key in set(labels) | set(label_runs):
+            label_runs[key].append(labels.get(key, 0.0))
+        for lin, parts in linears.items():
+            for part in ("gemm", "operands"):
+                linear_runs[lin][part].append(parts.get(part, 0.0))
+    med = statistics.median
+    by_comp = {c: med(comp_runs[c]) for c in PREFILL_COMPONENTS if c in comp_runs}
+    first: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for name, label, us in (passes[0] if passes else ()):
+        first[(name, label)].append(us)
+    kernels = sorted(((sum(v), n, lab, len(v)) for (n, lab), v in first.items()), reverse=True)[:top]
+    busy = med([b for b, _ in spans]) if spans else 0.0
+    span = med([s for _, s in spans]) if spans else 0.0
+    return dict(passes=len(passes), kernels_per_pass=[len(k) for k in passes], busy_us=busy, span_us=span,
+                gaps_us=span - busy, by_component=by_comp, device_us=sum(by_comp.values()),
+                by_linear={k: {p: med(v) for p, v in parts.items()} | {"total": sum(med(v) for v in parts.values())}
+                           for k, parts in sorted(linear_runs.items())},
+                by_label=dict(sorted(((k, med(v)) for k, v in label_runs.items()), key=lambda kv: -kv[1])),
+                top_kernels=[dict(kernel=n[:120], label=lab, us=us, count=c) for us, n, lab, c in kernels])
+
+
+@contextlib.contextmanager
+def variant_scope(name: str, backend) -> Iterable[None]:
+    """The variant's switches (all of SWITCHES, defaults where it sets none) and backend patch,
+    restored on exit."""
+    env, patches = VARIANTS[name]
+    saved = {k: os.environ.get(k) for k in SWITCHES}
+    os.environ.update(SWITCHES | env)
+    saved_fe = getattr(backend, "fe", None)
+    patched = "two_pass_rope" in patches and saved_fe is not None     # only the Triton backend launches kernels
+    if patched:                        # session 11: RoPE, then the BF16 rounding as a second launch
+        backend.fe = TwoPassRope(saved_fe)
+    dense = getattr(backend, "dense", None)
+    saved_whole = getattr(dense, "whole_rows", None)
+    if saved_whole is not None:
+        dense.whole_rows = "whole_bf16_rows" in patches
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if patched:
+            backend.fe = saved_fe
+        if saved_whole is not None:
+            dense.whole_rows = saved_whole
+
+
+class TwoPassRope:
+    """`kernels.fused_elementwise` with `apply_rope_tail(round_bf16=True)` as two launches (RoPE,
+    then `round_bf16`): the Triton backend's `bf16_rope_tail` before session 12 (same bits)."""
+
+    def __init__(self, fe) -> None:
+        self._fe = fe
+
+    def __getattr__(self, name: str):
+        return getattr(self._fe, name)
+
+    def apply_rope_tail(self, x, positions, inv_freq, inverse: bool = False, round_bf16: bool = False):
+        y = self._fe.apply_rope_tail(x, positions, inv_freq, inverse)
+        return self._fe.round_bf16(y) if round_bf16 else y
+
+
+def selection_agreement(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean over rows of |A ∩ B| / |A| (A, B: the rows' entries ≥ 0, each row's entries distinct;
+    an empty A agrees iff B is empty) — vectorised (`kernel_variants.selection_agreement`'s value)."""
+    c = torch.sort(torch.cat((a, b), dim=1), dim=1).values
+    inter = ((c[:, 1:] == c[:, :-1]) & (c[:, 1:] >= 0)).sum(dim=1).float()
+    na = (a >= 0).sum(dim=1).float()
+    per_row = torch.where(na > 0, inter / na.clamp(min=1), ((b >= 0).sum(dim=1) == 0).float())
+    return float(per_row.mean()) if per_row.numel() else 1.0
+
+
+def agreement(outputs: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor]) -> dict:
+    """Attention: max |Δ| in BF16 ulps of the output scale (`kernel_variants.scale_ulp_agreement`);
+    indexer: the selections' overlap — of a variant's outputs against the reference variant's."""
+    import kernel_variants as kv
+    out = {}
+    if "attention" in outputs and "attention" in reference:
+        out["attention"] = kv.scale_ulp_agreement(outputs["attention"], reference["attention"])
+    if "indexer" in outputs and "indexer" in reference:
+        out["indexer"] = dict(selection_overlap=selection_agreement(outputs["indexer"], reference["indexer"]),
+                              equal=bool(torch.equal(outputs["indexer"], reference["indexer"])))
+    return out
+
+
+def _part_walls(parts: Mapping[str, Callable[[], object]], repeats: int, device: torch.device) -> dict[str, float]:
+    """Median µs per part over `repeats` unprofiled passes: CUDA events (CPU layers: the host clock)."""
+    times: dict[str, list[float]] = defaultdict(list)
+    for _ in range(repeats):
+        for name, fn in parts.items():
+            if device.type != "cuda":
+                t = time.perf_counter()
+                fn()
+                times[name].append((time.perf_counter() - t) * 1e6)
+                continue
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times[name].append(a.elapsed_time(b) * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def profile_variant(layer, caches, tokens: int, name: str, parts_order: Sequence[str], errors: list[str],
+                    repeats: int = REPEATS, outputs: dict | None = None) -> dict:
+    """One variant (module doc): labelled passes → `summarise_passes`, plus CUDA-event walls;
+    the attention output and the indexer selection go to `outputs` (for `agreement`)."""
+    import flash_layer
+    import step_profile as sp
+    dev = layer.inv_freq.device
+    names = sp.weight_names(layer.weights, layer.role.layer)
+    fp8 = [names[id(v)] for v in layer.weights.values()
+           if isinstance(v, torch.Tensor) and v.dtype == torch.float8_e4m3fn and id(v) in names]
+    pos = torch.arange(tokens, device=dev)
+    row: dict = dict(variant=name, tokens=tokens, env=SWITCHES | VARIANTS[name][0], patches=list(VARIANTS[name][1]))
+    with variant_scope(name, layer.backend):
+        comps, meta = flash_layer.step_components(layer, caches, torch.zeros_like(pos), pos, errors)
+        parts = {c: comps[c] for c in parts_order if c in comps}
+        row |= dict(parts=list(parts), distinct_experts=meta.get("distinct_experts"))
+
+        def one_pass():
+            for part, fn in parts.items():
+                with torch.profiler.record_function(sp.PREFIX + "part:" + part):
+                    fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+        passes, spans = [], []
+        with sp.labels_on(layer.backend, names, flash_layer):
+            one_pass()                                   # warm-up: compiles and autotunes outside the traces
+            for _ in range(repeats):
+                trace = sp._trace_of(one_pass)
+                passes.append(sp.labelled_kernels(trace))
+                spans.append(sp.busy_span(sp._device_events(trace)))
+        row |= summarise_passes(passes, spans, fp8)
+        row["wall_us"] = _part_walls(parts, repeats, dev)
+        if outputs is not None:
+            outputs.update({p: parts[p]() for p in ("attention", "indexer") if p in parts})
+    row["wall_us_total"] = sum(row["wall_us"].values())
+    row["tokens_per_s"] = tokens / (row["wall_us_total"] * 1e-6) if row["wall_us_total"] else None
+    return row
+
+
+def attention_sweep(layer, caches, tokens: int, errors: list[str], deadline: float, repeats: int = REPEATS) -> dict:
+    """ATTENTION_SWEEP at the prefill shape with the BF16 workspace (SGLANG_DSV41_ATTN_PREFILL=bf16
+    for the duration): per configuration the CUDA-event µs (median of `repeats`) and the output
+    against the planned configuration's (BF16 ulps of the output scale); a configuration that fails
+    (e.g. out of shared memory) is recorded with its error (not in `errors`); past `deadline`: skipped."""
+    import dataclasses
+
+    import flash_layer
+    import kernel_variants as kv
+    from sglang_dsv41.kernels import sparse_attention as SA
+    from step_timing import _describe
+    t, dev = layer.text, layer.inv_freq.device
+    pos = torch.arange(tokens, device=dev)
+    qs = flash_layer.queries(layer, caches, torch.zeros_like(pos), pos)
+    g = torch.Generator(device=dev).manual_seed(tokens)
+    q = flash_layer.ops.bf16(torch.randn(tokens, t.num_attention_heads, t.head_dim, generator=g, device=dev))
+    sink = layer.weights[f"layers.{layer.role.layer}.attn.attn_sink"]
+    plan = dataclasses.replace(SA.plan_config(tokens, t.num_attention_heads, t.head_dim, t.sliding_window,
+                                              t.index_topk, 1), num_splits=1)
+    out: dict = {}
+    reference = None
+    with variant_scope("attn_bf16_workspace", layer.backend):
+        for name, change in ATTENTION_SWEEP.items():
+            if time.perf_counter() > deadline:
+                out[name] = dict(skipped="over the wall budget")
+                continue
+            cfg = dataclasses.replace(plan, **change)
+            try:
+                comps, _ = flash_layer.kernel_components(layer, caches, qs, q, sink, att_config=cfg)
+                o = comps["attention"]()
+                row = dict(config=dataclasses.asdict(cfg),
+                           us=_part_walls({"attention": comps["attention"]}, repeats, dev)["attention"])
+                if reference is None:
+                    reference = o
+                row["agreement_with_plan"] = kv.scale_ulp_agreement(o, reference)
+                out[name] = row
+            except Exception as exc:        # a candidate that does not compile (resources) is a loser, not an error
+                out[name] = dict(config=dataclasses.asdict(cfg), error=_describe(exc)[:300])
+    return out
+
+
+def write_prefill_profile(layer, out: Path, device_name: str, tokens: int, parts_order: Sequence[str],
+                          variants: Sequence[str], errors: list[str], deadline: float = float("inf"),
+                          repeats: int = REPEATS) -> dict:
+    """Every variant (past `deadline`: recorded as skipped) → prefill_profile.json (+ .png). A CPU
+    layer runs the same flow (no kernels: walls only; the tests' tiny check)."""
+    import json
+
+    from flash_layer import make_caches
+    from step_timing import _describe
+    t0 = time.perf_counter()
+    caches = make_caches(layer, 1, tokens, layer.inv_freq.device, seed=2)
+    rows, reference = [], {}
+    for name in variants:
+        if name not in VARIANTS:
+            errors.append(f"prefill profile: unknown variant {name!r} (known: {list(VARIANTS)})")
+            continue
+        if time.perf_counter() > deadline:
+            rows.append(dict(variant=name, skipped="over the wall budget"))
+            continue
+        try:
+            outputs: dict = {}
+            rows.append(profile_variant(layer, caches, tokens, name, parts_order, errors, repeats, outputs))
+            if not reference:                    # the first variant's outputs (`before`: the packed default path)
+                reference = dict(outputs, variant=name)
+            rows[-1]["agreement_with"] = reference["variant"]
+            rows[-1]["agreement"] = agreement(outputs, reference)
+            del outputs
+        except Exception as exc:
+            errors.append(f"prefill profile {name}: {_describe(exc)}")
+            rows.append(dict(variant=name, error=_describe(exc)))
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        r = rows[-1]
+        if "by_component" in r:
+            comps = "  ".join(f"{c} {us / 1e3:.2f}" for c, us in sorted(r["by_component"].items(), key=lambda kv: -kv[1]))
+            walls = "  ".join(f"{p} {us / 1e3:.2f}" for p, us in r["wall_us"].items())
+            print(f"prefill {name}: {r['tokens_per_s']:,.0f} tokens/s, wall ms {walls} | device ms {comps} | "
+                  f"gaps {r['gaps_us'] / 1e3:.2f}", flush=True)
+    sweep = (attention_sweep(layer, caches, tokens, errors, deadline, repeats)
+             if layer.inv_freq.device.type == "cuda" else dict(skipped="CUDA only"))
+    print("attention sweep (workspace) µs: " + "  ".join(f"{k} {v['us']:.0f}" if "us" in v else f"{k} -"
+                                                         for k, v in sweep.items() if isinstance(v, dict)), flush=True)
+    del caches
+    engram = layer.role.layer in layer.text.engram_layer_ids
+    result = dict(device=device_name, layer=layer.role.layer, tokens=tokens, method=__doc__,
+                  components=PREFILL_COMPONENTS, rows=rows, attention_sweep=sweep, wall_s=time.perf_counter() - t0,
+                  engram=("in this layer's torch part" if engram else
+                          f"not in layer {layer.role.layer} (Engram layers {list(layer.text.engram_layer_ids)})"))
+    path = out / "prefill_profile.json"
+    path.write_text(json.dumps(result, indent=1))
+    try:
+        plot(rows, out / "prefill_profile.png", device_name, tokens)
+    except Exception as exc:
+        errors.append(f"prefill profile plot: {_describe(exc)}")
+    return dict(path=str(path), rows=len(rows))
+
+
+def plot(rows: Sequence[Mapping], path: Path, device_name: str, tokens: int) -> None:
+    """One horizontal stacked bar per variant: device ms by component, annotated with tokens/s."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in rows if "by_component" in r]
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(rows) + 2.5))
+    names = [r["variant"] for r in rows]
+    left = [0.0] * len(rows)
+    cmap = plt.get_cmap("tab20")
+    for i, c in enumerate(PREFILL_COMPONENTS):
+        ms = [r["by_component"].get(c, 0.0) / 1e3 for r in rows]
+        if any(ms):
+            ax.barh(names, ms, left=left, label=c, color=cmap(i % 20))
+            left = [a + b for a, b in zip(left, ms)]
+    for y, r in enumerate(rows):
+        ax.annotate(f" {r['tokens_per_s']:,.0f} tok/s (wall {r['wall_us_total'] / 1e3:.1f} ms)", (left[y], y),
+                    va="center", fontsize=7)
+    ax.set(xlabel=f"device ms of one {tokens}-token prefill (median of passes)",
+           title=f"{device_name}: one Flash layer, prefill by component")
+    ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.15))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

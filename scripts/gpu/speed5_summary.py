@@ -1,0 +1,101 @@
+"""$OUT/speed5.json from the files scripts/gpu/speed5.sh wrote (gpu_tests.xml, decode_step.json,
+prefill_profile.json): test counts and failures, per prefill variant its tokens/s, wall per part,
+device ms per component, FP8 linears (GEMM / operand passes) and agreement with the first variant,
+and the checks of a pass (`checks`: name → true / false). A missing or malformed file is recorded
+as an error entry, never raised. Printed too; exit status 0.
+
+    python scripts/gpu/speed5_summary.py OUT_DIR
+"""
+from __future__ import annotations
+
+import json
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+#: attention on the BF16 workspace against the packed rows: the kernels' stated agreement (BF16 ulps
+#: of the output scale, tests/test_kernels_sparse_attention.py)
+MAX_ATTENTION_SCALE_ULPS = 2.0
+#: fp32 head sum: selections may differ near BF16 ties only
+MIN_FP32_SELECTION_OVERLAP = 0.99
+
+
+def _ms(us):
+    return round(us / 1e3, 3) if isinstance(us, (int, float)) else us
+
+
+def tests(out: Path) -> dict:
+    cases = list(ET.parse(out / "gpu_tests.xml").getroot().iter("testcase"))
+    bad = [f"{c.get('classname')}::{c.get('name')}" for c in cases
+           if c.find("failure") is not None or c.find("error") is not None]
+    return dict(total=len(cases), failed=bad, skipped=sum(c.find("skipped") is not None for c in cases))
+
+
+def prefill(out: Path) -> dict:
+    d = json.loads((out / "prefill_profile.json").read_text())
+    rows = []
+    for r in d.get("rows", []):
+        if "by_component" not in r:
+            rows.append({k: (str(v)[:300] if k == "error" else v) for k, v in r.items()})
+            continue
+        rows.append(dict(
+            variant=r["variant"], tokens_per_s=round(r["tokens_per_s"] or 0), wall_ms=_ms(r["wall_us_total"]),
+            wall_ms_by_part={p: _ms(v) for p, v in r["wall_us"].items()},
+            device_ms=_ms(r["device_us"]), gaps_ms=_ms(r["gaps_us"]),
+            components_ms={c: _ms(v) for c, v in sorted(r["by_component"].items(), key=lambda kv: -kv[1])},
+            linears_ms={k: {p: _ms(v) for p, v in parts.items()} for k, parts in r.get("by_linear", {}).items()},
+            top_kernels=[dict(k, us=round(k["us"])) for k in r.get("top_kernels", [])[:12]],
+            agreement=r.get("agreement"), agreement_with=r.get("agreement_with")))
+    sweep = {name: (dict(us=round(v["us"]), agreement_with_plan=v.get("agreement_with_plan"),
+                         config={k: v["config"][k] for k in ("block_h", "block_n", "num_warps", "num_stages")})
+                    if isinstance(v, dict) and "us" in v else v)
+             for name, v in (d.get("attention_sweep") or {}).items()}
+    return dict(tokens=d.get("tokens"), layer=d.get("layer"), engram=d.get("engram"), rows=rows,
+                attention_sweep=sweep)
+
+
+def checks(result: dict) -> dict:
+    """The pass conditions (scripts/gpu/speed5.sh header)."""
+    out: dict[str, bool] = {}
+    t = result.get("tests", {})
+    out["gpu_tests_pass"] = bool(t.get("total")) and not t.get("failed") and "error" not in t
+    rows = {r.get("variant"): r for r in result.get("prefill", {}).get("rows", [])}
+    out["every_variant_profiled"] = bool(rows) and all("components_ms" in r for r in rows.values())
+    att = (rows.get("attn_bf16_workspace", {}).get("agreement") or {}).get("attention", {})
+    out["workspace_attention_within_bound"] = att.get("max_scale_ulps", 1e9) <= MAX_ATTENTION_SCALE_ULPS
+    topk = (rows.get("indexer_fused_topk", {}).get("agreement") or {}).get("indexer", {})
+    out["fused_topk_same_selection"] = bool(topk.get("equal"))
+    fp32 = (rows.get("indexer_fp32_head_sum", {}).get("agreement") or {}).get("indexer", {})
+    out["fp32_head_sum_overlap"] = fp32.get("selection_overlap", 0.0) >= MIN_FP32_SELECTION_OVERLAP
+    return out
+
+
+def main(argv: list[str]) -> int:
+    out = Path(argv[0])
+    result: dict = {}
+    for name, fn in (("tests", tests), ("prefill", prefill)):
+        try:
+            result[name] = fn(out)
+        except Exception as exc:       # recorded, never raised: the summary must always be written
+            result[name] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
+    try:
+        d = json.loads((out / "decode_step.json").read_text())
+        result["decode_step"] = dict(errors=d.get("errors"), skipped=d.get("skipped"), wall_s=d.get("wall_s"))
+    except Exception as exc:
+        result["decode_step"] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
+    result["checks"] = checks(result)
+    (out / "speed5.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(dict(tests=result["tests"], checks=result["checks"]), indent=1))
+    for r in result.get("prefill", {}).get("rows", []):
+        if "components_ms" in r:
+            top = ", ".join(f"{c} {ms}" for c, ms in list(r["components_ms"].items())[:8])
+            print(f"{r['variant']:>22}: {r['tokens_per_s']:>9,} tok/s  wall {r['wall_ms']} ms "
+                  f"{r['wall_ms_by_part']} | device {r['device_ms']} ms: {top} | agreement {r['agreement']}")
+        else:
+            print(f"{r.get('variant')}: {r}")
+    print(f"attention sweep (BF16 workspace): {result.get('prefill', {}).get('attention_sweep')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,66 @@
+"""Prefill attention over a BF16 workspace of the batch's compressed entries (issue 21; opt-in).
+
+The CUDA attention kernel reads each selected compressed key from the packed FP4 rows and
+decodes it in the kernel (`kernels.packed_rows`), once per query and head block: at an 8K-token
+Flash prefill that is 8,192 queries × 512 keys × 2 head blocks ≈ 8.4 M decodes of 288-B entries,
+while the request holds only 4,096 distinct entries. With `SGLANG_DSV41_ATTN_PREFILL=bf16` the
+kv source's visible entries of every request of the batch are decoded once per layer and forward
+into a BF16 workspace (`latent_workspace`: [R·width, head_dim], row b·width + j = compressed
+position j of request b, zeros where there is none) and the kernel reads BF16 rows from it
+(`workspace_rows`) — its BF16-row path, the pre-packing format (upstream's Hopper prefill does
+the same: gather into a BF16 workspace, then `flash_mla_sparse_fwd`).
+
+Values: the decoded entries are BF16-exact (E2M1 × E4M3, `kv_layout.decode_latents`), so the
+kernel sees the same keys; it is another binary of the same kernel, which agrees with the packed
+path within 2 BF16 ulps of the output scale, not bit for bit (`flash_layer.kernel_components`
+checks it on the H200): opt-in until measured (docs/performance.md, session 12).
+
+When it applies (`applies`): the choice is `bf16`, the layout is not static (never inside a
+CUDA graph: decode keeps the packed rows), the batch has ≥ PREFILL_MIN_QUERIES tokens, and the
+workspace holds ≤ WORKSPACE_MAX_ENTRIES rows (R requests × the static width max_seq_len / ratio);
+otherwise the packed path runs. These are size rules known on the host, no host sync.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .kv_layout import SourceColumns, decode_latents, read_entries
+
+PREFILL_ENV, PREFILL_CHOICES = "SGLANG_DSV41_ATTN_PREFILL", ("packed", "bf16")
+#: fewer queries than this: the packed rows (the decode per entry would not be amortised)
+PREFILL_MIN_QUERIES = 512
+#: largest workspace (rows): 2^17 × 512 dims × 2 B = 128 MiB at Flash per kv source and forward
+WORKSPACE_MAX_ENTRIES = 1 << 17
+#: entries decoded per step (bounds the fp32 temporaries of `decode_latents`: 16 K × 512 × 4 B × 2)
+DECODE_CHUNK = 1 << 14
+
+
+def applies(choice: str, static: bool, num_queries: int, num_requests: int, width: int) -> bool:
+    """Whether a batch runs the workspace path (module doc); an unknown choice raises."""
+    if choice not in PREFILL_CHOICES:
+        raise ValueError(f"{PREFILL_ENV}={choice!r}: expected one of {PREFILL_CHOICES}")
+    return (choice == "bf16" and not static and num_queries >= PREFILL_MIN_QUERIES
+            and 0 < num_requests * width <= WORKSPACE_MAX_ENTRIES)
+
+
+def latent_workspace(latent_rows: Tensor, source: SourceColumns, head_dim: int, entry_table: Tensor) -> Tensor:
+    """BF16 [R·width, head_dim]: row b·width + j = the decoded latent of packed entry
+    entry_table[b, j] of kv source `source` (zeros for −1), decoded in chunks of DECODE_CHUNK."""
+    flat = entry_table.reshape(-1)
+    out = torch.empty(flat.numel(), head_dim, dtype=torch.bfloat16, device=latent_rows.device)
+    for start in range(0, flat.numel(), DECODE_CHUNK):
+        part = flat[start:start + DECODE_CHUNK]
+        out[start:start + part.numel()] = decode_latents(read_entries(latent_rows, source, part), head_dim)
+    return out
+
+
+def workspace_rows(token_req: Tensor, selection: Tensor, width: int) -> Tensor:
+    """[N, K] workspace rows of the selected compressed positions `selection` (request-local,
+    −1 = none) of tokens whose request index is `token_req` [N]: b·width + j, −1 kept."""
+    rows = token_req.to(torch.int64)[:, None] * width + selection
+    return torch.where(selection >= 0, rows, -1)
+
+
+__all__ = ["DECODE_CHUNK", "PREFILL_CHOICES", "PREFILL_ENV", "PREFILL_MIN_QUERIES", "WORKSPACE_MAX_ENTRIES",
+           "applies", "latent_workspace", "workspace_rows"]
