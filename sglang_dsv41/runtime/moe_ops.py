@@ -4,7 +4,7 @@
 
 | device | routing, shared expert | routed experts |
 |---|---|---|
-| CPU  | `route` / `shared_expert` on the compute backend | `routed_expert` per expert on dequantised fp32 weights (`{prefix}ffn.experts.{e}.w1/w2/w3.weight`) |
+| CPU  | `route` / `shared_expert` through their linear layers' methods (`quant_methods.apply_linear`) | `routed_expert` per expert on dequantised fp32 weights (`{prefix}ffn.experts.{e}.w1/w2/w3.weight`) |
 | CUDA | the same on the Triton backend | `kernels.moe_mxfp4` (Triton `matmul_ogs`, MXFP4 W4A16) on `weights[routed_experts_key(prefix)]` (`RoutedExpertsMxfp4`, prepared once at load) |
 
 The runtime's copy of `reference/moe.py`, tested against it (tests/test_runtime_moe_ops.py).
