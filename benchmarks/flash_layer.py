@@ -69,6 +69,9 @@ from sglang_dsv41.runtime.kv_layout import (CompressedRowLayout, decode_entry_ke
 from sglang_dsv41.runtime.indexer_select import select_for_role
 from sglang_dsv41.runtime.mhc_ops import mhc_for
 from sglang_dsv41.runtime.moe_ops import Routing, route, routed_expert, shared_expert
+from sglang_dsv41.runtime.parallel_linear import is_parallel_linear, with_parallel_linears
+from sglang_dsv41.runtime.quant_methods import apply_linear
+from sglang_dsv41.runtime.tensor_parallel import SINGLE
 
 if str(Path(__file__).resolve().parent) not in sys.path:   # sibling benchmark modules (loaded by path too)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -124,7 +127,8 @@ def stored_layer(cfg: DeepseekV41Config, layer: int, device: torch.device, seed:
 class Layer:
     cfg: DeepseekV41Config
     role: LayerRole
-    weights: dict                 # runtime weights (fp32 logical + RoutedExpertsMxfp4 on CUDA)
+    weights: dict                 # runtime weights (fp32 logical + RoutedExpertsMxfp4 on CUDA) and, under their
+                                  # prefixes, the linears as the runtime's SGLang layers (same storage)
     stored_bytes: dict[str, int]  # by group: dense / experts / norms (stored formats)
     held_dense_bytes: int         # bytes of the dense tensors as loaded (CUDA: FP8 kept E4M3 + scales, rest fp32)
     expert_bytes: int             # stored bytes of one routed expert
@@ -181,6 +185,8 @@ def build_layer(cfg: DeepseekV41Config, layer: int, device: torch.device, seed: 
     per_expert = 3 * (t.moe_intermediate_size * t.hidden_size // 2 + t.moe_intermediate_size * t.hidden_size // TILE)
     role = t.layer_roles()[layer]
     inv_freq = layer_inv_freq(t, role.ratio).to(device)
+    linears = with_parallel_linears(weights, cfg, SINGLE.plan(t))        # the runtime's layers over the same storage
+    weights.update({k: v for k, v in linears.items() if is_parallel_linear(v)})
     return Layer(cfg, role, weights, by_group, held, per_expert, inv_freq, cached, backend)
 
 
@@ -264,7 +270,7 @@ def torch_work(layer: Layer, R: Tensor, positions: Tensor, be: ComputeBackend | 
     swa_cache_roundtrip(be, kv, positions, inv_freq, CACHE, t.qk_rope_head_dim)
     if layer.role.computes_latents:
         a, _ = pair_scores(be, w, pa, x) if layer.role.ratio == 2 else (
-            be.linear_bf16(x, w[pa + "compressor.wkv.weight"], out_fp32=True), None)
+            apply_linear(w[pa + "compressor.wkv"], x, be, out_fp32=True), None)
         latents = be.rms_norm(be.bf16(a), w[pa + "compressor.norm.weight"], t.rms_norm_eps)
         roped, k = rope_entry_values(be, t, w, pa, latents, positions, inv_freq)
         be.fp4_fake_quant_e4m3_scale(roped)
@@ -275,9 +281,9 @@ def torch_work(layer: Layer, R: Tensor, positions: Tensor, be: ComputeBackend | 
     R = mhc.residual_update(R, y, co)
     co_f = hc("ffn", R)
     x = mhc.sublayer_input(R, co.pre, w[p + "ffn_norm.weight"], t.rms_norm_eps)
-    routing = route(be, x, w[p + "ffn.gate.weight"], w[p + "ffn.gate.bias"], t.num_experts_per_tok)
-    shared = shared_expert(be, x, w[p + "ffn.shared_experts.w1.weight"], w[p + "ffn.shared_experts.w2.weight"],
-                           w[p + "ffn.shared_experts.w3.weight"], t.swiglu_limit, True)
+    routing = route(be, x, w[p + "ffn.gate"], w[p + "ffn.gate.bias"], t.num_experts_per_tok)
+    shared = shared_expert(be, x, w[p + "ffn.shared_experts.w1"], w[p + "ffn.shared_experts.w2"],
+                           w[p + "ffn.shared_experts.w3"], t.swiglu_limit, True)
     mhc.residual_update(R, shared, co_f)
     return x, routing
 

@@ -81,10 +81,13 @@ def _labelled(label: str, fn: Callable) -> Callable:
 
 
 def weight_names(weights: Mapping[str, object], layer: int) -> dict[int, str]:
-    """{id(tensor): short name} of a layer's weights ("attn.wq_a", "ffn.shared_experts.w1", ...)."""
+    """{id(tensor): short name} of a layer's weights ("attn.wq_a", "ffn.shared_experts.w1", ...):
+    the tensors, and the parameters a linear layer's quantisation method passes to the backend."""
     prefix = f"layers.{layer}."
-    return {id(v): k[len(prefix):].removesuffix(".weight") for k, v in weights.items()
-            if isinstance(v, torch.Tensor) and k.startswith(prefix)}
+    items = [(k, v) for k, v in weights.items() if isinstance(v, torch.Tensor)]
+    items += [(f"{k}.{leaf}", t) for k, v in weights.items() if hasattr(v, "runtime_values")
+              for leaf, t in v.runtime_values().items()]
+    return {id(v): k[len(prefix):].removesuffix(".weight") for k, v in items if k.startswith(prefix)}
 
 
 @contextlib.contextmanager

@@ -30,6 +30,7 @@ from sglang_dsv41.presets import flash_config_dict
 from sglang_dsv41.reference import moe as ref_moe
 from sglang_dsv41.reference.ops import bf16
 from sglang_dsv41.runtime.kv_layout import CompressedRowLayout, PackedSourceRows
+from sglang_dsv41.runtime.parallel_linear import is_model_linear
 
 
 
@@ -68,7 +69,11 @@ def test_built_layer_values_and_bytes(bench, setup) -> None:
     cfg, layer, built = setup
     stored = bench.stored_layer(cfg, layer, torch.device("cpu"), seed=0)
     specs = [s for s in tensor_inventory(cfg, vision=False, dspark=False) if s.name.startswith(f"layers.{layer}.")]
-    assert built.weights.keys() == {s.name for s in specs}          # CPU: experts dequantised too
+    tensors = {k for k, v in built.weights.items() if isinstance(v, torch.Tensor)}
+    assert tensors == {s.name for s in specs}                      # CPU: experts dequantised too
+    linears = {k: v for k, v in built.weights.items() if k not in tensors}   # the runtime's layers, same storage
+    assert linears.keys() == {s.name.removesuffix(".weight") for s in specs if is_model_linear(s)}
+    assert all(m.weight.data_ptr() == built.weights[k + ".weight"].data_ptr() for k, m in linears.items())
     for s in specs:
         assert torch.equal(built.weights[s.name], logical_tensor(s, stored.__getitem__).float())
     per_group: dict[str, int] = {}

@@ -247,11 +247,12 @@ if KERNEL_HERE:
         fp32 (`acc`, no float64 on the GPU path): within 4 fp32 ulps, the same experts, weights
         within 8 fp32 ulps."""
         from reference_weights import random_reference_weights, tiny_config
+        from runtime_values import with_linear_layers
         cfg = tiny_config(vision=False)
         t = cfg.text
         layer = next(r.layer for r in t.layer_roles() if r.ratio and not r.engram)
-        w = {k: v.to(DEVICE) for k, v in random_reference_weights(cfg, seed=2, vision=False).items()
-             if k.startswith(f"layers.{layer}.")}
+        w = with_linear_layers({k: v.to(DEVICE) for k, v in random_reference_weights(cfg, seed=2, vision=False).items()
+                                if k.startswith(f"layers.{layer}.")}, cfg)
         g = torch.Generator().manual_seed(8)
         x = ops.bf16(torch.randn(3, t.hidden_size, generator=g)).to(DEVICE)
         o = ops.bf16(torch.randn(3, t.num_attention_heads, t.head_dim, generator=g)).to(DEVICE)
@@ -265,11 +266,11 @@ if KERNEL_HERE:
                                   w[p + "shared_experts.w3.weight"], t.swiglu_limit, True),
                 r.experts, r.weights, r.scores)
         be = TritonBackend(ExactTorchBackend(), device_types=(DEVICE,))      # kernels + the exact product
-        r = route(be, x, w[p + "gate.weight"], w[p + "gate.bias"], t.num_experts_per_tok)
+        r = route(be, x, w[p + "gate"], w[p + "gate.bias"], t.num_experts_per_tok)
         got = (*project_q_kv(be, t, w, pa, x, pos, inv, True, t.num_attention_heads),
                output_projection(be, t, w, pa, o, pos, inv, True),
-               shared_expert(be, x, w[p + "shared_experts.w1.weight"], w[p + "shared_experts.w2.weight"],
-                             w[p + "shared_experts.w3.weight"], t.swiglu_limit, True),
+               shared_expert(be, x, w[p + "shared_experts.w1"], w[p + "shared_experts.w2"],
+                             w[p + "shared_experts.w3"], t.swiglu_limit, True),
                r.experts, r.weights, r.scores)
         assert be.acc == torch.float32
         assert all(same_bits(a, b) for a, b in zip(got[:-3], want[:-3]))

@@ -6,7 +6,8 @@ What is pinned (spec §3, §3.4.3, §3.5; contracts phase 2 §1–§4; runtime d
   (per request, unbatched) — bit for bit;
 * chunked prefill with chunk boundaries at odd and even positions, mixed with another request's
   tokens in the same batch, equals the reference's one-shot prefill (a ratio-2 pair split across
-  forwards completes from the request's pair state; Engram history read from SWA slots);
+  forwards completes from the request's pair state; Engram history from the host or the
+  request row's ring, never from SWA slots);
 * the five packed scenarios of `runtime_scenarios.py` (chunked, batched, decode, a page-aligned
   prefix hit) equal the reference's one-shot logits per request;
 * a prefix shared through slots (what SGLang's radix cache does, page-aligned) gives the cold-run

@@ -37,6 +37,7 @@ import torch
 from runtime_scenarios import (DECODE_STEPS, SHARED_PREFIX, fixed_decode_tokens, full_tokens, layout_to,
                                greedy_generate, one_shot_logits, run_scenario, runtime_engine,
                                scenario_caches)
+from runtime_values import with_linear_layers
 from sglang_dsv41.checkpoint.loader import load_reference_weights
 from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
@@ -185,7 +186,8 @@ def test_selection_equals_cpu_on_identical_inputs(models, recorded, kernel_ops) 
     assert len(recorded["select"]) == BATCHES * len(roles)
     # the CPU path's (dequantised) weights on the device with the exact torch backend: the query
     # projection is then the CPU path's product on identical weights
-    exact_weights = {name: value.to(DEVICE) for name, value in cpu.weights.items() if ".attn." in name}
+    exact_weights = with_linear_layers({name: value.to(DEVICE) for name, value in cpu.weights.items()
+                                        if ".attn." in name}, cfg)
     assert any(r.candidate_source for r in roles) and any(r.candidate_consumer for r in roles)
     caches = scenario_caches(on_device, DEVICE)
     for call in recorded["select"]:

@@ -5,7 +5,9 @@
   of one (same storage, no copy; `weight_modules.parameter_target`);
 * a weight no layer owns raises;
 * the decoder layer's forward fits on one screen and runs Engram → hc → attention → hc → MoE → hc;
-* the model picks its implementations once, at construction (backend, attention, mHC, MoE).
+* the model picks its implementations once, at construction (backend, attention, mHC, MoE);
+* every linear computes through its own quantisation method: in one forward each linear layer's
+  `apply` runs, and no backend product ever receives a linear's weight outside that apply.
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import inspect
 import pytest
 import torch
 
-from runtime_scenarios import runtime_engine
+from runtime_scenarios import one_shot_logits, prompt, runtime_engine
+from sglang_dsv41.runtime import parallel_linear, vocab_parallel
 from sglang_dsv41.runtime.backend import ExactTorchBackend
 from sglang_dsv41.runtime.forward import TorchForward
 from sglang_dsv41.runtime.layers import DeepseekV41DecoderLayer
@@ -61,3 +64,44 @@ def test_decoder_layer_forward_fits_on_one_screen() -> None:
 def test_implementations_are_chosen_at_construction(engine) -> None:
     assert isinstance(engine.backend, ExactTorchBackend) and isinstance(engine.mhc, TorchMhc)
     assert len(engine.layers) == engine.text.num_hidden_layers
+
+
+def test_every_linear_computes_through_its_quantisation_method(engine, monkeypatch) -> None:
+    """Spy on the methods' `apply` (FP8 tile, BF16, vocab head) and on the backend's products:
+    one prefill applies every linear layer of the model, and a product that receives a linear's
+    weight while that layer's `apply` is not running (a weight read by name) fails the test."""
+    linears = {id(m): n for n, m in engine.named_modules() if parallel_linear.is_parallel_linear(m)}
+    linears[id(engine.head)] = "head"
+    weight_of = {id(m.weight): id(m) for m in engine.modules() if id(m) in linears}
+    applied: dict[int, int] = {}
+    running: list[int] = []
+    bypassed: list[str] = []
+
+    def spy(cls):
+        inner = cls.apply
+
+        def apply(self, layer, x, *args, **kwargs):
+            applied[id(layer)] = applied.get(id(layer), 0) + 1
+            running.append(id(layer.weight))
+            try:
+                return inner(self, layer, x, *args, **kwargs)
+            finally:
+                running.pop()
+        monkeypatch.setattr(cls, "apply", apply)
+
+    for cls in (parallel_linear.Fp8TileParallelMethod, parallel_linear.Bf16ReplicatedMethod,
+                vocab_parallel.Bf16VocabMethod):
+        spy(cls)
+    be = engine.backend
+    for name in ("linear_fp8", "linear_fp8_partial", "linear_bf16", "linear_bf16_grouped", "matmul", "matmul_acc"):
+        def product(x, weight, *args, _inner=getattr(be, name), _name=name, **kwargs):
+            if id(weight) in weight_of and (not running or running[-1] != id(weight)):
+                bypassed.append(f"{_name} on {linears[weight_of[id(weight)]]}")
+            return _inner(x, weight, *args, **kwargs)
+        monkeypatch.setattr(be, name, product)
+    one_shot_logits(engine, CPU, prompt(11, 9))
+    assert not bypassed, bypassed[:8]
+    missing = sorted(n for i, n in linears.items() if not applied.get(i))
+    assert not missing, f"{len(missing)} of {len(linears)} linears never applied, e.g. {missing[:6]}"
+    assert len(linears) > 10 * len(engine.layers)
+

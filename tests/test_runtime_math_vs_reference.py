@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from reference_weights import random_reference_weights, tiny_config
+from runtime_values import with_linear_layers
 from sglang_dsv41.numerics.profile import CacheProfile
 from sglang_dsv41.numerics.rope import layer_inv_freq
 from sglang_dsv41.reference import attention as RA
@@ -33,7 +34,7 @@ T = 11
 @pytest.fixture(scope="module")
 def tiny():
     cfg = tiny_config(vision=False)
-    return cfg.text, random_reference_weights(cfg, seed=5, vision=False, dspark=False)
+    return cfg.text, with_linear_layers(random_reference_weights(cfg, seed=5, vision=False, dspark=False), cfg)
 
 
 def _bf16(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -119,7 +120,7 @@ def test_engram_update(tiny) -> None:
     for image_rows in (None, image):
         want = RE.engram_residual_update(R, row_ids, table, w[p + "wkv.weight"], w[p + "q_weight"], w[p + "k_weight"],
                                          t.rms_norm_eps, image_rows=image_rows)
-        got = engram_update(ExactTorchBackend(), R, table[row_ids], w[p + "wkv.weight"], w[p + "q_weight"],
+        got = engram_update(ExactTorchBackend(), R, table[row_ids], w[p + "wkv"], w[p + "q_weight"],
                             w[p + "k_weight"], t.rms_norm_eps, True, image_rows)
         assert torch.equal(got, want)
 
@@ -130,7 +131,7 @@ def test_routing_and_experts(tiny) -> None:
     p = "layers.0.ffn."
     x = _bf16(T, t.hidden_size, seed=15)
     want = RM.route(x, w[p + "gate.weight"], w[p + "gate.bias"], t.num_experts_per_tok)
-    got = moe_ops.route(be, x, w[p + "gate.weight"], w[p + "gate.bias"], t.num_experts_per_tok)
+    got = moe_ops.route(be, x, w[p + "gate"], w[p + "gate.bias"], t.num_experts_per_tok)
     assert all(torch.equal(a, b) for a, b in ((got.experts, want.experts), (got.weights, want.weights),
                                               (got.scores, want.scores)))
     e = f"{p}experts.0."
@@ -138,7 +139,7 @@ def test_routing_and_experts(tiny) -> None:
                                              t.swiglu_limit),
                        RM.routed_expert(x, w[e + "w1.weight"], w[e + "w2.weight"], w[e + "w3.weight"], t.swiglu_limit))
     s = f"{p}shared_experts."
-    assert torch.equal(moe_ops.shared_expert(be, x, w[s + "w1.weight"], w[s + "w2.weight"], w[s + "w3.weight"],
+    assert torch.equal(moe_ops.shared_expert(be, x, w[s + "w1"], w[s + "w2"], w[s + "w3"],
                                              t.swiglu_limit, True),
                        RM.shared_expert(x, w[s + "w1.weight"], w[s + "w2.weight"], w[s + "w3.weight"],
                                         t.swiglu_limit, True))

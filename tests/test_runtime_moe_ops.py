@@ -31,7 +31,7 @@ from sglang_dsv41.runtime import moe_ops
 from sglang_dsv41.runtime.backend import ExactTorchBackend
 from sglang_dsv41.runtime.weights import is_routed_expert_tensor, runtime_weights
 
-from runtime_values import logical
+from runtime_values import logical, with_linear_layers
 
 
 def _x(T: int, H: int, seed: int, device="cpu") -> torch.Tensor:
@@ -52,8 +52,10 @@ def tiny_stored(tiny_checkpoint):
 
 
 def moe_sublayer(t, w, p, x, *, image_rows, act_quant, experts=None, reduce=None):
-    """The model's MoE implementation for x's device (`moe_for`) on the exact torch primitives."""
-    return moe_ops.moe_for(x.device)(ExactTorchBackend(), t, w, p, x, image_rows, act_quant, experts, reduce)
+    """The model's MoE implementation for x's device (`moe_for`) on the exact torch primitives
+    (router and shared expert as the runtime's linear layers over `w`'s tensors)."""
+    return moe_ops.moe_for(x.device)(ExactTorchBackend(), t, with_linear_layers(w, t), p, x, image_rows, act_quant,
+                                     experts, reduce)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from reference_weights import random_reference_weights, tiny_config
+from runtime_values import with_linear_layers
 from runtime_scenarios import measure_contract, runtime_engine
 from sglang_dsv41.numerics.profile import CacheProfile
 from sglang_dsv41.numerics.rope import layer_inv_freq
@@ -55,7 +56,7 @@ def within_ulps(got: torch.Tensor, want: torch.Tensor, ulps: float = SUBLAYER_UL
 @pytest.fixture(scope="module")
 def tiny():
     cfg = tiny_config(vision=False)
-    return cfg.text, random_reference_weights(cfg, seed=5, vision=False, dspark=False)
+    return cfg.text, with_linear_layers(random_reference_weights(cfg, seed=5, vision=False, dspark=False), cfg)
 
 
 def _bf16(*shape, seed: int) -> torch.Tensor:
@@ -81,13 +82,13 @@ def test_sublayers_within_the_stated_bound(tiny) -> None:
     assert within_ulps(latents, RC.ratio2_latents(t, w, p, x, pos, None)[0])
 
     f = "layers.0.ffn."
-    got_r = moe_ops.route(be, x, w[f + "gate.weight"], w[f + "gate.bias"], t.num_experts_per_tok)
+    got_r = moe_ops.route(be, x, w[f + "gate"], w[f + "gate.bias"], t.num_experts_per_tok)
     want_r = RM.route(x, w[f + "gate.weight"], w[f + "gate.bias"], t.num_experts_per_tok)
     assert torch.equal(got_r.experts.sort(dim=-1).values, want_r.experts.sort(dim=-1).values)
     e, sh = f + "experts.1.", f + "shared_experts."
     assert within_ulps(moe_ops.routed_expert(be, x, w[e + "w1.weight"], w[e + "w2.weight"], w[e + "w3.weight"], 10.0),
                        RM.routed_expert(x, w[e + "w1.weight"], w[e + "w2.weight"], w[e + "w3.weight"], 10.0))
-    assert within_ulps(moe_ops.shared_expert(be, x, w[sh + "w1.weight"], w[sh + "w2.weight"], w[sh + "w3.weight"],
+    assert within_ulps(moe_ops.shared_expert(be, x, w[sh + "w1"], w[sh + "w2"], w[sh + "w3"],
                                              t.swiglu_limit, True),
                        RM.shared_expert(x, w[sh + "w1.weight"], w[sh + "w2.weight"], w[sh + "w3.weight"],
                                         t.swiglu_limit, True))
@@ -98,7 +99,7 @@ def test_sublayers_within_the_stated_bound(tiny) -> None:
     rows = torch.randint(0, table.shape[0], (T, w[g + "wkv.weight"].shape[1] // table.shape[1]),
                          generator=torch.Generator().manual_seed(3))
     R = _bf16(T, t.hc_mult, t.hidden_size, seed=4)
-    assert within_ulps(engram_update(be, R, table[rows], w[g + "wkv.weight"], w[g + "q_weight"], w[g + "k_weight"],
+    assert within_ulps(engram_update(be, R, table[rows], w[g + "wkv"], w[g + "q_weight"], w[g + "k_weight"],
                                      t.rms_norm_eps, True, None),
                        RE.engram_residual_update(R, rows, table, w[g + "wkv.weight"], w[g + "q_weight"],
                                                  w[g + "k_weight"], t.rms_norm_eps))

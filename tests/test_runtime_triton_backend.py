@@ -53,6 +53,7 @@ from sglang_dsv41.runtime import backend as B
 from sglang_dsv41.runtime import moe_ops
 from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm, DenseWeightCache
 from sglang_dsv41.runtime.engram_gate import engram_update
+from runtime_values import with_linear_layers
 from test_runtime_numerics_contract import LOGIT_BOUND, MIN_TOP1_AGREEMENT, within_ulps
 
 #: `fp8_mma` (opt-in) is held to a looser end-to-end agreement than the contract's: measured on the
@@ -143,19 +144,21 @@ def piece_inputs(cfg, exact) -> dict:
 
 
 def backend_pieces(be: B.ComputeBackend, cfg, w, i: dict) -> dict[str, torch.Tensor]:
-    """Each sublayer piece (module doc) on the backend, on DEVICE."""
+    """Each sublayer piece (module doc) on the backend, on DEVICE (the linears as the runtime's
+    layers over `w`'s tensors)."""
     t, p, f, sh, g = cfg.text, i["p"], i["f"], i["sh"], i["g"]
+    w = with_linear_layers(w, cfg)
     x, pos, inv = (i[k].to(DEVICE) for k in ("x", "pos", "inv"))
     out = dict(enumerate(M.project_q_kv(be, t, w, p, x, pos, inv, True, t.num_attention_heads)))
     out = {f"project_q_kv[{k}]": v for k, v in out.items()}
     out["output_projection"] = M.output_projection(be, t, w, p, i["o"].to(DEVICE), pos, inv, True)
     a, s = M.pair_scores(be, w, p, x)
     out["pair_latents"] = M.pair_latents(be, t, w, p, a[0::2], s[0::2], a[1::2], s[1::2])
-    r = moe_ops.route(be, x, w[f + "gate.weight"], w[f + "gate.bias"], t.num_experts_per_tok)
+    r = moe_ops.route(be, x, w[f + "gate"], w[f + "gate.bias"], t.num_experts_per_tok)
     out["route.experts"], out["route.weights"] = r.experts.sort(dim=-1).values, r.weights
-    out["shared_expert"] = moe_ops.shared_expert(be, x, w[sh + "w1.weight"], w[sh + "w2.weight"], w[sh + "w3.weight"],
+    out["shared_expert"] = moe_ops.shared_expert(be, x, w[sh + "w1"], w[sh + "w2"], w[sh + "w3"],
                                                  t.swiglu_limit, True)
-    out["engram_update"] = engram_update(be, i["R"].to(DEVICE), i["table_rows"].to(DEVICE), w[g + "wkv.weight"],
+    out["engram_update"] = engram_update(be, i["R"].to(DEVICE), i["table_rows"].to(DEVICE), w[g + "wkv"],
                                          w[g + "q_weight"], w[g + "k_weight"], t.rms_norm_eps, True, None)
     return out
 

@@ -2,8 +2,10 @@
 
 The runtime's own copy of the reference's projections, compressor latents and indexer query
 (`reference/attention.py`, `compressor.py`, `indexer.py`); each is tested against its reference
-namesake (tests/test_runtime_attention_math.py). Weights come from the mapping `w` under the
-layer's `prefix`; `be` is the model's `ComputeBackend`.
+namesake (tests/test_runtime_math_vs_reference.py). Values come from the mapping `w` under the
+layer's `prefix`: norms and sinks as tensors, each linear as its SGLang layer under its prefix
+(`w[prefix + "wq_a"]`), applied through its quantisation method (`quant_methods.apply_linear`);
+`be` is the model's `ComputeBackend`.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from ..config import TextConfig
 from ..numerics.profile import CacheProfile
 from ..numerics.rounding import fp8_v4_roundtrip, fp8_v41_roundtrip, fp32_scalar, pair_pool
 from .backend import ComputeBackend
+from .quant_methods import apply_linear
 
 F32 = torch.float32
 
@@ -26,10 +29,10 @@ def project_q_kv(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], p
     """(q_lora [T, q_lora_rank], q [T, n_heads, head_dim] RoPE'd, kv [T, head_dim] fp32 pre-RoPE):
     q_lora = RMSNorm(wq_a·x), q = wq_b·q_lora (BF16), kv = RMSNorm_kv(wkv·x) not rounded (§3.4.1).
     `n_heads` = the heads this rank holds (the rows of its `wq_b`)."""
-    q_lora = be.rms_norm(be.linear_fp8(x, w[prefix + "wq_a.weight"], act_quant), w[prefix + "q_norm.weight"],
+    q_lora = be.rms_norm(apply_linear(w[prefix + "wq_a"], x, be, act_quant=act_quant), w[prefix + "q_norm.weight"],
                          cfg.rms_norm_eps)
-    q = be.linear_fp8(q_lora, w[prefix + "wq_b.weight"], act_quant).reshape(x.shape[0], n_heads, cfg.head_dim)
-    kv = be.rms_norm(be.linear_fp8(x, w[prefix + "wkv.weight"], act_quant), w[prefix + "kv_norm.weight"],
+    q = apply_linear(w[prefix + "wq_b"], q_lora, be, act_quant=act_quant).reshape(x.shape[0], n_heads, cfg.head_dim)
+    kv = be.rms_norm(apply_linear(w[prefix + "wkv"], x, be, act_quant=act_quant), w[prefix + "kv_norm.weight"],
                      cfg.rms_norm_eps, round_bf16=False)
     return q_lora, be.bf16_rope_tail(q, positions, inv_freq), kv
 
@@ -49,30 +52,31 @@ def output_projection(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tenso
                       positions: Tensor, inv_freq: Tensor, act_quant: bool,
                       wo_b: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """o [T, local heads, head_dim] → inverse RoPE (BF16) → per-group `wo_a` (BF16 out) of the
-    groups held (`be.linear_bf16_grouped`: one launch on CUDA) → `wo_b` (§3.4.6): the given
+    groups held (its grouped method: one launch on CUDA) → `wo_b` (§3.4.6): the given
     projection of the held groups' outputs (the model's row-parallel layer, all-reduced:
-    `TensorParallel.row_parallel`), else the FP8 linear of `w[prefix + "wo_b.weight"]` (whole)."""
+    `TensorParallel.row_parallel`), else the layer `w[prefix + "wo_b"]` (whole)."""
     T, r = o.shape[0], cfg.o_lora_rank
     group_width = cfg.heads_per_group * cfg.head_dim
     groups = o.shape[1] * o.shape[2] // group_width
-    wo_a = w[prefix + "wo_a.weight"]
-    if wo_a.shape[0] != groups * r:
-        raise ValueError(f"{prefix}wo_a.weight has {wo_a.shape[0]} rows for {groups} groups × {r}")
+    wo_a = w[prefix + "wo_a"]
+    rows = wo_a.weight.shape[0]
+    if rows != groups * r:
+        raise ValueError(f"{prefix}wo_a.weight has {rows} rows for {groups} groups × {r}")
     o = be.bf16_rope_tail(o, positions, inv_freq, inverse=True).reshape(T, groups * group_width)
-    u = be.linear_bf16_grouped(o, wo_a, groups)
-    return wo_b(u) if wo_b is not None else be.linear_fp8(u, w[prefix + "wo_b.weight"], act_quant)
+    u = apply_linear(wo_a, o, be)
+    return wo_b(u) if wo_b is not None else apply_linear(w[prefix + "wo_b"], u, be, act_quant=act_quant)
 
 
 def ratio1_latents(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor) -> Tensor:
     """[T, head_dim] BF16-valued pre-RoPE latents, one per token (§3.4.3, ratio 1)."""
-    return be.rms_norm(be.linear_bf16(x, w[prefix + "compressor.wkv.weight"]), w[prefix + "compressor.norm.weight"],
+    return be.rms_norm(apply_linear(w[prefix + "compressor.wkv"], x, be), w[prefix + "compressor.norm.weight"],
                        cfg.rms_norm_eps)
 
 
 def pair_scores(be: ComputeBackend, w: Mapping[str, Tensor], prefix: str, x: Tensor) -> tuple[Tensor, Tensor]:
     """(a, s): the fp32 `wkv` and `wgate` outputs a ratio-2 pair is pooled from (§3.4.3)."""
-    return (be.linear_bf16(x, w[prefix + "compressor.wkv.weight"], out_fp32=True),
-            be.linear_bf16(x, w[prefix + "compressor.wgate.weight"], out_fp32=True))
+    return (apply_linear(w[prefix + "compressor.wkv"], x, be, out_fp32=True),
+            apply_linear(w[prefix + "compressor.wgate"], x, be, out_fp32=True))
 
 
 def pair_latents(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, a_first: Tensor,
@@ -91,7 +95,7 @@ def rope_entry_values(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tenso
     """(bf16(RoPE(latent)), bf16(RoPE(RMSNorm_k(indexer.wk·latent)))): the values right before
     the FP4 round trips of a compressed entry (§3.4.3)."""
     roped = be.bf16_rope_tail(latents, rope_positions, inv_freq)
-    k = be.rms_norm(be.linear_bf16(latents, w[prefix + "indexer.wk.weight"]), w[prefix + "indexer.k_norm.weight"],
+    k = be.rms_norm(apply_linear(w[prefix + "indexer.wk"], latents, be), w[prefix + "indexer.k_norm.weight"],
                     cfg.rms_norm_eps)
     return roped, be.bf16_rope_tail(k, rope_positions, inv_freq)
 
@@ -109,9 +113,9 @@ def index_query(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], pr
     """q = FP4_UE8M0(bf16(RoPE(indexer.wq_b·q_lora))), weights = bf16(bf16(weights_proj·x)·
     fp32(d^−1/2·heads^−1/2)) (§3.4.4)."""
     T = x.shape[0]
-    q = be.linear_fp8(q_lora, w[prefix + "indexer.wq_b.weight"], act_quant)
+    q = apply_linear(w[prefix + "indexer.wq_b"], q_lora, be, act_quant=act_quant)
     q = be.fp4_fake_quant_ue8m0_scale(be.bf16_rope_tail(q.reshape(T, cfg.index_n_heads, cfg.index_head_dim),
                                                         positions, inv_freq))
     scale = fp32_scalar(cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
-    head_weights = be.bf16(be.linear_bf16(x, w[prefix + "indexer.weights_proj.weight"]) * scale)
+    head_weights = be.bf16(apply_linear(w[prefix + "indexer.weights_proj"], x, be) * scale)
     return IndexQuery(q=q, head_weights=head_weights)

@@ -37,6 +37,9 @@ from .dspark_weights import require_dspark
 from .layers import OwnedTensors, RMSNorm
 from .mhc_ops import mhc_for
 from .moe_ops import moe_for
+from .parallel_linear import linear_values, with_parallel_linears
+from .quant_methods import apply_linear
+from .tensor_parallel import SINGLE
 
 F32 = torch.float32
 
@@ -62,7 +65,9 @@ class DSparkDraft(nn.Module):
         t = self.text
         S = t.num_nextn_predict_layers
         self.gamma = t.dspark_block_size
-        self.main_proj = OwnedTensors(weights, "mtp.0.main_proj.")
+        # every linear of the stages (and main_proj) as its SGLang layer (`runtime/parallel_linear.py`)
+        weights = with_parallel_linears(weights, cfg, SINGLE.plan(t), dspark=True)
+        self.main_proj = weights["mtp.0.main_proj"]
         self.main_norm = RMSNorm(weights, "mtp.0.main_norm.", t.rms_norm_eps)
         self.stages = nn.ModuleList(DSparkStage(weights, t, s) for s in range(S))
         self.norm = RMSNorm(weights, stage_prefix(S - 1) + "norm.", t.rms_norm_eps)
@@ -70,11 +75,12 @@ class DSparkDraft(nn.Module):
         self.markov_head = MarkovHead(weights, prefix)
         self.confidence_head = ConfidenceHead(weights, prefix)
         owned = {n: v for m in self.modules() if isinstance(m, OwnedTensors) for n, v in m.tensors.items()}
+        owned["mtp.0.main_proj"] = self.main_proj
         unowned = sorted(set(weights) - set(owned))
         if unowned:
             raise ValueError(f"{len(unowned)} DSpark weight(s) no module owns, e.g. {unowned[:4]}")
         device = self.main_norm["weight"].device
-        self.backend = backend_for(device, owned, deterministic) if backend is None else backend
+        self.backend = backend_for(device, linear_values(owned), deterministic) if backend is None else backend
         self.mhc = mhc_for(device, self.backend.acc)
         self.moe = moe_for(device)
         self.markov_head.backend = self.backend
@@ -94,7 +100,7 @@ class DSparkDraft(nn.Module):
         if features.dim() != 2 or features.shape[1] != width:
             raise ValueError(f"DSpark target features have shape {tuple(features.shape)}, expected [T, {width}]")
         x = self.backend.bf16(features.to(F32))
-        y = self.backend.linear_fp8(x, self.main_proj["weight"], self.numerics.act_quant)
+        y = apply_linear(self.main_proj, x, self.backend, act_quant=self.numerics.act_quant)
         return self.main_norm(y, self.backend)
 
     def context_rows(self, features: Tensor, positions: Tensor) -> list[Tensor]:

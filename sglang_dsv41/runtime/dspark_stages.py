@@ -25,6 +25,7 @@ from .attention_math import output_projection, project_q_kv, swa_cache_roundtrip
 from .attention_ops import attend_with_sink
 from .backend import ComputeBackend
 from .layers import HyperConnection, OwnedTensors, RMSNorm
+from .quant_methods import apply_linear
 
 
 @dataclass
@@ -59,7 +60,7 @@ def context_kv_rows(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor]
     """Stage `stage`'s stored kv [T, D] of context tokens: read-back of RoPE(RMSNorm_kv(wkv·main_x))
     at their positions (spec §4 "Draft context KV")."""
     p = stage_prefix(stage) + "attn."
-    kv = be.rms_norm(be.linear_fp8(main_x, w[p + "wkv.weight"], act_quant), w[p + "kv_norm.weight"],
+    kv = be.rms_norm(apply_linear(w[p + "wkv"], main_x, be, act_quant=act_quant), w[p + "kv_norm.weight"],
                      cfg.rms_norm_eps, round_bf16=False)
     return swa_cache_roundtrip(be, kv, positions, inv_freq, profile, cfg.qk_rope_head_dim)
 

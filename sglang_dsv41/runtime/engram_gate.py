@@ -8,10 +8,11 @@ inner product of each stream with its key. Image rows keep R. The runtime's copy
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..numerics.rounding import bf16, fp32_scalar
 from .backend import ComputeBackend
+from .quant_methods import apply_linear
 
 F32, F64 = torch.float32, torch.float64
 #: |dot| is clamped below by this before the square root (spec §3.3.2).
@@ -35,12 +36,13 @@ def engram_gate(residual: Tensor, keys: Tensor, q_weight: Tensor, k_weight: Tens
     return torch.sigmoid(torch.copysign(mag, dot).to(acc)).to(F32)
 
 
-def engram_update(be: ComputeBackend, R: Tensor, rows: Tensor, wkv: Tensor, q_weight: Tensor, k_weight: Tensor,
+def engram_update(be: ComputeBackend, R: Tensor, rows: Tensor, wkv: nn.Module, q_weight: Tensor, k_weight: Tensor,
                   eps: float, act_quant: bool, image_rows: Tensor | None) -> Tensor:
     """The residual after the Engram gate. R [T, hc, H] BF16 values; rows [T, columns, d] the
-    looked-up table rows; wkv [(hc+1)·H, columns·d]; image_rows [T] bool or None."""
+    looked-up table rows; wkv the FP8 linear layer [(hc+1)·H, columns·d] (applied through its
+    quantisation method); image_rows [T] bool or None."""
     tokens, hc, hidden = R.shape
-    kv = be.linear_fp8(rows.reshape(tokens, -1), wkv, act_quant).to(F32)
+    kv = apply_linear(wkv, rows.reshape(tokens, -1), be, act_quant=act_quant).to(F32)
     keys = kv[:, : hc * hidden].reshape(tokens, hc, hidden)
     value = kv[:, hc * hidden:]
     gate = be.engram_gate(R, keys, q_weight, k_weight, eps)

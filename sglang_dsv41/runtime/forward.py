@@ -47,7 +47,7 @@ from .cache import RuntimeCaches
 from .engram_history import history_tail
 from .indexer_stats import IndexerSelectionStats
 from .layers import DeepseekV41DecoderLayer, ForwardStep, OwnedTensors, RMSNorm
-from .parallel_linear import with_parallel_linears
+from .parallel_linear import linear_values, with_parallel_linears
 from .mhc_ops import mhc_for
 from .moe_ops import moe_for
 from .tensor_parallel import SINGLE, TensorParallel
@@ -191,8 +191,9 @@ class TorchForward(nn.Module):
         owners = [m for m in self.modules() if isinstance(m, OwnedTensors)]
         for m in owners:
             m.refresh()
-        #: every owned value by its checkpoint name (the same objects the layers hold)
-        self.weights: dict[str, object] = {n: v for m in owners for n, v in m.tensors.items()}
+        #: every owned value by its checkpoint name (the same objects the layers hold; a linear
+        #: layer's runtime values under `{prefix}.weight` / `.scale`, `parallel_linear.linear_values`)
+        self.weights: dict[str, object] = linear_values({n: v for m in owners for n, v in m.tensors.items()})
         self.weights.update({"embed.weight": self.embed.weight, "head.weight": self.head.weight})
         device = self.weights["embed.weight"].device
         fixed = self._fixed_backend

@@ -23,6 +23,7 @@ from .cache import RuntimeCaches
 from .engram_gate import engram_update
 from .engram_table import StoredEngramTable
 from .mhc_ops import HcCoefficients, stream_mean
+from .parallel_linear import is_parallel_linear
 from .tensor_parallel import TensorParallel
 
 
@@ -56,8 +57,10 @@ class OwnedTensors(nn.Module):
     """Owns the values of `weights` whose names start with `prefix`, registered under submodules
     that follow the rest of the name (`wq_a.weight` → `self.wq_a.weight`); a weight module
     (`runtime/weight_modules.py`, keyed by its prefix: `wq_a`) is registered there itself.
-    `tensors` maps the full names to what the functional math reads (the same storage):
-    `refresh()` rebuilds it from the weight modules after their weights were processed."""
+    `tensors` maps the full names to what the functional math reads (the same storage): a linear
+    layer under its prefix (`layers.0.attn.wq_a`, applied through its quantisation method, never
+    its weight by name), other values under their names; `refresh()` rebuilds it from the weight
+    modules after their weights were processed."""
 
     def __init__(self, weights: Mapping[str, object], prefix: str) -> None:
         super().__init__()
@@ -69,6 +72,8 @@ class OwnedTensors(nn.Module):
                 if (name + ".").startswith(prefix):
                     self._weight_modules[name] = value
                     self._place(name[len(prefix):], value)
+                    if is_parallel_linear(value):
+                        self.tensors[name] = value
             elif name.startswith(prefix):
                 self.tensors[name] = self._register(name[len(prefix):], value)
         self._plain = dict(self.tensors)
@@ -82,7 +87,8 @@ class OwnedTensors(nn.Module):
         """Rebuild `tensors` after the weight modules processed their weights."""
         tensors = dict(self._plain)
         for name, module in self._weight_modules.items():
-            tensors.update({f"{name}.{leaf}": v for leaf, v in module.runtime_values().items()})
+            if not is_parallel_linear(module):
+                tensors.update({f"{name}.{leaf}": v for leaf, v in module.runtime_values().items()})
         self.tensors = tensors
 
     def _owner(self, path: list[str]) -> nn.Module:
@@ -198,7 +204,7 @@ class Engram(OwnedTensors):
     def forward(self, R: Tensor, step: ForwardStep) -> Tensor:
         table, ids = step.tp.engram_rows(self.cfg, self.layer, step.engram_rows[self.layer], self.tensors,
                                          check=not step.layout.static)
-        return engram_update(step.backend, R, table[ids.to(torch.int64)], self["wkv.weight"], self["q_weight"],
+        return engram_update(step.backend, R, table[ids.to(torch.int64)], self["wkv"], self["q_weight"],
                              self["k_weight"], self.cfg.rms_norm_eps, step.act_quant, step.image_rows)
 
 

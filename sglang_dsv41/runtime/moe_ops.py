@@ -4,7 +4,7 @@
 
 | device | routing, shared expert | routed experts |
 |---|---|---|
-| CPU  | `route` / `shared_expert` on the compute backend | `routed_expert` per expert on dequantised fp32 weights (`{prefix}ffn.experts.{e}.w1/w2/w3.weight`) |
+| CPU  | `route` / `shared_expert` through their linear layers' methods (`quant_methods.apply_linear`) | `routed_expert` per expert on dequantised fp32 weights (`{prefix}ffn.experts.{e}.w1/w2/w3.weight`) |
 | CUDA | the same on the Triton backend | `kernels.moe_mxfp4` (Triton `matmul_ogs`, MXFP4 W4A16) on `weights[routed_experts_key(prefix)]` (`RoutedExpertsMxfp4`, prepared once at load) |
 
 The runtime's copy of `reference/moe.py`, tested against it (tests/test_runtime_moe_ops.py).
@@ -30,11 +30,12 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..config import TextConfig
 from ..numerics.rounding import bf16, fp32_scalar, slot_sum_fp32
 from .backend import ComputeBackend
+from .quant_methods import apply_linear
 
 F32, F64 = torch.float32, torch.float64
 SOFTPLUS_THRESHOLD = 20.0
@@ -93,13 +94,14 @@ def sqrt_softplus(logits: Tensor, acc: torch.dtype = F64) -> Tensor:
     return torch.sqrt(soft.to(F32).to(acc)).to(F32)
 
 
-def route(be: ComputeBackend, x: Tensor, gate_weight: Tensor, bias: Tensor, top_k: int,
+def route(be: ComputeBackend, x: Tensor, gate: nn.Module, bias: Tensor, top_k: int,
           bias_vl: Tensor | None = None, image_rows: Tensor | None = None) -> Routing:
-    """Router (spec §3.6): scores = sqrt_softplus(fp32 logits); selection on scores + bias
-    (`bias_vl` on image rows), ties → lower id; weights renormalised without the bias."""
+    """Router (spec §3.6): scores = sqrt_softplus(fp32 logits of the `gate` linear layer);
+    selection on scores + bias (`bias_vl` on image rows), ties → lower id; weights renormalised
+    without the bias."""
     if (bias_vl is None) != (image_rows is None):
         raise ValueError("route: pass bias_vl and image_rows together (vision models) or neither")
-    scores = sqrt_softplus(be.matmul(x, gate_weight), be.acc)
+    scores = sqrt_softplus(apply_linear(gate, x, be, out_fp32=True), be.acc)
     experts, weights = be.route_select(scores, bias, top_k, RENORM_EPS, bias_vl, image_rows)
     return Routing(experts=experts, weights=weights, scores=scores)
 
@@ -110,11 +112,13 @@ def routed_expert(be: ComputeBackend, x: Tensor, w1: Tensor, w2: Tensor, w3: Ten
     return be.linear_bf16(h, w2)
 
 
-def shared_expert(be: ComputeBackend, x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, limit: float,
+def shared_expert(be: ComputeBackend, x: Tensor, w1: nn.Module, w2: nn.Module, w3: nn.Module, limit: float,
                   act_quant: bool) -> Tensor:
-    """The shared expert: FP8 dense weights, activation quantisation per `act_quant` (§3.8)."""
-    h = be.clamped_swiglu(be.linear_fp8(x, w1, act_quant), be.linear_fp8(x, w3, act_quant), limit)
-    return be.linear_fp8(h, w2, act_quant)
+    """The shared expert of whole (unsharded) FP8 linear layers, activation quantisation per
+    `act_quant` (§3.8); sharded: `TensorParallel.shared_expert`."""
+    h = be.clamped_swiglu(apply_linear(w1, x, be, act_quant=act_quant), apply_linear(w3, x, be, act_quant=act_quant),
+                          limit)
+    return apply_linear(w2, h, be, act_quant=act_quant)
 
 
 def _held_experts(experts: Sequence[int] | None, n: int) -> tuple[int, ...]:
@@ -131,7 +135,7 @@ def scaled_weights(cfg: TextConfig, weights: Tensor) -> Tensor:
 
 
 #: the shared expert of a layer's parallel linears, x → (output, is it a partial in `acc`)
-#: (`TensorParallel.shared_expert`); None: the FP8 weights `shared_experts.w1/w2/w3.weight` of `w`
+#: (`TensorParallel.shared_expert`); None: the whole layers `shared_experts.w1/w2/w3` of `w`
 SharedExpert = Callable[[Tensor], tuple[Tensor, bool]]
 
 
@@ -139,8 +143,8 @@ def _shared(be: ComputeBackend, w: Mapping[str, Tensor], p: str, x: Tensor, limi
             shared: SharedExpert | None) -> tuple[Tensor, bool]:
     if shared is not None:
         return shared(x)
-    return shared_expert(be, x, w[p + "shared_experts.w1.weight"], w[p + "shared_experts.w2.weight"],
-                         w[p + "shared_experts.w3.weight"], limit, act_quant), False
+    return shared_expert(be, x, w[p + "shared_experts.w1"], w[p + "shared_experts.w2"],
+                         w[p + "shared_experts.w3"], limit, act_quant), False
 
 
 def _reduce(be: ComputeBackend, per_slot: Tensor, shared: Tensor, shared_partial: bool,
@@ -169,7 +173,7 @@ def _moe_cpu(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefi
     E, k, limit = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.swiglu_limit
     held = _held_experts(experts, E)
     bias_vl = w[p + "gate.bias_vl"] if image_rows is not None else None
-    routing = route(be, x, w[p + "gate.weight"], w[p + "gate.bias"], k, bias_vl=bias_vl, image_rows=image_rows)
+    routing = route(be, x, w[p + "gate"], w[p + "gate.bias"], k, bias_vl=bias_vl, image_rows=image_rows)
     if routing.scores.shape[-1] != E:
         raise ValueError(f"{p}gate.weight has {routing.scores.shape[-1]} experts, expected {E}")
     missing = [e for e in held if f"{p}experts.{e}.w1.weight" not in w]
@@ -208,7 +212,7 @@ def _moe_cuda(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], pref
         raise ValueError(f"{key}: prepared experts {held_ref.expert_ids[:8]}… differ from the experts "
                          f"passed {held[:8]}…")
     bias_vl = w[p + "gate.bias_vl"] if image_rows is not None else None
-    routing = route(be, x, w[p + "gate.weight"], w[p + "gate.bias"], k, bias_vl=bias_vl, image_rows=image_rows)
+    routing = route(be, x, w[p + "gate"], w[p + "gate.bias"], k, bias_vl=bias_vl, image_rows=image_rows)
     if routing.scores.shape[-1] != E:
         raise ValueError(f"{p}gate.weight has {routing.scores.shape[-1]} experts, expected {E}")
     shared_out, shared_partial = _shared(be, w, p, x, limit, act_quant, shared)

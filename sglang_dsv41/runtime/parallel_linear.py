@@ -21,17 +21,23 @@ ours (`Bf16ReplicatedMethod` for the BF16 ones):
   (`keep_fp8` and every scale BF16-exact), else the fp32 §2.4 value (`attn.wo_a`: BF16-rounded);
   idempotent, reloadable.
 * `apply(layer, x, bias=None, *, backend, act_quant=True)`: the compute backend's FP8 linear —
-  complete BF16 output for a column-parallel layer or at tp_size 1 (the CUDA path's kernels as
-  before: W8A16, tiered W8A8); for a sharded row-parallel layer the partial product in the
+  complete BF16 output for a column-parallel layer or at tp_size 1 (the backend picks the kernel
+  by rows and its FP8 mode: `w8a8_f16`, `tiered`, `w8a16`, `fp8_mma`); `wo_a` (built with
+  `group_rows` = o_lora_rank) is the grouped BF16-arithmetic product of the groups it holds,
+  x [T, groups·K] → [T, groups·r] (`linear_bf16_grouped`: one grouped launch on CUDA; §3.4.6,
+  activations never quantised); for a sharded row-parallel layer the partial product in the
   backend's `acc` dtype (`linear_fp8_partial`), which `TensorParallel.row_parallel` all-reduces through SGLang's
   TP group and rounds once: exact on the float64 backend (the split follows the 32-wide
   activation blocks, so every rank's products are the TP-1 products), fp32 sums elsewhere.
 
 SGLang's `forward` is not used: it all-reduces inside, and the model needs the unrounded partial
-(one all-reduce with the routed experts' partial, `moe_ops`).
+(one all-reduce with the routed experts' partial, `moe_ops`). The model math calls every linear
+through `quant_methods.apply_linear` (the method's `apply` with the model's backend); no weight
+is read by name and multiplied elsewhere (tests/test_runtime_linear_apply.py).
 """
 from __future__ import annotations
 
+import re
 from typing import Mapping
 
 import torch
@@ -67,10 +73,12 @@ def _check_apply_args(name: str, backend: ComputeBackend | None, bias: Tensor | 
 class Fp8TileParallelMethod(LinearMethodBase):
     """FP8 32×32-tile linear as an SGLang linear method (module doc)."""
 
-    def __init__(self, spec: TensorSpec, keep_fp8: bool) -> None:
+    def __init__(self, spec: TensorSpec, keep_fp8: bool, group_rows: int | None = None) -> None:
         if spec.kind is not Kind.FP8:
             raise ValueError(f"{spec.name}: kind {spec.kind} is not FP8")
-        self.spec, self.keep_fp8 = spec, keep_fp8
+        if group_rows is not None and (group_rows < 1 or spec.shape[0] % group_rows):
+            raise ValueError(f"{spec.name}: {spec.shape[0]} rows are not whole groups of {group_rows}")
+        self.spec, self.keep_fp8, self.group_rows = spec, keep_fp8, group_rows
 
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra) -> None:
@@ -150,6 +158,8 @@ class Fp8TileParallelMethod(LinearMethodBase):
     def apply(self, layer: nn.Module, x: Tensor, bias: Tensor | None = None, *,
               backend: ComputeBackend | None = None, act_quant: bool = True) -> Tensor:
         _check_apply_args(layer.spec.name, backend, bias)
+        if self.group_rows is not None:                   # wo_a: BF16 activations, one grouped product
+            return backend.linear_bf16_grouped(x, layer.weight, layer.weight_shape[0] // self.group_rows)
         if layer.row_parallel and getattr(layer, "tp_size", 1) > 1:
             return backend.linear_fp8_partial(x, layer.weight, act_quant)
         return backend.linear_fp8(x, layer.weight, act_quant)
@@ -202,16 +212,16 @@ class Dsv41Fp8TileConfig(PerLayerQuantConfig):
     """The quantisation config that hands one layer its method: `Fp8TileParallelMethod` for an FP8
     tensor spec, `Bf16ReplicatedMethod` for a BF16 one."""
 
-    def __init__(self, spec: TensorSpec, keep_fp8: bool) -> None:
+    def __init__(self, spec: TensorSpec, keep_fp8: bool, group_rows: int | None = None) -> None:
         super().__init__()
-        self.spec, self.keep_fp8 = spec, keep_fp8
+        self.spec, self.keep_fp8, self.group_rows = spec, keep_fp8, group_rows
 
     def get_name(self) -> str:
         return "dsv41_fp8_tile"
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase:
         if self.spec.kind is Kind.FP8:
-            return Fp8TileParallelMethod(self.spec, self.keep_fp8)
+            return Fp8TileParallelMethod(self.spec, self.keep_fp8, self.group_rows)
         return Bf16ReplicatedMethod(self.spec)
 
     def get_scaled_act_names(self) -> list[str]:
@@ -253,12 +263,18 @@ def linear_kind(spec: TensorSpec, plan: ShardPlan) -> str:
     return "replicated" if plan.rows_of(spec.name) is None else "column"
 
 
+#: BF16 linears of the DSpark stages (their router); the draft's Markov / confidence heads are
+#: vocabulary-sized tables and a score row, read by `dspark_heads`
+_DSPARK_BF16_LINEAR = re.compile(r"mtp\.\d+\.(attn|ffn)\.")
+
+
 def is_model_linear(spec: TensorSpec) -> bool:
-    """Whether `spec` is one of the text model's linears built as an SGLang linear layer."""
+    """Whether `spec` is one of the model's linears built as an SGLang linear layer: every FP8
+    tensor, the BF16 linears of the decoder layers and of the DSpark stages."""
     if spec.kind is Kind.FP8:
         return True
-    return spec.kind in (Kind.BF16, Kind.FP32) and spec.name.startswith("layers.") and \
-        is_dense_linear_name(spec.name, len(spec.shape))
+    return spec.kind in (Kind.BF16, Kind.FP32) and is_dense_linear_name(spec.name, len(spec.shape)) and \
+        (spec.name.startswith("layers.") or _DSPARK_BF16_LINEAR.match(spec.name) is not None)
 
 
 def parallel_fp8_linear(spec: TensorSpec, plan: ShardPlan, keep_fp8: bool) -> nn.Module:
@@ -268,7 +284,8 @@ def parallel_fp8_linear(spec: TensorSpec, plan: ShardPlan, keep_fp8: bool) -> nn
         raise ValueError(f"{spec.name} is not one of the model's linears")
     kind = linear_kind(spec, plan)
     N, K = spec.shape
-    args = dict(bias=False, params_dtype=F32, quant_config=Dsv41Fp8TileConfig(spec, keep_fp8),
+    group_rows = plan.o_lora_rank if spec.name.endswith("attn.wo_a.weight") else None
+    args = dict(bias=False, params_dtype=F32, quant_config=Dsv41Fp8TileConfig(spec, keep_fp8, group_rows),
                 prefix=spec.name.rsplit(".", 1)[0])
     if kind == "replicated":
         return ReplicatedDsv41(K, N, **args)
@@ -283,13 +300,13 @@ def is_parallel_linear(module: object) -> bool:
 
 
 def with_parallel_linears(weights: Mapping[str, object], cfg: DeepseekV41Config,
-                          plan: ShardPlan) -> dict[str, object]:
+                          plan: ShardPlan, dspark: bool = False) -> dict[str, object]:
     """`weights` (name → runtime value, `runtime/weights.py`) with the values of the model's
-    linears taken over by their SGLang layers (`weight`, and `scale` when kept E4M3): a model
-    built from values runs the same layers as one built for loading. Values must be this rank's
-    shard."""
+    linears taken over by their SGLang layers (`weight`, and `scale` when kept E4M3), keyed by
+    the layer's prefix (`layers.0.attn.wq_a`): a model built from values runs the same layers as
+    one built for loading. Values must be this rank's shard; `dspark`: the DSpark stages' too."""
     out = dict(weights)
-    for spec in tensor_inventory(cfg, vision=False, dspark=False):
+    for spec in tensor_inventory(cfg, vision=False, dspark=dspark):
         value = out.get(spec.name)
         if not is_model_linear(spec) or not isinstance(value, Tensor):
             continue
@@ -298,4 +315,17 @@ def with_parallel_linears(weights: Mapping[str, object], cfg: DeepseekV41Config,
         layer.set_values(out.pop(spec.name), out.pop(fp8_scale_key(spec.name)) if kept else None)
         layer.prebuilt = True
         out[spec.name.rsplit(".", 1)[0]] = layer
+    return out
+
+
+def linear_values(weights: Mapping[str, object]) -> dict[str, object]:
+    """`weights` with every linear layer replaced by its runtime values under checkpoint names
+    (`{prefix}.weight`, and `{prefix}.scale` when kept E4M3): what the dense-weight cache
+    registers (`backend_for`) and what name-keyed readers of the weights see."""
+    out: dict[str, object] = {}
+    for name, value in weights.items():
+        if is_parallel_linear(value):
+            out.update({f"{name}.{leaf}": v for leaf, v in value.runtime_values().items()})
+        else:
+            out[name] = value
     return out

@@ -17,7 +17,8 @@ Processing is idempotent: it runs when a loader touched the layer since the last
 that finds its parameter in processed form puts the stored form back first, so reloading
 (`update_weights_from_disk`) works; a layer reloaded in part (a weight without its scale, some
 of a layer's experts) raises.
-`apply` calls the model's compute backend (`runtime/backend.py`) with the parameters.
+`apply` calls the model's compute backend (`runtime/backend.py`) with the parameters; the model
+math reaches a linear only through `apply_linear` (tests/test_runtime_linear_apply.py).
 """
 from __future__ import annotations
 
@@ -36,6 +37,17 @@ from ..checkpoint.reader import CheckpointFormatError
 F32, E4M3, U8 = torch.float32, torch.float8_e4m3fn, torch.uint8
 #: UE8M0 byte of 2^0: the scale a created-but-unloaded parameter holds (dummy weights stay finite)
 UNIT_SCALE_BYTE = 127
+
+
+def apply_linear(layer: nn.Module, x: Tensor, backend: object, **kwargs: object) -> Tensor:
+    """`layer`'s output for `x` through its quantisation method — the one way the runtime math
+    multiplies a linear's weight (`runtime/parallel_linear.py`; kernel choice by rows / mode is
+    the method's, through the compute backend). Anything without a method raises."""
+    method = getattr(layer, "quant_method", None)
+    if method is None or not hasattr(method, "apply"):
+        raise TypeError(f"apply_linear: expected a linear layer with a quantisation method, got {type(layer).__name__}"
+                        " (the model's linears are SGLang linear layers, runtime/parallel_linear.py)")
+    return method.apply(layer, x, backend=backend, **kwargs)
 
 
 def check_stored(want: StoredTensor, loaded: Tensor) -> None:
