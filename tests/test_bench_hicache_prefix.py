@@ -30,7 +30,7 @@ def test_summary_ratios_tiers_equality_and_bandwidth_from_ttft() -> None:
     s = h.summarize(_rows(), 100, KV, COPY, {})
     c = s["cases"]
     assert c["cold"]["requests"] == 4 and c["cold"]["ttft_ms_median"] == pytest.approx(1050) and c["cold"]["all_cold"]
-    assert "push" not in c
+    assert c["push"]["all_cold"] and "greedy_equal" not in c["push"]
     assert c["gpu"]["ttft_vs_cold"] == pytest.approx(0.05 / 1.05) and c["gpu"]["greedy_equal"] == "1/1"
     assert c["l2"]["tier_tokens_min"] == 100 and c["l2"]["greedy_equal"] == "0/1" and c["l2"]["meets_goal"]
     assert c["l3"]["prefix_from_tier"] and not c["l3"]["meets_goal"]        # 98 >= 100 - page; 0.3 / 1.05 > 25 %
