@@ -26,6 +26,7 @@ import argparse
 import json
 import random
 import re
+import signal
 import sys
 import tempfile
 import time
@@ -150,6 +151,8 @@ class Run:
         self.suffix = {f"{c}{j}": ids(args.suffix_tokens) for c in ("gpu", "l2", "l3") for j in range(args.reps)}
         self.suffix["last"] = ids(args.suffix_tokens)      # the last cold prompt: P stays cached and stored
         self.pushers = [[0] + ids(args.prefix_tokens + args.suffix_tokens - 1) for _ in range(args.reps)]
+        self.rows: list[dict] = []          # every answered request, in order (kept when a run is cut short)
+        self.l2_metrics: dict[str, float] = {}
 
     def prompt(self, key: str) -> list[int]:
         return self.prefix + self.suffix[key]
@@ -177,10 +180,10 @@ class Run:
         storage_settled(self.store, self.args.settle_s, self.args.settle_cap_s)
 
 
-def run_a(run: Run, server: tuple[Proc, str]) -> tuple[list[dict], dict]:
+def run_a(run: Run, server: tuple[Proc, str]) -> None:
     """Server A: cold (every hit prompt, then `last`), gpu, l2; A stopped. Also the load-back metric
-    deltas of the l2 phase."""
-    a, rows = run.args, []
+    deltas of the l2 phase (`run.l2_metrics`)."""
+    a, rows = run.args, run.rows
     proc, url = server
     try:
         for key in [k for k in run.suffix if k != "last"] + ["last"]:
@@ -197,16 +200,16 @@ def run_a(run: Run, server: tuple[Proc, str]) -> tuple[list[dict], dict]:
             run.settle()
             rows.append(ask(url, "l2", f"l2{j}", run.prompt(f"l2{j}"), a))
         after = scrape(url)
+        run.l2_metrics = {k: after[k] - before[k] for k in METRICS}
         run.settle()
     finally:
         proc.stop()
-    return rows, {k: after[k] - before[k] for k in METRICS}
 
 
-def run_b(run: Run, server: tuple[Proc, str]) -> list[dict]:
+def run_b(run: Run, server: tuple[Proc, str]) -> None:
     """Server B on A's storage directory, used once A is stopped: l3, each after a flush of device
     and host."""
-    rows = []
+    rows = run.rows
     proc, url = server
     try:
         for j in range(run.args.reps):
@@ -216,7 +219,10 @@ def run_b(run: Run, server: tuple[Proc, str]) -> list[dict]:
             rows.append(ask(url, "l3", f"l3{j}", run.prompt(f"l3{j}"), run.args))
     finally:
         proc.stop()
-    return rows
+
+
+def _sigterm(*_) -> None:
+    raise SystemExit("SIGTERM")
 
 
 def summarize(rows: list[dict], prefix_tokens: int, kv: dict, copy: dict, l2_metrics: dict) -> dict:
@@ -336,36 +342,42 @@ def main(argv: list[str] | None = None) -> int:
         args.device_tokens = -(-int(need * 1.1) // 64) * 64
     args.out.parent.mkdir(parents=True, exist_ok=True)
     kv, copy = kv_bytes(args.model_path), copy_bandwidth(args.device)
+    signal.signal(signal.SIGTERM, _sigterm)   # a capped run still writes what it measured
+    incomplete = None
     with tempfile.TemporaryDirectory(prefix="hicache_prefix_") as d:
         run = Run(args, Path(d))
         t0 = time.monotonic()
-        if args.start_b_with_a:
-            a_srv, b_srv = run.start("a"), run.start("b")
-            try:
-                run.up(a_srv), run.up(b_srv)
-            except BaseException:
-                a_srv[0].stop(), b_srv[0].stop()
-                raise
-            try:
-                rows, l2_metrics = run_a(run, a_srv)
-            except BaseException:
-                b_srv[0].stop()
-                raise
-        else:
-            rows, l2_metrics = run_a(run, run.up(run.start("a")))
-            b_srv = run.up(run.start("b"))
-        rows += run_b(run, b_srv)
+        try:
+            if args.start_b_with_a:
+                a_srv, b_srv = run.start("a"), run.start("b")
+                try:
+                    run.up(a_srv), run.up(b_srv)
+                    run_a(run, a_srv)
+                except BaseException:
+                    a_srv[0].stop(), b_srv[0].stop()
+                    raise
+            else:
+                run_a(run, run.up(run.start("a")))
+                b_srv = run.up(run.start("b"))
+            run_b(run, b_srv)
+        except (Exception, SystemExit, KeyboardInterrupt) as e:
+            incomplete = f"{type(e).__name__}: {e}"[:2000]
+            print("incomplete:", incomplete[-600:], file=sys.stderr)
         wall = time.monotonic() - t0
-    summary = summarize(rows, args.prefix_tokens, kv, copy, l2_metrics)
+    rows = run.rows
+    if not any(r["case"] == "cold" for r in rows):
+        args.out.write_text(json.dumps({"incomplete": incomplete, "requests": rows}, indent=1))
+        return 2
+    summary = summarize(rows, args.prefix_tokens, kv, copy, run.l2_metrics)
     result = {"title": f"{args.prefix_tokens}-token prefix + {args.suffix_tokens}-token suffixes, {args.device_tokens}-token "
                        f"device pool, {args.device}, {args.reps} per hit case",
-              "args": {k: str(v) for k, v in vars(args).items()}, "kv_bytes": kv, "wall_s": wall, "summary": summary,
-              "requests": rows}
+              "args": {k: str(v) for k, v in vars(args).items()}, "kv_bytes": kv, "wall_s": wall, "incomplete": incomplete,
+              "summary": summary, "requests": rows}
     result["png"] = plot(result, args.out.with_suffix(".png"))
     args.out.write_text(json.dumps(result, indent=1))
     print(table(summary))
     print("->", args.out)
-    ok = all(d.get("greedy_equal", "1/1").split("/")[0] == d.get("greedy_equal", "1/1").split("/")[1]
+    ok = incomplete is None and all(d.get("greedy_equal", "1/1").split("/")[0] == d.get("greedy_equal", "1/1").split("/")[1]
              and d.get("prefix_from_tier", True) and d.get("all_cold", True) for d in summary["cases"].values())
     return 0 if ok else 1
 
