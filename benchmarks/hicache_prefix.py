@@ -13,6 +13,7 @@ One storage directory (a temp dir), servers with `--enable-hierarchical-cache`, 
 * **l3**: server A is stopped, server B starts on the same directory; before each request
   `/flush_cache` (device and host empty, storage kept), then P + a new suffix (``storage``).
 
+Each server first answers one short unrelated prompt (first-use costs stay out of the cases).
 Each case runs `--reps` times; the summary has the median TTFT, its ratio to cold, the cached tokens
 by tier and the greedy equality. Host-tier bandwidth: from SGLang's ``sglang:load_back_*`` metrics
 when they carry durations (CUDA events), else (bytes of P's KV) / (TTFT l2 − TTFT gpu); divided by a
@@ -151,6 +152,7 @@ class Run:
         self.suffix = {f"{c}{j}": ids(args.suffix_tokens) for c in ("gpu", "l2", "l3") for j in range(args.reps)}
         self.suffix["last"] = ids(args.suffix_tokens)      # the last cold prompt: P stays cached and stored
         self.pushers = [[0] + ids(args.prefix_tokens + args.suffix_tokens - 1) for _ in range(args.reps)]
+        self.warmups = [[0] + ids(min(512, args.prefix_tokens) - 1) for _ in range(2)]
         self.rows: list[dict] = []          # every answered request, in order (kept when a run is cut short)
         self.l2_metrics: dict[str, float] = {}
 
@@ -186,6 +188,7 @@ def run_a(run: Run, server: tuple[Proc, str]) -> None:
     a, rows = run.args, run.rows
     proc, url = server
     try:
+        rows.append(ask(url, "warmup", "warmup_a", run.warmups[0], a))   # first-use costs (kernel builds)
         for key in [k for k in run.suffix if k != "last"] + ["last"]:
             run.settle()
             http(url + "/clear_hicache_storage_backend", {}, timeout=60)
@@ -212,10 +215,10 @@ def run_b(run: Run, server: tuple[Proc, str]) -> None:
     rows = run.rows
     proc, url = server
     try:
+        rows.append(ask(url, "warmup", "warmup_b", run.warmups[1], run.args))
         for j in range(run.args.reps):
-            if j:
-                run.settle()
-                flush(url)
+            run.settle()
+            flush(url)
             rows.append(ask(url, "l3", f"l3{j}", run.prompt(f"l3{j}"), run.args))
     finally:
         proc.stop()
