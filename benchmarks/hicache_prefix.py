@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device-tokens", type=int, default=None,
                    help="--max-total-tokens; default: one prompt + new tokens + 10 %% (one long prefix fits)")
     p.add_argument("--flags", default="--hicache-io-backend direct --hicache-ratio 4 --swa-full-tokens-ratio 1.0 "
-                                      "--hicache-storage-prefetch-policy timeout",
+                                      "--hicache-storage-prefetch-policy wait_complete",
                    help="further server flags (e.g. --context-length for a 32K prefix on the tiny checkpoint)")
     p.add_argument("--start-b-with-a", action="store_true",
                    help="start server B together with A (one start-up wait) instead of after A stops; B still "

@@ -27,7 +27,7 @@ echo "RESULT checkpoint at $((SECONDS - T0)) s"
 timeout -s TERM -k 40 "$(left 50)" python3 benchmarks/hicache.py --mode prefix --model-path $CK --device cuda \
     --prefix-tokens ${PREFIX:-32768} --suffix-tokens 32 --new-tokens 8 --reps ${REPS:-2} --start-b-with-a \
     --flags="--hicache-io-backend kernel --hicache-ratio 4 --swa-full-tokens-ratio 1.0 \
---hicache-storage-prefetch-policy timeout --context-length 40960 --mem-fraction-static 0.3 --disable-cuda-graph" \
+--hicache-storage-prefetch-policy wait_complete --context-length 40960 --mem-fraction-static 0.3 --disable-cuda-graph" \
     --startup-timeout 200 --request-timeout 120 --settle-cap-s 60 \
     --out $R/hicache_prefix_h200.json --log-dir $R 2>&1 | tail -25 | tee $R/summary.txt
 rc=${PIPESTATUS[0]}
