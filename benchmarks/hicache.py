@@ -18,6 +18,9 @@ to its first chunk with a token, the hit is SGLang's ``cached_tokens`` (by tier:
 Writes JSON (per request and summary) and a PNG (hit rate and mean TTFT per turn, on vs off):
 
     python benchmarks/hicache.py --model-path /tmp/tiny --device cpu --out benchmarks/results/hicache_cpu.json
+
+``--mode prefix`` runs `hicache_prefix.py` instead (TTFT on one long prefix: cold, GPU, L2, L3 after a
+restart); every other argument goes to it.
 """
 from __future__ import annotations
 
@@ -105,7 +108,16 @@ def plot(result: dict, path: Path) -> str:
 
 
 def main() -> int:
+    mode = argparse.ArgumentParser(add_help=False)
+    mode.add_argument("--mode", choices=("sessions", "prefix"), default="sessions")
+    known, rest = mode.parse_known_args()
+    if known.mode == "prefix":
+        import hicache_prefix
+
+        return hicache_prefix.main(rest)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mode", choices=("sessions", "prefix"), default="sessions",
+                   help="sessions (this file) or prefix (hicache_prefix.py)")
     p.add_argument("--model-path", required=True)
     p.add_argument("--device", default="cpu")
     p.add_argument("--device-tokens", type=int, default=512, help="--max-total-tokens of both servers")

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# H200 (one GPU), one device call: the HiCache prefix benchmark (issue 14 "Benchmark", docs/hicache.md
+# "Benchmark: one long prefix by tier"): TTFT of a 32K-token prefix + 32-token suffixes, cold, GPU
+# hit, L2 (host) hit, L3 (file) hit in a second server after the first is stopped; greedy equality
+# with the cold run of each prompt; host-tier bandwidth as a fraction of a pinned host->device copy
+# measured in the same run.
+#   * tiny checkpoint (its config says 4K positions; RoPE is computed from positions, so the servers
+#     get --context-length 40960 with SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1: timings only);
+#   * servers A and B start together (--start-b-with-a: one start-up wait instead of two; B serves
+#     only after A is stopped, from the storage directory alone), each --mem-fraction-static 0.3,
+#     --disable-cuda-graph (TTFT is the prefill; start-up is shorter);
+#   * io `kernel`, --hicache-ratio 4, a device pool of one prompt + 10 %, 2 repetitions per case.
+# Run from the checkout root with `.gpu` carried:
+#   BUDGET=280 bash scripts/gpu/hicache_prefix.sh
+# Results: $OUT/all.tgz (JSON, PNG, server logs); the summary table is printed. rc 0 = every hit came
+# from its tier and equals its cold run (the TTFT goals are reported, not enforced).
+set -uo pipefail
+: "${OUT:=/tmp/out}"; mkdir -p "$OUT"
+T0=$SECONDS
+BUDGET=${BUDGET:-280}
+left() { local l=$((BUDGET - (SECONDS - T0) - ${1:-0})); [ $l -gt 1 ] && echo $l || echo 1; }  # seconds left, less a reserve
+source .gpu/bin/setup.sh || exit 3
+export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1 SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1
+CK=/tmp/tiny; R=/tmp/hicache_prefix; rm -rf $R; mkdir -p $R
+[ -d $CK ] || timeout 120 python3 -m sglang_dsv41.cli make-checkpoint --preset tiny --out $CK --quiet || exit 4
+echo "RESULT checkpoint at $((SECONDS - T0)) s"
+timeout -s TERM -k 40 "$(left 50)" python3 benchmarks/hicache.py --mode prefix --model-path $CK --device cuda \
+    --prefix-tokens ${PREFIX:-32768} --suffix-tokens 32 --new-tokens 8 --reps ${REPS:-2} --start-b-with-a \
+    --flags="--hicache-io-backend kernel --hicache-ratio 4 --swa-full-tokens-ratio 1.0 \
+--hicache-storage-prefetch-policy wait_complete --context-length 40960 --mem-fraction-static 0.3 --disable-cuda-graph" \
+    --startup-timeout 200 --request-timeout 120 --settle-cap-s 60 \
+    --out $R/hicache_prefix_h200.json --log-dir $R 2>&1 | tail -25 | tee $R/summary.txt
+rc=${PIPESTATUS[0]}
+echo "RESULT hicache_prefix rc=$rc at $((SECONDS - T0)) s"
+tar -czf "$OUT/all.tgz" -C $R . && cp $R/summary.txt "$OUT/" 2>/dev/null
+exit $rc
