@@ -423,7 +423,7 @@ def test_retracted_request_reprefilled_after_its_row_and_slots_were_reused(model
             """The last forward's first n captured rows, each [layers, H]."""
             return [torch.stack([c[i] for c in engine.captured]) for i in range(n)]
 
-        def rounds(P: int, emitted: list[int], cuts: list[int]) -> int:
+        def rounds(P: int, emitted: list[int], cuts: list[int], oracle: bool) -> int:
             for cut in cuts:
                 e = len(emitted) - 1
                 drafts = list(greedy[e + 1: e + 1 + GAMMA])
@@ -431,8 +431,9 @@ def test_retracted_request_reprefilled_after_its_row_and_slots_were_reused(model
                     drafts[cut] = (drafts[cut] + 1) % cfg.text.vocab_size
                 block = [emitted[-1]] + drafts
                 got = _verify(engine, caches, slots, {1: (P, block)})[1]
-                want = reference.forward(reference.new_request(), prompt + emitted[:-1] + block).logits[-W:]
-                torch.testing.assert_close(got, want, atol=0, rtol=0)
+                if oracle:              # after the re-prefill (the rounds before it: the rollback test)
+                    want = reference.forward(reference.new_request(), prompt + emitted[:-1] + block).logits[-W:]
+                    torch.testing.assert_close(got, want, atol=0, rtol=0)
                 outcome = verify_greedy(drafts, got)
                 assert outcome.accepted == min(cut, GAMMA)
                 c = outcome.accepted + 1
@@ -446,7 +447,7 @@ def test_retracted_request_reprefilled_after_its_row_and_slots_were_reused(model
         first = run_batch(engine, caches, slots, [(1, 0, prompt)])[0]
         captured |= dict(enumerate(keep(len(prompt))))
         emitted = [int(torch.argmax(first[-1]))]
-        P = rounds(len(prompt), emitted, RETRACT_BEFORE)
+        P = rounds(len(prompt), emitted, RETRACT_BEFORE, oracle=False)
         cached = slots.host[1, :HIT].clone()                     # the radix cache keeps the prompt's pages
         slots.next_page = int(slots.host[1, HIT]) // slots.page_size     # the rest are freed and reused
         run_batch(engine, caches, slots, [(1, 0, other)])
@@ -459,7 +460,7 @@ def test_retracted_request_reprefilled_after_its_row_and_slots_were_reused(model
         for p, row in enumerate(keep(P - HIT), start=HIT):
             assert torch.equal(row, captured[p]), p
         emitted.append(int(torch.argmax(again[-1])))
-        P = rounds(P + 1, emitted, RETRACT_AFTER)
+        P = rounds(P + 1, emitted, RETRACT_AFTER, oracle=True)
         assert emitted == greedy[: len(emitted)] and len(emitted) >= 12
         assert int(caches.engram_history.end[1]) == P
     finally:
