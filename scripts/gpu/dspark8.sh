@@ -34,10 +34,11 @@ for step in $STEPS; do
       --max-running-requests 8 --cuda-graph-max-bs 8 --random-seed 0 --language-model-only --port $PORT \
       --speculative-algorithm DSPARK --speculative-dspark-block-size 5 --mem-fraction-static 0.7 \
       >$W/logs/dspark_server.log 2>&1 &
-    SRV=$!; up=0; limit=$(( $(left) - 60 ))
-    for _ in $(seq 1 $limit); do
+    SRV=$!; up=0
+    while [ "$(left)" -gt 60 ]; do
       kill -0 $SRV 2>/dev/null || break
-      curl -sf -m 5 http://127.0.0.1:$PORT/health_generate >/dev/null 2>&1 && { up=1; break; }; sleep 1
+      python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health_generate', timeout=5)" \
+        >/dev/null 2>&1 && { up=1; break; }; sleep 1
     done
     echo "server up=$up at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
     grep -hE "folded into the draft|kept eager|Disable DSpark draft cuda graph|ragged-verify|Capture cuda graph end|DSpark draft loaded" \
