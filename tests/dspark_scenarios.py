@@ -7,8 +7,8 @@ forward over [anchor, noise × (γ − 1)] with the target's vocabulary-parallel
 logits through the target's gathered LM head, greedy Markov sampling; the target verifies
 [anchor, d_0 … d_{γ−1}] in one forward (`verify_width` = γ + 1), `verify_greedy` accepts, the
 accepted positions' captures become draft context rows (what SGLang's injector writes with
-`commit_lens`) and the Engram history commits. Returns every round's draft and verify logits and
-the emitted tokens, so a TP-2 rank can be compared with TP 1 bit for bit and the tokens with plain
+`commit_lens`) and the Engram history commits. Returns every round's draft and verify logits, the
+commit lengths and the emitted tokens, so a TP-2 rank can be compared with TP 1 bit for bit and the tokens with plain
 greedy decoding (`runtime_scenarios.greedy_generate`)."""
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ def dspark_greedy(engine: TorchForward, ckpt: Path) -> dict[str, torch.Tensor]:
             store.write_rows(s, slots.table[row, positions], values)
 
     out: dict[str, torch.Tensor] = {}
+    commits: list[int] = []
     engine.set_capture_layers(t.dspark_target_layer_ids)
     try:
         P = len(DSPARK_PROMPT)
@@ -80,8 +81,9 @@ def dspark_greedy(engine: TorchForward, ckpt: Path) -> dict[str, torch.Tensor]:
             caches.engram_history.commit_verify(rows, torch.tensor([P]), torch.tensor([c]), check=True)
             out[f"dspark_draft_logits_{k}"], out[f"dspark_verify_logits_{k}"] = base, verify
             emitted += list(outcome.tokens)
+            commits.append(c)
             P += c
     finally:
         engine.set_capture_layers(())
-    out["dspark_tokens"] = torch.tensor(emitted)
+    out["dspark_tokens"], out["dspark_commits"] = torch.tensor(emitted), torch.tensor(commits)
     return out
