@@ -393,3 +393,75 @@ def test_layout_of_sglang_verify_batches() -> None:
     fb, pos = batch(SimpleNamespace())
     with pytest.raises(RuntimeError, match="draft_token_num"):
         layout_from_forward_batch(fb, pos, slots.table)
+
+
+#: the retract test: per round, the first corrupted draft (GAMMA: none); rounds before the retract,
+#: then after the re-prefill
+RETRACT_BEFORE, RETRACT_AFTER = [2, 0], [GAMMA, 1]
+
+
+def test_retracted_request_reprefilled_after_its_row_and_slots_were_reused(models) -> None:
+    """Preemption under DSpark (SGLang's `retract_decode`): a request mid-speculation (two verify
+    rounds with rejections: staged blocks, pair-ring entries and draft-row captures of rejected
+    positions) is retracted — its row and its slots past the radix-cached prompt prefix go to
+    another request that prefills and verifies there — then re-admitted into that dirty row as
+    SGLang does (prefix hit on the cached 16 prompt tokens, re-prefill of the rest of prompt +
+    outputs, Engram history from the host). After it: the re-prefill's anchor is the greedy token;
+    the captures the draft's context rows are written from (`write_target_hidden_kv`) equal the
+    original run's at every committed position; the next verify rounds give the reference's cold
+    logits bit for bit; the output equals plain greedy decoding."""
+    cfg, reference, engine = models
+    prompt, other = PROMPTS[1], _prompt(9, 12)
+    greedy = reference.generate(prompt, 17)
+    engine.set_capture_layers(cfg.text.dspark_target_layer_ids)
+    try:
+        slots = Slots(CPU, rows=4, max_context=64)
+        caches = _caches(engine, slots)
+        captured: dict[int, list[torch.Tensor]] = {}
+
+        def keep(n: int) -> list[torch.Tensor]:
+            """The last forward's first n captured rows, each [layers, H]."""
+            return [torch.stack([c[i] for c in engine.captured]) for i in range(n)]
+
+        def rounds(P: int, emitted: list[int], cuts: list[int], oracle: bool) -> int:
+            for cut in cuts:
+                e = len(emitted) - 1
+                drafts = list(greedy[e + 1: e + 1 + GAMMA])
+                if cut < GAMMA:
+                    drafts[cut] = (drafts[cut] + 1) % cfg.text.vocab_size
+                block = [emitted[-1]] + drafts
+                got = _verify(engine, caches, slots, {1: (P, block)})[1]
+                if oracle:              # after the re-prefill (the rounds before it: the rollback test)
+                    want = reference.forward(reference.new_request(), prompt + emitted[:-1] + block).logits[-W:]
+                    torch.testing.assert_close(got, want, atol=0, rtol=0)
+                outcome = verify_greedy(drafts, got)
+                assert outcome.accepted == min(cut, GAMMA)
+                c = outcome.accepted + 1
+                caches.engram_history.commit_verify(torch.tensor([1]), torch.tensor([P]), torch.tensor([c]), check=True)
+                for i, row in enumerate(keep(c)):          # the rows write_target_hidden_kv writes (commit_lens)
+                    captured[P + i] = row
+                emitted += list(outcome.tokens)
+                P += c
+            return P
+
+        first = run_batch(engine, caches, slots, [(1, 0, prompt)])[0]
+        captured |= dict(enumerate(keep(len(prompt))))
+        emitted = [int(torch.argmax(first[-1]))]
+        P = rounds(len(prompt), emitted, RETRACT_BEFORE, oracle=False)
+        cached = slots.host[1, :HIT].clone()                     # the radix cache keeps the prompt's pages
+        slots.next_page = int(slots.host[1, HIT]) // slots.page_size     # the rest are freed and reused
+        run_batch(engine, caches, slots, [(1, 0, other)])
+        _verify(engine, caches, slots, {1: (len(other), [5, 6, 7, 8, 9, 10])})
+        caches.engram_history.commit_verify(torch.tensor([1]), torch.tensor([len(other)]), torch.tensor([3]), check=True)
+        fill = prompt + emitted                                  # re-admitted: prompt + outputs, row 1 again
+        slots.host[1, :HIT] = cached
+        slots.table[1, :HIT] = cached
+        again = run_batch(engine, caches, slots, [(1, HIT, fill[HIT:])], context={1: fill[:HIT]})[0]
+        for p, row in enumerate(keep(P - HIT), start=HIT):
+            assert torch.equal(row, captured[p]), p
+        emitted.append(int(torch.argmax(again[-1])))
+        P = rounds(P + 1, emitted, RETRACT_AFTER, oracle=True)
+        assert emitted == greedy[: len(emitted)] and len(emitted) >= 12
+        assert int(caches.engram_history.end[1]) == P
+    finally:
+        engine.set_capture_layers(())

@@ -3,7 +3,10 @@
 * TP 2 over two spawned processes with a gloo group (file rendezvous, bounded waits) runs
   the shared runtime scenarios (packed extend of mixed lengths, chunked prefill at odd and even
   boundaries mixed with decode, a prefix shared through slots, batched decode) and a single
-  request alone; every rank's logits equal the TP-1 logits exactly (and each other);
+  request alone under DSpark (below); every rank's logits equal the TP-1 logits exactly (and each other);
+* DSpark speculative greedy decoding with the real draft (`dspark_scenarios.dspark_greedy`: draft
+  logits through the vocabulary-parallel embedding and gathered LM head, verify logits, tokens) at
+  TP 2 == TP 1 bit for bit, and its tokens == plain greedy decoding;
 * `--mm-enable-dp-encoder` (`vision_batch.encode_images` with the TP group): the images split over
   the two ranks and all-gathered give TP 1's span rows exactly;
 * the shard plan: group/head/expert/Engram-row ranges partition the model, illegal sizes and
@@ -22,7 +25,7 @@ import pytest
 import torch
 
 from tp_harness import engine_for, run_tp, stored_tensors
-from runtime_scenarios import (ContractMeasurement, fixed_decode_tokens, measure_contract, one_shot_logits, prompt,
+from runtime_scenarios import (ContractMeasurement, fixed_decode_tokens, measure_contract, one_shot_logits,
                                run_scenario, scenario_caches)
 from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
@@ -34,16 +37,19 @@ from runtime_values import same_value
 
 CPU = torch.device("cpu")
 TP = 2
-SINGLE_PROMPT = prompt(50, 27)
 
 
 _engine = engine_for
 
 
-def _outputs(engine: TorchForward) -> dict[str, torch.Tensor]:
+def _outputs(engine: TorchForward, ckpt: Path | None = None) -> dict[str, torch.Tensor]:
+    """The compared outputs; `ckpt`: the checkpoint (in a `run_tp` worker: the one it loaded)."""
+    from dspark_scenarios import dspark_greedy
+    from tp_harness import worker_checkpoint
+
     got = run_scenario(engine, scenario_caches(engine, CPU), CPU, fixed_decode_tokens())
-    got["single"] = one_shot_logits(engine, CPU, SINGLE_PROMPT)
     got["vision_rows"] = _encoder_rows(engine)
+    got |= dspark_greedy(engine, ckpt or worker_checkpoint())
     return got
 
 
@@ -83,7 +89,7 @@ def tiny_config_experts(ckpt: Path) -> int:
 
 @pytest.fixture(scope="module")
 def tp1_outputs(tiny_checkpoint) -> dict[str, torch.Tensor]:
-    return _outputs(_engine(tiny_checkpoint, TensorParallel()))
+    return _outputs(_engine(tiny_checkpoint, TensorParallel()), tiny_checkpoint)
 
 
 def test_tp2_logits_equal_tp1_bit_for_bit(tiny_checkpoint, tmp_path, tp1_outputs) -> None:
@@ -137,7 +143,17 @@ def test_tp1_engine_equals_the_plain_runtime(tiny_checkpoint, tp1_outputs) -> No
     token_map, _ = compressed_token_map(_load_fast_tokenizer(tiny_checkpoint))
     plain = TorchForward(cfg, load_reference_weights(tiny_checkpoint, cfg, vision=False, dspark=False),
                          EngramHasher.from_config(cfg, token_map))
-    assert torch.equal(one_shot_logits(plain, CPU, SINGLE_PROMPT), tp1_outputs["single"])
+    # the DSpark request alone (TP 1; each TP-2 rank equals it bit for bit, above): every verify row
+    # it committed == the plain runtime's one-shot logits there, and its tokens == plain greedy
+    from dspark_scenarios import DSPARK_PROMPT, ROUNDS
+
+    spec, commits = tp1_outputs["dspark_tokens"].tolist(), tp1_outputs["dspark_commits"].tolist()
+    P = len(DSPARK_PROMPT)
+    want = one_shot_logits(plain, CPU, DSPARK_PROMPT + spec[:-1])
+    assert len(spec) > 1 + ROUNDS and spec == want[P - 1:].argmax(-1).tolist()
+    for k, c in enumerate(commits):
+        assert torch.equal(tp1_outputs[f"dspark_verify_logits_{k}"][:c], want[P:P + c]), k
+        P += c
 
 
 # ---- shard plan ---------------------------------------------------------------------------
