@@ -106,10 +106,12 @@ SPAN_CACHE_IMAGES = 16
 
 
 def vit_activation_bytes(vcfg: VisionConfig, text_hidden: int, backend: str, *, patches: int | None = None,
-                         longest: int | None = None, span_tokens: int | None = None, images: int | None = None) -> int:
+                         longest: int | None = None, tokens: int | None = None, span_tokens: int | None = None,
+                         images: int | None = None) -> int:
     """Peak live bytes of one ViT call of `images` images (default: one per k²·cap patches) and
     `patches` patches (default: the call budget), its longest image `longest` patches (default:
-    min(patches, k²·cap)) and `span_tokens` output rows (default: the square cap span per image). Intermediates are fp32 (4 B) holding BF16 values; with a
+    min(patches, k²·cap)), `tokens` aligner rows Σ n_h·n_w (default: patches / k²) and
+    `span_tokens` output rows (default: the square cap span per image). Intermediates are fp32 (4 B) holding BF16 values; with a
     varlen backend (``triton``, ``fa3``) every linear also holds BF16 copies of its input, weight and
     output; with ``sdpa`` each image's attention holds its heads × L × L fp32 scores and softmax and
     the softmax's heads × L × L bool mask. Stage terms: docs/vision.md "ViT activation memory"."""
@@ -120,7 +122,7 @@ def vit_activation_bytes(vcfg: VisionConfig, text_hidden: int, backend: str, *, 
     n = call_patch_budget(vcfg) if patches is None else patches
     cap_patches = k * k * vcfg.max_image_tokens
     lo = min(n, cap_patches) if longest is None else longest
-    t = -(-n // (k * k))                                   # aligner rows (≤ the unfold's padded grid)
+    t = -(-n // (k * k)) if tokens is None else tokens     # aligner rows: the unfold's padded grid / k²
     m = -(-n // cap_patches) if images is None else images
     s = span_tokens if span_tokens is not None else m * image_span_tokens(vcfg)
     hh = text_hidden
