@@ -53,7 +53,7 @@ def test_tower_on_cuda_matches_the_reference(tiny_checkpoint: Path, attention: s
         assert (ours - ref.float()).abs().max().item() <= REL_BOUND * ref.abs().max().item()
 
 
-@pytest.mark.parametrize("attention", ["triton", "sdpa", pytest.param("fa3", marks=FA3_FAILED)])
+@pytest.mark.parametrize("attention", ["triton", "sdpa", pytest.param("fa3", marks=FA3_IMPORTABLE)])
 def test_images_packed_into_varlen_calls_equal_per_image_calls_on_cuda(tiny_checkpoint: Path, attention: str) -> None:
     """`encode_many` (the server's path: one varlen kernel call per layer over the packed images'
     cu_seqlens) against one image per call, on the real kernels."""
