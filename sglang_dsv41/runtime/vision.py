@@ -26,7 +26,7 @@ Invariants
   `call_patch_budget` patches each): one call runs every linear, norm and RoPE over all its images'
   patches and one varlen attention over their `Segments` (one kernel call per layer with
   ``triton`` / ``fa3``). Each image attends only to itself (bidirectional, no mask), so the rows
-  equal per-image calls' up to the GEMMs' row blocking (tests/test_vision_encoder.py).
+  equal per-image calls' up to the GEMMs' row blocking (tests/test_vision_attention.py).
 """
 from __future__ import annotations
 
