@@ -26,11 +26,15 @@ preprocessing times (CI runs this on the tiny checkpoint).
 ``--vit`` adds the tower's own throughput, in this process on ``--device``: `runtime/vision.VisionTower`
 with ``--vit-dims`` (``flash``: the card's 32-layer ViT, random BF16-valued weights; ``checkpoint``:
 the checkpoint's dims) encodes ``--vit-images`` images per case (each ``--sizes`` resolution, and
-``cap``: a square grid at the token cap, the planner's worst case), images/s after one warm-up, for
-each ``--vit-attention`` backend (`runtime/vision_attention.py`: ``auto`` is SGLang's Triton vision
-attention with BF16 operands on CUDA; ``sdpa`` the fp32 torch path). On CUDA it also records,
-per backend, the peak allocated bytes above the weights while one cap image encodes, next to the
-planner's figure (`deploy/vision_config.vit_activation_bytes`, fused attention).
+``cap``: a square grid at the token cap, the planner's worst case), for each ``--vit-attention``
+backend (`runtime/vision_attention.py`: ``auto`` is SGLang's Triton vision attention with BF16
+operands on CUDA; ``sdpa`` the fp32 torch path; ``fa3`` SGLang's FA3 core): images/s after one
+warm-up, packed as the server runs them (`encode_many`: varlen calls of ≤ one cap image of
+patches) and, where that packs, one image per call. On CUDA it also records, per backend, the peak
+allocated bytes above the weights (`torch.cuda.max_memory_allocated`) of one cap image and of the
+first packed call of the first resolution, each next to the planner's figure for that call
+(`deploy/vision_config.vit_activation_bytes` for the backend). A backend that raises fails the run
+with its traceback (scripts/gpu/vision.sh runs ``fa3`` in a process of its own).
 
     python benchmarks/vision.py --model-path /tmp/tiny --device cpu --out benchmarks/results/vision_cpu.json
 """
@@ -172,17 +176,60 @@ def _cap_image(vcfg) -> "object":
     return PreprocessedImage(patches=patches.to(torch.bfloat16), grid=grid)
 
 
+def planned_call_bytes(cfg, backend: str, pres: list) -> int:
+    """The planner's formula for one ViT call of exactly these images."""
+    from sglang_dsv41.deploy.vision_config import vit_activation_bytes
+
+    return vit_activation_bytes(cfg.vision, cfg.text.hidden_size, backend,
+                                patches=sum(p.grid.num_patches for p in pres),
+                                longest=max(p.grid.num_patches for p in pres),
+                                tokens=sum(p.grid.n_h * p.grid.n_w for p in pres),
+                                span_tokens=sum(p.grid.num_tokens for p in pres), images=len(pres))
+
+
+def _peak(tower, pres: list, device) -> int:
+    """Bytes allocated above the ones already held while `encode_many(pres)` runs (CUDA)."""
+    import torch
+
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    tower.encode_many(pres)
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+def peak_rows(tower, cfg, cases: dict[str, list], backend: str, measure) -> dict[str, dict]:
+    """Measured (`measure(tower, pres, device)`) against planned bytes of one cap image and of the
+    first packed call of the first case: `planned_bytes` the formula for that call, `plan_bytes` the
+    plan's figure (a full call at the budget; the same as the cap row's when the cap is a square)."""
+    from sglang_dsv41.deploy.vision_config import vit_activation_bytes
+    from sglang_dsv41.runtime.vision_calls import call_groups, call_patch_budget
+
+    name, first = next(iter(cases.items()))
+    group = [first[i] for i in call_groups([p.grid.num_patches for p in first], call_patch_budget(cfg.vision))[0]]
+    rows = {}
+    for label, pres in (("cap", cases["cap"][:1]), (f"packed_{len(group)}x{name}", group)):
+        measured, planned = measure(tower, pres, tower.device), planned_call_bytes(cfg, backend, pres)
+        rows[label] = {"measured_bytes": measured, "planned_bytes": planned, "images": len(pres),
+                       "plan_bytes": vit_activation_bytes(cfg.vision, cfg.text.hidden_size, backend),
+                       "patches": sum(p.grid.num_patches for p in pres),
+                       "planned_over_measured": planned / measured if measured else None}
+        print("vit", backend, label, "peak activation", rows[label], flush=True)
+    return rows
+
+
 def vit_throughput(args: argparse.Namespace, sizes: list[tuple[int, int]]) -> dict[str, object]:
     """Images/s of the tower alone per case and ``--vit-attention`` backend, and on CUDA the peak
-    activation of one cap image (module doc). ``cases`` / ``cap_peak_activation`` are the first
+    activation against the planner's (module doc). ``cases`` / ``cap_peak_activation`` are the first
     backend's; ``by_backend`` holds every backend's."""
     import torch
 
     from sglang_dsv41.config import DeepseekV41Config
-    from sglang_dsv41.deploy.vision_config import vit_activation_bytes
     from sglang_dsv41.presets import flash_config_dict
     from sglang_dsv41.runtime.forward import fp32_default_dtype
     from sglang_dsv41.runtime.image_io import load_image
+    from sglang_dsv41.runtime.vision_calls import call_groups, call_patch_budget
     from sglang_dsv41.vision_preprocess import preprocess_image
 
     cfg = (DeepseekV41Config.from_dict(flash_config_dict()) if args.vit_dims == "flash"
@@ -192,38 +239,41 @@ def vit_throughput(args: argparse.Namespace, sizes: list[tuple[int, int]]) -> di
     cases = {f"{w}x{h}": [preprocess_image(load_image(make_png(500 + i, (w, h))), cfg.vision)
                           for i in range(args.vit_images)] for w, h in sizes}
     cases["cap"] = [_cap_image(cfg.vision)] * args.vit_images
+    budget = call_patch_budget(cfg.vision)
     out: dict[str, object] = {"dims": args.vit_dims, "layers": cfg.vision.num_hidden_layers,
-                              "hidden": cfg.vision.hidden_size, "images_per_case": args.vit_images, "by_backend": {}}
+                              "hidden": cfg.vision.hidden_size, "images_per_case": args.vit_images,
+                              "call_patch_budget": budget, "by_backend": {}}
+
+    def timed(fn, *fn_args) -> float:
+        sync()
+        t0 = time.perf_counter()
+        fn(*fn_args)
+        sync()
+        return time.perf_counter() - t0
+
     for requested in args.vit_attention.split(","):
         with fp32_default_dtype(), torch.device(device):
             tower = _random_tower(cfg, requested)
         if tower.attn.backend in out["by_backend"]:       # e.g. auto,sdpa on CPU
             continue
-        row: dict[str, object] = {"backend": tower.attn.backend, "describe": tower.attn.describe(), "cases": {}}
+        backend = tower.attn.backend
+        row: dict[str, object] = {"backend": backend, "describe": tower.attn.describe(), "cases": {}}
         for name, images in cases.items():
-            tower.encode(images[0])                     # warm-up (kernel selection, allocator)
-            sync()
-            t0 = time.perf_counter()
-            for pre in images:
-                tower.encode(pre)
-            sync()
-            wall = time.perf_counter() - t0
+            calls = len(call_groups([p.grid.num_patches for p in images], budget))
+            tower.encode_many(images)                   # warm-up (kernel selection, allocator)
+            wall = timed(tower.encode_many, images)
             g = images[0].grid
             row["cases"][name] = {"images_per_s": len(images) / wall, "ms_per_image": 1e3 * wall / len(images),
-                                  "vit_patches": g.num_patches, "tokens": g.num_tokens}
-            print("vit", row["backend"], name, row["cases"][name], flush=True)
+                                  "vit_patches": g.num_patches, "tokens": g.num_tokens, "vit_calls": calls}
+            if calls < len(images):                     # packing changed something: one image per call too
+                tower.encode(images[0])
+                one = timed(_one_per_call, tower, images)
+                row["cases"][name]["images_per_s_one_per_call"] = len(images) / one
+            print("vit", backend, name, row["cases"][name], flush=True)
         if device.type == "cuda":
-            sync()
-            torch.cuda.reset_peak_memory_stats(device)
-            before = torch.cuda.memory_allocated(device)
-            tower.encode(cases["cap"][0])
-            sync()
-            measured = torch.cuda.max_memory_allocated(device) - before
-            planned = vit_activation_bytes(cfg.vision, cfg.text.hidden_size, fused_attention=True)
-            row["cap_peak_activation"] = {"measured_bytes": measured, "planned_bytes": planned,
-                                          "planned_over_measured": planned / measured if measured else None}
-            print("vit", row["backend"], "cap peak activation", row["cap_peak_activation"], flush=True)
-        out["by_backend"][row["backend"]] = row
+            row["peak_activation"] = peak_rows(tower, cfg, cases, backend, _peak)
+            row["cap_peak_activation"] = row["peak_activation"]["cap"]
+        out["by_backend"][backend] = row
         if "cases" not in out:
             out["cases"] = row["cases"]
             if "cap_peak_activation" in row:
@@ -232,6 +282,11 @@ def vit_throughput(args: argparse.Namespace, sizes: list[tuple[int, int]]) -> di
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return out
+
+
+def _one_per_call(tower, pres: list) -> None:
+    for pre in pres:
+        tower.encode(pre)
 
 
 def _random_tower(cfg, attention: str):

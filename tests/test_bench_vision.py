@@ -43,3 +43,27 @@ def test_vit_only_run_reports_images_per_second(tiny_checkpoint: Path, tmp_path:
     assert vit["cases"]["cap"]["vit_patches"] == 9 * 25 and 25 <= cap          # 5 × 5 tokens: the square at the cap
     assert all(c["images_per_s"] > 0 for c in vit["cases"].values())
     assert "cap_peak_activation" not in vit                                      # CUDA only
+
+
+def test_peak_rows_compare_each_call_with_the_planners_figure(tiny_checkpoint: Path) -> None:
+    """The CUDA-only peak rows on CPU with a stand-in measure: one cap image, and the first packed
+    call of the first case (three 84×84 images share one call at the tiny budget)."""
+    bench = load_benchmark("vision.py")
+    from sglang_dsv41.deploy.vision_config import vit_activation_bytes
+    from sglang_dsv41.runtime.image_io import load_image
+    from sglang_dsv41.vision_preprocess import preprocess_image
+
+    cfg = DeepseekV41Config.from_file(tiny_checkpoint)
+    tower = bench._random_tower(cfg, "sdpa")
+    cases = {"84x84": [preprocess_image(load_image(bench.make_png(i, (84, 84))), cfg.vision) for i in range(3)],
+             "cap": [bench._cap_image(cfg.vision)]}
+    seen = []
+    rows = bench.peak_rows(tower, cfg, cases, "sdpa", lambda t, pres, dev: seen.append(len(pres)) or 1000)
+    assert seen == [1, 3] and set(rows) == {"cap", "packed_3x84x84"}
+    plan = vit_activation_bytes(cfg.vision, cfg.text.hidden_size, "sdpa")     # the call budget: 9·32 patches
+    assert rows["cap"]["planned_bytes"] == vit_activation_bytes(          # 5 × 5 tokens: the tiny cap's square
+        cfg.vision, cfg.text.hidden_size, "sdpa", patches=225, longest=225, tokens=25, span_tokens=32, images=1)
+    assert all(r["plan_bytes"] == plan >= r["planned_bytes"] for r in rows.values())
+    packed = rows["packed_3x84x84"]
+    assert packed["patches"] == 3 * 36 and packed["planned_bytes"] == vit_activation_bytes(
+        cfg.vision, cfg.text.hidden_size, "sdpa", patches=108, longest=36, tokens=12, span_tokens=24, images=3)

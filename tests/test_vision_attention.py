@@ -19,6 +19,7 @@ from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.reference.model import ReferenceModel
 from sglang_dsv41.runtime.vision import VisionTower, is_vision_tensor
 from sglang_dsv41.runtime.vision_attention import ViTAttention, pick_backend
+from sglang_dsv41.runtime.vision_calls import auto_backend, call_groups
 from sglang_dsv41.vision_preprocess import preprocess_image
 from test_runtime_vision import REL_BOUND, _image
 from tp_harness import stored_tensors
@@ -38,17 +39,22 @@ def _varlen(q, k, v, cu: torch.Tensor, scale: float) -> torch.Tensor:
 
 def _flash(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_size,
            **kw):
+    cu = cu_seqlens_q.tolist()
     assert torch.equal(cu_seqlens_q, cu_seqlens_k) and cu_seqlens_q.dtype == torch.int32
-    assert max_seqlen_q == max_seqlen_k == q.shape[0] and tuple(window_size) == (-1, -1) and not kw
-    CALLS.append({"kernel": "fa3", "n": q.shape[0], "scale": softmax_scale})
+    assert cu[0] == 0 and cu[-1] == q.shape[0] and tuple(window_size) == (-1, -1) and not kw
+    assert max_seqlen_q == max_seqlen_k == max(e - s for s, e in zip(cu, cu[1:]))
+    CALLS.append({"kernel": "fa3", "n": q.shape[0], "scale": softmax_scale, "cu": cu})
     return _varlen(q, k, v, cu_seqlens_q, softmax_scale)
 
 
 def _context(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal=True, sm_scale=None):
-    assert not is_causal and max_input_len == q.shape[0] and b_seq_len.tolist() == [q.shape[0]]
-    CALLS.append({"kernel": "triton", "n": q.shape[0], "scale": sm_scale})
-    cu = torch.cat([b_start_loc[:1], b_start_loc[:1] + b_seq_len]).cpu()
-    o.copy_(_varlen(q, k, v, cu, sm_scale))
+    """SGLang's Triton kernel reads image i at b_start_loc[i] for b_seq_len[i] rows (b_start_loc is
+    the module's cu_seqlens, one entry longer)."""
+    starts, lens = b_start_loc.tolist(), b_seq_len.tolist()
+    assert not is_causal and max_input_len == max(lens) and starts[0] == 0 and starts[-1] == q.shape[0]
+    assert lens == [e - s for s, e in zip(starts, starts[1:])]
+    CALLS.append({"kernel": "triton", "n": q.shape[0], "scale": sm_scale, "cu": starts})
+    o.copy_(_varlen(q, k, v, b_start_loc, sm_scale))
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +85,39 @@ def test_bf16_operand_path_through_sglang_vision_modules_matches_the_reference(s
     hd = cfg.vision.head_dim
     assert len(CALLS) == 2 * cfg.vision.num_hidden_layers and {c["kernel"] for c in CALLS} == {backend}
     assert all(c["scale"] == hd ** -0.5 for c in CALLS)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "fa3", "triton"])
+def test_images_packed_into_varlen_calls_equal_per_image_calls(setup, backend, monkeypatch) -> None:
+    """`encode_many` packs images up to the call budget (9·32 = 288 patches at the tiny cap): the
+    first three (36 + 105 + 108 patches) share one call, with one kernel call per layer over their
+    cu_seqlens; the fourth (225) takes a second. Rows equal per-image `encode` within REL_BOUND."""
+    cfg, tower, _ = setup
+    monkeypatch.setattr(sglang_vision, "_is_cuda", True)
+    monkeypatch.setattr(sglang_vision, "flash_attn_func", _flash, raising=False)
+    monkeypatch.setattr(sglang_vision, "context_attention_fwd", _context)
+    monkeypatch.setattr(tower, "attn", ViTAttention(backend))
+    pres = [preprocess_image(_image(i, size), cfg.vision) for i, size in enumerate([(84, 84), (200, 90), (33, 500),
+                                                                                   (300, 300)])]
+    assert [p.grid.num_patches for p in pres] == [36, 105, 108, 225]
+    single = [tower.encode(pre) for pre in pres]
+    CALLS.clear()
+    packed = tower.encode_many(pres)
+    layers = cfg.vision.num_hidden_layers
+    if backend != "sdpa":
+        assert [c["cu"] for c in CALLS] == [[0, 36, 141, 249]] * layers + [[0, 225]] * layers
+    for one, many in zip(single, packed, strict=True):
+        assert one.shape == many.shape and torch.equal(many, many.to(torch.bfloat16).float())
+        assert (one - many).abs().max().item() <= REL_BOUND * one.abs().max().item()
+        assert torch.equal(one[0], many[0]) and torch.equal(one[-1], many[-1])
+
+
+def test_call_groups() -> None:
+    assert call_groups([36, 105, 108, 225], 288) == [[0, 1, 2], [3]]
+    assert call_groups([288, 1, 287, 2], 288) == [[0], [1, 2], [3]] and call_groups([], 288) == []
+    with pytest.raises(ValueError, match="image 1 has 289 ViT patches, above the 288"):
+        call_groups([1, 289], 288)
+    assert auto_backend("cuda") == "triton" and auto_backend("cpu") == "sdpa"
 
 
 def test_backend_choice_by_device() -> None:

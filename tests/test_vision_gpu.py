@@ -53,6 +53,22 @@ def test_tower_on_cuda_matches_the_reference(tiny_checkpoint: Path, attention: s
         assert (ours - ref.float()).abs().max().item() <= REL_BOUND * ref.abs().max().item()
 
 
+@pytest.mark.parametrize("attention", ["triton", "sdpa", pytest.param("fa3", marks=FA3_IMPORTABLE)])
+def test_images_packed_into_varlen_calls_equal_per_image_calls_on_cuda(tiny_checkpoint: Path, attention: str) -> None:
+    """`encode_many` (the server's path: one varlen kernel call per layer over the packed images'
+    cu_seqlens) against one image per call, on the real kernels."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = DeepseekV41Config.from_file(tiny_checkpoint / "config.json")
+    with torch.device("cuda"):
+        tower = VisionTower(cfg, attention=attention)
+    tower.load_weights((n, v) for n, v in stored_tensors(tiny_checkpoint).items() if is_vision_tensor(n))
+    pres = [preprocess_image(_image(i, size), cfg.vision) for i, size in enumerate([(84, 84), (200, 90), (33, 500),
+                                                                                   (300, 300)])]
+    for one, many in zip([tower.encode(p) for p in pres], tower.encode_many(pres), strict=True):
+        assert one.shape == many.shape
+        assert (one - many).abs().max().item() <= REL_BOUND * one.abs().max().item()
+
+
 def test_card_requests_on_the_gpu_server(tiny_checkpoint: Path, tmp_path: Path) -> None:
     url = png_data_url(_image(5, (200, 90)))
     with running(Server(tiny_checkpoint, tmp_path / "server.log", ["--max-total-tokens", "4096"])) as srv:

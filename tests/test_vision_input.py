@@ -92,6 +92,9 @@ class _FakeTower:
         self.calls += 1
         return torch.arange(pre.grid.num_tokens, dtype=torch.float32)[:, None].expand(-1, 4) + 100 * pre.grid.n_h
 
+    def encode_many(self, pres) -> list[torch.Tensor]:
+        return [self.encode(pre) for pre in pres]
+
 
 def test_batch_rows_follow_chunks_and_prefix_hits() -> None:
     g = _grid(1, 2)                                   # 5 tokens at absolute 2..6

@@ -278,8 +278,7 @@ def make_plan(dc: DeploymentConfig, cfg: DeepseekV41Config, model_source: str = 
         status=(f"validated on {dc.validated_on.date} ({dc.validated_on.hardware})" if dc.validated
                 else "unvalidated"),
         runtime_weights=runtime_weights, runtime_weights_note=runtime_note,
-        vision_activation=vision_activation(dc, cfg, prefill_tokens(dc.serving.chunked_prefill_size, mem, ctx),
-                                            fused_attention=not hw.kind.is_cpu),
+        vision_activation=vision_activation(dc, cfg, prefill_tokens(dc.serving.chunked_prefill_size, mem, ctx)),
     )
     ratio, size = hicache_setting(dc.serving.extra_args, hicache_ratio, hicache_size)
     if ratio is not None or size:

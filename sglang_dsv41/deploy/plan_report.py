@@ -54,8 +54,9 @@ def render(p: Plan, source: str) -> str:
                   f"end), so {im['tokens']:,} of each request's {p.context:,}-token context, KV sized with it"]
         va = p.vision_activation
         if va is not None:
-            lines.append(f"vision activations per rank: ViT peak {va['vit_peak_bytes'] / 2**20:.1f} MiB (one image at the cap; "
-                         f"images run one at a time, attention {va['attention']}) + span cache "
+            lines.append(f"vision activations per rank: ViT peak {va['vit_peak_bytes'] / 2**20:.1f} MiB (one ViT call "
+                         f"of ≤ {va['vit_call_patches']:,} patches, one image at the cap; calls run one at a time; "
+                         f"attention {va['vit_backend']}, {va['attention']}) + span cache "
                          f"{va['span_cache_bytes'] / 2**20:.1f} MiB + batch rows {va['batch_rows_bytes'] / 2**20:.1f} MiB "
                          f"(≤ {va['images_per_batch']} image(s) in a {va['prefill_tokens']:,}-token prefill chunk)"
                          + (f" + encoder all-gather {va['encoder_gather_bytes'] / 2**20:.1f} MiB"

@@ -17,13 +17,14 @@ Invariants
   n·(n+1)+2 with n = ⌊√max_image_tokens⌋ (start + n rows of n patches and a newline + end;
   docs/vision.md). Wider or taller images at the cap have fewer or more rows; the planner's
   budget is this square figure, the refusal uses the shortest possible span (cap + 3).
-* `vit_activation_bytes` is the peak of live tensors while `runtime/vision.VisionTower.encode` runs
-  ONE image at the token cap (the tower encodes images one after another, so the peak does not grow
-  with the image count): N = k²·cap patches, T = cap tokens, fp32 (4 B) intermediates of the
-  torch path (docs/vision.md "ViT activation memory"). Terms, in bytes: patches + RoPE tables
-  12·N·p² + 6·N·hd, plus the largest stage of attention 32·N·D + (scores 8·heads·N² with SDPA's
-  math kernel, CPU; 16·N·D with a fused kernel, CUDA), MLP 8·N·D + 20·N·I, aligner 16·N·D + 18·T·H.
-  tests/test_vision_activation.py measures the live bytes on CPU and holds the formula to them.
+* `vit_activation_bytes(vcfg, H, backend)` is the peak of live tensors while one call of
+  `runtime/vision.VisionTower.encode_many` runs, for the attention backend the deployment selects
+  (`runtime/vision_calls.auto_backend`: ``triton`` on a GPU, ``sdpa`` on CPU). A call packs images
+  up to `vision_calls.call_patch_budget` patches and calls run one after another, so the peak is
+  one full call's whatever the image count (default: N = k²·cap patches, one image at the cap).
+  Derived stage by stage from the code (docs/vision.md "ViT activation memory");
+  tests/test_vision_activation.py holds it to the live bytes counted on CPU, and
+  `benchmarks/vision.py --vit` to `torch.cuda.max_memory_allocated` on the GPU.
 * `vision_activation` adds what a prefill batch holds besides: the span cache's rows
   (`vision_batch.SpanCache`, up to 16 images' spans) and the batch's image rows (positions inside
   one prefill chunk, twice: the pieces and their concatenation), H fp32 values per row. With
@@ -37,6 +38,7 @@ import math
 from typing import TYPE_CHECKING
 
 from ..config import VisionConfig
+from ..runtime.vision_calls import VARLEN_BACKENDS, auto_backend, call_patch_budget
 
 if TYPE_CHECKING:
     from ..config import DeepseekV41Config
@@ -103,24 +105,59 @@ def image_budget(dc: "DeploymentConfig", cfg: "DeepseekV41Config") -> dict[str, 
 SPAN_CACHE_IMAGES = 16
 
 
-def vit_activation_bytes(vcfg: VisionConfig, text_hidden: int, *, fused_attention: bool) -> int:
-    """Peak live bytes of encoding one image at the token cap (module invariants)."""
-    k, p, d, i, hd, heads = (vcfg.downsample_ratio, vcfg.patch_size, vcfg.hidden_size, vcfg.intermediate_size,
-                             vcfg.head_dim, vcfg.num_attention_heads)
-    t = vcfg.max_image_tokens
-    n = k * k * t
-    base = 12 * n * p * p + 6 * n * hd
-    attention = 32 * n * d + (16 * n * d if fused_attention else 8 * heads * n * n)
-    mlp = 8 * n * d + 20 * n * i
-    aligner = 16 * n * d + 18 * t * text_hidden
-    return base + max(attention, mlp, aligner)
+def vit_activation_bytes(vcfg: VisionConfig, text_hidden: int, backend: str, *, patches: int | None = None,
+                         longest: int | None = None, tokens: int | None = None, span_tokens: int | None = None,
+                         images: int | None = None) -> int:
+    """Peak live bytes of one ViT call of `images` images (default: one per k²·cap patches) and
+    `patches` patches (default: the call budget), its longest image `longest` patches (default:
+    min(patches, k²·cap)), `tokens` aligner rows Σ n_h·n_w (default: patches / k²) and
+    `span_tokens` output rows (default: the square cap span per image). Intermediates are fp32 (4 B) holding BF16 values; with a
+    varlen backend (``triton``, ``fa3``) every linear also holds BF16 copies of its input, weight and
+    output; with ``sdpa`` each image's attention holds its heads × L × L fp32 scores and softmax and
+    the softmax's heads × L × L bool mask. Stage terms: docs/vision.md "ViT activation memory"."""
+    if backend not in ("sdpa", *VARLEN_BACKENDS):
+        raise ValueError(f"unknown ViT attention backend {backend!r}")
+    k, p, d, i, hd, h = (vcfg.downsample_ratio, vcfg.patch_size, vcfg.hidden_size, vcfg.intermediate_size,
+                         vcfg.head_dim, vcfg.num_attention_heads)
+    n = call_patch_budget(vcfg) if patches is None else patches
+    cap_patches = k * k * vcfg.max_image_tokens
+    lo = min(n, cap_patches) if longest is None else longest
+    t = -(-n // (k * k)) if tokens is None else tokens     # aligner rows: the unfold's padded grid / k²
+    m = -(-n // cap_patches) if images is None else images
+    s = span_tokens if span_tokens is not None else m * image_span_tokens(vcfg)
+    hh = text_hidden
+    nd, ni, th = n * d, n * i, t * hh
+    layer_base = 4 * nd + 4 * n * hd + 4 * (m + 1)         # residual x, RoPE cos + sin, int32 cu_seqlens
+    if backend == "sdpa":                                  # fp32 GEMM out, its BF16 rounding, the fp32 copy
+        embed = 12 * n * p * p + 10 * nd
+        attention = max(38 * nd, 28 * nd + 4 * lo * d + 9 * h * lo * lo)
+        mlp = 4 * nd + max(20 * ni, 12 * ni + 10 * nd)
+        aligner = 4 * nd + max(8 * k * k * t * d, 4 * k * k * t * d + 10 * th, 18 * th)
+    else:                                                  # BF16 operands: input, weight, output copies
+        embed = 6 * n * p * p + max(6 * d * p * p + 2 * d + 2 * nd, 6 * nd)
+        attention = max(4 * nd + max(8 * nd + 6 * d * d + 6 * d, 18 * nd), 30 * nd,
+                        32 * nd + (4 * h * n if backend == "fa3" else 0),
+                        28 * nd + max(4 * nd + 2 * d * d + 2 * d, 6 * nd))
+        mlp = 4 * nd + max(2 * nd + 4 * i * d + 4 * ni, 12 * ni, 18 * ni, 2 * nd + 14 * ni + 2 * i * d, 6 * nd + 12 * ni)
+        aligner = 4 * nd + max(8 * k * k * t * d, 6 * k * k * t * d + 2 * k * k * d * hh + 2 * hh + 2 * th,
+                               4 * k * k * t * d + 6 * th, 14 * th, 12 * th + 2 * hh * hh + 2 * hh)
+    norm = 10 * nd
+    span = 4 * th + 8 * s * hh
+    return max(embed, layer_base + max(norm, attention, mlp), aligner, span)
+
+
+def planned_vit_backend(dc: "DeploymentConfig") -> str:
+    """The ViT attention backend the deployment's server selects (``auto`` by device)."""
+    return auto_backend("cpu" if dc.hardware.kind.is_cpu else "cuda")
 
 
 def vision_activation(dc: "DeploymentConfig", cfg: "DeepseekV41Config", prefill_tokens: int,
-                      fused_attention: bool) -> dict[str, object] | None:
+                      backend: str | None = None) -> dict[str, object] | None:
     """The vision part of one prefill batch's activation memory per rank (None: no vision served).
     `images_per_batch`: images at the cap whose spans one chunk of `prefill_tokens` can overlap
-    (capped by features.max_images_per_request × serving.max_running_requests when both are set)."""
+    (capped by features.max_images_per_request × serving.max_running_requests when both are set);
+    the ViT encodes them in calls of at most `call_patch_budget` patches, so its peak is one call's.
+    `backend`: the ViT attention backend (default: the one the deployment's server selects)."""
     if not serves_vision(dc, cfg):
         return None
     assert cfg.vision is not None
@@ -129,7 +166,8 @@ def vision_activation(dc: "DeploymentConfig", cfg: "DeepseekV41Config", prefill_
     n, running = dc.features.max_images_per_request, dc.serving.max_running_requests
     if n is not None and running is not None:
         images = min(images, n * running)
-    vit = vit_activation_bytes(cfg.vision, hidden, fused_attention=fused_attention)
+    backend = backend or planned_vit_backend(dc)
+    vit = vit_activation_bytes(cfg.vision, hidden, backend)
     cache = min(images, SPAN_CACHE_IMAGES) * span * hidden * 4
     rows = 2 * min(prefill_tokens, images * span) * hidden * 4
     dp = dc.features.encoder_data_parallel and dc.parallel.tp > 1
@@ -140,7 +178,9 @@ def vision_activation(dc: "DeploymentConfig", cfg: "DeepseekV41Config", prefill_
                         "every rank encodes every image" + (" (encoder_data_parallel is a no-op at TP 1)"
                                                             if dc.features.encoder_data_parallel else "")),
             "total_bytes": vit + cache + rows + gather,
-            "attention": "fused (no score matrix)" if fused_attention else "math (heads·N² scores)"}
+            "vit_backend": backend, "vit_call_patches": call_patch_budget(cfg.vision),
+            "attention": ("varlen (no score matrix)" if backend in VARLEN_BACKENDS
+                          else "SDPA math, per image (heads·L² scores)")}
 
 
 def checkpoint_problems(dc: "DeploymentConfig", cfg: "DeepseekV41Config") -> list[str]:
@@ -163,4 +203,4 @@ def checkpoint_problems(dc: "DeploymentConfig", cfg: "DeepseekV41Config") -> lis
 
 
 __all__ = ["FEATURE_FLAGS", "LIMIT_FLAG", "SPAN_CACHE_IMAGES", "checkpoint_problems", "image_budget", "image_span_tokens", "limit_args",
-           "schema_problems", "serves_vision", "vision_activation", "vit_activation_bytes"]
+           "planned_vit_backend", "schema_problems", "serves_vision", "vision_activation", "vit_activation_bytes"]

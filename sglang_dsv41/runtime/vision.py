@@ -20,8 +20,13 @@ tests/test_runtime_vision.py.
 Invariants
 ----------
 * `encode(pre)` returns exactly `pre.grid.num_tokens` rows [start, (features × n_w, newline) × n_h,
-  end], fp32 holding BF16 values, on the tower's device.
-* Each image attends only to itself (bidirectional, no mask); images are independent.
+  end], fp32 holding BF16 values, on the tower's device. `encode_many(pres)` returns the same rows
+  per image, in order.
+* `encode_many` packs the images into as few ViT calls as `vision_calls.call_groups` allows (at most
+  `call_patch_budget` patches each): one call runs every linear, norm and RoPE over all its images'
+  patches and one varlen attention over their `Segments` (one kernel call per layer with
+  ``triton`` / ``fa3``). Each image attends only to itself (bidirectional, no mask), so the rows
+  equal per-image calls' up to the GEMMs' row blocking (tests/test_vision_attention.py).
 """
 from __future__ import annotations
 
@@ -36,7 +41,8 @@ from ..checkpoint.reader import CheckpointFormatError
 from ..config import DeepseekV41Config
 from ..vision_preprocess import PreprocessedImage
 from .quant_methods import plain_parameter
-from .vision_attention import ViTAttention, pick_backend
+from .vision_attention import Segments, ViTAttention, pick_backend
+from .vision_calls import call_groups, call_patch_budget
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -127,51 +133,79 @@ class VisionTower(nn.Module):
         return seen
 
     # ---- ViT ----------------------------------------------------------------------------------
-    def _attention(self, block: nn.Module, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def _attention(self, block: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, segs: Segments) -> Tensor:
         v = self.vcfg
         n, heads, hd = x.shape[0], v.num_attention_heads, v.head_dim
         qkv = self.attn.linear(x, block.attn.wqkv.weight, block.attn.wqkv.bias)
         q, k, val = qkv.view(n, 3, heads, hd).unbind(1)          # fused rows: [q | k | v]
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        out = self.attn.attend(q, k, val)
+        out = self.attn.attend(q, k, val, segs)
         return self.attn.linear(out, block.attn.wo.weight, block.attn.wo.bias)
 
     def _mlp(self, block: nn.Module, x: Tensor) -> Tensor:
         gate, up = self.attn.linear(x, block.mlp.w1.weight).chunk(2, dim=-1)   # w1 rows: [gate | up]
         return self.attn.linear(_bf16(F.silu(gate) * up), block.mlp.w2.weight)
 
-    def vit(self, pre: PreprocessedImage) -> Tensor:
-        """[vit_h·vit_w, D] BF16-valued fp32: patch embed → blocks → final RMSNorm."""
-        v, g = self.vcfg, pre.grid
-        if tuple(pre.patches.shape) != (g.num_patches, 3 * v.patch_size ** 2):
-            raise ValueError(f"patches {tuple(pre.patches.shape)} do not match grid {g}")
+    def vit(self, pres: list[PreprocessedImage]) -> Tensor:
+        """[Σ vit_h·vit_w, D] BF16-valued fp32, the images' patches packed in order: patch embed →
+        blocks → final RMSNorm, in one call (module invariants)."""
+        v = self.vcfg
+        for pre in pres:
+            g = pre.grid
+            if tuple(pre.patches.shape) != (g.num_patches, 3 * v.patch_size ** 2):
+                raise ValueError(f"patches {tuple(pre.patches.shape)} do not match grid {g}")
+        segs = Segments.of([pre.grid.num_patches for pre in pres], self.device)
+        patches = torch.empty(segs.cu[-1], 3 * v.patch_size ** 2, dtype=self.attn.operand_dtype, device=self.device)
+        for pre, start, end in zip(pres, segs.cu, segs.cu[1:]):     # one device copy, no host concatenation
+            patches[start:end].copy_(pre.patches)
         vit = self.vision
-        x = self.attn.linear(pre.patches.to(self.device, F32), vit.patch_embed.proj.weight, vit.patch_embed.proj.bias)
-        angles = rope_angles(g.vit_h, g.vit_w, v.head_dim, v.rope_theta, self.device)
+        x = self.attn.linear(patches, vit.patch_embed.proj.weight, vit.patch_embed.proj.bias)
+        del patches
+        angles = torch.cat([rope_angles(pre.grid.vit_h, pre.grid.vit_w, v.head_dim, v.rope_theta, self.device)
+                            for pre in pres])
         cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+        del angles
         eps = v.rms_norm_eps
         for block in vit.blocks.children():
-            x = _bf16(x + self._attention(block, _rms_norm(x, block.norm1.weight, eps), cos, sin))
+            x = _bf16(x + self._attention(block, _rms_norm(x, block.norm1.weight, eps), cos, sin, segs))
             x = _bf16(x + self._mlp(block, _rms_norm(x, block.norm2.weight, eps)))
         return _rms_norm(x, vit.norm.weight, eps)
 
     # ---- aligner + span -------------------------------------------------------------------------
-    def align(self, feats: Tensor, pre: PreprocessedImage) -> Tensor:
-        """[n_h·n_w, hidden]: k×k unfold (zero pad bottom/right, (channel, row, col) order) →
-        Linear → GELU(erf) → Linear."""
+    def _unfold(self, feats: Tensor, pre: PreprocessedImage) -> Tensor:
+        """[n_h·n_w, k²·D]: the k×k unfold (zero pad bottom/right, (channel, row, col) order)."""
         g, k = pre.grid, self.vcfg.downsample_ratio
         grid = feats.reshape(g.vit_h, g.vit_w, -1).permute(2, 0, 1)
         grid = F.pad(grid, (0, (-g.vit_w) % k, 0, (-g.vit_h) % k))
-        cols = F.unfold(grid[None], kernel_size=k, stride=k)[0].transpose(0, 1)
+        return F.unfold(grid[None], kernel_size=k, stride=k)[0].transpose(0, 1)
+
+    def align(self, feats: Tensor, pres: list[PreprocessedImage]) -> Tensor:
+        """[Σ n_h·n_w, hidden] of the packed ViT rows `feats`: per image the k×k unfold, then over
+        all images Linear → GELU(erf) → Linear."""
+        cols = [self._unfold(f, pre) for f, pre in zip(feats.split([pre.grid.num_patches for pre in pres]), pres)]
+        cols = cols[0] if len(cols) == 1 else torch.cat(cols)
         h = self.attn.linear(cols, self.aligner.w1.weight, self.aligner.w1.bias)
+        del cols
         return self.attn.linear(_bf16(F.gelu(h, approximate="none")), self.aligner.w2.weight, self.aligner.w2.bias)
+
+    def _span(self, feats: Tensor, pre: PreprocessedImage) -> Tensor:
+        g, hidden = pre.grid, feats.shape[-1]
+        nl = self.image_newline.expand(g.n_h, 1, hidden)
+        body = torch.cat([feats.reshape(g.n_h, g.n_w, hidden), nl], dim=1).reshape(-1, hidden)
+        return torch.cat([self.image_start[None], body, self.image_end[None]], dim=0)
+
+    @torch.no_grad()
+    def encode_many(self, pres: list[PreprocessedImage]) -> list[Tensor]:
+        """Each image's span rows [num_tokens, hidden], in order, from packed ViT calls (module doc)."""
+        out: list[Tensor] = []
+        for group in call_groups([pre.grid.num_patches for pre in pres], call_patch_budget(self.vcfg)):
+            call = [pres[i] for i in group]
+            feats = self.align(self.vit(call), call)
+            out.extend(self._span(f, pre) for f, pre in zip(feats.split([p.grid.n_h * p.grid.n_w for p in call]), call))
+            del feats
+        return out
 
     @torch.no_grad()
     def encode(self, pre: PreprocessedImage) -> Tensor:
         """The image's span rows [num_tokens, hidden] (module doc)."""
-        g = pre.grid
-        feats = self.align(self.vit(pre), pre)
-        hidden = feats.shape[-1]
-        nl = self.image_newline.expand(g.n_h, 1, hidden)
-        body = torch.cat([feats.reshape(g.n_h, g.n_w, hidden), nl], dim=1).reshape(-1, hidden)
-        return torch.cat([self.image_start[None], body, self.image_end[None]], dim=0)
+        return self.encode_many([pre])[0]

@@ -16,17 +16,42 @@ With ``fa3`` / ``triton`` the tower's linears take BF16 operands too (`linear`):
 BF16 values, so casting them is exact, and a BF16 GEMM accumulates in fp32 and rounds its output
 once — the reference's "fp32 product rounded once" up to the accumulation order.
 
-Invariant: `attend(q, k, v)` with q, k, v [N, heads, hd] (fp32 holding BF16 values, one image,
-bidirectional) returns [N, heads·hd] fp32 holding the BF16 rounding of softmax(q·kᵀ/√hd)·v.
+Invariant: `attend(q, k, v, segs)` with q, k, v [N, heads, hd] (fp32 holding BF16 values) packing
+the images of `segs` (`Segments`: row i of image j at `segs.cu[j] + i`) returns [N, heads·hd] fp32
+holding the BF16 rounding of softmax(q·kᵀ/√hd)·v, each image attending to itself only
+(bidirectional). ``fa3`` / ``triton`` make one varlen kernel call over `segs.cu_seqlens`; ``sdpa``
+runs one SDPA per image (its math kernel holds one image's heads × L × L scores at a time).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .vision_calls import auto_backend
+
 BF16, F32 = torch.bfloat16, torch.float32
 BACKENDS = ("sdpa", "fa3", "triton")
+
+
+@dataclass(frozen=True)
+class Segments:
+    """The images packed into one ViT call: host offsets `cu` [0, L₀, L₀+L₁, …], their int32 copy
+    on the device (built once per call, not per layer) and the longest image."""
+    cu: tuple[int, ...]
+    cu_seqlens: Tensor
+    max_len: int
+
+    @classmethod
+    def of(cls, lengths: list[int], device: torch.device) -> "Segments":
+        if not lengths or min(lengths) < 1:
+            raise ValueError(f"a ViT call needs images of at least one patch, got lengths {lengths}")
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        return cls(tuple(cu), torch.tensor(cu, dtype=torch.int32, device=device), max(lengths))
 
 
 def _bf16(x: Tensor) -> Tensor:
@@ -41,7 +66,7 @@ def pick_backend(requested: str, device: torch.device) -> str:
     if requested not in ("auto", *BACKENDS):
         raise ValueError(f"unknown ViT attention backend {requested!r}: one of auto, {', '.join(BACKENDS)}")
     if requested == "auto":
-        return "triton" if device.type == "cuda" else "sdpa"
+        return auto_backend(device.type)
     if requested == "fa3" and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9):
         raise ValueError(f"ViT attention 'fa3' needs a CUDA SM 9.x device, not {device}")
     return requested
@@ -53,6 +78,8 @@ class ViTAttention:
     def __init__(self, backend: str) -> None:
         self.backend = backend
         self.fast = backend != "sdpa"
+        #: the dtype the tower's patches enter the first linear in (BF16-valued either way)
+        self.operand_dtype = BF16 if self.fast else F32
         self._core = None
         if backend == "fa3":
             from sglang.srt.layers.attention.vision import VisionFlash3Attention
@@ -73,12 +100,19 @@ class ViTAttention:
             return F.linear(x.to(BF16), weight.to(BF16), None if bias is None else bias.to(BF16)).to(F32)
         return _bf16(F.linear(x, weight, bias))
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, segs: Segments) -> Tensor:
         n, heads, hd = q.shape
+        if n != segs.cu[-1]:
+            raise ValueError(f"attention over {n} rows, the call's segments cover {segs.cu[-1]}")
         if self._core is None:
-            out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
-            return _bf16(out.transpose(0, 1).reshape(n, heads * hd))
-        cu_seqlens = torch.tensor([0, n], dtype=torch.int32, device=q.device)
+            out = torch.empty(n, heads * hd, dtype=F32, device=q.device)
+            for s, e in zip(segs.cu[:-1], segs.cu[1:]):
+                o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k[s:e].transpose(0, 1),
+                                                   v[s:e].transpose(0, 1))
+                out[s:e] = o.transpose(0, 1).reshape(e - s, heads * hd)
+                del o
+            return _bf16(out)
         out = self._core.forward(q.to(BF16).contiguous(), k.to(BF16).contiguous(), v.to(BF16).contiguous(),
-                                 cu_seqlens=cu_seqlens, bsz=1, seq_len=n, softmax_scale=hd ** -0.5, max_seqlen=n)
+                                 cu_seqlens=segs.cu_seqlens, bsz=len(segs.cu) - 1, seq_len=segs.max_len,
+                                 softmax_scale=hd ** -0.5, max_seqlen=segs.max_len)
         return out.reshape(n, heads * hd).to(F32)

@@ -17,7 +17,8 @@ rank encodes its own, and one `all_gather` of the rank blocks (padded to the lon
 rank every image's rows. Every TP rank runs the same batch with the same cache history, so all
 ranks reach the collective together with the same image list; the rows equal those of encoding
 every image on one rank (the tower encodes images independently). Without `dp` every rank encodes
-every image (replicated).
+every image (replicated). Either way a rank's images go through `VisionTower.encode_many` together
+(packed varlen ViT calls, `runtime/vision_calls.py`).
 """
 from __future__ import annotations
 
@@ -75,13 +76,13 @@ def encode_images(items: list[Any], tower: VisionTower, dp: Any = None) -> tuple
     """Every item's span rows, and how many images this rank ran through the tower (module doc:
     with `dp` of size > 1 only this rank's share, then one all-gather)."""
     if dp is None or dp.size == 1 or not items:
-        return [tower.encode(preprocessed_of(it)) for it in items], len(items)
+        return tower.encode_many([preprocessed_of(it) for it in items]), len(items)
     grids = [grid_of(it) for it in items]
     owner = owners([g.num_patches for g in grids], dp.size)
     tokens = [g.num_tokens for g in grids]
     per_rank = [sum(t for t, o in zip(tokens, owner) if o == r) for r in range(dp.size)]
     longest, hidden = max(per_rank), tower.image_start.shape[-1]
-    mine = [tower.encode(preprocessed_of(it)) for it, o in zip(items, owner) if o == dp.rank]
+    mine = tower.encode_many([preprocessed_of(it) for it, o in zip(items, owner) if o == dp.rank])
     block = torch.zeros(longest, hidden, dtype=tower.image_start.dtype, device=tower.device)
     if mine:
         local = torch.cat(mine)
