@@ -1,11 +1,15 @@
 """`shared_servers.grouped_order`: the modules of a shared-server group run next to each other, in
-their collected order, and nothing else moves (no server starts here)."""
+their collected order, and nothing else moves; `prestart_plan`: where each group's server is
+launched ahead (no server starts here)."""
 from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
 
-from shared_servers import GROUPS, group_of, grouped_order
+import os
+
+from child_runs import PREFETCH_ENV
+from shared_servers import GROUPS, PRESTART_MODULES, group_of, grouped_order, prestart_plan
 
 
 def _items(*names: str) -> list[SimpleNamespace]:
@@ -29,3 +33,17 @@ def test_every_module_is_in_at_most_one_group():
     modules = [m for mods, _ in GROUPS.values() for m in mods]
     assert len(modules) == len(set(modules))
     assert all(group_of(m) is not None for m in modules) and group_of("test_config.py") is None
+
+
+def test_prestart_plan_covers_the_modules_before_each_group_but_not_a_first_group(monkeypatch):
+    monkeypatch.setenv(PREFETCH_ENV, "1")
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    runs = (["test_api_bad_input.py", "test_api_load.py"] + [f"test_u{i}.py" for i in range(6)]
+            + ["test_pd_faults.py", "test_plain_launch_server.py", "test_x.py", "test_runtime_server.py"])
+    assert prestart_plan(runs) == {"pd": (8 - PRESTART_MODULES, 8), "plain": (9 - PRESTART_MODULES, 9),
+                                   "chunked": (11 - PRESTART_MODULES, 11)}
+    monkeypatch.setenv(PREFETCH_ENV, "0")
+    assert prestart_plan(runs) == {}
+    monkeypatch.setenv(PREFETCH_ENV, "1")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)     # nice 19 could not be raised back
+    assert prestart_plan(runs) == {}
