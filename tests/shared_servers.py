@@ -18,6 +18,8 @@ fresh server's counters):
   module swaps the weights and back).
 * ``forced``: `test_api_forced_replies.py` alone (its forced-reply logit processor, DeepSeek-API
   effort table): a group only so that its server starts ahead.
+* ``launch``: `test_deploy_launch_server.py` alone (`sglang-dsv41 launch` of a config; it makes
+  its own checkpoint): the same.
 * ``hicache``: `test_runtime_hicache_server.py` alone (a small device pool and a host tier): the
   same.
 * ``pd``: `test_pd_faults.py` and `test_pd_server.py` — one 1P1D with the router
@@ -65,6 +67,12 @@ def _forced(checkpoint: Path, log: Path) -> Server:
     return forced_server(checkpoint, log)
 
 
+def _launched(checkpoint: Path, log: Path) -> Server:
+    from test_deploy_launch_server import launched_server
+
+    return launched_server(checkpoint, log)
+
+
 def _hicache(checkpoint: Path, log: Path) -> Server:
     from test_runtime_hicache_server import hicache_server
 
@@ -80,6 +88,7 @@ def _plain(checkpoint: Path, log: Path) -> Server:
 GROUPS: dict[str, tuple[tuple[str, ...], Callable[[Path, Path], Server] | None]] = {
     "api": (("test_api_bad_input.py", "test_api_load.py", "test_api_server.py", "test_api_shutdown.py"), _api),
     "forced": (("test_api_forced_replies.py",), _forced),
+    "launch": (("test_deploy_launch_server.py",), _launched),
     "hicache": (("test_runtime_hicache_server.py",), _hicache),
     "chunked": (("test_runtime_server.py", "test_vision_server.py"), _chunked),
     "plain": (("test_plain_launch_server.py", "test_runtime_weights_server.py"), _plain),
