@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from child_runs import _renice
+from child_runs import renice
 from server_helpers import Server, free_port
 from test_pd_server import COMMON, Router, _up, _wait
 
@@ -58,7 +58,7 @@ class PDCluster:
         p, d = self.prefill, self.decode
         assert p is not None and d is not None and self.router is None, "start() needs a launched pair"
         for srv in (p, d):
-            _renice(srv.proc.pid, 0)
+            renice(srv.proc.pid, 0)
         try:
             _wait("prefill and decode", lambda: _up(p.url("/health")) and _up(d.url("/health")), [p, d],
                   [p.log_tail, d.log_tail])

@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import pytest
 
-from child_runs import PREFETCH_ENV, _renice
+from child_runs import PREFETCH_ENV, renice
 from server_helpers import Server
 from sglang_dsv41.api.shutdown import DRAIN_TIMEOUT_ENV
 
@@ -125,7 +125,7 @@ class SharedServers:
             srv = self.starting[name] = self._launch(name)
             procs = [srv.proc]
         for proc in procs:
-            _renice(proc.pid, 19)           # its own process group; its workers inherit the value
+            renice(proc.pid, 19)           # its own process group; its workers inherit the value
 
     def get(self, name: str) -> Server:
         if name not in self.running:
@@ -133,7 +133,7 @@ class SharedServers:
             if srv is None:
                 srv = self._launch(name)
             else:
-                _renice(srv.proc.pid, 0)
+                renice(srv.proc.pid, 0)
             try:
                 srv.wait_ready()
             except BaseException:
