@@ -46,7 +46,7 @@ class _Job:
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      start_new_session=True)
         if nice:
-            _renice(self.proc.pid, 19)
+            renice(self.proc.pid, 19)
 
     def finish(self, timeout_s: float) -> subprocess.CompletedProcess:
         assert self.proc is not None
@@ -61,7 +61,7 @@ class _Job:
         return self.result
 
 
-def _renice(pid: int, value: int) -> None:
+def renice(pid: int, value: int) -> None:
     try:
         os.setpriority(os.PRIO_PGRP, pid, value)    # the child leads its own group (start_new_session)
     except OSError:                                 # raising priority needs privileges: then it stays niced
@@ -117,7 +117,7 @@ class _Lane:
                 self.queue.remove(job)
                 return job, True
             if job is self.running and job.proc is not None:
-                _renice(job.proc.pid, 0)
+                renice(job.proc.pid, 0)
             return job, False
 
     def stop(self) -> None:

@@ -7,7 +7,9 @@
   and tests marked `child_run(*argv)`) are queued when collection ends and run ahead on a spare
   core at nice 19 (`child_runs`); the tests then assert on their output.
 * `shared_servers`: servers shared by several modules (`shared_servers.GROUPS`); the modules of a
-  group run next to each other and the server stops after the group's last collected test.
+  group run next to each other and the server stops after the group's last collected test; a
+  group's server is launched ahead, at nice 19, a few modules before its first test
+  (`shared_servers.prestart_plan`).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     import child_runs
-    from shared_servers import group_of
+    from shared_servers import group_of, prestart_plan
     from triton_checks import kernel_cases_argv
 
     _LAST_OF_GROUP.clear()
@@ -37,6 +39,19 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         group = group_of(item.path.name)
         if group is not None:
             _LAST_OF_GROUP[group] = item.nodeid
+
+    _PRESTART.clear()
+    runs: list[str] = []                  # module files in run order, one entry per module run
+    position: dict[str, int] = {}
+    for i, item in enumerate(session.items):
+        if i == 0 or session.items[i - 1].path != item.path:
+            runs.append(item.path.name)
+        position[item.nodeid] = len(runs) - 1
+    plan = prestart_plan(runs)
+    for nodeid, pos in position.items():
+        groups = [name for name, (start, first) in plan.items() if start <= pos < first]
+        if groups:
+            _PRESTART[nodeid] = groups
 
     argvs = []
     for item in session.items:
@@ -52,6 +67,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 _LAST_OF_GROUP: dict[str, str] = {}     # shared-server group -> node id of its last collected test
 _SHARED: list = []                      # the session's SharedServers, once a test asked for it
+_PRESTART: dict[str, list[str]] = {}    # node id -> shared-server groups to launch ahead at its start
+
+
+@pytest.fixture(autouse=True)
+def _prestart_shared_servers(request: pytest.FixtureRequest) -> None:
+    groups = _PRESTART.get(request.node.nodeid)
+    if groups:
+        servers = request.getfixturevalue("shared_servers")
+        for group in groups:
+            servers.prestart(group)
 
 
 @pytest.hookimpl(wrapper=True)

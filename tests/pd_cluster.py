@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from child_runs import renice
 from server_helpers import Server, free_port
 from test_pd_server import COMMON, Router, _up, _wait
 
@@ -44,17 +45,24 @@ class PDCluster:
                       "--chunked-prefill-size", str(CHUNK)], env=ENV)
         return srv, boot
 
-    def start(self) -> None:
+    def launch(self) -> None:
+        """Start the prefill and decode processes, not waiting for them (`start` does)."""
         self.starts += 1
         n = self.starts
         self.prefill, self.boot = self.new_prefill(f"prefill{n}")
         self.decode = Server(self.checkpoint, self.logs / f"decode{n}.log", [*COMMON, "--disaggregation-mode", "decode"],
                              env=ENV)
+
+    def start(self) -> None:
+        """Wait for the launched pair (at nice 0, also when launched ahead at 19), then start the router."""
         p, d = self.prefill, self.decode
+        assert p is not None and d is not None and self.router is None, "start() needs a launched pair"
+        for srv in (p, d):
+            renice(srv.proc.pid, 0)
         try:
             _wait("prefill and decode", lambda: _up(p.url("/health")) and _up(d.url("/health")), [p, d],
                   [p.log_tail, d.log_tail])
-            r = self.router = Router(p, self.boot, d, self.logs / f"router{n}.log")
+            r = self.router = Router(p, self.boot, d, self.logs / f"router{self.starts}.log")
             # /health is 200 before any worker is registered; /readiness waits for a healthy pair
             _wait("router", lambda: _up(r.url("/readiness")), [p, d, r], [p.log_tail, d.log_tail, r.log_tail],
                   timeout_s=300)
@@ -67,9 +75,13 @@ class PDCluster:
         return all(p is not None and p.proc.poll() is None for p in procs) and _up(self.router.url("/readiness"))
 
     def ensure(self) -> "PDCluster":
-        """The running set-up, started (again) if any of its processes is gone."""
-        if not self.alive():
+        """The running set-up: a pair launched ahead is waited for; the whole set-up is started
+        again if any of its processes is gone."""
+        if self.router is None and self.prefill is not None:
+            self.start()
+        elif not self.alive():
             self.stop()
+            self.launch()
             self.start()
         return self
 

@@ -5,7 +5,8 @@ The tiny checkpoint's model is random, so each request forces its reply token by
 `forced_tokens.ForcedTokens` logit processor (``--enable-custom-logit-processor``, with
 ``--disable-overlap-schedule`` so that it knows the step); everything
 after the sampler — detokenizer, reasoning and DSML parsers, SSE streaming, finish reasons — is
-the real server's. One `sglang-dsv41 serve` for the module, with the parsers of the plugin's
+the real server's. One `sglang-dsv41 serve` for the module (`forced_server`; the one-module
+``forced`` group of tests/shared_servers.py, stopped after the module's last test), with the parsers of the plugin's
 defaults and ``SGLANG_DSV41_EFFORT_TABLE=deepseek-api`` (the DeepSeek-API effort table option).
 
 CPU cost: the tiny model decodes a few tokens per second per batch on 2 shared cores, so every
@@ -23,7 +24,7 @@ from typing import Any
 import pytest
 
 from forced_tokens import forced
-from server_helpers import REQUEST_TIMEOUT_S, Server, running
+from server_helpers import REQUEST_TIMEOUT_S, Server
 
 pytestmark = pytest.mark.slow
 
@@ -39,15 +40,18 @@ CALL = (f'\n\n<{DSML} calls>\n<{DSML} invoke name="get_weather">\n'
 WANT_CALL = [{"name": "get_weather", "arguments": {"unit": "C"}}]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+def forced_server(checkpoint: Path, log: Path) -> Server:
+    """This module's server (launched by `shared_servers`, group ``forced``, so it can start ahead)."""
     tests_dir = str(Path(__file__).parent)
     env = {"PYTHONPATH": os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p),
            "SGLANG_DSV41_EFFORT_TABLE": "deepseek-api"}
-    with running(Server(tiny_checkpoint, tmp_path_factory.mktemp("forced") / "server.log",
-                        ["--max-total-tokens", "16384", "--max-running-requests", "32",
-                         "--enable-custom-logit-processor", "--disable-overlap-schedule"], env=env)) as srv:
-        yield srv
+    return Server(checkpoint, log, ["--max-total-tokens", "16384", "--max-running-requests", "32",
+                                    "--enable-custom-logit-processor", "--disable-overlap-schedule"], env=env)
+
+
+@pytest.fixture(scope="module")
+def server(shared_servers) -> Server:
+    return shared_servers.get("forced")
 
 
 @pytest.fixture(scope="module")

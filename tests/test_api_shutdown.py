@@ -1,7 +1,8 @@
 """SIGTERM drains in-flight requests within a timeout and exits 0; a restart on the same cache
 directory starts clean (issue 20 item 6; `api/shutdown.py`).
 
-One server (CPU in CI) with ``SGLANG_DSV41_DRAIN_TIMEOUT_S`` = `DRAIN_S`; two streamed requests are
+The shared ``api`` server (tests/shared_servers.py; this module is its group's last and takes it
+over), which runs with ``SGLANG_DSV41_DRAIN_TIMEOUT_S`` = `DRAIN_S`; two streamed requests are
 in flight when the server gets SIGTERM: a short one, which must finish normally (all its tokens,
 ``[DONE]``), and one far longer than the drain timeout, which must be aborted at the timeout and
 still end its stream with ``[DONE]``. The server must then exit with status 0 (stock SGLang 0.5.17
@@ -21,11 +22,12 @@ from typing import Any
 import pytest
 
 from server_helpers import REQUEST_TIMEOUT_S, Server
-from sglang_dsv41.api.shutdown import ABORT_GRACE_S, DRAIN_TIMEOUT_ENV, SCHEDULER_EXIT_S
+from shared_servers import API_DRAIN_S
+from sglang_dsv41.api.shutdown import ABORT_GRACE_S, SCHEDULER_EXIT_S
 
 pytestmark = pytest.mark.slow
 
-DRAIN_S = 15
+DRAIN_S = API_DRAIN_S
 SHORT, LONG = 6, 3000
 PROMPT = [0, 17, 250, 3, 999, 41]
 ARGS = ["--max-total-tokens", "8192", "--max-running-requests", "4"]
@@ -63,11 +65,10 @@ class StreamedGenerate(threading.Thread):
         return data[-1] if data else {}
 
 
-def test_sigterm_drains_then_exits_0_and_a_restart_serves(tiny_checkpoint: Path,
+def test_sigterm_drains_then_exits_0_and_a_restart_serves(shared_servers, tiny_checkpoint: Path,
                                                           tmp_path: Path) -> None:
-    srv = Server(tiny_checkpoint, tmp_path / "first.log", ARGS, env={DRAIN_TIMEOUT_ENV: str(DRAIN_S)})
+    srv = shared_servers.take("api")
     try:
-        srv.wait_ready()
         short, long_ = StreamedGenerate(srv, SHORT), StreamedGenerate(srv, LONG)
         long_.start()
         short.start()

@@ -3,7 +3,8 @@ server that answers `/generate` and `/v1/chat/completions` (issue 5 with issue 3
 
 Exactly as a user runs it: the launcher makes the tiny checkpoint in the (empty, per-test) cache,
 builds the CPU environment, adds the config's flags and the V4.1 parser names, and `exec`s
-SGLang, which applies the plugin's server defaults (attention backend, page size, sleep-on-idle). One server; every wait bounded; the process group is killed (`tests/server_helpers.py`, shared
+SGLang, which applies the plugin's server defaults (attention backend, page size, sleep-on-idle). One server
+(`launched_server`: the one-module ``launch`` group of tests/shared_servers.py); every wait bounded; the process group is killed (`tests/server_helpers.py`, shared
 with `tests/test_runtime_server.py`, which checks the numerics in depth — here a short greedy
 continuation is compared with the reference once, and the chat reply is checked to pass through
 the V4.1 reasoning parser).
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from server_helpers import Server, free_port, running
+from server_helpers import Server, free_port
 from sglang_dsv41.reference.model import ReferenceModel
 
 pytestmark = pytest.mark.slow
@@ -35,6 +36,7 @@ class LaunchedServer(Server):
         self.port = free_port()
         self.log_path = log
         self.device = "cpu"
+        self.cache_home = cache_home
         env = dict(os.environ, XDG_CACHE_HOME=str(cache_home))
         argv = [sys.executable, "-m", "sglang_dsv41.cli", "launch", "--config", str(config), "--port", str(self.port)]
         self._log = open(log, "w")
@@ -42,15 +44,22 @@ class LaunchedServer(Server):
                                      start_new_session=True)
 
 
-@pytest.fixture(scope="module")
-def cache_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("cache")
+def launched_server(checkpoint: Path, log: Path) -> LaunchedServer:
+    """This module's server, on an empty cache next to its log (`checkpoint` unused: the launcher
+    makes its own); launched by `shared_servers` (group ``launch``) so it can start ahead."""
+    cache_home = log.parent / "cache"
+    cache_home.mkdir()
+    return LaunchedServer(CONFIG, cache_home, log)
 
 
 @pytest.fixture(scope="module")
-def launched(cache_home: Path, tmp_path_factory: pytest.TempPathFactory):
-    with running(LaunchedServer(CONFIG, cache_home, tmp_path_factory.mktemp("launch") / "server.log")) as srv:
-        yield srv
+def launched(shared_servers) -> LaunchedServer:
+    return shared_servers.get("launch")
+
+
+@pytest.fixture(scope="module")
+def cache_home(launched: LaunchedServer) -> Path:
+    return launched.cache_home
 
 
 def test_launch_serves_the_config_with_the_runtime_flags_and_parsers(launched: LaunchedServer,

@@ -1,7 +1,8 @@
 """End to end on CPU: `--enable-hierarchical-cache` serves the tiny V4.1 checkpoint through SGLang's
 real HiCache paths with our host pools (docs/hicache.md; issue 14).
 
-One server for the module (`sglang-dsv41 serve`, i.e. `python -m sglang.launch_server` with the
+One server for the module (`hicache_server`: the one-module ``hicache`` group of
+tests/shared_servers.py; `sglang-dsv41 serve`, i.e. `python -m sglang.launch_server` with the
 plugin), with a device pool small enough that a few prompts push a long prompt out of it
 (`--max-total-tokens 512`; SWA pool 128 tokens) and a larger host tier, with
 `--hicache-write-policy write_through` (write_back is refused, docs/hicache.md) and
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from server_helpers import Server, concurrently, running
+from server_helpers import Server, concurrently
 from sglang_dsv41.runtime.hicache_swa_bound import swa_restore_bound
 from sglang_dsv41.runtime.requirements import PAGE_SIZE as PAGE
 from test_runtime_numerics_contract import LOGIT_BOUND
@@ -59,12 +60,16 @@ TIE = 2 * LOGIT_BOUND
 PREFILL_LINE = re.compile(r"#cached-token: (\d+), .*swa token usage: ([0-9.]+)")
 
 
-@pytest.fixture(scope="module")
-def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+def hicache_server(checkpoint: Path, log: Path) -> Server:
+    """This module's server (launched by `shared_servers`, group ``hicache``, so it can start ahead)."""
     args = ["--max-total-tokens", str(DEVICE_TOKENS), "--swa-full-tokens-ratio", str(SWA_RATIO),
             "--enable-hierarchical-cache", "--enable-metrics", "--language-model-only", *FLAGS[SETTING]]
-    with running(Server(tiny_checkpoint, tmp_path_factory.mktemp("hicache") / "server.log", args)) as srv:
-        yield srv
+    return Server(checkpoint, log, args)
+
+
+@pytest.fixture(scope="module")
+def server(shared_servers) -> Server:
+    return shared_servers.get("hicache")
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:

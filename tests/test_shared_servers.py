@@ -1,11 +1,19 @@
 """`shared_servers.grouped_order`: the modules of a shared-server group run next to each other, in
-their collected order, and nothing else moves (no server starts here)."""
+their collected order, and nothing else moves; `prestart_plan`: where each group's server is
+launched ahead (no server starts here)."""
 from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
 
-from shared_servers import GROUPS, group_of, grouped_order
+import os
+import subprocess
+import sys
+
+import pytest
+
+from child_runs import PREFETCH_ENV
+from shared_servers import GROUPS, PRESTART_MODULES, SharedServers, group_of, grouped_order, prestart_plan
 
 
 def _items(*names: str) -> list[SimpleNamespace]:
@@ -29,3 +37,52 @@ def test_every_module_is_in_at_most_one_group():
     modules = [m for mods, _ in GROUPS.values() for m in mods]
     assert len(modules) == len(set(modules))
     assert all(group_of(m) is not None for m in modules) and group_of("test_config.py") is None
+
+
+def test_prestart_plan_covers_the_modules_before_each_group_but_not_a_first_group(monkeypatch):
+    monkeypatch.setenv(PREFETCH_ENV, "1")
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    runs = (["test_api_bad_input.py", "test_api_load.py"] + [f"test_u{i}.py" for i in range(6)]
+            + ["test_pd_faults.py", "test_plain_launch_server.py", "test_x.py", "test_runtime_server.py"])
+    assert prestart_plan(runs) == {"pd": (8 - PRESTART_MODULES, 8), "plain": (9 - PRESTART_MODULES, 9),
+                                   "chunked": (11 - PRESTART_MODULES, 11)}
+    monkeypatch.setenv(PREFETCH_ENV, "0")
+    assert prestart_plan(runs) == {}
+    monkeypatch.setenv(PREFETCH_ENV, "1")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)     # nice 19 could not be raised back
+    assert prestart_plan(runs) == {}
+
+
+class _Sleeper:
+    """A stand-in server: a process in its own group that only sleeps."""
+
+    def __init__(self, checkpoint: Path, log: Path) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+        self.waited = False
+
+    def wait_ready(self) -> None:
+        self.waited = True
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(30)
+
+
+def test_a_prestarted_server_runs_at_nice_19_until_asked_for_then_at_0(monkeypatch, tmp_path_factory):
+    if os.geteuid() != 0:
+        pytest.skip("raising priority back to 0 needs root (prestart_plan plans nothing then)")
+    monkeypatch.setitem(GROUPS, "sleeper", (("test_sleeper.py",), _Sleeper))
+    servers = SharedServers(Path("unused"), tmp_path_factory)
+    try:
+        servers.prestart("sleeper")
+        srv = servers.starting["sleeper"]
+        assert os.getpriority(os.PRIO_PGRP, srv.proc.pid) == 19 and not srv.waited
+        servers.prestart("sleeper")                          # once only
+        assert servers.starting == {"sleeper": srv}
+        assert servers.get("sleeper") is srv and srv.waited
+        assert os.getpriority(os.PRIO_PGRP, srv.proc.pid) == 0 and servers.starting == {}
+        servers.prestart("sleeper")                          # running: nothing new
+        assert servers.starting == {}
+    finally:
+        servers.stop_all()
+    assert srv.proc.poll() is not None and servers.running == servers.starting == {}

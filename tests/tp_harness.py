@@ -1,7 +1,7 @@
 """Spawned tensor-parallel ranks for the TP tests (tests/test_runtime_tp*.py).
 
 `run_tp(ckpt, tmp, size, scenario, *, backend="gloo", timeout_s=WORKER_TIMEOUT_S)` starts `size`
-processes (spawn), each builds SGLang's TP group (`init_sglang_tp`) and the runtime forward of `ckpt`
+processes (`_start_method`), each builds SGLang's TP group (`init_sglang_tp`) and the runtime forward of `ckpt`
 with its `TensorParallel.from_sglang()` shard and runs `scenario` — a "module:function" name taking the engine and returning {name:
 value}, importable in a fresh process — and returns every rank's {held_experts, logits} (`logits`
 = the scenario's dict, tensors moved to the CPU).
@@ -215,13 +215,23 @@ def _failure(tmp: Path, size: int, backend: str, what: str, kind: type[Exception
     return kind("\n".join(lines))
 
 
+def _start_method(backend: str) -> str:
+    """"forkserver" for CPU ranks: one server process imports this module (torch, SGLang: ~15 CPU-s)
+    once per session and forks every rank from that clean state, instead of each spawned rank
+    importing it again; CUDA ranks are spawned (nothing CUDA-initialised is ever forked)."""
+    if backend != "gloo":
+        return "spawn"
+    mp.get_context("forkserver").set_forkserver_preload([__name__])    # read when the server starts
+    return "forkserver"
+
+
 def run_tp(ckpt: Path, tmp: Path, size: int, scenario: str, *, backend: str = "gloo",
            timeout_s: float = WORKER_TIMEOUT_S) -> list[dict[str, object]]:
     """Every rank's {held_experts, logits} of `scenario` at TP `size` (module docstring)."""
     check_request(size, backend, timeout_s)
     ctx = mp.start_processes(_tp_worker, args=(size, str(ckpt), str(tmp / "rendezvous"), str(tmp), scenario, backend,
                                                timeout_s),
-                             nprocs=size, join=False, start_method="spawn")
+                             nprocs=size, join=False, start_method=_start_method(backend))
     deadline = time.monotonic() + timeout_s
     saved_at: float | None = None
     try:
