@@ -7,12 +7,12 @@
 #     unpadded eager (deterministic: bits; serving: contract + greedy);
 #   tests/test_runtime_triton_backend.py — the teacher-forced contract of the serving default (`w8a8_f16`,
 #     now with split-KV attention and the fused top-k) and of `w8a16`, no float64 on the CUDA forward
-#     (the opt-in `tiered` / `fp8_mma` cases are left out: K_EXPR).
+#     (the opt-in `tiered` / `fp8_mma` / prefill opt-in cases are left out: K_EXPR).
 # One pytest process (the tiny checkpoint and the compiled kernels shared), capped to the BUDGET (s,
 # default 150). Log: $OUT/speed6.log (+ junit $OUT/speed6.xml). A pass: "RESULT rc=0" and no FAILED line.
 # Run from the checkout root with `.gpu` carried.
 set -uo pipefail
-: "${OUT:=/tmp/out}" "${BUDGET:=150}" "${K_EXPR:=not tiered and not fp8_mma}"; mkdir -p "$OUT"
+: "${OUT:=/tmp/out}" "${BUDGET:=150}" "${K_EXPR:=not tiered and not fp8_mma and not prefill_opt_ins}"; mkdir -p "$OUT"
 T0=$SECONDS
 source .gpu/bin/setup.sh || exit 3
 export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
