@@ -32,10 +32,11 @@ The step's components (`step_components`), each a callable on fixed inputs:
   CPU layers only: E4M3 weights have no fp32 copy);
 * `moe_routed` — `kernels.moe_mxfp4.routed_experts_mxfp4` (MXFP4 W4A16) on the router's choice
   (CPU: the reference routed experts);
-* `attention` / `indexer` (CUDA, `kernel_components`) — Triton `sparse_sink_attention` (one key
-  split, or split-KV with SGLANG_DSV41_ATTN_SPLITS=decode) over the BF16 SWA rows + 512 selected
-  packed entries per query (at prefill with SGLANG_DSV41_ATTN_PREFILL=bf16: over the runtime's BF16
-  workspace of the decoded entries, `runtime.attention_prefill`, its decode timed with it), and Triton `index_scores` (float64 head sum, or fp32 with
+* `attention` / `indexer` (CUDA, `kernel_components`) — Triton `sparse_sink_attention` (split-KV
+  `plan_decode_config`, the serving default; one key split with SGLANG_DSV41_ATTN_SPLITS=one) over the
+  BF16 SWA rows + 512 selected packed entries per query (at prefill with SGLANG_DSV41_ATTN_PREFILL=bf16:
+  over the runtime's BF16 workspace of the decoded entries, `runtime.attention_prefill`, its decode timed
+  with it), and Triton `index_scores` (float64 head sum, or fp32 with
   SGLANG_DSV41_INDEXER_HEAD_SUM=fp32) over the packed keys + `select_for_role`;
 * `attention_bf16` / `indexer_bf16` — the same kernels over BF16 copies of the decoded entries,
   when the caches hold them; `kernel_components` reports whether the packed outputs equal them
@@ -320,7 +321,7 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor, sink: T
     from sglang_dsv41.runtime.attention_ops import (ATTENTION_SPLITS, ATTENTION_SPLITS_ENV, INDEXER_HEAD_SUM_ENV,
                                                     INDEXER_HEAD_SUMS, kernel_choice)
     from sglang_dsv41.runtime import attention_prefill as AP
-    splits = splits or kernel_choice(ATTENTION_SPLITS_ENV, ATTENTION_SPLITS)
+    splits = splits or kernel_choice(ATTENTION_SPLITS_ENV, ATTENTION_SPLITS, "decode")   # the serving default
     exact = (head_sum or kernel_choice(INDEXER_HEAD_SUM_ENV, INDEXER_HEAD_SUMS)) == "fp64"
     prefill = kernel_choice(AP.PREFILL_ENV, AP.PREFILL_CHOICES)
     from sglang_dsv41.kernels import indexer as K

@@ -5,8 +5,8 @@ Per decode batch N, on the layer and caches `decode_step.py` built, every varian
 captured alone in a CUDA graph and its replay timed (`step_timing.measure`: CUDA events, 256 MB L2
 flush before each replay, median), with its output compared with the old variant's:
 
-* `attention`: `one_split` (the runtime default, ATTENTION_KEY_SPLITS = 1) · `decode_splits`
-  (`plan_decode_config`, SGLANG_DSV41_ATTN_SPLITS=decode) · `decode_splits_h16` (the same with 16
+* `attention`: `one_split` (deterministic mode, ATTENTION_KEY_SPLITS = 1) · `decode_splits`
+  (`plan_decode_config`, the serving default since session 12) · `decode_splits_h16` (the same with 16
   heads per program) — agreement: max |Δ| in BF16 ulps of the output scale (each is within 1 of
   the exact value, so ≤ 2) and the fraction of equal elements;
 * `indexer`: `fp64_head_sum` (default) · `fp32_head_sum` (SGLANG_DSV41_INDEXER_HEAD_SUM=fp32) ·
@@ -16,7 +16,7 @@ flush before each replay, median), with its output compared with the old variant
   MOE_FLAG_SETS (SGLANG_DSV41_MOE_DECODE_FLAGS; at N ≤ DECODE_FLAG_MAX_TOKENS only, as the runtime) — agreement: max |Δ| in units of the
   output's BF16 ulp, and the fraction of equal elements;
 * `torch`: the layer's torch work with FP8 linears `w8a8_f16` (the serving default) · `tiered`;
-* `step`: the whole step `default` (w8a8_f16, fp64 head sum, torch top-k, one split, default MoE flags)
+* `step`: the whole step `default` (the pre-session-12 default: w8a8_f16, fp64 head sum, torch top-k, one split)
   · `new` (w8a8_f16, fp32 head sum, fused top-k, decode splits, default MoE flags) — the graphed layer
   step old → new.
 A variant that fails records its error; the others still run.
@@ -124,6 +124,9 @@ def variant_callables(layer, caches, N: int, context: int) -> dict[str, dict[str
     torch_parts = {m: (lambda be: lambda: fl.torch_work(layer, R, pos, be))(be) for m, be in backends.items()}
 
     fused = with_env(K.TOPK_METHOD_ENV, "fused", new["indexer"])
+    fp64_indexer = old["indexer"]
+    old["indexer"] = with_env(K.TOPK_METHOD_ENV, "torch", old["indexer"])     # CUDA's default is fused now
+    new["indexer"] = with_env(K.TOPK_METHOD_ENV, "torch", new["indexer"])
 
     def step(parts):
         return lambda: [p() for p in parts]
@@ -133,7 +136,7 @@ def variant_callables(layer, caches, N: int, context: int) -> dict[str, dict[str
                           "decode_splits_h16": h16["attention"]},
             "indexer": {"fp64_head_sum": old["indexer"], "fp32_head_sum": new["indexer"],
                         "fp32_head_sum_fused_topk": fused,
-                        "fp64_head_sum_fused_topk": with_env(K.TOPK_METHOD_ENV, "fused", old["indexer"])},
+                        "fp64_head_sum_fused_topk": with_env(K.TOPK_METHOD_ENV, "fused", fp64_indexer)},
             "torch": torch_parts, "moe_routed": moe}
 
 

@@ -321,15 +321,19 @@ def _order_keys(scores: Tensor) -> Tensor:
     return monotone * 2**32 + low[None, :]
 
 
-#: How `select_topk` ranks (issue 21; opt-in until measured, docs/performance.md "session 11"):
-#: "torch" (default: int64 keys + torch.topk + sort) or "fused" (`kernels.topk_select`, one launch,
-#: the same result bit for bit, rows of ≤ FUSED_MAX_ENTRIES columns) — SGLANG_DSV41_INDEXER_TOPK.
+#: How `select_topk` ranks (issue 21, measured on the H200: docs/performance.md "Session 12"):
+#: "torch" (int64 keys + torch.topk + sort, ~10 launches) or "fused" (`kernels.topk_select`, one
+#: launch, the same result bit for bit — so batch invariant too — rows of ≤ FUSED_MAX_ENTRIES
+#: columns). Default: "fused" for CUDA scores, "torch" on CPU (the Triton interpreter's CPU tests
+#: stay on torch: the fused kernel's interpreter cases live in tests/test_kernels_indexer.py);
+#: SGLANG_DSV41_INDEXER_TOPK overrides both.
 TOPK_METHOD_ENV, TOPK_METHODS = "SGLANG_DSV41_INDEXER_TOPK", ("torch", "fused")
 
 
-def topk_method() -> str:
-    """The ranking method SGLANG_DSV41_INDEXER_TOPK names ("torch" when unset); others raise."""
-    chosen = os.environ.get(TOPK_METHOD_ENV, "").strip().lower() or TOPK_METHODS[0]
+def topk_method(cuda: bool = False) -> str:
+    """The ranking method SGLANG_DSV41_INDEXER_TOPK names; when unset "fused" for CUDA scores
+    (`cuda`), else "torch". An unknown value raises."""
+    chosen = os.environ.get(TOPK_METHOD_ENV, "").strip().lower() or ("fused" if cuda else "torch")
     if chosen not in TOPK_METHODS:
         raise ValueError(f"{TOPK_METHOD_ENV}={chosen!r}: expected one of {TOPK_METHODS}")
     return chosen
@@ -340,8 +344,8 @@ def select_topk(scores: Tensor, k: int, *, check_nan: bool = True, max_chunk_ele
     """[N, k] int64: per row the min(k, #finite-or-+∞) columns with the largest scores, ties →
     lower column (−0 == +0), sorted ascending, −1 padded — `top_k_lower_index_on_ties` with
     allowed = (score > −∞). NaN raises (one host sync) unless `check_nan=False` (then the caller
-    guarantees none, e.g. inside a CUDA graph). `method` (default `topk_method()`): "fused" ranks
-    rows of ≤ `topk_select.FUSED_MAX_ENTRIES` columns in one Triton launch, same result."""
+    guarantees none, e.g. inside a CUDA graph). `method` (default `topk_method(scores.is_cuda)`):
+    "fused" ranks rows of ≤ `topk_select.FUSED_MAX_ENTRIES` columns in one Triton launch, same result."""
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise TypeError(f"select_topk: want a 2-D fp32 score tensor, got {scores.dtype} {tuple(scores.shape)}")
     if k < 1:
@@ -353,7 +357,7 @@ def select_topk(scores: Tensor, k: int, *, check_nan: bool = True, max_chunk_ele
         return out
     if check_nan and bool(torch.isnan(scores).any()):
         raise ValueError("select_topk: NaN score (cannot be ranked)")
-    if (method or topk_method()) == "fused" and E <= TS.FUSED_MAX_ENTRIES and (scores.is_cuda or INTERPRETED):
+    if (method or topk_method(scores.is_cuda)) == "fused" and E <= TS.FUSED_MAX_ENTRIES and (scores.is_cuda or INTERPRETED):
         return TS.select_topk_fused(scores, k)
     big = torch.iinfo(torch.int64).max
     rows = max(1, max_chunk_elements // E)

@@ -358,10 +358,20 @@ def test_select_topk_equals_reference_on_ties() -> None:
 
 
 def test_topk_method_from_the_environment(monkeypatch) -> None:
+    """Unset: fused on CUDA scores (the serving default), torch on CPU (the fused kernel is not
+    even called there); the variable overrides both; unknown values raise."""
+    from sglang_dsv41.kernels import topk_select as TS
+
     monkeypatch.delenv("SGLANG_DSV41_INDEXER_TOPK", raising=False)
-    assert K.topk_method() == "torch"
+    assert K.topk_method() == K.topk_method(cuda=False) == "torch"
+    assert K.topk_method(cuda=True) == "fused"
+    with monkeypatch.context() as m:
+        m.setattr(TS, "select_topk_fused", lambda *a: pytest.fail("CPU scores went to the fused kernel"))
+        assert torch.equal(K.select_topk(torch.tensor([[0.5, 2.0, 1.0]]), 2), torch.tensor([[1, 2]]))
     monkeypatch.setenv("SGLANG_DSV41_INDEXER_TOPK", " Fused ")
-    assert K.topk_method() == "fused"
+    assert K.topk_method() == K.topk_method(cuda=True) == "fused"
+    monkeypatch.setenv("SGLANG_DSV41_INDEXER_TOPK", "torch")
+    assert K.topk_method(cuda=True) == "torch"
     monkeypatch.setenv("SGLANG_DSV41_INDEXER_TOPK", "radix")
     with pytest.raises(ValueError, match="SGLANG_DSV41_INDEXER_TOPK='radix'"):
         K.select_topk(torch.zeros(1, 4), 2)

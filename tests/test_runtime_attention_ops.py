@@ -76,6 +76,9 @@ def test_cuda_tensors_use_the_triton_kernels(fresh_kernel_ops) -> None:
     assert ops.indexer.index_scores is kernel_indexer.index_scores
     assert ops.indexer.select_indices is kernel_indexer.select_indices
     assert attention_ops.ops_for(torch.device("cuda", 0)) is ops      # loaded once
+    exact = attention_ops.ops_for(torch.device("cuda"), torch.float32, deterministic=True)
+    assert (ops.deterministic, ops.splits, exact.deterministic, exact.splits) == (False, "decode", True, "one")
+    assert attention_ops.ops_for(torch.device("cuda"), deterministic=True) is exact
 
 @pytest.mark.parametrize("missing", sorted(attention_ops.KERNEL_MODULES.values()))
 def test_missing_kernel_on_cuda_raises(fresh_kernel_ops, monkeypatch, missing: str) -> None:
@@ -169,7 +172,8 @@ def test_kernel_orchestration_with_exact_stand_ins_equals_cpu_path(engine, cpu_s
                         plan_config=kernel_attention.plan_config, PackedSource=kernel_attention.PackedSource),
         SimpleNamespace(index_scores=_exact_index_scores(calls), select_indices=kernel_indexer.select_indices,
                         entry_index_table=_counted(calls, "table", kernel_indexer.entry_index_table),
-                        PackedSource=kernel_indexer.PackedSource))
+                        PackedSource=kernel_indexer.PackedSource),
+        deterministic=True)                                               # one split: the exact stand-in's plan
     assert stand_in.prefill == prefill
     monkeypatch.setattr(forward, "attention_ops", stand_in)
     monkeypatch.setattr(attention_ops, "SCORE_ELEMENTS_PER_CHUNK", chunk_elements)
@@ -225,9 +229,9 @@ def test_gpu_sublayer_tests_pass_in_the_triton_interpreter() -> None:
 
 
 def test_kernel_choices_come_from_the_environment(monkeypatch) -> None:
-    """SGLANG_DSV41_ATTN_SPLITS picks the attention plan (one split by default, `plan_decode_config`
-    with the device's multiprocessors for "decode"); SGLANG_DSV41_INDEXER_HEAD_SUM the head sum;
-    unknown values raise."""
+    """The attention plan: `plan_decode_config` with the device's multiprocessors by default (the
+    serving path), one split in deterministic mode; SGLANG_DSV41_ATTN_SPLITS overrides either;
+    SGLANG_DSV41_INDEXER_HEAD_SUM picks the head sum; unknown values raise."""
     seen: list[tuple] = []
 
     def plan_decode_config(*shape, sm_count):
@@ -243,16 +247,20 @@ def test_kernel_choices_come_from_the_environment(monkeypatch) -> None:
     swa, slots = torch.zeros(4, 512, dtype=torch.bfloat16), torch.zeros(1, 128, dtype=torch.long)
     for env in ("SGLANG_DSV41_ATTN_SPLITS", "SGLANG_DSV41_INDEXER_HEAD_SUM", "SGLANG_DSV41_ATTN_PREFILL"):
         monkeypatch.delenv(env, raising=False)
-    default = attention_ops.KernelAttentionOps(fake, SimpleNamespace())
-    assert (default.splits, default.head_sum, default.prefill) == ("one", "fp64", "packed")
-    default.attend(q, sink, swa, slots, None, None)
-    assert seen == [("attend", 1)]
+    serving = attention_ops.KernelAttentionOps(fake, SimpleNamespace())
+    assert (serving.splits, serving.head_sum, serving.prefill) == ("decode", "fp64", "packed") and "'decode' key splits" in serving.description
+    serving.attend(q, sink, swa, slots, None, None)
+    assert seen == [("decode", (1, 64, 512, 128, 0), 132), ("attend", 4)]   # 4 SWA tiles of 32, one each
+    exact = attention_ops.KernelAttentionOps(fake, SimpleNamespace(), deterministic=True)
+    assert (exact.splits, exact.head_sum) == ("one", "fp64")
+    exact.attend(q, sink, swa, slots, None, None)
+    assert seen[2:] == [("attend", 1)]
     monkeypatch.setenv("SGLANG_DSV41_ATTN_SPLITS", "decode")
     monkeypatch.setenv("SGLANG_DSV41_INDEXER_HEAD_SUM", "FP32")
-    chosen = attention_ops.KernelAttentionOps(fake, SimpleNamespace())
+    chosen = attention_ops.KernelAttentionOps(fake, SimpleNamespace(), deterministic=True)
     assert (chosen.splits, chosen.head_sum) == ("decode", "fp32")
-    chosen.attend(q, sink, swa, slots, None, None)
-    assert seen[1:] == [("decode", (1, 64, 512, 128, 0), 132), ("attend", 4)]   # 4 SWA tiles of 32, one each
+    monkeypatch.setenv("SGLANG_DSV41_ATTN_SPLITS", "One")
+    assert attention_ops.KernelAttentionOps(fake, SimpleNamespace()).splits == "one"
     monkeypatch.setenv("SGLANG_DSV41_ATTN_SPLITS", "many")
     with pytest.raises(ValueError, match="SGLANG_DSV41_ATTN_SPLITS='many'"):
         attention_ops.KernelAttentionOps(fake, SimpleNamespace())

@@ -96,7 +96,8 @@ def _kernel_ops(calls: list[str]) -> attention_ops.KernelAttentionOps:
         SimpleNamespace(sparse_sink_attention=_sparse_sink_attention(calls), plan_config=kernel_attention.plan_config,
                         PackedSource=kernel_attention.PackedSource),
         SimpleNamespace(index_scores=_index_scores(calls), select_indices=kernel_indexer.select_indices,
-                        entry_index_table=kernel_indexer.entry_index_table, PackedSource=kernel_indexer.PackedSource))
+                        entry_index_table=kernel_indexer.entry_index_table, PackedSource=kernel_indexer.PackedSource),
+        deterministic=True)                           # one split: the stand-ins model the batch-invariant plan
 
 
 # ---- static == eager, padding invisible ----------------------------------------------------------------

@@ -11,14 +11,16 @@ captured buffers. Pinned:
 1. replay == eager: each step's logits from the replay equal, bit for bit, the eager static
    forward of the same padded batch on an identical copy of the caches, and after each step
    both cache copies are identical byte for byte (the graph wrote exactly what eager wrote);
-2. the live requests' replayed logits equal the eager forward of the live requests alone
-   (unpadded, checked layout) bit for bit — padding is invisible and the CUDA forward is
-   batch-invariant (tests/test_runtime_forward_gpu.py, item 2), and the live caches match.
+2. the live requests' replayed logits against the eager forward of the live requests alone
+   (unpadded, checked layout): in deterministic mode bit for bit, and the live caches match —
+   padding is invisible and the CUDA forward is batch-invariant (tests/test_runtime_forward_gpu.py,
+   item 2); in the serving default within the numerics contract (|Δlogit| ≤ 2 × `LOGIT_BOUND`,
+   greedy tokens equal on every live row), because its attention plan (`plan_decode_config`) and
+   W8A8 row tiers may depend on the batch size (padded 6 vs live 4). Whether the bits agree is printed.
 
-Both FP8 engines of the CUDA backend are captured (`backend.FP8_GEMMS`): `w8a16` (the engine
-under `--enable-deterministic-inference`) and `w8a8_f16` (the serving default, `kernels/fp8_w8a8.py`).
-The padded (6) and live (4) batches fall in the same row tier of the W8A8 kernel (the decode tier,
-≤ 16 rows), whose rows are invariant within a tier, so item 2 holds for both.
+Both modes of the CUDA forward are captured: deterministic (`--enable-deterministic-inference`:
+W8A16 FP8 linears, one attention key split) and the serving default (`w8a8_f16`,
+`kernels/fp8_w8a8.py`; split-KV decode attention; fused top-k).
 
 A failed capture (a host synchronisation, a host → device copy or a data-dependent shape inside
 the static forward) fails test 1 with the capture error and what to look for.
@@ -30,6 +32,7 @@ import torch
 
 from cuda_graph_scenarios import clone_caches, decode_step, differences_outside_padding, prefilled, step_tokens
 from runtime_scenarios import PAGE_SIZE, runtime_engine
+from test_runtime_numerics_contract import LOGIT_BOUND
 
 pytestmark = [pytest.mark.gpu]
 CUDA = torch.device("cuda")
@@ -41,6 +44,7 @@ STEPS = 4
 def captured(tiny_checkpoint, request):
     torch.backends.cuda.matmul.allow_tf32 = False
     engine = runtime_engine(tiny_checkpoint, CUDA, deterministic=request.param)
+    assert engine.attention_ops.splits == ("one" if request.param else "decode"), engine.attention_ops.description
     state = prefilled(engine, CUDA)
     start = clone_caches(state.caches)
     graph_caches, eager_static, eager_live = clone_caches(start), clone_caches(start), clone_caches(start)
@@ -72,7 +76,8 @@ def captured(tiny_checkpoint, request):
             "copy (torch.tensor(..., device=cuda), cpu_tensor.to(cuda)) or a data-dependent shape in the "
             "static path (tests/test_runtime_cuda_graph.py audits the CPU-visible ones)") from e
     return dict(engine=engine, state=state, table=table, graph=graph, out=out, static=static, first=first,
-                graph_caches=graph_caches, eager_static=eager_static, eager_live=eager_live)
+                graph_caches=graph_caches, eager_static=eager_static, eager_live=eager_live,
+                deterministic=request.param)
 
 
 def _run_steps(c):
@@ -109,14 +114,24 @@ def test_replay_equals_eager_static_forward_bit_for_bit(results) -> None:
     print(f"\n[cuda-graph] {len(results)} replayed decode steps at batch size {GRAPH_BS} == eager, caches identical")
 
 
-def test_replayed_live_requests_equal_the_unpadded_eager_forward(results) -> None:
+def test_replayed_live_requests_equal_the_unpadded_eager_forward(captured, results) -> None:
+    """Deterministic mode: bit for bit, live caches identical. Serving default: within the contract
+    and the same greedy tokens (module doc, item 2)."""
+    bit_equal = True
     for r in results:
         got, want = r["replayed"][:r["live"]], r["live_logits"]
         delta = (got - want).abs().max().item()
-        assert torch.equal(got, want), (f"step {r['step']}: live logits of the padded graph differ from the unpadded "
-                                        f"eager forward (max |Δ| {delta:.3g}): padding leaked or the forward is "
-                                        "not batch-invariant")
-        assert not r["live_cache_diffs"], f"step {r['step']}: padding changed live state: {r['live_cache_diffs']}"
+        bit_equal = bit_equal and torch.equal(got, want) and not r["live_cache_diffs"]
+        if captured["deterministic"]:
+            assert torch.equal(got, want), (f"step {r['step']}: live logits of the padded graph differ from the "
+                                            f"unpadded eager forward (max |Δ| {delta:.3g}): padding leaked or the "
+                                            "forward is not batch-invariant")
+            assert not r["live_cache_diffs"], f"step {r['step']}: padding changed live state: {r['live_cache_diffs']}"
+        else:
+            assert delta <= 2 * LOGIT_BOUND, (f"step {r['step']}: live logits of the padded graph are {delta:.3g} from "
+                                              f"the unpadded eager forward (> {2 * LOGIT_BOUND}): padding leaked?")
+            assert torch.equal(got.argmax(dim=-1), want.argmax(dim=-1)), f"step {r['step']}: greedy tokens differ"
+    print(f"\n[cuda-graph] live rows vs unpadded eager: {'bit-equal' if bit_equal else 'within the contract'}")
 
 
 def test_replay_is_faster_than_eager(captured) -> None:

@@ -17,6 +17,12 @@ output; sampled decoding (block rejection) runs and reports its acceptance; per-
 (`meta_info`: length, rate, correct-draft histogram) is consistent with the request, and SGLang's
 counter `sglang:spec_verify_calls_total` adds up the requests' verify counts (`--enable-metrics`).
 
+Greedy equality and the attention plan (docs/dspark.md "Greedy equality and the serving default"):
+every server runs with `SGLANG_DSV41_ATTN_SPLITS=one` (`SERVER_ENV`), the batch-invariant attention
+plan, because the serving default's split-KV plan depends on the query count and a verify step
+(batch × (γ + 1) queries) would otherwise use another plan than the plain server's decode step
+(batch queries). The rest is the serving default.
+
 Skipped without CUDA (conftest). `SGLANG_DSV41_DSPARK_TEST_EXTRA` adds server flags to every server
 (e.g. `--disable-cuda-graph`, the eager fallback). scripts/gpu/dspark7.sh runs this file.
 """
@@ -53,6 +59,8 @@ SPS_TABLE = {"sample_batch_tokens": SPS_TOKENS, "sample_steps_per_sec": [1000.0 
 
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny-h200-tp1-dspark.yaml"
+#: the batch-invariant attention plan for every server (module doc)
+SERVER_ENV = {"SGLANG_DSV41_ATTN_SPLITS": "one"}
 
 
 class LaunchedServer(Server):
@@ -63,7 +71,8 @@ class LaunchedServer(Server):
         argv = [sys.executable, "-m", "sglang_dsv41.cli", "launch", "--config", str(config), "--model-path",
                 str(checkpoint), "--port", str(self.port), *[a for kv in sets for a in ("--set", kv)], "--", *extra]
         self._log = open(log, "w")
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, **SERVER_ENV})
 
 
 def _prompts() -> list[list[int]]:
@@ -83,7 +92,7 @@ class Shared:
         self._greedy: dict[str, tuple[list[dict], list[dict], dict[str, float]]] = {}
         try:
             for name, args in (("plain", COMMON), ("dspark", COMMON + SPEC)):
-                self.servers[name] = Server(checkpoint, log_dir / f"{name}.log", args)
+                self.servers[name] = Server(checkpoint, log_dir / f"{name}.log", args, env=SERVER_ENV)
             self.servers["adaptive"] = LaunchedServer(
                 CONFIG, checkpoint, log_dir / "adaptive.log",
                 [f"speculative.sps_table={table}", "serving.mem_fraction_static=0.5"],

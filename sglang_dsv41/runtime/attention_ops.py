@@ -1,6 +1,6 @@
 """Sparse attention and indexer selection of one layer, one implementation per device (spec §3.4.4, §3.4.5).
 
-`ops_for(device)` picks the implementation once per model (any other device raises):
+`ops_for(device, acc, deterministic)` picks the implementation once per model (any other device raises):
 
 | device | `attend` | `select` |
 |---|---|---|
@@ -19,8 +19,9 @@ Contracts (both implementations):
   and `comp_entries` [N, K] its selected entry indices (both None for ratio-0 layers); −1 = no
   key; no de-duplication between the two lists (§3.4.5). Returns [N, H, D] BF16-valued fp32.
   CUDA: within one BF16 ulp of the output scale (max |o| of that query and head) of the CPU
-  value on the same inputs (kernel docstring, measured on an H200); batch-invariant
-  (`ATTENTION_KEY_SPLITS`).
+  value on the same inputs (kernel docstring, measured on an H200); batch-invariant only in
+  deterministic mode (`ATTENTION_KEY_SPLITS`; the serving default splits the keys of small
+  batches, `plan_decode_config`).
 * `select(be, cfg, role, w, prefix, x, q_lora, layout, caches, inv_freq, act_quant, published)`:
   (selection [N, index_topk] request-local compressed positions, ascending, −1 padded;
   candidate blocks [N, candidate_topk_blocks] for the candidate source, else None).
@@ -69,25 +70,26 @@ KERNEL_MODULES = {"sparse_attention": "sglang_dsv41.kernels.sparse_attention",
 #: chunks itself at 2^24 entries). A decode batch of 64 at 512 K entries is one chunk; an
 #: 8192-token prefill chunk at 64 K entries is 16 chunks of 512 queries.
 SCORE_ELEMENTS_PER_CHUNK = 1 << 25
-#: Key-tile splits per query of the CUDA attention kernel. 1 keeps the kernel batch-invariant: a
-#: query's output depends only on its own q, keys and sink, never on how many queries share the
-#: launch (the kernel's `plan_config` would split the keys of small batches, and the summation
-#: order with it). With the float64 head sum of the indexer, the whole CUDA forward then gives the
-#: same bits for a request whether it runs alone, chunked, batched or on a prefix-cache hit.
+#: Key-tile splits per query of the CUDA attention kernel in deterministic mode. 1 keeps the kernel
+#: batch-invariant: a query's output depends only on its own q, keys and sink, never on how many
+#: queries share the launch. With the float64 head sum of the indexer (and the exact top-k, fused or
+#: torch: the same bits), the whole CUDA forward then gives the same bits for a request whether it
+#: runs alone, chunked, batched or on a prefix-cache hit (with W8A16 FP8 linears, `backend.fp8_gemm_for`).
 ATTENTION_KEY_SPLITS = 1
-#: Kernel choices of the CUDA path (issue 21; opt-in until measured on the H200, docs/performance.md
-#: "session 11"): SGLANG_DSV41_ATTN_SPLITS = "one" (default, ATTENTION_KEY_SPLITS: batch invariant) |
-#: "decode" (`plan_decode_config`: split-KV over the multiprocessors for ≤ DECODE_SPLIT_MAX_QUERIES
-#: queries; a query's bits then depend on its batch's size class); SGLANG_DSV41_INDEXER_HEAD_SUM =
-#: "fp64" (default: scores equal the reference's bit for bit) | "fp32" (fp32 head sum, within the
-#: kernel's stated bound; ties near a rounding boundary may select differently).
+#: Kernel choices of the CUDA path (issue 21, measured on the H200: docs/performance.md "Session 12").
+#: SGLANG_DSV41_ATTN_SPLITS overrides the mode's plan: "one" (ATTENTION_KEY_SPLITS: batch invariant;
+#: the default under `--enable-deterministic-inference`) | "decode" (`plan_decode_config`: split-KV over
+#: the multiprocessors for ≤ DECODE_SPLIT_MAX_QUERIES queries, the serving default; a query's bits
+#: then depend on its batch's size). SGLANG_DSV41_INDEXER_HEAD_SUM = "fp64" (default: scores equal
+#: the reference's bit for bit) | "fp32" (fp32 head sum, within the kernel's stated bound; ties near a
+#: rounding boundary may select differently; no faster on the H200).
 ATTENTION_SPLITS_ENV, ATTENTION_SPLITS = "SGLANG_DSV41_ATTN_SPLITS", ("one", "decode")
 INDEXER_HEAD_SUM_ENV, INDEXER_HEAD_SUMS = "SGLANG_DSV41_INDEXER_HEAD_SUM", ("fp64", "fp32")
 
 
-def kernel_choice(env: str, choices: tuple[str, ...]) -> str:
-    """The value of `env` (first of `choices` when unset); an unknown value raises."""
-    chosen = os.environ.get(env, "").strip().lower() or choices[0]
+def kernel_choice(env: str, choices: tuple[str, ...], default: str | None = None) -> str:
+    """The value of `env` (`default`, else the first of `choices`, when unset); an unknown value raises."""
+    chosen = os.environ.get(env, "").strip().lower() or default or choices[0]
     if chosen not in choices:
         raise ValueError(f"{env}={chosen!r}: expected one of {choices}")
     return chosen
@@ -197,22 +199,27 @@ class TorchAttentionOps:
 
 
 class KernelAttentionOps:
-    """CUDA: the Triton kernels over the slot caches (no per-request loop, no host sync)."""
-
-    description = ("Triton kernels (sparse_sink_attention and index_scores reading packed FP4 entries; "
-                   "float64 head sum + select_for_role, whole batch)")
+    """CUDA: the Triton kernels over the slot caches (no per-request loop, no host sync).
+    `deterministic` (`--enable-deterministic-inference`) picks the attention plan when
+    SGLANG_DSV41_ATTN_SPLITS is unset: one key split (batch invariant) instead of the serving
+    default `plan_decode_config`; explicit `splits` / `head_sum` override both."""
 
     def __init__(self, sparse_attention: ModuleType, indexer: ModuleType, splits: str | None = None,
-                 head_sum: str | None = None, prefill: str | None = None) -> None:
+                 head_sum: str | None = None, prefill: str | None = None, deterministic: bool = False) -> None:
         self.sparse_attention = sparse_attention
         self.indexer = indexer
-        self.splits = splits or kernel_choice(ATTENTION_SPLITS_ENV, ATTENTION_SPLITS)
+        self.deterministic = deterministic
+        self.splits = splits or kernel_choice(ATTENTION_SPLITS_ENV, ATTENTION_SPLITS,
+                                              "one" if deterministic else "decode")
         self.head_sum = head_sum or kernel_choice(INDEXER_HEAD_SUM_ENV, INDEXER_HEAD_SUMS)
         self.prefill = prefill or kernel_choice(AP.PREFILL_ENV, AP.PREFILL_CHOICES)
         if self.splits not in ATTENTION_SPLITS or self.head_sum not in INDEXER_HEAD_SUMS \
                 or self.prefill not in AP.PREFILL_CHOICES:
             raise ValueError(f"KernelAttentionOps: splits {self.splits!r} / head_sum {self.head_sum!r} / prefill "
                              f"{self.prefill!r} not in {ATTENTION_SPLITS} / {INDEXER_HEAD_SUMS} / {AP.PREFILL_CHOICES}")
+        self.description = (f"Triton kernels (sparse_sink_attention with {self.splits!r} key splits and "
+                            f"index_scores reading packed FP4 entries; {self.head_sum} head sum + "
+                            "select_for_role, whole batch)")
 
     def attend(self, q: Tensor, sink: Tensor, swa_cache: Tensor, swa_slots: Tensor,
                packed: PackedSourceRows | None, comp_entries: Tensor | None,
@@ -325,9 +332,10 @@ FP32_TORCH_OPS = TorchAttentionOps(torch.float32)
 
 
 @functools.cache
-def kernel_ops() -> KernelAttentionOps:
-    """The Triton implementation; raises RuntimeError if a kernel module cannot be imported or
-    was built for Triton's CPU interpreter (TRITON_INTERPRET=1), which cannot serve CUDA."""
+def kernel_ops(deterministic: bool = False) -> KernelAttentionOps:
+    """The Triton implementation (one per mode, `KernelAttentionOps`); raises RuntimeError if a
+    kernel module cannot be imported or was built for Triton's CPU interpreter (TRITON_INTERPRET=1),
+    which cannot serve CUDA."""
     modules = {}
     for key, name in KERNEL_MODULES.items():
         try:
@@ -338,16 +346,16 @@ def kernel_ops() -> KernelAttentionOps:
     if modules["sparse_attention"]._is_interpreted() or modules["indexer"].INTERPRETED:
         raise RuntimeError("sglang-dsv41: the Triton kernels were built for the CPU interpreter (TRITON_INTERPRET=1 "
                            "was set when they were imported); unset it to run on CUDA")
-    return KernelAttentionOps(modules["sparse_attention"], modules["indexer"])
+    return KernelAttentionOps(modules["sparse_attention"], modules["indexer"], deterministic=deterministic)
 
 
-def ops_for(device: torch.device, acc: torch.dtype = torch.float64) -> AttentionOps:
-    """CPU → `TorchAttentionOps` summing in `acc`; CUDA → `KernelAttentionOps` (raises if the kernels cannot
-    load); any other device raises."""
+def ops_for(device: torch.device, acc: torch.dtype = torch.float64, deterministic: bool = False) -> AttentionOps:
+    """CPU → `TorchAttentionOps` summing in `acc`; CUDA → `KernelAttentionOps` of the mode
+    (`deterministic`: batch-invariant plan; raises if the kernels cannot load); any other device raises."""
     if device.type == "cpu":
         return TORCH_OPS if acc == torch.float64 else FP32_TORCH_OPS
     if device.type == "cuda":
-        return kernel_ops()
+        return kernel_ops(bool(deterministic))
     raise RuntimeError(f"sglang-dsv41: no attention implementation for device '{device}' (CPU: torch "
                        "reference path; CUDA: Triton kernels)")
 
