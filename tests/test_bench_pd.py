@@ -44,3 +44,27 @@ def test_no_transfer_gives_no_mean():
     before = bench.parse_transfer(METRICS)
     assert bench.transfer_delta(before, before) == {"mean_latency_ms": None, "mean_total_mb": None,
                                                     "mean_speed_gb_s": None, "transfers": 0.0}
+
+
+def test_interleaved_pairs_and_ratio_to_colocated_per_cycle():
+    """benchmarks/pd_interleave.py: `--pd NAME:K=V,...` gives each pair its environment (a malformed
+    one is refused), and the ITL ratio is taken against the colocated level of the same cycle."""
+    import argparse
+
+    import pd_interleave as inter
+
+    assert inter.parse_pd("wait:SGLANG_DSV41_PD_CPU_WAIT_MS=2,OMP_NUM_THREADS=1") == (
+        "wait", {"SGLANG_DSV41_PD_CPU_WAIT_MS": "2", "OMP_NUM_THREADS": "1"})
+    assert inter.parse_pd("pd") == ("pd", {})
+    for bad in ("wait:NOEQUALS", "not-a-name:K=V"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            inter.parse_pd(bad)
+
+    def lv(cycle, itl, ttft=0.5):
+        return {"cycle": cycle, "concurrency": 1, "itl_s": {"mean": itl}, "ttft_s": {"mean": ttft}}
+
+    result = {"concurrency": [1], "setups": {"colocated": [lv(0, 0.05), lv(1, 0.20)],
+                                             "pd": [lv(0, 0.10), lv(1, 0.20)]}}
+    s = inter.summary(result)
+    assert s["pd@c1"]["itl_ratio_to_colocated"] == pytest.approx(1.5)     # (2.0 + 1.0) / 2, not 0.30 / 0.25
+    assert s["colocated@c1"]["itl_ms_mean"] == pytest.approx(125.0)
