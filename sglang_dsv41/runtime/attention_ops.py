@@ -44,7 +44,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import os
 from types import ModuleType
 from typing import Mapping, Protocol
 
@@ -56,7 +55,7 @@ from ..numerics.geometry import softmax_scale, visible_counts
 from ..numerics.rounding import bf16
 from . import attention_prefill as AP
 from .attention_math import index_query
-from .backend import ComputeBackend
+from .backend import ComputeBackend, kernel_choice
 from .batch import BatchLayout
 from .cache import RuntimeCaches
 from .indexer_select import run_indexer_cpu, select_for_role
@@ -85,14 +84,6 @@ ATTENTION_KEY_SPLITS = 1
 #: rounding boundary may select differently; no faster on the H200).
 ATTENTION_SPLITS_ENV, ATTENTION_SPLITS = "SGLANG_DSV41_ATTN_SPLITS", ("one", "decode")
 INDEXER_HEAD_SUM_ENV, INDEXER_HEAD_SUMS = "SGLANG_DSV41_INDEXER_HEAD_SUM", ("fp64", "fp32")
-
-
-def kernel_choice(env: str, choices: tuple[str, ...], default: str | None = None) -> str:
-    """The value of `env` (`default`, else the first of `choices`, when unset); an unknown value raises."""
-    chosen = os.environ.get(env, "").strip().lower() or default or choices[0]
-    if chosen not in choices:
-        raise ValueError(f"{env}={chosen!r}: expected one of {choices}")
-    return chosen
 
 
 class AttentionOps(Protocol):

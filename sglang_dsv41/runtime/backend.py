@@ -361,21 +361,24 @@ BACKENDS: dict[str, type[ComputeBackend]] = {"torch": FastTorchBackend, "exact":
                                              "triton": TritonBackend}
 
 
+def kernel_choice(env: str, choices: tuple[str, ...], default: str | None = None) -> str:
+    """The value of `env` (`default`, else the first of `choices`, when unset); an unknown value raises."""
+    chosen = os.environ.get(env, "").strip().lower() or default or choices[0]
+    if chosen not in choices:
+        raise ValueError(f"{env}={chosen!r}: expected one of {choices}")
+    return chosen
+
+
 def fp8_gemm_for(deterministic: bool) -> str:
     """The CUDA backend's FP8 linear arithmetic (module doc): SGLANG_DSV41_FP8_GEMM when set (an
     unknown value raises), else `w8a16` when `deterministic` (row invariant), else `w8a8_f16`."""
-    chosen = os.environ.get(FP8_GEMM_ENV, "").strip().lower()
-    if chosen and chosen not in FP8_GEMMS:
-        raise ValueError(f"{FP8_GEMM_ENV}={chosen!r}: expected one of {FP8_GEMMS}")
-    return chosen or ("w8a16" if deterministic else "w8a8_f16")
+    return kernel_choice(FP8_GEMM_ENV, FP8_GEMMS, "w8a16" if deterministic else "w8a8_f16")
 
 
 def bf16_gemm_for(deterministic: bool) -> str:
     """The CUDA backend's BF16-weight product rows (BF16_GEMMS): SGLANG_DSV41_BF16_GEMM when set,
     else `blocked`; an unknown value, or `whole` with `deterministic` (row invariance), raises."""
-    chosen = os.environ.get(BF16_GEMM_ENV, "").strip().lower() or BF16_GEMMS[0]
-    if chosen not in BF16_GEMMS:
-        raise ValueError(f"{BF16_GEMM_ENV}={chosen!r}: expected one of {BF16_GEMMS}")
+    chosen = kernel_choice(BF16_GEMM_ENV, BF16_GEMMS)
     if chosen == "whole" and deterministic:
         raise ValueError(f"{BF16_GEMM_ENV}=whole is not row invariant: not with --enable-deterministic-inference")
     return chosen
