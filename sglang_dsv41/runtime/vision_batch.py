@@ -52,13 +52,6 @@ class SpanCache:
         while len(self._rows) > self.capacity:
             self._rows.popitem(last=False)
 
-    def rows(self, item: Any, tower: VisionTower) -> Tensor:
-        hit = self.get(item)
-        if hit is None:
-            hit = tower.encode(preprocessed_of(item))
-            self.put(item, hit)
-        return hit
-
 
 def owners(patches: list[int], ranks: int) -> list[int]:
     """The rank that encodes each image: most patches first (ties: lower index) to the rank with
