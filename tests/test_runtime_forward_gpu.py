@@ -102,7 +102,7 @@ def _count_dispatch(monkeypatch, engine: TorchForward, deterministic: bool) -> d
     calls: dict[str, list[int]] = {"attend": [], "select": []}
 
     class Counting:
-        description = ops.description
+        description, splits = ops.description, ops.splits
 
         def attend(self, *args, **kwargs):
             calls["attend"].append(args[0].shape[0])
