@@ -46,19 +46,20 @@ METRICS = ("sglang:load_back_duration_seconds_sum", "sglang:load_back_duration_s
            "sglang:load_back_tokens_total")
 
 
-def kv_bytes(model_path: str) -> dict:
+def kv_bytes(model_path: str, page_size: int | None = None) -> dict:
     """Bytes per token of the mirrored rows (docs/hicache.md "Sizing") and the SWA rows one load-back
-    restores (the window rounded up to a page)."""
+    restores (the window rounded up to a page); `page_size` None: the plugin's default."""
     from sglang_dsv41.config import DeepseekV41Config
     from sglang_dsv41.runtime.hicache_swa_bound import swa_restore_bound
     from sglang_dsv41.runtime.kv_layout import CompressedRowLayout
     from sglang_dsv41.runtime.requirements import PAGE_SIZE
 
     cfg = DeepseekV41Config.from_file(Path(model_path)).text
+    page = page_size or PAGE_SIZE
     lay = CompressedRowLayout.from_config(cfg)
     return {"global_per_token": lay.latent_row_stride + lay.key_row_stride,
-            "swa_per_token": cfg.num_hidden_layers * cfg.head_dim * 2, "page": PAGE_SIZE,
-            "swa_restore_rows": swa_restore_bound(cfg.sliding_window, PAGE_SIZE)}
+            "swa_per_token": cfg.num_hidden_layers * cfg.head_dim * 2, "page": page,
+            "swa_restore_rows": swa_restore_bound(cfg.sliding_window, page)}
 
 
 def prefix_load_bytes(kv: dict, tokens: int) -> int:
@@ -152,7 +153,8 @@ class Run:
         self.suffix = {f"{c}{j}": ids(args.suffix_tokens) for c in ("gpu", "l2", "l3") for j in range(args.reps)}
         self.suffix["last"] = ids(args.suffix_tokens)      # the last cold prompt: P stays cached and stored
         self.pushers = [[0] + ids(args.prefix_tokens + args.suffix_tokens - 1) for _ in range(args.reps)]
-        self.warmups = [[0] + ids(min(512, args.prefix_tokens) - 1) for _ in range(2)]
+        # full length: every chunk shape of a prompt is compiled before the first measured request
+        self.warmups = [[0] + ids(args.prefix_tokens + args.suffix_tokens - 1) for _ in range(2)]
         self.rows: list[dict] = []          # every answered request, in order (kept when a run is cut short)
         self.l2_metrics: dict[str, float] = {}
 
@@ -166,7 +168,8 @@ class Run:
         argv = [sys.executable, "-m", "sglang_dsv41.cli", "serve", "--device", a.device, "--model-path", a.model_path,
                 "--port", str(port), "--max-total-tokens", str(a.device_tokens), "--enable-cache-report",
                 "--enable-metrics", "--enable-hierarchical-cache", "--hicache-write-policy", "write_through",
-                "--hicache-storage-backend", "file", *a.flags.split()]
+                "--hicache-storage-backend", "file",
+                *(["--page-size", str(a.page_size)] if a.page_size else []), *a.flags.split()]
         proc = Proc(argv, a.log_dir / f"{a.out.stem}_{name}.log", env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(self.store)})
         return proc, f"http://127.0.0.1:{port}"
 
@@ -324,13 +327,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--device-tokens", type=int, default=None,
-                   help="--max-total-tokens; default: one prompt + new tokens + 10 %% (one long prefix fits)")
+                   help="--max-total-tokens; default: one prompt + new tokens + two pages + 10 %% (one long prefix fits)")
     p.add_argument("--flags", default="--hicache-io-backend direct --hicache-ratio 4 --swa-full-tokens-ratio 1.0 "
                                       "--hicache-storage-prefetch-policy wait_complete",
                    help="further server flags (e.g. --context-length for a 32K prefix on the tiny checkpoint)")
     p.add_argument("--start-b-with-a", action="store_true",
                    help="start server B together with A (one start-up wait) instead of after A stops; B still "
                         "serves only after A is stopped, from storage alone")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="SGLang --page-size of both servers (default: the plugin's); the file tier stores one object per page")
     p.add_argument("--vocab", type=int, default=990, help="prompt ids are drawn from [3, vocab)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--settle-s", type=float, default=1.0, help="storage quiet time before a measured request")
@@ -341,10 +346,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()), help="server logs")
     args = p.parse_args(argv)
     if args.device_tokens is None:
-        need = args.prefix_tokens + args.suffix_tokens + args.new_tokens
+        need = args.prefix_tokens + args.suffix_tokens + args.new_tokens + 2 * (args.page_size or 2)
         args.device_tokens = -(-int(need * 1.1) // 64) * 64
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    kv, copy = kv_bytes(args.model_path), copy_bandwidth(args.device)
+    kv, copy = kv_bytes(args.model_path, args.page_size), copy_bandwidth(args.device)
     signal.signal(signal.SIGTERM, _sigterm)   # a capped run still writes what it measured
     incomplete = None
     with tempfile.TemporaryDirectory(prefix="hicache_prefix_") as d:

@@ -107,7 +107,7 @@ def stream_generate(url: str, ids: list[int], new_tokens: int, extra: dict[str, 
                 first = last if first is None else first
                 tokens = n
     if tokens != new_tokens:
-        raise RuntimeError(f"{tokens} of {new_tokens} tokens streamed")
+        raise RuntimeError(f"{tokens} of {new_tokens} tokens streamed; last chunk: {json.dumps(chunk)[:400]}")
     row = {"ttft_s": first, "itl_s": (last - first) / (tokens - 1) if tokens > 1 else None, "tokens": tokens,
            "latency_s": time.perf_counter() - t0}
     if keep_last:

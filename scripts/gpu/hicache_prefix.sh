@@ -9,7 +9,10 @@
 #   * servers A and B start together (--start-b-with-a: one start-up wait instead of two; B serves
 #     only after A is stopped, from the storage directory alone), each --mem-fraction-static 0.3,
 #     --disable-cuda-graph (TTFT is the prefill; start-up is shorter);
-#   * io `kernel`, --hicache-ratio 4, a device pool of one prompt + 10 %, 2 repetitions per case.
+#   * io `kernel`, --hicache-ratio 4, a device pool of one prompt + 10 %, 1 repetition per case (REPS);
+#   * --page-size 64 (PAGE): the file tier writes one object per page, and at the default page of 2 a
+#     32K prompt's 16K pages did not finish writing within 60 s (session 13); warm-ups are full length
+#     (every prefill chunk shape compiled before the cold run).
 # Run from the checkout root with `.gpu` carried:
 #   BUDGET=280 bash scripts/gpu/hicache_prefix.sh
 # Results: $OUT/all.tgz (JSON, PNG, server logs); the summary table is printed. rc 0 = every hit came
@@ -25,7 +28,8 @@ CK=/tmp/tiny; R=/tmp/hicache_prefix; rm -rf $R; mkdir -p $R
 [ -d $CK ] || timeout 120 python3 -m sglang_dsv41.cli make-checkpoint --preset tiny --out $CK --quiet || exit 4
 echo "RESULT checkpoint at $((SECONDS - T0)) s"
 timeout -s TERM -k 40 "$(left 50)" python3 benchmarks/hicache.py --mode prefix --model-path $CK --device cuda \
-    --prefix-tokens ${PREFIX:-32768} --suffix-tokens 32 --new-tokens 8 --reps ${REPS:-2} --start-b-with-a \
+    --prefix-tokens ${PREFIX:-32768} --suffix-tokens 32 --new-tokens 8 --reps ${REPS:-1} --start-b-with-a \
+    --page-size ${PAGE:-64} \
     --flags="--hicache-io-backend kernel --hicache-ratio 4 --swa-full-tokens-ratio 1.0 \
 --hicache-storage-prefetch-policy wait_complete --context-length 40960 --mem-fraction-static 0.3 --disable-cuda-graph" \
     --startup-timeout 200 --request-timeout 120 --settle-cap-s 60 \
