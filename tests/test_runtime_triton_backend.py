@@ -339,8 +339,8 @@ def test_gpu_teacher_forced_contract(tiny_checkpoint, fp8_gemm: str, monkeypatch
 
 
 @pytest.mark.gpu
-def test_gpu_teacher_forced_contract_with_the_prefill_workspace_everywhere(tiny_checkpoint, monkeypatch) -> None:
-    """The serving default's prefill choices (session 13), with no variable set: the BF16 workspace
+def test_gpu_teacher_forced_contract_with_the_prefill_opt_ins(tiny_checkpoint, monkeypatch) -> None:
+    """The session-12 prefill opt-ins as the serving default, with no variable set: the BF16 workspace
     of decoded compressed entries (its size rule lowered to one query so every eager forward here
     takes it, launched with `plan_prefill_config`) and BF16-weight products in one GEMM keep the
     end-to-end contract."""
