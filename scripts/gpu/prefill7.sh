@@ -22,7 +22,8 @@
 # profiled and faster than `session12` and `before`; its attention within 2 BF16 ulps of the output scale of
 # `before`'s packed path; the same indexer selection). Files back: the logs, junit, decode_step.json,
 # prefill_profile.{json,png}, prefill7.json (≤ 8). Run from the checkout root with `.gpu` carried; every
-# step is capped and the script ends within BUDGET (s, default 290).
+# step is capped and the script ends within BUDGET (s, default 290). STEPS (default "tests prefill") runs a part
+# alone, e.g. in two calls if the first machine start leaves too little time.
 set -uo pipefail
 : "${OUT:=/tmp/out}" "${BUDGET:=290}" "${TEST_CAP:=160}" "${PREFILL_VARIANTS:=before session12 default}"
 : "${K_EXPR:=not tiered and not fp8_mma}"; mkdir -p "$OUT"
@@ -35,6 +36,8 @@ unset SGLANG_DSV41_ATTN_SPLITS SGLANG_DSV41_INDEXER_TOPK SGLANG_DSV41_INDEXER_HE
   SGLANG_DSV41_ATTN_PREFILL SGLANG_DSV41_BF16_GEMM
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
 
+rc=0
+if [[ " ${STEPS:-tests prefill} " == *" tests "* ]]; then
 t=$(cap "$TEST_CAP")
 timeout -s INT -k 5 "$t" python3 -m pytest -m gpu -q -s -p no:cacheprovider -rf --tb=short --durations=12 \
   --junitxml "$OUT/gpu_tests.xml" -k "$K_EXPR" \
@@ -47,9 +50,12 @@ grep -oE "(serving default|kernel attend|kernel path on|prompt [0-9]+ tokens|\[c
 grep -E "^(FAILED|ERROR)" "$OUT/prefill7_tests.log" | head -20
 tail -6 "$OUT/prefill7_tests.log"
 echo "RESULT tests rc=$rc at $((SECONDS - T0)) s"
+fi
 
 b=$(( $(left) - 25 ))
-if [ "$b" -lt 60 ]; then
+if [[ " ${STEPS:-tests prefill} " != *" prefill "* ]]; then
+  echo "prefill: not in STEPS"
+elif [ "$b" -lt 60 ]; then
   echo "prefill: only $b s left, skipped"
 else
   timeout $((b + 15)) python3 benchmarks/decode_step.py --out "$OUT" --quick --no-decode --batches 1 \
