@@ -34,9 +34,10 @@ The step's components (`step_components`), each a callable on fixed inputs:
   (CPU: the reference routed experts);
 * `attention` / `indexer` (CUDA, `kernel_components`) — Triton `sparse_sink_attention` (split-KV
   `plan_decode_config`, the serving default; one key split with SGLANG_DSV41_ATTN_SPLITS=one) over the
-  BF16 SWA rows + 512 selected packed entries per query (at prefill with SGLANG_DSV41_ATTN_PREFILL=bf16:
-  over the runtime's BF16 workspace of the decoded entries, `runtime.attention_prefill`, its decode timed
-  with it), and Triton `index_scores` (float64 head sum, or fp32 with
+  BF16 SWA rows + 512 selected packed entries per query (at prefill, the serving default
+  SGLANG_DSV41_ATTN_PREFILL=bf16: over the runtime's BF16 workspace of the decoded entries,
+  `runtime.attention_prefill`, its decode timed with it, launched with `plan_prefill_config`), and
+  Triton `index_scores` (float64 head sum, or fp32 with
   SGLANG_DSV41_INDEXER_HEAD_SUM=fp32) over the packed keys + `select_for_role`;
 * `attention_bf16` / `indexer_bf16` — the same kernels over BF16 copies of the decoded entries,
   when the caches hold them; `kernel_components` reports whether the packed outputs equal them
@@ -323,7 +324,7 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor, sink: T
     from sglang_dsv41.runtime import attention_prefill as AP
     splits = splits or kernel_choice(ATTENTION_SPLITS_ENV, ATTENTION_SPLITS, "decode")   # the serving default
     exact = (head_sum or kernel_choice(INDEXER_HEAD_SUM_ENV, INDEXER_HEAD_SUMS)) == "fp64"
-    prefill = kernel_choice(AP.PREFILL_ENV, AP.PREFILL_CHOICES)
+    prefill = AP.prefill_choice(False)                                                   # the serving default
     from sglang_dsv41.kernels import indexer as K
     from sglang_dsv41.kernels import sparse_attention as SA
     t, role, pos, req = layer.text, layer.role, qs["positions"], qs["req"]
@@ -349,7 +350,9 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor, sink: T
     sel = indexer()
     comp_entries = torch.where(sel >= 0, entries[req[:, None], sel.clamp(min=0)], -1)
     shape = (q.shape[0], t.num_attention_heads, t.head_dim, t.sliding_window, comp_entries.shape[1])
-    cfg_att = (SA.plan_decode_config(*shape, SA.device_sm_count(q.device), block_h=block_h) if splits == "decode"
+    workspace = AP.applies(prefill, False, q.shape[0], R, width)   # the runtime's prefill workspace path
+    cfg_att = (SA.plan_prefill_config(*shape) if workspace else
+               SA.plan_decode_config(*shape, SA.device_sm_count(q.device), block_h=block_h) if splits == "decode"
                else dataclasses.replace(SA.plan_config(*shape, 1), num_splits=1))
     cfg_att = att_config or cfg_att
     qb, scale = q.to(torch.bfloat16), softmax_scale(t.head_dim)
@@ -357,7 +360,7 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor, sink: T
     def attention():
         return SA.sparse_sink_attention(qb, caches.swa, qs["swa_slots"], caches.packed_latents, comp_entries, sink, scale,
                                         config=cfg_att)
-    if AP.applies(prefill, False, q.shape[0], R, width):      # the runtime's prefill workspace (decoded per call)
+    if workspace:                                             # decoded per call, as once per forward in the runtime
         latent_cols = caches.layout.source(role.kv_source).latent
 
         def attention():

@@ -21,12 +21,15 @@ by name (`prefill_component`). Per component the median over passes of the summe
 decode_step.py's prefill row; no L2 flush: the 8K working set dwarfs L2).
 
 Variants (`VARIANTS`, old against new in one process): `before` = session 11's path (RoPE and its
-BF16 rounding as two launches); `default` = the serving defaults now; `new` = every prefill opt-in
-(BF16 attention workspace, fp32 indexer head sum, fused top-k, BF16-weight products in one GEMM);
-then each opt-in alone. A variant
-sets its environment switches (and instance patches) for its duration only. Last (`attention_sweep`,
-deadline permitting): the attention alone at the prefill shape on the BF16 workspace under a few launch
-configurations (ATTENTION_SWEEP), losers kept.
+BF16 rounding as two launches, packed attention rows, torch top-k, BF16-weight products in 128-row
+blocks: OLD); `session12` = the serving default before session 13 (packed rows, 128-row blocks);
+`default` = the serving defaults now (SWITCHES: BF16 attention workspace launched with
+`plan_prefill_config`, fused top-k, float64 head sum, BF16-weight products in one GEMM); `new` =
+every prefill opt-in (the default + the fp32 indexer head sum); then each session-12 prefill choice
+alone on OLD (`attn_bf16_workspace`, `indexer_fp32_head_sum`, `indexer_fused_topk`,
+`whole_bf16_rows`). A variant sets its environment switches (and instance patches) for its duration
+only. Last (`attention_sweep`, deadline permitting): the attention alone at the prefill shape on the
+BF16 workspace under a few launch configurations (ATTENTION_SWEEP), losers kept.
 """
 from __future__ import annotations
 
@@ -41,27 +44,32 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 
 REPEATS = 3
-#: the switches a variant may set; every variant sets all of them (unset = the default value)
-SWITCHES = {"SGLANG_DSV41_ATTN_PREFILL": "packed", "SGLANG_DSV41_INDEXER_HEAD_SUM": "fp64",
-            "SGLANG_DSV41_INDEXER_TOPK": "torch"}
-NEW = {"SGLANG_DSV41_ATTN_PREFILL": "bf16", "SGLANG_DSV41_INDEXER_HEAD_SUM": "fp32",
-       "SGLANG_DSV41_INDEXER_TOPK": "fused"}
-#: name → (environment, backend patches): `two_pass_rope` = session 11's RoPE (`TwoPassRope`);
-#: `whole_bf16_rows` = SGLANG_DSV41_BF16_GEMM=whole (`BlockedBf16Gemm.whole_rows`, read at build: set on the layer's backend)
+#: the switches a variant may set, at the CUDA serving defaults; every variant sets all of them
+SWITCHES = {"SGLANG_DSV41_ATTN_PREFILL": "bf16", "SGLANG_DSV41_INDEXER_HEAD_SUM": "fp64",
+            "SGLANG_DSV41_INDEXER_TOPK": "fused"}
+#: session 11's switches (with the patch `blocked_bf16_rows`: its BF16-weight rows)
+OLD = {"SGLANG_DSV41_ATTN_PREFILL": "packed", "SGLANG_DSV41_INDEXER_HEAD_SUM": "fp64",
+       "SGLANG_DSV41_INDEXER_TOPK": "torch"}
+NEW = SWITCHES | {"SGLANG_DSV41_INDEXER_HEAD_SUM": "fp32"}
+#: name → (environment over SWITCHES, backend patches): `two_pass_rope` = session 11's RoPE (`TwoPassRope`);
+#: `blocked_bf16_rows` = SGLANG_DSV41_BF16_GEMM=blocked (`BlockedBf16Gemm.whole_rows` False, read at build: set
+#: on the layer's backend; without the patch: `whole`, the serving default)
 VARIANTS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
-    "before": ({}, ("two_pass_rope",)), "default": ({}, ()), "new": (NEW, ("whole_bf16_rows",)),
-    "attn_bf16_workspace": ({"SGLANG_DSV41_ATTN_PREFILL": "bf16"}, ()),
-    "indexer_fp32_head_sum": ({"SGLANG_DSV41_INDEXER_HEAD_SUM": "fp32"}, ()),
-    "indexer_fused_topk": ({"SGLANG_DSV41_INDEXER_TOPK": "fused"}, ()),
-    "whole_bf16_rows": ({}, ("whole_bf16_rows",))}
-DEFAULT_VARIANTS = ("before", "default", "new", "attn_bf16_workspace", "indexer_fp32_head_sum", "indexer_fused_topk",
-                    "whole_bf16_rows")
+    "before": (OLD, ("two_pass_rope", "blocked_bf16_rows")),
+    "session12": ({"SGLANG_DSV41_ATTN_PREFILL": "packed"}, ("blocked_bf16_rows",)),
+    "default": ({}, ()), "new": (NEW, ()),
+    "attn_bf16_workspace": (OLD | {"SGLANG_DSV41_ATTN_PREFILL": "bf16"}, ("blocked_bf16_rows",)),
+    "indexer_fp32_head_sum": (OLD | {"SGLANG_DSV41_INDEXER_HEAD_SUM": "fp32"}, ("blocked_bf16_rows",)),
+    "indexer_fused_topk": (OLD | {"SGLANG_DSV41_INDEXER_TOPK": "fused"}, ("blocked_bf16_rows",)),
+    "whole_bf16_rows": (OLD, ())}
+DEFAULT_VARIANTS = ("before", "session12", "default", "new", "attn_bf16_workspace", "indexer_fp32_head_sum",
+                    "indexer_fused_topk", "whole_bf16_rows")
 PREFILL_COMPONENTS = ("dense_fp8", "dense_bf16", "attention", "indexer_scores", "indexer_topk", "indexer_query",
                       "compressor", "router", "moe_experts", "moe_routing", "moe_combine", "shared_expert", "mhc",
                       "norms", "rope", "elementwise", "torch_glue", "engram", "unattributed")
 #: attention launch configurations timed at the prefill shape on the BF16 workspace (`attention_sweep`),
-#: as changes to the planned one (`kernels.sparse_attention.plan_config`: block_h 32, block_n 32, 8 warps,
-#: 2 stages at Flash); losers are kept in the JSON
+#: as changes to `kernels.sparse_attention.plan_config`'s (block_h 32, block_n 32, 8 warps, 2 stages at
+#: Flash; `block_h16_w4` is the runtime's `plan_prefill_config` there); losers are kept in the JSON
 ATTENTION_SWEEP = {"plan": {}, "stages3": dict(num_stages=3), "block_h16_w4": dict(block_h=16, num_warps=4),
                    "block_h16_w8": dict(block_h=16, num_warps=8), "block_n64_s1": dict(block_n=64, num_stages=1)}
 #: kernel-name fragments of a linear's operand passes (not its GEMM)
@@ -143,7 +151,7 @@ def variant_scope(name: str, backend) -> Iterable[None]:
     dense = getattr(backend, "dense", None)
     saved_whole = getattr(dense, "whole_rows", None)
     if saved_whole is not None:
-        dense.whole_rows = "whole_bf16_rows" in patches
+        dense.whole_rows = "blocked_bf16_rows" not in patches
     try:
         yield
     finally:
@@ -317,7 +325,7 @@ def write_prefill_profile(layer, out: Path, device_name: str, tokens: int, parts
         try:
             outputs: dict = {}
             rows.append(profile_variant(layer, caches, tokens, name, parts_order, errors, repeats, outputs))
-            if not reference:                    # the first variant's outputs (`before`: the packed default path)
+            if not reference:                    # the first variant's outputs (`before`: session 11's packed path)
                 reference = dict(outputs, variant=name)
             rows[-1]["agreement_with"] = reference["variant"]
             rows[-1]["agreement"] = agreement(outputs, reference)

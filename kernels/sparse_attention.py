@@ -37,7 +37,8 @@ with few queries splits the key tiles of a query over `num_splits` programs (fla
 each writes (m, l, unnormalised acc) to fp32 scratch and a second kernel merges them and adds
 the sink. Splits never hold fewer than ⌈2H/block_n⌉ tiles, so the scratch written per split
 (H·D·4 B) never exceeds the key bytes it read. Decode (N = batch) and extend (N = many tokens)
-are the same launch. At the Flash config (block_h 32, block_n 32, 8 warps, 2 stages) the sm_90
+are the same launch (prefill over BF16 workspace rows: `plan_prefill_config`). At the Flash
+config (block_h 32, block_n 32, 8 warps, 2 stages) the sm_90
 build uses 255 registers per thread with no spills and 70 KB of shared memory, BF16
 `mma.sync` dots, cp.async-pipelined BF16 rows (block_h 64 would reach wgmma but spills); the
 tests compile it for sm_90.
@@ -181,6 +182,27 @@ def plan_decode_config(num_queries: int, num_heads: int, head_dim: int, window: 
     splits = max(1, min(tiles, MAX_SPLITS, triton.cdiv(sm_count, programs)))
     splits = triton.cdiv(tiles, triton.cdiv(tiles, splits))   # no empty split
     return dataclasses.replace(base, num_splits=splits)
+
+
+#: Prefill launches whose compressed keys are BF16 rows (the workspace of `runtime.attention_prefill`):
+#: (block_d, `plan_config`'s block_h) → (block_h, num_warps) where measured faster on the H200
+#: (docs/performance.md "Session 13": 64 heads × head_dim 512, 8,192 queries, block_n 32, 2 stages).
+#: Other classes keep `plan_config`'s blocks.
+PREFILL_BF16_BLOCKS = {(512, 32): (16, 4)}
+
+
+def plan_prefill_config(num_queries: int, num_heads: int, head_dim: int, window: int,
+                        topk: int) -> SparseAttentionConfig:
+    """One key split (an extend batch fills the multiprocessors with queries) and `plan_config`'s
+    blocks, except the classes of PREFILL_BF16_BLOCKS — for compressed keys given as BF16 rows, not
+    a `PackedSource`. Only block_h and num_warps change (the same key tiles in the same order; the
+    oracle bound of the module doc holds for any config)."""
+    base = dataclasses.replace(plan_config(num_queries, num_heads, head_dim, window, topk, sm_count=1),
+                               num_splits=1)
+    blocks = PREFILL_BF16_BLOCKS.get((base.block_d, base.block_h))
+    if blocks is None:
+        return base
+    return dataclasses.replace(base, block_h=blocks[0], num_warps=blocks[1])
 
 
 def device_sm_count(device: torch.device) -> int:

@@ -122,14 +122,21 @@ def test_prefill_profile_attribution_and_variants(sp, monkeypatch) -> None:
     be = SimpleNamespace(fe=SimpleNamespace(apply_rope_tail=lambda x, p, f, inverse=False, round_bf16=False:
                                             x + 1 if not round_bf16 else torch.round(x + 1),
                                             round_bf16=torch.round), dense=SimpleNamespace(whole_rows=False))
-    with pp.variant_scope("before", be):
-        assert {k: os.environ[k] for k in pp.SWITCHES} == pp.SWITCHES
+    with pp.variant_scope("before", be):               # session 11: two-launch RoPE, packed, torch top-k, blocked
+        assert {k: os.environ[k] for k in pp.SWITCHES} == pp.OLD and not be.dense.whole_rows
         assert torch.equal(be.fe.apply_rope_tail(torch.tensor([0.25]), None, None, round_bf16=True), torch.tensor([1.0]))
     assert not isinstance(be.fe, pp.TwoPassRope) and os.environ["SGLANG_DSV41_INDEXER_TOPK"] == "fused"
     assert "SGLANG_DSV41_ATTN_PREFILL" not in os.environ
+    with pp.variant_scope("default", be):              # the CUDA serving defaults: workspace, whole rows
+        assert {k: os.environ[k] for k in pp.SWITCHES} == pp.SWITCHES and be.dense.whole_rows
+        assert pp.SWITCHES["SGLANG_DSV41_ATTN_PREFILL"] == "bf16" and not isinstance(be.fe, pp.TwoPassRope)
+    with pp.variant_scope("session12", be):
+        assert os.environ["SGLANG_DSV41_ATTN_PREFILL"] == "packed" and not be.dense.whole_rows
     with pp.variant_scope("new", be):
         assert {k: os.environ[k] for k in pp.SWITCHES} == pp.NEW and be.dense.whole_rows
-    assert not be.dense.whole_rows
+    with pp.variant_scope("whole_bf16_rows", be):
+        assert {k: os.environ[k] for k in pp.SWITCHES} == pp.OLD and be.dense.whole_rows
+    assert not be.dense.whole_rows and "SGLANG_DSV41_ATTN_PREFILL" not in os.environ
     assert set(pp.DEFAULT_VARIANTS) <= set(pp.VARIANTS)
 
 

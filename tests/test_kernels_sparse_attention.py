@@ -20,6 +20,7 @@ loosened there) and in the interpreter (which truncates fp32→bf16, spec §12).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -570,6 +571,12 @@ def test_plan_config_shapes():
     assert sa.plan_decode_config(8, 64, 512, 128, 512, sm_count=132, block_h=16).num_splits == 5   # ⌈132/32⌉ = 5
     tiny = sa.plan_config(5, 4, 96, 8, 4, sm_count=132)
     assert (tiny.block_d, tiny.block_h, tiny.block_n, tiny.num_warps) == (128, 16, 16, 4)
+    prefill = sa.plan_prefill_config(8192, 64, 512, 128, 512)       # the measured class: the workspace's config
+    assert (prefill.block_d, prefill.block_h, prefill.block_n, prefill.num_warps, prefill.num_stages,
+            prefill.num_splits) == (512, 16, 32, 4, 2, 1)
+    assert sa.plan_prefill_config(512, 32, 512, 128, 512) == prefill                 # 32 heads: the same class
+    for shape in ((8192, 16, 512, 128, 512), (2048, 64, 256, 128, 512), (37, 4, 96, 8, 4)):   # other classes
+        assert sa.plan_prefill_config(*shape) == dataclasses.replace(sa.plan_config(*shape, sm_count=1), num_splits=1)
     with pytest.raises(ValueError, match="head_dim"):
         sa.plan_config(1, 4, 2048, 8, 4, sm_count=1)
     assert sa.bytes_read_per_query(64, 512, 128, 512, 640) == 64 * 512 * 2 + 640 * 4 + 640 * 1024 + 256
@@ -600,8 +607,9 @@ def _hopper_binary(kernel, constexprs: dict, num_warps: int, num_stages: int):
 
 @pytest.mark.skipif(INTERPRETED, reason="needs the compiled kernels")
 @pytest.mark.parametrize("case,packed", [("flash_decode_split", False), ("flash_extend", False), ("tiny", False),
-                                         ("flash_decode_split", True)],
-                         ids=["flash_decode_split", "flash_extend", "tiny", "flash_decode_split_packed"])
+                                         ("flash_decode_split", True), ("flash_prefill_workspace", False)],
+                         ids=["flash_decode_split", "flash_extend", "tiny", "flash_decode_split_packed",
+                              "flash_prefill_workspace"])
 def test_compiles_for_hopper_without_spills(case, packed):
     """The planned configs compile for sm_90 with BF16 tensor-core dots and shared memory within
     Hopper's 227 KiB per block — with BF16 compressed rows (no register spills: STACK/LOCAL 0) and
@@ -611,8 +619,9 @@ def test_compiles_for_hopper_without_spills(case, packed):
     the per-dim decode it replaced spilled 950 B; the per-byte join/reshape decode gave wrong
     values on the H200)."""
     n, h, d, w, k = {"flash_decode_split": (1, 64, 512, 128, 512), "flash_extend": (2048, 64, 512, 128, 512),
-                     "tiny": (5, 4, 96, 8, 4)}[case]
-    cfg = sa.plan_config(n, h, d, w, k, sm_count=132)
+                     "tiny": (5, 4, 96, 8, 4), "flash_prefill_workspace": (8192, 64, 512, 128, 512)}[case]
+    cfg = (sa.plan_prefill_config(n, h, d, w, k) if case == "flash_prefill_workspace" else
+           sa.plan_config(n, h, d, w, k, sm_count=132))
     consts = dict(BLOCK_H=cfg.block_h, BLOCK_D=cfg.block_d, BLOCK_N=cfg.block_n, HAS_COMP=True,
                   COMP_PACKED=packed, COMP_SHARE=144 if packed else 1, NUM_SPLITS=cfg.num_splits, DOT_FP32=False)
     compiled, usage = _hopper_binary(sa._sparse_sink_attn_kernel, consts, cfg.num_warps, cfg.num_stages)
@@ -663,6 +672,23 @@ def test_gpu_decode_plan_flash_matches_oracle_and_packed(n, block_h):
     case = packed_case(n=n, heads=64, dim=512, index_dim=128, window=128, topk=512, num_rows=8192,
                        ratios=FLASH_RATIOS, source=1, seed=710 + n, hole_frac=0.1, device="cuda", slot_dtype=torch.int32)
     assert_packed_equals_bf16_path(mod, *case, 512 ** -0.5, config=cfg)
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_plan_flash_matches_oracle():
+    """`plan_prefill_config` (the BF16 prefill workspace's launch: 16 heads, 4 warps at the Flash
+    shape) on BF16 compressed rows: the oracle bound; whether its output equals the one-split
+    `plan_config` launch's bit for bit is printed (measured equal at 8,192 queries, session 13)."""
+    mod = _gpu_module()
+    n = 2048
+    cfg = mod.plan_prefill_config(n, 64, 512, 128, 512)
+    assert (cfg.block_h, cfg.num_warps, cfg.num_splits) == (16, 4, 1)
+    args = random_case(n=n, slots=8192, seed=800, heads=64, dim=512, window=128, topk=512, hole_frac=0.1,
+                       device="cuda", slot_dtype=torch.int32)
+    out, _ = check_against_oracle(mod, *args, 512 ** -0.5, config=cfg)
+    plan = dataclasses.replace(mod.plan_config(n, 64, 512, 128, 512, sm_count=1), num_splits=1)
+    same = mod.sparse_sink_attention(*args, 512 ** -0.5, config=plan)
+    print(f"plan_prefill_config vs plan_config at n = {n}: {float((out == same).float().mean()):.4%} of elements equal")
 
 
 @pytest.mark.gpu

@@ -80,6 +80,39 @@ def test_cuda_tensors_use_the_triton_kernels(fresh_kernel_ops) -> None:
     assert (ops.deterministic, ops.splits, exact.deterministic, exact.splits) == (False, "decode", True, "one")
     assert attention_ops.ops_for(torch.device("cuda"), deterministic=True) is exact
 
+def test_prefill_defaults_by_device_and_mode(fresh_kernel_ops, monkeypatch) -> None:
+    """Session 13's defaults: CUDA serving → the BF16 prefill workspace and BF16-weight rows in one
+    GEMM; `--enable-deterministic-inference` → packed rows and 128-row blocks; CPU unchanged (the
+    torch attention, never a workspace; the torch backends have no BF16 GEMM rows); the variables
+    override the mode (whole rows never with deterministic)."""
+    from sglang_dsv41.runtime import backend as B
+    from sglang_dsv41.runtime.attention_prefill import PREFILL_ENV
+
+    cuda, f32 = torch.device("cuda"), torch.float32
+    monkeypatch.delenv(PREFILL_ENV, raising=False)
+    monkeypatch.delenv(B.BF16_GEMM_ENV, raising=False)
+    serving, exact = attention_ops.ops_for(cuda, f32, False), attention_ops.ops_for(cuda, f32, True)
+    assert (serving.prefill, exact.prefill) == ("bf16", "packed")
+    assert (B.bf16_gemm_for(False), B.bf16_gemm_for(True)) == ("whole", "blocked")
+    assert B.backend_for(cuda, {}, False).dense.whole_rows and not B.backend_for(cuda, {}, True).dense.whole_rows
+    for deterministic in (False, True):                                        # CPU: as before session 13
+        ops = attention_ops.ops_for(CPU, f32 if not deterministic else torch.float64, deterministic)
+        assert isinstance(ops, attention_ops.TorchAttentionOps)
+        assert ops.prefill_workspace(None, None, 2, 2, None, None) is None
+        assert not hasattr(B.backend_for(CPU, {}, deterministic), "dense")
+    monkeypatch.setenv(PREFILL_ENV, "packed")
+    monkeypatch.setenv(B.BF16_GEMM_ENV, "blocked")
+    attention_ops.kernel_ops.cache_clear()
+    assert attention_ops.ops_for(cuda, f32, False).prefill == "packed" and B.bf16_gemm_for(False) == "blocked"
+    assert not B.backend_for(cuda, {}, False).dense.whole_rows
+    monkeypatch.setenv(PREFILL_ENV, "bf16")
+    monkeypatch.setenv(B.BF16_GEMM_ENV, "whole")
+    attention_ops.kernel_ops.cache_clear()
+    assert attention_ops.ops_for(cuda, f32, True).prefill == "bf16"             # an explicit choice wins
+    with pytest.raises(ValueError, match="not row invariant"):
+        B.backend_for(cuda, {}, True)
+
+
 @pytest.mark.parametrize("missing", sorted(attention_ops.KERNEL_MODULES.values()))
 def test_missing_kernel_on_cuda_raises(fresh_kernel_ops, monkeypatch, missing: str) -> None:
     monkeypatch.setitem(sys.modules, missing, None)                   # import → ImportError
@@ -169,7 +202,8 @@ def test_kernel_orchestration_with_exact_stand_ins_equals_cpu_path(engine, cpu_s
     monkeypatch.setattr(attention_ops.AP, "PREFILL_MIN_QUERIES", 1)
     stand_in = attention_ops.KernelAttentionOps(
         SimpleNamespace(sparse_sink_attention=_exact_sparse_sink_attention(calls),
-                        plan_config=kernel_attention.plan_config, PackedSource=kernel_attention.PackedSource),
+                        plan_config=kernel_attention.plan_config, PackedSource=kernel_attention.PackedSource,
+                        plan_prefill_config=_counted(calls, "prefill_plan", kernel_attention.plan_prefill_config)),
         SimpleNamespace(index_scores=_exact_index_scores(calls), select_indices=kernel_indexer.select_indices,
                         entry_index_table=_counted(calls, "table", kernel_indexer.entry_index_table),
                         PackedSource=kernel_indexer.PackedSource),
@@ -186,6 +220,7 @@ def test_kernel_orchestration_with_exact_stand_ins_equals_cpu_path(engine, cpu_s
     assert calls.count("attend") == batches * cfg.text.num_hidden_layers
     compressed_layers = sum(r.ratio > 0 for r in cfg.text.layer_roles())
     assert calls.count("workspace") == (batches * compressed_layers if prefill == "bf16" else 0)
+    assert calls.count("prefill_plan") == calls.count("workspace")   # the workspace launches plan_prefill_config
     if chunk_elements == DEFAULT_CHUNK:
         assert calls.count("scores") == batches * indexer_layers      # one chunk per layer
     else:
@@ -231,34 +266,53 @@ def test_gpu_sublayer_tests_pass_in_the_triton_interpreter() -> None:
 def test_kernel_choices_come_from_the_environment(monkeypatch) -> None:
     """The attention plan: `plan_decode_config` with the device's multiprocessors by default (the
     serving path), one split in deterministic mode; SGLANG_DSV41_ATTN_SPLITS overrides either;
-    SGLANG_DSV41_INDEXER_HEAD_SUM picks the head sum; unknown values raise."""
+    SGLANG_DSV41_INDEXER_HEAD_SUM picks the head sum; the prefill rows: the BF16 workspace serving,
+    the packed rows deterministic, SGLANG_DSV41_ATTN_PREFILL overrides either; a workspace launch
+    takes `plan_prefill_config` (Flash: 16 heads, 4 warps); unknown values raise."""
     seen: list[tuple] = []
 
     def plan_decode_config(*shape, sm_count):
         seen.append(("decode", shape, sm_count))
         return kernel_attention.plan_decode_config(*shape, sm_count=sm_count)
 
+    def plan_prefill_config(*shape):
+        cfg = kernel_attention.plan_prefill_config(*shape)
+        seen.append(("prefill", shape, cfg.block_h, cfg.num_warps))
+        return cfg
+
     def attend(q, swa_cache, swa_slots, comp_cache, comp_slots, sink, scale, *, config):
         seen.append(("attend", config.num_splits))
         return torch.zeros_like(q)
     fake = SimpleNamespace(plan_config=kernel_attention.plan_config, plan_decode_config=plan_decode_config,
-                           device_sm_count=lambda device: 132, sparse_sink_attention=attend)
+                           plan_prefill_config=plan_prefill_config, device_sm_count=lambda device: 132,
+                           sparse_sink_attention=attend)
     q, sink = torch.zeros(1, 64, 512), torch.zeros(64)
     swa, slots = torch.zeros(4, 512, dtype=torch.bfloat16), torch.zeros(1, 128, dtype=torch.long)
     for env in ("SGLANG_DSV41_ATTN_SPLITS", "SGLANG_DSV41_INDEXER_HEAD_SUM", "SGLANG_DSV41_ATTN_PREFILL"):
         monkeypatch.delenv(env, raising=False)
     serving = attention_ops.KernelAttentionOps(fake, SimpleNamespace())
-    assert (serving.splits, serving.head_sum, serving.prefill) == ("decode", "fp64", "packed") and "'decode' key splits" in serving.description
+    assert (serving.splits, serving.head_sum, serving.prefill) == ("decode", "fp64", "bf16")
+    assert "'decode' key splits" in serving.description and "'bf16' prefill rows" in serving.description
     serving.attend(q, sink, swa, slots, None, None)
     assert seen == [("decode", (1, 64, 512, 128, 0), 132), ("attend", 4)]   # 4 SWA tiles of 32, one each
     exact = attention_ops.KernelAttentionOps(fake, SimpleNamespace(), deterministic=True)
-    assert (exact.splits, exact.head_sum) == ("one", "fp64")
+    assert (exact.splits, exact.head_sum, exact.prefill) == ("one", "fp64", "packed")
     exact.attend(q, sink, swa, slots, None, None)
     assert seen[2:] == [("attend", 1)]
+    rows = torch.zeros(1, 512, dtype=torch.long)
+    serving.attend(q, sink, swa, slots, None, rows, workspace=(torch.zeros(4, 512, dtype=torch.bfloat16), rows))
+    assert seen[3:] == [("prefill", (1, 64, 512, 128, 512), 16, 4), ("attend", 1)]
     monkeypatch.setenv("SGLANG_DSV41_ATTN_SPLITS", "decode")
     monkeypatch.setenv("SGLANG_DSV41_INDEXER_HEAD_SUM", "FP32")
+    monkeypatch.setenv("SGLANG_DSV41_ATTN_PREFILL", "BF16")
     chosen = attention_ops.KernelAttentionOps(fake, SimpleNamespace(), deterministic=True)
-    assert (chosen.splits, chosen.head_sum) == ("decode", "fp32")
+    assert (chosen.splits, chosen.head_sum, chosen.prefill) == ("decode", "fp32", "bf16")
+    monkeypatch.setenv("SGLANG_DSV41_ATTN_PREFILL", "packed")
+    assert attention_ops.KernelAttentionOps(fake, SimpleNamespace()).prefill == "packed"
+    monkeypatch.setenv("SGLANG_DSV41_ATTN_PREFILL", "fp8")
+    with pytest.raises(ValueError, match="SGLANG_DSV41_ATTN_PREFILL='fp8'"):
+        attention_ops.KernelAttentionOps(fake, SimpleNamespace())
+    monkeypatch.delenv("SGLANG_DSV41_ATTN_PREFILL")
     monkeypatch.setenv("SGLANG_DSV41_ATTN_SPLITS", "One")
     assert attention_ops.KernelAttentionOps(fake, SimpleNamespace()).splits == "one"
     monkeypatch.setenv("SGLANG_DSV41_ATTN_SPLITS", "many")

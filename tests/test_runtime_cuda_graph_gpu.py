@@ -19,8 +19,9 @@ captured buffers. Pinned:
    W8A8 row tiers may depend on the batch size (padded 6 vs live 4). Whether the bits agree is printed.
 
 Both modes of the CUDA forward are captured: deterministic (`--enable-deterministic-inference`:
-W8A16 FP8 linears, one attention key split) and the serving default (`w8a8_f16`,
-`kernels/fp8_w8a8.py`; split-KV decode attention; fused top-k).
+W8A16 FP8 linears, one attention key split, packed prefill rows, BF16-weight rows in 128-row blocks)
+and the serving default (`w8a8_f16`, `kernels/fp8_w8a8.py`; split-KV decode attention; fused top-k;
+BF16-weight rows in one GEMM; the BF16 prefill workspace, which a static layout never takes).
 
 A failed capture (a host synchronisation, a host → device copy or a data-dependent shape inside
 the static forward) fails test 1 with the capture error and what to look for.
@@ -45,6 +46,8 @@ def captured(tiny_checkpoint, request):
     torch.backends.cuda.matmul.allow_tf32 = False
     engine = runtime_engine(tiny_checkpoint, CUDA, deterministic=request.param)
     assert engine.attention_ops.splits == ("one" if request.param else "decode"), engine.attention_ops.description
+    assert engine.attention_ops.prefill == ("packed" if request.param else "bf16")   # eager prefill only
+    assert engine.backend.dense.whole_rows is not request.param
     state = prefilled(engine, CUDA)
     start = clone_caches(state.caches)
     graph_caches, eager_static, eager_live = clone_caches(start), clone_caches(start), clone_caches(start)

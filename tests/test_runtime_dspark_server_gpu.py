@@ -21,7 +21,9 @@ Greedy equality and the attention plan (docs/dspark.md "Greedy equality and the 
 every server runs with `SGLANG_DSV41_ATTN_SPLITS=one` (`SERVER_ENV`), the batch-invariant attention
 plan, because the serving default's split-KV plan depends on the query count and a verify step
 (batch × (γ + 1) queries) would otherwise use another plan than the plain server's decode step
-(batch queries). The rest is the serving default.
+(batch queries); likewise `SGLANG_DSV41_BF16_GEMM=blocked` and `SGLANG_DSV41_ATTN_PREFILL=packed`
+(the serving default's whole-batch BF16 GEMMs and prefill workspace depend on how the two servers
+happen to batch the prompts). The rest is the serving default.
 
 Skipped without CUDA (conftest). `SGLANG_DSV41_DSPARK_TEST_EXTRA` adds server flags to every server
 (e.g. `--disable-cuda-graph`, the eager fallback). scripts/gpu/dspark7.sh runs this file.
@@ -59,8 +61,9 @@ SPS_TABLE = {"sample_batch_tokens": SPS_TOKENS, "sample_steps_per_sec": [1000.0 
 
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny-h200-tp1-dspark.yaml"
-#: the batch-invariant attention plan for every server (module doc)
-SERVER_ENV = {"SGLANG_DSV41_ATTN_SPLITS": "one"}
+#: the batch-invariant attention plan, BF16 GEMM rows and prefill rows for every server (module doc)
+SERVER_ENV = {"SGLANG_DSV41_ATTN_SPLITS": "one", "SGLANG_DSV41_BF16_GEMM": "blocked",
+              "SGLANG_DSV41_ATTN_PREFILL": "packed"}
 
 
 class LaunchedServer(Server):

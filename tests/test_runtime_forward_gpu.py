@@ -18,16 +18,19 @@ own stated bound:
    `select` returns exactly the CPU selection and candidate blocks (the scores are bitwise
    equal: float64 head sum);
 2. batch invariance of the whole CUDA forward in deterministic mode (`--enable-deterministic-inference`:
-   one attention key split, W8A16 FP8 linears; `TorchForward(deterministic=True)`): the packed
-   scenarios give every request bit for bit the logits of that request run alone in one shot —
-   chunking, batching and prefix caching change nothing on CUDA (as on CPU, where both equal the
-   reference);
+   one attention key split, packed rows at prefill, W8A16 FP8 linears, BF16-weight rows in 128-row
+   blocks; `TorchForward(deterministic=True)`): the packed scenarios give every request bit for bit
+   the logits of that request run alone in one shot — chunking, batching and prefix caching change
+   nothing on CUDA (as on CPU, where both equal the reference); the prefill workspace's size rule
+   lowered to `WORKSPACE_MIN_QUERIES`, no batch takes it;
 3. the serving default (split-KV `plan_decode_config` attention: a query's bits depend on its
-   batch's size; W8A8 FP8 linears; GPU only): the same scenarios within the numerics contract of
-   each request alone — |Δlogit| ≤ `SERVING_VS_ALONE_BOUND` = 2 × `LOGIT_BOUND` (the contract holds
-   each serving run within `LOGIT_BOUND` of the reference, tests/test_runtime_numerics_contract.py)
-   and top-1 agreement ≥ `MIN_TOP1_AGREEMENT`; the scenario's last batch (4 decode tokens) plans
-   key splits, the one-shot runs (≥ 49 tokens) one split;
+   batch's size; the BF16 prefill workspace, its size rule lowered to `WORKSPACE_MIN_QUERIES` so
+   every batch but the decode-only one takes it; W8A8 FP8 linears; BF16-weight rows in one GEMM;
+   GPU only): the same scenarios within the numerics contract of each request alone —
+   |Δlogit| ≤ `SERVING_VS_ALONE_BOUND` = 2 × `LOGIT_BOUND` (the contract holds each serving run
+   within `LOGIT_BOUND` of the reference, tests/test_runtime_numerics_contract.py) and top-1
+   agreement ≥ `MIN_TOP1_AGREEMENT`; the scenario's last batch (4 decode tokens) plans key splits
+   over the packed rows, the one-shot runs (≥ 49 tokens) one split over the workspace;
 4. the CUDA forward runs through the kernels (every attention sublayer of every batch).
 The end-to-end distance to the reference is printed for docs/validation.md, not asserted.
 
@@ -53,6 +56,7 @@ from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compres
 from sglang_dsv41.kernels import indexer as kernel_indexer
 from sglang_dsv41.kernels import sparse_attention as kernel_attention
 from sglang_dsv41.runtime import attention_ops
+from sglang_dsv41.runtime import attention_prefill as AP
 from sglang_dsv41.runtime.backend import ExactTorchBackend
 from sglang_dsv41.runtime.forward import TorchForward
 from sglang_dsv41.runtime.kv_layout import PackedSourceRows
@@ -61,6 +65,9 @@ INTERPRETED = kernel_attention._is_interpreted() and kernel_indexer.INTERPRETED
 DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
 CPU = torch.device("cpu")
 BATCHES = 5                                   # run_scenario's batches
+#: the prefill workspace's size rule in the scenario tests (`attention_prefill.PREFILL_MIN_QUERIES`):
+#: above the split-KV decode sizes, below the scenario's prefill batches
+WORKSPACE_MIN_QUERIES = kernel_attention.DECODE_SPLIT_MAX_QUERIES + 1
 pytestmark = [] if INTERPRETED else [pytest.mark.gpu]
 
 
@@ -96,16 +103,19 @@ def kernel_ops() -> attention_ops.KernelAttentionOps:
 
 def _count_dispatch(monkeypatch, engine: TorchForward, deterministic: bool) -> dict[str, list[int]]:
     """`engine` runs the mode's kernels (under the interpreter: on CPU tensors too); records the
-    query count of each call (`attend` / `select`)."""
+    query count of each call (`attend` / `select`) and of each attend over the prefill workspace
+    (`workspace`)."""
     ops = _kernel_ops(deterministic)
     assert INTERPRETED or engine.attention_ops is ops
-    calls: dict[str, list[int]] = {"attend": [], "select": []}
+    calls: dict[str, list[int]] = {"attend": [], "select": [], "workspace": []}
 
     class Counting:
-        description, splits = ops.description, ops.splits
+        description, splits, prefill = ops.description, ops.splits, ops.prefill
 
         def attend(self, *args, **kwargs):
             calls["attend"].append(args[0].shape[0])
+            if kwargs.get("workspace") is not None:
+                calls["workspace"].append(args[0].shape[0])
             return ops.attend(*args, **kwargs)
 
         def prefill_workspace(self, *args):
@@ -230,10 +240,13 @@ def test_packed_chunked_and_prefix_batches_equal_each_request_alone(models, refe
     """Deterministic mode: bit for bit (item 2)."""
     cfg, _, on_device = models
     decode = fixed_decode_tokens()
+    monkeypatch.setattr(AP, "PREFILL_MIN_QUERIES", WORKSPACE_MIN_QUERIES)
     dispatch = _count_dispatch(monkeypatch, on_device, deterministic=True)
-    assert INTERPRETED or on_device.attention_ops.splits == "one"
+    assert INTERPRETED or (on_device.attention_ops.splits, on_device.attention_ops.prefill) == ("one", "packed")
+    assert INTERPRETED or not on_device.backend.dense.whole_rows
     got = run_scenario(on_device, scenario_caches(on_device, DEVICE), DEVICE, decode)
     assert len(dispatch["attend"]) == BATCHES * cfg.text.num_hidden_layers
+    assert not dispatch["workspace"], "deterministic mode took the prefill workspace"
     assert len(dispatch["select"]) == BATCHES * sum(r.runs_indexer for r in cfg.text.layer_roles())
     assert set(got) == set(DECODE_STEPS)
     worst_vs_reference = 0.0
@@ -258,16 +271,25 @@ SERVING_VS_ALONE_BOUND = 2 * LOGIT_BOUND
 def test_serving_default_batches_match_each_request_alone_within_the_contract(tiny_checkpoint, reference_logits,
                                                                               monkeypatch) -> None:
     """The serving default (item 3): split-KV attention plans depend on the batch size, so the bits
-    may differ from the request alone; the distance stays within the numerics contract."""
+    may differ from the request alone; the distance stays within the numerics contract. Every
+    batch of more than DECODE_SPLIT_MAX_QUERIES tokens takes the prefill workspace."""
     from sglang_dsv41.kernels.sparse_attention import DECODE_SPLIT_MAX_QUERIES
 
     serving = runtime_engine(tiny_checkpoint, DEVICE, deterministic=False)
-    assert (serving.attention_ops.splits, serving.backend.fp8_gemm) == ("decode", "w8a8_f16")
+    ops = serving.attention_ops
+    assert (ops.splits, ops.prefill, serving.backend.fp8_gemm) == ("decode", "bf16", "w8a8_f16")
+    assert serving.backend.dense.whole_rows
+    monkeypatch.setattr(AP, "PREFILL_MIN_QUERIES", WORKSPACE_MIN_QUERIES)
     decode = fixed_decode_tokens()
     dispatch = _count_dispatch(monkeypatch, serving, deterministic=False)
     got = run_scenario(serving, scenario_caches(serving, DEVICE), DEVICE, decode)
     batch_sizes = set(dispatch["attend"])
     assert min(batch_sizes) <= DECODE_SPLIT_MAX_QUERIES < max(batch_sizes), batch_sizes   # both plans ran
+    text = serving.cfg.text
+    per_batch = dispatch["attend"][::text.num_hidden_layers]                  # each batch's query count
+    prefill_batches = sum(n >= WORKSPACE_MIN_QUERIES for n in per_batch)
+    assert prefill_batches >= 3 and len(dispatch["workspace"]) == prefill_batches * sum(
+        r.ratio > 0 for r in text.layer_roles()), (per_batch, dispatch["workspace"])   # every compressed layer
     worst, worst_ref, agree, total = 0.0, 0.0, 0, 0
     for name, logits in got.items():
         tokens = full_tokens(name, decode)

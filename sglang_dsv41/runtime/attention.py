@@ -71,7 +71,7 @@ class ForwardScratch:
     #: The batch's entry-index table per compress ratio (CUDA indexer), built by the first
     #: indexer layer of that ratio in this forward and reused by the others.
     entry_tables: dict[int, Tensor] = field(default_factory=dict)
-    #: BF16 workspaces of decoded compressed entries per kv source (CUDA prefill, opt-in:
+    #: BF16 workspaces of decoded compressed entries per kv source (CUDA serving prefill:
     #: `attention_prefill`), made by the first layer reading that source in this forward.
     workspaces: dict[int, Tensor] = field(default_factory=dict)
 

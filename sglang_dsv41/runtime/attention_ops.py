@@ -81,7 +81,8 @@ ATTENTION_KEY_SPLITS = 1
 #: the multiprocessors for ≤ DECODE_SPLIT_MAX_QUERIES queries, the serving default; a query's bits
 #: then depend on its batch's size). SGLANG_DSV41_INDEXER_HEAD_SUM = "fp64" (default: scores equal
 #: the reference's bit for bit) | "fp32" (fp32 head sum, within the kernel's stated bound; ties near a
-#: rounding boundary may select differently; no faster on the H200).
+#: rounding boundary may select differently; no faster on the H200). SGLANG_DSV41_ATTN_PREFILL: the
+#: prefill workspace (`attention_prefill.prefill_choice`: `bf16` serving, `packed` deterministic).
 ATTENTION_SPLITS_ENV, ATTENTION_SPLITS = "SGLANG_DSV41_ATTN_SPLITS", ("one", "decode")
 INDEXER_HEAD_SUM_ENV, INDEXER_HEAD_SUMS = "SGLANG_DSV41_INDEXER_HEAD_SUM", ("fp64", "fp32")
 
@@ -191,9 +192,11 @@ class TorchAttentionOps:
 
 class KernelAttentionOps:
     """CUDA: the Triton kernels over the slot caches (no per-request loop, no host sync).
-    `deterministic` (`--enable-deterministic-inference`) picks the attention plan when
-    SGLANG_DSV41_ATTN_SPLITS is unset: one key split (batch invariant) instead of the serving
-    default `plan_decode_config`; explicit `splits` / `head_sum` override both."""
+    `deterministic` (`--enable-deterministic-inference`) picks the mode's defaults where the
+    variables are unset: one key split (batch invariant) instead of the serving default
+    `plan_decode_config`, and the packed rows at prefill instead of the serving default's BF16
+    workspace (`attention_prefill.prefill_choice`); explicit `splits` / `head_sum` / `prefill`
+    override both."""
 
     def __init__(self, sparse_attention: ModuleType, indexer: ModuleType, splits: str | None = None,
                  head_sum: str | None = None, prefill: str | None = None, deterministic: bool = False) -> None:
@@ -203,14 +206,14 @@ class KernelAttentionOps:
         self.splits = splits or kernel_choice(ATTENTION_SPLITS_ENV, ATTENTION_SPLITS,
                                               "one" if deterministic else "decode")
         self.head_sum = head_sum or kernel_choice(INDEXER_HEAD_SUM_ENV, INDEXER_HEAD_SUMS)
-        self.prefill = prefill or kernel_choice(AP.PREFILL_ENV, AP.PREFILL_CHOICES)
+        self.prefill = prefill or AP.prefill_choice(deterministic)
         if self.splits not in ATTENTION_SPLITS or self.head_sum not in INDEXER_HEAD_SUMS \
                 or self.prefill not in AP.PREFILL_CHOICES:
             raise ValueError(f"KernelAttentionOps: splits {self.splits!r} / head_sum {self.head_sum!r} / prefill "
                              f"{self.prefill!r} not in {ATTENTION_SPLITS} / {INDEXER_HEAD_SUMS} / {AP.PREFILL_CHOICES}")
         self.description = (f"Triton kernels (sparse_sink_attention with {self.splits!r} key splits and "
                             f"index_scores reading packed FP4 entries; {self.head_sum} head sum + "
-                            "select_for_role, whole batch)")
+                            f"select_for_role, whole batch; {self.prefill!r} prefill rows)")
 
     def attend(self, q: Tensor, sink: Tensor, swa_cache: Tensor, swa_slots: Tensor,
                packed: PackedSourceRows | None, comp_entries: Tensor | None,
@@ -218,13 +221,16 @@ class KernelAttentionOps:
         """One launch: SWA rows by SWA slot, compressed keys read from the packed rows by entry
         index (`PackedSource` of the latent rows with the source's latent offset / share / ratio,
         contract §5), or — `workspace` = (BF16 rows, rows [N, K]) from `prefill_workspace` — from
-        the BF16 workspace by row."""
+        the BF16 workspace by row, launched with `plan_prefill_config` (one split, as either mode's
+        plan at the workspace's ≥ PREFILL_MIN_QUERIES queries)."""
         if swa_cache.dtype != torch.bfloat16:
             raise RuntimeError(f"sglang-dsv41: the CUDA attention kernel reads BF16 SWA cache rows, got "
                                f"{swa_cache.dtype} (serve with the model dtype bfloat16 and --kv-cache-dtype auto)")
         N, H, D = q.shape
         K = 0 if comp_entries is None else comp_entries.shape[1]
-        if self.splits == "decode":
+        if workspace is not None:
+            plan = self.sparse_attention.plan_prefill_config(N, H, D, swa_slots.shape[1], K)
+        elif self.splits == "decode":
             plan = self.sparse_attention.plan_decode_config(
                 N, H, D, swa_slots.shape[1], K, sm_count=self.sparse_attention.device_sm_count(q.device))
         else:

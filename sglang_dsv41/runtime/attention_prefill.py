@@ -1,4 +1,4 @@
-"""Prefill attention over a BF16 workspace of the batch's compressed entries (issue 21; opt-in).
+"""Prefill attention over a BF16 workspace of the batch's compressed entries (issue 21; CUDA serving default).
 
 The CUDA attention kernel reads each selected compressed key from the packed FP4 rows and
 decodes it in the kernel (`kernels.packed_rows`), once per query and head block: at an 8K-token
@@ -8,12 +8,23 @@ kv source's visible entries of every request of the batch are decoded once per l
 into a BF16 workspace (`latent_workspace`: [R·width, head_dim], row b·width + j = compressed
 position j of request b, zeros where there is none) and the kernel reads BF16 rows from it
 (`workspace_rows`) — its BF16-row path, the pre-packing format (upstream's Hopper prefill does
-the same: gather into a BF16 workspace, then `flash_mla_sparse_fwd`).
+the same: gather into a BF16 workspace, then `flash_mla_sparse_fwd`), launched with
+`kernels.sparse_attention.plan_prefill_config`.
 
 Values: the decoded entries are BF16-exact (E2M1 × E4M3, `kv_layout.decode_latents`), so the
 kernel sees the same keys; it is another binary of the same kernel, which agrees with the packed
 path within 2 BF16 ulps of the output scale, not bit for bit (`flash_layer.kernel_components`
-checks it on the H200): opt-in until measured (docs/performance.md, session 12).
+checks it on the H200).
+
+The choice (`prefill_choice`): SGLANG_DSV41_ATTN_PREFILL when set, else `bf16` in the serving
+mode (measured faster at 8K: docs/performance.md "Session 13") and `packed` under
+`--enable-deterministic-inference` (whether a batch takes the workspace depends on its size, so
+a request's bits would depend on its batch). Only the CUDA attention (`KernelAttentionOps`) reads
+it; the CPU path never has a workspace.
+
+Memory: one BF16 workspace per kv source and forward, R·width·head_dim·2 B ≤ WORKSPACE_MAX_ENTRIES
+rows (128 MiB at Flash; 4 kv sources: ≤ 512 MiB per forward and rank), plus DECODE_CHUNK's fp32
+temporaries while decoding.
 
 When it applies (`applies`): the choice is `bf16`, the layout is not static (never inside a
 CUDA graph: decode keeps the packed rows), the batch has ≥ PREFILL_MIN_QUERIES tokens, and the
@@ -25,6 +36,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .backend import kernel_choice
 from .kv_layout import SourceColumns, decode_latents, read_entries
 
 PREFILL_ENV, PREFILL_CHOICES = "SGLANG_DSV41_ATTN_PREFILL", ("packed", "bf16")
@@ -34,6 +46,12 @@ PREFILL_MIN_QUERIES = 512
 WORKSPACE_MAX_ENTRIES = 1 << 17
 #: entries decoded per step (bounds the fp32 temporaries of `decode_latents`: 16 K × 512 × 4 B × 2)
 DECODE_CHUNK = 1 << 14
+
+
+def prefill_choice(deterministic: bool) -> str:
+    """SGLANG_DSV41_ATTN_PREFILL when set (an unknown value raises), else `packed` when
+    `deterministic`, else `bf16` (module doc)."""
+    return kernel_choice(PREFILL_ENV, PREFILL_CHOICES, "packed" if deterministic else "bf16")
 
 
 def applies(choice: str, static: bool, num_queries: int, num_requests: int, width: int) -> bool:
@@ -63,4 +81,4 @@ def workspace_rows(token_req: Tensor, selection: Tensor, width: int) -> Tensor:
 
 
 __all__ = ["DECODE_CHUNK", "PREFILL_CHOICES", "PREFILL_ENV", "PREFILL_MIN_QUERIES", "WORKSPACE_MAX_ENTRIES",
-           "applies", "latent_workspace", "workspace_rows"]
+           "applies", "latent_workspace", "prefill_choice", "workspace_rows"]

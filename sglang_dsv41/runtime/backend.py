@@ -8,7 +8,7 @@ Layers hold one backend and never dispatch per call; `backend_for(device, weight
 |---|---|---|
 | `torch` | CPU (serving default) | fp32 torch: products, norms, softmaxes and sums in fp32, BF16 rounding points as the model; judged by tolerance against the reference (docs/runtime.md "Numerics contract") |
 | `exact` | CPU (`--enable-deterministic-inference`, tests) | float64-evaluated sums rounded once: bit-identical to the reference, batch invariant |
-| `triton` | CUDA | one-launch Triton kernels (`kernels.fused_elementwise`, `kernels.engram_gate`) and tensor-core products (`dense_ops.BlockedBf16Gemm`); FP8 dense linears by `fp8_gemm` (below) |
+| `triton` | CUDA | one-launch Triton kernels (`kernels.fused_elementwise`, `kernels.engram_gate`) and tensor-core products (`dense_ops.BlockedBf16Gemm`: serving rows in one GEMM, deterministic rows in 128-row blocks, `bf16_gemm_for`); FP8 dense linears by `fp8_gemm` (below) |
 
 `acc` is the dtype the runtime's torch reductions outside the primitives use with this backend
 (attention on CPU, index scores, mHC coefficients, pair pooling, routed sums, router
@@ -51,8 +51,8 @@ F32, F64 = torch.float32, torch.float64
 #: FP8 dense-linear arithmetics of the CUDA backend (module doc), and the variable that picks one
 FP8_GEMMS = ("w8a8_f16", "tiered", "w8a16", "fp8_mma")
 FP8_GEMM_ENV = "SGLANG_DSV41_FP8_GEMM"
-#: BF16 / fp32-weight products on CUDA: `blocked` (default: fixed 128-row blocks, row invariant) |
-#: `whole` (opt-in, serving only: a batch of more rows in one GEMM — `dense_ops.BlockedBf16Gemm.whole_rows`)
+#: BF16 / fp32-weight products on CUDA (`bf16_gemm_for`): `whole` (serving default, measured faster: a batch
+#: in one GEMM, `dense_ops.BlockedBf16Gemm.whole_rows`) | `blocked` (deterministic: 128-row blocks, row invariant)
 BF16_GEMMS, BF16_GEMM_ENV = ("blocked", "whole"), "SGLANG_DSV41_BF16_GEMM"
 
 
@@ -376,9 +376,9 @@ def fp8_gemm_for(deterministic: bool) -> str:
 
 
 def bf16_gemm_for(deterministic: bool) -> str:
-    """The CUDA backend's BF16-weight product rows (BF16_GEMMS): SGLANG_DSV41_BF16_GEMM when set,
-    else `blocked`; an unknown value, or `whole` with `deterministic` (row invariance), raises."""
-    chosen = kernel_choice(BF16_GEMM_ENV, BF16_GEMMS)
+    """The CUDA backend's BF16-weight product rows (BF16_GEMMS): SGLANG_DSV41_BF16_GEMM when set, else
+    `blocked` when `deterministic`, else `whole`; an unknown value, or `whole` with `deterministic`, raises."""
+    chosen = kernel_choice(BF16_GEMM_ENV, BF16_GEMMS, "blocked" if deterministic else "whole")
     if chosen == "whole" and deterministic:
         raise ValueError(f"{BF16_GEMM_ENV}=whole is not row invariant: not with --enable-deterministic-inference")
     return chosen

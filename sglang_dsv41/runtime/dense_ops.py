@@ -50,8 +50,8 @@ invariant. `BlockedBf16Gemm` therefore multiplies rows in zero-padded blocks of 
 `row_block` rows, one fixed-shape GEMM per block: a row's result depends only on its own values
 and the weight, never on the batch (decode pads to one block; decode GEMMs are weight-bandwidth
 bound, so the padding is nearly free). At prefill that is one small GEMM per 128 rows (64 cuBLAS
-calls and a concatenation per linear at 8K tokens); `whole_rows=True` (opt-in for the serving path,
-`backend.BF16_GEMM_ENV`) multiplies a batch of more than `row_block` rows in one GEMM instead: the
+calls and a concatenation per linear at 8K tokens); `whole_rows=True` (the CUDA serving default,
+`backend.bf16_gemm_for`) multiplies a batch of more than `row_block` rows in one GEMM instead: the
 same operands and fp32 accumulation, so the same GEMM_BOUND, but a row's bits then depend on the
 batch's row count (like the FP8 row tiers of `w8a8_f16`); never with the deterministic backend.
 """

@@ -322,8 +322,10 @@ def dp_encoder() -> bool:
 def deterministic_inference() -> bool:
     """SGLang's `--enable-deterministic-inference`: on CPU the exact float64 backend (bit-identical
     to the reference, batch invariant, ~10× slower: docs/performance.md); default the fp32 path. On
-    CUDA the batch-invariant choices: W8A16 FP8 linears (`backend.fp8_gemm_for`) and one attention key
-    split (`attention_ops.KernelAttentionOps`); default `w8a8_f16` and split-KV decode attention."""
+    CUDA the batch-invariant choices: W8A16 FP8 linears (`backend.fp8_gemm_for`), BF16-weight rows in
+    128-row blocks (`backend.bf16_gemm_for`), one attention key split and the packed rows at prefill
+    (`attention_ops.KernelAttentionOps`); default `w8a8_f16`, whole-batch BF16 GEMMs, split-KV decode
+    attention and the BF16 prefill workspace."""
     from sglang.srt.server_args import get_global_server_args
 
     return bool(getattr(get_global_server_args(), "enable_deterministic_inference", False))
