@@ -1,0 +1,101 @@
+# shellcheck shell=bash
+# The preamble and helpers shared by the device scripts in scripts/gpu/. Sourced, never run: the
+# scripts start with `set -uo pipefail` and `source "$(dirname "$0")/lib.sh"` (run from the checkout
+# root as `bash scripts/gpu/X.sh`). Sourcing it sets OUT (default /tmp/out, made), T0 (the start,
+# for `left` and `result`) and an EXIT trap that stops every group started by `start_server`.
+# Every wait here is capped.
+#
+#   left [RESERVE]   seconds of BUDGET left since T0, less RESERVE; at least 1, so a `timeout`
+#                    never gets 0 (no limit) or a negative duration
+#   cap N            N, or when less is left, what is left less 5 s (at least 1)
+#   gpu_setup        source .gpu/bin/setup.sh (exit 3 when it fails); XDG_CACHE_HOME=/tmp/cache,
+#                    HF_HUB_OFFLINE=1
+#   tiny_checkpoint [DIR [CAP]]
+#                    the tiny checkpoint (seed 0) in DIR (default /tmp/tiny): reused when DIR holds
+#                    a complete one (tiny_checkpoint_ok.py), else written with --overwrite (a warm
+#                    machine keeps /tmp between calls; make-checkpoint refuses a non-empty DIR
+#                    without it); CAP s (default 120) for both; non-zero when it is not there
+#   start_server LOG CMD...
+#                    CMD in a process group of its own (setsid), stdout and stderr to LOG;
+#                    SERVER_PID is its pid (= the group), kept in SERVERS
+#   stop_servers     TERM every started group, up to STOP_GRACE s (15) for them to go, then KILL
+#                    what is left (and up to 5 s more for that); SERVERS is emptied
+#   wait_up URL SECONDS [PID]
+#                    0 once URL answers with a 2xx (curl -sf); 1 after SECONDS, or once PID exited
+#   result TEXT...   the line "RESULT TEXT at N s" (N: seconds since T0), appended to $SUMMARY
+#                    too when SUMMARY is set
+: "${OUT:=/tmp/out}"; mkdir -p "$OUT"
+T0=$SECONDS
+GPU_LIB_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+SERVERS=()
+SERVER_PID=
+
+left() {
+  local l=$((BUDGET - (SECONDS - T0) - ${1:-0}))
+  if [ "$l" -gt 1 ]; then echo "$l"; else echo 1; fi
+}
+
+cap() {
+  local l; l=$(left)
+  if [ "$1" -lt "$l" ]; then echo "$1"; elif [ "$l" -gt 5 ]; then echo $((l - 5)); else echo 1; fi
+}
+
+gpu_setup() {
+  # shellcheck source=/dev/null
+  source .gpu/bin/setup.sh || exit 3
+  export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
+}
+
+tiny_checkpoint() {
+  local dir=${1:-/tmp/tiny} cap=${2:-120} t=$SECONDS rest
+  if [ -f "$dir/model.safetensors.index.json" ] &&
+     timeout "$cap" python3 "$GPU_LIB_DIR/tiny_checkpoint_ok.py" "$dir"; then
+    return 0
+  fi
+  rest=$((cap - (SECONDS - t))); [ "$rest" -gt 1 ] || rest=1
+  timeout "$rest" python3 -m sglang_dsv41.cli make-checkpoint --preset tiny --out "$dir" --quiet --overwrite
+}
+
+start_server() {
+  local log=$1; shift
+  setsid "$@" >"$log" 2>&1 &
+  SERVER_PID=$!
+  SERVERS+=("$SERVER_PID")
+}
+
+any_alive() {  # PGID...: does a process of one of these groups still run (zombies do not count)?
+  local f st want=" $* "
+  for f in /proc/[0-9]*/stat; do
+    { read -r st <"$f"; } 2>/dev/null || continue
+    st=${st##*) }                  # after the command name: state ppid pgrp ...
+    read -r st _ pg _ <<<"$st"
+    case $want in *" $pg "*) [ "$st" != Z ] && [ "$st" != X ] && return 0 ;; esac
+  done
+  return 1
+}
+
+stop_servers() {
+  local p i
+  [ ${#SERVERS[@]} -gt 0 ] || return 0
+  for p in "${SERVERS[@]}"; do kill -TERM -- "-$p" 2>/dev/null; done
+  for ((i = 0; i < ${STOP_GRACE:-15}; i++)); do any_alive "${SERVERS[@]}" || break; sleep 1; done
+  for p in "${SERVERS[@]}"; do kill -KILL -- "-$p" 2>/dev/null; done
+  for ((i = 0; i < 5; i++)); do any_alive "${SERVERS[@]}" || break; sleep 1; done
+  SERVERS=()
+}
+trap stop_servers EXIT
+
+wait_up() {
+  local s0=$SECONDS rest
+  while rest=$(($2 - (SECONDS - s0))); [ "$rest" -gt 0 ]; do
+    curl -sf -m $((rest < 10 ? rest : 10)) -o /dev/null "$1" && return 0
+    if [ -n "${3:-}" ] && ! kill -0 "$3" 2>/dev/null; then return 1; fi
+    sleep 2
+  done
+  return 1
+}
+
+result() {
+  local line="RESULT $* at $((SECONDS - T0)) s"
+  if [ -n "${SUMMARY:-}" ]; then echo "$line" | tee -a "$SUMMARY"; else echo "$line"; fi
+}
