@@ -22,14 +22,14 @@
 # dspark_outputs.tgz (requests, <tag>_b1.json / _b8.json, <tag>_metrics.txt, gpu.txt).
 # Exit 0 only when a DSPARK run's every comparison is equal.
 set -uo pipefail
-: "${OUT:=/tmp/out}"; mkdir -p "$OUT"
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
+SUMMARY=$OUT/summary.txt
 W=/tmp/dspark_work; rm -rf $W; mkdir -p $W
 MODE=${1:-graphs}
-T0=$SECONDS
-source .gpu/bin/setup.sh || exit 3
-export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
+gpu_setup
 CK=/tmp/tiny; PORT=30000; U=http://127.0.0.1:$PORT; J='Content-Type: application/json'
-timeout 120 python3 -m sglang_dsv41.cli make-checkpoint --preset tiny --out $CK --quiet || exit 4
+tiny_checkpoint $CK || exit 4
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader >"$W/gpu.txt" 2>&1
 # SGLang's sampled (chain / "block") rejection vs the oracle's, in distribution (no server)
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_runtime_dspark_accept_gpu.py 2>&1 | tail -3 \
@@ -54,13 +54,10 @@ PY
 serve() {  # $1 = tag, rest = extra server flags; writes $OUT/<tag>_b1.json, <tag>_b8.json; returns 0 when up
   local tag=$1; shift
   if [ $((SECONDS - T0)) -gt 420 ]; then echo "$tag: skipped (no time left)"; return 2; fi
-  setsid python3 -m sglang.launch_server --model-path $CK --port $PORT --max-running-requests 8 \
-    --cuda-graph-max-bs 8 --enable-metrics --decode-log-interval 1 "$@" >"$OUT/${tag}_server.log" 2>&1 &
-  local pid=$! up=0 s0=$SECONDS
-  while [ $((SECONDS - s0)) -lt 200 ]; do
-    curl -sf -m 10 $U/health_generate >/dev/null && { up=1; break; }
-    kill -0 $pid 2>/dev/null || break; sleep 3
-  done
+  start_server "$OUT/${tag}_server.log" python3 -m sglang.launch_server --model-path $CK --port $PORT \
+    --max-running-requests 8 --cuda-graph-max-bs 8 --enable-metrics --decode-log-interval 1 "$@"
+  local up=0 s0=$SECONDS
+  wait_up $U/health_generate 200 "$SERVER_PID" && up=1
   echo "$tag server up=$up after $((SECONDS - s0)) s" | tee -a "$OUT/summary.txt"
   if [ $up = 1 ]; then
     curl -sf -m 90 $U/generate -H "$J" -d @"$W/req_b1.json" >"$W/${tag}_b1.json" || echo "$tag b1: request failed"
@@ -74,9 +71,7 @@ serve() {  # $1 = tag, rest = extra server flags; writes $OUT/<tag>_b1.json, <ta
     grep -nE "Error|error|Traceback|sglang-dsv41" "$OUT/${tag}_server.log" | tail -30
     tail -25 "$OUT/${tag}_server.log"
   fi
-  kill -- -$pid 2>/dev/null
-  for _ in 1 2 3 4 5; do kill -0 $pid 2>/dev/null || break; sleep 3; done
-  kill -9 -- -$pid 2>/dev/null; sleep 2
+  stop_servers
   [ $up = 1 ]
 }
 
@@ -136,5 +131,5 @@ else
   fi
 fi
 tar -czf "$OUT/dspark_outputs.tgz" -C $W . 2>/dev/null
-echo "RESULT dspark rc=$rc mode=$MODE at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
+result dspark rc=$rc mode=$MODE
 exit $rc

@@ -13,17 +13,17 @@
 # Usage (checkout root, `.gpu` carried): bash scripts/gpu/dspark7.sh   (BUDGET s caps the call, default 290)
 # Outputs in $OUT: summary.txt, accept.log, server.log, dspark7_server_logs.tgz (the three servers' logs).
 set -uo pipefail
-: "${OUT:=/tmp/out}" "${BUDGET:=290}"; mkdir -p "$OUT"
-T0=$SECONDS
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
+: "${BUDGET:=290}"; SUMMARY=$OUT/summary.txt
 W=/tmp/dspark7_work; rm -rf $W; mkdir -p $W
-source .gpu/bin/setup.sh || exit 3
-export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
+gpu_setup
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>&1 | sed 's/^/gpu: /' | tee "$OUT/summary.txt"
 PYTEST=(python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short)
-left=$((BUDGET - (SECONDS - T0) - 25))   # SIGINT at the cap: pytest stops its servers (-k 20: then KILL)
-timeout -s INT -k 20 $left "${PYTEST[@]}" tests/test_runtime_dspark_accept_gpu.py >"$OUT/accept.log" 2>&1 &
+lim=$(left 25)   # SIGINT at the cap: pytest stops its servers (-k 20: then KILL)
+timeout -s INT -k 20 "$lim" "${PYTEST[@]}" tests/test_runtime_dspark_accept_gpu.py >"$OUT/accept.log" 2>&1 &
 ACC=$!
-timeout -s INT -k 20 $left "${PYTEST[@]}" -s --durations=0 --basetemp=$W/pt tests/test_runtime_dspark_server_gpu.py >"$OUT/server.log" 2>&1
+timeout -s INT -k 20 "$lim" "${PYTEST[@]}" -s --durations=0 --basetemp=$W/pt tests/test_runtime_dspark_server_gpu.py >"$OUT/server.log" 2>&1
 src=$?
 wait $ACC; arc=$?
 echo "RESULT tests/test_runtime_dspark_accept_gpu.py rc=$arc $(tail -1 "$OUT/accept.log")" | tee -a "$OUT/summary.txt"
@@ -34,5 +34,5 @@ for f in accept server; do
 done
 find $W/pt -name '*.log' -path '*dspark_servers*' -print0 2>/dev/null | tar -czf "$OUT/dspark7_server_logs.tgz" --null -T - 2>/dev/null
 rc=$(( arc != 0 || src != 0 ))
-echo "RESULT dspark7 rc=$rc at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
+result dspark7 rc=$rc
 exit $rc

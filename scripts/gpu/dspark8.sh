@@ -13,16 +13,16 @@
 # STEPS="profile retract" by default)
 # Outputs in $OUT: summary.txt, all.tgz (profile.log, records.json, summary.json, the trace, server logs, retract.log).
 set -uo pipefail
-: "${OUT:=/tmp/out}" "${BUDGET:=290}" "${STEPS:=profile retract}"; mkdir -p "$OUT"
-T0=$SECONDS; left() { echo $((BUDGET - (SECONDS - T0))); }
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
+: "${BUDGET:=290}" "${STEPS:=profile retract}"; SUMMARY=$OUT/summary.txt
 W=/tmp/dspark8_work; rm -rf $W; mkdir -p $W/logs
-source .gpu/bin/setup.sh || exit 3
-export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
+gpu_setup
 M=/tmp/e2e_models; PORT=31878; rc=0
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>&1 | sed 's/^/gpu: /' | tee "$OUT/summary.txt"
 finish() {
   tar -czf "$OUT/all.tgz" -C $W . 2>/dev/null
-  echo "RESULT dspark8 rc=$rc at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"; exit $rc; }
+  result dspark8 rc=$rc; exit $rc; }
 for step in $STEPS; do
   case $step in
   profile)
@@ -30,16 +30,10 @@ for step in $STEPS; do
       timeout 90 python3 benchmarks/serving_e2e.py model-dirs $M --layers 4 >$W/logs/model_dirs.log 2>&1 ||
       { echo "RESULT profile rc=1 (model-dirs failed)" | tee -a "$OUT/summary.txt"; rc=1; continue; }
     SGLANG_SIMULATE_ACC_LEN=3.51 SGLANG_DSPARK_DEBUG_DUMP=core,step_cpu_time,step_gpu_time,draft_gpu_time,target_verify_gpu_time \
-      setsid python3 -m sglang.launch_server --model-path $M/dsv41 --load-format dummy --context-length 1536 \
-      --max-running-requests 8 --cuda-graph-max-bs 8 --random-seed 0 --language-model-only --port $PORT \
-      --speculative-algorithm DSPARK --speculative-dspark-block-size 5 --mem-fraction-static 0.7 \
-      >$W/logs/dspark_server.log 2>&1 &
-    SRV=$!; up=0
-    while [ "$(left)" -gt 60 ]; do
-      kill -0 $SRV 2>/dev/null || break
-      python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health_generate', timeout=5)" \
-        >/dev/null 2>&1 && { up=1; break; }; sleep 1
-    done
+      start_server $W/logs/dspark_server.log python3 -m sglang.launch_server --model-path $M/dsv41 --load-format dummy \
+      --context-length 1536 --max-running-requests 8 --cuda-graph-max-bs 8 --random-seed 0 --language-model-only \
+      --port $PORT --speculative-algorithm DSPARK --speculative-dspark-block-size 5 --mem-fraction-static 0.7
+    up=0; wait_up http://127.0.0.1:$PORT/health_generate "$(left 60)" "$SERVER_PID" && up=1
     echo "server up=$up at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
     grep -hE "folded into the draft|kept eager|Disable DSpark draft cuda graph|ragged-verify|Capture cuda graph end|DSpark draft loaded" \
       $W/logs/dspark_server.log | cut -c1-220 | head -8 | tee -a "$OUT/summary.txt"
@@ -48,14 +42,14 @@ for step in $STEPS; do
         --out $W/profile >$W/profile.log 2>&1; prc=$?
       head -60 $W/profile.log | tee -a "$OUT/summary.txt"
     else prc=1; tail -20 $W/logs/dspark_server.log | tee -a "$OUT/summary.txt"; fi
-    kill -- -$SRV 2>/dev/null; sleep 3; kill -9 -- -$SRV 2>/dev/null
-    echo "RESULT profile rc=$prc at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"; [ $prc = 0 ] || rc=1 ;;
+    stop_servers
+    result profile rc=$prc; [ $prc = 0 ] || rc=1 ;;
   retract)
     [ "$(left)" -lt 110 ] && { echo "RESULT retract skipped: $(left) s left" | tee -a "$OUT/summary.txt"; continue; }
-    timeout -s INT -k 15 $(( $(left) - 20 )) python3 -m pytest -m gpu -q -s -p no:cacheprovider -rf --tb=short \
+    timeout -s INT -k 15 "$(left 20)" python3 -m pytest -m gpu -q -s -p no:cacheprovider -rf --tb=short \
       --basetemp=$W/pt tests/test_runtime_dspark_retract_gpu.py >$W/retract.log 2>&1; trc=$?
     grep -E "DSpark retract|passed|failed|^E " $W/retract.log | head -15 | tee -a "$OUT/summary.txt"
-    echo "RESULT retract rc=$trc at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"; [ $trc = 0 ] || rc=1 ;;
+    result retract rc=$trc; [ $trc = 0 ] || rc=1 ;;
   *) echo "unknown step $step" ;;
   esac
 done

@@ -4,19 +4,19 @@
 # full tracebacks, each file's log under $OUT. BUDGET caps the whole call (s). Run from the
 # checkout root with `.gpu` carried.
 set -uo pipefail
-: "${OUT:=/tmp/out}" "${BUDGET:=330}"; mkdir -p "$OUT"
-T0=$SECONDS
-source .gpu/bin/setup.sh || exit 3
-export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
+: "${BUDGET:=330}"
+gpu_setup
 : "${TESTS:=tests/test_runtime_dspark_accept_gpu.py tests/test_runtime_dspark_server_gpu.py tests/test_runtime_engram_host.py tests/test_runtime_engram_table.py tests/test_runtime_forward_gpu.py tests/test_runtime_moe_ops.py tests/test_runtime_triton_backend.py tests/test_vision_gpu.py}"
 rc=0
 for f in $TESTS; do
-  left=$((BUDGET - (SECONDS - T0)))
-  [ $left -gt 20 ] || { echo "RESULT $f not run: budget spent"; rc=1; continue; }
+  l=$(left)
+  [ "$l" -gt 20 ] || { echo "RESULT $f not run: budget spent"; rc=1; continue; }
   name=$(basename "$f" .py)
-  timeout $left python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short "$f" >"$OUT/$name.log" 2>&1
+  timeout "$l" python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short "$f" >"$OUT/$name.log" 2>&1
   r=$?; [ $r = 0 ] || rc=1
-  echo "RESULT $f rc=$r $(tail -1 "$OUT/$name.log") at $((SECONDS - T0)) s"
+  result "$f" rc=$r "$(tail -1 "$OUT/$name.log")"
   [ $r = 0 ] || grep -E "^(FAILED|ERROR|E )" "$OUT/$name.log" | head -20
 done
 exit $rc

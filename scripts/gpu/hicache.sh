@@ -6,22 +6,18 @@
 # report cached_tokens (device / host), greedy equality and max |dlogprob| vs the cold run.
 # Run from the checkout root with `.gpu` carried. Every wait is capped; every server is killed.
 set -uo pipefail
-: "${OUT:=/tmp/out}"; mkdir -p "$OUT"
-T0=$SECONDS
-source .gpu/bin/setup.sh || exit 3
-export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
+gpu_setup
 CK=/tmp/tiny; PORT=30000; U=http://127.0.0.1:$PORT
-timeout 120 python3 -m sglang_dsv41.cli make-checkpoint --preset tiny --out $CK --quiet || exit 4
+tiny_checkpoint $CK || exit 4
 fails=0
 run_setting() {  # name, flags...
   local name=$1; shift
-  setsid timeout 400 python3 -m sglang.launch_server --model-path $CK --port $PORT --max-total-tokens 512 \
-      --swa-full-tokens-ratio 0.25 --enable-hierarchical-cache "$@" >"$OUT/server_$name.log" 2>&1 & local P=$!
+  start_server "$OUT/server_$name.log" timeout 400 python3 -m sglang.launch_server --model-path $CK --port $PORT \
+      --max-total-tokens 512 --swa-full-tokens-ratio 0.25 --enable-hierarchical-cache "$@"
   local up=0 S0=$SECONDS
-  while [ $((SECONDS - S0)) -lt 240 ]; do
-    curl -sf -m 10 $U/health_generate >/dev/null && { up=1; break; }
-    kill -0 $P 2>/dev/null || break; sleep 3
-  done
+  wait_up $U/health_generate 240 "$SERVER_PID" && up=1
   echo "[$name] server up=$up after $((SECONDS - S0)) s"
   local ok=0
   if [ $up = 1 ]; then
@@ -53,10 +49,10 @@ host = int((res["details"] or {}).get("host", 0))
 sys.exit(0 if host > 0 and res["greedy_equal"] else 1)
 PY
   fi
-  kill -- -$P 2>/dev/null; sleep 4; kill -9 -- -$P 2>/dev/null
+  stop_servers
   grep -m3 -e "sglang-dsv41 HiCache" -e "Attached hybrid pool stack" "$OUT/server_$name.log" || true
   [ $ok = 1 ] || { tail -60 "$OUT/server_$name.log"; fails=$((fails + 1)); }
-  echo "RESULT hicache_$name up=$up ok=$ok at $((SECONDS - T0)) s"
+  result "hicache_$name" up=$up ok=$ok
 }
 run_setting write_through --hicache-write-policy write_through --hicache-io-backend kernel --hicache-ratio 4
 run_setting direct_size --hicache-write-policy write_through --hicache-io-backend direct --hicache-size 1

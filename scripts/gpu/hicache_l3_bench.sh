@@ -8,20 +8,19 @@
 #      1,024-token device pool, io kernel + --hicache-ratio 4 -> $OUT/hicache_h200.json/.png.
 # Run from the checkout root with `.gpu` carried. Every step is capped; servers are killed by the tools.
 set -uo pipefail
-: "${OUT:=/tmp/out}"; mkdir -p "$OUT"
-T0=$SECONDS
-source .gpu/bin/setup.sh || exit 3
-export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
+gpu_setup
 CK=/tmp/tiny
-[ -d $CK ] || timeout 120 python3 -m sglang_dsv41.cli make-checkpoint --preset tiny --out $CK --quiet || exit 4
+tiny_checkpoint $CK || exit 4
 fails=0
 timeout -s INT -k 20 ${TEST_CAP:-330} python3 -m pytest -q -p no:cacheprovider \
     tests/test_runtime_hicache_storage_server.py tests/test_runtime_hicache_server.py 2>&1 | tail -25 | tee "$OUT/tests.txt"
 grep -q " passed" "$OUT/tests.txt" && ! grep -q -e " failed" -e " error" "$OUT/tests.txt" || fails=$((fails + 1))
-echo "RESULT hicache_server_tests at $((SECONDS - T0)) s"
+result hicache_server_tests
 timeout ${BENCH_CAP:-220} python3 benchmarks/hicache.py --model-path $CK --device cuda --device-tokens 1024 \
     --sessions 16 --turns 6 --first 128 --user 32 --reply 16 \
     --on-flags "--hicache-write-policy write_through --hicache-io-backend kernel --hicache-ratio 4" \
     --out "$OUT/hicache_h200.json" 2>&1 | tail -5 || fails=$((fails + 1))
-echo "RESULT hicache_bench at $((SECONDS - T0)) s"
+result hicache_bench
 exit $fails

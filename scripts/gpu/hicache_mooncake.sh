@@ -17,8 +17,8 @@
 # Run from the checkout root. Every step is capped (BUDGET, default 290 s); the test stops what it
 # starts. Pass: "2 passed" in tests.txt and "RESULT hicache_mooncake ok=1".
 set -uo pipefail
-: "${OUT:=/tmp/out}"; mkdir -p "$OUT"
-T0=$SECONDS
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
 BUDGET=${BUDGET:-290}
 STAGE=/tmp/mcstore
 if [ "${1:-}" = stage ]; then
@@ -26,8 +26,8 @@ if [ "${1:-}" = stage ]; then
   mkdir -p $STAGE && cp .mcstore/mooncake_store.tar.xz $STAGE/ && echo "RESULT hicache_mooncake_stage ok: now call 2 (carry .gpu) within 30 s"
   exit $?
 fi
-source .gpu/bin/setup.sh || exit 3
-export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1 SGLANG_DSV41_PD_REQUIRED=1
+gpu_setup
+export SGLANG_DSV41_PD_REQUIRED=1
 have_store() {
   python3 -c "import mooncake.store, mooncake, os; d = os.path.dirname(mooncake.__file__); assert all(os.path.exists(os.path.join(d, b)) for b in ('mooncake_master', 'mooncake_client')), 'no master/client binaries'; from mooncake.store import MooncakeDistributedStore" 2>/tmp/mc_imports.log
 }
@@ -37,11 +37,11 @@ if ! have_store && [ -f $STAGE/mooncake_store.tar.xz ]; then
 fi
 have_store || { tail -3 /tmp/mc_imports.log
   echo "RESULT hicache_mooncake missing the Mooncake store (not staged: see this script's header for the two calls)"; exit 5; }
-timeout -s INT -k 20 $((BUDGET - (SECONDS - T0) - 20)) python3 -m pytest -q -p no:cacheprovider --basetemp=/tmp/hc_mc \
+timeout -s INT -k 20 "$(left 20)" python3 -m pytest -q -p no:cacheprovider --basetemp=/tmp/hc_mc \
     tests/test_runtime_hicache_mooncake_server.py --durations=5 2>&1 | tail -25 | tee "$OUT/tests.txt"
 for f in /tmp/hc_mc/mc_a0/server.log /tmp/hc_mc/mc_b0/server.log /tmp/hc_mc/mooncake0/master.log; do
   [ -f "$f" ] && grep -v "^Ignore import error" "$f" | tail -c 200000 > "$OUT/$(basename "$(dirname "$f")")_$(basename "$f")"
 done
 grep -q " 2 passed" "$OUT/tests.txt" && ! grep -q -e " failed" -e " error" "$OUT/tests.txt"; ok=$?
-echo "RESULT hicache_mooncake ok=$((1 - ok)) at $((SECONDS - T0)) s"
+result hicache_mooncake ok=$((1 - ok))
 exit $ok

@@ -18,15 +18,14 @@
 # Results: $OUT/all.tgz (JSON, PNG, server logs); the summary table is printed. rc 0 = every hit came
 # from its tier and equals its cold run (the TTFT goals are reported, not enforced).
 set -uo pipefail
-: "${OUT:=/tmp/out}"; mkdir -p "$OUT"
-T0=$SECONDS
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
 BUDGET=${BUDGET:-280}
-left() { local l=$((BUDGET - (SECONDS - T0) - ${1:-0})); [ $l -gt 1 ] && echo $l || echo 1; }  # seconds left, less a reserve
-source .gpu/bin/setup.sh || exit 3
-export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1 SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1
+gpu_setup
+export SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1
 CK=/tmp/tiny; R=/tmp/hicache_prefix; rm -rf $R; mkdir -p $R
-[ -d $CK ] || timeout 120 python3 -m sglang_dsv41.cli make-checkpoint --preset tiny --out $CK --quiet || exit 4
-echo "RESULT checkpoint at $((SECONDS - T0)) s"
+tiny_checkpoint $CK || exit 4
+result checkpoint
 timeout -s TERM -k 40 "$(left 50)" python3 benchmarks/hicache.py --mode prefix --model-path $CK --device cuda \
     --prefix-tokens ${PREFIX:-32768} --suffix-tokens 32 --new-tokens 8 --reps ${REPS:-1} --start-b-with-a \
     --page-size ${PAGE:-64} \
@@ -35,6 +34,6 @@ timeout -s TERM -k 40 "$(left 50)" python3 benchmarks/hicache.py --mode prefix -
     --startup-timeout 200 --request-timeout 120 --settle-cap-s 60 \
     --out $R/hicache_prefix_h200.json --log-dir $R 2>&1 | tail -25 | tee $R/summary.txt
 rc=${PIPESTATUS[0]}
-echo "RESULT hicache_prefix rc=$rc at $((SECONDS - T0)) s"
+result hicache_prefix rc=$rc
 tar -czf "$OUT/all.tgz" -C $R . && cp $R/summary.txt "$OUT/" 2>/dev/null
 exit $rc

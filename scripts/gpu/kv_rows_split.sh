@@ -4,12 +4,10 @@
 # and the tiny server (pool log lines, greedy). Run from the checkout root with `.gpu` carried.
 # Every step is capped; logs in $OUT. BUDGET (s, default 560): the script ends by then.
 set -uo pipefail
-: "${OUT:=/tmp/out}"; mkdir -p "$OUT"
-T0=$SECONDS; BUDGET=${BUDGET:-560}
-left() { echo $((BUDGET - (SECONDS - T0))); }
-cap() { local c=$1 l; l=$(left); [ "$c" -lt "$l" ] && echo "$c" || echo $((l > 5 ? l - 5 : 1)); }
-source .gpu/bin/setup.sh || exit 3
-export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
+BUDGET=${BUDGET:-560}
+gpu_setup
 run() { local name=$1 c=$2; shift 2; timeout "$(cap "$c")" python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 \
           | tee "$OUT/$name.log" | tail -6; }
 run kernels 200 -m gpu tests/test_kernels_sparse_attention.py tests/test_kernels_indexer.py

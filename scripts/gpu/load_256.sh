@@ -5,19 +5,15 @@
 # pool back to baseline). Run from the checkout root with `.gpu` carried; every wait is capped;
 # the JSON and the server log land in $OUT.
 set -uo pipefail
-: "${OUT:=/tmp/out}"; mkdir -p "$OUT"
-T0=$SECONDS
-source .gpu/bin/setup.sh || exit 3
-export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
+gpu_setup
 CK=/tmp/tiny; U=http://127.0.0.1:30000
-[ -d $CK ] || timeout 120 python3 -m sglang_dsv41.cli make-checkpoint --preset tiny --out $CK --quiet || exit 4
-setsid python3 -m sglang.launch_server --model-path $CK --max-running-requests 256 --enable-cache-report \
-  >"$OUT/load_server.log" 2>&1 & P=$!
+tiny_checkpoint $CK || exit 4
+start_server "$OUT/load_server.log" python3 -m sglang.launch_server --model-path $CK --max-running-requests 256 \
+  --enable-cache-report
 up=0; S0=$SECONDS
-while [ $((SECONDS - S0)) -lt 240 ]; do
-  curl -sf -m 10 $U/health_generate >/dev/null && { up=1; break; }
-  kill -0 $P 2>/dev/null || break; sleep 3
-done
+wait_up $U/health_generate 240 "$SERVER_PID" && up=1
 echo "load server up=$up after $((SECONDS - S0)) s"
 rc=9
 if [ $up = 1 ]; then
@@ -25,6 +21,6 @@ if [ $up = 1 ]; then
     --out "$OUT/load_h200.json" --label "H200, tiny checkpoint, plain launch_server" 2>&1 | tail -30
   rc=${PIPESTATUS[0]}
 fi
-kill -- -$P 2>/dev/null; sleep 4; kill -9 -- -$P 2>/dev/null
+stop_servers
 [ $up = 1 ] || tail -60 "$OUT/load_server.log"
-echo "RESULT load_256 up=$up rc=$rc at $((SECONDS - T0)) s"
+result load_256 up=$up rc=$rc

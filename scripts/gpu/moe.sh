@@ -12,24 +12,24 @@
 # 450: the script ends by then), MOE_BUDGET (s, default 330, the benchmark's own timing budget),
 # MOE_ARGS (extra benchmark arguments, e.g. "--with-bf16" or "--tokens 1 8"), TESTS (test file list).
 set -uo pipefail
-: "${OUT:=/tmp/out}"; mkdir -p "$OUT"
-T0=$SECONDS; BUDGET=${BUDGET:-450}
-left() { echo $((BUDGET - (SECONDS - T0))); }
-source .gpu/bin/setup.sh || exit 3
-export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1 FLASHINFER_DISABLE_JIT=1
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
+BUDGET=${BUDGET:-450}
+gpu_setup
+export FLASHINFER_DISABLE_JIT=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
 : "${TESTS:=tests/test_kernels_fused_elementwise.py tests/test_kernels_indexer.py tests/test_kernels_moe_mxfp4.py}"
 for step in ${STEPS:-moe tests}; do
   case $step in
-    moe) b=${MOE_BUDGET:-330}; l=$(( $(left) - 60 )); [ "$b" -gt "$l" ] && b=$l
+    moe) b=${MOE_BUDGET:-330}; l=$(left 60); [ "$b" -gt "$l" ] && b=$l
          [ "$b" -lt 60 ] && { echo "moe: only $b s left, skipped"; continue; }
          timeout -k 10 $((b + 50)) python3 benchmarks/moe.py --out "$OUT" --budget-s "$b" ${MOE_ARGS:-} 2>&1 \
            | tee "$OUT/moe.log" | tail -30 ;;
-    tests) t=$(( $(left) - 15 )); [ $t -lt 30 ] && { echo "tests: only $t s left, skipped"; continue; }
+    tests) t=$(left 15); [ "$t" -lt 30 ] && { echo "tests: only $t s left, skipped"; continue; }
            timeout -s INT -k 10 $t python3 -m pytest -m gpu -q -p no:cacheprovider \
              --junitxml "$OUT/gpu_tests.xml" $TESTS 2>&1 | tee "$OUT/gpu_tests.log" | tail -20 ;;
     *) echo "unknown step $step"; continue ;;
   esac
-  echo "RESULT $step rc=${PIPESTATUS[0]} at $((SECONDS - T0)) s"
+  result "$step" rc="${PIPESTATUS[0]}"
 done
-echo "RESULT done at $((SECONDS - T0)) s"
+result "done"

@@ -12,12 +12,10 @@
 # (default 290 s from the start, so the call ends < 300 s), every process group killed; logs and
 # results in $OUT. `pd_1p1d.sh bench` runs benchmarks/pd.py instead (below).
 set -uo pipefail
-: "${OUT:=/tmp/out}"; mkdir -p "$OUT"
-T0=$SECONDS
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
 BUDGET=${BUDGET:-290}
-left() { local l=$((BUDGET - (SECONDS - T0) - ${1:-0})); [ $l -gt 1 ] && echo $l || echo 1; }  # seconds left, less a reserve
-source .gpu/bin/setup.sh || exit 3
-export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
+gpu_setup
 export MC_FORCE_TCP=1 MOONCAKE_PROTOCOL=tcp SGLANG_HOST_IP=127.0.0.1
 python3 -c "import mooncake.engine" 2>/tmp/pd_imports.log || {
   cat /tmp/pd_imports.log; echo "RESULT pd_1p1d missing the PD stack (carry .gpu built with PD=1: ../shared/gpu/build.sh)"; exit 5; }
@@ -28,7 +26,7 @@ ROUTER=1; python3 -c "import sglang_router" 2>/dev/null || ROUTER=0
 CK=/tmp/tiny; J='Content-Type: application/json'
 W=/tmp/pd_1p1d; rm -rf $W; mkdir -p $W   # request outputs (only 8 files come back from $OUT: logs there)
 P=http://127.0.0.1:30010; D=http://127.0.0.1:30020; R=http://127.0.0.1:30000; C=http://127.0.0.1:30030
-timeout 120 python3 -m sglang_dsv41.cli make-checkpoint --preset tiny --out $CK --quiet || exit 4
+tiny_checkpoint $CK || exit 4
 # `pd_1p1d.sh bench`: benchmarks/pd.py instead — the device-to-device copy bandwidth of the GPU,
 # then colocated and 1P1D (both servers on the same GPU) at prompts of 1K, 8K and 32K tokens
 # (BENCH_PROMPTS), concurrency 1 and 8 (BENCH_CONC), 32 new tokens: TTFT, ITL, throughput, SGLang's
@@ -46,32 +44,21 @@ if [ "${1:-}" = bench ]; then
     --server-arg=--mem-fraction-static --server-arg=0.25 --server-arg=--context-length --server-arg=40960 \
     --concurrency ${BENCH_CONC:-1 8} --rounds 1 --prompt-len ${BENCH_PROMPTS:-1024 8192 32768} --new-tokens 32 \
     --max-total-tokens 400000 --startup-s 200 --out "$OUT/pd_h200.json"
-  rc=$?; echo "RESULT pd_bench rc=$rc router=$ROUTER at $((SECONDS - T0)) s"; exit $rc
+  rc=$?; result pd_bench rc=$rc router=$ROUTER; exit $rc
 fi
-PIDS=()
-start() {  # name, args...
-  local name=$1; shift
-  setsid "$@" >"$OUT/$name.log" 2>&1 & PIDS+=($!)
-}
-stop_all() { for p in "${PIDS[@]}"; do kill -- -$p 2>/dev/null; done; sleep 5; for p in "${PIDS[@]}"; do kill -9 -- -$p 2>/dev/null; done; }
-trap stop_all EXIT
-wait_up() {  # url, seconds
-  local s0=$SECONDS
-  while [ $((SECONDS - s0)) -lt $2 ]; do curl -sf -m 10 "$1" >/dev/null && return 0; sleep 3; done; return 1
-}
 # the three servers start at once (one start-up wait); 0.2 of the GPU each, as each server sizes
 # its static memory from what is free when it starts
 COMMON=(--model-path $CK --mem-fraction-static 0.2 --disaggregation-transfer-backend mooncake)
-start colocated python3 -m sglang.launch_server --model-path $CK --mem-fraction-static 0.2 --port 30030
-start prefill python3 -m sglang.launch_server "${COMMON[@]}" --port 30010 --disaggregation-mode prefill \
+start_server "$OUT/colocated.log" python3 -m sglang.launch_server --model-path $CK --mem-fraction-static 0.2 --port 30030
+start_server "$OUT/prefill.log" python3 -m sglang.launch_server "${COMMON[@]}" --port 30010 --disaggregation-mode prefill \
   --disaggregation-bootstrap-port 38998
-start decode python3 -m sglang.launch_server "${COMMON[@]}" --port 30020 --disaggregation-mode decode
+start_server "$OUT/decode.log" python3 -m sglang.launch_server "${COMMON[@]}" --port 30020 --disaggregation-mode decode
 up=0; wait_up $P/health "$(left 60)" && wait_up $D/health "$(left 60)" && up=1
 echo "servers up=$up at $((SECONDS - T0)) s"
 ok=0
 if [ $up = 1 ]; then
   if [ $ROUTER = 1 ]; then
-    start router python3 -m sglang_router.launch_router --pd-disaggregation --host 127.0.0.1 --port 30000 \
+    start_server "$OUT/router.log" python3 -m sglang_router.launch_router --pd-disaggregation --host 127.0.0.1 --port 30000 \
       --prefill $P 38998 --decode $D --policy round_robin
     if wait_up $R/readiness "$(left 60)"; then
       for n in 41 42 41; do
@@ -109,7 +96,7 @@ if wait_up $C/health_generate "$(left 20)"; then
       >"$W/colocated_$n.json" || echo "colocated n=$n failed"
   done
 fi
-stop_all; PIDS=()
+stop_servers
 python3 - "$W" <<'PY'
 import glob, json, sys
 o = sys.argv[1]
@@ -132,5 +119,5 @@ PY
 eq=$((1 - $?))
 grep -h -m1 "sglang-dsv41 PD layout" "$OUT/prefill.log" "$OUT/decode.log" || echo "no PD layout lines"
 [ $ok = 1 ] || { tail -40 "$OUT/prefill.log"; tail -40 "$OUT/decode.log"; }
-echo "RESULT pd_1p1d router=$ROUTER up=$up ok=$ok equal=$eq at $((SECONDS - T0)) s"
+result pd_1p1d router=$ROUTER up=$up ok=$ok equal=$eq
 [ $ok = 1 ] && [ $eq = 1 ]

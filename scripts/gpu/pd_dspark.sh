@@ -22,13 +22,12 @@
 # when every PD output equals the plain server's. Pass: per pair "n=41/42/97: PD+DSpark == plain
 # True", two equal "sglang-dsv41 PD layout" lines per pair, "RESULT pd_dspark mode=both rc=0".
 set -uo pipefail
-: "${OUT:=/tmp/out}"; mkdir -p "$OUT"
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
 MODE=${1:-both}
 BUDGET=${BUDGET:-285}
-T0=$SECONDS
-left() { local l=$((BUDGET - (SECONDS - T0) - ${1:-0})); [ $l -gt 1 ] && echo $l || echo 1; }  # seconds left, less a reserve
-source .gpu/bin/setup.sh || exit 3
-export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
+SUMMARY=$OUT/summary.txt
+gpu_setup
 export MC_FORCE_TCP=1 MOONCAKE_PROTOCOL=tcp SGLANG_HOST_IP=127.0.0.1
 python3 -c "import mooncake.engine" 2>/tmp/pd_imports.log || {
   cat /tmp/pd_imports.log; echo "RESULT pd_dspark missing the PD stack (carry .gpu built with PD=1: ../shared/gpu/build.sh)"; exit 5; }
@@ -40,23 +39,7 @@ case $MODE in
 esac
 CK=/tmp/tiny; W=/tmp/pd_dspark; rm -rf $W; mkdir -p $W
 C=http://127.0.0.1:30030
-timeout 60 python3 -m sglang_dsv41.cli make-checkpoint --preset tiny --out $CK --quiet || exit 4
-PIDS=()
-start() {  # name, args...
-  local name=$1; shift
-  setsid "$@" >"$OUT/$name.log" 2>&1 & PIDS+=($!)
-}
-stop_all() {
-  for p in "${PIDS[@]}"; do kill -- -"$p" 2>/dev/null; done
-  for _ in 1 2 3 4 5; do alive=0; for p in "${PIDS[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
-    [ $alive = 0 ] && break; sleep 3; done
-  for p in "${PIDS[@]}"; do kill -9 -- -"$p" 2>/dev/null; done; PIDS=()
-}
-trap stop_all EXIT
-wait_up() {  # url, seconds
-  local s0=$SECONDS
-  while [ $((SECONDS - s0)) -lt "$2" ]; do curl -sf -m 10 "$1" >/dev/null && return 0; sleep 2; done; return 1
-}
+tiny_checkpoint $CK 60 || exit 4
 ask() {  # out-file, url [, prefill url, bootstrap port, bootstrap room] -> /generate of the three prompts, sequential
   timeout "$(left 25)" python3 - "$@" <<'PY'
 import json, sys, threading, urllib.request
@@ -83,14 +66,14 @@ PY
 }
 # every server at once: the colocated plain reference and each DSpark pair
 CAP=(--mem-fraction-static 0.12 --max-total-tokens 65536 --disable-cuda-graph)
-start plain python3 -m sglang.launch_server --model-path $CK "${CAP[@]}" --port 30030
+start_server "$OUT/plain.log" python3 -m sglang.launch_server --model-path $CK "${CAP[@]}" --port 30030
 SPEC=(--speculative-algorithm DSPARK)
 COMMON=(--model-path $CK "${CAP[@]}" --disaggregation-transfer-backend mooncake)
 for pair in "${PAIRS[@]}"; do
   read -r name pg dg pport dport boot <<<"$pair"
-  start "prefill_$name" python3 -m sglang.launch_server "${COMMON[@]}" "${SPEC[@]}" --speculative-dspark-block-size "$pg" \
+  start_server "$OUT/prefill_$name.log" python3 -m sglang.launch_server "${COMMON[@]}" "${SPEC[@]}" --speculative-dspark-block-size "$pg" \
     --port "$pport" --disaggregation-mode prefill --disaggregation-bootstrap-port "$boot"
-  start "decode_$name" python3 -m sglang.launch_server "${COMMON[@]}" "${SPEC[@]}" --speculative-dspark-block-size "$dg" \
+  start_server "$OUT/decode_$name.log" python3 -m sglang.launch_server "${COMMON[@]}" "${SPEC[@]}" --speculative-dspark-block-size "$dg" \
     --port "$dport" --disaggregation-mode decode
 done
 if wait_up $C/health_generate "$(left 40)"; then ask $W/plain.json $C || echo "plain requests failed" | tee -a "$OUT/summary.txt"
@@ -106,7 +89,7 @@ for pair in "${PAIRS[@]}"; do
   room=$((room + 100))
   grep -h -m1 "sglang-dsv41 PD layout" "$OUT/prefill_$name.log" "$OUT/decode_$name.log" 2>/dev/null | cut -c1-400 | tee -a "$OUT/summary.txt"
 done
-stop_all
+stop_servers
 python3 - "$W" "$MODE" "${PAIRS[@]}" <<'PY' | tee -a "$OUT/summary.txt"
 import json, sys
 w, mode, pairs = sys.argv[1], sys.argv[2], [p.split()[0] for p in sys.argv[3:]]
@@ -134,5 +117,5 @@ rc=$?
 if [ $rc != 0 ]; then
   for f in "$OUT"/prefill_*.log "$OUT"/decode_*.log; do grep -nE "Error|error|Traceback|sglang-dsv41" "$f" | tail -15; done
 fi
-echo "RESULT pd_dspark mode=$MODE rc=$rc at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
+result pd_dspark mode=$MODE rc=$rc
 exit $rc

@@ -6,18 +6,15 @@
 # Run from the checkout root with `.gpu` carried. Every wait is capped; logs and results in $OUT.
 # GPU_TESTS=0 runs the plain launch only.
 set -uo pipefail
-: "${OUT:=/tmp/out}"; mkdir -p "$OUT"
-T0=$SECONDS
-source .gpu/bin/setup.sh || exit 3
-export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
+BUDGET=560   # the whole call (not a knob)
+gpu_setup
 CK=/tmp/tiny; U=http://127.0.0.1:30000; J='Content-Type: application/json'
-timeout 120 python3 -m sglang_dsv41.cli make-checkpoint --preset tiny --out $CK --quiet || exit 4
-setsid python3 -m sglang.launch_server --model-path $CK >"$OUT/plain_server.log" 2>&1 & P=$!
+tiny_checkpoint $CK || exit 4
+start_server "$OUT/plain_server.log" python3 -m sglang.launch_server --model-path $CK
 up=0; S0=$SECONDS
-while [ $((SECONDS - S0)) -lt 240 ]; do
-  curl -sf -m 10 $U/health_generate >/dev/null && { up=1; break; }
-  kill -0 $P 2>/dev/null || break; sleep 3
-done
+wait_up $U/health_generate 240 "$SERVER_PID" && up=1
 echo "plain server up=$up after $((SECONDS - S0)) s"
 ok=0
 if [ $up = 1 ]; then
@@ -27,7 +24,7 @@ if [ $up = 1 ]; then
   curl -sf -m 60 $U/generate -H "$J" -d "$G" >"$OUT/gen2.json" &&
   curl -sf -m 60 $U/v1/chat/completions -H "$J" -d '{"model":"x","messages":[{"role":"user","content":"What is 17*19?"}],"max_tokens":48}' >"$OUT/chat.json" && ok=1
 fi
-kill -- -$P 2>/dev/null; sleep 4; kill -9 -- -$P 2>/dev/null
+stop_servers
 python3 - "$OUT" <<'PY'
 import json, sys
 o = sys.argv[1]
@@ -46,9 +43,8 @@ except Exception as e:  # report, do not hide: the RESULT line below says ok=0
 PY
 [ $ok = 1 ] || tail -60 "$OUT/plain_server.log"
 grep -m2 -e "KV pool sizing" -e "DeepseekV41KVPool: global KV" "$OUT/plain_server.log" || echo "pool log lines: none"
-echo "RESULT plain_launch up=$up ok=$ok at $((SECONDS - T0)) s"
+result plain_launch up=$up ok=$ok
 [ "${GPU_TESTS:-1}" = 1 ] || exit $((1 - ok))
-left=$((560 - (SECONDS - T0)))
-timeout $left python3 -m pytest -m gpu -q -p no:cacheprovider tests/ \
+timeout "$(left)" python3 -m pytest -m gpu -q -p no:cacheprovider tests/ \
   --deselect tests/test_runtime_tp_server.py --deselect tests/test_runtime_tp_cuda_graph_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
-echo "RESULT gpu_tests rc=${PIPESTATUS[0]} at $((SECONDS - T0)) s"
+result gpu_tests rc="${PIPESTATUS[0]}"

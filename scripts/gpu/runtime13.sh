@@ -8,28 +8,24 @@
 # BUDGET caps the whole call (s); TESTS overrides the test files; every wait is capped; logs and
 # results in $OUT.
 set -uo pipefail
-: "${OUT:=/tmp/out}" "${BUDGET:=290}"; mkdir -p "$OUT"
-T0=$SECONDS
-source .gpu/bin/setup.sh || exit 3
-export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
-left() { echo $((BUDGET - (SECONDS - T0))); }
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
+: "${BUDGET:=290}"
+gpu_setup
 rc=0
 for f in ${TESTS:-tests/test_runtime_forward_gpu.py tests/test_runtime_triton_backend.py}; do
-  l=$(($(left) - 130)); [ $l -gt 20 ] || { echo "RESULT $f not run: budget spent"; rc=1; continue; }
+  l=$(left 130); [ "$l" -gt 20 ] || { echo "RESULT $f not run: budget spent"; rc=1; continue; }
   name=$(basename "$f" .py)
   timeout -k 10 $l python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short "$f" >"$OUT/$name.log" 2>&1
   r=$?; [ $r = 0 ] || rc=1
-  echo "RESULT $f rc=$r $(tail -1 "$OUT/$name.log") at $((SECONDS - T0)) s"
+  result "$f" rc=$r "$(tail -1 "$OUT/$name.log")"
   [ $r = 0 ] || grep -E "^(FAILED|ERROR|E )" "$OUT/$name.log" | head -20
 done
 CK=/tmp/tiny; U=http://127.0.0.1:30000; J='Content-Type: application/json'
-timeout 60 python3 -m sglang_dsv41.cli make-checkpoint --preset tiny --out $CK --quiet || exit 4
-setsid python3 -m sglang.launch_server --model-path $CK >"$OUT/plain_server.log" 2>&1 & P=$!
-up=0; S0=$SECONDS; cap=$(($(left) - 25))
-while [ $((SECONDS - S0)) -lt $cap ]; do
-  curl -sf -m 10 $U/health_generate >/dev/null && { up=1; break; }
-  kill -0 $P 2>/dev/null || break; sleep 3
-done
+tiny_checkpoint $CK 60 || exit 4
+start_server "$OUT/plain_server.log" python3 -m sglang.launch_server --model-path $CK
+up=0; S0=$SECONDS
+wait_up $U/health_generate "$(left 25)" "$SERVER_PID" && up=1
 echo "plain server up=$up after $((SECONDS - S0)) s"
 ok=0
 if [ $up = 1 ]; then
@@ -38,7 +34,7 @@ if [ $up = 1 ]; then
   curl -sf -m 20 $U/generate -H "$J" -d "$G" >"$OUT/gen2.json" &&
   curl -sf -m 20 $U/v1/chat/completions -H "$J" -d '{"model":"x","messages":[{"role":"user","content":"What is 17*19?"}],"max_tokens":32}' >"$OUT/chat.json" && ok=1
 fi
-kill -- -$P 2>/dev/null; sleep 4; kill -9 -- -$P 2>/dev/null
+stop_servers
 python3 - "$OUT" <<'PY'
 import json, sys
 o = sys.argv[1]
@@ -53,5 +49,5 @@ except Exception as e:  # reported, not hidden: the RESULT line says ok=0
 PY
 [ $ok = 1 ] || { rc=1; tail -60 "$OUT/plain_server.log"; }
 grep -m3 -e "sglang-dsv41: " "$OUT/plain_server.log" | cut -c1-300
-echo "RESULT plain_launch up=$up ok=$ok at $((SECONDS - T0)) s"
+result plain_launch up=$up ok=$ok
 exit $rc

@@ -12,11 +12,10 @@
 # DECODE_CAP (95), TESTS (the test files). Logs, junit and decode_step.json go into $OUT/all.tgz; a
 # short summary (RESULT lines + JSON) is printed.
 set -uo pipefail
-: "${OUT:=/tmp/out}" "${BUDGET:=295}"; mkdir -p "$OUT"
-T0=$SECONDS
-left() { echo $((BUDGET - (SECONDS - T0))); }
-source .gpu/bin/setup.sh || exit 3
-export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
+: "${BUDGET:=295}"
+gpu_setup
 W=$(mktemp -d)
 rc=0
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
@@ -25,18 +24,18 @@ if [ "$b" -ge 40 ]; then
   SGLANG_DSV41_FP8_GEMM=w8a8_f16 timeout -k 10 $((b + 10)) python3 benchmarks/decode_step.py --out "$W" --quick \
     --batches 1 8 64 --no-prefill --budget-s "$b" >"$W/decode_step.log" 2>&1
   r=$?; [ $r = 0 ] || rc=1
-  echo "RESULT decode_step rc=$r at $((SECONDS - T0)) s"
+  result decode_step rc=$r
   [ $r = 0 ] || tail -15 "$W/decode_step.log"
 else
   echo "RESULT decode_step not run: only $b s left"; rc=1
 fi
 for f in ${TESTS:-tests/test_runtime_triton_backend.py tests/test_runtime_forward_gpu.py tests/test_runtime_cuda_graph_gpu.py}; do
-  l=$(($(left) - 12)); [ $l -gt 20 ] || { echo "RESULT $f not run: budget spent"; rc=1; continue; }
+  l=$(left 12); [ "$l" -gt 20 ] || { echo "RESULT $f not run: budget spent"; rc=1; continue; }
   name=$(basename "$f" .py)
   timeout -s INT -k 10 $l python3 -m pytest -m gpu -q -s -p no:cacheprovider -rf --tb=short \
     --junitxml "$W/$name.xml" "$f" >"$W/$name.log" 2>&1
   r=$?; [ $r = 0 ] || rc=1
-  echo "RESULT $f rc=$r $(tail -1 "$W/$name.log" | cut -c1-160) at $((SECONDS - T0)) s"
+  result "$f" rc=$r "$(tail -1 "$W/$name.log" | cut -c1-160)"
   [ $r = 0 ] || grep -E "^(FAILED|ERROR|E )" "$W/$name.log" | head -12
 done
 timeout 20 python3 - "$W" <<'PY'
@@ -68,5 +67,5 @@ except Exception as e:
 print(json.dumps(summary, indent=1))
 PY
 tar czf "$OUT/all.tgz" -C "$W" . && rm -rf "$W"
-echo "RESULT done rc=$rc at $((SECONDS - T0)) s"
+result "done" rc=$rc
 exit $rc

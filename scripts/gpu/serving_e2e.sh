@@ -28,12 +28,11 @@
 # Outputs in $OUT: summary.txt, serving_e2e.json/.png, routing_spread.json, e2e/<label>.json and
 # e2e/<label>_server.log (the lead copies serving_e2e.json/.png to benchmarks/results/).
 set -uo pipefail
-: "${OUT:=/tmp/out}"; mkdir -p "$OUT/e2e"
-T0=$SECONDS; BUDGET=${BUDGET:-300}
-left() { echo $((BUDGET - (SECONDS - T0))); }
-cap() { local c=$1 l; l=$(left); [ "$c" -lt "$l" ] && echo "$c" || echo $((l > 5 ? l - 5 : 1)); }
-source .gpu/bin/setup.sh || exit 3
-export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
+mkdir -p "$OUT/e2e"
+BUDGET=${BUDGET:-300}; SUMMARY=$OUT/summary.txt
+gpu_setup
 STEPS=${STEPS:-prep ours sglang}; LAYERS=${LAYERS:-4}; M=/tmp/e2e_models
 IN_LEN=${IN_LEN:-1024}; OUT_LEN=${OUT_LEN:-256}; ROUNDS=${ROUNDS:-2}; MEM=${MEM:-0.85}
 CTX=$(( (IN_LEN + OUT_LEN + 64 + 255) / 256 * 256 ))
@@ -76,10 +75,10 @@ print(" ".join(f"{k}={v}" for k, v in e.items()))')
           rc=$?; ran=1 ;;
     *) echo "unknown step $step"; continue ;;
   esac
-  echo "RESULT $step rc=$rc at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
+  result "$step" rc=$rc
 done
 if [ $ran = 1 ]; then
   timeout 60 python3 benchmarks/serving_e2e.py report "$OUT/e2e" --out "$OUT/serving_e2e.json" | tail -40 | tee -a "$OUT/summary.txt"
 fi
 grep -h -e "dummy weights" -e "up after" "$OUT"/e2e/*_server.log 2>/dev/null | head -4 | tee -a "$OUT/summary.txt"
-echo "RESULT done at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
+result "done"

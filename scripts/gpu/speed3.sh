@@ -18,12 +18,10 @@
 # (s, default 300). Knobs: STEPS (default "tests fp8 decode"), TEST_CAP (110), FP8_CAP (85), FP8_ARGS
 # (extra fp8_w8a8.py arguments), DECODE_ARGS (extra decode_step.py arguments).
 set -uo pipefail
-: "${OUT:=/tmp/out}"; mkdir -p "$OUT"
-T0=$SECONDS; BUDGET=${BUDGET:-300}
-left() { echo $((BUDGET - (SECONDS - T0))); }
-cap() { local c=$1 l; l=$(left); [ "$c" -lt "$l" ] && echo "$c" || echo $((l > 5 ? l - 5 : 1)); }
-source .gpu/bin/setup.sh || exit 3
-export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
+BUDGET=${BUDGET:-300}
+gpu_setup
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
 VARIANTS=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import fp8_w8a8 as b; print(' '.join(b.SPEED3_VARIANTS))")
 for step in ${STEPS:-tests fp8 decode}; do
@@ -31,14 +29,14 @@ for step in ${STEPS:-tests fp8 decode}; do
     tests) t=$(cap "${TEST_CAP:-110}")
            timeout -s INT -k 15 "$t" python3 -m pytest -m gpu -q -s -p no:cacheprovider --junitxml "$OUT/gpu_tests.xml" \
              tests/test_kernels_fp8_w8a8.py tests/test_runtime_triton_backend.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -20 ;;
-    fp8) timeout $(cap "${FP8_CAP:-85}") python3 benchmarks/fp8_w8a8.py --out "$OUT" --rows 1 8 64 256 \
+    fp8) timeout "$(cap "${FP8_CAP:-85}")" python3 benchmarks/fp8_w8a8.py --out "$OUT" --rows 1 8 64 256 \
            --variants $VARIANTS --per-weight-rows 1 --cap-s 0.05 ${FP8_ARGS:-} 2>&1 | tee "$OUT/fp8_w8a8.log" | tail -8 ;;
     decode) b=$(( $(left) - 25 )); [ "$b" -lt 40 ] && { echo "decode: only $b s left, skipped"; continue; }
            SGLANG_DSV41_FP8_GEMM=w8a8_f16 timeout $((b + 20)) python3 benchmarks/decode_step.py --out "$OUT" --quick --batches 1 8 64 \
              --budget-s "$b" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode_step.log" | tail -8 ;;
     *) echo "unknown step $step"; continue ;;
   esac
-  echo "RESULT $step rc=${PIPESTATUS[0]} at $((SECONDS - T0)) s"
+  result "$step" rc="${PIPESTATUS[0]}"
 done
 timeout 20 python3 - "$OUT" <<'PY'
 import json, re, sys, xml.etree.ElementTree as ET
@@ -76,4 +74,4 @@ except Exception as e:
 (out / "speed3.json").write_text(json.dumps(summary, indent=1))
 print(json.dumps(summary, indent=1))
 PY
-echo "RESULT done at $((SECONDS - T0)) s"
+result "done"

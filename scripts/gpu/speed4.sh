@@ -21,12 +21,10 @@
 # arguments, e.g. "--profile-fp8 w8a8_f16" to profile the default only), KERNEL_VARIANTS_MOE_FLAGS ("none"
 # skips the MoE flag sets, whose 8 GEMM compiles are the variants' largest cost on a fresh machine).
 set -uo pipefail
-: "${OUT:=/tmp/out}"; mkdir -p "$OUT"
-T0=$SECONDS; BUDGET=${BUDGET:-300}
-left() { echo $((BUDGET - (SECONDS - T0))); }
-cap() { local c=$1 l; l=$(left); [ "$c" -lt "$l" ] && echo "$c" || echo $((l > 5 ? l - 5 : 1)); }
-source .gpu/bin/setup.sh || exit 3
-export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
+BUDGET=${BUDGET:-300}
+gpu_setup
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
 for step in ${STEPS:-tests decode}; do
   case $step in
@@ -39,11 +37,11 @@ for step in ${STEPS:-tests decode}; do
              --budget-s "$b" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode_step.log" | grep -v "^ " | tail -24 ;;
     *) echo "unknown step $step"; continue ;;
   esac
-  echo "RESULT $step rc=${PIPESTATUS[0]} at $((SECONDS - T0)) s"
+  result "$step" rc="${PIPESTATUS[0]}"
 done
 timeout 15 python3 scripts/gpu/speed4_summary.py "$OUT"
 # at most 8 files come back from $OUT: the logs and the junit file travel as one archive
 (cd "$OUT" && tar czf logs.tar.gz $(ls gpu_tests.log gpu_tests.xml decode_step.log 2>/dev/null) \
    && rm -f gpu_tests.log gpu_tests.xml decode_step.log)
 echo "files in \$OUT: $(ls "$OUT" | tr '\n' ' ') ($(ls "$OUT" | wc -l) of at most 8)"
-echo "RESULT done at $((SECONDS - T0)) s"
+result "done"

@@ -23,12 +23,10 @@
 # (s, default 300). Knobs: STEPS (default "tests prefill"), TEST_CAP (120; the files run most important first), PREFILL_VARIANTS (names of
 # benchmarks/prefill_profile.py VARIANTS; default all), DECODE_ARGS (extra decode_step.py arguments).
 set -uo pipefail
-: "${OUT:=/tmp/out}"; mkdir -p "$OUT"
-T0=$SECONDS; BUDGET=${BUDGET:-300}
-left() { echo $((BUDGET - (SECONDS - T0))); }
-cap() { local c=$1 l; l=$(left); [ "$c" -lt "$l" ] && echo "$c" || echo $((l > 5 ? l - 5 : 1)); }
-source .gpu/bin/setup.sh || exit 3
-export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
+BUDGET=${BUDGET:-300}
+gpu_setup
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
 for step in ${STEPS:-tests prefill}; do
   case $step in
@@ -44,7 +42,7 @@ for step in ${STEPS:-tests prefill}; do
              ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode_step.log" | grep -v "^ " | tail -24 ;;
     *) echo "unknown step $step"; continue ;;
   esac
-  echo "RESULT $step rc=${PIPESTATUS[0]} at $((SECONDS - T0)) s"
+  result "$step" rc="${PIPESTATUS[0]}"
 done
 timeout 15 python3 scripts/gpu/speed5_summary.py "$OUT"
 # everything in one archive; the summary, the profile JSON and its PNG also stay beside it (≤ 8 files back)
@@ -52,4 +50,4 @@ timeout 15 python3 scripts/gpu/speed5_summary.py "$OUT"
    prefill_profile.json prefill_profile.png speed5.json 2>/dev/null) \
    && rm -f gpu_tests.log gpu_tests.xml decode_step.log decode_step.png)
 echo "files in \$OUT: $(ls "$OUT" | tr '\n' ' ') ($(ls "$OUT" | wc -l) of at most 8)"
-echo "RESULT done at $((SECONDS - T0)) s"
+result "done"

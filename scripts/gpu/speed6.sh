@@ -12,13 +12,12 @@
 # default 150). Log: $OUT/speed6.log (+ junit $OUT/speed6.xml). A pass: "RESULT rc=0" and no FAILED line.
 # Run from the checkout root with `.gpu` carried.
 set -uo pipefail
-: "${OUT:=/tmp/out}" "${BUDGET:=150}" "${K_EXPR:=not tiered and not fp8_mma and not prefill_opt_ins}"; mkdir -p "$OUT"
-T0=$SECONDS
-source .gpu/bin/setup.sh || exit 3
-export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
+: "${BUDGET:=150}" "${K_EXPR:=not tiered and not fp8_mma and not prefill_opt_ins}"
+gpu_setup
 unset SGLANG_DSV41_ATTN_SPLITS SGLANG_DSV41_INDEXER_TOPK SGLANG_DSV41_INDEXER_HEAD_SUM SGLANG_DSV41_FP8_GEMM
-left=$((BUDGET - (SECONDS - T0) - 5))
-timeout -s INT -k 5 "$left" python3 -m pytest -m gpu -q -s -p no:cacheprovider -rf --tb=short --durations=12 \
+timeout -s INT -k 5 "$(left 5)" python3 -m pytest -m gpu -q -s -p no:cacheprovider -rf --tb=short --durations=12 \
   --junitxml "$OUT/speed6.xml" -k "$K_EXPR" \
   tests/test_runtime_forward_gpu.py tests/test_runtime_cuda_graph_gpu.py tests/test_runtime_triton_backend.py \
   >"$OUT/speed6.log" 2>&1
@@ -26,5 +25,5 @@ rc=$?
 grep -oE "(serving default|kernel attend|kernel path on|prompt [0-9]+ tokens|\[cuda-graph\]|CUDA w8|float64 on).*" "$OUT/speed6.log" | head -30
 grep -E "^(FAILED|ERROR)" "$OUT/speed6.log" | head -20
 tail -18 "$OUT/speed6.log"
-echo "RESULT rc=$rc at $((SECONDS - T0)) s"
+result rc=$rc
 exit $rc

@@ -15,12 +15,10 @@
 # (s, default 440). Knobs: STEPS (default "bench tests"), BENCH_BUDGET (s, 200), BENCH_ARGS (extra
 # decode_step.py arguments, e.g. "--quick"), TESTS (override the test file list).
 set -uo pipefail
-: "${OUT:=/tmp/out}"; mkdir -p "$OUT"
-T0=$SECONDS; BUDGET=${BUDGET:-440}
-left() { echo $((BUDGET - (SECONDS - T0))); }
-cap() { local c=$1 l; l=$(left); [ "$c" -lt "$l" ] && echo "$c" || echo $((l > 5 ? l - 5 : 1)); }
-source .gpu/bin/setup.sh || exit 3
-export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
+BUDGET=${BUDGET:-440}
+gpu_setup
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
 : "${TESTS:=tests/test_runtime_triton_backend.py tests/test_kernels_engram_gate.py tests/test_runtime_cuda_graph_gpu.py
   tests/test_kernels_mhc.py tests/test_runtime_forward_gpu.py tests/test_kernels_fused_elementwise.py
@@ -35,7 +33,7 @@ for step in ${STEPS:-bench tests}; do
              --junitxml "$OUT/gpu_tests.xml" $TESTS 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     *) echo "unknown step $step"; continue ;;
   esac
-  echo "RESULT $step rc=${PIPESTATUS[0]} at $((SECONDS - T0)) s"
+  result "$step" rc="${PIPESTATUS[0]}"
 done
 timeout 30 python3 - "$OUT" <<'PY'
 import json, re, sys, xml.etree.ElementTree as ET
@@ -72,4 +70,4 @@ except Exception as e:
 (out / "speed_e2e.json").write_text(json.dumps(summary, indent=2))
 print(json.dumps(summary, indent=2))
 PY
-echo "RESULT done at $((SECONDS - T0)) s"
+result "done"

@@ -7,30 +7,29 @@
 # arguments), JIT=0 skips the FlashInfer build, BUDGET (s, default 540: the script ends by then),
 # TEST_CAP / FP8_CAP / MOE_CAP (s, per step, each also bounded by what is left of BUDGET).
 set -uo pipefail
-: "${OUT:=/tmp/out}"; mkdir -p "$OUT"
-T0=$SECONDS; BUDGET=${BUDGET:-540}
-left() { echo $((BUDGET - (SECONDS - T0))); }
-cap() { local c=$1 l; l=$(left); [ "$c" -lt "$l" ] && echo "$c" || echo $((l > 5 ? l - 5 : 1)); }
-source .gpu/bin/setup.sh || exit 3
-export XDG_CACHE_HOME=/tmp/cache CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
+BUDGET=${BUDGET:-540}
+gpu_setup
+export CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
 MARK=/tmp/flashinfer_moe_ready; JP=
 objects() { find /tmp/cache /root/.cache -name '*.o' -path '*fused_moe_90*' 2>/dev/null | wc -l; }
 if [ "${JIT:-1}" = 1 ]; then
-  MAX_JOBS=10 nice -n 19 timeout $(($(left) - 30)) python3 scripts/gpu/flashinfer_moe_jit.py $MARK >"$OUT/flashinfer_jit.log" 2>&1 & JP=$!
+  MAX_JOBS=10 nice -n 19 timeout "$(left 30)" python3 scripts/gpu/flashinfer_moe_jit.py $MARK >"$OUT/flashinfer_jit.log" 2>&1 & JP=$!
 fi
 for step in ${STEPS:-tests fp8 moe}; do
   case $step in
-    tests) timeout $(cap "${TEST_CAP:-150}") python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kernels_fp8_w8a8.py 2>&1 \
+    tests) timeout "$(cap "${TEST_CAP:-150}")" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kernels_fp8_w8a8.py 2>&1 \
              | tee "$OUT/gpu_tests.log" | tail -15 ;;
-    fp8) timeout $(cap "${FP8_CAP:-200}") python3 benchmarks/fp8_w8a8.py --out "$OUT" ${FP8_ARGS:-} 2>&1 \
+    fp8) timeout "$(cap "${FP8_CAP:-200}")" python3 benchmarks/fp8_w8a8.py --out "$OUT" ${FP8_ARGS:-} 2>&1 \
              | tee "$OUT/fp8_w8a8.log" | tail -12 ;;
     moe) [ -n "$JP" ] && ! [ -e $MARK ] && echo "flashinfer JIT still building at $((SECONDS - T0)) s: $(objects) objects"
-         timeout $(cap "${MOE_CAP:-300}") python3 benchmarks/moe_mxfp4.py --out "$OUT" --flashinfer-ready $MARK ${MOE_ARGS:-} 2>&1 \
+         timeout "$(cap "${MOE_CAP:-300}")" python3 benchmarks/moe_mxfp4.py --out "$OUT" --flashinfer-ready $MARK ${MOE_ARGS:-} 2>&1 \
              | tee "$OUT/moe_mxfp4.log" | tail -12 ;;
     *) echo "unknown step $step"; continue ;;
   esac
-  echo "RESULT $step rc=${PIPESTATUS[0]} at $((SECONDS - T0)) s"
+  result "$step" rc="${PIPESTATUS[0]}"
 done
 if [ -n "$JP" ]; then
   kill $JP 2>/dev/null
@@ -38,4 +37,4 @@ if [ -n "$JP" ]; then
        "$(find /tmp/cache /root/.cache -name '*.ninja' -path '*fused_moe_90*' -exec grep -c '^build .*\.o:' {} + 2>/dev/null | head -1)"
   tail -5 "$OUT/flashinfer_jit.log"
 fi
-echo "RESULT done at $((SECONDS - T0)) s"
+result "done"

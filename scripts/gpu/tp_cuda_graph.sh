@@ -5,9 +5,10 @@
 # for docs/validation.md). TESTS adds files (e.g. tests/test_runtime_tp_server.py). Run from the
 # checkout root with `.gpu` carried; BUDGET caps the call (s, default 280); log + junit in $OUT.
 set -uo pipefail
-: "${OUT:=/tmp/out}" "${BUDGET:=280}"; mkdir -p "$OUT"
-source .gpu/bin/setup.sh || exit 3
-export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
+: "${BUDGET:=280}"
+gpu_setup
 n=$(nvidia-smi -L | wc -l); [ "$n" -ge 2 ] || { echo "RESULT needs 2 GPUs, found $n"; exit 2; }
 timeout -s INT -k 15 "$BUDGET" python3 -m pytest -m gpu -q -s -p no:cacheprovider -rf --tb=short \
   --junitxml "$OUT/tp_cuda_graph.xml" tests/test_runtime_tp_cuda_graph_gpu.py ${TESTS:-} 2>&1 | tee "$OUT/tp_cuda_graph.log" | tail -25

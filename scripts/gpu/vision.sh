@@ -17,25 +17,24 @@
 # server (also on SIGTERM from `timeout`). JSON + PNG + logs under $OUT, all of it in $OUT/all.tgz;
 # `SUMMARY` lines at the end.
 set -uo pipefail
-: "${OUT:=/tmp/out}" "${BUDGET:=300}"; mkdir -p "$OUT"
-T0=$SECONDS
-left() { echo $((BUDGET - 8 - (SECONDS - T0))); }
-source .gpu/bin/setup.sh || exit 3
-export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
+: "${BUDGET:=300}"
+gpu_setup
 CK=/tmp/tiny
-timeout 60 python3 -m sglang_dsv41.cli make-checkpoint --preset tiny --out $CK --quiet || exit 4
+tiny_checkpoint $CK 60 || exit 4
 echo "checkpoint at $((SECONDS - T0)) s"
 VIT=(--model-path $CK --device cuda --vit --vit-dims flash --vit-images 3 --no-server --sizes 1024x768)
 
 timeout -k 10 80 python3 benchmarks/vision.py "${VIT[@]}" --vit-attention triton,sdpa \
     --out "$OUT/vision_vit_h200.json" >"$OUT/vit.log" 2>&1
-echo "RESULT vit triton,sdpa rc=$? at $((SECONDS - T0)) s"; grep "^vit " "$OUT/vit.log"
+result "vit triton,sdpa" rc=$?; grep "^vit " "$OUT/vit.log"
 
-l=$(( $(left) - 30 )); [ $l -gt 170 ] && l=170
+l=$(left 38); [ "$l" -gt 170 ] && l=170   # 8 s kept for the summary and the archive
 timeout -k 15 $l python3 benchmarks/vision.py --model-path $CK --device cuda --sizes 448x448 \
     --images-per-request 1,4,16 --reps 3 --max-tokens 8 --startup-timeout 100 --request-timeout 30 \
     --server-flags "--max-total-tokens 8192" --log-dir "$OUT" --out "$OUT/vision_h200.json" >"$OUT/served.log" 2>&1
-echo "RESULT vision_served rc=$? at $((SECONDS - T0)) s"
+result vision_served rc=$?
 grep -m1 "vision tower loaded" "$OUT/vision_h200.log" || { echo "no 'vision tower loaded' line"; tail -30 "$OUT/vision_h200.log"; }
 
 export CUDA_LAUNCH_BLOCKING=1
@@ -60,22 +59,22 @@ for cu in ([0, 9216], [0, 300, 4370, 5000]):
     print("cu", cu, "max |fa3 - sdpa fp32|", (out.float() - ref).abs().max().item())
 PY
   echo "probe rc=$?"; } >>"$OUT/vit_fa3.log" 2>&1
-l=$(( $(left) - 5 )); [ $l -gt 45 ] && l=45
+l=$(left 13); [ "$l" -gt 45 ] && l=45
 if [ $l -gt 20 ]; then
   echo "== fa3 ViT benchmark" >>"$OUT/vit_fa3.log"
   timeout -k 5 $l python3 -X faulthandler benchmarks/vision.py "${VIT[@]}" --vit-images 2 --vit-attention fa3 \
       --out "$OUT/vision_vit_fa3_h200.json" >>"$OUT/vit_fa3.log" 2>&1
   echo "benchmark rc=$?" >>"$OUT/vit_fa3.log"
 fi
-l=$(( $(left) - 5 ))
-if [ $l -gt 30 ]; then
+l=$(left 13)
+if [ "$l" -gt 30 ]; then
   echo "== fa3 tower tests" >>"$OUT/vit_fa3.log"
   timeout -k 5 $l python3 -X faulthandler -m pytest -m gpu -q -p no:cacheprovider --tb=long \
       tests/test_vision_gpu.py -k "fa3" >>"$OUT/vit_fa3.log" 2>&1
   echo "pytest rc=$?" >>"$OUT/vit_fa3.log"
 fi
 fi
-echo "RESULT fa3 at $((SECONDS - T0)) s"; grep -E "rc=|max \||Error|error|imported" "$OUT/vit_fa3.log" | head -20
+result fa3; grep -E "rc=|max \||Error|error|imported" "$OUT/vit_fa3.log" | head -20
 
 python3 - "$OUT" <<'PY'
 import json, sys

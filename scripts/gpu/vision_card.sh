@@ -6,18 +6,15 @@
 # root with `.gpu` carried (as scripts/gpu/plain_launch_and_gpu_tests.sh). Every wait is capped;
 # logs and responses in $OUT.
 set -uo pipefail
-: "${OUT:=/tmp/out}"; mkdir -p "$OUT"
-T0=$SECONDS
-source .gpu/bin/setup.sh || exit 3
-export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
+BUDGET=560   # the whole call (not a knob)
+gpu_setup
 CK=/tmp/tiny; U=http://127.0.0.1:30000; J='Content-Type: application/json'
-timeout 120 python3 -m sglang_dsv41.cli make-checkpoint --preset tiny --out $CK --quiet || exit 4
-setsid python3 -m sglang_dsv41.cli serve --device cuda --model-path $CK --port 30000 >"$OUT/vision_server.log" 2>&1 & P=$!
+tiny_checkpoint $CK || exit 4
+start_server "$OUT/vision_server.log" python3 -m sglang_dsv41.cli serve --device cuda --model-path $CK --port 30000
 up=0; S0=$SECONDS
-while [ $((SECONDS - S0)) -lt 240 ]; do
-  curl -sf -m 10 $U/health_generate >/dev/null && { up=1; break; }
-  kill -0 $P 2>/dev/null || break; sleep 3
-done
+wait_up $U/health_generate 240 "$SERVER_PID" && up=1
 echo "vision server up=$up after $((SECONDS - S0)) s"
 python3 - >"$OUT/image_request.json" <<'PY'
 import base64, io, json
@@ -35,7 +32,7 @@ if [ $up = 1 ]; then
   curl -sf -m 120 $U/v1/chat/completions -H "$J" -d @"$OUT/image_request.json" >"$OUT/image1.json" &&
   curl -sf -m 120 $U/v1/chat/completions -H "$J" -d @"$OUT/image_request.json" >"$OUT/image2.json" && ok=1
 fi
-kill -- -$P 2>/dev/null; sleep 4; kill -9 -- -$P 2>/dev/null
+stop_servers
 python3 - "$OUT" <<'PY'
 import json, sys
 o = sys.argv[1]
@@ -48,7 +45,6 @@ except Exception as e:  # report, do not hide: the RESULT line says ok=0
 PY
 grep -m1 "vision tower loaded" "$OUT/vision_server.log" || echo "vision tower log line: none"
 [ $ok = 1 ] || tail -60 "$OUT/vision_server.log"
-echo "RESULT vision_launch up=$up ok=$ok at $((SECONDS - T0)) s"
-left=$((560 - (SECONDS - T0)))
-timeout $left python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_vision_gpu.py 2>&1 | tee "$OUT/vision_gpu_tests.log" | tail -30
-echo "RESULT vision_gpu_tests rc=${PIPESTATUS[0]} at $((SECONDS - T0)) s"
+result vision_launch up=$up ok=$ok
+timeout "$(left)" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_vision_gpu.py 2>&1 | tee "$OUT/vision_gpu_tests.log" | tail -30
+result vision_gpu_tests rc="${PIPESTATUS[0]}"
