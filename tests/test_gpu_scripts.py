@@ -1,0 +1,316 @@
+"""The device scripts (scripts/gpu/*.sh) without a GPU: every script parses (`bash -n`) and takes
+its preamble from scripts/gpu/lib.sh; lib.sh's helpers behave — budget arithmetic, `gpu_setup`,
+`tiny_checkpoint` called twice (today's warm-machine failure), server process groups stopped at
+EXIT, `wait_up`, `result` — sourced in a bash subprocess whose working directory holds a fake
+`.gpu/bin/setup.sh` and whose PATH starts with stub `python3` / `curl` (tests/gpu_script_stubs/);
+tiny_checkpoint_ok.py against real tiny checkpoints; two scripts dry-run end to end on the stubs.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU = ROOT / "scripts" / "gpu"
+LIB = GPU / "lib.sh"
+STUBS = Path(__file__).resolve().parent / "gpu_script_stubs"
+SCRIPTS = sorted(GPU.glob("*.sh"))
+# scripts that do not run on the device (nothing of lib.sh to share)
+NOT_DEVICE = {"lib.sh", "mooncake_store_pack.sh"}
+
+
+@pytest.fixture
+def sandbox(tmp_path: Path) -> dict[str, str]:
+    """A fake checkout root (cwd) with `.gpu/bin/setup.sh`, stubs first on PATH; returns the env."""
+    (tmp_path / ".gpu" / "bin").mkdir(parents=True)
+    (tmp_path / ".gpu" / "bin" / "setup.sh").write_text('export FAKE_SETUP_RAN=1\nreturn "${FAKE_SETUP_RC:-0}"\n')
+    (tmp_path / "stub").mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "BUDGET", "SUMMARY", "STOP_GRACE")}
+    env.update(PATH=f"{STUBS}:{env['PATH']}", STUB_DIR=str(tmp_path / "stub"), OUT=str(tmp_path / "out"),
+               HOME=str(tmp_path))
+    return env
+
+
+def bash(snippet: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
+    """`snippet` after `set -uo pipefail` and sourcing lib.sh, in the sandbox's root."""
+    script = f'set -uo pipefail\nsource "{LIB}"\n{snippet}\n'
+    return subprocess.run(["bash", "-c", script], cwd=Path(env["STUB_DIR"]).parent, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def calls(env: dict[str, str]) -> list[str]:
+    log = Path(env["STUB_DIR"]) / "calls.log"
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes whose process group is `pgid`."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            members.append(int(stat.parent.name))
+    return members
+
+
+def kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, 9)
+    except ProcessLookupError:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
+# every script
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_script_parses(script: Path) -> None:
+    r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if s.name not in NOT_DEVICE], ids=lambda p: p.name)
+def test_device_script_takes_its_preamble_from_lib(script: Path) -> None:
+    text = script.read_text()
+    assert text.startswith("#!/usr/bin/env bash\n#"), "the header comment (docs/validation.md rows cite it) stays first"
+    assert re.search(r'^source "\$\(dirname "\$0"\)/lib\.sh"$', text, re.M), "sources lib.sh next to itself"
+    assert text.index("set -uo pipefail") < text.index('/lib.sh"')
+    for own in (r"^source \.gpu/bin/setup\.sh", r"^\s*left\(\)", r"^\s*cap\(\)", r"^\s*wait_up\(\)",
+                r"make-checkpoint --preset tiny", r"\bsetsid\b", r"^: \"\$\{OUT:=", r"^T0="):
+        assert not re.search(own, text, re.M), f"{own!r}: lib.sh has this"
+
+
+# ---------------------------------------------------------------------------------------------
+# lib.sh
+# ---------------------------------------------------------------------------------------------
+def test_sourcing_sets_out_and_t0(sandbox: dict[str, str], tmp_path: Path) -> None:
+    sandbox["OUT"] = str(tmp_path / "new" / "out")
+    r = bash('echo "out=$OUT t0=$T0 servers=${#SERVERS[@]}"', sandbox)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "new" / "out").is_dir()
+    assert re.fullmatch(r"out=\S+/new/out t0=\d+ servers=0\n", r.stdout)
+
+
+def test_left_and_cap(sandbox: dict[str, str]) -> None:
+    # SECONDS unset loses its clock: elapsed is exactly 30 s
+    r = bash("unset SECONDS; SECONDS=1000; T0=970; BUDGET=100\n"
+             'echo "$(left) $(left 20) $(left 69) $(left 200)"\n'
+             'echo "$(cap 10) $(cap 69) $(cap 70) $(cap 100)"\n'
+             'BUDGET=34; echo "$(left) $(cap 2) $(cap 10)"\n'
+             'BUDGET=20; echo "$(left) $(left 5) $(cap 5)"', sandbox)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["70 50 1 1", "10 69 65 65", "4 2 1", "1 1 1"]
+
+
+def test_left_needs_a_budget(sandbox: dict[str, str]) -> None:
+    r = bash("left", sandbox)
+    assert r.returncode != 0 and "BUDGET" in r.stderr
+
+
+def test_result_line_and_summary(sandbox: dict[str, str], tmp_path: Path) -> None:
+    r = bash('unset SECONDS; SECONDS=50; T0=8\nresult pd_bench rc=0 router=1\n'
+             f'SUMMARY={tmp_path}/summary.txt; result "tests/x.py" rc=1 "1 failed"; result "done"', sandbox)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["RESULT pd_bench rc=0 router=1 at 42 s", "RESULT tests/x.py rc=1 1 failed at 42 s",
+                                     "RESULT done at 42 s"]
+    assert (tmp_path / "summary.txt").read_text().splitlines() == r.stdout.splitlines()[1:]
+
+
+def test_gpu_setup(sandbox: dict[str, str]) -> None:
+    r = bash('gpu_setup; echo "$FAKE_SETUP_RAN $XDG_CACHE_HOME $HF_HUB_OFFLINE"', sandbox)
+    assert (r.returncode, r.stdout) == (0, "1 /tmp/cache 1\n"), r.stderr
+    sandbox["FAKE_SETUP_RC"] = "3"
+    r = bash("gpu_setup; echo after", sandbox)
+    assert (r.returncode, r.stdout) == (3, "")
+
+
+def test_stub_refuses_a_second_make_like_make_checkpoint(sandbox: dict[str, str], tmp_path: Path) -> None:
+    """The stub reproduces today's failure: the old preamble's command run twice fails the second time."""
+    old = f"python3 -m sglang_dsv41.cli make-checkpoint --preset tiny --out {tmp_path}/ck --quiet"
+    r = bash(f"{old} && {old}", sandbox)
+    assert r.returncode == 1 and "--overwrite" in r.stderr
+
+
+def test_tiny_checkpoint_twice(sandbox: dict[str, str], tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    r = bash(f"tiny_checkpoint {ck} || exit 4; tiny_checkpoint {ck} || exit 4; echo ok", sandbox)
+    assert (r.returncode, r.stdout.splitlines()[-1]) == (0, "ok"), r.stderr
+    makes = [c for c in calls(sandbox) if "make-checkpoint" in c]
+    assert len(makes) == 2 and all(f"--out {ck} " in c and c.endswith("--overwrite") for c in makes)
+
+
+def test_tiny_checkpoint_reuses_a_complete_one(sandbox: dict[str, str], tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "model.safetensors.index.json").write_text("{}")
+    (ck / "STUB_VALID").touch()             # the stub checker's verdict
+    r = bash(f"tiny_checkpoint {ck} 30", sandbox)
+    assert r.returncode == 0, r.stderr
+    assert [c.split()[1].endswith("tiny_checkpoint_ok.py") for c in calls(sandbox)] == [True]
+    (ck / "STUB_VALID").unlink()            # partial / stale: written again over it
+    r = bash(f"tiny_checkpoint {ck} 30", sandbox)
+    assert r.returncode == 0, r.stderr
+    assert "make-checkpoint" in calls(sandbox)[-1] and calls(sandbox)[-1].endswith("--overwrite")
+
+
+def test_tiny_checkpoint_reports_a_failed_make(sandbox: dict[str, str], tmp_path: Path) -> None:
+    sandbox["STUB_MAKE_FAIL"] = "1"
+    r = bash(f"tiny_checkpoint {tmp_path}/ck || exit 4; echo unreachable", sandbox)
+    assert r.returncode == 4 and "unreachable" not in r.stdout
+
+
+def test_tiny_checkpoint_reuses_a_real_checkpoint(sandbox: dict[str, str], tmp_path: Path,
+                                                  tiny_checkpoint: Path) -> None:
+    """The real checker through lib.sh, on a copy of the session's tiny checkpoint: nothing rewritten."""
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_checkpoint, ck)
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (real / "python3").chmod(0o755)
+    sandbox["PATH"] = f"{real}:{sandbox['PATH']}"
+    before = {p.name: p.stat().st_mtime_ns for p in ck.iterdir()}
+    r = bash(f"tiny_checkpoint {ck}", sandbox, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"tiny checkpoint: reusing {ck}" in r.stdout
+    assert {p.name: p.stat().st_mtime_ns for p in ck.iterdir()} == before
+
+
+def test_exit_trap_stops_the_server_groups(sandbox: dict[str, str]) -> None:
+    r = bash('start_server "$OUT/a.log" bash -c "sleep 300 & sleep 300"; a=$SERVER_PID\n'
+             'start_server "$OUT/b.log" bash -c "sleep 301 & sleep 301"\n'
+             'sleep 0.5; echo "$a $SERVER_PID ${#SERVERS[@]}"; any_alive "$a" && echo alive; exit 7', sandbox)
+    pids = [int(x) for x in r.stdout.split()[:2]]
+    try:
+        assert r.returncode == 7, r.stderr           # the script's own status survives the trap
+        assert r.stdout.split()[2:] == ["2", "alive"]
+        assert all(group_members(p) == [] for p in pids)
+    finally:
+        for p in pids:
+            kill_group(p)
+
+
+def test_stop_servers_kills_a_group_that_ignores_term(sandbox: dict[str, str]) -> None:
+    sandbox["STOP_GRACE"] = "1"
+    t = time.monotonic()
+    r = bash('start_server "$OUT/s.log" bash -c \'trap "" TERM; sleep 300 & sleep 300\'; sleep 0.5\n'
+             'echo "$SERVER_PID"; stop_servers; echo "left ${#SERVERS[@]}"', sandbox)
+    pid = int(r.stdout.split()[0])
+    try:
+        assert r.returncode == 0 and r.stdout.split()[1:] == ["left", "0"], r.stderr
+        assert group_members(pid) == []
+        assert time.monotonic() - t >= 1.5                   # TERM was ignored: KILL after the grace
+    finally:
+        kill_group(pid)
+
+
+def test_start_server_logs_and_makes_a_group(sandbox: dict[str, str], tmp_path: Path) -> None:
+    r = bash('start_server "$OUT/s.log" bash -c "echo hello; echo oops >&2; sleep 300"; sleep 0.5\n'
+             'echo "$SERVER_PID $(cut -d" " -f5 "/proc/$SERVER_PID/stat")"', sandbox)
+    pid, pgid = (int(x) for x in r.stdout.split())
+    kill_group(pid)
+    assert r.returncode == 0, r.stderr
+    assert pid == pgid
+    assert (tmp_path / "out" / "s.log").read_text() == "hello\noops\n"
+
+
+def test_wait_up(sandbox: dict[str, str]) -> None:
+    (Path(sandbox["STUB_DIR"]) / "up").touch()
+    r = bash("wait_up http://127.0.0.1:1/health 10 && echo up", sandbox)
+    assert r.stdout == "up\n" and calls(sandbox) == ["curl -sf -m 10 -o /dev/null http://127.0.0.1:1/health"]
+    (Path(sandbox["STUB_DIR"]) / "up").unlink()
+    t = time.monotonic()
+    r = bash("wait_up http://127.0.0.1:1/health 3 || echo down", sandbox)
+    took = time.monotonic() - t
+    assert r.stdout == "down\n" and 1.5 < took < 8, took
+    assert "curl -sf -m 3 " in calls(sandbox)[1]      # no curl outlives the wait
+    t = time.monotonic()
+    r = bash("sleep 0 & p=$!; wait $p; wait_up http://127.0.0.1:1/health 60 $p || echo died", sandbox)
+    assert r.stdout == "died\n" and time.monotonic() - t < 10
+
+
+# ---------------------------------------------------------------------------------------------
+# tiny_checkpoint_ok.py (real checkpoints)
+# ---------------------------------------------------------------------------------------------
+def _checker():
+    spec = importlib.util.spec_from_file_location("tiny_checkpoint_ok", GPU / "tiny_checkpoint_ok.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_checker_accepts_the_tiny_checkpoint(tiny_checkpoint: Path) -> None:
+    ok = _checker()
+    assert ok.problem(tiny_checkpoint) is None
+    assert "seed 1" in ok.problem(tiny_checkpoint, seed=1)
+
+
+@pytest.mark.parametrize("damage", ["no_index", "shard", "config", "version"])
+def test_checker_refuses_a_damaged_copy(damage: str, tiny_checkpoint: Path, tmp_path: Path) -> None:
+    import json
+
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_checkpoint, ck)
+    index = ck / "model.safetensors.index.json"
+    if damage == "no_index":
+        index.unlink()
+    elif damage == "shard":
+        sorted(ck.glob("model-*.safetensors"))[-1].unlink()
+    elif damage == "config":
+        cfg = json.loads((ck / "config.json").read_text())
+        cfg["text_config"]["num_attention_heads"] = 8     # the tiny-tp8 preset's
+        (ck / "config.json").write_text(json.dumps(cfg))
+    else:
+        d = json.loads(index.read_text())
+        d["metadata"]["sglang_dsv41_generator_version"] = 1
+        index.write_text(json.dumps(d))
+    ok = _checker()
+    why = ok.problem(ck)
+    assert why is not None
+    assert {"no_index": "generator version None", "shard": "shards missing", "config": "config.json",
+            "version": "generator version 1"}[damage] in why
+    assert ok.main([str(ck)]) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# whole scripts on the stubs
+# ---------------------------------------------------------------------------------------------
+def _run_script(name: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(GPU / name), *args], cwd=Path(env["STUB_DIR"]).parent, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_pd_1p1d_bench_twice_on_a_warm_machine(sandbox: dict[str, str]) -> None:
+    """Today's failure: the second call found /tmp/tiny made by the first and exited 4 at once."""
+    for _ in range(2):
+        r = _run_script("pd_1p1d.sh", sandbox, "bench")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert re.search(r"^RESULT pd_bench rc=0 router=1 at \d+ s$", r.stdout, re.M), r.stdout
+    bench = [c for c in calls(sandbox) if "benchmarks/pd.py" in c]
+    assert len(bench) == 2 and "--checkpoint /tmp/tiny" in bench[0]
+
+
+def test_load_256_starts_waits_and_stops_its_server(sandbox: dict[str, str]) -> None:
+    (Path(sandbox["STUB_DIR"]) / "up").touch()
+    r = _run_script("load_256.sh", sandbox)
+    server = [c for c in calls(sandbox) if c.startswith("server pid=")]
+    pid = int(server[0].split("=")[1]) if server else None
+    try:
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert re.search(r"^RESULT load_256 up=1 rc=0 at \d+ s$", r.stdout, re.M), r.stdout
+        assert pid is not None and group_members(pid) == []
+        assert any("benchmarks/load.py --url http://127.0.0.1:30000 --requests 256" in c for c in calls(sandbox))
+    finally:
+        if pid:
+            kill_group(pid)
