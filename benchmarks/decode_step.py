@@ -77,6 +77,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:   # sibling benchmark m
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flash_layer import (Caches, Layer, build_layer, make_caches, moe_routed, queries,  # noqa: E402
                          step_components, stored_layer)
+from plotting import pyplot, save_png  # noqa: E402
 from step_timing import (BUDGET_NOTE, GRAPH_WARMUP_CALLS, MAX_REPS, _describe, attempt, capture_graph,  # noqa: E402
                          graph_of, settle_after_failed_capture, step_timing, timed)
 
@@ -376,9 +377,7 @@ def write_profile(layer: Layer, caches: Caches, batches, args, device_name: str,
 def plot(rows: list[dict], path: Path, device_name: str) -> None:
     """Left: eager components stacked per N; right: the whole step eager vs CUDA graph per N, with
     the fraction of copy bandwidth (current bytes) over each bar ("partial": a part was excluded)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(required=True)
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     labels = [str(r["tokens"]) for r in rows]
     bottom = [0.0] * len(rows)
@@ -402,8 +401,7 @@ def plot(rows: list[dict], path: Path, device_name: str) -> None:
             ylabel="µs per layer step", title="whole step: eager vs graph (% of copy bandwidth)")
     ax2.legend(fontsize=8)
     fig.suptitle(f"{device_name}: one Flash layer, decode step")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 from device_bandwidth import copy_bandwidth_gbs  # noqa: E402
 from step_timing import measure  # noqa: E402
+from plotting import pyplot, save_png  # noqa: E402
 
 CAP_S = 0.3                 # seconds of timed calls per point
 #: fixed `fp8_linear` configurations (block_m, block_n, block_k, warps, stages). Run 11 (2026-11-30): of the
@@ -209,11 +210,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         print("matplotlib missing: no plot")
         return
     labels = [k for k in result["rows"][0] if isinstance(result["rows"][0][k], dict)]
@@ -226,8 +224,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xticks(centres, labels, rotation=20, fontsize=8)
     ax.set(ylabel="µs per layer pass", title=f"FP8 dense linears of Flash layer {result['layer']}")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
+    save_png(fig, path)
 
 
 if __name__ == "__main__":

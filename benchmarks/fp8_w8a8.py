@@ -44,6 +44,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 from device_bandwidth import copy_bandwidth_gbs  # noqa: E402
 from step_timing import capture_graph, measure, settle_after_failed_capture  # noqa: E402
+from plotting import pyplot, save_png  # noqa: E402
 
 ROWS = (1, 8, 64, 256, 8192)
 #: fixed configurations swept besides the row tiers: label → ((block_m, block_n, sub_blocks, warps, stages,
@@ -288,11 +289,8 @@ def run(args: argparse.Namespace, dev: torch.device, copy_gbs: float) -> int:
 
 
 def plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         print("matplotlib missing: no plot")
         return
     labels = [k for k in result["rows"][0] if isinstance(result["rows"][0][k], dict)]
@@ -306,8 +304,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set(yscale="log", ylabel="µs per layer pass (graph replay)",
            title=f"FP8 dense linears of Flash layer {result['layer']} ({result.get('device', '')})")
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path)
+    save_png(fig, path)
 
 
 if __name__ == "__main__":

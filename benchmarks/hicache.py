@@ -35,6 +35,7 @@ from statistics import mean
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serving_client import Proc, free_port, stream_generate, wait_up  # noqa: E402
+from plotting import pyplot, save_png  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -83,12 +84,9 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def plot(result: dict, path: Path) -> str:
-    try:
-        import matplotlib
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return "matplotlib not installed"
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for name in ("off", "on"):
@@ -102,8 +100,7 @@ def plot(result: dict, path: Path) -> str:
         ax.legend()
         ax.grid(alpha=0.3)
     fig.suptitle(result["title"], fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     return str(path)
 
 

@@ -37,6 +37,7 @@ from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serving_client import Proc, free_port, http, stream_generate, wait_up  # noqa: E402
+from plotting import pyplot, save_png  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CASES = ("cold", "gpu", "l2", "l3", "push")   # push: the l2 phase's other prompts, cold without a flush
@@ -272,12 +273,9 @@ def summarize(rows: list[dict], prefix_tokens: int, kv: dict, copy: dict, l2_met
 
 
 def plot(result: dict, path: Path) -> str:
-    try:
-        import matplotlib
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return "matplotlib not installed"
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     cases = result["summary"]["cases"]
     names = [c for c in CASES if c in cases and c != "push"]
@@ -299,8 +297,7 @@ def plot(result: dict, path: Path) -> str:
     ax.set(ylabel="TTFT (ms); dashed: goal", title=result["title"])
     ax.title.set_fontsize(8)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     return str(path)
 
 

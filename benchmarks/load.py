@@ -37,6 +37,9 @@ from typing import Any
 
 import aiohttp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plotting import pyplot, save_png  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 SHARED_SYSTEM = ("You are a careful assistant for a weather service. Answer briefly, name your "
                  "sources, give temperatures in Celsius and wind in km/h, and never guess. ") * 4
@@ -267,12 +270,9 @@ def summarize(outcomes: list[Outcome], solo: Outcome, warm: Outcome, baseline: d
 
 def plot(result: dict[str, Any], path: Path) -> str:
     """TTFT and latency per request, by group; '' when written, else why not."""
-    try:
-        import matplotlib
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return "matplotlib not installed"
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for group in ("identical", "prefix", "distinct"):
         rows = [r for r in result["per_request"] if r["group"] == group and r["latency_s"] is not None]
@@ -281,9 +281,7 @@ def plot(result: dict[str, Any], path: Path) -> str:
            title=f"{result['requests']} concurrent streams, max_tokens {result['max_tokens']}: "
                  f"{'all checks pass' if result['passed'] else 'CHECKS FAIL'}")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path, dpi=110)
     return ""
 
 

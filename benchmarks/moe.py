@@ -49,6 +49,7 @@ import torch  # noqa: E402
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
+from plotting import pyplot, save_png  # noqa: E402
 
 TOKENS = (1, 8, 64, 256, 4096)
 HBM_TBS = 4.8                       # H200 HBM3e peak, TB/s
@@ -236,9 +237,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def plot(result: dict, path: Path, names: list[str]) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(required=True)
 
     rows = result["rows"]
     fig, (ax_t, ax_r) = plt.subplots(1, 2, figsize=(11, 4))
@@ -259,8 +258,7 @@ def plot(result: dict, path: Path, names: list[str]) -> None:
              title="fraction of the HBM roofline (expert bytes)")
     for ax in (ax_t, ax_r):
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serving_client  # noqa: E402
+from plotting import pyplot, save_png  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LAYOUT_ROUTE = "/sglang_dsv41/layout"
@@ -368,12 +369,9 @@ def run(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
 
 def plot(result: dict[str, Any], path: Path) -> str:
     """TTFT, ITL and throughput against concurrency, colocated vs PD; '' when written."""
-    try:
-        import matplotlib
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return "matplotlib not installed"
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     for name in ("colocated", "pd"):
         if name not in result:
@@ -391,9 +389,7 @@ def plot(result: dict[str, Any], path: Path) -> str:
         ax.legend()
     fig.suptitle(f"1P1D vs colocated, {result['device']}, prompts {result['prompt_len']}, "
                  f"{result['new_tokens']} new tokens" + ("" if result["router"] else " (no router)"))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path, dpi=110)
     return ""
 
 

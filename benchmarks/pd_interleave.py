@@ -29,6 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pd as bench  # noqa: E402
+from plotting import pyplot, save_png  # noqa: E402
 
 
 def parse_pd(spec: str) -> tuple[str, dict[str, str]]:
@@ -151,12 +152,9 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
 
 def plot(result: dict[str, Any], path: Path) -> str:
     """ITL and TTFT per cycle and set-up (concurrency levels side by side); '' when written."""
-    try:
-        import matplotlib
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return "matplotlib not installed"
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name, levels in result["setups"].items():
         for c in result["concurrency"]:
@@ -173,9 +171,7 @@ def plot(result: dict[str, Any], path: Path) -> str:
     order = "interleaved" if result.get("interleaved", True) else "one set-up after the other"
     fig.suptitle(f"1P1D vs colocated, {order}, CPU, prompts {result['prompt_len']}, "
                  f"{result['new_tokens']} new tokens")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path, dpi=110)
     return ""
 
 

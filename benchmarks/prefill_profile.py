@@ -362,9 +362,9 @@ def write_prefill_profile(layer, out: Path, device_name: str, tokens: int, parts
 
 def plot(rows: Sequence[Mapping], path: Path, device_name: str, tokens: int) -> None:
     """One horizontal stacked bar per variant: device ms by component, annotated with tokens/s."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from plotting import pyplot, save_png
+
+    plt = pyplot(required=True)
     rows = [r for r in rows if "by_component" in r]
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(rows) + 2.5))
     names = [r["variant"] for r in rows]
@@ -381,5 +381,4 @@ def plot(rows: Sequence[Mapping], path: Path, device_name: str, tokens: int) -> 
     ax.set(xlabel=f"device ms of one {tokens}-token prefill (median of passes)",
            title=f"{device_name}: one Flash layer, prefill by component")
     ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.15))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)

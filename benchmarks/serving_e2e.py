@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plotting import pyplot, save_png  # noqa: E402
 from serving_client import Proc, closed_loop, free_port, prompt, stream_generate, wait_up  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -159,11 +160,8 @@ def report(args: argparse.Namespace) -> int:
 
 
 def plot(recs: dict[str, Any], path: Path) -> str:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return "no PNG: matplotlib missing"
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for label, rec in recs.items():
@@ -180,8 +178,7 @@ def plot(recs: dict[str, Any], path: Path) -> str:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     return f"wrote {path}"
 
 

@@ -23,6 +23,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plotting import pyplot, save_png  # noqa: E402
+
 #: prefill runs shorter than this many seconds at either layer count give no rate (timer noise)
 MIN_PREFILL_S = 0.5
 
@@ -105,9 +108,7 @@ def ours_graph_us(decode_step_json: Path) -> dict[int, float]:
 
 def plot(result: dict[str, Any], path: Path) -> int:
     """Per-layer decode µs by batch; our graphed layer step (decode_step.json beside `path`) next to it."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(required=True)
     rows = [r for r in result.get("per_layer", []) if "per_layer_us" in r]
     if not rows:
         print("nothing to plot: no per-layer rows")
@@ -124,8 +125,7 @@ def plot(result: dict[str, Any], path: Path) -> int:
     ax.set(yscale="log", xlabel="decode batch", ylabel="µs per layer per step",
            title="Per-layer decode step with CUDA graphs, one H200")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
     return 0
 
 

@@ -359,9 +359,9 @@ def profile_rows(layer, caches, batches: Sequence[int], modes: Sequence[str], co
 
 def plot(rows: Sequence[Mapping], path: Path, device_name: str) -> None:
     """One horizontal stacked bar per (FP8 mode, N): the graphed step by component (µs)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from plotting import pyplot, save_png
+
+    plt = pyplot(required=True)
     rows = [r for r in rows if "by_component" in r]
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(rows) + 2))
     names = [f"{r['fp8_gemm']} N={r['tokens']}" for r in rows]
@@ -377,5 +377,4 @@ def plot(rows: Sequence[Mapping], path: Path, device_name: str) -> None:
                     fontsize=7)
     ax.set(xlabel="µs of the graphed decode step (median of replays)", title=f"{device_name}: one Flash layer")
     ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.12))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)

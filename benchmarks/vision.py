@@ -59,6 +59,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serving_client import Proc, free_port, wait_up  # noqa: E402
+from plotting import pyplot, save_png  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TEXT = "What is in this image? Answer in one word."
@@ -305,12 +306,9 @@ def _random_tower(cfg, attention: str):
 
 
 def plot(result: dict, path: Path) -> str:
-    try:
-        import matplotlib
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return "matplotlib not installed"
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     cases = result.get("cases", {})
     vit = (result.get("vit") or {}).get("cases", {})
@@ -343,8 +341,7 @@ def plot(result: dict, path: Path) -> str:
     for ax in (a, b):
         ax.grid(alpha=0.3, axis="y")
     fig.suptitle(result["title"], fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     return str(path)
 
 
