@@ -25,13 +25,11 @@
 # step is capped and the script ends within BUDGET (s, default 290). STEPS (default "tests prefill") runs a part
 # alone, e.g. in two calls if the first machine start leaves too little time.
 set -uo pipefail
-: "${OUT:=/tmp/out}" "${BUDGET:=290}" "${TEST_CAP:=160}" "${PREFILL_VARIANTS:=before session12 default}"
-: "${K_EXPR:=not tiered and not fp8_mma}"; mkdir -p "$OUT"
-T0=$SECONDS
-left() { echo $((BUDGET - (SECONDS - T0))); }
-cap() { local c=$1 l; l=$(left); [ "$c" -lt "$l" ] && echo "$c" || echo $((l > 5 ? l - 5 : 1)); }
-source .gpu/bin/setup.sh || exit 3
-export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
+: "${BUDGET:=290}" "${TEST_CAP:=160}" "${PREFILL_VARIANTS:=before session12 default}"
+: "${K_EXPR:=not tiered and not fp8_mma}"
+gpu_setup
 unset SGLANG_DSV41_ATTN_SPLITS SGLANG_DSV41_INDEXER_TOPK SGLANG_DSV41_INDEXER_HEAD_SUM SGLANG_DSV41_FP8_GEMM \
   SGLANG_DSV41_ATTN_PREFILL SGLANG_DSV41_BF16_GEMM
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
@@ -49,7 +47,7 @@ grep -oE "(serving default|kernel attend|kernel path on|prompt [0-9]+ tokens|\[c
   "$OUT/prefill7_tests.log" | head -30
 grep -E "^(FAILED|ERROR)" "$OUT/prefill7_tests.log" | head -20
 tail -6 "$OUT/prefill7_tests.log"
-echo "RESULT tests rc=$rc at $((SECONDS - T0)) s"
+result tests rc=$rc
 fi
 
 b=$(( $(left) - 25 ))
@@ -61,7 +59,7 @@ else
   timeout $((b + 15)) python3 benchmarks/decode_step.py --out "$OUT" --quick --no-decode --batches 1 \
     --profile-prefill --prefill-variants $PREFILL_VARIANTS --budget-s "$b" 2>&1 \
     | tee "$OUT/decode_step.log" | grep -v "^ " | tail -12
-  echo "RESULT prefill rc=${PIPESTATUS[0]} at $((SECONDS - T0)) s"
+  result prefill rc="${PIPESTATUS[0]}"
 fi
 
 timeout 15 python3 - "$OUT" <<'EOF'
@@ -99,5 +97,5 @@ print("attention sweep (workspace):", {k: v.get("us") if isinstance(v, dict) els
 EOF
 rm -f "$OUT/decode_step.png"
 echo "files in \$OUT: $(ls "$OUT" | tr '\n' ' ') ($(ls "$OUT" | wc -l) of at most 8)"
-echo "RESULT done at $((SECONDS - T0)) s"
+result "done"
 exit $rc
