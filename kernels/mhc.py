@@ -6,10 +6,16 @@ Everything is fp32 (issue 21: no float64 on the GPU path); the reference evaluat
 coefficients and the norm in float64 and rounds once, so those two ops are bounded, not
 bit-identical (tests/test_kernels_mhc.py):
 
-* `hc_coefficients` (2 launches). `_hc_mix_partials_kernel`, grid (⌈T/16⌉, ⌈hc·H/128⌉): a
-  program holds one 128-column slice of F [hc·(2+hc), hc·H] (24 × 128 fp32 = 12 KB at Flash) and,
-  for each of its ≤ 16 tokens, forms the fp32 partial dots F[:, slice]·x[slice] and the partial
-  Σx² of that slice. At T = 1 the 1.5 MB F read is spread over 128 programs.
+* `hc_coefficients` (2 launches). The partial dots, grid (⌈T/BLOCK_T⌉, ⌈hc·H/128⌉): a program
+  holds one 128-column slice of F [hc·(2+hc), hc·H] (24 × 128 fp32 = 12 KB at Flash) and forms,
+  for each of its tokens, the fp32 partial dots F[:, slice]·x[slice] and the partial Σx² of that
+  slice. Two kernels (`MIX_KERNELS`, chosen per call): `dot` (default, `_hc_mix_dot_kernel`,
+  BLOCK_T = 32) — one fp32 `tl.dot` (input_precision "ieee": FMA, no TF32) of the [32, 128]
+  token tile with the slice; `rows` (`_hc_mix_partials_kernel`, BLOCK_T = 16) — a loop over
+  the tokens, each a [32, 128] product reduced by `tl.sum` (the kernel before session 13: at 8K
+  prefill it took 1.55 ms a call on the H200, a 128-lane reduction per token and slice). The two
+  sum a slice in different orders (bits differ; both within COEFFICIENT_BOUND, tests).
+  At T = 1 the 1.5 MB F read is spread over 160 programs (Flash).
   `_hc_coefficients_kernel`, one program per token, adds the partials in a fixed order (one
   `tl.sum` over the slice axis, a shape fixed by hc·H only), then in fp32 (IEEE division and
   square root, the device's exp): m = dot·(1/√(Σx²/(hc·H) + rms_eps)), pre = σ(α₀m + b) + hc_eps,
@@ -56,8 +62,13 @@ from triton.runtime.interpreter import InterpretedFunction
 F32 = torch.float32
 #: Columns of F per program of the partial-dot kernel (fixed: the fp32 partials do not depend on T).
 MIX_BLOCK_K = 128
-#: Tokens per program of the partial-dot kernel (F's slice is loaded once for them).
+#: Tokens per program of the partial-dot kernels (F's slice is loaded once for them): `rows`, `dot`.
 MIX_BLOCK_T = 16
+MIX_DOT_BLOCK_T = 32
+#: Columns per chained dot step of `_hc_mix_dot_kernel` (keeps its operands in registers).
+MIX_DOT_SUB_K = 32
+#: the partial-dot kernels (module doc); the first is the default
+MIX_KERNELS = ("dot", "rows")
 #: Columns per program of the element-wise stream kernels (residual update, collapse).
 STREAM_BLOCK_H = 256
 #: Largest row the one-program-per-token sublayer-input kernel takes (next power of two of H).
@@ -96,6 +107,35 @@ def _hc_mix_partials_kernel(x_ptr, f_ptr, part_ptr, T, K, stride_xt, NUM_CHUNKS,
         out = part_ptr + (t * NUM_CHUNKS + c) * SLOT
         tl.store(out + r, dots, mask=r_ok)
         tl.store(out + ROWS, sumsq)
+
+
+@triton.jit
+def _hc_mix_dot_kernel(x_ptr, f_ptr, part_ptr, T, K, stride_xt, NUM_CHUNKS,
+                       ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, SLOT: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, SUB_K: tl.constexpr):
+    """`_hc_mix_partials_kernel`'s partials for BLOCK_T tokens at once: fp32 dots (FMA, `ieee`)
+    of the [BLOCK_T, SUB_K] token tiles with F's slice, chained over the slice's SUB_K-column
+    steps; Σx² per token by `tl.sum` per step, added in step order. A token's partials depend on
+    its row only (fixed tile shapes; padded rows are zeros)."""
+    tb = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    r = tl.arange(0, ROWS_PAD)
+    r_ok = r < ROWS
+    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    dots = tl.zeros([BLOCK_T, ROWS_PAD], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for s in tl.static_range(BLOCK_K // SUB_K):
+        k = c * BLOCK_K + s * SUB_K + tl.arange(0, SUB_K)
+        k_ok = k < K
+        f = tl.load(f_ptr + r[None, :] * K + k[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+        x = tl.load(x_ptr + t[:, None] * stride_xt + k[None, :], mask=t_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        dots = tl.dot(x, f, dots, input_precision="ieee")
+        sumsq = sumsq + tl.sum(x * x, axis=1)
+    out = part_ptr + (t * NUM_CHUNKS + c) * SLOT
+    tl.store(out[:, None] + r[None, :], dots, mask=t_ok[:, None] & r_ok[None, :])
+    tl.store(out + ROWS, sumsq, mask=t_ok)
 
 
 @triton.jit
@@ -245,9 +285,13 @@ def _coefficient_rows(name: str, coeff: Tensor, T: int, shape: tuple[int, ...]) 
 
 
 def hc_coefficients(residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *,
-                    rms_eps: float, hc_eps: float, sinkhorn_iters: int) -> tuple[Tensor, Tensor, Tensor]:
+                    rms_eps: float, hc_eps: float, sinkhorn_iters: int,
+                    mix: str = MIX_KERNELS[0]) -> tuple[Tensor, Tensor, Tensor]:
     """(pre [T, hc], post [T, hc], comb [T, hc, hc]) fp32 of one hyper-connection from the residual
-    entering it (spec §3.2); fp32 inside, each value within COEFFICIENT_BOUND of the reference."""
+    entering it (spec §3.2); fp32 inside, each value within COEFFICIENT_BOUND of the reference.
+    `mix`: the partial-dot kernel (MIX_KERNELS, module doc)."""
+    if mix not in MIX_KERNELS:
+        raise ValueError(f"hc_coefficients: mix must be one of {MIX_KERNELS}, got {mix!r}")
     T, hc, H = _check_residual("hc_coefficients", residual)
     rows, K = hc * (2 + hc), hc * H
     if tuple(fn.shape) != (rows, K):
@@ -272,9 +316,14 @@ def hc_coefficients(residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *
     opts = _launch_options()
     if not INTERPRETED:
         opts["num_warps"] = 4
-    _hc_mix_partials_kernel[(triton.cdiv(T, MIX_BLOCK_T), num_chunks)](
-        x, f, partials, T, K, x.stride(0), num_chunks,
-        ROWS=rows, ROWS_PAD=_pow2_at_least(rows), SLOT=slot, BLOCK_K=MIX_BLOCK_K, BLOCK_T=MIX_BLOCK_T, **opts)
+    if mix == "dot":
+        _hc_mix_dot_kernel[(triton.cdiv(T, MIX_DOT_BLOCK_T), num_chunks)](
+            x, f, partials, T, K, x.stride(0), num_chunks, ROWS=rows, ROWS_PAD=max(16, _pow2_at_least(rows)),
+            SLOT=slot, BLOCK_K=MIX_BLOCK_K, BLOCK_T=MIX_DOT_BLOCK_T, SUB_K=MIX_DOT_SUB_K, **opts)
+    else:
+        _hc_mix_partials_kernel[(triton.cdiv(T, MIX_BLOCK_T), num_chunks)](
+            x, f, partials, T, K, x.stride(0), num_chunks, ROWS=rows, ROWS_PAD=_pow2_at_least(rows), SLOT=slot,
+            BLOCK_K=MIX_BLOCK_K, BLOCK_T=MIX_BLOCK_T, **opts)
     opts = _launch_options()
     if not INTERPRETED:
         opts["num_warps"] = 4
