@@ -164,7 +164,12 @@ def round_to_bf16(x):
     return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
 
 
-@triton.jit
+#: `repr` of the fused SwiGLU: triton_kernels names GEMM1's kernel `<its matmul_ogs repr>_<this>`;
+#: with Triton's default (the dotted full name) the profiler showed only `clamped_swiglu_tile`
+GEMM1_ACTIVATION_NAME = "dsv41_clamped_swiglu"
+
+
+@triton.jit(repr=lambda _: GEMM1_ACTIVATION_NAME)
 def clamped_swiglu_tile(acc, limit):
     """GEMM1 epilogue: acc [M, 2n] fp32 with columns (g0, u0, g1, u1, …) → h [M, n] =
     bf16(silu(min(bf16(g), L)) · clamp(bf16(u), −L, L)) in fp32 (spec §3.6; NaN propagates)."""
@@ -290,7 +295,7 @@ def _check_call(x: Tensor, topk_ids: Tensor, experts: PreparedMxfp4Experts) -> N
 
 
 # ---------------------------------------------------------------------------------------------
-# Launch flags at decode (issue 21: opt-in until measured, docs/performance.md "session 11")
+# Launch flags at decode (issue 21: opt-in until measured, docs/performance.md "session 11") and prefill ("Session 13")
 # ---------------------------------------------------------------------------------------------
 #: triton_kernels opt-flag constraints the decode switch may set (Hopper MXFP4: no TMA, so no
 #: `is_persistent`; no split-K with MX weights)
@@ -298,17 +303,19 @@ DECODE_FLAG_KEYS = ("block_m", "block_k", "num_stages", "epilogue_subtile")
 DECODE_FLAGS_ENV = "SGLANG_DSV41_MOE_DECODE_FLAGS"
 #: calls with at most this many tokens take the decode flags
 DECODE_FLAG_MAX_TOKENS = 16
+#: the same constraints for calls of more tokens (prefill; opt-in, docs/performance.md "Session 13")
+PREFILL_FLAGS_ENV = "SGLANG_DSV41_MOE_PREFILL_FLAGS"
 
 
-def parse_decode_flags(text: str) -> dict[str, int]:
+def parse_decode_flags(text: str, env: str = DECODE_FLAGS_ENV) -> dict[str, int]:
     """"block_k=256,num_stages=4" → {"block_k": 256, "num_stages": 4}; "" → {}; an unknown key or
-    a non-positive / non-integer value raises ValueError."""
+    a non-positive / non-integer value raises ValueError (naming `env`)."""
     flags: dict[str, int] = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
         key, _, value = item.partition("=")
         key = key.strip()
         if key not in DECODE_FLAG_KEYS or not value.strip().isdigit() or int(value) < 1:
-            raise ValueError(f"{DECODE_FLAGS_ENV}: bad item {item!r} (expected key=positive int, key in "
+            raise ValueError(f"{env}: bad item {item!r} (expected key=positive int, key in "
                              f"{DECODE_FLAG_KEYS})")
         flags[key] = int(value)
     return flags
@@ -318,6 +325,19 @@ def parse_decode_flags(text: str) -> dict[str, int]:
 def decode_flags() -> dict[str, int]:
     """The decode flags SGLANG_DSV41_MOE_DECODE_FLAGS names (read once; {} = triton_kernels' own)."""
     return parse_decode_flags(os.environ.get(DECODE_FLAGS_ENV, ""))
+
+
+@lru_cache(maxsize=1)
+def prefill_flags() -> dict[str, int]:
+    """The flags SGLANG_DSV41_MOE_PREFILL_FLAGS names for calls of more than DECODE_FLAG_MAX_TOKENS
+    tokens (read once; `prefill_flags.cache_clear()` re-reads; {} = triton_kernels' own)."""
+    return parse_decode_flags(os.environ.get(PREFILL_FLAGS_ENV, ""), PREFILL_FLAGS_ENV)
+
+
+def launch_flags(tokens: int) -> dict[str, int]:
+    """The opt-flag constraints of a call of `tokens` tokens: decode flags up to
+    DECODE_FLAG_MAX_TOKENS, else the prefill flags."""
+    return decode_flags() if tokens <= DECODE_FLAG_MAX_TOKENS else prefill_flags()
 
 
 @contextlib.contextmanager
@@ -352,7 +372,7 @@ def routed_expert_outputs(x: Tensor, topk_ids: Tensor, experts: PreparedMxfp4Exp
     xp = x.contiguous()
     if experts.hidden_padded != experts.hidden:
         xp = F.pad(xp, (0, experts.hidden_padded - experts.hidden))
-    with decode_flags_scope(decode_flags() if x.shape[0] <= DECODE_FLAG_MAX_TOKENS else {}):     # SGLANG_DSV41_MOE_DECODE_FLAGS at ≤ DECODE_FLAG_MAX_TOKENS tokens
+    with decode_flags_scope(launch_flags(x.shape[0])):     # SGLANG_DSV41_MOE_DECODE_FLAGS / _PREFILL_FLAGS
         h = matmul_ogs(xp, experts.w13, None, plan.routing_data(), gather_indx=plan.gather(),
                        precision_config=_mx_precision(experts.w13_scale),
                        fused_activation=clamped_swiglu_activation(swiglu_limit))
@@ -377,6 +397,7 @@ def routed_experts_mxfp4(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, expe
 
 
 __all__ = ["COMBINE_BLOCK_H", "DECODE_FLAGS_ENV", "DECODE_FLAG_KEYS", "DECODE_FLAG_MAX_TOKENS", "decode_flags",
+           "GEMM1_ACTIVATION_NAME", "PREFILL_FLAGS_ENV", "launch_flags", "prefill_flags",
            "decode_flags_scope", "parse_decode_flags", "with_decode_flags", "HIDDEN_ALIGN", "INTERMEDIATE_ALIGN", "PREPARE_CHUNK", "PreparedMxfp4Experts",
            "ROUTED_DIFF_FRACTION_BOUND", "RoutingPlan", "SCALE_NUM_WARPS", "UE8M0_ONE", "bf16_ulp",
            "clamped_swiglu_activation", "clamped_swiglu_tile", "combine_routed", "dequantize_prepared",

@@ -188,6 +188,43 @@ def test_decode_flags_parse_and_scope_restores_the_constraints() -> None:
     assert seen == [{"block_k": 64}] and opt_flags._opt_flags_constraints == {}
 
 
+def test_prefill_flags_apply_above_the_decode_tokens(monkeypatch) -> None:
+    """SGLANG_DSV41_MOE_PREFILL_FLAGS: the constraints of calls of more than DECODE_FLAG_MAX_TOKENS
+    tokens (decode's flags up to there); a bad value raises naming the prefill variable."""
+    monkeypatch.setenv(mx.PREFILL_FLAGS_ENV, "block_m=64,num_stages=3")
+    monkeypatch.setenv(mx.DECODE_FLAGS_ENV, "block_k=256")
+    mx.prefill_flags.cache_clear()
+    mx.decode_flags.cache_clear()
+    try:
+        assert mx.launch_flags(mx.DECODE_FLAG_MAX_TOKENS) == {"block_k": 256}
+        assert mx.launch_flags(mx.DECODE_FLAG_MAX_TOKENS + 1) == {"block_m": 64, "num_stages": 3}
+        monkeypatch.setenv(mx.PREFILL_FLAGS_ENV, "block_m=big")
+        mx.prefill_flags.cache_clear()
+        with pytest.raises(ValueError, match=mx.PREFILL_FLAGS_ENV):
+            mx.launch_flags(8192)
+    finally:
+        monkeypatch.delenv(mx.PREFILL_FLAGS_ENV)
+        monkeypatch.delenv(mx.DECODE_FLAGS_ENV)
+        mx.prefill_flags.cache_clear()
+        mx.decode_flags.cache_clear()
+    assert mx.launch_flags(8192) == {} == mx.launch_flags(1)
+
+
+def test_gemm1_kernel_name_says_matmul_ogs() -> None:
+    """triton_kernels names GEMM1 `<matmul_ogs repr>_<the fused activation's repr>`: ours is a plain
+    name (Triton's default, the dotted full name, left only `clamped_swiglu_tile` in profiles)."""
+    import collections
+
+    from triton_kernels.matmul_ogs import specializations
+    kernel = specializations.get(activation=mx.clamped_swiglu_activation(10.0).specs)._matmul_ogs
+    proxy = collections.namedtuple("P", ["constants", "signature"])(
+        dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, SPLIT_K=1, stride_y_n=1, stride_x_k=1),
+        dict({n: "i32" for n in kernel.arg_names}, Y="*bf16", X="*bf16", W="*u8"))
+    name = kernel.repr(proxy)
+    assert name.startswith("_matmul_ogs") and name.endswith("_128x256x128x1_" + mx.GEMM1_ACTIVATION_NAME), name
+    assert "." not in name
+
+
 def test_routed_call_checks_device_and_shapes() -> None:
     p = prepare(random_experts(2, 256, 128, seed=4))
     x = torch.zeros(3, 256, dtype=torch.bfloat16)
@@ -437,6 +474,33 @@ def test_routed_experts_with_decode_flags_on_gpu(flags: str) -> None:
     ids, w = _routing(T, k, E, seed=79, device=dev)
     out = mx.with_decode_flags(mx.parse_decode_flags(flags),
                                lambda: mx.routed_experts_mxfp4(x, ids, w, p, swiglu_limit=LIMIT, routed_scale=SCALE))
+    assert_within_bound(out, *reference_routed(x, ids, w, raw), w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flags", ["block_m=64", "block_m=64,num_stages=3"])
+def test_routed_experts_with_prefill_flags_on_gpu(flags: str, monkeypatch) -> None:
+    """SGLANG_DSV41_MOE_PREFILL_FLAGS candidates (benchmarks/prefill_profile.py's `new_moe_*`) at the
+    Flash shape, T = 256 (128 rows an expert: triton_kernels' own block_m is 128), set through the
+    variable as the runtime reads it: the same bound as the default launch."""
+    dev = torch.device("cuda")
+    if torch.cuda.get_device_capability(dev)[0] != 9:
+        pytest.skip("the MXFP4 W4A16 path is Hopper-only")
+    E, H, I, k, T = 12, 5120, 2304, 6, 256
+    raw = random_experts(E, H, I, seed=81)
+    p = prepare(raw, device=dev)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(82)).to(torch.bfloat16).to(dev)
+    ids, w = _routing(T, k, E, seed=83, device=dev)
+    monkeypatch.setenv(mx.PREFILL_FLAGS_ENV, flags)
+    mx.prefill_flags.cache_clear()
+    try:
+        assert mx.launch_flags(T) == mx.parse_decode_flags(flags)
+        out = mx.routed_experts_mxfp4(x, ids, w, p, swiglu_limit=LIMIT, routed_scale=SCALE)
+    finally:
+        monkeypatch.delenv(mx.PREFILL_FLAGS_ENV)
+        mx.prefill_flags.cache_clear()
+    default = mx.routed_experts_mxfp4(x, ids, w, p, swiglu_limit=LIMIT, routed_scale=SCALE)
+    print(f"prefill flags {flags}: equal to the default launch: {torch.equal(out, default)}")
     assert_within_bound(out, *reference_routed(x, ids, w, raw), w)
 
 
