@@ -16,8 +16,11 @@ bit-identical (tests/test_kernels_mhc.py):
   prefill it took 1.55 ms a call on the H200, a 128-lane reduction per token and slice). The two
   sum a slice in different orders (bits differ; both within COEFFICIENT_BOUND, tests).
   At T = 1 the 1.5 MB F read is spread over 160 programs (Flash).
-  `_hc_coefficients_kernel`, one program per token, adds the partials in a fixed order (one
-  `tl.sum` over the slice axis, a shape fixed by hc·H only), then in fp32 (IEEE division and
+  `_hc_coefficients_kernel`, one program per token: with `dot` one warp adding the partials 32
+  chunks a step (`rows`: four warps, all chunks in one `tl.sum`, 389 µs a call at 8K on the H200,
+  ~5 programs an SM by registers, each ~26 µs of Sinkhorn latency).
+  `_hc_coefficients_kernel` adds the partials in a fixed order (block shapes fixed by hc·H only),
+  then in fp32 (IEEE division and
   square root, the device's exp): m = dot·(1/√(Σx²/(hc·H) + rms_eps)), pre = σ(α₀m + b) + hc_eps,
   post = 2σ(α₁m + b), comb = the finite `iters`-step Sinkhorn of α₂m + b (row softmax with the
   row max subtracted, +ε, column normalise, then (iters − 1)×(row, column)). Bound
@@ -69,6 +72,9 @@ MIX_DOT_BLOCK_T = 32
 MIX_DOT_SUB_K = 32
 #: the partial-dot kernels (module doc); the first is the default
 MIX_KERNELS = ("dot", "rows")
+#: with `dot`: partial-sum chunks per step and warps of the coefficient kernel (`rows`: all chunks, 4 warps)
+COEFF_CHUNKS_BLOCK = 32
+COEFF_NUM_WARPS = 1
 #: Columns per program of the element-wise stream kernels (residual update, collapse).
 STREAM_BLOCK_H = 256
 #: Largest row the one-program-per-token sublayer-input kernel takes (next power of two of H).
@@ -145,20 +151,26 @@ def _sigmoid(z):
 
 @triton.jit
 def _hc_coefficients_kernel(part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, K, NUM_CHUNKS, iters,
-                            HC: tl.constexpr, SLOT: tl.constexpr, CHUNKS_PAD: tl.constexpr,
+                            HC: tl.constexpr, SLOT: tl.constexpr, CHUNKS_BLOCK: tl.constexpr,
                             RMS_EPS: tl.constexpr, HC_EPS: tl.constexpr):
-    """One token: fixed-order sum of the partials, then rsqrt / sigmoid / Sinkhorn in fp32."""
+    """One token: fixed-order sum of the partials (a `tl.sum` per CHUNKS_BLOCK chunks, the block
+    sums added in chunk order), then rsqrt / sigmoid / Sinkhorn in fp32."""
     t = tl.program_id(0).to(tl.int64)      # token offsets beyond 2^31 elements
     ROWS: tl.constexpr = HC * (2 + HC)
-    c = tl.arange(0, CHUNKS_PAD)
-    c_ok = c < NUM_CHUNKS
     j = tl.arange(0, HC)
-    p = part_ptr + t * NUM_CHUNKS * SLOT + c * SLOT
-    sumsq = tl.sum(tl.load(p + ROWS, mask=c_ok, other=0.0), axis=0)
-    pre_dot = tl.sum(tl.load(p[:, None] + j[None, :], mask=c_ok[:, None], other=0.0), axis=0)
-    post_dot = tl.sum(tl.load(p[:, None] + HC + j[None, :], mask=c_ok[:, None], other=0.0), axis=0)
-    comb_ptrs = p[:, None, None] + 2 * HC + j[None, :, None] * HC + j[None, None, :]
-    comb_dot = tl.sum(tl.load(comb_ptrs, mask=c_ok[:, None, None], other=0.0), axis=0)
+    sumsq = tl.zeros([CHUNKS_BLOCK], dtype=tl.float32).sum(axis=0)
+    pre_dot = tl.zeros([HC], dtype=tl.float32)
+    post_dot = tl.zeros([HC], dtype=tl.float32)
+    comb_dot = tl.zeros([HC, HC], dtype=tl.float32)
+    for c0 in range(0, NUM_CHUNKS, CHUNKS_BLOCK):
+        c = c0 + tl.arange(0, CHUNKS_BLOCK)
+        c_ok = c < NUM_CHUNKS
+        p = part_ptr + t * NUM_CHUNKS * SLOT + c * SLOT
+        sumsq = sumsq + tl.sum(tl.load(p + ROWS, mask=c_ok, other=0.0), axis=0)
+        pre_dot = pre_dot + tl.sum(tl.load(p[:, None] + j[None, :], mask=c_ok[:, None], other=0.0), axis=0)
+        post_dot = post_dot + tl.sum(tl.load(p[:, None] + HC + j[None, :], mask=c_ok[:, None], other=0.0), axis=0)
+        comb_ptrs = p[:, None, None] + 2 * HC + j[None, :, None] * HC + j[None, None, :]
+        comb_dot = comb_dot + tl.sum(tl.load(comb_ptrs, mask=c_ok[:, None, None], other=0.0), axis=0)
 
     mean = tl.div_rn(sumsq, K.to(tl.float32))
     inv_rms = tl.div_rn(1.0, tl.sqrt_rn(mean + RMS_EPS))
@@ -325,11 +337,12 @@ def hc_coefficients(residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *
             x, f, partials, T, K, x.stride(0), num_chunks, ROWS=rows, ROWS_PAD=_pow2_at_least(rows), SLOT=slot,
             BLOCK_K=MIX_BLOCK_K, BLOCK_T=MIX_BLOCK_T, **opts)
     opts = _launch_options()
-    if not INTERPRETED:
-        opts["num_warps"] = 4
+    if not INTERPRETED:         # `dot`: one warp a token (the 4×4 Sinkhorn in warp shuffles); `rows`: as before
+        opts["num_warps"] = COEFF_NUM_WARPS if mix == "dot" else 4
     _hc_coefficients_kernel[(T,)](
         partials, base.to(F32).contiguous(), scale.to(F32).contiguous(), pre, post, comb, K, num_chunks,
-        sinkhorn_iters, HC=hc, SLOT=slot, CHUNKS_PAD=_pow2_at_least(num_chunks),
+        sinkhorn_iters, HC=hc, SLOT=slot,
+        CHUNKS_BLOCK=COEFF_CHUNKS_BLOCK if mix == "dot" else _pow2_at_least(num_chunks),
         RMS_EPS=float(rms_eps), HC_EPS=float(hc_eps), **opts)
     return pre, post, comb
 

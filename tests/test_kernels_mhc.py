@@ -244,11 +244,11 @@ if not K.INTERPRETED:
         with pytest.raises(ValueError, match="no mHC implementation"):
             mhc_ops.mhc_for(torch.device("meta"))
 
-    def _compiled(kernel, constexprs: dict, fp64_ptrs: tuple[str, ...] = ()) -> tuple[str, str]:
+    def _compiled(kernel, constexprs: dict, fp64_ptrs: tuple[str, ...] = (), num_warps: int = 4) -> tuple[str, str]:
         """PTX and `cuobjdump -res-usage` of `kernel` built for sm_90 with the wrappers' options."""
         sig = {n: "constexpr" if n in constexprs else ("*fp64" if n in fp64_ptrs else "*fp32")
                if n.endswith("_ptr") else "i32" for n in kernel.arg_names}
-        compiled, usage = compile_for_sm90(kernel, sig, constexprs, {"num_warps": 4, **K._launch_options()})
+        compiled, usage = compile_for_sm90(kernel, sig, constexprs, {"num_warps": num_warps, **K._launch_options()})
         return compiled.asm["ptx"], usage + " "
 
     def test_compiled_sm90_code_has_the_reference_rounding() -> None:
@@ -259,11 +259,12 @@ if not K.INTERPRETED:
             ptx, usage = _compiled(kernel, consts)
             assert "mul.rn.f32" in ptx and "add.rn.f32" in ptx and "fma.rn.f32" not in ptx, kernel
             assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
-        ptx, usage = _compiled(K._hc_coefficients_kernel, dict(HC=4, SLOT=32, CHUNKS_PAD=128, RMS_EPS=RMS_EPS,
-                                                               HC_EPS=HC_EPS))
-        assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx and "div.full" not in ptx and "sqrt.approx" not in ptx
-        assert ".f64" not in ptx                                 # no float64 on the GPU path (issue 21)
-        assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
+        for block, warps in ((K.COEFF_CHUNKS_BLOCK, K.COEFF_NUM_WARPS), (256, 4)):     # `dot`, `rows` at Flash
+            ptx, usage = _compiled(K._hc_coefficients_kernel, dict(HC=4, SLOT=32, CHUNKS_BLOCK=block, RMS_EPS=RMS_EPS,
+                                                                   HC_EPS=HC_EPS), num_warps=warps)
+            assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx and "div.full" not in ptx and "sqrt.approx" not in ptx
+            assert ".f64" not in ptx                                 # no float64 on the GPU path (issue 21)
+            assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
         ptx, usage = _compiled(K._hc_mix_partials_kernel, dict(ROWS=24, ROWS_PAD=32, SLOT=32, BLOCK_K=K.MIX_BLOCK_K,
                                                                BLOCK_T=K.MIX_BLOCK_T))
         assert ".f64" not in ptx and "STACK:0 " in usage and "LOCAL:0 " in usage, usage
