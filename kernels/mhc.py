@@ -12,13 +12,13 @@ bit-identical (tests/test_kernels_mhc.py):
   slice. Two kernels (`MIX_KERNELS`, chosen per call): `dot` (default, `_hc_mix_dot_kernel`,
   BLOCK_T = 32) — one fp32 `tl.dot` (input_precision "ieee": FMA, no TF32) of the [32, 128]
   token tile with the slice; `rows` (`_hc_mix_partials_kernel`, BLOCK_T = 16) — a loop over
-  the tokens, each a [32, 128] product reduced by `tl.sum` (the kernel before session 13: at 8K
-  prefill it took 1.55 ms a call on the H200, a 128-lane reduction per token and slice). The two
-  sum a slice in different orders (bits differ; both within COEFFICIENT_BOUND, tests).
+  the tokens, each a [32, 128] product reduced by `tl.sum` (a 128-lane reduction per token and
+  slice: slow at prefill row counts, docs/performance.md "Session 13"). The two sum a slice in
+  different orders (bits differ; both within COEFFICIENT_BOUND, tests).
   At T = 1 the 1.5 MB F read is spread over 160 programs (Flash).
   `_hc_coefficients_kernel`, one program per token: with `dot` one warp adding the partials 32
-  chunks a step (`rows`: four warps, all chunks in one `tl.sum`, 389 µs a call at 8K on the H200,
-  ~5 programs an SM by registers, each ~26 µs of Sinkhorn latency).
+  chunks a step (the 4 × 4 Sinkhorn in warp shuffles); with `rows` four warps, all chunks in one
+  `tl.sum`.
   `_hc_coefficients_kernel` adds the partials in a fixed order (block shapes fixed by hc·H only),
   then in fp32 (IEEE division and
   square root, the device's exp): m = dot·(1/√(Σx²/(hc·H) + rms_eps)), pre = σ(α₀m + b) + hc_eps,

@@ -164,8 +164,8 @@ def round_to_bf16(x):
     return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
 
 
-#: `repr` of the fused SwiGLU: triton_kernels names GEMM1's kernel `<its matmul_ogs repr>_<this>`;
-#: with Triton's default (the dotted full name) the profiler showed only `clamped_swiglu_tile`
+#: `repr` of the fused SwiGLU: triton_kernels names GEMM1's kernel `<its matmul_ogs repr>_<this>`
+#: (no dots: a dotted name is cut to its last part, hiding the GEMM)
 GEMM1_ACTIVATION_NAME = "dsv41_clamped_swiglu"
 
 

@@ -3,8 +3,8 @@
 
 What is pinned:
 * `hc_coefficients` (fp32 inside; the reference: float64 rounded once): pre / post / comb within
-  `K.COEFFICIENT_BOUND` (2⁻¹⁴ absolute) of the reference, at T ∈ {1, 3, 5, 20} (20 > the kernel's
-  16-token block), H ∈ {64, 96} (96: a partial 128-column slice), 1 and 20 Sinkhorn steps; the
+  `K.COEFFICIENT_BOUND` (2⁻¹⁴ absolute) of the reference, at T ∈ {1, 3, 5, 20} (20 > the `rows`
+  kernel's 16-token block; T = 40 > `dot`'s 32 below), H ∈ {64, 96} (96: a partial 128-column slice), 1 and 20 Sinkhorn steps; the
   bound fails for α scaled by 1.001 (`test_kernel_case_coefficient_bound_can_fail`);
 * `hc_residual_update`, `hc_collapse`: bit-identical to the reference on the reference's coefficients;
 * `hc_sublayer_input` (fp32 norm): every element the reference's or one BF16 ulp from it (with a

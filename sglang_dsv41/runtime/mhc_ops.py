@@ -8,7 +8,7 @@
 | CUDA | `TritonMhc`: `kernels.mhc` (fused Triton, fp32: 2 launches for the coefficients, 1 per other op) |
 
 CUDA's partial-dot kernel of the coefficients: SGLANG_DSV41_MHC_MIX (`kernels.mhc.MIX_KERNELS`:
-`dot` default, `rows` the kernel before session 13), read when a `TritonMhc` is built.
+`dot` default, `rows` the per-token kernels), read when a `TritonMhc` is built.
 
 Both are tested against `reference.mhc` (tests/test_runtime_mhc.py, tests/test_kernels_mhc.py):
 CPU bit-identical (`Fp32TorchMhc`: the numerics contract); CUDA within the bounds stated in
