@@ -4,7 +4,7 @@
 #      SGLANG_DSV41_MHC_MIX=dot|rows within the coefficient bound and batch invariant at T = 300, Flash width;
 #      the rest of tests/test_kernels_mhc.py at the new default), the MXFP4 experts with the prefill launch
 #      flags (SGLANG_DSV41_MOE_PREFILL_FLAGS=block_m=64[,num_stages=3] at T = 256, Flash shape) and at the
-#      default, the CUDA forward without float64 and the teacher-forced end-to-end contract with the prefill
+#      default, the fused routing order (decode sizes) equal to the stable sort's plan, the CUDA forward without float64 and the teacher-forced end-to-end contract with the prefill
 #      opt-ins (the runtime's mHC now `dot`), and the runtime's per-sublayer / batch-invariance tests;
 #   2. mhc: benchmarks/mhc_mix.py — hc_coefficients with `dot` and `rows` at T = 1 / 64 / 1,024 / 8,192 (Flash
 #      width; do_bench µs) and the two kernels' largest coefficient difference, beside the unchanged stream ops;
@@ -36,7 +36,7 @@ for step in ${STEPS:-tests mhc prefill}; do
            timeout -s INT -k 15 "$t" python3 -m pytest -m gpu -q -s -p no:cacheprovider --junitxml "$OUT/gpu_tests.xml" \
              tests/test_kernels_mhc.py tests/test_kernels_moe_mxfp4.py tests/test_runtime_triton_backend.py \
              tests/test_runtime_forward_gpu.py \
-             -k "mhc or prefill_flags or (match_reference_on_gpu and 5120) or no_float64 or prefill_opt_ins or identical_inputs or each_request_alone" \
+             -k "mhc or prefill_flags or fused_order or (match_reference_on_gpu and 5120) or no_float64 or prefill_opt_ins or identical_inputs or each_request_alone" \
              2>&1 | tee "$OUT/gpu_tests.log" | grep -v "^ " | tail -16 ;;
     mhc)   t=$(cap "${MHC_CAP:-45}")
            timeout "$t" python3 benchmarks/mhc_mix.py --out "$OUT" 2>&1 | tail -6 ;;
