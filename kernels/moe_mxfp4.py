@@ -127,7 +127,7 @@ class RoutingPlan:
 
 
 #: slot counts (T·k) up to which a CUDA plan's order is one `_routing_order_kernel` launch (decode);
-#: above, torch's stable sort (prefill: the plan is ≈ 0.1 ms of an 8K prefill, docs/performance.md)
+#: above, torch's stable sort (prefill sizes; docs/performance.md "Session 13")
 FUSED_ORDER_MAX_SLOTS = 512
 _FUSED_ORDER_PAD_KEY = 1 << 30       # padding lanes: after every bin, in no count
 
