@@ -27,8 +27,12 @@ blocks: OLD); `session12` = the serving default before session 13 (packed rows, 
 `plan_prefill_config`, fused top-k, float64 head sum, BF16-weight products in one GEMM); `new` =
 every prefill opt-in (the default + the fp32 indexer head sum); then each session-12 prefill choice
 alone on OLD (`attn_bf16_workspace`, `indexer_fp32_head_sum`, `indexer_fused_topk`,
-`whole_bf16_rows`). A variant sets its environment switches (and instance patches) for its duration
-only. Last (`attention_sweep`, deadline permitting): the attention alone at the prefill shape on the
+`whole_bf16_rows`); `new_mhc_rows` = `new` with the per-token mHC kernels
+(SGLANG_DSV41_MHC_MIX=rows, as `before` and `session12`); `new_moe_block_m64[_s3]` = `new` with the
+MXFP4 expert GEMMs' prefill tiles constrained (SGLANG_DSV41_MOE_PREFILL_FLAGS). `moe_experts` = both
+expert GEMMs (GEMM1 with the fused SwiGLU is `…_dsv41_clamped_swiglu`; before session 13 it showed as
+`clamped_swiglu_tile` and was counted as `moe_routing`). A variant sets its environment switches (and
+instance patches) for its duration only. Last (`attention_sweep`, deadline permitting): the attention alone at the prefill shape on the
 BF16 workspace under a few launch configurations (ATTENTION_SWEEP), losers kept.
 """
 from __future__ import annotations
@@ -46,22 +50,26 @@ import torch
 REPEATS = 3
 #: the switches a variant may set, at the CUDA serving defaults; every variant sets all of them
 SWITCHES = {"SGLANG_DSV41_ATTN_PREFILL": "bf16", "SGLANG_DSV41_INDEXER_HEAD_SUM": "fp64",
-            "SGLANG_DSV41_INDEXER_TOPK": "fused"}
+            "SGLANG_DSV41_INDEXER_TOPK": "fused", "SGLANG_DSV41_MHC_MIX": "dot", "SGLANG_DSV41_MOE_PREFILL_FLAGS": ""}
 #: session 11's switches (with the patch `blocked_bf16_rows`: its BF16-weight rows)
 OLD = {"SGLANG_DSV41_ATTN_PREFILL": "packed", "SGLANG_DSV41_INDEXER_HEAD_SUM": "fp64",
-       "SGLANG_DSV41_INDEXER_TOPK": "torch"}
+       "SGLANG_DSV41_INDEXER_TOPK": "torch", "SGLANG_DSV41_MHC_MIX": "rows", "SGLANG_DSV41_MOE_PREFILL_FLAGS": ""}
 NEW = SWITCHES | {"SGLANG_DSV41_INDEXER_HEAD_SUM": "fp32"}
 #: name → (environment over SWITCHES, backend patches): `two_pass_rope` = session 11's RoPE (`TwoPassRope`);
 #: `blocked_bf16_rows` = SGLANG_DSV41_BF16_GEMM=blocked (`BlockedBf16Gemm.whole_rows` False, read at build: set
 #: on the layer's backend; without the patch: `whole`, the serving default)
 VARIANTS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     "before": (OLD, ("two_pass_rope", "blocked_bf16_rows")),
-    "session12": ({"SGLANG_DSV41_ATTN_PREFILL": "packed"}, ("blocked_bf16_rows",)),
+    "session12": ({"SGLANG_DSV41_ATTN_PREFILL": "packed", "SGLANG_DSV41_MHC_MIX": "rows"}, ("blocked_bf16_rows",)),
     "default": ({}, ()), "new": (NEW, ()),
     "attn_bf16_workspace": (OLD | {"SGLANG_DSV41_ATTN_PREFILL": "bf16"}, ("blocked_bf16_rows",)),
     "indexer_fp32_head_sum": (OLD | {"SGLANG_DSV41_INDEXER_HEAD_SUM": "fp32"}, ("blocked_bf16_rows",)),
     "indexer_fused_topk": (OLD | {"SGLANG_DSV41_INDEXER_TOPK": "fused"}, ("blocked_bf16_rows",)),
-    "whole_bf16_rows": (OLD, ())}
+    "whole_bf16_rows": (OLD, ()),
+    # session 13 (prefill8): `new` with the per-token mHC kernels, and with MoE prefill tiles
+    "new_mhc_rows": (NEW | {"SGLANG_DSV41_MHC_MIX": "rows"}, ()),
+    "new_moe_block_m64": (NEW | {"SGLANG_DSV41_MOE_PREFILL_FLAGS": "block_m=64"}, ()),
+    "new_moe_block_m64_s3": (NEW | {"SGLANG_DSV41_MOE_PREFILL_FLAGS": "block_m=64,num_stages=3"}, ())}
 DEFAULT_VARIANTS = ("before", "session12", "default", "new", "attn_bf16_workspace", "indexer_fp32_head_sum",
                     "indexer_fused_topk", "whole_bf16_rows")
 PREFILL_COMPONENTS = ("dense_fp8", "dense_bf16", "attention", "indexer_scores", "indexer_topk", "indexer_query",
@@ -81,8 +89,9 @@ def prefill_component(label: str, kernel: str, fp8_linears: Iterable[str] = ()) 
     import step_profile as sp
     if label == "part:indexer":
         return "indexer_scores" if "index_scores" in kernel else "indexer_topk"
-    if label == "part:moe_routed":
-        return "moe_combine" if "combine" in kernel else "moe_experts" if "matmul" in kernel else "moe_routing"
+    if label == "part:moe_routed":         # GEMM1 (fused SwiGLU) showed as `clamped_swiglu_tile` before session 13
+        return ("moe_combine" if "combine" in kernel else
+                "moe_experts" if "matmul" in kernel or "swiglu" in kernel else "moe_routing")
     if label.startswith("linear:"):
         name = label[len("linear:"):]
         for fragment, comp in (("compressor", "compressor"), ("indexer.", "indexer_query"),
@@ -144,6 +153,7 @@ def variant_scope(name: str, backend) -> Iterable[None]:
     env, patches = VARIANTS[name]
     saved = {k: os.environ.get(k) for k in SWITCHES}
     os.environ.update(SWITCHES | env)
+    _reread_moe_flags()
     saved_fe = getattr(backend, "fe", None)
     patched = "two_pass_rope" in patches and saved_fe is not None     # only the Triton backend launches kernels
     if patched:                        # session 11: RoPE, then the BF16 rounding as a second launch
@@ -164,6 +174,15 @@ def variant_scope(name: str, backend) -> Iterable[None]:
             backend.fe = saved_fe
         if saved_whole is not None:
             dense.whole_rows = saved_whole
+        _reread_moe_flags()
+
+
+def _reread_moe_flags() -> None:
+    """The MXFP4 experts read SGLANG_DSV41_MOE_PREFILL_FLAGS once: re-read it after a variant's change."""
+    import sys
+    mx = sys.modules.get("sglang_dsv41.kernels.moe_mxfp4")
+    if mx is not None:
+        mx.prefill_flags.cache_clear()
 
 
 class TwoPassRope:

@@ -6,12 +6,21 @@ Everything is fp32 (issue 21: no float64 on the GPU path); the reference evaluat
 coefficients and the norm in float64 and rounds once, so those two ops are bounded, not
 bit-identical (tests/test_kernels_mhc.py):
 
-* `hc_coefficients` (2 launches). `_hc_mix_partials_kernel`, grid (⌈T/16⌉, ⌈hc·H/128⌉): a
-  program holds one 128-column slice of F [hc·(2+hc), hc·H] (24 × 128 fp32 = 12 KB at Flash) and,
-  for each of its ≤ 16 tokens, forms the fp32 partial dots F[:, slice]·x[slice] and the partial
-  Σx² of that slice. At T = 1 the 1.5 MB F read is spread over 128 programs.
-  `_hc_coefficients_kernel`, one program per token, adds the partials in a fixed order (one
-  `tl.sum` over the slice axis, a shape fixed by hc·H only), then in fp32 (IEEE division and
+* `hc_coefficients` (2 launches). The partial dots, grid (⌈T/BLOCK_T⌉, ⌈hc·H/128⌉): a program
+  holds one 128-column slice of F [hc·(2+hc), hc·H] (24 × 128 fp32 = 12 KB at Flash) and forms,
+  for each of its tokens, the fp32 partial dots F[:, slice]·x[slice] and the partial Σx² of that
+  slice. Two kernels (`MIX_KERNELS`, chosen per call): `dot` (default, `_hc_mix_dot_kernel`,
+  BLOCK_T = 32) — one fp32 `tl.dot` (input_precision "ieee": FMA, no TF32) of the [32, 128]
+  token tile with the slice; `rows` (`_hc_mix_partials_kernel`, BLOCK_T = 16) — a loop over
+  the tokens, each a [32, 128] product reduced by `tl.sum` (a 128-lane reduction per token and
+  slice: slow at prefill row counts, docs/performance.md "Session 13"). The two sum a slice in
+  different orders (bits differ; both within COEFFICIENT_BOUND, tests).
+  At T = 1 the 1.5 MB F read is spread over 160 programs (Flash).
+  `_hc_coefficients_kernel`, one program per token: with `dot` one warp adding the partials 32
+  chunks a step (the 4 × 4 Sinkhorn in warp shuffles); with `rows` four warps, all chunks in one
+  `tl.sum`.
+  `_hc_coefficients_kernel` adds the partials in a fixed order (block shapes fixed by hc·H only),
+  then in fp32 (IEEE division and
   square root, the device's exp): m = dot·(1/√(Σx²/(hc·H) + rms_eps)), pre = σ(α₀m + b) + hc_eps,
   post = 2σ(α₁m + b), comb = the finite `iters`-step Sinkhorn of α₂m + b (row softmax with the
   row max subtracted, +ε, column normalise, then (iters − 1)×(row, column)). Bound
@@ -56,8 +65,16 @@ from triton.runtime.interpreter import InterpretedFunction
 F32 = torch.float32
 #: Columns of F per program of the partial-dot kernel (fixed: the fp32 partials do not depend on T).
 MIX_BLOCK_K = 128
-#: Tokens per program of the partial-dot kernel (F's slice is loaded once for them).
+#: Tokens per program of the partial-dot kernels (F's slice is loaded once for them): `rows`, `dot`.
 MIX_BLOCK_T = 16
+MIX_DOT_BLOCK_T = 32
+#: Columns per chained dot step of `_hc_mix_dot_kernel` (keeps its operands in registers).
+MIX_DOT_SUB_K = 32
+#: the partial-dot kernels (module doc); the first is the default
+MIX_KERNELS = ("dot", "rows")
+#: with `dot`: partial-sum chunks per step and warps of the coefficient kernel (`rows`: all chunks, 4 warps)
+COEFF_CHUNKS_BLOCK = 32
+COEFF_NUM_WARPS = 1
 #: Columns per program of the element-wise stream kernels (residual update, collapse).
 STREAM_BLOCK_H = 256
 #: Largest row the one-program-per-token sublayer-input kernel takes (next power of two of H).
@@ -99,26 +116,61 @@ def _hc_mix_partials_kernel(x_ptr, f_ptr, part_ptr, T, K, stride_xt, NUM_CHUNKS,
 
 
 @triton.jit
+def _hc_mix_dot_kernel(x_ptr, f_ptr, part_ptr, T, K, stride_xt, NUM_CHUNKS,
+                       ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, SLOT: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, SUB_K: tl.constexpr):
+    """`_hc_mix_partials_kernel`'s partials for BLOCK_T tokens at once: fp32 dots (FMA, `ieee`)
+    of the [BLOCK_T, SUB_K] token tiles with F's slice, chained over the slice's SUB_K-column
+    steps; Σx² per token by `tl.sum` per step, added in step order. A token's partials depend on
+    its row only (fixed tile shapes; padded rows are zeros)."""
+    tb = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    r = tl.arange(0, ROWS_PAD)
+    r_ok = r < ROWS
+    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    dots = tl.zeros([BLOCK_T, ROWS_PAD], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for s in tl.static_range(BLOCK_K // SUB_K):
+        k = c * BLOCK_K + s * SUB_K + tl.arange(0, SUB_K)
+        k_ok = k < K
+        f = tl.load(f_ptr + r[None, :] * K + k[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+        x = tl.load(x_ptr + t[:, None] * stride_xt + k[None, :], mask=t_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        dots = tl.dot(x, f, dots, input_precision="ieee")
+        sumsq = sumsq + tl.sum(x * x, axis=1)
+    out = part_ptr + (t * NUM_CHUNKS + c) * SLOT
+    tl.store(out[:, None] + r[None, :], dots, mask=t_ok[:, None] & r_ok[None, :])
+    tl.store(out + ROWS, sumsq, mask=t_ok)
+
+
+@triton.jit
 def _sigmoid(z):
     return tl.div_rn(1.0, 1.0 + tl.exp(-z))
 
 
 @triton.jit
 def _hc_coefficients_kernel(part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, K, NUM_CHUNKS, iters,
-                            HC: tl.constexpr, SLOT: tl.constexpr, CHUNKS_PAD: tl.constexpr,
+                            HC: tl.constexpr, SLOT: tl.constexpr, CHUNKS_BLOCK: tl.constexpr,
                             RMS_EPS: tl.constexpr, HC_EPS: tl.constexpr):
-    """One token: fixed-order sum of the partials, then rsqrt / sigmoid / Sinkhorn in fp32."""
+    """One token: fixed-order sum of the partials (a `tl.sum` per CHUNKS_BLOCK chunks, the block
+    sums added in chunk order), then rsqrt / sigmoid / Sinkhorn in fp32."""
     t = tl.program_id(0).to(tl.int64)      # token offsets beyond 2^31 elements
     ROWS: tl.constexpr = HC * (2 + HC)
-    c = tl.arange(0, CHUNKS_PAD)
-    c_ok = c < NUM_CHUNKS
     j = tl.arange(0, HC)
-    p = part_ptr + t * NUM_CHUNKS * SLOT + c * SLOT
-    sumsq = tl.sum(tl.load(p + ROWS, mask=c_ok, other=0.0), axis=0)
-    pre_dot = tl.sum(tl.load(p[:, None] + j[None, :], mask=c_ok[:, None], other=0.0), axis=0)
-    post_dot = tl.sum(tl.load(p[:, None] + HC + j[None, :], mask=c_ok[:, None], other=0.0), axis=0)
-    comb_ptrs = p[:, None, None] + 2 * HC + j[None, :, None] * HC + j[None, None, :]
-    comb_dot = tl.sum(tl.load(comb_ptrs, mask=c_ok[:, None, None], other=0.0), axis=0)
+    sumsq = tl.zeros([CHUNKS_BLOCK], dtype=tl.float32).sum(axis=0)
+    pre_dot = tl.zeros([HC], dtype=tl.float32)
+    post_dot = tl.zeros([HC], dtype=tl.float32)
+    comb_dot = tl.zeros([HC, HC], dtype=tl.float32)
+    for c0 in range(0, NUM_CHUNKS, CHUNKS_BLOCK):
+        c = c0 + tl.arange(0, CHUNKS_BLOCK)
+        c_ok = c < NUM_CHUNKS
+        p = part_ptr + t * NUM_CHUNKS * SLOT + c * SLOT
+        sumsq = sumsq + tl.sum(tl.load(p + ROWS, mask=c_ok, other=0.0), axis=0)
+        pre_dot = pre_dot + tl.sum(tl.load(p[:, None] + j[None, :], mask=c_ok[:, None], other=0.0), axis=0)
+        post_dot = post_dot + tl.sum(tl.load(p[:, None] + HC + j[None, :], mask=c_ok[:, None], other=0.0), axis=0)
+        comb_ptrs = p[:, None, None] + 2 * HC + j[None, :, None] * HC + j[None, None, :]
+        comb_dot = comb_dot + tl.sum(tl.load(comb_ptrs, mask=c_ok[:, None, None], other=0.0), axis=0)
 
     mean = tl.div_rn(sumsq, K.to(tl.float32))
     inv_rms = tl.div_rn(1.0, tl.sqrt_rn(mean + RMS_EPS))
@@ -245,9 +297,13 @@ def _coefficient_rows(name: str, coeff: Tensor, T: int, shape: tuple[int, ...]) 
 
 
 def hc_coefficients(residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *,
-                    rms_eps: float, hc_eps: float, sinkhorn_iters: int) -> tuple[Tensor, Tensor, Tensor]:
+                    rms_eps: float, hc_eps: float, sinkhorn_iters: int,
+                    mix: str = MIX_KERNELS[0]) -> tuple[Tensor, Tensor, Tensor]:
     """(pre [T, hc], post [T, hc], comb [T, hc, hc]) fp32 of one hyper-connection from the residual
-    entering it (spec §3.2); fp32 inside, each value within COEFFICIENT_BOUND of the reference."""
+    entering it (spec §3.2); fp32 inside, each value within COEFFICIENT_BOUND of the reference.
+    `mix`: the partial-dot kernel (MIX_KERNELS, module doc)."""
+    if mix not in MIX_KERNELS:
+        raise ValueError(f"hc_coefficients: mix must be one of {MIX_KERNELS}, got {mix!r}")
     T, hc, H = _check_residual("hc_coefficients", residual)
     rows, K = hc * (2 + hc), hc * H
     if tuple(fn.shape) != (rows, K):
@@ -272,15 +328,21 @@ def hc_coefficients(residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *
     opts = _launch_options()
     if not INTERPRETED:
         opts["num_warps"] = 4
-    _hc_mix_partials_kernel[(triton.cdiv(T, MIX_BLOCK_T), num_chunks)](
-        x, f, partials, T, K, x.stride(0), num_chunks,
-        ROWS=rows, ROWS_PAD=_pow2_at_least(rows), SLOT=slot, BLOCK_K=MIX_BLOCK_K, BLOCK_T=MIX_BLOCK_T, **opts)
+    if mix == "dot":
+        _hc_mix_dot_kernel[(triton.cdiv(T, MIX_DOT_BLOCK_T), num_chunks)](
+            x, f, partials, T, K, x.stride(0), num_chunks, ROWS=rows, ROWS_PAD=max(16, _pow2_at_least(rows)),
+            SLOT=slot, BLOCK_K=MIX_BLOCK_K, BLOCK_T=MIX_DOT_BLOCK_T, SUB_K=MIX_DOT_SUB_K, **opts)
+    else:
+        _hc_mix_partials_kernel[(triton.cdiv(T, MIX_BLOCK_T), num_chunks)](
+            x, f, partials, T, K, x.stride(0), num_chunks, ROWS=rows, ROWS_PAD=_pow2_at_least(rows), SLOT=slot,
+            BLOCK_K=MIX_BLOCK_K, BLOCK_T=MIX_BLOCK_T, **opts)
     opts = _launch_options()
-    if not INTERPRETED:
-        opts["num_warps"] = 4
+    if not INTERPRETED:         # `dot`: one warp a token (the 4×4 Sinkhorn in warp shuffles); `rows`: as before
+        opts["num_warps"] = COEFF_NUM_WARPS if mix == "dot" else 4
     _hc_coefficients_kernel[(T,)](
         partials, base.to(F32).contiguous(), scale.to(F32).contiguous(), pre, post, comb, K, num_chunks,
-        sinkhorn_iters, HC=hc, SLOT=slot, CHUNKS_PAD=_pow2_at_least(num_chunks),
+        sinkhorn_iters, HC=hc, SLOT=slot,
+        CHUNKS_BLOCK=COEFF_CHUNKS_BLOCK if mix == "dot" else _pow2_at_least(num_chunks),
         RMS_EPS=float(rms_eps), HC_EPS=float(hc_eps), **opts)
     return pre, post, comb
 

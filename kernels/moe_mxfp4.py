@@ -126,10 +126,78 @@ class RoutingPlan:
         return GatherIndx(src_indx=self.sorted_slots, dst_indx=self.slot_rows)
 
 
-def make_routing_plan(topk_ids: Tensor, n_experts: int, *, allow_absent: bool = False) -> RoutingPlan:
+#: slot counts (T·k) up to which a CUDA plan's order is one `_routing_order_kernel` launch (decode);
+#: above, torch's stable sort (prefill sizes; docs/performance.md "Session 13")
+FUSED_ORDER_MAX_SLOTS = 512
+_FUSED_ORDER_PAD_KEY = 1 << 30       # padding lanes: after every bin, in no count
+
+
+@triton.jit
+def _routing_order_kernel(Ids, Order, Rows, Counts, Valid, S, N_EXPERTS,
+                          ALLOW_ABSENT: tl.constexpr, SP: tl.constexpr, CHUNK: tl.constexpr,
+                          BINS: tl.constexpr, PAD: tl.constexpr):
+    """One program: key = id (−1 → N_EXPERTS with ALLOW_ABSENT); a slot's grouped row = the number of
+    slots before it in (key, slot) order (the stable sort's position); Order[row] = slot; Counts[e] =
+    slots of expert e < N_EXPERTS; Valid = every id in range."""
+    s = tl.arange(0, SP)
+    s_ok = s < S
+    raw = tl.load(Ids + s, mask=s_ok, other=0)
+    if ALLOW_ABSENT:
+        out_of_range = (raw < -1) | (raw >= N_EXPERTS)
+    else:
+        out_of_range = (raw < 0) | (raw >= N_EXPERTS)
+    bad = tl.sum((s_ok & out_of_range).to(tl.int32), axis=0)
+    ids = raw.to(tl.int32)
+    key = tl.where(s_ok, tl.where(ids < 0, N_EXPERTS, ids), PAD)
+    row = tl.zeros([SP], dtype=tl.int32)
+    for c0 in range(0, S, CHUNK):
+        o = c0 + tl.arange(0, CHUNK)
+        ko = tl.load(Ids + o, mask=o < S, other=0).to(tl.int32)
+        ko = tl.where(o < S, tl.where(ko < 0, N_EXPERTS, ko), PAD)
+        before = (ko[None, :] < key[:, None]) | ((ko[None, :] == key[:, None]) & (o[None, :] < s[:, None]))
+        row += tl.sum(before.to(tl.int32), axis=1)
+    tl.store(Rows + s, row, mask=s_ok)
+    tl.store(Order + row, s, mask=s_ok)
+    for e0 in range(0, N_EXPERTS, BINS):
+        e = e0 + tl.arange(0, BINS)
+        tl.store(Counts + e, tl.sum((key[:, None] == e[None, :]).to(tl.int32), axis=0), mask=e < N_EXPERTS)
+    tl.store(Valid, bad == 0)
+
+
+def _order_fused(flat: Tensor, n_experts: int, allow_absent: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(order, rows, counts int32, valid bool[1]) of `_routing_order_kernel` for ≤ FUSED_ORDER_MAX_SLOTS slots."""
+    S = flat.numel()
+    order = torch.empty(S, dtype=torch.int32, device=flat.device)
+    rows = torch.empty_like(order)
+    counts = torch.empty(n_experts, dtype=torch.int32, device=flat.device)
+    valid = torch.empty(1, dtype=torch.bool, device=flat.device)
+    sp = max(16, triton.next_power_of_2(S))
+    _routing_order_kernel[(1,)](flat, order, rows, counts, valid, S, n_experts, ALLOW_ABSENT=allow_absent,
+                                SP=sp, CHUNK=32, BINS=32, PAD=_FUSED_ORDER_PAD_KEY, num_warps=4 if sp <= 128 else 8)
+    return order, rows, counts, valid
+
+
+def _order_torch(flat: Tensor, n_experts: int, allow_absent: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The same by torch's stable sort (any size)."""
+    flat = flat.to(torch.int32)
+    lowest = -1 if allow_absent else 0
+    valid = ((flat >= lowest) & (flat < n_experts)).all()
+    key = torch.where(flat < 0, n_experts, flat) if allow_absent else flat
+    order = torch.sort(key, stable=True).indices.to(torch.int32)
+    rows = torch.empty_like(order)
+    rows[order.long()] = torch.arange(flat.numel(), dtype=torch.int32, device=flat.device)
+    counts = torch.zeros(n_experts + 1, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, key.long().clamp(0, n_experts), torch.ones_like(key))
+    return order, rows, counts[:n_experts].contiguous(), valid
+
+
+def make_routing_plan(topk_ids: Tensor, n_experts: int, *, allow_absent: bool = False,
+                      fused: bool | None = None) -> RoutingPlan:
     """Routing plan for `topk_ids` [T, k] (ids in 0..n_experts−1; checked on the device without
-    a host sync). The tile schedule is built by triton_kernels' kernel on CUDA, by its torch
-    version on CPU (plans are only executed on CUDA).
+    a host sync). The order: one `_routing_order_kernel` launch when `fused` (default: on CUDA at
+    ≤ FUSED_ORDER_MAX_SLOTS slots), else torch's stable sort — the same permutation and counts.
+    The tile schedule is built by triton_kernels' kernel on CUDA, by its torch version on CPU
+    (plans are only executed on CUDA).
 
     `allow_absent`: id −1 marks a slot whose expert is not held here (expert parallel). Such
     slots sort after every present one and are in no expert's count, so the GEMMs never compute
@@ -137,17 +205,13 @@ def make_routing_plan(topk_ids: Tensor, n_experts: int, *, allow_absent: bool = 
     if topk_ids.dim() != 2 or topk_ids.dtype.is_floating_point:
         raise ValueError(f"topk_ids must be an integer [T, k] tensor, got {topk_ids.dtype} {tuple(topk_ids.shape)}")
     T, k = topk_ids.shape
-    flat = topk_ids.reshape(-1).to(torch.int32)
-    lowest = -1 if allow_absent else 0
-    torch._assert_async(((flat >= lowest) & (flat < n_experts)).all(),
-                        f"topk_ids outside {lowest}..{n_experts - 1}")
-    key = torch.where(flat < 0, n_experts, flat) if allow_absent else flat
-    order = torch.sort(key, stable=True).indices.to(torch.int32)
-    rows = torch.empty_like(order)
-    rows[order.long()] = torch.arange(T * k, dtype=torch.int32, device=flat.device)
-    counts = torch.zeros(n_experts + 1, dtype=torch.int32, device=flat.device)
-    counts.scatter_add_(0, key.long(), torch.ones_like(key))
-    counts = counts[:n_experts].contiguous()
+    flat = topk_ids.reshape(-1)
+    if fused is None:
+        fused = flat.is_cuda and 0 < T * k <= FUSED_ORDER_MAX_SLOTS
+    if fused and T * k > FUSED_ORDER_MAX_SLOTS:
+        raise ValueError(f"the fused routing order takes ≤ {FUSED_ORDER_MAX_SLOTS} slots, got {T * k}")
+    order, rows, counts, valid = (_order_fused if fused else _order_torch)(flat.contiguous(), n_experts, allow_absent)
+    torch._assert_async(valid, f"topk_ids outside {-1 if allow_absent else 0}..{n_experts - 1}")
     make = make_ragged_tensor_metadata if flat.is_cuda else make_ragged_tensor_metadata_torch
     return RoutingPlan(order, rows, counts, make(counts, T * k), T, k, n_experts)
 
@@ -164,7 +228,12 @@ def round_to_bf16(x):
     return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
 
 
-@triton.jit
+#: `repr` of the fused SwiGLU: triton_kernels names GEMM1's kernel `<its matmul_ogs repr>_<this>`
+#: (no dots: a dotted name is cut to its last part, hiding the GEMM)
+GEMM1_ACTIVATION_NAME = "dsv41_clamped_swiglu"
+
+
+@triton.jit(repr=lambda _: GEMM1_ACTIVATION_NAME)
 def clamped_swiglu_tile(acc, limit):
     """GEMM1 epilogue: acc [M, 2n] fp32 with columns (g0, u0, g1, u1, …) → h [M, n] =
     bf16(silu(min(bf16(g), L)) · clamp(bf16(u), −L, L)) in fp32 (spec §3.6; NaN propagates)."""
@@ -290,7 +359,7 @@ def _check_call(x: Tensor, topk_ids: Tensor, experts: PreparedMxfp4Experts) -> N
 
 
 # ---------------------------------------------------------------------------------------------
-# Launch flags at decode (issue 21: opt-in until measured, docs/performance.md "session 11")
+# Launch flags at decode (issue 21: opt-in until measured, docs/performance.md "session 11") and prefill ("Session 13")
 # ---------------------------------------------------------------------------------------------
 #: triton_kernels opt-flag constraints the decode switch may set (Hopper MXFP4: no TMA, so no
 #: `is_persistent`; no split-K with MX weights)
@@ -298,17 +367,19 @@ DECODE_FLAG_KEYS = ("block_m", "block_k", "num_stages", "epilogue_subtile")
 DECODE_FLAGS_ENV = "SGLANG_DSV41_MOE_DECODE_FLAGS"
 #: calls with at most this many tokens take the decode flags
 DECODE_FLAG_MAX_TOKENS = 16
+#: the same constraints for calls of more tokens (prefill; opt-in, docs/performance.md "Session 13")
+PREFILL_FLAGS_ENV = "SGLANG_DSV41_MOE_PREFILL_FLAGS"
 
 
-def parse_decode_flags(text: str) -> dict[str, int]:
+def parse_decode_flags(text: str, env: str = DECODE_FLAGS_ENV) -> dict[str, int]:
     """"block_k=256,num_stages=4" → {"block_k": 256, "num_stages": 4}; "" → {}; an unknown key or
-    a non-positive / non-integer value raises ValueError."""
+    a non-positive / non-integer value raises ValueError (naming `env`)."""
     flags: dict[str, int] = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
         key, _, value = item.partition("=")
         key = key.strip()
         if key not in DECODE_FLAG_KEYS or not value.strip().isdigit() or int(value) < 1:
-            raise ValueError(f"{DECODE_FLAGS_ENV}: bad item {item!r} (expected key=positive int, key in "
+            raise ValueError(f"{env}: bad item {item!r} (expected key=positive int, key in "
                              f"{DECODE_FLAG_KEYS})")
         flags[key] = int(value)
     return flags
@@ -318,6 +389,19 @@ def parse_decode_flags(text: str) -> dict[str, int]:
 def decode_flags() -> dict[str, int]:
     """The decode flags SGLANG_DSV41_MOE_DECODE_FLAGS names (read once; {} = triton_kernels' own)."""
     return parse_decode_flags(os.environ.get(DECODE_FLAGS_ENV, ""))
+
+
+@lru_cache(maxsize=1)
+def prefill_flags() -> dict[str, int]:
+    """The flags SGLANG_DSV41_MOE_PREFILL_FLAGS names for calls of more than DECODE_FLAG_MAX_TOKENS
+    tokens (read once; `prefill_flags.cache_clear()` re-reads; {} = triton_kernels' own)."""
+    return parse_decode_flags(os.environ.get(PREFILL_FLAGS_ENV, ""), PREFILL_FLAGS_ENV)
+
+
+def launch_flags(tokens: int) -> dict[str, int]:
+    """The opt-flag constraints of a call of `tokens` tokens: decode flags up to
+    DECODE_FLAG_MAX_TOKENS, else the prefill flags."""
+    return decode_flags() if tokens <= DECODE_FLAG_MAX_TOKENS else prefill_flags()
 
 
 @contextlib.contextmanager
@@ -352,7 +436,7 @@ def routed_expert_outputs(x: Tensor, topk_ids: Tensor, experts: PreparedMxfp4Exp
     xp = x.contiguous()
     if experts.hidden_padded != experts.hidden:
         xp = F.pad(xp, (0, experts.hidden_padded - experts.hidden))
-    with decode_flags_scope(decode_flags() if x.shape[0] <= DECODE_FLAG_MAX_TOKENS else {}):     # SGLANG_DSV41_MOE_DECODE_FLAGS at ≤ DECODE_FLAG_MAX_TOKENS tokens
+    with decode_flags_scope(launch_flags(x.shape[0])):     # SGLANG_DSV41_MOE_DECODE_FLAGS / _PREFILL_FLAGS
         h = matmul_ogs(xp, experts.w13, None, plan.routing_data(), gather_indx=plan.gather(),
                        precision_config=_mx_precision(experts.w13_scale),
                        fused_activation=clamped_swiglu_activation(swiglu_limit))
@@ -377,8 +461,9 @@ def routed_experts_mxfp4(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, expe
 
 
 __all__ = ["COMBINE_BLOCK_H", "DECODE_FLAGS_ENV", "DECODE_FLAG_KEYS", "DECODE_FLAG_MAX_TOKENS", "decode_flags",
+           "GEMM1_ACTIVATION_NAME", "PREFILL_FLAGS_ENV", "launch_flags", "prefill_flags",
            "decode_flags_scope", "parse_decode_flags", "with_decode_flags", "HIDDEN_ALIGN", "INTERMEDIATE_ALIGN", "PREPARE_CHUNK", "PreparedMxfp4Experts",
            "ROUTED_DIFF_FRACTION_BOUND", "RoutingPlan", "SCALE_NUM_WARPS", "UE8M0_ONE", "bf16_ulp",
            "clamped_swiglu_activation", "clamped_swiglu_tile", "combine_routed", "dequantize_prepared",
-           "make_routing_plan", "prepare_mxfp4_experts", "prepare_mxfp4_stacked", "round_to_bf16",
+           "FUSED_ORDER_MAX_SLOTS", "make_routing_plan", "prepare_mxfp4_experts", "prepare_mxfp4_stacked", "round_to_bf16",
            "routed_error_bound", "routed_expert_outputs", "routed_experts_mxfp4"]

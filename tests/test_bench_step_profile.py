@@ -101,6 +101,8 @@ def test_prefill_profile_attribution_and_variants(sp, monkeypatch) -> None:
     assert pp.prefill_component("part:moe_routed", "_p_matmul_ogs_x") == "moe_experts"
     assert pp.prefill_component("part:moe_routed", "_combine_kernel") == "moe_combine"
     assert pp.prefill_component("part:moe_routed", "radix_sort") == "moe_routing"
+    for gemm1 in ("clamped_swiglu_tile", "_matmul_ogs_NNT_bf16xbf16xmxfp4_128x256x128x1_dsv41_clamped_swiglu"):
+        assert pp.prefill_component("part:moe_routed", gemm1) == "moe_experts"       # GEMM1, old and new name
     assert pp.prefill_component("linear:attn.indexer.wq_b", "g") == "indexer_query"
     assert pp.prefill_component("linear:attn.compressor.wgate", "g") == "compressor"
     assert pp.prefill_component("linear:attn.wo_b", "g", ["attn.wo_b"]) == "dense_fp8"
@@ -137,6 +139,16 @@ def test_prefill_profile_attribution_and_variants(sp, monkeypatch) -> None:
     with pp.variant_scope("whole_bf16_rows", be):
         assert {k: os.environ[k] for k in pp.SWITCHES} == pp.OLD and be.dense.whole_rows
     assert not be.dense.whole_rows and "SGLANG_DSV41_ATTN_PREFILL" not in os.environ
+    assert pp.OLD["SGLANG_DSV41_MHC_MIX"] == "rows" == pp.VARIANTS["session12"][0]["SGLANG_DSV41_MHC_MIX"]
+    from sglang_dsv41.kernels import moe_mxfp4 as mx
+    monkeypatch.delenv(mx.PREFILL_FLAGS_ENV, raising=False)
+    mx.prefill_flags.cache_clear()
+    with pp.variant_scope("new_moe_block_m64", be):              # the experts' flags are re-read per variant
+        assert mx.launch_flags(8192) == {"block_m": 64} and mx.launch_flags(16) == mx.decode_flags()
+        assert os.environ["SGLANG_DSV41_MHC_MIX"] == "dot"
+    assert mx.launch_flags(8192) == {} and mx.PREFILL_FLAGS_ENV not in os.environ
+    with pp.variant_scope("new_mhc_rows", be):
+        assert os.environ["SGLANG_DSV41_MHC_MIX"] == "rows" and be.dense.whole_rows
     assert set(pp.DEFAULT_VARIANTS) <= set(pp.VARIANTS)
 
 

@@ -3,14 +3,15 @@
 
 What is pinned:
 * `hc_coefficients` (fp32 inside; the reference: float64 rounded once): pre / post / comb within
-  `K.COEFFICIENT_BOUND` (2⁻¹⁴ absolute) of the reference, at T ∈ {1, 3, 5, 20} (20 > the kernel's
-  16-token block), H ∈ {64, 96} (96: a partial 128-column slice), 1 and 20 Sinkhorn steps; the
+  `K.COEFFICIENT_BOUND` (2⁻¹⁴ absolute) of the reference, at T ∈ {1, 3, 5, 20} (20 > the `rows`
+  kernel's 16-token block; T = 40 > `dot`'s 32 below), H ∈ {64, 96} (96: a partial 128-column slice), 1 and 20 Sinkhorn steps; the
   bound fails for α scaled by 1.001 (`test_kernel_case_coefficient_bound_can_fail`);
 * `hc_residual_update`, `hc_collapse`: bit-identical to the reference on the reference's coefficients;
 * `hc_sublayer_input` (fp32 norm): every element the reference's or one BF16 ulp from it (with a
   carried pre and with `carried_pre=None` = stream 0), and at most 1 % of them differ; BF16
   rounding is bit arithmetic, so the interpreter gives the compiled bits too;
-* batch invariance: a row of a batch == the row alone, bitwise, for every op;
+* batch invariance: a row of a batch == the row alone, bitwise, for every op (and for each
+  partial-dot kernel of `K.MIX_KERNELS` at the edges of its token tiles, T = 40);
 * BF16-typed residual / sublayer output are read like the reference's `.to(fp32)`;
 * the runtime's CPU implementation (`mhc_ops.TorchMhc`) equals the reference bit for bit, `mhc_for` raises for other devices;
   the kernels raise for CPU tensors without the interpreter;
@@ -18,7 +19,7 @@ What is pinned:
   the stream kernels, IEEE fp32 division / square root and no float64 at all in the coefficient
   kernels, and no register spills.
 GPU (`gpu` marker): the same bounds at tiny and Flash widths (hc = 4, H = 4096, T = 1 / 7 / 64),
-batch invariance at T = 64, and a CUDA-graph capture + replay of the ops == eager, bitwise.
+batch invariance at T = 64, both partial-dot kernels (`MIX_KERNELS`) at T = 300, and a CUDA-graph capture + replay of the ops == eager, bitwise.
 
 Kernel cases run in a child pytest with TRITON_INTERPRET=1 (the interpreter must be enabled
 before triton is first imported); with CUDA they run here, compiled.
@@ -164,6 +165,19 @@ if KERNEL_HERE:
     def test_kernel_case_batch_invariant() -> None:
         check_batch_invariance(hc_case(20, 4, 96, seed=3), rows=[0, 7, 16, 19])
 
+    @pytest.mark.parametrize("mix", K.MIX_KERNELS)
+    def test_kernel_case_mix_kernels_within_bound_and_batch_invariant(mix: str) -> None:
+        """Each partial-dot kernel: coefficients within the bound past one 32-token tile (T = 40),
+        and a token's coefficients == the token alone, bitwise, at tile edges."""
+        c = hc_case(40, 4, 96, seed=21)
+        impl = Shaped(mhc_ops.TritonMhc(mix))
+        got = coefficients(impl, c)
+        assert_coefficients_close(got, reference_coefficients(c))
+        for t in (0, 15, 16, 31, 32, 39):
+            alone = coefficients(impl, {k: v[t:t + 1] if k in PER_TOKEN else v for k, v in c.items()})
+            for name in ("pre", "post", "comb"):
+                assert torch.equal(getattr(alone, name), getattr(got, name)[t:t + 1]), (mix, name, t)
+
     def test_kernel_case_bf16_inputs_read_as_fp32() -> None:
         c = hc_case(3, 4, 64, seed=5)
         co = reference_coefficients(c)
@@ -195,7 +209,7 @@ if not K.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        run_kernel_cases_in_interpreter(__file__, min_passed=13, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=15, exact=True)
 
     def test_cpu_without_interpreter_raises() -> None:
         c = hc_case(1, 4, 64, seed=0, device="cpu")
@@ -211,15 +225,30 @@ if not K.INTERPRETED:
         for name, out in got.items():
             assert torch.equal(out, expected[name]), name
 
+    def test_mix_kernel_choice(monkeypatch) -> None:
+        """SGLANG_DSV41_MHC_MIX picks the partial-dot kernel of a TritonMhc (default `dot`); an unknown
+        value raises, at build and in the kernel wrapper."""
+        monkeypatch.delenv(mhc_ops.MHC_MIX_ENV, raising=False)
+        assert mhc_ops.TritonMhc().mix == "dot" == K.MIX_KERNELS[0]
+        monkeypatch.setenv(mhc_ops.MHC_MIX_ENV, "rows")
+        assert mhc_ops.TritonMhc().mix == "rows" and mhc_ops.TritonMhc("dot").mix == "dot"
+        monkeypatch.setenv(mhc_ops.MHC_MIX_ENV, "tiles")
+        with pytest.raises(ValueError, match="SGLANG_DSV41_MHC_MIX"):
+            mhc_ops.TritonMhc()
+        c = hc_case(1, 4, 64, seed=0, device="cpu")
+        with pytest.raises(ValueError, match="mix must be one of"):
+            K.hc_coefficients(c["R"], c["fn"], c["base"], c["scale"], rms_eps=RMS_EPS, hc_eps=HC_EPS,
+                              sinkhorn_iters=20, mix="tiles")
+
     def test_other_devices_raise() -> None:
         with pytest.raises(ValueError, match="no mHC implementation"):
             mhc_ops.mhc_for(torch.device("meta"))
 
-    def _compiled(kernel, constexprs: dict, fp64_ptrs: tuple[str, ...] = ()) -> tuple[str, str]:
+    def _compiled(kernel, constexprs: dict, fp64_ptrs: tuple[str, ...] = (), num_warps: int = 4) -> tuple[str, str]:
         """PTX and `cuobjdump -res-usage` of `kernel` built for sm_90 with the wrappers' options."""
         sig = {n: "constexpr" if n in constexprs else ("*fp64" if n in fp64_ptrs else "*fp32")
                if n.endswith("_ptr") else "i32" for n in kernel.arg_names}
-        compiled, usage = compile_for_sm90(kernel, sig, constexprs, {"num_warps": 4, **K._launch_options()})
+        compiled, usage = compile_for_sm90(kernel, sig, constexprs, {"num_warps": num_warps, **K._launch_options()})
         return compiled.asm["ptx"], usage + " "
 
     def test_compiled_sm90_code_has_the_reference_rounding() -> None:
@@ -230,14 +259,19 @@ if not K.INTERPRETED:
             ptx, usage = _compiled(kernel, consts)
             assert "mul.rn.f32" in ptx and "add.rn.f32" in ptx and "fma.rn.f32" not in ptx, kernel
             assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
-        ptx, usage = _compiled(K._hc_coefficients_kernel, dict(HC=4, SLOT=32, CHUNKS_PAD=128, RMS_EPS=RMS_EPS,
-                                                               HC_EPS=HC_EPS))
-        assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx and "div.full" not in ptx and "sqrt.approx" not in ptx
-        assert ".f64" not in ptx                                 # no float64 on the GPU path (issue 21)
-        assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
+        for block, warps in ((K.COEFF_CHUNKS_BLOCK, K.COEFF_NUM_WARPS), (256, 4)):     # `dot`, `rows` at Flash
+            ptx, usage = _compiled(K._hc_coefficients_kernel, dict(HC=4, SLOT=32, CHUNKS_BLOCK=block, RMS_EPS=RMS_EPS,
+                                                                   HC_EPS=HC_EPS), num_warps=warps)
+            assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx and "div.full" not in ptx and "sqrt.approx" not in ptx
+            assert ".f64" not in ptx                                 # no float64 on the GPU path (issue 21)
+            assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
         ptx, usage = _compiled(K._hc_mix_partials_kernel, dict(ROWS=24, ROWS_PAD=32, SLOT=32, BLOCK_K=K.MIX_BLOCK_K,
                                                                BLOCK_T=K.MIX_BLOCK_T))
         assert ".f64" not in ptx and "STACK:0 " in usage and "LOCAL:0 " in usage, usage
+        ptx, usage = _compiled(K._hc_mix_dot_kernel, dict(ROWS=24, ROWS_PAD=32, SLOT=32, BLOCK_K=K.MIX_BLOCK_K,
+                                                          BLOCK_T=K.MIX_DOT_BLOCK_T, SUB_K=K.MIX_DOT_SUB_K))
+        assert ".f64" not in ptx and "STACK:0 " in usage and "LOCAL:0 " in usage, usage
+        assert "fma.rn.f32" in ptx and "tf32" not in ptx and "mma" not in ptx     # the fp32 dot on FMA, not TF32 MMA
         ptx, _ = _compiled(K._hc_sublayer_input_kernel, dict(HC=4, HAS_PRE=True, BLOCK=4096, RMS_EPS=RMS_EPS))
         assert ".f64" not in ptx and "sqrt.rn.f32" in ptx
 
@@ -254,6 +288,20 @@ def test_gpu_matches_reference(T: int, H: int) -> None:
 @pytest.mark.gpu
 def test_gpu_batch_invariant_at_flash_width() -> None:
     check_batch_invariance(hc_case(64, 4, 4096, seed=11, device="cuda"), rows=[0, 15, 16, 63])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mix", K.MIX_KERNELS)
+def test_gpu_mix_kernels_at_prefill_rows(mix: str) -> None:
+    """Each partial-dot kernel at Flash width over several 32-token tiles: within the bound, and
+    tokens at tile edges == alone, bitwise."""
+    c = hc_case(300, 4, 4096, seed=15, device="cuda")
+    impl = Shaped(mhc_ops.TritonMhc(mix))
+    got = coefficients(impl, c)
+    assert_coefficients_close(got, reference_coefficients(c))
+    for t in (0, 31, 32, 299):
+        alone = coefficients(impl, {k: v[t:t + 1] if k in PER_TOKEN else v for k, v in c.items()})
+        assert all(torch.equal(getattr(alone, n), getattr(got, n)[t:t + 1]) for n in ("pre", "post", "comb")), t
 
 
 @pytest.mark.gpu

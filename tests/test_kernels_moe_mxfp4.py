@@ -2,7 +2,8 @@
 
 CPU: the load-time conversion is checked exhaustively (every E2M1 code in both nibbles, every
 finite UE8M0 byte, padding, gate/up interleave) by decoding the swizzled tensors back and
-comparing with `codecs.dequantize_mxfp4`; the routing plan against its definition; the Triton
+comparing with `codecs.dequantize_mxfp4`; the routing plan against its definition (and the fused
+one-launch order of decode sizes equal to the stable sort, in a TRITON_INTERPRET child); the Triton
 device code we own (BF16 rounding, the SwiGLU epilogue, the weighted combine) under Triton's
 interpreter, bit for bit against the reference formulas.
 GPU (`gpu` marker, Hopper): `routed_experts_mxfp4` against `reference.moe.routed_expert` and the
@@ -188,6 +189,43 @@ def test_decode_flags_parse_and_scope_restores_the_constraints() -> None:
     assert seen == [{"block_k": 64}] and opt_flags._opt_flags_constraints == {}
 
 
+def test_prefill_flags_apply_above_the_decode_tokens(monkeypatch) -> None:
+    """SGLANG_DSV41_MOE_PREFILL_FLAGS: the constraints of calls of more than DECODE_FLAG_MAX_TOKENS
+    tokens (decode's flags up to there); a bad value raises naming the prefill variable."""
+    monkeypatch.setenv(mx.PREFILL_FLAGS_ENV, "block_m=64,num_stages=3")
+    monkeypatch.setenv(mx.DECODE_FLAGS_ENV, "block_k=256")
+    mx.prefill_flags.cache_clear()
+    mx.decode_flags.cache_clear()
+    try:
+        assert mx.launch_flags(mx.DECODE_FLAG_MAX_TOKENS) == {"block_k": 256}
+        assert mx.launch_flags(mx.DECODE_FLAG_MAX_TOKENS + 1) == {"block_m": 64, "num_stages": 3}
+        monkeypatch.setenv(mx.PREFILL_FLAGS_ENV, "block_m=big")
+        mx.prefill_flags.cache_clear()
+        with pytest.raises(ValueError, match=mx.PREFILL_FLAGS_ENV):
+            mx.launch_flags(8192)
+    finally:
+        monkeypatch.delenv(mx.PREFILL_FLAGS_ENV)
+        monkeypatch.delenv(mx.DECODE_FLAGS_ENV)
+        mx.prefill_flags.cache_clear()
+        mx.decode_flags.cache_clear()
+    assert mx.launch_flags(8192) == {} == mx.launch_flags(1)
+
+
+def test_gemm1_kernel_name_says_matmul_ogs() -> None:
+    """triton_kernels names GEMM1 `<matmul_ogs repr>_<the fused activation's repr>`: ours is a plain
+    name (Triton's default, the dotted full name, left only `clamped_swiglu_tile` in profiles)."""
+    import collections
+
+    from triton_kernels.matmul_ogs import specializations
+    kernel = specializations.get(activation=mx.clamped_swiglu_activation(10.0).specs)._matmul_ogs
+    proxy = collections.namedtuple("P", ["constants", "signature"])(
+        dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, SPLIT_K=1, stride_y_n=1, stride_x_k=1),
+        dict({n: "i32" for n in kernel.arg_names}, Y="*bf16", X="*bf16", W="*u8"))
+    name = kernel.repr(proxy)
+    assert name.startswith("_matmul_ogs") and name.endswith("_128x256x128x1_" + mx.GEMM1_ACTIVATION_NAME), name
+    assert "." not in name
+
+
 def test_routed_call_checks_device_and_shapes() -> None:
     p = prepare(random_experts(2, 256, 128, seed=4))
     x = torch.zeros(3, 256, dtype=torch.bfloat16)
@@ -203,6 +241,62 @@ def test_routed_call_checks_device_and_shapes() -> None:
 # ---------------------------------------------------------------------------------------------
 # Triton device code under the interpreter (CPU)
 # ---------------------------------------------------------------------------------------------
+INTERPRETED = isinstance(mx._combine_kernel, InterpretedFunction)   # this file's child run (TRITON_INTERPRET=1)
+
+
+def _plan_parts(plan) -> tuple:
+    return (plan.sorted_slots, plan.slot_rows, plan.expert_counts, plan.ragged.slice_offs,
+            plan.ragged.block_offs_data, plan.ragged.block_schedule_data)
+
+
+if INTERPRETED:      # kernels with reductions need the interpreter from the start: a child pytest
+
+    @pytest.mark.parametrize("T,k,E,absent", [(1, 6, 384, False), (16, 6, 384, False), (16, 6, 384, True),
+                                              (37, 4, 9, True), (85, 6, 12, False), (128, 4, 3, True)])
+    def test_kernel_case_fused_routing_order_equals_the_stable_sort(T: int, k: int, E: int, absent: bool) -> None:
+        """`_routing_order_kernel` (one launch, decode sizes) gives the stable sort's plan exactly: the
+        same permutation, rows, counts and tile schedule — with repeated experts, absent (−1) slots,
+        int64 and int32 ids, up to FUSED_ORDER_MAX_SLOTS slots (T·k = 512 at 128 × 4)."""
+        g = torch.Generator().manual_seed(T * k + E)
+        ids = torch.randint(-1 if absent else 0, E, (T, k), generator=g)
+        ids[0] = ids[0, 0]                                   # one token with k copies of one expert: ties
+        for dtype in (torch.int64, torch.int32):
+            want = mx.make_routing_plan(ids.to(dtype), E, allow_absent=absent, fused=False)
+            got = mx.make_routing_plan(ids.to(dtype), E, allow_absent=absent, fused=True)
+            for a, b in zip(_plan_parts(got), _plan_parts(want)):
+                assert a.dtype == b.dtype and torch.equal(a, b)
+        key = ids.view(-1) % (E + 1)                         # −1 → E: after every expert
+        assert got.sorted_slots.tolist() == sorted(range(T * k), key=lambda s: (int(key[s]), s))
+
+    def test_kernel_case_fused_routing_order_checks_ids() -> None:
+        """The fused order flags ids out of range (as the torch path does) and refuses too many slots."""
+        for ids, absent in (([[0, 9]], False), ([[-1, 2]], False), ([[-2, 2]], True), ([[2**32 + 3, 2]], False)):
+            with pytest.raises(RuntimeError, match="topk_ids outside"):
+                mx.make_routing_plan(torch.tensor(ids), 9, allow_absent=absent, fused=True)
+        with pytest.raises(ValueError, match="fused routing order takes"):
+            mx.make_routing_plan(torch.zeros(129, 4, dtype=torch.long), 9, fused=True)
+else:
+
+    def test_kernel_cases_in_triton_interpreter() -> None:
+        """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
+        from triton_checks import run_kernel_cases_in_interpreter
+        run_kernel_cases_in_interpreter(__file__, min_passed=7, exact=True)
+
+    @pytest.mark.parametrize("sp,warps,absent", [(16, 4, False), (128, 4, False), (512, 8, True)])
+    def test_fused_routing_order_compiles_for_sm90_without_spills(sp: int, warps: int, absent: bool) -> None:
+        from triton_checks import compile_for_sm90, no_spills
+        kern = mx._routing_order_kernel
+        consts = dict(ALLOW_ABSENT=absent, SP=sp, CHUNK=32, BINS=32, PAD=mx._FUSED_ORDER_PAD_KEY)
+        sig = {n: "constexpr" if n in consts else "i32" for n in kern.arg_names}
+        sig.update(Ids="*i64", Order="*i32", Rows="*i32", Counts="*i32", Valid="*i1")
+        _, usage = compile_for_sm90(kern, sig, consts, {"num_warps": warps})
+        assert no_spills(usage), usage
+
+    def test_routing_plan_is_the_torch_order_off_cuda() -> None:
+        """Off CUDA (and above FUSED_ORDER_MAX_SLOTS) the plan is torch's stable sort; `fused` needs
+        the kernel (CUDA or the interpreter)."""
+        assert mx.make_routing_plan(torch.zeros(2, 2, dtype=torch.long), 3).sorted_slots.tolist() == [0, 1, 2, 3]
+
 @pytest.fixture(scope="module")
 def interpreted():
     """A second copy of the module whose @triton.jit functions are Triton-interpreter functions
@@ -441,6 +535,33 @@ def test_routed_experts_with_decode_flags_on_gpu(flags: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("flags", ["block_m=64", "block_m=64,num_stages=3"])
+def test_routed_experts_with_prefill_flags_on_gpu(flags: str, monkeypatch) -> None:
+    """SGLANG_DSV41_MOE_PREFILL_FLAGS candidates (benchmarks/prefill_profile.py's `new_moe_*`) at the
+    Flash shape, T = 256 (128 rows an expert: triton_kernels' own block_m is 128), set through the
+    variable as the runtime reads it: the same bound as the default launch."""
+    dev = torch.device("cuda")
+    if torch.cuda.get_device_capability(dev)[0] != 9:
+        pytest.skip("the MXFP4 W4A16 path is Hopper-only")
+    E, H, I, k, T = 12, 5120, 2304, 6, 256
+    raw = random_experts(E, H, I, seed=81)
+    p = prepare(raw, device=dev)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(82)).to(torch.bfloat16).to(dev)
+    ids, w = _routing(T, k, E, seed=83, device=dev)
+    monkeypatch.setenv(mx.PREFILL_FLAGS_ENV, flags)
+    mx.prefill_flags.cache_clear()
+    try:
+        assert mx.launch_flags(T) == mx.parse_decode_flags(flags)
+        out = mx.routed_experts_mxfp4(x, ids, w, p, swiglu_limit=LIMIT, routed_scale=SCALE)
+    finally:
+        monkeypatch.delenv(mx.PREFILL_FLAGS_ENV)
+        mx.prefill_flags.cache_clear()
+    default = mx.routed_experts_mxfp4(x, ids, w, p, swiglu_limit=LIMIT, routed_scale=SCALE)
+    print(f"prefill flags {flags}: equal to the default launch: {torch.equal(out, default)}")
+    assert_within_bound(out, *reference_routed(x, ids, w, raw), w)
+
+
+@pytest.mark.gpu
 def test_routed_experts_from_tiny_checkpoint_on_gpu(tiny_checkpoint) -> None:
     from sglang_dsv41.checkpoint.reader import CheckpointReader
 
@@ -460,6 +581,21 @@ def test_routed_experts_from_tiny_checkpoint_on_gpu(tiny_checkpoint) -> None:
     ids, w = _routing(7, 2, E, seed=1, device=dev)
     out = mx.routed_experts_mxfp4(x, ids, w, p, swiglu_limit=LIMIT, routed_scale=SCALE)
     assert_within_bound(out, *reference_routed(x, ids, w, raw), w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,k,E", [(1, 6, 384), (16, 6, 384), (85, 6, 384)])
+def test_routing_plan_fused_order_equals_the_sort_on_gpu(T: int, k: int, E: int) -> None:
+    """On CUDA at ≤ FUSED_ORDER_MAX_SLOTS slots the plan's order is the fused kernel's (the default):
+    every part of the plan bit-equal to the one from torch's stable sort (with and without absent
+    slots), so the GEMMs see the same rows in the same order."""
+    g = torch.Generator().manual_seed(T)
+    for absent in (False, True):
+        ids = torch.randint(-1 if absent else 0, E, (T, k), generator=g).cuda()
+        got = mx.make_routing_plan(ids, E, allow_absent=absent)
+        want = mx.make_routing_plan(ids, E, allow_absent=absent, fused=False)
+        for a, b in zip(_plan_parts(got), _plan_parts(want)):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

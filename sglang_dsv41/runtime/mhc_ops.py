@@ -7,6 +7,9 @@
 | CPU  | `TorchMhc`: the §3.2 formulas in torch, rounded as the reference (reductions and transcendentals in float64 rounded once to fp32, the elementwise steps fp32) |
 | CUDA | `TritonMhc`: `kernels.mhc` (fused Triton, fp32: 2 launches for the coefficients, 1 per other op) |
 
+CUDA's partial-dot kernel of the coefficients: SGLANG_DSV41_MHC_MIX (`kernels.mhc.MIX_KERNELS`:
+`dot` default, `rows` the per-token kernels), read when a `TritonMhc` is built.
+
 Both are tested against `reference.mhc` (tests/test_runtime_mhc.py, tests/test_kernels_mhc.py):
 CPU bit-identical (`Fp32TorchMhc`: the numerics contract); CUDA within the bounds stated in
 `kernels/mhc.py` (coefficients within 2⁻¹⁴, the sublayer input within one BF16 ulp, stream sums
@@ -22,6 +25,7 @@ from torch import Tensor
 from ..numerics.rounding import bf16, fp32_scalar
 
 F32, F64 = torch.float32, torch.float64
+MHC_MIX_ENV = "SGLANG_DSV41_MHC_MIX"
 
 
 @dataclass(frozen=True)
@@ -123,15 +127,17 @@ class TritonMhc:
 
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, mix: str | None = None) -> None:
         from ..kernels import mhc as kernels   # Triton is imported only where the kernels run
+        from .backend import kernel_choice
 
         self.k = kernels
+        self.mix = mix or kernel_choice(MHC_MIX_ENV, kernels.MIX_KERNELS)
 
     def coefficients(self, residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *,
                      rms_eps: float, hc_eps: float, sinkhorn_iters: int) -> HcCoefficients:
         return HcCoefficients(*self.k.hc_coefficients(residual, fn, base, scale, rms_eps=rms_eps, hc_eps=hc_eps,
-                                                      sinkhorn_iters=sinkhorn_iters))
+                                                      sinkhorn_iters=sinkhorn_iters, mix=self.mix))
 
     def sublayer_input(self, residual: Tensor, carried_pre: Tensor | None, norm_weight: Tensor,
                        rms_eps: float) -> Tensor:

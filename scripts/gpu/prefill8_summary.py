@@ -1,0 +1,90 @@
+"""$OUT/prefill8.json from the files scripts/gpu/prefill8.sh wrote (gpu_tests.xml, decode_step.json,
+prefill_profile.json, mhc_mix.json): `speed5_summary`'s tests and per-variant rows, plus per variant the mHC and
+routed-expert kernels by name (device µs, launches: from the profile's first pass) and the checks of a
+pass (`checks`: name → true / false). A missing or malformed file is recorded as an error entry, never
+raised. Printed too; exit status 0.
+
+    python scripts/gpu/prefill8_summary.py OUT_DIR
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import speed5_summary as s5  # noqa: E402
+
+#: after the GEMM1 attribution fix the routing plan proper (sort, scatters, tile schedule) is small
+MAX_ROUTING_PLAN_MS = 0.5
+#: `dot` against `rows` at T = 1 / 64: no slower than this factor (timing noise)
+DECODE_SLACK = 1.05
+#: kernels.mhc.COEFFICIENT_BOUND (not imported: the summary runs without Triton)
+COEFFICIENT_BOUND = 2.0 ** -14
+#: labels whose kernels are listed by name
+KERNEL_LABELS = ("mhc", "part:moe_routed")
+
+
+def kernels(out: Path) -> dict:
+    """{variant: {label: [(kernel, µs, launches)]}} from prefill_profile.json's top kernels."""
+    d = json.loads((out / "prefill_profile.json").read_text())
+    return {r["variant"]: {lab: [(k["kernel"][:90], round(k["us"]), k["count"]) for k in r.get("top_kernels", [])
+                                 if k["label"] == lab] for lab in KERNEL_LABELS}
+            for r in d.get("rows", []) if "top_kernels" in r}
+
+
+def checks(result: dict) -> dict:
+    """The pass conditions (scripts/gpu/prefill8.sh header)."""
+    out: dict[str, bool] = {}
+    t = result.get("tests", {})
+    out["gpu_tests_pass"] = bool(t.get("total")) and not t.get("failed") and "error" not in t
+    rows = {r.get("variant"): r for r in result.get("prefill", {}).get("rows", [])}
+    out["every_variant_profiled"] = bool(rows) and all("components_ms" in r for r in rows.values())
+    comp = {v: r.get("components_ms", {}) for v, r in rows.items()}
+    out["routing_plan_small"] = comp.get("new", {}).get("moe_routing", 1e9) <= MAX_ROUTING_PLAN_MS
+    out["mhc_dot_faster_than_rows"] = comp.get("new", {}).get("mhc", 1e9) < comp.get("new_mhc_rows", {}).get("mhc", 0)
+    mix = {r.get("tokens"): r for r in (result.get("mhc_mix") or {}).get("rows", [])}
+    out["mhc_dot_not_slower_at_decode"] = all(
+        mix.get(T, {}).get("coefficients_dot_us", 1e9) <= DECODE_SLACK * mix.get(T, {}).get("coefficients_rows_us", 0)
+        for T in (1, 64))
+    out["mhc_dot_close_to_rows"] = bool(mix) and all(r.get("dot_vs_rows_max_abs", 1.0) <= 2 * COEFFICIENT_BOUND
+                                                     for r in mix.values())
+    for v in ("new_mhc_rows", "new_moe_block_m64", "new_moe_block_m64_s3"):
+        att = (rows.get(v, {}).get("agreement") or {}).get("attention", {})
+        out[f"{v}_same_attention"] = att.get("max_scale_ulps", 1e9) == 0.0 if att else False
+    return out
+
+
+def main(argv: list[str]) -> int:
+    out = Path(argv[0])
+    result: dict = {}
+    for name, fn in (("tests", s5.tests), ("prefill", s5.prefill), ("kernels", kernels),
+                     ("mhc_mix", lambda o: json.loads((o / "mhc_mix.json").read_text()))):
+        try:
+            result[name] = fn(out)
+        except Exception as exc:       # recorded, never raised: the summary must always be written
+            result[name] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
+    try:
+        d = json.loads((out / "decode_step.json").read_text())
+        result["decode_step"] = dict(errors=d.get("errors"), skipped=d.get("skipped"), wall_s=d.get("wall_s"))
+    except Exception as exc:
+        result["decode_step"] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
+    result["checks"] = checks(result)
+    (out / "prefill8.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(dict(tests=result["tests"], checks=result["checks"]), indent=1))
+    for r in (result.get("mhc_mix") or {}).get("rows", []):
+        print("mhc " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
+    for r in result.get("prefill", {}).get("rows", []):
+        if "components_ms" in r:
+            top = ", ".join(f"{c} {ms}" for c, ms in list(r["components_ms"].items())[:9])
+            print(f"{r['variant']:>22}: {r['tokens_per_s']:>9,} tok/s  wall {r['wall_ms']} ms | device "
+                  f"{r['device_ms']} ms: {top} | gaps {r['gaps_ms']}")
+            for lab, ks in (result.get("kernels") or {}).get(r["variant"], {}).items():
+                print(f"{'':>24}{lab}: " + "; ".join(f"{n} {us} µs ×{c}" for n, us, c in ks))
+        else:
+            print(f"{r.get('variant')}: {r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
