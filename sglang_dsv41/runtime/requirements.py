@@ -206,7 +206,7 @@ TORCH_PATH = RuntimeProfile(
                    "even; 2 is the smallest such size: prefix hits are page-aligned (at most 1 token "
                    "recomputed) and SGLang's SWA eviction keeps max(window, page) = window tokens; with a "
                    f"HiCache storage backend {STORAGE_PAGE_SIZE}: L3 stores one object per page per host pool and "
-                   "pays per object, so 2-token pages reach L3 at a few hundred tokens/s",
+                   "pays per object, which at 2-token pages made the write-through to L3 crawl",
                    storage_default=STORAGE_PAGE_SIZE),
         ServerFlag("--swa-full-tokens-ratio", SWA_FULL_TOKENS_RATIO, ("cpu", "cuda"),
                    "an SWA token costs L·2·head_dim bytes (Flash 40 KiB) against 896 B of global KV; SGLang's "
