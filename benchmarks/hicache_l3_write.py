@@ -6,7 +6,10 @@ file` on a temp directory) serves one prompt of `--prompt-tokens` random ids (1 
 directory's page files are counted every `--poll-s` from the request's end until none was added for
 `--quiet-s` (or `--cap-s` passed). Reported: KV and SWA page files, the time from the response to the
 last file, files/s and prompt tokens/s (KV pages x page size / that time), and whether every KV page
-arrived. JSON to `--out`:
+arrived. `--fs-probe N` first times N writes of 3,072-byte page files through SGLang's `HiCacheFile`
+alone (no server) in the storage directory's file system, once plainly and once beside a thread that
+spins in Python (the GIL contention of a busy scheduler loop): per-file cost without the server. JSON
+to `--out`:
 
     python benchmarks/hicache_l3_write.py --model-path /tmp/tiny --device cpu --prompt-tokens 3000 \
         --flags="--page-size 2"
@@ -27,6 +30,38 @@ from serving_client import Proc, free_port, http, wait_up  # noqa: E402
 
 BASE_FLAGS = ("--enable-hierarchical-cache --hicache-write-policy write_through --hicache-storage-backend file "
               "--hicache-ratio 4 --swa-full-tokens-ratio 1.0 --enable-cache-report")
+
+
+def fs_probe(root: Path, n: int) -> dict:
+    """Microseconds per page file written by SGLang's `HiCacheFile.set` in `root`: alone, and beside a
+    thread spinning in Python."""
+    import threading
+
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
+
+    cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                               is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
+                               model_name="probe")
+    page = torch.arange(3072, dtype=torch.int32).to(torch.uint8)
+    out = {}
+    for mode in ("alone", "spinning_thread"):
+        store = HiCacheFile(cfg, file_path=tempfile.mkdtemp(prefix=f"probe_{mode}_", dir=root))
+        stop = threading.Event()
+
+        def spin() -> None:
+            while not stop.is_set():
+                pass
+
+        spinner = threading.Thread(target=spin, daemon=True)
+        if mode != "alone":
+            spinner.start()
+        t = time.perf_counter()
+        for i in range(n):
+            store.set(f"{mode}{i}", page)
+        out[f"{mode}_us_per_file"] = (time.perf_counter() - t) / n * 1e6
+        stop.set()
+    return out
 
 
 def count(store: Path) -> tuple[int, int]:
@@ -71,11 +106,13 @@ def main() -> int:
     p.add_argument("--quiet-s", type=float, default=5.0)
     p.add_argument("--cap-s", type=float, default=300.0)
     p.add_argument("--startup-timeout", type=float, default=600)
+    p.add_argument("--fs-probe", type=int, default=0, help="page files for the no-server probe (0: none)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--log", type=Path, default=Path("hicache_l3_write.log"))
     a = p.parse_args()
 
     store = Path(tempfile.mkdtemp(prefix="hicache_l3w_"))
+    probe = fs_probe(store.parent, a.fs_probe) if a.fs_probe else {}
     port = free_port()
     flags = shlex.split(BASE_FLAGS) + shlex.split(a.flags)
     if a.page_size is not None:
@@ -97,11 +134,11 @@ def main() -> int:
         trace = watch(store, t0, a.poll_s, a.quiet_s, a.cap_s)
         cap_hit = time.monotonic() - t0 >= a.cap_s
         out = {"prompt_tokens": a.prompt_tokens, "page_size": page, "device": a.device, "flags": flags,
-               "request_s": round(t0 - t_req, 3), **summarise(trace, a.prompt_tokens, page, cap_hit),
+               "request_s": round(t0 - t_req, 3), **summarise(trace, a.prompt_tokens, page, cap_hit), "fs_probe": probe,
                "trace": trace}
     finally:
         proc.stop()
-    print(json.dumps({k: v for k, v in out.items() if k != "trace"}, indent=1))
+    print(json.dumps({k: v for k, v in out.items() if k not in ("trace", "flags")}, indent=1))
     if a.out:
         a.out.write_text(json.dumps(out, indent=1))
     return 0 if out["complete"] else 1
