@@ -20,6 +20,7 @@ import argparse
 import json
 import random
 import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -46,7 +47,8 @@ def fs_probe(root: Path, n: int) -> dict:
     page = torch.arange(3072, dtype=torch.int32).to(torch.uint8)
     out = {}
     for mode in ("alone", "spinning_thread"):
-        store = HiCacheFile(cfg, file_path=tempfile.mkdtemp(prefix=f"probe_{mode}_", dir=root))
+        where = tempfile.mkdtemp(prefix=f"probe_{mode}_", dir=root)
+        store = HiCacheFile(cfg, file_path=where)
         stop = threading.Event()
 
         def spin() -> None:
@@ -61,6 +63,7 @@ def fs_probe(root: Path, n: int) -> dict:
             store.set(f"{mode}{i}", page)
         out[f"{mode}_us_per_file"] = (time.perf_counter() - t) / n * 1e6
         stop.set()
+        shutil.rmtree(where, ignore_errors=True)
     return out
 
 
@@ -138,6 +141,7 @@ def main() -> int:
                "trace": trace}
     finally:
         proc.stop()
+        shutil.rmtree(store, ignore_errors=True)
     print(json.dumps({k: v for k, v in out.items() if k not in ("trace", "flags")}, indent=1))
     if a.out:
         a.out.write_text(json.dumps(out, indent=1))
