@@ -4,14 +4,16 @@
 #   1. page 2 (the old default, now given explicitly), the flags of scripts/gpu/hicache_prefix.sh, with a
 #      no-server probe first: µs per page file through SGLang's HiCacheFile in /tmp, alone and beside a
 #      thread spinning in Python (tells a slow file system from GIL contention);
-#   2. page 2 + --sleep-on-idle (the idle scheduler blocks instead of spinning: the GIL question in a server);
-#   3. the plugin's default with a storage backend (page 64), a longer prompt.
+#   2. the plugin's default with a storage backend (page 64), a 32K prompt;
+#   3. page 2 + --sleep-on-idle (the idle scheduler blocks instead of spinning: the GIL question in a server;
+#      last, so a slow start-up cuts this one).
 # Each case starts its own server on the tiny checkpoint (--context-length 40960, timings only).
 # Run from the checkout root with `.gpu` carried:
 #   BUDGET=290 bash scripts/gpu/hicache_l3_write.sh
-# Results: $OUT/*.json, $OUT/summary.txt, server logs in $OUT/all.tgz. A pass: case 3 reports
-# "complete": true (every KV page of the prompt stored) with tokens_per_s far above case 1's; the probe and
-# case 2 say where case 1's per-file time goes (docs/hicache.md "L3 write throughput" lists what to record).
+# Results: $OUT/*.json, $OUT/summary.txt, server logs in $OUT/all.tgz. A pass: case 2 ("default") reports
+# "page_size": 64 and "complete": true (every KV page of the 32K prompt stored) with tokens_per_s far above
+# case 1's; the probe (case 1's "fs_probe") and case 3 say where case 1's per-file time goes: record the
+# three rates and the probe in docs/hicache.md "L3 write throughput".
 set -uo pipefail
 : "${OUT:=/tmp/out}"; mkdir -p "$OUT"
 T0=$SECONDS
@@ -27,14 +29,14 @@ one() {  # name, prompt tokens, cap s, extra benchmark args...
   local name=$1 n=$2 cap=$3; shift 3
   echo "RESULT $name start at $((SECONDS - T0)) s"
   timeout -s TERM -k 30 "$(left 10)" python3 benchmarks/hicache_l3_write.py --model-path $CK --device cuda \
-      --prompt-tokens "$n" --cap-s "$cap" --quiet-s 3 --poll-s 0.1 --startup-timeout 120 \
+      --prompt-tokens "$n" --cap-s "$cap" --quiet-s 3 --poll-s 0.1 --startup-timeout 150 \
       --out "$OUT/$name.json" --log "$R/$name.log" "$@" 2>&1 | tail -22
   echo "RESULT $name rc=${PIPESTATUS[0]} at $((SECONDS - T0)) s"
 }
 {
   one page2 8192 40 --page-size 2 --fs-probe 2000 --flags="$F"
-  one page2_sleep 8192 40 --page-size 2 --flags="$F --sleep-on-idle"
   one default 32768 60 --flags="$F"
+  one page2_sleep 8192 40 --page-size 2 --flags="$F --sleep-on-idle"
 } 2>&1 | tee $R/summary.txt
 cp $R/summary.txt "$OUT/"
 tar -czf "$OUT/all.tgz" -C $R . 2>/dev/null
