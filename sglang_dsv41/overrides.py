@@ -4,7 +4,8 @@ A plain ``python -m sglang.launch_server --model-path <V4.1 checkpoint>`` resolv
 path needs (`runtime/requirements.CURRENT_RUNTIME`, the one declaration the wrappers, `doctor`
 and the planner also read): page size 2, the attention backend (``torch_native`` on CPU,
 ``dsv41`` on CUDA), ``--swa-full-tokens-ratio 0.1``, the V4.1 reasoning and tool-call parsers,
-and the device's memory / graph / sampling settings. docs/runtime.md "Server defaults and
+and the device's memory / graph / sampling settings; with a HiCache storage backend the page size
+is ``STORAGE_PAGE_SIZE`` (64) instead. docs/runtime.md "Server defaults and
 start-up refusals" lists them.
 
 How, in SGLang 0.5.17's resolution (`ServerArgs.__post_init__`), in the main process (the plugin
@@ -161,6 +162,18 @@ def _tp_size(server_args: Any) -> int:
     return int(server_args.tp_size or 1)
 
 
+def hicache_storage(server_args: Any) -> bool:
+    """Whether `server_args` configure a HiCache storage (L3) backend (the page size's default
+    depends on it: `requirements.STORAGE_PAGE_SIZE`)."""
+    return bool(getattr(server_args, "enable_hierarchical_cache", False)
+                and getattr(server_args, "hicache_storage_backend", None))
+
+
+def runtime_defaults(server_args: Any) -> dict[str, Any]:
+    """The declared defaults for `server_args`' device, TP size and HiCache storage setting."""
+    return CURRENT_RUNTIME.defaults(runtime_device(server_args), _tp_size(server_args), hicache_storage(server_args))
+
+
 def resolve_server_args_hook(server_args: Any, *args: Any, **kwargs: Any) -> None:
     """BEFORE `ServerArgs._handle_cuda_graph_config`: record, refuse, set the non-resolvable
     defaults (module doc, step 1). Other architectures: nothing."""
@@ -183,7 +196,7 @@ def resolve_server_args_hook(server_args: Any, *args: Any, **kwargs: Any) -> Non
         server_args.get_model_config().is_multimodal = False
     resolvable = _resolvable()
     applied = {}
-    for name, value in CURRENT_RUNTIME.defaults(device, _tp_size(server_args)).items():
+    for name, value in runtime_defaults(server_args).items():
         if name not in resolvable and name not in given:
             setattr(server_args, name, value)
             applied[name] = value
@@ -252,7 +265,7 @@ def deepseek_v41_overrides(server_args: Any, hf_config: Any) -> dict:
                            "are unknown; is the plugin's runtime area installed?")
     resolvable = _resolvable()
     declared = {name: value
-                for name, value in CURRENT_RUNTIME.defaults(runtime_device(server_args), _tp_size(server_args)).items()
+                for name, value in runtime_defaults(server_args).items()
                 if name in resolvable and name not in given}
     if declared:
         logger.info("sglang-dsv41: DeepSeek-V4.1 declared defaults: %s", declared)

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from sglang_dsv41 import overrides, plugin
-from sglang_dsv41.runtime.requirements import (CUDA_TOKENS_PER_CONTEXT, CURRENT_RUNTIME, REASONING_PARSER, TOOL_CALL_PARSER,
-                                               GRAPH_BACKEND_NAME)
+from sglang_dsv41.runtime.requirements import (CUDA_TOKENS_PER_CONTEXT, CURRENT_RUNTIME, PAGE_SIZE, REASONING_PARSER,
+                                               STORAGE_PAGE_SIZE, TOOL_CALL_PARSER, GRAPH_BACKEND_NAME)
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +59,32 @@ def test_cuda_defaults_reach_the_graph_configuration(resolve) -> None:
 def test_cuda_tensor_parallel_decodes_eagerly(resolve) -> None:
     sa = resolve("cuda", tp_size=2)
     assert sa.disable_cuda_graph is True and sa.cuda_graph_config.decode.backend == "disabled"
+
+
+STORAGE = {"enable_hierarchical_cache": True, "hicache_storage_backend": "file"}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_hicache_storage_backend_defaults_the_page_size_to_the_storage_page(resolve, device: str) -> None:
+    """L3 pays per stored page (docs/hicache.md "L3 write throughput"): with a HiCache storage backend
+    the page size defaults to `STORAGE_PAGE_SIZE`; without one (or with the host tier alone) it stays
+    `PAGE_SIZE`; a page size the user gives wins either way."""
+    from sglang_dsv41.runtime.kv_rows import required_page_multiple
+
+    sa = resolve(device, **STORAGE)
+    assert sa.page_size == STORAGE_PAGE_SIZE != PAGE_SIZE and sa.hicache_storage_backend == "file"
+    assert _declared(sa, device) == CURRENT_RUNTIME.defaults(device, hicache_storage=True)
+    assert STORAGE_PAGE_SIZE % required_page_multiple(sa.get_model_config().hf_config.parsed().text) == 0
+    assert resolve(device).page_size == PAGE_SIZE
+    assert resolve(device, enable_hierarchical_cache=True).page_size == PAGE_SIZE            # L2 only
+    assert resolve(device, hicache_storage_backend="file").page_size == PAGE_SIZE            # no HiCache at all
+    given = resolve(device, page_size=PAGE_SIZE, **STORAGE)
+    assert given.page_size == PAGE_SIZE and getattr(given, overrides.GIVEN_ATTR) == {"page_size": PAGE_SIZE}
+    # the launch wrappers and the planner read the same declaration from the CLI arguments
+    cli = ["--enable-hierarchical-cache", "--hicache-storage-backend", "file"]
+    assert f"--page-size {STORAGE_PAGE_SIZE}" in " ".join(CURRENT_RUNTIME.server_args(device, cli))
+    assert f"--page-size {PAGE_SIZE}" in " ".join(CURRENT_RUNTIME.server_args(device, cli[1:]))
+    assert "--page-size" not in CURRENT_RUNTIME.server_args(device, [*cli, "--page-size", "8"])
 
 
 # A legal value other than the declared default, per declared field (switches cannot be given "off").

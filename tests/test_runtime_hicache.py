@@ -106,6 +106,39 @@ def test_flat_page_api(name) -> None:
         host.set_from_flat_data_page(other[0], page[:-1])
 
 
+@pytest.mark.parametrize("page", [2, 64])
+@pytest.mark.parametrize("name", list(COMPONENTS))
+def test_every_flat_page_is_its_rows_of_each_buffer_and_a_write_touches_only_its_page(name, page) -> None:
+    """`get_data_page` (one byte slice per buffer) equals each buffer's rows of that page, buffer after
+    buffer, for every page of the pool, at the default page and the storage page
+    (`requirements.STORAGE_PAGE_SIZE`); `set_from_flat_data_page` changes exactly that page's rows."""
+    from sglang_dsv41.runtime.hicache_host import ComponentHostPool
+
+    buffers, layers = COMPONENTS[name]
+    comp = _Component(buffers, layers=layers, size=4 * page)
+    comp.page_size = page
+    host = ComponentHostPool(comp, ratio=2.0, host_size_gb=0.0, page_size=page, label="test")
+    g = torch.Generator().manual_seed(page)
+    for h in host.kv_buffer:
+        h.view(torch.uint8).copy_(torch.randint(0, 256, h.view(torch.uint8).shape, dtype=torch.uint8, generator=g))
+    pages = range(0, host.size, page)
+    assert host.size % page == 0 and len(pages) > 4
+    for start in pages:
+        want = torch.cat([h[start:start + page].contiguous().view(torch.uint8).reshape(-1) for h in host.kv_buffer])
+        got = host.get_data_page(torch.tensor(start))
+        assert torch.equal(got, want) and got.numel() == host.page_bytes
+        assert torch.equal(host.get_data_page(start, flat=False), want.reshape(page, -1))
+    before = [h.view(torch.uint8).clone() for h in host.kv_buffer]
+    new = torch.randint(0, 256, (host.page_bytes,), dtype=torch.uint8, generator=g)
+    host.set_from_flat_data_page(2 * page, new)
+    assert torch.equal(host.get_data_page(2 * page), new)
+    for h, old in zip(host.kv_buffer, before):
+        h = h.view(torch.uint8)                        # bytes (random bf16 bytes hold NaNs)
+        assert torch.equal(h[:2 * page], old[:2 * page]) and torch.equal(h[3 * page:], old[3 * page:])
+    with pytest.raises(ValueError, match="outside the pool"):
+        host.get_data_page(host.size)
+
+
 def test_both_host_pools_get_the_same_slot_count() -> None:
     """Equal slot counts (hicache_stack "Sizing"): by ratio of the FULL device slots, or by GB over
     one token's bytes of both components; exact through SGLang's GB → slots rounding."""

@@ -20,6 +20,9 @@ and a small host tier (`--hicache-ratio 2`: 1,024 host slots), write_through:
   failed op is logged as a warning and counted in `sglang_dsv41:hicache_storage_failures_total`; once
   the directory is back, the same server (no flush since the faults) reloads from storage again.
 
+The servers pin `--page-size 2` (`requirements.PAGE_SIZE`): with a storage backend the plugin's
+default page is `STORAGE_PAGE_SIZE` (64, docs/hicache.md "L3 write throughput"), longer than
+these small pools and prompts are built for; that default is tested in tests/test_overrides.py.
 `prefetch_threshold` is lowered to 16 tokens (SGLang's default, 256, is longer than these prompts);
 the prefetch stop policy is `timeout` (a prefetch is used once complete, or dropped after SGLang's
 1 s base timeout), so whether a request hits storage does not depend on thread timing.
@@ -48,7 +51,9 @@ WRITE_WAIT_S = 180
 
 
 def _args() -> list[str]:
-    return ["--max-total-tokens", str(DEVICE_TOKENS), "--swa-full-tokens-ratio", "0.25",
+    from sglang_dsv41.runtime.requirements import PAGE_SIZE
+
+    return ["--page-size", str(PAGE_SIZE), "--max-total-tokens", str(DEVICE_TOKENS), "--swa-full-tokens-ratio", "0.25",
             "--enable-hierarchical-cache", "--enable-metrics", "--language-model-only", "--hicache-write-policy", "write_through",
             "--hicache-io-backend", "direct", "--hicache-ratio", str(HOST_RATIO),
             "--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy", "timeout",

@@ -27,7 +27,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from ..runtime.cpu_env import PD_CPU_ENVIRONMENT
-from ..runtime.requirements import CURRENT_RUNTIME, Device, RuntimeProfile
+from ..runtime.requirements import CURRENT_RUNTIME, Device, RuntimeProfile, uses_hicache_storage
 from ..serve import tiny_checkpoint_dir
 from .capabilities import CAPABILITIES
 from .schema import DeploymentConfig, PDRoleSpec, adaptive_verification
@@ -257,10 +257,11 @@ def _router_command(dc: DeploymentConfig) -> Command:
 
 def _notes(dc: DeploymentConfig, runtime: RuntimeProfile, server: Command) -> list[str]:
     notes = []
+    storage = uses_hicache_storage(server.args)
     for f in runtime.flags:
         if f.applies(device_of(dc), server.args):         # a default this command leaves to the plugin
             notes.append(f"default the plugin declares for the {runtime.name} runtime, applied by SGLang at "
-                         f"start-up ({runtime.doc}): {' '.join(f.args())} — {f.why}")
+                         f"start-up ({runtime.doc}): {' '.join(f.args(storage))} — {f.why}")
     if dc.model.tiny_seed is not None and dc.model.architecture == "tiny":
         notes.append(f"model: the tiny random checkpoint (seed {dc.model.tiny_seed}) in the sglang-dsv41 cache — "
                      "the one `sglang-dsv41 serve` uses — made on first launch; for another directory run "

@@ -65,6 +65,8 @@ class ComponentHostPool(HostKVCache):
         self.dtype = torch.uint8                      # flat pages are bytes (module docstring)
         self.page_bytes = sum(self.row_bytes) * self.page_size
         self._ptrs: dict[str, Tensor] = {}
+        # 1-D byte views of the host tensors: one slice per buffer is one page's rows (flat pages)
+        self._flat_bytes = [h.view(torch.uint8).reshape(-1) for h in self.kv_buffer]
 
     # ---- HostKVCache's abstract API -----------------------------------------------------------
     def get_size_per_token(self) -> int:
@@ -143,33 +145,40 @@ class ComponentHostPool(HostKVCache):
         return self._ptrs[key]
 
     # ---- flat pages (L3) ------------------------------------------------------------------------
-    def _page_rows(self, index) -> slice:
+    def _page_spans(self, index) -> list[tuple[Tensor, int, int]]:
+        """(byte view, first byte, byte count) of the page at host slot `index` in each buffer."""
         start = int(index)
         if start % self.page_size:
             raise ValueError(f"sglang-dsv41 HiCache {self.pool_label}: host slot {start} does not start a page "
                              f"of {self.page_size}")
-        return slice(start, start + self.page_size)
+        if not 0 <= start <= self.size - self.page_size:
+            raise ValueError(f"sglang-dsv41 HiCache {self.pool_label}: host slot {start} is outside the pool")
+        return [(f, start * rb, rb * self.page_size) for f, rb in zip(self._flat_bytes, self.row_bytes)]
 
     def get_data_page(self, index, flat: bool = True) -> Tensor:
-        rows = self._page_rows(index)
-        parts = [h[rows].contiguous().view(torch.uint8).reshape(-1) for h in self.kv_buffer]
-        page = torch.cat(parts)
+        """The page at host slot `index`: each buffer's `page` rows, buffer after buffer, as bytes
+        (a new tensor: one slice per buffer, one concatenation)."""
+        page = torch.cat([f[b: b + n] for f, b, n in self._page_spans(index)])
         return page if flat else page.reshape(self.page_size, -1)
 
     def get_dummy_flat_data_page(self) -> Tensor:
         return torch.zeros(self.page_bytes, dtype=torch.uint8)
 
     def set_from_flat_data_page(self, index, data_page: Tensor) -> None:
-        rows = self._page_rows(index)
+        """Write a page `get_data_page` made back into the host slots of the page at `index`."""
+        spans = self._page_spans(index)
         flat = data_page.reshape(-1).view(torch.uint8)
         if flat.numel() != self.page_bytes:
             raise ValueError(f"sglang-dsv41 HiCache {self.pool_label}: a page is {self.page_bytes} B, got "
                              f"{flat.numel()} B")
         offset = 0
-        for h, row_bytes in zip(self.kv_buffer, self.row_bytes):
-            n = row_bytes * self.page_size
-            h[rows] = flat[offset: offset + n].view(h.dtype).reshape(self.page_size, -1)
+        for f, b, n in spans:
+            f[b: b + n].copy_(flat[offset: offset + n])
             offset += n
+
+    def destroy(self) -> None:
+        self._flat_bytes = []                         # no view outlives the host tensors
+        super().destroy()
 
     def get_page_buffer_meta(self, indices):
         raise NotImplementedError("sglang-dsv41 HiCache: zero-copy page buffers (Mooncake, 3FS, NIXL) are not "

@@ -13,8 +13,11 @@ Invariants
   (the flag without ``--``, dashes as underscores) and its typed default (`True` for a switch).
 * `RuntimeProfile.server_args(device, given)` returns, as CLI arguments, the declared defaults
   on that device that `given` does not already set — a flag the user (or a deployment config)
-  sets itself always wins; `RuntimeProfile.defaults(device, tp_size)` returns the same as
-  `{dest: value}` for the in-server override.
+  sets itself always wins; `RuntimeProfile.defaults(device, tp_size, hicache_storage)` returns the
+  same as `{dest: value}` for the in-server override.
+* A flag with a `storage_default` takes it instead of `default` when a HiCache storage (L3)
+  backend is configured (`--enable-hierarchical-cache` and `--hicache-storage-backend`): the page
+  size (`STORAGE_PAGE_SIZE`, docs/hicache.md "L3 write throughput").
 * Every limit has a plain reason (`RuntimeProfile.reasons`), phrased for a user who asked for
   more ("runtime supports TP1/TP2/TP4/TP8 only for now (...)"); nothing here imports torch or
   SGLang.
@@ -35,6 +38,12 @@ DP_ATTENTION_FLAG = "--enable-dp-attention"
 #: SGLang page size the runtime asks for: even, so a ratio-2 entry's 2 token rows share a page
 #: (phase-2 contracts §2); the smallest such value (see the `--page-size` flag's reason).
 PAGE_SIZE = 2
+#: SGLang page size with a HiCache storage (L3) backend: L3 stores one object (a file for `file`) per
+#: page per host pool, and its cost is per object, so 2-token pages made the write-through to L3
+#: crawl (docs/hicache.md "L3 write throughput"); a multiple of every compress ratio (2).
+STORAGE_PAGE_SIZE = 64
+HICACHE_FLAG = "--enable-hierarchical-cache"
+HICACHE_STORAGE_FLAG = "--hicache-storage-backend"
 #: SWA pool tokens per full-pool token (SGLang `--swa-full-tokens-ratio`; see the flag's reason).
 SWA_FULL_TOKENS_RATIO = 0.1
 #: Share of GPU memory for weights + KV pool on CUDA (SGLang `--mem-fraction-static`; see the flag's reason).
@@ -75,16 +84,26 @@ class ServerFlag:
     devices: tuple[Device, ...]
     why: str
     multi_gpu_only: bool = False  # only when the tensor-parallel size is > 1
+    storage_default: object = None  # the default instead when a HiCache storage backend is set (None: `default`)
 
     @property
     def dest(self) -> str:
         """The `ServerArgs` field the flag sets."""
         return self.flag[2:].replace("-", "_")
 
+    def default_for(self, hicache_storage: bool = False) -> object:
+        """The typed default, with or without a HiCache storage (L3) backend."""
+        return self.storage_default if hicache_storage and self.storage_default is not None else self.default
+
+    def value_for(self, hicache_storage: bool = False) -> str | None:
+        """The CLI value (None for a switch)."""
+        default = self.default_for(hicache_storage)
+        return None if default is True else str(default)
+
     @property
     def value(self) -> str | None:
-        """The CLI value (None for a switch)."""
-        return None if self.default is True else str(self.default)
+        """The CLI value without a storage backend (None for a switch)."""
+        return self.value_for(False)
 
     def wanted(self, device: Device, tp_size: int) -> bool:
         """Whether the runtime needs this flag on `device` at tensor-parallel size `tp_size`."""
@@ -97,8 +116,14 @@ class ServerFlag:
         tp = flag_value(given, TP_FLAGS)
         return self.wanted(device, int(tp) if tp is not None and tp.isdigit() else 1)
 
-    def args(self) -> list[str]:
-        return [self.flag] if self.value is None else [self.flag, self.value]
+    def args(self, hicache_storage: bool = False) -> list[str]:
+        value = self.value_for(hicache_storage)
+        return [self.flag] if value is None else [self.flag, value]
+
+
+def uses_hicache_storage(args: Sequence[str]) -> bool:
+    """Whether CLI arguments `args` configure a HiCache storage (L3) backend."""
+    return has_flag(args, HICACHE_FLAG) and flag_value(args, (HICACHE_STORAGE_FLAG,)) is not None
 
 
 @dataclass(frozen=True)
@@ -126,16 +151,18 @@ class RuntimeProfile:
         if device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
         out: list[str] = []
+        storage = uses_hicache_storage(given)
         for f in self.flags:
             if f.applies(device, given):
-                out += f.args()
+                out += f.args(storage)
         return out
 
-    def defaults(self, device: Device, tp_size: int = 1) -> dict[str, object]:
-        """`{ServerArgs field: value}` of the flags wanted on `device` at `tp_size` (declaration order)."""
+    def defaults(self, device: Device, tp_size: int = 1, hicache_storage: bool = False) -> dict[str, object]:
+        """`{ServerArgs field: value}` of the flags wanted on `device` at `tp_size` (declaration order),
+        with or without a HiCache storage (L3) backend."""
         if device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
-        return {f.dest: f.default for f in self.flags if f.wanted(device, tp_size)}
+        return {f.dest: f.default_for(hicache_storage) for f in self.flags if f.wanted(device, tp_size)}
 
     def supports_tp(self, tp: int) -> bool:
         return tp in self.tp_sizes
@@ -177,7 +204,10 @@ TORCH_PATH = RuntimeProfile(
         ServerFlag("--page-size", PAGE_SIZE, ("cpu", "cuda"),
                    "a ratio-2 compressed entry spans the rows of 2 consecutive token slots, so pages must be "
                    "even; 2 is the smallest such size: prefix hits are page-aligned (at most 1 token "
-                   "recomputed) and SGLang's SWA eviction keeps max(window, page) = window tokens"),
+                   "recomputed) and SGLang's SWA eviction keeps max(window, page) = window tokens; with a "
+                   f"HiCache storage backend {STORAGE_PAGE_SIZE}: L3 stores one object per page per host pool and "
+                   "pays per object, which at 2-token pages made the write-through to L3 crawl",
+                   storage_default=STORAGE_PAGE_SIZE),
         ServerFlag("--swa-full-tokens-ratio", SWA_FULL_TOKENS_RATIO, ("cpu", "cuda"),
                    "an SWA token costs L·2·head_dim bytes (Flash 40 KiB) against 896 B of global KV; SGLang's "
                    "default 0.8 would spend 97 % of the KV budget on SWA slots, while a decoding request needs "

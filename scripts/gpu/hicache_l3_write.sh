@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# H200 (one GPU), one device call (issue 14, branch l3write): the rate at which one long prompt's pages
+# reach the HiCache `file` tier (benchmarks/hicache_l3_write.py; docs/hicache.md "L3 write throughput").
+#   1. page 2 (the old default, now given explicitly), the flags of scripts/gpu/hicache_prefix.sh, with a
+#      no-server probe first: µs per page file through SGLang's HiCacheFile in /tmp, alone and beside a
+#      thread spinning in Python (tells a slow file system from GIL contention);
+#   2. the plugin's default with a storage backend (page 64), a 32K prompt;
+#   3. page 2 + --sleep-on-idle (the idle scheduler blocks instead of spinning: the GIL question in a server;
+#      last, so a slow start-up cuts this one).
+# Each case starts its own server on the tiny checkpoint (--context-length 40960, timings only).
+# Run from the checkout root with `.gpu` carried:
+#   BUDGET=290 bash scripts/gpu/hicache_l3_write.sh
+# Results: $OUT/*.json, $OUT/summary.txt, server logs in $OUT/all.tgz. A pass: case 2 ("default") reports
+# "page_size": 64 and "complete": true (every KV page of the 32K prompt stored) with tokens_per_s far above
+# case 1's; the probe (case 1's "fs_probe") and case 3 say where case 1's per-file time goes: record the
+# three rates and the probe in docs/hicache.md "L3 write throughput".
+set -uo pipefail
+: "${OUT:=/tmp/out}"; mkdir -p "$OUT"
+T0=$SECONDS
+BUDGET=${BUDGET:-290}
+left() { local l=$((BUDGET - (SECONDS - T0) - ${1:-0})); [ $l -gt 1 ] && echo $l || echo 1; }  # seconds left, less a reserve
+source .gpu/bin/setup.sh || exit 3
+export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1 SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1
+CK=/tmp/tiny; R=/tmp/hicache_l3w; rm -rf $R; mkdir -p $R
+[ -d $CK ] || timeout 120 python3 -m sglang_dsv41.cli make-checkpoint --preset tiny --out $CK --quiet || exit 4
+F="--hicache-io-backend kernel --hicache-storage-prefetch-policy wait_complete --context-length 40960 \
+--mem-fraction-static 0.3 --disable-cuda-graph"
+one() {  # name, prompt tokens, cap s, extra benchmark args...
+  local name=$1 n=$2 cap=$3; shift 3
+  echo "RESULT $name start at $((SECONDS - T0)) s"
+  timeout -s TERM -k 30 "$(left 10)" python3 benchmarks/hicache_l3_write.py --model-path $CK --device cuda \
+      --prompt-tokens "$n" --cap-s "$cap" --quiet-s 3 --poll-s 0.1 --startup-timeout 150 \
+      --out "$OUT/$name.json" --log "$R/$name.log" "$@" 2>&1 | tail -22
+  echo "RESULT $name rc=${PIPESTATUS[0]} at $((SECONDS - T0)) s"
+}
+{
+  one page2 8192 40 --page-size 2 --fs-probe 2000 --flags="$F"
+  one default 32768 60 --flags="$F"
+  one page2_sleep 8192 40 --page-size 2 --flags="$F --sleep-on-idle"
+} 2>&1 | tee $R/summary.txt
+cp $R/summary.txt "$OUT/"
+tar -czf "$OUT/all.tgz" -C $R . 2>/dev/null
+exit 0
