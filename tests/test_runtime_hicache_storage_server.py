@@ -20,9 +20,13 @@ and a small host tier (`--hicache-ratio 2`: 1,024 host slots), write_through:
   failed op is logged as a warning and counted in `sglang_dsv41:hicache_storage_failures_total`; once
   the directory is back, the same server (no flush since the faults) reloads from storage again.
 
-The servers pin `--page-size 2` (`requirements.PAGE_SIZE`): with a storage backend the plugin's
-default page is `STORAGE_PAGE_SIZE` (64, docs/hicache.md "L3 write throughput"), longer than
-these small pools and prompts are built for; that default is tested in tests/test_overrides.py.
+The servers above pin `--page-size 2` (`requirements.PAGE_SIZE`): with a storage backend the
+plugin's default page is `STORAGE_PAGE_SIZE` (64, docs/hicache.md "L3 write throughput"), longer
+than these small pools and prompts are built for. That default, end to end: a server started
+without `--page-size` (SWA pool = device pool, so a 301-token prefill fits) resolves page 64, writes
+a 301-token prompt's 4 full pages to its own storage directory and is stopped; a fresh one on that
+directory reloads exactly those 256 tokens from storage, equal to the cold run, and the cold run
+equals server B's (page 2) for the same prompt.
 `prefetch_threshold` is lowered to 16 tokens (SGLang's default, 256, is longer than these prompts);
 the prefetch stop policy is `timeout` (a prefetch is used once complete, or dropped after SGLang's
 1 s base timeout), so whether a request hits storage does not depend on thread timing.
@@ -40,6 +44,7 @@ from pathlib import Path
 import pytest
 
 from server_helpers import Server, running
+from sglang_dsv41.runtime.requirements import PAGE_SIZE, STORAGE_PAGE_SIZE
 from test_runtime_hicache_server import LONG, NEW, OTHER, _assert_equal_to_cold, _prompt
 
 pytestmark = pytest.mark.slow
@@ -50,18 +55,19 @@ EVICT_ALL = 12
 WRITE_WAIT_S = 180
 
 
-def _args() -> list[str]:
-    from sglang_dsv41.runtime.requirements import PAGE_SIZE
-
-    return ["--page-size", str(PAGE_SIZE), "--max-total-tokens", str(DEVICE_TOKENS), "--swa-full-tokens-ratio", "0.25",
+def _args(page_size: int | None = PAGE_SIZE, swa_ratio: float = 0.25) -> list[str]:
+    """The servers' flags; `page_size=None` leaves the page size to the plugin's default."""
+    page = [] if page_size is None else ["--page-size", str(page_size)]
+    return [*page, "--max-total-tokens", str(DEVICE_TOKENS), "--swa-full-tokens-ratio", str(swa_ratio),
             "--enable-hierarchical-cache", "--enable-metrics", "--language-model-only", "--hicache-write-policy", "write_through",
             "--hicache-io-backend", "direct", "--hicache-ratio", str(HOST_RATIO),
             "--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy", "timeout",
             "--hicache-storage-backend-extra-config", json.dumps({"prefetch_threshold": 16})]
 
 
-def _server(checkpoint: Path, store: Path, log: Path) -> Server:
-    return Server(checkpoint, log, _args(), env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(store)})
+def _server(checkpoint: Path, store: Path, log: Path, args: list[str] | None = None) -> Server:
+    return Server(checkpoint, log, _args() if args is None else args,
+                  env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(store)})
 
 
 def _run(server: Server, ids: list[int]) -> dict:
@@ -100,8 +106,6 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def cold_a(tiny_checkpoint: Path, store: Path, tmp_path_factory: pytest.TempPathFactory):
     """Server A: the long prompt's cold run, its pages written to storage; A stopped."""
-    from sglang_dsv41.runtime.requirements import PAGE_SIZE
-
     long = _prompt(random.Random(11), LONG)
     with running(_server(tiny_checkpoint, store, tmp_path_factory.mktemp("a") / "server.log")) as a:
         before = set().union(*_pages(store))
@@ -122,8 +126,6 @@ def test_storage_pages_hold_every_mirrored_component(cold_a, store: Path, tiny_c
     page of every layer's SWA rows (runtime/hicache_host.py "flat pages")."""
     from sglang_dsv41.config import DeepseekV41Config
     from sglang_dsv41.runtime.kv_layout import CompressedRowLayout
-    from sglang_dsv41.runtime.requirements import PAGE_SIZE
-
     cfg = DeepseekV41Config.from_file(tiny_checkpoint).text
     lay = CompressedRowLayout.from_config(cfg)
     kv, swa = _pages(store)
@@ -213,8 +215,6 @@ def _wait_for(cond, what: str, server: Server, timeout_s: float = WRITE_WAIT_S) 
 def test_broken_or_unreachable_storage_costs_a_cold_prefill(cold_a, server_b: Server, store: Path) -> None:
     """Issue 14: "a storage backend that is down or full gives a logged warning and a cold prefill,
     never a crash or a wrong answer" (module docstring; docs/hicache.md "Storage faults")."""
-    from sglang_dsv41.runtime.requirements import PAGE_SIZE
-
     rng = random.Random(13)
     p, x, q = (_prompt(rng, LONG) for _ in range(3))
     before = set().union(*_pages(store))
@@ -257,3 +257,56 @@ def test_broken_or_unreachable_storage_costs_a_cold_prefill(cold_a, server_b: Se
     for op in ("query", "read", "write"):
         assert re.search(rf"sglang-dsv41 HiCache: storage {op} failed on the file backend", log), op
     assert server_b.proc.poll() is None and "Traceback" not in log
+
+
+#: the page-64 test's prompt: 1 + 300 tokens, 4 full storage pages and a partial one
+PAGE64_PROMPT = 300
+
+
+def _settled(store: Path, quiet_s: float = 2.0, cap_s: float = WRITE_WAIT_S) -> None:
+    """Block until no page file was added to `store` for `quiet_s` (the write-through backups are done)."""
+    deadline, last, since = time.monotonic() + cap_s, -1, time.monotonic()
+    while time.monotonic() < deadline:
+        n = len(set().union(*_pages(store)))
+        if n != last:
+            last, since = n, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"storage still growing after {cap_s} s ({last} page files)")
+
+
+def test_the_default_storage_page_64_reloads_after_a_restart(server_b: Server, tiny_checkpoint: Path,
+                                                            tmp_path_factory: pytest.TempPathFactory) -> None:
+    """No `--page-size` with a storage backend: page 64 (module docstring)."""
+    store64 = tmp_path_factory.mktemp("hicache_l3_page64")
+    ids = _prompt(random.Random(14), PAGE64_PROMPT)
+    full = (len(ids) - 1) // STORAGE_PAGE_SIZE * STORAGE_PAGE_SIZE        # the last partial page is not cached
+    args = _args(page_size=None, swa_ratio=1.0)
+    assert "--page-size" not in args
+
+    def start(name: str) -> Server:
+        return _server(tiny_checkpoint, store64, tmp_path_factory.mktemp(name) / "server.log", args)
+
+    with running(start("page64_cold")) as a:
+        assert a.get("/get_server_info")["page_size"] == STORAGE_PAGE_SIZE
+        cold = _run(a, ids)
+        assert cold["meta_info"]["cached_tokens"] == 0
+        _wait_for_pages(store64, set(), full // STORAGE_PAGE_SIZE)
+        _settled(store64)
+    kv, swa = _pages(store64)
+    assert len(kv) == full // STORAGE_PAGE_SIZE and swa, (kv, swa)
+
+    with running(start("page64_warm")) as b:                 # device and host empty: only storage can hit
+        warm = _run(b, ids)
+        assert b.proc.poll() is None and "Traceback" not in b.log_tail(10_000_000)
+    d = _details(warm)
+    assert warm["meta_info"]["cached_tokens"] == d.get("storage") == full, warm["meta_info"]
+    assert d.get("storage_backend") == "HiCacheFile"
+    assert warm["output_ids"] == cold["output_ids"]
+    _assert_equal_to_cold(warm, cold)
+
+    ref = _run(server_b, ids)                                   # the page-2 server, same prompt, cold
+    assert ref["meta_info"]["cached_tokens"] == 0
+    assert cold["output_ids"] == ref["output_ids"]
+    _assert_equal_to_cold(cold, ref)
