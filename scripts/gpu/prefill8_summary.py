@@ -57,18 +57,8 @@ def checks(result: dict) -> dict:
 
 def main(argv: list[str]) -> int:
     out = Path(argv[0])
-    result: dict = {}
-    for name, fn in (("tests", s5.tests), ("prefill", s5.prefill), ("kernels", kernels),
-                     ("mhc_mix", lambda o: json.loads((o / "mhc_mix.json").read_text()))):
-        try:
-            result[name] = fn(out)
-        except Exception as exc:       # recorded, never raised: the summary must always be written
-            result[name] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
-    try:
-        d = json.loads((out / "decode_step.json").read_text())
-        result["decode_step"] = dict(errors=d.get("errors"), skipped=d.get("skipped"), wall_s=d.get("wall_s"))
-    except Exception as exc:
-        result["decode_step"] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
+    result = s5.collect(out, (("tests", s5.tests), ("prefill", s5.prefill), ("kernels", kernels),
+                              ("mhc_mix", lambda o: json.loads((o / "mhc_mix.json").read_text()))))
     result["checks"] = checks(result)
     (out / "prefill8.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(dict(tests=result["tests"], checks=result["checks"]), indent=1))

@@ -70,19 +70,26 @@ def checks(result: dict) -> dict:
     return out
 
 
-def main(argv: list[str]) -> int:
-    out = Path(argv[0])
+def collect(out: Path, parts) -> dict:
+    """Each (name, reader) of `parts` applied to `out`, plus the decode_step.json record; a reader's
+    exception is recorded as that part's `error`, never raised (the summary must always be written)."""
     result: dict = {}
-    for name, fn in (("tests", tests), ("prefill", prefill)):
+    for name, fn in parts:
         try:
             result[name] = fn(out)
-        except Exception as exc:       # recorded, never raised: the summary must always be written
+        except Exception as exc:
             result[name] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
     try:
         d = json.loads((out / "decode_step.json").read_text())
         result["decode_step"] = dict(errors=d.get("errors"), skipped=d.get("skipped"), wall_s=d.get("wall_s"))
     except Exception as exc:
         result["decode_step"] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
+    return result
+
+
+def main(argv: list[str]) -> int:
+    out = Path(argv[0])
+    result = collect(out, (("tests", tests), ("prefill", prefill)))
     result["checks"] = checks(result)
     (out / "speed5.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(dict(tests=result["tests"], checks=result["checks"]), indent=1))
