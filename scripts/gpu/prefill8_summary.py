@@ -35,11 +35,7 @@ def kernels(out: Path) -> dict:
 
 def checks(result: dict) -> dict:
     """The pass conditions (scripts/gpu/prefill8.sh header)."""
-    out: dict[str, bool] = {}
-    t = result.get("tests", {})
-    out["gpu_tests_pass"] = bool(t.get("total")) and not t.get("failed") and "error" not in t
-    rows = {r.get("variant"): r for r in result.get("prefill", {}).get("rows", [])}
-    out["every_variant_profiled"] = bool(rows) and all("components_ms" in r for r in rows.values())
+    out, rows = s5.base_checks(result)
     comp = {v: r.get("components_ms", {}) for v, r in rows.items()}
     out["routing_plan_small"] = comp.get("new", {}).get("moe_routing", 1e9) <= MAX_ROUTING_PLAN_MS
     out["mhc_dot_faster_than_rows"] = comp.get("new", {}).get("mhc", 1e9) < comp.get("new_mhc_rows", {}).get("mhc", 0)

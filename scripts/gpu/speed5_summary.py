@@ -54,13 +54,20 @@ def prefill(out: Path) -> dict:
                 attention_sweep=sweep)
 
 
-def checks(result: dict) -> dict:
-    """The pass conditions (scripts/gpu/speed5.sh header)."""
+def base_checks(result: dict) -> tuple[dict[str, bool], dict[str, dict]]:
+    """The checks every prefill run shares (GPU tests pass, every variant profiled) and the
+    profile's rows by variant."""
     out: dict[str, bool] = {}
     t = result.get("tests", {})
     out["gpu_tests_pass"] = bool(t.get("total")) and not t.get("failed") and "error" not in t
     rows = {r.get("variant"): r for r in result.get("prefill", {}).get("rows", [])}
     out["every_variant_profiled"] = bool(rows) and all("components_ms" in r for r in rows.values())
+    return out, rows
+
+
+def checks(result: dict) -> dict:
+    """The pass conditions (scripts/gpu/speed5.sh header)."""
+    out, rows = base_checks(result)
     att = (rows.get("attn_bf16_workspace", {}).get("agreement") or {}).get("attention", {})
     out["workspace_attention_within_bound"] = att.get("max_scale_ulps", 1e9) <= MAX_ATTENTION_SCALE_ULPS
     topk = (rows.get("indexer_fused_topk", {}).get("agreement") or {}).get("indexer", {})
