@@ -15,14 +15,12 @@
 # case 1's; the probe (case 1's "fs_probe") and case 3 say where case 1's per-file time goes: record the
 # three rates and the probe in docs/hicache.md "L3 write throughput".
 set -uo pipefail
-: "${OUT:=/tmp/out}"; mkdir -p "$OUT"
-T0=$SECONDS
-BUDGET=${BUDGET:-290}
-left() { local l=$((BUDGET - (SECONDS - T0) - ${1:-0})); [ $l -gt 1 ] && echo $l || echo 1; }  # seconds left, less a reserve
-source .gpu/bin/setup.sh || exit 3
-export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1 SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1
+source "$(dirname "$0")/lib.sh"
+: "${BUDGET:=290}"
+gpu_setup
+export SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1
 CK=/tmp/tiny; R=/tmp/hicache_l3w; rm -rf $R; mkdir -p $R
-[ -d $CK ] || timeout 120 python3 -m sglang_dsv41.cli make-checkpoint --preset tiny --out $CK --quiet || exit 4
+tiny_checkpoint $CK || exit 4
 F="--hicache-io-backend kernel --hicache-storage-prefetch-policy wait_complete --context-length 40960 \
 --mem-fraction-static 0.3 --disable-cuda-graph"
 one() {  # name, prompt tokens, cap s, extra benchmark args...

@@ -23,12 +23,9 @@
 # Run from the checkout root with `.gpu` carried. Every step is capped; the script ends within BUDGET
 # (s, default 300). Knobs: STEPS (default "tests mhc prefill"), TEST_CAP (110), MHC_CAP (45), PREFILL_VARIANTS, DECODE_ARGS.
 set -uo pipefail
-: "${OUT:=/tmp/out}"; mkdir -p "$OUT"
-T0=$SECONDS; BUDGET=${BUDGET:-300}
-left() { echo $((BUDGET - (SECONDS - T0))); }
-cap() { local c=$1 l; l=$(left); [ "$c" -lt "$l" ] && echo "$c" || echo $((l > 5 ? l - 5 : 1)); }
-source .gpu/bin/setup.sh || exit 3
-export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
+source "$(dirname "$0")/lib.sh"
+: "${BUDGET:=300}"
+gpu_setup
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
 for step in ${STEPS:-tests mhc prefill}; do
   case $step in
