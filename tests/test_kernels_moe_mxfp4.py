@@ -499,13 +499,30 @@ def test_bf16_ulp() -> None:
                                          2.0 ** -8 + 0.75 * (0.25 + 2.0 ** -7) + chains * (0.5 * 40 + 0.5 * 1)]]))
 
 
+def _hopper() -> torch.device:
+    """The CUDA device, or a skip: the MXFP4 W4A16 path is Hopper-only."""
+    dev = torch.device("cuda")
+    if torch.cuda.get_device_capability(dev)[0] != 9:
+        pytest.skip("the MXFP4 W4A16 path is Hopper-only")
+    return dev
+
+
+def _flash_batch(T: int, seed: int, dev: torch.device):
+    """12 experts at Flash widths (H 5,120, I 2,304, top-6) and T routed BF16 tokens: raw, prepared,
+    x, ids, weights (seeds seed, seed + 1, seed + 2)."""
+    E, H, I, k = 12, 5120, 2304, 6
+    raw = random_experts(E, H, I, seed=seed)
+    p = prepare(raw, device=dev)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(seed + 1)).to(torch.bfloat16).to(dev)
+    ids, w = _routing(T, k, E, seed=seed + 2, device=dev)
+    return raw, p, x, ids, w
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("E,H,I,k", [(8, 64, 32, 2), (16, 256, 128, 4), (12, 5120, 2304, 6)])
 @pytest.mark.parametrize("T", [1, 5, 64])
 def test_routed_experts_match_reference_on_gpu(E: int, H: int, I: int, k: int, T: int) -> None:
-    dev = torch.device("cuda")
-    if torch.cuda.get_device_capability(dev)[0] != 9:
-        pytest.skip("the MXFP4 W4A16 path is Hopper-only")
+    dev = _hopper()
     raw = random_experts(E, H, I, seed=E + H + T)
     p = prepare(raw, device=dev)
     g = torch.Generator().manual_seed(T)
@@ -521,14 +538,9 @@ def test_routed_experts_match_reference_on_gpu(E: int, H: int, I: int, k: int, T
 def test_routed_experts_with_decode_flags_on_gpu(flags: str) -> None:
     """SGLANG_DSV41_MOE_DECODE_FLAGS candidates (benchmarks/kernel_variants.py MOE_FLAG_SETS) at the
     Flash shape, T = 1: the same bound as the default launch."""
-    dev = torch.device("cuda")
-    if torch.cuda.get_device_capability(dev)[0] != 9:
-        pytest.skip("the MXFP4 W4A16 path is Hopper-only")
-    E, H, I, k, T = 12, 5120, 2304, 6, 1
-    raw = random_experts(E, H, I, seed=77)
-    p = prepare(raw, device=dev)
-    x = torch.randn(T, H, generator=torch.Generator().manual_seed(78)).to(torch.bfloat16).to(dev)
-    ids, w = _routing(T, k, E, seed=79, device=dev)
+    dev = _hopper()
+    T = 1
+    raw, p, x, ids, w = _flash_batch(T, 77, dev)
     out = mx.with_decode_flags(mx.parse_decode_flags(flags),
                                lambda: mx.routed_experts_mxfp4(x, ids, w, p, swiglu_limit=LIMIT, routed_scale=SCALE))
     assert_within_bound(out, *reference_routed(x, ids, w, raw), w)
@@ -540,14 +552,9 @@ def test_routed_experts_with_prefill_flags_on_gpu(flags: str, monkeypatch) -> No
     """SGLANG_DSV41_MOE_PREFILL_FLAGS candidates (benchmarks/prefill_profile.py's `new_moe_*`) at the
     Flash shape, T = 256 (128 rows an expert: triton_kernels' own block_m is 128), set through the
     variable as the runtime reads it: the same bound as the default launch."""
-    dev = torch.device("cuda")
-    if torch.cuda.get_device_capability(dev)[0] != 9:
-        pytest.skip("the MXFP4 W4A16 path is Hopper-only")
-    E, H, I, k, T = 12, 5120, 2304, 6, 256
-    raw = random_experts(E, H, I, seed=81)
-    p = prepare(raw, device=dev)
-    x = torch.randn(T, H, generator=torch.Generator().manual_seed(82)).to(torch.bfloat16).to(dev)
-    ids, w = _routing(T, k, E, seed=83, device=dev)
+    dev = _hopper()
+    T = 256
+    raw, p, x, ids, w = _flash_batch(T, 81, dev)
     monkeypatch.setenv(mx.PREFILL_FLAGS_ENV, flags)
     mx.prefill_flags.cache_clear()
     try:
@@ -565,9 +572,7 @@ def test_routed_experts_with_prefill_flags_on_gpu(flags: str, monkeypatch) -> No
 def test_routed_experts_from_tiny_checkpoint_on_gpu(tiny_checkpoint) -> None:
     from sglang_dsv41.checkpoint.reader import CheckpointReader
 
-    dev = torch.device("cuda")
-    if torch.cuda.get_device_capability(dev)[0] != 9:
-        pytest.skip("the MXFP4 W4A16 path is Hopper-only")
+    dev = _hopper()
     with CheckpointReader(tiny_checkpoint) as reader:
         stored = {n: reader.get(n) for n in reader.names() if n.startswith("layers.2.ffn.experts.")}
     E = len(stored) // 6
