@@ -9,14 +9,15 @@
 #      last, so a slow start-up cuts this one).
 # Each case starts its own server on the tiny checkpoint (--context-length 40960, timings only).
 # Run from the checkout root with `.gpu` carried:
-#   BUDGET=290 bash scripts/gpu/hicache_l3_write.sh
+#   BUDGET=290 bash scripts/gpu/hicache_l3_write.sh   (CASES="default page2_sleep" runs a subset;
+#   FS_PROBE_FILES sizes the probe: at 30 ms a file beside a spinning thread, 2000 files take 60 s)
 # Results: $OUT/*.json, $OUT/summary.txt, server logs in $OUT/all.tgz. A pass: case 2 ("default") reports
 # "page_size": 64 and "complete": true (every KV page of the 32K prompt stored) with tokens_per_s far above
 # case 1's; the probe (case 1's "fs_probe") and case 3 say where case 1's per-file time goes: record the
 # three rates and the probe in docs/hicache.md "L3 write throughput".
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
-: "${BUDGET:=290}"
+: "${BUDGET:=290}" "${CASES:=page2 default page2_sleep}"
 gpu_setup
 export SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1
 CK=/tmp/tiny; R=/tmp/hicache_l3w; rm -rf $R; mkdir -p $R
@@ -32,9 +33,11 @@ one() {  # name, prompt tokens, cap s, extra benchmark args...
   echo "RESULT $name rc=${PIPESTATUS[0]} at $((SECONDS - T0)) s"
 }
 {
-  one page2 8192 40 --page-size 2 --fs-probe 2000 --flags="$F"
-  one default 32768 60 --flags="$F"
-  one page2_sleep 8192 40 --page-size 2 --flags="$F --sleep-on-idle"
+  for c in $CASES; do case $c in
+    page2)       one page2 8192 40 --page-size 2 --fs-probe "${FS_PROBE_FILES:-2000}" --flags="$F" ;;
+    default)     one default 32768 60 --flags="$F" ;;
+    page2_sleep) one page2_sleep 8192 40 --page-size 2 --flags="$F --sleep-on-idle" ;;
+  esac; done
 } 2>&1 | tee $R/summary.txt
 cp $R/summary.txt "$OUT/"
 tar -czf "$OUT/all.tgz" -C $R . 2>/dev/null
