@@ -9,10 +9,13 @@ committed lengths batched together (P < W, P = W, P > W). On the fp32 serving ba
 scale; block logits are within `FP32_LOGIT_BOUND` (measured 0.11 on this fixture: one of three
 blocks has a BF16 flip that the random tiny stages amplify; the draft only proposes, the target
 decides). Also the SGLang-facing class: weights from the stored checkpoint, context writes with
-`commit_lens`, `forward` through SGLang's forward context, heads' interfaces.
+`commit_lens`, `forward` through SGLang's forward context, heads' interfaces. The block is the
+server's γ (`--speculative-dspark-block-size`), not the checkpoint's `dspark_block_size` (5):
+blocks of 1, 3 and 7 rows equal the reference's stage stack on as many rows, bit for bit.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -67,9 +70,9 @@ class Batch:
             for s in range(S):
                 self.store.write_rows(s, slots, rows[s])
 
-    def run(self, draft: DSparkDraft, anchors=ANCHORS):
-        ids = torch.tensor([t for a in anchors for t in ref.block_token_ids(T, a)])
-        positions = torch.cat([torch.arange(P, P + G) for P in self.lengths])
+    def run(self, draft: DSparkDraft, anchors=ANCHORS, g: int = G):
+        ids = torch.tensor([t for a in anchors for t in ref.block_token_ids(replace(T, dspark_block_size=g), a)])
+        positions = torch.cat([torch.arange(P, P + g) for P in self.lengths])
         req_rows = torch.arange(1, len(self.lengths) + 1)
         windows = [self.store.window(s, req_rows, self.req_to_token, torch.tensor(self.lengths), T.sliding_window)
                    for s in range(S)]
@@ -97,6 +100,20 @@ def test_batched_blocks_equal_reference_per_request(exact):
         out = ref.draft_block_forward(T, W, ctx, anchor, profile=NONE, act_quant=True)
         assert torch.equal(hidden[b * G:(b + 1) * G], out.hidden), b
         assert torch.equal(logits[b * G:(b + 1) * G], out.base_logits), b
+
+
+@pytest.mark.parametrize("g", [1, 3, 7])
+def test_blocks_of_the_servers_size_equal_reference(exact, g):
+    """γ = rows / requests, whatever the checkpoint's dspark_block_size (5): the block the server
+    drafts (`--speculative-dspark-block-size 7` crashed the H200 decode before; docs/dspark.md)."""
+    draft, batch, _, _ = exact
+    hidden, logits = batch.run(draft, g=g)
+    assert hidden.shape == (len(LENGTHS) * g, T.hidden_size)
+    for b, (ctx, anchor) in enumerate(zip(batch.contexts, ANCHORS)):
+        ids = torch.tensor([anchor] + [T.dspark_noise_token_id] * (g - 1))
+        out = ref.run_stages(T, W, ctx, ids, profile=NONE, act_quant=True)
+        assert torch.equal(hidden[b * g:(b + 1) * g], out.hidden), b
+        assert torch.equal(logits[b * g:(b + 1) * g], out.base_logits), b
 
 
 def test_block_rows_see_only_their_window(exact):
@@ -159,9 +176,15 @@ def test_bad_inputs_raise(exact):
     draft, batch, _, _ = exact
     with pytest.raises(ValueError, match="features"):
         draft.context_rows(torch.zeros(2, T.hidden_size), torch.arange(2))
-    with pytest.raises(ValueError, match="blocks of"):
-        draft.block_hidden(W["embed.weight"], torch.zeros(G + 1, dtype=torch.long), torch.zeros(G + 1),
-                           [(torch.zeros(1, 8, T.head_dim), torch.ones(1, 8, dtype=torch.bool))] * S)
+    two = [(torch.zeros(2, 8, T.head_dim), torch.ones(2, 8, dtype=torch.bool))] * S
+    for n in (2 * G + 1, 1):                 # not whole blocks; fewer rows than requests
+        with pytest.raises(ValueError, match="not 2 blocks"):
+            draft.block_hidden(W["embed.weight"], torch.zeros(n, dtype=torch.long), torch.zeros(n), two)
+    with pytest.raises(ValueError, match="not 2 blocks"):
+        draft.block_hidden(W["embed.weight"], torch.zeros(2 * G, dtype=torch.long), torch.zeros(2 * G + 1), two)
+    with pytest.raises(ValueError, match="request counts"):
+        draft.block_hidden(W["embed.weight"], torch.zeros(2 * G, dtype=torch.long), torch.zeros(2 * G),
+                           two[:-1] + [(torch.zeros(3, 8, T.head_dim), torch.ones(3, 8, dtype=torch.bool))])
     with pytest.raises(ValueError, match="Markov"):
         draft.markov_head.get_prev_embeddings(torch.tensor([T.vocab_size]))
     weights = {n: v for n, v in W.items() if n.startswith("mtp.")}
@@ -221,15 +244,19 @@ def sglang_draft(tiny_checkpoint, stored):
     return model, cfg, weights
 
 
-def test_sglang_class_write_forward_heads(sglang_draft):
+@pytest.mark.parametrize("g", [G, 7])
+def test_sglang_class_write_forward_heads(sglang_draft, g):
     """write_target_hidden_kv (with commit_lens) into the draft pool → forward in TARGET_VERIFY layout
-    through SGLang's forward context → compute_base_logits / markov / compute_confidence == the reference."""
+    through SGLang's forward context → compute_base_logits / markov / compute_confidence == the reference,
+    for the checkpoint's block (5) and a server's `--speculative-dspark-block-size 7` (the H200 PD decode
+    with γ 7 stopped at its first draft forward: "7 ids for 1 blocks of 5")."""
     from sglang.srt.layers.logits_processor import LogitsProcessorOutput
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
     model, cfg, w = sglang_draft
     t = cfg.text
+    t_g = replace(t, dspark_block_size=g)               # the reference's block of g rows
     lengths, anchors = (6, 13), (17, 400)
     from sglang_dsv41.runtime.dspark_pool import DeepseekV41DSparkPool
 
@@ -250,8 +277,8 @@ def test_sglang_class_write_forward_heads(sglang_draft):
                                      cache_loc_2d=req_to_token[b + 1, :P + 2].reshape(1, -1),
                                      commit_lens=torch.tensor([P]))
         assert not store.kv[0][req_to_token[b + 1, P:P + 2]].any()           # rejected rows not written
-    ids = torch.tensor([x for a in anchors for x in ref.block_token_ids(t, a)])
-    positions = torch.cat([torch.arange(P, P + model.gamma) for P in lengths])
+    ids = torch.tensor([x for a in anchors for x in ref.block_token_ids(t_g, a)])
+    positions = torch.cat([torch.arange(P, P + g) for P in lengths])
     batch = SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY, req_pool_indices=torch.tensor([1, 2]),
                             seq_lens=torch.tensor(lengths))
     backend = SimpleNamespace(token_to_kv_pool=pool,
@@ -261,16 +288,20 @@ def test_sglang_class_write_forward_heads(sglang_draft):
     assert isinstance(out, LogitsProcessorOutput) and out.next_token_logits is None
     logits, tap = model.compute_base_logits(out.hidden_states)
     assert tap is out.hidden_states
-    base = logits.view(2, model.gamma, -1)
+    base = logits.view(2, g, -1)
     tokens, _ = model.markov_head.sample_block(base, first_prev_tokens=torch.tensor(anchors),
                                                hidden_states=None, sampler=lambda x, k: torch.argmax(x, dim=-1))
     conf = model.compute_confidence(anchor_tokens=torch.tensor(anchors), sampled_tokens=tokens, x_post_hc=tap)
     for b, (ctx, anchor) in enumerate(zip(contexts, anchors)):
-        r = ref.draft_block_forward(t, w, ctx, anchor, profile=NONE, act_quant=True)
-        prop = ref.propose_drafts(t, w, r.hidden, r.base_logits, anchor, greedy=True)
-        assert torch.equal(out.hidden_states[b * model.gamma:(b + 1) * model.gamma], r.hidden)
-        assert tuple(tokens[b].tolist()) == prop.tokens
+        r = ref.draft_block_forward(t_g, w, ctx, anchor, profile=NONE, act_quant=True)
+        prop = ref.propose_drafts(t_g, w, r.hidden, r.base_logits, anchor, greedy=True)
+        assert torch.equal(out.hidden_states[b * g:(b + 1) * g], r.hidden)
+        assert tuple(tokens[b].tolist()) == prop.tokens and len(prop.tokens) == g
         assert torch.equal(conf[b], prop.confidence)
+    with pytest.raises(ValueError, match="one block of"):
+        model.block_hidden(ids[:-1], positions[:-1], torch.tensor([1, 2]), torch.tensor(lengths), req_to_token, store)
+    with pytest.raises(ValueError, match="confidence"):
+        model.compute_confidence(anchor_tokens=torch.tensor(anchors), sampled_tokens=tokens[:, :-1], x_post_hc=tap)
     with pytest.raises(ValueError, match="P..P"):
         model.block_hidden(ids, positions + 1, torch.tensor([1, 2]), torch.tensor(lengths), req_to_token, store)
     with pytest.raises(RuntimeError, match="no DSpark context"):
@@ -280,7 +311,8 @@ def test_sglang_class_write_forward_heads(sglang_draft):
 
 def test_sglang_class_interface_and_static_mode(sglang_draft):
     model, cfg, _ = sglang_draft
-    assert model.gamma == cfg.text.dspark_block_size and model.num_stages == cfg.text.num_nextn_predict_layers
+    assert model.trained_block_size == cfg.text.dspark_block_size and not hasattr(model, "gamma")
+    assert model.num_stages == cfg.text.num_nextn_predict_layers
     assert model.markov_head.markov_rank == cfg.text.dspark_markov_rank
     assert model.confidence_head is None and not model.enable_confidence_head   # SGLang default: static verify
     assert model.lm_head.weight.shape == (cfg.text.vocab_size, cfg.text.hidden_size)      # the attached target head
@@ -304,7 +336,7 @@ def test_pd_prefill_prune_keeps_context_rows_and_refuses_a_block(sglang_draft):
                                      positions=torch.arange(3), cache_loc=torch.tensor([4, 5, 6]))
         assert pool.dspark_context.kv[0][4:7].abs().sum() > 0 and not pool.dspark_context.kv[0][7:].any()
         with pytest.raises(RuntimeError, match="PD prefill"):
-            model.block_hidden(torch.zeros(model.gamma, dtype=torch.int64), torch.arange(3, 3 + model.gamma),
+            model.block_hidden(torch.zeros(G, dtype=torch.int64), torch.arange(3, 3 + G),
                                torch.tensor([1]), torch.tensor([3]), torch.zeros(2, 8, dtype=torch.int64),
                                pool.dspark_context)
     finally:
@@ -318,7 +350,7 @@ def test_base_logits_go_through_the_target_head_method(sglang_draft):
     from sglang_dsv41.runtime.model import LMHead
 
     model, cfg, w = sglang_draft
-    x = bf16(torch.randn(2 * model.gamma, cfg.text.hidden_size, generator=torch.Generator().manual_seed(3)))
+    x = bf16(torch.randn(2 * G, cfg.text.hidden_size, generator=torch.Generator().manual_seed(3)))
     own, _ = model.compute_base_logits(x)
     head = LMHead(torch.nn.Parameter(w["head.weight"].clone(), requires_grad=False), cfg.text.vocab_size)
     calls = []

@@ -63,13 +63,14 @@ HIT = 16
 ROLLBACK = {1: PROMPTS[1], 2: PROMPTS[1][:HIT] + _prompt(7, 11)[1:]}
 
 
-def _caches(engine: TorchForward, slots: Slots) -> RuntimeCaches:
+def _caches(engine: TorchForward, slots: Slots, width: int = W) -> RuntimeCaches:
+    """The caches of a server verifying `width` = γ + 1 tokens (its pair ring: 8 slots at γ 5)."""
     return RuntimeCaches.allocate(engine.text, slots.num_slots(), slots.host.shape[0], device=CPU,
-                                  page_size=slots.page_size, pair_slots=8, verify_width=W)
+                                  page_size=slots.page_size, pair_slots=pair_ring_slots(width), verify_width=width)
 
 
 def _verify(engine, caches, slots, blocks: dict[int, tuple[int, list[int]]], *, static: bool = False,
-            pad: int = 0) -> dict[int, torch.Tensor]:
+            pad: int = 0, width: int = W) -> dict[int, torch.Tensor]:
     """One verify forward: row → (P, [anchor, d_0 …]) of w or fewer tokens (adaptive verification:
     a ragged batch); slots P.. written into the table first (SGLang's verify window); `static`:
     the CUDA-graph layout, with `pad` padding requests (uniform: w tokens each; ragged: the batch
@@ -78,33 +79,33 @@ def _verify(engine, caches, slots, blocks: dict[int, tuple[int, list[int]]], *, 
     tokens up to w each, any rest are ghost tokens of no request)."""
     rows = list(blocks)
     lens = [len(ids) for _, ids in blocks.values()]
-    ragged = any(n != W for n in lens)
+    ragged = any(n != width for n in lens)
     out = torch.cat([slots.extend(r, p, len(ids)) for r, (p, ids) in blocks.items()])
     positions = torch.cat([torch.arange(p, p + len(ids)) for p, ids in blocks.values()])
     ids = torch.tensor([t for _, block in blocks.values() for t in block])
     prefix = torch.tensor([p for p, _ in blocks.values()])
     if static:
-        extra = 3 if ragged else pad * W
+        extra = 3 if ragged else pad * width
         req_rows, seq_lens = torch.tensor(rows + [0] * pad), torch.cat([prefix, torch.ones(pad, dtype=torch.long)])
         positions, out = (torch.cat([x, torch.zeros(extra, dtype=torch.long)]) for x in (positions, out))
         if ragged:
             from sglang.srt.speculative.ragged_verify import RaggedVerifyLayout
 
             staged = RaggedVerifyLayout.from_verify_lens(verify_lens_cpu=lens, device=CPU, grid=[sum(lens) + extra]
-                                                         ).padded_to_bucket(padded_bs=len(rows) + pad, cap=W)
-            layout = static_ragged_verify_layout(req_rows, seq_lens, staged.verify_lens, positions, out, slots.table, W)
+                                                         ).padded_to_bucket(padded_bs=len(rows) + pad, cap=width)
+            layout = static_ragged_verify_layout(req_rows, seq_lens, staged.verify_lens, positions, out, slots.table, width)
         else:
-            layout = static_verify_layout(req_rows, seq_lens, positions, out, slots.table, W)
+            layout = static_verify_layout(req_rows, seq_lens, positions, out, slots.table, width)
         ids = torch.cat([ids, torch.zeros(extra, dtype=torch.long)])
     else:
         layout = dataclasses.replace(make_layout(torch.tensor(rows), prefix, torch.tensor(lens), positions,
-                                                 out, slots.table), verify_width=W)
+                                                 out, slots.table), verify_width=width)
     logits = engine.logits(engine.hidden_states(ids, layout, caches))
     return dict(zip(rows, torch.split(logits[: sum(lens)], lens)))
 
 
 def _reference_rounds(reference: ReferenceModel, prompt: list[int], corrupt: list[int], vocab: int,
-                      verify: list[int] | None = None):
+                      verify: list[int] | None = None, gamma: int = GAMMA):
     """The oracle: per round (block, verify logits, outcome), verifying on a clone and re-running
     the accepted tokens; drafts = greedy continuation, first corrupted at `corrupt[r]`; `verify[r]`
     (adaptive verification): the block holds only the anchor + the first verify[r] − 1 drafts."""
@@ -115,10 +116,10 @@ def _reference_rounds(reference: ReferenceModel, prompt: list[int], corrupt: lis
         probe = state.clone()
         drafts, last = [], anchor
         truth = probe.clone()
-        for _ in range(GAMMA):                       # greedy continuation of the anchor
+        for _ in range(gamma):                       # greedy continuation of the anchor
             last = int(torch.argmax(reference.forward(truth, [last]).logits[-1]))
             drafts.append(last)
-        if cut < GAMMA:
+        if cut < gamma:
             drafts[cut] = (drafts[cut] + 1) % vocab
         if verify is not None:
             drafts = drafts[: verify[r] - 1]
@@ -173,6 +174,41 @@ def test_verify_then_commit_equals_the_reference_rollback(models) -> None:
         n = len(emitted[r])
         assert emitted[r] == reference.generate(ROLLBACK[r], n), r
         assert int(caches.engram_history.end[r]) == P[r]
+
+
+def test_verify_of_the_servers_block_size_equals_the_reference(models) -> None:
+    """`--speculative-dspark-block-size 7`, not the checkpoint's 5 (docs/dspark.md "Block size"):
+    verify width 8 and a 16-slot pair ring (`pair_ring_slots(8)`); three rounds of verify + commit
+    from cold prompts (P = 21 odd, 26 even) == the reference's verify-on-clone rollback bit for bit,
+    accept lengths 0, 3, 6, 7 among them, output == plain greedy."""
+    cfg, reference, engine = models
+    g, w = 7, 8
+    corrupt = {1: [0, g, 3], 2: [6, g, 5]}
+    oracle = {r: _reference_rounds(reference, PROMPTS[r], corrupt[r], cfg.text.vocab_size, gamma=g) for r in PROMPTS}
+    assert {0, 3, 6, g} <= {o.accepted for r in PROMPTS for _, _, o in oracle[r]}
+    slots = Slots(CPU, rows=4, max_context=64)
+    caches = _caches(engine, slots, width=w)
+    assert caches.pair_ring_slots == 16
+    run_batch(engine, caches, slots, [(r, 0, PROMPTS[r]) for r in PROMPTS])
+    P = {r: len(PROMPTS[r]) for r in PROMPTS}
+    emitted: dict[int, list[int]] = {r: [oracle[r][0][0][0]] for r in PROMPTS}
+    for k in range(len(corrupt[1])):
+        got = _verify(engine, caches, slots, {r: (P[r], oracle[r][k][0]) for r in PROMPTS}, width=w)
+        commit = []
+        for r in PROMPTS:
+            block, want, outcome = oracle[r][k]
+            assert len(block) == w
+            torch.testing.assert_close(got[r], want, atol=0, rtol=0)
+            mine = verify_greedy(block[1:], got[r])
+            assert mine == outcome
+            emitted[r] += list(mine.tokens)
+            commit.append(mine.accepted + 1)
+        caches.engram_history.commit_verify(torch.tensor(list(PROMPTS)), torch.tensor([P[r] for r in PROMPTS]),
+                                            torch.tensor(commit), check=True)
+        for r, c in zip(PROMPTS, commit):
+            P[r] += c
+    for r in PROMPTS:
+        assert emitted[r] == reference.generate(PROMPTS[r], len(emitted[r])), r
 
 
 def test_engram_ring_after_commit_equals_a_sequential_run(models) -> None:

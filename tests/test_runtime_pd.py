@@ -297,12 +297,16 @@ def _side(pair_slots: int, draft: bool):
     return pool, dpool, args, pd_layout.fingerprint(args, pool, spec, 1, draft_pool=dpool)
 
 
-@pytest.mark.parametrize("prefill_ring,decode_ring,draft", [(2, 8, False), (8, 16, True)],
-                         ids=["plain-to-spec-ring", "dspark-both-unequal-draft-tokens"])
-def test_state_transfer_lands_in_the_decode_layout(prefill_ring, decode_ring, draft) -> None:
+@pytest.mark.parametrize("prefill_ring,decode_ring,draft,n", [
+    (2, 8, False, 9), (pair_ring_slots(5 + 1), pair_ring_slots(7 + 1), True, 9),
+    (pair_ring_slots(7 + 1), pair_ring_slots(5 + 1), True, 25), (8, 16, True, 25)],
+    ids=["plain-to-spec-ring", "dspark-gamma-5-to-7", "dspark-gamma-7-to-5", "dspark-gamma-5-to-7-slot-12"])
+def test_state_transfer_lands_in_the_decode_layout(prefill_ring, decode_ring, draft, n) -> None:
     """A request of odd length N through SGLang's send: KV pages (+ the DSpark context rows), the
     SWA rows and the boundary row of the pair ring land where the decode's layout (its own ring
-    size) reads them; the fingerprints agree although the rings differ."""
+    size) reads them; the fingerprints agree although the rings differ — DSpark with prefill γ 5
+    and decode γ 7 (rings 8 → 16) and the reverse; N = 25 puts the pending pair in slot 12 of a
+    16-slot ring and slot 4 of an 8-slot one."""
     p, pdraft, pargs, pfp = _side(prefill_ring, draft)
     d, ddraft, dargs, dfp = _side(decode_ring, draft)
     assert pd_layout.mismatch(pfp, dfp) is None
@@ -311,11 +315,11 @@ def test_state_transfer_lands_in_the_decode_layout(prefill_ring, decode_ring, dr
     g = torch.Generator().manual_seed(0)
     for b in p.full_kv_pool.buffers + p.swa_kv_pool.buffers + (pdraft.buffers if draft else []):
         b.view(torch.uint8).copy_(torch.randint(0, 256, b.view(torch.uint8).shape, generator=g, dtype=torch.uint8))
-    n, prow, drow = 9, 1, 3                                     # odd: the pair of position 8 is pending
+    prow, drow = 1, 3                                           # odd n: the pair of position n − 1 is pending
     src = min(p.runtime_caches.pair_kv)
     want = torch.randn(TINY.head_dim, generator=g)
     p.runtime_caches.pair_kv[src][prow, p.runtime_caches.pair_slot(torch.tensor(n - 1))] = want
-    ppages, dpages = [1, 2, 3, 4, 5], [7, 11, 12, 13, 20]       # ceil(9 / page 2) pages each side
+    ppages, dpages = [1, 2, 3, 4, 5], [7, 11, 12, 13, 20]       # the pages travel whatever n
     _send(pargs.kv_data_ptrs, dargs.kv_data_ptrs, pargs.kv_item_lens, ppages, dpages)
     for st, (sp, dp, it) in enumerate(zip(pargs.state_data_ptrs, dargs.state_data_ptrs, pargs.state_item_lens)):
         if pargs.state_types[st] == "c128_state":

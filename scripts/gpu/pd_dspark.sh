@@ -10,17 +10,21 @@
 # Usage (checkout root, `.gpu` built with PD=1 carried: it holds the Mooncake transfer engine):
 #   bash scripts/gpu/pd_dspark.sh [both|equal|unequal]
 #   equal    one pair, both servers γ = 5 (--speculative-dspark-block-size 5);
-#   unequal  one pair, prefill γ = 5 (pair ring 8), decode γ = 7 (pair ring 16): the boundary row
-#            lands in each side's own ring slot; the fingerprint must still agree;
-#   both     (default) the two pairs side by side (5 servers), each checked against the plain one.
+#   unequal  two pairs, prefill γ = 5 (pair ring 8) → decode γ = 7 (pair ring 16) and the reverse
+#            (7 → 5): the boundary row lands in each side's own ring slot, the fingerprint must still
+#            agree, and a decode drafts the block of its own flag (the checkpoint's is 5); plus a
+#            colocated DSpark server with γ = 7 (6 servers, 7 files back);
+#   both     (default) the equal pair and the 5 → 7 pair side by side (5 servers), each checked
+#            against the plain one.
 # Every server starts at once (one start-up wait; --mem-fraction-static 0.12 each and a 65,536-token
 # pool cap, as each sizes its static memory from what is free when it starts). Caps: checkpoint
 # 60 s, every wait and request by what is left of BUDGET (default 285 s from the start), each
 # shutdown 15 s. The client posts to both servers of a pair with bootstrap host/port/room (what
 # sglang-router does; the router wheel does not fit the call). Outputs: summary.txt and the server
-# logs in $OUT (at most 8 files come back: plain, 4 PD logs, summary, setup's two). Exit 0 only
+# logs in $OUT (at most 8 files come back: plain, 4 PD logs, the colocated log, summary). Exit 0 only
 # when every PD output equals the plain server's. Pass: per pair "n=41/42/97: PD+DSpark == plain
-# True", two equal "sglang-dsv41 PD layout" lines per pair, "RESULT pd_dspark mode=both rc=0".
+# True" (colocated: "DSpark == plain True"), two equal "sglang-dsv41 PD layout" lines per pair,
+# "RESULT pd_dspark mode=<mode> rc=0".
 set -uo pipefail
 # shellcheck source=scripts/gpu/lib.sh
 source "$(dirname "$0")/lib.sh"
@@ -31,9 +35,10 @@ gpu_setup
 export MC_FORCE_TCP=1 MOONCAKE_PROTOCOL=tcp SGLANG_HOST_IP=127.0.0.1
 python3 -c "import mooncake.engine" 2>/tmp/pd_imports.log || {
   cat /tmp/pd_imports.log; echo "RESULT pd_dspark missing the PD stack (carry .gpu built with PD=1: ../shared/gpu/build.sh)"; exit 5; }
+COLO=()   # colocated DSpark servers: name γ port
 case $MODE in
   equal) PAIRS=("equal 5 5 30010 30020 38998") ;;
-  unequal) PAIRS=("unequal 5 7 30010 30020 38998") ;;
+  unequal) PAIRS=("unequal 5 7 30010 30020 38998" "reverse 7 5 30040 30050 38999"); COLO=("colo7 7 30060") ;;
   both) PAIRS=("equal 5 5 30010 30020 38998" "unequal 5 7 30040 30050 38999") ;;
   *) echo "usage: pd_dspark.sh [both|equal|unequal]"; exit 2 ;;
 esac
@@ -76,6 +81,11 @@ for pair in "${PAIRS[@]}"; do
   start_server "$OUT/decode_$name.log" python3 -m sglang.launch_server "${COMMON[@]}" "${SPEC[@]}" --speculative-dspark-block-size "$dg" \
     --port "$dport" --disaggregation-mode decode
 done
+for colo in "${COLO[@]}"; do
+  read -r name g port <<<"$colo"
+  start_server "$OUT/colo_$name.log" python3 -m sglang.launch_server --model-path $CK "${CAP[@]}" "${SPEC[@]}" \
+    --speculative-dspark-block-size "$g" --port "$port"
+done
 if wait_up $C/health_generate "$(left 40)"; then ask $W/plain.json $C || echo "plain requests failed" | tee -a "$OUT/summary.txt"
 else echo "plain server not up" | tee -a "$OUT/summary.txt"; tail -30 "$OUT/plain.log"; fi
 echo "plain done at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
@@ -89,8 +99,15 @@ for pair in "${PAIRS[@]}"; do
   room=$((room + 100))
   grep -h -m1 "sglang-dsv41 PD layout" "$OUT/prefill_$name.log" "$OUT/decode_$name.log" 2>/dev/null | cut -c1-400 | tee -a "$OUT/summary.txt"
 done
+for colo in "${COLO[@]}"; do
+  read -r name g port <<<"$colo"
+  U=http://127.0.0.1:$port
+  up=0; wait_up $U/health_generate "$(left 30)" && up=1
+  echo "colocated $name up=$up (γ=$g) at $((SECONDS - T0)) s" | tee -a "$OUT/summary.txt"
+  if [ $up = 1 ]; then ask "$W/pd_$name.json" "$U" || echo "colocated $name requests failed" | tee -a "$OUT/summary.txt"; fi
+done
 stop_servers
-python3 - "$W" "$MODE" "${PAIRS[@]}" <<'PY' | tee -a "$OUT/summary.txt"
+python3 - "$W" "$MODE" "${PAIRS[@]}" "${COLO[@]}" <<'PY' | tee -a "$OUT/summary.txt"
 import json, sys
 w, mode, pairs = sys.argv[1], sys.argv[2], [p.split()[0] for p in sys.argv[3:]]
 ok = True
@@ -108,14 +125,17 @@ for name in pairs:
         eq = got == ref["output_ids"]
         ok = ok and eq and len(ref["output_ids"]) == 48
         first = None if eq or got is None else next(i for i, (a, b) in enumerate(zip(ref["output_ids"], got)) if a != b)
-        print(f"{name} n={n}: PD+DSpark == plain {eq}, decode accept length {pd.get(n, {}).get('accept_length')}"
+        what = "DSpark" if name.startswith("colo") else "PD+DSpark"
+        print(f"{name} n={n}: {what} == plain {eq}, decode accept length {pd.get(n, {}).get('accept_length')}"
               + ("" if eq else f", first difference at token {first}"))
 print(f"RESULT pd_dspark_{mode}_greedy_equal {int(ok)}")
 sys.exit(0 if ok else 1)
 PY
 rc=$?
 if [ $rc != 0 ]; then
-  for f in "$OUT"/prefill_*.log "$OUT"/decode_*.log; do grep -nE "Error|error|Traceback|sglang-dsv41" "$f" | tail -15; done
+  for f in "$OUT"/prefill_*.log "$OUT"/decode_*.log "$OUT"/colo_*.log; do
+    [ -f "$f" ] && grep -nE "Error|error|Traceback|sglang-dsv41" "$f" | tail -15
+  done
 fi
 result pd_dspark mode=$MODE rc=$rc
 exit $rc

@@ -11,7 +11,9 @@ that holds them). The target's embedding and LM head are passed in per call, nev
   main_x = RMSNorm_main_norm(main_proj · features), kv_s = read-back(RoPE(RMSNorm(wkv_s · main_x))).
 * `block_hidden(embed_weight, ids, positions, windows)` — the stage stack on B blocks of γ rows;
   returns the collapsed pre-norm hidden x [B·γ, H] (BF16 values): Σ_j pre_j R_j with the last
-  stage's ffn pre (V4.1 has no hc_head).
+  stage's ffn pre (V4.1 has no hc_head). No weight depends on γ: B comes from the windows and
+  γ = rows / B, so the block is whatever the server drafts (`--speculative-dspark-block-size`),
+  not necessarily the checkpoint's `dspark_block_size` (the block the draft was trained for).
 * `base_logits(x, head_weight)` = head · RMSNorm_norm(x), fp32 (no Markov bias).
 * `confidence(x [B, γ, H], prev [B, γ])` — c_k = sigmoid(proj([x_k ; markov_w1[prev_k]]) / T_sts).
 
@@ -64,7 +66,6 @@ class DSparkDraft(nn.Module):
         self.cfg, self.text, self.numerics = cfg, cfg.text, numerics
         t = self.text
         S = t.num_nextn_predict_layers
-        self.gamma = t.dspark_block_size
         # every linear of the stages (and main_proj) as its SGLang layer (`runtime/parallel_linear.py`)
         weights = with_parallel_linears(weights, cfg, SINGLE.plan(t), dspark=True)
         self.main_proj = weights["mtp.0.main_proj"]
@@ -126,23 +127,27 @@ class DSparkDraft(nn.Module):
     def block_hidden(self, embed_weight: Tensor | Callable[[Tensor], Tensor], ids: Tensor, positions: Tensor,
                      windows: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
         """Collapsed hidden [B·γ, H] of B blocks: `ids` / `positions` [B·γ] (block-major),
-        `windows[s]` = (keys [B, W, D], valid [B, W]) of stage s's context (module doc).
+        `windows[s]` = (keys [B, W, D], valid [B, W]) of stage s's context (module doc); B is the
+        windows' row count and γ = len(ids) / B (any γ ≥ 1).
         `embed_weight`: the target's embedding weight, or its vocabulary-parallel module (ids → rows)."""
-        t, g = self.text, self.gamma
-        N = ids.shape[0]
-        if N % g or positions.shape[0] != N:
-            raise ValueError(f"DSpark block forward: {N} ids / {positions.shape[0]} positions are not blocks of {g}")
+        t, N = self.text, ids.shape[0]
         if len(windows) != len(self.stages):
             raise ValueError(f"DSpark block forward: {len(windows)} context windows for {len(self.stages)} stages")
+        B = windows[0][0].shape[0]
+        if any(keys.shape[0] != B or valid.shape[0] != B for keys, valid in windows):
+            raise ValueError("DSpark block forward: the stages' context windows hold different request counts")
+        if positions.shape[0] != N or (N % B if B else N) or (B and N < B):
+            raise ValueError(f"DSpark block forward: {N} ids / {positions.shape[0]} positions are not "
+                             f"{B} blocks of γ ≥ 1 rows")
         if N == 0:
             return torch.zeros(0, t.hidden_size, dtype=F32, device=self.device)
         with self._audited():
             return self._block_hidden(embed_weight, ids.to(device=self.device, dtype=torch.int64),
-                                      positions.to(device=self.device, dtype=torch.int64), windows)
+                                      positions.to(device=self.device, dtype=torch.int64), windows, N // B)
 
     def _block_hidden(self, embed_weight: Tensor | Callable[[Tensor], Tensor], ids: Tensor, positions: Tensor,
-                      windows: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
-        t, g, N = self.text, self.gamma, ids.shape[0]
+                      windows: Sequence[tuple[Tensor, Tensor]], g: int) -> Tensor:
+        t, N = self.text, ids.shape[0]
         step = DraftStep(self.backend, self.mhc, self.moe, self.numerics.act_quant, self.numerics.cache, self.inv_freq,
                          positions, g, list(windows))
         rows = embed_weight[ids] if isinstance(embed_weight, Tensor) else embed_weight(ids)

@@ -16,6 +16,10 @@ What the worker calls, and what it gets:
   committed length; returns `LogitsProcessorOutput(next_token_logits=None, hidden_states=x)`
   with x [bs·γ, H] the collapsed pre-norm hidden (BF16 values). Context keys come from the
   draft pool's `DSparkContextKV` (`dspark_context_of`) through SGLang's `req_to_token`.
+  γ is the worker's (SGLang resolves it from `--speculative-dspark-block-size` /
+  `--speculative-num-draft-tokens`, warning when it differs from the checkpoint's
+  `dspark_block_size`): the model reads it from the batch shape (rows / requests) and keeps no γ
+  of its own; `trained_block_size` is the checkpoint's, for the load log only.
 * `compute_base_logits(x)` → (fp32 logits [N, V] = head·RMSNorm_norm(x), confidence tap = x); the
   product runs through the target LM head's own method when it has one (`model.BackendHeadMethod`:
   the target's backend, which holds the head weight), else on the draft's backend.
@@ -79,7 +83,9 @@ class DeepseekV41ForCausalLMDSpark(nn.Module):
         self.cfg: DeepseekV41Config = parsed_config(config)
         require_dspark(self.cfg)
         text = self.cfg.text
-        self.gamma = self.block_size = text.dspark_block_size
+        #: the checkpoint's `dspark_block_size` (the block the draft was trained for); the block a
+        #: forward runs is the worker's γ, read from the batch shape (module doc)
+        self.trained_block_size = text.dspark_block_size
         self.num_stages = text.num_nextn_predict_layers
         self.numerics = NumericsProfile()
         self.quant_config = None
@@ -104,8 +110,9 @@ class DeepseekV41ForCausalLMDSpark(nn.Module):
             on_device = dspark_runtime_weights(stored, self.cfg, self.device, experts_mxfp4=on_cuda)
             del stored
             self.draft = DSparkDraft(self.cfg, on_device, self.numerics, deterministic=deterministic_inference())
-        logger.info("sglang-dsv41: DSpark draft loaded (%d stages, γ = %d, %d tensors, backend %s, adaptive "
-                    "verification %s)", self.num_stages, self.gamma, len(on_device), self.draft.backend.name,
+        logger.info("sglang-dsv41: DSpark draft loaded (%d stages, trained block %d, runs the server's γ; %d "
+                    "tensors, backend %s, adaptive verification %s)", self.num_stages, self.trained_block_size,
+                    len(on_device), self.draft.backend.name,
                     "on" if self.adaptive_verification else "off (ragged-verify mode static)")
 
     def post_load_weights(self) -> None:
@@ -212,16 +219,19 @@ class DeepseekV41ForCausalLMDSpark(nn.Module):
 
     def block_hidden(self, input_ids: Tensor, positions: Tensor, req_rows: Tensor, prefix_lens: Tensor,
                      req_to_token: Tensor, store: DSparkContextKV) -> Tensor:
-        """[bs·γ, H] hidden of bs blocks (SGLang-free entry of `forward`)."""
+        """[bs·γ, H] hidden of bs = len(req_rows) blocks, γ = len(input_ids) / bs (SGLang-free entry of
+        `forward`)."""
         draft = self._loaded()
         if self.context_only:
             raise RuntimeError("sglang-dsv41 DSpark: a block forward on a PD prefill server (the draft there "
                                "writes context rows only)")
-        g, W = self.gamma, self.cfg.text.sliding_window
-        if input_ids.shape[0] != req_rows.shape[0] * g:
-            raise ValueError(f"DSpark draft forward: {input_ids.shape[0]} ids for {req_rows.shape[0]} blocks of {g}")
+        bs, N, W = req_rows.shape[0], input_ids.shape[0], self.cfg.text.sliding_window
+        g = N // bs if bs else 0
+        if N != bs * g or (bs and g < 1):
+            raise ValueError(f"DSpark draft forward: {N} ids for {bs} requests are not one block of γ ≥ 1 rows "
+                             "per request")
         if positions.device.type == "cpu":      # host check; CUDA paths add no sync
-            want = prefix_lens.to(torch.int64).repeat_interleave(g) + torch.arange(g).repeat(req_rows.shape[0])
+            want = prefix_lens.to(torch.int64).repeat_interleave(g) + torch.arange(g).repeat(bs)
             if not torch.equal(positions.to(torch.int64), want):
                 raise ValueError("DSpark draft forward: block positions are not P..P+γ−1 of each request's "
                                  "committed length P (seq_lens)")
@@ -258,9 +268,16 @@ class DeepseekV41ForCausalLMDSpark(nn.Module):
 
     @torch.no_grad()
     def compute_confidence(self, *, anchor_tokens: Tensor, sampled_tokens: Tensor, x_post_hc: Tensor) -> Tensor:
-        bs, g = anchor_tokens.reshape(-1).shape[0], self.gamma
-        prev = torch.cat((anchor_tokens.reshape(bs, 1), sampled_tokens.reshape(bs, -1)[:, : g - 1]), dim=1)
-        return self._loaded().confidence(x_post_hc.reshape(bs, g, -1), prev)
+        """[bs, γ] confidences; γ = the block the worker drafted (`sampled_tokens` [bs, γ])."""
+        bs, H = anchor_tokens.reshape(-1).shape[0], self.cfg.text.hidden_size
+        if bs == 0:
+            return torch.zeros(0, sampled_tokens.shape[-1], dtype=F32, device=x_post_hc.device)
+        sampled = sampled_tokens.reshape(bs, -1)
+        g = sampled.shape[1]
+        if x_post_hc.numel() != bs * g * H:
+            raise ValueError(f"DSpark confidence: hidden {tuple(x_post_hc.shape)} for {bs} blocks of {g} drafts")
+        prev = torch.cat((anchor_tokens.reshape(bs, 1), sampled[:, : g - 1]), dim=1)
+        return self._loaded().confidence(x_post_hc.reshape(bs, g, H), prev)
 
 
 EntryClass = DeepseekV41ForCausalLMDSpark
