@@ -101,13 +101,14 @@ def _triton_semantics(q, sink, swa_cache, swa_slots, workspace, comp_rows):
 
 @pytest.mark.parametrize("heads,dim,cap,mode", [(64, 512, HOPPER, "native"), (128, 512, (10, 0), "native"),
                                                 (32, 512, HOPPER, "padded"), (4, 96, HOPPER, "padded"),
+                                                (96, 512, HOPPER, "padded"), (256, 512, HOPPER, "bf16"),
                                                 (64, 576, HOPPER, "bf16"), (64, 512, (8, 0), "bf16"),
                                                 (64, 512, None, "bf16")])
 def test_plan(heads, dim, cap, mode) -> None:
     plan = FM.plan_flashmla(heads, dim, cap)
     assert plan.mode == mode, plan
-    assert plan.kernel_heads % FM.HEAD_BLOCK == 0 or mode == "bf16"
-    assert plan.kernel_heads == (64 if heads <= 64 else heads) or mode == "bf16"
+    assert plan.kernel_heads in FM.KERNEL_HEADS or mode == "bf16"
+    assert plan.kernel_heads == (64 if heads <= 64 else 128) or mode == "bf16"
 
 
 def test_mode_rules(monkeypatch) -> None:

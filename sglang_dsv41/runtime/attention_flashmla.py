@@ -28,10 +28,10 @@ P_ROUNDING: 2^−9 relative per weight, summed over weights that add to ≤ 1 of
 doubled for the normaliser's rounding) plus one BF16 ulp of the output scale each side.
 
 Plan (`plan_flashmla`, at start-up, logged by `attention_ops.KernelAttentionOps.planned`):
-`native` when heads per rank % HEAD_BLOCK == 0 and head_dim == KERNEL_DIM; `padded` when heads
-or head_dim are smaller (q padded with zero heads to the next multiple of HEAD_BLOCK, q and kv
-with zero dims to KERNEL_DIM: the dot products and the kept outputs are unchanged); `bf16`
-(the Triton workspace path) when head_dim > KERNEL_DIM or the device is not Hopper/Blackwell.
+`native` when heads per rank ∈ KERNEL_HEADS and head_dim == KERNEL_DIM; `padded` when heads or
+head_dim are smaller (q padded with zero heads to the next of KERNEL_HEADS, q and kv with zero
+dims to KERNEL_DIM: the dot products and the kept outputs are unchanged); `bf16` (the Triton
+workspace path) for more heads, head_dim > KERNEL_DIM or a device that is not Hopper/Blackwell.
 Never a per-call fallback. Missing `sgl_kernel.flash_mla` with the opt-in set raises at start-up.
 """
 from __future__ import annotations
@@ -44,6 +44,8 @@ from torch import Tensor
 
 #: the kernel tiles heads by 64 (its SM90 prefill kernel is `head64`) …
 HEAD_BLOCK = 64
+#: … and is built for these head counts (64: SM90 `head64`; 128: SM100 `head128`, two SM90 head tiles)
+KERNEL_HEADS = (64, 128)
 #: … and the index list by 64 ("topk mod B_TOPK must be 0")
 TOPK_BLOCK = 64
 #: the head dim of the kernel's BF16 key rows (d_qk 512 with d_v 512, or 576)
@@ -68,12 +70,13 @@ class FlashMLAPlan:
 
 def plan_flashmla(heads: int, head_dim: int, capability: tuple[int, int] | None) -> FlashMLAPlan:
     """The start-up plan (module doc); `capability` None = not a CUDA device."""
-    kernel_heads = -(-heads // HEAD_BLOCK) * HEAD_BLOCK
+    kernel_heads = next((k for k in KERNEL_HEADS if heads <= k), 0)
     if capability is None or capability[0] not in CAPABILITIES:
         return FlashMLAPlan("bf16", heads, heads, head_dim,
                             f"compute capability {capability} has no FlashMLA sparse prefill kernel")
-    if head_dim > KERNEL_DIM:
-        return FlashMLAPlan("bf16", heads, heads, head_dim, f"head_dim {head_dim} > the kernel's {KERNEL_DIM}")
+    if head_dim > KERNEL_DIM or not kernel_heads:
+        return FlashMLAPlan("bf16", heads, heads, head_dim,
+                            f"{heads} heads × {head_dim}: the kernel takes ≤ {KERNEL_HEADS[-1]} heads × ≤ {KERNEL_DIM}")
     if kernel_heads == heads and head_dim == KERNEL_DIM:
         return FlashMLAPlan("native", heads, heads, head_dim, f"{heads} heads × {head_dim}")
     return FlashMLAPlan("padded", heads, kernel_heads, head_dim,
@@ -178,6 +181,6 @@ def flashmla_bound(key_max: Tensor, out_scale: Tensor) -> Tensor:
     return 2 * P_ROUNDING * key_max + 2 * ulp
 
 
-__all__ = ["CAPABILITIES", "FlashMLAInputs", "FlashMLAPlan", "HEAD_BLOCK", "KERNEL_DIM", "P_ROUNDING",
+__all__ = ["CAPABILITIES", "FlashMLAInputs", "FlashMLAPlan", "HEAD_BLOCK", "KERNEL_DIM", "KERNEL_HEADS", "P_ROUNDING",
            "TOPK_BLOCK", "attend", "combined_indices", "flashmla_bound", "key_rows", "load_kernel",
            "plan_flashmla", "prefill_inputs", "swa_gather"]
