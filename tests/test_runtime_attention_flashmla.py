@@ -6,6 +6,8 @@ What is pinned, on CPU:
 * the index construction, tensor-only: every query's kernel indices address exactly the key rows
   the Triton workspace path reads (its SWA window by slot, its selected workspace rows), as a
   multiset, compacted valid-first with `topk_length` = the valid count, padded to 64;
+* `KernelAttentionOps`' wiring: a planned flashmla choice hands `attend` the batch's inputs and
+  launches the planned kernel (an unplanned one raises);
 * the launch as a whole against the Triton path's math (`attend_with_sink`, float64) through a
   test-only pure-torch emulation of `flash_mla_sparse_fwd` (softmax over the indexed keys plus the
   sink, P rounded to BF16 before P·V, BF16 output), within `flashmla_bound`; an index list off by
@@ -16,6 +18,7 @@ with and without `topk_length`.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -134,6 +137,35 @@ def test_planned_on_a_device_without_the_kernel_is_the_logged_triton_path(caplog
     assert "planned the Triton workspace path instead" in caplog.text
     other = attention_ops.KernelAttentionOps(sparse_attention, indexer, prefill="bf16")
     assert other.planned(64, 512, torch.device("cpu")) is other
+
+
+def test_kernel_ops_wiring(monkeypatch) -> None:
+    """`KernelAttentionOps` with a planned flashmla choice: `prefill_workspace` returns the batch's
+    `FlashMLAInputs` over the forward's workspace (unplanned: raises, never the Triton path), and
+    `attend` launches the planned kernel on them (here the emulation) instead of the Triton kernel."""
+    from types import SimpleNamespace
+
+    from sglang_dsv41.kernels import indexer, sparse_attention
+    monkeypatch.setattr(AP, "PREFILL_MIN_QUERIES", 1)
+    width, ratio = 16, 4
+    layout, swa_slots, swa_cache, workspace, comp_rows, q, sink = _batch([0, 5], [40, 24], 8, width, 8, dim=512)
+    sel = torch.where(comp_rows >= 0, comp_rows - layout.token_req[:, None] * width, -1)
+    scratch = SimpleNamespace(workspaces={3: workspace}, entry_tables={})
+    layout = dataclasses.replace(layout, max_seq_len=width * ratio)     # width = max_seq_len // ratio
+    ops = attention_ops.KernelAttentionOps(sparse_attention, indexer, prefill="flashmla")
+    with pytest.raises(RuntimeError, match="not planned"):
+        ops.prefill_workspace(layout, None, 3, ratio, sel, scratch, swa_slots)
+    ops.flashmla_plan, ops.flashmla_kernel = FM.plan_flashmla(8, 512, HOPPER), emulate_sparse_fwd
+    got = ops.prefill_workspace(layout, None, 3, ratio, sel, scratch, swa_slots)
+    want = FM.prefill_inputs(workspace, layout.token_req, layout.starts, swa_slots, comp_rows)
+    assert isinstance(got, FM.FlashMLAInputs) and got.workspace is workspace
+    for name in ("swa_gather", "indices", "lengths"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    monkeypatch.setattr(sparse_attention, "sparse_sink_attention", None)      # the Triton kernel is not called
+    o = ops.attend(q.float(), sink, swa_cache, swa_slots, None, None, workspace=got)
+    assert o.dtype == torch.float32
+    assert torch.equal(o, FM.attend(emulate_sparse_fwd, ops.flashmla_plan, q, sink, swa_cache, want,
+                                    softmax_scale(512)).float())
 
 
 # ---- index construction -------------------------------------------------------------------------
