@@ -367,6 +367,17 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor, sink: T
             ws = AP.latent_workspace(caches.packed_latents.rows, latent_cols, t.head_dim, entries)
             return SA.sparse_sink_attention(qb, caches.swa, qs["swa_slots"], ws, AP.workspace_rows(req, sel, width),
                                             sink, scale, config=cfg_att)
+    if workspace and prefill == "flashmla":                   # one FlashMLA launch over [SWA block | workspace]
+        from sglang_dsv41.runtime import attention_flashmla as FM
+        fm_plan = FM.plan_flashmla(t.num_attention_heads, t.head_dim, torch.cuda.get_device_capability(q.device))
+        if fm_plan.mode == "bf16":
+            raise RuntimeError(f"SGLANG_DSV41_ATTN_PREFILL=flashmla: the kernel cannot take this layer ({fm_plan.reason})")
+        fm_kernel, starts = FM.load_kernel(), torch.searchsorted(req, torch.arange(R, device=req.device))
+
+        def attention():
+            ws = AP.latent_workspace(caches.packed_latents.rows, latent_cols, t.head_dim, entries)
+            inputs = FM.prefill_inputs(ws, req, starts, qs["swa_slots"], AP.workspace_rows(req, sel, width))
+            return FM.attend(fm_kernel, fm_plan, qb, sink, caches.swa, inputs, scale)
     comps: dict[str, Callable] = {"attention": attention, "indexer": indexer}
     if caches.latents is None:
         return comps, {}

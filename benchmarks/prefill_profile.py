@@ -29,7 +29,9 @@ every prefill opt-in (the default + the fp32 indexer head sum); then each sessio
 alone on OLD (`attn_bf16_workspace`, `indexer_fp32_head_sum`, `indexer_fused_topk`,
 `whole_bf16_rows`); `new_mhc_rows` = `new` with the per-token mHC kernels
 (SGLANG_DSV41_MHC_MIX=rows, as `before` and `session12`); `new_moe_block_m64[_s3]` = `new` with the
-MXFP4 expert GEMMs' prefill tiles constrained (SGLANG_DSV41_MOE_PREFILL_FLAGS). `moe_experts` = both
+MXFP4 expert GEMMs' prefill tiles constrained (SGLANG_DSV41_MOE_PREFILL_FLAGS); `flashmla` = `default`
+with the workspace read by one `flash_mla_sparse_fwd` launch (`runtime.attention_flashmla`; its
+attention part includes the per-call index construction and the SWA-block gather). `moe_experts` = both
 expert GEMMs (GEMM1 with the fused SwiGLU is `…_dsv41_clamped_swiglu`; before session 13 it showed as
 `clamped_swiglu_tile` and was counted as `moe_routing`). A variant sets its environment switches (and
 instance patches) for its duration only. Last (`attention_sweep`, deadline permitting): the attention alone at the prefill shape on the
@@ -69,7 +71,9 @@ VARIANTS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     # session 13 (prefill8): `new` with the per-token mHC kernels, and with MoE prefill tiles
     "new_mhc_rows": (NEW | {"SGLANG_DSV41_MHC_MIX": "rows"}, ()),
     "new_moe_block_m64": (NEW | {"SGLANG_DSV41_MOE_PREFILL_FLAGS": "block_m=64"}, ()),
-    "new_moe_block_m64_s3": (NEW | {"SGLANG_DSV41_MOE_PREFILL_FLAGS": "block_m=64,num_stages=3"}, ())}
+    "new_moe_block_m64_s3": (NEW | {"SGLANG_DSV41_MOE_PREFILL_FLAGS": "block_m=64,num_stages=3"}, ()),
+    # session 14 (flashmla): the serving default with the workspace read by one FlashMLA launch
+    "flashmla": ({"SGLANG_DSV41_ATTN_PREFILL": "flashmla"}, ())}
 DEFAULT_VARIANTS = ("before", "session12", "default", "new", "attn_bf16_workspace", "indexer_fp32_head_sum",
                     "indexer_fused_topk", "whole_bf16_rows")
 PREFILL_COMPONENTS = ("dense_fp8", "dense_bf16", "attention", "indexer_scores", "indexer_topk", "indexer_query",

@@ -149,6 +149,10 @@ def test_prefill_profile_attribution_and_variants(sp, monkeypatch) -> None:
     assert mx.launch_flags(8192) == {} and mx.PREFILL_FLAGS_ENV not in os.environ
     with pp.variant_scope("new_mhc_rows", be):
         assert os.environ["SGLANG_DSV41_MHC_MIX"] == "rows" and be.dense.whole_rows
+    with pp.variant_scope("flashmla", be):                       # the serving default, FlashMLA prefill attention
+        assert {k: os.environ[k] for k in pp.SWITCHES} == pp.SWITCHES | {"SGLANG_DSV41_ATTN_PREFILL": "flashmla"}
+        assert be.dense.whole_rows
+    assert "SGLANG_DSV41_ATTN_PREFILL" not in os.environ
     assert set(pp.DEFAULT_VARIANTS) <= set(pp.VARIANTS)
 
 

@@ -214,7 +214,8 @@ def attention_sublayer(be: ComputeBackend, ops: AttentionOps, cfg: TextConfig, r
         comp_slots = _request_slots(layout, comp_positions)                                # [N, index_topk]
         comp_entries = torch.where(comp_slots >= 0, comp_slots // role.ratio, -1)
         packed = caches.packed(role.kv_source)
-        workspace = ops.prefill_workspace(layout, packed, role.kv_source, role.ratio, selection, scratch)
+        workspace = ops.prefill_workspace(layout, packed, role.kv_source, role.ratio, selection, scratch,
+                                          swa_slots)
 
     extra = {} if workspace is None else {"workspace": workspace}
     o = ops.attend(q, w[prefix + "attn_sink"], caches.swa[layer], swa_slots, packed, comp_entries, **extra)

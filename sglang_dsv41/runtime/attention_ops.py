@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import logging
 from types import ModuleType
 from typing import Mapping, Protocol
 
@@ -53,6 +54,7 @@ from torch import Tensor
 from ..config import LayerRole, TextConfig
 from ..numerics.geometry import softmax_scale, visible_counts
 from ..numerics.rounding import bf16
+from . import attention_flashmla as FM
 from . import attention_prefill as AP
 from .attention_math import index_query
 from .backend import ComputeBackend, kernel_choice
@@ -85,6 +87,7 @@ ATTENTION_KEY_SPLITS = 1
 #: prefill workspace (`attention_prefill.prefill_choice`: `bf16` serving, `packed` deterministic).
 ATTENTION_SPLITS_ENV, ATTENTION_SPLITS = "SGLANG_DSV41_ATTN_SPLITS", ("one", "decode")
 INDEXER_HEAD_SUM_ENV, INDEXER_HEAD_SUMS = "SGLANG_DSV41_INDEXER_HEAD_SUM", ("fp64", "fp32")
+logger = logging.getLogger(__name__)
 
 
 class AttentionOps(Protocol):
@@ -94,10 +97,10 @@ class AttentionOps(Protocol):
 
     def attend(self, q: Tensor, sink: Tensor, swa_cache: Tensor, swa_slots: Tensor,
                packed: PackedSourceRows | None, comp_entries: Tensor | None,
-               workspace: tuple[Tensor, Tensor] | None = None) -> Tensor: ...
+               workspace: object | None = None) -> Tensor: ...
 
     def prefill_workspace(self, layout: BatchLayout, packed: PackedSourceRows, source: int, ratio: int,
-                          selection: Tensor, scratch) -> tuple[Tensor, Tensor] | None: ...
+                          selection: Tensor, scratch, swa_slots: Tensor | None = None) -> object | None: ...
 
     def select(self, be: ComputeBackend, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str,
                x: Tensor, q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
@@ -155,7 +158,7 @@ class TorchAttentionOps:
         return attend_with_sink(q, keys, sink, valid, self.acc)
 
     def prefill_workspace(self, layout: BatchLayout, packed: PackedSourceRows, source: int, ratio: int,
-                          selection: Tensor, scratch) -> None:
+                          selection: Tensor, scratch, swa_slots: Tensor | None = None) -> None:
         """The CPU path reads the packed rows directly: never a workspace."""
         return None
 
@@ -211,22 +214,54 @@ class KernelAttentionOps:
                 or self.prefill not in AP.PREFILL_CHOICES:
             raise ValueError(f"KernelAttentionOps: splits {self.splits!r} / head_sum {self.head_sum!r} / prefill "
                              f"{self.prefill!r} not in {ATTENTION_SPLITS} / {INDEXER_HEAD_SUMS} / {AP.PREFILL_CHOICES}")
+        if self.prefill == "flashmla" and deterministic:
+            raise ValueError("KernelAttentionOps: the flashmla prefill is not available in deterministic mode")
+        #: `attention_flashmla.FlashMLAPlan` and kernel, set by `planned` (a `flashmla` choice launches
+        #: nothing until a model has planned it for its head shape)
+        self.flashmla_plan: FM.FlashMLAPlan | None = None
+        self.flashmla_kernel = None
         self.description = (f"Triton kernels (sparse_sink_attention with {self.splits!r} key splits and "
                             f"index_scores reading packed FP4 entries; {self.head_sum} head sum + "
                             f"select_for_role, whole batch; {self.prefill!r} prefill rows)")
 
+    def planned(self, heads: int, head_dim: int, device: torch.device) -> KernelAttentionOps:
+        """These ops for a model of `heads` heads per rank × `head_dim` on `device`, planned once at
+        start-up: with the `flashmla` choice a copy holding its `attention_flashmla.plan_flashmla`
+        (native / padded; the kernel loaded here, RuntimeError when sgl-kernel lacks it) or, for a
+        shape or device the kernel cannot take, a copy with the `bf16` (Triton workspace) choice —
+        logged either way; any other choice: self."""
+        if self.prefill != "flashmla":
+            return self
+        cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        plan = FM.plan_flashmla(heads, head_dim, cap)
+        chosen = KernelAttentionOps(self.sparse_attention, self.indexer, self.splits, self.head_sum,
+                                    "bf16" if plan.mode == "bf16" else "flashmla", self.deterministic)
+        if plan.mode == "bf16":
+            logger.warning("sglang-dsv41: %s=flashmla: planned the Triton workspace path instead (%s)",
+                           AP.PREFILL_ENV, plan.reason)
+        else:
+            chosen.flashmla_plan, chosen.flashmla_kernel = plan, FM.load_kernel()
+            chosen.description += f"; FlashMLA sparse prefill {plan.mode} ({plan.reason})"
+            logger.info("sglang-dsv41: prefill attention: FlashMLA flash_mla_sparse_fwd, %s (%s)", plan.mode,
+                        plan.reason)
+        return chosen
+
     def attend(self, q: Tensor, sink: Tensor, swa_cache: Tensor, swa_slots: Tensor,
                packed: PackedSourceRows | None, comp_entries: Tensor | None,
-               workspace: tuple[Tensor, Tensor] | None = None) -> Tensor:
+               workspace: tuple[Tensor, Tensor] | FM.FlashMLAInputs | None = None) -> Tensor:
         """One launch: SWA rows by SWA slot, compressed keys read from the packed rows by entry
         index (`PackedSource` of the latent rows with the source's latent offset / share / ratio,
         contract §5), or — `workspace` = (BF16 rows, rows [N, K]) from `prefill_workspace` — from
         the BF16 workspace by row, launched with `plan_prefill_config` (one split, as either mode's
-        plan at the workspace's ≥ PREFILL_MIN_QUERIES queries)."""
+        plan at the workspace's ≥ PREFILL_MIN_QUERIES queries); `workspace` =
+        `attention_flashmla.FlashMLAInputs` (the `flashmla` choice): one FlashMLA launch instead."""
         if swa_cache.dtype != torch.bfloat16:
             raise RuntimeError(f"sglang-dsv41: the CUDA attention kernel reads BF16 SWA cache rows, got "
                                f"{swa_cache.dtype} (serve with the model dtype bfloat16 and --kv-cache-dtype auto)")
         N, H, D = q.shape
+        if isinstance(workspace, FM.FlashMLAInputs):
+            return FM.attend(self.flashmla_kernel, self.flashmla_plan, q, sink, swa_cache, workspace,
+                             softmax_scale(D)).to(torch.float32)
         K = 0 if comp_entries is None else comp_entries.shape[1]
         if workspace is not None:
             plan = self.sparse_attention.plan_prefill_config(N, H, D, swa_slots.shape[1], K)
@@ -252,13 +287,15 @@ class KernelAttentionOps:
         return o.to(torch.float32)
 
     def prefill_workspace(self, layout: BatchLayout, packed: PackedSourceRows, source: int, ratio: int,
-                          selection: Tensor, scratch) -> tuple[Tensor, Tensor] | None:
+                          selection: Tensor, scratch,
+                          swa_slots: Tensor | None = None) -> tuple[Tensor, Tensor] | FM.FlashMLAInputs | None:
         """(BF16 workspace of kv source `source`, rows [N, K] of `selection`) when this batch runs
         the prefill workspace path (`attention_prefill.applies`), else None. The workspace is
         decoded once per source and forward (`scratch.workspaces`; later layers reading the same
         source reuse it: nothing writes its rows after the source layer) over the batch's
         entry-index table of that ratio (`scratch.entry_tables`, built here when no indexer layer
-        of the ratio has yet)."""
+        of the ratio has yet). With a planned `flashmla` choice: `attention_flashmla.FlashMLAInputs`
+        of the same workspace and the layer's window `swa_slots` [N, W]."""
         width = layout.max_seq_len // ratio
         if not AP.applies(self.prefill, layout.static, layout.num_tokens, layout.num_requests, width):
             return None
@@ -270,7 +307,15 @@ class KernelAttentionOps:
                     layout.req_to_token, layout.req_rows, layout.seq_lens // ratio, ratio, width)
             rows = scratch.workspaces[source] = AP.latent_workspace(packed.latent_rows, packed.source.latent,
                                                                     packed.layout.head_dim, table)
-        return rows, AP.workspace_rows(layout.token_req, selection, width)
+        comp_rows = AP.workspace_rows(layout.token_req, selection, width)
+        if self.prefill == "flashmla":
+            if self.flashmla_plan is None:
+                raise RuntimeError("sglang-dsv41: the flashmla prefill was not planned for the model's heads "
+                                   "(build the ops with ops_for(..., heads, head_dim))")
+            if swa_slots is None:
+                raise ValueError("prefill_workspace: the flashmla prefill needs the layer's window swa_slots")
+            return FM.prefill_inputs(rows, layout.token_req, layout.starts, swa_slots, comp_rows)
+        return rows, comp_rows
 
     def select(self, be: ComputeBackend, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str,
                x: Tensor, q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
@@ -346,13 +391,17 @@ def kernel_ops(deterministic: bool = False) -> KernelAttentionOps:
     return KernelAttentionOps(modules["sparse_attention"], modules["indexer"], deterministic=deterministic)
 
 
-def ops_for(device: torch.device, acc: torch.dtype = torch.float64, deterministic: bool = False) -> AttentionOps:
+def ops_for(device: torch.device, acc: torch.dtype = torch.float64, deterministic: bool = False,
+            heads: int | None = None, head_dim: int | None = None) -> AttentionOps:
     """CPU → `TorchAttentionOps` summing in `acc`; CUDA → `KernelAttentionOps` of the mode
-    (`deterministic`: batch-invariant plan; raises if the kernels cannot load); any other device raises."""
+    (`deterministic`: batch-invariant plan; raises if the kernels cannot load), planned for
+    `heads` per rank × `head_dim` when given (`KernelAttentionOps.planned`: the flashmla prefill);
+    any other device raises."""
     if device.type == "cpu":
         return TORCH_OPS if acc == torch.float64 else FP32_TORCH_OPS
     if device.type == "cuda":
-        return kernel_ops(bool(deterministic))
+        ops = kernel_ops(bool(deterministic))
+        return ops if heads is None or head_dim is None else ops.planned(heads, head_dim, device)
     raise RuntimeError(f"sglang-dsv41: no attention implementation for device '{device}' (CPU: torch "
                        "reference path; CUDA: Triton kernels)")
 

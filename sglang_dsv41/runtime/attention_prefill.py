@@ -26,7 +26,11 @@ Memory: one BF16 workspace per kv source and forward, R·width·head_dim·2 B �
 rows (128 MiB at Flash; 4 kv sources: ≤ 512 MiB per forward and rank), plus DECODE_CHUNK's fp32
 temporaries while decoding.
 
-When it applies (`applies`): the choice is `bf16`, the layout is not static (never inside a
+`flashmla` (opt-in, `attention_flashmla`): the same workspace, read by one
+`sgl_kernel.flash_mla.flash_mla_sparse_fwd` launch over [SWA rows | workspace] instead of the
+Triton kernel; refused with deterministic inference.
+
+When it applies (`applies`): the choice is `bf16` or `flashmla`, the layout is not static (never inside a
 CUDA graph: decode keeps the packed rows), the batch has ≥ PREFILL_MIN_QUERIES tokens, and the
 workspace holds ≤ WORKSPACE_MAX_ENTRIES rows (R requests × the static width max_seq_len / ratio);
 otherwise the packed path runs. These are size rules known on the host, no host sync.
@@ -39,7 +43,10 @@ from torch import Tensor
 from .backend import kernel_choice
 from .kv_layout import SourceColumns, decode_latents, read_entries
 
-PREFILL_ENV, PREFILL_CHOICES = "SGLANG_DSV41_ATTN_PREFILL", ("packed", "bf16")
+PREFILL_ENV, PREFILL_CHOICES = "SGLANG_DSV41_ATTN_PREFILL", ("packed", "bf16", "flashmla")
+#: the choices that decode the workspace (`flashmla`: the same workspace, read by one FlashMLA launch:
+#: `attention_flashmla`)
+WORKSPACE_CHOICES = ("bf16", "flashmla")
 #: fewer queries than this: the packed rows (the decode per entry would not be amortised)
 PREFILL_MIN_QUERIES = 512
 #: largest workspace (rows): 2^17 × 512 dims × 2 B = 128 MiB at Flash per kv source and forward
@@ -50,15 +57,20 @@ DECODE_CHUNK = 1 << 14
 
 def prefill_choice(deterministic: bool) -> str:
     """SGLANG_DSV41_ATTN_PREFILL when set (an unknown value raises), else `packed` when
-    `deterministic`, else `bf16` (module doc)."""
-    return kernel_choice(PREFILL_ENV, PREFILL_CHOICES, "packed" if deterministic else "bf16")
+    `deterministic`, else `bf16` (module doc). `flashmla` with `deterministic` raises: deterministic
+    inference keeps the Triton kernels (the FlashMLA binary's summation order is not ours to fix)."""
+    choice = kernel_choice(PREFILL_ENV, PREFILL_CHOICES, "packed" if deterministic else "bf16")
+    if choice == "flashmla" and deterministic:
+        raise ValueError(f"{PREFILL_ENV}=flashmla is not available with --enable-deterministic-inference "
+                         "(unset it, or choose packed / bf16)")
+    return choice
 
 
 def applies(choice: str, static: bool, num_queries: int, num_requests: int, width: int) -> bool:
     """Whether a batch runs the workspace path (module doc); an unknown choice raises."""
     if choice not in PREFILL_CHOICES:
         raise ValueError(f"{PREFILL_ENV}={choice!r}: expected one of {PREFILL_CHOICES}")
-    return (choice == "bf16" and not static and num_queries >= PREFILL_MIN_QUERIES
+    return (choice in WORKSPACE_CHOICES and not static and num_queries >= PREFILL_MIN_QUERIES
             and 0 < num_requests * width <= WORKSPACE_MAX_ENTRIES)
 
 
@@ -80,5 +92,6 @@ def workspace_rows(token_req: Tensor, selection: Tensor, width: int) -> Tensor:
     return torch.where(selection >= 0, rows, -1)
 
 
-__all__ = ["DECODE_CHUNK", "PREFILL_CHOICES", "PREFILL_ENV", "PREFILL_MIN_QUERIES", "WORKSPACE_MAX_ENTRIES",
+__all__ = ["DECODE_CHUNK", "PREFILL_CHOICES", "PREFILL_ENV", "PREFILL_MIN_QUERIES", "WORKSPACE_CHOICES",
+           "WORKSPACE_MAX_ENTRIES",
            "applies", "latent_workspace", "prefill_choice", "workspace_rows"]

@@ -198,7 +198,8 @@ class TorchForward(nn.Module):
         device = self.weights["embed.weight"].device
         fixed = self._fixed_backend
         self.backend = backend_for(device, self.weights, self.deterministic) if fixed is None else fixed
-        self.attention_ops = ops_for(device, self.backend.acc, self.deterministic)
+        self.attention_ops = ops_for(device, self.backend.acc, self.deterministic,
+                                     len(self.tp.plan(self.text).heads), self.text.head_dim)
         self.mhc = mhc_for(device, self.backend.acc)
         self.moe = moe_for(device)
         #: per-ratio RoPE inverse frequencies on the model device, made once (no host → device
