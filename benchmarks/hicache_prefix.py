@@ -13,6 +13,13 @@ One storage directory (a temp dir), servers with `--enable-hierarchical-cache`, 
 * **l3**: server A is stopped, server B starts on the same directory; before each request
   `/flush_cache` (device and host empty, storage kept), then P + a new suffix (``storage``).
 
+Also (docs/hicache.md "What a hit costs"): `--hit-lengths L ...` first measures, on server A, a full
+device hit by prompt length (a fresh prompt cold, then the same prompt again: the cost every hit pays,
+transfer or not) and fits TTFT = fixed + slope · L; `--hit-cost-only` runs only that. `net_of_hit` in
+the JSON: each tier's TTFT less the device hit's, against cold less the same. `--dummy-flash LAYERS`
+serves a Flash-width model with dummy weights from a config-only `--model-path` (made there), so the
+cold prefill is a realistic one (the tiny checkpoint's is a few hundred ms at 32K on the H200).
+
 Each server first answers one short unrelated prompt (first-use costs stay out of the cases).
 Each case runs `--reps` times; the summary has the median TTFT, its ratio to cold, the cached tokens
 by tier and the greedy equality. Host-tier bandwidth: from SGLang's ``sglang:load_back_*`` metrics
@@ -193,6 +200,8 @@ def run_a(run: Run, server: tuple[Proc, str]) -> None:
     proc, url = server
     try:
         rows.append(ask(url, "warmup", "warmup_a", run.warmups[0], a))   # first-use costs (kernel builds)
+        if a.hit_lengths:
+            hit_cost(run, url)
         for key in [k for k in run.suffix if k != "last"] + ["last"]:
             run.settle()
             http(url + "/clear_hicache_storage_backend", {}, timeout=60)
@@ -224,6 +233,100 @@ def run_b(run: Run, server: tuple[Proc, str]) -> None:
             run.settle()
             flush(url)
             rows.append(ask(url, "l3", f"l3{j}", run.prompt(f"l3{j}"), run.args))
+    finally:
+        proc.stop()
+
+
+def dummy_flash_dir(path: Path, layers: int) -> Path:
+    """A config-only model of Flash widths and `layers` layers in `path` (config.json + tokenizer, no
+    tensors: the server generates the weights, `--load-format dummy`); reused when its config already
+    has that many layers."""
+    cfg = path / "config.json"
+    if cfg.is_file() and json.loads(cfg.read_text()).get("text_config", {}).get("num_hidden_layers") == layers:
+        return path
+    from sglang_dsv41.checkpoint.synth import make_config_dir
+
+    return make_config_dir("slice", path, layers=layers, overwrite=True)
+
+
+def hit_cost(run: Run, url: str) -> None:
+    """A full device hit's TTFT by prompt length, no tier transfer involved: per `--hit-lengths` L,
+    a fresh L-token prompt served cold (case ``hit_cold``), then the same prompt `--reps` times
+    (case ``hit``: everything but its last partial page is on the device)."""
+    a = run.args
+    rng = random.Random(a.seed + 1)
+    for n in a.hit_lengths:
+        ids = [0] + [rng.randrange(3, a.vocab) for _ in range(n - 1)]
+        run.settle()
+        run.rows.append(ask(url, "hit_cold", f"hit{n}", ids, a))
+        for _ in range(a.reps):
+            run.settle()
+            run.rows.append(ask(url, "hit", f"hit{n}", ids, a))
+
+
+def summarize_hit_cost(rows: list[dict]) -> dict:
+    """Per length: median TTFT cold and on a full hit, cached tokens (min), greedy equality with the
+    cold run; with two lengths or more, the least-squares line TTFT_hit = fixed + per_1k · L / 1024."""
+    out: dict = {"by_length": {}}
+    for n in sorted({r["prompt_tokens"] for r in rows if r["case"] == "hit"}):
+        cold = [r for r in rows if r["case"] == "hit_cold" and r["prompt_tokens"] == n]
+        hit = [r for r in rows if r["case"] == "hit" and r["prompt_tokens"] == n]
+        out["by_length"][n] = {"cold_ms": 1e3 * median(r["ttft_s"] for r in cold) if cold else None,
+                               "hit_ms_median": 1e3 * median(r["ttft_s"] for r in hit),
+                               "hit_ms": [1e3 * r["ttft_s"] for r in hit],
+                               "cached_tokens_min": min(r["cached_tokens"] for r in hit),
+                               "greedy_equal": f"{sum(bool(cold) and r['output_ids'] == cold[0]['output_ids'] for r in hit)}"
+                                               f"/{len(hit)}"}
+    pts = [(n, d["hit_ms_median"]) for n, d in out["by_length"].items()]
+    if len(pts) >= 2:
+        mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
+        slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+        out["fit"] = {"fixed_ms": my - slope * mx, "per_1k_tokens_ms": 1024 * slope}
+    return out
+
+
+def net_of_hit(summary: dict) -> dict:
+    """Each tier's TTFT less the device hit's (the overhead every hit pays, transfer or not) against
+    cold less the same: the share of the saved prefill a tier gives back."""
+    c = summary["cases"]
+    if "gpu" not in c or "cold" not in c:
+        return {}
+    base, cold = c["gpu"]["ttft_ms_median"], c["cold"]["ttft_ms_median"]
+    out = {"hit_overhead_ms": base, "hit_overhead_vs_cold": base / cold}
+    for t in ("l2", "l3"):
+        if t in c and cold > base:
+            out[f"{t}_net_vs_cold_net"] = (c[t]["ttft_ms_median"] - base) / (cold - base)
+    return out
+
+
+def hit_cost_ok(hc: dict, page_size: int | None) -> bool:
+    """Every hit-cost repeat equals its cold run and hit all of its prompt but the last page
+    (`page_size` None: the plugin's default page with a storage backend)."""
+    from sglang_dsv41.runtime.requirements import STORAGE_PAGE_SIZE
+
+    page = page_size or STORAGE_PAGE_SIZE
+    return all(d["greedy_equal"] == f"{len(d['hit_ms'])}/{len(d['hit_ms'])}" and d["cached_tokens_min"] >= n - page
+               for n, d in hc["by_length"].items())
+
+
+def hit_table(hc: dict, net: dict) -> str:
+    lines = ["hit cost: length  cold_ms  hit_ms(median)  cached_min  greedy_equal"]
+    for n, d in hc["by_length"].items():
+        cold = "-" if d["cold_ms"] is None else f"{d['cold_ms']:.1f}"
+        lines.append(f"          {n:6d} {cold:>8} {d['hit_ms_median']:15.1f} {d['cached_tokens_min']:11d} {d['greedy_equal']:>13}")
+    if "fit" in hc:
+        lines.append(f"          fit: hit TTFT = {hc['fit']['fixed_ms']:.1f} ms + {hc['fit']['per_1k_tokens_ms']:.2f} ms per 1K tokens")
+    if net:
+        lines.append("net of the device hit: " + ", ".join(f"{k} {v:.3g}" for k, v in net.items()))
+    return "\n".join(lines)
+
+
+def run_hit_cost_only(run: Run) -> None:
+    """`--hit-cost-only`: server A answers the warm-up and the hit-cost phase, nothing else."""
+    proc, url = run.up(run.start("a"))
+    try:
+        run.rows.append(ask(url, "warmup", "warmup_a", run.warmups[0], run.args))
+        hit_cost(run, url)
     finally:
         proc.stop()
 
@@ -339,6 +442,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settle-cap-s", type=float, default=120)
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--request-timeout", type=float, default=600)
+    p.add_argument("--dummy-flash", type=int, default=0, metavar="LAYERS",
+                   help="serve a Flash-width model of LAYERS layers with dummy weights: --model-path is (made as) "
+                        "its config-only directory, --load-format dummy is added (a realistic cold prefill)")
+    p.add_argument("--hit-lengths", type=int, nargs="*", default=[],
+                   help="before the cases, on server A: per length a fresh prompt cold, then the same prompt "
+                        "--reps times (a full device hit's TTFT by length: the per-request cost of any hit)")
+    p.add_argument("--hit-cost-only", action="store_true", help="only server A's warm-up and the --hit-lengths phase")
     p.add_argument("--out", type=Path, default=RESULTS / "hicache_prefix.json")
     p.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()), help="server logs")
     args = p.parse_args(argv)
@@ -346,6 +456,9 @@ def main(argv: list[str] | None = None) -> int:
         need = args.prefix_tokens + args.suffix_tokens + args.new_tokens + 2 * (args.page_size or 2)
         args.device_tokens = -(-int(need * 1.1) // 64) * 64
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.dummy_flash:
+        dummy_flash_dir(Path(args.model_path), args.dummy_flash)
+        args.flags += " --load-format dummy"
     kv, copy = kv_bytes(args.model_path, args.page_size), copy_bandwidth(args.device)
     signal.signal(signal.SIGTERM, _sigterm)   # a capped run still writes what it measured
     incomplete = None
@@ -353,7 +466,9 @@ def main(argv: list[str] | None = None) -> int:
         run = Run(args, Path(d))
         t0 = time.monotonic()
         try:
-            if args.start_b_with_a:
+            if args.hit_cost_only:
+                run_hit_cost_only(run)
+            elif args.start_b_with_a:
                 a_srv, b_srv = run.start("a"), run.start("b")
                 try:
                     run.up(a_srv), run.up(b_srv)
@@ -364,25 +479,35 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 run_a(run, run.up(run.start("a")))
                 b_srv = run.up(run.start("b"))
-            run_b(run, b_srv)
+            if not args.hit_cost_only:
+                run_b(run, b_srv)
         except (Exception, SystemExit, KeyboardInterrupt) as e:
             incomplete = f"{type(e).__name__}: {e}"[:2000]
             print("incomplete:", incomplete[-600:], file=sys.stderr)
         wall = time.monotonic() - t0
     rows = run.rows
+    hc = summarize_hit_cost(rows) if any(r["case"] == "hit" for r in rows) else None
+    hc_ok = hc is None or hit_cost_ok(hc, args.page_size)
     if not any(r["case"] == "cold" for r in rows):
-        args.out.write_text(json.dumps({"incomplete": incomplete, "requests": rows}, indent=1))
-        return 2
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "incomplete": incomplete,
+                                        "hit_cost": hc, "requests": rows}, indent=1))
+        if hc is None:
+            return 2
+        print(hit_table(hc, {}))
+        print("->", args.out)
+        return 0 if incomplete is None and hc_ok else 1
     summary = summarize(rows, args.prefix_tokens, kv, copy, run.l2_metrics)
     result = {"title": f"{args.prefix_tokens}-token prefix + {args.suffix_tokens}-token suffixes, {args.device_tokens}-token "
                        f"device pool, {args.device}, {args.reps} per hit case",
               "args": {k: str(v) for k, v in vars(args).items()}, "kv_bytes": kv, "wall_s": wall, "incomplete": incomplete,
-              "summary": summary, "requests": rows}
+              "summary": summary, "hit_cost": hc, "net_of_hit": net_of_hit(summary), "requests": rows}
     result["png"] = plot(result, args.out.with_suffix(".png"))
     args.out.write_text(json.dumps(result, indent=1))
     print(table(summary))
+    if hc is not None or result["net_of_hit"]:
+        print(hit_table(hc or {"by_length": {}}, result["net_of_hit"]))
     print("->", args.out)
-    ok = incomplete is None and all(d.get("greedy_equal", "1/1").split("/")[0] == d.get("greedy_equal", "1/1").split("/")[1]
+    ok = incomplete is None and hc_ok and all(d.get("greedy_equal", "1/1").split("/")[0] == d.get("greedy_equal", "1/1").split("/")[1]
              and d.get("prefix_from_tier", True) and d.get("all_cold", True) for d in summary["cases"].values())
     return 0 if ok else 1
 
