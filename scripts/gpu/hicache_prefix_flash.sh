@@ -9,7 +9,7 @@
 #     L2 hit, L3 hit in server B (A and B start together, B serves only after A stops). Each server
 #     --mem-fraction-static $MEM (0.7: each sizes its pool from what is free when it loads, and
 #     --max-total-tokens caps the pool far below that), --context-length 40960, page 64, io kernel,
-#     --disable-cuda-graph.
+#     --disable-cuda-graph, --language-model-only.
 #   MODE=tiny-hit: the tiny checkpoint (the session-14 run: cold 742 ms, GPU hit 204 ms at 32K),
 #     --hit-cost-only at the same lengths: the fixed and per-token parts of its hit cost.
 # Run from the checkout root with `.gpu` carried:
@@ -29,7 +29,8 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>&1 
 FLAGS="--hicache-io-backend kernel --hicache-ratio 4 --swa-full-tokens-ratio 1.0 \
 --hicache-storage-prefetch-policy wait_complete --context-length 40960 --mem-fraction-static $MEM --disable-cuda-graph"
 case $MODE in
-  flash) MODEL=(--model-path /tmp/hicache_flash_model --dummy-flash "$LAYERS") ;;
+  flash) MODEL=(--model-path /tmp/hicache_flash_model --dummy-flash "$LAYERS")
+         FLAGS="$FLAGS --language-model-only" ;;   # as serving_e2e.sh: no vision tower to generate
   tiny-hit) export SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1
             tiny_checkpoint /tmp/tiny || exit 4
             MODEL=(--model-path /tmp/tiny --hit-cost-only) ;;
