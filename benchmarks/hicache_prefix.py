@@ -262,6 +262,48 @@ def hit_cost(run: Run, url: str) -> None:
         for _ in range(a.reps):
             run.settle()
             run.rows.append(ask(url, "hit", f"hit{n}", ids, a))
+    if a.profile_hit and a.hit_lengths:
+        run.settle()
+        profile_hit(run, url, ids)
+
+
+def profile_hit(run: Run, url: str, ids: list[int], cap_s: float = 90) -> None:
+    """`--profile-hit`: SGLang's torch profiler (`/start_profile`, CPU + GPU activities, one step) over
+    one more full hit of `ids` (case ``hit_profiled``, left out of the summaries); the trace's
+    summary goes to `run.hit_profile` (`trace_summary`)."""
+    a = run.args
+    out = a.log_dir / f"{a.out.stem}_hit_trace"
+    acts = ["CPU"] if a.device == "cpu" else ["CPU", "GPU"]
+    http(url + "/start_profile", {"output_dir": str(out), "num_steps": 1, "activities": acts}, timeout=60)
+    run.rows.append(ask(url, "hit_profiled", f"hit{len(ids)}", ids, a))
+    deadline, traces = time.monotonic() + cap_s, []
+    while time.monotonic() < deadline and not traces:
+        time.sleep(2)
+        traces = sorted(out.glob("**/*.json*")) if out.exists() else []
+    time.sleep(3)                          # the exporter may still be writing the file it created
+    run.hit_profile = ({"trace": str(traces[0]), **trace_summary(traces[0]), "ttft_ms": 1e3 * run.rows[-1]["ttft_s"]}
+                       if traces else {"error": f"no trace in {out} within {cap_s} s"})
+
+
+def trace_summary(path: Path, top: int = 12) -> dict:
+    """A torch.profiler Chrome trace of one step: wall span of its CPU events, GPU kernel / copy busy
+    time (sum of durations), and the CPU ops and kernels with the largest summed durations (ms)."""
+    import gzip
+    from collections import defaultdict
+
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rt") as f:
+        events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
+    gpu_cats = ("kernel", "gpu_memcpy", "gpu_memset")
+    cpu = [e for e in events if e.get("cat") not in gpu_cats]
+    gpu = [e for e in events if e.get("cat") in gpu_cats]
+    by: dict[str, dict[str, float]] = {"cpu": defaultdict(float), "gpu": defaultdict(float)}
+    for kind, evs in (("cpu", cpu), ("gpu", gpu)):
+        for e in evs:
+            by[kind][f"{e.get('cat', '?')}: {e.get('name', '?')[:100]}"] += float(e.get("dur", 0.0)) / 1e3
+    span = (max(e["ts"] + e.get("dur", 0) for e in cpu) - min(e["ts"] for e in cpu)) / 1e3 if cpu else 0.0
+    return {"cpu_span_ms": span, "gpu_busy_ms": sum(float(e.get("dur", 0.0)) for e in gpu) / 1e3, "gpu_events": len(gpu),
+            "top_cpu_ms": dict(sorted(by["cpu"].items(), key=lambda kv: -kv[1])[:top]),
+            "top_gpu_ms": dict(sorted(by["gpu"].items(), key=lambda kv: -kv[1])[:top])}
 
 
 def summarize_hit_cost(rows: list[dict]) -> dict:
@@ -319,6 +361,16 @@ def hit_table(hc: dict, net: dict) -> str:
     if net:
         lines.append("net of the device hit: " + ", ".join(f"{k} {v:.3g}" for k, v in net.items()))
     return "\n".join(lines)
+
+
+def profile_line(prof: dict | None) -> str:
+    if not prof:
+        return "hit profile: not taken"
+    if "error" in prof:
+        return f"hit profile: {prof['error']}"
+    return (f"hit profile (one step): TTFT {prof['ttft_ms']:.1f} ms, CPU span {prof['cpu_span_ms']:.1f} ms, "
+            f"GPU busy {prof['gpu_busy_ms']:.1f} ms in {prof['gpu_events']} kernels/copies; top CPU: "
+            + "; ".join(f"{k} {v:.1f}" for k, v in list(prof["top_cpu_ms"].items())[:6]))
 
 
 def run_hit_cost_only(run: Run) -> None:
@@ -448,6 +500,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hit-lengths", type=int, nargs="*", default=[],
                    help="before the cases, on server A: per length a fresh prompt cold, then the same prompt "
                         "--reps times (a full device hit's TTFT by length: the per-request cost of any hit)")
+    p.add_argument("--profile-hit", action="store_true",
+                   help="after the hit-cost phase, one more hit of the last length under SGLang's torch profiler "
+                        "(/start_profile, one step): its CPU span and GPU busy time in the JSON (`hit_profile`)")
     p.add_argument("--hit-cost-only", action="store_true", help="only server A's warm-up and the --hit-lengths phase")
     p.add_argument("--out", type=Path, default=RESULTS / "hicache_prefix.json")
     p.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()), help="server logs")
@@ -490,22 +545,26 @@ def main(argv: list[str] | None = None) -> int:
     hc_ok = hc is None or hit_cost_ok(hc, args.page_size)
     if not any(r["case"] == "cold" for r in rows):
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "incomplete": incomplete,
-                                        "hit_cost": hc, "requests": rows}, indent=1))
+                                        "hit_cost": hc, "hit_profile": getattr(run, "hit_profile", None),
+                                        "requests": rows}, indent=1))
         if hc is None:
             return 2
         print(hit_table(hc, {}))
+        print(profile_line(getattr(run, "hit_profile", None)))
         print("->", args.out)
         return 0 if incomplete is None and hc_ok else 1
     summary = summarize(rows, args.prefix_tokens, kv, copy, run.l2_metrics)
     result = {"title": f"{args.prefix_tokens}-token prefix + {args.suffix_tokens}-token suffixes, {args.device_tokens}-token "
                        f"device pool, {args.device}, {args.reps} per hit case",
               "args": {k: str(v) for k, v in vars(args).items()}, "kv_bytes": kv, "wall_s": wall, "incomplete": incomplete,
-              "summary": summary, "hit_cost": hc, "net_of_hit": net_of_hit(summary), "requests": rows}
+              "summary": summary, "hit_cost": hc, "net_of_hit": net_of_hit(summary),
+              "hit_profile": getattr(run, "hit_profile", None), "requests": rows}
     result["png"] = plot(result, args.out.with_suffix(".png"))
     args.out.write_text(json.dumps(result, indent=1))
     print(table(summary))
     if hc is not None or result["net_of_hit"]:
         print(hit_table(hc or {"by_length": {}}, result["net_of_hit"]))
+        print(profile_line(result["hit_profile"]))
     print("->", args.out)
     ok = incomplete is None and hc_ok and all(d.get("greedy_equal", "1/1").split("/")[0] == d.get("greedy_equal", "1/1").split("/")[1]
              and d.get("prefix_from_tier", True) and d.get("all_cold", True) for d in summary["cases"].values())

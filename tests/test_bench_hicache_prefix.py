@@ -96,3 +96,25 @@ def test_dummy_flash_dir_is_a_config_only_flash_width_model(tmp_path) -> None:
     assert h.dummy_flash_dir(d, 3) == d and (d / "config.json").stat().st_mtime_ns == stamp   # reused
     h.dummy_flash_dir(d, 4)
     assert json.loads((d / "config.json").read_text())["text_config"]["num_hidden_layers"] == 4
+
+
+def test_trace_summary_splits_cpu_span_and_gpu_busy(tmp_path) -> None:
+    import gzip
+    import json
+
+    h = load_benchmark("hicache_prefix.py")
+    ev = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1000, "dur": 3000},
+          {"ph": "X", "cat": "python_function", "name": "forward", "ts": 500, "dur": 9500},
+          {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 2000, "dur": 1500},
+          {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 4000, "dur": 500},
+          {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 5000, "dur": 250},
+          {"ph": "i", "cat": "cpu_op", "name": "marker", "ts": 0}]
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": ev}, f)
+    s = h.trace_summary(path)
+    assert s["cpu_span_ms"] == pytest.approx(9.5) and s["gpu_busy_ms"] == pytest.approx(2.25) and s["gpu_events"] == 3
+    assert s["top_gpu_ms"] == {"kernel: gemm": pytest.approx(2.0), "gpu_memcpy: Memcpy HtoD": pytest.approx(0.25)}
+    assert list(s["top_cpu_ms"]) == ["python_function: forward", "cpu_op: aten::mm"]
+    assert "GPU busy 2.2 ms in 3" in h.profile_line({**s, "ttft_ms": 20.0})
+    assert h.profile_line(None) == "hit profile: not taken"

@@ -5,13 +5,15 @@
 #     LAYERS (4) layers with dummy weights, from a config-only directory made here (--load-format
 #     dummy; the weights are generated on the GPU at load). First, on server A, the hit-cost phase
 #     (--hit-lengths 1024 8192 32768: per length a fresh prompt cold, then the same prompt again: a
-#     full device hit with no tier transfer), then the usual cases on a 32K prefix: cold, GPU hit,
+#     full device hit with no tier transfer; one more hit of the last length under SGLang's torch
+#     profiler, --profile-hit: its CPU span against its GPU busy time says whether a hit's cost is host
+#     or device), then the usual cases on a 32K prefix: cold, GPU hit,
 #     L2 hit, L3 hit in server B (A and B start together, B serves only after A stops). Each server
 #     --mem-fraction-static $MEM (0.7: each sizes its pool from what is free when it loads, and
 #     --max-total-tokens caps the pool far below that), --context-length 40960, page 64, io kernel,
 #     --disable-cuda-graph, --language-model-only.
 #   MODE=tiny-hit: the tiny checkpoint (the session-14 run: cold 742 ms, GPU hit 204 ms at 32K),
-#     --hit-cost-only at the same lengths: the fixed and per-token parts of its hit cost.
+#     --hit-cost-only at the same lengths (and --profile-hit): the fixed and per-token parts of its hit cost.
 # Run from the checkout root with `.gpu` carried:
 #   bash scripts/gpu/hicache_prefix_flash.sh            (then, if device time is left, MODE=tiny-hit)
 # Knobs: BUDGET (290 s), LAYERS (4), PREFIX (32768), HIT_LENGTHS ("1024 8192 32768"), REPS (1), MEM (0.7).
@@ -40,7 +42,7 @@ result setup mode=$MODE
 # shellcheck disable=SC2086
 timeout -s TERM -k 30 "$(left 35)" python3 benchmarks/hicache.py --mode prefix "${MODEL[@]}" --device cuda \
     --prefix-tokens "${PREFIX:-32768}" --suffix-tokens 32 --new-tokens 8 --reps "${REPS:-1}" --start-b-with-a \
-    --page-size 64 --hit-lengths $HIT_LENGTHS --flags="$FLAGS" \
+    --page-size 64 --hit-lengths $HIT_LENGTHS --profile-hit --flags="$FLAGS" \
     --startup-timeout 200 --request-timeout 120 --settle-cap-s 30 \
     --out $R/hicache_prefix_$MODE.json --log-dir $R 2>&1 | tail -30 | tee -a "$SUMMARY"
 rc=${PIPESTATUS[0]}
