@@ -285,9 +285,10 @@ def profile_hit(run: Run, url: str, ids: list[int], cap_s: float = 90) -> None:
                        if traces else {"error": f"no trace in {out} within {cap_s} s"})
 
 
-def trace_summary(path: Path, top: int = 12) -> dict:
+def trace_summary(path: Path, top: int = 20) -> dict:
     """A torch.profiler Chrome trace of one step: wall span of its CPU events, GPU kernel / copy busy
-    time (sum of durations), and the CPU ops and kernels with the largest summed durations (ms)."""
+    time (sum of durations), and by summed duration (ms): the kernels, the CPU ops (``cpu_op``) and
+    the Python functions of SGLang and the plugin (inclusive, so callers include their callees)."""
     import gzip
     from collections import defaultdict
 
@@ -295,15 +296,19 @@ def trace_summary(path: Path, top: int = 12) -> dict:
         events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
     gpu_cats = ("kernel", "gpu_memcpy", "gpu_memset")
     cpu = [e for e in events if e.get("cat") not in gpu_cats]
-    gpu = [e for e in events if e.get("cat") in gpu_cats]
-    by: dict[str, dict[str, float]] = {"cpu": defaultdict(float), "gpu": defaultdict(float)}
-    for kind, evs in (("cpu", cpu), ("gpu", gpu)):
+    groups = {"top_gpu_ms": [e for e in events if e.get("cat") in gpu_cats],
+              "top_cpu_ops_ms": [e for e in cpu if e.get("cat") == "cpu_op"],
+              "top_python_ms": [e for e in cpu if e.get("cat") == "python_function"
+                                and ("sglang_dsv41" in e.get("name", "") or "sglang/srt" in e.get("name", ""))]}
+    out: dict = {"cpu_span_ms": (max(e["ts"] + e.get("dur", 0) for e in cpu) - min(e["ts"] for e in cpu)) / 1e3 if cpu else 0.0,
+                 "gpu_busy_ms": sum(float(e.get("dur", 0.0)) for e in groups["top_gpu_ms"]) / 1e3,
+                 "gpu_events": len(groups["top_gpu_ms"])}
+    for key, evs in groups.items():
+        acc: dict[str, float] = defaultdict(float)
         for e in evs:
-            by[kind][f"{e.get('cat', '?')}: {e.get('name', '?')[:100]}"] += float(e.get("dur", 0.0)) / 1e3
-    span = (max(e["ts"] + e.get("dur", 0) for e in cpu) - min(e["ts"] for e in cpu)) / 1e3 if cpu else 0.0
-    return {"cpu_span_ms": span, "gpu_busy_ms": sum(float(e.get("dur", 0.0)) for e in gpu) / 1e3, "gpu_events": len(gpu),
-            "top_cpu_ms": dict(sorted(by["cpu"].items(), key=lambda kv: -kv[1])[:top]),
-            "top_gpu_ms": dict(sorted(by["gpu"].items(), key=lambda kv: -kv[1])[:top])}
+            acc[e.get("name", "?")[:120]] += float(e.get("dur", 0.0)) / 1e3
+        out[key] = dict(sorted(acc.items(), key=lambda kv: -kv[1])[:top])
+    return out
 
 
 def summarize_hit_cost(rows: list[dict]) -> dict:
@@ -369,8 +374,8 @@ def profile_line(prof: dict | None) -> str:
     if "error" in prof:
         return f"hit profile: {prof['error']}"
     return (f"hit profile (one step): TTFT {prof['ttft_ms']:.1f} ms, CPU span {prof['cpu_span_ms']:.1f} ms, "
-            f"GPU busy {prof['gpu_busy_ms']:.1f} ms in {prof['gpu_events']} kernels/copies; top CPU: "
-            + "; ".join(f"{k} {v:.1f}" for k, v in list(prof["top_cpu_ms"].items())[:6]))
+            f"GPU busy {prof['gpu_busy_ms']:.1f} ms in {prof['gpu_events']} kernels/copies; top CPU ops: "
+            + "; ".join(f"{k} {v:.1f}" for k, v in list(prof["top_cpu_ops_ms"].items())[:5]))
 
 
 def run_hit_cost_only(run: Run) -> None:
@@ -479,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--device-tokens", type=int, default=None,
-                   help="--max-total-tokens; default: one prompt + new tokens + two pages + 10 %% (one long prefix fits)")
+                   help="--max-total-tokens; default: the longest prompt (prefix + suffix, or a --hit-lengths one) + new tokens + two pages + 10 %% (one long prompt fits)")
     p.add_argument("--flags", default="--hicache-io-backend direct --hicache-ratio 4 --swa-full-tokens-ratio 1.0 "
                                       "--hicache-storage-prefetch-policy wait_complete",
                    help="further server flags (e.g. --context-length for a 32K prefix on the tiny checkpoint)")
@@ -508,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()), help="server logs")
     args = p.parse_args(argv)
     if args.device_tokens is None:
-        need = args.prefix_tokens + args.suffix_tokens + args.new_tokens + 2 * (args.page_size or 2)
+        need = max([args.prefix_tokens, *args.hit_lengths]) + args.suffix_tokens + args.new_tokens + 2 * (args.page_size or 2)
         args.device_tokens = -(-int(need * 1.1) // 64) * 64
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.dummy_flash:
