@@ -47,5 +47,5 @@ timeout -s TERM -k 30 "$(left 35)" python3 benchmarks/hicache.py --mode prefix "
     --out $R/hicache_prefix_$MODE.json --log-dir $R 2>&1 | tail -30 | tee -a "$SUMMARY"
 rc=${PIPESTATUS[0]}
 result hicache_prefix_flash mode=$MODE rc=$rc
-tar -czf "$OUT/all.tgz" -C $R . 2>/dev/null
+tar -czf "$OUT/all.tgz" --exclude="*_hit_trace" -C $R . 2>/dev/null   # the trace stays: its summary is in the JSON
 exit $rc
