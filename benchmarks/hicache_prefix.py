@@ -13,6 +13,13 @@ One storage directory (a temp dir), servers with `--enable-hierarchical-cache`, 
 * **l3**: server A is stopped, server B starts on the same directory; before each request
   `/flush_cache` (device and host empty, storage kept), then P + a new suffix (``storage``).
 
+Also (docs/hicache.md "What a hit costs"): `--hit-lengths L ...` first measures, on server A, a full
+device hit by prompt length (a fresh prompt cold, then the same prompt again: the cost every hit pays,
+transfer or not) and fits TTFT = fixed + slope · L; `--hit-cost-only` runs only that. `net_of_hit` in
+the JSON: each tier's TTFT less the device hit's, against cold less the same. `--dummy-flash LAYERS`
+serves a Flash-width model with dummy weights from a config-only `--model-path` (made there), so the
+cold prefill is a realistic one (the tiny checkpoint's is a few hundred ms at 32K on the H200).
+
 Each server first answers one short unrelated prompt (first-use costs stay out of the cases).
 Each case runs `--reps` times; the summary has the median TTFT, its ratio to cold, the cached tokens
 by tier and the greedy equality. Host-tier bandwidth: from SGLang's ``sglang:load_back_*`` metrics
@@ -193,6 +200,8 @@ def run_a(run: Run, server: tuple[Proc, str]) -> None:
     proc, url = server
     try:
         rows.append(ask(url, "warmup", "warmup_a", run.warmups[0], a))   # first-use costs (kernel builds)
+        if a.hit_lengths:
+            hit_cost(run, url)
         for key in [k for k in run.suffix if k != "last"] + ["last"]:
             run.settle()
             http(url + "/clear_hicache_storage_backend", {}, timeout=60)
@@ -224,6 +233,157 @@ def run_b(run: Run, server: tuple[Proc, str]) -> None:
             run.settle()
             flush(url)
             rows.append(ask(url, "l3", f"l3{j}", run.prompt(f"l3{j}"), run.args))
+    finally:
+        proc.stop()
+
+
+def dummy_flash_dir(path: Path, layers: int) -> Path:
+    """A config-only model of Flash widths and `layers` layers in `path` (config.json + tokenizer, no
+    tensors: the server generates the weights, `--load-format dummy`); reused when its config already
+    has that many layers."""
+    cfg = path / "config.json"
+    if cfg.is_file() and json.loads(cfg.read_text()).get("text_config", {}).get("num_hidden_layers") == layers:
+        return path
+    from sglang_dsv41.checkpoint.synth import make_config_dir
+
+    return make_config_dir("slice", path, layers=layers, overwrite=True)
+
+
+def hit_cost(run: Run, url: str) -> None:
+    """A full device hit's TTFT by prompt length, no tier transfer involved: per `--hit-lengths` L,
+    a fresh L-token prompt served cold (case ``hit_cold``), then the same prompt `--reps` times
+    (case ``hit``: everything but its last partial page is on the device)."""
+    a = run.args
+    rng = random.Random(a.seed + 1)
+    for n in a.hit_lengths:
+        ids = [0] + [rng.randrange(3, a.vocab) for _ in range(n - 1)]
+        run.settle()
+        run.rows.append(ask(url, "hit_cold", f"hit{n}", ids, a))
+        for _ in range(a.reps):
+            run.settle()
+            run.rows.append(ask(url, "hit", f"hit{n}", ids, a))
+    if a.profile_hit and a.hit_lengths:
+        run.settle()
+        profile_hit(run, url, ids)
+
+
+def profile_hit(run: Run, url: str, ids: list[int], cap_s: float = 90) -> None:
+    """`--profile-hit`: SGLang's torch profiler (`/start_profile`, CPU + GPU activities, one step) over
+    one more full hit of `ids` (case ``hit_profiled``, left out of the summaries); the trace's
+    summary goes to `run.hit_profile` (`trace_summary`)."""
+    a = run.args
+    out = a.log_dir / f"{a.out.stem}_hit_trace"
+    acts = ["CPU"] if a.device == "cpu" else ["CPU", "GPU"]
+    http(url + "/start_profile", {"output_dir": str(out), "num_steps": 1, "activities": acts}, timeout=60)
+    run.rows.append(ask(url, "hit_profiled", f"hit{len(ids)}", ids, a))
+    deadline, traces = time.monotonic() + cap_s, []
+    while time.monotonic() < deadline and not traces:
+        time.sleep(2)
+        traces = sorted(out.glob("**/*.json*")) if out.exists() else []
+    time.sleep(3)                          # the exporter may still be writing the file it created
+    run.hit_profile = ({"trace": str(traces[0]), **trace_summary(traces[0]), "ttft_ms": 1e3 * run.rows[-1]["ttft_s"]}
+                       if traces else {"error": f"no trace in {out} within {cap_s} s"})
+
+
+def trace_summary(path: Path, top: int = 20) -> dict:
+    """A torch.profiler Chrome trace of one step: wall span of its CPU events, GPU kernel / copy busy
+    time (sum of durations), and by summed duration (ms): the kernels, the CPU ops (``cpu_op``) and
+    the Python functions of SGLang and the plugin (inclusive, so callers include their callees)."""
+    import gzip
+    from collections import defaultdict
+
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rt") as f:
+        events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
+    gpu_cats = ("kernel", "gpu_memcpy", "gpu_memset")
+    cpu = [e for e in events if e.get("cat") not in gpu_cats]
+    groups = {"top_gpu_ms": [e for e in events if e.get("cat") in gpu_cats],
+              "top_cpu_ops_ms": [e for e in cpu if e.get("cat") == "cpu_op"],
+              "top_python_ms": [e for e in cpu if e.get("cat") == "python_function"
+                                and ("sglang_dsv41" in e.get("name", "") or "sglang/srt" in e.get("name", ""))]}
+    out: dict = {"cpu_span_ms": (max(e["ts"] + e.get("dur", 0) for e in cpu) - min(e["ts"] for e in cpu)) / 1e3 if cpu else 0.0,
+                 "gpu_busy_ms": sum(float(e.get("dur", 0.0)) for e in groups["top_gpu_ms"]) / 1e3,
+                 "gpu_events": len(groups["top_gpu_ms"])}
+    for key, evs in groups.items():
+        acc: dict[str, float] = defaultdict(float)
+        for e in evs:
+            acc[e.get("name", "?")[:120]] += float(e.get("dur", 0.0)) / 1e3
+        out[key] = dict(sorted(acc.items(), key=lambda kv: -kv[1])[:top])
+    return out
+
+
+def summarize_hit_cost(rows: list[dict]) -> dict:
+    """Per length: median TTFT cold and on a full hit, cached tokens (min), greedy equality with the
+    cold run; with two lengths or more, the least-squares line TTFT_hit = fixed + per_1k · L / 1024."""
+    out: dict = {"by_length": {}}
+    for n in sorted({r["prompt_tokens"] for r in rows if r["case"] == "hit"}):
+        cold = [r for r in rows if r["case"] == "hit_cold" and r["prompt_tokens"] == n]
+        hit = [r for r in rows if r["case"] == "hit" and r["prompt_tokens"] == n]
+        out["by_length"][n] = {"cold_ms": 1e3 * median(r["ttft_s"] for r in cold) if cold else None,
+                               "hit_ms_median": 1e3 * median(r["ttft_s"] for r in hit),
+                               "hit_ms": [1e3 * r["ttft_s"] for r in hit],
+                               "cached_tokens_min": min(r["cached_tokens"] for r in hit),
+                               "greedy_equal": f"{sum(bool(cold) and r['output_ids'] == cold[0]['output_ids'] for r in hit)}"
+                                               f"/{len(hit)}"}
+    pts = [(n, d["hit_ms_median"]) for n, d in out["by_length"].items()]
+    if len(pts) >= 2:
+        mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
+        slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+        out["fit"] = {"fixed_ms": my - slope * mx, "per_1k_tokens_ms": 1024 * slope}
+    return out
+
+
+def net_of_hit(summary: dict) -> dict:
+    """Each tier's TTFT less the device hit's (the overhead every hit pays, transfer or not) against
+    cold less the same: the share of the saved prefill a tier gives back."""
+    c = summary["cases"]
+    if "gpu" not in c or "cold" not in c:
+        return {}
+    base, cold = c["gpu"]["ttft_ms_median"], c["cold"]["ttft_ms_median"]
+    out = {"hit_overhead_ms": base, "hit_overhead_vs_cold": base / cold}
+    for t in ("l2", "l3"):
+        if t in c and cold > base:
+            out[f"{t}_net_vs_cold_net"] = (c[t]["ttft_ms_median"] - base) / (cold - base)
+    return out
+
+
+def hit_cost_ok(hc: dict, page_size: int | None) -> bool:
+    """Every hit-cost repeat equals its cold run and hit all of its prompt but the last page
+    (`page_size` None: the plugin's default page with a storage backend)."""
+    from sglang_dsv41.runtime.requirements import STORAGE_PAGE_SIZE
+
+    page = page_size or STORAGE_PAGE_SIZE
+    return all(d["greedy_equal"] == f"{len(d['hit_ms'])}/{len(d['hit_ms'])}" and d["cached_tokens_min"] >= n - page
+               for n, d in hc["by_length"].items())
+
+
+def hit_table(hc: dict, net: dict) -> str:
+    lines = ["hit cost: length  cold_ms  hit_ms(median)  cached_min  greedy_equal"]
+    for n, d in hc["by_length"].items():
+        cold = "-" if d["cold_ms"] is None else f"{d['cold_ms']:.1f}"
+        lines.append(f"          {n:6d} {cold:>8} {d['hit_ms_median']:15.1f} {d['cached_tokens_min']:11d} {d['greedy_equal']:>13}")
+    if "fit" in hc:
+        lines.append(f"          fit: hit TTFT = {hc['fit']['fixed_ms']:.1f} ms + {hc['fit']['per_1k_tokens_ms']:.2f} ms per 1K tokens")
+    if net:
+        lines.append("net of the device hit: " + ", ".join(f"{k} {v:.3g}" for k, v in net.items()))
+    return "\n".join(lines)
+
+
+def profile_line(prof: dict | None) -> str:
+    if not prof:
+        return "hit profile: not taken"
+    if "error" in prof:
+        return f"hit profile: {prof['error']}"
+    return (f"hit profile (one step): TTFT {prof['ttft_ms']:.1f} ms, CPU span {prof['cpu_span_ms']:.1f} ms, "
+            f"GPU busy {prof['gpu_busy_ms']:.1f} ms in {prof['gpu_events']} kernels/copies; top CPU ops: "
+            + "; ".join(f"{k} {v:.1f}" for k, v in list(prof["top_cpu_ops_ms"].items())[:5]))
+
+
+def run_hit_cost_only(run: Run) -> None:
+    """`--hit-cost-only`: server A answers the warm-up and the hit-cost phase, nothing else."""
+    proc, url = run.up(run.start("a"))
+    try:
+        run.rows.append(ask(url, "warmup", "warmup_a", run.warmups[0], run.args))
+        hit_cost(run, url)
     finally:
         proc.stop()
 
@@ -324,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--device-tokens", type=int, default=None,
-                   help="--max-total-tokens; default: one prompt + new tokens + two pages + 10 %% (one long prefix fits)")
+                   help="--max-total-tokens; default: the longest prompt (prefix + suffix, or a --hit-lengths one) + new tokens + two pages + 10 %% (one long prompt fits)")
     p.add_argument("--flags", default="--hicache-io-backend direct --hicache-ratio 4 --swa-full-tokens-ratio 1.0 "
                                       "--hicache-storage-prefetch-policy wait_complete",
                    help="further server flags (e.g. --context-length for a 32K prefix on the tiny checkpoint)")
@@ -339,13 +499,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settle-cap-s", type=float, default=120)
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--request-timeout", type=float, default=600)
+    p.add_argument("--dummy-flash", type=int, default=0, metavar="LAYERS",
+                   help="serve a Flash-width model of LAYERS layers with dummy weights: --model-path is (made as) "
+                        "its config-only directory, --load-format dummy is added (a realistic cold prefill)")
+    p.add_argument("--hit-lengths", type=int, nargs="*", default=[],
+                   help="before the cases, on server A: per length a fresh prompt cold, then the same prompt "
+                        "--reps times (a full device hit's TTFT by length: the per-request cost of any hit)")
+    p.add_argument("--profile-hit", action="store_true",
+                   help="after the hit-cost phase, one more hit of the last length under SGLang's torch profiler "
+                        "(/start_profile, one step): its CPU span and GPU busy time in the JSON (`hit_profile`)")
+    p.add_argument("--hit-cost-only", action="store_true", help="only server A's warm-up and the --hit-lengths phase")
     p.add_argument("--out", type=Path, default=RESULTS / "hicache_prefix.json")
     p.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()), help="server logs")
     args = p.parse_args(argv)
     if args.device_tokens is None:
-        need = args.prefix_tokens + args.suffix_tokens + args.new_tokens + 2 * (args.page_size or 2)
+        need = max([args.prefix_tokens, *args.hit_lengths]) + args.suffix_tokens + args.new_tokens + 2 * (args.page_size or 2)
         args.device_tokens = -(-int(need * 1.1) // 64) * 64
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.dummy_flash:
+        dummy_flash_dir(Path(args.model_path), args.dummy_flash)
+        args.flags += " --load-format dummy"
     kv, copy = kv_bytes(args.model_path, args.page_size), copy_bandwidth(args.device)
     signal.signal(signal.SIGTERM, _sigterm)   # a capped run still writes what it measured
     incomplete = None
@@ -353,7 +526,9 @@ def main(argv: list[str] | None = None) -> int:
         run = Run(args, Path(d))
         t0 = time.monotonic()
         try:
-            if args.start_b_with_a:
+            if args.hit_cost_only:
+                run_hit_cost_only(run)
+            elif args.start_b_with_a:
                 a_srv, b_srv = run.start("a"), run.start("b")
                 try:
                     run.up(a_srv), run.up(b_srv)
@@ -364,25 +539,39 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 run_a(run, run.up(run.start("a")))
                 b_srv = run.up(run.start("b"))
-            run_b(run, b_srv)
+            if not args.hit_cost_only:
+                run_b(run, b_srv)
         except (Exception, SystemExit, KeyboardInterrupt) as e:
             incomplete = f"{type(e).__name__}: {e}"[:2000]
             print("incomplete:", incomplete[-600:], file=sys.stderr)
         wall = time.monotonic() - t0
     rows = run.rows
+    hc = summarize_hit_cost(rows) if any(r["case"] == "hit" for r in rows) else None
+    hc_ok = hc is None or hit_cost_ok(hc, args.page_size)
     if not any(r["case"] == "cold" for r in rows):
-        args.out.write_text(json.dumps({"incomplete": incomplete, "requests": rows}, indent=1))
-        return 2
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "incomplete": incomplete,
+                                        "hit_cost": hc, "hit_profile": getattr(run, "hit_profile", None),
+                                        "requests": rows}, indent=1))
+        if hc is None:
+            return 2
+        print(hit_table(hc, {}))
+        print(profile_line(getattr(run, "hit_profile", None)))
+        print("->", args.out)
+        return 0 if incomplete is None and hc_ok else 1
     summary = summarize(rows, args.prefix_tokens, kv, copy, run.l2_metrics)
     result = {"title": f"{args.prefix_tokens}-token prefix + {args.suffix_tokens}-token suffixes, {args.device_tokens}-token "
                        f"device pool, {args.device}, {args.reps} per hit case",
               "args": {k: str(v) for k, v in vars(args).items()}, "kv_bytes": kv, "wall_s": wall, "incomplete": incomplete,
-              "summary": summary, "requests": rows}
+              "summary": summary, "hit_cost": hc, "net_of_hit": net_of_hit(summary),
+              "hit_profile": getattr(run, "hit_profile", None), "requests": rows}
     result["png"] = plot(result, args.out.with_suffix(".png"))
     args.out.write_text(json.dumps(result, indent=1))
     print(table(summary))
+    if hc is not None or result["net_of_hit"]:
+        print(hit_table(hc or {"by_length": {}}, result["net_of_hit"]))
+        print(profile_line(result["hit_profile"]))
     print("->", args.out)
-    ok = incomplete is None and all(d.get("greedy_equal", "1/1").split("/")[0] == d.get("greedy_equal", "1/1").split("/")[1]
+    ok = incomplete is None and hc_ok and all(d.get("greedy_equal", "1/1").split("/")[0] == d.get("greedy_equal", "1/1").split("/")[1]
              and d.get("prefix_from_tier", True) and d.get("all_cold", True) for d in summary["cases"].values())
     return 0 if ok else 1
 

@@ -221,3 +221,27 @@ def test_text_prompts_over_the_context_are_counted_only_when_they_could_be():
     check_generate_body({"text": "x" * 200}, limits)   # one "token" by this count
     with pytest.raises(RequestRejected, match=r"text\[1\]: the prompt has 70 tokens"):
         check_generate_body({"text": ["ok", "w " * 70]}, limits)
+
+
+def test_long_id_lists_name_the_first_bad_id_and_int_subclasses_still_pass():
+    """The whole-list check (`map` / `min` / `max` in C) only lets exactly-`int` lists in the
+    vocabulary through; anything else gets the element-wise check and its message."""
+    import enum
+
+    class Tok(enum.IntEnum):
+        A = 7
+
+    limits = ServingLimits(vocab_size=1024, context_len=1 << 20, accepts_media=False)
+    long = [3] * 40_000
+    check_token_ids(long, "input_ids", limits)
+    check_token_ids(tuple(long) + (Tok.A,), "input_ids", limits)        # an int subclass is an int
+    for bad, needle in ((1024, "input_ids[30000] = 1024"), (-1, "input_ids[30000] = -1"),
+                        (False, "input_ids[30000] = False: token ids must be integers"),
+                        (2.0, "input_ids[30000] = 2.0: token ids must be integers")):
+        ids = long[:30_000] + [bad] + long[:5] + [5000]
+        with pytest.raises(RequestRejected, match=__import__("re").escape(needle)):
+            check_token_ids(ids, "input_ids", limits)
+    with pytest.raises(RequestRejected, match="mixes"):
+        check_token_ids(long + [[1]], "input_ids", limits)
+    with pytest.raises(RequestRejected, match=r"input_ids\[1\]\[2\] = 1024"):
+        check_token_ids([[1, 2], [3, 4, 1024]], "input_ids", limits)

@@ -48,3 +48,75 @@ def test_bandwidth_from_load_back_metrics_when_they_carry_durations() -> None:
     bw = h.summarize(_rows(), 100, KV, COPY, m)["host_tier_bandwidth"]
     assert bw["source"].startswith("sglang:load_back_duration_seconds")
     assert bw["gbps"] == pytest.approx((200 * 192 + 2 * 8 * 1536) / 0.002 / 1e9)
+
+
+def _hit_rows() -> list[dict]:
+    rows = []
+    for n, cold, hits in ((1024, 0.5, (0.11, 0.10, 0.12)), (4096, 2.0, (0.16, 0.13, 0.13))):
+        rows.append({**_row("hit_cold", f"hit{n}", cold), "prompt_tokens": n})
+        rows += [{**_row("hit", f"hit{n}", t, n - 64, "device"), "prompt_tokens": n} for t in hits]
+    return rows
+
+
+def test_hit_cost_by_length_line_fit_and_its_pass_rule() -> None:
+    h = load_benchmark("hicache_prefix.py")
+    hc = h.summarize_hit_cost(_hit_rows())
+    d = hc["by_length"]
+    assert d[1024]["hit_ms_median"] == pytest.approx(110) and d[1024]["cold_ms"] == pytest.approx(500)
+    assert d[4096]["cached_tokens_min"] == 4032 and d[4096]["greedy_equal"] == "3/3"
+    # two points: the line goes through both medians (110 ms at 1K, 130 ms at 4K)
+    assert hc["fit"]["per_1k_tokens_ms"] == pytest.approx(20 / 3)
+    assert hc["fit"]["fixed_ms"] == pytest.approx(110 - 20 / 3)
+    assert h.hit_cost_ok(hc, 64) and not h.hit_cost_ok(hc, 32)      # 4032 < 4096 - 32: not a full hit
+    bad = _hit_rows()
+    bad[-1]["output_ids"] = [9]
+    assert not h.hit_cost_ok(h.summarize_hit_cost(bad), 64)
+    assert "fit: hit TTFT" in h.hit_table(hc, {})
+    assert "fit" not in h.summarize_hit_cost(_hit_rows()[:4])        # one length: no line
+
+
+def test_net_of_hit_takes_the_device_hit_off_both_sides() -> None:
+    h = load_benchmark("hicache_prefix.py")
+    s = h.summarize(_rows(), 100, KV, COPY, {})
+    net = h.net_of_hit(s)
+    assert net["hit_overhead_ms"] == pytest.approx(50) and net["hit_overhead_vs_cold"] == pytest.approx(50 / 1050)
+    assert net["l2_net_vs_cold_net"] == pytest.approx((70 - 50) / (1050 - 50))
+    assert net["l3_net_vs_cold_net"] == pytest.approx((300 - 50) / (1050 - 50))
+
+
+def test_dummy_flash_dir_is_a_config_only_flash_width_model(tmp_path) -> None:
+    import json
+
+    h = load_benchmark("hicache_prefix.py")
+    d = h.dummy_flash_dir(tmp_path / "m", 3)
+    cfg = json.loads((d / "config.json").read_text())["text_config"]
+    assert cfg["num_hidden_layers"] == 3 and cfg["hidden_size"] == 5120 and (d / "tokenizer.json").is_file()
+    assert not list(d.glob("*.safetensors"))
+    stamp = (d / "config.json").stat().st_mtime_ns
+    assert h.dummy_flash_dir(d, 3) == d and (d / "config.json").stat().st_mtime_ns == stamp   # reused
+    h.dummy_flash_dir(d, 4)
+    assert json.loads((d / "config.json").read_text())["text_config"]["num_hidden_layers"] == 4
+
+
+def test_trace_summary_splits_cpu_span_and_gpu_busy(tmp_path) -> None:
+    import gzip
+    import json
+
+    h = load_benchmark("hicache_prefix.py")
+    ev = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1000, "dur": 3000},
+          {"ph": "X", "cat": "python_function", "name": "sglang_dsv41/runtime/model.py(303): forward", "ts": 500, "dur": 9500},
+          {"ph": "X", "cat": "python_function", "name": "threading.py(331): wait", "ts": 600, "dur": 9000},
+          {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 2000, "dur": 1500},
+          {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 4000, "dur": 500},
+          {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 5000, "dur": 250},
+          {"ph": "i", "cat": "cpu_op", "name": "marker", "ts": 0}]
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": ev}, f)
+    s = h.trace_summary(path)
+    assert s["cpu_span_ms"] == pytest.approx(9.5) and s["gpu_busy_ms"] == pytest.approx(2.25) and s["gpu_events"] == 3
+    assert s["top_gpu_ms"] == {"gemm": pytest.approx(2.0), "Memcpy HtoD": pytest.approx(0.25)}
+    assert s["top_cpu_ops_ms"] == {"aten::mm": pytest.approx(3.0)}
+    assert s["top_python_ms"] == {"sglang_dsv41/runtime/model.py(303): forward": pytest.approx(9.5)}
+    assert "GPU busy 2.2 ms in 3" in h.profile_line({**s, "ttft_ms": 20.0})
+    assert h.profile_line(None) == "hit profile: not taken"

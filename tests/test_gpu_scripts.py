@@ -314,3 +314,21 @@ def test_load_256_starts_waits_and_stops_its_server(sandbox: dict[str, str]) -> 
     finally:
         if pid:
             kill_group(pid)
+
+
+def test_hicache_prefix_flash_modes(sandbox: dict[str, str]) -> None:
+    """flash: the dummy Flash-width model with the hit-cost phase; tiny-hit: the tiny checkpoint's
+    hit cost alone; an unknown MODE refuses before anything runs."""
+    r = _run_script("hicache_prefix_flash.sh", sandbox)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"^RESULT hicache_prefix_flash mode=flash rc=0 at \d+ s$", r.stdout, re.M), r.stdout
+    bench = [c for c in calls(sandbox) if "benchmarks/hicache.py --mode prefix" in c]
+    assert len(bench) == 1 and "--model-path /tmp/hicache_flash_model --dummy-flash 4 --device cuda" in bench[0]
+    assert "--hit-lengths 1024 8192 32768 --profile-hit " in bench[0] and "--mem-fraction-static 0.7" in bench[0]
+    assert not any("make-checkpoint" in c for c in calls(sandbox))
+    r = _run_script("hicache_prefix_flash.sh", {**sandbox, "MODE": "tiny-hit", "HIT_LENGTHS": "64 128"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    bench = [c for c in calls(sandbox) if "benchmarks/hicache.py --mode prefix" in c]
+    assert len(bench) == 2 and "--model-path /tmp/tiny --hit-cost-only" in bench[1] and "--hit-lengths 64 128 " in bench[1]
+    r = _run_script("hicache_prefix_flash.sh", {**sandbox, "MODE": "bogus"})
+    assert r.returncode == 2 and len([c for c in calls(sandbox) if "hicache.py" in c]) == 2

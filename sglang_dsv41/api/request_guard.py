@@ -51,21 +51,28 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _sequences(ids: Any, field: str) -> list[tuple[str, Sequence[Any]]]:
-    """A flat id list or a batch of them → ``(field label, sequence)`` pairs."""
+def _sequences(ids: Any, field: str) -> list[tuple[str, Sequence[Any], set[type]]]:
+    """A flat id list or a batch of them → ``(field label, sequence, its element types)`` triples."""
     if not isinstance(ids, (list, tuple)):
         raise RequestRejected(f"{field} must be a list of token ids or a list of such lists")
     if ids and all(isinstance(s, (list, tuple)) for s in ids):
-        return [(f"{field}[{k}]", seq) for k, seq in enumerate(ids)]
-    if any(isinstance(s, (list, tuple)) for s in ids):
+        return [(f"{field}[{k}]", seq, set(map(type, seq))) for k, seq in enumerate(ids)]
+    types = set(map(type, ids))
+    if any(issubclass(t, (list, tuple)) for t in types):
         raise RequestRejected(f"{field} mixes token ids and lists of token ids")
-    return [(field, ids)]
+    return [(field, ids, types)]
+
+
+def _plain_ids_in_vocab(seq: Sequence[Any], types: set[type], vocab_size: int) -> bool:
+    """True when every element (of element types `types`) is exactly an `int` in [0, vocab_size),
+    checked in C (`min`, `max`); False says only that the element-wise check must run."""
+    return types <= {int} and (not seq or (min(seq) >= 0 and max(seq) < vocab_size))
 
 
 def check_token_ids(ids: Any, field: str, limits: ServingLimits, *, check_length: bool = True) -> None:
     """Every id an integer in ``[0, vocab_size)``; each sequence shorter than the context."""
-    for where, seq in _sequences(ids, field):
-        for i, tok in enumerate(seq):
+    for where, seq, types in _sequences(ids, field):
+        for i, tok in ([] if _plain_ids_in_vocab(seq, types, limits.vocab_size) else enumerate(seq)):
             if not _is_int(tok):
                 raise RequestRejected(f"{where}[{i}] = {tok!r}: token ids must be integers")
             if not 0 <= tok < limits.vocab_size:
