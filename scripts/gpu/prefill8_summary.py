@@ -4,7 +4,7 @@ routed-expert kernels by name (device µs, launches: from the profile's first pa
 pass (`checks`: name → true / false). A missing or malformed file is recorded as an error entry, never
 raised. Printed too; exit status 0.
 
-    python scripts/gpu/prefill8_summary.py OUT_DIR
+    python scripts/gpu/prefill8_summary.py OUT_DIR [TESTS_RC]    # TESTS_RC: pytest's exit status
 """
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ def checks(result: dict) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    out = Path(argv[0])
-    result = s5.collect(out, (("tests", s5.tests), ("prefill", s5.prefill), ("kernels", kernels),
+    out, rc = Path(argv[0]), (argv[1] if len(argv) > 1 else None)
+    result = s5.collect(out, (("tests", lambda o: s5.tests(o, rc)), ("prefill", s5.prefill), ("kernels", kernels),
                               ("mhc_mix", lambda o: json.loads((o / "mhc_mix.json").read_text()))))
     result["checks"] = checks(result)
     (out / "prefill8.json").write_text(json.dumps(result, indent=1))
