@@ -19,14 +19,14 @@ own stated bound:
    equal: float64 head sum);
 2. batch invariance of the whole CUDA forward in deterministic mode (`--enable-deterministic-inference`:
    one attention key split, packed rows at prefill, W8A16 FP8 linears, BF16-weight rows in 128-row
-   blocks; `TorchForward(deterministic=True)`): the packed scenarios give every request bit for bit
+   blocks, one mHC coefficient kernel (`mhc_ops.DETERMINISTIC_MIX`); `TorchForward(deterministic=True)`): the packed scenarios give every request bit for bit
    the logits of that request run alone in one shot — chunking, batching and prefix caching change
    nothing on CUDA (as on CPU, where both equal the reference); the prefill workspace's size rule
    lowered to `WORKSPACE_MIN_QUERIES`, no batch takes it;
 3. the serving default (split-KV `plan_decode_config` attention: a query's bits depend on its
    batch's size; the BF16 prefill workspace, its size rule lowered to `WORKSPACE_MIN_QUERIES` so
    every batch but the decode-only one takes it; W8A8 FP8 linears; BF16-weight rows in one GEMM;
-   GPU only): the same scenarios within the numerics contract of each request alone —
+   the mHC coefficient kernel by token count (`auto`); GPU only): the same scenarios within the numerics contract of each request alone —
    |Δlogit| ≤ `SERVING_VS_ALONE_BOUND` = 2 × `LOGIT_BOUND` (the contract holds each serving run
    within `LOGIT_BOUND` of the reference, tests/test_runtime_numerics_contract.py) and top-1
    agreement ≥ `MIN_TOP1_AGREEMENT`; the scenario's last batch (4 decode tokens) plans key splits
