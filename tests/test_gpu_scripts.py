@@ -468,3 +468,24 @@ def test_pytest_junit_records_the_collected_count(tmp_path: Path) -> None:
     rc, junit = run(60, interrupt=True)
     v = jv.verdict(junit, rc)
     assert rc != 0 and v["pass"] is False and v["collected"] == 3 and v["total"] < 3, v
+
+
+def test_mhc_mix_fit_from_a_sweep() -> None:
+    """benchmarks/mhc_mix.py's threshold fit: the smallest swept T > 1 from which `dot` wins at every
+    larger T (today's four H200 points give 1,024, the value of mhc_ops.MIX_DOT_MIN_TOKENS)."""
+    spec = importlib.util.spec_from_file_location("mhc_mix_bench", ROOT / "benchmarks" / "mhc_mix.py")
+    mm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mm)
+    from sglang_dsv41.runtime import mhc_ops
+
+    def rows(points):
+        return [dict(tokens=t, coefficients_dot_us=d, coefficients_rows_us=r) for t, d, r in points]
+
+    today = mm.fit(rows([(1, 98.4, 115.5), (64, 135.4, 92.0), (1024, 239.3, 268.1), (8192, 1726.9, 1946.5)]), 1024)
+    assert today == dict(fit_dot_min_tokens=1024, threshold_now=1024, swept=[64, 1024, 8192], dot_faster_at=[1, 1024, 8192],
+                         rows_faster_at=[64])
+    assert today["fit_dot_min_tokens"] == mhc_ops.MIX_DOT_MIN_TOKENS
+    assert mm.fit(rows([(2, 1, 2), (128, 1, 2), (256, 2, 1), (512, 1, 2), (8192, 1, 2)]), 0)["fit_dot_min_tokens"] == 512
+    assert mm.fit(rows([(2, 1, 2), (8192, 2, 1)]), 0)["fit_dot_min_tokens"] is None
+    assert mm.fit(rows([(1, 1, 2), (2, 1, 2), (64, 1, 2)]), 0)["fit_dot_min_tokens"] == 2
+    assert set(mm.TOKENS) == {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 8192}
