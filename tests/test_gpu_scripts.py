@@ -375,7 +375,8 @@ def test_summaries_call_a_killed_run_a_failure(tmp_path: Path) -> None:
     assert s5.base_checks(dict(tests=s5.tests(out)))[0]["gpu_tests_pass"] is False   # rc unknown
     p8 = _gpu_module("prefill8_summary")
     for mod, args, name in ((s5, [str(out), "137"], "speed5.json"), (p8, [str(out), "137"], "prefill8.json"),
-                            (_gpu_module("mhc_sweep_summary"), [str(out), "137"], "mhc_sweep.json")):
+                            (_gpu_module("mhc_sweep_summary"), [str(out), "137"], "mhc_sweep.json"),
+                            (_gpu_module("flashmla_summary"), [str(out), "137"], "flashmla.json")):
         assert mod.main(args) == 0
         assert json.loads((out / name).read_text())["checks"]["gpu_tests_pass"] is False, name
     s4 = _gpu_module("speed4_summary")
