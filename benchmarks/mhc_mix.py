@@ -1,10 +1,13 @@
-"""The mHC kernels old against new at decode and prefill row counts (issue 21, session 13).
+"""The mHC coefficient kernels by token count (issue 21; sessions 13–14): the sweep that fits `auto`.
 
-Per T in TOKENS, at Flash width (hc = 4, H = 5120, BF16-valued fp32 residual as the runtime holds it):
+Per T in TOKENS (1 … 8,192; --tokens), at Flash width (hc = 4, H = 5120, BF16-valued fp32 residual as the runtime holds it):
 `kernels.mhc.hc_coefficients` with each partial-dot kernel of `MIX_KERNELS` (`dot`, `rows`), and the
 sublayer input / residual update (unchanged, for scale) — µs by `triton.testing.do_bench` (median, L2
 not flushed; at T = 8192 the residual is 671 MB), plus the largest |Δ| of `dot`'s coefficients from
-`rows`'. Writes OUT/mhc_mix.json.
+`rows`' and whether they are bit-equal; `auto_kernel` (what `mhc_ops.mix_for_tokens` runs at T) and
+`auto_over_best` (its µs over the faster kernel's). Top level: `fit` (`fit_dot_min_tokens`: the smallest
+swept T > 1 from which `dot` is faster at every larger swept T, the value MIX_DOT_MIN_TOKENS should take;
+`rows_faster_at`, `dot_faster_at`; `threshold_now`). Writes OUT/mhc_mix.json.
 
     python benchmarks/mhc_mix.py --out DIR
 """
@@ -17,12 +20,30 @@ from pathlib import Path
 import torch
 import triton.testing
 
-TOKENS = (1, 64, 1024, 8192)
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 8192)
 HC, H, ITERS = 4, 5120, 20
 
 
-def run(out: Path) -> dict:
+def fit(rows: list[dict], threshold_now: int) -> dict:
+    """The smallest swept T > 1 from which `dot` is faster at every larger swept T (None: `rows` wins
+    at the largest T), and the Ts each kernel wins."""
+    def faster(r: dict) -> str:
+        return "dot" if r["coefficients_dot_us"] < r["coefficients_rows_us"] else "rows"
+
+    ts = [r["tokens"] for r in rows if r["tokens"] > 1]
+    suffix = None
+    for r in reversed([r for r in rows if r["tokens"] > 1]):
+        if faster(r) != "dot":
+            break
+        suffix = r["tokens"]
+    return dict(fit_dot_min_tokens=suffix, threshold_now=threshold_now, swept=ts,
+                dot_faster_at=[r["tokens"] for r in rows if faster(r) == "dot"],
+                rows_faster_at=[r["tokens"] for r in rows if faster(r) == "rows"])
+
+
+def run(out: Path, tokens: tuple[int, ...] = TOKENS) -> dict:
     from sglang_dsv41.kernels import mhc as K
+    from sglang_dsv41.runtime import mhc_ops
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     rows = HC * (2 + HC)
@@ -30,7 +51,7 @@ def run(out: Path) -> dict:
     base, scale = 0.5 * torch.randn(rows, generator=g, device=dev), torch.tensor([0.7, 0.8, 0.9], device=dev)
     w = 1.0 + 0.1 * torch.randn(H, generator=g, device=dev)
     result: dict = dict(device=torch.cuda.get_device_name(dev), hc=HC, hidden=H, method=__doc__, rows=[])
-    for T in TOKENS:
+    for T in tokens:
         R = torch.randn(T, HC, H, generator=g, device=dev).to(torch.bfloat16).float()
         y = torch.randn(T, H, generator=g, device=dev).to(torch.bfloat16).float()
         row: dict = dict(tokens=T)
@@ -42,12 +63,20 @@ def run(out: Path) -> dict:
             row[f"coefficients_{mix}_us"] = triton.testing.do_bench(coeff, warmup=10, rep=50, return_mode="median") * 1e3
         pre, post, comb = co[K.MIX_KERNELS[0]]
         row["dot_vs_rows_max_abs"] = max(float((a - b).abs().max()) for a, b in zip(co["dot"], co["rows"]))
+        row["dot_rows_bit_equal"] = all(torch.equal(a, b) for a, b in zip(co["dot"], co["rows"]))
+        row["auto_kernel"] = mhc_ops.mix_for_tokens(T)
+        best = min(row["coefficients_dot_us"], row["coefficients_rows_us"])
+        row["auto_over_best"] = row[f"coefficients_{row['auto_kernel']}_us"] / best
         row["sublayer_input_us"] = triton.testing.do_bench(lambda R=R, pre=pre: K.hc_sublayer_input(R, pre, w, 1e-6), warmup=10,
                                                            rep=50, return_mode="median") * 1e3
         row["residual_update_us"] = triton.testing.do_bench(lambda R=R, y=y, post=post, comb=comb: K.hc_residual_update(R, y, post, comb), warmup=10,
                                                             rep=50, return_mode="median") * 1e3
         result["rows"].append(row)
         print("  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
+        del R, y, co, pre, post, comb
+        torch.cuda.empty_cache()
+    result["fit"] = fit(result["rows"], mhc_ops.MIX_DOT_MIN_TOKENS)
+    print("fit", json.dumps(result["fit"]), flush=True)
     (out / "mhc_mix.json").write_text(json.dumps(result, indent=1))
     return result
 
@@ -55,9 +84,10 @@ def run(out: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    run(args.out)
+    run(args.out, tuple(args.tokens))
 
 
 if __name__ == "__main__":

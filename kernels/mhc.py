@@ -9,7 +9,7 @@ bit-identical (tests/test_kernels_mhc.py):
 * `hc_coefficients` (2 launches). The partial dots, grid (⌈T/BLOCK_T⌉, ⌈hc·H/128⌉): a program
   holds one 128-column slice of F [hc·(2+hc), hc·H] (24 × 128 fp32 = 12 KB at Flash) and forms,
   for each of its tokens, the fp32 partial dots F[:, slice]·x[slice] and the partial Σx² of that
-  slice. Two kernels (`MIX_KERNELS`, chosen per call): `dot` (default, `_hc_mix_dot_kernel`,
+  slice. Two kernels (`MIX_KERNELS`, chosen per call; the runtime picks by token count, `runtime/mhc_ops.py`): `dot` (`_hc_mix_dot_kernel`,
   BLOCK_T = 32) — one fp32 `tl.dot` (input_precision "ieee": FMA, no TF32) of the [32, 128]
   token tile with the slice; `rows` (`_hc_mix_partials_kernel`, BLOCK_T = 16) — a loop over
   the tokens, each a [32, 128] product reduced by `tl.sum` (a 128-lane reduction per token and

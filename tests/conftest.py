@@ -3,6 +3,7 @@
 * `gpu` tests are skipped when CUDA is absent (CI has no GPU) — a skip is not a pass: they are
   run on the GPU machine and logged in docs/validation.md.
 * `tiny_checkpoint`: one tiny checkpoint per test session, made with the real writer.
+* With --junitxml the file records the collected test count (suite property `collected`).
 * Child pytest runs under the Triton interpreter (each `test_kernel_cases_in_triton_interpreter`,
   and tests marked `child_run(*argv)`) are queued when collection ends and run ahead on a spare
   core at nice 19 (`child_runs`); the tests then assert on their output.
@@ -86,6 +87,13 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
         if nodeid == item.nodeid and _SHARED:
             _SHARED[0].stop(group)
     return result
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _junit_collected_count(request: pytest.FixtureRequest, record_testsuite_property) -> None:
+    """The collected test count as the junit suite property `collected`: a device run whose junit
+    reports fewer test cases was cut short (scripts/gpu/junit_verdict.py)."""
+    record_testsuite_property("collected", len(request.session.items))
 
 
 @pytest.fixture(scope="session")

@@ -191,9 +191,10 @@ def test_speed4_summary_reads_what_the_run_wrote_and_records_missing_files(tmp_p
         {"fp8_gemm": "tiered", "tokens": 1, "span_us": 800.0, "busy_us": 700.0, "gaps_us": 100.0, "graph_wall_us": 790.0,
          "kernels_per_replay": [190], "matched_fraction": 1.0, "by_component": {"dense_fp8": 300.0},
          "by_linear": {"attn.wq_b": 40.0}}, {"fp8_gemm": "w8a8_f16", "tokens": 1, "skipped": "over"}]}))
-    assert summ.main([str(tmp_path)]) == 0
+    assert summ.main([str(tmp_path), "1"]) == 0
     got = json.loads((tmp_path / "speed4.json").read_text())
-    assert got["tests"] == dict(total=2, failed=["a::bad"], skipped=0)
+    t = got["tests"]          # scripts/gpu/junit_verdict.py (tests/test_gpu_scripts.py)
+    assert (t["total"], t["failed"], t["skipped"], t["rc"], t["pass"]) == (2, ["a::bad"], 0, 1, False)
     assert "FileNotFoundError" in got["decode"]["error"]
     att = got["variants"]["1"]["attention"]
     assert att["one_split"] == {"graph_us": 150.04} and len(att["decode_splits_h16"]["error"]) == 300
@@ -220,7 +221,8 @@ def test_speed5_summary_checks_and_missing_files(tmp_path) -> None:
     assert summ.main([str(tmp_path)]) == 0                  # nothing written: errors recorded, all checks false
     got = json.loads((tmp_path / "speed5.json").read_text())
     assert "FileNotFoundError" in got["prefill"]["error"] and not any(got["checks"].values())
-    (tmp_path / "gpu_tests.xml").write_text('<testsuite><testcase classname="a" name="ok"/></testsuite>')
+    (tmp_path / "gpu_tests.xml").write_text('<testsuite><properties><property name="collected" value="1"/></properties>'
+                                            '<testcase classname="a" name="ok"/></testsuite>')
     row = lambda name, agreement: dict(variant=name, tokens_per_s=1e5, wall_us_total=8e4,   # noqa: E731
                                        wall_us={"torch": 5e4, "attention": 3e4}, device_us=7e4, gaps_us=1e3,
                                        by_component={"attention": 3e4, "dense_fp8": 4e4},
@@ -235,7 +237,9 @@ def test_speed5_summary_checks_and_missing_files(tmp_path) -> None:
                           agreement_with_plan=dict(max_scale_ulps=0.0)), "block_n64_s1": dict(error="smem")}
     (tmp_path / "prefill_profile.json").write_text(json.dumps(dict(tokens=8192, layer=2, rows=rows,
                                                                    attention_sweep=sweep)))
-    summ.main([str(tmp_path)])
+    summ.main([str(tmp_path)])                              # pytest's rc unknown: never a pass
+    assert json.loads((tmp_path / "speed5.json").read_text())["checks"]["gpu_tests_pass"] is False
+    summ.main([str(tmp_path), "0"])
     got = json.loads((tmp_path / "speed5.json").read_text())
     assert got["checks"] == dict(gpu_tests_pass=True, every_variant_profiled=False, workspace_attention_within_bound=True,
                                  fused_topk_same_selection=True, fp32_head_sum_overlap=True)

@@ -8,6 +8,7 @@ tiny_checkpoint_ok.py against real tiny checkpoints; two scripts dry-run end to 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -332,3 +333,178 @@ def test_hicache_prefix_flash_modes(sandbox: dict[str, str]) -> None:
     assert len(bench) == 2 and "--model-path /tmp/tiny --hit-cost-only" in bench[1] and "--hit-lengths 64 128 " in bench[1]
     r = _run_script("hicache_prefix_flash.sh", {**sandbox, "MODE": "bogus"})
     assert r.returncode == 2 and len([c for c in calls(sandbox) if "hicache.py" in c]) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# test verdicts: a killed pytest is never a pass (session 14: prefill7.json said gpu_tests_pass
+# for a run cut at its cap, 15 passed + one unnamed entry, rc 137)
+# ---------------------------------------------------------------------------------------------
+def _junit(path: Path, named: int, *, unnamed: int = 0, failed: int = 0, collected: int | None = None) -> Path:
+    props = "" if collected is None else f'<properties><property name="collected" value="{collected}" /></properties>'
+    cases = "".join(f'<testcase classname="tests.test_x" name="test_{i}" time="1.0">'
+                    + ('<failure message="boom" />' if i < failed else "") + "</testcase>" for i in range(named))
+    cases += '<testcase time="0.000" />' * unnamed
+    path.write_text(f'<?xml version="1.0" encoding="utf-8"?><testsuites name="pytest tests"><testsuite name="pytest" '
+                    f'errors="0" failures="{failed}" skipped="0" tests="{named}">{props}{cases}</testsuite></testsuites>')
+    return path
+
+
+def _gpu_module(name: str):
+    sys.path.insert(0, str(GPU))
+    try:
+        spec = importlib.util.spec_from_file_location(f"gpu_{name}", GPU / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(GPU))
+
+
+def test_junit_verdict_needs_rc_zero_and_every_collected_test(tmp_path: Path) -> None:
+    jv = _gpu_module("junit_verdict")
+    killed = _junit(tmp_path / "killed.xml", 15, unnamed=1, collected=16)
+    v = jv.verdict(killed, 137)
+    assert v["pass"] is False and v["total"] == 15 and v["unnamed"] == 1 and v["collected"] == 16
+    assert any("exit status 137" in w for w in v["why"]) and any("interrupted" in w for w in v["why"])
+    assert jv.verdict(killed, 0)["pass"] is False                       # the unnamed entry alone fails it
+    old_style = _junit(tmp_path / "old.xml", 15, unnamed=1)            # today's file: no collected count
+    assert jv.verdict(old_style, 137)["pass"] is False
+    good = _junit(tmp_path / "good.xml", 16, collected=16)
+    assert jv.verdict(good, 0)["pass"] is True and jv.verdict(good, "0")["pass"] is True
+    for rc in (1, 2, 124, 137, None, ""):
+        assert jv.verdict(good, rc)["pass"] is False, rc
+    short = _junit(tmp_path / "short.xml", 15, collected=16)            # a case missing, rc 0
+    assert jv.verdict(short, 0)["pass"] is False and any("of 16 collected" in w for w in jv.verdict(short, 0)["why"])
+    assert jv.verdict(_junit(tmp_path / "f.xml", 16, failed=1, collected=16), 0)["pass"] is False
+    assert jv.verdict(tmp_path / "missing.xml", 0)["pass"] is False
+    no_count = _junit(tmp_path / "nocount.xml", 3)
+    assert jv.verdict(no_count, 0)["pass"] is False and jv.verdict(no_count, 0, expected=3)["pass"] is True
+    assert jv.verdict(no_count, 0, expected=4)["pass"] is False
+    assert jv.verdict(_junit(tmp_path / "none.xml", 0, collected=0), 0)["pass"] is False
+
+
+def test_summaries_call_a_killed_run_a_failure(tmp_path: Path) -> None:
+    """Every summary that judges a test run, fed today's killed run (junit 15 + unnamed, rc 137)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    _junit(out / "gpu_tests.xml", 15, unnamed=1, collected=16)
+    s5 = _gpu_module("speed5_summary")
+    assert s5.base_checks(dict(tests=s5.tests(out, 137)))[0]["gpu_tests_pass"] is False
+    assert s5.base_checks(dict(tests=s5.tests(out)))[0]["gpu_tests_pass"] is False   # rc unknown
+    p8 = _gpu_module("prefill8_summary")
+    for mod, args, name in ((s5, [str(out), "137"], "speed5.json"), (p8, [str(out), "137"], "prefill8.json"),
+                            (_gpu_module("mhc_sweep_summary"), [str(out), "137"], "mhc_sweep.json"),
+                            (_gpu_module("flashmla_summary"), [str(out), "137"], "flashmla.json")):
+        assert mod.main(args) == 0
+        assert json.loads((out / name).read_text())["checks"]["gpu_tests_pass"] is False, name
+    s4 = _gpu_module("speed4_summary")
+    assert s4.main([str(out), "137"]) == 0
+    assert json.loads((out / "speed4.json").read_text())["tests"]["pass"] is False
+    _junit(out / "gpu_tests.xml", 16, collected=16)                     # the same run complete: a pass
+    for mod, name in ((s5, "speed5.json"), (p8, "prefill8.json")):
+        mod.main([str(out), "0"])
+        assert json.loads((out / name).read_text())["checks"]["gpu_tests_pass"] is True, name
+
+
+def test_mhc_checks_judge_auto_against_the_faster_kernel() -> None:
+    p8 = _gpu_module("prefill8_summary")
+    row = dict(tokens=64, coefficients_dot_us=135.4, coefficients_rows_us=92.0, dot_vs_rows_max_abs=3e-7)
+    assert p8.mhc_checks(dict(rows=[dict(row, auto_kernel="rows", auto_over_best=1.0)])) == dict(
+        mhc_auto_within_slack_of_best=True, mhc_dot_close_to_rows=True)
+    assert p8.mhc_checks(dict(rows=[dict(row, auto_kernel="dot", auto_over_best=1.47)]))[
+        "mhc_auto_within_slack_of_best"] is False
+    assert p8.mhc_checks(dict(rows=[row]))["mhc_auto_within_slack_of_best"] is False    # an old sweep: no auto
+    assert not any(p8.mhc_checks(None).values()) and not any(p8.mhc_checks(dict(error="x")).values())
+
+
+@pytest.mark.parametrize("rc,junit,verdict", [(137, "killed", "FAIL"), (0, "killed", "FAIL"), (0, "good", "pass")])
+def test_lib_tests_result(sandbox: dict[str, str], tmp_path: Path, rc: int, junit: str, verdict: str) -> None:
+    sandbox["STUB_REAL_PYTHON"] = sys.executable
+    x = _junit(tmp_path / "j.xml", 15 + (junit == "good"), unnamed=int(junit == "killed"), collected=16)
+    r = bash(f'tests_result tests "{x}" {rc}; echo "status=$?"', sandbox)
+    lines = r.stdout.splitlines()
+    assert re.fullmatch(rf"RESULT tests rc={rc} {verdict}.* at \d+ s", lines[0]), r.stdout + r.stderr
+    assert lines[-1] == f"status={0 if verdict == 'pass' else 1}"
+
+
+def test_prefill7_calls_a_killed_run_a_failure(sandbox: dict[str, str], tmp_path: Path) -> None:
+    """prefill7.sh end to end on the stubs: pytest killed at its cap (rc 137, junit 15 + unnamed)."""
+    (tmp_path / "scripts").symlink_to(ROOT / "scripts")
+    sandbox.update(STUB_REAL_PYTHON=sys.executable, STUB_PYTEST_RC="137",
+                   STUB_JUNIT=str(_junit(tmp_path / "killed.xml", 15, unnamed=1, collected=16)))
+    r = _run_script("prefill7.sh", sandbox)
+    assert r.returncode == 137, r.stdout + r.stderr
+    assert re.search(r"^RESULT tests rc=137 FAIL", r.stdout, re.M), r.stdout
+    res = json.loads((Path(sandbox["OUT"]) / "prefill7.json").read_text())
+    assert res["checks"]["gpu_tests_pass"] is False and res["tests"]["unnamed"] == 1
+    assert "prefill: not in STEPS" in r.stdout
+    assert any("--junitxml" in c and "test_gpu_prefill_plan_flash_matches_oracle" in c for c in calls(sandbox))
+
+
+def test_prefill7_tests_fit_the_call() -> None:
+    """The tests' cap fits one call: set-up + TEST_CAP + the kill grace + the summary ≤ BUDGET ≤ 300 s,
+    and it exceeds today's 156 s of tests before the one the old cap cut."""
+    text = (GPU / "prefill7.sh").read_text()
+    budget = int(re.search(r'BUDGET:=(\d+)', text).group(1))
+    cap = int(re.search(r'TEST_CAP:=(\d+)', text).group(1))
+    grace = int(re.search(r'timeout -s INT -k (\d+) "\$t" python3 -m pytest', text).group(1))
+    assert budget <= 300 and 10 + cap + grace + 15 <= budget and cap >= 156 + 60
+
+
+def test_pytest_junit_records_the_collected_count(tmp_path: Path) -> None:
+    """tests/conftest.py as a plugin of a real pytest: the junit's `collected` property; a run
+    interrupted in its second test (SIGINT, as `timeout -s INT` at the cap) is a failure, a whole run a pass."""
+    jv = _gpu_module("junit_verdict")
+    mark = tmp_path / "b_started"
+    (tmp_path / "test_sleepy.py").write_text(
+        "import os, time\n\ndef test_a():\n    pass\n\ndef test_b():\n    open(os.environ['MARK'], 'w').close()\n"
+        "    time.sleep(float(os.environ['NAP']))\n\ndef test_c():\n    pass\n")
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'tests'}:{os.environ.get('PYTHONPATH', '')}", MARK=str(mark))
+
+    def run(nap: float, interrupt: bool) -> tuple[int, Path]:
+        junit = tmp_path / f"nap{nap}.xml"
+        mark.unlink(missing_ok=True)
+        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
+                                 "--rootdir", str(tmp_path), "-c", os.devnull, "--junitxml", str(junit),
+                                 str(tmp_path / "test_sleepy.py")], cwd=tmp_path, env=dict(env, NAP=str(nap)),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while interrupt and proc.poll() is None and not mark.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if interrupt and proc.poll() is None:
+                time.sleep(0.5)
+                proc.send_signal(2)
+            out, _ = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert junit.exists(), out
+        return proc.returncode, junit
+
+    rc, junit = run(0, interrupt=False)
+    assert rc == 0 and jv.verdict(junit, rc)["pass"] is True and jv.verdict(junit, rc)["collected"] == 3
+    rc, junit = run(60, interrupt=True)
+    v = jv.verdict(junit, rc)
+    assert rc != 0 and v["pass"] is False and v["collected"] == 3 and v["total"] < 3, v
+
+
+def test_mhc_mix_fit_from_a_sweep() -> None:
+    """benchmarks/mhc_mix.py's threshold fit: the smallest swept T > 1 from which `dot` wins at every
+    larger T (today's four H200 points give 1,024, the value of mhc_ops.MIX_DOT_MIN_TOKENS)."""
+    spec = importlib.util.spec_from_file_location("mhc_mix_bench", ROOT / "benchmarks" / "mhc_mix.py")
+    mm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mm)
+    from sglang_dsv41.runtime import mhc_ops
+
+    def rows(points):
+        return [dict(tokens=t, coefficients_dot_us=d, coefficients_rows_us=r) for t, d, r in points]
+
+    today = mm.fit(rows([(1, 98.4, 115.5), (64, 135.4, 92.0), (1024, 239.3, 268.1), (8192, 1726.9, 1946.5)]), 1024)
+    assert today == dict(fit_dot_min_tokens=1024, threshold_now=1024, swept=[64, 1024, 8192], dot_faster_at=[1, 1024, 8192],
+                         rows_faster_at=[64])
+    assert today["fit_dot_min_tokens"] == mhc_ops.MIX_DOT_MIN_TOKENS
+    assert mm.fit(rows([(2, 1, 2), (128, 1, 2), (256, 2, 1), (512, 1, 2), (8192, 1, 2)]), 0)["fit_dot_min_tokens"] == 512
+    assert mm.fit(rows([(2, 1, 2), (8192, 2, 1)]), 0)["fit_dot_min_tokens"] is None
+    assert mm.fit(rows([(1, 1, 2), (2, 1, 2), (64, 1, 2)]), 0)["fit_dot_min_tokens"] == 2
+    assert set(mm.TOKENS) == {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 8192}

@@ -11,7 +11,11 @@ What is pinned:
   carried pre and with `carried_pre=None` = stream 0), and at most 1 % of them differ; BF16
   rounding is bit arithmetic, so the interpreter gives the compiled bits too;
 * batch invariance: a row of a batch == the row alone, bitwise, for every op (and for each
-  partial-dot kernel of `K.MIX_KERNELS` at the edges of its token tiles, T = 40);
+  partial-dot kernel of `K.MIX_KERNELS` at the edges of its token tiles, T = 40), in the
+  deterministic configuration (`TritonMhc(deterministic=True)`: one kernel at every T);
+* `auto` (the serving default) runs `mhc_ops.mix_for_tokens`'s kernel per call — bit for bit that
+  kernel's output on both sides of MIX_DOT_MIN_TOKENS (lowered for the interpreter) — and the two
+  kernels agree within 2 × the bound; the choice logic (env, deterministic pinning) on CPU;
 * BF16-typed residual / sublayer output are read like the reference's `.to(fp32)`;
 * the runtime's CPU implementation (`mhc_ops.TorchMhc`) equals the reference bit for bit, `mhc_for` raises for other devices;
   the kernels raise for CPU tensors without the interpreter;
@@ -19,7 +23,9 @@ What is pinned:
   the stream kernels, IEEE fp32 division / square root and no float64 at all in the coefficient
   kernels, and no register spills.
 GPU (`gpu` marker): the same bounds at tiny and Flash widths (hc = 4, H = 4096, T = 1 / 7 / 64),
-batch invariance at T = 64, both partial-dot kernels (`MIX_KERNELS`) at T = 300, and a CUDA-graph capture + replay of the ops == eager, bitwise.
+batch invariance at T = 64, both partial-dot kernels (`MIX_KERNELS`) at T = 300, `auto` dispatch at Flash
+width on both sides of the threshold, whether `dot` and `rows` agree bitwise (printed: the reason
+deterministic mode pins one), and CUDA-graph captures (T = 7 and MIX_DOT_MIN_TOKENS, `auto`) + replay == eager, bitwise.
 
 Kernel cases run in a child pytest with TRITON_INTERPRET=1 (the interpreter must be enabled
 before triton is first imported); with CUDA they run here, compiled.
@@ -62,7 +68,7 @@ class Shaped:
         return self.impl.collapse(residual, pre)
 
 
-KO = Shaped(mhc_ops.TritonMhc())       # the kernels, through the runtime's CUDA implementation
+KO = Shaped(mhc_ops.TritonMhc(deterministic=True))   # the kernels through the runtime's CUDA implementation (one kernel)
 
 
 def hc_case(T: int, hc: int, H: int, seed: int, device: str = DEVICE) -> dict:
@@ -178,6 +184,33 @@ if KERNEL_HERE:
             for name in ("pre", "post", "comb"):
                 assert torch.equal(getattr(alone, name), getattr(got, name)[t:t + 1]), (mix, name, t)
 
+    def test_kernel_case_auto_runs_the_kernel_of_the_token_count(monkeypatch) -> None:
+        """`auto` at T = 1, 20 and 40 with the threshold lowered to 32: each call == the kernel
+        `mix_for_tokens` names, bitwise (1, 40: `dot`; 20: `rows`); `dot` and `rows` within 2 × the
+        bound of each other."""
+        monkeypatch.setattr(mhc_ops, "MIX_DOT_MIN_TOKENS", 32)
+        c = hc_case(40, 4, 96, seed=22)
+        auto = Shaped(mhc_ops.TritonMhc("auto"))
+        kernels = {m: Shaped(mhc_ops.TritonMhc(m)) for m in K.MIX_KERNELS}
+        assert [mhc_ops.mix_for_tokens(T) for T in (1, 20, 31, 32, 40)] == ["dot", "rows", "rows", "dot", "dot"]
+        for T in (1, 20, 40):
+            part = {k: v[:T] if k in PER_TOKEN else v for k, v in c.items()}
+            got = coefficients(auto, part)
+            want = coefficients(kernels[mhc_ops.mix_for_tokens(T)], part)
+            for name in ("pre", "post", "comb"):
+                assert torch.equal(getattr(got, name), getattr(want, name)), (T, name)
+        dot, rows = coefficients(kernels["dot"], c), coefficients(kernels["rows"], c)
+        for name in ("pre", "post", "comb"):
+            assert float((getattr(dot, name) - getattr(rows, name)).abs().max()) <= 2 * K.COEFFICIENT_BOUND, name
+
+    def test_kernel_case_deterministic_batch_invariant_across_the_threshold(monkeypatch) -> None:
+        """Deterministic mode (one kernel) with the threshold lowered to 8: rows of T = 20 (what
+        `auto` would run with `rows`) == the rows alone (what `auto` would run with `dot`), bitwise."""
+        monkeypatch.setattr(mhc_ops, "MIX_DOT_MIN_TOKENS", 8)
+        det = mhc_ops.TritonMhc(deterministic=True)
+        assert det.mix == mhc_ops.DETERMINISTIC_MIX and {det.mix_for(T) for T in (1, 2, 7, 8, 20)} == {det.mix}
+        check_batch_invariance(hc_case(20, 4, 64, seed=23), rows=[0, 5, 19])
+
     def test_kernel_case_bf16_inputs_read_as_fp32() -> None:
         c = hc_case(3, 4, 64, seed=5)
         co = reference_coefficients(c)
@@ -209,7 +242,7 @@ if not K.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        run_kernel_cases_in_interpreter(__file__, min_passed=15, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=17, exact=True)
 
     def test_cpu_without_interpreter_raises() -> None:
         c = hc_case(1, 4, 64, seed=0, device="cpu")
@@ -226,12 +259,34 @@ if not K.INTERPRETED:
             assert torch.equal(out, expected[name]), name
 
     def test_mix_kernel_choice(monkeypatch) -> None:
-        """SGLANG_DSV41_MHC_MIX picks the partial-dot kernel of a TritonMhc (default `dot`); an unknown
-        value raises, at build and in the kernel wrapper."""
+        """SGLANG_DSV41_MHC_MIX picks the partial-dot kernel of a TritonMhc: default `auto` (per call:
+        `dot` at 1 and ≥ MIX_DOT_MIN_TOKENS tokens, `rows` between), DETERMINISTIC_MIX in deterministic
+        mode; `dot` / `rows` forced at every T; `auto` with deterministic and an unknown value raise,
+        at build and in the kernel wrapper."""
+        assert mhc_ops.MIX_CHOICES == ("auto", *K.MIX_KERNELS) and mhc_ops.DETERMINISTIC_MIX in K.MIX_KERNELS
+        n = mhc_ops.MIX_DOT_MIN_TOKENS
+        assert n > 2
         monkeypatch.delenv(mhc_ops.MHC_MIX_ENV, raising=False)
-        assert mhc_ops.TritonMhc().mix == "dot" == K.MIX_KERNELS[0]
-        monkeypatch.setenv(mhc_ops.MHC_MIX_ENV, "rows")
-        assert mhc_ops.TritonMhc().mix == "rows" and mhc_ops.TritonMhc("dot").mix == "dot"
+        auto = mhc_ops.TritonMhc()
+        assert auto.mix == "auto" and mhc_ops.mhc_for.__defaults__[-1] is False
+        assert [auto.mix_for(T) for T in (0, 1, 2, 64, n - 1, n, 8192)] == ["dot", "dot", "rows", "rows", "rows",
+                                                                             "dot", "dot"]
+        det = mhc_ops.TritonMhc(deterministic=True)
+        assert {det.mix_for(T) for T in (1, 2, 64, n - 1, n, 8192)} == {mhc_ops.DETERMINISTIC_MIX}
+        for forced in K.MIX_KERNELS:
+            monkeypatch.setenv(mhc_ops.MHC_MIX_ENV, forced)
+            for deterministic in (False, True):
+                impl = mhc_ops.TritonMhc(deterministic=deterministic)
+                assert {impl.mix_for(T) for T in (1, 2, 64, n, 8192)} == {forced}
+        assert mhc_ops.TritonMhc("dot").mix == "dot"
+        monkeypatch.setenv(mhc_ops.MHC_MIX_ENV, "auto")
+        assert mhc_ops.TritonMhc().mix == "auto"
+        with pytest.raises(ValueError, match="not batch invariant"):
+            mhc_ops.TritonMhc(deterministic=True)
+        with pytest.raises(ValueError, match="not batch invariant"):
+            mhc_ops.TritonMhc("auto", deterministic=True)
+        with pytest.raises(ValueError, match="expected one of"):
+            mhc_ops.TritonMhc("tiles")
         monkeypatch.setenv(mhc_ops.MHC_MIX_ENV, "tiles")
         with pytest.raises(ValueError, match="SGLANG_DSV41_MHC_MIX"):
             mhc_ops.TritonMhc()
@@ -305,21 +360,44 @@ def test_gpu_mix_kernels_at_prefill_rows(mix: str) -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_dispatch_uses_kernels() -> None:
+def test_gpu_dispatch_uses_kernels(monkeypatch) -> None:
+    """The serving default (`auto`) runs `mix_for_tokens`'s kernel at T = 1, 7 and
+    MIX_DOT_MIN_TOKENS (Flash width), bit for bit; deterministic mode runs DETERMINISTIC_MIX."""
+    monkeypatch.delenv(mhc_ops.MHC_MIX_ENV, raising=False)
+    big = hc_case(mhc_ops.MIX_DOT_MIN_TOKENS, 4, 4096, seed=16, device="cuda")
+    runtime = mhc_ops.mhc_for(torch.device("cuda"))
+    assert isinstance(runtime, mhc_ops.TritonMhc) and runtime.mix == "auto"
+    assert mhc_ops.mhc_for(torch.device("cuda"), deterministic=True).mix == mhc_ops.DETERMINISTIC_MIX
+    for T in (1, 7, mhc_ops.MIX_DOT_MIN_TOKENS):
+        part = {k: v[:T] if k in PER_TOKEN else v for k, v in big.items()}
+        mine = coefficients(Shaped(runtime), part)
+        want = coefficients(Shaped(mhc_ops.TritonMhc(mhc_ops.mix_for_tokens(T))), part)
+        assert all(torch.equal(getattr(mine, n), getattr(want, n)) for n in ("pre", "post", "comb")), T
     c = hc_case(7, 4, 4096, seed=12, device="cuda")
     co = coefficients(KO, c)
-    runtime = mhc_ops.mhc_for(torch.device("cuda"))
-    assert isinstance(runtime, mhc_ops.TritonMhc)
-    mine = coefficients(Shaped(runtime), c)
-    assert torch.equal(mine.comb, co.comb) and torch.equal(mine.pre, co.pre)
     assert torch.equal(runtime.residual_update(c["R"], c["y"], co), K.hc_residual_update(c["R"], c["y"], co.post,
                                                                                           co.comb))
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_replay_equals_eager() -> None:
-    c = hc_case(7, 4, 4096, seed=13, device="cuda")
-    fresh = hc_case(7, 4, 4096, seed=14, device="cuda")
+def test_gpu_dot_and_rows_bitwise_agreement_at_flash_width() -> None:
+    """Whether `dot` and `rows` give the same bits (the reason deterministic mode pins one kernel):
+    printed; within 2 × the bound of each other either way."""
+    c = hc_case(64, 4, 4096, seed=17, device="cuda")
+    dot, rows = (coefficients(Shaped(mhc_ops.TritonMhc(m)), c) for m in ("dot", "rows"))
+    diff = {n: float((getattr(dot, n) - getattr(rows, n)).abs().max()) for n in ("pre", "post", "comb")}
+    differing = sum(int((getattr(dot, n) != getattr(rows, n)).sum()) for n in ("pre", "post", "comb"))
+    print(f"[mhc dot vs rows] T = 64 Flash width: max |Δ| {diff}, {differing} coefficients differ bitwise")
+    assert max(diff.values()) <= 2 * K.COEFFICIENT_BOUND, diff
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [7, mhc_ops.MIX_DOT_MIN_TOKENS], ids=["rows_side", "dot_side"])
+def test_gpu_cuda_graph_replay_equals_eager(T: int, monkeypatch) -> None:
+    """`auto` captured at T (a graph per batch size, as SGLang's) replays == eager, bitwise."""
+    monkeypatch.delenv(mhc_ops.MHC_MIX_ENV, raising=False)
+    c = hc_case(T, 4, 4096, seed=13, device="cuda")
+    fresh = hc_case(T, 4, 4096, seed=14, device="cuda")
 
     runtime = Shaped(mhc_ops.mhc_for(torch.device("cuda")))
 

@@ -19,14 +19,14 @@ own stated bound:
    equal: float64 head sum);
 2. batch invariance of the whole CUDA forward in deterministic mode (`--enable-deterministic-inference`:
    one attention key split, packed rows at prefill, W8A16 FP8 linears, BF16-weight rows in 128-row
-   blocks; `TorchForward(deterministic=True)`): the packed scenarios give every request bit for bit
+   blocks, one mHC coefficient kernel (`mhc_ops.DETERMINISTIC_MIX`); `TorchForward(deterministic=True)`): the packed scenarios give every request bit for bit
    the logits of that request run alone in one shot — chunking, batching and prefix caching change
    nothing on CUDA (as on CPU, where both equal the reference); the prefill workspace's size rule
    lowered to `WORKSPACE_MIN_QUERIES`, no batch takes it;
 3. the serving default (split-KV `plan_decode_config` attention: a query's bits depend on its
    batch's size; the BF16 prefill workspace, its size rule lowered to `WORKSPACE_MIN_QUERIES` so
    every batch but the decode-only one takes it; W8A8 FP8 linears; BF16-weight rows in one GEMM;
-   GPU only): the same scenarios within the numerics contract of each request alone —
+   the mHC coefficient kernel by token count (`auto`); GPU only): the same scenarios within the numerics contract of each request alone —
    |Δlogit| ≤ `SERVING_VS_ALONE_BOUND` = 2 × `LOGIT_BOUND` (the contract holds each serving run
    within `LOGIT_BOUND` of the reference, tests/test_runtime_numerics_contract.py) and top-1
    agreement ≥ `MIN_TOP1_AGREEMENT`; the scenario's last batch (4 decode tokens) plans key splits
@@ -55,7 +55,7 @@ from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
 from sglang_dsv41.kernels import indexer as kernel_indexer
 from sglang_dsv41.kernels import sparse_attention as kernel_attention
-from sglang_dsv41.runtime import attention_ops
+from sglang_dsv41.runtime import attention_ops, mhc_ops
 from sglang_dsv41.runtime import attention_prefill as AP
 from sglang_dsv41.runtime.backend import ExactTorchBackend
 from sglang_dsv41.runtime.forward import TorchForward
@@ -244,6 +244,7 @@ def test_packed_chunked_and_prefix_batches_equal_each_request_alone(models, refe
     dispatch = _count_dispatch(monkeypatch, on_device, deterministic=True)
     assert INTERPRETED or (on_device.attention_ops.splits, on_device.attention_ops.prefill) == ("one", "packed")
     assert INTERPRETED or not on_device.backend.dense.whole_rows
+    assert INTERPRETED or on_device.mhc.mix == mhc_ops.DETERMINISTIC_MIX     # one mHC kernel at every batch size
     got = run_scenario(on_device, scenario_caches(on_device, DEVICE), DEVICE, decode)
     assert len(dispatch["attend"]) == BATCHES * cfg.text.num_hidden_layers
     assert not dispatch["workspace"], "deterministic mode took the prefill workspace"
@@ -278,7 +279,7 @@ def test_serving_default_batches_match_each_request_alone_within_the_contract(ti
     serving = runtime_engine(tiny_checkpoint, DEVICE, deterministic=False)
     ops = serving.attention_ops
     assert (ops.splits, ops.prefill, serving.backend.fp8_gemm) == ("decode", "bf16", "w8a8_f16")
-    assert serving.backend.dense.whole_rows
+    assert serving.backend.dense.whole_rows and serving.mhc.mix == "auto"     # mHC kernel by token count
     monkeypatch.setattr(AP, "PREFILL_MIN_QUERIES", WORKSPACE_MIN_QUERIES)
     decode = fixed_decode_tokens()
     dispatch = _count_dispatch(monkeypatch, serving, deterministic=False)

@@ -13,7 +13,7 @@
 #      path) and `flashmla`; flashmla's attention output against default's (scale ulps) and its selection;
 #   3. $OUT/flashmla.json (scripts/gpu/flashmla_summary.py): tests, per variant tokens/s, walls, components,
 #      the attention kernels by name, and `checks`. Everything also in $OUT/all.tgz.
-# A pass: `checks` all true — GPU tests pass; both variants profiled; flashmla's attention device ms below
+# A pass: `checks` all true — GPU tests pass (pytest rc 0, every collected test reported: junit_verdict.py); both variants profiled; flashmla's attention device ms below
 # default's; the same indexer selection. The tokens/s of `flashmla` against the 400k target and default's
 # (≈ 194k) is the measurement (docs/performance.md), not a pass condition.
 # Run from the checkout root with `.gpu` carried. Every step is capped; the script ends within BUDGET
@@ -36,9 +36,10 @@ for step in ${STEPS:-tests prefill}; do
              --budget-s "$b" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode_step.log" | grep -v "^ " | tail -24 ;;
     *) echo "unknown step $step"; continue ;;
   esac
-  echo "RESULT $step rc=${PIPESTATUS[0]} at $((SECONDS - T0)) s"
+  r=${PIPESTATUS[0]}
+  if [ "$step" = tests ]; then TESTS_RC=$r; tests_result tests "$OUT/gpu_tests.xml" "$r"; else result "$step" rc="$r"; fi
 done
-timeout 15 python3 scripts/gpu/flashmla_summary.py "$OUT"
+timeout 15 python3 scripts/gpu/flashmla_summary.py "$OUT" "${TESTS_RC:-}"
 (cd "$OUT" && tar czf all.tgz $(ls gpu_tests.log gpu_tests.xml decode_step.log decode_step.json decode_step.png \
    prefill_profile.json prefill_profile.png flashmla.json 2>/dev/null) \
    && rm -f gpu_tests.log gpu_tests.xml decode_step.log decode_step.png)

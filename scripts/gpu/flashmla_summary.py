@@ -4,7 +4,7 @@ variant by name (device µs, launches: from the profile's first pass), the flash
 comparison lines (gpu_tests.log), and the checks of a pass (`checks`: name → true / false). A missing
 or malformed file is recorded as an error entry, never raised. Printed too; exit status 0.
 
-    python scripts/gpu/flashmla_summary.py OUT_DIR
+    python scripts/gpu/flashmla_summary.py OUT_DIR [TESTS_RC]    # TESTS_RC: pytest's exit status
 """
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ def checks(result: dict) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    out = Path(argv[0])
-    result = s5.collect(out, (("tests", s5.tests), ("prefill", s5.prefill), ("kernels", kernels),
+    out, rc = Path(argv[0]), (argv[1] if len(argv) > 1 else None)
+    result = s5.collect(out, (("tests", lambda o: s5.tests(o, rc)), ("prefill", s5.prefill), ("kernels", kernels),
                               ("comparison", comparison)))
     result["checks"] = checks(result)
     (out / "flashmla.json").write_text(json.dumps(result, indent=1))

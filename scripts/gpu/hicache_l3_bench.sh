@@ -14,10 +14,9 @@ gpu_setup
 CK=/tmp/tiny
 tiny_checkpoint $CK || exit 4
 fails=0
-timeout -s INT -k 20 ${TEST_CAP:-330} python3 -m pytest -q -p no:cacheprovider \
+timeout -s INT -k 20 ${TEST_CAP:-330} python3 -m pytest -q -p no:cacheprovider --junitxml "$OUT/tests.xml" \
     tests/test_runtime_hicache_storage_server.py tests/test_runtime_hicache_server.py 2>&1 | tail -25 | tee "$OUT/tests.txt"
-grep -q " passed" "$OUT/tests.txt" && ! grep -q -e " failed" -e " error" "$OUT/tests.txt" || fails=$((fails + 1))
-result hicache_server_tests
+tests_result hicache_server_tests "$OUT/tests.xml" "${PIPESTATUS[0]}" || fails=$((fails + 1))
 timeout ${BENCH_CAP:-220} python3 benchmarks/hicache.py --model-path $CK --device cuda --device-tokens 1024 \
     --sessions 16 --turns 6 --first 128 --user 32 --reply 16 \
     --on-flags "--hicache-write-policy write_through --hicache-io-backend kernel --hicache-ratio 4" \

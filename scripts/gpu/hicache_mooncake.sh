@@ -15,7 +15,7 @@
 # started within 30 s of call 1's return. Call 2 unpacks the staged store over /tmp/site and exits 5
 # naming what is missing when it was not staged (or the machine was given back in between).
 # Run from the checkout root. Every step is capped (BUDGET, default 290 s); the test stops what it
-# starts. Pass: "2 passed" in tests.txt and "RESULT hicache_mooncake ok=1".
+# starts. Pass: "RESULT hicache_mooncake_tests rc=0 pass" (pytest rc 0, both tests in tests.xml) and "RESULT hicache_mooncake ok=1".
 set -uo pipefail
 # shellcheck source=scripts/gpu/lib.sh
 source "$(dirname "$0")/lib.sh"
@@ -38,10 +38,12 @@ fi
 have_store || { tail -3 /tmp/mc_imports.log
   echo "RESULT hicache_mooncake missing the Mooncake store (not staged: see this script's header for the two calls)"; exit 5; }
 timeout -s INT -k 20 "$(left 20)" python3 -m pytest -q -p no:cacheprovider --basetemp=/tmp/hc_mc \
-    tests/test_runtime_hicache_mooncake_server.py --durations=5 2>&1 | tail -25 | tee "$OUT/tests.txt"
+    --junitxml "$OUT/tests.xml" tests/test_runtime_hicache_mooncake_server.py --durations=5 2>&1 | tail -25 \
+    | tee "$OUT/tests.txt"
+trc=${PIPESTATUS[0]}
 for f in /tmp/hc_mc/mc_a0/server.log /tmp/hc_mc/mc_b0/server.log /tmp/hc_mc/mooncake0/master.log; do
   [ -f "$f" ] && grep -v "^Ignore import error" "$f" | tail -c 200000 > "$OUT/$(basename "$(dirname "$f")")_$(basename "$f")"
 done
-grep -q " 2 passed" "$OUT/tests.txt" && ! grep -q -e " failed" -e " error" "$OUT/tests.txt"; ok=$?
-result hicache_mooncake ok=$((1 - ok))
+tests_result hicache_mooncake_tests "$OUT/tests.xml" "$trc" 2; ok=$?     # rc 0 and both tests reported
+result hicache_mooncake ok=$((ok == 0))
 exit $ok

@@ -24,6 +24,11 @@
 #                    0 once URL answers with a 2xx (curl -sf); 1 after SECONDS, or once PID exited
 #   result TEXT...   the line "RESULT TEXT at N s" (N: seconds since T0), appended to $SUMMARY
 #                    too when SUMMARY is set
+#   tests_result NAME JUNIT RC [EXPECTED]
+#                    the verdict of a pytest run (scripts/gpu/junit_verdict.py: rc 0 and the junit's
+#                    test count = the collected count (or EXPECTED), no failure / error / interrupted
+#                    entry) as `result NAME rc=RC pass` or `result NAME rc=RC FAIL: reasons`; status 0
+#                    only for a pass. A killed run (rc 124 / 137) is never a pass.
 : "${OUT:=/tmp/out}"; mkdir -p "$OUT"
 T0=$SECONDS
 GPU_LIB_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -98,4 +103,15 @@ wait_up() {
 result() {
   local line="RESULT $* at $((SECONDS - T0)) s"
   if [ -n "${SUMMARY:-}" ]; then echo "$line" | tee -a "$SUMMARY"; else echo "$line"; fi
+}
+
+tests_result() {
+  local v st
+  v=$(timeout 20 python3 "$GPU_LIB_DIR/junit_verdict.py" "$2" "$3" ${4:+"$4"} 2>&1); st=$?
+  if [ "$st" = 0 ]; then
+    result "$1" rc="$3" pass
+  else
+    result "$1" rc="$3" "FAIL: $(printf '%s' "$v" | tail -1 | cut -c1-400)"
+  fi
+  return "$st"
 }

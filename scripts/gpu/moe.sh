@@ -30,6 +30,7 @@ for step in ${STEPS:-moe tests}; do
              --junitxml "$OUT/gpu_tests.xml" $TESTS 2>&1 | tee "$OUT/gpu_tests.log" | tail -20 ;;
     *) echo "unknown step $step"; continue ;;
   esac
-  result "$step" rc="${PIPESTATUS[0]}"
+  r=${PIPESTATUS[0]}
+  if [ "$step" = tests ]; then tests_result tests "$OUT/gpu_tests.xml" "$r"; else result "$step" rc="$r"; fi
 done
 result "done"

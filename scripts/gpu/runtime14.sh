@@ -34,21 +34,19 @@ for f in ${TESTS:-tests/test_runtime_triton_backend.py tests/test_runtime_forwar
   name=$(basename "$f" .py)
   timeout -s INT -k 10 $l python3 -m pytest -m gpu -q -s -p no:cacheprovider -rf --tb=short \
     --junitxml "$W/$name.xml" "$f" >"$W/$name.log" 2>&1
-  r=$?; [ $r = 0 ] || rc=1
-  result "$f" rc=$r "$(tail -1 "$W/$name.log" | cut -c1-160)"
+  r=$?; echo "$r" >"$W/$name.rc"
+  tests_result "$f" "$W/$name.xml" "$r" || rc=1
+  echo "  $(tail -1 "$W/$name.log" | cut -c1-160)"
   [ $r = 0 ] || grep -E "^(FAILED|ERROR|E )" "$W/$name.log" | head -12
 done
 timeout 20 python3 - "$W" <<'PY'
-import json, re, sys, xml.etree.ElementTree as ET
+import json, re, sys
 from pathlib import Path
+sys.path.insert(0, "scripts/gpu")
+import junit_verdict                            # rc 0 + every collected test reported, none failed
 w = Path(sys.argv[1]); summary = {}
-for x in sorted(w.glob("*.xml")):
-    try:
-        cases = list(ET.parse(x).getroot().iter("testcase"))
-        bad = [c.get("name") for c in cases if c.find("failure") is not None or c.find("error") is not None]
-        summary[x.stem] = dict(total=len(cases), failed=bad, skipped=sum(c.find("skipped") is not None for c in cases))
-    except Exception as e:
-        summary[x.stem] = dict(error=f"no junit result: {e}")
+for r in sorted(w.glob("test_*.rc")):
+    summary[r.stem] = junit_verdict.verdict(w / f"{r.stem}.xml", r.read_text().strip())
 lines = [l.strip() for log in w.glob("test_*.log") for l in log.read_text(errors="replace").splitlines()
          if re.search(r"teacher-forced|float64 on the CUDA forward", l)]
 summary["contract_lines"] = lines[:8]

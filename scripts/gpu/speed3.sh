@@ -36,18 +36,16 @@ for step in ${STEPS:-tests fp8 decode}; do
              --budget-s "$b" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode_step.log" | tail -8 ;;
     *) echo "unknown step $step"; continue ;;
   esac
-  result "$step" rc="${PIPESTATUS[0]}"
+  r=${PIPESTATUS[0]}
+  if [ "$step" = tests ]; then TESTS_RC=$r; tests_result tests "$OUT/gpu_tests.xml" "$r"; else result "$step" rc="$r"; fi
 done
-timeout 20 python3 - "$OUT" <<'PY'
+timeout 20 python3 - "$OUT" "${TESTS_RC:-}" <<'PY'
 import json, re, sys, xml.etree.ElementTree as ET
 from pathlib import Path
 out = Path(sys.argv[1]); summary = {}
-try:
-    cases = list(ET.parse(out / "gpu_tests.xml").getroot().iter("testcase"))
-    bad = [f"{c.get('classname')}::{c.get('name')}" for c in cases if c.find("failure") is not None or c.find("error") is not None]
-    summary["tests"] = dict(total=len(cases), failed=bad, skipped=sum(c.find("skipped") is not None for c in cases))
-except Exception as e:
-    summary["tests"] = dict(error=f"no junit result: {e}")
+sys.path.insert(0, "scripts/gpu")
+import junit_verdict                            # rc 0 + every collected test reported, none failed
+summary["tests"] = junit_verdict.verdict(out / "gpu_tests.xml", sys.argv[2])
 log = out / "gpu_tests.log"
 if log.exists():
     summary["contract_lines"] = [l.strip() for l in log.read_text(errors="replace").splitlines()

@@ -37,9 +37,10 @@ for step in ${STEPS:-tests decode}; do
              --budget-s "$b" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode_step.log" | grep -v "^ " | tail -24 ;;
     *) echo "unknown step $step"; continue ;;
   esac
-  result "$step" rc="${PIPESTATUS[0]}"
+  r=${PIPESTATUS[0]}
+  if [ "$step" = tests ]; then TESTS_RC=$r; tests_result tests "$OUT/gpu_tests.xml" "$r"; else result "$step" rc="$r"; fi
 done
-timeout 15 python3 scripts/gpu/speed4_summary.py "$OUT"
+timeout 15 python3 scripts/gpu/speed4_summary.py "$OUT" "${TESTS_RC:-}"
 # at most 8 files come back from $OUT: the logs and the junit file travel as one archive
 (cd "$OUT" && tar czf logs.tar.gz $(ls gpu_tests.log gpu_tests.xml decode_step.log 2>/dev/null) \
    && rm -f gpu_tests.log gpu_tests.xml decode_step.log)

@@ -2,25 +2,25 @@
 decode_step_variants.json, decode_step_profile_graph.json); a missing or malformed file is recorded
 as an error entry, never raised. Printed too.
 
-    python scripts/gpu/speed4_summary.py OUT_DIR
+    python scripts/gpu/speed4_summary.py OUT_DIR [TESTS_RC]    # TESTS_RC: pytest's exit status
 """
 from __future__ import annotations
 
 import json
 import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import junit_verdict  # noqa: E402
 
 
 def _r(v, nd=1):
     return round(v, nd) if isinstance(v, (int, float)) else v
 
 
-def tests(out: Path) -> dict:
-    cases = list(ET.parse(out / "gpu_tests.xml").getroot().iter("testcase"))
-    bad = [f"{c.get('classname')}::{c.get('name')}" for c in cases
-           if c.find("failure") is not None or c.find("error") is not None]
-    return dict(total=len(cases), failed=bad, skipped=sum(c.find("skipped") is not None for c in cases))
+def tests(out: Path, rc: int | str | None = None) -> dict:
+    """junit_verdict's verdict of gpu_tests.xml with pytest's exit status `rc` (None: unknown, never a pass)."""
+    return junit_verdict.verdict(out / "gpu_tests.xml", rc)
 
 
 def decode(out: Path) -> dict:
@@ -62,9 +62,9 @@ def profile(out: Path) -> list[dict]:
 
 
 def main(argv: list[str]) -> int:
-    out = Path(argv[0])
+    out, rc = Path(argv[0]), (argv[1] if len(argv) > 1 else None)
     summary = {}
-    for key, fn in (("tests", tests), ("decode", decode), ("variants", variants), ("profile", profile)):
+    for key, fn in (("tests", lambda o: tests(o, rc)), ("decode", decode), ("variants", variants), ("profile", profile)):
         try:
             summary[key] = fn(out)
         except Exception as exc:

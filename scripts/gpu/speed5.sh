@@ -42,9 +42,10 @@ for step in ${STEPS:-tests prefill}; do
              ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode_step.log" | grep -v "^ " | tail -24 ;;
     *) echo "unknown step $step"; continue ;;
   esac
-  result "$step" rc="${PIPESTATUS[0]}"
+  r=${PIPESTATUS[0]}
+  if [ "$step" = tests ]; then TESTS_RC=$r; tests_result tests "$OUT/gpu_tests.xml" "$r"; else result "$step" rc="$r"; fi
 done
-timeout 15 python3 scripts/gpu/speed5_summary.py "$OUT"
+timeout 15 python3 scripts/gpu/speed5_summary.py "$OUT" "${TESTS_RC:-}"
 # everything in one archive; the summary, the profile JSON and its PNG also stay beside it (≤ 8 files back)
 (cd "$OUT" && tar czf all.tgz $(ls gpu_tests.log gpu_tests.xml decode_step.log decode_step.json decode_step.png \
    prefill_profile.json prefill_profile.png speed5.json 2>/dev/null) \

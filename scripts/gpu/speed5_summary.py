@@ -4,14 +4,16 @@ device ms per component, FP8 linears (GEMM / operand passes) and agreement with 
 and the checks of a pass (`checks`: name → true / false). A missing or malformed file is recorded
 as an error entry, never raised. Printed too; exit status 0.
 
-    python scripts/gpu/speed5_summary.py OUT_DIR
+    python scripts/gpu/speed5_summary.py OUT_DIR [TESTS_RC]    # TESTS_RC: pytest's exit status
 """
 from __future__ import annotations
 
 import json
 import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import junit_verdict  # noqa: E402
 
 #: attention on the BF16 workspace against the packed rows: the kernels' stated agreement (BF16 ulps
 #: of the output scale, tests/test_kernels_sparse_attention.py)
@@ -24,11 +26,9 @@ def _ms(us):
     return round(us / 1e3, 3) if isinstance(us, (int, float)) else us
 
 
-def tests(out: Path) -> dict:
-    cases = list(ET.parse(out / "gpu_tests.xml").getroot().iter("testcase"))
-    bad = [f"{c.get('classname')}::{c.get('name')}" for c in cases
-           if c.find("failure") is not None or c.find("error") is not None]
-    return dict(total=len(cases), failed=bad, skipped=sum(c.find("skipped") is not None for c in cases))
+def tests(out: Path, rc: int | str | None = None) -> dict:
+    """junit_verdict's verdict of gpu_tests.xml with pytest's exit status `rc` (None: unknown, never a pass)."""
+    return junit_verdict.verdict(out / "gpu_tests.xml", rc)
 
 
 def prefill(out: Path) -> dict:
@@ -59,7 +59,7 @@ def base_checks(result: dict) -> tuple[dict[str, bool], dict[str, dict]]:
     profile's rows by variant."""
     out: dict[str, bool] = {}
     t = result.get("tests", {})
-    out["gpu_tests_pass"] = bool(t.get("total")) and not t.get("failed") and "error" not in t
+    out["gpu_tests_pass"] = t.get("pass") is True
     rows = {r.get("variant"): r for r in result.get("prefill", {}).get("rows", [])}
     out["every_variant_profiled"] = bool(rows) and all("components_ms" in r for r in rows.values())
     return out, rows
@@ -95,8 +95,8 @@ def collect(out: Path, parts) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    out = Path(argv[0])
-    result = collect(out, (("tests", tests), ("prefill", prefill)))
+    out, rc = Path(argv[0]), (argv[1] if len(argv) > 1 else None)
+    result = collect(out, (("tests", lambda o: tests(o, rc)), ("prefill", prefill)))
     result["checks"] = checks(result)
     (out / "speed5.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(dict(tests=result["tests"], checks=result["checks"]), indent=1))

@@ -22,6 +22,7 @@ timeout -s INT -k 5 "$(left 5)" python3 -m pytest -m gpu -q -s -p no:cacheprovid
   tests/test_runtime_forward_gpu.py tests/test_runtime_cuda_graph_gpu.py tests/test_runtime_triton_backend.py \
   >"$OUT/speed6.log" 2>&1
 rc=$?
+tests_result speed6_tests "$OUT/speed6.xml" "$rc" || { [ "$rc" != 0 ] || rc=1; }
 grep -oE "(serving default|kernel attend|kernel path on|prompt [0-9]+ tokens|\[cuda-graph\]|CUDA w8|float64 on).*" "$OUT/speed6.log" | head -30
 grep -E "^(FAILED|ERROR)" "$OUT/speed6.log" | head -20
 tail -18 "$OUT/speed6.log"

@@ -12,4 +12,4 @@ gpu_setup
 n=$(nvidia-smi -L | wc -l); [ "$n" -ge 2 ] || { echo "RESULT needs 2 GPUs, found $n"; exit 2; }
 timeout -s INT -k 15 "$BUDGET" python3 -m pytest -m gpu -q -s -p no:cacheprovider -rf --tb=short \
   --junitxml "$OUT/tp_cuda_graph.xml" tests/test_runtime_tp_cuda_graph_gpu.py ${TESTS:-} 2>&1 | tee "$OUT/tp_cuda_graph.log" | tail -25
-echo "RESULT tp_cuda_graph rc=${PIPESTATUS[0]}"
+tests_result tp_cuda_graph "$OUT/tp_cuda_graph.xml" "${PIPESTATUS[0]}"

@@ -82,7 +82,7 @@ class DSparkDraft(nn.Module):
             raise ValueError(f"{len(unowned)} DSpark weight(s) no module owns, e.g. {unowned[:4]}")
         device = self.main_norm["weight"].device
         self.backend = backend_for(device, linear_values(owned), deterministic) if backend is None else backend
-        self.mhc = mhc_for(device, self.backend.acc)
+        self.mhc = mhc_for(device, self.backend.acc, deterministic)
         self.moe = moe_for(device)
         self.markov_head.backend = self.backend
         self.confidence_head.acc = self.backend.acc

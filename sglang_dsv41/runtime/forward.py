@@ -200,7 +200,7 @@ class TorchForward(nn.Module):
         self.backend = backend_for(device, self.weights, self.deterministic) if fixed is None else fixed
         self.attention_ops = ops_for(device, self.backend.acc, self.deterministic,
                                      len(self.tp.plan(self.text).heads), self.text.head_dim)
-        self.mhc = mhc_for(device, self.backend.acc)
+        self.mhc = mhc_for(device, self.backend.acc, self.deterministic)
         self.moe = moe_for(device)
         #: per-ratio RoPE inverse frequencies on the model device, made once (no host → device
         #: copy inside a forward: CUDA graphs cannot capture one)

@@ -7,8 +7,13 @@
 | CPU  | `TorchMhc`: the §3.2 formulas in torch, rounded as the reference (reductions and transcendentals in float64 rounded once to fp32, the elementwise steps fp32) |
 | CUDA | `TritonMhc`: `kernels.mhc` (fused Triton, fp32: 2 launches for the coefficients, 1 per other op) |
 
-CUDA's partial-dot kernel of the coefficients: SGLANG_DSV41_MHC_MIX (`kernels.mhc.MIX_KERNELS`:
-`dot` default, `rows` the per-token kernels), read when a `TritonMhc` is built.
+CUDA's partial-dot kernel of the coefficients (`kernels.mhc.MIX_KERNELS`: `dot`, `rows`):
+SGLANG_DSV41_MHC_MIX (MIX_CHOICES), read when a `TritonMhc` is built. `auto` (the serving
+default) picks per call by token count (`mix_for_tokens`: `dot` at one token and from
+MIX_DOT_MIN_TOKENS on, `rows` in between; docs/performance.md). A call's token count is fixed
+within a CUDA graph (one graph per batch size), so the choice is captured with it. The two
+kernels' coefficients differ in the last bits, so `auto` is not batch invariant: deterministic
+mode pins DETERMINISTIC_MIX (`auto` with it raises).
 
 Both are tested against `reference.mhc` (tests/test_runtime_mhc.py, tests/test_kernels_mhc.py):
 CPU bit-identical (`Fp32TorchMhc`: the numerics contract); CUDA within the bounds stated in
@@ -26,6 +31,36 @@ from ..numerics.rounding import bf16, fp32_scalar
 
 F32, F64 = torch.float32, torch.float64
 MHC_MIX_ENV = "SGLANG_DSV41_MHC_MIX"
+#: SGLANG_DSV41_MHC_MIX values: `auto` (per call, `mix_for_tokens`) or one kernel of
+#: `kernels.mhc.MIX_KERNELS` for every call
+MIX_CHOICES = ("auto", "dot", "rows")
+#: `auto`: `dot` from this many tokens on (and at one token), `rows` below (fit to the H200
+#: sweep of benchmarks/mhc_mix.py, docs/performance.md "mHC kernel by token count"; re-fit there)
+MIX_DOT_MIN_TOKENS = 1024
+#: the one partial-dot kernel of deterministic mode (batch invariant: its bits never depend on T)
+DETERMINISTIC_MIX = "dot"
+
+
+def mix_for_tokens(tokens: int) -> str:
+    """`auto`'s partial-dot kernel for a call of `tokens` rows: `dot` at ≤ 1 and ≥ MIX_DOT_MIN_TOKENS, else `rows`."""
+    return "dot" if tokens <= 1 or tokens >= MIX_DOT_MIN_TOKENS else "rows"
+
+
+def mix_choice(mix: str | None = None, deterministic: bool = False) -> str:
+    """`mix` when given, else SGLANG_DSV41_MHC_MIX, else `auto` (DETERMINISTIC_MIX when
+    `deterministic`); an unknown value, or `auto` with `deterministic`, raises."""
+    if mix is None:
+        from .backend import kernel_choice
+
+        chosen = kernel_choice(MHC_MIX_ENV, MIX_CHOICES, DETERMINISTIC_MIX if deterministic else "auto")
+    elif mix in MIX_CHOICES:
+        chosen = mix
+    else:
+        raise ValueError(f"mHC partial-dot kernel {mix!r}: expected one of {MIX_CHOICES}")
+    if chosen == "auto" and deterministic:
+        raise ValueError(f"{MHC_MIX_ENV}=auto picks the kernel by batch size (not batch invariant): "
+                         "not with --enable-deterministic-inference")
+    return chosen
 
 
 @dataclass(frozen=True)
@@ -123,21 +158,26 @@ class Fp32TorchMhc(TorchMhc):
 
 
 class TritonMhc:
-    """CUDA: the fused kernels of `kernels.mhc` (bounds stated there)."""
+    """CUDA: the fused kernels of `kernels.mhc` (bounds stated there); `mix` (MIX_CHOICES, module
+    doc) picks the coefficients' partial-dot kernel."""
 
     name = "triton"
 
-    def __init__(self, mix: str | None = None) -> None:
+    def __init__(self, mix: str | None = None, deterministic: bool = False) -> None:
         from ..kernels import mhc as kernels   # Triton is imported only where the kernels run
-        from .backend import kernel_choice
 
         self.k = kernels
-        self.mix = mix or kernel_choice(MHC_MIX_ENV, kernels.MIX_KERNELS)
+        self.mix = mix_choice(mix, deterministic)
+
+    def mix_for(self, tokens: int) -> str:
+        """The partial-dot kernel a call of `tokens` rows runs."""
+        return mix_for_tokens(tokens) if self.mix == "auto" else self.mix
 
     def coefficients(self, residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *,
                      rms_eps: float, hc_eps: float, sinkhorn_iters: int) -> HcCoefficients:
         return HcCoefficients(*self.k.hc_coefficients(residual, fn, base, scale, rms_eps=rms_eps, hc_eps=hc_eps,
-                                                      sinkhorn_iters=sinkhorn_iters, mix=self.mix))
+                                                      sinkhorn_iters=sinkhorn_iters,
+                                                      mix=self.mix_for(residual.shape[0])))
 
     def sublayer_input(self, residual: Tensor, carried_pre: Tensor | None, norm_weight: Tensor,
                        rms_eps: float) -> Tensor:
@@ -160,10 +200,11 @@ def stream_mean(residual: Tensor) -> Tensor:
     return bf16(acc / r.shape[1])
 
 
-def mhc_for(device: torch.device, acc: torch.dtype = F64) -> TorchMhc | TritonMhc:
-    """CPU → `TorchMhc` evaluating in `acc`; CUDA → `TritonMhc`; any other device raises."""
+def mhc_for(device: torch.device, acc: torch.dtype = F64, deterministic: bool = False) -> TorchMhc | TritonMhc:
+    """CPU → `TorchMhc` evaluating in `acc` (batch invariant either way); CUDA → `TritonMhc`
+    (`deterministic`: one partial-dot kernel at every batch size); any other device raises."""
     if device.type == "cpu":
         return TorchMhc() if acc == F64 else Fp32TorchMhc()
     if device.type == "cuda":
-        return TritonMhc()
+        return TritonMhc(deterministic=deterministic)
     raise ValueError(f"no mHC implementation for device '{device}' (CPU → torch, CUDA → Triton kernels)")
