@@ -1,0 +1,65 @@
+"""The scheduler's switch interval with a HiCache storage tier (runtime/hicache_gil.py; docs/hicache.md
+"L3 and the GIL"): set by the stack build only when a storage backend is configured, to
+`DEFAULT_MS` or `SGLANG_DSV41_HICACHE_SWITCH_INTERVAL_MS`, left alone with `off`, a bad value refused
+naming the variable, logged each way. The server side (the line in a storage server's log, from
+its scheduler process) is asserted in tests/test_runtime_hicache_storage_server.py."""
+from __future__ import annotations
+
+import logging
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_dsv41.runtime import hicache_gil, hicache_stack
+
+
+@pytest.fixture(autouse=True)
+def _restore_interval():
+    saved = sys.getswitchinterval()
+    yield
+    sys.setswitchinterval(saved)
+
+
+def test_default_is_shorter_than_cpythons_and_set_only_with_storage(caplog) -> None:
+    sys.setswitchinterval(0.005)
+    caplog.set_level(logging.INFO, logger=hicache_gil.__name__)
+    assert hicache_gil.apply(None, {}) is None and sys.getswitchinterval() == pytest.approx(0.005)
+    assert hicache_gil.DEFAULT_MS < 5.0
+    got = hicache_gil.apply("file", {})
+    assert got == pytest.approx(hicache_gil.DEFAULT_MS / 1e3) and sys.getswitchinterval() == pytest.approx(got)
+    assert "switch interval 5.000 -> 0.200 ms" in caplog.text
+
+
+def test_env_sets_or_turns_it_off(caplog) -> None:
+    sys.setswitchinterval(0.005)
+    caplog.set_level(logging.INFO, logger=hicache_gil.__name__)
+    assert hicache_gil.apply("file", {hicache_gil.ENV: "0.5"}) == pytest.approx(0.0005)
+    sys.setswitchinterval(0.005)
+    assert hicache_gil.apply("mooncake", {hicache_gil.ENV: "OFF"}) is None
+    assert sys.getswitchinterval() == pytest.approx(0.005) and "left at 5.000 ms" in caplog.text
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "fast", "nan", "1e9"])
+def test_a_bad_value_is_refused_naming_the_variable(bad) -> None:
+    with pytest.raises(RuntimeError, match=hicache_gil.ENV):
+        hicache_gil.apply("file", {hicache_gil.ENV: bad})
+
+
+def test_the_stack_build_applies_it_with_its_storage_backend(monkeypatch) -> None:
+    seen = []
+
+    class Reached(Exception):
+        pass
+
+    def fake(backend):
+        seen.append(backend)
+        raise Reached
+
+    monkeypatch.setattr(hicache_gil, "apply", fake)
+    args = SimpleNamespace(enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_io_backend="kernel",
+                           hicache_write_policy="write_through")
+    with pytest.raises(Reached):
+        hicache_stack.DeepseekV41StackStrategy().build(cache=None, kvcache=None, params=None, server_args=args,
+                                                       load_cache_event=None, storage_backend="file")
+    assert seen == ["file"]
