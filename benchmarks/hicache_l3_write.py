@@ -5,7 +5,7 @@ One server (`sglang-dsv41 serve`, `--enable-hierarchical-cache`, write_through, 
 file` on a temp directory) serves one prompt of `--prompt-tokens` random ids (1 new token); the
 directory's page files are counted every `--poll-s` from the request's end until none was added for
 `--quiet-s` (or `--cap-s` passed). Reported: KV and SWA page files, the time from the response to the
-last file, files/s and prompt tokens/s (KV pages x page size / that time), and whether every KV page
+last file (writes also run during the prefill: `request_to_last_file_s` is from the request), files/s and prompt tokens/s (KV pages x page size / that time), and whether every KV page
 arrived. `--fs-probe N` first times N writes of 3,072-byte page files through SGLang's `HiCacheFile`
 alone (no server) in the storage directory's file system, once plainly and once beside a thread that
 spins in Python (the GIL contention of a busy scheduler loop), at CPython's switch interval (5 ms) and at
@@ -156,6 +156,7 @@ def main() -> int:
                "switch_interval_env": os.environ.get("SGLANG_DSV41_HICACHE_SWITCH_INTERVAL_MS", "(unset: plugin default)"),
                "switch_interval_log": switch_line(a.log),
                "request_s": round(t0 - t_req, 3), **summarise(trace, a.prompt_tokens, page, cap_hit), "fs_probe": probe,
+               "request_to_last_file_s": round(t0 - t_req + (trace[-1][0] if trace else 0.0), 3),
                "trace": trace}
     finally:
         proc.stop()
