@@ -1,7 +1,7 @@
 """The scheduler's switch interval with a HiCache storage tier (runtime/hicache_gil.py; docs/hicache.md
 "L3 and the GIL"): set by the stack build only when a storage backend is configured, to
-`DEFAULT_MS` or `SGLANG_DSV41_HICACHE_SWITCH_INTERVAL_MS`, left alone with `off`, a bad value refused
-naming the variable, logged each way. The server side (the line in a storage server's log, from
+`DEFAULT_MS` on a GPU (CPython's on CPU) or `SGLANG_DSV41_HICACHE_SWITCH_INTERVAL_MS`, left alone with
+`off`, a bad value refused naming the variable, logged each way. The server side (the line in a storage server's log, from
 its scheduler process) is asserted in tests/test_runtime_hicache_storage_server.py."""
 from __future__ import annotations
 
@@ -24,9 +24,11 @@ def _restore_interval():
 def test_default_is_shorter_than_cpythons_and_set_only_with_storage(caplog) -> None:
     sys.setswitchinterval(0.005)
     caplog.set_level(logging.INFO, logger=hicache_gil.__name__)
-    assert hicache_gil.apply(None, {}) is None and sys.getswitchinterval() == pytest.approx(0.005)
+    assert hicache_gil.apply(None, "cuda", {}) is None and sys.getswitchinterval() == pytest.approx(0.005)
+    assert hicache_gil.apply("file", "cpu", {}) is None and sys.getswitchinterval() == pytest.approx(0.005)
+    assert "left at 5.000 ms (SGLANG_DSV41_HICACHE_SWITCH_INTERVAL_MS=unset, device cpu)" in caplog.text
     assert hicache_gil.DEFAULT_MS < 5.0
-    got = hicache_gil.apply("file", {})
+    got = hicache_gil.apply("file", "cuda", {})
     assert got == pytest.approx(hicache_gil.DEFAULT_MS / 1e3) and sys.getswitchinterval() == pytest.approx(got)
     assert "switch interval 5.000 -> 0.200 ms" in caplog.text
 
@@ -34,16 +36,16 @@ def test_default_is_shorter_than_cpythons_and_set_only_with_storage(caplog) -> N
 def test_env_sets_or_turns_it_off(caplog) -> None:
     sys.setswitchinterval(0.005)
     caplog.set_level(logging.INFO, logger=hicache_gil.__name__)
-    assert hicache_gil.apply("file", {hicache_gil.ENV: "0.5"}) == pytest.approx(0.0005)
+    assert hicache_gil.apply("file", "cpu", {hicache_gil.ENV: "0.5"}) == pytest.approx(0.0005)   # the variable wins on CPU
     sys.setswitchinterval(0.005)
-    assert hicache_gil.apply("mooncake", {hicache_gil.ENV: "OFF"}) is None
+    assert hicache_gil.apply("mooncake", "cuda", {hicache_gil.ENV: "OFF"}) is None
     assert sys.getswitchinterval() == pytest.approx(0.005) and "left at 5.000 ms" in caplog.text
 
 
 @pytest.mark.parametrize("bad", ["0", "-1", "fast", "nan", "1e9"])
 def test_a_bad_value_is_refused_naming_the_variable(bad) -> None:
     with pytest.raises(RuntimeError, match=hicache_gil.ENV):
-        hicache_gil.apply("file", {hicache_gil.ENV: bad})
+        hicache_gil.apply("file", "cuda", {hicache_gil.ENV: bad})
 
 
 def test_the_stack_build_applies_it_with_its_storage_backend(monkeypatch) -> None:
@@ -52,14 +54,14 @@ def test_the_stack_build_applies_it_with_its_storage_backend(monkeypatch) -> Non
     class Reached(Exception):
         pass
 
-    def fake(backend):
-        seen.append(backend)
+    def fake(backend, device):
+        seen.append((backend, device))
         raise Reached
 
     monkeypatch.setattr(hicache_gil, "apply", fake)
     args = SimpleNamespace(enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_io_backend="kernel",
-                           hicache_write_policy="write_through")
+                           hicache_write_policy="write_through", device="cuda")
     with pytest.raises(Reached):
         hicache_stack.DeepseekV41StackStrategy().build(cache=None, kvcache=None, params=None, server_args=args,
                                                        load_cache_event=None, storage_backend="file")
-    assert seen == ["file"]
+    assert seen == [("file", "cuda")]

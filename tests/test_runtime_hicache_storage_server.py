@@ -19,8 +19,8 @@ and a small host tier (`--hicache-ratio 2`: 1,024 host slots), write_through:
   it holds after a fault-free cold run (the failed prefetch's host slots are released); each
   failed op is logged as a warning and counted in `sglang_dsv41:hicache_storage_failures_total`; once
   the directory is back, the same server (no flush since the faults) reloads from storage again;
-* B's scheduler process (not its launcher) logs the storage threads' shorter switch interval
-  (runtime/hicache_gil.py).
+* B's scheduler process (not its launcher) sets and logs the storage threads' shorter switch interval
+  (runtime/hicache_gil.py; given through its variable: the default applies on a GPU only).
 
 The servers above pin `--page-size 2` (`requirements.PAGE_SIZE`): with a storage backend the
 plugin's default page is `STORAGE_PAGE_SIZE` (64, docs/hicache.md "L3 write throughput"), longer
@@ -70,8 +70,9 @@ def _args(page_size: int | None = PAGE_SIZE, swa_ratio: float = 0.25) -> list[st
 
 
 def _server(checkpoint: Path, store: Path, log: Path, args: list[str] | None = None) -> Server:
+    # the GPU default switch interval, given (on CPU the default leaves CPython's; runtime/hicache_gil.py)
     return Server(checkpoint, log, _args() if args is None else args,
-                  env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(store)})
+                  env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(store), hicache_gil.ENV: str(hicache_gil.DEFAULT_MS)})
 
 
 def _run(server: Server, ids: list[int]) -> dict:

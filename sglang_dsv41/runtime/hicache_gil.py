@@ -6,7 +6,9 @@ GIL with the scheduler loop, which keeps the GIL while it runs. A thread that gi
 system call waits up to the switch interval (CPython's default: 5 ms) to get it back, and one page
 file costs several such hand-offs. `apply` sets a shorter interval when a storage backend is
 configured: `SGLANG_DSV41_HICACHE_SWITCH_INTERVAL_MS` (milliseconds; `off` leaves CPython's value),
-default `DEFAULT_MS`. Called once per process, in `hicache_stack`'s stack build; logged either way.
+default `DEFAULT_MS` on a GPU device and `off` on CPU (where the forward keeps every core busy and a
+shorter interval made L3 slower, docs/hicache.md). Called once per process, in `hicache_stack`'s
+stack build; logged either way.
 """
 from __future__ import annotations
 
@@ -20,11 +22,12 @@ ENV = "SGLANG_DSV41_HICACHE_SWITCH_INTERVAL_MS"
 DEFAULT_MS = 0.2
 
 
-def interval_s(environ=os.environ) -> float | None:
-    """The switch interval (seconds) to set, or None (`off`). Raises on a value that is not a positive number."""
+def interval_s(device: str = "cuda", environ=os.environ) -> float | None:
+    """The switch interval (seconds) to set, or None (`off`; the default on a CPU `device`). Raises on
+    a value that is not a positive number."""
     raw = environ.get(ENV, "").strip().lower()
     if not raw:
-        return DEFAULT_MS / 1e3
+        return None if device == "cpu" else DEFAULT_MS / 1e3
     if raw == "off":
         return None
     try:
@@ -36,15 +39,15 @@ def interval_s(environ=os.environ) -> float | None:
     return ms / 1e3
 
 
-def apply(storage_backend: str | None, environ=os.environ) -> float | None:
+def apply(storage_backend: str | None, device: str = "cuda", environ=os.environ) -> float | None:
     """With a storage backend, set the switch interval (`interval_s`); the interval now set, or None
     when nothing changed (no storage backend, or `off`)."""
     if storage_backend is None:
         return None
-    before, want = sys.getswitchinterval(), interval_s(environ)
+    before, want = sys.getswitchinterval(), interval_s(device, environ)
     if want is None:
-        logger.info("sglang-dsv41 HiCache: storage %s; switch interval left at %.3f ms (%s=off)",
-                    storage_backend, before * 1e3, ENV)
+        logger.info("sglang-dsv41 HiCache: storage %s; switch interval left at %.3f ms (%s=%s)", storage_backend,
+                    before * 1e3, ENV, environ.get(ENV) or f"unset, device {device}")
         return None
     sys.setswitchinterval(want)
     now = sys.getswitchinterval()
