@@ -5,10 +5,12 @@ One server (`sglang-dsv41 serve`, `--enable-hierarchical-cache`, write_through, 
 file` on a temp directory) serves one prompt of `--prompt-tokens` random ids (1 new token); the
 directory's page files are counted every `--poll-s` from the request's end until none was added for
 `--quiet-s` (or `--cap-s` passed). Reported: KV and SWA page files, the time from the response to the
-last file, files/s and prompt tokens/s (KV pages x page size / that time), and whether every KV page
+last file (writes also run during the prefill: `request_to_last_file_s` is from the request), files/s and prompt tokens/s (KV pages x page size / that time), and whether every KV page
 arrived. `--fs-probe N` first times N writes of 3,072-byte page files through SGLang's `HiCacheFile`
 alone (no server) in the storage directory's file system, once plainly and once beside a thread that
-spins in Python (the GIL contention of a busy scheduler loop): per-file cost without the server. JSON
+spins in Python (the GIL contention of a busy scheduler loop), at CPython's switch interval (5 ms) and at
+the plugin's (`hicache_gil`): per-file cost without the server. The server's scheduler gets the plugin's
+switch interval unless `SGLANG_DSV41_HICACHE_SWITCH_INTERVAL_MS=off` is in the environment. JSON
 to `--out`:
 
     python benchmarks/hicache_l3_write.py --model-path /tmp/tiny --device cpu --prompt-tokens 3000 \
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shlex
 import shutil
@@ -33,9 +36,10 @@ BASE_FLAGS = ("--enable-hierarchical-cache --hicache-write-policy write_through 
               "--hicache-ratio 4 --swa-full-tokens-ratio 1.0 --enable-cache-report")
 
 
-def fs_probe(root: Path, n: int) -> dict:
+def fs_probe(root: Path, n: int, intervals_ms: tuple[float, ...] = (5.0, 0.2)) -> dict:
     """Microseconds per page file written by SGLang's `HiCacheFile.set` in `root`: alone, and beside a
-    thread spinning in Python."""
+    thread spinning in Python, at each CPython switch interval of `intervals_ms` (5 ms: CPython's
+    default; 0.2 ms: the plugin's opt-in value, `hicache_gil.TRIAL_MS`)."""
     import threading
 
     import torch
@@ -45,26 +49,38 @@ def fs_probe(root: Path, n: int) -> dict:
                                is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
                                model_name="probe")
     page = torch.arange(3072, dtype=torch.int32).to(torch.uint8)
-    out = {}
-    for mode in ("alone", "spinning_thread"):
-        where = tempfile.mkdtemp(prefix=f"probe_{mode}_", dir=root)
-        store = HiCacheFile(cfg, file_path=where)
-        stop = threading.Event()
+    out, saved = {}, sys.getswitchinterval()
+    try:
+        for ms in intervals_ms:
+            sys.setswitchinterval(ms / 1e3)
+            for mode in ("alone", "spinning_thread"):
+                where = tempfile.mkdtemp(prefix=f"probe_{mode}_", dir=root)
+                store = HiCacheFile(cfg, file_path=where)
+                stop = threading.Event()
 
-        def spin() -> None:
-            while not stop.is_set():
-                pass
+                def spin() -> None:
+                    while not stop.is_set():
+                        pass
 
-        spinner = threading.Thread(target=spin, daemon=True)
-        if mode != "alone":
-            spinner.start()
-        t = time.perf_counter()
-        for i in range(n):
-            store.set(f"{mode}{i}", page)
-        out[f"{mode}_us_per_file"] = (time.perf_counter() - t) / n * 1e6
-        stop.set()
-        shutil.rmtree(where, ignore_errors=True)
+                spinner = threading.Thread(target=spin, daemon=True)
+                if mode != "alone":
+                    spinner.start()
+                t = time.perf_counter()
+                for i in range(n):
+                    store.set(f"{mode}{i}", page)
+                key = f"{mode}_us_per_file" if ms == 5.0 else f"{mode}_us_per_file_switch_{ms:g}ms"
+                out[key] = (time.perf_counter() - t) / n * 1e6
+                stop.set()
+                shutil.rmtree(where, ignore_errors=True)
+    finally:
+        sys.setswitchinterval(saved)
     return out
+
+
+def switch_line(log: Path) -> str | None:
+    """The server's `hicache_gil` log line (what the scheduler process's switch interval is)."""
+    lines = [x for x in log.read_text(errors="replace").splitlines() if "switch interval" in x]
+    return lines[-1][-220:] if lines else None
 
 
 def count(store: Path) -> tuple[int, int]:
@@ -137,7 +153,10 @@ def main() -> int:
         trace = watch(store, t0, a.poll_s, a.quiet_s, a.cap_s)
         cap_hit = time.monotonic() - t0 >= a.cap_s
         out = {"prompt_tokens": a.prompt_tokens, "page_size": page, "device": a.device, "flags": flags,
+               "switch_interval_env": os.environ.get("SGLANG_DSV41_HICACHE_SWITCH_INTERVAL_MS", "(unset: plugin default)"),
+               "switch_interval_log": switch_line(a.log),
                "request_s": round(t0 - t_req, 3), **summarise(trace, a.prompt_tokens, page, cap_hit), "fs_probe": probe,
+               "request_to_last_file_s": round(t0 - t_req + (trace[-1][0] if trace else 0.0), 3),
                "trace": trace}
     finally:
         proc.stop()

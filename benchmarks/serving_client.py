@@ -1,5 +1,5 @@
-"""Shared HTTP serving-benchmark pieces (standard library only): a server process in its own group,
-bounded readiness waits, random-id prompts, one streamed greedy ``/generate`` with client-side TTFT
+"""Shared HTTP serving-benchmark pieces (standard library only): a server process in its own group
+(never outlives the benchmark: see `Proc`), bounded readiness waits, random-id prompts, one streamed greedy ``/generate`` with client-side TTFT
 and ITL, and a closed-loop load level. Used by `benchmarks/serving_e2e.py`, `hicache.py` (servers, waits,
 streamed requests) and `pd.py` (servers, waits).
 
@@ -9,12 +9,15 @@ decoding — counts each); output tokens/s of a level = all completion tokens / 
 """
 from __future__ import annotations
 
+import atexit
+import ctypes
 import json
 import os
 import random
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -36,28 +39,96 @@ def http(url: str, body: dict[str, Any] | None = None, timeout: float = 300) -> 
     return json.loads(raw) if raw.strip().startswith((b"{", b"[")) else raw.decode()
 
 
+#: every started `Proc` not yet stopped (stopped at exit, `_stop_live`)
+_LIVE: list["Proc"] = []
+_GUARDED = False
+
+
+def _raise_exit(signum, frame) -> None:
+    raise SystemExit(f"stopped by signal {signum}")
+
+
+def _stop_live() -> None:
+    for p in list(_LIVE):
+        p.stop()
+
+
+def guard_exit() -> None:
+    """Idempotent: at interpreter exit stop every live `Proc`; in the main thread, SIGTERM and SIGHUP
+    whose handler is still the default raise SystemExit instead of ending the process at once, so
+    `finally` blocks and the exit hook run (SIGINT already raises KeyboardInterrupt). Handlers a
+    benchmark installed itself are kept."""
+    global _GUARDED
+    if _GUARDED:
+        return
+    atexit.register(_stop_live)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                signal.signal(sig, _raise_exit)
+    _GUARDED = True
+
+
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGKILL when the benchmark process dies, even by SIGKILL.
+    SGLang's own children (scheduler, detokenizer) die with the server the same way
+    (`kill_itself_when_parent_died`)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
+
+
 class Proc:
-    """One process in its own group, output to `log`."""
+    """One process in its own group, output to `log`. It never outlives the benchmark: `stop` kills the
+    whole group (SIGTERM, then SIGKILL after `grace_s`); `guard_exit` stops it on SIGTERM / SIGHUP /
+    SIGINT / normal exit; if the benchmark (started from its main thread) is SIGKILLed, the kernel kills the server
+    (parent-death signal)."""
 
     def __init__(self, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        guard_exit()
+        main = threading.current_thread() is threading.main_thread()   # the death signal follows the forking thread
         self.log = log
         self._f = open(log, "w")
         self.p = subprocess.Popen(argv, stdout=self._f, stderr=subprocess.STDOUT, start_new_session=True,
-                                  env=None if env is None else {**os.environ, **env})
+                                  env=None if env is None else {**os.environ, **env}, preexec_fn=_die_with_parent if main else None)
+        _LIVE.append(self)
 
     def tail(self, n: int = 3000) -> str:
         self._f.flush()
         return f"--- {self.log.name}\n" + self.log.read_text(errors="replace")[-n:]
 
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            os.killpg(self.p.pid, signal.SIGTERM)
+    def stop(self, grace_s: float = 20) -> None:
+        """Kill the process group (also when the leader already exited: its children may still run)."""
+        if self in _LIVE:
+            _LIVE.remove(self)
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 30)):
             try:
-                self.p.wait(timeout=60)
+                os.killpg(self.p.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.p.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
-                os.killpg(self.p.pid, signal.SIGKILL)
-                self.p.wait(timeout=30)
+                continue
+            if not _group_alive(self.p.pid):
+                break
+            time.sleep(0.5)
         self._f.close()
+
+
+def _group_alive(pgid: int) -> bool:
+    """Does a process of group `pgid` still run (zombies do not count)?"""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            rest = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(rest[2]) == pgid and rest[0] != "Z":
+            return True
+    return False
 
 
 def wait_up(url: str, procs: list[Proc], timeout_s: float) -> None:

@@ -18,7 +18,9 @@ and a small host tier (`--hicache-ratio 2`: 1,024 host slots), write_through:
   raise or fail): every request is served, equal to its cold run; the host tier holds exactly what
   it holds after a fault-free cold run (the failed prefetch's host slots are released); each
   failed op is logged as a warning and counted in `sglang_dsv41:hicache_storage_failures_total`; once
-  the directory is back, the same server (no flush since the faults) reloads from storage again.
+  the directory is back, the same server (no flush since the faults) reloads from storage again;
+* B's scheduler process (not its launcher) sets and logs the storage threads' shorter switch interval
+  (runtime/hicache_gil.py; opt-in through its variable).
 
 The servers above pin `--page-size 2` (`requirements.PAGE_SIZE`): with a storage backend the
 plugin's default page is `STORAGE_PAGE_SIZE` (64, docs/hicache.md "L3 write throughput"), longer
@@ -45,6 +47,7 @@ from pathlib import Path
 import pytest
 
 from server_helpers import Server, running
+from sglang_dsv41.runtime import hicache_gil
 from sglang_dsv41.runtime.requirements import PAGE_SIZE, STORAGE_PAGE_SIZE
 from test_runtime_hicache_server import LONG, NEW, OTHER, _assert_equal_to_cold, _prompt
 
@@ -67,8 +70,9 @@ def _args(page_size: int | None = PAGE_SIZE, swa_ratio: float = 0.25) -> list[st
 
 
 def _server(checkpoint: Path, store: Path, log: Path, args: list[str] | None = None) -> Server:
+    # the opt-in switch interval (runtime/hicache_gil.py)
     return Server(checkpoint, log, _args() if args is None else args,
-                  env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(store)})
+                  env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(store), hicache_gil.ENV: str(hicache_gil.TRIAL_MS)})
 
 
 def _run(server: Server, ids: list[int]) -> dict:
@@ -164,7 +168,11 @@ def test_storage_hits_are_in_the_metrics(server_b: Server) -> None:
     storage = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("sglang:cached_tokens_total{") and 'cache_source="storage_HiCacheFile"' in line]
     assert storage and sum(storage) >= 2 * (LONG - 2), storage
-    assert server_b.proc.poll() is None and "Traceback" not in server_b.log_tail(10_000_000)
+    log = server_b.log_tail(10_000_000)
+    assert server_b.proc.poll() is None and "Traceback" not in log
+    # the storage threads' switch interval (runtime/hicache_gil.py), set in the scheduler process (not the launcher)
+    m = re.search(r"storage file; scheduler process \(pid (\d+)\) switch interval [\d.]+ -> ([\d.]+) ms", log)
+    assert m and int(m.group(1)) != server_b.proc.pid and float(m.group(2)) == pytest.approx(hicache_gil.TRIAL_MS), log[-3000:]
 
 
 def _metrics(server: Server) -> str:

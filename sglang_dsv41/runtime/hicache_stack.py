@@ -31,6 +31,8 @@ the page's global latent + index-key rows, `SWA` = every layer's SWA rows of the
 component writes and prefetches only the trailing window's SWA pages. The start-up check
 (`check_hicache_flags`) refuses every other backend (they need zero-copy page buffers the V4.1 pools
 do not have).
+With a storage backend on a GPU the build also shortens the scheduler process's switch interval
+(`hicache_gil`: SGLang's storage threads share the scheduler's GIL).
 The controller is SGLang's `HybridCacheController` with storage failures turned into misses
 (`hicache_faults.StorageFaultGuard`: a storage tier that is down or full costs a cold prefill).
 """
@@ -51,6 +53,7 @@ from sglang.srt.mem_cache.memory_pool_host import HostPoolGroup
 from sglang.srt.mem_cache.pool_host.common import get_allocator_type
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
+from . import hicache_gil
 from .hicache_faults import StorageFaultGuard
 from .hicache_host import HOST_LAYOUT, IO_BACKENDS, ComponentHostPool
 
@@ -173,6 +176,7 @@ class DeepseekV41StackStrategy(StackStrategy):
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
         check_hicache_flags(server_args)
+        hicache_gil.apply(storage_backend, str(getattr(server_args, "device", "cuda")))
         if server_args.hicache_mem_layout != HOST_LAYOUT:
             logger.info("sglang-dsv41 HiCache: the V4.1 host pools are %s (one host tensor per device buffer); "
                         "--hicache-mem-layout %s does not apply to them", HOST_LAYOUT, server_args.hicache_mem_layout)
