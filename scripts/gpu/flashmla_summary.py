@@ -19,11 +19,8 @@ KERNEL_LABELS = ("part:attention",)
 
 
 def kernels(out: Path) -> dict:
-    """{variant: {label: [(kernel, µs, launches)]}} from prefill_profile.json's top kernels."""
-    d = json.loads((out / "prefill_profile.json").read_text())
-    return {r["variant"]: {lab: [(k["kernel"][:90], round(k["us"]), k["count"]) for k in r.get("top_kernels", [])
-                                 if k["label"] == lab] for lab in KERNEL_LABELS}
-            for r in d.get("rows", []) if "top_kernels" in r}
+    """{variant: {label: [(kernel, µs, launches)]}} for KERNEL_LABELS."""
+    return s5.top_kernels(out, KERNEL_LABELS)
 
 
 def comparison(out: Path) -> list[str]:
@@ -49,16 +46,7 @@ def main(argv: list[str]) -> int:
     result["checks"] = checks(result)
     (out / "flashmla.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(dict(tests=result["tests"], checks=result["checks"], comparison=result["comparison"]), indent=1))
-    for r in result.get("prefill", {}).get("rows", []):
-        if "components_ms" in r:
-            top = ", ".join(f"{c} {ms}" for c, ms in list(r["components_ms"].items())[:9])
-            att = (r.get("agreement") or {}).get("attention")
-            print(f"{r['variant']:>10}: {r['tokens_per_s']:>9,} tok/s  wall {r['wall_ms']} ms | device "
-                  f"{r['device_ms']} ms: {top} | gaps {r['gaps_ms']} | attention vs first {att}")
-            for lab, ks in (result.get("kernels") or {}).get(r["variant"], {}).items():
-                print(f"{'':>12}{lab}: " + "; ".join(f"{n} {us} µs ×{c}" for n, us, c in ks))
-        else:
-            print(f"{r.get('variant')}: {r}")
+    s5.print_variants(result, 10, lambda r: f" | attention vs first {(r.get('agreement') or {}).get('attention')}")
     return 0
 
 

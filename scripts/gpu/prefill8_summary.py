@@ -26,11 +26,8 @@ KERNEL_LABELS = ("mhc", "part:moe_routed")
 
 
 def kernels(out: Path) -> dict:
-    """{variant: {label: [(kernel, µs, launches)]}} from prefill_profile.json's top kernels."""
-    d = json.loads((out / "prefill_profile.json").read_text())
-    return {r["variant"]: {lab: [(k["kernel"][:90], round(k["us"]), k["count"]) for k in r.get("top_kernels", [])
-                                 if k["label"] == lab] for lab in KERNEL_LABELS}
-            for r in d.get("rows", []) if "top_kernels" in r}
+    """{variant: {label: [(kernel, µs, launches)]}} for KERNEL_LABELS."""
+    return s5.top_kernels(out, KERNEL_LABELS)
 
 
 def mhc_checks(mix: dict | None) -> dict:
@@ -65,15 +62,7 @@ def main(argv: list[str]) -> int:
     print(json.dumps(dict(tests=result["tests"], checks=result["checks"]), indent=1))
     for r in (result.get("mhc_mix") or {}).get("rows", []):
         print("mhc " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
-    for r in result.get("prefill", {}).get("rows", []):
-        if "components_ms" in r:
-            top = ", ".join(f"{c} {ms}" for c, ms in list(r["components_ms"].items())[:9])
-            print(f"{r['variant']:>22}: {r['tokens_per_s']:>9,} tok/s  wall {r['wall_ms']} ms | device "
-                  f"{r['device_ms']} ms: {top} | gaps {r['gaps_ms']}")
-            for lab, ks in (result.get("kernels") or {}).get(r["variant"], {}).items():
-                print(f"{'':>24}{lab}: " + "; ".join(f"{n} {us} µs ×{c}" for n, us, c in ks))
-        else:
-            print(f"{r.get('variant')}: {r}")
+    s5.print_variants(result, 22)
     return 0
 
 

@@ -94,6 +94,28 @@ def collect(out: Path, parts) -> dict:
     return result
 
 
+def top_kernels(out: Path, labels) -> dict:
+    """{variant: {label: [(kernel, µs, launches)]}} from prefill_profile.json's top kernels."""
+    d = json.loads((out / "prefill_profile.json").read_text())
+    return {r["variant"]: {lab: [(k["kernel"][:90], round(k["us"]), k["count"]) for k in r.get("top_kernels", [])
+                                 if k["label"] == lab] for lab in labels}
+            for r in d.get("rows", []) if "top_kernels" in r}
+
+
+def print_variants(result: dict, width: int, extra=lambda r: "") -> None:
+    """One line per profiled prefill variant (top nine components, `extra(row)` appended), then the named
+    kernels of `result["kernels"]` under it."""
+    for r in result.get("prefill", {}).get("rows", []):
+        if "components_ms" not in r:
+            print(f"{r.get('variant')}: {r}")
+            continue
+        top = ", ".join(f"{c} {ms}" for c, ms in list(r["components_ms"].items())[:9])
+        print(f"{r['variant']:>{width}}: {r['tokens_per_s']:>9,} tok/s  wall {r['wall_ms']} ms | device "
+              f"{r['device_ms']} ms: {top} | gaps {r['gaps_ms']}{extra(r)}")
+        for lab, ks in (result.get("kernels") or {}).get(r["variant"], {}).items():
+            print(f"{'':>{width + 2}}{lab}: " + "; ".join(f"{n} {us} µs ×{c}" for n, us, c in ks))
+
+
 def main(argv: list[str]) -> int:
     out, rc = Path(argv[0]), (argv[1] if len(argv) > 1 else None)
     result = collect(out, (("tests", lambda o: tests(o, rc)), ("prefill", prefill)))
