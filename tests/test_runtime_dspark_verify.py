@@ -144,6 +144,32 @@ def _rollback_states(engine, caches, slots) -> None:
     run_batch(engine, caches, slots, [(1, 17, a[17:]), (2, HIT, b[HIT:])], context={1: a[:17], 2: b[:HIT]})
 
 
+def _verify_and_commit_rounds(engine, caches, slots, prompts: dict, oracle: dict, rounds: int,
+                              width: int | None = None) -> tuple[dict[int, list[int]], dict[int, int]]:
+    """`rounds` rounds of verify (each request's oracle block at its committed length) + Engram commit of
+    the accepted tokens; each round's logits == the oracle's bit for bit and its greedy outcome equal.
+    Returns the emitted tokens and the committed lengths per request row."""
+    P = {r: len(prompts[r]) for r in prompts}
+    emitted: dict[int, list[int]] = {r: [oracle[r][0][0][0]] for r in prompts}
+    for k in range(rounds):
+        kw = {} if width is None else dict(width=width)
+        got = _verify(engine, caches, slots, {r: (P[r], oracle[r][k][0]) for r in prompts}, **kw)
+        commit = []
+        for r in prompts:
+            block, want, outcome = oracle[r][k]
+            assert width is None or len(block) == width
+            torch.testing.assert_close(got[r], want, atol=0, rtol=0)
+            mine = verify_greedy(block[1:], got[r])
+            assert mine == outcome
+            emitted[r] += list(mine.tokens)
+            commit.append(mine.accepted + 1)
+        caches.engram_history.commit_verify(torch.tensor(list(prompts)), torch.tensor([P[r] for r in prompts]),
+                                            torch.tensor(commit), check=True)
+        for r, c in zip(prompts, commit):
+            P[r] += c
+    return emitted, P
+
+
 def test_verify_then_commit_equals_the_reference_rollback(models) -> None:
     """Rounds of verify + commit from request states built by chunked prefill, a prefix hit and a
     reused request row (`_rollback_states`) == the reference's cold verify-on-clone rollback."""
@@ -154,22 +180,7 @@ def test_verify_then_commit_equals_the_reference_rollback(models) -> None:
     slots = Slots(CPU, rows=4, max_context=64)
     caches = _caches(engine, slots)
     _rollback_states(engine, caches, slots)
-    P = {r: len(ROLLBACK[r]) for r in ROLLBACK}
-    emitted: dict[int, list[int]] = {r: [oracle[r][0][0][0]] for r in ROLLBACK}
-    for k in range(ROUNDS):
-        got = _verify(engine, caches, slots, {r: (P[r], oracle[r][k][0]) for r in ROLLBACK})
-        commit = []
-        for r in ROLLBACK:
-            block, want, outcome = oracle[r][k]
-            torch.testing.assert_close(got[r], want, atol=0, rtol=0)
-            mine = verify_greedy(block[1:], got[r])
-            assert mine == outcome
-            emitted[r] += list(mine.tokens)
-            commit.append(mine.accepted + 1)
-        caches.engram_history.commit_verify(torch.tensor(list(ROLLBACK)), torch.tensor([P[r] for r in ROLLBACK]),
-                                            torch.tensor(commit), check=True)
-        for r, c in zip(ROLLBACK, commit):
-            P[r] += c
+    emitted, P = _verify_and_commit_rounds(engine, caches, slots, ROLLBACK, oracle, ROUNDS)
     for r in ROLLBACK:                                 # greedy speculative output == plain greedy output
         n = len(emitted[r])
         assert emitted[r] == reference.generate(ROLLBACK[r], n), r
@@ -190,23 +201,7 @@ def test_verify_of_the_servers_block_size_equals_the_reference(models) -> None:
     caches = _caches(engine, slots, width=w)
     assert caches.pair_ring_slots == 16
     run_batch(engine, caches, slots, [(r, 0, PROMPTS[r]) for r in PROMPTS])
-    P = {r: len(PROMPTS[r]) for r in PROMPTS}
-    emitted: dict[int, list[int]] = {r: [oracle[r][0][0][0]] for r in PROMPTS}
-    for k in range(len(corrupt[1])):
-        got = _verify(engine, caches, slots, {r: (P[r], oracle[r][k][0]) for r in PROMPTS}, width=w)
-        commit = []
-        for r in PROMPTS:
-            block, want, outcome = oracle[r][k]
-            assert len(block) == w
-            torch.testing.assert_close(got[r], want, atol=0, rtol=0)
-            mine = verify_greedy(block[1:], got[r])
-            assert mine == outcome
-            emitted[r] += list(mine.tokens)
-            commit.append(mine.accepted + 1)
-        caches.engram_history.commit_verify(torch.tensor(list(PROMPTS)), torch.tensor([P[r] for r in PROMPTS]),
-                                            torch.tensor(commit), check=True)
-        for r, c in zip(PROMPTS, commit):
-            P[r] += c
+    emitted, _ = _verify_and_commit_rounds(engine, caches, slots, PROMPTS, oracle, len(corrupt[1]), width=w)
     for r in PROMPTS:
         assert emitted[r] == reference.generate(PROMPTS[r], len(emitted[r])), r
 
