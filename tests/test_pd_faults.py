@@ -100,6 +100,14 @@ def _serves(router: Router, seed: int = 90) -> list[int]:
     return out["output_ids"]
 
 
+def _prefill_busy(prefill: Server) -> bool:
+    """The prefill holds a request it has not handed over yet (running, waiting, bootstrapping or
+    transferring)."""
+    state = pool(prefill)
+    return any(state[k] for k in ("num_running_reqs", "num_waiting_reqs", "prefill_bootstrap_queue_reqs",
+                                  "prefill_inflight_queue_reqs"))
+
+
 def _room() -> int:
     return int(time.time() * 1000) % (1 << 40)
 
@@ -195,13 +203,20 @@ def test_prefill_killed_with_requests_in_flight(pair) -> None:
     threads = [threading.Thread(target=send, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
+    _wait("the prefill holding a request", lambda: _prefill_busy(prefill), [prefill, decode],
+          [prefill.log_tail, decode.log_tail], timeout_s=60, poll_s=0.05)
     os.killpg(prefill.proc.pid, signal.SIGKILL)
     prefill.proc.wait(timeout=30)
     for t in threads:
         t.join(timeout=260)
     assert not any(t.is_alive() for t in threads), "a client hangs after the prefill server died"
-    for i in range(3):                    # decode's heartbeat (2 × 5 s) notices the lost prefill
+    # A request whose KV reached the decode before the kill needs no prefill: it may finish (checked
+    # against a re-run below). The ones the prefill still held must fail, naming the prefill: the
+    # decode's heartbeat (2 × 5 s) notices the lost prefill.
+    finished = {i: r[1]["output_ids"] for i, r in results.items() if r[0] == 200}
+    failed = [i for i in range(3) if i not in finished]
+    assert failed, ("every request finished: the kill came too late to test anything", results)
+    for i in failed:
         status, body = results[i]
         assert status is not None and status >= 400, (i, results[i], router.log_tail())
         assert "prefill" in str(body).lower(), (i, body)
@@ -230,4 +245,7 @@ def test_prefill_killed_with_requests_in_flight(pair) -> None:
     except (urllib.error.URLError, OSError) as e:
         raise AssertionError(f"{e!r}\n{decode.log_tail()}\n{new.log_tail()}") from e
     assert after == before
+    for i, ids in finished.items():       # a request that survived the kill is a correct one
+        status, out = _http(router.url("/generate"), _body(70 + i, 600, 100), timeout=300)
+        assert status == 200 and out["output_ids"] == ids, (i, status, out)
     _both_settled(pair, prefill=new)

@@ -133,7 +133,7 @@ class Router:
         self._log.close()
 
 
-def _wait(what: str, ok, procs, logs, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+def _wait(what: str, ok, procs, logs, timeout_s: float = STARTUP_TIMEOUT_S, poll_s: float = 3) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         dead = [p for p in procs if p.proc.poll() is not None]
@@ -141,7 +141,7 @@ def _wait(what: str, ok, procs, logs, timeout_s: float = STARTUP_TIMEOUT_S) -> N
             raise RuntimeError(f"{what}: a process exited:\n" + "\n".join(log() for log in logs))
         if ok():
             return
-        time.sleep(3)
+        time.sleep(poll_s)
     raise TimeoutError(f"{what} not ready after {timeout_s} s:\n" + "\n".join(log() for log in logs))
 
 
