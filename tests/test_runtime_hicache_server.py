@@ -13,13 +13,13 @@ both on a GPU).
 * a long prompt, then enough other prompts to evict it from the device, then the long prompt
   again: SGLang reports the prefix as cached tokens from the host (`cached_tokens_details.host`),
   and greedy tokens and logprobs equal the cold run's (up to the numerics contract, `TIE`);
-* a session of turns, each extending the previous turn's prompt and reply, keeps hitting the host
+* a session of 20 turns, each extending the previous turn's prompt and reply, keeps hitting the host
   after evictions (the SWA-tombstone shape of SGLang#35129: a hit needs the window's SWA rows on
   device or host; it passes because both host pools hold the same number of slots);
 * right after a reload, at most one window of SWA rows (page-rounded, `swa_restore_bound`) plus the
   new token's page is in use on the device, not the prefix (the oversized load-back shape of
   SGLang#31771), and the server stays up;
-* several prompts evicted to the host come back in concurrent requests, two requests per prefix
+* 8 prompts evicted to the host come back in 16 concurrent requests, two per prefix
   (the LOAD_BACK-under-concurrency shape of SGLang#32331): each hits the host or the device copy
   the other loaded, and equals its cold run.
 
@@ -52,8 +52,11 @@ DEVICE_TOKENS = 512
 SWA_WINDOW = 8                        # the tiny checkpoint's sliding window
 SWA_RATIO = 0.25                      # SWA device pool 128 tokens
 LONG, OTHER, OTHERS, NEW = 120, 120, 6, 8
-#: concurrent reloads: CONC prompts of CONC_LEN tokens, each sent twice at once (8 requests, 4 prefixes)
-CONC, CONC_LEN = 4, 80
+#: concurrent reloads: CONC prompts of CONC_LEN tokens, each sent twice at once (the issue's 16
+#: requests, 8 prefixes; together more than the device pool holds, so load-backs evict each other)
+CONC, CONC_LEN = 8, 48
+#: turns of the multi-turn session (the issue's 20)
+TURNS = 20
 #: the CPU path's numerics contract: greedy tokens agree up to a near tie of the cold run's top-2
 #: (gap < 2·LOGIT_BOUND), logprobs within 2·LOGIT_BOUND (tests/test_runtime_numerics_contract.py)
 TIE = 2 * LOGIT_BOUND
@@ -134,7 +137,7 @@ def test_a_session_keeps_hitting_across_evictions(server: Server) -> None:
     rng = random.Random(2)
     prompt = _prompt(rng, 40)
     turns = []
-    for _ in range(5):
+    for _ in range(TURNS):
         out = _run(server, prompt)
         turns.append((out["meta_info"]["cached_tokens"], _host_hit(out), len(prompt)))
         for _ in range(3):
