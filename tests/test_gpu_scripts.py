@@ -52,6 +52,12 @@ def calls(env: dict[str, str]) -> list[str]:
     return log.read_text().splitlines() if log.exists() else []
 
 
+def WAIT_FOR_FILE(path: str, cap_s: int = 30) -> str:
+    """A bash loop that waits (up to `cap_s`) for `path` to exist: a started process's own signal
+    that it got past a point, instead of a sleep that a loaded host can outlast."""
+    return f'for _ in $(seq {cap_s * 20}); do [ -e "{path}" ] && break; sleep 0.05; done'
+
+
 def group_members(pgid: int) -> list[int]:
     """Live (not zombie) processes whose process group is `pgid`."""
     members = []
@@ -204,20 +210,24 @@ def test_exit_trap_stops_the_server_groups(sandbox: dict[str, str]) -> None:
 
 def test_stop_servers_kills_a_group_that_ignores_term(sandbox: dict[str, str]) -> None:
     sandbox["STOP_GRACE"] = "1"
-    t = time.monotonic()
-    r = bash('start_server "$OUT/s.log" bash -c \'trap "" TERM; sleep 300 & sleep 300\'; sleep 0.5\n'
-             'echo "$SERVER_PID"; stop_servers; echo "left ${#SERVERS[@]}"', sandbox)
+    # TERM goes out once the group ignores it (its marker file), not after a guessed sleep
+    r = bash('start_server "$OUT/s.log" bash -c \'trap "" TERM; touch "$OUT/trapped"; sleep 300 & sleep 300\'\n'
+             f'{WAIT_FOR_FILE("$OUT/trapped")}\n'
+             'echo "$SERVER_PID"; t=$EPOCHREALTIME; stop_servers; echo "left ${#SERVERS[@]}"\n'
+             'echo "$t $EPOCHREALTIME"', sandbox)
     pid = int(r.stdout.split()[0])
     try:
-        assert r.returncode == 0 and r.stdout.split()[1:] == ["left", "0"], r.stderr
+        assert r.returncode == 0 and r.stdout.split()[1:3] == ["left", "0"], r.stderr
         assert group_members(pid) == []
-        assert time.monotonic() - t >= 1.5                   # TERM was ignored: KILL after the grace
+        t0, t1 = (float(x.replace(",", ".")) for x in r.stdout.split()[3:5])   # EPOCHREALTIME: locale decimal mark
+        assert t1 - t0 >= 1.0                                # TERM was ignored: KILL after the grace
     finally:
         kill_group(pid)
 
 
 def test_start_server_logs_and_makes_a_group(sandbox: dict[str, str], tmp_path: Path) -> None:
-    r = bash('start_server "$OUT/s.log" bash -c "echo hello; echo oops >&2; sleep 300"; sleep 0.5\n'
+    r = bash('start_server "$OUT/s.log" bash -c "echo hello; echo oops >&2; touch \\"\\$OUT/said\\"; sleep 300"\n'
+             f'{WAIT_FOR_FILE("$OUT/said")}\n'
              'echo "$SERVER_PID $(cut -d" " -f5 "/proc/$SERVER_PID/stat")"', sandbox)
     pid, pgid = (int(x) for x in r.stdout.split())
     kill_group(pid)
