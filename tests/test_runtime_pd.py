@@ -204,13 +204,15 @@ def test_bootstrap_route_round_trip() -> None:
     port = free_port()
     server = CommonKVBootstrapServer("127.0.0.1", port)
     try:
+        import time
+
         url = f"http://127.0.0.1:{port}{pd_layout.ROUTE}"
-        for _ in range(50):
+        deadline, r = time.monotonic() + 120, None      # its thread may wait long for a core on a loaded host
+        while r is None:
             try:
-                r = requests.get(url, timeout=5)
-                break
+                r = requests.get(url, timeout=30)
             except requests.ConnectionError:
-                import time
+                assert time.monotonic() < deadline, f"the bootstrap server is not listening on {port} after 120 s"
                 time.sleep(0.1)
         assert r.status_code == 404
         layout = {"page_size": 2, "kv_item_lens": [1, 2]}
@@ -353,11 +355,12 @@ def test_plain_prefill_cannot_feed_a_dspark_decode() -> None:
 
 # ---- CPU: no busy-wait while requests wait on the peer (runtime/pd_cpu.py) ------------------------
 
-def test_cpu_pd_scheduler_waits_instead_of_spinning(runtime_hooks) -> None:
+def test_cpu_pd_scheduler_waits_instead_of_spinning(runtime_hooks, monkeypatch) -> None:
     """`Scheduler.on_idle` (hooked): a CPU PD server with requests only in its disaggregation queues
     waits on SGLang's idle poller; a fully idle, GPU or non-PD server is left to SGLang."""
     from sglang_dsv41.runtime import pd_cpu
 
+    monkeypatch.delenv(pd_cpu.ENV, raising=False)         # the default wait, whatever this shell set
     assert any(s.impl.endswith("pd_cpu:on_idle_hook") for s in runtime_hooks)       # installed and verified
 
     class Poller:
