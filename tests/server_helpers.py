@@ -11,6 +11,7 @@ import contextlib
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -27,10 +28,41 @@ STARTUP_TIMEOUT_S = 600
 REQUEST_TIMEOUT_S = 300
 
 
+#: where `free_port` looks: below the kernel's ephemeral range (32768-60999 by default, which
+#: `bind(0)`, SGLang's own `get_free_port` and every outgoing connection draw from) and clear of
+#: Mooncake's (12001, 12300-14300, 15000-17000), sglang-router's metrics (29000) and SGLang's
+#: default (30000)
+PORT_RANGE = (20000, 29000)
+_given: set[int] = set()
+_next = random.Random().randrange(*PORT_RANGE)
+
+
+def _ephemeral() -> range:
+    try:
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        lo, hi = 32768, 60999
+    return range(lo, hi + 1)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now that no earlier call of this session returned. A server binds
+    its port only after its start-up (minutes on CPU), so a port from `bind(0)` could meanwhile be
+    handed to another server's internal port or to an outgoing connection; this range is not."""
+    global _next
+    ephemeral = _ephemeral()
+    for _ in range(PORT_RANGE[1] - PORT_RANGE[0]):
+        port, _next = _next, PORT_RANGE[0] + (_next + 1 - PORT_RANGE[0]) % (PORT_RANGE[1] - PORT_RANGE[0])
+        if port in _given or port in ephemeral:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))       # also taken when something listens on 127.0.0.1 only
+            except OSError:
+                continue
+        _given.add(port)
+        return port
+    raise RuntimeError(f"no free port in {PORT_RANGE} outside the ephemeral range {ephemeral}")
 
 
 class Server:
