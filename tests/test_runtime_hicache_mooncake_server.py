@@ -41,6 +41,7 @@ from test_runtime_hicache_storage_server import _details, _failures, _flush, _ru
 pytestmark = pytest.mark.slow
 
 WAIT_S = 180
+SEGMENT_BYTES = 256 << 20     # the client's segment: the store's memory
 
 
 def _binaries() -> tuple[Path, Path]:
@@ -74,37 +75,51 @@ class Mooncake:
         self.rpc, self.meta, self.metrics = free_port(), free_port(), free_port()
         self.master_address = f"127.0.0.1:{self.rpc}"
         self.metadata = f"http://127.0.0.1:{self.meta}/metadata"
+        self.client: subprocess.Popen | None = None
         self.master = subprocess.Popen(
             [str(master), f"--rpc_port={self.rpc}", "--enable_http_metadata_server",
              f"--http_metadata_server_port={self.meta}", "--http_metadata_server_host=127.0.0.1",
              f"--metrics_port={self.metrics}"],
             stdout=open(log_dir / "master.log", "w"), stderr=subprocess.STDOUT)
-        self._wait(lambda: self.key_count() is not None, "the master's metrics")
-        self.client = subprocess.Popen(
-            [str(client), f"--master_server_address={self.master_address}", f"--metadata_server={self.metadata}",
-             "--global_segment_size=256MB", "--host=127.0.0.1", f"--port={free_port()}", "--protocol=tcp"],
-            stdout=open(log_dir / "client.log", "w"), stderr=subprocess.STDOUT)
-        time.sleep(3)                                 # the client mounts its segment with the master
-        assert self.client.poll() is None, (log_dir / "client.log").read_text()[-2000:]
+        try:
+            self._wait(lambda: self.key_count() is not None, "the master's metrics", log_dir / "master.log")
+            self.client = subprocess.Popen(
+                [str(client), f"--master_server_address={self.master_address}", f"--metadata_server={self.metadata}",
+                 f"--global_segment_size={SEGMENT_BYTES >> 20}MB", "--host=127.0.0.1", f"--port={free_port()}",
+                 "--protocol=tcp"],
+                stdout=open(log_dir / "client.log", "w"), stderr=subprocess.STDOUT)
+            # the store has memory once the client's segment is mounted with the master (seen, not slept for)
+            self._wait(lambda: (self._gauge("master_total_capacity_bytes") or 0) >= SEGMENT_BYTES,
+                       "the client's segment mounted", log_dir / "client.log")
+        except BaseException:
+            self.stop()
+            raise
 
-    def key_count(self) -> int | None:
+    def _gauge(self, name: str) -> int | None:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=10) as r:
                 text = r.read().decode()
         except OSError:
             return None
-        m = re.search(r"^master_key_count (\d+)", text, re.M)
+        m = re.search(rf"^{name} (\d+)", text, re.M)
         return int(m.group(1)) if m else None
 
-    def _wait(self, cond, what: str) -> None:
+    def key_count(self) -> int | None:
+        return self._gauge("master_key_count")
+
+    def _wait(self, cond, what: str, log: Path | None = None) -> None:
         deadline = time.monotonic() + WAIT_S
         while not cond():
-            assert self.master.poll() is None and time.monotonic() < deadline, f"{what} not seen"
+            procs = [p for p in (self.master, self.client) if p is not None]
+            tail = log.read_text(errors="replace")[-2000:] if log is not None and log.exists() else ""
+            assert all(p.poll() is None for p in procs), f"{what}: a Mooncake process exited\n{tail}"
+            assert time.monotonic() < deadline, f"{what} not seen after {WAIT_S} s\n{tail}"
             time.sleep(0.5)
 
     def stop(self) -> None:
         for p in (self.client, self.master):
-            _stop(p)
+            if p is not None:
+                _stop(p)
 
 
 def _args(mc: Mooncake) -> list[str]:
