@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
-from pd_cluster import TIMEOUT_S
+from pd_cluster import CHUNK, TIMEOUT_S
 from server_helpers import Server
-from test_pd_server import Router, _http, _pd_missing, _up, _wait
+from test_pd_server import Router, _http, _pd_missing, _prefilled, _up, _wait
 from test_runtime_server import _prompt
 
 pytestmark = pytest.mark.slow
@@ -147,12 +147,27 @@ def test_one_sided_requests_time_out_and_free_their_pages(pair) -> None:
     _serves(pair["router"])
 
 
+def _reached(stage: str, prefill: Server, decode: Server, prefilled0: int, plen: int) -> tuple[bool, str]:
+    """Whether the pair is seen in `stage` now, and what was seen. The decode publishes nothing while
+    its requests only wait for KV (no batch runs), so the transfer stages are read off the prefill,
+    whose KV the decode waits for: transfer-early, the first prompt is part computed; transfer-late,
+    the first prompt is computed (its KV sent or on its way) and at least two chunks of the second
+    are still to come. decoding: the decode runs a request."""
+    if stage == "decoding":
+        d = pool(decode)
+        return d["num_running_reqs"] > 0, f"decode {d}"
+    done = _prefilled(prefill) - prefilled0
+    window = (0, plen) if stage == "transfer-early" else (plen, 2 * plen - 2 * CHUNK)
+    return window[0] < done < window[1], f"prefill computed {done} of 2 x {plen} prompt tokens"
+
+
 @pytest.mark.parametrize("stage", ["transfer-early", "transfer-late", "decoding"])
 def test_aborted_requests_leak_nothing(pair, stage: str) -> None:
     """Two long requests through the router, then `/abort_request` (abort_all) on the decode and the
-    prefill — while the decode waits for their KV (transfer-*: on CPU a 400-token prefill keeps them
-    in the decode's transfer queue for seconds) or once the decode is generating; and a third whose
-    client disconnects. Both pools return to 0 and the pair serves on."""
+    prefill once the pair is seen in `stage` (`_reached`: on CPU a 400-token prefill keeps them in
+    the decode's transfer queue for seconds) — never after a fixed sleep, which a faster or slower
+    host turns into another stage; and a third whose client disconnects. Both pools return to 0
+    and the pair serves on."""
     router, prefill, decode = pair["router"], pair["prefill"], pair["decode"]
     results: dict[int, Any] = {}
 
@@ -164,17 +179,22 @@ def test_aborted_requests_leak_nothing(pair, stage: str) -> None:
         except Exception as e:            # the disconnecting client's timeout, or a reset
             results[i] = (None, repr(e))
 
-    delay_s = {"transfer-early": 0.3, "transfer-late": 3.0}.get(stage, 1.0)
+    disconnect_s = {"transfer-early": 0.8, "transfer-late": 3.5}.get(stage, 1.5)
+    prefilled0 = _prefilled(prefill)
     threads = [threading.Thread(target=send, args=(i, 200)) for i in range(2)]
-    threads.append(threading.Thread(target=send, args=(2, delay_s + 0.5)))
+    threads.append(threading.Thread(target=send, args=(2, disconnect_s)))
     for t in threads:
         t.start()
-    time.sleep(delay_s)
-    if stage == "decoding":               # wait until the decode runs them (transfer done)
-        deadline = time.monotonic() + 120
-        while pool(decode)["num_running_reqs"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.3)
-        assert pool(decode)["num_running_reqs"] > 0, pool(decode)
+    deadline, trace = time.monotonic() + 120, []
+    while time.monotonic() < deadline and any(t.is_alive() for t in threads[:2]):
+        ok, seen = _reached(stage, prefill, decode, prefilled0, plen)
+        if not trace or trace[-1] != seen:
+            trace.append(seen)
+        if ok:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"{stage} not observed; seen: {trace}; results {results}")
     for srv in (decode, prefill):
         _http(srv.url("/abort_request"), {"abort_all": True}, timeout=30)
     for t in threads:

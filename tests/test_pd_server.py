@@ -75,6 +75,16 @@ def _up(url: str) -> bool:
         return False
 
 
+def _prefilled(srv: Server) -> int:
+    """Prompt tokens the server has computed since it started: `/v1/loads`' cumulative counter.
+    The scheduler publishes its snapshot as it processes the next batch (and when fully idle), so
+    the value lags the computation by one batch (one chunk on the prefill)."""
+    status, loads = _http(srv.url("/v1/loads"), timeout=30)
+    assert status == 200, loads
+    ranks = loads.get("loads", loads) if isinstance(loads, dict) else loads
+    return sum(int(r.get("total_prefill_uncached_tokens") or 0) for r in ranks)
+
+
 class Router:
     def __init__(self, prefill: Server, bootstrap_port: int, decode: Server, log: Path) -> None:
         self.port = free_port()
@@ -261,17 +271,25 @@ def test_decode_killed_then_prefill_serves_on_and_router_answers_503(pd) -> None
     a hang; the prefill stays up; the router answers 503 with a message once decode is gone."""
     prefill, decode, router = pd
     result: dict[str, Any] = {}
+    plen = 300
 
     def long_request() -> None:
         try:
-            result["out"] = _http(router.url("/generate"), {"input_ids": _prompt(40, 300), "sampling_params": {
+            result["out"] = _http(router.url("/generate"), {"input_ids": _prompt(40, plen), "sampling_params": {
                 "max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}, timeout=120)
         except Exception as e:        # reported below: a client-side timeout is a hang, not an answer
             result["out"] = (None, repr(e))
 
+    prefilled0 = _prefilled(prefill)
     t = threading.Thread(target=long_request)
     t.start()
-    time.sleep(1.0)                                       # the prefill is computing / sending the prompt
+    # in flight, seen, not slept for: the prefill is part way through the prompt (5 chunks), so the
+    # decode still waits for its KV and none of the 400 tokens can have been answered
+    deadline, done = time.monotonic() + 120, 0
+    while not 0 < done < plen and t.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+        done = _prefilled(prefill) - prefilled0
+    assert 0 < done < plen, (f"the prompt not seen part computed: {done} of {plen} tokens", result)
     os.killpg(decode.proc.pid, signal.SIGKILL)
     decode.proc.wait(timeout=30)
     t.join(timeout=300)
