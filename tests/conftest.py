@@ -18,11 +18,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 
 # Tiny CPU forwards are dominated by per-op overhead; on a 2-core machine shared with SGLang
 # server subprocesses, one intra-op thread is both faster and steadier.
 torch.set_num_threads(1)
+
+# Property tests are judged on their examples, never on this host's speed: no per-example deadline
+# and no `too_slow` health check (both time the test; a loaded 2-core CI machine fails either on a
+# run a faster one passes). A test's own @settings still override the other fields.
+settings.register_profile("host_independent", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("host_independent")
 
 
 def pytest_configure(config: pytest.Config) -> None:
