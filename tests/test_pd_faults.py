@@ -164,14 +164,14 @@ def _reached(stage: str, prefill: Server, decode: Server, prefilled0: int, plen:
 @pytest.mark.parametrize("stage", ["transfer-early", "transfer-late", "decoding"])
 def test_aborted_requests_leak_nothing(pair, stage: str) -> None:
     """Two long requests through the router, then `/abort_request` (abort_all) on the decode and the
-    prefill once the pair is seen in `stage` (`_reached`: on CPU a 400-token prefill keeps them in
-    the decode's transfer queue for seconds) — never after a fixed sleep, which a faster or slower
-    host turns into another stage; and a third whose client disconnects. Both pools return to 0
-    and the pair serves on."""
+    prefill once the pair is seen in `stage` (`_reached`: a 600-token prompt is ten prefill steps of
+    `CHUNK` tokens while the decode waits for its KV) — never after a fixed sleep, which a faster or
+    slower host turns into another stage; and a third whose client disconnects. Both pools return
+    to 0 and the pair serves on."""
     router, prefill, decode = pair["router"], pair["prefill"], pair["decode"]
     results: dict[int, Any] = {}
 
-    plen = 40 if stage == "decoding" else 400     # decoding: through prefill and transfer at once
+    plen = 40 if stage == "decoding" else 600     # decoding: through prefill and transfer at once
 
     def send(i: int, timeout: float) -> None:
         try:
@@ -185,14 +185,15 @@ def test_aborted_requests_leak_nothing(pair, stage: str) -> None:
     threads.append(threading.Thread(target=send, args=(2, disconnect_s)))
     for t in threads:
         t.start()
-    deadline, trace = time.monotonic() + 120, []
+    t0 = time.monotonic()
+    deadline, trace = t0 + 120, []
     while time.monotonic() < deadline and any(t.is_alive() for t in threads[:2]):
         ok, seen = _reached(stage, prefill, decode, prefilled0, plen)
-        if not trace or trace[-1] != seen:
-            trace.append(seen)
+        if not trace or trace[-1][1] != seen:
+            trace.append((round(time.monotonic() - t0, 2), seen))
         if ok:
             break
-        time.sleep(0.05)
+        time.sleep(0.02)
     else:
         raise AssertionError(f"{stage} not observed; seen: {trace}; results {results}")
     for srv in (decode, prefill):

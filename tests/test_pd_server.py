@@ -271,7 +271,7 @@ def test_decode_killed_then_prefill_serves_on_and_router_answers_503(pd) -> None
     a hang; the prefill stays up; the router answers 503 with a message once decode is gone."""
     prefill, decode, router = pd
     result: dict[str, Any] = {}
-    plen = 300
+    plen = 600
 
     def long_request() -> None:
         try:
@@ -283,11 +283,11 @@ def test_decode_killed_then_prefill_serves_on_and_router_answers_503(pd) -> None
     prefilled0 = _prefilled(prefill)
     t = threading.Thread(target=long_request)
     t.start()
-    # in flight, seen, not slept for: the prefill is part way through the prompt (5 chunks), so the
+    # in flight, seen, not slept for: the prefill is part way through the prompt (10 chunks), so the
     # decode still waits for its KV and none of the 400 tokens can have been answered
     deadline, done = time.monotonic() + 120, 0
     while not 0 < done < plen and t.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
+        time.sleep(0.02)
         done = _prefilled(prefill) - prefilled0
     assert 0 < done < plen, (f"the prompt not seen part computed: {done} of {plen} tokens", result)
     os.killpg(decode.proc.pid, signal.SIGKILL)
