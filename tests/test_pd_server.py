@@ -206,12 +206,19 @@ def test_prefill_prefix_hit_gives_the_same_tokens(pd) -> None:
     assert longer["meta_info"]["cached_tokens"] >= 32
 
 
-def test_concurrent_requests(pd) -> None:
+def test_concurrent_requests(pd, reference) -> None:
+    """Four requests at once answer as each did alone. How they batch depends on when they arrive,
+    and the fp32 CPU path is not batch invariant (a row's GEMM rounding depends on the batch's rows),
+    so where a reply differs from its solo run both must be greedy within the numerics contract of
+    the reference for their own prompt: a near tie, never another request's tokens."""
     _, _, router = pd
     prompts = [_prompt(30 + i, 20 + 3 * i) for i in range(4)]
     alone = [_generate(router, p)["output_ids"] for p in prompts]
     results = concurrently([lambda p=p: _generate(router, p)["output_ids"] for p in prompts])
-    assert results == alone
+    for prompt, got, solo in zip(prompts, results, alone):
+        assert isinstance(got, list) and len(got) == NEW_TOKENS, got
+        assert got == solo or (within_contract(reference, prompt, got) and within_contract(reference, prompt, solo)), \
+            (prompt, got, solo)
 
 
 def test_chat_splits_reasoning(pd, tiny_checkpoint: Path) -> None:
