@@ -3,8 +3,8 @@ hit costs"; issue 14).
 
 Server A (`--hicache-storage-backend file`, write_through, page 64, `wait_complete`) serves each
 prompt P + s_j cold (storage and caches cleared first) and writes P's pages; A is stopped. Then, per
-`--variant LABEL=DIR` (DIR: a plugin checkout put first on the servers' PYTHONPATH, `.` = this
-one), a server B on the same directory: a warm-up prompt, then per j a `/flush_cache` and P + s_j
+`--variant LABEL=DIR[@VAR=VALUE,...]` (DIR: a plugin checkout put first on the servers' PYTHONPATH,
+`.` = this one; VAR=VALUE: environment of that server B only), a server B on the same directory: a warm-up prompt, then per j a `/flush_cache` and P + s_j
 (an L3 hit: `cached_tokens_details.storage`), then P + s_j again (a device hit of the same prompt).
 Both must equal A's cold output (greedy). The JSON has per request the TTFT and tier, per variant
 the medians, and B's prefetch timeline lines (`runtime/hicache_prefetch.py`; variants without it
@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGE = 64
 
 
-def server(args, store: Path, name: str, pythonpath: Path | None) -> tuple[Proc, str]:
+def server(args, store: Path, name: str, pythonpath: Path | None, extra_env: dict[str, str] | None = None) -> tuple[Proc, str]:
     port = free_port()
     need = -(-int((args.tokens + 2 * PAGE + args.new_tokens) * 1.1) // PAGE) * PAGE
     argv = [sys.executable, "-m", "sglang_dsv41.cli", "serve", "--device", args.device, "--model-path", args.model_path,
@@ -52,6 +52,7 @@ def server(args, store: Path, name: str, pythonpath: Path | None) -> tuple[Proc,
     env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(store), "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"}
     if pythonpath is not None:                 # first on the path: no cwd entry before it (-m would put one)
         env.update(PYTHONPATH=str(pythonpath), PYTHONSAFEPATH="1")
+    env.update(extra_env or {})
     proc = Proc(argv, args.log_dir / f"{args.out.stem}_{name}.log", env=env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -183,8 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--suffix-tokens", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--variant", action="append", default=[], metavar="LABEL=DIR",
-                   help="server B's plugin checkout (first on PYTHONPATH; '.' = this one); repeatable")
+    p.add_argument("--variant", action="append", default=[], metavar="LABEL=DIR[@VAR=VALUE,...]",
+                   help="server B's plugin checkout (first on PYTHONPATH; '.' = this one) and its own environment "
+                        "(e.g. after=.@SGLANG_DSV41_HICACHE_PREFETCH_WAIT_MS=0); repeatable")
     p.add_argument("--flags", default="--hicache-io-backend direct --hicache-ratio 4 --swa-full-tokens-ratio 1.0")
     p.add_argument("--roofline-pages", type=int, default=512)
     p.add_argument("--startup-timeout", type=float, default=600)
@@ -192,7 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS / "hicache_l3_hit.json")
     p.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()))
     args = p.parse_args(argv)
-    variants = [(v.split("=", 1)[0], Path(v.split("=", 1)[1]).resolve()) for v in args.variant or ["after=."]]
+    variants, envs = [], {}
+    for v in args.variant or ["after=."]:
+        label, _, rest = v.partition("=")
+        path, _, extra = rest.partition("@")
+        variants.append((label, Path(path).resolve()))
+        envs[label] = dict(kv.split("=", 1) for kv in extra.split(",") if kv)
     plugins = {label: plugin_file(path) for label, path in variants}
     for label, path in variants:
         if not plugins[label].startswith(str(path) + os.sep):
@@ -217,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             proc.stop()
         for k, (label, path) in enumerate(variants):
-            proc, url = server(args, store, f"b_{label}", path)
+            proc, url = server(args, store, f"b_{label}", path, envs[label])
             try:
                 ask(url, warm[k + 1], args, server=label, case="warmup")
                 for j, ids in enumerate(prompts):
@@ -247,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         summary[label]["l3_minus_device_ms"] = round(l3 - dev, 1)
     cold_ms = statistics.median(r["ttft_s"] for r in rows if r["case"] == "cold") * 1e3
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "wall_s": round(time.monotonic() - t0, 1),
-              "plugin_files": plugins, "files_written": files, "cold_median_ms": round(cold_ms, 1), "summary": summary,
+              "plugin_files": plugins, "variant_env": envs, "files_written": files, "cold_median_ms": round(cold_ms, 1), "summary": summary,
               "prefetch_timeline": lines, "roofline": roof, "ok": ok,
               "requests": [{k: v for k, v in r.items() if k != "output_ids"} for r in rows]}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,10 @@
 # one, alone and beside a thread spinning in Python (the session-14 H200 L3 hit: 1,272 ms, 171 % of cold).
 #   * tiny checkpoint with --context-length 65536 and SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 (timings
 #     only), io `kernel`, --mem-fraction-static 0.3, --disable-cuda-graph;
-#   * PREFIX (32768) and REPS (2: the first L3 hit of a fresh server B may pay first-use costs).
+#   * PREFIX (32768) and REPS (2: the first L3 hit of a fresh server B may pay first-use costs);
+#   * VARIANTS (default `after=.`): with time to spare (one more server start, ~60 s more),
+#     VARIANTS="spin=.@SGLANG_DSV41_HICACHE_PREFETCH_WAIT_MS=0 after=." also serves B with SGLang's spinning
+#     loop (the plugin's batched read kept), the before of the loop's wait.
 # Run from the checkout root with `.gpu` carried:
 #   BUDGET=290 bash scripts/gpu/hicache_l3_hit.sh
 # Results: $OUT/all.tgz (JSON, server logs), $OUT/summary.txt. rc 0 = every L3 hit came from storage and
@@ -24,7 +27,7 @@ CK=/tmp/tiny; R=/tmp/hicache_l3_hit; rm -rf $R; mkdir -p $R
 tiny_checkpoint $CK || exit 4
 result checkpoint
 timeout -s TERM -k 20 "$(left 30)" python3 benchmarks/hicache_l3_hit.py --model-path $CK --device cuda \
-    --tokens "${PREFIX:-32768}" --reps "${REPS:-2}" --variant after=. \
+    --tokens "${PREFIX:-32768}" --reps "${REPS:-2}" $(for v in ${VARIANTS:-after=.}; do printf -- '--variant %s ' "$v"; done) \
     --flags="--hicache-io-backend kernel --hicache-ratio 4 --swa-full-tokens-ratio 1.0 --mem-fraction-static 0.3 \
 --disable-cuda-graph" \
     --startup-timeout 150 --request-timeout 120 \
