@@ -111,7 +111,6 @@ class V41CacheController(StorageFaultGuard):
         tl = getattr(operation, "dsv41_timeline", None)
         if tl is not None and tl.done is None:
             tl.done = time.monotonic()
-            self.last_prefetch_timeline = tl
             logger.info("sglang-dsv41 HiCache: prefetch %s", tl.line(operation.request_id))
         return result
 
