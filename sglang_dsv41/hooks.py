@@ -253,6 +253,12 @@ HOOKS += (
         why="SGLang restores the whole host SWA chunk of each host-only ancestor until the window is covered "
             "(SGLang#31771): a chunk longer than the window would take that many slots of the small SWA device "
             "pool; the hook splits it first so a load-back restores at most the window, page-rounded."),
+    HookSpec(
+        target="sglang.srt.managers.scheduler.Scheduler.on_idle", kind="after",
+        impl="sglang_dsv41.runtime.hicache_idle:on_idle_hook", params=("self",), area="runtime",
+        why="a request waiting for its storage prefetch keeps the event loop spinning (on_idle returns at once "
+            "unless fully idle); the loop then takes the GIL from the prefetch's read thread at every file and "
+            "torch call, and an L3 hit's page reads cost ~40x their cost alone (docs/hicache.md)."),
 )
 
 _installed: set[tuple[str, str]] = set()

@@ -139,7 +139,23 @@ def test_storage_pages_hold_every_mirrored_component(cold_a, store: Path, tiny_c
     assert {(store / n).stat().st_size for n in swa} == {PAGE_SIZE * cfg.num_hidden_layers * cfg.head_dim * 2}
 
 
-def test_a_new_server_reloads_the_prefix_from_storage(cold_a, server_b: Server) -> None:
+def _prefetch_lines(log: str) -> list[tuple[int, int, int]]:
+    """(KV pages, KV bytes, other pools' pages) of each prefetch timeline line (runtime/hicache_prefetch.py)
+    whose every step ran: queued, queried, read in one batch of KV pages, ended by the scheduler."""
+    pattern = (r"sglang-dsv41 HiCache: prefetch req=\S+; pages kv=(\d+) \((\d+) B\) other=(\d+); queue [\d.]+ ms, "
+               r"query [\d.]+ ms; to read [\d.]+ ms, read [\d.]+ ms \(kv [\d.]+ ms in 1 batches, \d+ us/page\); "
+               r"to done [\d.]+ ms, total [\d.]+ ms")
+    return [tuple(map(int, m.groups())) for m in re.finditer(pattern, log)]
+
+
+def _kv_page_bytes(checkpoint: Path, page: int) -> int:
+    from sglang_dsv41.config import DeepseekV41Config
+    from sglang_dsv41.runtime.kv_layout import CompressedRowLayout
+    lay = CompressedRowLayout.from_config(DeepseekV41Config.from_file(checkpoint).text)
+    return page * (lay.latent_row_stride + lay.key_row_stride)
+
+
+def test_a_new_server_reloads_the_prefix_from_storage(cold_a, server_b: Server, tiny_checkpoint: Path) -> None:
     long, cold = cold_a
     warm = _run(server_b, long)
     d = _details(warm)
@@ -147,6 +163,10 @@ def test_a_new_server_reloads_the_prefix_from_storage(cold_a, server_b: Server) 
     assert d.get("storage_backend") == "HiCacheFile"
     assert warm["output_ids"] == cold["output_ids"]
     _assert_equal_to_cold(warm, cold)
+    # the prefetch's timeline: every KV page it brought, read in one batch, and the SWA window's pages
+    pages = d["storage"] // PAGE_SIZE
+    lines = _prefetch_lines(server_b.log_tail(10_000_000))
+    assert (pages, pages * _kv_page_bytes(tiny_checkpoint, PAGE_SIZE)) in [ln[:2] for ln in lines if ln[2] >= 1], lines
 
 
 def test_a_prefix_evicted_from_device_and_host_comes_back_from_storage(server_b: Server) -> None:
@@ -304,7 +324,10 @@ def test_the_default_storage_page_64_reloads_from_storage(server_b: Server, tiny
         assert len(kv) == full // STORAGE_PAGE_SIZE and swa, (kv, swa)
         _flush(a)                                             # device and host empty: only storage can hit
         warm = _run(a, ids)
-        assert a.proc.poll() is None and "Traceback" not in a.log_tail(10_000_000)
+        log = a.log_tail(10_000_000)
+        assert a.proc.poll() is None and "Traceback" not in log
+    pages = full // STORAGE_PAGE_SIZE                         # one batch of KV pages, and the SWA window's page
+    assert (pages, pages * _kv_page_bytes(tiny_checkpoint, STORAGE_PAGE_SIZE), 1) in _prefetch_lines(log), log[-3000:]
     d = _details(warm)
     assert warm["meta_info"]["cached_tokens"] == d.get("storage") == full and not d.get("host"), warm["meta_info"]
     assert d.get("storage_backend") == "HiCacheFile"

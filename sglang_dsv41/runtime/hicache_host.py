@@ -67,6 +67,8 @@ class ComponentHostPool(HostKVCache):
         self._ptrs: dict[str, Tensor] = {}
         # 1-D byte views of the host tensors: one slice per buffer is one page's rows (flat pages)
         self._flat_bytes = [h.view(torch.uint8).reshape(-1) for h in self.kv_buffer]
+        # [slots, row bytes] byte views of the host tensors: rows of many pages in one indexed copy
+        self._row_bytes = [h.view(torch.uint8) for h in self.kv_buffer]
 
     # ---- HostKVCache's abstract API -----------------------------------------------------------
     def get_size_per_token(self) -> int:
@@ -176,8 +178,35 @@ class ComponentHostPool(HostKVCache):
             f[b: b + n].copy_(flat[offset: offset + n])
             offset += n
 
+    def flat_page_batch(self, pages: int) -> Tensor:
+        """Staging for `pages` flat pages read from storage: row i is one flat page (uninitialised;
+        what `get_dummy_flat_data_page` is for one page)."""
+        return torch.empty(pages, self.page_bytes, dtype=torch.uint8)
+
+    def set_from_flat_data_pages(self, host_indices: Tensor, pages: Tensor) -> None:
+        """`set_from_flat_data_page` for k pages at once: row i of `pages` [k, page_bytes] goes to the
+        page of host slots `host_indices[i·page : (i+1)·page]` (each a page-aligned run of consecutive
+        slots, as SGLang's host allocator hands them out), one indexed copy per buffer."""
+        k, page = pages.shape[0], self.page_size
+        if tuple(pages.shape) != (k, self.page_bytes) or pages.dtype != torch.uint8:
+            raise ValueError(f"sglang-dsv41 HiCache {self.pool_label}: flat pages are [k, {self.page_bytes}] uint8, "
+                             f"got {list(pages.shape)} {pages.dtype}")
+        rows = host_indices.to("cpu", torch.int64)
+        runs = rows.view(k, page) if rows.numel() == k * page else None
+        if runs is None or bool((runs[:, 0] % page).any()) or \
+                not torch.equal(runs - runs[:, :1], torch.arange(page).expand(k, page)):
+            raise ValueError(f"sglang-dsv41 HiCache {self.pool_label}: {rows.numel()} host slots are not {k} "
+                             f"page-aligned runs of {page}")
+        if bool((runs[:, 0] > self.size - page).any()):
+            raise ValueError(f"sglang-dsv41 HiCache {self.pool_label}: a host slot is outside the pool")
+        offset = 0
+        for dst, rb in zip(self._row_bytes, self.row_bytes):
+            dst.index_copy_(0, rows, pages[:, offset: offset + rb * page].reshape(k * page, rb))
+            offset += rb * page
+
     def destroy(self) -> None:
         self._flat_bytes = []                         # no view outlives the host tensors
+        self._row_bytes = []
         super().destroy()
 
     def get_page_buffer_meta(self, indices):

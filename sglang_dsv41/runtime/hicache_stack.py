@@ -34,7 +34,8 @@ do not have).
 With a storage backend on a GPU the build also shortens the scheduler process's switch interval
 (`hicache_gil`: SGLang's storage threads share the scheduler's GIL).
 The controller is SGLang's `HybridCacheController` with storage failures turned into misses
-(`hicache_faults.StorageFaultGuard`: a storage tier that is down or full costs a cold prefill).
+(`hicache_faults.StorageFaultGuard`: a storage tier that is down or full costs a cold prefill) and KV
+pages prefetched a batch at a time, each prefetch's timeline logged (`hicache_prefetch.V41CacheController`).
 """
 from __future__ import annotations
 
@@ -54,8 +55,8 @@ from sglang.srt.mem_cache.pool_host.common import get_allocator_type
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
 from . import hicache_gil
-from .hicache_faults import StorageFaultGuard
 from .hicache_host import HOST_LAYOUT, IO_BACKENDS, ComponentHostPool
+from .hicache_prefetch import V41CacheController
 
 logger = logging.getLogger(__name__)
 #: L3 backends served: SGLang's `file` backend reads and writes the host pools' flat pages
@@ -199,7 +200,7 @@ class DeepseekV41StackStrategy(StackStrategy):
                              device_evict_fn=lambda n: cache.evict(EvictParams(swa_num_tokens=n)),
                              device_alloc_fn=swa_allocator.alloc, device_free_fn=swa_allocator.free),
         ])
-        controller = StorageFaultGuard(
+        controller = V41CacheController(
             params.token_to_kv_pool_allocator, group, params.page_size, params.tp_cache_group,
             load_cache_event=load_cache_event, attn_cp_group=params.attn_cp_cache_group,
             attn_tp_group=params.attn_tp_cache_group, pp_group=params.pp_cache_group,
