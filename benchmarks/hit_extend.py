@@ -18,7 +18,10 @@ Per case (L, N), in this order:
 
 Reading it: wall − gpu_busy ≈ host time the GPU waited for (launch-bound); a kernel whose device time
 grows with L at N = 32 is the context-proportional part; first − wall is the JIT cost of the case.
-`--topk-variants` repeats the longest-prefix N = 32 case with SGLANG_DSV41_INDEXER_TOPK=torch.
+`--topk-variants` repeats the longest-prefix case of the first --new-tokens with
+SGLANG_DSV41_INDEXER_TOPK=torch. N = 1 is an eager decode step: under SGLang's overlap scheduler a
+prefill's first token is sent only after the next batch (the request's first decode step) has been
+launched, so with --disable-cuda-graph a hit's TTFT holds the host time of both forwards.
 
   python benchmarks/hit_extend.py --model-path /tmp/tiny --out /tmp/out/hit_extend.json
 """
@@ -175,24 +178,25 @@ def main() -> int:
     if a.topk_variants:
         L = max(a.prefixes)
         os.environ["SGLANG_DSV41_INDEXER_TOPK"] = "torch"
-        r = run_case(engine, L, min(a.new_tokens), a.reps)
+        r = run_case(engine, L, a.new_tokens[0], a.reps)
         os.environ.pop("SGLANG_DSV41_INDEXER_TOPK")
         r["variant"] = "SGLANG_DSV41_INDEXER_TOPK=torch"
         rows.append(r)
         print(f"  topk=torch prefix {L}: wall {r['wall_ms']:.2f} ms gpu busy {r['gpu_busy_ms']:.2f} ms", flush=True)
-    hits = {r["prefix"]: r for r in rows if r["new_tokens"] == min(a.new_tokens) and "variant" not in r}
+    n0 = a.new_tokens[0]
+    hits = {r["prefix"]: r for r in rows if r["new_tokens"] == n0 and "variant" not in r}
     if len(hits) >= 2:
         lo, hi = hits[min(hits)], hits[max(hits)]
         span = (max(hits) - min(hits)) / 1024
         result["per_1k_prefix_ms"] = {"wall": round((hi["wall_ms"] - lo["wall_ms"]) / span, 3),
                                       "gpu_busy": round((hi["gpu_busy_ms"] - lo["gpu_busy_ms"]) / span, 3)}
-        print("per 1K prefix tokens at N =", min(a.new_tokens), result["per_1k_prefix_ms"])
+        print("per 1K prefix tokens at N =", n0, result["per_1k_prefix_ms"])
         for k in hi["top_kernels"][:8]:
             print(f"  longest prefix: {k['ms']:8.3f} ms x{k['count']:4d} {k['name']}")
         print("  host syncs at the longest prefix:", hi["host_sync_sites"])
-        last = [r for r in rows if r["new_tokens"] == min(a.new_tokens) and "variant" not in r][-1]
+        last = [r for r in rows if r["new_tokens"] == n0 and "variant" not in r][-1]
         result["last_prefix_build_ms"] = round(last["first_ms"] - last["wall_ms"], 2)
-        print(f"first − wall of the last N = {min(a.new_tokens)} case (prefix {last['prefix']}; ≈ 0 when its "
+        print(f"first − wall of the last N = {n0} case (prefix {last['prefix']}; ≈ 0 when its "
               f"kernel builds exist already): {result['last_prefix_build_ms']} ms")
     a.out.write_text(json.dumps(result, indent=1))
     return 0
