@@ -14,7 +14,9 @@ Per case (L, N), in this order:
 * `gpu_busy_ms`, `launches`, `top_kernels`: one more forward under torch.profiler (CUDA kernels'
   summed device time and count), `aten_ops` and `host_syncs` (aten ops that wait for the device:
   `_local_scalar_dense` (`.item()`, `int()`, `bool()`, `.tolist()`), `nonzero`, `equal`, … on CUDA
-  tensors) by the repository frame that issued them, from a TorchDispatchMode over one forward.
+  tensors) by the repository frame that issued them, and `aten_ops_by_file` (every op by the file
+  of its innermost repository frame: where an eager forward's host time goes), from a
+  TorchDispatchMode over one forward.
 
 Reading it: wall − gpu_busy ≈ host time the GPU waited for (launch-bound); a kernel whose device time
 grows with L at N = 32 is the context-proportional part; first − wall is the JIT cost of the case.
@@ -52,14 +54,16 @@ class OpWatch(TorchDispatchMode):
         self.device = device
         self.ops = 0
         self.syncs: collections.Counter = collections.Counter()
+        self.by_file: collections.Counter = collections.Counter()     # aten ops by the issuing file
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
         name = str(func)
+        frames = [f for f in traceback.extract_stack() if "sglang_dsv41" in f.filename]
+        where = f"{frames[-1].filename.split('sglang_dsv41/')[-1]}:{frames[-1].lineno}" if frames else "?"
+        self.by_file[where.rsplit(":", 1)[0]] += 1
         if name.startswith(SYNC_OPS) and any(isinstance(a, torch.Tensor) and a.device.type == self.device
                                             for a in args):
-            frames = [f for f in traceback.extract_stack() if "sglang_dsv41" in f.filename]
-            where = f"{frames[-1].filename.split('sglang_dsv41/')[-1]}:{frames[-1].lineno}" if frames else "?"
             self.syncs[f"{name} {where}"] += 1
         return func(*args, **(kwargs or {}))
 
@@ -146,6 +150,7 @@ def run_case(engine, prefix: int, n: int, reps: int) -> dict:
             "wall_ms": round(statistics.median(walls), 2), "walls_ms": [round(w, 2) for w in walls],
             "host_ms": round(statistics.median(hosts), 2), "gpu_busy_ms": round(busy, 2), "launches": launches,
             "aten_ops": watch.ops, "host_syncs": sum(watch.syncs.values()), "host_sync_sites": dict(watch.syncs),
+            "aten_ops_by_file": dict(watch.by_file.most_common(15)),
             "top_kernels": [{"name": k[:90], "ms": round(ms, 3), "count": c} for k, ms, c in top]}
 
 
@@ -194,6 +199,7 @@ def main() -> int:
         for k in hi["top_kernels"][:8]:
             print(f"  longest prefix: {k['ms']:8.3f} ms x{k['count']:4d} {k['name']}")
         print("  host syncs at the longest prefix:", hi["host_sync_sites"])
+        print("  aten ops by file at the longest prefix:", hi["aten_ops_by_file"])
         last = [r for r in rows if r["new_tokens"] == n0 and "variant" not in r][-1]
         result["last_prefix_build_ms"] = round(last["first_ms"] - last["wall_ms"], 2)
         print(f"first − wall of the last N = {n0} case (prefix {last['prefix']}; ≈ 0 when its "
