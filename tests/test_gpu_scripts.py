@@ -336,13 +336,28 @@ def test_hicache_prefix_flash_modes(sandbox: dict[str, str]) -> None:
     bench = [c for c in calls(sandbox) if "benchmarks/hicache.py --mode prefix" in c]
     assert len(bench) == 1 and "--model-path /tmp/hicache_flash_model --dummy-flash 4 --device cuda" in bench[0]
     assert "--hit-lengths 1024 8192 32768 --profile-hit " in bench[0] and "--mem-fraction-static 0.7" in bench[0]
+    # decode graphs by default: with --disable-cuda-graph the overlap scheduler puts an eager decode
+    # forward into every TTFT (docs/hicache.md "What a hit costs")
+    assert "--cuda-graph-max-bs 8" in bench[0] and "--disable-cuda-graph" not in bench[0]
     assert not any("make-checkpoint" in c for c in calls(sandbox))
     r = _run_script("hicache_prefix_flash.sh", {**sandbox, "MODE": "tiny-hit", "HIT_LENGTHS": "64 128"})
     assert r.returncode == 0, r.stdout + r.stderr
     bench = [c for c in calls(sandbox) if "benchmarks/hicache.py --mode prefix" in c]
     assert len(bench) == 2 and "--model-path /tmp/tiny --hit-cost-only" in bench[1] and "--hit-lengths 64 128 " in bench[1]
+    r = _run_script("hicache_prefix_flash.sh", {**sandbox, "MODE": "tiny-hit", "GRAPH": "0"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    bench = [c for c in calls(sandbox) if "benchmarks/hicache.py --mode prefix" in c]
+    assert len(bench) == 3 and "--disable-cuda-graph" in bench[2] and "--cuda-graph-max-bs" not in bench[2]
     r = _run_script("hicache_prefix_flash.sh", {**sandbox, "MODE": "bogus"})
-    assert r.returncode == 2 and len([c for c in calls(sandbox) if "hicache.py" in c]) == 2
+    assert r.returncode == 2 and len([c for c in calls(sandbox) if "hicache.py" in c]) == 3
+
+
+def test_hit_extend_runs_the_forward_benchmark_on_the_tiny_checkpoint(sandbox: dict[str, str]) -> None:
+    r = _run_script("hit_extend.sh", sandbox)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"^RESULT hit_extend rc=0 at \d+ s$", r.stdout, re.M), r.stdout
+    bench = [c for c in calls(sandbox) if "benchmarks/hit_extend.py" in c]
+    assert len(bench) == 1 and "--model-path /tmp/tiny " in bench[0] and "--new-tokens 32 1 " in bench[0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,14 +19,18 @@ What is pinned:
 """
 from __future__ import annotations
 
+import collections
 import math
 import re
 import sys
+import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import child_runs
 from runtime_scenarios import fixed_decode_tokens, run_scenario, scenario_caches
@@ -318,3 +322,82 @@ def test_kernel_choices_come_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("SGLANG_DSV41_ATTN_SPLITS", "many")
     with pytest.raises(ValueError, match="SGLANG_DSV41_ATTN_SPLITS='many'"):
         attention_ops.KernelAttentionOps(fake, SimpleNamespace())
+
+
+# ---- a prefix hit's extend: the CUDA path's host work does not grow with the context -------------
+
+#: aten ops that wait for a CUDA device (`.item()`, `int()` / `bool()` of a tensor, `.tolist()`, …)
+SYNC_OPS = ("aten._local_scalar_dense", "aten.nonzero", "aten.equal", "aten.is_nonzero", "aten.masked_select",
+            "aten.repeat_interleave.Tensor", "aten._unique2", "aten.unique")
+#: the files of the CUDA attention / indexer path (the stand-in kernels below live in this test file)
+ATTENTION_PATH = ("runtime/attention.py", "runtime/attention_ops.py", "runtime/attention_prefill.py",
+                  "runtime/indexer_select.py", "kernels/indexer.py", "kernels/topk_select.py")
+
+
+class _PathOps(TorchDispatchMode):
+    """Per aten op issued from ATTENTION_PATH (innermost repository frame): its name and output size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        frames = [f.filename for f in traceback.extract_stack()
+                  if "/sglang_dsv41/" in f.filename or "/kernels/" in f.filename]
+        if frames and frames[-1].endswith(ATTENTION_PATH):
+            size = max((t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)), default=0)
+            self.ops.append((str(func), size))
+        return out
+
+
+def _shape_only_kernels() -> attention_ops.KernelAttentionOps:
+    """`KernelAttentionOps` (serving mode, one split) over stand-ins of the two Triton launches that
+    only give the right shapes (no values, no host sync); everything else is the real module code."""
+    def index_scores(q, head_w, key_cache, entries, token_req, n_visible, **_):
+        j = torch.arange(entries.shape[1])
+        return torch.where(j[None, :] < n_visible[:, None], torch.zeros(q.shape[0], entries.shape[1]), -math.inf)
+
+    def sparse_sink_attention(q, swa_cache, swa_slots, comp_cache, comp_slots, sink, scale, *, config):
+        return torch.zeros_like(q)
+
+    return attention_ops.KernelAttentionOps(
+        SimpleNamespace(sparse_sink_attention=sparse_sink_attention, plan_config=kernel_attention.plan_config,
+                        plan_prefill_config=kernel_attention.plan_prefill_config,
+                        PackedSource=kernel_attention.PackedSource),
+        SimpleNamespace(index_scores=index_scores, select_indices=kernel_indexer.select_indices,
+                        entry_index_table=kernel_indexer.entry_index_table, PackedSource=kernel_indexer.PackedSource),
+        splits="one", prefill="bf16")
+
+
+def test_a_hit_extend_does_the_same_host_work_at_any_context(engine, monkeypatch) -> None:
+    """A prefix hit's 32-token extend on the CUDA path's code (issue 14 "What a hit costs"): after a
+    64- and a 2,048-token prefix the attention and indexer code issue the same aten ops, none of
+    them waits for the device, and no tensor is larger than the scores' N × E plus q's N × H × D
+    (no BF16 workspace of the context below PREFILL_MIN_QUERIES new tokens)."""
+    from sglang_dsv41.runtime.batch import BatchLayout, make_layout
+    from sglang_dsv41.runtime.cache import RuntimeCaches
+    from sglang_dsv41.runtime.engram_history import host_history
+
+    cfg, forward = engine
+    monkeypatch.setattr(forward, "attention_ops", _shape_only_kernels())
+    monkeypatch.setattr(BatchLayout, "host_checks", property(lambda self: False))   # as on CUDA
+    n, page, seen = 32, 64, {}
+    for prefix in (64, 2048):
+        seq = prefix + n
+        caches = RuntimeCaches.allocate(cfg.text, page + seq + page, 4, page_size=page)
+        table = torch.zeros(4, seq + page, dtype=torch.int32)
+        table[1, :seq] = torch.arange(page, page + seq, dtype=torch.int32)
+        ids = torch.randint(3, 900, (seq,), generator=torch.Generator().manual_seed(prefix))
+        layout = make_layout(torch.tensor([1]), torch.tensor([prefix]), torch.tensor([n]), torch.arange(prefix, seq),
+                             table[1, prefix:seq].to(torch.int64), table,
+                             engram_history=host_history([ids.tolist()], [prefix], forward.hasher.history_len))
+        watch = _PathOps()
+        with watch:
+            forward.hidden_states(ids[prefix:], layout, caches)
+        names = [name for name, _ in watch.ops]
+        assert names and not [x for x in names if x.startswith(SYNC_OPS)], [x for x in names if x.startswith(SYNC_OPS)]
+        per_token = n * cfg.text.num_attention_heads * cfg.text.head_dim            # q and the output
+        assert max(size for _, size in watch.ops) <= n * seq + per_token, prefix
+        seen[prefix] = collections.Counter(names)
+    assert seen[64] == seen[2048]

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_dsv41.runtime.engram_history import NO_TOKEN, EngramHistoryRing, history_tail, host_history
+from sglang_dsv41.runtime.engram_history import NO_TOKEN, EngramHistoryRing, JoinedIds, history_tail, host_history
 from sglang_dsv41.runtime.sglang_hooks import attach_engram_history_hook
 
 
@@ -98,3 +98,26 @@ def test_the_forward_takes_only_the_history_staged_for_its_batch() -> None:
     with pytest.raises(RuntimeError, match=r"staged \[0, 5\]"):
         M._take_engram_history(model, _forward_batch("EXTEND", [3, 6], [3, 2]))
     assert M._take_engram_history(model, _forward_batch("DECODE", [7], [1])) is None
+
+
+class _NoWholeCopy(list):
+    """A request's ids that refuse to be iterated whole (`list(ids)`): only slices may be read."""
+
+    def __iter__(self):
+        raise AssertionError("the whole context was copied to build a K-id history")
+
+
+def test_the_hook_copies_only_the_history_not_the_context() -> None:
+    """A 32K-token prefix hit copies its K ids, not 32K (`JoinedIds`); slices of prompt + output
+    equal the concatenation's at every bound."""
+    model, prompt = _Model(), _NoWholeCopy(range(100, 100 + 32768))
+    req = SimpleNamespace(origin_input_ids=prompt, output_ids=_NoWholeCopy([7, 8]))
+    attach_engram_history_hook(_forward_batch("EXTEND", [32770], [96]), None, SimpleNamespace(reqs=[req]),
+                               SimpleNamespace(model=model))
+    (starts, history), = model.staged
+    assert starts == [32674] and history.tolist() == [[100 + 32671, 100 + 32672, 100 + 32673]]
+    joined, whole = JoinedIds([1, 2, 3], [4, 5]), [1, 2, 3, 4, 5]
+    for lo in range(-1, 7):
+        for hi in range(-1, 7):
+            assert joined[lo:hi] == whole[lo:hi], (lo, hi)
+    assert len(joined) == 5

@@ -32,6 +32,27 @@ from torch import Tensor
 NO_TOKEN = -1
 
 
+class JoinedIds:
+    """prompt + output as one read-only sequence without concatenating them: `len` and slices only
+    (what `host_history` reads), so building a request's history copies its last K ids, not its
+    whole context."""
+
+    __slots__ = ("prompt", "output")
+
+    def __init__(self, prompt: Sequence[int], output: Sequence[int]) -> None:
+        self.prompt, self.output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def __getitem__(self, part: slice) -> list[int]:
+        if not isinstance(part, slice) or part.step not in (None, 1):
+            raise TypeError("JoinedIds takes contiguous slices only")
+        lo, hi, _ = part.indices(len(self))
+        n = len(self.prompt)
+        return list(self.prompt[min(lo, n):min(hi, n)]) + list(self.output[max(lo - n, 0):max(hi - n, 0)])
+
+
 def host_history(tokens: Sequence[Sequence[int]], starts: Sequence[int], history_len: int,
                  device: torch.device | str = "cpu") -> Tensor:
     """int64 [B, K]: ids tokens[b][starts[b] − K : starts[b]], left-filled with NO_TOKEN.

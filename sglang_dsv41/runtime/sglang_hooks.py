@@ -5,7 +5,8 @@ serve the model:
 
 * `attach_engram_history_hook` — AFTER `ForwardBatch.init_new`: an extend (or mixed) batch of
   our model carries each request's Engram history, the K ids before its chunk, built from the
-  request's own ids (`origin_input_ids + output_ids`, `runtime/engram_history.py`). The model
+  request's own ids (`origin_input_ids + output_ids`, read as `JoinedIds`: only the K ids are
+  copied, not the context; `runtime/engram_history.py`). The model
   keeps no token ids per cache slot, so SGLang's own per-token KV costs are exact and HiCache,
   PD and preemption move nothing for Engram.
 * `paged_alloc_extend_hook` / `paged_alloc_decode_hook` — AROUND
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .engram_history import host_history
+from .engram_history import JoinedIds, host_history
 
 
 def attach_engram_history_hook(result, cls, batch, model_runner, *args, **kwargs):
@@ -32,7 +33,7 @@ def attach_engram_history_hook(result, cls, batch, model_runner, *args, **kwargs
     if not K or result is None or batch is None or result.forward_mode.name not in ("EXTEND", "MIXED"):
         return result
     starts = [int(s) - int(e) for s, e in zip(result.seq_lens_cpu.tolist(), result.extend_seq_lens_cpu)]
-    tokens = [list(req.origin_input_ids) + list(req.output_ids) for req in batch.reqs]
+    tokens = [JoinedIds(req.origin_input_ids, req.output_ids) for req in batch.reqs]
     if len(tokens) != len(starts):
         raise RuntimeError(f"sglang-dsv41: {len(tokens)} requests but {len(starts)} sequence lengths in the batch")
     model_runner.model.stage_engram_history(starts, host_history(tokens, starts, K, device=result.seq_lens.device))
