@@ -18,8 +18,7 @@ SGLang's spinning loop (for measuring it). Every device.
 """
 from __future__ import annotations
 
-import os
-import time
+from .idle_wait import env_ms, wait_on_idle_poller
 
 #: Longest wait of one loop iteration with nothing to run while a prefetch is in flight (milliseconds).
 WAIT_MS = 1.0
@@ -27,16 +26,7 @@ ENV = "SGLANG_DSV41_HICACHE_PREFETCH_WAIT_MS"
 
 
 def wait_ms() -> float:
-    raw = os.environ.get(ENV)
-    if raw is None:
-        return WAIT_MS
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{ENV}={raw!r}: expected milliseconds (a number >= 0)") from None
-    if not value >= 0:
-        raise ValueError(f"{ENV}={raw!r}: expected milliseconds (a number >= 0)")
-    return value
+    return env_ms(ENV, WAIT_MS)
 
 
 def prefetch_in_flight(scheduler) -> bool:
@@ -51,9 +41,5 @@ def on_idle_hook(result, self):
     ms = wait_ms()
     if ms == 0 or self.is_fully_idle():
         return result
-    poller = getattr(getattr(self, "idle_sleeper", None), "poller", None)
-    if poller is not None:
-        poller.poll(ms)
-    else:
-        time.sleep(ms / 1000)
+    wait_on_idle_poller(self, ms)
     return result

@@ -17,8 +17,7 @@ SGLang's spinning loop (for measuring it).
 """
 from __future__ import annotations
 
-import os
-import time
+from .idle_wait import env_ms, wait_on_idle_poller
 
 #: Longest wait of one loop iteration with nothing to run (milliseconds).
 WAIT_MS = 2
@@ -26,16 +25,7 @@ ENV = "SGLANG_DSV41_PD_CPU_WAIT_MS"
 
 
 def wait_ms() -> float:
-    raw = os.environ.get(ENV)
-    if raw is None:
-        return WAIT_MS
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{ENV}={raw!r}: expected milliseconds (a number >= 0)") from None
-    if value < 0:
-        raise ValueError(f"{ENV}={raw!r}: expected milliseconds (a number >= 0)")
-    return value
+    return env_ms(ENV, WAIT_MS)
 
 
 def on_idle_hook(result, self):
@@ -48,10 +38,5 @@ def on_idle_hook(result, self):
         return result
     if self.is_fully_idle():
         return result                      # SGLang's own sleeper (--sleep-on-idle) already waited
-    sleeper = getattr(self, "idle_sleeper", None)
-    poller = getattr(sleeper, "poller", None)
-    if poller is not None:
-        poller.poll(ms)
-    else:
-        time.sleep(ms / 1000)
+    wait_on_idle_poller(self, ms)
     return result
