@@ -34,6 +34,10 @@ from torch import Tensor
 #: (one chunk, loaded once) — the decode widths of moderate contexts.
 BLOCK_E = 1024
 RESIDENT_MAX_ENTRIES = 8192
+#: Register widths of a resident row: the smallest that holds it. A fixed pair, not the row's next
+#: power of two, so the kernel has three builds in all (these two and the chunked one) instead of
+#: one per power of two of the context's compressed width — each first use of a build compiles it.
+RESIDENT_BLOCKS = (1024, RESIDENT_MAX_ENTRIES)
 #: Widest row the dispatcher sends here (wider rows: the torch path).
 FUSED_MAX_ENTRIES = 1 << 16
 
@@ -110,8 +114,16 @@ def select_topk_fused(scores: Tensor, k: int) -> Tensor:
     if E == 0:
         return out.fill_(-1)
     s = scores if scores.stride(1) == 1 else scores.contiguous()
-    resident = E <= RESIDENT_MAX_ENTRIES
-    block = triton.next_power_of_2(max(E, 16)) if resident else BLOCK_E
+    block, resident, warps = launch_blocks(E)
     _topk_rows_kernel[(N,)](s, out, E, k, s.stride(0), out.stride(0), BLOCK=block, RESIDENT=resident,
-                            num_warps=8 if block >= 4096 else 4)
+                            num_warps=warps)
     return out
+
+
+def launch_blocks(E: int) -> tuple[int, bool, int]:
+    """(BLOCK, RESIDENT, num_warps) of a row of E columns: the smallest of RESIDENT_BLOCKS that holds
+    it (RESIDENT_MAX_ENTRIES is the last), else chunks of BLOCK_E."""
+    for block in RESIDENT_BLOCKS:
+        if E <= block and E <= RESIDENT_MAX_ENTRIES:
+            return block, True, 8 if block >= 4096 else 4
+    return BLOCK_E, False, 4
