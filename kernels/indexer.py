@@ -6,7 +6,7 @@ For query t of request r = token_req[t] and entry j of r (slot entry_slots[r, j]
     S[t, j] = Σ_h w[t,h]·ReLU(q[t,h]·k[slot])   if j < n_visible[t] and the slot exists, else −∞
 
 `index_scores` is one Triton launch for the batch: a program takes a tile of BLOCK_T queries of
-one request (the MQA product has BLOCK_T·Hi rows) and j_steps tiles of BLOCK_J entries; each key
+one request (the MQA product has BLOCK_T·Hi rows) and J_STEPS tiles of BLOCK_J entries; each key
 tile is gathered from its slots once for all heads and all queries of the tile, multiplied on
 tensor cores (BF16 operands: FP4 values E2M1·2^s are exact in BF16), accumulated in fp32, then
 ReLU, head weights and the head sum are fused. Entry tiles past every query of the tile's
@@ -82,17 +82,15 @@ def _round_bf16(x):
     return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
 
 
-@triton.jit(do_not_specialize=["j_steps"])
+@triton.jit
 def _index_scores_kernel(q_ptr, w_ptr, key_ptr, slot_ptr, nvis_ptr, order_ptr, tile_req_ptr,
                          tile_lo_ptr, tile_hi_ptr, out_ptr, num_slots, num_entries,
                          stride_qn, stride_qh, stride_wn, stride_ks, stride_sr, stride_on,
-                         key_offset, key_ratio, j_steps,
+                         key_offset, key_ratio,
                          HI: tl.constexpr, DI: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BLOCK_J: tl.constexpr, DOT_BF16: tl.constexpr,
+                         BLOCK_J: tl.constexpr, J_STEPS: tl.constexpr, DOT_BF16: tl.constexpr,
                          HEAD_SUM_EXACT: tl.constexpr, KEY_PACKED: tl.constexpr, KEY_SHARE: tl.constexpr):
-    """One tile of queries of one request × j_steps·BLOCK_J entries (see the module docstring);
-    `j_steps` is a runtime loop bound, not a constexpr: it varies with N·E, and a constexpr would
-    build one kernel variant per value."""
+    """One tile of queries of one request × J_STEPS·BLOCK_J entries (see the module docstring)."""
     tile = tl.program_id(0)
     req = tl.load(tile_req_ptr + tile)
     lo = tl.load(tile_lo_ptr + tile)
@@ -115,8 +113,8 @@ def _index_scores_kernel(q_ptr, w_ptr, key_ptr, slot_ptr, nvis_ptr, order_ptr, t
     else:
         q = q.to(tl.float32)
     # entry tiles of this program: the first `live` hold some visible entry, the rest only −∞
-    j_first = tl.program_id(1) * j_steps * BLOCK_J
-    live = tl.minimum(tl.maximum(tl.cdiv(tile_vis - j_first, BLOCK_J), 0), j_steps)
+    j_first = tl.program_id(1) * J_STEPS * BLOCK_J
+    live = tl.minimum(tl.maximum(tl.cdiv(tile_vis - j_first, BLOCK_J), 0), J_STEPS)
     for step in range(0, live):
         j = j_first + step * BLOCK_J + tl.arange(0, BLOCK_J)
         j_in = j < num_entries
@@ -144,7 +142,7 @@ def _index_scores_kernel(q_ptr, w_ptr, key_ptr, slot_ptr, nvis_ptr, order_ptr, t
         valid = (j[None, :] < nvis[:, None]) & has[None, :]
         tl.store(out_ptr + qid[:, None] * stride_on + j[None, :], tl.where(valid, s, float("-inf")),
                  mask=t_live[:, None] & j_in[None, :])
-    for step in range(live, j_steps):
+    for step in range(live, J_STEPS):
         j = j_first + step * BLOCK_J + tl.arange(0, BLOCK_J)
         tl.store(out_ptr + qid[:, None] * stride_on + j[None, :],
                  tl.full((BLOCK_T, BLOCK_J), float("-inf"), tl.float32),
@@ -286,7 +284,8 @@ def index_scores(q: Tensor, head_w: Tensor, key_cache: Tensor | PackedSource, en
                          "with block_t·Hi ≥ 16 and block_j ≥ 16")
     order, tile_req, tile_lo, tile_hi = _query_tiles(token_req, R, block_t)
     j_tiles = -(-E // block_j)
-    if j_steps is None:  # loop over entry tiles inside a program only beyond ~8192 programs
+    if j_steps is None:  # loop over entry tiles inside a program only beyond ~8192 programs;
+        # a constexpr with five values (1 … 16): at most five builds per query tile, not one per length
         j_steps = 1
         while j_steps < 16 and tile_req.numel() * j_tiles > 8192 * j_steps:
             j_steps *= 2
@@ -297,7 +296,7 @@ def index_scores(q: Tensor, head_w: Tensor, key_cache: Tensor | PackedSource, en
     if grid[1] > 65535:  # CUDA's limit on the second grid dimension
         raise ValueError(f"index_scores: {grid[1]} entry programs for E = {E}; raise block_j or j_steps")
     m_rows = block_t * HI
-    launch = dict(HI=HI, DI=DI, BLOCK_T=block_t, BLOCK_J=block_j,
+    launch = dict(HI=HI, DI=DI, BLOCK_T=block_t, BLOCK_J=block_j, J_STEPS=j_steps,
                   DOT_BF16=not INTERPRETED, HEAD_SUM_EXACT=head_sum_exact, KEY_PACKED=packed,
                   KEY_SHARE=key_cache.share if packed else 1)
     if not INTERPRETED:  # launch options of the compiled kernel (the interpreter has none)
@@ -307,7 +306,7 @@ def index_scores(q: Tensor, head_w: Tensor, key_cache: Tensor | PackedSource, en
     key_layout = (key_cache.offset, key_cache.ratio) if packed else (0, 1)
     args = (q, head_w, key_tensor, entry_slots, n_visible.contiguous(), order, tile_req, tile_lo, tile_hi, out,
             num_keys, E, q.stride(0), q.stride(1), head_w.stride(0), key_tensor.stride(0),
-            entry_slots.stride(0), out.stride(0), *key_layout, j_steps)
+            entry_slots.stride(0), out.stride(0), *key_layout)
     _index_scores_kernel[grid](*args, **launch)
     return out
 

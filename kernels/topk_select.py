@@ -34,10 +34,13 @@ from torch import Tensor
 #: (one chunk, loaded once) — the decode widths of moderate contexts.
 BLOCK_E = 1024
 RESIDENT_MAX_ENTRIES = 8192
-#: Register widths of a resident row: the smallest that holds it. A fixed pair, not the row's next
-#: power of two, so the kernel has three builds in all (these two and the chunked one) instead of
-#: one per power of two of the context's compressed width — each first use of a build compiles it.
-RESIDENT_BLOCKS = (1024, RESIDENT_MAX_ENTRIES)
+#: Register widths of a resident row: the smallest that holds it — the powers of two from
+#: RESIDENT_MIN_BLOCK to RESIDENT_MAX_ENTRIES, so the kernel has seven builds in all (six resident,
+#: one chunked) and not one per power of two down to 16: each first use of a build compiles it in
+#: the request. Wider blocks for narrow rows were measured (docs/performance.md, "Top-k widths").
+RESIDENT_MIN_BLOCK = 256
+RESIDENT_BLOCKS = tuple(1 << b for b in range(RESIDENT_MIN_BLOCK.bit_length() - 1,
+                                              RESIDENT_MAX_ENTRIES.bit_length()))
 #: Widest row the dispatcher sends here (wider rows: the torch path).
 FUSED_MAX_ENTRIES = 1 << 16
 

@@ -318,7 +318,7 @@ if not K.INTERPRETED:
         with no register spills — also where the dot becomes wgmma (block_t·Hi ≥ 64), which the
         join/reshape decode (removed) cannot be lowered to in Triton 3.6; no float64 instruction."""
         kern = K._index_scores_kernel
-        consts = dict(HI=32, DI=128, BLOCK_T=block_t, BLOCK_J=64, DOT_BF16=True, HEAD_SUM_EXACT=True,
+        consts = dict(HI=32, DI=128, BLOCK_T=block_t, BLOCK_J=64, J_STEPS=1, DOT_BF16=True, HEAD_SUM_EXACT=True,
                       KEY_PACKED=True, KEY_SHARE=68)
         pointers = {"q_ptr": "*fp32", "w_ptr": "*fp32", "key_ptr": "*u8", "out_ptr": "*fp32"}
         sig = {n: "constexpr" if n in consts else pointers.get(n, "*i64" if n.endswith("_ptr") else "i32")
@@ -380,25 +380,20 @@ def test_topk_method_from_the_environment(monkeypatch) -> None:
 def test_no_kernel_build_per_request_length() -> None:
     """Every first use of a Triton constexpr value builds a kernel variant (seconds on a cold cache),
     so no constexpr of the indexer's two kernels may follow the request's length beyond a few
-    classes: over 1..8,192 queries per request and 1..65,536 entries, `index_scores` has ≤ 4 query
-    tiles (BLOCK_T) per head count and its entry-tile loop count is a runtime argument, not
-    specialised; the fused top-k has 3 builds in all (it had one per power of two of the width)."""
+    classes: over 1..8,192 queries per request, `index_scores` has ≤ 4 query tiles (BLOCK_T) per head
+    count (its J_STEPS takes five values, 1 … 16); the fused top-k has 7 builds in all over
+    1..65,536 entries (it had one per power of two of the width, 11)."""
     from sglang_dsv41.kernels import topk_select as TS
 
-    if not K.INTERPRETED:     # the interpreter's kernel object keeps no signature
-        kern = K._index_scores_kernel
-        constexprs = {p.name for p in kern.params if p.is_constexpr}
-        assert constexprs == {"HI", "DI", "BLOCK_T", "BLOCK_J", "DOT_BF16", "HEAD_SUM_EXACT", "KEY_PACKED",
-                              "KEY_SHARE"}
-        assert "j_steps" in kern.arg_names and kern.params[kern.arg_names.index("j_steps")].do_not_specialize
     for hi in (2, 4, 32, 64):
         tiles = {K.default_block_t(n, r, hi) for n in range(1, 8193, 7) for r in (1, 2, 3, 64)}
         assert len(tiles) <= 4 and all(t * hi >= 16 for t in tiles), (hi, tiles)
     builds = {TS.launch_blocks(E) for E in range(1, 1 << 16 | 1)}
-    assert len(builds) == 3, builds
-    for E in (1, 16, 1000, 1024, 1025, 4097, 8192, 8193, 65536):
+    assert len(builds) == 7, builds
+    for E in (1, 16, 256, 257, 1000, 1024, 1025, 4097, 8192, 8193, 65536):
         block, resident, _ = TS.launch_blocks(E)
         assert resident == (E <= TS.RESIDENT_MAX_ENTRIES) and (not resident or block >= E), E
+        assert not resident or block == max(TS.RESIDENT_MIN_BLOCK, 1 << (E - 1).bit_length()), E
 
 
 @pytest.mark.gpu

@@ -25,7 +25,8 @@ set -uo pipefail
 # shellcheck source=scripts/gpu/lib.sh
 source "$(dirname "$0")/lib.sh"
 BUDGET=${BUDGET:-290}; MODE=${MODE:-flash}; LAYERS=${LAYERS:-4}; MEM=${MEM:-0.7}
-HIT_LENGTHS=${HIT_LENGTHS:-1024 8192 32768}
+HIT_LENGTHS=${HIT_LENGTHS-1024 8192 32768}   # HIT_LENGTHS= (empty): no hit-cost phase, no profile
+PROFILE=--profile-hit; [ -n "$HIT_LENGTHS" ] || PROFILE=
 gpu_setup
 R=/tmp/hicache_prefix_flash; rm -rf $R; mkdir -p $R; SUMMARY=$OUT/summary.txt
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>&1 | sed 's/^/gpu: /' | tee "$SUMMARY"
@@ -47,7 +48,7 @@ result setup mode=$MODE graph=${GRAPH:-1}
 # shellcheck disable=SC2086
 timeout -s TERM -k 30 "$(left 35)" python3 benchmarks/hicache.py --mode prefix "${MODEL[@]}" --device cuda \
     --prefix-tokens "${PREFIX:-32768}" --suffix-tokens 32 --new-tokens 8 --reps "${REPS:-1}" --start-b-with-a \
-    --page-size 64 --hit-lengths $HIT_LENGTHS --profile-hit --flags="$FLAGS" \
+    --page-size 64 --hit-lengths $HIT_LENGTHS $PROFILE --flags="$FLAGS" \
     --startup-timeout 200 --request-timeout 120 --settle-cap-s 30 \
     --out $R/hicache_prefix_$MODE.json --log-dir $R 2>&1 | tail -30 | tee -a "$SUMMARY"
 rc=${PIPESTATUS[0]}
