@@ -31,6 +31,13 @@ torch.set_num_threads(1)
 settings.register_profile("host_independent", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("host_independent")
 
+# Triton 3.6's interpreter and NumPy ≥ 2.4 (tests/triton_interp_compat.py): only child runs under
+# TRITON_INTERPRET=1 need it.
+import triton_interp_compat  # noqa: E402
+
+if triton_interp_compat.needed():
+    triton_interp_compat.install()
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "child_run(*argv): the test asserts on `child_runs.run(argv)`; "
