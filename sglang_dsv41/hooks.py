@@ -256,9 +256,10 @@ HOOKS += (
     HookSpec(
         target="sglang.srt.managers.scheduler.Scheduler.on_idle", kind="after",
         impl="sglang_dsv41.runtime.hicache_idle:on_idle_hook", params=("self",), area="runtime",
-        why="a request waiting for its storage prefetch keeps the event loop spinning (on_idle returns at once "
-            "unless fully idle); the loop then takes the GIL from the prefetch's read thread at every file and "
-            "torch call, and an L3 hit's page reads cost ~40x their cost alone (docs/hicache.md)."),
+        why="a request waiting for its storage prefetch, or pages on their way to storage, keep the event loop "
+            "spinning (on_idle returns at once unless fully idle, and idle sleeps only with --sleep-on-idle); the "
+            "loop then takes the GIL from the storage threads at every file and torch call: an L3 hit's page "
+            "reads cost ~40x their cost alone, a page file's write ~80x (docs/hicache.md)."),
 )
 
 _installed: set[tuple[str, str]] = set()

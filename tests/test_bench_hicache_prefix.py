@@ -120,3 +120,24 @@ def test_trace_summary_splits_cpu_span_and_gpu_busy(tmp_path) -> None:
     assert s["top_python_ms"] == {"sglang_dsv41/runtime/model.py(303): forward": pytest.approx(9.5)}
     assert "GPU busy 2.2 ms in 3" in h.profile_line({**s, "ttft_ms": 20.0})
     assert h.profile_line(None) == "hit profile: not taken"
+
+
+def test_a_cold_run_that_hit_storage_is_discarded_and_redone(monkeypatch) -> None:
+    """`ask_cold`: a backup landing after the storage was cleared turns a cold run into an L3 hit; the
+    run is redone after a longer settle (up to 3 tries), and the kept row counts the discarded runs."""
+    from types import SimpleNamespace
+
+    h = load_benchmark("hicache_prefix.py")
+    calls: list[str] = []
+    answers = iter([32768, 32768, 0, 0])
+    monkeypatch.setattr(h, "http", lambda url, body, timeout: calls.append(url.rsplit("/", 1)[1]))
+    monkeypatch.setattr(h, "flush", lambda url: calls.append("flush"))
+    monkeypatch.setattr(h, "ask", lambda url, case, key, ids, args: dict(_row(case, key, 1.0), cached_tokens=next(answers)))
+    settles: list[float] = []
+    run = SimpleNamespace(settle=lambda scale=1.0: settles.append(scale), prompt=lambda key: [1, 2], args=None)
+    row = h.ask_cold(run, "http://x", "gpu0")
+    assert row["cached_tokens"] == 0 and row["cold_retries"] == 2 and settles == [1, 2, 3]
+    assert calls == ["clear_hicache_storage_backend", "flush"] * 3
+    assert h.ask_cold(run, "http://x", "gpu0")["cold_retries"] == 0
+    answers = iter([5] * 3)
+    assert h.ask_cold(run, "http://x", "gpu0", tries=3)["cached_tokens"] == 5      # kept, and all_cold will say so

@@ -179,8 +179,9 @@ def test_the_timeline_line_names_each_step():
 
 def test_the_scheduler_waits_while_only_a_prefetch_is_in_flight(runtime_hooks, monkeypatch):
     """`Scheduler.on_idle` (hooked, runtime/hicache_idle.py): with a storage prefetch in flight and nothing
-    else to do, the loop waits on SGLang's idle poller instead of spinning; without a prefetch, fully
-    idle, without storage or with the wait set to 0 it is left to SGLang; a bad setting is refused."""
+    else to do, or a backup to storage in flight (even fully idle), the loop waits on SGLang's idle poller
+    instead of spinning; without either, a prefetch while fully idle, without storage or with the wait set
+    to 0 it is left to SGLang; a bad setting is refused."""
     from sglang_dsv41.runtime import hicache_idle
 
     assert any(s.impl.endswith("hicache_idle:on_idle_hook") for s in runtime_hooks)   # installed and verified
@@ -192,15 +193,19 @@ def test_the_scheduler_waits_while_only_a_prefetch_is_in_flight(runtime_hooks, m
         def poll(self, ms: float) -> None:
             self.waits.append(ms)
 
-    def sched(prefetches=("r",), idle=False, storage=True, poller=True):
+    def sched(prefetches=("r",), backups=(), idle=False, storage=True, poller=True):
         return SimpleNamespace(enable_hicache_storage=storage, is_fully_idle=lambda: idle,
-                               tree_cache=SimpleNamespace(ongoing_prefetch=dict.fromkeys(prefetches)),
+                               tree_cache=SimpleNamespace(ongoing_prefetch=dict.fromkeys(prefetches),
+                                                          ongoing_backup=dict.fromkeys(backups)),
                                idle_sleeper=SimpleNamespace(poller=Poller()) if poller else None)
 
     waiting = sched()
     assert hicache_idle.on_idle_hook("x", waiting) == "x"
     assert waiting.idle_sleeper.poller.waits == [hicache_idle.WAIT_MS]
-    for other in (sched(prefetches=()), sched(idle=True), sched(storage=False)):
+    for writing in (sched(prefetches=(), backups=(7,)), sched(prefetches=(), backups=(7,), idle=True)):
+        hicache_idle.on_idle_hook(None, writing)                                       # a backup: idle or not
+        assert writing.idle_sleeper.poller.waits == [hicache_idle.WAIT_MS]
+    for other in (sched(prefetches=()), sched(idle=True), sched(storage=False), sched(backups=(7,), storage=False)):
         hicache_idle.on_idle_hook(None, other)
         assert other.idle_sleeper.poller.waits == []
     t0 = time.perf_counter()
