@@ -33,17 +33,23 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+KERNELS = f"{ROOT}/kernels/"
 SYNC_OPS = ("aten._local_scalar_dense", "aten.nonzero", "aten.equal", "aten.is_nonzero", "aten.masked_select",
             "aten.repeat_interleave.Tensor", "aten._unique2", "aten.unique")
 CASES = ((64, 32), (2048, 32), (2048, 1))
 
 
 def repo_site(stack=None) -> str:
-    """`file:line` of the innermost frame in this repository's package or kernels ("?" if none)."""
-    root = str(ROOT) + "/"
+    """`file:line` of the innermost frame in this repository's package or kernels ("?" if none):
+    `runtime/x.py:12`, `kernels/y.py:34` (a checkout's `kernels/` or an installed
+    `sglang_dsv41/kernels/`)."""
     for f in reversed(stack if stack is not None else traceback.extract_stack()):
-        if f.filename.startswith(root) and f.filename[len(root):].startswith(("sglang_dsv41/", "kernels/")):
-            return f"{f.filename[len(root):].replace('sglang_dsv41/', '', 1)}:{f.lineno}"
+        name = f.filename
+        if name.startswith(KERNELS):
+            return f"kernels/{name[len(KERNELS):]}:{f.lineno}"
+        at = name.rfind("/sglang_dsv41/")
+        if at >= 0:
+            return f"{name[at + len('/sglang_dsv41/'):]}:{f.lineno}"
     return "?"
 
 
