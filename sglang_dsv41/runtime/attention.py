@@ -78,6 +78,9 @@ class ForwardScratch:
     #: every layer (one window size; the full → SWA slot map changes only between forwards), made
     #: by the first layer of this forward (`_swa_window`).
     swa_window: tuple[Tensor, Tensor] | None = None
+    #: The CUDA indexer's query tiles per query chunk (`KernelAttentionOps.select`): the same
+    #: for every indexer layer of this forward.
+    query_tiles: dict = field(default_factory=dict)
 
 
 def _packed_entries(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, latents: Tensor,
@@ -167,7 +170,7 @@ def _selection(be: ComputeBackend, ops: AttentionOps, cfg: TextConfig, role: Lay
             raise RuntimeError(f"layer {role.layer}: candidate source {cand} did not run in this forward")
         published = scratch.blocks[cand]
     selection, blocks = ops.select(be, cfg, role, w, prefix, x, q_lora, layout, caches, inv_freq,
-                                   act_quant, published, scratch.entry_tables)
+                                   act_quant, published, scratch.entry_tables, query_tiles=scratch.query_tiles)
     scratch.selections[role.layer] = selection
     if role.candidate_source:
         assert blocks is not None
