@@ -7,7 +7,8 @@ packed rows, N new tokens). Per case (L, N, bucket):
 
 * eager: `wall_ms` / `host_ms` (median of REPS) of the eager extend forward (checked `make_layout`);
 * graph: the same extend through `batch.static_extend_layout`, padded to `bucket` tokens the way
-  SGLang's prefill runners pad (tail: id 0, position 0, slot 0), `hidden_states` captured in one
+  SGLang's prefill runners pad (tail: id 0, position 0, slot 0) with `--sentinels` zero-length
+  request slots after the request (the `full` runner's unused slots), `hidden_states` captured in one
   `torch.cuda.CUDAGraph` on static input buffers (two warm-ups on scratch cache copies first);
   `capture_s`, then `replay_wall_ms` / `replay_host_ms` (inputs copied into the buffers + replay)
   and `replay_gpu_ms` (torch.profiler: the replay's kernels);
@@ -51,7 +52,7 @@ def _timed(fn, reps: int) -> tuple[float, float]:
     return round(statistics.median(walls), 3), round(statistics.median(hosts), 3)
 
 
-def run_case(engine, prefix: int, n: int, bucket: int, width: int, reps: int) -> dict:
+def run_case(engine, prefix: int, n: int, bucket: int, width: int, reps: int, sentinels: int) -> dict:
     from sglang_dsv41.runtime.batch import static_extend_layout
 
     ids, layout, caches = make_case(engine, prefix, n)
@@ -60,7 +61,7 @@ def run_case(engine, prefix: int, n: int, bucket: int, width: int, reps: int) ->
                         device=dev)
     table[:, :layout.req_to_token.shape[1]] = layout.req_to_token
     layout = dataclasses.replace(layout, req_to_token=table)
-    row = {"prefix": prefix, "new_tokens": n, "bucket": bucket, "table_width": table.shape[1]}
+    row = {"prefix": prefix, "new_tokens": n, "bucket": bucket, "sentinels": sentinels, "table_width": table.shape[1]}
 
     eager_caches = copy.deepcopy(caches)
     eager = lambda: engine.hidden_states(ids, layout, eager_caches)  # noqa: E731
@@ -69,10 +70,12 @@ def run_case(engine, prefix: int, n: int, bucket: int, width: int, reps: int) ->
 
     pad = bucket - n
     z = torch.zeros(pad, dtype=torch.int64, device=dev)
+    e = torch.zeros(sentinels, dtype=torch.int64, device=dev)          # unused request slots: row 0, length 0
+    history = layout.engram_history
     live = {"input_ids": torch.cat([ids.to(torch.int64), z]), "positions": torch.cat([layout.positions, z]),
-            "out_slots": torch.cat([layout.out_slots, z]), "req_rows": layout.req_rows.clone(),
-            "seq_lens": layout.seq_lens.clone(), "extend_lens": layout.extend_lens.clone(),
-            "history": layout.engram_history.clone()}
+            "out_slots": torch.cat([layout.out_slots, z]), "req_rows": torch.cat([layout.req_rows, e]),
+            "seq_lens": torch.cat([layout.seq_lens, e]), "extend_lens": torch.cat([layout.extend_lens, e]),
+            "history": torch.cat([history, history.new_full((sentinels, history.shape[1]), -1)])}
     buf = {k: v.clone() for k, v in live.items()}
 
     def static_forward(c):
@@ -127,6 +130,8 @@ def main() -> int:
                    help="default: (0, 32, 32) (0, 32, 64) (8192, 32, 32) (32768, 32, 32) (0, 256, 256)")
     p.add_argument("--table-width", type=int, default=65536, help="req_to_token width (the context length)")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--sentinels", type=int, default=2,
+                   help="zero-length request slots after the live request (the full runner's unused slots)")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -137,7 +142,7 @@ def main() -> int:
     for L, n, bucket in cases:
         if bucket < n:
             raise SystemExit(f"bucket {bucket} < {n} new tokens")
-        rows.append(run_case(engine, L, n, bucket, a.table_width, a.reps))
+        rows.append(run_case(engine, L, n, bucket, a.table_width, a.reps, a.sentinels))
         r = rows[-1]
         if "capture_error" in r:
             print(f"prefix {L} new {n} bucket {bucket}: CAPTURE FAILED {r['capture_error']}", flush=True)

@@ -4,8 +4,9 @@ by the CPU test and the GPU probe of the static extend forward (`runtime/batch.s
 `extend_step(state, pieces, bucket)`: after `cuda_graph_scenarios.prefilled`, each named request
 extends by its piece's tokens (fresh slots, consecutive positions from its current length), the
 batch padded to `bucket` tokens the way SGLang 0.5.17's prefill runners pad (the registry's ZERO
-policy: input ids, positions and out_cache_loc of the padded tail are 0). No request-slot
-padding (the `breakable` runner's case; `full`'s zero-length sentinels are not supported yet).
+policy: input ids, positions and out_cache_loc of the padded tail are 0); `sentinels` unused
+request slots after the live requests as the `full` runner pads them (row 0, seq_len 0, extend
+length 0; `prefill_cuda_graph_runner.py:1173/1570-1577`).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from cuda_graph_scenarios import Prefilled
+from cuda_graph_scenarios import PAD_ROW, Prefilled
 from runtime_scenarios import ROWS, prompt
 from sglang_dsv41.runtime.batch import BatchLayout, make_layout, static_extend_layout
 
@@ -38,10 +39,10 @@ class ExtendStep:
     live: int
 
     def unpadded_layout(self, req_to_token: Tensor) -> BatchLayout:
-        """The eager (checked) layout of the live tokens alone."""
-        n = self.live
-        return make_layout(self.req_rows, self.seq_lens - self.extend_lens, self.extend_lens, self.positions[:n],
-                           self.out_slots[:n], req_to_token)
+        """The eager (checked) layout of the live tokens and requests alone."""
+        n, b = self.live, int((self.extend_lens > 0).sum())
+        return make_layout(self.req_rows[:b], (self.seq_lens - self.extend_lens)[:b], self.extend_lens[:b],
+                           self.positions[:n], self.out_slots[:n], req_to_token)
 
     def static_layout(self, req_to_token: Tensor) -> BatchLayout:
         return static_extend_layout(self.req_rows, self.seq_lens, self.extend_lens, self.positions, self.out_slots,
@@ -53,8 +54,10 @@ class ExtendStep:
             getattr(static, name).copy_(getattr(self, name))
 
 
-def extend_step(state: Prefilled, pieces: dict[str, int], bucket: int, seed: int = 70) -> ExtendStep:
-    """Allocate each request's next `pieces[name]` slots (advancing `state`) and pad to `bucket`."""
+def extend_step(state: Prefilled, pieces: dict[str, int], bucket: int, seed: int = 70,
+                sentinels: int = 0) -> ExtendStep:
+    """Allocate each request's next `pieces[name]` slots (advancing `state`), pad to `bucket`
+    tokens and append `sentinels` zero-length request slots."""
     dev = state.slots.device
     ids, positions, slots = [], [], []
     for i, (name, n) in enumerate(pieces.items()):
@@ -71,9 +74,11 @@ def extend_step(state: Prefilled, pieces: dict[str, int], bucket: int, seed: int
     def t(values: list[int]) -> Tensor:
         return torch.tensor(values, dtype=torch.int64, device=dev)
 
+    empty = [0] * sentinels
     return ExtendStep(input_ids=t(ids + pad), positions=t(positions + pad), out_slots=t(slots + pad),
-                      req_rows=t([ROWS[n] for n in pieces]), seq_lens=t([state.lengths[n] for n in pieces]),
-                      extend_lens=t(list(pieces.values())), live=live)
+                      req_rows=t([ROWS[n] for n in pieces] + [PAD_ROW] * sentinels),
+                      seq_lens=t([state.lengths[n] for n in pieces] + empty),
+                      extend_lens=t(list(pieces.values()) + empty), live=live)
 
 
 def graph_buffers(step: ExtendStep) -> ExtendStep:

@@ -3,7 +3,8 @@
 # forward (runtime/batch.static_extend_layout, not yet wired into the server) be captured in one CUDA
 # graph on the real kernels, does its replay agree with the eager extend, and what does it save?
 # benchmarks/prefill_graph_probe.py on the tiny checkpoint, serving mode, stand-alone caches
-# (hit_extend.make_case), req_to_token width 65,536 (the static indexer width), cases
+# (hit_extend.make_case), req_to_token width 65,536 (the static indexer width), one request + 2
+# zero-length request slots (the full runner's unused slots), cases
 # (prefix, new tokens, bucket): (0, 32, 32) (0, 32, 64) (8192, 32, 32) (32768, 32, 32) (0, 256, 256).
 # Per case: eager wall / host ms, capture s, replay wall / host / GPU ms, max |Δlogit| of the live
 # rows, bits equal, greedy equal.

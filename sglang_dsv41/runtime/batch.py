@@ -86,6 +86,13 @@ class BatchLayout:
         return self.out_slots >= SLOT_GROUP
 
     @property
+    def live_requests(self) -> Tensor:
+        """[B] bool: the request's last token is live and it has tokens (a zero-length request — a
+        prefill graph's unused request slot — would otherwise see the previous request's last
+        token as its own)."""
+        return self.live_tokens[self.last_tokens] & (self.extend_lens > 0)
+
+    @property
     def host_checks(self) -> bool:
         """Run the forward's value checks (they synchronise with the host): CPU, non-static only."""
         return not self.static and self.positions.device.type == "cpu"
@@ -245,14 +252,14 @@ def static_extend_layout(req_rows: Tensor, seq_lens: Tensor, extend_lens: Tensor
                          out_slots: Tensor, req_to_token: Tensor,
                          engram_history: Tensor | None = None) -> BatchLayout:
     """The layout of an extend batch padded to a token bucket (a prefill CUDA graph; prototype,
-    not wired into the server: docs/prefill_graphs.md): request b's `extend_lens[b]` ≥ 1 tokens
+    not wired into the server: docs/prefill_graphs.md): request b's `extend_lens[b]` tokens
     are consecutive from exclusive-cumsum(extend_lens)[b], at positions seq_lens[b] −
     extend_lens[b]..seq_lens[b] − 1 (`seq_lens` after the forward, SGLang's convention); tokens
     past every request are padding at slot 0 / position 0 (SGLang's prefill runners zero the
     padded tail of input_ids, positions and out_cache_loc), token_req clamped to the last
-    request, masked by `live_tokens`. Unchecked and sync-free like `static_decode_layout`
-    (`max_seq_len` = `req_to_token`'s width). A zero-length request (the `full` backend's
-    request-slot sentinels) is not allowed yet: its last token would be another request's."""
+    request, masked by `live_tokens`. Zero-length requests (the `full` backend's unused request
+    slots: row 0, seq_len 0, after the live ones) write no request state (`live_requests`).
+    Unchecked and sync-free like `static_decode_layout` (`max_seq_len` = `req_to_token`'s width)."""
     device = positions.device
     pos = positions.to(torch.int64).reshape(-1)
     req_rows, seq_lens, lens = (x.to(device=device, dtype=torch.int64).reshape(-1)
