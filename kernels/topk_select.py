@@ -37,7 +37,7 @@ RESIDENT_MAX_ENTRIES = 8192
 #: Register widths of a resident row: the smallest that holds it — the powers of two from
 #: RESIDENT_MIN_BLOCK to RESIDENT_MAX_ENTRIES, so the kernel has seven builds in all (six resident,
 #: one chunked) and not one per power of two down to 16: each first use of a build compiles it in
-#: the request. Wider blocks for narrow rows were measured (docs/performance.md, "Top-k widths").
+#: the request. Wider blocks for narrow rows were measured (docs/performance.md, session 16, "Kernel builds in a request").
 RESIDENT_MIN_BLOCK = 256
 RESIDENT_BLOCKS = tuple(1 << b for b in range(RESIDENT_MIN_BLOCK.bit_length() - 1,
                                               RESIDENT_MAX_ENTRIES.bit_length()))

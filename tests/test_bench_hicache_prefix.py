@@ -4,6 +4,8 @@ and the host-tier bandwidth from SGLang's load-back metrics when they carry dura
 the TTFT difference (docs/hicache.md "Benchmark: one long prefix by tier")."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from benchmark_loader import load_benchmark
@@ -141,3 +143,23 @@ def test_a_cold_run_that_hit_storage_is_discarded_and_redone(monkeypatch) -> Non
     assert h.ask_cold(run, "http://x", "gpu0")["cold_retries"] == 0
     answers = iter([5] * 3)
     assert h.ask_cold(run, "http://x", "gpu0", tries=3)["cached_tokens"] == 5      # kept, and all_cold will say so
+
+
+def test_a_storage_still_growing_at_the_cap_is_recorded_not_fatal(tmp_path, monkeypatch) -> None:
+    """`Run.settle`: a storage directory still growing at --settle-cap-s no longer ends the run (the
+    session-16 H200 run lost its L2 and L3 cases that way); the settle is recorded in `unsettled`."""
+    from types import SimpleNamespace
+
+    h = load_benchmark("hicache_prefix.py")
+    args = SimpleNamespace(seed=0, vocab=50, prefix_tokens=8, suffix_tokens=2, reps=1, settle_s=0.5, settle_cap_s=0.3)
+    run = h.Run(args, tmp_path)
+    run.rows.append({"case": "cold"})
+    grow = iter(range(1000))
+    monkeypatch.setattr(h.Path, "iterdir", lambda self: [Path(f"p{i}.bin") for i in range(next(grow))])
+    run.settle()
+    assert len(run.unsettled) == 1 and run.unsettled[0]["after_requests"] == 1
+    assert "still growing" in run.unsettled[0]["error"]
+    monkeypatch.setattr(h.Path, "iterdir", lambda self: [])
+    args.settle_cap_s = 3.0
+    run.settle()                                                      # quiet: settles, nothing recorded
+    assert len(run.unsettled) == 1

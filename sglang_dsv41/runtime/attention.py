@@ -147,9 +147,9 @@ def _write_compressed(be: ComputeBackend, cfg: TextConfig, role: LayerRole, w: M
                                  torch.where(odd[:, None], s_first, s))
         return
     # pending first tokens: requests whose last batch token sits at an even position; padding
-    # requests (last token not live) write their rows' own values back (no change)
+    # requests (last token not live, or no tokens) write their rows' own values back (no change)
     last = layout.last_tokens
-    live_req = live[last]
+    live_req = layout.live_requests
     pending = ((pos[last] % 2) == 0) & live_req
     caches.store_pending_pairs(src, layout.req_rows, pos[last], pending, live_req, a[last], s[last])
 

@@ -86,6 +86,13 @@ class BatchLayout:
         return self.out_slots >= SLOT_GROUP
 
     @property
+    def live_requests(self) -> Tensor:
+        """[B] bool: the request's last token is live and it has tokens (a zero-length request — a
+        prefill graph's unused request slot — would otherwise see the previous request's last
+        token as its own)."""
+        return self.live_tokens[self.last_tokens] & (self.extend_lens > 0)
+
+    @property
     def host_checks(self) -> bool:
         """Run the forward's value checks (they synchronise with the host): CPU, non-static only."""
         return not self.static and self.positions.device.type == "cpu"
@@ -239,6 +246,40 @@ def static_ragged_verify_layout(req_rows: Tensor, seq_lens: Tensor, verify_lens:
                        starts=ends - lens, positions=pos, token_req=token_req, out_slots=slots,
                        req_to_token=req_to_token, max_seq_len=int(req_to_token.shape[1]), static=True,
                        verify_width=width)
+
+
+def static_extend_layout(req_rows: Tensor, seq_lens: Tensor, extend_lens: Tensor, positions: Tensor,
+                         out_slots: Tensor, req_to_token: Tensor,
+                         engram_history: Tensor | None = None) -> BatchLayout:
+    """The layout of an extend batch padded to a token bucket (a prefill CUDA graph; prototype,
+    not wired into the server: docs/prefill_graphs.md): request b's `extend_lens[b]` tokens
+    are consecutive from exclusive-cumsum(extend_lens)[b], at positions seq_lens[b] −
+    extend_lens[b]..seq_lens[b] − 1 (`seq_lens` after the forward, SGLang's convention); tokens
+    past every request are padding at slot 0 / position 0 (SGLang's prefill runners zero the
+    padded tail of input_ids, positions and out_cache_loc), token_req clamped to the last
+    request, masked by `live_tokens`. Zero-length requests (the `full` backend's unused request
+    slots: row 0, seq_len 0, after the live ones) write no request state (`live_requests`).
+    Unchecked and sync-free like `static_decode_layout` (`max_seq_len` = `req_to_token`'s width)."""
+    device = positions.device
+    pos = positions.to(torch.int64).reshape(-1)
+    req_rows, seq_lens, lens = (x.to(device=device, dtype=torch.int64).reshape(-1)
+                                for x in (req_rows, seq_lens, extend_lens))
+    slots = out_slots.to(device=device, dtype=torch.int64).reshape(-1)
+    B, N = req_rows.numel(), pos.numel()
+    if B < 1 or seq_lens.numel() != B or lens.numel() != B or slots.numel() != N:
+        raise RuntimeError(f"sglang-dsv41 static extend layout: {N} positions, {B} request rows, "
+                           f"{seq_lens.numel()} seq_lens, {lens.numel()} extend lens, {slots.numel()} out slots")
+    if engram_history is not None:
+        if engram_history.dim() != 2 or engram_history.shape[0] != B:
+            raise RuntimeError(f"sglang-dsv41: Engram history of shape {tuple(engram_history.shape)} for a batch "
+                               f"of {B} requests")
+        engram_history = engram_history.to(device=device, dtype=torch.int64)
+    ends = torch.cumsum(lens, 0)
+    token_req = torch.searchsorted(ends, torch.arange(N, device=device), right=True).clamp(max=B - 1)
+    return BatchLayout(req_rows=req_rows, prefix_lens=seq_lens - lens, extend_lens=lens, seq_lens=seq_lens,
+                       starts=ends - lens, positions=pos, token_req=token_req, out_slots=slots,
+                       req_to_token=req_to_token, max_seq_len=int(req_to_token.shape[1]), static=True,
+                       engram_history=engram_history)
 
 
 def verify_lens_of(forward_batch) -> tuple[Tensor | None, int]:

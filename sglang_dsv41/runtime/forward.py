@@ -266,7 +266,7 @@ class TorchForward(nn.Module):
         else:
             tail = history_tail(history, ids, layout.starts, layout.prefix_lens, layout.extend_lens)
             caches.engram_history.advance(layout.req_rows, layout.seq_lens, tail,
-                                          live=layout.live_tokens[layout.last_tokens] if layout.static else None)
+                                          live=layout.live_requests if layout.static else None)
         history = torch.where(history >= 0, history, torch.full_like(history, self.hasher.pad_token_id))
         if not self.value_checks(layout):
             return self._static_engram_rows(ids, layout, history)

@@ -5,8 +5,8 @@ SGLang 0.5.17's event loop calls `Scheduler.on_idle` when it has no batch to run
 at once unless the server is fully idle, and a fully idle server sleeps only with `--sleep-on-idle`
 (off by default), so the loop spins in both cases. The storage threads run in the same process:
 every file and torch call they make gives the GIL up, the spinning loop takes it, and the thread
-waits for the loop's next release. Measured on CPU: a KV page read cost about 550 µs in the server
-against 13 µs alone; one page file written 0.36 ms alone, 30 ms beside a spinning thread.
+waits for the loop's next release (docs/hicache.md has the costs measured: page reads and page-file
+writes tens of times slower beside the spinning loop).
 
 `on_idle_hook` (AFTER `Scheduler.on_idle`) waits up to `WAIT_MS` on SGLang's idle poller (a new
 request wakes it at once; `time.sleep` where the server has none), with the GIL released, when
