@@ -220,6 +220,11 @@ def static_verify_layout(req_rows: Tensor, seq_lens: Tensor, positions: Tensor, 
                        verify_width=width)
 
 
+def _flat_int64(device: torch.device, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """Each tensor as a flat int64 tensor on `device` (the static layouts' inputs; no host sync)."""
+    return tuple(t.to(device=device, dtype=torch.int64).reshape(-1) for t in tensors)
+
+
 def static_ragged_verify_layout(req_rows: Tensor, seq_lens: Tensor, verify_lens: Tensor, positions: Tensor,
                                 out_slots: Tensor, req_to_token: Tensor, width: int) -> BatchLayout:
     """The layout of a DSpark verify batch with per-request verify lengths (adaptive verification,
@@ -231,10 +236,7 @@ def static_ragged_verify_layout(req_rows: Tensor, seq_lens: Tensor, verify_lens:
     last) — all masked by `live_tokens`. Unchecked and sync-free like `static_verify_layout`;
     `verify_lens` is the runner's device buffer, refreshed per replay."""
     device = positions.device
-    pos = positions.to(torch.int64).reshape(-1)
-    req_rows, seq_lens, lens = (x.to(device=device, dtype=torch.int64).reshape(-1)
-                                for x in (req_rows, seq_lens, verify_lens))
-    slots = out_slots.to(device=device, dtype=torch.int64).reshape(-1)
+    pos, req_rows, seq_lens, lens, slots = _flat_int64(device, positions, req_rows, seq_lens, verify_lens, out_slots)
     B, N = req_rows.numel(), pos.numel()
     if width < 1 or B < 1 or seq_lens.numel() != B or lens.numel() != B or slots.numel() != N:
         raise RuntimeError(f"sglang-dsv41 static ragged verify layout: {N} positions, {B} request rows, "
@@ -261,10 +263,7 @@ def static_extend_layout(req_rows: Tensor, seq_lens: Tensor, extend_lens: Tensor
     slots: row 0, seq_len 0, after the live ones) write no request state (`live_requests`).
     Unchecked and sync-free like `static_decode_layout` (`max_seq_len` = `req_to_token`'s width)."""
     device = positions.device
-    pos = positions.to(torch.int64).reshape(-1)
-    req_rows, seq_lens, lens = (x.to(device=device, dtype=torch.int64).reshape(-1)
-                                for x in (req_rows, seq_lens, extend_lens))
-    slots = out_slots.to(device=device, dtype=torch.int64).reshape(-1)
+    pos, req_rows, seq_lens, lens, slots = _flat_int64(device, positions, req_rows, seq_lens, extend_lens, out_slots)
     B, N = req_rows.numel(), pos.numel()
     if B < 1 or seq_lens.numel() != B or lens.numel() != B or slots.numel() != N:
         raise RuntimeError(f"sglang-dsv41 static extend layout: {N} positions, {B} request rows, "
