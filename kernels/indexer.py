@@ -222,7 +222,8 @@ def _check_scoring_inputs(num_keys: int, entry_slots: Tensor, token_req: Tensor,
 def index_scores(q: Tensor, head_w: Tensor, key_cache: Tensor | PackedSource, entry_slots: Tensor,
                  token_req: Tensor, n_visible: Tensor, *, head_sum_exact: bool = True, check_inputs: bool = True,
                  block_t: int | None = None, block_j: int = 64, j_steps: int | None = None,
-                 num_warps: int | None = None, num_stages: int | None = None) -> Tensor:
+                 num_warps: int | None = None, num_stages: int | None = None,
+                 tile_cache: dict | None = None) -> Tensor:
     """[N, E] fp32 indexer scores for a packed batch; −∞ where j ≥ n_visible[t] or entry_slots is −1.
 
     q [N, Hi, Di] fp32/bf16 FP4-valued (RoPE'd); head_w [N, Hi] fp32 (already ×Di^−½·Hi^−½);
@@ -233,7 +234,9 @@ def index_scores(q: Tensor, head_w: Tensor, key_cache: Tensor | PackedSource, en
     the BF16-key path's scores bit for bit on the decoded keys. −1 = none. token_req [N] request
     of each query (any order); n_visible [N] = ⌊(p+1)/ratio⌋. `check_inputs` validates values (one
     host sync; turn off inside CUDA graphs). Block sizes and launch options default from the
-    shapes; overrides are for tuning (benchmarks/indexer.py).
+    shapes; overrides are for tuning (benchmarks/indexer.py). `tile_cache`: a dict the caller keeps
+    for one set of queries (the same token_req and request count, e.g. one forward's batch): the
+    query tiles are made once per block size and reused from it (no tensor op).
     """
     packed = isinstance(key_cache, PackedSource)
     if packed:
@@ -282,7 +285,12 @@ def index_scores(q: Tensor, head_w: Tensor, key_cache: Tensor | PackedSource, en
     if block_t & (block_t - 1) or block_t * HI < 16 or block_j & (block_j - 1) or block_j < 16:
         raise ValueError(f"index_scores: block_t ({block_t}) and block_j ({block_j}) must be powers of two "
                          "with block_t·Hi ≥ 16 and block_j ≥ 16")
-    order, tile_req, tile_lo, tile_hi = _query_tiles(token_req, R, block_t)
+    tiles = None if tile_cache is None else tile_cache.get((R, block_t))
+    if tiles is None:
+        tiles = _query_tiles(token_req, R, block_t)
+        if tile_cache is not None:
+            tile_cache[(R, block_t)] = tiles
+    order, tile_req, tile_lo, tile_hi = tiles
     j_tiles = -(-E // block_j)
     if j_steps is None:  # loop over entry tiles inside a program only beyond ~8192 programs;
         # a constexpr with five values (1 … 16): at most five builds per query tile, not one per length

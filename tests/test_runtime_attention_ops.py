@@ -163,7 +163,8 @@ def _exact_sparse_sink_attention(calls: list[str]):
     return sparse_sink_attention
 
 def _exact_index_scores(calls: list[str]):
-    def index_scores(q, head_w, key_cache, entry_slots, token_req, n_visible, *, head_sum_exact, check_inputs):
+    def index_scores(q, head_w, key_cache, entry_slots, token_req, n_visible, *, head_sum_exact, check_inputs,
+                     tile_cache=None):
         """The kernel's contract: bf16(Σ_h bf16(w·ReLU(bf16(dot)))), dots and head sum in float64
         (reference `index_scores` per query)."""
         assert head_sum_exact and not check_inputs and isinstance(key_cache, kernel_indexer.PackedSource)

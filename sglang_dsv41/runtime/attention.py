@@ -74,6 +74,13 @@ class ForwardScratch:
     #: BF16 workspaces of decoded compressed entries per kv source (CUDA serving prefill:
     #: `attention_prefill`), made by the first layer reading that source in this forward.
     workspaces: dict[int, Tensor] = field(default_factory=dict)
+    #: The batch's SWA window slots [N, window] and its tokens' own SWA rows [N]: the same for
+    #: every layer (one window size; the full → SWA slot map changes only between forwards), made
+    #: by the first layer of this forward (`_swa_window`).
+    swa_window: tuple[Tensor, Tensor] | None = None
+    #: The CUDA indexer's query tiles per query chunk (`KernelAttentionOps.select`): the same
+    #: for every indexer layer of this forward.
+    query_tiles: dict = field(default_factory=dict)
 
 
 def _packed_entries(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, latents: Tensor,
@@ -163,7 +170,7 @@ def _selection(be: ComputeBackend, ops: AttentionOps, cfg: TextConfig, role: Lay
             raise RuntimeError(f"layer {role.layer}: candidate source {cand} did not run in this forward")
         published = scratch.blocks[cand]
     selection, blocks = ops.select(be, cfg, role, w, prefix, x, q_lora, layout, caches, inv_freq,
-                                   act_quant, published, scratch.entry_tables)
+                                   act_quant, published, scratch.entry_tables, query_tiles=scratch.query_tiles)
     scratch.selections[role.layer] = selection
     if role.candidate_source:
         assert blocks is not None
@@ -198,12 +205,9 @@ def attention_sublayer(be: ComputeBackend, ops: AttentionOps, cfg: TextConfig, r
 
     q_lora, q, kv = project_q_kv(be, cfg, w, prefix, x, pos, inv_freq, act_quant, len(tp.plan(cfg).heads))
     caches.wait_for_layer(layer, global_rows=role.ratio > 0)          # HiCache load-back has landed
+    swa_slots, out_rows = _swa_window(layer, cfg, layout, caches, scratch)
     caches.write_swa(layer, layout.out_slots,
-                     swa_cache_roundtrip(be, kv, pos, inv_freq, caches.profile, cfg.qk_rope_head_dim))
-    window = _request_slots(layout, swa_key_positions(pos, cfg.sliding_window))           # [N, W] full slots
-    swa_slots = caches.swa_slots(window)
-    if layout.host_checks:
-        _check_window(layer, window, swa_slots, layout)
+                     swa_cache_roundtrip(be, kv, pos, inv_freq, caches.profile, cfg.qk_rope_head_dim), rows=out_rows)
 
     packed = comp_entries = workspace = None
     if role.ratio > 0:
@@ -221,6 +225,19 @@ def attention_sublayer(be: ComputeBackend, ops: AttentionOps, cfg: TextConfig, r
     o = ops.attend(q, w[prefix + "attn_sink"], caches.swa[layer], swa_slots, packed, comp_entries, **extra)
     project = None if wo_b is None else (lambda u: tp.row_parallel(wo_b, u, be, act_quant))
     return output_projection(be, cfg, w, prefix, o, pos, inv_freq, act_quant, wo_b=project)
+
+
+def _swa_window(layer: int, cfg: TextConfig, layout: BatchLayout, caches: RuntimeCaches,
+                scratch: ForwardScratch) -> tuple[Tensor, Tensor]:
+    """(SWA slots [N, window] of every query's window, SWA rows [N] of the batch's own tokens),
+    made once per forward (`ForwardScratch.swa_window`); on CPU the window is checked then."""
+    if scratch.swa_window is None:
+        window = _request_slots(layout, swa_key_positions(layout.positions, cfg.sliding_window))  # [N, W] full slots
+        swa_slots = caches.swa_slots(window)
+        if layout.host_checks:
+            _check_window(layer, window, swa_slots, layout)
+        scratch.swa_window = (swa_slots, caches.swa_rows(layout.out_slots))
+    return scratch.swa_window
 
 
 def _check_window(layer: int, window: Tensor, swa_slots: Tensor, layout: BatchLayout) -> None:

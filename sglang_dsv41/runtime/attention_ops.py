@@ -105,7 +105,8 @@ class AttentionOps(Protocol):
     def select(self, be: ComputeBackend, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str,
                x: Tensor, q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
                act_quant: bool, published: Tensor | None,
-               entry_tables: dict[int, Tensor] | None = None) -> tuple[Tensor, Tensor | None]: ...
+               entry_tables: dict[int, Tensor] | None = None,
+               query_tiles: dict | None = None) -> tuple[Tensor, Tensor | None]: ...
 
 
 EMPTY_SOFTMAX = "attend_with_sink: a query has no valid key and a −∞ sink (empty softmax)"
@@ -165,7 +166,8 @@ class TorchAttentionOps:
     def select(self, be: ComputeBackend, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str,
                x: Tensor, q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
                act_quant: bool, published: Tensor | None,
-               entry_tables: dict[int, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
+               entry_tables: dict[int, Tensor] | None = None,
+               query_tiles: dict | None = None) -> tuple[Tensor, Tensor | None]:
         """Per request: `run_indexer_cpu` over the decoded index keys of compressed positions
         0..⌊seq_len/ratio⌋−1 (what the reference state holds); tokens past every request (the
         ghost tail of a padded ragged verify graph, `batch.static_ragged_verify_layout`) select
@@ -320,7 +322,8 @@ class KernelAttentionOps:
     def select(self, be: ComputeBackend, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str,
                x: Tensor, q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
                act_quant: bool, published: Tensor | None,
-               entry_tables: dict[int, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
+               entry_tables: dict[int, Tensor] | None = None,
+               query_tiles: dict | None = None) -> tuple[Tensor, Tensor | None]:
         """Whole batch: compressed position j of request r is packed entry slot(j·ratio + ratio − 1)
         // ratio (`entry_index_table`, −1 beyond ⌊seq_len/ratio⌋); the kernel reads each entry's
         FP4 key nibbles and UE8M0 scales from the packed rows (contract §5), so no BF16 key copy
@@ -333,7 +336,9 @@ class KernelAttentionOps:
         multiplies only entry tiles some query of the tile can see (`tile_vis`; later tiles only
         store −∞: 4 B per column and query), but `select_topk` ranks the full width (int64 keys,
         ≈ 28 B of temporaries per column and query) — O(N·context/ratio) per indexer layer
-        instead of O(N·seq_len/ratio). Serve with a --context-length that fits the workload."""
+        instead of O(N·seq_len/ratio). Serve with a --context-length that fits the workload.
+        `query_tiles`: the forward's cache of the scoring kernel's query tiles (`ForwardScratch`),
+        one per query chunk, shared by every indexer layer (`index_scores(tile_cache=)`)."""
         src, ratio = role.kv_source, role.ratio
         assert src is not None
         K = self.indexer
@@ -358,7 +363,9 @@ class KernelAttentionOps:
             part = slice(start, min(start + rows, N))
             scores = K.index_scores(query.q[part], query.head_weights[part], key_cache, entry_table,
                                     layout.token_req[part], n_visible[part], head_sum_exact=self.head_sum == "fp64",
-                                    check_inputs=False)
+                                    check_inputs=False,
+                                    tile_cache=None if query_tiles is None else query_tiles.setdefault(
+                                        (part.start, part.stop), {}))
             selection, chunk_blocks = select_for_role(K, cfg, role, scores, n_visible[part],
                                                         None if published is None else published[part],
                                                         check_nan=False)

@@ -265,9 +265,14 @@ class RuntimeCaches:
         mapped = self.swa_slot_of[full_slots.clamp(min=0)].to(torch.int64)
         return torch.where(full_slots >= 0, mapped, -1)
 
-    def write_swa(self, layer: int, full_slots: Tensor, values: Tensor) -> None:
-        """SWA kv of tokens in `full_slots` [N] → `swa[layer][swa_slot_of[slot]]`."""
-        self.swa[layer][self.swa_slot_of[full_slots].to(torch.int64)] = values.to(self.swa[layer].dtype)
+    def swa_rows(self, full_slots: Tensor) -> Tensor:
+        """int64 SWA rows `swa_slot_of[slot]` of full slots (every slot ≥ 0)."""
+        return self.swa_slot_of[full_slots].to(torch.int64)
+
+    def write_swa(self, layer: int, full_slots: Tensor, values: Tensor, rows: Tensor | None = None) -> None:
+        """SWA kv of tokens in `full_slots` [N] → `swa[layer][swa_slot_of[slot]]`; `rows`: those
+        SWA rows when already made (`swa_rows(full_slots)`, e.g. once for every layer of a forward)."""
+        self.swa[layer][self.swa_rows(full_slots) if rows is None else rows] = values.to(self.swa[layer].dtype)
 
     def packed(self, source: int) -> PackedSourceRows:
         """Read view of kv source `source`'s packed entries (latent and key rows)."""

@@ -128,11 +128,14 @@ class DenseWeightCache:
     views of a registered weight (e.g. the per-group rows of `wo_a`) resolve to the same view of
     the copy / the same rows of the E4M3 tensor and scales. A weight must be registered before
     use: an unregistered fp32 or E4M3 weight raises (no silent per-call conversion). BF16 tensors
-    are used as is.
+    are used as is. A lookup's result is kept per view (storage, offset, shape, strides, dtype,
+    device), so a forward's repeated lookups of a view issue no tensor op; `add` / `add_fp8`
+    forget the kept results.
     """
 
     def __init__(self) -> None:
         self._by_storage: dict[int, list[_Entry]] = {}
+        self._found: dict[tuple, Tensor | Fp8Weight] = {}
         self.bf16_elements = 0
         self.fp32_elements = 0
         self.fp8_elements = 0
@@ -179,6 +182,7 @@ class DenseWeightCache:
         self.fp8_elements += values.numel()
         self.scale_elements += scales.numel()
         key = values.untyped_storage().data_ptr()
+        self._found.clear()
         counters = None
         if values.device.type == "cuda":
             from ..kernels.fp8_w8a8 import split_k_counters
@@ -203,6 +207,7 @@ class DenseWeightCache:
             del as_bf16
             self.fp32_elements += weight.numel()
         key = weight.untyped_storage().data_ptr()
+        self._found.clear()
         self._by_storage.setdefault(key, []).append(_Entry(weight, compute, weight.storage_offset()))
 
     def _find(self, weight: Tensor) -> Tensor | Fp8Weight | None:
@@ -223,7 +228,13 @@ class DenseWeightCache:
         E4M3 weight, a BF16 tensor itself."""
         if weight.dtype == BF16:
             return weight
-        found = self._find(weight)
+        view = (weight.untyped_storage().data_ptr(), weight.storage_offset(), tuple(weight.shape), weight.stride(),
+                weight.dtype, weight.device)
+        found = self._found.get(view)
+        if found is None:
+            found = self._find(weight)
+            if found is not None:
+                self._found[view] = found
         if found is None:
             raise KeyError(f"dense backend: weight {tuple(weight.shape)} {weight.dtype} on {weight.device} is not "
                            "registered (DenseWeightCache.add / add_fp8 / from_weights at load)")
@@ -279,8 +290,8 @@ class BlockedBf16Gemm:
         w = self.cache.lookup(weight)
         if x.shape[-1] != w.shape[1]:
             raise ValueError(f"dense backend: x [..., {x.shape[-1]}] against weight {tuple(w.shape)}")
-        lead, K, N = x.shape[:-1], w.shape[1], w.shape[0]
-        x2 = x.reshape(-1, K)
+        lead, K = x.shape[:-1], w.shape[1]
+        x2 = _rows(x, K)
         if isinstance(w, Fp8Weight):
             from ..kernels.fp8_linear import fp8_linear
 
@@ -288,7 +299,7 @@ class BlockedBf16Gemm:
                 x2 = x2.to(F32)
             if self.audit_inputs:
                 self._audit(x2)
-            return fp8_linear(x2, w.values, w.scales).reshape(*lead, N)
+            return _unrows(fp8_linear(x2, w.values, w.scales), lead)
         if w.dtype == BF16:
             a = _fresh(x2, BF16)
             if self.audit_inputs:
@@ -297,7 +308,7 @@ class BlockedBf16Gemm:
             if x.is_cuda and torch.backends.cuda.matmul.allow_tf32:
                 raise RuntimeError("dense backend: fp32 weight GEMM with TF32 enabled (its bound needs fp32)")
             a = _fresh(x2, F32)
-        return self._blocked(a, w).reshape(*lead, N)
+        return _unrows(self._blocked(a, w), lead)
 
     def fp8_operand(self, weight: Tensor) -> Fp8Weight | None:
         """The E4M3 tiles of a registered FP8 weight (or a tile-row view of one); None for a
@@ -317,14 +328,14 @@ class BlockedBf16Gemm:
             raise ValueError(f"dense backend: x [..., {x.shape[-1]}] against {groups} group(s) of FP8 weight "
                              f"{tuple(w.shape)}")
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, K)
+        x2 = _rows(x, K)
         if x2.dtype not in (F32, BF16):
             x2 = x2.to(F32)
         if self.audit_inputs and not act_quant:
             self._audit(x2)
         y = fp8_w8a8_linear(x2, w.values, w.scales, groups=groups, act_quant=act_quant, fp8_mma=fp8_mma,
                             counters=w.counters)
-        return y.to(F32).reshape(*lead, w.shape[0])
+        return _unrows(y.to(F32), lead)
 
     def _audit(self, x2: Tensor) -> None:
         """Accumulate (no host sync) whether x2 holds a value that is not BF16-exact."""
@@ -355,6 +366,16 @@ class BlockedBf16Gemm:
         if flag is not None and bool(flag):
             raise ValueError("dense backend: an activation multiplied in BF16 was not BF16-valued — the "
                              "stated error bound does not hold (a caller passed unrounded fp32 values)")
+
+
+def _rows(x: Tensor, K: int) -> Tensor:
+    """x [..., K] as [M, K]: x itself when already 2-D (no view op)."""
+    return x if x.dim() == 2 else x.reshape(-1, K)
+
+
+def _unrows(y: Tensor, lead: torch.Size) -> Tensor:
+    """y [M, N] as [*lead, N]: y itself when `lead` is one dimension (no view op)."""
+    return y if len(lead) == 1 else y.reshape(*lead, y.shape[-1])
 
 
 def _fresh(x: Tensor, dtype: torch.dtype) -> Tensor:

@@ -220,7 +220,8 @@ class TorchForward(nn.Module):
         return language_model_ids(ids, self.cfg)
 
     def remap_ids_on_device(self, ids: Tensor) -> Tensor:
-        """`remap_ids` without a host sync (static / CUDA-graph layouts): the same mapping; an id
+        """`remap_ids` without a host sync (`value_checks` off: static / CUDA-graph layouts, CUDA
+        serving): the same mapping; an id
         outside the vocabulary fails a device-side assertion (`torch._assert_async`) instead of
         raising on the host."""
         ids = ids.to(torch.int64).reshape(-1)
@@ -229,6 +230,16 @@ class TorchForward(nn.Module):
         vocab = self.text.vocab_size
         torch._assert_async(((ids >= 0) & (ids < vocab)).all(), f"sglang-dsv41: token id outside [0, {vocab})")
         return ids
+
+    def value_checks(self, layout: BatchLayout) -> bool:
+        """Whether this forward validates ids on the host (each check a host sync): on CPU
+        (`layout.host_checks`) and in deterministic mode; off for static layouts and in CUDA
+        serving, where the same invariants hold on the device instead — ids by
+        `remap_ids_on_device`'s device-side assertion, the Engram token map by its index (an id
+        outside it fails the index's device-side bound check), Engram row ids by construction
+        (`EngramHasher.layer_row_ids`: remainder mod a column prime + its offset, the primes
+        checked against the tables' sizes in `EngramHasher.from_config`)."""
+        return layout.host_checks or (self.deterministic and not layout.static)
 
     def engram_history(self, layout: BatchLayout, caches: RuntimeCaches) -> Tensor:
         """int64 [B, K] remapped ids before each request's chunk (NO_TOKEN where the position is
@@ -240,7 +251,7 @@ class TorchForward(nn.Module):
         host = layout.engram_history
         if host.shape[1] != ring.history_len:
             raise RuntimeError(f"sglang-dsv41: Engram history of {host.shape[1]} ids, the model needs {ring.history_len}")
-        remap = self.remap_ids_on_device if layout.static else self.remap_ids
+        remap = self.remap_ids if self.value_checks(layout) else self.remap_ids_on_device
         return torch.where(host >= 0, remap(host.clamp(min=0)).reshape(host.shape), host)
 
     def engram_rows(self, ids: Tensor, layout: BatchLayout, caches: RuntimeCaches) -> list[Tensor]:
@@ -257,13 +268,13 @@ class TorchForward(nn.Module):
             caches.engram_history.advance(layout.req_rows, layout.seq_lens, tail,
                                           live=layout.live_requests if layout.static else None)
         history = torch.where(history >= 0, history, torch.full_like(history, self.hasher.pad_token_id))
-        if layout.static:
+        if not self.value_checks(layout):
             return self._static_engram_rows(ids, layout, history)
         return self.hasher.row_ids(ids, layout.positions, history, layout.extend_lens)
 
     def _static_engram_rows(self, ids: Tensor, layout: BatchLayout, history: Tensor) -> list[Tensor]:
-        """`EngramHasher.row_ids` of a static layout (decode: 1 token per request; DSpark verify: w
-        or a ragged verify length) without its host-side checks (`_segments` sums extend_lens on
+        """`EngramHasher.row_ids` of any layout (static: decode, 1 token per request; DSpark verify: w
+        or a ragged verify length; CUDA serving: any extend) without its host-side checks (`_segments` sums extend_lens on
         the host, `compressed_window` validates ids): the n-gram window of the token at index i of
         its request b is (ids[i], ids[i−1], …, then history[b, K−1], history[b, K−2], …) —
         `EngramHasher.window`'s rule (same index clamp) — then the same blocking, pad id, token
@@ -311,7 +322,8 @@ class TorchForward(nn.Module):
         t = self.text
         if caches.profile is not self.numerics.cache:
             raise ValueError(f"caches hold profile {caches.profile}, the model computes {self.numerics.cache}")
-        ids = self.remap_ids_on_device(input_ids) if layout.static else self.remap_ids(input_ids)
+        checks = self.value_checks(layout)
+        ids = self.remap_ids(input_ids) if checks else self.remap_ids_on_device(input_ids)
         N = ids.shape[0]
         if N != layout.num_tokens:
             raise ValueError(f"{N} input ids for a layout of {layout.num_tokens} tokens")
@@ -320,7 +332,7 @@ class TorchForward(nn.Module):
             return torch.zeros(0, t.hidden_size, dtype=F32, device=ids.device)
         step = ForwardStep(self.backend, self.attention_ops, self.mhc, self.moe, self.tp, self.numerics.act_quant,
                            layout, caches, ForwardScratch(inv_freq=dict(self.inv_freq)),
-                           (ids == self.cfg.image_token_id) if self.cfg.has_vision else None)
+                           (ids == self.cfg.image_token_id) if self.cfg.has_vision else None, value_checks=checks)
         if self.hasher is not None:
             step.engram_rows = dict(zip(t.engram_layer_ids, self.engram_rows(ids, layout, caches)))
         E = self.embed(ids)

@@ -45,6 +45,8 @@ class ForwardStep:
     engram_rows: dict[int, Tensor] = field(default_factory=dict)
     #: DSpark capture (`set_dspark_layers_to_capture`): layer id → its stream-mean attention input
     captured: dict[int, Tensor] | None = None
+    #: host-side value checks (host syncs) of this forward: `TorchForward.value_checks`
+    value_checks: bool = True
 
 
 def _owned(value: object) -> object:
@@ -203,7 +205,7 @@ class Engram(OwnedTensors):
 
     def forward(self, R: Tensor, step: ForwardStep) -> Tensor:
         table, ids = step.tp.engram_rows(self.cfg, self.layer, step.engram_rows[self.layer], self.tensors,
-                                         check=not step.layout.static)
+                                         check=step.value_checks)
         return engram_update(step.backend, R, table[ids.to(torch.int64)], self["wkv"], self["q_weight"],
                              self["k_weight"], self.cfg.rms_norm_eps, step.act_quant, step.image_rows)
 

@@ -1,0 +1,87 @@
+"""Host work of the CUDA serving path's eager forward (`benchmarks/host_ops.py`, docs/performance.md).
+
+What is pinned:
+* serving mode's sync-free value handling (`TorchForward.value_checks` off: ids remapped with a
+  device-side assertion, Engram rows by `_static_engram_rows`, no Engram row-id range check) gives
+  the CPU forward's hidden states bit for bit, on a batch of two extends after different prefixes;
+* (slow, a child under TRITON_INTERPRET=1) the CUDA path's code — Triton backend, kernel
+  attention, mHC and MoE, every kernel in the interpreter, `matmul_ogs` shape-only — issues at most
+  `MAX_ATEN_OPS` aten ops and `MAX_LAUNCHES` Triton launches per 32-token extend of the tiny
+  checkpoint, no host sync, and the same ops at every line after a 64- and a 1,024-token prefix.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang_dsv41.checkpoint.loader import load_reference_weights
+from sglang_dsv41.config import DeepseekV41Config
+from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
+from sglang_dsv41.runtime.batch import make_layout
+from sglang_dsv41.runtime.cache import RuntimeCaches
+from sglang_dsv41.runtime.engram_history import host_history
+from sglang_dsv41.runtime.forward import TorchForward
+
+ROOT = Path(__file__).resolve().parents[1]
+#: per-forward bounds of one 32-token extend on the tiny checkpoint (CPU count, `host_ops.py`):
+#: measured (session 16) 1,966 aten ops and 296 launches, 2,505 and 296 before its cuts
+MAX_ATEN_OPS = 1966
+MAX_LAUNCHES = 296
+
+
+def _two_extends(forward: TorchForward, cfg: DeepseekV41Config, page: int = 64):
+    """ids, layout, caches of request rows 1 and 2 extending 7 and 9 tokens after 6 and 0 cached ones."""
+    prefixes, extends, rows = [6, 0], [7, 9], [1, 2]
+    g = torch.Generator().manual_seed(3)
+    full = [torch.randint(3, 900, (p + n,), generator=g) for p, n in zip(prefixes, extends)]
+    table = torch.zeros(4, 2 * page, dtype=torch.int32)
+    for r, seq in zip(rows, full):
+        table[r, :seq.numel()] = torch.arange(r * page, r * page + seq.numel(), dtype=torch.int32)
+    positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefixes, extends)])
+    out = torch.cat([table[r, p:p + n].to(torch.int64) for r, p, n in zip(rows, prefixes, extends)])
+    layout = make_layout(torch.tensor(rows), torch.tensor(prefixes), torch.tensor(extends), positions, out, table,
+                         engram_history=host_history([s.tolist() for s in full], prefixes,
+                                                     forward.hasher.history_len))
+    caches = RuntimeCaches.allocate(cfg.text, 4 * page, 4, page_size=page)
+    ids = torch.cat([s[p:] for s, p in zip(full, prefixes)])
+    return ids, layout, caches
+
+
+def test_serving_value_handling_gives_the_same_bits(tiny_checkpoint, monkeypatch) -> None:
+    cfg = DeepseekV41Config.from_file(tiny_checkpoint)
+    weights = load_reference_weights(tiny_checkpoint, cfg, vision=False, dspark=False)
+    token_map, _ = compressed_token_map(_load_fast_tokenizer(tiny_checkpoint))
+    forward = TorchForward(cfg, weights, EngramHasher.from_config(cfg, token_map))
+    ids, layout, caches = _two_extends(forward, cfg)
+    assert forward.value_checks(layout)                                     # CPU: checked on the host
+    checked = forward.hidden_states(ids, layout, caches)
+    rows_checked = forward.engram_rows(ids, layout, _two_extends(forward, cfg)[2])
+    monkeypatch.setattr(TorchForward, "value_checks", lambda self, layout: False)        # CUDA serving
+    ids, layout, caches = _two_extends(forward, cfg)
+    served = forward.hidden_states(ids, layout, caches)
+    rows_served = forward.engram_rows(ids, layout, _two_extends(forward, cfg)[2])
+    assert all(torch.equal(a, b) for a, b in zip(rows_checked, rows_served)) and len(rows_served) == 2
+    assert torch.equal(checked, served)
+
+
+@pytest.mark.slow
+def test_cuda_path_host_work_is_bounded_and_flat_in_context(tiny_checkpoint, tmp_path) -> None:
+    out = tmp_path / "host_ops.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_ops.py"), "--model-path",
+                           str(tiny_checkpoint), "--cases", "64", "32", "1024", "32", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    short, long = json.loads(out.read_text())["cases"]
+    for case in (short, long):
+        assert case["host_syncs"] == 0, case["host_sync_sites"]
+        assert case["aten_ops"] <= MAX_ATEN_OPS, case["by_file"]
+        assert case["launches"] <= MAX_LAUNCHES, case["launches_by_line"]
+    assert short["by_line"] == long["by_line"]
+    assert short["launches_by_line"] == long["launches_by_line"]
