@@ -175,7 +175,7 @@ def test_kernel_ops_wiring(monkeypatch) -> None:
 def test_indices_address_the_triton_paths_rows(case, window) -> None:
     """Per query, the rows of [SWA block | workspace] the kernel indices address == the rows the
     Triton path reads (its window by slot, its selected workspace rows), as multisets; compacted
-    valid-first, −1 after, width a multiple of 64, lengths = valid counts, int32."""
+    valid-first, −1 after, width a multiple of 128 (the SM90 kernel asserts topk % (2·64) == 0), lengths = valid counts, int32."""
     prefix, extend = CASES[case]
     layout, swa_slots, swa_cache, workspace, comp_rows, *_ = _batch(prefix, extend, window, 64, 16)
     inputs = FM.prefill_inputs(workspace, layout.token_req, layout.starts, swa_slots, comp_rows)
@@ -183,7 +183,7 @@ def test_indices_address_the_triton_paths_rows(case, window) -> None:
     assert M == layout.num_tokens + layout.num_requests * (window - 1)
     idx = inputs.indices[:, 0].long()
     assert inputs.indices.dtype == torch.int32 and inputs.lengths.dtype == torch.int32
-    assert idx.shape[1] % FM.TOPK_BLOCK == 0 and idx.shape[1] >= window + 16
+    assert idx.shape[1] % 128 == 0 and idx.shape[1] >= window + 16
     n = inputs.lengths.long()
     cols = torch.arange(idx.shape[1])[None, :]
     assert bool(((idx >= 0) == (cols < n[:, None])).all())                 # valid first, then −1 only
@@ -199,9 +199,12 @@ def test_combined_indices_pads_and_keeps_order() -> None:
     swa = torch.tensor([[-1, -1, 0, 1], [2, 3, 4, 5]])
     comp = torch.tensor([[0, 2, -1], [-1, -1, -1]])
     idx, n = FM.combined_indices(swa, comp, 10)
-    assert idx.shape == (2, 1, 64) and n.tolist() == [4, 4]
+    assert idx.shape == (2, 1, 128) and n.tolist() == [4, 4]
     assert idx[0, 0, :5].tolist() == [0, 1, 10, 12, -1] and idx[1, 0, :5].tolist() == [2, 3, 4, 5, -1]
     assert bool((idx[:, :, 5:] == -1).all())
+    # 130 columns (an odd multiple of 64 would fail the kernel's assertion) round up to 256
+    wide, _ = FM.combined_indices(torch.zeros(1, 70, dtype=torch.long), torch.zeros(1, 60, dtype=torch.long), 10)
+    assert wide.shape == (1, 1, 256)
 
 
 # ---- the launch against the Triton path's math --------------------------------------------------

@@ -16,7 +16,7 @@ are gathered in front of the workspace and every query's two key lists become on
 
 Each (request, position) has exactly one SWA row (rows of position < 0 hold slot 0 and are
 never indexed), so the block is a gather of M rows, not N·W. The list is compacted valid-first
-and padded with −1 to a multiple of TOPK_BLOCK; `topk_length` = its valid count. No
+and padded with −1 to a multiple of TOPK_BLOCK (128); `topk_length` = its valid count. No
 de-duplication (§3.4.5): a key listed twice counts twice, as in the Triton kernel.
 
 Math (the kernel's, per query and head; K = V = the BF16 row, scale = the model's D^−1/2, the
@@ -46,8 +46,8 @@ from torch import Tensor
 HEAD_BLOCK = 64
 #: … and is built for these head counts (64: SM90 `head64`; 128: SM100 `head128`, two SM90 head tiles)
 KERNEL_HEADS = (64, 128)
-#: … and the index list by 64 ("topk mod B_TOPK must be 0")
-TOPK_BLOCK = 64
+#: … and the index list by two of its 64-index blocks (SM90 phase1: "topk % (2*B_TOPK) == 0")
+TOPK_BLOCK = 128
 #: the head dim of the kernel's BF16 key rows (d_qk 512 with d_v 512, or 576)
 KERNEL_DIM = 512
 #: relative error of one BF16-rounded softmax weight P ∈ (0, 1] (round to nearest, 8 mantissa bits)
