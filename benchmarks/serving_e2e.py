@@ -40,7 +40,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 ID_RANGE = (100, 120_000)
 #: labels `report` pairs: (numerator, denominator, what)
 PAIRS = (("ours", "sglang_v4", "sglang-dsv41 V4.1 / SGLang V4-Flash"),
-         ("ours_dspark", "ours", "DSpark (synthetic AL) / no speculation"))
+         ("ours_dspark", "ours", "DSpark (synthetic AL) / no speculation"),
+         ("tiny", "llama8", "tiny V4.1 / stock-SGLang 8-layer Llama of the same widths (scripts/gpu/tiny_vs_llama.sh)"),
+         ("tiny", "tiny_eager", "tiny V4.1: prefill CUDA graphs / eager prefill"))
 
 
 def model_dirs(out: Path, layers: int) -> dict[str, str]:

@@ -44,7 +44,8 @@ import logging
 from typing import Any
 
 from .runtime.hf_config import ARCHITECTURE
-from .runtime.requirements import CUDA_TOKENS_PER_CONTEXT, CURRENT_RUNTIME, DEVICES, PAGE_SIZE, RuntimeProfile
+from .runtime.requirements import (CUDA_TOKENS_PER_CONTEXT, CURRENT_RUNTIME, DEVICES, PAGE_SIZE, PREFILL_GRAPH_BACKEND,
+                                   PREFILL_GRAPH_FIELDS, RuntimeProfile)
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ GIVEN_ATTR = "_dsv41_given"
 #: Fields the refusals read, besides the declared defaults' own fields.
 CHECKED_FIELDS = ("page_size", "kv_cache_dtype", "tp_size", "enable_dp_attention", "attention_backend",
                   "prefill_attention_backend", "decode_attention_backend", "disable_hybrid_swa_memory",
-                  "speculative_algorithm")
+                  "speculative_algorithm", "disable_prefill_cuda_graph")
 WATCHED_FIELDS = tuple(dict.fromkeys((*(f.dest for f in CURRENT_RUNTIME.flags), *CHECKED_FIELDS)))
 _BACKEND_FLAGS = {"attention_backend": "--attention-backend",
                   "prefill_attention_backend": "--prefill-attention-backend",
@@ -125,7 +126,43 @@ def refusals(given: dict[str, Any], text_config: Any, device: str,
     if given.get("disable_hybrid_swa_memory"):
         out.append(f"--disable-hybrid-swa-memory: {profile.reasons['hybrid_swa']}")
     out += speculative_refusals(given.get("speculative_algorithm"), text_config, device)
+    out += prefill_graph_refusals(given, profile)
     return out
+
+
+def prefill_graph_refusals(given: dict[str, Any], profile: RuntimeProfile = CURRENT_RUNTIME) -> list[str]:
+    """`--cuda-graph-backend-prefill`: `full` (at TP 1, without DSpark) or `disabled` only."""
+    backend = given.get("cuda_graph_backend_prefill")
+    flag = f"--cuda-graph-backend-prefill {backend}"
+    if backend in (None, PREFILL_GRAPH_BACKEND, "disabled"):
+        if backend == PREFILL_GRAPH_BACKEND and (given.get("tp_size") or 1) > 1:
+            return [f"{flag} at --tp-size {given['tp_size']}: {profile.reasons['cuda_graphs']}"]
+        if backend == PREFILL_GRAPH_BACKEND and given.get("speculative_algorithm") is not None:
+            return [f"{flag} with --speculative-algorithm: the DSpark target's captured hidden states are not "
+                    "sliced out of a prefill graph yet; drop one of them"]
+        return []
+    return [f"{flag}: {profile.reasons['prefill_graph_backend']}; use {PREFILL_GRAPH_BACKEND} or disabled"]
+
+
+def prefill_graph_defaults(server_args: Any, given: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """The declared defaults with the prefill-graph ones (`PREFILL_GRAPH_FIELDS`) settled: none when the
+    user turned prefill graphs off; buckets and flags but the user's backend when they chose `full`;
+    `disabled` (logged) for PD and DSpark, whose prefill stays eager."""
+    if PREFILL_GRAPH_FIELDS[0] not in defaults:
+        return defaults                                             # CPU, or TP > 1
+    rest = {k: v for k, v in defaults.items() if k not in PREFILL_GRAPH_FIELDS}
+    backend = given.get("cuda_graph_backend_prefill")
+    if backend == "disabled" or given.get("disable_prefill_cuda_graph") or given.get("disable_cuda_graph"):
+        return rest
+    if backend is not None:
+        return defaults
+    eager_because = [why for why, on in (
+        (f"--disaggregation-mode {server_args.disaggregation_mode}", server_args.disaggregation_mode != "null"),
+        ("--speculative-algorithm", server_args.speculative_algorithm is not None)) if on]
+    if eager_because:
+        logger.info("sglang-dsv41: prefill runs eagerly (no prefill CUDA graphs) with %s", ", ".join(eager_because))
+        return {**rest, PREFILL_GRAPH_FIELDS[0]: "disabled"}
+    return defaults
 
 
 #: Why SGLang 0.5.17's DSpark worker cannot run on a CPU server (docs/dspark.md "CPU").
@@ -196,7 +233,7 @@ def resolve_server_args_hook(server_args: Any, *args: Any, **kwargs: Any) -> Non
         server_args.get_model_config().is_multimodal = False
     resolvable = _resolvable()
     applied = {}
-    for name, value in runtime_defaults(server_args).items():
+    for name, value in prefill_graph_defaults(server_args, given, runtime_defaults(server_args)).items():
         if name not in resolvable and name not in given:
             setattr(server_args, name, value)
             applied[name] = value

@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 
 from sglang_dsv41 import overrides, plugin
-from sglang_dsv41.runtime.requirements import (CUDA_TOKENS_PER_CONTEXT, CURRENT_RUNTIME, PAGE_SIZE, REASONING_PARSER,
-                                               STORAGE_PAGE_SIZE, TOOL_CALL_PARSER, GRAPH_BACKEND_NAME)
+from sglang_dsv41.runtime.requirements import (CUDA_TOKENS_PER_CONTEXT, CURRENT_RUNTIME, PAGE_SIZE,
+                                               PREFILL_GRAPH_TOKENS, REASONING_PARSER, STORAGE_PAGE_SIZE,
+                                               TOOL_CALL_PARSER, GRAPH_BACKEND_NAME)
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +60,37 @@ def test_cuda_defaults_reach_the_graph_configuration(resolve) -> None:
 def test_cuda_tensor_parallel_decodes_eagerly(resolve) -> None:
     sa = resolve("cuda", tp_size=2)
     assert sa.disable_cuda_graph is True and sa.cuda_graph_config.decode.backend == "disabled"
+    assert sa.cuda_graph_config.prefill.backend == "disabled" and sa.cuda_graph_backend_prefill is None
+
+
+def test_cuda_prefill_graphs_are_the_full_backend_over_small_buckets(resolve) -> None:
+    """docs/prefill_graphs.md: SGLang's `full` prefill runner over buckets up to 256 tokens, without
+    the MLA prefix-chunk variants its runner would otherwise assert our backend supports."""
+    prefill = resolve("cuda").cuda_graph_config.prefill
+    assert prefill.backend == "full" and prefill.bs == list(PREFILL_GRAPH_TOKENS)
+    assert resolve("cuda").disable_chunked_prefix_cache is True
+    assert resolve("cpu").cuda_graph_backend_prefill is None and resolve("cpu").disable_chunked_prefix_cache is False
+    chosen = resolve("cuda", cuda_graph_backend_prefill="full", cuda_graph_bs_prefill=[8, 16])   # the user's buckets
+    assert chosen.cuda_graph_config.prefill.bs == [8, 16] and chosen.disable_chunked_prefix_cache is True
+
+
+EAGER_PREFILL = [({"disable_prefill_cuda_graph": True}, ["--disable-prefill-cuda-graph"]),
+                 ({"cuda_graph_backend_prefill": "disabled"}, ["--cuda-graph-backend-prefill", "disabled"]),
+                 ({"speculative_algorithm": "DSPARK"}, ["--speculative-algorithm", "DSPARK"]),
+                 ({"disaggregation_mode": "prefill"}, ["--disaggregation-mode", "prefill"])]
+
+
+@pytest.mark.parametrize("flags,cli", EAGER_PREFILL, ids=["off", "disabled", "dspark", "pd-prefill"])
+def test_prefill_stays_eager_when_turned_off_or_with_dspark_or_pd(resolve, flags, cli) -> None:
+    """In the server and in the CLI defaults the launch wrappers and the planner read."""
+    declared = " ".join(CURRENT_RUNTIME.server_args("cuda", cli))
+    assert "prefill" not in declared and "--disable-chunked-prefix-cache" not in declared
+    assert "--cuda-graph-backend-prefill full" in " ".join(CURRENT_RUNTIME.server_args("cuda"))
+    sa = resolve("cuda", **flags)
+    assert sa.cuda_graph_config.prefill.backend == "disabled"
+    assert sa.cuda_graph_bs_prefill is None and sa.disable_chunked_prefix_cache is False
+    if "disaggregation_mode" not in flags:
+        assert sa.cuda_graph_config.decode.backend == "full"             # decode graphs are untouched
 
 
 STORAGE = {"enable_hierarchical_cache": True, "hicache_storage_backend": "file"}
@@ -93,10 +125,11 @@ USER_VALUES = {
             "max_total_tokens": 2048, "reasoning_parser": "deepseek_v41", "tool_call_parser": "deepseek_v41"},
     "cuda": {"page_size": 4, "attention_backend": "torch_native", "swa_full_tokens_ratio": 0.5,
              "cuda_graph_max_bs_decode": 8, "sampling_backend": "flashinfer", "reasoning_parser": "deepseek_v41",
-             "tool_call_parser": "deepseek_v41", "max_total_tokens": 4096, "mem_fraction_static": 0.5},
+             "tool_call_parser": "deepseek_v41", "max_total_tokens": 4096, "mem_fraction_static": 0.5,
+             "cuda_graph_backend_prefill": "full", "cuda_graph_bs_prefill": [8, 16]},
 }
-SWITCHES = {name for name, value in {**CURRENT_RUNTIME.defaults("cpu"), **CURRENT_RUNTIME.defaults("cuda", 2)}.items()
-            if value is True}
+SWITCHES = {name for name, value in {**CURRENT_RUNTIME.defaults("cpu"), **CURRENT_RUNTIME.defaults("cuda"),
+                                     **CURRENT_RUNTIME.defaults("cuda", 2)}.items() if value is True}
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -126,6 +159,11 @@ REFUSED = [  # (flags, the flag the message must name)
     ({"disable_hybrid_swa_memory": True}, "--disable-hybrid-swa-memory"),
     ({"speculative_algorithm": "DSPARK"}, "--speculative-algorithm DSPARK on cpu"),   # SGLang's worker: CUDA only
     ({"speculative_algorithm": "EAGLE"}, "--speculative-algorithm EAGLE"),            # V4.1: DSpark only
+    ({"cuda_graph_backend_prefill": "breakable"}, "--cuda-graph-backend-prefill breakable"),
+    ({"cuda_graph_backend_prefill": "tc_piecewise"}, "--cuda-graph-backend-prefill tc_piecewise"),
+    ({"cuda_graph_backend_prefill": "full", "tp_size": 2}, "--cuda-graph-backend-prefill full at --tp-size 2"),
+    ({"cuda_graph_backend_prefill": "full", "speculative_algorithm": "DSPARK"},
+     "--cuda-graph-backend-prefill full with --speculative-algorithm"),
     ({"enable_multimodal": False, "mm_enable_dp_encoder": True},                      # --language-model-only
      "--language-model-only and --mm-enable-dp-encoder are mutually exclusive"),
 ]
@@ -192,7 +230,7 @@ def test_declared_flags_are_sglang_flags_of_their_fields(resolve) -> None:
         action = ap._option_string_actions[f.flag]
         assert action.dest == f.dest, f.flag
         if f.value is not None:
-            assert ap.parse_args(["--model-path", "x", *f.args()]).__dict__[f.dest] == f.default, f.flag
+            assert ap.parse_args(["--model-path", "x", *f.args()]).__dict__[f.dest] == f.default_for(), f.flag
 
 
 def test_parser_defaults_are_the_names_the_api_registers(resolve) -> None:

@@ -91,13 +91,13 @@ def test_the_forward_takes_only_the_history_staged_for_its_batch() -> None:
     history = torch.zeros(2, 3, dtype=torch.int64)
     model = SimpleNamespace(engram_history_len=3, _staged_history=None)
     M.stage_engram_history(model, [0, 4], history)
-    assert M._take_engram_history(model, _forward_batch("EXTEND", [3, 6], [3, 2])) is history
+    assert M.take_engram_history(model, _forward_batch("EXTEND", [3, 6], [3, 2])) is history
     with pytest.raises(RuntimeError, match=r"chunk starts \[0, 4\], staged None"):
-        M._take_engram_history(model, _forward_batch("EXTEND", [3, 6], [3, 2]))      # taken once
+        M.take_engram_history(model, _forward_batch("EXTEND", [3, 6], [3, 2]))      # taken once
     M.stage_engram_history(model, [0, 5], history)
     with pytest.raises(RuntimeError, match=r"staged \[0, 5\]"):
-        M._take_engram_history(model, _forward_batch("EXTEND", [3, 6], [3, 2]))
-    assert M._take_engram_history(model, _forward_batch("DECODE", [7], [1])) is None
+        M.take_engram_history(model, _forward_batch("EXTEND", [3, 6], [3, 2]))
+    assert M.take_engram_history(model, _forward_batch("DECODE", [7], [1])) is None
 
 
 class _NoWholeCopy(list):

@@ -258,10 +258,9 @@ def _router_command(dc: DeploymentConfig) -> Command:
 def _notes(dc: DeploymentConfig, runtime: RuntimeProfile, server: Command) -> list[str]:
     notes = []
     storage = uses_hicache_storage(server.args)
-    for f in runtime.flags:
-        if f.applies(device_of(dc), server.args):         # a default this command leaves to the plugin
-            notes.append(f"default the plugin declares for the {runtime.name} runtime, applied by SGLang at "
-                         f"start-up ({runtime.doc}): {' '.join(f.args(storage))} — {f.why}")
+    for f in runtime.applicable(device_of(dc), server.args):    # the defaults this command leaves to the plugin
+        notes.append(f"default the plugin declares for the {runtime.name} runtime, applied by SGLang at "
+                     f"start-up ({runtime.doc}): {' '.join(f.args(storage))} — {f.why}")
     if dc.model.tiny_seed is not None and dc.model.architecture == "tiny":
         notes.append(f"model: the tiny random checkpoint (seed {dc.model.tiny_seed}) in the sglang-dsv41 cache — "
                      "the one `sglang-dsv41 serve` uses — made on first launch; for another directory run "

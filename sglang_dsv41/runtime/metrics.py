@@ -13,7 +13,9 @@ one series per TP rank) and appear next to SGLang's own ``sglang:`` metrics:
 * ``sglang_dsv41:engram_placement{placement}`` — 1 for the configured placement;
 * indexer selection statistics (`runtime/indexer_stats.py`), sampled from eager forwards;
 * ``sglang_dsv41:hicache_storage_failures_total{op}`` — failed HiCache L3 storage operations
-  (``query`` / ``read`` / ``write``, `runtime/hicache_faults.py`).
+  (``query`` / ``read`` / ``write``, `runtime/hicache_faults.py`);
+* ``sglang_dsv41:extend_forwards_total{path}`` — extend / mixed forwards by ``path``: ``graph`` (a
+  prefill CUDA-graph replay, `runtime/prefill_graph.py`) or ``eager``.
 
 Without ``--enable-metrics`` nothing is created. Every series carries ``tp_rank``.
 """
@@ -52,6 +54,13 @@ def counter(name: str, doc: str, label: str | None = None):
 
         _gauges[name] = Counter(PREFIX + name, doc, labelnames=("tp_rank",) + ((label,) if label else ()))
     return _gauges[name]
+
+
+def count_extend(path: str, tp_rank: int) -> None:
+    """One extend / mixed forward on `path` (``graph`` or ``eager``)."""
+    if metrics_enabled():
+        counter("extend_forwards", "extend forwards by path: a prefill CUDA-graph replay or eager",
+                "path").labels(str(tp_rank), path).inc()
 
 
 def publish_caches(caches: Any, tp_rank: int) -> None:

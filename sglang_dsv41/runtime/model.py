@@ -53,13 +53,15 @@ from ..config import DeepseekV41Config
 from ..engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
 from ..numerics.profile import NumericsProfile
 from . import metrics
-from .batch import layout_from_forward_batch
+from . import prefill_graph
+from .batch import layout_from_forward_batch, static_extend_layout
 from .cache import RuntimeCaches
 from .dummy_weights import DUMMY_SEED, dummy_load_requested, dummy_seed, dummy_stored_tensors
 from .engram_host import engram_placement_from_env
 from .forward import TorchForward, fp32_default_dtype
 from .hf_config import parsed_config
 from .kv_pool import pool_caches
+from .prefill_graph import PrefillGraphBody
 from .tensor_parallel import TensorParallel
 from .vision import VisionTower, is_vision_tensor
 from .vision_batch import SpanCache, batch_image_rows
@@ -145,6 +147,10 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.dspark_capture_layers: tuple[int, ...] = ()
         #: whether `load_weights` has streamed weights in (SGLang's dummy loader never calls it)
         self._streamed = False
+        if on_cuda and self.tp.size == 1 and prefill_graph.selected():
+            #: the language model SGLang's `full` prefill-graph runner captures (runtime/prefill_graph.py)
+            self.model = PrefillGraphBody(self, self.engram_history_len)
+        self._replayed = False
 
     @property
     def device(self) -> torch.device:
@@ -259,7 +265,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         requests' chunk starts and their host-built history [B, K]."""
         self._staged_history = (list(starts), history)
 
-    def _take_engram_history(self, forward_batch) -> Tensor | None:
+    def take_engram_history(self, forward_batch) -> Tensor | None:
         """The staged history of this extend / mixed batch (None for decode or without Engram);
         raises when what was staged belongs to another batch."""
         if not self.engram_history_len or forward_batch.forward_mode.name not in ("EXTEND", "MIXED"):
@@ -284,25 +290,61 @@ class DeepseekV41ForCausalLM(nn.Module):
     # ---- forward ------------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, input_ids: Tensor, positions: Tensor, forward_batch, *args, **kwargs):
-        from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
-
         image_embeds = batch_image_rows(forward_batch, self.vision_tower, self._spans, self._encoder_dp)
         if getattr(forward_batch, "input_embeds", None) is not None:
             raise RuntimeError("sglang-dsv41 torch path: input_embeds requests are not supported "
                                "(text token ids only in this phase)")
         if self.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
             raise RuntimeError("sglang-dsv41 torch path needs fp32 matmuls: do not enable TF32")
+        history = self.take_engram_history(forward_batch)
+        body = self._modules.get("model")      # the prefill-graph language model, when attached
+        replay = body is not None and image_embeds is None and prefill_graph.replaying(body)
+        if replay:
+            self._prepare_replay(body, history, forward_batch)
+            hidden = body.forward(input_ids, positions, forward_batch)      # SGLang's graph replay
+        else:
+            hidden = self.hidden_states_of(input_ids, positions, forward_batch, image_embeds, history)
+        if forward_batch.forward_mode.name in ("EXTEND", "MIXED"):
+            metrics.count_extend("graph" if replay else "eager", self.tp.rank)
+        return self.logits_processor(input_ids, hidden, self.lm_head, forward_batch,
+                                     aux_hidden_states=self.torch_forward.captured)
+
+    def hidden_states_of(self, input_ids: Tensor, positions: Tensor, forward_batch, image_embeds,
+                         history: Tensor | None, static_extend: bool = False) -> Tensor:
+        """The final hidden states of `forward_batch`'s tokens: the layout (`runtime/batch.py`: the
+        static decode layout while SGLang's decode-graph runner captures, the static extend layout
+        for a prefill-graph capture (`static_extend`), else the eager one), then the forward."""
+        from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
+
         with fp32_default_dtype():
             caches = self._caches_for(get_token_to_kv_pool())
-            layout = layout_from_forward_batch(forward_batch, positions.to(self.device),
-                                               get_req_to_token_pool().req_to_token,
-                                               static=self.device.type == "cuda" and sglang_graph_capture(),
-                                               engram_history=self._take_engram_history(forward_batch))
+            req_to_token = get_req_to_token_pool().req_to_token
+            positions = positions.to(self.device)
+            if static_extend:
+                fb = forward_batch
+                layout = static_extend_layout(fb.req_pool_indices, fb.seq_lens, fb.extend_seq_lens, positions,
+                                              fb.out_cache_loc, req_to_token, engram_history=history)
+            else:
+                layout = layout_from_forward_batch(forward_batch, positions, req_to_token,
+                                                   static=self.device.type == "cuda" and sglang_graph_capture(),
+                                                   engram_history=history)
             if self.torch_forward.capture_layers != self.dspark_capture_layers:
                 self.torch_forward.set_capture_layers(self.dspark_capture_layers)
-            hidden = self.torch_forward.hidden_states(input_ids.to(self.device), layout, caches, image_embeds)
-            return self.logits_processor(input_ids, hidden, self.lm_head, forward_batch,
-                                         aux_hidden_states=self.torch_forward.captured)
+            return self.torch_forward.hidden_states(input_ids.to(self.device), layout, caches, image_embeds)
+
+    def _prepare_replay(self, body: PrefillGraphBody, history: Tensor | None, forward_batch) -> None:
+        """Before a prefill-graph replay: the Engram history into the graph's buffer, and every
+        layer's HiCache load-back landed (`runtime/prefill_graph.py`)."""
+        from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
+
+        if not self._replayed:
+            self._replayed = True
+            logger.info("sglang-dsv41: first prefill CUDA-graph replay (%d request(s), %d tokens)",
+                        forward_batch.batch_size, len(forward_batch.input_ids))
+        body.stage_history(history)
+        caches = self._caches_for(get_token_to_kv_pool())
+        for layer in range(len(caches.swa)):
+            caches.wait_for_layer(layer, global_rows=True)
 
 
 def language_model_only() -> bool:

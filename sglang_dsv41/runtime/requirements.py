@@ -44,6 +44,11 @@ PAGE_SIZE = 2
 STORAGE_PAGE_SIZE = 64
 HICACHE_FLAG = "--enable-hierarchical-cache"
 HICACHE_STORAGE_FLAG = "--hicache-storage-backend"
+#: SGLang's prefill CUDA-graph backend on CUDA at TP 1 (`runtime/prefill_graph.py`) and its token buckets
+PREFILL_GRAPH_BACKEND = "full"
+PREFILL_GRAPH_TOKENS = (4, 8, 16, 32, 64, 128, 256)
+#: the `ServerArgs` fields of the prefill-graph default (all or none apply: `overrides.py`)
+PREFILL_GRAPH_FIELDS = ("cuda_graph_backend_prefill", "cuda_graph_bs_prefill", "disable_chunked_prefix_cache")
 #: SWA pool tokens per full-pool token (SGLang `--swa-full-tokens-ratio`; see the flag's reason).
 SWA_FULL_TOKENS_RATIO = 0.1
 #: Share of GPU memory for weights + KV pool on CUDA (SGLang `--mem-fraction-static`; see the flag's reason).
@@ -84,6 +89,7 @@ class ServerFlag:
     devices: tuple[Device, ...]
     why: str
     multi_gpu_only: bool = False  # only when the tensor-parallel size is > 1
+    single_gpu_only: bool = False  # only when the tensor-parallel size is 1
     storage_default: object = None  # the default instead when a HiCache storage backend is set (None: `default`)
 
     @property
@@ -92,12 +98,15 @@ class ServerFlag:
         return self.flag[2:].replace("-", "_")
 
     def default_for(self, hicache_storage: bool = False) -> object:
-        """The typed default, with or without a HiCache storage (L3) backend."""
-        return self.storage_default if hicache_storage and self.storage_default is not None else self.default
+        """The typed default, with or without a HiCache storage (L3) backend (a list for a tuple)."""
+        default = self.storage_default if hicache_storage and self.storage_default is not None else self.default
+        return list(default) if isinstance(default, tuple) else default
 
     def value_for(self, hicache_storage: bool = False) -> str | None:
-        """The CLI value (None for a switch)."""
+        """The CLI value (None for a switch; space-separated for a list)."""
         default = self.default_for(hicache_storage)
+        if isinstance(default, list):
+            return " ".join(map(str, default))
         return None if default is True else str(default)
 
     @property
@@ -107,7 +116,8 @@ class ServerFlag:
 
     def wanted(self, device: Device, tp_size: int) -> bool:
         """Whether the runtime needs this flag on `device` at tensor-parallel size `tp_size`."""
-        return device in self.devices and (tp_size > 1 or not self.multi_gpu_only)
+        return (device in self.devices and (tp_size > 1 or not self.multi_gpu_only)
+                and (tp_size == 1 or not self.single_gpu_only))
 
     def applies(self, device: Device, given: Sequence[str]) -> bool:
         """Whether the flag is wanted and the CLI arguments `given` do not set it themselves."""
@@ -118,12 +128,22 @@ class ServerFlag:
 
     def args(self, hicache_storage: bool = False) -> list[str]:
         value = self.value_for(hicache_storage)
-        return [self.flag] if value is None else [self.flag, value]
+        return [self.flag] if value is None else [self.flag, *value.split(" ")]
 
 
 def uses_hicache_storage(args: Sequence[str]) -> bool:
     """Whether CLI arguments `args` configure a HiCache storage (L3) backend."""
     return has_flag(args, HICACHE_FLAG) and flag_value(args, (HICACHE_STORAGE_FLAG,)) is not None
+
+
+def prefill_stays_eager(args: Sequence[str]) -> bool:
+    """Whether CLI arguments `args` keep prefill eager, so the prefill-graph defaults do not apply:
+    prefill graphs turned off, DSpark, or a PD role (`overrides.prefill_graph_defaults` in-server)."""
+    mode = flag_value(args, ("--disaggregation-mode",))
+    return (any(has_flag(args, f) for f in ("--disable-prefill-cuda-graph", "--disable-cuda-graph",
+                                            "--speculative-algorithm"))
+            or flag_value(args, ("--cuda-graph-backend-prefill",)) == "disabled"
+            or mode not in (None, "null"))
 
 
 @dataclass(frozen=True)
@@ -150,12 +170,14 @@ class RuntimeProfile:
         """The runtime's flags for `device` that `given` does not set already (user flags win)."""
         if device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
-        out: list[str] = []
         storage = uses_hicache_storage(given)
-        for f in self.flags:
-            if f.applies(device, given):
-                out += f.args(storage)
-        return out
+        return [a for f in self.applicable(device, given) for a in f.args(storage)]
+
+    def applicable(self, device: Device, given: Sequence[str] = ()) -> list[ServerFlag]:
+        """The flags `server_args` emits for `device` and CLI arguments `given`, in declaration order."""
+        eager_prefill = prefill_stays_eager(given)
+        return [f for f in self.flags
+                if f.applies(device, given) and not (eager_prefill and f.dest in PREFILL_GRAPH_FIELDS)]
 
     def defaults(self, device: Device, tp_size: int = 1, hicache_storage: bool = False) -> dict[str, object]:
         """`{ServerArgs field: value}` of the flags wanted on `device` at `tp_size` (declaration order),
@@ -216,6 +238,19 @@ TORCH_PATH = RuntimeProfile(
                    "decode runs as CUDA graphs (static decode layout, runtime/batch.py); each captured batch "
                    "size is one more capture at start-up and the static indexer width is the context "
                    "length, so a modest ceiling keeps start-up and graph memory small"),
+        ServerFlag("--cuda-graph-backend-prefill", PREFILL_GRAPH_BACKEND, ("cuda",),
+                   "extends of up to 256 tokens replay one CUDA graph of the whole body per token bucket "
+                   "(static extend layout, runtime/prefill_graph.py); eager they are host-bound (docs/prefill_graphs.md). "
+                   "SGLang's breakable default would need a break around every batch-dependent step; the "
+                   "declared default gives way to PD and DSpark (eager there)",
+                   single_gpu_only=True),
+        ServerFlag("--cuda-graph-bs-prefill", PREFILL_GRAPH_TOKENS, ("cuda",),
+                   "the prefill graphs' token buckets: longer extends run eagerly, where the BF16 prefill "
+                   "workspace pays (runtime/attention_prefill.py); SGLang pads at most 2× the live tokens",
+                   single_gpu_only=True),
+        ServerFlag("--disable-chunked-prefix-cache", True, ("cuda",),
+                   "SGLang's full prefill runner otherwise captures MLA prefix-chunk variants, which the V4.1 "
+                   "attention (sparse over its own caches) neither has nor needs", single_gpu_only=True),
         ServerFlag("--disable-cuda-graph", True, ("cuda",),
                    "tensor parallel > 1 decodes eagerly until graph capture with its collectives is "
                    "validated on GPUs (the static forward at TP 2 equals TP 1 on CPU)", multi_gpu_only=True),
@@ -240,7 +275,7 @@ TORCH_PATH = RuntimeProfile(
     vision=True,
     cuda_graphs=True,
     cuda_graph_tp_sizes=(1,),
-    prefill_cuda_graphs=False,
+    prefill_cuda_graphs=True,
     pd_disaggregation=True,
     kv_cache_dtypes=("auto", "bf16"),
     attention_backends=("torch_native", GRAPH_BACKEND_NAME),
@@ -254,9 +289,12 @@ TORCH_PATH = RuntimeProfile(
         "vision": "the runtime serves images from a checkpoint with a vision_config (ViT + aligner on the torch "
                   "path, replicated on every TP rank, docs/vision.md); features.text_only: true "
                   "(--language-model-only) skips the tower and refuses image requests",
-        "cuda_graphs": "the runtime captures decode CUDA graphs at TP 1 only (static decode layout); prefill runs "
-                       "eagerly, and TP > 1 eagerly until graph capture with its collectives is validated on "
-                       "GPUs (the plugin defaults --disable-cuda-graph there)",
+        "cuda_graphs": "the runtime captures decode CUDA graphs and `full` prefill graphs (extends up to 256 "
+                       "tokens) at TP 1 only (static layouts); TP > 1 runs eagerly until graph capture with its "
+                       "collectives is validated on GPUs (the plugin defaults --disable-cuda-graph there)",
+        "prefill_graph_backend": "the runtime's prefill graphs are SGLang's `full` backend (one graph of the whole "
+                                 "body per token bucket, runtime/prefill_graph.py); `breakable` and `tc_piecewise` "
+                                 "would capture its batch-dependent steps as constants",
         "pd_vision": "image requests through prefill/decode disaggregation are not built or tested (the decode "
                      "side's image spans, docs/vision.md); set features.text_only: true for a PD deployment",
         "pd_disaggregation": "the V4.1 pool's PD transfer is built and tested over Mooncake only (equal TP on "

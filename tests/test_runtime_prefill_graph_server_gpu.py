@@ -1,0 +1,119 @@
+"""Prefill CUDA graphs served on one CUDA GPU (docs/prefill_graphs.md; runtime/prefill_graph.py): the
+tiny checkpoint with the CUDA default (`--cuda-graph-backend-prefill full`, buckets up to 256 tokens)
+against the same server with `--disable-prefill-cuda-graph`. Both start at once (module fixture),
+text-only, context 2048, prefill chunks of 64 tokens, so a 200-token prompt is 4 extends whose
+Engram history comes from the chunk before (staged into the graph's buffer).
+
+Checked: the graph server captured its prefill graphs and replays them (its log; the
+`sglang_dsv41:extend_forwards_total{path="graph"}` counter grows, `eager` only for what no bucket
+holds); greedy output == the eager server's for 24 new tokens at batch 1 and 8 (prompts of 9–200
+tokens) and after a cached prefix (a 20-token extend replayed over a 300-token prefix), with the
+chosen tokens' logprobs within `LOGPROB_BOUND`.
+
+Skipped without CUDA (conftest). scripts/gpu/prefill_graph_server.sh runs this file.
+"""
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from server_helpers import Server
+
+pytestmark = pytest.mark.gpu
+NEW_TOKENS = 24
+STARTUP_S = 240
+COMMON = ["--context-length", "2048", "--language-model-only", "--chunked-prefill-size", "64",
+          "--mem-fraction-static", "0.3", "--max-running-requests", "8", "--enable-metrics"]
+GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+#: |Δ log p| of a chosen token between a replayed and an eager extend (padding changes GEMM row tiers)
+LOGPROB_BOUND = 0.1
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(21)
+    return [[0] + torch.randint(3, 990, (int(n),), generator=g).tolist()
+            for n in (8, 30, 60, 63, 64, 100, 150, 199)]
+
+
+class Pair:
+    def __init__(self, checkpoint, log_dir) -> None:
+        self.graph = Server(checkpoint, log_dir / "graph.log", COMMON)
+        self.eager = Server(checkpoint, log_dir / "eager.log", [*COMMON, "--disable-prefill-cuda-graph"])
+        deadline = time.monotonic() + STARTUP_S
+        for srv in (self.graph, self.eager):
+            srv.wait_ready(max(deadline - time.monotonic(), 1.0))
+
+    def stop(self) -> None:
+        self.graph.stop()
+        self.eager.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_checkpoint, tmp_path_factory):
+    p = Pair(tiny_checkpoint, tmp_path_factory.mktemp("prefill_graph_servers"))
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def extend_counts(srv: Server) -> dict[str, float]:
+    with urllib.request.urlopen(srv.url("/metrics"), timeout=30) as r:
+        text = r.read().decode()
+    out = {"graph": 0.0, "eager": 0.0}
+    for path, value in re.findall(r'^sglang_dsv41:extend_forwards_total\{[^}]*path="(\w+)"[^}]*\} ([0-9.eE+-]+)$',
+                                  text, re.M):
+        out[path] += float(value)
+    return out
+
+
+def _generate(srv: Server, prompts: list[list[int]]) -> list[dict]:
+    out = srv.post("/generate", {"input_ids": prompts, "sampling_params": GREEDY, "return_logprob": True})
+    return out if isinstance(out, list) else [out]
+
+
+def _compare(got: list[dict], want: list[dict]) -> float:
+    worst = 0.0
+    for g, w in zip(got, want, strict=True):
+        assert g["output_ids"] == w["output_ids"]
+        lg = [t[0] for t in g["meta_info"]["output_token_logprobs"]]
+        lw = [t[0] for t in w["meta_info"]["output_token_logprobs"]]
+        worst = max(worst, max(abs(a - b) for a, b in zip(lg, lw)))
+    assert worst <= LOGPROB_BOUND, worst
+    return worst
+
+
+def test_the_graph_server_captured_and_the_eager_server_did_not(pair) -> None:
+    assert re.search(r"Capture target prefill CUDA graph end", pair.graph.log_tail(10**7))
+    assert not re.search(r"Capture target prefill CUDA graph begin", pair.eager.log_tail(10**7))
+
+
+def test_greedy_equals_the_eager_server_at_batch_1_and_8(pair) -> None:
+    prompts = _prompts()
+    before = extend_counts(pair.graph)
+    worst = 0.0
+    for p in prompts[:3]:
+        worst = max(worst, _compare(_generate(pair.graph, [p]), _generate(pair.eager, [p])))
+    worst = max(worst, _compare(_generate(pair.graph, prompts), _generate(pair.eager, prompts)))
+    after = extend_counts(pair.graph)
+    print(f"\nmax |Δ log p| {worst:.4f}; graph server extends {before} -> {after}")
+    assert after["graph"] > before["graph"]
+    assert "first prefill CUDA-graph replay" in pair.graph.log_tail(10**7)
+    assert extend_counts(pair.eager)["graph"] == 0
+
+
+def test_an_extend_over_a_cached_prefix_equals_the_eager_server(pair) -> None:
+    g = torch.Generator().manual_seed(5)
+    prefix = [0] + torch.randint(3, 990, (300,), generator=g).tolist()
+    tail = torch.randint(3, 990, (20,), generator=g).tolist()
+    for srv in (pair.graph, pair.eager):
+        _generate(srv, [prefix])
+    before = extend_counts(pair.graph)
+    got, want = _generate(pair.graph, [prefix + tail]), _generate(pair.eager, [prefix + tail])
+    assert got[0]["meta_info"]["cached_tokens"] >= 256 and want[0]["meta_info"]["cached_tokens"] >= 256
+    _compare(got, want)
+    assert extend_counts(pair.graph)["graph"] > before["graph"]
