@@ -1,14 +1,15 @@
 """Prefill CUDA graphs served on one CUDA GPU (docs/prefill_graphs.md; runtime/prefill_graph.py): the
 tiny checkpoint with the CUDA default (`--cuda-graph-backend-prefill full`, buckets up to 256 tokens)
 against the same server with `--disable-prefill-cuda-graph`. Both start at once (module fixture),
-text-only, context 2048, prefill chunks of 64 tokens, so a 200-token prompt is 4 extends whose
-Engram history comes from the chunk before (staged into the graph's buffer).
+text-only, context 2048, SGLang's default chunk size (so its `full` runner has chunk / 512 request
+slots: 16 at 8,192).
 
 Checked: the graph server captured its prefill graphs and replays them (its log; the
-`sglang_dsv41:extend_forwards_total{path="graph"}` counter grows, `eager` only for what no bucket
-holds); greedy output == the eager server's for 24 new tokens at batch 1 and 8 (prompts of 9–200
-tokens) and after a cached prefix (a 20-token extend replayed over a 300-token prefix), with the
-chosen tokens' logprobs within `LOGPROB_BOUND`.
+`sglang_dsv41:extend_forwards_total{path="graph"}` counter grows); greedy output == the eager
+server's for 24 new tokens at batch 1 (prompts of 9–200 tokens: buckets 16 to 256) and for a batch
+of 8 short prompts in one replay (≤ 256 tokens together), and after a cached prefix (a 20-token
+extend replayed over a 300-token prefix: its Engram history comes from the prefix, staged into the
+graph's buffer), with the chosen tokens' logprobs within `LOGPROB_BOUND`.
 
 Skipped without CUDA (conftest). scripts/gpu/prefill_graph_server.sh runs this file.
 """
@@ -26,17 +27,20 @@ from server_helpers import Server
 pytestmark = pytest.mark.gpu
 NEW_TOKENS = 24
 STARTUP_S = 240
-COMMON = ["--context-length", "2048", "--language-model-only", "--chunked-prefill-size", "64",
-          "--mem-fraction-static", "0.3", "--max-running-requests", "8", "--enable-metrics"]
+COMMON = ["--context-length", "2048", "--language-model-only", "--mem-fraction-static", "0.3",
+          "--max-running-requests", "8", "--enable-metrics"]
 GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
 #: |Δ log p| of a chosen token between a replayed and an eager extend (padding changes GEMM row tiers)
 LOGPROB_BOUND = 0.1
 
 
-def _prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(21)
-    return [[0] + torch.randint(3, 990, (int(n),), generator=g).tolist()
-            for n in (8, 30, 60, 63, 64, 100, 150, 199)]
+def _prompts(lengths) -> list[list[int]]:
+    g = torch.Generator().manual_seed(21 + len(lengths))
+    return [[0] + torch.randint(3, 990, (int(n),), generator=g).tolist() for n in lengths]
+
+
+SINGLE = (8, 60, 100, 150, 199)
+BATCH = (4, 9, 15, 20, 27, 33, 38, 40)             # 194 tokens with the leading id: one replay of 8 requests
 
 
 class Pair:
@@ -93,15 +97,17 @@ def test_the_graph_server_captured_and_the_eager_server_did_not(pair) -> None:
 
 
 def test_greedy_equals_the_eager_server_at_batch_1_and_8(pair) -> None:
-    prompts = _prompts()
     before = extend_counts(pair.graph)
     worst = 0.0
-    for p in prompts[:3]:
+    for p in _prompts(SINGLE):
         worst = max(worst, _compare(_generate(pair.graph, [p]), _generate(pair.eager, [p])))
-    worst = max(worst, _compare(_generate(pair.graph, prompts), _generate(pair.eager, prompts)))
+    single = extend_counts(pair.graph)
+    batch = _prompts(BATCH)
+    worst = max(worst, _compare(_generate(pair.graph, batch), _generate(pair.eager, batch)))
     after = extend_counts(pair.graph)
-    print(f"\nmax |Δ log p| {worst:.4f}; graph server extends {before} -> {after}")
-    assert after["graph"] > before["graph"]
+    print(f"\nmax |Δ log p| {worst:.4f}; graph server extends {before} -> {single} -> {after}")
+    assert single["graph"] - before["graph"] == len(SINGLE)
+    assert after["graph"] > single["graph"]
     assert "first prefill CUDA-graph replay" in pair.graph.log_tail(10**7)
     assert extend_counts(pair.eager)["graph"] == 0
 

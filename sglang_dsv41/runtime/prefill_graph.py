@@ -91,8 +91,8 @@ class PrefillGraphBody(nn.Module):
         self._history[b:].fill_(-1)
 
     def forward(self, input_ids: Tensor, positions: Tensor, forward_batch, input_embeds: Tensor | None = None) -> Tensor:
-        if input_embeds is not None:
-            raise RuntimeError("sglang-dsv41: input_embeds requests are not supported")
+        """`input_embeds` is ignored: a multimodal server's runner passes its static slot at capture,
+        and it never replays a live batch that has input embeddings (`can_replay_locally`)."""
         outer = self._outer()
         if full_graph_capture():
             history = self.static_history(int(forward_batch.batch_size), outer.device)
