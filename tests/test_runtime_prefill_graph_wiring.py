@@ -171,10 +171,15 @@ def test_the_outer_forward_replays_only_when_the_runner_patched_the_body(torch_f
         body.forward = lambda *a, **k: replays.append(a) or torch.full((a[0].shape[0], 4), 2.0)   # the runner's patch
         assert replaying(body)
         out = m.forward(ids, pos, fb)
+        original = type(body).forward.__get__(body)
+        body.forward = original                                   # what the runner restores after a replay
+        assert not replaying(body)
+        m.take_engram_history = lambda fb: None
+        m.forward(ids, pos, fb)                                   # eager again, nothing staged
     if images:                                                    # image rows: eager even while replaying
-        assert len(m.eager_calls) == 2 and not replays and not caches.waited
+        assert len(m.eager_calls) == 3 and not replays and not caches.waited
         return
-    assert len(m.eager_calls) == 1 and len(replays) == 1 and bool((out == 2.0).all())
+    assert len(m.eager_calls) == 2 and len(replays) == 1 and bool((out == 2.0).all())
     assert body.static_history(2, torch.device("cpu")).tolist() == [[4, 5], [-1, -1]]
     assert caches.waited == [(0, True), (1, True), (2, True)]
 

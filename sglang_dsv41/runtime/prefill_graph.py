@@ -15,7 +15,8 @@ Invariants:
   runs the static extend layout (`batch.static_extend_layout`) over the capture batch's static
   buffers and the body's static Engram-history buffer [request slots, K]; called any other way
   it runs the eager layout;
-* `replaying(body)` is true only inside the runner's replay (its instance patch); the outer forward
+* `replaying(body)` is true only inside the runner's replay (its instance patch, not the bound
+  method it restores afterwards); the outer forward
   then stages the batch's Engram history into the static buffer (`stage_history`: rows past the
   batch −1) and waits for every HiCache layer load before calling it — a wait cannot sit inside
   a graph;
@@ -53,8 +54,11 @@ def full_graph_capture() -> bool:
 
 
 def replaying(body: nn.Module) -> bool:
-    """Whether the runner has replaced `body.forward` with its graph replay (an instance attribute)."""
-    return "forward" in vars(body)
+    """Whether the runner has replaced `body.forward` with its graph replay: an instance attribute
+    that is not the class's own method (after a replay the runner puts the bound method back as an
+    instance attribute, which is not a replay)."""
+    patched = vars(body).get("forward")
+    return patched is not None and getattr(patched, "__func__", None) is not type(body).forward
 
 
 class PrefillGraphBody(nn.Module):
