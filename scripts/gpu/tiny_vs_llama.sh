@@ -8,7 +8,8 @@
 # tokens), `llama8`, `tiny_eager` (the same with --disable-prefill-cuda-graph). Every server gets
 # --cuda-graph-max-bs $MAX_BS (64) and --max-running-requests 64, so decode at concurrency 64 is
 # graphed on both sides, and the torch sampler (ours declares it: flashinfer's JIT-compiles for minutes on a
-# fresh machine); the Llama keeps SGLang's own prefill-graph default. Ours logs its capture times (summary).
+# fresh machine); the Llama keeps SGLang's own prefill-graph default and runs the Triton attention backend
+# (the GPU runtime's sgl_kernel has no FA3 flash_ops, ../shared/gpu/README.md). Ours logs its capture times.
 # Run from the checkout root with `.gpu` carried:
 #   BUDGET=560 bash scripts/gpu/tiny_vs_llama.sh
 # Results: $OUT/tiny_vs_llama.json/.png (report), $OUT/e2e/<label>.json and <label>_server.log,
@@ -35,7 +36,8 @@ for step in $STEPS; do
   case $step in
     tiny) argv=(python3 -m sglang.launch_server --model-path /tmp/tiny "${COMMON[@]}") ;;
     tiny_eager) argv=(python3 -m sglang.launch_server --model-path /tmp/tiny "${COMMON[@]}" --disable-prefill-cuda-graph) ;;
-    llama8) argv=(python3 -m sglang.launch_server --model-path /tmp/llama8 "${COMMON[@]}" --sampling-backend pytorch) ;;
+    llama8) argv=(python3 -m sglang.launch_server --model-path /tmp/llama8 "${COMMON[@]}" --sampling-backend pytorch
+                  --attention-backend triton) ;;
     *) echo "unknown step $step"; continue ;;
   esac
   [ "$step" = tiny_eager ] || b=$(( b > 240 ? 240 : b ))
