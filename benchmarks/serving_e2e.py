@@ -42,7 +42,8 @@ ID_RANGE = (100, 120_000)
 PAIRS = (("ours", "sglang_v4", "sglang-dsv41 V4.1 / SGLang V4-Flash"),
          ("ours_dspark", "ours", "DSpark (synthetic AL) / no speculation"),
          ("tiny", "llama8", "tiny V4.1 / stock-SGLang 8-layer Llama of the same widths (scripts/gpu/tiny_vs_llama.sh)"),
-         ("tiny", "tiny_eager", "tiny V4.1: prefill CUDA graphs / eager prefill"))
+         ("tiny", "tiny_eager", "tiny V4.1: prefill CUDA graphs / eager prefill"),
+         ("tiny_b1k", "llama8", "tiny V4.1 with prefill buckets to 1,024 tokens / the 8-layer Llama"))
 
 
 def model_dirs(out: Path, layers: int) -> dict[str, str]:

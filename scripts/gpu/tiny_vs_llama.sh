@@ -5,7 +5,8 @@
 # tokenizer), driven by the same client (benchmarks/serving_e2e.py client: random ids in [3, 990),
 # IN_LEN in / OUT_LEN out, concurrency 1 / 16 / 64): output tokens/s, TTFT and ITL, and their ratios.
 # Labels, in this order (STEPS): `tiny` (the CUDA defaults: decode graphs, prefill graphs up to 256
-# tokens), `llama8`, `tiny_eager` (the same with --disable-prefill-cuda-graph). Every server gets
+# tokens), `llama8`, `tiny_eager` (the same with --disable-prefill-cuda-graph); on request (STEPS) `tiny_b1k`
+# (prefill buckets up to 1,024 tokens, so a 1K prompt alone is one replay). Every server gets
 # --cuda-graph-max-bs $MAX_BS (64) and --max-running-requests 64, so decode at concurrency 64 is
 # graphed on both sides, and the torch sampler (ours declares it: flashinfer's JIT-compiles for minutes on a
 # fresh machine); the Llama keeps SGLang's own prefill-graph default and runs the Triton attention backend
@@ -35,6 +36,8 @@ for step in $STEPS; do
   b=$(( $(left) - 20 ))
   case $step in
     tiny) argv=(python3 -m sglang.launch_server --model-path /tmp/tiny "${COMMON[@]}") ;;
+    tiny_b1k) argv=(python3 -m sglang.launch_server --model-path /tmp/tiny "${COMMON[@]}"
+                    --cuda-graph-bs-prefill 4 8 16 32 64 128 256 512 1024) ;;
     tiny_eager) argv=(python3 -m sglang.launch_server --model-path /tmp/tiny "${COMMON[@]}" --disable-prefill-cuda-graph) ;;
     llama8) argv=(python3 -m sglang.launch_server --model-path /tmp/llama8 "${COMMON[@]}" --sampling-backend pytorch
                   --attention-backend triton) ;;
