@@ -123,8 +123,10 @@ def differences_outside_padding(a: RuntimeCaches, b: RuntimeCaches, page: int) -
     state is compared for every row, the padding row 0 included."""
     diffs = []
     for name in ("latent_rows", "key_rows"):
-        if not torch.equal(getattr(a, name)[page:], getattr(b, name)[page:]):
-            diffs.append(f"packed compressed {name}")
+        x, y = getattr(a, name)[page:], getattr(b, name)[page:]
+        if not torch.equal(x, y):
+            rows = (torch.nonzero((x != y).reshape(x.shape[0], -1).any(dim=1)).flatten() + page).tolist()
+            diffs.append(f"packed compressed {name} rows {rows[:16]}{' …' if len(rows) > 16 else ''}")
     for layer, (x, y) in enumerate(zip(a.swa, b.swa)):
         if not torch.equal(x[page:], y[page:]):
             diffs.append(f"swa[{layer}]")
