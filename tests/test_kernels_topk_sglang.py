@@ -25,9 +25,10 @@ Tensor = torch.Tensor
 class FakeTopk:
     """SGLang's `dsv4.topk` public functions, computed with torch; records (name, k) calls."""
 
-    def __init__(self, fail: bool = False) -> None:
+    def __init__(self, fail: bool = False, stray: int | None = None) -> None:
         self.calls: list[tuple[str, int]] = []
         self.fail = fail
+        self.stray = stray      # a column written into the last slot of rows of > k columns
         self.planned: list[Tensor] = []
 
     @staticmethod
@@ -41,8 +42,7 @@ class FakeTopk:
         assert out.dtype == torch.int32 and out.shape[0] == n and out.is_contiguous()
         assert page_size >= 1 and page_size & (page_size - 1) == 0
 
-    @staticmethod
-    def _rank(scores, seq_lens, page_tables, out, page_size) -> None:
+    def _rank(self, scores, seq_lens, page_tables, out, page_size) -> None:
         k, bits = out.shape[1], page_size.bit_length() - 1
         out.fill_(-7)                                       # garbage where nothing is written
         for i in range(scores.shape[0]):
@@ -54,6 +54,8 @@ class FakeTopk:
             pages = page_tables[i, (raw >> bits)].to(torch.int64)
             out[i, :raw.numel()] = ((pages << bits) | (raw & (page_size - 1))).to(torch.int32)
             out[i, raw.numel():] = -1
+            if self.stray is not None and n > k:
+                out[i, -1] = self.stray
 
     def topk_transform_512(self, scores, seq_lens, page_tables, out_page_indices, page_size, out_raw_indices=None):
         self.calls.append(("v1", out_page_indices.shape[1]))
@@ -137,6 +139,17 @@ def test_v2_gets_padded_aligned_rows_and_strided_input_works() -> None:
             assert torch.equal(got, K.select_topk(view.contiguous(), k)), (view.stride(), k)
     got = TS.topk_with_module(FakeTopk(), base.t().contiguous().t(), 512)   # v1: made contiguous
     assert torch.equal(got, K.select_topk(base, 512))
+
+
+@pytest.mark.parametrize("stray", [1 << 30, 1400, -5])
+def test_a_stray_column_outside_the_length_becomes_minus_one(stray: int) -> None:
+    """A slot SGLang left unwritten (its bounded candidate buffer overflowed) can hold anything:
+    columns outside [0, seq_len) must not be read or returned."""
+    s = distinct_scores(3, 1500, seed=4, masked=0.0)
+    lens = torch.tensor([1000, 1200, 100])
+    got = TS.topk_with_module(FakeTopk(stray=stray), s, 512, valid_lengths=lens)
+    assert bool((got[:2, -1] == -1).all()) and int((got[:2] >= 0).sum()) == 2 * 511
+    assert bool((got < lens[:, None]).all())
 
 
 def test_identity_pages() -> None:
