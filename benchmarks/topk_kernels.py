@@ -15,8 +15,9 @@ call) and the first call's wall ms (Triton / JIT builds of a new shape class lan
   variant=…)` — SGLang's kernel + our glue (−∞ / length mask, ascending sort, int64);
 * `raw_v1`, `raw_v2`: SGLang's functions alone on prepared int32 buffers (v2: plan + transform).
 
-`jit`: the first call of each SGLang variant in the process (N = 1, E = 4,096: the JIT build when
-the cache is cold) and a second call, wall ms. `agreement` per SGLang variant: the fraction of rows
+`jit`: the first call of each SGLang variant in the process (N = 1, E = 4,096: the nvcc JIT build
+when the cache is cold, else the module's load) and a second call, wall ms; `jit_cache_files_before`:
+the files in TVM_FFI_CACHE_DIR before them (0: a cold build was timed). `agreement` per SGLang variant: the fraction of rows
 whose selection equals ours exactly, and up to ties (the selected scores sorted are equal).
 Writes OUT/topk_kernels.json and OUT/topk_kernels.png. CUDA only.
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -86,11 +88,13 @@ def agreement(scores: torch.Tensor, ours: torch.Tensor, other: torch.Tensor) -> 
                 worst_row_columns_not_in_ours=missing)
 
 
-def wall_ms(fn: Callable[[], object]) -> float:
-    torch.cuda.synchronize()
+def wall_ms(fn: Callable[[], object], device: torch.device | None = None) -> float:
+    """Wall ms of one call of `fn`, the device synchronised before and after (CUDA by default)."""
+    sync = torch.cuda.synchronize if device is None or device.type == "cuda" else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - t0) * 1e3
 
 
@@ -108,6 +112,39 @@ def method_calls(TS, IX, module, scores: torch.Tensor, lens: torch.Tensor) -> di
         "raw_v1": lambda: module.topk_transform_512(scores, lens32, pages, out, page_size),
         "raw_v2": lambda: module.topk_transform_512_v2(s2, lens32, pages, out, page_size, module.plan_topk_v2(lens32)),
     }
+
+
+def run_case(TS, IX, module, case: tuple[str, int, int, bool], dist: str, gen: torch.Generator, cap_s: float,
+             errors: list[str], skipped: list[str], deadline: float) -> dict:
+    """One case's row: per method first call + `measure` (or its error / skip), agreement with ours."""
+    group, n, e, causal = case
+    dev = gen.device
+    lens = lengths(n, e, causal, dev)
+    scores = make_scores(n, e, lens, dist, gen)
+    row: dict = dict(group=group, rows=n, width=e, k=K, causal=causal, mean_length=float(lens.float().mean()),
+                     ours_method=IX.topk_method(dev.type == "cuda") if e <= IX.TS.FUSED_MAX_ENTRIES else "torch")
+    calls = method_calls(TS, IX, module, scores, lens)
+    for name, fn in calls.items():
+        row[name] = attempt(f"{group} N={n} E={e} {name}",
+                            lambda fn=fn: dict(first_ms=wall_ms(fn, dev)) | measure(fn, cap_s, dev),
+                            errors, skipped, deadline)
+    if "median_us" in row["ours"]:
+        ours = calls["ours"]()
+        for v in ("sglang_v1", "sglang_v2"):
+            if "median_us" in row[v]:
+                row[v]["agreement"] = agreement(scores, ours, calls[v]())
+                row[v]["over_ours"] = row[v]["median_us"] / row["ours"]["median_us"]
+    return row
+
+
+def case_line(row: dict) -> str:
+    """One printed line of a case: median µs per method, agreement exact / up to ties per SGLang variant."""
+    return (f"{row['group']} N={row['rows']} E={row['width']}: "
+            + "  ".join(f"{m} {row[m]['median_us']:.1f}us" for m in METHODS if "median_us" in row[m])
+            + "".join(f"  {v} agree {row[v]['agreement']['exact_rows']:.3f}/{row[v]['agreement']['equal_up_to_ties_rows']:.3f}"
+                      for v in ("sglang_v1", "sglang_v2") if "agreement" in row[v])
+            + "".join(f"  {m} {'ERROR' if 'error' in row[m] else 'skipped'}" for m in METHODS
+                      if "median_us" not in row[m]))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -133,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     skipped: list[str] = []
     module = TS.sglang_topk_module()
     probe = torch.randn((1, 4096), device=dev)
+    cache = Path(os.environ.get("TVM_FFI_CACHE_DIR", Path.home() / ".cache" / "tvm-ffi"))
+    cache_files = sum(1 for p in cache.rglob("*") if p.is_file()) if cache.is_dir() else 0
     jit = {}
     for v in ("v1", "v2"):
         jit[v] = attempt(f"jit {v}", lambda v=v: dict(
@@ -142,30 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = []
     for group, n, e, causal in CASES:
-        if group not in args.cases:
-            continue
-        label = f"{group} N={n} E={e}"
-        lens = lengths(n, e, causal, dev)
-        scores = make_scores(n, e, lens, args.dist, gen)
-        row: dict = dict(group=group, rows=n, width=e, k=K, causal=causal, mean_length=float(lens.float().mean()),
-                         ours_method=IX.topk_method(True) if e <= IX.TS.FUSED_MAX_ENTRIES else "torch")
-        calls = method_calls(TS, IX, module, scores, lens)
-        for name, fn in calls.items():
-            row[name] = attempt(f"{label} {name}", lambda fn=fn: dict(first_ms=wall_ms(fn)) | measure(fn, args.cap_s, dev),
-                                errors, skipped, deadline)
-        if "median_us" in row["ours"]:
-            ours = calls["ours"]()
-            for v in ("sglang_v1", "sglang_v2"):
-                if "median_us" in row[v]:
-                    row[v]["agreement"] = agreement(scores, ours, calls[v]())
-                    row[v]["over_ours"] = row[v]["median_us"] / row["ours"]["median_us"]
-        rows.append(row)
-        print(f"{label}: " + "  ".join(f"{m} {row[m]['median_us']:.1f}us" for m in METHODS if "median_us" in row[m])
-              + "".join(f"  {v} agree {row[v]['agreement']['exact_rows']:.3f}/{row[v]['agreement']['equal_up_to_ties_rows']:.3f}"
-                        for v in ("sglang_v1", "sglang_v2") if "agreement" in row[v]), flush=True)
-        del scores
+        if group in args.cases:
+            rows.append(run_case(TS, IX, module, (group, n, e, causal), args.dist, gen, args.cap_s, errors, skipped,
+                                 deadline))
+            print(case_line(rows[-1]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    doc = dict(device=torch.cuda.get_device_name(), k=K, dist=args.dist, ratio=RATIO, jit=jit, rows=rows,
+    doc = dict(device=torch.cuda.get_device_name(), k=K, dist=args.dist, ratio=RATIO, jit=jit,
+               jit_cache=str(cache), jit_cache_files_before=cache_files, rows=rows,
                errors=errors, skipped=skipped, when=time.strftime("%F %T"),
                timing="step_timing.measure median, 256 MB L2 flush per call; first_ms = the case's first call, wall")
     (args.out / "topk_kernels.json").write_text(json.dumps(doc, indent=1))

@@ -78,3 +78,27 @@ def test_arguments_and_cuda_refusal(monkeypatch: pytest.MonkeyPatch, tmp_path) -
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs CUDA"):
         bench.main(["--out", str(tmp_path)])
+
+
+def test_a_case_row_on_the_cpu_with_the_fake(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run_case` end to end on CPU tensors: the SGLang wrappers on the fake module (ties → the fake's
+    torch.topk picks may differ from ours, so BF16 scores agree up to ties), every method timed."""
+    from sglang_dsv41.kernels import indexer as IX
+    from sglang_dsv41.kernels import topk_sglang as TS
+
+    fake = FakeTopk()
+    monkeypatch.setattr(TS, "select_topk_sglang", lambda s, k, *, variant=None, valid_lengths=None, check_nan=True:
+                        TS.topk_with_module(fake, s, k, valid_lengths=valid_lengths, variant=variant))
+    errors, skipped = [], []
+    gen = torch.Generator().manual_seed(0)
+    row = bench.run_case(TS, IX, fake, ("hit", 32, 2000, True), "bf16", gen, 0.01, errors, skipped, 1e18)
+    assert errors == [] and skipped == []
+    assert (row["rows"], row["width"], row["causal"], row["ours_method"]) == (32, 2000, True, "torch")
+    assert all(row[m]["median_us"] > 0 and row[m]["first_ms"] > 0 for m in bench.METHODS)
+    for v in ("sglang_v1", "sglang_v2"):
+        assert row[v]["agreement"]["equal_up_to_ties_rows"] == 1.0 and row[v]["over_ours"] > 0
+    line = bench.case_line(row)
+    assert line.startswith("hit N=32 E=2000: ours ") and "sglang_v2 agree " in line
+    late = bench.run_case(TS, IX, fake, ("decode", 1, 100, False), "fp32", gen, 0.01, errors, skipped, 0.0)
+    assert all(set(late[m]) == {"skipped"} for m in bench.METHODS) and len(skipped) == 5
+    assert "agreement" not in late["sglang_v1"] and bench.case_line(late).endswith("raw_v2 skipped")

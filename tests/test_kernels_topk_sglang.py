@@ -156,9 +156,13 @@ def _sets(idx: Tensor) -> list[set[int]]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,e,k,variant", [(1, 8192, 512, None), (8, 65536, 512, None), (64, 4096, 1024, None),
-                                           (64, 32768, 512, "v2"), (32, 16384, 2048, None), (16, 3001, 100, None),
-                                           (300, 20000, 512, "v2")])
+@pytest.mark.parametrize("n,e,k,variant", [
+    (1, 8192, 512, "v1"), (1, 8192, 512, "v2"),            # decode, register path
+    (8, 65536, 512, "v1"), (8, 65536, 512, "v2"),          # v2: the small-batch cluster kernel (L > 32K)
+    (64, 4096, 1024, None), (32, 16384, 2048, None),       # v1 k 1024; v2 at its largest k
+    (16, 3001, 100, None),                                 # v2, a row stride not a multiple of 4 (copied)
+    (300, 20000, 512, "v2"),                               # v2 streaming (L > 16K, N > 15)
+    (300, 70000, 512, "v2")])                              # v2 persistent clusters + main kernel (L > 64K)
 def test_gpu_matches_torch_topk_sets(n: int, e: int, k: int, variant: str | None) -> None:
     g = torch.Generator(device="cuda").manual_seed(n + e + k)
     s = torch.randn(n, e, generator=g, device="cuda")
@@ -168,16 +172,22 @@ def test_gpu_matches_torch_topk_sets(n: int, e: int, k: int, variant: str | None
     cols = torch.arange(e, device="cuda")[None, :]
     allowed = cols < lens[:, None]
     masked = s.masked_fill(~allowed, -INF)
+    n_valid = torch.minimum(allowed.sum(1), torch.tensor(k, device="cuda"))
+    want = torch.topk(masked, min(k, e), dim=1).indices.masked_fill(
+        torch.arange(min(k, e), device="cuda")[None, :] >= n_valid[:, None], -1)
+    ours = K.select_topk(masked, k)
+    tie_free = _tie_free_rows(s, allowed, k).cpu()
+    assert float(tie_free.float().mean()) > 0.9
     for kwargs in (dict(valid_lengths=lens), {}):         # the hint, and −∞ alone
         got = TS.select_topk_sglang(masked, k, variant=variant, **kwargs)
         assert got.shape == (n, k) and got.dtype == torch.int64
-        n_valid = torch.minimum(allowed.sum(1), torch.tensor(k, device="cuda"))
         assert torch.equal((got >= 0).sum(1), n_valid)
-        assert bool((got[:, :-1] < got[:, 1:]).where(got[:, 1:] >= 0, True).all())    # ascending, −1 last
-        want = torch.topk(masked, min(k, e), dim=1).indices.masked_fill(
-            torch.arange(min(k, e), device="cuda")[None, :] >= n_valid[:, None], -1)
-        ours = K.select_topk(masked, k)
-        tie_free = _tie_free_rows(s, allowed, k).cpu()
+        assert bool(((got[:, 1:] >= 0) <= (got[:, :-1] >= 0)).all())                  # −1 only at the end
+        assert bool((got[:, :-1] < got[:, 1:]).where(got[:, 1:] >= 0, True).all())    # ascending
         for i, (a, b, c) in enumerate(zip(_sets(got), _sets(want), _sets(ours))):
             if tie_free[i]:
                 assert a == b == c, (i, int(lens[i]), len(a ^ b))
+    bad = masked.clone()
+    bad[0, 0] = math.nan
+    with pytest.raises(ValueError, match="NaN"):
+        TS.select_topk_sglang(bad, k, variant=variant)
