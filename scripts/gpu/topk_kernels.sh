@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # H200 (one GPU), one device call (issue 21, branch topk): the indexer top-k through SGLang 0.5.17's JIT
 # radix top-k (`kernels.topk_sglang`, not wired into serving) against ours (`select_topk`, fused Triton).
-#   1. tests: `pytest -m gpu tests/test_kernels_topk_sglang.py` (cap TEST_CAP s, default 150; the first
-#      calls nvcc-build SGLang's v1 modules for k 512 / 1024 and the v2 module into TVM_FFI_CACHE_DIR) —
+#   0. jit: SGLang's three modules (v1 for k 512 and 1024, v2) nvcc-built into TVM_FFI_CACHE_DIR at once,
+#      one process each (cap JIT_CAP s, default 150), each one's first call (the build) in the summary;
+#   1. tests: `pytest -m gpu tests/test_kernels_topk_sglang.py` (cap TEST_CAP s, default 150) —
 #      the wrapper's selections equal torch.topk's and ours as sets on every row where no tie straddles
 #      the k-th score, rows with fewer valid columns than k included, ascending, −1 padded;
 #   2. bench: benchmarks/topk_kernels.py with what is left — decode (1 / 8 / 64 rows × 8K / 32K / 64K),
@@ -17,13 +18,25 @@
 set -uo pipefail
 # shellcheck source=scripts/gpu/lib.sh
 source "$(dirname "$0")/lib.sh"
-: "${BUDGET:=290}" "${TEST_CAP:=150}" "${BENCH_ARGS:=}"
+: "${BUDGET:=290}" "${JIT_CAP:=150}" "${TEST_CAP:=150}" "${BENCH_ARGS:=}"
 gpu_setup
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export PATH=$CUDA_HOME/bin:$PATH TVM_FFI_CACHE_DIR=${TVM_FFI_CACHE_DIR:-/tmp/cache/tvm-ffi}
 unset SGLANG_DSV41_INDEXER_TOPK
 SUMMARY=$OUT/summary.txt
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader 2>&1 | sed 's/^/gpu: /' | tee "$SUMMARY"
+
+jit_cap=$(cap "$JIT_CAP"); jd=$(mktemp -d)
+for k in 512 1024 100; do
+  timeout -k 5 "$jit_cap" python3 -c "import time, torch
+from sglang_dsv41.kernels.topk_sglang import choose_variant, select_topk_sglang, sglang_topk_module
+sglang_topk_module(); x = torch.randn(1, 4096, device='cuda'); torch.cuda.synchronize(); t = time.perf_counter()
+select_topk_sglang(x, $k); torch.cuda.synchronize()
+print(f'jit {choose_variant($k)} k=$k: first call {time.perf_counter() - t:.1f} s (the build when cold)')" >"$jd/$k.log" 2>&1 &
+done
+wait
+for k in 512 1024 100; do tail -2 "$jd/$k.log"; done | tee -a "$SUMMARY"
+result jit
 
 timeout -s INT -k 5 "$(cap "$TEST_CAP")" python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
   --durations=10 --junitxml "$OUT/gpu_tests.xml" tests/test_kernels_topk_sglang.py >"$OUT/topk_tests.log" 2>&1
