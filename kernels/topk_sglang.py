@@ -21,11 +21,10 @@ Glue invariants:
 * no host sync unless `check_nan` (one, like `select_topk`).
 
 Equality: set-equal to `select_topk` except for ties. Ours takes the lower column among scores
-equal to the k-th; SGLang's v1 takes any of them (atomic order); v2 the lower column when at most
-2,048 scores fall in the coarse (fp16-key) bin of the k-th, else any. −0 ranks below +0 in SGLang
-(ours: equal). SGLang's kernels keep a bounded candidate buffer for the k-th score's coarse bin
-(v1: 8,192 columns, v2: 2,048); with more, the set may differ beyond ties — the GPU benchmark
-(benchmarks/topk_kernels.py) counts rows equal up to ties.
+equal to the k-th; SGLang's kernels promise no tie order (v1: atomic order; v2 prefers the lower
+column on some of its paths only). −0 ranks below +0 in SGLang (ours: equal). SGLang keeps a
+bounded candidate buffer for the k-th score's coarse (fp16-key) bin (v1: 8,192 columns, v2: 2,048):
+with more, the set may differ beyond ties (benchmarks/topk_kernels.py counts rows equal up to ties).
 
 No fallback: a request it cannot serve raises `SglangTopkUnavailable` (non-CUDA tensors, k > 2048,
 SGLang's module missing, a failed JIT build or launch).
