@@ -533,3 +533,26 @@ def test_mhc_mix_fit_from_a_sweep() -> None:
     assert mm.fit(rows([(2, 1, 2), (8192, 2, 1)]), 0)["fit_dot_min_tokens"] is None
     assert mm.fit(rows([(1, 1, 2), (2, 1, 2), (64, 1, 2)]), 0)["fit_dot_min_tokens"] == 2
     assert set(mm.TOKENS) == {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 8192}
+
+
+def test_topk_kernels_runs_the_gpu_tests_then_the_benchmark(sandbox: dict[str, str], tmp_path: Path) -> None:
+    """topk_kernels.sh on the stubs: a complete test run and the benchmark → rc 0; a killed test run
+    → rc ≠ 0 though the benchmark still runs; the call fits one device command (BUDGET ≤ 300 s)."""
+    (tmp_path / "scripts").symlink_to(ROOT / "scripts")
+    sandbox.update(STUB_REAL_PYTHON=sys.executable,
+                   STUB_JUNIT=str(_junit(tmp_path / "good.xml", 7, collected=7)))
+    r = _run_script("topk_kernels.sh", sandbox)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"^RESULT tests rc=0 pass at \d+ s$", r.stdout, re.M), r.stdout
+    assert re.search(r"^RESULT bench rc=0 at \d+ s$", r.stdout, re.M), r.stdout
+    tests = [c for c in calls(sandbox) if "-m pytest" in c]
+    bench = [c for c in calls(sandbox) if "benchmarks/topk_kernels.py" in c]
+    assert len(tests) == 1 and "-m gpu " in tests[0] and tests[0].endswith(" tests/test_kernels_topk_sglang.py")
+    assert len(bench) == 1 and f"--out {sandbox['OUT']} --budget-s " in bench[0]
+    assert calls(sandbox).index(tests[0]) < calls(sandbox).index(bench[0])
+    sandbox.update(STUB_PYTEST_RC="137", STUB_JUNIT=str(_junit(tmp_path / "killed.xml", 6, unnamed=1, collected=7)))
+    r = _run_script("topk_kernels.sh", sandbox)
+    assert r.returncode != 0 and re.search(r"^RESULT tests rc=137 FAIL", r.stdout, re.M), r.stdout
+    assert len([c for c in calls(sandbox) if "benchmarks/topk_kernels.py" in c]) == 2
+    text = (GPU / "topk_kernels.sh").read_text()
+    assert int(re.search(r'BUDGET:=(\d+)', text).group(1)) <= 300
