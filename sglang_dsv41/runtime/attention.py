@@ -149,7 +149,7 @@ def _write_compressed(be: ComputeBackend, cfg: TextConfig, role: LayerRole, w: M
     # pending first tokens: requests whose last batch token sits at an even position; padding
     # requests (last token not live, or no tokens) write their rows' own values back (no change)
     last = layout.last_tokens
-    live_req = layout.live_requests
+    live_req = live[last] & (layout.extend_lens > 0)                # `BatchLayout.live_requests`, from `live`
     pending = ((pos[last] % 2) == 0) & live_req
     caches.store_pending_pairs(src, layout.req_rows, pos[last], pending, live_req, a[last], s[last])
 
