@@ -31,11 +31,15 @@ SGLang's module missing, a failed JIT build or launch).
 """
 from __future__ import annotations
 
+import importlib
+
 import torch
 from torch import Tensor
 
 V1_KS = (512, 1024)
 MAX_K = 2048
+#: SGLang 0.5.17's DeepSeek-V4 top-k module (imported through sys.modules, so a test can block it)
+SGLANG_TOPK_MODULE = "sglang.kernels.ops.attention.dsv4.topk"
 VARIANTS = ("v1", "v2")
 
 
@@ -46,7 +50,7 @@ class SglangTopkUnavailable(RuntimeError):
 def sglang_topk_module():
     """`sglang.kernels.ops.attention.dsv4.topk`, or SglangTopkUnavailable."""
     try:
-        from sglang.kernels.ops.attention.dsv4 import topk as module
+        module = importlib.import_module(SGLANG_TOPK_MODULE)
     except Exception as exc:          # ImportError and whatever the JIT utilities raise on import
         raise SglangTopkUnavailable(f"SGLang's DeepSeek-V4 top-k module is not importable: {exc!r}") from exc
     return module
