@@ -13,6 +13,8 @@ The served path (`python -m sglang.launch_server --load-format dummy`) is checke
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -119,3 +121,23 @@ def test_config_only_directory(tmp_path) -> None:
     assert DeepseekV41Config.from_file(tmp_path).text.num_hidden_layers == 8
     assert cli(["--preset", "tiny", "--config-only", "--out", str(tmp_path)]) == 1          # no silent overwrite
     assert cli(["--preset", "tiny", "--config-only", "--layers", "4", "--out", str(tmp_path), "--overwrite"]) == 1
+
+
+def test_dummy_seed_is_the_same_in_every_launch(monkeypatch) -> None:
+    """Two servers (a restart reading L3 KV, PD prefill and decode) must draw the same weights:
+    SGLang's `--random-seed`, random per launch when unset, must not move the dummy seed."""
+    from sglang.srt import server_args as sa
+
+    from sglang_dsv41.runtime import dummy_weights as dw
+
+    monkeypatch.delenv(dw.DUMMY_SEED_ENV, raising=False)
+    seen = set()
+    for launch_seed in (12345, 987654):
+        monkeypatch.setattr(sa, "get_global_server_args", lambda s=launch_seed: SimpleNamespace(random_seed=s))
+        seen.add(dw.dummy_seed())
+    assert seen == {dw.DUMMY_SEED}
+    monkeypatch.setenv(dw.DUMMY_SEED_ENV, " 7 ")
+    assert dw.dummy_seed() == 7
+    monkeypatch.setenv(dw.DUMMY_SEED_ENV, "seven")
+    with pytest.raises(ValueError, match="SGLANG_DSV41_DUMMY_SEED"):
+        dw.dummy_seed()

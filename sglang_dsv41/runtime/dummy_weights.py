@@ -18,10 +18,13 @@ of the DSpark draft (`runtime/dspark_model.py`) stream `dummy_stored_tensors` th
 * so every check and conversion of a real load (inventory, dtype, shape, TP slicing, MXFP4 kernel
   layout, Engram placement) runs unchanged.
 
-Seed: `DUMMY_SEED` (0) unless SGLang's `--random-seed` is set; per tensor `synth.tensor_seed`.
+Seed: `DUMMY_SEED` (0), or `SGLANG_DSV41_DUMMY_SEED`; per tensor `synth.tensor_seed`. Not SGLang's
+`--random-seed`: SGLang draws that at random per launch when unset, and two servers that must hold
+the same weights (a restart reading L3 KV, PD prefill and decode) would then differ.
 """
 from __future__ import annotations
 
+import os
 from typing import Iterable, Iterator
 
 import torch
@@ -33,6 +36,7 @@ from ..checkpoint.synth import stored_tensors
 from ..config import DeepseekV41Config
 
 DUMMY_SEED = 0
+DUMMY_SEED_ENV = "SGLANG_DSV41_DUMMY_SEED"
 
 
 def dummy_load_requested(*, draft: bool = False) -> bool:
@@ -46,11 +50,15 @@ def dummy_load_requested(*, draft: bool = False) -> bool:
 
 
 def dummy_seed() -> int:
-    """SGLang's `--random-seed` when set, else `DUMMY_SEED`."""
-    from sglang.srt.server_args import get_global_server_args
-
-    seed = getattr(get_global_server_args(), "random_seed", None)
-    return DUMMY_SEED if seed is None else int(seed)
+    """`SGLANG_DSV41_DUMMY_SEED` when set (an integer, else ValueError), else `DUMMY_SEED`: the same
+    in every server and every launch (module doc)."""
+    raw = os.environ.get(DUMMY_SEED_ENV, "").strip()
+    if not raw:
+        return DUMMY_SEED
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{DUMMY_SEED_ENV}={raw!r}: expected an integer") from None
 
 
 def dummy_stored_tensors(cfg: DeepseekV41Config, device: torch.device | str, *, seed: int = DUMMY_SEED,
