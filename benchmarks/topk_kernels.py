@@ -10,7 +10,10 @@ Scores: BF16-valued normal (`--dist bf16`, as the indexer's: exact ties occur) o
 Per case and method, median µs (`step_timing.measure`: CUDA events, a 256 MB L2 flush before each
 call) and the first call's wall ms (Triton / JIT builds of a new shape class land there):
 
-* `ours`: `select_topk(scores, k, check_nan=False)` (no lengths: it reads the −∞);
+* `ours`: `select_topk(scores, k, check_nan=False)` (no lengths: it reads the −∞), the fused kernel
+  with the threshold search of SGLANG_DSV41_TOPK_SEARCH (default `topk_select.DEFAULT_SEARCH`);
+* `ours_radix`: the fused kernel with the radix search (`select_topk_fused(..., radix=True)`), which
+  must equal `ours` exactly (its `agreement`);
 * `sglang_v1`, `sglang_v2`: `select_topk_sglang(..., valid_lengths=lengths, check_nan=False,
   variant=…)` — SGLang's kernel + our glue (−∞ / length mask, ascending sort, int64);
 * `raw_v1`, `raw_v2`: SGLang's functions alone on prepared int32 buffers (v2: plan + transform).
@@ -48,7 +51,9 @@ RATIO = 4
 CASES = ([("decode", n, e, False) for n in (1, 8, 64) for e in (8192, 32768, 65536)]
          + [("hit", 32, e, True) for e in (16384, 32768)]
          + [("prefill", 8192, e, True) for e in (4096, 8192, 16384)])
-METHODS = ("ours", "sglang_v1", "sglang_v2", "raw_v1", "raw_v2")
+METHODS = ("ours", "ours_radix", "sglang_v1", "sglang_v2", "raw_v1", "raw_v2")
+#: methods whose selection is compared with ours (agreement, over_ours)
+COMPARED = ("ours_radix", "sglang_v1", "sglang_v2")
 
 
 def lengths(rows: int, width: int, causal: bool, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -107,6 +112,7 @@ def method_calls(TS, IX, module, scores: torch.Tensor, lens: torch.Tensor) -> di
     s2 = TS.v2_scores(scores)
     return {
         "ours": lambda: IX.select_topk(scores, K, check_nan=False),
+        "ours_radix": lambda: IX.TS.select_topk_fused(scores, K, radix=True),
         "sglang_v1": lambda: TS.select_topk_sglang(scores, K, valid_lengths=lens, check_nan=False, variant="v1"),
         "sglang_v2": lambda: TS.select_topk_sglang(scores, K, valid_lengths=lens, check_nan=False, variant="v2"),
         "raw_v1": lambda: module.topk_transform_512(scores, lens32, pages, out, page_size),
@@ -130,7 +136,7 @@ def run_case(TS, IX, module, case: tuple[str, int, int, bool], dist: str, gen: t
                             errors, skipped, deadline)
     if "median_us" in row["ours"]:
         ours = calls["ours"]()
-        for v in ("sglang_v1", "sglang_v2"):
+        for v in COMPARED:
             if "median_us" in row[v]:
                 row[v]["agreement"] = agreement(scores, ours, calls[v]())
                 row[v]["over_ours"] = row[v]["median_us"] / row["ours"]["median_us"]
@@ -142,7 +148,7 @@ def case_line(row: dict) -> str:
     return (f"{row['group']} N={row['rows']} E={row['width']}: "
             + "  ".join(f"{m} {row[m]['median_us']:.1f}us" for m in METHODS if "median_us" in row[m])
             + "".join(f"  {v} agree {row[v]['agreement']['exact_rows']:.3f}/{row[v]['agreement']['equal_up_to_ties_rows']:.3f}"
-                      for v in ("sglang_v1", "sglang_v2") if "agreement" in row[v])
+                      for v in COMPARED if "agreement" in row[v])
             + "".join(f"  {m} {'ERROR' if 'error' in row[m] else 'skipped'}" for m in METHODS
                       if "median_us" not in row[m]))
 

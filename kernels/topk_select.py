@@ -21,9 +21,18 @@ after the first); one write of k int64 — at decode (N = 1, E = 4096) against t
 ~10 launches with int64 temporaries of 28 B per entry. Rows are independent programs, so a prefill chunk of N rows is N programs;
 for very wide rows (E ≫ 64 K) at small N the 33 passes of one program are slow, hence
 `FUSED_MAX_ENTRIES`: the dispatcher (`kernels.indexer.select_topk`) uses this kernel only up to it.
+
+Radix (`_topk_rows_radix_kernel`, `SGLANG_DSV41_TOPK_SEARCH=radix`): the same T found one 8-bit
+digit at a time, most significant first: a 256-bin histogram of the digit over the allowed keys
+whose higher digits equal T's so far; the digit is the largest d with #(digit ≥ d) ≥ need, and
+need drops by #(digit > d). Four histogram passes replace the 34 counting passes; the first also
+gives take, the last leaves need = the number of keys equal to T to take. The write pass is the
+same, so the result is the same bit for bit.
 No host sync. Triton's interpreter runs it on CPU tensors (tests).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -43,6 +52,17 @@ RESIDENT_BLOCKS = tuple(1 << b for b in range(RESIDENT_MIN_BLOCK.bit_length() - 
                                               RESIDENT_MAX_ENTRIES.bit_length()))
 #: Widest row the dispatcher sends here (wider rows: the torch path).
 FUSED_MAX_ENTRIES = 1 << 16
+#: How the kernel finds the take-th largest key: "bisect" (34 counting passes) or "radix" (four
+#: digit histograms); the default is the one measured faster (docs/performance.md).
+SEARCH_ENV, SEARCHES, DEFAULT_SEARCH = "SGLANG_DSV41_TOPK_SEARCH", ("bisect", "radix"), "bisect"
+
+
+def radix_search() -> bool:
+    """True when SGLANG_DSV41_TOPK_SEARCH (default DEFAULT_SEARCH) names "radix"; an unknown value raises."""
+    chosen = os.environ.get(SEARCH_ENV, "").strip().lower() or DEFAULT_SEARCH
+    if chosen not in SEARCHES:
+        raise ValueError(f"{SEARCH_ENV}={chosen!r}: expected one of {SEARCHES}")
+    return chosen == "radix"
 
 
 @triton.jit
@@ -103,7 +123,70 @@ def _topk_rows_kernel(s_ptr, out_ptr, E, K, stride_s, stride_o, BLOCK: tl.conste
         tl.store(obase + p, tl.full([BLOCK], -1, tl.int64), mask=(p >= take) & (p < K))
 
 
-def select_topk_fused(scores: Tensor, k: int) -> Tensor:
+@triton.jit
+def _digit_histogram(base, E, prefix, shift, s_res, offs, BLOCK: tl.constexpr, RESIDENT: tl.constexpr):
+    """[256] int32: histogram of key digit (u >> shift) & 255 over the allowed columns whose key
+    bits above the digit equal `prefix`'s."""
+    if RESIDENT:
+        u = _ukey(s_res)
+        match = (s_res > float("-inf")) & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
+        hist = tl.histogram(((u >> shift) & 255).to(tl.int32), 256, mask=match)
+    else:
+        hist = tl.zeros([256], tl.int32)
+        for c in range(0, E, BLOCK):
+            s = tl.load(base + c + offs, mask=c + offs < E, other=float("-inf"))
+            u = _ukey(s)
+            match = (s > float("-inf")) & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
+            hist += tl.histogram(((u >> shift) & 255).to(tl.int32), 256, mask=match)
+    return hist
+
+
+@triton.jit
+def _topk_rows_radix_kernel(s_ptr, out_ptr, E, K, stride_s, stride_o, BLOCK: tl.constexpr,
+                            RESIDENT: tl.constexpr):
+    """`_topk_rows_kernel`'s result from four 8-bit digit histograms instead of 34 counting passes
+    (module doc "Radix")."""
+    row = tl.program_id(0).to(tl.int64)
+    base = s_ptr + row * stride_s
+    offs = tl.arange(0, BLOCK)
+    s_res = tl.load(base + offs, mask=offs < E, other=float("-inf")) if RESIDENT else tl.zeros([BLOCK], tl.float32)
+    bins = tl.arange(0, 256)
+    thr = tl.full([], 0, tl.int64)                       # the take-th largest key, a digit at a time
+    take = tl.full([], 0, tl.int64)
+    need = tl.full([], 0, tl.int64)                      # its rank among the keys matching thr so far
+    for i in range(4):
+        shift = 24 - 8 * i
+        hist = _digit_histogram(base, E, thr, shift, s_res, offs, BLOCK, RESIDENT).to(tl.int64)
+        if i == 0:
+            take = tl.minimum(tl.sum(hist, axis=0), K)
+            need = take
+        at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist     # keys with digit ≥ b
+        digit = tl.sum((at_least >= need).to(tl.int64), axis=0) - 1
+        above = tl.sum(tl.where(bins == digit, at_least - hist, 0), axis=0)  # keys with digit > it
+        need = need - above
+        thr = thr | (tl.maximum(digit, 0) << shift)
+    need_eq = tl.where(take > 0, need, 0)
+    seen_eq = tl.full([], 0, tl.int64)
+    written = tl.full([], 0, tl.int64)
+    obase = out_ptr + row * stride_o
+    for c in range(0, E, BLOCK):
+        cols = c + offs
+        s = tl.load(base + cols, mask=cols < E, other=float("-inf"))
+        ok = s > float("-inf")
+        u = _ukey(s)
+        eq = (ok & (u == thr)).to(tl.int64)
+        eq_rank = seen_eq + tl.cumsum(eq, axis=0)
+        chosen = (ok & (u > thr)) | ((eq > 0) & (eq_rank <= need_eq))
+        pos = written + tl.cumsum(chosen.to(tl.int64), axis=0) - 1
+        tl.store(obase + pos, cols.to(tl.int64), mask=chosen)
+        seen_eq += tl.sum(eq, axis=0)
+        written += tl.sum(chosen.to(tl.int64), axis=0)
+    for c in range(0, K, BLOCK):
+        p = c + offs
+        tl.store(obase + p, tl.full([BLOCK], -1, tl.int64), mask=(p >= take) & (p < K))
+
+
+def select_topk_fused(scores: Tensor, k: int, *, radix: bool | None = None) -> Tensor:
     """[N, k] int64, `kernels.indexer.select_topk(scores, k, check_nan=False)` bit for bit (module
     doc); scores fp32 [N, E] (CUDA, or CPU under TRITON_INTERPRET=1)."""
     if scores.dim() != 2 or scores.dtype != torch.float32:
@@ -118,8 +201,8 @@ def select_topk_fused(scores: Tensor, k: int) -> Tensor:
         return out.fill_(-1)
     s = scores if scores.stride(1) == 1 else scores.contiguous()
     block, resident, warps = launch_blocks(E)
-    _topk_rows_kernel[(N,)](s, out, E, k, s.stride(0), out.stride(0), BLOCK=block, RESIDENT=resident,
-                            num_warps=warps)
+    kernel = _topk_rows_radix_kernel if (radix_search() if radix is None else radix) else _topk_rows_kernel
+    kernel[(N,)](s, out, E, k, s.stride(0), out.stride(0), BLOCK=block, RESIDENT=resident, num_warps=warps)
     return out
 
 

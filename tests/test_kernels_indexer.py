@@ -143,10 +143,12 @@ if KERNEL_HERE:
         q, w, keys, slots, token_req, n_visible = case                  # int32 index tensors
         assert torch.equal(K.index_scores(q, w, keys, slots.int(), token_req.int(), n_visible.int()), base)
 
-    def test_kernel_case_fused_topk_equals_torch_path(monkeypatch) -> None:
-        """`kernels.topk_select` (SGLANG_DSV41_INDEXER_TOPK=fused) == the torch ranking bit for bit:
-        exact ties, ±0, ±∞, k above the allowed count, empty rows; rows held in registers and
-        (resident limit lowered) rows read in chunks."""
+    @pytest.mark.parametrize("search", ["bisect", "radix"])
+    def test_kernel_case_fused_topk_equals_torch_path(monkeypatch, search: str) -> None:
+        """`kernels.topk_select` (SGLANG_DSV41_INDEXER_TOPK=fused), with either threshold search
+        (SGLANG_DSV41_TOPK_SEARCH), == the torch ranking bit for bit: exact ties, ±0, ±∞, k above
+        the allowed count, empty rows; rows held in registers and (resident limit lowered) rows
+        read in chunks."""
         from sglang_dsv41.kernels import topk_select as TS
         g = torch.Generator().manual_seed(5)
         values = torch.tensor([-1.5, -0.0, 0.0, 0.25, 0.25, 1.0, 3.0, INF, -INF])
@@ -155,12 +157,14 @@ if KERNEL_HERE:
             if chunked:
                 monkeypatch.setattr(TS, "RESIDENT_MAX_ENTRIES", 128)
                 monkeypatch.setattr(TS, "BLOCK_E", 256)
+            monkeypatch.setenv(TS.SEARCH_ENV, search)
             s = values[torch.randint(0, 9, (N, E), generator=g)] if tied else torch.randn(N, E, generator=g)
             s = s.to(DEVICE)
             want = K.select_topk(s, k, method="torch")
             assert torch.equal(K.select_topk(s, k, method="fused"), want), (N, E, k, chunked)
             monkeypatch.undo()
         s[:, :] = -INF
+        monkeypatch.setenv(TS.SEARCH_ENV, search)
         assert torch.equal(K.select_topk(s, 3, method="fused"), torch.full((2, 3), -1, device=DEVICE))
 
     def test_kernel_case_input_checks() -> None:
@@ -398,9 +402,14 @@ def test_no_kernel_build_per_request_length() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,E", [(1, 4096), (8, 65536), (64, 4096)])
-def test_gpu_fused_topk_equals_torch_path_at_flash_widths(N: int, E: int) -> None:
+@pytest.mark.parametrize("search", ["bisect", "radix"])
+def test_gpu_fused_topk_equals_torch_path_at_flash_widths(N: int, E: int, search: str, monkeypatch) -> None:
     """The fused ranking at decode widths (context 8K / 128K at ratio 2), top-512 and the candidate
-    blocks' top-k: the torch path's result bit for bit, on BF16-valued scores (many exact ties)."""
+    blocks' top-k, with either threshold search: the torch path's result bit for bit, on
+    BF16-valued scores (many exact ties)."""
+    from sglang_dsv41.kernels import topk_select as TS
+
+    monkeypatch.setenv(TS.SEARCH_ENV, search)
     g = torch.Generator(device="cuda").manual_seed(N + E)
     s = ops.bf16(torch.randn(N, E, generator=g, device="cuda"))
     s[:, E // 2:] = -INF                                            # invisible half
@@ -589,3 +598,19 @@ def test_gpu_flash_packed_keys_bit_identical_to_bf16_keys(N: int, source: int) -
         packed = K.index_scores(q, w, src, entries, token_req, n_visible, head_sum_exact=head_sum_exact)
         plain = K.index_scores(q, w, cache, entries, token_req, n_visible, head_sum_exact=head_sum_exact)
         assert torch.equal(packed.view(torch.int32), plain.view(torch.int32))
+
+
+def test_topk_search_from_the_environment(monkeypatch) -> None:
+    """SGLANG_DSV41_TOPK_SEARCH picks the fused kernel's threshold search; unset: DEFAULT_SEARCH;
+    an unknown value raises."""
+    from sglang_dsv41.kernels import topk_select as TS
+
+    monkeypatch.delenv(TS.SEARCH_ENV, raising=False)
+    assert TS.radix_search() == (TS.DEFAULT_SEARCH == "radix")
+    monkeypatch.setenv(TS.SEARCH_ENV, " Radix ")
+    assert TS.radix_search()
+    monkeypatch.setenv(TS.SEARCH_ENV, "bisect")
+    assert not TS.radix_search()
+    monkeypatch.setenv(TS.SEARCH_ENV, "heap")
+    with pytest.raises(ValueError, match="SGLANG_DSV41_TOPK_SEARCH='heap'"):
+        TS.radix_search()
