@@ -54,7 +54,7 @@ RESIDENT_BLOCKS = tuple(1 << b for b in range(RESIDENT_MIN_BLOCK.bit_length() - 
 FUSED_MAX_ENTRIES = 1 << 16
 #: How the kernel finds the take-th largest key: "bisect" (34 counting passes) or "radix" (four
 #: digit histograms); the default is the one measured faster (docs/performance.md).
-SEARCH_ENV, SEARCHES, DEFAULT_SEARCH = "SGLANG_DSV41_TOPK_SEARCH", ("bisect", "radix"), "bisect"
+SEARCH_ENV, SEARCHES, DEFAULT_SEARCH = "SGLANG_DSV41_TOPK_SEARCH", ("bisect", "radix"), "radix"
 
 
 def radix_search() -> bool:
