@@ -89,23 +89,11 @@ def _count_at_least(base, E, cand, s_res, offs, BLOCK: tl.constexpr, RESIDENT: t
 
 
 @triton.jit
-def _topk_rows_kernel(s_ptr, out_ptr, E, K, stride_s, stride_o, BLOCK: tl.constexpr, RESIDENT: tl.constexpr):
-    """One row per program (module doc). RESIDENT (E ≤ BLOCK): the row is loaded once and every
-    counting pass runs on registers."""
-    row = tl.program_id(0).to(tl.int64)
-    base = s_ptr + row * stride_s
-    offs = tl.arange(0, BLOCK)
-    s_res = tl.load(base + offs, mask=offs < E, other=float("-inf")) if RESIDENT else tl.zeros([BLOCK], tl.float32)
-    zero = tl.full([], 0, tl.int64)
-    take = tl.minimum(_count_at_least(base, E, zero, s_res, offs, BLOCK, RESIDENT), K)
-    thr = zero                                           # the take-th largest key, built bit by bit
-    for i in range(32):
-        cand = thr | (tl.full([], 1, tl.int64) << (31 - i))
-        thr = tl.where(_count_at_least(base, E, cand, s_res, offs, BLOCK, RESIDENT) >= take, cand, thr)
-    need_eq = take - _count_at_least(base, E, thr + 1, s_res, offs, BLOCK, RESIDENT)   # equal keys to take
-    seen_eq = zero
-    written = zero
-    obase = out_ptr + row * stride_o
+def _write_selected(base, obase, E, K, thr, take, need_eq, offs, BLOCK: tl.constexpr):
+    """The write pass (module doc): in column order, every allowed column with key > thr and the
+    first `need_eq` with key == thr, at its rank among the chosen; then −1 from `take` to K − 1."""
+    seen_eq = tl.full([], 0, tl.int64)
+    written = tl.full([], 0, tl.int64)
     for c in range(0, E, BLOCK):
         cols = c + offs
         s = tl.load(base + cols, mask=cols < E, other=float("-inf"))
@@ -121,6 +109,24 @@ def _topk_rows_kernel(s_ptr, out_ptr, E, K, stride_s, stride_o, BLOCK: tl.conste
     for c in range(0, K, BLOCK):
         p = c + offs
         tl.store(obase + p, tl.full([BLOCK], -1, tl.int64), mask=(p >= take) & (p < K))
+
+
+@triton.jit
+def _topk_rows_kernel(s_ptr, out_ptr, E, K, stride_s, stride_o, BLOCK: tl.constexpr, RESIDENT: tl.constexpr):
+    """One row per program (module doc). RESIDENT (E ≤ BLOCK): the row is loaded once and every
+    counting pass runs on registers."""
+    row = tl.program_id(0).to(tl.int64)
+    base = s_ptr + row * stride_s
+    offs = tl.arange(0, BLOCK)
+    s_res = tl.load(base + offs, mask=offs < E, other=float("-inf")) if RESIDENT else tl.zeros([BLOCK], tl.float32)
+    zero = tl.full([], 0, tl.int64)
+    take = tl.minimum(_count_at_least(base, E, zero, s_res, offs, BLOCK, RESIDENT), K)
+    thr = zero                                           # the take-th largest key, built bit by bit
+    for i in range(32):
+        cand = thr | (tl.full([], 1, tl.int64) << (31 - i))
+        thr = tl.where(_count_at_least(base, E, cand, s_res, offs, BLOCK, RESIDENT) >= take, cand, thr)
+    need_eq = take - _count_at_least(base, E, thr + 1, s_res, offs, BLOCK, RESIDENT)   # equal keys to take
+    _write_selected(base, out_ptr + row * stride_o, E, K, thr, take, need_eq, offs, BLOCK)
 
 
 @triton.jit
@@ -166,24 +172,7 @@ def _topk_rows_radix_kernel(s_ptr, out_ptr, E, K, stride_s, stride_o, BLOCK: tl.
         need = need - above
         thr = thr | (tl.maximum(digit, 0) << shift)
     need_eq = tl.where(take > 0, need, 0)
-    seen_eq = tl.full([], 0, tl.int64)
-    written = tl.full([], 0, tl.int64)
-    obase = out_ptr + row * stride_o
-    for c in range(0, E, BLOCK):
-        cols = c + offs
-        s = tl.load(base + cols, mask=cols < E, other=float("-inf"))
-        ok = s > float("-inf")
-        u = _ukey(s)
-        eq = (ok & (u == thr)).to(tl.int64)
-        eq_rank = seen_eq + tl.cumsum(eq, axis=0)
-        chosen = (ok & (u > thr)) | ((eq > 0) & (eq_rank <= need_eq))
-        pos = written + tl.cumsum(chosen.to(tl.int64), axis=0) - 1
-        tl.store(obase + pos, cols.to(tl.int64), mask=chosen)
-        seen_eq += tl.sum(eq, axis=0)
-        written += tl.sum(chosen.to(tl.int64), axis=0)
-    for c in range(0, K, BLOCK):
-        p = c + offs
-        tl.store(obase + p, tl.full([BLOCK], -1, tl.int64), mask=(p >= take) & (p < K))
+    _write_selected(base, out_ptr + row * stride_o, E, K, thr, take, need_eq, offs, BLOCK)
 
 
 def select_topk_fused(scores: Tensor, k: int, *, radix: bool | None = None) -> Tensor:
