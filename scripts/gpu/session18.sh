@@ -8,7 +8,8 @@
 #      weights, so the L3 hits must equal their cold runs).
 # Run from the checkout root with `.gpu` carried: bash scripts/gpu/session18.sh
 set -uo pipefail
-: "${OUT:=/tmp/out}"; export OUT
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
 mkdir -p "$OUT/idx" "$OUT/topk" "$OUT/hic"
 OUT=$OUT/idx BUDGET=120 TESTS=tests/test_kernels_indexer.py bash scripts/gpu/gpu_tests_subset.sh; echo "== idx rc=$?"
 OUT=$OUT/topk BUDGET=150 bash scripts/gpu/topk_kernels.sh | tail -22; echo "== topk rc=${PIPESTATUS[0]}"
