@@ -22,7 +22,7 @@ after the first); one write of k int64 — at decode (N = 1, E = 4096) against t
 for very wide rows (E ≫ 64 K) at small N the 33 passes of one program are slow, hence
 `FUSED_MAX_ENTRIES`: the dispatcher (`kernels.indexer.select_topk`) uses this kernel only up to it.
 
-Radix (`_topk_rows_radix_kernel`, `SGLANG_DSV41_TOPK_SEARCH=radix`): the same T found one 8-bit
+Radix (`_topk_rows_radix_kernel`, the default; `SGLANG_DSV41_TOPK_SEARCH=bisect` for the above): the same T found one 8-bit
 digit at a time, most significant first: a 256-bin histogram of the digit over the allowed keys
 whose higher digits equal T's so far; the digit is the largest d with #(digit ≥ d) ≥ need, and
 need drops by #(digit > d). Four histogram passes replace the 34 counting passes; the first also
@@ -171,8 +171,7 @@ def _topk_rows_radix_kernel(s_ptr, out_ptr, E, K, stride_s, stride_o, BLOCK: tl.
         above = tl.sum(tl.where(bins == digit, at_least - hist, 0), axis=0)  # keys with digit > it
         need = need - above
         thr = thr | (tl.maximum(digit, 0) << shift)
-    need_eq = tl.where(take > 0, need, 0)
-    _write_selected(base, out_ptr + row * stride_o, E, K, thr, take, need_eq, offs, BLOCK)
+    _write_selected(base, out_ptr + row * stride_o, E, K, thr, take, need, offs, BLOCK)   # need = 0 if take = 0
 
 
 def select_topk_fused(scores: Tensor, k: int, *, radix: bool | None = None) -> Tensor:
