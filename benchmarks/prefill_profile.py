@@ -52,10 +52,12 @@ import torch
 REPEATS = 3
 #: the switches a variant may set, at the CUDA serving defaults; every variant sets all of them
 SWITCHES = {"SGLANG_DSV41_ATTN_PREFILL": "bf16", "SGLANG_DSV41_INDEXER_HEAD_SUM": "fp64",
-            "SGLANG_DSV41_INDEXER_TOPK": "fused", "SGLANG_DSV41_MHC_MIX": "dot", "SGLANG_DSV41_MOE_PREFILL_FLAGS": ""}
+            "SGLANG_DSV41_INDEXER_TOPK": "fused", "SGLANG_DSV41_MHC_MIX": "dot", "SGLANG_DSV41_MOE_PREFILL_FLAGS": "",
+            "SGLANG_DSV41_TOPK_SEARCH": "radix"}
 #: session 11's switches (with the patch `blocked_bf16_rows`: its BF16-weight rows)
 OLD = {"SGLANG_DSV41_ATTN_PREFILL": "packed", "SGLANG_DSV41_INDEXER_HEAD_SUM": "fp64",
-       "SGLANG_DSV41_INDEXER_TOPK": "torch", "SGLANG_DSV41_MHC_MIX": "rows", "SGLANG_DSV41_MOE_PREFILL_FLAGS": ""}
+       "SGLANG_DSV41_INDEXER_TOPK": "torch", "SGLANG_DSV41_MHC_MIX": "rows", "SGLANG_DSV41_MOE_PREFILL_FLAGS": "",
+       "SGLANG_DSV41_TOPK_SEARCH": "bisect"}
 NEW = SWITCHES | {"SGLANG_DSV41_INDEXER_HEAD_SUM": "fp32"}
 #: name → (environment over SWITCHES, backend patches): `two_pass_rope` = session 11's RoPE (`TwoPassRope`);
 #: `blocked_bf16_rows` = SGLANG_DSV41_BF16_GEMM=blocked (`BlockedBf16Gemm.whole_rows` False, read at build: set
@@ -73,7 +75,9 @@ VARIANTS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     "new_moe_block_m64": (NEW | {"SGLANG_DSV41_MOE_PREFILL_FLAGS": "block_m=64"}, ()),
     "new_moe_block_m64_s3": (NEW | {"SGLANG_DSV41_MOE_PREFILL_FLAGS": "block_m=64,num_stages=3"}, ()),
     # session 14 (flashmla): the serving default with the workspace read by one FlashMLA launch
-    "flashmla": ({"SGLANG_DSV41_ATTN_PREFILL": "flashmla"}, ())}
+    "flashmla": ({"SGLANG_DSV41_ATTN_PREFILL": "flashmla"}, ()),
+    # session 19: the serving default with session 12's bisection top-k search
+    "topk_bisect": ({"SGLANG_DSV41_TOPK_SEARCH": "bisect"}, ())}
 DEFAULT_VARIANTS = ("before", "session12", "default", "new", "attn_bf16_workspace", "indexer_fp32_head_sum",
                     "indexer_fused_topk", "whole_bf16_rows")
 PREFILL_COMPONENTS = ("dense_fp8", "dense_bf16", "attention", "indexer_scores", "indexer_topk", "indexer_query",

@@ -12,8 +12,9 @@ call) and the first call's wall ms (Triton / JIT builds of a new shape class lan
 
 * `ours`: `select_topk(scores, k, check_nan=False)` (no lengths: it reads the −∞), the fused kernel
   with the threshold search of SGLANG_DSV41_TOPK_SEARCH (default `topk_select.DEFAULT_SEARCH`);
-* `ours_radix`: the fused kernel with the radix search (`select_topk_fused(..., radix=True)`), which
-  must equal `ours` exactly (its `agreement`);
+* `ours_bisect`: the fused kernel with the bisection search (`select_topk_fused(..., radix=False)`),
+  and `ours_radix_w4` / `ours_radix_w16`: the radix search at 4 / 16 warps per row instead of
+  `topk_select.launch_blocks`' choice — each must equal `ours` exactly (its `agreement`);
 * `sglang_v1`, `sglang_v2`: `select_topk_sglang(..., valid_lengths=lengths, check_nan=False,
   variant=…)` — SGLang's kernel + our glue (−∞ / length mask, ascending sort, int64);
 * `raw_v1`, `raw_v2`: SGLang's functions alone on prepared int32 buffers (v2: plan + transform).
@@ -51,9 +52,9 @@ RATIO = 4
 CASES = ([("decode", n, e, False) for n in (1, 8, 64) for e in (8192, 32768, 65536)]
          + [("hit", 32, e, True) for e in (16384, 32768)]
          + [("prefill", 8192, e, True) for e in (4096, 8192, 16384)])
-METHODS = ("ours", "ours_radix", "sglang_v1", "sglang_v2", "raw_v1", "raw_v2")
+METHODS = ("ours", "ours_bisect", "ours_radix_w4", "ours_radix_w16", "sglang_v1", "sglang_v2", "raw_v1", "raw_v2")
 #: methods whose selection is compared with ours (agreement, over_ours)
-COMPARED = ("ours_radix", "sglang_v1", "sglang_v2")
+COMPARED = ("ours_bisect", "ours_radix_w4", "ours_radix_w16", "sglang_v1", "sglang_v2")
 
 
 def lengths(rows: int, width: int, causal: bool, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -112,7 +113,9 @@ def method_calls(TS, IX, module, scores: torch.Tensor, lens: torch.Tensor) -> di
     s2 = TS.v2_scores(scores)
     return {
         "ours": lambda: IX.select_topk(scores, K, check_nan=False),
-        "ours_radix": lambda: IX.TS.select_topk_fused(scores, K, radix=True),
+        "ours_bisect": lambda: IX.TS.select_topk_fused(scores, K, radix=False),
+        "ours_radix_w4": lambda: IX.TS.select_topk_fused(scores, K, radix=True, num_warps=4),
+        "ours_radix_w16": lambda: IX.TS.select_topk_fused(scores, K, radix=True, num_warps=16),
         "sglang_v1": lambda: TS.select_topk_sglang(scores, K, valid_lengths=lens, check_nan=False, variant="v1"),
         "sglang_v2": lambda: TS.select_topk_sglang(scores, K, valid_lengths=lens, check_nan=False, variant="v2"),
         "raw_v1": lambda: module.topk_transform_512(scores, lens32, pages, out, page_size),

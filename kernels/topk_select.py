@@ -22,12 +22,14 @@ after the first); one write of k int64 — at decode (N = 1, E = 4096) against t
 for very wide rows (E ≫ 64 K) at small N the 33 passes of one program are slow, hence
 `FUSED_MAX_ENTRIES`: the dispatcher (`kernels.indexer.select_topk`) uses this kernel only up to it.
 
-Radix (`_topk_rows_radix_kernel`, the default; `SGLANG_DSV41_TOPK_SEARCH=bisect` for the above): the same T found one 8-bit
-digit at a time, most significant first: a 256-bin histogram of the digit over the allowed keys
-whose higher digits equal T's so far; the digit is the largest d with #(digit ≥ d) ≥ need, and
-need drops by #(digit > d). Four histogram passes replace the 34 counting passes; the first also
-gives take, the last leaves need = the number of keys equal to T to take. The write pass is the
-same, so the result is the same bit for bit.
+Radix (`_topk_rows_radix_kernel`, the default; `SGLANG_DSV41_TOPK_SEARCH=bisect` for the above): the same
+T found one 8-bit digit at a time, most significant first, on uint32 keys (`_ukey32`, the same
+order): a 256-bin histogram of the digit over the allowed keys whose higher digits equal T's so far;
+the digit is the largest d with #(digit ≥ d) ≥ need, and need drops by #(digit > d). Four histogram
+passes replace the 34 counting passes; the first also gives take, and a row with at most k allowed
+columns stops there (T = 0: all of them). The last leaves need = the number of keys equal to T to
+take. The write pass chooses the same columns in the same order (one 32-bit scan per chunk), so the
+result is the same bit for bit.
 No host sync. Triton's interpreter runs it on CPU tensors (tests).
 """
 from __future__ import annotations
@@ -50,6 +52,8 @@ RESIDENT_MAX_ENTRIES = 8192
 RESIDENT_MIN_BLOCK = 256
 RESIDENT_BLOCKS = tuple(1 << b for b in range(RESIDENT_MIN_BLOCK.bit_length() - 1,
                                               RESIDENT_MAX_ENTRIES.bit_length()))
+#: Columns per chunk of the radix kernel's write pass (resident rows too: `_write_selected32`).
+WRITE_BLOCK = 1024
 #: Widest row the dispatcher sends here (wider rows: the torch path).
 FUSED_MAX_ENTRIES = 1 << 16
 #: How the kernel finds the take-th largest key: "bisect" (34 counting passes) or "radix" (four
@@ -130,53 +134,104 @@ def _topk_rows_kernel(s_ptr, out_ptr, E, K, stride_s, stride_o, BLOCK: tl.conste
 
 
 @triton.jit
-def _digit_histogram(base, E, prefix, shift, s_res, offs, BLOCK: tl.constexpr, RESIDENT: tl.constexpr):
+def _ukey32(s):
+    """`_ukey` as uint32, 0 for a disallowed (−∞) score: the same order on the allowed ones, half the
+    width (negative → all bits flipped, else the sign bit set; −0 → +0), and every allowed key ≥
+    key(−∞) + 1 > 0 (0 itself would be a NaN's key, which the contract excludes)."""
+    s = tl.where(s == 0.0, 0.0, s)
+    b = s.to(tl.uint32, bitcast=True)
+    return tl.where(s > float("-inf"), tl.where((b >> 31) != 0, b ^ 0xFFFFFFFF, b | 0x80000000), 0)
+
+
+@triton.jit
+def _digit_histogram(base, E, prefix, shift, u_res, offs, BLOCK: tl.constexpr, RESIDENT: tl.constexpr,
+                     TOP: tl.constexpr):
     """[256] int32: histogram of key digit (u >> shift) & 255 over the allowed columns whose key
-    bits above the digit equal `prefix`'s."""
+    bits above the digit equal `prefix`'s (TOP, the top digit: all allowed columns)."""
     if RESIDENT:
-        u = _ukey(s_res)
-        match = (s_res > float("-inf")) & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
-        hist = tl.histogram(((u >> shift) & 255).to(tl.int32), 256, mask=match)
+        match = u_res != 0
+        if not TOP:
+            match = match & ((u_res >> (shift + 8)) == (prefix >> (shift + 8)))
+        hist = tl.histogram(((u_res >> shift) & 255).to(tl.int32), 256, mask=match)
     else:
         hist = tl.zeros([256], tl.int32)
         for c in range(0, E, BLOCK):
-            s = tl.load(base + c + offs, mask=c + offs < E, other=float("-inf"))
-            u = _ukey(s)
-            match = (s > float("-inf")) & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
+            u = _ukey32(tl.load(base + c + offs, mask=c + offs < E, other=float("-inf")))
+            match = u != 0
+            if not TOP:
+                match = match & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
             hist += tl.histogram(((u >> shift) & 255).to(tl.int32), 256, mask=match)
     return hist
 
 
 @triton.jit
+def _next_digit(hist, need, thr, shift):
+    """(thr with the digit at SHIFT set, need less the keys above it): the digit is the largest d
+    with #(digit ≥ d) ≥ need among the keys the histogram counts."""
+    bins = tl.arange(0, 256)
+    at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist          # keys with digit ≥ b
+    digit = tl.maximum(tl.sum((at_least >= need).to(tl.int32), axis=0) - 1, 0)
+    above = tl.sum(tl.where(bins == digit, at_least - hist, 0), axis=0)       # keys with digit > it
+    return thr | (digit.to(tl.uint32) << shift), need - above
+
+
+@triton.jit
+def _write_selected32(base, obase, E, K, thr, take, need_eq, WBLOCK: tl.constexpr):
+    """`_write_selected` on uint32 keys, in chunks of WBLOCK columns read again (a resident row too:
+    a scan over the whole row would cost it its registers), with one scan per chunk: the greater
+    keys counted in the low 16 bits and the equal ones in the high 16 (WBLOCK < 65,536), so a
+    chosen column's rank is #greater so far + min(#equal so far, need_eq). thr > 0 or need_eq = 0,
+    so the disallowed columns (key 0) are never chosen."""
+    offs = tl.arange(0, WBLOCK)
+    gt_seen = tl.full([], 0, tl.int32)
+    eq_seen = tl.full([], 0, tl.int32)
+    for c in range(0, E, WBLOCK):
+        cols = c + offs
+        u = _ukey32(tl.load(base + cols, mask=cols < E, other=float("-inf")))
+        gt = u > thr
+        eq = u == thr
+        both = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)
+        n_eq = eq_seen + (both >> 16)                     # 1-based rank among the equal keys so far
+        chosen = gt | (eq & (n_eq <= need_eq))
+        pos = gt_seen + (both & 0xFFFF) + tl.minimum(n_eq, need_eq) - 1
+        tl.store(obase + pos, cols.to(tl.int64), mask=chosen)
+        gt_seen += tl.sum(gt.to(tl.int32), axis=0)
+        eq_seen += tl.sum(eq.to(tl.int32), axis=0)
+    for c in range(0, K, WBLOCK):
+        p = c + offs
+        tl.store(obase + p, tl.full([WBLOCK], -1, tl.int64), mask=(p >= take) & (p < K))
+
+
+@triton.jit
 def _topk_rows_radix_kernel(s_ptr, out_ptr, E, K, stride_s, stride_o, BLOCK: tl.constexpr,
-                            RESIDENT: tl.constexpr):
-    """`_topk_rows_kernel`'s result from four 8-bit digit histograms instead of 34 counting passes
-    (module doc "Radix")."""
+                            RESIDENT: tl.constexpr, WBLOCK: tl.constexpr):
+    """`_topk_rows_kernel`'s result from four 8-bit digit histograms of uint32 keys instead of 34
+    counting passes (module doc "Radix"); a resident row is held as its keys only. A row with at
+    most K allowed columns takes them all after the first histogram (threshold 0)."""
     row = tl.program_id(0).to(tl.int64)
     base = s_ptr + row * stride_s
     offs = tl.arange(0, BLOCK)
-    s_res = tl.load(base + offs, mask=offs < E, other=float("-inf")) if RESIDENT else tl.zeros([BLOCK], tl.float32)
-    bins = tl.arange(0, 256)
-    thr = tl.full([], 0, tl.int64)                       # the take-th largest key, a digit at a time
-    take = tl.full([], 0, tl.int64)
-    need = tl.full([], 0, tl.int64)                      # its rank among the keys matching thr so far
-    for i in range(4):
-        shift = 24 - 8 * i
-        hist = _digit_histogram(base, E, thr, shift, s_res, offs, BLOCK, RESIDENT).to(tl.int64)
-        if i == 0:
-            take = tl.minimum(tl.sum(hist, axis=0), K)
-            need = take
-        at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist     # keys with digit ≥ b
-        digit = tl.sum((at_least >= need).to(tl.int64), axis=0) - 1
-        above = tl.sum(tl.where(bins == digit, at_least - hist, 0), axis=0)  # keys with digit > it
-        need = need - above
-        thr = thr | (tl.maximum(digit, 0) << shift)
-    _write_selected(base, out_ptr + row * stride_o, E, K, thr, take, need, offs, BLOCK)   # need = 0 if take = 0
+    if RESIDENT:
+        u_res = _ukey32(tl.load(base + offs, mask=offs < E, other=float("-inf")))
+    else:
+        u_res = tl.zeros([BLOCK], tl.uint32)
+    thr = tl.full([], 0, tl.uint32)                      # the take-th largest key, a digit at a time
+    hist = _digit_histogram(base, E, thr, 24, u_res, offs, BLOCK, RESIDENT, True)
+    allowed = tl.sum(hist, axis=0)
+    take = tl.minimum(allowed, K)
+    need = tl.full([], 0, tl.int32)                      # its rank among the keys matching thr so far
+    if allowed > K:
+        thr, need = _next_digit(hist, take, thr, 24)
+        for shift in range(16, -1, -8):                  # a loop, not unrolled: fewer live registers
+            hist = _digit_histogram(base, E, thr, shift, u_res, offs, BLOCK, RESIDENT, False)
+            thr, need = _next_digit(hist, need, thr, shift)
+    _write_selected32(base, out_ptr + row * stride_o, E, K, thr, take, need, WBLOCK)
 
 
-def select_topk_fused(scores: Tensor, k: int, *, radix: bool | None = None) -> Tensor:
+def select_topk_fused(scores: Tensor, k: int, *, radix: bool | None = None, num_warps: int | None = None) -> Tensor:
     """[N, k] int64, `kernels.indexer.select_topk(scores, k, check_nan=False)` bit for bit (module
-    doc); scores fp32 [N, E] (CUDA, or CPU under TRITON_INTERPRET=1)."""
+    doc); scores fp32 [N, E] (CUDA, or CPU under TRITON_INTERPRET=1). `num_warps` overrides
+    `launch_blocks`' choice (benchmarks)."""
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise TypeError(f"select_topk_fused: want a 2-D fp32 score tensor, got {scores.dtype} {tuple(scores.shape)}")
     if k < 1:
@@ -189,8 +244,13 @@ def select_topk_fused(scores: Tensor, k: int, *, radix: bool | None = None) -> T
         return out.fill_(-1)
     s = scores if scores.stride(1) == 1 else scores.contiguous()
     block, resident, warps = launch_blocks(E)
-    kernel = _topk_rows_radix_kernel if (radix_search() if radix is None else radix) else _topk_rows_kernel
-    kernel[(N,)](s, out, E, k, s.stride(0), out.stride(0), BLOCK=block, RESIDENT=resident, num_warps=warps)
+    warps = num_warps or warps
+    if radix_search() if radix is None else radix:
+        _topk_rows_radix_kernel[(N,)](s, out, E, k, s.stride(0), out.stride(0), BLOCK=block, RESIDENT=resident,
+                                      WBLOCK=min(block, WRITE_BLOCK), num_warps=warps)
+    else:
+        _topk_rows_kernel[(N,)](s, out, E, k, s.stride(0), out.stride(0), BLOCK=block, RESIDENT=resident,
+                                num_warps=warps)
     return out
 
 

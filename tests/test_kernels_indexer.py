@@ -148,15 +148,18 @@ if KERNEL_HERE:
         """`kernels.topk_select` (SGLANG_DSV41_INDEXER_TOPK=fused), with either threshold search
         (SGLANG_DSV41_TOPK_SEARCH), == the torch ranking bit for bit: exact ties, ±0, ±∞, k above
         the allowed count, empty rows; rows held in registers and (resident limit lowered) rows
-        read in chunks."""
+        read in chunks; the radix write pass in one chunk and in several."""
         from sglang_dsv41.kernels import topk_select as TS
         g = torch.Generator().manual_seed(5)
         values = torch.tensor([-1.5, -0.0, 0.0, 0.25, 0.25, 1.0, 3.0, INF, -INF])
         for N, E, k, tied, chunked in ((2, 900, 40, True, False), (1, 700, 600, False, True),
-                                       (2, 600, 30, True, True), (1, 90, 7, True, False), (2, 0, 3, False, False)):
+                                       (2, 600, 30, True, True), (1, 90, 7, True, False), (2, 0, 3, False, False),
+                                       (2, 300, 290, True, False), (2, 300, 290, True, True)):
             if chunked:
                 monkeypatch.setattr(TS, "RESIDENT_MAX_ENTRIES", 128)
                 monkeypatch.setattr(TS, "BLOCK_E", 256)
+            if E >= 600:                                # the radix write pass in several chunks
+                monkeypatch.setattr(TS, "WRITE_BLOCK", 256)
             monkeypatch.setenv(TS.SEARCH_ENV, search)
             s = values[torch.randint(0, 9, (N, E), generator=g)] if tied else torch.randn(N, E, generator=g)
             s = s.to(DEVICE)
@@ -331,6 +334,20 @@ if not K.INTERPRETED:
         assert no_spills(usage), usage
         assert ("wgmma" in compiled.asm["ptx"]) == (block_t == 4)
         assert not re.search(r"\.f64\b", compiled.asm["ptx"])     # double-fp32 head sum: no float64 (issue 21)
+
+    @pytest.mark.parametrize("E", [256, 2048, 8192, 65536])
+    def test_radix_topk_compiles_for_hopper_without_spills(E: int) -> None:
+        """The radix top-k at the launch configuration of a row of E columns builds for sm_90 with
+        no register spills and at most 128 registers a thread (the write pass once held 255 and
+        spilled: one program per multiprocessor at prefill; docs/performance.md, session 19)."""
+        from sglang_dsv41.kernels import topk_select as TS
+        block, resident, warps = TS.launch_blocks(E)
+        consts = dict(BLOCK=block, RESIDENT=resident, WBLOCK=min(block, TS.WRITE_BLOCK))
+        sig = {n: "constexpr" if n in consts else {"s_ptr": "*fp32", "out_ptr": "*i64"}.get(n, "i32")
+               for n in TS._topk_rows_radix_kernel.arg_names}
+        _, usage = compile_for_sm90(TS._topk_rows_radix_kernel, sig, consts, {"num_warps": warps})
+        assert no_spills(usage), usage
+        assert int(re.search(r"REG:(\d+)", usage).group(1)) <= 128, usage
 
     def test_cpu_without_interpreter_raises() -> None:
         case = packed_case(2, 64, seed=0, shuffle=False, device="cpu")
