@@ -54,6 +54,8 @@ RESIDENT_BLOCKS = tuple(1 << b for b in range(RESIDENT_MIN_BLOCK.bit_length() - 
                                               RESIDENT_MAX_ENTRIES.bit_length()))
 #: Columns per chunk of the radix kernel's write pass (resident rows too: `_write_selected32`).
 WRITE_BLOCK = 1024
+#: Row counts up to which the radix kernel runs a wide row with 16 warps (`radix_warps`).
+FEW_ROWS = 128
 #: Widest row the dispatcher sends here (wider rows: the torch path).
 FUSED_MAX_ENTRIES = 1 << 16
 #: How the kernel finds the take-th largest key: "bisect" (34 counting passes) or "radix" (four
@@ -244,19 +246,30 @@ def select_topk_fused(scores: Tensor, k: int, *, radix: bool | None = None, num_
         return out.fill_(-1)
     s = scores if scores.stride(1) == 1 else scores.contiguous()
     block, resident, warps = launch_blocks(E)
-    warps = num_warps or warps
     if radix_search() if radix is None else radix:
         _topk_rows_radix_kernel[(N,)](s, out, E, k, s.stride(0), out.stride(0), BLOCK=block, RESIDENT=resident,
-                                      WBLOCK=min(block, WRITE_BLOCK), num_warps=warps)
+                                      WBLOCK=min(block, WRITE_BLOCK),
+                                      num_warps=num_warps or radix_warps(block, resident, N))
     else:
         _topk_rows_kernel[(N,)](s, out, E, k, s.stride(0), out.stride(0), BLOCK=block, RESIDENT=resident,
-                                num_warps=warps)
+                                num_warps=num_warps or warps)
     return out
+
+
+def radix_warps(block: int, resident: bool, rows: int) -> int:
+    """Warps per row of the radix kernel, as measured on the H200 (docs/performance.md, session 19):
+    at most FEW_ROWS rows (decode, hit extends) a wide row is one program's latency, so 16 warps
+    (resident rows of ≥ 4,096 columns and chunked rows); more rows (prefill chunks) fill the GPU, so
+    fewer warps and more rows per multiprocessor — 8 for an 8,192-column resident row, else 4."""
+    if rows <= FEW_ROWS:
+        return 16 if (not resident or block >= 4096) else 4
+    return 8 if resident and block >= 8192 else 4
 
 
 def launch_blocks(E: int) -> tuple[int, bool, int]:
     """(BLOCK, RESIDENT, num_warps) of a row of E columns: the smallest of RESIDENT_BLOCKS that holds
-    it (RESIDENT_MAX_ENTRIES is the last), else chunks of BLOCK_E."""
+    it (RESIDENT_MAX_ENTRIES is the last), else chunks of BLOCK_E; num_warps is the bisection
+    kernel's (the radix kernel's: `radix_warps`)."""
     for block in RESIDENT_BLOCKS:
         if E <= block and E <= RESIDENT_MAX_ENTRIES:
             return block, True, 8 if block >= 4096 else 4

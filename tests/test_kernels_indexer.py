@@ -335,13 +335,15 @@ if not K.INTERPRETED:
         assert ("wgmma" in compiled.asm["ptx"]) == (block_t == 4)
         assert not re.search(r"\.f64\b", compiled.asm["ptx"])     # double-fp32 head sum: no float64 (issue 21)
 
-    @pytest.mark.parametrize("E", [256, 2048, 8192, 65536])
-    def test_radix_topk_compiles_for_hopper_without_spills(E: int) -> None:
-        """The radix top-k at the launch configuration of a row of E columns builds for sm_90 with
-        no register spills and at most 128 registers a thread (the write pass once held 255 and
-        spilled: one program per multiprocessor at prefill; docs/performance.md, session 19)."""
+    @pytest.mark.parametrize("rows", [1, 8192], ids=["decode", "prefill"])
+    @pytest.mark.parametrize("E", [256, 2048, 4096, 8192, 65536])
+    def test_radix_topk_compiles_for_hopper_without_spills(E: int, rows: int) -> None:
+        """The radix top-k at the launch configuration of rows × E builds for sm_90 with no register
+        spills and at most 128 registers a thread (the write pass once held 255 and spilled: one
+        program per multiprocessor at prefill; docs/performance.md, session 19)."""
         from sglang_dsv41.kernels import topk_select as TS
-        block, resident, warps = TS.launch_blocks(E)
+        block, resident, _ = TS.launch_blocks(E)
+        warps = TS.radix_warps(block, resident, rows)
         consts = dict(BLOCK=block, RESIDENT=resident, WBLOCK=min(block, TS.WRITE_BLOCK))
         sig = {n: "constexpr" if n in consts else {"s_ptr": "*fp32", "out_ptr": "*i64"}.get(n, "i32")
                for n in TS._topk_rows_radix_kernel.arg_names}
@@ -631,3 +633,13 @@ def test_topk_search_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv(TS.SEARCH_ENV, "heap")
     with pytest.raises(ValueError, match="SGLANG_DSV41_TOPK_SEARCH='heap'"):
         TS.radix_search()
+
+
+def test_radix_warps_follow_the_measured_choice() -> None:
+    """16 warps for a wide row at decode row counts, 8 / 4 for prefill chunks (session 19's H200
+    sweep, docs/performance.md); every choice is a power of two Triton accepts."""
+    from sglang_dsv41.kernels import topk_select as TS
+    assert TS.radix_warps(8192, True, 1) == TS.radix_warps(1024, False, TS.FEW_ROWS) == 16
+    assert TS.radix_warps(4096, True, 64) == 16 and TS.radix_warps(2048, True, 64) == 4
+    assert TS.radix_warps(8192, True, 8192) == 8
+    assert TS.radix_warps(4096, True, TS.FEW_ROWS + 1) == TS.radix_warps(1024, False, 8192) == 4
