@@ -23,7 +23,7 @@
 # Lead's order: STEPS="prep ours" first (~150 s), then STEPS="prep sglang" (warm machine), then
 # STEPS="prep ours dspark". Every wait is capped; the script stops starting steps past BUDGET (s,
 # default 300). Knobs: CONC (override levels), LAYERS (4), IN_LEN (1024), OUT_LEN (256), ROUNDS (2),
-# OURS_STARTUP_S (150), SGLANG_STARTUP_S (200), MEM (0.85), DSPARK_MEM (0.7: the drafter's ~8 GB load after
+# OURS_EXTRA (more server arguments of ours, e.g. prefill buckets), OURS_STARTUP_S (150), SGLANG_STARTUP_S (200), MEM (0.85), DSPARK_MEM (0.7: the drafter's ~8 GB load after
 # the target's pool, its stored tensors on the GPU while they convert), ACC_LEN (3.51).
 # Outputs in $OUT: summary.txt, serving_e2e.json/.png, routing_spread.json, e2e/<label>.json and
 # e2e/<label>_server.log (the lead copies serving_e2e.json/.png to benchmarks/results/).
@@ -38,7 +38,7 @@ IN_LEN=${IN_LEN:-1024}; OUT_LEN=${OUT_LEN:-256}; ROUNDS=${ROUNDS:-2}; MEM=${MEM:
 CTX=$(( (IN_LEN + OUT_LEN + 64 + 255) / 256 * 256 ))
 CLIENT="python3 benchmarks/serving_e2e.py client --out-dir $OUT/e2e --input-len $IN_LEN --output-len $OUT_LEN --rounds $ROUNDS"
 OURS=(python3 -m sglang.launch_server --model-path $M/dsv41 --load-format dummy --context-length $CTX
-      --max-running-requests 64 --cuda-graph-max-bs 64 --random-seed 0 --language-model-only)
+      --max-running-requests 64 --cuda-graph-max-bs 64 --random-seed 0 --language-model-only ${OURS_EXTRA:-})
 case " $STEPS " in *" dspark "*) OURS_CONC=${CONC:-1 8 16 32 64} ;; *) OURS_CONC=${CONC:-1 16 64} ;; esac
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$OUT/summary.txt"
 ran=0
