@@ -10,9 +10,12 @@
 # binaries, ~18 MB packed) does not fit one call beside `.gpu`, so this takes TWO calls on one warm
 # machine (it stays warm ~30 s after a call, /tmp with it):
 #   CPU, once:  bash scripts/gpu/mooncake_store_pack.sh                 # -> .mcstore/ (git-ignored)
-#   call 1:     bash scripts/gpu/hicache_mooncake.sh stage             carry [".mcstore"]  (seconds)
-#   call 2:     bash scripts/gpu/hicache_mooncake.sh                   carry [".gpu"]      (≤ 300 s)
-# started within 30 s of call 1's return. Call 2 unpacks the staged store over /tmp/site and exits 5
+#   call 1:     bash scripts/gpu/hicache_mooncake.sh stage; source .gpu/bin/setup.sh   (seconds; setup returns 3)
+#               carry [".mcstore", ".gpu/bin", ".gpu/site/pd-<hash>.tar.xz.part00"]
+#   call 2:     bash scripts/gpu/hicache_mooncake.sh                   (≤ 300 s)
+#               carry [".gpu/bin", ".gpu/site/base-<hash>.tar.xz.part00"]
+# started within 30 s of call 1's return (the checkout plus a PD `.gpu` pass 64 MiB, so call 1 also stages
+# the pd part in /tmp/gpu-parts; run in session 19 this way, docs/validation.md). Call 2 unpacks the staged store over /tmp/site and exits 5
 # naming what is missing when it was not staged (or the machine was given back in between).
 # Run from the checkout root. Every step is capped (BUDGET, default 290 s); the test stops what it
 # starts. Pass: "RESULT hicache_mooncake_tests rc=0 pass" (pytest rc 0, both tests in tests.xml) and "RESULT hicache_mooncake ok=1".
