@@ -14,7 +14,9 @@ call) and the first call's wall ms (Triton / JIT builds of a new shape class lan
   with the threshold search of SGLANG_DSV41_TOPK_SEARCH (default `topk_select.DEFAULT_SEARCH`);
 * `ours_bisect`: the fused kernel with the bisection search (`select_topk_fused(..., radix=False)`),
   and `ours_radix_w4` / `ours_radix_w16`: the radix search at 4 / 16 warps per row instead of
-  `topk_select.launch_blocks`' choice — each must equal `ours` exactly (its `agreement`);
+  `topk_select.launch_blocks`' choice, and `ours_split`: the two-stage ranking of `kernels.topk_split`
+  (segments of 4,096 columns; SGLANG_DSV41_TOPK_SPLIT=on sends few wide rows there) — each must equal
+  `ours` exactly (its `agreement`);
 * `sglang_v1`, `sglang_v2`: `select_topk_sglang(..., valid_lengths=lengths, check_nan=False,
   variant=…)` — SGLang's kernel + our glue (−∞ / length mask, ascending sort, int64);
 * `raw_v1`, `raw_v2`: SGLang's functions alone on prepared int32 buffers (v2: plan + transform).
@@ -52,9 +54,10 @@ RATIO = 4
 CASES = ([("decode", n, e, False) for n in (1, 8, 64) for e in (8192, 32768, 65536)]
          + [("hit", 32, e, True) for e in (16384, 32768)]
          + [("prefill", 8192, e, True) for e in (4096, 8192, 16384)])
-METHODS = ("ours", "ours_bisect", "ours_radix_w4", "ours_radix_w16", "sglang_v1", "sglang_v2", "raw_v1", "raw_v2")
+METHODS = ("ours", "ours_bisect", "ours_radix_w4", "ours_radix_w16", "ours_split", "sglang_v1", "sglang_v2", "raw_v1",
+           "raw_v2")
 #: methods whose selection is compared with ours (agreement, over_ours)
-COMPARED = ("ours_bisect", "ours_radix_w4", "ours_radix_w16", "sglang_v1", "sglang_v2")
+COMPARED = ("ours_bisect", "ours_radix_w4", "ours_radix_w16", "ours_split", "sglang_v1", "sglang_v2")
 
 
 def lengths(rows: int, width: int, causal: bool, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -116,6 +119,7 @@ def method_calls(TS, IX, module, scores: torch.Tensor, lens: torch.Tensor) -> di
         "ours_bisect": lambda: IX.TS.select_topk_fused(scores, K, radix=False),
         "ours_radix_w4": lambda: IX.TS.select_topk_fused(scores, K, radix=True, num_warps=4),
         "ours_radix_w16": lambda: IX.TS.select_topk_fused(scores, K, radix=True, num_warps=16),
+        "ours_split": lambda: IX.TSPLIT.select_topk_split(scores, K),
         "sglang_v1": lambda: TS.select_topk_sglang(scores, K, valid_lengths=lens, check_nan=False, variant="v1"),
         "sglang_v2": lambda: TS.select_topk_sglang(scores, K, valid_lengths=lens, check_nan=False, variant="v2"),
         "raw_v1": lambda: module.topk_transform_512(scores, lens32, pages, out, page_size),

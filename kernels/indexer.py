@@ -68,6 +68,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from . import double_fp32 as DF
 from . import topk_select as TS
+from . import topk_split as TSPLIT
 from .packed_rows import PackedSource, key_entry_bytes, load_fp4_tile_per_dim
 
 NEG_INF = float("-inf")
@@ -361,7 +362,8 @@ def select_topk(scores: Tensor, k: int, *, check_nan: bool = True, max_chunk_ele
     lower column (−0 == +0), sorted ascending, −1 padded — `top_k_lower_index_on_ties` with
     allowed = (score > −∞). NaN raises (one host sync) unless `check_nan=False` (then the caller
     guarantees none, e.g. inside a CUDA graph). `method` (default `topk_method(scores.is_cuda)`):
-    "fused" ranks rows of ≤ `topk_select.FUSED_MAX_ENTRIES` columns in one Triton launch, same result."""
+    "fused" ranks rows of ≤ `topk_select.FUSED_MAX_ENTRIES` columns in one Triton launch, same result
+    (few wide rows in two stages with SGLANG_DSV41_TOPK_SPLIT=on: `kernels.topk_split`)."""
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise TypeError(f"select_topk: want a 2-D fp32 score tensor, got {scores.dtype} {tuple(scores.shape)}")
     if k < 1:
@@ -373,8 +375,11 @@ def select_topk(scores: Tensor, k: int, *, check_nan: bool = True, max_chunk_ele
         return out
     if check_nan and bool(torch.isnan(scores).any()):
         raise ValueError("select_topk: NaN score (cannot be ranked)")
-    if (method or topk_method(scores.is_cuda)) == "fused" and E <= TS.FUSED_MAX_ENTRIES and (scores.is_cuda or INTERPRETED):
-        return TS.select_topk_fused(scores, k)
+    if (method or topk_method(scores.is_cuda)) == "fused" and (scores.is_cuda or INTERPRETED):
+        if TSPLIT.split_applies(N, E, k):
+            return TSPLIT.select_topk_split(scores, k)
+        if E <= TS.FUSED_MAX_ENTRIES:
+            return TS.select_topk_fused(scores, k)
     big = torch.iinfo(torch.int64).max
     rows = max(1, max_chunk_elements // E)
     for r0 in range(0, N, rows):

@@ -21,7 +21,7 @@ def test_cases_cover_decode_hit_and_prefill() -> None:
     assert {("hit", 32, 16384, True), ("hit", 32, 32768, True)} <= shapes
     assert {("prefill", 8192, 4096, True), ("prefill", 8192, 16384, True)} <= shapes
     assert bench.K == 512 and set(bench.METHODS) == {"ours", "ours_bisect", "ours_radix_w4", "ours_radix_w16",
-                                                       "sglang_v1", "sglang_v2", "raw_v1", "raw_v2"}
+                                                       "ours_split", "sglang_v1", "sglang_v2", "raw_v1", "raw_v2"}
 
 
 def test_lengths_and_scores() -> None:
@@ -90,6 +90,7 @@ def test_a_case_row_on_the_cpu_with_the_fake(monkeypatch: pytest.MonkeyPatch) ->
     fake = FakeTopk()
     monkeypatch.setattr(IX.TS, "select_topk_fused",                 # the Triton kernel needs CUDA
                         lambda s, k, *, radix=None, num_warps=None: IX.select_topk(s, k, method="torch"))
+    monkeypatch.setattr(IX.TSPLIT, "select_topk_split", lambda s, k: IX.select_topk(s, k, method="torch"))
     monkeypatch.setattr(TS, "select_topk_sglang", lambda s, k, *, variant=None, valid_lengths=None, check_nan=True:
                         TS.topk_with_module(fake, s, k, valid_lengths=valid_lengths, variant=variant))
     errors, skipped = [], []
@@ -100,7 +101,8 @@ def test_a_case_row_on_the_cpu_with_the_fake(monkeypatch: pytest.MonkeyPatch) ->
     assert all(row[m]["median_us"] > 0 and row[m]["first_ms"] > 0 for m in bench.METHODS)
     for v in ("sglang_v1", "sglang_v2"):
         assert row[v]["agreement"]["equal_up_to_ties_rows"] == 1.0 and row[v]["over_ours"] > 0
-    assert all(row[m]["agreement"]["exact_rows"] == 1.0 for m in ("ours_bisect", "ours_radix_w4", "ours_radix_w16"))
+    assert all(row[m]["agreement"]["exact_rows"] == 1.0
+               for m in ("ours_bisect", "ours_radix_w4", "ours_radix_w16", "ours_split"))
     line = bench.case_line(row)
     assert line.startswith("hit N=32 E=2000: ours ") and "sglang_v2 agree " in line
     late = bench.run_case(TS, IX, fake, ("decode", 1, 100, False), "fp32", gen, 0.01, errors, skipped, 0.0)

@@ -170,6 +170,27 @@ if KERNEL_HERE:
         monkeypatch.setenv(TS.SEARCH_ENV, search)
         assert torch.equal(K.select_topk(s, 3, method="fused"), torch.full((2, 3), -1, device=DEVICE))
 
+    def test_kernel_case_split_topk_equals_torch_path(monkeypatch) -> None:
+        """`kernels.topk_split` (two stages over segments) == the torch ranking bit for bit: exact ties
+        across segment borders, ±0, ±∞, rows with fewer allowed columns than k, a last segment
+        shorter than the others, and stage 2 split again when its candidates are too many."""
+        from sglang_dsv41.kernels import topk_select as TS
+        from sglang_dsv41.kernels import topk_split as TSPLIT
+        g = torch.Generator().manual_seed(11)
+        values = torch.tensor([-1.5, -0.0, 0.0, 0.25, 0.25, 1.0, 3.0, INF, -INF])
+        for N, E, k, segment, tied, nested in ((2, 1000, 24, 64, True, False), (1, 700, 40, 128, False, False),
+                                               (2, 300, 200, 256, True, False), (1, 2000, 12, 32, True, True)):
+            if nested:                              # 63 segments × 12 candidates > 256 columns
+                monkeypatch.setattr(TS, "FUSED_MAX_ENTRIES", 256)
+            s = values[torch.randint(0, 9, (N, E), generator=g)] if tied else torch.randn(N, E, generator=g)
+            s[:, 0] = 3.0                           # a padded candidate must not stand in for column 0
+            s = s.to(DEVICE)
+            want = K.select_topk(s, k, method="torch")
+            assert torch.equal(TSPLIT.select_topk_split(s, k, segment=segment), want), (N, E, k, segment)
+            monkeypatch.undo()
+        s = torch.full((2, 500), -INF, device=DEVICE)
+        assert torch.equal(TSPLIT.select_topk_split(s, 3, segment=64), torch.full((2, 3), -1, device=DEVICE))
+
     def test_kernel_case_input_checks() -> None:
         q, w, keys, slots, token_req, n_visible = packed_case(2, 64, seed=3, shuffle=False)
         holed = slots.clone()
@@ -436,6 +457,23 @@ def test_gpu_fused_topk_equals_torch_path_at_flash_widths(N: int, E: int, search
         assert torch.equal(K.select_topk(s, k, method="fused"), K.select_topk(s, k, method="torch"))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,E", [(1, 32768), (8, 65536), (2, 200000)])
+def test_gpu_split_topk_equals_torch_path_at_flash_widths(N: int, E: int, monkeypatch) -> None:
+    """SGLANG_DSV41_TOPK_SPLIT=on (`kernels.topk_split`) at long-context decode widths (64K / 128K /
+    400K tokens at ratio 2), top-512 and the candidate blocks' top-k: the torch path's result bit for
+    bit on BF16-valued scores (many exact ties), the invisible half −∞."""
+    from sglang_dsv41.kernels import topk_split as TSPLIT
+
+    monkeypatch.setenv(TSPLIT.SPLIT_ENV, "on")
+    g = torch.Generator(device="cuda").manual_seed(N + E)
+    s = ops.bf16(torch.randn(N, E, generator=g, device="cuda"))
+    s[:, E // 2:] = -INF
+    for k in (512, 8):
+        assert TSPLIT.split_applies(N, E, k)
+        assert torch.equal(K.select_topk(s, k, method="fused"), K.select_topk(s, k, method="torch"))
+
+
 def test_select_topk_zero_signs_and_edges() -> None:
     s = torch.tensor([[-0.0, 0.0, -0.0, 0.0, -1.0]])
     assert K.select_topk(s, 2).tolist() == [[0, 1]]                       # −0 == +0: lower indices
@@ -643,3 +681,24 @@ def test_radix_warps_follow_the_measured_choice() -> None:
     assert TS.radix_warps(4096, True, 64) == 16 and TS.radix_warps(2048, True, 64) == 4
     assert TS.radix_warps(8192, True, 8192) == 8
     assert TS.radix_warps(4096, True, TS.FEW_ROWS + 1) == TS.radix_warps(1024, False, 8192) == 4
+
+
+def test_split_topk_dispatch_from_the_environment(monkeypatch) -> None:
+    """SGLANG_DSV41_TOPK_SPLIT: off by default; "on" sends few rows wider than a resident block, and any
+    row wider than the fused kernel takes, to the two-stage ranking; an unknown value raises."""
+    from sglang_dsv41.kernels import topk_select as TS
+    from sglang_dsv41.kernels import topk_split as TSPLIT
+    wide = TS.RESIDENT_MAX_ENTRIES + 1
+    monkeypatch.delenv(TSPLIT.SPLIT_ENV, raising=False)
+    assert TSPLIT.DEFAULT_SPLIT == "off" and not TSPLIT.split_applies(1, 1 << 15, 512)
+    monkeypatch.setenv(TSPLIT.SPLIT_ENV, "on")
+    assert TSPLIT.split_applies(1, wide, 512) and TSPLIT.split_applies(TS.FEW_ROWS, wide, 512)
+    assert not TSPLIT.split_applies(TS.FEW_ROWS + 1, wide, 512)            # a prefill chunk: one program a row
+    assert not TSPLIT.split_applies(1, TS.RESIDENT_MAX_ENTRIES, 512)       # resident: one program is enough
+    assert TSPLIT.split_applies(8192, TS.FUSED_MAX_ENTRIES + 1, 512)        # else the torch path
+    assert not TSPLIT.split_applies(1, wide, TSPLIT.SEGMENT)               # k must be below a segment
+    monkeypatch.setenv(TSPLIT.SPLIT_ENV, "maybe")
+    with pytest.raises(ValueError, match="SGLANG_DSV41_TOPK_SPLIT"):
+        TSPLIT.split_applies(1, wide, 512)
+    with pytest.raises(ValueError, match="k < segment"):
+        TSPLIT.select_topk_split(torch.zeros(1, 10), 64, segment=64)

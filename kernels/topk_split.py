@@ -1,0 +1,74 @@
+"""Top-k of few wide rows in two stages (issue 21: long-context decode) — `kernels.indexer.select_topk`'s
+result bit for bit, with the row spread over many programs.
+
+`topk_select.select_topk_fused` ranks a row in one program, so a decode step with few rows of 32K–64K
+columns uses a handful of the GPU's multiprocessors (180–390 µs per call on the H200, session 19).
+Here each row is cut into segments of SEGMENT columns:
+
+1. every segment's top-k by the fused kernel (N · S programs; ascending local columns, −1 padded);
+2. the segments' candidates side by side, segment after segment — so in column order — scored again
+   from the row, −∞ where a segment had fewer; their top-k by the fused kernel; the chosen positions
+   mapped back to columns.
+
+Why the result is the same: the contract ranks by (score descending, column ascending), a total
+order (−0 == +0 by the key; NaN excluded). An entry in the row's top-k is in its segment's top-k under
+the same order, so stage 2 sees every entry it must choose, and its own tie break (lower position)
+is the lower column because the candidates lie in column order. Positions ascending are columns
+ascending, so the output row is sorted as the contract asks.
+
+Sizes: S = ⌈E / SEGMENT⌉ segments (the last padded with −∞), stage 2 has S · k columns; when that is
+still wider than the fused kernel takes, stage 2 is split again. Only worth it for few rows: a
+prefill chunk already fills the GPU with one program per row. Which calls take this path is the
+dispatcher's choice (`kernels.indexer.select_topk`, SGLANG_DSV41_TOPK_SPLIT). No host sync; static
+shapes, so it can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from . import topk_select as TS
+
+#: Columns per segment: a resident block of the fused kernel, wider than k = 512 or 1,024 by 4–8×.
+SEGMENT = 4096
+#: "on": `kernels.indexer.select_topk` ranks few wide rows here (`split_applies`); "off" (the default
+#: until the H200 measures it: benchmarks/topk_kernels.py `ours_split`) keeps one program per row.
+SPLIT_ENV, SPLIT_CHOICES, DEFAULT_SPLIT = "SGLANG_DSV41_TOPK_SPLIT", ("off", "on"), "off"
+
+
+def split_applies(rows: int, width: int, k: int) -> bool:
+    """Whether SGLANG_DSV41_TOPK_SPLIT (default DEFAULT_SPLIT) sends a fused ranking of rows × width
+    here: "on" and k < SEGMENT, and either few rows (≤ `topk_select.FEW_ROWS`) wider than a resident
+    block, or rows wider than the fused kernel takes (which otherwise go to the torch path). An
+    unknown value raises."""
+    chosen = os.environ.get(SPLIT_ENV, "").strip().lower() or DEFAULT_SPLIT
+    if chosen not in SPLIT_CHOICES:
+        raise ValueError(f"{SPLIT_ENV}={chosen!r}: expected one of {SPLIT_CHOICES}")
+    wide = (rows <= TS.FEW_ROWS and width > TS.RESIDENT_MAX_ENTRIES) or width > TS.FUSED_MAX_ENTRIES
+    return chosen == "on" and k < SEGMENT and wide
+
+
+def select_topk_split(scores: Tensor, k: int, *, segment: int = SEGMENT) -> Tensor:
+    """[N, k] int64, `select_topk_fused(scores, k)` bit for bit (module doc); scores fp32 [N, E]
+    (CUDA, or CPU under TRITON_INTERPRET=1). `segment` must exceed k."""
+    if scores.dim() != 2 or scores.dtype != torch.float32:
+        raise TypeError(f"select_topk_split: want a 2-D fp32 score tensor, got {scores.dtype} {tuple(scores.shape)}")
+    if not 1 <= k < segment:
+        raise ValueError(f"select_topk_split: need 1 ≤ k < segment, got k={k}, segment={segment}")
+    N, E = scores.shape
+    if N == 0 or E <= segment:
+        return TS.select_topk_fused(scores, k)
+    S = -(-E // segment)
+    padded = scores.new_full((N, S * segment), float("-inf"))
+    padded[:, :E] = scores
+    local = TS.select_topk_fused(padded.view(N * S, segment), k).view(N, S, k)
+    start = torch.arange(0, S * segment, segment, device=scores.device).view(1, S, 1)
+    cols = torch.where(local >= 0, local + start, -1).view(N, S * k)
+    picked = scores.gather(1, cols.clamp(min=0)).masked_fill(cols < 0, float("-inf"))
+    if S * k > TS.FUSED_MAX_ENTRIES:
+        pos = select_topk_split(picked, k, segment=segment)
+    else:
+        pos = TS.select_topk_fused(picked, k)
+    return torch.where(pos >= 0, cols.gather(1, pos.clamp(min=0)), -1)
