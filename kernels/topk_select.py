@@ -52,7 +52,7 @@ RESIDENT_MAX_ENTRIES = 8192
 RESIDENT_MIN_BLOCK = 256
 RESIDENT_BLOCKS = tuple(1 << b for b in range(RESIDENT_MIN_BLOCK.bit_length() - 1,
                                               RESIDENT_MAX_ENTRIES.bit_length()))
-#: Columns per chunk of the radix kernel's write pass (resident rows too: `_write_selected32`).
+#: Columns per chunk of the write pass (resident rows too: `_write_selected`).
 WRITE_BLOCK = 1024
 #: Row counts up to which the radix kernel runs a wide row with 16 warps (`radix_warps`).
 FEW_ROWS = 128
@@ -95,30 +95,8 @@ def _count_at_least(base, E, cand, s_res, offs, BLOCK: tl.constexpr, RESIDENT: t
 
 
 @triton.jit
-def _write_selected(base, obase, E, K, thr, take, need_eq, offs, BLOCK: tl.constexpr):
-    """The write pass (module doc): in column order, every allowed column with key > thr and the
-    first `need_eq` with key == thr, at its rank among the chosen; then −1 from `take` to K − 1."""
-    seen_eq = tl.full([], 0, tl.int64)
-    written = tl.full([], 0, tl.int64)
-    for c in range(0, E, BLOCK):
-        cols = c + offs
-        s = tl.load(base + cols, mask=cols < E, other=float("-inf"))
-        ok = s > float("-inf")
-        u = _ukey(s)
-        eq = (ok & (u == thr)).to(tl.int64)
-        eq_rank = seen_eq + tl.cumsum(eq, axis=0)       # 1-based rank among the equal keys so far
-        chosen = (ok & (u > thr)) | ((eq > 0) & (eq_rank <= need_eq))
-        pos = written + tl.cumsum(chosen.to(tl.int64), axis=0) - 1
-        tl.store(obase + pos, cols.to(tl.int64), mask=chosen)
-        seen_eq += tl.sum(eq, axis=0)
-        written += tl.sum(chosen.to(tl.int64), axis=0)
-    for c in range(0, K, BLOCK):
-        p = c + offs
-        tl.store(obase + p, tl.full([BLOCK], -1, tl.int64), mask=(p >= take) & (p < K))
-
-
-@triton.jit
-def _topk_rows_kernel(s_ptr, out_ptr, E, K, stride_s, stride_o, BLOCK: tl.constexpr, RESIDENT: tl.constexpr):
+def _topk_rows_kernel(s_ptr, out_ptr, E, K, stride_s, stride_o, BLOCK: tl.constexpr, RESIDENT: tl.constexpr,
+                      WBLOCK: tl.constexpr):
     """One row per program (module doc). RESIDENT (E ≤ BLOCK): the row is loaded once and every
     counting pass runs on registers."""
     row = tl.program_id(0).to(tl.int64)
@@ -132,7 +110,8 @@ def _topk_rows_kernel(s_ptr, out_ptr, E, K, stride_s, stride_o, BLOCK: tl.conste
         cand = thr | (tl.full([], 1, tl.int64) << (31 - i))
         thr = tl.where(_count_at_least(base, E, cand, s_res, offs, BLOCK, RESIDENT) >= take, cand, thr)
     need_eq = take - _count_at_least(base, E, thr + 1, s_res, offs, BLOCK, RESIDENT)   # equal keys to take
-    _write_selected(base, out_ptr + row * stride_o, E, K, thr, take, need_eq, offs, BLOCK)
+    _write_selected(base, out_ptr + row * stride_o, E, K, thr.to(tl.uint32), take.to(tl.int32),
+                    need_eq.to(tl.int32), WBLOCK)          # the same key as `_ukey32` on allowed scores
 
 
 @triton.jit
@@ -178,12 +157,14 @@ def _next_digit(hist, need, thr, shift):
 
 
 @triton.jit
-def _write_selected32(base, obase, E, K, thr, take, need_eq, WBLOCK: tl.constexpr):
-    """`_write_selected` on uint32 keys, in chunks of WBLOCK columns read again (a resident row too:
-    a scan over the whole row would cost it its registers), with one scan per chunk: the greater
-    keys counted in the low 16 bits and the equal ones in the high 16 (WBLOCK < 65,536), so a
-    chosen column's rank is #greater so far + min(#equal so far, need_eq). thr > 0 or need_eq = 0,
-    so the disallowed columns (key 0) are never chosen."""
+def _write_selected(base, obase, E, K, thr, take, need_eq, WBLOCK: tl.constexpr):
+    """The write pass (module doc), on uint32 keys: in column order, every allowed column with key >
+    thr and the first `need_eq` with key == thr, at its rank among the chosen; then −1 from `take` to
+    K − 1. In chunks of WBLOCK columns read again (a resident row too: a scan over the whole row
+    would cost it its registers), one scan per chunk: the greater keys counted in the low 16 bits
+    and the equal ones in the high 16 (WBLOCK < 65,536), so a chosen column's rank is #greater so
+    far + min(#equal so far, need_eq). thr > 0 or need_eq = 0, so the disallowed columns (key 0)
+    are never chosen."""
     offs = tl.arange(0, WBLOCK)
     gt_seen = tl.full([], 0, tl.int32)
     eq_seen = tl.full([], 0, tl.int32)
@@ -227,7 +208,7 @@ def _topk_rows_radix_kernel(s_ptr, out_ptr, E, K, stride_s, stride_o, BLOCK: tl.
         for shift in range(16, -1, -8):                  # a loop, not unrolled: fewer live registers
             hist = _digit_histogram(base, E, thr, shift, u_res, offs, BLOCK, RESIDENT, False)
             thr, need = _next_digit(hist, need, thr, shift)
-    _write_selected32(base, out_ptr + row * stride_o, E, K, thr, take, need, WBLOCK)
+    _write_selected(base, out_ptr + row * stride_o, E, K, thr, take, need, WBLOCK)
 
 
 def select_topk_fused(scores: Tensor, k: int, *, radix: bool | None = None, num_warps: int | None = None) -> Tensor:
@@ -252,7 +233,7 @@ def select_topk_fused(scores: Tensor, k: int, *, radix: bool | None = None, num_
                                       num_warps=num_warps or radix_warps(block, resident, N))
     else:
         _topk_rows_kernel[(N,)](s, out, E, k, s.stride(0), out.stride(0), BLOCK=block, RESIDENT=resident,
-                                num_warps=num_warps or warps)
+                                WBLOCK=min(block, WRITE_BLOCK), num_warps=num_warps or warps)
     return out
 
 

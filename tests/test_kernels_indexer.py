@@ -356,19 +356,21 @@ if not K.INTERPRETED:
         assert ("wgmma" in compiled.asm["ptx"]) == (block_t == 4)
         assert not re.search(r"\.f64\b", compiled.asm["ptx"])     # double-fp32 head sum: no float64 (issue 21)
 
+    @pytest.mark.parametrize("search", ["radix", "bisect"])
     @pytest.mark.parametrize("rows", [1, 8192], ids=["decode", "prefill"])
     @pytest.mark.parametrize("E", [256, 2048, 4096, 8192, 65536])
-    def test_radix_topk_compiles_for_hopper_without_spills(E: int, rows: int) -> None:
-        """The radix top-k at the launch configuration of rows × E builds for sm_90 with no register
-        spills and at most 128 registers a thread (the write pass once held 255 and spilled: one
-        program per multiprocessor at prefill; docs/performance.md, session 19)."""
+    def test_topk_compiles_for_hopper_without_spills(E: int, rows: int, search: str) -> None:
+        """The fused top-k with either search at the launch configuration of rows × E builds for sm_90
+        with no register spills and at most 128 registers a thread (the write pass once held 255 and
+        spilled: one program per multiprocessor at prefill; docs/performance.md, session 19)."""
         from sglang_dsv41.kernels import topk_select as TS
-        block, resident, _ = TS.launch_blocks(E)
-        warps = TS.radix_warps(block, resident, rows)
+        block, resident, warps = TS.launch_blocks(E)
+        kern = TS._topk_rows_radix_kernel if search == "radix" else TS._topk_rows_kernel
+        warps = TS.radix_warps(block, resident, rows) if search == "radix" else warps
         consts = dict(BLOCK=block, RESIDENT=resident, WBLOCK=min(block, TS.WRITE_BLOCK))
         sig = {n: "constexpr" if n in consts else {"s_ptr": "*fp32", "out_ptr": "*i64"}.get(n, "i32")
-               for n in TS._topk_rows_radix_kernel.arg_names}
-        _, usage = compile_for_sm90(TS._topk_rows_radix_kernel, sig, consts, {"num_warps": warps})
+               for n in kern.arg_names}
+        _, usage = compile_for_sm90(kern, sig, consts, {"num_warps": warps})
         assert no_spills(usage), usage
         assert int(re.search(r"REG:(\d+)", usage).group(1)) <= 128, usage
 
