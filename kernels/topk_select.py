@@ -147,7 +147,7 @@ def _digit_histogram(base, E, prefix, shift, u_res, offs, BLOCK: tl.constexpr, R
 
 @triton.jit
 def _next_digit(hist, need, thr, shift):
-    """(thr with the digit at SHIFT set, need less the keys above it): the digit is the largest d
+    """(thr with the digit at `shift` set, need less the keys above it): the digit is the largest d
     with #(digit ≥ d) ≥ need among the keys the histogram counts."""
     bins = tl.arange(0, 256)
     at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist          # keys with digit ≥ b
@@ -173,13 +173,15 @@ def _write_selected(base, obase, E, K, thr, take, need_eq, WBLOCK: tl.constexpr)
         u = _ukey32(tl.load(base + cols, mask=cols < E, other=float("-inf")))
         gt = u > thr
         eq = u == thr
-        both = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)
+        packed = gt.to(tl.int32) + (eq.to(tl.int32) << 16)
+        both = tl.cumsum(packed, axis=0)
         n_eq = eq_seen + (both >> 16)                     # 1-based rank among the equal keys so far
         chosen = gt | (eq & (n_eq <= need_eq))
         pos = gt_seen + (both & 0xFFFF) + tl.minimum(n_eq, need_eq) - 1
         tl.store(obase + pos, cols.to(tl.int64), mask=chosen)
-        gt_seen += tl.sum(gt.to(tl.int32), axis=0)
-        eq_seen += tl.sum(eq.to(tl.int32), axis=0)
+        chunk = tl.sum(packed, axis=0)                    # both counts of the chunk in one reduction
+        gt_seen += chunk & 0xFFFF
+        eq_seen += chunk >> 16
     for c in range(0, K, WBLOCK):
         p = c + offs
         tl.store(obase + p, tl.full([WBLOCK], -1, tl.int64), mask=(p >= take) & (p < K))
