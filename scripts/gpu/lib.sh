@@ -8,7 +8,8 @@
 #   left [RESERVE]   seconds of BUDGET left since T0, less RESERVE; at least 1, so a `timeout`
 #                    never gets 0 (no limit) or a negative duration
 #   cap N            N, or when less is left, what is left less 5 s (at least 1)
-#   gpu_setup        source .gpu/bin/setup.sh (exit 3 when it fails); XDG_CACHE_HOME=/tmp/cache,
+#   gpu_setup        source $GPU_DIR/bin/setup.sh (GPU_DIR default .gpu; e.g. .gpu_v4, a runtime built
+#                    with SGLang's V4 extras) (exit 3 when it fails); XDG_CACHE_HOME=/tmp/cache,
 #                    HF_HUB_OFFLINE=1
 #   tiny_checkpoint [DIR [CAP]]
 #                    the tiny checkpoint (seed 0) in DIR (default /tmp/tiny): reused when DIR holds
@@ -47,7 +48,7 @@ cap() {
 
 gpu_setup() {
   # shellcheck source=/dev/null
-  source .gpu/bin/setup.sh || exit 3
+  source "${GPU_DIR:-.gpu}/bin/setup.sh" || exit 3
   export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
 }
 

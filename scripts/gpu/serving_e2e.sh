@@ -18,7 +18,11 @@
 #           docstring) — without tilelang it is skipped with the reason; its CUDA-graph capture JIT-compiles
 #           for minutes on a fresh machine (session 4: 55 s at bs 1, 511 s at bs 256), so run it on a
 #           machine that is still warm or give it SGLANG_STARTUP_S (default 200) — JIT caches in
-#           /tmp/sglang_jit (kept while the machine stays warm).
+#           /tmp/sglang_jit (kept while the machine stays warm). SGLANG_SIMULATE_UNIFORM_EXPERTS=1 (SGLang's
+#           benchmark switch, srt/layers/moe/topk.py; SGLANG_UNIFORM=0 turns it off) spreads its routing the way
+#           our dummy routers spread (routing_spread.json): SGLang's dummy routers concentrate on a few experts,
+#           which would let it read far fewer expert bytes per step than real routing.
+#           GPU_DIR=.gpu_v4 picks a runtime built with those extras (lib.sh).
 #   report  $OUT/serving_e2e.json + .png (always run at the end when any client ran).
 # Lead's order: STEPS="prep ours" first (~150 s), then STEPS="prep sglang" (warm machine), then
 # STEPS="prep ours dspark". Every wait is capped; the script stops starting steps past BUDGET (s,
@@ -67,7 +71,7 @@ from sglang_v4_baseline import sglang_env; import sglang_jit_cache as j; from pa
 e = {**sglang_env(u.find_spec("deep_gemm") is not None), **j.jit_cache_env(Path("/tmp/sglang_jit"))}
 print(" ".join(f"{k}={v}" for k, v in e.items()))')
           s=${SGLANG_STARTUP_S:-200}; b=$(( $(cap $((s + 150))) - 15 ))
-          env $envs timeout $((b + 10)) $CLIENT --label sglang_v4 --budget-s $b --startup-s "$s" --concurrency ${CONC:-1 16 64} -- \
+          env $envs SGLANG_SIMULATE_UNIFORM_EXPERTS=${SGLANG_UNIFORM:-1} timeout $((b + 10)) $CLIENT --label sglang_v4 --budget-s $b --startup-s "$s" --concurrency ${CONC:-1 16 64} -- \
             python3 -m sglang.launch_server --model-path $M/sglang_v4 --load-format dummy --trust-remote-code \
             --context-length $CTX --mem-fraction-static $MEM --max-running-requests 64 --cuda-graph-max-bs 64 \
             --moe-runner-backend marlin --swa-full-tokens-ratio 1.0 --sampling-backend pytorch \
