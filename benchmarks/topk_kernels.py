@@ -107,14 +107,16 @@ def wall_ms(fn: Callable[[], object], device: torch.device | None = None) -> flo
     return (time.perf_counter() - t0) * 1e3
 
 
-def method_calls(TS, IX, module, scores: torch.Tensor, lens: torch.Tensor) -> dict[str, Callable[[], object]]:
-    """method → a call of it on this case."""
+def method_calls(TS, IX, module, scores: torch.Tensor, lens: torch.Tensor,
+                 methods: tuple[str, ...] = METHODS) -> dict[str, Callable[[], object]]:
+    """method → a call of it on this case, for `methods` ("ours" always: the others are compared with it)."""
     n, e = scores.shape
     lens32 = lens.to(torch.int32)
-    pages, page_size = TS.identity_pages(n, e, scores.device)
+    raw = module is not None and any(m.startswith("raw_") for m in methods)
+    pages, page_size = TS.identity_pages(n, e, scores.device) if raw else (None, None)
     out = torch.empty((n, K), dtype=torch.int32, device=scores.device)
-    s2 = TS.v2_scores(scores)
-    return {
+    s2 = TS.v2_scores(scores) if raw else None
+    calls = {
         "ours": lambda: IX.select_topk(scores, K, check_nan=False),
         "ours_bisect": lambda: IX.TS.select_topk_fused(scores, K, radix=False),
         "ours_radix_w4": lambda: IX.TS.select_topk_fused(scores, K, radix=True, num_warps=4),
@@ -125,10 +127,11 @@ def method_calls(TS, IX, module, scores: torch.Tensor, lens: torch.Tensor) -> di
         "raw_v1": lambda: module.topk_transform_512(scores, lens32, pages, out, page_size),
         "raw_v2": lambda: module.topk_transform_512_v2(s2, lens32, pages, out, page_size, module.plan_topk_v2(lens32)),
     }
+    return {m: f for m, f in calls.items() if m == "ours" or m in methods}
 
 
 def run_case(TS, IX, module, case: tuple[str, int, int, bool], dist: str, gen: torch.Generator, cap_s: float,
-             errors: list[str], skipped: list[str], deadline: float) -> dict:
+             errors: list[str], skipped: list[str], deadline: float, methods: tuple[str, ...] = METHODS) -> dict:
     """One case's row: per method first call + `measure` (or its error / skip), agreement with ours."""
     group, n, e, causal = case
     dev = gen.device
@@ -136,7 +139,9 @@ def run_case(TS, IX, module, case: tuple[str, int, int, bool], dist: str, gen: t
     scores = make_scores(n, e, lens, dist, gen)
     row: dict = dict(group=group, rows=n, width=e, k=K, causal=causal, mean_length=float(lens.float().mean()),
                      ours_method=IX.topk_method(dev.type == "cuda") if e <= IX.TS.FUSED_MAX_ENTRIES else "torch")
-    calls = method_calls(TS, IX, module, scores, lens)
+    calls = method_calls(TS, IX, module, scores, lens, methods)
+    for name in METHODS:
+        row[name] = dict(skipped="not in --methods")
     for name, fn in calls.items():
         row[name] = attempt(f"{group} N={n} E={e} {name}",
                             lambda fn=fn: dict(first_ms=wall_ms(fn, dev)) | measure(fn, cap_s, dev),
@@ -157,7 +162,7 @@ def case_line(row: dict) -> str:
             + "".join(f"  {v} agree {row[v]['agreement']['exact_rows']:.3f}/{row[v]['agreement']['equal_up_to_ties_rows']:.3f}"
                       for v in COMPARED if "agreement" in row[v])
             + "".join(f"  {m} {'ERROR' if 'error' in row[m] else 'skipped'}" for m in METHODS
-                      if "median_us" not in row[m]))
+                      if "median_us" not in row[m] and row[m].get("skipped") != "not in --methods"))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -167,6 +172,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dist", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--cap-s", type=float, default=0.3, help="timing cap per method and case")
     p.add_argument("--budget-s", type=float, default=240.0, help="cases past this wall time are skipped")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
+                   help="methods to time (ours always); without sglang_*/raw_* SGLang's JIT modules are not built")
     return p.parse_args(argv)
 
 
@@ -181,12 +188,14 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cuda")
     errors: list[str] = []
     skipped: list[str] = []
-    module = TS.sglang_topk_module()
+    methods = tuple(args.methods)
+    sglang = any(m.startswith(("sglang_", "raw_")) for m in methods)
+    module = TS.sglang_topk_module() if sglang else None
     probe = torch.randn((1, 4096), device=dev)
     cache = Path(os.environ.get("TVM_FFI_CACHE_DIR", Path.home() / ".cache" / "tvm-ffi"))
     cache_files = sum(1 for p in cache.rglob("*") if p.is_file()) if cache.is_dir() else 0
     jit = {}
-    for v in ("v1", "v2"):
+    for v in ("v1", "v2") if sglang else ():
         jit[v] = attempt(f"jit {v}", lambda v=v: dict(
             first_ms=wall_ms(lambda: TS.select_topk_sglang(probe, K, variant=v)),
             second_ms=wall_ms(lambda: TS.select_topk_sglang(probe, K, variant=v))), errors, skipped, deadline)
@@ -196,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     for group, n, e, causal in CASES:
         if group in args.cases:
             rows.append(run_case(TS, IX, module, (group, n, e, causal), args.dist, gen, args.cap_s, errors, skipped,
-                                 deadline))
+                                 deadline, methods))
             print(case_line(rows[-1]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     doc = dict(device=torch.cuda.get_device_name(), k=K, dist=args.dist, ratio=RATIO, jit=jit,

@@ -108,3 +108,16 @@ def test_a_case_row_on_the_cpu_with_the_fake(monkeypatch: pytest.MonkeyPatch) ->
     late = bench.run_case(TS, IX, fake, ("decode", 1, 100, False), "fp32", gen, 0.01, errors, skipped, 0.0)
     assert all(set(late[m]) == {"skipped"} for m in bench.METHODS) and len(skipped) == len(bench.METHODS)
     assert "agreement" not in late["sglang_v1"] and bench.case_line(late).endswith("raw_v2 skipped")
+
+
+def test_methods_subset_needs_no_sglang_module() -> None:
+    from sglang_dsv41.kernels import indexer as IX
+    from sglang_dsv41.kernels import topk_sglang as TS
+
+    lens = bench.lengths(4, 600, False)
+    s = bench.make_scores(4, 600, lens, "fp32", torch.Generator().manual_seed(2))
+    calls = bench.method_calls(TS, IX, None, s, lens, ("ours_split",))
+    assert set(calls) == {"ours", "ours_split"}
+    assert bench.parse_args(["--out", "x", "--methods", "ours_split"]).methods == ["ours_split"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--out", "x", "--methods", "nope"])
