@@ -2,7 +2,8 @@
 SGLang 0.5.17's JIT radix top-k v1 and v2 through `kernels.topk_sglang` (issue 21).
 
 Shapes (rows N × columns E, top-k; `CASES`): decode (N 1 / 8 / 64 × E 8K / 32K / 64K, every column
-valid), hit extends (N 32 × E 16K / 32K) and prefill chunks (N 8,192 × E 4K / 8K / 16K) with causal
+valid), "long" decode rows past the fused kernel's 64K columns (N 1 / 8 / 64 × E 128K / 256K, N 1 × 1M;
+only with --cases long), hit extends (N 32 × E 16K / 32K) and prefill chunks (N 8,192 × E 4K / 8K / 16K) with causal
 lengths rising along the rows (row t sees (4E − (N − 1 − t)) // 4 columns: ratio 4); k 512.
 Scores: BF16-valued normal (`--dist bf16`, as the indexer's: exact ties occur) or fp32 normal
 (`--dist fp32`), −∞ past each row's length (as `index_scores` writes them).
@@ -27,7 +28,7 @@ the files in TVM_FFI_CACHE_DIR before them (0: a cold build was timed). `agreeme
 whose selection equals ours exactly, and up to ties (the selected scores sorted are equal).
 Writes OUT/topk_kernels.json and OUT/topk_kernels.png. CUDA only.
 
-    python benchmarks/topk_kernels.py --out DIR [--cases decode hit prefill] [--dist bf16] [--cap-s 0.3]
+    python benchmarks/topk_kernels.py --out DIR [--cases decode hit prefill long] [--dist bf16] [--cap-s 0.3]
         [--budget-s 240]
 """
 from __future__ import annotations
@@ -53,7 +54,10 @@ RATIO = 4
 #: (group, rows, width, causal lengths)
 CASES = ([("decode", n, e, False) for n in (1, 8, 64) for e in (8192, 32768, 65536)]
          + [("hit", 32, e, True) for e in (16384, 32768)]
-         + [("prefill", 8192, e, True) for e in (4096, 8192, 16384)])
+         + [("prefill", 8192, e, True) for e in (4096, 8192, 16384)]
+         + [("long", n, e, False) for n in (1, 8, 64) for e in (131072, 262144)] + [("long", 1, 1048576, False)])
+#: groups timed unless --cases names others ("long": decode rows wider than the fused kernel's limit)
+DEFAULT_GROUPS = ("decode", "hit", "prefill")
 METHODS = ("ours", "ours_bisect", "ours_radix_w4", "ours_radix_w16", "ours_split", "sglang_v1", "sglang_v2", "raw_v1",
            "raw_v2")
 #: methods whose selection is compared with ours (agreement, over_ours)
@@ -168,7 +172,7 @@ def case_line(row: dict) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--cases", nargs="+", choices=("decode", "hit", "prefill"), default=["decode", "hit", "prefill"])
+    p.add_argument("--cases", nargs="+", choices=(*DEFAULT_GROUPS, "long"), default=list(DEFAULT_GROUPS))
     p.add_argument("--dist", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--cap-s", type=float, default=0.3, help="timing cap per method and case")
     p.add_argument("--budget-s", type=float, default=240.0, help="cases past this wall time are skipped")

@@ -118,9 +118,9 @@ def clone_caches(caches: RuntimeCaches) -> RuntimeCaches:
 
 
 def differences_outside_padding(a: RuntimeCaches, b: RuntimeCaches, page: int) -> list[str]:
-    """Names of cache regions that differ between `a` and `b`, ignoring only the padding page
-    (full / SWA slots 0..page−1: identity SWA map in stand-alone caches). Request-scoped pair
-    state is compared for every row, the padding row 0 included."""
+    """Names of cache regions that differ between `a` and `b`, ignoring only full / SWA slots
+    0..page−1 (the padding page, or only its write sink; identity SWA map in stand-alone caches).
+    Request-scoped pair state is compared for every row, the padding row 0 included."""
     diffs = []
     for name in ("latent_rows", "key_rows"):
         x, y = getattr(a, name)[page:], getattr(b, name)[page:]

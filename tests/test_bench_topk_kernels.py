@@ -20,6 +20,8 @@ def test_cases_cover_decode_hit_and_prefill() -> None:
     assert {("decode", n, e, False) for n in (1, 8, 64) for e in (8192, 32768, 65536)} <= shapes
     assert {("hit", 32, 16384, True), ("hit", 32, 32768, True)} <= shapes
     assert {("prefill", 8192, 4096, True), ("prefill", 8192, 16384, True)} <= shapes
+    assert {("long", 1, 1 << 20, False), ("long", 64, 1 << 18, False)} <= shapes
+    assert bench.parse_args(["--out", "x"]).cases == ["decode", "hit", "prefill"]
     assert bench.K == 512 and set(bench.METHODS) == {"ours", "ours_bisect", "ours_radix_w4", "ours_radix_w16",
                                                        "ours_split", "sglang_v1", "sglang_v2", "raw_v1", "raw_v2"}
 
