@@ -363,7 +363,7 @@ def select_topk(scores: Tensor, k: int, *, check_nan: bool = True, max_chunk_ele
     allowed = (score > −∞). NaN raises (one host sync) unless `check_nan=False` (then the caller
     guarantees none, e.g. inside a CUDA graph). `method` (default `topk_method(scores.is_cuda)`):
     "fused" ranks rows of ≤ `topk_select.FUSED_MAX_ENTRIES` columns in one Triton launch, same result
-    (few wide rows in two stages with SGLANG_DSV41_TOPK_SPLIT=on: `kernels.topk_split`)."""
+    (few rows past its width in two stages, `kernels.topk_split`, as SGLANG_DSV41_TOPK_SPLIT picks)."""
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise TypeError(f"select_topk: want a 2-D fp32 score tensor, got {scores.dtype} {tuple(scores.shape)}")
     if k < 1:

@@ -33,21 +33,30 @@ from . import topk_select as TS
 
 #: Columns per segment: a resident block of the fused kernel, wider than k = 512 or 1,024 by 4–8×.
 SEGMENT = 4096
-#: "on": `kernels.indexer.select_topk` ranks few wide rows here (`split_applies`); "off" (the default
-#: until the H200 measures it: benchmarks/topk_kernels.py `ours_split`) keeps one program per row.
-SPLIT_ENV, SPLIT_CHOICES, DEFAULT_SPLIT = "SGLANG_DSV41_TOPK_SPLIT", ("off", "on"), "off"
+#: Where `kernels.indexer.select_topk` ranks here (`split_applies`): "auto" (default) few rows wider than
+#: the fused kernel takes whose candidates fit one stage-2 launch; "on" also few rows wider than a resident
+#: block, and any row past the fused kernel's width; "off" never. docs/performance.md "Session 20" has the
+#: H200 numbers behind "auto".
+SPLIT_ENV, SPLIT_CHOICES, DEFAULT_SPLIT = "SGLANG_DSV41_TOPK_SPLIT", ("auto", "off", "on"), "auto"
+#: "auto"'s widest stage 2 (S · k candidates): the widest one measured ahead of the torch path (256K × top-512).
+AUTO_MAX_CANDIDATES = 32768
 
 
 def split_applies(rows: int, width: int, k: int) -> bool:
     """Whether SGLANG_DSV41_TOPK_SPLIT (default DEFAULT_SPLIT) sends a fused ranking of rows × width
-    here: "on" and k < SEGMENT, and either few rows (≤ `topk_select.FEW_ROWS`) wider than a resident
-    block, or rows wider than the fused kernel takes (which otherwise go to the torch path). An
-    unknown value raises."""
+    here; always k < SEGMENT. "auto": few rows (≤ `topk_select.FEW_ROWS`) wider than the fused kernel
+    takes (otherwise the torch path) with ⌈width / SEGMENT⌉ · k ≤ AUTO_MAX_CANDIDATES candidates. "on":
+    few rows wider than a resident block, or any row wider than the fused kernel takes. An unknown
+    value raises."""
     chosen = os.environ.get(SPLIT_ENV, "").strip().lower() or DEFAULT_SPLIT
     if chosen not in SPLIT_CHOICES:
         raise ValueError(f"{SPLIT_ENV}={chosen!r}: expected one of {SPLIT_CHOICES}")
-    wide = (rows <= TS.FEW_ROWS and width > TS.RESIDENT_MAX_ENTRIES) or width > TS.FUSED_MAX_ENTRIES
-    return chosen == "on" and k < SEGMENT and wide
+    if chosen == "off" or k >= SEGMENT:
+        return False
+    few = rows <= TS.FEW_ROWS
+    if chosen == "auto":
+        return few and width > TS.FUSED_MAX_ENTRIES and -(-width // SEGMENT) * k <= AUTO_MAX_CANDIDATES
+    return (few and width > TS.RESIDENT_MAX_ENTRIES) or width > TS.FUSED_MAX_ENTRIES
 
 
 def select_topk_split(scores: Tensor, k: int, *, segment: int = SEGMENT) -> Tensor:

@@ -686,13 +686,21 @@ def test_radix_warps_follow_the_measured_choice() -> None:
 
 
 def test_split_topk_dispatch_from_the_environment(monkeypatch) -> None:
-    """SGLANG_DSV41_TOPK_SPLIT: off by default; "on" sends few rows wider than a resident block, and any
-    row wider than the fused kernel takes, to the two-stage ranking; an unknown value raises."""
+    """SGLANG_DSV41_TOPK_SPLIT: "auto" by default — few rows past the fused kernel's width whose candidates
+    fit one stage-2 launch; "on" sends few rows wider than a resident block, and any row wider than the
+    fused kernel takes, to the two-stage ranking; "off" none; an unknown value raises."""
     from sglang_dsv41.kernels import topk_select as TS
     from sglang_dsv41.kernels import topk_split as TSPLIT
-    wide = TS.RESIDENT_MAX_ENTRIES + 1
+    wide, past = TS.RESIDENT_MAX_ENTRIES + 1, TS.FUSED_MAX_ENTRIES + 1
+    one_pass = TSPLIT.SEGMENT * (TSPLIT.AUTO_MAX_CANDIDATES // 512)         # widest "auto" row at k 512 (256K)
     monkeypatch.delenv(TSPLIT.SPLIT_ENV, raising=False)
-    assert TSPLIT.DEFAULT_SPLIT == "off" and not TSPLIT.split_applies(1, 1 << 15, 512)
+    assert TSPLIT.DEFAULT_SPLIT == "auto" and not TSPLIT.split_applies(1, 1 << 15, 512)
+    assert TSPLIT.split_applies(1, past, 512) and TSPLIT.split_applies(TS.FEW_ROWS, one_pass, 512)
+    assert not TSPLIT.split_applies(1, one_pass + 1, 512)                  # a wider stage 2 than measured
+    assert TSPLIT.split_applies(1, 1 << 17, 1024) and not TSPLIT.split_applies(1, 1 << 18, 1024)
+    assert not TSPLIT.split_applies(TS.FEW_ROWS + 1, past, 512)            # many rows: the torch path
+    monkeypatch.setenv(TSPLIT.SPLIT_ENV, "off")
+    assert not TSPLIT.split_applies(1, past, 512)
     monkeypatch.setenv(TSPLIT.SPLIT_ENV, "on")
     assert TSPLIT.split_applies(1, wide, 512) and TSPLIT.split_applies(TS.FEW_ROWS, wide, 512)
     assert not TSPLIT.split_applies(TS.FEW_ROWS + 1, wide, 512)            # a prefill chunk: one program a row
