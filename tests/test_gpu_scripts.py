@@ -556,3 +556,31 @@ def test_topk_kernels_runs_the_gpu_tests_then_the_benchmark(sandbox: dict[str, s
     assert len([c for c in calls(sandbox) if "benchmarks/topk_kernels.py" in c]) == 2
     text = (GPU / "topk_kernels.sh").read_text()
     assert int(re.search(r'BUDGET:=(\d+)', text).group(1)) <= 300
+
+
+def test_serving_e2e_restores_and_packs_sglang_jit_and_shares_graph_sizes(sandbox: dict[str, str],
+                                                                          tmp_path: Path) -> None:
+    """serving_e2e.sh on the stubs, STEPS="sglang ours jitpack", GRAPH_BS="1 16 64", a carried .gpu_jit/: the
+    JIT cache is restored before SGLang's server starts, both servers capture exactly those decode sizes,
+    SGLang's client budget leaves PACK_RESERVE_S for the pack, and the pack writes to $OUT/jit."""
+    (tmp_path / "scripts").symlink_to(ROOT / "scripts")
+    (tmp_path / ".gpu_jit").mkdir()
+    sandbox.update(STEPS="sglang ours jitpack", GRAPH_BS="1 16 64", BUDGET="300", PACK_RESERVE_S="50")
+    r = _run_script("serving_e2e.sh", sandbox)
+    assert r.returncode == 0, r.stdout + r.stderr
+    log = calls(sandbox)
+    restore = [i for i, c in enumerate(log) if "sglang_jit_cache.py restore /tmp/sglang_jit .gpu_jit" in c]
+    clients = [(i, c) for i, c in enumerate(log) if "serving_e2e.py client" in c]
+    pack = [i for i, c in enumerate(log) if f"sglang_jit_cache.py pack /tmp/sglang_jit {sandbox['OUT']}/jit" in c]
+    assert len(restore) == 1 and len(clients) == 2 and len(pack) == 1, log
+    (i_sg, sg), (_, ours) = clients
+    assert restore[0] < i_sg < pack[0] and "--label sglang_v4" in sg and "--label ours" in ours
+    for c in (sg, ours):
+        assert " --cuda-graph-bs-decode 1 16 64 " in c and "--cuda-graph-max-bs" not in c
+    assert int(re.search(r"--budget-s (\d+)", sg).group(1)) <= 300 - 50 - 15
+    assert re.search(r"^RESULT jitpack rc=0 at \d+ s$", r.stdout, re.M), r.stdout
+    sandbox.update(STEPS="ours")
+    del sandbox["GRAPH_BS"]
+    r = _run_script("serving_e2e.sh", sandbox)
+    ours = [c for c in calls(sandbox) if "--label ours" in c][-1]
+    assert " --cuda-graph-max-bs 64 " in ours and "--budget-s" in ours

@@ -23,11 +23,16 @@
 #           our dummy routers spread (routing_spread.json): SGLang's dummy routers concentrate on a few experts,
 #           which would let it read far fewer expert bytes per step than real routing.
 #           GPU_DIR=.gpu_v4 picks a runtime built with those extras (lib.sh).
+#           With .gpu_jit/ carried (parts of an earlier `jitpack`, copied there on the CPU machine) the cache
+#           is restored first (benchmarks/sglang_jit_cache.py restore; parts may come over several calls).
+#   jitpack /tmp/sglang_jit packed into $OUT/jit (<= 4 parts of 14 MiB + manifest; PACK_RESERVE_S, default 50,
+#           is kept back from the sglang step for it), so a later session starts with the kernels built so far.
 #   report  $OUT/serving_e2e.json + .png (always run at the end when any client ran).
 # Lead's order: STEPS="prep ours" first (~150 s), then STEPS="prep sglang" (warm machine), then
 # STEPS="prep ours dspark". Every wait is capped; the script stops starting steps past BUDGET (s,
 # default 300). Knobs: CONC (override levels), LAYERS (4), IN_LEN (1024), OUT_LEN (256), ROUNDS (2),
-# OURS_EXTRA (more server arguments of ours, e.g. prefill buckets), OURS_STARTUP_S (150), SGLANG_STARTUP_S (200), MEM (0.85), DSPARK_MEM (0.7: the drafter's ~8 GB load after
+# GRAPH_BS (decode graph batch sizes of both servers, e.g. "1 16 64": SGLang's V4 JIT compiles kernels per size;
+# default: --cuda-graph-max-bs 64), OURS_EXTRA (more server arguments of ours, e.g. prefill buckets), OURS_STARTUP_S (150), SGLANG_STARTUP_S (200), MEM (0.85), DSPARK_MEM (0.7: the drafter's ~8 GB load after
 # the target's pool, its stored tensors on the GPU while they convert), ACC_LEN (3.51).
 # Outputs in $OUT: summary.txt, serving_e2e.json/.png, routing_spread.json, e2e/<label>.json and
 # e2e/<label>_server.log (the lead copies serving_e2e.json/.png to benchmarks/results/).
@@ -40,9 +45,12 @@ gpu_setup
 STEPS=${STEPS:-prep ours sglang}; LAYERS=${LAYERS:-4}; M=/tmp/e2e_models
 IN_LEN=${IN_LEN:-1024}; OUT_LEN=${OUT_LEN:-256}; ROUNDS=${ROUNDS:-2}; MEM=${MEM:-0.85}
 CTX=$(( (IN_LEN + OUT_LEN + 64 + 255) / 256 * 256 ))
+if [ -n "${GRAPH_BS:-}" ]; then read -ra GRAPH <<<"--cuda-graph-bs-decode $GRAPH_BS"; else GRAPH=(--cuda-graph-max-bs 64); fi
+case " $STEPS " in *" jitpack "*) RESERVE=${PACK_RESERVE_S:-50} ;; *) RESERVE=0 ;; esac
+JIT=/tmp/sglang_jit
 CLIENT="python3 benchmarks/serving_e2e.py client --out-dir $OUT/e2e --input-len $IN_LEN --output-len $OUT_LEN --rounds $ROUNDS"
 OURS=(python3 -m sglang.launch_server --model-path $M/dsv41 --load-format dummy --context-length $CTX
-      --max-running-requests 64 --cuda-graph-max-bs 64 --random-seed 0 --language-model-only ${OURS_EXTRA:-})
+      --max-running-requests 64 "${GRAPH[@]}" --random-seed 0 --language-model-only ${OURS_EXTRA:-})
 case " $STEPS " in *" dspark "*) OURS_CONC=${CONC:-1 8 16 32 64} ;; *) OURS_CONC=${CONC:-1 16 64} ;; esac
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$OUT/summary.txt"
 ran=0
@@ -66,17 +74,22 @@ for step in $STEPS; do
     sglang) python3 -c 'import tilelang' 2>/dev/null || {
               echo "sglang: skipped: tilelang missing (build the GPU runtime with EXTRA, sglang_v4_baseline.py)" \
                 | tee -a "$OUT/summary.txt"; continue; }
+          if [ -d .gpu_jit ]; then
+            timeout "$(cap 120)" python3 benchmarks/sglang_jit_cache.py restore $JIT .gpu_jit | tee -a "$OUT/summary.txt"
+          fi
           envs=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); import importlib.util as u
 from sglang_v4_baseline import sglang_env; import sglang_jit_cache as j; from pathlib import Path
-e = {**sglang_env(u.find_spec("deep_gemm") is not None), **j.jit_cache_env(Path("/tmp/sglang_jit"))}
+e = {**sglang_env(u.find_spec("deep_gemm") is not None), **j.jit_cache_env(Path("'"$JIT"'"))}
 print(" ".join(f"{k}={v}" for k, v in e.items()))')
-          s=${SGLANG_STARTUP_S:-200}; b=$(( $(cap $((s + 150))) - 15 ))
+          s=${SGLANG_STARTUP_S:-200}; b=$(( $(cap $((s + 150))) - 15 - RESERVE ))
           env $envs SGLANG_SIMULATE_UNIFORM_EXPERTS=${SGLANG_UNIFORM:-1} timeout $((b + 10)) $CLIENT --label sglang_v4 --budget-s $b --startup-s "$s" --concurrency ${CONC:-1 16 64} -- \
             python3 -m sglang.launch_server --model-path $M/sglang_v4 --load-format dummy --trust-remote-code \
-            --context-length $CTX --mem-fraction-static $MEM --max-running-requests 64 --cuda-graph-max-bs 64 \
+            --context-length $CTX --mem-fraction-static $MEM --max-running-requests 64 "${GRAPH[@]}" \
             --moe-runner-backend marlin --swa-full-tokens-ratio 1.0 --sampling-backend pytorch \
             --cuda-graph-backend-prefill disabled --random-seed 0
           rc=$?; ran=1 ;;
+    jitpack) timeout "$(cap 120)" python3 benchmarks/sglang_jit_cache.py pack $JIT "$OUT/jit" | tee -a "$OUT/summary.txt"
+          rc=${PIPESTATUS[0]} ;;
     *) echo "unknown step $step"; continue ;;
   esac
   result "$step" rc=$rc
