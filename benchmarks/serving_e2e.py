@@ -41,6 +41,8 @@ ID_RANGE = (100, 120_000)
 #: labels `report` pairs: (numerator, denominator, what)
 PAIRS = (("ours", "sglang_v4", "sglang-dsv41 V4.1 / SGLang V4-Flash"),
          ("ours_dspark", "ours", "DSpark (synthetic AL) / no speculation"),
+         ("ours_engram_host", "ours", "Engram tables in pinned host memory / on the GPU"),
+         ("ours_c2k", "ours", "chunked prefill and prefill graph buckets to 2,048 tokens / the defaults"),
          ("tiny", "llama8", "tiny V4.1 / stock-SGLang 8-layer Llama of the same widths (scripts/gpu/tiny_vs_llama.sh)"),
          ("tiny", "tiny_eager", "tiny V4.1: prefill CUDA graphs / eager prefill"),
          ("tiny_b1k", "llama8", "tiny V4.1 with prefill buckets to 1,024 tokens / the 8-layer Llama"),

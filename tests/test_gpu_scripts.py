@@ -584,3 +584,19 @@ def test_serving_e2e_restores_and_packs_sglang_jit_and_shares_graph_sizes(sandbo
     r = _run_script("serving_e2e.sh", sandbox)
     ours = [c for c in calls(sandbox) if "--label ours" in c][-1]
     assert " --cuda-graph-max-bs 64 " in ours and "--budget-s" in ours
+
+
+def test_serving_e2e_variants_of_our_server(sandbox: dict[str, str], tmp_path: Path) -> None:
+    """serving_e2e.sh STEPS="ours ours_host ours_c2k" on the stubs: three launches of our server with the
+    same arguments but for the variant's own — the Engram host-table variable (label ours_engram_host)
+    and chunked prefill + buckets to 2,048 (label ours_c2k)."""
+    (tmp_path / "scripts").symlink_to(ROOT / "scripts")
+    sandbox.update(STEPS="ours ours_host ours_c2k", BUDGET="900")
+    r = _run_script("serving_e2e.sh", sandbox)
+    assert r.returncode == 0, r.stdout + r.stderr
+    runs = {re.search(r"--label (\S+)", c).group(1): c for c in calls(sandbox) if "serving_e2e.py client" in c}
+    assert set(runs) == {"ours", "ours_engram_host", "ours_c2k"}, runs
+    assert "--chunked-prefill-size 2048" in runs["ours_c2k"] and "--chunked-prefill-size" not in runs["ours"]
+    assert "--chunked-prefill-size" not in runs["ours_engram_host"]
+    assert runs["ours_engram_host"].startswith("[engram_host=1] ")
+    assert not runs["ours"].startswith("[") and not runs["ours_c2k"].startswith("[")
