@@ -218,9 +218,14 @@ def align_labels(eager: Sequence[tuple[str, str, float]], graph_names: Sequence[
     return out
 
 
+#: kernel names kept in the JSON's per-kernel list (templated names run to kilobytes)
+KERNEL_NAME_CHARS = 96
+
+
 def summarise(eager: Sequence[tuple[str, str, float]], replays: Sequence[Sequence[dict]],
               fp8_linears: Iterable[str]) -> dict:
-    """Per label / component µs (median over replays), span, busy, gaps and kernel counts."""
+    """Per label / component µs (median over replays), span, busy, gaps and kernel counts; the first
+    replay's kernels as (name, label, µs) and their count per component (where the launches go)."""
     fp8 = set(fp8_linears)
     per_label: dict[str, list[float]] = defaultdict(list)
     spans, busys, counts, matched = [], [], [], []
@@ -242,6 +247,11 @@ def summarise(eager: Sequence[tuple[str, str, float]], replays: Sequence[Sequenc
         by_comp[component(label, fp8)] += us
     span, busy = statistics.median(spans or [0.0]), statistics.median(busys or [0.0])
     by_comp["launch_gaps"] = span - busy
+    first = list(replays[0]) if replays else []
+    first_labels = align_labels(eager, [e["name"] for e in first])
+    kernel_counts: dict[str, int] = defaultdict(int)
+    for label in first_labels:
+        kernel_counts[component(label, fp8)] += 1
     eager_us: dict[str, float] = defaultdict(float)
     eager_comp: dict[str, float] = defaultdict(float)
     for _, label, us in eager:
@@ -254,7 +264,10 @@ def summarise(eager: Sequence[tuple[str, str, float]], replays: Sequence[Sequenc
                 by_label=dict(sorted(med.items(), key=lambda kv: -kv[1])),
                 eager_device_us=dict(sorted(eager_us.items(), key=lambda kv: -kv[1])),
                 eager_by_component={c: eager_comp[c] for c in COMPONENTS if c in eager_comp},
-                eager_launches=len(eager))
+                eager_launches=len(eager),
+                kernels_by_component={c: kernel_counts[c] for c in COMPONENTS if c in kernel_counts},
+                kernels=[(str(e["name"])[:KERNEL_NAME_CHARS], label, float(e["dur"]))
+                         for e, label in zip(first, first_labels)])
 
 
 # ---- running it ---------------------------------------------------------------------------------

@@ -81,6 +81,8 @@ def test_attribution_replays_alignment_and_components(sp) -> None:
     assert comp["unattributed"] == 2 and comp["launch_gaps"] == pytest.approx(14.0)
     assert s["by_linear"] == {"attn.wq_a": 20} and s["matched_fraction"] == pytest.approx(0.8)
     assert s["eager_device_us"]["part:attention"] == 40 and s["eager_launches"] == 4
+    assert s["kernels_by_component"] == {"dense_fp8": 1, "attention": 1, "mhc": 1, "torch_glue": 1, "unattributed": 1}
+    assert s["kernels"][:2] == [("mhc_k", "mhc", 4.0), ("gemm", "linear:attn.wq_a", 20.0)] and len(s["kernels"]) == 5
 
 
 def test_component_names(sp) -> None:
