@@ -460,14 +460,18 @@ def test_gpu_fused_topk_equals_torch_path_at_flash_widths(N: int, E: int, search
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("N,E", [(1, 32768), (8, 65536), (2, 200000)])
-def test_gpu_split_topk_equals_torch_path_at_flash_widths(N: int, E: int, monkeypatch) -> None:
-    """SGLANG_DSV41_TOPK_SPLIT=on (`kernels.topk_split`) at long-context decode widths (64K / 128K /
-    400K tokens at ratio 2), top-512 and the candidate blocks' top-k: the torch path's result bit for
-    bit on BF16-valued scores (many exact ties), the invisible half −∞."""
+@pytest.mark.parametrize("N,E,mode", [(1, 32768, "on"), (8, 65536, "on"), (2, 200000, "on"), (64, 131072, None),
+                                      (1, 262144, None)])
+def test_gpu_split_topk_equals_torch_path_at_flash_widths(N: int, E: int, mode: str | None, monkeypatch) -> None:
+    """`kernels.topk_split` at long-context decode widths (64K / 128K / 400K tokens at ratio 2; 128K /
+    256K columns under the default "auto"), top-512 and the candidate blocks' top-k: the torch path's
+    result bit for bit on BF16-valued scores (many exact ties), the invisible half −∞."""
     from sglang_dsv41.kernels import topk_split as TSPLIT
 
-    monkeypatch.setenv(TSPLIT.SPLIT_ENV, "on")
+    if mode is None:
+        monkeypatch.delenv(TSPLIT.SPLIT_ENV, raising=False)
+    else:
+        monkeypatch.setenv(TSPLIT.SPLIT_ENV, mode)
     g = torch.Generator(device="cuda").manual_seed(N + E)
     s = ops.bf16(torch.randn(N, E, generator=g, device="cuda"))
     s[:, E // 2:] = -INF
