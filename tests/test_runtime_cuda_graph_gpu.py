@@ -103,7 +103,7 @@ def _run_steps(c):
 @pytest.fixture(scope="module")
 def results(captured):
     sink = max(captured["engine"].text.compress_ratios)       # entry 0's rows: the write sink, in page 0
-    assert 1 <= sink <= PAGE_SIZE
+    assert PAGE_SIZE >= sink >= 1
     rows = []
     for step, inputs, replayed, eager, live in _run_steps(captured):
         rows.append(dict(step=step, live=inputs.live, replayed=replayed.cpu(), eager=eager.cpu(), live_logits=live.cpu(),
