@@ -579,6 +579,7 @@ def test_serving_e2e_restores_and_packs_sglang_jit_and_shares_graph_sizes(sandbo
         assert " --cuda-graph-bs-decode 1 16 64 " in c and "--cuda-graph-max-bs" not in c
     assert int(re.search(r"--budget-s (\d+)", sg).group(1)) <= 300 - 50 - 15
     assert re.search(r"^RESULT jitpack rc=0 at \d+ s$", r.stdout, re.M), r.stdout
+    assert re.search(r"^sglang env: ", r.stdout, re.M), r.stdout          # the switches SGLang ran with, logged
     sandbox.update(STEPS="ours")
     del sandbox["GRAPH_BS"]
     r = _run_script("serving_e2e.sh", sandbox)

@@ -90,6 +90,7 @@ for step in $STEPS; do
 from sglang_v4_baseline import sglang_env; import sglang_jit_cache as j; from pathlib import Path
 e = {**sglang_env(u.find_spec("deep_gemm") is not None), **j.jit_cache_env(Path("'"$JIT"'"))}
 print(" ".join(f"{k}={v}" for k, v in e.items()))')
+          echo "sglang env: $envs" | tee -a "$OUT/summary.txt"
           s=${SGLANG_STARTUP_S:-200}; b=$(( $(cap $((s + 150))) - 15 - RESERVE ))
           env $envs SGLANG_SIMULATE_UNIFORM_EXPERTS=${SGLANG_UNIFORM:-1} timeout $((b + 10)) $CLIENT --label sglang_v4 --budget-s $b --startup-s "$s" --concurrency ${CONC:-1 16 64} -- \
             python3 -m sglang.launch_server --model-path $M/sglang_v4 --load-format dummy --trust-remote-code \
