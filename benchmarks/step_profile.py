@@ -229,8 +229,10 @@ def summarise(eager: Sequence[tuple[str, str, float]], replays: Sequence[Sequenc
     fp8 = set(fp8_linears)
     per_label: dict[str, list[float]] = defaultdict(list)
     spans, busys, counts, matched = [], [], [], []
+    first: list[tuple[dict, str]] = []                       # the first replay's (kernel, label)
     for events in replays:
         labels = align_labels(eager, [e["name"] for e in events])
+        first = first or list(zip(events, labels))
         sums: dict[str, float] = defaultdict(float)
         for e, label in zip(events, labels):
             sums[label] += float(e["dur"])
@@ -247,10 +249,8 @@ def summarise(eager: Sequence[tuple[str, str, float]], replays: Sequence[Sequenc
         by_comp[component(label, fp8)] += us
     span, busy = statistics.median(spans or [0.0]), statistics.median(busys or [0.0])
     by_comp["launch_gaps"] = span - busy
-    first = list(replays[0]) if replays else []
-    first_labels = align_labels(eager, [e["name"] for e in first])
     kernel_counts: dict[str, int] = defaultdict(int)
-    for label in first_labels:
+    for _, label in first:
         kernel_counts[component(label, fp8)] += 1
     eager_us: dict[str, float] = defaultdict(float)
     eager_comp: dict[str, float] = defaultdict(float)
@@ -266,8 +266,7 @@ def summarise(eager: Sequence[tuple[str, str, float]], replays: Sequence[Sequenc
                 eager_by_component={c: eager_comp[c] for c in COMPONENTS if c in eager_comp},
                 eager_launches=len(eager),
                 kernels_by_component={c: kernel_counts[c] for c in COMPONENTS if c in kernel_counts},
-                kernels=[(str(e["name"])[:KERNEL_NAME_CHARS], label, float(e["dur"]))
-                         for e, label in zip(first, first_labels)])
+                kernels=[(str(e["name"])[:KERNEL_NAME_CHARS], label, float(e["dur"])) for e, label in first])
 
 
 # ---- running it ---------------------------------------------------------------------------------
