@@ -58,10 +58,12 @@ CASES = ([("decode", n, e, False) for n in (1, 8, 64) for e in (8192, 32768, 655
          + [("long", n, e, False) for n in (1, 8, 64) for e in (131072, 262144)] + [("long", 1, 1048576, False)])
 #: groups timed unless --cases names others ("long": decode rows wider than the fused kernel's limit)
 DEFAULT_GROUPS = ("decode", "hit", "prefill")
-METHODS = ("ours", "ours_bisect", "ours_radix_w4", "ours_radix_w16", "ours_split", "sglang_v1", "sglang_v2", "raw_v1",
-           "raw_v2")
+METHODS = ("ours", "ours_torch", "ours_bisect", "ours_radix_w4", "ours_radix_w16", "ours_split", "sglang_v1",
+           "sglang_v2", "raw_v1", "raw_v2")
 #: methods whose selection is compared with ours (agreement, over_ours)
-COMPARED = ("ours_bisect", "ours_radix_w4", "ours_radix_w16", "ours_split", "sglang_v1", "sglang_v2")
+COMPARED = ("ours_torch", "ours_bisect", "ours_radix_w4", "ours_radix_w16", "ours_split", "sglang_v1", "sglang_v2")
+#: a row's entry for a method left out by --methods
+NOT_TIMED = dict(skipped="not in --methods")
 
 
 def lengths(rows: int, width: int, causal: bool, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -122,6 +124,7 @@ def method_calls(TS, IX, module, scores: torch.Tensor, lens: torch.Tensor,
     s2 = TS.v2_scores(scores) if raw else None
     calls = {
         "ours": lambda: IX.select_topk(scores, K, check_nan=False),
+        "ours_torch": lambda: IX.select_topk(scores, K, check_nan=False, method="torch"),
         "ours_bisect": lambda: IX.TS.select_topk_fused(scores, K, radix=False),
         "ours_radix_w4": lambda: IX.TS.select_topk_fused(scores, K, radix=True, num_warps=4),
         "ours_radix_w16": lambda: IX.TS.select_topk_fused(scores, K, radix=True, num_warps=16),
@@ -134,6 +137,16 @@ def method_calls(TS, IX, module, scores: torch.Tensor, lens: torch.Tensor,
     return {m: f for m, f in calls.items() if m == "ours" or m in methods}
 
 
+def ours_method(IX, rows: int, width: int, cuda: bool = True) -> str:
+    """What `select_topk` runs for rows × width by default (as its dispatch decides, split included)."""
+    method = IX.topk_method(cuda)
+    if method != "fused":
+        return method
+    if IX.TSPLIT.split_applies(rows, width, K):
+        return "split"
+    return method if width <= IX.TS.FUSED_MAX_ENTRIES else "torch"
+
+
 def run_case(TS, IX, module, case: tuple[str, int, int, bool], dist: str, gen: torch.Generator, cap_s: float,
              errors: list[str], skipped: list[str], deadline: float, methods: tuple[str, ...] = METHODS) -> dict:
     """One case's row: per method first call + `measure` (or its error / skip), agreement with ours."""
@@ -142,10 +155,10 @@ def run_case(TS, IX, module, case: tuple[str, int, int, bool], dist: str, gen: t
     lens = lengths(n, e, causal, dev)
     scores = make_scores(n, e, lens, dist, gen)
     row: dict = dict(group=group, rows=n, width=e, k=K, causal=causal, mean_length=float(lens.float().mean()),
-                     ours_method=IX.topk_method(dev.type == "cuda") if e <= IX.TS.FUSED_MAX_ENTRIES else "torch")
+                     ours_method=ours_method(IX, n, e, dev.type == "cuda"))
     calls = method_calls(TS, IX, module, scores, lens, methods)
     for name in METHODS:
-        row[name] = dict(skipped="not in --methods")
+        row[name] = dict(NOT_TIMED)
     for name, fn in calls.items():
         row[name] = attempt(f"{group} N={n} E={e} {name}",
                             lambda fn=fn: dict(first_ms=wall_ms(fn, dev)) | measure(fn, cap_s, dev),
@@ -166,7 +179,7 @@ def case_line(row: dict) -> str:
             + "".join(f"  {v} agree {row[v]['agreement']['exact_rows']:.3f}/{row[v]['agreement']['equal_up_to_ties_rows']:.3f}"
                       for v in COMPARED if "agreement" in row[v])
             + "".join(f"  {m} {'ERROR' if 'error' in row[m] else 'skipped'}" for m in METHODS
-                      if "median_us" not in row[m] and row[m].get("skipped") != "not in --methods"))
+                      if "median_us" not in row[m] and row[m] != NOT_TIMED))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

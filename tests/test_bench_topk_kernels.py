@@ -22,7 +22,7 @@ def test_cases_cover_decode_hit_and_prefill() -> None:
     assert {("prefill", 8192, 4096, True), ("prefill", 8192, 16384, True)} <= shapes
     assert {("long", 1, 1 << 20, False), ("long", 64, 1 << 18, False)} <= shapes
     assert bench.parse_args(["--out", "x"]).cases == ["decode", "hit", "prefill"]
-    assert bench.K == 512 and set(bench.METHODS) == {"ours", "ours_bisect", "ours_radix_w4", "ours_radix_w16",
+    assert bench.K == 512 and set(bench.METHODS) == {"ours", "ours_torch", "ours_bisect", "ours_radix_w4", "ours_radix_w16",
                                                        "ours_split", "sglang_v1", "sglang_v2", "raw_v1", "raw_v2"}
 
 
@@ -123,3 +123,14 @@ def test_methods_subset_needs_no_sglang_module() -> None:
     assert bench.parse_args(["--out", "x", "--methods", "ours_split"]).methods == ["ours_split"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--out", "x", "--methods", "nope"])
+
+
+def test_ours_method_follows_the_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_dsv41.kernels import indexer as IX
+
+    monkeypatch.delenv(IX.TSPLIT.SPLIT_ENV, raising=False)
+    assert bench.ours_method(IX, 1, 1 << 17) == "split" and bench.ours_method(IX, 1, 1 << 20) == "torch"
+    assert bench.ours_method(IX, 1, 8192) == IX.topk_method(True)
+    assert bench.ours_method(IX, 1, 1 << 17, cuda=False) == IX.topk_method(False)
+    monkeypatch.setenv(IX.TSPLIT.SPLIT_ENV, "off")
+    assert bench.ours_method(IX, 1, 1 << 17) == "torch"
