@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from sglang_dsv41 import overrides, plugin
-from sglang_dsv41.runtime.requirements import (CUDA_TOKENS_PER_CONTEXT, CURRENT_RUNTIME, PAGE_SIZE,
+from sglang_dsv41.runtime.requirements import (CUDA_TOKENS_PER_CONTEXT, CURRENT_RUNTIME, DECODE_GRAPH_MAX_BS, PAGE_SIZE,
                                                PREFILL_GRAPH_TOKENS, REASONING_PARSER, STORAGE_PAGE_SIZE,
                                                TOOL_CALL_PARSER, GRAPH_BACKEND_NAME)
 
@@ -50,7 +50,8 @@ def test_cuda_defaults_reach_the_graph_configuration(resolve) -> None:
     sa = resolve("cuda")
     assert _declared(sa, "cuda") == CURRENT_RUNTIME.defaults("cuda")
     assert sa.attention_backend == GRAPH_BACKEND_NAME and sa.sampling_backend == "pytorch" and sa.page_size == 2
-    assert sa.cuda_graph_config.decode.max_bs == 16 and max(sa.cuda_graph_config.decode.bs) == 16
+    assert sa.cuda_graph_config.decode.max_bs == DECODE_GRAPH_MAX_BS == 256
+    assert max(sa.cuda_graph_config.decode.bs) == 256
     assert sa.disable_cuda_graph is False and sa.sleep_on_idle is False
     # the pool cap: CUDA_TOKENS_PER_CONTEXT context lengths (SGLang's eager buffers scale with the pool)
     assert sa.max_total_tokens == CUDA_TOKENS_PER_CONTEXT * sa.get_model_config().context_len
