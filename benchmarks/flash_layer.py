@@ -340,9 +340,13 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor, sink: T
                                                     generator=g, device=pos.device))
     head_w = torch.rand(q.shape[0], t.index_n_heads, generator=g, device=pos.device) / t.index_n_heads
 
+    # the scoring kernel's query tiles, as in the runtime (attention_ops `query_tiles`): built once per forward
+    # and shared by every indexer layer, so the first call below builds them and the timed calls reuse them
+    tiles: dict = {}
+
     def scores_packed():
         return K.index_scores(iq, head_w, caches.packed_keys, entries, req, n_vis, head_sum_exact=exact,
-                              check_inputs=False)
+                              check_inputs=False, tile_cache=tiles)
 
     def indexer():
         return select_for_role(K, t, role, scores_packed(), n_vis, None, check_nan=False)[0]
@@ -385,7 +389,8 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor, sink: T
     comp_slots = torch.where(comp_entries >= 0, comp_entries * r + r - 1, -1)
 
     def scores_bf16():
-        return K.index_scores(iq, head_w, caches.keys, slots, req, n_vis, head_sum_exact=exact, check_inputs=False)
+        return K.index_scores(iq, head_w, caches.keys, slots, req, n_vis, head_sum_exact=exact, check_inputs=False,
+                              tile_cache=tiles)
 
     def attention_bf16():
         return SA.sparse_sink_attention(qb, caches.swa, qs["swa_slots"], caches.latents, comp_slots, sink, scale,

@@ -101,6 +101,11 @@ KEY_TILE_BYTES = 32768
 MAX_SPLITS = 32
 #: Largest query count `plan_decode_config` splits (above it: one split).
 DECODE_SPLIT_MAX_QUERIES = 16
+#: Heads per program of `plan_decode_config` up to DECODE_SMALL_BLOCK_H_MAX_QUERIES queries (when it
+#: is below `plan_config`'s): more head blocks, so the splits fill the multiprocessors with smaller
+#: programs (docs/performance.md, session 12's variants and session 21)
+DECODE_SMALL_BLOCK_H = 16
+DECODE_SMALL_BLOCK_H_MAX_QUERIES = 8
 #: [heads, block_d] fp32 elements one program of the split-merge kernel combines (16 per thread).
 MERGE_ELEMS_PER_PROGRAM = 2048
 _LOG2E = 1.4426950408889634
@@ -165,14 +170,17 @@ def plan_config(num_queries: int, num_heads: int, head_dim: int, window: int, to
 def plan_decode_config(num_queries: int, num_heads: int, head_dim: int, window: int, topk: int,
                        sm_count: int, block_h: int | None = None) -> SparseAttentionConfig:
     """Split-KV for small decode batches: `plan_config`'s blocks (or `block_h`), and for
-    N ≤ DECODE_SPLIT_MAX_QUERIES as many key-tile splits as fill the multiprocessors,
+    N ≤ DECODE_SPLIT_MAX_QUERIES as many key-tile splits as fill the multiprocessors (with at most
+    DECODE_SMALL_BLOCK_H heads per program at N ≤ DECODE_SMALL_BLOCK_H_MAX_QUERIES unless `block_h`),
     ⌈sm_count / (N·⌈H/block_h⌉)⌉, down to one tile per split (≤ tiles, ≤ MAX_SPLITS; no empty
     split). Unlike `plan_config` a split may hold fewer than ⌈2H/block_n⌉ tiles: its scratch
     (H·(D + 2)·4 B written and read back, L2-resident) then exceeds the keys it reads, which pays at
     these N because the launch would otherwise run on N·⌈H/block_h⌉ multiprocessors (2 at Flash,
     N = 1). Above DECODE_SPLIT_MAX_QUERIES: one split. The split count depends on N, so a query's
-    bits depend on its batch's size class (≤ / > DECODE_SPLIT_MAX_QUERIES): not batch invariant."""
+    bits depend on its batch's size class (N ≤ 8, ≤ 16, above): not batch invariant."""
     base = plan_config(num_queries, num_heads, head_dim, window, topk, sm_count)
+    if block_h is None and 1 <= num_queries <= DECODE_SMALL_BLOCK_H_MAX_QUERIES:
+        block_h = min(base.block_h, DECODE_SMALL_BLOCK_H)
     if block_h is not None:
         base = dataclasses.replace(base, block_h=block_h)
     if num_queries > DECODE_SPLIT_MAX_QUERIES or num_queries < 1:
