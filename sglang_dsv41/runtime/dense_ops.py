@@ -301,14 +301,14 @@ class BlockedBf16Gemm:
                 self._audit(x2)
             return _unrows(fp8_linear(x2, w.values, w.scales), lead)
         if w.dtype == BF16:
-            a = _fresh(x2, BF16)
             if self.audit_inputs:
                 self._audit(x2)
+            dtype = BF16
         else:
             if x.is_cuda and torch.backends.cuda.matmul.allow_tf32:
                 raise RuntimeError("dense backend: fp32 weight GEMM with TF32 enabled (its bound needs fp32)")
-            a = _fresh(x2, F32)
-        return _unrows(self._blocked(a, w), lead)
+            dtype = F32
+        return _unrows(self._blocked(x2, dtype, w), lead)
 
     def fp8_operand(self, weight: Tensor) -> Fp8Weight | None:
         """The E4M3 tiles of a registered FP8 weight (or a tile-row view of one); None for a
@@ -342,17 +342,18 @@ class BlockedBf16Gemm:
         bad = (x2.to(BF16).to(x2.dtype) != x2).any()
         self._inexact = bad if self._inexact is None else (self._inexact | bad)
 
-    def _blocked(self, a: Tensor, w: Tensor) -> Tensor:
-        M, B = a.shape[0], self.row_block
+    def _blocked(self, x2: Tensor, dtype: torch.dtype, w: Tensor) -> Tensor:
+        """x2·wᵀ in fp32 with x2 in `dtype`: in row blocks of row_block rows (the last one padded), or
+        whole when `whole_rows` and x2 has more than one block."""
+        M, B = x2.shape[0], self.row_block
         if M == 0:
-            return a.new_zeros(0, w.shape[0], dtype=F32)
+            return x2.new_zeros(0, w.shape[0], dtype=F32)
         if self.whole_rows and M > B:
-            return _mm_fp32_out(a, w.t())
-        pad = (-M) % B
-        if pad:
-            a = torch.cat((a, a.new_zeros(pad, a.shape[1])))
+            return _mm_fp32_out(_fresh(x2, dtype), w.t())
+        rows = -(-M // B) * B
+        a = _fresh(x2, dtype, rows)
         wt = w.t()
-        blocks = [_mm_fp32_out(a[i:i + B], wt) for i in range(0, M + pad, B)]
+        blocks = [_mm_fp32_out(a[i:i + B], wt) for i in range(0, rows, B)]
         out = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
         return out[:M]
 
@@ -378,11 +379,18 @@ def _unrows(y: Tensor, lead: torch.Size) -> Tensor:
     return y if len(lead) == 1 else y.reshape(*lead, y.shape[-1])
 
 
-def _fresh(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """A new contiguous copy of x in `dtype`: every row block then starts at an allocator-aligned
-    address + a multiple of row_block·K elements, so the GEMM sees the same shape and alignment
-    for every block of every call (a cuBLAS kernel choice depends on both)."""
-    return x.to(dtype, copy=True, memory_format=torch.contiguous_format)
+def _fresh(x: Tensor, dtype: torch.dtype, rows: int | None = None) -> Tensor:
+    """A new contiguous [rows, K] tensor in `dtype` whose first M rows are x (one copy kernel): every
+    row block then starts at an allocator-aligned address + a multiple of row_block·K elements, so
+    the GEMM sees the same shape and alignment for every block of every call (a cuBLAS kernel choice
+    depends on both). Rows past M are left unwritten: a product row depends on its own row only, and
+    the caller drops theirs."""
+    M = x.shape[0]
+    if rows is None or rows == M:
+        return x.to(dtype, copy=True, memory_format=torch.contiguous_format)
+    a = torch.empty(rows, x.shape[1], dtype=dtype, device=x.device)
+    a[:M].copy_(x)
+    return a
 
 
 def _mm_fp32_out(a: Tensor, wt: Tensor) -> Tensor:
