@@ -313,3 +313,23 @@ def test_cuda_matches_reference_at_flash_shape() -> None:
         x = _x(T, t.hidden_size, seed=100 + T, device=dev)
         y, bound = _reference_parts(t, w_ref, "layers.3.", x)
         _assert_within(moe_sublayer(t, w, "layers.3.", x, image_rows=None, act_quant=True), y, bound)
+
+
+def test_sqrt_softplus_cpu_fp32_keeps_the_where_chain() -> None:
+    """On CPU (fp32 acc too) the scores are the `where` chain's: exp / log1p below the threshold, z above."""
+    z = torch.linspace(-30, 30, 4001, dtype=torch.float32)
+    chain = torch.where(z > moe_ops.SOFTPLUS_THRESHOLD, z, torch.log1p(torch.exp(z.clamp(max=moe_ops.SOFTPLUS_THRESHOLD))))
+    assert torch.equal(moe_ops.sqrt_softplus(z, torch.float32), torch.sqrt(chain))
+
+
+@pytest.mark.gpu
+def test_cuda_sqrt_softplus_one_kernel_equals_the_where_chain() -> None:
+    """CUDA fp32: `F.softplus` (one kernel) gives the `where` chain's bits, threshold included."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    z = torch.cat((torch.randn(1 << 20, generator=g, device="cuda") * 8,
+                   torch.tensor([20.0, 20.000002, 19.999998, -88.0, -104.0, 0.0], device="cuda")))
+    t = moe_ops.SOFTPLUS_THRESHOLD
+    chain = torch.sqrt(torch.where(z > t, z, torch.log1p(torch.exp(z.clamp(max=t)))))
+    assert torch.equal(moe_ops.sqrt_softplus(z, torch.float32), chain)

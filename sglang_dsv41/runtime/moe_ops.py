@@ -90,7 +90,10 @@ def sqrt_softplus(logits: Tensor, acc: torch.dtype = F64) -> Tensor:
     takes the sqrt of the fp32 softplus), as a sqrt in `acc` rounded to fp32 (float64: the
     correctly rounded fp32 sqrt, which torch's CPU fp32 sqrt is not). Elementwise: batch invariant."""
     z = logits.to(acc)
-    soft = torch.where(z > SOFTPLUS_THRESHOLD, z, torch.log1p(torch.exp(z.clamp(max=SOFTPLUS_THRESHOLD))))
+    if z.is_cuda and acc == F32:     # one kernel: CUDA's softplus is this `where` with the same expf / log1pf
+        soft = torch.nn.functional.softplus(z, beta=1.0, threshold=SOFTPLUS_THRESHOLD)
+    else:
+        soft = torch.where(z > SOFTPLUS_THRESHOLD, z, torch.log1p(torch.exp(z.clamp(max=SOFTPLUS_THRESHOLD))))
     return torch.sqrt(soft.to(F32).to(acc)).to(F32)
 
 
