@@ -178,12 +178,18 @@ def compulsory_bytes(c: dict) -> int:
 
 
 def sweep_configs(n: int, planned: sa.SparseAttentionConfig) -> list[sa.SparseAttentionConfig]:
+    """The planned launch and alternatives: heads per program, keys per tile, warps, pipeline stages,
+    and key splits 1 / planned / 2× planned (and 4 where one split is planned)."""
     out = {planned}
-    for block_h, block_n, warps in ((16, 32, 4), (16, 32, 8), (32, 16, 8), (32, 32, 8)):
-        for splits in sorted({1, planned.num_splits, min(sa.MAX_SPLITS, 2 * planned.num_splits)}):
+    splits_tried = {1, planned.num_splits, min(sa.MAX_SPLITS, 2 * planned.num_splits)}
+    if planned.num_splits == 1:
+        splits_tried.add(4)
+    for block_h, block_n, warps, stages in ((16, 32, 4, 2), (16, 32, 8, 2), (32, 16, 8, 2), (32, 32, 8, 2),
+                                            (16, 32, 4, 3), (32, 32, 8, 3), (16, 16, 4, 2)):
+        for splits in sorted(splits_tried):
             out.add(sa.SparseAttentionConfig(block_h=block_h, block_d=planned.block_d, block_n=block_n,
-                                             num_splits=splits, num_warps=warps, num_stages=2))
-    return sorted(out, key=lambda c: (c.block_h, c.block_n, c.num_warps, c.num_splits))
+                                             num_splits=splits, num_warps=warps, num_stages=stages))
+    return sorted(out, key=lambda c: (c.block_h, c.block_n, c.num_warps, c.num_stages, c.num_splits))
 
 
 def packed_split_counts(requested: list[int], planned: sa.SparseAttentionConfig) -> list[int]:
@@ -261,9 +267,23 @@ def main() -> None:
                 f"{k}: {us:.1f}" for k, us in row["packed_by_splits"].items()), flush=True)
         if args.sweep:
             row["sweep"] = []
-            for cfg in sweep_configs(n, planned):
-                t = run(cfg)
-                row["sweep"].append(dict(config=dataclasses.asdict(cfg), ms=t, gbs=nbytes / (t * 1e-3) / 1e9))
+            decode_plan = sa.plan_decode_config(n, HEADS, HEAD_DIM, WINDOW, TOPK, props.multi_processor_count)
+            row["decode_plan"] = dataclasses.asdict(decode_plan)      # the runtime's launch (serving default)
+            for cfg in [decode_plan, *(c for c in sweep_configs(n, planned) if c != decode_plan)]:
+                try:
+                    t = run(cfg)
+                    tp = triton.testing.do_bench(
+                        lambda: sa.sparse_sink_attention(c["q"], c["swa_cache"], c["swa_slots"], c["packed"],
+                                                         c["packed_entries"], c["sink"], scale, config=cfg),
+                        warmup=10, rep=100, return_mode="median")
+                except Exception as exc:      # e.g. out of shared memory for this tile shape
+                    row["sweep"].append(dict(config=dataclasses.asdict(cfg), error=f"{type(exc).__name__}: {exc}"[:200]))
+                    continue
+                row["sweep"].append(dict(config=dataclasses.asdict(cfg), ms=t, gbs=nbytes / (t * 1e-3) / 1e9,
+                                         packed_ms=tp))
+            best = min((r for r in row["sweep"] if "packed_ms" in r), key=lambda r: r["packed_ms"], default=None)
+            if best:
+                print(f"N={n:4d}  sweep: best packed {best['packed_ms'] * 1e3:.1f} us with {best['config']}", flush=True)
         rows.append(row)
         print(f"N={n:4d}  {ms * 1e3:8.1f} us  {row['gbs']:7.0f} GB/s  ({row['fraction_of_copy_bw']:.0%} of copy)  "
               f"packed {packed_ms * 1e3:8.1f} us  {packed_gbs:7.0f} GB/s ({packed_gbs / copy_gbs:.0%})  "
