@@ -21,9 +21,10 @@ scattered BF16 rows) it
    runtime uses (`runtime/attention_ops.ATTENTION_KEY_SPLITS`): `runtime_one_split` in the JSON.
 
 Writes `benchmarks/results/sparse_attention.json` and `sparse_attention.png`. `--sweep` also times
-a few alternative block configurations per N (for tuning `plan_config`).
+the packed path with the runtime's decode plan and alternative block configurations per N (for tuning
+`plan_config` / `plan_decode_config`).
 
-    python benchmarks/sparse_attention.py [--sweep] [--packed-splits 1 5 10 16] [--out benchmarks/results]
+    python benchmarks/sparse_attention.py [--sweep] [--batches 1 8 64 256] [--packed-splits 1 5 10 16] [--out DIR]
 """
 from __future__ import annotations
 
@@ -202,7 +203,9 @@ def packed_split_counts(requested: list[int], planned: sa.SparseAttentionConfig)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-    parser.add_argument("--sweep", action="store_true", help="also time alternative block configurations")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time alternative block configurations on the packed path (the runtime's)")
+    parser.add_argument("--batches", type=int, nargs="+", default=list(DECODE_BATCHES))
     parser.add_argument("--packed-splits", type=int, nargs="*", default=[],
                         help="also time the packed path with these fixed key-split counts (decode-only split "
                              "candidates: docs/runtime.md next steps)")
@@ -218,7 +221,7 @@ def main() -> None:
     scale = HEAD_DIM ** -0.5
     copy_gbs = copy_bandwidth_gbs(device)
     rows = []
-    for n in DECODE_BATCHES:
+    for n in args.batches:
         c = decode_case(n, device, seed=n)
         accuracy = check_against_oracle(c, scale)
         planned = sa.plan_config(n, HEADS, HEAD_DIM, WINDOW, TOPK, props.multi_processor_count)
@@ -271,7 +274,6 @@ def main() -> None:
             row["decode_plan"] = dataclasses.asdict(decode_plan)      # the runtime's launch (serving default)
             for cfg in [decode_plan, *(c for c in sweep_configs(n, planned) if c != decode_plan)]:
                 try:
-                    t = run(cfg)
                     tp = triton.testing.do_bench(
                         lambda: sa.sparse_sink_attention(c["q"], c["swa_cache"], c["swa_slots"], c["packed"],
                                                          c["packed_entries"], c["sink"], scale, config=cfg),
@@ -279,8 +281,8 @@ def main() -> None:
                 except Exception as exc:      # e.g. out of shared memory for this tile shape
                     row["sweep"].append(dict(config=dataclasses.asdict(cfg), error=f"{type(exc).__name__}: {exc}"[:200]))
                     continue
-                row["sweep"].append(dict(config=dataclasses.asdict(cfg), ms=t, gbs=nbytes / (t * 1e-3) / 1e9,
-                                         packed_ms=tp))
+                row["sweep"].append(dict(config=dataclasses.asdict(cfg), packed_ms=tp,
+                                         packed_gbs=packed_bytes / (tp * 1e-3) / 1e9))
             best = min((r for r in row["sweep"] if "packed_ms" in r), key=lambda r: r["packed_ms"], default=None)
             if best:
                 print(f"N={n:4d}  sweep: best packed {best['packed_ms'] * 1e3:.1f} us with {best['config']}", flush=True)
