@@ -65,7 +65,7 @@ def run(out: Path, tokens: tuple[int, ...] = TOKENS) -> dict:
         row["dot_vs_rows_max_abs"] = max(float((a - b).abs().max()) for a, b in zip(co["dot"], co["rows"]))
         row["dot_rows_bit_equal"] = all(torch.equal(a, b) for a, b in zip(co["dot"], co["rows"]))
         row["auto_kernel"] = mhc_ops.mix_for_tokens(T)
-        best = min(row["coefficients_dot_us"], row["coefficients_rows_us"])
+        best = min(row[f"coefficients_{m}_us"] for m in K.MIX_KERNELS)
         row["auto_over_best"] = row[f"coefficients_{row['auto_kernel']}_us"] / best
         row["sublayer_input_us"] = triton.testing.do_bench(lambda R=R, pre=pre: K.hc_sublayer_input(R, pre, w, 1e-6), warmup=10,
                                                            rep=50, return_mode="median") * 1e3

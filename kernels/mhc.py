@@ -14,7 +14,10 @@ bit-identical (tests/test_kernels_mhc.py):
   token tile with the slice; `rows` (`_hc_mix_partials_kernel`, BLOCK_T = 16) — a loop over
   the tokens, each a [32, 128] product reduced by `tl.sum` (a 128-lane reduction per token and
   slice: slow at prefill row counts, docs/performance.md "Session 13"). The two sum a slice in
-  different orders (bits differ; both within COEFFICIENT_BOUND, tests).
+  different orders (bits differ; both within COEFFICIENT_BOUND, tests). `fused`
+  (`kernels/mhc_decode.py`, decode-sized T): partials over 512-column splits and the
+  coefficients below in ONE launch (the last split of a token block to arrive sums the splits in
+  fixed order; int32 arrival counters, left zero).
   At T = 1 the 1.5 MB F read is spread over 160 programs (Flash).
   `_hc_coefficients_kernel`, one program per token: with `dot` one warp adding the partials 32
   chunks a step (the 4 × 4 Sinkhorn in warp shuffles); with `rows` four warps, all chunks in one
@@ -61,6 +64,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
+from sglang_dsv41.kernels.mhc_decode import FUSED_NUM_WARPS, launch_fused
+
 
 F32 = torch.float32
 #: Columns of F per program of the partial-dot kernel (fixed: the fp32 partials do not depend on T).
@@ -70,8 +75,8 @@ MIX_BLOCK_T = 16
 MIX_DOT_BLOCK_T = 32
 #: Columns per chained dot step of `_hc_mix_dot_kernel` (keeps its operands in registers).
 MIX_DOT_SUB_K = 32
-#: the partial-dot kernels (module doc); the first is the default
-MIX_KERNELS = ("dot", "rows")
+#: the partial-dot kernels (module doc); the first is the default; `fused` = `kernels.mhc_decode` (one launch)
+MIX_KERNELS = ("dot", "rows", "fused")
 #: with `dot`: partial-sum chunks per step and warps of the coefficient kernel (`rows`: all chunks, 4 warps)
 COEFF_CHUNKS_BLOCK = 32
 COEFF_NUM_WARPS = 1
@@ -298,10 +303,11 @@ def _coefficient_rows(name: str, coeff: Tensor, T: int, shape: tuple[int, ...]) 
 
 def hc_coefficients(residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *,
                     rms_eps: float, hc_eps: float, sinkhorn_iters: int,
-                    mix: str = MIX_KERNELS[0]) -> tuple[Tensor, Tensor, Tensor]:
+                    mix: str = MIX_KERNELS[0], counters: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(pre [T, hc], post [T, hc], comb [T, hc, hc]) fp32 of one hyper-connection from the residual
     entering it (spec §3.2); fp32 inside, each value within COEFFICIENT_BOUND of the reference.
-    `mix`: the partial-dot kernel (MIX_KERNELS, module doc)."""
+    `mix`: the partial-dot kernel (MIX_KERNELS, module doc); `counters`: with `fused`, the arrival
+    counters (`mhc_decode.fused_counters`; None: zeroed per call)."""
     if mix not in MIX_KERNELS:
         raise ValueError(f"hc_coefficients: mix must be one of {MIX_KERNELS}, got {mix!r}")
     T, hc, H = _check_residual("hc_coefficients", residual)
@@ -322,6 +328,13 @@ def hc_coefficients(residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *
     if x.stride(1) != 1:
         x = x.contiguous()
     f = fn.to(F32).contiguous()
+    if mix == "fused":
+        opts = _launch_options()
+        if not INTERPRETED:
+            opts["num_warps"] = FUSED_NUM_WARPS
+        launch_fused(x, f, base.to(F32).contiguous(), scale.to(F32).contiguous(), pre, post, comb, hc=hc,
+                     rms_eps=rms_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters, counters=counters, opts=opts)
+        return pre, post, comb
     num_chunks = triton.cdiv(K, MIX_BLOCK_K)
     slot = _pow2_at_least(rows + 1)
     partials = torch.empty(T, num_chunks, slot, dtype=F32, device=dev)

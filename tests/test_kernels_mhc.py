@@ -13,6 +13,9 @@ What is pinned:
 * batch invariance: a row of a batch == the row alone, bitwise, for every op (and for each
   partial-dot kernel of `K.MIX_KERNELS` at the edges of its token tiles, T = 40), in the
   deterministic configuration (`TritonMhc(deterministic=True)`: one kernel at every T);
+* `fused` (one launch, `kernels/mhc_decode.py`): within the bound at T ∈ {1, 3, 17, 64} for one
+  split and nine (a partial last one, two split blocks), at Flash width (T = 1, 3, one Sinkhorn
+  step), counters back to zero after each call and reused, bad counters raise; its sm_90 code;
 * `auto` (the serving default) runs `mhc_ops.mix_for_tokens`'s kernel per call — bit for bit that
   kernel's output on both sides of MIX_DOT_MIN_TOKENS (lowered for the interpreter) — and the two
   kernels agree within 2 × the bound; the choice logic (env, deterministic pinning) on CPU;
@@ -23,6 +26,8 @@ What is pinned:
   the stream kernels, IEEE fp32 division / square root and no float64 at all in the coefficient
   kernels, and no register spills.
 GPU (`gpu` marker): the same bounds at tiny and Flash widths (hc = 4, H = 4096, T = 1 / 7 / 64),
+`fused` at Flash width for T = 1 … 256 (bound, counters back to zero, batch invariance, first call
+inside a graph capture),
 batch invariance at T = 64, both partial-dot kernels (`MIX_KERNELS`) at T = 300, `auto` dispatch at Flash
 width on both sides of the threshold, whether `dot` and `rows` agree bitwise (printed: the reason
 deterministic mode pins one), and CUDA-graph captures (T = 7 and MIX_DOT_MIN_TOKENS, `auto`) + replay == eager, bitwise.
@@ -37,6 +42,7 @@ import pytest
 import torch
 
 from sglang_dsv41.kernels import mhc as K
+from sglang_dsv41.kernels import mhc_decode
 from sglang_dsv41.reference import mhc as ref
 from sglang_dsv41.reference.ops import bf16
 from sglang_dsv41.runtime import mhc_ops
@@ -185,23 +191,65 @@ if KERNEL_HERE:
                 assert torch.equal(getattr(alone, name), getattr(got, name)[t:t + 1]), (mix, name, t)
 
     def test_kernel_case_auto_runs_the_kernel_of_the_token_count(monkeypatch) -> None:
-        """`auto` at T = 1, 20 and 40 with the threshold lowered to 32: each call == the kernel
-        `mix_for_tokens` names, bitwise (1, 40: `dot`; 20: `rows`); `dot` and `rows` within 2 × the
-        bound of each other."""
+        """`auto` at T = 1, 8, 20 and 40 with the thresholds lowered to 8 (`fused`) and 32 (`dot`):
+        each call == the kernel `mix_for_tokens` names, bitwise (1, 8: `fused`; 20: `rows`; 40:
+        `dot`); the kernels within 2 × the bound of each other."""
         monkeypatch.setattr(mhc_ops, "MIX_DOT_MIN_TOKENS", 32)
+        monkeypatch.setattr(mhc_ops, "FUSED_MAX_TOKENS", 8)
         c = hc_case(40, 4, 96, seed=22)
         auto = Shaped(mhc_ops.TritonMhc("auto"))
         kernels = {m: Shaped(mhc_ops.TritonMhc(m)) for m in K.MIX_KERNELS}
-        assert [mhc_ops.mix_for_tokens(T) for T in (1, 20, 31, 32, 40)] == ["dot", "rows", "rows", "dot", "dot"]
-        for T in (1, 20, 40):
+        assert [mhc_ops.mix_for_tokens(T) for T in (1, 8, 9, 20, 31, 32, 40)] == ["fused", "fused", "rows", "rows",
+                                                                                   "rows", "dot", "dot"]
+        for T in (1, 8, 20, 40):
             part = {k: v[:T] if k in PER_TOKEN else v for k, v in c.items()}
             got = coefficients(auto, part)
             want = coefficients(kernels[mhc_ops.mix_for_tokens(T)], part)
             for name in ("pre", "post", "comb"):
                 assert torch.equal(getattr(got, name), getattr(want, name)), (T, name)
-        dot, rows = coefficients(kernels["dot"], c), coefficients(kernels["rows"], c)
+        dot, rows, fused = (coefficients(kernels[m], c) for m in ("dot", "rows", "fused"))
         for name in ("pre", "post", "comb"):
-            assert float((getattr(dot, name) - getattr(rows, name)).abs().max()) <= 2 * K.COEFFICIENT_BOUND, name
+            for other in (rows, fused):
+                assert float((getattr(dot, name) - getattr(other, name)).abs().max()) <= 2 * K.COEFFICIENT_BOUND, name
+
+    @pytest.mark.parametrize("T", [1, 3, 17, 64])
+    @pytest.mark.parametrize("H", [64, 1040])
+    def test_kernel_case_fused_matches_reference(T: int, H: int) -> None:
+        """`fused` (one launch): within the bound at T across token blocks of FUSED_BLOCK_T (17, 64)
+        and widths of one split (H = 64) and of 9 splits, the last partial, over two split blocks
+        (H = 1040: hc·H = 4160); the counters (shared by the calls) are zero after every call."""
+        c = hc_case(T, 4, H, seed=31 * T + H)
+        counters = mhc_decode.fused_counters(64, DEVICE)
+        got = K.hc_coefficients(c["R"], c["fn"], c["base"], c["scale"], rms_eps=RMS_EPS, hc_eps=HC_EPS,
+                                sinkhorn_iters=20, mix="fused", counters=counters)
+        assert_coefficients_close(ref.HcCoefficients(*got), reference_coefficients(c))
+        assert int(counters.abs().sum()) == 0
+        again = K.hc_coefficients(c["R"], c["fn"], c["base"], c["scale"], rms_eps=RMS_EPS, hc_eps=HC_EPS,
+                                  sinkhorn_iters=20, mix="fused", counters=counters)
+        assert all(torch.equal(a, b) for a, b in zip(got, again)) and int(counters.abs().sum()) == 0
+
+    def test_kernel_case_fused_at_flash_width() -> None:
+        """`fused` at Flash width (hc = 4, H = 4096: 32 splits), T = 1 (decode) and T = 3 through
+        the runtime (`auto`, persistent counters): within the bound, counters zero after, a token
+        == the token alone, bitwise; one Sinkhorn step too."""
+        c = hc_case(3, 4, 4096, seed=41)
+        impl = mhc_ops.TritonMhc("auto")
+        assert impl.mix_for(3) == impl.mix_for(1) == "fused"
+        got = coefficients(Shaped(impl), c)
+        assert_coefficients_close(got, reference_coefficients(c))
+        counters = impl.counters_for(1, torch.device(DEVICE))
+        assert counters is not None and counters.numel() >= 1 and int(counters.abs().sum()) == 0
+        alone = coefficients(Shaped(impl), {k: v[2:3] if k in PER_TOKEN else v for k, v in c.items()})
+        assert all(torch.equal(getattr(alone, n), getattr(got, n)[2:3]) for n in ("pre", "post", "comb"))
+        one = {k: v[:1] if k in PER_TOKEN else v for k, v in c.items()}
+        assert_coefficients_close(coefficients(Shaped(impl), one, iters=1), reference_coefficients(one, iters=1))
+        assert int(counters.abs().sum()) == 0
+
+    def test_kernel_case_fused_counters_checked() -> None:
+        c = hc_case(17, 4, 64, seed=42)
+        with pytest.raises(ValueError, match="counters must be"):
+            K.hc_coefficients(c["R"], c["fn"], c["base"], c["scale"], rms_eps=RMS_EPS, hc_eps=HC_EPS,
+                              sinkhorn_iters=20, mix="fused", counters=mhc_decode.fused_counters(1, DEVICE))
 
     def test_kernel_case_deterministic_batch_invariant_across_the_threshold(monkeypatch) -> None:
         """Deterministic mode (one kernel) with the threshold lowered to 8: rows of T = 20 (what
@@ -242,7 +290,7 @@ if not K.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        run_kernel_cases_in_interpreter(__file__, min_passed=17, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=28, exact=True)
 
     def test_cpu_without_interpreter_raises() -> None:
         c = hc_case(1, 4, 64, seed=0, device="cpu")
@@ -260,7 +308,7 @@ if not K.INTERPRETED:
 
     def test_mix_kernel_choice(monkeypatch) -> None:
         """SGLANG_DSV41_MHC_MIX picks the partial-dot kernel of a TritonMhc: default `auto` (per call:
-        `dot` at 1 and ≥ MIX_DOT_MIN_TOKENS tokens, `rows` between), DETERMINISTIC_MIX in deterministic
+        `fused` up to FUSED_MAX_TOKENS, `dot` at ≥ MIX_DOT_MIN_TOKENS tokens, `rows` between), DETERMINISTIC_MIX in deterministic
         mode; `dot` / `rows` forced at every T; `auto` with deterministic and an unknown value raise,
         at build and in the kernel wrapper."""
         assert mhc_ops.MIX_CHOICES == ("auto", *K.MIX_KERNELS) and mhc_ops.DETERMINISTIC_MIX in K.MIX_KERNELS
@@ -269,8 +317,10 @@ if not K.INTERPRETED:
         monkeypatch.delenv(mhc_ops.MHC_MIX_ENV, raising=False)
         auto = mhc_ops.TritonMhc()
         assert auto.mix == "auto" and mhc_ops.mhc_for.__defaults__[-1] is False
-        assert [auto.mix_for(T) for T in (0, 1, 2, 64, n - 1, n, 8192)] == ["dot", "dot", "rows", "rows", "rows",
-                                                                             "dot", "dot"]
+        f = mhc_ops.FUSED_MAX_TOKENS
+        assert 1 <= f < n - 1
+        assert [auto.mix_for(T) for T in (0, 1, 2, f, f + 1, n - 1, n, 8192)] == ["fused", "fused", "fused", "fused",
+                                                                                  "rows", "rows", "dot", "dot"]
         det = mhc_ops.TritonMhc(deterministic=True)
         assert {det.mix_for(T) for T in (1, 2, 64, n - 1, n, 8192)} == {mhc_ops.DETERMINISTIC_MIX}
         for forced in K.MIX_KERNELS:
@@ -329,6 +379,27 @@ if not K.INTERPRETED:
         assert "fma.rn.f32" in ptx and "tf32" not in ptx and "mma" not in ptx     # the fp32 dot on FMA, not TF32 MMA
         ptx, _ = _compiled(K._hc_sublayer_input_kernel, dict(HC=4, HAS_PRE=True, BLOCK=4096, RMS_EPS=RMS_EPS))
         assert ".f64" not in ptx and "sqrt.rn.f32" in ptx
+
+    def test_compiled_sm90_fused_kernel() -> None:
+        """`fused` at Flash width: fp32 FMA dot (no TF32 / MMA), IEEE division and square root, no
+        float64, no spills; one acq_rel arrival ticket and one reset, the Sinkhorn loop in warp
+        shuffles (no barrier between its `div.rn`s)."""
+        kernel = mhc_decode._hc_fused_coefficients_kernel
+        consts = dict(HC=4, ROWS_PAD=32, SLOT=32, SPLITS=32, SPLITS_BLOCK=mhc_decode.FUSED_SPLITS_BLOCK,
+                      SPLIT_K=mhc_decode.FUSED_SPLIT_K, SUB_K=mhc_decode.FUSED_SUB_K, BLOCK_T=mhc_decode.FUSED_BLOCK_T,
+                      RMS_EPS=RMS_EPS, HC_EPS=HC_EPS)
+        sig = {n: "constexpr" if n in consts else ("*i32" if n == "cnt_ptr" else "*fp32") if n.endswith("_ptr")
+               else "i32" for n in kernel.arg_names}
+        compiled, usage = compile_for_sm90(kernel, sig, consts, {"num_warps": mhc_decode.FUSED_NUM_WARPS,
+                                                                 **K._launch_options()})
+        ptx = compiled.asm["ptx"]
+        assert "STACK:0 " in usage + " " and "LOCAL:0 " in usage + " ", usage
+        assert ".f64" not in ptx and "tf32" not in ptx and "mma" not in ptx and "fma.rn.f32" in ptx
+        assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx and "div.full" not in ptx and "sqrt.approx" not in ptx
+        assert "atom.global.gpu.acq_rel.add" in ptx and "atom.global.gpu.relaxed.exch" in ptx, \
+            [line for line in ptx.splitlines() if "atom" in line]
+        last_bar = ptx.rindex("bar.sync", 0, ptx.rindex("div.rn.f32"))
+        assert ptx.count("div.rn.f32", last_bar) >= 8, "Sinkhorn phases separated by barriers"
 
 
 # ---- GPU ------------------------------------------------------------------------------------
@@ -392,7 +463,42 @@ def test_gpu_dot_and_rows_bitwise_agreement_at_flash_width() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [7, mhc_ops.MIX_DOT_MIN_TOKENS], ids=["rows_side", "dot_side"])
+@pytest.mark.parametrize("T", [1, 2, 16, 17, 64, 256])
+def test_gpu_fused_matches_reference_at_flash_width(T: int) -> None:
+    """`fused` (decode path) at Flash width: within the bound, counters zero after the call, the
+    last token == alone, bitwise, and within 2 × the bound of `dot`."""
+    c = hc_case(T, 4, 4096, seed=50 + T, device="cuda")
+    impl = mhc_ops.TritonMhc("fused")
+    got = coefficients(Shaped(impl), c)
+    assert_coefficients_close(got, reference_coefficients(c))
+    assert int(impl.counters_for(T, torch.device("cuda")).abs().sum()) == 0
+    alone = coefficients(Shaped(impl), {k: v[T - 1:] if k in PER_TOKEN else v for k, v in c.items()})
+    assert all(torch.equal(getattr(alone, n), getattr(got, n)[T - 1:]) for n in ("pre", "post", "comb"))
+    dot = coefficients(Shaped(mhc_ops.TritonMhc("dot")), c)
+    assert all(float((getattr(dot, n) - getattr(got, n)).abs().max()) <= 2 * K.COEFFICIENT_BOUND
+               for n in ("pre", "post", "comb"))
+
+
+@pytest.mark.gpu
+def test_gpu_fused_captured_without_counters_replays_correctly() -> None:
+    """A `TritonMhc` whose first `fused` call is inside a capture (no counters yet: a zeroed buffer
+    is allocated in the graph): three replays == eager, bitwise."""
+    c = hc_case(5, 4, 4096, seed=60, device="cuda")
+    coefficients(Shaped(mhc_ops.TritonMhc("fused")), c)             # compile outside the capture
+    impl = Shaped(mhc_ops.TritonMhc("fused"))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = coefficients(impl, c)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    eager = coefficients(impl, c)
+    assert all(torch.equal(getattr(captured, n), getattr(eager, n)) for n in ("pre", "post", "comb"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [7, 300, mhc_ops.MIX_DOT_MIN_TOKENS], ids=["fused_side", "rows_side", "dot_side"])
 def test_gpu_cuda_graph_replay_equals_eager(T: int, monkeypatch) -> None:
     """`auto` captured at T (a graph per batch size, as SGLang's) replays == eager, bitwise."""
     monkeypatch.delenv(mhc_ops.MHC_MIX_ENV, raising=False)

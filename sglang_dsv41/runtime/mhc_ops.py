@@ -7,10 +7,13 @@
 | CPU  | `TorchMhc`: the §3.2 formulas in torch, rounded as the reference (reductions and transcendentals in float64 rounded once to fp32, the elementwise steps fp32) |
 | CUDA | `TritonMhc`: `kernels.mhc` (fused Triton, fp32: 2 launches for the coefficients, 1 per other op) |
 
-CUDA's partial-dot kernel of the coefficients (`kernels.mhc.MIX_KERNELS`: `dot`, `rows`):
+CUDA's partial-dot kernel of the coefficients (`kernels.mhc.MIX_KERNELS`: `dot`, `rows`, `fused`):
 SGLANG_DSV41_MHC_MIX (MIX_CHOICES), read when a `TritonMhc` is built. `auto` (the serving
-default) picks per call by token count (`mix_for_tokens`: `dot` at one token and from
-MIX_DOT_MIN_TOKENS on, `rows` in between; docs/performance.md). A call's token count is fixed
+default) picks per call by token count (`mix_for_tokens`: `fused` — one launch,
+`kernels/mhc_decode.py` — up to FUSED_MAX_TOKENS, `dot` from MIX_DOT_MIN_TOKENS on, `rows` in
+between; docs/performance.md). `fused` uses int32 arrival counters that every launch leaves
+zero: a `TritonMhc` allocates them once per device outside CUDA-graph capture (inside a capture
+without them, a zeroed buffer is allocated in the graph per call). A call's token count is fixed
 within a CUDA graph (one graph per batch size), so the choice is captured with it. The two
 kernels' coefficients differ in the last bits, so `auto` is not batch invariant: deterministic
 mode pins DETERMINISTIC_MIX (`auto` with it raises).
@@ -33,17 +36,22 @@ F32, F64 = torch.float32, torch.float64
 MHC_MIX_ENV = "SGLANG_DSV41_MHC_MIX"
 #: SGLANG_DSV41_MHC_MIX values: `auto` (per call, `mix_for_tokens`) or one kernel of
 #: `kernels.mhc.MIX_KERNELS` for every call
-MIX_CHOICES = ("auto", "dot", "rows")
+MIX_CHOICES = ("auto", "dot", "rows", "fused")
 #: `auto`: `dot` from this many tokens on (and at one token), `rows` below (fit to the H200
 #: sweep of benchmarks/mhc_mix.py, docs/performance.md "mHC kernel by token count"; re-fit there)
 MIX_DOT_MIN_TOKENS = 1024
+#: `auto`: `fused` up to this many tokens (decode; re-fit with benchmarks/mhc_mix.py's sweep)
+FUSED_MAX_TOKENS = 256
 #: the one partial-dot kernel of deterministic mode (batch invariant: its bits never depend on T)
 DETERMINISTIC_MIX = "dot"
 
 
 def mix_for_tokens(tokens: int) -> str:
-    """`auto`'s partial-dot kernel for a call of `tokens` rows: `dot` at ≤ 1 and ≥ MIX_DOT_MIN_TOKENS, else `rows`."""
-    return "dot" if tokens <= 1 or tokens >= MIX_DOT_MIN_TOKENS else "rows"
+    """`auto`'s partial-dot kernel for a call of `tokens` rows: `fused` at ≤ FUSED_MAX_TOKENS,
+    `dot` at ≥ MIX_DOT_MIN_TOKENS, else `rows`."""
+    if tokens <= FUSED_MAX_TOKENS:
+        return "fused"
+    return "dot" if tokens >= MIX_DOT_MIN_TOKENS else "rows"
 
 
 def mix_choice(mix: str | None = None, deterministic: bool = False) -> str:
@@ -168,6 +176,20 @@ class TritonMhc:
 
         self.k = kernels
         self.mix = mix_choice(mix, deterministic)
+        self._counters: dict[torch.device, Tensor] = {}
+
+    def counters_for(self, tokens: int, device: torch.device) -> Tensor | None:
+        """The `fused` kernel's arrival counters on `device` (≥ FUSED_MAX_TOKENS tokens' worth,
+        allocated on first use outside CUDA-graph capture); None when capturing without them or
+        when `tokens` needs more (the kernel wrapper then zeroes a buffer per call)."""
+        from ..kernels import mhc_decode
+
+        have = self._counters.get(device)
+        if have is None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        if have is None:
+            have = self._counters[device] = mhc_decode.fused_counters(FUSED_MAX_TOKENS, device)
+        return have if have.numel() >= mhc_decode.fused_blocks(tokens) else None
 
     def mix_for(self, tokens: int) -> str:
         """The partial-dot kernel a call of `tokens` rows runs."""
@@ -175,9 +197,11 @@ class TritonMhc:
 
     def coefficients(self, residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *,
                      rms_eps: float, hc_eps: float, sinkhorn_iters: int) -> HcCoefficients:
+        tokens = residual.shape[0]
+        mix = self.mix_for(tokens)
+        counters = self.counters_for(tokens, residual.device) if mix == "fused" else None
         return HcCoefficients(*self.k.hc_coefficients(residual, fn, base, scale, rms_eps=rms_eps, hc_eps=hc_eps,
-                                                      sinkhorn_iters=sinkhorn_iters,
-                                                      mix=self.mix_for(residual.shape[0])))
+                                                      sinkhorn_iters=sinkhorn_iters, mix=mix, counters=counters))
 
     def sublayer_input(self, residual: Tensor, carried_pre: Tensor | None, norm_weight: Tensor,
                        rms_eps: float) -> Tensor:
