@@ -32,6 +32,13 @@ Arithmetic — upstream's Hopper numerics (DeepGEMM SM90 block32, spec §3.8):
    configuration a row's bits depend neither on the batch nor on split-K. The row tiers use
    different MMA instructions and chunkings and the prefill form is a cuBLAS GEMM, so the bits
    change at the tier boundaries (each stays within the bound below; docs/performance.md).
+   `SHAPE_CONFIGS` may give one weight shape its own configuration in a tier — chosen by the
+   shape and the tier only, so a row's bits still do not depend on M within the tier. A
+   `swap_ab` configuration computes the transposed tile W·xqᵀ (weight rows on the MMA's M side):
+   the same products, scales and chunk order, other MMA instructions (other bits).
+
+`out_dtype=torch.float32` stores the BF16-rounded values widened to fp32 (exact) from the same
+stores — the bits of the BF16 result upcast, without a copy launch.
 
 Error against the exact product of the quantised operands, y* = Σ_k q_k·s_x·w_k (what the
 reference's `linear_fp8` rounds to BF16): every E4M3·E4M3 product is exact; the tensor core sums
