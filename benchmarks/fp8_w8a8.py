@@ -27,6 +27,10 @@ fraction of the tests' bound (`tests/test_kernels_fp8_w8a8.py`). Writes `fp8_w8a
 
     python benchmarks/fp8_w8a8.py [--layer 2] [--rows 1 8 64 256 8192] [--variants L ...]
         [--no-per-weight | --per-weight-rows M ...] [--cap-s 0.25] [--out benchmarks/results]
+    python benchmarks/fp8_w8a8.py --sweep [--jobs 8] [--budget-s 150] [--min-gain 0.03] [--cap-s 0.02]
+
+`--sweep`: the decode / mid row tiers' candidate configurations weight by weight instead
+(benchmarks/fp8_w8a8_sweep.py; writes `fp8_w8a8_sweep.json`).
 """
 from __future__ import annotations
 
@@ -210,6 +214,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--per-weight-rows", type=int, nargs="+", help="time weight by weight only at these M (default: all)")
     ap.add_argument("--cap-s", type=float, default=0.25, help="seconds of timed calls per point")
     ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--sweep", action="store_true", help="time the row tiers' candidate configurations per weight")
+    ap.add_argument("--jobs", type=int, default=8, help="--sweep: processes compiling the candidates first (0: none)")
+    ap.add_argument("--budget-s", type=float, default=150.0, help="--sweep: stop timing after this many seconds")
+    ap.add_argument("--min-gain", type=float, default=0.03, help="--sweep: suggest a shape config from this gain")
     args = ap.parse_args(argv)
     if any(m < 1 for m in args.rows):
         ap.error("--rows must be positive")
@@ -220,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/fp8_w8a8.py needs a CUDA GPU")
+    if args.sweep:
+        from fp8_w8a8_sweep import run_sweep
+
+        return run_sweep(args, torch.device("cuda"), copy_bandwidth_gbs(torch.device("cuda")))
     return run(args, torch.device("cuda"), copy_bandwidth_gbs(torch.device("cuda")))
 
 

@@ -32,6 +32,13 @@ Arithmetic — upstream's Hopper numerics (DeepGEMM SM90 block32, spec §3.8):
    configuration a row's bits depend neither on the batch nor on split-K. The row tiers use
    different MMA instructions and chunkings and the prefill form is a cuBLAS GEMM, so the bits
    change at the tier boundaries (each stays within the bound below; docs/performance.md).
+   `SHAPE_CONFIGS` may give one weight shape its own configuration in a tier — chosen by the
+   shape and the tier only, so a row's bits still do not depend on M within the tier. A
+   `swap_ab` configuration computes the transposed tile W·xqᵀ (weight rows on the MMA's M side):
+   the same products, scales and chunk order, other MMA instructions (other bits).
+
+`out_dtype=torch.float32` stores the BF16-rounded values widened to fp32 (exact) from the same
+stores — the bits of the BF16 result upcast, without a copy launch.
 
 Error against the exact product of the quantised operands, y* = Σ_k q_k·s_x·w_k (what the
 reference's `linear_fp8` rounds to BF16): every E4M3·E4M3 product is exact; the tensor core sums
@@ -85,7 +92,9 @@ class W8A8Config:
     `fused_quant`: quantise x inside the GEMM; `split_k`: one program per K chunk (fp32 partials);
     `fp8_mma`: the E4M3 operands go into the MMA as they are (Hopper's FP8 tensor-core sums,
     ~14 bits), else widened to f16 first (exact products, fp32 sums: the reference's arithmetic);
-    `target_programs`: the program count `k_chunks` aims at (shape-only)."""
+    `target_programs`: the program count `k_chunks` aims at (shape-only); `swap_ab`: the weight
+    block is the MMA's first operand (yᵀ tile = W·xqᵀ: BLOCK_N weight rows on the MMA's M side,
+    BLOCK_M x rows on its N side), the same products and sums in the same order."""
     block_m: int
     block_n: int
     sub_blocks: int
@@ -95,6 +104,7 @@ class W8A8Config:
     split_k: bool
     fp8_mma: bool = False
     target_programs: int = TARGET_PROGRAMS
+    swap_ab: bool = False
 
 
 #: split-K target of the decode tier: ≈ 8 programs per SM, so small weights spread over the GPU
@@ -113,15 +123,22 @@ DECODE_S7_CONFIG = W8A8Config(16, 64, 4, 4, 4, fused_quant=True, split_k=True)
 #: rows → configuration: the first tier whose row limit is ≥ M (`fp8_mma`: FP8_MMA_ROW_TIERS)
 ROW_TIERS: tuple[tuple[int, W8A8Config], ...] = ((16, DECODE_CONFIG), (256, MID_CONFIG))
 FP8_MMA_ROW_TIERS: tuple[tuple[int, W8A8Config], ...] = ((16, DECODE_CONFIG), (256, MID_FP8_CONFIG))
+#: (row-tier limit, N, K, groups) → the configuration of that weight shape in that tier, replacing
+#: the tier's default: a function of the shape and the tier only (never of M), so a row's bits
+#: stay the same at every M of the tier
+SHAPE_CONFIGS: dict[tuple[int, int, int, int], W8A8Config] = {}
 #: from this many rows `fp8_w8a8_linear` runs the prefill form (dequantise + cuBLAS BF16, module doc)
 BF16_GEMM_MIN_ROWS = 129
 
 
-def config_for_rows(m: int, fp8_mma: bool = False) -> W8A8Config:
+def config_for_rows(m: int, fp8_mma: bool = False, shape: tuple[int, int, int] | None = None) -> W8A8Config:
     """The configuration for M rows (decode: small tiles + split-K; prefill: large tiles);
-    `fp8_mma`: the mid tier on the FP8 MMA (FP8_MMA_ROW_TIERS)."""
+    `fp8_mma`: the mid tier on the FP8 MMA (FP8_MMA_ROW_TIERS); `shape` (N, K, groups): that
+    shape's entry of SHAPE_CONFIGS for the tier, if any (not with `fp8_mma`)."""
     for limit, cfg in (FP8_MMA_ROW_TIERS if fp8_mma else ROW_TIERS):
         if m <= limit:
+            if shape is not None and not fp8_mma:
+                return SHAPE_CONFIGS.get((limit, *shape), cfg)
             return cfg
     return PREFILL_CONFIG
 
@@ -140,11 +157,52 @@ def k_chunks(n: int, k: int, target: int = TARGET_PROGRAMS) -> int:
 # ---- kernels -----------------------------------------------------------------------------------------
 
 @triton.jit
+def _product(xq, w, ACT_QUANT: tl.constexpr, FP8_MMA: tl.constexpr, SWAP_AB: tl.constexpr,
+             INTERPRET: tl.constexpr):
+    """One 32-wide K block on the tensor cores, exact products and fp32 sums: xq [BM, 32] times the
+    weight block — Wᵀ [32, BN] → [BM, BN], or with SWAP_AB W [BN, 32] → [BN, BM] (w·xqᵀ)."""
+    if INTERPRET:
+        a = xq.to(tl.float32)
+        b = w.to(tl.float32)
+    elif ACT_QUANT and FP8_MMA:
+        a = xq                                                # Hopper FP8 MMA sums (~14 bits)
+        b = w
+    elif ACT_QUANT:
+        a = xq.to(tl.float16)                                 # E4M3 → f16 exact, products exact
+        b = w.to(tl.float16)
+    else:
+        a = xq                                                # W8A16: E4M3 → BF16 exact
+        b = w.to(tl.bfloat16)
+    if SWAP_AB:
+        if INTERPRET:
+            p = tl.dot(b, tl.trans(a), input_precision="ieee")
+        else:
+            p = tl.dot(b, tl.trans(a))
+    else:
+        if INTERPRET:
+            p = tl.dot(a, b, input_precision="ieee")
+        else:
+            p = tl.dot(a, b)
+    return p
+
+
+@triton.jit
+def _bf16_bits(v, OUT_F32: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 → BF16 (RNE), or with OUT_F32 the same BF16 value held in fp32 (exact upcast)."""
+    if INTERPRET:
+        v = _rne_bf16(v)
+    b = v.to(tl.bfloat16)
+    if OUT_F32:
+        b = b.to(tl.float32)
+    return b
+
+
+@triton.jit
 def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, y_ptr, counters_ptr, M, N, K, n_per_group, chunk_blocks,
                  n_chunks, stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_oc,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, FUSED_QUANT: tl.constexpr,
                  SPLIT_K: tl.constexpr, ACT_QUANT: tl.constexpr, FP8_MMA: tl.constexpr, FIXUP: tl.constexpr,
-                 INTERPRET: tl.constexpr):
+                 SWAP_AB: tl.constexpr, OUT_F32: tl.constexpr, INTERPRET: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -156,7 +214,14 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, y_ptr, counters_ptr, M, 
     k_blocks = K // 32
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + group * K
     xs_rows = xs_ptr + offs_m.to(tl.int64) * stride_xsm + group * k_blocks
-    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
+    if SWAP_AB:
+        w_blk = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn         # W block [BN, 32]
+        w_mask = n_ok[:, None]
+        k_step = offs_k[None, :]
+    else:
+        w_blk = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn         # Wᵀ block [32, BN]
+        w_mask = n_ok[None, :]
+        k_step = offs_k[:, None]
     ws_cols = ws_ptr + (offs_n // 32).to(tl.int64) * stride_wsn
     if SPLIT_K:
         c_begin = tl.program_id(2)
@@ -164,11 +229,14 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, y_ptr, counters_ptr, M, 
     else:
         c_begin = 0
         c_end = n_chunks
-    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for c in range(c_begin, c_end):
         kb_begin = c * chunk_blocks
         kb_end = tl.minimum(kb_begin + chunk_blocks, k_blocks)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros_like(total)
         for kb0 in range(kb_begin, kb_end, SUB):
             for j in tl.static_range(SUB):
                 kb = kb0 + j
@@ -184,24 +252,22 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, y_ptr, counters_ptr, M, 
                 else:
                     xq = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & live, other=0.0)
                     sx = tl.load(xs_rows + kb, mask=m_ok & live, other=0.0)
-                wt = tl.load(w_cols + kk[:, None], mask=n_ok[None, :] & live, other=0.0)      # Wᵀ block [32, BN]
+                wb = tl.load(w_blk + kb * 32 + k_step, mask=w_mask & live, other=0.0)
                 sw = tl.load(ws_cols + kb, mask=n_ok & live, other=0.0)
-                if INTERPRET:
-                    p = tl.dot(xq.to(tl.float32), wt.to(tl.float32), input_precision="ieee")
-                elif ACT_QUANT and FP8_MMA:
-                    p = tl.dot(xq, wt)                                # Hopper FP8 MMA sums (~14 bits)
-                elif ACT_QUANT:
-                    p = tl.dot(xq.to(tl.float16), wt.to(tl.float16))  # E4M3 → f16 exact, products exact
+                p = _product(xq, wb, ACT_QUANT, FP8_MMA, SWAP_AB, INTERPRET)
+                if SWAP_AB:
+                    acc += p * sx[None, :] * sw[:, None]          # the same (p·s_x)·s_w order
                 else:
-                    p = tl.dot(xq, wt.to(tl.bfloat16))                # E4M3 → BF16 exact, products exact
-                acc += p * sx[:, None] * sw[None, :]
+                    acc += p * sx[:, None] * sw[None, :]
         if SPLIT_K:
             total = acc
         else:
             total += acc
+    if SWAP_AB:
+        total = tl.trans(total)                                   # once per program, to [BM, BN]
+    tile = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    ok = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K:
-        tile = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-        ok = m_ok[:, None] & n_ok[None, :]
         tl.store(out_ptr + tl.program_id(2).to(tl.int64) * stride_oc + tile, total, mask=ok)
         if FIXUP:                                     # the tile's last-arriving chunk sums all (fixed order)
             tl.debug_barrier()                        # every thread's partial stored before the release
@@ -211,28 +277,22 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, y_ptr, counters_ptr, M, 
                 y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for c in range(n_chunks):
                     y += tl.load(out_ptr + c * stride_oc + tile, mask=ok, other=0.0, cache_modifier=".cg")
-                if INTERPRET:
-                    y = _rne_bf16(y)
-                tl.store(y_ptr + tile, y.to(tl.bfloat16), mask=ok)
+                tl.store(y_ptr + tile, _bf16_bits(y, OUT_F32, INTERPRET), mask=ok)
                 tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")     # ready for the next launch
     else:
-        if INTERPRET:
-            total = _rne_bf16(total)
-        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], total.to(tl.bfloat16),
-                 mask=m_ok[:, None] & n_ok[None, :])
+        tl.store(out_ptr + tile, _bf16_bits(total, OUT_F32, INTERPRET), mask=ok)
 
 
 @triton.jit
-def _sum_chunks_kernel(p_ptr, y_ptr, n_chunks, size, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+def _sum_chunks_kernel(p_ptr, y_ptr, n_chunks, size, BLOCK: tl.constexpr, OUT_F32: tl.constexpr,
+                       INTERPRET: tl.constexpr):
     """y = bf16(((0 + p[0]) + p[1]) + …) over the chunk partials p [n_chunks, size] fp32."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < size
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     for c in range(n_chunks):
         total += tl.load(p_ptr + c * size + offs, mask=ok, other=0.0)
-    if INTERPRET:
-        total = _rne_bf16(total)
-    tl.store(y_ptr + offs, total.to(tl.bfloat16), mask=ok)
+    tl.store(y_ptr + offs, _bf16_bits(total, OUT_F32, INTERPRET), mask=ok)
 
 
 INTERPRETED = isinstance(_w8a8_kernel, InterpretedFunction)
@@ -283,7 +343,7 @@ def _checked(x: Tensor, values: Tensor, scales: Tensor, groups: int) -> tuple[in
 
 def fp8_w8a8_linear(x: Tensor, values: Tensor, scales: Tensor, *, groups: int = 1, act_quant: bool = True,
                     config: W8A8Config | None = None, bf16_gemm: bool | None = None, fp8_mma: bool = False,
-                    counters: Tensor | None = None) -> Tensor:
+                    counters: Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """y [M, N] BF16 = x·Wᵀ with upstream's W8A8 numerics (module doc); `groups` > 1: the grouped
     product (x [M, groups·K], group g's output rows read x's g-th K columns), one GEMM launch.
     From BF16_GEMM_MIN_ROWS rows (or with `bf16_gemm=True`) the prefill form runs (`_bf16_gemm`);
@@ -292,7 +352,10 @@ def fp8_w8a8_linear(x: Tensor, values: Tensor, scales: Tensor, *, groups: int = 
     `linear_bf16` on the dequantised weight, i.e. what `wo_a` is (spec §2.4.1, §3.8). `counters`
     (`split_k_counters`, zero): split-K sums its chunks inside the GEMM launch (module doc, step 3)
     when they cover the launch's output tiles; else a second launch does (the same bits). No host
-    sync."""
+    sync. `out_dtype=torch.float32`: the same BF16 values held in fp32 (written by the GEMM's own
+    stores, no extra launch below BF16_GEMM_MIN_ROWS)."""
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"fp8_w8a8_linear: out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
     if counters is not None and (counters.dtype != torch.int32 or counters.dim() != 1
                                  or counters.device != values.device):
         raise ValueError(f"fp8_w8a8_linear: counters must be 1-D int32 on {values.device} (split_k_counters), got "
@@ -300,11 +363,13 @@ def fp8_w8a8_linear(x: Tensor, values: Tensor, scales: Tensor, *, groups: int = 
     M, N, K, n_per_group = _checked(x, values, scales, groups)
     use_bf16_gemm = bf16_gemm if bf16_gemm is not None else (config is None and M >= BF16_GEMM_MIN_ROWS)
     if use_bf16_gemm:
-        return _bf16_gemm(x, values, scales, groups, act_quant)
-    y = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
+        return _bf16_gemm(x, values, scales, groups, act_quant).to(out_dtype)
+    y = torch.empty(M, N, dtype=out_dtype, device=x.device)
     if M == 0:
         return y
-    cfg = config or config_for_rows(M, fp8_mma)
+    cfg = config or config_for_rows(M, fp8_mma, (N, K, groups))
+    if cfg.swap_ab and cfg.fp8_mma:
+        raise ValueError("fp8_w8a8_linear: swap_ab runs the f16 / BF16 MMAs only (fp8_mma False)")
     block_n = cfg.block_n
     while groups > 1 and n_per_group % block_n:
         block_n //= 2
@@ -328,11 +393,12 @@ def fp8_w8a8_linear(x: Tensor, values: Tensor, scales: Tensor, *, groups: int = 
                        chunks, xq.stride(0), stride_xs, values.stride(0), scales.stride(0), out.stride(-2),
                        out.stride(0) if split else 0, BLOCK_M=cfg.block_m, BLOCK_N=block_n, SUB=cfg.sub_blocks,
                        FUSED_QUANT=cfg.fused_quant, SPLIT_K=split, ACT_QUANT=act_quant, FP8_MMA=cfg.fp8_mma,
-                       FIXUP=fixup, INTERPRET=INTERPRETED, **launch)
+                       FIXUP=fixup, SWAP_AB=cfg.swap_ab, OUT_F32=out_dtype == torch.float32, INTERPRET=INTERPRETED,
+                       **launch)
     if split and not fixup:
         size = M * N
         _sum_chunks_kernel[(triton.cdiv(size, SUM_BLOCK),)](out, y, chunks, size, BLOCK=SUM_BLOCK,
-                                                            INTERPRET=INTERPRETED)
+                                                            OUT_F32=out_dtype == torch.float32, INTERPRET=INTERPRETED)
     return y
 
 
@@ -351,5 +417,5 @@ def weight_bytes(n: int, k: int) -> int:
 
 __all__ = ["BF16_GEMM_MIN_ROWS", "DECODE_CONFIG", "DECODE_S7_CONFIG", "DECODE_TARGET_PROGRAMS", "FP8",
            "FP8_MMA_ROW_TIERS", "INTERPRETED", "MID_CONFIG", "MID_FP8_CONFIG", "PREFILL_CONFIG", "ROW_TIERS",
-           "TILE", "W8A8Config", "config_for_rows", "dequantize_weight_bf16", "fake_quantize_activations_bf16",
+           "SHAPE_CONFIGS", "TILE", "W8A8Config", "config_for_rows", "dequantize_weight_bf16", "fake_quantize_activations_bf16",
            "fp8_w8a8_linear", "k_chunks", "quantize_activations", "split_k_counters", "weight_bytes"]

@@ -110,4 +110,40 @@ if not INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel case in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        run_kernel_cases_in_interpreter(__file__, min_passed=1, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=2, exact=True)
+
+
+# ---- --sweep (benchmarks/fp8_w8a8_sweep.py) -------------------------------------------------------
+
+def test_sweep_candidates_are_valid_and_distinct_per_tier() -> None:
+    from sglang_dsv41.kernels import fp8_w8a8 as W
+
+    sweep = load_benchmark("fp8_w8a8_sweep.py")
+    assert set(sweep.TIER_ROWS) == {16, 128} and max(sweep.TIER_ROWS[16]) <= 16 < min(sweep.TIER_ROWS[128])
+    for tier in sweep.TIER_ROWS:
+        cfgs = sweep.tier_candidates(W, tier)
+        assert list(cfgs)[0] == sweep.CURRENT and len(set(cfgs.values())) == len(cfgs)
+        assert 20 <= sum(len(sweep.tier_candidates(W, t)) for t in sweep.TIER_ROWS) <= 40
+        for label, c in cfgs.items():
+            assert c.block_m <= (16 if tier == 16 else 64) and 1024 % c.block_n == 0, label   # wo_a groups
+            assert c.fused_quant and c.split_k and not c.fp8_mma, label
+    assert bench.parse_args(["--sweep", "--jobs", "0"]).sweep
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET child (CPU tensors)")
+def test_kernel_case_sweep_end_to_end_on_cpu_with_small_shapes(tmp_path, monkeypatch) -> None:
+    sweep = load_benchmark("fp8_w8a8_sweep.py")
+    monkeypatch.setattr(sweep, "TIER_ROWS", {16: (1, 3), 128: (20,)})
+    monkeypatch.setattr(sweep, "CANDIDATES", {k: sweep.CANDIDATES[k] for k in (
+        "sw_m16_n64_s4_w4_p3_t1056", "m16_n128_s4_w4_p3_t1056", "sw_m64_n64_s4_w4_p3_t1056")})
+    small = [("attn.wq_a.weight", 64, 96, 1), ("attn.wo_a.weight", 128, 64, 2)]
+    args = bench.parse_args(["--sweep", "--jobs", "0", "--cap-s", "0.001", "--min-gain", "-1", "--out", str(tmp_path)])
+    assert sweep.run_sweep(args, torch.device("cpu"), 1000.0, shapes=small) == 0
+    result = json.loads((tmp_path / "fp8_w8a8_sweep.json").read_text())
+    assert result["errors"] == [] and result["skipped"] == []
+    assert len(result["points"]) == 2 * (2 * 3 + 1 * 2)          # weights × (decode rows × 3 + mid rows × 2)
+    assert all(p["us"] > 0 and p["fraction_of_copy"] > 0 for p in result["points"])
+    for tier in ("16", "128"):
+        s = result["summary"][tier]
+        assert set(s["per_weight"]) == {n for n, *_ in small} and s["best_single"] in s["totals_us"]
+    assert len(result["shape_configs"]) >= 1 and all("W8A8Config(" in line for line in result["shape_configs"])

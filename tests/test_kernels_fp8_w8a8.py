@@ -305,11 +305,13 @@ def test_row_tiers() -> None:
     assert W.DECODE_CONFIG.fused_quant and W.DECODE_CONFIG.split_k and not W.PREFILL_CONFIG.split_k
 
 
-def _compile(cfg: W.W8A8Config, act_quant: bool = True, fixup: bool = False):
+def _compile(cfg: W.W8A8Config, act_quant: bool = True, fixup: bool = False, out_f32: bool = False):
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SUB=cfg.sub_blocks, FUSED_QUANT=cfg.fused_quant,
-                  SPLIT_K=cfg.split_k, ACT_QUANT=act_quant, FP8_MMA=cfg.fp8_mma, FIXUP=fixup, INTERPRET=False)
+                  SPLIT_K=cfg.split_k, ACT_QUANT=act_quant, FP8_MMA=cfg.fp8_mma, FIXUP=fixup, SWAP_AB=cfg.swap_ab,
+                  OUT_F32=out_f32, INTERPRET=False)
+    y_type = "*fp32" if out_f32 else "*bf16"
     pointers = {"x_ptr": "*bf16" if cfg.fused_quant else "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv",
-                "ws_ptr": "*fp32", "out_ptr": "*fp32" if cfg.split_k else "*bf16", "y_ptr": "*bf16",
+                "ws_ptr": "*fp32", "out_ptr": "*fp32" if cfg.split_k else y_type, "y_ptr": y_type,
                 "counters_ptr": "*i32"}
     kern = W._w8a8_kernel
     names = list(kern.arg_names)

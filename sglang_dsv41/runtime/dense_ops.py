@@ -334,8 +334,8 @@ class BlockedBf16Gemm:
         if self.audit_inputs and not act_quant:
             self._audit(x2)
         y = fp8_w8a8_linear(x2, w.values, w.scales, groups=groups, act_quant=act_quant, fp8_mma=fp8_mma,
-                            counters=w.counters)
-        return _unrows(y.to(F32), lead)
+                            counters=w.counters, out_dtype=F32)
+        return _unrows(y, lead)
 
     def _audit(self, x2: Tensor) -> None:
         """Accumulate (no host sync) whether x2 holds a value that is not BF16-exact."""
