@@ -105,7 +105,7 @@ DECODE_SPLIT_MAX_QUERIES = 16
 #: is below `plan_config`'s): more head blocks, so the splits fill the multiprocessors with smaller
 #: programs (docs/performance.md, session 12's variants and session 21)
 DECODE_SMALL_BLOCK_H = 16
-DECODE_SMALL_BLOCK_H_MAX_QUERIES = 8
+DECODE_SMALL_BLOCK_H_MAX_QUERIES = 1
 #: [heads, block_d] fp32 elements one program of the split-merge kernel combines (16 per thread).
 MERGE_ELEMS_PER_PROGRAM = 2048
 _LOG2E = 1.4426950408889634
@@ -177,7 +177,7 @@ def plan_decode_config(num_queries: int, num_heads: int, head_dim: int, window: 
     (H·(D + 2)·4 B written and read back, L2-resident) then exceeds the keys it reads, which pays at
     these N because the launch would otherwise run on N·⌈H/block_h⌉ multiprocessors (2 at Flash,
     N = 1). Above DECODE_SPLIT_MAX_QUERIES: one split. The split count depends on N, so a query's
-    bits depend on its batch's size class (N ≤ 8, ≤ 16, above): not batch invariant."""
+    bits depend on its batch's size class (N = 1, ≤ 16, above): not batch invariant."""
     base = plan_config(num_queries, num_heads, head_dim, window, topk, sm_count)
     if block_h is None and 1 <= num_queries <= DECODE_SMALL_BLOCK_H_MAX_QUERIES:
         block_h = min(base.block_h, DECODE_SMALL_BLOCK_H)

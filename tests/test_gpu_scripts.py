@@ -587,6 +587,23 @@ def test_serving_e2e_restores_and_packs_sglang_jit_and_shares_graph_sizes(sandbo
     assert " --cuda-graph-max-bs 64 " in ours and "--budget-s" in ours
 
 
+def test_serving_e2e_watches_sglang_start_up(sandbox: dict[str, str], tmp_path: Path) -> None:
+    """STEPS="sglang" on the stubs: SGLang's server starts with PYTHONFAULTHANDLER=1 (stacks on SIGABRT), and
+    while its client runs a watcher logs processes, compilers and cache sizes to $OUT/e2e/sglang_watch.log
+    every WATCH_EVERY s until SGLANG_STARTUP_S − 15 s; it stops with the step."""
+    (tmp_path / "scripts").symlink_to(ROOT / "scripts")
+    sandbox.update(STEPS="sglang", BUDGET="300", WATCH_EVERY="1", SGLANG_STARTUP_S="19", STUB_CLIENT_SLEEP="6")
+    r = _run_script("serving_e2e.sh", sandbox)
+    assert r.returncode == 0, r.stdout + r.stderr
+    client = [c for c in calls(sandbox) if "--label sglang_v4" in c]
+    assert len(client) == 1 and client[0].startswith("[faulthandler] "), calls(sandbox)
+    ours = [c for c in calls(sandbox) if "serving_e2e.py client" in c and "sglang_v4" not in c]
+    assert not ours
+    watch = (Path(sandbox["OUT"]) / "e2e" / "sglang_watch.log").read_text()
+    entries = re.findall(r"^== \S+ \+\d+ s compilers: \d+$", watch, re.M)
+    assert 2 <= len(entries) <= 5, watch
+
+
 def test_serving_e2e_variants_of_our_server(sandbox: dict[str, str], tmp_path: Path) -> None:
     """serving_e2e.sh STEPS="ours ours_host ours_c2k" on the stubs: three launches of our server with the
     same arguments but for the variant's own — the Engram host-table variable (label ours_engram_host)

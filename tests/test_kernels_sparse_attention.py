@@ -565,10 +565,9 @@ def test_plan_config_shapes():
     assert sa.plan_config(16, 64, 512, 128, 512, sm_count=132).num_splits == 4     # ⌊132/32⌋
     assert sa.plan_config(64, 64, 512, 128, 512, sm_count=132).num_splits == 1     # one wave already
     dec = [sa.plan_decode_config(n, 64, 512, 128, 512, sm_count=132) for n in (1, 8, 16, 17, 2048)]
-    assert [c.num_splits for c in dec] == [20, 5, 5, 1, 1]   # 20 tiles: ⌈132/4⌉ → 20, ⌈132/32⌉ = 5, 5 → 5
-    assert [c.block_h for c in dec] == [16, 16, 32, 32, 32]   # DECODE_SMALL_BLOCK_H up to 8 queries
+    assert [c.num_splits for c in dec] == [20, 7, 5, 1, 1]   # 20 tiles: ⌈132/4⌉ → 20, ⌈132/16⌉ = 9 → 7, 5 → 5
+    assert [c.block_h for c in dec] == [16, 32, 32, 32, 32]   # DECODE_SMALL_BLOCK_H at one query
     assert all((c.block_n, c.block_d) == (32, 512) for c in dec)
-    assert sa.plan_decode_config(8, 64, 512, 128, 512, sm_count=132, block_h=32).num_splits == 7   # ⌈132/16⌉ = 9 → 7
     assert sa.plan_decode_config(1, 64, 512, 128, 512, sm_count=132, block_h=16).num_splits == 20
     assert sa.plan_decode_config(8, 64, 512, 128, 512, sm_count=132, block_h=16).num_splits == 5   # ⌈132/32⌉ = 5
     tiny = sa.plan_config(5, 4, 96, 8, 4, sm_count=132)

@@ -27,7 +27,9 @@
 #           benchmark switch, srt/layers/moe/topk.py; SGLANG_UNIFORM=0 turns it off) spreads its routing the way
 #           our dummy routers spread (routing_spread.json): SGLang's dummy routers concentrate on a few experts,
 #           which would let it read far fewer expert bytes per step than real routing.
-#           GPU_DIR=.gpu_v4 picks a runtime built with those extras (lib.sh).
+#           GPU_DIR=.gpu_v4 picks a runtime built with those extras (lib.sh). A watcher (watch_sglang) logs the
+#           start-up to $OUT/e2e/sglang_watch.log and, if the server is not up by SGLANG_STARTUP_S − 15 s, makes
+#           the scheduler dump its Python stacks into the server log (SIGABRT, PYTHONFAULTHANDLER=1).
 #           With .gpu_jit/ carried (parts of an earlier `jitpack`, copied there on the CPU machine) the cache
 #           is restored first (benchmarks/sglang_jit_cache.py restore; parts may come over several calls).
 #   jitpack /tmp/sglang_jit packed into $OUT/jit (<= 4 parts of 14 MiB + manifest; PACK_RESERVE_S, default 50,
@@ -58,6 +60,24 @@ OURS=(python3 -m sglang.launch_server --model-path $M/dsv41 --load-format dummy 
       --max-running-requests 64 "${GRAPH[@]}" --random-seed 0 --language-model-only ${OURS_EXTRA:-})
 case " $STEPS " in *" dspark "*) OURS_CONC=${CONC:-1 8 16 32 64} ;; *) OURS_CONC=${CONC:-1 16 64} ;; esac
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$OUT/summary.txt"
+# watch_sglang LOG STARTUP_S: while SGLang's server starts, every WATCH_EVERY s (default 30) the busiest
+# processes, how many compilers (nvcc / cicc / ptxas / gcc) run and the JIT cache sizes go to LOG — JIT
+# work or a hang. Once STARTUP_S − 15 s have passed without a healthy server, SIGABRT to its scheduler
+# (started with PYTHONFAULTHANDLER=1) writes every thread's Python stack into the server log.
+watch_sglang() {
+  local log=$1 until=$(( SECONDS + $2 - 15 )) up=0
+  while [ $SECONDS -lt $until ]; do
+    sleep "${WATCH_EVERY:-30}"
+    grep -q "ready to roll" "$OUT/e2e/sglang_v4_server.log" 2>/dev/null && { up=1; break; }
+    { echo "== $(date -u +%T) +$SECONDS s compilers: $(pgrep -c -f 'nvcc|cicc|ptxas|gcc|g\+\+' 2>/dev/null || echo 0)"
+      ps -eo pid,etimes,pcpu,rss,args --sort=-pcpu 2>/dev/null | head -8 | cut -c1-200
+      du -sm "$JIT" /tmp/cache 2>/dev/null
+      tail -1 "$OUT/e2e/sglang_v4_server.log" 2>/dev/null | cut -c1-200; } >>"$log"
+  done
+  if [ $up = 0 ]; then
+    for p in $(pgrep -f 'sglang::scheduler' 2>/dev/null); do kill -ABRT "$p" && echo "SIGABRT to scheduler $p" >>"$log"; done
+  fi
+}
 ran=0
 for step in $STEPS; do
   [ "$(left)" -lt 30 ] && { echo "$step: skipped, $(left) s left" | tee -a "$OUT/summary.txt"; continue; }
@@ -92,12 +112,14 @@ e = {**sglang_env(u.find_spec("deep_gemm") is not None), **j.jit_cache_env(Path(
 print(" ".join(f"{k}={v}" for k, v in e.items()))')
           echo "sglang env: $envs" | tee -a "$OUT/summary.txt"
           s=${SGLANG_STARTUP_S:-200}; b=$(( $(cap $((s + 150))) - 15 - RESERVE ))
-          env $envs SGLANG_SIMULATE_UNIFORM_EXPERTS=${SGLANG_UNIFORM:-1} timeout $((b + 10)) $CLIENT --label sglang_v4 --budget-s $b --startup-s "$s" --concurrency ${CONC:-1 16 64} -- \
+          watch_sglang "$OUT/e2e/sglang_watch.log" "$s" </dev/null >/dev/null 2>&1 &
+          WATCHER=$!
+          env $envs PYTHONFAULTHANDLER=1 SGLANG_SIMULATE_UNIFORM_EXPERTS=${SGLANG_UNIFORM:-1} timeout $((b + 10)) $CLIENT --label sglang_v4 --budget-s $b --startup-s "$s" --concurrency ${CONC:-1 16 64} -- \
             python3 -m sglang.launch_server --model-path $M/sglang_v4 --load-format dummy --trust-remote-code \
             --context-length $CTX --mem-fraction-static $MEM --max-running-requests 64 "${GRAPH[@]}" \
             --moe-runner-backend marlin --swa-full-tokens-ratio 1.0 --sampling-backend pytorch \
             --cuda-graph-backend-prefill disabled --random-seed 0
-          rc=$?; ran=1 ;;
+          rc=$?; ran=1; pkill -P "$WATCHER" 2>/dev/null; kill "$WATCHER" 2>/dev/null; wait "$WATCHER" 2>/dev/null ;;
     jitpack) timeout "$(cap 120)" python3 benchmarks/sglang_jit_cache.py pack $JIT "$OUT/jit" | tee -a "$OUT/summary.txt"
           rc=${PIPESTATUS[0]} ;;
     *) echo "unknown step $step"; continue ;;
