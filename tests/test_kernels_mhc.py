@@ -318,9 +318,13 @@ if not K.INTERPRETED:
         auto = mhc_ops.TritonMhc()
         assert auto.mix == "auto" and mhc_ops.mhc_for.__defaults__[-1] is False
         f = mhc_ops.FUSED_MAX_TOKENS
-        assert 1 <= f < n - 1
-        assert [auto.mix_for(T) for T in (0, 1, 2, f, f + 1, n - 1, n, 8192)] == ["fused", "fused", "fused", "fused",
-                                                                                  "rows", "rows", "dot", "dot"]
+        assert 0 <= f < n - 1
+        Ts = (0, 1, 2, 64, 256, n - 1, n, 8192)
+        assert [auto.mix_for(T) for T in Ts] == ["fused" if 1 <= T <= f else "dot" if T >= n else "rows" for T in Ts]
+        assert auto.mix_for(1) == auto.mix_for(256) == "rows"     # session 21's H200 sweep (docs/performance.md)
+        monkeypatch.setattr(mhc_ops, "FUSED_MAX_TOKENS", 8)
+        assert [auto.mix_for(T) for T in (0, 1, 8, 9)] == ["rows", "fused", "fused", "rows"]
+        monkeypatch.setattr(mhc_ops, "FUSED_MAX_TOKENS", f)
         det = mhc_ops.TritonMhc(deterministic=True)
         assert {det.mix_for(T) for T in (1, 2, 64, n - 1, n, 8192)} == {mhc_ops.DETERMINISTIC_MIX}
         for forced in K.MIX_KERNELS:

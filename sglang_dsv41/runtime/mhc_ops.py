@@ -10,8 +10,8 @@
 CUDA's partial-dot kernel of the coefficients (`kernels.mhc.MIX_KERNELS`: `dot`, `rows`, `fused`):
 SGLANG_DSV41_MHC_MIX (MIX_CHOICES), read when a `TritonMhc` is built. `auto` (the serving
 default) picks per call by token count (`mix_for_tokens`: `fused` — one launch,
-`kernels/mhc_decode.py` — up to FUSED_MAX_TOKENS, `dot` from MIX_DOT_MIN_TOKENS on, `rows` in
-between; docs/performance.md). `fused` uses int32 arrival counters that every launch leaves
+`kernels/mhc_decode.py` — at 1..FUSED_MAX_TOKENS (0 since session 21: never), `dot` from
+MIX_DOT_MIN_TOKENS on, `rows` below; docs/performance.md). `fused` uses int32 arrival counters that every launch leaves
 zero: a `TritonMhc` allocates them once per device outside CUDA-graph capture (inside a capture
 without them, a zeroed buffer is allocated in the graph per call). A call's token count is fixed
 within a CUDA graph (one graph per batch size), so the choice is captured with it. The two
@@ -37,19 +37,20 @@ MHC_MIX_ENV = "SGLANG_DSV41_MHC_MIX"
 #: SGLANG_DSV41_MHC_MIX values: `auto` (per call, `mix_for_tokens`) or one kernel of
 #: `kernels.mhc.MIX_KERNELS` for every call
 MIX_CHOICES = ("auto", "dot", "rows", "fused")
-#: `auto`: `dot` from this many tokens on (and at one token), `rows` below (fit to the H200
-#: sweep of benchmarks/mhc_mix.py, docs/performance.md "mHC kernel by token count"; re-fit there)
+#: `auto`: `dot` from this many tokens on, `rows` below (fit to the H200 sweeps of benchmarks/mhc_mix.py
+#: and benchmarks/mhc_decode.py, docs/performance.md "mHC kernel by token count" and session 21)
 MIX_DOT_MIN_TOKENS = 1024
-#: `auto`: `fused` up to this many tokens (decode; re-fit with benchmarks/mhc_mix.py's sweep)
-FUSED_MAX_TOKENS = 256
+#: `auto`: `fused` at 1..this many tokens; 0 = never (session 21's H200 sweep: `rows` was faster at every
+#: T ≤ 256, `fused` is the opt-in SGLANG_DSV41_MHC_MIX=fused)
+FUSED_MAX_TOKENS = 0
 #: the one partial-dot kernel of deterministic mode (batch invariant: its bits never depend on T)
 DETERMINISTIC_MIX = "dot"
 
 
 def mix_for_tokens(tokens: int) -> str:
-    """`auto`'s partial-dot kernel for a call of `tokens` rows: `fused` at ≤ FUSED_MAX_TOKENS,
+    """`auto`'s partial-dot kernel for a call of `tokens` rows: `fused` at 1..FUSED_MAX_TOKENS,
     `dot` at ≥ MIX_DOT_MIN_TOKENS, else `rows`."""
-    if tokens <= FUSED_MAX_TOKENS:
+    if 1 <= tokens <= FUSED_MAX_TOKENS:
         return "fused"
     return "dot" if tokens >= MIX_DOT_MIN_TOKENS else "rows"
 
