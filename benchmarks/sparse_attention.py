@@ -186,7 +186,8 @@ def sweep_configs(n: int, planned: sa.SparseAttentionConfig) -> list[sa.SparseAt
     if planned.num_splits == 1:
         splits_tried.add(4)
     for block_h, block_n, warps, stages in ((16, 32, 4, 2), (16, 32, 8, 2), (32, 16, 8, 2), (32, 32, 8, 2),
-                                            (16, 32, 4, 3), (32, 32, 8, 3), (16, 16, 4, 2)):
+                                            (16, 32, 4, 3), (32, 32, 8, 3), (16, 16, 4, 2),
+                                            (64, 16, 8, 2), (64, 32, 16, 2)):   # all 64 heads: keys decoded once
         for splits in sorted(splits_tried):
             out.add(sa.SparseAttentionConfig(block_h=block_h, block_d=planned.block_d, block_n=block_n,
                                              num_splits=splits, num_warps=warps, num_stages=stages))

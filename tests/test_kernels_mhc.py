@@ -230,11 +230,12 @@ if KERNEL_HERE:
 
     def test_kernel_case_fused_at_flash_width() -> None:
         """`fused` at Flash width (hc = 4, H = 4096: 32 splits), T = 1 (decode) and T = 3 through
-        the runtime (`auto`, persistent counters): within the bound, counters zero after, a token
-        == the token alone, bitwise; one Sinkhorn step too."""
+        the runtime (SGLANG_DSV41_MHC_MIX=fused, persistent counters): within the bound, counters zero
+        after, a token == the token alone, bitwise; one Sinkhorn step too."""
         c = hc_case(3, 4, 4096, seed=41)
-        impl = mhc_ops.TritonMhc("auto")
+        impl = mhc_ops.TritonMhc("fused")
         assert impl.mix_for(3) == impl.mix_for(1) == "fused"
+        assert impl.counters_for(256, torch.device(DEVICE)) is not None      # decode graph sizes: no per-call buffer
         got = coefficients(Shaped(impl), c)
         assert_coefficients_close(got, reference_coefficients(c))
         counters = impl.counters_for(1, torch.device(DEVICE))
@@ -502,7 +503,7 @@ def test_gpu_fused_captured_without_counters_replays_correctly() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [7, 300, mhc_ops.MIX_DOT_MIN_TOKENS], ids=["fused_side", "rows_side", "dot_side"])
+@pytest.mark.parametrize("T", [7, 300, mhc_ops.MIX_DOT_MIN_TOKENS], ids=["decode_side", "rows_side", "dot_side"])
 def test_gpu_cuda_graph_replay_equals_eager(T: int, monkeypatch) -> None:
     """`auto` captured at T (a graph per batch size, as SGLang's) replays == eager, bitwise."""
     monkeypatch.delenv(mhc_ops.MHC_MIX_ENV, raising=False)

@@ -43,6 +43,8 @@ MIX_DOT_MIN_TOKENS = 1024
 #: `auto`: `fused` at 1..this many tokens; 0 = never (session 21's H200 sweep: `rows` was faster at every
 #: T ≤ 256, `fused` is the opt-in SGLANG_DSV41_MHC_MIX=fused)
 FUSED_MAX_TOKENS = 0
+#: the `fused` kernel's persistent counters cover calls of up to this many tokens (decode graph sizes)
+FUSED_COUNTER_TOKENS = 256
 #: the one partial-dot kernel of deterministic mode (batch invariant: its bits never depend on T)
 DETERMINISTIC_MIX = "dot"
 
@@ -180,7 +182,7 @@ class TritonMhc:
         self._counters: dict[torch.device, Tensor] = {}
 
     def counters_for(self, tokens: int, device: torch.device) -> Tensor | None:
-        """The `fused` kernel's arrival counters on `device` (≥ FUSED_MAX_TOKENS tokens' worth,
+        """The `fused` kernel's arrival counters on `device` (FUSED_COUNTER_TOKENS tokens' worth or more,
         allocated on first use outside CUDA-graph capture); None when capturing without them or
         when `tokens` needs more (the kernel wrapper then zeroes a buffer per call)."""
         from ..kernels import mhc_decode
@@ -189,7 +191,8 @@ class TritonMhc:
         if have is None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
         if have is None:
-            have = self._counters[device] = mhc_decode.fused_counters(FUSED_MAX_TOKENS, device)
+            have = self._counters[device] = mhc_decode.fused_counters(max(FUSED_MAX_TOKENS, FUSED_COUNTER_TOKENS),
+                                                                      device)
         return have if have.numel() >= mhc_decode.fused_blocks(tokens) else None
 
     def mix_for(self, tokens: int) -> str:
