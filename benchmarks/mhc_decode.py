@@ -14,12 +14,12 @@ persistent counters) and `fused` at each width of SPLITS (columns per program); 
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
 import triton.testing
+from mhc_mix import cli
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SPLITS = (256, 512, 1024)
@@ -82,12 +82,7 @@ def run(out: Path, tokens: tuple[int, ...] = TOKENS) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("."))
-    ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
-    args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    run(args.out, tuple(args.tokens))
+    cli(run, __doc__, TOKENS)
 
 
 if __name__ == "__main__":

@@ -81,13 +81,19 @@ def run(out: Path, tokens: tuple[int, ...] = TOKENS) -> dict:
     return result
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def cli(run_fn, doc: str, tokens: tuple[int, ...]) -> None:
+    """The command line of the mHC sweeps (this one, mhc_decode.py): --out DIR (made), --tokens T …;
+    then run_fn(out, tokens)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("."))
-    ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    ap.add_argument("--tokens", type=int, nargs="+", default=list(tokens))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    run(args.out, tuple(args.tokens))
+    run_fn(args.out, tuple(args.tokens))
+
+
+def main() -> None:
+    cli(run, __doc__, TOKENS)
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
-from sglang_dsv41.kernels.mhc_decode import FUSED_NUM_WARPS, launch_fused
+from sglang_dsv41.kernels.mhc_decode import FUSED_NUM_WARPS, _sigmoid, _slice_dots, launch_fused
 
 
 F32 = torch.float32
@@ -134,24 +134,11 @@ def _hc_mix_dot_kernel(x_ptr, f_ptr, part_ptr, T, K, stride_xt, NUM_CHUNKS,
     r_ok = r < ROWS
     t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
-    dots = tl.zeros([BLOCK_T, ROWS_PAD], dtype=tl.float32)
-    sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for s in tl.static_range(BLOCK_K // SUB_K):
-        k = c * BLOCK_K + s * SUB_K + tl.arange(0, SUB_K)
-        k_ok = k < K
-        f = tl.load(f_ptr + r[None, :] * K + k[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-        x = tl.load(x_ptr + t[:, None] * stride_xt + k[None, :], mask=t_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)
-        dots = tl.dot(x, f, dots, input_precision="ieee")
-        sumsq = sumsq + tl.sum(x * x, axis=1)
+    dots, sumsq = _slice_dots(x_ptr, f_ptr, t, t_ok, r, r_ok, K, stride_xt, c * BLOCK_K,
+                              BLOCK_T, ROWS_PAD, BLOCK_K, SUB_K)
     out = part_ptr + (t * NUM_CHUNKS + c) * SLOT
     tl.store(out[:, None] + r[None, :], dots, mask=t_ok[:, None] & r_ok[None, :])
     tl.store(out + ROWS, sumsq, mask=t_ok)
-
-
-@triton.jit
-def _sigmoid(z):
-    return tl.div_rn(1.0, 1.0 + tl.exp(-z))
 
 
 @triton.jit

@@ -47,6 +47,25 @@ def _sigmoid(z):
 
 
 @triton.jit
+def _slice_dots(x_ptr, f_ptr, t, t_ok, r, r_ok, K, stride_xt, k0,
+                BLOCK_T: tl.constexpr, ROWS_PAD: tl.constexpr, COLS: tl.constexpr, SUB_K: tl.constexpr):
+    """(dots [BLOCK_T, ROWS_PAD], Σx² [BLOCK_T]) of tokens t over F's columns k0 … k0 + COLS − 1: fp32
+    dots (FMA, `ieee`) chained over SUB_K-column steps, Σx² by `tl.sum` per step added in step order.
+    A token's values depend on its row only (padded rows and columns are zeros)."""
+    dots = tl.zeros([BLOCK_T, ROWS_PAD], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for i in tl.static_range(COLS // SUB_K):
+        k = k0 + i * SUB_K + tl.arange(0, SUB_K)
+        k_ok = k < K
+        f = tl.load(f_ptr + r[None, :] * K + k[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+        x = tl.load(x_ptr + t[:, None] * stride_xt + k[None, :], mask=t_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        dots = tl.dot(x, f, dots, input_precision="ieee")
+        sumsq = sumsq + tl.sum(x * x, axis=1)
+    return dots, sumsq
+
+
+@triton.jit
 def _hc_fused_coefficients_kernel(x_ptr, f_ptr, part_ptr, cnt_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
                                   T, K, stride_xt, iters,
                                   HC: tl.constexpr, ROWS_PAD: tl.constexpr, SLOT: tl.constexpr,
@@ -62,16 +81,8 @@ def _hc_fused_coefficients_kernel(x_ptr, f_ptr, part_ptr, cnt_ptr, base_ptr, sca
     r_ok = r < ROWS
     t = tb.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
-    dots = tl.zeros([BLOCK_T, ROWS_PAD], dtype=tl.float32)
-    sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for i in tl.static_range(SPLIT_K // SUB_K):
-        k = s * SPLIT_K + i * SUB_K + tl.arange(0, SUB_K)
-        k_ok = k < K
-        f = tl.load(f_ptr + r[None, :] * K + k[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-        x = tl.load(x_ptr + t[:, None] * stride_xt + k[None, :], mask=t_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)
-        dots = tl.dot(x, f, dots, input_precision="ieee")
-        sumsq = sumsq + tl.sum(x * x, axis=1)
+    dots, sumsq = _slice_dots(x_ptr, f_ptr, t, t_ok, r, r_ok, K, stride_xt, s * SPLIT_K,
+                              BLOCK_T, ROWS_PAD, SPLIT_K, SUB_K)
     out = part_ptr + (t * SPLITS + s) * SLOT
     tl.store(out[:, None] + r[None, :], dots, mask=t_ok[:, None] & r_ok[None, :])
     tl.store(out + ROWS, sumsq, mask=t_ok)
