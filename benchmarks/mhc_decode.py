@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 import triton.testing
-from mhc_mix import cli
+from mhc_mix import cli, hc_weights
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SPLITS = (256, 512, 1024)
@@ -37,10 +37,7 @@ def run(out: Path, tokens: tuple[int, ...] = TOKENS) -> dict:
     from sglang_dsv41.kernels import mhc as K
     from sglang_dsv41.kernels import mhc_decode as D
     dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(0)
-    rows = HC * (2 + HC)
-    fn = torch.randn(rows, HC * H, generator=g, device=dev) / (HC * H) ** 0.5
-    base, scale = 0.5 * torch.randn(rows, generator=g, device=dev), torch.tensor([0.7, 0.8, 0.9], device=dev)
+    g, fn, base, scale = hc_weights(dev, HC, H)
     counters = D.fused_counters(max(tokens), dev)
     opts = {**K._launch_options(), "num_warps": D.FUSED_NUM_WARPS}
     result: dict = dict(device=torch.cuda.get_device_name(dev), hc=HC, hidden=H, iters=ITERS, method=__doc__,

@@ -41,14 +41,22 @@ def fit(rows: list[dict], threshold_now: int) -> dict:
                 rows_faster_at=[r["tokens"] for r in rows if faster(r) == "rows"])
 
 
+def hc_weights(dev: torch.device, hc: int, hidden: int) -> tuple[torch.Generator, torch.Tensor, torch.Tensor,
+                                                                   torch.Tensor]:
+    """(generator, fn [hc·(2+hc), hc·hidden], base, scale) of one hyper-connection, seeded: the inputs
+    both mHC sweeps time."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = hc * (2 + hc)
+    fn = torch.randn(rows, hc * hidden, generator=g, device=dev) / (hc * hidden) ** 0.5
+    base, scale = 0.5 * torch.randn(rows, generator=g, device=dev), torch.tensor([0.7, 0.8, 0.9], device=dev)
+    return g, fn, base, scale
+
+
 def run(out: Path, tokens: tuple[int, ...] = TOKENS) -> dict:
     from sglang_dsv41.kernels import mhc as K
     from sglang_dsv41.runtime import mhc_ops
     dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(0)
-    rows = HC * (2 + HC)
-    fn = torch.randn(rows, HC * H, generator=g, device=dev) / (HC * H) ** 0.5
-    base, scale = 0.5 * torch.randn(rows, generator=g, device=dev), torch.tensor([0.7, 0.8, 0.9], device=dev)
+    g, fn, base, scale = hc_weights(dev, HC, H)
     w = 1.0 + 0.1 * torch.randn(H, generator=g, device=dev)
     result: dict = dict(device=torch.cuda.get_device_name(dev), hc=HC, hidden=H, method=__doc__, rows=[])
     for T in tokens:

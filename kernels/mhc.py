@@ -64,7 +64,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
-from sglang_dsv41.kernels.mhc_decode import FUSED_NUM_WARPS, _sigmoid, _slice_dots, launch_fused
+from sglang_dsv41.kernels.mhc_decode import FUSED_NUM_WARPS, _hc_params, _sigmoid, _slice_partials, launch_fused
 
 
 F32 = torch.float32
@@ -128,17 +128,8 @@ def _hc_mix_dot_kernel(x_ptr, f_ptr, part_ptr, T, K, stride_xt, NUM_CHUNKS,
     of the [BLOCK_T, SUB_K] token tiles with F's slice, chained over the slice's SUB_K-column
     steps; Σx² per token by `tl.sum` per step, added in step order. A token's partials depend on
     its row only (fixed tile shapes; padded rows are zeros)."""
-    tb = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    r = tl.arange(0, ROWS_PAD)
-    r_ok = r < ROWS
-    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < T
-    dots, sumsq = _slice_dots(x_ptr, f_ptr, t, t_ok, r, r_ok, K, stride_xt, c * BLOCK_K,
-                              BLOCK_T, ROWS_PAD, BLOCK_K, SUB_K)
-    out = part_ptr + (t * NUM_CHUNKS + c) * SLOT
-    tl.store(out[:, None] + r[None, :], dots, mask=t_ok[:, None] & r_ok[None, :])
-    tl.store(out + ROWS, sumsq, mask=t_ok)
+    _slice_partials(x_ptr, f_ptr, part_ptr, T, K, stride_xt, tl.program_id(0), tl.program_id(1), NUM_CHUNKS,
+                    ROWS, ROWS_PAD, SLOT, BLOCK_T, BLOCK_K, SUB_K)
 
 
 @triton.jit
@@ -166,12 +157,7 @@ def _hc_coefficients_kernel(part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, co
 
     mean = tl.div_rn(sumsq, K.to(tl.float32))
     inv_rms = tl.div_rn(1.0, tl.sqrt_rn(mean + RMS_EPS))
-    a0 = tl.load(scale_ptr)
-    a1 = tl.load(scale_ptr + 1)
-    a2 = tl.load(scale_ptr + 2)
-    b_pre = tl.load(base_ptr + j)
-    b_post = tl.load(base_ptr + HC + j)
-    b_comb = tl.load(base_ptr + 2 * HC + j[:, None] * HC + j[None, :])
+    a0, a1, a2, b_pre, b_post, b_comb = _hc_params(base_ptr, scale_ptr, HC)
 
     pre = _sigmoid(a0 * (pre_dot * inv_rms) + b_pre) + HC_EPS
     post = 2.0 * _sigmoid(a1 * (post_dot * inv_rms) + b_post)

@@ -47,22 +47,39 @@ def _sigmoid(z):
 
 
 @triton.jit
-def _slice_dots(x_ptr, f_ptr, t, t_ok, r, r_ok, K, stride_xt, k0,
-                BLOCK_T: tl.constexpr, ROWS_PAD: tl.constexpr, COLS: tl.constexpr, SUB_K: tl.constexpr):
-    """(dots [BLOCK_T, ROWS_PAD], Σx² [BLOCK_T]) of tokens t over F's columns k0 … k0 + COLS − 1: fp32
-    dots (FMA, `ieee`) chained over SUB_K-column steps, Σx² by `tl.sum` per step added in step order.
-    A token's values depend on its row only (padded rows and columns are zeros)."""
+def _hc_params(base_ptr, scale_ptr, HC: tl.constexpr):
+    """(α₀, α₁, α₂, b_pre [HC], b_post [HC], b_comb [HC, HC]) of one hyper-connection (spec §3.2)."""
+    j = tl.arange(0, HC)
+    return (tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2), tl.load(base_ptr + j),
+            tl.load(base_ptr + HC + j), tl.load(base_ptr + 2 * HC + j[:, None] * HC + j[None, :]))
+
+
+@triton.jit
+def _slice_partials(x_ptr, f_ptr, part_ptr, T, K, stride_xt, tb, s, NUM_SLICES,
+                    ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, SLOT: tl.constexpr, BLOCK_T: tl.constexpr,
+                    COLS: tl.constexpr, SUB_K: tl.constexpr):
+    """Token block tb, column slice s (COLS columns of F): part[t, s, r] = the fp32 dots (FMA, `ieee`,
+    chained over SUB_K-column steps) for r < ROWS and part[t, s, ROWS] = Σx² (a `tl.sum` per step,
+    added in step order). A token's values depend on its row only (padded rows and columns are
+    zeros). Returns the block's token ids and their mask."""
+    r = tl.arange(0, ROWS_PAD)
+    r_ok = r < ROWS
+    t = tb.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
     dots = tl.zeros([BLOCK_T, ROWS_PAD], dtype=tl.float32)
     sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
     for i in tl.static_range(COLS // SUB_K):
-        k = k0 + i * SUB_K + tl.arange(0, SUB_K)
+        k = s * COLS + i * SUB_K + tl.arange(0, SUB_K)
         k_ok = k < K
         f = tl.load(f_ptr + r[None, :] * K + k[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
         x = tl.load(x_ptr + t[:, None] * stride_xt + k[None, :], mask=t_ok[:, None] & k_ok[None, :],
                     other=0.0).to(tl.float32)
         dots = tl.dot(x, f, dots, input_precision="ieee")
         sumsq = sumsq + tl.sum(x * x, axis=1)
-    return dots, sumsq
+    out = part_ptr + (t * NUM_SLICES + s) * SLOT
+    tl.store(out[:, None] + r[None, :], dots, mask=t_ok[:, None] & r_ok[None, :])
+    tl.store(out + ROWS, sumsq, mask=t_ok)
+    return t, t_ok
 
 
 @triton.jit
@@ -76,16 +93,8 @@ def _hc_fused_coefficients_kernel(x_ptr, f_ptr, part_ptr, cnt_ptr, base_ptr, sca
     sums all splits in fixed order and writes pre / post / comb (module doc)."""
     ROWS: tl.constexpr = HC * (2 + HC)
     tb = tl.program_id(0)
-    s = tl.program_id(1)
-    r = tl.arange(0, ROWS_PAD)
-    r_ok = r < ROWS
-    t = tb.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < T
-    dots, sumsq = _slice_dots(x_ptr, f_ptr, t, t_ok, r, r_ok, K, stride_xt, s * SPLIT_K,
-                              BLOCK_T, ROWS_PAD, SPLIT_K, SUB_K)
-    out = part_ptr + (t * SPLITS + s) * SLOT
-    tl.store(out[:, None] + r[None, :], dots, mask=t_ok[:, None] & r_ok[None, :])
-    tl.store(out + ROWS, sumsq, mask=t_ok)
+    t, t_ok = _slice_partials(x_ptr, f_ptr, part_ptr, T, K, stride_xt, tb, tl.program_id(1), SPLITS,
+                              ROWS, ROWS_PAD, SLOT, BLOCK_T, SPLIT_K, SUB_K)
 
     tl.debug_barrier()                                   # every thread's partials stored before the ticket
     arrived = tl.atomic_add(cnt_ptr + tb, 1, sem="acq_rel", scope="gpu")
@@ -110,12 +119,7 @@ def _hc_fused_coefficients_kernel(x_ptr, f_ptr, part_ptr, cnt_ptr, base_ptr, sca
                                                  other=0.0, cache_modifier=".cg"), axis=1)
 
         inv_rms = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, K.to(tl.float32)) + RMS_EPS))       # [BLOCK_T]
-        a0 = tl.load(scale_ptr)
-        a1 = tl.load(scale_ptr + 1)
-        a2 = tl.load(scale_ptr + 2)
-        b_pre = tl.load(base_ptr + j)
-        b_post = tl.load(base_ptr + HC + j)
-        b_comb = tl.load(base_ptr + 2 * HC + j[:, None] * HC + j[None, :])
+        a0, a1, a2, b_pre, b_post, b_comb = _hc_params(base_ptr, scale_ptr, HC)
         pre = _sigmoid(a0 * (pre_dot * inv_rms[:, None]) + b_pre[None, :]) + HC_EPS
         post = 2.0 * _sigmoid(a1 * (post_dot * inv_rms[:, None]) + b_post[None, :])
         comb = tl.reshape(comb_dot, [BLOCK_T, HC, HC])                                   # [t, j, k]
