@@ -326,7 +326,7 @@ def test_sqrt_softplus_cpu_fp32_keeps_the_where_chain() -> None:
 def test_cuda_sqrt_softplus_one_kernel_equals_the_where_chain() -> None:
     """CUDA fp32: `F.softplus` (one kernel) gives the `where` chain's bits, threshold included."""
     if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+        pytest.skip("needs a CUDA GPU (run with -m gpu on the GPU machine)")
     g = torch.Generator(device="cuda").manual_seed(3)
     z = torch.cat((torch.randn(1 << 20, generator=g, device="cuda") * 8,
                    torch.tensor([20.0, 20.000002, 19.999998, -88.0, -104.0, 0.0], device="cuda")))
