@@ -1,5 +1,7 @@
 """The mHC coefficients in one launch for decode-sized batches (`kernels.mhc.hc_coefficients`
-with mix="fused"; semantics and bound = `kernels.mhc`'s module doc, COEFFICIENT_BOUND).
+with mix="fused", an opt-in: `mhc_ops.FUSED_MAX_TOKENS`; semantics and bound = `kernels.mhc`'s
+module doc, COEFFICIENT_BOUND), and the device helpers `kernels.mhc`'s kernels share with it
+(`_slice_partials`, `_hc_params`, `_sigmoid`).
 
 Grid (⌈T/FUSED_BLOCK_T⌉, S) with S = ⌈hc·H / FUSED_SPLIT_K⌉: program (b, s) forms, for the
 FUSED_BLOCK_T tokens of block b, the fp32 partial dots of F's columns [s·SPLIT_K, (s+1)·SPLIT_K)
