@@ -1,5 +1,5 @@
 """`benchmarks/fp8_w8a8.py --sweep`: W8A8 GEMM configurations of the decode (M ≤ 16) and mid
-(M ≤ 128) row tiers, per FP8 dense weight of one Flash layer (`wo_a` grouped, act_quant False).
+(tier limit 256; M ≤ 128 below the prefill form) row tiers, per FP8 dense weight of one Flash layer (`wo_a` grouped, act_quant False).
 
 Each weight alone is timed (`step_timing.measure`: CUDA events, 256 MB L2 flush before every call)
 with every candidate of a tier (`CANDIDATES` plus the tier's current configuration, label
@@ -21,8 +21,9 @@ import time
 
 import torch
 
-TIER_ROWS = {16: (1, 4, 8, 16), 128: (32, 64)}
-#: label → (tier, W8A8Config fields: block_m, block_n, sub_blocks, warps, stages, fused_quant, split_k,
+#: row-tier limit (`kernels.fp8_w8a8.ROW_TIERS`, the key of SHAPE_CONFIGS) → the M timed in it
+TIER_ROWS = {16: (1, 4, 8, 16), 256: (32, 64)}
+#: label → (tier limit, W8A8Config fields: block_m, block_n, sub_blocks, warps, stages, fused_quant, split_k,
 #: fp8_mma, target_programs, swap_ab). `sw` = swap_ab (BLOCK_N weight rows on the MMA's M side).
 CANDIDATES: dict[str, tuple[int, tuple]] = {
     "m16_n64_s4_w4_p4_t1056": (16, (16, 64, 4, 4, 4, True, True, False, 1056, False)),
@@ -45,22 +46,22 @@ CANDIDATES: dict[str, tuple[int, tuple]] = {
     "sw_m16_n128_s4_w4_p3_t4224": (16, (16, 128, 4, 4, 3, True, True, False, 4224, True)),
     "sw_m16_n256_s4_w8_p3_t2112": (16, (16, 256, 4, 8, 3, True, True, False, 2112, True)),
     "sw_m16_n32_s8_w4_p3_t1056": (16, (16, 32, 8, 4, 3, True, True, False, 1056, True)),
-    "m64_n128_s1_w4_p4_t1056": (128, (64, 128, 1, 4, 4, True, True, False, 1056, False)),
-    "m64_n128_s2_w4_p3_t528": (128, (64, 128, 2, 4, 3, True, True, False, 528, False)),
-    "m64_n64_s2_w4_p4_t1056": (128, (64, 64, 2, 4, 4, True, True, False, 1056, False)),
-    "m64_n256_s1_w8_p3_t528": (128, (64, 256, 1, 8, 3, True, True, False, 528, False)),
-    "m32_n128_s2_w4_p3_t1056": (128, (32, 128, 2, 4, 3, True, True, False, 1056, False)),
-    "sw_m64_n128_s2_w4_p3_t1056": (128, (64, 128, 2, 4, 3, True, True, False, 1056, True)),
-    "sw_m32_n128_s4_w4_p3_t2112": (128, (32, 128, 4, 4, 3, True, True, False, 2112, True)),
-    "sw_m64_n128_s2_w8_p3_t2112": (128, (64, 128, 2, 8, 3, True, True, False, 2112, True)),
-    "sw_m64_n64_s4_w4_p3_t1056": (128, (64, 64, 4, 4, 3, True, True, False, 1056, True)),
+    "m64_n128_s1_w4_p4_t1056": (256, (64, 128, 1, 4, 4, True, True, False, 1056, False)),
+    "m64_n128_s2_w4_p3_t528": (256, (64, 128, 2, 4, 3, True, True, False, 528, False)),
+    "m64_n64_s2_w4_p4_t1056": (256, (64, 64, 2, 4, 4, True, True, False, 1056, False)),
+    "m64_n256_s1_w8_p3_t528": (256, (64, 256, 1, 8, 3, True, True, False, 528, False)),
+    "m32_n128_s2_w4_p3_t1056": (256, (32, 128, 2, 4, 3, True, True, False, 1056, False)),
+    "sw_m64_n128_s2_w4_p3_t1056": (256, (64, 128, 2, 4, 3, True, True, False, 1056, True)),
+    "sw_m32_n128_s4_w4_p3_t2112": (256, (32, 128, 4, 4, 3, True, True, False, 2112, True)),
+    "sw_m64_n128_s2_w8_p3_t2112": (256, (64, 128, 2, 8, 3, True, True, False, 2112, True)),
+    "sw_m64_n64_s4_w4_p3_t1056": (256, (64, 64, 4, 4, 3, True, True, False, 1056, True)),
 }
 CURRENT = "current"
 
 
 def tier_candidates(W, tier: int) -> dict:
     """label → W8A8Config of the tier: `current` (the tier's configuration today) first."""
-    current = dict(W.ROW_TIERS)[16 if tier == 16 else 256]
+    current = dict(W.ROW_TIERS)[tier]
     return {CURRENT: current} | {k: W.W8A8Config(*v) for k, (t, v) in CANDIDATES.items() if t == tier}
 
 
@@ -209,7 +210,7 @@ def shape_config_suggestions(W, summary: dict, shapes: list, min_gain: float) ->
                 continue
             if best["us_sum"] < (1 - min_gain) * best["current_us_sum"]:
                 c = cfgs[best["best"]]
-                lines.append(f"({int(tier) if int(tier) == 16 else 256}, {n}, {k}, {groups}): W8A8Config({c.block_m}, "
+                lines.append(f"({tier}, {n}, {k}, {groups}): W8A8Config({c.block_m}, "
                              f"{c.block_n}, {c.sub_blocks}, {c.num_warps}, {c.num_stages}, fused_quant=True, "
                              f"split_k=True, target_programs={c.target_programs}, swap_ab={c.swap_ab}),  "
                              f"# {name} {best['current_us_sum']:.1f} → {best['us_sum']:.1f} µs")

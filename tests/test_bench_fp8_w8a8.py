@@ -119,7 +119,8 @@ def test_sweep_candidates_are_valid_and_distinct_per_tier() -> None:
     from sglang_dsv41.kernels import fp8_w8a8 as W
 
     sweep = load_benchmark("fp8_w8a8_sweep.py")
-    assert set(sweep.TIER_ROWS) == {16, 128} and max(sweep.TIER_ROWS[16]) <= 16 < min(sweep.TIER_ROWS[128])
+    assert set(sweep.TIER_ROWS) == {limit for limit, _ in W.ROW_TIERS} == {16, 256}
+    assert max(sweep.TIER_ROWS[16]) <= 16 < min(sweep.TIER_ROWS[256]) <= max(sweep.TIER_ROWS[256]) < W.BF16_GEMM_MIN_ROWS
     for tier in sweep.TIER_ROWS:
         cfgs = sweep.tier_candidates(W, tier)
         assert list(cfgs)[0] == sweep.CURRENT and len(set(cfgs.values())) == len(cfgs)
@@ -130,10 +131,26 @@ def test_sweep_candidates_are_valid_and_distinct_per_tier() -> None:
     assert bench.parse_args(["--sweep", "--jobs", "0"]).sweep
 
 
+def test_sweep_suggests_shape_configs_only_past_the_gain() -> None:
+    """`shape_config_suggestions`: a line keyed (tier limit, N, K, groups) for a weight whose best
+    candidate beats `current` by more than --min-gain, none for the others (fixed timings)."""
+    from sglang_dsv41.kernels import fp8_w8a8 as W
+
+    sweep = load_benchmark("fp8_w8a8_sweep.py")
+    label = next(k for k, (t, _) in sweep.CANDIDATES.items() if t == 16)
+    summary = {"16": {"per_weight": {"a": dict(best=label, us_sum=90.0, current_us_sum=100.0),
+                                     "b": dict(best=label, us_sum=99.0, current_us_sum=100.0),
+                                     "c": dict(best=sweep.CURRENT, us_sum=50.0, current_us_sum=50.0)}}}
+    shapes = [("a", 64, 96, 1), ("b", 128, 64, 2), ("c", 32, 32, 1)]
+    lines = sweep.shape_config_suggestions(W, summary, shapes, 0.05)
+    assert len(lines) == 1 and lines[0].startswith("(16, 64, 96, 1): W8A8Config(") and "# a 100.0 → 90.0 µs" in lines[0]
+    assert len(sweep.shape_config_suggestions(W, summary, shapes, -1.0)) == 2
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET child (CPU tensors)")
 def test_kernel_case_sweep_end_to_end_on_cpu_with_small_shapes(tmp_path, monkeypatch) -> None:
     sweep = load_benchmark("fp8_w8a8_sweep.py")
-    monkeypatch.setattr(sweep, "TIER_ROWS", {16: (1, 3), 128: (20,)})
+    monkeypatch.setattr(sweep, "TIER_ROWS", {16: (1, 3), 256: (20,)})
     monkeypatch.setattr(sweep, "CANDIDATES", {k: sweep.CANDIDATES[k] for k in (
         "sw_m16_n64_s4_w4_p3_t1056", "m16_n128_s4_w4_p3_t1056", "sw_m64_n64_s4_w4_p3_t1056")})
     small = [("attn.wq_a.weight", 64, 96, 1), ("attn.wo_a.weight", 128, 64, 2)]
@@ -143,7 +160,14 @@ def test_kernel_case_sweep_end_to_end_on_cpu_with_small_shapes(tmp_path, monkeyp
     assert result["errors"] == [] and result["skipped"] == []
     assert len(result["points"]) == 2 * (2 * 3 + 1 * 2)          # weights × (decode rows × 3 + mid rows × 2)
     assert all(p["us"] > 0 and p["fraction_of_copy"] > 0 for p in result["points"])
-    for tier in ("16", "128"):
+    for tier in ("16", "256"):
         s = result["summary"][tier]
         assert set(s["per_weight"]) == {n for n, *_ in small} and s["best_single"] in s["totals_us"]
-    assert len(result["shape_configs"]) >= 1 and all("W8A8Config(" in line for line in result["shape_configs"])
+    # --min-gain -1: one line per (tier, weight) whose fastest candidate (timed here, so any) is not `current`
+    beaten = [(tier, w) for tier, s in result["summary"].items() for w, b in s["per_weight"].items()
+              if b["best"] != sweep.CURRENT]
+    assert len(result["shape_configs"]) == len(beaten)
+    assert all("W8A8Config(" in line for line in result["shape_configs"])
+    for tier, w in beaten:
+        n, k, groups = next((n, k, g) for name, n, k, g in small if name == w)
+        assert any(line.startswith(f"({tier}, {n}, {k}, {groups}): ") for line in result["shape_configs"]), (tier, w)
