@@ -10,7 +10,7 @@
 CUDA's partial-dot kernel of the coefficients (`kernels.mhc.MIX_KERNELS`: `dot`, `rows`, `fused`):
 SGLANG_DSV41_MHC_MIX (MIX_CHOICES), read when a `TritonMhc` is built. `auto` (the serving
 default) picks per call by token count (`mix_for_tokens`: `fused` — one launch,
-`kernels/mhc_decode.py` — at 1..FUSED_MAX_TOKENS (0 since session 21: never), `dot` from
+`kernels/mhc_decode.py` — at 1..FUSED_MAX_TOKENS (0: never, an opt-in), `dot` from
 MIX_DOT_MIN_TOKENS on, `rows` below; docs/performance.md). `fused` uses int32 arrival counters that every launch leaves
 zero: a `TritonMhc` allocates them once per device outside CUDA-graph capture (inside a capture
 without them, a zeroed buffer is allocated in the graph per call). A call's token count is fixed
@@ -38,10 +38,10 @@ MHC_MIX_ENV = "SGLANG_DSV41_MHC_MIX"
 #: `kernels.mhc.MIX_KERNELS` for every call
 MIX_CHOICES = ("auto", "dot", "rows", "fused")
 #: `auto`: `dot` from this many tokens on, `rows` below (fit to the H200 sweeps of benchmarks/mhc_mix.py
-#: and benchmarks/mhc_decode.py, docs/performance.md "mHC kernel by token count" and session 21)
+#: and benchmarks/mhc_decode.py, docs/performance.md "mHC kernel by token count" and "Session 21")
 MIX_DOT_MIN_TOKENS = 1024
-#: `auto`: `fused` at 1..this many tokens; 0 = never (session 21's H200 sweep: `rows` was faster at every
-#: T ≤ 256, `fused` is the opt-in SGLANG_DSV41_MHC_MIX=fused)
+#: `auto`: `fused` at 1..this many tokens; 0 = never, `fused` being the opt-in SGLANG_DSV41_MHC_MIX=fused
+#: (docs/performance.md, "Session 21": `rows` measured faster at every decode size)
 FUSED_MAX_TOKENS = 0
 #: the `fused` kernel's persistent counters cover calls of up to this many tokens (decode graph sizes)
 FUSED_COUNTER_TOKENS = 256
