@@ -2,29 +2,29 @@
 semantics and bound = `kernels.mhc`'s module doc, COEFFICIENT_BOUND).
 
 Replaces `kernels.mhc._hc_coefficients_kernel` after the same partial-dot kernels. Grid
-⌈T/REG_BLOCK_T⌉: a program takes REG_BLOCK_T tokens, each token's values are [REG_BLOCK_T]
-vectors (one lane per token). The chunk partials of a token are summed by a `tl.sum` per
-CHUNKS_BLOCK chunks (block sums added in chunk order; CHUNKS_BLOCK depends on hc·H only); then
-the rsqrt, sigmoids and the hc × hc Sinkhorn run on the hc² comb values held as separate vectors:
-every row / column sum is element-wise adds in a fixed order (((a + b) + c) + d), so the
-Sinkhorn needs no cross-lane reduction, shuffle or shared memory. Same operations and rounding
+⌈T/REG_BLOCK_T⌉: a program takes REG_BLOCK_T tokens; each of a token's values is one element of
+a [REG_BLOCK_T] vector. The chunk partials of a token are summed by a `tl.sum` (across lanes) per
+CHUNKS_BLOCK chunks, the block sums added in chunk order (CHUNKS_BLOCK depends on hc·H only);
+then the rsqrt, sigmoids and the hc × hc Sinkhorn run on the hc² comb values held as 16 separate
+vectors: every row / column sum is element-wise adds in a fixed order (((a + b) + c) + d), so the
+Sinkhorn needs no cross-lane reduction, shuffle, barrier or shared memory. Same operations and rounding
 points as `_hc_coefficients_kernel` (fp32, IEEE `div_rn` / `sqrt_rn`, row softmax with the row
 max subtracted, +ε, column normalise, then (iters − 1)×(row, column)); only the order of the
 partial and 4-term sums may differ, so bits may differ from it (each within the bound).
 
-hc = 4 only (the comb values are written out). Batch invariance: a token's lane computes it
-from its own partials with T-independent shapes; masked lanes are discarded.
+hc = 4 only (the comb values are written out). Batch invariance: a token's coefficients are computed
+from its own partials with T-independent shapes (masked tokens are discarded).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-#: Tokens per program (one lane each) and warps of the register coefficient kernel.
-REG_BLOCK_T = 32
+#: Tokens per program and warps of the register coefficient kernel (chunk tile [4, 32]: no spills).
+REG_BLOCK_T = 4
 REG_NUM_WARPS = 1
-#: Largest number of chunk partials summed by one `tl.sum` (fixed by hc·H, never by T).
-REG_CHUNKS_BLOCK = 128
+#: Chunk partials per `tl.sum` step (fewer when hc·H has fewer chunks; never depends on T).
+REG_CHUNKS_BLOCK = 32
 #: hc the register kernel is written for.
 REG_HC = 4
 
