@@ -31,7 +31,7 @@ What is pinned:
   kernels, and no register spills.
 GPU (`gpu` marker): the same bounds at tiny and Flash widths (hc = 4, H = 4096, T = 1 / 7 / 64),
 `fused` at Flash width for T = 1 … 256 (bound, counters back to zero, batch invariance, first call
-inside a graph capture),
+inside a graph capture), coeff="registers" at Flash width (T = 1 … 256),
 batch invariance at T = 64, both partial-dot kernels (`MIX_KERNELS`) at T = 300, `auto` dispatch at Flash
 width on both sides of the threshold, whether `dot` and `rows` agree bitwise (printed: the reason
 deterministic mode pins one), and CUDA-graph captures (T = 7 and MIX_DOT_MIN_TOKENS, `auto`) + replay == eager, bitwise.
@@ -552,6 +552,23 @@ def test_gpu_fused_matches_reference_at_flash_width(T: int) -> None:
     dot = coefficients(Shaped(mhc_ops.TritonMhc("dot")), c)
     assert all(float((getattr(dot, n) - getattr(got, n)).abs().max()) <= 2 * K.COEFFICIENT_BOUND
                for n in ("pre", "post", "comb"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 5, 64, 256])
+def test_gpu_register_coefficients_at_flash_width(T: int) -> None:
+    """coeff="registers" after `rows` at Flash width, compiled: within the bound, the last token ==
+    alone, bitwise, and within 2 × the bound of the `tile` kernel (bits printed)."""
+    c = hc_case(T, 4, 4096, seed=80 + T, device="cuda")
+    impl = Shaped(mhc_ops.TritonMhc("rows", coeff="registers"))
+    got = coefficients(impl, c)
+    assert_coefficients_close(got, reference_coefficients(c))
+    alone = coefficients(impl, {k: v[T - 1:] if k in PER_TOKEN else v for k, v in c.items()})
+    assert all(torch.equal(getattr(alone, n), getattr(got, n)[T - 1:]) for n in ("pre", "post", "comb"))
+    tile = coefficients(Shaped(mhc_ops.TritonMhc("rows", coeff="tile")), c)
+    diff = {n: float((getattr(got, n) - getattr(tile, n)).abs().max()) for n in ("pre", "post", "comb")}
+    print(f"[mhc registers vs tile] T = {T}: max |Δ| {diff}")
+    assert max(diff.values()) <= 2 * K.COEFFICIENT_BOUND, diff
 
 
 @pytest.mark.gpu
