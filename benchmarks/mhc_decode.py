@@ -3,9 +3,10 @@
 Sinkhorn ITERS = 20, BF16-valued fp32 residual), T in TOKENS (1 … 256; --tokens).
 
 Per T: µs of the full coefficient op (all its launches) by `triton.testing.do_bench_cudagraph`
-(median of CUDA-graph replays, the serving form) for `dot`, `rows`, `fused` (default split width,
+(median of CUDA-graph replays, the serving form) for `dot`, `rows`, `rows_regcoef` / `dot_regcoef`
+(the same partial-dot kernels, then coeff="registers": `kernels/mhc_coef.py`), `fused` (default split width,
 persistent counters) and `fused` at each width of SPLITS (columns per program); the largest |Δ| of
-`fused` from `dot`; `best_fused_split`; `fused_over_dot` (fused µs / dot µs). Top level:
+`fused` from `dot` (`regcoef_vs_rows_max_abs`: of `rows_regcoef` from `rows`); `best_fused_split`; `fused_over_dot` (fused µs / dot µs). Top level:
 `fused_wins_at` (the Ts where default `fused` beats both old kernels) and `fit_fused_max_tokens`
 (the largest swept T up to which `fused` wins at every swept T: the value for
 `mhc_ops.FUSED_MAX_TOKENS`). Writes OUT/mhc_decode.json.
@@ -46,12 +47,15 @@ def run(out: Path, tokens: tuple[int, ...] = TOKENS) -> dict:
         R = torch.randn(T, HC, H, generator=g, device=dev).to(torch.bfloat16).float()
         row: dict = dict(tokens=T)
         co = {}
-        for mix in ("dot", "rows", "fused"):
-            def coeff(mix=mix, R=R):
+        for variant in ("dot", "rows", "rows_regcoef", "dot_regcoef", "fused"):
+            mix, _, reg = variant.partition("_")
+
+            def coeff(mix=mix, R=R, reg=reg):
                 return K.hc_coefficients(R, fn, base, scale, rms_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=ITERS,
-                                         mix=mix, counters=counters if mix == "fused" else None)
-            co[mix] = coeff()
-            row[f"{mix}_us"] = bench(coeff)
+                                         mix=mix, counters=counters if mix == "fused" else None,
+                                         coeff="registers" if reg else "tile")
+            co[variant] = coeff()
+            row[f"{variant}_us"] = bench(coeff)
         x = R.reshape(T, HC * H)
         outs = tuple(torch.empty_like(t) for t in co["fused"])
         for split in SPLITS:
@@ -60,6 +64,8 @@ def run(out: Path, tokens: tuple[int, ...] = TOKENS) -> dict:
                                counters=counters, opts=opts, split_k=split)
             row[f"fused_split{split}_us"] = bench(split_call)
         row["fused_vs_dot_max_abs"] = max(float((a - b).abs().max()) for a, b in zip(co["fused"], co["dot"]))
+        row["regcoef_vs_rows_max_abs"] = max(float((a - b).abs().max()) for a, b in zip(co["rows_regcoef"], co["rows"]))
+        row["rows_regcoef_over_rows"] = row["rows_regcoef_us"] / row["rows_us"]
         row["counters_zero"] = int(counters.abs().sum()) == 0
         row["best_fused_split"] = min(SPLITS, key=lambda s: row[f"fused_split{s}_us"])
         row["fused_over_dot"] = row["fused_us"] / row["dot_us"]

@@ -64,6 +64,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
+from sglang_dsv41.kernels.mhc_coef import REG_HC, REG_NUM_WARPS, launch_regs
 from sglang_dsv41.kernels.mhc_decode import FUSED_NUM_WARPS, _hc_params, _sigmoid, _slice_partials, launch_fused
 
 
@@ -80,6 +81,9 @@ MIX_KERNELS = ("dot", "rows", "fused")
 #: with `dot`: partial-sum chunks per step and warps of the coefficient kernel (`rows`: all chunks, 4 warps)
 COEFF_CHUNKS_BLOCK = 32
 COEFF_NUM_WARPS = 1
+#: the coefficient kernels after `dot` / `rows`: `tile` (`_hc_coefficients_kernel`, the default),
+#: `registers` (`kernels.mhc_coef`: one lane per token, hc = 4); `fused` has its own
+COEFF_KERNELS = ("tile", "registers")
 #: Columns per program of the element-wise stream kernels (residual update, collapse).
 STREAM_BLOCK_H = 256
 #: Largest row the one-program-per-token sublayer-input kernel takes (next power of two of H).
@@ -276,14 +280,20 @@ def _coefficient_rows(name: str, coeff: Tensor, T: int, shape: tuple[int, ...]) 
 
 def hc_coefficients(residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *,
                     rms_eps: float, hc_eps: float, sinkhorn_iters: int,
-                    mix: str = MIX_KERNELS[0], counters: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                    mix: str = MIX_KERNELS[0], counters: Tensor | None = None,
+                    coeff: str = COEFF_KERNELS[0]) -> tuple[Tensor, Tensor, Tensor]:
     """(pre [T, hc], post [T, hc], comb [T, hc, hc]) fp32 of one hyper-connection from the residual
     entering it (spec §3.2); fp32 inside, each value within COEFFICIENT_BOUND of the reference.
     `mix`: the partial-dot kernel (MIX_KERNELS, module doc); `counters`: with `fused`, the arrival
-    counters (`mhc_decode.fused_counters`; None: zeroed per call)."""
+    counters (`mhc_decode.fused_counters`; None: zeroed per call); `coeff`: the coefficient
+    kernel after `dot` / `rows` (COEFF_KERNELS; unused with `fused`)."""
     if mix not in MIX_KERNELS:
         raise ValueError(f"hc_coefficients: mix must be one of {MIX_KERNELS}, got {mix!r}")
+    if coeff not in COEFF_KERNELS:
+        raise ValueError(f"hc_coefficients: coeff must be one of {COEFF_KERNELS}, got {coeff!r}")
     T, hc, H = _check_residual("hc_coefficients", residual)
+    if coeff == "registers" and mix != "fused" and hc != REG_HC:
+        raise ValueError(f"hc_coefficients: coeff='registers' needs hc_mult = {REG_HC}, got {hc}")
     rows, K = hc * (2 + hc), hc * H
     if tuple(fn.shape) != (rows, K):
         raise ValueError(f"hc_coefficients: fn has shape {tuple(fn.shape)}, expected {(rows, K)}")
@@ -322,6 +332,14 @@ def hc_coefficients(residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *
         _hc_mix_partials_kernel[(triton.cdiv(T, MIX_BLOCK_T), num_chunks)](
             x, f, partials, T, K, x.stride(0), num_chunks, ROWS=rows, ROWS_PAD=_pow2_at_least(rows), SLOT=slot,
             BLOCK_K=MIX_BLOCK_K, BLOCK_T=MIX_BLOCK_T, **opts)
+    if coeff == "registers":
+        opts = _launch_options()
+        if not INTERPRETED:
+            opts["num_warps"] = REG_NUM_WARPS
+        launch_regs(partials, base.to(F32).contiguous(), scale.to(F32).contiguous(), pre, post, comb, K=K,
+                    num_chunks=num_chunks, slot=slot, rms_eps=rms_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters,
+                    opts=opts)
+        return pre, post, comb
     opts = _launch_options()
     if not INTERPRETED:         # `dot`: one warp a token (the 4×4 Sinkhorn in warp shuffles); `rows`: as before
         opts["num_warps"] = COEFF_NUM_WARPS if mix == "dot" else 4

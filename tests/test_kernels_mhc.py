@@ -16,6 +16,10 @@ What is pinned:
 * `fused` (one launch, `kernels/mhc_decode.py`): within the bound at T ∈ {1, 3, 17, 64} for one
   split and nine (a partial last one, two split blocks), at Flash width (T = 1, 3, one Sinkhorn
   step), counters back to zero after each call and reused, bad counters raise; its sm_90 code;
+* `coeff="registers"` (`kernels/mhc_coef.py`, opt-in): within the bound at T ∈ {1, 3, 17, 64}
+  after `rows` and `dot`, bit-equal to the `tile` kernel under the interpreter at small H, at
+  Flash width (T = 1, 5), a token == alone; its sm_90 code has no barrier, shared memory or
+  shuffle after the partial sums; the env choice (default `tile`);
 * `auto` (the serving default) runs `mhc_ops.mix_for_tokens`'s kernel per call — bit for bit that
   kernel's output on both sides of MIX_DOT_MIN_TOKENS (lowered for the interpreter) — and the two
   kernels agree within 2 × the bound; the choice logic (env, deterministic pinning) on CPU;
@@ -27,7 +31,7 @@ What is pinned:
   kernels, and no register spills.
 GPU (`gpu` marker): the same bounds at tiny and Flash widths (hc = 4, H = 4096, T = 1 / 7 / 64),
 `fused` at Flash width for T = 1 … 256 (bound, counters back to zero, batch invariance, first call
-inside a graph capture),
+inside a graph capture), coeff="registers" at Flash width (T = 1 … 256),
 batch invariance at T = 64, both partial-dot kernels (`MIX_KERNELS`) at T = 300, `auto` dispatch at Flash
 width on both sides of the threshold, whether `dot` and `rows` agree bitwise (printed: the reason
 deterministic mode pins one), and CUDA-graph captures (T = 7 and MIX_DOT_MIN_TOKENS, `auto`) + replay == eager, bitwise.
@@ -246,6 +250,43 @@ if KERNEL_HERE:
         assert_coefficients_close(coefficients(Shaped(impl), one, iters=1), reference_coefficients(one, iters=1))
         assert int(counters.abs().sum()) == 0
 
+    @pytest.mark.parametrize("T", [1, 3, 17, 64])
+    @pytest.mark.parametrize("mix", ["rows", "dot"])
+    def test_kernel_case_register_coefficients(T: int, mix: str) -> None:
+        """coeff="registers" after each partial-dot kernel (small H, two chunks): within the bound,
+        a token == the token alone, bitwise; under the interpreter bit-equal to the `tile` kernel
+        (same operations; ≤ 8 chunk partials are summed in the same order)."""
+        c = hc_case(T, 4, 64, seed=70 + T)
+        regs = coefficients(Shaped(mhc_ops.TritonMhc(mix, coeff="registers")), c)
+        assert_coefficients_close(regs, reference_coefficients(c))
+        alone = coefficients(Shaped(mhc_ops.TritonMhc(mix, coeff="registers")),
+                             {k: v[T - 1:] if k in PER_TOKEN else v for k, v in c.items()})
+        assert all(torch.equal(getattr(alone, n), getattr(regs, n)[T - 1:]) for n in ("pre", "post", "comb"))
+        tile = coefficients(Shaped(mhc_ops.TritonMhc(mix, coeff="tile")), c)
+        for n in ("pre", "post", "comb"):
+            diff = float((getattr(regs, n) - getattr(tile, n)).abs().max())
+            assert torch.equal(getattr(regs, n), getattr(tile, n)) if K.INTERPRETED else diff <= 2 * K.COEFFICIENT_BOUND
+
+    def test_kernel_case_register_coefficients_at_flash_width() -> None:
+        """coeff="registers" at Flash width (128 chunks, 4 chunk blocks), T = 1 and 5 (two token
+        blocks): within the bound, a token == alone, one Sinkhorn step too; hc ≠ 4 and unknown
+        values raise."""
+        c = hc_case(5, 4, 4096, seed=71)
+        impl = Shaped(mhc_ops.TritonMhc("rows", coeff="registers"))
+        got = coefficients(impl, c)
+        assert_coefficients_close(got, reference_coefficients(c))
+        one = {k: v[4:] if k in PER_TOKEN else v for k, v in c.items()}
+        alone = coefficients(impl, one)
+        assert all(torch.equal(getattr(alone, n), getattr(got, n)[4:]) for n in ("pre", "post", "comb"))
+        assert_coefficients_close(coefficients(impl, one, iters=1), reference_coefficients(one, iters=1))
+        small = hc_case(1, 2, 64, seed=72)
+        with pytest.raises(ValueError, match="hc_mult = 4"):
+            K.hc_coefficients(small["R"], small["fn"], small["base"], small["scale"], rms_eps=RMS_EPS, hc_eps=HC_EPS,
+                              sinkhorn_iters=20, mix="rows", coeff="registers")
+        with pytest.raises(ValueError, match="coeff must be one of"):
+            K.hc_coefficients(c["R"], c["fn"], c["base"], c["scale"], rms_eps=RMS_EPS, hc_eps=HC_EPS,
+                              sinkhorn_iters=20, coeff="lanes")
+
     def test_kernel_case_fused_counters_checked() -> None:
         c = hc_case(17, 4, 64, seed=42)
         with pytest.raises(ValueError, match="counters must be"):
@@ -291,7 +332,7 @@ if not K.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        run_kernel_cases_in_interpreter(__file__, min_passed=28, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=37, exact=True)
 
     def test_cpu_without_interpreter_raises() -> None:
         c = hc_case(1, 4, 64, seed=0, device="cpu")
@@ -350,6 +391,20 @@ if not K.INTERPRETED:
             K.hc_coefficients(c["R"], c["fn"], c["base"], c["scale"], rms_eps=RMS_EPS, hc_eps=HC_EPS,
                               sinkhorn_iters=20, mix="tiles")
 
+    def test_coefficient_kernel_choice(monkeypatch) -> None:
+        """SGLANG_DSV41_MHC_COEFF: default `tile` (the current kernel), `registers` opt-in, an
+        argument wins, unknown values raise."""
+        assert mhc_ops.COEFF_CHOICES == K.COEFF_KERNELS and K.COEFF_KERNELS[0] == "tile"
+        monkeypatch.delenv(mhc_ops.MHC_COEFF_ENV, raising=False)
+        assert mhc_ops.TritonMhc().coeff == mhc_ops.TritonMhc(deterministic=True).coeff == "tile"
+        monkeypatch.setenv(mhc_ops.MHC_COEFF_ENV, "registers")
+        assert mhc_ops.TritonMhc().coeff == "registers" and mhc_ops.TritonMhc(coeff="tile").coeff == "tile"
+        with pytest.raises(ValueError, match="expected one of"):
+            mhc_ops.TritonMhc(coeff="lanes")
+        monkeypatch.setenv(mhc_ops.MHC_COEFF_ENV, "lanes")
+        with pytest.raises(ValueError, match="SGLANG_DSV41_MHC_COEFF"):
+            mhc_ops.TritonMhc()
+
     def test_other_devices_raise() -> None:
         with pytest.raises(ValueError, match="no mHC implementation"):
             mhc_ops.mhc_for(torch.device("meta"))
@@ -405,6 +460,21 @@ if not K.INTERPRETED:
             [line for line in ptx.splitlines() if "atom" in line]
         last_bar = ptx.rindex("bar.sync", 0, ptx.rindex("div.rn.f32"))
         assert ptx.count("div.rn.f32", last_bar) >= 8, "Sinkhorn phases separated by barriers"
+
+
+    def test_compiled_sm90_register_coefficient_kernel() -> None:
+        """coeff="registers" at Flash width: IEEE division and square root, no float64, no spills,
+        no barrier / shared memory / shuffle anywhere after the partial sums (the Sinkhorn is per
+        lane), where the `tile` kernel's Sinkhorn loop row-sums in shuffles."""
+        from sglang_dsv41.kernels import mhc_coef
+        consts = dict(SLOT=32, CHUNKS_BLOCK=mhc_coef.REG_CHUNKS_BLOCK, BLOCK_T=mhc_coef.REG_BLOCK_T,
+                      RMS_EPS=RMS_EPS, HC_EPS=HC_EPS)
+        ptx, usage = _compiled(mhc_coef._hc_coefficients_regs_kernel, consts, num_warps=mhc_coef.REG_NUM_WARPS)
+        assert "STACK:0 " in usage and "LOCAL:0 " in usage and "SHARED:0 " in usage, usage
+        assert ".f64" not in ptx and "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx and "div.full" not in ptx
+        assert "bar.sync" not in ptx and ".shared" not in ptx.replace(".extern .shared", "")
+        after_sums = ptx[ptx.index("sqrt.rn.f32"):]
+        assert "shfl" not in after_sums and after_sums.count("div.rn.f32") >= 32, "Sinkhorn not per lane"
 
 
 # ---- GPU ------------------------------------------------------------------------------------
@@ -482,6 +552,23 @@ def test_gpu_fused_matches_reference_at_flash_width(T: int) -> None:
     dot = coefficients(Shaped(mhc_ops.TritonMhc("dot")), c)
     assert all(float((getattr(dot, n) - getattr(got, n)).abs().max()) <= 2 * K.COEFFICIENT_BOUND
                for n in ("pre", "post", "comb"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 5, 64, 256])
+def test_gpu_register_coefficients_at_flash_width(T: int) -> None:
+    """coeff="registers" after `rows` at Flash width, compiled: within the bound, the last token ==
+    alone, bitwise, and within 2 × the bound of the `tile` kernel (bits printed)."""
+    c = hc_case(T, 4, 4096, seed=80 + T, device="cuda")
+    impl = Shaped(mhc_ops.TritonMhc("rows", coeff="registers"))
+    got = coefficients(impl, c)
+    assert_coefficients_close(got, reference_coefficients(c))
+    alone = coefficients(impl, {k: v[T - 1:] if k in PER_TOKEN else v for k, v in c.items()})
+    assert all(torch.equal(getattr(alone, n), getattr(got, n)[T - 1:]) for n in ("pre", "post", "comb"))
+    tile = coefficients(Shaped(mhc_ops.TritonMhc("rows", coeff="tile")), c)
+    diff = {n: float((getattr(got, n) - getattr(tile, n)).abs().max()) for n in ("pre", "post", "comb")}
+    print(f"[mhc registers vs tile] T = {T}: max |Δ| {diff}")
+    assert max(diff.values()) <= 2 * K.COEFFICIENT_BOUND, diff
 
 
 @pytest.mark.gpu

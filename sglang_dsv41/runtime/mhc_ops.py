@@ -16,7 +16,9 @@ zero: a `TritonMhc` allocates them once per device outside CUDA-graph capture (i
 without them, a zeroed buffer is allocated in the graph per call). A call's token count is fixed
 within a CUDA graph (one graph per batch size), so the choice is captured with it. The two
 kernels' coefficients differ in the last bits, so `auto` is not batch invariant: deterministic
-mode pins DETERMINISTIC_MIX (`auto` with it raises).
+mode pins DETERMINISTIC_MIX (`auto` with it raises). The coefficient kernel after `dot` / `rows`:
+SGLANG_DSV41_MHC_COEFF (COEFF_CHOICES = `kernels.mhc.COEFF_KERNELS`, default `tile`;
+`registers` is opt-in; either is batch invariant).
 
 Both are tested against `reference.mhc` (tests/test_runtime_mhc.py, tests/test_kernels_mhc.py):
 CPU bit-identical (`Fp32TorchMhc`: the numerics contract); CUDA within the bounds stated in
@@ -43,6 +45,9 @@ MIX_DOT_MIN_TOKENS = 1024
 #: `auto`: `fused` at 1..this many tokens; 0 = never, `fused` being the opt-in SGLANG_DSV41_MHC_MIX=fused
 #: (docs/performance.md, "Session 21": `rows` measured faster at every decode size)
 FUSED_MAX_TOKENS = 0
+MHC_COEFF_ENV = "SGLANG_DSV41_MHC_COEFF"
+#: SGLANG_DSV41_MHC_COEFF values (`kernels.mhc.COEFF_KERNELS`); the first is the default
+COEFF_CHOICES = ("tile", "registers")
 #: the `fused` kernel's persistent counters cover calls of up to this many tokens (decode graph sizes)
 FUSED_COUNTER_TOKENS = 256
 #: the one partial-dot kernel of deterministic mode (batch invariant: its bits never depend on T)
@@ -170,15 +175,20 @@ class Fp32TorchMhc(TorchMhc):
 
 class TritonMhc:
     """CUDA: the fused kernels of `kernels.mhc` (bounds stated there); `mix` (MIX_CHOICES, module
-    doc) picks the coefficients' partial-dot kernel."""
+    doc) picks the coefficients' partial-dot kernel, `coeff` (COEFF_CHOICES, else
+    SGLANG_DSV41_MHC_COEFF) the coefficient kernel after it."""
 
     name = "triton"
 
-    def __init__(self, mix: str | None = None, deterministic: bool = False) -> None:
+    def __init__(self, mix: str | None = None, deterministic: bool = False, coeff: str | None = None) -> None:
         from ..kernels import mhc as kernels   # Triton is imported only where the kernels run
+        from .backend import kernel_choice
 
         self.k = kernels
         self.mix = mix_choice(mix, deterministic)
+        if coeff is not None and coeff not in COEFF_CHOICES:
+            raise ValueError(f"mHC coefficient kernel {coeff!r}: expected one of {COEFF_CHOICES}")
+        self.coeff = coeff or kernel_choice(MHC_COEFF_ENV, COEFF_CHOICES)
         self._counters: dict[torch.device, Tensor] = {}
 
     def counters_for(self, tokens: int, device: torch.device) -> Tensor | None:
@@ -205,7 +215,8 @@ class TritonMhc:
         mix = self.mix_for(tokens)
         counters = self.counters_for(tokens, residual.device) if mix == "fused" else None
         return HcCoefficients(*self.k.hc_coefficients(residual, fn, base, scale, rms_eps=rms_eps, hc_eps=hc_eps,
-                                                      sinkhorn_iters=sinkhorn_iters, mix=mix, counters=counters))
+                                                      sinkhorn_iters=sinkhorn_iters, mix=mix, counters=counters,
+                                                      coeff=self.coeff))
 
     def sublayer_input(self, residual: Tensor, carried_pre: Tensor | None, norm_weight: Tensor,
                        rms_eps: float) -> Tensor:
