@@ -106,8 +106,12 @@ DECODE_SPLIT_MAX_QUERIES = 16
 #: programs (docs/performance.md, session 12's variants and session 21)
 DECODE_SMALL_BLOCK_H = 16
 DECODE_SMALL_BLOCK_H_MAX_QUERIES = 1
-#: [heads, block_d] fp32 elements one program of the split-merge kernel combines (16 per thread).
+#: [heads, columns] fp32 elements one program of the split-merge kernel combines at most (16 per
+#: thread), and at least when the grid would otherwise not fill the multiprocessors twice over.
 MERGE_ELEMS_PER_PROGRAM = 2048
+MERGE_MIN_ELEMS_PER_PROGRAM = 128
+#: Widest column block of one merge program.
+MERGE_MAX_BLOCK_D = 128
 _LOG2E = 1.4426950408889634
 
 
@@ -218,9 +222,16 @@ def device_sm_count(device: torch.device) -> int:
     return _sm_count(device)
 
 
-def merge_heads_per_program(block_d: int) -> int:
-    """Heads per program of the split-merge kernel (a power of two, ≥ 1)."""
-    return max(1, MERGE_ELEMS_PER_PROGRAM // block_d)
+def merge_tile(n: int, h: int, block_d: int, sms: int) -> tuple[int, int]:
+    """(heads, columns) per program of the split-merge kernel, both powers of two: the largest tile of
+    at most MERGE_ELEMS_PER_PROGRAM elements whose grid over [n, h, block_d] has ≥ 2·sms programs,
+    down to MERGE_MIN_ELEMS_PER_PROGRAM. Each output element's arithmetic does not depend on the
+    tile, so neither do its bits."""
+    elems = MERGE_ELEMS_PER_PROGRAM
+    while elems > MERGE_MIN_ELEMS_PER_PROGRAM and n * h * block_d < 2 * sms * elems:
+        elems //= 2
+    cols = min(block_d, MERGE_MAX_BLOCK_D, elems)
+    return max(1, elems // cols), cols
 
 
 # ---- kernels --------------------------------------------------------------------------------
@@ -353,11 +364,12 @@ def _sparse_sink_attn_kernel(
 @triton.jit
 def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, out_stride_n, out_stride_h, H, D,
                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """o = Σ_s acc_s·2^{m_s−m} / (2^{sink−m} + Σ_s l_s·2^{m_s−m}), m = max(sink, m_s)."""
+    """o = Σ_s acc_s·2^{m_s−m} / (2^{sink−m} + Σ_s l_s·2^{m_s−m}), m = max(sink, m_s); one program per
+    (query, head block, column block)."""
     t = tl.program_id(0)
     hb = tl.program_id(1)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     h_mask = offs_h < H
     mask = h_mask[:, None] & (offs_d < D)[None, :]
     sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0) * 1.4426950408889634
@@ -453,10 +465,10 @@ def sparse_sink_attention(q: Tensor, swa_cache: Tensor, swa_slots: Tensor,
         HAS_COMP=has_comp, COMP_PACKED=packed, COMP_SHARE=comp_share, NUM_SPLITS=splits, DOT_FP32=_is_interpreted(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
-        merge_block_h = merge_heads_per_program(cfg.block_d)
-        _merge_splits_kernel[(N, triton.cdiv(H, merge_block_h))](
+        merge_h, merge_d = merge_tile(N, H, cfg.block_d, _sm_count(q.device))
+        _merge_splits_kernel[(N, triton.cdiv(H, merge_h), triton.cdiv(D, merge_d))](
             part_acc, part_ml, sink, out, out.stride(0), out.stride(1), H, D,
-            BLOCK_H=merge_block_h, BLOCK_D=cfg.block_d, NUM_SPLITS=splits, num_warps=4)
+            BLOCK_H=merge_h, BLOCK_D=merge_d, NUM_SPLITS=splits, num_warps=4)
     return out
 
 

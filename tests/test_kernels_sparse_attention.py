@@ -632,9 +632,23 @@ def test_compiles_for_hopper_without_spills(case, packed):
     ptx = compiled.asm["ptx"]
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx or "wgmma" in ptx
     if cfg.num_splits > 1:
-        merge_consts = dict(BLOCK_H=sa.merge_heads_per_program(cfg.block_d), BLOCK_D=cfg.block_d, NUM_SPLITS=cfg.num_splits)
+        merge_h, merge_d = sa.merge_tile(n, h, cfg.block_d, 132)
+        merge_consts = dict(BLOCK_H=merge_h, BLOCK_D=merge_d, NUM_SPLITS=cfg.num_splits)
         _, merge_usage = _hopper_binary(sa._merge_splits_kernel, merge_consts, 4, 1)
         assert "STACK:0 " in merge_usage and "LOCAL:0 " in merge_usage, merge_usage
+
+
+def test_merge_tile_fills_the_multiprocessors_within_bounds():
+    """The merge tile shrinks from MERGE_ELEMS_PER_PROGRAM until the grid has ≥ 2·SMs programs (or the
+    floor), never wider than MERGE_MAX_BLOCK_D columns, both sides powers of two."""
+    assert sa.merge_tile(1, 64, 512, 132) == (1, 128)           # floor: 256 programs
+    assert sa.merge_tile(8, 64, 512, 132) == (4, 128)           # 8·64·512 / 1024 = 256 < 264 → 512: 512 programs
+    assert sa.merge_tile(256, 64, 512, 132) == (16, 128)        # already ≥ 2·SMs at 2048
+    assert sa.merge_tile(5, 4, 128, 1) == (8, 128)             # 2,560 elements: 1,024 per program
+    for n in (1, 2, 8, 16, 64):
+        bh, bd = sa.merge_tile(n, 64, 512, 132)
+        assert bh & (bh - 1) == 0 and bd & (bd - 1) == 0 and bd <= sa.MERGE_MAX_BLOCK_D
+        assert sa.MERGE_MIN_ELEMS_PER_PROGRAM <= bh * bd <= sa.MERGE_ELEMS_PER_PROGRAM
 
 
 # ---- GPU tests (compiled kernels; run on the GPU machine) -----------------------------------
