@@ -301,6 +301,11 @@ def _route_select_kernel(score_ptr, bias_ptr, vl_bias_ptr, image_ptr, expert_ptr
 #: True when the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 at import).
 INTERPRETED = isinstance(_round_bf16_kernel, InterpretedFunction)
 _ELEMENTWISE_BLOCK = 1024
+#: Elements per program below _ELEMENTWISE_WIDE_MIN elements: small launches (decode) spread over
+#: more programs, since each element's arithmetic is the same whatever its program (the interpreter,
+#: whose cost is per program, keeps the wide block).
+_ELEMENTWISE_SMALL_BLOCK = _ELEMENTWISE_BLOCK if INTERPRETED else 128
+_ELEMENTWISE_WIDE_MIN = 128 * _ELEMENTWISE_BLOCK
 _ROPE_HEAD_BLOCK = 128
 # tokens × rows (heads) per program: one token's rows share its cos/sin; the interpreter (CPU) takes
 # large tiles, since its cost is per program
@@ -324,6 +329,11 @@ def check_device(name: str, *tensors: Tensor) -> None:
                            "triton is first imported (Triton's CPU interpreter)")
 
 
+def elementwise_block(n: int) -> int:
+    """Elements per program of a one-element-per-lane kernel over n elements."""
+    return _ELEMENTWISE_BLOCK if n >= _ELEMENTWISE_WIDE_MIN else _ELEMENTWISE_SMALL_BLOCK
+
+
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -337,7 +347,8 @@ def _elementwise(name: str, kernel, x: Tensor) -> Tensor:
     out = torch.empty_like(x)
     n = x.numel()
     if n:
-        kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](x, out, n, BLOCK=_ELEMENTWISE_BLOCK, **_launch_options())
+        block = elementwise_block(n)
+        kernel[(triton.cdiv(n, block),)](x, out, n, BLOCK=block, **_launch_options())
     return out
 
 
@@ -439,8 +450,8 @@ def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
     out = torch.empty(gate.shape, dtype=F32, device=gate.device)
     n = gate.numel()
     if n:
-        _swiglu_kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](gate, up, out, n, float(limit),
-                                                             BLOCK=_ELEMENTWISE_BLOCK, **_launch_options())
+        block = elementwise_block(n)
+        _swiglu_kernel[(triton.cdiv(n, block),)](gate, up, out, n, float(limit), BLOCK=block, **_launch_options())
     return out
 
 
