@@ -298,7 +298,8 @@ def moe_routed(layer: Layer, x: Tensor, routing: Routing) -> Tensor:
         from sglang_dsv41.runtime.moe_ops import routed_experts_key
         return mx.routed_experts_mxfp4(x.to(torch.bfloat16), routing.experts, routing.weights,
                                        layer.weights[routed_experts_key(p)].prepared,
-                                       swiglu_limit=t.swiglu_limit, routed_scale=t.routed_scaling_factor)
+                                       swiglu_limit=t.swiglu_limit, routed_scale=t.routed_scaling_factor,
+                                       check_ids=False)     # as the runtime: the router's ids are < E
     T, k = routing.experts.shape
     per_slot = torch.zeros(T, k, x.shape[1], dtype=torch.float64)
     for e in torch.unique(routing.experts).tolist():

@@ -192,7 +192,7 @@ def _order_torch(flat: Tensor, n_experts: int, allow_absent: bool) -> tuple[Tens
 
 
 def make_routing_plan(topk_ids: Tensor, n_experts: int, *, allow_absent: bool = False,
-                      fused: bool | None = None) -> RoutingPlan:
+                      fused: bool | None = None, check_ids: bool = True) -> RoutingPlan:
     """Routing plan for `topk_ids` [T, k] (ids in 0..n_experts−1; checked on the device without
     a host sync). The order: one `_routing_order_kernel` launch when `fused` (default: on CUDA at
     ≤ FUSED_ORDER_MAX_SLOTS slots), else torch's stable sort — the same permutation and counts.
@@ -201,7 +201,10 @@ def make_routing_plan(topk_ids: Tensor, n_experts: int, *, allow_absent: bool = 
 
     `allow_absent`: id −1 marks a slot whose expert is not held here (expert parallel). Such
     slots sort after every present one and are in no expert's count, so the GEMMs never compute
-    them (their grouped rows of any output are left unwritten; callers mask them)."""
+    them (their grouped rows of any output are left unwritten; callers mask them).
+
+    `check_ids=False` skips the device-side range assertion (one launch): for callers whose ids are
+    in range by construction (the runtime's router picks among n_experts columns)."""
     if topk_ids.dim() != 2 or topk_ids.dtype.is_floating_point:
         raise ValueError(f"topk_ids must be an integer [T, k] tensor, got {topk_ids.dtype} {tuple(topk_ids.shape)}")
     T, k = topk_ids.shape
@@ -211,7 +214,8 @@ def make_routing_plan(topk_ids: Tensor, n_experts: int, *, allow_absent: bool = 
     if fused and T * k > FUSED_ORDER_MAX_SLOTS:
         raise ValueError(f"the fused routing order takes ≤ {FUSED_ORDER_MAX_SLOTS} slots, got {T * k}")
     order, rows, counts, valid = (_order_fused if fused else _order_torch)(flat.contiguous(), n_experts, allow_absent)
-    torch._assert_async(valid, f"topk_ids outside {-1 if allow_absent else 0}..{n_experts - 1}")
+    if check_ids:
+        torch._assert_async(valid, f"topk_ids outside {-1 if allow_absent else 0}..{n_experts - 1}")
     make = make_ragged_tensor_metadata if flat.is_cuda else make_ragged_tensor_metadata_torch
     return RoutingPlan(order, rows, counts, make(counts, T * k), T, k, n_experts)
 
@@ -362,8 +366,9 @@ def _check_call(x: Tensor, topk_ids: Tensor, experts: PreparedMxfp4Experts) -> N
 # Launch flags at decode (issue 21: opt-in until measured, docs/performance.md "session 11") and prefill ("Session 13")
 # ---------------------------------------------------------------------------------------------
 #: triton_kernels opt-flag constraints the decode switch may set (Hopper MXFP4: no TMA, so no
-#: `is_persistent`; no split-K with MX weights)
-DECODE_FLAG_KEYS = ("block_m", "block_k", "num_stages", "epilogue_subtile")
+#: `is_persistent`). `split_k` is never chosen by triton_kernels for MX weights, but a constraint
+#: forces it: fp32 partials, then its reduce kernel applies GEMM1's fused activation.
+DECODE_FLAG_KEYS = ("block_m", "block_k", "num_stages", "epilogue_subtile", "split_k")
 DECODE_FLAGS_ENV = "SGLANG_DSV41_MOE_DECODE_FLAGS"
 #: calls with at most this many tokens take the decode flags
 DECODE_FLAG_MAX_TOKENS = 16
@@ -425,7 +430,7 @@ def with_decode_flags(flags: dict[str, int], fn: Callable[[], Tensor]) -> Tensor
 
 
 def routed_expert_outputs(x: Tensor, topk_ids: Tensor, experts: PreparedMxfp4Experts, *, swiglu_limit: float,
-                          allow_absent: bool = False) -> tuple[Tensor, RoutingPlan]:
+                          allow_absent: bool = False, check_ids: bool = True) -> tuple[Tensor, RoutingPlan]:
     """Per-slot expert outputs: (y [T·k, H_pad] bf16 in grouped order, plan); slot s = t·k + j has
     E_{ids[t,j]}(x[t]) = y[plan.slot_rows[s], :H] (module docstring: E(x), W4A16).
 
@@ -445,7 +450,7 @@ def routed_expert_outputs(x: Tensor, topk_ids: Tensor, experts: PreparedMxfp4Exp
 
 
 def routed_experts_mxfp4(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, experts: PreparedMxfp4Experts,
-                         *, swiglu_limit: float, routed_scale: float) -> Tensor:
+                         *, swiglu_limit: float, routed_scale: float, check_ids: bool = True) -> Tensor:
     """bf16 [T, H] = bf16(routed_scale · Σ_j w[t,j] · E_{ids[t,j]}(x[t])) (module docstring).
 
     x [T, H] bf16 (CUDA, SM 9.x); topk_ids [T, k] integer ids into `experts`; topk_weights
@@ -456,7 +461,7 @@ def routed_experts_mxfp4(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, expe
         raise ValueError("topk_weights must be [T, k] on x's device")
     if x.shape[0] == 0:
         return x.new_empty(0, experts.hidden)
-    y, plan = routed_expert_outputs(x, topk_ids, experts, swiglu_limit=swiglu_limit)
+    y, plan = routed_expert_outputs(x, topk_ids, experts, swiglu_limit=swiglu_limit, check_ids=check_ids)
     return combine_routed(y, plan, topk_weights, routed_scale, experts.hidden)
 
 

@@ -223,13 +223,14 @@ def _moe_cuda(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], pref
     xb = x.to(torch.bfloat16)                       # x holds BF16 values: exact
     weights = scaled_weights(cfg, routing.weights)
     if experts is None and reduce is None and not shared_partial:
-        routed = mx.routed_experts_mxfp4(xb, routing.experts, weights, held_ref.prepared,
-                                         swiglu_limit=limit, routed_scale=1.0).to(F32)
+        routed = mx.routed_experts_mxfp4(xb, routing.experts, weights, held_ref.prepared, swiglu_limit=limit,
+                                         routed_scale=1.0, check_ids=False).to(F32)   # ids < E: the router's
         return bf16(shared_out + routed)
     local = held_ref.local_index[routing.experts]                       # [T, k], −1 = other shard
     per_slot = torch.full((T, k, H), -0.0, dtype=be.acc, device=x.device)
     if T:
-        y, plan = mx.routed_expert_outputs(xb, local, held_ref.prepared, swiglu_limit=limit, allow_absent=True)
+        y, plan = mx.routed_expert_outputs(xb, local, held_ref.prepared, swiglu_limit=limit, allow_absent=True,
+                                           check_ids=False)                # local_index values: −1 … held − 1
         per_slot = torch.where((local >= 0).unsqueeze(-1), y[plan.slot_rows.long(), :H].view(T, k, H).to(be.acc),
                                per_slot)                                   # unwritten rows masked
     return _finalize(weights, *_reduce(be, per_slot, shared_out, shared_partial, reduce))
