@@ -133,10 +133,44 @@ def test_planned_on_a_device_without_the_kernel_is_the_logged_triton_path(caplog
     ops = attention_ops.KernelAttentionOps(sparse_attention, indexer, prefill="flashmla")
     with caplog.at_level(logging.WARNING, logger=attention_ops.__name__):
         chosen = ops.planned(64, 512, torch.device("cpu"))
-    assert chosen.prefill == "bf16" and chosen.flashmla_plan is None
-    assert "planned the Triton workspace path instead" in caplog.text
+    assert chosen.prefill == "bf16" and chosen.decode == "triton" and chosen.flashmla_plan is None
+    assert "planned the Triton kernels instead" in caplog.text
     other = attention_ops.KernelAttentionOps(sparse_attention, indexer, prefill="bf16")
     assert other.planned(64, 512, torch.device("cpu")) is other
+    dec = attention_ops.KernelAttentionOps(sparse_attention, indexer, prefill="bf16", decode="flashmla")
+    chosen = dec.planned(64, 512, torch.device("cpu"))
+    assert (chosen.prefill, chosen.decode, chosen.flashmla_plan) == ("bf16", "triton", None)
+
+
+def test_decode_choice_rules(monkeypatch) -> None:
+    """SGLANG_DSV41_ATTN_DECODE: `triton` by default, `flashmla` read from the variable, an unknown
+    value and `flashmla` with deterministic inference refused; a planned decode choice keeps the
+    prefill choice it was given."""
+    from sglang_dsv41.kernels import indexer, sparse_attention
+    assert attention_ops.KernelAttentionOps(sparse_attention, indexer).decode == "triton"
+    monkeypatch.setenv(attention_ops.ATTENTION_DECODE_ENV, "flashmla")
+    assert attention_ops.KernelAttentionOps(sparse_attention, indexer).decode == "flashmla"
+    with pytest.raises(ValueError, match="deterministic"):
+        attention_ops.KernelAttentionOps(sparse_attention, indexer, deterministic=True)
+    monkeypatch.setenv(attention_ops.ATTENTION_DECODE_ENV, "cutlass")
+    with pytest.raises(ValueError, match="cutlass"):
+        attention_ops.KernelAttentionOps(sparse_attention, indexer)
+    monkeypatch.delenv(attention_ops.ATTENTION_DECODE_ENV)
+    ops = attention_ops.KernelAttentionOps(sparse_attention, indexer, prefill="bf16", decode="flashmla")
+    monkeypatch.setattr(FM, "load_kernel", lambda: emulate_sparse_fwd)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: HOPPER)
+    chosen = ops.planned(64, 512, torch.device("cuda"))
+    assert (chosen.prefill, chosen.decode, chosen.flashmla_kernel) == ("bf16", "flashmla", emulate_sparse_fwd)
+    assert chosen.flashmla_plan.mode == "native"
+
+
+def test_unplanned_flashmla_decode_raises() -> None:
+    from sglang_dsv41.kernels import indexer, sparse_attention
+    ops = attention_ops.KernelAttentionOps(sparse_attention, indexer, decode="flashmla")
+    q = torch.zeros(1, 64, 512, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="not planned"):
+        ops.attend(q, torch.zeros(64), torch.zeros(4, 512, dtype=torch.bfloat16), torch.zeros(1, 2, dtype=torch.long),
+                   None, None)
 
 
 def test_kernel_ops_wiring(monkeypatch) -> None:

@@ -1,5 +1,6 @@
 """Prefill attention as ONE FlashMLA sparse launch over the BF16 workspace (issue 21; opt-in
-`SGLANG_DSV41_ATTN_PREFILL=flashmla`).
+`SGLANG_DSV41_ATTN_PREFILL=flashmla`), and the same kernel at decode (opt-in
+`SGLANG_DSV41_ATTN_DECODE=flashmla`, `decode_attend`: every batch without the prefill workspace).
 
 The workspace path (`attention_prefill`: each kv source's packed entries decoded once per
 forward into BF16 rows) normally feeds our Triton `sparse_sink_attention`. Here the same
@@ -26,6 +27,11 @@ The kernel rounds P to BF16 before P·V (the Triton kernel keeps ≈16 bits), so
 differs from the Triton workspace path by at most `flashmla_bound` (module constant
 P_ROUNDING: 2^−9 relative per weight, summed over weights that add to ≤ 1 of the denominator,
 doubled for the normaliser's rounding) plus one BF16 ulp of the output scale each side.
+
+Decode (`decode_attend`): no workspace exists, so `kernels.key_gather.gather_key_rows` copies each
+query's SWA rows and decodes its packed entries (exact) into rows t·T + c of one BF16 tensor, zero-
+padded to KERNEL_DIM, T = W + K rounded up to TOPK_BLOCK, with indices t·T + c (−1 = no key) in
+column order, no `topk_length`. Same math and bound as the prefill launch.
 
 Plan (`plan_flashmla`, at start-up, logged by `attention_ops.KernelAttentionOps.planned`):
 `native` when heads per rank ∈ KERNEL_HEADS and head_dim == KERNEL_DIM; `padded` when heads or
@@ -88,7 +94,7 @@ def load_kernel():
     try:
         return importlib.import_module(KERNEL_MODULE).flash_mla_sparse_fwd
     except (ImportError, AttributeError) as e:
-        raise RuntimeError(f"sglang-dsv41: SGLANG_DSV41_ATTN_PREFILL=flashmla needs {KERNEL_MODULE}."
+        raise RuntimeError(f"sglang-dsv41: the flashmla choice (SGLANG_DSV41_ATTN_PREFILL or _ATTN_DECODE) needs {KERNEL_MODULE}."
                            f"flash_mla_sparse_fwd (sgl-kernel of SGLang 0.5.17), which failed to load ({e})") from e
 
 
@@ -156,21 +162,41 @@ def key_rows(swa_cache: Tensor, inputs: FlashMLAInputs, dim: int = KERNEL_DIM) -
     return rows[:, None, :].contiguous()
 
 
-def attend(kernel, plan: FlashMLAPlan, q: Tensor, sink: Tensor, swa_cache: Tensor, inputs: FlashMLAInputs,
-           scale: float, use_lengths: bool = True) -> Tensor:
-    """o [N, H, D] BF16 of one launch of `kernel` (`flash_mla_sparse_fwd` or a stand-in with its
-    signature) under `plan` (native / padded), `scale` the model's softmax scale."""
+def _kernel_query(plan: FlashMLAPlan, q: Tensor, sink: Tensor) -> tuple[Tensor, Tensor]:
+    """(q BF16, sinks fp32) as the kernel takes them under `plan` (zero heads / dims when padded)."""
     if plan.mode not in ("native", "padded"):
-        raise ValueError(f"attention_flashmla.attend: plan {plan.mode!r} does not launch FlashMLA")
+        raise ValueError(f"attention_flashmla: plan {plan.mode!r} does not launch FlashMLA")
     N, H, D = q.shape
     qb = q.to(torch.bfloat16)
     sinks = sink.to(torch.float32)
     if plan.mode == "padded":
         qb = torch.nn.functional.pad(qb, (0, KERNEL_DIM - D, 0, plan.kernel_heads - H))
         sinks = torch.nn.functional.pad(sinks, (0, plan.kernel_heads - H))
-    out = kernel(qb.contiguous(), key_rows(swa_cache, inputs), inputs.indices, scale, KERNEL_DIM,
-                 sinks.contiguous(), inputs.lengths if use_lengths else None)[0]
+    return qb.contiguous(), sinks.contiguous()
+
+
+def attend(kernel, plan: FlashMLAPlan, q: Tensor, sink: Tensor, swa_cache: Tensor, inputs: FlashMLAInputs,
+           scale: float, use_lengths: bool = True) -> Tensor:
+    """o [N, H, D] BF16 of one launch of `kernel` (`flash_mla_sparse_fwd` or a stand-in with its
+    signature) under `plan` (native / padded), `scale` the model's softmax scale."""
+    N, H, D = q.shape
+    qb, sinks = _kernel_query(plan, q, sink)
+    out = kernel(qb, key_rows(swa_cache, inputs), inputs.indices, scale, KERNEL_DIM,
+                 sinks, inputs.lengths if use_lengths else None)[0]
     return out[:, :H, :D]
+
+
+def decode_attend(kernel, plan: FlashMLAPlan, q: Tensor, sink: Tensor, swa_cache: Tensor, swa_slots: Tensor,
+                  comp_cache, comp_entries: Tensor | None, scale: float) -> Tensor:
+    """o [N, H, D] BF16 of one launch of `kernel` over each query's own keys (module doc, "Decode"):
+    window rows `swa_slots` [N, W] of `swa_cache`, packed entries `comp_entries` [N, K] of the
+    `PackedSource` `comp_cache` (None: window only)."""
+    from sglang_dsv41.kernels.key_gather import gather_key_rows
+
+    N, H, D = q.shape
+    qb, sinks = _kernel_query(plan, q, sink)
+    kv, indices = gather_key_rows(swa_cache, swa_slots, comp_cache, comp_entries, KERNEL_DIM, TOPK_BLOCK)
+    return kernel(qb, kv, indices, scale, KERNEL_DIM, sinks, None)[0][:, :H, :D]
 
 
 def flashmla_bound(key_max: Tensor, out_scale: Tensor) -> Tensor:
@@ -182,5 +208,5 @@ def flashmla_bound(key_max: Tensor, out_scale: Tensor) -> Tensor:
 
 
 __all__ = ["CAPABILITIES", "FlashMLAInputs", "FlashMLAPlan", "HEAD_BLOCK", "KERNEL_DIM", "KERNEL_HEADS", "P_ROUNDING",
-           "TOPK_BLOCK", "attend", "combined_indices", "flashmla_bound", "key_rows", "load_kernel",
+           "TOPK_BLOCK", "attend", "combined_indices", "decode_attend", "flashmla_bound", "key_rows", "load_kernel",
            "plan_flashmla", "prefill_inputs", "swa_gather"]

@@ -86,6 +86,9 @@ ATTENTION_KEY_SPLITS = 1
 #: rounding boundary may select differently; no faster on the H200). SGLANG_DSV41_ATTN_PREFILL: the
 #: prefill workspace (`attention_prefill.prefill_choice`: `bf16` serving, `packed` deterministic).
 ATTENTION_SPLITS_ENV, ATTENTION_SPLITS = "SGLANG_DSV41_ATTN_SPLITS", ("one", "decode")
+#: SGLANG_DSV41_ATTN_DECODE: batches without the prefill workspace (decode) through our Triton kernel
+#: on the packed rows (default) or one FlashMLA launch (`attention_flashmla.decode_attend`; opt-in).
+ATTENTION_DECODE_ENV, ATTENTION_DECODES = "SGLANG_DSV41_ATTN_DECODE", ("triton", "flashmla")
 INDEXER_HEAD_SUM_ENV, INDEXER_HEAD_SUMS = "SGLANG_DSV41_INDEXER_HEAD_SUM", ("fp64", "fp32")
 logger = logging.getLogger(__name__)
 
@@ -204,7 +207,8 @@ class KernelAttentionOps:
     override both."""
 
     def __init__(self, sparse_attention: ModuleType, indexer: ModuleType, splits: str | None = None,
-                 head_sum: str | None = None, prefill: str | None = None, deterministic: bool = False) -> None:
+                 head_sum: str | None = None, prefill: str | None = None, deterministic: bool = False,
+                 decode: str | None = None) -> None:
         self.sparse_attention = sparse_attention
         self.indexer = indexer
         self.deterministic = deterministic
@@ -212,6 +216,11 @@ class KernelAttentionOps:
                                               "one" if deterministic else "decode")
         self.head_sum = head_sum or kernel_choice(INDEXER_HEAD_SUM_ENV, INDEXER_HEAD_SUMS)
         self.prefill = prefill or AP.prefill_choice(deterministic)
+        self.decode = decode or kernel_choice(ATTENTION_DECODE_ENV, ATTENTION_DECODES)
+        if self.decode not in ATTENTION_DECODES:
+            raise ValueError(f"KernelAttentionOps: decode {self.decode!r} not in {ATTENTION_DECODES}")
+        if self.decode == "flashmla" and deterministic:
+            raise ValueError(f"{ATTENTION_DECODE_ENV}=flashmla is not available with --enable-deterministic-inference")
         if self.splits not in ATTENTION_SPLITS or self.head_sum not in INDEXER_HEAD_SUMS \
                 or self.prefill not in AP.PREFILL_CHOICES:
             raise ValueError(f"KernelAttentionOps: splits {self.splits!r} / head_sum {self.head_sum!r} / prefill "
@@ -224,28 +233,32 @@ class KernelAttentionOps:
         self.flashmla_kernel = None
         self.description = (f"Triton kernels (sparse_sink_attention with {self.splits!r} key splits and "
                             f"index_scores reading packed FP4 entries; {self.head_sum} head sum + "
-                            f"select_for_role, whole batch; {self.prefill!r} prefill rows)")
+                            f"select_for_role, whole batch; {self.prefill!r} prefill rows; {self.decode!r} decode)")
 
     def planned(self, heads: int, head_dim: int, device: torch.device) -> KernelAttentionOps:
         """These ops for a model of `heads` heads per rank × `head_dim` on `device`, planned once at
         start-up: with the `flashmla` choice a copy holding its `attention_flashmla.plan_flashmla`
         (native / padded; the kernel loaded here, RuntimeError when sgl-kernel lacks it) or, for a
         shape or device the kernel cannot take, a copy with the `bf16` (Triton workspace) choice —
-        logged either way; any other choice: self."""
-        if self.prefill != "flashmla":
+        logged either way; the `flashmla` decode choice likewise (the Triton kernel when the plan is
+        `bf16`); other choices: self."""
+        if self.prefill != "flashmla" and self.decode != "flashmla":
             return self
         cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         plan = FM.plan_flashmla(heads, head_dim, cap)
-        chosen = KernelAttentionOps(self.sparse_attention, self.indexer, self.splits, self.head_sum,
-                                    "bf16" if plan.mode == "bf16" else "flashmla", self.deterministic)
-        if plan.mode == "bf16":
-            logger.warning("sglang-dsv41: %s=flashmla: planned the Triton workspace path instead (%s)",
-                           AP.PREFILL_ENV, plan.reason)
+        able = plan.mode != "bf16"
+        prefill = ("flashmla" if able else "bf16") if self.prefill == "flashmla" else self.prefill
+        decode = ("flashmla" if able else "triton") if self.decode == "flashmla" else self.decode
+        chosen = KernelAttentionOps(self.sparse_attention, self.indexer, self.splits, self.head_sum, prefill,
+                                    self.deterministic, decode)
+        if not able:
+            logger.warning("sglang-dsv41: flashmla: planned the Triton kernels instead (%s)", plan.reason)
         else:
             chosen.flashmla_plan, chosen.flashmla_kernel = plan, FM.load_kernel()
-            chosen.description += f"; FlashMLA sparse prefill {plan.mode} ({plan.reason})"
-            logger.info("sglang-dsv41: prefill attention: FlashMLA flash_mla_sparse_fwd, %s (%s)", plan.mode,
-                        plan.reason)
+            chosen.description += f"; FlashMLA flash_mla_sparse_fwd {plan.mode} ({plan.reason})"
+            logger.info("sglang-dsv41: attention: FlashMLA flash_mla_sparse_fwd for %s, %s (%s)",
+                        " and ".join(n for n, c in (("prefill", prefill), ("decode", decode)) if c == "flashmla"),
+                        plan.mode, plan.reason)
         return chosen
 
     def attend(self, q: Tensor, sink: Tensor, swa_cache: Tensor, swa_slots: Tensor,
@@ -264,6 +277,13 @@ class KernelAttentionOps:
         if isinstance(workspace, FM.FlashMLAInputs):
             return FM.attend(self.flashmla_kernel, self.flashmla_plan, q, sink, swa_cache, workspace,
                              softmax_scale(D)).to(torch.float32)
+        if workspace is None and self.decode == "flashmla":
+            if self.flashmla_plan is None:
+                raise RuntimeError("sglang-dsv41: the flashmla decode was not planned for the model's heads "
+                                   "(build the ops with ops_for(..., heads, head_dim))")
+            comp = None if packed is None or comp_entries is None else self._packed_latents(packed)
+            return FM.decode_attend(self.flashmla_kernel, self.flashmla_plan, q, sink, swa_cache, swa_slots, comp,
+                                    comp_entries if comp is not None else None, softmax_scale(D)).to(torch.float32)
         K = 0 if comp_entries is None else comp_entries.shape[1]
         if workspace is not None:
             plan = self.sparse_attention.plan_prefill_config(N, H, D, swa_slots.shape[1], K)
@@ -279,14 +299,18 @@ class KernelAttentionOps:
             if comp_entries.shape != (N, K):
                 raise ValueError(f"attend: workspace rows {tuple(comp_entries.shape)}, expected {(N, K)}")
         elif packed is not None and comp_entries is not None:
-            src = packed.source.latent
-            comp_cache = self.sparse_attention.PackedSource(
-                rows=packed.latent_rows, offset=src.offset, share=src.share, ratio=src.ratio,
-                head_dim=packed.layout.head_dim, index_head_dim=packed.layout.index_head_dim, part="latent")
+            comp_cache = self._packed_latents(packed)
         o = self.sparse_attention.sparse_sink_attention(
             q.to(torch.bfloat16), swa_cache, swa_slots, comp_cache, comp_entries if comp_cache is not None else None,
             sink.to(torch.float32), softmax_scale(D), config=plan)
         return o.to(torch.float32)
+
+    def _packed_latents(self, packed: PackedSourceRows):
+        """The kernels' `PackedSource` of the latent part of `packed` (contract §5)."""
+        src = packed.source.latent
+        return self.sparse_attention.PackedSource(
+            rows=packed.latent_rows, offset=src.offset, share=src.share, ratio=src.ratio,
+            head_dim=packed.layout.head_dim, index_head_dim=packed.layout.index_head_dim, part="latent")
 
     def prefill_workspace(self, layout: BatchLayout, packed: PackedSourceRows, source: int, ratio: int,
                           selection: Tensor, scratch,
