@@ -384,6 +384,9 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor, sink: T
             inputs = FM.prefill_inputs(ws, req, starts, qs["swa_slots"], AP.workspace_rows(req, sel, width))
             return FM.attend(fm_kernel, fm_plan, qb, sink, caches.swa, inputs, scale)
     comps: dict[str, Callable] = {"attention": attention, "indexer": indexer}
+    if not workspace:                                         # the opt-in SGLANG_DSV41_ATTN_DECODE=flashmla
+        comps["attention_flashmla"] = lambda: _flashmla_decode(t, qb, sink, caches, qs["swa_slots"], comp_entries,
+                                                               scale)
     if caches.latents is None:
         return comps, {}
     slots = K.entry_slot_table(*table_args)                      # where the BF16 copy of entry e lives
@@ -401,6 +404,23 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor, sink: T
     same = {"attention": _within_two_bf16_ulps(attention(), attention_bf16()),
             "indexer": torch.equal(scores_packed(), scores_bf16())}
     return comps, same
+
+
+def _flashmla_decode(t, qb: Tensor, sink: Tensor, caches: Caches, swa_slots: Tensor, comp_entries: Tensor,
+                     scale: float) -> Tensor:
+    """The decode attention as `attention_flashmla.decode_attend` runs it (plan and kernel looked up on
+    the first call; a device or sgl-kernel without the kernel raises, recorded by the caller)."""
+    from sglang_dsv41.runtime import attention_flashmla as FM
+    if not _FLASHMLA:
+        plan = FM.plan_flashmla(t.num_attention_heads, t.head_dim, torch.cuda.get_device_capability(qb.device))
+        if plan.mode == "bf16":
+            raise RuntimeError(f"flashmla decode: the kernel cannot take this layer ({plan.reason})")
+        _FLASHMLA.extend((plan, FM.load_kernel()))
+    plan, kernel = _FLASHMLA
+    return FM.decode_attend(kernel, plan, qb, sink, caches.swa, swa_slots, caches.packed_latents, comp_entries, scale)
+
+
+_FLASHMLA: list = []
 
 
 def _within_two_bf16_ulps(got: Tensor, want: Tensor) -> bool:

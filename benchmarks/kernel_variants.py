@@ -8,7 +8,9 @@ flush before each replay, median), with its output compared with the old variant
 * `attention`: `one_split` (deterministic mode, ATTENTION_KEY_SPLITS = 1) · `decode_splits`
   (`plan_decode_config`, the serving default since session 12) · `decode_splits_h16` (the same with 16
   heads per program) — agreement: max |Δ| in BF16 ulps of the output scale (each is within 1 of
-  the exact value, so ≤ 2) and the fraction of equal elements;
+  the exact value, so ≤ 2) and the fraction of equal elements; `flashmla_decode`
+  (SGLANG_DSV41_ATTN_DECODE=flashmla: `attention_flashmla.decode_attend`, within `flashmla_bound`
+  of the Triton kernel rather than 2 ulps);
 * `indexer`: `fp64_head_sum` (default) · `fp32_head_sum` (SGLANG_DSV41_INDEXER_HEAD_SUM=fp32) ·
   each with `_fused_topk` (`kernels.topk_select`, SGLANG_DSV41_INDEXER_TOPK=fused: the same
   selection in one launch) — agreement: the mean fraction of each query's selection that is the same set;
@@ -133,7 +135,7 @@ def variant_callables(layer, caches, N: int, context: int) -> dict[str, dict[str
     return {"step": {"default": step([torch_parts["w8a8_f16"], old["indexer"], old["attention"], moe["default"]]),
                      "new": step([torch_parts["w8a8_f16"], fused, new["attention"], moe["default"]])},
             "attention": {"one_split": old["attention"], "decode_splits": new["attention"],
-                          "decode_splits_h16": h16["attention"]},
+                          "decode_splits_h16": h16["attention"], "flashmla_decode": new["attention_flashmla"]},
             "indexer": {"fp64_head_sum": old["indexer"], "fp32_head_sum": new["indexer"],
                         "fp32_head_sum_fused_topk": fused,
                         "fp64_head_sum_fused_topk": with_env(K.TOPK_METHOD_ENV, "fused", fp64_indexer)},

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# H200 (one GPU), one device call (session 22; issue 21): benchmarks/decode_step.py --quick --batches
+# 1 8 64 256 --variants --profile: the graphed step of one full-width Flash layer after session 22's
+# changes, each kernel choice as a variant (attention `flashmla_decode` = SGLANG_DSV41_ATTN_DECODE=flashmla
+# at every N; the MoE flag sets of KERNEL_VARIANTS_MOE_FLAGS, split_k among them, at N <= 16), and the
+# per-kernel profile of the serving default. Logs in $OUT/logs.tar.gz, JSONs in $OUT/step.
+# Run from the checkout root with `.gpu` carried: bash scripts/gpu/session22b.sh
+set -uo pipefail
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
+: "${BUDGET:=540}" "${BATCHES:=1 8 64 256}"
+mkdir -p "$OUT/step" "$OUT/logs"
+gpu_setup
+b=$(( $(left) - 20 ))
+# shellcheck disable=SC2086
+KERNEL_VARIANTS_MOE_FLAGS="split_k=2;split_k=4;block_k=256;num_stages=5" \
+timeout -s INT -k 10 "$b" python3 benchmarks/decode_step.py --quick --batches $BATCHES --no-prefill --variants \
+  --profile --profile-fp8 w8a8_f16 --budget-s $((b - 20)) --out "$OUT/step" >"$OUT/logs/decode_step.log" 2>&1
+result decode_step rc=$?
+grep -v -i warn "$OUT/logs/decode_step.log" | tail -40
+(cd "$OUT" && tar czf logs.tar.gz logs step/*.png 2>/dev/null; rm -rf logs)
+find "$OUT" -name "*.png" -delete
+ls -R "$OUT"
