@@ -403,3 +403,35 @@ def test_gpu_teacher_forced_contract_with_the_flashmla_prefill(tiny_checkpoint, 
     assert launches, "no batch took the FlashMLA prefill"
     assert m.top1 >= FLASHMLA_MIN_TOP1_AGREEMENT
     assert m.worst_logit_diff <= LOGIT_BOUND, m.worst_logit_diff
+
+
+@pytest.mark.gpu
+def test_gpu_teacher_forced_contract_with_the_flashmla_decode(tiny_checkpoint, monkeypatch) -> None:
+    """SGLANG_DSV41_ATTN_DECODE=flashmla (`attention_flashmla.decode_attend`): every batch without the
+    prefill workspace runs its attention as ONE `flash_mla_sparse_fwd` launch over the gathered keys
+    (`kernels.key_gather`; the tiny model planned `padded` to 64 × 512), held to the FlashMLA opt-in bar."""
+    from runtime_scenarios import measure_contract, runtime_engine
+    from sglang_dsv41.reference.model import ReferenceModel
+    from sglang_dsv41.runtime import attention_ops
+
+    monkeypatch.setenv(attention_ops.ATTENTION_DECODE_ENV, "flashmla")
+    attention_ops.kernel_ops.cache_clear()           # the kernel ops read their switches when made
+    try:
+        reference = ReferenceModel.from_checkpoint(tiny_checkpoint)
+        engine = runtime_engine(tiny_checkpoint, DEVICE, deterministic=False)
+        ops = engine.attention_ops
+        assert ops.decode == "flashmla" and ops.flashmla_plan.mode == "padded", ops.description
+        launches = []
+        kernel = ops.flashmla_kernel
+
+        def counted(q, *args):
+            launches.append(q.shape[0])
+            return kernel(q, *args)
+        ops.flashmla_kernel = counted
+        m = measure_contract(engine, DEVICE, reference, GREEDY_STEPS)
+    finally:
+        attention_ops.kernel_ops.cache_clear()
+    print("\n" + m.summary(f"CUDA w8a8_f16 + FlashMLA decode ({len(launches)} launches)"))
+    assert launches, "no batch took the FlashMLA decode"
+    assert m.top1 >= FLASHMLA_MIN_TOP1_AGREEMENT
+    assert m.worst_logit_diff <= LOGIT_BOUND, m.worst_logit_diff
