@@ -77,7 +77,10 @@ VARIANTS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     # session 14 (flashmla): the serving default with the workspace read by one FlashMLA launch
     "flashmla": ({"SGLANG_DSV41_ATTN_PREFILL": "flashmla"}, ()),
     # session 19: the serving default with session 12's bisection top-k search
-    "topk_bisect": ({"SGLANG_DSV41_TOPK_SEARCH": "bisect"}, ())}
+    "topk_bisect": ({"SGLANG_DSV41_TOPK_SEARCH": "bisect"}, ()),
+    # session 22: the mHC partial dots on BF16 tensor cores (split-BF16×3 F), and the FlashMLA prefill with it
+    "mhc_tc": ({"SGLANG_DSV41_MHC_MIX": "tc"}, ()),
+    "flashmla_mhc_tc": ({"SGLANG_DSV41_ATTN_PREFILL": "flashmla", "SGLANG_DSV41_MHC_MIX": "tc"}, ())}
 DEFAULT_VARIANTS = ("before", "session12", "default", "new", "attn_bf16_workspace", "indexer_fp32_head_sum",
                     "indexer_fused_topk", "whole_bf16_rows")
 PREFILL_COMPONENTS = ("dense_fp8", "dense_bf16", "attention", "indexer_scores", "indexer_topk", "indexer_query",

@@ -17,7 +17,12 @@ bit-identical (tests/test_kernels_mhc.py):
   different orders (bits differ; both within COEFFICIENT_BOUND, tests). `fused`
   (`kernels/mhc_decode.py`, decode-sized T): partials over 512-column splits and the
   coefficients below in ONE launch (the last split of a token block to arrive sums the splits in
-  fixed order; int32 arrival counters, left zero).
+  fixed order; int32 arrival counters, left zero). `tc` (opt-in, for prefill row counts):
+  `_hc_mix_dot_kernel` on BF16 tensor cores over 512-column slices of 64 tokens — x as BF16
+  (exact: the residual holds BF16 values), F split into three BF16 parts whose sum is F exactly,
+  so every product is exact and only the fp32 accumulation errs (each 32-column step's
+  3 × 32 products in a fresh MMA accumulator, then added to the slice's sum): the compensated
+  single-precision class of upstream's split-TF32 / split-BF16×3 mix, not bitwise `dot`'s.
   At T = 1 the 1.5 MB F read is spread over 160 programs (Flash).
   `_hc_coefficients_kernel`, one program per token: with `dot` one warp adding the partials 32
   chunks a step (the 4 × 4 Sinkhorn in warp shuffles); with `rows` four warps, all chunks in one
@@ -76,8 +81,13 @@ MIX_BLOCK_T = 16
 MIX_DOT_BLOCK_T = 32
 #: Columns per chained dot step of `_hc_mix_dot_kernel` (keeps its operands in registers).
 MIX_DOT_SUB_K = 32
+#: `tc`: `_hc_mix_dot_kernel` on BF16 tensor cores (split-BF16×3 F), wider slices and token tiles
+MIX_TC_BLOCK_K = 512
+MIX_TC_BLOCK_T = 64
+MIX_TC_SUB_K = 32
+MIX_TC_NUM_WARPS = 8        # no spills at 64 × 512 (sm_90 build, tests/test_kernels_mhc.py)
 #: the partial-dot kernels (module doc); the first is the default; `fused` = `kernels.mhc_decode` (one launch)
-MIX_KERNELS = ("dot", "rows", "fused")
+MIX_KERNELS = ("dot", "rows", "fused", "tc")
 #: with `dot`: partial-sum chunks per step and warps of the coefficient kernel (`rows`: all chunks, 4 warps)
 COEFF_CHUNKS_BLOCK = 32
 COEFF_NUM_WARPS = 1
@@ -127,13 +137,15 @@ def _hc_mix_partials_kernel(x_ptr, f_ptr, part_ptr, T, K, stride_xt, NUM_CHUNKS,
 @triton.jit
 def _hc_mix_dot_kernel(x_ptr, f_ptr, part_ptr, T, K, stride_xt, NUM_CHUNKS,
                        ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, SLOT: tl.constexpr,
-                       BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, SUB_K: tl.constexpr):
-    """`_hc_mix_partials_kernel`'s partials for BLOCK_T tokens at once: fp32 dots (FMA, `ieee`)
-    of the [BLOCK_T, SUB_K] token tiles with F's slice, chained over the slice's SUB_K-column
-    steps; Σx² per token by `tl.sum` per step, added in step order. A token's partials depend on
-    its row only (fixed tile shapes; padded rows are zeros)."""
+                       BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, SUB_K: tl.constexpr,
+                       SPLIT3: tl.constexpr, INTERPRET: tl.constexpr):
+    """`_hc_mix_partials_kernel`'s partials for BLOCK_T tokens at once: fp32 dots (FMA, `ieee`; or
+    with SPLIT3 split-BF16×3 tensor-core dots, `tc`) of the [BLOCK_T, SUB_K] token tiles with F's
+    slice, chained over the slice's SUB_K-column steps; Σx² per token by `tl.sum` per step, added
+    in step order. A token's partials depend on its row only (fixed tile shapes; padded rows are
+    zeros)."""
     _slice_partials(x_ptr, f_ptr, part_ptr, T, K, stride_xt, tl.program_id(0), tl.program_id(1), NUM_CHUNKS,
-                    ROWS, ROWS_PAD, SLOT, BLOCK_T, BLOCK_K, SUB_K)
+                    ROWS, ROWS_PAD, SLOT, BLOCK_T, BLOCK_K, SUB_K, SPLIT3, INTERPRET)
 
 
 @triton.jit
@@ -318,16 +330,21 @@ def hc_coefficients(residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *
         launch_fused(x, f, base.to(F32).contiguous(), scale.to(F32).contiguous(), pre, post, comb, hc=hc,
                      rms_eps=rms_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters, counters=counters, opts=opts)
         return pre, post, comb
-    num_chunks = triton.cdiv(K, MIX_BLOCK_K)
+    num_chunks = triton.cdiv(K, MIX_TC_BLOCK_K if mix == "tc" else MIX_BLOCK_K)
     slot = _pow2_at_least(rows + 1)
     partials = torch.empty(T, num_chunks, slot, dtype=F32, device=dev)
     opts = _launch_options()
     if not INTERPRETED:
         opts["num_warps"] = 4
-    if mix == "dot":
-        _hc_mix_dot_kernel[(triton.cdiv(T, MIX_DOT_BLOCK_T), num_chunks)](
+    if mix in ("dot", "tc"):
+        tc = mix == "tc"
+        block_t = MIX_TC_BLOCK_T if tc else MIX_DOT_BLOCK_T
+        if tc and not INTERPRETED:
+            opts["num_warps"] = MIX_TC_NUM_WARPS
+        _hc_mix_dot_kernel[(triton.cdiv(T, block_t), num_chunks)](
             x, f, partials, T, K, x.stride(0), num_chunks, ROWS=rows, ROWS_PAD=max(16, _pow2_at_least(rows)),
-            SLOT=slot, BLOCK_K=MIX_BLOCK_K, BLOCK_T=MIX_DOT_BLOCK_T, SUB_K=MIX_DOT_SUB_K, **opts)
+            SLOT=slot, BLOCK_K=MIX_TC_BLOCK_K if tc else MIX_BLOCK_K, BLOCK_T=block_t,
+            SUB_K=MIX_TC_SUB_K if tc else MIX_DOT_SUB_K, SPLIT3=tc, INTERPRET=INTERPRETED, **opts)
     else:
         _hc_mix_partials_kernel[(triton.cdiv(T, MIX_BLOCK_T), num_chunks)](
             x, f, partials, T, K, x.stride(0), num_chunks, ROWS=rows, ROWS_PAD=_pow2_at_least(rows), SLOT=slot,
@@ -342,11 +359,11 @@ def hc_coefficients(residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *
         return pre, post, comb
     opts = _launch_options()
     if not INTERPRETED:         # `dot`: one warp a token (the 4×4 Sinkhorn in warp shuffles); `rows`: as before
-        opts["num_warps"] = COEFF_NUM_WARPS if mix == "dot" else 4
+        opts["num_warps"] = COEFF_NUM_WARPS if mix in ("dot", "tc") else 4
     _hc_coefficients_kernel[(T,)](
         partials, base.to(F32).contiguous(), scale.to(F32).contiguous(), pre, post, comb, K, num_chunks,
         sinkhorn_iters, HC=hc, SLOT=slot,
-        CHUNKS_BLOCK=COEFF_CHUNKS_BLOCK if mix == "dot" else _pow2_at_least(num_chunks),
+        CHUNKS_BLOCK=COEFF_CHUNKS_BLOCK if mix in ("dot", "tc") else _pow2_at_least(num_chunks),
         RMS_EPS=float(rms_eps), HC_EPS=float(hc_eps), **opts)
     return pre, post, comb
 

@@ -59,11 +59,18 @@ def _hc_params(base_ptr, scale_ptr, HC: tl.constexpr):
 @triton.jit
 def _slice_partials(x_ptr, f_ptr, part_ptr, T, K, stride_xt, tb, s, NUM_SLICES,
                     ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, SLOT: tl.constexpr, BLOCK_T: tl.constexpr,
-                    COLS: tl.constexpr, SUB_K: tl.constexpr):
+                    COLS: tl.constexpr, SUB_K: tl.constexpr, SPLIT3: tl.constexpr = False,
+                    INTERPRET: tl.constexpr = False):
     """Token block tb, column slice s (COLS columns of F): part[t, s, r] = the fp32 dots (FMA, `ieee`,
     chained over SUB_K-column steps) for r < ROWS and part[t, s, ROWS] = Σx² (a `tl.sum` per step,
     added in step order). A token's values depend on its row only (padded rows and columns are
-    zeros). Returns the block's token ids and their mask."""
+    zeros). Returns the block's token ids and their mask.
+
+    SPLIT3: the dots on BF16 tensor cores instead — x as BF16 (exact: the residual holds BF16
+    values), F split into three BF16 parts f₁ + f₂ + f₃ = f exactly, each step's three products
+    (exact in fp32) accumulated by the MMA into a fresh fp32 tile that is then added to the running
+    dots (`kernels.mhc` module doc, "tc"). INTERPRET: the same values as fp32 `ieee` dots (Triton
+    3.6's interpreter multiplies BF16 dot operands as raw integers)."""
     r = tl.arange(0, ROWS_PAD)
     r_ok = r < ROWS
     t = tb.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -76,7 +83,22 @@ def _slice_partials(x_ptr, f_ptr, part_ptr, T, K, stride_xt, tb, s, NUM_SLICES,
         f = tl.load(f_ptr + r[None, :] * K + k[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
         x = tl.load(x_ptr + t[:, None] * stride_xt + k[None, :], mask=t_ok[:, None] & k_ok[None, :],
                     other=0.0).to(tl.float32)
-        dots = tl.dot(x, f, dots, input_precision="ieee")
+        if SPLIT3:
+            f1 = f.to(tl.bfloat16)
+            r1 = f - f1.to(tl.float32)
+            f2 = r1.to(tl.bfloat16)
+            f3 = (r1 - f2.to(tl.float32)).to(tl.bfloat16)
+            if INTERPRET:
+                step = tl.dot(x, f1.to(tl.float32), input_precision="ieee")
+                step = tl.dot(x, f2.to(tl.float32), step, input_precision="ieee")
+                step = tl.dot(x, f3.to(tl.float32), step, input_precision="ieee")
+            else:
+                step = tl.dot(x.to(tl.bfloat16), f1, out_dtype=tl.float32)
+                step = tl.dot(x.to(tl.bfloat16), f2, step, out_dtype=tl.float32)
+                step = tl.dot(x.to(tl.bfloat16), f3, step, out_dtype=tl.float32)
+            dots = dots + step
+        else:
+            dots = tl.dot(x, f, dots, input_precision="ieee")
         sumsq = sumsq + tl.sum(x * x, axis=1)
     out = part_ptr + (t * NUM_SLICES + s) * SLOT
     tl.store(out[:, None] + r[None, :], dots, mask=t_ok[:, None] & r_ok[None, :])

@@ -194,6 +194,19 @@ if KERNEL_HERE:
             for name in ("pre", "post", "comb"):
                 assert torch.equal(getattr(alone, name), getattr(got, name)[t:t + 1]), (mix, name, t)
 
+    def test_kernel_case_tc_split_is_exact_to_single_precision() -> None:
+        """`tc` splits F into three BF16 parts summing to F exactly: under the interpreter (fp32
+        accumulation, round to nearest) its coefficients stay within 2⁻¹⁹ of the reference (measured
+        2⁻²³; without the third part 2⁻¹⁶·⁸, so a lost part fails). Compiled, Hopper's MMA truncates
+        while it accumulates, so the check there is 2⁻¹⁶ (the contract's bound is 2⁻¹⁴)."""
+        c = hc_case(5, 4, 4096, seed=23)
+        got = coefficients(Shaped(mhc_ops.TritonMhc("tc")), c)
+        want = reference_coefficients(c)
+        limit = 2.0 ** (-19 if K.INTERPRETED else -16)
+        for name in ("pre", "post", "comb"):
+            err = float((getattr(got, name).cpu() - getattr(want, name)).abs().max())
+            assert err <= limit, (name, err)
+
     def test_kernel_case_auto_runs_the_kernel_of_the_token_count(monkeypatch) -> None:
         """`auto` at T = 1, 8, 20 and 40 with the thresholds lowered to 8 (`fused`) and 32 (`dot`):
         each call == the kernel `mix_for_tokens` names, bitwise (1, 8: `fused`; 20: `rows`; 40:
@@ -332,7 +345,7 @@ if not K.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        run_kernel_cases_in_interpreter(__file__, min_passed=37, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=39, exact=True)
 
     def test_cpu_without_interpreter_raises() -> None:
         c = hc_case(1, 4, 64, seed=0, device="cpu")
@@ -434,9 +447,15 @@ if not K.INTERPRETED:
                                                                BLOCK_T=K.MIX_BLOCK_T))
         assert ".f64" not in ptx and "STACK:0 " in usage and "LOCAL:0 " in usage, usage
         ptx, usage = _compiled(K._hc_mix_dot_kernel, dict(ROWS=24, ROWS_PAD=32, SLOT=32, BLOCK_K=K.MIX_BLOCK_K,
-                                                          BLOCK_T=K.MIX_DOT_BLOCK_T, SUB_K=K.MIX_DOT_SUB_K))
+                                                          BLOCK_T=K.MIX_DOT_BLOCK_T, SUB_K=K.MIX_DOT_SUB_K,
+                                                          SPLIT3=False, INTERPRET=False))
         assert ".f64" not in ptx and "STACK:0 " in usage and "LOCAL:0 " in usage, usage
         assert "fma.rn.f32" in ptx and "tf32" not in ptx and "mma" not in ptx     # the fp32 dot on FMA, not TF32 MMA
+        ptx, usage = _compiled(K._hc_mix_dot_kernel, dict(ROWS=24, ROWS_PAD=32, SLOT=32, BLOCK_K=K.MIX_TC_BLOCK_K,
+                                                          BLOCK_T=K.MIX_TC_BLOCK_T, SUB_K=K.MIX_TC_SUB_K,
+                                                          SPLIT3=True, INTERPRET=False), num_warps=K.MIX_TC_NUM_WARPS)
+        assert ".f64" not in ptx and "STACK:0 " in usage and "LOCAL:0 " in usage, usage    # `tc`
+        assert "bf16" in ptx and "mma" in ptx and "tf32" not in ptx               # BF16 tensor-core products
         ptx, _ = _compiled(K._hc_sublayer_input_kernel, dict(HC=4, HAS_PRE=True, BLOCK=4096, RMS_EPS=RMS_EPS))
         assert ".f64" not in ptx and "sqrt.rn.f32" in ptx
 

@@ -38,7 +38,7 @@ F32, F64 = torch.float32, torch.float64
 MHC_MIX_ENV = "SGLANG_DSV41_MHC_MIX"
 #: SGLANG_DSV41_MHC_MIX values: `auto` (per call, `mix_for_tokens`) or one kernel of
 #: `kernels.mhc.MIX_KERNELS` for every call
-MIX_CHOICES = ("auto", "dot", "rows", "fused")
+MIX_CHOICES = ("auto", "dot", "rows", "fused", "tc")
 #: `auto`: `dot` from this many tokens on, `rows` below (fit to the H200 sweeps of benchmarks/mhc_mix.py
 #: and benchmarks/mhc_decode.py, docs/performance.md "mHC kernel by token count" and "Session 21")
 MIX_DOT_MIN_TOKENS = 1024
