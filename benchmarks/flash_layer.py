@@ -384,9 +384,15 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor, sink: T
             inputs = FM.prefill_inputs(ws, req, starts, qs["swa_slots"], AP.workspace_rows(req, sel, width))
             return FM.attend(fm_kernel, fm_plan, qb, sink, caches.swa, inputs, scale)
     comps: dict[str, Callable] = {"attention": attention, "indexer": indexer}
-    if not workspace:                                         # the opt-in SGLANG_DSV41_ATTN_DECODE=flashmla
+    if not workspace:                                         # the opt-ins SGLANG_DSV41_ATTN_DECODE=flashmla / gather
         comps["attention_flashmla"] = lambda: _flashmla_decode(t, qb, sink, caches, qs["swa_slots"], comp_entries,
                                                                scale)
+
+        def attention_gather():
+            from sglang_dsv41.kernels.key_gather import gather_latent_rows
+            rows, slots = gather_latent_rows(caches.packed_latents, comp_entries)
+            return SA.sparse_sink_attention(qb, caches.swa, qs["swa_slots"], rows, slots, sink, scale, config=cfg_att)
+        comps["attention_gather"] = attention_gather
     if caches.latents is None:
         return comps, {}
     slots = K.entry_slot_table(*table_args)                      # where the BF16 copy of entry e lives

@@ -10,7 +10,8 @@ flush before each replay, median), with its output compared with the old variant
   heads per program) — agreement: max |Δ| in BF16 ulps of the output scale (each is within 1 of
   the exact value, so ≤ 2) and the fraction of equal elements; `flashmla_decode`
   (SGLANG_DSV41_ATTN_DECODE=flashmla: `attention_flashmla.decode_attend`, within `flashmla_bound`
-  of the Triton kernel rather than 2 ulps);
+  of the Triton kernel rather than 2 ulps); `gather_decode` (SGLANG_DSV41_ATTN_DECODE=gather: the entries
+  decoded into BF16 rows first, then the same kernel and plan: `decode_splits`' bits);
 * `indexer`: `fp64_head_sum` (default) · `fp32_head_sum` (SGLANG_DSV41_INDEXER_HEAD_SUM=fp32) ·
   each with `_fused_topk` (`kernels.topk_select`, SGLANG_DSV41_INDEXER_TOPK=fused: the same
   selection in one launch) — agreement: the mean fraction of each query's selection that is the same set;
@@ -135,7 +136,8 @@ def variant_callables(layer, caches, N: int, context: int) -> dict[str, dict[str
     return {"step": {"default": step([torch_parts["w8a8_f16"], old["indexer"], old["attention"], moe["default"]]),
                      "new": step([torch_parts["w8a8_f16"], fused, new["attention"], moe["default"]])},
             "attention": {"one_split": old["attention"], "decode_splits": new["attention"],
-                          "decode_splits_h16": h16["attention"], "flashmla_decode": new["attention_flashmla"]},
+                          "decode_splits_h16": h16["attention"], "flashmla_decode": new["attention_flashmla"],
+                          "gather_decode": new["attention_gather"]},
             "indexer": {"fp64_head_sum": old["indexer"], "fp32_head_sum": new["indexer"],
                         "fp32_head_sum_fused_topk": fused,
                         "fp64_head_sum_fused_topk": with_env(K.TOPK_METHOD_ENV, "fused", fp64_indexer)},

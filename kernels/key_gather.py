@@ -1,5 +1,7 @@
 """Each decode query's keys gathered into one BF16 key tensor, plus FlashMLA-style indices into it
-(issue 21: the input of `flash_mla_sparse_fwd` at decode, `runtime/attention_flashmla.py`).
+(issue 21: the input of `flash_mla_sparse_fwd` at decode, `runtime/attention_flashmla.py`; with no
+window, `gather_latent_rows`, the BF16 rows the Triton attention kernel reads instead of decoding the
+packed entries in its loop, `SGLANG_DSV41_ATTN_DECODE=gather`).
 
 `gather_key_rows(swa_cache, swa_slots, comp_cache, comp_entries, out_dim)`: for N queries with
 window slots `swa_slots` [N, W] into the BF16 SWA rows [S, D] and compressed entries
@@ -101,4 +103,17 @@ def gather_key_rows(swa_cache: Tensor, swa_slots: Tensor, comp_cache: PackedSour
     return kv, indices
 
 
-__all__ = ["BLOCK_N", "gather_key_rows"]
+def gather_latent_rows(comp_cache: PackedSource, comp_entries: Tensor) -> tuple[Tensor, Tensor]:
+    """(BF16 rows [N·K, D] — a view with an even row stride —, int32 rows [N, K], −1 = none): the
+    decoded latents of `comp_entries` [N, K], for the Triton kernel's BF16-row path (the same values
+    as its packed path decodes)."""
+    N, K = comp_entries.shape
+    D = comp_cache.head_dim
+    out_dim = 2 * (1 << max(0, (D // 2 - 1).bit_length()))          # 2·(a power of two) ≥ D
+    no_window = torch.empty(N, 0, dtype=torch.int64, device=comp_entries.device)
+    empty_swa = torch.empty(0, D, dtype=torch.bfloat16, device=comp_entries.device)
+    kv, indices = gather_key_rows(empty_swa, no_window, comp_cache, comp_entries, out_dim)
+    return kv.view(N * K, out_dim)[:, :D], indices.view(N, K)
+
+
+__all__ = ["BLOCK_N", "gather_key_rows", "gather_latent_rows"]

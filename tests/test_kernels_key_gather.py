@@ -126,6 +126,30 @@ def test_flashmla_decode_within_the_bound_of_the_triton_math(heads, dim):
     assert not bool(((wrong - want).abs() <= bound).all())
 
 
+@interpreter
+@pytest.mark.parametrize("dim,splits", [(96, "one"), (64, "decode")])
+def test_gather_decode_choice_is_the_packed_path_bit_for_bit(dim, splits):
+    """SGLANG_DSV41_ATTN_DECODE=gather: `KernelAttentionOps.attend` on the packed rows, with the entries
+    decoded first (`gather_latent_rows`: a [N·K, D] view, row stride 2·(a power of two)), returns the
+    bits of the default `triton` choice, which decodes them in the attention loop."""
+    from sglang_dsv41.kernels import indexer, sparse_attention
+    from sglang_dsv41.runtime import attention_ops
+    from packed_rows_codec import kernel_source_as_runtime_rows
+
+    n, heads = 3, 4
+    swa, swa_slots, src, entries, latents = _case(n, dim, 8, 16, ratios=(2, 2, 1), source=1, seed=dim)
+    rows, slots = KG.gather_latent_rows(src, entries)
+    assert rows.shape == (n * 16, dim) and rows.stride(0) == 2 * (1 << ((dim // 2 - 1).bit_length()))
+    assert torch.equal(slots, torch.where(entries >= 0, torch.arange(n * 16).view(n, 16), -1).int())
+    g = torch.Generator().manual_seed(dim)
+    q = torch.randn(n, heads, dim, generator=g).to(torch.bfloat16)
+    sink = torch.randn(heads, generator=g)
+    packed = kernel_source_as_runtime_rows(src)
+    outs = {c: attention_ops.KernelAttentionOps(sparse_attention, indexer, splits=splits, decode=c).attend(
+        q, sink, swa, swa_slots, packed, entries) for c in ("triton", "gather")}
+    assert torch.equal(outs["gather"], outs["triton"])
+
+
 def test_refuses_bad_shapes():
     swa = torch.zeros(4, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="power of two"):
@@ -173,3 +197,20 @@ def test_gpu_flashmla_decode_matches_the_triton_kernel(n):
     err = (got - want).abs()
     print(f"\nflashmla decode vs triton, N={n}: max |Δ|/bound {float((err / bound).max()):.3f}")
     assert bool(torch.isfinite(got).all()) and bool((err <= bound).all()), float((err / bound).max())
+
+
+@pytest.mark.skipif(INTERPRETED, reason="compiles the kernel for sm_90 (not the interpreter's)")
+@pytest.mark.parametrize("has_comp", [True, False])
+def test_compiles_for_hopper_without_spills(has_comp):
+    """The Flash-shape kernel (512 dims, share 144) builds for sm_90 with Triton's ptxas, without
+    register spills and with the FP8 conversions of the compiled decode."""
+    from triton_checks import compile_for_sm90
+    kernel = KG._gather_keys_kernel
+    consts = dict(HAS_COMP=has_comp, COMP_SHARE=144, OUT_P=256, BLOCK_N=KG.BLOCK_N, COMPILED=True)
+    ptrs = dict(swa_ptr="*i32", swa_slots_ptr="*i64", comp_ptr="*u8", comp_slots_ptr="*i64", kv_ptr="*i32",
+                idx_ptr="*i32")
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in kernel.arg_names}
+    compiled, usage = compile_for_sm90(kernel, sig, consts, {"num_warps": 4})
+    assert "STACK:0 " in usage + " " and "LOCAL:0 " in usage + " ", usage
+    if has_comp:
+        assert "e4m3" in compiled.asm["ptx"]

@@ -87,8 +87,10 @@ ATTENTION_KEY_SPLITS = 1
 #: prefill workspace (`attention_prefill.prefill_choice`: `bf16` serving, `packed` deterministic).
 ATTENTION_SPLITS_ENV, ATTENTION_SPLITS = "SGLANG_DSV41_ATTN_SPLITS", ("one", "decode")
 #: SGLANG_DSV41_ATTN_DECODE: batches without the prefill workspace (decode) through our Triton kernel
-#: on the packed rows (default) or one FlashMLA launch (`attention_flashmla.decode_attend`; opt-in).
-ATTENTION_DECODE_ENV, ATTENTION_DECODES = "SGLANG_DSV41_ATTN_DECODE", ("triton", "flashmla")
+#: on the packed rows (`triton`, default), the same kernel on BF16 rows its entries are first decoded
+#: into (`gather`: `kernels.key_gather.gather_latent_rows`, the same values; opt-in), or one FlashMLA
+#: launch (`flashmla`: `attention_flashmla.decode_attend`; opt-in).
+ATTENTION_DECODE_ENV, ATTENTION_DECODES = "SGLANG_DSV41_ATTN_DECODE", ("triton", "gather", "flashmla")
 INDEXER_HEAD_SUM_ENV, INDEXER_HEAD_SUMS = "SGLANG_DSV41_INDEXER_HEAD_SUM", ("fp64", "fp32")
 logger = logging.getLogger(__name__)
 
@@ -300,6 +302,9 @@ class KernelAttentionOps:
                 raise ValueError(f"attend: workspace rows {tuple(comp_entries.shape)}, expected {(N, K)}")
         elif packed is not None and comp_entries is not None:
             comp_cache = self._packed_latents(packed)
+            if self.decode == "gather":
+                from sglang_dsv41.kernels.key_gather import gather_latent_rows
+                comp_cache, comp_entries = gather_latent_rows(comp_cache, comp_entries)
         o = self.sparse_attention.sparse_sink_attention(
             q.to(torch.bfloat16), swa_cache, swa_slots, comp_cache, comp_entries if comp_cache is not None else None,
             sink.to(torch.float32), softmax_scale(D), config=plan)
