@@ -214,3 +214,26 @@ def test_compiles_for_hopper_without_spills(has_comp):
     assert "STACK:0 " in usage + " " and "LOCAL:0 " in usage + " ", usage
     if has_comp:
         assert "e4m3" in compiled.asm["ptx"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 8, 64])
+def test_gpu_gather_decode_matches_the_packed_kernel(n):
+    """`gather_latent_rows` + the BF16-row kernel against the packed kernel, same decode plan, Flash
+    shape: within 2 BF16 ulps of the output scale (two binaries; session 21's sweep saw equal bits)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from sglang_dsv41.kernels import sparse_attention as SA
+    from sglang_dsv41.numerics.geometry import softmax_scale
+    swa, swa_slots, src, entries, _ = _case(n, 512, 128, 512, num_rows=4096, ratios=(2, 2, 2, 1), source=1, seed=n,
+                                            device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(n)
+    q = (torch.randn(n, 64, 512, generator=g, device="cuda") * 0.5).to(torch.bfloat16)
+    sink = torch.randn(64, generator=g, device="cuda")
+    plan = SA.plan_decode_config(n, 64, 512, 128, 512, sm_count=SA.device_sm_count(q.device))
+    want = SA.sparse_sink_attention(q, swa, swa_slots, src, entries, sink, softmax_scale(512), config=plan).float()
+    rows, slots = KG.gather_latent_rows(src, entries)
+    got = SA.sparse_sink_attention(q, swa, swa_slots, rows, slots, sink, softmax_scale(512), config=plan).float()
+    ulp = torch.exp2(torch.floor(torch.log2(want.abs().amax(-1, keepdim=True).clamp(min=2.0 ** -126))) - 7)
+    print(f"\ngather vs packed, N={n}: equal fraction {float((got == want).float().mean()):.4f}")
+    assert bool(((got - want).abs() <= 2 * ulp).all())
