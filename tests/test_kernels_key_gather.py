@@ -22,7 +22,8 @@ from packed_rows_codec import packed_rows_case
 INTERPRETED = KG.INTERPRETED
 interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child process of "
                                                          "test_interpreter_cases")
-INTERPRETER_ARGV = child_runs.interpreter_argv(__file__, "-m", "not gpu", "-k", "not test_interpreter_cases")
+INTERPRETER_ARGV = child_runs.interpreter_argv(__file__, "-m", "not gpu", "-k",
+                                               "not test_interpreter_cases and not test_compiles_for_hopper")
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this process is the interpreter child")
