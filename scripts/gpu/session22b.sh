@@ -17,7 +17,9 @@ KERNEL_VARIANTS_MOE_FLAGS="split_k=2;split_k=4;block_k=256;num_stages=5" \
 timeout -s INT -k 10 "$b" python3 benchmarks/decode_step.py --quick --batches $BATCHES --no-prefill --variants \
   --profile --profile-fp8 w8a8_f16 --budget-s $((b - 20)) --out "$OUT/step" >"$OUT/logs/decode_step.log" 2>&1
 result decode_step rc=$?
-grep -v -i warn "$OUT/logs/decode_step.log" | tail -40
+grep -v -i warn "$OUT/logs/decode_step.log" | tail -20
+[ -f "$OUT/step/decode_step_variants.json" ] &&
+  python3 benchmarks/variants_table.py "$OUT/step/decode_step_variants.json" | tee "$OUT/step/variants.md"
 (cd "$OUT" && tar czf logs.tar.gz logs step/*.png 2>/dev/null; rm -rf logs)
 find "$OUT" -name "*.png" -delete
 ls -R "$OUT"
