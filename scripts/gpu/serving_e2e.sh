@@ -32,6 +32,12 @@
 #           the scheduler dump its Python stacks into the server log (SIGABRT, PYTHONFAULTHANDLER=1).
 #           With .gpu_jit/ carried (parts of an earlier `jitpack`, copied there on the CPU machine) the cache
 #           is restored first (benchmarks/sglang_jit_cache.py restore; parts may come over several calls).
+#           PREBUILD=1 (default; 0 = off): right before the server, benchmarks/sglang_jit_prebuild.py builds
+#           SGLang's tvm-ffi JIT modules (Marlin-MoE first) in the background into the same cache
+#           ($PREBUILD_JOBS workers, default 16, niced, its own process group, capped by the step's budget,
+#           log $OUT/e2e/sglang_jit_prebuild.log, summary .json); the server starts at once and finds the
+#           .so or waits on tvm-ffi's lock. After the step it is stopped if still running, and a dry run
+#           lists the cache directories it does not know ($OUT/e2e/sglang_jit_prebuild_after.json).
 #   jitpack /tmp/sglang_jit packed into $OUT/jit (<= 4 parts of 14 MiB + manifest; PACK_RESERVE_S, default 50,
 #           is kept back from the sglang step for it), so a later session starts with the kernels built so far.
 #   report  $OUT/serving_e2e.json + .png (always run at the end when any client ran).
@@ -112,6 +118,12 @@ e = {**sglang_env(u.find_spec("deep_gemm") is not None), **j.jit_cache_env(Path(
 print(" ".join(f"{k}={v}" for k, v in e.items()))')
           echo "sglang env: $envs" | tee -a "$OUT/summary.txt"
           s=${SGLANG_STARTUP_S:-200}; b=$(( $(cap $((s + 150))) - 15 - RESERVE ))
+          PREBUILD_PID=
+          if [ "${PREBUILD:-1}" = 1 ]; then
+            start_server "$OUT/e2e/sglang_jit_prebuild.log" timeout "$b" nice -n 5 python3 benchmarks/sglang_jit_prebuild.py \
+              --jobs "${PREBUILD_JOBS:-16}" --cache-dir "$JIT" --summary "$OUT/e2e/sglang_jit_prebuild.json"
+            PREBUILD_PID=$SERVER_PID; echo "sglang: JIT prebuild started (group $PREBUILD_PID)" | tee -a "$OUT/summary.txt"
+          fi
           watch_sglang "$OUT/e2e/sglang_watch.log" "$s" </dev/null >/dev/null 2>&1 &
           WATCHER=$!
           env $envs PYTHONFAULTHANDLER=1 SGLANG_SIMULATE_UNIFORM_EXPERTS=${SGLANG_UNIFORM:-1} timeout $((b + 10)) $CLIENT --label sglang_v4 --budget-s $b --startup-s "$s" --concurrency ${CONC:-1 16 64} -- \
@@ -119,7 +131,15 @@ print(" ".join(f"{k}={v}" for k, v in e.items()))')
             --context-length $CTX --mem-fraction-static $MEM --max-running-requests 64 "${GRAPH[@]}" \
             --moe-runner-backend marlin --swa-full-tokens-ratio 1.0 --sampling-backend pytorch \
             --cuda-graph-backend-prefill disabled --random-seed 0
-          rc=$?; ran=1; pkill -P "$WATCHER" 2>/dev/null; kill "$WATCHER" 2>/dev/null; wait "$WATCHER" 2>/dev/null ;;
+          rc=$?; ran=1; pkill -P "$WATCHER" 2>/dev/null; kill "$WATCHER" 2>/dev/null; wait "$WATCHER" 2>/dev/null
+          if [ -n "$PREBUILD_PID" ]; then
+            kill -TERM -- "-$PREBUILD_PID" 2>/dev/null
+            for _ in 1 2 3 4 5 6 7 8 9 10; do any_alive "$PREBUILD_PID" || break; sleep 1; done
+            kill -KILL -- "-$PREBUILD_PID" 2>/dev/null; wait "$PREBUILD_PID" 2>/dev/null
+            grep -e "^\[prebuild\] done" -e " error " -e " timeout " "$OUT/e2e/sglang_jit_prebuild.log" | tail -6 | tee -a "$OUT/summary.txt"
+            timeout "$(cap 60)" python3 benchmarks/sglang_jit_prebuild.py --cache-dir "$JIT" --dry-run \
+              --summary "$OUT/e2e/sglang_jit_prebuild_after.json" 2>/dev/null | tail -1 | tee -a "$OUT/summary.txt"
+          fi ;;
     jitpack) timeout "$(cap 120)" python3 benchmarks/sglang_jit_cache.py pack $JIT "$OUT/jit" | tee -a "$OUT/summary.txt"
           rc=${PIPESTATUS[0]} ;;
     *) echo "unknown step $step"; continue ;;
