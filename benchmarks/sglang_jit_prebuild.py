@@ -1,6 +1,6 @@
 """Pre-build SGLang 0.5.17's tvm-ffi JIT modules (`load_jit`) of the DeepSeek-V4-Flash server in parallel.
 
-Why (/work/notes/sglang_v4_jit.md): on a fresh H200 the V4 server builds ~20-30 tvm-ffi modules one after
+Why (docs/sglang_v4_jit.md): on a fresh H200 the V4 server builds ~20-30 tvm-ffi modules one after
 the other, lazily, inside its first decode CUDA-graph capture (Marlin-MoE alone ~200 s of nvcc). tvm-ffi
 builds each module under a FileLock in `$TVM_FFI_CACHE_DIR/<module>__arch_9.0a__tvmffi_<ver>/` and
 `load_jit` loads a `<module>.so` found there without compiling, so a side process started right before
@@ -31,13 +31,7 @@ directories no target accounts for (run it after a server run: those are modules
 
 Exit status: 0 when every selected target is built (or was already), 1 when any failed.
 
-Verified on the CPU machine (2 cores, nvcc 13.0, 2026-12-04): `--dry-run` resolves all targets to
-`sgl_kernel_jit_<...>__arch_9.0a__tvmffi_0.1.11` with PDL on; `--only clamp_position dsv4_mask_topk` built
-both `.so` (31 s wall, 2 jobs); SGLang's unpatched `load_jit` under the sm_90 arch then loaded both from
-the cache without rebuilding. Here nvcc is a wrapper in /usr/local/bin, so the link needs
-`CUDA_HOME=/usr/local/cuda` (libcudart); the GPU runtime resolves nvcc the same way for the server and this
-tool. Not verified: Marlin's build here (too slow), and that the list is complete for the server — after a
-GPU run `--dry-run` names the cache directories no target accounts for (`other_dirs`).
+What was verified where, and what not: docs/sglang_v4_jit.md, "The prebuild tool".
 """
 from __future__ import annotations
 
