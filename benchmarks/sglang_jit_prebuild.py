@@ -162,23 +162,19 @@ class _Capture:
             cap.seen.append({"so": str(path), "cached": True})
             return str(path)
 
-        def load_inline(name, **kw):
-            kw.pop("keep_module_alive", None)
-            rec = {"module": name, "build_dir": kw.get("build_directory"), "cached": False}
-            cap.seen.append(rec)
-            if cap.build:
-                rec["so"] = tvm_ffi.cpp.build_inline(name, **kw)
-            return rec.get("so")
+        def recording(build):                   # tvm_ffi.cpp.load_inline / load → record, build, never load
+            def load(name, **kw):
+                kw.pop("keep_module_alive", None)
+                rec = {"module": name, "build_dir": kw.get("build_directory"), "cached": False}
+                cap.seen.append(rec)
+                if cap.build:
+                    rec["so"] = build(name, **kw)
+                return rec.get("so")
+            return load
 
-        def load(name, **kw):
-            kw.pop("keep_module_alive", None)
-            rec = {"module": name, "build_dir": kw.get("build_directory"), "cached": False}
-            cap.seen.append(rec)
-            if cap.build:
-                rec["so"] = tvm_ffi.cpp.build(name, **kw)
-            return rec.get("so")
-
-        tvm_ffi.load_module, tvm_ffi.cpp.load_inline, tvm_ffi.cpp.load = load_module, load_inline, load
+        tvm_ffi.load_module = load_module
+        tvm_ffi.cpp.load_inline = recording(tvm_ffi.cpp.build_inline)
+        tvm_ffi.cpp.load = recording(tvm_ffi.cpp.build)
         return self
 
     def __exit__(self, *exc):

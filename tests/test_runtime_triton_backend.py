@@ -369,26 +369,20 @@ def test_gpu_teacher_forced_contract_with_the_prefill_opt_ins(tiny_checkpoint, m
     assert m.worst_logit_diff <= LOGIT_BOUND, m.worst_logit_diff
 
 
-@pytest.mark.gpu
-def test_gpu_teacher_forced_contract_with_the_flashmla_prefill(tiny_checkpoint, monkeypatch) -> None:
-    """SGLANG_DSV41_ATTN_PREFILL=flashmla (`runtime/attention_flashmla.py`): every eager batch with a
-    compressed layer takes the workspace (size rule lowered to one query) and its attention is ONE
-    `flash_mla_sparse_fwd` launch — the tiny model's 4 heads × 96 planned `padded` to 64 × 512 at
-    start-up — and the end-to-end contract holds (FlashMLA rounds P to BF16: within
-    `attention_flashmla.flashmla_bound` of the Triton path per sublayer)."""
+def _flashmla_contract(tiny_checkpoint, choice: str) -> None:
+    """The teacher-forced contract with a FlashMLA opt-in planned (`choice` "prefill" or "decode", set by
+    the caller's environment): the tiny model's 4 heads × 96 planned `padded` to 64 × 512 at start-up,
+    every launch counted, held to the FlashMLA opt-in bar (P rounded to BF16: `flashmla_bound`)."""
     from runtime_scenarios import measure_contract, runtime_engine
     from sglang_dsv41.reference.model import ReferenceModel
     from sglang_dsv41.runtime import attention_ops
-    from sglang_dsv41.runtime import attention_prefill as AP
 
-    monkeypatch.setenv(AP.PREFILL_ENV, "flashmla")
-    monkeypatch.setattr(AP, "PREFILL_MIN_QUERIES", 1)
     attention_ops.kernel_ops.cache_clear()           # the kernel ops read their switches when made
     try:
         reference = ReferenceModel.from_checkpoint(tiny_checkpoint)
         engine = runtime_engine(tiny_checkpoint, DEVICE, deterministic=False)
         ops = engine.attention_ops
-        assert ops.prefill == "flashmla" and ops.flashmla_plan.mode == "padded", ops.description
+        assert getattr(ops, choice) == "flashmla" and ops.flashmla_plan.mode == "padded", ops.description
         launches = []
         kernel = ops.flashmla_kernel
 
@@ -399,39 +393,30 @@ def test_gpu_teacher_forced_contract_with_the_flashmla_prefill(tiny_checkpoint, 
         m = measure_contract(engine, DEVICE, reference, GREEDY_STEPS)
     finally:
         attention_ops.kernel_ops.cache_clear()
-    print("\n" + m.summary(f"CUDA w8a8_f16 + FlashMLA prefill ({len(launches)} launches)"))
-    assert launches, "no batch took the FlashMLA prefill"
+    print("\n" + m.summary(f"CUDA w8a8_f16 + FlashMLA {choice} ({len(launches)} launches)"))
+    assert launches, f"no batch took the FlashMLA {choice}"
     assert m.top1 >= FLASHMLA_MIN_TOP1_AGREEMENT
     assert m.worst_logit_diff <= LOGIT_BOUND, m.worst_logit_diff
+
+
+@pytest.mark.gpu
+def test_gpu_teacher_forced_contract_with_the_flashmla_prefill(tiny_checkpoint, monkeypatch) -> None:
+    """SGLANG_DSV41_ATTN_PREFILL=flashmla (`runtime/attention_flashmla.py`): every eager batch with a
+    compressed layer takes the workspace (size rule lowered to one query) and its attention is ONE
+    `flash_mla_sparse_fwd` launch; the end-to-end contract holds at the opt-in bar."""
+    from sglang_dsv41.runtime import attention_prefill as AP
+
+    monkeypatch.setenv(AP.PREFILL_ENV, "flashmla")
+    monkeypatch.setattr(AP, "PREFILL_MIN_QUERIES", 1)
+    _flashmla_contract(tiny_checkpoint, "prefill")
 
 
 @pytest.mark.gpu
 def test_gpu_teacher_forced_contract_with_the_flashmla_decode(tiny_checkpoint, monkeypatch) -> None:
     """SGLANG_DSV41_ATTN_DECODE=flashmla (`attention_flashmla.decode_attend`): every batch without the
     prefill workspace runs its attention as ONE `flash_mla_sparse_fwd` launch over the gathered keys
-    (`kernels.key_gather`; the tiny model planned `padded` to 64 × 512), held to the FlashMLA opt-in bar."""
-    from runtime_scenarios import measure_contract, runtime_engine
-    from sglang_dsv41.reference.model import ReferenceModel
+    (`kernels.key_gather`); the end-to-end contract holds at the opt-in bar."""
     from sglang_dsv41.runtime import attention_ops
 
     monkeypatch.setenv(attention_ops.ATTENTION_DECODE_ENV, "flashmla")
-    attention_ops.kernel_ops.cache_clear()           # the kernel ops read their switches when made
-    try:
-        reference = ReferenceModel.from_checkpoint(tiny_checkpoint)
-        engine = runtime_engine(tiny_checkpoint, DEVICE, deterministic=False)
-        ops = engine.attention_ops
-        assert ops.decode == "flashmla" and ops.flashmla_plan.mode == "padded", ops.description
-        launches = []
-        kernel = ops.flashmla_kernel
-
-        def counted(q, *args):
-            launches.append(q.shape[0])
-            return kernel(q, *args)
-        ops.flashmla_kernel = counted
-        m = measure_contract(engine, DEVICE, reference, GREEDY_STEPS)
-    finally:
-        attention_ops.kernel_ops.cache_clear()
-    print("\n" + m.summary(f"CUDA w8a8_f16 + FlashMLA decode ({len(launches)} launches)"))
-    assert launches, "no batch took the FlashMLA decode"
-    assert m.top1 >= FLASHMLA_MIN_TOP1_AGREEMENT
-    assert m.worst_logit_diff <= LOGIT_BOUND, m.worst_logit_diff
+    _flashmla_contract(tiny_checkpoint, "decode")
