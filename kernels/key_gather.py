@@ -110,9 +110,11 @@ def gather_latent_rows(comp_cache: PackedSource, comp_entries: Tensor) -> tuple[
     N, K = comp_entries.shape
     D = comp_cache.head_dim
     out_dim = 2 * (1 << max(0, (D // 2 - 1).bit_length()))          # 2·(a power of two) ≥ D
-    no_window = torch.empty(N, 0, dtype=torch.int64, device=comp_entries.device)
-    empty_swa = torch.empty(0, D, dtype=torch.bfloat16, device=comp_entries.device)
-    kv, indices = gather_key_rows(empty_swa, no_window, comp_cache, comp_entries, out_dim)
+    # no window: a zero-column view of the entry list and a one-row placeholder cache, never read (both
+    # keep a real device address: the launcher is not handed the null pointer of an empty allocation)
+    no_window = comp_entries[:, :0]
+    placeholder = torch.empty(1, D, dtype=torch.bfloat16, device=comp_entries.device)
+    kv, indices = gather_key_rows(placeholder, no_window, comp_cache, comp_entries, out_dim)
     return kv.view(N * K, out_dim)[:, :D], indices.view(N, K)
 
 
