@@ -46,6 +46,7 @@ The step's components (`step_components`), each a callable on fixed inputs:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 from pathlib import Path
@@ -414,19 +415,21 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor, sink: T
 
 def _flashmla_decode(t, qb: Tensor, sink: Tensor, caches: Caches, swa_slots: Tensor, comp_entries: Tensor,
                      scale: float) -> Tensor:
-    """The decode attention as `attention_flashmla.decode_attend` runs it (plan and kernel looked up on
-    the first call; a device or sgl-kernel without the kernel raises, recorded by the caller)."""
+    """The decode attention as `attention_flashmla.decode_attend` runs it (a device or sgl-kernel
+    without the kernel raises, recorded by the caller)."""
     from sglang_dsv41.runtime import attention_flashmla as FM
-    if not _FLASHMLA:
-        plan = FM.plan_flashmla(t.num_attention_heads, t.head_dim, torch.cuda.get_device_capability(qb.device))
-        if plan.mode == "bf16":
-            raise RuntimeError(f"flashmla decode: the kernel cannot take this layer ({plan.reason})")
-        _FLASHMLA.extend((plan, FM.load_kernel()))
-    plan, kernel = _FLASHMLA
+    plan, kernel = _flashmla_planned(t.num_attention_heads, t.head_dim, torch.cuda.get_device_capability(qb.device))
     return FM.decode_attend(kernel, plan, qb, sink, caches.swa, swa_slots, caches.packed_latents, comp_entries, scale)
 
 
-_FLASHMLA: list = []
+@functools.lru_cache(maxsize=None)
+def _flashmla_planned(heads: int, head_dim: int, capability: tuple[int, int]):
+    """(plan, kernel) of `attention_flashmla`, once per shape and device, as the runtime plans at start-up."""
+    from sglang_dsv41.runtime import attention_flashmla as FM
+    plan = FM.plan_flashmla(heads, head_dim, capability)
+    if plan.mode == "bf16":
+        raise RuntimeError(f"flashmla decode: the kernel cannot take this layer ({plan.reason})")
+    return plan, FM.load_kernel()
 
 
 def _within_two_bf16_ulps(got: Tensor, want: Tensor) -> bool:

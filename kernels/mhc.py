@@ -86,6 +86,10 @@ MIX_TC_BLOCK_K = 512
 MIX_TC_BLOCK_T = 64
 MIX_TC_SUB_K = 32
 MIX_TC_NUM_WARPS = 8        # no spills at 64 × 512 (sm_90 build, tests/test_kernels_mhc.py)
+#: `_hc_mix_dot_kernel`'s launch per mix: (columns per slice, tokens per program, columns per step,
+#: warps, split-BF16×3 tensor-core dots)
+DOT_LAUNCHES = {"dot": (MIX_BLOCK_K, MIX_DOT_BLOCK_T, MIX_DOT_SUB_K, 4, False),
+                "tc": (MIX_TC_BLOCK_K, MIX_TC_BLOCK_T, MIX_TC_SUB_K, MIX_TC_NUM_WARPS, True)}
 #: the partial-dot kernels (module doc); the first is the default; `fused` = `kernels.mhc_decode` (one launch)
 MIX_KERNELS = ("dot", "rows", "fused", "tc")
 #: with `dot`: partial-sum chunks per step and warps of the coefficient kernel (`rows`: all chunks, 4 warps)
@@ -330,21 +334,20 @@ def hc_coefficients(residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *
         launch_fused(x, f, base.to(F32).contiguous(), scale.to(F32).contiguous(), pre, post, comb, hc=hc,
                      rms_eps=rms_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters, counters=counters, opts=opts)
         return pre, post, comb
-    num_chunks = triton.cdiv(K, MIX_TC_BLOCK_K if mix == "tc" else MIX_BLOCK_K)
+    dot = DOT_LAUNCHES.get(mix)
+    num_chunks = triton.cdiv(K, dot[0] if dot else MIX_BLOCK_K)
     slot = _pow2_at_least(rows + 1)
     partials = torch.empty(T, num_chunks, slot, dtype=F32, device=dev)
     opts = _launch_options()
     if not INTERPRETED:
         opts["num_warps"] = 4
-    if mix in ("dot", "tc"):
-        tc = mix == "tc"
-        block_t = MIX_TC_BLOCK_T if tc else MIX_DOT_BLOCK_T
-        if tc and not INTERPRETED:
-            opts["num_warps"] = MIX_TC_NUM_WARPS
+    if dot:
+        block_k, block_t, sub_k, warps, split3 = dot
+        if not INTERPRETED:
+            opts["num_warps"] = warps
         _hc_mix_dot_kernel[(triton.cdiv(T, block_t), num_chunks)](
             x, f, partials, T, K, x.stride(0), num_chunks, ROWS=rows, ROWS_PAD=max(16, _pow2_at_least(rows)),
-            SLOT=slot, BLOCK_K=MIX_TC_BLOCK_K if tc else MIX_BLOCK_K, BLOCK_T=block_t,
-            SUB_K=MIX_TC_SUB_K if tc else MIX_DOT_SUB_K, SPLIT3=tc, INTERPRET=INTERPRETED, **opts)
+            SLOT=slot, BLOCK_K=block_k, BLOCK_T=block_t, SUB_K=sub_k, SPLIT3=split3, INTERPRET=INTERPRETED, **opts)
     else:
         _hc_mix_partials_kernel[(triton.cdiv(T, MIX_BLOCK_T), num_chunks)](
             x, f, partials, T, K, x.stride(0), num_chunks, ROWS=rows, ROWS_PAD=_pow2_at_least(rows), SLOT=slot,
@@ -359,11 +362,11 @@ def hc_coefficients(residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *
         return pre, post, comb
     opts = _launch_options()
     if not INTERPRETED:         # `dot`: one warp a token (the 4×4 Sinkhorn in warp shuffles); `rows`: as before
-        opts["num_warps"] = COEFF_NUM_WARPS if mix in ("dot", "tc") else 4
+        opts["num_warps"] = COEFF_NUM_WARPS if dot else 4
     _hc_coefficients_kernel[(T,)](
         partials, base.to(F32).contiguous(), scale.to(F32).contiguous(), pre, post, comb, K, num_chunks,
         sinkhorn_iters, HC=hc, SLOT=slot,
-        CHUNKS_BLOCK=COEFF_CHUNKS_BLOCK if mix in ("dot", "tc") else _pow2_at_least(num_chunks),
+        CHUNKS_BLOCK=COEFF_CHUNKS_BLOCK if dot else _pow2_at_least(num_chunks),
         RMS_EPS=float(rms_eps), HC_EPS=float(hc_eps), **opts)
     return pre, post, comb
 

@@ -93,9 +93,10 @@ def _slice_partials(x_ptr, f_ptr, part_ptr, T, K, stride_xt, tb, s, NUM_SLICES,
                 step = tl.dot(x, f2.to(tl.float32), step, input_precision="ieee")
                 step = tl.dot(x, f3.to(tl.float32), step, input_precision="ieee")
             else:
-                step = tl.dot(x.to(tl.bfloat16), f1, out_dtype=tl.float32)
-                step = tl.dot(x.to(tl.bfloat16), f2, step, out_dtype=tl.float32)
-                step = tl.dot(x.to(tl.bfloat16), f3, step, out_dtype=tl.float32)
+                xb = x.to(tl.bfloat16)
+                step = tl.dot(xb, f1, out_dtype=tl.float32)
+                step = tl.dot(xb, f2, step, out_dtype=tl.float32)
+                step = tl.dot(xb, f3, step, out_dtype=tl.float32)
             dots = dots + step
         else:
             dots = tl.dot(x, f, dots, input_precision="ieee")

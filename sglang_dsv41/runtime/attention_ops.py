@@ -219,14 +219,13 @@ class KernelAttentionOps:
         self.head_sum = head_sum or kernel_choice(INDEXER_HEAD_SUM_ENV, INDEXER_HEAD_SUMS)
         self.prefill = prefill or AP.prefill_choice(deterministic)
         self.decode = decode or kernel_choice(ATTENTION_DECODE_ENV, ATTENTION_DECODES)
-        if self.decode not in ATTENTION_DECODES:
-            raise ValueError(f"KernelAttentionOps: decode {self.decode!r} not in {ATTENTION_DECODES}")
+        if self.splits not in ATTENTION_SPLITS or self.head_sum not in INDEXER_HEAD_SUMS \
+                or self.prefill not in AP.PREFILL_CHOICES or self.decode not in ATTENTION_DECODES:
+            raise ValueError(f"KernelAttentionOps: splits {self.splits!r} / head_sum {self.head_sum!r} / prefill "
+                             f"{self.prefill!r} / decode {self.decode!r} not in {ATTENTION_SPLITS} / "
+                             f"{INDEXER_HEAD_SUMS} / {AP.PREFILL_CHOICES} / {ATTENTION_DECODES}")
         if self.decode == "flashmla" and deterministic:
             raise ValueError(f"{ATTENTION_DECODE_ENV}=flashmla is not available with --enable-deterministic-inference")
-        if self.splits not in ATTENTION_SPLITS or self.head_sum not in INDEXER_HEAD_SUMS \
-                or self.prefill not in AP.PREFILL_CHOICES:
-            raise ValueError(f"KernelAttentionOps: splits {self.splits!r} / head_sum {self.head_sum!r} / prefill "
-                             f"{self.prefill!r} not in {ATTENTION_SPLITS} / {INDEXER_HEAD_SUMS} / {AP.PREFILL_CHOICES}")
         if self.prefill == "flashmla" and deterministic:
             raise ValueError("KernelAttentionOps: the flashmla prefill is not available in deterministic mode")
         #: `attention_flashmla.FlashMLAPlan` and kernel, set by `planned` (a `flashmla` choice launches
