@@ -31,7 +31,8 @@ plus the query (Hi·Di·4 B) and head weights once per program from L2. A prefil
 queries shares the slot/key reads: (8 + 256)/BLOCK_T + 4 B per entry and query. With packed
 entries (`PackedSource` of the index-key rows, contracts §1/§2) a key costs Di/2 + Di/32 = 68 B
 (E2M1 nibbles + UE8M0 exponents, the entry's key part, decoded exactly in the kernel by
-`packed_rows.load_fp4_tile_per_dim`): 8 + 68 + 4 = 80 B per visible entry at decode.
+`packed_rows.load_key_pair_tiles`, dims split by parity: q·k = q_even·k_even + q_odd·k_odd, two
+exact MMAs): 8 + 68 + 4 = 80 B per visible entry at decode.
 
 Why our own kernel. SGLang 0.5.17's DeepSeek-V4 FP4 indexer (`srt/layers/attention/dsv4/
 indexer.py`) calls `deep_gemm.fp8_fp4_paged_mqa_logits`; sgl-deep-gemm 0.1.5.post1 (0.5.17's
@@ -69,7 +70,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from . import double_fp32 as DF
 from . import topk_select as TS
 from . import topk_split as TSPLIT
-from .packed_rows import PackedSource, key_entry_bytes, load_fp4_tile_per_dim
+from .packed_rows import PackedSource, key_entry_bytes, load_key_pair_tiles
 
 NEG_INF = float("-inf")
 
@@ -81,6 +82,26 @@ def _round_bf16(x):
     bits = x.to(tl.uint32, bitcast=True)
     rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
     return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _dot_operand(x, DOT_BF16: tl.constexpr):
+    """x as a dot operand: BF16 compiled (FP4 values are exact in BF16), fp32 in the interpreter."""
+    if DOT_BF16:
+        y = x.to(tl.bfloat16)
+    else:
+        y = x.to(tl.float32)
+    return y
+
+
+@triton.jit
+def _dot_keys(q, keys, acc, DOT_BF16: tl.constexpr):
+    """acc + q·keysᵀ in fp32 (acc None: a fresh sum); every product of FP4 values is exact."""
+    if DOT_BF16:
+        out = tl.dot(q, tl.trans(keys.to(tl.bfloat16)), acc, out_dtype=tl.float32)
+    else:
+        out = tl.dot(q, tl.trans(keys.to(tl.float32)), acc, input_precision="ieee", out_dtype=tl.float32)
+    return out
 
 
 @triton.jit
@@ -106,13 +127,14 @@ def _index_scores_kernel(q_ptr, w_ptr, key_ptr, slot_ptr, nvis_ptr, order_ptr, t
     m_live = lo + m // HI < hi
     qid_m = tl.load(order_ptr + lo + m // HI, mask=m_live, other=0)
     d = tl.arange(0, DI)
-    q = tl.load(q_ptr + qid_m[:, None] * stride_qn + (m % HI)[:, None] * stride_qh + d[None, :],
-                mask=m_live[:, None], other=0.0)
+    q_rows = q_ptr + qid_m[:, None] * stride_qn + (m % HI)[:, None] * stride_qh
     w = tl.load(w_ptr + qid_m * stride_wn + m % HI, mask=m_live, other=0.0).to(tl.float32)
-    if DOT_BF16:
-        q = q.to(tl.bfloat16)
+    if KEY_PACKED:   # dims split by parity: column i of the _e / _o tiles is dim 2i / 2i+1
+        p = tl.arange(0, DI // 2)
+        q_e = _dot_operand(tl.load(q_rows + 2 * p[None, :], mask=m_live[:, None], other=0.0), DOT_BF16)
+        q_o = _dot_operand(tl.load(q_rows + 2 * p[None, :] + 1, mask=m_live[:, None], other=0.0), DOT_BF16)
     else:
-        q = q.to(tl.float32)
+        q = _dot_operand(tl.load(q_rows + d[None, :], mask=m_live[:, None], other=0.0), DOT_BF16)
     # entry tiles of this program: the first `live` hold some visible entry, the rest only −∞
     j_first = tl.program_id(1) * J_STEPS * BLOCK_J
     live = tl.minimum(tl.maximum(tl.cdiv(tile_vis - j_first, BLOCK_J), 0), J_STEPS)
@@ -122,14 +144,12 @@ def _index_scores_kernel(q_ptr, w_ptr, key_ptr, slot_ptr, nvis_ptr, order_ptr, t
         slot = tl.load(slot_ptr + req * stride_sr + j, mask=j_in & (j < tile_vis), other=-1).to(tl.int64)
         has = (slot >= 0) & (slot < num_slots)                  # packed: slot = entry e < S // ratio
         if KEY_PACKED:   # entry e's key part (index-key rows): payload + UE8M0 scales from its byte 0
-            keys = load_fp4_tile_per_dim(key_ptr, slot * key_ratio * stride_ks, has, 0, DI, stride_ks,
-                                         key_offset, KEY_SHARE, DI, 32, True, DOT_BF16)
+            k_e, k_o = load_key_pair_tiles(key_ptr, slot * key_ratio * stride_ks, has, DI, stride_ks,
+                                           key_offset, KEY_SHARE, DI // 2, DOT_BF16)
+            acc = _dot_keys(q_o, k_o, _dot_keys(q_e, k_e, None, DOT_BF16), DOT_BF16)
         else:
             keys = tl.load(key_ptr + slot[:, None] * stride_ks + d[None, :], mask=has[:, None], other=0.0)
-        if DOT_BF16:
-            acc = tl.dot(q, tl.trans(keys.to(tl.bfloat16)), out_dtype=tl.float32)
-        else:
-            acc = tl.dot(q, tl.trans(keys.to(tl.float32)), input_precision="ieee", out_dtype=tl.float32)
+            acc = _dot_keys(q, keys, None, DOT_BF16)
         relu = tl.maximum(_round_bf16(acc), 0.0)                    # upstream: bf16(dot), ReLU
         terms = _round_bf16(relu * w[:, None])                     # BF16 × BF16: exact in fp32, → BF16
         if HEAD_SUM_EXACT:   # error-free extraction sum of the BF16 terms (float64-grade)

@@ -132,39 +132,34 @@ def ue8m0_value(b):
 
 
 @triton.jit
-def load_fp4_tile_per_dim(rows_ptr, entry_base, valid, first_byte, dims, row_stride, offset, SHARE: tl.constexpr,
-                          BLOCK_D: tl.constexpr, GROUP: tl.constexpr, SCALE_UE8M0: tl.constexpr,
-                          BF16_MUL: tl.constexpr):
-    """BF16 [N, BLOCK_D] decoded values (exact) of one part (latent or index key) of the entries
-    at `entry_base` [N] int64 = e·ratio·row_stride (contracts §2 rule).
-
-    The part starts at entry byte `first_byte`: dims/2 payload bytes (dim 2i in the low nibble of
-    byte i, 2i+1 in the high), then dims/GROUP scale bytes (E4M3, or UE8M0 when SCALE_UE8M0);
-    entry byte j lives at row offset (j // SHARE)·row_stride, column offset + j % SHARE. Dims ≥
-    `dims` and entries not `valid` read byte 0 and decode to +0. Computed per dim (each payload
-    byte is loaded for both of its dims, each scale byte for its GROUP dims — repeats served by
-    L1): a plain element-wise tensor. A per-byte decode joined and reshaped into dims was
-    measured wrong on the H200 (2026-11-30: attention off by up to 4.3 against the BF16 path;
-    correct in the interpreter) and hits "Illegal shared layout" under Hopper wgmma in Triton
-    3.6, so it is not used. The code × scale products are exact in BF16: BF16_MUL multiplies in
-    BF16 (compiled), otherwise in fp32 (Triton 3.6's interpreter multiplies BF16 tensors as raw
-    integers); same values either way."""
-    d = tl.arange(0, BLOCK_D)
-    j = first_byte + d // 2
-    byte_off = (j // SHARE) * row_stride + offset + j % SHARE
-    mask = valid[:, None] & (d < dims)[None, :]
-    byte = tl.load(rows_ptr + entry_base[:, None] + byte_off[None, :], mask=mask, other=0).to(tl.int32)
-    code = tl.where((d % 2 == 1)[None, :], byte >> 4, byte)
-    js = first_byte + dims // 2 + d // GROUP
+def _pair_bytes(rows_ptr, entry_base, valid, dims, row_stride, offset, SHARE: tl.constexpr, BLOCK_P: tl.constexpr,
+                PAIRS_PER_SCALE: tl.constexpr):
+    """(payload byte, its scale byte) uint8 [N, BLOCK_P] of the pair tiles below: column i holds entry
+    byte i and entry byte dims/2 + i // PAIRS_PER_SCALE; masked columns and entries read 0."""
+    i = tl.arange(0, BLOCK_P)
+    mask = valid[:, None] & (i < dims // 2)[None, :]
+    byte_off = (i // SHARE) * row_stride + offset + i % SHARE
+    byte = tl.load(rows_ptr + entry_base[:, None] + byte_off[None, :], mask=mask, other=0)
+    js = dims // 2 + i // PAIRS_PER_SCALE
     scale_off = (js // SHARE) * row_stride + offset + js % SHARE
-    sbyte = tl.load(rows_ptr + entry_base[:, None] + scale_off[None, :], mask=mask, other=0).to(tl.int32)
-    if SCALE_UE8M0:
-        scale = ue8m0_value(sbyte)
-    else:
-        scale = e4m3_value(sbyte)
-    if BF16_MUL:
-        return e2m1_bf16(code) * scale.to(tl.bfloat16)
-    return (e2m1_bf16(code).to(tl.float32) * scale).to(tl.bfloat16)
+    sbyte = tl.load(rows_ptr + entry_base[:, None] + scale_off[None, :], mask=mask, other=0)
+    return byte, sbyte
+
+
+@triton.jit
+def _nibbles_e4m3(byte):
+    """(low, high) float8_e4m3fn = e2m1(nibble) × 2^-6 of each byte's low / high nibble: the nibble
+    s|e1 e0 m moved to bits 7|4 3 2 (one mantissa bit in both formats, the same subnormal step)."""
+    low = (((byte << 2) & 0x1C) | ((byte << 4) & 0x80)).to(tl.float8e4nv, bitcast=True)
+    high = (((byte >> 2) & 0x1C) | (byte & 0x80)).to(tl.float8e4nv, bitcast=True)
+    return low, high
+
+
+@triton.jit
+def _pinned(x):
+    """x through an identity inline-asm move marked impure: keeps a decode in the layout it was
+    loaded in (see `load_latent_pair_tiles`)."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.bfloat16, is_pure=False, pack=2)
 
 
 @triton.jit
@@ -178,38 +173,47 @@ def load_latent_pair_tiles(rows_ptr, entry_base, valid, dims, row_stride, offset
     read byte 0 and decode to +0.
 
     Two plain byte gathers per payload byte (the byte, its scale byte — repeats of a scale byte
-    are L1 hits): half the loads of `load_fp4_tile_per_dim`, and no join / reshape / interleave
-    (those lowered wrongly on the H200). Callers keep dims split by parity (q·k = q_even·k_even +
+    are L1 hits): half the loads of a per-dim decode, and no join / reshape / interleave (those
+    lowered wrongly on the H200). Callers keep dims split by parity (q·k = q_even·k_even +
     q_odd·k_odd, P·V per half).
 
-    COMPILED (GPU): hardware FP8 conversions. A nibble s|e1 e0 m moved to bits 7|4 3 2 of a byte
-    is the float8_e4m3fn value e2m1 × 2^-6 (both formats have one mantissa bit here and the same
-    subnormal step, bias 7 vs 1), so value = e4m3(nibble bits) × (e4m3(scale byte) × 2^6): BF16
-    operands and product exact (≤ 2 × 4 significant bits, |value| ∈ [2^-10, 2688]); a 0x7F/0xFF
-    scale is NaN. The result then passes an identity inline-asm move marked impure: it pins the
-    decode to the load layout, decoded once per tile — without it Triton 3.6 rematerialises the
-    decode in both dot-operand layouts (measured on the sm_90 build: 2.2× the loop's instructions
-    and register spills). Otherwise (interpreter): integer decode in fp32 (`e2m1_bf16`,
-    `e4m3_value`; Triton 3.6's interpreter multiplies BF16 tensors as raw integers), same values."""
-    i = tl.arange(0, BLOCK_P)
-    mask = valid[:, None] & (i < dims // 2)[None, :]
-    byte_off = (i // SHARE) * row_stride + offset + i % SHARE
-    byte = tl.load(rows_ptr + entry_base[:, None] + byte_off[None, :], mask=mask, other=0)
-    js = dims // 2 + i // 8
-    scale_off = (js // SHARE) * row_stride + offset + js % SHARE
-    sbyte = tl.load(rows_ptr + entry_base[:, None] + scale_off[None, :], mask=mask, other=0)
+    COMPILED (GPU): hardware FP8 conversions (`_nibbles_e4m3`), so value = e4m3(nibble bits) ×
+    (e4m3(scale byte) × 2^6): BF16 operands and product exact (≤ 2 × 4 significant bits, |value| ∈
+    [2^-10, 2688]); a 0x7F/0xFF scale is NaN. The result then passes an identity inline-asm move
+    marked impure (`_pinned`): it pins the decode to the load layout, decoded once per tile —
+    without it Triton 3.6 rematerialises the decode in both dot-operand layouts (measured on the
+    sm_90 build: 2.2× the loop's instructions and register spills). Otherwise (interpreter):
+    integer decode in fp32 (`e2m1_bf16`, `e4m3_value`; Triton 3.6's interpreter multiplies BF16
+    tensors as raw integers), same values."""
+    byte, sbyte = _pair_bytes(rows_ptr, entry_base, valid, dims, row_stride, offset, SHARE, BLOCK_P, 8)
     if COMPILED:
         scale = sbyte.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16) * 64.0
-        low = (((byte << 2) & 0x1C) | ((byte << 4) & 0x80)).to(tl.float8e4nv, bitcast=True)
-        high = (((byte >> 2) & 0x1C) | (byte & 0x80)).to(tl.float8e4nv, bitcast=True)
-        even = low.to(tl.bfloat16) * scale
-        odd = high.to(tl.bfloat16) * scale
-        even = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [even], dtype=tl.bfloat16, is_pure=False,
-                                         pack=2)
-        odd = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [odd], dtype=tl.bfloat16, is_pure=False,
-                                        pack=2)
-        return even, odd
+        low, high = _nibbles_e4m3(byte)
+        return _pinned(low.to(tl.bfloat16) * scale), _pinned(high.to(tl.bfloat16) * scale)
     code = byte.to(tl.int32)
     scale32 = e4m3_value(sbyte.to(tl.int32))
+    return ((e2m1_bf16(code).to(tl.float32) * scale32).to(tl.bfloat16),
+            (e2m1_bf16(code >> 4).to(tl.float32) * scale32).to(tl.bfloat16))
+
+
+@triton.jit
+def load_key_pair_tiles(rows_ptr, entry_base, valid, dims, row_stride, offset, SHARE: tl.constexpr,
+                        BLOCK_P: tl.constexpr, COMPILED: tl.constexpr):
+    """(even, odd): BF16 [N, BLOCK_P] decoded index keys (exact), the key part's counterpart of
+    `load_latent_pair_tiles` (same addressing and parity split): payload byte i's UE8M0 scale is
+    entry byte dims/2 + i // 16 (group of 32 dims = 16 bytes). Values e2m1 × 2^(b−127) for every
+    byte (2^-127 at b = 0, NaN at b = 255; the interpreter's fp32 products flush results below
+    2^-126, which a quantiser never stores with nonzero codes). COMPILED: e4m3(nibble bits) × 2^6 (exact) × the scale as BF16 bits (b << 7); two
+    BF16 products rather than one with a 2^6-folded scale, which would overflow past b = 248;
+    pinned like the latents. Otherwise the interpreter's integer decode in fp32."""
+    byte, sbyte = _pair_bytes(rows_ptr, entry_base, valid, dims, row_stride, offset, SHARE, BLOCK_P, 16)
+    if COMPILED:
+        b = sbyte.to(tl.int32)
+        bits = tl.where(b == 0, 0x0040, tl.where(b == 255, 0x7FC0, b << 7))
+        scale = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        low, high = _nibbles_e4m3(byte)
+        return (_pinned(low.to(tl.bfloat16) * 64.0 * scale), _pinned(high.to(tl.bfloat16) * 64.0 * scale))
+    code = byte.to(tl.int32)
+    scale32 = ue8m0_value(sbyte.to(tl.int32))
     return ((e2m1_bf16(code).to(tl.float32) * scale32).to(tl.bfloat16),
             (e2m1_bf16(code >> 4).to(tl.float32) * scale32).to(tl.bfloat16))

@@ -25,15 +25,18 @@ import re
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from sglang_dsv41.kernels import indexer as K
+from sglang_dsv41.kernels.packed_rows import load_key_pair_tiles
 from sglang_dsv41.reference import indexer as ref
 from sglang_dsv41.reference import ops
 from sglang_dsv41.reference.attention import layer_inv_freq
 from sglang_dsv41.reference.compressor import index_keys
 from sglang_dsv41.runtime.indexer_select import select_for_role
 
-from packed_rows_codec import packed_rows_case
+from packed_rows_codec import E2M1_MAGNITUDES, packed_rows_case, write_entries
 from reference_weights import random_reference_weights, tiny_config
 from triton_checks import compile_for_sm90, no_spills, run_kernel_cases_in_interpreter
 
@@ -108,6 +111,19 @@ def reference_bound(q, w, keys, slots, token_req, n_visible) -> torch.Tensor:
         if n:
             out[t, :n] = error_bound(q[t:t + 1], w[t:t + 1], keys[slots[int(token_req[t]), :n]].float())[0]
     return out
+
+
+@triton.jit
+def _key_pairs_kernel(rows_ptr, even_ptr, odd_ptr, n, row_stride, offset, ratio, DI: tl.constexpr,
+                      SHARE: tl.constexpr, BLOCK_N: tl.constexpr, COMPILED: tl.constexpr):
+    """Test harness: `load_key_pair_tiles` of entries [0, n) → even / odd [n, DI/2] fp32."""
+    e = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = e < n
+    even, odd = load_key_pair_tiles(rows_ptr, e.to(tl.int64) * ratio * row_stride, valid, DI, row_stride, offset,
+                                    SHARE, DI // 2, COMPILED)
+    out = e[:, None] * (DI // 2) + tl.arange(0, DI // 2)[None, :]
+    tl.store(even_ptr + out, even.to(tl.float32), mask=valid[:, None])
+    tl.store(odd_ptr + out, odd.to(tl.float32), mask=valid[:, None])
 
 
 # ---- kernel cases (interpreter child, or CUDA) ----------------------------------------------
@@ -239,6 +255,41 @@ if KERNEL_HERE:
             assert torch.equal(K.index_scores(q, w, src, entries, token_req, n_visible).cpu(),
                                reference_scores(q, w, cache, entries, token_req, n_visible))
 
+    @pytest.mark.parametrize("ratio", [2, 1])
+    def test_kernel_case_key_pair_tiles_decode_every_byte(ratio: int) -> None:
+        """`packed_rows.load_key_pair_tiles` (compiled on CUDA: the FP8-conversion branch; else the
+        interpreter's integer decode) gives e2m1 × 2^(b−127) for every payload byte × every UE8M0
+        scale byte b (2^-127 at b = 0, NaN at 255, ±∞ past 2^128), even / odd columns = low / high nibbles, over
+        the Flash key column 102 (not 4-byte aligned) of 176-byte rows. Values below fp32's normal
+        range (b ≤ 2) may be flushed to a signed zero: the interpreter's fp32 products flush them (so did
+        the per-dim decode before session 23); a quantiser never stores such scales with nonzero codes."""
+        n_entries, row_bytes, offset = 1024, 176, 102
+        share = -(-68 // ratio)
+        e = torch.arange(n_entries)
+        payload = (torch.arange(64)[None, :] + 64 * (e // 256)[:, None]) % 256
+        scale = (e % 256)[:, None].expand(n_entries, 4)
+        data = torch.cat([payload, scale], dim=1).to(torch.uint8)
+        rows = torch.randint(0, 256, (n_entries * ratio, row_bytes), generator=torch.Generator().manual_seed(5),
+                             dtype=torch.uint8)
+        write_entries(rows, e, data, offset, share, ratio)
+        even = torch.full((n_entries, 64), 7.0, device=DEVICE)
+        odd = torch.full((n_entries, 64), 7.0, device=DEVICE)
+        _key_pairs_kernel[(n_entries // 32,)](rows.to(DEVICE), even, odd, n_entries, row_bytes, offset, ratio,
+                                               DI=128, SHARE=share, BLOCK_N=32, COMPILED=DEVICE == "cuda")
+        mag = E2M1_MAGNITUDES.double()
+        e2m1 = lambda c: torch.where((c & 8) != 0, -mag[c & 7], mag[c & 7])   # noqa: E731
+        unit = torch.exp2(scale[:, :1].double() - 127)
+        for got, codes in ((even, payload & 15), (odd, payload >> 4)):
+            want = torch.where(scale[:, :1] == 255, math.nan, e2m1(codes) * unit).float().double()   # ±inf past 2^128
+            got = got.cpu().double()
+            nan = torch.isnan(want)
+            assert torch.equal(torch.isnan(got), nan) and int(nan.sum()) == 4 * 64
+            tiny = want.abs() < 2.0**-126       # below fp32's normal range: may flush to a signed zero
+            flushed = tiny & (got == 0)
+            assert torch.equal(got[~nan & ~flushed], want[~nan & ~flushed])
+            assert int((~nan & ~tiny & (want != 0)).sum()) > 50_000
+            assert torch.equal(torch.signbit(got[~nan]), torch.signbit(want[~nan]))   # −0 codes keep their sign
+
     def test_kernel_case_packed_input_checks() -> None:
         (q, w, entries, token_req, n_visible), src, _ = packed_key_case(2, 64, 96, (2, 2, 1), 0, seed=61)
         bad = entries.clone()
@@ -338,22 +389,26 @@ if not K.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        run_kernel_cases_in_interpreter(__file__, min_passed=8)
+        run_kernel_cases_in_interpreter(__file__, min_passed=10)
 
+    @pytest.mark.parametrize("share", [68, 34], ids=["ratio1", "ratio2"])
     @pytest.mark.parametrize("block_t", [1, 4], ids=["decode_mma", "prefill_wgmma"])
-    def test_packed_kernel_compiles_for_hopper_without_spills(block_t: int) -> None:
+    def test_packed_kernel_compiles_for_hopper_without_spills(block_t: int, share: int) -> None:
         """The packed-key kernel at Flash shapes builds for sm_90 (Triton's bundled ptxas, no GPU)
         with no register spills — also where the dot becomes wgmma (block_t·Hi ≥ 64), which the
         join/reshape decode (removed) cannot be lowered to in Triton 3.6; no float64 instruction."""
         kern = K._index_scores_kernel
         consts = dict(HI=32, DI=128, BLOCK_T=block_t, BLOCK_J=64, J_STEPS=1, DOT_BF16=True, HEAD_SUM_EXACT=True,
-                      KEY_PACKED=True, KEY_SHARE=68)
+                      KEY_PACKED=True, KEY_SHARE=share)
         pointers = {"q_ptr": "*fp32", "w_ptr": "*fp32", "key_ptr": "*u8", "out_ptr": "*fp32"}
         sig = {n: "constexpr" if n in consts else pointers.get(n, "*i64" if n.endswith("_ptr") else "i32")
                for n in kern.arg_names}
         compiled, usage = compile_for_sm90(kern, sig, consts, {"num_warps": 4 if 32 * block_t * 64 <= 4096 else 8})
         assert no_spills(usage), usage
         assert ("wgmma" in compiled.asm["ptx"]) == (block_t == 4)
+        # the parity-split key decode: 167 / 235 registers (the per-dim decode held 254 at decode, two
+        # 4-warp programs per multiprocessor; docs/performance.md "Session 23")
+        assert int(re.search(r"REG:(\d+)", usage).group(1)) <= (176 if block_t == 1 else 240), usage
         assert not re.search(r"\.f64\b", compiled.asm["ptx"])     # double-fp32 head sum: no float64 (issue 21)
 
     @pytest.mark.parametrize("search", ["radix", "bisect"])
@@ -381,6 +436,29 @@ if not K.INTERPRETED:
 
 
 # ---- pure torch parts (any process) -----------------------------------------------------------
+
+def test_compiled_key_decode_formula_is_exact() -> None:
+    """The GPU branch of `load_key_pair_tiles` in torch terms: e4m3(nibble moved to bits 7|4..2) · 64
+    in BF16, times the UE8M0 scale as BF16 bits (b << 7; 0x0040 = 2^-127 at b = 0, NaN at 255), equals
+    e2m1 × 2^(b−127) for every payload byte and every scale byte, both nibbles, signs of −0 kept."""
+    byte = torch.arange(256, dtype=torch.int32)
+    b = torch.arange(256, dtype=torch.int32)
+    bits = torch.where(b == 0, 0x0040, torch.where(b == 255, 0x7FC0, b << 7))
+    scale = bits.to(torch.int16).view(torch.bfloat16)
+    mag = E2M1_MAGNITUDES.double()
+    e2m1 = lambda c: torch.where((c & 8) != 0, -mag[c & 7], mag[c & 7])   # noqa: E731
+    unit = torch.where(b == 255, math.nan, torch.exp2(b.double() - 127))
+    for nibble, codes in (((((byte << 2) & 0x1C) | ((byte << 4) & 0x80)), byte & 15),
+                          ((((byte >> 2) & 0x1C) | (byte & 0x80)), byte >> 4)):
+        e4m3 = nibble.to(torch.uint8).view(torch.float8_e4m3fn)
+        got = ((e4m3.to(torch.bfloat16) * 64.0)[:, None] * scale[None, :]).double()
+        want = (e2m1(codes)[:, None] * unit[None, :]).float().double()      # ±inf past 2^128, like BF16
+        nan = torch.isnan(want)
+        assert torch.equal(torch.isnan(got), nan) and bool(nan[:, 255].all()) and int(nan.sum()) == 256
+        assert torch.equal(got[~nan], want[~nan])
+        assert torch.equal(torch.signbit(got[~nan]), torch.signbit(want[~nan]))
+
+
 
 def tied_scores(g: torch.Generator, N: int, E: int) -> torch.Tensor:
     """Scores drawn from a few values incl. +0, −0, ±∞-free; many exact ties."""
