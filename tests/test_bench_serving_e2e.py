@@ -50,11 +50,11 @@ def test_launch_levels_budget_and_report(tmp_path) -> None:
     assert e2e.main(["client", "--label", "late", *common, "--budget-s", "5", "--concurrency", "1", "--",
                      sys.executable, str(script), "--tokens-per-chunk", "1"]) == 0
     assert "skipped" in json.loads((tmp_path / "late.json").read_text())["levels"][0]
-    for variant in ("ours_engram_host", "ours_c2k"):        # the variants of our server pair with "ours"
+    for variant in ("ours_engram_host", "ours_c2k", "ours_overlap"):        # the variants of our server pair with "ours"
         (tmp_path / f"{variant}.json").write_text((tmp_path / "ours.json").read_text())
     assert e2e.main(["report", str(tmp_path), "--out", str(tmp_path / "e2e_report.json")]) == 0
     ratios = json.loads((tmp_path / "e2e_report.json").read_text())["ratios"]
     assert [r["concurrency"] for r in ratios["ours_dspark/ours"]["per_concurrency"]] == [1, 4]
     assert "ours/sglang_v4" not in ratios
-    for variant in ("ours_engram_host", "ours_c2k"):
+    for variant in ("ours_engram_host", "ours_c2k", "ours_overlap"):
         assert [r["output_tokens_per_s"] for r in ratios[f"{variant}/ours"]["per_concurrency"]] == [1.0, 1.0]

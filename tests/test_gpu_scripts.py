@@ -605,16 +605,18 @@ def test_serving_e2e_watches_sglang_start_up(sandbox: dict[str, str], tmp_path: 
 
 
 def test_serving_e2e_variants_of_our_server(sandbox: dict[str, str], tmp_path: Path) -> None:
-    """serving_e2e.sh STEPS="ours ours_host ours_c2k" on the stubs: three launches of our server with the
-    same arguments but for the variant's own — the Engram host-table variable (label ours_engram_host)
-    and chunked prefill + buckets to 2,048 (label ours_c2k)."""
+    """serving_e2e.sh STEPS="ours ours_host ours_c2k ours_overlap" on the stubs: four launches of our
+    server with the same arguments but for the variant's own — the Engram host-table variable (label
+    ours_engram_host), chunked prefill + buckets to 2,048 (label ours_c2k) and the side stream
+    (SGLANG_DSV41_OVERLAP=on, label ours_overlap)."""
     (tmp_path / "scripts").symlink_to(ROOT / "scripts")
-    sandbox.update(STEPS="ours ours_host ours_c2k", BUDGET="900")
+    sandbox.update(STEPS="ours ours_host ours_c2k ours_overlap", BUDGET="1200")
     r = _run_script("serving_e2e.sh", sandbox)
     assert r.returncode == 0, r.stdout + r.stderr
     runs = {re.search(r"--label (\S+)", c).group(1): c for c in calls(sandbox) if "serving_e2e.py client" in c}
-    assert set(runs) == {"ours", "ours_engram_host", "ours_c2k"}, runs
+    assert set(runs) == {"ours", "ours_engram_host", "ours_c2k", "ours_overlap"}, runs
     assert "--chunked-prefill-size 2048" in runs["ours_c2k"] and "--chunked-prefill-size" not in runs["ours"]
-    assert "--chunked-prefill-size" not in runs["ours_engram_host"]
+    assert "--chunked-prefill-size" not in runs["ours_engram_host"] + runs["ours_overlap"]
     assert runs["ours_engram_host"].startswith("[engram_host=1] ")
+    assert runs["ours_overlap"].startswith("[overlap=on] ")
     assert not runs["ours"].startswith("[") and not runs["ours_c2k"].startswith("[")

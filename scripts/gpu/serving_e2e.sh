@@ -16,6 +16,9 @@
 #   ours_c2k   the same server with chunked prefill and prefill graph buckets to 2,048 tokens (the tiny server's
 #           latency recipe, docs/prefill_graphs.md) — with IN_LEN well above 2,048 it answers whether that
 #           recipe costs long-prompt prefill throughput at Flash width;
+#   ours_overlap  the same server with the side stream (SGLANG_DSV41_OVERLAP=on, runtime/overlap.py: mHC
+#           coefficients, shared expert and Engram rows forked beside the main chain at <= 256 tokens) — run
+#           next to `ours` on the same machine, it decides the switch's default;
 #   dspark  our server + its bundled drafter, --speculative-algorithm DSPARK (block 5), synthetic
 #           acceptance SGLANG_SIMULATE_ACC_LEN=${ACC_LEN:-3.51} (benchmarks only; verify-all), levels 1 8 32;
 #   sglang  SGLang's DeepseekV4ForCausalLM (V4-Flash widths, 4 layers, dummy, marlin MXFP4 experts). Needs
@@ -94,9 +97,10 @@ for step in $STEPS; do
             --batches 1 16 64 256 --out "$OUT/routing_spread.json" | python3 -c \
             'import json,sys; d=json.load(sys.stdin); [print("routing spread N=%d: %.1f distinct experts (uniform %.1f)" % (r["tokens"], r["distinct_experts"], r["uniform_expectation"])) for r in d["per_batch"]]' \
             | tee -a "$OUT/summary.txt" || rc=$? ;;
-    ours|ours_host|ours_c2k) s=${OURS_STARTUP_S:-150}; b=$(( $(cap $((s + 150))) - 15 - RESERVE ))
+    ours|ours_host|ours_c2k|ours_overlap) s=${OURS_STARTUP_S:-150}; b=$(( $(cap $((s + 150))) - 15 - RESERVE ))
           label=$step; envx=(); extra=()
           [ "$step" = ours_host ] && { label=ours_engram_host; envx=(SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE=1); }
+          [ "$step" = ours_overlap ] && envx=(SGLANG_DSV41_OVERLAP=on)
           [ "$step" = ours_c2k ] && extra=(--chunked-prefill-size 2048 --cuda-graph-bs-prefill 4 8 16 32 64 128 256 512 1024 2048)
           env "${envx[@]}" timeout $((b + 10)) $CLIENT --label "$label" --budget-s $b --startup-s "$s" --concurrency $OURS_CONC \
             -- "${OURS[@]}" "${extra[@]}" --mem-fraction-static $MEM

@@ -18,8 +18,9 @@ request-scoped ratio-2 pair state):
    and LM head are vocabulary-parallel (`runtime/vocab_parallel.py`).
 
 The implementations are chosen once, by the weights' device: the compute backend
-(`runtime/backend.py`), attention + indexer (`attention_ops.ops_for`), mHC (`mhc_ops.mhc_for`)
-and MoE (`moe_ops.moe_for`). The only SGLang objects are layer classes — every linear
+(`runtime/backend.py`), attention + indexer (`attention_ops.ops_for`), mHC (`mhc_ops.mhc_for`),
+MoE (`moe_ops.moe_for`) and the side stream of independent work (`overlap.side_stream_for`). The
+only SGLang objects are layer classes — every linear
 (`runtime/parallel_linear.py`), the embedding and the LM head (`runtime/vocab_parallel.py`) —
 and the TP group's collectives; no server state, so the batching / caching invariants are
 unit-tested directly against `ReferenceModel` (`tests/test_runtime_forward.py`).
@@ -50,6 +51,7 @@ from .layers import DeepseekV41DecoderLayer, ForwardStep, OwnedTensors, RMSNorm
 from .parallel_linear import linear_values, with_parallel_linears
 from .mhc_ops import mhc_for
 from .moe_ops import moe_for
+from .overlap import ModelOverlap, side_stream_for
 from .tensor_parallel import SINGLE, TensorParallel
 from .vocab_parallel import ParallelLMHead, VocabParallelEmbedding, with_vocab_layers
 from .weight_modules import loading_weights, parameter_target
@@ -124,6 +126,7 @@ class TorchForward(nn.Module):
         self.weight_modules += [w for w in (self.embed, self.head) if not getattr(w, "prebuilt", False)]
         self._loaded_once = not self.weight_modules
         self.ready = False
+        self.overlap: ModelOverlap | None = None
         if self._loaded_once:
             self.finish_loading()
 
@@ -202,6 +205,8 @@ class TorchForward(nn.Module):
                                      len(self.tp.plan(self.text).heads), self.text.head_dim)
         self.mhc = mhc_for(device, self.backend.acc, self.deterministic)
         self.moe = moe_for(device)
+        if self.overlap is None or self.overlap.device != device:     # one side stream per model and device
+            self.overlap = side_stream_for(device)
         #: per-ratio RoPE inverse frequencies on the model device, made once (no host → device
         #: copy inside a forward: CUDA graphs cannot capture one)
         self.inv_freq = {r: layer_inv_freq(self.text, r).to(device) for r in sorted({x.ratio for x in self.roles})}
@@ -332,9 +337,13 @@ class TorchForward(nn.Module):
             return torch.zeros(0, t.hidden_size, dtype=F32, device=ids.device)
         step = ForwardStep(self.backend, self.attention_ops, self.mhc, self.moe, self.tp, self.numerics.act_quant,
                            layout, caches, ForwardScratch(inv_freq=dict(self.inv_freq)),
-                           (ids == self.cfg.image_token_id) if self.cfg.has_vision else None, value_checks=checks)
+                           (ids == self.cfg.image_token_id) if self.cfg.has_vision else None, value_checks=checks,
+                           side=self.overlap.for_tokens(N))
         if self.hasher is not None:
             step.engram_rows = dict(zip(t.engram_layer_ids, self.engram_rows(ids, layout, caches)))
+            for layer in self.layers:
+                if layer.engram is not None:
+                    layer.engram.prefetch(step)
         E = self.embed(ids)
         if image_embeds is not None:
             E = merge_image_rows(E, ids, image_embeds, self.cfg.image_token_id)
@@ -343,6 +352,7 @@ class TorchForward(nn.Module):
         carried_pre: Tensor | None = None
         for layer in self.layers:
             R, carried_pre = layer(R, carried_pre, step)
+        step.side.join_all()
         assert carried_pre is not None
         if not layout.static:                           # a graph capture must not sync with the host
             self.selection_stats.observe(step.scratch.selections, N)

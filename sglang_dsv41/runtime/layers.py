@@ -23,6 +23,7 @@ from .cache import RuntimeCaches
 from .engram_gate import engram_update
 from .engram_table import StoredEngramTable
 from .mhc_ops import HcCoefficients, stream_mean
+from .overlap import INLINE, InlineStream, Pending, SideStream
 from .parallel_linear import is_parallel_linear
 from .tensor_parallel import TensorParallel
 
@@ -47,6 +48,10 @@ class ForwardStep:
     captured: dict[int, Tensor] | None = None
     #: host-side value checks (host syncs) of this forward: `TorchForward.value_checks`
     value_checks: bool = True
+    #: where independent work is forked (`runtime/overlap.py`): a side stream, or INLINE
+    side: SideStream | InlineStream = INLINE
+    #: Engram rows forked at the start of the forward (`Engram.prefetch`), by layer id
+    engram_prefetch: dict[int, Pending] = field(default_factory=dict)
 
 
 def _owned(value: object) -> object:
@@ -193,7 +198,7 @@ class MoE(OwnedTensors):
             return step.tp.shared_expert(w1, w2, w3, h, step.backend, step.act_quant, self.cfg.swiglu_limit)
 
         return step.moe(step.backend, self.cfg, self.tensors, self.layer_prefix, x, step.image_rows, step.act_quant,
-                        experts, reduce, shared)
+                        experts, reduce, shared, side=step.side)
 
 
 class Engram(OwnedTensors):
@@ -203,15 +208,28 @@ class Engram(OwnedTensors):
         super().__init__(weights, f"layers.{layer}.engram.")
         self.cfg, self.layer = cfg, layer
 
-    def forward(self, R: Tensor, step: ForwardStep) -> Tensor:
+    def rows(self, step: ForwardStep) -> Tensor:
+        """This forward's table rows of the layer (the gather the update reads)."""
         table, ids = step.tp.engram_rows(self.cfg, self.layer, step.engram_rows[self.layer], self.tensors,
                                          check=step.value_checks)
-        return engram_update(step.backend, R, table[ids.to(torch.int64)], self["wkv"], self["q_weight"],
-                             self["k_weight"], self.cfg.rms_norm_eps, step.act_quant, step.image_rows)
+        return table[ids.to(torch.int64)]
+
+    def prefetch(self, step: ForwardStep) -> None:
+        """Fork the gather to the side stream now (TP 1: a sharded gather all-reduces, which stays on
+        the main stream); `forward` joins it."""
+        if step.side.overlaps and step.tp.size == 1:
+            step.engram_prefetch[self.layer] = step.side.fork(self.rows, step)
+
+    def forward(self, R: Tensor, step: ForwardStep) -> Tensor:
+        pending = step.engram_prefetch.pop(self.layer, None)
+        rows = self.rows(step) if pending is None else step.side.join(pending)
+        return engram_update(step.backend, R, rows, self["wkv"], self["q_weight"], self["k_weight"],
+                             self.cfg.rms_norm_eps, step.act_quant, step.image_rows)
 
 
 class DeepseekV41DecoderLayer(nn.Module):
-    """Engram → hc-pre → attention → hc-post → hc-pre → MoE → hc-post, with the lagged pre (§3.2)."""
+    """Engram → hc-pre → attention → hc-post → hc-pre → MoE → hc-post, with the lagged pre (§3.2);
+    each sublayer's mHC coefficients are forked to `step.side` (`runtime/overlap.py`)."""
 
     def __init__(self, weights: Mapping[str, object], cfg: TextConfig, role: LayerRole) -> None:
         super().__init__()
@@ -229,10 +247,14 @@ class DeepseekV41DecoderLayer(nn.Module):
             R = self.engram(R, step)
         if step.captured is not None and self.layer in step.captured:
             step.captured[self.layer] = stream_mean(R)          # DSpark feature: input after Engram (§4)
-        co = self.hc_attn(R, step)
+        co = step.side.fork(self.hc_attn, R, step)           # read first by the residual update (lagged pre)
         x = self.hc_attn.sublayer_input(R, carried_pre, self.attn_norm, step)
-        R = self.hc_attn.residual_update(R, self.attn(x, step), co, step)
-        co_ffn = self.hc_ffn(R, step)
+        y = self.attn(x, step)
+        co = step.side.join(co)
+        R = self.hc_attn.residual_update(R, y, co, step)
+        co_ffn = step.side.fork(self.hc_ffn, R, step)
         x = self.hc_ffn.sublayer_input(R, co.pre, self.ffn_norm, step)
-        R = self.hc_ffn.residual_update(R, self.ffn(x, step), co_ffn, step)
+        y = self.ffn(x, step)
+        co_ffn = step.side.join(co_ffn)
+        R = self.hc_ffn.residual_update(R, y, co_ffn, step)
         return R, co_ffn.pre

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from ..config import TextConfig
 from ..numerics.rounding import bf16, fp32_scalar, slot_sum_fp32
 from .backend import ComputeBackend
+from .overlap import INLINE, InlineStream, SideStream
 from .quant_methods import apply_linear
 
 F32, F64 = torch.float32, torch.float64
@@ -170,8 +171,9 @@ def _finalize(weights: Tensor, per_slot: Tensor, shared: Tensor) -> Tensor:
 
 def _moe_cpu(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor,
              image_rows: Tensor | None, act_quant: bool, experts: Sequence[int] | None,
-             reduce: RoutedReduce | None, shared: SharedExpert | None = None) -> Tensor:
-    """Per held expert on dequantised weights; the routed partial in `be.acc`."""
+             reduce: RoutedReduce | None, shared: SharedExpert | None = None,
+             side: SideStream | InlineStream = INLINE) -> Tensor:
+    """Per held expert on dequantised weights; the routed partial in `be.acc` (`side`: unused, CPU)."""
     p = f"{prefix}ffn."
     E, k, limit = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.swiglu_limit
     held = _held_experts(experts, E)
@@ -199,8 +201,10 @@ def _moe_cpu(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefi
 
 def _moe_cuda(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor,
               image_rows: Tensor | None, act_quant: bool, experts: Sequence[int] | None,
-              reduce: RoutedReduce | None, shared: SharedExpert | None = None) -> Tensor:
-    """Routing + shared expert on the backend; routed experts through the MXFP4 kernel."""
+              reduce: RoutedReduce | None, shared: SharedExpert | None = None,
+              side: SideStream | InlineStream = INLINE) -> Tensor:
+    """Routing + shared expert on the backend; routed experts through the MXFP4 kernel. The shared
+    expert is forked to `side` (`runtime/overlap.py`) and joined when the routed sum is final."""
     from ..kernels import moe_mxfp4 as mx
 
     p = f"{prefix}ffn."
@@ -215,16 +219,17 @@ def _moe_cuda(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], pref
         raise ValueError(f"{key}: prepared experts {held_ref.expert_ids[:8]}… differ from the experts "
                          f"passed {held[:8]}…")
     bias_vl = w[p + "gate.bias_vl"] if image_rows is not None else None
+    pending_shared = side.fork(_shared, be, w, p, x, limit, act_quant, shared)
     routing = route(be, x, w[p + "gate"], w[p + "gate.bias"], k, bias_vl=bias_vl, image_rows=image_rows)
     if routing.scores.shape[-1] != E:
         raise ValueError(f"{p}gate.weight has {routing.scores.shape[-1]} experts, expected {E}")
-    shared_out, shared_partial = _shared(be, w, p, x, limit, act_quant, shared)
     T, H = x.shape
     xb = x.to(torch.bfloat16)                       # x holds BF16 values: exact
     weights = scaled_weights(cfg, routing.weights)
-    if experts is None and reduce is None and not shared_partial:
+    if experts is None and reduce is None and not pending_shared.result[1]:     # host flag: no device read
         routed = mx.routed_experts_mxfp4(xb, routing.experts, weights, held_ref.prepared, swiglu_limit=limit,
                                          routed_scale=1.0, check_ids=False).to(F32)   # ids < E: the router's
+        shared_out, _ = side.join(pending_shared)
         return bf16(shared_out + routed)
     local = held_ref.local_index[routing.experts]                       # [T, k], −1 = other shard
     per_slot = torch.full((T, k, H), -0.0, dtype=be.acc, device=x.device)
@@ -233,7 +238,7 @@ def _moe_cuda(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], pref
                                            check_ids=False)                # local_index values: −1 … held − 1
         per_slot = torch.where((local >= 0).unsqueeze(-1), y[plan.slot_rows.long(), :H].view(T, k, H).to(be.acc),
                                per_slot)                                   # unwritten rows masked
-    return _finalize(weights, *_reduce(be, per_slot, shared_out, shared_partial, reduce))
+    return _finalize(weights, *_reduce(be, per_slot, *side.join(pending_shared), reduce))
 
 
 MoeSublayer = Callable[..., Tensor]
@@ -241,7 +246,8 @@ MoeSublayer = Callable[..., Tensor]
 
 def moe_for(device: torch.device) -> MoeSublayer:
     """The MoE implementation of a model on `device` (module doc); any other device raises. Its
-    call: (be, cfg, weights, prefix, x, image_rows, act_quant, experts, reduce, shared=None) → y [T, hidden]."""
+    call: (be, cfg, weights, prefix, x, image_rows, act_quant, experts, reduce, shared=None, side=INLINE)
+    → y [T, hidden]."""
     if device.type == "cpu":
         return _moe_cpu
     if device.type == "cuda":
