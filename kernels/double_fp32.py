@@ -154,24 +154,23 @@ def _pow2_at_least(v):
 
 
 @triton.jit
-def exact_sum(p, e, axis: tl.constexpr, N: tl.constexpr):
-    """Σ along `axis` (N terms, keep_dims) of p + e, where each e is p's two_prod error
-    (|e| ≤ 2⁻²⁴|p|), as a double-fp32 pair: error-free extraction in two levels (Rump, Ogita &
-    Oishi 2008, ExtractVector) with native max / sum reductions only, so any summation order
-    gives the same bits. Level 1: σ = 2^⌈log2 M⌉·2N ≥ 2N·max|p|, q = (σ + p) − σ is p on the
-    grid of ulp(σ), Σq exact; level 2 likewise on the remainders p − q and e with σ₂ = 4N·2⁻²⁴σ;
-    the last remainders (≤ 2⁻²⁴σ₂ each) are summed in fp32. Error ≲ 16·N⁴·2⁻⁷²·max|p|
-    (2⁻⁴⁸·max|p| at N = 32)."""
+def exact_sum(p, axis: tl.constexpr, N: tl.constexpr):
+    """Σ along `axis` (N terms, keep_dims) of fp32 terms p, as a double-fp32 pair: error-free
+    extraction in two levels (Rump, Ogita & Oishi 2008, ExtractVector) with native max / sum
+    reductions only, so any summation order gives the same bits. Level 1: σ = 2^⌈log2 M⌉·2N ≥
+    2N·max|p|, q = (σ + p) − σ is p on the grid of ulp(σ), Σq exact; level 2 likewise on the
+    remainders r = p − q with σ₂ = 4N·2⁻²⁴σ; the last remainders (≤ 2⁻²⁴σ₂ each) are summed in
+    fp32. Error ≲ 16·N⁴·2⁻⁷²·max|p| (2⁻⁴⁸·max|p| at N = 32). (The terms are exact values, e.g.
+    BF16 products: no two_prod error part to carry.)"""
     m = tl.max(tl.abs(p), axis=axis, keep_dims=True)
     sigma = _pow2_at_least(tl.maximum(m, 1e-30)) * (2 * N)
     q = (sigma + p) - sigma
     r = p - q
     sigma2 = sigma * (4 * N * 5.9604644775390625e-08)           # 4N·2⁻²⁴σ, a power of two
-    q2r = (sigma2 + r) - sigma2
-    q2e = (sigma2 + e) - sigma2
+    q2 = (sigma2 + r) - sigma2
     s1 = tl.sum(q, axis=axis, keep_dims=True)
-    s2 = tl.sum(q2r + q2e, axis=axis, keep_dims=True)
-    s3 = tl.sum((r - q2r) + (e - q2e), axis=axis, keep_dims=True)
+    s2 = tl.sum(q2, axis=axis, keep_dims=True)
+    s3 = tl.sum(r - q2, axis=axis, keep_dims=True)
     h, l = two_sum(s1, s2)
     return df_add_f(h, l, s3)
 

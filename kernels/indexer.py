@@ -154,7 +154,7 @@ def _index_scores_kernel(q_ptr, w_ptr, key_ptr, slot_ptr, nvis_ptr, order_ptr, t
         terms = _round_bf16(relu * w[:, None])                     # BF16 × BF16: exact in fp32, → BF16
         if HEAD_SUM_EXACT:   # error-free extraction sum of the BF16 terms (float64-grade)
             terms3 = tl.reshape(terms, (BLOCK_T, HI, BLOCK_J))
-            s_h, s_l = DF.exact_sum(terms3, tl.zeros_like(terms3), 1, HI)
+            s_h, s_l = DF.exact_sum(terms3, 1, HI)
             s = tl.reshape(s_h + s_l, (BLOCK_T, BLOCK_J))
         else:
             s = tl.sum(tl.reshape(terms, (BLOCK_T, HI, BLOCK_J)), axis=1)
