@@ -4,7 +4,8 @@
   a side stream; `for_tokens` forks only forwards of at most OVERLAP_MAX_TOKENS tokens;
 * INLINE runs a forked call at once;
 * the wiring, with a recording stand-in for the side stream on the CPU tiny model: each decoder
-  layer forks its two mHC coefficient calls and joins each before its residual update, every
+  layer forks its two mHC coefficient calls and joins each before its residual update, the
+  attention forks its query heads and joins them before the attention kernel, every
   Engram layer's rows are forked when the forward starts (TP 1) and joined by that layer, nothing
   is left unjoined after `join_all`, and the logits equal the inline forward's bit for bit.
 
@@ -18,6 +19,7 @@ import torch
 
 from runtime_scenarios import one_shot_logits, prompt, runtime_engine
 from sglang_dsv41.runtime import overlap as OV
+from sglang_dsv41.runtime.attention_math import query_heads
 from sglang_dsv41.runtime.layers import Engram, HyperConnection
 
 CPU = torch.device("cpu")
@@ -62,6 +64,8 @@ class Recorder:
     @staticmethod
     def kind(fn) -> str:
         owner = getattr(fn, "__self__", fn)
+        if fn is query_heads:
+            return "query"
         return "engram" if isinstance(owner, Engram) else "mhc" if isinstance(owner, HyperConnection) else "other"
 
     def fork(self, fn, *args) -> OV.Pending:
@@ -96,6 +100,11 @@ def test_forward_forks_coefficients_and_engram_rows(tiny_checkpoint) -> None:
     assert side.events[:engram] == [("fork", "engram")] * engram               # at the start of the forward
     mhc = [e for e in side.events if e[1] == "mhc"]
     assert mhc == [("fork", "mhc"), ("join", "mhc")] * (2 * layers)            # each joined before the next fork
+    per_layer = [e for e in side.events if e[1] in ("mhc", "query")][:6]
+    assert per_layer == [("fork", "mhc"), ("fork", "query"), ("join", "query"), ("join", "mhc"),  # attention
+                         ("fork", "mhc"), ("join", "mhc")]                                     # MoE (CPU: inline)
+    assert side.events.count(("fork", "query")) == side.events.count(("join", "query")) == layers
+    assert ("fork", "other") not in side.events
     assert side.events.count(("join", "engram")) == engram
     assert side.events[-1] == ("join_all", "") and not side.open
 

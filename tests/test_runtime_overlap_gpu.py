@@ -2,8 +2,8 @@
 
 On the serving-default CUDA forward of the tiny checkpoint (`runtime_scenarios.runtime_engine`):
 1. prefill and an eager decode step with the side stream write the same caches and give the
-   same logits, bit for bit, as the inline forward; every forward forks 3 calls per layer (two
-   mHC coefficient calls, the shared expert) and one per Engram layer;
+   same logits, bit for bit, as the inline forward; every forward forks 4 calls per layer (two
+   mHC coefficient calls, the query heads, the shared expert) and one per Engram layer;
 2. a decode step captured in a CUDA graph with the side stream (the fork / join become graph
    edges) replays to the inline eager forward's logits and caches, bit for bit.
 Same kernels on the same inputs, so any difference is a missing join (a race).
@@ -52,7 +52,7 @@ def test_prefill_and_eager_decode_equal_inline(engine) -> None:
     torch.cuda.synchronize()
     sink = max(engine.text.compress_ratios)      # entry 0's rows: the write sink (unordered "no entry" writes)
     assert not differences_outside_padding(forked.caches, inline.caches, sink)
-    per_forward = 3 * engine.text.num_hidden_layers + len(engine.text.engram_layer_ids)
+    per_forward = 4 * engine.text.num_hidden_layers + len(engine.text.engram_layer_ids)
     assert count[0] > 0 and count[0] % per_forward == 0, count[0]
     table = inline.slots.table
     step = decode_step(inline, step_tokens(0), GRAPH_BS)

@@ -4,7 +4,8 @@ The per-token math is `attention_math` on the model's compute backend; the cache
 addressing are `runtime/cache.py`'s. Attention and the indexer selection run through the
 model's `attention_ops` implementation (CPU: float64 torch; CUDA: the Triton kernels):
 
-1. `project_q_kv` for every token of the batch at once (per-token math); the SWA read-back
+1. `project_q_kv` for every token of the batch at once (per-token math; the query heads forked
+   to the side stream, `runtime/overlap.py`); the SWA read-back
    (`swa_cache_roundtrip`) goes to `swa[layer][swa_slot_of[slot]]`;
 2. kv sources write packed FP4 entries (`kv_layout`): ratio 1 → every token completes entry
    e = its slot; ratio 2 → the odd-position token p completes the pair (p−1, p), entry
@@ -42,13 +43,14 @@ from torch import Tensor, nn
 from ..config import LayerRole, TextConfig
 from ..numerics.geometry import swa_key_positions
 from ..numerics.rope import layer_inv_freq
-from .attention_math import (output_projection, pair_latents, pair_scores, project_q_kv, ratio1_latents,
-                             rope_entry_values, swa_cache_roundtrip)
+from .attention_math import (output_projection, pair_latents, pair_scores, project_q_lora_kv, query_heads,
+                             ratio1_latents, rope_entry_values, swa_cache_roundtrip)
 from .attention_ops import AttentionOps
 from .backend import ComputeBackend
 from .batch import BatchLayout
 from .cache import RuntimeCaches
 from .kv_layout import encode_entries, entry_positions
+from .overlap import INLINE, InlineStream, SideStream
 from .tensor_parallel import SINGLE, TensorParallel
 
 __all__ = ["ForwardScratch", "attention_sublayer", "entry_positions"]
@@ -188,8 +190,10 @@ def _request_slots(layout: BatchLayout, positions: Tensor) -> Tensor:
 def attention_sublayer(be: ComputeBackend, ops: AttentionOps, cfg: TextConfig, role: LayerRole,
                        w: Mapping[str, Tensor], x: Tensor, layout: BatchLayout, caches: RuntimeCaches,
                        scratch: ForwardScratch, act_quant: bool, tp: TensorParallel = SINGLE,
-                       wo_b: nn.Module | None = None) -> Tensor:
+                       wo_b: nn.Module | None = None, side: SideStream | InlineStream = INLINE) -> Tensor:
     """One attention sublayer on the whole batch; x [N, hidden] → [N, hidden] (BF16 values).
+    The query heads (wq_b, RoPE) are forked to `side` (`runtime/overlap.py`): only the attention reads
+    them, after the SWA write, the compressor and the indexer.
     Under tensor parallelism (`runtime/tensor_parallel.py`) q, attention and the grouped `wo_a`
     run for this rank's heads only, `wo_b` is the row-parallel layer over those groups' outputs
     (`TensorParallel.row_parallel`: one all-reduce); everything else (caches, compressor,
@@ -203,7 +207,8 @@ def attention_sublayer(be: ComputeBackend, ops: AttentionOps, cfg: TextConfig, r
     if inv_freq is None or inv_freq.device != x.device:
         inv_freq = scratch.inv_freq[role.ratio] = layer_inv_freq(cfg, role.ratio).to(x.device)
 
-    q_lora, q, kv = project_q_kv(be, cfg, w, prefix, x, pos, inv_freq, act_quant, len(tp.plan(cfg).heads))
+    q_lora, kv = project_q_lora_kv(be, cfg, w, prefix, x, act_quant)
+    q = side.fork(query_heads, be, cfg, w, prefix, q_lora, pos, inv_freq, act_quant, len(tp.plan(cfg).heads))
     caches.wait_for_layer(layer, global_rows=role.ratio > 0)          # HiCache load-back has landed
     swa_slots, out_rows = _swa_window(layer, cfg, layout, caches, scratch)
     caches.write_swa(layer, layout.out_slots,
@@ -222,7 +227,8 @@ def attention_sublayer(be: ComputeBackend, ops: AttentionOps, cfg: TextConfig, r
                                           swa_slots)
 
     extra = {} if workspace is None else {"workspace": workspace}
-    o = ops.attend(q, w[prefix + "attn_sink"], caches.swa[layer], swa_slots, packed, comp_entries, **extra)
+    o = ops.attend(side.join(q), w[prefix + "attn_sink"], caches.swa[layer], swa_slots, packed, comp_entries,
+                   **extra)
     project = None if wo_b is None else (lambda u: tp.row_parallel(wo_b, u, be, act_quant))
     return output_projection(be, cfg, w, prefix, o, pos, inv_freq, act_quant, wo_b=project)
 

@@ -29,12 +29,27 @@ def project_q_kv(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], p
     """(q_lora [T, q_lora_rank], q [T, n_heads, head_dim] RoPE'd, kv [T, head_dim] fp32 pre-RoPE):
     q_lora = RMSNorm(wq_a·x), q = wq_b·q_lora (BF16), kv = RMSNorm_kv(wkv·x) not rounded (§3.4.1).
     `n_heads` = the heads this rank holds (the rows of its `wq_b`)."""
+    q_lora, kv = project_q_lora_kv(be, cfg, w, prefix, x, act_quant)
+    return q_lora, query_heads(be, cfg, w, prefix, q_lora, positions, inv_freq, act_quant, n_heads), kv
+
+
+def project_q_lora_kv(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor,
+                      act_quant: bool) -> tuple[Tensor, Tensor]:
+    """(q_lora, kv) of `project_q_kv`: the parts the compressor, the indexer and the SWA write need."""
     q_lora = be.rms_norm(apply_linear(w[prefix + "wq_a"], x, be, act_quant=act_quant), w[prefix + "q_norm.weight"],
                          cfg.rms_norm_eps)
-    q = apply_linear(w[prefix + "wq_b"], q_lora, be, act_quant=act_quant).reshape(x.shape[0], n_heads, cfg.head_dim)
     kv = be.rms_norm(apply_linear(w[prefix + "wkv"], x, be, act_quant=act_quant), w[prefix + "kv_norm.weight"],
                      cfg.rms_norm_eps, round_bf16=False)
-    return q_lora, be.bf16_rope_tail(q, positions, inv_freq), kv
+    return q_lora, kv
+
+
+def query_heads(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, q_lora: Tensor,
+                positions: Tensor, inv_freq: Tensor, act_quant: bool, n_heads: int) -> Tensor:
+    """q of `project_q_kv`: wq_b·q_lora (BF16) with RoPE on its tail, [T, n_heads, head_dim]; read first
+    by the attention itself."""
+    q = apply_linear(w[prefix + "wq_b"], q_lora, be, act_quant=act_quant).reshape(q_lora.shape[0], n_heads,
+                                                                                 cfg.head_dim)
+    return be.bf16_rope_tail(q, positions, inv_freq)
 
 
 def swa_cache_roundtrip(be: ComputeBackend, kv: Tensor, positions: Tensor, inv_freq: Tensor,

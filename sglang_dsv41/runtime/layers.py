@@ -178,7 +178,8 @@ class Attention(OwnedTensors):
 
     def forward(self, x: Tensor, step: ForwardStep) -> Tensor:
         return attention_sublayer(step.backend, step.attention_ops, self.cfg, self.role, self.tensors, x, step.layout,
-                                  step.caches, step.scratch, step.act_quant, step.tp, self.weight_module("wo_b"))
+                                  step.caches, step.scratch, step.act_quant, step.tp, self.weight_module("wo_b"),
+                                  side=step.side)
 
 
 class MoE(OwnedTensors):

@@ -2,8 +2,10 @@
 
 At decode a layer is a chain of small kernels, many latency-bound at a few tokens (the mHC
 coefficient kernel runs one program for ≈ 20 µs at one token: docs/performance.md "Session 21").
-Three pieces of the forward are not read until a known later point:
+Four pieces of the forward are not read until a known later point:
 
+- the attention's query heads (`attention_math.query_heads`: wq_b and RoPE): read only by the
+  attention kernel, after the SWA write, the compressor and the indexer;
 - a sublayer's mHC coefficients (`HyperConnection`): the sublayer input takes the previous
   sublayer's lagged `pre` (spec `model.md` §3.2), so the coefficients are first read by the
   residual update after the sublayer;
@@ -42,7 +44,7 @@ OVERLAP_CHOICES = ("off", "on")
 OVERLAP_MAX_TOKENS = 256
 
 
-@dataclass
+@dataclass(eq=False)
 class Pending:
     """A forked call: its result (host values usable at once, device values only after the
     join) and the arguments kept alive until the join."""
