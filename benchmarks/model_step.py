@@ -1,0 +1,176 @@
+"""The whole runtime model's decode step in a CUDA graph, side stream off and on (issue 21, item 2).
+
+`decode_step.py` times one layer's step composed from its parts in order; this times the model the
+server runs — `TorchForward.hidden_states` over every layer, the batch's static decode layout
+included, as SGLang's decode runner captures it — so work forked to the side stream
+(`runtime/overlap.py`, SGLANG_DSV41_OVERLAP) shows. Model: `--preset` (`slice`: Flash widths) with
+`--layers` layers and the dummy weights of `--load-format dummy` (`runtime/dummy_weights.py`), built
+on the device with no checkpoint. Caches: B requests of `--context` tokens each, packed rows random
+bytes (no NaN codes), SWA rows random BF16; token b decodes at position context − 1.
+
+Per batch size B and mode (`off`, `on`): the step captured in one `torch.cuda.CUDAGraph` (two warm-up
+calls first) and replayed; `step_us` (median of CUDA-event replays, `step_timing.measure`: an L2
+flush before each) and `layer_us` = step / layers. Then the two graphs replay from the same Engram
+history (each replay advances it) and their hidden states are compared: `bits_equal` (the same
+kernels run either way; a difference is a missing join). `on / off` is the ratio of step times.
+CPU (`--device cpu`, tests): eager calls only, no graph, the same records.
+
+    python benchmarks/model_step.py --layers 4 --batches 1 8 64 256 --context 8192 --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_timing import measure  # noqa: E402
+
+PAGE = 64
+MODES = ("off", "on")
+
+
+def build_engine(preset: str, layers: int, device: torch.device):
+    """The server's forward of `preset` (`slice`: `layers` layers; the tiny presets keep theirs) with
+    dummy weights on `device` (CUDA: MXFP4 experts, E4M3 dense weights; CPU: dequantised)."""
+    from sglang_dsv41.checkpoint.synth import make_config_dir
+    from sglang_dsv41.config import DeepseekV41Config
+    from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
+    from sglang_dsv41.runtime.dummy_weights import dummy_stored_tensors
+    from sglang_dsv41.runtime.forward import TorchForward, fp32_default_dtype
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_config_dir(preset, Path(tmp) / "model", layers=layers if preset == "slice" else None)
+        cfg = DeepseekV41Config.from_file(path)
+        token_map, _ = compressed_token_map(_load_fast_tokenizer(path))
+    cuda = device.type == "cuda"
+    with fp32_default_dtype(), torch.device(device):
+        engine = TorchForward.for_loading(cfg, EngramHasher.from_config(cfg, token_map).to(device),
+                                          experts_mxfp4=cuda, dense_fp8=cuda, deterministic=False)
+        engine.load_weights(dummy_stored_tensors(cfg, device))
+        engine.post_load_weights()
+    return engine
+
+
+def decode_case(engine, batch: int, context: int, seed: int = 0):
+    """(forward callable, caches, history snapshot) of one decode step: B requests of `context`
+    tokens, request b in row b + 1, token b at position context − 1."""
+    from sglang_dsv41.runtime.batch import static_decode_layout
+    from sglang_dsv41.runtime.cache import RuntimeCaches
+
+    t, dev = engine.text, engine.weights["embed.weight"].device
+    caches = RuntimeCaches.allocate(t, PAGE + batch * context, batch + 1, device=dev, page_size=PAGE)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    for rows in (caches.latent_rows, caches.key_rows):
+        rows.copy_(torch.randint(0, 120, rows.shape, generator=g, device=dev, dtype=torch.uint8))
+    for swa in caches.swa:
+        swa.copy_(torch.randn(swa.shape, generator=g, device=dev).to(swa.dtype))
+    table = torch.zeros(batch + 1, context, dtype=torch.int32, device=dev)
+    table[1:] = (PAGE + torch.arange(batch * context, device=dev, dtype=torch.int32)).view(batch, context)
+    rows = torch.arange(1, batch + 1, device=dev)
+    seq_lens = torch.full((batch,), context, device=dev)
+    positions = seq_lens - 1
+    out_slots = table[1:, context - 1].to(torch.int64)
+    ids = torch.randint(3, min(t.vocab_size, 100_000), (batch,), generator=g, device=dev)
+
+    def forward():
+        layout = static_decode_layout(rows, seq_lens, positions, out_slots, table)
+        return engine.hidden_states(ids, layout, caches)
+
+    ring = caches.engram_history
+    return forward, ring, (ring.ids.clone(), ring.end.clone())
+
+
+def _restore(ring, snapshot) -> None:
+    ring.ids.copy_(snapshot[0])
+    ring.end.copy_(snapshot[1])
+
+
+def _captured(forward):
+    """(graph, its static output) of one `forward` call: two warm-up calls on a side stream, then
+    the capture (torch's recipe, as `step_timing.capture_graph`)."""
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(warm)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward()
+    return graph, out
+
+
+def run_batch(engine, batch: int, context: int, cap_s: float) -> dict:
+    """One batch size: both modes timed, then their outputs compared (module docstring)."""
+    from sglang_dsv41.runtime.overlap import side_stream_for
+
+    dev = engine.weights["embed.weight"].device
+    forward, ring, snapshot = decode_case(engine, batch, context)
+    row: dict = dict(batch=batch, context=context, layers=engine.text.num_hidden_layers)
+    runs = {}
+    for mode in MODES:
+        engine.overlap = side_stream_for(dev, mode)
+        if dev.type == "cuda":
+            graph, out = _captured(forward)
+            runs[mode] = (graph.replay, lambda out=out: out)
+        else:
+            result = {}
+            runs[mode] = (lambda result=result: result.update(out=forward()), lambda result=result: result["out"])
+        _restore(ring, snapshot)
+        timing = measure(runs[mode][0], cap_s, dev)
+        row[mode] = dict(step_us=round(timing["median_us"], 1), min_us=round(timing["min_us"], 1),
+                         reps=timing["reps"], layer_us=round(timing["median_us"] / row["layers"], 1))
+    outs = {}
+    for mode in MODES:                     # the same Engram history before each: comparable outputs
+        engine.overlap = side_stream_for(dev, mode)
+        _restore(ring, snapshot)
+        run, output = runs[mode]
+        run()
+        outs[mode] = output().clone()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    row["bits_equal"] = bool(torch.equal(outs["off"], outs["on"]))
+    row["on_over_off"] = round(row["on"]["step_us"] / row["off"]["step_us"], 4)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="slice")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--cap-s", type=float, default=1.0)
+    ap.add_argument("--budget-s", type=float, default=400.0)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    t0 = time.perf_counter()
+    engine = build_engine(args.preset, args.layers, dev)
+    rec = dict(device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", preset=args.preset,
+               layers=args.layers, context=args.context, build_s=round(time.perf_counter() - t0, 1), rows=[],
+               skipped=[])
+    for b in args.batches:
+        if time.perf_counter() - t0 > args.budget_s:
+            rec["skipped"].append(b)
+            continue
+        row = run_batch(engine, b, args.context, args.cap_s)
+        print(json.dumps(row), flush=True)
+        rec["rows"].append(row)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "model_step.json").write_text(json.dumps(rec, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

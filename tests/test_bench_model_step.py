@@ -1,0 +1,53 @@
+"""benchmarks/model_step.py on CPU (tiny preset, eager calls: its graphs are GPU-only): the record
+holds both modes per batch size with their outputs compared, and the decode case is the server's
+(static layout, one token per request at position context − 1, rows of its own slots)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import model_step as bench  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return bench.build_engine("tiny", 0, torch.device("cpu"))
+
+
+def test_record_per_batch_and_mode(engine, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(bench, "build_engine", lambda *a: engine)
+    assert bench.main(["--preset", "tiny", "--batches", "1", "3", "--context", "16", "--device", "cpu",
+                       "--cap-s", "0.05", "--out", str(tmp_path)]) == 0
+    rec = json.loads((tmp_path / "model_step.json").read_text())
+    assert [r["batch"] for r in rec["rows"]] == [1, 3] and rec["skipped"] == []
+    for r in rec["rows"]:
+        assert r["layers"] == engine.text.num_hidden_layers and r["bits_equal"] is True
+        for mode in bench.MODES:
+            assert r[mode]["step_us"] > 0 and r[mode]["layer_us"] == round(r[mode]["step_us"] / r["layers"], 1)
+        assert r["on_over_off"] == round(r["on"]["step_us"] / r["off"]["step_us"], 4)
+
+
+def test_decode_case_is_one_token_per_request_at_the_context_end(engine) -> None:
+    seen = {}
+
+    def spy(ids, layout, caches):
+        seen.update(ids=ids, layout=layout, caches=caches)
+        return torch.zeros(ids.shape[0], engine.text.hidden_size)
+
+    forward, ring, snapshot = bench.decode_case(engine, 3, 16)
+    engine_hidden, engine.hidden_states = engine.hidden_states, spy
+    try:
+        forward()
+    finally:
+        engine.hidden_states = engine_hidden
+    layout = seen["layout"]
+    assert layout.static and layout.num_tokens == 3
+    assert layout.positions.tolist() == [15, 15, 15] and layout.req_rows.tolist() == [1, 2, 3]
+    assert layout.out_slots.tolist() == [bench.PAGE + 16 * b + 15 for b in range(3)]
+    assert int(seen["caches"].latent_rows.max()) < 120                 # random bytes without NaN codes
+    assert torch.equal(ring.ids, snapshot[0]) and torch.equal(ring.end, snapshot[1])
