@@ -141,14 +141,16 @@ def _index_scores_kernel(q_ptr, w_ptr, key_ptr, slot_ptr, nvis_ptr, order_ptr, t
     for step in range(0, live):
         j = j_first + step * BLOCK_J + tl.arange(0, BLOCK_J)
         j_in = j < num_entries
-        slot = tl.load(slot_ptr + req * stride_sr + j, mask=j_in & (j < tile_vis), other=-1).to(tl.int64)
+        # slot ids < 2^31 (rows of the cache): compared in int32, addresses in int64
+        slot = tl.load(slot_ptr + req * stride_sr + j, mask=j_in & (j < tile_vis), other=-1).to(tl.int32)
         has = (slot >= 0) & (slot < num_slots)                  # packed: slot = entry e < S // ratio
+        row = slot.to(tl.int64)
         if KEY_PACKED:   # entry e's key part (index-key rows): payload + UE8M0 scales from its byte 0
-            k_e, k_o = load_key_pair_tiles(key_ptr, slot * key_ratio * stride_ks, has, DI, stride_ks,
+            k_e, k_o = load_key_pair_tiles(key_ptr, row * key_ratio * stride_ks, has, DI, stride_ks,
                                            key_offset, KEY_SHARE, DI // 2, DOT_BF16)
             acc = _dot_keys(q_o, k_o, _dot_keys(q_e, k_e, None, DOT_BF16), DOT_BF16)
         else:
-            keys = tl.load(key_ptr + slot[:, None] * stride_ks + d[None, :], mask=has[:, None], other=0.0)
+            keys = tl.load(key_ptr + row[:, None] * stride_ks + d[None, :], mask=has[:, None], other=0.0)
             acc = _dot_keys(q, keys, None, DOT_BF16)
         relu = tl.maximum(_round_bf16(acc), 0.0)                    # upstream: bf16(dot), ReLU
         terms = _round_bf16(relu * w[:, None])                     # BF16 × BF16: exact in fp32, → BF16
