@@ -115,3 +115,19 @@ def test_large_forwards_run_inline(tiny_checkpoint) -> None:
     engine.overlap = OV.ModelOverlap(CPU, side, max_tokens=8)
     one_shot_logits(engine, CPU, prompt(4, 24))
     assert side.events == []
+
+
+def test_a_failed_forward_joins_the_side_stream(tiny_checkpoint, monkeypatch) -> None:
+    """Work forked before an error is joined before the error propagates (its arguments stay alive
+    until then)."""
+    engine = runtime_engine(tiny_checkpoint, CPU, deterministic=False)
+    side = Recorder()
+    engine.overlap = OV.ModelOverlap(CPU, side)
+
+    def broken(x, step):
+        raise RuntimeError("injected MoE failure")
+
+    monkeypatch.setattr(engine.layers[1].ffn, "forward", broken)
+    with pytest.raises(RuntimeError, match="injected MoE failure"):
+        one_shot_logits(engine, CPU, prompt(5, 12))
+    assert ("fork", "mhc") in side.events and side.events[-1] == ("join_all", "") and not side.open

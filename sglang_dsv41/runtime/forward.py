@@ -318,6 +318,9 @@ class TorchForward(nn.Module):
             hidden = self._hidden_states(input_ids, layout, caches, image_embeds)
         except BaseException:
             self.backend.finish(ok=False)
+            if self.overlap is not None and self.overlap.side is not None:
+                with contextlib.suppress(Exception):     # the forward's own error is the one raised
+                    self.overlap.side.join_all()          # no forked work outlives its arguments
             raise
         self.backend.finish()
         return hidden
