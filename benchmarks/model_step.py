@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_timing import measure  # noqa: E402
+from step_timing import capture_graph, measure  # noqa: E402
 
 PAGE = 64
 MODES = ("off", "on")
@@ -92,19 +92,11 @@ def _restore(ring, snapshot) -> None:
 
 
 def _captured(forward):
-    """(graph, its static output) of one `forward` call: two warm-up calls on a side stream, then
-    the capture (torch's recipe, as `step_timing.capture_graph`)."""
-    warm = torch.cuda.Stream()
-    warm.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(warm):
-        for _ in range(2):
-            forward()
-    torch.cuda.current_stream().wait_stream(warm)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = forward()
-    return graph, out
+    """(graph, its static output) of one `forward` call (`step_timing.capture_graph`: two warm-up
+    calls on a side stream, then the capture; the last call's output is the captured one)."""
+    held = {}
+    graph = capture_graph([lambda: held.update(out=forward())])
+    return graph, held["out"]
 
 
 def run_batch(engine, batch: int, context: int, cap_s: float) -> dict:
