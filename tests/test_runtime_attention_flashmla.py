@@ -135,19 +135,26 @@ def test_planned_on_a_device_without_the_kernel_is_the_logged_triton_path(caplog
         chosen = ops.planned(64, 512, torch.device("cpu"))
     assert chosen.prefill == "bf16" and chosen.decode == "triton" and chosen.flashmla_plan is None
     assert "planned the Triton kernels instead" in caplog.text
-    other = attention_ops.KernelAttentionOps(sparse_attention, indexer, prefill="bf16")
+    other = attention_ops.KernelAttentionOps(sparse_attention, indexer, prefill="bf16", decode="triton")
     assert other.planned(64, 512, torch.device("cpu")) is other
+    auto = attention_ops.KernelAttentionOps(sparse_attention, indexer, prefill="bf16", decode="auto")
+    assert auto.planned(64, 512, torch.device("cpu")).decode == "triton"
     dec = attention_ops.KernelAttentionOps(sparse_attention, indexer, prefill="bf16", decode="flashmla")
     chosen = dec.planned(64, 512, torch.device("cpu"))
     assert (chosen.prefill, chosen.decode, chosen.flashmla_plan) == ("bf16", "triton", None)
 
 
 def test_decode_choice_rules(monkeypatch) -> None:
-    """SGLANG_DSV41_ATTN_DECODE: `triton` by default, `flashmla` read from the variable, an unknown
-    value and `flashmla` with deterministic inference refused; a planned decode choice keeps the
-    prefill choice it was given."""
+    """SGLANG_DSV41_ATTN_DECODE: `auto` in serving and `triton` with deterministic inference by
+    default, `flashmla` read from the variable, an unknown value and `flashmla` / `auto` with
+    deterministic inference refused; a planned decode choice keeps the prefill choice it was given;
+    `auto` plans to `flashmla` where the plan can launch it (Hopper), else to `triton`."""
     from sglang_dsv41.kernels import indexer, sparse_attention
-    assert attention_ops.KernelAttentionOps(sparse_attention, indexer).decode == "triton"
+    monkeypatch.delenv(attention_ops.ATTENTION_DECODE_ENV, raising=False)
+    assert attention_ops.KernelAttentionOps(sparse_attention, indexer).decode == "auto"
+    assert attention_ops.KernelAttentionOps(sparse_attention, indexer, deterministic=True).decode == "triton"
+    with pytest.raises(ValueError, match="deterministic"):
+        attention_ops.KernelAttentionOps(sparse_attention, indexer, deterministic=True, decode="auto")
     monkeypatch.setenv(attention_ops.ATTENTION_DECODE_ENV, "flashmla")
     assert attention_ops.KernelAttentionOps(sparse_attention, indexer).decode == "flashmla"
     with pytest.raises(ValueError, match="deterministic"):
@@ -162,14 +169,51 @@ def test_decode_choice_rules(monkeypatch) -> None:
     chosen = ops.planned(64, 512, torch.device("cuda"))
     assert (chosen.prefill, chosen.decode, chosen.flashmla_kernel) == ("bf16", "flashmla", emulate_sparse_fwd)
     assert chosen.flashmla_plan.mode == "native"
+    auto = attention_ops.KernelAttentionOps(sparse_attention, indexer, prefill="bf16").planned(64, 512, torch.device("cuda"))
+    assert (auto.decode, auto.flashmla_kernel) == ("flashmla", emulate_sparse_fwd)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))   # no sparse FlashMLA
+    auto = attention_ops.KernelAttentionOps(sparse_attention, indexer, prefill="bf16").planned(64, 512, torch.device("cuda"))
+    assert (auto.decode, auto.flashmla_plan) == ("triton", None)
+
+
+def test_flashmla_decode_launches_only_for_its_query_counts(monkeypatch) -> None:
+    """A planned flashmla decode launches FlashMLA for 2..256 queries (FLASHMLA_DECODE_QUERIES); one
+    query and larger batches take the Triton kernel."""
+    from types import SimpleNamespace
+
+    from sglang_dsv41.kernels import indexer
+    assert attention_ops.FLASHMLA_DECODE_QUERIES == range(2, 257)
+
+    class TritonPath(Exception):
+        pass
+
+    def triton_path(*args, **kwargs):
+        raise TritonPath
+
+    stub = SimpleNamespace(plan_decode_config=triton_path, device_sm_count=lambda device: 132,
+                           plan_config=triton_path)
+    ops = attention_ops.KernelAttentionOps(stub, indexer, prefill="bf16", decode="flashmla")
+    ops.flashmla_plan, ops.flashmla_kernel = SimpleNamespace(), object()
+    launched = []
+    monkeypatch.setattr(FM, "decode_attend", lambda *a: launched.append(a[2].shape[0]) or a[2])
+    swa = torch.zeros(4, 512, dtype=torch.bfloat16)
+    for n, flashmla in ((1, False), (2, True), (256, True), (257, False)):
+        q = torch.zeros(n, 64, 512, dtype=torch.bfloat16)
+        slots = torch.zeros(n, 2, dtype=torch.long)
+        if flashmla:
+            ops.attend(q, torch.zeros(64), swa, slots, None, None)
+        else:
+            with pytest.raises(TritonPath):
+                ops.attend(q, torch.zeros(64), swa, slots, None, None)
+    assert launched == [2, 256]
 
 
 def test_unplanned_flashmla_decode_raises() -> None:
     from sglang_dsv41.kernels import indexer, sparse_attention
     ops = attention_ops.KernelAttentionOps(sparse_attention, indexer, decode="flashmla")
-    q = torch.zeros(1, 64, 512, dtype=torch.bfloat16)
+    q = torch.zeros(2, 64, 512, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="not planned"):
-        ops.attend(q, torch.zeros(64), torch.zeros(4, 512, dtype=torch.bfloat16), torch.zeros(1, 2, dtype=torch.long),
+        ops.attend(q, torch.zeros(64), torch.zeros(4, 512, dtype=torch.bfloat16), torch.zeros(2, 2, dtype=torch.long),
                    None, None)
 
 

@@ -1,6 +1,6 @@
 """Independent work forked to a side stream (`runtime/overlap.py`, issue 21 item 2) — CPU checks.
 
-* SGLANG_DSV41_OVERLAP: `off` (default) and `on`; an unknown value raises; a CPU model never gets
+* SGLANG_DSV41_OVERLAP: `on` (default) and `off`; an unknown value raises; a CPU model never gets
   a side stream; `for_tokens` forks only forwards of at most OVERLAP_MAX_TOKENS tokens;
 * INLINE runs a forked call at once;
 * the wiring, with a recording stand-in for the side stream on the CPU tiny model: each decoder
@@ -26,7 +26,10 @@ CPU = torch.device("cpu")
 
 
 def test_choice_from_the_environment(monkeypatch) -> None:
+    from sglang_dsv41.runtime.backend import kernel_choice
+
     monkeypatch.delenv(OV.OVERLAP_ENV, raising=False)
+    assert kernel_choice(OV.OVERLAP_ENV, OV.OVERLAP_CHOICES) == "on"          # the default since session 23
     assert OV.side_stream_for(CPU).side is None
     monkeypatch.setenv(OV.OVERLAP_ENV, "on")
     model = OV.side_stream_for(CPU)

@@ -27,8 +27,10 @@ on the side stream past it (a capture must end joined).
 
 `INLINE` runs `fn` at once on the current stream (CPU, overlap off, large batches): the layers
 call fork / join unconditionally. Chosen once per model by `side_stream_for` (SGLANG_DSV41_OVERLAP,
-OVERLAP_CHOICES; default `off` until measured on the H200), per forward by `for_tokens`: only
-forwards of at most OVERLAP_MAX_TOKENS tokens (decode batches), where kernels leave the GPU idle.
+OVERLAP_CHOICES; default `on` since session 23: the whole 4-layer Flash-width decode step 0.88 /
+0.90 / 0.94 / 0.98× at 1 / 8 / 64 / 256 tokens on the H200, bit-equal, `benchmarks/model_step.py`,
+docs/performance.md "Session 23"), per forward by `for_tokens`: only forwards of at most
+OVERLAP_MAX_TOKENS tokens (decode batches), where kernels leave the GPU idle.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ import torch
 
 OVERLAP_ENV = "SGLANG_DSV41_OVERLAP"
 #: SGLANG_DSV41_OVERLAP values; the first is the default
-OVERLAP_CHOICES = ("off", "on")
+OVERLAP_CHOICES = ("on", "off")
 #: forwards of more tokens run inline: prefill kernels fill the GPU on their own
 OVERLAP_MAX_TOKENS = 256
 
@@ -109,7 +111,7 @@ class ModelOverlap:
 
 
 def side_stream_for(device: torch.device, choice: str | None = None) -> ModelOverlap:
-    """`choice` (default SGLANG_DSV41_OVERLAP, else `off`): `on` gives a CUDA model a side stream;
+    """`choice` (default SGLANG_DSV41_OVERLAP, else `on`): `on` gives a CUDA model a side stream;
     on CPU, or `off`, every forward runs inline. An unknown value raises."""
     from .backend import kernel_choice
 
