@@ -118,7 +118,10 @@ def step_bytes(layer: Layer, N: int, n_visible: int, distinct_experts: int) -> d
     idx_packed = N * (idx_fixed + n_visible * key_bytes(Dk))
     experts = distinct_experts * layer.expert_bytes
     dense_stored = sum(v for g, v in layer.stored_bytes.items() if g != "experts")
-    return {"attention": dict(current=N * (att_fixed + W * D * 2 + k * latent_bytes(D)), design=att_design),
+    packed_attention = dict(current=N * (att_fixed + W * D * 2 + k * latent_bytes(D)), design=att_design)
+    return {"attention": packed_attention,
+            # the opt-ins read the same packed entries (their BF16 copies are transient)
+            "attention_flashmla": dict(packed_attention), "attention_gather": dict(packed_attention),
             "attention_bf16": dict(current=N * (att_fixed + (W + k) * D * 2), design=att_design),
             "indexer": dict(current=idx_packed, design=idx_packed),
             "indexer_bf16": dict(current=N * (idx_fixed + n_visible * Dk * 2), design=idx_packed),

@@ -97,6 +97,7 @@ def test_step_bytes(bench, setup) -> None:
                      topk=t.index_topk, valid_keys=t.sliding_window + k, slot_bytes=8, valid_comp_keys=k)
     assert b["attention"]["current"] == N * bytes_read_per_query(**attention, packed_comp=True)
     assert b["attention_bf16"]["current"] == N * bytes_read_per_query(**attention, packed_comp=False)
+    assert b["attention_flashmla"] == b["attention_gather"] == b["attention"]      # the decode opt-ins' bytes
     scores = dict(n_visible=n, num_entries=n, hi=t.index_n_heads, di=t.index_head_dim, slot_bytes=8, q_bytes=4)
     assert b["indexer"]["current"] == N * score_bytes_per_query(**scores, packed_keys=True)
     assert b["indexer_bf16"]["current"] == N * score_bytes_per_query(**scores, packed_keys=False)
