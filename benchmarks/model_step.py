@@ -16,6 +16,7 @@ kernels run either way; a difference is a missing join). `on / off` is the ratio
 CPU (`--device cpu`, tests): eager calls only, no graph, the same records.
 
     python benchmarks/model_step.py --layers 4 --batches 1 8 64 256 --context 8192 --out DIR
+    python benchmarks/model_step.py --plot triton=a.json flashmla=b.json --out DIR    (the PNG only)
 """
 from __future__ import annotations
 
@@ -133,6 +134,32 @@ def run_batch(engine, batch: int, context: int, cap_s: float) -> dict:
     return row
 
 
+def plot(records: dict[str, dict], path: Path) -> bool:
+    """µs per layer against batch size, side stream off (dashed) and on (solid), one colour per
+    record (label → a `model_step.json`); False without matplotlib."""
+    from plotting import pyplot, save_png
+
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (label, rec) in enumerate(records.items()):
+        batches = [r["batch"] for r in rec["rows"]]
+        for mode, style in (("off", "--"), ("on", "-")):
+            ax.plot(batches, [r[mode]["layer_us"] for r in rec["rows"]], style, marker="o", color=f"C{i}",
+                    label=f"{label}, side stream {mode}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("decode batch (tokens)")
+    ax.set_ylabel("µs per layer (whole-model CUDA graph / layers)")
+    first = next(iter(records.values()))
+    ax.set_title(f"runtime decode step, {first['layers']} layers, context {first['context']} ({first['device']})",
+                 fontsize=9)
+    ax.legend(fontsize=7)
+    save_png(fig, path)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="slice")
@@ -143,7 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cap-s", type=float, default=1.0)
     ap.add_argument("--budget-s", type=float, default=400.0)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--plot", nargs="+", metavar="LABEL=JSON",
+                    help="only draw model_step.png in --out from earlier records (no run)")
     args = ap.parse_args(argv)
+    if args.plot:
+        records = {k: json.loads(Path(v).read_text()) for k, v in (a.split("=", 1) for a in args.plot)}
+        args.out.mkdir(parents=True, exist_ok=True)
+        return 0 if plot(records, args.out / "model_step.png") else 1
     dev = torch.device(args.device)
     t0 = time.perf_counter()
     engine = build_engine(args.preset, args.layers, dev)
@@ -161,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "model_step.json").write_text(json.dumps(rec, indent=2) + "\n")
+    if not plot({args.preset: rec}, args.out / "model_step.png"):
+        print("no model_step.png: matplotlib is not installed", flush=True)
     return 0
 
 

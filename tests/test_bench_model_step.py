@@ -51,3 +51,16 @@ def test_decode_case_is_one_token_per_request_at_the_context_end(engine) -> None
     assert layout.out_slots.tolist() == [bench.PAGE + 16 * b + 15 for b in range(3)]
     assert int(seen["caches"].latent_rows.max()) < 120                 # random bytes without NaN codes
     assert torch.equal(ring.ids, snapshot[0]) and torch.equal(ring.end, snapshot[1])
+
+
+def test_plot_only_mode(tmp_path: Path) -> None:
+    """`--plot LABEL=JSON` draws from earlier records without running: 0 with a PNG where matplotlib is
+    installed, 1 without it (this CPU machine)."""
+    rec = dict(device="cpu", layers=2, context=16, rows=[dict(batch=b, off=dict(layer_us=10.0 * b), on=dict(layer_us=9.0 * b))
+                                                         for b in (1, 8)])
+    src = tmp_path / "a.json"
+    src.write_text(json.dumps(rec))
+    from plotting import pyplot
+    rc = bench.main(["--plot", f"triton={src}", "--out", str(tmp_path / "png")])
+    assert rc == (0 if pyplot() is not None else 1)
+    assert (tmp_path / "png" / "model_step.png").exists() == (rc == 0)
