@@ -366,9 +366,9 @@ def _check_call(x: Tensor, topk_ids: Tensor, experts: PreparedMxfp4Experts) -> N
 # Launch flags at decode (issue 21: opt-in until measured, docs/performance.md "session 11") and prefill ("Session 13")
 # ---------------------------------------------------------------------------------------------
 #: triton_kernels opt-flag constraints the decode switch may set (Hopper MXFP4: no TMA, so no
-#: `is_persistent`). `split_k` is never chosen by triton_kernels for MX weights, but a constraint
-#: forces it: fp32 partials, then its reduce kernel applies GEMM1's fused activation.
-DECODE_FLAG_KEYS = ("block_m", "block_k", "num_stages", "epilogue_subtile", "split_k")
+#: `is_persistent`; no `split_k`: triton_kernels refuses to force it on MX weights, "cannot enforce
+#: `split_k=True` constraint" on the H200, docs/performance.md "Session 23").
+DECODE_FLAG_KEYS = ("block_m", "block_k", "num_stages", "epilogue_subtile")
 DECODE_FLAGS_ENV = "SGLANG_DSV41_MOE_DECODE_FLAGS"
 #: calls with at most this many tokens take the decode flags
 DECODE_FLAG_MAX_TOKENS = 16
