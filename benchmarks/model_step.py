@@ -118,8 +118,9 @@ def run_batch(engine, batch: int, context: int, cap_s: float) -> dict:
             runs[mode] = (lambda result=result: result.update(out=forward()), lambda result=result: result["out"])
         _restore(ring, snapshot)
         timing = measure(runs[mode][0], cap_s, dev)
-        row[mode] = dict(step_us=round(timing["median_us"], 1), min_us=round(timing["min_us"], 1),
-                         reps=timing["reps"], layer_us=round(timing["median_us"] / row["layers"], 1))
+        step_us = round(timing["median_us"], 1)
+        row[mode] = dict(step_us=step_us, min_us=round(timing["min_us"], 1), reps=timing["reps"],
+                         layer_us=round(step_us / row["layers"], 1))
     outs = {}
     for mode in MODES:                     # the same Engram history before each: comparable outputs
         engine.overlap = side_stream_for(dev, mode)
