@@ -138,23 +138,21 @@ def test_planned_on_a_device_without_the_kernel_is_the_logged_triton_path(caplog
     other = attention_ops.KernelAttentionOps(sparse_attention, indexer, prefill="bf16", decode="triton")
     assert other.planned(64, 512, torch.device("cpu")) is other
     auto = attention_ops.KernelAttentionOps(sparse_attention, indexer, prefill="bf16", decode="auto")
-    assert auto.planned(64, 512, torch.device("cpu")).decode == "triton"
+    assert auto.planned(64, 512, torch.device("cpu")) is auto
     dec = attention_ops.KernelAttentionOps(sparse_attention, indexer, prefill="bf16", decode="flashmla")
     chosen = dec.planned(64, 512, torch.device("cpu"))
     assert (chosen.prefill, chosen.decode, chosen.flashmla_plan) == ("bf16", "triton", None)
 
 
 def test_decode_choice_rules(monkeypatch) -> None:
-    """SGLANG_DSV41_ATTN_DECODE: `auto` in serving and `triton` with deterministic inference by
-    default, `flashmla` read from the variable, an unknown value and `flashmla` / `auto` with
-    deterministic inference refused; a planned decode choice keeps the prefill choice it was given;
-    `auto` plans to `flashmla` where the plan can launch it (Hopper), else to `triton`."""
+    """SGLANG_DSV41_ATTN_DECODE: `auto` by default in both modes (it never plans FlashMLA), `flashmla`
+    read from the variable, an unknown value and `flashmla` with deterministic inference refused; a
+    planned decode choice keeps the prefill choice it was given."""
     from sglang_dsv41.kernels import indexer, sparse_attention
     monkeypatch.delenv(attention_ops.ATTENTION_DECODE_ENV, raising=False)
-    assert attention_ops.KernelAttentionOps(sparse_attention, indexer).decode == "auto"
-    assert attention_ops.KernelAttentionOps(sparse_attention, indexer, deterministic=True).decode == "triton"
-    with pytest.raises(ValueError, match="deterministic"):
-        attention_ops.KernelAttentionOps(sparse_attention, indexer, deterministic=True, decode="auto")
+    auto = attention_ops.KernelAttentionOps(sparse_attention, indexer)
+    assert auto.decode == "auto" and auto.planned(64, 512, torch.device("cuda")) is auto
+    assert attention_ops.KernelAttentionOps(sparse_attention, indexer, deterministic=True).decode == "auto"
     monkeypatch.setenv(attention_ops.ATTENTION_DECODE_ENV, "flashmla")
     assert attention_ops.KernelAttentionOps(sparse_attention, indexer).decode == "flashmla"
     with pytest.raises(ValueError, match="deterministic"):
@@ -169,11 +167,6 @@ def test_decode_choice_rules(monkeypatch) -> None:
     chosen = ops.planned(64, 512, torch.device("cuda"))
     assert (chosen.prefill, chosen.decode, chosen.flashmla_kernel) == ("bf16", "flashmla", emulate_sparse_fwd)
     assert chosen.flashmla_plan.mode == "native"
-    auto = attention_ops.KernelAttentionOps(sparse_attention, indexer, prefill="bf16").planned(64, 512, torch.device("cuda"))
-    assert (auto.decode, auto.flashmla_kernel) == ("flashmla", emulate_sparse_fwd)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))   # no sparse FlashMLA
-    auto = attention_ops.KernelAttentionOps(sparse_attention, indexer, prefill="bf16").planned(64, 512, torch.device("cuda"))
-    assert (auto.decode, auto.flashmla_plan) == ("triton", None)
 
 
 def test_flashmla_decode_launches_only_for_its_query_counts(monkeypatch) -> None:

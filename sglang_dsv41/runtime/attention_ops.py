@@ -87,18 +87,22 @@ ATTENTION_KEY_SPLITS = 1
 #: prefill workspace (`attention_prefill.prefill_choice`: `bf16` serving, `packed` deterministic).
 ATTENTION_SPLITS_ENV, ATTENTION_SPLITS = "SGLANG_DSV41_ATTN_SPLITS", ("one", "decode")
 #: SGLANG_DSV41_ATTN_DECODE: batches without the prefill workspace (decode) through our Triton kernel
-#: on the packed rows (`triton`, the deterministic default), the same kernel on BF16 rows its entries
-#: are first decoded into (`gather`: `kernels.key_gather.gather_latent_rows`, the same values), or one
-#: FlashMLA launch (`flashmla`: `attention_flashmla.decode_attend`) for batches of FLASHMLA_DECODE_QUERIES
-#: queries, the Triton kernel otherwise. `auto` (the serving default since session 23: FlashMLA 4.6×
-#: faster than the packed kernel at 256 queries, its contract test passed on the H200;
-#: docs/performance.md "Session 23") is `flashmla` where the model's start-up plan can launch it
-#: (`planned`, logged), else `triton`; not with deterministic inference (FlashMLA is not batch invariant).
+#: on the packed rows (`triton`), the same kernel on BF16 rows its entries are first decoded into
+#: (`gather`: `kernels.key_gather.gather_latent_rows`, the same values, so the same bits), or one FlashMLA
+#: launch (`flashmla`, opt-in: `attention_flashmla.decode_attend`) for batches of FLASHMLA_DECODE_QUERIES
+#: queries, the Triton kernel otherwise. `auto` (the default since session 23) is `gather` for batches of
+#: at most GATHER_DECODE_MAX_QUERIES queries and `triton` above: the same bits as `triton` (so batch
+#: invariant where `triton` is), 1.1–1.6× faster at 8–256 queries on the H200; FlashMLA, 4.6× faster at
+#: 256 queries, missed the serving contract's 99 % top-1 (98.2–98.6 %) and stays an opt-in
+#: (docs/performance.md "Session 23").
 ATTENTION_DECODE_ENV, ATTENTION_DECODES = "SGLANG_DSV41_ATTN_DECODE", ("auto", "triton", "gather", "flashmla")
 #: query counts of a batch the flashmla decode launches FlashMLA for: one query runs the split-KV Triton
 #: kernel (26 against 30 µs per Flash layer on the H200); past the largest decode graph the per-query
 #: gathered rows (N × 640 KB) are not worth their memory
 FLASHMLA_DECODE_QUERIES = range(2, 257)
+#: `auto` decodes through BF16 rows up to this many queries (the largest decode graph; the rows are
+#: N × K × D × 2 bytes, 128 MiB at 256 Flash queries), on the packed rows above
+GATHER_DECODE_MAX_QUERIES = 256
 INDEXER_HEAD_SUM_ENV, INDEXER_HEAD_SUMS = "SGLANG_DSV41_INDEXER_HEAD_SUM", ("fp64", "fp32")
 logger = logging.getLogger(__name__)
 
@@ -226,15 +230,14 @@ class KernelAttentionOps:
                                               "one" if deterministic else "decode")
         self.head_sum = head_sum or kernel_choice(INDEXER_HEAD_SUM_ENV, INDEXER_HEAD_SUMS)
         self.prefill = prefill or AP.prefill_choice(deterministic)
-        self.decode = decode or kernel_choice(ATTENTION_DECODE_ENV, ATTENTION_DECODES,
-                                              "triton" if deterministic else "auto")
+        self.decode = decode or kernel_choice(ATTENTION_DECODE_ENV, ATTENTION_DECODES)
         if self.splits not in ATTENTION_SPLITS or self.head_sum not in INDEXER_HEAD_SUMS \
                 or self.prefill not in AP.PREFILL_CHOICES or self.decode not in ATTENTION_DECODES:
             raise ValueError(f"KernelAttentionOps: splits {self.splits!r} / head_sum {self.head_sum!r} / prefill "
                              f"{self.prefill!r} / decode {self.decode!r} not in {ATTENTION_SPLITS} / "
                              f"{INDEXER_HEAD_SUMS} / {AP.PREFILL_CHOICES} / {ATTENTION_DECODES}")
-        if self.decode in ("flashmla", "auto") and deterministic:
-            raise ValueError(f"{ATTENTION_DECODE_ENV}={self.decode} is not available with "
+        if self.decode == "flashmla" and deterministic:
+            raise ValueError(f"{ATTENTION_DECODE_ENV}=flashmla is not available with "
                              "--enable-deterministic-inference (FlashMLA is not batch invariant)")
         if self.prefill == "flashmla" and deterministic:
             raise ValueError("KernelAttentionOps: the flashmla prefill is not available in deterministic mode")
@@ -251,15 +254,15 @@ class KernelAttentionOps:
         start-up: with the `flashmla` choice a copy holding its `attention_flashmla.plan_flashmla`
         (native / padded; the kernel loaded here, RuntimeError when sgl-kernel lacks it) or, for a
         shape or device the kernel cannot take, a copy with the `bf16` (Triton workspace) choice —
-        logged either way; the `flashmla` and `auto` decode choices likewise (the Triton kernel when the
-        plan is `bf16`; ops never planned run `auto` as `triton`); other choices: self."""
-        if self.prefill != "flashmla" and self.decode not in ("flashmla", "auto"):
+        logged either way; the `flashmla` decode choice likewise (the Triton kernel when the plan is
+        `bf16`); other choices: self."""
+        if self.prefill != "flashmla" and self.decode != "flashmla":
             return self
         cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         plan = FM.plan_flashmla(heads, head_dim, cap)
         able = plan.mode != "bf16"
         prefill = ("flashmla" if able else "bf16") if self.prefill == "flashmla" else self.prefill
-        decode = ("flashmla" if able else "triton") if self.decode in ("flashmla", "auto") else self.decode
+        decode = ("flashmla" if able else "triton") if self.decode == "flashmla" else self.decode
         chosen = KernelAttentionOps(self.sparse_attention, self.indexer, self.splits, self.head_sum, prefill,
                                     self.deterministic, decode)
         if not able:
@@ -311,7 +314,7 @@ class KernelAttentionOps:
                 raise ValueError(f"attend: workspace rows {tuple(comp_entries.shape)}, expected {(N, K)}")
         elif packed is not None and comp_entries is not None:
             comp_cache = self._packed_latents(packed)
-            if self.decode == "gather":
+            if self.decode == "gather" or (self.decode == "auto" and N <= GATHER_DECODE_MAX_QUERIES):
                 from sglang_dsv41.kernels.key_gather import gather_latent_rows
                 comp_cache, comp_entries = gather_latent_rows(comp_cache, comp_entries)
         o = self.sparse_attention.sparse_sink_attention(
