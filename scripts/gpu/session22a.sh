@@ -7,7 +7,7 @@
 #      fused elementwise helpers (128-element programs at decode), the key gather and the FlashMLA
 #      decode opt-in against the Triton kernel;
 #   3. benchmarks/mhc_decode.py (rows / dot / fused / *_regcoef coefficient ops).
-# The step itself (variants, profile) is session22b.sh, a call of its own.
+# The step itself (variants, profile) is session23b.sh (it replaced session22b.sh), a call of its own.
 # Logs go into one archive ($OUT/logs.tar.gz); JSONs beside it.
 # Run from the checkout root with `.gpu` carried: bash scripts/gpu/session22a.sh
 set -uo pipefail
