@@ -133,7 +133,7 @@ def test_planned_on_a_device_without_the_kernel_is_the_logged_triton_path(caplog
     ops = attention_ops.KernelAttentionOps(sparse_attention, indexer, prefill="flashmla")
     with caplog.at_level(logging.WARNING, logger=attention_ops.__name__):
         chosen = ops.planned(64, 512, torch.device("cpu"))
-    assert chosen.prefill == "bf16" and chosen.decode == "auto" and chosen.flashmla_plan is None
+    assert chosen.prefill == "bf16" and chosen.decode == "triton" and chosen.flashmla_plan is None
     assert "planned the Triton kernels instead" in caplog.text
     other = attention_ops.KernelAttentionOps(sparse_attention, indexer, prefill="bf16", decode="triton")
     assert other.planned(64, 512, torch.device("cpu")) is other
@@ -145,14 +145,15 @@ def test_planned_on_a_device_without_the_kernel_is_the_logged_triton_path(caplog
 
 
 def test_decode_choice_rules(monkeypatch) -> None:
-    """SGLANG_DSV41_ATTN_DECODE: `auto` by default in both modes (it never plans FlashMLA), `flashmla`
-    read from the variable, an unknown value and `flashmla` with deterministic inference refused; a
-    planned decode choice keeps the prefill choice it was given."""
+    """SGLANG_DSV41_ATTN_DECODE: `triton` by default in both modes, `auto` (never plans FlashMLA) and
+    `flashmla` read from the variable, an unknown value and `flashmla` with deterministic inference
+    refused; a planned decode choice keeps the prefill choice it was given."""
     from sglang_dsv41.kernels import indexer, sparse_attention
     monkeypatch.delenv(attention_ops.ATTENTION_DECODE_ENV, raising=False)
-    auto = attention_ops.KernelAttentionOps(sparse_attention, indexer)
-    assert auto.decode == "auto" and auto.planned(64, 512, torch.device("cuda")) is auto
-    assert attention_ops.KernelAttentionOps(sparse_attention, indexer, deterministic=True).decode == "auto"
+    assert attention_ops.KernelAttentionOps(sparse_attention, indexer).decode == "triton"
+    assert attention_ops.KernelAttentionOps(sparse_attention, indexer, deterministic=True).decode == "triton"
+    auto = attention_ops.KernelAttentionOps(sparse_attention, indexer, decode="auto")
+    assert auto.planned(64, 512, torch.device("cuda")) is auto
     monkeypatch.setenv(attention_ops.ATTENTION_DECODE_ENV, "flashmla")
     assert attention_ops.KernelAttentionOps(sparse_attention, indexer).decode == "flashmla"
     with pytest.raises(ValueError, match="deterministic"):
