@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# H200 (one GPU), one short device call (session 23; issue 21): the serving contract under the revised decode
-# default (`auto` = the Triton kernel on gathered BF16 rows up to 256 queries; FlashMLA back to an opt-in after
-# session23d.sh measured it at 98.2-98.6 % top-1 against the 99 % bar): the teacher-forced contracts of
+# H200 (one GPU), one short device call (session 23; issue 21): the serving contract with the BF16-row decode
+# attention (run it as SGLANG_DSV41_ATTN_DECODE=auto bash scripts/gpu/session23e.sh: the Triton kernel on gathered
+# BF16 rows up to 256 queries; FlashMLA measured 98.2-98.6 % top-1 against the 99 % bar in session23d.sh): the
+# teacher-forced contracts of
 # tests/test_runtime_triton_backend.py, the gather-vs-packed equality at the Flash shape (printed), and
 # tests/test_runtime_forward_gpu.py. Logs in $OUT/logs.tar.gz.
-# Run from the checkout root with `.gpu` carried: bash scripts/gpu/session23e.sh
+# Run from the checkout root with `.gpu` carried: SGLANG_DSV41_ATTN_DECODE=auto bash scripts/gpu/session23e.sh
 set -uo pipefail
 # shellcheck source=scripts/gpu/lib.sh
 source "$(dirname "$0")/lib.sh"
