@@ -179,7 +179,7 @@ def test_flashmla_decode_launches_only_for_its_query_counts(monkeypatch) -> None
     assert attention_ops.FLASHMLA_DECODE_QUERIES == range(2, 257)
 
     class TritonPath(Exception):
-        pass
+        """Raised by the stand-in Triton plan: the call took the Triton kernel."""
 
     def triton_path(*args, **kwargs):
         raise TritonPath
