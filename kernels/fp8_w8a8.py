@@ -187,8 +187,11 @@ def _product(xq, w, ACT_QUANT: tl.constexpr, FP8_MMA: tl.constexpr, SWAP_AB: tl.
 
 
 @triton.jit
-def _bf16_bits(v, OUT_F32: tl.constexpr, INTERPRET: tl.constexpr):
-    """fp32 → BF16 (RNE), or with OUT_F32 the same BF16 value held in fp32 (exact upcast)."""
+def _bf16_bits(v, OUT_F32: tl.constexpr, RAW_OUT: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 → BF16 (RNE), or with OUT_F32 the same BF16 value held in fp32 (exact upcast); with
+    RAW_OUT the fp32 value itself (no rounding)."""
+    if RAW_OUT:
+        return v
     if INTERPRET:
         v = _rne_bf16(v)
     b = v.to(tl.bfloat16)
@@ -202,7 +205,8 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, y_ptr, counters_ptr, M, 
                  n_chunks, stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_oc,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, FUSED_QUANT: tl.constexpr,
                  SPLIT_K: tl.constexpr, ACT_QUANT: tl.constexpr, FP8_MMA: tl.constexpr, FIXUP: tl.constexpr,
-                 SWAP_AB: tl.constexpr, OUT_F32: tl.constexpr, INTERPRET: tl.constexpr):
+                 SWAP_AB: tl.constexpr, OUT_F32: tl.constexpr, W_SCALED: tl.constexpr, RAW_OUT: tl.constexpr,
+                 INTERPRET: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -253,9 +257,12 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, y_ptr, counters_ptr, M, 
                     xq = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & live, other=0.0)
                     sx = tl.load(xs_rows + kb, mask=m_ok & live, other=0.0)
                 wb = tl.load(w_blk + kb * 32 + k_step, mask=w_mask & live, other=0.0)
-                sw = tl.load(ws_cols + kb, mask=n_ok & live, other=0.0)
+                if W_SCALED:
+                    sw = tl.load(ws_cols + kb, mask=n_ok & live, other=0.0)
                 p = _product(xq, wb, ACT_QUANT, FP8_MMA, SWAP_AB, INTERPRET)
-                if SWAP_AB:
+                if not W_SCALED:                                  # BF16 weight values: no scales (x's is 1)
+                    acc += p
+                elif SWAP_AB:
                     acc += p * sx[None, :] * sw[:, None]          # the same (p·s_x)·s_w order
                 else:
                     acc += p * sx[:, None] * sw[None, :]
@@ -277,22 +284,22 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, y_ptr, counters_ptr, M, 
                 y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for c in range(n_chunks):
                     y += tl.load(out_ptr + c * stride_oc + tile, mask=ok, other=0.0, cache_modifier=".cg")
-                tl.store(y_ptr + tile, _bf16_bits(y, OUT_F32, INTERPRET), mask=ok)
+                tl.store(y_ptr + tile, _bf16_bits(y, OUT_F32, RAW_OUT, INTERPRET), mask=ok)
                 tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")     # ready for the next launch
     else:
-        tl.store(out_ptr + tile, _bf16_bits(total, OUT_F32, INTERPRET), mask=ok)
+        tl.store(out_ptr + tile, _bf16_bits(total, OUT_F32, RAW_OUT, INTERPRET), mask=ok)
 
 
 @triton.jit
 def _sum_chunks_kernel(p_ptr, y_ptr, n_chunks, size, BLOCK: tl.constexpr, OUT_F32: tl.constexpr,
-                       INTERPRET: tl.constexpr):
-    """y = bf16(((0 + p[0]) + p[1]) + …) over the chunk partials p [n_chunks, size] fp32."""
+                       RAW_OUT: tl.constexpr, INTERPRET: tl.constexpr):
+    """y = bf16(((0 + p[0]) + p[1]) + …) over the chunk partials p [n_chunks, size] fp32 (RAW_OUT: unrounded)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < size
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     for c in range(n_chunks):
         total += tl.load(p_ptr + c * size + offs, mask=ok, other=0.0)
-    tl.store(y_ptr + offs, _bf16_bits(total, OUT_F32, INTERPRET), mask=ok)
+    tl.store(y_ptr + offs, _bf16_bits(total, OUT_F32, RAW_OUT, INTERPRET), mask=ok)
 
 
 INTERPRETED = isinstance(_w8a8_kernel, InterpretedFunction)
@@ -364,10 +371,22 @@ def fp8_w8a8_linear(x: Tensor, values: Tensor, scales: Tensor, *, groups: int = 
     use_bf16_gemm = bf16_gemm if bf16_gemm is not None else (config is None and M >= BF16_GEMM_MIN_ROWS)
     if use_bf16_gemm:
         return _bf16_gemm(x, values, scales, groups, act_quant).to(out_dtype)
+    cfg = config or config_for_rows(M, fp8_mma, (N, K, groups))
+    return _launch(x, values, scales, cfg, groups=groups, act_quant=act_quant, counters=counters,
+                   out_dtype=out_dtype)
+
+
+def _launch(x: Tensor, values: Tensor, scales: Tensor | None, cfg: W8A8Config, *, groups: int, act_quant: bool,
+            counters: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    """One `_w8a8_kernel` launch (+ `_sum_chunks_kernel` when split-K runs without `counters`) of
+    checked operands. `scales` None: BF16 weight values, no scales, fp32 output unrounded
+    (`kernels.bf16_linear`); else E4M3 tiles, BF16 output (`out_dtype` fp32: BF16 values in fp32)."""
+    M, N, K = x.shape[0], values.shape[0], values.shape[1]
+    n_per_group = N // groups
+    raw = scales is None
     y = torch.empty(M, N, dtype=out_dtype, device=x.device)
     if M == 0:
         return y
-    cfg = config or config_for_rows(M, fp8_mma, (N, K, groups))
     if cfg.swap_ab and cfg.fp8_mma:
         raise ValueError("fp8_w8a8_linear: swap_ab runs the f16 / BF16 MMAs only (fp8_mma False)")
     block_n = cfg.block_n
@@ -389,16 +408,18 @@ def fp8_w8a8_linear(x: Tensor, values: Tensor, scales: Tensor, *, groups: int = 
     fixup = split and counters is not None and counters.numel() >= grid[0] * grid[1]
     out = torch.empty(chunks, M, N, dtype=torch.float32, device=x.device) if split else y
     launch = {} if INTERPRETED else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    _w8a8_kernel[grid](xq, xs, values, scales, out, y, counters if fixup else y, M, N, K, n_per_group, chunk_blocks,
-                       chunks, xq.stride(0), stride_xs, values.stride(0), scales.stride(0), out.stride(-2),
+    ws, stride_ws = (values, 0) if raw else (scales, scales.stride(0))          # raw: ws never read
+    _w8a8_kernel[grid](xq, xs, values, ws, out, y, counters if fixup else y, M, N, K, n_per_group, chunk_blocks,
+                       chunks, xq.stride(0), stride_xs, values.stride(0), stride_ws, out.stride(-2),
                        out.stride(0) if split else 0, BLOCK_M=cfg.block_m, BLOCK_N=block_n, SUB=cfg.sub_blocks,
                        FUSED_QUANT=cfg.fused_quant, SPLIT_K=split, ACT_QUANT=act_quant, FP8_MMA=cfg.fp8_mma,
-                       FIXUP=fixup, SWAP_AB=cfg.swap_ab, OUT_F32=out_dtype == torch.float32, INTERPRET=INTERPRETED,
-                       **launch)
+                       FIXUP=fixup, SWAP_AB=cfg.swap_ab, OUT_F32=out_dtype == torch.float32, W_SCALED=not raw,
+                       RAW_OUT=raw, INTERPRET=INTERPRETED, **launch)
     if split and not fixup:
         size = M * N
         _sum_chunks_kernel[(triton.cdiv(size, SUM_BLOCK),)](out, y, chunks, size, BLOCK=SUM_BLOCK,
-                                                            OUT_F32=out_dtype == torch.float32, INTERPRET=INTERPRETED)
+                                                            OUT_F32=out_dtype == torch.float32, RAW_OUT=raw,
+                                                            INTERPRET=INTERPRETED)
     return y
 
 

@@ -305,12 +305,16 @@ def test_row_tiers() -> None:
     assert W.DECODE_CONFIG.fused_quant and W.DECODE_CONFIG.split_k and not W.PREFILL_CONFIG.split_k
 
 
-def _compile(cfg: W.W8A8Config, act_quant: bool = True, fixup: bool = False, out_f32: bool = False):
+def _compile(cfg: W.W8A8Config, act_quant: bool = True, fixup: bool = False, out_f32: bool = False,
+             bf16_weight: bool = False):
+    """sm_90 build of `_w8a8_kernel`; `bf16_weight`: `kernels.bf16_linear`'s form (BF16 values, no
+    scales, fp32 sums stored unrounded)."""
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SUB=cfg.sub_blocks, FUSED_QUANT=cfg.fused_quant,
                   SPLIT_K=cfg.split_k, ACT_QUANT=act_quant, FP8_MMA=cfg.fp8_mma, FIXUP=fixup, SWAP_AB=cfg.swap_ab,
-                  OUT_F32=out_f32, INTERPRET=False)
-    y_type = "*fp32" if out_f32 else "*bf16"
-    pointers = {"x_ptr": "*bf16" if cfg.fused_quant else "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv",
+                  OUT_F32=out_f32 or bf16_weight, W_SCALED=not bf16_weight, RAW_OUT=bf16_weight, INTERPRET=False)
+    y_type = "*fp32" if out_f32 or bf16_weight else "*bf16"
+    w_type = "*bf16" if bf16_weight else "*fp8e4nv"
+    pointers = {"x_ptr": "*bf16" if cfg.fused_quant else "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": w_type,
                 "ws_ptr": "*fp32", "out_ptr": "*fp32" if cfg.split_k else y_type, "y_ptr": y_type,
                 "counters_ptr": "*i32"}
     kern = W._w8a8_kernel

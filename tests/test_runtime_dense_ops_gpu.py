@@ -1,7 +1,7 @@
 """The tensor-core dense backend (`runtime/dense_ops.py`) on the H200 (marked `gpu`).
 
 * every runtime linear (`linear_fp8` with/without activation quant, `linear_bf16` BF16/fp32 out,
-  the bare product) on `BlockedBf16Gemm` is within
+  the bare product) on `BlockedBf16Gemm` (row blocks, and the serving default's `triton_rows`) is within
   `error_bound` of the exact float64 reference, at the tiny config's and Flash's weight shapes
   (LM head included), for 1, 37 and 300 rows; the worst error / bound ratio is printed;
 * a row's result is bit-identical alone and inside a batch (row blocks) at Flash shapes;
@@ -66,16 +66,18 @@ HELPERS = {   # name: (reference helper, runtime linear on backend `be`, BF16 ou
 }
 
 
+@pytest.mark.parametrize("rows_mode", ["blocked", "triton"])
 @pytest.mark.parametrize("config", ["tiny", "flash"])
-def test_every_helper_within_its_bound(config: str) -> None:
+def test_every_helper_within_its_bound(config: str, rows_mode: str) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = tiny_config(vision=False) if config == "tiny" else DeepseekV41Config.from_dict(flash_config_dict())
     g = torch.Generator(device=CUDA).manual_seed(0)
     worst = 0.0
     for name, (n, k) in _shapes(cfg).items():
         w = _fp8_like(n, k, g)
+        triton = rows_mode == "triton"          # the serving default: < 129 rows on kernels.bf16_linear
         backend = TensorCoreProducts(BlockedBf16Gemm(DenseWeightCache.from_weights({f"{name}.weight": w}),
-                                                     audit_inputs=True))
+                                                     audit_inputs=True, whole_rows=triton, triton_rows=triton))
         for rows in (1, 37, 300):
             x = ops.bf16(torch.randn(rows, k, generator=g, device=CUDA))
             for fn_name, (fn, runtime_fn, bf16_out) in HELPERS.items():
@@ -90,7 +92,7 @@ def test_every_helper_within_its_bound(config: str) -> None:
                 assert bool((err <= bound).all()), (config, name, rows, fn_name, ratio)
         del w, backend
         torch.cuda.empty_cache()
-    print(f"\n[dense_ops {config}] worst |out - ref| / bound = {worst:.3g}")
+    print(f"\n[dense_ops {config} {rows_mode}] worst |out - ref| / bound = {worst:.3g}")
 
 
 def test_rows_do_not_depend_on_the_batch_on_cuda() -> None:

@@ -15,7 +15,7 @@ gpu_setup
 timeout "$(cap 90)" python3 -m pytest -m gpu -q -s -p no:cacheprovider -rf --tb=short \
   -k "teacher_forced_contract and not flashmla" tests/test_runtime_triton_backend.py >"$OUT/logs/contract.log" 2>&1
 result contract rc=$? "$(tail -1 "$OUT/logs/contract.log")"
-grep -E "^(FAILED|E )|top1|agree" "$OUT/logs/contract.log" | head -12
+grep -E "^(FAILED|E )|top-1 agreement" "$OUT/logs/contract.log" | head -12
 timeout "$(cap 30)" python3 -m pytest -m gpu -q -s -p no:cacheprovider -rf --tb=short \
   -k gather_decode_matches tests/test_kernels_key_gather.py >"$OUT/logs/gather.log" 2>&1
 result gather rc=$? "$(tail -1 "$OUT/logs/gather.log")"

@@ -54,6 +54,10 @@ calls and a concatenation per linear at 8K tokens); `whole_rows=True` (the CUDA 
 `backend.bf16_gemm_for`) multiplies a batch of more than `row_block` rows in one GEMM instead: the
 same operands and fp32 accumulation, so the same GEMM_BOUND, but a row's bits then depend on the
 batch's row count (like the FP8 row tiers of `w8a8_f16`); never with the deterministic backend.
+`triton_rows=True` (with `whole_rows`; `backend.bf16_gemm_for`'s `triton`) multiplies fewer than
+`kernels.bf16_linear.MAX_ROWS` rows by a BF16 weight of at most TIERED_MAX_ELEMENTS on that Triton
+kernel instead of a padded cuBLAS block (one launch, no copy): exact products, fp32 sums, the same
+GEMM_BOUND, the bits of its row tiers.
 """
 from __future__ import annotations
 
@@ -72,6 +76,9 @@ TILE = 32
 ROW_BLOCK = 128
 #: fp32 accumulation: one ulp (truncation) relative to a partial sum
 ACCUMULATION_UNIT = 2.0**-23
+#: `triton_rows` BF16 products (module doc): weights of at most this many elements take the Triton
+#: kernel below its row limit; larger ones (the vocabulary head) stay on cuBLAS
+TIERED_MAX_ELEMENTS = 1 << 24
 
 
 def is_dense_linear_name(name: str, ndim: int) -> bool:
@@ -136,6 +143,7 @@ class DenseWeightCache:
     def __init__(self) -> None:
         self._by_storage: dict[int, list[_Entry]] = {}
         self._found: dict[tuple, Tensor | Fp8Weight] = {}
+        self._bf16_counters: dict[int, Tensor] = {}
         self.bf16_elements = 0
         self.fp32_elements = 0
         self.fp8_elements = 0
@@ -209,6 +217,15 @@ class DenseWeightCache:
         key = weight.untyped_storage().data_ptr()
         self._found.clear()
         self._by_storage.setdefault(key, []).append(_Entry(weight, compute, weight.storage_offset()))
+        if exact and weight.numel() <= TIERED_MAX_ELEMENTS:
+            from ..kernels.fp8_w8a8 import split_k_counters
+
+            self._bf16_counters[as_bf16.untyped_storage().data_ptr()] = split_k_counters(weight.shape[0], weight.device)
+
+    def bf16_counters(self, compute: Tensor) -> Tensor | None:
+        """The split-K arrival counters (`kernels.bf16_linear`) of the BF16 copy `compute` (a lookup's
+        result, or a view of one) belongs to, made at `add`; None for other tensors."""
+        return self._bf16_counters.get(compute.untyped_storage().data_ptr())
 
     def _find(self, weight: Tensor) -> Tensor | Fp8Weight | None:
         for entry in self._by_storage.get(weight.untyped_storage().data_ptr(), ()):
@@ -270,18 +287,23 @@ class BlockedBf16Gemm:
     """The CUDA backend's dense product on tensor cores: BF16 operands, fp32 accumulation and output. E4M3
     weights (`Fp8Weight`) go to `kernels.fp8_linear` (row invariant by itself), or — the backend's
     W8A8 FP8 linears — to `kernels.fp8_w8a8` through `w8a8`; BF16 / fp32
-    weights to cuBLAS with rows in fixed blocks of `row_block` (module doc). `audit_inputs` checks, without a host sync per
+    weights to cuBLAS with rows in fixed blocks of `row_block` (module doc), or with `triton_rows` BF16 weights of at
+    most TIERED_MAX_ELEMENTS to `kernels.bf16_linear` below its row limit. `audit_inputs` checks, without a host sync per
     call, that every activation multiplied in BF16 is BF16-exact; `raise_if_inputs_inexact`
     (called by the backend after each forward) reports a violation."""
 
     def __init__(self, cache: DenseWeightCache, row_block: int = ROW_BLOCK, audit_inputs: bool = False,
-                 whole_rows: bool = False) -> None:
+                 whole_rows: bool = False, triton_rows: bool = False) -> None:
         if row_block < 1:
             raise ValueError(f"row_block must be ≥ 1, got {row_block}")
+        if triton_rows and not whole_rows:
+            raise ValueError("triton_rows BF16 products are not row invariant: they go with whole_rows")
         self.cache = cache
         self.row_block = row_block
         #: more than `row_block` rows in one GEMM (module doc, "Row-block invariance"): not row invariant
         self.whole_rows = whole_rows
+        #: BF16 weights below `kernels.bf16_linear.MAX_ROWS` rows on that kernel (module doc)
+        self.triton_rows = triton_rows
         self.audit_inputs = audit_inputs
         self._inexact: Tensor | None = None
 
@@ -303,6 +325,10 @@ class BlockedBf16Gemm:
         if w.dtype == BF16:
             if self.audit_inputs:
                 self._audit(x2)
+            if self.triton_rows and _takes_bf16_kernel(x2, w):
+                from ..kernels.bf16_linear import bf16_linear
+
+                return _unrows(bf16_linear(x2, w, self.cache.bf16_counters(w)), lead)
             dtype = BF16
         else:
             if x.is_cuda and torch.backends.cuda.matmul.allow_tf32:
@@ -367,6 +393,16 @@ class BlockedBf16Gemm:
         if flag is not None and bool(flag):
             raise ValueError("dense backend: an activation multiplied in BF16 was not BF16-valued — the "
                              "stated error bound does not hold (a caller passed unrounded fp32 values)")
+
+
+def _takes_bf16_kernel(x2: Tensor, w: Tensor) -> bool:
+    """Whether a `triton_rows` product of x2 [M, K] and the BF16 weight w [N, K] runs `kernels.bf16_linear`
+    (CUDA tensors, or any under Triton's interpreter)."""
+    from ..kernels.bf16_linear import MAX_ROWS
+    from ..kernels.fp8_w8a8 import INTERPRETED
+
+    return ((x2.is_cuda or INTERPRETED) and x2.shape[0] < MAX_ROWS and w.numel() <= TIERED_MAX_ELEMENTS
+            and w.stride(1) == 1 and w.shape[1] % TILE == 0)
 
 
 def _rows(x: Tensor, K: int) -> Tensor:
