@@ -133,7 +133,7 @@ def test_planned_on_a_device_without_the_kernel_is_the_logged_triton_path(caplog
     ops = attention_ops.KernelAttentionOps(sparse_attention, indexer, prefill="flashmla")
     with caplog.at_level(logging.WARNING, logger=attention_ops.__name__):
         chosen = ops.planned(64, 512, torch.device("cpu"))
-    assert chosen.prefill == "bf16" and chosen.decode == "triton" and chosen.flashmla_plan is None
+    assert chosen.prefill == "bf16" and chosen.decode == "auto" and chosen.flashmla_plan is None
     assert "planned the Triton kernels instead" in caplog.text
     other = attention_ops.KernelAttentionOps(sparse_attention, indexer, prefill="bf16", decode="triton")
     assert other.planned(64, 512, torch.device("cpu")) is other
@@ -145,15 +145,16 @@ def test_planned_on_a_device_without_the_kernel_is_the_logged_triton_path(caplog
 
 
 def test_decode_choice_rules(monkeypatch) -> None:
-    """SGLANG_DSV41_ATTN_DECODE: `triton` by default in both modes, `auto` (never plans FlashMLA) and
-    `flashmla` read from the variable, an unknown value and `flashmla` with deterministic inference
-    refused; a planned decode choice keeps the prefill choice it was given."""
+    """SGLANG_DSV41_ATTN_DECODE: `auto` by default in serving mode (never plans FlashMLA), `triton` with
+    deterministic inference; `flashmla` read from the variable, an unknown value and `flashmla` with
+    deterministic inference refused; a planned decode choice keeps the prefill choice it was given."""
     from sglang_dsv41.kernels import indexer, sparse_attention
     monkeypatch.delenv(attention_ops.ATTENTION_DECODE_ENV, raising=False)
-    assert attention_ops.KernelAttentionOps(sparse_attention, indexer).decode == "triton"
+    auto = attention_ops.KernelAttentionOps(sparse_attention, indexer)
+    assert auto.decode == "auto" and auto.planned(64, 512, torch.device("cuda")) is auto
     assert attention_ops.KernelAttentionOps(sparse_attention, indexer, deterministic=True).decode == "triton"
-    auto = attention_ops.KernelAttentionOps(sparse_attention, indexer, decode="auto")
-    assert auto.planned(64, 512, torch.device("cuda")) is auto
+    monkeypatch.setenv(attention_ops.ATTENTION_DECODE_ENV, "triton")
+    assert attention_ops.KernelAttentionOps(sparse_attention, indexer).decode == "triton"
     monkeypatch.setenv(attention_ops.ATTENTION_DECODE_ENV, "flashmla")
     assert attention_ops.KernelAttentionOps(sparse_attention, indexer).decode == "flashmla"
     with pytest.raises(ValueError, match="deterministic"):
@@ -200,6 +201,32 @@ def test_flashmla_decode_launches_only_for_its_query_counts(monkeypatch) -> None
             with pytest.raises(TritonPath):
                 ops.attend(q, torch.zeros(64), swa, slots, None, None)
     assert launched == [2, 256]
+
+
+@pytest.mark.parametrize("choice", ["auto", "gather", "triton"])
+def test_decode_rows_by_choice_and_query_count(choice: str, monkeypatch) -> None:
+    """Decode batches (no workspace) with compressed entries: `auto` (the serving default) decodes the
+    entries into BF16 rows for 1..GATHER_DECODE_MAX_QUERIES (256) queries and reads the packed rows
+    above; `gather` always, `triton` never. Either way one attention launch."""
+    from types import SimpleNamespace
+
+    from sglang_dsv41.kernels import indexer, key_gather
+    assert attention_ops.GATHER_DECODE_MAX_QUERIES == 256
+    gathered, read = [], []
+    monkeypatch.setattr(key_gather, "gather_latent_rows", lambda comp, entries: gathered.append(entries.shape[0])
+                        or ("bf16-rows", entries))
+    stub = SimpleNamespace(plan_decode_config=lambda *a, **k: "plan", device_sm_count=lambda device: 132,
+                           sparse_sink_attention=lambda q, swa, slots, comp, entries, sink, scale, config:
+                           read.append(comp) or torch.zeros_like(q))
+    ops = attention_ops.KernelAttentionOps(stub, indexer, prefill="bf16", decode=choice)
+    monkeypatch.setattr(ops, "_packed_latents", lambda packed: "packed-rows")
+    swa = torch.zeros(4, 512, dtype=torch.bfloat16)
+    for n in (1, 8, 256, 257):
+        q = torch.zeros(n, 2, 512, dtype=torch.bfloat16)
+        ops.attend(q, torch.zeros(2), swa, torch.zeros(n, 2, dtype=torch.long), object(), torch.zeros(n, 4, dtype=torch.int32))
+    want = {"auto": [1, 8, 256], "gather": [1, 8, 256, 257], "triton": []}[choice]
+    assert gathered == want
+    assert read == ["bf16-rows" if n in want else "packed-rows" for n in (1, 8, 256, 257)]
 
 
 def test_unplanned_flashmla_decode_raises() -> None:

@@ -355,9 +355,20 @@ class _PathOps(TorchDispatchMode):
         return out
 
 
-def _shape_only_kernels() -> attention_ops.KernelAttentionOps:
-    """`KernelAttentionOps` (serving mode, one split) over stand-ins of the two Triton launches that
-    only give the right shapes (no values, no host sync); everything else is the real module code."""
+class _NoLaunch:
+    """A Triton kernel stand-in: `kernel[grid](...)` launches nothing (the caller's outputs keep their shapes)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _shape_only_kernels(monkeypatch) -> attention_ops.KernelAttentionOps:
+    """`KernelAttentionOps` (serving mode, one split) over stand-ins of the Triton launches that only
+    give the right shapes (no values, no host sync): the two kernels, and the serving default's key
+    gather (`auto`: BF16 rows at decode sizes) launching nothing; everything else is the real module code."""
+    from sglang_dsv41.kernels import key_gather
+
+    monkeypatch.setattr(key_gather, "_gather_keys_kernel", _NoLaunch())
     def index_scores(q, head_w, key_cache, entries, token_req, n_visible, **_):
         j = torch.arange(entries.shape[1])
         return torch.where(j[None, :] < n_visible[:, None], torch.zeros(q.shape[0], entries.shape[1]), -math.inf)
@@ -384,7 +395,7 @@ def test_a_hit_extend_does_the_same_host_work_at_any_context(engine, monkeypatch
     from sglang_dsv41.runtime.engram_history import host_history
 
     cfg, forward = engine
-    monkeypatch.setattr(forward, "attention_ops", _shape_only_kernels())
+    monkeypatch.setattr(forward, "attention_ops", _shape_only_kernels(monkeypatch))
     monkeypatch.setattr(BatchLayout, "host_checks", property(lambda self: False))   # as on CUDA
     n, page, seen = 32, 64, {}
     for prefix in (64, 2048):

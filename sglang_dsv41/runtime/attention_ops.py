@@ -87,11 +87,11 @@ ATTENTION_KEY_SPLITS = 1
 #: prefill workspace (`attention_prefill.prefill_choice`: `bf16` serving, `packed` deterministic).
 ATTENTION_SPLITS_ENV, ATTENTION_SPLITS = "SGLANG_DSV41_ATTN_SPLITS", ("one", "decode")
 #: SGLANG_DSV41_ATTN_DECODE: batches without the prefill workspace (decode) through our Triton kernel
-#: on the packed rows (`triton`, the default), the same kernel on BF16 rows its entries are first
-#: decoded into (`gather`: `kernels.key_gather.gather_latent_rows`, the same math; opt-in), `auto`
-#: (opt-in: `gather` for batches of at most GATHER_DECODE_MAX_QUERIES queries, `triton` above; 1.1–1.6×
-#: faster attention at 8–256 queries on the H200, not yet run through the serving contract there), or
-#: one FlashMLA launch (`flashmla`, opt-in: `attention_flashmla.decode_attend`) for batches of
+#: on the packed rows (`triton`, the deterministic default), the same kernel on BF16 rows its entries are
+#: first decoded into (`gather`: `kernels.key_gather.gather_latent_rows`, the same math), `auto` (the
+#: serving default since session 24: `gather` for batches of at most GATHER_DECODE_MAX_QUERIES queries,
+#: `triton` above; 1.1–1.6× faster attention at 8–256 queries and the serving contract's 100 % top-1 on the
+#: H200), or one FlashMLA launch (`flashmla`, opt-in: `attention_flashmla.decode_attend`) for batches of
 #: FLASHMLA_DECODE_QUERIES queries, the Triton kernel otherwise — 4.6× faster at 256 queries, but the
 #: serving contract measured 98.2–98.6 % top-1 with it against its 99 % (docs/performance.md "Session 23").
 ATTENTION_DECODE_ENV, ATTENTION_DECODES = "SGLANG_DSV41_ATTN_DECODE", ("auto", "triton", "gather", "flashmla")
@@ -229,7 +229,8 @@ class KernelAttentionOps:
                                               "one" if deterministic else "decode")
         self.head_sum = head_sum or kernel_choice(INDEXER_HEAD_SUM_ENV, INDEXER_HEAD_SUMS)
         self.prefill = prefill or AP.prefill_choice(deterministic)
-        self.decode = decode or kernel_choice(ATTENTION_DECODE_ENV, ATTENTION_DECODES, "triton")
+        self.decode = decode or kernel_choice(ATTENTION_DECODE_ENV, ATTENTION_DECODES,
+                                              "triton" if deterministic else "auto")
         if self.splits not in ATTENTION_SPLITS or self.head_sum not in INDEXER_HEAD_SUMS \
                 or self.prefill not in AP.PREFILL_CHOICES or self.decode not in ATTENTION_DECODES:
             raise ValueError(f"KernelAttentionOps: splits {self.splits!r} / head_sum {self.head_sum!r} / prefill "
