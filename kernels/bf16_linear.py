@@ -9,16 +9,17 @@ shape-only split-K (`k_chunks`) whose chunk partials the last program of an outp
 in ascending order when `counters` (`fp8_w8a8.split_k_counters(N)`) are given, else a second
 launch does.
 
-Why: at decode the CUDA backend multiplied BF16 weights with cuBLAS on rows padded to a
-128-row block (`dense_ops.BlockedBf16Gemm`): a copy and one or two GEMM kernels per linear,
-5–9 µs each for the router, compressor and indexer weights of a Flash layer (0.3–5 MB; 40 µs of
-the N = 1 step in session 23's profile, docs/performance.md).
+Why it exists, and why it is an opt-in: at decode the CUDA backend multiplies BF16 weights with
+cuBLAS on rows padded to a 128-row block (`dense_ops.BlockedBf16Gemm`), 5–9 µs per linear for the
+router, compressor and indexer weights of a Flash layer (0.3–5 MB). This one launch measured no
+faster on the H200 (the layer's BF16 products 34 / 43 / 127 against 40 / 40 / 42 µs at N = 1 / 8 / 64;
+docs/performance.md "Session 24"), so cuBLAS stays the default.
 
 Arithmetic: every product of two BF16 values is exact in fp32 and the sums are fp32 (tensor-core
 accumulation, then the chunk sums), so the result is within `dense_ops`' GEMM_BOUND
 (|ŷ − x·wᵀ| ≤ K·2⁻²³·S) like cuBLAS's; the order of the sums differs from cuBLAS's, so the bits
 differ. Within one row tier a row's bits do not depend on M (fixed tiles, fixed chunk order), so
-this serves the `triton` BF16 products of the serving default (`runtime.backend.bf16_gemm_for`), never the row-invariant
+this serves the opt-in `triton` BF16 products of serving mode (`runtime.backend.bf16_gemm_for`), never the row-invariant
 (`blocked`) ones of the deterministic mode. Under Triton's interpreter the MMA is numpy's fp32
 matmul (exact products of BF16 values too).
 """

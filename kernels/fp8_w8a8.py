@@ -126,7 +126,18 @@ FP8_MMA_ROW_TIERS: tuple[tuple[int, W8A8Config], ...] = ((16, DECODE_CONFIG), (2
 #: (row-tier limit, N, K, groups) → the configuration of that weight shape in that tier, replacing
 #: the tier's default: a function of the shape and the tier only (never of M), so a row's bits
 #: stay the same at every M of the tier
-SHAPE_CONFIGS: dict[tuple[int, int, int, int], W8A8Config] = {}
+SHAPE_CONFIGS: dict[tuple[int, int, int, int], W8A8Config] = {
+    # the Flash weights whose best candidate beat the tier's default by ≥ 3 % in the H200 sweep
+    # (`benchmarks/fp8_w8a8.py --sweep`, docs/performance.md "Session 24"), builds without spills only
+    (16, 1280, 5120, 1): W8A8Config(16, 64, 4, 4, 3, fused_quant=True, split_k=True, target_programs=2112),
+    (16, 512, 5120, 1): W8A8Config(16, 64, 4, 4, 3, fused_quant=True, split_k=True, target_programs=2112,
+                                   swap_ab=True),
+    (16, 32768, 1280, 1): W8A8Config(16, 128, 2, 4, 4, fused_quant=True, split_k=True, target_programs=2112),
+    (16, 2304, 5120, 1): W8A8Config(16, 64, 4, 4, 3, fused_quant=True, split_k=True, target_programs=2112),
+    (16, 5120, 2304, 1): W8A8Config(16, 64, 4, 4, 3, fused_quant=True, split_k=True, target_programs=2112),
+    (256, 8192, 4096, 8): W8A8Config(32, 128, 2, 4, 3, fused_quant=True, split_k=True, target_programs=1056),
+    (256, 5120, 8192, 1): W8A8Config(32, 128, 2, 4, 3, fused_quant=True, split_k=True, target_programs=1056),
+}
 #: from this many rows `fp8_w8a8_linear` runs the prefill form (dequantise + cuBLAS BF16, module doc)
 BF16_GEMM_MIN_ROWS = 129
 

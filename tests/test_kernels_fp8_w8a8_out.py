@@ -104,6 +104,27 @@ def test_kernel_case_swap_ab_within_bound_of_the_reference(label: str, m: int, n
     assert ok, worst
 
 
+#: the distinct configurations of kernels.fp8_w8a8.SHAPE_CONFIGS (the H200 sweep's picks), by key
+SHAPE_CONFIG_CASES = {f"{lim}_{n}x{k}_g{g}": cfg for (lim, n, k, g), cfg in W.SHAPE_CONFIGS.items()}
+
+
+@kernel
+@pytest.mark.parametrize("label", sorted(SHAPE_CONFIG_CASES))
+def test_kernel_case_shape_configs_within_bound_and_exact_on_exact_sums(label: str) -> None:
+    """Every per-shape configuration on a small weight (its tiles, split-K with counters, partial blocks):
+    within the bound of tests/test_kernels_fp8_w8a8.py, the oracle's bits on exact-sum inputs."""
+    cfg = SHAPE_CONFIG_CASES[label]
+    g = torch.Generator().manual_seed(len(label))
+    m = 5 if cfg.block_m == 16 else 37
+    values, scales = fp8_weight(160, 640, g, exp_range=(-30, 10))
+    x = random_x(m, 640, g, F32)
+    y = W.fp8_w8a8_linear(x, values, scales, config=cfg, counters=W.split_k_counters(160, DEVICE))
+    ok, worst = within(y, *oracle(x, values, scales))
+    assert ok, worst
+    values, scales, x = exact_sum_case(m, 128, 640, g)
+    assert torch.equal(W.fp8_w8a8_linear(x, values, scales, config=cfg).float(), oracle(x, values, scales)[0])
+
+
 @kernel
 def test_kernel_case_swap_ab_gives_the_oracles_bits_on_exact_sums() -> None:
     g = torch.Generator().manual_seed(3)
@@ -136,7 +157,7 @@ def test_shape_configs_replace_a_tier_for_one_shape_at_every_m_of_the_tier(monke
     monkeypatch.setitem(W.SHAPE_CONFIGS, (16, 1280, 5120, 1), SWAP_DECODE)
     for m in (1, 7, 16):
         assert W.config_for_rows(m, shape=(1280, 5120, 1)) is SWAP_DECODE
-        assert W.config_for_rows(m, shape=(512, 5120, 1)) is W.DECODE_CONFIG
+        assert W.config_for_rows(m, shape=(4096, 1280, 1)) is W.DECODE_CONFIG
         assert W.config_for_rows(m, fp8_mma=True, shape=(1280, 5120, 1)) is W.DECODE_CONFIG
         assert W.config_for_rows(m) is W.DECODE_CONFIG
     assert W.config_for_rows(17, shape=(1280, 5120, 1)) is W.MID_CONFIG
@@ -153,6 +174,16 @@ def test_bad_output_dtype_and_swap_ab_on_the_fp8_mma_raise() -> None:
         with pytest.raises(ValueError, match="swap_ab"):
             W.fp8_w8a8_linear(torch.zeros(2, 64), values, scales,
                               config=dataclasses.replace(SWAP_DECODE, fp8_mma=True))
+
+
+@pytest.mark.parametrize("key", sorted(W.SHAPE_CONFIGS))
+def test_shape_configs_compile_for_hopper_without_spills(key: tuple) -> None:
+    if W.INTERPRETED:
+        pytest.skip("no sm_90 compile under the interpreter: the parent (compiled) process runs this")
+    cfg, act_quant = W.SHAPE_CONFIGS[key], key[3] == 1                 # grouped = wo_a: W8A16
+    compiled, usage = _compile(cfg, act_quant, fixup=True, out_f32=True)
+    assert no_spills(usage), (key, usage)
+    assert "cp.async" in compiled.asm["ptx"]
 
 
 @pytest.mark.parametrize("label,act_quant,out_f32", [("swap_decode", True, True), ("swap_bn128", True, False),
@@ -172,4 +203,4 @@ if not W.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        run_kernel_cases_in_interpreter(__file__, min_passed=40, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=40 + len(SHAPE_CONFIG_CASES), exact=True)

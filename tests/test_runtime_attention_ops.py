@@ -97,9 +97,9 @@ def test_prefill_defaults_by_device_and_mode(fresh_kernel_ops, monkeypatch) -> N
     monkeypatch.delenv(B.BF16_GEMM_ENV, raising=False)
     serving, exact = attention_ops.ops_for(cuda, f32, False), attention_ops.ops_for(cuda, f32, True)
     assert (serving.prefill, exact.prefill) == ("bf16", "packed")
-    assert (B.bf16_gemm_for(False), B.bf16_gemm_for(True)) == ("triton", "blocked")
+    assert (B.bf16_gemm_for(False), B.bf16_gemm_for(True)) == ("whole", "blocked")
     serving_dense, exact_dense = B.backend_for(cuda, {}, False).dense, B.backend_for(cuda, {}, True).dense
-    assert serving_dense.whole_rows and serving_dense.triton_rows
+    assert serving_dense.whole_rows and not serving_dense.triton_rows
     assert not exact_dense.whole_rows and not exact_dense.triton_rows
     for deterministic in (False, True):                                        # CPU: as before session 13
         ops = attention_ops.ops_for(CPU, f32 if not deterministic else torch.float64, deterministic)
@@ -112,8 +112,9 @@ def test_prefill_defaults_by_device_and_mode(fresh_kernel_ops, monkeypatch) -> N
     assert attention_ops.ops_for(cuda, f32, False).prefill == "packed" and B.bf16_gemm_for(False) == "blocked"
     assert not B.backend_for(cuda, {}, False).dense.whole_rows
     monkeypatch.setenv(PREFILL_ENV, "bf16")
+    monkeypatch.setenv(B.BF16_GEMM_ENV, "triton")
+    assert B.backend_for(cuda, {}, False).dense.triton_rows
     monkeypatch.setenv(B.BF16_GEMM_ENV, "whole")
-    assert not B.backend_for(cuda, {}, False).dense.triton_rows
     attention_ops.kernel_ops.cache_clear()
     assert attention_ops.ops_for(cuda, f32, True).prefill == "bf16"             # an explicit choice wins
     with pytest.raises(ValueError, match="not row invariant"):

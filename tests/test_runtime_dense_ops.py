@@ -130,8 +130,9 @@ def test_whole_rows_one_gemm_within_the_bound(monkeypatch) -> None:
     assert calls == [300] and bool(((out.to(F64) - ref.to(F64)).abs() <= error_bound(x, w, out, ref, False)).all())
     assert torch.equal(whole.matmul(x[:50], w), BlockedBf16Gemm(whole.cache, row_block=64).matmul(x[:50], w))
     monkeypatch.delenv(B.BF16_GEMM_ENV, raising=False)
-    assert (B.bf16_gemm_for(False), B.bf16_gemm_for(True)) == ("triton", "blocked")
+    assert (B.bf16_gemm_for(False), B.bf16_gemm_for(True)) == ("whole", "blocked")
     monkeypatch.setenv(B.BF16_GEMM_ENV, "Triton")
+    assert B.bf16_gemm_for(False) == "triton"
     with pytest.raises(ValueError, match="triton is not row invariant"):
         B.bf16_gemm_for(True)
     monkeypatch.setenv(B.BF16_GEMM_ENV, "Blocked")

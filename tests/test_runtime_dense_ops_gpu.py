@@ -1,7 +1,7 @@
 """The tensor-core dense backend (`runtime/dense_ops.py`) on the H200 (marked `gpu`).
 
 * every runtime linear (`linear_fp8` with/without activation quant, `linear_bf16` BF16/fp32 out,
-  the bare product) on `BlockedBf16Gemm` (row blocks, and the serving default's `triton_rows`) is within
+  the bare product) on `BlockedBf16Gemm` (row blocks, and the opt-in `triton_rows`) is within
   `error_bound` of the exact float64 reference, at the tiny config's and Flash's weight shapes
   (LM head included), for 1, 37 and 300 rows; the worst error / bound ratio is printed;
 * a row's result is bit-identical alone and inside a batch (row blocks) at Flash shapes;
@@ -75,7 +75,7 @@ def test_every_helper_within_its_bound(config: str, rows_mode: str) -> None:
     worst = 0.0
     for name, (n, k) in _shapes(cfg).items():
         w = _fp8_like(n, k, g)
-        triton = rows_mode == "triton"          # the serving default: < 129 rows on kernels.bf16_linear
+        triton = rows_mode == "triton"          # opt-in: < 129 rows on kernels.bf16_linear
         backend = TensorCoreProducts(BlockedBf16Gemm(DenseWeightCache.from_weights({f"{name}.weight": w}),
                                                      audit_inputs=True, whole_rows=triton, triton_rows=triton))
         for rows in (1, 37, 300):

@@ -31,8 +31,8 @@ quantised), E4M3 weights with their tile scales — and differs only in how the 
   sums per 32 products: DeepGEMM block32's accumulation class). Below the end-to-end contract
   (docs/runtime.md "Numerics contract"), hence not the default.
 Weights not held as E4M3 tiles (BF16 copies, fp32) go through `matmul` in either mode: on `triton`
-by `bf16_gemm_for` — fewer than 129 rows of a BF16 weight on `kernels.bf16_linear` (serving default),
-or cuBLAS GEMMs (`whole`; `blocked`, row invariant, with deterministic inference).
+by `bf16_gemm_for` — cuBLAS GEMMs (`whole`, the serving default; `blocked`, row invariant, with
+deterministic inference), or fewer than 129 rows of a BF16 weight on `kernels.bf16_linear` (`triton`).
 
 The registry (`BACKENDS`) maps names to classes; an unknown device or name raises.
 """
@@ -53,9 +53,10 @@ F32, F64 = torch.float32, torch.float64
 #: FP8 dense-linear arithmetics of the CUDA backend (module doc), and the variable that picks one
 FP8_GEMMS = ("w8a8_f16", "tiered", "w8a16", "fp8_mma")
 FP8_GEMM_ENV = "SGLANG_DSV41_FP8_GEMM"
-#: BF16 / fp32-weight products on CUDA (`bf16_gemm_for`): `triton` (serving default: fewer than 129 rows on
-#: `kernels.bf16_linear`, more as `whole`, `dense_ops.BlockedBf16Gemm.triton_rows`) | `whole` (a batch in one
-#: cuBLAS GEMM, `whole_rows`) | `blocked` (deterministic: 128-row blocks, row invariant)
+#: BF16 / fp32-weight products on CUDA (`bf16_gemm_for`): `whole` (serving default: a batch in one cuBLAS
+#: GEMM, `dense_ops.BlockedBf16Gemm.whole_rows`) | `triton` (opt-in: fewer than 129 rows on
+#: `kernels.bf16_linear`, more as `whole`; no faster on the H200, docs/performance.md "Session 24") |
+#: `blocked` (deterministic: 128-row blocks, row invariant)
 BF16_GEMMS, BF16_GEMM_ENV = ("blocked", "whole", "triton"), "SGLANG_DSV41_BF16_GEMM"
 
 
@@ -380,9 +381,9 @@ def fp8_gemm_for(deterministic: bool) -> str:
 
 def bf16_gemm_for(deterministic: bool) -> str:
     """The CUDA backend's BF16-weight product rows (BF16_GEMMS): SGLANG_DSV41_BF16_GEMM when set, else
-    `blocked` when `deterministic`, else `triton`; an unknown value, or `whole` / `triton` with
+    `blocked` when `deterministic`, else `whole`; an unknown value, or `whole` / `triton` with
     `deterministic`, raises."""
-    chosen = kernel_choice(BF16_GEMM_ENV, BF16_GEMMS, "blocked" if deterministic else "triton")
+    chosen = kernel_choice(BF16_GEMM_ENV, BF16_GEMMS, "blocked" if deterministic else "whole")
     if chosen != "blocked" and deterministic:
         raise ValueError(f"{BF16_GEMM_ENV}={chosen} is not row invariant: not with --enable-deterministic-inference")
     return chosen

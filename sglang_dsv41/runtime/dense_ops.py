@@ -54,7 +54,7 @@ calls and a concatenation per linear at 8K tokens); `whole_rows=True` (the CUDA 
 `backend.bf16_gemm_for`) multiplies a batch of more than `row_block` rows in one GEMM instead: the
 same operands and fp32 accumulation, so the same GEMM_BOUND, but a row's bits then depend on the
 batch's row count (like the FP8 row tiers of `w8a8_f16`); never with the deterministic backend.
-`triton_rows=True` (with `whole_rows`; `backend.bf16_gemm_for`'s `triton`) multiplies fewer than
+`triton_rows=True` (with `whole_rows`; `backend.bf16_gemm_for`'s opt-in `triton`) multiplies fewer than
 `kernels.bf16_linear.MAX_ROWS` rows by a BF16 weight of at most TIERED_MAX_ELEMENTS on that Triton
 kernel instead of a padded cuBLAS block (one launch, no copy): exact products, fp32 sums, the same
 GEMM_BOUND, the bits of its row tiers.
