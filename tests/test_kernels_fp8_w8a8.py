@@ -430,9 +430,10 @@ def test_gpu_split_k_inside_the_launch_replays_in_a_cuda_graph() -> None:
 @pytest.mark.gpu
 def test_gpu_split_k_equals_one_program_and_rows_are_batch_invariant_within_a_tier() -> None:
     values, scales, x = _flash_case(1280, 5120, 16, seed=12)
-    assert W.k_chunks(1280, 5120) > 1
-    split = W.fp8_w8a8_linear(x, values, scales, config=W.DECODE_CONFIG)
-    one = W.fp8_w8a8_linear(x, values, scales, config=CONFIGS["decode_one_program"])
+    cfg = W.config_for_rows(16, shape=(1280, 5120, 1))              # the shape's decode tier (SHAPE_CONFIGS)
+    assert W.k_chunks(1280, 5120, cfg.target_programs) > 1
+    split = W.fp8_w8a8_linear(x, values, scales, config=cfg)
+    one = W.fp8_w8a8_linear(x, values, scales, config=dataclasses.replace(cfg, split_k=False))
     assert torch.equal(split, one)
     counters = W.split_k_counters(1280, x.device)
     assert torch.equal(W.fp8_w8a8_linear(x, values, scales, counters=counters), split) and not counters.any()
