@@ -32,11 +32,10 @@ ROOT = Path(__file__).resolve().parents[1]
 #: per-forward bounds of one 32-token extend on the tiny checkpoint (CPU count, `host_ops.py`):
 #: measured (session 16) 1,966 aten ops and 296 launches, 2,505 and 296 before its cuts; 1,970 since the
 #: zero-length-request mask of the compressed pair store (prefill graphs, session 17: 2 ops per compressed layer);
-#: 1,740 and 316 since the BF16 products of < 129 rows run `kernels.bf16_linear` (session 24: one launch each
-#: instead of a padded copy and a cuBLAS GEMM); 1,831 and 323 with the BF16-row decode attention by default
-#: (`auto`: the key gather's checks, views and allocations, one launch per compressed layer)
-MAX_ATEN_OPS = 1831
-MAX_LAUNCHES = 323
+#: 1,991 and 303 since the BF16-row decode attention is the default (session 24, `auto`: the key gather's
+#: checks, views and allocations, one launch per compressed layer)
+MAX_ATEN_OPS = 1991
+MAX_LAUNCHES = 303
 
 
 def _two_extends(forward: TorchForward, cfg: DeepseekV41Config, page: int = 64):
