@@ -12,7 +12,7 @@
 set -uo pipefail
 # shellcheck source=scripts/gpu/lib.sh
 source "$(dirname "$0")/lib.sh"
-: "${BUDGET:=420}" "${TEST_S:=230}"
+: "${BUDGET:=330}" "${TEST_S:=190}"
 mkdir -p "$OUT/logs" "$OUT/tests"
 gpu_setup
 OUT=$OUT/tests BUDGET=$TEST_S \
