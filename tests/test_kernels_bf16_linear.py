@@ -108,7 +108,7 @@ def test_kernel_case_no_rows() -> None:
 def test_kernel_case_dense_backend_takes_the_kernel_below_its_row_limit(monkeypatch) -> None:
     """`dense_ops.BlockedBf16Gemm(triton_rows=True)` (SGLANG_DSV41_BF16_GEMM=triton): a BF16 weight's
     product of fewer than MAX_ROWS rows is one launch of this kernel within the bound; more rows, a
-    weight above TIERED_MAX_ELEMENTS or K not a multiple of 32 go to cuBLAS (no launch)."""
+    weight above BF16_KERNEL_MAX_ELEMENTS or K not a multiple of 32 go to cuBLAS (no launch)."""
     from sglang_dsv41.runtime import dense_ops as D
 
     g = torch.Generator().manual_seed(5)
@@ -124,7 +124,7 @@ def test_kernel_case_dense_backend_takes_the_kernel_below_its_row_limit(monkeypa
         y = dense.matmul(x[:m], w)
         assert len(gemms.grids) == launches, m
         assert within_gemm_bound(x[:m], w, y)[0], m
-    monkeypatch.setattr(D, "TIERED_MAX_ELEMENTS", n * k - 1)
+    monkeypatch.setattr(D, "BF16_KERNEL_MAX_ELEMENTS", n * k - 1)
     dense.matmul(x[:1], w)
     assert len(gemms.grids) == 2
     odd = bf16_weight(16, 48, g).float()

@@ -55,7 +55,7 @@ calls and a concatenation per linear at 8K tokens); `whole_rows=True` (the CUDA 
 same operands and fp32 accumulation, so the same GEMM_BOUND, but a row's bits then depend on the
 batch's row count (like the FP8 row tiers of `w8a8_f16`); never with the deterministic backend.
 `triton_rows=True` (with `whole_rows`; `backend.bf16_gemm_for`'s opt-in `triton`) multiplies fewer than
-`kernels.bf16_linear.MAX_ROWS` rows by a BF16 weight of at most TIERED_MAX_ELEMENTS on that Triton
+`kernels.bf16_linear.MAX_ROWS` rows by a BF16 weight of at most BF16_KERNEL_MAX_ELEMENTS on that Triton
 kernel instead of a padded cuBLAS block (one launch, no copy): exact products, fp32 sums, the same
 GEMM_BOUND, the bits of its row tiers.
 """
@@ -78,7 +78,7 @@ ROW_BLOCK = 128
 ACCUMULATION_UNIT = 2.0**-23
 #: `triton_rows` BF16 products (module doc): weights of at most this many elements take the Triton
 #: kernel below its row limit; larger ones (the vocabulary head) stay on cuBLAS
-TIERED_MAX_ELEMENTS = 1 << 24
+BF16_KERNEL_MAX_ELEMENTS = 1 << 24
 
 
 def is_dense_linear_name(name: str, ndim: int) -> bool:
@@ -217,7 +217,7 @@ class DenseWeightCache:
         key = weight.untyped_storage().data_ptr()
         self._found.clear()
         self._by_storage.setdefault(key, []).append(_Entry(weight, compute, weight.storage_offset()))
-        if exact and weight.numel() <= TIERED_MAX_ELEMENTS:
+        if exact and weight.numel() <= BF16_KERNEL_MAX_ELEMENTS:
             from ..kernels.fp8_w8a8 import split_k_counters
 
             self._bf16_counters[as_bf16.untyped_storage().data_ptr()] = split_k_counters(weight.shape[0], weight.device)
@@ -288,7 +288,7 @@ class BlockedBf16Gemm:
     weights (`Fp8Weight`) go to `kernels.fp8_linear` (row invariant by itself), or — the backend's
     W8A8 FP8 linears — to `kernels.fp8_w8a8` through `w8a8`; BF16 / fp32
     weights to cuBLAS with rows in fixed blocks of `row_block` (module doc), or with `triton_rows` BF16 weights of at
-    most TIERED_MAX_ELEMENTS to `kernels.bf16_linear` below its row limit. `audit_inputs` checks, without a host sync per
+    most BF16_KERNEL_MAX_ELEMENTS to `kernels.bf16_linear` below its row limit. `audit_inputs` checks, without a host sync per
     call, that every activation multiplied in BF16 is BF16-exact; `raise_if_inputs_inexact`
     (called by the backend after each forward) reports a violation."""
 
@@ -401,7 +401,7 @@ def _takes_bf16_kernel(x2: Tensor, w: Tensor) -> bool:
     from ..kernels.bf16_linear import MAX_ROWS
     from ..kernels.fp8_w8a8 import INTERPRETED
 
-    return ((x2.is_cuda or INTERPRETED) and x2.shape[0] < MAX_ROWS and w.numel() <= TIERED_MAX_ELEMENTS
+    return ((x2.is_cuda or INTERPRETED) and x2.shape[0] < MAX_ROWS and w.numel() <= BF16_KERNEL_MAX_ELEMENTS
             and w.stride(1) == 1 and w.shape[1] % TILE == 0)
 
 
