@@ -177,7 +177,6 @@ FLASH_BF16 = {"compressor_wkv": (512, 5120), "indexer_weights_proj": (32, 5120),
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", sorted(FLASH_BF16))
 def test_flash_shapes_on_cuda(name: str) -> None:
     n, k = FLASH_BF16[name]
