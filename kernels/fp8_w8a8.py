@@ -94,7 +94,8 @@ class W8A8Config:
     ~14 bits), else widened to f16 first (exact products, fp32 sums: the reference's arithmetic);
     `target_programs`: the program count `k_chunks` aims at (shape-only); `swap_ab`: the weight
     block is the MMA's first operand (yᵀ tile = W·xqᵀ: BLOCK_N weight rows on the MMA's M side,
-    BLOCK_M x rows on its N side), the same products and sums in the same order."""
+    BLOCK_M x rows on its N side), the same products and sums in the same order; `gemv`: the CUDA-core
+    kernel of `kernels.fp8_gemv` (BLOCK_M = its most rows, x quantised once before it)."""
     block_m: int
     block_n: int
     sub_blocks: int
@@ -105,6 +106,7 @@ class W8A8Config:
     fp8_mma: bool = False
     target_programs: int = TARGET_PROGRAMS
     swap_ab: bool = False
+    gemv: bool = False
 
 
 #: split-K target of the decode tier: ≈ 8 programs per SM, so small weights spread over the GPU
@@ -120,6 +122,10 @@ PREFILL_CONFIG = W8A8Config(64, 256, 1, 8, 3, fused_quant=False, split_k=False)
 MID_FP8_CONFIG = W8A8Config(64, 128, 1, 4, 4, fused_quant=True, split_k=True, fp8_mma=True)
 #: session 7's decode tier (4 stages, ≈ 2 programs per SM), kept for old-vs-new measurements
 DECODE_S7_CONFIG = W8A8Config(16, 64, 4, 4, 4, fused_quant=True, split_k=True)
+#: the opt-in `gemv` tier (`kernels.fp8_gemv`, ≤ 4 rows): 64 weight rows and 4 K blocks per step, split-K
+#: to the decode tier's target
+GEMV_CONFIG = W8A8Config(4, 64, 4, 4, 1, fused_quant=False, split_k=True, target_programs=DECODE_TARGET_PROGRAMS,
+                         gemv=True)
 #: rows → configuration: the first tier whose row limit is ≥ M (`fp8_mma`: FP8_MMA_ROW_TIERS)
 ROW_TIERS: tuple[tuple[int, W8A8Config], ...] = ((16, DECODE_CONFIG), (256, MID_CONFIG))
 FP8_MMA_ROW_TIERS: tuple[tuple[int, W8A8Config], ...] = ((16, DECODE_CONFIG), (256, MID_FP8_CONFIG))
@@ -142,10 +148,14 @@ SHAPE_CONFIGS: dict[tuple[int, int, int, int], W8A8Config] = {
 BF16_GEMM_MIN_ROWS = 129
 
 
-def config_for_rows(m: int, fp8_mma: bool = False, shape: tuple[int, int, int] | None = None) -> W8A8Config:
+def config_for_rows(m: int, fp8_mma: bool = False, shape: tuple[int, int, int] | None = None,
+                    gemv: bool = False) -> W8A8Config:
     """The configuration for M rows (decode: small tiles + split-K; prefill: large tiles);
     `fp8_mma`: the mid tier on the FP8 MMA (FP8_MMA_ROW_TIERS); `shape` (N, K, groups): that
-    shape's entry of SHAPE_CONFIGS for the tier, if any (not with `fp8_mma`)."""
+    shape's entry of SHAPE_CONFIGS for the tier, if any (not with `fp8_mma`); `gemv`: GEMV_CONFIG
+    up to its BLOCK_M rows."""
+    if gemv and m <= GEMV_CONFIG.block_m:
+        return GEMV_CONFIG
     for limit, cfg in (FP8_MMA_ROW_TIERS if fp8_mma else ROW_TIERS):
         if m <= limit:
             if shape is not None and not fp8_mma:
@@ -361,7 +371,8 @@ def _checked(x: Tensor, values: Tensor, scales: Tensor, groups: int) -> tuple[in
 
 def fp8_w8a8_linear(x: Tensor, values: Tensor, scales: Tensor, *, groups: int = 1, act_quant: bool = True,
                     config: W8A8Config | None = None, bf16_gemm: bool | None = None, fp8_mma: bool = False,
-                    counters: Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+                    counters: Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+                    gemv: bool = False) -> Tensor:
     """y [M, N] BF16 = x·Wᵀ with upstream's W8A8 numerics (module doc); `groups` > 1: the grouped
     product (x [M, groups·K], group g's output rows read x's g-th K columns), one GEMM launch.
     From BF16_GEMM_MIN_ROWS rows (or with `bf16_gemm=True`) the prefill form runs (`_bf16_gemm`);
@@ -371,7 +382,8 @@ def fp8_w8a8_linear(x: Tensor, values: Tensor, scales: Tensor, *, groups: int = 
     (`split_k_counters`, zero): split-K sums its chunks inside the GEMM launch (module doc, step 3)
     when they cover the launch's output tiles; else a second launch does (the same bits). No host
     sync. `out_dtype=torch.float32`: the same BF16 values held in fp32 (written by the GEMM's own
-    stores, no extra launch below BF16_GEMM_MIN_ROWS)."""
+    stores, no extra launch below BF16_GEMM_MIN_ROWS). `gemv`: up to GEMV_CONFIG.block_m rows on the
+    CUDA-core tier (`kernels.fp8_gemv`; one more launch quantises x)."""
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"fp8_w8a8_linear: out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
     if counters is not None and (counters.dtype != torch.int32 or counters.dim() != 1
@@ -382,7 +394,7 @@ def fp8_w8a8_linear(x: Tensor, values: Tensor, scales: Tensor, *, groups: int = 
     use_bf16_gemm = bf16_gemm if bf16_gemm is not None else (config is None and M >= BF16_GEMM_MIN_ROWS)
     if use_bf16_gemm:
         return _bf16_gemm(x, values, scales, groups, act_quant).to(out_dtype)
-    cfg = config or config_for_rows(M, fp8_mma, (N, K, groups))
+    cfg = config or config_for_rows(M, fp8_mma, (N, K, groups), gemv)
     return _launch(x, values, scales, cfg, groups=groups, act_quant=act_quant, counters=counters,
                    out_dtype=out_dtype)
 
@@ -392,6 +404,13 @@ def _launch(x: Tensor, values: Tensor, scales: Tensor | None, cfg: W8A8Config, *
     """One `_w8a8_kernel` launch (+ `_sum_chunks_kernel` when split-K runs without `counters`) of
     checked operands. `scales` None: BF16 weight values, no scales, fp32 output unrounded
     (`kernels.bf16_linear`); else E4M3 tiles, BF16 output (`out_dtype` fp32: BF16 values in fp32)."""
+    if cfg.gemv:
+        if scales is None:
+            raise ValueError("fp8_w8a8_linear: the gemv tier multiplies E4M3 weights only")
+        from sglang_dsv41.kernels.fp8_gemv import gemv_launch
+
+        return gemv_launch(x, values, scales, cfg, groups=groups, act_quant=act_quant, counters=counters,
+                           out_dtype=out_dtype)
     M, N, K = x.shape[0], values.shape[0], values.shape[1]
     n_per_group = N // groups
     raw = scales is None
@@ -447,7 +466,7 @@ def weight_bytes(n: int, k: int) -> int:
     return n * k + 4 * (-(-n // TILE)) * (-(-k // TILE))
 
 
-__all__ = ["BF16_GEMM_MIN_ROWS", "DECODE_CONFIG", "DECODE_S7_CONFIG", "DECODE_TARGET_PROGRAMS", "FP8",
+__all__ = ["BF16_GEMM_MIN_ROWS", "DECODE_CONFIG", "GEMV_CONFIG", "DECODE_S7_CONFIG", "DECODE_TARGET_PROGRAMS", "FP8",
            "FP8_MMA_ROW_TIERS", "INTERPRETED", "MID_CONFIG", "MID_FP8_CONFIG", "PREFILL_CONFIG", "ROW_TIERS",
            "SHAPE_CONFIGS", "TILE", "W8A8Config", "config_for_rows", "dequantize_weight_bf16", "fake_quantize_activations_bf16",
            "fp8_w8a8_linear", "k_chunks", "quantize_activations", "split_k_counters", "weight_bytes"]

@@ -187,11 +187,11 @@ def reference_pieces(cfg, w, i: dict) -> dict[str, torch.Tensor]:
 def test_kernel_case_sublayers_within_the_contract_without_float64(weights, fp8_gemm: str, monkeypatch) -> None:
     cfg, exact, fp8, _ = weights
     be = triton_backend(fp8, fp8_gemm)
-    calls: list[tuple[int, bool, bool]] = []
+    calls: list[tuple[int, bool, bool, bool]] = []
     rows: list[int] = []
     kernel_fn = W.fp8_w8a8_linear
     monkeypatch.setattr(W, "fp8_w8a8_linear", lambda x, v, s, **kw: rows.append(x.shape[0]) or calls.append(
-        (kw["groups"], kw["act_quant"], kw.get("fp8_mma", False))) or kernel_fn(x, v, s, **kw))
+        (kw["groups"], kw["act_quant"], kw.get("fp8_mma", False), kw.get("gemv", False))) or kernel_fn(x, v, s, **kw))
     inputs = piece_inputs(cfg, exact)
     with Float64Watch() as watch:
         got = backend_pieces(be, cfg, fp8, inputs)
@@ -211,8 +211,8 @@ def test_kernel_case_sublayers_within_the_contract_without_float64(weights, fp8_
     elif fp8_gemm == "tiered":                                  # the prefill form only
         assert all(r >= W.BF16_GEMM_MIN_ROWS for r in rows), rows
     else:                                                       # wq_a wkv wq_b wo_b 3 shared engram; wo_a grouped
-        mma = fp8_gemm == "fp8_mma"
-        assert (groups, False, False) in calls and calls.count((1, True, mma)) >= 8, calls
+        mma, gemv = fp8_gemm == "fp8_mma", fp8_gemm == "w8a8_gemv"
+        assert (groups, False, False, gemv) in calls and calls.count((1, True, mma, gemv)) >= 8, calls
 
 
 @kernel
@@ -236,23 +236,41 @@ def test_kernel_case_forward_on_the_backend_creates_no_float64(weights) -> None:
 
 
 @kernel
-@pytest.mark.parametrize("fp8_gemm", ["tiered", "w8a8_f16"])
+@pytest.mark.parametrize("fp8_gemm", ["tiered", "w8a8_f16", "w8a8_gemv"])
 def test_kernel_case_which_row_counts_run_the_w8a8_module(weights, fp8_gemm: str, monkeypatch) -> None:
-    """`w8a8_f16`: `fp8_w8a8_linear` at decode (split-K tier), mid and prefill row counts; `tiered`:
-    at the prefill row count only (the `w8a16` kernel below). Both within the contract's
-    per-sublayer bound of the w8a16 backend's result (the same operands summed another way)."""
+    """`w8a8_f16`: `fp8_w8a8_linear` at decode (split-K tier), mid and prefill row counts; `w8a8_gemv`:
+    the same, with the single row on the CUDA-core GEMV; `tiered`: at the prefill row count only
+    (the `w8a16` kernel below). All within the contract's per-sublayer bound of the w8a16 backend's
+    result (the same operands summed another way)."""
+    from sglang_dsv41.kernels import fp8_gemv
+
     cfg, exact, fp8, _ = weights
     calls: list[int] = []
-    kernel_fn = W.fp8_w8a8_linear
+    kernel_fn, gemv_kernel, gemv_rows = W.fp8_w8a8_linear, fp8_gemv._gemv_kernel, []
     monkeypatch.setattr(W, "fp8_w8a8_linear", lambda x, v, s, **kw: calls.append(x.shape[0]) or kernel_fn(x, v, s, **kw))
+    monkeypatch.setattr(fp8_gemv, "_gemv_kernel", _RecordingLaunch(gemv_kernel, gemv_rows))
     be, w8a16 = triton_backend(fp8, fp8_gemm), triton_backend(fp8, "w8a16")
     name = next(n for n in fp8 if n.endswith("attn.wq_a.weight"))
     for rows in (1, 20, W.BF16_GEMM_MIN_ROWS):
         x = _bf16(rows, cfg.text.hidden_size, seed=rows).to(DEVICE)
         got, want = be.linear_fp8(x, fp8[name]), w8a16.linear_fp8(x, fp8[name])
         assert within_ulps(got.float().cpu(), want.float().cpu()), rows
-    want_calls = [1, 20, W.BF16_GEMM_MIN_ROWS] if fp8_gemm == "w8a8_f16" else [W.BF16_GEMM_MIN_ROWS]
+    want_calls = [W.BF16_GEMM_MIN_ROWS] if fp8_gemm == "tiered" else [1, 20, W.BF16_GEMM_MIN_ROWS]
     assert calls == want_calls, calls
+    assert gemv_rows == ([1] if fp8_gemm == "w8a8_gemv" else []), gemv_rows
+
+
+class _RecordingLaunch:
+    """Stands in for `fp8_gemv._gemv_kernel`: records the rows (M) of each launch, then launches."""
+
+    def __init__(self, kern, rows: list[int]) -> None:
+        self.kern, self.rows = kern, rows
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.rows.append(int(args[6]))               # M
+            return self.kern[grid](*args, **kwargs)
+        return launch
 
 
 @kernel
@@ -309,7 +327,7 @@ if not INTERPRETED:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
         from triton_checks import run_kernel_cases_in_interpreter
 
-        run_kernel_cases_in_interpreter(__file__, min_passed=8, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=10, exact=True)
 
 
 # ---- GPU: the CUDA forward as the server builds it ---------------------------------------------

@@ -1,0 +1,277 @@
+"""The CUDA-core W8A8 GEMV tier for 1–4 rows: `kernels/fp8_gemv.py` (spec §2.3, §3.8; issue 21).
+
+The oracle and the bound are `test_kernels_fp8_w8a8.py`'s (`reference.ops.linear_fp8`, or
+`linear_bf16` for `wo_a`'s W8A16 arithmetic): the tier multiplies the same quantised operands
+exactly and sums in fp32, so the tensor-core tiers' bound holds unchanged.
+
+What is pinned:
+* kernel cases (interpreter child on CPU; compiled on CUDA): within the bound at 1–4 rows for
+  fp32 and bf16 x, partial column tiles, split-K or one program, grouped `wo_a` with and without
+  activation quantisation; the oracle's bits on exact-sum inputs at every row count; the in-launch
+  split-K sum equal to the second-launch sum with the counters left at zero; a row's bits the same
+  alone and in any batch of the tier; one GEMV launch (plus one quantisation launch); mutation
+  checks (a doubled tile scale, a wrong group); the row limit;
+* main process: the tier choice (`config_for_rows(gemv=True)`) and the sm_90 builds (no spills,
+  ≤ 128 registers (fp32 x at 4 rows: ≤ 168), 16-byte weight loads, the next step's loads issued before this step's sums);
+* GPU (`gpu`): Flash shapes at 1–4 rows within the bound, split-K == one program, row invariance
+  and CUDA-graph replay with the counters.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang_dsv41.kernels import fp8_gemv as G
+from sglang_dsv41.kernels import fp8_w8a8 as W
+
+from fp8_cases import BF16, DEVICE, F32, exact_sum_case, fp8_weight, kernel
+from test_kernels_fp8_w8a8 import FLASH_SHAPES, oracle, random_x, within
+from triton_checks import compile_for_sm90, no_spills, run_kernel_cases_in_interpreter
+
+GEMV = W.GEMV_CONFIG
+ONE_PROGRAM = dataclasses.replace(GEMV, split_k=False)
+SUB2_BN32 = dataclasses.replace(GEMV, block_n=32, sub_blocks=2)
+
+
+class _CountingLaunch:
+    """Stands in for a @triton.jit kernel: records each launch's grid, then launches."""
+
+    def __init__(self, kern) -> None:
+        self.kern, self.grids = kern, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kern[grid]
+
+
+# ---- kernel cases (interpreter child / CUDA) ---------------------------------------------------
+
+@kernel
+@pytest.mark.parametrize("cfg", [GEMV, ONE_PROGRAM, SUB2_BN32], ids=["split_k", "one_program", "bn32_sub2"])
+@pytest.mark.parametrize("n,k,dtype", [(64, 256, BF16), (96, 640, F32), (160, 384, BF16)])
+def test_kernel_case_within_bound_at_every_row_count(cfg, n: int, k: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(n + k)
+    values, scales = fp8_weight(n, k, g, exp_range=(-30, 10))
+    x = random_x(4, k, g, dtype)
+    for m in (1, 2, 3, 4):
+        y = W.fp8_w8a8_linear(x[:m], values, scales, config=cfg)
+        assert y.dtype == BF16 and y.shape == (m, n)
+        ok, worst = within(y, *oracle(x[:m], values, scales))
+        assert ok, (m, worst)
+
+
+@kernel
+def test_kernel_case_exact_sums_give_the_oracle_bits_at_every_row_count() -> None:
+    """Exact-sum inputs: any order of the fp32 sums gives the same bits, so the tier, its one-program
+    form and the tensor-core decode tier all give the oracle's."""
+    g = torch.Generator().manual_seed(3)
+    values, scales, x = exact_sum_case(4, 128, 640, g)
+    ref, _ = oracle(x, values, scales)
+    for m in (1, 2, 3, 4):
+        for cfg in (GEMV, ONE_PROGRAM, SUB2_BN32):
+            assert torch.equal(W.fp8_w8a8_linear(x[:m], values, scales, config=cfg).float(), ref[:m]), (m, cfg)
+        assert torch.equal(W.fp8_w8a8_linear(x[:m], values, scales, gemv=True).float(), ref[:m]), m
+
+
+@kernel
+def test_kernel_case_split_k_sums_inside_the_launch_with_counters(monkeypatch) -> None:
+    g = torch.Generator().manual_seed(10)
+    values, scales = fp8_weight(96, 640, g, exp_range=(-20, 0))
+    x = random_x(3, 640, g, F32)
+    assert W.k_chunks(96, 640, GEMV.target_programs) > 1
+    sums, gemvs = _CountingLaunch(W._sum_chunks_kernel), _CountingLaunch(G._gemv_kernel)
+    monkeypatch.setattr(G, "_sum_chunks_kernel", sums)
+    monkeypatch.setattr(G, "_gemv_kernel", gemvs)
+    two_launch = W.fp8_w8a8_linear(x, values, scales, gemv=True)
+    assert len(sums.grids) == 1 and len(gemvs.grids) == 1
+    counters = W.split_k_counters(96, DEVICE)
+    one_launch = W.fp8_w8a8_linear(x, values, scales, gemv=True, counters=counters)
+    assert len(sums.grids) == 1 and len(gemvs.grids) == 2 and torch.equal(one_launch, two_launch)
+    assert not counters.any()
+    ok, worst = within(one_launch, *oracle(x, values, scales))
+    assert ok, worst
+
+
+@kernel
+def test_kernel_case_a_row_has_the_same_bits_alone_and_in_a_batch() -> None:
+    g = torch.Generator().manual_seed(7)
+    values, scales = fp8_weight(96, 640, g, exp_range=(-20, 0))
+    x = random_x(4, 640, g, BF16)
+    batch = W.fp8_w8a8_linear(x, values, scales, gemv=True)
+    for lo, hi in ((0, 1), (3, 4), (1, 3), (0, 3)):
+        assert torch.equal(W.fp8_w8a8_linear(x[lo:hi], values, scales, gemv=True), batch[lo:hi]), (lo, hi)
+
+
+@kernel
+@pytest.mark.parametrize("act_quant", [True, False])
+def test_kernel_case_grouped_wo_a_is_one_launch_within_the_bound(act_quant: bool, monkeypatch) -> None:
+    """`wo_a`'s grouped product (act_quant False: x rounded to BF16 inside the kernel, no
+    quantisation launch) equals the groups alone and is within the bound; W8A8 differs from W8A16."""
+    g = torch.Generator().manual_seed(9)
+    groups, rows, k = 4, 64, 160
+    values, scales = fp8_weight(groups * rows, k, g, exp_range=(-20, 0))
+    x = random_x(2, groups * k, g, F32)
+    gemvs = _CountingLaunch(G._gemv_kernel)
+    monkeypatch.setattr(G, "_gemv_kernel", gemvs)
+    y = W.fp8_w8a8_linear(x, values, scales, groups=groups, act_quant=act_quant, gemv=True)
+    assert len(gemvs.grids) == 1
+    ok, worst = within(y, *oracle(x, values, scales, groups, act_quant=act_quant))
+    assert ok, worst
+    for gi in range(groups):
+        rows_g = slice(gi * rows, (gi + 1) * rows)
+        alone = W.fp8_w8a8_linear(x[:, gi * k:(gi + 1) * k].contiguous(), values[rows_g],
+                                  scales[gi * 2:(gi + 1) * 2], act_quant=act_quant, gemv=True)
+        assert torch.equal(alone, y[:, rows_g]), gi
+    other = W.fp8_w8a8_linear(x, values, scales, groups=groups, act_quant=not act_quant, gemv=True)
+    assert not torch.equal(y, other)
+
+
+@kernel
+def test_kernel_case_bound_catches_a_wrong_tile_scale_and_a_wrong_group() -> None:
+    g = torch.Generator().manual_seed(5)
+    values, scales = fp8_weight(64, 256, g, exp_range=(-4, 0))
+    x = random_x(2, 256, g, F32)
+    ref, bound = oracle(x, values, scales)
+    doubled = scales.clone()
+    doubled[1, 3] *= 2
+    assert not within(W.fp8_w8a8_linear(x, values, doubled, gemv=True), ref, bound)[0]
+    wide, wide_scales = fp8_weight(2 * 64, 256, g, exp_range=(-4, 0))
+    x2 = random_x(1, 2 * 256, g, F32)
+    swapped = torch.cat([x2[:, 256:], x2[:, :256]], dim=1)
+    ok, _ = within(W.fp8_w8a8_linear(swapped, wide, wide_scales, groups=2, gemv=True),
+                   *oracle(x2, wide, wide_scales, 2))
+    assert not ok
+
+
+@kernel
+def test_kernel_case_row_limit_and_empty_input() -> None:
+    g = torch.Generator().manual_seed(1)
+    values, scales = fp8_weight(64, 256, g)
+    x = random_x(5, 256, g)
+    with pytest.raises(ValueError, match="gemv tier takes 1…4"):
+        W.fp8_w8a8_linear(x, values, scales, config=GEMV)
+    assert W.fp8_w8a8_linear(x[:0], values, scales, config=GEMV).shape == (0, 64)
+    assert torch.equal(W.fp8_w8a8_linear(x, values, scales, gemv=True), W.fp8_w8a8_linear(x, values, scales))
+
+
+# ---- main process ---------------------------------------------------------------------------------
+
+def test_gemv_tier_choice() -> None:
+    assert GEMV.gemv and GEMV.block_m == G.GEMV_MAX_ROWS and not GEMV.fused_quant
+    for m in (1, 2, 3, 4):
+        assert W.config_for_rows(m, gemv=True, shape=(1280, 5120, 1)) is GEMV
+    assert W.config_for_rows(5, gemv=True) is W.DECODE_CONFIG and W.config_for_rows(17, gemv=True) is W.MID_CONFIG
+    assert W.config_for_rows(1) is W.DECODE_CONFIG                     # off unless asked
+    assert [G.gemv_rows(m) for m in (1, 2, 3, 4)] == [1, 2, 4, 4]
+
+
+def _compile(rows: int, round_x: bool, block_n: int = 64, sub: int = 4, warps: int = 4):
+    consts = dict(ROWS=rows, BLOCK_N=block_n, SUB=sub, SPLIT_K=True, FIXUP=True, ROUND_X=round_x, OUT_F32=True,
+                  INTERPRET=False)
+    pointers = {"x_ptr": "*fp32" if round_x else "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
+                "out_ptr": "*fp32", "y_ptr": "*fp32", "counters_ptr": "*i32"}
+    names = list(G._gemv_kernel.arg_names)
+    sig = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in names}
+    aligned = [i for i, n in enumerate(names) if n.endswith("_ptr") or n in ("K", "N") or n.startswith("stride")]
+    return compile_for_sm90(G._gemv_kernel, sig, consts, {"num_warps": warps, "num_stages": 1},
+                            attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+
+
+def _sass(cubin: bytes) -> str:
+    import triton
+
+    path = Path("/tmp") / f"fp8_gemv_{id(cubin)}.cubin"
+    path.write_bytes(cubin)
+    try:
+        tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+        return subprocess.run([str(tool), "-c", str(path)], capture_output=True, text=True, check=True).stdout
+    finally:
+        path.unlink()
+
+
+@pytest.mark.parametrize("rows,round_x", [(1, False), (2, False), (4, False), (1, True), (4, True)])
+def test_kernel_compiles_for_hopper_without_spills(rows: int, round_x: bool) -> None:
+    if W.INTERPRETED:
+        pytest.skip("no sm_90 compile under the interpreter: the parent (compiled) process runs this")
+    compiled, usage = _compile(rows, round_x)
+    assert no_spills(usage), usage
+    # ≥ 4 programs of 4 warps per SM; fp32 x (W8A16 `wo_a`) at 4 rows holds twice the x bytes: ≥ 3
+    assert int(re.search(r"REG:(\d+)", usage).group(1)) <= (168 if round_x and rows == 4 else 128), usage
+    ptx = compiled.asm["ptx"]
+    assert "cvt.rn.f16x2.e4m3x2" in ptx and "mma" not in ptx             # E4M3 widened, CUDA-core sums
+    sass = _sass(compiled.asm["cubin"])
+    # the first step's four weight blocks (prologue) and the next step's four are all requested before
+    # the first block sum finishes (its cross-thread shuffle): ptxas kept the prefetch ahead of the sums
+    first_sum = sass.index("SHFL.BFLY")
+    assert len(re.findall(r"LDG\.E\.128", sass[:first_sum])) >= 8, sass[:first_sum]
+
+
+if not W.INTERPRETED:
+
+    def test_kernel_cases_in_triton_interpreter() -> None:
+        """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
+        run_kernel_cases_in_interpreter(__file__, min_passed=16, exact=True)
+
+
+# ---- GPU ------------------------------------------------------------------------------------------
+
+def _flash_case(n: int, k: int, m: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    values, scales = fp8_weight(n, k, g, exp_range=(-12, -4))
+    return values, scales, random_x(m, k, g)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(FLASH_SHAPES))
+def test_gpu_flash_shapes_within_bound_split_k_and_row_invariance(name: str) -> None:
+    n, k = FLASH_SHAPES[name]
+    values, scales, x = _flash_case(n, k, 4, seed=len(name))
+    counters = W.split_k_counters(n, x.device)
+    batch = W.fp8_w8a8_linear(x, values, scales, gemv=True, counters=counters)
+    assert not counters.any()
+    assert torch.equal(W.fp8_w8a8_linear(x, values, scales, gemv=True), batch)
+    assert torch.equal(W.fp8_w8a8_linear(x, values, scales, config=ONE_PROGRAM), batch)
+    for m in (1, 2, 3, 4):
+        y = W.fp8_w8a8_linear(x[:m], values, scales, gemv=True, counters=counters)
+        assert torch.equal(y, batch[:m]), m
+        ok, worst = within(y, *oracle(x[:m], values, scales))
+        assert ok, (m, worst)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act_quant", [True, False])
+def test_gpu_grouped_wo_a_at_flash_shape(act_quant: bool) -> None:
+    g = torch.Generator().manual_seed(11)
+    values, scales = fp8_weight(8192, 4096, g)
+    x = random_x(4, 8 * 4096, g)
+    counters = W.split_k_counters(8192, x.device)
+    for m in (1, 4):
+        y = W.fp8_w8a8_linear(x[:m], values, scales, groups=8, act_quant=act_quant, gemv=True, counters=counters)
+        ok, worst = within(y, *oracle(x[:m], values, scales, groups=8, act_quant=act_quant))
+        assert ok, (m, worst)
+
+
+@pytest.mark.gpu
+def test_gpu_replays_in_a_cuda_graph_with_the_counters() -> None:
+    values, scales, x = _flash_case(5120, 8192, 1, seed=3)
+    counters = W.split_k_counters(5120, x.device)
+    want = W.fp8_w8a8_linear(x, values, scales, gemv=True, counters=counters)
+    out = torch.empty_like(want)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out.copy_(W.fp8_w8a8_linear(x, values, scales, gemv=True, counters=counters))
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(W.fp8_w8a8_linear(x, values, scales, gemv=True, counters=counters))
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want) and not counters.any()
