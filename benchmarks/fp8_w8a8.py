@@ -18,10 +18,10 @@ Per point: median µs eager and as a replayed CUDA graph (`step_timing.measure`:
 256 MB L2 flush before every call), the weight bytes the pass must read (E4M3 + fp32 tile scales;
 2 B per element for BF16), GB/s and the fraction of the copy bandwidth measured in the same run
 (decode), and TFLOP/s (2·M·N·K; prefill). `per_weight`: each weight alone (graph µs) for
-`w8a8`, `fp8_linear`, `cublas_bf16`. `agreement`: whether each configuration gives the decode
+`w8a8`, `fp8_linear`, `cublas_bf16` (and `w8a8_gemv` at ≤ 4 rows when that variant runs). `agreement`: whether each configuration gives the decode
 configuration's bits (64 rows, every weight) — configurations with another chunking or MMA give
 other bits (module doc of kernels/fp8_w8a8.py).
-`accuracy`: the first rows of each weight against `reference.ops.linear_fp8` on the CPU, as a
+`accuracy` (`_gemv`: with the GEMV tier): the first rows of each weight against `reference.ops.linear_fp8` on the CPU, as a
 fraction of the tests' bound (`tests/test_kernels_fp8_w8a8.py`). Writes `fp8_w8a8.json` and
 `fp8_w8a8.png` to `--out`. CUDA only.
 
@@ -65,7 +65,16 @@ ALTERNATIVES = {"s7_decode": ((16, 64, 4, 4, 4, True, True, False, 264), (1, 64)
                 "decode_prequant_t1056": ((16, 64, 4, 4, 3, False, True, False, 1056), (1, 64)),
                 "mid_t1056": ((64, 128, 1, 4, 4, True, True, False, 1056), (17, 256)),
                 "bm16_bn64_sub8": ((16, 64, 8, 4, 4, True, True), (1, 64)),
-                "bm64_bn128_prequant": ((64, 128, 2, 4, 4, False, False), (8, 8192))}
+                "bm64_bn128_prequant": ((64, 128, 2, 4, 4, False, False), (8, 8192)),
+                # the CUDA-core GEMV tier (`kernels.fp8_gemv`, ≤ 4 rows; `gemv` = GEMV_CONFIG) and its neighbours
+                "gemv": ((4, 64, 4, 4, 1, False, True, False, 1056, False, True), (1, 4)),
+                "gemv_bn32": ((4, 32, 4, 4, 1, False, True, False, 1056, False, True), (1, 4)),
+                "gemv_bn128_w8": ((4, 128, 4, 8, 1, False, True, False, 1056, False, True), (1, 4)),
+                "gemv_sub2": ((4, 64, 2, 4, 1, False, True, False, 1056, False, True), (1, 4)),
+                "gemv_t528": ((4, 64, 4, 4, 1, False, True, False, 528, False, True), (1, 4)),
+                "gemv_t2112": ((4, 64, 4, 4, 1, False, True, False, 2112, False, True), (1, 4))}
+#: the GEMV tier's sweep (scripts/gpu/session25a.sh)
+GEMV_VARIANTS = ("gemv", "gemv_bn32", "gemv_bn128_w8", "gemv_sub2", "gemv_t528", "gemv_t2112")
 #: the sweep of scripts/gpu/speed3.sh (old vs new at decode, the levers around the new decode tier)
 SPEED3_VARIANTS = ("s7_decode", "s7_mid_fp8", "decode_t528", "decode_t2112", "decode_s4_t1056",
                    "decode_bn32_t1056", "decode_prequant_t1056", "mid_t1056")
@@ -177,21 +186,22 @@ def pass_flops(weights: list, m: int) -> int:
 
 def agreement(W, weights: list, xs: list, configs: dict) -> dict:
     """{label: bit-identical to DECODE_CONFIG on every weight} at the rows of xs, for the mid and
-    prefill tiers and every fixed configuration."""
+    prefill tiers and every fixed configuration but the GEMV tier's (≤ 4 rows)."""
     ref = [c(x) for c, x in zip(w8a8_calls(W, weights, W.DECODE_CONFIG), xs)]
-    fixed = {"mid_tier": W.MID_CONFIG, "prefill_tier": W.PREFILL_CONFIG} | {k: v for k, v in configs.items() if v}
+    fixed = ({"mid_tier": W.MID_CONFIG, "prefill_tier": W.PREFILL_CONFIG}
+             | {k: v for k, v in configs.items() if v and not getattr(v, "gemv", False)})
     return {label: all(torch.equal(c(x), r) for c, x, r in zip(w8a8_calls(W, weights, cfg), xs, ref))
             for label, cfg in fixed.items()}
 
 
-def accuracy(W, weights: list, xs: list, rows: int = 2) -> dict:
-    """{weight: worst |Δ| / bound} of the row-tier W8A8 result on the first `rows` rows against
-    `reference.ops.linear_fp8` (CPU, float64 bound as in the tests)."""
+def accuracy(W, weights: list, xs: list, rows: int = 2, gemv: bool = False) -> dict:
+    """{weight: worst |Δ| / bound} of the row-tier W8A8 result (`gemv`: with the GEMV tier) on the
+    first `rows` rows against `reference.ops.linear_fp8` (CPU, float64 bound as in the tests)."""
     from sglang_dsv41.reference import ops
 
     out = {}
     for (name, n, k, groups, v, s), x in zip(weights, xs):
-        y = W.fp8_w8a8_linear(x[:rows], v, s, groups=groups).float().cpu()
+        y = W.fp8_w8a8_linear(x[:rows], v, s, groups=groups, gemv=gemv).float().cpu()
         w = (v.float() * s.repeat_interleave(32, 0)[:n].repeat_interleave(32, 1)[:, :k]).cpu()
         worst = 0.0
         r = n // groups
@@ -250,7 +260,7 @@ def run(args: argparse.Namespace, dev: torch.device, copy_gbs: float) -> int:
     configs = variant_configs(W, args.variants)
     baselines = weight_calls(W, F, weights, bf16)
     rows, per_weight, errors = [], [], []
-    agree, acc = {}, {}
+    agree, acc, acc_gemv = {}, {}, {}
     for m in args.rows:
         xs = [torch.randn(m, groups * k, generator=g, device=dev).to(torch.bfloat16) for _, _, k, groups, *_ in weights]
         calls = {label: w8a8_calls(W, weights, cfg, None if label.startswith("w8a8_s7_") else counters)
@@ -273,7 +283,7 @@ def run(args: argparse.Namespace, dev: torch.device, copy_gbs: float) -> int:
             pw: dict = {"rows": m}
             for (name, n, k, *_), x, i in zip(weights, xs, range(len(weights))):
                 pw[name] = {}
-                for label in PER_WEIGHT:
+                for label in PER_WEIGHT + tuple(lb for lb in ("w8a8_gemv",) if lb in calls and timed_at(lb, m)):
                     try:
                         pw[name][label] = time_eager_and_graph(lambda: calls[label][i](x), args.cap_s / 2, dev)
                     except Exception as exc:
@@ -282,8 +292,9 @@ def run(args: argparse.Namespace, dev: torch.device, copy_gbs: float) -> int:
         if m == 64:
             agree = agreement(W, weights, xs, configs)
             acc = accuracy(W, weights, xs)
+            acc_gemv = accuracy(W, weights, xs, gemv=True)
             print(f"bits equal to the decode configuration at M=64: {agree}", flush=True)
-            print(f"worst |Δ|/bound vs reference.ops.linear_fp8 (2 rows): {acc}", flush=True)
+            print(f"worst |Δ|/bound vs reference.ops.linear_fp8 (2 rows): {acc}; GEMV tier: {acc_gemv}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     result = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else str(dev), layer=args.layer,
                   shapes=[(name, n, k, groups) for name, n, k, groups, *_ in weights],
@@ -292,7 +303,8 @@ def run(args: argparse.Namespace, dev: torch.device, copy_gbs: float) -> int:
                            for k, v in configs.items()},
                   bf16_gemm_min_rows=W.BF16_GEMM_MIN_ROWS,
                   row_tiers={str(lim): c.__dict__ for lim, c in W.ROW_TIERS} | {"above": W.PREFILL_CONFIG.__dict__},
-                  rows=rows, per_weight=per_weight, agreement=agree, accuracy_over_bound=acc, errors=errors,
+                  rows=rows, per_weight=per_weight, agreement=agree, accuracy_over_bound=acc,
+                  accuracy_over_bound_gemv=acc_gemv, errors=errors,
                   timing="step_timing.measure median, 256 MB L2 flush per call; graph = one CUDAGraph replay of the pass",
                   when=time.strftime("%F %T"))
     (args.out / "fp8_w8a8.json").write_text(json.dumps(result, indent=1))

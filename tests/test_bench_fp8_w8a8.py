@@ -38,7 +38,10 @@ def test_fixed_configurations_are_valid_and_distinct() -> None:
     cfgs = [W.W8A8Config(*v[0]) for v in bench.ALTERNATIVES.values()]
     assert len(set(cfgs)) == len(cfgs)
     for c in cfgs:
-        assert c.block_m in (16, 32, 64, 128) and c.block_n % 16 == 0 and 1024 % c.block_n == 0   # wo_a groups
+        assert c.block_m in ((W.GEMV_CONFIG.block_m,) if c.gemv else (16, 32, 64, 128)), c
+        assert c.block_n % 16 == 0 and 1024 % c.block_n == 0                                     # wo_a groups
+    assert W.GEMV_CONFIG in cfgs and set(bench.GEMV_VARIANTS) <= set(bench.ALTERNATIVES)
+    assert all(bench.ALTERNATIVES[v][1] == (1, W.GEMV_CONFIG.block_m) for v in bench.GEMV_VARIANTS)
     assert set(bench.variant_configs(W, None)) == {"w8a8", "w8a8_bf16_gemm"} | {f"w8a8_{k}" for k in bench.ALTERNATIVES}
     assert bench.variant_configs(W, []) == {"w8a8": None, "w8a8_bf16_gemm": bench.BF16_GEMM}
     assert bench.timed_at("w8a8_bf16_gemm", 1) and bench.timed_at("w8a8_bf16_gemm", 8192)
@@ -83,16 +86,16 @@ def test_kernel_case_end_to_end_on_cpu_with_small_shapes(tmp_path, monkeypatch) 
 
     small = [("attn.wq_a.weight", 64, 96, 1), ("attn.wo_a.weight", 128, 64, 2), ("attn.wo_b.weight", 96, 128, 1)]
     monkeypatch.setattr(bench, "layer_shapes", lambda layer: small)
-    args = bench.parse_args(["--rows", "1", "64", "--variants", "bm16_bn64_sub8", "bm64_bn128_prequant",
+    args = bench.parse_args(["--rows", "1", "64", "--variants", "bm16_bn64_sub8", "bm64_bn128_prequant", "gemv",
                              "--cap-s", "0.01", "--out", str(tmp_path)])
     status = bench.run(args, torch.device("cpu"), copy_gbs=1000.0)
     result = json.loads((tmp_path / "fp8_w8a8.json").read_text())
     assert status == 0 and result["errors"] == [], result["errors"]
     assert [p["rows"] for p in result["rows"]] == [1, 64]
     labels = {"w8a8", "w8a8_bf16_gemm", "w8a8_bm16_bn64_sub8", "w8a8_bm64_bn128_prequant", "fp8_linear", "cublas_bf16"}
-    assert set(result["rows"][0]) == {"rows"} | labels - {"w8a8_bm64_bn128_prequant"}     # timed from 8 rows
+    assert set(result["rows"][0]) == {"rows", "w8a8_gemv"} | labels - {"w8a8_bm64_bn128_prequant"}  # timed from 8 rows
     for point in result["rows"][1:]:
-        assert labels <= set(point)
+        assert labels <= set(point) and "w8a8_gemv" not in point                        # ≤ 4 rows only
         for label in labels & set(point):
             assert point[label]["eager_us"] > 0 and point[label]["bytes"] > 0 and "graph_error" in point[label]
     assert result["fp8_bytes"] == sum(n * k + 4 * (n // 32) * (k // 32) for _, n, k, _ in small)
@@ -100,9 +103,12 @@ def test_kernel_case_end_to_end_on_cpu_with_small_shapes(tmp_path, monkeypatch) 
                                         "w8a8_bm64_bn128_prequant"}
     # the interpreter's fp32 MMA: a configuration with the decode tier's chunking gives its bits
     assert result["agreement"]["w8a8_bm16_bn64_sub8"] == (W.k_chunks(64, 96, 264) == W.k_chunks(64, 96, W.DECODE_TARGET_PROGRAMS))
-    assert set(result["accuracy_over_bound"]) == {n for n, *_ in small}
-    assert all(0 <= v <= 1 for v in result["accuracy_over_bound"].values())
-    assert len(result["per_weight"]) == 2 and set(result["per_weight"][0]["attn.wo_a.weight"]) == set(bench.PER_WEIGHT)
+    for key in ("accuracy_over_bound", "accuracy_over_bound_gemv"):
+        assert set(result[key]) == {n for n, *_ in small}
+        assert all(0 <= v <= 1 for v in result[key].values())
+    assert len(result["per_weight"]) == 2
+    assert set(result["per_weight"][0]["attn.wo_a.weight"]) == set(bench.PER_WEIGHT) | {"w8a8_gemv"}     # 1 row
+    assert set(result["per_weight"][1]["attn.wo_a.weight"]) == set(bench.PER_WEIGHT)                     # 64 rows
     assert (tmp_path / "fp8_w8a8.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
 
 
