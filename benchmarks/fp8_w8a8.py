@@ -67,14 +67,15 @@ ALTERNATIVES = {"s7_decode": ((16, 64, 4, 4, 4, True, True, False, 264), (1, 64)
                 "bm16_bn64_sub8": ((16, 64, 8, 4, 4, True, True), (1, 64)),
                 "bm64_bn128_prequant": ((64, 128, 2, 4, 4, False, False), (8, 8192)),
                 # the CUDA-core GEMV tier (`kernels.fp8_gemv`, ≤ 4 rows; `gemv` = GEMV_CONFIG) and its neighbours
-                "gemv": ((4, 64, 4, 4, 1, False, True, False, 1056, False, True), (1, 4)),
-                "gemv_bn32": ((4, 32, 4, 4, 1, False, True, False, 1056, False, True), (1, 4)),
-                "gemv_bn128_w8": ((4, 128, 4, 8, 1, False, True, False, 1056, False, True), (1, 4)),
-                "gemv_sub2": ((4, 64, 2, 4, 1, False, True, False, 1056, False, True), (1, 4)),
-                "gemv_t528": ((4, 64, 4, 4, 1, False, True, False, 528, False, True), (1, 4)),
-                "gemv_t2112": ((4, 64, 4, 4, 1, False, True, False, 2112, False, True), (1, 4))}
+                "gemv": ((4, 64, 4, 4, 1, True, True, False, 1056, False, True), (1, 4)),
+                "gemv_prequant": ((4, 64, 4, 4, 1, False, True, False, 1056, False, True), (1, 4)),
+                "gemv_bn32": ((4, 32, 4, 4, 1, True, True, False, 1056, False, True), (1, 4)),
+                "gemv_bn128_w8": ((4, 128, 4, 8, 1, True, True, False, 1056, False, True), (1, 4)),
+                "gemv_sub2": ((4, 64, 2, 4, 1, True, True, False, 1056, False, True), (1, 4)),
+                "gemv_t528": ((4, 64, 4, 4, 1, True, True, False, 528, False, True), (1, 4)),
+                "gemv_t2112": ((4, 64, 4, 4, 1, True, True, False, 2112, False, True), (1, 4))}
 #: the GEMV tier's sweep (scripts/gpu/session25a.sh)
-GEMV_VARIANTS = ("gemv", "gemv_bn32", "gemv_bn128_w8", "gemv_sub2", "gemv_t528", "gemv_t2112")
+GEMV_VARIANTS = ("gemv", "gemv_prequant", "gemv_bn32", "gemv_bn128_w8", "gemv_sub2", "gemv_t528", "gemv_t2112")
 #: the sweep of scripts/gpu/speed3.sh (old vs new at decode, the levers around the new decode tier)
 SPEED3_VARIANTS = ("s7_decode", "s7_mid_fp8", "decode_t528", "decode_t2112", "decode_s4_t1056",
                    "decode_bn32_t1056", "decode_prequant_t1056", "mid_t1056")

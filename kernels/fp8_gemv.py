@@ -5,11 +5,13 @@ measures it (docs/performance.md "Session 25").
 Why a tier of its own: at one decode row the tensor-core tier multiplies 16-row MMA tiles (15 rows
 of padding) and quantises the activation again in every program; the H200 sweep found it at
 26–35 % of copy bandwidth at every launch configuration. Here the products run on the CUDA cores,
-which have time to spare at ≤ GEMV_MAX_ROWS rows, and the activation is quantised once.
+which have time to spare at ≤ GEMV_MAX_ROWS rows.
 
 Operands and rounding points are the tensor-core tiers' (`fp8_w8a8` module doc):
-1. `act_quant`: one `fake_quantize_activations_bf16` launch gives q·s_x per (row, 32 columns),
-   exact in BF16; otherwise (W8A16, `wo_a`) the kernel rounds x to BF16 itself;
+1. `act_quant`: x̂ = q·s_x per (row, 32 columns) — quantised by the kernel per block it reads
+   (`fused_quant`, `fp8_quant._quantize_groups`), or by one `fake_quantize_activations_bf16` launch
+   before it (exact in BF16): the same values, hence the same bits; otherwise (W8A16, `wo_a`) the
+   kernel rounds x to BF16 itself;
 2. one program per BLOCK_N weight rows and K chunk (`fp8_w8a8.k_chunks`, shape only); per 32-wide
    K block kb and row m, p = Σ_k x̂[m, k]·w[n, k] in fp32 — every product exact (E4M3 times an
    E4M3·2^e or BF16 value), the 32 summed by Triton's reduction tree, which equals
@@ -29,21 +31,30 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from sglang_dsv41.kernels.fp8_quant import _rne_bf16, fake_quantize_activations_bf16
+from sglang_dsv41.kernels.fp8_quant import _quantize_groups, _rne_bf16, fake_quantize_activations_bf16
 from sglang_dsv41.kernels.fp8_w8a8 import (INTERPRETED, SUM_BLOCK, TILE, W8A8Config, _bf16_bits,
                                            _sum_chunks_kernel, k_chunks)
 
 #: the most rows the kernel takes (one accumulator each)
 GEMV_MAX_ROWS = 4
+#: what the kernel does with x (`X_MODE`): take it as quantised before the launch, round it to BF16
+#: (W8A16), or quantise each 32-block itself (no extra launch; the same values q·s_x)
+X_PREQUANTISED: tl.constexpr = tl.constexpr(0)
+X_ROUND_BF16: tl.constexpr = tl.constexpr(1)
+X_QUANTISE: tl.constexpr = tl.constexpr(2)
 
 
 @triton.jit
-def _block_sum(acc, x_row, kk, x_live, wv, sw, ROUND_X: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc + (Σ over the 32-block of x̂·w)·s_w for one row: wv [BLOCK_N, 32] fp32, sw [BLOCK_N]."""
-    xv = tl.load(x_row + kk, mask=x_live, other=0.0).to(tl.float32)
-    if ROUND_X:                                                   # W8A16: x rounded to BF16
+def _block_sum(acc, x_row, kk, x_live, wv, sw, X_MODE: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc + (Σ over the 32-block of x̂·w)·s_w for one row: wv [BLOCK_N, 32] fp32, sw [BLOCK_N]; x̂ as
+    loaded (X_PREQUANTISED), rounded to BF16 (X_ROUND_BF16) or q·s_x of this block (X_QUANTISE)."""
+    xv = tl.load(x_row + kk[None, :], mask=x_live, other=0.0).to(tl.float32)     # [1, 32]
+    if X_MODE == X_ROUND_BF16:
         xv = _rne_bf16(xv) if INTERPRET else xv.to(tl.bfloat16).to(tl.float32)
-    return acc + tl.sum(wv * xv[None, :], axis=1) * sw
+    elif X_MODE == X_QUANTISE:
+        q, s = _quantize_groups(xv, INTERPRET)
+        xv = q.to(tl.float32) * s[:, None]                       # exact: E4M3 times a power of two
+    return acc + tl.sum(wv * xv, axis=1) * sw
 
 
 @triton.jit
@@ -56,17 +67,17 @@ def _load_block(w_rows, ws_rows, kb, kb_end, offs_k, n_ok):
 
 @triton.jit
 def _rows_step(acc0, acc1, acc2, acc3, x_row, stride_xm, M, kb, kb_end, offs_k, wb, sw, ROWS: tl.constexpr,
-               ROUND_X: tl.constexpr, INTERPRET: tl.constexpr):
+               X_MODE: tl.constexpr, INTERPRET: tl.constexpr):
     """Block kb of every row (one accumulator each; rows ≥ M read zeros)."""
     wv = wb.to(tl.float32)
     kk = kb * 32 + offs_k
     live = kb < kb_end
-    acc0 = _block_sum(acc0, x_row, kk, live, wv, sw, ROUND_X, INTERPRET)
+    acc0 = _block_sum(acc0, x_row, kk, live, wv, sw, X_MODE, INTERPRET)
     if ROWS > 1:
-        acc1 = _block_sum(acc1, x_row + stride_xm, kk, live & (M > 1), wv, sw, ROUND_X, INTERPRET)
+        acc1 = _block_sum(acc1, x_row + stride_xm, kk, live & (M > 1), wv, sw, X_MODE, INTERPRET)
     if ROWS > 2:
-        acc2 = _block_sum(acc2, x_row + 2 * stride_xm, kk, live & (M > 2), wv, sw, ROUND_X, INTERPRET)
-        acc3 = _block_sum(acc3, x_row + 3 * stride_xm, kk, live & (M > 3), wv, sw, ROUND_X, INTERPRET)
+        acc2 = _block_sum(acc2, x_row + 2 * stride_xm, kk, live & (M > 2), wv, sw, X_MODE, INTERPRET)
+        acc3 = _block_sum(acc3, x_row + 3 * stride_xm, kk, live & (M > 3), wv, sw, X_MODE, INTERPRET)
     return acc0, acc1, acc2, acc3
 
 
@@ -82,7 +93,7 @@ def _store_row(ptr, acc, ok, OUT_F32: tl.constexpr, ROUNDED: tl.constexpr, INTER
 def _gemv_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, y_ptr, counters_ptr, M, N, K, n_per_group, chunk_blocks, n_chunks,
                  stride_xm, stride_wn, stride_wsn, stride_oc,
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, SPLIT_K: tl.constexpr,
-                 FIXUP: tl.constexpr, ROUND_X: tl.constexpr, OUT_F32: tl.constexpr, INTERPRET: tl.constexpr):
+                 FIXUP: tl.constexpr, X_MODE: tl.constexpr, OUT_F32: tl.constexpr, INTERPRET: tl.constexpr):
     """y [M, N] (row stride N) of x [M, groups·K] and the E4M3 tiles; with SPLIT_K program (n, c)
     stores chunk c's fp32 partials to out [n_chunks, M, N] (module doc, steps 2–3). Each loop step
     first loads the next step's SUB (2 or 4) weight blocks, so their loads are in flight while this
@@ -118,15 +129,15 @@ def _gemv_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, y_ptr, counters_ptr, M, N, K, n_
             n2, t2 = _load_block(w_rows, ws_rows, nxt + 2, kb_end, offs_k, n_ok)
             n3, t3 = _load_block(w_rows, ws_rows, nxt + 3, kb_end, offs_k, n_ok)
         acc0, acc1, acc2, acc3 = _rows_step(acc0, acc1, acc2, acc3, x_row, stride_xm, M, kb0, kb_end, offs_k, w0, s0,
-                                            ROWS, ROUND_X, INTERPRET)
+                                            ROWS, X_MODE, INTERPRET)
         acc0, acc1, acc2, acc3 = _rows_step(acc0, acc1, acc2, acc3, x_row, stride_xm, M, kb0 + 1, kb_end, offs_k, w1,
-                                            s1, ROWS, ROUND_X, INTERPRET)
+                                            s1, ROWS, X_MODE, INTERPRET)
         w0, s0, w1, s1 = n0, t0, n1, t1
         if SUB == 4:
             acc0, acc1, acc2, acc3 = _rows_step(acc0, acc1, acc2, acc3, x_row, stride_xm, M, kb0 + 2, kb_end, offs_k,
-                                                w2, s2, ROWS, ROUND_X, INTERPRET)
+                                                w2, s2, ROWS, X_MODE, INTERPRET)
             acc0, acc1, acc2, acc3 = _rows_step(acc0, acc1, acc2, acc3, x_row, stride_xm, M, kb0 + 3, kb_end, offs_k,
-                                                w3, s3, ROWS, ROUND_X, INTERPRET)
+                                                w3, s3, ROWS, X_MODE, INTERPRET)
             w2, s2, w3, s3 = n2, t2, n3, t3
     if SPLIT_K:
         dst = out_ptr + tl.program_id(1).to(tl.int64) * stride_oc + offs_n
@@ -163,7 +174,9 @@ def gemv_rows(m: int) -> int:
 def gemv_launch(x: Tensor, values: Tensor, scales: Tensor, cfg: W8A8Config, *, groups: int, act_quant: bool,
                 counters: Tensor | None, out_dtype: torch.dtype) -> Tensor:
     """y [M, N] of checked operands (`fp8_w8a8_linear`'s) on `_gemv_kernel` with cfg.block_n rows per
-    program (halved until it divides a group) and cfg.sub_blocks K blocks per loop step; M ≤ GEMV_MAX_ROWS."""
+    program (halved until it divides a group) and cfg.sub_blocks K blocks per loop step; M ≤ GEMV_MAX_ROWS.
+    `act_quant` with cfg.fused_quant: the kernel quantises x itself, else one launch does first (the
+    same values, so the same bits)."""
     M, N, K = x.shape[0], values.shape[0], values.shape[1]
     y = torch.empty(M, N, dtype=out_dtype, device=x.device)
     if M == 0:
@@ -175,7 +188,10 @@ def gemv_launch(x: Tensor, values: Tensor, scales: Tensor, cfg: W8A8Config, *, g
         block_n //= 2
     if block_n < 16:
         raise ValueError(f"fp8 gemv: {n_per_group} rows per group need a 16-row divisor")
-    xq = fake_quantize_activations_bf16(x) if act_quant else (x if x.stride(1) == 1 else x.contiguous())
+    if act_quant and not cfg.fused_quant:
+        xq, x_mode = fake_quantize_activations_bf16(x), X_PREQUANTISED
+    else:
+        xq, x_mode = (x if x.stride(1) == 1 else x.contiguous()), (X_QUANTISE if act_quant else X_ROUND_BF16)
     chunks = k_chunks(N, K, cfg.target_programs)
     chunk_blocks = -(-(K // TILE) // chunks)
     split = cfg.split_k and chunks > 1
@@ -186,7 +202,7 @@ def gemv_launch(x: Tensor, values: Tensor, scales: Tensor, cfg: W8A8Config, *, g
     _gemv_kernel[grid](xq, values, scales, out, y, counters if fixup else y, M, N, K, n_per_group, chunk_blocks,
                        chunks, xq.stride(0), values.stride(0), scales.stride(0), M * N if split else 0,
                        ROWS=rows, BLOCK_N=block_n, SUB=cfg.sub_blocks, SPLIT_K=split, FIXUP=fixup,
-                       ROUND_X=not act_quant, OUT_F32=out_dtype == torch.float32, INTERPRET=INTERPRETED, **launch)
+                       X_MODE=x_mode, OUT_F32=out_dtype == torch.float32, INTERPRET=INTERPRETED, **launch)
     if split and not fixup:
         size = M * N
         _sum_chunks_kernel[(triton.cdiv(size, SUM_BLOCK),)](out, y, chunks, size, BLOCK=SUM_BLOCK,

@@ -95,7 +95,8 @@ class W8A8Config:
     `target_programs`: the program count `k_chunks` aims at (shape-only); `swap_ab`: the weight
     block is the MMA's first operand (yᵀ tile = W·xqᵀ: BLOCK_N weight rows on the MMA's M side,
     BLOCK_M x rows on its N side), the same products and sums in the same order; `gemv`: the CUDA-core
-    kernel of `kernels.fp8_gemv` (BLOCK_M = its most rows, x quantised once before it)."""
+    kernel of `kernels.fp8_gemv` (BLOCK_M = its most rows; `fused_quant` False: x quantised by a launch
+    before it)."""
     block_m: int
     block_n: int
     sub_blocks: int
@@ -122,9 +123,9 @@ PREFILL_CONFIG = W8A8Config(64, 256, 1, 8, 3, fused_quant=False, split_k=False)
 MID_FP8_CONFIG = W8A8Config(64, 128, 1, 4, 4, fused_quant=True, split_k=True, fp8_mma=True)
 #: session 7's decode tier (4 stages, ≈ 2 programs per SM), kept for old-vs-new measurements
 DECODE_S7_CONFIG = W8A8Config(16, 64, 4, 4, 4, fused_quant=True, split_k=True)
-#: the opt-in `gemv` tier (`kernels.fp8_gemv`, ≤ 4 rows): 64 weight rows and 4 K blocks per step, split-K
-#: to the decode tier's target
-GEMV_CONFIG = W8A8Config(4, 64, 4, 4, 1, fused_quant=False, split_k=True, target_programs=DECODE_TARGET_PROGRAMS,
+#: the opt-in `gemv` tier (`kernels.fp8_gemv`, ≤ 4 rows): 64 weight rows and 4 K blocks per step, x quantised
+#: inside the kernel, split-K to the decode tier's target
+GEMV_CONFIG = W8A8Config(4, 64, 4, 4, 1, fused_quant=True, split_k=True, target_programs=DECODE_TARGET_PROGRAMS,
                          gemv=True)
 #: rows → configuration: the first tier whose row limit is ≥ M (`fp8_mma`: FP8_MMA_ROW_TIERS)
 ROW_TIERS: tuple[tuple[int, W8A8Config], ...] = ((16, DECODE_CONFIG), (256, MID_CONFIG))

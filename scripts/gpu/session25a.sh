@@ -20,7 +20,7 @@ OUT=$OUT/tests BUDGET=$TEST_S \
 echo "== gpu tests rc=$?"
 s=$(cap "$FP8_S")
 timeout -s INT -k 10 "$s" python3 benchmarks/fp8_w8a8.py --rows 1 2 4 8 --per-weight-rows 1 --cap-s 0.1 \
-  --variants gemv gemv_bn32 gemv_bn128_w8 gemv_sub2 gemv_t528 gemv_t2112 --out "$OUT/fp8" >"$OUT/logs/fp8.log" 2>&1
+  --variants gemv gemv_prequant gemv_bn32 gemv_bn128_w8 gemv_sub2 gemv_t528 gemv_t2112 --out "$OUT/fp8" >"$OUT/logs/fp8.log" 2>&1
 result fp8_w8a8 rc=$?
 grep -v -i warn "$OUT/logs/fp8.log" | tail -12
 model_step() {  # LABEL ENV=VALUE...
