@@ -437,7 +437,7 @@ def routed_expert_outputs(x: Tensor, topk_ids: Tensor, experts: PreparedMxfp4Exp
     With `allow_absent`, ids −1 mark slots not computed here (`make_routing_plan`); their rows of
     y are unwritten memory and must be masked by the caller. T ≥ 1."""
     _check_call(x, topk_ids, experts)
-    plan = make_routing_plan(topk_ids, experts.n_experts, allow_absent=allow_absent)
+    plan = make_routing_plan(topk_ids, experts.n_experts, allow_absent=allow_absent, check_ids=check_ids)
     xp = x.contiguous()
     if experts.hidden_padded != experts.hidden:
         xp = F.pad(xp, (0, experts.hidden_padded - experts.hidden))

@@ -20,6 +20,7 @@ import importlib.util
 import math
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -175,6 +176,31 @@ def test_routing_plan_groups_slots_by_expert() -> None:
     assert torch.equal(unchecked.sorted_slots, plan.sorted_slots) and torch.equal(unchecked.slot_rows, plan.slot_rows)
     with pytest.raises(ValueError, match="integer"):
         mx.make_routing_plan(ids.float(), E)
+
+
+@pytest.mark.parametrize("check_ids", [True, False])
+def test_expert_outputs_pass_check_ids_to_the_routing_plan(check_ids: bool, monkeypatch) -> None:
+    """`routed_expert_outputs(check_ids=False)` (the runtime's call: router ids are in range) builds its
+    plan without the device-side range assertion (one launch fewer per MoE layer); the default checks."""
+    seen = []
+
+    class Planned(Exception):
+        pass
+
+    def plan(*args, **kwargs):
+        seen.append(kwargs.get("check_ids", True))
+        raise Planned
+
+    experts = SimpleNamespace(n_experts=4)
+    monkeypatch.setattr(mx, "_check_call", lambda *a: None)
+    monkeypatch.setattr(mx, "make_routing_plan", plan)
+    with pytest.raises(Planned):
+        mx.routed_expert_outputs(torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(1, 2, dtype=torch.int64),
+                                 experts, swiglu_limit=10.0, check_ids=check_ids)
+    with pytest.raises(Planned):
+        mx.routed_experts_mxfp4(torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(1, 2, dtype=torch.int64),
+                                torch.ones(1, 2), experts, swiglu_limit=10.0, routed_scale=1.0, check_ids=check_ids)
+    assert seen == [check_ids, check_ids]
 
 
 def test_decode_flags_parse_and_scope_restores_the_constraints() -> None:
