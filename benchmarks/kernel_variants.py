@@ -36,7 +36,7 @@ from torch import Tensor
 
 #: MoE launch-flag sets tried at decode (triton_kernels' opt-flag constraints); KERNEL_VARIANTS_MOE_FLAGS
 #: replaces them (sets separated by ";", "none" for none: each set compiles two GEMMs)
-MOE_FLAG_SETS = ("block_k=256", "block_k=64", "num_stages=5", "block_m=16,num_stages=4")
+MOE_FLAG_SETS = ("block_k=256", "block_k=64", "num_stages=5", "block_m=16,num_stages=4", "split_k=2", "split_k=4")
 MOE_FLAGS_ENV = "KERNEL_VARIANTS_MOE_FLAGS"
 
 

@@ -76,11 +76,8 @@ path of spec §3.8; the swizzles above are Hopper's).
 """
 from __future__ import annotations
 
-import contextlib
-import os
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable
 
 import numpy as np
 import torch
@@ -88,7 +85,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton_kernels.matmul_ogs_details import opt_flags as _opt_flags
 from triton_kernels.matmul_ogs import (FlexCtx, FnSpecs, FusedActivation, GatherIndx, PrecisionConfig,
                                        RoutingData, matmul_ogs)
 from triton_kernels.numerics import InFlexData
@@ -96,7 +92,11 @@ from triton_kernels.tensor import Tensor as TKTensor
 from triton_kernels.tensor import make_ragged_tensor_metadata, make_ragged_tensor_metadata_torch
 from triton_kernels.tensor_details.ragged_tensor import RaggedTensorMetadata
 
-# load-time conversion (kernels/moe_mxfp4_weights.py), re-exported: callers import it from here
+# launch flags (kernels/moe_mxfp4_flags.py) and load-time conversion (kernels/moe_mxfp4_weights.py),
+# re-exported: callers import them from here
+from sglang_dsv41.kernels.moe_mxfp4_flags import (DECODE_FLAG_KEYS, DECODE_FLAG_MAX_TOKENS, DECODE_FLAGS_ENV,
+                                                 PREFILL_FLAGS_ENV, decode_flags, decode_flags_scope, launch_flags,
+                                                 parse_decode_flags, prefill_flags, with_decode_flags)
 from sglang_dsv41.kernels.moe_mxfp4_weights import (HIDDEN_ALIGN, INTERMEDIATE_ALIGN, PREPARE_CHUNK, SCALE_NUM_WARPS,
                                                    UE8M0_ONE, PreparedMxfp4Experts, dequantize_prepared,
                                                    prepare_mxfp4_experts, prepare_mxfp4_stacked)
@@ -360,73 +360,6 @@ def _check_call(x: Tensor, topk_ids: Tensor, experts: PreparedMxfp4Experts) -> N
         raise ValueError(f"experts live on {experts.w13.storage.data.device}, x on {x.device}")
     if topk_ids.shape[0] != x.shape[0] or topk_ids.device != x.device:
         raise ValueError("topk_ids must be [T, k] on x's device")
-
-
-# ---------------------------------------------------------------------------------------------
-# Launch flags at decode (issue 21: opt-in until measured, docs/performance.md "session 11") and prefill ("Session 13")
-# ---------------------------------------------------------------------------------------------
-#: triton_kernels opt-flag constraints the decode switch may set (Hopper MXFP4: no TMA, so no
-#: `is_persistent`; no `split_k`: triton_kernels refuses to force it on MX weights, "cannot enforce
-#: `split_k=True` constraint" on the H200, docs/performance.md "Session 23").
-DECODE_FLAG_KEYS = ("block_m", "block_k", "num_stages", "epilogue_subtile")
-DECODE_FLAGS_ENV = "SGLANG_DSV41_MOE_DECODE_FLAGS"
-#: calls with at most this many tokens take the decode flags
-DECODE_FLAG_MAX_TOKENS = 16
-#: the same constraints for calls of more tokens (prefill; opt-in, docs/performance.md "Session 13")
-PREFILL_FLAGS_ENV = "SGLANG_DSV41_MOE_PREFILL_FLAGS"
-
-
-def parse_decode_flags(text: str, env: str = DECODE_FLAGS_ENV) -> dict[str, int]:
-    """"block_k=256,num_stages=4" → {"block_k": 256, "num_stages": 4}; "" → {}; an unknown key or
-    a non-positive / non-integer value raises ValueError (naming `env`)."""
-    flags: dict[str, int] = {}
-    for item in filter(None, (p.strip() for p in text.split(","))):
-        key, _, value = item.partition("=")
-        key = key.strip()
-        if key not in DECODE_FLAG_KEYS or not value.strip().isdigit() or int(value) < 1:
-            raise ValueError(f"{env}: bad item {item!r} (expected key=positive int, key in "
-                             f"{DECODE_FLAG_KEYS})")
-        flags[key] = int(value)
-    return flags
-
-
-@lru_cache(maxsize=1)
-def decode_flags() -> dict[str, int]:
-    """The decode flags SGLANG_DSV41_MOE_DECODE_FLAGS names (read once; {} = triton_kernels' own)."""
-    return parse_decode_flags(os.environ.get(DECODE_FLAGS_ENV, ""))
-
-
-@lru_cache(maxsize=1)
-def prefill_flags() -> dict[str, int]:
-    """The flags SGLANG_DSV41_MOE_PREFILL_FLAGS names for calls of more than DECODE_FLAG_MAX_TOKENS
-    tokens (read once; `prefill_flags.cache_clear()` re-reads; {} = triton_kernels' own)."""
-    return parse_decode_flags(os.environ.get(PREFILL_FLAGS_ENV, ""), PREFILL_FLAGS_ENV)
-
-
-def launch_flags(tokens: int) -> dict[str, int]:
-    """The opt-flag constraints of a call of `tokens` tokens: decode flags up to
-    DECODE_FLAG_MAX_TOKENS, else the prefill flags."""
-    return decode_flags() if tokens <= DECODE_FLAG_MAX_TOKENS else prefill_flags()
-
-
-@contextlib.contextmanager
-def decode_flags_scope(flags: dict[str, int]):
-    """triton_kernels' opt-flag constraints set to `flags` inside (process-global; reset on exit,
-    also after an exception); nothing for {}."""
-    if not flags:
-        yield
-        return
-    _opt_flags.update_opt_flags_constraints(dict(flags))
-    try:
-        yield
-    finally:
-        _opt_flags.reset_opt_flags_constraints()
-
-
-def with_decode_flags(flags: dict[str, int], fn: Callable[[], Tensor]) -> Tensor:
-    """fn() inside `decode_flags_scope(flags)`."""
-    with decode_flags_scope(flags):
-        return fn()
 
 
 def routed_expert_outputs(x: Tensor, topk_ids: Tensor, experts: PreparedMxfp4Experts, *, swiglu_limit: float,

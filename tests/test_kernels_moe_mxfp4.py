@@ -17,6 +17,7 @@ fp32 chunk accumulation (Hopper-like) checks that the bound holds and that the o
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import math
 import os
 import sys
@@ -207,7 +208,8 @@ def test_decode_flags_parse_and_scope_restores_the_constraints() -> None:
     from triton_kernels.matmul_ogs_details import opt_flags
     assert mx.parse_decode_flags(" block_k=256, num_stages=4 ") == {"block_k": 256, "num_stages": 4}
     assert mx.parse_decode_flags("") == {}
-    for bad in ("is_persistent=1", "block_k=0", "block_k=x", "block_n=128", "split_k=2"):   # split_k: refused on MX
+    assert mx.parse_decode_flags("split_k=2,block_k=256") == {"split_k": 2, "block_k": 256}
+    for bad in ("is_persistent=1", "block_k=0", "block_k=x", "block_n=128", "split_k=9"):
         with pytest.raises(ValueError, match="SGLANG_DSV41_MOE_DECODE_FLAGS"):
             mx.parse_decode_flags(bad)
     seen = []
@@ -215,6 +217,53 @@ def test_decode_flags_parse_and_scope_restores_the_constraints() -> None:
         mx.with_decode_flags({"block_k": 64}, lambda: seen.append(dict(opt_flags._opt_flags_constraints))
                              or (_ for _ in ()).throw(RuntimeError("inside")))
     assert seen == [{"block_k": 64}] and opt_flags._opt_flags_constraints == {}
+
+
+def _opt_flag_arguments(can_use_split_k: bool) -> dict:
+    """Arguments of `triton_kernels.matmul_ogs.make_opt_flags` for a call that reaches its split-K check."""
+    from triton_kernels import matmul_ogs as ogs
+
+    args = dict.fromkeys(inspect.signature(ogs.make_opt_flags).parameters)
+    args.update(precision_config=SimpleNamespace(enforce_bitwise_invariance=False), can_use_persistent_tma=False,
+                can_use_split_k=can_use_split_k)
+    return args
+
+
+def test_split_k_flag_lifts_the_mx_refusal_for_the_scoped_call_only(monkeypatch) -> None:
+    """triton_kernels refuses a split-K constraint when `matmul_ogs` says can_use_split_k=False (MX weights);
+    inside `decode_flags_scope` with split_k > 1 its `make_opt_flags` is asked with True, and the module's
+    function is restored afterwards (also after an error). Fails when the target moves."""
+    from triton_kernels import matmul_ogs as ogs
+    from triton_kernels.matmul_ogs_details import opt_flags
+    from sglang_dsv41.kernels import moe_mxfp4_flags as flags
+
+    assert "can_use_split_k = " in inspect.getsource(ogs.matmul_ogs) and "make_opt_flags(" in inspect.getsource(
+        ogs.matmul_ogs)                                          # the refusal and the call the scope redirects
+    opt_flags.update_opt_flags_constraints({"split_k": 2})
+    try:
+        with pytest.raises(opt_flags.InapplicableConstraint, match="split_k"):
+            ogs.make_opt_flags(**_opt_flag_arguments(can_use_split_k=False))
+    finally:
+        opt_flags.reset_opt_flags_constraints()
+    asked = []
+    real = ogs.make_opt_flags
+
+    def recorder(*args, can_use_split_k, **kwargs):
+        asked.append((can_use_split_k, dict(opt_flags._opt_flags_constraints)))
+
+    monkeypatch.setattr(ogs, "make_opt_flags", recorder)
+    for scoped, want in (({"split_k": 2}, True), ({"block_k": 256}, False), ({"split_k": 1}, False)):
+        with mx.decode_flags_scope(scoped):
+            ogs.make_opt_flags(**_opt_flag_arguments(can_use_split_k=False))
+        assert asked.pop() == (want, scoped) and ogs.make_opt_flags is recorder
+    with pytest.raises(RuntimeError, match="inside"):
+        mx.with_decode_flags({"split_k": 4}, lambda: (_ for _ in ()).throw(RuntimeError("inside")))
+    assert ogs.make_opt_flags is recorder and opt_flags._opt_flags_constraints == {}
+    monkeypatch.setattr(ogs, "make_opt_flags", lambda x: x)                 # the parameter is gone: loud
+    with pytest.raises(RuntimeError, match="can_use_split_k"):
+        with flags.mx_split_k_allowed():
+            pass
+    assert real is not recorder
 
 
 def test_prefill_flags_apply_above_the_decode_tokens(monkeypatch) -> None:
@@ -562,12 +611,13 @@ def test_routed_experts_match_reference_on_gpu(E: int, H: int, I: int, k: int, T
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("flags", ["block_k=256", "block_k=64", "num_stages=5", "block_m=16,num_stages=4"])
-def test_routed_experts_with_decode_flags_on_gpu(flags: str) -> None:
+@pytest.mark.parametrize("flags,T", [("block_k=256", 1), ("block_k=64", 1), ("num_stages=5", 1),
+                                     ("block_m=16,num_stages=4", 1), ("split_k=2", 1), ("split_k=4", 1),
+                                     ("split_k=2", 8), ("split_k=2,block_k=256", 1)])
+def test_routed_experts_with_decode_flags_on_gpu(flags: str, T: int) -> None:
     """SGLANG_DSV41_MOE_DECODE_FLAGS candidates (benchmarks/kernel_variants.py MOE_FLAG_SETS) at the
-    Flash shape, T = 1: the same bound as the default launch."""
+    Flash shape, T = 1 (split-K also at 8): the same bound as the default launch."""
     dev = _hopper()
-    T = 1
     raw, p, x, ids, w = _flash_batch(T, 77, dev)
     out = mx.with_decode_flags(mx.parse_decode_flags(flags),
                                lambda: mx.routed_experts_mxfp4(x, ids, w, p, swiglu_limit=LIMIT, routed_scale=SCALE))
