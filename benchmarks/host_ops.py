@@ -161,8 +161,9 @@ def cpu_as_cuda() -> None:
     mx._check_call = lambda x, ids, experts: check(x, ids, experts) if x.is_cuda else None
     mx.matmul_ogs = fake_matmul_ogs
     plan = mx.make_routing_plan
-    mx.make_routing_plan = lambda ids, n, *, allow_absent=False, fused=None: plan(
-        ids, n, allow_absent=allow_absent, fused=0 < ids.numel() <= mx.FUSED_ORDER_MAX_SLOTS if fused is None else fused)
+    mx.make_routing_plan = lambda ids, n, *, allow_absent=False, fused=None, check_ids=True: plan(
+        ids, n, allow_absent=allow_absent, fused=0 < ids.numel() <= mx.FUSED_ORDER_MAX_SLOTS if fused is None else fused,
+        check_ids=check_ids)
     mx.make_ragged_tensor_metadata_torch = mx.make_ragged_tensor_metadata
     BatchLayout.host_checks = property(lambda self: False)          # as on CUDA (`BatchLayout.host_checks`)
 

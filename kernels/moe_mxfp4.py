@@ -250,11 +250,12 @@ def clamped_swiglu_tile(acc, limit):
 
 
 @triton.jit
-def _combine_kernel(Y, stride_y, SlotRows, Weights, Out, stride_out, scale, H,
-                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+def _combine_kernel(Y, stride_y, SlotRows, Weights, Out, stride_out, Shared, stride_shared, scale, H,
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, ADD_SHARED: tl.constexpr):
     """Out[t, :H] = bf16(fp32(scale · R)), R = Σ_j Weights[t, j] · Y[SlotRows[t·k + j], :H] in fp32
     in slot order from +0, each product rounded before its add (`numerics.rounding.slot_sum_fp32`,
-    upstream's finalize); `+ 0.0` keeps the compiler from contracting product and add into an FMA."""
+    upstream's finalize); `+ 0.0` keeps the compiler from contracting product and add into an FMA.
+    ADD_SHARED: Out = bf16(Shared + that) instead (the MoE sublayer's finalize, `moe_ops._finalize`)."""
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -267,6 +268,9 @@ def _combine_kernel(Y, stride_y, SlotRows, Weights, Out, stride_out, scale, H,
         p = p + 0.0
         acc = acc + p
     v = round_to_bf16(acc * scale)
+    if ADD_SHARED:
+        v = round_to_bf16(tl.load(Shared + t.to(tl.int64) * stride_shared + cols, mask=mask, other=0.0).to(tl.float32)
+                          + v)
     tl.store(Out + t.to(tl.int64) * stride_out + cols, v.to(Out.dtype.element_ty), mask=mask)
 
 
@@ -318,21 +322,29 @@ def _exact_fp32(v: float, what: str) -> float:
 
 
 def combine_routed(y_rows: Tensor, plan: RoutingPlan, topk_weights: Tensor, routed_scale: float,
-                   hidden: int) -> Tensor:
+                   hidden: int, shared: Tensor | None = None) -> Tensor:
     """[T, hidden] bf16 = bf16(fp32(routed_scale · R)), R = Σ_j w[t,j] · y_rows[slot_rows[t·k+j]] in fp32
     in slot order (the reference's finalize for routed_scale = 1, as the runtime calls it).
-    `y_rows` [T·k, ≥hidden] BF16 per-slot expert outputs in grouped order."""
+    `y_rows` [T·k, ≥hidden] BF16 per-slot expert outputs in grouped order. With `shared` [T, hidden]
+    (the shared expert's output): fp32 [T, hidden] = bf16(shared + that), the MoE sublayer's result in
+    the same launch (bit for bit `bf16(shared + combine_routed(...).float())`)."""
     T, k = plan.n_tokens, plan.top_k
     if tuple(topk_weights.shape) != (T, k) or topk_weights.dtype != torch.float32:
         raise ValueError(f"topk_weights must be fp32 [{T}, {k}], got {topk_weights.dtype} {tuple(topk_weights.shape)}")
     if y_rows.shape[0] != T * k or y_rows.shape[1] < hidden or y_rows.stride(1) != 1:
         raise ValueError(f"y_rows must be [{T * k}, ≥{hidden}] with unit column stride, got {tuple(y_rows.shape)}")
-    out = torch.empty(T, hidden, dtype=torch.bfloat16, device=y_rows.device)
+    if shared is not None and (tuple(shared.shape) != (T, hidden) or shared.stride(1) != 1
+                               or shared.device != y_rows.device):
+        raise ValueError(f"shared must be [{T}, {hidden}] with unit column stride on {y_rows.device}, got "
+                         f"{tuple(shared.shape)} on {shared.device}")
+    out = torch.empty(T, hidden, dtype=torch.bfloat16 if shared is None else torch.float32, device=y_rows.device)
     if T:
         grid = (T, triton.cdiv(hidden, COMBINE_BLOCK_H))
         _combine_kernel[grid](y_rows, y_rows.stride(0), plan.slot_rows, topk_weights.contiguous(), out,
-                              out.stride(0), _exact_fp32(routed_scale, "routed_scale"), hidden,
-                              TOP_K=k, BLOCK_H=COMBINE_BLOCK_H)
+                              out.stride(0), out if shared is None else shared,
+                              0 if shared is None else shared.stride(0),
+                              _exact_fp32(routed_scale, "routed_scale"), hidden,
+                              TOP_K=k, BLOCK_H=COMBINE_BLOCK_H, ADD_SHARED=shared is not None)
     return out
 
 

@@ -478,6 +478,15 @@ def test_combine_is_the_reference_finalize(interpreted, T: int, k: int, H: int) 
         interpreted.combine_routed(y_rows, plan, w.double(), SCALE, H)
     with pytest.raises(ValueError, match="routed_scale"):
         interpreted.combine_routed(y_rows, plan, w, 0.1, H)
+    # with the shared expert's output: the MoE finalize bf16(S + bf16(R)) in the same launch, as fp32
+    shared = bf16(torch.randn(T, H, generator=g) * 3)
+    shared[0, :4] = torch.tensor([float("inf"), -0.0, 3.3895314e38, float("nan")])
+    both = interpreted.combine_routed(y_rows, plan, w, SCALE, H, shared=shared)
+    want = bf16(shared + out.float())
+    assert both.dtype == torch.float32 and torch.equal(both.isnan(), want.isnan())
+    assert torch.equal(both.nan_to_num(), want.nan_to_num())
+    with pytest.raises(ValueError, match="shared must be"):
+        interpreted.combine_routed(y_rows, plan, w, SCALE, H, shared=shared[:, :-1])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -162,8 +162,8 @@ def _cuda_path_engine(engine: TorchForward, monkeypatch, calls: list[str]) -> To
         weights[moe_ops.routed_experts_key(f"layers.{i}.")] = moe_ops.RoutedExpertsMxfp4.build(
             stacked, range(E), E, CPU)
 
-    def routed_experts_mxfp4(x, topk_ids, topk_weights, experts, *, swiglu_limit, routed_scale, check_ids=True):
-        assert check_ids is False                 # the runtime skips the id assert (its router's ids are < E)
+    def routed_expert_outputs(x, topk_ids, experts, *, swiglu_limit, allow_absent=False, check_ids=True):
+        assert check_ids is False and not allow_absent   # the runtime skips the id assert (its router's ids are < E)
         with suspended():                         # the stand-in's own math: exact float64
             calls.append("moe")
             xs = x.float()
@@ -171,10 +171,16 @@ def _cuda_path_engine(engine: TorchForward, monkeypatch, calls: list[str]) -> To
             for e in range(experts.n_experts):
                 y = routed_expert(xs, experts.w1[e], experts.w2[e], experts.w3[e], swiglu_limit).double()
                 per_slot += (topk_ids == e).unsqueeze(-1) * y.unsqueeze(1)
-            summed = (topk_weights.double().unsqueeze(-1) * per_slot).sum(dim=1)
-            return bf16((routed_scale * summed).float()).to(torch.bfloat16)
+            return per_slot, SimpleNamespace(n_tokens=topk_ids.shape[0], top_k=topk_ids.shape[1])
 
-    monkeypatch.setattr(moe_mxfp4, "routed_experts_mxfp4", routed_experts_mxfp4)
+    def combine_routed(per_slot, plan, topk_weights, routed_scale, hidden, shared=None):
+        assert shared is not None and shared.dtype == torch.float32    # the finalize in the combine's launch
+        with suspended():
+            summed = (topk_weights.double().unsqueeze(-1) * per_slot).sum(dim=1)
+            return bf16(shared + bf16((routed_scale * summed).float()))
+
+    monkeypatch.setattr(moe_mxfp4, "routed_expert_outputs", routed_expert_outputs)
+    monkeypatch.setattr(moe_mxfp4, "combine_routed", combine_routed)
     monkeypatch.setattr(moe_ops, "_moe_cpu", moe_ops._moe_cuda)
     cuda_like = TorchForward(cfg, weights, engine.hasher, engine.numerics, engine.tp,
                              backend=TensorCoreProducts(BlockedBf16Gemm(DenseWeightCache.from_weights(weights))))

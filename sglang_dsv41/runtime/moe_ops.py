@@ -204,7 +204,9 @@ def _moe_cuda(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], pref
               reduce: RoutedReduce | None, shared: SharedExpert | None = None,
               side: SideStream | InlineStream = INLINE) -> Tensor:
     """Routing + shared expert on the backend; routed experts through the MXFP4 kernel. The shared
-    expert is forked to `side` (`runtime/overlap.py`) and joined when the routed sum is final."""
+    expert is forked to `side` (`runtime/overlap.py`) and joined before the routed sum is final: on a
+    single rank its output goes into the combine's launch (`combine_routed(shared=)`, `_finalize`'s
+    rounding), sharded or expert-parallel calls finalise in torch after the reduction."""
     from ..kernels import moe_mxfp4 as mx
 
     p = f"{prefix}ffn."
@@ -227,10 +229,13 @@ def _moe_cuda(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], pref
     xb = x.to(torch.bfloat16)                       # x holds BF16 values: exact
     weights = scaled_weights(cfg, routing.weights)
     if experts is None and reduce is None and not pending_shared.result[1]:     # host flag: no device read
-        routed = mx.routed_experts_mxfp4(xb, routing.experts, weights, held_ref.prepared, swiglu_limit=limit,
-                                         routed_scale=1.0, check_ids=False).to(F32)   # ids < E: the router's
+        if T == 0:
+            return bf16(side.join(pending_shared)[0])
+        y, plan = mx.routed_expert_outputs(xb, routing.experts, held_ref.prepared, swiglu_limit=limit,
+                                           check_ids=False)                     # ids < E: the router's
         shared_out, _ = side.join(pending_shared)
-        return bf16(shared_out + routed)
+        # bf16(S + bf16(R)) in the combine's launch (`_finalize`'s rounding, no cast / add / round launches)
+        return mx.combine_routed(y, plan, weights, 1.0, H, shared=shared_out.to(F32).contiguous())
     local = held_ref.local_index[routing.experts]                       # [T, k], −1 = other shard
     per_slot = torch.full((T, k, H), -0.0, dtype=be.acc, device=x.device)
     if T:
