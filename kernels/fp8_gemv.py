@@ -17,7 +17,7 @@ Operands and rounding points are the tensor-core tiers' (`fp8_w8a8` module doc):
    E4M3·2^e or BF16 value), the 32 summed by Triton's reduction tree, which equals
    s_x·Σ_k q·w exactly (power-of-two scaling) — then acc_m += p·s_w[n/32, kb], kb ascending;
 3. the chunk partials summed in ascending order from 0 (inside the launch with `counters`, else
-   `fp8_w8a8._sum_chunks_kernel`), one BF16 rounding.
+   `fp8_w8a8.sum_chunks`), one BF16 rounding.
 
 Error: the tensor-core tiers' bound (exact products, fp32 sums). Bits: only the order inside a
 32-block differs from the MMA tiers, so the tier boundary changes bits (as between the other
@@ -32,8 +32,7 @@ import triton.language as tl
 from torch import Tensor
 
 from sglang_dsv41.kernels.fp8_quant import _quantize_groups, _rne_bf16, fake_quantize_activations_bf16
-from sglang_dsv41.kernels.fp8_w8a8 import (INTERPRETED, SUM_BLOCK, TILE, W8A8Config, _bf16_bits,
-                                           _sum_chunks_kernel, k_chunks)
+from sglang_dsv41.kernels.fp8_w8a8 import INTERPRETED, TILE, W8A8Config, _bf16_bits, k_chunks, sum_chunks
 
 #: the most rows the kernel takes (one accumulator each)
 GEMV_MAX_ROWS = 4
@@ -204,10 +203,7 @@ def gemv_launch(x: Tensor, values: Tensor, scales: Tensor, cfg: W8A8Config, *, g
                        ROWS=rows, BLOCK_N=block_n, SUB=cfg.sub_blocks, SPLIT_K=split, FIXUP=fixup,
                        X_MODE=x_mode, OUT_F32=out_dtype == torch.float32, INTERPRET=INTERPRETED, **launch)
     if split and not fixup:
-        size = M * N
-        _sum_chunks_kernel[(triton.cdiv(size, SUM_BLOCK),)](out, y, chunks, size, BLOCK=SUM_BLOCK,
-                                                            OUT_F32=out_dtype == torch.float32, RAW_OUT=False,
-                                                            INTERPRET=INTERPRETED)
+        sum_chunks(out, y)
     return y
 
 

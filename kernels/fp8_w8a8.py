@@ -447,11 +447,17 @@ def _launch(x: Tensor, values: Tensor, scales: Tensor | None, cfg: W8A8Config, *
                        FIXUP=fixup, SWAP_AB=cfg.swap_ab, OUT_F32=out_dtype == torch.float32, W_SCALED=not raw,
                        RAW_OUT=raw, INTERPRET=INTERPRETED, **launch)
     if split and not fixup:
-        size = M * N
-        _sum_chunks_kernel[(triton.cdiv(size, SUM_BLOCK),)](out, y, chunks, size, BLOCK=SUM_BLOCK,
-                                                            OUT_F32=out_dtype == torch.float32, RAW_OUT=raw,
-                                                            INTERPRET=INTERPRETED)
+        sum_chunks(out, y, raw=raw)
     return y
+
+
+def sum_chunks(partials: Tensor, y: Tensor, *, raw: bool = False) -> None:
+    """y = bf16(((0 + p[0]) + p[1]) + …) over the split-K partials [chunks, M, N] (`raw`: unrounded), in
+    one `_sum_chunks_kernel` launch: the fixed order of the in-launch sum (module doc, step 3)."""
+    size = y.numel()
+    _sum_chunks_kernel[(triton.cdiv(size, SUM_BLOCK),)](partials, y, partials.shape[0], size, BLOCK=SUM_BLOCK,
+                                                        OUT_F32=y.dtype == torch.float32, RAW_OUT=raw,
+                                                        INTERPRET=INTERPRETED)
 
 
 def split_k_counters(n: int, device: torch.device | str) -> Tensor:

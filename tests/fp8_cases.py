@@ -121,3 +121,23 @@ def check_row_prefixes(multiply, x: torch.Tensor, values: torch.Tensor, scales: 
     for i in (0, 17, x.shape[0] - 1):
         assert torch.equal(multiply(x[i:i + 1], values, scales), full[i:i + 1]), i
     return full, worst
+
+
+def assert_graph_replays_eager(call, counters: torch.Tensor, replays: int = 3) -> None:
+    """CUDA: `call()` captured in a CUDA graph (after a warm-up on a side stream) and replayed `replays`
+    times gives the eager result's bits each time, with the split-K `counters` left at zero."""
+    want = call()
+    out = torch.empty_like(want)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out.copy_(call())
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(call())
+    for _ in range(replays):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want) and not counters.any()

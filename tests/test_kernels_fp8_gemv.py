@@ -28,8 +28,8 @@ import torch
 from sglang_dsv41.kernels import fp8_gemv as G
 from sglang_dsv41.kernels import fp8_w8a8 as W
 
-from fp8_cases import BF16, DEVICE, F32, exact_sum_case, fp8_weight, kernel
-from test_kernels_fp8_w8a8 import FLASH_SHAPES, oracle, random_x, within
+from fp8_cases import BF16, DEVICE, F32, assert_graph_replays_eager, exact_sum_case, fp8_weight, kernel
+from test_kernels_fp8_w8a8 import FLASH_SHAPES, _flash_case, oracle, random_x, within
 from triton_checks import compile_for_sm90, no_spills, run_kernel_cases_in_interpreter
 
 GEMV = W.GEMV_CONFIG
@@ -86,7 +86,7 @@ def test_kernel_case_split_k_sums_inside_the_launch_with_counters(monkeypatch) -
     x = random_x(3, 640, g, F32)
     assert W.k_chunks(96, 640, GEMV.target_programs) > 1
     sums, gemvs = _CountingLaunch(W._sum_chunks_kernel), _CountingLaunch(G._gemv_kernel)
-    monkeypatch.setattr(G, "_sum_chunks_kernel", sums)
+    monkeypatch.setattr(W, "_sum_chunks_kernel", sums)
     monkeypatch.setattr(G, "_gemv_kernel", gemvs)
     two_launch = W.fp8_w8a8_linear(x, values, scales, gemv=True)
     assert len(sums.grids) == 1 and len(gemvs.grids) == 1
@@ -234,12 +234,6 @@ if not W.INTERPRETED:
 
 # ---- GPU ------------------------------------------------------------------------------------------
 
-def _flash_case(n: int, k: int, m: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    values, scales = fp8_weight(n, k, g, exp_range=(-12, -4))
-    return values, scales, random_x(m, k, g)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(FLASH_SHAPES))
 def test_gpu_flash_shapes_within_bound_split_k_and_row_invariance(name: str) -> None:
@@ -274,18 +268,4 @@ def test_gpu_grouped_wo_a_at_flash_shape(act_quant: bool) -> None:
 def test_gpu_replays_in_a_cuda_graph_with_the_counters() -> None:
     values, scales, x = _flash_case(5120, 8192, 1, seed=3)
     counters = W.split_k_counters(5120, x.device)
-    want = W.fp8_w8a8_linear(x, values, scales, gemv=True, counters=counters)
-    out = torch.empty_like(want)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        out.copy_(W.fp8_w8a8_linear(x, values, scales, gemv=True, counters=counters))
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out.copy_(W.fp8_w8a8_linear(x, values, scales, gemv=True, counters=counters))
-    for _ in range(3):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want) and not counters.any()
+    assert_graph_replays_eager(lambda: W.fp8_w8a8_linear(x, values, scales, gemv=True, counters=counters), counters)

@@ -37,7 +37,7 @@ import torch
 from sglang_dsv41.kernels import fp8_w8a8 as W
 from sglang_dsv41.reference import ops
 
-from fp8_cases import BF16, DEVICE, F32, F64, dequantised, exact_sum_case, fp8_weight, kernel
+from fp8_cases import BF16, DEVICE, F32, F64, assert_graph_replays_eager, dequantised, exact_sum_case, fp8_weight, kernel
 from triton_checks import compile_for_sm90, no_spills, run_kernel_cases_in_interpreter
 
 MMA_STEP_EPS = 2.0 ** -12
@@ -411,20 +411,7 @@ def test_gpu_split_k_inside_the_launch_replays_in_a_cuda_graph() -> None:
         counters = W.split_k_counters(n, x.device)
         want = W.fp8_w8a8_linear(x, values, scales)
         assert torch.equal(W.fp8_w8a8_linear(x, values, scales, counters=counters), want), name
-        out = torch.empty_like(want)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            out.copy_(W.fp8_w8a8_linear(x, values, scales, counters=counters))
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out.copy_(W.fp8_w8a8_linear(x, values, scales, counters=counters))
-        for _ in range(3):
-            out.zero_()
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, want) and not counters.any(), name
+        assert_graph_replays_eager(lambda: W.fp8_w8a8_linear(x, values, scales, counters=counters), counters)
 
 
 @pytest.mark.gpu

@@ -25,6 +25,10 @@
 #                    0 once URL answers with a 2xx (curl -sf); 1 after SECONDS, or once PID exited
 #   result TEXT...   the line "RESULT TEXT at N s" (N: seconds since T0), appended to $SUMMARY
 #                    too when SUMMARY is set
+#   model_step LABEL "BATCHES" CAP ENV=VALUE...
+#                    benchmarks/model_step.py (4 Flash-width layers, 8K context) at BATCHES under the
+#                    ENV settings, at most CAP s (and what is left less 10 s; skipped below 50 s), JSON in
+#                    $OUT/model_step_LABEL, log in $OUT/logs; prints its RESULT and JSON lines
 #   tests_result NAME JUNIT RC [EXPECTED]
 #                    the verdict of a pytest run (scripts/gpu/junit_verdict.py: rc 0 and the junit's
 #                    test count = the collected count (or EXPECTED), no failure / error / interrupted
@@ -99,6 +103,18 @@ wait_up() {
     sleep 2
   done
   return 1
+}
+
+model_step() {
+  local label=$1 batches=$2 b=$3; shift 3
+  [ "$b" -lt $(( $(left) - 10 )) ] || b=$(( $(left) - 10 ))
+  [ "$b" -gt 50 ] || { echo "model_step $label: skipped, $(left) s left"; return 0; }
+  mkdir -p "$OUT/logs"
+  # shellcheck disable=SC2086
+  env "$@" timeout -s INT -k 10 "$b" python3 benchmarks/model_step.py --layers 4 --batches $batches \
+    --context 8192 --cap-s 0.5 --budget-s $((b - 40)) --out "$OUT/model_step_$label" >"$OUT/logs/model_step_$label.log" 2>&1
+  result "model_step $label" rc=$?
+  grep '^{' "$OUT/logs/model_step_$label.log"
 }
 
 result() {

@@ -23,17 +23,8 @@ timeout -s INT -k 10 "$s" python3 benchmarks/fp8_w8a8.py --rows 1 2 4 8 --per-we
   --variants gemv gemv_prequant gemv_bn32 gemv_bn128_w8 gemv_sub2 gemv_t528 gemv_t2112 --out "$OUT/fp8" >"$OUT/logs/fp8.log" 2>&1
 result fp8_w8a8 rc=$?
 grep -v -i warn "$OUT/logs/fp8.log" | tail -12
-model_step() {  # LABEL ENV=VALUE...
-  local label=$1 b; shift
-  b=$(( $(left) - 10 )); [ "$b" -gt 120 ] && b=120
-  [ "$b" -gt 50 ] || { echo "model_step $label: skipped, $(left) s left"; return; }
-  env "$@" timeout -s INT -k 10 "$b" python3 benchmarks/model_step.py --layers 4 --batches 1 2 4 8 \
-    --context 8192 --cap-s 0.5 --budget-s $((b - 40)) --out "$OUT/model_step_$label" >"$OUT/logs/model_step_$label.log" 2>&1
-  result "model_step $label" rc=$?
-  grep '^{' "$OUT/logs/model_step_$label.log"
-}
-model_step default SGLANG_DSV41_FP8_GEMM=w8a8_f16
-model_step gemv SGLANG_DSV41_FP8_GEMM=w8a8_gemv
+model_step default "1 2 4 8" 120 SGLANG_DSV41_FP8_GEMM=w8a8_f16
+model_step gemv "1 2 4 8" 120 SGLANG_DSV41_FP8_GEMM=w8a8_gemv
 mv "$OUT"/tests/*.log "$OUT/logs/" 2>/dev/null; rmdir "$OUT/tests"
 find "$OUT" -name "*.png" -delete
 (cd "$OUT" && tar czf logs.tar.gz logs 2>/dev/null; rm -rf logs)

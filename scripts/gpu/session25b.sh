@@ -15,18 +15,9 @@ gpu_setup
 OUT=$OUT/tests BUDGET=$TEST_S PYTEST_K="decode_flags" TESTS="tests/test_kernels_moe_mxfp4.py" \
   bash scripts/gpu/gpu_tests_subset.sh
 echo "== gpu tests rc=$?"
-model_step() {  # LABEL ENV=VALUE...
-  local label=$1 b; shift
-  b=$(( $(left) - 10 )); [ "$b" -gt 130 ] && b=130
-  [ "$b" -gt 50 ] || { echo "model_step $label: skipped, $(left) s left"; return; }
-  env "$@" timeout -s INT -k 10 "$b" python3 benchmarks/model_step.py --layers 4 --batches 1 2 4 8 16 \
-    --context 8192 --cap-s 0.5 --budget-s $((b - 40)) --out "$OUT/model_step_$label" >"$OUT/logs/model_step_$label.log" 2>&1
-  result "model_step $label" rc=$?
-  grep '^{' "$OUT/logs/model_step_$label.log"
-}
-model_step default SGLANG_DSV41_MOE_DECODE_FLAGS=
-model_step split2 SGLANG_DSV41_MOE_DECODE_FLAGS=split_k=2
-model_step split4 SGLANG_DSV41_MOE_DECODE_FLAGS=split_k=4
+model_step default "1 2 4 8 16" 130 SGLANG_DSV41_MOE_DECODE_FLAGS=
+model_step split2 "1 2 4 8 16" 130 SGLANG_DSV41_MOE_DECODE_FLAGS=split_k=2
+model_step split4 "1 2 4 8 16" 130 SGLANG_DSV41_MOE_DECODE_FLAGS=split_k=4
 mv "$OUT"/tests/*.log "$OUT/logs/" 2>/dev/null; rmdir "$OUT/tests"
 find "$OUT" -name "*.png" -delete
 (cd "$OUT" && tar czf logs.tar.gz logs 2>/dev/null; rm -rf logs)

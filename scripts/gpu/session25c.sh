@@ -19,19 +19,9 @@ timeout -s INT -k 10 "$s" python3 benchmarks/mhc_decode.py --tokens 1 2 4 8 16 6
   >"$OUT/logs/mhc_decode.log" 2>&1
 result mhc_decode rc=$?
 grep -v -i warn "$OUT/logs/mhc_decode.log" | tail -12
-model_step() {  # LABEL BATCHES ENV=VALUE...
-  local label=$1 batches=$2 b; shift 2
-  b=$(( $(left) - 10 )); [ "$b" -gt 150 ] && b=150
-  [ "$b" -gt 50 ] || { echo "model_step $label: skipped, $(left) s left"; return; }
-  # shellcheck disable=SC2086
-  env "$@" timeout -s INT -k 10 "$b" python3 benchmarks/model_step.py --layers 4 --batches $batches \
-    --context 8192 --cap-s 0.5 --budget-s $((b - 40)) --out "$OUT/model_step_$label" >"$OUT/logs/model_step_$label.log" 2>&1
-  result "model_step $label" rc=$?
-  grep '^{' "$OUT/logs/model_step_$label.log"
-}
-model_step tile "1 8 64" SGLANG_DSV41_MHC_COEFF=tile
-model_step registers "1 8 64" SGLANG_DSV41_MHC_COEFF=registers
-model_step all "1 8" SGLANG_DSV41_MHC_COEFF=registers SGLANG_DSV41_FP8_GEMM=w8a8_gemv SGLANG_DSV41_MOE_DECODE_FLAGS=split_k=2
+model_step tile "1 8 64" 150 SGLANG_DSV41_MHC_COEFF=tile
+model_step registers "1 8 64" 150 SGLANG_DSV41_MHC_COEFF=registers
+model_step all "1 8" 150 SGLANG_DSV41_MHC_COEFF=registers SGLANG_DSV41_FP8_GEMM=w8a8_gemv SGLANG_DSV41_MOE_DECODE_FLAGS=split_k=2
 find "$OUT" -name "*.png" -delete
 (cd "$OUT" && tar czf logs.tar.gz logs 2>/dev/null; rm -rf logs)
 ls -R "$OUT"
