@@ -416,10 +416,14 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, round_bf16: bool = True) -> 
 
 
 def apply_rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False,
-                    round_bf16: bool = False) -> Tensor:
-    """`ops.apply_rope_tail` (optionally followed by `ops.bf16`): x [T, ..., D], positions [T];
-    the last 2·len(inv_freq) dims rotated in interleaved pairs; fp32 out. Bound: module doc."""
+                    round_bf16: bool = False, out_dtype: torch.dtype = F32) -> Tensor:
+    """`ops.apply_rope_tail` (optionally followed by `ops.bf16`): x [T, ..., D] (any float dtype),
+    positions [T]; the last 2·len(inv_freq) dims rotated in interleaved pairs; fp32 out, or with
+    `round_bf16` BF16 out when `out_dtype` says so (the same values: half the bytes written).
+    Bound: module doc."""
     check_device("apply_rope_tail", x, positions, inv_freq)
+    if out_dtype != F32 and not (round_bf16 and out_dtype == torch.bfloat16):
+        raise ValueError(f"apply_rope_tail: out_dtype {out_dtype} (bfloat16 only with round_bf16)")
     half = inv_freq.numel()
     D = x.shape[-1]
     if half & (half - 1) or 2 * half > D:
@@ -427,7 +431,7 @@ def apply_rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: boo
     if x.dim() < 2 or positions.shape != (x.shape[0],):
         raise ValueError(f"apply_rope_tail: x {tuple(x.shape)} with positions {tuple(positions.shape)}")
     x = x.contiguous()
-    out = torch.empty(x.shape, dtype=F32, device=x.device)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     rows = x.numel() // D
     if rows:
         T, R = x.shape[0], rows // x.shape[0]

@@ -135,6 +135,13 @@ if KERNEL_HERE:
             want = ops.apply_rope_tail(x, pos, inv, inverse)
             assert same_bits(FE.apply_rope_tail(d(x), d(pos), d(inv), inverse).cpu(), want)
             assert same_bits(FE.apply_rope_tail(d(x), d(pos), d(inv), inverse, round_bf16=True).cpu(), ops.bf16(want))
+            held = FE.apply_rope_tail(d(x), d(pos), d(inv), inverse, round_bf16=True, out_dtype=torch.bfloat16).cpu()
+            assert held.dtype == torch.bfloat16 and same_bits(held.float(), ops.bf16(want))     # BF16 out: same values
+            xb = ops.bf16(x)                                                # a BF16 input: its fp32 copy's bits
+            assert same_bits(FE.apply_rope_tail(d(xb.to(torch.bfloat16)), d(pos), d(inv), inverse).cpu(),
+                             FE.apply_rope_tail(d(xb), d(pos), d(inv), inverse).cpu())
+        with pytest.raises(ValueError, match="bfloat16 only with round_bf16"):
+            FE.apply_rope_tail(d(x), d(pos), d(inv), out_dtype=torch.bfloat16)
         back = FE.apply_rope_tail(FE.apply_rope_tail(d(x), d(pos), d(inv)), d(pos), d(inv), inverse=True).cpu()
         assert torch.allclose(back, x, rtol=0, atol=1e-5)          # the inverse undoes the rotation
 
@@ -273,7 +280,8 @@ if KERNEL_HERE:
                              w[p + "shared_experts.w3"], t.swiglu_limit, True),
                r.experts, r.weights, r.scores)
         assert be.acc == torch.float32
-        assert all(same_bits(a, b) for a, b in zip(got[:-3], want[:-3]))
+        assert got[1].dtype == torch.bfloat16 and got[0].dtype == torch.float32   # q held as BF16 (BF16_OUT)
+        assert all(same_bits(a.float(), b) for a, b in zip(got[:-3], want[:-3]))
         assert torch.equal(got[-3], want[-3])
         for g_, w_, ulps in ((got[-1], want[-1], 4), (got[-2], want[-2], 8)):
             assert bool(((g_ - w_).abs() <= ulps * 2.0 ** -23 * w_.abs()).all()), float((g_ - w_).abs().max())

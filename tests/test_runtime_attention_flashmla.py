@@ -262,9 +262,9 @@ def test_kernel_ops_wiring(monkeypatch) -> None:
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     monkeypatch.setattr(sparse_attention, "sparse_sink_attention", None)      # the Triton kernel is not called
     o = ops.attend(q.float(), sink, swa_cache, swa_slots, None, None, workspace=got)
-    assert o.dtype == torch.float32
+    assert o.dtype == torch.bfloat16                                          # the kernel's BF16, not widened
     assert torch.equal(o, FM.attend(emulate_sparse_fwd, ops.flashmla_plan, q, sink, swa_cache, want,
-                                    softmax_scale(512)).float())
+                                    softmax_scale(512)))
 
 
 # ---- index construction -------------------------------------------------------------------------

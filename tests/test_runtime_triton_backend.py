@@ -251,13 +251,23 @@ def test_kernel_case_which_row_counts_run_the_w8a8_module(weights, fp8_gemm: str
     monkeypatch.setattr(fp8_gemv, "_gemv_kernel", _RecordingLaunch(gemv_kernel, gemv_rows))
     be, w8a16 = triton_backend(fp8, fp8_gemm), triton_backend(fp8, "w8a16")
     name = next(n for n in fp8 if n.endswith("attn.wq_a.weight"))
+    wo_a = next(n for n in fp8 if n.endswith("attn.wo_a.weight"))
+    groups = cfg.text.o_groups
     for rows in (1, 20, W.BF16_GEMM_MIN_ROWS):
         x = _bf16(rows, cfg.text.hidden_size, seed=rows).to(DEVICE)
         got, want = be.linear_fp8(x, fp8[name]), w8a16.linear_fp8(x, fp8[name])
         assert within_ulps(got.float().cpu(), want.float().cpu()), rows
-    want_calls = [W.BF16_GEMM_MIN_ROWS] if fp8_gemm == "tiered" else [1, 20, W.BF16_GEMM_MIN_ROWS]
-    assert calls == want_calls, calls
-    assert gemv_rows == ([1] if fp8_gemm == "w8a8_gemv" else []), gemv_rows
+        # BF16_OUT: the w8a8 module's result held as BF16 (same values); other paths keep fp32
+        held = be.linear_fp8(x.to(torch.bfloat16), fp8[name], bf16_out=True)
+        module = fp8_gemm != "tiered" or rows >= W.BF16_GEMM_MIN_ROWS
+        assert held.dtype == (torch.bfloat16 if module else torch.float32) and torch.equal(held.float(), got), rows
+        o = _bf16(rows, groups * fp8[wo_a].shape[1], seed=rows + 1).to(DEVICE)
+        grouped = be.linear_bf16_grouped(o, fp8[wo_a], groups)
+        held = be.linear_bf16_grouped(o.to(torch.bfloat16), fp8[wo_a], groups, bf16_out=True)
+        assert held.dtype == (torch.bfloat16 if module else torch.float32) and torch.equal(held.float(), grouped), rows
+    each = [1, 20, W.BF16_GEMM_MIN_ROWS] if fp8_gemm != "tiered" else [W.BF16_GEMM_MIN_ROWS]
+    assert calls == [r for r in each for _ in range(4)], calls
+    assert gemv_rows == ([1] * 4 if fp8_gemm == "w8a8_gemv" else []), gemv_rows
 
 
 class _RecordingLaunch:

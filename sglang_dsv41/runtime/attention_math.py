@@ -46,10 +46,11 @@ def project_q_lora_kv(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tenso
 def query_heads(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, q_lora: Tensor,
                 positions: Tensor, inv_freq: Tensor, act_quant: bool, n_heads: int) -> Tensor:
     """q of `project_q_kv`: wq_b·q_lora (BF16) with RoPE on its tail, [T, n_heads, head_dim]; read first
-    by the attention itself."""
-    q = apply_linear(w[prefix + "wq_b"], q_lora, be, act_quant=act_quant).reshape(q_lora.shape[0], n_heads,
-                                                                                 cfg.head_dim)
-    return be.bf16_rope_tail(q, positions, inv_freq)
+    by the attention itself, which reads BF16 (held as BF16 where the backend offers it: BF16_OUT in
+    `runtime/backend.py`)."""
+    q = apply_linear(w[prefix + "wq_b"], q_lora, be, act_quant=act_quant,
+                     bf16_out=True).reshape(q_lora.shape[0], n_heads, cfg.head_dim)
+    return be.bf16_rope_tail(q, positions, inv_freq, bf16_out=True)
 
 
 def swa_cache_roundtrip(be: ComputeBackend, kv: Tensor, positions: Tensor, inv_freq: Tensor,
@@ -69,7 +70,8 @@ def output_projection(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tenso
     """o [T, local heads, head_dim] → inverse RoPE (BF16) → per-group `wo_a` (BF16 out) of the
     groups held (its grouped method: one launch on CUDA) → `wo_b` (§3.4.6): the given
     projection of the held groups' outputs (the model's row-parallel layer, all-reduced:
-    `TensorParallel.row_parallel`), else the layer `w[prefix + "wo_b"]` (whole)."""
+    `TensorParallel.row_parallel`), else the layer `w[prefix + "wo_b"]` (whole). The BF16 values
+    between the steps may be held as BF16 (BF16_OUT in `runtime/backend.py`)."""
     T, r = o.shape[0], cfg.o_lora_rank
     group_width = cfg.heads_per_group * cfg.head_dim
     groups = o.shape[1] * o.shape[2] // group_width
@@ -77,8 +79,8 @@ def output_projection(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tenso
     rows = wo_a.weight.shape[0]
     if rows != groups * r:
         raise ValueError(f"{prefix}wo_a.weight has {rows} rows for {groups} groups × {r}")
-    o = be.bf16_rope_tail(o, positions, inv_freq, inverse=True).reshape(T, groups * group_width)
-    u = apply_linear(wo_a, o, be)
+    o = be.bf16_rope_tail(o, positions, inv_freq, inverse=True, bf16_out=True).reshape(T, groups * group_width)
+    u = apply_linear(wo_a, o, be, bf16_out=True)
     return wo_b(u) if wo_b is not None else apply_linear(w[prefix + "wo_b"], u, be, act_quant=act_quant)
 
 
@@ -128,7 +130,7 @@ def index_query(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], pr
     """q = FP4_UE8M0(bf16(RoPE(indexer.wq_b·q_lora))), weights = bf16(bf16(weights_proj·x)·
     fp32(d^−1/2·heads^−1/2)) (§3.4.4)."""
     T = x.shape[0]
-    q = apply_linear(w[prefix + "indexer.wq_b"], q_lora, be, act_quant=act_quant)
+    q = apply_linear(w[prefix + "indexer.wq_b"], q_lora, be, act_quant=act_quant, bf16_out=True)
     q = be.fp4_fake_quant_ue8m0_scale(be.bf16_rope_tail(q.reshape(T, cfg.index_n_heads, cfg.index_head_dim),
                                                         positions, inv_freq))
     scale = fp32_scalar(cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)

@@ -12,12 +12,15 @@ must import (and not be built for the interpreter) or `ops_for` raises; attentio
 the CPU value by up to one BF16 ulp per sublayer (kernel docstring).
 
 Contracts (both implementations):
-* `attend(q, sink, swa_cache, swa_slots, packed, comp_entries)`: q [N, H, D] BF16-valued fp32;
+* `attend(q, sink, swa_cache, swa_slots, packed, comp_entries)`: q [N, H, D] BF16 values (fp32, or
+  torch.bfloat16 where the backend holds them so: `runtime/backend.py` BF16_OUT);
   `swa_cache` [S_swa, D] rows addressed by SWA slot, `swa_slots` [N, W] the query's window;
   `packed` the layer's kv source (`kv_layout.PackedSourceRows`: packed FP4 latent and index-key
   rows, contract §1–§2)
   and `comp_entries` [N, K] its selected entry indices (both None for ratio-0 layers); −1 = no
-  key; no de-duplication between the two lists (§3.4.5). Returns [N, H, D] BF16-valued fp32.
+  key; no de-duplication between the two lists (§3.4.5). Returns [N, H, D] BF16 values: fp32 /
+  float64 on CPU, the kernel's torch.bfloat16 on CUDA (its one reader, `output_projection`, rounds
+  them to BF16 again).
   CUDA: within one BF16 ulp of the output scale (max |o| of that query and head) of the CPU
   value on the same inputs (kernel docstring, measured on an H200); batch-invariant only in
   deterministic mode (`ATTENTION_KEY_SPLITS`; the serving default splits the keys of small
@@ -290,14 +293,14 @@ class KernelAttentionOps:
         N, H, D = q.shape
         if isinstance(workspace, FM.FlashMLAInputs):
             return FM.attend(self.flashmla_kernel, self.flashmla_plan, q, sink, swa_cache, workspace,
-                             softmax_scale(D)).to(torch.float32)
+                             softmax_scale(D))
         if workspace is None and self.decode == "flashmla" and N in FLASHMLA_DECODE_QUERIES:
             if self.flashmla_plan is None:
                 raise RuntimeError("sglang-dsv41: the flashmla decode was not planned for the model's heads "
                                    "(build the ops with ops_for(..., heads, head_dim))")
             comp = None if packed is None or comp_entries is None else self._packed_latents(packed)
             return FM.decode_attend(self.flashmla_kernel, self.flashmla_plan, q, sink, swa_cache, swa_slots, comp,
-                                    comp_entries if comp is not None else None, softmax_scale(D)).to(torch.float32)
+                                    comp_entries if comp is not None else None, softmax_scale(D))
         K = 0 if comp_entries is None else comp_entries.shape[1]
         if workspace is not None:
             plan = self.sparse_attention.plan_prefill_config(N, H, D, swa_slots.shape[1], K)
@@ -320,7 +323,7 @@ class KernelAttentionOps:
         o = self.sparse_attention.sparse_sink_attention(
             q.to(torch.bfloat16), swa_cache, swa_slots, comp_cache, comp_entries if comp_cache is not None else None,
             sink.to(torch.float32), softmax_scale(D), config=plan)
-        return o.to(torch.float32)
+        return o
 
     def _packed_latents(self, packed: PackedSourceRows):
         """The kernels' `PackedSource` of the latent part of `packed` (contract §5)."""

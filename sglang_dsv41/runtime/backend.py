@@ -36,6 +36,12 @@ Weights not held as E4M3 tiles (BF16 copies, fp32) go through `matmul` in either
 by `bf16_gemm_for` — cuBLAS GEMMs (`whole`, the serving default; `blocked`, row invariant, with
 deterministic inference), or fewer than 129 rows of a BF16 weight on `kernels.bf16_linear` (`triton`).
 
+BF16_OUT: the runtime holds activations in the backend's dtype (fp32 / float64) with BF16 values
+where the model rounds. Where a BF16 result feeds only consumers that read BF16 (the query heads,
+the attention output and `wo_a`'s output, `runtime/attention_math.py`), the call passes `bf16_out`
+and `triton` returns a torch.bfloat16 tensor of the same values: at an 8K prefill that skips the
+fp32 copies of q and o (1 GB each) and the casts around them. The CPU backends keep their dtype.
+
 The registry (`BACKENDS`) maps names to classes; an unknown device or name raises.
 """
 from __future__ import annotations
@@ -51,7 +57,7 @@ from torch import Tensor
 from ..numerics import rounding as R
 from ..numerics.rope import apply_rope_tail, rope_cos_sin_fp32
 
-F32, F64 = torch.float32, torch.float64
+F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 #: FP8 dense-linear arithmetics of the CUDA backend (module doc), and the variable that picks one
 FP8_GEMMS = ("w8a8_f16", "tiered", "w8a16", "fp8_mma", "w8a8_gemv")
 FP8_GEMM_ENV = "SGLANG_DSV41_FP8_GEMM"
@@ -93,11 +99,15 @@ class ComputeBackend(ABC):
         """fp32 x·weightᵀ; x [..., K] holds the already-quantised activation, weight [N, K]."""
 
     # ---- built from the primitives -------------------------------------------------------------
-    def bf16_rope_tail(self, x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False) -> Tensor:
+    def bf16_rope_tail(self, x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False,
+                       bf16_out: bool = False) -> Tensor:
+        """bf16(RoPE(x)). `bf16_out`: the caller also takes a torch.bfloat16 tensor (the same values),
+        which a backend may return to save bytes (BF16_OUT, module doc); this one keeps its dtype."""
         return self.bf16(self.apply_rope_tail(x, positions, inv_freq, inverse))
 
-    def linear_fp8(self, x: Tensor, weight: Tensor, act_quant: bool = True) -> Tensor:
-        """FP8 dense linear (spec §3.8): activation fake-quant, product, BF16 output."""
+    def linear_fp8(self, x: Tensor, weight: Tensor, act_quant: bool = True, bf16_out: bool = False) -> Tensor:
+        """FP8 dense linear (spec §3.8): activation fake-quant, product, BF16 output (`bf16_out`: as
+        `bf16_rope_tail`'s)."""
         xf = self.fp8_act_fake_quant(x) if act_quant else x.to(F32)
         return self.bf16(self.matmul(xf, weight))
 
@@ -122,10 +132,10 @@ class ComputeBackend(ABC):
         y = self.matmul(x, weight)
         return y if out_fp32 else self.bf16(y)
 
-    def linear_bf16_grouped(self, x: Tensor, weight: Tensor, groups: int) -> Tensor:
+    def linear_bf16_grouped(self, x: Tensor, weight: Tensor, groups: int, bf16_out: bool = False) -> Tensor:
         """Grouped BF16-arithmetic linear (`wo_a`, spec §3.4.6): x [T, groups·K], weight
         [groups·r, K]; output columns g·r … (g+1)·r − 1 = linear_bf16(x[:, g·K …], weight[g·r …]).
-        BF16 output [T, groups·r]. Default: one `linear_bf16` per group."""
+        BF16 output [T, groups·r] (`bf16_out`: as `bf16_rope_tail`'s). Default: one `linear_bf16` per group."""
         r, K = _group_shape(x, weight, groups)
         return torch.cat([self.linear_bf16(x[:, g * K:(g + 1) * K], weight[g * r:(g + 1) * r])
                           for g in range(groups)], dim=1)
@@ -314,19 +324,20 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
         fp8_operand = getattr(self.dense, "fp8_operand", None)      # test doubles hold no E4M3 tiles
         return None if fp8_operand is None else fp8_operand(weight)
 
-    def linear_fp8(self, x: Tensor, weight: Tensor, act_quant: bool = True) -> Tensor:
+    def linear_fp8(self, x: Tensor, weight: Tensor, act_quant: bool = True, bf16_out: bool = False) -> Tensor:
         w = self._w8a8_operand(weight, x)
         if w is None:
             return super().linear_fp8(x, weight, act_quant)
         return self.dense.w8a8(x, w, act_quant=act_quant, groups=1, fp8_mma=self.fp8_gemm == "fp8_mma",
-                               gemv=self.fp8_gemm == "w8a8_gemv")
+                               gemv=self.fp8_gemm == "w8a8_gemv", out_dtype=BF16 if bf16_out else F32)
 
-    def linear_bf16_grouped(self, x: Tensor, weight: Tensor, groups: int) -> Tensor:
+    def linear_bf16_grouped(self, x: Tensor, weight: Tensor, groups: int, bf16_out: bool = False) -> Tensor:
         _group_shape(x, weight, groups)
         w = self._w8a8_operand(weight, x)
         if w is None:
             return super().linear_bf16_grouped(x, weight, groups)
-        return self.dense.w8a8(x, w, act_quant=False, groups=groups, gemv=self.fp8_gemm == "w8a8_gemv")
+        return self.dense.w8a8(x, w, act_quant=False, groups=groups, gemv=self.fp8_gemm == "w8a8_gemv",
+                               out_dtype=BF16 if bf16_out else F32)
 
     def engram_gate(self, residual: Tensor, keys: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float) -> Tensor:
         return self.eg.engram_gate(residual, keys, q_weight, k_weight, eps)
@@ -349,11 +360,14 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
     def apply_rope_tail(self, x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False) -> Tensor:
         return self.fe.apply_rope_tail(x, positions, inv_freq, inverse)
 
-    def bf16_rope_tail(self, x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False) -> Tensor:
+    def bf16_rope_tail(self, x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False,
+                       bf16_out: bool = False) -> Tensor:
         """RoPE and the BF16 rounding in one launch (the kernel's `round_bf16`: the same bits as
         `bf16(apply_rope_tail(x))`, tests/test_kernels_fused_elementwise.py), one pass over x
-        instead of two — at prefill x is q ([T, heads, head_dim] fp32, 1 GB at 8K Flash tokens)."""
-        return self.fe.apply_rope_tail(x, positions, inv_freq, inverse, round_bf16=True)
+        instead of two — at prefill x is q ([T, heads, head_dim], 1 GB in fp32 at 8K Flash tokens);
+        `bf16_out`: written as BF16 (BF16_OUT, module doc)."""
+        return self.fe.apply_rope_tail(x, positions, inv_freq, inverse, round_bf16=True,
+                                       out_dtype=BF16 if bf16_out else F32)
 
     def clamped_swiglu(self, gate: Tensor, up: Tensor, limit: float) -> Tensor:
         return self.fe.clamped_swiglu(gate, up, limit)

@@ -20,7 +20,8 @@ ours (`Bf16ReplicatedMethod` for the BF16 ones):
 * `process_weights_after_loading`: E4M3 + fp32 tile scales kept for the CUDA dense backend
   (`keep_fp8` and every scale BF16-exact), else the fp32 §2.4 value (`attn.wo_a`: BF16-rounded);
   idempotent, reloadable.
-* `apply(layer, x, bias=None, *, backend, act_quant=True)`: the compute backend's FP8 linear —
+* `apply(layer, x, bias=None, *, backend, act_quant=True, bf16_out=False)`: the compute backend's FP8 linear
+  (`bf16_out`: the caller takes a BF16 tensor, `runtime/backend.py` BF16_OUT) —
   complete BF16 output for a column-parallel layer or at tp_size 1 (the backend picks the kernel
   by rows and its FP8 mode: `w8a8_f16`, `tiered`, `w8a16`, `fp8_mma`); `wo_a` (built with
   `group_rows` = o_lora_rank) is the grouped BF16-arithmetic product of the groups it holds,
@@ -156,13 +157,14 @@ class Fp8TileParallelMethod(LinearMethodBase):
         return {"weight": layer.weight, **({"scale": layer.scale} if kept else {})}
 
     def apply(self, layer: nn.Module, x: Tensor, bias: Tensor | None = None, *,
-              backend: ComputeBackend | None = None, act_quant: bool = True) -> Tensor:
+              backend: ComputeBackend | None = None, act_quant: bool = True, bf16_out: bool = False) -> Tensor:
         _check_apply_args(layer.spec.name, backend, bias)
         if self.group_rows is not None:                   # wo_a: BF16 activations, one grouped product
-            return backend.linear_bf16_grouped(x, layer.weight, layer.weight_shape[0] // self.group_rows)
+            return backend.linear_bf16_grouped(x, layer.weight, layer.weight_shape[0] // self.group_rows,
+                                               bf16_out=bf16_out)
         if layer.row_parallel and getattr(layer, "tp_size", 1) > 1:
             return backend.linear_fp8_partial(x, layer.weight, act_quant)
-        return backend.linear_fp8(x, layer.weight, act_quant)
+        return backend.linear_fp8(x, layer.weight, act_quant, bf16_out=bf16_out)
 
 
 class Bf16ReplicatedMethod(LinearMethodBase):
