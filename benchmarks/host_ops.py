@@ -141,6 +141,7 @@ def cpu_as_cuda() -> None:
     """Pick the CUDA implementations for CPU tensors (module doc); kernels in the interpreter."""
     from sglang_dsv41.kernels import indexer as KI
     from sglang_dsv41.kernels import moe_mxfp4 as mx
+    from sglang_dsv41.kernels import moe_routing_plan as rp
     from sglang_dsv41.kernels import sparse_attention as KA
     from sglang_dsv41.runtime import attention_ops, mhc_ops, moe_ops
     from sglang_dsv41.runtime import backend as B
@@ -164,7 +165,7 @@ def cpu_as_cuda() -> None:
     mx.make_routing_plan = lambda ids, n, *, allow_absent=False, fused=None, check_ids=True: plan(
         ids, n, allow_absent=allow_absent, fused=0 < ids.numel() <= mx.FUSED_ORDER_MAX_SLOTS if fused is None else fused,
         check_ids=check_ids)
-    mx.make_ragged_tensor_metadata_torch = mx.make_ragged_tensor_metadata
+    rp.make_ragged_tensor_metadata_torch = rp.make_ragged_tensor_metadata
     BatchLayout.host_checks = property(lambda self: False)          # as on CUDA (`BatchLayout.host_checks`)
 
 

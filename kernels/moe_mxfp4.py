@@ -76,7 +76,6 @@ path of spec §3.8; the swizzles above are Hopper's).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -85,139 +84,20 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton_kernels.matmul_ogs import (FlexCtx, FnSpecs, FusedActivation, GatherIndx, PrecisionConfig,
-                                       RoutingData, matmul_ogs)
+from triton_kernels.matmul_ogs import (FlexCtx, FnSpecs, FusedActivation, PrecisionConfig,
+                                       matmul_ogs)
 from triton_kernels.numerics import InFlexData
 from triton_kernels.tensor import Tensor as TKTensor
-from triton_kernels.tensor import make_ragged_tensor_metadata, make_ragged_tensor_metadata_torch
-from triton_kernels.tensor_details.ragged_tensor import RaggedTensorMetadata
 
-# launch flags (kernels/moe_mxfp4_flags.py) and load-time conversion (kernels/moe_mxfp4_weights.py),
-# re-exported: callers import them from here
+# launch flags (kernels/moe_mxfp4_flags.py), load-time conversion (kernels/moe_mxfp4_weights.py) and the
+# routing plan (kernels/moe_routing_plan.py), re-exported: callers import them from here
 from sglang_dsv41.kernels.moe_mxfp4_flags import (DECODE_FLAG_KEYS, DECODE_FLAG_MAX_TOKENS, DECODE_FLAGS_ENV,
                                                  PREFILL_FLAGS_ENV, decode_flags, decode_flags_scope, launch_flags,
                                                  parse_decode_flags, prefill_flags, with_decode_flags)
 from sglang_dsv41.kernels.moe_mxfp4_weights import (HIDDEN_ALIGN, INTERMEDIATE_ALIGN, PREPARE_CHUNK, SCALE_NUM_WARPS,
                                                    UE8M0_ONE, PreparedMxfp4Experts, dequantize_prepared,
                                                    prepare_mxfp4_experts, prepare_mxfp4_stacked)
-
-
-# ---------------------------------------------------------------------------------------------
-# Routing plan (expert-grouped slot order)
-# ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class RoutingPlan:
-    """Slots s = t·k + j grouped by expert (stable: ascending s within an expert).
-    `sorted_slots[r]` = slot at grouped row r; `slot_rows[s]` = its grouped row;
-    `expert_counts[e]` = rows of expert e; `ragged` = the kernel's tile schedule."""
-
-    sorted_slots: Tensor
-    slot_rows: Tensor
-    expert_counts: Tensor
-    ragged: RaggedTensorMetadata
-    n_tokens: int
-    top_k: int
-    n_experts: int
-
-    def routing_data(self) -> RoutingData:
-        return RoutingData(None, self.expert_counts, self.n_experts, self.top_k, self.ragged)
-
-    def gather(self) -> GatherIndx:
-        return GatherIndx(src_indx=self.sorted_slots, dst_indx=self.slot_rows)
-
-
-#: slot counts (T·k) up to which a CUDA plan's order is one `_routing_order_kernel` launch (decode);
-#: above, torch's stable sort (prefill sizes; docs/performance.md "Session 13")
-FUSED_ORDER_MAX_SLOTS = 512
-_FUSED_ORDER_PAD_KEY = 1 << 30       # padding lanes: after every bin, in no count
-
-
-@triton.jit
-def _routing_order_kernel(Ids, Order, Rows, Counts, Valid, S, N_EXPERTS,
-                          ALLOW_ABSENT: tl.constexpr, SP: tl.constexpr, CHUNK: tl.constexpr,
-                          BINS: tl.constexpr, PAD: tl.constexpr):
-    """One program: key = id (−1 → N_EXPERTS with ALLOW_ABSENT); a slot's grouped row = the number of
-    slots before it in (key, slot) order (the stable sort's position); Order[row] = slot; Counts[e] =
-    slots of expert e < N_EXPERTS; Valid = every id in range."""
-    s = tl.arange(0, SP)
-    s_ok = s < S
-    raw = tl.load(Ids + s, mask=s_ok, other=0)
-    if ALLOW_ABSENT:
-        out_of_range = (raw < -1) | (raw >= N_EXPERTS)
-    else:
-        out_of_range = (raw < 0) | (raw >= N_EXPERTS)
-    bad = tl.sum((s_ok & out_of_range).to(tl.int32), axis=0)
-    ids = raw.to(tl.int32)
-    key = tl.where(s_ok, tl.where(ids < 0, N_EXPERTS, ids), PAD)
-    row = tl.zeros([SP], dtype=tl.int32)
-    for c0 in range(0, S, CHUNK):
-        o = c0 + tl.arange(0, CHUNK)
-        ko = tl.load(Ids + o, mask=o < S, other=0).to(tl.int32)
-        ko = tl.where(o < S, tl.where(ko < 0, N_EXPERTS, ko), PAD)
-        before = (ko[None, :] < key[:, None]) | ((ko[None, :] == key[:, None]) & (o[None, :] < s[:, None]))
-        row += tl.sum(before.to(tl.int32), axis=1)
-    tl.store(Rows + s, row, mask=s_ok)
-    tl.store(Order + row, s, mask=s_ok)
-    for e0 in range(0, N_EXPERTS, BINS):
-        e = e0 + tl.arange(0, BINS)
-        tl.store(Counts + e, tl.sum((key[:, None] == e[None, :]).to(tl.int32), axis=0), mask=e < N_EXPERTS)
-    tl.store(Valid, bad == 0)
-
-
-def _order_fused(flat: Tensor, n_experts: int, allow_absent: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(order, rows, counts int32, valid bool[1]) of `_routing_order_kernel` for ≤ FUSED_ORDER_MAX_SLOTS slots."""
-    S = flat.numel()
-    order = torch.empty(S, dtype=torch.int32, device=flat.device)
-    rows = torch.empty_like(order)
-    counts = torch.empty(n_experts, dtype=torch.int32, device=flat.device)
-    valid = torch.empty(1, dtype=torch.bool, device=flat.device)
-    sp = max(16, triton.next_power_of_2(S))
-    _routing_order_kernel[(1,)](flat, order, rows, counts, valid, S, n_experts, ALLOW_ABSENT=allow_absent,
-                                SP=sp, CHUNK=32, BINS=32, PAD=_FUSED_ORDER_PAD_KEY, num_warps=4 if sp <= 128 else 8)
-    return order, rows, counts, valid
-
-
-def _order_torch(flat: Tensor, n_experts: int, allow_absent: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The same by torch's stable sort (any size)."""
-    flat = flat.to(torch.int32)
-    lowest = -1 if allow_absent else 0
-    valid = ((flat >= lowest) & (flat < n_experts)).all()
-    key = torch.where(flat < 0, n_experts, flat) if allow_absent else flat
-    order = torch.sort(key, stable=True).indices.to(torch.int32)
-    rows = torch.empty_like(order)
-    rows[order.long()] = torch.arange(flat.numel(), dtype=torch.int32, device=flat.device)
-    counts = torch.zeros(n_experts + 1, dtype=torch.int32, device=flat.device)
-    counts.scatter_add_(0, key.long().clamp(0, n_experts), torch.ones_like(key))
-    return order, rows, counts[:n_experts].contiguous(), valid
-
-
-def make_routing_plan(topk_ids: Tensor, n_experts: int, *, allow_absent: bool = False,
-                      fused: bool | None = None, check_ids: bool = True) -> RoutingPlan:
-    """Routing plan for `topk_ids` [T, k] (ids in 0..n_experts−1; checked on the device without
-    a host sync). The order: one `_routing_order_kernel` launch when `fused` (default: on CUDA at
-    ≤ FUSED_ORDER_MAX_SLOTS slots), else torch's stable sort — the same permutation and counts.
-    The tile schedule is built by triton_kernels' kernel on CUDA, by its torch version on CPU
-    (plans are only executed on CUDA).
-
-    `allow_absent`: id −1 marks a slot whose expert is not held here (expert parallel). Such
-    slots sort after every present one and are in no expert's count, so the GEMMs never compute
-    them (their grouped rows of any output are left unwritten; callers mask them).
-
-    `check_ids=False` skips the device-side range assertion (one launch): for callers whose ids are
-    in range by construction (the runtime's router picks among n_experts columns)."""
-    if topk_ids.dim() != 2 or topk_ids.dtype.is_floating_point:
-        raise ValueError(f"topk_ids must be an integer [T, k] tensor, got {topk_ids.dtype} {tuple(topk_ids.shape)}")
-    T, k = topk_ids.shape
-    flat = topk_ids.reshape(-1)
-    if fused is None:
-        fused = flat.is_cuda and 0 < T * k <= FUSED_ORDER_MAX_SLOTS
-    if fused and T * k > FUSED_ORDER_MAX_SLOTS:
-        raise ValueError(f"the fused routing order takes ≤ {FUSED_ORDER_MAX_SLOTS} slots, got {T * k}")
-    order, rows, counts, valid = (_order_fused if fused else _order_torch)(flat.contiguous(), n_experts, allow_absent)
-    if check_ids:
-        torch._assert_async(valid, f"topk_ids outside {-1 if allow_absent else 0}..{n_experts - 1}")
-    make = make_ragged_tensor_metadata if flat.is_cuda else make_ragged_tensor_metadata_torch
-    return RoutingPlan(order, rows, counts, make(counts, T * k), T, k, n_experts)
+from sglang_dsv41.kernels.moe_routing_plan import FUSED_ORDER_MAX_SLOTS, RoutingPlan, make_routing_plan
 
 
 # ---------------------------------------------------------------------------------------------

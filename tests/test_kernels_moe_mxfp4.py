@@ -362,10 +362,13 @@ else:
     @pytest.mark.parametrize("sp,warps,absent", [(16, 4, False), (128, 4, False), (512, 8, True)])
     def test_fused_routing_order_compiles_for_sm90_without_spills(sp: int, warps: int, absent: bool) -> None:
         from triton_checks import compile_for_sm90, no_spills
-        kern = mx._routing_order_kernel
-        consts = dict(ALLOW_ABSENT=absent, SP=sp, CHUNK=32, BINS=32, PAD=mx._FUSED_ORDER_PAD_KEY)
+        from sglang_dsv41.kernels import moe_routing_plan as rp
+        kern = rp._routing_order_kernel
+        first_log2, sizes = rp._block_sizes_log2()
+        consts = dict(ALLOW_ABSENT=absent, SP=sp, CHUNK=32, BINS=32, PAD=rp._FUSED_ORDER_PAD_KEY, EP=512, SIZES=sizes,
+                      FIRST_LOG2=first_log2)
         sig = {n: "constexpr" if n in consts else "i32" for n in kern.arg_names}
-        sig.update(Ids="*i64", Order="*i32", Rows="*i32", Counts="*i32", Valid="*i1")
+        sig.update(Ids="*i64", Order="*i32", Rows="*i32", Counts="*i32", Valid="*i1", Offs="*i32", Schedule="*i32")
         _, usage = compile_for_sm90(kern, sig, consts, {"num_warps": warps})
         assert no_spills(usage), usage
 
