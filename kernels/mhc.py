@@ -372,10 +372,12 @@ def hc_coefficients(residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *
 
 
 def hc_sublayer_input(residual: Tensor, carried_pre: Tensor | None, norm_weight: Tensor,
-                      rms_eps: float) -> Tensor:
+                      rms_eps: float, out_dtype: torch.dtype = F32) -> Tensor:
     """x_in = RMSNorm(bf16(Σ_j pre_j·R_j)) with the lagged pre, or RMSNorm(R_0) when `carried_pre`
-    is None (spec §3.2): [T, H] fp32 holding BF16 values, each the reference's or one BF16 ulp
-    from it (module doc)."""
+    is None (spec §3.2): [T, H] BF16 values, each the reference's or one BF16 ulp from it (module
+    doc), held in fp32 or in `out_dtype` torch.bfloat16."""
+    if out_dtype not in (F32, torch.bfloat16):
+        raise ValueError(f"hc_sublayer_input: out_dtype {out_dtype} (float32 or bfloat16)")
     T, hc, H = _check_residual("hc_sublayer_input", residual)
     if norm_weight.shape != (H,):
         raise ValueError(f"hc_sublayer_input: norm weight {tuple(norm_weight.shape)}, expected {(H,)}")
@@ -384,7 +386,7 @@ def hc_sublayer_input(residual: Tensor, carried_pre: Tensor | None, norm_weight:
         raise ValueError(f"hc_sublayer_input: H = {H} exceeds the one-program row limit {MAX_ROW_BLOCK}")
     inputs = (residual, norm_weight) if carried_pre is None else (residual, norm_weight, carried_pre)
     dev = _check_device("hc_sublayer_input", *inputs)
-    out = torch.empty(T, H, dtype=F32, device=dev)
+    out = torch.empty(T, H, dtype=out_dtype, device=dev)
     if T == 0:
         return out
     r = residual.contiguous()

@@ -143,6 +143,8 @@ def check_against_reference(c: dict, iters: int = 20) -> None:
         expected = ref.hc_sublayer_input(cpu["R"], None if pre is None else cpu["pre"], cpu["weight"], RMS_EPS)
         assert got.dtype == torch.float32
         assert_within_one_bf16_ulp(got, expected)
+        held = K.hc_sublayer_input(c["R"], pre, c["weight"], RMS_EPS, out_dtype=torch.bfloat16).cpu()
+        assert held.dtype == torch.bfloat16 and torch.equal(held.float(), got)      # BF16_OUT: the same values
     assert torch.equal(KO.hc_residual_update(c["R"], c["y"], on_dev).cpu(), ref.hc_residual_update(cpu["R"], cpu["y"], want))
     assert torch.equal(K.hc_collapse(c["R"], c["pre"]).cpu(), ref.hc_collapse(cpu["R"], cpu["pre"]))
 
@@ -330,6 +332,8 @@ if KERNEL_HERE:
         empty = {k: v[:0] if k in PER_TOKEN else v for k, v in c.items()}
         assert coefficients(KO, empty).comb.shape == (0, 4, 4)
         assert K.hc_sublayer_input(empty["R"], None, c["weight"], RMS_EPS).shape == (0, 64)
+        with pytest.raises(ValueError, match="out_dtype"):
+            K.hc_sublayer_input(c["R"], None, c["weight"], RMS_EPS, out_dtype=torch.float16)
         with pytest.raises(ValueError, match="fn has shape"):
             KO.hc_coefficients(c["R"], c["fn"][:, :-1], c["base"], c["scale"], rms_eps=RMS_EPS, hc_eps=HC_EPS,
                               sinkhorn_iters=20)

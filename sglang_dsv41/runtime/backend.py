@@ -37,10 +37,12 @@ by `bf16_gemm_for` — cuBLAS GEMMs (`whole`, the serving default; `blocked`, ro
 deterministic inference), or fewer than 129 rows of a BF16 weight on `kernels.bf16_linear` (`triton`).
 
 BF16_OUT: the runtime holds activations in the backend's dtype (fp32 / float64) with BF16 values
-where the model rounds. Where a BF16 result feeds only consumers that read BF16 (the query heads,
-the attention output and `wo_a`'s output, `runtime/attention_math.py`), the call passes `bf16_out`
-and `triton` returns a torch.bfloat16 tensor of the same values: at an 8K prefill that skips the
-fp32 copies of q and o (1 GB each) and the casts around them. The CPU backends keep their dtype.
+where the model rounds. Where a BF16 result feeds only readers that take BF16 (the query heads, the
+attention output, `wo_a`'s output: `runtime/attention_math.py`; `wo_b`'s and the shared expert's:
+`runtime/tensor_parallel.py`; the mHC sublayer inputs: `runtime/mhc_ops.py`), the call passes
+`bf16_out` and `triton` returns a torch.bfloat16 tensor of the same values: at an 8K prefill that
+skips the fp32 copies of q and o (1 GB each) and the casts around them. The CPU backends keep their
+dtype. Kernels that load an input as fp32 take these BF16 tensors as they are (`_widened_in_kernel`).
 
 The registry (`BACKENDS`) maps names to classes; an unknown device or name raises.
 """
@@ -346,13 +348,13 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
         return self.fe.round_bf16(x.to(F32))
 
     def fp8_act_fake_quant(self, x: Tensor) -> Tensor:
-        return self.fe.fp8_act_fake_quant(x.to(F32), 32)
+        return self.fe.fp8_act_fake_quant(_widened_in_kernel(x), 32)
 
     def fp4_fake_quant_e4m3_scale(self, x: Tensor) -> Tensor:
-        return self.fe.fp4_fake_quant(x.to(F32), 16, "e4m3")
+        return self.fe.fp4_fake_quant(_widened_in_kernel(x), 16, "e4m3")
 
     def fp4_fake_quant_ue8m0_scale(self, x: Tensor) -> Tensor:
-        return self.fe.fp4_fake_quant(x.to(F32), 32, "ue8m0")
+        return self.fe.fp4_fake_quant(_widened_in_kernel(x), 32, "ue8m0")
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float, round_bf16: bool = True) -> Tensor:
         return self.fe.rms_norm(x, weight, eps, round_bf16)
@@ -376,6 +378,12 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
                      bias_vl: Tensor | None, image_rows: Tensor | None) -> tuple[Tensor, Tensor]:
         return self.fe.route_select(scores, bias, top_k, renorm_eps, bias_vl, image_rows)
 
+
+
+def _widened_in_kernel(x: Tensor) -> Tensor:
+    """x for a kernel that loads its input as fp32: BF16 (BF16_OUT) as is — widening is exact — and
+    any other dtype as fp32."""
+    return x if x.dtype in (F32, BF16) else x.to(F32)
 
 
 BACKENDS: dict[str, type[ComputeBackend]] = {"torch": FastTorchBackend, "exact": ExactTorchBackend,

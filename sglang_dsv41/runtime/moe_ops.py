@@ -235,7 +235,7 @@ def _moe_cuda(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], pref
                                            check_ids=False)                     # ids < E: the router's
         shared_out, _ = side.join(pending_shared)
         # bf16(S + bf16(R)) in the combine's launch (`_finalize`'s rounding, no cast / add / round launches)
-        return mx.combine_routed(y, plan, weights, 1.0, H, shared=shared_out.to(F32).contiguous())
+        return mx.combine_routed(y, plan, weights, 1.0, H, shared=shared_out.contiguous())   # S: fp32 or BF16
     local = held_ref.local_index[routing.experts]                       # [T, k], −1 = other shard
     per_slot = torch.full((T, k, H), -0.0, dtype=be.acc, device=x.device)
     if T:

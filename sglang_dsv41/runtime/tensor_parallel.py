@@ -283,9 +283,11 @@ class TensorParallel:
     def row_parallel(self, layer, x: Tensor, backend, act_quant: bool) -> Tensor:
         """BF16 output of row-parallel `layer` (SGLang's `RowParallelLinear` with our method) on
         this rank's input columns `x`: its partial product in the backend's `acc` all-reduced and
-        rounded once when the layer is sharded; its complete output at tp size 1."""
+        rounded once when the layer is sharded; its complete output at tp size 1 (held as BF16 where
+        the backend offers it: `runtime/backend.py` BF16_OUT — its readers, the mHC residual update and
+        the MoE finalize, read any dtype)."""
         self._check_layer(layer)
-        y = layer.quant_method.apply(layer, x, backend=backend, act_quant=act_quant)
+        y = layer.quant_method.apply(layer, x, backend=backend, act_quant=act_quant, bf16_out=layer.tp_size == 1)
         return backend.linear_fp8_finish(self.all_reduce_sum(y)) if layer.tp_size > 1 else y
 
     def shared_expert(self, w1, w2, w3, x: Tensor, backend, act_quant: bool, limit: float) -> tuple[Tensor, bool]:
@@ -295,11 +297,12 @@ class TensorParallel:
         for layer in (w1, w2, w3):
             self._check_layer(layer)
 
-        def up(layer):
-            return layer.quant_method.apply(layer, x, backend=backend, act_quant=act_quant)
+        def up(layer):                     # complete BF16 columns, read only by the SwiGLU (BF16_OUT)
+            return layer.quant_method.apply(layer, x, backend=backend, act_quant=act_quant, bf16_out=True)
 
         h = backend.clamped_swiglu(up(w1), up(w3), limit)
-        return w2.quant_method.apply(w2, h, backend=backend, act_quant=act_quant), w2.tp_size > 1
+        return w2.quant_method.apply(w2, h, backend=backend, act_quant=act_quant,
+                                     bf16_out=w2.tp_size == 1), w2.tp_size > 1
 
     def _check_layer(self, layer) -> None:
         if (layer.tp_rank, layer.tp_size) not in ((0, 1), (self.rank, self.size)):
