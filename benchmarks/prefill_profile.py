@@ -61,7 +61,9 @@ OLD = {"SGLANG_DSV41_ATTN_PREFILL": "packed", "SGLANG_DSV41_INDEXER_HEAD_SUM": "
 NEW = SWITCHES | {"SGLANG_DSV41_INDEXER_HEAD_SUM": "fp32"}
 #: name → (environment over SWITCHES, backend patches): `two_pass_rope` = session 11's RoPE (`TwoPassRope`);
 #: `blocked_bf16_rows` = SGLANG_DSV41_BF16_GEMM=blocked (`BlockedBf16Gemm.whole_rows` False, read at build: set
-#: on the layer's backend; without the patch: `whole`, the serving default)
+#: on the layer's backend; without the patch: `whole`, the serving default); `fp32_activations` = every
+#: activation in fp32 as before session 26 (`Fp32Activations`: the backend's `bf16_out` ignored, the mHC
+#: sublayer input written as fp32)
 VARIANTS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     "before": (OLD, ("two_pass_rope", "blocked_bf16_rows")),
     "session12": ({"SGLANG_DSV41_ATTN_PREFILL": "packed", "SGLANG_DSV41_MHC_MIX": "rows"}, ("blocked_bf16_rows",)),
@@ -80,6 +82,8 @@ VARIANTS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     "topk_bisect": ({"SGLANG_DSV41_TOPK_SEARCH": "bisect"}, ()),
     # session 22: the mHC partial dots on BF16 tensor cores (split-BF16×3 F), and the FlashMLA prefill with it
     "mhc_tc": ({"SGLANG_DSV41_MHC_MIX": "tc"}, ()),
+    # session 26: the default with its activations in fp32 again (what BF16_OUT removed)
+    "fp32_activations": ({}, ("fp32_activations",)),
     "flashmla_mhc_tc": ({"SGLANG_DSV41_ATTN_PREFILL": "flashmla", "SGLANG_DSV41_MHC_MIX": "tc"}, ())}
 DEFAULT_VARIANTS = ("before", "session12", "default", "new", "attn_bf16_workspace", "indexer_fp32_head_sum",
                     "indexer_fused_topk", "whole_bf16_rows")
@@ -173,8 +177,10 @@ def variant_scope(name: str, backend) -> Iterable[None]:
     saved_whole = getattr(dense, "whole_rows", None)
     if saved_whole is not None:
         dense.whole_rows = "blocked_bf16_rows" not in patches
+    fp32 = Fp32Activations(backend) if "fp32_activations" in patches else contextlib.nullcontext()
     try:
-        yield
+        with fp32:
+            yield
     finally:
         for k, v in saved.items():
             if v is None:
@@ -194,6 +200,34 @@ def _reread_moe_flags() -> None:
     mx = sys.modules.get("sglang_dsv41.kernels.moe_mxfp4")
     if mx is not None:
         mx.prefill_flags.cache_clear()
+
+
+class Fp32Activations:
+    """Scope in which `backend` (an instance) ignores `bf16_out` and the CUDA mHC writes its sublayer
+    input as fp32: the activations' dtypes before session 26 (same values; `runtime/backend.py` BF16_OUT)."""
+
+    METHODS = ("linear_fp8", "linear_bf16_grouped", "bf16_rope_tail")
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+
+    def __enter__(self) -> "Fp32Activations":
+        from sglang_dsv41.runtime import mhc_ops
+
+        for name in self.METHODS:
+            method = getattr(self.backend, name)
+            setattr(self.backend, name, lambda *a, _m=method, bf16_out=False, **kw: _m(*a, **kw))
+        self.saved_input = mhc_ops.TritonMhc.sublayer_input
+        mhc_ops.TritonMhc.sublayer_input = (lambda mhc, residual, pre, weight, eps:
+                                            mhc.k.hc_sublayer_input(residual, pre, weight, eps))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from sglang_dsv41.runtime import mhc_ops
+
+        for name in self.METHODS:
+            self.backend.__dict__.pop(name, None)
+        mhc_ops.TritonMhc.sublayer_input = self.saved_input
 
 
 class TwoPassRope:

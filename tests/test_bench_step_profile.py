@@ -158,6 +158,37 @@ def test_prefill_profile_attribution_and_variants(sp, monkeypatch) -> None:
     assert set(pp.DEFAULT_VARIANTS) <= set(pp.VARIANTS)
 
 
+def test_fp32_activations_variant_drops_bf16_out_and_restores() -> None:
+    """`fp32_activations` (session 26's A/B): within the scope the backend's `bf16_out` calls return what a
+    `bf16_out=False` call returns, and the CUDA mHC writes its sublayer input as fp32; both restored after."""
+    from sglang_dsv41.runtime import mhc_ops
+    pp = load_benchmark("prefill_profile.py")
+
+    class Backend:
+        def linear_fp8(self, x, w, act_quant=True, bf16_out=False):
+            return x.to(torch.bfloat16) if bf16_out else x
+
+        def linear_bf16_grouped(self, x, w, groups, bf16_out=False):
+            return self.linear_fp8(x, w, bf16_out=bf16_out)
+
+        def bf16_rope_tail(self, x, positions, inv_freq, inverse=False, bf16_out=False):
+            return self.linear_fp8(x, None, bf16_out=bf16_out)
+
+    be, x = Backend(), torch.ones(2, 4)
+    mhc = SimpleNamespace(k=SimpleNamespace(hc_sublayer_input=lambda r, p, w, e, out_dtype=torch.float32:
+                                            r.to(out_dtype)))
+    original = mhc_ops.TritonMhc.sublayer_input
+    assert mhc_ops.TritonMhc.sublayer_input(mhc, x, None, None, 1e-6).dtype == torch.bfloat16   # the default
+    with pp.variant_scope("fp32_activations", be):
+        assert be.linear_fp8(x, None, True, bf16_out=True).dtype == torch.float32
+        assert be.linear_bf16_grouped(x, None, 2, bf16_out=True).dtype == torch.float32
+        assert be.bf16_rope_tail(x, None, None, inverse=True, bf16_out=True).dtype == torch.float32
+        assert mhc_ops.TritonMhc.sublayer_input(mhc, x, None, None, 1e-6).dtype == torch.float32
+    assert be.linear_fp8(x, None, bf16_out=True).dtype == torch.bfloat16
+    assert be.bf16_rope_tail(x, None, None, bf16_out=True).dtype == torch.bfloat16
+    assert mhc_ops.TritonMhc.sublayer_input is original
+
+
 def test_variant_agreements(monkeypatch) -> None:
     kv = load_benchmark("kernel_variants.py")
     a = torch.tensor([[3, 1, 2, -1], [5, 6, -1, -1], [-1, -1, -1, -1]])
