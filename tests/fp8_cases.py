@@ -141,3 +141,14 @@ def assert_graph_replays_eager(call, counters: torch.Tensor, replays: int = 3) -
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want) and not counters.any()
+
+
+class CountingLaunch:
+    """Stands in for a @triton.jit kernel: records each launch's grid, then launches."""
+
+    def __init__(self, kern) -> None:
+        self.kern, self.grids = kern, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kern[grid]

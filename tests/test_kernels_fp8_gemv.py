@@ -28,7 +28,8 @@ import torch
 from sglang_dsv41.kernels import fp8_gemv as G
 from sglang_dsv41.kernels import fp8_w8a8 as W
 
-from fp8_cases import BF16, DEVICE, F32, assert_graph_replays_eager, exact_sum_case, fp8_weight, kernel
+from fp8_cases import (BF16, DEVICE, F32, CountingLaunch, assert_graph_replays_eager, exact_sum_case, fp8_weight,
+                        kernel)
 from test_kernels_fp8_w8a8 import FLASH_SHAPES, _flash_case, oracle, random_x, within
 from triton_checks import compile_for_sm90, no_spills, run_kernel_cases_in_interpreter
 
@@ -36,17 +37,6 @@ GEMV = W.GEMV_CONFIG
 ONE_PROGRAM = dataclasses.replace(GEMV, split_k=False)
 SUB2_BN32 = dataclasses.replace(GEMV, block_n=32, sub_blocks=2)
 PREQUANT = dataclasses.replace(GEMV, fused_quant=False)
-
-
-class _CountingLaunch:
-    """Stands in for a @triton.jit kernel: records each launch's grid, then launches."""
-
-    def __init__(self, kern) -> None:
-        self.kern, self.grids = kern, []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.kern[grid]
 
 
 # ---- kernel cases (interpreter child / CUDA) ---------------------------------------------------
@@ -85,7 +75,7 @@ def test_kernel_case_split_k_sums_inside_the_launch_with_counters(monkeypatch) -
     values, scales = fp8_weight(96, 640, g, exp_range=(-20, 0))
     x = random_x(3, 640, g, F32)
     assert W.k_chunks(96, 640, GEMV.target_programs) > 1
-    sums, gemvs = _CountingLaunch(W._sum_chunks_kernel), _CountingLaunch(G._gemv_kernel)
+    sums, gemvs = CountingLaunch(W._sum_chunks_kernel), CountingLaunch(G._gemv_kernel)
     monkeypatch.setattr(W, "_sum_chunks_kernel", sums)
     monkeypatch.setattr(G, "_gemv_kernel", gemvs)
     two_launch = W.fp8_w8a8_linear(x, values, scales, gemv=True)
@@ -106,7 +96,7 @@ def test_kernel_case_quantising_inside_the_kernel_gives_the_prequantised_bits(mo
 
     g = torch.Generator().manual_seed(8)
     values, scales = fp8_weight(96, 640, g, exp_range=(-20, 0))
-    quant = _CountingLaunch(fp8_quant._quantize_kernel)
+    quant = CountingLaunch(fp8_quant._quantize_kernel)
     monkeypatch.setattr(fp8_quant, "_quantize_kernel", quant)
     for dtype in (BF16, F32):
         x = random_x(4, 640, g, dtype)
@@ -137,7 +127,7 @@ def test_kernel_case_grouped_wo_a_is_one_launch_within_the_bound(act_quant: bool
     groups, rows, k = 4, 64, 160
     values, scales = fp8_weight(groups * rows, k, g, exp_range=(-20, 0))
     x = random_x(2, groups * k, g, F32)
-    gemvs = _CountingLaunch(G._gemv_kernel)
+    gemvs = CountingLaunch(G._gemv_kernel)
     monkeypatch.setattr(G, "_gemv_kernel", gemvs)
     y = W.fp8_w8a8_linear(x, values, scales, groups=groups, act_quant=act_quant, gemv=True)
     assert len(gemvs.grids) == 1

@@ -37,7 +37,8 @@ import torch
 from sglang_dsv41.kernels import fp8_w8a8 as W
 from sglang_dsv41.reference import ops
 
-from fp8_cases import BF16, DEVICE, F32, F64, assert_graph_replays_eager, dequantised, exact_sum_case, fp8_weight, kernel
+from fp8_cases import (BF16, DEVICE, F32, F64, CountingLaunch, assert_graph_replays_eager, dequantised, exact_sum_case,
+                        fp8_weight, kernel)
 from triton_checks import compile_for_sm90, no_spills, run_kernel_cases_in_interpreter
 
 MMA_STEP_EPS = 2.0 ** -12
@@ -133,7 +134,7 @@ def test_kernel_case_split_k_sums_inside_the_launch_with_counters(monkeypatch) -
     x = random_x(3, 640, g, F32)
     assert W.k_chunks(96, 640, W.DECODE_TARGET_PROGRAMS) > 1
     counters = W.split_k_counters(96, DEVICE)
-    sums = _CountingLaunch(W._sum_chunks_kernel)
+    sums = CountingLaunch(W._sum_chunks_kernel)
     monkeypatch.setattr(W, "_sum_chunks_kernel", sums)
     two_launch = W.fp8_w8a8_linear(x, values, scales)
     assert len(sums.grids) == 1
@@ -146,17 +147,6 @@ def test_kernel_case_split_k_sums_inside_the_launch_with_counters(monkeypatch) -
     assert ok, worst
 
 
-class _CountingLaunch:
-    """Stands in for a @triton.jit kernel: records each launch's grid, then launches."""
-
-    def __init__(self, kern) -> None:
-        self.kern, self.grids = kern, []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.kern[grid]
-
-
 @kernel
 @pytest.mark.parametrize("label", ["decode", "prefill"])
 def test_kernel_case_grouped_wo_a_is_one_launch_equal_to_the_groups(label: str, monkeypatch) -> None:
@@ -164,7 +154,7 @@ def test_kernel_case_grouped_wo_a_is_one_launch_equal_to_the_groups(label: str, 
     groups, rows, k, m = 4, 64, 192, 9
     values, scales = fp8_weight(groups * rows, k, g, exp_range=(-20, 0))
     x = random_x(m, groups * k, g)
-    counting = _CountingLaunch(W._w8a8_kernel)
+    counting = CountingLaunch(W._w8a8_kernel)
     monkeypatch.setattr(W, "_w8a8_kernel", counting)
     y = W.fp8_w8a8_linear(x, values, scales, groups=groups, config=CONFIGS[label])
     assert len(counting.grids) == 1
@@ -186,7 +176,7 @@ def test_kernel_case_wo_a_without_activation_quantisation(label: str, monkeypatc
     groups, rows, k, m = 4, 64, 160, 5
     values, scales = fp8_weight(groups * rows, k, g, exp_range=(-20, 0))
     x = random_x(m, groups * k, g, F32)
-    counting = _CountingLaunch(W._w8a8_kernel)
+    counting = CountingLaunch(W._w8a8_kernel)
     monkeypatch.setattr(W, "_w8a8_kernel", counting)
     kw = dict(bf16_gemm=True) if label == "bf16_gemm" else dict(config=CONFIGS[label])
     y = W.fp8_w8a8_linear(x, values, scales, groups=groups, act_quant=False, **kw)
