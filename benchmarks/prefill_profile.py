@@ -240,9 +240,13 @@ class TwoPassRope:
     def __getattr__(self, name: str):
         return getattr(self._fe, name)
 
-    def apply_rope_tail(self, x, positions, inv_freq, inverse: bool = False, round_bf16: bool = False):
+    def apply_rope_tail(self, x, positions, inv_freq, inverse: bool = False, round_bf16: bool = False,
+                        out_dtype: torch.dtype = torch.float32, round_input: bool = False):
+        if round_input:                                   # the input rounding as its own launch too
+            x = self._fe.round_bf16(x.float())
         y = self._fe.apply_rope_tail(x, positions, inv_freq, inverse)
-        return self._fe.round_bf16(y) if round_bf16 else y
+        y = self._fe.round_bf16(y) if round_bf16 else y
+        return y if out_dtype == torch.float32 else y.to(out_dtype)
 
 
 def selection_agreement(a: torch.Tensor, b: torch.Tensor) -> float:

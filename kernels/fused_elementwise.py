@@ -192,9 +192,10 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, EPS_HI: tl.constexpr, EPS_LO: tl.
 @triton.jit
 def _rope_tail_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, T, R, D, HEAD,
                       HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HEAD: tl.constexpr,
-                      INVERSE: tl.constexpr, ROUND_BF16: tl.constexpr):
+                      INVERSE: tl.constexpr, ROUND_BF16: tl.constexpr, ROUND_INPUT: tl.constexpr):
     """BLOCK_T tokens × BLOCK_R of their R rows (heads): dims [0, HEAD) copied, the last 2·HALF
-    rotated pairwise; cos/sin computed once per token and shared by its rows."""
+    rotated pairwise; cos/sin computed once per token and shared by its rows. ROUND_INPUT: x rounded
+    to BF16 as loaded (`round_bf16`'s rounding, before the rotation)."""
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     r = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = (t < T)[:, None, None] & (r < R)[None, :, None]                      # [BT, BR, 1]
@@ -203,7 +204,7 @@ def _rope_tail_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, T, R, D, HEAD,
     for h0 in range(0, HEAD, BLOCK_HEAD):
         hm = live & ((h0 + h) < HEAD)
         v = tl.load(x_ptr + base + h0 + h, mask=hm, other=0.0).to(tl.float32)
-        if ROUND_BF16:
+        if ROUND_BF16 or ROUND_INPUT:
             v = _round_bf16(v)
         tl.store(out_ptr + base + h0 + h, v, mask=hm)
     i = tl.arange(0, HALF)
@@ -217,6 +218,9 @@ def _rope_tail_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, T, R, D, HEAD,
     rm = live & (i[None, None, :] < HALF)
     a = tl.load(x_ptr + pa, mask=rm, other=0.0).to(tl.float32)
     b = tl.load(x_ptr + pa + 1, mask=rm, other=0.0).to(tl.float32)
+    if ROUND_INPUT:
+        a = _round_bf16(a)
+        b = _round_bf16(b)
     ra = a * c - b * s                      # fp32 products and sum, no FMA (launch option)
     rb = a * s + b * c
     if ROUND_BF16:
@@ -416,11 +420,11 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, round_bf16: bool = True) -> 
 
 
 def apply_rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False,
-                    round_bf16: bool = False, out_dtype: torch.dtype = F32) -> Tensor:
-    """`ops.apply_rope_tail` (optionally followed by `ops.bf16`): x [T, ..., D] (any float dtype),
-    positions [T]; the last 2·len(inv_freq) dims rotated in interleaved pairs; fp32 out, or with
-    `round_bf16` BF16 out when `out_dtype` says so (the same values: half the bytes written).
-    Bound: module doc."""
+                    round_bf16: bool = False, out_dtype: torch.dtype = F32, round_input: bool = False) -> Tensor:
+    """`ops.apply_rope_tail` (optionally preceded and / or followed by `ops.bf16`: `round_input`,
+    `round_bf16`): x [T, ..., D] (any float dtype), positions [T]; the last 2·len(inv_freq) dims rotated
+    in interleaved pairs; fp32 out, or with `round_bf16` BF16 out when `out_dtype` says so (the same
+    values: half the bytes written). Bound: module doc."""
     check_device("apply_rope_tail", x, positions, inv_freq)
     if out_dtype != F32 and not (round_bf16 and out_dtype == torch.bfloat16):
         raise ValueError(f"apply_rope_tail: out_dtype {out_dtype} (bfloat16 only with round_bf16)")
@@ -440,7 +444,8 @@ def apply_rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: boo
         _rope_tail_kernel[grid](x, positions.contiguous(), inv_freq.contiguous(), out, T, R, D, D - 2 * half,
                                 HALF=half, BLOCK_T=block_t, BLOCK_R=block_r,
                                 BLOCK_HEAD=min(_ROPE_HEAD_BLOCK, _pow2_at_least(max(D - 2 * half, 1))),
-                                INVERSE=inverse, ROUND_BF16=round_bf16, **_launch_options())
+                                INVERSE=inverse, ROUND_BF16=round_bf16, ROUND_INPUT=round_input,
+                                **_launch_options())
     return out
 
 

@@ -129,6 +129,9 @@ def test_prefill_profile_attribution_and_variants(sp, monkeypatch) -> None:
     with pp.variant_scope("before", be):               # session 11: two-launch RoPE, packed, torch top-k, blocked
         assert {k: os.environ[k] for k in pp.SWITCHES} == pp.OLD and not be.dense.whole_rows
         assert torch.equal(be.fe.apply_rope_tail(torch.tensor([0.25]), None, None, round_bf16=True), torch.tensor([1.0]))
+        held = be.fe.apply_rope_tail(torch.tensor([1.75]), None, None, round_bf16=True, out_dtype=torch.bfloat16,
+                                     round_input=True)                # the runtime's later keywords, as extra launches
+        assert held.dtype == torch.bfloat16 and float(held) == 3.0
     assert not isinstance(be.fe, pp.TwoPassRope) and os.environ["SGLANG_DSV41_INDEXER_TOPK"] == "fused"
     assert "SGLANG_DSV41_ATTN_PREFILL" not in os.environ
     with pp.variant_scope("default", be):              # the CUDA serving defaults: workspace, whole rows

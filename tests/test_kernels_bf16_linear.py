@@ -26,8 +26,8 @@ import torch
 from sglang_dsv41.kernels import bf16_linear as L
 from sglang_dsv41.kernels import fp8_w8a8 as W
 
-from fp8_cases import BF16, DEVICE, F32, kernel, within_gemm_bound
-from test_kernels_fp8_w8a8 import _compile, _CountingLaunch
+from fp8_cases import BF16, DEVICE, F32, CountingLaunch, kernel, within_gemm_bound
+from test_kernels_fp8_w8a8 import _compile
 from triton_checks import no_spills, run_kernel_cases_in_interpreter
 
 
@@ -87,7 +87,7 @@ def test_kernel_case_in_launch_split_k_sum_matches_the_second_launch(monkeypatch
     w, x = bf16_weight(n, k, g), bf16_valued_x(4, k, g, BF16)
     assert W.k_chunks(n, k, W.DECODE_TARGET_PROGRAMS) > 1
     counters = W.split_k_counters(n, DEVICE)
-    gemms, sums = _CountingLaunch(W._w8a8_kernel), _CountingLaunch(W._sum_chunks_kernel)
+    gemms, sums = CountingLaunch(W._w8a8_kernel), CountingLaunch(W._sum_chunks_kernel)
     monkeypatch.setattr(W, "_w8a8_kernel", gemms)
     monkeypatch.setattr(W, "_sum_chunks_kernel", sums)
     two = L.bf16_linear(x, w)
@@ -118,7 +118,7 @@ def test_kernel_case_dense_backend_takes_the_kernel_below_its_row_limit(monkeypa
     with pytest.raises(ValueError, match="whole_rows"):
         D.BlockedBf16Gemm(D.DenseWeightCache(), triton_rows=True)
     dense = D.BlockedBf16Gemm(D.DenseWeightCache.from_weights({"a.weight": w}), whole_rows=True, triton_rows=True)
-    gemms = _CountingLaunch(W._w8a8_kernel)
+    gemms = CountingLaunch(W._w8a8_kernel)
     monkeypatch.setattr(W, "_w8a8_kernel", gemms)
     for m, launches in ((1, 1), (L.MAX_ROWS - 1, 2), (L.MAX_ROWS, 2), (L.MAX_ROWS + 3, 2)):
         y = dense.matmul(x[:m], w)

@@ -20,8 +20,8 @@ import torch
 
 from sglang_dsv41.kernels import fp8_w8a8 as W
 
-from fp8_cases import BF16, DEVICE, F32, exact_sum_case, fp8_weight, kernel
-from test_kernels_fp8_w8a8 import CONFIGS, _compile, _CountingLaunch, oracle, random_x, within
+from fp8_cases import BF16, DEVICE, F32, CountingLaunch, exact_sum_case, fp8_weight, kernel
+from test_kernels_fp8_w8a8 import CONFIGS, _compile, oracle, random_x, within
 from triton_checks import no_spills, run_kernel_cases_in_interpreter
 
 SWAP_DECODE = W.W8A8Config(16, 64, 4, 4, 3, fused_quant=True, split_k=True,
@@ -53,7 +53,7 @@ def test_kernel_case_fp32_output_is_the_bf16_output_upcast(label: str, groups: i
     counters = W.split_k_counters(n, DEVICE) if with_counters else None
     want = W.fp8_w8a8_linear(x, values, scales, counters=counters, **kw)
     assert want.dtype == BF16
-    gemms, sums = _CountingLaunch(W._w8a8_kernel), _CountingLaunch(W._sum_chunks_kernel)
+    gemms, sums = CountingLaunch(W._w8a8_kernel), CountingLaunch(W._sum_chunks_kernel)
     monkeypatch.setattr(W, "_w8a8_kernel", gemms)
     monkeypatch.setattr(W, "_sum_chunks_kernel", sums)
     got = W.fp8_w8a8_linear(x, values, scales, counters=counters, out_dtype=F32, **kw)

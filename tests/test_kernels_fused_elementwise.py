@@ -137,6 +137,10 @@ if KERNEL_HERE:
             assert same_bits(FE.apply_rope_tail(d(x), d(pos), d(inv), inverse, round_bf16=True).cpu(), ops.bf16(want))
             held = FE.apply_rope_tail(d(x), d(pos), d(inv), inverse, round_bf16=True, out_dtype=torch.bfloat16).cpu()
             assert held.dtype == torch.bfloat16 and same_bits(held.float(), ops.bf16(want))     # BF16 out: same values
+            rounded_first = ops.bf16(ops.apply_rope_tail(ops.bf16(x), pos, inv, inverse))      # round_input
+            assert same_bits(FE.apply_rope_tail(d(x), d(pos), d(inv), inverse, round_bf16=True, round_input=True).cpu(),
+                             rounded_first)
+            assert not same_bits(rounded_first, ops.bf16(want))              # the case tells the two apart
             xb = ops.bf16(x)                                                # a BF16 input: its fp32 copy's bits
             assert same_bits(FE.apply_rope_tail(d(xb.to(torch.bfloat16)), d(pos), d(inv), inverse).cpu(),
                              FE.apply_rope_tail(d(xb), d(pos), d(inv), inverse).cpu())
@@ -310,7 +314,8 @@ if not FE.INTERPRETED:
          {"EPS_HI": 1e-20, "EPS_LO": -5.6e-28, "BLOCK_D": 8192, "LOG2_D": 13, "ROUND_BF16": True}),
         ("_rope_tail_kernel", {"x_ptr": "*fp32", "pos_ptr": "*i64", "freq_ptr": "*fp32", "out_ptr": "*fp32",
                                "T": "i32", "R": "i32", "D": "i32", "HEAD": "i32"},
-         {"HALF": 32, "BLOCK_T": 1, "BLOCK_R": 8, "BLOCK_HEAD": 128, "INVERSE": True, "ROUND_BF16": True}),
+         {"HALF": 32, "BLOCK_T": 1, "BLOCK_R": 8, "BLOCK_HEAD": 128, "INVERSE": True, "ROUND_BF16": True,
+          "ROUND_INPUT": True}),
         ("_swiglu_kernel", {"g_ptr": "*fp32", "u_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "limit": "fp32"}, {"BLOCK": 1024}),
         ("_route_select_kernel", {"score_ptr": "*fp32", "bias_ptr": "*fp32", "vl_bias_ptr": "*fp32", "image_ptr": "*u8",
                                   "expert_ptr": "*i64", "weight_ptr": "*fp32", "E": "i32"},

@@ -55,13 +55,15 @@ def query_heads(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], pr
 
 def swa_cache_roundtrip(be: ComputeBackend, kv: Tensor, positions: Tensor, inv_freq: Tensor,
                         profile: CacheProfile, rope_dim: int) -> Tensor:
-    """What attention reads back for a token's SWA kv (§3.4.1, §3.8): NONE bf16 → RoPE → BF16;
+    """What attention reads back for a token's SWA kv (§3.4.1, §3.8): NONE bf16 → RoPE → BF16 (held as
+    BF16 where the backend offers it: the SWA cache is BF16; BF16_OUT in `runtime/backend.py`);
     FP8 (v4) rotated from fp32, nope dims E4M3 per 64; FP4 (v41) the NONE row, E4M3 per 32."""
     kv = kv.to(F32)
     if profile is CacheProfile.FP8:
         return fp8_v4_roundtrip(be.apply_rope_tail(kv, positions, inv_freq), rope_dim)
-    row = be.bf16_rope_tail(be.bf16(kv), positions, inv_freq)
-    return row if profile is CacheProfile.NONE else fp8_v41_roundtrip(row)
+    none = profile is CacheProfile.NONE
+    row = be.bf16_rope_tail(kv, positions, inv_freq, round_input=True, bf16_out=none)
+    return row if none else fp8_v41_roundtrip(row)
 
 
 def output_projection(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, o: Tensor,

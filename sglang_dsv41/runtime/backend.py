@@ -102,10 +102,11 @@ class ComputeBackend(ABC):
 
     # ---- built from the primitives -------------------------------------------------------------
     def bf16_rope_tail(self, x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False,
-                       bf16_out: bool = False) -> Tensor:
-        """bf16(RoPE(x)). `bf16_out`: the caller also takes a torch.bfloat16 tensor (the same values),
-        which a backend may return to save bytes (BF16_OUT, module doc); this one keeps its dtype."""
-        return self.bf16(self.apply_rope_tail(x, positions, inv_freq, inverse))
+                       bf16_out: bool = False, round_input: bool = False) -> Tensor:
+        """bf16(RoPE(x)), or with `round_input` bf16(RoPE(bf16(x))). `bf16_out`: the caller also takes a
+        torch.bfloat16 tensor (the same values), which a backend may return to save bytes (BF16_OUT,
+        module doc); this one keeps its dtype."""
+        return self.bf16(self.apply_rope_tail(self.bf16(x) if round_input else x, positions, inv_freq, inverse))
 
     def linear_fp8(self, x: Tensor, weight: Tensor, act_quant: bool = True, bf16_out: bool = False) -> Tensor:
         """FP8 dense linear (spec §3.8): activation fake-quant, product, BF16 output (`bf16_out`: as
@@ -363,13 +364,13 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
         return self.fe.apply_rope_tail(x, positions, inv_freq, inverse)
 
     def bf16_rope_tail(self, x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False,
-                       bf16_out: bool = False) -> Tensor:
-        """RoPE and the BF16 rounding in one launch (the kernel's `round_bf16`: the same bits as
-        `bf16(apply_rope_tail(x))`, tests/test_kernels_fused_elementwise.py), one pass over x
-        instead of two — at prefill x is q ([T, heads, head_dim], 1 GB in fp32 at 8K Flash tokens);
-        `bf16_out`: written as BF16 (BF16_OUT, module doc)."""
+                       bf16_out: bool = False, round_input: bool = False) -> Tensor:
+        """RoPE and the BF16 rounding(s) in one launch (the kernel's `round_bf16` / `round_input`: the
+        same bits as `bf16(apply_rope_tail(bf16(x)))`, tests/test_kernels_fused_elementwise.py), one
+        pass over x instead of two or three — at prefill x is q ([T, heads, head_dim], 1 GB in fp32 at
+        8K Flash tokens); `bf16_out`: written as BF16 (BF16_OUT, module doc)."""
         return self.fe.apply_rope_tail(x, positions, inv_freq, inverse, round_bf16=True,
-                                       out_dtype=BF16 if bf16_out else F32)
+                                       out_dtype=BF16 if bf16_out else F32, round_input=round_input)
 
     def clamped_swiglu(self, gate: Tensor, up: Tensor, limit: float) -> Tensor:
         return self.fe.clamped_swiglu(gate, up, limit)
