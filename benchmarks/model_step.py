@@ -15,13 +15,19 @@ history (each replay advances it) and their hidden states are compared: `bits_eq
 kernels run either way; a difference is a missing join). `on / off` is the ratio of step times.
 CPU (`--device cpu`, tests): eager calls only, no graph, the same records.
 
+MODEL_STEP_ACTIVATIONS=fp32 runs everything with the activations in fp32 as before session 26
+(`prefill_profile.Fp32Activations`); the record says which (`activations`). Two processes, one with it and
+one without, on one warm machine give session 26's decode ratio (`scripts/gpu/session26b.sh`).
+
     python benchmarks/model_step.py --layers 4 --batches 1 8 64 256 --context 8192 --out DIR
     python benchmarks/model_step.py --plot triton=a.json flashmla=b.json --out DIR    (the PNG only)
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import tempfile
 import time
@@ -34,6 +40,7 @@ from step_timing import capture_graph, measure  # noqa: E402
 
 PAGE = 64
 MODES = ("off", "on")
+ACTIVATIONS_ENV = "MODEL_STEP_ACTIVATIONS"
 
 
 def build_engine(preset: str, layers: int, device: torch.device):
@@ -178,21 +185,30 @@ def main(argv: list[str] | None = None) -> int:
         records = {k: json.loads(Path(v).read_text()) for k, v in (a.split("=", 1) for a in args.plot)}
         args.out.mkdir(parents=True, exist_ok=True)
         return 0 if plot(records, args.out / "model_step.png") else 1
+    activations = os.environ.get(ACTIVATIONS_ENV, "default")
+    if activations not in ("default", "fp32"):
+        raise SystemExit(f"{ACTIVATIONS_ENV}={activations!r}: expected 'default' or 'fp32'")
     dev = torch.device(args.device)
     t0 = time.perf_counter()
     engine = build_engine(args.preset, args.layers, dev)
     rec = dict(device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", preset=args.preset,
-               layers=args.layers, context=args.context, build_s=round(time.perf_counter() - t0, 1), rows=[],
-               skipped=[])
-    for b in args.batches:
-        if time.perf_counter() - t0 > args.budget_s:
-            rec["skipped"].append(b)
-            continue
-        row = run_batch(engine, b, args.context, args.cap_s)
-        print(json.dumps(row), flush=True)
-        rec["rows"].append(row)
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+               layers=args.layers, context=args.context, activations=activations,
+               build_s=round(time.perf_counter() - t0, 1), rows=[], skipped=[])
+    if activations == "fp32":
+        from prefill_profile import Fp32Activations
+        scope = Fp32Activations(engine.backend)
+    else:
+        scope = contextlib.nullcontext()
+    with scope:
+        for b in args.batches:
+            if time.perf_counter() - t0 > args.budget_s:
+                rec["skipped"].append(b)
+                continue
+            row = run_batch(engine, b, args.context, args.cap_s)
+            print(json.dumps(row), flush=True)
+            rec["rows"].append(row)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "model_step.json").write_text(json.dumps(rec, indent=2) + "\n")
     if not plot({args.preset: rec}, args.out / "model_step.png"):

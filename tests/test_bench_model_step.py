@@ -32,6 +32,23 @@ def test_record_per_batch_and_mode(engine, tmp_path: Path, monkeypatch) -> None:
         assert r["on_over_off"] == round(r["on"]["step_us"] / r["off"]["step_us"], 4)
 
 
+def test_fp32_activations_run_is_recorded_and_restored(engine, tmp_path: Path, monkeypatch) -> None:
+    """MODEL_STEP_ACTIVATIONS=fp32: the run inside `prefill_profile.Fp32Activations` (the backend's methods
+    patched for its duration, then restored), the record says so; an unknown value stops the run."""
+    from sglang_dsv41.runtime import attention_ops
+    monkeypatch.setattr(bench, "build_engine", lambda *a: engine)
+    monkeypatch.setenv(bench.ACTIVATIONS_ENV, "fp32")
+    attend = attention_ops.KernelAttentionOps.attend
+    assert bench.main(["--preset", "tiny", "--batches", "1", "--context", "16", "--device", "cpu",
+                       "--cap-s", "0.05", "--out", str(tmp_path)]) == 0
+    rec = json.loads((tmp_path / "model_step.json").read_text())
+    assert rec["activations"] == "fp32" and rec["rows"][0]["bits_equal"] is True
+    assert "linear_fp8" not in vars(engine.backend) and attention_ops.KernelAttentionOps.attend is attend
+    monkeypatch.setenv(bench.ACTIVATIONS_ENV, "bf17")
+    with pytest.raises(SystemExit, match="MODEL_STEP_ACTIVATIONS"):
+        bench.main(["--preset", "tiny", "--batches", "1", "--device", "cpu", "--out", str(tmp_path)])
+
+
 def test_decode_case_is_one_token_per_request_at_the_context_end(engine) -> None:
     seen = {}
 

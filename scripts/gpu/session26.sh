@@ -7,13 +7,13 @@
 #      the MoE sublayer, the teacher-forced contracts (tests/test_runtime_triton_backend.py);
 #   2. ONE process of benchmarks/decode_step.py --profile-prefill: one 8,192-token prefill of Flash layer 2 by
 #      component, `default` against `fp32_activations` (the default with the activations in fp32 again,
-#      benchmarks/prefill_profile.py VARIANTS): the same-run ratio of the BF16 change at prefill;
-#   3. benchmarks/model_step.py at N = 1 / 8 / 64 / 256 under the defaults (the whole model's decode step).
+#      benchmarks/prefill_profile.py VARIANTS): the same-run ratio of the BF16 change at prefill.
+# The decode ratio is scripts/gpu/session26b.sh (next call, same warm machine).
 # Logs in $OUT/logs.tar.gz. Run from the checkout root with `.gpu` carried: bash scripts/gpu/session26.sh
 set -uo pipefail
 # shellcheck source=scripts/gpu/lib.sh
 source "$(dirname "$0")/lib.sh"
-: "${BUDGET:=575}" "${TEST_S:=260}" "${PREFILL_S:=170}"
+: "${BUDGET:=575}" "${TEST_S:=300}" "${PREFILL_S:=260}"
 mkdir -p "$OUT/logs" "$OUT/tests"
 gpu_setup
 OUT=$OUT/tests BUDGET=$TEST_S \
@@ -31,7 +31,6 @@ if [ "$b" -gt 60 ]; then
 else
   result prefill "skipped: $b s left"
 fi
-model_step default "1 8 64 256" 150
 mv "$OUT"/tests/*.log "$OUT/logs/" 2>/dev/null; rmdir "$OUT/tests" 2>/dev/null
 find "$OUT" -name "*.png" -delete
 (cd "$OUT" && tar czf logs.tar.gz logs 2>/dev/null; rm -rf logs)
