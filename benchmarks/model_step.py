@@ -16,7 +16,7 @@ kernels run either way; a difference is a missing join). `on / off` is the ratio
 CPU (`--device cpu`, tests): eager calls only, no graph, the same records.
 
 MODEL_STEP_ACTIVATIONS=fp32 runs everything with the activations in fp32 as before session 26
-(`prefill_profile.Fp32Activations`); the record says which (`activations`). Two processes, one with it and
+(`fp32_activations.Fp32Activations`); the record says which (`activations`). Two processes, one with it and
 one without, on one warm machine give session 26's decode ratio (`scripts/gpu/session26b.sh`).
 
     python benchmarks/model_step.py --layers 4 --batches 1 8 64 256 --context 8192 --out DIR
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                layers=args.layers, context=args.context, activations=activations,
                build_s=round(time.perf_counter() - t0, 1), rows=[], skipped=[])
     if activations == "fp32":
-        from prefill_profile import Fp32Activations
+        from fp32_activations import Fp32Activations
         scope = Fp32Activations(engine.backend)
     else:
         scope = contextlib.nullcontext()

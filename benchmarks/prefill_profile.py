@@ -177,6 +177,8 @@ def variant_scope(name: str, backend) -> Iterable[None]:
     saved_whole = getattr(dense, "whole_rows", None)
     if saved_whole is not None:
         dense.whole_rows = "blocked_bf16_rows" not in patches
+    from fp32_activations import Fp32Activations
+
     fp32 = Fp32Activations(backend) if "fp32_activations" in patches else contextlib.nullcontext()
     try:
         with fp32:
@@ -200,38 +202,6 @@ def _reread_moe_flags() -> None:
     mx = sys.modules.get("sglang_dsv41.kernels.moe_mxfp4")
     if mx is not None:
         mx.prefill_flags.cache_clear()
-
-
-class Fp32Activations:
-    """Scope in which `backend` (an instance) ignores `bf16_out`, the CUDA mHC writes its sublayer input
-    as fp32 and the CUDA attention widens its output to fp32: the activations' dtypes before session 26
-    (same values; `runtime/backend.py` BF16_OUT). The SWA row's input rounding stays in the RoPE launch."""
-
-    METHODS = ("linear_fp8", "linear_bf16_grouped", "bf16_rope_tail")
-
-    def __init__(self, backend) -> None:
-        self.backend = backend
-
-    def __enter__(self) -> "Fp32Activations":
-        from sglang_dsv41.runtime import attention_ops, mhc_ops
-
-        for name in self.METHODS:
-            method = getattr(self.backend, name)
-            setattr(self.backend, name, lambda *a, _m=method, bf16_out=False, **kw: _m(*a, **kw))
-        self.saved_input = mhc_ops.TritonMhc.sublayer_input
-        mhc_ops.TritonMhc.sublayer_input = (lambda mhc, residual, pre, weight, eps:
-                                            mhc.k.hc_sublayer_input(residual, pre, weight, eps))
-        attend = self.saved_attend = attention_ops.KernelAttentionOps.attend
-        attention_ops.KernelAttentionOps.attend = lambda ops, *a, **kw: attend(ops, *a, **kw).to(torch.float32)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        from sglang_dsv41.runtime import attention_ops, mhc_ops
-
-        for name in self.METHODS:
-            self.backend.__dict__.pop(name, None)
-        mhc_ops.TritonMhc.sublayer_input = self.saved_input
-        attention_ops.KernelAttentionOps.attend = self.saved_attend
 
 
 class TwoPassRope:

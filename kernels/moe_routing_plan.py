@@ -114,7 +114,7 @@ def _block_sizes_log2() -> tuple[int, int]:
     sizes = list(RaggedTensorMetadata.block_sizes_log2())
     if not sizes or sizes != list(range(sizes[0], sizes[0] + len(sizes))):
         raise RuntimeError(f"triton_kernels RaggedTensorMetadata.block_sizes_log2() = {sizes}: the fused routing "
-                           "plan writes consecutive powers of two only (kernels/moe_mxfp4.py `_ragged_schedule`)")
+                           "plan writes consecutive powers of two only (kernels/moe_routing_plan.py `_ragged_schedule`)")
     return sizes[0], len(sizes)
 
 

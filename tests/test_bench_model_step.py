@@ -33,7 +33,7 @@ def test_record_per_batch_and_mode(engine, tmp_path: Path, monkeypatch) -> None:
 
 
 def test_fp32_activations_run_is_recorded_and_restored(engine, tmp_path: Path, monkeypatch) -> None:
-    """MODEL_STEP_ACTIVATIONS=fp32: the run inside `prefill_profile.Fp32Activations` (the backend's methods
+    """MODEL_STEP_ACTIVATIONS=fp32: the run inside `fp32_activations.Fp32Activations` (the backend's methods
     patched for its duration, then restored), the record says so; an unknown value stops the run."""
     from sglang_dsv41.runtime import attention_ops
     monkeypatch.setattr(bench, "build_engine", lambda *a: engine)
