@@ -72,7 +72,8 @@ from sglang_dsv41.runtime.kv_layout import (CompressedRowLayout, decode_entry_ke
 from sglang_dsv41.runtime.indexer_select import select_for_role
 from sglang_dsv41.runtime.mhc_ops import mhc_for
 from sglang_dsv41.runtime.moe_ops import Routing, route, routed_expert, shared_expert
-from sglang_dsv41.runtime.parallel_linear import is_parallel_linear, with_parallel_linears
+from sglang_dsv41.runtime.parallel_linear import is_parallel_linear, linear_values, with_parallel_linears
+from sglang_dsv41.runtime.stacked_linear import stack_attention_inputs
 from sglang_dsv41.runtime.quant_methods import apply_linear
 from sglang_dsv41.runtime.tensor_parallel import SINGLE
 
@@ -179,6 +180,10 @@ def build_layer(cfg: DeepseekV41Config, layer: int, device: torch.device, seed: 
     del stored
     if deterministic is None:
         deterministic = device.type == "cpu"
+    linears = {k: v for k, v in with_parallel_linears(weights, cfg, SINGLE.plan(t)).items() if is_parallel_linear(v)}
+    stack_attention_inputs(linears, f"layers.{layer}.attn.")     # the runtime's layers over the same storage,
+    weights.update(linears)                                      # wq_a | wkv stacked as the runtime does
+    weights.update(linear_values(linears))
     backend, cached = backend_for(device, weights, deterministic), 0
     if device.type == "cuda":
         from sglang_dsv41.runtime.dense_ops import is_dense_linear_weight
@@ -188,8 +193,6 @@ def build_layer(cfg: DeepseekV41Config, layer: int, device: torch.device, seed: 
     per_expert = 3 * (t.moe_intermediate_size * t.hidden_size // 2 + t.moe_intermediate_size * t.hidden_size // TILE)
     role = t.layer_roles()[layer]
     inv_freq = layer_inv_freq(t, role.ratio).to(device)
-    linears = with_parallel_linears(weights, cfg, SINGLE.plan(t))        # the runtime's layers over the same storage
-    weights.update({k: v for k, v in linears.items() if is_parallel_linear(v)})
     return Layer(cfg, role, weights, by_group, held, per_expert, inv_freq, cached, backend)
 
 

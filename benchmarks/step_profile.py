@@ -107,9 +107,9 @@ def labels_on(backend, names: Mapping[int, str], flash_layer_module, mhc_module=
         if hasattr(backend, method):
             setattr(backend, method, linear(method))
             patched_backend.append(method)
-    for method in (*ELEMENTWISE, "rms_norm"):
+    for method in (*ELEMENTWISE, "rms_norm", "rms_norm_pair"):
         if hasattr(backend, method):
-            setattr(backend, method, _labelled("norm" if method == "rms_norm" else f"elementwise:{method}",
+            setattr(backend, method, _labelled("norm" if method.startswith("rms_norm") else f"elementwise:{method}",
                                                getattr(backend, method)))
             patched_backend.append(method)
     saved = {n: getattr(flash_layer_module, n) for n in FUNCTIONS if hasattr(flash_layer_module, n)}

@@ -168,14 +168,9 @@ def _group_quant_kernel(x_ptr, out_ptr, n_groups, GROUP: tl.constexpr, GPP: tl.c
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, EPS_HI: tl.constexpr, EPS_LO: tl.constexpr, BLOCK_D: tl.constexpr,
-                     LOG2_D: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """One row: y = x·(1/sqrt(Σx²/D + ε))·w in double-fp32, rounded once to fp32 (then BF16)."""
-    row = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    live = d < D
-    x = tl.load(x_ptr + row * D + d, mask=live, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + d, mask=live, other=0.0).to(tl.float32)
+def rms_row(x, w, D, EPS_HI: tl.constexpr, EPS_LO: tl.constexpr, LOG2_D: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """One row held as fp32 lanes x, w (zeros past D): x·(1/sqrt(Σx²/D + ε))·w in double-fp32,
+    rounded once to fp32 (then BF16). Every RMSNorm kernel calls this, so they agree bit for bit."""
     sq_h, sq_l = DF.two_prod(x, x)
     ss_h, ss_l = DF.df_tree_sum(sq_h, sq_l, LOG2_D)
     m_h, m_l = DF.df_div_f(ss_h, ss_l, D.to(tl.float32))
@@ -186,7 +181,19 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, EPS_HI: tl.constexpr, EPS_LO: tl.
     y = y_h + y_l
     if ROUND_BF16:
         y = _round_bf16(y)
-    tl.store(out_ptr + row * D + d, y, mask=live)
+    return y
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, EPS_HI: tl.constexpr, EPS_LO: tl.constexpr, BLOCK_D: tl.constexpr,
+                     LOG2_D: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """One row: `rms_row`."""
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    live = d < D
+    x = tl.load(x_ptr + row * D + d, mask=live, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + d, mask=live, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * D + d, rms_row(x, w, D, EPS_HI, EPS_LO, LOG2_D, ROUND_BF16), mask=live)
 
 
 @triton.jit

@@ -17,7 +17,7 @@ source "$(dirname "$0")/lib.sh"
 mkdir -p "$OUT/logs" "$OUT/tests"
 gpu_setup
 OUT=$OUT/tests BUDGET=$TEST_S \
-  TESTS="tests/test_runtime_forward_gpu.py tests/test_runtime_cuda_graph_gpu.py tests/test_kernels_moe_mxfp4.py \
+  TESTS="tests/test_runtime_forward_gpu.py tests/test_runtime_cuda_graph_gpu.py tests/test_kernels_rms_norm_pair.py tests/test_kernels_moe_mxfp4.py \
 tests/test_kernels_fused_elementwise.py tests/test_runtime_triton_backend.py tests/test_kernels_mhc.py \
 tests/test_runtime_overlap_gpu.py tests/test_runtime_moe_ops.py" \
   bash scripts/gpu/gpu_tests_subset.sh

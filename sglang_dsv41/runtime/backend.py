@@ -108,6 +108,13 @@ class ComputeBackend(ABC):
         module doc); this one keeps its dtype."""
         return self.bf16(self.apply_rope_tail(self.bf16(x) if round_input else x, positions, inv_freq, inverse))
 
+    def rms_norm_pair(self, x: Tensor, split: int, first_weight: Tensor, second_weight: Tensor,
+                      eps: float) -> tuple[Tensor, Tensor]:
+        """(rms_norm(x[:, :split], first_weight) rounded to BF16, rms_norm(x[:, split:], second_weight) not
+        rounded): q_lora and kv from the stacked `wq_a | wkv` product (§3.4.1, `runtime/stacked_linear.py`)."""
+        return (self.rms_norm(x[:, :split], first_weight, eps),
+                self.rms_norm(x[:, split:], second_weight, eps, round_bf16=False))
+
     def linear_fp8(self, x: Tensor, weight: Tensor, act_quant: bool = True, bf16_out: bool = False) -> Tensor:
         """FP8 dense linear (spec §3.8): activation fake-quant, product, BF16 output (`bf16_out`: as
         `bf16_rope_tail`'s)."""
@@ -359,6 +366,12 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float, round_bf16: bool = True) -> Tensor:
         return self.fe.rms_norm(x, weight, eps, round_bf16)
+
+    def rms_norm_pair(self, x: Tensor, split: int, first_weight: Tensor, second_weight: Tensor,
+                      eps: float) -> tuple[Tensor, Tensor]:
+        from ..kernels.rms_norm_pair import rms_norm_pair
+
+        return rms_norm_pair(x, split, first_weight, second_weight, eps)
 
     def apply_rope_tail(self, x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False) -> Tensor:
         return self.fe.apply_rope_tail(x, positions, inv_freq, inverse)

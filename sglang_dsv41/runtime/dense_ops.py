@@ -153,9 +153,12 @@ class DenseWeightCache:
     def from_weights(cls, weights: Mapping[str, object],
                      include: Callable[[str, object], bool] = is_dense_linear_weight) -> "DenseWeightCache":
         """Register every weight `include` selects (default: the dense linear weights); an E4M3
-        weight `name` takes its scales from `weights[fp8_scale_key(name)]`."""
+        weight `name` takes its scales from `weights[fp8_scale_key(name)]`. Larger tensors first, so
+        a stack (`runtime/stacked_linear.py`) is registered before its members, which resolve as its
+        row views."""
         cache = cls()
-        for name, value in weights.items():
+        by_size = sorted(weights.items(), key=lambda kv: -kv[1].numel() if isinstance(kv[1], Tensor) else 0)
+        for name, value in by_size:
             if include(name, value):
                 assert isinstance(value, Tensor)
                 if value.dtype == FP8:

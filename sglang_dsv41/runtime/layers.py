@@ -25,6 +25,7 @@ from .engram_table import StoredEngramTable
 from .mhc_ops import HcCoefficients, stream_mean
 from .overlap import INLINE, InlineStream, Pending, SideStream
 from .parallel_linear import is_parallel_linear
+from .stacked_linear import STACKED, stack_attention_inputs
 from .tensor_parallel import TensorParallel
 
 
@@ -175,6 +176,13 @@ class Attention(OwnedTensors):
     def __init__(self, weights: Mapping[str, object], cfg: TextConfig, role: LayerRole) -> None:
         super().__init__(weights, f"layers.{role.layer}.attn.")
         self.cfg, self.role = cfg, role
+
+    def refresh(self) -> None:
+        """`OwnedTensors.refresh`, then the stacked `wq_a | wkv` layer where both hold E4M3 tiles
+        (`runtime/stacked_linear.py`; its storage reused across refreshes)."""
+        previous = self.tensors.get(self.prefix + STACKED)
+        super().refresh()
+        stack_attention_inputs(self.tensors, self.prefix, previous)
 
     def forward(self, x: Tensor, step: ForwardStep) -> Tensor:
         return attention_sublayer(step.backend, step.attention_ops, self.cfg, self.role, self.tensors, x, step.layout,

@@ -1,0 +1,64 @@
+"""Two RMSNorms of one row in one launch (spec `model.md` §3.4.1): the attention's q_lora =
+RMSNorm_q(row[:split]) rounded to BF16 and kv = RMSNorm_kv(row[split:]) not rounded, read from the
+stacked `wq_a | wkv` product (`runtime/stacked_linear.py`).
+
+Each half is `fused_elementwise.rms_row` — the same function `fused_elementwise.rms_norm` runs — on
+the same fp32 lanes and block width, so each output equals that kernel's on the half alone, bit for
+bit (tests/test_kernels_rms_norm_pair.py). One program per row; no host sync; CUDA-graph capturable.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from . import double_fp32 as DF
+from .fused_elementwise import _launch_options, _pow2_at_least, check_device, rms_row
+
+F32 = torch.float32
+
+
+@triton.jit
+def _rms_norm_pair_kernel(x_ptr, stride, w1_ptr, w2_ptr, out1_ptr, out2_ptr, D1, D2, EPS_HI: tl.constexpr,
+                          EPS_LO: tl.constexpr, BLOCK1: tl.constexpr, BLOCK2: tl.constexpr, LOG2_1: tl.constexpr,
+                          LOG2_2: tl.constexpr, ROUND1: tl.constexpr, ROUND2: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK1)
+    live = d < D1
+    x = tl.load(x_ptr + row * stride + d, mask=live, other=0.0).to(tl.float32)
+    w = tl.load(w1_ptr + d, mask=live, other=0.0).to(tl.float32)
+    tl.store(out1_ptr + row * D1 + d, rms_row(x, w, D1, EPS_HI, EPS_LO, LOG2_1, ROUND1), mask=live)
+    e = tl.arange(0, BLOCK2)
+    live2 = e < D2
+    x2 = tl.load(x_ptr + row * stride + D1 + e, mask=live2, other=0.0).to(tl.float32)
+    w2 = tl.load(w2_ptr + e, mask=live2, other=0.0).to(tl.float32)
+    tl.store(out2_ptr + row * D2 + e, rms_row(x2, w2, D2, EPS_HI, EPS_LO, LOG2_2, ROUND2), mask=live2)
+
+
+def rms_norm_pair(x: Tensor, split: int, first_weight: Tensor, second_weight: Tensor, eps: float,
+                  round_first: bool = True, round_second: bool = False) -> tuple[Tensor, Tensor]:
+    """(`rms_norm(x[:, :split], first_weight, eps, round_first)`, `rms_norm(x[:, split:], second_weight,
+    eps, round_second)`) of x [T, D] (fp32 or BF16, unit stride along D) in one launch; fp32 outputs."""
+    if x.dim() != 2 or not 0 < split < x.shape[1]:
+        raise ValueError(f"rms_norm_pair: x {tuple(x.shape)} split at {split}: expected [T, D] with 0 < split < D")
+    D1, D2 = split, x.shape[1] - split
+    if first_weight.shape != (D1,) or second_weight.shape != (D2,):
+        raise ValueError(f"rms_norm_pair: weights {tuple(first_weight.shape)} / {tuple(second_weight.shape)} for "
+                         f"halves of {D1} / {D2}")
+    b1, b2 = _pow2_at_least(D1), _pow2_at_least(D2)
+    if max(b1, b2) > 4096:
+        raise ValueError(f"rms_norm_pair: halves of {D1} / {D2} exceed its 4096-wide blocks")
+    check_device("rms_norm_pair", x, first_weight, second_weight)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    T = x.shape[0]
+    first = torch.empty(T, D1, dtype=F32, device=x.device)
+    second = torch.empty(T, D2, dtype=F32, device=x.device)
+    if T:
+        eps_hi, eps_lo = DF.split_constant(float(eps))
+        _rms_norm_pair_kernel[(T,)](x, x.stride(0), first_weight.contiguous(), second_weight.contiguous(), first,
+                                    second, D1, D2, EPS_HI=eps_hi, EPS_LO=eps_lo, BLOCK1=b1, BLOCK2=b2,
+                                    LOG2_1=b1.bit_length() - 1, LOG2_2=b2.bit_length() - 1, ROUND1=round_first,
+                                    ROUND2=round_second, **_launch_options(4))
+    return first, second
