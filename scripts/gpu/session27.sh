@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# H200 (one GPU), one device call (session 27; issue 21): sessions 25-26's default changes in one call, when
-# device time is short (it replaces session26.sh + session26b.sh):
+# H200 (one GPU), one device call (session 27; issue 21): sessions 25-27's default changes in one call, when
+# device time is short (it replaces session26.sh + session26b.sh); session 27's is the stacked wq_a | wkv
+# product with its one-launch RMSNorm pair (runtime/stacked_linear.py, kernels/rms_norm_pair.py):
 #   1. pytest -m gpu on the touched code, most telling first, until TEST_S is spent: the forward against the
 #      CPU, CUDA-graph replay = eager, the MoE kernels (the routing plan's schedule against triton_kernels'),
 #      the RoPE / elementwise kernels' BF16 outputs, the teacher-forced contracts, mHC, the side stream, the
