@@ -73,7 +73,7 @@ from sglang_dsv41.runtime.indexer_select import select_for_role
 from sglang_dsv41.runtime.mhc_ops import mhc_for
 from sglang_dsv41.runtime.moe_ops import Routing, route, routed_expert, shared_expert
 from sglang_dsv41.runtime.parallel_linear import is_parallel_linear, linear_values, with_parallel_linears
-from sglang_dsv41.runtime.stacked_linear import stack_attention_inputs
+from sglang_dsv41.runtime.stacked_linear import SHARED_STACKED, stack_attention_inputs, stack_shared_expert
 from sglang_dsv41.runtime.quant_methods import apply_linear
 from sglang_dsv41.runtime.tensor_parallel import SINGLE
 
@@ -182,7 +182,8 @@ def build_layer(cfg: DeepseekV41Config, layer: int, device: torch.device, seed: 
         deterministic = device.type == "cpu"
     linears = {k: v for k, v in with_parallel_linears(weights, cfg, SINGLE.plan(t)).items() if is_parallel_linear(v)}
     stack_attention_inputs(linears, f"layers.{layer}.attn.")     # the runtime's layers over the same storage,
-    weights.update(linears)                                      # wq_a | wkv stacked as the runtime does
+    stack_shared_expert(linears, f"layers.{layer}.ffn.")         # stacked as the runtime does
+    weights.update(linears)
     weights.update(linear_values(linears))
     backend, cached = backend_for(device, weights, deterministic), 0
     if device.type == "cuda":
@@ -289,7 +290,7 @@ def torch_work(layer: Layer, R: Tensor, positions: Tensor, be: ComputeBackend | 
     x = mhc.sublayer_input(R, co.pre, w[p + "ffn_norm.weight"], t.rms_norm_eps)
     routing = route(be, x, w[p + "ffn.gate"], w[p + "ffn.gate.bias"], t.num_experts_per_tok)
     shared = shared_expert(be, x, w[p + "ffn.shared_experts.w1"], w[p + "ffn.shared_experts.w2"],
-                           w[p + "ffn.shared_experts.w3"], t.swiglu_limit, True)
+                           w[p + "ffn.shared_experts.w3"], t.swiglu_limit, True, w.get(p + "ffn." + SHARED_STACKED))
     mhc.residual_update(R, shared, co_f)
     return x, routing
 

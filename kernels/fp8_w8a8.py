@@ -139,8 +139,10 @@ SHAPE_CONFIGS: dict[tuple[int, int, int, int], W8A8Config] = {
     (16, 1280, 5120, 1): W8A8Config(16, 64, 4, 4, 3, fused_quant=True, split_k=True, target_programs=2112),
     (16, 512, 5120, 1): W8A8Config(16, 64, 4, 4, 3, fused_quant=True, split_k=True, target_programs=2112,
                                    swap_ab=True),
-    # the stacked wq_a | wkv (runtime/stacked_linear.py): wq_a's pick, not swept for this shape
+    # the stacks of runtime/stacked_linear.py, wq_a | wkv and the shared w1 | w3: wq_a's and w1's picks, not
+    # swept for these shapes
     (16, 1792, 5120, 1): W8A8Config(16, 64, 4, 4, 3, fused_quant=True, split_k=True, target_programs=2112),
+    (16, 4608, 5120, 1): W8A8Config(16, 64, 4, 4, 3, fused_quant=True, split_k=True, target_programs=2112),
     (16, 32768, 1280, 1): W8A8Config(16, 128, 2, 4, 4, fused_quant=True, split_k=True, target_programs=2112),
     (16, 2304, 5120, 1): W8A8Config(16, 64, 4, 4, 3, fused_quant=True, split_k=True, target_programs=2112),
     (16, 5120, 2304, 1): W8A8Config(16, 64, 4, 4, 3, fused_quant=True, split_k=True, target_programs=2112),

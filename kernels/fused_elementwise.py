@@ -238,14 +238,13 @@ def _rope_tail_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, T, R, D, HEAD,
 
 
 @triton.jit
-def _swiglu_kernel(g_ptr, u_ptr, out_ptr, n, limit, BLOCK: tl.constexpr):
-    """bf16(fp32(silu(g)·u)) with silu(g) = g/(1 + e^−g) in double-fp32: for g < 0 as
-    g·E/(1 + E), E = e^g = m·2^k, the 2^k applied last (in two normal steps) so g down to −200
-    keeps its fp32 result; below, the result is a signed zero as in float64."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    live = offs < n
-    g = tl.minimum(_round_bf16(tl.load(g_ptr + offs, mask=live, other=0.0).to(tl.float32)), limit)
-    u = _round_bf16(tl.load(u_ptr + offs, mask=live, other=0.0).to(tl.float32))
+def swiglu_value(g, u, limit):
+    """bf16(fp32(silu(g)·u)) of fp32 lanes g, u (rounded to BF16 and clamped here first) with silu(g) =
+    g/(1 + e^−g) in double-fp32: for g < 0 as g·E/(1 + E), E = e^g = m·2^k, the 2^k applied last (in two
+    normal steps) so g down to −200 keeps its fp32 result; below, the result is a signed zero as in
+    float64. Every SwiGLU kernel calls this, so they agree bit for bit."""
+    g = tl.minimum(_round_bf16(g), limit)
+    u = _round_bf16(u)
     u = tl.minimum(tl.maximum(u, -limit), limit)
     neg = g < 0.0
     m_h, m_l, k = DF.exp_neg(tl.maximum(-tl.abs(g), -200.0))
@@ -262,7 +261,17 @@ def _swiglu_kernel(g_ptr, u_ptr, out_ptr, n, limit, BLOCK: tl.constexpr):
     k1 = tl.maximum(kk, -120)
     y = y * _pow2(k1 + 127) * _pow2(tl.maximum(kk - k1, -126) + 127)
     y = tl.where(y == 0.0, (g * u) * 0.0, y)                     # a zero keeps float64's sign: sign(g)·sign(u)
-    tl.store(out_ptr + offs, _round_bf16(y), mask=live)
+    return _round_bf16(y)
+
+
+@triton.jit
+def _swiglu_kernel(g_ptr, u_ptr, out_ptr, n, limit, BLOCK: tl.constexpr):
+    """`swiglu_value` over n elements."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < n
+    g = tl.load(g_ptr + offs, mask=live, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=live, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, swiglu_value(g, u, limit), mask=live)
 
 
 @triton.jit

@@ -1,14 +1,16 @@
-"""`runtime/stacked_linear.py`: the attention's `wq_a | wkv` as one FP8 product.
+"""`runtime/stacked_linear.py`: the attention's `wq_a | wkv` and the shared expert's `w1 | w3` as one FP8 product each.
 
 What is pinned:
 * main process: the stack holds the members' E4M3 rows and tile scales in column order, the members'
   parameters become views of its rows; a restack reuses the stack's storage and copies a member
   whose scales were replaced (a reload) back into it; fp32 (dequantised) members are not stacked and
   a stale stack is dropped; the dense-weight cache registers the stack once whatever the dict order
-  and resolves each member as a tile-row view of it; `Attention.refresh` builds the stack;
+  and resolves each member as a tile-row view of it; `Attention.refresh` / `MoE.refresh` build the stacks;
+  the shared expert's column-parallel members stack, members of different kinds do not;
 * kernel cases (interpreter child on CPU; compiled on CUDA): `project_q_lora_kv` on `TritonBackend`
   gives the same bits with the stack (one FP8 launch, one `rms_norm_pair` launch) as without it (two
-  products, two norms), and the stacked path issues two launches where the members issue four.
+  products, two norms), and the stacked path issues two launches where the members issue four; the shared
+  expert with the stacked `w1 | w3` gives the members' bits with one launch fewer.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from sglang_dsv41.kernels import fused_elementwise as FE
 from sglang_dsv41.runtime.attention_math import project_q_lora_kv
 from sglang_dsv41.runtime.dense_ops import DenseWeightCache, Fp8Weight
 from sglang_dsv41.runtime.parallel_linear import linear_values, parallel_fp8_linear
-from sglang_dsv41.runtime.stacked_linear import STACKED, stack_attention_inputs
+from sglang_dsv41.runtime.stacked_linear import SHARED_STACKED, STACKED, stack_attention_inputs, stack_shared_expert
 from sglang_dsv41.runtime.tensor_parallel import SINGLE
 from triton_checks import run_kernel_cases_in_interpreter
 
@@ -56,6 +58,21 @@ def attention_inputs(seed: int = 0, kept: bool = True, device: str = DEVICE) -> 
         w[prefix + m] = layer
     for norm, n in (("q_norm", t.q_lora_rank), ("kv_norm", t.head_dim)):
         w[f"{prefix}{norm}.weight"] = (torch.rand(n, generator=g) + 0.5).to(torch.bfloat16).float().to(device)
+    return w, prefix, t
+
+
+def shared_expert_layers(seed: int = 0, device: str = DEVICE) -> tuple[dict, str, object]:
+    """(w, prefix, text config): layer 1's shared expert as the runtime's FP8 layers holding random E4M3 tiles."""
+    cfg = _config()
+    t, prefix = cfg.text, "layers.1.ffn."
+    g = torch.Generator().manual_seed(seed)
+    specs = {s.name: s for s in tensor_inventory(cfg, vision=False, dspark=False)}
+    w: dict = {}
+    for m in ("w1", "w2", "w3"):
+        spec = specs[f"{prefix}shared_experts.{m}.weight"]
+        layer = parallel_fp8_linear(spec, SINGLE.plan(t), keep_fp8=True)
+        layer.set_values(*fp8_weight(*spec.shape, g, device=device))
+        w[f"{prefix}shared_experts.{m}"] = layer
     return w, prefix, t
 
 
@@ -142,7 +159,43 @@ def counted_launches():
             cls.run = inner
 
 
+def test_the_shared_expert_stacks_and_mixed_kinds_do_not() -> None:
+    from sglang_dsv41.runtime.layers import MoE
+    from sglang_dsv41.runtime.parallel_linear import ColumnParallelFp8
+    w, p, t = shared_expert_layers()
+    assert isinstance(w[p + "shared_experts.w1"], ColumnParallelFp8)
+    moe = MoE(w, t, 1)
+    moe.refresh()
+    stack = moe.tensors[p + SHARED_STACKED]
+    n = w[p + "shared_experts.w1"].weight.shape[0]
+    assert stack.stacked_rows == (n, n) and w[p + "shared_experts.w3"].weight.data_ptr() == stack.weight[n:].data_ptr()
+    mixed, pa, _ = attention_inputs()
+    mixed[p + "shared_experts.w1"], mixed[p + "shared_experts.w3"] = w[p + "shared_experts.w1"], mixed[pa + "wq_a"]
+    assert stack_shared_expert(mixed, p) is None and p + SHARED_STACKED not in mixed
+
+
 if KERNEL_HERE:
+
+    def test_kernel_case_stacked_shared_expert_gives_the_members_bits() -> None:
+        from sglang_dsv41.runtime.backend import TritonBackend
+        from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm
+        from sglang_dsv41.runtime.moe_ops import shared_expert
+
+        w, p, t = shared_expert_layers(seed=5)
+        g = torch.Generator().manual_seed(6)
+        x = (torch.randn(4, t.hidden_size, generator=g) * 2).to(torch.bfloat16).to(DEVICE)
+        sh = [w[f"{p}shared_experts.{m}"] for m in ("w1", "w2", "w3")]
+
+        def run(w13) -> tuple[torch.Tensor, int]:
+            be = TritonBackend(BlockedBf16Gemm(DenseWeightCache.from_weights(linear_values(w))), device_types=(DEVICE,))
+            with counted_launches() as launches:
+                out = shared_expert(be, x, *sh, t.swiglu_limit, True, w13)
+            return out, len(launches)
+
+        alone, members_launches = run(None)
+        stack = stack_shared_expert(w, p)
+        stacked, stacked_launches = run(stack)
+        assert torch.equal(stacked, alone) and stacked_launches == members_launches - 1
 
     def test_kernel_case_stacked_projection_gives_the_members_bits() -> None:
         from sglang_dsv41.runtime.backend import TritonBackend
@@ -171,4 +224,4 @@ if not FE.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        run_kernel_cases_in_interpreter(__file__, min_passed=1, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=2, exact=True)

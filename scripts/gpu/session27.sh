@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # H200 (one GPU), one device call (session 27; issue 21): sessions 25-27's default changes in one call, when
 # device time is short (it replaces session26.sh + session26b.sh); session 27's is the stacked wq_a | wkv
-# product with its one-launch RMSNorm pair (runtime/stacked_linear.py, kernels/rms_norm_pair.py):
+# product with its one-launch RMSNorm pair (runtime/stacked_linear.py, kernels/stacked_halves.py):
 #   1. pytest -m gpu on the touched code, most telling first, until TEST_S is spent: the forward against the
 #      CPU, CUDA-graph replay = eager, the MoE kernels (the routing plan's schedule against triton_kernels'),
 #      the RoPE / elementwise kernels' BF16 outputs, the teacher-forced contracts, mHC, the side stream, the
@@ -18,7 +18,7 @@ source "$(dirname "$0")/lib.sh"
 mkdir -p "$OUT/logs" "$OUT/tests"
 gpu_setup
 OUT=$OUT/tests BUDGET=$TEST_S \
-  TESTS="tests/test_runtime_forward_gpu.py tests/test_runtime_cuda_graph_gpu.py tests/test_kernels_rms_norm_pair.py tests/test_kernels_moe_mxfp4.py \
+  TESTS="tests/test_runtime_forward_gpu.py tests/test_runtime_cuda_graph_gpu.py tests/test_kernels_stacked_halves.py tests/test_kernels_moe_mxfp4.py \
 tests/test_kernels_fused_elementwise.py tests/test_runtime_triton_backend.py tests/test_kernels_mhc.py \
 tests/test_runtime_overlap_gpu.py tests/test_runtime_moe_ops.py" \
   bash scripts/gpu/gpu_tests_subset.sh

@@ -115,6 +115,12 @@ class ComputeBackend(ABC):
         return (self.rms_norm(x[:, :split], first_weight, eps),
                 self.rms_norm(x[:, split:], second_weight, eps, round_bf16=False))
 
+    def clamped_swiglu_halves(self, y: Tensor, limit: float) -> Tensor:
+        """clamped_swiglu(y[:, :n], y[:, n:]) of y [T, 2n]: the shared expert's SwiGLU from the stacked
+        `w1 | w3` product (§3.6, `runtime/stacked_linear.py`)."""
+        n = y.shape[1] // 2
+        return self.clamped_swiglu(y[:, :n], y[:, n:], limit)
+
     def linear_fp8(self, x: Tensor, weight: Tensor, act_quant: bool = True, bf16_out: bool = False) -> Tensor:
         """FP8 dense linear (spec §3.8): activation fake-quant, product, BF16 output (`bf16_out`: as
         `bf16_rope_tail`'s)."""
@@ -369,9 +375,14 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
 
     def rms_norm_pair(self, x: Tensor, split: int, first_weight: Tensor, second_weight: Tensor,
                       eps: float) -> tuple[Tensor, Tensor]:
-        from ..kernels.rms_norm_pair import rms_norm_pair
+        from ..kernels.stacked_halves import rms_norm_pair
 
         return rms_norm_pair(x, split, first_weight, second_weight, eps)
+
+    def clamped_swiglu_halves(self, y: Tensor, limit: float) -> Tensor:
+        from ..kernels.stacked_halves import clamped_swiglu_halves
+
+        return clamped_swiglu_halves(y, limit)
 
     def apply_rope_tail(self, x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False) -> Tensor:
         return self.fe.apply_rope_tail(x, positions, inv_freq, inverse)

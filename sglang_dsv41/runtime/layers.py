@@ -25,7 +25,7 @@ from .engram_table import StoredEngramTable
 from .mhc_ops import HcCoefficients, stream_mean
 from .overlap import INLINE, InlineStream, Pending, SideStream
 from .parallel_linear import is_parallel_linear
-from .stacked_linear import STACKED, stack_attention_inputs
+from .stacked_linear import SHARED_STACKED, STACKED, stack_attention_inputs, stack_shared_expert
 from .tensor_parallel import TensorParallel
 
 
@@ -199,12 +199,20 @@ class MoE(OwnedTensors):
         super().__init__(weights, f"layers.{layer}.ffn.")
         self.cfg, self.layer_prefix = cfg, f"layers.{layer}."
 
+    def refresh(self) -> None:
+        """`OwnedTensors.refresh`, then the stacked shared `w1 | w3` where both hold E4M3 tiles
+        (`runtime/stacked_linear.py`; its storage reused across refreshes)."""
+        previous = self.tensors.get(self.prefix + SHARED_STACKED)
+        super().refresh()
+        stack_shared_expert(self.tensors, self.prefix, previous)
+
     def forward(self, x: Tensor, step: ForwardStep) -> Tensor:
         experts, reduce = step.tp.experts_and_reduce(self.cfg)
         w1, w2, w3 = (self.weight_module(f"shared_experts.{n}") for n in ("w1", "w2", "w3"))
+        w13 = self.tensors.get(self.prefix + SHARED_STACKED)
 
         def shared(h: Tensor) -> tuple[Tensor, bool]:
-            return step.tp.shared_expert(w1, w2, w3, h, step.backend, step.act_quant, self.cfg.swiglu_limit)
+            return step.tp.shared_expert(w1, w2, w3, h, step.backend, step.act_quant, self.cfg.swiglu_limit, w13)
 
         return step.moe(step.backend, self.cfg, self.tensors, self.layer_prefix, x, step.image_rows, step.act_quant,
                         experts, reduce, shared, side=step.side)

@@ -37,6 +37,7 @@ from ..numerics.rounding import bf16, fp32_scalar, slot_sum_fp32
 from .backend import ComputeBackend
 from .overlap import INLINE, InlineStream, SideStream
 from .quant_methods import apply_linear
+from .stacked_linear import SHARED_STACKED
 
 F32, F64 = torch.float32, torch.float64
 SOFTPLUS_THRESHOLD = 20.0
@@ -117,11 +118,15 @@ def routed_expert(be: ComputeBackend, x: Tensor, w1: Tensor, w2: Tensor, w3: Ten
 
 
 def shared_expert(be: ComputeBackend, x: Tensor, w1: nn.Module, w2: nn.Module, w3: nn.Module, limit: float,
-                  act_quant: bool) -> Tensor:
+                  act_quant: bool, w13: nn.Module | None = None) -> Tensor:
     """The shared expert of whole (unsharded) FP8 linear layers, activation quantisation per
-    `act_quant` (§3.8); sharded: `TensorParallel.shared_expert`."""
-    h = be.clamped_swiglu(apply_linear(w1, x, be, act_quant=act_quant), apply_linear(w3, x, be, act_quant=act_quant),
-                          limit)
+    `act_quant` (§3.8); `w13`: the stacked w1 | w3 (`runtime/stacked_linear.py`), one product;
+    sharded: `TensorParallel.shared_expert`."""
+    if w13 is not None:
+        h = be.clamped_swiglu_halves(apply_linear(w13, x, be, act_quant=act_quant, bf16_out=True), limit)
+    else:
+        h = be.clamped_swiglu(apply_linear(w1, x, be, act_quant=act_quant),
+                              apply_linear(w3, x, be, act_quant=act_quant), limit)
     return apply_linear(w2, h, be, act_quant=act_quant)
 
 
@@ -148,7 +153,7 @@ def _shared(be: ComputeBackend, w: Mapping[str, Tensor], p: str, x: Tensor, limi
     if shared is not None:
         return shared(x)
     return shared_expert(be, x, w[p + "shared_experts.w1"], w[p + "shared_experts.w2"],
-                         w[p + "shared_experts.w3"], limit, act_quant), False
+                         w[p + "shared_experts.w3"], limit, act_quant, w.get(p + SHARED_STACKED)), False
 
 
 def _reduce(be: ComputeBackend, per_slot: Tensor, shared: Tensor, shared_partial: bool,

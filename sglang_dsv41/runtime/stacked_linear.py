@@ -1,12 +1,14 @@
-"""The attention's two input projections as one FP8 product (spec `model.md` §3.4.1).
+"""FP8 linears that read the same input as one product (spec `model.md` §3.4.1, §3.6).
 
-`wq_a` and `wkv` both multiply the attention input x. When both hold their E4M3 tiles (the CUDA
-serving form: `Fp8TileParallelMethod` kept FP8, replicated), `stack_attention_inputs` copies their
-weights and tile scales into consecutive rows of one tensor, makes the members' parameters views of
-those rows, and puts a replicated SGLang linear over the whole (`ReplicatedDsv41`, our FP8 method)
-under `prefix + STACKED`: one GEMM launch instead of two, whose columns are `wq_a`'s then `wkv`'s
-(`attention_math.project_q_lora_kv`; q_lora and kv are then normalised in one launch,
-`ComputeBackend.rms_norm_pair`).
+Two stacks (`STACKS`): the attention's `wq_a | wkv` (both multiply the attention input) and the shared
+expert's `w1 | w3` (both multiply the MoE input; this rank's columns of each when column-parallel).
+When the members hold their E4M3 tiles (the CUDA serving form: `Fp8TileParallelMethod` kept FP8),
+`stack_rows` copies their weights and tile scales into consecutive rows of one tensor, makes the
+members' parameters views of those rows, and puts a replicated SGLang linear over the whole
+(`ReplicatedDsv41`, our FP8 method) under `prefix + key`: one GEMM launch instead of two, whose columns
+are the members' in order. The readers take both halves in one launch from the stacked rows
+(`attention_math.project_q_lora_kv` → `ComputeBackend.rms_norm_pair`; `TensorParallel.shared_expert` →
+`ComputeBackend.clamped_swiglu_halves`).
 
 Invariants:
 * a column of the product depends only on x and its own weight row, so the stacked output is each
@@ -16,7 +18,7 @@ Invariants:
   (`DenseWeightCache.from_weights`: larger first), and a member resolves as a tile-row view of it;
 * restacking (each `finish_loading`, e.g. after a reload that replaced a member's scales) reuses the
   stack's storage when its shape is unchanged, so the addresses a captured CUDA graph holds stay valid.
-Anything else (fp32 dequantised weights on CPU, sharded members) is left unstacked: no `STACKED` key.
+Anything else (fp32 dequantised weights on CPU, members of different kinds or ranks) is left unstacked: no key.
 """
 from __future__ import annotations
 
@@ -27,17 +29,24 @@ from torch import nn
 
 from ..checkpoint.codecs import TILE
 from ..checkpoint.names import Kind, TensorSpec
-from .parallel_linear import Dsv41Fp8TileConfig, ReplicatedDsv41
 
 E4M3, F32 = torch.float8_e4m3fn, torch.float32
-#: the stacked layer's key under the attention prefix, and its members in column order
+#: the stacked layers' keys under their owner's prefix (`layers.{i}.attn.`, `layers.{i}.ffn.`), and their
+#: members in column order
 STACKED, MEMBERS = "wqkv_a", ("wq_a", "wkv")
+SHARED_STACKED, SHARED_MEMBERS = "shared_experts.w13", ("shared_experts.w1", "shared_experts.w3")
 
 
 def _stackable(members: list[object]) -> bool:
-    """Replicated FP8 linears holding E4M3 tiles with fp32 scales, on one device, whole tile rows,
-    one input width."""
-    if not all(isinstance(m, ReplicatedDsv41) for m in members):
+    """FP8 linears of one kind holding E4M3 tiles with fp32 scales: all replicated, or all column-parallel
+    on the same rank; on one device, whole tile rows, one input width."""
+    from .parallel_linear import ColumnParallelFp8, ReplicatedDsv41     # (they import the model math: not at import)
+
+    kinds = {type(m) for m in members}
+    if kinds == {ColumnParallelFp8}:
+        if len({(m.tp_rank, m.tp_size) for m in members}) != 1:
+            return False
+    elif kinds != {ReplicatedDsv41}:
         return False
     w0 = members[0].weight
     return all(m.weight.dtype == E4M3 and m.scale.dtype == F32 and m.weight.dim() == 2
@@ -45,7 +54,9 @@ def _stackable(members: list[object]) -> bool:
                and m.weight.device == w0.device for m in members)
 
 
-def _new_stack(name: str, rows: int, cols: int, device: torch.device) -> ReplicatedDsv41:
+def _new_stack(name: str, rows: int, cols: int, device: torch.device) -> nn.Module:
+    from .parallel_linear import Dsv41Fp8TileConfig, ReplicatedDsv41
+
     spec = TensorSpec(f"{name}.weight", (rows, cols), Kind.FP8, "dense")
     layer = ReplicatedDsv41(cols, rows, bias=False, params_dtype=F32, quant_config=Dsv41Fp8TileConfig(spec, True),
                             prefix=name)
@@ -57,19 +68,31 @@ def _new_stack(name: str, rows: int, cols: int, device: torch.device) -> Replica
 
 def stack_attention_inputs(w: MutableMapping[str, object], prefix: str,
                            previous: nn.Module | None = None) -> nn.Module | None:
-    """Put the stack of `w[prefix + "wq_a"]` and `w[prefix + "wkv"]` under `w[prefix + STACKED]` and
-    return it (module doc); `previous`: the stack of an earlier call, whose storage is reused when the
-    shape still fits. Members that cannot be stacked leave `w` without the key; returns None."""
-    key = prefix + STACKED
+    """`stack_rows` of the attention's `wq_a | wkv` under `prefix` (`layers.{i}.attn.`)."""
+    return stack_rows(w, prefix, STACKED, MEMBERS, previous)
+
+
+def stack_shared_expert(w: MutableMapping[str, object], prefix: str,
+                        previous: nn.Module | None = None) -> nn.Module | None:
+    """`stack_rows` of the shared expert's `w1 | w3` under `prefix` (`layers.{i}.ffn.`)."""
+    return stack_rows(w, prefix, SHARED_STACKED, SHARED_MEMBERS, previous)
+
+
+def stack_rows(w: MutableMapping[str, object], prefix: str, name: str, member_names: tuple[str, ...],
+               previous: nn.Module | None = None) -> nn.Module | None:
+    """Put the stack of `w[prefix + m]` for m in `member_names` under `w[prefix + name]` and return it
+    (module doc); `previous`: the stack of an earlier call, whose storage is reused when the shape still
+    fits. Members that cannot be stacked leave `w` without the key; returns None."""
+    key = prefix + name
     w.pop(key, None)
-    members = [w.get(prefix + m) for m in MEMBERS]
+    members = [w.get(prefix + m) for m in member_names]
     if not _stackable(members):
         return None
     rows = [m.weight.shape[0] for m in members]
     cols, dev = members[0].weight.shape[1], members[0].weight.device
     stack = previous
     if stack is None or stack.weight_shape != (sum(rows), cols) or stack.weight.device != dev:
-        stack = _new_stack(prefix + STACKED, sum(rows), cols, dev)
+        stack = _new_stack(key, sum(rows), cols, dev)
     values, scales = stack.weight.data, stack.scale.data
     r0 = 0
     for m, n in zip(members, rows):

@@ -290,17 +290,20 @@ class TensorParallel:
         y = layer.quant_method.apply(layer, x, backend=backend, act_quant=act_quant, bf16_out=layer.tp_size == 1)
         return backend.linear_fp8_finish(self.all_reduce_sum(y)) if layer.tp_size > 1 else y
 
-    def shared_expert(self, w1, w2, w3, x: Tensor, backend, act_quant: bool, limit: float) -> tuple[Tensor, bool]:
+    def shared_expert(self, w1, w2, w3, x: Tensor, backend, act_quant: bool, limit: float,
+                      w13=None) -> tuple[Tensor, bool]:
         """The shared expert over its parallel layers (column-parallel w1 / w3, row-parallel w2):
         (w2's partial in `acc`, True) when sharded — the caller all-reduces it together with the
-        routed partial (`moe_ops`) — else (the BF16 output, False)."""
+        routed partial (`moe_ops`) — else (the BF16 output, False). `w13`: the stack of this rank's
+        w1 | w3 columns (`runtime/stacked_linear.py`), one product read by `clamped_swiglu_halves`."""
         for layer in (w1, w2, w3):
             self._check_layer(layer)
 
         def up(layer):                     # complete BF16 columns, read only by the SwiGLU (BF16_OUT)
             return layer.quant_method.apply(layer, x, backend=backend, act_quant=act_quant, bf16_out=True)
 
-        h = backend.clamped_swiglu(up(w1), up(w3), limit)
+        h = backend.clamped_swiglu(up(w1), up(w3), limit) if w13 is None else \
+            backend.clamped_swiglu_halves(up(w13), limit)
         return w2.quant_method.apply(w2, h, backend=backend, act_quant=act_quant,
                                      bf16_out=w2.tp_size == 1), w2.tp_size > 1
 

@@ -1,13 +1,16 @@
-"""`kernels/rms_norm_pair.py`: q_lora and kv normalised from one stacked row in one launch.
+"""`kernels/stacked_halves.py`: the two halves of a stacked product's rows read in one launch.
 
 What is pinned:
-* kernel cases (interpreter child on CPU; compiled on CUDA): each output equals
-  `fused_elementwise.rms_norm` on its half alone, bit for bit — fp32 and BF16 inputs, a row stride
+* kernel cases (interpreter child on CPU; compiled on CUDA): `rms_norm_pair`'s outputs equal
+  `fused_elementwise.rms_norm` on each half alone, bit for bit — fp32 and BF16 inputs, a row stride
   wider than the row (a column slice of a wider product), the first half rounded to BF16 and the
   second not, halves that are not powers of two, one row and many, a row of zeros; a batch's row
   equals that row alone; the first half's rounding flag really rounds (the unrounded result differs);
-* main process: bad shapes raise; the kernel builds for sm_90 without spills, with no float64 instruction;
-* GPU (`gpu`): Flash's halves (q_lora 1280, kv 512) against the single-row kernel at 1 … 256 rows.
+  `clamped_swiglu_halves` equals `fused_elementwise.clamped_swiglu` of the two halves bit for bit
+  (fp32 / BF16 inputs, a wider row stride, gates past the limit and far down the exp range);
+* main process: bad shapes raise; the kernels build for sm_90 without spills, with no float64 instruction;
+* GPU (`gpu`): Flash's halves (q_lora 1280 | kv 512, the shared expert's 2048 | 2048) against the
+  one-tensor kernels at 1 … 256 rows.
 """
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ import pytest
 import torch
 
 from sglang_dsv41.kernels import fused_elementwise as FE
-from sglang_dsv41.kernels.rms_norm_pair import _rms_norm_pair_kernel, rms_norm_pair
+from sglang_dsv41.kernels.stacked_halves import (_rms_norm_pair_kernel, _swiglu_halves_kernel, clamped_swiglu_halves,
+                                                 rms_norm_pair)
 from triton_checks import compile_for_sm90, no_spills, run_kernel_cases_in_interpreter
 
 KERNEL_HERE = FE.INTERPRETED or torch.cuda.is_available()
@@ -63,13 +67,26 @@ if KERNEL_HERE:
         assert not torch.equal(second, second.to(torch.bfloat16).float())  # the second half is not rounded
 
 
+    def test_kernel_case_swiglu_halves_equal_the_two_tensor_kernel() -> None:
+        g = torch.Generator().manual_seed(3)
+        for rows, n in ((1, 32), (4, 200), (3, 1024)):
+            y = _bf16_values(g, rows, 2 * n, scale=6.0)
+            y[0, :4] = torch.tensor([-90.0, -300.0, 15.0, -0.0])    # exp range, past the limit, −0
+            wide = torch.zeros(rows, 2 * n + 32)
+            wide[:, :2 * n] = y
+            for got_in in (y.to(DEVICE), y.to(DEVICE).to(torch.bfloat16), wide.to(DEVICE)[:, :2 * n]):
+                got = clamped_swiglu_halves(got_in, 10.0)
+                want = FE.clamped_swiglu(y[:, :n].contiguous().to(DEVICE), y[:, n:].contiguous().to(DEVICE), 10.0)
+                assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
 # ---- the interpreter child and the main-process checks -------------------------------------------
 
 if not FE.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        run_kernel_cases_in_interpreter(__file__, min_passed=2, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=3, exact=True)
 
     def test_bad_shapes_raise() -> None:
         x, w = torch.zeros(2, 96), torch.ones(64)
@@ -79,6 +96,8 @@ if not FE.INTERPRETED:
             rms_norm_pair(x, 64, w, w, 1e-6)
         with pytest.raises(ValueError, match="4096"):
             rms_norm_pair(torch.zeros(1, 8192 + 64), 8192, torch.ones(8192), torch.ones(64), 1e-6)
+        with pytest.raises(ValueError, match="2n"):
+            clamped_swiglu_halves(torch.zeros(2, 7), 10.0)
 
     def test_builds_for_sm90_without_spills_or_float64() -> None:
         sig = {"x_ptr": "*bf16", "stride": "i32", "w1_ptr": "*fp32", "w2_ptr": "*fp32", "out1_ptr": "*fp32",
@@ -86,6 +105,11 @@ if not FE.INTERPRETED:
         consts = {"EPS_HI": 1e-6, "EPS_LO": 0.0, "BLOCK1": 2048, "BLOCK2": 512, "LOG2_1": 11, "LOG2_2": 9,
                   "ROUND1": True, "ROUND2": False}
         compiled, usage = compile_for_sm90(_rms_norm_pair_kernel, sig | {k: "constexpr" for k in consts}, consts,
+                                           {"num_warps": 4, "enable_fp_fusion": False})
+        assert no_spills(usage), usage
+        assert ".f64" not in compiled.asm["ptx"]
+        sig = {"y_ptr": "*bf16", "out_ptr": "*fp32", "n": "i32", "stride": "i32", "limit": "fp32"}
+        compiled, usage = compile_for_sm90(_swiglu_halves_kernel, sig | {"BLOCK": "constexpr"}, {"BLOCK": 1024},
                                            {"num_warps": 4, "enable_fp_fusion": False})
         assert no_spills(usage), usage
         assert ".f64" not in compiled.asm["ptx"]
@@ -100,3 +124,7 @@ def test_gpu_flash_halves_equal_the_single_row_kernel() -> None:
     for rows in (1, 8, 64, 256):
         x = (torch.randn(rows, 1280 + 512, generator=g, device=dev) * 2).to(torch.bfloat16)
         _check_halves(x, 1280, w1, w2, 1e-6)
+        n = 2048
+        y = (torch.randn(rows, 2 * n, generator=g, device=dev) * 6).to(torch.bfloat16)
+        assert torch.equal(clamped_swiglu_halves(y, 10.0), FE.clamped_swiglu(y[:, :n].float().contiguous(),
+                                                                             y[:, n:].float().contiguous(), 10.0))

@@ -1,10 +1,12 @@
-"""Two RMSNorms of one row in one launch (spec `model.md` §3.4.1): the attention's q_lora =
-RMSNorm_q(row[:split]) rounded to BF16 and kv = RMSNorm_kv(row[split:]) not rounded, read from the
-stacked `wq_a | wkv` product (`runtime/stacked_linear.py`).
+"""Kernels that read the two halves of a stacked product's rows (`runtime/stacked_linear.py`) in place:
+* `rms_norm_pair` (spec `model.md` §3.4.1): the attention's q_lora = RMSNorm_q(row[:split]) rounded to
+  BF16 and kv = RMSNorm_kv(row[split:]) not rounded, from the stacked `wq_a | wkv`, one program per row;
+* `clamped_swiglu_halves` (§3.6): the shared expert's SwiGLU of gate = row[:n], up = row[n:] from the
+  stacked `w1 | w3`.
 
-Each half is `fused_elementwise.rms_row` — the same function `fused_elementwise.rms_norm` runs — on
-the same fp32 lanes and block width, so each output equals that kernel's on the half alone, bit for
-bit (tests/test_kernels_rms_norm_pair.py). One program per row; no host sync; CUDA-graph capturable.
+Each evaluates the function its one-tensor kernel runs (`fused_elementwise.rms_row` on the same lanes
+and block width, `fused_elementwise.swiglu_value`), so each output equals that kernel's on the half
+alone, bit for bit (tests/test_kernels_stacked_halves.py). No host sync; CUDA-graph capturable.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import double_fp32 as DF
-from .fused_elementwise import _launch_options, _pow2_at_least, check_device, rms_row
+from .fused_elementwise import _launch_options, _pow2_at_least, check_device, elementwise_block, rms_row, swiglu_value
 
 F32 = torch.float32
 
@@ -62,3 +64,30 @@ def rms_norm_pair(x: Tensor, split: int, first_weight: Tensor, second_weight: Te
                                     LOG2_1=b1.bit_length() - 1, LOG2_2=b2.bit_length() - 1, ROUND1=round_first,
                                     ROUND2=round_second, **_launch_options(4))
     return first, second
+
+
+@triton.jit
+def _swiglu_halves_kernel(y_ptr, out_ptr, n, stride, limit, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < n
+    g = tl.load(y_ptr + row * stride + offs, mask=live, other=0.0).to(tl.float32)
+    u = tl.load(y_ptr + row * stride + n + offs, mask=live, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n + offs, swiglu_value(g, u, limit), mask=live)
+
+
+def clamped_swiglu_halves(y: Tensor, limit: float) -> Tensor:
+    """`fused_elementwise.clamped_swiglu(y[:, :n], y[:, n:], limit)` of y [T, 2n] (fp32 or BF16, unit
+    stride along the row) in one launch, without copying the halves; fp32 [T, n] out."""
+    if y.dim() != 2 or y.shape[1] % 2:
+        raise ValueError(f"clamped_swiglu_halves: y {tuple(y.shape)}: expected [T, 2n]")
+    check_device("clamped_swiglu_halves", y)
+    if y.stride(1) != 1:
+        y = y.contiguous()
+    T, n = y.shape[0], y.shape[1] // 2
+    out = torch.empty(T, n, dtype=F32, device=y.device)
+    if T and n:
+        block = min(elementwise_block(T * n), _pow2_at_least(n))      # lanes per program: parallelism only
+        _swiglu_halves_kernel[(T, triton.cdiv(n, block))](y, out, n, y.stride(0), float(limit), BLOCK=block,
+                                                          **_launch_options())
+    return out
