@@ -6,7 +6,9 @@ What is pinned:
   whose scales were replaced (a reload) back into it; fp32 (dequantised) members are not stacked and
   a stale stack is dropped; the dense-weight cache registers the stack once whatever the dict order
   and resolves each member as a tile-row view of it; `Attention.refresh` / `MoE.refresh` build the stacks;
-  the shared expert's column-parallel members stack, members of different kinds do not;
+  the shared expert's column-parallel members stack, members of different kinds do not; a model streamed
+  in the CUDA form (E4M3 kept) has both stacks in every layer, keeps them out of its checkpoint-named
+  `weights`, and a reload of `wkv` lands in the same stack storage with the new values;
 * kernel cases (interpreter child on CPU; compiled on CUDA): `project_q_lora_kv` on `TritonBackend`
   gives the same bits with the stack (one FP8 launch, one `rms_norm_pair` launch) as without it (two
   products, two norms), and the stacked path issues two launches where the members issue four; the shared
@@ -172,6 +174,35 @@ def test_the_shared_expert_stacks_and_mixed_kinds_do_not() -> None:
     mixed, pa, _ = attention_inputs()
     mixed[p + "shared_experts.w1"], mixed[p + "shared_experts.w3"] = w[p + "shared_experts.w1"], mixed[pa + "wq_a"]
     assert stack_shared_expert(mixed, p) is None and p + SHARED_STACKED not in mixed
+
+
+def test_a_streamed_model_stacks_every_layer_and_a_reload_lands_in_the_stack(tiny_checkpoint) -> None:
+    from sglang_dsv41.checkpoint.reader import CheckpointReader
+    from sglang_dsv41.config import DeepseekV41Config
+    from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
+    from sglang_dsv41.runtime.backend import ExactTorchBackend
+    from sglang_dsv41.runtime.forward import TorchForward, fp32_default_dtype
+
+    cfg = DeepseekV41Config.from_file(tiny_checkpoint)
+    hasher = EngramHasher.from_config(cfg, compressed_token_map(_load_fast_tokenizer(tiny_checkpoint))[0])
+    with fp32_default_dtype(), CheckpointReader(tiny_checkpoint) as reader:
+        stored = {n: reader.get(n) for n in reader.names()}
+        # the CUDA form on CPU: inspected, never run (a fixed backend skips the CPU backends' E4M3 check)
+        model = TorchForward.for_loading(cfg, hasher, experts_mxfp4=False, dense_fp8=True, backend=ExactTorchBackend())
+        model.load_weights(stored.items())
+        layers = range(cfg.text.num_hidden_layers)
+        stacks = [model.layers[i].attn.tensors[f"layers.{i}.attn.{STACKED}"] for i in layers]
+        assert all(model.layers[i].ffn.tensors.get(f"layers.{i}.ffn.{SHARED_STACKED}") is not None for i in layers)
+        assert not any(STACKED in k or SHARED_STACKED in k for k in model.weights)
+        address = stacks[1].weight.data_ptr()
+        name = "layers.1.attn.wkv"
+        values = (stored[name + ".weight"].view(torch.uint8) ^ 1).view(E4M3)      # new bytes (compared as bytes)
+        model.load_weights([(name + ".weight", values), (name + ".scale", stored[name + ".scale"])])
+    again = model.layers[1].attn.tensors[f"layers.1.attn.{STACKED}"]
+    n = cfg.text.q_lora_rank
+    assert again is stacks[1] and again.weight.data_ptr() == address
+    assert torch.equal(again.weight[n:].view(torch.uint8), values.view(torch.uint8))
+    assert model.weights[name + ".weight"].data_ptr() == again.weight[n:].data_ptr()
 
 
 if KERNEL_HERE:

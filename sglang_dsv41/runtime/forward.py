@@ -194,13 +194,18 @@ class TorchForward(nn.Module):
         owners = [m for m in self.modules() if isinstance(m, OwnedTensors)]
         for m in owners:
             m.refresh()
+        owned = {n: v for m in owners for n, v in m.tensors.items()}
+        #: the stacked linears (`runtime/stacked_linear.py`): not checkpoint tensors, but what the
+        #: dense-weight cache registers first (their members' values are row views of them)
+        stacks = linear_values({n: v for n, v in owned.items() if hasattr(v, "stacked_rows")})
         #: every owned value by its checkpoint name (the same objects the layers hold; a linear
         #: layer's runtime values under `{prefix}.weight` / `.scale`, `parallel_linear.linear_values`)
-        self.weights: dict[str, object] = linear_values({n: v for m in owners for n, v in m.tensors.items()})
+        self.weights: dict[str, object] = linear_values({n: v for n, v in owned.items()
+                                                         if not hasattr(v, "stacked_rows")})
         self.weights.update({"embed.weight": self.embed.weight, "head.weight": self.head.weight})
         device = self.weights["embed.weight"].device
         fixed = self._fixed_backend
-        self.backend = backend_for(device, self.weights, self.deterministic) if fixed is None else fixed
+        self.backend = backend_for(device, {**stacks, **self.weights}, self.deterministic) if fixed is None else fixed
         self.attention_ops = ops_for(device, self.backend.acc, self.deterministic,
                                      len(self.tp.plan(self.text).heads), self.text.head_dim)
         self.mhc = mhc_for(device, self.backend.acc, self.deterministic)
