@@ -152,11 +152,17 @@ class DenseWeightCache:
     @classmethod
     def from_weights(cls, weights: Mapping[str, object],
                      include: Callable[[str, object], bool] = is_dense_linear_weight) -> "DenseWeightCache":
+        """A cache with `register(weights, include)`."""
+        cache = cls()
+        cache.register(weights, include)
+        return cache
+
+    def register(self, weights: Mapping[str, object],
+                 include: Callable[[str, object], bool] = is_dense_linear_weight) -> None:
         """Register every weight `include` selects (default: the dense linear weights); an E4M3
         weight `name` takes its scales from `weights[fp8_scale_key(name)]`. Larger tensors first, so
         a stack (`runtime/stacked_linear.py`) is registered before its members, which resolve as its
-        row views."""
-        cache = cls()
+        row views. Weights already registered (or views of one) are skipped."""
         by_size = sorted(weights.items(), key=lambda kv: -kv[1].numel() if isinstance(kv[1], Tensor) else 0)
         for name, value in by_size:
             if include(name, value):
@@ -166,10 +172,9 @@ class DenseWeightCache:
                     scales = weights.get(key)
                     if not isinstance(scales, Tensor):
                         raise KeyError(f"dense weight cache: FP8 weight {name} has no tile scales under {key}")
-                    cache.add_fp8(value, scales)
+                    self.add_fp8(value, scales)
                 else:
-                    cache.add(value)
-        return cache
+                    self.add(value)
 
     def add_fp8(self, values: Tensor, scales: Tensor) -> None:
         """Register a contiguous E4M3 weight [N, K] with its fp32 power-of-two tile scales

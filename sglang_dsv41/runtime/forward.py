@@ -205,7 +205,13 @@ class TorchForward(nn.Module):
         self.weights.update({"embed.weight": self.embed.weight, "head.weight": self.head.weight})
         device = self.weights["embed.weight"].device
         fixed = self._fixed_backend
-        self.backend = backend_for(device, {**stacks, **self.weights}, self.deterministic) if fixed is None else fixed
+        if fixed is None:
+            self.backend = backend_for(device, {**stacks, **self.weights}, self.deterministic)
+        else:                           # a backend built from the members' values learns the stacks
+            self.backend = fixed
+            cache = getattr(getattr(fixed, "dense", None), "cache", None)
+            if cache is not None:
+                cache.register(stacks)
         self.attention_ops = ops_for(device, self.backend.acc, self.deterministic,
                                      len(self.tp.plan(self.text).heads), self.text.head_dim)
         self.mhc = mhc_for(device, self.backend.acc, self.deterministic)
