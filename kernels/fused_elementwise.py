@@ -185,15 +185,22 @@ def rms_row(x, w, D, EPS_HI: tl.constexpr, EPS_LO: tl.constexpr, LOG2_D: tl.cons
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, EPS_HI: tl.constexpr, EPS_LO: tl.constexpr, BLOCK_D: tl.constexpr,
-                     LOG2_D: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """One row: `rms_row`."""
-    row = tl.program_id(0).to(tl.int64)
+def rms_segment(x_ptr, w_ptr, out_ptr, D, EPS_HI: tl.constexpr, EPS_LO: tl.constexpr, BLOCK_D: tl.constexpr,
+                LOG2_D: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """Loads D values at x_ptr and the weight at w_ptr, stores `rms_row` of them at out_ptr."""
     d = tl.arange(0, BLOCK_D)
     live = d < D
-    x = tl.load(x_ptr + row * D + d, mask=live, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + d, mask=live, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + d, mask=live, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * D + d, rms_row(x, w, D, EPS_HI, EPS_LO, LOG2_D, ROUND_BF16), mask=live)
+    tl.store(out_ptr + d, rms_row(x, w, D, EPS_HI, EPS_LO, LOG2_D, ROUND_BF16), mask=live)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, EPS_HI: tl.constexpr, EPS_LO: tl.constexpr, BLOCK_D: tl.constexpr,
+                     LOG2_D: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """One row: `rms_segment`."""
+    row = tl.program_id(0).to(tl.int64)
+    rms_segment(x_ptr + row * D, w_ptr, out_ptr + row * D, D, EPS_HI, EPS_LO, BLOCK_D, LOG2_D, ROUND_BF16)
 
 
 @triton.jit

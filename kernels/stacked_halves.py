@@ -4,7 +4,7 @@
 * `clamped_swiglu_halves` (§3.6): the shared expert's SwiGLU of gate = row[:n], up = row[n:] from the
   stacked `w1 | w3`.
 
-Each evaluates the function its one-tensor kernel runs (`fused_elementwise.rms_row` on the same lanes
+Each evaluates the function its one-tensor kernel runs (`fused_elementwise.rms_segment` on the same lanes
 and block width, `fused_elementwise.swiglu_value`), so each output equals that kernel's on the half
 alone, bit for bit (tests/test_kernels_stacked_halves.py). No host sync; CUDA-graph capturable.
 """
@@ -16,7 +16,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import double_fp32 as DF
-from .fused_elementwise import _launch_options, _pow2_at_least, check_device, elementwise_block, rms_row, swiglu_value
+from .fused_elementwise import _launch_options, _pow2_at_least, check_device, elementwise_block, rms_segment, swiglu_value
 
 F32 = torch.float32
 
@@ -26,17 +26,8 @@ def _rms_norm_pair_kernel(x_ptr, stride, w1_ptr, w2_ptr, out1_ptr, out2_ptr, D1,
                           EPS_LO: tl.constexpr, BLOCK1: tl.constexpr, BLOCK2: tl.constexpr, LOG2_1: tl.constexpr,
                           LOG2_2: tl.constexpr, ROUND1: tl.constexpr, ROUND2: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, BLOCK1)
-    live = d < D1
-    x = tl.load(x_ptr + row * stride + d, mask=live, other=0.0).to(tl.float32)
-    w = tl.load(w1_ptr + d, mask=live, other=0.0).to(tl.float32)
-    tl.store(out1_ptr + row * D1 + d, rms_row(x, w, D1, EPS_HI, EPS_LO, LOG2_1, ROUND1), mask=live)
-    e = tl.arange(0, BLOCK2)
-    live2 = e < D2
-    x2 = tl.load(x_ptr + row * stride + D1 + e, mask=live2, other=0.0).to(tl.float32)
-    w2 = tl.load(w2_ptr + e, mask=live2, other=0.0).to(tl.float32)
-    tl.store(out2_ptr + row * D2 + e, rms_row(x2, w2, D2, EPS_HI, EPS_LO, LOG2_2, ROUND2), mask=live2)
-
+    rms_segment(x_ptr + row * stride, w1_ptr, out1_ptr + row * D1, D1, EPS_HI, EPS_LO, BLOCK1, LOG2_1, ROUND1)
+    rms_segment(x_ptr + row * stride + D1, w2_ptr, out2_ptr + row * D2, D2, EPS_HI, EPS_LO, BLOCK2, LOG2_2, ROUND2)
 
 def rms_norm_pair(x: Tensor, split: int, first_weight: Tensor, second_weight: Tensor, eps: float,
                   round_first: bool = True, round_second: bool = False) -> tuple[Tensor, Tensor]:
