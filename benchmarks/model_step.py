@@ -20,6 +20,7 @@ MODEL_STEP_ACTIVATIONS=fp32 runs everything with the activations in fp32 as befo
 one without, on one warm machine give session 26's decode ratio (`scripts/gpu/session26b.sh`).
 
     python benchmarks/model_step.py --layers 4 --batches 1 8 64 256 --context 8192 --out DIR
+    python benchmarks/model_step.py --batches 1 8 --profile --out DIR   (exposed time per kernel, stream_profile.py)
     python benchmarks/model_step.py --plot triton=a.json flashmla=b.json --out DIR    (the PNG only)
 """
 from __future__ import annotations
@@ -107,8 +108,9 @@ def _captured(forward):
     return graph, held["out"]
 
 
-def run_batch(engine, batch: int, context: int, cap_s: float) -> dict:
-    """One batch size: both modes timed, then their outputs compared (module docstring)."""
+def run_batch(engine, batch: int, context: int, cap_s: float, profile: bool = False) -> dict:
+    """One batch size: both modes timed (and with `profile`, CUDA only, each graph's replays traced:
+    `stream_profile.profile_graph`), then their outputs compared (module docstring)."""
     from sglang_dsv41.runtime.overlap import side_stream_for
 
     dev = engine.weights["embed.weight"].device
@@ -128,6 +130,9 @@ def run_batch(engine, batch: int, context: int, cap_s: float) -> dict:
         step_us = round(timing["median_us"], 1)
         row[mode] = dict(step_us=step_us, min_us=round(timing["min_us"], 1), reps=timing["reps"],
                          layer_us=round(step_us / row["layers"], 1))
+        if profile and dev.type == "cuda":
+            from stream_profile import profile_graph
+            row[mode]["profile"] = profile_graph(runs[mode][0], dev)
     outs = {}
     for mode in MODES:                     # the same Engram history before each: comparable outputs
         engine.overlap = side_stream_for(dev, mode)
@@ -140,6 +145,16 @@ def run_batch(engine, batch: int, context: int, cap_s: float) -> dict:
     row["bits_equal"] = bool(torch.equal(outs["off"], outs["on"]))
     row["on_over_off"] = round(row["on"]["step_us"] / row["off"]["step_us"], 4)
     return row
+
+
+def _headline(row: dict) -> dict:
+    """The row without its profiles' kernel lists (the log line; the JSON keeps them)."""
+    out = dict(row)
+    for mode in MODES:
+        if isinstance(row.get(mode), dict) and "profile" in row[mode]:
+            out[mode] = {k: v for k, v in row[mode].items() if k != "profile"}
+            out[mode]["profile"] = {k: v for k, v in row[mode]["profile"].items() if k not in ("kernels", "by_name")}
+    return out
 
 
 def plot(records: dict[str, dict], path: Path) -> bool:
@@ -178,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cap-s", type=float, default=1.0)
     ap.add_argument("--budget-s", type=float, default=400.0)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--profile", action="store_true",
+                    help="also trace each graph's replays: exposed time per kernel (`stream_profile.py`)")
     ap.add_argument("--plot", nargs="+", metavar="LABEL=JSON",
                     help="only draw model_step.png in --out from earlier records (no run)")
     args = ap.parse_args(argv)
@@ -204,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
             if time.perf_counter() - t0 > args.budget_s:
                 rec["skipped"].append(b)
                 continue
-            row = run_batch(engine, b, args.context, args.cap_s)
-            print(json.dumps(row), flush=True)
+            row = run_batch(engine, b, args.context, args.cap_s, args.profile)
+            print(json.dumps(_headline(row)), flush=True)
             rec["rows"].append(row)
             if dev.type == "cuda":
                 torch.cuda.empty_cache()

@@ -28,7 +28,8 @@
 #   model_step LABEL "BATCHES" CAP ENV=VALUE...
 #                    benchmarks/model_step.py (4 Flash-width layers, 8K context) at BATCHES under the
 #                    ENV settings, at most CAP s (and what is left less 10 s; skipped below 50 s), JSON in
-#                    $OUT/model_step_LABEL, log in $OUT/logs; prints its RESULT and JSON lines
+#                    $OUT/model_step_LABEL, log in $OUT/logs; prints its RESULT and JSON lines;
+#                    MODEL_STEP_EXTRA (e.g. --profile) is appended to its arguments
 #   tests_result NAME JUNIT RC [EXPECTED]
 #                    the verdict of a pytest run (scripts/gpu/junit_verdict.py: rc 0 and the junit's
 #                    test count = the collected count (or EXPECTED), no failure / error / interrupted
@@ -112,7 +113,7 @@ model_step() {
   mkdir -p "$OUT/logs"
   # shellcheck disable=SC2086
   env "$@" timeout -s INT -k 10 "$b" python3 benchmarks/model_step.py --layers 4 --batches $batches \
-    --context 8192 --cap-s 0.5 --budget-s $((b - 40)) --out "$OUT/model_step_$label" >"$OUT/logs/model_step_$label.log" 2>&1
+    --context 8192 --cap-s 0.5 --budget-s $((b - 40)) ${MODEL_STEP_EXTRA:-} --out "$OUT/model_step_$label" >"$OUT/logs/model_step_$label.log" 2>&1
   result "model_step $label" rc=$?
   grep '^{' "$OUT/logs/model_step_$label.log"
 }

@@ -4,7 +4,9 @@
 #      session 25's CUDA-core FP8 GEMV tier (tests/test_kernels_fp8_gemv.py, never run), TEST_S at most;
 #   2. benchmarks/model_step.py (4 Flash-width layers, 8K context, side stream off / on) at N = 1 / 2 / 4 / 8:
 #      the defaults, then SGLANG_DSV41_FP8_GEMM=w8a8_gemv (the GEMV tier for 1-4 rows) — the same-machine
-#      ratio of the dense FP8 lever at N = 1, the largest part of the N = 1 step (session 23's profile).
+#      ratio of the dense FP8 lever at N = 1, the largest part of the N = 1 step (session 23's profile). The
+#      default run also traces its graphs (--profile, benchmarks/stream_profile.py): each kernel's exposed
+#      time with the side stream on, i.e. what shortening it can save.
 # JSONs in $OUT/model_step_{default,gemv}; logs in $OUT/logs.tar.gz.
 # Run from the checkout root with `.gpu` carried: bash scripts/gpu/session28a.sh
 set -uo pipefail
@@ -17,7 +19,7 @@ OUT=$OUT/tests BUDGET=$TEST_S \
   TESTS="tests/test_kernels_stacked_halves.py tests/test_kernels_fused_elementwise.py tests/test_kernels_fp8_gemv.py" \
   bash scripts/gpu/gpu_tests_subset.sh
 echo "== gpu tests rc=$?"
-model_step default "1 2 4 8" 150
+MODEL_STEP_EXTRA=--profile model_step default "1 2 4 8" 150
 model_step gemv "1 2 4 8" 150 SGLANG_DSV41_FP8_GEMM=w8a8_gemv
 mv "$OUT"/tests/*.log "$OUT/logs/" 2>/dev/null; rmdir "$OUT/tests" 2>/dev/null
 find "$OUT" -name "*.png" -delete
