@@ -109,8 +109,10 @@ def _captured(forward):
 
 
 def run_batch(engine, batch: int, context: int, cap_s: float, profile: bool = False) -> dict:
-    """One batch size: both modes timed (and with `profile`, CUDA only, each graph's replays traced:
-    `stream_profile.profile_graph`), then their outputs compared (module docstring)."""
+    """One batch size: both modes timed, then their outputs compared (module docstring); with `profile`
+    (CUDA only) each graph's replays traced last (`stream_profile.profile_graph`). A trace leaves the
+    process's later replays slower (session 28: +4–12 %), so a profiled run's later batches are not
+    timings to compare: take those from a run without --profile."""
     from sglang_dsv41.runtime.overlap import side_stream_for
 
     dev = engine.weights["embed.weight"].device
@@ -130,9 +132,6 @@ def run_batch(engine, batch: int, context: int, cap_s: float, profile: bool = Fa
         step_us = round(timing["median_us"], 1)
         row[mode] = dict(step_us=step_us, min_us=round(timing["min_us"], 1), reps=timing["reps"],
                          layer_us=round(step_us / row["layers"], 1))
-        if profile and dev.type == "cuda":
-            from stream_profile import profile_graph
-            row[mode]["profile"] = profile_graph(runs[mode][0], dev)
     outs = {}
     for mode in MODES:                     # the same Engram history before each: comparable outputs
         engine.overlap = side_stream_for(dev, mode)
@@ -144,6 +143,10 @@ def run_batch(engine, batch: int, context: int, cap_s: float, profile: bool = Fa
         torch.cuda.synchronize()
     row["bits_equal"] = bool(torch.equal(outs["off"], outs["on"]))
     row["on_over_off"] = round(row["on"]["step_us"] / row["off"]["step_us"], 4)
+    if profile and dev.type == "cuda":                  # after the timings: a trace slows later replays
+        from stream_profile import profile_graph
+        for mode in MODES:
+            row[mode]["profile"] = profile_graph(runs[mode][0], dev)
     return row
 
 

@@ -233,7 +233,8 @@ def test_gpu_flash_shapes_within_bound_split_k_and_row_invariance(name: str) -> 
     batch = W.fp8_w8a8_linear(x, values, scales, gemv=True, counters=counters)
     assert not counters.any()
     assert torch.equal(W.fp8_w8a8_linear(x, values, scales, gemv=True), batch)
-    assert torch.equal(W.fp8_w8a8_linear(x, values, scales, config=ONE_PROGRAM), batch)
+    ok, worst = within(W.fp8_w8a8_linear(x, values, scales, config=ONE_PROGRAM), *oracle(x, values, scales))
+    assert ok, ("one program", worst)          # its sums run in another order than the chunks': no bit claim
     for m in (1, 2, 3, 4):
         y = W.fp8_w8a8_linear(x[:m], values, scales, gemv=True, counters=counters)
         assert torch.equal(y, batch[:m]), m

@@ -229,6 +229,53 @@ def test_decode_rows_by_choice_and_query_count(choice: str, monkeypatch) -> None
     assert read == ["bf16-rows" if n in want else "packed-rows" for n in (1, 8, 256, 257)]
 
 
+def test_decode_rows_are_gathered_once_per_source_and_entries_in_a_forward(monkeypatch) -> None:
+    """With a forward's `memo`, layers passing the same kv source and the same entries tensor (one
+    selection shared by several layers, `ForwardScratch.comp_entries`) read the rows the first one
+    gathered; another source, another entries tensor or no memo gathers again."""
+    from types import SimpleNamespace
+
+    from sglang_dsv41.kernels import indexer, key_gather
+    gathered, read = [], []
+    monkeypatch.setattr(key_gather, "gather_latent_rows",
+                        lambda comp, entries: gathered.append((comp, id(entries))) or (f"rows{len(gathered)}", entries))
+    stub = SimpleNamespace(plan_decode_config=lambda *a, **k: "plan", device_sm_count=lambda device: 132,
+                           sparse_sink_attention=lambda q, swa, slots, comp, entries, sink, scale, config:
+                           read.append(comp) or torch.zeros_like(q))
+    ops = attention_ops.KernelAttentionOps(stub, indexer, prefill="bf16", decode="auto")
+    monkeypatch.setattr(ops, "_packed_latents", lambda packed: f"latents{packed.source.layer}")
+    swa, q, slots = torch.zeros(4, 512, dtype=torch.bfloat16), torch.zeros(2, 2, 512), torch.zeros(2, 2, dtype=torch.long)
+    source = {s: SimpleNamespace(source=SimpleNamespace(layer=s)) for s in (2, 8)}
+    entries, other = torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, 4, dtype=torch.int32)
+    memo: dict = {}
+    for packed, e in ((source[2], entries), (source[2], entries), (source[8], entries), (source[2], other),
+                      (source[8], entries)):
+        ops.attend(q, torch.zeros(2), swa, slots, packed, e, memo=memo)
+    assert [c for c, _ in gathered] == ["latents2", "latents8", "latents2"]
+    assert read == ["rows1", "rows1", "rows2", "rows3", "rows2"]
+    ops.attend(q, torch.zeros(2), swa, slots, source[2], entries)                     # no memo: gathers
+    assert len(gathered) == 4
+
+
+def test_compressed_entries_are_made_once_per_selection_and_ratio() -> None:
+    """`attention._compressed_entries`: layers reading one selection at one ratio get the same tensor
+    (the entries of their slots // ratio); another selection layer gets its own."""
+    from types import SimpleNamespace
+
+    from sglang_dsv41.runtime.attention import ForwardScratch, _compressed_entries
+    from sglang_dsv41.runtime.batch import make_layout
+    table = torch.arange(64, dtype=torch.int32).view(1, 64) + 128
+    layout = make_layout(torch.tensor([0]), torch.tensor([10]), torch.tensor([2]), torch.tensor([10, 11]),
+                         table[0, 10:12].long(), table)
+    selection = torch.tensor([[0, 2, -1], [1, 4, -1]])
+    scratch = ForwardScratch()
+    role = lambda layer, src: SimpleNamespace(layer=layer, selection_from=src, ratio=2)      # noqa: E731
+    first = _compressed_entries(role(2, 2), selection, layout, scratch)
+    assert torch.equal(first, torch.tensor([[64, 66, -1], [65, 68, -1]]))        # slot(2j + 1) // 2
+    assert _compressed_entries(role(3, 2), selection, layout, scratch) is first
+    assert _compressed_entries(role(9, 8), selection.clone(), layout, scratch) is not first
+
+
 def test_unplanned_flashmla_decode_raises() -> None:
     from sglang_dsv41.kernels import indexer, sparse_attention
     ops = attention_ops.KernelAttentionOps(sparse_attention, indexer, decode="flashmla")

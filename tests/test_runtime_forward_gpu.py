@@ -157,7 +157,7 @@ def recorded(models) -> dict[str, list]:
     class Recording:
         description = "recording"
 
-        def attend(self, q, sink, swa_cache, swa_slots, packed, comp_entries):
+        def attend(self, q, sink, swa_cache, swa_slots, packed, comp_entries, memo=None):
             out = torch_ops.attend(q, sink, swa_cache, swa_slots, packed, comp_entries)
             args = tuple(_snapshot(a) for a in (q, sink, swa_cache, swa_slots, packed, comp_entries))
             calls["attend"].append((args, out))

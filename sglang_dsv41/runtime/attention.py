@@ -83,6 +83,12 @@ class ForwardScratch:
     #: The CUDA indexer's query tiles per query chunk (`KernelAttentionOps.select`): the same
     #: for every indexer layer of this forward.
     query_tiles: dict = field(default_factory=dict)
+    #: Compressed entry indices [N, index_topk] (−1 = none) per (selection layer, ratio): the same
+    #: for every layer reading that selection (`_compressed_entries`).
+    comp_entries: dict[tuple[int, int], Tensor] = field(default_factory=dict)
+    #: What `AttentionOps.attend` derives from (kv source, entries) alone — the decode's gathered
+    #: BF16 rows — shared by the layers that read the same source with the same entries.
+    attend_memo: dict = field(default_factory=dict)
 
 
 def _packed_entries(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, latents: Tensor,
@@ -219,18 +225,28 @@ def attention_sublayer(be: ComputeBackend, ops: AttentionOps, cfg: TextConfig, r
         if role.computes_latents:
             _write_compressed(be, cfg, role, w, prefix, x, layout, caches, inv_freq)
         selection = _selection(be, ops, cfg, role, w, prefix, x, q_lora, layout, caches, scratch, inv_freq, act_quant)
-        comp_positions = torch.where(selection >= 0, entry_positions(selection, role.ratio), -1)
-        comp_slots = _request_slots(layout, comp_positions)                                # [N, index_topk]
-        comp_entries = torch.where(comp_slots >= 0, comp_slots // role.ratio, -1)
+        comp_entries = _compressed_entries(role, selection, layout, scratch)
         packed = caches.packed(role.kv_source)
         workspace = ops.prefill_workspace(layout, packed, role.kv_source, role.ratio, selection, scratch,
                                           swa_slots)
 
     extra = {} if workspace is None else {"workspace": workspace}
     o = ops.attend(side.join(q), w[prefix + "attn_sink"], caches.swa[layer], swa_slots, packed, comp_entries,
-                   **extra)
+                   memo=scratch.attend_memo, **extra)
     project = None if wo_b is None else (lambda u: tp.row_parallel(wo_b, u, be, act_quant))
     return output_projection(be, cfg, w, prefix, o, pos, inv_freq, act_quant, wo_b=project)
+
+
+def _compressed_entries(role: LayerRole, selection: Tensor, layout: BatchLayout, scratch: ForwardScratch) -> Tensor:
+    """[N, index_topk] entry indices (slot // ratio, −1 = none) of `selection`'s compressed positions,
+    made once per (selection layer, ratio) and forward (`ForwardScratch.comp_entries`)."""
+    key = (role.selection_from, role.ratio)
+    entries = scratch.comp_entries.get(key)
+    if entries is None:
+        comp_positions = torch.where(selection >= 0, entry_positions(selection, role.ratio), -1)
+        comp_slots = _request_slots(layout, comp_positions)
+        entries = scratch.comp_entries[key] = torch.where(comp_slots >= 0, comp_slots // role.ratio, -1)
+    return entries
 
 
 def _swa_window(layer: int, cfg: TextConfig, layout: BatchLayout, caches: RuntimeCaches,

@@ -116,7 +116,7 @@ class AttentionOps(Protocol):
 
     def attend(self, q: Tensor, sink: Tensor, swa_cache: Tensor, swa_slots: Tensor,
                packed: PackedSourceRows | None, comp_entries: Tensor | None,
-               workspace: object | None = None) -> Tensor: ...
+               workspace: object | None = None, memo: dict | None = None) -> Tensor: ...
 
     def prefill_workspace(self, layout: BatchLayout, packed: PackedSourceRows, source: int, ratio: int,
                           selection: Tensor, scratch, swa_slots: Tensor | None = None) -> object | None: ...
@@ -167,7 +167,7 @@ class TorchAttentionOps:
 
     def attend(self, q: Tensor, sink: Tensor, swa_cache: Tensor, swa_slots: Tensor,
                packed: PackedSourceRows | None, comp_entries: Tensor | None,
-               workspace: tuple[Tensor, Tensor] | None = None) -> Tensor:
+               workspace: tuple[Tensor, Tensor] | None = None, memo: dict | None = None) -> Tensor:
         if workspace is not None:
             raise ValueError("the torch attention reads the packed rows (no prefill workspace on CPU)")
         keys, valid = gather_rows(swa_cache, swa_slots)
@@ -280,13 +280,16 @@ class KernelAttentionOps:
 
     def attend(self, q: Tensor, sink: Tensor, swa_cache: Tensor, swa_slots: Tensor,
                packed: PackedSourceRows | None, comp_entries: Tensor | None,
-               workspace: tuple[Tensor, Tensor] | FM.FlashMLAInputs | None = None) -> Tensor:
+               workspace: tuple[Tensor, Tensor] | FM.FlashMLAInputs | None = None,
+               memo: dict | None = None) -> Tensor:
         """One launch: SWA rows by SWA slot, compressed keys read from the packed rows by entry
         index (`PackedSource` of the latent rows with the source's latent offset / share / ratio,
         contract §5), or — `workspace` = (BF16 rows, rows [N, K]) from `prefill_workspace` — from
         the BF16 workspace by row, launched with `plan_prefill_config` (one split, as either mode's
         plan at the workspace's ≥ PREFILL_MIN_QUERIES queries); `workspace` =
-        `attention_flashmla.FlashMLAInputs` (the `flashmla` choice): one FlashMLA launch instead."""
+        `attention_flashmla.FlashMLAInputs` (the `flashmla` choice): one FlashMLA launch instead.
+        `memo` (one forward's dict): the gathered BF16 rows are made once per (kv source, entries
+        tensor) and reused by the later layers that pass both again."""
         if swa_cache.dtype != torch.bfloat16:
             raise RuntimeError(f"sglang-dsv41: the CUDA attention kernel reads BF16 SWA cache rows, got "
                                f"{swa_cache.dtype} (serve with the model dtype bfloat16 and --kv-cache-dtype auto)")
@@ -318,8 +321,7 @@ class KernelAttentionOps:
         elif packed is not None and comp_entries is not None:
             comp_cache = self._packed_latents(packed)
             if self.decode == "gather" or (self.decode == "auto" and N <= GATHER_DECODE_MAX_QUERIES):
-                from sglang_dsv41.kernels.key_gather import gather_latent_rows
-                comp_cache, comp_entries = gather_latent_rows(comp_cache, comp_entries)
+                comp_cache, comp_entries = _gathered_rows(comp_cache, comp_entries, packed, memo)
         o = self.sparse_attention.sparse_sink_attention(
             q.to(torch.bfloat16), swa_cache, swa_slots, comp_cache, comp_entries if comp_cache is not None else None,
             sink.to(torch.float32), softmax_scale(D), config=plan)
@@ -422,6 +424,21 @@ class KernelAttentionOps:
 
 TORCH_OPS = TorchAttentionOps()
 FP32_TORCH_OPS = TorchAttentionOps(torch.float32)
+
+
+def _gathered_rows(comp_cache, comp_entries: Tensor, packed: PackedSourceRows, memo: dict | None):
+    """`key_gather.gather_latent_rows`, looked up in / stored to `memo` by (source, entries tensor):
+    the rows depend only on those while the forward runs (the source layer writes its entries before
+    any reader; the entries tensor is kept alive by the forward's scratch)."""
+    from sglang_dsv41.kernels.key_gather import gather_latent_rows
+
+    if memo is None:
+        return gather_latent_rows(comp_cache, comp_entries)
+    key = ("gathered", packed.source.layer, id(comp_entries))
+    hit = memo.get(key)
+    if hit is None or hit[0] is not comp_entries:
+        hit = memo[key] = (comp_entries, gather_latent_rows(comp_cache, comp_entries))
+    return hit[1]
 
 
 @functools.cache
