@@ -49,7 +49,7 @@ from .attention_ops import AttentionOps
 from .backend import ComputeBackend
 from .batch import BatchLayout
 from .cache import RuntimeCaches
-from .kv_layout import encode_entries, entry_positions
+from .kv_layout import entry_positions
 from .overlap import INLINE, InlineStream, SideStream
 from .tensor_parallel import SINGLE, TensorParallel
 
@@ -91,15 +91,15 @@ class ForwardScratch:
     attend_memo: dict = field(default_factory=dict)
 
 
-def _packed_entries(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, latents: Tensor,
-                    rope_positions: Tensor, inv_freq: Tensor, caches: RuntimeCaches) -> Tensor:
-    """uint8 [n, E] packed entries of pre-RoPE latents: the encoders take the values right before
-    the reference's FP4 fake quantisation — `attention_math.rope_entry_values` (the BF16-rounded
-    RoPE'd latent and index key) — so the decoded entries are the reference's stored latents and
-    index keys bit for bit (spec §3.4.3; cache profiles NONE / FP4, whose compressed read-back is
-    the FP4 value itself, spec §3.8)."""
+def _write_packed(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, latents: Tensor,
+                  rope_positions: Tensor, inv_freq: Tensor, caches: RuntimeCaches, src: int, entry_idx: Tensor) -> None:
+    """The packed entries of pre-RoPE latents written at `entry_idx` (−1 = none): the encoders take the
+    values right before the reference's FP4 fake quantisation — `attention_math.rope_entry_values`
+    (the BF16-rounded RoPE'd latent and index key) — so the decoded entries are the reference's
+    stored latents and index keys bit for bit (spec §3.4.3; cache profiles NONE / FP4, whose
+    compressed read-back is the FP4 value itself, spec §3.8)."""
     roped, k = rope_entry_values(be, cfg, w, prefix, latents, rope_positions, inv_freq)
-    return encode_entries(caches.layout, roped, k)
+    caches.write_values(be, src, entry_idx, roped, k)
 
 
 def _check_pair_state(src: int, from_state: Tensor, req_rows: Tensor, pos: Tensor, stored: Tensor) -> None:
@@ -127,8 +127,7 @@ def _write_compressed(be: ComputeBackend, cfg: TextConfig, role: LayerRole, w: M
     live = layout.live_tokens
     if ratio == 1:
         latents = ratio1_latents(be, cfg, w, prefix, x)
-        caches.write_entries(src, torch.where(live, out, -1),
-                             _packed_entries(be, cfg, w, prefix, latents, pos, inv_freq, caches))
+        _write_packed(be, cfg, w, prefix, latents, pos, inv_freq, caches, src, torch.where(live, out, -1))
         return
     if ratio != 2:
         raise ValueError(f"layer {src}: compress ratio {ratio} is not a V4.1 ratio (1 or 2)")
@@ -145,7 +144,7 @@ def _write_compressed(be: ComputeBackend, cfg: TextConfig, role: LayerRole, w: M
     s_first = torch.where(in_batch, s[prev], s_held)
     latents = pair_latents(be, cfg, w, prefix, a_first, s_first, a, s)
     entries = torch.where(odd & live, out // 2, -1)
-    caches.write_entries(src, entries, _packed_entries(be, cfg, w, prefix, latents, first_pos, inv_freq, caches))
+    _write_packed(be, cfg, w, prefix, latents, first_pos, inv_freq, caches, src, entries)
     if layout.verify_width:
         # DSpark verify: any draft position may become the committed end, so every live token keeps
         # the pending pair of its compressed position (odd tokens re-write their in-batch partner's,

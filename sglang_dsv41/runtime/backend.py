@@ -163,6 +163,15 @@ class ComputeBackend(ABC):
 
         return engram_gate(residual, keys, q_weight, k_weight, eps, self.acc)
 
+    def write_packed_entries(self, latent_rows: Tensor, key_rows: Tensor, source, layout, entry_idx: Tensor,
+                             latents: Tensor, keys: Tensor) -> None:
+        """Packed FP4 entries of (latents [n, D], keys [n, Dk]) of kv source `source` (`kv_layout.KvSource`
+        of `layout`) written at `entry_idx` [n] (−1 = none) into the two row buffers (spec §3.4.3,
+        contract §1–§2): `kv_layout.encode_entries`, then `write_source_entries`."""
+        from .kv_layout import encode_entries, write_source_entries
+
+        write_source_entries(latent_rows, key_rows, source, entry_idx, encode_entries(layout, latents, keys))
+
     def finish(self, ok: bool = True) -> None:
         """Called after each forward, `ok` False when it raised (e.g. to report or drop a deferred
         audit); nothing by default."""
@@ -398,6 +407,14 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
 
     def clamped_swiglu(self, gate: Tensor, up: Tensor, limit: float) -> Tensor:
         return self.fe.clamped_swiglu(gate, up, limit)
+
+    def write_packed_entries(self, latent_rows: Tensor, key_rows: Tensor, source, layout, entry_idx: Tensor,
+                             latents: Tensor, keys: Tensor) -> None:
+        """One launch (`kernels.entry_pack`: the same bytes as the torch encoder; entry −1 writes nothing)."""
+        from ..kernels.entry_pack import write_packed_entries
+
+        write_packed_entries(latent_rows, key_rows, (source.latent.offset, source.latent.share),
+                             (source.key.offset, source.key.share), source.ratio, entry_idx, latents, keys)
 
     def route_select(self, scores: Tensor, bias: Tensor, top_k: int, renorm_eps: float,
                      bias_vl: Tensor | None, image_rows: Tensor | None) -> tuple[Tensor, Tensor]:

@@ -282,3 +282,10 @@ class RuntimeCaches:
         """Packed entries uint8 [n, E] of `source` at `entry_idx` [n] (−1 = none, contract §2): the
         latent part into the latent rows, the key part into the key rows."""
         write_source_entries(self.latent_rows, self.key_rows, self.layout.source(source), entry_idx, entry_bytes)
+
+    def write_values(self, be, source: int, entry_idx: Tensor, latents: Tensor, keys: Tensor) -> None:
+        """The packed entries of pre-quantisation (RoPE'd) latents [n, D] and index keys [n, Dk] of
+        `source` at `entry_idx` [n] (−1 = none): encoded and written by the compute backend `be`
+        (`ComputeBackend.write_packed_entries`; contract §1–§2)."""
+        be.write_packed_entries(self.latent_rows, self.key_rows, self.layout.source(source), self.layout, entry_idx,
+                                latents, keys)
