@@ -54,7 +54,8 @@ def _check(D: int, Dk: int, ratio: int, n: int, dtype: torch.dtype, seed: int) -
     key_rows = torch.randint(0, 256, (S, key_off + src.key.share + 2), generator=g, dtype=torch.uint8)
     lat, key = _values(g, n, D), _values(g, n, Dk)
     entries = torch.randperm(2 * n + 3, generator=g)[:n] + 1
-    entries[n // 2] = -1                                       # nothing to write
+    if n > 1:
+        entries[n // 2] = -1                                   # nothing to write
     want_lat, want_key = lat_rows.clone(), key_rows.clone()
     live = entries >= 0
     layout = KL.CompressedRowLayout(head_dim=D, index_head_dim=Dk, sources=(src,))
