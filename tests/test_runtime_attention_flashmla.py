@@ -263,6 +263,7 @@ def test_compressed_entries_are_made_once_per_selection_and_ratio() -> None:
     from types import SimpleNamespace
 
     from sglang_dsv41.runtime.attention import ForwardScratch, _compressed_entries
+    from sglang_dsv41.runtime.backend import FastTorchBackend
     from sglang_dsv41.runtime.batch import make_layout
     table = torch.arange(64, dtype=torch.int32).view(1, 64) + 128
     layout = make_layout(torch.tensor([0]), torch.tensor([10]), torch.tensor([2]), torch.tensor([10, 11]),
@@ -270,10 +271,11 @@ def test_compressed_entries_are_made_once_per_selection_and_ratio() -> None:
     selection = torch.tensor([[0, 2, -1], [1, 4, -1]])
     scratch = ForwardScratch()
     role = lambda layer, src: SimpleNamespace(layer=layer, selection_from=src, ratio=2)      # noqa: E731
-    first = _compressed_entries(role(2, 2), selection, layout, scratch)
+    be = FastTorchBackend()
+    first = _compressed_entries(be, role(2, 2), selection, layout, scratch)
     assert torch.equal(first, torch.tensor([[64, 66, -1], [65, 68, -1]]))        # slot(2j + 1) // 2
-    assert _compressed_entries(role(3, 2), selection, layout, scratch) is first
-    assert _compressed_entries(role(9, 8), selection.clone(), layout, scratch) is not first
+    assert _compressed_entries(be, role(3, 2), selection, layout, scratch) is first
+    assert _compressed_entries(be, role(9, 8), selection.clone(), layout, scratch) is not first
 
 
 def test_unplanned_flashmla_decode_raises() -> None:

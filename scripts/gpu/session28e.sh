@@ -20,7 +20,8 @@ OUT=$OUT/tests BUDGET=$TEST_S \
 echo "== gpu tests rc=$?"
 base=/tmp/ab_base
 rm -rf "$base" && mkdir -p "$base" && tar xf ab_base.tar -C "$base" && mv "$base/kernels" "$base/sglang_dsv41/kernels"
-PYTHONPATH="$base:${PYTHONPATH:-}" python3 -c "import sglang_dsv41.runtime.attention as a; print('base:', a.__file__, 'memo' if hasattr(a, '_compressed_entries') else 'no memo')" 2>&1 | tail -1
+# the check runs from benchmarks/ as model_step.py does (python3 -c from the root would put the checkout first)
+(cd benchmarks && PYTHONPATH="$base:${PYTHONPATH:-}" python3 -c "import sglang_dsv41.runtime.attention as a; print('base:', a.__file__, 'memo' if hasattr(a, '_compressed_entries') else 'no memo')" 2>&1 | tail -1)
 model_step base "1 8" 95 PYTHONPATH="$base:${PYTHONPATH:-}"
 model_step new "1 8" 95
 mv "$OUT"/tests/*.log "$OUT/logs/" 2>/dev/null; rmdir "$OUT/tests" 2>/dev/null

@@ -224,7 +224,7 @@ def attention_sublayer(be: ComputeBackend, ops: AttentionOps, cfg: TextConfig, r
         if role.computes_latents:
             _write_compressed(be, cfg, role, w, prefix, x, layout, caches, inv_freq)
         selection = _selection(be, ops, cfg, role, w, prefix, x, q_lora, layout, caches, scratch, inv_freq, act_quant)
-        comp_entries = _compressed_entries(role, selection, layout, scratch)
+        comp_entries = _compressed_entries(be, role, selection, layout, scratch)
         packed = caches.packed(role.kv_source)
         workspace = ops.prefill_workspace(layout, packed, role.kv_source, role.ratio, selection, scratch,
                                           swa_slots)
@@ -236,15 +236,23 @@ def attention_sublayer(be: ComputeBackend, ops: AttentionOps, cfg: TextConfig, r
     return output_projection(be, cfg, w, prefix, o, pos, inv_freq, act_quant, wo_b=project)
 
 
-def _compressed_entries(role: LayerRole, selection: Tensor, layout: BatchLayout, scratch: ForwardScratch) -> Tensor:
-    """[N, index_topk] entry indices (slot // ratio, −1 = none) of `selection`'s compressed positions,
-    made once per (selection layer, ratio) and forward (`ForwardScratch.comp_entries`)."""
+def compressed_entries(selection: Tensor, layout: BatchLayout, ratio: int) -> Tensor:
+    """[N, K] entry indices (slot // ratio of the token completing each compressed position, −1 = none) of
+    a selection [N, K] (spec §3.4.3, contract §2): the torch formula `ComputeBackend.compressed_entries`
+    defaults to."""
+    comp_positions = torch.where(selection >= 0, entry_positions(selection, ratio), -1)
+    comp_slots = _request_slots(layout, comp_positions)
+    return torch.where(comp_slots >= 0, comp_slots // ratio, -1)
+
+
+def _compressed_entries(be: ComputeBackend, role: LayerRole, selection: Tensor, layout: BatchLayout,
+                        scratch: ForwardScratch) -> Tensor:
+    """`be.compressed_entries` of `selection`, made once per (selection layer, ratio) and forward
+    (`ForwardScratch.comp_entries`)."""
     key = (role.selection_from, role.ratio)
     entries = scratch.comp_entries.get(key)
     if entries is None:
-        comp_positions = torch.where(selection >= 0, entry_positions(selection, role.ratio), -1)
-        comp_slots = _request_slots(layout, comp_positions)
-        entries = scratch.comp_entries[key] = torch.where(comp_slots >= 0, comp_slots // role.ratio, -1)
+        entries = scratch.comp_entries[key] = be.compressed_entries(selection, layout, role.ratio)
     return entries
 
 

@@ -163,6 +163,13 @@ class ComputeBackend(ABC):
 
         return engram_gate(residual, keys, q_weight, k_weight, eps, self.acc)
 
+    def compressed_entries(self, selection: Tensor, layout, ratio: int) -> Tensor:
+        """[N, K] entry indices of a top-k selection of compressed positions [N, K] (−1 = none) of the batch
+        `layout` (`runtime/batch.BatchLayout`): `attention.compressed_entries`, in torch."""
+        from .attention import compressed_entries
+
+        return compressed_entries(selection, layout, ratio)
+
     def write_packed_entries(self, latent_rows: Tensor, key_rows: Tensor, source, layout, entry_idx: Tensor,
                              latents: Tensor, keys: Tensor) -> None:
         """Packed FP4 entries of (latents [n, D], keys [n, Dk]) of kv source `source` (`kv_layout.KvSource`
@@ -407,6 +414,12 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
 
     def clamped_swiglu(self, gate: Tensor, up: Tensor, limit: float) -> Tensor:
         return self.fe.clamped_swiglu(gate, up, limit)
+
+    def compressed_entries(self, selection: Tensor, layout, ratio: int) -> Tensor:
+        """One launch (`kernels.entry_index`: integer arithmetic, the torch formula's values)."""
+        from ..kernels.entry_index import compressed_entry_index
+
+        return compressed_entry_index(selection, layout.token_req, layout.req_rows, layout.req_to_token, ratio)
 
     def write_packed_entries(self, latent_rows: Tensor, key_rows: Tensor, source, layout, entry_idx: Tensor,
                              latents: Tensor, keys: Tensor) -> None:
