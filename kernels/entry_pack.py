@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .fused_elementwise import _e2m1_rne, _e4m3_rne, _launch_options, _pow2, _pow2_at_least, _pow2_ceil, check_device
+from .fused_elementwise import (_e2m1_rne, _e4m3_rne, _launch_options, _pow2, _pow2_at_least, _pow2_ceil,
+                                check_device)
 
 #: dims per scale: latent part (E4M3 scales), key part (UE8M0 scales)
 LATENT_GROUP, KEY_GROUP = 16, 32
@@ -81,7 +82,8 @@ def _pack_part(x_row, rows_ptr, row_stride, entry, live, offset, share, ratio, n
     pairs = _codes(ve) | (_codes(vo) << 4)
     base = entry * ratio
     b = g[:, None] * HALF + j[None, :]                           # code bytes 0 .. D/2 − 1
-    tl.store(rows_ptr + (base + b // share) * row_stride + offset + b % share, pairs, mask=live & g_live[:, None])
+    tl.store(rows_ptr + (base + b // share) * row_stride + offset + b % share, pairs,
+             mask=live & g_live[:, None])
     s = D // 2 + g                                               # scale bytes
     tl.store(rows_ptr + (base + s // share) * row_stride + offset + s % share, scale_byte, mask=live & g_live)
     k = tl.arange(0, PAD)

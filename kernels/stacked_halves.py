@@ -16,7 +16,8 @@ import triton.language as tl
 from torch import Tensor
 
 from . import double_fp32 as DF
-from .fused_elementwise import _launch_options, _pow2_at_least, check_device, elementwise_block, rms_segment, swiglu_value
+from .fused_elementwise import (_launch_options, _pow2_at_least, check_device, elementwise_block, rms_segment,
+                                swiglu_value)
 
 F32 = torch.float32
 
@@ -28,6 +29,7 @@ def _rms_norm_pair_kernel(x_ptr, stride, w1_ptr, w2_ptr, out1_ptr, out2_ptr, D1,
     row = tl.program_id(0).to(tl.int64)
     rms_segment(x_ptr + row * stride, w1_ptr, out1_ptr + row * D1, D1, EPS_HI, EPS_LO, BLOCK1, LOG2_1, ROUND1)
     rms_segment(x_ptr + row * stride + D1, w2_ptr, out2_ptr + row * D2, D2, EPS_HI, EPS_LO, BLOCK2, LOG2_2, ROUND2)
+
 
 def rms_norm_pair(x: Tensor, split: int, first_weight: Tensor, second_weight: Tensor, eps: float,
                   round_first: bool = True, round_second: bool = False) -> tuple[Tensor, Tensor]:

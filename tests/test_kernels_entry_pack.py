@@ -3,10 +3,10 @@
 What is pinned:
 * kernel cases (interpreter child on CPU; compiled on CUDA): the row buffers after `write_packed_entries`
   equal those after `kv_layout.encode_entries` + `write_source_entries`, byte for byte — Flash and tiny
-  widths and group counts that are not powers of two (96 dims), ratio 1 and 2 sources at an offset (one padding byte at ratio 2), fp32 and BF16 values,
-  groups of zeros and −0, values small enough for E4M3-subnormal latent scales and the key scale's
-  floor, values past every grid step; entry −1 writes nothing; the decoded entries are the reference's
-  fake-quantised values;
+  widths, group counts that are not powers of two (96 dims), ratio 1 and 2 sources at an offset (one
+  padding byte at ratio 2), fp32 and BF16 values, groups of zeros and −0, values small enough for
+  E4M3-subnormal latent scales and the key scale's floor, values past every grid step; entry −1 writes
+  nothing; the decoded entries are the reference's fake-quantised values;
 * main process: bad shapes raise; the kernel builds for sm_90 without spills or float64;
 * GPU (`gpu`): Flash widths at 1 … 512 entries against the torch path on the same device.
 """
