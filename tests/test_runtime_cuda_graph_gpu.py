@@ -11,8 +11,8 @@ captured buffers. Pinned:
 1. replay == eager: each step's logits from the replay equal, bit for bit, the eager static
    forward of the same padded batch on an identical copy of the caches, and after each step
    both cache copies are identical byte for byte (the graph wrote exactly what eager wrote) except
-   the write sink: entry 0 (rows 0..r−1 of the padding page) takes every "no entry" write of a
-   step at once (`kv_layout.write_entries`), so which of them lands last is not ordered;
+   the write sink: entry 0 (rows 0..r−1 of the padding page), where the torch path's "no entry" writes
+   go (`kv_layout.write_entries`; the CUDA encoder, `kernels/entry_pack.py`, writes nothing there);
 2. the live requests' replayed logits against the eager forward of the live requests alone
    (unpadded, checked layout): in deterministic mode bit for bit, and the live caches match —
    padding is invisible and the CUDA forward is batch-invariant (tests/test_runtime_forward_gpu.py,
