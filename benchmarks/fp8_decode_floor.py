@@ -14,6 +14,8 @@ Variants (µs per call, GB/s of the weight bytes each reads, fraction of the cop
   widened to BF16 and scaled by its tile scale (exact: powers of two) in one BF16 MMA, split-K
   partials summed inside the launch as the current kernel does. It checks its result against
   `current` (relative error of the largest column);
+* `fold_tier` / `fold_tier_<change>`: that structure as the runtime's opt-in tier (`kernels.fp8_fold`,
+  `fp8_w8a8_linear(fold=True)`: x quantised inside the kernel) with FOLD_CONFIG, or one field changed;
 * `cublas_bf16`: `torch.mm` of one BF16 row and the dequantised BF16 weight (2 B per weight);
 * `scaled_mm`: `torch._scaled_mm` of 16 E4M3 rows and the E4M3 weight, unit scales (cuBLASLt FP8;
   not our numerics, a vendor reference for the bytes).
@@ -25,6 +27,7 @@ Writes `fp8_decode_floor.json` to `--out`. CUDA only.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -42,6 +45,18 @@ from device_bandwidth import copy_bandwidth_gbs  # noqa: E402
 #: (name, N, K, groups) of one Flash layer's FP8 products as the runtime runs them (stacks included)
 SHAPES = (("wq_a|wkv", 1792, 5120, 1), ("wq_b", 32768, 1280, 1), ("wo_a", 8192, 4096, 8), ("wo_b", 5120, 8192, 1),
           ("shared w1|w3", 4608, 5120, 1), ("shared w2", 5120, 2304, 1), ("indexer wq_b", 4096, 1280, 1))
+
+
+def _fold_tier_variants() -> dict:
+    from sglang_dsv41.kernels.fp8_w8a8 import FOLD_CONFIG as F
+
+    return {"fold_tier": F, "fold_tier_t528": dataclasses.replace(F, target_programs=528),
+            "fold_tier_t132": dataclasses.replace(F, target_programs=132),
+            "fold_tier_s3": dataclasses.replace(F, num_stages=3),
+            "fold_tier_bn32": dataclasses.replace(F, block_n=32),
+            "fold_tier_sub8_w8": dataclasses.replace(F, sub_blocks=8, num_warps=8),
+            "fold_tier_sub8_w4": dataclasses.replace(F, sub_blocks=8, num_stages=3),
+            "fold_tier_sub2": dataclasses.replace(F, sub_blocks=2, num_stages=6)}
 
 
 @triton.jit
@@ -171,6 +186,7 @@ def bench_shape(name, N, K, G, dev, min_mb, replays, copy_gbs):
     x = torch.randn(1, G * K, device=dev, generator=gen).to(torch.bfloat16)
     ctr = split_k_counters(N, dev)
     rec = dict(name=name, N=N, K=K, groups=G, weight_mb=nbytes / 1e6, copies=copies, variants={})
+    fold_variants = _fold_tier_variants()
 
     def put(label, us, nb=nbytes, **extra):
         rec["variants"][label] = dict(us=round(us, 2), gbs=round(nb / us / 1e3, 1),
@@ -199,8 +215,12 @@ def bench_shape(name, N, K, G, dev, min_mb, replays, copy_gbs):
             [lambda i=i: stream_read(vals[i], out, t) for i in range(copies)], replays)))
     attempt("stream_t264_bk256", lambda lb: put(lb, graph_us(
         [lambda i=i: stream_read(vals[i], out, 264, bk=256) for i in range(copies)], replays)))
+    for label, cfg in fold_variants.items():
+        attempt(label, lambda lb, cfg=cfg: put(lb, graph_us([lambda i=i: fp8_w8a8_linear(
+            x, vals[i], scales[i], groups=G, act_quant=aq, counters=ctr, config=cfg) for i in range(copies)],
+            replays)))
     xf = fake_quantize_activations_bf16(x) if aq else x
-    for bn, t, st in ((64, 1056, 3), (64, 528, 3), (128, 528, 3), (64, 264, 4), (128, 264, 4), (32, 528, 3)):
+    for bn, t, st in ((64, 264, 4), (128, 264, 4)):
         def run_fold(lb, bn=bn, t=t, st=st):
             y = fold_linear(xf, vals[0], scales[0], G, ctr, bn, t, stages=st).float()
             err = float(((y - ref).abs().max() / ref.abs().max().clamp(min=1e-30)))

@@ -96,7 +96,8 @@ class W8A8Config:
     block is the MMA's first operand (yᵀ tile = W·xqᵀ: BLOCK_N weight rows on the MMA's M side,
     BLOCK_M x rows on its N side), the same products and sums in the same order; `gemv`: the CUDA-core
     kernel of `kernels.fp8_gemv` (BLOCK_M = its most rows; `fused_quant` False: x quantised by a launch
-    before it)."""
+    before it); `fold`: the scale-folded BF16 MMA kernel of `kernels.fp8_fold` (32·`sub_blocks` columns per
+    MMA; x always quantised inside it)."""
     block_m: int
     block_n: int
     sub_blocks: int
@@ -108,6 +109,7 @@ class W8A8Config:
     target_programs: int = TARGET_PROGRAMS
     swap_ab: bool = False
     gemv: bool = False
+    fold: bool = False
 
 
 #: split-K target of the decode tier: ≈ 8 programs per SM, so small weights spread over the GPU
@@ -127,6 +129,10 @@ DECODE_S7_CONFIG = W8A8Config(16, 64, 4, 4, 4, fused_quant=True, split_k=True)
 #: inside the kernel, split-K to the decode tier's target
 GEMV_CONFIG = W8A8Config(4, 64, 4, 4, 1, fused_quant=True, split_k=True, target_programs=DECODE_TARGET_PROGRAMS,
                          gemv=True)
+#: the opt-in `fold` tier (`kernels.fp8_fold`, ≤ 16 rows): 64 weight rows, 128 columns per BF16 MMA, ≈ 2 programs
+#: per SM (`benchmarks/fp8_decode_floor.py` on an H100: the fastest uniform choice of six, docs/performance.md
+#: "Session 29")
+FOLD_CONFIG = W8A8Config(16, 64, 4, 4, 4, fused_quant=True, split_k=True, target_programs=TARGET_PROGRAMS, fold=True)
 #: rows → configuration: the first tier whose row limit is ≥ M (`fp8_mma`: FP8_MMA_ROW_TIERS)
 ROW_TIERS: tuple[tuple[int, W8A8Config], ...] = ((16, DECODE_CONFIG), (256, MID_CONFIG))
 FP8_MMA_ROW_TIERS: tuple[tuple[int, W8A8Config], ...] = ((16, DECODE_CONFIG), (256, MID_FP8_CONFIG))
@@ -154,13 +160,17 @@ BF16_GEMM_MIN_ROWS = 129
 
 
 def config_for_rows(m: int, fp8_mma: bool = False, shape: tuple[int, int, int] | None = None,
-                    gemv: bool = False) -> W8A8Config:
+                    gemv: bool = False, fold: bool = False) -> W8A8Config:
     """The configuration for M rows (decode: small tiles + split-K; prefill: large tiles);
     `fp8_mma`: the mid tier on the FP8 MMA (FP8_MMA_ROW_TIERS); `shape` (N, K, groups): that
     shape's entry of SHAPE_CONFIGS for the tier, if any (not with `fp8_mma`); `gemv`: GEMV_CONFIG
-    up to its BLOCK_M rows."""
+    up to its BLOCK_M rows; `fold`: FOLD_CONFIG likewise."""
+    if gemv and fold:
+        raise ValueError("config_for_rows: pick one small-row tier, gemv or fold")
     if gemv and m <= GEMV_CONFIG.block_m:
         return GEMV_CONFIG
+    if fold and m <= FOLD_CONFIG.block_m:
+        return FOLD_CONFIG
     for limit, cfg in (FP8_MMA_ROW_TIERS if fp8_mma else ROW_TIERS):
         if m <= limit:
             if shape is not None and not fp8_mma:
@@ -377,7 +387,7 @@ def _checked(x: Tensor, values: Tensor, scales: Tensor, groups: int) -> tuple[in
 def fp8_w8a8_linear(x: Tensor, values: Tensor, scales: Tensor, *, groups: int = 1, act_quant: bool = True,
                     config: W8A8Config | None = None, bf16_gemm: bool | None = None, fp8_mma: bool = False,
                     counters: Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                    gemv: bool = False) -> Tensor:
+                    gemv: bool = False, fold: bool = False) -> Tensor:
     """y [M, N] BF16 = x·Wᵀ with upstream's W8A8 numerics (module doc); `groups` > 1: the grouped
     product (x [M, groups·K], group g's output rows read x's g-th K columns), one GEMM launch.
     From BF16_GEMM_MIN_ROWS rows (or with `bf16_gemm=True`) the prefill form runs (`_bf16_gemm`);
@@ -388,7 +398,8 @@ def fp8_w8a8_linear(x: Tensor, values: Tensor, scales: Tensor, *, groups: int = 
     when they cover the launch's output tiles; else a second launch does (the same bits). No host
     sync. `out_dtype=torch.float32`: the same BF16 values held in fp32 (written by the GEMM's own
     stores, no extra launch below BF16_GEMM_MIN_ROWS). `gemv`: up to GEMV_CONFIG.block_m rows on the
-    CUDA-core tier (`kernels.fp8_gemv`; one more launch quantises x)."""
+    CUDA-core tier (`kernels.fp8_gemv`; one more launch quantises x); `fold`: up to FOLD_CONFIG.block_m rows on
+    the scale-folded BF16 MMA tier (`kernels.fp8_fold`)."""
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"fp8_w8a8_linear: out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
     if counters is not None and (counters.dtype != torch.int32 or counters.dim() != 1
@@ -399,7 +410,7 @@ def fp8_w8a8_linear(x: Tensor, values: Tensor, scales: Tensor, *, groups: int = 
     use_bf16_gemm = bf16_gemm if bf16_gemm is not None else (config is None and M >= BF16_GEMM_MIN_ROWS)
     if use_bf16_gemm:
         return _bf16_gemm(x, values, scales, groups, act_quant).to(out_dtype)
-    cfg = config or config_for_rows(M, fp8_mma, (N, K, groups), gemv)
+    cfg = config or config_for_rows(M, fp8_mma, (N, K, groups), gemv, fold)
     return _launch(x, values, scales, cfg, groups=groups, act_quant=act_quant, counters=counters,
                    out_dtype=out_dtype)
 
@@ -415,6 +426,13 @@ def _launch(x: Tensor, values: Tensor, scales: Tensor | None, cfg: W8A8Config, *
         from sglang_dsv41.kernels.fp8_gemv import gemv_launch
 
         return gemv_launch(x, values, scales, cfg, groups=groups, act_quant=act_quant, counters=counters,
+                           out_dtype=out_dtype)
+    if cfg.fold:
+        if scales is None:
+            raise ValueError("fp8_w8a8_linear: the fold tier multiplies E4M3 weights only")
+        from sglang_dsv41.kernels.fp8_fold import fold_launch
+
+        return fold_launch(x, values, scales, cfg, groups=groups, act_quant=act_quant, counters=counters,
                            out_dtype=out_dtype)
     M, N, K = x.shape[0], values.shape[0], values.shape[1]
     n_per_group = N // groups
@@ -477,7 +495,7 @@ def weight_bytes(n: int, k: int) -> int:
     return n * k + 4 * (-(-n // TILE)) * (-(-k // TILE))
 
 
-__all__ = ["BF16_GEMM_MIN_ROWS", "DECODE_CONFIG", "GEMV_CONFIG", "DECODE_S7_CONFIG", "DECODE_TARGET_PROGRAMS", "FP8",
+__all__ = ["BF16_GEMM_MIN_ROWS", "DECODE_CONFIG", "FOLD_CONFIG", "GEMV_CONFIG", "DECODE_S7_CONFIG", "DECODE_TARGET_PROGRAMS", "FP8",
            "FP8_MMA_ROW_TIERS", "INTERPRETED", "MID_CONFIG", "MID_FP8_CONFIG", "PREFILL_CONFIG", "ROW_TIERS",
            "SHAPE_CONFIGS", "TILE", "W8A8Config", "config_for_rows", "dequantize_weight_bf16", "fake_quantize_activations_bf16",
            "fp8_w8a8_linear", "k_chunks", "quantize_activations", "split_k_counters", "weight_bytes"]

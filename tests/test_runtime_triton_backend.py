@@ -5,8 +5,9 @@ The backend runs on FP8 weights as the CUDA server loads them (`runtime_weights(
 E4M3 tiles + power-of-two scales) in every FP8 mode (`backend.FP8_GEMMS`): `tiered` (serving
 default: the `w8a16` kernel below the prefill row count, the BF16-copy cuBLAS form of
 `kernels.fp8_w8a8` from there), `w8a16` (`--enable-deterministic-inference`), `w8a8_f16` (opt-in:
-`kernels.fp8_w8a8` with exact-product MMAs at every row count) and `fp8_mma` (opt-in: its mid row
-tier on Hopper's FP8 MMA). Pinned:
+`kernels.fp8_w8a8` with exact-product MMAs at every row count), `fp8_mma` (opt-in: its mid row
+tier on Hopper's FP8 MMA), `w8a8_gemv` and `w8a8_fold` (opt-in small-row tiers: `kernels.fp8_gemv`,
+`kernels.fp8_fold`). Pinned:
 
 * kernel cases (TRITON_INTERPRET child on CPU machines, compiled on CUDA):
   - every sublayer piece — projections, output projection (grouped `wo_a`), ratio-2 pair
@@ -187,11 +188,12 @@ def reference_pieces(cfg, w, i: dict) -> dict[str, torch.Tensor]:
 def test_kernel_case_sublayers_within_the_contract_without_float64(weights, fp8_gemm: str, monkeypatch) -> None:
     cfg, exact, fp8, _ = weights
     be = triton_backend(fp8, fp8_gemm)
-    calls: list[tuple[int, bool, bool, bool]] = []
+    calls: list[tuple[int, bool, bool, bool, bool]] = []
     rows: list[int] = []
     kernel_fn = W.fp8_w8a8_linear
     monkeypatch.setattr(W, "fp8_w8a8_linear", lambda x, v, s, **kw: rows.append(x.shape[0]) or calls.append(
-        (kw["groups"], kw["act_quant"], kw.get("fp8_mma", False), kw.get("gemv", False))) or kernel_fn(x, v, s, **kw))
+        (kw["groups"], kw["act_quant"], kw.get("fp8_mma", False), kw.get("gemv", False), kw.get("fold", False)))
+        or kernel_fn(x, v, s, **kw))
     inputs = piece_inputs(cfg, exact)
     with Float64Watch() as watch:
         got = backend_pieces(be, cfg, fp8, inputs)
@@ -211,8 +213,8 @@ def test_kernel_case_sublayers_within_the_contract_without_float64(weights, fp8_
     elif fp8_gemm == "tiered":                                  # the prefill form only
         assert all(r >= W.BF16_GEMM_MIN_ROWS for r in rows), rows
     else:                                                       # wq_a wkv wq_b wo_b 3 shared engram; wo_a grouped
-        mma, gemv = fp8_gemm == "fp8_mma", fp8_gemm == "w8a8_gemv"
-        assert (groups, False, False, gemv) in calls and calls.count((1, True, mma, gemv)) >= 8, calls
+        mma, gemv, fold = fp8_gemm == "fp8_mma", fp8_gemm == "w8a8_gemv", fp8_gemm == "w8a8_fold"
+        assert (groups, False, False, gemv, fold) in calls and calls.count((1, True, mma, gemv, fold)) >= 8, calls
 
 
 @kernel
@@ -236,19 +238,22 @@ def test_kernel_case_forward_on_the_backend_creates_no_float64(weights) -> None:
 
 
 @kernel
-@pytest.mark.parametrize("fp8_gemm", ["tiered", "w8a8_f16", "w8a8_gemv"])
+@pytest.mark.parametrize("fp8_gemm", ["tiered", "w8a8_f16", "w8a8_gemv", "w8a8_fold"])
 def test_kernel_case_which_row_counts_run_the_w8a8_module(weights, fp8_gemm: str, monkeypatch) -> None:
     """`w8a8_f16`: `fp8_w8a8_linear` at decode (split-K tier), mid and prefill row counts; `w8a8_gemv`:
-    the same, with the single row on the CUDA-core GEMV; `tiered`: at the prefill row count only
+    the same, with the single row on the CUDA-core GEMV; `w8a8_fold`: the single row on the scale-folded
+    tier; `tiered`: at the prefill row count only
     (the `w8a16` kernel below). All within the contract's per-sublayer bound of the w8a16 backend's
     result (the same operands summed another way)."""
-    from sglang_dsv41.kernels import fp8_gemv
+    from sglang_dsv41.kernels import fp8_fold, fp8_gemv
 
     cfg, exact, fp8, _ = weights
     calls: list[int] = []
     kernel_fn, gemv_kernel, gemv_rows = W.fp8_w8a8_linear, fp8_gemv._gemv_kernel, []
     monkeypatch.setattr(W, "fp8_w8a8_linear", lambda x, v, s, **kw: calls.append(x.shape[0]) or kernel_fn(x, v, s, **kw))
     monkeypatch.setattr(fp8_gemv, "_gemv_kernel", _RecordingLaunch(gemv_kernel, gemv_rows))
+    fold_rows: list[int] = []
+    monkeypatch.setattr(fp8_fold, "_fold_kernel", _RecordingLaunch(fp8_fold._fold_kernel, fold_rows))
     be, w8a16 = triton_backend(fp8, fp8_gemm), triton_backend(fp8, "w8a16")
     name = next(n for n in fp8 if n.endswith("attn.wq_a.weight"))
     wo_a = next(n for n in fp8 if n.endswith("attn.wo_a.weight"))
@@ -268,10 +273,11 @@ def test_kernel_case_which_row_counts_run_the_w8a8_module(weights, fp8_gemm: str
     each = [1, 20, W.BF16_GEMM_MIN_ROWS] if fp8_gemm != "tiered" else [W.BF16_GEMM_MIN_ROWS]
     assert calls == [r for r in each for _ in range(4)], calls
     assert gemv_rows == ([1] * 4 if fp8_gemm == "w8a8_gemv" else []), gemv_rows
+    assert fold_rows == ([1] * 4 if fp8_gemm == "w8a8_fold" else []), fold_rows
 
 
 class _RecordingLaunch:
-    """Stands in for `fp8_gemv._gemv_kernel`: records the rows (M) of each launch, then launches."""
+    """Stands in for `fp8_gemv._gemv_kernel` / `fp8_fold._fold_kernel`: records the rows (M) of each launch, then launches."""
 
     def __init__(self, kern, rows: list[int]) -> None:
         self.kern, self.rows = kern, rows
@@ -337,7 +343,7 @@ if not INTERPRETED:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
         from triton_checks import run_kernel_cases_in_interpreter
 
-        run_kernel_cases_in_interpreter(__file__, min_passed=10, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=12, exact=True)
 
 
 # ---- GPU: the CUDA forward as the server builds it ---------------------------------------------

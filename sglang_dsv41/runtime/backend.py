@@ -30,8 +30,10 @@ quantised), E4M3 weights with their tile scales — and differs only in how the 
 * `fp8_mma` (opt-in): as `w8a8_f16`, but 17–128 rows on Hopper's FP8 MMA (E4M3 `wgmma`, ~14-bit
   sums per 32 products: DeepGEMM block32's accumulation class). Below the end-to-end contract
   (docs/runtime.md "Numerics contract"), hence not the default;
-* `w8a8_gemv` (opt-in until measured on the H200): as `w8a8_f16`, but 1–4 rows on the CUDA-core GEMV
-  tier (`kernels.fp8_gemv`: x quantised once, exact products, fp32 sums; the same bound).
+* `w8a8_gemv` (opt-in: slower on the H100, docs/performance.md "Session 28"): as `w8a8_f16`, but 1–4 rows
+  on the CUDA-core GEMV tier (`kernels.fp8_gemv`: x quantised once, exact products, fp32 sums; the same bound);
+* `w8a8_fold` (opt-in until the model step measures it): as `w8a8_f16`, but 1–16 rows on the scale-folded
+  BF16 MMA tier (`kernels.fp8_fold`: 128 columns per MMA, exact products, fp32 sums; the same bound).
 Weights not held as E4M3 tiles (BF16 copies, fp32) go through `matmul` in either mode: on `triton`
 by `bf16_gemm_for` — cuBLAS GEMMs (`whole`, the serving default; `blocked`, row invariant, with
 deterministic inference), or fewer than 129 rows of a BF16 weight on `kernels.bf16_linear` (`triton`).
@@ -61,7 +63,7 @@ from ..numerics.rope import apply_rope_tail, rope_cos_sin_fp32
 
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 #: FP8 dense-linear arithmetics of the CUDA backend (module doc), and the variable that picks one
-FP8_GEMMS = ("w8a8_f16", "tiered", "w8a16", "fp8_mma", "w8a8_gemv")
+FP8_GEMMS = ("w8a8_f16", "tiered", "w8a16", "fp8_mma", "w8a8_gemv", "w8a8_fold")
 FP8_GEMM_ENV = "SGLANG_DSV41_FP8_GEMM"
 #: BF16 / fp32-weight products on CUDA (`bf16_gemm_for`): `whole` (serving default: a batch in one cuBLAS
 #: GEMM, `dense_ops.BlockedBf16Gemm.whole_rows`) | `triton` (opt-in: fewer than 129 rows on
@@ -346,7 +348,7 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
 
     def _w8a8_operand(self, weight: Tensor, x: Tensor):
         """The E4M3 tiles (`dense_ops.Fp8Weight`) of `weight` when this product runs
-        `kernels.fp8_w8a8` (`w8a8_f16`, `fp8_mma`, `w8a8_gemv`; `tiered` from BF16_GEMM_MIN_ROWS rows of `x`),
+        `kernels.fp8_w8a8` (`w8a8_f16`, `fp8_mma`, `w8a8_gemv`, `w8a8_fold`; `tiered` from BF16_GEMM_MIN_ROWS rows of `x`),
         else None (the `w8a16` kernel, or a weight the dense products hold as BF16 / fp32)."""
         from ..kernels.fp8_w8a8 import BF16_GEMM_MIN_ROWS
 
@@ -361,7 +363,8 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
         if w is None:
             return super().linear_fp8(x, weight, act_quant)
         return self.dense.w8a8(x, w, act_quant=act_quant, groups=1, fp8_mma=self.fp8_gemm == "fp8_mma",
-                               gemv=self.fp8_gemm == "w8a8_gemv", out_dtype=BF16 if bf16_out else F32)
+                               gemv=self.fp8_gemm == "w8a8_gemv", fold=self.fp8_gemm == "w8a8_fold",
+                               out_dtype=BF16 if bf16_out else F32)
 
     def linear_bf16_grouped(self, x: Tensor, weight: Tensor, groups: int, bf16_out: bool = False) -> Tensor:
         _group_shape(x, weight, groups)
@@ -369,6 +372,7 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
         if w is None:
             return super().linear_bf16_grouped(x, weight, groups)
         return self.dense.w8a8(x, w, act_quant=False, groups=groups, gemv=self.fp8_gemm == "w8a8_gemv",
+                               fold=self.fp8_gemm == "w8a8_fold",
                                out_dtype=BF16 if bf16_out else F32)
 
     def engram_gate(self, residual: Tensor, keys: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float) -> Tensor:

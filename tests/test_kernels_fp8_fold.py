@@ -1,0 +1,236 @@
+"""The scale-folded W8A8 tier for 1–16 rows: `kernels/fp8_fold.py` (spec §2.3, §3.8; issue 21).
+
+The oracle and the bound are `test_kernels_fp8_w8a8.py`'s (`reference.ops.linear_fp8`, or
+`linear_bf16` for `wo_a`'s W8A16 arithmetic): the tier multiplies the same quantised operands —
+the scales folded into BF16 operands exactly — and sums in fp32, so the tensor-core tiers' bound holds.
+
+What is pinned:
+* kernel cases (interpreter child on CPU; compiled on CUDA): within the bound at 1, 3 and 16 rows
+  for fp32 and bf16 x, partial column tiles, K not a multiple of the step, split-K or one program;
+  the oracle's bits on exact-sum inputs; the in-launch split-K sum equal to the second-launch sum
+  with the counters left at zero; a row's bits the same alone and in any batch; grouped `wo_a`
+  with and without activation quantisation in one launch; mutation checks (a doubled tile scale, a
+  wrong group);
+* main process: the tier choice (`config_for_rows(fold=True)`) and the sm_90 build (no spills, BF16
+  MMAs, hardware E4M3 quantisation, pipelined loads, the in-launch sum's release/acquire);
+* GPU (`gpu`): Flash shapes at 1–16 rows within the bound, row invariance, grouped `wo_a`, and
+  CUDA-graph replay with the counters.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+
+from sglang_dsv41.kernels import fp8_fold as FK
+from sglang_dsv41.kernels import fp8_w8a8 as W
+
+from fp8_cases import (BF16, DEVICE, F32, CountingLaunch, assert_graph_replays_eager, exact_sum_case, fp8_weight,
+                        kernel)
+from test_kernels_fp8_w8a8 import FLASH_SHAPES, _flash_case, oracle, random_x, within
+from triton_checks import compile_for_sm90, no_spills, run_kernel_cases_in_interpreter
+
+FOLD = W.FOLD_CONFIG
+ONE_PROGRAM = dataclasses.replace(FOLD, split_k=False)
+BN32_SUB2 = dataclasses.replace(FOLD, block_n=32, sub_blocks=2, target_programs=W.DECODE_TARGET_PROGRAMS)
+
+
+# ---- kernel cases (interpreter child / CUDA) ---------------------------------------------------
+
+@kernel
+@pytest.mark.parametrize("cfg", [FOLD, ONE_PROGRAM, BN32_SUB2], ids=["split_k", "one_program", "bn32_sub2"])
+@pytest.mark.parametrize("n,k,dtype", [(64, 256, BF16), (96, 672, F32), (160, 384, BF16)])
+def test_kernel_case_within_bound_at_every_row_count(cfg, n: int, k: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(n + k)
+    values, scales = fp8_weight(n, k, g, exp_range=(-30, 10))
+    x = random_x(16, k, g, dtype)
+    for m in (1, 3, 16):
+        y = W.fp8_w8a8_linear(x[:m], values, scales, config=cfg)
+        assert y.dtype == BF16 and y.shape == (m, n)
+        ok, worst = within(y, *oracle(x[:m], values, scales))
+        assert ok, (m, worst)
+
+
+@kernel
+def test_kernel_case_exact_sums_give_the_oracle_bits() -> None:
+    """Exact-sum inputs: any order of the fp32 sums gives the same bits, so the tier and its forms
+    give the oracle's."""
+    g = torch.Generator().manual_seed(3)
+    values, scales, x = exact_sum_case(16, 128, 640, g)
+    ref, _ = oracle(x, values, scales)
+    for m in (1, 5, 16):
+        for cfg in (FOLD, ONE_PROGRAM, BN32_SUB2):
+            assert torch.equal(W.fp8_w8a8_linear(x[:m], values, scales, config=cfg).float(), ref[:m]), (m, cfg)
+        assert torch.equal(W.fp8_w8a8_linear(x[:m], values, scales, fold=True).float(), ref[:m]), m
+
+
+@kernel
+def test_kernel_case_split_k_sums_inside_the_launch_with_counters(monkeypatch) -> None:
+    g = torch.Generator().manual_seed(10)
+    values, scales = fp8_weight(96, 640, g, exp_range=(-20, 0))
+    x = random_x(3, 640, g, F32)
+    assert W.k_chunks(96, 640, FOLD.target_programs) > 1
+    sums, folds = CountingLaunch(W._sum_chunks_kernel), CountingLaunch(FK._fold_kernel)
+    monkeypatch.setattr(W, "_sum_chunks_kernel", sums)
+    monkeypatch.setattr(FK, "_fold_kernel", folds)
+    two_launch = W.fp8_w8a8_linear(x, values, scales, fold=True)
+    assert len(sums.grids) == 1 and len(folds.grids) == 1
+    counters = W.split_k_counters(96, DEVICE)
+    one_launch = W.fp8_w8a8_linear(x, values, scales, fold=True, counters=counters)
+    assert len(sums.grids) == 1 and len(folds.grids) == 2 and torch.equal(one_launch, two_launch)
+    assert not counters.any()
+    ok, worst = within(one_launch, *oracle(x, values, scales))
+    assert ok, worst
+
+
+@kernel
+def test_kernel_case_a_row_has_the_same_bits_alone_and_in_a_batch() -> None:
+    g = torch.Generator().manual_seed(7)
+    values, scales = fp8_weight(96, 640, g, exp_range=(-20, 0))
+    x = random_x(16, 640, g, BF16)
+    batch = W.fp8_w8a8_linear(x, values, scales, fold=True)
+    for lo, hi in ((0, 1), (15, 16), (1, 3), (4, 13)):
+        assert torch.equal(W.fp8_w8a8_linear(x[lo:hi], values, scales, fold=True), batch[lo:hi]), (lo, hi)
+
+
+@kernel
+@pytest.mark.parametrize("act_quant", [True, False])
+def test_kernel_case_grouped_wo_a_is_one_launch_within_the_bound(act_quant: bool, monkeypatch) -> None:
+    """`wo_a`'s grouped product (act_quant False: x rounded to BF16 inside the kernel) equals the
+    groups alone and is within the bound; W8A8 differs from W8A16."""
+    g = torch.Generator().manual_seed(9)
+    groups, rows, k = 4, 64, 160
+    values, scales = fp8_weight(groups * rows, k, g, exp_range=(-20, 0))
+    x = random_x(2, groups * k, g, F32)
+    folds = CountingLaunch(FK._fold_kernel)
+    monkeypatch.setattr(FK, "_fold_kernel", folds)
+    y = W.fp8_w8a8_linear(x, values, scales, groups=groups, act_quant=act_quant, fold=True)
+    assert len(folds.grids) == 1
+    ok, worst = within(y, *oracle(x, values, scales, groups, act_quant=act_quant))
+    assert ok, worst
+    for gi in range(groups):
+        rows_g = slice(gi * rows, (gi + 1) * rows)
+        alone = W.fp8_w8a8_linear(x[:, gi * k:(gi + 1) * k].contiguous(), values[rows_g],
+                                  scales[gi * 2:(gi + 1) * 2], act_quant=act_quant, fold=True)
+        assert torch.equal(alone, y[:, rows_g]), gi
+    other = W.fp8_w8a8_linear(x, values, scales, groups=groups, act_quant=not act_quant, fold=True)
+    assert not torch.equal(y, other)
+
+
+@kernel
+def test_kernel_case_bound_catches_a_wrong_tile_scale_and_a_wrong_group() -> None:
+    g = torch.Generator().manual_seed(5)
+    values, scales = fp8_weight(64, 256, g, exp_range=(-4, 0))
+    x = random_x(2, 256, g, F32)
+    ref, bound = oracle(x, values, scales)
+    assert within(W.fp8_w8a8_linear(x, values, scales, fold=True), ref, bound)[0]
+    doubled = scales.clone()
+    doubled[1, 3] *= 2
+    assert not within(W.fp8_w8a8_linear(x, values, doubled, fold=True), ref, bound)[0]
+    wide, wide_scales = fp8_weight(2 * 64, 256, g, exp_range=(-4, 0))
+    x2 = random_x(1, 2 * 256, g, F32)
+    swapped = torch.cat([x2[:, 256:], x2[:, :256]], dim=1)
+    ok, _ = within(W.fp8_w8a8_linear(swapped, wide, wide_scales, groups=2, fold=True),
+                   *oracle(x2, wide, wide_scales, 2))
+    assert not ok
+
+
+@kernel
+def test_kernel_case_row_limit_and_empty_input(monkeypatch) -> None:
+    g = torch.Generator().manual_seed(1)
+    values, scales = fp8_weight(64, 256, g)
+    x = random_x(17, 256, g)
+    folds = CountingLaunch(FK._fold_kernel)
+    monkeypatch.setattr(FK, "_fold_kernel", folds)
+    assert W.fp8_w8a8_linear(x[:0], values, scales, fold=True).shape == (0, 64)
+    assert torch.equal(W.fp8_w8a8_linear(x, values, scales, fold=True), W.fp8_w8a8_linear(x, values, scales))
+    assert not folds.grids                                             # 17 rows: the mid tier
+    W.fp8_w8a8_linear(x[:16], values, scales, fold=True)
+    assert len(folds.grids) == 1
+
+
+# ---- main process ---------------------------------------------------------------------------------
+
+def test_fold_tier_choice() -> None:
+    assert FOLD.fold and FOLD.block_m == 16 and FOLD.split_k and not FOLD.gemv
+    for m in (1, 4, 16):
+        assert W.config_for_rows(m, fold=True, shape=(1280, 5120, 1)) is FOLD
+    assert W.config_for_rows(17, fold=True) is W.MID_CONFIG
+    assert W.config_for_rows(1) is W.DECODE_CONFIG                     # off unless asked
+    with pytest.raises(ValueError, match="gemv or fold"):
+        W.config_for_rows(1, gemv=True, fold=True)
+
+
+def _compile(act_quant: bool, x_type: str, cfg: W.W8A8Config = FOLD):
+    consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SUB=cfg.sub_blocks, SPLIT_K=True, FIXUP=True,
+                  ACT_QUANT=act_quant, OUT_F32=False, INTERPRET=False)
+    pointers = {"x_ptr": x_type, "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
+                "out_ptr": "*fp32", "y_ptr": "*bf16", "counters_ptr": "*i32"}
+    names = list(FK._fold_kernel.arg_names)
+    sig = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in names}
+    aligned = [i for i, n in enumerate(names) if n.endswith("_ptr") or n in ("K", "N") or n.startswith("stride")]
+    return compile_for_sm90(FK._fold_kernel, sig, consts, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
+                            attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+
+
+@pytest.mark.parametrize("act_quant,x_type", [(True, "*bf16"), (True, "*fp32"), (False, "*bf16"), (False, "*fp32")])
+def test_kernel_compiles_for_hopper_without_spills(act_quant: bool, x_type: str) -> None:
+    if W.INTERPRETED:
+        pytest.skip("no sm_90 compile under the interpreter: the parent (compiled) process runs this")
+    compiled, usage = _compile(act_quant, x_type)
+    assert no_spills(usage), usage
+    ptx = compiled.asm["ptx"]
+    assert re.search(r"mma\S*\.f32\.bf16\.bf16", ptx)                    # BF16 MMAs, fp32 sums
+    assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == act_quant            # hardware RNE quantisation
+    assert "cp.async" in ptx                                              # pipelined global loads
+    stores, atom = ptx.find("st.global"), ptx.find("atom.global.gpu.acq_rel.add")
+    assert 0 <= stores < ptx.find("bar.sync", stores) < atom and "ld.global.cg" in ptx[atom:]
+
+
+if not W.INTERPRETED:
+
+    def test_kernel_cases_in_triton_interpreter() -> None:
+        """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
+        run_kernel_cases_in_interpreter(__file__, min_passed=16, exact=True)
+
+
+# ---- GPU ------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(FLASH_SHAPES))
+def test_gpu_flash_shapes_within_bound_and_row_invariance(name: str) -> None:
+    n, k = FLASH_SHAPES[name]
+    values, scales, x = _flash_case(n, k, 16, seed=len(name))
+    counters = W.split_k_counters(n, x.device)
+    batch = W.fp8_w8a8_linear(x, values, scales, fold=True, counters=counters)
+    assert not counters.any()
+    assert torch.equal(W.fp8_w8a8_linear(x, values, scales, fold=True), batch)
+    ok, worst = within(W.fp8_w8a8_linear(x, values, scales, config=ONE_PROGRAM), *oracle(x, values, scales))
+    assert ok, ("one program", worst)
+    for m in (1, 2, 7, 16):
+        y = W.fp8_w8a8_linear(x[:m], values, scales, fold=True, counters=counters)
+        assert torch.equal(y, batch[:m]), m
+        ok, worst = within(y, *oracle(x[:m], values, scales))
+        assert ok, (m, worst)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act_quant", [True, False])
+def test_gpu_grouped_wo_a_at_flash_shape(act_quant: bool) -> None:
+    g = torch.Generator().manual_seed(11)
+    values, scales = fp8_weight(8192, 4096, g)
+    x = random_x(16, 8 * 4096, g)
+    counters = W.split_k_counters(8192, x.device)
+    for m in (1, 16):
+        y = W.fp8_w8a8_linear(x[:m], values, scales, groups=8, act_quant=act_quant, fold=True, counters=counters)
+        ok, worst = within(y, *oracle(x[:m], values, scales, groups=8, act_quant=act_quant))
+        assert ok, (m, worst)
+
+
+@pytest.mark.gpu
+def test_gpu_replays_in_a_cuda_graph_with_the_counters() -> None:
+    values, scales, x = _flash_case(5120, 8192, 1, seed=3)
+    counters = W.split_k_counters(5120, x.device)
+    assert_graph_replays_eager(lambda: W.fp8_w8a8_linear(x, values, scales, fold=True, counters=counters), counters)
