@@ -15,7 +15,7 @@ times what the runtime runs on CUDA for that layer:
   (`key_cache=PackedSource`, `entry_index_table`) + `select_for_role`;
 * `moe_routed` — `kernels.moe_mxfp4.routed_experts_mxfp4` (MXFP4 W4A16) on the router's choice;
 * `torch` — everything else the layer does, as the CUDA runtime does it today (the runtime's
-  math on the serving backend: FP8 linears on the serving default (`w8a8_f16`: kernels.fp8_w8a8, exact-product MMAs) —
+  math on the serving backend: FP8 linears on the serving default (`w8a8_fold`: kernels.fp8_w8a8, exact-product MMAs, ≤ 16 rows on kernels.fp8_fold) —
   SGLANG_DSV41_FP8_GEMM=w8a16 / fp8_mma picks another —, fused elementwise kernels, torch glue; unfused) — *not* a fast path;
 * `torch_w8a16` (or, when that is the step's, `torch_tiered`) — the same work with the W8A16
   kernel `kernels.fp8_linear` (session 7's decode default) on the same weights (before / after
@@ -225,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="also profile the graphed step by component (step_profile.py): "
                          "decode_step_profile_graph.json / .png")
-    ap.add_argument("--profile-fp8", nargs="+", default=["w8a8_f16", "tiered"], choices=FP8_GEMMS,
-                    help="FP8 linear modes the profile runs (default: w8a8_f16 tiered)")
+    ap.add_argument("--profile-fp8", nargs="+", default=["w8a8_fold", "w8a8_f16"], choices=FP8_GEMMS,
+                    help="FP8 linear modes the profile runs (default: w8a8_fold w8a8_f16)")
     ap.add_argument("--profile-prefill", action="store_true",
                     help="also profile one PREFILL_TOKENS prefill by component for every --prefill-variants entry "
                          "(prefill_profile.py): prefill_profile.json / .png")

@@ -23,10 +23,10 @@ The step's components (`step_components`), each a callable on fixed inputs:
   projections, compressor, latent/key FP4 round trips, indexer query, output projection, router
   and shared expert through the runtime's math (`runtime.attention_math`, `runtime.moe_ops`) on
   the layer's compute backend (`runtime.backend`: on CUDA `TritonBackend` as the server builds it
-  — FP8 linears `w8a8_f16` unless SGLANG_DSV41_FP8_GEMM says otherwise, BF16 tensor-core products, one Triton
+  — FP8 linears `w8a8_fold` unless SGLANG_DSV41_FP8_GEMM says otherwise, BF16 tensor-core products, one Triton
   launch per elementwise chain); the glue is still torch;
 * `torch_<other>` (CUDA) — the same work with the first other FP8 arithmetic of
-  `backend.FP8_GEMMS` (`torch_tiered` beside the `w8a8_f16` default) on the same weights, so one run
+  `backend.FP8_GEMMS` (`torch_w8a8_f16` beside the `w8a8_fold` default) on the same weights, so one run
   compares both;
 * `torch_fp64` — the same work on the exact torch backend (float64 GEMMs, the deterministic tier;
   CPU layers only: E4M3 weights have no fp32 copy);

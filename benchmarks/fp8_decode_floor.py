@@ -22,7 +22,9 @@ Variants (µs per call, GB/s of the weight bytes each reads, fraction of the cop
 
 Writes `fp8_decode_floor.json` to `--out`. CUDA only.
 
-    python benchmarks/fp8_decode_floor.py [--out DIR] [--min-mb 160] [--replays 20]
+    python benchmarks/fp8_decode_floor.py [--out DIR] [--min-mb 160] [--replays 20] [--only PREFIX ...]
+
+`--only`: time just the variants whose labels start with one of the prefixes.
 """
 from __future__ import annotations
 
@@ -172,7 +174,7 @@ def graph_us(calls, replays: int) -> float:
     return start.elapsed_time(end) * 1e3 / (replays * len(calls))
 
 
-def bench_shape(name, N, K, G, dev, min_mb, replays, copy_gbs):
+def bench_shape(name, N, K, G, dev, min_mb, replays, copy_gbs, only=None):
     from sglang_dsv41.kernels.fp8_w8a8 import dequantize_weight_bf16, fake_quantize_activations_bf16, \
         fp8_w8a8_linear, split_k_counters, weight_bytes
 
@@ -194,6 +196,8 @@ def bench_shape(name, N, K, G, dev, min_mb, replays, copy_gbs):
         print(f"{name:14s} {label:16s} {us:8.2f} µs {nb / us / 1e3:8.1f} GB/s", flush=True)
 
     def attempt(label, fn, **kw):
+        if only and not label.startswith(tuple(only)):
+            return
         try:
             fn(label, **kw)
         except Exception as e:  # noqa: BLE001 — an experimental variant may not build
@@ -245,6 +249,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--min-mb", type=int, default=160)
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--only", nargs="+", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("fp8_decode_floor.py needs CUDA")
@@ -254,7 +259,7 @@ def main() -> None:
     t0 = time.time()
     rows = []
     for shape in SHAPES:
-        rows.append(bench_shape(*shape, dev, args.min_mb, args.replays, copy_gbs))
+        rows.append(bench_shape(*shape, dev, args.min_mb, args.replays, copy_gbs, args.only))
         torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
     rec = dict(device=torch.cuda.get_device_name(dev), copy_gbs=round(copy_gbs, 1), rows=1, shapes=rows,

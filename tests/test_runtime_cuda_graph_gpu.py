@@ -22,7 +22,7 @@ captured buffers. Pinned:
 
 Both modes of the CUDA forward are captured: deterministic (`--enable-deterministic-inference`:
 W8A16 FP8 linears, one attention key split, packed prefill rows, BF16-weight rows in 128-row blocks)
-and the serving default (`w8a8_f16`, `kernels/fp8_w8a8.py`; split-KV decode attention; fused top-k;
+and the serving default (`w8a8_fold`, `kernels/fp8_w8a8.py` with `kernels/fp8_fold.py` ≤ 16 rows; split-KV decode attention; fused top-k;
 BF16-weight rows in one GEMM; the BF16 prefill workspace, which a static layout never takes).
 
 A failed capture (a host synchronisation, a host → device copy or a data-dependent shape inside

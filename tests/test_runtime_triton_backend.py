@@ -2,12 +2,12 @@
 item 5; issue 21: W8A8 FP8 linears, no float64 on the GPU path).
 
 The backend runs on FP8 weights as the CUDA server loads them (`runtime_weights(..., dense_fp8=True)`:
-E4M3 tiles + power-of-two scales) in every FP8 mode (`backend.FP8_GEMMS`): `tiered` (serving
-default: the `w8a16` kernel below the prefill row count, the BF16-copy cuBLAS form of
-`kernels.fp8_w8a8` from there), `w8a16` (`--enable-deterministic-inference`), `w8a8_f16` (opt-in:
-`kernels.fp8_w8a8` with exact-product MMAs at every row count), `fp8_mma` (opt-in: its mid row
-tier on Hopper's FP8 MMA), `w8a8_gemv` and `w8a8_fold` (opt-in small-row tiers: `kernels.fp8_gemv`,
-`kernels.fp8_fold`). Pinned:
+E4M3 tiles + power-of-two scales) in every FP8 mode (`backend.FP8_GEMMS`): `w8a8_fold` (serving
+default: `kernels.fp8_w8a8` at every row count, its scale-folded tier `kernels.fp8_fold` for ≤ 16
+rows), `w8a8_f16` (the same without the folded tier), `tiered` (the `w8a16` kernel below the
+prefill row count, the BF16-copy cuBLAS form of `kernels.fp8_w8a8` from there), `w8a16`
+(`--enable-deterministic-inference`), `fp8_mma` (opt-in: its mid row tier on Hopper's FP8 MMA),
+`w8a8_gemv` (opt-in: the CUDA-core tier `kernels.fp8_gemv` for ≤ 4 rows). Pinned:
 
 * kernel cases (TRITON_INTERPRET child on CPU machines, compiled on CUDA):
   - every sublayer piece — projections, output projection (grouped `wo_a`), ratio-2 pair
@@ -317,7 +317,7 @@ def test_kernel_case_row_parallel_partials_sum_within_the_contract(weights) -> N
 def test_fp8_gemm_choice(monkeypatch) -> None:
     monkeypatch.delenv(B.FP8_GEMM_ENV, raising=False)
     assert B.fp8_gemm_for(deterministic=True) == "w8a16"
-    assert B.fp8_gemm_for(deterministic=False) == "w8a8_f16"
+    assert B.fp8_gemm_for(deterministic=False) == "w8a8_fold"
     monkeypatch.setenv(B.FP8_GEMM_ENV, "W8A16")
     assert B.fp8_gemm_for(deterministic=False) == "w8a16"
     monkeypatch.setenv(B.FP8_GEMM_ENV, "fp8")
@@ -353,7 +353,7 @@ def test_gpu_cuda_forward_creates_no_float64_tensor(tiny_checkpoint) -> None:
     from runtime_scenarios import greedy_generate, runtime_engine
 
     engine = runtime_engine(tiny_checkpoint, DEVICE, deterministic=False)
-    assert isinstance(engine.backend, B.TritonBackend) and engine.backend.fp8_gemm == "w8a8_f16"
+    assert isinstance(engine.backend, B.TritonBackend) and engine.backend.fp8_gemm == "w8a8_fold"
     with Float64Watch() as watch:
         greedy_generate(engine, DEVICE, list(range(5, 60)), 4)
     print(f"\nfloat64 on the CUDA forward, by source: {sorted(watch.sources()) or 'none'}")

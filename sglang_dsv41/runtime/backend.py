@@ -18,7 +18,11 @@ the GPU path; bounded by the numerics contract, docs/runtime.md).
 FP8 dense linears on `triton` (`fp8_gemm`, FP8_GEMMS; spec §3.8, issue 21). Every choice uses the
 reference's operands — activations quantised per 1×32 to E4M3 with UE8M0 scales (`wo_a`: BF16, not
 quantised), E4M3 weights with their tile scales — and differs only in how the products are summed:
-* `w8a8_f16` (serving default since its H200 run, docs/performance.md "session 11"): `kernels.fp8_w8a8` at
+* `w8a8_fold` (serving default since session 29: 0.93× / 0.95× / 0.97× of `w8a8_f16`'s whole-model decode
+  step at N = 1 / 8 / 16 on an H100, docs/performance.md "Session 29"): as `w8a8_f16`, but 1–16 rows on the
+  scale-folded BF16 MMA tier (`kernels.fp8_fold`: 128 columns per MMA, exact products, fp32 sums; the same
+  bound). Not batch invariant;
+* `w8a8_f16` (the serving default from session 11 to 28): `kernels.fp8_w8a8` at
   every row count — the activation quantisation fused into the GEMM, E4M3 operands widened to
   f16 on the tensor cores (exact products, fp32 sums), split-K at decode summed inside the launch;
   from BF16_GEMM_MIN_ROWS rows its prefill form; `wo_a` one grouped launch. Not batch invariant;
@@ -32,8 +36,6 @@ quantised), E4M3 weights with their tile scales — and differs only in how the 
   (docs/runtime.md "Numerics contract"), hence not the default;
 * `w8a8_gemv` (opt-in: slower on the H100, docs/performance.md "Session 28"): as `w8a8_f16`, but 1–4 rows
   on the CUDA-core GEMV tier (`kernels.fp8_gemv`: x quantised once, exact products, fp32 sums; the same bound);
-* `w8a8_fold` (opt-in until the model step measures it): as `w8a8_f16`, but 1–16 rows on the scale-folded
-  BF16 MMA tier (`kernels.fp8_fold`: 128 columns per MMA, exact products, fp32 sums; the same bound).
 Weights not held as E4M3 tiles (BF16 copies, fp32) go through `matmul` in either mode: on `triton`
 by `bf16_gemm_for` — cuBLAS GEMMs (`whole`, the serving default; `blocked`, row invariant, with
 deterministic inference), or fewer than 129 rows of a BF16 weight on `kernels.bf16_linear` (`triton`).
@@ -459,8 +461,8 @@ def kernel_choice(env: str, choices: tuple[str, ...], default: str | None = None
 
 def fp8_gemm_for(deterministic: bool) -> str:
     """The CUDA backend's FP8 linear arithmetic (module doc): SGLANG_DSV41_FP8_GEMM when set (an
-    unknown value raises), else `w8a16` when `deterministic` (row invariant), else `w8a8_f16`."""
-    return kernel_choice(FP8_GEMM_ENV, FP8_GEMMS, "w8a16" if deterministic else "w8a8_f16")
+    unknown value raises), else `w8a16` when `deterministic` (row invariant), else `w8a8_fold`."""
+    return kernel_choice(FP8_GEMM_ENV, FP8_GEMMS, "w8a16" if deterministic else "w8a8_fold")
 
 
 def bf16_gemm_for(deterministic: bool) -> str:

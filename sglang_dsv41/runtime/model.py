@@ -366,7 +366,7 @@ def deterministic_inference() -> bool:
     to the reference, batch invariant, ~10× slower: docs/performance.md); default the fp32 path. On
     CUDA the batch-invariant choices: W8A16 FP8 linears (`backend.fp8_gemm_for`), BF16-weight rows in
     128-row blocks (`backend.bf16_gemm_for`), one attention key split and the packed rows at prefill
-    (`attention_ops.KernelAttentionOps`); default `w8a8_f16`, whole-batch BF16 GEMMs, split-KV decode
+    (`attention_ops.KernelAttentionOps`); default `w8a8_fold`, whole-batch BF16 GEMMs, split-KV decode
     attention and the BF16 prefill workspace."""
     from sglang.srt.server_args import get_global_server_args
 

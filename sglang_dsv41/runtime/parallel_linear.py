@@ -23,7 +23,7 @@ ours (`Bf16ReplicatedMethod` for the BF16 ones):
 * `apply(layer, x, bias=None, *, backend, act_quant=True, bf16_out=False)`: the compute backend's FP8 linear
   (`bf16_out`: the caller takes a BF16 tensor, `runtime/backend.py` BF16_OUT) —
   complete BF16 output for a column-parallel layer or at tp_size 1 (the backend picks the kernel
-  by rows and its FP8 mode: `w8a8_f16`, `tiered`, `w8a16`, `fp8_mma`); `wo_a` (built with
+  by rows and its FP8 mode, `backend.FP8_GEMMS`); `wo_a` (built with
   `group_rows` = o_lora_rank) is the grouped BF16-arithmetic product of the groups it holds,
   x [T, groups·K] → [T, groups·r] (`linear_bf16_grouped`: one grouped launch on CUDA; §3.4.6,
   activations never quantised); for a sharded row-parallel layer the partial product in the
