@@ -162,12 +162,16 @@ def _headline(row: dict) -> dict:
 
 def plot(records: dict[str, dict], path: Path) -> bool:
     """µs per layer against batch size, side stream off (dashed) and on (solid), one colour per
-    record (label → a `model_step.json`); False without matplotlib."""
+    record (label → a `model_step.json`; records without rows are left out, and with none no file is
+    written); False without matplotlib."""
     from plotting import pyplot, save_png
 
     plt = pyplot()
     if plt is None:
         return False
+    records = {label: rec for label, rec in records.items() if rec["rows"]}
+    if not records:                               # every batch skipped (budget): nothing to draw
+        return True
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (label, rec) in enumerate(records.items()):
         batches = [r["batch"] for r in rec["rows"]]

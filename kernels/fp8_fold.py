@@ -3,9 +3,9 @@
 (`runtime/backend.py` `w8a8_fold`; measured in docs/performance.md "Session 29").
 
 Why a tier of its own: the MMA tiers multiply one 32-wide K block per MMA and scale each block's
-fp32 result by s_x·s_w, so a step's weight bytes wait on four short MMAs and four scalings. Here the
-scales go into the operands instead — both are powers of two, so the operands stay exact in BF16 —
-and each loop step multiplies 32·SUB columns in one BF16 MMA (`benchmarks/fp8_decode_floor.py`).
+fp32 result by s_x·s_w. Here the scales go into the operands instead — both are powers of two, so the
+operands stay exact in BF16 — each loop step multiplies 32·SUB columns in one BF16 MMA, and about two
+programs per SM stream longer K ranges (`benchmarks/fp8_decode_floor.py`).
 
 Operands and rounding points:
 1. x̂ = q·s_x per (row, 32 columns) as BF16 — quantised by the kernel (`fp8_quant._quantize_groups`,
@@ -49,11 +49,9 @@ def _folded_x(xv, ACT_QUANT: tl.constexpr, BLOCK_M: tl.constexpr, SUB: tl.conste
 def _fold_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, y_ptr, counters_ptr, M, N, K, n_per_group, chunk_blocks, n_chunks,
                  stride_xm, stride_wn, stride_wsn, stride_om, stride_oc,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, SPLIT_K: tl.constexpr,
-                 FIXUP: tl.constexpr, ACT_QUANT: tl.constexpr, ONE_ROW: tl.constexpr, OUT_F32: tl.constexpr,
-                 INTERPRET: tl.constexpr):
+                 FIXUP: tl.constexpr, ACT_QUANT: tl.constexpr, OUT_F32: tl.constexpr, INTERPRET: tl.constexpr):
     """y [M, N] of x [M, groups·K] and the E4M3 tiles (module doc); with SPLIT_K program (n, m, c) stores
-    chunk c's fp32 partials to out [n_chunks, M, N]. ONE_ROW (M = 1): only row 0 of x is loaded and
-    quantised, the MMA's other rows are zeros — the same values as the general path."""
+    chunk c's fp32 partials to out [n_chunks, M, N]."""
     BLOCK_K: tl.constexpr = SUB * 32
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -77,17 +75,12 @@ def _fold_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, y_ptr, counters_ptr, M, N, K, n_
     for kb0 in range(kb_begin, kb_end, SUB):
         kk = kb0 * 32 + offs_k
         live = kk < kb_end * 32
-        if ONE_ROW:
-            x0 = tl.load(x_ptr + ((pid_n * BLOCK_N) // n_per_group) * K + kk, mask=live, other=0.0).to(tl.float32)
-            x0 = _folded_x(tl.reshape(x0, (1, BLOCK_K)), ACT_QUANT, 1, SUB, INTERPRET)
-            xf = tl.where((offs_m == 0)[:, None], x0, 0.0)
-        else:
-            xv = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & live[None, :], other=0.0).to(tl.float32)
-            xf = _folded_x(xv, ACT_QUANT, BLOCK_M, SUB, INTERPRET)
+        xv = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & live[None, :], other=0.0).to(tl.float32)
         wv = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & live[None, :], other=0.0)
         sv = tl.load(s_rows + (kb0 + offs_g)[None, :], mask=n_ok[:, None] & (kb0 + offs_g < kb_end)[None, :],
                      other=0.0)
         wf = tl.reshape(tl.reshape(wv.to(tl.float32), (BLOCK_N, SUB, 32)) * sv[:, :, None], (BLOCK_N, BLOCK_K))
+        xf = _folded_x(xv, ACT_QUANT, BLOCK_M, SUB, INTERPRET)
         if INTERPRET:                               # the interpreter's BF16 dot is unusable (Triton 3.6)
             acc += tl.dot(xf, tl.trans(wf), input_precision="ieee")
         else:
@@ -114,7 +107,7 @@ def fold_launch(x: Tensor, values: Tensor, scales: Tensor, cfg: W8A8Config, *, g
                 counters: Tensor | None, out_dtype: torch.dtype) -> Tensor:
     """y [M, N] of checked operands (`fp8_w8a8_linear`'s) on `_fold_kernel`: cfg.block_m × cfg.block_n tiles
     (block_n halved until it divides a group), 32·cfg.sub_blocks columns per step, K cut by
-    `k_chunks(N, K, cfg.target_programs)`; one row (decode at batch 1) quantises only that row."""
+    `k_chunks(N, K, cfg.target_programs)`."""
     M, N, K = x.shape[0], values.shape[0], values.shape[1]
     y = torch.empty(M, N, dtype=out_dtype, device=x.device)
     if M == 0:
@@ -136,7 +129,7 @@ def fold_launch(x: Tensor, values: Tensor, scales: Tensor, cfg: W8A8Config, *, g
     _fold_kernel[grid](xc, values, scales, out, y, counters if fixup else y, M, N, K, n_per_group, chunk_blocks,
                        chunks, xc.stride(0), values.stride(0), scales.stride(0), N, M * N if split else 0,
                        BLOCK_M=cfg.block_m, BLOCK_N=block_n, SUB=cfg.sub_blocks, SPLIT_K=split, FIXUP=fixup,
-                       ACT_QUANT=act_quant, ONE_ROW=M == 1, OUT_F32=out_dtype == torch.float32, INTERPRET=INTERPRETED, **launch)
+                       ACT_QUANT=act_quant, OUT_F32=out_dtype == torch.float32, INTERPRET=INTERPRETED, **launch)
     if split and not fixup:
         sum_chunks(out, y)
     return y

@@ -81,3 +81,17 @@ def test_plot_only_mode(tmp_path: Path) -> None:
     rc = bench.main(["--plot", f"triton={src}", "--out", str(tmp_path / "png")])
     assert rc == (0 if pyplot() is not None else 1)
     assert (tmp_path / "png" / "model_step.png").exists() == (rc == 0)
+
+
+def test_plot_of_records_without_rows_writes_nothing(tmp_path: Path) -> None:
+    """A record whose every batch was skipped (its budget spent on the build) draws no PNG and does not
+    fail the run (session 29: an empty log-scale plot raised after the JSON was written)."""
+    from plotting import pyplot
+    if pyplot() is None:
+        pytest.skip("matplotlib is not installed")
+    empty = dict(device="cpu", layers=2, context=16, rows=[], skipped=[1, 8])
+    assert bench.plot({"slice": empty}, tmp_path / "model_step.png")
+    assert not (tmp_path / "model_step.png").exists()
+    full = dict(empty, rows=[dict(batch=1, off=dict(layer_us=10.0), on=dict(layer_us=9.0))])
+    assert bench.plot({"empty": empty, "full": full}, tmp_path / "model_step.png")
+    assert (tmp_path / "model_step.png").exists()

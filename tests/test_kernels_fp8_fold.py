@@ -8,7 +8,7 @@ What is pinned:
 * kernel cases (interpreter child on CPU; compiled on CUDA): within the bound at 1, 3 and 16 rows
   for fp32 and bf16 x, partial column tiles, K not a multiple of the step, split-K or one program;
   the oracle's bits on exact-sum inputs; the in-launch split-K sum equal to the second-launch sum
-  with the counters left at zero; a row's bits the same alone (the one-row path) and in any batch; grouped `wo_a`
+  with the counters left at zero; a row's bits the same alone and in any batch; grouped `wo_a`
   with and without activation quantisation in one launch; mutation checks (a doubled tile scale, a
   wrong group);
 * main process: the tier choice (`config_for_rows(fold=True)`) and the sm_90 build (no spills, BF16
@@ -87,7 +87,6 @@ def test_kernel_case_split_k_sums_inside_the_launch_with_counters(monkeypatch) -
 
 @kernel
 def test_kernel_case_a_row_has_the_same_bits_alone_and_in_a_batch() -> None:
-    """Spans of one row take the kernel's one-row path (only that row quantised): the same bits."""
     g = torch.Generator().manual_seed(7)
     values, scales = fp8_weight(96, 640, g, exp_range=(-20, 0))
     x = random_x(16, 640, g, BF16)
@@ -164,9 +163,9 @@ def test_fold_tier_choice() -> None:
         W.config_for_rows(1, gemv=True, fold=True)
 
 
-def _compile(act_quant: bool, x_type: str, one_row: bool = False, cfg: W.W8A8Config = FOLD):
+def _compile(act_quant: bool, x_type: str, cfg: W.W8A8Config = FOLD):
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SUB=cfg.sub_blocks, SPLIT_K=True, FIXUP=True,
-                  ACT_QUANT=act_quant, ONE_ROW=one_row, OUT_F32=False, INTERPRET=False)
+                  ACT_QUANT=act_quant, OUT_F32=False, INTERPRET=False)
     pointers = {"x_ptr": x_type, "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
                 "out_ptr": "*fp32", "y_ptr": "*bf16", "counters_ptr": "*i32"}
     names = list(FK._fold_kernel.arg_names)
@@ -176,12 +175,11 @@ def _compile(act_quant: bool, x_type: str, one_row: bool = False, cfg: W.W8A8Con
                             attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
 
 
-@pytest.mark.parametrize("one_row", [False, True], ids=["rows", "one_row"])
 @pytest.mark.parametrize("act_quant,x_type", [(True, "*bf16"), (True, "*fp32"), (False, "*bf16"), (False, "*fp32")])
-def test_kernel_compiles_for_hopper_without_spills(act_quant: bool, x_type: str, one_row: bool) -> None:
+def test_kernel_compiles_for_hopper_without_spills(act_quant: bool, x_type: str) -> None:
     if W.INTERPRETED:
         pytest.skip("no sm_90 compile under the interpreter: the parent (compiled) process runs this")
-    compiled, usage = _compile(act_quant, x_type, one_row)
+    compiled, usage = _compile(act_quant, x_type)
     assert no_spills(usage), usage
     ptx = compiled.asm["ptx"]
     assert re.search(r"mma\S*\.f32\.bf16\.bf16", ptx)                    # BF16 MMAs, fp32 sums
