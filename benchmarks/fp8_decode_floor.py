@@ -20,9 +20,11 @@ Variants (µs per call, GB/s of the weight bytes each reads, fraction of the cop
 * `scaled_mm`: `torch._scaled_mm` of 16 E4M3 rows and the E4M3 weight, unit scales (cuBLASLt FP8;
   not our numerics, a vendor reference for the bytes).
 
-Writes `fp8_decode_floor.json` to `--out`. CUDA only.
+Writes `fp8_decode_floor.json` and `fp8_decode_floor.png` (µs per weight of a few variants) to `--out`.
+CUDA only, except `--plot JSON` (the PNG of an earlier record).
 
     python benchmarks/fp8_decode_floor.py [--out DIR] [--min-mb 160] [--replays 20] [--only PREFIX ...]
+    python benchmarks/fp8_decode_floor.py --plot JSON [--out DIR]
 
 `--only`: time just the variants whose labels start with one of the prefixes.
 """
@@ -43,6 +45,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 from device_bandwidth import copy_bandwidth_gbs  # noqa: E402
+from plotting import pyplot, save_png  # noqa: E402
 
 #: (name, N, K, groups) of one Flash layer's FP8 products as the runtime runs them (stacks included)
 SHAPES = (("wq_a|wkv", 1792, 5120, 1), ("wq_b", 32768, 1280, 1), ("wo_a", 8192, 4096, 8), ("wo_b", 5120, 8192, 1),
@@ -244,13 +247,45 @@ def bench_shape(name, N, K, G, dev, min_mb, replays, copy_gbs, only=None):
     return rec
 
 
+#: the variants the PNG draws, when a record has them (the runtime's two tiers, the floors, cuBLASLt)
+PLOTTED = ("current", "fold_tier", "fold_n64_t264_s4", "stream_t264_bk256", "scaled_mm")
+
+
+def plot(rec: dict, path: Path) -> bool:
+    """Grouped bars: µs per call of each weight for the PLOTTED variants the record has; False without
+    matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    shapes = rec["shapes"]
+    labels = [v for v in PLOTTED if any("us" in s["variants"].get(v, {}) for s in shapes)]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / max(len(labels), 1)
+    for j, label in enumerate(labels):
+        xs = [i + j * width for i in range(len(shapes))]
+        ax.bar(xs, [s["variants"].get(label, {}).get("us", 0.0) for s in shapes], width, label=label)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(shapes))], [s["name"] for s in shapes], fontsize=8)
+    ax.set_ylabel("µs per call (graphed, weights out of L2)")
+    ax.set_title(f"dense FP8 products of one Flash layer at one row ({rec['device']}, copy {rec['copy_gbs']:.0f} GB/s)",
+                 fontsize=9)
+    ax.legend(fontsize=7)
+    save_png(fig, path)
+    return True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--min-mb", type=int, default=160)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--only", nargs="+", default=None)
+    ap.add_argument("--plot", type=Path, default=None, help="only draw the PNG of this earlier JSON")
     args = ap.parse_args()
+    if args.plot is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        if not plot(json.loads(args.plot.read_text()), args.out / "fp8_decode_floor.png"):
+            raise SystemExit("no PNG: matplotlib is not installed")
+        return
     if not torch.cuda.is_available():
         raise SystemExit("fp8_decode_floor.py needs CUDA")
     dev = torch.device("cuda")
@@ -265,6 +300,8 @@ def main() -> None:
     rec = dict(device=torch.cuda.get_device_name(dev), copy_gbs=round(copy_gbs, 1), rows=1, shapes=rows,
                seconds=round(time.time() - t0, 1))
     (args.out / "fp8_decode_floor.json").write_text(json.dumps(rec, indent=1))
+    if not plot(rec, args.out / "fp8_decode_floor.png"):
+        print("no fp8_decode_floor.png: matplotlib is not installed", flush=True)
 
 
 if __name__ == "__main__":
