@@ -18,6 +18,14 @@ Operands and rounding points:
 4. the chunk partials summed in ascending order from 0 by the last-arriving chunk (inside the launch
    with `counters`, else `fp8_w8a8.sum_chunks`), one BF16 rounding.
 
+Quantised hand-off (`x_quantised`, `quantise_out`): the activation quantisation is idempotent — the
+values q·s_x of a group quantise to themselves — so a producer may write its BF16 output already
+quantised per 32 columns (`quantise_out`: this kernel's store, or one `fake_quantize_activations_bf16`
+launch where the store cannot) and its consumer may take x as it is (`x_quantised`: loaded straight into
+the MMA, which then streams with the weight; quantising in registers measured 0–4.7 µs a weight on the
+H100). Either way the consumer's result keeps its bits; `x_quantised` on x that is not quantised is a
+caller error this kernel cannot see.
+
 Error: the MMA tiers' bound (exact products, fp32 sums; `tests/test_kernels_fp8_w8a8.py`). Bits: the
 sums are grouped differently from the MMA tiers', so the tier boundary changes bits; a row's bits do
 not depend on the other rows (each row has its own MMA accumulator) nor on split-K's summing launch.
@@ -30,7 +38,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from sglang_dsv41.kernels.fp8_quant import _quantize_groups, _rne_bf16
+from sglang_dsv41.kernels.fp8_quant import _quantize_groups, _rne_bf16, fake_quantize_activations_bf16
 from sglang_dsv41.kernels.fp8_w8a8 import INTERPRETED, TILE, W8A8Config, _bf16_bits, k_chunks, sum_chunks
 
 
@@ -46,12 +54,26 @@ def _folded_x(xv, ACT_QUANT: tl.constexpr, BLOCK_M: tl.constexpr, SUB: tl.conste
 
 
 @triton.jit
+def _store_y(y_ptr, tile, ok, y, OUT_F32: tl.constexpr, OUT_QUANT: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    """The BF16 rounding of y [BLOCK_M, BLOCK_N] (fp32 holding it with OUT_F32), stored; OUT_QUANT: then
+    quantised per 32 columns (q·s as BF16, `fake_quantize_activations_bf16`'s values)."""
+    if OUT_QUANT:
+        v = _bf16_bits(y, True, False, INTERPRET)
+        q, s = _quantize_groups(tl.reshape(v, (BLOCK_M * BLOCK_N // 32, 32)), INTERPRET)
+        y = tl.reshape(q.to(tl.float32) * s[:, None], (BLOCK_M, BLOCK_N))
+    tl.store(y_ptr + tile, _bf16_bits(y, OUT_F32, False, INTERPRET), mask=ok)
+
+
+@triton.jit
 def _fold_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, y_ptr, counters_ptr, M, N, K, n_per_group, chunk_blocks, n_chunks,
                  stride_xm, stride_wn, stride_wsn, stride_om, stride_oc,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, SPLIT_K: tl.constexpr,
-                 FIXUP: tl.constexpr, ACT_QUANT: tl.constexpr, OUT_F32: tl.constexpr, INTERPRET: tl.constexpr):
+                 FIXUP: tl.constexpr, ACT_QUANT: tl.constexpr, X_QUANTISED: tl.constexpr, OUT_F32: tl.constexpr,
+                 OUT_QUANT: tl.constexpr, INTERPRET: tl.constexpr):
     """y [M, N] of x [M, groups·K] and the E4M3 tiles (module doc); with SPLIT_K program (n, m, c) stores
-    chunk c's fp32 partials to out [n_chunks, M, N]."""
+    chunk c's fp32 partials to out [n_chunks, M, N]. X_QUANTISED (with ACT_QUANT): x holds quantised
+    values, multiplied as loaded; OUT_QUANT: y stored quantised (`_store_y`)."""
     BLOCK_K: tl.constexpr = SUB * 32
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -75,12 +97,15 @@ def _fold_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, y_ptr, counters_ptr, M, N, K, n_
     for kb0 in range(kb_begin, kb_end, SUB):
         kk = kb0 * 32 + offs_k
         live = kk < kb_end * 32
-        xv = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & live[None, :], other=0.0).to(tl.float32)
+        xv = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & live[None, :], other=0.0)
+        if ACT_QUANT and X_QUANTISED:
+            xf = xv.to(tl.float32) if INTERPRET else xv
+        else:
+            xf = _folded_x(xv.to(tl.float32), ACT_QUANT, BLOCK_M, SUB, INTERPRET)
         wv = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & live[None, :], other=0.0)
         sv = tl.load(s_rows + (kb0 + offs_g)[None, :], mask=n_ok[:, None] & (kb0 + offs_g < kb_end)[None, :],
                      other=0.0)
         wf = tl.reshape(tl.reshape(wv.to(tl.float32), (BLOCK_N, SUB, 32)) * sv[:, :, None], (BLOCK_N, BLOCK_K))
-        xf = _folded_x(xv, ACT_QUANT, BLOCK_M, SUB, INTERPRET)
         if INTERPRET:                               # the interpreter's BF16 dot is unusable (Triton 3.6)
             acc += tl.dot(xf, tl.trans(wf), input_precision="ieee")
         else:
@@ -97,17 +122,20 @@ def _fold_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, y_ptr, counters_ptr, M, N, K, n_
                 y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for i in range(n_chunks):
                     y += tl.load(out_ptr + i * stride_oc + tile, mask=ok, other=0.0, cache_modifier=".cg")
-                tl.store(y_ptr + tile, _bf16_bits(y, OUT_F32, False, INTERPRET), mask=ok)
+                _store_y(y_ptr, tile, ok, y, OUT_F32, OUT_QUANT, BLOCK_M, BLOCK_N, INTERPRET)
                 tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")          # ready for the next launch
     else:
-        tl.store(y_ptr + tile, _bf16_bits(acc, OUT_F32, False, INTERPRET), mask=ok)
+        _store_y(y_ptr, tile, ok, acc, OUT_F32, OUT_QUANT, BLOCK_M, BLOCK_N, INTERPRET)
 
 
 def fold_launch(x: Tensor, values: Tensor, scales: Tensor, cfg: W8A8Config, *, groups: int, act_quant: bool,
-                counters: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+                counters: Tensor | None, out_dtype: torch.dtype, x_quantised: bool = False,
+                quantise_out: bool = False) -> Tensor:
     """y [M, N] of checked operands (`fp8_w8a8_linear`'s) on `_fold_kernel`: cfg.block_m × cfg.block_n tiles
     (block_n halved until it divides a group), 32·cfg.sub_blocks columns per step, K cut by
-    `k_chunks(N, K, cfg.target_programs)`."""
+    `k_chunks(N, K, cfg.target_programs)`. `x_quantised` / `quantise_out`: the quantised hand-off (module
+    doc); the output is quantised by the kernel's store where a program stores whole 32-column groups of
+    the final sum, else by one launch after it."""
     M, N, K = x.shape[0], values.shape[0], values.shape[1]
     y = torch.empty(M, N, dtype=out_dtype, device=x.device)
     if M == 0:
@@ -126,12 +154,16 @@ def fold_launch(x: Tensor, values: Tensor, scales: Tensor, cfg: W8A8Config, *, g
     fixup = split and counters is not None and counters.numel() >= grid[0] * grid[1]
     out = torch.empty(chunks, M, N, dtype=torch.float32, device=x.device) if split else y
     launch = {} if INTERPRETED else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    quant_store = quantise_out and block_n % TILE == 0 and (fixup or not split)
     _fold_kernel[grid](xc, values, scales, out, y, counters if fixup else y, M, N, K, n_per_group, chunk_blocks,
                        chunks, xc.stride(0), values.stride(0), scales.stride(0), N, M * N if split else 0,
                        BLOCK_M=cfg.block_m, BLOCK_N=block_n, SUB=cfg.sub_blocks, SPLIT_K=split, FIXUP=fixup,
-                       ACT_QUANT=act_quant, OUT_F32=out_dtype == torch.float32, INTERPRET=INTERPRETED, **launch)
+                       ACT_QUANT=act_quant, X_QUANTISED=x_quantised, OUT_F32=out_dtype == torch.float32,
+                       OUT_QUANT=quant_store, INTERPRET=INTERPRETED, **launch)
     if split and not fixup:
         sum_chunks(out, y)
+    if quantise_out and not quant_store:
+        y = fake_quantize_activations_bf16(y).to(out_dtype)
     return y
 
 

@@ -387,7 +387,8 @@ def _checked(x: Tensor, values: Tensor, scales: Tensor, groups: int) -> tuple[in
 def fp8_w8a8_linear(x: Tensor, values: Tensor, scales: Tensor, *, groups: int = 1, act_quant: bool = True,
                     config: W8A8Config | None = None, bf16_gemm: bool | None = None, fp8_mma: bool = False,
                     counters: Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                    gemv: bool = False, fold: bool = False) -> Tensor:
+                    gemv: bool = False, fold: bool = False, x_quantised: bool = False,
+                    quantise_out: bool = False) -> Tensor:
     """y [M, N] BF16 = x·Wᵀ with upstream's W8A8 numerics (module doc); `groups` > 1: the grouped
     product (x [M, groups·K], group g's output rows read x's g-th K columns), one GEMM launch.
     From BF16_GEMM_MIN_ROWS rows (or with `bf16_gemm=True`) the prefill form runs (`_bf16_gemm`);
@@ -399,7 +400,11 @@ def fp8_w8a8_linear(x: Tensor, values: Tensor, scales: Tensor, *, groups: int = 
     sync. `out_dtype=torch.float32`: the same BF16 values held in fp32 (written by the GEMM's own
     stores, no extra launch below BF16_GEMM_MIN_ROWS). `gemv`: up to GEMV_CONFIG.block_m rows on the
     CUDA-core tier (`kernels.fp8_gemv`; one more launch quantises x); `fold`: up to FOLD_CONFIG.block_m rows on
-    the scale-folded BF16 MMA tier (`kernels.fp8_fold`)."""
+    the scale-folded BF16 MMA tier (`kernels.fp8_fold`). The quantised hand-off (`kernels.fp8_fold` module doc):
+    `x_quantised` — x holds activations quantised per 1×32 already, which the fold tier then multiplies as
+    loaded (the other tiers quantise them again: the same values); `quantise_out` — y [M, N] BF16 comes
+    out quantised per 1×32 (`fake_quantize_activations_bf16`'s values; by the fold tier's store, elsewhere
+    one more launch), for a consumer that passes `x_quantised`."""
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"fp8_w8a8_linear: out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
     if counters is not None and (counters.dtype != torch.int32 or counters.dim() != 1
@@ -408,11 +413,20 @@ def fp8_w8a8_linear(x: Tensor, values: Tensor, scales: Tensor, *, groups: int = 
                          f"{counters.dtype} {tuple(counters.shape)} on {counters.device}")
     M, N, K, n_per_group = _checked(x, values, scales, groups)
     use_bf16_gemm = bf16_gemm if bf16_gemm is not None else (config is None and M >= BF16_GEMM_MIN_ROWS)
-    if use_bf16_gemm:
-        return _bf16_gemm(x, values, scales, groups, act_quant).to(out_dtype)
+    if quantise_out and (N // groups) % TILE:
+        raise ValueError(f"fp8_w8a8_linear: quantise_out needs whole 32-column groups, got {N} columns")
     cfg = config or config_for_rows(M, fp8_mma, (N, K, groups), gemv, fold)
-    return _launch(x, values, scales, cfg, groups=groups, act_quant=act_quant, counters=counters,
-                   out_dtype=out_dtype)
+    if cfg.fold and not use_bf16_gemm:
+        from sglang_dsv41.kernels.fp8_fold import fold_launch
+
+        return fold_launch(x, values, scales, cfg, groups=groups, act_quant=act_quant, counters=counters,
+                           out_dtype=out_dtype, x_quantised=x_quantised, quantise_out=quantise_out)
+    if use_bf16_gemm:
+        y = _bf16_gemm(x, values, scales, groups, act_quant)
+    else:
+        y = _launch(x, values, scales, cfg, groups=groups, act_quant=act_quant, counters=counters,
+                    out_dtype=out_dtype)
+    return (fake_quantize_activations_bf16(y) if quantise_out else y).to(out_dtype)
 
 
 def _launch(x: Tensor, values: Tensor, scales: Tensor | None, cfg: W8A8Config, *, groups: int, act_quant: bool,
@@ -428,12 +442,7 @@ def _launch(x: Tensor, values: Tensor, scales: Tensor | None, cfg: W8A8Config, *
         return gemv_launch(x, values, scales, cfg, groups=groups, act_quant=act_quant, counters=counters,
                            out_dtype=out_dtype)
     if cfg.fold:
-        if scales is None:
-            raise ValueError("fp8_w8a8_linear: the fold tier multiplies E4M3 weights only")
-        from sglang_dsv41.kernels.fp8_fold import fold_launch
-
-        return fold_launch(x, values, scales, cfg, groups=groups, act_quant=act_quant, counters=counters,
-                           out_dtype=out_dtype)
+        raise ValueError("fp8_w8a8_linear: the fold tier runs through fold_launch (E4M3 weights only)")
     M, N, K = x.shape[0], values.shape[0], values.shape[1]
     n_per_group = N // groups
     raw = scales is None

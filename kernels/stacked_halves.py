@@ -2,7 +2,8 @@
 * `rms_norm_pair` (spec `model.md` §3.4.1): the attention's q_lora = RMSNorm_q(row[:split]) rounded to
   BF16 and kv = RMSNorm_kv(row[split:]) not rounded, from the stacked `wq_a | wkv`, one program per row;
 * `clamped_swiglu_halves` (§3.6): the shared expert's SwiGLU of gate = row[:n], up = row[n:] from the
-  stacked `w1 | w3`.
+  stacked `w1 | w3`; with `quantise_out` written as `w2`'s activations quantised per 1×32 (BF16 q·s, the
+  values `fp8_quant.fake_quantize_activations_bf16` gives: the fold tier's hand-off, `kernels.fp8_fold`).
 
 Each evaluates the function its one-tensor kernel runs (`fused_elementwise.rms_segment` on the same lanes
 and block width, `fused_elementwise.swiglu_value`), so each output equals that kernel's on the half
@@ -16,6 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import double_fp32 as DF
+from .fp8_quant import INTERPRETED, _quantize_groups
 from .fused_elementwise import (_launch_options, _pow2_at_least, check_device, elementwise_block, rms_segment,
                                 swiglu_value)
 
@@ -60,27 +62,38 @@ def rms_norm_pair(x: Tensor, split: int, first_weight: Tensor, second_weight: Te
 
 
 @triton.jit
-def _swiglu_halves_kernel(y_ptr, out_ptr, n, stride, limit, BLOCK: tl.constexpr):
+def _swiglu_halves_kernel(y_ptr, out_ptr, n, stride, limit, BLOCK: tl.constexpr, QUANT: tl.constexpr,
+                          INTERPRET: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = offs < n
     g = tl.load(y_ptr + row * stride + offs, mask=live, other=0.0).to(tl.float32)
     u = tl.load(y_ptr + row * stride + n + offs, mask=live, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * n + offs, swiglu_value(g, u, limit), mask=live)
+    v = swiglu_value(g, u, limit)
+    if QUANT:                                     # BLOCK and n are multiples of 32: whole groups per program
+        q, s = _quantize_groups(tl.reshape(v, (BLOCK // 32, 32)), INTERPRET)
+        v = tl.reshape(q.to(tl.float32) * s[:, None], (BLOCK,)).to(tl.bfloat16)
+    tl.store(out_ptr + row * n + offs, v, mask=live)
 
 
-def clamped_swiglu_halves(y: Tensor, limit: float) -> Tensor:
+def clamped_swiglu_halves(y: Tensor, limit: float, quantise_out: bool = False) -> Tensor:
     """`fused_elementwise.clamped_swiglu(y[:, :n], y[:, n:], limit)` of y [T, 2n] (fp32 or BF16, unit
-    stride along the row) in one launch, without copying the halves; fp32 [T, n] out."""
+    stride along the row) in one launch, without copying the halves; fp32 [T, n] out, or with
+    `quantise_out` (n a multiple of 32) those values quantised per 1×32 as BF16 [T, n]."""
     if y.dim() != 2 or y.shape[1] % 2:
         raise ValueError(f"clamped_swiglu_halves: y {tuple(y.shape)}: expected [T, 2n]")
     check_device("clamped_swiglu_halves", y)
     if y.stride(1) != 1:
         y = y.contiguous()
     T, n = y.shape[0], y.shape[1] // 2
-    out = torch.empty(T, n, dtype=F32, device=y.device)
+    if quantise_out and n % 32:
+        raise ValueError(f"clamped_swiglu_halves: quantise_out needs whole 32-column groups, got n = {n}")
+    out = torch.empty(T, n, dtype=torch.bfloat16 if quantise_out else F32, device=y.device)
     if T and n:
         block = min(elementwise_block(T * n), _pow2_at_least(n))      # lanes per program: parallelism only
+        if quantise_out:
+            block = max(block, 32)
         _swiglu_halves_kernel[(T, triton.cdiv(n, block))](y, out, n, y.stride(0), float(limit), BLOCK=block,
+                                                          QUANT=quantise_out, INTERPRET=INTERPRETED,
                                                           **_launch_options())
     return out

@@ -7,7 +7,9 @@ What is pinned:
   second not, halves that are not powers of two, one row and many, a row of zeros; a batch's row
   equals that row alone; the first half's rounding flag really rounds (the unrounded result differs);
   `clamped_swiglu_halves` equals `fused_elementwise.clamped_swiglu` of the two halves bit for bit
-  (fp32 / BF16 inputs, a wider row stride, gates past the limit and far down the exp range);
+  (fp32 / BF16 inputs, a wider row stride, gates past the limit and far down the exp range); with
+  `quantise_out` its BF16 output is those values quantised per 1×32, bit for bit what
+  `fake_quantize_activations_bf16` makes of them (the fold tier's hand-off to `w2`);
 * main process: bad shapes raise; the kernels build for sm_90 without spills, with no float64 instruction;
 * GPU (`gpu`): Flash's halves (q_lora 1280 | kv 512, the shared expert's 2048 | 2048) against the
   one-tensor kernels at 1 … 256 rows.
@@ -79,6 +81,18 @@ if KERNEL_HERE:
                 want = FE.clamped_swiglu(y[:, :n].contiguous().to(DEVICE), y[:, n:].contiguous().to(DEVICE), 10.0)
                 assert got.dtype == torch.float32 and torch.equal(got, want)
 
+    def test_kernel_case_swiglu_halves_quantised_for_w2() -> None:
+        from sglang_dsv41.kernels.fp8_quant import fake_quantize_activations_bf16
+
+        g = torch.Generator().manual_seed(4)
+        for rows, n in ((1, 32), (3, 224), (2, 1024)):
+            y = _bf16_values(g, rows, 2 * n, scale=6.0).to(DEVICE)
+            y[0, :32] *= 1e-9                                     # a group near the quantisation's floor
+            plain = clamped_swiglu_halves(y, 10.0)
+            got = clamped_swiglu_halves(y.to(torch.bfloat16), 10.0, quantise_out=True)
+            assert got.dtype == torch.bfloat16 and torch.equal(got, fake_quantize_activations_bf16(plain))
+            assert not torch.equal(got.float(), plain)
+
 
 # ---- the interpreter child and the main-process checks -------------------------------------------
 
@@ -86,7 +100,7 @@ if not FE.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        run_kernel_cases_in_interpreter(__file__, min_passed=3, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=4, exact=True)
 
     def test_bad_shapes_raise() -> None:
         x, w = torch.zeros(2, 96), torch.ones(64)
@@ -98,6 +112,8 @@ if not FE.INTERPRETED:
             rms_norm_pair(torch.zeros(1, 8192 + 64), 8192, torch.ones(8192), torch.ones(64), 1e-6)
         with pytest.raises(ValueError, match="2n"):
             clamped_swiglu_halves(torch.zeros(2, 7), 10.0)
+        with pytest.raises(ValueError, match="32-column"):
+            clamped_swiglu_halves(torch.zeros(2, 80), 10.0, quantise_out=True)
 
     def test_builds_for_sm90_without_spills_or_float64() -> None:
         sig = {"x_ptr": "*bf16", "stride": "i32", "w1_ptr": "*fp32", "w2_ptr": "*fp32", "out1_ptr": "*fp32",
@@ -108,11 +124,15 @@ if not FE.INTERPRETED:
                                            {"num_warps": 4, "enable_fp_fusion": False})
         assert no_spills(usage), usage
         assert ".f64" not in compiled.asm["ptx"]
-        sig = {"y_ptr": "*bf16", "out_ptr": "*fp32", "n": "i32", "stride": "i32", "limit": "fp32"}
-        compiled, usage = compile_for_sm90(_swiglu_halves_kernel, sig | {"BLOCK": "constexpr"}, {"BLOCK": 1024},
-                                           {"num_warps": 4, "enable_fp_fusion": False})
-        assert no_spills(usage), usage
-        assert ".f64" not in compiled.asm["ptx"]
+        for quant in (False, True):
+            sig = {"y_ptr": "*bf16", "out_ptr": "*bf16" if quant else "*fp32", "n": "i32", "stride": "i32",
+                   "limit": "fp32"}
+            consts = {"BLOCK": 1024, "QUANT": quant, "INTERPRET": False}
+            compiled, usage = compile_for_sm90(_swiglu_halves_kernel, sig | {k: "constexpr" for k in consts}, consts,
+                                               {"num_warps": 4, "enable_fp_fusion": False})
+            assert no_spills(usage), usage
+            assert ".f64" not in compiled.asm["ptx"]
+            assert ("cvt.rn.satfinite.e4m3x2.f32" in compiled.asm["ptx"]) == quant
 
 
 @pytest.mark.gpu
@@ -128,3 +148,16 @@ def test_gpu_flash_halves_equal_the_single_row_kernel() -> None:
         y = (torch.randn(rows, 2 * n, generator=g, device=dev) * 6).to(torch.bfloat16)
         assert torch.equal(clamped_swiglu_halves(y, 10.0), FE.clamped_swiglu(y[:, :n].float().contiguous(),
                                                                              y[:, n:].float().contiguous(), 10.0))
+
+
+@pytest.mark.gpu
+def test_gpu_flash_swiglu_quantised_for_w2() -> None:
+    """The shared expert's 2304 columns at 1 … 16 rows: `quantise_out` gives, bit for bit, what the
+    quantisation launch makes of the plain SwiGLU (hardware E4M3 rounding in both)."""
+    from sglang_dsv41.kernels.fp8_quant import fake_quantize_activations_bf16
+
+    g = torch.Generator().manual_seed(21)
+    for rows in (1, 3, 16):
+        y = _bf16_values(g, rows, 2 * 2304, scale=4.0).to("cuda").to(torch.bfloat16)
+        got = clamped_swiglu_halves(y, 10.0, quantise_out=True)
+        assert torch.equal(got, fake_quantize_activations_bf16(clamped_swiglu_halves(y, 10.0))), rows

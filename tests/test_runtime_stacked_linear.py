@@ -228,6 +228,41 @@ if KERNEL_HERE:
         stacked, stacked_launches = run(stack)
         assert torch.equal(stacked, alone) and stacked_launches == members_launches - 1
 
+    def test_kernel_case_quantised_handoff_keeps_the_shared_expert_bits(monkeypatch) -> None:
+        """`w8a8_fold` at ≤ 16 rows: the stacked SwiGLU writes w2's x quantised and w2 multiplies it as
+        loaded (`quantised_handoff`) — the bits and the launch count of the hand-off off, on the model's TP-1
+        path (`TensorParallel.shared_expert`) and on `moe_ops.shared_expert`."""
+        from sglang_dsv41.kernels import fp8_w8a8 as W
+        from sglang_dsv41.runtime.backend import TritonBackend
+        from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm
+        from sglang_dsv41.runtime.moe_ops import shared_expert
+        from sglang_dsv41.runtime.tensor_parallel import SINGLE
+
+        w, p, t = shared_expert_layers(seed=7)
+        x = (torch.randn(3, t.hidden_size, generator=torch.Generator().manual_seed(8)) * 2).to(torch.bfloat16)
+        x = x.to(DEVICE)
+        sh = [w[f"{p}shared_experts.{m}"] for m in ("w1", "w2", "w3")]
+        stack = stack_shared_expert(w, p)
+        be = TritonBackend(BlockedBf16Gemm(DenseWeightCache.from_weights(linear_values(w))), device_types=(DEVICE,),
+                           fp8_gemm="w8a8_fold")
+        flags: list[bool] = []
+        real = W.fp8_w8a8_linear
+        monkeypatch.setattr(W, "fp8_w8a8_linear", lambda *a, **kw: flags.append(kw["x_quantised"]) or real(*a, **kw))
+
+        def both() -> tuple[torch.Tensor, torch.Tensor, int]:
+            with counted_launches() as launches:
+                tp_out, partial = SINGLE.shared_expert(*sh, x, be, True, t.swiglu_limit, stack)
+                out = shared_expert(be, x, *sh, t.swiglu_limit, True, stack)
+            assert not partial
+            return tp_out, out, len(launches)
+
+        on = both()
+        assert flags == [False, True] * 2, flags
+        monkeypatch.setattr(be, "quantised_handoff", lambda rows: False)
+        off = both()
+        assert flags[4:] == [False] * 4 and torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])
+        assert torch.equal(on[0], on[1]) and on[2] == off[2]
+
     def test_kernel_case_stacked_projection_gives_the_members_bits() -> None:
         from sglang_dsv41.runtime.backend import TritonBackend
         from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm
@@ -255,4 +290,4 @@ if not FE.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        run_kernel_cases_in_interpreter(__file__, min_passed=2, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=3, exact=True)

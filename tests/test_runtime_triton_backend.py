@@ -218,6 +218,29 @@ def test_kernel_case_sublayers_within_the_contract_without_float64(weights, fp8_
 
 
 @kernel
+def test_kernel_case_quantised_handoff_keeps_the_output_projection_bits(weights, monkeypatch) -> None:
+    """`w8a8_fold` at ≤ 16 rows: `wo_a` writes `wo_b`'s x quantised and `wo_b` multiplies it as loaded
+    (`quantised_handoff`) — the bits of the hand-off off, where `wo_b` quantises it itself; the other
+    modes never ask for it."""
+    cfg, exact, fp8, _ = weights
+    be = triton_backend(fp8, "w8a8_fold")
+    assert be.quantised_handoff(1) and be.quantised_handoff(16) and not be.quantised_handoff(17)
+    assert not triton_backend(fp8, "w8a8_f16").quantised_handoff(1) and not B.FastTorchBackend().quantised_handoff(1)
+    i = piece_inputs(cfg, exact)
+    w = with_linear_layers(fp8, cfg)
+    o, pos, inv = (i[k].to(DEVICE) for k in ("o", "pos", "inv"))
+    calls: list[tuple[bool, bool]] = []
+    kernel_fn = W.fp8_w8a8_linear
+    monkeypatch.setattr(W, "fp8_w8a8_linear", lambda x, v, s, **kw: calls.append(
+        (kw["quantise_out"], kw["x_quantised"])) or kernel_fn(x, v, s, **kw))
+    on = M.output_projection(be, cfg.text, w, i["p"], o, pos, inv, True)
+    assert calls == [(True, False), (False, True)], calls
+    monkeypatch.setattr(be, "quantised_handoff", lambda rows: False)
+    off = M.output_projection(be, cfg.text, w, i["p"], o, pos, inv, True)
+    assert calls[2:] == [(False, False)] * 2 and torch.equal(on, off)
+
+
+@kernel
 def test_kernel_case_forward_on_the_backend_creates_no_float64(weights) -> None:
     """A whole prefill + decode on the serving backend (`tiered`; attention / mHC / routed experts: the CPU
     fp32 implementations under the interpreter) creates no float64 tensor; its logits stay
@@ -343,7 +366,7 @@ if not INTERPRETED:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
         from triton_checks import run_kernel_cases_in_interpreter
 
-        run_kernel_cases_in_interpreter(__file__, min_passed=12, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=13, exact=True)
 
 
 # ---- GPU: the CUDA forward as the server builds it ---------------------------------------------

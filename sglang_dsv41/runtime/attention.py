@@ -232,7 +232,8 @@ def attention_sublayer(be: ComputeBackend, ops: AttentionOps, cfg: TextConfig, r
     extra = {} if workspace is None else {"workspace": workspace}
     o = ops.attend(side.join(q), w[prefix + "attn_sink"], caches.swa[layer], swa_slots, packed, comp_entries,
                    memo=scratch.attend_memo, **extra)
-    project = None if wo_b is None else (lambda u: tp.row_parallel(wo_b, u, be, act_quant))
+    project = None if wo_b is None else (lambda u, x_quantised=False: tp.row_parallel(wo_b, u, be, act_quant,
+                                                                                      x_quantised))
     return output_projection(be, cfg, w, prefix, o, pos, inv_freq, act_quant, wo_b=project)
 
 

@@ -76,12 +76,14 @@ def swa_cache_roundtrip(be: ComputeBackend, kv: Tensor, positions: Tensor, inv_f
 
 def output_projection(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, o: Tensor,
                       positions: Tensor, inv_freq: Tensor, act_quant: bool,
-                      wo_b: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+                      wo_b: Callable[..., Tensor] | None = None) -> Tensor:
     """o [T, local heads, head_dim] → inverse RoPE (BF16) → per-group `wo_a` (BF16 out) of the
     groups held (its grouped method: one launch on CUDA) → `wo_b` (§3.4.6): the given
     projection of the held groups' outputs (the model's row-parallel layer, all-reduced:
-    `TensorParallel.row_parallel`), else the layer `w[prefix + "wo_b"]` (whole). The BF16 values
-    between the steps may be held as BF16 (BF16_OUT in `runtime/backend.py`)."""
+    `TensorParallel.row_parallel`, called as wo_b(u, x_quantised=…)), else the layer `w[prefix + "wo_b"]`
+    (whole). The BF16 values between the steps may be held as BF16 (BF16_OUT in `runtime/backend.py`);
+    where the backend asks (`quantised_handoff`), `wo_a` writes them quantised for `wo_b` — the values
+    `wo_b` would quantise them to, so its result keeps its bits."""
     T, r = o.shape[0], cfg.o_lora_rank
     group_width = cfg.heads_per_group * cfg.head_dim
     groups = o.shape[1] * o.shape[2] // group_width
@@ -90,8 +92,11 @@ def output_projection(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tenso
     if rows != groups * r:
         raise ValueError(f"{prefix}wo_a.weight has {rows} rows for {groups} groups × {r}")
     o = be.bf16_rope_tail(o, positions, inv_freq, inverse=True, bf16_out=True).reshape(T, groups * group_width)
-    u = apply_linear(wo_a, o, be, bf16_out=True)
-    return wo_b(u) if wo_b is not None else apply_linear(w[prefix + "wo_b"], u, be, act_quant=act_quant)
+    handoff = act_quant and be.quantised_handoff(T)                 # `wo_a` writes wo_b's quantised x
+    u = apply_linear(wo_a, o, be, bf16_out=True, quantise_out=handoff)
+    if wo_b is not None:
+        return wo_b(u, x_quantised=handoff)
+    return apply_linear(w[prefix + "wo_b"], u, be, act_quant=act_quant, x_quantised=handoff)
 
 
 def ratio1_latents(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor) -> Tensor:

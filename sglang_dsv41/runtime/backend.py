@@ -119,15 +119,19 @@ class ComputeBackend(ABC):
         return (self.rms_norm(x[:, :split], first_weight, eps),
                 self.rms_norm(x[:, split:], second_weight, eps, round_bf16=False))
 
-    def clamped_swiglu_halves(self, y: Tensor, limit: float) -> Tensor:
+    def clamped_swiglu_halves(self, y: Tensor, limit: float, quantise_out: bool = False) -> Tensor:
         """clamped_swiglu(y[:, :n], y[:, n:]) of y [T, 2n]: the shared expert's SwiGLU from the stacked
-        `w1 | w3` product (§3.6, `runtime/stacked_linear.py`)."""
+        `w1 | w3` product (§3.6, `runtime/stacked_linear.py`); `quantise_out`: those values quantised per
+        1×32 (`fp8_act_fake_quant`) for `w2` (`quantised_handoff`)."""
         n = y.shape[1] // 2
-        return self.clamped_swiglu(y[:, :n], y[:, n:], limit)
+        h = self.clamped_swiglu(y[:, :n], y[:, n:], limit)
+        return self.fp8_act_fake_quant(h) if quantise_out else h
 
-    def linear_fp8(self, x: Tensor, weight: Tensor, act_quant: bool = True, bf16_out: bool = False) -> Tensor:
+    def linear_fp8(self, x: Tensor, weight: Tensor, act_quant: bool = True, bf16_out: bool = False,
+                   x_quantised: bool = False) -> Tensor:
         """FP8 dense linear (spec §3.8): activation fake-quant, product, BF16 output (`bf16_out`: as
-        `bf16_rope_tail`'s)."""
+        `bf16_rope_tail`'s). `x_quantised`: x holds activations quantised already (`quantised_handoff`);
+        quantising them again gives the same values, which is what this default does."""
         xf = self.fp8_act_fake_quant(x) if act_quant else x.to(F32)
         return self.bf16(self.matmul(xf, weight))
 
@@ -152,13 +156,23 @@ class ComputeBackend(ABC):
         y = self.matmul(x, weight)
         return y if out_fp32 else self.bf16(y)
 
-    def linear_bf16_grouped(self, x: Tensor, weight: Tensor, groups: int, bf16_out: bool = False) -> Tensor:
+    def linear_bf16_grouped(self, x: Tensor, weight: Tensor, groups: int, bf16_out: bool = False,
+                            quantise_out: bool = False) -> Tensor:
         """Grouped BF16-arithmetic linear (`wo_a`, spec §3.4.6): x [T, groups·K], weight
         [groups·r, K]; output columns g·r … (g+1)·r − 1 = linear_bf16(x[:, g·K …], weight[g·r …]).
-        BF16 output [T, groups·r] (`bf16_out`: as `bf16_rope_tail`'s). Default: one `linear_bf16` per group."""
+        BF16 output [T, groups·r] (`bf16_out`: as `bf16_rope_tail`'s). Default: one `linear_bf16` per group.
+        `quantise_out`: the output's values quantised per 1×32 (`fp8_act_fake_quant`), for a consumer that
+        passes `x_quantised` (`quantised_handoff`)."""
         r, K = _group_shape(x, weight, groups)
-        return torch.cat([self.linear_bf16(x[:, g * K:(g + 1) * K], weight[g * r:(g + 1) * r])
-                          for g in range(groups)], dim=1)
+        y = torch.cat([self.linear_bf16(x[:, g * K:(g + 1) * K], weight[g * r:(g + 1) * r])
+                       for g in range(groups)], dim=1)
+        return self.fp8_act_fake_quant(y) if quantise_out else y
+
+    def quantised_handoff(self, rows: int) -> bool:
+        """Whether a producer should write its output quantised for the FP8 linear that reads it at `rows`
+        rows (`quantise_out` → `x_quantised`): only where that saves the consumer work, i.e. never here;
+        `TritonBackend`: its fold tier. The values, hence the results, are the same either way."""
+        return False
 
     def engram_gate(self, residual: Tensor, keys: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float) -> Tensor:
         """g [T, hc] fp32 (spec §3.3.2) from residual and keys [T, hc, H]: the torch formula in
@@ -360,22 +374,31 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
         fp8_operand = getattr(self.dense, "fp8_operand", None)      # test doubles hold no E4M3 tiles
         return None if fp8_operand is None else fp8_operand(weight)
 
-    def linear_fp8(self, x: Tensor, weight: Tensor, act_quant: bool = True, bf16_out: bool = False) -> Tensor:
+    def linear_fp8(self, x: Tensor, weight: Tensor, act_quant: bool = True, bf16_out: bool = False,
+                   x_quantised: bool = False) -> Tensor:
         w = self._w8a8_operand(weight, x)
         if w is None:
             return super().linear_fp8(x, weight, act_quant)
         return self.dense.w8a8(x, w, act_quant=act_quant, groups=1, fp8_mma=self.fp8_gemm == "fp8_mma",
                                gemv=self.fp8_gemm == "w8a8_gemv", fold=self.fp8_gemm == "w8a8_fold",
-                               out_dtype=BF16 if bf16_out else F32)
+                               out_dtype=BF16 if bf16_out else F32, x_quantised=x_quantised and act_quant)
 
-    def linear_bf16_grouped(self, x: Tensor, weight: Tensor, groups: int, bf16_out: bool = False) -> Tensor:
+    def linear_bf16_grouped(self, x: Tensor, weight: Tensor, groups: int, bf16_out: bool = False,
+                            quantise_out: bool = False) -> Tensor:
         _group_shape(x, weight, groups)
         w = self._w8a8_operand(weight, x)
         if w is None:
-            return super().linear_bf16_grouped(x, weight, groups)
+            return super().linear_bf16_grouped(x, weight, groups, quantise_out=quantise_out)
         return self.dense.w8a8(x, w, act_quant=False, groups=groups, gemv=self.fp8_gemm == "w8a8_gemv",
-                               fold=self.fp8_gemm == "w8a8_fold",
-                               out_dtype=BF16 if bf16_out else F32)
+                               fold=self.fp8_gemm == "w8a8_fold", out_dtype=BF16 if bf16_out else F32,
+                               quantise_out=quantise_out)
+
+    def quantised_handoff(self, rows: int) -> bool:
+        """True for the fold tier's rows (`w8a8_fold`, ≤ FOLD_CONFIG.block_m): its consumer then multiplies x
+        as loaded instead of quantising it in registers (`kernels.fp8_fold` module doc)."""
+        from ..kernels.fp8_w8a8 import FOLD_CONFIG
+
+        return self.fp8_gemm == "w8a8_fold" and 0 < rows <= FOLD_CONFIG.block_m
 
     def engram_gate(self, residual: Tensor, keys: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float) -> Tensor:
         return self.eg.engram_gate(residual, keys, q_weight, k_weight, eps)
@@ -401,10 +424,10 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
 
         return rms_norm_pair(x, split, first_weight, second_weight, eps)
 
-    def clamped_swiglu_halves(self, y: Tensor, limit: float) -> Tensor:
+    def clamped_swiglu_halves(self, y: Tensor, limit: float, quantise_out: bool = False) -> Tensor:
         from ..kernels.stacked_halves import clamped_swiglu_halves
 
-        return clamped_swiglu_halves(y, limit)
+        return clamped_swiglu_halves(y, limit, quantise_out)
 
     def apply_rope_tail(self, x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False) -> Tensor:
         return self.fe.apply_rope_tail(x, positions, inv_freq, inverse)

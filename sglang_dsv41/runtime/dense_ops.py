@@ -351,10 +351,12 @@ class BlockedBf16Gemm:
         return w if isinstance(w, Fp8Weight) else None
 
     def w8a8(self, x: Tensor, w: Fp8Weight, *, act_quant: bool, groups: int, fp8_mma: bool = False,
-             gemv: bool = False, fold: bool = False, out_dtype: torch.dtype = F32) -> Tensor:
+             gemv: bool = False, fold: bool = False, out_dtype: torch.dtype = F32, x_quantised: bool = False,
+             quantise_out: bool = False) -> Tensor:
         """`kernels.fp8_w8a8.fp8_w8a8_linear` of x [..., groups·K] (BF16 / fp32) and the tiles `w`:
         BF16-valued fp32 [..., N], or BF16 with `out_dtype` (bound: that module); `fp8_mma`: its
-        FP8-MMA row tiers; `gemv`: its CUDA-core tier for ≤ 4 rows; `fold`: its scale-folded tier for ≤ 16 rows.
+        FP8-MMA row tiers; `gemv`: its CUDA-core tier for ≤ 4 rows; `fold`: its scale-folded tier for ≤ 16 rows;
+        `x_quantised` / `quantise_out`: its quantised hand-off (`kernels.fp8_fold` module doc).
         `act_quant=False` (W8A16 arithmetic) multiplies x rounded to BF16, so x is audited like
         the BF16 products."""
         from ..kernels.fp8_w8a8 import fp8_w8a8_linear
@@ -370,7 +372,8 @@ class BlockedBf16Gemm:
         if self.audit_inputs and not act_quant:
             self._audit(x2)
         y = fp8_w8a8_linear(x2, w.values, w.scales, groups=groups, act_quant=act_quant, fp8_mma=fp8_mma,
-                            counters=w.counters, out_dtype=out_dtype, gemv=gemv, fold=fold)
+                            counters=w.counters, out_dtype=out_dtype, gemv=gemv, fold=fold, x_quantised=x_quantised,
+                            quantise_out=quantise_out)
         return _unrows(y, lead)
 
     def _audit(self, x2: Tensor) -> None:

@@ -120,14 +120,18 @@ def routed_expert(be: ComputeBackend, x: Tensor, w1: Tensor, w2: Tensor, w3: Ten
 def shared_expert(be: ComputeBackend, x: Tensor, w1: nn.Module, w2: nn.Module, w3: nn.Module, limit: float,
                   act_quant: bool, w13: nn.Module | None = None) -> Tensor:
     """The shared expert of whole (unsharded) FP8 linear layers, activation quantisation per
-    `act_quant` (§3.8); `w13`: the stacked w1 | w3 (`runtime/stacked_linear.py`), one product;
-    sharded: `TensorParallel.shared_expert`."""
+    `act_quant` (§3.8); `w13`: the stacked w1 | w3 (`runtime/stacked_linear.py`), one product, whose
+    SwiGLU writes `w2`'s activations quantised where the backend asks (`quantised_handoff`: the same
+    values `w2` would quantise them to); sharded: `TensorParallel.shared_expert`."""
+    handoff = False
     if w13 is not None:
-        h = be.clamped_swiglu_halves(apply_linear(w13, x, be, act_quant=act_quant, bf16_out=True), limit)
+        handoff = act_quant and be.quantised_handoff(x.numel() // x.shape[-1])
+        h = be.clamped_swiglu_halves(apply_linear(w13, x, be, act_quant=act_quant, bf16_out=True), limit,
+                                     quantise_out=handoff)
     else:
         h = be.clamped_swiglu(apply_linear(w1, x, be, act_quant=act_quant),
                               apply_linear(w3, x, be, act_quant=act_quant), limit)
-    return apply_linear(w2, h, be, act_quant=act_quant)
+    return apply_linear(w2, h, be, act_quant=act_quant, x_quantised=handoff)
 
 
 def _held_experts(experts: Sequence[int] | None, n: int) -> tuple[int, ...]:

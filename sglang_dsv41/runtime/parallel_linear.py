@@ -157,14 +157,17 @@ class Fp8TileParallelMethod(LinearMethodBase):
         return {"weight": layer.weight, **({"scale": layer.scale} if kept else {})}
 
     def apply(self, layer: nn.Module, x: Tensor, bias: Tensor | None = None, *,
-              backend: ComputeBackend | None = None, act_quant: bool = True, bf16_out: bool = False) -> Tensor:
+              backend: ComputeBackend | None = None, act_quant: bool = True, bf16_out: bool = False,
+              x_quantised: bool = False, quantise_out: bool = False) -> Tensor:
         _check_apply_args(layer.spec.name, backend, bias)
         if self.group_rows is not None:                   # wo_a: BF16 activations, one grouped product
             return backend.linear_bf16_grouped(x, layer.weight, layer.weight_shape[0] // self.group_rows,
-                                               bf16_out=bf16_out)
+                                               bf16_out=bf16_out, quantise_out=quantise_out)
+        if quantise_out:
+            raise ValueError(f"{layer.spec.name}: quantise_out is the grouped wo_a's (its one consumer is wo_b)")
         if layer.row_parallel and getattr(layer, "tp_size", 1) > 1:
             return backend.linear_fp8_partial(x, layer.weight, act_quant)
-        return backend.linear_fp8(x, layer.weight, act_quant, bf16_out=bf16_out)
+        return backend.linear_fp8(x, layer.weight, act_quant, bf16_out=bf16_out, x_quantised=x_quantised)
 
 
 class Bf16ReplicatedMethod(LinearMethodBase):

@@ -280,14 +280,16 @@ class TensorParallel:
         return self.comm.graph_capture(GraphCaptureContext(stream))
 
     # ---- row-parallel linears (runtime/parallel_linear.py) -----------------------------------
-    def row_parallel(self, layer, x: Tensor, backend, act_quant: bool) -> Tensor:
+    def row_parallel(self, layer, x: Tensor, backend, act_quant: bool, x_quantised: bool = False) -> Tensor:
         """BF16 output of row-parallel `layer` (SGLang's `RowParallelLinear` with our method) on
         this rank's input columns `x`: its partial product in the backend's `acc` all-reduced and
         rounded once when the layer is sharded; its complete output at tp size 1 (held as BF16 where
         the backend offers it: `runtime/backend.py` BF16_OUT — its readers, the mHC residual update and
-        the MoE finalize, read any dtype)."""
+        the MoE finalize, read any dtype). `x_quantised`: x holds its activations quantised already
+        (`ComputeBackend.quantised_handoff`)."""
         self._check_layer(layer)
-        y = layer.quant_method.apply(layer, x, backend=backend, act_quant=act_quant, bf16_out=layer.tp_size == 1)
+        y = layer.quant_method.apply(layer, x, backend=backend, act_quant=act_quant, bf16_out=layer.tp_size == 1,
+                                     x_quantised=x_quantised)
         return backend.linear_fp8_finish(self.all_reduce_sum(y)) if layer.tp_size > 1 else y
 
     def shared_expert(self, w1, w2, w3, x: Tensor, backend, act_quant: bool, limit: float,
@@ -295,17 +297,20 @@ class TensorParallel:
         """The shared expert over its parallel layers (column-parallel w1 / w3, row-parallel w2):
         (w2's partial in `acc`, True) when sharded — the caller all-reduces it together with the
         routed partial (`moe_ops`) — else (the BF16 output, False). `w13`: the stack of this rank's
-        w1 | w3 columns (`runtime/stacked_linear.py`), one product read by `clamped_swiglu_halves`."""
+        w1 | w3 columns (`runtime/stacked_linear.py`), one product read by `clamped_swiglu_halves`, which
+        writes w2's activations quantised where the backend asks (`quantised_handoff`: the values w2 would
+        quantise them to)."""
         for layer in (w1, w2, w3):
             self._check_layer(layer)
 
         def up(layer):                     # complete BF16 columns, read only by the SwiGLU (BF16_OUT)
             return layer.quant_method.apply(layer, x, backend=backend, act_quant=act_quant, bf16_out=True)
 
+        handoff = w13 is not None and act_quant and backend.quantised_handoff(x.numel() // x.shape[-1])
         h = backend.clamped_swiglu(up(w1), up(w3), limit) if w13 is None else \
-            backend.clamped_swiglu_halves(up(w13), limit)
-        return w2.quant_method.apply(w2, h, backend=backend, act_quant=act_quant,
-                                     bf16_out=w2.tp_size == 1), w2.tp_size > 1
+            backend.clamped_swiglu_halves(up(w13), limit, quantise_out=handoff)
+        return w2.quant_method.apply(w2, h, backend=backend, act_quant=act_quant, bf16_out=w2.tp_size == 1,
+                                     x_quantised=handoff), w2.tp_size > 1
 
     def _check_layer(self, layer) -> None:
         if (layer.tp_rank, layer.tp_size) not in ((0, 1), (self.rank, self.size)):
