@@ -82,12 +82,12 @@ def clamped_swiglu_halves(y: Tensor, limit: float, quantise_out: bool = False) -
     `quantise_out` (n a multiple of 32) those values quantised per 1×32 as BF16 [T, n]."""
     if y.dim() != 2 or y.shape[1] % 2:
         raise ValueError(f"clamped_swiglu_halves: y {tuple(y.shape)}: expected [T, 2n]")
-    check_device("clamped_swiglu_halves", y)
-    if y.stride(1) != 1:
-        y = y.contiguous()
     T, n = y.shape[0], y.shape[1] // 2
     if quantise_out and n % 32:
         raise ValueError(f"clamped_swiglu_halves: quantise_out needs whole 32-column groups, got n = {n}")
+    check_device("clamped_swiglu_halves", y)
+    if y.stride(1) != 1:
+        y = y.contiguous()
     out = torch.empty(T, n, dtype=torch.bfloat16 if quantise_out else F32, device=y.device)
     if T and n:
         block = min(elementwise_block(T * n), _pow2_at_least(n))      # lanes per program: parallelism only
