@@ -39,7 +39,8 @@ import triton.language as tl
 from torch import Tensor
 
 from sglang_dsv41.kernels.fp8_quant import _quantize_groups, _rne_bf16, fake_quantize_activations_bf16
-from sglang_dsv41.kernels.fp8_w8a8 import INTERPRETED, TILE, W8A8Config, _bf16_bits, k_chunks, sum_chunks
+from sglang_dsv41.kernels.fp8_w8a8 import (INTERPRETED, TILE, W8A8Config, _bf16_bits, _last_chunk_sum,
+                                            divisor_block_n, k_chunks, sum_chunks)
 
 
 @triton.jit
@@ -115,15 +116,9 @@ def _fold_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, y_ptr, counters_ptr, M, N, K, n_
     if SPLIT_K:
         tl.store(out_ptr + c.to(tl.int64) * stride_oc + tile, acc, mask=ok)
         if FIXUP:                                   # the tile's last-arriving chunk sums all (fixed order)
-            tl.debug_barrier()                      # every thread's partial stored before the release
-            slot = counters_ptr + pid_m * tl.num_programs(0) + pid_n
-            arrived = tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu")
-            if arrived == n_chunks - 1:
-                y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for i in range(n_chunks):
-                    y += tl.load(out_ptr + i * stride_oc + tile, mask=ok, other=0.0, cache_modifier=".cg")
+            last, y = _last_chunk_sum(out_ptr, counters_ptr, tile, ok, n_chunks, stride_oc, BLOCK_M, BLOCK_N)
+            if last:
                 _store_y(y_ptr, tile, ok, y, OUT_F32, OUT_QUANT, BLOCK_M, BLOCK_N, INTERPRET)
-                tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")          # ready for the next launch
     else:
         _store_y(y_ptr, tile, ok, acc, OUT_F32, OUT_QUANT, BLOCK_M, BLOCK_N, INTERPRET)
 
@@ -141,11 +136,7 @@ def fold_launch(x: Tensor, values: Tensor, scales: Tensor, cfg: W8A8Config, *, g
     if M == 0:
         return y
     n_per_group = N // groups
-    block_n = cfg.block_n
-    while n_per_group % block_n:
-        block_n //= 2
-    if block_n < 16:
-        raise ValueError(f"fp8 fold: {n_per_group} rows per group need a 16-row divisor")
+    block_n = divisor_block_n(n_per_group, cfg.block_n, "fp8 fold")
     xc = x if x.stride(1) == 1 else x.contiguous()
     chunks = k_chunks(N, K, cfg.target_programs)
     chunk_blocks = -(-(K // TILE) // chunks)

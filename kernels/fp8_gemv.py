@@ -32,7 +32,8 @@ import triton.language as tl
 from torch import Tensor
 
 from sglang_dsv41.kernels.fp8_quant import _quantize_groups, _rne_bf16, fake_quantize_activations_bf16
-from sglang_dsv41.kernels.fp8_w8a8 import INTERPRETED, TILE, W8A8Config, _bf16_bits, k_chunks, sum_chunks
+from sglang_dsv41.kernels.fp8_w8a8 import (INTERPRETED, TILE, W8A8Config, _bf16_bits, divisor_block_n, k_chunks,
+                                            sum_chunks)
 
 #: the most rows the kernel takes (one accumulator each)
 GEMV_MAX_ROWS = 4
@@ -182,11 +183,7 @@ def gemv_launch(x: Tensor, values: Tensor, scales: Tensor, cfg: W8A8Config, *, g
         return y
     rows = gemv_rows(M)
     n_per_group = N // groups
-    block_n = cfg.block_n
-    while n_per_group % block_n:
-        block_n //= 2
-    if block_n < 16:
-        raise ValueError(f"fp8 gemv: {n_per_group} rows per group need a 16-row divisor")
+    block_n = divisor_block_n(n_per_group, cfg.block_n, "fp8 gemv")
     if act_quant and not cfg.fused_quant:
         xq, x_mode = fake_quantize_activations_bf16(x), X_PREQUANTISED
     else:

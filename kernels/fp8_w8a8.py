@@ -179,6 +179,16 @@ def config_for_rows(m: int, fp8_mma: bool = False, shape: tuple[int, int, int] |
     return PREFILL_CONFIG
 
 
+def divisor_block_n(n_per_group: int, block_n: int, who: str) -> int:
+    """`block_n` halved until it divides a group's `n_per_group` rows (a program never straddles two
+    groups); ValueError below 16 rows."""
+    while n_per_group % block_n:
+        block_n //= 2
+    if block_n < 16:
+        raise ValueError(f"{who}: {n_per_group} rows per group need a 16-row divisor")
+    return block_n
+
+
 def k_chunks(n: int, k: int, target: int = TARGET_PROGRAMS) -> int:
     """How many chunks K is cut into for a weight [n, k] (module doc, step 3) — shape only (and
     the configuration's `target`): enough for ≈ `target` programs of CHUNK_BLOCK_N columns,
@@ -234,6 +244,25 @@ def _bf16_bits(v, OUT_F32: tl.constexpr, RAW_OUT: tl.constexpr, INTERPRET: tl.co
     if OUT_F32:
         b = b.to(tl.float32)
     return b
+
+
+@triton.jit
+def _last_chunk_sum(out_ptr, counters_ptr, tile, ok, n_chunks, stride_oc, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """Split-K's in-launch sum, called by every program of grid (N tiles, M tiles, chunks) once its
+    chunk's partials are stored at `tile`: (whether it arrived last at its output tile, and then the
+    chunks' partials summed in ascending order from 0). The tile's arrival count (acq_rel) is reset by
+    that last program, ready for the next launch."""
+    tl.debug_barrier()                            # every thread's partial stored before the release
+    slot = counters_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    arrived = tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu")
+    last = arrived == n_chunks - 1
+    y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if last:
+        for c in range(n_chunks):
+            y += tl.load(out_ptr + c * stride_oc + tile, mask=ok, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")
+    return last, y
 
 
 @triton.jit
@@ -313,15 +342,9 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, y_ptr, counters_ptr, M, 
     if SPLIT_K:
         tl.store(out_ptr + tl.program_id(2).to(tl.int64) * stride_oc + tile, total, mask=ok)
         if FIXUP:                                     # the tile's last-arriving chunk sums all (fixed order)
-            tl.debug_barrier()                        # every thread's partial stored before the release
-            slot = counters_ptr + pid_m * tl.num_programs(0) + pid_n
-            arrived = tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu")
-            if arrived == n_chunks - 1:
-                y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for c in range(n_chunks):
-                    y += tl.load(out_ptr + c * stride_oc + tile, mask=ok, other=0.0, cache_modifier=".cg")
+            last, y = _last_chunk_sum(out_ptr, counters_ptr, tile, ok, n_chunks, stride_oc, BLOCK_M, BLOCK_N)
+            if last:
                 tl.store(y_ptr + tile, _bf16_bits(y, OUT_F32, RAW_OUT, INTERPRET), mask=ok)
-                tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")     # ready for the next launch
     else:
         tl.store(out_ptr + tile, _bf16_bits(total, OUT_F32, RAW_OUT, INTERPRET), mask=ok)
 
@@ -451,11 +474,7 @@ def _launch(x: Tensor, values: Tensor, scales: Tensor | None, cfg: W8A8Config, *
         return y
     if cfg.swap_ab and cfg.fp8_mma:
         raise ValueError("fp8_w8a8_linear: swap_ab runs the f16 / BF16 MMAs only (fp8_mma False)")
-    block_n = cfg.block_n
-    while groups > 1 and n_per_group % block_n:
-        block_n //= 2
-    if block_n < 16:
-        raise ValueError(f"fp8_w8a8_linear: {n_per_group} rows per group need a 16-row divisor")
+    block_n = cfg.block_n if groups == 1 else divisor_block_n(n_per_group, cfg.block_n, "fp8_w8a8_linear")
     if cfg.fused_quant or not act_quant:
         xq, xs = (x if x.stride(1) == 1 else x.contiguous()), x        # xs unused (constexpr path)
         stride_xs = 0

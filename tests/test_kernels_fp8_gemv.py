@@ -28,9 +28,10 @@ import torch
 from sglang_dsv41.kernels import fp8_gemv as G
 from sglang_dsv41.kernels import fp8_w8a8 as W
 
-from fp8_cases import (BF16, DEVICE, F32, CountingLaunch, assert_graph_replays_eager, exact_sum_case, fp8_weight,
+from fp8_cases import (BF16, F32, CountingLaunch, assert_graph_replays_eager, exact_sum_case, fp8_weight,
                         kernel)
 from test_kernels_fp8_w8a8 import FLASH_SHAPES, _flash_case, oracle, random_x, within
+import fp8_tier_cases as T
 from triton_checks import compile_for_sm90, no_spills, run_kernel_cases_in_interpreter
 
 GEMV = W.GEMV_CONFIG
@@ -71,21 +72,7 @@ def test_kernel_case_exact_sums_give_the_oracle_bits_at_every_row_count() -> Non
 
 @kernel
 def test_kernel_case_split_k_sums_inside_the_launch_with_counters(monkeypatch) -> None:
-    g = torch.Generator().manual_seed(10)
-    values, scales = fp8_weight(96, 640, g, exp_range=(-20, 0))
-    x = random_x(3, 640, g, F32)
-    assert W.k_chunks(96, 640, GEMV.target_programs) > 1
-    sums, gemvs = CountingLaunch(W._sum_chunks_kernel), CountingLaunch(G._gemv_kernel)
-    monkeypatch.setattr(W, "_sum_chunks_kernel", sums)
-    monkeypatch.setattr(G, "_gemv_kernel", gemvs)
-    two_launch = W.fp8_w8a8_linear(x, values, scales, gemv=True)
-    assert len(sums.grids) == 1 and len(gemvs.grids) == 1
-    counters = W.split_k_counters(96, DEVICE)
-    one_launch = W.fp8_w8a8_linear(x, values, scales, gemv=True, counters=counters)
-    assert len(sums.grids) == 1 and len(gemvs.grids) == 2 and torch.equal(one_launch, two_launch)
-    assert not counters.any()
-    ok, worst = within(one_launch, *oracle(x, values, scales))
-    assert ok, worst
+    T.check_split_k_sums_inside_the_launch({"gemv": True}, (G, "_gemv_kernel"), GEMV.target_programs, monkeypatch)
 
 
 @kernel
@@ -110,53 +97,18 @@ def test_kernel_case_quantising_inside_the_kernel_gives_the_prequantised_bits(mo
 
 @kernel
 def test_kernel_case_a_row_has_the_same_bits_alone_and_in_a_batch() -> None:
-    g = torch.Generator().manual_seed(7)
-    values, scales = fp8_weight(96, 640, g, exp_range=(-20, 0))
-    x = random_x(4, 640, g, BF16)
-    batch = W.fp8_w8a8_linear(x, values, scales, gemv=True)
-    for lo, hi in ((0, 1), (3, 4), (1, 3), (0, 3)):
-        assert torch.equal(W.fp8_w8a8_linear(x[lo:hi], values, scales, gemv=True), batch[lo:hi]), (lo, hi)
+    T.check_rows_alone_and_in_a_batch({"gemv": True}, 4, ((0, 1), (3, 4), (1, 3), (0, 3)))
 
 
 @kernel
 @pytest.mark.parametrize("act_quant", [True, False])
 def test_kernel_case_grouped_wo_a_is_one_launch_within_the_bound(act_quant: bool, monkeypatch) -> None:
-    """`wo_a`'s grouped product (act_quant False: x rounded to BF16 inside the kernel, no
-    quantisation launch) equals the groups alone and is within the bound; W8A8 differs from W8A16."""
-    g = torch.Generator().manual_seed(9)
-    groups, rows, k = 4, 64, 160
-    values, scales = fp8_weight(groups * rows, k, g, exp_range=(-20, 0))
-    x = random_x(2, groups * k, g, F32)
-    gemvs = CountingLaunch(G._gemv_kernel)
-    monkeypatch.setattr(G, "_gemv_kernel", gemvs)
-    y = W.fp8_w8a8_linear(x, values, scales, groups=groups, act_quant=act_quant, gemv=True)
-    assert len(gemvs.grids) == 1
-    ok, worst = within(y, *oracle(x, values, scales, groups, act_quant=act_quant))
-    assert ok, worst
-    for gi in range(groups):
-        rows_g = slice(gi * rows, (gi + 1) * rows)
-        alone = W.fp8_w8a8_linear(x[:, gi * k:(gi + 1) * k].contiguous(), values[rows_g],
-                                  scales[gi * 2:(gi + 1) * 2], act_quant=act_quant, gemv=True)
-        assert torch.equal(alone, y[:, rows_g]), gi
-    other = W.fp8_w8a8_linear(x, values, scales, groups=groups, act_quant=not act_quant, gemv=True)
-    assert not torch.equal(y, other)
+    T.check_grouped_wo_a({"gemv": True}, (G, "_gemv_kernel"), act_quant, monkeypatch)
 
 
 @kernel
 def test_kernel_case_bound_catches_a_wrong_tile_scale_and_a_wrong_group() -> None:
-    g = torch.Generator().manual_seed(5)
-    values, scales = fp8_weight(64, 256, g, exp_range=(-4, 0))
-    x = random_x(2, 256, g, F32)
-    ref, bound = oracle(x, values, scales)
-    doubled = scales.clone()
-    doubled[1, 3] *= 2
-    assert not within(W.fp8_w8a8_linear(x, values, doubled, gemv=True), ref, bound)[0]
-    wide, wide_scales = fp8_weight(2 * 64, 256, g, exp_range=(-4, 0))
-    x2 = random_x(1, 2 * 256, g, F32)
-    swapped = torch.cat([x2[:, 256:], x2[:, :256]], dim=1)
-    ok, _ = within(W.fp8_w8a8_linear(swapped, wide, wide_scales, groups=2, gemv=True),
-                   *oracle(x2, wide, wide_scales, 2))
-    assert not ok
+    T.check_bound_catches_a_wrong_tile_scale_and_a_wrong_group({"gemv": True})
 
 
 @kernel
