@@ -129,9 +129,8 @@ DECODE_S7_CONFIG = W8A8Config(16, 64, 4, 4, 4, fused_quant=True, split_k=True)
 #: inside the kernel, split-K to the decode tier's target
 GEMV_CONFIG = W8A8Config(4, 64, 4, 4, 1, fused_quant=True, split_k=True, target_programs=DECODE_TARGET_PROGRAMS,
                          gemv=True)
-#: the `fold` tier (`kernels.fp8_fold`, ≤ 16 rows; the serving default's `w8a8_fold`): 64 weight rows, 128 columns per BF16 MMA, ≈ 2 programs
-#: per SM (`benchmarks/fp8_decode_floor.py` on an H100: the fastest uniform choice of six, docs/performance.md
-#: "Session 29")
+#: the `fold` tier (`kernels.fp8_fold`, ≤ 16 rows; the serving default's `w8a8_fold`): 64 weight rows, 128 columns
+#: per BF16 MMA, ≈ 2 programs per SM (chosen with `benchmarks/fp8_decode_floor.py`, docs/performance.md "Session 29")
 FOLD_CONFIG = W8A8Config(16, 64, 4, 4, 4, fused_quant=True, split_k=True, target_programs=TARGET_PROGRAMS, fold=True)
 #: rows → configuration: the first tier whose row limit is ≥ M (`fp8_mma`: FP8_MMA_ROW_TIERS)
 ROW_TIERS: tuple[tuple[int, W8A8Config], ...] = ((16, DECODE_CONFIG), (256, MID_CONFIG))

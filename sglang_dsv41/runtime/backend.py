@@ -18,8 +18,7 @@ the GPU path; bounded by the numerics contract, docs/runtime.md).
 FP8 dense linears on `triton` (`fp8_gemm`, FP8_GEMMS; spec §3.8, issue 21). Every choice uses the
 reference's operands — activations quantised per 1×32 to E4M3 with UE8M0 scales (`wo_a`: BF16, not
 quantised), E4M3 weights with their tile scales — and differs only in how the products are summed:
-* `w8a8_fold` (serving default since session 29: 0.93× / 0.95× / 0.97× of `w8a8_f16`'s whole-model decode
-  step at N = 1 / 8 / 16 on an H100, docs/performance.md "Session 29"): as `w8a8_f16`, but 1–16 rows on the
+* `w8a8_fold` (serving default since its H100 run, docs/performance.md "Session 29"): as `w8a8_f16`, but 1–16 rows on the
   scale-folded BF16 MMA tier (`kernels.fp8_fold`: 128 columns per MMA, exact products, fp32 sums; the same
   bound). Not batch invariant;
 * `w8a8_f16` (the serving default from session 11 to 28): `kernels.fp8_w8a8` at
