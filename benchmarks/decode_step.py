@@ -15,7 +15,8 @@ times what the runtime runs on CUDA for that layer:
   (`key_cache=PackedSource`, `entry_index_table`) + `select_for_role`;
 * `moe_routed` — `kernels.moe_mxfp4.routed_experts_mxfp4` (MXFP4 W4A16) on the router's choice;
 * `torch` — everything else the layer does, as the CUDA runtime does it today (the runtime's
-  math on the serving backend: FP8 linears on the serving default (`w8a8_fold`: kernels.fp8_w8a8, exact-product MMAs, ≤ 16 rows on kernels.fp8_fold) —
+  math on the serving backend: FP8 linears on the serving default (`w8a8_fold`: kernels.fp8_w8a8, exact-product
+  MMAs, ≤ 16 rows on kernels.fp8_fold) —
   SGLANG_DSV41_FP8_GEMM=w8a16 / fp8_mma picks another —, fused elementwise kernels, torch glue; unfused) — *not* a fast path;
 * `torch_w8a16` (or, when that is the step's, `torch_tiered`) — the same work with the W8A16
   kernel `kernels.fp8_linear` (session 7's decode default) on the same weights (before / after

@@ -21,9 +21,10 @@ Operands and rounding points:
 Quantised hand-off (`x_quantised`, `quantise_out`): the activation quantisation is idempotent — the
 values q·s_x of a group quantise to themselves — so a producer may write its BF16 output already
 quantised per 32 columns (`quantise_out`: this kernel's store, or one `fake_quantize_activations_bf16`
-launch where the store cannot) and its consumer may take x as it is (`x_quantised`: loaded straight into
-the MMA, no quantisation in registers; docs/performance.md "Session 29"). Either way the consumer's result keeps its bits; `x_quantised` on x that is not quantised is a
-caller error this kernel cannot see.
+launch where the store cannot) and its consumer may take x as it is (`x_quantised`: loaded straight
+into the MMA, no quantisation in registers; docs/performance.md "Session 29"). Either way the
+consumer's result keeps its bits; `x_quantised` on x that is not quantised is a caller error this
+kernel cannot see.
 
 Error: the MMA tiers' bound (exact products, fp32 sums; `tests/test_kernels_fp8_w8a8.py`). Bits: the
 sums are grouped differently from the MMA tiers', so the tier boundary changes bits; a row's bits do
