@@ -10,8 +10,9 @@ import torch
 
 class Fp32Activations:
     """Scope in which `backend` (an instance) ignores `bf16_out`, the CUDA mHC writes its sublayer input
-    as fp32 and the CUDA attention widens its output to fp32: the activations' dtypes before session 26
-    (same values; `runtime/backend.py` BF16_OUT). The SWA row's input rounding stays in the RoPE launch."""
+    as fp32 (its quantised copy for the FP8 hand-off stays BF16) and the CUDA attention widens its output to
+    fp32: the activations' dtypes before session 26 (same values; `runtime/backend.py` BF16_OUT). The SWA
+    row's input rounding stays in the RoPE launch."""
 
     METHODS = ("linear_fp8", "linear_bf16_grouped", "bf16_rope_tail")
 
@@ -25,8 +26,11 @@ class Fp32Activations:
             method = getattr(self.backend, name)
             setattr(self.backend, name, lambda *a, _m=method, bf16_out=False, **kw: _m(*a, **kw))
         self.saved_input = mhc_ops.TritonMhc.sublayer_input
+        self.saved_inputs = mhc_ops.TritonMhc.sublayer_inputs
         mhc_ops.TritonMhc.sublayer_input = (lambda mhc, residual, pre, weight, eps:
                                             mhc.k.hc_sublayer_input(residual, pre, weight, eps))
+        mhc_ops.TritonMhc.sublayer_inputs = (lambda mhc, residual, pre, weight, eps:
+                                             mhc.k.hc_sublayer_input(residual, pre, weight, eps, quantised=True))
         attend = self.saved_attend = attention_ops.KernelAttentionOps.attend
         attention_ops.KernelAttentionOps.attend = lambda ops, *a, **kw: attend(ops, *a, **kw).to(torch.float32)
         return self
@@ -37,4 +41,5 @@ class Fp32Activations:
         for name in self.METHODS:
             self.backend.__dict__.pop(name, None)
         mhc_ops.TritonMhc.sublayer_input = self.saved_input
+        mhc_ops.TritonMhc.sublayer_inputs = self.saved_inputs
         attention_ops.KernelAttentionOps.attend = self.saved_attend

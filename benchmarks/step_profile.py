@@ -140,7 +140,8 @@ class _MhcLabels:
 
     def __getattr__(self, name):
         attr = getattr(self._inner, name)
-        return _labelled("mhc", attr) if name in ("coefficients", "sublayer_input", "residual_update") else attr
+        labelled = ("coefficients", "sublayer_input", "sublayer_inputs", "residual_update")
+        return _labelled("mhc", attr) if name in labelled else attr
 
 
 # ---- trace parsing ------------------------------------------------------------------------------

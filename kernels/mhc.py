@@ -69,6 +69,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
+from sglang_dsv41.kernels.fp8_quant import _quantize_groups
 from sglang_dsv41.kernels.mhc_coef import REG_HC, REG_NUM_WARPS, launch_regs
 from sglang_dsv41.kernels.mhc_decode import FUSED_NUM_WARPS, _hc_params, _sigmoid, _slice_partials, launch_fused
 
@@ -203,10 +204,11 @@ def _weighted_sum(r_ptr, pre_ptr, t, H, offs, mask, HC: tl.constexpr):
 
 
 @triton.jit
-def _hc_sublayer_input_kernel(r_ptr, pre_ptr, w_ptr, out_ptr, H, stride_rt, stride_ot,
+def _hc_sublayer_input_kernel(r_ptr, pre_ptr, w_ptr, out_ptr, q_ptr, H, stride_rt, stride_ot,
                               HC: tl.constexpr, HAS_PRE: tl.constexpr, BLOCK: tl.constexpr,
-                              RMS_EPS: tl.constexpr):
-    """One token: x = bf16(Σ_j pre_j·R_j) (or R_0), out = bf16(x·(1/√(mean x² + eps))·w) in fp32."""
+                              RMS_EPS: tl.constexpr, QUANT: tl.constexpr, INTERPRET: tl.constexpr):
+    """One token: x = bf16(Σ_j pre_j·R_j) (or R_0), out = bf16(x·(1/√(mean x² + eps))·w) in fp32; QUANT:
+    also q = out quantised per 1×32 (BF16 q·s, `fp8_quant`'s values) at q_ptr, same row stride."""
     t = tl.program_id(0).to(tl.int64)      # token offsets beyond 2^31 elements
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -218,8 +220,12 @@ def _hc_sublayer_input_kernel(r_ptr, pre_ptr, w_ptr, out_ptr, H, stride_rt, stri
     mean = tl.div_rn(tl.sum(x * x, axis=0), H.to(tl.float32))
     inv_rms = tl.div_rn(1.0, tl.sqrt_rn(mean + RMS_EPS))
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = (x * inv_rms) * w
-    tl.store(out_ptr + t * stride_ot + offs, _bf16_round(y), mask=mask)
+    y = _bf16_round((x * inv_rms) * w)
+    tl.store(out_ptr + t * stride_ot + offs, y, mask=mask)
+    if QUANT:                                   # H is a multiple of 32: the masked tail is whole zero groups
+        q, s = _quantize_groups(tl.reshape(y, (BLOCK // 32, 32)), INTERPRET)
+        tl.store(q_ptr + t * stride_ot + offs, tl.reshape(q.to(tl.float32) * s[:, None], (BLOCK,)).to(tl.bfloat16),
+                 mask=mask)
 
 
 @triton.jit
@@ -372,13 +378,18 @@ def hc_coefficients(residual: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *
 
 
 def hc_sublayer_input(residual: Tensor, carried_pre: Tensor | None, norm_weight: Tensor,
-                      rms_eps: float, out_dtype: torch.dtype = F32) -> Tensor:
+                      rms_eps: float, out_dtype: torch.dtype = F32,
+                      quantised: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """x_in = RMSNorm(bf16(Σ_j pre_j·R_j)) with the lagged pre, or RMSNorm(R_0) when `carried_pre`
     is None (spec §3.2): [T, H] BF16 values, each the reference's or one BF16 ulp from it (module
-    doc), held in fp32 or in `out_dtype` torch.bfloat16."""
+    doc), held in fp32 or in `out_dtype` torch.bfloat16. `quantised` (H a multiple of 32): also those
+    values quantised per 1×32 as BF16 [T, H] from the same launch — (x_in, quantised x_in) — for the FP8
+    linears that read it (`ComputeBackend.quantised_handoff`)."""
     if out_dtype not in (F32, torch.bfloat16):
         raise ValueError(f"hc_sublayer_input: out_dtype {out_dtype} (float32 or bfloat16)")
     T, hc, H = _check_residual("hc_sublayer_input", residual)
+    if quantised and H % 32:
+        raise ValueError(f"hc_sublayer_input: quantised needs whole 32-column groups, got H = {H}")
     if norm_weight.shape != (H,):
         raise ValueError(f"hc_sublayer_input: norm weight {tuple(norm_weight.shape)}, expected {(H,)}")
     block = _pow2_at_least(H)
@@ -387,17 +398,18 @@ def hc_sublayer_input(residual: Tensor, carried_pre: Tensor | None, norm_weight:
     inputs = (residual, norm_weight) if carried_pre is None else (residual, norm_weight, carried_pre)
     dev = _check_device("hc_sublayer_input", *inputs)
     out = torch.empty(T, H, dtype=out_dtype, device=dev)
-    if T == 0:
-        return out
-    r = residual.contiguous()
-    pre = r if carried_pre is None else _coefficient_rows("hc_sublayer_input", carried_pre, T, (hc,))
-    opts = _launch_options()
-    if not INTERPRETED:
-        opts["num_warps"] = max(1, min(16, block // 256))
-    _hc_sublayer_input_kernel[(T,)](
-        r, pre, norm_weight.contiguous(), out, H, r.stride(0), out.stride(0),
-        HC=hc, HAS_PRE=carried_pre is not None, BLOCK=block, RMS_EPS=float(rms_eps), **opts)
-    return out
+    q = torch.empty(T, H, dtype=torch.bfloat16, device=dev) if quantised else out
+    if T:
+        r = residual.contiguous()
+        pre = r if carried_pre is None else _coefficient_rows("hc_sublayer_input", carried_pre, T, (hc,))
+        opts = _launch_options()
+        if not INTERPRETED:
+            opts["num_warps"] = max(1, min(16, block // 256))
+        _hc_sublayer_input_kernel[(T,)](
+            r, pre, norm_weight.contiguous(), out, q, H, r.stride(0), out.stride(0),
+            HC=hc, HAS_PRE=carried_pre is not None, BLOCK=block, RMS_EPS=float(rms_eps), QUANT=quantised,
+            INTERPRET=INTERPRETED, **opts)
+    return (out, q) if quantised else out
 
 
 def hc_weighted_sum(residual: Tensor, pre: Tensor) -> Tensor:

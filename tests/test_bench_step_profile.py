@@ -178,18 +178,24 @@ def test_fp32_activations_variant_drops_bf16_out_and_restores() -> None:
             return self.linear_fp8(x, None, bf16_out=bf16_out)
 
     be, x = Backend(), torch.ones(2, 4)
-    mhc = SimpleNamespace(k=SimpleNamespace(hc_sublayer_input=lambda r, p, w, e, out_dtype=torch.float32:
-                                            r.to(out_dtype)))
-    original = mhc_ops.TritonMhc.sublayer_input
+    def hc_sublayer_input(r, p, w, e, out_dtype=torch.float32, quantised=False):
+        return (r.to(out_dtype), r.to(torch.bfloat16)) if quantised else r.to(out_dtype)
+
+    mhc = SimpleNamespace(k=SimpleNamespace(hc_sublayer_input=hc_sublayer_input))
+    original, original_pair = mhc_ops.TritonMhc.sublayer_input, mhc_ops.TritonMhc.sublayer_inputs
     assert mhc_ops.TritonMhc.sublayer_input(mhc, x, None, None, 1e-6).dtype == torch.bfloat16   # the default
+    pair = mhc_ops.TritonMhc.sublayer_inputs(mhc, x, None, None, 1e-6)
+    assert [t.dtype for t in pair] == [torch.bfloat16] * 2
     with pp.variant_scope("fp32_activations", be):
         assert be.linear_fp8(x, None, True, bf16_out=True).dtype == torch.float32
         assert be.linear_bf16_grouped(x, None, 2, bf16_out=True).dtype == torch.float32
         assert be.bf16_rope_tail(x, None, None, inverse=True, bf16_out=True).dtype == torch.float32
         assert mhc_ops.TritonMhc.sublayer_input(mhc, x, None, None, 1e-6).dtype == torch.float32
+        pair = mhc_ops.TritonMhc.sublayer_inputs(mhc, x, None, None, 1e-6)
+        assert [t.dtype for t in pair] == [torch.float32, torch.bfloat16]       # the quantised copy stays BF16
     assert be.linear_fp8(x, None, bf16_out=True).dtype == torch.bfloat16
     assert be.bf16_rope_tail(x, None, None, bf16_out=True).dtype == torch.bfloat16
-    assert mhc_ops.TritonMhc.sublayer_input is original
+    assert mhc_ops.TritonMhc.sublayer_input is original and mhc_ops.TritonMhc.sublayer_inputs is original_pair
 
 
 def test_variant_agreements(monkeypatch) -> None:

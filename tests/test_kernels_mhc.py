@@ -327,6 +327,25 @@ if KERNEL_HERE:
         assert torch.equal(K.hc_sublayer_input(R16, c["pre"], c["weight"], RMS_EPS),
                            K.hc_sublayer_input(c["R"], c["pre"], c["weight"], RMS_EPS))
 
+    def test_kernel_case_sublayer_input_with_its_quantised_copy() -> None:
+        """`quantised=True`: the same x_in (fp32 or BF16 out) and, from the same launch, its values quantised
+        per 1×32 — bit for bit what `fake_quantize_activations_bf16` makes of x_in (the FP8 hand-off);
+        `TritonMhc.sublayer_inputs` is that launch with BF16 x_in."""
+        from sglang_dsv41.kernels.fp8_quant import fake_quantize_activations_bf16
+
+        c = hc_case(3, 4, 96, seed=6)
+        for pre in (c["pre"], None):
+            for out_dtype in (torch.float32, torch.bfloat16):
+                plain = K.hc_sublayer_input(c["R"], pre, c["weight"], RMS_EPS, out_dtype=out_dtype)
+                x, q = K.hc_sublayer_input(c["R"], pre, c["weight"], RMS_EPS, out_dtype=out_dtype, quantised=True)
+                assert torch.equal(x, plain) and q.dtype == torch.bfloat16
+                assert torch.equal(q, fake_quantize_activations_bf16(plain)) and not torch.equal(q.float(), x.float())
+        pair = mhc_ops.TritonMhc().sublayer_inputs(c["R"], c["pre"], c["weight"], RMS_EPS)
+        assert torch.equal(pair[0], K.hc_sublayer_input(c["R"], c["pre"], c["weight"], RMS_EPS,
+                                                        out_dtype=torch.bfloat16))
+        with pytest.raises(ValueError, match="32-column"):
+            K.hc_sublayer_input(c["R"][..., :80], None, c["weight"][:80], RMS_EPS, quantised=True)
+
     def test_kernel_case_empty_batch_and_bad_shapes() -> None:
         c = hc_case(2, 4, 64, seed=1)
         empty = {k: v[:0] if k in PER_TOKEN else v for k, v in c.items()}
@@ -349,7 +368,7 @@ if not K.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        run_kernel_cases_in_interpreter(__file__, min_passed=39, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=40, exact=True)
 
     def test_cpu_without_interpreter_raises() -> None:
         c = hc_case(1, 4, 64, seed=0, device="cpu")

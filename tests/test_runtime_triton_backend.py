@@ -241,6 +241,30 @@ def test_kernel_case_quantised_handoff_keeps_the_output_projection_bits(weights,
 
 
 @kernel
+def test_kernel_case_forward_with_the_quantised_handoff_keeps_its_bits(weights, monkeypatch) -> None:
+    """A 12-token prefill on the serving mode (`w8a8_fold`; attention / mHC / routed experts: the CPU fp32
+    implementations under the interpreter): each layer hands its four FP8 readers quantised activations —
+    the mHC sublayer inputs to `wq_a | wkv` and the shared `w1 | w3`, `wo_a` to `wo_b`, the SwiGLU to `w2`
+    (`quantised_handoff`) — and the logits equal those of the same forward with the hand-off off, bit for bit."""
+    from runtime_scenarios import one_shot_logits
+    from sglang_dsv41.runtime.forward import TorchForward
+
+    cfg, _, fp8, hasher = weights
+    fast = TorchForward(cfg, fp8, hasher.to(DEVICE), backend=triton_backend(fp8, "w8a8_fold"))
+    flags: list[bool] = []
+    real = W.fp8_w8a8_linear
+    monkeypatch.setattr(W, "fp8_w8a8_linear", lambda *a, **kw: flags.append(kw.get("x_quantised", False))
+                        or real(*a, **kw))
+    tokens = list(range(5, 17))
+    on = one_shot_logits(fast, DEVICE, tokens).cpu()
+    assert sum(flags) == 4 * cfg.text.num_hidden_layers, (sum(flags), len(flags))
+    monkeypatch.setattr(fast.backend, "quantised_handoff", lambda rows: False)
+    flags.clear()
+    off = one_shot_logits(fast, DEVICE, tokens).cpu()
+    assert not any(flags) and torch.equal(on, off)
+
+
+@kernel
 def test_kernel_case_forward_on_the_backend_creates_no_float64(weights) -> None:
     """A whole prefill + decode on the serving backend (`tiered`; attention / mHC / routed experts: the CPU
     fp32 implementations under the interpreter) creates no float64 tensor; its logits stay
@@ -366,7 +390,7 @@ if not INTERPRETED:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
         from triton_checks import run_kernel_cases_in_interpreter
 
-        run_kernel_cases_in_interpreter(__file__, min_passed=13, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=14, exact=True)
 
 
 # ---- GPU: the CUDA forward as the server builds it ---------------------------------------------

@@ -195,14 +195,16 @@ def _request_slots(layout: BatchLayout, positions: Tensor) -> Tensor:
 def attention_sublayer(be: ComputeBackend, ops: AttentionOps, cfg: TextConfig, role: LayerRole,
                        w: Mapping[str, Tensor], x: Tensor, layout: BatchLayout, caches: RuntimeCaches,
                        scratch: ForwardScratch, act_quant: bool, tp: TensorParallel = SINGLE,
-                       wo_b: nn.Module | None = None, side: SideStream | InlineStream = INLINE) -> Tensor:
+                       wo_b: nn.Module | None = None, side: SideStream | InlineStream = INLINE,
+                       x_quantised: Tensor | None = None) -> Tensor:
     """One attention sublayer on the whole batch; x [N, hidden] → [N, hidden] (BF16 values).
     The query heads (wq_b, RoPE) are forked to `side` (`runtime/overlap.py`): only the attention reads
     them, after the SWA write, the compressor and the indexer.
     Under tensor parallelism (`runtime/tensor_parallel.py`) q, attention and the grouped `wo_a`
     run for this rank's heads only, `wo_b` is the row-parallel layer over those groups' outputs
     (`TensorParallel.row_parallel`: one all-reduce); everything else (caches, compressor,
-    indexer) is replicated. Without `wo_b` (TP 1 only) the weight is read from `w`."""
+    indexer) is replicated. Without `wo_b` (TP 1 only) the weight is read from `w`. `x_quantised`: x's
+    values quantised per 1×32, for the stacked `wq_a | wkv` (`ComputeBackend.quantised_handoff`)."""
     if wo_b is None and tp.size > 1:
         raise ValueError("attention_sublayer: tensor parallel size > 1 needs the row-parallel wo_b layer")
     layer = role.layer
@@ -212,7 +214,7 @@ def attention_sublayer(be: ComputeBackend, ops: AttentionOps, cfg: TextConfig, r
     if inv_freq is None or inv_freq.device != x.device:
         inv_freq = scratch.inv_freq[role.ratio] = layer_inv_freq(cfg, role.ratio).to(x.device)
 
-    q_lora, kv = project_q_lora_kv(be, cfg, w, prefix, x, act_quant)
+    q_lora, kv = project_q_lora_kv(be, cfg, w, prefix, x, act_quant, x_quantised)
     q = side.fork(query_heads, be, cfg, w, prefix, q_lora, pos, inv_freq, act_quant, len(tp.plan(cfg).heads))
     caches.wait_for_layer(layer, global_rows=role.ratio > 0)          # HiCache load-back has landed
     swa_slots, out_rows = _swa_window(layer, cfg, layout, caches, scratch)

@@ -35,13 +35,17 @@ def project_q_kv(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], p
 
 
 def project_q_lora_kv(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor,
-                      act_quant: bool) -> tuple[Tensor, Tensor]:
+                      act_quant: bool, x_quantised: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(q_lora, kv) of `project_q_kv`: the parts the compressor, the indexer and the SWA write need.
     With the stacked `wq_a | wkv` layer under `prefix + "wqkv_a"` (`runtime/stacked_linear.py`): one
-    product (BF16 values, held as BF16 where the backend offers it) and one `rms_norm_pair`."""
+    product (BF16 values, held as BF16 where the backend offers it) and one `rms_norm_pair`; it reads
+    `x_quantised` (x's values quantised per 1×32, `ComputeBackend.quantised_handoff`) when given."""
     stacked = w.get(prefix + STACKED)
     if stacked is not None:
-        y = apply_linear(stacked, x, be, act_quant=act_quant, bf16_out=True)
+        if x_quantised is not None:
+            y = apply_linear(stacked, x_quantised, be, act_quant=act_quant, bf16_out=True, x_quantised=True)
+        else:
+            y = apply_linear(stacked, x, be, act_quant=act_quant, bf16_out=True)
         return be.rms_norm_pair(y, stacked.stacked_rows[0], w[prefix + "q_norm.weight"], w[prefix + "kv_norm.weight"],
                                 cfg.rms_norm_eps)
     q_lora = be.rms_norm(apply_linear(w[prefix + "wq_a"], x, be, act_quant=act_quant), w[prefix + "q_norm.weight"],

@@ -166,6 +166,14 @@ class HyperConnection(OwnedTensors):
         """RMSNorm(bf16(Σ_j pre_j·R_j)) with the lagged pre (stream 0 when None)."""
         return step.mhc.sublayer_input(R, carried_pre, norm["weight"], norm.eps)
 
+    def sublayer_inputs(self, R: Tensor, carried_pre: Tensor | None, norm: RMSNorm,
+                        step: ForwardStep) -> tuple[Tensor, Tensor | None]:
+        """(`sublayer_input`, its values quantised per 1×32 for the sublayer's first FP8 linears where the
+        backend asks — `ComputeBackend.quantised_handoff` — else None)."""
+        if step.act_quant and step.backend.quantised_handoff(R.shape[0]):
+            return step.mhc.sublayer_inputs(R, carried_pre, norm["weight"], norm.eps)
+        return self.sublayer_input(R, carried_pre, norm, step), None
+
     def residual_update(self, R: Tensor, y: Tensor, co: HcCoefficients, step: ForwardStep) -> Tensor:
         return step.mhc.residual_update(R, y, co)
 
@@ -184,10 +192,10 @@ class Attention(OwnedTensors):
         super().refresh()
         stack_attention_inputs(self.tensors, self.prefix, previous)
 
-    def forward(self, x: Tensor, step: ForwardStep) -> Tensor:
+    def forward(self, x: Tensor, step: ForwardStep, x_quantised: Tensor | None = None) -> Tensor:
         return attention_sublayer(step.backend, step.attention_ops, self.cfg, self.role, self.tensors, x, step.layout,
                                   step.caches, step.scratch, step.act_quant, step.tp, self.weight_module("wo_b"),
-                                  side=step.side)
+                                  side=step.side, x_quantised=x_quantised)
 
 
 class MoE(OwnedTensors):
@@ -206,13 +214,15 @@ class MoE(OwnedTensors):
         super().refresh()
         stack_shared_expert(self.tensors, self.prefix, previous)
 
-    def forward(self, x: Tensor, step: ForwardStep) -> Tensor:
+    def forward(self, x: Tensor, step: ForwardStep, x_quantised: Tensor | None = None) -> Tensor:
+        """`x_quantised`: x's values quantised per 1×32, for the stacked shared expert's `w1 | w3`."""
         experts, reduce = step.tp.experts_and_reduce(self.cfg)
         w1, w2, w3 = (self.weight_module(f"shared_experts.{n}") for n in ("w1", "w2", "w3"))
         w13 = self.tensors.get(self.prefix + SHARED_STACKED)
 
         def shared(h: Tensor) -> tuple[Tensor, bool]:
-            return step.tp.shared_expert(w1, w2, w3, h, step.backend, step.act_quant, self.cfg.swiglu_limit, w13)
+            return step.tp.shared_expert(w1, w2, w3, h, step.backend, step.act_quant, self.cfg.swiglu_limit, w13,
+                                         x_quantised if h is x else None)
 
         return step.moe(step.backend, self.cfg, self.tensors, self.layer_prefix, x, step.image_rows, step.act_quant,
                         experts, reduce, shared, side=step.side)
@@ -265,13 +275,13 @@ class DeepseekV41DecoderLayer(nn.Module):
         if step.captured is not None and self.layer in step.captured:
             step.captured[self.layer] = stream_mean(R)          # DSpark feature: input after Engram (§4)
         co = step.side.fork(self.hc_attn, R, step)           # read first by the residual update (lagged pre)
-        x = self.hc_attn.sublayer_input(R, carried_pre, self.attn_norm, step)
-        y = self.attn(x, step)
+        x, xq = self.hc_attn.sublayer_inputs(R, carried_pre, self.attn_norm, step)
+        y = self.attn(x, step, xq)
         co = step.side.join(co)
         R = self.hc_attn.residual_update(R, y, co, step)
         co_ffn = step.side.fork(self.hc_ffn, R, step)
-        x = self.hc_ffn.sublayer_input(R, co.pre, self.ffn_norm, step)
-        y = self.ffn(x, step)
+        x, xq = self.hc_ffn.sublayer_inputs(R, co.pre, self.ffn_norm, step)
+        y = self.ffn(x, step, xq)
         co_ffn = step.side.join(co_ffn)
         R = self.hc_ffn.residual_update(R, y, co_ffn, step)
         return R, co_ffn.pre

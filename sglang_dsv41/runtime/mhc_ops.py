@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..numerics.rounding import bf16, fp32_scalar
+from ..numerics.rounding import bf16, fp8_act_fake_quant, fp32_scalar
 
 F32, F64 = torch.float32, torch.float64
 MHC_MIX_ENV = "SGLANG_DSV41_MHC_MIX"
@@ -144,6 +144,13 @@ class TorchMhc:
         return bf16((xd * torch.rsqrt(xd.pow(2).mean(dim=-1, keepdim=True) + rms_eps)
                      * norm_weight.to(self.acc)).to(F32))
 
+    def sublayer_inputs(self, residual: Tensor, carried_pre: Tensor | None, norm_weight: Tensor,
+                        rms_eps: float) -> tuple[Tensor, Tensor]:
+        """(`sublayer_input`, its values quantised per 1×32): the hand-off to the sublayer's FP8 linears
+        (`ComputeBackend.quantised_handoff`)."""
+        x = self.sublayer_input(residual, carried_pre, norm_weight, rms_eps)
+        return x, fp8_act_fake_quant(x)
+
     def residual_update(self, residual: Tensor, sublayer_out: Tensor, co: HcCoefficients) -> Tensor:
         r, comb, y = residual.to(F32), co.comb.to(F32), sublayer_out.to(F32)
         out = []
@@ -223,6 +230,12 @@ class TritonMhc:
         """As torch.bfloat16 (`runtime/backend.py` BF16_OUT): every reader — the sublayer's linears, the
         router, the routed experts — takes BF16, so no fp32 copy is written."""
         return self.k.hc_sublayer_input(residual, carried_pre, norm_weight, rms_eps, out_dtype=torch.bfloat16)
+
+    def sublayer_inputs(self, residual: Tensor, carried_pre: Tensor | None, norm_weight: Tensor,
+                        rms_eps: float) -> tuple[Tensor, Tensor]:
+        """One launch: (`sublayer_input`, its values quantised per 1×32 as BF16)."""
+        return self.k.hc_sublayer_input(residual, carried_pre, norm_weight, rms_eps, out_dtype=torch.bfloat16,
+                                        quantised=True)
 
     def residual_update(self, residual: Tensor, sublayer_out: Tensor, co: HcCoefficients) -> Tensor:
         return self.k.hc_residual_update(residual, sublayer_out, co.post, co.comb)

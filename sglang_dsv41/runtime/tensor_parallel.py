@@ -293,22 +293,23 @@ class TensorParallel:
         return backend.linear_fp8_finish(self.all_reduce_sum(y)) if layer.tp_size > 1 else y
 
     def shared_expert(self, w1, w2, w3, x: Tensor, backend, act_quant: bool, limit: float,
-                      w13=None) -> tuple[Tensor, bool]:
+                      w13=None, x_quantised: Tensor | None = None) -> tuple[Tensor, bool]:
         """The shared expert over its parallel layers (column-parallel w1 / w3, row-parallel w2):
         (w2's partial in `acc`, True) when sharded — the caller all-reduces it together with the
         routed partial (`moe_ops`) — else (the BF16 output, False). `w13`: the stack of this rank's
         w1 | w3 columns (`runtime/stacked_linear.py`), one product read by `clamped_swiglu_halves`, which
         writes w2's activations quantised where the backend asks (`quantised_handoff`: the values w2 would
-        quantise them to)."""
+        quantise them to); `x_quantised`: x's values quantised so, which `w13` then reads."""
         for layer in (w1, w2, w3):
             self._check_layer(layer)
 
-        def up(layer):                     # complete BF16 columns, read only by the SwiGLU (BF16_OUT)
-            return layer.quant_method.apply(layer, x, backend=backend, act_quant=act_quant, bf16_out=True)
+        def up(layer, quantised: Tensor | None = None):  # complete BF16 columns, read only by the SwiGLU (BF16_OUT)
+            return layer.quant_method.apply(layer, x if quantised is None else quantised, backend=backend,
+                                            act_quant=act_quant, bf16_out=True, x_quantised=quantised is not None)
 
         handoff = w13 is not None and act_quant and backend.quantised_handoff(x.numel() // x.shape[-1])
         h = backend.clamped_swiglu(up(w1), up(w3), limit) if w13 is None else \
-            backend.clamped_swiglu_halves(up(w13), limit, quantise_out=handoff)
+            backend.clamped_swiglu_halves(up(w13, x_quantised), limit, quantise_out=handoff)
         return w2.quant_method.apply(w2, h, backend=backend, act_quant=act_quant, bf16_out=w2.tp_size == 1,
                                      x_quantised=handoff), w2.tp_size > 1
 
