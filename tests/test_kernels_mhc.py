@@ -455,7 +455,8 @@ if not K.INTERPRETED:
     def test_compiled_sm90_code_has_the_reference_rounding() -> None:
         stream = [(K._hc_residual_update_kernel, dict(HC=4, BLOCK=K.STREAM_BLOCK_H)),
                   (K._hc_weighted_sum_kernel, dict(HC=4, BLOCK=K.STREAM_BLOCK_H)),
-                  (K._hc_sublayer_input_kernel, dict(HC=4, HAS_PRE=True, BLOCK=4096, RMS_EPS=RMS_EPS))]
+                  (K._hc_sublayer_input_kernel, dict(HC=4, HAS_PRE=True, BLOCK=4096, RMS_EPS=RMS_EPS, QUANT=False,
+                                                     INTERPRET=False))]
         for kernel, consts in stream:
             ptx, usage = _compiled(kernel, consts)
             assert "mul.rn.f32" in ptx and "add.rn.f32" in ptx and "fma.rn.f32" not in ptx, kernel
@@ -479,8 +480,13 @@ if not K.INTERPRETED:
                                                           SPLIT3=True, INTERPRET=False), num_warps=K.MIX_TC_NUM_WARPS)
         assert ".f64" not in ptx and "STACK:0 " in usage and "LOCAL:0 " in usage, usage    # `tc`
         assert "bf16" in ptx and "mma" in ptx and "tf32" not in ptx               # BF16 tensor-core products
-        ptx, _ = _compiled(K._hc_sublayer_input_kernel, dict(HC=4, HAS_PRE=True, BLOCK=4096, RMS_EPS=RMS_EPS))
-        assert ".f64" not in ptx and "sqrt.rn.f32" in ptx
+        ptx, _ = _compiled(K._hc_sublayer_input_kernel, dict(HC=4, HAS_PRE=True, BLOCK=4096, RMS_EPS=RMS_EPS,
+                                                             QUANT=False, INTERPRET=False))
+        assert ".f64" not in ptx and "sqrt.rn.f32" in ptx and "e4m3" not in ptx
+        ptx, usage = _compiled(K._hc_sublayer_input_kernel, dict(HC=4, HAS_PRE=True, BLOCK=8192, RMS_EPS=RMS_EPS,
+                                                                 QUANT=True, INTERPRET=False), num_warps=16)
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and ".f64" not in ptx     # Flash's quantised copy, hardware RNE
+        assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
 
     def test_compiled_sm90_fused_kernel() -> None:
         """`fused` at Flash width: fp32 FMA dot (no TF32 / MMA), IEEE division and square root, no
@@ -664,3 +670,16 @@ def test_gpu_cuda_graph_replay_equals_eager(T: int, monkeypatch) -> None:
         assert torch.equal(got, want)
     # the replay read fresh R / y / pre with c's own F, base and scale (not copied): compare with those
     assert_coefficients_close(ref.HcCoefficients(*captured[:3]), reference_coefficients(c))
+
+
+@pytest.mark.gpu
+def test_gpu_sublayer_input_quantised_copy_at_flash_width() -> None:
+    """Flash's 5120 columns at 1 and 16 tokens: the quantised copy (hardware E4M3 rounding in the mHC launch)
+    equals `fake_quantize_activations_bf16` of x_in, and x_in is the plain launch's."""
+    from sglang_dsv41.kernels.fp8_quant import fake_quantize_activations_bf16
+
+    for T in (1, 16):
+        c = hc_case(T, 4, 5120, seed=30 + T, device="cuda")
+        plain = K.hc_sublayer_input(c["R"], c["pre"], c["weight"], RMS_EPS, out_dtype=torch.bfloat16)
+        x, q = K.hc_sublayer_input(c["R"], c["pre"], c["weight"], RMS_EPS, out_dtype=torch.bfloat16, quantised=True)
+        assert torch.equal(x, plain) and torch.equal(q, fake_quantize_activations_bf16(plain)), T
