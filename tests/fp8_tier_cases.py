@@ -77,3 +77,46 @@ def check_bound_catches_a_wrong_tile_scale_and_a_wrong_group(tier: dict) -> None
     swapped = torch.cat([x2[:, 256:], x2[:, :256]], dim=1)
     ok, _ = within(W.fp8_w8a8_linear(swapped, wide, wide_scales, groups=2, **tier), *oracle(x2, wide, wide_scales, 2))
     assert not ok
+
+
+# ---- GPU (Flash shapes) -----------------------------------------------------------------------------
+
+def check_gpu_flash_shape(tier: dict, one_program: W.W8A8Config, n: int, k: int, rows: tuple[int, ...],
+                          seed: int) -> None:
+    """A Flash weight at the tier's row counts: within the bound, the counters left at zero, the in-launch
+    sum equal to the second-launch sum, a row prefix the batch's bits; the one-program form within the
+    bound (its sums run in another order than the chunks': no bit claim)."""
+    from test_kernels_fp8_w8a8 import _flash_case
+
+    values, scales, x = _flash_case(n, k, max(rows), seed=seed)
+    counters = W.split_k_counters(n, x.device)
+    batch = W.fp8_w8a8_linear(x, values, scales, counters=counters, **tier)
+    assert not counters.any()
+    assert torch.equal(W.fp8_w8a8_linear(x, values, scales, **tier), batch)
+    ok, worst = within(W.fp8_w8a8_linear(x, values, scales, config=one_program), *oracle(x, values, scales))
+    assert ok, ("one program", worst)
+    for m in rows:
+        y = W.fp8_w8a8_linear(x[:m], values, scales, counters=counters, **tier)
+        assert torch.equal(y, batch[:m]), m
+        ok, worst = within(y, *oracle(x[:m], values, scales))
+        assert ok, (m, worst)
+
+
+def check_gpu_grouped_wo_a(tier: dict, act_quant: bool, rows: tuple[int, ...]) -> None:
+    g = torch.Generator().manual_seed(11)
+    values, scales = fp8_weight(8192, 4096, g)
+    x = random_x(max(rows), 8 * 4096, g)
+    counters = W.split_k_counters(8192, x.device)
+    for m in rows:
+        y = W.fp8_w8a8_linear(x[:m], values, scales, groups=8, act_quant=act_quant, counters=counters, **tier)
+        ok, worst = within(y, *oracle(x[:m], values, scales, groups=8, act_quant=act_quant))
+        assert ok, (m, worst)
+
+
+def check_gpu_graph_replay(tier: dict) -> None:
+    from fp8_cases import assert_graph_replays_eager
+    from test_kernels_fp8_w8a8 import _flash_case
+
+    values, scales, x = _flash_case(5120, 8192, 1, seed=3)
+    counters = W.split_k_counters(5120, x.device)
+    assert_graph_replays_eager(lambda: W.fp8_w8a8_linear(x, values, scales, counters=counters, **tier), counters)

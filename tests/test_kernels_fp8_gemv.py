@@ -28,9 +28,9 @@ import torch
 from sglang_dsv41.kernels import fp8_gemv as G
 from sglang_dsv41.kernels import fp8_w8a8 as W
 
-from fp8_cases import (BF16, F32, CountingLaunch, assert_graph_replays_eager, exact_sum_case, fp8_weight,
+from fp8_cases import (BF16, F32, CountingLaunch, exact_sum_case, fp8_weight,
                         kernel)
-from test_kernels_fp8_w8a8 import FLASH_SHAPES, _flash_case, oracle, random_x, within
+from test_kernels_fp8_w8a8 import FLASH_SHAPES, oracle, random_x, within
 import fp8_tier_cases as T
 from triton_checks import compile_for_sm90, no_spills, run_kernel_cases_in_interpreter
 
@@ -179,36 +179,15 @@ if not W.INTERPRETED:
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(FLASH_SHAPES))
 def test_gpu_flash_shapes_within_bound_split_k_and_row_invariance(name: str) -> None:
-    n, k = FLASH_SHAPES[name]
-    values, scales, x = _flash_case(n, k, 4, seed=len(name))
-    counters = W.split_k_counters(n, x.device)
-    batch = W.fp8_w8a8_linear(x, values, scales, gemv=True, counters=counters)
-    assert not counters.any()
-    assert torch.equal(W.fp8_w8a8_linear(x, values, scales, gemv=True), batch)
-    ok, worst = within(W.fp8_w8a8_linear(x, values, scales, config=ONE_PROGRAM), *oracle(x, values, scales))
-    assert ok, ("one program", worst)          # its sums run in another order than the chunks': no bit claim
-    for m in (1, 2, 3, 4):
-        y = W.fp8_w8a8_linear(x[:m], values, scales, gemv=True, counters=counters)
-        assert torch.equal(y, batch[:m]), m
-        ok, worst = within(y, *oracle(x[:m], values, scales))
-        assert ok, (m, worst)
+    T.check_gpu_flash_shape({"gemv": True}, ONE_PROGRAM, *FLASH_SHAPES[name], (1, 2, 3, 4), seed=len(name))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("act_quant", [True, False])
 def test_gpu_grouped_wo_a_at_flash_shape(act_quant: bool) -> None:
-    g = torch.Generator().manual_seed(11)
-    values, scales = fp8_weight(8192, 4096, g)
-    x = random_x(4, 8 * 4096, g)
-    counters = W.split_k_counters(8192, x.device)
-    for m in (1, 4):
-        y = W.fp8_w8a8_linear(x[:m], values, scales, groups=8, act_quant=act_quant, gemv=True, counters=counters)
-        ok, worst = within(y, *oracle(x[:m], values, scales, groups=8, act_quant=act_quant))
-        assert ok, (m, worst)
+    T.check_gpu_grouped_wo_a({"gemv": True}, act_quant, (1, 4))
 
 
 @pytest.mark.gpu
 def test_gpu_replays_in_a_cuda_graph_with_the_counters() -> None:
-    values, scales, x = _flash_case(5120, 8192, 1, seed=3)
-    counters = W.split_k_counters(5120, x.device)
-    assert_graph_replays_eager(lambda: W.fp8_w8a8_linear(x, values, scales, gemv=True, counters=counters), counters)
+    T.check_gpu_graph_replay({"gemv": True})

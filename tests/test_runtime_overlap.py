@@ -127,7 +127,7 @@ def test_a_failed_forward_joins_the_side_stream(tiny_checkpoint, monkeypatch) ->
     side = Recorder()
     engine.overlap = OV.ModelOverlap(CPU, side)
 
-    def broken(x, step):
+    def broken(x, step, x_quantised=None):
         raise RuntimeError("injected MoE failure")
 
     monkeypatch.setattr(engine.layers[1].ffn, "forward", broken)
