@@ -15,6 +15,7 @@ function                   replaces                                             
 `apply_rope_tail`          `ops.apply_rope_tail` (forward and inverse)              see "RoPE"
 `clamped_swiglu`           `moe.clamped_swiglu`                                     see "fp64 results"
 `route_select`             `moe.route` after the scores (bias, top-k, renorm)       see "fp64 results"
+`route_softplus`           the same from the softplus (its sqrt, the routed scale)  see "fp64 results"
 =========================  =======================================================  =========================
 
 Rounding is done arithmetically, never by Triton casts whose semantics differ from torch's:
@@ -54,6 +55,8 @@ sizes depend only on the row width, never on the number of rows. No host synchro
 host→device copy: every function is CUDA-graph capturable.
 """
 from __future__ import annotations
+
+import struct
 
 import torch
 import triton
@@ -283,15 +286,21 @@ def _swiglu_kernel(g_ptr, u_ptr, out_ptr, n, limit, BLOCK: tl.constexpr):
 
 @triton.jit
 def _route_select_kernel(score_ptr, bias_ptr, vl_bias_ptr, image_ptr, expert_ptr, weight_ptr, E,
+                         scores_out_ptr, scaled_ptr, scale,
                          K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, HAS_VL: tl.constexpr,
-                         RENORM_EPS: tl.constexpr):
+                         RENORM_EPS: tl.constexpr, SQRT: tl.constexpr, SCALED: tl.constexpr):
     """One token: K selection rounds over scores + bias (NaN first, then larger value, ties to
     the lower id), then weights = chosen / (fp32(Σ chosen) + eps): Σ in double-fp32 rounded once to
-    fp32, the add and the division in fp32 (IEEE, `div_rn`) as upstream's gate (docs/reference.md)."""
+    fp32, the add and the division in fp32 (IEEE, `div_rn`) as upstream's gate (docs/reference.md).
+    SQRT: the input is the softplus and the scores are its correctly rounded fp32 square root (`sqrt_rn`,
+    stored to scores_out); SCALED: also stores fp32(weights · scale)."""
     t = tl.program_id(0).to(tl.int64)
     ids = tl.arange(0, BLOCK_E)
     live = ids < E
     s = tl.load(score_ptr + t * E + ids, mask=live, other=0.0)
+    if SQRT:
+        s = tl.sqrt_rn(s)
+        tl.store(scores_out_ptr + t * E + ids, s, mask=live)
     bias = tl.load(bias_ptr + ids, mask=live, other=0.0)
     if HAS_VL:
         vl = tl.load(vl_bias_ptr + ids, mask=live, other=0.0)
@@ -321,6 +330,8 @@ def _route_select_kernel(score_ptr, bias_ptr, vl_bias_ptr, image_ptr, expert_ptr
     weights = tl.math.div_rn(chosen, tl.broadcast_to(denom, (BLOCK_K,)))
     tl.store(expert_ptr + t * K + slot, experts, mask=slot < K)
     tl.store(weight_ptr + t * K + slot, weights, mask=slot < K)
+    if SCALED:
+        tl.store(scaled_ptr + t * K + slot, weights * scale, mask=slot < K)
 
 
 # ---- launchers -------------------------------------------------------------------------------
@@ -492,6 +503,24 @@ def route_select(scores: Tensor, bias: Tensor, top_k: int, renorm_eps: float,
     """`moe.route` after `scores = sqrt_softplus(logits)` ([T, E] fp32): experts [T, k] int64 =
     `topk_lower_id_on_ties(scores + row_bias, k)` (exact: comparisons only) and weights [T, k]
     fp32 = chosen / (fp32(Σ chosen) + renorm_eps), the Σ in double-fp32 rounded once, the rest fp32."""
+    _, experts, weights, _ = _route(scores, bias, top_k, renorm_eps, bias_vl, image_rows, sqrt=False, scale=None)
+    return experts, weights
+
+
+def route_softplus(softplus: Tensor, bias: Tensor, top_k: int, renorm_eps: float, routed_scale: float,
+                   bias_vl: Tensor | None = None, image_rows: Tensor | None = None
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`route_select` from the fp32 softplus of the router logits, in the same launch: (scores [T, E] =
+    the correctly rounded fp32 sqrt of `softplus` — torch's fp32 sqrt on CUDA —, experts, weights, and
+    fp32(weights · fp32(routed_scale)) — `moe_ops.scaled_weights`)."""
+    scale = struct.unpack("<f", struct.pack("<f", routed_scale))[0]
+    if scale != routed_scale:
+        raise ValueError(f"routed_scale {routed_scale!r} is not exactly representable in fp32")
+    return _route(softplus, bias, top_k, renorm_eps, bias_vl, image_rows, sqrt=True, scale=scale)
+
+
+def _route(scores: Tensor, bias: Tensor, top_k: int, renorm_eps: float, bias_vl: Tensor | None,
+           image_rows: Tensor | None, *, sqrt: bool, scale: float | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     check_device("route_select", scores, bias)
     T, E = scores.shape
     if not 1 <= top_k <= E:
@@ -501,15 +530,19 @@ def route_select(scores: Tensor, bias: Tensor, top_k: int, renorm_eps: float,
     scores = scores.to(F32).contiguous()
     experts = torch.empty(T, top_k, dtype=torch.int64, device=scores.device)
     weights = torch.empty(T, top_k, dtype=F32, device=scores.device)
+    out_scores = torch.empty_like(scores) if sqrt else scores
+    scaled = torch.empty_like(weights) if scale is not None else weights
     has_vl = bias_vl is not None
     vl = bias_vl.to(F32).contiguous() if has_vl else bias
     image = image_rows.contiguous().view(torch.uint8) if has_vl else experts
     if T:
-        _route_select_kernel[(T,)](scores, bias.to(F32).contiguous(), vl, image, experts, weights, E, K=top_k,
+        _route_select_kernel[(T,)](scores, bias.to(F32).contiguous(), vl, image, experts, weights, E, out_scores,
+                                   scaled, 1.0 if scale is None else scale, K=top_k,
                                    BLOCK_K=_pow2_at_least(top_k), BLOCK_E=_pow2_at_least(E), HAS_VL=has_vl,
-                                   RENORM_EPS=float(renorm_eps), **_launch_options())
-    return experts, weights
+                                   RENORM_EPS=float(renorm_eps), SQRT=sqrt, SCALED=scale is not None,
+                                   **_launch_options())
+    return out_scores, experts, weights, scaled
 
 
 __all__ = ["INTERPRETED", "apply_rope_tail", "clamped_swiglu", "fp4_fake_quant", "fp8_act_fake_quant",
-           "rms_norm", "round_bf16", "round_e4m3", "route_select"]
+           "rms_norm", "round_bf16", "round_e4m3", "route_select", "route_softplus"]

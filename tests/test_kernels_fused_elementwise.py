@@ -233,6 +233,27 @@ if KERNEL_HERE:
         row_bias = torch.where(image[:, None], vl.expand(9, 8), bias.expand(9, 8))
         assert torch.equal(e.cpu(), moe.topk_lower_id_on_ties(scores + row_bias, 3))
 
+    def test_kernel_case_route_softplus() -> None:
+        """`route_softplus` == the correctly rounded fp32 sqrt of the softplus (float64 sqrt rounded once,
+        what torch's fp32 sqrt gives on CUDA), then `route_select`'s bits on those scores, and
+        fp32(weights · 1.5); a scale fp32 cannot hold raises."""
+        g = torch.Generator().manual_seed(16)
+        soft = torch.cat([torch.rand(6, 40, generator=g) * 4, torch.rand(1, 40, generator=g) * 1e-30,
+                          torch.full((1, 40), 20.5), torch.zeros(1, 40)])
+        soft[0, 3], soft[1, :] = float("nan"), 2.0 ** torch.arange(-40, 0, dtype=torch.float32)
+        bias = torch.randn(40, generator=g) * 0.05
+        vl, image = torch.randn(40, generator=g) * 0.05, torch.tensor([False, True] * 4 + [True])
+        want_s = soft.double().sqrt().float()
+        for extra in ((), (vl, image)):
+            d = [t.to(DEVICE) for t in extra]
+            s, e, w, scaled = FE.route_softplus(soft.to(DEVICE), bias.to(DEVICE), 6, moe.RENORM_EPS, 1.5, *d)
+            want_e, want_w = FE.route_select(want_s.to(DEVICE), bias.to(DEVICE), 6, moe.RENORM_EPS, *d)
+            assert same_bits(s.cpu(), want_s) and torch.equal(e.cpu(), want_e.cpu())
+            assert same_bits(w.cpu(), want_w.cpu())
+            assert same_bits(scaled.cpu(), want_w.cpu() * 1.5)
+        with pytest.raises(ValueError, match="fp32"):
+            FE.route_softplus(soft.to(DEVICE), bias.to(DEVICE), 6, moe.RENORM_EPS, 0.1)
+
     def test_kernel_case_batch_invariance() -> None:
         g = torch.Generator().manual_seed(7)
         x = ops.bf16(torch.randn(9, 4, 96, generator=g))
@@ -293,11 +314,16 @@ if KERNEL_HERE:
 
 # ---- the interpreter child, dispatch and compile checks (main process) -------------------------
 
+ROUTE_SIG = {"score_ptr": "*fp32", "bias_ptr": "*fp32", "vl_bias_ptr": "*fp32", "image_ptr": "*u8",
+             "expert_ptr": "*i64", "weight_ptr": "*fp32", "E": "i32", "scores_out_ptr": "*fp32", "scaled_ptr": "*fp32",
+             "scale": "fp32"}
+ROUTE_CONSTS = {"K": 6, "BLOCK_K": 8, "BLOCK_E": 512, "HAS_VL": True, "RENORM_EPS": 1e-20}
+
 if not FE.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        run_kernel_cases_in_interpreter(__file__, min_passed=17)
+        run_kernel_cases_in_interpreter(__file__, min_passed=18)
 
     def test_cpu_without_interpreter_raises() -> None:
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
@@ -317,10 +343,9 @@ if not FE.INTERPRETED:
          {"HALF": 32, "BLOCK_T": 1, "BLOCK_R": 8, "BLOCK_HEAD": 128, "INVERSE": True, "ROUND_BF16": True,
           "ROUND_INPUT": True}),
         ("_swiglu_kernel", {"g_ptr": "*fp32", "u_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "limit": "fp32"}, {"BLOCK": 1024}),
-        ("_route_select_kernel", {"score_ptr": "*fp32", "bias_ptr": "*fp32", "vl_bias_ptr": "*fp32", "image_ptr": "*u8",
-                                  "expert_ptr": "*i64", "weight_ptr": "*fp32", "E": "i32"},
-         {"K": 6, "BLOCK_K": 8, "BLOCK_E": 512, "HAS_VL": True, "RENORM_EPS": 1e-20}),
-    ], ids=["e4m3", "fp8", "fp4_e4m3", "fp4_ue8m0", "rms_norm", "rope", "swiglu", "route"])
+        ("_route_select_kernel", ROUTE_SIG, {**ROUTE_CONSTS, "SQRT": False, "SCALED": False}),
+        ("_route_select_kernel", ROUTE_SIG, {**ROUTE_CONSTS, "SQRT": True, "SCALED": True}),
+    ], ids=["e4m3", "fp8", "fp4_e4m3", "fp4_ue8m0", "rms_norm", "rope", "swiglu", "route", "route_softplus"])
     def test_kernels_compile_for_hopper_exactly(name: str, sig: dict, consts: dict) -> None:
         """sm_90 PTX (Triton's bundled compiler, no GPU): no approximate fp32 division / sqrt / exp,
         no saturating fp8 cast, no fp32 FMA; no float64 instruction at all (issue 21)."""
@@ -340,6 +365,8 @@ if not FE.INTERPRETED:
         assert not f64, f"{len(f64)} float64 instructions in {name}"
         if "RENORM_EPS" in consts:
             assert "0f1E3CE508" in ptx                    # fp32(1e-20): the renorm add is fp32, as upstream's
+        if consts.get("SQRT"):
+            assert "sqrt.rn.f32" in ptx                   # the correctly rounded sqrt (torch's fp32 sqrt on CUDA)
 
 
 def test_reference_has_no_backend_switch() -> None:
@@ -408,6 +435,22 @@ def test_gpu_flash_widths_match_reference_on_gpu() -> None:
     assert torch.equal(e, moe.topk_lower_id_on_ties(scores + bias, 6))
     chosen = scores.gather(-1, e)
     assert _flips_within_bound(w, chosen / moe.renorm_denominator(chosen), False)
+
+
+@pytest.mark.gpu
+def test_gpu_route_softplus_is_torch_sqrt_then_route_select() -> None:
+    """CUDA, Flash widths: the fused router's scores are torch's fp32 sqrt of the softplus bit for bit
+    (`sqrt.rn`, as torch's), so experts and weights are what the two-launch composition gave."""
+    from sglang_dsv41.runtime.moe_ops import softplus_fp32
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(17)
+    soft = softplus_fp32(torch.randn(256, 384, generator=g, device=dev) * 4, torch.float32)
+    bias = torch.randn(384, generator=g, device=dev) * 0.05
+    s, e, w, scaled = FE.route_softplus(soft, bias, 6, moe.RENORM_EPS, 1.5)
+    want_s = torch.sqrt(soft)
+    want_e, want_w = FE.route_select(want_s, bias, 6, moe.RENORM_EPS)
+    assert same_bits(s, want_s) and torch.equal(e, want_e) and same_bits(w, want_w)
+    assert same_bits(scaled, want_w * 1.5)
 
 
 @pytest.mark.gpu

@@ -26,6 +26,7 @@ from sglang_dsv41.checkpoint.reader import CheckpointReader
 from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.presets import flash_config_dict
 from sglang_dsv41.reference import moe as ref_moe
+from sglang_dsv41.numerics.rounding import fp32_scalar
 from sglang_dsv41.reference.ops import bf16
 from sglang_dsv41.runtime import moe_ops
 from sglang_dsv41.runtime.backend import ExactTorchBackend
@@ -219,7 +220,7 @@ def _reference_parts(t, w_ref, p: str, x: torch.Tensor):
         q = f"{p}ffn.experts.{e}."
         per_slot[rows, slot] = ref_moe.routed_expert(x[rows], w_ref[q + "w1.weight"], w_ref[q + "w2.weight"],
                                                      w_ref[q + "w3.weight"], t.swiglu_limit).double()
-    scaled = moe_ops.scaled_weights(t, routing.weights)                   # fp32(w·s), as the reference
+    scaled = routing.weights * fp32_scalar(t.routed_scaling_factor)       # fp32(w·s), as the reference
     routed = bf16((scaled.double().unsqueeze(-1) * per_slot).sum(1).float())
     y = ref_moe.moe_sublayer(t, w_ref, p, x, image_rows=None, act_quant=True)
     bound = moe_ops.moe_error_bound(y, routed, per_slot, routing.weights, t.routed_scaling_factor)

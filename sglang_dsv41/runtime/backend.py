@@ -118,6 +118,14 @@ class ComputeBackend(ABC):
         return (self.rms_norm(x[:, :split], first_weight, eps),
                 self.rms_norm(x[:, split:], second_weight, eps, round_bf16=False))
 
+    def route_softplus(self, softplus: Tensor, bias: Tensor, top_k: int, renorm_eps: float, routed_scale: float,
+                       bias_vl: Tensor | None, image_rows: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The router after its fp32 softplus (§3.6): (scores = fp32 sqrt of `softplus` evaluated in `acc`,
+        experts, weights — `route_select` —, fp32(weights · fp32(routed_scale)))."""
+        scores = torch.sqrt(softplus.to(self.acc)).to(F32)
+        experts, weights = self.route_select(scores, bias, top_k, renorm_eps, bias_vl, image_rows)
+        return scores, experts, weights, weights.to(F32) * R.fp32_scalar(routed_scale)
+
     def clamped_swiglu_halves(self, y: Tensor, limit: float, quantise_out: bool = False) -> Tensor:
         """clamped_swiglu(y[:, :n], y[:, n:]) of y [T, 2n]: the shared expert's SwiGLU from the stacked
         `w1 | w3` product (§3.6, `runtime/stacked_linear.py`); `quantise_out`: those values quantised per
@@ -195,6 +203,22 @@ class ComputeBackend(ABC):
         from .kv_layout import encode_entries, write_source_entries
 
         write_source_entries(latent_rows, key_rows, source, entry_idx, encode_entries(layout, latents, keys))
+
+    def pair_latents(self, a: Tensor, s: Tensor, layout, caches, source: int, norm_weight: Tensor,
+                     eps: float) -> tuple[Tensor, Tensor, Tensor]:
+        """(latents [N, D], entry indices [N] (−1 = none), RoPE positions [N]) of the ratio-2 pairs ending at
+        every token of `layout` (kv source `source`, a, s its fp32 `wkv` / `wgate` outputs; spec §3.4.3):
+        `pair_ring.pair_latents_torch`."""
+        from .pair_ring import pair_latents_torch
+
+        return pair_latents_torch(self, a, s, layout, caches, source, norm_weight, eps)
+
+    def store_pending_pairs(self, a: Tensor, s: Tensor, layout, caches, source: int) -> None:
+        """After `pair_latents`: the requests' pending first tokens into the pair ring
+        (`pair_ring.store_pending_torch`)."""
+        from .pair_ring import store_pending_torch
+
+        store_pending_torch(a, s, layout, caches, source)
 
     def finish(self, ok: bool = True) -> None:
         """Called after each forward, `ok` False when it raised (e.g. to report or drop a deferred
@@ -457,9 +481,30 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
         write_packed_entries(latent_rows, key_rows, (source.latent.offset, source.latent.share),
                              (source.key.offset, source.key.share), source.ratio, entry_idx, latents, keys)
 
+    def pair_latents(self, a: Tensor, s: Tensor, layout, caches, source: int, norm_weight: Tensor,
+                     eps: float) -> tuple[Tensor, Tensor, Tensor]:
+        """One launch (`kernels.pair_state.pair_latents`: the torch path's values, exp correctly rounded)."""
+        from ..kernels.pair_state import pair_latents
+
+        return pair_latents(a, s, layout.positions, layout.token_req, layout.prefix_lens, layout.req_rows,
+                            layout.out_slots, caches.pair_kv[source], caches.pair_score[source], norm_weight, eps)
+
+    def store_pending_pairs(self, a: Tensor, s: Tensor, layout, caches, source: int) -> None:
+        """One launch (`kernels.pair_state.store_pending_pairs`: the torch path's ring)."""
+        from ..kernels.pair_state import store_pending_pairs
+
+        store_pending_pairs(a, s, layout.positions, layout.out_slots, layout.starts, layout.extend_lens,
+                            layout.req_rows, caches.pair_kv[source], caches.pair_score[source],
+                            caches.pair_position[source])
+
     def route_select(self, scores: Tensor, bias: Tensor, top_k: int, renorm_eps: float,
                      bias_vl: Tensor | None, image_rows: Tensor | None) -> tuple[Tensor, Tensor]:
         return self.fe.route_select(scores, bias, top_k, renorm_eps, bias_vl, image_rows)
+
+    def route_softplus(self, softplus: Tensor, bias: Tensor, top_k: int, renorm_eps: float, routed_scale: float,
+                       bias_vl: Tensor | None, image_rows: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """One launch (`kernels.fused_elementwise.route_softplus`: the sqrt correctly rounded, as torch's on CUDA)."""
+        return self.fe.route_softplus(softplus, bias, top_k, renorm_eps, routed_scale, bias_vl, image_rows)
 
 
 

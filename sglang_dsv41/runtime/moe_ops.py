@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import TextConfig
-from ..numerics.rounding import bf16, fp32_scalar, slot_sum_fp32
+from ..numerics.rounding import bf16, slot_sum_fp32
 from .backend import ComputeBackend
 from .overlap import INLINE, InlineStream, SideStream
 from .quant_methods import apply_linear
@@ -79,36 +79,45 @@ class RoutedExpertsMxfp4:
 
 @dataclass(frozen=True)
 class Routing:
-    """experts [T, k] long, weights [T, k] fp32 (renormalised, bias-free), scores [T, E] fp32."""
+    """experts [T, k] long, weights [T, k] fp32 (renormalised, bias-free), scores [T, E] fp32,
+    scaled [T, k] fp32 = fp32(weights · fp32(routed_scale)): the routed scaling factor folded into the fp32
+    routing weights (upstream's top-k kernel with apply_routed_scaling_factor_on_output)."""
 
     experts: Tensor
     weights: Tensor
     scores: Tensor
+    scaled: Tensor
+
+
+def softplus_fp32(logits: Tensor, acc: torch.dtype = F64) -> Tensor:
+    """softplus(z) = z if z > 20 else log1p(exp(z)), evaluated in `acc` (the backend's: float64 only on
+    `exact`) and rounded to fp32. CUDA fp32: `F.softplus`, one kernel of this `where` with the same expf /
+    log1pf (tested)."""
+    z = logits.to(acc)
+    if z.is_cuda and acc == F32:
+        return torch.nn.functional.softplus(z, beta=1.0, threshold=SOFTPLUS_THRESHOLD)
+    return torch.where(z > SOFTPLUS_THRESHOLD, z, torch.log1p(torch.exp(z.clamp(max=SOFTPLUS_THRESHOLD)))).to(F32)
 
 
 def sqrt_softplus(logits: Tensor, acc: torch.dtype = F64) -> Tensor:
-    """s = sqrt(softplus(z)), softplus(z) = z if z > 20 else log1p(exp(z)) in `acc` (the
-    backend's: float64 only on `exact`) rounded to fp32, then the fp32 sqrt (upstream's gate
-    takes the sqrt of the fp32 softplus), as a sqrt in `acc` rounded to fp32 (float64: the
-    correctly rounded fp32 sqrt, which torch's CPU fp32 sqrt is not). Elementwise: batch invariant."""
-    z = logits.to(acc)
-    if z.is_cuda and acc == F32:     # one kernel: CUDA's softplus is this `where` with the same expf / log1pf
-        soft = torch.nn.functional.softplus(z, beta=1.0, threshold=SOFTPLUS_THRESHOLD)
-    else:
-        soft = torch.where(z > SOFTPLUS_THRESHOLD, z, torch.log1p(torch.exp(z.clamp(max=SOFTPLUS_THRESHOLD))))
-    return torch.sqrt(soft.to(F32).to(acc)).to(F32)
+    """s = sqrt(softplus(z)): the fp32 softplus (`softplus_fp32`), then its sqrt evaluated in `acc` and
+    rounded to fp32 (upstream's gate takes the sqrt of the fp32 softplus; float64: the correctly rounded
+    fp32 sqrt, which torch's CPU fp32 sqrt is not). Elementwise: batch invariant."""
+    return torch.sqrt(softplus_fp32(logits, acc).to(acc)).to(F32)
 
 
 def route(be: ComputeBackend, x: Tensor, gate: nn.Module, bias: Tensor, top_k: int,
-          bias_vl: Tensor | None = None, image_rows: Tensor | None = None) -> Routing:
+          bias_vl: Tensor | None = None, image_rows: Tensor | None = None, routed_scale: float = 1.0) -> Routing:
     """Router (spec §3.6): scores = sqrt_softplus(fp32 logits of the `gate` linear layer);
     selection on scores + bias (`bias_vl` on image rows), ties → lower id; weights renormalised
-    without the bias."""
+    without the bias, and scaled by `routed_scale`. After the softplus, one backend call
+    (`ComputeBackend.route_softplus`: one launch on `triton`)."""
     if (bias_vl is None) != (image_rows is None):
         raise ValueError("route: pass bias_vl and image_rows together (vision models) or neither")
-    scores = sqrt_softplus(apply_linear(gate, x, be, out_fp32=True), be.acc)
-    experts, weights = be.route_select(scores, bias, top_k, RENORM_EPS, bias_vl, image_rows)
-    return Routing(experts=experts, weights=weights, scores=scores)
+    softplus = softplus_fp32(apply_linear(gate, x, be, out_fp32=True), be.acc)
+    scores, experts, weights, scaled = be.route_softplus(softplus, bias, top_k, RENORM_EPS, routed_scale, bias_vl,
+                                                         image_rows)
+    return Routing(experts=experts, weights=weights, scores=scores, scaled=scaled)
 
 
 def routed_expert(be: ComputeBackend, x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, limit: float) -> Tensor:
@@ -139,12 +148,6 @@ def _held_experts(experts: Sequence[int] | None, n: int) -> tuple[int, ...]:
     if not ids or len(set(ids)) != len(ids) or any(not 0 <= e < n for e in ids):
         raise ValueError(f"experts must be distinct ids in 0..{n - 1}, got {list(ids)[:8]}")
     return ids
-
-
-def scaled_weights(cfg: TextConfig, weights: Tensor) -> Tensor:
-    """w' = fp32(w · fp32(routed_scaling_factor)) [T, k]: the factor folded into the fp32 routing
-    weights (upstream's top-k kernel with apply_routed_scaling_factor_on_output)."""
-    return weights.to(F32) * fp32_scalar(cfg.routed_scaling_factor)
 
 
 #: the shared expert of a layer's parallel linears, x → (output, is it a partial in `acc`)
@@ -187,7 +190,8 @@ def _moe_cpu(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefi
     E, k, limit = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.swiglu_limit
     held = _held_experts(experts, E)
     bias_vl = w[p + "gate.bias_vl"] if image_rows is not None else None
-    routing = route(be, x, w[p + "gate"], w[p + "gate.bias"], k, bias_vl=bias_vl, image_rows=image_rows)
+    routing = route(be, x, w[p + "gate"], w[p + "gate.bias"], k, bias_vl=bias_vl, image_rows=image_rows,
+                    routed_scale=cfg.routed_scaling_factor)
     if routing.scores.shape[-1] != E:
         raise ValueError(f"{p}gate.weight has {routing.scores.shape[-1]} experts, expected {E}")
     missing = [e for e in held if f"{p}experts.{e}.w1.weight" not in w]
@@ -205,7 +209,7 @@ def _moe_cpu(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefi
                                              w[f"{p}experts.{e}.w2.weight"],
                                              w[f"{p}experts.{e}.w3.weight"], limit).to(be.acc)
     shared_out, shared_partial = _shared(be, w, p, x, limit, act_quant, shared)
-    return _finalize(scaled_weights(cfg, routing.weights), *_reduce(be, per_slot, shared_out, shared_partial, reduce))
+    return _finalize(routing.scaled, *_reduce(be, per_slot, shared_out, shared_partial, reduce))
 
 
 def _moe_cuda(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor,
@@ -231,12 +235,13 @@ def _moe_cuda(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], pref
                          f"passed {held[:8]}…")
     bias_vl = w[p + "gate.bias_vl"] if image_rows is not None else None
     pending_shared = side.fork(_shared, be, w, p, x, limit, act_quant, shared)
-    routing = route(be, x, w[p + "gate"], w[p + "gate.bias"], k, bias_vl=bias_vl, image_rows=image_rows)
+    routing = route(be, x, w[p + "gate"], w[p + "gate.bias"], k, bias_vl=bias_vl, image_rows=image_rows,
+                    routed_scale=cfg.routed_scaling_factor)
     if routing.scores.shape[-1] != E:
         raise ValueError(f"{p}gate.weight has {routing.scores.shape[-1]} experts, expected {E}")
     T, H = x.shape
     xb = x.to(torch.bfloat16)                       # x holds BF16 values: exact
-    weights = scaled_weights(cfg, routing.weights)
+    weights = routing.scaled
     if experts is None and reduce is None and not pending_shared.result[1]:     # host flag: no device read
         if T == 0:
             return bf16(side.join(pending_shared)[0])
