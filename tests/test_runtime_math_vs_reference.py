@@ -75,7 +75,8 @@ def test_compressor_latents_and_entry_values(tiny) -> None:
             assert torch.equal(latents, RC.ratio1_latents(t, w, p, x))
         else:
             a, s = M.pair_scores(be, w, p, x)
-            latents = M.pair_latents(be, t, w, p, a[0::2], s[0::2], a[1::2], s[1::2])
+            latents = M.pair_latents(be, a[0::2], s[0::2], a[1::2], s[1::2],
+                                     w[p + "compressor.norm.weight"], t.rms_norm_eps)
             want, rope_pos, pending = RC.ratio2_latents(t, w, p, x, pos, None)
             assert pending is None and torch.equal(latents, want)
         got = M.rope_entry_values(be, t, w, p, latents, rope_pos, inv)

@@ -78,7 +78,7 @@ def test_sublayers_within_the_stated_bound(tiny) -> None:
     o = _bf16(12, t.num_attention_heads, t.head_dim, seed=2)
     assert within_ulps(M.output_projection(be, t, w, p, o, pos, inv, True), RA.output_projection(t, w, p, o, pos, inv, True))
     a, s = M.pair_scores(be, w, p, x)
-    latents = M.pair_latents(be, t, w, p, a[0::2], s[0::2], a[1::2], s[1::2])
+    latents = M.pair_latents(be, a[0::2], s[0::2], a[1::2], s[1::2], w[p + "compressor.norm.weight"], t.rms_norm_eps)
     assert within_ulps(latents, RC.ratio2_latents(t, w, p, x, pos, None)[0])
 
     f = "layers.0.ffn."

@@ -158,7 +158,8 @@ def backend_pieces(be: B.ComputeBackend, cfg, w, i: dict) -> dict[str, torch.Ten
     out = {f"project_q_kv[{k}]": v for k, v in out.items()}
     out["output_projection"] = M.output_projection(be, t, w, p, i["o"].to(DEVICE), pos, inv, True)
     a, s = M.pair_scores(be, w, p, x)
-    out["pair_latents"] = M.pair_latents(be, t, w, p, a[0::2], s[0::2], a[1::2], s[1::2])
+    out["pair_latents"] = M.pair_latents(be, a[0::2], s[0::2], a[1::2], s[1::2],
+                                         w[p + "compressor.norm.weight"], t.rms_norm_eps)
     r = moe_ops.route(be, x, w[f + "gate"], w[f + "gate.bias"], t.num_experts_per_tok)
     out["route.experts"], out["route.weights"] = r.experts.sort(dim=-1).values, r.weights
     out["shared_expert"] = moe_ops.shared_expert(be, x, w[sh + "w1"], w[sh + "w2"], w[sh + "w3"],

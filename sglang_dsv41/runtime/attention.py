@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from ..config import LayerRole, TextConfig
 from ..numerics.geometry import swa_key_positions
 from ..numerics.rope import layer_inv_freq
-from .attention_math import (output_projection, pair_latents, pair_scores, project_q_lora_kv, query_heads,
+from .attention_math import (output_projection, pair_scores, project_q_lora_kv, query_heads,
                              ratio1_latents, rope_entry_values, swa_cache_roundtrip)
 from .attention_ops import AttentionOps
 from .backend import ComputeBackend
@@ -51,6 +51,7 @@ from .batch import BatchLayout
 from .cache import RuntimeCaches
 from .kv_layout import entry_positions
 from .overlap import INLINE, InlineStream, SideStream
+from .pair_ring import check_pair_state, store_verify_pairs
 from .tensor_parallel import SINGLE, TensorParallel
 
 __all__ = ["ForwardScratch", "attention_sublayer", "entry_positions"]
@@ -102,21 +103,6 @@ def _write_packed(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], 
     caches.write_values(be, src, entry_idx, roped, k)
 
 
-def _check_pair_state(src: int, from_state: Tensor, req_rows: Tensor, pos: Tensor, stored: Tensor) -> None:
-    """CPU only: an odd token whose first token is not in the batch needs the request's pending
-    pair state of position p − 1 (`stored`: the ring's position; a prefix hit at an odd length
-    would not have one)."""
-    stale = from_state & (stored != pos - 1)
-    if bool(stale.any()):
-        t = int(torch.nonzero(stale)[0, 0])
-        raise RuntimeError(
-            f"sglang-dsv41: kv source {src}: the token at odd position {int(pos[t])} of request row "
-            f"{int(req_rows[t])} completes a ratio-2 pair whose first token is neither in this batch nor "
-            f"the request's pending pair state (holds position {int(stored[t])}); "
-            "a forward must start at an even position or continue the request's previous chunk "
-            "(prefix hits are page-aligned with an even page_size, contract §4)")
-
-
 def _write_compressed(be: ComputeBackend, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str, x: Tensor,
                       layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor) -> None:
     """Packed entries of a kv-source layer for the whole batch (spec §3.4.3, contract §2, §4).
@@ -132,33 +118,15 @@ def _write_compressed(be: ComputeBackend, cfg: TextConfig, role: LayerRole, w: M
     if ratio != 2:
         raise ValueError(f"layer {src}: compress ratio {ratio} is not a V4.1 ratio (1 or 2)")
     a, s = pair_scores(be, w, prefix, x)
-    req_rows = layout.req_rows[layout.token_req]                              # [N] request row per token
-    odd = (pos % 2) == 1
-    in_batch = (pos > layout.prefix_lens[layout.token_req])[:, None]          # token p − 1 is in the batch
-    prev = (torch.arange(pos.shape[0], device=pos.device) - 1).clamp(min=0)
-    first_pos = (pos - 1).clamp(min=0)                   # odd p: the pair's first token p − 1 (RoPE position)
-    a_held, s_held, held_pos = caches.pending_pair(src, req_rows, first_pos)
     if layout.host_checks:
-        _check_pair_state(src, odd & ~in_batch[:, 0], req_rows, pos, held_pos)
-    a_first = torch.where(in_batch, a[prev], a_held)
-    s_first = torch.where(in_batch, s[prev], s_held)
-    latents = pair_latents(be, cfg, w, prefix, a_first, s_first, a, s)
-    entries = torch.where(odd & live, out // 2, -1)
+        check_pair_state(layout, caches, src)
+    latents, entries, first_pos = be.pair_latents(a, s, layout, caches, src, w[prefix + "compressor.norm.weight"],
+                                                  cfg.rms_norm_eps)
     _write_packed(be, cfg, w, prefix, latents, first_pos, inv_freq, caches, src, entries)
     if layout.verify_width:
-        # DSpark verify: any draft position may become the committed end, so every live token keeps
-        # the pending pair of its compressed position (odd tokens re-write their in-batch partner's,
-        # identical values); the ring (≥ 2 + w slots) never lets them clobber the committed pair
-        keep = live & (~odd | in_batch[:, 0])
-        caches.store_block_pairs(src, req_rows, pos - pos % 2, keep, torch.where(odd[:, None], a_first, a),
-                                 torch.where(odd[:, None], s_first, s))
-        return
-    # pending first tokens: requests whose last batch token sits at an even position; padding
-    # requests (last token not live, or no tokens) write their rows' own values back (no change)
-    last = layout.last_tokens
-    live_req = live[last] & (layout.extend_lens > 0)                # `BatchLayout.live_requests`, from `live`
-    pending = ((pos[last] % 2) == 0) & live_req
-    caches.store_pending_pairs(src, layout.req_rows, pos[last], pending, live_req, a[last], s[last])
+        store_verify_pairs(a, s, layout, caches, src)
+    else:
+        be.store_pending_pairs(a, s, layout, caches, src)
 
 
 def _selection(be: ComputeBackend, ops: AttentionOps, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor],

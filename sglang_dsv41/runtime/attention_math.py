@@ -115,15 +115,15 @@ def pair_scores(be: ComputeBackend, w: Mapping[str, Tensor], prefix: str, x: Ten
             apply_linear(w[prefix + "compressor.wgate"], x, be, out_fp32=True))
 
 
-def pair_latents(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, a_first: Tensor,
-                 s_first: Tensor, a_second: Tensor, s_second: Tensor) -> Tensor:
+def pair_latents(be: ComputeBackend, a_first: Tensor, s_first: Tensor, a_second: Tensor, s_second: Tensor,
+                 norm_weight: Tensor, eps: float) -> Tensor:
     """Pre-RoPE latents of ratio-2 pairs: σ = per-dimension softmax over the pair, pooled =
     a₁σ₁ + a₂σ₂ in upstream's fp32 steps (`numerics.rounding.pair_pool`; exp in `be.acc`:
     correctly rounded on `exact`, fp32 elsewhere — elementwise, batch invariant),
-    latent = RMSNorm(bf16(pooled)) (§3.4.3)."""
+    latent = RMSNorm(bf16(pooled)) with `compressor.norm.weight` (§3.4.3)."""
     pooled = pair_pool(torch.stack((a_first, a_second), dim=1), torch.stack((s_first, s_second), dim=1),
                        be.acc)
-    return be.rms_norm(be.bf16(pooled), w[prefix + "compressor.norm.weight"], cfg.rms_norm_eps)
+    return be.rms_norm(be.bf16(pooled), norm_weight, eps)
 
 
 def rope_entry_values(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, latents: Tensor,
