@@ -17,6 +17,8 @@ prefill row count, the BF16-copy cuBLAS form of `kernels.fp8_w8a8` from there), 
   - `w8a8_f16` and `fp8_mma` run every FP8 linear through `fp8_w8a8_linear` at every row count
     (`wo_a`: one grouped launch with act_quant=False; `fp8_mma` passes fp8_mma=True); `tiered`
     calls it from the prefill row count only; `w8a16` never calls it;
+  - a static decode step takes its Engram rows and ring advance from `kernels.engram_rows`, with the
+    torch path's hidden states and request state bit for bit;
   - no float64 tensor is created by those pieces, nor by a whole forward on the backend
     (`Float64Watch`, a torch dispatch mode: every op's outputs are checked). Under the interpreter
     the model runs on CPU tensors, so attention, mHC and the routed experts are the fp32 CPU
@@ -286,6 +288,49 @@ def test_kernel_case_forward_on_the_backend_creates_no_float64(weights) -> None:
 
 
 @kernel
+def test_kernel_case_static_decode_engram_rows_on_the_kernels(weights, monkeypatch) -> None:
+    """A graphed decode step's layout (static: value checks off; two live requests, one CUDA-graph padding
+    request) takes the Engram rows and the ring's advance from `kernels.engram_rows` (two launches): the
+    same hidden states, Engram ring and pair ring as the torch path (`ComputeBackend.engram_ring_rows`)."""
+    from sglang_dsv41.kernels import engram_rows as ER
+    from sglang_dsv41.runtime.batch import static_decode_layout
+    from sglang_dsv41.runtime.cache import RuntimeCaches
+    from sglang_dsv41.runtime.forward import TorchForward
+
+    cfg, _, fp8, hasher = weights
+    fast = TorchForward(cfg, fp8, hasher.to(DEVICE), backend=triton_backend(fp8, "w8a8_fold"))
+    t, g, page, ctx = cfg.text, torch.Generator().manual_seed(9), 64, 40
+    caches = RuntimeCaches.allocate(t, page + 2 * 64, 4, device=DEVICE, page_size=page)
+    for rows in (caches.latent_rows, caches.key_rows):
+        rows.copy_(torch.randint(0, 120, rows.shape, generator=g).to(torch.uint8))
+    for swa in caches.swa:
+        swa.copy_(torch.randn(swa.shape, generator=g).to(swa.dtype))
+    ring = caches.engram_history
+    ring.ids.copy_(torch.randint(3, 900, ring.ids.shape, generator=g).to(torch.int32))
+    ring.end.fill_(ctx - 1)
+    table = torch.zeros(4, ctx, dtype=torch.int32)
+    table[1:3] = (page + torch.arange(2 * ctx, dtype=torch.int32)).view(2, ctx)
+    rows, seq = torch.tensor([1, 2, 0]), torch.tensor([ctx, ctx - 1, 1])
+    out = torch.stack([table[1, ctx - 1], table[2, ctx - 2], torch.tensor(0, dtype=torch.int32)]).long()
+    layout = static_decode_layout(*(x.to(DEVICE) for x in (rows, seq, seq - 1, out, table)))
+    ids = torch.tensor([17, 301, 5], device=DEVICE)
+    before = [x.clone() for x in (ring.ids, ring.end, *caches.pair_kv.values(), *caches.pair_position.values())]
+    launches: list[str] = []
+    real = ER.engram_ring_rows
+    monkeypatch.setattr(ER, "engram_ring_rows", lambda *a, **kw: launches.append("rows") or real(*a, **kw))
+    fused = fast.hidden_states(ids, layout, caches).cpu()
+    after = [x.clone() for x in (ring.ids, ring.end, *caches.pair_kv.values(), *caches.pair_position.values())]
+    assert launches == ["rows"] and not torch.equal(after[0], before[0])
+    for x, held in zip((ring.ids, ring.end, *caches.pair_kv.values(), *caches.pair_position.values()), before):
+        x.copy_(held)
+    monkeypatch.setattr(fast.backend, "engram_ring_rows", lambda *a: B.ComputeBackend.engram_ring_rows(fast.backend, *a))
+    torch_path = fast.hidden_states(ids, layout, caches).cpu()
+    assert launches == ["rows"] and torch.equal(fused, torch_path)
+    for x, want in zip((ring.ids, ring.end, *caches.pair_kv.values(), *caches.pair_position.values()), after):
+        assert torch.equal(x, want)
+
+
+@kernel
 @pytest.mark.parametrize("fp8_gemm", ["tiered", "w8a8_f16", "w8a8_gemv", "w8a8_fold"])
 def test_kernel_case_which_row_counts_run_the_w8a8_module(weights, fp8_gemm: str, monkeypatch) -> None:
     """`w8a8_f16`: `fp8_w8a8_linear` at decode (split-K tier), mid and prefill row counts; `w8a8_gemv`:
@@ -391,7 +436,7 @@ if not INTERPRETED:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
         from triton_checks import run_kernel_cases_in_interpreter
 
-        run_kernel_cases_in_interpreter(__file__, min_passed=14, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=15, exact=True)
 
 
 # ---- GPU: the CUDA forward as the server builds it ---------------------------------------------

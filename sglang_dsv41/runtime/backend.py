@@ -220,6 +220,14 @@ class ComputeBackend(ABC):
 
         store_pending_torch(a, s, layout, caches, source)
 
+    def engram_ring_rows(self, hasher, ids: Tensor, layout, ring) -> list[Tensor]:
+        """Row ids [N, columns] per Engram layer of `layout`'s remapped `ids` from the request rows' history
+        ring (`engram_history.EngramHistoryRing`), then the ring advanced (spec §3.3.1):
+        `engram_rows.ring_rows_torch`."""
+        from .engram_rows import ring_rows_torch
+
+        return ring_rows_torch(hasher, ids, layout, ring)
+
     def finish(self, ok: bool = True) -> None:
         """Called after each forward, `ok` False when it raised (e.g. to report or drop a deferred
         audit); nothing by default."""
@@ -384,6 +392,7 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
             raise ValueError(f"TritonBackend: fp8_gemm must be one of {FP8_GEMMS}, got {fp8_gemm!r}")
         self.fe, self.eg, self.dense, self.device_types = fe, eg, dense, tuple(device_types)
         self.fp8_gemm = fp8_gemm
+        self._engram_constants: dict = {}                   # (hasher id, device) → (hasher, token map, constants)
 
     def _w8a8_operand(self, weight: Tensor, x: Tensor):
         """The E4M3 tiles (`dense_ops.Fp8Weight`) of `weight` when this product runs
@@ -480,6 +489,24 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
 
         write_packed_entries(latent_rows, key_rows, (source.latent.offset, source.latent.share),
                              (source.key.offset, source.key.share), source.ratio, entry_idx, latents, keys)
+
+    def engram_ring_rows(self, hasher, ids: Tensor, layout, ring) -> list[Tensor]:
+        """Two launches (`kernels.engram_rows`: the torch path's rows and ring, integer arithmetic); the
+        hash constants stacked on the ids' device once per hasher."""
+        from ..kernels.engram_rows import advance_ring, engram_ring_rows
+        from .engram_rows import hash_constants
+
+        key = (id(hasher), ids.device)
+        consts = self._engram_constants.get(key)
+        if consts is None or consts[0] is not hasher:
+            consts = self._engram_constants[key] = (hasher, hasher.token_map.to(ids.device),
+                                                    *(c.to(ids.device) for c in hash_constants(hasher)))
+        rows = engram_ring_rows(ids, layout.positions, layout.token_req, layout.starts, layout.prefix_lens,
+                                layout.req_rows, ring.ids, *consts[1:], heads=hasher.n_heads,
+                                pad_id=hasher.pad_token_id, image_id=hasher.image_token_id)
+        advance_ring(ids, layout.starts, layout.extend_lens, layout.prefix_lens, layout.req_rows, layout.out_slots,
+                     ring.ids, ring.end, live_only=layout.static)
+        return list(rows.unbind(0))
 
     def pair_latents(self, a: Tensor, s: Tensor, layout, caches, source: int, norm_weight: Tensor,
                      eps: float) -> tuple[Tensor, Tensor, Tensor]:

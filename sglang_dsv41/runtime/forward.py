@@ -46,6 +46,7 @@ from .backend import ComputeBackend, backend_for
 from .batch import BatchLayout
 from .cache import RuntimeCaches
 from .engram_history import history_tail
+from .engram_rows import static_row_ids
 from .indexer_stats import IndexerSelectionStats
 from .layers import DeepseekV41DecoderLayer, ForwardStep, OwnedTensors, RMSNorm
 from .parallel_linear import linear_values, with_parallel_linears
@@ -273,8 +274,11 @@ class TorchForward(nn.Module):
     def engram_rows(self, ids: Tensor, layout: BatchLayout, caches: RuntimeCaches) -> list[Tensor]:
         """Row ids per Engram layer (history: `engram_history`; pad id before position 0), then
         the request rows' ring advanced to the end of this batch (padding tokens write nothing);
-        a DSpark verify batch stages its ids instead (`EngramHistoryRing.stage_verify`)."""
+        a DSpark verify batch stages its ids instead (`EngramHistoryRing.stage_verify`). Forwards
+        checked on the device that read the ring: `ComputeBackend.engram_ring_rows`."""
         assert self.hasher is not None
+        if layout.engram_history is None and not layout.verify_width and not self.value_checks(layout):
+            return self.backend.engram_ring_rows(self.hasher, ids, layout, caches.engram_history)
         history = self.engram_history(layout, caches)
         if layout.verify_width:
             local = torch.arange(ids.shape[0], device=ids.device) - layout.starts[layout.token_req]
@@ -285,36 +289,8 @@ class TorchForward(nn.Module):
                                           live=layout.live_requests if layout.static else None)
         history = torch.where(history >= 0, history, torch.full_like(history, self.hasher.pad_token_id))
         if not self.value_checks(layout):
-            return self._static_engram_rows(ids, layout, history)
+            return static_row_ids(self.hasher, ids, layout, history)
         return self.hasher.row_ids(ids, layout.positions, history, layout.extend_lens)
-
-    def _static_engram_rows(self, ids: Tensor, layout: BatchLayout, history: Tensor) -> list[Tensor]:
-        """`EngramHasher.row_ids` of any layout (static: decode, 1 token per request; DSpark verify: w
-        or a ragged verify length; CUDA serving: any extend) without its host-side checks (`_segments` sums extend_lens on
-        the host, `compressed_window` validates ids): the n-gram window of the token at index i of
-        its request b is (ids[i], ids[i−1], …, then history[b, K−1], history[b, K−2], …) —
-        `EngramHasher.window`'s rule (same index clamp) — then the same blocking, pad id, token
-        map and per-layer hash (`layer_row_ids`). Bit-identical to `row_ids`
-        (tests/test_runtime_cuda_graph.py, tests/test_runtime_dspark_verify.py)."""
-        h = self.hasher
-        assert h is not None
-        K, M = h.history_len, h.max_ngram
-        positions, token_req = layout.positions, layout.token_req
-        N = ids.shape[0]
-        shifts = torch.arange(M, device=ids.device)
-        index = torch.arange(N, device=ids.device)
-        back = (index - layout.starts[token_req])[:, None] - shifts[None, :]              # [N, M] local index i − s
-        from_hist = history[token_req[:, None], (back + K).clamp(min=0, max=K - 1)]       # [N, M]
-        from_ids = ids[(index[:, None] - shifts[None, :]).clamp(min=0)]                   # [N, M]
-        tok = torch.where(back >= 0, from_ids, from_hist)
-        if h.image_token_id is not None:
-            tok = torch.where(tok >= MULTIMODAL_PAD_ID_BASE, torch.full_like(tok, h.image_token_id), tok)
-        blocked = positions[:, None] < shifts[None, :]
-        if h.image_token_id is not None:
-            blocked = blocked | (torch.cumsum((tok == h.image_token_id).to(torch.int32), dim=1) > 0)
-        tok = torch.where(blocked, torch.full_like(tok, h.pad_token_id), tok)
-        compressed = h.token_map.to(tok.device)[tok]
-        return [h.layer_row_ids(compressed, layer) for layer in h.layers]
 
     @torch.no_grad()
     def hidden_states(self, input_ids: Tensor, layout: BatchLayout, caches: RuntimeCaches,
