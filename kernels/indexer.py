@@ -70,6 +70,8 @@ from triton.runtime.interpreter import InterpretedFunction
 from . import double_fp32 as DF
 from . import topk_select as TS
 from . import topk_split as TSPLIT
+from .indexer_tables import entry_index_table as one_launch_entry_table
+from .indexer_tables import query_tiles
 from .packed_rows import PackedSource, key_entry_bytes, load_key_pair_tiles
 
 NEG_INF = float("-inf")
@@ -196,10 +198,11 @@ def default_block_t(num_queries: int, num_requests: int, hi: int) -> int:
     return min(max(per_req, max(1, 16 // hi)), max(1, 128 // hi))
 
 
-def _query_tiles(token_req: Tensor, num_requests: int, block_t: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _query_tiles_torch(token_req: Tensor, num_requests: int, block_t: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(order, tile_req, tile_lo, tile_hi) without a host sync: `order` lists queries grouped by
     request; tile i covers order[lo:hi) of request tile_req[i]; the grid size is the static bound
-    min(N, (N + R·(BLOCK_T−1)) // BLOCK_T) ≥ Σ_r ⌈n_r/BLOCK_T⌉, spare tiles are empty (lo = hi)."""
+    min(N, (N + R·(BLOCK_T−1)) // BLOCK_T) ≥ Σ_r ⌈n_r/BLOCK_T⌉, spare tiles are empty (lo = hi).
+    The torch formula of `indexer_tables.query_tiles` (one launch; `index_scores` runs that)."""
     n = token_req.numel()
     dev = token_req.device
     order = torch.argsort(token_req, stable=True)
@@ -246,7 +249,7 @@ def index_scores(q: Tensor, head_w: Tensor, key_cache: Tensor | PackedSource, en
                  token_req: Tensor, n_visible: Tensor, *, head_sum_exact: bool = True, check_inputs: bool = True,
                  block_t: int | None = None, block_j: int = 64, j_steps: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
-                 tile_cache: dict | None = None) -> Tensor:
+                 tile_cache: dict | None = None, grouped_queries: bool = False) -> Tensor:
     """[N, E] fp32 indexer scores for a packed batch; −∞ where j ≥ n_visible[t] or entry_slots is −1.
 
     q [N, Hi, Di] fp32/bf16 FP4-valued (RoPE'd); head_w [N, Hi] fp32 (already ×Di^−½·Hi^−½);
@@ -259,7 +262,9 @@ def index_scores(q: Tensor, head_w: Tensor, key_cache: Tensor | PackedSource, en
     host sync; turn off inside CUDA graphs). Block sizes and launch options default from the
     shapes; overrides are for tuning (benchmarks/indexer.py). `tile_cache`: a dict the caller keeps
     for one set of queries (the same token_req and request count, e.g. one forward's batch): the
-    query tiles are made once per block size and reused from it (no tensor op).
+    query tiles are made once per block size and reused from it (no tensor op). `grouped_queries`:
+    token_req is non-decreasing (a `BatchLayout`'s), so the tiles' query order is the identity
+    (`indexer_tables.query_tiles`: one launch either way, plus torch's argsort when not grouped).
     """
     packed = isinstance(key_cache, PackedSource)
     if packed:
@@ -310,7 +315,7 @@ def index_scores(q: Tensor, head_w: Tensor, key_cache: Tensor | PackedSource, en
                          "with block_t·Hi ≥ 16 and block_j ≥ 16")
     tiles = None if tile_cache is None else tile_cache.get((R, block_t))
     if tiles is None:
-        tiles = _query_tiles(token_req, R, block_t)
+        tiles = query_tiles(token_req, R, block_t, grouped=grouped_queries)
         if tile_cache is not None:
             tile_cache[(R, block_t)] = tiles
     order, tile_req, tile_lo, tile_hi = tiles
@@ -476,6 +481,15 @@ def entry_slot_table(req_to_token: Tensor, req_rows: Tensor, n_entries: Tensor, 
 def entry_index_table(req_to_token: Tensor, req_rows: Tensor, n_entries: Tensor, ratio: int, width: int) -> Tensor:
     """[R, width] int64: packed entry index e of compressed entry j of request r — the slot of the
     token at position j·ratio + ratio − 1 (which completes it), // ratio (contracts §2) — for
-    j < n_entries[r], else −1. No host sync (same gather as `entry_slot_table`)."""
+    j < n_entries[r], else −1. No host sync. CUDA (or the interpreter): one launch
+    (`indexer_tables.entry_index_table`); CPU: `_entry_index_table_torch` (the same values)."""
+    if req_to_token.is_cuda or INTERPRETED:
+        return one_launch_entry_table(req_to_token, req_rows, n_entries, ratio, width)
+    return _entry_index_table_torch(req_to_token, req_rows, n_entries, ratio, width)
+
+
+def _entry_index_table_torch(req_to_token: Tensor, req_rows: Tensor, n_entries: Tensor, ratio: int,
+                             width: int) -> Tensor:
+    """`entry_index_table` in torch (the same gather as `entry_slot_table`)."""
     slots = entry_slot_table(req_to_token, req_rows, n_entries, ratio, width)
     return torch.where(slots >= 0, torch.div(slots, ratio, rounding_mode="floor"), -1)

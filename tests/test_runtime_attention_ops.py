@@ -168,10 +168,11 @@ def _exact_sparse_sink_attention(calls: list[str]):
 
 def _exact_index_scores(calls: list[str]):
     def index_scores(q, head_w, key_cache, entry_slots, token_req, n_visible, *, head_sum_exact, check_inputs,
-                     tile_cache=None):
+                     tile_cache=None, grouped_queries=False):
         """The kernel's contract: bf16(Σ_h bf16(w·ReLU(bf16(dot)))), dots and head sum in float64
         (reference `index_scores` per query)."""
         assert head_sum_exact and not check_inputs and isinstance(key_cache, kernel_indexer.PackedSource)
+        assert grouped_queries and bool((token_req[1:] >= token_req[:-1]).all())     # a layout's: non-decreasing
         calls.append("scores")
         assert key_cache.part == "key"                                    # the kernel's PackedSource → our decoder
         packed = kernel_source_as_runtime_rows(key_cache)

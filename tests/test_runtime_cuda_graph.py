@@ -79,7 +79,7 @@ def _sparse_sink_attention(calls: list[str]):
 
 def _index_scores(calls: list[str]):
     def index_scores(q, head_w, key_cache, entry_slots, token_req, n_visible, *, head_sum_exact, check_inputs,
-                     tile_cache=None):
+                     tile_cache=None, grouped_queries=False):
         assert head_sum_exact and not check_inputs, "the runtime must not ask the indexer for input checks"
         with suspended():
             calls.append(f"scores{entry_slots.shape[1]}")

@@ -411,7 +411,7 @@ class KernelAttentionOps:
                                     layout.token_req[part], n_visible[part], head_sum_exact=self.head_sum == "fp64",
                                     check_inputs=False,
                                     tile_cache=None if query_tiles is None else query_tiles.setdefault(
-                                        (part.start, part.stop), {}))
+                                        (part.start, part.stop), {}), grouped_queries=True)
             selection, chunk_blocks = select_for_role(K, cfg, role, scores, n_visible[part],
                                                         None if published is None else published[part],
                                                         check_nan=False)

@@ -51,7 +51,9 @@ class BatchLayout:
 
     * `req_rows[b]`: row of `req_to_token` of request b; `prefix_lens[b]`, `extend_lens[b]`,
       `seq_lens[b]` = prefix + extend; `starts[b]`: index of its first token in the batch.
-    * `positions[t]`, `token_req[t]` (request index of token t), `out_slots[t]` (slot of token t).
+    * `positions[t]`, `token_req[t]` (request index of token t; non-decreasing — every constructor
+      here lays requests' runs out in request order, which the indexer's query tiles rely on),
+      `out_slots[t]` (slot of token t).
     * `req_to_token`: SGLang's [rows, max_context] int32 position → slot table.
     * `max_seq_len`: max(seq_lens) as a host int (0 without requests), read once per forward so
       per-layer code sizes its tensors without synchronising with the device; in a static layout

@@ -1,0 +1,85 @@
+"""`kernels/indexer_tables.py`: the indexer's entry-index table and query tiles in one launch each.
+
+What is pinned:
+* kernel cases (interpreter child on CPU; compiled on CUDA): both equal the torch formulas
+  (`indexer._entry_index_table_torch`, `indexer._query_tiles_torch`) exactly, and
+  `indexer.entry_index_table` takes the kernel —
+  - the table at ratios 1 and 2, widths past one program and past the longest request (−1 columns),
+    positions clamped at the table's last column, a request with no entry;
+  - the tiles of decode batches (one query per request), of extend batches with requests of 0, 1 and
+    many queries, several block sizes, grouped (identity order) and not (any order, torch's argsort);
+* main process: bad shapes raise;
+* GPU (`gpu`): a Flash decode batch (256 requests, 4096 columns) and an 8K-token prefill.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_dsv41.kernels import fused_elementwise as FE
+from sglang_dsv41.kernels import indexer as KI
+from sglang_dsv41.kernels import indexer_tables as IT
+from triton_checks import run_kernel_cases_in_interpreter
+
+KERNEL_HERE = FE.INTERPRETED or torch.cuda.is_available()
+DEVICE = "cuda" if torch.cuda.is_available() and not FE.INTERPRETED else "cpu"
+
+
+def _check_table(rows: int, context: int, seq: list[int], ratio: int, width: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randint(2, 1 << 20, (rows, context), generator=g, dtype=torch.int32).to(DEVICE)
+    req_rows = torch.randperm(rows, generator=g)[: len(seq)].to(DEVICE)
+    seq_lens = torch.tensor(seq, device=DEVICE)
+    got = IT.entry_index_table(table, req_rows, seq_lens // ratio, ratio, width)
+    assert torch.equal(got, KI._entry_index_table_torch(table, req_rows, seq_lens // ratio, ratio, width))
+    assert torch.equal(KI.entry_index_table(table, req_rows, seq_lens // ratio, ratio, width), got)   # dispatches
+
+
+def _check_tiles(extend: list[int], block_t: int, shuffle: bool, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    token_req = torch.repeat_interleave(torch.arange(len(extend)), torch.tensor(extend))
+    if shuffle:
+        token_req = token_req[torch.randperm(token_req.numel(), generator=g)]
+    token_req = token_req.to(DEVICE)
+    got = IT.query_tiles(token_req, len(extend), block_t, grouped=not shuffle)
+    want = KI._query_tiles_torch(token_req, len(extend), block_t)
+    for a, b in zip(got, want):
+        assert a.dtype == torch.int64 and torch.equal(a, b)
+
+
+if KERNEL_HERE:
+
+    def test_kernel_case_entry_index_table() -> None:
+        _check_table(6, 300, [300, 17, 1, 64], 2, 150, 0)
+        _check_table(5, 2000, [1999, 600, 0], 1, 1500, 1)                # width past one program
+        _check_table(3, 64, [64, 40], 2, 40, 2)                          # positions past the table: clamped
+
+    def test_kernel_case_query_tiles() -> None:
+        _check_tiles([1] * 7, 1, False, 0)                                # decode
+        _check_tiles([1] * 9, 4, False, 1)
+        _check_tiles([5, 0, 1, 33, 2, 0, 17], 4, False, 2)
+        _check_tiles([5, 0, 1, 33, 2, 0, 17], 8, True, 3)                # any order: torch's argsort
+        _check_tiles([300, 1, 250], 16, False, 4)                         # counting past one chunk
+
+
+# ---- the interpreter child and the main-process checks -------------------------------------------
+
+if not FE.INTERPRETED:
+
+    def test_kernel_cases_in_triton_interpreter() -> None:
+        """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
+        run_kernel_cases_in_interpreter(__file__, min_passed=2, exact=True)
+
+    def test_bad_shapes_raise() -> None:
+        with pytest.raises(ValueError, match="ratio"):
+            IT.entry_index_table(torch.zeros(2, 8, dtype=torch.int32), torch.zeros(2), torch.zeros(3), 0, 4)
+        with pytest.raises(ValueError, match="requests"):
+            IT.query_tiles(torch.zeros(4, dtype=torch.int64), 0, 4)
+
+
+@pytest.mark.gpu
+def test_gpu_flash_shapes() -> None:
+    _check_table(300, 8192, [8192 - i for i in range(256)], 2, 4096, 5)
+    _check_tiles([1] * 256, 1, False, 6)
+    _check_tiles([8192], 4, False, 7)
+    _check_tiles([4000, 3000, 1192], 4, False, 8)
