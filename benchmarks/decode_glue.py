@@ -13,6 +13,7 @@ tiny widths, and a CPU aten op may not be one CUDA kernel (`torch.mm` on CPU cas
 count is an estimate of the glue, not of the GPU's kernel list.
 
     python benchmarks/decode_glue.py --pattern slice4 --batch 1 --context 256 --out /tmp/glue.json
+    python benchmarks/decode_glue.py --plot before=a.json after=b.json --out glue.png   (launches by file, the PNG only)
 """
 from __future__ import annotations
 
@@ -115,13 +116,47 @@ def summarise(order: list[tuple[str, str]]) -> dict:
             "by_site": dict(by_site.most_common()), "order": [f"{site} {op}" for site, op in order]}
 
 
+def plot(runs: list[tuple[str, dict]], out: Path) -> bool:
+    """Horizontal bars: each run's launches per file (files with ≥ 4 in some run); the legend splits each
+    run's total into torch ops and Triton launches. False without matplotlib."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from plotting import pyplot, save_png
+
+    plt = pyplot()
+    if plt is None:
+        return False
+    files = sorted({f for _, r in runs for f, n in r["by_file"].items() if n >= 4},
+                   key=lambda f: -max(r["by_file"].get(f, 0) for _, r in runs))
+    fig, ax = plt.subplots(figsize=(9, 0.32 * len(files) + 1.6))
+    height = 0.8 / len(runs)
+    for i, (label, r) in enumerate(runs):
+        ys = [k + i * height for k in range(len(files))]
+        ax.barh(ys, [r["by_file"].get(f, 0) for f in files], height=height,
+                label=f"{label}: {r['launches']} ({r['torch']} torch, {r['triton']} Triton)")
+    ax.set_yticks([k + 0.4 - height / 2 for k in range(len(files))], files, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("kernel launches in one decode step (CPU census)")
+    first = runs[0][1]
+    ax.set_title(f"decode step launches by site: pattern {first['pattern']}, batch {first['batch']}, "
+                 f"context {first['context']}", fontsize=9)
+    ax.legend(fontsize=8)
+    save_png(fig, out)
+    return True
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pattern", choices=sorted(PATTERNS), default=None, help="layer pattern (default: tiny's own)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=256)
+    p.add_argument("--plot", nargs="+", metavar="LABEL=JSON", help="only draw these runs' launches by file")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
+    if a.plot:
+        runs = [(label, json.loads(Path(path).read_text())) for label, path in (x.split("=", 1) for x in a.plot)]
+        if not plot(runs, a.out):
+            print("no PNG: matplotlib is not installed")
+        return 0
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import host_ops
