@@ -21,6 +21,7 @@ from sglang_dsv41.engram_hash import MULTIMODAL_PAD_ID_BASE, EngramHasher, Engra
 from sglang_dsv41.kernels import engram_rows as ER
 from sglang_dsv41.kernels import fused_elementwise as FE
 from sglang_dsv41.runtime.engram_history import NO_TOKEN, EngramHistoryRing, history_tail
+from padded_batches import padded_batch
 from triton_checks import run_kernel_cases_in_interpreter
 
 KERNEL_HERE = FE.INTERPRETED or torch.cuda.is_available()
@@ -43,26 +44,21 @@ def _case(prefix: list[int], extend: list[int], rows: list[int], padding: int, i
     """(ids, positions, token_req, starts, prefix, ext, req_rows, out_slots, ring) on DEVICE; the ring's rows
     hold K ids ending at each request's prefix (random ids, some multimodal); padding requests at row 0."""
     g = torch.Generator().manual_seed(seed)
-    prefix, extend, rows = prefix + [0] * padding, extend + [1] * padding, rows + [0] * padding
-    ext = torch.tensor(extend)
-    starts = torch.cumsum(ext, 0) - ext
-    token_req = torch.repeat_interleave(torch.arange(len(ext)), ext)
-    pos = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix, extend)])
-    ids = torch.randint(3, VOCAB, (int(ext.sum()),), generator=g)
+    pb = padded_batch(prefix, extend, rows, padding)
+    ids = torch.randint(3, VOCAB, (int(pb.extend.sum()),), generator=g)
     if image is not None:
         ids[torch.rand(ids.shape, generator=g) < 0.15] = image
         ids[torch.rand(ids.shape, generator=g) < 0.1] = MULTIMODAL_PAD_ID_BASE + 7
-    out = torch.where(torch.tensor(rows)[token_req] > 0, 64 + pos, 0)
-    ring = EngramHistoryRing.allocate(max(rows) + 1, M - 1, "cpu")
-    for r, p in zip(rows, prefix):
+    ring = EngramHistoryRing.allocate(int(pb.rows.max()) + 1, M - 1, "cpu")
+    for r, p in zip(pb.rows.tolist(), pb.prefix.tolist()):
         if r and p:
             held = torch.randint(3, VOCAB, (M - 1,), generator=g)
             held[: max(0, M - 1 - p)] = NO_TOKEN
             ring.ids[r] = held.to(torch.int32)
             ring.end[r] = p
     d = lambda t: t.to(DEVICE)  # noqa: E731
-    return (d(ids), d(pos), d(token_req), d(starts), d(torch.tensor(prefix)), d(ext), d(torch.tensor(rows)), d(out),
-            EngramHistoryRing(d(ring.ids), d(ring.end)))
+    return (d(ids), d(pb.positions), d(pb.token_req), d(pb.starts), d(pb.prefix), d(pb.extend), d(pb.rows),
+            d(pb.out_slots), EngramHistoryRing(d(ring.ids), d(ring.end)))
 
 
 def _check(hasher: EngramHasher, case, live_only: bool) -> None:

@@ -25,6 +25,7 @@ from sglang_dsv41.kernels import fused_elementwise as FE
 from sglang_dsv41.kernels import pair_state as PS
 from sglang_dsv41.numerics.rounding import pair_pool
 from sglang_dsv41.runtime.cache import RuntimeCaches
+from padded_batches import padded_batch
 from triton_checks import compile_for_sm90, run_kernel_cases_in_interpreter
 
 KERNEL_HERE = FE.INTERPRETED or torch.cuda.is_available()
@@ -36,30 +37,24 @@ def _batch(prefix: list[int], extend: list[int], rows: list[int], padding: int, 
     """Tensors of one batch (int64, on DEVICE): requests at `rows` with `prefix` / `extend`, then `padding`
     CUDA-graph padding requests (row 0, position 0, slot 0); a, s with pair differences down to −250."""
     g = torch.Generator().manual_seed(seed)
-    prefix, extend, rows = prefix + [0] * padding, extend + [1] * padding, rows + [0] * padding
-    ext = torch.tensor(extend)
-    starts = torch.cumsum(ext, 0) - ext
-    token_req = torch.repeat_interleave(torch.arange(len(ext)), ext)
-    pos = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix, extend)])
-    live_req = torch.tensor([r != 0 for r in rows])
-    out = torch.where(live_req[token_req], 64 + 4096 * torch.tensor(rows)[token_req] + pos, 0)
-    N = int(ext.sum())
+    pb = padded_batch(prefix, extend, rows, padding, row_stride=4096)
+    N = int(pb.extend.sum())
     a = torch.randn(N, D, generator=g) * 3
     s = torch.randn(N, D, generator=g) * 4
     s[:, :8] = torch.tensor([0.0, -1e-3, -30.0, -87.0, -90.0, -103.0, -150.0, -250.0])
     s[1::2, :8] = 0.0                                  # paired with a shifted copy: differences down to −250
     s[:, 8] = 1.5                                      # equal scores: σ = ½
     s[min(3, N - 1), 9] = float("nan")
-    ring_rows = max(rows) + 1
+    ring_rows = int(pb.rows.max()) + 1
     kv = torch.randn(ring_rows, ring, D, generator=g)
     score = torch.randn(ring_rows, ring, D, generator=g)
     held = torch.randint(0, 50, (ring_rows, ring), generator=g)
     w = torch.rand(D, generator=g) + 0.5
     d = lambda t: t.to(DEVICE)  # noqa: E731
     return types.SimpleNamespace(
-        prefix=d(torch.tensor(prefix)), extend=d(ext), starts=d(starts), rows=d(torch.tensor(rows)),
-        token_req=d(token_req), pos=d(pos), out=d(out), a=d(a), s=d(s), kv=d(kv), score=d(score), held=d(held),
-        w=d(w), ring=ring)
+        prefix=d(pb.prefix), extend=d(pb.extend), starts=d(pb.starts), rows=d(pb.rows), token_req=d(pb.token_req),
+        pos=d(pb.positions), out=d(pb.out_slots), a=d(a), s=d(s), kv=d(kv), score=d(score), held=d(held), w=d(w),
+        ring=ring)
 
 
 def _expected_latents(b) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
