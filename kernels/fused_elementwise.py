@@ -207,23 +207,30 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, EPS_HI: tl.constexpr, EPS_LO: tl.
 
 
 @triton.jit
-def _rope_tail_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, T, R, D, HEAD,
+def _rope_tail_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, dst_ptr, out_stride, T, R, D, HEAD,
                       HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HEAD: tl.constexpr,
-                      INVERSE: tl.constexpr, ROUND_BF16: tl.constexpr, ROUND_INPUT: tl.constexpr):
+                      INVERSE: tl.constexpr, ROUND_BF16: tl.constexpr, ROUND_INPUT: tl.constexpr,
+                      SCATTER: tl.constexpr):
     """BLOCK_T tokens × BLOCK_R of their R rows (heads): dims [0, HEAD) copied, the last 2·HALF
     rotated pairwise; cos/sin computed once per token and shared by its rows. ROUND_INPUT: x rounded
-    to BF16 as loaded (`round_bf16`'s rounding, before the rotation)."""
+    to BF16 as loaded (`round_bf16`'s rounding, before the rotation). Token t's output starts at
+    out_ptr + u·out_stride, u = dst[t] with SCATTER (rows of a cache), else t."""
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     r = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = (t < T)[:, None, None] & (r < R)[None, :, None]                      # [BT, BR, 1]
     base = (t[:, None, None] * R + r[None, :, None]) * D
+    if SCATTER:
+        u = tl.load(dst_ptr + t, mask=t < T, other=0).to(tl.int64)
+    else:
+        u = t
+    out_base = u[:, None, None] * out_stride + r[None, :, None] * D
     h = tl.arange(0, BLOCK_HEAD)[None, None, :]
     for h0 in range(0, HEAD, BLOCK_HEAD):
         hm = live & ((h0 + h) < HEAD)
         v = tl.load(x_ptr + base + h0 + h, mask=hm, other=0.0).to(tl.float32)
         if ROUND_BF16 or ROUND_INPUT:
             v = _round_bf16(v)
-        tl.store(out_ptr + base + h0 + h, v, mask=hm)
+        tl.store(out_ptr + out_base + h0 + h, v, mask=hm)
     i = tl.arange(0, HALF)
     pos = tl.load(pos_ptr + t, mask=t < T, other=0).to(tl.float32)
     c, s = DF.cos_sin(pos[:, None] * tl.load(freq_ptr + i).to(tl.float32)[None, :])   # ≈ ops.rope_cos_sin
@@ -243,8 +250,9 @@ def _rope_tail_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, T, R, D, HEAD,
     if ROUND_BF16:
         ra = _round_bf16(ra)
         rb = _round_bf16(rb)
-    tl.store(out_ptr + pa, ra, mask=rm)
-    tl.store(out_ptr + pa + 1, rb, mask=rm)
+    po = out_base + HEAD + 2 * i[None, None, :]
+    tl.store(out_ptr + po, ra, mask=rm)
+    tl.store(out_ptr + po + 1, rb, mask=rm)
 
 
 @triton.jit
@@ -454,12 +462,15 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, round_bf16: bool = True) -> 
 
 
 def apply_rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False,
-                    round_bf16: bool = False, out_dtype: torch.dtype = F32, round_input: bool = False) -> Tensor:
+                    round_bf16: bool = False, out_dtype: torch.dtype = F32, round_input: bool = False,
+                    into: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """`ops.apply_rope_tail` (optionally preceded and / or followed by `ops.bf16`: `round_input`,
     `round_bf16`): x [T, ..., D] (any float dtype), positions [T]; the last 2·len(inv_freq) dims rotated
     in interleaved pairs; fp32 out, or with `round_bf16` BF16 out when `out_dtype` says so (the same
-    values: half the bytes written). Bound: module doc."""
-    check_device("apply_rope_tail", x, positions, inv_freq)
+    values: half the bytes written). `into` = (cache [S, ...], rows [T] int): token t's result written to
+    cache[rows[t]] instead (`cache[rows] = result` in the same launch; its dtype is the output's), and the
+    cache returned. Bound: module doc."""
+    check_device("apply_rope_tail", x, positions, inv_freq, *(into or ()))
     if out_dtype != F32 and not (round_bf16 and out_dtype == torch.bfloat16):
         raise ValueError(f"apply_rope_tail: out_dtype {out_dtype} (bfloat16 only with round_bf16)")
     half = inv_freq.numel()
@@ -469,17 +480,26 @@ def apply_rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: boo
     if x.dim() < 2 or positions.shape != (x.shape[0],):
         raise ValueError(f"apply_rope_tail: x {tuple(x.shape)} with positions {tuple(positions.shape)}")
     x = x.contiguous()
-    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     rows = x.numel() // D
+    if into is None:
+        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+        dst, out_stride = positions, rows * D // max(x.shape[0], 1)              # dst: unread without SCATTER
+    else:
+        out, dst = into
+        if out.dtype != out_dtype or out.shape[1:] != x.shape[1:] or dst.shape != positions.shape \
+                or out.stride()[1:] != x.stride()[1:]:                          # rows laid out as x's
+            raise ValueError(f"apply_rope_tail: into a cache {out.dtype} {tuple(out.shape)} with rows "
+                             f"{tuple(dst.shape)} for x {tuple(x.shape)} written as {out_dtype}")
+        out_stride = out.stride(0)
     if rows:
         T, R = x.shape[0], rows // x.shape[0]
         block_t, block_r = _ROPE_TOKEN_BLOCK, min(_pow2_at_least(R), _ROPE_ROW_BLOCK)
         grid = (triton.cdiv(T, block_t), triton.cdiv(R, block_r))
-        _rope_tail_kernel[grid](x, positions.contiguous(), inv_freq.contiguous(), out, T, R, D, D - 2 * half,
-                                HALF=half, BLOCK_T=block_t, BLOCK_R=block_r,
+        _rope_tail_kernel[grid](x, positions.contiguous(), inv_freq.contiguous(), out, dst.contiguous(), out_stride,
+                                T, R, D, D - 2 * half, HALF=half, BLOCK_T=block_t, BLOCK_R=block_r,
                                 BLOCK_HEAD=min(_ROPE_HEAD_BLOCK, _pow2_at_least(max(D - 2 * half, 1))),
                                 INVERSE=inverse, ROUND_BF16=round_bf16, ROUND_INPUT=round_input,
-                                **_launch_options())
+                                SCATTER=into is not None, **_launch_options())
     return out
 
 

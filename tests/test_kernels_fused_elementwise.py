@@ -9,7 +9,9 @@ What is pinned:
   FP4 scales from amax·fp32(1/6), probed where that differs from amax/6);
 * RoPE (fp32 rotation of double-fp32 cos/sin rounded once): bit for bit on these inputs, also
   with Flash's tables at positions 0, 65,535, 65,536 and 1,048,575;
-  top-k selection of `route` (NaN first, ties → lower id, all −inf rows, vision bias);
+  top-k selection of `route` (NaN first, ties → lower id, all −inf rows, vision bias); `route_softplus`: the
+  correctly rounded sqrt of the softplus, then `route_select`'s bits and the routed scale; RoPE written into
+  cache rows (`into`) == `cache[rows] = result`;
 * the double-fp32 ones (rms_norm, SwiGLU incl. gates far down the exp range, the routing weight
   sum; the renorm add and division are fp32, as upstream's gate): equal to the float64 reference on
   these inputs (their stated bound allows rare one-ulp flips; none occur here);
@@ -19,7 +21,8 @@ What is pinned:
   reference's bits; the reference has no backend switch left;
 * compiled for sm_90 (no GPU needed): no approximate division / sqrt / exp instructions, no
   saturating fp8 cast, no float64 instruction;
-* GPU (`gpu`): Flash widths vs the reference evaluated on the GPU, and CUDA-graph replay.
+* GPU (`gpu`): Flash widths vs the reference evaluated on the GPU, `route_softplus` == torch's sqrt then
+  `route_select`, RoPE into cache rows at Flash shape, and CUDA-graph replay.
 
 The kernel cases run in a child pytest with TRITON_INTERPRET=1 (`test_kernel_cases_in_triton_interpreter`),
 as tests/test_kernels_indexer.py does; the interpreter's own fp32→bf16 cast truncation does not
@@ -166,6 +169,24 @@ if KERNEL_HERE:
             assert same_bits(FE.apply_rope_tail(d(x), d(pos), d(inv), inverse).cpu(), want)
             assert same_bits(FE.apply_rope_tail(d(x), d(pos), d(inv), inverse, round_bf16=True).cpu(),
                              ops.bf16_rope_tail(x, pos, inv, inverse))
+
+    def test_kernel_case_rope_into_cache_rows() -> None:
+        """`into`: the BF16 rows written at their cache rows (as `cache[rows] = result`), the other rows kept."""
+        g = torch.Generator().manual_seed(21)
+        x = torch.randn(5, 96, generator=g) * 4
+        pos = torch.tensor([0, 7, 300, 4095, 12])
+        inv = ops.rope_inv_freq(32, 10000.0, None)
+        cache = torch.randn(9, 96, generator=g).to(torch.bfloat16)
+        rows = torch.tensor([8, 0, 3, 5, 1])
+        want = cache.clone()
+        want[rows] = FE.apply_rope_tail(x.to(DEVICE), pos.to(DEVICE), inv.to(DEVICE), round_bf16=True,
+                                        out_dtype=torch.bfloat16, round_input=True).cpu()
+        got = FE.apply_rope_tail(x.to(DEVICE), pos.to(DEVICE), inv.to(DEVICE), round_bf16=True,
+                                 out_dtype=torch.bfloat16, round_input=True, into=(cache.to(DEVICE), rows.to(DEVICE)))
+        assert same_bits(got.cpu().float(), want.float())
+        with pytest.raises(ValueError, match="into a cache"):
+            FE.apply_rope_tail(x.to(DEVICE), pos.to(DEVICE), inv.to(DEVICE), round_bf16=True,
+                               into=(cache.to(DEVICE), rows.to(DEVICE)))             # written as fp32: refused
 
     def test_kernel_case_rope_cos_sin_equal_float64_rounded_once() -> None:
         """The kernel's double-fp32 cos/sin (read out through a rotation of (1, 0) pairs) equal
@@ -323,7 +344,7 @@ if not FE.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        run_kernel_cases_in_interpreter(__file__, min_passed=18)
+        run_kernel_cases_in_interpreter(__file__, min_passed=19)
 
     def test_cpu_without_interpreter_raises() -> None:
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
@@ -339,9 +360,10 @@ if not FE.INTERPRETED:
         ("_rms_norm_kernel", {"x_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*fp32", "D": "i32"},
          {"EPS_HI": 1e-20, "EPS_LO": -5.6e-28, "BLOCK_D": 8192, "LOG2_D": 13, "ROUND_BF16": True}),
         ("_rope_tail_kernel", {"x_ptr": "*fp32", "pos_ptr": "*i64", "freq_ptr": "*fp32", "out_ptr": "*fp32",
-                               "T": "i32", "R": "i32", "D": "i32", "HEAD": "i32"},
+                               "dst_ptr": "*i64", "out_stride": "i32", "T": "i32", "R": "i32", "D": "i32",
+                               "HEAD": "i32"},
          {"HALF": 32, "BLOCK_T": 1, "BLOCK_R": 8, "BLOCK_HEAD": 128, "INVERSE": True, "ROUND_BF16": True,
-          "ROUND_INPUT": True}),
+          "ROUND_INPUT": True, "SCATTER": True}),
         ("_swiglu_kernel", {"g_ptr": "*fp32", "u_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "limit": "fp32"}, {"BLOCK": 1024}),
         ("_route_select_kernel", ROUTE_SIG, {**ROUTE_CONSTS, "SQRT": False, "SCALED": False}),
         ("_route_select_kernel", ROUTE_SIG, {**ROUTE_CONSTS, "SQRT": True, "SCALED": True}),
@@ -451,6 +473,23 @@ def test_gpu_route_softplus_is_torch_sqrt_then_route_select() -> None:
     want_e, want_w = FE.route_select(want_s, bias, 6, moe.RENORM_EPS)
     assert same_bits(s, want_s) and torch.equal(e, want_e) and same_bits(w, want_w)
     assert same_bits(scaled, want_w * 1.5)
+
+
+@pytest.mark.gpu
+def test_gpu_rope_into_cache_rows_at_flash_shape() -> None:
+    """CUDA: 256 SWA rows of 512 dims (64 rotated) written at their cache rows by the RoPE launch equal the
+    result written by `cache[rows] = …`, bit for bit; the other rows keep theirs."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(23)
+    x = torch.randn(256, 512, generator=g, device=dev) * 3
+    pos = torch.randint(0, 1 << 20, (256,), generator=g, device=dev)
+    inv = ops.rope_inv_freq(64, 10000.0, None).to(dev)
+    cache = torch.randn(5000, 512, generator=g, device=dev).to(torch.bfloat16)
+    rows = torch.randperm(5000, generator=g, device=dev)[:256]
+    want = cache.clone()
+    want[rows] = FE.apply_rope_tail(x, pos, inv, round_bf16=True, out_dtype=torch.bfloat16, round_input=True)
+    FE.apply_rope_tail(x, pos, inv, round_bf16=True, out_dtype=torch.bfloat16, round_input=True, into=(cache, rows))
+    assert same_bits(cache.float(), want.float())
 
 
 @pytest.mark.gpu

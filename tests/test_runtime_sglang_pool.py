@@ -222,7 +222,7 @@ def test_forward_waits_for_each_layer_before_reading_its_rows(tiny_checkpoint: P
     caches.bind_swa_mapping(torch.arange(caches.num_slots))     # identity, as stand-alone caches
     log: list = []
     pool.register_layer_transfer_counter(_Counter(log))
-    write_swa, packed, write_values = RuntimeCaches.write_swa, RuntimeCaches.packed, RuntimeCaches.write_values
+    write_swa, packed, write_values = RuntimeCaches.write_swa_rows, RuntimeCaches.packed, RuntimeCaches.write_values
 
     def spy(name, fn, layer_of):
         def wrapped(self, *args, **kwargs):
@@ -230,7 +230,7 @@ def test_forward_waits_for_each_layer_before_reading_its_rows(tiny_checkpoint: P
             return fn(self, *args, **kwargs)
         return wrapped
 
-    monkeypatch.setattr(RuntimeCaches, "write_swa", spy("swa", write_swa, lambda layer, *_: layer))
+    monkeypatch.setattr(RuntimeCaches, "write_swa_rows", spy("swa", write_swa, lambda be, layer, *_: layer))
     monkeypatch.setattr(RuntimeCaches, "packed", spy("global", packed, lambda *_: None))
     monkeypatch.setattr(RuntimeCaches, "write_values", spy("global", write_values, lambda *_: None))
     run_batch(engine, caches, slots, [(1, 0, list(range(3, 20)))])

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # H200 / H100 (one GPU), one device call (after session 30, which had no device; issue 21), most telling first:
-#   1. pytest -m gpu: session 30's four glue kernels at Flash shapes — tests/test_kernels_pair_state.py (ratio-2
+#   1. pytest -m gpu: session 30's glue kernels at Flash shapes — tests/test_kernels_pair_state.py (ratio-2
 #      pair latents + ring), tests/test_kernels_engram_rows.py (Engram rows + ring advance),
-#      tests/test_kernels_indexer_tables.py (entry table + query tiles), tests/test_kernels_fused_elementwise.py
-#      (`route_softplus`: torch's sqrt bits) — and session 29's unrun hand-off cases (tests/test_kernels_fp8_fold.py,
+#      tests/test_kernels_indexer_tables.py (entry table + query tiles), tests/test_kernels_swa_window.py (SWA windows),
+#      tests/test_kernels_fused_elementwise.py (`route_softplus`: torch's sqrt bits; RoPE into cache rows) — and
+#      session 29's unrun hand-off cases (tests/test_kernels_fp8_fold.py,
 #      tests/test_kernels_stacked_halves.py, tests/test_kernels_mhc.py), TEST_S at most;
 #   2. benchmarks/model_step.py (4 Flash-width layers, 8K context, side stream off / on) at N = 1 / 8 / 64: the tree
 #      before session 30 (BASE, b43e89e: session 29's default, quantised hand-off included) and this tree,
-#      alternating (base, new, base, new), one process each. The new tree runs 171 fewer launches per 4-layer step on
+#      alternating (base, new, base, new), one process each. The new tree runs 192 fewer launches per 4-layer step on
 #      the CPU census (benchmarks/decode_glue.py --pattern slice4).
 # Make the base first (untracked; travels with the tree): git archive -o ab_base.tar b43e89e sglang_dsv41 kernels
 # JSONs in $OUT/model_step_{base,new}{1,2}; logs in $OUT/logs.tar.gz. session31b.sh runs the rest.
@@ -19,7 +20,8 @@ source "$(dirname "$0")/lib.sh"
 mkdir -p "$OUT/logs" "$OUT/tests"
 gpu_setup
 OUT=$OUT/tests BUDGET=$TEST_S TESTS="tests/test_kernels_pair_state.py tests/test_kernels_engram_rows.py \
-tests/test_kernels_indexer_tables.py tests/test_kernels_fused_elementwise.py tests/test_kernels_fp8_fold.py \
+tests/test_kernels_indexer_tables.py tests/test_kernels_swa_window.py tests/test_kernels_fused_elementwise.py \
+tests/test_kernels_fp8_fold.py \
 tests/test_kernels_stacked_halves.py tests/test_kernels_mhc.py" \
   bash scripts/gpu/gpu_tests_subset.sh
 echo "== gpu tests rc=$?"

@@ -6,7 +6,7 @@ model's `attention_ops` implementation (CPU: float64 torch; CUDA: the Triton ker
 
 1. `project_q_kv` for every token of the batch at once (per-token math; the query heads forked
    to the side stream, `runtime/overlap.py`); the SWA read-back
-   (`swa_cache_roundtrip`) goes to `swa[layer][swa_slot_of[slot]]`;
+   (`swa_cache_roundtrip`) goes to `swa[layer][swa_slot_of[slot]]` (`RuntimeCaches.write_swa_rows`);
 2. kv sources write packed FP4 entries (`kv_layout`): ratio 1 → every token completes entry
    e = its slot; ratio 2 → the odd-position token p completes the pair (p−1, p), entry
    e = slot(p) // 2, pooled from its own fp32 `wkv` / `wgate` outputs and its first token's —
@@ -44,7 +44,7 @@ from ..config import LayerRole, TextConfig
 from ..numerics.geometry import swa_key_positions
 from ..numerics.rope import layer_inv_freq
 from .attention_math import (output_projection, pair_scores, project_q_lora_kv, query_heads,
-                             ratio1_latents, rope_entry_values, swa_cache_roundtrip)
+                             ratio1_latents, rope_entry_values)
 from .attention_ops import AttentionOps
 from .backend import ComputeBackend
 from .batch import BatchLayout
@@ -185,9 +185,8 @@ def attention_sublayer(be: ComputeBackend, ops: AttentionOps, cfg: TextConfig, r
     q_lora, kv = project_q_lora_kv(be, cfg, w, prefix, x, act_quant, x_quantised)
     q = side.fork(query_heads, be, cfg, w, prefix, q_lora, pos, inv_freq, act_quant, len(tp.plan(cfg).heads))
     caches.wait_for_layer(layer, global_rows=role.ratio > 0)          # HiCache load-back has landed
-    swa_slots, out_rows = _swa_window(layer, cfg, layout, caches, scratch)
-    caches.write_swa(layer, layout.out_slots,
-                     swa_cache_roundtrip(be, kv, pos, inv_freq, caches.profile, cfg.qk_rope_head_dim), rows=out_rows)
+    swa_slots, out_rows = _swa_window(be, layer, cfg, layout, caches, scratch)
+    caches.write_swa_rows(be, layer, out_rows, kv, pos, inv_freq, cfg.qk_rope_head_dim)
 
     packed = comp_entries = workspace = None
     if role.ratio > 0:
@@ -227,17 +226,27 @@ def _compressed_entries(be: ComputeBackend, role: LayerRole, selection: Tensor, 
     return entries
 
 
-def _swa_window(layer: int, cfg: TextConfig, layout: BatchLayout, caches: RuntimeCaches,
+def _swa_window(be: ComputeBackend, layer: int, cfg: TextConfig, layout: BatchLayout, caches: RuntimeCaches,
                 scratch: ForwardScratch) -> tuple[Tensor, Tensor]:
     """(SWA slots [N, window] of every query's window, SWA rows [N] of the batch's own tokens),
-    made once per forward (`ForwardScratch.swa_window`); on CPU the window is checked then."""
+    made once per forward (`ForwardScratch.swa_window`); on CPU the window is checked then, elsewhere
+    `ComputeBackend.swa_window` makes it."""
     if scratch.swa_window is None:
-        window = _request_slots(layout, swa_key_positions(layout.positions, cfg.sliding_window))  # [N, W] full slots
-        swa_slots = caches.swa_slots(window)
         if layout.host_checks:
+            window = _request_slots(layout, swa_key_positions(layout.positions, cfg.sliding_window))  # full slots
+            swa_slots = caches.swa_slots(window)
             _check_window(layer, window, swa_slots, layout)
-        scratch.swa_window = (swa_slots, caches.swa_rows(layout.out_slots))
+            scratch.swa_window = (swa_slots, caches.swa_rows(layout.out_slots))
+        else:
+            scratch.swa_window = be.swa_window(layout, caches, cfg.sliding_window)
     return scratch.swa_window
+
+
+def swa_window_torch(layout: BatchLayout, caches: RuntimeCaches, window: int) -> tuple[Tensor, Tensor]:
+    """(SWA slots [N, window] of every query's window, −1 before position 0; SWA rows [N] of the batch's own
+    tokens) in torch: `ComputeBackend.swa_window`."""
+    full = _request_slots(layout, swa_key_positions(layout.positions, window))
+    return caches.swa_slots(full), caches.swa_rows(layout.out_slots)
 
 
 def _check_window(layer: int, window: Tensor, swa_slots: Tensor, layout: BatchLayout) -> None:

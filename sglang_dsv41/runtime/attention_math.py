@@ -78,6 +78,17 @@ def swa_cache_roundtrip(be: ComputeBackend, kv: Tensor, positions: Tensor, inv_f
     return row if none else fp8_v41_roundtrip(row)
 
 
+def write_swa_roundtrip(be: ComputeBackend, swa_rows: Tensor, rows: Tensor, kv: Tensor, positions: Tensor,
+                        inv_freq: Tensor, profile: CacheProfile, rope_dim: int) -> None:
+    """swa_rows[rows] = `swa_cache_roundtrip`(kv) (the SWA cache write of a layer's tokens, §3.4.1, §3.8). The NONE
+    profile's row is written where the backend rotates it (`ComputeBackend.bf16_rope_tail_into`: one launch on
+    `triton`, no separate scatter)."""
+    if profile is CacheProfile.NONE:
+        be.bf16_rope_tail_into(kv.to(F32), positions, inv_freq, swa_rows, rows)
+    else:
+        swa_rows[rows] = swa_cache_roundtrip(be, kv, positions, inv_freq, profile, rope_dim).to(swa_rows.dtype)
+
+
 def output_projection(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, o: Tensor,
                       positions: Tensor, inv_freq: Tensor, act_quant: bool,
                       wo_b: Callable[..., Tensor] | None = None) -> Tensor:

@@ -111,6 +111,11 @@ class ComputeBackend(ABC):
         module doc); this one keeps its dtype."""
         return self.bf16(self.apply_rope_tail(self.bf16(x) if round_input else x, positions, inv_freq, inverse))
 
+    def bf16_rope_tail_into(self, x: Tensor, positions: Tensor, inv_freq: Tensor, cache: Tensor, rows: Tensor) -> None:
+        """cache[rows] = bf16(RoPE(bf16(x))) in the cache's dtype (`bf16_rope_tail` with `round_input`): the NONE
+        profile's SWA cache write (`attention_math.write_swa_roundtrip`)."""
+        cache[rows] = self.bf16_rope_tail(x, positions, inv_freq, bf16_out=True, round_input=True).to(cache.dtype)
+
     def rms_norm_pair(self, x: Tensor, split: int, first_weight: Tensor, second_weight: Tensor,
                       eps: float) -> tuple[Tensor, Tensor]:
         """(rms_norm(x[:, :split], first_weight) rounded to BF16, rms_norm(x[:, split:], second_weight) not
@@ -219,6 +224,13 @@ class ComputeBackend(ABC):
         from .pair_ring import store_pending_torch
 
         store_pending_torch(a, s, layout, caches, source)
+
+    def swa_window(self, layout, caches, window: int) -> tuple[Tensor, Tensor]:
+        """(SWA slots [N, window] int64 of every token's sliding window, −1 before position 0; SWA rows [N] of
+        the tokens' own slots) of `layout` in `caches` (spec §3.4.5): `attention.swa_window_torch`."""
+        from .attention import swa_window_torch
+
+        return swa_window_torch(layout, caches, window)
 
     def engram_ring_rows(self, hasher, ids: Tensor, layout, ring) -> list[Tensor]:
         """Row ids [N, columns] per Engram layer of `layout`'s remapped `ids` from the request rows' history
@@ -473,6 +485,11 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
         return self.fe.apply_rope_tail(x, positions, inv_freq, inverse, round_bf16=True,
                                        out_dtype=BF16 if bf16_out else F32, round_input=round_input)
 
+    def bf16_rope_tail_into(self, x: Tensor, positions: Tensor, inv_freq: Tensor, cache: Tensor, rows: Tensor) -> None:
+        """One launch: the rows written at their cache rows by the RoPE kernel (its `into`), no scatter launch."""
+        self.fe.apply_rope_tail(x, positions, inv_freq, round_bf16=True, out_dtype=cache.dtype, round_input=True,
+                                into=(cache, rows))
+
     def clamped_swiglu(self, gate: Tensor, up: Tensor, limit: float) -> Tensor:
         return self.fe.clamped_swiglu(gate, up, limit)
 
@@ -489,6 +506,13 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
 
         write_packed_entries(latent_rows, key_rows, (source.latent.offset, source.latent.share),
                              (source.key.offset, source.key.share), source.ratio, entry_idx, latents, keys)
+
+    def swa_window(self, layout, caches, window: int) -> tuple[Tensor, Tensor]:
+        """One launch (`kernels.swa_window`: the torch path's integers)."""
+        from ..kernels.swa_window import swa_window
+
+        return swa_window(layout.positions, layout.token_req, layout.req_rows, layout.req_to_token,
+                          caches.swa_slot_of, layout.out_slots, window)
 
     def engram_ring_rows(self, hasher, ids: Tensor, layout, ring) -> list[Tensor]:
         """Two launches (`kernels.engram_rows`: the torch path's rows and ring, integer arithmetic); the

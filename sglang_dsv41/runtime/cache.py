@@ -274,6 +274,15 @@ class RuntimeCaches:
         SWA rows when already made (`swa_rows(full_slots)`, e.g. once for every layer of a forward)."""
         self.swa[layer][self.swa_rows(full_slots) if rows is None else rows] = values.to(self.swa[layer].dtype)
 
+    def write_swa_rows(self, be, layer: int, rows: Tensor, kv: Tensor, positions: Tensor, inv_freq: Tensor,
+                       rope_dim: int) -> None:
+        """SWA kv [N, D] of tokens at SWA rows `rows` [N] (`swa_rows(out_slots)`) → `swa[layer]`, as this cache's
+        profile reads it back (`attention_math.write_swa_roundtrip` on the compute backend `be`: with the NONE
+        profile the RoPE launch stores the rows itself)."""
+        from .attention_math import write_swa_roundtrip
+
+        write_swa_roundtrip(be, self.swa[layer], rows, kv, positions, inv_freq, self.profile, rope_dim)
+
     def packed(self, source: int) -> PackedSourceRows:
         """Read view of kv source `source`'s packed entries (latent and key rows)."""
         return PackedSourceRows(self.latent_rows, self.key_rows, self.layout.source(source), self.layout)
