@@ -31,11 +31,11 @@ from torch import Tensor
 from .fused_elementwise import _launch_options, _pow2_at_least, check_device
 
 #: ids from this base on are multimodal pad ids (`engram_hash.MULTIMODAL_PAD_ID_BASE`)
-MULTIMODAL_PAD_ID_BASE = 1_000_000
+MULTIMODAL_PAD_ID_BASE = tl.constexpr(1_000_000)
 #: the ring's "no id" (`runtime.engram_history.NO_TOKEN`)
-NO_TOKEN = -1
+NO_TOKEN = tl.constexpr(-1)
 #: slots below this are the padding page (`runtime.batch.SLOT_GROUP`)
-SLOT_GROUP = 2
+SLOT_GROUP = tl.constexpr(2)
 TOKENS_PER_PROGRAM = 32
 
 

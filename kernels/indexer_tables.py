@@ -4,9 +4,9 @@ at a decode step's first indexer layer of each ratio.
 
 * `entry_index_table`: [R, width] int64, entry j of request r = req_to_token[req_rows[r],
   min(j·ratio + ratio − 1, max_context − 1)] // ratio for j < n_entries[r], else −1.
-* `query_tiles`: one program. counts[r] = the queries of request r, starts = their exclusive prefix sum,
-  tiles = ⌈counts / block_t⌉, tile_end = the inclusive prefix sum of tiles; tile i (of the static grid)
-  belongs to request req = #{r: tile_end[r] ≤ i} (clamped to R − 1) and covers queries
+* `query_tiles`: one program. counts[r] = the queries of request r (a histogram per 1,024 queries), starts = their
+  exclusive prefix sum, tiles = ⌈counts / block_t⌉, tile_end = the inclusive prefix sum of tiles; tile i (of the
+  static grid) belongs to request req = #{r: tile_end[r] ≤ i} (by bisection; clamped to R − 1) and covers queries
   [starts + (i − tile_end + tiles)·block_t, min(that + block_t, starts + counts)) of `order`; tiles past
   the last are empty (0, 0). With `grouped` (token_req non-decreasing: queries already grouped by request,
   as a `BatchLayout` holds them) `order` is the identity, written by the same launch; otherwise it is
@@ -26,8 +26,8 @@ from .fused_elementwise import _launch_options, _pow2_at_least, check_device
 
 #: entries per program of the entry table
 TABLE_BLOCK = 512
-#: the counting pass's [queries × requests] tile holds at most this many lanes
-COUNT_LANES = 4096
+#: queries per step of the counting pass (a histogram) and tiles per step of the owner search
+LANES = 1024
 
 
 @triton.jit
@@ -45,16 +45,16 @@ def _entry_table_kernel(table_ptr, table_stride, max_context, rows_ptr, n_ptr, o
 
 @triton.jit
 def _query_tiles_kernel(token_req_ptr, N, R, grid, block_t, scratch_ptr, order_ptr, req_ptr, lo_ptr, hi_ptr,
-                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr, GROUPED: tl.constexpr):
-    r = tl.arange(0, BLOCK_R)
-    live_r = r < R
+                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, LOG2_R: tl.constexpr, BLOCK_I: tl.constexpr,
+                        GROUPED: tl.constexpr):
     counts = tl.zeros((BLOCK_R,), tl.int64)
     for n0 in range(0, N, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        req = tl.load(token_req_ptr + n, mask=n < N, other=-1)
-        counts += tl.sum((req[:, None] == r[None, :]).to(tl.int64), axis=0)
+        req = tl.load(token_req_ptr + n, mask=n < N, other=0).to(tl.int32)
+        counts += tl.histogram(req, BLOCK_R, mask=n < N).to(tl.int64)
         if GROUPED:
             tl.store(order_ptr + n, n.to(tl.int64), mask=n < N)
+    r = tl.arange(0, BLOCK_R)
     tiles = (counts + block_t - 1) // block_t
     tile_end = tl.cumsum(tiles, axis=0)
     starts = tl.cumsum(counts, axis=0) - counts
@@ -62,21 +62,30 @@ def _query_tiles_kernel(token_req_ptr, N, R, grid, block_t, scratch_ptr, order_p
     tl.store(scratch_ptr + r, starts)
     tl.store(scratch_ptr + BLOCK_R + r, counts)
     tl.store(scratch_ptr + 2 * BLOCK_R + r, tile_end - tiles)
+    tl.store(scratch_ptr + 3 * BLOCK_R + r, tile_end)
     tl.debug_barrier()
     for i0 in range(0, grid, BLOCK_I):
         i = i0 + tl.arange(0, BLOCK_I)
         live_i = i < grid
-        owner = tl.sum(((tile_end[None, :] <= i[:, None]) & live_r[None, :]).to(tl.int64), axis=1)
-        owner = tl.minimum(owner, R - 1)
+        lo = tl.zeros((BLOCK_I,), tl.int64)                          # #{r < R: tile_end[r] ≤ i}, by bisection
+        hi = tl.zeros((BLOCK_I,), tl.int64) + R
+        for _ in tl.static_range(LOG2_R + 1):
+            mid = (lo + hi) // 2
+            end = tl.load(scratch_ptr + 3 * BLOCK_R + tl.minimum(mid, R - 1), mask=live_i, other=0)
+            active = lo < hi
+            go_right = active & (end <= i)
+            lo = tl.where(go_right, mid + 1, lo)
+            hi = tl.where(active & ~go_right, mid, hi)
+        owner = tl.minimum(lo, R - 1)
         start = tl.load(scratch_ptr + owner, mask=live_i, other=0)
         count = tl.load(scratch_ptr + BLOCK_R + owner, mask=live_i, other=0)
         first = tl.load(scratch_ptr + 2 * BLOCK_R + owner, mask=live_i, other=0)
-        lo = start + (i - first) * block_t
-        hi = tl.minimum(lo + block_t, start + count)
+        lo_q = start + (i - first) * block_t
+        hi_q = tl.minimum(lo_q + block_t, start + count)
         used = i < total
         tl.store(req_ptr + i, owner, mask=live_i)
-        tl.store(lo_ptr + i, tl.where(used, lo, 0), mask=live_i)
-        tl.store(hi_ptr + i, tl.where(used, hi, 0), mask=live_i)
+        tl.store(lo_ptr + i, tl.where(used, lo_q, 0), mask=live_i)
+        tl.store(hi_ptr + i, tl.where(used, hi_q, 0), mask=live_i)
 
 
 def entry_index_table(req_to_token: Tensor, req_rows: Tensor, n_entries: Tensor, ratio: int, width: int) -> Tensor:
@@ -108,11 +117,11 @@ def query_tiles(token_req: Tensor, num_requests: int, block_t: int,
     order = torch.empty(n, dtype=torch.int64, device=dev) if grouped else torch.argsort(token_req, stable=True)
     req, lo, hi = (torch.empty(grid, dtype=torch.int64, device=dev) for _ in range(3))
     block_r = _pow2_at_least(num_requests)
-    scratch = torch.empty(3 * block_r, dtype=torch.int64, device=dev)
+    scratch = torch.empty(4 * block_r, dtype=torch.int64, device=dev)
     if n:
         _query_tiles_kernel[(1,)](token_req, n, num_requests, grid, block_t, scratch, order, req, lo, hi,
-                                  BLOCK_N=max(1, COUNT_LANES // block_r), BLOCK_R=block_r,
-                                  BLOCK_I=max(1, COUNT_LANES // block_r), GROUPED=grouped, **_launch_options())
+                                  BLOCK_N=LANES, BLOCK_R=block_r, LOG2_R=block_r.bit_length() - 1, BLOCK_I=LANES,
+                                  GROUPED=grouped, **_launch_options())
     return order, req, lo, hi
 
 

@@ -9,7 +9,7 @@ What is pinned:
     id (multimodal pad ids, blocking from the first image id on);
   - the ring after `advance_ring` == `EngramHistoryRing.advance(history_tail(...))`, every request
     written, or with `live_only` none of the padding ones;
-* main process: bad shapes raise;
+* main process: bad shapes raise; the kernels build for sm_90 (no GPU);
 * GPU (`gpu`): a Flash-sized decode batch (256 requests, 2 layers of 24 columns).
 """
 from __future__ import annotations
@@ -97,6 +97,19 @@ if not FE.INTERPRETED:
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
         run_kernel_cases_in_interpreter(__file__, min_passed=2, exact=True)
+
+    @pytest.mark.parametrize("name,consts", [
+        ("_engram_rows_kernel", {"K": 3, "M": 4, "HEADS": 8, "BLOCK_H": 8, "L": 2, "BLOCK_L": 2, "HAS_IMAGE": True,
+                                 "BLOCK_T": 32}),
+        ("_advance_ring_kernel", {"K": 3, "BLOCK_K": 4, "LIVE_ONLY": True}),
+    ])
+    def test_kernels_compile_for_hopper(name: str, consts: dict) -> None:
+        """sm_90 builds (no GPU): the interpreter accepts globals and forms a compiled build refuses."""
+        from triton_checks import compile_for_sm90
+        kernel = getattr(ER, name)
+        sig = {n: "constexpr" if n in consts else ("*i32" if n == "ring_ptr" else "*i64") if n.endswith("_ptr")
+               else "i64" if n in ("PAD", "IMAGE") else "i32" for n in kernel.arg_names}
+        compile_for_sm90(kernel, sig, consts, {"num_warps": 4})
 
     def test_bad_shapes_raise() -> None:
         i64 = torch.zeros(3, dtype=torch.int64)

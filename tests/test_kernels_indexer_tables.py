@@ -8,7 +8,7 @@ What is pinned:
     positions clamped at the table's last column, a request with no entry;
   - the tiles of decode batches (one query per request), of extend batches with requests of 0, 1 and
     many queries, several block sizes, grouped (identity order) and not (any order, torch's argsort);
-* main process: bad shapes raise;
+* main process: bad shapes raise; the kernels build for sm_90 (no GPU);
 * GPU (`gpu`): a Flash decode batch (256 requests, 4096 columns) and an 8K-token prefill.
 """
 from __future__ import annotations
@@ -59,7 +59,8 @@ if KERNEL_HERE:
         _check_tiles([1] * 9, 4, False, 1)
         _check_tiles([5, 0, 1, 33, 2, 0, 17], 4, False, 2)
         _check_tiles([5, 0, 1, 33, 2, 0, 17], 8, True, 3)                # any order: torch's argsort
-        _check_tiles([300, 1, 250], 16, False, 4)                         # counting past one chunk
+        _check_tiles([300, 1, 250, 900], 16, False, 4)                    # counting past one histogram step
+        _check_tiles([1] * 1100 + [3, 0, 2], 1, False, 5)                 # owners past one search step, R ≥ 1024
 
 
 # ---- the interpreter child and the main-process checks -------------------------------------------
@@ -69,6 +70,18 @@ if not FE.INTERPRETED:
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
         run_kernel_cases_in_interpreter(__file__, min_passed=2, exact=True)
+
+    @pytest.mark.parametrize("name,consts", [
+        ("_query_tiles_kernel", {"BLOCK_N": 1024, "BLOCK_R": 256, "LOG2_R": 8, "BLOCK_I": 1024, "GROUPED": True}),
+        ("_entry_table_kernel", {"BLOCK": 512}),
+    ])
+    def test_kernels_compile_for_hopper(name: str, consts: dict) -> None:
+        """sm_90 builds (no GPU)."""
+        from triton_checks import compile_for_sm90
+        kernel = getattr(IT, name)
+        sig = {n: "constexpr" if n in consts else ("*i32" if n == "table_ptr" else "*i64") if n.endswith("_ptr")
+               else "i32" for n in kernel.arg_names}
+        compile_for_sm90(kernel, sig, consts, {"num_warps": 4})
 
     def test_bad_shapes_raise() -> None:
         with pytest.raises(ValueError, match="ratio"):

@@ -5,7 +5,7 @@ What is pinned:
   `attention.swa_window_torch` exactly — an extend batch of two requests at their own `req_to_token` rows,
   windows reaching before position 0 (−1), full slots whose SWA slot was freed (0), an int32 map, a window
   that is not a power of two, and a static decode layout with a padding request (row 0, slot 0);
-* main process: bad shapes raise;
+* main process: bad shapes raise; the kernels build for sm_90 (no GPU);
 * GPU (`gpu`): a Flash decode batch (256 requests, window 128).
 """
 from __future__ import annotations
@@ -75,6 +75,14 @@ if not FE.INTERPRETED:
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
         run_kernel_cases_in_interpreter(__file__, min_passed=1, exact=True)
+
+    def test_kernel_compiles_for_hopper() -> None:
+        """sm_90 build (no GPU)."""
+        from sglang_dsv41.kernels import swa_window as SW
+        from triton_checks import compile_for_sm90
+        sig = {n: "constexpr" if n == "BLOCK_W" else ("*i32" if n in ("table_ptr", "map_ptr") else "*i64")
+               if n.endswith("_ptr") else "i32" for n in SW._swa_window_kernel.arg_names}
+        compile_for_sm90(SW._swa_window_kernel, sig, {"BLOCK_W": 128}, {"num_warps": 4})
 
     def test_bad_shapes_raise() -> None:
         i64 = torch.zeros(3, dtype=torch.int64)
