@@ -233,20 +233,25 @@ def _swa_window(be: ComputeBackend, layer: int, cfg: TextConfig, layout: BatchLa
     `ComputeBackend.swa_window` makes it."""
     if scratch.swa_window is None:
         if layout.host_checks:
-            window = _request_slots(layout, swa_key_positions(layout.positions, cfg.sliding_window))  # full slots
-            swa_slots = caches.swa_slots(window)
-            _check_window(layer, window, swa_slots, layout)
-            scratch.swa_window = (swa_slots, caches.swa_rows(layout.out_slots))
+            full, swa_slots, own_rows = _window_slots(layout, caches, cfg.sliding_window)
+            _check_window(layer, full, swa_slots, layout)
+            scratch.swa_window = (swa_slots, own_rows)
         else:
             scratch.swa_window = be.swa_window(layout, caches, cfg.sliding_window)
     return scratch.swa_window
 
 
+def _window_slots(layout: BatchLayout, caches: RuntimeCaches, window: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(full slots [N, window] of every query's window, their SWA slots — both −1 before position 0 —, SWA rows
+    [N] of the batch's own tokens)."""
+    full = _request_slots(layout, swa_key_positions(layout.positions, window))
+    return full, caches.swa_slots(full), caches.swa_rows(layout.out_slots)
+
+
 def swa_window_torch(layout: BatchLayout, caches: RuntimeCaches, window: int) -> tuple[Tensor, Tensor]:
     """(SWA slots [N, window] of every query's window, −1 before position 0; SWA rows [N] of the batch's own
     tokens) in torch: `ComputeBackend.swa_window`."""
-    full = _request_slots(layout, swa_key_positions(layout.positions, window))
-    return caches.swa_slots(full), caches.swa_rows(layout.out_slots)
+    return _window_slots(layout, caches, window)[1:]
 
 
 def _check_window(layer: int, window: Tensor, swa_slots: Tensor, layout: BatchLayout) -> None:
