@@ -16,6 +16,7 @@ function                   replaces                                             
 `clamped_swiglu`           `moe.clamped_swiglu`                                     see "fp64 results"
 `route_select`             `moe.route` after the scores (bias, top-k, renorm)       see "fp64 results"
 `route_softplus`           the same from the softplus (its sqrt, the routed scale)  see "fp64 results"
+`route_logits`             the same from the logits (torch's CUDA fp32 softplus)    see "Softplus"
 =========================  =======================================================  =========================
 
 Rounding is done arithmetically, never by Triton casts whose semantics differ from torch's:
@@ -50,6 +51,11 @@ cos/sin for |angle| < 2²⁴, where the reduced argument carries ≲ 2⁻⁴⁹ 
 little likelier for angles within 2⁻⁵ of a multiple of π/2). Checked bitwise on 342k angles incl.
 Flash's tables at positions up to 2²⁰ (interpreter).
 
+Softplus (`route_logits`): torch's fp32 `F.softplus` on CUDA (z if z > 20, else log1pf(expf(z))) through libdevice's
+`expf` / `log1pf`, launched with `enable_reflect_ftz=False` (Triton's default flushes libdevice's subnormals, torch's
+build does not): the GPU tests compare the bits. Triton's interpreter has no libdevice, so there the launcher evaluates
+that softplus in torch and the kernel starts from it (`route_softplus`).
+
 Batch invariance: one program per row (token or token×head) or per block of 32-/16-groups; block
 sizes depend only on the row width, never on the number of rows. No host synchronisation, no
 host→device copy: every function is CUDA-graph capturable.
@@ -62,6 +68,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra import libdevice
 from triton.runtime.interpreter import InterpretedFunction
 
 from . import double_fp32 as DF
@@ -296,16 +303,20 @@ def _swiglu_kernel(g_ptr, u_ptr, out_ptr, n, limit, BLOCK: tl.constexpr):
 def _route_select_kernel(score_ptr, bias_ptr, vl_bias_ptr, image_ptr, expert_ptr, weight_ptr, E,
                          scores_out_ptr, scaled_ptr, scale,
                          K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, HAS_VL: tl.constexpr,
-                         RENORM_EPS: tl.constexpr, SQRT: tl.constexpr, SCALED: tl.constexpr):
+                         RENORM_EPS: tl.constexpr, SQRT: tl.constexpr, SCALED: tl.constexpr,
+                         SOFTPLUS: tl.constexpr = False, THRESHOLD: tl.constexpr = 20.0):
     """One token: K selection rounds over scores + bias (NaN first, then larger value, ties to
     the lower id), then weights = chosen / (fp32(Σ chosen) + eps): Σ in double-fp32 rounded once to
     fp32, the add and the division in fp32 (IEEE, `div_rn`) as upstream's gate (docs/reference.md).
     SQRT: the input is the softplus and the scores are its correctly rounded fp32 square root (`sqrt_rn`,
-    stored to scores_out); SCALED: also stores fp32(weights · scale)."""
+    stored to scores_out); SCALED: also stores fp32(weights · scale); SOFTPLUS (with SQRT, compiled only): the
+    input is the logits, and the softplus is torch's fp32 one (module doc, "Softplus")."""
     t = tl.program_id(0).to(tl.int64)
     ids = tl.arange(0, BLOCK_E)
     live = ids < E
     s = tl.load(score_ptr + t * E + ids, mask=live, other=0.0)
+    if SOFTPLUS:
+        s = tl.where(s > THRESHOLD, s, libdevice.log1p(libdevice.exp(s)))
     if SQRT:
         s = tl.sqrt_rn(s)
         tl.store(scores_out_ptr + t * E + ids, s, mask=live)
@@ -363,6 +374,14 @@ def _launch_options(num_warps: int = 4) -> dict:
     """Compiled launches: no FMA contraction (the reference rounds every product); the
     interpreter takes no launch options."""
     return {} if INTERPRETED else {"num_warps": num_warps, "enable_fp_fusion": False}
+
+
+def _route_options(softplus: float | None) -> dict:
+    """The routing launch's options: with the softplus (compiled only), its constants and libdevice without flushing
+    subnormals (module doc, "Softplus")."""
+    if softplus is None:
+        return _launch_options()
+    return _launch_options() | {"SOFTPLUS": True, "THRESHOLD": softplus, "enable_reflect_ftz": False}
 
 
 def check_device(name: str, *tensors: Tensor) -> None:
@@ -533,14 +552,31 @@ def route_softplus(softplus: Tensor, bias: Tensor, top_k: int, renorm_eps: float
     """`route_select` from the fp32 softplus of the router logits, in the same launch: (scores [T, E] =
     the correctly rounded fp32 sqrt of `softplus` — torch's fp32 sqrt on CUDA —, experts, weights, and
     fp32(weights · fp32(routed_scale)) — `moe_ops.scaled_weights`)."""
+    return _route(softplus, bias, top_k, renorm_eps, bias_vl, image_rows, sqrt=True, scale=_fp32_scale(routed_scale))
+
+
+def route_logits(logits: Tensor, bias: Tensor, top_k: int, renorm_eps: float, routed_scale: float,
+                 threshold: float, bias_vl: Tensor | None = None, image_rows: Tensor | None = None
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`route_softplus` from the fp32 router logits [T, E]: their softplus (`threshold`: torch's; module doc,
+    "Softplus") in the same launch on a GPU; under the interpreter, torch's `F.softplus` first."""
+    if INTERPRETED:
+        soft = torch.nn.functional.softplus(logits.to(F32), beta=1.0, threshold=threshold)
+        return route_softplus(soft, bias, top_k, renorm_eps, routed_scale, bias_vl, image_rows)
+    return _route(logits, bias, top_k, renorm_eps, bias_vl, image_rows, sqrt=True, scale=_fp32_scale(routed_scale),
+                  softplus=float(threshold))
+
+
+def _fp32_scale(routed_scale: float) -> float:
     scale = struct.unpack("<f", struct.pack("<f", routed_scale))[0]
     if scale != routed_scale:
         raise ValueError(f"routed_scale {routed_scale!r} is not exactly representable in fp32")
-    return _route(softplus, bias, top_k, renorm_eps, bias_vl, image_rows, sqrt=True, scale=scale)
+    return scale
 
 
 def _route(scores: Tensor, bias: Tensor, top_k: int, renorm_eps: float, bias_vl: Tensor | None,
-           image_rows: Tensor | None, *, sqrt: bool, scale: float | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+           image_rows: Tensor | None, *, sqrt: bool, scale: float | None,
+           softplus: float | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     check_device("route_select", scores, bias)
     T, E = scores.shape
     if not 1 <= top_k <= E:
@@ -560,9 +596,9 @@ def _route(scores: Tensor, bias: Tensor, top_k: int, renorm_eps: float, bias_vl:
                                    scaled, 1.0 if scale is None else scale, K=top_k,
                                    BLOCK_K=_pow2_at_least(top_k), BLOCK_E=_pow2_at_least(E), HAS_VL=has_vl,
                                    RENORM_EPS=float(renorm_eps), SQRT=sqrt, SCALED=scale is not None,
-                                   **_launch_options())
+                                   **_route_options(softplus))
     return out_scores, experts, weights, scaled
 
 
 __all__ = ["INTERPRETED", "apply_rope_tail", "clamped_swiglu", "fp4_fake_quant", "fp8_act_fake_quant",
-           "rms_norm", "round_bf16", "round_e4m3", "route_select", "route_softplus"]
+           "rms_norm", "round_bf16", "round_e4m3", "route_logits", "route_select", "route_softplus"]

@@ -275,6 +275,17 @@ if KERNEL_HERE:
         with pytest.raises(ValueError, match="fp32"):
             FE.route_softplus(soft.to(DEVICE), bias.to(DEVICE), 6, moe.RENORM_EPS, 0.1)
 
+    def test_kernel_case_route_logits() -> None:
+        """`route_logits` under the interpreter: torch's fp32 softplus of the logits, then `route_softplus`."""
+        g = torch.Generator().manual_seed(18)
+        logits = torch.randn(9, 40, generator=g) * 8
+        logits[0, :4] = torch.tensor([-100.0, 25.0, 0.0, float("nan")])
+        bias = torch.randn(40, generator=g) * 0.05
+        got = FE.route_logits(logits.to(DEVICE), bias.to(DEVICE), 6, moe.RENORM_EPS, 1.5, moe.SOFTPLUS_THRESHOLD)
+        soft = torch.nn.functional.softplus(logits, threshold=moe.SOFTPLUS_THRESHOLD)
+        want = FE.route_softplus(soft.to(DEVICE), bias.to(DEVICE), 6, moe.RENORM_EPS, 1.5)
+        assert all(same_bits(a.cpu(), b.cpu()) for a, b in zip(got, want))
+
     def test_kernel_case_batch_invariance() -> None:
         g = torch.Generator().manual_seed(7)
         x = ops.bf16(torch.randn(9, 4, 96, generator=g))
@@ -338,13 +349,14 @@ if KERNEL_HERE:
 ROUTE_SIG = {"score_ptr": "*fp32", "bias_ptr": "*fp32", "vl_bias_ptr": "*fp32", "image_ptr": "*u8",
              "expert_ptr": "*i64", "weight_ptr": "*fp32", "E": "i32", "scores_out_ptr": "*fp32", "scaled_ptr": "*fp32",
              "scale": "fp32"}
-ROUTE_CONSTS = {"K": 6, "BLOCK_K": 8, "BLOCK_E": 512, "HAS_VL": True, "RENORM_EPS": 1e-20}
+ROUTE_CONSTS = {"K": 6, "BLOCK_K": 8, "BLOCK_E": 512, "HAS_VL": True, "RENORM_EPS": 1e-20, "SOFTPLUS": False,
+                "THRESHOLD": 20.0}
 
 if not FE.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        run_kernel_cases_in_interpreter(__file__, min_passed=19)
+        run_kernel_cases_in_interpreter(__file__, min_passed=20)
 
     def test_cpu_without_interpreter_raises() -> None:
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
@@ -389,6 +401,29 @@ if not FE.INTERPRETED:
             assert "0f1E3CE508" in ptx                    # fp32(1e-20): the renorm add is fp32, as upstream's
         if consts.get("SQRT"):
             assert "sqrt.rn.f32" in ptx                   # the correctly rounded sqrt (torch's fp32 sqrt on CUDA)
+
+
+    def test_route_logits_compiles_with_libdevice_unflushed() -> None:
+        """sm_90 PTX of the fused softplus route (`route_logits`'s launch options): libdevice's expf / log1pf
+        without flushing subnormals — no `.ftz` instruction but expf's own `ex2.approx.ftz` core, as in CUDA's
+        expf — the correctly rounded sqrt, no float64; Triton's default (`enable_reflect_ftz`) would flush."""
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        kern = FE._route_select_kernel
+        opts = FE._route_options(20.0)
+        consts = {**ROUTE_CONSTS, "SQRT": True, "SCALED": True, "SOFTPLUS": opts.pop("SOFTPLUS"),
+                  "THRESHOLD": opts.pop("THRESHOLD")}
+        full = {n: ("constexpr" if n in consts else ROUTE_SIG[n]) for n in kern.arg_names}
+
+        def ftz_ops(options: dict) -> set[str]:
+            ptx = triton.compile(ASTSource(kern, full, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                                 options=options).asm["ptx"]
+            assert "sqrt.rn.f32" in ptx and not re.findall(r"\.f64\b", ptx)
+            return set(re.findall(r"\b[a-z0-9]+(?:\.[a-z0-9]+)*\.ftz\.f32", ptx))
+
+        assert ftz_ops(opts) == {"ex2.approx.ftz.f32"}
+        assert ftz_ops(opts | {"enable_reflect_ftz": True}) - {"ex2.approx.ftz.f32"}
 
 
 def test_reference_has_no_backend_switch() -> None:
@@ -473,6 +508,28 @@ def test_gpu_route_softplus_is_torch_sqrt_then_route_select() -> None:
     want_e, want_w = FE.route_select(want_s, bias, 6, moe.RENORM_EPS)
     assert same_bits(s, want_s) and torch.equal(e, want_e) and same_bits(w, want_w)
     assert same_bits(scaled, want_w * 1.5)
+
+
+@pytest.mark.gpu
+def test_gpu_route_logits_is_torch_softplus_then_route_softplus() -> None:
+    """CUDA, Flash widths: the router's softplus inside the routing launch is torch's `F.softplus` bit for bit
+    (libdevice expf / log1pf, subnormals kept), over logits from −120 (subnormal softplus) past the threshold,
+    ±0, ±inf and NaN; experts, weights and scaled weights are then `route_softplus`'s."""
+    from sglang_dsv41.runtime.moe_ops import SOFTPLUS_THRESHOLD, softplus_fp32
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(29)
+    logits = torch.randn(256, 384, generator=g, device=dev) * 4
+    logits[0] = torch.linspace(-120.0, 30.0, 384, device=dev)
+    logits[1, :8] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 20.0, 20.000002, -87.5],
+                                 device=dev)
+    logits[2] = torch.randn(384, generator=g, device=dev) * 40
+    bias = torch.randn(384, generator=g, device=dev) * 0.05
+    got = FE.route_logits(logits, bias, 6, moe.RENORM_EPS, 1.5, SOFTPLUS_THRESHOLD)
+    soft = softplus_fp32(logits, torch.float32)
+    assert same_bits(soft, torch.nn.functional.softplus(logits))
+    want = FE.route_softplus(soft, bias, 6, moe.RENORM_EPS, 1.5)
+    assert same_bits(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert same_bits(got[2], want[2]) and same_bits(got[3], want[3])
 
 
 @pytest.mark.gpu

@@ -146,6 +146,36 @@ def test_whole_rows_one_gemm_within_the_bound(monkeypatch) -> None:
         B.bf16_gemm_for(False)
 
 
+def test_unpadded_rows_one_gemm_on_the_operand_as_given(monkeypatch) -> None:
+    """`unpadded` (SGLANG_DSV41_BF16_GEMM=direct, opt-in): every row count, one block's worth or fewer included, is
+    one GEMM on x itself when x is contiguous BF16 (no padded block, no copy), within the bound; only with
+    `whole_rows`, and `direct` with the deterministic backend raises."""
+    from sglang_dsv41.runtime import backend as B
+    from sglang_dsv41.runtime import dense_ops as D
+    g = torch.Generator().manual_seed(6)
+    x, w = _bf16_values(300, 256, g=g), _fp8_like_weight(96, 256, g)
+    with pytest.raises(ValueError, match="whole_rows"):
+        BlockedBf16Gemm(DenseWeightCache(), unpadded=True)
+    operands = []
+    mm = D._mm_fp32_out
+    monkeypatch.setattr(D, "_mm_fp32_out", lambda a, wt: operands.append(a) or mm(a, wt))
+    direct = BlockedBf16Gemm(DenseWeightCache.from_weights({"a.weight": w}), row_block=64, whole_rows=True,
+                             unpadded=True)
+    xb = x.to(torch.bfloat16)
+    ref = ops.matmul_fp32_exact(x, w)
+    for m in (1, 7, 64, 300):
+        out = direct.matmul(xb[:m], w)
+        assert operands[-1].shape[0] == m and operands[-1].data_ptr() == xb.data_ptr(), m
+        assert bool(((out.to(F64) - ref[:m].to(F64)).abs() <= error_bound(x[:m], w, out, ref[:m], False)).all()), m
+    direct.matmul(x[:3], w)                                                    # fp32 activations: one BF16 copy
+    assert operands[-1].dtype == torch.bfloat16 and operands[-1].shape[0] == 3
+    monkeypatch.setenv(B.BF16_GEMM_ENV, "direct")
+    assert B.bf16_gemm_for(False) == "direct"
+    assert B.backend_for(torch.device("cuda"), {}, False).dense.unpadded
+    with pytest.raises(ValueError, match="direct is not row invariant"):
+        B.bf16_gemm_for(True)
+
+
 def test_weight_cache_views_unregistered_and_bf16_weights() -> None:
     g = torch.Generator().manual_seed(3)
     wo_a = _fp8_like_weight(128, 64, g)

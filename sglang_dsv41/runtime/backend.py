@@ -69,8 +69,9 @@ FP8_GEMM_ENV = "SGLANG_DSV41_FP8_GEMM"
 #: BF16 / fp32-weight products on CUDA (`bf16_gemm_for`): `whole` (serving default: a batch in one cuBLAS
 #: GEMM, `dense_ops.BlockedBf16Gemm.whole_rows`) | `triton` (opt-in: fewer than 129 rows on
 #: `kernels.bf16_linear`, more as `whole`; no faster on the H200, docs/performance.md "Session 24") |
-#: `blocked` (deterministic: 128-row blocks, row invariant)
-BF16_GEMMS, BF16_GEMM_ENV = ("blocked", "whole", "triton"), "SGLANG_DSV41_BF16_GEMM"
+#: `blocked` (deterministic: 128-row blocks, row invariant) | `direct` (opt-in: any batch in one cuBLAS GEMM on the
+#: activation as given, no padded copy)
+BF16_GEMMS, BF16_GEMM_ENV = ("blocked", "whole", "triton", "direct"), "SGLANG_DSV41_BF16_GEMM"
 
 
 class ComputeBackend(ABC):
@@ -123,11 +124,13 @@ class ComputeBackend(ABC):
         return (self.rms_norm(x[:, :split], first_weight, eps),
                 self.rms_norm(x[:, split:], second_weight, eps, round_bf16=False))
 
-    def route_softplus(self, softplus: Tensor, bias: Tensor, top_k: int, renorm_eps: float, routed_scale: float,
-                       bias_vl: Tensor | None, image_rows: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The router after its fp32 softplus (§3.6): (scores = fp32 sqrt of `softplus` evaluated in `acc`,
-        experts, weights — `route_select` —, fp32(weights · fp32(routed_scale)))."""
-        scores = torch.sqrt(softplus.to(self.acc)).to(F32)
+    def route_logits(self, logits: Tensor, bias: Tensor, top_k: int, renorm_eps: float, routed_scale: float,
+                     bias_vl: Tensor | None, image_rows: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The router after its fp32 logits (§3.6): (scores = fp32 sqrt, evaluated in `acc`, of the fp32 softplus
+        `moe_ops.softplus_fp32`, experts, weights — `route_select` —, fp32(weights · fp32(routed_scale)))."""
+        from .moe_ops import softplus_fp32
+
+        scores = torch.sqrt(softplus_fp32(logits, self.acc).to(self.acc)).to(F32)
         experts, weights = self.route_select(scores, bias, top_k, renorm_eps, bias_vl, image_rows)
         return scores, experts, weights, weights.to(F32) * R.fp32_scalar(routed_scale)
 
@@ -552,10 +555,13 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
                      bias_vl: Tensor | None, image_rows: Tensor | None) -> tuple[Tensor, Tensor]:
         return self.fe.route_select(scores, bias, top_k, renorm_eps, bias_vl, image_rows)
 
-    def route_softplus(self, softplus: Tensor, bias: Tensor, top_k: int, renorm_eps: float, routed_scale: float,
-                       bias_vl: Tensor | None, image_rows: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """One launch (`kernels.fused_elementwise.route_softplus`: the sqrt correctly rounded, as torch's on CUDA)."""
-        return self.fe.route_softplus(softplus, bias, top_k, renorm_eps, routed_scale, bias_vl, image_rows)
+    def route_logits(self, logits: Tensor, bias: Tensor, top_k: int, renorm_eps: float, routed_scale: float,
+                     bias_vl: Tensor | None, image_rows: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """One launch (`kernels.fused_elementwise.route_logits`: torch's CUDA fp32 softplus and sqrt bits)."""
+        from .moe_ops import SOFTPLUS_THRESHOLD
+
+        return self.fe.route_logits(logits, bias, top_k, renorm_eps, routed_scale, SOFTPLUS_THRESHOLD, bias_vl,
+                                    image_rows)
 
 
 
@@ -585,7 +591,7 @@ def fp8_gemm_for(deterministic: bool) -> str:
 
 def bf16_gemm_for(deterministic: bool) -> str:
     """The CUDA backend's BF16-weight product rows (BF16_GEMMS): SGLANG_DSV41_BF16_GEMM when set, else
-    `blocked` when `deterministic`, else `whole`; an unknown value, or `whole` / `triton` with
+    `blocked` when `deterministic`, else `whole`; an unknown value, or `whole` / `triton` / `direct` with
     `deterministic`, raises."""
     chosen = kernel_choice(BF16_GEMM_ENV, BF16_GEMMS, "blocked" if deterministic else "whole")
     if chosen != "blocked" and deterministic:
@@ -606,7 +612,7 @@ def backend_for(device: torch.device, weights: Mapping[str, object], determinist
     if device.type == "cuda":
         rows = bf16_gemm_for(deterministic)
         dense = BlockedBf16Gemm(DenseWeightCache.from_weights(weights), whole_rows=rows != "blocked",
-                                triton_rows=rows == "triton")
+                                triton_rows=rows == "triton", unpadded=rows == "direct")
         return TritonBackend(dense,
                              fp8_gemm=fp8_gemm_for(deterministic))
     raise RuntimeError(f"sglang-dsv41: no compute backend for device '{device}' (CPU: exact torch; CUDA: Triton)")

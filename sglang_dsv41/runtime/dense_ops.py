@@ -57,7 +57,9 @@ batch's row count (like the FP8 row tiers of `w8a8_f16`); never with the determi
 `triton_rows=True` (with `whole_rows`; `backend.bf16_gemm_for`'s opt-in `triton`) multiplies fewer than
 `kernels.bf16_linear.MAX_ROWS` rows by a BF16 weight of at most BF16_KERNEL_MAX_ELEMENTS on that Triton
 kernel instead of a padded cuBLAS block (one launch, no copy): exact products, fp32 sums, the same
-GEMM_BOUND, the bits of its row tiers.
+GEMM_BOUND, the bits of its row tiers. `unpadded=True` (with `whole_rows`; `backend.bf16_gemm_for`'s opt-in
+`direct`) multiplies any row count in one cuBLAS GEMM on the activation as given: no padded block and no copy
+(a decode row is one GEMV-shaped call), the same GEMM_BOUND, bits that depend on the row count.
 """
 from __future__ import annotations
 
@@ -301,17 +303,20 @@ class BlockedBf16Gemm:
     (called by the backend after each forward) reports a violation."""
 
     def __init__(self, cache: DenseWeightCache, row_block: int = ROW_BLOCK, audit_inputs: bool = False,
-                 whole_rows: bool = False, triton_rows: bool = False) -> None:
+                 whole_rows: bool = False, triton_rows: bool = False, unpadded: bool = False) -> None:
         if row_block < 1:
             raise ValueError(f"row_block must be ≥ 1, got {row_block}")
-        if triton_rows and not whole_rows:
-            raise ValueError("triton_rows BF16 products are not row invariant: they go with whole_rows")
+        if (triton_rows or unpadded) and not whole_rows:
+            raise ValueError("triton_rows / unpadded BF16 products are not row invariant: they go with whole_rows")
         self.cache = cache
         self.row_block = row_block
         #: more than `row_block` rows in one GEMM (module doc, "Row-block invariance"): not row invariant
         self.whole_rows = whole_rows
         #: BF16 weights below `kernels.bf16_linear.MAX_ROWS` rows on that kernel (module doc)
         self.triton_rows = triton_rows
+        #: any row count in one GEMM on x as given (no padded block, no copy when x is already in the operand
+        #: dtype and contiguous; module doc)
+        self.unpadded = unpadded
         self.audit_inputs = audit_inputs
         self._inexact: Tensor | None = None
 
@@ -387,6 +392,9 @@ class BlockedBf16Gemm:
         M, B = x2.shape[0], self.row_block
         if M == 0:
             return x2.new_zeros(0, w.shape[0], dtype=F32)
+        if self.unpadded:
+            a = x2 if x2.dtype == dtype and x2.is_contiguous() else x2.to(dtype, memory_format=torch.contiguous_format)
+            return _mm_fp32_out(a, w.t())
         if self.whole_rows and M > B:
             return _mm_fp32_out(_fresh(x2, dtype), w.t())
         rows = -(-M // B) * B

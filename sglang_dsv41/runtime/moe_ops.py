@@ -110,13 +110,13 @@ def route(be: ComputeBackend, x: Tensor, gate: nn.Module, bias: Tensor, top_k: i
           bias_vl: Tensor | None = None, image_rows: Tensor | None = None, routed_scale: float = 1.0) -> Routing:
     """Router (spec §3.6): scores = sqrt_softplus(fp32 logits of the `gate` linear layer);
     selection on scores + bias (`bias_vl` on image rows), ties → lower id; weights renormalised
-    without the bias, and scaled by `routed_scale`. After the softplus, one backend call
-    (`ComputeBackend.route_softplus`: one launch on `triton`)."""
+    without the bias, and scaled by `routed_scale`. After the gate's product, one backend call
+    (`ComputeBackend.route_logits`: one launch on `triton`, softplus included)."""
     if (bias_vl is None) != (image_rows is None):
         raise ValueError("route: pass bias_vl and image_rows together (vision models) or neither")
-    softplus = softplus_fp32(apply_linear(gate, x, be, out_fp32=True), be.acc)
-    scores, experts, weights, scaled = be.route_softplus(softplus, bias, top_k, RENORM_EPS, routed_scale, bias_vl,
-                                                         image_rows)
+    logits = apply_linear(gate, x, be, out_fp32=True)
+    scores, experts, weights, scaled = be.route_logits(logits, bias, top_k, RENORM_EPS, routed_scale, bias_vl,
+                                                       image_rows)
     return Routing(experts=experts, weights=weights, scores=scores, scaled=scaled)
 
 
