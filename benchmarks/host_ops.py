@@ -145,6 +145,7 @@ def cpu_as_cuda() -> None:
     from sglang_dsv41.kernels import sparse_attention as KA
     from sglang_dsv41.runtime import attention_ops, mhc_ops, moe_ops
     from sglang_dsv41.runtime import backend as B
+    from sglang_dsv41.runtime import engram_table as ET
     from sglang_dsv41.runtime import forward as FW
     from sglang_dsv41.runtime.batch import BatchLayout
     from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm, DenseWeightCache
@@ -167,6 +168,7 @@ def cpu_as_cuda() -> None:
         check_ids=check_ids)
     rp.make_ragged_tensor_metadata_torch = rp.make_ragged_tensor_metadata
     BatchLayout.host_checks = property(lambda self: False)          # as on CUDA (`BatchLayout.host_checks`)
+    ET.gathers_in_kernel = lambda ids: True                             # device tables' lookups as on CUDA
 
 
 def count_case(engine, prefix: int, n: int) -> dict:

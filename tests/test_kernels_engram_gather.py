@@ -97,13 +97,31 @@ if KERNEL_HERE:
         assert empty.shape == (0, 96)
 
 
+    def test_kernel_case_stored_table_lookups_take_the_kernel(monkeypatch) -> None:
+        """`StoredEngramTable[ids]` on CUDA ids (`gathers_in_kernel`, forced here for the interpreter) is one launch of
+        this kernel with the torch path's bits and the ids' shape."""
+        from sglang_dsv41.runtime import engram_table as ET
+
+        values, scales = random_table(50, 64, seed=3)
+        table = ET.StoredEngramTable(values.to(DEVICE), scales.to(DEVICE))
+        ids = torch.tensor([[4, 49, 4], [0, 17, 33]]).to(DEVICE)
+        want = table[ids.cpu()] if DEVICE == "cpu" else reference_rows(values, scales, ids).reshape(2, 3, 64)
+        launches = []
+        kernel = K._engram_gather_kernel
+        monkeypatch.setattr(K, "_engram_gather_kernel", type("Counted", (), {
+            "__getitem__": lambda self, grid: launches.append(grid) or kernel[grid]})())
+        monkeypatch.setattr(ET, "gathers_in_kernel", lambda i: True)
+        got = table[ids]
+        assert launches == [(6,)] and got.shape == (2, 3, 64) and same_bits(got.cpu(), want.cpu())
+
+
 # ---- the interpreter child and compile checks --------------------------------------------------
 
 if not K.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        run_kernel_cases_in_interpreter(__file__, min_passed=7, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=8, exact=True)
 
     @pytest.mark.parametrize("sorted_reads", [False, True], ids=["id_order", "sorted"])
     def test_kernel_compiles_for_hopper_without_float_math(sorted_reads: bool) -> None:
@@ -171,3 +189,6 @@ def test_device_tables_at_flash_width_equal_the_reference() -> None:
         for sorted_reads in (False, True):
             got = K.engram_gather(values.cuda(), scales.cuda(), ids.to(dtype).cuda(), sorted_reads=sorted_reads)
             assert same_bits(got.cpu(), want), (dtype, sorted_reads)
+    from sglang_dsv41.runtime.engram_table import StoredEngramTable
+    rows = StoredEngramTable(values.cuda(), scales.cuda())[ids.cuda()]          # the device table's lookup: this kernel
+    assert rows.shape == (64, 24, 256) and same_bits(rows.reshape(-1, 256).cpu(), want)

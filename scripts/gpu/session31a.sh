@@ -21,7 +21,7 @@ mkdir -p "$OUT/logs" "$OUT/tests"
 gpu_setup
 OUT=$OUT/tests BUDGET=$TEST_S TESTS="tests/test_kernels_pair_state.py tests/test_kernels_engram_rows.py \
 tests/test_kernels_indexer_tables.py tests/test_kernels_swa_window.py tests/test_kernels_fused_elementwise.py \
-tests/test_kernels_fp8_fold.py \
+tests/test_kernels_fp8_fold.py tests/test_kernels_engram_gather.py \
 tests/test_kernels_stacked_halves.py tests/test_kernels_mhc.py" \
   bash scripts/gpu/gpu_tests_subset.sh
 echo "== gpu tests rc=$?"

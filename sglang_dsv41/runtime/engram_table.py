@@ -8,8 +8,9 @@ the stored bytes (1 + 1/32 bytes per value) and dequantises only the rows a batc
 
 Invariant: `table[ids]` equals `logical_table[ids]` bit for bit — the dequantisation is per
 row and per 32-value group, so dequantising gathered rows gives the same values as gathering
-dequantised rows (tests/test_runtime_engram_table.py). Lookups are plain gathers and elementwise
-math: no host synchronisation, so they run inside CUDA graphs.
+dequantised rows (tests/test_runtime_engram_table.py). A lookup by CUDA ids is one launch of
+`kernels.engram_gather` (the same bits, `gathers_in_kernel`); CPU ids take torch's gathers and elementwise math.
+Neither synchronises with the host, so lookups run inside CUDA graphs.
 
 `StoredEngramTable` provides what the table's readers use of a tensor (`shape`, `ndim`,
 `device`, indexing by an id tensor, `new_zeros`): `reference.engram.engram_embedding`,
@@ -29,6 +30,12 @@ from torch import Tensor
 from ..checkpoint.codecs import dequantize_engram_rows, scale_bytes
 
 F32 = torch.float32
+
+
+def gathers_in_kernel(ids: Tensor) -> bool:
+    """Whether a device table's lookup by `ids` runs `kernels.engram_gather` (one launch, the torch path's bits):
+    CUDA ids."""
+    return ids.is_cuda
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,10 @@ class StoredEngramTable:
             raise TypeError("StoredEngramTable is indexed by an integer id tensor or a slice of rows")
         flat = ids.reshape(-1).to(torch.int64)
         d = self.values.shape[1]
+        if gathers_in_kernel(flat):
+            from ..kernels.engram_gather import engram_gather
+
+            return engram_gather(self.values, self.scales, flat).reshape(*ids.shape, d)
         # gather the raw bytes (uint8 indexing exists on every device), then dequantise those rows
         values = self.values.view(torch.uint8)[flat].view(torch.float8_e4m3fn)
         scales = scale_bytes(self.scales)[flat]
@@ -110,4 +121,4 @@ class StoredEngramTable:
         return StoredEngramTable(self.values.to(device), self.scales.to(device))
 
 
-__all__ = ["StoredEngramTable"]
+__all__ = ["StoredEngramTable", "gathers_in_kernel"]
