@@ -91,6 +91,36 @@ def test_kernel_case_bound_catches_swapped_or_scaled_weights() -> None:
     assert not within(EG.engram_gate(R, keys, qw * 1.01, kw, EPS), R, keys, qw, kw)[0]
 
 
+def torch_update(R, g, value, image_rows):
+    """`runtime.engram_gate.engram_update`'s torch update for the gate g: bf16(R + g·value), R on image rows."""
+    from sglang_dsv41.numerics.rounding import bf16
+    updated = bf16(R.to(F32) + g[:, :, None] * value[:, None, :].to(F32))
+    if image_rows is not None:
+        updated = torch.where(image_rows[:, None, None], R.to(F32), updated)
+    return updated.to(R.dtype)
+
+
+@kernel
+@pytest.mark.parametrize("dtype,image", [(F32, False), (BF16, True)], ids=["fp32", "bf16_image_rows"])
+def test_kernel_case_residual_update_is_the_torch_update_of_its_gate(dtype, image: bool) -> None:
+    """`engram_residual`: its g is `engram_gate`'s bit for bit, and R' is the torch update of that g bit for bit
+    (value a strided column slice of the kv projection, as `engram_update` passes it; image rows keep R)."""
+    T, hc, H = 5, 4, 1536
+    R, keys, qw, kw = case(T, hc, H, seed=9, dtype=dtype)
+    g0 = torch.Generator().manual_seed(10)
+    kv = (torch.randn(T, (hc + 1) * H, generator=g0) * 3).to(R.device)
+    value = kv[:, hc * H:]
+    rows = torch.tensor([False, True, False, False, True], device=R.device) if image else None
+    got, g = EG.engram_residual(R, keys, value, qw, kw, EPS, rows)
+    assert torch.equal(g, EG.engram_gate(R, keys, qw, kw, EPS))
+    want = torch_update(R, g, value, rows)
+    assert got.dtype == R.dtype and got.shape == R.shape
+    assert torch.equal(got.view(torch.int16 if dtype == BF16 else torch.int32),
+                       want.view(torch.int16 if dtype == BF16 else torch.int32))
+    if image:
+        assert torch.equal(got[1], R[1]) and not torch.equal(got[0], R[0])
+
+
 def test_bad_inputs_raise() -> None:
     R, keys, qw, kw = case(2, 2, 64, seed=3, device="cpu")
     with pytest.raises(ValueError, match="one shape"):
@@ -108,7 +138,32 @@ if not EG.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        run_kernel_cases_in_interpreter(__file__, min_passed=5, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=7, exact=True)
+
+
+if not EG.INTERPRETED:
+
+    @pytest.mark.parametrize("out_bf16", [False, True], ids=["fp32_out", "bf16_out"])
+    def test_residual_update_compiles_for_hopper_without_fma(out_bf16: bool) -> None:
+        """sm_90 build of the gate + update launch (Flash: BLOCK_H 1024, image rows): no spills, no fp32 FMA (the
+        update's bits are torch's separate multiply and add), no float64."""
+        import re
+
+        from triton_checks import compile_for_sm90, no_spills
+        k = EG._engram_gate_kernel
+        sig = {n: "*fp32" for n in ("h_ptr", "k_ptr", "qw_ptr", "kw_ptr", "out_ptr", "v_ptr", "r_out_ptr")}
+        sig |= {n: "i32" for n in ("HC", "H", "stride_ht", "stride_hj", "stride_kt", "stride_kj", "stride_vt",
+                                   "stride_ot", "stride_oj")}
+        sig["image_ptr"] = "*u8"
+        if out_bf16:
+            sig["r_out_ptr"] = "*bf16"
+        consts = {"EPS": EPS, "FLOOR": EG.GATE_DOT_FLOOR, "BLOCK_H": EG.MAX_BLOCK_H, "UPDATE": True,
+                  "HAS_IMAGE": True, "OUT_BF16": out_bf16}
+        compiled, usage = compile_for_sm90(k, {n: ("constexpr" if n in consts else sig[n]) for n in k.arg_names},
+                                           consts, {"num_warps": EG.NUM_WARPS, "enable_fp_fusion": False})
+        ptx = compiled.asm["ptx"]
+        assert no_spills(usage), usage
+        assert not re.findall(r"\bfma\.\w+\.f32", ptx) and not re.findall(r"\.f64\b", ptx)
 
 
 @pytest.mark.gpu
@@ -119,3 +174,15 @@ def test_gpu_flash_widths_within_bound_and_batch_invariant() -> None:
     assert ok, worst
     assert torch.equal(EG.engram_gate(R[5:6], keys[5:6], qw, kw, EPS), got[5:6])
     print(f"\n[engram_gate Flash widths] worst |err| / bound = {worst:.3g}")
+
+
+@pytest.mark.gpu
+def test_gpu_residual_update_at_flash_widths_is_the_torch_update() -> None:
+    """CUDA, Flash widths (hc 4, H 4096, 64 tokens): R' from the one launch equals the torch update of the launch's
+    own g bit for bit (no FMA contraction), and g stays within the bound."""
+    R, keys, qw, kw = case(64, 4, 4096, seed=11, dtype=F32, device="cuda")
+    value = (torch.randn(64, 5 * 4096, generator=torch.Generator().manual_seed(12)) * 3).cuda()[:, 4 * 4096:]
+    rows = (torch.arange(64) % 7 == 0).cuda()
+    got, g = EG.engram_residual(R, keys, value, qw, kw, EPS, rows)
+    assert within(g, R, keys, qw, kw)[0]
+    assert torch.equal(got.view(torch.int32), torch_update(R, g, value, rows).view(torch.int32))

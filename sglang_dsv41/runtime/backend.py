@@ -196,6 +196,16 @@ class ComputeBackend(ABC):
 
         return engram_gate(residual, keys, q_weight, k_weight, eps, self.acc)
 
+    def engram_residual(self, residual: Tensor, keys: Tensor, value: Tensor, q_weight: Tensor, k_weight: Tensor,
+                        eps: float, image_rows: Tensor | None) -> Tensor:
+        """R' = bf16(R + g·value) per stream (§3.3.2; g = `engram_gate`, value [T, H]), R itself on image rows, in
+        R's dtype."""
+        gate = self.engram_gate(residual, keys, q_weight, k_weight, eps)
+        updated = R.bf16(residual.to(F32) + gate[:, :, None] * value[:, None, :])
+        if image_rows is not None:
+            updated = torch.where(image_rows.to(torch.bool)[:, None, None], residual.to(F32), updated)
+        return updated.to(residual.dtype)
+
     def compressed_entries(self, selection: Tensor, layout, ratio: int) -> Tensor:
         """[N, K] entry indices of a top-k selection of compressed positions [N, K] (−1 = none) of the batch
         `layout` (`runtime/batch.BatchLayout`): `attention.compressed_entries`, in torch."""
@@ -449,6 +459,11 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
 
     def engram_gate(self, residual: Tensor, keys: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float) -> Tensor:
         return self.eg.engram_gate(residual, keys, q_weight, k_weight, eps)
+
+    def engram_residual(self, residual: Tensor, keys: Tensor, value: Tensor, q_weight: Tensor, k_weight: Tensor,
+                        eps: float, image_rows: Tensor | None) -> Tensor:
+        """One launch (`kernels.engram_gate.engram_residual`: the gate, then the update's torch bits for that g)."""
+        return self.eg.engram_residual(residual, keys, value, q_weight, k_weight, eps, image_rows)[0]
 
     def bf16(self, x: Tensor) -> Tensor:
         return self.fe.round_bf16(x.to(F32))

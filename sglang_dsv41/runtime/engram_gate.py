@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..numerics.rounding import bf16, fp32_scalar
+from ..numerics.rounding import fp32_scalar
 from .backend import ComputeBackend
 from .quant_methods import apply_linear
 
@@ -40,13 +40,10 @@ def engram_update(be: ComputeBackend, R: Tensor, rows: Tensor, wkv: nn.Module, q
                   eps: float, act_quant: bool, image_rows: Tensor | None) -> Tensor:
     """The residual after the Engram gate. R [T, hc, H] BF16 values; rows [T, columns, d] the
     looked-up table rows; wkv the FP8 linear layer [(hc+1)·H, columns·d] (applied through its
-    quantisation method); image_rows [T] bool or None."""
+    quantisation method); image_rows [T] bool or None. The gate and update: `ComputeBackend.engram_residual` (one
+    launch on `triton`)."""
     tokens, hc, hidden = R.shape
     kv = apply_linear(wkv, rows.reshape(tokens, -1), be, act_quant=act_quant).to(F32)
     keys = kv[:, : hc * hidden].reshape(tokens, hc, hidden)
     value = kv[:, hc * hidden:]
-    gate = be.engram_gate(R, keys, q_weight, k_weight, eps)
-    updated = bf16(R.to(F32) + gate[:, :, None] * value[:, None, :])
-    if image_rows is not None:
-        updated = torch.where(image_rows.to(torch.bool)[:, None, None], R.to(F32), updated)
-    return updated.to(R.dtype)
+    return be.engram_residual(R, keys, value, q_weight, k_weight, eps, image_rows)
