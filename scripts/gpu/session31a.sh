@@ -3,7 +3,9 @@
 #   1. pytest -m gpu: session 30's glue kernels at Flash shapes — tests/test_kernels_pair_state.py (ratio-2
 #      pair latents + ring), tests/test_kernels_engram_rows.py (Engram rows + ring advance),
 #      tests/test_kernels_indexer_tables.py (entry table + query tiles), tests/test_kernels_swa_window.py (SWA windows),
-#      tests/test_kernels_fused_elementwise.py (`route_softplus`: torch's sqrt bits; RoPE into cache rows) — and
+#      tests/test_kernels_fused_elementwise.py (`route_softplus` / `route_logits`: torch's sqrt and softplus bits;
+#      RoPE into cache rows), session 31's tests/test_kernels_engram_gather.py (device-table lookups) and
+#      tests/test_kernels_engram_gate.py (gate + residual update in one launch) — and
 #      session 29's unrun hand-off cases (tests/test_kernels_fp8_fold.py,
 #      tests/test_kernels_stacked_halves.py, tests/test_kernels_mhc.py), TEST_S at most;
 #   2. benchmarks/model_step.py (4 Flash-width layers, 8K context, side stream off / on) at N = 1 / 8 / 64: the tree
@@ -21,7 +23,7 @@ mkdir -p "$OUT/logs" "$OUT/tests"
 gpu_setup
 OUT=$OUT/tests BUDGET=$TEST_S TESTS="tests/test_kernels_pair_state.py tests/test_kernels_engram_rows.py \
 tests/test_kernels_indexer_tables.py tests/test_kernels_swa_window.py tests/test_kernels_fused_elementwise.py \
-tests/test_kernels_fp8_fold.py tests/test_kernels_engram_gather.py \
+tests/test_kernels_fp8_fold.py tests/test_kernels_engram_gather.py tests/test_kernels_engram_gate.py \
 tests/test_kernels_stacked_halves.py tests/test_kernels_mhc.py" \
   bash scripts/gpu/gpu_tests_subset.sh
 echo "== gpu tests rc=$?"
