@@ -66,10 +66,11 @@ from sglang_dsv41.numerics.profile import CacheProfile
 from sglang_dsv41.numerics.rope import layer_inv_freq
 from sglang_dsv41.runtime.attention_math import (index_query, output_projection, pair_scores, project_q_kv,
                                                  rope_entry_values, swa_cache_roundtrip)
-from sglang_dsv41.runtime.backend import FP8_GEMMS, ComputeBackend, ExactTorchBackend, TritonBackend, backend_for
+from sglang_dsv41.runtime.backend import FP8_GEMMS, ComputeBackend, ExactTorchBackend, backend_for
 from sglang_dsv41.runtime.kv_layout import (CompressedRowLayout, decode_entry_keys, decode_entry_latents,
                                             encode_entries, write_source_entries)
 from sglang_dsv41.runtime.indexer_select import select_for_role
+from sglang_dsv41.runtime.triton_backend import TritonBackend
 from sglang_dsv41.runtime.mhc_ops import mhc_for
 from sglang_dsv41.runtime.moe_ops import Routing, route, routed_expert, shared_expert
 from sglang_dsv41.runtime.parallel_linear import is_parallel_linear, linear_values, with_parallel_linears

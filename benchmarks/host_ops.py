@@ -145,6 +145,7 @@ def cpu_as_cuda() -> None:
     from sglang_dsv41.kernels import sparse_attention as KA
     from sglang_dsv41.runtime import attention_ops, mhc_ops, moe_ops
     from sglang_dsv41.runtime import backend as B
+    from sglang_dsv41.runtime import triton_backend as TB
     from sglang_dsv41.runtime import engram_table as ET
     from sglang_dsv41.runtime import forward as FW
     from sglang_dsv41.runtime.batch import BatchLayout
@@ -152,7 +153,7 @@ def cpu_as_cuda() -> None:
 
     if not (KA._is_interpreted() and KI.INTERPRETED):
         raise RuntimeError("host_ops --device cpu needs TRITON_INTERPRET=1 before triton is imported")
-    FW.backend_for = lambda device, weights, det: B.TritonBackend(
+    FW.backend_for = lambda device, weights, det: TB.TritonBackend(
         BlockedBf16Gemm(DenseWeightCache.from_weights(weights), whole_rows=True,
                         triton_rows=B.bf16_gemm_for(False) == "triton"), device_types=("cpu",),
         fp8_gemm=B.fp8_gemm_for(False))

@@ -107,7 +107,7 @@ def variant_callables(layer, caches, N: int, context: int) -> dict[str, dict[str
     from sglang_dsv41.kernels import indexer as K
     from sglang_dsv41.kernels import moe_mxfp4 as mx
     from sglang_dsv41.numerics import rounding as ops
-    from sglang_dsv41.runtime.backend import TritonBackend
+    from sglang_dsv41.runtime.triton_backend import TritonBackend
     t, dev = layer.text, torch.device("cuda")
     req, pos = torch.arange(N, device=dev), torch.full((N,), context - 1, dtype=torch.long, device=dev)
     g = torch.Generator(device=dev).manual_seed(N)

@@ -1,5 +1,5 @@
 """One-launch elementwise kernels (`sglang_dsv41.kernels.fused_elementwise`) and the runtime's CUDA
-backend over them (`runtime.backend.TritonBackend`) against the reference helpers (spec §3, §3.4, §3.6, §3.8).
+backend over them (`runtime.triton_backend.TritonBackend`) against the reference helpers (spec §3, §3.4, §3.6, §3.8).
 
 What is pinned:
 * bit for bit: `round_bf16` == `ops.bf16`, `round_e4m3` == torch's float8_e4m3fn cast (every E4M3
@@ -39,7 +39,8 @@ from sglang_dsv41.kernels import fused_elementwise as FE
 from sglang_dsv41.reference import attention as A
 from sglang_dsv41.reference import moe, ops
 from sglang_dsv41.runtime.attention_math import output_projection, project_q_kv
-from sglang_dsv41.runtime.backend import ExactTorchBackend, TritonBackend
+from sglang_dsv41.runtime.backend import ExactTorchBackend
+from sglang_dsv41.runtime.triton_backend import TritonBackend
 from sglang_dsv41.runtime.moe_ops import route, shared_expert
 from triton_checks import run_kernel_cases_in_interpreter
 

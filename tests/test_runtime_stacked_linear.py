@@ -208,7 +208,7 @@ def test_a_streamed_model_stacks_every_layer_and_a_reload_lands_in_the_stack(tin
 if KERNEL_HERE:
 
     def test_kernel_case_stacked_shared_expert_gives_the_members_bits() -> None:
-        from sglang_dsv41.runtime.backend import TritonBackend
+        from sglang_dsv41.runtime.triton_backend import TritonBackend
         from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm
         from sglang_dsv41.runtime.moe_ops import shared_expert
 
@@ -233,7 +233,7 @@ if KERNEL_HERE:
         loaded (`quantised_handoff`) — the bits and the launch count of the hand-off off, on the model's TP-1
         path (`TensorParallel.shared_expert`) and on `moe_ops.shared_expert`."""
         from sglang_dsv41.kernels import fp8_w8a8 as W
-        from sglang_dsv41.runtime.backend import TritonBackend
+        from sglang_dsv41.runtime.triton_backend import TritonBackend
         from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm
         from sglang_dsv41.runtime.moe_ops import shared_expert
         from sglang_dsv41.runtime.tensor_parallel import SINGLE
@@ -264,7 +264,7 @@ if KERNEL_HERE:
         assert torch.equal(on[0], on[1]) and on[2] == off[2]
 
     def test_kernel_case_stacked_projection_gives_the_members_bits() -> None:
-        from sglang_dsv41.runtime.backend import TritonBackend
+        from sglang_dsv41.runtime.triton_backend import TritonBackend
         from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm
 
         w, p, t = attention_inputs(seed=3)

@@ -1,4 +1,4 @@
-"""The CUDA compute backend (`runtime.backend.TritonBackend`) under the numerics contract (issue 13
+"""The CUDA compute backend (`runtime.triton_backend.TritonBackend`) under the numerics contract (issue 13
 item 5; issue 21: W8A8 FP8 linears, no float64 on the GPU path).
 
 The backend runs on FP8 weights as the CUDA server loads them (`runtime_weights(..., dense_fp8=True)`:
@@ -54,6 +54,7 @@ from sglang_dsv41.reference import ops
 from sglang_dsv41.runtime import attention_math as M
 from sglang_dsv41.runtime import backend as B
 from sglang_dsv41.runtime import moe_ops
+from sglang_dsv41.runtime import triton_backend as TB
 from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm, DenseWeightCache
 from sglang_dsv41.runtime.engram_gate import engram_update
 from runtime_values import with_linear_layers
@@ -125,10 +126,10 @@ def weights(tiny_checkpoint):
     return cfg, exact, fp8, EngramHasher.from_config(cfg, token_map)
 
 
-def triton_backend(fp8_weights, fp8_gemm: str) -> B.TritonBackend:
+def triton_backend(fp8_weights, fp8_gemm: str) -> TB.TritonBackend:
     dense = BlockedBf16Gemm(DenseWeightCache.from_weights(fp8_weights), audit_inputs=True)
     assert dense.cache.fp8_elements > 0
-    return B.TritonBackend(dense, device_types=(DEVICE.type,), fp8_gemm=fp8_gemm)
+    return TB.TritonBackend(dense, device_types=(DEVICE.type,), fp8_gemm=fp8_gemm)
 
 
 def _bf16(*shape, seed: int) -> torch.Tensor:
@@ -397,7 +398,7 @@ def test_kernel_case_row_parallel_partials_sum_within_the_contract(weights) -> N
     for r in range(2):
         shards[f"r{r}.weight"] = values[:, r * half:(r + 1) * half].contiguous()
         shards[f"r{r}.scale"] = scales[:, r * half // 32:(r + 1) * half // 32].contiguous()
-    sharded = B.TritonBackend(BlockedBf16Gemm(DenseWeightCache.from_weights(shards, lambda n, v: n.endswith(".weight"))),
+    sharded = TB.TritonBackend(BlockedBf16Gemm(DenseWeightCache.from_weights(shards, lambda n, v: n.endswith(".weight"))),
                               device_types=(DEVICE.type,), fp8_gemm="tiered")
     x = _bf16(12, values.shape[1], seed=5).to(DEVICE)
     parts = [sharded.linear_fp8_partial(x[:, r * half:(r + 1) * half], shards[f"r{r}.weight"]) for r in range(2)]
@@ -418,7 +419,7 @@ def test_fp8_gemm_choice(monkeypatch) -> None:
         B.fp8_gemm_for(deterministic=False)
     if INTERPRETED:
         with pytest.raises(ValueError, match="fp8_gemm must be one of"):
-            B.TritonBackend(B.ExactTorchBackend(), device_types=("cpu",), fp8_gemm="fp8")
+            TB.TritonBackend(B.ExactTorchBackend(), device_types=("cpu",), fp8_gemm="fp8")
 
 
 def test_grouped_linear_default_is_the_per_group_loop_and_checks_shapes() -> None:
@@ -446,7 +447,7 @@ def test_gpu_cuda_forward_creates_no_float64_tensor(tiny_checkpoint) -> None:
     from runtime_scenarios import greedy_generate, runtime_engine
 
     engine = runtime_engine(tiny_checkpoint, DEVICE, deterministic=False)
-    assert isinstance(engine.backend, B.TritonBackend) and engine.backend.fp8_gemm == "w8a8_fold"
+    assert isinstance(engine.backend, TB.TritonBackend) and engine.backend.fp8_gemm == "w8a8_fold"
     with Float64Watch() as watch:
         greedy_generate(engine, DEVICE, list(range(5, 60)), 4)
     print(f"\nfloat64 on the CUDA forward, by source: {sorted(watch.sources()) or 'none'}")

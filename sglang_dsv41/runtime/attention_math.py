@@ -68,7 +68,7 @@ def query_heads(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], pr
 def swa_cache_roundtrip(be: ComputeBackend, kv: Tensor, positions: Tensor, inv_freq: Tensor,
                         profile: CacheProfile, rope_dim: int) -> Tensor:
     """What attention reads back for a token's SWA kv (§3.4.1, §3.8): NONE bf16 → RoPE → BF16 (held as
-    BF16 where the backend offers it: the SWA cache is BF16; BF16_OUT in `runtime/backend.py`);
+    BF16 where the backend offers it: the SWA cache is BF16; BF16_OUT in `runtime/triton_backend.py`);
     FP8 (v4) rotated from fp32, nope dims E4M3 per 64; FP4 (v41) the NONE row, E4M3 per 32."""
     kv = kv.to(F32)
     if profile is CacheProfile.FP8:
@@ -96,7 +96,7 @@ def output_projection(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tenso
     groups held (its grouped method: one launch on CUDA) → `wo_b` (§3.4.6): the given
     projection of the held groups' outputs (the model's row-parallel layer, all-reduced:
     `TensorParallel.row_parallel`, called as wo_b(u, x_quantised=…)), else the layer `w[prefix + "wo_b"]`
-    (whole). The BF16 values between the steps may be held as BF16 (BF16_OUT in `runtime/backend.py`);
+    (whole). The BF16 values between the steps may be held as BF16 (BF16_OUT in `runtime/triton_backend.py`);
     where the backend asks (`quantised_handoff`), `wo_a` writes them quantised for `wo_b` — the values
     `wo_b` would quantise them to, so its result keeps its bits."""
     T, r = o.shape[0], cfg.o_lora_rank

@@ -13,7 +13,7 @@ the CPU value by up to one BF16 ulp per sublayer (kernel docstring).
 
 Contracts (both implementations):
 * `attend(q, sink, swa_cache, swa_slots, packed, comp_entries)`: q [N, H, D] BF16 values (fp32, or
-  torch.bfloat16 where the backend holds them so: `runtime/backend.py` BF16_OUT);
+  torch.bfloat16 where the backend holds them so: `runtime/triton_backend.py` BF16_OUT);
   `swa_cache` [S_swa, D] rows addressed by SWA slot, `swa_slots` [N, W] the query's window;
   `packed` the layer's kv source (`kv_layout.PackedSourceRows`: packed FP4 latent and index-key
   rows, contract §1–§2)

@@ -1,4 +1,4 @@
-"""The dense products of the CUDA forward on tensor cores (spec `model.md` §3.8; `backend.TritonBackend.matmul`).
+"""The dense products of the CUDA forward on tensor cores (spec `model.md` §3.8; `triton_backend.TritonBackend.matmul`).
 
 The reference evaluates every dense product as `x.f64 @ w.f64ᵀ` rounded once — exact, but on
 CUDA a float64 copy of every weight per call. The CUDA backend (`runtime/backend.py`) computes

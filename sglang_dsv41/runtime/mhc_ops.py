@@ -227,7 +227,7 @@ class TritonMhc:
 
     def sublayer_input(self, residual: Tensor, carried_pre: Tensor | None, norm_weight: Tensor,
                        rms_eps: float) -> Tensor:
-        """As torch.bfloat16 (`runtime/backend.py` BF16_OUT): every reader — the sublayer's linears, the
+        """As torch.bfloat16 (`runtime/triton_backend.py` BF16_OUT): every reader — the sublayer's linears, the
         router, the routed experts — takes BF16, so no fp32 copy is written."""
         return self.k.hc_sublayer_input(residual, carried_pre, norm_weight, rms_eps, out_dtype=torch.bfloat16)
 

@@ -21,7 +21,7 @@ ours (`Bf16ReplicatedMethod` for the BF16 ones):
   (`keep_fp8` and every scale BF16-exact), else the fp32 §2.4 value (`attn.wo_a`: BF16-rounded);
   idempotent, reloadable.
 * `apply(layer, x, bias=None, *, backend, act_quant=True, bf16_out=False, x_quantised=False, quantise_out=False)`:
-  the compute backend's FP8 linear (`bf16_out`: the caller takes a BF16 tensor, `runtime/backend.py` BF16_OUT;
+  the compute backend's FP8 linear (`bf16_out`: the caller takes a BF16 tensor, `runtime/triton_backend.py` BF16_OUT;
   `x_quantised` / `quantise_out` (`wo_a` only): the quantised hand-off, `ComputeBackend.quantised_handoff`) —
   complete BF16 output for a column-parallel layer or at tp_size 1 (the backend picks the kernel
   by rows and its FP8 mode, `backend.FP8_GEMMS`); `wo_a` (built with

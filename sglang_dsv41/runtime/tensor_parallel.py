@@ -284,7 +284,7 @@ class TensorParallel:
         """BF16 output of row-parallel `layer` (SGLang's `RowParallelLinear` with our method) on
         this rank's input columns `x`: its partial product in the backend's `acc` all-reduced and
         rounded once when the layer is sharded; its complete output at tp size 1 (held as BF16 where
-        the backend offers it: `runtime/backend.py` BF16_OUT — its readers, the mHC residual update and
+        the backend offers it: `runtime/triton_backend.py` BF16_OUT — its readers, the mHC residual update and
         the MoE finalize, read any dtype). `x_quantised`: x holds its activations quantised already
         (`ComputeBackend.quantised_handoff`)."""
         self._check_layer(layer)
