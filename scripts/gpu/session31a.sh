@@ -7,8 +7,9 @@
 #      RoPE into cache rows), session 31's tests/test_kernels_engram_gather.py (device-table lookups) and
 #      tests/test_kernels_engram_gate.py (gate + residual update in one launch) — and
 #      session 29's unrun hand-off cases (tests/test_kernels_fp8_fold.py,
-#      tests/test_kernels_stacked_halves.py, tests/test_kernels_mhc.py), TEST_S at most;
-#   2. benchmarks/model_step.py (4 Flash-width layers, 8K context, side stream off / on) at N = 1 / 8 / 64: the tree
+#      tests/test_kernels_stacked_halves.py, tests/test_kernels_mhc.py), and the whole forward against the CPU
+#      (tests/test_runtime_forward_gpu.py), TEST_S at most;
+#   2. benchmarks/model_step.py (4 Flash-width layers, 8K context, side stream off / on) at N = 1 / 8: the tree
 #      before session 30 (BASE, b43e89e: session 29's default, quantised hand-off included) and this tree,
 #      alternating (base, new, base, new), one process each. The new tree runs 192 fewer launches per 4-layer step on
 #      the CPU census (benchmarks/decode_glue.py --pattern slice4).
@@ -18,21 +19,21 @@
 set -uo pipefail
 # shellcheck source=scripts/gpu/lib.sh
 source "$(dirname "$0")/lib.sh"
-: "${BUDGET:=580}" "${TEST_S:=220}" "${STEP_S:=80}"
+: "${BUDGET:=580}" "${TEST_S:=250}" "${STEP_S:=65}"
 mkdir -p "$OUT/logs" "$OUT/tests"
 gpu_setup
 OUT=$OUT/tests BUDGET=$TEST_S TESTS="tests/test_kernels_pair_state.py tests/test_kernels_engram_rows.py \
 tests/test_kernels_indexer_tables.py tests/test_kernels_swa_window.py tests/test_kernels_fused_elementwise.py \
 tests/test_kernels_fp8_fold.py tests/test_kernels_engram_gather.py tests/test_kernels_engram_gate.py \
-tests/test_kernels_stacked_halves.py tests/test_kernels_mhc.py" \
+tests/test_kernels_stacked_halves.py tests/test_kernels_mhc.py tests/test_runtime_forward_gpu.py" \
   bash scripts/gpu/gpu_tests_subset.sh
 echo "== gpu tests rc=$?"
 base=/tmp/ab_base
 rm -rf "$base" && mkdir -p "$base" && tar xf ab_base.tar -C "$base" && mv "$base/kernels" "$base/sglang_dsv41/kernels" || exit 4
 (cd benchmarks && PYTHONPATH="$base:${PYTHONPATH:-}" python3 -c "import sglang_dsv41.runtime.backend as b; print('base:', b.__file__, 'pair kernels' if hasattr(b.ComputeBackend, 'pair_latents') else 'torch pair state')" 2>&1 | tail -1)
 for i in 1 2; do
-  model_step "base$i" "1 8 64" "$STEP_S" PYTHONPATH="$base:${PYTHONPATH:-}"
-  model_step "new$i" "1 8 64" "$STEP_S"
+  model_step "base$i" "1 8" "$STEP_S" PYTHONPATH="$base:${PYTHONPATH:-}"
+  model_step "new$i" "1 8" "$STEP_S"
 done
 mv "$OUT"/tests/*.log "$OUT/logs/" 2>/dev/null; rmdir "$OUT/tests" 2>/dev/null
 find "$OUT" -name "*.png" -delete
