@@ -1,6 +1,6 @@
 """W8A8 FP8 GEMM for decode rows on scale-folded BF16 operands: the `fold` row tier of
 `kernels/fp8_w8a8.py` (spec `model.md` §2.3, §3.8; issue 21), the serving default's decode rows
-(`runtime/backend.py` `w8a8_fold`; measured in docs/performance.md "Session 29").
+(`runtime/triton_backend.py` `w8a8_fold`; measured in docs/performance.md "Session 29").
 
 Why a tier of its own: the MMA tiers multiply one 32-wide K block per MMA and scale each block's
 fp32 result by s_x·s_w. Here the scales go into the operands instead — both are powers of two, so the

@@ -59,7 +59,7 @@ def query_heads(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], pr
                 positions: Tensor, inv_freq: Tensor, act_quant: bool, n_heads: int) -> Tensor:
     """q of `project_q_kv`: wq_b·q_lora (BF16) with RoPE on its tail, [T, n_heads, head_dim]; read first
     by the attention itself, which reads BF16 (held as BF16 where the backend offers it: BF16_OUT in
-    `runtime/backend.py`)."""
+    `runtime/triton_backend.py`)."""
     q = apply_linear(w[prefix + "wq_b"], q_lora, be, act_quant=act_quant,
                      bf16_out=True).reshape(q_lora.shape[0], n_heads, cfg.head_dim)
     return be.bf16_rope_tail(q, positions, inv_freq, bf16_out=True)

@@ -1,7 +1,7 @@
 """The dense products of the CUDA forward on tensor cores (spec `model.md` §3.8; `triton_backend.TritonBackend.matmul`).
 
 The reference evaluates every dense product as `x.f64 @ w.f64ᵀ` rounded once — exact, but on
-CUDA a float64 copy of every weight per call. The CUDA backend (`runtime/backend.py`) computes
+CUDA a float64 copy of every weight per call. The CUDA backend (`runtime/triton_backend.py`) computes
 that product with `BlockedBf16Gemm`; quantisation and the final rounding are the backend's.
 
 Weights. FP8-stored dense weights (spec §2.3, 32×32 tiles) reach the CUDA runtime **as stored**:
