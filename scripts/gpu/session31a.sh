@@ -19,7 +19,7 @@
 set -uo pipefail
 # shellcheck source=scripts/gpu/lib.sh
 source "$(dirname "$0")/lib.sh"
-: "${BUDGET:=580}" "${TEST_S:=250}" "${STEP_S:=65}"
+: "${BUDGET:=580}" "${TEST_S:=250}" "${STEP_S:=80}"
 mkdir -p "$OUT/logs" "$OUT/tests"
 gpu_setup
 OUT=$OUT/tests BUDGET=$TEST_S TESTS="tests/test_kernels_pair_state.py tests/test_kernels_engram_rows.py \
