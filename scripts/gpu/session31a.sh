@@ -9,7 +9,8 @@
 #      session 29's unrun hand-off cases (tests/test_kernels_fp8_fold.py,
 #      tests/test_kernels_stacked_halves.py, tests/test_kernels_mhc.py), and the whole forward against the CPU
 #      (tests/test_runtime_forward_gpu.py), TEST_S at most;
-#   2. benchmarks/model_step.py (4 Flash-width layers, 8K context, side stream off / on) at N = 1 / 8: the tree
+#   2. benchmarks/model_step.py (4 Flash-width layers, 8K context, side stream off / on) at N = 1 (one batch size needs
+#      ≈ 80 s a process; session 31 ran this with 65 s and N = 1 / 8, and every row was skipped): the tree
 #      before session 30 (BASE, b43e89e: session 29's default, quantised hand-off included) and this tree,
 #      alternating (base, new, base, new), one process each. The new tree runs 192 fewer launches per 4-layer step on
 #      the CPU census (benchmarks/decode_glue.py --pattern slice4).
@@ -32,8 +33,8 @@ base=/tmp/ab_base
 rm -rf "$base" && mkdir -p "$base" && tar xf ab_base.tar -C "$base" && mv "$base/kernels" "$base/sglang_dsv41/kernels" || exit 4
 (cd benchmarks && PYTHONPATH="$base:${PYTHONPATH:-}" python3 -c "import sglang_dsv41.runtime.backend as b; print('base:', b.__file__, 'pair kernels' if hasattr(b.ComputeBackend, 'pair_latents') else 'torch pair state')" 2>&1 | tail -1)
 for i in 1 2; do
-  model_step "base$i" "1 8" "$STEP_S" PYTHONPATH="$base:${PYTHONPATH:-}"
-  model_step "new$i" "1 8" "$STEP_S"
+  model_step "base$i" "1" "$STEP_S" PYTHONPATH="$base:${PYTHONPATH:-}"
+  model_step "new$i" "1" "$STEP_S"
 done
 mv "$OUT"/tests/*.log "$OUT/logs/" 2>/dev/null; rmdir "$OUT/tests" 2>/dev/null
 find "$OUT" -name "*.png" -delete
