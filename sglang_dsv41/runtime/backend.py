@@ -95,11 +95,11 @@ class ComputeBackend(ABC):
 
     def route_logits(self, logits: Tensor, bias: Tensor, top_k: int, renorm_eps: float, routed_scale: float,
                      bias_vl: Tensor | None, image_rows: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The router after its fp32 logits (§3.6): (scores = fp32 sqrt, evaluated in `acc`, of the fp32 softplus
-        `moe_ops.softplus_fp32`, experts, weights — `route_select` —, fp32(weights · fp32(routed_scale)))."""
-        from .moe_ops import softplus_fp32
+        """The router after its fp32 logits (§3.6): (scores = `moe_ops.sqrt_softplus` in `acc`, experts, weights —
+        `route_select` —, fp32(weights · fp32(routed_scale)))."""
+        from .moe_ops import sqrt_softplus
 
-        scores = torch.sqrt(softplus_fp32(logits, self.acc).to(self.acc)).to(F32)
+        scores = sqrt_softplus(logits, self.acc)
         experts, weights = self.route_select(scores, bias, top_k, renorm_eps, bias_vl, image_rows)
         return scores, experts, weights, weights.to(F32) * R.fp32_scalar(routed_scale)
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from .backend import BF16, F32, FP8_GEMMS, ComputeBackend, _group_shape
+from .moe_ops import SOFTPLUS_THRESHOLD
 
 
 class TensorCoreProducts:
@@ -235,8 +236,6 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
     def route_logits(self, logits: Tensor, bias: Tensor, top_k: int, renorm_eps: float, routed_scale: float,
                      bias_vl: Tensor | None, image_rows: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """One launch (`kernels.fused_elementwise.route_logits`: torch's CUDA fp32 softplus and sqrt bits)."""
-        from .moe_ops import SOFTPLUS_THRESHOLD
-
         return self.fe.route_logits(logits, bias, top_k, renorm_eps, routed_scale, SOFTPLUS_THRESHOLD, bias_vl,
                                     image_rows)
 
