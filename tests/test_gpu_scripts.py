@@ -134,6 +134,23 @@ def test_result_line_and_summary(sandbox: dict[str, str], tmp_path: Path) -> Non
     assert (tmp_path / "summary.txt").read_text().splitlines() == r.stdout.splitlines()[1:]
 
 
+def test_pack_logs(sandbox: dict[str, str], tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    sandbox["OUT"] = str(out)
+    (out / "tests").mkdir(parents=True)
+    (out / "tests" / "a.log").write_text("A")
+    (out / "logs").mkdir()
+    (out / "logs" / "b.log").write_text("B")
+    (out / "step").mkdir()
+    (out / "step" / "plot.png").write_bytes(b"png")
+    (out / "step" / "r.json").write_text("{}")
+    r = bash("pack_logs", sandbox)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == ["logs.tar.gz", "step", "step/r.json"]
+    listed = subprocess.run(["tar", "tzf", str(out / "logs.tar.gz")], capture_output=True, text=True).stdout.split()
+    assert sorted(listed) == ["logs/", "logs/a.log", "logs/b.log"]
+
+
 def test_gpu_setup(sandbox: dict[str, str]) -> None:
     r = bash('gpu_setup; echo "$FAKE_SETUP_RAN $XDG_CACHE_HOME $HF_HUB_OFFLINE"', sandbox)
     assert (r.returncode, r.stdout) == (0, "1 /tmp/cache 1\n"), r.stderr

@@ -118,6 +118,14 @@ model_step() {
   grep '^{' "$OUT/logs/model_step_$label.log"
 }
 
+pack_logs() {  # $OUT/tests/*.log into $OUT/logs, PNGs dropped, $OUT/logs packed as $OUT/logs.tar.gz; lists $OUT
+  mkdir -p "$OUT/logs"
+  mv "$OUT"/tests/*.log "$OUT/logs/" 2>/dev/null; rmdir "$OUT/tests" 2>/dev/null
+  find "$OUT" -name "*.png" -delete
+  (cd "$OUT" && tar czf logs.tar.gz logs 2>/dev/null; rm -rf logs)
+  ls -R "$OUT"
+}
+
 result() {
   local line="RESULT $* at $((SECONDS - T0)) s"
   if [ -n "${SUMMARY:-}" ]; then echo "$line" | tee -a "$SUMMARY"; else echo "$line"; fi

@@ -36,7 +36,4 @@ for i in 1 2; do
   model_step "base$i" "1" "$STEP_S" PYTHONPATH="$base:${PYTHONPATH:-}"
   model_step "new$i" "1" "$STEP_S"
 done
-mv "$OUT"/tests/*.log "$OUT/logs/" 2>/dev/null; rmdir "$OUT/tests" 2>/dev/null
-find "$OUT" -name "*.png" -delete
-(cd "$OUT" && tar czf logs.tar.gz logs 2>/dev/null; rm -rf logs)
-ls -R "$OUT"
+pack_logs

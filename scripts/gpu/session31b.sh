@@ -24,7 +24,4 @@ for i in 1 2; do                                # the BF16 linears without the p
   model_step "direct$i" "1" 80 SGLANG_DSV41_BF16_GEMM=direct
 done
 MODEL_STEP_EXTRA="--profile" model_step "profiled" "1" 85
-mv "$OUT"/tests/*.log "$OUT/logs/" 2>/dev/null; rmdir "$OUT/tests" 2>/dev/null
-find "$OUT" -name "*.png" -delete
-(cd "$OUT" && tar czf logs.tar.gz logs 2>/dev/null; rm -rf logs)
-ls -R "$OUT"
+pack_logs

@@ -15,7 +15,4 @@ for i in 1 2; do
   model_step "whole$i" "1 8" "$STEP_S"
   model_step "direct$i" "1 8" "$STEP_S" SGLANG_DSV41_BF16_GEMM=direct
 done
-mv "$OUT"/tests/*.log "$OUT/logs/" 2>/dev/null; rmdir "$OUT/tests" 2>/dev/null
-find "$OUT" -name "*.png" -delete
-(cd "$OUT" && tar czf logs.tar.gz logs 2>/dev/null; rm -rf logs)
-ls -R "$OUT"
+pack_logs
