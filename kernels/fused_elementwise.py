@@ -14,9 +14,6 @@ function                   replaces                                             
 `rms_norm`                 `ops.rms_norm` / `attention.rms_norm_fp32`               see "fp64 results"
 `apply_rope_tail`          `ops.apply_rope_tail` (forward and inverse)              see "RoPE"
 `clamped_swiglu`           `moe.clamped_swiglu`                                     see "fp64 results"
-`route_select`             `moe.route` after the scores (bias, top-k, renorm)       see "fp64 results"
-`route_softplus`           the same from the softplus (its sqrt, the routed scale)  see "fp64 results"
-`route_logits`             the same from the logits (torch's CUDA fp32 softplus)    see "Softplus"
 =========================  =======================================================  =========================
 
 Rounding is done arithmetically, never by Triton casts whose semantics differ from torch's:
@@ -39,7 +36,7 @@ cos/sin of it once to fp32 (`ops.rope_cos_sin`), the kernel rounds a double-fp32
 bound); the rotation is fp32 products and sums in the reference's order (no FMA).
 
 fp64 results. Where the reference evaluates in float64 and rounds once (rms_norm, SwiGLU,
-the routing weights' Σ; RoPE's cos/sin) the kernels evaluate the same formula in double-fp32 (`double_fp32`: pairs of
+the routing weights' Σ in `route_select`; RoPE's cos/sin) the kernels evaluate the same formula in double-fp32 (`double_fp32`: pairs of
 fp32, exact products and sums, ≲ 2⁻⁴⁴ relative error per result; exp by Cody–Waite reduction and
 a degree-12 Taylor polynomial in double-fp32) and round once — no float64 in these kernels. Their
 fp32 (then BF16) results equal the reference's except where the exact value lies within ~2⁻⁴⁴
@@ -51,24 +48,16 @@ cos/sin for |angle| < 2²⁴, where the reduced argument carries ≲ 2⁻⁴⁹ 
 little likelier for angles within 2⁻⁵ of a multiple of π/2). Checked bitwise on 342k angles incl.
 Flash's tables at positions up to 2²⁰ (interpreter).
 
-Softplus (`route_logits`): torch's fp32 `F.softplus` on CUDA (z if z > 20, else log1pf(expf(z))) through libdevice's
-`expf` / `log1pf`, launched with `enable_reflect_ftz=False` (Triton's default flushes libdevice's subnormals, torch's
-build does not): the GPU tests compare the bits. Triton's interpreter has no libdevice, so there the launcher evaluates
-that softplus in torch and the kernel starts from it (`route_softplus`).
-
 Batch invariance: one program per row (token or token×head) or per block of 32-/16-groups; block
 sizes depend only on the row width, never on the number of rows. No host synchronisation, no
 host→device copy: every function is CUDA-graph capturable.
 """
 from __future__ import annotations
 
-import struct
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.language.extra import libdevice
 from triton.runtime.interpreter import InterpretedFunction
 
 from . import double_fp32 as DF
@@ -299,58 +288,6 @@ def _swiglu_kernel(g_ptr, u_ptr, out_ptr, n, limit, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, swiglu_value(g, u, limit), mask=live)
 
 
-@triton.jit
-def _route_select_kernel(score_ptr, bias_ptr, vl_bias_ptr, image_ptr, expert_ptr, weight_ptr, E,
-                         scores_out_ptr, scaled_ptr, scale,
-                         K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, HAS_VL: tl.constexpr,
-                         RENORM_EPS: tl.constexpr, SQRT: tl.constexpr, SCALED: tl.constexpr,
-                         SOFTPLUS: tl.constexpr = False, THRESHOLD: tl.constexpr = 20.0):
-    """One token: K selection rounds over scores + bias (NaN first, then larger value, ties to
-    the lower id), then weights = chosen / (fp32(Σ chosen) + eps): Σ in double-fp32 rounded once to
-    fp32, the add and the division in fp32 (IEEE, `div_rn`) as upstream's gate (docs/reference.md).
-    SQRT: the input is the softplus and the scores are its correctly rounded fp32 square root (`sqrt_rn`,
-    stored to scores_out); SCALED: also stores fp32(weights · scale); SOFTPLUS (with SQRT, compiled only): the
-    input is the logits, and the softplus is torch's fp32 one (module doc, "Softplus")."""
-    t = tl.program_id(0).to(tl.int64)
-    ids = tl.arange(0, BLOCK_E)
-    live = ids < E
-    s = tl.load(score_ptr + t * E + ids, mask=live, other=0.0)
-    if SOFTPLUS:
-        s = tl.where(s > THRESHOLD, s, libdevice.log1p(libdevice.exp(s)))
-    if SQRT:
-        s = tl.sqrt_rn(s)
-        tl.store(scores_out_ptr + t * E + ids, s, mask=live)
-    bias = tl.load(bias_ptr + ids, mask=live, other=0.0)
-    if HAS_VL:
-        vl = tl.load(vl_bias_ptr + ids, mask=live, other=0.0)
-        is_image = tl.load(image_ptr + t + 0 * ids) != 0
-        bias = tl.where(is_image, vl, bias)
-    v = s + bias
-    is_nan = v != v
-    free = live
-    slot = tl.arange(0, BLOCK_K)
-    experts = tl.zeros((BLOCK_K,), tl.int64)
-    chosen = tl.zeros((BLOCK_K,), tl.float32)
-    total_h = tl.zeros((1,), tl.float32)
-    total_l = tl.zeros((1,), tl.float32)
-    for j in tl.static_range(K):
-        free_nan = free & is_nan
-        best = tl.max(tl.where(free & ~is_nan, v, float("-inf")), axis=0)
-        at_best = free & ~is_nan & (v == best)
-        any_nan = tl.max(free_nan.to(tl.int32), axis=0) > 0
-        cand = tl.where(any_nan, free_nan, at_best)
-        pick = tl.min(tl.where(cand, ids, BLOCK_E), axis=0)
-        free = free & (ids != pick)
-        value = tl.sum(tl.where(ids == pick, s, 0.0), axis=0)
-        experts = tl.where(slot == j, pick.to(tl.int64), experts)
-        chosen = tl.where(slot == j, value, chosen)
-        total_h, total_l = DF.df_add_f(total_h, total_l, value)
-    denom = (total_h + total_l) + tl.full((1,), RENORM_EPS, tl.float32)
-    weights = tl.math.div_rn(chosen, tl.broadcast_to(denom, (BLOCK_K,)))
-    tl.store(expert_ptr + t * K + slot, experts, mask=slot < K)
-    tl.store(weight_ptr + t * K + slot, weights, mask=slot < K)
-    if SCALED:
-        tl.store(scaled_ptr + t * K + slot, weights * scale, mask=slot < K)
 
 
 # ---- launchers -------------------------------------------------------------------------------
@@ -376,12 +313,6 @@ def _launch_options(num_warps: int = 4) -> dict:
     return {} if INTERPRETED else {"num_warps": num_warps, "enable_fp_fusion": False}
 
 
-def _route_options(softplus: float | None) -> dict:
-    """The routing launch's options: with the softplus (compiled only), its constants and libdevice without flushing
-    subnormals (module doc, "Softplus")."""
-    if softplus is None:
-        return _launch_options()
-    return _launch_options() | {"SOFTPLUS": True, "THRESHOLD": softplus, "enable_reflect_ftz": False}
 
 
 def check_device(name: str, *tensors: Tensor) -> None:
@@ -537,68 +468,5 @@ def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
     return out
 
 
-def route_select(scores: Tensor, bias: Tensor, top_k: int, renorm_eps: float,
-                 bias_vl: Tensor | None = None, image_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """`moe.route` after `scores = sqrt_softplus(logits)` ([T, E] fp32): experts [T, k] int64 =
-    `topk_lower_id_on_ties(scores + row_bias, k)` (exact: comparisons only) and weights [T, k]
-    fp32 = chosen / (fp32(Σ chosen) + renorm_eps), the Σ in double-fp32 rounded once, the rest fp32."""
-    _, experts, weights, _ = _route(scores, bias, top_k, renorm_eps, bias_vl, image_rows, sqrt=False, scale=None)
-    return experts, weights
-
-
-def route_softplus(softplus: Tensor, bias: Tensor, top_k: int, renorm_eps: float, routed_scale: float,
-                   bias_vl: Tensor | None = None, image_rows: Tensor | None = None
-                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """`route_select` from the fp32 softplus of the router logits, in the same launch: (scores [T, E] =
-    the correctly rounded fp32 sqrt of `softplus` — torch's fp32 sqrt on CUDA —, experts, weights, and
-    fp32(weights · fp32(routed_scale)) — `moe_ops.scaled_weights`)."""
-    return _route(softplus, bias, top_k, renorm_eps, bias_vl, image_rows, sqrt=True, scale=_fp32_scale(routed_scale))
-
-
-def route_logits(logits: Tensor, bias: Tensor, top_k: int, renorm_eps: float, routed_scale: float,
-                 threshold: float, bias_vl: Tensor | None = None, image_rows: Tensor | None = None
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """`route_softplus` from the fp32 router logits [T, E]: their softplus (`threshold`: torch's; module doc,
-    "Softplus") in the same launch on a GPU; under the interpreter, torch's `F.softplus` first."""
-    if INTERPRETED:
-        soft = torch.nn.functional.softplus(logits.to(F32), beta=1.0, threshold=threshold)
-        return route_softplus(soft, bias, top_k, renorm_eps, routed_scale, bias_vl, image_rows)
-    return _route(logits, bias, top_k, renorm_eps, bias_vl, image_rows, sqrt=True, scale=_fp32_scale(routed_scale),
-                  softplus=float(threshold))
-
-
-def _fp32_scale(routed_scale: float) -> float:
-    scale = struct.unpack("<f", struct.pack("<f", routed_scale))[0]
-    if scale != routed_scale:
-        raise ValueError(f"routed_scale {routed_scale!r} is not exactly representable in fp32")
-    return scale
-
-
-def _route(scores: Tensor, bias: Tensor, top_k: int, renorm_eps: float, bias_vl: Tensor | None,
-           image_rows: Tensor | None, *, sqrt: bool, scale: float | None,
-           softplus: float | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    check_device("route_select", scores, bias)
-    T, E = scores.shape
-    if not 1 <= top_k <= E:
-        raise ValueError(f"top-k of {top_k} out of {E} experts")
-    if (bias_vl is None) != (image_rows is None):
-        raise ValueError("route_select: pass bias_vl and image_rows together or neither")
-    scores = scores.to(F32).contiguous()
-    experts = torch.empty(T, top_k, dtype=torch.int64, device=scores.device)
-    weights = torch.empty(T, top_k, dtype=F32, device=scores.device)
-    out_scores = torch.empty_like(scores) if sqrt else scores
-    scaled = torch.empty_like(weights) if scale is not None else weights
-    has_vl = bias_vl is not None
-    vl = bias_vl.to(F32).contiguous() if has_vl else bias
-    image = image_rows.contiguous().view(torch.uint8) if has_vl else experts
-    if T:
-        _route_select_kernel[(T,)](scores, bias.to(F32).contiguous(), vl, image, experts, weights, E, out_scores,
-                                   scaled, 1.0 if scale is None else scale, K=top_k,
-                                   BLOCK_K=_pow2_at_least(top_k), BLOCK_E=_pow2_at_least(E), HAS_VL=has_vl,
-                                   RENORM_EPS=float(renorm_eps), SQRT=sqrt, SCALED=scale is not None,
-                                   **_route_options(softplus))
-    return out_scores, experts, weights, scaled
-
-
 __all__ = ["INTERPRETED", "apply_rope_tail", "clamped_swiglu", "fp4_fake_quant", "fp8_act_fake_quant",
-           "rms_norm", "round_bf16", "round_e4m3", "route_logits", "route_select", "route_softplus"]
+           "rms_norm", "round_bf16", "round_e4m3"]

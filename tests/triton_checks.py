@@ -7,6 +7,8 @@
 * `compile_for_sm90` — build a kernel for Hopper (sm_90) with Triton's bundled ptxas and return
   it with `cuobjdump -res-usage`'s line for it (registers, stack, local memory: spills show up as
   STACK/LOCAL > 0).
+* `same_bits` / `flips_within_bound` — bitwise equality (signs of zero, NaN == NaN) and the kernels' "rare one-ulp
+  flips" bound (`kernels/fused_elementwise.py`, "fp64 results").
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import child_runs
+import torch
 
 
 def kernel_cases_argv(test_file: str | Path) -> tuple[str, ...]:
@@ -65,3 +68,24 @@ def compile_for_sm90(kernel: Any, signature: dict[str, str], constexprs: dict[st
 def no_spills(usage_line: str) -> bool:
     """True when the resource line shows no stack frame and no local memory (no register spills)."""
     return "STACK:0 " in usage_line + " " and "LOCAL:0 " in usage_line + " "
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values with equal signs of zero; NaN == NaN."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    both_nan = a.isnan() & b.isnan()
+    return bool(((a == b) & (torch.signbit(a) == torch.signbit(b)) | both_nan).all())
+
+
+def flips_within_bound(got: torch.Tensor, want: torch.Tensor, bf16_ulps: bool) -> bool:
+    """Equal except rare one-ulp flips: every difference ≤ one ulp (BF16 or fp32) of the reference value, and at
+    most n·2⁻²⁰ + 1 of them."""
+    diff = got != want
+    if not bool(diff.any()):
+        return True
+    _, e = torch.frexp(want.abs().clamp(min=2.0**-126))
+    ulp = torch.ldexp(torch.ones_like(want), e - (8 if bf16_ulps else 24))
+    return bool(((got - want).abs() <= ulp).all()) and int(diff.sum()) <= want.numel() * 2.0**-20 + 1

@@ -73,12 +73,13 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
     def __init__(self, dense, device_types: tuple[str, ...] = ("cuda",), fp8_gemm: str = "w8a8_f16") -> None:
         from ..kernels import engram_gate as eg
         from ..kernels import fused_elementwise as fe
+        from ..kernels import route_select as rs
 
         if "cpu" in device_types and not fe.INTERPRETED:
             raise ValueError("TritonBackend on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
         if fp8_gemm not in FP8_GEMMS:
             raise ValueError(f"TritonBackend: fp8_gemm must be one of {FP8_GEMMS}, got {fp8_gemm!r}")
-        self.fe, self.eg, self.dense, self.device_types = fe, eg, dense, tuple(device_types)
+        self.fe, self.rs, self.eg, self.dense, self.device_types = fe, rs, eg, dense, tuple(device_types)
         self.fp8_gemm = fp8_gemm
         self._engram_constants: dict = {}                   # (hasher id, device) → (hasher, token map, constants)
 
@@ -231,12 +232,12 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
 
     def route_select(self, scores: Tensor, bias: Tensor, top_k: int, renorm_eps: float,
                      bias_vl: Tensor | None, image_rows: Tensor | None) -> tuple[Tensor, Tensor]:
-        return self.fe.route_select(scores, bias, top_k, renorm_eps, bias_vl, image_rows)
+        return self.rs.route_select(scores, bias, top_k, renorm_eps, bias_vl, image_rows)
 
     def route_logits(self, logits: Tensor, bias: Tensor, top_k: int, renorm_eps: float, routed_scale: float,
                      bias_vl: Tensor | None, image_rows: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """One launch (`kernels.fused_elementwise.route_logits`: torch's CUDA fp32 softplus and sqrt bits)."""
-        return self.fe.route_logits(logits, bias, top_k, renorm_eps, routed_scale, SOFTPLUS_THRESHOLD, bias_vl,
+        """One launch (`kernels.route_select.route_logits`: torch's CUDA fp32 softplus and sqrt bits)."""
+        return self.rs.route_logits(logits, bias, top_k, renorm_eps, routed_scale, SOFTPLUS_THRESHOLD, bias_vl,
                                     image_rows)
 
 
