@@ -2,6 +2,9 @@
 `sglang_dsv41.reference.mhc`, whose functions these replace one for one on CUDA tensors).
 
 Four ops, 1–2 launches each (the reference spends ~600 tiny float64 torch kernels per layer).
+The residual R [T, hc, H] holds BF16 values (§3.2) and may be held as fp32 or torch.bfloat16 (the
+runtime's CUDA path: `runtime/mhc_ops.py`): every kernel widens it to fp32 as it loads it, so each
+output has the same bits from either, and `hc_residual_update` writes R's dtype.
 Everything is fp32 (issue 21: no float64 on the GPU path); the reference evaluates the
 coefficients and the norm in float64 and rounds once, so those two ops are bounded, not
 bit-identical (tests/test_kernels_mhc.py):
@@ -19,7 +22,7 @@ bit-identical (tests/test_kernels_mhc.py):
   coefficients below in ONE launch (the last split of a token block to arrive sums the splits in
   fixed order; int32 arrival counters, left zero). `tc` (opt-in, for prefill row counts):
   `_hc_mix_dot_kernel` on BF16 tensor cores over 512-column slices of 64 tokens — x as BF16
-  (exact: the residual holds BF16 values), F split into three BF16 parts whose sum is F exactly,
+  (exact: the residual holds BF16 values; a BF16 R as loaded), F split into three BF16 parts whose sum is F exactly,
   so every product is exact and only the fp32 accumulation errs (each 32-column step's
   3 × 32 products in a fresh MMA accumulator, then added to the slice's sum): the compensated
   single-precision class of upstream's split-TF32 / split-BF16×3 mix, not bitwise `dot`'s.
@@ -74,7 +77,7 @@ from sglang_dsv41.kernels.mhc_coef import REG_HC, REG_NUM_WARPS, launch_regs
 from sglang_dsv41.kernels.mhc_decode import FUSED_NUM_WARPS, _hc_params, _sigmoid, _slice_partials, launch_fused
 
 
-F32 = torch.float32
+F32, BF16 = torch.float32, torch.bfloat16
 #: Columns of F per program of the partial-dot kernel (fixed: the fp32 partials do not depend on T).
 MIX_BLOCK_K = 128
 #: Tokens per program of the partial-dot kernels (F's slice is loaded once for them): `rows`, `dot`.
@@ -254,7 +257,8 @@ def _hc_residual_update_kernel(r_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, H, str
         rj = tl.load(r_ptr + t * stride_rt + j * H + offs, mask=mask, other=0.0).to(tl.float32)
         cj = tl.load(comb_ptr + t * HC * HC + j * HC + k)
         acc = acc + cj[:, None] * rj[None, :]
-    tl.store(out_ptr + t * stride_ot + k[:, None] * H + offs[None, :], _bf16_round(acc), mask=mask[None, :])
+    y = _bf16_round(acc).to(out_ptr.dtype.element_ty)       # exact in fp32 or BF16 (a BF16 value)
+    tl.store(out_ptr + t * stride_ot + k[:, None] * H + offs[None, :], y, mask=mask[None, :])
 
 
 #: True when these kernels were built for Triton's interpreter (TRITON_INTERPRET=1 at import).
@@ -284,8 +288,8 @@ def _check_residual(name: str, residual: Tensor) -> tuple[int, int, int]:
     T, hc, H = residual.shape
     if hc < 1 or hc & (hc - 1):
         raise ValueError(f"{name}: hc_mult must be a power of two for these kernels, got {hc}")
-    if not residual.dtype.is_floating_point:
-        raise TypeError(f"{name}: residual must be a float tensor, got {residual.dtype}")
+    if residual.dtype not in (F32, BF16):
+        raise TypeError(f"{name}: residual must be float32 or bfloat16 (BF16 values), got {residual.dtype}")
     return T, hc, H
 
 
@@ -434,14 +438,19 @@ def hc_collapse(residual: Tensor, last_pre: Tensor) -> Tensor:
     return hc_weighted_sum(residual, last_pre)
 
 
-def hc_residual_update(residual: Tensor, sublayer_out: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+def hc_residual_update(residual: Tensor, sublayer_out: Tensor, post: Tensor, comb: Tensor,
+                       out_dtype: torch.dtype | None = None) -> Tensor:
     """R'_k = bf16(post_k·y + Σ_j comb_jk·R_j), fp32 multiply-then-add in the reference's order:
-    [T, hc, H] fp32 holding BF16 values, bit-identical to the reference (spec §3.2)."""
+    [T, hc, H] BF16 values, bit-identical to the reference (spec §3.2), held in `out_dtype` (float32
+    or bfloat16; None: R's dtype)."""
     T, hc, H = _check_residual("hc_residual_update", residual)
+    out_dtype = residual.dtype if out_dtype is None else out_dtype
+    if out_dtype not in (F32, BF16):
+        raise ValueError(f"hc_residual_update: out_dtype {out_dtype} (float32 or bfloat16)")
     if sublayer_out.shape != (T, H):
         raise ValueError(f"hc_residual_update: sublayer output {tuple(sublayer_out.shape)}, expected {(T, H)}")
     dev = _check_device("hc_residual_update", residual, sublayer_out, post, comb)
-    out = torch.empty(T, hc, H, dtype=F32, device=dev)
+    out = torch.empty(T, hc, H, dtype=out_dtype, device=dev)
     if T == 0:
         return out
     r = residual.contiguous()

@@ -66,6 +66,7 @@ def _slice_partials(x_ptr, f_ptr, part_ptr, T, K, stride_xt, tb, s, NUM_SLICES,
     added in step order). A token's values depend on its row only (padded rows and columns are
     zeros). Returns the block's token ids and their mask.
 
+    x (the residual) fp32 or BF16, widened to fp32 as loaded.
     SPLIT3: the dots on BF16 tensor cores instead — x as BF16 (exact: the residual holds BF16
     values), F split into three BF16 parts f₁ + f₂ + f₃ = f exactly, each step's three products
     (exact in fp32) accumulated by the MMA into a fresh fp32 tile that is then added to the running
@@ -81,8 +82,8 @@ def _slice_partials(x_ptr, f_ptr, part_ptr, T, K, stride_xt, tb, s, NUM_SLICES,
         k = s * COLS + i * SUB_K + tl.arange(0, SUB_K)
         k_ok = k < K
         f = tl.load(f_ptr + r[None, :] * K + k[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-        x = tl.load(x_ptr + t[:, None] * stride_xt + k[None, :], mask=t_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)
+        xr = tl.load(x_ptr + t[:, None] * stride_xt + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        x = xr.to(tl.float32)
         if SPLIT3:
             f1 = f.to(tl.bfloat16)
             r1 = f - f1.to(tl.float32)
@@ -93,7 +94,7 @@ def _slice_partials(x_ptr, f_ptr, part_ptr, T, K, stride_xt, tb, s, NUM_SLICES,
                 step = tl.dot(x, f2.to(tl.float32), step, input_precision="ieee")
                 step = tl.dot(x, f3.to(tl.float32), step, input_precision="ieee")
             else:
-                xb = x.to(tl.bfloat16)
+                xb = xr.to(tl.bfloat16)                  # exact (BF16 values); BF16 R as loaded
                 step = tl.dot(xb, f1, out_dtype=tl.float32)
                 step = tl.dot(xb, f2, step, out_dtype=tl.float32)
                 step = tl.dot(xb, f3, step, out_dtype=tl.float32)

@@ -8,7 +8,7 @@ e / (8·√max(|dot| − e, 1e−6)), plus 2⁻²⁰ for exp and the final fp32 
 fail: swapping two streams' weights, or scaling q_weight by 1.01, is outside it
 (`test_kernel_case_bound_catches_*`).
 
-Pinned: within the bound for fp32 and BF16 inputs, H below, at and above one BLOCK_H step, keys
+Pinned: within the bound for fp32 and BF16 inputs (a BF16 R: g and the update the fp32 R's bits), H below, at and above one BLOCK_H step, keys
 as a strided view of the kv projection (as `runtime.engram_gate.engram_update` passes them); a row
 alone == the row in a batch, bitwise (batch invariance); zero rows give sigmoid(1e−3); bad shapes
 raise. Kernel cases run in a TRITON_INTERPRET child on CPU machines, compiled on CUDA; GPU (`gpu`):
@@ -121,6 +121,21 @@ def test_kernel_case_residual_update_is_the_torch_update_of_its_gate(dtype, imag
         assert torch.equal(got[1], R[1]) and not torch.equal(got[0], R[0])
 
 
+@kernel
+def test_kernel_case_bf16_residual_gives_the_fp32_bits() -> None:
+    """R held as BF16 (the CUDA path's mHC residual dtype, `mhc_ops.TritonMhc`): g bit for bit R-as-fp32's,
+    and R' written as BF16 = the fp32 R' cast (exact: R' holds BF16 values), image rows kept."""
+    T, hc, H = 5, 4, 1536
+    R, keys, qw, kw = case(T, hc, H, seed=13)
+    value = (torch.randn(T, (hc + 1) * H, generator=torch.Generator().manual_seed(14)) * 3).to(R.device)[:, hc * H:]
+    rows = torch.tensor([True, False, False, True, False], device=R.device)
+    want, g_want = EG.engram_residual(R, keys, value, qw, kw, EPS, rows)
+    got, g = EG.engram_residual(R.to(BF16), keys, value, qw, kw, EPS, rows)
+    assert torch.equal(g, g_want) and torch.equal(EG.engram_gate(R.to(BF16), keys, qw, kw, EPS), g_want)
+    assert got.dtype == BF16 and want.dtype == F32
+    assert torch.equal(got, want.to(BF16)) and torch.equal(got.float(), want)
+
+
 def test_bad_inputs_raise() -> None:
     R, keys, qw, kw = case(2, 2, 64, seed=3, device="cpu")
     with pytest.raises(ValueError, match="one shape"):
@@ -138,7 +153,7 @@ if not EG.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        run_kernel_cases_in_interpreter(__file__, min_passed=7, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=8, exact=True)
 
 
 if not EG.INTERPRETED:

@@ -23,13 +23,18 @@ What is pinned:
 * `auto` (the serving default) runs `mhc_ops.mix_for_tokens`'s kernel per call — bit for bit that
   kernel's output on both sides of MIX_DOT_MIN_TOKENS (lowered for the interpreter) — and the two
   kernels agree within 2 × the bound; the choice logic (env, deterministic pinning) on CPU;
-* BF16-typed residual / sublayer output are read like the reference's `.to(fp32)`;
+* BF16-typed residual / sublayer output are read like the reference's `.to(fp32)`; R held as BF16 (the
+  CUDA path's `TritonMhc.residual_dtype`) gives every op the bits of R held as fp32 — the coefficients
+  of each partial-dot kernel (`dot`, `rows`, `fused`, `tc`) and coefficient kernel, the sublayer input
+  (also quantised), the collapse — and `hc_residual_update` writes R's dtype: the BF16
+  R' is the fp32 R' exactly (`out_dtype` overrides);
 * the runtime's CPU implementation (`mhc_ops.TorchMhc`) equals the reference bit for bit, `mhc_for` raises for other devices;
   the kernels raise for CPU tensors without the interpreter;
 * the compiled sm_90 code (built here with Triton's bundled ptxas, no GPU) has no fp32 FMA in
   the stream kernels, IEEE fp32 division / square root and no float64 at all in the coefficient
   kernels, and no register spills.
 GPU (`gpu` marker): the same bounds at tiny and Flash widths (hc = 4, H = 4096, T = 1 / 7 / 64),
+BF16 R == fp32 R bitwise at Flash width for every partial-dot kernel (T = 1, 300, the `tc` tensor cores),
 `fused` at Flash width for T = 1 … 256 (bound, counters back to zero, batch invariance, first call
 inside a graph capture), coeff="registers" at Flash width (T = 1 … 256),
 batch invariance at T = 64, both partial-dot kernels (`MIX_KERNELS`) at T = 300, `auto` dispatch at Flash
@@ -147,6 +152,25 @@ def check_against_reference(c: dict, iters: int = 20) -> None:
         assert held.dtype == torch.bfloat16 and torch.equal(held.float(), got)      # BF16_OUT: the same values
     assert torch.equal(KO.hc_residual_update(c["R"], c["y"], on_dev).cpu(), ref.hc_residual_update(cpu["R"], cpu["y"], want))
     assert torch.equal(K.hc_collapse(c["R"], c["pre"]).cpu(), ref.hc_collapse(cpu["R"], cpu["pre"]))
+
+
+def check_bf16_residual_bits(c: dict, impl: mhc_ops.TritonMhc) -> None:
+    """R held as BF16 gives `impl`'s coefficients and every stream op the bits of R held as fp32; the
+    residual update's BF16 R' is the fp32 R' cast (exact: BF16 values)."""
+    R16 = c["R"].to(torch.bfloat16)
+    want, got = coefficients(Shaped(impl), c), coefficients(Shaped(impl), dict(c, R=R16))
+    for name in ("pre", "post", "comb"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), (impl.mix, impl.coeff, name)
+    co = mhc_ops.HcCoefficients(want.pre, want.post, want.comb)
+    for pre in (c["pre"], None):
+        assert torch.equal(impl.sublayer_input(R16, pre, c["weight"], RMS_EPS),
+                           impl.sublayer_input(c["R"], pre, c["weight"], RMS_EPS))
+    pair16, pair32 = (impl.sublayer_inputs(r, c["pre"], c["weight"], RMS_EPS) for r in (R16, c["R"]))
+    assert all(torch.equal(a, b) for a, b in zip(pair16, pair32))
+    update16, update32 = impl.residual_update(R16, c["y"], co), impl.residual_update(c["R"], c["y"], co)
+    assert update16.dtype == torch.bfloat16 and update32.dtype == torch.float32
+    assert torch.equal(update16, update32.to(torch.bfloat16)) and torch.equal(update16.float(), update32)
+    assert torch.equal(impl.collapse(R16, c["pre"]), impl.collapse(c["R"], c["pre"]))
 
 
 def check_batch_invariance(c: dict, rows: list[int]) -> None:
@@ -323,9 +347,25 @@ if KERNEL_HERE:
         R16, y16 = c["R"].to(torch.bfloat16), c["y"].to(torch.bfloat16)
         assert_coefficients_close(KO.hc_coefficients(R16, c["fn"], c["base"], c["scale"], rms_eps=RMS_EPS,
                                                     hc_eps=HC_EPS, sinkhorn_iters=20), co)
-        assert torch.equal(KO.hc_residual_update(R16, y16, co_dev), KO.hc_residual_update(c["R"], c["y"], co_dev))
+        want = KO.hc_residual_update(c["R"], c["y"], co_dev)
+        assert torch.equal(K.hc_residual_update(R16, y16, co_dev.post, co_dev.comb, out_dtype=torch.float32), want)
+        assert torch.equal(KO.hc_residual_update(R16, y16, co_dev), want.to(torch.bfloat16))      # R's dtype
+        assert torch.equal(K.hc_residual_update(c["R"], y16, co_dev.post, co_dev.comb, out_dtype=torch.bfloat16),
+                           want.to(torch.bfloat16))
         assert torch.equal(K.hc_sublayer_input(R16, c["pre"], c["weight"], RMS_EPS),
                            K.hc_sublayer_input(c["R"], c["pre"], c["weight"], RMS_EPS))
+        with pytest.raises(ValueError, match="out_dtype"):
+            K.hc_residual_update(c["R"], c["y"], co_dev.post, co_dev.comb, out_dtype=torch.float16)
+        with pytest.raises(TypeError, match="float32 or bfloat16"):
+            K.hc_collapse(c["R"].half(), c["pre"])
+
+    @pytest.mark.parametrize("mix,coeff", [("dot", "tile"), ("rows", "tile"), ("fused", "tile"), ("tc", "tile"),
+                                           ("dot", "registers"), ("rows", "registers")])
+    def test_kernel_case_bf16_residual_gives_the_fp32_bits(mix: str, coeff: str) -> None:
+        """Each partial-dot and coefficient kernel, and every stream op, on R held as BF16 == on R held
+        as fp32, bitwise (T = 40: past a 32-token tile; H = 1056: nine 512-column slices, a partial one)."""
+        check_bf16_residual_bits(hc_case(40, 4, 1056 if mix in ("fused", "tc") else 96, seed=24),
+                                 mhc_ops.TritonMhc(mix, coeff=coeff))
 
     def test_kernel_case_sublayer_input_with_its_quantised_copy() -> None:
         """`quantised=True`: the same x_in (fp32 or BF16 out) and, from the same launch, its values quantised
@@ -368,7 +408,7 @@ if not K.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        run_kernel_cases_in_interpreter(__file__, min_passed=40, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=46, exact=True)
 
     def test_cpu_without_interpreter_raises() -> None:
         c = hc_case(1, 4, 64, seed=0, device="cpu")
@@ -445,10 +485,12 @@ if not K.INTERPRETED:
         with pytest.raises(ValueError, match="no mHC implementation"):
             mhc_ops.mhc_for(torch.device("meta"))
 
-    def _compiled(kernel, constexprs: dict, fp64_ptrs: tuple[str, ...] = (), num_warps: int = 4) -> tuple[str, str]:
+    def _compiled(kernel, constexprs: dict, fp64_ptrs: tuple[str, ...] = (), num_warps: int = 4,
+                  bf16_ptrs: tuple[str, ...] = ()) -> tuple[str, str]:
         """PTX and `cuobjdump -res-usage` of `kernel` built for sm_90 with the wrappers' options."""
-        sig = {n: "constexpr" if n in constexprs else ("*fp64" if n in fp64_ptrs else "*fp32")
-               if n.endswith("_ptr") else "i32" for n in kernel.arg_names}
+        sig = {n: "constexpr" if n in constexprs else ("*fp64" if n in fp64_ptrs else "*bf16" if n in bf16_ptrs
+                                                       else "*fp32") if n.endswith("_ptr") else "i32"
+               for n in kernel.arg_names}
         compiled, usage = compile_for_sm90(kernel, sig, constexprs, {"num_warps": num_warps, **K._launch_options()})
         return compiled.asm["ptx"], usage + " "
 
@@ -487,6 +529,39 @@ if not K.INTERPRETED:
                                                                  QUANT=True, INTERPRET=False), num_warps=16)
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and ".f64" not in ptx     # Flash's quantised copy, hardware RNE
         assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
+
+    def test_compiled_sm90_code_with_a_bf16_residual() -> None:
+        """R as BF16 (`TritonMhc.residual_dtype`): the stream kernels still have no fp32 FMA and no spills,
+        the residual update stores BF16 (no fp32 store), the mix kernels build without spills and `tc`
+        feeds the loaded BF16 R to its MMA without a round trip through fp32."""
+        stream = [(K._hc_residual_update_kernel, dict(HC=4, BLOCK=K.STREAM_BLOCK_H), ("r_ptr", "out_ptr")),
+                  (K._hc_weighted_sum_kernel, dict(HC=4, BLOCK=K.STREAM_BLOCK_H), ("r_ptr",)),
+                  (K._hc_sublayer_input_kernel, dict(HC=4, HAS_PRE=True, BLOCK=4096, RMS_EPS=RMS_EPS, QUANT=False,
+                                                     INTERPRET=False), ("r_ptr",))]
+        for kernel, consts, bf16_ptrs in stream:
+            ptx, usage = _compiled(kernel, consts, bf16_ptrs=bf16_ptrs)
+            assert "mul.rn.f32" in ptx and "add.rn.f32" in ptx and "fma.rn.f32" not in ptx, kernel
+            assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
+            if kernel is K._hc_residual_update_kernel:
+                assert "st.global.b32" not in ptx and "st.global.v4.b32" not in ptx, "R' stored as fp32"
+        ptx, usage = _compiled(K._hc_mix_partials_kernel, dict(ROWS=24, ROWS_PAD=32, SLOT=32, BLOCK_K=K.MIX_BLOCK_K,
+                                                               BLOCK_T=K.MIX_BLOCK_T), bf16_ptrs=("x_ptr",))
+        assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
+        for block_k, block_t, sub_k, warps, split3 in K.DOT_LAUNCHES.values():
+            ptx, usage = _compiled(K._hc_mix_dot_kernel, dict(ROWS=24, ROWS_PAD=32, SLOT=32, BLOCK_K=block_k,
+                                                              BLOCK_T=block_t, SUB_K=sub_k, SPLIT3=split3,
+                                                              INTERPRET=False), num_warps=warps, bf16_ptrs=("x_ptr",))
+            assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
+            if split3:
+                assert "mma" in ptx and "cvt.rn.bf16x2.f32" not in ptx    # x not packed from fp32 (fp32 R: it is)
+        kernel = mhc_decode._hc_fused_coefficients_kernel
+        consts = dict(HC=4, ROWS_PAD=32, SLOT=32, SPLITS=32, SPLITS_BLOCK=mhc_decode.FUSED_SPLITS_BLOCK,
+                      SPLIT_K=mhc_decode.FUSED_SPLIT_K, SUB_K=mhc_decode.FUSED_SUB_K, BLOCK_T=mhc_decode.FUSED_BLOCK_T,
+                      RMS_EPS=RMS_EPS, HC_EPS=HC_EPS)
+        sig = {n: "constexpr" if n in consts else ("*i32" if n == "cnt_ptr" else "*bf16" if n == "x_ptr" else "*fp32")
+               if n.endswith("_ptr") else "i32" for n in kernel.arg_names}
+        _, usage = compile_for_sm90(kernel, sig, consts, {"num_warps": mhc_decode.FUSED_NUM_WARPS, **K._launch_options()})
+        assert "STACK:0 " in usage + " " and "LOCAL:0 " in usage + " ", usage
 
     def test_compiled_sm90_fused_kernel() -> None:
         """`fused` at Flash width: fp32 FMA dot (no TF32 / MMA), IEEE division and square root, no
@@ -532,6 +607,15 @@ if not K.INTERPRETED:
 @pytest.mark.parametrize("H", [64, 4096], ids=["tiny", "flash"])
 def test_gpu_matches_reference(T: int, H: int) -> None:
     check_against_reference(hc_case(T, 4, H, seed=T + H, device="cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 300])
+@pytest.mark.parametrize("mix,coeff", [(m, "tile") for m in K.MIX_KERNELS] + [("rows", "registers")])
+def test_gpu_bf16_residual_gives_the_fp32_bits_at_flash_width(T: int, mix: str, coeff: str) -> None:
+    """Compiled at Flash width: R held as BF16 == R held as fp32, bitwise, for every op (`tc`: the loaded
+    BF16 R fed to the tensor cores as is)."""
+    check_bf16_residual_bits(hc_case(T, 4, 4096, seed=90 + T), mhc_ops.TritonMhc(mix, coeff=coeff))
 
 
 @pytest.mark.gpu
