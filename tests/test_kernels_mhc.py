@@ -26,8 +26,8 @@ What is pinned:
 * BF16-typed residual / sublayer output are read like the reference's `.to(fp32)`; R held as BF16 (the
   CUDA path's `TritonMhc.residual_dtype`) gives every op the bits of R held as fp32 — the coefficients
   of each partial-dot kernel (`dot`, `rows`, `fused`, `tc`) and coefficient kernel, the sublayer input
-  (also quantised), the collapse — and `hc_residual_update` writes R's dtype: the BF16
-  R' is the fp32 R' exactly (`out_dtype` overrides);
+  (also quantised), the collapse, `stream_mean` — and `hc_residual_update` writes R's dtype: the BF16
+  R' is the fp32 R' exactly (`out_dtype` overrides); `TritonMhc.streams` builds R⁰ as BF16;
 * the runtime's CPU implementation (`mhc_ops.TorchMhc`) equals the reference bit for bit, `mhc_for` raises for other devices;
   the kernels raise for CPU tensors without the interpreter;
 * the compiled sm_90 code (built here with Triton's bundled ptxas, no GPU) has no fp32 FMA in
@@ -367,6 +367,19 @@ if KERNEL_HERE:
         check_bf16_residual_bits(hc_case(40, 4, 1056 if mix in ("fused", "tc") else 96, seed=24),
                                  mhc_ops.TritonMhc(mix, coeff=coeff))
 
+    def test_kernel_case_serving_streams_are_bf16() -> None:
+        """`TritonMhc` holds R as BF16 (`TorchMhc`: fp32): R⁰ = the embedding rows on every stream, exactly;
+        `stream_mean` (the DSpark feature) has the same bits from either dtype."""
+        c = hc_case(5, 4, 64, seed=25)
+        rows = c["R"][:, 0]
+        impl, cpu = mhc_ops.TritonMhc(), mhc_ops.mhc_for(torch.device("cpu"))
+        assert impl.residual_dtype == torch.bfloat16
+        assert cpu.residual_dtype == mhc_ops.Fp32TorchMhc.residual_dtype == torch.float32
+        R0, R0_cpu = impl.streams(rows, 4), cpu.streams(rows, 4)
+        assert R0.dtype == torch.bfloat16 and R0.is_contiguous() and R0_cpu.dtype == torch.float32
+        assert R0_cpu.is_contiguous() and torch.equal(R0.float(), R0_cpu) and torch.equal(R0_cpu[:, 2], rows)
+        assert torch.equal(mhc_ops.stream_mean(c["R"].to(torch.bfloat16)), mhc_ops.stream_mean(c["R"]))
+
     def test_kernel_case_sublayer_input_with_its_quantised_copy() -> None:
         """`quantised=True`: the same x_in (fp32 or BF16 out) and, from the same launch, its values quantised
         per 1×32 — bit for bit what `fake_quantize_activations_bf16` makes of x_in (the FP8 hand-off);
@@ -408,7 +421,7 @@ if not K.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        run_kernel_cases_in_interpreter(__file__, min_passed=46, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=47, exact=True)
 
     def test_cpu_without_interpreter_raises() -> None:
         c = hc_case(1, 4, 64, seed=0, device="cpu")

@@ -19,6 +19,8 @@ prefill row count, the BF16-copy cuBLAS form of `kernels.fp8_w8a8` from there), 
     calls it from the prefill row count only; `w8a16` never calls it;
   - a static decode step takes its Engram rows and ring advance from `kernels.engram_rows`, with the
     torch path's hidden states and request state bit for bit;
+  - the CUDA mHC (`mhc_ops.TritonMhc`, R held as BF16) in the serving forward: a prefill and a decode
+    step give the logits and DSpark captures of the same forward with R held as fp32, bit for bit;
   - no float64 tensor is created by those pieces, nor by a whole forward on the backend
     (`Float64Watch`, a torch dispatch mode: every op's outputs are checked). Under the interpreter
     the model runs on CPU tensors, so attention, mHC and the routed experts are the fp32 CPU
@@ -268,6 +270,52 @@ def test_kernel_case_forward_with_the_quantised_handoff_keeps_its_bits(weights, 
     assert not any(flags) and torch.equal(on, off)
 
 
+def _dtype_recording(real, seen: list):
+    """`real(R, *args)`, recording (R's dtype, the result's dtype)."""
+    def call(R, *args):
+        out = real(R, *args)
+        seen.append((R.dtype, out.dtype))
+        return out
+    return call
+
+
+@kernel
+def test_kernel_case_forward_with_bf16_residual_streams_keeps_its_bits(weights, monkeypatch) -> None:
+    """The CUDA mHC (`mhc_ops.TritonMhc`: R held as BF16, spec §3.2's BF16 values) in the serving forward
+    (`w8a8_fold`; the Engram layers on `kernels.engram_gate.engram_residual`): an 11-token prefill, then one
+    decode step, with the DSpark capture of two layers (`stream_mean`) — the logits and captures equal,
+    bit for bit, those of the same forward with R held as fp32; every residual update and Engram update
+    took and wrote R in its dtype."""
+    from runtime_scenarios import Slots, allocate_caches, run_batch
+    from sglang_dsv41.runtime import mhc_ops
+    from sglang_dsv41.runtime.forward import TorchForward
+
+    cfg, _, fp8, hasher = weights
+    fast = TorchForward(cfg, fp8, hasher.to(DEVICE), backend=triton_backend(fp8, "w8a8_fold"))
+    fast.mhc = mhc_ops.TritonMhc(deterministic=False)
+    fast.set_capture_layers([0, cfg.text.num_hidden_layers - 1])
+    seen: list[tuple[torch.dtype, torch.dtype]] = []
+    for owner, name in ((fast.mhc, "residual_update"), (fast.backend, "engram_residual")):
+        monkeypatch.setattr(owner, name, _dtype_recording(getattr(owner, name), seen))
+    tokens = list(range(5, 17))
+
+    def run() -> list[torch.Tensor]:
+        slots = Slots(DEVICE, rows=2, max_context=len(tokens))
+        caches = allocate_caches(fast, slots)
+        out = [run_batch(fast, caches, slots, [(1, 0, tokens[:-1])])[0], *(c.cpu() for c in fast.captured)]
+        out.append(run_batch(fast, caches, slots, [(1, len(tokens) - 1, tokens[-1:])])[0])
+        return out + [c.cpu() for c in fast.captured]
+
+    held_bf16 = run()
+    assert fast.mhc.residual_dtype == torch.bfloat16 and len(seen) > 2 * cfg.text.num_hidden_layers
+    assert set(seen) == {(torch.bfloat16, torch.bfloat16)}, set(seen)
+    seen.clear()
+    monkeypatch.setattr(fast.mhc, "residual_dtype", torch.float32)
+    held_fp32 = run()
+    assert set(seen) == {(torch.float32, torch.float32)}, set(seen)
+    assert all(torch.equal(a, b) for a, b in zip(held_bf16, held_fp32)) and len(held_bf16) == 6
+
+
 @kernel
 def test_kernel_case_forward_on_the_backend_creates_no_float64(weights) -> None:
     """A whole prefill + decode on the serving backend (`tiered`; attention / mHC / routed experts: the CPU
@@ -437,7 +485,7 @@ if not INTERPRETED:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
         from triton_checks import run_kernel_cases_in_interpreter
 
-        run_kernel_cases_in_interpreter(__file__, min_passed=15, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=16, exact=True)
 
 
 # ---- GPU: the CUDA forward as the server builds it ---------------------------------------------

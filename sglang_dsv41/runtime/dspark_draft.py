@@ -147,11 +147,11 @@ class DSparkDraft(nn.Module):
 
     def _block_hidden(self, embed_weight: Tensor | Callable[[Tensor], Tensor], ids: Tensor, positions: Tensor,
                       windows: Sequence[tuple[Tensor, Tensor]], g: int) -> Tensor:
-        t, N = self.text, ids.shape[0]
+        t = self.text
         step = DraftStep(self.backend, self.mhc, self.moe, self.numerics.act_quant, self.numerics.cache, self.inv_freq,
                          positions, g, list(windows))
         rows = embed_weight[ids] if isinstance(embed_weight, Tensor) else embed_weight(ids)
-        R = rows.to(F32).unsqueeze(1).expand(N, t.hc_mult, t.hidden_size).contiguous()
+        R = self.mhc.streams(rows, t.hc_mult)
         carried: Tensor | None = None
         for stage in self.stages:
             R, carried = stage(R, carried, step)

@@ -8,7 +8,8 @@ request-scoped ratio-2 pair state):
    (`EngramHasher.row_ids(..., extend_lens)`, §3.3.1) with the K ids before its chunk: from the
    host for an extend (`layout.engram_history`), else from the request's history ring
    (`runtime/engram_history.py`);
-2. R⁰ = embedding broadcast to the hc streams; per layer: Engram → attn-hc → attention
+2. R⁰ = embedding broadcast to the hc streams, held in `mhc.residual_dtype` (BF16 on CUDA:
+   exact, R holding BF16 values, §3.2); per layer: Engram → attn-hc → attention
    (`runtime/attention.py`) → ffn-hc → MoE (`runtime/moe_ops.py`), with the lagged pre (§3.2);
    attention heads (`wq_b` / `wo_a` SGLang column-parallel linears), `wo_b` and the shared expert
    (SGLang's row / column-parallel linears),
@@ -337,7 +338,7 @@ class TorchForward(nn.Module):
         E = self.embed(ids)
         if image_embeds is not None:
             E = merge_image_rows(E, ids, image_embeds, self.cfg.image_token_id)
-        R = E.unsqueeze(1).expand(N, t.hc_mult, t.hidden_size).contiguous()
+        R = self.mhc.streams(E, t.hc_mult)
         step.captured = dict.fromkeys(self.capture_layers) if self.capture_layers else None
         carried_pre: Tensor | None = None
         for layer in self.layers:

@@ -7,6 +7,11 @@
 | CPU  | `TorchMhc`: the §3.2 formulas in torch, rounded as the reference (reductions and transcendentals in float64 rounded once to fp32, the elementwise steps fp32) |
 | CUDA | `TritonMhc`: `kernels.mhc` (fused Triton, fp32: 2 launches for the coefficients, 1 per other op) |
 
+Each implementation declares the dtype it holds the residual streams R in (`residual_dtype`; R⁰ by
+`streams`): fp32 on CPU, torch.bfloat16 on CUDA. R holds BF16 values (§3.2: the embedding is BF16, every
+residual update and the Engram update round to BF16), so either dtype holds it exactly and every op
+gives the same bits from both; BF16 halves the bytes of every pass over R.
+
 CUDA's partial-dot kernel of the coefficients (`kernels.mhc.MIX_KERNELS`: `dot`, `rows`, `fused`):
 SGLANG_DSV41_MHC_MIX (MIX_CHOICES), read when a `TritonMhc` is built. `auto` (the serving
 default) picks per call by token count (`mix_for_tokens`: `fused` — one launch,
@@ -34,7 +39,7 @@ from torch import Tensor
 
 from ..numerics.rounding import bf16, fp8_act_fake_quant, fp32_scalar
 
-F32, F64 = torch.float32, torch.float64
+F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 MHC_MIX_ENV = "SGLANG_DSV41_MHC_MIX"
 #: SGLANG_DSV41_MHC_MIX values: `auto` (per call, `mix_for_tokens`) or one kernel of
 #: `kernels.mhc.MIX_KERNELS` for every call
@@ -89,7 +94,19 @@ class HcCoefficients:
     comb: Tensor
 
 
-class TorchMhc:
+class ResidualStreams:
+    """The dtype an mHC implementation holds R [T, hc, H] in (module doc; spec `model.md` §3.2)."""
+
+    #: R's dtype: exact either way, R holding BF16 values
+    residual_dtype: torch.dtype = F32
+
+    def streams(self, rows: Tensor, hc: int) -> Tensor:
+        """R⁰ [T, hc, H] in `residual_dtype`: rows [T, H] (BF16 values: the embedding) on every stream."""
+        T, H = rows.shape
+        return rows.unsqueeze(1).expand(T, hc, H).to(self.residual_dtype).contiguous()
+
+
+class TorchMhc(ResidualStreams):
     """CPU: the §3.2 formulas; the coefficients' reductions and transcendentals and the
     sublayer-input norm evaluated in `acc` (float64: rounded once, bit-identical to the
     reference), every other coefficient step fp32 (upstream's `hc_split_sinkhorn_kernel` order),
@@ -180,12 +197,14 @@ class Fp32TorchMhc(TorchMhc):
         return bf16(torch.addcmul(mixed, co.post.to(F32).unsqueeze(-1), sublayer_out.to(F32).unsqueeze(1)))
 
 
-class TritonMhc:
-    """CUDA: the fused kernels of `kernels.mhc` (bounds stated there); `mix` (MIX_CHOICES, module
-    doc) picks the coefficients' partial-dot kernel, `coeff` (COEFF_CHOICES, else
+class TritonMhc(ResidualStreams):
+    """CUDA: the fused kernels of `kernels.mhc` (bounds stated there), R held as torch.bfloat16 (each
+    kernel widens it to fp32 as it loads it; the residual update writes R's dtype); `mix` (MIX_CHOICES,
+    module doc) picks the coefficients' partial-dot kernel, `coeff` (COEFF_CHOICES, else
     SGLANG_DSV41_MHC_COEFF) the coefficient kernel after it."""
 
     name = "triton"
+    residual_dtype = BF16
 
     def __init__(self, mix: str | None = None, deterministic: bool = False, coeff: str | None = None) -> None:
         from ..kernels import mhc as kernels   # Triton is imported only where the kernels run
@@ -246,12 +265,12 @@ class TritonMhc:
 
 def stream_mean(residual: Tensor) -> Tensor:
     """bf16(mean over the hc streams) [T, H], summed in fp32 in stream order (the DSpark target
-    feature, spec `model.md` §4: the attention input of a captured layer). Same on every device."""
-    r = residual.to(F32)
-    acc = r[:, 0]
-    for j in range(1, r.shape[1]):
-        acc = acc + r[:, j]
-    return bf16(acc / r.shape[1])
+    feature, spec `model.md` §4: the attention input of a captured layer). Same on every device and
+    for R in fp32 or BF16 (each stream widened exactly as it is added)."""
+    acc = residual[:, 0].to(F32)
+    for j in range(1, residual.shape[1]):
+        acc = acc + residual[:, j]
+    return bf16(acc / residual.shape[1])
 
 
 def mhc_for(device: torch.device, acc: torch.dtype = F64, deterministic: bool = False) -> TorchMhc | TritonMhc:
