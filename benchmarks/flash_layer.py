@@ -455,7 +455,7 @@ def step_components(layer: Layer, caches: Caches, req: Tensor, positions: Tensor
     t, dev, N = layer.text, positions.device, int(positions.numel())
     label = f"N={N}"
     g = torch.Generator(device=dev).manual_seed(N)
-    R = ops.bf16(torch.randn(N, t.hc_mult, t.hidden_size, generator=g, device=dev))
+    R = ops.bf16(torch.randn(N, t.hc_mult, t.hidden_size, generator=g, device=dev)).to(mhc_for(dev).residual_dtype)
     x, routing = torch_work(layer, R, positions)
     q = ops.bf16(torch.randn(N, t.num_attention_heads, t.head_dim, generator=g, device=dev))
     sink = layer.weights[f"layers.{layer.role.layer}.attn.attn_sink"]

@@ -111,7 +111,7 @@ def variant_callables(layer, caches, N: int, context: int) -> dict[str, dict[str
     t, dev = layer.text, torch.device("cuda")
     req, pos = torch.arange(N, device=dev), torch.full((N,), context - 1, dtype=torch.long, device=dev)
     g = torch.Generator(device=dev).manual_seed(N)
-    R = ops.bf16(torch.randn(N, t.hc_mult, t.hidden_size, generator=g, device=dev))
+    R = ops.bf16(torch.randn(N, t.hc_mult, t.hidden_size, generator=g, device=dev)).to(fl.mhc_for(dev).residual_dtype)
     q = ops.bf16(torch.randn(N, t.num_attention_heads, t.head_dim, generator=g, device=dev))
     sink = layer.weights[f"layers.{layer.role.layer}.attn.attn_sink"]
     qs = fl.queries(layer, caches, req, pos)

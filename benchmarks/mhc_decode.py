@@ -1,6 +1,7 @@
 """mHC coefficients at decode batch sizes: the old path (`dot`: partial-dot + coefficient kernels,
 2 launches) vs `fused` (`kernels/mhc_decode.py`, 1 launch) at Flash width (hc = 4, H = 4096,
-Sinkhorn ITERS = 20, BF16-valued fp32 residual), T in TOKENS (1 … 256; --tokens).
+Sinkhorn ITERS = 20, a BF16-valued residual held in the CUDA runtime's dtype or --residual's: `residual_dtype`),
+T in TOKENS (1 … 256; --tokens).
 
 Per T: µs of the full coefficient op (all its launches) by `triton.testing.do_bench_cudagraph`
 (median of CUDA-graph replays, the serving form) for `dot`, `rows`, `rows_regcoef` / `dot_regcoef`
@@ -11,7 +12,7 @@ persistent counters) and `fused` at each width of SPLITS (columns per program); 
 (the largest swept T up to which `fused` wins at every swept T: the value for
 `mhc_ops.FUSED_MAX_TOKENS`). Writes OUT/mhc_decode.json.
 
-    python benchmarks/mhc_decode.py --out DIR
+    python benchmarks/mhc_decode.py --out DIR [--residual fp32]
 """
 from __future__ import annotations
 
@@ -34,17 +35,19 @@ def bench(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3
 
 
-def run(out: Path, tokens: tuple[int, ...] = TOKENS) -> dict:
+def run(out: Path, tokens: tuple[int, ...] = TOKENS, residual: torch.dtype | None = None) -> dict:
     from sglang_dsv41.kernels import mhc as K
     from sglang_dsv41.kernels import mhc_decode as D
+    from sglang_dsv41.runtime.mhc_ops import TritonMhc
     dev = torch.device("cuda")
+    residual = residual or TritonMhc.residual_dtype
     g, fn, base, scale = hc_weights(dev, HC, H)
     counters = D.fused_counters(max(tokens), dev)
     opts = {**K._launch_options(), "num_warps": D.FUSED_NUM_WARPS}
     result: dict = dict(device=torch.cuda.get_device_name(dev), hc=HC, hidden=H, iters=ITERS, method=__doc__,
-                        default_split=D.FUSED_SPLIT_K, rows=[])
+                        default_split=D.FUSED_SPLIT_K, residual_dtype=str(residual).removeprefix("torch."), rows=[])
     for T in tokens:
-        R = torch.randn(T, HC, H, generator=g, device=dev).to(torch.bfloat16).float()
+        R = torch.randn(T, HC, H, generator=g, device=dev).to(torch.bfloat16).to(residual)
         row: dict = dict(tokens=T)
         co = {}
         for variant in ("dot", "rows", "rows_regcoef", "dot_regcoef", "fused"):

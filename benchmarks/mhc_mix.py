@@ -1,15 +1,16 @@
 """The mHC coefficient kernels by token count (issue 21; sessions 13–14): the sweep that fits `auto`.
 
-Per T in TOKENS (1 … 8,192; --tokens), at Flash width (hc = 4, H = 5120, BF16-valued fp32 residual as the runtime holds it):
+Per T in TOKENS (1 … 8,192; --tokens), at Flash width (hc = 4, H = 5120; a BF16-valued residual in the CUDA
+runtime's dtype, `mhc_ops.TritonMhc.residual_dtype`, or --residual's: the record's `residual_dtype`):
 `kernels.mhc.hc_coefficients` with each partial-dot kernel of `MIX_KERNELS` (`dot`, `rows`), and the
 sublayer input / residual update (unchanged, for scale) — µs by `triton.testing.do_bench` (median, L2
-not flushed; at T = 8192 the residual is 671 MB), plus the largest |Δ| of `dot`'s coefficients from
-`rows`' and whether they are bit-equal; `auto_kernel` (what `mhc_ops.mix_for_tokens` runs at T) and
+not flushed; at T = 8192 the residual is 671 MB in fp32, 336 MB in BF16), plus the largest |Δ| of `dot`'s
+coefficients from `rows`' and whether they are bit-equal; `auto_kernel` (what `mhc_ops.mix_for_tokens` runs at T) and
 `auto_over_best` (its µs over the faster kernel's). Top level: `fit` (`fit_dot_min_tokens`: the smallest
 swept T > 1 from which `dot` is faster at every larger swept T, the value MIX_DOT_MIN_TOKENS should take;
 `rows_faster_at`, `dot_faster_at`; `threshold_now`). Writes OUT/mhc_mix.json.
 
-    python benchmarks/mhc_mix.py --out DIR
+    python benchmarks/mhc_mix.py --out DIR [--residual fp32]
 """
 from __future__ import annotations
 
@@ -52,15 +53,17 @@ def hc_weights(dev: torch.device, hc: int, hidden: int) -> tuple[torch.Generator
     return g, fn, base, scale
 
 
-def run(out: Path, tokens: tuple[int, ...] = TOKENS) -> dict:
+def run(out: Path, tokens: tuple[int, ...] = TOKENS, residual: torch.dtype | None = None) -> dict:
     from sglang_dsv41.kernels import mhc as K
     from sglang_dsv41.runtime import mhc_ops
     dev = torch.device("cuda")
+    residual = residual or mhc_ops.TritonMhc.residual_dtype
     g, fn, base, scale = hc_weights(dev, HC, H)
     w = 1.0 + 0.1 * torch.randn(H, generator=g, device=dev)
-    result: dict = dict(device=torch.cuda.get_device_name(dev), hc=HC, hidden=H, method=__doc__, rows=[])
+    result: dict = dict(device=torch.cuda.get_device_name(dev), hc=HC, hidden=H, method=__doc__,
+                        residual_dtype=str(residual).removeprefix("torch."), rows=[])
     for T in tokens:
-        R = torch.randn(T, HC, H, generator=g, device=dev).to(torch.bfloat16).float()
+        R = torch.randn(T, HC, H, generator=g, device=dev).to(torch.bfloat16).to(residual)
         y = torch.randn(T, H, generator=g, device=dev).to(torch.bfloat16).float()
         row: dict = dict(tokens=T)
         co = {}
@@ -89,15 +92,20 @@ def run(out: Path, tokens: tuple[int, ...] = TOKENS) -> dict:
     return result
 
 
+#: --residual: the dtype the sweeps hold the residual in (default: the CUDA runtime's)
+RESIDUAL_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
 def cli(run_fn, doc: str, tokens: tuple[int, ...]) -> None:
-    """The command line of the mHC sweeps (this one, mhc_decode.py): --out DIR (made), --tokens T …;
-    then run_fn(out, tokens)."""
+    """The command line of the mHC sweeps (this one, mhc_decode.py): --out DIR (made), --tokens T …,
+    --residual bf16|fp32 (RESIDUAL_DTYPES; default the runtime's); then run_fn(out, tokens, dtype or None)."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--tokens", type=int, nargs="+", default=list(tokens))
+    ap.add_argument("--residual", choices=tuple(RESIDUAL_DTYPES), default=None)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    run_fn(args.out, tuple(args.tokens))
+    run_fn(args.out, tuple(args.tokens), RESIDUAL_DTYPES.get(args.residual))
 
 
 def main() -> None:

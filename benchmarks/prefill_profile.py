@@ -63,7 +63,8 @@ NEW = SWITCHES | {"SGLANG_DSV41_INDEXER_HEAD_SUM": "fp32"}
 #: `blocked_bf16_rows` = SGLANG_DSV41_BF16_GEMM=blocked (`BlockedBf16Gemm.whole_rows` False, read at build: set
 #: on the layer's backend; without the patch: `whole`, the serving default); `fp32_activations` = every
 #: activation in fp32 as before session 26 (`Fp32Activations`: the backend's `bf16_out` ignored, the mHC
-#: sublayer input written as fp32)
+#: sublayer input written as fp32); `fp32_residual` = the CUDA mHC's residual streams R held as fp32 again
+#: (`mhc_ops.TritonMhc.residual_dtype`; the same values)
 VARIANTS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     "before": (OLD, ("two_pass_rope", "blocked_bf16_rows")),
     "session12": ({"SGLANG_DSV41_ATTN_PREFILL": "packed", "SGLANG_DSV41_MHC_MIX": "rows"}, ("blocked_bf16_rows",)),
@@ -84,6 +85,8 @@ VARIANTS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     "mhc_tc": ({"SGLANG_DSV41_MHC_MIX": "tc"}, ()),
     # session 26: the default with its activations in fp32 again (what BF16_OUT removed)
     "fp32_activations": ({}, ("fp32_activations",)),
+    # the default with the mHC residual streams held as fp32 (what holding them as BF16 removed)
+    "fp32_residual": ({}, ("fp32_residual",)),
     "flashmla_mhc_tc": ({"SGLANG_DSV41_ATTN_PREFILL": "flashmla", "SGLANG_DSV41_MHC_MIX": "tc"}, ())}
 DEFAULT_VARIANTS = ("before", "session12", "default", "new", "attn_bf16_workspace", "indexer_fp32_head_sum",
                     "indexer_fused_topk", "whole_bf16_rows")
@@ -178,8 +181,12 @@ def variant_scope(name: str, backend) -> Iterable[None]:
     if saved_whole is not None:
         dense.whole_rows = "blocked_bf16_rows" not in patches
     from fp32_activations import Fp32Activations
+    from sglang_dsv41.runtime.mhc_ops import TritonMhc
 
     fp32 = Fp32Activations(backend) if "fp32_activations" in patches else contextlib.nullcontext()
+    saved_residual = TritonMhc.residual_dtype
+    if "fp32_residual" in patches:
+        TritonMhc.residual_dtype = torch.float32
     try:
         with fp32:
             yield
@@ -193,6 +200,7 @@ def variant_scope(name: str, backend) -> Iterable[None]:
             backend.fe = saved_fe
         if saved_whole is not None:
             dense.whole_rows = saved_whole
+        TritonMhc.residual_dtype = saved_residual
         _reread_moe_flags()
 
 

@@ -161,6 +161,22 @@ def test_prefill_profile_attribution_and_variants(sp, monkeypatch) -> None:
     assert set(pp.DEFAULT_VARIANTS) <= set(pp.VARIANTS)
 
 
+def test_fp32_residual_variant_holds_the_cuda_mhc_streams_in_fp32_and_restores() -> None:
+    """`fp32_residual`: within the scope the CUDA mHC holds R as fp32 (`TritonMhc.residual_dtype`, read by
+    `flash_layer.step_components` and the forward); BF16 again after, also when the scope raises."""
+    from sglang_dsv41.runtime import mhc_ops
+    pp = load_benchmark("prefill_profile.py")
+    be = SimpleNamespace()
+    assert mhc_ops.TritonMhc.residual_dtype == torch.bfloat16
+    with pp.variant_scope("fp32_residual", be):
+        assert mhc_ops.TritonMhc.residual_dtype == torch.float32
+        assert mhc_ops.TritonMhc().streams(torch.ones(2, 8), 4).dtype == torch.float32
+    assert mhc_ops.TritonMhc.residual_dtype == torch.bfloat16
+    with pytest.raises(RuntimeError), pp.variant_scope("fp32_residual", be):
+        raise RuntimeError
+    assert mhc_ops.TritonMhc.residual_dtype == torch.bfloat16
+
+
 def test_fp32_activations_variant_drops_bf16_out_and_restores() -> None:
     """`fp32_activations` (session 26's A/B): within the scope the backend's `bf16_out` calls return what a
     `bf16_out=False` call returns, and the CUDA mHC writes its sublayer input as fp32; both restored after."""
