@@ -31,7 +31,10 @@ own stated bound:
    within `LOGIT_BOUND` of the reference, tests/test_runtime_numerics_contract.py) and top-1
    agreement ≥ `MIN_TOP1_AGREEMENT`; the scenario's last batch (4 decode tokens) plans key splits
    over the packed rows, the one-shot runs (≥ 49 tokens) one split over the workspace;
-4. the CUDA forward runs through the kernels (every attention sublayer of every batch).
+4. the CUDA forward runs through the kernels (every attention sublayer of every batch);
+5. the mHC residual streams held as BF16 (`mhc_ops.TritonMhc.residual_dtype`, GPU only): a prefill, a
+   decode step and the DSpark captures give, bit for bit, what R held as fp32 gives, in deterministic and
+   serving mode.
 The end-to-end distance to the reference is printed for docs/validation.md, not asserted.
 
 Without TRITON_INTERPRET these tests are marked `gpu` and run on CUDA. With TRITON_INTERPRET=1
@@ -338,3 +341,32 @@ def test_greedy_64_steps_and_logits_match_the_reference(models, tiny_checkpoint)
               f"{'equal for ' + str(GREEDY_STEPS) + ' steps' if first_diff is None else f'differ from step {first_diff}'}")
         assert got == want, f"greedy tokens differ from step {first_diff}"
     assert worst <= LOGIT_BOUND_VS_REFERENCE, f"max |Δlogit| {worst:.4g} > stated bound {LOGIT_BOUND_VS_REFERENCE}"
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the CPU engine holds R as fp32; interpreter: tests/test_runtime_triton_backend.py")
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "serving"])
+def test_bf16_residual_streams_keep_the_forward_bits(tiny_checkpoint, deterministic: bool, monkeypatch) -> None:
+    """The CUDA forward holds R as BF16 (R holds BF16 values, spec §3.2): a 70-token prefill, one decode
+    step and the DSpark captures of two layers equal, bit for bit, those with R held as fp32 (each run
+    twice first: the path repeats its own bits)."""
+    from runtime_scenarios import Slots, allocate_caches, run_batch
+
+    engine = runtime_engine(tiny_checkpoint, DEVICE, deterministic=deterministic)
+    assert isinstance(engine.mhc, mhc_ops.TritonMhc) and engine.mhc.residual_dtype == torch.bfloat16
+    engine.set_capture_layers([0, engine.text.num_hidden_layers - 1])
+    g = torch.Generator().manual_seed(21)
+    tokens = [0] + torch.randint(3, 990, (70,), generator=g).tolist()
+
+    def run() -> list[torch.Tensor]:
+        slots = Slots(DEVICE, rows=2, max_context=len(tokens))
+        caches = allocate_caches(engine, slots)
+        out = [run_batch(engine, caches, slots, [(1, 0, tokens[:-1])])[0], *(c.cpu() for c in engine.captured)]
+        out.append(run_batch(engine, caches, slots, [(1, len(tokens) - 1, tokens[-1:])])[0])
+        return out + [c.cpu() for c in engine.captured]
+
+    held_bf16 = run()
+    assert all(torch.equal(a, b) for a, b in zip(held_bf16, run())), "the BF16 path does not repeat its bits"
+    monkeypatch.setattr(engine.mhc, "residual_dtype", torch.float32)
+    held_fp32 = run()
+    for i, (a, b) in enumerate(zip(held_bf16, held_fp32)):
+        assert torch.equal(a, b), (i, float((a - b).abs().max()))
