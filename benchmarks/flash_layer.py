@@ -188,7 +188,7 @@ def build_layer(cfg: DeepseekV41Config, layer: int, device: torch.device, seed: 
     weights.update(linear_values(linears))
     backend, cached = backend_for(device, weights, deterministic), 0
     if device.type == "cuda":
-        from sglang_dsv41.runtime.dense_ops import is_dense_linear_weight
+        from sglang_dsv41.runtime.dense_weights import is_dense_linear_weight
         cached = backend.dense.cache.resident_bytes() + sum(        # + the non-linear fp32 tensors the torch path reads
             v.numel() * v.element_size() for k, v in weights.items()
             if isinstance(v, Tensor) and not is_dense_linear_weight(k, v) and not k.endswith(".scale"))

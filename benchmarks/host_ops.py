@@ -149,7 +149,8 @@ def cpu_as_cuda() -> None:
     from sglang_dsv41.runtime import engram_table as ET
     from sglang_dsv41.runtime import forward as FW
     from sglang_dsv41.runtime.batch import BatchLayout
-    from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm, DenseWeightCache
+    from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm
+    from sglang_dsv41.runtime.dense_weights import DenseWeightCache
 
     if not (KA._is_interpreted() and KI.INTERPRETED):
         raise RuntimeError("host_ops --device cpu needs TRITON_INTERPRET=1 before triton is imported")

@@ -12,7 +12,7 @@ from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.deploy.memory import ShardLayout, weight_plan
 from sglang_dsv41.deploy.runtime_residency import engram_host_shards, runtime_residency, tensor_bytes_at_rest
 from sglang_dsv41.presets import flash_config_dict
-from sglang_dsv41.runtime.dense_ops import DenseWeightCache
+from sglang_dsv41.runtime.dense_weights import DenseWeightCache
 from sglang_dsv41.runtime.engram_table import StoredEngramTable
 from sglang_dsv41.runtime.moe_ops import RoutedExpertsMxfp4
 from sglang_dsv41.runtime.tensor_parallel import ShardPlan, TensorParallelError

@@ -110,14 +110,15 @@ def test_kernel_case_dense_backend_takes_the_kernel_below_its_row_limit(monkeypa
     product of fewer than MAX_ROWS rows is one launch of this kernel within the bound; more rows, a
     weight above BF16_KERNEL_MAX_ELEMENTS or K not a multiple of 32 go to cuBLAS (no launch)."""
     from sglang_dsv41.runtime import dense_ops as D
+    from sglang_dsv41.runtime.dense_weights import DenseWeightCache
 
     g = torch.Generator().manual_seed(5)
     n, k = 64, 320
     w = bf16_weight(n, k, g).float()
     x = bf16_valued_x(L.MAX_ROWS + 3, k, g, F32)
     with pytest.raises(ValueError, match="whole_rows"):
-        D.BlockedBf16Gemm(D.DenseWeightCache(), triton_rows=True)
-    dense = D.BlockedBf16Gemm(D.DenseWeightCache.from_weights({"a.weight": w}), whole_rows=True, triton_rows=True)
+        D.BlockedBf16Gemm(DenseWeightCache(), triton_rows=True)
+    dense = D.BlockedBf16Gemm(DenseWeightCache.from_weights({"a.weight": w}), whole_rows=True, triton_rows=True)
     gemms = CountingLaunch(W._w8a8_kernel)
     monkeypatch.setattr(W, "_w8a8_kernel", gemms)
     for m, launches in ((1, 1), (L.MAX_ROWS - 1, 2), (L.MAX_ROWS, 2), (L.MAX_ROWS + 3, 2)):
@@ -128,7 +129,7 @@ def test_kernel_case_dense_backend_takes_the_kernel_below_its_row_limit(monkeypa
     dense.matmul(x[:1], w)
     assert len(gemms.grids) == 2
     odd = bf16_weight(16, 48, g).float()
-    D.BlockedBf16Gemm(D.DenseWeightCache.from_weights({"b.weight": odd}), whole_rows=True,
+    D.BlockedBf16Gemm(DenseWeightCache.from_weights({"b.weight": odd}), whole_rows=True,
                       triton_rows=True).matmul(x[:1, :48], odd)
     assert len(gemms.grids) == 2
 

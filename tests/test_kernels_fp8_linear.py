@@ -33,8 +33,8 @@ from sglang_dsv41.checkpoint.codecs import dequantize_fp8_block, ue8m0_to_float
 from sglang_dsv41.kernels import fp8_linear as F
 from sglang_dsv41.reference import compressor, ops
 from sglang_dsv41.runtime.backend import backend_for
-from sglang_dsv41.runtime.dense_ops import (BlockedBf16Gemm, DenseWeightCache, Fp8Weight, error_bound, fp8_scale_key,
-                                            is_dense_linear_weight)
+from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm, error_bound
+from sglang_dsv41.runtime.dense_weights import DenseWeightCache, Fp8Weight, fp8_scale_key, is_dense_linear_weight
 
 from backend_helpers import TensorCoreProducts
 from fp8_cases import (BF16, DEVICE, F32, F64, FP8, KERNEL_HERE, bf16_rows, bit_identity_case, check_row_prefixes,

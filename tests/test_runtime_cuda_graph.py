@@ -39,7 +39,8 @@ from sglang_dsv41.kernels import sparse_attention as kernel_attention
 from sglang_dsv41.reference.moe import routed_expert
 from sglang_dsv41.reference.ops import bf16
 from sglang_dsv41.runtime import attention_ops, moe_ops
-from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm, DenseWeightCache
+from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm
+from sglang_dsv41.runtime.dense_weights import DenseWeightCache
 from sglang_dsv41.runtime.forward import TorchForward
 from packed_rows_codec import kernel_source_as_runtime_rows
 from sglang_dsv41.runtime.kv_layout import PackedSourceRows

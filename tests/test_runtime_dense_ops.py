@@ -21,7 +21,8 @@ from backend_helpers import TensorCoreProducts
 from runtime_scenarios import fixed_decode_tokens, run_scenario, runtime_engine, scenario_caches
 from sglang_dsv41.reference import compressor, ops
 from sglang_dsv41.runtime.backend import ExactTorchBackend, backend_for
-from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm, DenseWeightCache, error_bound
+from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm, error_bound
+from sglang_dsv41.runtime.dense_weights import DenseWeightCache
 
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 

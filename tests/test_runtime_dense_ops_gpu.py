@@ -24,7 +24,8 @@ from test_runtime_dense_ops import DtypeAudit
 from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.presets import flash_config_dict
 from sglang_dsv41.reference import compressor, ops
-from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm, DenseWeightCache, error_bound
+from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm, error_bound
+from sglang_dsv41.runtime.dense_weights import DenseWeightCache
 
 pytestmark = pytest.mark.gpu
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16

@@ -25,7 +25,7 @@ from fp8_cases import KERNEL_HERE, fp8_weight
 from sglang_dsv41.checkpoint.names import tensor_inventory
 from sglang_dsv41.kernels import fused_elementwise as FE
 from sglang_dsv41.runtime.attention_math import project_q_lora_kv
-from sglang_dsv41.runtime.dense_ops import DenseWeightCache, Fp8Weight
+from sglang_dsv41.runtime.dense_weights import DenseWeightCache, Fp8Weight
 from sglang_dsv41.runtime.parallel_linear import linear_values, parallel_fp8_linear
 from sglang_dsv41.runtime.stacked_linear import SHARED_STACKED, STACKED, stack_attention_inputs, stack_shared_expert
 from sglang_dsv41.runtime.tensor_parallel import SINGLE

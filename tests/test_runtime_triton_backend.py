@@ -57,7 +57,8 @@ from sglang_dsv41.runtime import attention_math as M
 from sglang_dsv41.runtime import backend as B
 from sglang_dsv41.runtime import moe_ops
 from sglang_dsv41.runtime import triton_backend as TB
-from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm, DenseWeightCache
+from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm
+from sglang_dsv41.runtime.dense_weights import DenseWeightCache
 from sglang_dsv41.runtime.engram_gate import engram_update
 from runtime_values import with_linear_layers
 from test_runtime_numerics_contract import LOGIT_BOUND, MIN_TOP1_AGREEMENT, within_ulps
@@ -436,7 +437,7 @@ def test_kernel_case_row_parallel_partials_sum_within_the_contract(weights) -> N
     """TP 2 row-parallel `wo_b` (`TensorParallel.row_parallel`): each rank's partial on its 32-wide
     column block (`linear_fp8_partial`: the W8A16 kernel, fp32, not rounded) summed and rounded
     once is within the contract's per-sublayer bound of the whole linear."""
-    from sglang_dsv41.runtime.dense_ops import fp8_scale_key
+    from sglang_dsv41.runtime.dense_weights import fp8_scale_key
 
     cfg, _, fp8, _ = weights
     name = "layers.0.attn.wo_b.weight"

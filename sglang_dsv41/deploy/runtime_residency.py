@@ -91,7 +91,7 @@ def tensor_bytes_at_rest(spec: TensorSpec, fraction: float) -> tuple[str, float]
         return "engram", fraction * (main.nbytes + sum(s.nbytes for s in scales))
     if spec.kind is Kind.FP8:
         return "fp8_dense", fraction * (main.nbytes + 4 * scale_elements)
-    from ..runtime.dense_ops import is_dense_linear_name   # imports torch: kept out of `import deploy`
+    from ..runtime.dense_weights import is_dense_linear_name   # imports torch: kept out of `import deploy`
 
     # a BF16 copy only of BF16-stored weights: an FP32-stored one (the DSpark confidence head) is
     # not BF16-exact, so `DenseWeightCache.add` keeps it fp32
@@ -131,7 +131,7 @@ def dspark_draft_bytes(cfg: DeepseekV41Config) -> float:
     """Bytes of the DSpark draft on every rank: each `mtp.*` tensor whole, at rest as the target's
     (routed experts MXFP4 as stored, FP8 dense as stored + fp32 tile scales, the rest fp32 + BF16
     copies of dense linears: the draft's dense backend registers its own weights)."""
-    from ..runtime.dense_ops import is_dense_linear_name
+    from ..runtime.dense_weights import is_dense_linear_name
 
     sizes: dict[tuple, float] = {}         # the stages' experts repeat a few shapes: size each once
     total = 0.0

@@ -379,7 +379,8 @@ def backend_for(device: torch.device, weights: Mapping[str, object], determinist
     else `torch` (fp32); CUDA → `triton` over a dense-weight cache built now (E4M3 weights in
     place), FP8 linears by `fp8_gemm_for(deterministic)`, BF16-weight rows by
     `bf16_gemm_for(deterministic)`; any other device raises."""
-    from .dense_ops import BlockedBf16Gemm, DenseWeightCache, check_weights_for_cpu
+    from .dense_ops import BlockedBf16Gemm, check_weights_for_cpu
+    from .dense_weights import DenseWeightCache
 
     if device.type == "cpu":
         check_weights_for_cpu(weights)

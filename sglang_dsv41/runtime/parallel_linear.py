@@ -52,7 +52,7 @@ from ..checkpoint.loader import logical_tensor
 from ..checkpoint.names import Kind, TensorSpec, tensor_inventory
 from ..config import DeepseekV41Config
 from .backend import ComputeBackend
-from .dense_ops import fp8_scale_key, is_dense_linear_name
+from .dense_weights import fp8_scale_key, is_dense_linear_name
 from .quant_methods import (UNIT_SCALE_BYTE, PerLayerQuantConfig, check_stored, loaded_tile_scales, new_parameter,
                             restore_stored_form)
 from .tensor_parallel import ShardPlan

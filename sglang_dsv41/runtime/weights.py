@@ -50,7 +50,7 @@ from ..checkpoint.codecs import TILE, ue8m0_to_float
 from ..checkpoint.loader import check_stored, logical_tensor
 from ..checkpoint.names import Kind, TensorSpec, tensor_inventory
 from ..config import DeepseekV41Config
-from .dense_ops import fp8_scale_key
+from .dense_weights import fp8_scale_key
 from .engram_host import EngramPlacement, HostEngramTable
 from .engram_table import StoredEngramTable
 from .moe_ops import RoutedExpertsMxfp4, routed_experts_key
