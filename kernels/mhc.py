@@ -3,8 +3,10 @@
 
 Four ops, 1–2 launches each (the reference spends ~600 tiny float64 torch kernels per layer).
 The residual R [T, hc, H] holds BF16 values (§3.2) and may be held as fp32 or torch.bfloat16 (the
-runtime's CUDA path: `runtime/mhc_ops.py`): every kernel widens it to fp32 as it loads it, so each
-output has the same bits from either, and `hc_residual_update` writes R's dtype.
+runtime's CUDA path: `runtime/mhc_ops.py`): every kernel widens it to fp32 as it loads it, and
+`hc_residual_update` writes R's dtype. The stream ops and the `rows` coefficients give the same bits from either;
+compiled, the `dot` / `fused` / `tc` coefficients differed in the last bits between the two (H100, session 32;
+the cause, presumably the reduction layout of a 2- against a 4-byte load, is not confirmed), each within the bound.
 Everything is fp32 (issue 21: no float64 on the GPU path); the reference evaluates the
 coefficients and the norm in float64 and rounds once, so those two ops are bounded, not
 bit-identical (tests/test_kernels_mhc.py):

@@ -134,9 +134,12 @@ def test_prefill_profile_attribution_and_variants(sp, monkeypatch) -> None:
         assert held.dtype == torch.bfloat16 and float(held) == 3.0
     assert not isinstance(be.fe, pp.TwoPassRope) and os.environ["SGLANG_DSV41_INDEXER_TOPK"] == "fused"
     assert "SGLANG_DSV41_ATTN_PREFILL" not in os.environ
-    with pp.variant_scope("default", be):              # the CUDA serving defaults: workspace, whole rows
+    with pp.variant_scope("default", be):              # the CUDA serving defaults: FlashMLA prefill, whole rows
         assert {k: os.environ[k] for k in pp.SWITCHES} == pp.SWITCHES and be.dense.whole_rows
-        assert pp.SWITCHES["SGLANG_DSV41_ATTN_PREFILL"] == "bf16" and not isinstance(be.fe, pp.TwoPassRope)
+        assert pp.SWITCHES["SGLANG_DSV41_ATTN_PREFILL"] == "flashmla" and not isinstance(be.fe, pp.TwoPassRope)
+        assert pp.SWITCHES["SGLANG_DSV41_MHC_MIX"] == "tc"
+    with pp.variant_scope("session31", be):            # the defaults before session 32
+        assert os.environ["SGLANG_DSV41_ATTN_PREFILL"] == "bf16" and os.environ["SGLANG_DSV41_MHC_MIX"] == "dot"
     with pp.variant_scope("session12", be):
         assert os.environ["SGLANG_DSV41_ATTN_PREFILL"] == "packed" and not be.dense.whole_rows
     with pp.variant_scope("new", be):
@@ -150,7 +153,7 @@ def test_prefill_profile_attribution_and_variants(sp, monkeypatch) -> None:
     mx.prefill_flags.cache_clear()
     with pp.variant_scope("new_moe_block_m64", be):              # the experts' flags are re-read per variant
         assert mx.launch_flags(8192) == {"block_m": 64} and mx.launch_flags(16) == mx.decode_flags()
-        assert os.environ["SGLANG_DSV41_MHC_MIX"] == "dot"
+        assert os.environ["SGLANG_DSV41_MHC_MIX"] == "tc"
     assert mx.launch_flags(8192) == {} and mx.PREFILL_FLAGS_ENV not in os.environ
     with pp.variant_scope("new_mhc_rows", be):
         assert os.environ["SGLANG_DSV41_MHC_MIX"] == "rows" and be.dense.whole_rows

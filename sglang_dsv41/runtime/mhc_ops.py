@@ -9,17 +9,18 @@
 
 Each implementation declares the dtype it holds the residual streams R in (`residual_dtype`; R⁰ by
 `streams`): fp32 on CPU, torch.bfloat16 on CUDA. R holds BF16 values (§3.2: the embedding is BF16, every
-residual update and the Engram update round to BF16), so either dtype holds it exactly and every op
-gives the same bits from both; BF16 halves the bytes of every pass over R.
+residual update and the Engram update round to BF16), so either dtype holds it exactly; BF16 halves the bytes of
+every pass over R. The stream ops give the same bits from both; the compiled `dot` / `fused` / `tc` coefficients
+differ in the last bits, within their bound (`kernels/mhc.py`).
 
-CUDA's partial-dot kernel of the coefficients (`kernels.mhc.MIX_KERNELS`: `dot`, `rows`, `fused`):
+CUDA's partial-dot kernel of the coefficients (`kernels.mhc.MIX_KERNELS`: `dot`, `rows`, `fused`, `tc`):
 SGLANG_DSV41_MHC_MIX (MIX_CHOICES), read when a `TritonMhc` is built. `auto` (the serving
 default) picks per call by token count (`mix_for_tokens`: `fused` — one launch,
-`kernels/mhc_decode.py` — at 1..FUSED_MAX_TOKENS (0: never, an opt-in), `dot` from
-MIX_DOT_MIN_TOKENS on, `rows` below; docs/performance.md). `fused` uses int32 arrival counters that every launch leaves
+`kernels/mhc_decode.py` — at 1..FUSED_MAX_TOKENS (0: never, an opt-in), `tc` (split-BF16×3 tensor-core dots;
+`dot` before session 32) from MIX_DOT_MIN_TOKENS on, `rows` below; docs/performance.md). `fused` uses int32 arrival counters that every launch leaves
 zero: a `TritonMhc` allocates them once per device outside CUDA-graph capture (inside a capture
 without them, a zeroed buffer is allocated in the graph per call). A call's token count is fixed
-within a CUDA graph (one graph per batch size), so the choice is captured with it. The two
+within a CUDA graph (one graph per batch size), so the choice is captured with it. The
 kernels' coefficients differ in the last bits, so `auto` is not batch invariant: deterministic
 mode pins DETERMINISTIC_MIX (`auto` with it raises). The coefficient kernel after `dot` / `rows`:
 SGLANG_DSV41_MHC_COEFF (COEFF_CHOICES = `kernels.mhc.COEFF_KERNELS`, default `tile`;
@@ -44,8 +45,9 @@ MHC_MIX_ENV = "SGLANG_DSV41_MHC_MIX"
 #: SGLANG_DSV41_MHC_MIX values: `auto` (per call, `mix_for_tokens`) or one kernel of
 #: `kernels.mhc.MIX_KERNELS` for every call
 MIX_CHOICES = ("auto", "dot", "rows", "fused", "tc")
-#: `auto`: `dot` from this many tokens on, `rows` below (fit to the H200 sweeps of benchmarks/mhc_mix.py
-#: and benchmarks/mhc_decode.py, docs/performance.md "mHC kernel by token count" and "Session 21")
+#: `auto`: `tc` from this many tokens on, `rows` below (the threshold fit to the H200 sweeps of benchmarks/mhc_mix.py
+#: and benchmarks/mhc_decode.py for `dot`, docs/performance.md "mHC kernel by token count" and "Session 21"; `tc`
+#: replaced `dot` above it after the 8K prefill of "Session 32": mHC 4.5 → 2.0 ms)
 MIX_DOT_MIN_TOKENS = 1024
 #: `auto`: `fused` at 1..this many tokens; 0 = never, `fused` being the opt-in SGLANG_DSV41_MHC_MIX=fused
 #: (docs/performance.md, "Session 21": `rows` measured faster at every decode size)
@@ -61,10 +63,10 @@ DETERMINISTIC_MIX = "dot"
 
 def mix_for_tokens(tokens: int) -> str:
     """`auto`'s partial-dot kernel for a call of `tokens` rows: `fused` at 1..FUSED_MAX_TOKENS,
-    `dot` at ≥ MIX_DOT_MIN_TOKENS, else `rows`."""
+    `tc` at ≥ MIX_DOT_MIN_TOKENS, else `rows`."""
     if 1 <= tokens <= FUSED_MAX_TOKENS:
         return "fused"
-    return "dot" if tokens >= MIX_DOT_MIN_TOKENS else "rows"
+    return "tc" if tokens >= MIX_DOT_MIN_TOKENS else "rows"
 
 
 def mix_choice(mix: str | None = None, deterministic: bool = False) -> str:
