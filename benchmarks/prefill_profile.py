@@ -51,7 +51,7 @@ import torch
 
 REPEATS = 3
 #: the switches a variant may set, at the CUDA serving defaults; every variant sets all of them
-SWITCHES = {"SGLANG_DSV41_ATTN_PREFILL": "flashmla", "SGLANG_DSV41_INDEXER_HEAD_SUM": "fp64",
+SWITCHES = {"SGLANG_DSV41_ATTN_PREFILL": "bf16", "SGLANG_DSV41_INDEXER_HEAD_SUM": "fp64",
             "SGLANG_DSV41_INDEXER_TOPK": "fused", "SGLANG_DSV41_MHC_MIX": "tc", "SGLANG_DSV41_MOE_PREFILL_FLAGS": "",
             "SGLANG_DSV41_TOPK_SEARCH": "radix"}
 #: session 11's switches (with the patch `blocked_bf16_rows`: its BF16-weight rows)
@@ -88,8 +88,8 @@ VARIANTS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     # the default with the mHC residual streams held as fp32 (what holding them as BF16 removed)
     "fp32_residual": ({}, ("fp32_residual",)),
     "flashmla_mhc_tc": ({"SGLANG_DSV41_ATTN_PREFILL": "flashmla", "SGLANG_DSV41_MHC_MIX": "tc"}, ()),
-    # session 32: the defaults before it (the Triton kernel on the BF16 workspace, the fp32 `dot` mHC partials)
-    "session31": ({"SGLANG_DSV41_ATTN_PREFILL": "bf16", "SGLANG_DSV41_MHC_MIX": "dot"}, ())}
+    # session 32: the default before it (the fp32 `dot` mHC partials)
+    "session31": ({"SGLANG_DSV41_MHC_MIX": "dot"}, ())}
 DEFAULT_VARIANTS = ("before", "session12", "default", "new", "attn_bf16_workspace", "indexer_fp32_head_sum",
                     "indexer_fused_topk", "whole_bf16_rows")
 PREFILL_COMPONENTS = ("dense_fp8", "dense_bf16", "attention", "indexer_scores", "indexer_topk", "indexer_query",

@@ -1,5 +1,4 @@
-"""The FlashMLA prefill (`runtime/attention_flashmla.py`; SGLANG_DSV41_ATTN_PREFILL=flashmla, the CUDA serving default
-since session 32).
+"""The FlashMLA prefill opt-in (`runtime/attention_flashmla.py`, SGLANG_DSV41_ATTN_PREFILL=flashmla).
 
 What is pinned, on CPU:
 * the start-up plan (native / padded / the Triton workspace path) and the mode rules (refused
@@ -120,8 +119,6 @@ def test_mode_rules(monkeypatch) -> None:
     big = AP.PREFILL_MIN_QUERIES
     assert AP.applies("flashmla", False, big, 1, 4096) and not AP.applies("flashmla", True, big, 1, 4096)
     assert not AP.applies("flashmla", False, big - 1, 1, 4096)
-    monkeypatch.delenv(AP.PREFILL_ENV, raising=False)
-    assert (AP.prefill_choice(False), AP.prefill_choice(True)) == ("flashmla", "packed")   # the defaults by mode
     monkeypatch.setenv(AP.PREFILL_ENV, "flashmla")
     assert AP.prefill_choice(False) == "flashmla"
     with pytest.raises(ValueError, match="deterministic"):
@@ -153,8 +150,7 @@ def test_decode_choice_rules(monkeypatch) -> None:
     deterministic inference refused; a planned decode choice keeps the prefill choice it was given."""
     from sglang_dsv41.kernels import indexer, sparse_attention
     monkeypatch.delenv(attention_ops.ATTENTION_DECODE_ENV, raising=False)
-    assert attention_ops.KernelAttentionOps(sparse_attention, indexer).decode == "auto"
-    auto = attention_ops.KernelAttentionOps(sparse_attention, indexer, prefill="bf16")
+    auto = attention_ops.KernelAttentionOps(sparse_attention, indexer)
     assert auto.decode == "auto" and auto.planned(64, 512, torch.device("cuda")) is auto
     assert attention_ops.KernelAttentionOps(sparse_attention, indexer, deterministic=True).decode == "triton"
     monkeypatch.setenv(attention_ops.ATTENTION_DECODE_ENV, "triton")

@@ -85,8 +85,8 @@ def test_cuda_tensors_use_the_triton_kernels(fresh_kernel_ops) -> None:
     assert attention_ops.ops_for(torch.device("cuda"), deterministic=True) is exact
 
 def test_prefill_defaults_by_device_and_mode(fresh_kernel_ops, monkeypatch) -> None:
-    """Session 13's defaults (session 32: the workspace read by FlashMLA): CUDA serving → the BF16 prefill workspace
-    and BF16-weight rows in one GEMM; `--enable-deterministic-inference` → packed rows and 128-row blocks; CPU unchanged (the
+    """Session 13's defaults: CUDA serving → the BF16 prefill workspace and BF16-weight rows in one
+    GEMM; `--enable-deterministic-inference` → packed rows and 128-row blocks; CPU unchanged (the
     torch attention, never a workspace; the torch backends have no BF16 GEMM rows); the variables
     override the mode (whole rows never with deterministic)."""
     from sglang_dsv41.runtime import backend as B
@@ -96,7 +96,7 @@ def test_prefill_defaults_by_device_and_mode(fresh_kernel_ops, monkeypatch) -> N
     monkeypatch.delenv(PREFILL_ENV, raising=False)
     monkeypatch.delenv(B.BF16_GEMM_ENV, raising=False)
     serving, exact = attention_ops.ops_for(cuda, f32, False), attention_ops.ops_for(cuda, f32, True)
-    assert (serving.prefill, exact.prefill) == ("flashmla", "packed")
+    assert (serving.prefill, exact.prefill) == ("bf16", "packed")
     assert (B.bf16_gemm_for(False), B.bf16_gemm_for(True)) == ("whole", "blocked")
     serving_dense, exact_dense = B.backend_for(cuda, {}, False).dense, B.backend_for(cuda, {}, True).dense
     assert serving_dense.whole_rows and not serving_dense.triton_rows
@@ -276,8 +276,8 @@ def test_gpu_sublayer_tests_pass_in_the_triton_interpreter() -> None:
 def test_kernel_choices_come_from_the_environment(monkeypatch) -> None:
     """The attention plan: `plan_decode_config` with the device's multiprocessors by default (the
     serving path), one split in deterministic mode; SGLANG_DSV41_ATTN_SPLITS overrides either;
-    SGLANG_DSV41_INDEXER_HEAD_SUM picks the head sum; the prefill rows: the BF16 workspace read by FlashMLA
-    serving, the packed rows deterministic, SGLANG_DSV41_ATTN_PREFILL overrides either; a workspace launch
+    SGLANG_DSV41_INDEXER_HEAD_SUM picks the head sum; the prefill rows: the BF16 workspace serving,
+    the packed rows deterministic, SGLANG_DSV41_ATTN_PREFILL overrides either; a workspace launch
     takes `plan_prefill_config` (Flash: 16 heads, 4 warps); unknown values raise."""
     seen: list[tuple] = []
 
@@ -301,8 +301,8 @@ def test_kernel_choices_come_from_the_environment(monkeypatch) -> None:
     for env in ("SGLANG_DSV41_ATTN_SPLITS", "SGLANG_DSV41_INDEXER_HEAD_SUM", "SGLANG_DSV41_ATTN_PREFILL"):
         monkeypatch.delenv(env, raising=False)
     serving = attention_ops.KernelAttentionOps(fake, SimpleNamespace())
-    assert (serving.splits, serving.head_sum, serving.prefill) == ("decode", "fp64", "flashmla")
-    assert "'decode' key splits" in serving.description and "'flashmla' prefill rows" in serving.description
+    assert (serving.splits, serving.head_sum, serving.prefill) == ("decode", "fp64", "bf16")
+    assert "'decode' key splits" in serving.description and "'bf16' prefill rows" in serving.description
     serving.attend(q, sink, swa, slots, None, None)
     assert seen == [("decode", (1, 64, 512, 128, 0), 132), ("attend", 4)]   # 4 SWA tiles of 32, one each
     exact = attention_ops.KernelAttentionOps(fake, SimpleNamespace(), deterministic=True)

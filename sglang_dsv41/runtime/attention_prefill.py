@@ -16,9 +16,8 @@ kernel sees the same keys; it is another binary of the same kernel, which agrees
 path within 2 BF16 ulps of the output scale, not bit for bit (`flash_layer.kernel_components`
 checks it on the H200).
 
-The choice (`prefill_choice`): SGLANG_DSV41_ATTN_PREFILL when set, else `flashmla` in the serving
-mode (the workspace read by FlashMLA: 9.8 → 1.8 ms of attention at an 8K Flash prefill, docs/performance.md
-"Session 32"; `bf16`, the Triton kernel on it, before) and `packed` under
+The choice (`prefill_choice`): SGLANG_DSV41_ATTN_PREFILL when set, else `bf16` in the serving
+mode (measured faster at 8K: docs/performance.md "Session 13") and `packed` under
 `--enable-deterministic-inference` (whether a batch takes the workspace depends on its size, so
 a request's bits would depend on its batch). Only the CUDA attention (`KernelAttentionOps`) reads
 it; the CPU path never has a workspace.
@@ -27,10 +26,9 @@ Memory: one BF16 workspace per kv source and forward, R·width·head_dim·2 B �
 rows (128 MiB at Flash; 4 kv sources: ≤ 512 MiB per forward and rank), plus DECODE_CHUNK's fp32
 temporaries while decoding.
 
-`flashmla` (`attention_flashmla`): the same workspace, read by one
+`flashmla` (opt-in, `attention_flashmla`): the same workspace, read by one
 `sgl_kernel.flash_mla.flash_mla_sparse_fwd` launch over [SWA rows | workspace] instead of the
-Triton kernel; refused with deterministic inference. A model plans it at start-up
-(`KernelAttentionOps.planned`): a device or head shape the kernel cannot take gets `bf16`, logged.
+Triton kernel; refused with deterministic inference.
 
 When it applies (`applies`): the choice is `bf16` or `flashmla`, the layout is not static (never inside a
 CUDA graph: decode keeps the packed rows), the batch has ≥ PREFILL_MIN_QUERIES tokens, and the
@@ -59,9 +57,9 @@ DECODE_CHUNK = 1 << 14
 
 def prefill_choice(deterministic: bool) -> str:
     """SGLANG_DSV41_ATTN_PREFILL when set (an unknown value raises), else `packed` when
-    `deterministic`, else `flashmla` (module doc). `flashmla` with `deterministic` raises: deterministic
+    `deterministic`, else `bf16` (module doc). `flashmla` with `deterministic` raises: deterministic
     inference keeps the Triton kernels (the FlashMLA binary's summation order is not ours to fix)."""
-    choice = kernel_choice(PREFILL_ENV, PREFILL_CHOICES, "packed" if deterministic else "flashmla")
+    choice = kernel_choice(PREFILL_ENV, PREFILL_CHOICES, "packed" if deterministic else "bf16")
     if choice == "flashmla" and deterministic:
         raise ValueError(f"{PREFILL_ENV}=flashmla is not available with --enable-deterministic-inference "
                          "(unset it, or choose packed / bf16)")
