@@ -173,6 +173,16 @@ def one_shot_logits(engine: TorchForward, device: torch.device, tokens: list[int
     return run_batch(engine, allocate_caches(engine, slots), slots, [(1, 0, tokens)])[0]
 
 
+def prefill_then_decode(engine: TorchForward, device: torch.device, tokens: list[int]) -> list[torch.Tensor]:
+    """One request alone, fresh caches: the prefill of tokens[:-1], then one decode step of the last token — each
+    batch's logits (CPU) followed by the engine's DSpark captures after it (`set_capture_layers`)."""
+    slots = Slots(device, rows=2, max_context=len(tokens))
+    caches = allocate_caches(engine, slots)
+    out = [run_batch(engine, caches, slots, [(1, 0, tokens[:-1])])[0], *(c.cpu() for c in engine.captured)]
+    out.append(run_batch(engine, caches, slots, [(1, len(tokens) - 1, tokens[-1:])])[0])
+    return out + [c.cpu() for c in engine.captured]
+
+
 def greedy_generate(engine: TorchForward, device: torch.device, prompt_ids: list[int],
                     max_new_tokens: int) -> list[int]:
     """Greedy tokens (argmax, lowest id on ties) of one request alone: one-shot prefill, then one

@@ -349,7 +349,7 @@ def test_bf16_residual_streams_keep_the_forward_bits(tiny_checkpoint, determinis
     """The CUDA forward holds R as BF16 (R holds BF16 values, spec §3.2): a 70-token prefill, one decode
     step and the DSpark captures of two layers equal, bit for bit, those with R held as fp32 (each run
     twice first: the path repeats its own bits)."""
-    from runtime_scenarios import Slots, allocate_caches, run_batch
+    from runtime_scenarios import prefill_then_decode
 
     engine = runtime_engine(tiny_checkpoint, DEVICE, deterministic=deterministic)
     assert isinstance(engine.mhc, mhc_ops.TritonMhc) and engine.mhc.residual_dtype == torch.bfloat16
@@ -357,16 +357,10 @@ def test_bf16_residual_streams_keep_the_forward_bits(tiny_checkpoint, determinis
     g = torch.Generator().manual_seed(21)
     tokens = [0] + torch.randint(3, 990, (70,), generator=g).tolist()
 
-    def run() -> list[torch.Tensor]:
-        slots = Slots(DEVICE, rows=2, max_context=len(tokens))
-        caches = allocate_caches(engine, slots)
-        out = [run_batch(engine, caches, slots, [(1, 0, tokens[:-1])])[0], *(c.cpu() for c in engine.captured)]
-        out.append(run_batch(engine, caches, slots, [(1, len(tokens) - 1, tokens[-1:])])[0])
-        return out + [c.cpu() for c in engine.captured]
-
-    held_bf16 = run()
-    assert all(torch.equal(a, b) for a, b in zip(held_bf16, run())), "the BF16 path does not repeat its bits"
+    held_bf16 = prefill_then_decode(engine, DEVICE, tokens)
+    assert all(torch.equal(a, b) for a, b in zip(held_bf16, prefill_then_decode(engine, DEVICE, tokens))), \
+        "the BF16 path does not repeat its bits"
     monkeypatch.setattr(engine.mhc, "residual_dtype", torch.float32)
-    held_fp32 = run()
+    held_fp32 = prefill_then_decode(engine, DEVICE, tokens)
     for i, (a, b) in enumerate(zip(held_bf16, held_fp32)):
         assert torch.equal(a, b), (i, float((a - b).abs().max()))

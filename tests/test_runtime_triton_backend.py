@@ -287,7 +287,7 @@ def test_kernel_case_forward_with_bf16_residual_streams_keeps_its_bits(weights, 
     decode step, with the DSpark capture of two layers (`stream_mean`) — the logits and captures equal,
     bit for bit, those of the same forward with R held as fp32; every residual update and Engram update
     took and wrote R in its dtype."""
-    from runtime_scenarios import Slots, allocate_caches, run_batch
+    from runtime_scenarios import prefill_then_decode
     from sglang_dsv41.runtime import mhc_ops
     from sglang_dsv41.runtime.forward import TorchForward
 
@@ -300,19 +300,12 @@ def test_kernel_case_forward_with_bf16_residual_streams_keeps_its_bits(weights, 
         monkeypatch.setattr(owner, name, _dtype_recording(getattr(owner, name), seen))
     tokens = list(range(5, 17))
 
-    def run() -> list[torch.Tensor]:
-        slots = Slots(DEVICE, rows=2, max_context=len(tokens))
-        caches = allocate_caches(fast, slots)
-        out = [run_batch(fast, caches, slots, [(1, 0, tokens[:-1])])[0], *(c.cpu() for c in fast.captured)]
-        out.append(run_batch(fast, caches, slots, [(1, len(tokens) - 1, tokens[-1:])])[0])
-        return out + [c.cpu() for c in fast.captured]
-
-    held_bf16 = run()
+    held_bf16 = prefill_then_decode(fast, DEVICE, tokens)
     assert fast.mhc.residual_dtype == torch.bfloat16 and len(seen) > 2 * cfg.text.num_hidden_layers
     assert set(seen) == {(torch.bfloat16, torch.bfloat16)}, set(seen)
     seen.clear()
     monkeypatch.setattr(fast.mhc, "residual_dtype", torch.float32)
-    held_fp32 = run()
+    held_fp32 = prefill_then_decode(fast, DEVICE, tokens)
     assert set(seen) == {(torch.float32, torch.float32)}, set(seen)
     assert all(torch.equal(a, b) for a, b in zip(held_bf16, held_fp32)) and len(held_bf16) == 6
 
