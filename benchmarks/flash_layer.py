@@ -378,6 +378,13 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor, sink: T
             ws = AP.latent_workspace(caches.packed_latents.rows, latent_cols, t.head_dim, entries)
             return SA.sparse_sink_attention(qb, caches.swa, qs["swa_slots"], ws, AP.workspace_rows(req, sel, width),
                                             sink, scale, config=cfg_att)
+    if workspace and prefill == "wide" and att_config is None:   # every head of a query in one program
+        from sglang_dsv41.kernels import sparse_attention_prefill as SAP
+
+        def attention():
+            ws = AP.latent_workspace(caches.packed_latents.rows, latent_cols, t.head_dim, entries)
+            return SAP.prefill_sink_attention(qb, caches.swa, qs["swa_slots"], ws, AP.workspace_rows(req, sel, width),
+                                              sink, scale)
     if workspace and prefill == "flashmla":                   # one FlashMLA launch over [SWA block | workspace]
         from sglang_dsv41.runtime import attention_flashmla as FM
         fm_plan = FM.plan_flashmla(t.num_attention_heads, t.head_dim, torch.cuda.get_device_capability(q.device))

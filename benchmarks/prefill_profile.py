@@ -31,7 +31,8 @@ alone on OLD (`attn_bf16_workspace`, `indexer_fp32_head_sum`, `indexer_fused_top
 (SGLANG_DSV41_MHC_MIX=rows, as `before` and `session12`); `new_moe_block_m64[_s3]` = `new` with the
 MXFP4 expert GEMMs' prefill tiles constrained (SGLANG_DSV41_MOE_PREFILL_FLAGS); `flashmla` = `default`
 with the workspace read by one `flash_mla_sparse_fwd` launch (`runtime.attention_flashmla`; its
-attention part includes the per-call index construction and the SWA-block gather). `moe_experts` = both
+attention part includes the per-call index construction and the SWA-block gather); `wide` = `default` with the
+workspace read by `kernels.sparse_attention_prefill` (every head of a query in one program). `moe_experts` = both
 expert GEMMs (GEMM1 with the fused SwiGLU is `…_dsv41_clamped_swiglu`; before session 13 it showed as
 `clamped_swiglu_tile` and was counted as `moe_routing`). A variant sets its environment switches (and
 instance patches) for its duration only. Last (`attention_sweep`, deadline permitting): the attention alone at the prefill shape on the
@@ -88,6 +89,8 @@ VARIANTS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     # the default with the mHC residual streams held as fp32 (what holding them as BF16 removed)
     "fp32_residual": ({}, ("fp32_residual",)),
     "flashmla_mhc_tc": ({"SGLANG_DSV41_ATTN_PREFILL": "flashmla", "SGLANG_DSV41_MHC_MIX": "tc"}, ()),
+    # session 33: the workspace read by `kernels.sparse_attention_prefill` (every head of a query per program)
+    "wide": ({"SGLANG_DSV41_ATTN_PREFILL": "wide"}, ()),
     # session 32: the default before it (the fp32 `dot` mHC partials)
     "session31": ({"SGLANG_DSV41_MHC_MIX": "dot"}, ())}
 DEFAULT_VARIANTS = ("before", "session12", "default", "new", "attn_bf16_workspace", "indexer_fp32_head_sum",

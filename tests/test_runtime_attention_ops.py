@@ -199,12 +199,13 @@ def cpu_scenario_logits(engine) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("chunk_elements, prefill", [(DEFAULT_CHUNK, "packed"), (150, "packed"),
-                                                     (DEFAULT_CHUNK, "bf16")])
+                                                     (DEFAULT_CHUNK, "bf16"), (DEFAULT_CHUNK, "wide")])
 def test_kernel_orchestration_with_exact_stand_ins_equals_cpu_path(engine, cpu_scenario_logits, monkeypatch,
                                                                    chunk_elements: int, prefill: str) -> None:
     """… also with the prefill workspace (SGLANG_DSV41_ATTN_PREFILL=bf16, every eager batch taking it
     here): compressed keys read as BF16 rows of the decoded workspace by request-local position
-    give the same logits as the packed entries."""
+    give the same logits as the packed entries; `wide` hands the same workspace to
+    `kernels.sparse_attention_prefill.prefill_sink_attention` (its stand-in here) instead."""
     cfg, forward = engine
     want = cpu_scenario_logits
     calls: list[str] = []
@@ -219,18 +220,27 @@ def test_kernel_orchestration_with_exact_stand_ins_equals_cpu_path(engine, cpu_s
                         PackedSource=kernel_indexer.PackedSource),
         deterministic=True)                                               # one split: the exact stand-in's plan
     assert stand_in.prefill == prefill
+    exact = _exact_sparse_sink_attention(calls)
+
+    def wide(q, swa_cache, swa_slots, comp_cache, comp_slots, sink, scale):
+        calls.append("wide")
+        return exact(q, swa_cache, swa_slots, comp_cache, comp_slots, sink, scale,
+                     config=kernel_attention.plan_prefill_config(q.shape[0], q.shape[1], q.shape[2], 1, 1))
+    stand_in._wide = SimpleNamespace(prefill_sink_attention=wide)
     monkeypatch.setattr(forward, "attention_ops", stand_in)
     monkeypatch.setattr(attention_ops, "SCORE_ELEMENTS_PER_CHUNK", chunk_elements)
     got = run_scenario(forward, scenario_caches(forward, CPU), CPU, fixed_decode_tokens())
     batches, indexer_layers = 5, sum(r.runs_indexer for r in cfg.text.layer_roles())
     ratios = {r.ratio for r in cfg.text.layer_roles() if r.runs_indexer}
     compressed_ratios = {r.ratio for r in cfg.text.layer_roles() if r.ratio > 0}
-    tables = len(compressed_ratios) if prefill == "bf16" else len(ratios)
+    workspace = prefill in ("bf16", "wide")
+    tables = len(compressed_ratios) if workspace else len(ratios)
     assert calls.count("table") == batches * tables   # one entry table per ratio and forward
     assert calls.count("attend") == batches * cfg.text.num_hidden_layers
     compressed_layers = sum(r.ratio > 0 for r in cfg.text.layer_roles())
-    assert calls.count("workspace") == (batches * compressed_layers if prefill == "bf16" else 0)
-    assert calls.count("prefill_plan") == calls.count("workspace")   # the workspace launches plan_prefill_config
+    assert calls.count("workspace") == (batches * compressed_layers if workspace else 0)
+    assert calls.count("wide") == (batches * compressed_layers if prefill == "wide" else 0)
+    assert calls.count("prefill_plan") == calls.count("workspace")   # the workspace plans plan_prefill_config
     if chunk_elements == DEFAULT_CHUNK:
         assert calls.count("scores") == batches * indexer_layers      # one chunk per layer
     else:
@@ -244,8 +254,8 @@ def test_prefill_workspace_rules() -> None:
     workspace of ≤ WORKSPACE_MAX_ENTRIES rows; a bad choice raises. Rows: b·width + j, −1 kept."""
     AP = attention_ops.AP
     big = AP.PREFILL_MIN_QUERIES
-    assert AP.applies("bf16", False, big, 1, 4096)
-    assert not AP.applies("packed", False, big, 1, 4096)
+    assert AP.applies("bf16", False, big, 1, 4096) and AP.applies("wide", False, big, 1, 4096)
+    assert not AP.applies("packed", False, big, 1, 4096) and not AP.applies("wide", True, big, 1, 4096)
     assert not AP.applies("bf16", True, big, 1, 4096)
     assert not AP.applies("bf16", False, big - 1, 1, 4096)
     assert not AP.applies("bf16", False, big, 2, AP.WORKSPACE_MAX_ENTRIES // 2 + 1)

@@ -513,28 +513,32 @@ def test_gpu_teacher_forced_contract(tiny_checkpoint, fp8_gemm: str, monkeypatch
 
 
 @pytest.mark.gpu
-def test_gpu_teacher_forced_contract_with_the_prefill_opt_ins(tiny_checkpoint, monkeypatch) -> None:
+@pytest.mark.parametrize("prefill", [None, "wide"], ids=["default", "wide"])
+def test_gpu_teacher_forced_contract_with_the_prefill_opt_ins(tiny_checkpoint, monkeypatch, prefill) -> None:
     """The session-12 prefill opt-ins as the serving default, with no variable set: the BF16 workspace
     of decoded compressed entries (its size rule lowered to one query so every eager forward here
     takes it, launched with `plan_prefill_config`) and BF16-weight products in one GEMM keep the
-    end-to-end contract."""
+    end-to-end contract; `wide` (SGLANG_DSV41_ATTN_PREFILL=wide: the workspace read by
+    `kernels.sparse_attention_prefill`) likewise."""
     from runtime_scenarios import measure_contract, runtime_engine
     from sglang_dsv41.reference.model import ReferenceModel
     from sglang_dsv41.runtime import attention_ops
     from sglang_dsv41.runtime import attention_prefill as AP
 
     monkeypatch.delenv(AP.PREFILL_ENV, raising=False)
+    if prefill is not None:
+        monkeypatch.setenv(AP.PREFILL_ENV, prefill)
     monkeypatch.delenv(B.BF16_GEMM_ENV, raising=False)
     monkeypatch.setattr(AP, "PREFILL_MIN_QUERIES", 1)
     attention_ops.kernel_ops.cache_clear()           # the kernel ops read their switches when made
     try:
         reference = ReferenceModel.from_checkpoint(tiny_checkpoint)
         engine = runtime_engine(tiny_checkpoint, DEVICE, deterministic=False)
-        assert engine.attention_ops.prefill == "bf16" and engine.backend.dense.whole_rows
+        assert engine.attention_ops.prefill == (prefill or "bf16") and engine.backend.dense.whole_rows
         m = measure_contract(engine, DEVICE, reference, GREEDY_STEPS)
     finally:
         attention_ops.kernel_ops.cache_clear()
-    print("\n" + m.summary("CUDA w8a8_f16 + prefill workspace on every batch"))
+    print("\n" + m.summary(f"CUDA w8a8_f16 + {prefill or 'bf16'} prefill workspace on every batch"))
     assert m.top1 >= MIN_TOP1_AGREEMENT
     assert m.worst_logit_diff <= LOGIT_BOUND, m.worst_logit_diff
 

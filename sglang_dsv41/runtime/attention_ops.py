@@ -69,6 +69,8 @@ from .kv_layout import PackedSourceRows, entry_positions
 #: The kernel modules the CUDA path needs (installed from `kernels/`, see pyproject.toml).
 KERNEL_MODULES = {"sparse_attention": "sglang_dsv41.kernels.sparse_attention",
                   "indexer": "sglang_dsv41.kernels.indexer"}
+#: the `wide` prefill choice's kernel module (`attention_prefill`), imported on first use
+WIDE_PREFILL_MODULE = "sglang_dsv41.kernels.sparse_attention_prefill"
 #: Score-matrix elements (fp32) per query chunk of the CUDA indexer: 2^25 = 128 MiB, plus a
 #: restricted copy for candidate consumers and the top-k temporaries of `select_topk` (which
 #: chunks itself at 2^24 entries). A decode batch of 64 at 512 K entries is one chunk; an
@@ -248,6 +250,7 @@ class KernelAttentionOps:
         #: nothing until a model has planned it for its head shape)
         self.flashmla_plan: FM.FlashMLAPlan | None = None
         self.flashmla_kernel = None
+        self._wide: ModuleType | None = None
         self.description = (f"Triton kernels (sparse_sink_attention with {self.splits!r} key splits and "
                             f"index_scores reading packed FP4 entries; {self.head_sum} head sum + "
                             f"select_for_role, whole batch; {self.prefill!r} prefill rows; {self.decode!r} decode)")
@@ -322,10 +325,20 @@ class KernelAttentionOps:
             comp_cache = self._packed_latents(packed)
             if self.decode == "gather" or (self.decode == "auto" and N <= GATHER_DECODE_MAX_QUERIES):
                 comp_cache, comp_entries = _gathered_rows(comp_cache, comp_entries, packed, memo)
+        if workspace is not None and self.prefill == "wide":
+            return self._wide_kernel().prefill_sink_attention(
+                q.to(torch.bfloat16), swa_cache, swa_slots, comp_cache, comp_entries, sink.to(torch.float32),
+                softmax_scale(D))
         o = self.sparse_attention.sparse_sink_attention(
             q.to(torch.bfloat16), swa_cache, swa_slots, comp_cache, comp_entries if comp_cache is not None else None,
             sink.to(torch.float32), softmax_scale(D), config=plan)
         return o
+
+    def _wide_kernel(self) -> ModuleType:
+        """`kernels.sparse_attention_prefill` (the `wide` prefill choice), imported on first use."""
+        if self._wide is None:
+            self._wide = importlib.import_module(WIDE_PREFILL_MODULE)
+        return self._wide
 
     def _packed_latents(self, packed: PackedSourceRows):
         """The kernels' `PackedSource` of the latent part of `packed` (contract §5)."""

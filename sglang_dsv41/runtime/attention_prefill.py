@@ -26,6 +26,11 @@ Memory: one BF16 workspace per kv source and forward, R·width·head_dim·2 B �
 rows (128 MiB at Flash; 4 kv sources: ≤ 512 MiB per forward and rank), plus DECODE_CHUNK's fp32
 temporaries while decoding.
 
+`wide` (opt-in): the same workspace read by `kernels.sparse_attention_prefill.prefill_sink_attention`
+(the products transposed so that a program takes every head of its query on 64-key tiles: one
+gather of each key row per query instead of one per 16-head block); the same oracle bound, not the
+`bf16` path's bits.
+
 `flashmla` (opt-in, `attention_flashmla`): the same workspace, read by one
 `sgl_kernel.flash_mla.flash_mla_sparse_fwd` launch over [SWA rows | workspace] instead of the
 Triton kernel; refused with deterministic inference.
@@ -43,10 +48,11 @@ from torch import Tensor
 from .backend import kernel_choice
 from .kv_layout import SourceColumns, decode_latents, read_entries
 
-PREFILL_ENV, PREFILL_CHOICES = "SGLANG_DSV41_ATTN_PREFILL", ("packed", "bf16", "flashmla")
-#: the choices that decode the workspace (`flashmla`: the same workspace, read by one FlashMLA launch:
-#: `attention_flashmla`)
-WORKSPACE_CHOICES = ("bf16", "flashmla")
+PREFILL_ENV, PREFILL_CHOICES = "SGLANG_DSV41_ATTN_PREFILL", ("packed", "bf16", "wide", "flashmla")
+#: the choices that decode the workspace (`wide`: the same workspace, read by
+#: `kernels.sparse_attention_prefill` — every head of a query in one program; `flashmla`: read by one
+#: FlashMLA launch: `attention_flashmla`)
+WORKSPACE_CHOICES = ("bf16", "wide", "flashmla")
 #: fewer queries than this: the packed rows (the decode per entry would not be amortised)
 PREFILL_MIN_QUERIES = 512
 #: largest workspace (rows): 2^17 × 512 dims × 2 B = 128 MiB at Flash per kv source and forward
