@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import torch
@@ -58,6 +59,7 @@ def load_alt(path: Path):
     import importlib.util
     spec = importlib.util.spec_from_file_location("sglang_dsv41.kernels.sparse_attention_prefill_alt", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module          # dataclasses look their module up while the file runs
     spec.loader.exec_module(module)
     return module
 

@@ -13,15 +13,15 @@ MMA's left operand; at 64 heads × 512 dims q and the [64, 512] fp32 accumulator
 program's registers (sm_90 build: 1,168 B/thread of spills at 8 warps, 5.6 KB at 16), so prefill
 ran 16 heads a program, re-gathering every key row for each of the 4 head blocks (≈ 21 GB of
 gathers at an 8K Flash prefill) on `mma.sync` tiles of 16 rows. Here the products are transposed:
-sᵀ = k·qᵀ ([keys, heads]: the gathered key tile is the left operand, qᵀ the right one; both are
-read by the Hopper MMA from shared memory) and oᵀ += kᵀ·pᵀ ([dims, heads]: the same key tile,
-viewed transposed). With BLOCK_N = 64 keys a tile is one 64-row `wgmma`; every head of the query
-shares the tile, copied once (cp.async) into shared memory; the accumulator [512, 64] fp32 is 128
-registers a thread at 8 warps. Whole rows (no parity split: BF16 rows need no FP4 decode), so the
-logits sum the dims in order, not evens then odds as `sparse_attention` does: the two kernels'
-outputs may differ by an ulp where the exact value lies near a rounding point.
+sᵀ = k·qᵀ ([keys, heads]: the gathered key tile is the left operand, qᵀ the right one, which the
+Hopper MMA reads from shared memory) and oᵀ += kᵀ·pᵀ ([dims, heads]: the key tile again, viewed
+transposed). With BLOCK_N = 64 keys a tile is one 64-row `wgmma`; every head of the query shares the
+tile; the accumulator [512, 64] fp32 is 128 registers a thread at 8 warps. `HALVES = 1` splits the
+output dims by parity over two programs (half the accumulator, the logits computed by both).
 
-The sink folded into the running state (m₀ = sink, l₀ = 1), as in `sparse_attention`.
+Layout as in `sparse_attention`: tiles split by dimension parity (column i of an `_e` / `_o` tile
+is dim 2i / 2i+1), BF16 rows read as int32 words and split by truncation; the sink folded into the
+running state (m₀ = sink, l₀ = 1).
 """
 from __future__ import annotations
 
@@ -41,32 +41,36 @@ BLOCK_N = 64
 
 @dataclass(frozen=True)
 class PrefillAttentionConfig:
-    """Launch parameters: `block_h` heads per program (a power of two ≥ 16), Triton's `num_warps` /
-    `num_stages`."""
+    """Launch parameters: `block_h` heads per program (a power of two ≥ 16), `halves` 2 (both output
+    halves in one program) or 1 (one parity per program), Triton's `num_warps` / `num_stages`."""
 
     block_h: int
+    halves: int
     num_warps: int
     num_stages: int
 
     def __post_init__(self) -> None:
-        if self.block_h < 16 or self.block_h & (self.block_h - 1):
-            raise ValueError(f"PrefillAttentionConfig: block_h {self.block_h} (a power of two ≥ 16)")
+        if self.block_h < 16 or self.block_h & (self.block_h - 1) or self.halves not in (1, 2):
+            raise ValueError(f"PrefillAttentionConfig: block_h {self.block_h} (power of two ≥ 16) / halves "
+                             f"{self.halves} (1 or 2)")
         if self.num_warps not in (4, 8, 16) or self.num_stages < 1:
             raise ValueError(f"PrefillAttentionConfig: num_warps {self.num_warps} / num_stages {self.num_stages}")
 
 
 def plan(num_heads: int, head_dim: int) -> PrefillAttentionConfig:
-    """Every head in one program up to 64 (more: blocks of 64), 8 warps, 2 stages."""
+    """Every head in one program up to 64 (more: blocks of 64); both halves in one program."""
     del head_dim
-    return PrefillAttentionConfig(block_h=min(64, max(16, triton.next_power_of_2(num_heads))), num_warps=8,
-                                  num_stages=2)
+    return PrefillAttentionConfig(block_h=min(64, max(16, triton.next_power_of_2(num_heads))), halves=2,
+                                  num_warps=8, num_stages=2)
 
 
 @triton.jit
-def _attend_keys(acc, m_i, l_i, qt, k, valid, qk_scale_log2, DOT_FP32: tl.constexpr):
-    """One online-softmax step over a key tile, transposed: sᵀ [keys, heads] = k·qt, max and sum over
-    the keys (axis 0), oᵀ [dims, heads] += kᵀ·pᵀ with P split into a BF16 high part and remainder."""
-    s = _dot(k, qt, None, DOT_FP32) * qk_scale_log2
+def _attend_keys(acc_a, acc_b, m_i, l_i, qt_a, qt_b, k_a, k_b, k_v, valid, qk_scale_log2,
+                 HALVES: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One online-softmax step over a key tile, transposed: sᵀ [keys, heads] = k_a·qt_a + k_b·qt_b
+    (dims [0, P) then [P, 2P)), max and sum over the keys (axis 0), oᵀ += kᵀ·pᵀ for both halves
+    (HALVES = 2: acc_a, acc_b) or for `k_v` only (HALVES = 1: into acc_a; acc_b passed through)."""
+    s = _dot(k_b, qt_b, _dot(k_a, qt_a, None, DOT_FP32), DOT_FP32) * qk_scale_log2
     s = tl.where(valid[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=0))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)              # nothing seen yet: no rescale
@@ -75,20 +79,31 @@ def _attend_keys(acc, m_i, l_i, qt, k, valid, qk_scale_log2, DOT_FP32: tl.conste
     l_i = l_i * alpha + tl.sum(p, axis=0)
     p_hi = p.to(tl.bfloat16)
     p_lo = (p - p_hi.to(tl.float32)).to(tl.bfloat16)
-    kt = tl.trans(k)
-    acc = _dot(kt, p_lo, _dot(kt, p_hi, acc * alpha[None, :], DOT_FP32), DOT_FP32)
-    return acc, m_new, l_i
+    if HALVES == 2:
+        acc_a = _dot(tl.trans(k_a), p_lo, _dot(tl.trans(k_a), p_hi, acc_a * alpha[None, :], DOT_FP32), DOT_FP32)
+        acc_b = _dot(tl.trans(k_b), p_lo, _dot(tl.trans(k_b), p_hi, acc_b * alpha[None, :], DOT_FP32), DOT_FP32)
+    else:
+        acc_a = _dot(tl.trans(k_v), p_lo, _dot(tl.trans(k_v), p_hi, acc_a * alpha[None, :], DOT_FP32), DOT_FP32)
+    return acc_a, acc_b, m_new, l_i
 
 
 @triton.jit
-def _keys_tile(rows_ptr, row_stride, slots, first, n_keys, offs_n, offs_d, d_mask):
-    """(valid, k): the BF16 rows [BLOCK_N, BLOCK_D] of keys first … first + BLOCK_N − 1 of one slot list
-    (zeros where the slot is −1 or past the list)."""
+def _keys_tile(rows_ptr, row_stride, slots, first, n_keys, offs_n, offs_p, p_mask, half_cols, part,
+               HALVES: tl.constexpr):
+    """(valid, k_a, k_b, k_v): dims [0, P) and [P, 2P) (P = half_cols) of the BF16 rows of keys
+    first … first + BLOCK_N − 1 of one slot list, and with HALVES = 1 dims of half `part` (a third
+    load of the same bytes, so that every operand is a plain load)."""
     slot = _load_slots(slots, first, n_keys, offs_n)
     valid = slot >= 0
-    k = tl.load(rows_ptr + slot[:, None] * row_stride + offs_d[None, :], mask=valid[:, None] & d_mask[None, :],
-                other=0.0)
-    return valid, k
+    rows = rows_ptr + slot[:, None] * row_stride + offs_p[None, :]
+    mask = valid[:, None] & p_mask[None, :]
+    k_a = tl.load(rows, mask=mask, other=0.0)
+    k_b = tl.load(rows + half_cols, mask=mask, other=0.0)
+    if HALVES == 1:
+        k_v = tl.load(rows + part * half_cols, mask=mask, other=0.0)
+    else:
+        k_v = k_a
+    return valid, k_a, k_b, k_v
 
 
 @triton.jit
@@ -97,34 +112,47 @@ def _prefill_attn_kernel(
         swa_ptr, swa_row_stride, swa_slots_ptr, swa_slots_stride, n_swa,
         comp_ptr, comp_row_stride, comp_slots_ptr, comp_slots_stride, n_comp,
         sink_ptr, out_ptr, out_stride_n, out_stride_h, H, D, qk_scale_log2,
-        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_COMP: tl.constexpr,
-        DOT_FP32: tl.constexpr):
-    """One program = one query × BLOCK_H heads; BF16 rows, row strides in elements."""
+        BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, HALVES: tl.constexpr,
+        HAS_COMP: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One program = one query × BLOCK_H heads (× one output half when HALVES = 1). D = 2·P dims
+    in two halves of P ≤ BLOCK_P (D even); BF16 rows, row strides in elements."""
     t = tl.program_id(0)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
+    hb = tl.program_id(1)
+    part = tl.program_id(2)
+    half = D // 2
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_p = tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
     h_mask = offs_h < H
-    d_mask = offs_d < D
-    dh_mask = d_mask[:, None] & h_mask[None, :]
-    qt = tl.load(q_ptr + t.to(tl.int64) * q_stride_n + offs_h[None, :] * q_stride_h + offs_d[:, None],
-                 mask=dh_mask, other=0.0)                                    # [BLOCK_D, BLOCK_H]
+    p_mask = offs_p < half
+    ph_mask = p_mask[:, None] & h_mask[None, :]
+    qt_a_ptr = q_ptr + t.to(tl.int64) * q_stride_n + offs_h[None, :] * q_stride_h + offs_p[:, None]
+    qt_a = tl.load(qt_a_ptr, mask=ph_mask, other=0.0)                     # [BLOCK_P, BLOCK_H]
+    qt_b = tl.load(qt_a_ptr + half, mask=ph_mask, other=0.0)
     sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0) * 1.4426950408889634
     m_i = sink
     l_i = tl.where(sink == float("-inf"), 0.0, 1.0)
-    acc = tl.zeros([BLOCK_D, BLOCK_H], tl.float32)
+    acc_a = tl.zeros([BLOCK_P, BLOCK_H], tl.float32)
+    acc_b = tl.zeros([BLOCK_P, BLOCK_H], tl.float32)
     swa_slots = swa_slots_ptr + t.to(tl.int64) * swa_slots_stride
     for tile in range(0, tl.cdiv(n_swa, BLOCK_N)):
-        valid, k = _keys_tile(swa_ptr, swa_row_stride, swa_slots, tile * BLOCK_N, n_swa, offs_n, offs_d, d_mask)
-        acc, m_i, l_i = _attend_keys(acc, m_i, l_i, qt, k, valid, qk_scale_log2, DOT_FP32)
+        valid, k_a, k_b, k_v = _keys_tile(swa_ptr, swa_row_stride, swa_slots, tile * BLOCK_N, n_swa, offs_n,
+                                          offs_p, p_mask, half, part, HALVES)
+        acc_a, acc_b, m_i, l_i = _attend_keys(acc_a, acc_b, m_i, l_i, qt_a, qt_b, k_a, k_b, k_v, valid,
+                                              qk_scale_log2, HALVES, DOT_FP32)
     if HAS_COMP:
         comp_slots = comp_slots_ptr + t.to(tl.int64) * comp_slots_stride
         for tile in range(0, tl.cdiv(n_comp, BLOCK_N)):
-            valid, k = _keys_tile(comp_ptr, comp_row_stride, comp_slots, tile * BLOCK_N, n_comp, offs_n, offs_d,
-                                  d_mask)
-            acc, m_i, l_i = _attend_keys(acc, m_i, l_i, qt, k, valid, qk_scale_log2, DOT_FP32)
-    out = out_ptr + t.to(tl.int64) * out_stride_n + offs_h[None, :] * out_stride_h + offs_d[:, None]
-    tl.store(out, (acc / l_i[None, :]).to(out_ptr.dtype.element_ty), mask=dh_mask)
+            valid, k_a, k_b, k_v = _keys_tile(comp_ptr, comp_row_stride, comp_slots, tile * BLOCK_N, n_comp,
+                                              offs_n, offs_p, p_mask, half, part, HALVES)
+            acc_a, acc_b, m_i, l_i = _attend_keys(acc_a, acc_b, m_i, l_i, qt_a, qt_b, k_a, k_b, k_v, valid,
+                                                  qk_scale_log2, HALVES, DOT_FP32)
+    out_a = out_ptr + t.to(tl.int64) * out_stride_n + offs_h[None, :] * out_stride_h + offs_p[:, None]
+    if HALVES == 2:
+        tl.store(out_a, (acc_a / l_i[None, :]).to(out_ptr.dtype.element_ty), mask=ph_mask)
+        tl.store(out_a + half, (acc_b / l_i[None, :]).to(out_ptr.dtype.element_ty), mask=ph_mask)
+    else:
+        tl.store(out_a + part * half, (acc_a / l_i[None, :]).to(out_ptr.dtype.element_ty), mask=ph_mask)
 
 
 def prefill_sink_attention(q: Tensor, swa_cache: Tensor, swa_slots: Tensor, comp_cache: Tensor | None,
@@ -148,12 +176,13 @@ def prefill_sink_attention(q: Tensor, swa_cache: Tensor, swa_slots: Tensor, comp
     has_comp = comp_cache is not None and K > 0
     comp_arg = comp_cache if has_comp else swa_cache
     comp_slots_arg = comp_slots if has_comp else swa_slots
-    _prefill_attn_kernel[(N, triton.cdiv(H, cfg.block_h))](
+    block_p = max(16, triton.next_power_of_2(D // 2))
+    _prefill_attn_kernel[(N, triton.cdiv(H, cfg.block_h), 3 - cfg.halves)](
         q, q.stride(0), q.stride(1),
         swa_cache, swa_cache.stride(0), swa_slots, swa_slots.stride(0), swa_slots.shape[1],
         comp_arg, comp_arg.stride(0), comp_slots_arg, comp_slots_arg.stride(0), K,
         sink, out, out.stride(0), out.stride(1), H, D, float(scale) * _LOG2E,
-        BLOCK_H=cfg.block_h, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N, HAS_COMP=has_comp,
+        BLOCK_H=cfg.block_h, BLOCK_P=block_p, BLOCK_N=BLOCK_N, HALVES=cfg.halves, HAS_COMP=has_comp,
         DOT_FP32=interpreted, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
