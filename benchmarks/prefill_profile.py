@@ -23,8 +23,9 @@ decode_step.py's prefill row; no L2 flush: the 8K working set dwarfs L2).
 Variants (`VARIANTS`, old against new in one process): `before` = session 11's path (RoPE and its
 BF16 rounding as two launches, packed attention rows, torch top-k, BF16-weight products in 128-row
 blocks: OLD); `session12` = the serving default before session 13 (packed rows, 128-row blocks);
-`default` = the serving defaults now (SWITCHES: BF16 attention workspace launched with
-`plan_prefill_config`, fused top-k, float64 head sum, BF16-weight products in one GEMM); `new` =
+`default` = the serving defaults now (SWITCHES: BF16 attention workspace read by
+`kernels.sparse_attention_prefill` (`wide`, since session 33; `session32` = the same read by
+`sparse_attention` launched with `plan_prefill_config`), fused top-k, float64 head sum, BF16-weight products in one GEMM); `new` =
 every prefill opt-in (the default + the fp32 indexer head sum); then each session-12 prefill choice
 alone on OLD (`attn_bf16_workspace`, `indexer_fp32_head_sum`, `indexer_fused_topk`,
 `whole_bf16_rows`); `new_mhc_rows` = `new` with the per-token mHC kernels
@@ -52,7 +53,7 @@ import torch
 
 REPEATS = 3
 #: the switches a variant may set, at the CUDA serving defaults; every variant sets all of them
-SWITCHES = {"SGLANG_DSV41_ATTN_PREFILL": "bf16", "SGLANG_DSV41_INDEXER_HEAD_SUM": "fp64",
+SWITCHES = {"SGLANG_DSV41_ATTN_PREFILL": "wide", "SGLANG_DSV41_INDEXER_HEAD_SUM": "fp64",
             "SGLANG_DSV41_INDEXER_TOPK": "fused", "SGLANG_DSV41_MHC_MIX": "tc", "SGLANG_DSV41_MOE_PREFILL_FLAGS": "",
             "SGLANG_DSV41_TOPK_SEARCH": "radix"}
 #: session 11's switches (with the patch `blocked_bf16_rows`: its BF16-weight rows)
@@ -89,10 +90,12 @@ VARIANTS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     # the default with the mHC residual streams held as fp32 (what holding them as BF16 removed)
     "fp32_residual": ({}, ("fp32_residual",)),
     "flashmla_mhc_tc": ({"SGLANG_DSV41_ATTN_PREFILL": "flashmla", "SGLANG_DSV41_MHC_MIX": "tc"}, ()),
-    # session 33: the workspace read by `kernels.sparse_attention_prefill` (every head of a query per program)
+    # session 33: the workspace read by `kernels.sparse_attention_prefill` (every head of a query per program;
+    # the default since), and the default before it (the workspace read by `sparse_attention`)
     "wide": ({"SGLANG_DSV41_ATTN_PREFILL": "wide"}, ()),
+    "session32": ({"SGLANG_DSV41_ATTN_PREFILL": "bf16"}, ()),
     # session 32: the default before it (the fp32 `dot` mHC partials)
-    "session31": ({"SGLANG_DSV41_MHC_MIX": "dot"}, ())}
+    "session31": ({"SGLANG_DSV41_MHC_MIX": "dot", "SGLANG_DSV41_ATTN_PREFILL": "bf16"}, ())}
 DEFAULT_VARIANTS = ("before", "session12", "default", "new", "attn_bf16_workspace", "indexer_fp32_head_sum",
                     "indexer_fused_topk", "whole_bf16_rows")
 PREFILL_COMPONENTS = ("dense_fp8", "dense_bf16", "attention", "indexer_scores", "indexer_topk", "indexer_query",

@@ -136,11 +136,14 @@ def test_prefill_profile_attribution_and_variants(sp, monkeypatch) -> None:
     assert "SGLANG_DSV41_ATTN_PREFILL" not in os.environ
     with pp.variant_scope("default", be):              # the CUDA serving defaults: workspace, whole rows
         assert {k: os.environ[k] for k in pp.SWITCHES} == pp.SWITCHES and be.dense.whole_rows
-        assert pp.SWITCHES["SGLANG_DSV41_ATTN_PREFILL"] == "bf16" and not isinstance(be.fe, pp.TwoPassRope)
+        assert pp.SWITCHES["SGLANG_DSV41_ATTN_PREFILL"] == "wide" and not isinstance(be.fe, pp.TwoPassRope)
         assert pp.SWITCHES["SGLANG_DSV41_MHC_MIX"] == "tc"
+    with pp.variant_scope("session32", be):            # the defaults before session 33
+        assert {k: os.environ[k] for k in pp.SWITCHES} == pp.SWITCHES | {"SGLANG_DSV41_ATTN_PREFILL": "bf16"}
     with pp.variant_scope("session31", be):            # the defaults before session 32
         assert os.environ["SGLANG_DSV41_ATTN_PREFILL"] == "bf16" and os.environ["SGLANG_DSV41_MHC_MIX"] == "dot"
-        assert {k: os.environ[k] for k in pp.SWITCHES} == pp.SWITCHES | {"SGLANG_DSV41_MHC_MIX": "dot"}
+        assert {k: os.environ[k] for k in pp.SWITCHES} == pp.SWITCHES | {"SGLANG_DSV41_MHC_MIX": "dot",
+                                                                         "SGLANG_DSV41_ATTN_PREFILL": "bf16"}
     with pp.variant_scope("session12", be):
         assert os.environ["SGLANG_DSV41_ATTN_PREFILL"] == "packed" and not be.dense.whole_rows
     with pp.variant_scope("new", be):

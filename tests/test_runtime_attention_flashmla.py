@@ -133,7 +133,7 @@ def test_planned_on_a_device_without_the_kernel_is_the_logged_triton_path(caplog
     ops = attention_ops.KernelAttentionOps(sparse_attention, indexer, prefill="flashmla")
     with caplog.at_level(logging.WARNING, logger=attention_ops.__name__):
         chosen = ops.planned(64, 512, torch.device("cpu"))
-    assert chosen.prefill == "bf16" and chosen.decode == "auto" and chosen.flashmla_plan is None
+    assert chosen.prefill == "wide" and chosen.decode == "auto" and chosen.flashmla_plan is None
     assert "planned the Triton kernels instead" in caplog.text
     other = attention_ops.KernelAttentionOps(sparse_attention, indexer, prefill="bf16", decode="triton")
     assert other.planned(64, 512, torch.device("cpu")) is other

@@ -96,7 +96,7 @@ def test_prefill_defaults_by_device_and_mode(fresh_kernel_ops, monkeypatch) -> N
     monkeypatch.delenv(PREFILL_ENV, raising=False)
     monkeypatch.delenv(B.BF16_GEMM_ENV, raising=False)
     serving, exact = attention_ops.ops_for(cuda, f32, False), attention_ops.ops_for(cuda, f32, True)
-    assert (serving.prefill, exact.prefill) == ("bf16", "packed")
+    assert (serving.prefill, exact.prefill) == ("wide", "packed")
     assert (B.bf16_gemm_for(False), B.bf16_gemm_for(True)) == ("whole", "blocked")
     serving_dense, exact_dense = B.backend_for(cuda, {}, False).dense, B.backend_for(cuda, {}, True).dense
     assert serving_dense.whole_rows and not serving_dense.triton_rows
@@ -311,8 +311,8 @@ def test_kernel_choices_come_from_the_environment(monkeypatch) -> None:
     for env in ("SGLANG_DSV41_ATTN_SPLITS", "SGLANG_DSV41_INDEXER_HEAD_SUM", "SGLANG_DSV41_ATTN_PREFILL"):
         monkeypatch.delenv(env, raising=False)
     serving = attention_ops.KernelAttentionOps(fake, SimpleNamespace())
-    assert (serving.splits, serving.head_sum, serving.prefill) == ("decode", "fp64", "bf16")
-    assert "'decode' key splits" in serving.description and "'bf16' prefill rows" in serving.description
+    assert (serving.splits, serving.head_sum, serving.prefill) == ("decode", "fp64", "wide")
+    assert "'decode' key splits" in serving.description and "'wide' prefill rows" in serving.description
     serving.attend(q, sink, swa, slots, None, None)
     assert seen == [("decode", (1, 64, 512, 128, 0), 132), ("attend", 4)]   # 4 SWA tiles of 32, one each
     exact = attention_ops.KernelAttentionOps(fake, SimpleNamespace(), deterministic=True)
@@ -320,8 +320,15 @@ def test_kernel_choices_come_from_the_environment(monkeypatch) -> None:
     exact.attend(q, sink, swa, slots, None, None)
     assert seen[2:] == [("attend", 1)]
     rows = torch.zeros(1, 512, dtype=torch.long)
-    serving.attend(q, sink, swa, slots, None, rows, workspace=(torch.zeros(4, 512, dtype=torch.bfloat16), rows))
-    assert seen[3:] == [("prefill", (1, 64, 512, 128, 512), 16, 4), ("attend", 1)]
+    workspace = (torch.zeros(4, 512, dtype=torch.bfloat16), rows)
+    serving._wide = SimpleNamespace(prefill_sink_attention=lambda q, swa, ss, ws, r, sink, scale: seen.append(
+        ("wide", ws is workspace[0] and r is rows, scale == softmax_scale(512))) or torch.zeros_like(q))
+    serving.attend(q, sink, swa, slots, None, rows, workspace=workspace)
+    assert seen[3:] == [("prefill", (1, 64, 512, 128, 512), 16, 4), ("wide", True, True)]
+    monkeypatch.setenv("SGLANG_DSV41_ATTN_PREFILL", "bf16")
+    bf16 = attention_ops.KernelAttentionOps(fake, SimpleNamespace())
+    bf16.attend(q, sink, swa, slots, None, rows, workspace=workspace)
+    assert seen[5:] == [("prefill", (1, 64, 512, 128, 512), 16, 4), ("attend", 1)]
     monkeypatch.setenv("SGLANG_DSV41_ATTN_SPLITS", "decode")
     monkeypatch.setenv("SGLANG_DSV41_INDEXER_HEAD_SUM", "FP32")
     monkeypatch.setenv("SGLANG_DSV41_ATTN_PREFILL", "BF16")

@@ -513,13 +513,13 @@ def test_gpu_teacher_forced_contract(tiny_checkpoint, fp8_gemm: str, monkeypatch
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prefill", [None, "wide"], ids=["default", "wide"])
+@pytest.mark.parametrize("prefill", [None, "bf16"], ids=["default", "bf16"])
 def test_gpu_teacher_forced_contract_with_the_prefill_opt_ins(tiny_checkpoint, monkeypatch, prefill) -> None:
     """The session-12 prefill opt-ins as the serving default, with no variable set: the BF16 workspace
     of decoded compressed entries (its size rule lowered to one query so every eager forward here
     takes it, launched with `plan_prefill_config`) and BF16-weight products in one GEMM keep the
-    end-to-end contract; `wide` (SGLANG_DSV41_ATTN_PREFILL=wide: the workspace read by
-    `kernels.sparse_attention_prefill`) likewise."""
+    end-to-end contract — read by `kernels.sparse_attention_prefill` (`wide`, the default since session 33),
+    and by `sparse_attention` (`bf16`, the default before)."""
     from runtime_scenarios import measure_contract, runtime_engine
     from sglang_dsv41.reference.model import ReferenceModel
     from sglang_dsv41.runtime import attention_ops
@@ -534,11 +534,11 @@ def test_gpu_teacher_forced_contract_with_the_prefill_opt_ins(tiny_checkpoint, m
     try:
         reference = ReferenceModel.from_checkpoint(tiny_checkpoint)
         engine = runtime_engine(tiny_checkpoint, DEVICE, deterministic=False)
-        assert engine.attention_ops.prefill == (prefill or "bf16") and engine.backend.dense.whole_rows
+        assert engine.attention_ops.prefill == (prefill or "wide") and engine.backend.dense.whole_rows
         m = measure_contract(engine, DEVICE, reference, GREEDY_STEPS)
     finally:
         attention_ops.kernel_ops.cache_clear()
-    print("\n" + m.summary(f"CUDA w8a8_f16 + {prefill or 'bf16'} prefill workspace on every batch"))
+    print("\n" + m.summary(f"CUDA w8a8_f16 + {prefill or 'wide'} prefill workspace on every batch"))
     assert m.top1 >= MIN_TOP1_AGREEMENT
     assert m.worst_logit_diff <= LOGIT_BOUND, m.worst_logit_diff
 

@@ -89,7 +89,7 @@ ATTENTION_KEY_SPLITS = 1
 #: then depend on its batch's size). SGLANG_DSV41_INDEXER_HEAD_SUM = "fp64" (default: scores equal
 #: the reference's bit for bit) | "fp32" (fp32 head sum, within the kernel's stated bound; ties near a
 #: rounding boundary may select differently; no faster on the H200). SGLANG_DSV41_ATTN_PREFILL: the
-#: prefill workspace (`attention_prefill.prefill_choice`: `bf16` serving, `packed` deterministic).
+#: prefill workspace (`attention_prefill.prefill_choice`: `wide` serving, `packed` deterministic).
 ATTENTION_SPLITS_ENV, ATTENTION_SPLITS = "SGLANG_DSV41_ATTN_SPLITS", ("one", "decode")
 #: SGLANG_DSV41_ATTN_DECODE: batches without the prefill workspace (decode) through our Triton kernel
 #: on the packed rows (`triton`, the deterministic default), the same kernel on BF16 rows its entries are
@@ -267,7 +267,7 @@ class KernelAttentionOps:
         cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         plan = FM.plan_flashmla(heads, head_dim, cap)
         able = plan.mode != "bf16"
-        prefill = ("flashmla" if able else "bf16") if self.prefill == "flashmla" else self.prefill
+        prefill = ("flashmla" if able else "wide") if self.prefill == "flashmla" else self.prefill
         decode = ("flashmla" if able else "triton") if self.decode == "flashmla" else self.decode
         chosen = KernelAttentionOps(self.sparse_attention, self.indexer, self.splits, self.head_sum, prefill,
                                     self.deterministic, decode)

@@ -16,8 +16,9 @@ kernel sees the same keys; it is another binary of the same kernel, which agrees
 path within 2 BF16 ulps of the output scale, not bit for bit (`flash_layer.kernel_components`
 checks it on the H200).
 
-The choice (`prefill_choice`): SGLANG_DSV41_ATTN_PREFILL when set, else `bf16` in the serving
-mode (measured faster at 8K: docs/performance.md "Session 13") and `packed` under
+The choice (`prefill_choice`): SGLANG_DSV41_ATTN_PREFILL when set, else `wide` in the serving
+mode (measured faster at 8K: docs/performance.md "Session 13" for the workspace, "Session 33" for
+`wide`'s kernel on it) and `packed` under
 `--enable-deterministic-inference` (whether a batch takes the workspace depends on its size, so
 a request's bits would depend on its batch). Only the CUDA attention (`KernelAttentionOps`) reads
 it; the CPU path never has a workspace.
@@ -26,7 +27,7 @@ Memory: one BF16 workspace per kv source and forward, R·width·head_dim·2 B �
 rows (128 MiB at Flash; 4 kv sources: ≤ 512 MiB per forward and rank), plus DECODE_CHUNK's fp32
 temporaries while decoding.
 
-`wide` (opt-in): the same workspace read by `kernels.sparse_attention_prefill.prefill_sink_attention`
+`wide` (the serving default since session 33): the same workspace read by `kernels.sparse_attention_prefill.prefill_sink_attention`
 (the products transposed so that a program takes every head of its query on 64-key tiles: one
 gather of each key row per query instead of one per 16-head block); the same oracle bound, not the
 `bf16` path's bits.
@@ -63,12 +64,12 @@ DECODE_CHUNK = 1 << 14
 
 def prefill_choice(deterministic: bool) -> str:
     """SGLANG_DSV41_ATTN_PREFILL when set (an unknown value raises), else `packed` when
-    `deterministic`, else `bf16` (module doc). `flashmla` with `deterministic` raises: deterministic
+    `deterministic`, else `wide` (module doc). `flashmla` with `deterministic` raises: deterministic
     inference keeps the Triton kernels (the FlashMLA binary's summation order is not ours to fix)."""
-    choice = kernel_choice(PREFILL_ENV, PREFILL_CHOICES, "packed" if deterministic else "bf16")
+    choice = kernel_choice(PREFILL_ENV, PREFILL_CHOICES, "packed" if deterministic else "wide")
     if choice == "flashmla" and deterministic:
         raise ValueError(f"{PREFILL_ENV}=flashmla is not available with --enable-deterministic-inference "
-                         "(unset it, or choose packed / bf16)")
+                         "(unset it, or choose packed / bf16 / wide)")
     return choice
 
 
