@@ -281,7 +281,7 @@ def test_serving_default_batches_match_each_request_alone_within_the_contract(ti
 
     serving = runtime_engine(tiny_checkpoint, DEVICE, deterministic=False)
     ops = serving.attention_ops
-    assert (ops.splits, ops.prefill, serving.backend.fp8_gemm) == ("decode", "bf16", "w8a8_fold")
+    assert (ops.splits, ops.prefill, serving.backend.fp8_gemm) == ("decode", "wide", "w8a8_fold")
     assert serving.backend.dense.whole_rows and serving.mhc.mix == "auto"     # mHC kernel by token count
     monkeypatch.setattr(AP, "PREFILL_MIN_QUERIES", WORKSPACE_MIN_QUERIES)
     decode = fixed_decode_tokens()
