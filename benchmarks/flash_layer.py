@@ -351,7 +351,14 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor, sink: T
     # and shared by every indexer layer, so the first call below builds them and the timed calls reuse them
     tiles: dict = {}
 
+    key_workspace = AP.key_workspace_applies(AP.key_choice(), False, q.shape[0], R, width)
+
     def scores_packed():
+        if key_workspace:    # the runtime's prefill keys: decoded once per kv source and forward (here per call)
+            ws, rows = AP.key_workspace(caches.packed_keys.rows, caches.layout.source(role.kv_source).key,
+                                        t.index_head_dim, entries)
+            return K.index_scores(iq, head_w, ws, rows, req, n_vis, head_sum_exact=exact, check_inputs=False,
+                                  tile_cache=tiles)
         return K.index_scores(iq, head_w, caches.packed_keys, entries, req, n_vis, head_sum_exact=exact,
                               check_inputs=False, tile_cache=tiles)
 

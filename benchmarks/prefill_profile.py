@@ -55,11 +55,11 @@ REPEATS = 3
 #: the switches a variant may set, at the CUDA serving defaults; every variant sets all of them
 SWITCHES = {"SGLANG_DSV41_ATTN_PREFILL": "wide", "SGLANG_DSV41_INDEXER_HEAD_SUM": "fp64",
             "SGLANG_DSV41_INDEXER_TOPK": "fused", "SGLANG_DSV41_MHC_MIX": "tc", "SGLANG_DSV41_MOE_PREFILL_FLAGS": "",
-            "SGLANG_DSV41_TOPK_SEARCH": "radix"}
+            "SGLANG_DSV41_TOPK_SEARCH": "radix", "SGLANG_DSV41_INDEXER_PREFILL_KEYS": "bf16"}
 #: session 11's switches (with the patch `blocked_bf16_rows`: its BF16-weight rows)
 OLD = {"SGLANG_DSV41_ATTN_PREFILL": "packed", "SGLANG_DSV41_INDEXER_HEAD_SUM": "fp64",
        "SGLANG_DSV41_INDEXER_TOPK": "torch", "SGLANG_DSV41_MHC_MIX": "rows", "SGLANG_DSV41_MOE_PREFILL_FLAGS": "",
-       "SGLANG_DSV41_TOPK_SEARCH": "bisect"}
+       "SGLANG_DSV41_TOPK_SEARCH": "bisect", "SGLANG_DSV41_INDEXER_PREFILL_KEYS": "packed"}
 NEW = SWITCHES | {"SGLANG_DSV41_INDEXER_HEAD_SUM": "fp32"}
 #: name → (environment over SWITCHES, backend patches): `two_pass_rope` = session 11's RoPE (`TwoPassRope`);
 #: `blocked_bf16_rows` = SGLANG_DSV41_BF16_GEMM=blocked (`BlockedBf16Gemm.whole_rows` False, read at build: set
@@ -93,9 +93,12 @@ VARIANTS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     # session 33: the workspace read by `kernels.sparse_attention_prefill` (every head of a query per program;
     # the default since), and the default before it (the workspace read by `sparse_attention`)
     "wide": ({"SGLANG_DSV41_ATTN_PREFILL": "wide"}, ()),
-    "session32": ({"SGLANG_DSV41_ATTN_PREFILL": "bf16"}, ()),
+    "session32": ({"SGLANG_DSV41_ATTN_PREFILL": "bf16", "SGLANG_DSV41_INDEXER_PREFILL_KEYS": "packed"}, ()),
+    # session 33: the indexer reading its packed keys (the default before the BF16 key workspace)
+    "packed_keys": ({"SGLANG_DSV41_INDEXER_PREFILL_KEYS": "packed"}, ()),
     # session 32: the default before it (the fp32 `dot` mHC partials)
-    "session31": ({"SGLANG_DSV41_MHC_MIX": "dot", "SGLANG_DSV41_ATTN_PREFILL": "bf16"}, ())}
+    "session31": ({"SGLANG_DSV41_MHC_MIX": "dot", "SGLANG_DSV41_ATTN_PREFILL": "bf16",
+                   "SGLANG_DSV41_INDEXER_PREFILL_KEYS": "packed"}, ())}
 DEFAULT_VARIANTS = ("before", "session12", "default", "new", "attn_bf16_workspace", "indexer_fp32_head_sum",
                     "indexer_fused_topk", "whole_bf16_rows")
 PREFILL_COMPONENTS = ("dense_fp8", "dense_bf16", "attention", "indexer_scores", "indexer_topk", "indexer_query",

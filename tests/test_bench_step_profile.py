@@ -139,11 +139,13 @@ def test_prefill_profile_attribution_and_variants(sp, monkeypatch) -> None:
         assert pp.SWITCHES["SGLANG_DSV41_ATTN_PREFILL"] == "wide" and not isinstance(be.fe, pp.TwoPassRope)
         assert pp.SWITCHES["SGLANG_DSV41_MHC_MIX"] == "tc"
     with pp.variant_scope("session32", be):            # the defaults before session 33
-        assert {k: os.environ[k] for k in pp.SWITCHES} == pp.SWITCHES | {"SGLANG_DSV41_ATTN_PREFILL": "bf16"}
+        assert {k: os.environ[k] for k in pp.SWITCHES} == pp.SWITCHES | {"SGLANG_DSV41_ATTN_PREFILL": "bf16",
+                                                                         "SGLANG_DSV41_INDEXER_PREFILL_KEYS": "packed"}
     with pp.variant_scope("session31", be):            # the defaults before session 32
         assert os.environ["SGLANG_DSV41_ATTN_PREFILL"] == "bf16" and os.environ["SGLANG_DSV41_MHC_MIX"] == "dot"
         assert {k: os.environ[k] for k in pp.SWITCHES} == pp.SWITCHES | {"SGLANG_DSV41_MHC_MIX": "dot",
-                                                                         "SGLANG_DSV41_ATTN_PREFILL": "bf16"}
+                                                                         "SGLANG_DSV41_ATTN_PREFILL": "bf16",
+                                                                         "SGLANG_DSV41_INDEXER_PREFILL_KEYS": "packed"}
     with pp.variant_scope("session12", be):
         assert os.environ["SGLANG_DSV41_ATTN_PREFILL"] == "packed" and not be.dense.whole_rows
     with pp.variant_scope("new", be):

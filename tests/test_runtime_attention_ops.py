@@ -171,13 +171,18 @@ def _exact_index_scores(calls: list[str]):
                      tile_cache=None, grouped_queries=False):
         """The kernel's contract: bf16(Σ_h bf16(w·ReLU(bf16(dot)))), dots and head sum in float64
         (reference `index_scores` per query)."""
-        assert head_sum_exact and not check_inputs and isinstance(key_cache, kernel_indexer.PackedSource)
+        assert head_sum_exact and not check_inputs
         assert grouped_queries and bool((token_req[1:] >= token_req[:-1]).all())     # a layout's: non-decreasing
         calls.append("scores")
-        assert key_cache.part == "key"                                    # the kernel's PackedSource → our decoder
-        packed = kernel_source_as_runtime_rows(key_cache)
-        slots = entry_slots[token_req]                                    # [N, E] entry indices
-        keys = packed.keys(slots.reshape(-1)).reshape(*slots.shape, -1).double()   # [N, E, Di]
+        slots = entry_slots[token_req]                                    # [N, E] entry indices / workspace rows
+        if isinstance(key_cache, torch.Tensor):                           # the prefill key workspace: BF16 rows
+            assert key_cache.dtype == torch.bfloat16
+            calls.append("key_workspace_scores")
+            keys = key_cache[slots.clamp(min=0)].double()
+        else:
+            assert key_cache.part == "key"                                # the kernel's PackedSource → our decoder
+            packed = kernel_source_as_runtime_rows(key_cache)
+            keys = packed.keys(slots.reshape(-1)).reshape(*slots.shape, -1).double()   # [N, E, Di]
         dots = bf16(torch.einsum("thd,ted->the", q.double(), keys).float())
         terms = bf16(torch.relu(dots) * head_w.float().unsqueeze(-1))
         scores = bf16(terms.double().sum(dim=1).float()) + 0.0
@@ -198,19 +203,25 @@ def cpu_scenario_logits(engine) -> dict[str, torch.Tensor]:
     return run_scenario(forward, scenario_caches(forward, CPU), CPU, fixed_decode_tokens())
 
 
-@pytest.mark.parametrize("chunk_elements, prefill", [(DEFAULT_CHUNK, "packed"), (150, "packed"),
-                                                     (DEFAULT_CHUNK, "bf16"), (DEFAULT_CHUNK, "wide")])
+@pytest.mark.parametrize("chunk_elements, prefill, keys", [(DEFAULT_CHUNK, "packed", "packed"),
+                                                           (150, "packed", "packed"), (DEFAULT_CHUNK, "bf16", "packed"),
+                                                           (DEFAULT_CHUNK, "wide", "bf16"), (150, "packed", "bf16")])
 def test_kernel_orchestration_with_exact_stand_ins_equals_cpu_path(engine, cpu_scenario_logits, monkeypatch,
-                                                                   chunk_elements: int, prefill: str) -> None:
+                                                                   chunk_elements: int, prefill: str, keys: str) -> None:
     """… also with the prefill workspace (SGLANG_DSV41_ATTN_PREFILL=bf16, every eager batch taking it
     here): compressed keys read as BF16 rows of the decoded workspace by request-local position
     give the same logits as the packed entries; `wide` hands the same workspace to
-    `kernels.sparse_attention_prefill.prefill_sink_attention` (its stand-in here) instead."""
+    `kernels.sparse_attention_prefill.prefill_sink_attention` (its stand-in here) instead; with the
+    indexer's keys from the BF16 key workspace (SGLANG_DSV41_INDEXER_PREFILL_KEYS=bf16, decoded once per
+    kv source and forward) the scores, so the logits, are the same."""
     cfg, forward = engine
     want = cpu_scenario_logits
     calls: list[str] = []
     monkeypatch.setenv("SGLANG_DSV41_ATTN_PREFILL", prefill)
+    monkeypatch.setenv("SGLANG_DSV41_INDEXER_PREFILL_KEYS", keys)
     monkeypatch.setattr(attention_ops.AP, "PREFILL_MIN_QUERIES", 1)
+    workspaces: list = []
+    monkeypatch.setattr(attention_ops.AP, "key_workspace", _counted(workspaces, "made", attention_ops.AP.key_workspace))
     stand_in = attention_ops.KernelAttentionOps(
         SimpleNamespace(sparse_sink_attention=_exact_sparse_sink_attention(calls),
                         plan_config=kernel_attention.plan_config, PackedSource=kernel_attention.PackedSource,
@@ -240,6 +251,9 @@ def test_kernel_orchestration_with_exact_stand_ins_equals_cpu_path(engine, cpu_s
     compressed_layers = sum(r.ratio > 0 for r in cfg.text.layer_roles())
     assert calls.count("workspace") == (batches * compressed_layers if workspace else 0)
     assert calls.count("wide") == (batches * compressed_layers if prefill == "wide" else 0)
+    key_sources = {r.kv_source for r in cfg.text.layer_roles() if r.runs_indexer}
+    assert len(workspaces) == (batches * len(key_sources) if keys == "bf16" else 0)   # once per source and forward
+    assert calls.count("key_workspace_scores") == (calls.count("scores") if keys == "bf16" else 0)
     assert calls.count("prefill_plan") == calls.count("workspace")   # the workspace plans plan_prefill_config
     if chunk_elements == DEFAULT_CHUNK:
         assert calls.count("scores") == batches * indexer_layers      # one chunk per layer
@@ -263,6 +277,43 @@ def test_prefill_workspace_rules() -> None:
         AP.applies("fp8", False, big, 1, 4096)
     rows = AP.workspace_rows(torch.tensor([0, 1, 1]), torch.tensor([[0, 3, -1], [2, -1, -1], [0, 1, 5]]), 8)
     assert rows.tolist() == [[0, 3, -1], [10, -1, -1], [8, 9, 13]]
+
+
+def test_key_workspace_rule_and_rows(monkeypatch) -> None:
+    """`attention_prefill.key_workspace_applies`: `bf16` (the default) under the workspace size rule,
+    never `packed`, a bad choice raises; `key_workspace`: row b·width + j holds the decoded key of
+    entry table[b, j] (zeros and row −1 where there is none), the same in chunks."""
+    from sglang_dsv41.presets import flash_config_dict
+    from sglang_dsv41.runtime import kv_layout
+    AP = attention_ops.AP
+    monkeypatch.delenv(AP.KEY_PREFILL_ENV, raising=False)
+    assert AP.key_choice() == "bf16"
+    big = AP.PREFILL_MIN_QUERIES
+    assert AP.key_workspace_applies("bf16", False, big, 1, 4096)
+    assert not AP.key_workspace_applies("packed", False, big, 1, 4096)
+    assert not AP.key_workspace_applies("bf16", True, big, 1, 4096)
+    assert not AP.key_workspace_applies("bf16", False, big - 1, 1, 4096)
+    assert not AP.key_workspace_applies("bf16", False, big, 2, AP.WORKSPACE_MAX_ENTRIES // 2 + 1)
+    with pytest.raises(ValueError, match="SGLANG_DSV41_INDEXER_PREFILL_KEYS='fp8'"):
+        AP.key_workspace_applies("fp8", False, big, 1, 4096)
+    monkeypatch.setenv(AP.KEY_PREFILL_ENV, "bogus")
+    with pytest.raises(ValueError):
+        AP.key_choice()
+    layout = kv_layout.CompressedRowLayout.from_config(DeepseekV41Config.from_dict(flash_config_dict()).text)
+    source = layout.sources[0]
+    g = torch.Generator().manual_seed(3)
+    key_rows = torch.randint(0, 255, (64, layout.key_row_bytes), generator=g, dtype=torch.uint8)
+    table = torch.tensor([[0, 3, -1, 5], [7, -1, -1, -1]])
+    want = [kv_layout.decode_keys(kv_layout.read_entries(key_rows, source.key, table[b, j:j + 1]),
+                                  layout.index_head_dim).to(torch.bfloat16) for b in range(2) for j in range(4)]
+    for chunk in (1 << 14, 3):
+        monkeypatch.setattr(AP, "DECODE_CHUNK", chunk)
+        ws, rows = AP.key_workspace(key_rows, source.key, layout.index_head_dim, table)
+        assert ws.dtype == torch.bfloat16 and ws.shape == (8, layout.index_head_dim)
+        assert rows.tolist() == [[0, 1, -1, 3], [4, -1, -1, -1]]
+        for i, w in enumerate(want):
+            assert torch.equal(ws[i:i + 1].view(torch.int16), w.view(torch.int16)), i
+        assert not ws[2].any() and not ws[5:].any()
 
 
 # ---- the real kernels in Triton's interpreter ---------------------------------------------------

@@ -170,7 +170,7 @@ def recorded(models) -> dict[str, list]:
             return torch_ops.prefill_workspace(*args)
 
         def select(self, be, cfg_, role, w, prefix, x, q_lora, layout, caches, inv_freq, act_quant, published,
-                   entry_tables=None, query_tiles=None):
+                   entry_tables=None, query_tiles=None, key_workspaces=None):
             out = torch_ops.select(be, cfg_, role, w, prefix, x, q_lora, layout, caches, inv_freq, act_quant,
                                    published, entry_tables)
             calls["select"].append(dict(

@@ -77,6 +77,9 @@ class ForwardScratch:
     #: BF16 workspaces of decoded compressed entries per kv source (CUDA serving prefill:
     #: `attention_prefill`), made by the first layer reading that source in this forward.
     workspaces: dict[int, Tensor] = field(default_factory=dict)
+    #: (BF16 decoded index keys, their rows per compressed position) per kv source (CUDA prefill:
+    #: `attention_prefill.key_workspace`), made by the first indexer layer reading that source.
+    key_workspaces: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
     #: The batch's SWA window slots [N, window] and its tokens' own SWA rows [N]: the same for
     #: every layer (one window size; the full → SWA slot map changes only between forwards), made
     #: by the first layer of this forward (`_swa_window`).
@@ -145,7 +148,8 @@ def _selection(be: ComputeBackend, ops: AttentionOps, cfg: TextConfig, role: Lay
             raise RuntimeError(f"layer {role.layer}: candidate source {cand} did not run in this forward")
         published = scratch.blocks[cand]
     selection, blocks = ops.select(be, cfg, role, w, prefix, x, q_lora, layout, caches, inv_freq,
-                                   act_quant, published, scratch.entry_tables, query_tiles=scratch.query_tiles)
+                                   act_quant, published, scratch.entry_tables, query_tiles=scratch.query_tiles,
+                                   key_workspaces=scratch.key_workspaces)
     scratch.selections[role.layer] = selection
     if role.candidate_source:
         assert blocks is not None

@@ -127,7 +127,8 @@ class AttentionOps(Protocol):
                x: Tensor, q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
                act_quant: bool, published: Tensor | None,
                entry_tables: dict[int, Tensor] | None = None,
-               query_tiles: dict | None = None) -> tuple[Tensor, Tensor | None]: ...
+               query_tiles: dict | None = None,
+               key_workspaces: dict | None = None) -> tuple[Tensor, Tensor | None]: ...
 
 
 EMPTY_SOFTMAX = "attend_with_sink: a query has no valid key and a −∞ sink (empty softmax)"
@@ -188,7 +189,8 @@ class TorchAttentionOps:
                x: Tensor, q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
                act_quant: bool, published: Tensor | None,
                entry_tables: dict[int, Tensor] | None = None,
-               query_tiles: dict | None = None) -> tuple[Tensor, Tensor | None]:
+               query_tiles: dict | None = None,
+               key_workspaces: dict | None = None) -> tuple[Tensor, Tensor | None]:
         """Per request: `run_indexer_cpu` over the decoded index keys of compressed positions
         0..⌊seq_len/ratio⌋−1 (what the reference state holds); tokens past every request (the
         ghost tail of a padded ragged verify graph, `batch.static_ragged_verify_layout`) select
@@ -251,6 +253,7 @@ class KernelAttentionOps:
         self.flashmla_plan: FM.FlashMLAPlan | None = None
         self.flashmla_kernel = None
         self._wide: ModuleType | None = None
+        self.prefill_keys = AP.key_choice()
         self.description = (f"Triton kernels (sparse_sink_attention with {self.splits!r} key splits and "
                             f"index_scores reading packed FP4 entries; {self.head_sum} head sum + "
                             f"select_for_role, whole batch; {self.prefill!r} prefill rows; {self.decode!r} decode)")
@@ -382,7 +385,8 @@ class KernelAttentionOps:
                x: Tensor, q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
                act_quant: bool, published: Tensor | None,
                entry_tables: dict[int, Tensor] | None = None,
-               query_tiles: dict | None = None) -> tuple[Tensor, Tensor | None]:
+               query_tiles: dict | None = None,
+               key_workspaces: dict | None = None) -> tuple[Tensor, Tensor | None]:
         """Whole batch: compressed position j of request r is packed entry slot(j·ratio + ratio − 1)
         // ratio (`entry_index_table`, −1 beyond ⌊seq_len/ratio⌋); the kernel reads each entry's
         FP4 key nibbles and UE8M0 scales from the packed rows (contract §5), so no BF16 key copy
@@ -397,7 +401,10 @@ class KernelAttentionOps:
         ≈ 28 B of temporaries per column and query) — O(N·context/ratio) per indexer layer
         instead of O(N·seq_len/ratio). Serve with a --context-length that fits the workload.
         `query_tiles`: the forward's cache of the scoring kernel's query tiles (`ForwardScratch`),
-        one per query chunk, shared by every indexer layer (`index_scores(tile_cache=)`)."""
+        one per query chunk, shared by every indexer layer (`index_scores(tile_cache=)`).
+        Prefill batches (`attention_prefill.key_workspace_applies`) read the keys from a BF16
+        workspace decoded once per kv source and forward (`key_workspaces`, the forward's cache),
+        with the same scores."""
         src, ratio = role.kv_source, role.ratio
         assert src is not None
         K = self.indexer
@@ -412,10 +419,18 @@ class KernelAttentionOps:
                 entry_tables[ratio] = entry_table
         packed = caches.packed(src)
         key_src = packed.source.key
-        key_cache = K.PackedSource(rows=packed.key_rows, offset=key_src.offset, share=key_src.share,
-                                   ratio=key_src.ratio, head_dim=packed.layout.head_dim,
-                                   index_head_dim=packed.layout.index_head_dim, part="key")
         N = layout.num_tokens
+        if AP.key_workspace_applies(self.prefill_keys, layout.static, N, layout.num_requests, width):
+            hit = None if key_workspaces is None else key_workspaces.get(src)
+            if hit is None:          # once per kv source and forward: indexer layers of a source share it
+                hit = AP.key_workspace(packed.key_rows, key_src, packed.layout.index_head_dim, entry_table)
+                if key_workspaces is not None:
+                    key_workspaces[src] = hit
+            key_cache, entry_table = hit
+        else:
+            key_cache = K.PackedSource(rows=packed.key_rows, offset=key_src.offset, share=key_src.share,
+                                       ratio=key_src.ratio, head_dim=packed.layout.head_dim,
+                                       index_head_dim=packed.layout.index_head_dim, part="key")
         rows = max(1, SCORE_ELEMENTS_PER_CHUNK // max(width, 1))
         selections, blocks = [], []
         for start in range(0, max(N, 1), rows):

@@ -36,6 +36,16 @@ gather of each key row per query instead of one per 16-head block); the same ora
 `sgl_kernel.flash_mla.flash_mla_sparse_fwd` launch over [SWA rows | workspace] instead of the
 Triton kernel; refused with deterministic inference.
 
+Indexer keys (`SGLANG_DSV41_INDEXER_PREFILL_KEYS`, `key_choice`): under the same size rule
+(`key_workspace_applies`: not static, ≥ PREFILL_MIN_QUERIES tokens, ≤ WORKSPACE_MAX_ENTRIES rows)
+the indexer's keys of a kv source are decoded once per forward into a BF16 workspace
+(`key_workspace`: [R·width, index_head_dim], row b·width + j = compressed position j of request b)
+and `kernels.indexer.index_scores` reads BF16 rows (`bf16`, the default; `packed`: the kernel
+decodes the packed entries of every tile, once per query tile). FP4 keys are exact in BF16 and the
+kernel's BF16-key path gives its packed path's scores bit for bit, so the choice changes no value
+in either mode: at an 8K Flash prefill it took the scoring from 4.36 to 2.72 ms on an H100
+(docs/performance.md "Session 33").
+
 When it applies (`applies`): the choice is `bf16` or `flashmla`, the layout is not static (never inside a
 CUDA graph: decode keeps the packed rows), the batch has ≥ PREFILL_MIN_QUERIES tokens, and the
 workspace holds ≤ WORKSPACE_MAX_ENTRIES rows (R requests × the static width max_seq_len / ratio);
@@ -47,19 +57,49 @@ import torch
 from torch import Tensor
 
 from .backend import kernel_choice
-from .kv_layout import SourceColumns, decode_latents, read_entries
+from .kv_layout import SourceColumns, decode_keys, decode_latents, read_entries
 
 PREFILL_ENV, PREFILL_CHOICES = "SGLANG_DSV41_ATTN_PREFILL", ("packed", "bf16", "wide", "flashmla")
 #: the choices that decode the workspace (`wide`: the same workspace, read by
 #: `kernels.sparse_attention_prefill` — every head of a query in one program; `flashmla`: read by one
 #: FlashMLA launch: `attention_flashmla`)
 WORKSPACE_CHOICES = ("bf16", "wide", "flashmla")
+#: the indexer's keys of a prefill batch (`key_choice`): a BF16 workspace (`bf16`) or the packed entries
+KEY_PREFILL_ENV, KEY_PREFILL_CHOICES = "SGLANG_DSV41_INDEXER_PREFILL_KEYS", ("bf16", "packed")
 #: fewer queries than this: the packed rows (the decode per entry would not be amortised)
 PREFILL_MIN_QUERIES = 512
 #: largest workspace (rows): 2^17 × 512 dims × 2 B = 128 MiB at Flash per kv source and forward
 WORKSPACE_MAX_ENTRIES = 1 << 17
 #: entries decoded per step (bounds the fp32 temporaries of `decode_latents`: 16 K × 512 × 4 B × 2)
 DECODE_CHUNK = 1 << 14
+
+
+def key_choice() -> str:
+    """SGLANG_DSV41_INDEXER_PREFILL_KEYS when set (an unknown value raises), else `bf16` (module doc)."""
+    return kernel_choice(KEY_PREFILL_ENV, KEY_PREFILL_CHOICES, "bf16")
+
+
+def key_workspace_applies(choice: str, static: bool, num_queries: int, num_requests: int, width: int) -> bool:
+    """Whether a batch's indexer reads the BF16 key workspace (module doc)."""
+    if choice not in KEY_PREFILL_CHOICES:
+        raise ValueError(f"{KEY_PREFILL_ENV}={choice!r}: expected one of {KEY_PREFILL_CHOICES}")
+    return (choice == "bf16" and not static and num_queries >= PREFILL_MIN_QUERIES
+            and 0 < num_requests * width <= WORKSPACE_MAX_ENTRIES)
+
+
+def key_workspace(key_rows: Tensor, source: SourceColumns, index_head_dim: int,
+                  entry_table: Tensor) -> tuple[Tensor, Tensor]:
+    """(BF16 [R·width, index_head_dim] decoded index keys, int64 rows [R, width]): row b·width + j =
+    the key of packed entry entry_table[b, j] of kv source `source` (part "key"), and rows[b, j] that
+    row, or −1 where the table has none (zeros in the workspace); decoded in chunks of DECODE_CHUNK."""
+    flat = entry_table.reshape(-1)
+    out = torch.empty(flat.numel(), index_head_dim, dtype=torch.bfloat16, device=key_rows.device)
+    for start in range(0, flat.numel(), DECODE_CHUNK):
+        part = flat[start:start + DECODE_CHUNK]
+        out[start:start + part.numel()] = decode_keys(read_entries(key_rows, source, part), index_head_dim)
+    R, width = entry_table.shape
+    rows = torch.arange(R * width, device=entry_table.device).view(R, width)
+    return out, torch.where(entry_table >= 0, rows, -1)
 
 
 def prefill_choice(deterministic: bool) -> str:
@@ -99,6 +139,7 @@ def workspace_rows(token_req: Tensor, selection: Tensor, width: int) -> Tensor:
     return torch.where(selection >= 0, rows, -1)
 
 
-__all__ = ["DECODE_CHUNK", "PREFILL_CHOICES", "PREFILL_ENV", "PREFILL_MIN_QUERIES", "WORKSPACE_CHOICES",
-           "WORKSPACE_MAX_ENTRIES",
-           "applies", "latent_workspace", "prefill_choice", "workspace_rows"]
+__all__ = ["DECODE_CHUNK", "KEY_PREFILL_CHOICES", "KEY_PREFILL_ENV", "PREFILL_CHOICES", "PREFILL_ENV",
+           "PREFILL_MIN_QUERIES", "WORKSPACE_CHOICES", "WORKSPACE_MAX_ENTRIES",
+           "applies", "key_choice", "key_workspace", "key_workspace_applies", "latent_workspace", "prefill_choice",
+           "workspace_rows"]
