@@ -234,12 +234,14 @@ class TwoPassRope:
         return getattr(self._fe, name)
 
     def apply_rope_tail(self, x, positions, inv_freq, inverse: bool = False, round_bf16: bool = False,
-                        out_dtype: torch.dtype = torch.float32, round_input: bool = False):
+                        out_dtype: torch.dtype = torch.float32, round_input: bool = False, in_place: bool = False):
+        src = x
         if round_input:                                   # the input rounding as its own launch too
             x = self._fe.round_bf16(x.float())
         y = self._fe.apply_rope_tail(x, positions, inv_freq, inverse)
         y = self._fe.round_bf16(y) if round_bf16 else y
-        return y if out_dtype == torch.float32 else y.to(out_dtype)
+        y = y if out_dtype == torch.float32 else y.to(out_dtype)
+        return src.copy_(y) if in_place else y           # session 11 had no in-place form: a copy back
 
 
 def selection_agreement(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -206,11 +206,12 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, EPS_HI: tl.constexpr, EPS_LO: tl.
 def _rope_tail_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, dst_ptr, out_stride, T, R, D, HEAD,
                       HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HEAD: tl.constexpr,
                       INVERSE: tl.constexpr, ROUND_BF16: tl.constexpr, ROUND_INPUT: tl.constexpr,
-                      SCATTER: tl.constexpr):
-    """BLOCK_T tokens × BLOCK_R of their R rows (heads): dims [0, HEAD) copied, the last 2·HALF
-    rotated pairwise; cos/sin computed once per token and shared by its rows. ROUND_INPUT: x rounded
-    to BF16 as loaded (`round_bf16`'s rounding, before the rotation). Token t's output starts at
-    out_ptr + u·out_stride, u = dst[t] with SCATTER (rows of a cache), else t."""
+                      SCATTER: tl.constexpr, COPY_HEAD: tl.constexpr):
+    """BLOCK_T tokens × BLOCK_R of their R rows (heads): dims [0, HEAD) copied (unless COPY_HEAD is
+    off: out is x, rotated in place), the last 2·HALF rotated pairwise; cos/sin computed once per
+    token and shared by its rows. ROUND_INPUT: x rounded to BF16 as loaded (`round_bf16`'s rounding,
+    before the rotation). Token t's output starts at out_ptr + u·out_stride, u = dst[t] with SCATTER
+    (rows of a cache), else t."""
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     r = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = (t < T)[:, None, None] & (r < R)[None, :, None]                      # [BT, BR, 1]
@@ -221,12 +222,13 @@ def _rope_tail_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, dst_ptr, out_stride, T,
         u = t
     out_base = u[:, None, None] * out_stride + r[None, :, None] * D
     h = tl.arange(0, BLOCK_HEAD)[None, None, :]
-    for h0 in range(0, HEAD, BLOCK_HEAD):
-        hm = live & ((h0 + h) < HEAD)
-        v = tl.load(x_ptr + base + h0 + h, mask=hm, other=0.0).to(tl.float32)
-        if ROUND_BF16 or ROUND_INPUT:
-            v = _round_bf16(v)
-        tl.store(out_ptr + out_base + h0 + h, v, mask=hm)
+    if COPY_HEAD:
+        for h0 in range(0, HEAD, BLOCK_HEAD):
+            hm = live & ((h0 + h) < HEAD)
+            v = tl.load(x_ptr + base + h0 + h, mask=hm, other=0.0).to(tl.float32)
+            if ROUND_BF16 or ROUND_INPUT:
+                v = _round_bf16(v)
+            tl.store(out_ptr + out_base + h0 + h, v, mask=hm)
     i = tl.arange(0, HALF)
     pos = tl.load(pos_ptr + t, mask=t < T, other=0).to(tl.float32)
     c, s = DF.cos_sin(pos[:, None] * tl.load(freq_ptr + i).to(tl.float32)[None, :])   # ≈ ops.rope_cos_sin
@@ -413,14 +415,21 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, round_bf16: bool = True) -> 
 
 def apply_rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False,
                     round_bf16: bool = False, out_dtype: torch.dtype = F32, round_input: bool = False,
-                    into: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                    into: tuple[Tensor, Tensor] | None = None, in_place: bool = False) -> Tensor:
     """`ops.apply_rope_tail` (optionally preceded and / or followed by `ops.bf16`: `round_input`,
     `round_bf16`): x [T, ..., D] (any float dtype), positions [T]; the last 2·len(inv_freq) dims rotated
     in interleaved pairs; fp32 out, or with `round_bf16` BF16 out when `out_dtype` says so (the same
     values: half the bytes written). `into` = (cache [S, ...], rows [T] int): token t's result written to
     cache[rows[t]] instead (`cache[rows] = result` in the same launch; its dtype is the output's), and the
-    cache returned. Bound: module doc."""
+    cache returned. `in_place`: x (contiguous BF16, with `round_bf16` and a BF16 `out_dtype`, not `into`)
+    rotated where it is and returned — only its last 2·len(inv_freq) dims are read and written; the
+    other dims are BF16 already, so the values are the copy's. Bound: module doc."""
     check_device("apply_rope_tail", x, positions, inv_freq, *(into or ()))
+    if in_place and not (x.dtype == torch.bfloat16 and x.is_contiguous() and round_bf16
+                         and out_dtype == torch.bfloat16 and into is None):
+        raise ValueError(f"apply_rope_tail: in_place needs a contiguous bfloat16 x rounded to a bfloat16 output "
+                         f"(got {x.dtype}, contiguous={x.is_contiguous()}, round_bf16={round_bf16}, out_dtype "
+                         f"{out_dtype}, into={into is not None})")
     if out_dtype != F32 and not (round_bf16 and out_dtype == torch.bfloat16):
         raise ValueError(f"apply_rope_tail: out_dtype {out_dtype} (bfloat16 only with round_bf16)")
     half = inv_freq.numel()
@@ -431,7 +440,9 @@ def apply_rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: boo
         raise ValueError(f"apply_rope_tail: x {tuple(x.shape)} with positions {tuple(positions.shape)}")
     x = x.contiguous()
     rows = x.numel() // D
-    if into is None:
+    if in_place:
+        out, dst, out_stride = x, positions, rows * D // max(x.shape[0], 1)
+    elif into is None:
         out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
         dst, out_stride = positions, rows * D // max(x.shape[0], 1)              # dst: unread without SCATTER
     else:
@@ -449,7 +460,7 @@ def apply_rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: boo
                                 T, R, D, D - 2 * half, HALF=half, BLOCK_T=block_t, BLOCK_R=block_r,
                                 BLOCK_HEAD=min(_ROPE_HEAD_BLOCK, _pow2_at_least(max(D - 2 * half, 1))),
                                 INVERSE=inverse, ROUND_BF16=round_bf16, ROUND_INPUT=round_input,
-                                SCATTER=into is not None, **_launch_options())
+                                SCATTER=into is not None, COPY_HEAD=not in_place, **_launch_options())
     return out
 
 

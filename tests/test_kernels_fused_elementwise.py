@@ -181,6 +181,30 @@ if KERNEL_HERE:
             FE.apply_rope_tail(x.to(DEVICE), pos.to(DEVICE), inv.to(DEVICE), round_bf16=True,
                                into=(cache.to(DEVICE), rows.to(DEVICE)))             # written as fp32: refused
 
+    @pytest.mark.parametrize("shape", [(5, 4, 96), (3, 64, 512)], ids=["heads", "flash_q"])
+    def test_kernel_case_rope_in_place(shape: tuple[int, ...]) -> None:
+        """`in_place`: a contiguous BF16 x rotated where it is — the copy's bits, x itself returned;
+        refused for fp32 x, non-contiguous x, an fp32 output or `into`."""
+        g = torch.Generator().manual_seed(33)
+        inv = ops.rope_inv_freq(32, 10000.0, None)
+        pos = torch.tensor([0, 1, 37, 1000, 65535][:shape[0]])
+        x = torch.randn(*shape, generator=g).to(torch.bfloat16)
+        d = lambda t: t.to(DEVICE)  # noqa: E731
+        for inverse in (False, True):
+            want = FE.apply_rope_tail(d(x), d(pos), d(inv), inverse, round_bf16=True, out_dtype=torch.bfloat16).cpu()
+            xd = d(x.clone())
+            got = FE.apply_rope_tail(xd, d(pos), d(inv), inverse, round_bf16=True, out_dtype=torch.bfloat16,
+                                     in_place=True)
+            assert got.data_ptr() == xd.data_ptr() and same_bits(got.cpu().float(), want.float())
+            assert same_bits(got.cpu()[..., :-64].float(), x[..., :-64].float())     # the head dims untouched
+        bad = dict(round_bf16=True, out_dtype=torch.bfloat16, in_place=True)
+        with pytest.raises(ValueError, match="in_place"):
+            FE.apply_rope_tail(d(x.float()), d(pos), d(inv), **bad)
+        with pytest.raises(ValueError, match="in_place"):
+            FE.apply_rope_tail(d(x).transpose(1, 2), d(pos), d(inv), **bad)
+        with pytest.raises(ValueError, match="in_place"):
+            FE.apply_rope_tail(d(x), d(pos), d(inv), round_bf16=True, in_place=True)
+
     def test_kernel_case_rope_cos_sin_equal_float64_rounded_once() -> None:
         """The kernel's double-fp32 cos/sin (read out through a rotation of (1, 0) pairs) equal
         `ops.rope_cos_sin` (float64, rounded once) bit for bit on Flash's two tables at 256 positions
@@ -309,9 +333,14 @@ if not FE.INTERPRETED:
                                "dst_ptr": "*i64", "out_stride": "i32", "T": "i32", "R": "i32", "D": "i32",
                                "HEAD": "i32"},
          {"HALF": 32, "BLOCK_T": 1, "BLOCK_R": 8, "BLOCK_HEAD": 128, "INVERSE": True, "ROUND_BF16": True,
-          "ROUND_INPUT": True, "SCATTER": True}),
+          "ROUND_INPUT": True, "SCATTER": True, "COPY_HEAD": True}),
+        ("_rope_tail_kernel", {"x_ptr": "*bf16", "pos_ptr": "*i64", "freq_ptr": "*fp32", "out_ptr": "*bf16",
+                               "dst_ptr": "*i64", "out_stride": "i32", "T": "i32", "R": "i32", "D": "i32",
+                               "HEAD": "i32"},
+         {"HALF": 32, "BLOCK_T": 1, "BLOCK_R": 8, "BLOCK_HEAD": 128, "INVERSE": False, "ROUND_BF16": True,
+          "ROUND_INPUT": False, "SCATTER": False, "COPY_HEAD": False}),
         ("_swiglu_kernel", {"g_ptr": "*fp32", "u_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "limit": "fp32"}, {"BLOCK": 1024}),
-    ], ids=["e4m3", "fp8", "fp4_e4m3", "fp4_ue8m0", "rms_norm", "rope", "swiglu"])
+    ], ids=["e4m3", "fp8", "fp4_e4m3", "fp4_ue8m0", "rms_norm", "rope", "rope_in_place", "swiglu"])
     def test_kernels_compile_for_hopper_exactly(name: str, sig: dict, consts: dict) -> None:
         """sm_90 PTX (Triton's bundled compiler, no GPU): no approximate fp32 division / sqrt / exp,
         no saturating fp8 cast, no fp32 FMA; no float64 instruction at all (issue 21)."""

@@ -62,7 +62,7 @@ def query_heads(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], pr
     `runtime/triton_backend.py`)."""
     q = apply_linear(w[prefix + "wq_b"], q_lora, be, act_quant=act_quant,
                      bf16_out=True).reshape(q_lora.shape[0], n_heads, cfg.head_dim)
-    return be.bf16_rope_tail(q, positions, inv_freq, bf16_out=True)
+    return be.bf16_rope_tail(q, positions, inv_freq, bf16_out=True, may_overwrite=True)
 
 
 def swa_cache_roundtrip(be: ComputeBackend, kv: Tensor, positions: Tensor, inv_freq: Tensor,
@@ -106,7 +106,8 @@ def output_projection(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tenso
     rows = wo_a.weight.shape[0]
     if rows != groups * r:
         raise ValueError(f"{prefix}wo_a.weight has {rows} rows for {groups} groups × {r}")
-    o = be.bf16_rope_tail(o, positions, inv_freq, inverse=True, bf16_out=True).reshape(T, groups * group_width)
+    o = be.bf16_rope_tail(o, positions, inv_freq, inverse=True, bf16_out=True,
+                          may_overwrite=True).reshape(T, groups * group_width)
     handoff = act_quant and be.quantised_handoff(T)                 # `wo_a` writes wo_b's quantised x
     u = apply_linear(wo_a, o, be, bf16_out=True, quantise_out=handoff)
     if wo_b is not None:

@@ -75,10 +75,11 @@ class ComputeBackend(ABC):
 
     # ---- built from the primitives -------------------------------------------------------------
     def bf16_rope_tail(self, x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False,
-                       bf16_out: bool = False, round_input: bool = False) -> Tensor:
+                       bf16_out: bool = False, round_input: bool = False, may_overwrite: bool = False) -> Tensor:
         """bf16(RoPE(x)), or with `round_input` bf16(RoPE(bf16(x))). `bf16_out`: the caller also takes a
         torch.bfloat16 tensor (the same values), which a backend may return to save bytes
-        (`runtime/triton_backend.py` BF16_OUT); this one keeps its dtype."""
+        (`runtime/triton_backend.py` BF16_OUT); this one keeps its dtype. `may_overwrite`: the caller
+        never reads x again, so a backend may return x rotated in place (this one does not)."""
         return self.bf16(self.apply_rope_tail(self.bf16(x) if round_input else x, positions, inv_freq, inverse))
 
     def bf16_rope_tail_into(self, x: Tensor, positions: Tensor, inv_freq: Tensor, cache: Tensor, rows: Tensor) -> None:

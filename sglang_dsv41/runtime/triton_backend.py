@@ -159,13 +159,17 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
         return self.fe.apply_rope_tail(x, positions, inv_freq, inverse)
 
     def bf16_rope_tail(self, x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False,
-                       bf16_out: bool = False, round_input: bool = False) -> Tensor:
+                       bf16_out: bool = False, round_input: bool = False, may_overwrite: bool = False) -> Tensor:
         """RoPE and the BF16 rounding(s) in one launch (the kernel's `round_bf16` / `round_input`: the
         same bits as `bf16(apply_rope_tail(bf16(x)))`, tests/test_kernels_fused_elementwise.py), one
         pass over x instead of two or three — at prefill x is q ([T, heads, head_dim], 1 GB in fp32 at
-        8K Flash tokens); `bf16_out`: written as BF16 (BF16_OUT, module doc)."""
+        8K Flash tokens); `bf16_out`: written as BF16 (BF16_OUT, module doc). `may_overwrite` with a
+        contiguous BF16 x and `bf16_out`: x rotated in place (the kernel's `in_place`: only the rotated
+        tail read and written, 1/8 of q's bytes at Flash; the same values)."""
+        in_place = may_overwrite and bf16_out and x.dtype == BF16 and x.is_contiguous()
         return self.fe.apply_rope_tail(x, positions, inv_freq, inverse, round_bf16=True,
-                                       out_dtype=BF16 if bf16_out else F32, round_input=round_input)
+                                       out_dtype=BF16 if bf16_out else F32, round_input=round_input,
+                                       in_place=in_place)
 
     def bf16_rope_tail_into(self, x: Tensor, positions: Tensor, inv_freq: Tensor, cache: Tensor, rows: Tensor) -> None:
         """One launch: the rows written at their cache rows by the RoPE kernel (its `into`), no scatter launch."""
