@@ -434,6 +434,22 @@ def test_gpu_rope_into_cache_rows_at_flash_shape() -> None:
 
 
 @pytest.mark.gpu
+def test_gpu_rope_in_place_at_flash_shape() -> None:
+    """CUDA: q of 256 tokens × 64 heads × 512 dims (64 rotated, forward and inverse) rotated in place equals
+    the copy's result bit for bit, and the head dims keep their bits."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(5)
+    q = torch.randn(256, 64, 512, generator=g, device=dev).to(torch.bfloat16)
+    pos = torch.randint(0, 1 << 20, (256,), generator=g, device=dev)
+    inv = ops.rope_inv_freq(32, 10000.0, None).to(dev)
+    for inverse in (False, True):
+        want = FE.apply_rope_tail(q, pos, inv, inverse, round_bf16=True, out_dtype=torch.bfloat16)
+        got = FE.apply_rope_tail(q.clone(), pos, inv, inverse, round_bf16=True, out_dtype=torch.bfloat16,
+                                 in_place=True)
+        assert same_bits(got.float(), want.float()) and same_bits(got[..., :448].float(), q[..., :448].float())
+
+
+@pytest.mark.gpu
 def test_gpu_graph_capture_replays_the_fused_helpers() -> None:
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(1)
@@ -449,7 +465,7 @@ def test_gpu_graph_capture_replays_the_fused_helpers() -> None:
     def step():
         n = be.rms_norm(x, w, 1e-20)
         return (be.fp8_act_fake_quant(n), be.apply_rope_tail(q, pos, inv), be.clamped_swiglu(n, x, 10.0),
-                be.fp4_fake_quant_ue8m0_scale(n), *FE.route_select(scores, bias, 6, 1e-20))
+                be.fp4_fake_quant_ue8m0_scale(n), *RS.route_select(scores, bias, 6, 1e-20))
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
