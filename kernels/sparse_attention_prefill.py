@@ -16,12 +16,17 @@ gathers at an 8K Flash prefill) on `mma.sync` tiles of 16 rows. Here the product
 sᵀ = k·qᵀ ([keys, heads]: the gathered key tile is the left operand, qᵀ the right one, which the
 Hopper MMA reads from shared memory) and oᵀ += kᵀ·pᵀ ([dims, heads]: the key tile again, viewed
 transposed). With BLOCK_N = 64 keys a tile is one 64-row `wgmma`; every head of the query shares the
-tile; the accumulator [512, 64] fp32 is 128 registers a thread at 8 warps. `HALVES = 1` splits the
-output dims by parity over two programs (half the accumulator, the logits computed by both).
+tile, copied once (cp.async) into shared memory; the accumulator [512, 64] fp32 is 128 registers a
+thread at 8 warps (the sm_90 build of the Flash plan: 214 KB of shared memory, 616 B/thread of
+spills). Measured: docs/performance.md "Session 33".
 
-Layout as in `sparse_attention`: tiles split by dimension parity (column i of an `_e` / `_o` tile
-is dim 2i / 2i+1), BF16 rows read as int32 words and split by truncation; the sink folded into the
-running state (m₀ = sink, l₀ = 1).
+Layout: the dims in two contiguous halves [0, P) and [P, 2P) (P = D/2), each a tile of its own (two
+K = P products for the logits, two accumulators; measured 4 % faster than whole rows at Flash),
+BF16 rows loaded as they are. The logits therefore sum the dims in another order than
+`sparse_attention` (evens, then odds): the outputs may differ by an ulp where the exact value lies
+near a rounding point. `halves = 1` gives each output half its own program (half the accumulator,
+the logits computed by both; a third load of the key tile: over Hopper's shared memory at Flash).
+The sink is folded into the running state (m₀ = sink, l₀ = 1), as in `sparse_attention`.
 """
 from __future__ import annotations
 
@@ -42,7 +47,7 @@ BLOCK_N = 64
 @dataclass(frozen=True)
 class PrefillAttentionConfig:
     """Launch parameters: `block_h` heads per program (a power of two ≥ 16), `halves` 2 (both output
-    halves in one program) or 1 (one parity per program), Triton's `num_warps` / `num_stages`."""
+    halves in one program) or 1 (one half per program), Triton's `num_warps` / `num_stages`."""
 
     block_h: int
     halves: int
