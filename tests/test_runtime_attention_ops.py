@@ -254,7 +254,7 @@ def test_kernel_orchestration_with_exact_stand_ins_equals_cpu_path(engine, cpu_s
     key_sources = {r.kv_source for r in cfg.text.layer_roles() if r.runs_indexer}
     assert len(workspaces) == (batches * len(key_sources) if keys == "bf16" else 0)   # once per source and forward
     assert calls.count("key_workspace_scores") == (calls.count("scores") if keys == "bf16" else 0)
-    assert calls.count("prefill_plan") == calls.count("workspace")   # the workspace plans plan_prefill_config
+    assert calls.count("prefill_plan") == (0 if prefill == "wide" else calls.count("workspace"))   # `wide` plans itself
     if chunk_elements == DEFAULT_CHUNK:
         assert calls.count("scores") == batches * indexer_layers      # one chunk per layer
     else:
@@ -375,11 +375,11 @@ def test_kernel_choices_come_from_the_environment(monkeypatch) -> None:
     serving._wide = SimpleNamespace(prefill_sink_attention=lambda q, swa, ss, ws, r, sink, scale: seen.append(
         ("wide", ws is workspace[0] and r is rows, scale == softmax_scale(512))) or torch.zeros_like(q))
     serving.attend(q, sink, swa, slots, None, rows, workspace=workspace)
-    assert seen[3:] == [("prefill", (1, 64, 512, 128, 512), 16, 4), ("wide", True, True)]
+    assert seen[3:] == [("wide", True, True)]                          # `wide` plans itself
     monkeypatch.setenv("SGLANG_DSV41_ATTN_PREFILL", "bf16")
     bf16 = attention_ops.KernelAttentionOps(fake, SimpleNamespace())
     bf16.attend(q, sink, swa, slots, None, rows, workspace=workspace)
-    assert seen[5:] == [("prefill", (1, 64, 512, 128, 512), 16, 4), ("attend", 1)]
+    assert seen[4:] == [("prefill", (1, 64, 512, 128, 512), 16, 4), ("attend", 1)]
     monkeypatch.setenv("SGLANG_DSV41_ATTN_SPLITS", "decode")
     monkeypatch.setenv("SGLANG_DSV41_INDEXER_HEAD_SUM", "FP32")
     monkeypatch.setenv("SGLANG_DSV41_ATTN_PREFILL", "BF16")

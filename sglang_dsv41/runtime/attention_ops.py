@@ -255,7 +255,8 @@ class KernelAttentionOps:
         self._wide: ModuleType | None = None
         self.prefill_keys = AP.key_choice()
         self.description = (f"Triton kernels (sparse_sink_attention with {self.splits!r} key splits and "
-                            f"index_scores reading packed FP4 entries; {self.head_sum} head sum + "
+                            f"index_scores reading packed FP4 entries ({self.prefill_keys!r} keys at prefill); "
+                            f"{self.head_sum} head sum + "
                             f"select_for_role, whole batch; {self.prefill!r} prefill rows; {self.decode!r} decode)")
 
     def planned(self, heads: int, head_dim: int, device: torch.device) -> KernelAttentionOps:
@@ -311,8 +312,9 @@ class KernelAttentionOps:
             return FM.decode_attend(self.flashmla_kernel, self.flashmla_plan, q, sink, swa_cache, swa_slots, comp,
                                     comp_entries if comp is not None else None, softmax_scale(D))
         K = 0 if comp_entries is None else comp_entries.shape[1]
-        if workspace is not None:
-            plan = self.sparse_attention.plan_prefill_config(N, H, D, swa_slots.shape[1], K)
+        if workspace is not None:      # `wide`: its kernel plans itself
+            plan = (None if self.prefill == "wide" else
+                    self.sparse_attention.plan_prefill_config(N, H, D, swa_slots.shape[1], K))
         elif self.splits == "decode":
             plan = self.sparse_attention.plan_decode_config(
                 N, H, D, swa_slots.shape[1], K, sm_count=self.sparse_attention.device_sm_count(q.device))
