@@ -92,11 +92,7 @@ def key_workspace(key_rows: Tensor, source: SourceColumns, index_head_dim: int,
     """(BF16 [R·width, index_head_dim] decoded index keys, int64 rows [R, width]): row b·width + j =
     the key of packed entry entry_table[b, j] of kv source `source` (part "key"), and rows[b, j] that
     row, or −1 where the table has none (zeros in the workspace); decoded in chunks of DECODE_CHUNK."""
-    flat = entry_table.reshape(-1)
-    out = torch.empty(flat.numel(), index_head_dim, dtype=torch.bfloat16, device=key_rows.device)
-    for start in range(0, flat.numel(), DECODE_CHUNK):
-        part = flat[start:start + DECODE_CHUNK]
-        out[start:start + part.numel()] = decode_keys(read_entries(key_rows, source, part), index_head_dim)
+    out = _decoded_rows(key_rows, source, index_head_dim, entry_table, decode_keys)
     R, width = entry_table.shape
     rows = torch.arange(R * width, device=entry_table.device).view(R, width)
     return out, torch.where(entry_table >= 0, rows, -1)
@@ -124,11 +120,17 @@ def applies(choice: str, static: bool, num_queries: int, num_requests: int, widt
 def latent_workspace(latent_rows: Tensor, source: SourceColumns, head_dim: int, entry_table: Tensor) -> Tensor:
     """BF16 [R·width, head_dim]: row b·width + j = the decoded latent of packed entry
     entry_table[b, j] of kv source `source` (zeros for −1), decoded in chunks of DECODE_CHUNK."""
+    return _decoded_rows(latent_rows, source, head_dim, entry_table, decode_latents)
+
+
+def _decoded_rows(packed_rows: Tensor, part: SourceColumns, dim: int, entry_table: Tensor, decode) -> Tensor:
+    """BF16 [R·width, dim]: row i = `decode` of the `part` bytes of packed entry entry_table.flat[i]
+    (zeros for −1), in chunks of DECODE_CHUNK entries (bounds the fp32 temporaries)."""
     flat = entry_table.reshape(-1)
-    out = torch.empty(flat.numel(), head_dim, dtype=torch.bfloat16, device=latent_rows.device)
+    out = torch.empty(flat.numel(), dim, dtype=torch.bfloat16, device=packed_rows.device)
     for start in range(0, flat.numel(), DECODE_CHUNK):
-        part = flat[start:start + DECODE_CHUNK]
-        out[start:start + part.numel()] = decode_latents(read_entries(latent_rows, source, part), head_dim)
+        chunk = flat[start:start + DECODE_CHUNK]
+        out[start:start + chunk.numel()] = decode(read_entries(packed_rows, part, chunk), dim)
     return out
 
 
