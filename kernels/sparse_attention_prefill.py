@@ -24,9 +24,7 @@ Layout: the dims in two contiguous halves [0, P) and [P, 2P) (P = D/2), each a t
 K = P products for the logits, two accumulators; measured 4 % faster than whole rows at Flash),
 BF16 rows loaded as they are. The logits therefore sum the dims in another order than
 `sparse_attention` (evens, then odds): the outputs may differ by an ulp where the exact value lies
-near a rounding point. `halves = 1` gives each output half its own program (half the accumulator,
-the logits computed by both; a third load of the key tile: over Hopper's shared memory at Flash).
-The sink is folded into the running state (m₀ = sink, l₀ = 1), as in `sparse_attention`.
+near a rounding point. The sink is folded into the running state (m₀ = sink, l₀ = 1), as in `sparse_attention`.
 """
 from __future__ import annotations
 
@@ -46,35 +44,31 @@ BLOCK_N = 64
 
 @dataclass(frozen=True)
 class PrefillAttentionConfig:
-    """Launch parameters: `block_h` heads per program (a power of two ≥ 16), `halves` 2 (both output
-    halves in one program) or 1 (one half per program), Triton's `num_warps` / `num_stages`."""
+    """Launch parameters: `block_h` heads per program (a power of two ≥ 16), Triton's `num_warps` /
+    `num_stages`."""
 
     block_h: int
-    halves: int
     num_warps: int
     num_stages: int
 
     def __post_init__(self) -> None:
-        if self.block_h < 16 or self.block_h & (self.block_h - 1) or self.halves not in (1, 2):
-            raise ValueError(f"PrefillAttentionConfig: block_h {self.block_h} (power of two ≥ 16) / halves "
-                             f"{self.halves} (1 or 2)")
+        if self.block_h < 16 or self.block_h & (self.block_h - 1):
+            raise ValueError(f"PrefillAttentionConfig: block_h {self.block_h} (a power of two ≥ 16)")
         if self.num_warps not in (4, 8, 16) or self.num_stages < 1:
             raise ValueError(f"PrefillAttentionConfig: num_warps {self.num_warps} / num_stages {self.num_stages}")
 
 
 def plan(num_heads: int, head_dim: int) -> PrefillAttentionConfig:
-    """Every head in one program up to 64 (more: blocks of 64); both halves in one program."""
+    """Every head in one program up to 64 (more: blocks of 64), 8 warps, 2 stages."""
     del head_dim
-    return PrefillAttentionConfig(block_h=min(64, max(16, triton.next_power_of_2(num_heads))), halves=2,
-                                  num_warps=8, num_stages=2)
+    return PrefillAttentionConfig(block_h=min(64, max(16, triton.next_power_of_2(num_heads))), num_warps=8,
+                                  num_stages=2)
 
 
 @triton.jit
-def _attend_keys(acc_a, acc_b, m_i, l_i, qt_a, qt_b, k_a, k_b, k_v, valid, qk_scale_log2,
-                 HALVES: tl.constexpr, DOT_FP32: tl.constexpr):
+def _attend_keys(acc_a, acc_b, m_i, l_i, qt_a, qt_b, k_a, k_b, valid, qk_scale_log2, DOT_FP32: tl.constexpr):
     """One online-softmax step over a key tile, transposed: sᵀ [keys, heads] = k_a·qt_a + k_b·qt_b
-    (dims [0, P) then [P, 2P)), max and sum over the keys (axis 0), oᵀ += kᵀ·pᵀ for both halves
-    (HALVES = 2: acc_a, acc_b) or for `k_v` only (HALVES = 1: into acc_a; acc_b passed through)."""
+    (dims [0, P) then [P, 2P)), max and sum over the keys (axis 0), oᵀ += kᵀ·pᵀ for both halves."""
     s = _dot(k_b, qt_b, _dot(k_a, qt_a, None, DOT_FP32), DOT_FP32) * qk_scale_log2
     s = tl.where(valid[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=0))
@@ -84,31 +78,20 @@ def _attend_keys(acc_a, acc_b, m_i, l_i, qt_a, qt_b, k_a, k_b, k_v, valid, qk_sc
     l_i = l_i * alpha + tl.sum(p, axis=0)
     p_hi = p.to(tl.bfloat16)
     p_lo = (p - p_hi.to(tl.float32)).to(tl.bfloat16)
-    if HALVES == 2:
-        acc_a = _dot(tl.trans(k_a), p_lo, _dot(tl.trans(k_a), p_hi, acc_a * alpha[None, :], DOT_FP32), DOT_FP32)
-        acc_b = _dot(tl.trans(k_b), p_lo, _dot(tl.trans(k_b), p_hi, acc_b * alpha[None, :], DOT_FP32), DOT_FP32)
-    else:
-        acc_a = _dot(tl.trans(k_v), p_lo, _dot(tl.trans(k_v), p_hi, acc_a * alpha[None, :], DOT_FP32), DOT_FP32)
+    acc_a = _dot(tl.trans(k_a), p_lo, _dot(tl.trans(k_a), p_hi, acc_a * alpha[None, :], DOT_FP32), DOT_FP32)
+    acc_b = _dot(tl.trans(k_b), p_lo, _dot(tl.trans(k_b), p_hi, acc_b * alpha[None, :], DOT_FP32), DOT_FP32)
     return acc_a, acc_b, m_new, l_i
 
 
 @triton.jit
-def _keys_tile(rows_ptr, row_stride, slots, first, n_keys, offs_n, offs_p, p_mask, half_cols, part,
-               HALVES: tl.constexpr):
-    """(valid, k_a, k_b, k_v): dims [0, P) and [P, 2P) (P = half_cols) of the BF16 rows of keys
-    first … first + BLOCK_N − 1 of one slot list, and with HALVES = 1 dims of half `part` (a third
-    load of the same bytes, so that every operand is a plain load)."""
+def _keys_tile(rows_ptr, row_stride, slots, first, n_keys, offs_n, offs_p, p_mask, half_cols):
+    """(valid, k_a, k_b): dims [0, P) and [P, 2P) (P = half_cols) of the BF16 rows of keys
+    first … first + BLOCK_N − 1 of one slot list (zeros where the slot is −1 or past the list)."""
     slot = _load_slots(slots, first, n_keys, offs_n)
     valid = slot >= 0
     rows = rows_ptr + slot[:, None] * row_stride + offs_p[None, :]
     mask = valid[:, None] & p_mask[None, :]
-    k_a = tl.load(rows, mask=mask, other=0.0)
-    k_b = tl.load(rows + half_cols, mask=mask, other=0.0)
-    if HALVES == 1:
-        k_v = tl.load(rows + part * half_cols, mask=mask, other=0.0)
-    else:
-        k_v = k_a
-    return valid, k_a, k_b, k_v
+    return valid, tl.load(rows, mask=mask, other=0.0), tl.load(rows + half_cols, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -117,15 +100,13 @@ def _prefill_attn_kernel(
         swa_ptr, swa_row_stride, swa_slots_ptr, swa_slots_stride, n_swa,
         comp_ptr, comp_row_stride, comp_slots_ptr, comp_slots_stride, n_comp,
         sink_ptr, out_ptr, out_stride_n, out_stride_h, H, D, qk_scale_log2,
-        BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, HALVES: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_COMP: tl.constexpr, DOT_FP32: tl.constexpr):
-    """One program = one query × BLOCK_H heads (× one output half when HALVES = 1). D = 2·P dims
-    in two halves of P ≤ BLOCK_P (D even); BF16 rows, row strides in elements."""
+    """One program = one query × BLOCK_H heads. D = 2·P dims in two halves of P ≤ BLOCK_P (D even);
+    BF16 rows, row strides in elements."""
     t = tl.program_id(0)
-    hb = tl.program_id(1)
-    part = tl.program_id(2)
     half = D // 2
-    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_p = tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
     h_mask = offs_h < H
@@ -141,23 +122,20 @@ def _prefill_attn_kernel(
     acc_b = tl.zeros([BLOCK_P, BLOCK_H], tl.float32)
     swa_slots = swa_slots_ptr + t.to(tl.int64) * swa_slots_stride
     for tile in range(0, tl.cdiv(n_swa, BLOCK_N)):
-        valid, k_a, k_b, k_v = _keys_tile(swa_ptr, swa_row_stride, swa_slots, tile * BLOCK_N, n_swa, offs_n,
-                                          offs_p, p_mask, half, part, HALVES)
-        acc_a, acc_b, m_i, l_i = _attend_keys(acc_a, acc_b, m_i, l_i, qt_a, qt_b, k_a, k_b, k_v, valid,
-                                              qk_scale_log2, HALVES, DOT_FP32)
+        valid, k_a, k_b = _keys_tile(swa_ptr, swa_row_stride, swa_slots, tile * BLOCK_N, n_swa, offs_n, offs_p,
+                                     p_mask, half)
+        acc_a, acc_b, m_i, l_i = _attend_keys(acc_a, acc_b, m_i, l_i, qt_a, qt_b, k_a, k_b, valid, qk_scale_log2,
+                                              DOT_FP32)
     if HAS_COMP:
         comp_slots = comp_slots_ptr + t.to(tl.int64) * comp_slots_stride
         for tile in range(0, tl.cdiv(n_comp, BLOCK_N)):
-            valid, k_a, k_b, k_v = _keys_tile(comp_ptr, comp_row_stride, comp_slots, tile * BLOCK_N, n_comp,
-                                              offs_n, offs_p, p_mask, half, part, HALVES)
-            acc_a, acc_b, m_i, l_i = _attend_keys(acc_a, acc_b, m_i, l_i, qt_a, qt_b, k_a, k_b, k_v, valid,
-                                                  qk_scale_log2, HALVES, DOT_FP32)
+            valid, k_a, k_b = _keys_tile(comp_ptr, comp_row_stride, comp_slots, tile * BLOCK_N, n_comp, offs_n,
+                                         offs_p, p_mask, half)
+            acc_a, acc_b, m_i, l_i = _attend_keys(acc_a, acc_b, m_i, l_i, qt_a, qt_b, k_a, k_b, valid,
+                                                  qk_scale_log2, DOT_FP32)
     out_a = out_ptr + t.to(tl.int64) * out_stride_n + offs_h[None, :] * out_stride_h + offs_p[:, None]
-    if HALVES == 2:
-        tl.store(out_a, (acc_a / l_i[None, :]).to(out_ptr.dtype.element_ty), mask=ph_mask)
-        tl.store(out_a + half, (acc_b / l_i[None, :]).to(out_ptr.dtype.element_ty), mask=ph_mask)
-    else:
-        tl.store(out_a + part * half, (acc_a / l_i[None, :]).to(out_ptr.dtype.element_ty), mask=ph_mask)
+    tl.store(out_a, (acc_a / l_i[None, :]).to(out_ptr.dtype.element_ty), mask=ph_mask)
+    tl.store(out_a + half, (acc_b / l_i[None, :]).to(out_ptr.dtype.element_ty), mask=ph_mask)
 
 
 def prefill_sink_attention(q: Tensor, swa_cache: Tensor, swa_slots: Tensor, comp_cache: Tensor | None,
@@ -182,12 +160,12 @@ def prefill_sink_attention(q: Tensor, swa_cache: Tensor, swa_slots: Tensor, comp
     comp_arg = comp_cache if has_comp else swa_cache
     comp_slots_arg = comp_slots if has_comp else swa_slots
     block_p = max(16, triton.next_power_of_2(D // 2))
-    _prefill_attn_kernel[(N, triton.cdiv(H, cfg.block_h), 3 - cfg.halves)](
+    _prefill_attn_kernel[(N, triton.cdiv(H, cfg.block_h))](
         q, q.stride(0), q.stride(1),
         swa_cache, swa_cache.stride(0), swa_slots, swa_slots.stride(0), swa_slots.shape[1],
         comp_arg, comp_arg.stride(0), comp_slots_arg, comp_slots_arg.stride(0), K,
         sink, out, out.stride(0), out.stride(1), H, D, float(scale) * _LOG2E,
-        BLOCK_H=cfg.block_h, BLOCK_P=block_p, BLOCK_N=BLOCK_N, HALVES=cfg.halves, HAS_COMP=has_comp,
+        BLOCK_H=cfg.block_h, BLOCK_P=block_p, BLOCK_N=BLOCK_N, HAS_COMP=has_comp,
         DOT_FP32=interpreted, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 

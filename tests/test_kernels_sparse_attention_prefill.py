@@ -49,22 +49,23 @@ class Wide:
                                           config=self.config)
 
 
-HALVES = [sap.PrefillAttentionConfig(block_h=16, halves=h, num_warps=4, num_stages=2) for h in (2, 1)]
+SMALL = [sap.PrefillAttentionConfig(block_h=16, num_warps=4, num_stages=2),
+         sap.PrefillAttentionConfig(block_h=32, num_warps=8, num_stages=3)]
 
 
 # ---- interpreter tests ----------------------------------------------------------------------
 
 @interpreter
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("config", [None, *HALVES], ids=["plan", "halves2", "halves1"])
+@pytest.mark.parametrize("config", [None, *SMALL], ids=["plan", "h16_w4", "h32_w8_s3"])
 def test_tiny_random_matches_oracle(seed, config):
-    """Tiny heads (4 of a 16-head block) and D = 96 (two halves of 48 in 64-column tiles): masking."""
+    """Tiny heads (4 of a 16- or 32-head block) and D = 96 (two halves of 48 in 64-column tiles): masking."""
     q, swa, ss, comp, cs, sink = random_case(n=7, slots=50, seed=seed, **TINY)
     check_against_oracle(Wide(config), q, swa, ss, comp, cs, sink, TINY["dim"] ** -0.5)
 
 
 @interpreter
-@pytest.mark.parametrize("config", [None, HALVES[1]], ids=["plan", "halves1"])
+@pytest.mark.parametrize("config", [None, SMALL[1]], ids=["plan", "h32_w8_s3"])
 def test_flash_like_small_matches_oracle(config):
     q, swa, ss, comp, cs, sink = random_case(n=3, slots=80, seed=11, **FLASH_SMALL)
     check_against_oracle(Wide(config), q, swa, ss, comp, cs, sink, FLASH_SMALL["dim"] ** -0.5)
@@ -98,12 +99,12 @@ def test_empty_batch_and_input_errors():
 
 
 def test_plan_and_config_rules():
-    """Every head of a query in one program up to 64, both halves, 8 warps; bad configs raise."""
-    assert sap.plan(64, 512) == sap.PrefillAttentionConfig(block_h=64, halves=2, num_warps=8, num_stages=2)
+    """Every head of a query in one program up to 64, 8 warps, 2 stages; bad configs raise."""
+    assert sap.plan(64, 512) == sap.PrefillAttentionConfig(block_h=64, num_warps=8, num_stages=2)
     assert sap.plan(4, 96).block_h == 16 and sap.plan(128, 512).block_h == 64
-    for bad in (dict(block_h=24), dict(halves=3), dict(num_warps=2)):
+    for bad in (dict(block_h=24), dict(num_stages=0), dict(num_warps=2)):
         with pytest.raises(ValueError):
-            sap.PrefillAttentionConfig(**(dict(block_h=64, halves=2, num_warps=8, num_stages=2) | bad))
+            sap.PrefillAttentionConfig(**(dict(block_h=64, num_warps=8, num_stages=2) | bad))
 
 
 # ---- the sm_90 build (no GPU: Triton's bundled ptxas) ------------------------------------------
@@ -120,7 +121,7 @@ def test_hopper_build_of_the_flash_plan():
     block, and at most FLASH_STACK_CEILING bytes of spills."""
     k = sap._prefill_attn_kernel
     cfg = sap.plan(64, 512)
-    consts = dict(BLOCK_H=cfg.block_h, BLOCK_P=256, BLOCK_N=sap.BLOCK_N, HALVES=cfg.halves, HAS_COMP=True,
+    consts = dict(BLOCK_H=cfg.block_h, BLOCK_P=256, BLOCK_N=sap.BLOCK_N, HAS_COMP=True,
                   DOT_FP32=False)
     pointers = {"q_ptr": "*bf16", "swa_ptr": "*bf16", "comp_ptr": "*bf16", "swa_slots_ptr": "*i32",
                 "comp_slots_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*bf16"}
@@ -154,7 +155,7 @@ def test_gpu_flash_shape_matches_oracle(n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", HALVES, ids=["halves2", "halves1"])
+@pytest.mark.parametrize("config", SMALL, ids=["h16_w4", "h32_w8_s3"])
 def test_gpu_tiny_shape_matches_oracle(config):
     q, swa, ss, comp, cs, sink = random_case(n=37, slots=200, seed=201, device="cuda", **TINY)
     check_against_oracle(Wide(config), q, swa, ss, comp, cs, sink, TINY["dim"] ** -0.5)
