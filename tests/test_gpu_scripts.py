@@ -151,6 +151,18 @@ def test_pack_logs(sandbox: dict[str, str], tmp_path: Path) -> None:
     assert sorted(listed) == ["logs/", "logs/a.log", "logs/b.log"]
 
 
+def test_prefill_profile(sandbox: dict[str, str]) -> None:
+    """`prefill_profile VARIANTS CAP`: one decode_step.py process over the variants, its budget CAP − 20 s
+    (capped by what is left), its RESULT line, its status."""
+    r = bash('unset SECONDS; SECONDS=100; T0=100; BUDGET=500\nprefill_profile "default wide" 110', sandbox)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] == "RESULT prefill rc=0 at 0 s"
+    assert calls(sandbox) == ["python3 benchmarks/decode_step.py --out " + sandbox["OUT"] + " --quick --no-decode "
+                              "--batches 1 --profile-prefill --prefill-variants default wide --budget-s 90"]
+    r = bash('unset SECONDS; SECONDS=100; T0=100; BUDGET=50\nprefill_profile default 110', sandbox)
+    assert r.returncode == 0 and calls(sandbox)[-1].endswith("--prefill-variants default --budget-s 25")
+
+
 def test_gpu_setup(sandbox: dict[str, str]) -> None:
     r = bash('gpu_setup; echo "$FAKE_SETUP_RAN $XDG_CACHE_HOME $HF_HUB_OFFLINE"', sandbox)
     assert (r.returncode, r.stdout) == (0, "1 /tmp/cache 1\n"), r.stderr

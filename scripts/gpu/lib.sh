@@ -30,6 +30,11 @@
 #                    ENV settings, at most CAP s (and what is left less 10 s; skipped below 50 s), JSON in
 #                    $OUT/model_step_LABEL, log in $OUT/logs; prints its RESULT and JSON lines;
 #                    MODEL_STEP_EXTRA (e.g. --profile) is appended to its arguments
+#   prefill_profile "VARIANTS" CAP
+#                    one process of benchmarks/decode_step.py --quick --no-decode --profile-prefill: the 8K
+#                    prefill of Flash layer 2 by component for VARIANTS (benchmarks/prefill_profile.py), at
+#                    most CAP s (`cap`), JSON in $OUT, log $OUT/logs/prefill.log; prints its RESULT and the
+#                    variants' summary lines; returns its status
 #   tests_result NAME JUNIT RC [EXPECTED]
 #                    the verdict of a pytest run (scripts/gpu/junit_verdict.py: rc 0 and the junit's
 #                    test count = the collected count (or EXPECTED), no failure / error / interrupted
@@ -116,6 +121,18 @@ model_step() {
     --context 8192 --cap-s 0.5 --budget-s $((b - 40)) ${MODEL_STEP_EXTRA:-} --out "$OUT/model_step_$label" >"$OUT/logs/model_step_$label.log" 2>&1
   result "model_step $label" rc=$?
   grep '^{' "$OUT/logs/model_step_$label.log"
+}
+
+prefill_profile() {
+  local variants=$1 b; b=$(cap "$2")
+  mkdir -p "$OUT/logs"
+  # shellcheck disable=SC2086
+  timeout -k 10 "$b" python3 benchmarks/decode_step.py --out "$OUT" --quick --no-decode --batches 1 \
+    --profile-prefill --prefill-variants $variants --budget-s $((b > 40 ? b - 20 : 20)) >"$OUT/logs/prefill.log" 2>&1
+  local rc=$?
+  result prefill rc=$rc
+  grep "^prefill \|^attention sweep" "$OUT/logs/prefill.log" | tail -8
+  return $rc
 }
 
 pack_logs() {  # $OUT/tests/*.log into $OUT/logs, PNGs dropped, $OUT/logs packed as $OUT/logs.tar.gz; lists $OUT

@@ -19,9 +19,5 @@ echo "== gpu tests rc=$?"
 OUT=$OUT/tests BUDGET=$(left 120) PYTEST_K="prefill_opt_ins and default" TESTS="tests/test_runtime_triton_backend.py" \
   bash scripts/gpu/gpu_tests_subset.sh
 echo "== contract rc=$?"
-b=$(cap 110)
-timeout -k 10 "$b" python3 benchmarks/decode_step.py --out "$OUT" --quick --no-decode --batches 1 \
-  --profile-prefill --prefill-variants default --budget-s $((b - 20)) >"$OUT/logs/prefill.log" 2>&1
-result prefill rc=$?
-grep -v "^ " "$OUT/logs/prefill.log" | grep -v -i warn | grep "prefill default" | tail -2
+prefill_profile default 110
 pack_logs
