@@ -198,6 +198,13 @@ def default_block_t(num_queries: int, num_requests: int, hi: int) -> int:
     return min(max(per_req, max(1, 16 // hi)), max(1, 128 // hi))
 
 
+def default_block_j(m_rows: int, packed_keys: bool) -> int:
+    """Entries per program step (a constexpr): 32 for BF16 keys under full 128-row query tiles (a
+    prefill's; docs/performance.md "Session 34": 2.72 → 2.38 ms at the 8K Flash shape, the same bits),
+    else 64. Every tiling gives the same scores (tests/test_kernels_indexer.py)."""
+    return 32 if not packed_keys and m_rows >= 128 else 64
+
+
 def _query_tiles_torch(token_req: Tensor, num_requests: int, block_t: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(order, tile_req, tile_lo, tile_hi) without a host sync: `order` lists queries grouped by
     request; tile i covers order[lo:hi) of request tile_req[i]; the grid size is the static bound
@@ -247,7 +254,7 @@ def _check_scoring_inputs(num_keys: int, entry_slots: Tensor, token_req: Tensor,
 
 def index_scores(q: Tensor, head_w: Tensor, key_cache: Tensor | PackedSource, entry_slots: Tensor,
                  token_req: Tensor, n_visible: Tensor, *, head_sum_exact: bool = True, check_inputs: bool = True,
-                 block_t: int | None = None, block_j: int = 64, j_steps: int | None = None,
+                 block_t: int | None = None, block_j: int | None = None, j_steps: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
                  tile_cache: dict | None = None, grouped_queries: bool = False) -> Tensor:
     """[N, E] fp32 indexer scores for a packed batch; −∞ where j ≥ n_visible[t] or entry_slots is −1.
@@ -310,6 +317,8 @@ def index_scores(q: Tensor, head_w: Tensor, key_cache: Tensor | PackedSource, en
         _check_scoring_inputs(num_keys, entry_slots, token_req, n_visible)
     if block_t is None:
         block_t = default_block_t(N, R, HI)
+    if block_j is None:
+        block_j = default_block_j(block_t * HI, packed)
     if block_t & (block_t - 1) or block_t * HI < 16 or block_j & (block_j - 1) or block_j < 16:
         raise ValueError(f"index_scores: block_t ({block_t}) and block_j ({block_j}) must be powers of two "
                          "with block_t·Hi ≥ 16 and block_j ≥ 16")

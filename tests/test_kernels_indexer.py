@@ -741,6 +741,14 @@ def test_gpu_flash_packed_keys_bit_identical_to_bf16_keys(N: int, source: int) -
         assert torch.equal(packed.view(torch.int32), plain.view(torch.int32))
 
 
+def test_default_tiling_follows_the_measured_choice() -> None:
+    """Prefill tiles of BF16 keys take 32 entries a step (session 34's H100 sweep, docs/performance.md);
+    packed keys and decode-sized tiles keep 64; the 8K Flash prefill's tile is 4 queries × 32 heads."""
+    assert K.default_block_t(8192, 1, 32) == 4 and K.default_block_t(64, 64, 32) == 1
+    assert K.default_block_j(4 * 32, packed_keys=False) == 32
+    assert K.default_block_j(4 * 32, packed_keys=True) == K.default_block_j(32, packed_keys=False) == 64
+
+
 def test_topk_search_from_the_environment(monkeypatch) -> None:
     """SGLANG_DSV41_TOPK_SEARCH picks the fused kernel's threshold search; unset: DEFAULT_SEARCH;
     an unknown value raises."""
