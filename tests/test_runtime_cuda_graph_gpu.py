@@ -48,7 +48,7 @@ def captured(tiny_checkpoint, request):
     torch.backends.cuda.matmul.allow_tf32 = False
     engine = runtime_engine(tiny_checkpoint, CUDA, deterministic=request.param)
     assert engine.attention_ops.splits == ("one" if request.param else "decode"), engine.attention_ops.description
-    assert engine.attention_ops.prefill == ("packed" if request.param else "bf16")   # eager prefill only
+    assert engine.attention_ops.prefill == ("packed" if request.param else "wide")   # eager prefill only
     assert engine.backend.dense.whole_rows is not request.param
     state = prefilled(engine, CUDA)
     start = clone_caches(state.caches)
