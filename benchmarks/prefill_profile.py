@@ -18,7 +18,9 @@ linears by weight name, norms, elementwise primitives, mHC, compressor, router, 
 by name (`prefill_component`). Per component the median over passes of the summed device µs;
 `gaps_us` = span − union of kernel time (host-side launch and sync gaps of the eager pass). Then
 `REPEATS` unprofiled passes timed per part with CUDA events (`wall_us`, the figure comparable with
-decode_step.py's prefill row; no L2 flush: the 8K working set dwarfs L2).
+decode_step.py's prefill row; no L2 flush: the 8K working set dwarfs L2), and the parts launched back to back
+between one pair of events (`wall_us_chained`, `tokens_per_s_chained`: no sync between parts, as in a
+forward, where a part's host set-up overlaps the kernels before it).
 
 Variants (`VARIANTS`, old against new in one process): `before` = session 11's path (RoPE and its
 BF16 rounding as two launches, packed attention rows, torch top-k, BF16-weight products in 128-row
@@ -286,6 +288,28 @@ def _part_walls(parts: Mapping[str, Callable[[], object]], repeats: int, device:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def _chained_wall(parts: Mapping[str, Callable[[], object]], repeats: int, device: torch.device) -> float:
+    """Median µs of every part launched back to back between one pair of CUDA events (no sync between
+    parts, as in a forward: a part's host set-up overlaps the previous part's kernels)."""
+    times = []
+    for _ in range(repeats):
+        if device.type != "cuda":
+            t = time.perf_counter()
+            for fn in parts.values():
+                fn()
+            times.append((time.perf_counter() - t) * 1e6)
+            continue
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        a.record()
+        for fn in parts.values():
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
 def profile_variant(layer, caches, tokens: int, name: str, parts_order: Sequence[str], errors: list[str],
                     repeats: int = REPEATS, outputs: dict | None = None) -> dict:
     """One variant (module doc): labelled passes → `summarise_passes`, plus CUDA-event walls;
@@ -318,10 +342,12 @@ def profile_variant(layer, caches, tokens: int, name: str, parts_order: Sequence
                 spans.append(sp.busy_span(sp._device_events(trace)))
         row |= summarise_passes(passes, spans, fp8)
         row["wall_us"] = _part_walls(parts, repeats, dev)
+        row["wall_us_chained"] = _chained_wall(parts, repeats, dev)
         if outputs is not None:
             outputs.update({p: parts[p]() for p in ("attention", "indexer") if p in parts})
     row["wall_us_total"] = sum(row["wall_us"].values())
     row["tokens_per_s"] = tokens / (row["wall_us_total"] * 1e-6) if row["wall_us_total"] else None
+    row["tokens_per_s_chained"] = tokens / (row["wall_us_chained"] * 1e-6) if row["wall_us_chained"] else None
     return row
 
 
@@ -402,7 +428,8 @@ def write_prefill_profile(layer, out: Path, device_name: str, tokens: int, parts
         if "by_component" in r:
             comps = "  ".join(f"{c} {us / 1e3:.2f}" for c, us in sorted(r["by_component"].items(), key=lambda kv: -kv[1]))
             walls = "  ".join(f"{p} {us / 1e3:.2f}" for p, us in r["wall_us"].items())
-            print(f"prefill {name}: {r['tokens_per_s']:,.0f} tokens/s, wall ms {walls} | device ms {comps} | "
+            print(f"prefill {name}: {r['tokens_per_s']:,.0f} tokens/s ({r['tokens_per_s_chained']:,.0f} chained), "
+                  f"wall ms {walls} | device ms {comps} | "
                   f"gaps {r['gaps_us'] / 1e3:.2f}", flush=True)
     sweep = (attention_sweep(layer, caches, tokens, errors, deadline, repeats)
              if layer.inv_freq.device.type == "cuda" else dict(skipped="CUDA only"))

@@ -316,4 +316,5 @@ def test_prefill_profile_flow_on_a_tiny_cpu_layer(bench, setup, tmp_path) -> Non
     for r in got["rows"]:
         assert r["parts"] == ["torch", "moe_routed"] and set(r["wall_us"]) == {"torch", "moe_routed"}
         assert r["tokens_per_s"] > 0 and r["passes"] == 1 and r["agreement_with"] == "before"
+        assert r["tokens_per_s_chained"] > 0 and r["wall_us_chained"] > 0
     assert got["rows"][1]["env"] == pp.SWITCHES | pp.NEW and "not in layer" in got["engram"]
