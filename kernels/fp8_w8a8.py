@@ -379,9 +379,11 @@ def _bf16_gemm(x: Tensor, values: Tensor, scales: Tensor, groups: int, act_quant
     try:
         if groups == 1:
             return xb @ wb.t()
-        r = N // groups
-        y = torch.bmm(xb.view(M, groups, K).transpose(0, 1), wb.view(groups, r, K).transpose(1, 2))
-        return y.transpose(0, 1).reshape(M, N)
+        r = N // groups                        # group g's rows written straight into columns g·r … (g + 1)·r − 1
+        y = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
+        torch.bmm(xb.view(M, groups, K).transpose(0, 1), wb.view(groups, r, K).transpose(1, 2),
+                  out=y.view(M, groups, r).transpose(0, 1))
+        return y
     finally:
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = allowed
 

@@ -260,3 +260,13 @@ def test_tiny_runtime_forward_on_tensor_core_products(tiny_checkpoint) -> None:
     engine.backend = TensorCoreProducts(dense)
     got = run_scenario(engine, scenario_caches(engine, cpu), cpu, fixed_decode_tokens())
     assert len(calls) > 0 and all(bool(torch.isfinite(v).all()) for v in got.values())
+
+
+def test_whole_rows_operand_used_as_is_only_when_bf16_contiguous_and_aligned() -> None:
+    """`_usable_as_is`: the whole-rows GEMM skips the copy for a contiguous, 16-byte-aligned operand of its
+    dtype only (a fresh allocation's alignment)."""
+    from sglang_dsv41.runtime.dense_ops import _usable_as_is
+    x = torch.zeros(8, 64, dtype=torch.bfloat16)
+    assert _usable_as_is(x, torch.bfloat16) and _usable_as_is(x[2:], torch.bfloat16)
+    assert not _usable_as_is(x.float(), torch.bfloat16) and not _usable_as_is(x[:, :32], torch.bfloat16)
+    assert not _usable_as_is(x.view(-1)[1:449].view(7, 64), torch.bfloat16)      # a 2-byte offset

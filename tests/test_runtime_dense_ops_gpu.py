@@ -109,6 +109,20 @@ def test_rows_do_not_depend_on_the_batch_on_cuda() -> None:
             assert torch.equal(backend.matmul(x[lo:hi], w), full[lo:hi]), (name, lo, hi)
 
 
+def test_whole_rows_take_a_bf16_operand_as_is_with_the_copied_bits() -> None:
+    """A whole-rows product of a contiguous BF16 activation skips `_fresh`'s copy and gives the bits of the
+    copied operand (an fp32 activation of the same values is copied): the cuBLAS choice is the same."""
+    cfg = DeepseekV41Config.from_dict(flash_config_dict())
+    g = torch.Generator(device=CUDA).manual_seed(5)
+    for name in ("wkv", "indexer_wq_b", "gate"):
+        n, k = _shapes(cfg)[name]
+        w = ops.bf16(torch.randn(n, k, generator=g, device=CUDA) / k**0.5).to(BF16)
+        backend = BlockedBf16Gemm(DenseWeightCache.from_weights({f"{name}.weight": w}), whole_rows=True)
+        x = ops.bf16(torch.randn(8193, k, generator=g, device=CUDA)).to(BF16)
+        for rows in (x[:8192], x[1:]):
+            assert torch.equal(backend.matmul(rows, w), backend.matmul(rows.float(), w)), name
+
+
 def _peak_extra_bytes(run) -> int:
     """Peak CUDA memory allocated while `run()` executes, above what was allocated before."""
     torch.cuda.synchronize()

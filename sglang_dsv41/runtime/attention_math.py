@@ -112,7 +112,7 @@ def output_projection(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tenso
     u = apply_linear(wo_a, o, be, bf16_out=True, quantise_out=handoff)
     if wo_b is not None:
         return wo_b(u, x_quantised=handoff)
-    return apply_linear(w[prefix + "wo_b"], u, be, act_quant=act_quant, x_quantised=handoff)
+    return apply_linear(w[prefix + "wo_b"], u, be, act_quant=act_quant, bf16_out=True, x_quantised=handoff)
 
 
 def ratio1_latents(be: ComputeBackend, cfg: TextConfig, w: Mapping[str, Tensor], prefix: str, x: Tensor) -> Tensor:

@@ -169,7 +169,7 @@ class BlockedBf16Gemm:
             a = x2 if x2.dtype == dtype and x2.is_contiguous() else x2.to(dtype, memory_format=torch.contiguous_format)
             return _mm_fp32_out(a, w.t())
         if self.whole_rows and M > B:
-            return _mm_fp32_out(_fresh(x2, dtype), w.t())
+            return _mm_fp32_out(x2 if _usable_as_is(x2, dtype) else _fresh(x2, dtype), w.t())
         rows = -(-M // B) * B
         a = _fresh(x2, dtype, rows)
         wt = w.t()
@@ -207,6 +207,12 @@ def _rows(x: Tensor, K: int) -> Tensor:
 def _unrows(y: Tensor, lead: torch.Size) -> Tensor:
     """y [M, N] as [*lead, N]: y itself when `lead` is one dimension (no view op)."""
     return y if len(lead) == 1 else y.reshape(*lead, y.shape[-1])
+
+
+def _usable_as_is(x: Tensor, dtype: torch.dtype) -> bool:
+    """Whether x can be a whole-rows GEMM's operand without the copy `_fresh` makes: already `dtype`,
+    contiguous and 16-byte aligned (what a fresh allocation gives the GEMM's kernel choice)."""
+    return x.dtype == dtype and x.is_contiguous() and x.data_ptr() % 16 == 0
 
 
 def _fresh(x: Tensor, dtype: torch.dtype, rows: int | None = None) -> Tensor:

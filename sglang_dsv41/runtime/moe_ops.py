@@ -140,7 +140,7 @@ def shared_expert(be: ComputeBackend, x: Tensor, w1: nn.Module, w2: nn.Module, w
     else:
         h = be.clamped_swiglu(apply_linear(w1, x, be, act_quant=act_quant),
                               apply_linear(w3, x, be, act_quant=act_quant), limit)
-    return apply_linear(w2, h, be, act_quant=act_quant, x_quantised=handoff)
+    return apply_linear(w2, h, be, act_quant=act_quant, bf16_out=True, x_quantised=handoff)
 
 
 def _held_experts(experts: Sequence[int] | None, n: int) -> tuple[int, ...]:
