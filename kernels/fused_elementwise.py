@@ -253,15 +253,19 @@ def _rope_tail_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, dst_ptr, out_stride, T,
     tl.store(out_ptr + po + 1, rb, mask=rm)
 
 
+#: `swiglu_value`'s screen: lanes whose fp32 estimate lies within this many fp32 ulps of a BF16
+#: rounding boundary (twice the estimate's bound: `_silu_mul_fp32`) take the double-fp32 path
+SWIGLU_SCREEN_ULPS = tl.constexpr(32)
+_LN2_HI = tl.constexpr(0.693115234375)        # ln 2 = HI + MID + rest, HI and MID of 12 significant bits
+_LN2_MID = tl.constexpr(3.193318843841553e-05)  # (k·HI, k·MID exact for |k| < 2^12)
+_LN2_REST = tl.constexpr(1.2996506e-08)
+
+
 @triton.jit
-def swiglu_value(g, u, limit):
-    """bf16(fp32(silu(g)·u)) of fp32 lanes g, u (rounded to BF16 and clamped here first) with silu(g) =
-    g/(1 + e^−g) in double-fp32: for g < 0 as g·E/(1 + E), E = e^g = m·2^k, the 2^k applied last (in two
-    normal steps) so g down to −200 keeps its fp32 result; below, the result is a signed zero as in
-    float64. Every SwiGLU kernel calls this, so they agree bit for bit."""
-    g = tl.minimum(_round_bf16(g), limit)
-    u = _round_bf16(u)
-    u = tl.minimum(tl.maximum(u, -limit), limit)
+def _silu_mul_exact(g, u):
+    """silu(g)·u in double-fp32 rounded once to fp32, for BF16-valued g, u: for g < 0 as g·E/(1 + E),
+    E = e^g = m·2^k, the 2^k applied last (in two normal steps) so g down to −200 keeps its fp32
+    result; below, a signed zero as in float64."""
     neg = g < 0.0
     m_h, m_l, k = DF.exp_neg(tl.maximum(-tl.abs(g), -200.0))
     e_scale = _pow2(tl.maximum(k, -126) + 127)                   # E = m·2^k (0 below 2^−126: negligible in 1 + E)
@@ -276,7 +280,47 @@ def swiglu_value(g, u, limit):
     kk = tl.where(neg, k, 0)
     k1 = tl.maximum(kk, -120)
     y = y * _pow2(k1 + 127) * _pow2(tl.maximum(kk - k1, -126) + 127)
-    y = tl.where(y == 0.0, (g * u) * 0.0, y)                     # a zero keeps float64's sign: sign(g)·sign(u)
+    return tl.where(y == 0.0, (g * u) * 0.0, y)                  # a zero keeps float64's sign: sign(g)·sign(u)
+
+
+@triton.jit
+def _silu_mul_fp32(g, u):
+    """fp32 estimate of silu(g)·u for |g| ≤ 60: E = e^−|g| = p(r)·2^k (Cody–Waite r, |r| ≤ ln2/2, degree-7
+    Taylor p in fp32, truncation < 2^−27), then (g or g·E) / (1 + E) · u. Each of the ~11 roundings is
+    ≤ 2^−24 relative, so |error| ≤ 2^−20·|value| (no FMA: the launch option)."""
+    a = tl.maximum(-tl.abs(g), -60.0)
+    k = (a * 1.4426950408889634 + 12582912.0) - 12582912.0        # RNE to an integer
+    r = ((a - k * _LN2_HI) - k * _LN2_MID) - k * _LN2_REST
+    p = 1.0 / 5040.0
+    p = p * r + 1.0 / 720.0
+    p = p * r + 1.0 / 120.0
+    p = p * r + 1.0 / 24.0
+    p = p * r + 1.0 / 6.0
+    p = p * r + 0.5
+    p = p * r + 1.0
+    p = p * r + 1.0
+    e = p * _pow2(k.to(tl.int32) + 127)
+    num = tl.where(g < 0.0, g * e, g)
+    return num / (1.0 + e) * u
+
+
+@triton.jit
+def swiglu_value(g, u, limit):
+    """bf16(fp32(silu(g)·u)) of 1-D fp32 lanes g, u (rounded to BF16 and clamped here first), silu(g)
+    = g/(1 + e^−g) rounded as the double-fp32 `_silu_mul_exact` gives it. Screened: the fp32 estimate
+    decides a lane's BF16 result when it lies more than SWIGLU_SCREEN_ULPS fp32 ulps (twice its error
+    bound) from a BF16 rounding boundary; if any lane of the block does not (≈ 0.1 % of lanes), or is
+    zero, tiny, non-finite or has |g| > 60, the whole block takes the exact path. Every SwiGLU kernel
+    calls this, so they agree bit for bit."""
+    g = tl.minimum(_round_bf16(g), limit)
+    u = _round_bf16(u)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    y = _silu_mul_fp32(g, u)
+    low = (y.to(tl.int32, bitcast=True) & 0xFFFF) - 0x8000       # fp32 ulps from the BF16 midpoint
+    unsure = (tl.abs(low) <= SWIGLU_SCREEN_ULPS) | (tl.abs(g) > 60.0) | ~(tl.abs(y) >= 1e-30) | \
+        (tl.abs(y) == float("inf"))
+    if tl.max(unsure.to(tl.int32), axis=0) > 0:
+        y = _silu_mul_exact(g, u)
     return _round_bf16(y)
 
 
@@ -285,8 +329,8 @@ def _swiglu_kernel(g_ptr, u_ptr, out_ptr, n, limit, BLOCK: tl.constexpr):
     """`swiglu_value` over n elements."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = offs < n
-    g = tl.load(g_ptr + offs, mask=live, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=live, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=live, other=1.0).to(tl.float32)     # dead lanes pass the screen
+    u = tl.load(u_ptr + offs, mask=live, other=1.0).to(tl.float32)
     tl.store(out_ptr + offs, swiglu_value(g, u, limit), mask=live)
 
 
@@ -302,6 +346,9 @@ _ELEMENTWISE_BLOCK = 1024
 #: whose cost is per program, keeps the wide block).
 _ELEMENTWISE_SMALL_BLOCK = _ELEMENTWISE_BLOCK if INTERPRETED else 128
 _ELEMENTWISE_WIDE_MIN = 128 * _ELEMENTWISE_BLOCK
+#: Elements per program of the SwiGLU kernels (compiled): `swiglu_value`'s screen sends a whole program to
+#: the exact path when one lane is unsure (≈ 0.1 % of lanes), so small programs keep that rare
+SWIGLU_BLOCK = _ELEMENTWISE_BLOCK if INTERPRETED else 128
 _ROPE_HEAD_BLOCK = 128
 # tokens × rows (heads) per program: one token's rows share its cos/sin; the interpreter (CPU) takes
 # large tiles, since its cost is per program
@@ -474,7 +521,7 @@ def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
     out = torch.empty(gate.shape, dtype=F32, device=gate.device)
     n = gate.numel()
     if n:
-        block = elementwise_block(n)
+        block = SWIGLU_BLOCK
         _swiglu_kernel[(triton.cdiv(n, block),)](gate, up, out, n, float(limit), BLOCK=block, **_launch_options())
     return out
 

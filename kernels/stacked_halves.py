@@ -18,7 +18,7 @@ from torch import Tensor
 
 from . import double_fp32 as DF
 from .fp8_quant import INTERPRETED, _quantize_groups
-from .fused_elementwise import (_launch_options, _pow2_at_least, check_device, elementwise_block, rms_segment,
+from .fused_elementwise import (SWIGLU_BLOCK, _launch_options, _pow2_at_least, check_device, rms_segment,
                                 swiglu_value)
 
 F32 = torch.float32
@@ -67,8 +67,8 @@ def _swiglu_halves_kernel(y_ptr, out_ptr, n, stride, limit, BLOCK: tl.constexpr,
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = offs < n
-    g = tl.load(y_ptr + row * stride + offs, mask=live, other=0.0).to(tl.float32)
-    u = tl.load(y_ptr + row * stride + n + offs, mask=live, other=0.0).to(tl.float32)
+    g = tl.load(y_ptr + row * stride + offs, mask=live, other=1.0).to(tl.float32)  # dead lanes pass the screen
+    u = tl.load(y_ptr + row * stride + n + offs, mask=live, other=1.0).to(tl.float32)
     v = swiglu_value(g, u, limit)
     if QUANT:                                     # BLOCK and n are multiples of 32: whole groups per program
         q, s = _quantize_groups(tl.reshape(v, (BLOCK // 32, 32)), INTERPRET)
@@ -90,7 +90,7 @@ def clamped_swiglu_halves(y: Tensor, limit: float, quantise_out: bool = False) -
         y = y.contiguous()
     out = torch.empty(T, n, dtype=torch.bfloat16 if quantise_out else F32, device=y.device)
     if T and n:
-        block = min(elementwise_block(T * n), _pow2_at_least(n))      # lanes per program: parallelism only
+        block = min(SWIGLU_BLOCK, _pow2_at_least(n))      # lanes per program (`swiglu_value`'s screen)
         if quantise_out:
             block = max(block, 32)
         _swiglu_halves_kernel[(T, triton.cdiv(n, block))](y, out, n, y.stride(0), float(limit), BLOCK=block,
