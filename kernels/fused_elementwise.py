@@ -255,7 +255,8 @@ def _rope_tail_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, dst_ptr, out_stride, T,
 
 #: `swiglu_value`'s screen: lanes whose fp32 estimate lies within this many fp32 ulps of a BF16
 #: rounding boundary (twice the estimate's bound: `_silu_mul_fp32`) take the double-fp32 path
-SWIGLU_SCREEN_ULPS = tl.constexpr(32)
+SWIGLU_SCREEN_ULPS = 32
+_SCREEN_ULPS = tl.constexpr(SWIGLU_SCREEN_ULPS)
 _LN2_HI = tl.constexpr(0.693115234375)        # ln 2 = HI + MID + rest, HI and MID of 12 significant bits
 _LN2_MID = tl.constexpr(3.193318843841553e-05)  # (k·HI, k·MID exact for |k| < 2^12)
 _LN2_REST = tl.constexpr(1.2996506e-08)
@@ -317,7 +318,7 @@ def swiglu_value(g, u, limit):
     u = tl.minimum(tl.maximum(u, -limit), limit)
     y = _silu_mul_fp32(g, u)
     low = (y.to(tl.int32, bitcast=True) & 0xFFFF) - 0x8000       # fp32 ulps from the BF16 midpoint
-    unsure = (tl.abs(low) <= SWIGLU_SCREEN_ULPS) | (tl.abs(g) > 60.0) | ~(tl.abs(y) >= 1e-30) | \
+    unsure = (tl.abs(low) <= _SCREEN_ULPS) | (tl.abs(g) > 60.0) | ~(tl.abs(y) >= 1e-30) | \
         (tl.abs(y) == float("inf"))
     if tl.max(unsure.to(tl.int32), axis=0) > 0:
         y = _silu_mul_exact(g, u)

@@ -116,7 +116,7 @@ def test_whole_rows_take_a_bf16_operand_as_is_with_the_copied_bits() -> None:
     g = torch.Generator(device=CUDA).manual_seed(5)
     for name in ("wkv", "indexer_wq_b", "gate"):
         n, k = _shapes(cfg)[name]
-        w = ops.bf16(torch.randn(n, k, generator=g, device=CUDA) / k**0.5).to(BF16)
+        w = ops.bf16(torch.randn(n, k, generator=g, device=CUDA) / k**0.5)       # BF16-valued: held as BF16
         backend = BlockedBf16Gemm(DenseWeightCache.from_weights({f"{name}.weight": w}), whole_rows=True)
         x = ops.bf16(torch.randn(8193, k, generator=g, device=CUDA)).to(BF16)
         for rows in (x[:8192], x[1:]):
