@@ -8,7 +8,7 @@ SGLANG_DSV41_MOE_PREFILL_FLAGS for the call, `routed_experts_mxfp4` timed (CUDA 
 --reps calls after a warm-up that compiles), the launch flags triton_kernels chose for both GEMMs (block
 sizes, stages, split-K, epilogue subtiles: `make_opt_flags`' result, recorded by wrapping it), and the
 output against the first set's: bit-equal, or the fraction of outputs that differ and the largest
-difference in BF16 ulps of the reference value. A set that fails (e.g. too much shared memory) is
+difference in BF16 ulps of the larger of the two values. A set that fails (e.g. too much shared memory) is
 recorded with its error. Writes moe_prefill_flags.json.
 
     python benchmarks/moe_prefill_flags.py [--tokens 8192] [--reps 10] [--out DIR]
@@ -58,12 +58,13 @@ class FlagRecorder:
 
 
 def ulps_apart(out: torch.Tensor, ref: torch.Tensor) -> dict:
-    """Share of differing outputs and the largest |Δ| in BF16 ulps of the reference value."""
+    """Share of differing outputs and the largest |Δ| in BF16 ulps of max(|out|, |ref|) (a zero on one side
+    is measured against the other's ulp)."""
     from sglang_dsv41.kernels import moe_mxfp4 as mx
     diff = out != ref
     if not bool(diff.any()):
         return dict(bits_equal=True, differing=0.0, max_ulps=0.0)
-    ulp = mx.bf16_ulp(ref.float())
+    ulp = mx.bf16_ulp(torch.maximum(out.float().abs(), ref.float().abs()))
     return dict(bits_equal=False, differing=float(diff.float().mean()),
                 max_ulps=float(((out.float() - ref.float()).abs() / ulp).max()))
 
