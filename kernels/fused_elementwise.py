@@ -355,12 +355,6 @@ _ROPE_HEAD_BLOCK = 128
 # large tiles, since its cost is per program
 _ROPE_TOKEN_BLOCK = 16 if INTERPRETED else 1
 _ROPE_ROW_BLOCK = 64 if INTERPRETED else 8
-#: above this many tokens (prefill chunks; decode batches keep the blocks above) a compiled program takes
-#: _ROPE_WIDE_TOKENS tokens × up to _ROPE_WIDE_ROWS rows with _ROPE_WIDE_WARPS warps: each program evaluates
-#: the double-fp32 cos / sin of its tokens once, so fewer programs per token repeat it (the values are
-#: the same: every element's arithmetic is its own)
-ROPE_WIDE_MIN_TOKENS = 256
-_ROPE_WIDE_TOKENS, _ROPE_WIDE_ROWS, _ROPE_WIDE_WARPS = 4, 32, 8
 
 
 def _launch_options(num_warps: int = 4) -> dict:
@@ -508,16 +502,13 @@ def apply_rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: boo
         out_stride = out.stride(0)
     if rows:
         T, R = x.shape[0], rows // x.shape[0]
-        wide = T > ROPE_WIDE_MIN_TOKENS and not INTERPRETED
-        block_t, block_r = ((_ROPE_WIDE_TOKENS, min(_pow2_at_least(R), _ROPE_WIDE_ROWS)) if wide else
-                            (_ROPE_TOKEN_BLOCK, min(_pow2_at_least(R), _ROPE_ROW_BLOCK)))
+        block_t, block_r = _ROPE_TOKEN_BLOCK, min(_pow2_at_least(R), _ROPE_ROW_BLOCK)
         grid = (triton.cdiv(T, block_t), triton.cdiv(R, block_r))
         _rope_tail_kernel[grid](x, positions.contiguous(), inv_freq.contiguous(), out, dst.contiguous(), out_stride,
                                 T, R, D, D - 2 * half, HALF=half, BLOCK_T=block_t, BLOCK_R=block_r,
                                 BLOCK_HEAD=min(_ROPE_HEAD_BLOCK, _pow2_at_least(max(D - 2 * half, 1))),
                                 INVERSE=inverse, ROUND_BF16=round_bf16, ROUND_INPUT=round_input,
-                                SCATTER=into is not None, COPY_HEAD=not in_place,
-                                **_launch_options(_ROPE_WIDE_WARPS if wide else 4))
+                                SCATTER=into is not None, COPY_HEAD=not in_place, **_launch_options())
     return out
 
 

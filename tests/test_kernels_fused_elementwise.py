@@ -388,13 +388,8 @@ if not FE.INTERPRETED:
                                "HEAD": "i32"},
          {"HALF": 32, "BLOCK_T": 1, "BLOCK_R": 8, "BLOCK_HEAD": 128, "INVERSE": False, "ROUND_BF16": True,
           "ROUND_INPUT": False, "SCATTER": False, "COPY_HEAD": False}),
-        ("_rope_tail_kernel", {"x_ptr": "*bf16", "pos_ptr": "*i64", "freq_ptr": "*fp32", "out_ptr": "*bf16",
-                               "dst_ptr": "*i64", "out_stride": "i32", "T": "i32", "R": "i32", "D": "i32",
-                               "HEAD": "i32"},
-         {"HALF": 32, "BLOCK_T": FE._ROPE_WIDE_TOKENS, "BLOCK_R": FE._ROPE_WIDE_ROWS, "BLOCK_HEAD": 128,
-          "INVERSE": True, "ROUND_BF16": True, "ROUND_INPUT": False, "SCATTER": False, "COPY_HEAD": True}),
         ("_swiglu_kernel", {"g_ptr": "*fp32", "u_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "limit": "fp32"}, {"BLOCK": 1024}),
-    ], ids=["e4m3", "fp8", "fp4_e4m3", "fp4_ue8m0", "rms_norm", "rope", "rope_in_place", "rope_wide", "swiglu"])
+    ], ids=["e4m3", "fp8", "fp4_e4m3", "fp4_ue8m0", "rms_norm", "rope", "rope_in_place", "swiglu"])
     def test_kernels_compile_for_hopper_exactly(name: str, sig: dict, consts: dict) -> None:
         """sm_90 PTX (Triton's bundled compiler, no GPU): no approximate fp32 division / sqrt / exp,
         no saturating fp8 cast, no fp32 FMA; no float64 instruction at all (issue 21)."""
@@ -501,33 +496,6 @@ def test_gpu_rope_in_place_at_flash_shape() -> None:
         got = FE.apply_rope_tail(q.clone(), pos, inv, inverse, round_bf16=True, out_dtype=torch.bfloat16,
                                  in_place=True)
         assert same_bits(got.float(), want.float()) and same_bits(got[..., :448].float(), q[..., :448].float())
-
-
-@pytest.mark.gpu
-def test_gpu_rope_wide_blocks_give_the_narrow_bits(monkeypatch) -> None:
-    """CUDA: above ROPE_WIDE_MIN_TOKENS tokens (a prefill chunk) the wide programs give the decode-sized
-    programs' bits — q in place (64 heads × 512), the index query copied to fp32 (32 × 128), kv into
-    cache rows (1 × 512) — over 1,031 tokens (a partial last block)."""
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(9)
-    T = 1031
-    pos = torch.randint(0, 1 << 20, (T,), generator=g, device=dev)
-    inv = ops.rope_inv_freq(32, 10000.0, None).to(dev)
-    q = torch.randn(T, 64, 512, generator=g, device=dev).to(torch.bfloat16)
-    iq = torch.randn(T, 32, 128, generator=g, device=dev)
-    kv = torch.randn(T, 512, generator=g, device=dev)
-    rows = torch.randperm(2 * T, generator=g, device=dev)[:T]
-
-    def run() -> list[torch.Tensor]:
-        cache = torch.zeros(2 * T, 512, device=dev)
-        return [FE.apply_rope_tail(q.clone(), pos, inv, True, round_bf16=True, out_dtype=torch.bfloat16,
-                                   in_place=True).float(),
-                FE.apply_rope_tail(iq, pos, inv),
-                FE.apply_rope_tail(kv, pos, inv, round_bf16=True, round_input=True, into=(cache, rows))]
-    wide = run()
-    monkeypatch.setattr(FE, "ROPE_WIDE_MIN_TOKENS", 1 << 30)
-    for got, want in zip(wide, run()):
-        assert same_bits(got, want)
 
 
 @pytest.mark.gpu
