@@ -46,6 +46,8 @@ before triton is first imported); with CUDA they run here, compiled.
 """
 from __future__ import annotations
 
+import re
+
 
 import pytest
 import torch
@@ -84,6 +86,16 @@ class Shaped:
 
 
 KO = Shaped(mhc_ops.TritonMhc(deterministic=True))   # the kernels through the runtime's CUDA implementation (one kernel)
+
+
+#: the `tc` partial-dot launch's spill ceiling: 4 warps at 64 × 512 spill ≈ 0.8 KB a thread and measured
+#: 0.77× of the spill-free 8-warp launch at an 8K prefill (docs/performance.md "Session 34")
+TC_STACK_CEILING = 1024
+
+
+def tc_stack_ok(usage: str) -> bool:
+    """The sm_90 build's stack (spills) within TC_STACK_CEILING bytes a thread."""
+    return int(re.search(r"STACK:(\d+)", usage).group(1)) <= TC_STACK_CEILING
 
 
 def hc_case(T: int, hc: int, H: int, seed: int, device: str = DEVICE) -> dict:
@@ -538,7 +550,7 @@ if not K.INTERPRETED:
         ptx, usage = _compiled(K._hc_mix_dot_kernel, dict(ROWS=24, ROWS_PAD=32, SLOT=32, BLOCK_K=K.MIX_TC_BLOCK_K,
                                                           BLOCK_T=K.MIX_TC_BLOCK_T, SUB_K=K.MIX_TC_SUB_K,
                                                           SPLIT3=True, INTERPRET=False), num_warps=K.MIX_TC_NUM_WARPS)
-        assert ".f64" not in ptx and "STACK:0 " in usage and "LOCAL:0 " in usage, usage    # `tc`
+        assert ".f64" not in ptx and tc_stack_ok(usage) and "LOCAL:0 " in usage, usage    # `tc`
         assert "bf16" in ptx and "mma" in ptx and "tf32" not in ptx               # BF16 tensor-core products
         ptx, _ = _compiled(K._hc_sublayer_input_kernel, dict(HC=4, HAS_PRE=True, BLOCK=4096, RMS_EPS=RMS_EPS,
                                                              QUANT=False, INTERPRET=False))
@@ -569,7 +581,7 @@ if not K.INTERPRETED:
             ptx, usage = _compiled(K._hc_mix_dot_kernel, dict(ROWS=24, ROWS_PAD=32, SLOT=32, BLOCK_K=block_k,
                                                               BLOCK_T=block_t, SUB_K=sub_k, SPLIT3=split3,
                                                               INTERPRET=False), num_warps=warps, bf16_ptrs=("x_ptr",))
-            assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
+            assert (tc_stack_ok(usage) if split3 else "STACK:0 " in usage) and "LOCAL:0 " in usage, usage
             if split3:
                 assert "mma" in ptx and "cvt.rn.bf16x2.f32" not in ptx    # x not packed from fp32 (fp32 R: it is)
         kernel = mhc_decode._hc_fused_coefficients_kernel
