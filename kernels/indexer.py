@@ -200,8 +200,8 @@ def default_block_t(num_queries: int, num_requests: int, hi: int) -> int:
 
 def default_block_j(m_rows: int, packed_keys: bool) -> int:
     """Entries per program step (a constexpr): 32 for BF16 keys under full 128-row query tiles (a
-    prefill's; docs/performance.md "Session 34": 2.72 → 2.38 ms at the 8K Flash shape, the same bits),
-    else 64. Every tiling gives the same scores (tests/test_kernels_indexer.py)."""
+    prefill's; the faster tiling measured in docs/performance.md "Session 34"), else 64. Every tiling
+    gives the same scores (tests/test_kernels_indexer.py)."""
     return 32 if not packed_keys and m_rows >= 128 else 64
 
 

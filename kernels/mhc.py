@@ -91,7 +91,7 @@ MIX_DOT_SUB_K = 32
 MIX_TC_BLOCK_K = 512
 MIX_TC_BLOCK_T = 64
 MIX_TC_SUB_K = 32
-MIX_TC_NUM_WARPS = 4        # sm_90 build checked for spills (tests/test_kernels_mhc.py); 4 warps: session 34
+MIX_TC_NUM_WARPS = 4        # faster than 8 despite spilling (docs/performance.md "Session 34"); a ceiling in the build test
 #: `_hc_mix_dot_kernel`'s launch per mix: (columns per slice, tokens per program, columns per step,
 #: warps, split-BF16×3 tensor-core dots)
 DOT_LAUNCHES = {"dot": (MIX_BLOCK_K, MIX_DOT_BLOCK_T, MIX_DOT_SUB_K, 4, False),

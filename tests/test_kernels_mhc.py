@@ -88,8 +88,8 @@ class Shaped:
 KO = Shaped(mhc_ops.TritonMhc(deterministic=True))   # the kernels through the runtime's CUDA implementation (one kernel)
 
 
-#: the `tc` partial-dot launch's spill ceiling: 4 warps at 64 × 512 spill ≈ 0.8 KB a thread and measured
-#: 0.77× of the spill-free 8-warp launch at an 8K prefill (docs/performance.md "Session 34")
+#: the `tc` partial-dot launch's spill ceiling: 4 warps at 64 × 512 spill, and measured faster than the
+#: spill-free 8 warps at an 8K prefill (docs/performance.md "Session 34")
 TC_STACK_CEILING = 1024
 
 
