@@ -20,7 +20,6 @@ Writes indexer_prefill.json.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
@@ -80,16 +79,13 @@ def run(tokens: int) -> dict:
 
 
 def main() -> None:
+    from results_io import require_cuda, write_result
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("indexer_prefill benchmark: needs a CUDA device")
-    result = run(args.tokens)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "indexer_prefill.json").write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out / 'indexer_prefill.json'}")
+    require_cuda("indexer_prefill benchmark")
+    write_result(args.out, "indexer_prefill.json", run(args.tokens))
 
 
 if __name__ == "__main__":

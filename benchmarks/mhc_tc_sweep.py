@@ -14,7 +14,6 @@ mhc_tc_sweep.json.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 #: (tokens per program, columns per chained step, warps); the serving shape first
-SHAPES = ((64, 32, 8), (32, 32, 4), (32, 32, 8), (64, 32, 4), (64, 64, 8), (128, 32, 8), (128, 64, 8), (128, 32, 16))
+SHAPES = ((64, 32, 4), (64, 32, 8), (32, 32, 4), (32, 32, 8), (64, 64, 8), (128, 32, 8), (128, 64, 8), (128, 32, 16))
 
 
 def run(tokens: int, shapes=SHAPES) -> dict:
@@ -68,16 +67,13 @@ def run(tokens: int, shapes=SHAPES) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from results_io import require_cuda, write_result
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("mhc_tc_sweep: needs a CUDA device")
-    result = run(args.tokens)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "mhc_tc_sweep.json").write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out / 'mhc_tc_sweep.json'}")
+    require_cuda("mhc_tc_sweep")
+    write_result(args.out, "mhc_tc_sweep.json", run(args.tokens))
     return 0
 
 

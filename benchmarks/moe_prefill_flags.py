@@ -4,21 +4,19 @@
 One MoE layer of random MXFP4 weights at the Flash shape (`moe_mxfp4.random_layer`: 384 experts, top-6,
 hidden 5120, intermediate 2304), T tokens (default 8,192) with uniform random routing (≈ 128 rows an
 expert). For each flag set of FLAG_SETS (the first, "", is triton_kernels' own choice): the flags set as
-SGLANG_DSV41_MOE_PREFILL_FLAGS for the call, `routed_experts_mxfp4` timed (CUDA events, median of
---reps calls after a warm-up that compiles), the launch flags triton_kernels chose for both GEMMs (block
+SGLANG_DSV41_MOE_PREFILL_FLAGS for the call, `routed_experts_mxfp4` timed (`step_timing.measure`: CUDA
+events, an L2 flush before each call, the median within --cap-s, after a first call that compiles), the launch flags triton_kernels chose for both GEMMs (block
 sizes, stages, split-K, epilogue subtiles: `make_opt_flags`' result, recorded by wrapping it), and the
 output against the first set's: bit-equal, or the fraction of outputs that differ and the largest
 difference in BF16 ulps of the larger of the two values. A set that fails (e.g. too much shared memory) is
 recorded with its error. Writes moe_prefill_flags.json.
 
-    python benchmarks/moe_prefill_flags.py [--tokens 8192] [--reps 10] [--out DIR]
+    python benchmarks/moe_prefill_flags.py [--tokens 8192] [--cap-s 0.3] [--out DIR]
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -69,8 +67,9 @@ def ulps_apart(out: torch.Tensor, ref: torch.Tensor) -> dict:
                 max_ulps=float(((out.float() - ref.float()).abs() / ulp).max()))
 
 
-def run(tokens: int, reps: int, flag_sets=FLAG_SETS) -> dict:
+def run(tokens: int, cap_s: float, flag_sets=FLAG_SETS) -> dict:
     import moe_mxfp4 as bench
+    from step_timing import measure
     from sglang_dsv41.kernels import moe_mxfp4 as mx
     dev = torch.device("cuda", torch.cuda.current_device())
     raw = bench.random_layer(dev, seed=0)
@@ -91,17 +90,9 @@ def run(tokens: int, reps: int, flag_sets=FLAG_SETS) -> dict:
             try:
                 with FlagRecorder() as rec:
                     out = call()
-                torch.cuda.synchronize()
-                times = []
-                for _ in range(reps):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    call()
-                    b.record()
-                    b.synchronize()
-                    times.append(a.elapsed_time(b) * 1e3)
                 ref = out if ref is None else ref
-                rows[flags or "default"] = dict(us=statistics.median(times), gemms=rec.seen, **ulps_apart(out, ref))
+                rows[flags or "default"] = dict(us=measure(call, cap_s, dev)["median_us"], gemms=rec.seen,
+                                                **ulps_apart(out, ref))
             except Exception as exc:          # a set that does not launch is a loser, not an error
                 rows[flags or "default"] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
             print(flags or "default", rows[flags or "default"], flush=True)
@@ -115,21 +106,18 @@ def run(tokens: int, reps: int, flag_sets=FLAG_SETS) -> dict:
     for r in rows.values():
         if "us" in r and base:
             r["over_default"] = r["us"] / base
-    return dict(device=torch.cuda.get_device_name(dev), tokens=tokens, reps=reps, method=__doc__, rows=rows)
+    return dict(device=torch.cuda.get_device_name(dev), tokens=tokens, cap_s=cap_s, method=__doc__, rows=rows)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from results_io import require_cuda, write_result
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--cap-s", type=float, default=0.3, help="timing seconds per flag set (step_timing.measure)")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("moe_prefill_flags: needs a CUDA device")
-    result = run(args.tokens, args.reps)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "moe_prefill_flags.json").write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out / 'moe_prefill_flags.json'}")
+    require_cuda("moe_prefill_flags")
+    write_result(args.out, "moe_prefill_flags.json", run(args.tokens, args.cap_s))
     return 0
 
 

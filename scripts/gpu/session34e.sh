@@ -8,5 +8,5 @@ set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 : "${BUDGET:=330}"
 gpu_setup
-timeout -k 5 "$(cap 300)" python3 benchmarks/moe_prefill_flags.py --out "$OUT"
+timeout -k 5 "$(cap 300)" python3 benchmarks/moe_prefill_flags.py --out "$OUT"   # session 34 ran it with --reps 10 (its CLI then)
 result moe_prefill_flags rc=$?
