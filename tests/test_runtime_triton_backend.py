@@ -513,13 +513,36 @@ def test_gpu_teacher_forced_contract(tiny_checkpoint, fp8_gemm: str, monkeypatch
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prefill", [None, "bf16"], ids=["default", "bf16"])
-def test_gpu_teacher_forced_contract_with_the_prefill_opt_ins(tiny_checkpoint, monkeypatch, prefill) -> None:
+@pytest.mark.parametrize("bf16_gemm", ["triton", "direct"])
+def test_gpu_teacher_forced_contract_with_a_bf16_gemm_opt_in(tiny_checkpoint, bf16_gemm: str, monkeypatch) -> None:
+    """The serving default with the BF16-weight products of an opt-in (SGLANG_DSV41_BF16_GEMM: `triton`, or
+    `direct`, a candidate default at decode: docs/performance.md "Session 34") keeps the contract."""
+    from runtime_scenarios import measure_contract, runtime_engine
+    from sglang_dsv41.reference.model import ReferenceModel
+
+    monkeypatch.setenv(B.BF16_GEMM_ENV, bf16_gemm)
+    reference = ReferenceModel.from_checkpoint(tiny_checkpoint)
+    engine = runtime_engine(tiny_checkpoint, DEVICE, deterministic=False)
+    dense = engine.backend.dense
+    assert dense.whole_rows and (dense.unpadded if bf16_gemm == "direct" else dense.triton_rows)
+    m = measure_contract(engine, DEVICE, reference, GREEDY_STEPS)
+    print("\n" + m.summary(f"CUDA {bf16_gemm} BF16 products"))
+    assert m.top1 >= MIN_TOP1_AGREEMENT
+    assert m.worst_logit_diff <= LOGIT_BOUND, m.worst_logit_diff
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefill,head_sum", [(None, None), ("bf16", None), (None, "fp32")],
+                         ids=["default", "bf16", "fp32_head_sum"])
+def test_gpu_teacher_forced_contract_with_the_prefill_opt_ins(tiny_checkpoint, monkeypatch, prefill,
+                                                              head_sum) -> None:
     """The session-12 prefill opt-ins as the serving default, with no variable set: the BF16 workspace
     of decoded compressed entries (its size rule lowered to one query so every eager forward here
     takes it, launched with `plan_prefill_config`) and BF16-weight products in one GEMM keep the
     end-to-end contract — read by `kernels.sparse_attention_prefill` (`wide`, the default since session 33),
-    and by `sparse_attention` (`bf16`, the default before)."""
+    and by `sparse_attention` (`bf16`, the default before); `fp32_head_sum`: the default with the indexer's
+    fp32 head sum (SGLANG_DSV41_INDEXER_HEAD_SUM=fp32, a candidate for prefill batches: docs/performance.md
+    "Session 34")."""
     from runtime_scenarios import measure_contract, runtime_engine
     from sglang_dsv41.reference.model import ReferenceModel
     from sglang_dsv41.runtime import attention_ops
@@ -528,6 +551,9 @@ def test_gpu_teacher_forced_contract_with_the_prefill_opt_ins(tiny_checkpoint, m
     monkeypatch.delenv(AP.PREFILL_ENV, raising=False)
     if prefill is not None:
         monkeypatch.setenv(AP.PREFILL_ENV, prefill)
+    monkeypatch.delenv(attention_ops.INDEXER_HEAD_SUM_ENV, raising=False)
+    if head_sum is not None:
+        monkeypatch.setenv(attention_ops.INDEXER_HEAD_SUM_ENV, head_sum)
     monkeypatch.delenv(B.BF16_GEMM_ENV, raising=False)
     monkeypatch.setattr(AP, "PREFILL_MIN_QUERIES", 1)
     attention_ops.kernel_ops.cache_clear()           # the kernel ops read their switches when made
@@ -535,10 +561,12 @@ def test_gpu_teacher_forced_contract_with_the_prefill_opt_ins(tiny_checkpoint, m
         reference = ReferenceModel.from_checkpoint(tiny_checkpoint)
         engine = runtime_engine(tiny_checkpoint, DEVICE, deterministic=False)
         assert engine.attention_ops.prefill == (prefill or "wide") and engine.backend.dense.whole_rows
+        assert engine.attention_ops.head_sum == (head_sum or "fp64")
         m = measure_contract(engine, DEVICE, reference, GREEDY_STEPS)
     finally:
         attention_ops.kernel_ops.cache_clear()
-    print("\n" + m.summary(f"CUDA w8a8_f16 + {prefill or 'wide'} prefill workspace on every batch"))
+    print("\n" + m.summary(f"CUDA w8a8_f16 + {prefill or 'wide'} prefill workspace on every batch, "
+                           f"{head_sum or 'fp64'} head sum"))
     assert m.top1 >= MIN_TOP1_AGREEMENT
     assert m.worst_logit_diff <= LOGIT_BOUND, m.worst_logit_diff
 
