@@ -269,45 +269,38 @@ def agreement(outputs: Mapping[str, torch.Tensor], reference: Mapping[str, torch
     return out
 
 
+def _wall_us(fn: Callable[[], object], device: torch.device) -> float:
+    """µs of one fn() call: CUDA events around it, then a sync (CPU layers: the host clock)."""
+    if device.type != "cuda":
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e6
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e3
+
+
 def _part_walls(parts: Mapping[str, Callable[[], object]], repeats: int, device: torch.device) -> dict[str, float]:
-    """Median µs per part over `repeats` unprofiled passes: CUDA events (CPU layers: the host clock)."""
+    """Median µs per part over `repeats` unprofiled passes, each part timed alone (`_wall_us`)."""
     times: dict[str, list[float]] = defaultdict(list)
     for _ in range(repeats):
         for name, fn in parts.items():
-            if device.type != "cuda":
-                t = time.perf_counter()
-                fn()
-                times[name].append((time.perf_counter() - t) * 1e6)
-                continue
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times[name].append(a.elapsed_time(b) * 1e3)
+            times[name].append(_wall_us(fn, device))
     return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _chained_wall(parts: Mapping[str, Callable[[], object]], repeats: int, device: torch.device) -> float:
     """Median µs of every part launched back to back between one pair of CUDA events (no sync between
     parts, as in a forward: a part's host set-up overlaps the previous part's kernels)."""
-    times = []
-    for _ in range(repeats):
-        if device.type != "cuda":
-            t = time.perf_counter()
-            for fn in parts.values():
-                fn()
-            times.append((time.perf_counter() - t) * 1e6)
-            continue
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        a.record()
+    def chain() -> None:
         for fn in parts.values():
             fn()
-        b.record()
+    if device.type == "cuda":
         torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+    return statistics.median(_wall_us(chain, device) for _ in range(repeats))
 
 
 def profile_variant(layer, caches, tokens: int, name: str, parts_order: Sequence[str], errors: list[str],

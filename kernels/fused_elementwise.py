@@ -266,7 +266,7 @@ _LN2_REST = tl.constexpr(1.2996506e-08)
 def _silu_mul_exact(g, u):
     """silu(g)·u in double-fp32 rounded once to fp32, for BF16-valued g, u: for g < 0 as g·E/(1 + E),
     E = e^g = m·2^k, the 2^k applied last (in two normal steps) so g down to −200 keeps its fp32
-    result; below, a signed zero as in float64."""
+    result; below, a signed zero with the reference's sign."""
     neg = g < 0.0
     m_h, m_l, k = DF.exp_neg(tl.maximum(-tl.abs(g), -200.0))
     e_scale = _pow2(tl.maximum(k, -126) + 127)                   # E = m·2^k (0 below 2^−126: negligible in 1 + E)
@@ -281,7 +281,7 @@ def _silu_mul_exact(g, u):
     kk = tl.where(neg, k, 0)
     k1 = tl.maximum(kk, -120)
     y = y * _pow2(k1 + 127) * _pow2(tl.maximum(kk - k1, -126) + 127)
-    return tl.where(y == 0.0, (g * u) * 0.0, y)                  # a zero keeps float64's sign: sign(g)·sign(u)
+    return tl.where(y == 0.0, (g * u) * 0.0, y)                  # a zero keeps the reference's sign: sign(g)·sign(u)
 
 
 @triton.jit
