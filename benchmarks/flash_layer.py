@@ -327,10 +327,11 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor, sink: T
     None); `block_h` overrides the decode plan's heads per program; `att_config` (a
     `SparseAttentionConfig`) replaces the attention launch configuration (prefill sweeps)."""
     from sglang_dsv41.runtime.attention_ops import (ATTENTION_SPLITS, ATTENTION_SPLITS_ENV, INDEXER_HEAD_SUM_ENV,
-                                                    INDEXER_HEAD_SUMS, kernel_choice)
+                                                    INDEXER_HEAD_SUMS, head_sum_is_exact, kernel_choice)
     from sglang_dsv41.runtime import attention_prefill as AP
     splits = splits or kernel_choice(ATTENTION_SPLITS_ENV, ATTENTION_SPLITS, "decode")   # the serving default
-    exact = (head_sum or kernel_choice(INDEXER_HEAD_SUM_ENV, INDEXER_HEAD_SUMS)) == "fp64"
+    head_sum = head_sum or kernel_choice(INDEXER_HEAD_SUM_ENV, INDEXER_HEAD_SUMS, "auto")  # the serving default
+    exact = head_sum_is_exact(head_sum, False, q.shape[0])     # as an eager batch of these queries
     prefill = AP.prefill_choice(False)                                                   # the serving default
     from sglang_dsv41.kernels import indexer as K
     from sglang_dsv41.kernels import sparse_attention as SA

@@ -55,7 +55,7 @@ import torch
 
 REPEATS = 3
 #: the switches a variant may set, at the CUDA serving defaults; every variant sets all of them
-SWITCHES = {"SGLANG_DSV41_ATTN_PREFILL": "wide", "SGLANG_DSV41_INDEXER_HEAD_SUM": "fp64",
+SWITCHES = {"SGLANG_DSV41_ATTN_PREFILL": "wide", "SGLANG_DSV41_INDEXER_HEAD_SUM": "auto",
             "SGLANG_DSV41_INDEXER_TOPK": "fused", "SGLANG_DSV41_MHC_MIX": "tc", "SGLANG_DSV41_MOE_PREFILL_FLAGS": "",
             "SGLANG_DSV41_TOPK_SEARCH": "radix", "SGLANG_DSV41_INDEXER_PREFILL_KEYS": "bf16"}
 #: session 11's switches (with the patch `blocked_bf16_rows`: its BF16-weight rows)
@@ -63,9 +63,12 @@ OLD = {"SGLANG_DSV41_ATTN_PREFILL": "packed", "SGLANG_DSV41_INDEXER_HEAD_SUM": "
        "SGLANG_DSV41_INDEXER_TOPK": "torch", "SGLANG_DSV41_MHC_MIX": "rows", "SGLANG_DSV41_MOE_PREFILL_FLAGS": "",
        "SGLANG_DSV41_TOPK_SEARCH": "bisect", "SGLANG_DSV41_INDEXER_PREFILL_KEYS": "packed"}
 NEW = SWITCHES | {"SGLANG_DSV41_INDEXER_HEAD_SUM": "fp32"}
+#: the serving default before session 35 at an 8K prefill (the fp64 head sum; `whole` and `direct` BF16 rows
+#: are the same call there)
+SESSION34 = {"SGLANG_DSV41_INDEXER_HEAD_SUM": "fp64"}
 #: name → (environment over SWITCHES, backend patches): `two_pass_rope` = session 11's RoPE (`TwoPassRope`);
 #: `blocked_bf16_rows` = SGLANG_DSV41_BF16_GEMM=blocked (`BlockedBf16Gemm.whole_rows` False, read at build: set
-#: on the layer's backend; without the patch: `whole`, the serving default); `fp32_activations` = every
+#: on the layer's backend; without the patch: the backend's own, `direct` by default); `fp32_activations` = every
 #: activation in fp32 as before session 26 (`Fp32Activations`: the backend's `bf16_out` ignored, the mHC
 #: sublayer input written as fp32); `fp32_residual` = the CUDA mHC's residual streams R held as fp32 again
 #: (`mhc_ops.TritonMhc.residual_dtype`; the same values)
@@ -98,6 +101,8 @@ VARIANTS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     "session32": ({"SGLANG_DSV41_ATTN_PREFILL": "bf16", "SGLANG_DSV41_INDEXER_PREFILL_KEYS": "packed"}, ()),
     # session 33: the indexer reading its packed keys (the default before the BF16 key workspace)
     "packed_keys": ({"SGLANG_DSV41_INDEXER_PREFILL_KEYS": "packed"}, ()),
+    # session 35: the default before it
+    "session34": (SESSION34, ()),
     # session 32: the default before it (the fp32 `dot` mHC partials)
     "session31": ({"SGLANG_DSV41_MHC_MIX": "dot", "SGLANG_DSV41_ATTN_PREFILL": "bf16",
                    "SGLANG_DSV41_INDEXER_PREFILL_KEYS": "packed"}, ())}
@@ -191,8 +196,9 @@ def variant_scope(name: str, backend) -> Iterable[None]:
         backend.fe = TwoPassRope(saved_fe)
     dense = getattr(backend, "dense", None)
     saved_whole = getattr(dense, "whole_rows", None)
-    if saved_whole is not None:
-        dense.whole_rows = "blocked_bf16_rows" not in patches
+    saved_unpadded = getattr(dense, "unpadded", None)
+    if saved_whole is not None and "blocked_bf16_rows" in patches:
+        dense.whole_rows = dense.unpadded = False
     from fp32_activations import Fp32Activations
     from sglang_dsv41.runtime.mhc_ops import TritonMhc
 
@@ -212,7 +218,7 @@ def variant_scope(name: str, backend) -> Iterable[None]:
         if patched:
             backend.fe = saved_fe
         if saved_whole is not None:
-            dense.whole_rows = saved_whole
+            dense.whole_rows, dense.unpadded = saved_whole, saved_unpadded
         TritonMhc.residual_dtype = saved_residual
         _reread_moe_flags()
 

@@ -41,7 +41,7 @@ from sglang_dsv41.kernels import indexer as kernel_indexer
 from sglang_dsv41.kernels import sparse_attention as kernel_attention
 from sglang_dsv41.numerics.geometry import softmax_scale
 from sglang_dsv41.numerics.rounding import bf16
-from sglang_dsv41.runtime import attention_ops, moe_ops
+from sglang_dsv41.runtime import attention_ops, attention_prefill, moe_ops
 from sglang_dsv41.runtime.backend import ExactTorchBackend
 from sglang_dsv41.runtime.mhc_ops import TorchMhc
 from packed_rows_codec import kernel_source_as_runtime_rows
@@ -86,9 +86,9 @@ def test_cuda_tensors_use_the_triton_kernels(fresh_kernel_ops) -> None:
 
 def test_prefill_defaults_by_device_and_mode(fresh_kernel_ops, monkeypatch) -> None:
     """Session 13's defaults: CUDA serving → the BF16 prefill workspace and BF16-weight rows in one
-    GEMM; `--enable-deterministic-inference` → packed rows and 128-row blocks; CPU unchanged (the
-    torch attention, never a workspace; the torch backends have no BF16 GEMM rows); the variables
-    override the mode (whole rows never with deterministic)."""
+    GEMM (on the activation as given since session 35); `--enable-deterministic-inference` → packed rows
+    and 128-row blocks; CPU unchanged (the torch attention, never a workspace; the torch backends have
+    no BF16 GEMM rows); the variables override the mode (whole rows never with deterministic)."""
     from sglang_dsv41.runtime import backend as B
     from sglang_dsv41.runtime.attention_prefill import PREFILL_ENV
 
@@ -97,10 +97,10 @@ def test_prefill_defaults_by_device_and_mode(fresh_kernel_ops, monkeypatch) -> N
     monkeypatch.delenv(B.BF16_GEMM_ENV, raising=False)
     serving, exact = attention_ops.ops_for(cuda, f32, False), attention_ops.ops_for(cuda, f32, True)
     assert (serving.prefill, exact.prefill) == ("wide", "packed")
-    assert (B.bf16_gemm_for(False), B.bf16_gemm_for(True)) == ("whole", "blocked")
+    assert (B.bf16_gemm_for(False), B.bf16_gemm_for(True)) == ("direct", "blocked")
     serving_dense, exact_dense = B.backend_for(cuda, {}, False).dense, B.backend_for(cuda, {}, True).dense
-    assert serving_dense.whole_rows and not serving_dense.triton_rows
-    assert not exact_dense.whole_rows and not exact_dense.triton_rows
+    assert serving_dense.whole_rows and serving_dense.unpadded and not serving_dense.triton_rows
+    assert not exact_dense.whole_rows and not exact_dense.unpadded and not exact_dense.triton_rows
     for deterministic in (False, True):                                        # CPU: as before session 13
         ops = attention_ops.ops_for(CPU, f32 if not deterministic else torch.float64, deterministic)
         assert isinstance(ops, attention_ops.TorchAttentionOps)
@@ -115,6 +115,8 @@ def test_prefill_defaults_by_device_and_mode(fresh_kernel_ops, monkeypatch) -> N
     monkeypatch.setenv(B.BF16_GEMM_ENV, "triton")
     assert B.backend_for(cuda, {}, False).dense.triton_rows
     monkeypatch.setenv(B.BF16_GEMM_ENV, "whole")
+    whole = B.backend_for(cuda, {}, False).dense
+    assert whole.whole_rows and not whole.unpadded and not whole.triton_rows
     attention_ops.kernel_ops.cache_clear()
     assert attention_ops.ops_for(cuda, f32, True).prefill == "bf16"             # an explicit choice wins
     with pytest.raises(ValueError, match="not row invariant"):
@@ -362,12 +364,18 @@ def test_kernel_choices_come_from_the_environment(monkeypatch) -> None:
     for env in ("SGLANG_DSV41_ATTN_SPLITS", "SGLANG_DSV41_INDEXER_HEAD_SUM", "SGLANG_DSV41_ATTN_PREFILL"):
         monkeypatch.delenv(env, raising=False)
     serving = attention_ops.KernelAttentionOps(fake, SimpleNamespace())
-    assert (serving.splits, serving.head_sum, serving.prefill) == ("decode", "fp64", "wide")
+    assert (serving.splits, serving.head_sum, serving.prefill) == ("decode", "auto", "wide")
     assert "'decode' key splits" in serving.description and "'wide' prefill rows" in serving.description
     serving.attend(q, sink, swa, slots, None, None)
     assert seen == [("decode", (1, 64, 512, 128, 0), 132), ("attend", 4)]   # 4 SWA tiles of 32, one each
     exact = attention_ops.KernelAttentionOps(fake, SimpleNamespace(), deterministic=True)
     assert (exact.splits, exact.head_sum, exact.prefill) == ("one", "fp64", "packed")
+    # `auto`: fp32 head sums only for eager batches of ≥ PREFILL_MIN_QUERIES tokens (session 35)
+    big = attention_prefill.PREFILL_MIN_QUERIES
+    assert [serving.head_sum_exact(static, n) for static, n in ((False, big), (False, 8192), (False, big - 1),
+                                                                (True, 8192), (True, 1))] == [False, False, True,
+                                                                                               True, True]
+    assert exact.head_sum_exact(False, 8192)
     exact.attend(q, sink, swa, slots, None, None)
     assert seen[2:] == [("attend", 1)]
     rows = torch.zeros(1, 512, dtype=torch.long)
@@ -385,6 +393,7 @@ def test_kernel_choices_come_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("SGLANG_DSV41_ATTN_PREFILL", "BF16")
     chosen = attention_ops.KernelAttentionOps(fake, SimpleNamespace(), deterministic=True)
     assert (chosen.splits, chosen.head_sum, chosen.prefill) == ("decode", "fp32", "bf16")
+    assert not chosen.head_sum_exact(True, 1) and not chosen.head_sum_exact(False, 8192)
     monkeypatch.setenv("SGLANG_DSV41_ATTN_PREFILL", "packed")
     assert attention_ops.KernelAttentionOps(fake, SimpleNamespace()).prefill == "packed"
     monkeypatch.setenv("SGLANG_DSV41_ATTN_PREFILL", "fp8")

@@ -114,9 +114,9 @@ def test_rows_do_not_depend_on_the_batch() -> None:
 
 
 def test_whole_rows_one_gemm_within_the_bound(monkeypatch) -> None:
-    """`whole_rows` (SGLANG_DSV41_BF16_GEMM=whole, the CUDA serving default): more than a block of
-    rows in one GEMM, within the same bound; a batch of ≤ one block is the blocked call. The switch:
-    `whole` serving, `blocked` deterministic when unset; the variable overrides either; unknown values
+    """`whole_rows` (SGLANG_DSV41_BF16_GEMM=whole, the CUDA serving default before session 35): more than a
+    block of rows in one GEMM, within the same bound; a batch of ≤ one block is the blocked call. The switch:
+    `direct` serving, `blocked` deterministic when unset; the variable overrides either; unknown values
     and `whole` with the deterministic backend raise."""
     from sglang_dsv41.runtime import backend as B
     from sglang_dsv41.runtime import dense_ops as D
@@ -131,7 +131,7 @@ def test_whole_rows_one_gemm_within_the_bound(monkeypatch) -> None:
     assert calls == [300] and bool(((out.to(F64) - ref.to(F64)).abs() <= error_bound(x, w, out, ref, False)).all())
     assert torch.equal(whole.matmul(x[:50], w), BlockedBf16Gemm(whole.cache, row_block=64).matmul(x[:50], w))
     monkeypatch.delenv(B.BF16_GEMM_ENV, raising=False)
-    assert (B.bf16_gemm_for(False), B.bf16_gemm_for(True)) == ("whole", "blocked")
+    assert (B.bf16_gemm_for(False), B.bf16_gemm_for(True)) == ("direct", "blocked")
     monkeypatch.setenv(B.BF16_GEMM_ENV, "Triton")
     assert B.bf16_gemm_for(False) == "triton"
     with pytest.raises(ValueError, match="triton is not row invariant"):

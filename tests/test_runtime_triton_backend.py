@@ -513,10 +513,10 @@ def test_gpu_teacher_forced_contract(tiny_checkpoint, fp8_gemm: str, monkeypatch
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bf16_gemm", ["triton", "direct"])
+@pytest.mark.parametrize("bf16_gemm", ["triton", "whole"])
 def test_gpu_teacher_forced_contract_with_a_bf16_gemm_opt_in(tiny_checkpoint, bf16_gemm: str, monkeypatch) -> None:
     """The serving default with the BF16-weight products of an opt-in (SGLANG_DSV41_BF16_GEMM: `triton`, or
-    `direct`, a candidate default at decode: docs/performance.md "Session 34") keeps the contract."""
+    `whole`, the default before session 35: docs/performance.md "Session 35") keeps the contract."""
     from runtime_scenarios import measure_contract, runtime_engine
     from sglang_dsv41.reference.model import ReferenceModel
 
@@ -524,7 +524,7 @@ def test_gpu_teacher_forced_contract_with_a_bf16_gemm_opt_in(tiny_checkpoint, bf
     reference = ReferenceModel.from_checkpoint(tiny_checkpoint)
     engine = runtime_engine(tiny_checkpoint, DEVICE, deterministic=False)
     dense = engine.backend.dense
-    assert dense.whole_rows and (dense.unpadded if bf16_gemm == "direct" else dense.triton_rows)
+    assert dense.whole_rows and not dense.unpadded and dense.triton_rows == (bf16_gemm == "triton")
     m = measure_contract(engine, DEVICE, reference, GREEDY_STEPS)
     print("\n" + m.summary(f"CUDA {bf16_gemm} BF16 products"))
     assert m.top1 >= MIN_TOP1_AGREEMENT
@@ -532,17 +532,17 @@ def test_gpu_teacher_forced_contract_with_a_bf16_gemm_opt_in(tiny_checkpoint, bf
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prefill,head_sum", [(None, None), ("bf16", None), (None, "fp32")],
-                         ids=["default", "bf16", "fp32_head_sum"])
+@pytest.mark.parametrize("prefill,head_sum", [(None, None), ("bf16", None), (None, "fp64")],
+                         ids=["default", "bf16", "fp64_head_sum"])
 def test_gpu_teacher_forced_contract_with_the_prefill_opt_ins(tiny_checkpoint, monkeypatch, prefill,
                                                               head_sum) -> None:
     """The session-12 prefill opt-ins as the serving default, with no variable set: the BF16 workspace
     of decoded compressed entries (its size rule lowered to one query so every eager forward here
     takes it, launched with `plan_prefill_config`) and BF16-weight products in one GEMM keep the
     end-to-end contract — read by `kernels.sparse_attention_prefill` (`wide`, the default since session 33),
-    and by `sparse_attention` (`bf16`, the default before); `fp32_head_sum`: the default with the indexer's
-    fp32 head sum (SGLANG_DSV41_INDEXER_HEAD_SUM=fp32, a candidate for prefill batches: docs/performance.md
-    "Session 34")."""
+    and by `sparse_attention` (`bf16`, the default before). The same size rule puts every eager forward on
+    the default's (`auto`) fp32 indexer head sum; `fp64_head_sum`: the exact head sum everywhere, the default
+    before session 35 (docs/performance.md "Session 35")."""
     from runtime_scenarios import measure_contract, runtime_engine
     from sglang_dsv41.reference.model import ReferenceModel
     from sglang_dsv41.runtime import attention_ops
@@ -560,13 +560,14 @@ def test_gpu_teacher_forced_contract_with_the_prefill_opt_ins(tiny_checkpoint, m
     try:
         reference = ReferenceModel.from_checkpoint(tiny_checkpoint)
         engine = runtime_engine(tiny_checkpoint, DEVICE, deterministic=False)
-        assert engine.attention_ops.prefill == (prefill or "wide") and engine.backend.dense.whole_rows
-        assert engine.attention_ops.head_sum == (head_sum or "fp64")
+        assert engine.attention_ops.prefill == (prefill or "wide") and engine.backend.dense.unpadded
+        assert engine.attention_ops.head_sum == (head_sum or "auto")
+        assert engine.attention_ops.head_sum_exact(False, 1) == (head_sum == "fp64")
         m = measure_contract(engine, DEVICE, reference, GREEDY_STEPS)
     finally:
         attention_ops.kernel_ops.cache_clear()
     print("\n" + m.summary(f"CUDA w8a8_f16 + {prefill or 'wide'} prefill workspace on every batch, "
-                           f"{head_sum or 'fp64'} head sum"))
+                           f"{head_sum or 'auto'} head sum"))
     assert m.top1 >= MIN_TOP1_AGREEMENT
     assert m.worst_logit_diff <= LOGIT_BOUND, m.worst_logit_diff
 

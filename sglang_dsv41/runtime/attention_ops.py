@@ -30,8 +30,9 @@ Contracts (both implementations):
   candidate blocks [N, candidate_topk_blocks] for the candidate source, else None).
   `published` = the candidate source's blocks for the same N queries (consumers only). Keys of
   compressed position j of request r: entry slot(j·r + r − 1) // r of the source's packed rows.
-  CUDA: scores equal the reference's bit for bit (float64 head sum), so the same inputs give
-  the same selection (exact tie rule of `select_topk`).
+  CUDA: at decode, graphed batches and in deterministic mode, scores equal the reference's bit for
+  bit (float64 head sum), so the same inputs give the same selection (exact tie rule of
+  `select_topk`); an eager prefill batch sums heads in fp32 (`KernelAttentionOps.head_sum_exact`).
 
 Packed entries on CUDA: both kernels read them natively (`kernels.packed_rows.PackedSource` of
 the layer's kv source — attention its latent rows, the indexer its index-key rows — entry
@@ -86,9 +87,11 @@ ATTENTION_KEY_SPLITS = 1
 #: SGLANG_DSV41_ATTN_SPLITS overrides the mode's plan: "one" (ATTENTION_KEY_SPLITS: batch invariant;
 #: the default under `--enable-deterministic-inference`) | "decode" (`plan_decode_config`: split-KV over
 #: the multiprocessors for ≤ DECODE_SPLIT_MAX_QUERIES queries, the serving default; a query's bits
-#: then depend on its batch's size). SGLANG_DSV41_INDEXER_HEAD_SUM = "fp64" (default: scores equal
-#: the reference's bit for bit) | "fp32" (fp32 head sum, within the kernel's stated bound; ties near a
-#: rounding boundary may select differently; no faster on the H200). SGLANG_DSV41_ATTN_PREFILL: the
+#: then depend on its batch's size). SGLANG_DSV41_INDEXER_HEAD_SUM = "auto" (the serving default:
+#: "fp32" for eager batches of ≥ attention_prefill.PREFILL_MIN_QUERIES tokens, "fp64" otherwise) |
+#: "fp64" (the deterministic default: scores equal the reference's bit for bit) | "fp32" (every batch:
+#: within the kernel's stated bound; ties near a rounding boundary may select differently; no faster at
+#: decode on the H200, 1.5× faster scoring at an 8K prefill on the H100). SGLANG_DSV41_ATTN_PREFILL: the
 #: prefill workspace (`attention_prefill.prefill_choice`: `wide` serving, `packed` deterministic).
 ATTENTION_SPLITS_ENV, ATTENTION_SPLITS = "SGLANG_DSV41_ATTN_SPLITS", ("one", "decode")
 #: SGLANG_DSV41_ATTN_DECODE: batches without the prefill workspace (decode) through our Triton kernel
@@ -107,7 +110,7 @@ FLASHMLA_DECODE_QUERIES = range(2, 257)
 #: `auto` decodes through BF16 rows up to this many queries (the largest decode graph; the rows are
 #: N × K × D × 2 bytes, 128 MiB at 256 Flash queries), on the packed rows above
 GATHER_DECODE_MAX_QUERIES = 256
-INDEXER_HEAD_SUM_ENV, INDEXER_HEAD_SUMS = "SGLANG_DSV41_INDEXER_HEAD_SUM", ("fp64", "fp32")
+INDEXER_HEAD_SUM_ENV, INDEXER_HEAD_SUMS = "SGLANG_DSV41_INDEXER_HEAD_SUM", ("auto", "fp64", "fp32")
 logger = logging.getLogger(__name__)
 
 
@@ -218,13 +221,23 @@ class TorchAttentionOps:
         return torch.cat(selections), (torch.cat(blocks) if role.candidate_source else None)
 
 
+def head_sum_is_exact(choice: str, static: bool, num_queries: int) -> bool:
+    """Whether the indexer sums a batch's heads in float64 (the reference's bits) under head-sum `choice`:
+    `fp64` always, `fp32` never, `auto` unless the batch is eager (not `static`) with ≥ PREFILL_MIN_QUERIES
+    tokens — a size rule known on the host, so no sync, and graphed decode stays exact."""
+    if choice == "auto":
+        return static or num_queries < AP.PREFILL_MIN_QUERIES
+    return choice == "fp64"
+
+
 class KernelAttentionOps:
     """CUDA: the Triton kernels over the slot caches (no per-request loop, no host sync).
     `deterministic` (`--enable-deterministic-inference`) picks the mode's defaults where the
     variables are unset: one key split (batch invariant) instead of the serving default
     `plan_decode_config`, and the packed rows at prefill instead of the serving default's BF16
-    workspace (`attention_prefill.prefill_choice`); explicit `splits` / `head_sum` / `prefill`
-    override both."""
+    workspace (`attention_prefill.prefill_choice`), and the indexer's fp64 head sum at every batch
+    instead of the serving default `auto` (fp32 at eager prefill, `head_sum_exact`); explicit `splits` /
+    `head_sum` / `prefill` override both."""
 
     def __init__(self, sparse_attention: ModuleType, indexer: ModuleType, splits: str | None = None,
                  head_sum: str | None = None, prefill: str | None = None, deterministic: bool = False,
@@ -234,7 +247,8 @@ class KernelAttentionOps:
         self.deterministic = deterministic
         self.splits = splits or kernel_choice(ATTENTION_SPLITS_ENV, ATTENTION_SPLITS,
                                               "one" if deterministic else "decode")
-        self.head_sum = head_sum or kernel_choice(INDEXER_HEAD_SUM_ENV, INDEXER_HEAD_SUMS)
+        self.head_sum = head_sum or kernel_choice(INDEXER_HEAD_SUM_ENV, INDEXER_HEAD_SUMS,
+                                                  "fp64" if deterministic else "auto")
         self.prefill = prefill or AP.prefill_choice(deterministic)
         self.decode = decode or kernel_choice(ATTENTION_DECODE_ENV, ATTENTION_DECODES,
                                               "triton" if deterministic else "auto")
@@ -258,6 +272,10 @@ class KernelAttentionOps:
                             f"index_scores reading packed FP4 entries ({self.prefill_keys!r} keys at prefill); "
                             f"{self.head_sum} head sum + "
                             f"select_for_role, whole batch; {self.prefill!r} prefill rows; {self.decode!r} decode)")
+
+    def head_sum_exact(self, static: bool, num_queries: int) -> bool:
+        """`head_sum_is_exact` for this choice."""
+        return head_sum_is_exact(self.head_sum, static, num_queries)
 
     def planned(self, heads: int, head_dim: int, device: torch.device) -> KernelAttentionOps:
         """These ops for a model of `heads` heads per rank × `head_dim` on `device`, planned once at
@@ -434,11 +452,12 @@ class KernelAttentionOps:
                                        ratio=key_src.ratio, head_dim=packed.layout.head_dim,
                                        index_head_dim=packed.layout.index_head_dim, part="key")
         rows = max(1, SCORE_ELEMENTS_PER_CHUNK // max(width, 1))
+        exact = self.head_sum_exact(layout.static, N)
         selections, blocks = [], []
         for start in range(0, max(N, 1), rows):
             part = slice(start, min(start + rows, N))
             scores = K.index_scores(query.q[part], query.head_weights[part], key_cache, entry_table,
-                                    layout.token_req[part], n_visible[part], head_sum_exact=self.head_sum == "fp64",
+                                    layout.token_req[part], n_visible[part], head_sum_exact=exact,
                                     check_inputs=False,
                                     tile_cache=None if query_tiles is None else query_tiles.setdefault(
                                         (part.start, part.stop), {}), grouped_queries=True)

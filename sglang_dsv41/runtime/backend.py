@@ -35,11 +35,11 @@ F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 #: FP8 dense-linear arithmetics of the CUDA backend (`runtime/triton_backend.py` module doc), and the variable that picks one
 FP8_GEMMS = ("w8a8_f16", "tiered", "w8a16", "fp8_mma", "w8a8_gemv", "w8a8_fold")
 FP8_GEMM_ENV = "SGLANG_DSV41_FP8_GEMM"
-#: BF16 / fp32-weight products on CUDA (`bf16_gemm_for`): `whole` (serving default: a batch in one cuBLAS
-#: GEMM, `dense_ops.BlockedBf16Gemm.whole_rows`) | `triton` (opt-in: fewer than 129 rows on
-#: `kernels.bf16_linear`, more as `whole`; no faster on the H200, docs/performance.md "Session 24") |
-#: `blocked` (deterministic: 128-row blocks, row invariant) | `direct` (opt-in: any batch in one cuBLAS GEMM on the
-#: activation as given, no padded copy)
+#: BF16 / fp32-weight products on CUDA (`bf16_gemm_for`): `direct` (serving default since session 35: any
+#: batch in one cuBLAS GEMM on the activation as given, no padded copy; docs/performance.md "Session 35") |
+#: `whole` (a batch of more than one block in one cuBLAS GEMM, smaller ones in a padded block,
+#: `dense_ops.BlockedBf16Gemm.whole_rows`) | `triton` (opt-in: fewer than 129 rows on `kernels.bf16_linear`,
+#: more as `whole`; no faster on the H200, "Session 24") | `blocked` (deterministic: 128-row blocks, row invariant)
 BF16_GEMMS, BF16_GEMM_ENV = ("blocked", "whole", "triton", "direct"), "SGLANG_DSV41_BF16_GEMM"
 
 
@@ -367,9 +367,9 @@ def fp8_gemm_for(deterministic: bool) -> str:
 
 def bf16_gemm_for(deterministic: bool) -> str:
     """The CUDA backend's BF16-weight product rows (BF16_GEMMS): SGLANG_DSV41_BF16_GEMM when set, else
-    `blocked` when `deterministic`, else `whole`; an unknown value, or `whole` / `triton` / `direct` with
+    `blocked` when `deterministic`, else `direct`; an unknown value, or `whole` / `triton` / `direct` with
     `deterministic`, raises."""
-    chosen = kernel_choice(BF16_GEMM_ENV, BF16_GEMMS, "blocked" if deterministic else "whole")
+    chosen = kernel_choice(BF16_GEMM_ENV, BF16_GEMMS, "blocked" if deterministic else "direct")
     if chosen != "blocked" and deterministic:
         raise ValueError(f"{BF16_GEMM_ENV}={chosen} is not row invariant: not with --enable-deterministic-inference")
     return chosen

@@ -40,15 +40,15 @@ invariant. `BlockedBf16Gemm` therefore multiplies rows in zero-padded blocks of 
 `row_block` rows, one fixed-shape GEMM per block: a row's result depends only on its own values
 and the weight, never on the batch (decode pads to one block; decode GEMMs are weight-bandwidth
 bound, so the padding is nearly free). At prefill that is one small GEMM per 128 rows (64 cuBLAS
-calls and a concatenation per linear at 8K tokens); `whole_rows=True` (the CUDA serving default,
-`backend.bf16_gemm_for`) multiplies a batch of more than `row_block` rows in one GEMM instead: the
+calls and a concatenation per linear at 8K tokens); `whole_rows=True` (`backend.bf16_gemm_for`'s `whole`)
+multiplies a batch of more than `row_block` rows in one GEMM instead: the
 same operands and fp32 accumulation, so the same GEMM_BOUND, but a row's bits then depend on the
 batch's row count (like the FP8 row tiers of `w8a8_f16`); never with the deterministic backend.
 `triton_rows=True` (with `whole_rows`; `backend.bf16_gemm_for`'s opt-in `triton`) multiplies fewer than
 `kernels.bf16_linear.MAX_ROWS` rows by a BF16 weight of at most BF16_KERNEL_MAX_ELEMENTS on that Triton
 kernel instead of a padded cuBLAS block (one launch, no copy): exact products, fp32 sums, the same
-GEMM_BOUND, the bits of its row tiers. `unpadded=True` (with `whole_rows`; `backend.bf16_gemm_for`'s opt-in
-`direct`) multiplies any row count in one cuBLAS GEMM on the activation as given: no padded block and no copy
+GEMM_BOUND, the bits of its row tiers. `unpadded=True` (with `whole_rows`; `backend.bf16_gemm_for`'s `direct`,
+the CUDA serving default) multiplies any row count in one cuBLAS GEMM on the activation as given: no padded block and no copy
 (a decode row is one GEMV-shaped call), the same GEMM_BOUND, bits that depend on the row count.
 """
 from __future__ import annotations

@@ -24,9 +24,10 @@ quantised), E4M3 weights with their tile scales — and differs only in how the 
 * `w8a8_gemv` (opt-in: slower on the H100, docs/performance.md "Session 28"): as `w8a8_f16`, but 1–4 rows
   on the CUDA-core GEMV tier (`kernels.fp8_gemv`: x quantised once, exact products, fp32 sums; the same bound);
 Weights not held as E4M3 tiles (BF16 copies, fp32) go through `matmul` in either mode: on `triton`
-by `bf16_gemm_for` — cuBLAS GEMMs (`whole`, the serving default; `blocked`, row invariant, with
-deterministic inference), fewer than 129 rows of a BF16 weight on `kernels.bf16_linear` (`triton`), or any row
-count in one cuBLAS GEMM on the activation as given, without the padded copy (`direct`; both opt-in).
+by `bf16_gemm_for` — cuBLAS GEMMs: any row count in one GEMM on the activation as given, without a padded
+copy (`direct`, the serving default); a padded block up to 128 rows, one GEMM above (`whole`, opt-in); 128-row
+blocks (`blocked`, row invariant, with deterministic inference) — or fewer than 129 rows of a BF16 weight on
+`kernels.bf16_linear` (`triton`, opt-in).
 
 BF16_OUT: the runtime holds activations in the backend's dtype (fp32 / float64) with BF16 values
 where the model rounds. Where a BF16 result feeds only readers that take BF16 (the query heads, the
