@@ -68,7 +68,7 @@ NEW = SWITCHES | {"SGLANG_DSV41_INDEXER_HEAD_SUM": "fp32"}
 SESSION34 = {"SGLANG_DSV41_INDEXER_HEAD_SUM": "fp64"}
 #: name → (environment over SWITCHES, backend patches): `two_pass_rope` = session 11's RoPE (`TwoPassRope`);
 #: `blocked_bf16_rows` = SGLANG_DSV41_BF16_GEMM=blocked (`BlockedBf16Gemm.whole_rows` False, read at build: set
-#: on the layer's backend; without the patch: the backend's own, `direct` by default); `fp32_activations` = every
+#: on the layer's backend; without the patch: `direct`, the serving default); `fp32_activations` = every
 #: activation in fp32 as before session 26 (`Fp32Activations`: the backend's `bf16_out` ignored, the mHC
 #: sublayer input written as fp32); `fp32_residual` = the CUDA mHC's residual streams R held as fp32 again
 #: (`mhc_ops.TritonMhc.residual_dtype`; the same values)
@@ -197,8 +197,8 @@ def variant_scope(name: str, backend) -> Iterable[None]:
     dense = getattr(backend, "dense", None)
     saved_whole = getattr(dense, "whole_rows", None)
     saved_unpadded = getattr(dense, "unpadded", None)
-    if saved_whole is not None and "blocked_bf16_rows" in patches:
-        dense.whole_rows = dense.unpadded = False
+    if saved_whole is not None:        # the serving default's `direct` rows, or 128-row blocks with the patch
+        dense.whole_rows = dense.unpadded = "blocked_bf16_rows" not in patches
     from fp32_activations import Fp32Activations
     from sglang_dsv41.runtime.mhc_ops import TritonMhc
 
