@@ -27,8 +27,9 @@ BF16 rounding as two launches, packed attention rows, torch top-k, BF16-weight p
 blocks: OLD); `session12` = the serving default before session 13 (packed rows, 128-row blocks);
 `default` = the serving defaults now (SWITCHES: BF16 attention workspace read by
 `kernels.sparse_attention_prefill` (`wide`, since session 33; `session32` = the same read by
-`sparse_attention` launched with `plan_prefill_config`), fused top-k, float64 head sum, BF16-weight products in one GEMM); `new` =
-every prefill opt-in (the default + the fp32 indexer head sum); then each session-12 prefill choice
+`sparse_attention` launched with `plan_prefill_config`), fused top-k, the `auto` head sum (fp32 at this eager 8K
+chunk since session 35; `session34` = the fp64 one), BF16-weight products in one GEMM); `new` = the default with the
+fp32 indexer head sum forced (the same as `default` at this size since session 35); then each session-12 prefill choice
 alone on OLD (`attn_bf16_workspace`, `indexer_fp32_head_sum`, `indexer_fused_topk`,
 `whole_bf16_rows`); `new_mhc_rows` = `new` with the per-token mHC kernels
 (SGLANG_DSV41_MHC_MIX=rows, as `before` and `session12`); `new_moe_block_m64[_s3]` = `new` with the
