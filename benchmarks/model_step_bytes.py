@@ -61,6 +61,29 @@ def shares(step: Mapping, by_n: Mapping[int, Mapping], copy_gbs: float) -> list[
     return rows
 
 
+def plot(result: Mapping, path: Path) -> bool:
+    """Share of copy bandwidth per batch size and run, by these bytes (solid) and by decode_step's (dashed),
+    with issue 21's targets; False (no PNG) without matplotlib."""
+    from plotting import pyplot, save_png
+
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for label, run in result["runs"].items():
+        n = [r["tokens"] for r in run["rows"]]
+        line, = ax.plot(n, [100 * r["share"] for r in run["rows"]], marker="o", label=f"{label}: routed spread")
+        ax.plot(n, [100 * r["share_by_decode_bytes"] for r in run["rows"]], ls="--", color=line.get_color(),
+                label=f"{label}: decode_step's bytes")
+    ax.step([1, 8, 64, 256], [30, 50, 60, 60], where="post", color="k", lw=1, label="target")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("decode batch (tokens)")
+    ax.set_ylabel("% of copy bandwidth (whole-model step, per layer)")
+    ax.legend(fontsize=7)
+    save_png(fig, path)
+    return True
+
+
 def model_spread(layers: int, batches: tuple[int, ...], draws: int = 4) -> dict:
     """`routing_spread.dummy_router_spread` of model_step's model (`slice`, `layers` layers) on the CPU."""
     from sglang_dsv41.checkpoint.synth import make_config_dir
@@ -99,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label} N={r['tokens']}: {r['layer_us']:.1f} µs, {r['bytes'] / 1e6:,.0f} MB, "
                   f"{100 * r['share']:.1f} % (by decode_step's bytes {100 * r['share_by_decode_bytes']:.1f} %)")
     write_result(a.out, "model_step_bytes.json", result)
+    plot(result, a.out / "model_step_bytes.png")
     return 0
 
 
