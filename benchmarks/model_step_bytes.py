@@ -11,7 +11,7 @@ its experts replaced by the dummy router's distinct experts, each at the stored 
     bytes(N) = decode_bytes(N) + (spread(N) − decode_distinct(N)) · expert_bytes
 
 and share = bytes(N) / layer_us(N) / copy bandwidth. Layer 2's dense and KV bytes stand for every layer's
-(the experts, > 90 % of the bytes from N = 8, are the same in each MoE layer). CPU only: the spread is
+(the experts — over 80 % of the bytes from N = 8, 95 % from 64 — are the same in each MoE layer). CPU only: the spread is
 measured here with the dummy routers of the model_step model (`--preset slice --layers L`).
 
     python benchmarks/model_step_bytes.py --decode-step benchmarks/results/decode_step_h200_s24.json \
