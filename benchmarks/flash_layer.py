@@ -87,15 +87,29 @@ ENCODE_CHUNK = 1 << 16                   # entries encoded per chunk when fillin
 
 
 # ---- the layer ---------------------------------------------------------------------------------
+#: std of the random router bias: small beside the logits (std ≈ 1), so the layer spreads a batch over about as
+#: many experts as uniform routing (as a load-balanced real router and the dummy weights do; `routing_spread`;
+#: docs/performance.md "Session 35")
+ROUTER_BIAS_STD = 0.01
+
+
 def _fp32_value(spec: TensorSpec, shape, g: torch.Generator, device) -> Tensor:
-    """Value rules of tests/reference_weights.py: activations stay O(1) through the layer."""
+    """Value rules of tests/reference_weights.py: activations stay O(1) through the layer; the router bias
+    is ROUTER_BIAS_STD · randn."""
     n, randn = spec.name, (lambda *s: torch.randn(*s, generator=g, device=device))
     if "hc_" in n:
         return (randn(*shape) / math.sqrt(shape[1]) if n.endswith("_fn") else 0.5 * randn(*shape)
                 if n.endswith("_base") else 0.5 + 0.5 * torch.rand(*shape, generator=g, device=device))
-    if n.endswith(("attn_sink", "gate.bias", "gate.bias_vl")):
+    if n.endswith(("gate.bias", "gate.bias_vl")):
+        return ROUTER_BIAS_STD * randn(*shape)
+    if n.endswith("attn_sink"):
         return 0.3 * randn(*shape)
     return 1.0 + 0.1 * randn(*shape)                     # norm weights
+
+
+def _bf16_value(shape, g: torch.Generator, device) -> Tensor:
+    """A BF16 weight (router, compressor, ...): randn / √fan_in, so its products stay O(1)."""
+    return (torch.randn(*shape, generator=g, device=device) / math.sqrt(shape[-1])).to(torch.bfloat16)
 
 
 def stored_layer(cfg: DeepseekV41Config, layer: int, device: torch.device, seed: int = 0) -> dict[str, Tensor]:
@@ -116,7 +130,7 @@ def stored_layer(cfg: DeepseekV41Config, layer: int, device: torch.device, seed:
             out[spec.scale_name] = (127 + exp + torch.randint(-1, 2, (shape[0], shape[1] // TILE), generator=g,
                                                               device=device)).to(torch.uint8).view(torch.float8_e8m0fnu)
         elif spec.kind is Kind.BF16:
-            out[spec.name] = (torch.randn(*shape, generator=g, device=device) / math.sqrt(shape[-1])).to(torch.bfloat16)
+            out[spec.name] = _bf16_value(shape, g, device)
         elif spec.kind is Kind.FP32:
             out[spec.name] = _fp32_value(spec, shape, g, device).float()
         else:

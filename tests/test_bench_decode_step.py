@@ -318,3 +318,30 @@ def test_prefill_profile_flow_on_a_tiny_cpu_layer(bench, setup, tmp_path) -> Non
         assert r["tokens_per_s"] > 0 and r["passes"] == 1 and r["agreement_with"] == "before"
         assert r["tokens_per_s_chained"] > 0 and r["wall_us_chained"] > 0
     assert got["rows"][1]["env"] == pp.SWITCHES | pp.NEW and "not in layer" in got["engram"]
+
+
+def test_the_layer_router_spreads_like_uniform_routing(bench) -> None:
+    """The benchmark layer's router (its BF16 gate weight and FP32 bias rules, Flash widths) spreads random
+    O(1) inputs over about as many experts as uniform routing: ≥ 95 % of the expectation at 8 / 64 / 256
+    tokens (docs/performance.md "Session 35"); with session 34's bias (0.3 · randn) it did not."""
+    import flash_layer as fl
+    from sglang_dsv41.runtime.routing_spread import distinct_experts, route_topk, uniform_distinct
+
+    cfg = DeepseekV41Config.from_dict(flash_config_dict())
+    t = cfg.text
+    specs = {s.name: s for s in tensor_inventory(cfg, vision=False, dspark=False)}
+    weight, bias = specs["layers.2.ffn.gate.weight"], specs["layers.2.ffn.gate.bias"]
+    assert weight.kind is Kind.BF16 and bias.kind is Kind.FP32
+    g = torch.Generator().manual_seed(0)
+    w = fl._bf16_value(weight.shape, g, "cpu")
+
+    def spread(b: torch.Tensor, n: int, draws: int = 8) -> float:        # mean distinct experts over draws
+        return sum(distinct_experts(route_topk(torch.randn(n, t.hidden_size, generator=g), w, b,
+                                               t.num_experts_per_tok)) for _ in range(draws)) / draws
+
+    b = fl._fp32_value(bias, bias.shape, g, "cpu")
+    assert float(b.std()) == pytest.approx(fl.ROUTER_BIAS_STD, rel=0.2)
+    for n in (8, 64, 256):
+        assert spread(b, n) >= 0.95 * uniform_distinct(n, t.n_routed_experts, t.num_experts_per_tok), n
+    assert spread(0.3 * torch.randn(bias.shape, generator=g), 64) < 0.6 * uniform_distinct(64, t.n_routed_experts,
+                                                                                            t.num_experts_per_tok)
