@@ -3,7 +3,8 @@
 `model_step.py` times the whole model on the dummy weights of `runtime/dummy_weights.py`, whose routers
 spread a batch over about as many experts as uniform routing would (`runtime/routing_spread.py`: 6 / 44 /
 242 / 375 of 384 at 1 / 8 / 64 / 256 tokens). `decode_step.py` times layer 2 alone on its own random
-layer, whose router touches fewer (6 / 37 / 111 / 155): its `bytes` are that layer's. Dividing the first
+layer, whose router touched fewer until session 35 (6 / 37 / 111 / 155 in its records up to then): its `bytes`
+are that layer's. Dividing the first
 benchmark's time by the second's bytes understates what the step reads. Here a layer's bytes at N tokens are
 decode_step's bytes (dense weights, norms, attention and indexer reads of layer 2 at the same context) with
 its experts replaced by the dummy router's distinct experts, each at the stored bytes per expert:
