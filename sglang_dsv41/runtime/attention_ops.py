@@ -90,8 +90,8 @@ ATTENTION_KEY_SPLITS = 1
 #: then depend on its batch's size). SGLANG_DSV41_INDEXER_HEAD_SUM = "auto" (the serving default:
 #: "fp32" for eager batches of ≥ attention_prefill.PREFILL_MIN_QUERIES tokens, "fp64" otherwise) |
 #: "fp64" (the deterministic default: scores equal the reference's bit for bit) | "fp32" (every batch:
-#: within the kernel's stated bound; ties near a rounding boundary may select differently; no faster at
-#: decode on the H200, 1.5× faster scoring at an 8K prefill on the H100). SGLANG_DSV41_ATTN_PREFILL: the
+#: within the kernel's stated bound; ties near a rounding boundary may select differently; timings in
+#: docs/performance.md "Session 35"). SGLANG_DSV41_ATTN_PREFILL: the
 #: prefill workspace (`attention_prefill.prefill_choice`: `wide` serving, `packed` deterministic).
 ATTENTION_SPLITS_ENV, ATTENTION_SPLITS = "SGLANG_DSV41_ATTN_SPLITS", ("one", "decode")
 #: SGLANG_DSV41_ATTN_DECODE: batches without the prefill workspace (decode) through our Triton kernel

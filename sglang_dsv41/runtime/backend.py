@@ -35,8 +35,8 @@ F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 #: FP8 dense-linear arithmetics of the CUDA backend (`runtime/triton_backend.py` module doc), and the variable that picks one
 FP8_GEMMS = ("w8a8_f16", "tiered", "w8a16", "fp8_mma", "w8a8_gemv", "w8a8_fold")
 FP8_GEMM_ENV = "SGLANG_DSV41_FP8_GEMM"
-#: BF16 / fp32-weight products on CUDA (`bf16_gemm_for`): `direct` (serving default since session 35: any
-#: batch in one cuBLAS GEMM on the activation as given, no padded copy; docs/performance.md "Session 35") |
+#: BF16 / fp32-weight products on CUDA (`bf16_gemm_for`): `direct` (serving default: any batch in one cuBLAS
+#: GEMM on the activation as given, no padded copy; docs/performance.md "Session 35") |
 #: `whole` (a batch of more than one block in one cuBLAS GEMM, smaller ones in a padded block,
 #: `dense_ops.BlockedBf16Gemm.whole_rows`) | `triton` (opt-in: fewer than 129 rows on `kernels.bf16_linear`,
 #: more as `whole`; no faster on the H200, "Session 24") | `blocked` (deterministic: 128-row blocks, row invariant)
