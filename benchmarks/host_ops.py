@@ -154,10 +154,10 @@ def cpu_as_cuda() -> None:
 
     if not (KA._is_interpreted() and KI.INTERPRETED):
         raise RuntimeError("host_ops --device cpu needs TRITON_INTERPRET=1 before triton is imported")
+    rows = B.bf16_gemm_for(False)
     FW.backend_for = lambda device, weights, det: TB.TritonBackend(
         BlockedBf16Gemm(DenseWeightCache.from_weights(weights), whole_rows=True,
-                        triton_rows=B.bf16_gemm_for(False) == "triton", unpadded=B.bf16_gemm_for(False) == "direct"),
-        device_types=("cpu",),
+                        triton_rows=rows == "triton", unpadded=rows == "direct"), device_types=("cpu",),
         fp8_gemm=B.fp8_gemm_for(False))
     FW.ops_for = lambda device, acc, det, heads=None, hd=None: attention_ops.KernelAttentionOps(KA, KI, deterministic=False)
     FW.mhc_for = lambda device, acc, det: mhc_ops.TritonMhc(deterministic=False)

@@ -372,9 +372,9 @@ def test_kernel_choices_come_from_the_environment(monkeypatch) -> None:
     assert (exact.splits, exact.head_sum, exact.prefill) == ("one", "fp64", "packed")
     # `auto`: fp32 head sums only for eager batches of ≥ PREFILL_MIN_QUERIES tokens (session 35)
     big = attention_prefill.PREFILL_MIN_QUERIES
-    assert [serving.head_sum_exact(static, n) for static, n in ((False, big), (False, 8192), (False, big - 1),
-                                                                (True, 8192), (True, 1))] == [False, False, True,
-                                                                                               True, True]
+    exact_by_batch = {(False, big): False, (False, 8192): False, (False, big - 1): True, (True, 8192): True,
+                      (True, 1): True}                                     # (static, tokens) → exact head sum
+    assert {batch: serving.head_sum_exact(*batch) for batch in exact_by_batch} == exact_by_batch
     assert exact.head_sum_exact(False, 8192)
     exact.attend(q, sink, swa, slots, None, None)
     assert seen[2:] == [("attend", 1)]

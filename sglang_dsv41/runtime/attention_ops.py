@@ -31,7 +31,7 @@ Contracts (both implementations):
   `published` = the candidate source's blocks for the same N queries (consumers only). Keys of
   compressed position j of request r: entry slot(j·r + r − 1) // r of the source's packed rows.
   CUDA: at decode, graphed batches and in deterministic mode, scores equal the reference's bit for
-  bit (float64 head sum), so the same inputs give the same selection (exact tie rule of
+  bit (the exact double-fp32 head sum), so the same inputs give the same selection (exact tie rule of
   `select_topk`); an eager prefill batch sums heads in fp32 (`KernelAttentionOps.head_sum_exact`).
 
 Packed entries on CUDA: both kernels read them natively (`kernels.packed_rows.PackedSource` of
@@ -222,7 +222,7 @@ class TorchAttentionOps:
 
 
 def head_sum_is_exact(choice: str, static: bool, num_queries: int) -> bool:
-    """Whether the indexer sums a batch's heads in float64 (the reference's bits) under head-sum `choice`:
+    """Whether the indexer sums a batch's heads exactly (double-fp32: the reference's bits) under head-sum `choice`:
     `fp64` always, `fp32` never, `auto` unless the batch is eager (not `static`) with ≥ PREFILL_MIN_QUERIES
     tokens — a size rule known on the host, so no sync, and graphed decode stays exact."""
     if choice == "auto":
