@@ -6,7 +6,8 @@ One client for every server: random prompt ids (``--input-len``, default 1K), ``
 loop keeps C requests in flight until ``max(C · --rounds, --min-requests)`` finished (`serving_client.py`:
 TTFT, ITL, output tokens/s on the client clock). Servers are started by the caller's command
 line (``--launch -- ARGV``) in their own process group, waited for (``/health_generate``, capped),
-warmed up (one wave of max-C short requests) and stopped; or ``--url`` points at a running one.
+warmed up (one wave of C full-length prompts with
+``WARMUP_TOKENS`` outputs at every level C) and stopped; or ``--url`` points at a running one.
 
     python benchmarks/serving_e2e.py model-dirs OUT_DIR [--layers 4]   # ours (config-only) + SGLang V4-Flash
     python benchmarks/serving_e2e.py client --label ours --out-dir DIR [--concurrency 1 16 64] -- \\
@@ -65,6 +66,12 @@ def model_dirs(out: Path, layers: int) -> dict[str, str]:
     return {"dsv41": str(ours), "sglang_v4": str(v4)}
 
 
+#: output tokens of a warm-up request; one wave of C full-length prompts runs at every level C before any is
+#: timed, so a server that JIT-compiles per prefill shape (SGLang's V4: DeepGEMM M-classes, TileLang splits)
+#: does so outside the timed levels
+WARMUP_TOKENS = 16
+
+
 def run_client(url: str, levels: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for c in levels:
@@ -115,10 +122,10 @@ def client(args: argparse.Namespace) -> int:
             rec["startup_s"] = time.perf_counter() - t0
             print(f"[{args.label}] up after {rec['startup_s']:.0f} s", flush=True)
         t0 = time.perf_counter()
-        warm = max(args.concurrency)
-        rec["warmup"] = closed_loop(lambda i: stream_generate(url, prompt(args.seed - 1 - i, args.input_len, *args.id_range),
-                                                              16, {}, timeout=args.level_timeout_s),
-                                    warm, warm, args.level_timeout_s)
+        rec["warmup"] = [closed_loop(lambda i, c=c: stream_generate(url, prompt(args.seed - 1 - 1000 * c - i,
+                                                                                args.input_len, *args.id_range),
+                                                                     WARMUP_TOKENS, {}, timeout=args.level_timeout_s),
+                                     c, c, args.level_timeout_s) for c in sorted(set(args.concurrency))]
         rec["warmup_s"] = time.perf_counter() - t0
         rec["levels"] = run_client(url, args.concurrency, args)
         if proc is not None:

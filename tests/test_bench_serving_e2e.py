@@ -47,6 +47,7 @@ def test_launch_levels_budget_and_report(tmp_path) -> None:
         assert [(lv["concurrency"], lv["requests"], lv["n_errors"]) for lv in rec["levels"]] == [(1, 3, 0), (4, 4, 0)]
         assert all(lv["output_tokens_per_s"] > 0 and lv["itl_s"]["p50"] > 0 for lv in rec["levels"])
         assert rec["dummy_log"] == ["dummy weights: stand-in"]
+        assert [(w["concurrency"], w["requests"], w["n_errors"]) for w in rec["warmup"]] == [(1, 1, 0), (4, 4, 0)]
     assert e2e.main(["client", "--label", "late", *common, "--budget-s", "5", "--concurrency", "1", "--",
                      sys.executable, str(script), "--tokens-per-chunk", "1"]) == 0
     assert "skipped" in json.loads((tmp_path / "late.json").read_text())["levels"][0]
