@@ -7,7 +7,9 @@ loop keeps C requests in flight until ``max(C · --rounds, --min-requests)`` fin
 TTFT, ITL, output tokens/s on the client clock). Servers are started by the caller's command
 line (``--launch -- ARGV``) in their own process group, waited for (``/health_generate``, capped),
 warmed up (one wave of C full-length prompts with
-``WARMUP_TOKENS`` outputs at every level C) and stopped; or ``--url`` points at a running one.
+``WARMUP_TOKENS`` outputs at every level C), run through the levels ``--passes`` times (the last pass is
+reported: both servers JIT-compiled inside a first pass at C = 64 in session 36) and stopped; or ``--url``
+points at a running one.
 
     python benchmarks/serving_e2e.py model-dirs OUT_DIR [--layers 4]   # ours (config-only) + SGLang V4-Flash
     python benchmarks/serving_e2e.py client --label ours --out-dir DIR [--concurrency 1 16 64] -- \\
@@ -127,6 +129,7 @@ def client(args: argparse.Namespace) -> int:
                                                                      WARMUP_TOKENS, {}, timeout=args.level_timeout_s),
                                      c, c, args.level_timeout_s) for c in sorted(set(args.concurrency))]
         rec["warmup_s"] = time.perf_counter() - t0
+        rec["earlier_passes"] = [run_client(url, args.concurrency, args) for _ in range(args.passes - 1)]
         rec["levels"] = run_client(url, args.concurrency, args)
         if proc is not None:
             rec["dummy_log"] = [ln for ln in proc.log.read_text(errors="replace").splitlines()
@@ -217,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--output-len", type=int, default=256)
     c.add_argument("--rounds", type=int, default=2, help="requests per level = max(C * rounds, --min-requests)")
     c.add_argument("--min-requests", type=int, default=4)
+    c.add_argument("--passes", type=int, default=2,
+                   help="every level runs this many times; `levels` holds the last pass, `earlier_passes` the others "
+                        "(a level's first pass can meet batch shapes the warm-up did not, and JIT-compile inside it)")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--id-range", type=int, nargs=2, default=list(ID_RANGE), help="prompt ids: uniform in [LOW, HIGH)")
     c.add_argument("--startup-s", type=float, default=240)

@@ -48,6 +48,7 @@ def test_launch_levels_budget_and_report(tmp_path) -> None:
         assert all(lv["output_tokens_per_s"] > 0 and lv["itl_s"]["p50"] > 0 for lv in rec["levels"])
         assert rec["dummy_log"] == ["dummy weights: stand-in"]
         assert [(w["concurrency"], w["requests"], w["n_errors"]) for w in rec["warmup"]] == [(1, 1, 0), (4, 4, 0)]
+        assert [[lv["concurrency"] for lv in p] for p in rec["earlier_passes"]] == [[1, 4]]     # --passes 2
     assert e2e.main(["client", "--label", "late", *common, "--budget-s", "5", "--concurrency", "1", "--",
                      sys.executable, str(script), "--tokens-per-chunk", "1"]) == 0
     assert "skipped" in json.loads((tmp_path / "late.json").read_text())["levels"][0]

@@ -48,7 +48,7 @@
 # STEPS="prep ours dspark". Every wait is capped; the script stops starting steps past BUDGET (s,
 # default 300). Knobs: CONC (override levels), LAYERS (4), IN_LEN (1024), OUT_LEN (256), ROUNDS (2),
 # GRAPH_BS (decode graph batch sizes of both servers, e.g. "1 16 64": SGLang's V4 JIT compiles kernels per size;
-# default: --cuda-graph-max-bs 64), OURS_EXTRA (more server arguments of ours, e.g. prefill buckets), OURS_STARTUP_S (150), SGLANG_STARTUP_S (200), MEM (0.85), DSPARK_MEM (0.7: the drafter's ~8 GB load after
+# default: --cuda-graph-max-bs 64), OURS_EXTRA (more server arguments of ours, e.g. prefill buckets), OURS_STARTUP_S (300: on a fresh machine our server compiles its Triton kernels in the prefill-graph capture and was not up after 150 s in session 36), SGLANG_STARTUP_S (200), MEM (0.85), DSPARK_MEM (0.7: the drafter's ~8 GB load after
 # the target's pool, its stored tensors on the GPU while they convert), ACC_LEN (3.51).
 # Outputs in $OUT: summary.txt, serving_e2e.json/.png, routing_spread.json, e2e/<label>.json and
 # e2e/<label>_server.log (the lead copies serving_e2e.json/.png to benchmarks/results/).
@@ -97,7 +97,7 @@ for step in $STEPS; do
             --batches 1 16 64 256 --out "$OUT/routing_spread.json" | python3 -c \
             'import json,sys; d=json.load(sys.stdin); [print("routing spread N=%d: %.1f distinct experts (uniform %.1f)" % (r["tokens"], r["distinct_experts"], r["uniform_expectation"])) for r in d["per_batch"]]' \
             | tee -a "$OUT/summary.txt" || rc=$? ;;
-    ours|ours_host|ours_c2k|ours_overlap) s=${OURS_STARTUP_S:-150}; b=$(( $(cap $((s + 150))) - 15 - RESERVE ))
+    ours|ours_host|ours_c2k|ours_overlap) s=${OURS_STARTUP_S:-300}; b=$(( $(cap $((s + 150))) - 15 - RESERVE ))
           label=$step; envx=(); extra=()
           [ "$step" = ours_host ] && { label=ours_engram_host; envx=(SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE=1); }
           [ "$step" = ours_overlap ] && envx=(SGLANG_DSV41_OVERLAP=on)
@@ -105,7 +105,7 @@ for step in $STEPS; do
           env "${envx[@]}" timeout $((b + 10)) $CLIENT --label "$label" --budget-s $b --startup-s "$s" --concurrency $OURS_CONC \
             -- "${OURS[@]}" "${extra[@]}" --mem-fraction-static $MEM
           rc=$?; ran=1 ;;
-    dspark) s=${OURS_STARTUP_S:-150}; b=$(( $(cap $((s + 120))) - 15 ))
+    dspark) s=${OURS_STARTUP_S:-300}; b=$(( $(cap $((s + 120))) - 15 ))
           SGLANG_SIMULATE_ACC_LEN=${ACC_LEN:-3.51} timeout $((b + 10)) $CLIENT --label ours_dspark --budget-s $b \
             --startup-s "$s" --concurrency ${DSPARK_CONC:-1 8 32} -- "${OURS[@]}" \
             --speculative-algorithm DSPARK --speculative-dspark-block-size 5 --mem-fraction-static ${DSPARK_MEM:-0.7}

@@ -14,25 +14,32 @@
 #   2. carry .gpu_v4/bin, .gpu_v4/site/base-*.part00:                 bash scripts/gpu/session36.sh sglang
 #   3. carry .gpu_v4/bin:                                             bash scripts/gpu/session36.sh ours
 #   (sglang again on the warm machine when its server was not up in call 2; its JIT cache is kept in /tmp)
+#   then, on the same warm machine: `sglang_rerun` and `ours_rerun` (C = 16 / 64 again: session 36's first
+#   C = 64 level of each server JIT-compiled inside the timed level)
 #
 # Each call's results come back as $OUT/summary.txt and $OUT/results_<mode>.tar.gz (serving_e2e.json,
 # routing_spread.json, e2e/: per-label JSON, server logs, the start-up watcher); `sglang` also returns the JIT
 # cache packed so far ($OUT/jit, parts + manifest) for a later session's `.gpu_jit/`.
 set -uo pipefail
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
 MODE=${1:?usage: session36.sh stage|sglang|ours}
-export GPU_DIR=.gpu_v4 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+export GPU_DIR=.gpu_v4 OUT
 case $MODE in
   stage)
-    # shellcheck source=/dev/null
-    source .gpu_v4/bin/setup.sh; echo "setup-rc=$? (3: parts staged, expected here)" | tee "$OUT/summary.txt"
+    (gpu_setup); echo "setup-rc=$? (3: parts staged, expected here)" | tee "$OUT/summary.txt"
     [ -d .gpu_jit ] && timeout 120 python3 benchmarks/sglang_jit_cache.py restore /tmp/sglang_jit .gpu_jit | tee -a "$OUT/summary.txt"
     exit 0 ;;
   sglang)
     GRAPH_BS="1 16 64" STEPS="prep sglang jitpack" SGLANG_STARTUP_S=${SGLANG_STARTUP_S:-330} BUDGET=${BUDGET:-580} \
       bash scripts/gpu/serving_e2e.sh ;;
   ours)
-    GRAPH_BS="1 16 64" STEPS="prep ours" BUDGET=${BUDGET:-400} bash scripts/gpu/serving_e2e.sh ;;
+    GRAPH_BS="1 16 64" STEPS="prep ours" BUDGET=${BUDGET:-500} bash scripts/gpu/serving_e2e.sh ;;
+  sglang_rerun)     # the same server again on the warm machine (caches kept), C = 16 / 64 only
+    CONC="16 64" SGLANG_STARTUP_S=240 BUDGET=${BUDGET:-420} PREBUILD=0 GRAPH_BS="1 16 64" STEPS="sglang" \
+      bash scripts/gpu/serving_e2e.sh ;;
+  ours_rerun)
+    CONC="16 64" OURS_STARTUP_S=200 BUDGET=${BUDGET:-300} GRAPH_BS="1 16 64" STEPS="ours" bash scripts/gpu/serving_e2e.sh ;;
   *) echo "unknown mode $MODE"; exit 2 ;;
 esac
 rc=$?
