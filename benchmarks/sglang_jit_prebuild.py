@@ -134,6 +134,9 @@ def targets(cfg: dict[str, Any] | None = None) -> list[Target]:
                "fused_marlin_moe MXFP4 top-k sum"),
         Target("clamp_position", "sglang.kernels.ops.attention.clamp_position", "_jit_clamp_position_module",
                ("torch.int64",), 8, "ForwardBatch decode positions (seq_lens int64)"),
+        # found by the dry run after session 36's server: the MXFP4 experts' load-time repack for Marlin
+        Target("gptq_marlin_repack", "sglang.kernels.ops.quantization.gptq_marlin_repack",
+               "_jit_gptq_marlin_repack_module", (), 15, "prepare_moe_mxfp4_layer_for_marlin (at load)"),
     ]
     return sorted(t, key=lambda x: -x.est_s)
 
