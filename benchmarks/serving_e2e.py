@@ -6,10 +6,9 @@ One client for every server: random prompt ids (``--input-len``, default 1K), ``
 loop keeps C requests in flight until ``max(C · --rounds, --min-requests)`` finished (`serving_client.py`:
 TTFT, ITL, output tokens/s on the client clock). Servers are started by the caller's command
 line (``--launch -- ARGV``) in their own process group, waited for (``/health_generate``, capped),
-warmed up (one wave of C full-length prompts with
-``WARMUP_TOKENS`` outputs at every level C), run through the levels ``--passes`` times (the last pass is
-reported: both servers JIT-compiled inside a first pass at C = 64 in session 36) and stopped; or ``--url``
-points at a running one.
+warmed up (one wave of C full-length prompts with ``WARMUP_TOKENS`` outputs at every level C), run
+through the levels ``--passes`` times (the last pass is reported: both servers JIT-compiled inside a first
+pass at C = 64 in session 36) and stopped; or ``--url`` points at a running one.
 
     python benchmarks/serving_e2e.py model-dirs OUT_DIR [--layers 4]   # ours (config-only) + SGLang V4-Flash
     python benchmarks/serving_e2e.py client --label ours --out-dir DIR [--concurrency 1 16 64] -- \\
@@ -236,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(model_dirs(a.out, a.layers)))
         return 0
     if a.cmd == "client":
+        if a.passes < 1:
+            ap.error(f"client: --passes {a.passes} (at least 1)")
         if bool(a.url) == bool(server_argv):
             ap.error("client: give either --url or a server command line after --")
         a.server_argv = server_argv

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from benchmark_loader import load_benchmark
 
 FAKE_SERVER = r'''
@@ -60,3 +62,10 @@ def test_launch_levels_budget_and_report(tmp_path) -> None:
     assert "ours/sglang_v4" not in ratios
     for variant in ("ours_engram_host", "ours_c2k", "ours_overlap"):
         assert [r["output_tokens_per_s"] for r in ratios[f"{variant}/ours"]["per_concurrency"]] == [1.0, 1.0]
+
+
+def test_passes_below_one_is_refused(tmp_path) -> None:
+    e2e = load_benchmark("serving_e2e.py")
+    with pytest.raises(SystemExit) as exc:
+        e2e.main(["client", "--label", "x", "--out-dir", str(tmp_path), "--passes", "0", "--url", "http://127.0.0.1:9"])
+    assert exc.value.code == 2

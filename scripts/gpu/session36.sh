@@ -5,10 +5,10 @@
 # 1 / 16 / 64 for both servers).
 #
 # The runtime is `.gpu_v4` (the project's runtime plus SGLang's V4 extras, 91 MiB in two parts: carried by the
-# first two calls). SGLang's 24 tvm-ffi JIT modules are built on the CPU machine beforehand
-# (`benchmarks/sglang_jit_prebuild.py --cache-dir /tmp/sglang_jit`, sm_90a, no GPU needed) and packed into
-# `.gpu_jit/` (`benchmarks/sglang_jit_cache.py pack`), carried in the first call, so the server's start-up
-# compiles only DeepGEMM, TileLang and Triton kernels (docs/sglang_v4_jit.md).
+# first two calls). SGLang's JIT cache travels as `.gpu_jit/` in the first call. Session 36 built it on the CPU
+# machine (`benchmarks/sglang_jit_prebuild.py --cache-dir /tmp/sglang_jit`: the tvm-ffi modules, sm_90a, no GPU
+# needed; `benchmarks/sglang_jit_cache.py pack`), so its server compiled only DeepGEMM, TileLang and Triton
+# kernels. The `sglang` call's pack, with those as well, is `.gpu_jit/` since (docs/sglang_v4_jit.md).
 #
 #   1. carry .gpu_v4/bin, .gpu_v4/site/extra-*.part00 and .gpu_jit:  bash scripts/gpu/session36.sh stage
 #   2. carry .gpu_v4/bin, .gpu_v4/site/base-*.part00:                 bash scripts/gpu/session36.sh sglang
