@@ -20,13 +20,16 @@ pass at C = 64 in session 36) and stopped; or ``--url`` points at a running one.
 DeepseekV4ForCausalLM at released V4-Flash widths, L layers, `sglang_v4_baseline.v4_config_dict`, with
 the same 129,280-id tokenizer, so both servers detokenize the same ids). `report` reads every
 ``<label>.json`` and writes one JSON (+ PNG when matplotlib is present) with, per concurrency,
-ours / SGLang ratios (output tokens/s, TTFT, ITL) and DSpark / no-speculation output tokens/s.
+ours / SGLang ratios (output tokens/s, TTFT, ITL, the server-side decode rate: `server_decode_rates`) and
+DSpark / no-speculation output tokens/s.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
+import statistics
 import signal
 import sys
 import time
@@ -71,6 +74,19 @@ def model_dirs(out: Path, layers: int) -> dict[str, str]:
 #: timed, so a server that JIT-compiles per prefill shape (SGLang's V4: DeepGEMM M-classes, TileLang splits)
 #: does so outside the timed levels
 WARMUP_TOKENS = 16
+
+
+#: the line SGLang's scheduler (both servers run it) writes every `--decode-log-interval` (40) decode steps
+DECODE_LOG = re.compile(r"Decode batch, #running-req: (\d+),.*gen throughput \(token/s\): ([0-9.]+)")
+
+
+def server_decode_rates(log_text: str, levels: list[int]) -> dict[str, dict[str, float]]:
+    """Per level C: the median (and count) of the decode rates the scheduler logged while exactly C requests
+    ran. A JIT pause moves the client's output tok/s of a level but only the one window it falls in here."""
+    rates: dict[int, list[float]] = {}
+    for m in DECODE_LOG.finditer(log_text):
+        rates.setdefault(int(m.group(1)), []).append(float(m.group(2)))
+    return {str(c): {"median": statistics.median(rates[c]), "windows": len(rates[c])} for c in levels if c in rates}
 
 
 def run_client(url: str, levels: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -131,8 +147,9 @@ def client(args: argparse.Namespace) -> int:
         rec["earlier_passes"] = [run_client(url, args.concurrency, args) for _ in range(args.passes - 1)]
         rec["levels"] = run_client(url, args.concurrency, args)
         if proc is not None:
-            rec["dummy_log"] = [ln for ln in proc.log.read_text(errors="replace").splitlines()
-                                if "dummy weights" in ln or "parameters hold" in ln][:4]
+            log = proc.log.read_text(errors="replace")
+            rec["dummy_log"] = [ln for ln in log.splitlines() if "dummy weights" in ln or "parameters hold" in ln][:4]
+            rec["server_decode_tok_s"] = server_decode_rates(log, args.concurrency)
     except (Exception, SystemExit) as e:   # recorded with the server log's tail; the exit status says it failed
         rec["error"] = f"{type(e).__name__}: {e}"[:4000]
         print(f"[{args.label}] FAILED: {rec['error'][:2000]}", flush=True)
@@ -151,8 +168,16 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def _decode_rate(rec: dict[str, Any], c: int) -> float | None:
+    return (rec.get("server_decode_tok_s") or {}).get(str(c), {}).get("median")
+
+
 def report(args: argparse.Namespace) -> int:
     recs = {p.stem: json.loads(p.read_text()) for p in sorted(args.dir.glob("*.json")) if not p.stem.endswith("report")}
+    for label, rec in recs.items():       # records written before the client kept the rates: read the server log
+        log = args.dir / f"{label}_server.log"
+        if "server_decode_tok_s" not in rec and log.exists():
+            rec["server_decode_tok_s"] = server_decode_rates(log.read_text(errors="replace"), rec.get("concurrency", []))
     out: dict[str, Any] = {"what": "end-to-end serving, one client (random ids, EOS ignored, closed loop per "
                                    "concurrency); ratios are numerator / denominator",
                            "runs": recs, "ratios": {}}
@@ -167,7 +192,9 @@ def report(args: argparse.Namespace) -> int:
             rows.append({"concurrency": lv["concurrency"],
                          "output_tokens_per_s": _ratio(lv["output_tokens_per_s"], other["output_tokens_per_s"]),
                          "ttft_p50": _ratio(lv["ttft_s"]["p50"], other["ttft_s"]["p50"]),
-                         "itl_p50": _ratio(lv["itl_s"]["p50"], other["itl_s"]["p50"])})
+                         "itl_p50": _ratio(lv["itl_s"]["p50"], other["itl_s"]["p50"]),
+                         "server_decode_tok_s": _ratio(_decode_rate(recs[num], lv["concurrency"]),
+                                                       _decode_rate(recs[den], lv["concurrency"]))})
         out["ratios"][f"{num}/{den}"] = {"what": what, "per_concurrency": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")

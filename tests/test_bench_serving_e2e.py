@@ -32,6 +32,8 @@ class H(BaseHTTPRequestHandler):
             self.wfile.write(b"data: " + json.dumps({"meta_info": {"completion_tokens": done}}).encode() + b"\n\n")
         self.wfile.write(b"data: [DONE]\n\n")
 print("dummy weights: stand-in", flush=True)
+print("[x] Decode batch, #running-req: 4, #full token: 8, gen throughput (token/s): 100.0, #queue-req: 0", flush=True)
+print("[x] Decode batch, #running-req: 4, #full token: 8, gen throughput (token/s): 300.0, #queue-req: 0", flush=True)
 ThreadingHTTPServer((a.host, a.port), H).serve_forever()
 '''
 
@@ -51,6 +53,7 @@ def test_launch_levels_budget_and_report(tmp_path) -> None:
         assert rec["dummy_log"] == ["dummy weights: stand-in"]
         assert [(w["concurrency"], w["requests"], w["n_errors"]) for w in rec["warmup"]] == [(1, 1, 0), (4, 4, 0)]
         assert [[lv["concurrency"] for lv in p] for p in rec["earlier_passes"]] == [[1, 4]]     # --passes 2
+        assert rec["server_decode_tok_s"] == {"4": {"median": 200.0, "windows": 2}}   # C = 1 logged nothing
     assert e2e.main(["client", "--label", "late", *common, "--budget-s", "5", "--concurrency", "1", "--",
                      sys.executable, str(script), "--tokens-per-chunk", "1"]) == 0
     assert "skipped" in json.loads((tmp_path / "late.json").read_text())["levels"][0]
@@ -69,3 +72,21 @@ def test_passes_below_one_is_refused(tmp_path) -> None:
     with pytest.raises(SystemExit) as exc:
         e2e.main(["client", "--label", "x", "--out-dir", str(tmp_path), "--passes", "0", "--url", "http://127.0.0.1:9"])
     assert exc.value.code == 2
+
+
+def test_server_decode_rates_and_the_report_reading_server_logs(tmp_path) -> None:
+    """The scheduler's decode lines by running requests (median per level); `report` reads `<label>_server.log`
+    for a record written before the client kept the rates, and gives their ratio."""
+    e2e = load_benchmark("serving_e2e.py")
+    line = "[t] Decode batch, #running-req: {n}, #full token: 20480, cuda graph: True, gen throughput (token/s): {r}, x\n"
+    ours = "".join(line.format(n=n, r=r) for n, r in ((16, 3900.0), (16, 3910.0), (16, 100.0), (64, 7000.0), (15, 1.0)))
+    assert e2e.server_decode_rates(ours, [1, 16, 64]) == {"16": {"median": 3900.0, "windows": 3},
+                                                          "64": {"median": 7000.0, "windows": 1}}
+    level = {"requests": 2, "n_errors": 0, "output_tokens_per_s": 10.0, "ttft_s": {"p50": 0.1}, "itl_s": {"p50": 0.01}}
+    for label, log in (("ours", ours), ("sglang_v4", line.format(n=16, r=5200.0) + line.format(n=64, r=11200.0))):
+        (tmp_path / f"{label}.json").write_text(json.dumps({"concurrency": [16, 64], "levels": [
+            {"concurrency": c, **level} for c in (16, 64)]}))
+        (tmp_path / f"{label}_server.log").write_text(log)
+    assert e2e.main(["report", str(tmp_path), "--out", str(tmp_path / "e2e_report.json")]) == 0
+    rows = json.loads((tmp_path / "e2e_report.json").read_text())["ratios"]["ours/sglang_v4"]["per_concurrency"]
+    assert [round(r["server_decode_tok_s"], 4) for r in rows] == [0.75, 0.625]
