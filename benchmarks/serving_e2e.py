@@ -29,8 +29,8 @@ import argparse
 import json
 import re
 import shutil
-import statistics
 import signal
+import statistics
 import sys
 import time
 from pathlib import Path
