@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .sparse_attention import _LOG2E, _dot, _load_slots
+from .sparse_attention import MAX_SPLITS, _LOG2E, _dot, _load_slots, _merge_splits_kernel, device_sm_count, merge_tile
 from .sparse_attention_checks import check_inputs
 
 #: Keys per tile: the MMA's 64 rows.
@@ -45,24 +45,41 @@ BLOCK_N = 64
 @dataclass(frozen=True)
 class PrefillAttentionConfig:
     """Launch parameters: `block_h` heads per program (a power of two ≥ 16), Triton's `num_warps` /
-    `num_stages`."""
+    `num_stages`, `num_splits` key-tile splits per query (1..MAX_SPLITS; > 1: flash-decoding, each
+    split's partial state merged by `sparse_attention`'s merge kernel)."""
 
     block_h: int
     num_warps: int
     num_stages: int
+    num_splits: int = 1
 
     def __post_init__(self) -> None:
         if self.block_h < 16 or self.block_h & (self.block_h - 1):
             raise ValueError(f"PrefillAttentionConfig: block_h {self.block_h} (a power of two ≥ 16)")
         if self.num_warps not in (4, 8, 16) or self.num_stages < 1:
             raise ValueError(f"PrefillAttentionConfig: num_warps {self.num_warps} / num_stages {self.num_stages}")
+        if not 1 <= self.num_splits <= MAX_SPLITS:
+            raise ValueError(f"PrefillAttentionConfig: num_splits {self.num_splits} (1..{MAX_SPLITS})")
 
 
 def plan(num_heads: int, head_dim: int) -> PrefillAttentionConfig:
-    """Every head in one program up to 64 (more: blocks of 64), 8 warps, 2 stages."""
+    """Every head in one program up to 64 (more: blocks of 64), 8 warps, 2 stages, one split."""
     del head_dim
     return PrefillAttentionConfig(block_h=min(64, max(16, triton.next_power_of_2(num_heads))), num_warps=8,
                                   num_stages=2)
+
+
+def plan_decode(num_queries: int, num_heads: int, head_dim: int, window: int, topk: int,
+                sm_count: int) -> PrefillAttentionConfig:
+    """`plan` with the key tiles of a query split over as many programs as fill the multiprocessors once
+    (⌈sm_count / (queries · head blocks)⌉, at most one split per tile and MAX_SPLITS). The split count
+    depends on the batch's size, so a query's bits do too (the serving mode's decode, not the
+    deterministic one's)."""
+    base = plan(num_heads, head_dim)
+    tiles = triton.cdiv(window, BLOCK_N) + triton.cdiv(topk, BLOCK_N)
+    programs = max(1, num_queries) * triton.cdiv(num_heads, base.block_h)
+    splits = max(1, min(tiles, MAX_SPLITS, triton.cdiv(sm_count, programs)))
+    return PrefillAttentionConfig(base.block_h, base.num_warps, base.num_stages, splits)
 
 
 @triton.jit
@@ -99,12 +116,15 @@ def _prefill_attn_kernel(
         q_ptr, q_stride_n, q_stride_h,
         swa_ptr, swa_row_stride, swa_slots_ptr, swa_slots_stride, n_swa,
         comp_ptr, comp_row_stride, comp_slots_ptr, comp_slots_stride, n_comp,
-        sink_ptr, out_ptr, out_stride_n, out_stride_h, H, D, qk_scale_log2,
+        sink_ptr, out_ptr, out_stride_n, out_stride_h, part_acc_ptr, part_ml_ptr,
+        H, D, qk_scale_log2, tiles_per_split,
         BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_COMP: tl.constexpr, DOT_FP32: tl.constexpr):
-    """One program = one query × BLOCK_H heads. D = 2·P dims in two halves of P ≤ BLOCK_P (D even);
-    BF16 rows, row strides in elements."""
+        HAS_COMP: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One program = one query × BLOCK_H heads × one split of its key tiles (the SWA tiles, then the
+    compressed ones). D = 2·P dims in two halves of P ≤ BLOCK_P (D even); BF16 rows, row strides in
+    elements. NUM_SPLITS > 1: (m, l, unnormalised acc) to `sparse_attention`'s fp32 scratch layout."""
     t = tl.program_id(0)
+    split = tl.program_id(2)
     half = D // 2
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_p = tl.arange(0, BLOCK_P)
@@ -115,27 +135,42 @@ def _prefill_attn_kernel(
     qt_a_ptr = q_ptr + t.to(tl.int64) * q_stride_n + offs_h[None, :] * q_stride_h + offs_p[:, None]
     qt_a = tl.load(qt_a_ptr, mask=ph_mask, other=0.0)                     # [BLOCK_P, BLOCK_H]
     qt_b = tl.load(qt_a_ptr + half, mask=ph_mask, other=0.0)
-    sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0) * 1.4426950408889634
-    m_i = sink
-    l_i = tl.where(sink == float("-inf"), 0.0, 1.0)
+    if NUM_SPLITS == 1:                   # the sink folded into the running state: m₀ = sink, l₀ = 1
+        sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0) * 1.4426950408889634
+        m_i = sink
+        l_i = tl.where(sink == float("-inf"), 0.0, 1.0)
+    else:                                 # the merge adds the sink
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
     acc_a = tl.zeros([BLOCK_P, BLOCK_H], tl.float32)
     acc_b = tl.zeros([BLOCK_P, BLOCK_H], tl.float32)
+    swa_tiles = tl.cdiv(n_swa, BLOCK_N)
+    tile_lo = split * tiles_per_split
+    tile_hi = tile_lo + tiles_per_split
     swa_slots = swa_slots_ptr + t.to(tl.int64) * swa_slots_stride
-    for tile in range(0, tl.cdiv(n_swa, BLOCK_N)):
+    for tile in range(tile_lo, tl.minimum(tile_hi, swa_tiles)):
         valid, k_a, k_b = _keys_tile(swa_ptr, swa_row_stride, swa_slots, tile * BLOCK_N, n_swa, offs_n, offs_p,
                                      p_mask, half)
         acc_a, acc_b, m_i, l_i = _attend_keys(acc_a, acc_b, m_i, l_i, qt_a, qt_b, k_a, k_b, valid, qk_scale_log2,
                                               DOT_FP32)
     if HAS_COMP:
         comp_slots = comp_slots_ptr + t.to(tl.int64) * comp_slots_stride
-        for tile in range(0, tl.cdiv(n_comp, BLOCK_N)):
+        for tile in range(tl.maximum(tile_lo - swa_tiles, 0), tl.minimum(tile_hi - swa_tiles, tl.cdiv(n_comp, BLOCK_N))):
             valid, k_a, k_b = _keys_tile(comp_ptr, comp_row_stride, comp_slots, tile * BLOCK_N, n_comp, offs_n,
                                          offs_p, p_mask, half)
             acc_a, acc_b, m_i, l_i = _attend_keys(acc_a, acc_b, m_i, l_i, qt_a, qt_b, k_a, k_b, valid,
                                                   qk_scale_log2, DOT_FP32)
-    out_a = out_ptr + t.to(tl.int64) * out_stride_n + offs_h[None, :] * out_stride_h + offs_p[:, None]
-    tl.store(out_a, (acc_a / l_i[None, :]).to(out_ptr.dtype.element_ty), mask=ph_mask)
-    tl.store(out_a + half, (acc_b / l_i[None, :]).to(out_ptr.dtype.element_ty), mask=ph_mask)
+    if NUM_SPLITS == 1:
+        out_a = out_ptr + t.to(tl.int64) * out_stride_n + offs_h[None, :] * out_stride_h + offs_p[:, None]
+        tl.store(out_a, (acc_a / l_i[None, :]).to(out_ptr.dtype.element_ty), mask=ph_mask)
+        tl.store(out_a + half, (acc_b / l_i[None, :]).to(out_ptr.dtype.element_ty), mask=ph_mask)
+    else:                                 # scratch: acc [N, S, H, D], (m, l) [N, S, 2, H], fp32
+        row = t.to(tl.int64) * NUM_SPLITS + split
+        part_a = part_acc_ptr + (row * H + offs_h[None, :]) * D + offs_p[:, None]
+        tl.store(part_a, acc_a, mask=ph_mask)
+        tl.store(part_a + half, acc_b, mask=ph_mask)
+        tl.store(part_ml_ptr + row * 2 * H + offs_h, m_i, mask=h_mask)
+        tl.store(part_ml_ptr + row * 2 * H + H + offs_h, l_i, mask=h_mask)
 
 
 def prefill_sink_attention(q: Tensor, swa_cache: Tensor, swa_slots: Tensor, comp_cache: Tensor | None,
@@ -160,14 +195,26 @@ def prefill_sink_attention(q: Tensor, swa_cache: Tensor, swa_slots: Tensor, comp
     comp_arg = comp_cache if has_comp else swa_cache
     comp_slots_arg = comp_slots if has_comp else swa_slots
     block_p = max(16, triton.next_power_of_2(D // 2))
-    _prefill_attn_kernel[(N, triton.cdiv(H, cfg.block_h))](
+    W = swa_slots.shape[1]
+    tiles = max(1, triton.cdiv(W, BLOCK_N) + (triton.cdiv(K, BLOCK_N) if has_comp else 0))
+    tiles_per_split = triton.cdiv(tiles, min(cfg.num_splits, tiles))
+    splits = triton.cdiv(tiles, tiles_per_split)                      # no empty split
+    f32 = dict(dtype=torch.float32, device=q.device)                  # scratch; unused (= out) at one split
+    part_acc = torch.empty(N, splits, H, D, **f32) if splits > 1 else out
+    part_ml = torch.empty(N, splits, 2, H, **f32) if splits > 1 else out
+    _prefill_attn_kernel[(N, triton.cdiv(H, cfg.block_h), splits)](
         q, q.stride(0), q.stride(1),
-        swa_cache, swa_cache.stride(0), swa_slots, swa_slots.stride(0), swa_slots.shape[1],
+        swa_cache, swa_cache.stride(0), swa_slots, swa_slots.stride(0), W,
         comp_arg, comp_arg.stride(0), comp_slots_arg, comp_slots_arg.stride(0), K,
-        sink, out, out.stride(0), out.stride(1), H, D, float(scale) * _LOG2E,
-        BLOCK_H=cfg.block_h, BLOCK_P=block_p, BLOCK_N=BLOCK_N, HAS_COMP=has_comp,
+        sink, out, out.stride(0), out.stride(1), part_acc, part_ml, H, D, float(scale) * _LOG2E, tiles_per_split,
+        BLOCK_H=cfg.block_h, BLOCK_P=block_p, BLOCK_N=BLOCK_N, HAS_COMP=has_comp, NUM_SPLITS=splits,
         DOT_FP32=interpreted, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if splits > 1:
+        merge_h, merge_d = merge_tile(N, H, max(16, triton.next_power_of_2(D)), device_sm_count(q.device))
+        _merge_splits_kernel[(N, triton.cdiv(H, merge_h), triton.cdiv(D, merge_d))](
+            part_acc, part_ml, sink, out, out.stride(0), out.stride(1), H, D,
+            BLOCK_H=merge_h, BLOCK_D=merge_d, NUM_SPLITS=splits, num_warps=4)
     return out
 
 
-__all__ = ["BLOCK_N", "PrefillAttentionConfig", "plan", "prefill_sink_attention"]
+__all__ = ["BLOCK_N", "PrefillAttentionConfig", "plan", "plan_decode", "prefill_sink_attention"]

@@ -51,6 +51,9 @@ class Wide:
 
 SMALL = [sap.PrefillAttentionConfig(block_h=16, num_warps=4, num_stages=2),
          sap.PrefillAttentionConfig(block_h=32, num_warps=8, num_stages=3)]
+#: key-tile splits (flash-decoding) over the 2 + 2 tiles below: 3 asked gives 2 splits of 2 tiles, 32 gives 4 of one
+SPLITS = [sap.PrefillAttentionConfig(block_h=16, num_warps=4, num_stages=2, num_splits=3),
+          sap.PrefillAttentionConfig(block_h=16, num_warps=4, num_stages=2, num_splits=32)]
 
 
 # ---- interpreter tests ----------------------------------------------------------------------
@@ -79,6 +82,19 @@ def test_two_head_blocks_and_more_keys_than_a_tile():
 
 
 @interpreter
+@pytest.mark.parametrize("config", SPLITS, ids=["splits3", "splits32"])
+def test_key_splits_match_oracle(config):
+    """Split-KV: 20 heads (a masked second block), 70 + 90 keys (two tiles a list), a −∞ sink on one
+    head, a query with one valid key (splits holding no valid key) — merged within the same bounds."""
+    q, swa, ss, comp, cs, sink = random_case(n=3, slots=300, seed=6, heads=20, dim=32, window=70, topk=90)
+    sink[3] = float("-inf")
+    ss[1, :] = -1
+    ss[1, 5] = 11
+    cs[1, :] = -1
+    check_against_oracle(Wide(config), q, swa, ss, comp, cs, sink, 32 ** -0.5)
+
+
+@interpreter
 def test_swa_only_and_minus_inf_sink():
     """No compressed list (a ratio-0 layer), a −∞ sink (plain softmax), a query with one valid key."""
     q, swa, ss, _, _, sink = random_case(n=4, slots=40, seed=3, **TINY)
@@ -99,10 +115,15 @@ def test_empty_batch_and_input_errors():
 
 
 def test_plan_and_config_rules():
-    """Every head of a query in one program up to 64, 8 warps, 2 stages; bad configs raise."""
+    """Every head of a query in one program up to 64, 8 warps, 2 stages; the decode plan splits the 10
+    Flash key tiles over the multiprocessors (132: a split a tile up to 8 queries, one split from 132);
+    bad configs raise."""
     assert sap.plan(64, 512) == sap.PrefillAttentionConfig(block_h=64, num_warps=8, num_stages=2)
     assert sap.plan(4, 96).block_h == 16 and sap.plan(128, 512).block_h == 64
-    for bad in (dict(block_h=24), dict(num_stages=0), dict(num_warps=2)):
+    splits = {n: sap.plan_decode(n, 64, 512, 128, 512, 132).num_splits for n in (1, 8, 16, 64, 132, 256)}
+    assert splits == {1: 10, 8: 10, 16: 9, 64: 3, 132: 1, 256: 1}
+    assert sap.plan_decode(8, 64, 512, 128, 512, 132).block_h == 64
+    for bad in (dict(block_h=24), dict(num_stages=0), dict(num_warps=2), dict(num_splits=0), dict(num_splits=33)):
         with pytest.raises(ValueError):
             sap.PrefillAttentionConfig(**(dict(block_h=64, num_warps=8, num_stages=2) | bad))
 
@@ -115,21 +136,23 @@ FLASH_STACK_CEILING = 768
 
 
 @pytest.mark.skipif(INTERPRETED, reason="needs the compiled kernels")
-def test_hopper_build_of_the_flash_plan():
-    """The planned Flash launch (64 heads, D 512, 8 warps) builds for sm_90 with `wgmma` products,
-    the key rows copied asynchronously (cp.async) into shared memory within Hopper's 227 KiB a
-    block, and at most FLASH_STACK_CEILING bytes of spills."""
+@pytest.mark.parametrize("splits", [1, 10], ids=["prefill", "decode_splits"])
+def test_hopper_build_of_the_flash_plan(splits):
+    """The planned Flash launch (64 heads, D 512, 8 warps; one split, and the 10 of a small decode
+    batch) builds for sm_90 with `wgmma` products, the key rows copied asynchronously (cp.async) into
+    shared memory within Hopper's 227 KiB a block, and at most FLASH_STACK_CEILING bytes of spills."""
     k = sap._prefill_attn_kernel
     cfg = sap.plan(64, 512)
-    consts = dict(BLOCK_H=cfg.block_h, BLOCK_P=256, BLOCK_N=sap.BLOCK_N, HAS_COMP=True,
+    consts = dict(BLOCK_H=cfg.block_h, BLOCK_P=256, BLOCK_N=sap.BLOCK_N, HAS_COMP=True, NUM_SPLITS=splits,
                   DOT_FP32=False)
     pointers = {"q_ptr": "*bf16", "swa_ptr": "*bf16", "comp_ptr": "*bf16", "swa_slots_ptr": "*i32",
-                "comp_slots_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*bf16"}
+                "comp_slots_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
+                "part_acc_ptr": "*fp32" if splits > 1 else "*bf16", "part_ml_ptr": "*fp32" if splits > 1 else "*bf16"}
     signature = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n == "qk_scale_log2" else "i32")
                  for n in k.arg_names}
     # the launcher specialises 16-divisible integers and 16-byte aligned pointers (every Flash argument)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(k.arg_names)
-             if signature[n] not in ("constexpr", "fp32")}
+             if signature[n] not in ("constexpr", "fp32") and n != "tiles_per_split"}
     compiled, usage = compile_for_sm90(k, signature, consts, {"num_warps": cfg.num_warps,
                                                               "num_stages": cfg.num_stages}, attrs)
     ptx = compiled.asm["ptx"]
@@ -159,3 +182,17 @@ def test_gpu_flash_shape_matches_oracle(n):
 def test_gpu_tiny_shape_matches_oracle(config):
     q, swa, ss, comp, cs, sink = random_case(n=37, slots=200, seed=201, device="cuda", **TINY)
     check_against_oracle(Wide(config), q, swa, ss, comp, cs, sink, TINY["dim"] ** -0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 8, 64])
+def test_gpu_flash_decode_splits_match_oracle(n):
+    """Flash decode shapes under `plan_decode` (10 / 10 / 3 key splits on 132 multiprocessors; what the
+    device has), SWA holes and a query whose SWA list is empty: the oracle bounds after the merge."""
+    from sglang_dsv41.kernels import sparse_attention as sa
+    args = random_case(n=n, slots=4096, seed=950 + n, heads=64, dim=512, window=128, topk=512, hole_frac=0.05,
+                       device="cuda", slot_dtype=torch.int32)
+    args[2][0, :] = -1
+    cfg = sap.plan_decode(n, 64, 512, 128, 512, sa.device_sm_count(torch.device("cuda")))
+    assert cfg.num_splits > 1
+    check_against_oracle(Wide(cfg), *args, 512 ** -0.5)
