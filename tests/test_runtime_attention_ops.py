@@ -407,6 +407,29 @@ def test_kernel_choices_come_from_the_environment(monkeypatch) -> None:
         attention_ops.KernelAttentionOps(fake, SimpleNamespace())
 
 
+def test_wide_decode_opt_in(monkeypatch) -> None:
+    """SGLANG_DSV41_ATTN_DECODE=wide: a decode batch (no workspace) goes to the `wide` kernel under its
+    module's `plan_decode` with the device's multiprocessors, its compressed keys as given (None for an
+    SWA-only layer); refused in deterministic mode (the split count follows the batch size)."""
+    from sglang_dsv41.kernels import sparse_attention_prefill as sap
+    monkeypatch.setenv("SGLANG_DSV41_ATTN_DECODE", "wide")
+    seen: list[tuple] = []
+    fake = SimpleNamespace(device_sm_count=lambda device: 132, plan_config=kernel_attention.plan_config)
+    ops = attention_ops.KernelAttentionOps(fake, SimpleNamespace())
+    assert ops.decode == "wide" and "'wide' decode" in ops.description
+
+    def wide_call(q, swa, ss, comp, cs, sink, scale, *, config):
+        seen.append((comp is None, cs is None, config))
+        return torch.zeros_like(q)
+    ops._wide = SimpleNamespace(prefill_sink_attention=wide_call, plan_decode=sap.plan_decode)
+    q, sink = torch.zeros(8, 64, 512), torch.zeros(64)
+    swa, slots = torch.zeros(4, 512, dtype=torch.bfloat16), torch.zeros(8, 128, dtype=torch.long)
+    ops.attend(q, sink, swa, slots, None, None)
+    assert seen == [(True, True, sap.plan_decode(8, 64, 512, 128, 0, 132))] and seen[0][2].num_splits == 2
+    with pytest.raises(ValueError, match="SGLANG_DSV41_ATTN_DECODE=wide is not available"):
+        attention_ops.KernelAttentionOps(fake, SimpleNamespace(), deterministic=True)
+
+
 # ---- a prefix hit's extend: the CUDA path's host work does not grow with the context -------------
 
 #: aten ops that wait for a CUDA device (`.item()`, `int()` / `bool()` of a tensor, `.tolist()`, …)

@@ -101,8 +101,10 @@ ATTENTION_SPLITS_ENV, ATTENTION_SPLITS = "SGLANG_DSV41_ATTN_SPLITS", ("one", "de
 #: `triton` above; 1.1–1.6× faster attention at 8–256 queries and the serving contract's 100 % top-1 on the
 #: H200), or one FlashMLA launch (`flashmla`, opt-in: `attention_flashmla.decode_attend`) for batches of
 #: FLASHMLA_DECODE_QUERIES queries, the Triton kernel otherwise — 4.6× faster at 256 queries, but the
-#: serving contract measured 98.2–98.6 % top-1 with it against its 99 % (docs/performance.md "Session 23").
-ATTENTION_DECODE_ENV, ATTENTION_DECODES = "SGLANG_DSV41_ATTN_DECODE", ("auto", "triton", "gather", "flashmla")
+#: serving contract measured 98.2–98.6 % top-1 with it against its 99 % (docs/performance.md "Session 23"),
+#: or `wide` (opt-in, serving mode only): the BF16 rows read by the prefill's `wide` kernel with its key tiles
+#: split over the multiprocessors (`kernels.sparse_attention_prefill.plan_decode`; docs/performance.md "Session 37").
+ATTENTION_DECODE_ENV, ATTENTION_DECODES = "SGLANG_DSV41_ATTN_DECODE", ("auto", "triton", "gather", "flashmla", "wide")
 #: query counts of a batch the flashmla decode launches FlashMLA for: one query runs the split-KV Triton
 #: kernel (26 against 30 µs per Flash layer on the H200); past the largest decode graph the per-query
 #: gathered rows (N × 640 KB) are not worth their memory
@@ -257,9 +259,9 @@ class KernelAttentionOps:
             raise ValueError(f"KernelAttentionOps: splits {self.splits!r} / head_sum {self.head_sum!r} / prefill "
                              f"{self.prefill!r} / decode {self.decode!r} not in {ATTENTION_SPLITS} / "
                              f"{INDEXER_HEAD_SUMS} / {AP.PREFILL_CHOICES} / {ATTENTION_DECODES}")
-        if self.decode == "flashmla" and deterministic:
-            raise ValueError(f"{ATTENTION_DECODE_ENV}=flashmla is not available with "
-                             "--enable-deterministic-inference (FlashMLA is not batch invariant)")
+        if self.decode in ("flashmla", "wide") and deterministic:
+            raise ValueError(f"{ATTENTION_DECODE_ENV}={self.decode} is not available with "
+                             "--enable-deterministic-inference (its launch depends on the batch size)")
         if self.prefill == "flashmla" and deterministic:
             raise ValueError("KernelAttentionOps: the flashmla prefill is not available in deterministic mode")
         #: `attention_flashmla.FlashMLAPlan` and kernel, set by `planned` (a `flashmla` choice launches
@@ -330,15 +332,6 @@ class KernelAttentionOps:
             return FM.decode_attend(self.flashmla_kernel, self.flashmla_plan, q, sink, swa_cache, swa_slots, comp,
                                     comp_entries if comp is not None else None, softmax_scale(D))
         K = 0 if comp_entries is None else comp_entries.shape[1]
-        if workspace is not None:      # `wide`: its kernel plans itself
-            plan = (None if self.prefill == "wide" else
-                    self.sparse_attention.plan_prefill_config(N, H, D, swa_slots.shape[1], K))
-        elif self.splits == "decode":
-            plan = self.sparse_attention.plan_decode_config(
-                N, H, D, swa_slots.shape[1], K, sm_count=self.sparse_attention.device_sm_count(q.device))
-        else:
-            plan = dataclasses.replace(self.sparse_attention.plan_config(N, H, D, swa_slots.shape[1], K, sm_count=1),
-                                       num_splits=ATTENTION_KEY_SPLITS)
         comp_cache = None
         if workspace is not None:
             comp_cache, comp_entries = workspace
@@ -346,12 +339,26 @@ class KernelAttentionOps:
                 raise ValueError(f"attend: workspace rows {tuple(comp_entries.shape)}, expected {(N, K)}")
         elif packed is not None and comp_entries is not None:
             comp_cache = self._packed_latents(packed)
-            if self.decode == "gather" or (self.decode == "auto" and N <= GATHER_DECODE_MAX_QUERIES):
+            if self.decode in ("gather", "wide") or (self.decode == "auto" and N <= GATHER_DECODE_MAX_QUERIES):
                 comp_cache, comp_entries = _gathered_rows(comp_cache, comp_entries, packed, memo)
         if workspace is not None and self.prefill == "wide":
             return self._wide_kernel().prefill_sink_attention(
                 q.to(torch.bfloat16), swa_cache, swa_slots, comp_cache, comp_entries, sink.to(torch.float32),
                 softmax_scale(D))
+        if workspace is None and self.decode == "wide":         # key splits planned by the kernel's module
+            wide = self._wide_kernel()
+            return wide.prefill_sink_attention(
+                q.to(torch.bfloat16), swa_cache, swa_slots, comp_cache, comp_entries if comp_cache is not None else None,
+                sink.to(torch.float32), softmax_scale(D),
+                config=wide.plan_decode(N, H, D, swa_slots.shape[1], K, self.sparse_attention.device_sm_count(q.device)))
+        if workspace is not None:
+            plan = self.sparse_attention.plan_prefill_config(N, H, D, swa_slots.shape[1], K)
+        elif self.splits == "decode":
+            plan = self.sparse_attention.plan_decode_config(
+                N, H, D, swa_slots.shape[1], K, sm_count=self.sparse_attention.device_sm_count(q.device))
+        else:
+            plan = dataclasses.replace(self.sparse_attention.plan_config(N, H, D, swa_slots.shape[1], K, sm_count=1),
+                                       num_splits=ATTENTION_KEY_SPLITS)
         o = self.sparse_attention.sparse_sink_attention(
             q.to(torch.bfloat16), swa_cache, swa_slots, comp_cache, comp_entries if comp_cache is not None else None,
             sink.to(torch.float32), softmax_scale(D), config=plan)
