@@ -623,3 +623,39 @@ def test_gpu_teacher_forced_contract_with_the_flashmla_decode(tiny_checkpoint, m
 
     monkeypatch.setenv(attention_ops.ATTENTION_DECODE_ENV, "flashmla")
     _flashmla_contract(tiny_checkpoint, "decode")
+
+
+@pytest.mark.gpu
+def test_gpu_teacher_forced_contract_with_the_wide_decode(tiny_checkpoint, monkeypatch) -> None:
+    """SGLANG_DSV41_ATTN_DECODE=wide: every batch without the prefill workspace runs the `wide` kernel over
+    BF16 rows with its key tiles split (`sparse_attention_prefill.plan_decode`; every launch counted, one
+    with more than one split at least); the end-to-end contract holds at the serving bar."""
+    from runtime_scenarios import measure_contract, runtime_engine
+    from sglang_dsv41.reference.model import ReferenceModel
+    from sglang_dsv41.runtime import attention_ops
+
+    monkeypatch.setenv(attention_ops.ATTENTION_DECODE_ENV, "wide")
+    attention_ops.kernel_ops.cache_clear()           # the kernel ops read their switches when made
+    try:
+        reference = ReferenceModel.from_checkpoint(tiny_checkpoint)
+        engine = runtime_engine(tiny_checkpoint, DEVICE, deterministic=False)
+        ops = engine.attention_ops
+        assert ops.decode == "wide", ops.description
+        wide = ops._wide_kernel()
+        splits: list[int] = []
+
+        class Counted:
+            plan_decode = staticmethod(wide.plan_decode)
+
+            @staticmethod
+            def prefill_sink_attention(*args, config=None, **kwargs):
+                splits.append(config.num_splits if config is not None else 0)
+                return wide.prefill_sink_attention(*args, config=config, **kwargs)
+        ops._wide = Counted
+        m = measure_contract(engine, DEVICE, reference, GREEDY_STEPS)
+    finally:
+        attention_ops.kernel_ops.cache_clear()
+    print("\n" + m.summary(f"CUDA w8a8_f16 + wide decode ({len(splits)} launches, splits {sorted(set(splits))})"))
+    assert splits and max(splits) > 1, splits
+    assert m.top1 >= MIN_TOP1_AGREEMENT
+    assert m.worst_logit_diff <= LOGIT_BOUND, m.worst_logit_diff
