@@ -32,28 +32,9 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 from plotting import pyplot, save_png  # noqa: E402
+from sparse_attention import HEAD_DIM, HEADS, HOLE_FRACTION, SEQ_LEN, TOPK, WINDOW, decode_case  # noqa: E402
 
-HEADS, HEAD_DIM, WINDOW, TOPK = 64, 512, 128, 512
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-SEQ_LEN = 4096
-HOLE_FRACTION = 0.02
-
-
-def decode_case(n: int, device: torch.device, seed: int) -> dict:
-    """n queries of distinct requests, each over its SWA window and K selected compressed rows."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    g_dev = torch.Generator(device=device).manual_seed(seed)
-    pool = n * SEQ_LEN + 1
-    swa = torch.randn(pool, HEAD_DIM, generator=g_dev, device=device).to(torch.bfloat16)
-    comp = torch.randn(pool, HEAD_DIM, generator=g_dev, device=device).to(torch.bfloat16)
-    slot_of = (torch.randperm(pool - 1, generator=g) + 1).view(n, SEQ_LEN)
-    picks = torch.rand(n, SEQ_LEN, generator=g).argsort(dim=1)[:, :TOPK].sort(dim=1).values
-    comp_slots = torch.gather(slot_of, 1, picks)
-    comp_slots[torch.rand(n, TOPK, generator=g) < HOLE_FRACTION] = -1
-    c = dict(q=torch.randn(n, HEADS, HEAD_DIM, generator=g).to(torch.bfloat16), swa_cache=swa,
-             swa_slots=slot_of[:, SEQ_LEN - WINDOW:].to(torch.int32), comp_cache=comp,
-             comp_slots=comp_slots.to(torch.int32), sink=torch.randn(HEADS, generator=g))
-    return {k: v.to(device) for k, v in c.items()}
 
 
 def oracle(c: dict, scale: float) -> torch.Tensor:
