@@ -145,17 +145,23 @@ def _prefill_attn_kernel(
     acc_a = tl.zeros([BLOCK_P, BLOCK_H], tl.float32)
     acc_b = tl.zeros([BLOCK_P, BLOCK_H], tl.float32)
     swa_tiles = tl.cdiv(n_swa, BLOCK_N)
-    tile_lo = split * tiles_per_split
-    tile_hi = tile_lo + tiles_per_split
+    comp_tiles = tl.cdiv(n_comp, BLOCK_N)
+    if NUM_SPLITS == 1:                   # every tile: the prefill's loops, as before splits existed
+        swa_lo, swa_hi, comp_lo, comp_hi = 0, swa_tiles, 0, comp_tiles
+    else:                                 # tiles [lo, hi) of the SWA tiles followed by the compressed ones
+        tile_lo = split * tiles_per_split
+        tile_hi = tile_lo + tiles_per_split
+        swa_lo, swa_hi = tile_lo, tl.minimum(tile_hi, swa_tiles)
+        comp_lo, comp_hi = tl.maximum(tile_lo - swa_tiles, 0), tl.minimum(tile_hi - swa_tiles, comp_tiles)
     swa_slots = swa_slots_ptr + t.to(tl.int64) * swa_slots_stride
-    for tile in range(tile_lo, tl.minimum(tile_hi, swa_tiles)):
+    for tile in range(swa_lo, swa_hi):
         valid, k_a, k_b = _keys_tile(swa_ptr, swa_row_stride, swa_slots, tile * BLOCK_N, n_swa, offs_n, offs_p,
                                      p_mask, half)
         acc_a, acc_b, m_i, l_i = _attend_keys(acc_a, acc_b, m_i, l_i, qt_a, qt_b, k_a, k_b, valid, qk_scale_log2,
                                               DOT_FP32)
     if HAS_COMP:
         comp_slots = comp_slots_ptr + t.to(tl.int64) * comp_slots_stride
-        for tile in range(tl.maximum(tile_lo - swa_tiles, 0), tl.minimum(tile_hi - swa_tiles, tl.cdiv(n_comp, BLOCK_N))):
+        for tile in range(comp_lo, comp_hi):
             valid, k_a, k_b = _keys_tile(comp_ptr, comp_row_stride, comp_slots, tile * BLOCK_N, n_comp, offs_n,
                                          offs_p, p_mask, half)
             acc_a, acc_b, m_i, l_i = _attend_keys(acc_a, acc_b, m_i, l_i, qt_a, qt_b, k_a, k_b, valid,
