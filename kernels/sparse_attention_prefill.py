@@ -25,6 +25,10 @@ K = P products for the logits, two accumulators; measured 4 % faster than whole 
 BF16 rows loaded as they are. The logits therefore sum the dims in another order than
 `sparse_attention` (evens, then odds): the outputs may differ by an ulp where the exact value lies
 near a rounding point. The sink is folded into the running state (m₀ = sink, l₀ = 1), as in `sparse_attention`.
+
+Decode batches (`plan_decode`) split a query's key tiles over several programs (flash-decoding): each writes its
+(m, l, unnormalised acc) to `sparse_attention`'s fp32 scratch and that module's merge kernel adds the sink, so
+the bits depend on the split count. One split keeps the loops above unchanged.
 """
 from __future__ import annotations
 

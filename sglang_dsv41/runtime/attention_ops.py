@@ -314,7 +314,8 @@ class KernelAttentionOps:
         contract §5), or — `workspace` = (BF16 rows, rows [N, K]) from `prefill_workspace` — from
         the BF16 workspace by row, launched with `plan_prefill_config` (one split, as either mode's
         plan at the workspace's ≥ PREFILL_MIN_QUERIES queries); `workspace` =
-        `attention_flashmla.FlashMLAInputs` (the `flashmla` choice): one FlashMLA launch instead.
+        `attention_flashmla.FlashMLAInputs` (the `flashmla` choice): one FlashMLA launch instead. The `wide`
+        decode choice: a decode batch's BF16 rows read by `kernels.sparse_attention_prefill` under its `plan_decode`.
         `memo` (one forward's dict): the gathered BF16 rows are made once per (kv source, entries
         tensor) and reused by the later layers that pass both again."""
         if swa_cache.dtype != torch.bfloat16:
