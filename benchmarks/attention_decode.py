@@ -62,17 +62,18 @@ def candidates(n: int, splits: list[int], sm_count: int) -> dict:
     from sglang_dsv41.kernels import sparse_attention as sa
     from sglang_dsv41.kernels import sparse_attention_prefill as sap
 
+    serving_plan = sa.plan_decode_config(n, HEADS, HEAD_DIM, WINDOW, TOPK, sm_count)
+
     def serving(c, scale):
-        cfg = sa.plan_decode_config(n, HEADS, HEAD_DIM, WINDOW, TOPK, sm_count)
         return lambda: sa.sparse_sink_attention(c["q"], c["swa_cache"], c["swa_slots"], c["comp_cache"],
-                                                c["comp_slots"], c["sink"], scale, config=cfg)
+                                                c["comp_slots"], c["sink"], scale, config=serving_plan)
 
     def wide(cfg):
         return lambda c, scale: lambda: sap.prefill_sink_attention(
             c["q"], c["swa_cache"], c["swa_slots"], c["comp_cache"], c["comp_slots"], c["sink"], scale, config=cfg)
 
     plan = sap.plan_decode(n, HEADS, HEAD_DIM, WINDOW, TOPK, sm_count)
-    out = {"decode": (serving, sa.plan_decode_config(n, HEADS, HEAD_DIM, WINDOW, TOPK, sm_count).num_splits),
+    out = {"decode": (serving, serving_plan.num_splits),
            "wide": (wide(plan), plan.num_splits)}
     for s in splits:
         if s != plan.num_splits:
@@ -82,15 +83,10 @@ def candidates(n: int, splits: list[int], sm_count: int) -> dict:
 
 
 def time_graph(fn, reps: int = 50) -> float:
-    """µs per call of fn replayed in a CUDA graph (no L2 flush)."""
+    """µs per call of fn replayed in a CUDA graph (`step_timing.capture_graph`; no L2 flush)."""
     import triton.testing
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            fn()
-    torch.cuda.synchronize()
+    from step_timing import capture_graph
+    graph = capture_graph([fn], warmup_calls=2)
     return triton.testing.do_bench(graph.replay, warmup=10, rep=reps, return_mode="median") * 1e3
 
 
