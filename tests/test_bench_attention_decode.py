@@ -43,6 +43,7 @@ def test_candidates_name_the_plan_and_the_sweep():
 
 
 def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")          # an optional extra: the CI host has none
     rows = [dict(n=n, decode=dict(splits=1, graph_us=10.0 * n, l2_flushed_us=12.0 * n),
                  wide=dict(splits=2, graph_us=5.0 * n, l2_flushed_us=6.0 * n), wide_s1=dict(splits=1, ulps_vs_oracle=3.0))
             for n in (1, 8)]
