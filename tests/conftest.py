@@ -31,12 +31,12 @@ torch.set_num_threads(1)
 settings.register_profile("host_independent", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("host_independent")
 
-# Triton 3.6's interpreter and NumPy ≥ 2.4 (tests/triton_interp_compat.py): only child runs under
-# TRITON_INTERPRET=1 need it.
+# Triton 3.6's interpreter under NumPy ≥ 2.4, and its nested device calls without a rescan of
+# triton.language (tests/triton_interp_compat.py). The wraps touch only the interpreter: child runs
+# under TRITON_INTERPRET=1 and the interpreted module copies some tests make in this process.
 import triton_interp_compat  # noqa: E402
 
-if triton_interp_compat.needed():
-    triton_interp_compat.install()
+triton_interp_compat.install()
 
 
 def pytest_configure(config: pytest.Config) -> None:

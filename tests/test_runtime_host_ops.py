@@ -76,8 +76,8 @@ def test_cuda_path_host_work_is_bounded_and_flat_in_context(tiny_checkpoint, tmp
     procs = []
     for prefix in (64, 1024):                  # one process a case, side by side on two cores
         out, log = tmp_path / f"host_ops_{prefix}.json", tmp_path / f"host_ops_{prefix}.log"
-        cmd = [sys.executable, str(ROOT / "benchmarks" / "host_ops.py"), "--model-path", str(tiny_checkpoint),
-               "--cases", str(prefix), "32", "--out", str(out)]
+        cmd = [sys.executable, str(ROOT / "tests" / "interp_run.py"), str(ROOT / "benchmarks" / "host_ops.py"),
+               "--model-path", str(tiny_checkpoint), "--cases", str(prefix), "32", "--out", str(out)]
         with log.open("w") as sink:
             procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT), out, log))
     cases = []
