@@ -104,7 +104,7 @@ def test_flashmla_decode_within_the_bound_of_the_triton_math(heads, dim):
     (4 × 96) and native (64 × 512); q from a different query is outside it."""
     from sglang_dsv41.numerics.geometry import softmax_scale
     from sglang_dsv41.runtime import attention_flashmla as FM
-    from sglang_dsv41.runtime import attention_ops
+    from sglang_dsv41.runtime import attention_ops_torch
     from test_runtime_attention_flashmla import HOPPER, emulate_sparse_fwd
 
     n = 3
@@ -114,10 +114,10 @@ def test_flashmla_decode_within_the_bound_of_the_triton_math(heads, dim):
     sink = torch.randn(heads, generator=g)
     plan = FM.plan_flashmla(heads, dim, HOPPER)
     got = FM.decode_attend(emulate_sparse_fwd, plan, q, sink, swa, swa_slots, src, entries, softmax_scale(dim)).float()
-    sk, sv = attention_ops.gather_rows(swa, swa_slots)
-    ck, cv = attention_ops.gather_rows(latents, entries)
+    sk, sv = attention_ops_torch.gather_rows(swa, swa_slots)
+    ck, cv = attention_ops_torch.gather_rows(latents, entries)
     keys, valid = torch.cat((sk, ck), 1), torch.cat((sv, cv), 1)
-    want = attention_ops.attend_with_sink(q.float(), keys, sink, valid)
+    want = attention_ops_torch.attend_with_sink(q.float(), keys, sink, valid)
     key_max = torch.where(valid[..., None], keys.float().abs(), 0.0).amax((1, 2))
     bound = FM.flashmla_bound(key_max[:, None, None], want.abs().amax(-1, keepdim=True))
     assert got.shape == (n, heads, dim)

@@ -26,7 +26,7 @@ import torch
 
 from sglang_dsv41.numerics.geometry import softmax_scale, swa_key_positions
 from sglang_dsv41.runtime import attention_flashmla as FM
-from sglang_dsv41.runtime import attention_ops
+from sglang_dsv41.runtime import attention_ops, attention_ops_torch
 from sglang_dsv41.runtime import attention_prefill as AP
 from sglang_dsv41.runtime.batch import make_layout
 
@@ -95,9 +95,9 @@ CASES = {"one_request": ([0], [300]), "prefixes": ([0, 5, 200, 3], [70, 40, 33, 
 def _triton_semantics(q, sink, swa_cache, swa_slots, workspace, comp_rows):
     """The Triton workspace path's math: `attend_with_sink` (float64, rounded once) over the
     window rows by slot then the workspace rows."""
-    sk, sv = attention_ops.gather_rows(swa_cache, swa_slots)
-    ck, cv = attention_ops.gather_rows(workspace, comp_rows)
-    return attention_ops.attend_with_sink(q.float(), torch.cat((sk, ck), 1), sink, torch.cat((sv, cv), 1))
+    sk, sv = attention_ops_torch.gather_rows(swa_cache, swa_slots)
+    ck, cv = attention_ops_torch.gather_rows(workspace, comp_rows)
+    return attention_ops_torch.attend_with_sink(q.float(), torch.cat((sk, ck), 1), sink, torch.cat((sv, cv), 1))
 
 
 # ---- plan and mode ------------------------------------------------------------------------------

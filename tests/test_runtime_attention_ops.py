@@ -41,7 +41,7 @@ from sglang_dsv41.kernels import indexer as kernel_indexer
 from sglang_dsv41.kernels import sparse_attention as kernel_attention
 from sglang_dsv41.numerics.geometry import softmax_scale
 from sglang_dsv41.numerics.rounding import bf16
-from sglang_dsv41.runtime import attention_ops, attention_prefill, moe_ops
+from sglang_dsv41.runtime import attention_ops, attention_ops_torch, attention_prefill, moe_ops
 from sglang_dsv41.runtime.backend import ExactTorchBackend
 from sglang_dsv41.runtime.mhc_ops import TorchMhc
 from packed_rows_codec import kernel_source_as_runtime_rows
@@ -71,7 +71,7 @@ def engine(tiny_checkpoint) -> tuple[DeepseekV41Config, TorchForward]:
 
 def test_cpu_uses_the_torch_path() -> None:
     assert attention_ops.ops_for(CPU) is attention_ops.TORCH_OPS
-    assert isinstance(attention_ops.TORCH_OPS, attention_ops.TorchAttentionOps)
+    assert isinstance(attention_ops_torch.TORCH_OPS, attention_ops_torch.TorchAttentionOps)
 
 def test_cuda_tensors_use_the_triton_kernels(fresh_kernel_ops) -> None:
     ops = attention_ops.ops_for(torch.device("cuda"))
@@ -103,7 +103,7 @@ def test_prefill_defaults_by_device_and_mode(fresh_kernel_ops, monkeypatch) -> N
     assert not exact_dense.whole_rows and not exact_dense.unpadded and not exact_dense.triton_rows
     for deterministic in (False, True):                                        # CPU: as before session 13
         ops = attention_ops.ops_for(CPU, f32 if not deterministic else torch.float64, deterministic)
-        assert isinstance(ops, attention_ops.TorchAttentionOps)
+        assert isinstance(ops, attention_ops_torch.TorchAttentionOps)
         assert ops.prefill_workspace(None, None, 2, 2, None, None) is None
         assert not hasattr(B.backend_for(CPU, {}, deterministic), "dense")
     monkeypatch.setenv(PREFILL_ENV, "packed")
@@ -155,16 +155,16 @@ def _exact_sparse_sink_attention(calls: list[str]):
         if isinstance(comp_cache, torch.Tensor):    # the prefill workspace: BF16 rows by row index
             assert comp_cache.dtype == torch.bfloat16 and comp_slots.shape[0] == q.shape[0]
             calls.append("workspace")
-            keys, valid = attention_ops.gather_rows(swa_cache, swa_slots)
-            c_keys, c_valid = attention_ops.gather_rows(comp_cache, comp_slots)
-            o = attention_ops.attend_with_sink(q.float(), torch.cat((keys, c_keys), dim=1), sink,
+            keys, valid = attention_ops_torch.gather_rows(swa_cache, swa_slots)
+            c_keys, c_valid = attention_ops_torch.gather_rows(comp_cache, comp_slots)
+            o = attention_ops_torch.attend_with_sink(q.float(), torch.cat((keys, c_keys), dim=1), sink,
                                                torch.cat((valid, c_valid), dim=1))
             return o.to(torch.bfloat16)
         if comp_cache is not None:                  # the kernel's PackedSource → the runtime's decoder
             assert isinstance(comp_cache, kernel_attention.PackedSource) and comp_slots.shape[0] == q.shape[0]
             assert comp_cache.part == "latent"
             packed = kernel_source_as_runtime_rows(comp_cache)
-        o = attention_ops.TORCH_OPS.attend(q.float(), sink, swa_cache, swa_slots, packed, comp_slots)
+        o = attention_ops_torch.TORCH_OPS.attend(q.float(), sink, swa_cache, swa_slots, packed, comp_slots)
         return o.to(torch.bfloat16)
     return sparse_sink_attention
 

@@ -38,7 +38,7 @@ from sglang_dsv41.kernels import moe_mxfp4
 from sglang_dsv41.kernels import sparse_attention as kernel_attention
 from sglang_dsv41.reference.moe import routed_expert
 from sglang_dsv41.reference.ops import bf16
-from sglang_dsv41.runtime import attention_ops, moe_ops
+from sglang_dsv41.runtime import attention_ops, attention_ops_torch, moe_ops
 from sglang_dsv41.runtime.dense_ops import BlockedBf16Gemm
 from sglang_dsv41.runtime.dense_weights import DenseWeightCache
 from sglang_dsv41.runtime.forward import TorchForward
@@ -73,7 +73,7 @@ def _sparse_sink_attention(calls: list[str]):
         with suspended():
             calls.append("attend")
             packed = None if comp_cache is None else _packed_rows(comp_cache)
-            return attention_ops.TORCH_OPS.attend(q.float(), sink, swa_cache, swa_slots, packed,
+            return attention_ops_torch.TORCH_OPS.attend(q.float(), sink, swa_cache, swa_slots, packed,
                                                       comp_slots).to(torch.bfloat16)
     return sparse_sink_attention
 

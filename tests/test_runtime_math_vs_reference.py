@@ -23,7 +23,7 @@ from sglang_dsv41.reference import moe as RM
 from sglang_dsv41.reference import ops
 from sglang_dsv41.runtime import attention_math as M
 from sglang_dsv41.runtime import moe_ops
-from sglang_dsv41.runtime.attention_ops import attend_with_sink
+from sglang_dsv41.runtime.attention_ops_torch import attend_with_sink
 from sglang_dsv41.runtime.backend import ExactTorchBackend
 from sglang_dsv41.runtime.engram_gate import engram_update
 from sglang_dsv41.runtime.indexer_select import run_indexer_cpu

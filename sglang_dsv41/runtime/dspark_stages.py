@@ -7,7 +7,7 @@ attn-hc → SWA-only **block** attention → ffn-hc → MoE with the draft's own
 same keys — the stage's context kv of positions P−W..P−1 (`dspark_kv.DSparkContextKV.window`,
 W = sliding_window, missing positions masked) followed by the read-back kv of **all** γ block
 rows (bidirectional) — with the stage's attn sink. RoPE is the ratio-0 one (base `rope_theta`,
-no YaRN). The math is the runtime's (`attention_math`, `attention_ops.attend_with_sink`,
+no YaRN). The math is the runtime's (`attention_math`, `attention_ops_torch.attend_with_sink`,
 `mhc_ops`, `moe_ops`) on the implementations the draft picked once (`DraftStep`); the block
 rows never write the context store.
 """
@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from ..config import TextConfig
 from ..numerics.profile import CacheProfile
 from .attention_math import output_projection, project_q_kv, swa_cache_roundtrip
-from .attention_ops import attend_with_sink
+from .attention_ops_torch import attend_with_sink
 from .backend import ComputeBackend
 from .layers import HyperConnection, OwnedTensors, RMSNorm
 from .quant_methods import apply_linear
