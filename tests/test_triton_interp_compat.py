@@ -54,7 +54,7 @@ def _pristine(fn):
 def test_target_exists_and_sets_index() -> None:
     """Fails when Triton moves or renames the tensor patcher the shim wraps, or stops setting
     `__index__` through `scope.set_attr` there (what the wrapper overrides)."""
-    module, name = compat.TARGET.rsplit(".", 1)
+    module, name = compat.TENSOR_PATCHER.rsplit(".", 1)
     fn = getattr(importlib.import_module(module), name)
     if not getattr(fn, "_dsv41_index_item", False):
         src = inspect.getsource(fn)

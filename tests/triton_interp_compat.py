@@ -1,7 +1,7 @@
 """Triton 3.6's interpreter under our tests (test-only; compiled kernels are not affected).
 
-Two wraps, both installed by `install` in a process with ``TRITON_INTERPRET=1`` (`tests/conftest.py`,
-`tests/interp_run.py`); the guard tests (`tests/test_triton_interp_compat.py`) fail when a wrapped
+Two wraps, both installed by `install` in every test process (`tests/conftest.py`) and in the scripts
+`tests/interp_run.py` runs; they change only what the interpreter does. The guard tests (`tests/test_triton_interp_compat.py`) fail when a wrapped
 function moves or stops doing what the wrap assumes.
 
 * NumPy ≥ 2.4 (`TENSOR_PATCHER`): the interpreter turns each integer kernel argument into a
@@ -11,7 +11,7 @@ function moves or stops doing what the wrap assumes.
   2.4.6). The wrap makes `__index__` read the single element.
 * Nested device calls (`LANG_PATCHER`, `GRID_CALL`): every call of a `@triton.jit` helper inside a
   kernel re-runs the language patcher, which scans `triton.language` with `inspect.getmembers`
-  (about 0.5 ms). Inside a launch that has already patched the same language modules the rescan
+  (under a millisecond a call). Inside a launch that has already patched the same language modules the rescan
   finds nothing left to patch (the builtins it looks for are already wrapped) and only re-sets the
   same stateless attributes, so the wrap skips it. A third of the interpreter's time in a forward
   of the tiny checkpoint went there (docs/validation.md, "CI time").
@@ -19,12 +19,10 @@ function moves or stops doing what the wrap assumes.
 from __future__ import annotations
 
 import inspect
-import os
 
 TENSOR_PATCHER = "triton.runtime.interpreter._patch_lang_tensor"
 LANG_PATCHER = "triton.runtime.interpreter._patch_lang"
 GRID_CALL = "triton.runtime.interpreter.GridExecutor.__call__"
-TARGET = TENSOR_PATCHER   # the NumPy wrap's target (kept for its guard test)
 
 
 def numpy_needs_index_fix() -> bool:
@@ -32,11 +30,6 @@ def numpy_needs_index_fix() -> bool:
 
     major, minor = (int(x) for x in np.__version__.split(".")[:2])
     return (major, minor) >= (2, 4)
-
-
-def needed() -> bool:
-    """True in an interpreter process (the nested-call wrap pays in every one)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def install() -> bool:
