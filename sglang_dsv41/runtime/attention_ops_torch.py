@@ -1,6 +1,7 @@
-"""The CPU implementation of `attention_ops.AttentionOps` (spec §3.4.4, §3.4.5): attention on gathered rows and
+"""The torch implementation of `attention_ops.AttentionOps` (spec §3.4.4, §3.4.5): attention on gathered rows and
 decoded packed entries, the indexer per request, summed in `acc` (float64: bit-identical to `ReferenceModel`;
-fp32: the CPU serving path). `attention_ops.ops_for` picks it for CPU tensors.
+fp32: the CPU serving path). `attention_ops.ops_for` picks it for CPU tensors. `attend_with_sink` runs on any
+device: the DSpark draft layer calls it on CUDA too (`dspark_stages`), where it checks without a host sync.
 """
 from __future__ import annotations
 
