@@ -57,8 +57,10 @@ def install_index_fix() -> None:
 
 
 class _NothingToRestore:
+    """The scope of a skipped patch."""
+
     def restore(self) -> None:
-        pass
+        """Nothing was patched, so nothing is restored."""
 
 
 def install_nested_call_skip() -> None:
