@@ -4,6 +4,8 @@
 #   BUDGET=590 bash scripts/gpu/session37.sh
 # Steps (STEPS, in this order by default):
 #   tests     the wide kernel's GPU tests (its decode splits included)
+#   ops       the GPU tests of the modules that use the attention ops (session 38 moved the CPU ops out of
+#             runtime/attention_ops.py; the CUDA side changed only imports)
 #   bench     benchmarks/attention_decode.py: the serving decode kernel against `wide` with key splits at
 #             BATCHES (default 1 8 16 64 256), each output checked against the oracle first
 #   contract  the teacher-forced contract with SGLANG_DSV41_ATTN_DECODE=wide
@@ -24,6 +26,11 @@ for step in ${STEPS:-tests bench contract step}; do
       timeout -s INT -k 10 "$(cap 120)" python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml "$OUT/wide_tests.xml" \
         tests/test_kernels_sparse_attention_prefill.py >"$OUT/tests/wide_tests.log" 2>&1
       tests_result wide_attention_gpu_tests "$OUT/wide_tests.xml" $? ;;
+    ops)
+      timeout -s INT -k 10 "$(cap 180)" python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml "$OUT/ops_tests.xml" \
+        tests/test_runtime_forward_gpu.py tests/test_kernels_key_gather.py tests/test_runtime_attention_flashmla.py \
+        tests/test_runtime_cuda_graph_gpu.py >"$OUT/tests/ops_tests.log" 2>&1
+      tests_result attention_ops_gpu_tests "$OUT/ops_tests.xml" $? ;;
     bench)
       # shellcheck disable=SC2086
       timeout -k 10 "$(cap 200)" python3 benchmarks/attention_decode.py --out "$OUT" --batches ${BATCHES:-1 8 16 64 256} \
