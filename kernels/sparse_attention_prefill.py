@@ -75,14 +75,14 @@ def plan(num_heads: int, head_dim: int) -> PrefillAttentionConfig:
 
 def plan_decode(num_queries: int, num_heads: int, head_dim: int, window: int, topk: int,
                 sm_count: int) -> PrefillAttentionConfig:
-    """`plan` with the key tiles of a query split over as many programs as fill the multiprocessors once
-    (⌈sm_count / (queries · head blocks)⌉, at most one split per tile and MAX_SPLITS). The split count
-    depends on the batch's size, so a query's bits do too (the serving mode's decode, not the
-    deterministic one's)."""
+    """`plan` with the key tiles of a query split over as many programs as the multiprocessors hold
+    without a second wave (⌊sm_count / (queries · head blocks)⌋, at least 1, at most one split per tile
+    and MAX_SPLITS). The split count depends on the batch's size, so a query's bits do too (the serving
+    mode's decode, not the deterministic one's)."""
     base = plan(num_heads, head_dim)
     tiles = triton.cdiv(window, BLOCK_N) + triton.cdiv(topk, BLOCK_N)
     programs = max(1, num_queries) * triton.cdiv(num_heads, base.block_h)
-    splits = max(1, min(tiles, MAX_SPLITS, triton.cdiv(sm_count, programs)))
+    splits = max(1, min(tiles, MAX_SPLITS, sm_count // programs))
     return PrefillAttentionConfig(base.block_h, base.num_warps, base.num_stages, splits)
 
 

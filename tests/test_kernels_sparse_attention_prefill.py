@@ -116,12 +116,13 @@ def test_empty_batch_and_input_errors():
 
 def test_plan_and_config_rules():
     """Every head of a query in one program up to 64, 8 warps, 2 stages; the decode plan splits the 10
-    Flash key tiles over the multiprocessors (132: a split a tile up to 8 queries, one split from 132);
+    Flash key tiles over the multiprocessors without a second wave (132: a split a tile up to 13 queries,
+    two from 44 to 66, one from 67);
     bad configs raise."""
     assert sap.plan(64, 512) == sap.PrefillAttentionConfig(block_h=64, num_warps=8, num_stages=2)
     assert sap.plan(4, 96).block_h == 16 and sap.plan(128, 512).block_h == 64
-    splits = {n: sap.plan_decode(n, 64, 512, 128, 512, 132).num_splits for n in (1, 8, 16, 64, 132, 256)}
-    assert splits == {1: 10, 8: 10, 16: 9, 64: 3, 132: 1, 256: 1}
+    splits = {n: sap.plan_decode(n, 64, 512, 128, 512, 132).num_splits for n in (1, 8, 13, 16, 64, 66, 67, 256)}
+    assert splits == {1: 10, 8: 10, 13: 10, 16: 8, 64: 2, 66: 2, 67: 1, 256: 1}
     assert sap.plan_decode(8, 64, 512, 128, 512, 132).block_h == 64
     for bad in (dict(block_h=24), dict(num_stages=0), dict(num_warps=2), dict(num_splits=0), dict(num_splits=33)):
         with pytest.raises(ValueError):
@@ -187,7 +188,7 @@ def test_gpu_tiny_shape_matches_oracle(config):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [1, 8, 64])
 def test_gpu_flash_decode_splits_match_oracle(n):
-    """Flash decode shapes under `plan_decode` (10 / 10 / 3 key splits on 132 multiprocessors; what the
+    """Flash decode shapes under `plan_decode` (10 / 10 / 2 key splits on 132 multiprocessors; what the
     device has), SWA holes and a query whose SWA list is empty: the oracle bounds after the merge."""
     from sglang_dsv41.kernels import sparse_attention as sa
     args = random_case(n=n, slots=4096, seed=950 + n, heads=64, dim=512, window=128, topk=512, hole_frac=0.05,

@@ -430,6 +430,37 @@ def test_wide_decode_opt_in(monkeypatch) -> None:
         attention_ops.KernelAttentionOps(fake, SimpleNamespace(), deterministic=True)
 
 
+def test_auto_decode_takes_wide_by_batch_size(monkeypatch) -> None:
+    """The serving default `auto`: one query to the split-KV decode kernel on BF16 rows, 2 … 256 to the
+    `wide` kernel under `plan_decode`, more to the decode kernel on the packed rows; with
+    `--enable-deterministic-inference` an explicit `auto` never takes `wide` (its splits follow the batch)."""
+    from sglang_dsv41.kernels import sparse_attention_prefill as sap
+    monkeypatch.delenv("SGLANG_DSV41_ATTN_DECODE", raising=False)
+    seen: list[tuple] = []
+
+    def decode_call(q, swa, ss, comp, cs, sink, scale, *, config):
+        seen.append(("decode", q.shape[0]))
+        return torch.zeros_like(q)
+
+    def wide_call(q, swa, ss, comp, cs, sink, scale, *, config):
+        seen.append(("wide", q.shape[0], config.num_splits))
+        return torch.zeros_like(q)
+    fake = SimpleNamespace(device_sm_count=lambda device: 132, plan_config=kernel_attention.plan_config,
+                           plan_decode_config=kernel_attention.plan_decode_config, sparse_sink_attention=decode_call)
+    serving = attention_ops.KernelAttentionOps(fake, SimpleNamespace())
+    exact = attention_ops.KernelAttentionOps(fake, SimpleNamespace(), deterministic=True, decode="auto")
+    assert serving.decode == "auto" and exact.decode == "auto"
+    for ops in (serving, exact):
+        ops._wide = SimpleNamespace(prefill_sink_attention=wide_call, plan_decode=sap.plan_decode)
+    swa, sink = torch.zeros(4, 512, dtype=torch.bfloat16), torch.zeros(64)
+    for n in (1, 2, 64, 256, 257):
+        serving.attend(torch.zeros(n, 64, 512), sink, swa, torch.zeros(n, 128, dtype=torch.long), None, None)
+    assert seen == [("decode", 1), ("wide", 2, 2), ("wide", 64, 2), ("wide", 256, 1), ("decode", 257)]
+    seen.clear()
+    exact.attend(torch.zeros(8, 64, 512), sink, swa, torch.zeros(8, 128, dtype=torch.long), None, None)
+    assert seen == [("decode", 8)]
+
+
 # ---- a prefix hit's extend: the CUDA path's host work does not grow with the context -------------
 
 #: aten ops that wait for a CUDA device (`.item()`, `int()` / `bool()` of a tensor, `.tolist()`, …)
@@ -466,9 +497,11 @@ class _NoLaunch:
 
 def _shape_only_kernels(monkeypatch) -> attention_ops.KernelAttentionOps:
     """`KernelAttentionOps` (serving mode, one split) over stand-ins of the Triton launches that only
-    give the right shapes (no values, no host sync): the two kernels, and the serving default's key
-    gather (`auto`: BF16 rows at decode sizes) launching nothing; everything else is the real module code."""
+    give the right shapes (no values, no host sync): the decode, `wide` and indexer kernels, and the serving
+    default's key gather (`auto`: BF16 rows at decode sizes) launching nothing; everything else (the
+    `wide` kernel's `plan_decode` included) is the real module code."""
     from sglang_dsv41.kernels import key_gather
+    from sglang_dsv41.kernels import sparse_attention_prefill as sap
 
     monkeypatch.setattr(key_gather, "_gather_keys_kernel", _NoLaunch())
     def index_scores(q, head_w, key_cache, entries, token_req, n_visible, **_):
@@ -478,13 +511,15 @@ def _shape_only_kernels(monkeypatch) -> attention_ops.KernelAttentionOps:
     def sparse_sink_attention(q, swa_cache, swa_slots, comp_cache, comp_slots, sink, scale, *, config):
         return torch.zeros_like(q)
 
-    return attention_ops.KernelAttentionOps(
+    ops = attention_ops.KernelAttentionOps(
         SimpleNamespace(sparse_sink_attention=sparse_sink_attention, plan_config=kernel_attention.plan_config,
-                        plan_prefill_config=kernel_attention.plan_prefill_config,
+                        plan_prefill_config=kernel_attention.plan_prefill_config, device_sm_count=lambda device: 132,
                         PackedSource=kernel_attention.PackedSource),
         SimpleNamespace(index_scores=index_scores, select_indices=kernel_indexer.select_indices,
                         entry_index_table=kernel_indexer.entry_index_table, PackedSource=kernel_indexer.PackedSource),
         splits="one", prefill="bf16")
+    ops._wide = SimpleNamespace(prefill_sink_attention=sparse_sink_attention, plan_decode=sap.plan_decode)
+    return ops
 
 
 def test_a_hit_extend_does_the_same_host_work_at_any_context(engine, monkeypatch) -> None:

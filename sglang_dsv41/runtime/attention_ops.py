@@ -97,13 +97,13 @@ ATTENTION_SPLITS_ENV, ATTENTION_SPLITS = "SGLANG_DSV41_ATTN_SPLITS", ("one", "de
 #: SGLANG_DSV41_ATTN_DECODE: batches without the prefill workspace (decode) through our Triton kernel
 #: on the packed rows (`triton`, the deterministic default), the same kernel on BF16 rows its entries are
 #: first decoded into (`gather`: `kernels.key_gather.gather_latent_rows`, the same math), `auto` (the
-#: serving default since session 24: `gather` for batches of at most GATHER_DECODE_MAX_QUERIES queries,
-#: `triton` above; 1.1–1.6× faster attention at 8–256 queries and the serving contract's 100 % top-1 on the
-#: H200), or one FlashMLA launch (`flashmla`, opt-in: `attention_flashmla.decode_attend`) for batches of
+#: serving default: BF16 rows for batches of at most GATHER_DECODE_MAX_QUERIES queries, read by `wide` from
+#: WIDE_DECODE_MIN_QUERIES queries on and by `gather`'s kernel below; `triton` above; docs/performance.md
+#: "Session 39"), or one FlashMLA launch (`flashmla`, opt-in: `attention_flashmla.decode_attend`) for batches of
 #: FLASHMLA_DECODE_QUERIES queries, the Triton kernel otherwise — 4.6× faster at 256 queries, but the
 #: serving contract measured 98.2–98.6 % top-1 with it against its 99 % (docs/performance.md "Session 23"),
-#: or `wide` (opt-in, serving mode only): the BF16 rows read by the prefill's `wide` kernel with its key tiles
-#: split over the multiprocessors (`kernels.sparse_attention_prefill.plan_decode`; docs/performance.md "Session 37").
+#: or `wide` (serving mode only): the BF16 rows read by the prefill's `wide` kernel with its key tiles
+#: split over the multiprocessors (`kernels.sparse_attention_prefill.plan_decode`) at every batch size.
 ATTENTION_DECODE_ENV, ATTENTION_DECODES = "SGLANG_DSV41_ATTN_DECODE", ("auto", "triton", "gather", "flashmla", "wide")
 #: query counts of a batch the flashmla decode launches FlashMLA for: one query runs the split-KV Triton
 #: kernel (26 against 30 µs per Flash layer on the H200); past the largest decode graph the per-query
@@ -112,6 +112,8 @@ FLASHMLA_DECODE_QUERIES = range(2, 257)
 #: `auto` decodes through BF16 rows up to this many queries (the largest decode graph; the rows are
 #: N × K × D × 2 bytes, 128 MiB at 256 Flash queries), on the packed rows above
 GATHER_DECODE_MAX_QUERIES = 256
+#: `auto` (serving mode) reads those rows with the `wide` kernel from this many queries on
+WIDE_DECODE_MIN_QUERIES = 2
 INDEXER_HEAD_SUM_ENV, INDEXER_HEAD_SUMS = "SGLANG_DSV41_INDEXER_HEAD_SUM", ("auto", "fp64", "fp32")
 logger = logging.getLogger(__name__)
 
@@ -228,7 +230,8 @@ class KernelAttentionOps:
         the BF16 workspace by row, launched with `plan_prefill_config` (one split, as either mode's
         plan at the workspace's ≥ PREFILL_MIN_QUERIES queries); `workspace` =
         `attention_flashmla.FlashMLAInputs` (the `flashmla` choice): one FlashMLA launch instead. The `wide`
-        decode choice: a decode batch's BF16 rows read by `kernels.sparse_attention_prefill` under its `plan_decode`.
+        decode choice (and `auto` in serving mode from WIDE_DECODE_MIN_QUERIES queries): a decode batch's BF16 rows read
+        by `kernels.sparse_attention_prefill` under its `plan_decode`.
         `memo` (one forward's dict): the gathered BF16 rows are made once per (kv source, entries
         tensor) and reused by the later layers that pass both again."""
         if swa_cache.dtype != torch.bfloat16:
@@ -259,7 +262,7 @@ class KernelAttentionOps:
             return self._wide_kernel().prefill_sink_attention(
                 q.to(torch.bfloat16), swa_cache, swa_slots, comp_cache, comp_entries, sink.to(torch.float32),
                 softmax_scale(D))
-        if workspace is None and self.decode == "wide":         # key splits planned by the kernel's module
+        if workspace is None and self._decodes_wide(N):         # key splits planned by the kernel's module
             wide = self._wide_kernel()
             return wide.prefill_sink_attention(
                 q.to(torch.bfloat16), swa_cache, swa_slots, comp_cache, comp_entries if comp_cache is not None else None,
@@ -277,6 +280,13 @@ class KernelAttentionOps:
             q.to(torch.bfloat16), swa_cache, swa_slots, comp_cache, comp_entries if comp_cache is not None else None,
             sink.to(torch.float32), softmax_scale(D), config=plan)
         return o
+
+    def _decodes_wide(self, num_queries: int) -> bool:
+        """Does a decode batch of `num_queries` go to the `wide` kernel (`wide`; `auto` in serving mode
+        between WIDE_DECODE_MIN_QUERIES and GATHER_DECODE_MAX_QUERIES)?"""
+        if self.decode == "auto":
+            return not self.deterministic and WIDE_DECODE_MIN_QUERIES <= num_queries <= GATHER_DECODE_MAX_QUERIES
+        return self.decode == "wide"
 
     def _wide_kernel(self) -> ModuleType:
         """`kernels.sparse_attention_prefill` (the `wide` prefill choice), imported on first use."""
