@@ -221,7 +221,8 @@ def main(argv: list[str] | None = None) -> None:
             r = row[name]
             print(f"N={T:5d} experts {distinct:3d} {name:18s} " + (
                 f"{r.get('eager_us', float('nan')):9.1f} us eager {r.get('graph_us', float('nan')):9.1f} us graph "
-                f"roofline {r['roofline_us']:8.1f} us ({r.get('graph_roofline_ratio', r.get('eager_roofline_ratio', 0)):.0%})"
+                f"roofline {r['roofline_us']:8.1f} us ({r.get('graph_roofline_ratio', r.get('eager_roofline_ratio', 0)):.0%}"
+                f" of {args.hbm_tbs} TB/s; {r.get('graph_fraction_of_copy_bw', float('nan')):.0%} of copy bandwidth)"
                 if "error" not in r else f"ERROR {r['error'][:200]}"), flush=True)
         rows.append(row)
         result["rows"], result["skipped"] = rows, skipped
