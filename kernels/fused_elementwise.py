@@ -12,7 +12,6 @@ function                   replaces                                             
 `fp8_act_fake_quant`       `ops.fp8_act_fake_quant` (per-32 UE8M0 + E4M3)           bit-identical
 `fp4_fake_quant`           `ops.fp4_fake_quant_e4m3_scale` / `_ue8m0_scale`          bit-identical
 `rms_norm`                 `ops.rms_norm` / `attention.rms_norm_fp32`               see "fp64 results"
-`apply_rope_tail`          `ops.apply_rope_tail` (forward and inverse)              see "RoPE"
 `clamped_swiglu`           `moe.clamped_swiglu`                                     see "fp64 results"
 =========================  =======================================================  =========================
 
@@ -30,13 +29,9 @@ Rounding is done arithmetically, never by Triton casts whose semantics differ fr
   divisions by powers of two are multiplications by the exact reciprocal. Launches pass
   `enable_fp_fusion=False` so no a·b+c becomes an FMA.
 
-RoPE (`ops.apply_rope_tail`): the angle is the fp32 product p·f; the reference rounds float64
-cos/sin of it once to fp32 (`ops.rope_cos_sin`), the kernel rounds a double-fp32 cos/sin once
-(`double_fp32.cos_sin`: π/2 reduction in four exact fp32 parts, Taylor in r²; see "fp64 results" for the
-bound); the rotation is fp32 products and sums in the reference's order (no FMA).
-
 fp64 results. Where the reference evaluates in float64 and rounds once (rms_norm, SwiGLU,
-the routing weights' Σ in `route_select`; RoPE's cos/sin) the kernels evaluate the same formula in double-fp32 (`double_fp32`: pairs of
+the routing weights' Σ in `route_select`; RoPE's cos/sin in `rope`) the kernels evaluate the same formula in
+double-fp32 (`double_fp32`: pairs of
 fp32, exact products and sums, ≲ 2⁻⁴⁴ relative error per result; exp by Cody–Waite reduction and
 a degree-12 Taylor polynomial in double-fp32) and round once — no float64 in these kernels. Their
 fp32 (then BF16) results equal the reference's except where the exact value lies within ~2⁻⁴⁴
@@ -44,9 +39,7 @@ relative of an fp32 rounding boundary (probability ~2⁻²⁰ per element): rare
 ulp for fp32 outputs, BF16 ulp for BF16 outputs). Domains: rms_norm and routing weights for
 finite inputs whose squares / products stay normal in fp32; SwiGLU outputs below 2⁻¹²⁶ in
 magnitude (gate < −87) are scaled in two roundings, so they may differ by one subnormal ulp;
-cos/sin for |angle| < 2²⁴, where the reduced argument carries ≲ 2⁻⁴⁹ absolute error (flips a
-little likelier for angles within 2⁻⁵ of a multiple of π/2). Checked bitwise on 342k angles incl.
-Flash's tables at positions up to 2²⁰ (interpreter).
+cos/sin: `rope`.
 
 Batch invariance: one program per row (token or token×head) or per block of 32-/16-groups; block
 sizes depend only on the row width, never on the number of rows. No host synchronisation, no
@@ -202,57 +195,6 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, EPS_HI: tl.constexpr, EPS_LO: tl.
     rms_segment(x_ptr + row * D, w_ptr, out_ptr + row * D, D, EPS_HI, EPS_LO, BLOCK_D, LOG2_D, ROUND_BF16)
 
 
-@triton.jit
-def _rope_tail_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, dst_ptr, out_stride, T, R, D, HEAD,
-                      HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HEAD: tl.constexpr,
-                      INVERSE: tl.constexpr, ROUND_BF16: tl.constexpr, ROUND_INPUT: tl.constexpr,
-                      SCATTER: tl.constexpr, COPY_HEAD: tl.constexpr):
-    """BLOCK_T tokens × BLOCK_R of their R rows (heads): dims [0, HEAD) copied (unless COPY_HEAD is
-    off: out is x, rotated in place), the last 2·HALF rotated pairwise; cos/sin computed once per
-    token and shared by its rows. ROUND_INPUT: x rounded to BF16 as loaded (`round_bf16`'s rounding,
-    before the rotation). Token t's output starts at out_ptr + u·out_stride, u = dst[t] with SCATTER
-    (rows of a cache), else t."""
-    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    r = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    live = (t < T)[:, None, None] & (r < R)[None, :, None]                      # [BT, BR, 1]
-    base = (t[:, None, None] * R + r[None, :, None]) * D
-    if SCATTER:
-        u = tl.load(dst_ptr + t, mask=t < T, other=0).to(tl.int64)
-    else:
-        u = t
-    out_base = u[:, None, None] * out_stride + r[None, :, None] * D
-    h = tl.arange(0, BLOCK_HEAD)[None, None, :]
-    if COPY_HEAD:
-        for h0 in range(0, HEAD, BLOCK_HEAD):
-            hm = live & ((h0 + h) < HEAD)
-            v = tl.load(x_ptr + base + h0 + h, mask=hm, other=0.0).to(tl.float32)
-            if ROUND_BF16 or ROUND_INPUT:
-                v = _round_bf16(v)
-            tl.store(out_ptr + out_base + h0 + h, v, mask=hm)
-    i = tl.arange(0, HALF)
-    pos = tl.load(pos_ptr + t, mask=t < T, other=0).to(tl.float32)
-    c, s = DF.cos_sin(pos[:, None] * tl.load(freq_ptr + i).to(tl.float32)[None, :])   # ≈ ops.rope_cos_sin
-    if INVERSE:
-        s = -s
-    c = c[:, None, :]
-    s = s[:, None, :]
-    pa = base + HEAD + 2 * i[None, None, :]
-    rm = live & (i[None, None, :] < HALF)
-    a = tl.load(x_ptr + pa, mask=rm, other=0.0).to(tl.float32)
-    b = tl.load(x_ptr + pa + 1, mask=rm, other=0.0).to(tl.float32)
-    if ROUND_INPUT:
-        a = _round_bf16(a)
-        b = _round_bf16(b)
-    ra = a * c - b * s                      # fp32 products and sum, no FMA (launch option)
-    rb = a * s + b * c
-    if ROUND_BF16:
-        ra = _round_bf16(ra)
-        rb = _round_bf16(rb)
-    po = out_base + HEAD + 2 * i[None, None, :]
-    tl.store(out_ptr + po, ra, mask=rm)
-    tl.store(out_ptr + po + 1, rb, mask=rm)
-
-
 #: `swiglu_value`'s screen: lanes whose fp32 estimate lies within this many fp32 ulps of a BF16
 #: rounding boundary (twice the estimate's bound: `_silu_mul_fp32`) take the double-fp32 path
 SWIGLU_SCREEN_ULPS = 32
@@ -350,11 +292,6 @@ _ELEMENTWISE_WIDE_MIN = 128 * _ELEMENTWISE_BLOCK
 #: Elements per program of the SwiGLU kernels (compiled): `swiglu_value`'s screen sends a whole program to
 #: the exact path when one lane is unsure (≈ 0.1 % of lanes), so small programs keep that rare
 SWIGLU_BLOCK = _ELEMENTWISE_BLOCK if INTERPRETED else 128
-_ROPE_HEAD_BLOCK = 128
-# tokens × rows (heads) per program: one token's rows share its cos/sin; the interpreter (CPU) takes
-# large tiles, since its cost is per program
-_ROPE_TOKEN_BLOCK = 16 if INTERPRETED else 1
-_ROPE_ROW_BLOCK = 64 if INTERPRETED else 8
 
 
 def _launch_options(num_warps: int = 4) -> dict:
@@ -461,57 +398,6 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, round_bf16: bool = True) -> 
     return out
 
 
-def apply_rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False,
-                    round_bf16: bool = False, out_dtype: torch.dtype = F32, round_input: bool = False,
-                    into: tuple[Tensor, Tensor] | None = None, in_place: bool = False) -> Tensor:
-    """`ops.apply_rope_tail` (optionally preceded and / or followed by `ops.bf16`: `round_input`,
-    `round_bf16`): x [T, ..., D] (any float dtype), positions [T]; the last 2·len(inv_freq) dims rotated
-    in interleaved pairs; fp32 out, or with `round_bf16` BF16 out when `out_dtype` says so (the same
-    values: half the bytes written). `into` = (cache [S, ...], rows [T] int): token t's result written to
-    cache[rows[t]] instead (`cache[rows] = result` in the same launch; its dtype is the output's), and the
-    cache returned. `in_place`: x (contiguous BF16, with `round_bf16` and a BF16 `out_dtype`, not `into`)
-    rotated where it is and returned — only its last 2·len(inv_freq) dims are read and written; the
-    other dims are BF16 already, so the values are the copy's. Bound: module doc."""
-    check_device("apply_rope_tail", x, positions, inv_freq, *(into or ()))
-    if in_place and not (x.dtype == torch.bfloat16 and x.is_contiguous() and round_bf16
-                         and out_dtype == torch.bfloat16 and into is None):
-        raise ValueError(f"apply_rope_tail: in_place needs a contiguous bfloat16 x rounded to a bfloat16 output "
-                         f"(got {x.dtype}, contiguous={x.is_contiguous()}, round_bf16={round_bf16}, out_dtype "
-                         f"{out_dtype}, into={into is not None})")
-    if out_dtype != F32 and not (round_bf16 and out_dtype == torch.bfloat16):
-        raise ValueError(f"apply_rope_tail: out_dtype {out_dtype} (bfloat16 only with round_bf16)")
-    half = inv_freq.numel()
-    D = x.shape[-1]
-    if half & (half - 1) or 2 * half > D:
-        raise ValueError(f"apply_rope_tail: {half} frequencies (a power of two, 2·{half} ≤ {D} dims required)")
-    if x.dim() < 2 or positions.shape != (x.shape[0],):
-        raise ValueError(f"apply_rope_tail: x {tuple(x.shape)} with positions {tuple(positions.shape)}")
-    x = x.contiguous()
-    rows = x.numel() // D
-    if in_place:
-        out, dst, out_stride = x, positions, rows * D // max(x.shape[0], 1)
-    elif into is None:
-        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-        dst, out_stride = positions, rows * D // max(x.shape[0], 1)              # dst: unread without SCATTER
-    else:
-        out, dst = into
-        if out.dtype != out_dtype or out.shape[1:] != x.shape[1:] or dst.shape != positions.shape \
-                or out.stride()[1:] != x.stride()[1:]:                          # rows laid out as x's
-            raise ValueError(f"apply_rope_tail: into a cache {out.dtype} {tuple(out.shape)} with rows "
-                             f"{tuple(dst.shape)} for x {tuple(x.shape)} written as {out_dtype}")
-        out_stride = out.stride(0)
-    if rows:
-        T, R = x.shape[0], rows // x.shape[0]
-        block_t, block_r = _ROPE_TOKEN_BLOCK, min(_pow2_at_least(R), _ROPE_ROW_BLOCK)
-        grid = (triton.cdiv(T, block_t), triton.cdiv(R, block_r))
-        _rope_tail_kernel[grid](x, positions.contiguous(), inv_freq.contiguous(), out, dst.contiguous(), out_stride,
-                                T, R, D, D - 2 * half, HALF=half, BLOCK_T=block_t, BLOCK_R=block_r,
-                                BLOCK_HEAD=min(_ROPE_HEAD_BLOCK, _pow2_at_least(max(D - 2 * half, 1))),
-                                INVERSE=inverse, ROUND_BF16=round_bf16, ROUND_INPUT=round_input,
-                                SCATTER=into is not None, COPY_HEAD=not in_place, **_launch_options())
-    return out
-
-
 def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
     """`moe.clamped_swiglu`: bf16(silu(min(bf16(g), L))·clamp(bf16(u), −L, L)), silu and product in
     double-fp32; fp32 out. Bound: module doc, "fp64 results"."""
@@ -527,5 +413,5 @@ def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
     return out
 
 
-__all__ = ["INTERPRETED", "apply_rope_tail", "clamped_swiglu", "fp4_fake_quant", "fp8_act_fake_quant",
+__all__ = ["INTERPRETED", "clamped_swiglu", "fp4_fake_quant", "fp8_act_fake_quant",
            "rms_norm", "round_bf16", "round_e4m3"]

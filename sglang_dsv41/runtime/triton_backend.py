@@ -1,7 +1,7 @@
 """The CUDA compute backend, `triton` (spec `model.md` §3, §3.8; the ABC and the CPU backends: `runtime/backend.py`).
 
-Primitives run as one-launch Triton kernels (`kernels.fused_elementwise`, `kernels.engram_gate`, the glue kernels
-named per method) and dense products on tensor cores (`dense_ops.BlockedBf16Gemm`).
+Primitives run as one-launch Triton kernels (`kernels.fused_elementwise`, `kernels.rope`, `kernels.engram_gate`,
+the glue kernels named per method) and dense products on tensor cores (`dense_ops.BlockedBf16Gemm`).
 
 FP8 dense linears on `triton` (`fp8_gemm`, FP8_GEMMS; spec §3.8, issue 21). Every choice uses the
 reference's operands — activations quantised per 1×32 to E4M3 with UE8M0 scales (`wo_a`: BF16, not
@@ -62,7 +62,7 @@ class TensorCoreProducts:
 
 
 class TritonBackend(TensorCoreProducts, ComputeBackend):
-    """CUDA: `kernels.fused_elementwise` (one launch per primitive; bit-identical or rare
+    """CUDA: `kernels.fused_elementwise` and `kernels.rope` (one launch per primitive; bit-identical or rare
     one-ulp flips, bounds stated there), the fp32 Engram gate kernel, the tensor-core dense
     products of `dense` (`dense_ops.BlockedBf16Gemm`, GEMM_BOUND) and FP8 linears by `fp8_gemm`
     (module doc). torch reductions outside the primitives run in fp32 (`acc`).
@@ -74,13 +74,15 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
     def __init__(self, dense, device_types: tuple[str, ...] = ("cuda",), fp8_gemm: str = "w8a8_f16") -> None:
         from ..kernels import engram_gate as eg
         from ..kernels import fused_elementwise as fe
+        from ..kernels import rope
         from ..kernels import route_select as rs
 
         if "cpu" in device_types and not fe.INTERPRETED:
             raise ValueError("TritonBackend on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
         if fp8_gemm not in FP8_GEMMS:
             raise ValueError(f"TritonBackend: fp8_gemm must be one of {FP8_GEMMS}, got {fp8_gemm!r}")
-        self.fe, self.rs, self.eg, self.dense, self.device_types = fe, rs, eg, dense, tuple(device_types)
+        self.fe, self.rope, self.rs, self.eg = fe, rope, rs, eg
+        self.dense, self.device_types = dense, tuple(device_types)
         self.fp8_gemm = fp8_gemm
         self._engram_constants: dict = {}                   # (hasher id, device) → (hasher, token map, constants)
 
@@ -157,7 +159,7 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
         return clamped_swiglu_halves(y, limit, quantise_out)
 
     def apply_rope_tail(self, x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False) -> Tensor:
-        return self.fe.apply_rope_tail(x, positions, inv_freq, inverse)
+        return self.rope.apply_rope_tail(x, positions, inv_freq, inverse)
 
     def bf16_rope_tail(self, x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False,
                        bf16_out: bool = False, round_input: bool = False, may_overwrite: bool = False) -> Tensor:
@@ -168,14 +170,14 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
         contiguous BF16 x and `bf16_out`: x rotated in place (the kernel's `in_place`: only the rotated
         tail read and written, 1/8 of q's bytes at Flash; the same values)."""
         in_place = may_overwrite and bf16_out and x.dtype == BF16 and x.is_contiguous()
-        return self.fe.apply_rope_tail(x, positions, inv_freq, inverse, round_bf16=True,
-                                       out_dtype=BF16 if bf16_out else F32, round_input=round_input,
-                                       in_place=in_place)
+        return self.rope.apply_rope_tail(x, positions, inv_freq, inverse, round_bf16=True,
+                                         out_dtype=BF16 if bf16_out else F32, round_input=round_input,
+                                         in_place=in_place)
 
     def bf16_rope_tail_into(self, x: Tensor, positions: Tensor, inv_freq: Tensor, cache: Tensor, rows: Tensor) -> None:
         """One launch: the rows written at their cache rows by the RoPE kernel (its `into`), no scatter launch."""
-        self.fe.apply_rope_tail(x, positions, inv_freq, round_bf16=True, out_dtype=cache.dtype, round_input=True,
-                                into=(cache, rows))
+        self.rope.apply_rope_tail(x, positions, inv_freq, round_bf16=True, out_dtype=cache.dtype, round_input=True,
+                                  into=(cache, rows))
 
     def clamped_swiglu(self, gate: Tensor, up: Tensor, limit: float) -> Tensor:
         return self.fe.clamped_swiglu(gate, up, limit)
