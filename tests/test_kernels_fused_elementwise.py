@@ -1,5 +1,5 @@
-"""One-launch elementwise kernels (`sglang_dsv41.kernels.fused_elementwise`, RoPE `kernels.rope`) and the
-runtime's CUDA backend over them (`runtime.triton_backend.TritonBackend`) against the reference helpers
+"""One-launch elementwise kernels (`sglang_dsv41.kernels.fused_elementwise`, `kernels.rope`, `kernels.swiglu`)
+and the runtime's CUDA backend over them (`runtime.triton_backend.TritonBackend`) against the reference helpers
 (spec §3, §3.4, §3.6, §3.8).
 
 What is pinned:
@@ -41,6 +41,7 @@ import triton.language as tl
 from sglang_dsv41.kernels import fused_elementwise as FE
 from sglang_dsv41.kernels import rope as ROPE
 from sglang_dsv41.kernels import route_select as RS
+from sglang_dsv41.kernels import swiglu as SW
 from sglang_dsv41.reference import attention as A
 from sglang_dsv41.reference import moe, ops
 from sglang_dsv41.runtime.attention_math import output_projection, project_q_kv
@@ -90,11 +91,11 @@ def _swiglu_screen_probe_kernel(g_ptr, u_ptr, screened_ptr, exact_ptr, fast_ptr,
     live = offs < n
     g = tl.load(g_ptr + offs, mask=live, other=1.0)
     u = tl.load(u_ptr + offs, mask=live, other=1.0)
-    tl.store(screened_ptr + offs, FE.swiglu_value(g, u, limit), mask=live)
+    tl.store(screened_ptr + offs, SW.swiglu_value(g, u, limit), mask=live)
     gc = tl.minimum(FE._round_bf16(g), limit)
     uc = tl.minimum(tl.maximum(FE._round_bf16(u), -limit), limit)
-    tl.store(exact_ptr + offs, FE._round_bf16(FE._silu_mul_exact(gc, uc)), mask=live)
-    tl.store(fast_ptr + offs, FE._silu_mul_fp32(gc, uc), mask=live)
+    tl.store(exact_ptr + offs, FE._round_bf16(SW._silu_mul_exact(gc, uc)), mask=live)
+    tl.store(fast_ptr + offs, SW._silu_mul_fp32(gc, uc), mask=live)
 
 
 def swiglu_screen_probe(gate: torch.Tensor, up: torch.Tensor, limit: float, block: int) -> tuple[torch.Tensor, ...]:
@@ -290,7 +291,8 @@ if KERNEL_HERE:
         far = torch.tensor([-20.0, -60.0, -87.0, -88.5, -90.0, -95.0, -100.0, -104.0, -110.0, -150.0, -199.0, -250.0])
         gate[1, :12], gate[2, :12], gate[3, :12] = far, far, far
         up[1, :12], up[2, :12], up[3, :12] = 9.0, -0.0, 0.0
-        assert same_bits(FE.clamped_swiglu(gate.to(DEVICE), up.to(DEVICE), 10.0).cpu(), moe.clamped_swiglu(gate, up, 10.0))
+        assert same_bits(SW.clamped_swiglu(gate.to(DEVICE), up.to(DEVICE), 10.0).cpu(),
+                         moe.clamped_swiglu(gate, up, 10.0))
 
     def test_kernel_case_swiglu_screen_gives_the_exact_bits() -> None:
         """`swiglu_value`'s screen: on 2^18 random lanes (gates N(0, 4²) and wide, ups N(0, 8²)) the screened
@@ -312,7 +314,7 @@ if KERNEL_HERE:
                  lambda a, p, s: FE.fp8_act_fake_quant(a),
                  lambda a, p, s: FE.fp4_fake_quant(a, 16, "e4m3"),
                  lambda a, p, s: ROPE.apply_rope_tail(a, p, d(inv), True),
-                 lambda a, p, s: FE.clamped_swiglu(a, a * 0.5, 10.0),
+                 lambda a, p, s: SW.clamped_swiglu(a, a * 0.5, 10.0),
                  lambda a, p, s: RS.route_select(s, d(bias), 3, 1e-20)[1]]
         for call in calls:
             batch = call(d(x), d(pos), d(scores)).cpu()
@@ -398,7 +400,7 @@ if not FE.INTERPRETED:
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
-        kern = getattr(ROPE if name == "_rope_tail_kernel" else FE, name)
+        kern = getattr({"_rope_tail_kernel": ROPE, "_swiglu_kernel": SW}.get(name, FE), name)
         full = {n: ("constexpr" if n in consts else sig[n]) for n in kern.arg_names}
         compiled = triton.compile(ASTSource(kern, full, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                                   options={"num_warps": 8 if consts.get("BLOCK_D", 0) >= 4096 else 4,
@@ -426,7 +428,7 @@ def test_triton_backend_primitives_are_the_kernels(monkeypatch) -> None:
     calls: list[str] = []
     for name in ("round_bf16", "fp8_act_fake_quant", "fp4_fake_quant", "rms_norm", "apply_rope_tail",
                  "clamped_swiglu", "route_select"):
-        owner = {"route_select": RS, "apply_rope_tail": ROPE}.get(name, FE)      # the module the backend calls
+        owner = {"route_select": RS, "apply_rope_tail": ROPE, "clamped_swiglu": SW}.get(name, FE)   # backend calls it
         monkeypatch.setattr(owner, name, lambda *a, _n=name, **k: calls.append(_n) or (a[0], a[0]))
     be = TritonBackend(ExactTorchBackend())
     x, inv = torch.randn(2, 64), ops.rope_inv_freq(32, 10000.0, None)
@@ -465,7 +467,7 @@ def test_gpu_flash_widths_match_reference_on_gpu() -> None:
         assert flips_within_bound(ROPE.apply_rope_tail(q, pos, inv, inverse, True),
                                    ops.bf16(ops.apply_rope_tail(q, pos, inv, inverse)), True)
     gate, up = (ops.bf16(torch.randn(T, 2304, generator=g, device=dev) * 6) for _ in range(2))
-    assert flips_within_bound(FE.clamped_swiglu(gate, up, 10.0), moe.clamped_swiglu(gate, up, 10.0), True)
+    assert flips_within_bound(SW.clamped_swiglu(gate, up, 10.0), moe.clamped_swiglu(gate, up, 10.0), True)
 
 
 @pytest.mark.gpu
@@ -539,9 +541,9 @@ def test_gpu_swiglu_screen_gives_the_exact_bits_at_flash_prefill() -> None:
     exact path's bits everywhere; prints the estimate's worst error and the share of blocks sent exact."""
     g = torch.Generator(device="cuda").manual_seed(23)
     gate, up = (ops.bf16(torch.randn(8192, 2304, generator=g, device="cuda") * 6) for _ in range(2))
-    worst = check_swiglu_screen(gate, up, FE.SWIGLU_BLOCK)
-    screened, exact, fast = swiglu_screen_probe(gate, up, 10.0, FE.SWIGLU_BLOCK)
+    worst = check_swiglu_screen(gate, up, SW.SWIGLU_BLOCK)
+    screened, exact, fast = swiglu_screen_probe(gate, up, 10.0, SW.SWIGLU_BLOCK)
     low = (fast.view(torch.int32) & 0xFFFF) - 0x8000
-    unsure = (low.abs() <= FE.SWIGLU_SCREEN_ULPS).view(-1, FE.SWIGLU_BLOCK).any(dim=1).float().mean()
+    unsure = (low.abs() <= SW.SWIGLU_SCREEN_ULPS).view(-1, SW.SWIGLU_BLOCK).any(dim=1).float().mean()
     print(f"\n[swiglu screen] worst estimate error {worst:.2f} × 2^-24; blocks sent exact {float(unsure):.2%}")
-    assert torch.equal(FE.clamped_swiglu(gate, up, 10.0).view(torch.int32), exact.view(torch.int32).view(gate.shape))
+    assert torch.equal(SW.clamped_swiglu(gate, up, 10.0).view(torch.int32), exact.view(torch.int32).view(gate.shape))

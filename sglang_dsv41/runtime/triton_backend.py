@@ -1,7 +1,8 @@
 """The CUDA compute backend, `triton` (spec `model.md` §3, §3.8; the ABC and the CPU backends: `runtime/backend.py`).
 
-Primitives run as one-launch Triton kernels (`kernels.fused_elementwise`, `kernels.rope`, `kernels.engram_gate`,
-the glue kernels named per method) and dense products on tensor cores (`dense_ops.BlockedBf16Gemm`).
+Primitives run as one-launch Triton kernels (`kernels.fused_elementwise`, `kernels.rope`, `kernels.swiglu`,
+`kernels.engram_gate`, the glue kernels named per method) and dense products on tensor cores
+(`dense_ops.BlockedBf16Gemm`).
 
 FP8 dense linears on `triton` (`fp8_gemm`, FP8_GEMMS; spec §3.8, issue 21). Every choice uses the
 reference's operands — activations quantised per 1×32 to E4M3 with UE8M0 scales (`wo_a`: BF16, not
@@ -62,8 +63,8 @@ class TensorCoreProducts:
 
 
 class TritonBackend(TensorCoreProducts, ComputeBackend):
-    """CUDA: `kernels.fused_elementwise` and `kernels.rope` (one launch per primitive; bit-identical or rare
-    one-ulp flips, bounds stated there), the fp32 Engram gate kernel, the tensor-core dense
+    """CUDA: `kernels.fused_elementwise`, `kernels.rope`, `kernels.swiglu` (one launch per primitive;
+    bit-identical or rare one-ulp flips, bounds stated there), the fp32 Engram gate kernel, the tensor-core dense
     products of `dense` (`dense_ops.BlockedBf16Gemm`, GEMM_BOUND) and FP8 linears by `fp8_gemm`
     (module doc). torch reductions outside the primitives run in fp32 (`acc`).
     `device_types=("cpu",)` is for tests under Triton's interpreter."""
@@ -74,14 +75,14 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
     def __init__(self, dense, device_types: tuple[str, ...] = ("cuda",), fp8_gemm: str = "w8a8_f16") -> None:
         from ..kernels import engram_gate as eg
         from ..kernels import fused_elementwise as fe
-        from ..kernels import rope
+        from ..kernels import rope, swiglu
         from ..kernels import route_select as rs
 
         if "cpu" in device_types and not fe.INTERPRETED:
             raise ValueError("TritonBackend on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
         if fp8_gemm not in FP8_GEMMS:
             raise ValueError(f"TritonBackend: fp8_gemm must be one of {FP8_GEMMS}, got {fp8_gemm!r}")
-        self.fe, self.rope, self.rs, self.eg = fe, rope, rs, eg
+        self.fe, self.rope, self.swiglu, self.rs, self.eg = fe, rope, swiglu, rs, eg
         self.dense, self.device_types = dense, tuple(device_types)
         self.fp8_gemm = fp8_gemm
         self._engram_constants: dict = {}                   # (hasher id, device) → (hasher, token map, constants)
@@ -180,7 +181,7 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
                                   into=(cache, rows))
 
     def clamped_swiglu(self, gate: Tensor, up: Tensor, limit: float) -> Tensor:
-        return self.fe.clamped_swiglu(gate, up, limit)
+        return self.swiglu.clamped_swiglu(gate, up, limit)
 
     def compressed_entries(self, selection: Tensor, layout, ratio: int) -> Tensor:
         """One launch (`kernels.entry_index`: integer arithmetic, the torch formula's values)."""
