@@ -1,8 +1,8 @@
-"""One-launch Triton versions of the reference's elementwise / per-row chains (spec `model.md` §3, §3.4, §3.6, §3.8).
+"""One-launch Triton versions of the reference's elementwise / per-row chains (spec `model.md` §3, §3.4, §3.8),
+and the rounding helpers (device functions) and launch helpers the other kernels share.
 
-Each function here computes exactly what the named reference function computes, in one kernel
-launch instead of the 8–25 small torch kernels of the reference code (issue 3: at decode every
-tiny kernel costs ~1–1.5 µs of device time, so the launch count is the cost):
+Each function here computes exactly what the named reference function computes, in one kernel launch
+(RoPE: `rope`; SwiGLU: `swiglu`):
 
 =========================  =======================================================  =========================
 function                   replaces                                                 result vs the reference
@@ -30,13 +30,12 @@ Rounding is done arithmetically, never by Triton casts whose semantics differ fr
 
 fp64 results. Where the reference evaluates in float64 and rounds once (rms_norm; SwiGLU in `swiglu`,
 the routing weights' Σ in `route_select`, RoPE's cos/sin in `rope`) the kernels evaluate the same formula in
-double-fp32 (`double_fp32`: pairs of
-fp32, exact products and sums, ≲ 2⁻⁴⁴ relative error per result; exp by Cody–Waite reduction and
-a degree-12 Taylor polynomial in double-fp32) and round once — no float64 in these kernels. Their
-fp32 (then BF16) results equal the reference's except where the exact value lies within ~2⁻⁴⁴
-relative of an fp32 rounding boundary (probability ~2⁻²⁰ per element): rare one-ulp flips (fp32
-ulp for fp32 outputs, BF16 ulp for BF16 outputs). Domains: rms_norm and routing weights for
-finite inputs whose squares / products stay normal in fp32; SwiGLU and cos/sin: their modules.
+double-fp32 (`double_fp32`: pairs of fp32, exact products and sums, ≲ 2⁻⁴⁴ relative error per result;
+exp by Cody–Waite reduction and a degree-12 Taylor polynomial in double-fp32) and round once — no
+float64 in these kernels. Their fp32 (then BF16) results equal the reference's except where the exact
+value lies within ~2⁻⁴⁴ relative of an fp32 rounding boundary (probability ~2⁻²⁰ per element): rare
+one-ulp flips (fp32 ulp for fp32 outputs, BF16 ulp for BF16 outputs). Domains: rms_norm and routing
+weights for finite inputs whose squares / products stay normal in fp32; SwiGLU and cos/sin: their modules.
 
 Batch invariance: one program per row (token or token×head) or per block of 32-/16-groups; block
 sizes depend only on the row width, never on the number of rows. No host synchronisation, no

@@ -2,7 +2,7 @@
 result bit for bit, with the row spread over many programs.
 
 `topk_select.select_topk_fused` ranks a row in one program, so a decode step with few rows of 32K–64K
-columns uses a handful of the GPU's multiprocessors (180–390 µs per call on the H200, session 19).
+columns uses a handful of the GPU's multiprocessors.
 Here each row is cut into segments of SEGMENT columns:
 
 1. every segment's top-k by the fused kernel (N · S programs; ascending local columns, −1 padded);

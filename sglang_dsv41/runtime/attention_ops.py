@@ -22,7 +22,7 @@ Contracts (both implementations):
   float64 on CPU, the kernel's torch.bfloat16 on CUDA (its one reader, `output_projection`, rounds
   them to BF16 again).
   CUDA: within one BF16 ulp of the output scale (max |o| of that query and head) of the CPU
-  value on the same inputs (kernel docstring, measured on an H200); batch-invariant only in
+  value on the same inputs (kernel docstring); batch-invariant only in
   deterministic mode (`ATTENTION_KEY_SPLITS`; the serving default splits the keys of small
   batches, `plan_decode_config`).
 * `select(be, cfg, role, w, prefix, x, q_lora, layout, caches, inv_freq, act_quant, published)`:

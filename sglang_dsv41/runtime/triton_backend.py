@@ -7,14 +7,14 @@ Primitives run as one-launch Triton kernels (`kernels.fused_elementwise`, `kerne
 FP8 dense linears on `triton` (`fp8_gemm`, FP8_GEMMS; spec §3.8, issue 21). Every choice uses the
 reference's operands — activations quantised per 1×32 to E4M3 with UE8M0 scales (`wo_a`: BF16, not
 quantised), E4M3 weights with their tile scales — and differs only in how the products are summed:
-* `w8a8_fold` (serving default since its H100 run, docs/performance.md "Session 29"): as `w8a8_f16`, but 1–16 rows on the
+* `w8a8_fold` (the serving default, `backend.fp8_gemm_for`): as `w8a8_f16`, but 1–16 rows on the
   scale-folded BF16 MMA tier (`kernels.fp8_fold`: 128 columns per MMA, exact products, fp32 sums; the same
   bound). Not batch invariant;
-* `w8a8_f16` (the serving default from session 11 to 28): `kernels.fp8_w8a8` at
+* `w8a8_f16` (opt-in): `kernels.fp8_w8a8` at
   every row count — the activation quantisation fused into the GEMM, E4M3 operands widened to
   f16 on the tensor cores (exact products, fp32 sums), split-K at decode summed inside the launch;
   from BF16_GEMM_MIN_ROWS rows its prefill form; `wo_a` one grouped launch. Not batch invariant;
-* `tiered` (opt-in; the default until session 11): below `kernels.fp8_w8a8.BF16_GEMM_MIN_ROWS` rows
+* `tiered` (opt-in): below `kernels.fp8_w8a8.BF16_GEMM_MIN_ROWS` rows
   the `w8a16` kernel, from there the BF16-copy cuBLAS form of `kernels.fp8_w8a8` (prefill);
 * `w8a16` (`--enable-deterministic-inference`): `kernels.fp8_linear` at every row count — the
   fake-quantised activations as BF16 times the dequantised tile, one fixed launch configuration
@@ -22,7 +22,7 @@ quantised), E4M3 weights with their tile scales — and differs only in how the 
 * `fp8_mma` (opt-in): as `w8a8_f16`, but 17–128 rows on Hopper's FP8 MMA (E4M3 `wgmma`, ~14-bit
   sums per 32 products: DeepGEMM block32's accumulation class). Below the end-to-end contract
   (docs/runtime.md "Numerics contract"), hence not the default;
-* `w8a8_gemv` (opt-in: slower on the H100, docs/performance.md "Session 28"): as `w8a8_f16`, but 1–4 rows
+* `w8a8_gemv` (opt-in): as `w8a8_f16`, but 1–4 rows
   on the CUDA-core GEMV tier (`kernels.fp8_gemv`: x quantised once, exact products, fp32 sums; the same bound);
 Weights not held as E4M3 tiles (BF16 copies, fp32) go through `matmul` in either mode: on `triton`
 by `bf16_gemm_for` — cuBLAS GEMMs: any row count in one GEMM on the activation as given, without a padded
