@@ -37,9 +37,9 @@ def _order_keys(scores: Tensor) -> Tensor:
 
 #: How `select_topk` ranks (issue 21; timings: docs/performance.md "Session 12"): "torch" (int64
 #: keys + torch.topk + sort) or "fused" (`kernels.topk_select`, one launch, the same result bit for
-#: bit — so batch invariant too — rows of ≤ FUSED_MAX_ENTRIES columns). Default: "fused" for CUDA scores, "torch" on CPU (the Triton interpreter's CPU tests
-#: stay on torch: the fused kernel's interpreter cases live in tests/test_kernels_indexer.py);
-#: SGLANG_DSV41_INDEXER_TOPK overrides both.
+#: bit — so batch invariant too — rows of ≤ FUSED_MAX_ENTRIES columns). Default: "fused" for CUDA
+#: scores, "torch" on CPU (the Triton interpreter's CPU tests stay on torch: the fused kernel's
+#: interpreter cases live in tests/test_kernels_indexer.py); SGLANG_DSV41_INDEXER_TOPK overrides both.
 TOPK_METHOD_ENV, TOPK_METHODS = "SGLANG_DSV41_INDEXER_TOPK", ("torch", "fused")
 
 
