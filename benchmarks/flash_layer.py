@@ -347,7 +347,9 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor, sink: T
     head_sum = head_sum or kernel_choice(INDEXER_HEAD_SUM_ENV, INDEXER_HEAD_SUMS, "auto")  # the serving default
     exact = head_sum_is_exact(head_sum, False, q.shape[0])     # as an eager batch of these queries
     prefill = AP.prefill_choice(False)                                                   # the serving default
+    from sglang_dsv41.kernels import entry_index as EI
     from sglang_dsv41.kernels import indexer as K
+    from sglang_dsv41.kernels import indexer_select as SEL
     from sglang_dsv41.kernels import sparse_attention as SA
     t, role, pos, req = layer.text, layer.role, qs["positions"], qs["req"]
     r = caches.packed_keys.ratio
@@ -356,7 +358,7 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor, sink: T
     R = qs["req_to_token"].shape[0]
     table_args = (qs["req_to_token"], torch.arange(R, device=pos.device), torch.full((R,), width, device=pos.device),
                   r, width)
-    entries = K.entry_index_table(*table_args)
+    entries = EI.entry_index_table(*table_args)
     g = torch.Generator(device=pos.device).manual_seed(7)
     iq = ops.fp4_fake_quant_ue8m0_scale(torch.randn(q.shape[0], t.index_n_heads, t.index_head_dim,
                                                     generator=g, device=pos.device))
@@ -378,7 +380,7 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor, sink: T
                               check_inputs=False, tile_cache=tiles)
 
     def indexer():
-        return select_for_role(K, t, role, scores_packed(), n_vis, None, check_nan=False)[0]
+        return select_for_role(SEL, t, role, scores_packed(), n_vis, None, check_nan=False)[0]
 
     sel = indexer()
     comp_entries = torch.where(sel >= 0, entries[req[:, None], sel.clamp(min=0)], -1)
@@ -430,7 +432,7 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor, sink: T
         comps["attention_gather"] = attention_gather
     if caches.latents is None:
         return comps, {}
-    slots = K.entry_slot_table(*table_args)                      # where the BF16 copy of entry e lives
+    slots = EI.entry_slot_table(*table_args)                      # where the BF16 copy of entry e lives
     comp_slots = torch.where(comp_entries >= 0, comp_entries * r + r - 1, -1)
 
     def scores_bf16():
@@ -441,7 +443,7 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor, sink: T
         return SA.sparse_sink_attention(qb, caches.swa, qs["swa_slots"], caches.latents, comp_slots, sink, scale,
                                         config=cfg_att)
     comps["attention_bf16"] = attention_bf16
-    comps["indexer_bf16"] = lambda: select_for_role(K, t, role, scores_bf16(), n_vis, None, check_nan=False)[0]
+    comps["indexer_bf16"] = lambda: select_for_role(SEL, t, role, scores_bf16(), n_vis, None, check_nan=False)[0]
     same = {"attention": _within_two_bf16_ulps(attention(), attention_bf16()),
             "indexer": torch.equal(scores_packed(), scores_bf16())}
     return comps, same

@@ -43,6 +43,7 @@ from PIL import Image, ImageDraw
 
 from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.kernels import indexer as K
+from sglang_dsv41.kernels import indexer_select as SEL
 from sglang_dsv41.presets import flash_config_dict
 from sglang_dsv41.reference import indexer as ref
 from sglang_dsv41.reference import ops
@@ -122,10 +123,10 @@ def check_against_oracle(c: dict) -> dict:
             raise AssertionError(f"query {t}: fp32-head-sum error {float(err.max()):.3g} exceeds the bound")
         worst_fast = max(worst_fast, float((err / bound.clamp(min=1e-300)).max()))
         allowed = torch.ones_like(want, dtype=torch.bool)
-        if not torch.equal(K.select_topk(exact[t:t + 1], TOPK), ref.top_k_lower_index_on_ties(want, allowed, TOPK)):
+        if not torch.equal(SEL.select_topk(exact[t:t + 1], TOPK), ref.top_k_lower_index_on_ties(want, allowed, TOPK)):
             raise AssertionError(f"query {t}: select_topk differs from the reference top-k")
         nv = c["n_visible"][t:t + 1]
-        if not torch.equal(K.candidate_blocks(exact[t:t + 1], nv, BLOCK, TOPK_BLOCKS),
+        if not torch.equal(SEL.candidate_blocks(exact[t:t + 1], nv, BLOCK, TOPK_BLOCKS),
                            ref.candidate_blocks(want, nv, BLOCK, TOPK_BLOCKS)):
             raise AssertionError(f"query {t}: candidate_blocks differ from the reference")
     return dict(checked_queries=sorted({0, n - 1}), fp64_head_sum="bitwise", fp32_head_sum_worst_error_over_bound=worst_fast)
@@ -148,25 +149,25 @@ def measure(c: dict, sweep: bool) -> dict:
     nv = c["n_visible"]
     off = dict(check_inputs=False)
     scores = K.index_scores(*a)
-    blocks = K.candidate_blocks(scores, nv, BLOCK, TOPK_BLOCKS)
+    blocks = SEL.candidate_blocks(scores, nv, BLOCK, TOPK_BLOCKS)
     t = dict(
         scores_fp64_sum=bench(lambda: K.index_scores(*a, **off)),
         scores_fp32_sum=bench(lambda: K.index_scores(*a, head_sum_exact=False, **off)),
-        select_topk=bench(lambda: K.select_topk(scores, TOPK, check_nan=False)),
-        candidate_blocks=bench(lambda: K.candidate_blocks(scores, nv, BLOCK, TOPK_BLOCKS, check_nan=False)),
-        restrict_to_blocks=bench(lambda: K.restrict_to_blocks(scores, blocks, BLOCK)),
-        layer_source=bench(lambda: K.select_topk(K.index_scores(*a, **off), TOPK, check_nan=False)),
+        select_topk=bench(lambda: SEL.select_topk(scores, TOPK, check_nan=False)),
+        candidate_blocks=bench(lambda: SEL.candidate_blocks(scores, nv, BLOCK, TOPK_BLOCKS, check_nan=False)),
+        restrict_to_blocks=bench(lambda: SEL.restrict_to_blocks(scores, blocks, BLOCK)),
+        layer_source=bench(lambda: SEL.select_topk(K.index_scores(*a, **off), TOPK, check_nan=False)),
         layer_candidate_source=bench(lambda: (
-            lambda s: (K.candidate_blocks(s, nv, BLOCK, TOPK_BLOCKS, check_nan=False),
-                       K.select_topk(s, TOPK, check_nan=False)))(K.index_scores(*a, **off))),
-        layer_consumer=bench(lambda: K.select_topk(
-            K.restrict_to_blocks(K.index_scores(*a, **off), blocks, BLOCK), TOPK, check_nan=False)),
+            lambda s: (SEL.candidate_blocks(s, nv, BLOCK, TOPK_BLOCKS, check_nan=False),
+                       SEL.select_topk(s, TOPK, check_nan=False)))(K.index_scores(*a, **off))),
+        layer_consumer=bench(lambda: SEL.select_topk(
+            SEL.restrict_to_blocks(K.index_scores(*a, **off), blocks, BLOCK), TOPK, check_nan=False)),
     )
     p = packed_args_of(c)
     t.update(
         scores_packed_fp64_sum=bench(lambda: K.index_scores(*p, **off)),
         scores_packed_fp32_sum=bench(lambda: K.index_scores(*p, head_sum_exact=False, **off)),
-        layer_source_packed=bench(lambda: K.select_topk(K.index_scores(*p, **off), TOPK, check_nan=False)),
+        layer_source_packed=bench(lambda: SEL.select_topk(K.index_scores(*p, **off), TOPK, check_nan=False)),
     )
     if c["slots"].shape[1] <= TORCH_PATH_MAX_E:
         t["torch_path"] = bench(lambda: torch_path(c), rep=20)

@@ -104,7 +104,7 @@ def variant_callables(layer, caches, N: int, context: int) -> dict[str, dict[str
     whole step first (its `new` compiles most of what the others need), the MoE flag sets last
     (each compiles two GEMMs)."""
     import flash_layer as fl
-    from sglang_dsv41.kernels import indexer as K
+    from sglang_dsv41.kernels import indexer_select as SEL
     from sglang_dsv41.kernels import moe_mxfp4 as mx
     from sglang_dsv41.numerics import rounding as ops
     from sglang_dsv41.runtime.triton_backend import TritonBackend
@@ -126,10 +126,10 @@ def variant_callables(layer, caches, N: int, context: int) -> dict[str, dict[str
             mx.parse_decode_flags(f), lambda: fl.moe_routed(layer, x, routing)))(flags)
     torch_parts = {m: (lambda be: lambda: fl.torch_work(layer, R, pos, be))(be) for m, be in backends.items()}
 
-    fused = with_env(K.TOPK_METHOD_ENV, "fused", new["indexer"])
+    fused = with_env(SEL.TOPK_METHOD_ENV, "fused", new["indexer"])
     fp64_indexer = old["indexer"]
-    old["indexer"] = with_env(K.TOPK_METHOD_ENV, "torch", old["indexer"])     # CUDA's default is fused now
-    new["indexer"] = with_env(K.TOPK_METHOD_ENV, "torch", new["indexer"])
+    old["indexer"] = with_env(SEL.TOPK_METHOD_ENV, "torch", old["indexer"])     # CUDA's default is fused now
+    new["indexer"] = with_env(SEL.TOPK_METHOD_ENV, "torch", new["indexer"])
 
     def step(parts):
         return lambda: [p() for p in parts]
@@ -140,7 +140,7 @@ def variant_callables(layer, caches, N: int, context: int) -> dict[str, dict[str
                           "gather_decode": new["attention_gather"]},
             "indexer": {"fp64_head_sum": old["indexer"], "fp32_head_sum": new["indexer"],
                         "fp32_head_sum_fused_topk": fused,
-                        "fp64_head_sum_fused_topk": with_env(K.TOPK_METHOD_ENV, "fused", fp64_indexer)},
+                        "fp64_head_sum_fused_topk": with_env(SEL.TOPK_METHOD_ENV, "fused", fp64_indexer)},
             "torch": torch_parts, "moe_routed": moe}
 
 

@@ -191,10 +191,10 @@ def variant_scope(name: str, backend) -> Iterable[None]:
     saved = {k: os.environ.get(k) for k in SWITCHES}
     os.environ.update(SWITCHES | env)
     _reread_moe_flags()
-    saved_fe = getattr(backend, "fe", None)
-    patched = "two_pass_rope" in patches and saved_fe is not None     # only the Triton backend launches kernels
+    saved_rope = getattr(backend, "rope", None)
+    patched = "two_pass_rope" in patches and saved_rope is not None   # only the Triton backend launches kernels
     if patched:                        # session 11: RoPE, then the BF16 rounding as a second launch
-        backend.fe = TwoPassRope(saved_fe)
+        backend.rope = TwoPassRope(saved_rope, backend.fe)
     dense = getattr(backend, "dense", None)
     saved_whole = getattr(dense, "whole_rows", None)
     saved_unpadded = getattr(dense, "unpadded", None)
@@ -217,7 +217,7 @@ def variant_scope(name: str, backend) -> Iterable[None]:
             else:
                 os.environ[k] = v
         if patched:
-            backend.fe = saved_fe
+            backend.rope = saved_rope
         if saved_whole is not None:
             dense.whole_rows, dense.unpadded = saved_whole, saved_unpadded
         TritonMhc.residual_dtype = saved_residual
@@ -233,21 +233,21 @@ def _reread_moe_flags() -> None:
 
 
 class TwoPassRope:
-    """`kernels.fused_elementwise` with `apply_rope_tail(round_bf16=True)` as two launches (RoPE,
-    then `round_bf16`): the Triton backend's `bf16_rope_tail` before session 12 (same bits)."""
+    """`kernels.rope` with `apply_rope_tail(round_bf16=True)` as two launches (RoPE, then
+    `fused_elementwise.round_bf16`): the Triton backend's `bf16_rope_tail` before session 12 (same bits)."""
 
-    def __init__(self, fe) -> None:
-        self._fe = fe
+    def __init__(self, rope, fe) -> None:
+        self._rope, self._fe = rope, fe
 
     def __getattr__(self, name: str):
-        return getattr(self._fe, name)
+        return getattr(self._rope, name)
 
     def apply_rope_tail(self, x, positions, inv_freq, inverse: bool = False, round_bf16: bool = False,
                         out_dtype: torch.dtype = torch.float32, round_input: bool = False, in_place: bool = False):
         src = x
         if round_input:                                   # the input rounding as its own launch too
             x = self._fe.round_bf16(x.float())
-        y = self._fe.apply_rope_tail(x, positions, inv_freq, inverse)
+        y = self._rope.apply_rope_tail(x, positions, inv_freq, inverse)
         y = self._fe.round_bf16(y) if round_bf16 else y
         y = y if out_dtype == torch.float32 else y.to(out_dtype)
         return src.copy_(y) if in_place else y           # session 11 had no in-place form: a copy back

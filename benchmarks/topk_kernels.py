@@ -1,4 +1,4 @@
-"""The indexer's top-k: ours (`kernels.indexer.select_topk`, the fused Triton kernel on CUDA) against
+"""The indexer's top-k: ours (`kernels.indexer_select.select_topk`, the fused Triton kernel on CUDA) against
 SGLang 0.5.17's JIT radix top-k v1 and v2 through `kernels.topk_sglang` (issue 21).
 
 Shapes (rows N × columns E, top-k; `CASES`): decode (N 1 / 8 / 64 × E 8K / 32K / 64K, every column
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("topk_kernels.py needs CUDA (SGLang's JIT top-k and the fused kernel)")
-    from sglang_dsv41.kernels import indexer as IX
+    from sglang_dsv41.kernels import indexer_select as IX
     from sglang_dsv41.kernels import topk_sglang as TS
 
     deadline = time.perf_counter() + args.budget_s

@@ -1,11 +1,16 @@
-"""Compressed entry indices of a top-k selection in one launch (spec §3.4.3–§3.4.4, contract §2; issue 21):
-what `runtime/attention._compressed_entries` computes in about seventeen torch launches.
+"""Compressed entry indices (spec §3.4.3–§3.4.4, contract §2): the packed entry index of compressed
+position j of request r is the slot of the token at position j·ratio + ratio − 1 (which completes it)
+divided by the ratio.
 
-For token t and column k with compressed position j = selection[t, k] (request-local, −1 = none):
-entry[t, k] = req_to_token[req_rows[token_req[t]], j·ratio + ratio − 1] // ratio — the slot of the token
-that completes position j, divided by the ratio — or −1 where j < 0. Integer arithmetic only, so the
-result equals the torch formula exactly (tests/test_kernels_entry_index.py). Tensor-only signature; no
-host sync; CUDA-graph capturable.
+* `compressed_entry_index`: one launch over a top-k selection. For token t and column k with
+  j = selection[t, k] (request-local, −1 = none): entry[t, k] = req_to_token[req_rows[token_req[t]],
+  j·ratio + ratio − 1] // ratio, or −1 where j < 0 (`runtime/attention._compressed_entries`'s torch formula).
+* `entry_index_table`: the indexer's [R, width] table of every j < n_entries[r] (−1 beyond): one launch
+  (`indexer_tables.entry_index_table`) on CUDA or under the interpreter, else `_entry_index_table_torch`;
+  `entry_slot_table`: the same gather without the division (slots).
+
+Integer arithmetic only, so the kernels equal the torch formulas exactly (tests/test_kernels_entry_index.py,
+tests/test_kernels_indexer_tables.py). Tensor-only signatures; no host sync; CUDA-graph capturable.
 """
 from __future__ import annotations
 
@@ -14,7 +19,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .fused_elementwise import _launch_options, _pow2_at_least, check_device
+from .fused_elementwise import INTERPRETED, _launch_options, _pow2_at_least, check_device
+from .indexer_tables import entry_index_table as one_launch_entry_table
 
 #: columns per program
 BLOCK_K = 512
@@ -55,4 +61,32 @@ def compressed_entry_index(selection: Tensor, token_req: Tensor, req_rows: Tenso
     return out
 
 
-__all__ = ["compressed_entry_index"]
+def entry_slot_table(req_to_token: Tensor, req_rows: Tensor, n_entries: Tensor, ratio: int, width: int) -> Tensor:
+    """[R, width] int64: slot of compressed entry j of request r — the token at position
+    j·ratio + ratio − 1, which completes it (spec §3.4.3) — for j < n_entries[r], else −1."""
+    if ratio < 1 or width < 0:
+        raise ValueError(f"entry_slot_table: ratio {ratio}, width {width}")
+    j = torch.arange(width, device=req_to_token.device)
+    pos = (j * ratio + ratio - 1).clamp(max=req_to_token.shape[1] - 1)
+    slots = req_to_token[req_rows.to(torch.int64)[:, None], pos[None, :]].to(torch.int64)
+    return torch.where(j[None, :] < n_entries.to(torch.int64)[:, None], slots, -1)
+
+
+def entry_index_table(req_to_token: Tensor, req_rows: Tensor, n_entries: Tensor, ratio: int, width: int) -> Tensor:
+    """[R, width] int64: packed entry index e of compressed entry j of request r — the slot of the
+    token at position j·ratio + ratio − 1 (which completes it), // ratio (contracts §2) — for
+    j < n_entries[r], else −1. No host sync. CUDA (or the interpreter): one launch
+    (`indexer_tables.entry_index_table`); CPU: `_entry_index_table_torch` (the same values)."""
+    if req_to_token.is_cuda or INTERPRETED:
+        return one_launch_entry_table(req_to_token, req_rows, n_entries, ratio, width)
+    return _entry_index_table_torch(req_to_token, req_rows, n_entries, ratio, width)
+
+
+def _entry_index_table_torch(req_to_token: Tensor, req_rows: Tensor, n_entries: Tensor, ratio: int,
+                             width: int) -> Tensor:
+    """`entry_index_table` in torch (the same gather as `entry_slot_table`)."""
+    slots = entry_slot_table(req_to_token, req_rows, n_entries, ratio, width)
+    return torch.where(slots >= 0, torch.div(slots, ratio, rounding_mode="floor"), -1)
+
+
+__all__ = ["compressed_entry_index", "entry_index_table", "entry_slot_table"]

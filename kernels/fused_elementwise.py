@@ -1,8 +1,8 @@
-"""One-launch Triton versions of the reference's elementwise / per-row chains (spec `model.md` §3, §3.4, §3.6, §3.8).
+"""One-launch Triton versions of the reference's elementwise / per-row chains (spec `model.md` §3, §3.4, §3.8),
+and the rounding helpers (device functions) and launch helpers the other kernels share.
 
-Each function here computes exactly what the named reference function computes, in one kernel
-launch instead of the 8–25 small torch kernels of the reference code (issue 3: at decode every
-tiny kernel costs ~1–1.5 µs of device time, so the launch count is the cost):
+Each function here computes exactly what the named reference function computes, in one kernel launch
+(RoPE: `rope`; SwiGLU: `swiglu`):
 
 =========================  =======================================================  =========================
 function                   replaces                                                 result vs the reference
@@ -12,8 +12,6 @@ function                   replaces                                             
 `fp8_act_fake_quant`       `ops.fp8_act_fake_quant` (per-32 UE8M0 + E4M3)           bit-identical
 `fp4_fake_quant`           `ops.fp4_fake_quant_e4m3_scale` / `_ue8m0_scale`          bit-identical
 `rms_norm`                 `ops.rms_norm` / `attention.rms_norm_fp32`               see "fp64 results"
-`apply_rope_tail`          `ops.apply_rope_tail` (forward and inverse)              see "RoPE"
-`clamped_swiglu`           `moe.clamped_swiglu`                                     see "fp64 results"
 =========================  =======================================================  =========================
 
 Rounding is done arithmetically, never by Triton casts whose semantics differ from torch's:
@@ -30,23 +28,14 @@ Rounding is done arithmetically, never by Triton casts whose semantics differ fr
   divisions by powers of two are multiplications by the exact reciprocal. Launches pass
   `enable_fp_fusion=False` so no a·b+c becomes an FMA.
 
-RoPE (`ops.apply_rope_tail`): the angle is the fp32 product p·f; the reference rounds float64
-cos/sin of it once to fp32 (`ops.rope_cos_sin`), the kernel rounds a double-fp32 cos/sin once
-(`double_fp32.cos_sin`: π/2 reduction in four exact fp32 parts, Taylor in r²; see "fp64 results" for the
-bound); the rotation is fp32 products and sums in the reference's order (no FMA).
-
-fp64 results. Where the reference evaluates in float64 and rounds once (rms_norm, SwiGLU,
-the routing weights' Σ in `route_select`; RoPE's cos/sin) the kernels evaluate the same formula in double-fp32 (`double_fp32`: pairs of
-fp32, exact products and sums, ≲ 2⁻⁴⁴ relative error per result; exp by Cody–Waite reduction and
-a degree-12 Taylor polynomial in double-fp32) and round once — no float64 in these kernels. Their
-fp32 (then BF16) results equal the reference's except where the exact value lies within ~2⁻⁴⁴
-relative of an fp32 rounding boundary (probability ~2⁻²⁰ per element): rare one-ulp flips (fp32
-ulp for fp32 outputs, BF16 ulp for BF16 outputs). Domains: rms_norm and routing weights for
-finite inputs whose squares / products stay normal in fp32; SwiGLU outputs below 2⁻¹²⁶ in
-magnitude (gate < −87) are scaled in two roundings, so they may differ by one subnormal ulp;
-cos/sin for |angle| < 2²⁴, where the reduced argument carries ≲ 2⁻⁴⁹ absolute error (flips a
-little likelier for angles within 2⁻⁵ of a multiple of π/2). Checked bitwise on 342k angles incl.
-Flash's tables at positions up to 2²⁰ (interpreter).
+fp64 results. Where the reference evaluates in float64 and rounds once (rms_norm; SwiGLU in `swiglu`,
+the routing weights' Σ in `route_select`, RoPE's cos/sin in `rope`) the kernels evaluate the same formula in
+double-fp32 (`double_fp32`: pairs of fp32, exact products and sums, ≲ 2⁻⁴⁴ relative error per result;
+exp by Cody–Waite reduction and a degree-12 Taylor polynomial in double-fp32) and round once — no
+float64 in these kernels. Their fp32 (then BF16) results equal the reference's except where the exact
+value lies within ~2⁻⁴⁴ relative of an fp32 rounding boundary (probability ~2⁻²⁰ per element): rare
+one-ulp flips (fp32 ulp for fp32 outputs, BF16 ulp for BF16 outputs). Domains: rms_norm and routing
+weights for finite inputs whose squares / products stay normal in fp32; SwiGLU and cos/sin: their modules.
 
 Batch invariance: one program per row (token or token×head) or per block of 32-/16-groups; block
 sizes depend only on the row width, never on the number of rows. No host synchronisation, no
@@ -202,141 +191,6 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, EPS_HI: tl.constexpr, EPS_LO: tl.
     rms_segment(x_ptr + row * D, w_ptr, out_ptr + row * D, D, EPS_HI, EPS_LO, BLOCK_D, LOG2_D, ROUND_BF16)
 
 
-@triton.jit
-def _rope_tail_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, dst_ptr, out_stride, T, R, D, HEAD,
-                      HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HEAD: tl.constexpr,
-                      INVERSE: tl.constexpr, ROUND_BF16: tl.constexpr, ROUND_INPUT: tl.constexpr,
-                      SCATTER: tl.constexpr, COPY_HEAD: tl.constexpr):
-    """BLOCK_T tokens × BLOCK_R of their R rows (heads): dims [0, HEAD) copied (unless COPY_HEAD is
-    off: out is x, rotated in place), the last 2·HALF rotated pairwise; cos/sin computed once per
-    token and shared by its rows. ROUND_INPUT: x rounded to BF16 as loaded (`round_bf16`'s rounding,
-    before the rotation). Token t's output starts at out_ptr + u·out_stride, u = dst[t] with SCATTER
-    (rows of a cache), else t."""
-    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    r = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    live = (t < T)[:, None, None] & (r < R)[None, :, None]                      # [BT, BR, 1]
-    base = (t[:, None, None] * R + r[None, :, None]) * D
-    if SCATTER:
-        u = tl.load(dst_ptr + t, mask=t < T, other=0).to(tl.int64)
-    else:
-        u = t
-    out_base = u[:, None, None] * out_stride + r[None, :, None] * D
-    h = tl.arange(0, BLOCK_HEAD)[None, None, :]
-    if COPY_HEAD:
-        for h0 in range(0, HEAD, BLOCK_HEAD):
-            hm = live & ((h0 + h) < HEAD)
-            v = tl.load(x_ptr + base + h0 + h, mask=hm, other=0.0).to(tl.float32)
-            if ROUND_BF16 or ROUND_INPUT:
-                v = _round_bf16(v)
-            tl.store(out_ptr + out_base + h0 + h, v, mask=hm)
-    i = tl.arange(0, HALF)
-    pos = tl.load(pos_ptr + t, mask=t < T, other=0).to(tl.float32)
-    c, s = DF.cos_sin(pos[:, None] * tl.load(freq_ptr + i).to(tl.float32)[None, :])   # ≈ ops.rope_cos_sin
-    if INVERSE:
-        s = -s
-    c = c[:, None, :]
-    s = s[:, None, :]
-    pa = base + HEAD + 2 * i[None, None, :]
-    rm = live & (i[None, None, :] < HALF)
-    a = tl.load(x_ptr + pa, mask=rm, other=0.0).to(tl.float32)
-    b = tl.load(x_ptr + pa + 1, mask=rm, other=0.0).to(tl.float32)
-    if ROUND_INPUT:
-        a = _round_bf16(a)
-        b = _round_bf16(b)
-    ra = a * c - b * s                      # fp32 products and sum, no FMA (launch option)
-    rb = a * s + b * c
-    if ROUND_BF16:
-        ra = _round_bf16(ra)
-        rb = _round_bf16(rb)
-    po = out_base + HEAD + 2 * i[None, None, :]
-    tl.store(out_ptr + po, ra, mask=rm)
-    tl.store(out_ptr + po + 1, rb, mask=rm)
-
-
-#: `swiglu_value`'s screen: lanes whose fp32 estimate lies within this many fp32 ulps of a BF16
-#: rounding boundary (twice the estimate's bound: `_silu_mul_fp32`) take the double-fp32 path
-SWIGLU_SCREEN_ULPS = 32
-_SCREEN_ULPS = tl.constexpr(SWIGLU_SCREEN_ULPS)
-_LN2_HI = tl.constexpr(0.693115234375)        # ln 2 = HI + MID + rest, HI and MID of 12 significant bits
-_LN2_MID = tl.constexpr(3.193318843841553e-05)  # (k·HI, k·MID exact for |k| < 2^12)
-_LN2_REST = tl.constexpr(1.2996506e-08)
-
-
-@triton.jit
-def _silu_mul_exact(g, u):
-    """silu(g)·u in double-fp32 rounded once to fp32, for BF16-valued g, u: for g < 0 as g·E/(1 + E),
-    E = e^g = m·2^k, the 2^k applied last (in two normal steps) so g down to −200 keeps its fp32
-    result; below, a signed zero with the reference's sign."""
-    neg = g < 0.0
-    m_h, m_l, k = DF.exp_neg(tl.maximum(-tl.abs(g), -200.0))
-    e_scale = _pow2(tl.maximum(k, -126) + 127)                   # E = m·2^k (0 below 2^−126: negligible in 1 + E)
-    e_scale = tl.where(k < -126, 0.0, e_scale)
-    d_h, d_l = DF.df_add_f(m_h * e_scale, m_l * e_scale, 1.0)
-    n_h = tl.where(neg, m_h, 1.0)
-    n_l = tl.where(neg, m_l, 0.0)
-    v_h, v_l = DF.df_mul_f(n_h, n_l, g)
-    v_h, v_l = DF.df_mul_f(v_h, v_l, u)
-    y_h, y_l = DF.df_div(v_h, v_l, d_h, d_l)
-    y = y_h + y_l
-    kk = tl.where(neg, k, 0)
-    k1 = tl.maximum(kk, -120)
-    y = y * _pow2(k1 + 127) * _pow2(tl.maximum(kk - k1, -126) + 127)
-    return tl.where(y == 0.0, (g * u) * 0.0, y)                  # a zero keeps the reference's sign: sign(g)·sign(u)
-
-
-@triton.jit
-def _silu_mul_fp32(g, u):
-    """fp32 estimate of silu(g)·u for |g| ≤ 60: E = e^−|g| = p(r)·2^k (Cody–Waite r, |r| ≤ ln2/2, degree-7
-    Taylor p in fp32, truncation < 2^−27), then (g or g·E) / (1 + E) · u. Each of the ~11 roundings is
-    ≤ 2^−24 relative, so |error| ≤ 2^−20·|value| (no FMA: the launch option)."""
-    a = tl.maximum(-tl.abs(g), -60.0)
-    k = (a * 1.4426950408889634 + 12582912.0) - 12582912.0        # RNE to an integer
-    r = ((a - k * _LN2_HI) - k * _LN2_MID) - k * _LN2_REST
-    p = 1.0 / 5040.0
-    p = p * r + 1.0 / 720.0
-    p = p * r + 1.0 / 120.0
-    p = p * r + 1.0 / 24.0
-    p = p * r + 1.0 / 6.0
-    p = p * r + 0.5
-    p = p * r + 1.0
-    p = p * r + 1.0
-    e = p * _pow2(k.to(tl.int32) + 127)
-    num = tl.where(g < 0.0, g * e, g)
-    return tl.math.div_rn(num, 1.0 + e) * u
-
-
-@triton.jit
-def swiglu_value(g, u, limit):
-    """bf16(fp32(silu(g)·u)) of 1-D fp32 lanes g, u (rounded to BF16 and clamped here first), silu(g)
-    = g/(1 + e^−g) rounded as the double-fp32 `_silu_mul_exact` gives it. Screened: the fp32 estimate
-    decides a lane's BF16 result when it lies more than SWIGLU_SCREEN_ULPS fp32 ulps (twice its error
-    bound) from a BF16 rounding boundary; if any lane of the block does not (≈ 0.1 % of lanes), or is
-    zero, tiny, non-finite or has |g| > 60, the whole block takes the exact path. Every SwiGLU kernel
-    calls this, so they agree bit for bit."""
-    g = tl.minimum(_round_bf16(g), limit)
-    u = _round_bf16(u)
-    u = tl.minimum(tl.maximum(u, -limit), limit)
-    y = _silu_mul_fp32(g, u)
-    low = (y.to(tl.int32, bitcast=True) & 0xFFFF) - 0x8000       # fp32 ulps from the BF16 midpoint
-    unsure = (tl.abs(low) <= _SCREEN_ULPS) | (tl.abs(g) > 60.0) | ~(tl.abs(y) >= 1e-30) | \
-        (tl.abs(y) == float("inf"))
-    if tl.max(unsure.to(tl.int32), axis=0) > 0:
-        y = _silu_mul_exact(g, u)
-    return _round_bf16(y)
-
-
-@triton.jit
-def _swiglu_kernel(g_ptr, u_ptr, out_ptr, n, limit, BLOCK: tl.constexpr):
-    """`swiglu_value` over n elements."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    live = offs < n
-    g = tl.load(g_ptr + offs, mask=live, other=1.0).to(tl.float32)     # dead lanes pass the screen
-    u = tl.load(u_ptr + offs, mask=live, other=1.0).to(tl.float32)
-    tl.store(out_ptr + offs, swiglu_value(g, u, limit), mask=live)
-
-
-
-
 # ---- launchers -------------------------------------------------------------------------------
 
 #: True when the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 at import).
@@ -347,14 +201,6 @@ _ELEMENTWISE_BLOCK = 1024
 #: whose cost is per program, keeps the wide block).
 _ELEMENTWISE_SMALL_BLOCK = _ELEMENTWISE_BLOCK if INTERPRETED else 128
 _ELEMENTWISE_WIDE_MIN = 128 * _ELEMENTWISE_BLOCK
-#: Elements per program of the SwiGLU kernels (compiled): `swiglu_value`'s screen sends a whole program to
-#: the exact path when one lane is unsure (≈ 0.1 % of lanes), so small programs keep that rare
-SWIGLU_BLOCK = _ELEMENTWISE_BLOCK if INTERPRETED else 128
-_ROPE_HEAD_BLOCK = 128
-# tokens × rows (heads) per program: one token's rows share its cos/sin; the interpreter (CPU) takes
-# large tiles, since its cost is per program
-_ROPE_TOKEN_BLOCK = 16 if INTERPRETED else 1
-_ROPE_ROW_BLOCK = 64 if INTERPRETED else 8
 
 
 def _launch_options(num_warps: int = 4) -> dict:
@@ -461,71 +307,5 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, round_bf16: bool = True) -> 
     return out
 
 
-def apply_rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False,
-                    round_bf16: bool = False, out_dtype: torch.dtype = F32, round_input: bool = False,
-                    into: tuple[Tensor, Tensor] | None = None, in_place: bool = False) -> Tensor:
-    """`ops.apply_rope_tail` (optionally preceded and / or followed by `ops.bf16`: `round_input`,
-    `round_bf16`): x [T, ..., D] (any float dtype), positions [T]; the last 2·len(inv_freq) dims rotated
-    in interleaved pairs; fp32 out, or with `round_bf16` BF16 out when `out_dtype` says so (the same
-    values: half the bytes written). `into` = (cache [S, ...], rows [T] int): token t's result written to
-    cache[rows[t]] instead (`cache[rows] = result` in the same launch; its dtype is the output's), and the
-    cache returned. `in_place`: x (contiguous BF16, with `round_bf16` and a BF16 `out_dtype`, not `into`)
-    rotated where it is and returned — only its last 2·len(inv_freq) dims are read and written; the
-    other dims are BF16 already, so the values are the copy's. Bound: module doc."""
-    check_device("apply_rope_tail", x, positions, inv_freq, *(into or ()))
-    if in_place and not (x.dtype == torch.bfloat16 and x.is_contiguous() and round_bf16
-                         and out_dtype == torch.bfloat16 and into is None):
-        raise ValueError(f"apply_rope_tail: in_place needs a contiguous bfloat16 x rounded to a bfloat16 output "
-                         f"(got {x.dtype}, contiguous={x.is_contiguous()}, round_bf16={round_bf16}, out_dtype "
-                         f"{out_dtype}, into={into is not None})")
-    if out_dtype != F32 and not (round_bf16 and out_dtype == torch.bfloat16):
-        raise ValueError(f"apply_rope_tail: out_dtype {out_dtype} (bfloat16 only with round_bf16)")
-    half = inv_freq.numel()
-    D = x.shape[-1]
-    if half & (half - 1) or 2 * half > D:
-        raise ValueError(f"apply_rope_tail: {half} frequencies (a power of two, 2·{half} ≤ {D} dims required)")
-    if x.dim() < 2 or positions.shape != (x.shape[0],):
-        raise ValueError(f"apply_rope_tail: x {tuple(x.shape)} with positions {tuple(positions.shape)}")
-    x = x.contiguous()
-    rows = x.numel() // D
-    if in_place:
-        out, dst, out_stride = x, positions, rows * D // max(x.shape[0], 1)
-    elif into is None:
-        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-        dst, out_stride = positions, rows * D // max(x.shape[0], 1)              # dst: unread without SCATTER
-    else:
-        out, dst = into
-        if out.dtype != out_dtype or out.shape[1:] != x.shape[1:] or dst.shape != positions.shape \
-                or out.stride()[1:] != x.stride()[1:]:                          # rows laid out as x's
-            raise ValueError(f"apply_rope_tail: into a cache {out.dtype} {tuple(out.shape)} with rows "
-                             f"{tuple(dst.shape)} for x {tuple(x.shape)} written as {out_dtype}")
-        out_stride = out.stride(0)
-    if rows:
-        T, R = x.shape[0], rows // x.shape[0]
-        block_t, block_r = _ROPE_TOKEN_BLOCK, min(_pow2_at_least(R), _ROPE_ROW_BLOCK)
-        grid = (triton.cdiv(T, block_t), triton.cdiv(R, block_r))
-        _rope_tail_kernel[grid](x, positions.contiguous(), inv_freq.contiguous(), out, dst.contiguous(), out_stride,
-                                T, R, D, D - 2 * half, HALF=half, BLOCK_T=block_t, BLOCK_R=block_r,
-                                BLOCK_HEAD=min(_ROPE_HEAD_BLOCK, _pow2_at_least(max(D - 2 * half, 1))),
-                                INVERSE=inverse, ROUND_BF16=round_bf16, ROUND_INPUT=round_input,
-                                SCATTER=into is not None, COPY_HEAD=not in_place, **_launch_options())
-    return out
-
-
-def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
-    """`moe.clamped_swiglu`: bf16(silu(min(bf16(g), L))·clamp(bf16(u), −L, L)), silu and product in
-    double-fp32; fp32 out. Bound: module doc, "fp64 results"."""
-    check_device("clamped_swiglu", gate, up)
-    if gate.shape != up.shape:
-        raise ValueError(f"clamped_swiglu: gate {tuple(gate.shape)} vs up {tuple(up.shape)}")
-    gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty(gate.shape, dtype=F32, device=gate.device)
-    n = gate.numel()
-    if n:
-        block = SWIGLU_BLOCK
-        _swiglu_kernel[(triton.cdiv(n, block),)](gate, up, out, n, float(limit), BLOCK=block, **_launch_options())
-    return out
-
-
-__all__ = ["INTERPRETED", "apply_rope_tail", "clamped_swiglu", "fp4_fake_quant", "fp8_act_fake_quant",
+__all__ = ["INTERPRETED", "fp4_fake_quant", "fp8_act_fake_quant",
            "rms_norm", "round_bf16", "round_e4m3"]

@@ -1,5 +1,5 @@
-"""FP4 indexer for a whole packed batch: Triton scoring + exact top-k / candidate blocks (spec
-`model.md` §3.4.4; semantics = `sglang_dsv41.reference.indexer`).
+"""FP4 indexer scores for a whole packed batch in one Triton launch (spec `model.md` §3.4.4; semantics =
+`sglang_dsv41.reference.indexer`). The selection over these scores: `kernels.indexer_select`.
 
 For query t of request r = token_req[t] and entry j of r (slot entry_slots[r, j]):
 
@@ -34,32 +34,14 @@ entries (`PackedSource` of the index-key rows, contracts §1/§2) a key costs Di
 `packed_rows.load_key_pair_tiles`, dims split by parity: q·k = q_even·k_even + q_odd·k_odd, two
 exact MMAs): 8 + 68 + 4 = 80 B per visible entry at decode.
 
-Why our own kernel. SGLang 0.5.17's DeepSeek-V4 FP4 indexer (`srt/layers/attention/dsv4/
-indexer.py`) calls `deep_gemm.fp8_fp4_paged_mqa_logits`; sgl-deep-gemm 0.1.5.post1 (0.5.17's
-pin) implements FP4 paged MQA logits only for SM100 (`sm100_paged_mqa_logits`, FP4 template) and
-SM120 (`sm120_fp4_paged_mqa_logits`) — on SM90 it has FP8 keys only (`sm90_fp8_paged_mqa_logits`).
-It reads 68 B packed rows in 64-slot pages through block tables, not slot-addressed rows, and its
-top-k (`topk_transform_512`, JIT CUDA) promises no tie order. sglang-kernel 0.4.5 has no MQA
-logits op, and the Triton `fp4_index_logits_paged` exists only in SGLang 0.5.23 (spec
-`runtime.md` §C). Hence this kernel (written from the spec, not ported).
-
-Top-k (`select_topk`): each fp32 score maps to an order-preserving int32 (−0 first made +0), and
-key = int32·2^32 + (2^32 − 1 − j) in int64. Keys are distinct, and key order is exactly "score
-descending (as reals), then index ascending" — the reference's stable descending sort order — so
-`torch.topk` on keys returns the reference's set whatever its own tie handling; −∞ (not allowed)
-ranks below every allowed score and is dropped, giving min(k, #allowed) like the reference. Cost
-O(N·E) (radix selection, no E·log E sort of 10^6-entry rows), rows processed in chunks of at
-most `max_chunk_elements` entries (int64 temporaries ≈ 28 B per entry: ≈ 0.5 GB at the default
-2^24); no host sync with `check_nan=False`. Candidate blocks use the same selection on block keys.
+Written from the spec, not ported: stock SGLang 0.5.17 has no FP4 indexer scoring for SM90 (spec
+`runtime.md` §C).
 
 Triton's interpreter (TRITON_INTERPRET=1 before triton is imported) runs the same kernel on CPU
 tensors (tests); its BF16 `tl.dot` gives wrong results (Triton 3.6), so operands are fp32 there
 (products of FP4 values are exact either way). Without the interpreter, CPU tensors raise.
 """
 from __future__ import annotations
-
-import math
-import os
 
 import torch
 import triton
@@ -68,13 +50,8 @@ from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
 from . import double_fp32 as DF
-from . import topk_select as TS
-from . import topk_split as TSPLIT
-from .indexer_tables import entry_index_table as one_launch_entry_table
 from .indexer_tables import query_tiles
 from .packed_rows import PackedSource, key_entry_bytes, load_key_pair_tiles
-
-NEG_INF = float("-inf")
 
 
 @triton.jit
@@ -262,7 +239,7 @@ def index_scores(q: Tensor, head_w: Tensor, key_cache: Tensor | PackedSource, en
     q [N, Hi, Di] fp32/bf16 FP4-valued (RoPE'd); head_w [N, Hi] fp32 (already ×Di^−½·Hi^−½);
     key_cache [S, Di] bf16 (or fp32) FP4-valued rows with entry_slots [R, E] int their rows — or
     a `PackedSource` of the index-key rows (part "key", contracts §1/§2/§5) with entry_slots the
-    entry indices e (`entry_index_table`): the kernel then reads entry e's key nibbles and UE8M0
+    entry indices e (`entry_index.entry_index_table`): the kernel then reads entry e's key nibbles and UE8M0
     scales and decodes them exactly, giving
     the BF16-key path's scores bit for bit on the decoded keys. −1 = none. token_req [N] request
     of each query (any order); n_visible [N] = ⌊(p+1)/ratio⌋. `check_inputs` validates values (one
@@ -363,142 +340,3 @@ def score_bytes_per_query(n_visible: int, num_entries: int, hi: int, di: int, *,
     UE8M0 bytes, 68 B at Di = 128), its query and head weights, and its whole score row written."""
     key_row = key_entry_bytes(di) if packed_keys else di * key_bytes
     return n_visible * (slot_bytes + key_row) + hi * (di * q_bytes + 4) + num_entries * 4
-
-
-def _order_keys(scores: Tensor) -> Tensor:
-    """int64 keys, distinct per row, ordered by (score descending as reals, index ascending)."""
-    canon = torch.where(scores == 0, torch.zeros_like(scores), scores)          # −0 → +0
-    bits = canon.view(torch.int32).to(torch.int64)
-    monotone = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)                    # order-preserving
-    low = (2**32 - 1) - torch.arange(scores.shape[1], device=scores.device, dtype=torch.int64)
-    return monotone * 2**32 + low[None, :]
-
-
-#: How `select_topk` ranks (issue 21, measured on the H200: docs/performance.md "Session 12"):
-#: "torch" (int64 keys + torch.topk + sort, ~10 launches) or "fused" (`kernels.topk_select`, one
-#: launch, the same result bit for bit — so batch invariant too — rows of ≤ FUSED_MAX_ENTRIES
-#: columns). Default: "fused" for CUDA scores, "torch" on CPU (the Triton interpreter's CPU tests
-#: stay on torch: the fused kernel's interpreter cases live in tests/test_kernels_indexer.py);
-#: SGLANG_DSV41_INDEXER_TOPK overrides both.
-TOPK_METHOD_ENV, TOPK_METHODS = "SGLANG_DSV41_INDEXER_TOPK", ("torch", "fused")
-
-
-def topk_method(cuda: bool = False) -> str:
-    """The ranking method SGLANG_DSV41_INDEXER_TOPK names; when unset "fused" for CUDA scores
-    (`cuda`), else "torch". An unknown value raises."""
-    chosen = os.environ.get(TOPK_METHOD_ENV, "").strip().lower() or ("fused" if cuda else "torch")
-    if chosen not in TOPK_METHODS:
-        raise ValueError(f"{TOPK_METHOD_ENV}={chosen!r}: expected one of {TOPK_METHODS}")
-    return chosen
-
-
-def select_topk(scores: Tensor, k: int, *, check_nan: bool = True, max_chunk_elements: int = 1 << 24,
-                method: str | None = None) -> Tensor:
-    """[N, k] int64: per row the min(k, #finite-or-+∞) columns with the largest scores, ties →
-    lower column (−0 == +0), sorted ascending, −1 padded — `top_k_lower_index_on_ties` with
-    allowed = (score > −∞). NaN raises (one host sync) unless `check_nan=False` (then the caller
-    guarantees none, e.g. inside a CUDA graph). `method` (default `topk_method(scores.is_cuda)`):
-    "fused" ranks rows of ≤ `topk_select.FUSED_MAX_ENTRIES` columns in one Triton launch, same result
-    (few rows past its width in two stages, `kernels.topk_split`, as SGLANG_DSV41_TOPK_SPLIT picks)."""
-    if scores.dim() != 2 or scores.dtype != torch.float32:
-        raise TypeError(f"select_topk: want a 2-D fp32 score tensor, got {scores.dtype} {tuple(scores.shape)}")
-    if k < 1:
-        raise ValueError(f"select_topk: k must be ≥ 1, got {k}")
-    N, E = scores.shape
-    out = torch.full((N, k), -1, dtype=torch.int64, device=scores.device)
-    take = min(k, E)
-    if N == 0 or take == 0:
-        return out
-    if check_nan and bool(torch.isnan(scores).any()):
-        raise ValueError("select_topk: NaN score (cannot be ranked)")
-    if (method or topk_method(scores.is_cuda)) == "fused" and (scores.is_cuda or INTERPRETED):
-        if TSPLIT.split_applies(N, E, k):
-            return TSPLIT.select_topk_split(scores, k)
-        if E <= TS.FUSED_MAX_ENTRIES:
-            return TS.select_topk_fused(scores, k)
-    big = torch.iinfo(torch.int64).max
-    rows = max(1, max_chunk_elements // E)
-    for r0 in range(0, N, rows):
-        chunk = scores[r0:r0 + rows]
-        idx = torch.topk(_order_keys(chunk), take, dim=1, sorted=False).indices
-        allowed = chunk.gather(1, idx) > NEG_INF
-        idx = torch.sort(torch.where(allowed, idx, big), dim=1).values
-        out[r0:r0 + rows, :take] = torch.where(idx == big, -1, idx)
-    return out
-
-
-def candidate_blocks(scores: Tensor, n_visible: Tensor, block: int, topk_blocks: int, *,
-                     check_nan: bool = True) -> Tensor:
-    """[N, topk_blocks] published block ids per query (spec §3.4.4): block b = entries
-    [b·block, (b+1)·block); key_b = max visible score in b; the newest block ((n−1)//block) gets
-    +∞; top-min(topk_blocks, ⌈n/block⌉), ties → lower block; ascending, −1 padded.
-    `scores` must be unrestricted `index_scores` output (−∞ beyond visibility)."""
-    if scores.dim() != 2 or n_visible.shape != scores.shape[:1] or block < 1:
-        raise ValueError(f"candidate_blocks: scores {tuple(scores.shape)}, n_visible {tuple(n_visible.shape)}, "
-                         f"block {block}")
-    N, E = scores.shape
-    n_blocks = -(-E // block)
-    full = E // block
-    keys = scores[:, :full * block].reshape(N, full, block).amax(dim=2)
-    if E % block:
-        keys = torch.cat((keys, scores[:, full * block:].amax(dim=1, keepdim=True)), dim=1)
-    n = n_visible.to(torch.int64)
-    b = torch.arange(n_blocks, device=scores.device)
-    newest = torch.div(n - 1, block, rounding_mode="floor")
-    keys = torch.where(b[None, :] == newest[:, None], math.inf, keys)
-    allowed = b[None, :] < torch.div(n + block - 1, block, rounding_mode="floor")[:, None]
-    return select_topk(torch.where(allowed, keys, NEG_INF), topk_blocks, check_nan=check_nan)
-
-
-def restrict_to_blocks(scores: Tensor, blocks: Tensor, block: int) -> Tensor:
-    """scores with −∞ outside the row's published blocks (ids ≥ ⌈E/block⌉ hold no entry; −1 = none)."""
-    if scores.dim() != 2 or blocks.dim() != 2 or blocks.shape[0] != scores.shape[0] or block < 1:
-        raise ValueError(f"restrict_to_blocks: scores {tuple(scores.shape)}, blocks {tuple(blocks.shape)}, block {block}")
-    N, E = scores.shape
-    n_blocks = -(-E // block)
-    ids = blocks.to(torch.int64)
-    ids = torch.where((ids >= 0) & (ids < n_blocks), ids, n_blocks)              # spare column
-    member = torch.zeros(N, n_blocks + 1, dtype=torch.bool, device=scores.device)
-    member.scatter_(1, ids, True)
-    inside = member[:, :n_blocks].repeat_interleave(block, dim=1)[:, :E]
-    return scores.masked_fill(~inside, NEG_INF)
-
-
-def select_indices(scores: Tensor, n_visible: Tensor, published_blocks: Tensor | None, *, index_topk: int,
-                   block_size: int, topk_blocks: int, publish_blocks: bool,
-                   check_nan: bool = True) -> tuple[Tensor, Tensor | None]:
-    """(selection [N, index_topk], blocks [N, topk_blocks] when `publish_blocks`, else None) from
-    `index_scores`: blocks of `block_size` entries are published from the unrestricted scores;
-    with `published_blocks` the ranking is restricted to those blocks first."""
-    blocks = (candidate_blocks(scores, n_visible, block_size, topk_blocks, check_nan=check_nan)
-              if publish_blocks else None)
-    ranked = scores if published_blocks is None else restrict_to_blocks(scores, published_blocks, block_size)
-    return select_topk(ranked, index_topk, check_nan=check_nan), blocks
-
-
-def entry_slot_table(req_to_token: Tensor, req_rows: Tensor, n_entries: Tensor, ratio: int, width: int) -> Tensor:
-    """[R, width] int64: slot of compressed entry j of request r — the token at position
-    j·ratio + ratio − 1, which completes it (spec §3.4.3) — for j < n_entries[r], else −1."""
-    if ratio < 1 or width < 0:
-        raise ValueError(f"entry_slot_table: ratio {ratio}, width {width}")
-    j = torch.arange(width, device=req_to_token.device)
-    pos = (j * ratio + ratio - 1).clamp(max=req_to_token.shape[1] - 1)
-    slots = req_to_token[req_rows.to(torch.int64)[:, None], pos[None, :]].to(torch.int64)
-    return torch.where(j[None, :] < n_entries.to(torch.int64)[:, None], slots, -1)
-
-
-def entry_index_table(req_to_token: Tensor, req_rows: Tensor, n_entries: Tensor, ratio: int, width: int) -> Tensor:
-    """[R, width] int64: packed entry index e of compressed entry j of request r — the slot of the
-    token at position j·ratio + ratio − 1 (which completes it), // ratio (contracts §2) — for
-    j < n_entries[r], else −1. No host sync. CUDA (or the interpreter): one launch
-    (`indexer_tables.entry_index_table`); CPU: `_entry_index_table_torch` (the same values)."""
-    if req_to_token.is_cuda or INTERPRETED:
-        return one_launch_entry_table(req_to_token, req_rows, n_entries, ratio, width)
-    return _entry_index_table_torch(req_to_token, req_rows, n_entries, ratio, width)
-
-
-def _entry_index_table_torch(req_to_token: Tensor, req_rows: Tensor, n_entries: Tensor, ratio: int,
-                             width: int) -> Tensor:
-    """`entry_index_table` in torch (the same gather as `entry_slot_table`)."""
-    slots = entry_slot_table(req_to_token, req_rows, n_entries, ratio, width)
-    return torch.where(slots >= 0, torch.div(slots, ratio, rounding_mode="floor"), -1)

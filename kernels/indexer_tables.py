@@ -1,6 +1,5 @@
-"""The indexer's per-forward tables in one launch each (spec §3.4.4; issue 21): what
-`kernels.indexer`'s torch formulas (`_entry_index_table_torch`, `_query_tiles_torch`) compute in about fifty torch launches
-at a decode step's first indexer layer of each ratio.
+"""The indexer's per-forward tables in one launch each (spec §3.4.4): what the torch formulas
+`entry_index._entry_index_table_torch` and `indexer._query_tiles_torch` compute.
 
 * `entry_index_table`: [R, width] int64, entry j of request r = req_to_token[req_rows[r],
   min(j·ratio + ratio − 1, max_context − 1)] // ratio for j < n_entries[r], else −1.
@@ -89,7 +88,7 @@ def _query_tiles_kernel(token_req_ptr, N, R, grid, block_t, scratch_ptr, order_p
 
 
 def entry_index_table(req_to_token: Tensor, req_rows: Tensor, n_entries: Tensor, ratio: int, width: int) -> Tensor:
-    """[R, width] int64 entry indices (module doc; `indexer.entry_index_table`'s values)."""
+    """[R, width] int64 entry indices (module doc; `entry_index.entry_index_table`'s values)."""
     if ratio < 1 or width < 0 or req_to_token.dim() != 2 or req_rows.shape != n_entries.shape or req_rows.dim() != 1:
         raise ValueError(f"entry_index_table: ratio {ratio}, width {width}, req_to_token {tuple(req_to_token.shape)}, "
                          f"req_rows {tuple(req_rows.shape)}, n_entries {tuple(n_entries.shape)}")
@@ -106,7 +105,7 @@ def entry_index_table(req_to_token: Tensor, req_rows: Tensor, n_entries: Tensor,
 
 def query_tiles(token_req: Tensor, num_requests: int, block_t: int,
                 grouped: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(order, tile_req, tile_lo, tile_hi) int64 (module doc; `indexer._query_tiles`), the grid the static
+    """(order, tile_req, tile_lo, tile_hi) int64 (module doc; `indexer._query_tiles_torch`), the grid the static
     bound min(N, (N + R·(block_t − 1)) // block_t)."""
     if token_req.dim() != 1 or num_requests < 1 or block_t < 1:
         raise ValueError(f"query_tiles: token_req {tuple(token_req.shape)}, {num_requests} requests, block {block_t}")

@@ -6,7 +6,7 @@
   values `fp8_quant.fake_quantize_activations_bf16` gives: the fold tier's hand-off, `kernels.fp8_fold`).
 
 Each evaluates the function its one-tensor kernel runs (`fused_elementwise.rms_segment` on the same lanes
-and block width, `fused_elementwise.swiglu_value`), so each output equals that kernel's on the half
+and block width, `swiglu.swiglu_value`), so each output equals that kernel's on the half
 alone, bit for bit (tests/test_kernels_stacked_halves.py). No host sync; CUDA-graph capturable.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ from torch import Tensor
 
 from . import double_fp32 as DF
 from .fp8_quant import INTERPRETED, _quantize_groups
-from .fused_elementwise import (SWIGLU_BLOCK, _launch_options, _pow2_at_least, check_device, rms_segment,
-                                swiglu_value)
+from .fused_elementwise import _launch_options, _pow2_at_least, check_device, rms_segment
+from .swiglu import SWIGLU_BLOCK, swiglu_value
 
 F32 = torch.float32
 
@@ -77,7 +77,7 @@ def _swiglu_halves_kernel(y_ptr, out_ptr, n, stride, limit, BLOCK: tl.constexpr,
 
 
 def clamped_swiglu_halves(y: Tensor, limit: float, quantise_out: bool = False) -> Tensor:
-    """`fused_elementwise.clamped_swiglu(y[:, :n], y[:, n:], limit)` of y [T, 2n] (fp32 or BF16, unit
+    """`swiglu.clamped_swiglu(y[:, :n], y[:, n:], limit)` of y [T, 2n] (fp32 or BF16, unit
     stride along the row) in one launch, without copying the halves; fp32 [T, n] out, or with
     `quantise_out` (n a multiple of 32) those values quantised per 1×32 as BF16 [T, n]."""
     if y.dim() != 2 or y.shape[1] % 2:

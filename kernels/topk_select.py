@@ -1,7 +1,7 @@
 """Top-k selection of index scores in one launch (issue 21: the indexer's decode step without the
-~10 torch launches of `indexer.select_topk` per call) — same result, bit for bit.
+~10 torch launches of `indexer_select.select_topk` per call) — same result, bit for bit.
 
-Contract = `kernels.indexer.select_topk`: per row of fp32 scores [N, E], the min(k, #allowed)
+Contract = `kernels.indexer_select.select_topk`: per row of fp32 scores [N, E], the min(k, #allowed)
 columns with the largest scores (allowed = score > −∞; +∞ allowed), ties → lower column, −0 == +0,
 sorted ascending, −1 padded to k; NaN must not occur (the caller's guarantee, as with
 `check_nan=False`).
@@ -20,7 +20,7 @@ counting passes, re-read for the write pass), wider rows 35 times (chunks of BLO
 after the first); one write of k int64 — at decode (N = 1, E = 4096) against the torch path's
 ~10 launches with int64 temporaries of 28 B per entry. Rows are independent programs, so a prefill chunk of N rows is N programs;
 for very wide rows (E ≫ 64 K) at small N the 33 passes of one program are slow, hence
-`FUSED_MAX_ENTRIES`: the dispatcher (`kernels.indexer.select_topk`) uses this kernel only up to it.
+`FUSED_MAX_ENTRIES`: the dispatcher (`kernels.indexer_select.select_topk`) uses this kernel only up to it.
 
 Radix (`_topk_rows_radix_kernel`, the default; `SGLANG_DSV41_TOPK_SEARCH=bisect` for the above): the same
 T found one 8-bit digit at a time, most significant first, on uint32 keys (`_ukey32`, the same
@@ -214,7 +214,7 @@ def _topk_rows_radix_kernel(s_ptr, out_ptr, E, K, stride_s, stride_o, BLOCK: tl.
 
 
 def select_topk_fused(scores: Tensor, k: int, *, radix: bool | None = None, num_warps: int | None = None) -> Tensor:
-    """[N, k] int64, `kernels.indexer.select_topk(scores, k, check_nan=False)` bit for bit (module
+    """[N, k] int64, `kernels.indexer_select.select_topk(scores, k, check_nan=False)` bit for bit (module
     doc); scores fp32 [N, E] (CUDA, or CPU under TRITON_INTERPRET=1). `num_warps` overrides
     `launch_blocks`' choice (benchmarks)."""
     if scores.dim() != 2 or scores.dtype != torch.float32:

@@ -1,6 +1,6 @@
 """The indexer's top-k through SGLang 0.5.17's JIT radix top-k (issue 21; not wired into serving).
 
-`select_topk_sglang(scores, k)` has the contract of `kernels.indexer.select_topk`: scores fp32
+`select_topk_sglang(scores, k)` has the contract of `kernels.indexer_select.select_topk`: scores fp32
 [N, E] (allowed = score > −∞), result [N, k] int64, per row the min(k, #allowed) allowed columns
 with the largest scores, ascending (`ordered=True`), −1 padded. It calls SGLang's public functions
 of `sglang.kernels.ops.attention.dsv4.topk`:
@@ -141,7 +141,7 @@ def topk_with_module(module, scores: Tensor, k: int, *, valid_lengths: Tensor | 
 
 def select_topk_sglang(scores: Tensor, k: int, *, valid_lengths: Tensor | None = None, check_nan: bool = True,
                        variant: str | None = None, ordered: bool = True) -> Tensor:
-    """[N, k] int64: `kernels.indexer.select_topk(scores, k)` up to ties (module doc), ranked by
+    """[N, k] int64: `kernels.indexer_select.select_topk(scores, k)` up to ties (module doc), ranked by
     SGLang's JIT top-k. `valid_lengths` ([N] integer, optional): only columns < valid_lengths[i]
     are ranked (a speed hint where the columns beyond are −∞ anyway). NaN raises (one host sync)
     unless `check_nan=False`. `ordered=False` leaves the chosen columns in SGLang's order (−1

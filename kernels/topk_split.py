@@ -1,8 +1,8 @@
-"""Top-k of few wide rows in two stages (issue 21: long-context decode) — `kernels.indexer.select_topk`'s
+"""Top-k of few wide rows in two stages (issue 21: long-context decode) — `kernels.indexer_select.select_topk`'s
 result bit for bit, with the row spread over many programs.
 
 `topk_select.select_topk_fused` ranks a row in one program, so a decode step with few rows of 32K–64K
-columns uses a handful of the GPU's multiprocessors (180–390 µs per call on the H200, session 19).
+columns uses a handful of the GPU's multiprocessors.
 Here each row is cut into segments of SEGMENT columns:
 
 1. every segment's top-k by the fused kernel (N · S programs; ascending local columns, −1 padded);
@@ -19,7 +19,7 @@ ascending, so the output row is sorted as the contract asks.
 Sizes: S = ⌈E / SEGMENT⌉ segments (the last padded with −∞), stage 2 has S · k columns; when that is
 still wider than the fused kernel takes, stage 2 is split again. Only worth it for few rows: a
 prefill chunk already fills the GPU with one program per row. Which calls take this path is the
-dispatcher's choice (`kernels.indexer.select_topk`, SGLANG_DSV41_TOPK_SPLIT). No host sync; static
+dispatcher's choice (`kernels.indexer_select.select_topk`, SGLANG_DSV41_TOPK_SPLIT). No host sync; static
 shapes, so it can be captured in a CUDA graph.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from . import topk_select as TS
 
 #: Columns per segment: a resident block of the fused kernel, wider than k = 512 or 1,024 by 4–8×.
 SEGMENT = 4096
-#: Where `kernels.indexer.select_topk` ranks here (`split_applies`): "auto" (default) few rows wider than
+#: Where `kernels.indexer_select.select_topk` ranks here (`split_applies`): "auto" (default) few rows wider than
 #: the fused kernel takes whose candidates fit one stage-2 launch; "on" also few rows wider than a resident
 #: block, and any row past the fused kernel's width; "off" never. docs/performance.md "Session 20" has the
 #: H200 numbers behind "auto".

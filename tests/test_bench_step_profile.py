@@ -123,23 +123,25 @@ def test_prefill_profile_attribution_and_variants(sp, monkeypatch) -> None:
     assert [k["kernel"] for k in s["top_kernels"]] == ["gemm_a", "_index_scores_kernel"]
     monkeypatch.setenv("SGLANG_DSV41_INDEXER_TOPK", "fused")
     monkeypatch.delenv("SGLANG_DSV41_ATTN_PREFILL", raising=False)
-    be = SimpleNamespace(fe=SimpleNamespace(apply_rope_tail=lambda x, p, f, inverse=False, round_bf16=False:
-                                            x + 1 if not round_bf16 else torch.round(x + 1),
-                                            round_bf16=torch.round), dense=SimpleNamespace(whole_rows=False, unpadded=False))
+    be = SimpleNamespace(rope=SimpleNamespace(apply_rope_tail=lambda x, p, f, inverse=False, round_bf16=False:
+                                              x + 1 if not round_bf16 else torch.round(x + 1)),
+                         fe=SimpleNamespace(round_bf16=torch.round),
+                         dense=SimpleNamespace(whole_rows=False, unpadded=False))
     with pp.variant_scope("before", be):               # session 11: two-launch RoPE, packed, torch top-k, blocked
         assert {k: os.environ[k] for k in pp.SWITCHES} == pp.OLD and not be.dense.whole_rows and not be.dense.unpadded
-        assert torch.equal(be.fe.apply_rope_tail(torch.tensor([0.25]), None, None, round_bf16=True), torch.tensor([1.0]))
-        held = be.fe.apply_rope_tail(torch.tensor([1.75]), None, None, round_bf16=True, out_dtype=torch.bfloat16,
-                                     round_input=True)                # the runtime's later keywords, as extra launches
+        assert torch.equal(be.rope.apply_rope_tail(torch.tensor([0.25]), None, None, round_bf16=True),
+                           torch.tensor([1.0]))
+        held = be.rope.apply_rope_tail(torch.tensor([1.75]), None, None, round_bf16=True, out_dtype=torch.bfloat16,
+                                       round_input=True)          # the runtime's later keywords, as extra launches
         assert held.dtype == torch.bfloat16 and float(held) == 3.0
-    assert not isinstance(be.fe, pp.TwoPassRope) and os.environ["SGLANG_DSV41_INDEXER_TOPK"] == "fused"
+    assert not isinstance(be.rope, pp.TwoPassRope) and os.environ["SGLANG_DSV41_INDEXER_TOPK"] == "fused"
     assert "SGLANG_DSV41_ATTN_PREFILL" not in os.environ
     with pp.variant_scope("default", be):              # the CUDA serving defaults: workspace, `direct` rows
         assert {k: os.environ[k] for k in pp.SWITCHES} == pp.SWITCHES and be.dense.whole_rows and be.dense.unpadded
         assert pp.SWITCHES["SGLANG_DSV41_INDEXER_HEAD_SUM"] == "auto"
     with pp.variant_scope("session34", be):            # the defaults before session 35: the fp64 head sum
         assert {k: os.environ[k] for k in pp.SWITCHES} == pp.SWITCHES | {"SGLANG_DSV41_INDEXER_HEAD_SUM": "fp64"}
-        assert pp.SWITCHES["SGLANG_DSV41_ATTN_PREFILL"] == "wide" and not isinstance(be.fe, pp.TwoPassRope)
+        assert pp.SWITCHES["SGLANG_DSV41_ATTN_PREFILL"] == "wide" and not isinstance(be.rope, pp.TwoPassRope)
         assert pp.SWITCHES["SGLANG_DSV41_MHC_MIX"] == "tc"
     with pp.variant_scope("session32", be):            # the defaults before session 33
         assert {k: os.environ[k] for k in pp.SWITCHES} == pp.SWITCHES | {"SGLANG_DSV41_ATTN_PREFILL": "bf16",

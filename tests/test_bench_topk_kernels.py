@@ -48,7 +48,7 @@ def test_agreement_exact_ties_and_misses() -> None:
 
 
 def test_raw_calls_pass_sglang_valid_arguments() -> None:
-    from sglang_dsv41.kernels import indexer as IX
+    from sglang_dsv41.kernels import indexer_select as IX
     from sglang_dsv41.kernels import topk_sglang as TS
 
     lens = bench.lengths(6, 1030, True)
@@ -86,7 +86,7 @@ def test_arguments_and_cuda_refusal(monkeypatch: pytest.MonkeyPatch, tmp_path) -
 def test_a_case_row_on_the_cpu_with_the_fake(monkeypatch: pytest.MonkeyPatch) -> None:
     """`run_case` end to end on CPU tensors: the SGLang wrappers on the fake module (ties → the fake's
     torch.topk picks may differ from ours, so BF16 scores agree up to ties), every method timed."""
-    from sglang_dsv41.kernels import indexer as IX
+    from sglang_dsv41.kernels import indexer_select as IX
     from sglang_dsv41.kernels import topk_sglang as TS
 
     fake = FakeTopk()
@@ -113,7 +113,7 @@ def test_a_case_row_on_the_cpu_with_the_fake(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_methods_subset_needs_no_sglang_module() -> None:
-    from sglang_dsv41.kernels import indexer as IX
+    from sglang_dsv41.kernels import indexer_select as IX
     from sglang_dsv41.kernels import topk_sglang as TS
 
     lens = bench.lengths(4, 600, False)
@@ -126,7 +126,7 @@ def test_methods_subset_needs_no_sglang_module() -> None:
 
 
 def test_ours_method_follows_the_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sglang_dsv41.kernels import indexer as IX
+    from sglang_dsv41.kernels import indexer_select as IX
 
     monkeypatch.delenv(IX.TSPLIT.SPLIT_ENV, raising=False)
     assert bench.ours_method(IX, 1, 1 << 17) == "split" and bench.ours_method(IX, 1, 1 << 20) == "torch"

@@ -1,5 +1,6 @@
-"""One-launch elementwise kernels (`sglang_dsv41.kernels.fused_elementwise`) and the runtime's CUDA
-backend over them (`runtime.triton_backend.TritonBackend`) against the reference helpers (spec §3, §3.4, §3.6, §3.8).
+"""One-launch elementwise kernels (`sglang_dsv41.kernels.fused_elementwise`, `kernels.rope`, `kernels.swiglu`)
+and the runtime's CUDA backend over them (`runtime.triton_backend.TritonBackend`) against the reference helpers
+(spec §3, §3.4, §3.6, §3.8).
 
 What is pinned:
 * bit for bit: `round_bf16` == `ops.bf16`, `round_e4m3` == torch's float8_e4m3fn cast (every E4M3
@@ -38,7 +39,9 @@ import triton
 import triton.language as tl
 
 from sglang_dsv41.kernels import fused_elementwise as FE
+from sglang_dsv41.kernels import rope as ROPE
 from sglang_dsv41.kernels import route_select as RS
+from sglang_dsv41.kernels import swiglu as SW
 from sglang_dsv41.reference import attention as A
 from sglang_dsv41.reference import moe, ops
 from sglang_dsv41.runtime.attention_math import output_projection, project_q_kv
@@ -88,11 +91,11 @@ def _swiglu_screen_probe_kernel(g_ptr, u_ptr, screened_ptr, exact_ptr, fast_ptr,
     live = offs < n
     g = tl.load(g_ptr + offs, mask=live, other=1.0)
     u = tl.load(u_ptr + offs, mask=live, other=1.0)
-    tl.store(screened_ptr + offs, FE.swiglu_value(g, u, limit), mask=live)
+    tl.store(screened_ptr + offs, SW.swiglu_value(g, u, limit), mask=live)
     gc = tl.minimum(FE._round_bf16(g), limit)
     uc = tl.minimum(tl.maximum(FE._round_bf16(u), -limit), limit)
-    tl.store(exact_ptr + offs, FE._round_bf16(FE._silu_mul_exact(gc, uc)), mask=live)
-    tl.store(fast_ptr + offs, FE._silu_mul_fp32(gc, uc), mask=live)
+    tl.store(exact_ptr + offs, FE._round_bf16(SW._silu_mul_exact(gc, uc)), mask=live)
+    tl.store(fast_ptr + offs, SW._silu_mul_fp32(gc, uc), mask=live)
 
 
 def swiglu_screen_probe(gate: torch.Tensor, up: torch.Tensor, limit: float, block: int) -> tuple[torch.Tensor, ...]:
@@ -169,20 +172,20 @@ if KERNEL_HERE:
         d = lambda t: t.to(DEVICE)  # noqa: E731
         for inverse in (False, True):
             want = ops.apply_rope_tail(x, pos, inv, inverse)
-            assert same_bits(FE.apply_rope_tail(d(x), d(pos), d(inv), inverse).cpu(), want)
-            assert same_bits(FE.apply_rope_tail(d(x), d(pos), d(inv), inverse, round_bf16=True).cpu(), ops.bf16(want))
-            held = FE.apply_rope_tail(d(x), d(pos), d(inv), inverse, round_bf16=True, out_dtype=torch.bfloat16).cpu()
+            assert same_bits(ROPE.apply_rope_tail(d(x), d(pos), d(inv), inverse).cpu(), want)
+            assert same_bits(ROPE.apply_rope_tail(d(x), d(pos), d(inv), inverse, round_bf16=True).cpu(), ops.bf16(want))
+            held = ROPE.apply_rope_tail(d(x), d(pos), d(inv), inverse, round_bf16=True, out_dtype=torch.bfloat16).cpu()
             assert held.dtype == torch.bfloat16 and same_bits(held.float(), ops.bf16(want))     # BF16 out: same values
             rounded_first = ops.bf16(ops.apply_rope_tail(ops.bf16(x), pos, inv, inverse))      # round_input
-            assert same_bits(FE.apply_rope_tail(d(x), d(pos), d(inv), inverse, round_bf16=True, round_input=True).cpu(),
-                             rounded_first)
+            assert same_bits(ROPE.apply_rope_tail(d(x), d(pos), d(inv), inverse, round_bf16=True,
+                                                  round_input=True).cpu(), rounded_first)
             assert not same_bits(rounded_first, ops.bf16(want))              # the case tells the two apart
             xb = ops.bf16(x)                                                # a BF16 input: its fp32 copy's bits
-            assert same_bits(FE.apply_rope_tail(d(xb.to(torch.bfloat16)), d(pos), d(inv), inverse).cpu(),
-                             FE.apply_rope_tail(d(xb), d(pos), d(inv), inverse).cpu())
+            assert same_bits(ROPE.apply_rope_tail(d(xb.to(torch.bfloat16)), d(pos), d(inv), inverse).cpu(),
+                             ROPE.apply_rope_tail(d(xb), d(pos), d(inv), inverse).cpu())
         with pytest.raises(ValueError, match="bfloat16 only with round_bf16"):
-            FE.apply_rope_tail(d(x), d(pos), d(inv), out_dtype=torch.bfloat16)
-        back = FE.apply_rope_tail(FE.apply_rope_tail(d(x), d(pos), d(inv)), d(pos), d(inv), inverse=True).cpu()
+            ROPE.apply_rope_tail(d(x), d(pos), d(inv), out_dtype=torch.bfloat16)
+        back = ROPE.apply_rope_tail(ROPE.apply_rope_tail(d(x), d(pos), d(inv)), d(pos), d(inv), inverse=True).cpu()
         assert torch.allclose(back, x, rtol=0, atol=1e-5)          # the inverse undoes the rotation
 
     @pytest.mark.parametrize("table", ["compressed", "swa"])
@@ -199,8 +202,8 @@ if KERNEL_HERE:
         d = lambda t: t.to(DEVICE)  # noqa: E731
         for inverse in (False, True):
             want = ops.apply_rope_tail(x, pos, inv, inverse)
-            assert same_bits(FE.apply_rope_tail(d(x), d(pos), d(inv), inverse).cpu(), want)
-            assert same_bits(FE.apply_rope_tail(d(x), d(pos), d(inv), inverse, round_bf16=True).cpu(),
+            assert same_bits(ROPE.apply_rope_tail(d(x), d(pos), d(inv), inverse).cpu(), want)
+            assert same_bits(ROPE.apply_rope_tail(d(x), d(pos), d(inv), inverse, round_bf16=True).cpu(),
                              ops.bf16_rope_tail(x, pos, inv, inverse))
 
     def test_kernel_case_rope_into_cache_rows() -> None:
@@ -212,13 +215,13 @@ if KERNEL_HERE:
         cache = torch.randn(9, 96, generator=g).to(torch.bfloat16)
         rows = torch.tensor([8, 0, 3, 5, 1])
         want = cache.clone()
-        want[rows] = FE.apply_rope_tail(x.to(DEVICE), pos.to(DEVICE), inv.to(DEVICE), round_bf16=True,
+        want[rows] = ROPE.apply_rope_tail(x.to(DEVICE), pos.to(DEVICE), inv.to(DEVICE), round_bf16=True,
                                         out_dtype=torch.bfloat16, round_input=True).cpu()
-        got = FE.apply_rope_tail(x.to(DEVICE), pos.to(DEVICE), inv.to(DEVICE), round_bf16=True,
+        got = ROPE.apply_rope_tail(x.to(DEVICE), pos.to(DEVICE), inv.to(DEVICE), round_bf16=True,
                                  out_dtype=torch.bfloat16, round_input=True, into=(cache.to(DEVICE), rows.to(DEVICE)))
         assert same_bits(got.cpu().float(), want.float())
         with pytest.raises(ValueError, match="into a cache"):
-            FE.apply_rope_tail(x.to(DEVICE), pos.to(DEVICE), inv.to(DEVICE), round_bf16=True,
+            ROPE.apply_rope_tail(x.to(DEVICE), pos.to(DEVICE), inv.to(DEVICE), round_bf16=True,
                                into=(cache.to(DEVICE), rows.to(DEVICE)))             # written as fp32: refused
 
     @pytest.mark.parametrize("shape", [(5, 4, 96), (3, 64, 512)], ids=["heads", "flash_q"])
@@ -231,19 +234,19 @@ if KERNEL_HERE:
         x = torch.randn(*shape, generator=g).to(torch.bfloat16)
         d = lambda t: t.to(DEVICE)  # noqa: E731
         for inverse in (False, True):
-            want = FE.apply_rope_tail(d(x), d(pos), d(inv), inverse, round_bf16=True, out_dtype=torch.bfloat16).cpu()
+            want = ROPE.apply_rope_tail(d(x), d(pos), d(inv), inverse, round_bf16=True, out_dtype=torch.bfloat16).cpu()
             xd = d(x.clone())
-            got = FE.apply_rope_tail(xd, d(pos), d(inv), inverse, round_bf16=True, out_dtype=torch.bfloat16,
+            got = ROPE.apply_rope_tail(xd, d(pos), d(inv), inverse, round_bf16=True, out_dtype=torch.bfloat16,
                                      in_place=True)
             assert got.data_ptr() == xd.data_ptr() and same_bits(got.cpu().float(), want.float())
             assert same_bits(got.cpu()[..., :-64].float(), x[..., :-64].float())     # the head dims untouched
         bad = dict(round_bf16=True, out_dtype=torch.bfloat16, in_place=True)
         with pytest.raises(ValueError, match="in_place"):
-            FE.apply_rope_tail(d(x.float()), d(pos), d(inv), **bad)
+            ROPE.apply_rope_tail(d(x.float()), d(pos), d(inv), **bad)
         with pytest.raises(ValueError, match="in_place"):
-            FE.apply_rope_tail(d(x).transpose(1, 2), d(pos), d(inv), **bad)
+            ROPE.apply_rope_tail(d(x).transpose(1, 2), d(pos), d(inv), **bad)
         with pytest.raises(ValueError, match="in_place"):
-            FE.apply_rope_tail(d(x), d(pos), d(inv), round_bf16=True, in_place=True)
+            ROPE.apply_rope_tail(d(x), d(pos), d(inv), round_bf16=True, in_place=True)
 
     def test_kernel_case_rope_cos_sin_equal_float64_rounded_once() -> None:
         """The kernel's double-fp32 cos/sin (read out through a rotation of (1, 0) pairs) equal
@@ -257,7 +260,7 @@ if KERNEL_HERE:
             inv = ops.rope_inv_freq(64, base, scaling)
             x = torch.zeros(pos.numel(), 64)
             x[:, 0::2] = 1.0
-            got = FE.apply_rope_tail(x.to(DEVICE), pos.to(DEVICE), inv.to(DEVICE)).cpu()
+            got = ROPE.apply_rope_tail(x.to(DEVICE), pos.to(DEVICE), inv.to(DEVICE)).cpu()
             cos, sin = rope_cos_sin(pos.float()[:, None] * inv[None, :])
             assert same_bits(got[:, 0::2], cos) and same_bits(got[:, 1::2], sin)
 
@@ -288,7 +291,8 @@ if KERNEL_HERE:
         far = torch.tensor([-20.0, -60.0, -87.0, -88.5, -90.0, -95.0, -100.0, -104.0, -110.0, -150.0, -199.0, -250.0])
         gate[1, :12], gate[2, :12], gate[3, :12] = far, far, far
         up[1, :12], up[2, :12], up[3, :12] = 9.0, -0.0, 0.0
-        assert same_bits(FE.clamped_swiglu(gate.to(DEVICE), up.to(DEVICE), 10.0).cpu(), moe.clamped_swiglu(gate, up, 10.0))
+        assert same_bits(SW.clamped_swiglu(gate.to(DEVICE), up.to(DEVICE), 10.0).cpu(),
+                         moe.clamped_swiglu(gate, up, 10.0))
 
     def test_kernel_case_swiglu_screen_gives_the_exact_bits() -> None:
         """`swiglu_value`'s screen: on 2^18 random lanes (gates N(0, 4²) and wide, ups N(0, 8²)) the screened
@@ -309,8 +313,8 @@ if KERNEL_HERE:
         calls = [lambda a, p, s: FE.rms_norm(a, d(w), 1e-20),
                  lambda a, p, s: FE.fp8_act_fake_quant(a),
                  lambda a, p, s: FE.fp4_fake_quant(a, 16, "e4m3"),
-                 lambda a, p, s: FE.apply_rope_tail(a, p, d(inv), True),
-                 lambda a, p, s: FE.clamped_swiglu(a, a * 0.5, 10.0),
+                 lambda a, p, s: ROPE.apply_rope_tail(a, p, d(inv), True),
+                 lambda a, p, s: SW.clamped_swiglu(a, a * 0.5, 10.0),
                  lambda a, p, s: RS.route_select(s, d(bias), 3, 1e-20)[1]]
         for call in calls:
             batch = call(d(x), d(pos), d(scores)).cpu()
@@ -396,7 +400,7 @@ if not FE.INTERPRETED:
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
-        kern = getattr(FE, name)
+        kern = getattr({"_rope_tail_kernel": ROPE, "_swiglu_kernel": SW}.get(name, FE), name)
         full = {n: ("constexpr" if n in consts else sig[n]) for n in kern.arg_names}
         compiled = triton.compile(ASTSource(kern, full, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                                   options={"num_warps": 8 if consts.get("BLOCK_D", 0) >= 4096 else 4,
@@ -424,8 +428,8 @@ def test_triton_backend_primitives_are_the_kernels(monkeypatch) -> None:
     calls: list[str] = []
     for name in ("round_bf16", "fp8_act_fake_quant", "fp4_fake_quant", "rms_norm", "apply_rope_tail",
                  "clamped_swiglu", "route_select"):
-        monkeypatch.setattr(RS if name == "route_select" else FE, name,
-                            lambda *a, _n=name, **k: calls.append(_n) or (a[0], a[0]))
+        owner = {"route_select": RS, "apply_rope_tail": ROPE, "clamped_swiglu": SW}.get(name, FE)   # backend calls it
+        monkeypatch.setattr(owner, name, lambda *a, _n=name, **k: calls.append(_n) or (a[0], a[0]))
     be = TritonBackend(ExactTorchBackend())
     x, inv = torch.randn(2, 64), ops.rope_inv_freq(32, 10000.0, None)
     be.bf16(x), be.fp8_act_fake_quant(x), be.fp4_fake_quant_e4m3_scale(x), be.fp4_fake_quant_ue8m0_scale(x)
@@ -458,11 +462,12 @@ def test_gpu_flash_widths_match_reference_on_gpu() -> None:
     pos = torch.randint(0, 1 << 20, (T,), generator=g, device=dev)
     q = ops.bf16(torch.randn(T, 64, 512, generator=g, device=dev))
     for inverse in (False, True):
-        assert flips_within_bound(FE.apply_rope_tail(q, pos, inv, inverse), ops.apply_rope_tail(q, pos, inv, inverse), False)
-        assert flips_within_bound(FE.apply_rope_tail(q, pos, inv, inverse, True),
+        assert flips_within_bound(ROPE.apply_rope_tail(q, pos, inv, inverse), ops.apply_rope_tail(q, pos, inv, inverse),
+                                  False)
+        assert flips_within_bound(ROPE.apply_rope_tail(q, pos, inv, inverse, True),
                                    ops.bf16(ops.apply_rope_tail(q, pos, inv, inverse)), True)
     gate, up = (ops.bf16(torch.randn(T, 2304, generator=g, device=dev) * 6) for _ in range(2))
-    assert flips_within_bound(FE.clamped_swiglu(gate, up, 10.0), moe.clamped_swiglu(gate, up, 10.0), True)
+    assert flips_within_bound(SW.clamped_swiglu(gate, up, 10.0), moe.clamped_swiglu(gate, up, 10.0), True)
 
 
 @pytest.mark.gpu
@@ -477,8 +482,8 @@ def test_gpu_rope_into_cache_rows_at_flash_shape() -> None:
     cache = torch.randn(5000, 512, generator=g, device=dev).to(torch.bfloat16)
     rows = torch.randperm(5000, generator=g, device=dev)[:256]
     want = cache.clone()
-    want[rows] = FE.apply_rope_tail(x, pos, inv, round_bf16=True, out_dtype=torch.bfloat16, round_input=True)
-    FE.apply_rope_tail(x, pos, inv, round_bf16=True, out_dtype=torch.bfloat16, round_input=True, into=(cache, rows))
+    want[rows] = ROPE.apply_rope_tail(x, pos, inv, round_bf16=True, out_dtype=torch.bfloat16, round_input=True)
+    ROPE.apply_rope_tail(x, pos, inv, round_bf16=True, out_dtype=torch.bfloat16, round_input=True, into=(cache, rows))
     assert same_bits(cache.float(), want.float())
 
 
@@ -492,8 +497,8 @@ def test_gpu_rope_in_place_at_flash_shape() -> None:
     pos = torch.randint(0, 1 << 20, (256,), generator=g, device=dev)
     inv = ops.rope_inv_freq(32, 10000.0, None).to(dev)
     for inverse in (False, True):
-        want = FE.apply_rope_tail(q, pos, inv, inverse, round_bf16=True, out_dtype=torch.bfloat16)
-        got = FE.apply_rope_tail(q.clone(), pos, inv, inverse, round_bf16=True, out_dtype=torch.bfloat16,
+        want = ROPE.apply_rope_tail(q, pos, inv, inverse, round_bf16=True, out_dtype=torch.bfloat16)
+        got = ROPE.apply_rope_tail(q.clone(), pos, inv, inverse, round_bf16=True, out_dtype=torch.bfloat16,
                                  in_place=True)
         assert same_bits(got.float(), want.float()) and same_bits(got[..., :448].float(), q[..., :448].float())
 
@@ -536,9 +541,9 @@ def test_gpu_swiglu_screen_gives_the_exact_bits_at_flash_prefill() -> None:
     exact path's bits everywhere; prints the estimate's worst error and the share of blocks sent exact."""
     g = torch.Generator(device="cuda").manual_seed(23)
     gate, up = (ops.bf16(torch.randn(8192, 2304, generator=g, device="cuda") * 6) for _ in range(2))
-    worst = check_swiglu_screen(gate, up, FE.SWIGLU_BLOCK)
-    screened, exact, fast = swiglu_screen_probe(gate, up, 10.0, FE.SWIGLU_BLOCK)
+    worst = check_swiglu_screen(gate, up, SW.SWIGLU_BLOCK)
+    screened, exact, fast = swiglu_screen_probe(gate, up, 10.0, SW.SWIGLU_BLOCK)
     low = (fast.view(torch.int32) & 0xFFFF) - 0x8000
-    unsure = (low.abs() <= FE.SWIGLU_SCREEN_ULPS).view(-1, FE.SWIGLU_BLOCK).any(dim=1).float().mean()
+    unsure = (low.abs() <= SW.SWIGLU_SCREEN_ULPS).view(-1, SW.SWIGLU_BLOCK).any(dim=1).float().mean()
     print(f"\n[swiglu screen] worst estimate error {worst:.2f} × 2^-24; blocks sent exact {float(unsure):.2%}")
-    assert torch.equal(FE.clamped_swiglu(gate, up, 10.0).view(torch.int32), exact.view(torch.int32).view(gate.shape))
+    assert torch.equal(SW.clamped_swiglu(gate, up, 10.0).view(torch.int32), exact.view(torch.int32).view(gate.shape))

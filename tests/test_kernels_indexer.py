@@ -1,4 +1,5 @@
-"""Whole-batch indexer kernels (`sglang_dsv41.kernels.indexer`) vs the reference indexer (spec §3.4.4).
+"""Whole-batch indexer kernels (`sglang_dsv41.kernels.indexer`, selection `kernels.indexer_select`, entry
+tables `kernels.entry_index`) vs the reference indexer (spec §3.4.4).
 
 What is pinned:
 * `index_scores` (Triton) == reference `index_scores` on packed batches (tiny and Flash head
@@ -28,7 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_dsv41.kernels import entry_index as EI
 from sglang_dsv41.kernels import indexer as K
+from sglang_dsv41.kernels import indexer_select as SEL
 from sglang_dsv41.kernels.packed_rows import load_key_pair_tiles
 from sglang_dsv41.reference import indexer as ref
 from sglang_dsv41.reference import ops
@@ -179,12 +182,12 @@ if KERNEL_HERE:
             monkeypatch.setenv(TS.SEARCH_ENV, search)
             s = values[torch.randint(0, 9, (N, E), generator=g)] if tied else torch.randn(N, E, generator=g)
             s = s.to(DEVICE)
-            want = K.select_topk(s, k, method="torch")
-            assert torch.equal(K.select_topk(s, k, method="fused"), want), (N, E, k, chunked)
+            want = SEL.select_topk(s, k, method="torch")
+            assert torch.equal(SEL.select_topk(s, k, method="fused"), want), (N, E, k, chunked)
             monkeypatch.undo()
         s[:, :] = -INF
         monkeypatch.setenv(TS.SEARCH_ENV, search)
-        assert torch.equal(K.select_topk(s, 3, method="fused"), torch.full((2, 3), -1, device=DEVICE))
+        assert torch.equal(SEL.select_topk(s, 3, method="fused"), torch.full((2, 3), -1, device=DEVICE))
 
     def test_kernel_case_split_topk_equals_torch_path(monkeypatch) -> None:
         """`kernels.topk_split` (two stages over segments) == the torch ranking bit for bit: exact ties
@@ -201,7 +204,7 @@ if KERNEL_HERE:
             s = values[torch.randint(0, 9, (N, E), generator=g)] if tied else torch.randn(N, E, generator=g)
             s[:, 0] = 3.0                           # a padded candidate must not stand in for column 0
             s = s.to(DEVICE)
-            want = K.select_topk(s, k, method="torch")
+            want = SEL.select_topk(s, k, method="torch")
             assert torch.equal(TSPLIT.select_topk_split(s, k, segment=segment), want), (N, E, k, segment)
             monkeypatch.undo()
         s = torch.full((2, 500), -INF, device=DEVICE)
@@ -354,12 +357,12 @@ if KERNEL_HERE:
             # whole batch: the drop-in for runtime `_select`
             query = ref.index_query(cfg, w, prefix, x, q_lora, pos, inv_freq, True)
             n_vis = ref.visible_counts(pos, ratio)
-            slots = K.entry_slot_table(b["req_to_token"], torch.arange(len(b["requests"])), b["seq_lens"] // ratio,
-                                       ratio, int(b["seq_lens"].max()) // ratio)
+            slots = EI.entry_slot_table(b["req_to_token"], torch.arange(len(b["requests"])), b["seq_lens"] // ratio,
+                                        ratio, int(b["seq_lens"].max()) // ratio)
             scores = K.index_scores(query.q.to(dev), query.head_weights.to(dev), b["key_cache"][src].to(dev),
                                     slots.to(dev), b["token_req"].to(dev), n_vis.to(dev))
             selection, blocks = select_for_role(
-                K, cfg, role, scores, n_vis.to(dev),
+                SEL, cfg, role, scores, n_vis.to(dev),
                 published_kernel if role.candidate_consumer else None)
             # reference: one request at a time
             sel_ref, blocks_ref = [], []
@@ -378,7 +381,7 @@ if KERNEL_HERE:
             else:
                 assert blocks is None
             if role.candidate_consumer:
-                full = K.select_topk(scores, cfg.index_topk)
+                full = SEL.select_topk(scores, cfg.index_topk)
                 restriction_mattered |= not torch.equal(full, selection)
         assert restriction_mattered, "the batch is too short for the candidate restriction to change a selection"
 
@@ -477,8 +480,8 @@ def test_select_topk_equals_reference_on_ties() -> None:
         k = int(torch.randint(1, E + 4, (1,), generator=g))
         expected = ref.top_k_lower_index_on_ties(scores, allowed, k)
         masked = scores.masked_fill(~allowed, -INF)
-        assert torch.equal(K.select_topk(masked, k), expected), (trial, N, E, k)
-        assert torch.equal(K.select_topk(masked, k, max_chunk_elements=max(E, 1)), expected)  # one row per chunk
+        assert torch.equal(SEL.select_topk(masked, k), expected), (trial, N, E, k)
+        assert torch.equal(SEL.select_topk(masked, k, max_chunk_elements=max(E, 1)), expected)  # one row per chunk
 
 
 def test_topk_method_from_the_environment(monkeypatch) -> None:
@@ -487,18 +490,18 @@ def test_topk_method_from_the_environment(monkeypatch) -> None:
     from sglang_dsv41.kernels import topk_select as TS
 
     monkeypatch.delenv("SGLANG_DSV41_INDEXER_TOPK", raising=False)
-    assert K.topk_method() == K.topk_method(cuda=False) == "torch"
-    assert K.topk_method(cuda=True) == "fused"
+    assert SEL.topk_method() == SEL.topk_method(cuda=False) == "torch"
+    assert SEL.topk_method(cuda=True) == "fused"
     with monkeypatch.context() as m:
         m.setattr(TS, "select_topk_fused", lambda *a: pytest.fail("CPU scores went to the fused kernel"))
-        assert torch.equal(K.select_topk(torch.tensor([[0.5, 2.0, 1.0]]), 2), torch.tensor([[1, 2]]))
+        assert torch.equal(SEL.select_topk(torch.tensor([[0.5, 2.0, 1.0]]), 2), torch.tensor([[1, 2]]))
     monkeypatch.setenv("SGLANG_DSV41_INDEXER_TOPK", " Fused ")
-    assert K.topk_method() == K.topk_method(cuda=True) == "fused"
+    assert SEL.topk_method() == SEL.topk_method(cuda=True) == "fused"
     monkeypatch.setenv("SGLANG_DSV41_INDEXER_TOPK", "torch")
-    assert K.topk_method(cuda=True) == "torch"
+    assert SEL.topk_method(cuda=True) == "torch"
     monkeypatch.setenv("SGLANG_DSV41_INDEXER_TOPK", "radix")
     with pytest.raises(ValueError, match="SGLANG_DSV41_INDEXER_TOPK='radix'"):
-        K.select_topk(torch.zeros(1, 4), 2)
+        SEL.select_topk(torch.zeros(1, 4), 2)
 
 
 def test_no_kernel_build_per_request_length() -> None:
@@ -534,7 +537,7 @@ def test_gpu_fused_topk_equals_torch_path_at_flash_widths(N: int, E: int, search
     s = ops.bf16(torch.randn(N, E, generator=g, device="cuda"))
     s[:, E // 2:] = -INF                                            # invisible half
     for k in (512, 8):
-        assert torch.equal(K.select_topk(s, k, method="fused"), K.select_topk(s, k, method="torch"))
+        assert torch.equal(SEL.select_topk(s, k, method="fused"), SEL.select_topk(s, k, method="torch"))
 
 
 @pytest.mark.gpu
@@ -555,23 +558,23 @@ def test_gpu_split_topk_equals_torch_path_at_flash_widths(N: int, E: int, mode: 
     s[:, E // 2:] = -INF
     for k in (512, 8):
         assert TSPLIT.split_applies(N, E, k)
-        assert torch.equal(K.select_topk(s, k, method="fused"), K.select_topk(s, k, method="torch"))
+        assert torch.equal(SEL.select_topk(s, k, method="fused"), SEL.select_topk(s, k, method="torch"))
 
 
 def test_select_topk_zero_signs_and_edges() -> None:
     s = torch.tensor([[-0.0, 0.0, -0.0, 0.0, -1.0]])
-    assert K.select_topk(s, 2).tolist() == [[0, 1]]                       # −0 == +0: lower indices
-    assert K.select_topk(s, 9).tolist() == [[0, 1, 2, 3, 4, -1, -1, -1, -1]]
-    assert K.select_topk(torch.full((2, 3), -INF), 2).tolist() == [[-1, -1], [-1, -1]]
-    assert K.select_topk(torch.empty(3, 0), 2).tolist() == [[-1, -1]] * 3
+    assert SEL.select_topk(s, 2).tolist() == [[0, 1]]                       # −0 == +0: lower indices
+    assert SEL.select_topk(s, 9).tolist() == [[0, 1, 2, 3, 4, -1, -1, -1, -1]]
+    assert SEL.select_topk(torch.full((2, 3), -INF), 2).tolist() == [[-1, -1], [-1, -1]]
+    assert SEL.select_topk(torch.empty(3, 0), 2).tolist() == [[-1, -1]] * 3
     tiny = torch.tensor([[1e-45, -1e-45, 0.0, float(torch.finfo(torch.float32).max)]])
-    assert K.select_topk(tiny, 2).tolist() == [[0, 3]]
+    assert SEL.select_topk(tiny, 2).tolist() == [[0, 3]]
     with pytest.raises(ValueError, match="NaN"):
-        K.select_topk(torch.tensor([[0.0, math.nan]]), 1)
+        SEL.select_topk(torch.tensor([[0.0, math.nan]]), 1)
     with pytest.raises(TypeError):
-        K.select_topk(s.double(), 1)
+        SEL.select_topk(s.double(), 1)
     with pytest.raises(ValueError):
-        K.select_topk(s, 0)
+        SEL.select_topk(s, 0)
 
 
 def test_candidate_blocks_equal_reference() -> None:
@@ -586,7 +589,7 @@ def test_candidate_blocks_equal_reference() -> None:
         n_visible[0] = E                                                   # partial last block when E % B
         visible = torch.arange(E)[None, :] < n_visible[:, None]
         expected = ref.candidate_blocks(scores, n_visible, B, topk_blocks)
-        got = K.candidate_blocks(scores.masked_fill(~visible, -INF), n_visible, B, topk_blocks)
+        got = SEL.candidate_blocks(scores.masked_fill(~visible, -INF), n_visible, B, topk_blocks)
         assert torch.equal(got, expected), (trial, N, E, B, topk_blocks)
         newest = torch.div(n_visible - 1, B, rounding_mode="floor")
         for t in range(N):
@@ -597,7 +600,7 @@ def test_candidate_blocks_equal_reference() -> None:
 def test_candidate_blocks_force_the_newest_block() -> None:
     # the newest (partial) block has the lowest scores yet is published
     scores = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0, -9.0, -9.0]])
-    got = K.candidate_blocks(scores, torch.tensor([7]), 2, 2)
+    got = SEL.candidate_blocks(scores, torch.tensor([7]), 2, 2)
     assert got.tolist() == [[0, 3]]
     assert torch.equal(got, ref.candidate_blocks(scores, torch.tensor([7]), 2, 2))
 
@@ -608,9 +611,9 @@ def test_restrict_to_blocks_equals_reference_membership() -> None:
     scores = tied_scores(g, N, E)
     blocks = torch.tensor([[0, 2, -1], [5, -1, -1], [1, 3, 9], [-1, -1, -1], [0, 1, 5]])
     member = ref.block_membership(blocks, B, E)
-    assert torch.equal(K.restrict_to_blocks(scores, blocks, B), scores.masked_fill(~member, -INF))
+    assert torch.equal(SEL.restrict_to_blocks(scores, blocks, B), scores.masked_fill(~member, -INF))
     k = 4
-    assert torch.equal(K.select_topk(K.restrict_to_blocks(scores, blocks, B), k),
+    assert torch.equal(SEL.select_topk(SEL.restrict_to_blocks(scores, blocks, B), k),
                        ref.top_k_lower_index_on_ties(scores, member, k))
 
 
@@ -621,9 +624,9 @@ def test_select_for_role_errors() -> None:
     plain = next(r for r in roles.values() if not r.runs_indexer)
     scores, n = torch.zeros(1, 8), torch.tensor([8])
     with pytest.raises(ValueError, match="no candidate blocks"):
-        select_for_role(K, cfg, consumer, scores, n, None)
+        select_for_role(SEL, cfg, consumer, scores, n, None)
     with pytest.raises(ValueError, match="does not run an indexer"):
-        select_for_role(K, cfg, plain, scores, n, None)
+        select_for_role(SEL, cfg, plain, scores, n, None)
 
 
 def test_entry_index_table_is_slot_of_completing_token_div_ratio() -> None:
@@ -631,18 +634,18 @@ def test_entry_index_table_is_slot_of_completing_token_div_ratio() -> None:
     which is also slot(j·r) // r — the pair shares one entry; −1 beyond n_entries."""
     pages = torch.tensor([[5, 9, 2, 7, 11], [3, 8, 4, 6, 10]])
     req_to_token = (2 * pages[:, :, None] + torch.arange(2)).reshape(2, 10)
-    table = K.entry_index_table(req_to_token, torch.tensor([1, 0]), torch.tensor([3, 5]), 2, 5)
+    table = EI.entry_index_table(req_to_token, torch.tensor([1, 0]), torch.tensor([3, 5]), 2, 5)
     assert table.tolist() == [[3, 8, 4, -1, -1], [5, 9, 2, 7, 11]]
     assert torch.equal(table[:, :3].clamp(min=0), req_to_token[[1, 0]][:, 0:6:2] // 2)
-    ones = K.entry_index_table(req_to_token, torch.tensor([0]), torch.tensor([4]), 1, 6)
+    ones = EI.entry_index_table(req_to_token, torch.tensor([0]), torch.tensor([4]), 1, 6)
     assert ones.tolist() == [[10, 11, 18, 19, -1, -1]]
 
 
 def test_entry_slot_table() -> None:
     req_to_token = torch.arange(60).reshape(3, 20) + 100
-    table = K.entry_slot_table(req_to_token, torch.tensor([2, 0]), torch.tensor([3, 0]), 2, 5)
+    table = EI.entry_slot_table(req_to_token, torch.tensor([2, 0]), torch.tensor([3, 0]), 2, 5)
     assert table.tolist() == [[141, 143, 145, -1, -1], [-1] * 5]
-    table = K.entry_slot_table(req_to_token, torch.tensor([1]), torch.tensor([4]), 1, 4)
+    table = EI.entry_slot_table(req_to_token, torch.tensor([1]), torch.tensor([4]), 1, 4)
     assert table.tolist() == [[120, 121, 122, 123]]
 
 
@@ -691,7 +694,7 @@ def test_gpu_flash_scores_within_bound_and_topk_sets(N: int) -> None:
     case = flash_decode_case(N, E, seed=N)
     expected, bound = oracle(*case)
     finite = expected > -INF
-    want = K.select_topk(expected, k)
+    want = SEL.select_topk(expected, k)
     assert torch.equal(want, ref.top_k_lower_index_on_ties(expected, finite, k))     # CUDA topk path
     for head_sum_exact in (True, False):
         got = K.index_scores(*case, head_sum_exact=head_sum_exact)
@@ -701,7 +704,7 @@ def test_gpu_flash_scores_within_bound_and_topk_sets(N: int) -> None:
         # BF16 scores tie often at the k/k+1 boundary, so sets are compared on the rows whose scores
         # are the oracle's bits (all but near-boundary rows with the exact head sum)
         same = (got == expected).where(finite, True).all(dim=1)
-        assert torch.equal(K.select_topk(got, k)[same], want[same])
+        assert torch.equal(SEL.select_topk(got, k)[same], want[same])
         if head_sum_exact:
             assert float(same.float().mean()) >= 0.9
 

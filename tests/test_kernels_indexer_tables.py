@@ -2,8 +2,8 @@
 
 What is pinned:
 * kernel cases (interpreter child on CPU; compiled on CUDA): both equal the torch formulas
-  (`indexer._entry_index_table_torch`, `indexer._query_tiles_torch`) exactly, and
-  `indexer.entry_index_table` takes the kernel —
+  (`entry_index._entry_index_table_torch`, `indexer._query_tiles_torch`) exactly, and
+  `entry_index.entry_index_table` takes the kernel —
   - the table at ratios 1 and 2, widths past one program and past the longest request (−1 columns),
     positions clamped at the table's last column, a request with no entry;
   - the tiles of decode batches (one query per request), of extend batches with requests of 0, 1 and
@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sglang_dsv41.kernels import entry_index as EI
 from sglang_dsv41.kernels import fused_elementwise as FE
 from sglang_dsv41.kernels import indexer as KI
 from sglang_dsv41.kernels import indexer_tables as IT
@@ -31,8 +32,8 @@ def _check_table(rows: int, context: int, seq: list[int], ratio: int, width: int
     req_rows = torch.randperm(rows, generator=g)[: len(seq)].to(DEVICE)
     seq_lens = torch.tensor(seq, device=DEVICE)
     got = IT.entry_index_table(table, req_rows, seq_lens // ratio, ratio, width)
-    assert torch.equal(got, KI._entry_index_table_torch(table, req_rows, seq_lens // ratio, ratio, width))
-    assert torch.equal(KI.entry_index_table(table, req_rows, seq_lens // ratio, ratio, width), got)   # dispatches
+    assert torch.equal(got, EI._entry_index_table_torch(table, req_rows, seq_lens // ratio, ratio, width))
+    assert torch.equal(EI.entry_index_table(table, req_rows, seq_lens // ratio, ratio, width), got)   # dispatches
 
 
 def _check_tiles(extend: list[int], block_t: int, shuffle: bool, seed: int) -> None:

@@ -6,7 +6,7 @@ What is pinned:
   wider than the row (a column slice of a wider product), the first half rounded to BF16 and the
   second not, halves that are not powers of two, one row and many, a row of zeros; a batch's row
   equals that row alone; the first half's rounding flag really rounds (the unrounded result differs);
-  `clamped_swiglu_halves` equals `fused_elementwise.clamped_swiglu` of the two halves bit for bit
+  `clamped_swiglu_halves` equals `swiglu.clamped_swiglu` of the two halves bit for bit
   (fp32 / BF16 inputs, a wider row stride, gates past the limit and far down the exp range); with
   `quantise_out` its BF16 output is those values quantised per 1×32, bit for bit what
   `fake_quantize_activations_bf16` makes of them (the fold tier's hand-off to `w2`);
@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from sglang_dsv41.kernels import fused_elementwise as FE
+from sglang_dsv41.kernels import swiglu as SW
 from sglang_dsv41.kernels.stacked_halves import (_rms_norm_pair_kernel, _swiglu_halves_kernel, clamped_swiglu_halves,
                                                  rms_norm_pair)
 from triton_checks import compile_for_sm90, no_spills, run_kernel_cases_in_interpreter
@@ -78,7 +79,7 @@ if KERNEL_HERE:
             wide[:, :2 * n] = y
             for got_in in (y.to(DEVICE), y.to(DEVICE).to(torch.bfloat16), wide.to(DEVICE)[:, :2 * n]):
                 got = clamped_swiglu_halves(got_in, 10.0)
-                want = FE.clamped_swiglu(y[:, :n].contiguous().to(DEVICE), y[:, n:].contiguous().to(DEVICE), 10.0)
+                want = SW.clamped_swiglu(y[:, :n].contiguous().to(DEVICE), y[:, n:].contiguous().to(DEVICE), 10.0)
                 assert got.dtype == torch.float32 and torch.equal(got, want)
 
     def test_kernel_case_swiglu_halves_quantised_for_w2() -> None:
@@ -146,7 +147,7 @@ def test_gpu_flash_halves_equal_the_single_row_kernel() -> None:
         _check_halves(x, 1280, w1, w2, 1e-6)
         n = 2048
         y = (torch.randn(rows, 2 * n, generator=g, device=dev) * 6).to(torch.bfloat16)
-        assert torch.equal(clamped_swiglu_halves(y, 10.0), FE.clamped_swiglu(y[:, :n].float().contiguous(),
+        assert torch.equal(clamped_swiglu_halves(y, 10.0), SW.clamped_swiglu(y[:, :n].float().contiguous(),
                                                                              y[:, n:].float().contiguous(), 10.0))
 
 

@@ -3,7 +3,7 @@
 CPU: the glue (`topk_with_module`) against `fake_sglang_topk.FakeTopk`, which checks the arguments
 the way SGLang's kernels do, applies the page transform through the page table it is given and
 ranks with `torch.topk` (min(k, seq_len) columns whatever their scores, as SGLang does): on scores
-without ties the result must be `kernels.indexer.select_topk`'s exactly. Plus the dispatch and the
+without ties the result must be `kernels.indexer_select.select_topk`'s exactly. Plus the dispatch and the
 raise paths. GPU: the wrapper against torch.topk sets, rows with fewer valid columns than k included.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from sglang_dsv41.kernels import indexer as K
+from sglang_dsv41.kernels import indexer_select as SEL
 from sglang_dsv41.kernels import topk_sglang as TS
 
 from fake_sglang_topk import FakeTopk
@@ -40,7 +40,7 @@ def test_equals_select_topk_without_ties(n: int, e: int, k: int, variant: str) -
     got = TS.topk_with_module(fake, s, k)
     assert fake.calls == [(variant, k)]
     assert got.dtype == torch.int64 and got.shape == (n, k)
-    assert torch.equal(got, K.select_topk(s, k))
+    assert torch.equal(got, SEL.select_topk(s, k))
     assert bool((got[0] == -1).all())
 
 
@@ -58,7 +58,7 @@ def test_valid_lengths_rank_only_the_columns_before_them() -> None:
     lens = torch.tensor([-4, 0, 300, 512, 1499, 9000])      # negative and too long: clamped
     got = TS.topk_with_module(FakeTopk(), s, k, valid_lengths=lens)
     cols = torch.arange(e)[None, :]
-    want = K.select_topk(s.masked_fill(cols >= lens.clamp(0, e)[:, None], -INF), k)
+    want = SEL.select_topk(s.masked_fill(cols >= lens.clamp(0, e)[:, None], -INF), k)
     assert torch.equal(got, want)
     assert bool((got[:2] == -1).all()) and int((got[2] >= 0).sum()) == 300
     with pytest.raises(ValueError, match="valid_lengths"):
@@ -75,9 +75,9 @@ def test_v2_gets_padded_aligned_rows_and_strided_input_works() -> None:
     for view in (base, base[1:], base[:, 3:900], base.t().contiguous().t()):   # offset / narrowed / column-major
         for k in (64, 512):
             got = TS.topk_with_module(FakeTopk(), view, k, variant="v2")
-            assert torch.equal(got, K.select_topk(view.contiguous(), k)), (view.stride(), k)
+            assert torch.equal(got, SEL.select_topk(view.contiguous(), k)), (view.stride(), k)
     got = TS.topk_with_module(FakeTopk(), base.t().contiguous().t(), 512)   # v1: made contiguous
-    assert torch.equal(got, K.select_topk(base, 512))
+    assert torch.equal(got, SEL.select_topk(base, 512))
 
 
 @pytest.mark.parametrize("stray", [1 << 30, 1400, -5])
@@ -101,7 +101,7 @@ def test_unordered_output_is_the_same_set() -> None:
     s = distinct_scores(4, 3000, seed=3)
     s[2, 100:] = -INF
     got = TS.topk_with_module(FakeTopk(), s, 512, ordered=False)
-    want = K.select_topk(s, 512)
+    want = SEL.select_topk(s, 512)
     assert not torch.equal(got, want)                       # the fake's order is descending
     assert torch.equal(torch.sort(torch.where(got < 0, 1 << 40, got), dim=1).values,
                        torch.sort(torch.where(want < 0, 1 << 40, want), dim=1).values)
@@ -175,7 +175,7 @@ def test_gpu_matches_torch_topk_sets(n: int, e: int, k: int, variant: str | None
     n_valid = torch.minimum(allowed.sum(1), torch.tensor(k, device="cuda"))
     want = torch.topk(masked, min(k, e), dim=1).indices.masked_fill(
         torch.arange(min(k, e), device="cuda")[None, :] >= n_valid[:, None], -1)
-    ours = K.select_topk(masked, k)
+    ours = SEL.select_topk(masked, k)
     tie_free = _tie_free_rows(s, allowed, k).cpu()
     assert float(tie_free.float().mean()) > 0.9
     for kwargs in (dict(valid_lengths=lens), {}):         # the hint, and −∞ alone

@@ -37,7 +37,9 @@ from runtime_scenarios import fixed_decode_tokens, run_scenario, scenario_caches
 from sglang_dsv41.checkpoint.loader import load_reference_weights
 from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
+from sglang_dsv41.kernels import entry_index as kernel_entry_index
 from sglang_dsv41.kernels import indexer as kernel_indexer
+from sglang_dsv41.kernels import indexer_select as kernel_select
 from sglang_dsv41.kernels import sparse_attention as kernel_attention
 from sglang_dsv41.numerics.geometry import softmax_scale
 from sglang_dsv41.numerics.rounding import bf16
@@ -78,7 +80,8 @@ def test_cuda_tensors_use_the_triton_kernels(fresh_kernel_ops) -> None:
     assert isinstance(ops, attention_ops.KernelAttentionOps)
     assert ops.sparse_attention.sparse_sink_attention is kernel_attention.sparse_sink_attention
     assert ops.indexer.index_scores is kernel_indexer.index_scores
-    assert ops.indexer.select_indices is kernel_indexer.select_indices
+    assert ops.indexer_select.select_indices is kernel_select.select_indices
+    assert ops.entry_index.entry_index_table is kernel_entry_index.entry_index_table
     assert attention_ops.ops_for(torch.device("cuda", 0)) is ops      # loaded once
     exact = attention_ops.ops_for(torch.device("cuda"), torch.float32, deterministic=True)
     assert (ops.deterministic, ops.splits, exact.deterministic, exact.splits) == (False, "decode", True, "one")
@@ -228,10 +231,9 @@ def test_kernel_orchestration_with_exact_stand_ins_equals_cpu_path(engine, cpu_s
         SimpleNamespace(sparse_sink_attention=_exact_sparse_sink_attention(calls),
                         plan_config=kernel_attention.plan_config, PackedSource=kernel_attention.PackedSource,
                         plan_prefill_config=_counted(calls, "prefill_plan", kernel_attention.plan_prefill_config)),
-        SimpleNamespace(index_scores=_exact_index_scores(calls), select_indices=kernel_indexer.select_indices,
-                        entry_index_table=_counted(calls, "table", kernel_indexer.entry_index_table),
-                        PackedSource=kernel_indexer.PackedSource),
-        deterministic=True)                                               # one split: the exact stand-in's plan
+        SimpleNamespace(index_scores=_exact_index_scores(calls), PackedSource=kernel_indexer.PackedSource),
+        deterministic=True,                                               # one split: the exact stand-in's plan
+        entry_index=SimpleNamespace(entry_index_table=_counted(calls, "table", kernel_entry_index.entry_index_table)))
     assert stand_in.prefill == prefill
     exact = _exact_sparse_sink_attention(calls)
 
@@ -468,7 +470,8 @@ SYNC_OPS = ("aten._local_scalar_dense", "aten.nonzero", "aten.equal", "aten.is_n
             "aten.repeat_interleave.Tensor", "aten._unique2", "aten.unique")
 #: the files of the CUDA attention / indexer path (the stand-in kernels below live in this test file)
 ATTENTION_PATH = ("runtime/attention.py", "runtime/attention_ops.py", "runtime/attention_prefill.py",
-                  "runtime/indexer_select.py", "kernels/indexer.py", "kernels/topk_select.py")
+                  "runtime/indexer_select.py", "kernels/indexer.py", "kernels/indexer_select.py",
+                  "kernels/entry_index.py", "kernels/topk_select.py")
 
 
 class _PathOps(TorchDispatchMode):
@@ -515,9 +518,8 @@ def _shape_only_kernels(monkeypatch) -> attention_ops.KernelAttentionOps:
         SimpleNamespace(sparse_sink_attention=sparse_sink_attention, plan_config=kernel_attention.plan_config,
                         plan_prefill_config=kernel_attention.plan_prefill_config, device_sm_count=lambda device: 132,
                         PackedSource=kernel_attention.PackedSource),
-        SimpleNamespace(index_scores=index_scores, select_indices=kernel_indexer.select_indices,
-                        entry_index_table=kernel_indexer.entry_index_table, PackedSource=kernel_indexer.PackedSource),
-        splits="one", prefill="bf16")
+        SimpleNamespace(index_scores=index_scores, PackedSource=kernel_indexer.PackedSource),
+        splits="one", prefill="bf16", indexer_select=kernel_select, entry_index=kernel_entry_index)
     ops._wide = SimpleNamespace(prefill_sink_attention=sparse_sink_attention, plan_decode=sap.plan_decode)
     return ops
 

@@ -33,7 +33,9 @@ from runtime_scenarios import PAGE_SIZE
 from sglang_dsv41.checkpoint.loader import load_reference_weights
 from sglang_dsv41.config import DeepseekV41Config
 from sglang_dsv41.engram_hash import EngramHasher, _load_fast_tokenizer, compressed_token_map
+from sglang_dsv41.kernels import entry_index as kernel_entry_index
 from sglang_dsv41.kernels import indexer as kernel_indexer
+from sglang_dsv41.kernels import indexer_select as kernel_select
 from sglang_dsv41.kernels import moe_mxfp4
 from sglang_dsv41.kernels import sparse_attention as kernel_attention
 from sglang_dsv41.reference.moe import routed_expert
@@ -97,9 +99,9 @@ def _kernel_ops(calls: list[str]) -> attention_ops.KernelAttentionOps:
     return attention_ops.KernelAttentionOps(
         SimpleNamespace(sparse_sink_attention=_sparse_sink_attention(calls), plan_config=kernel_attention.plan_config,
                         PackedSource=kernel_attention.PackedSource),
-        SimpleNamespace(index_scores=_index_scores(calls), select_indices=kernel_indexer.select_indices,
-                        entry_index_table=kernel_indexer.entry_index_table, PackedSource=kernel_indexer.PackedSource),
-        deterministic=True)                           # one split: the stand-ins model the batch-invariant plan
+        SimpleNamespace(index_scores=_index_scores(calls), PackedSource=kernel_indexer.PackedSource),
+        deterministic=True,                           # one split: the stand-ins model the batch-invariant plan
+        indexer_select=kernel_select, entry_index=kernel_entry_index)
 
 
 # ---- static == eager, padding invisible ----------------------------------------------------------------

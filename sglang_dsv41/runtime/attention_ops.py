@@ -5,7 +5,7 @@
 | device | `attend` | `select` |
 |---|---|---|
 | CPU  | `attention_ops_torch.TorchAttentionOps`: rows gathered + `attend_with_sink` (float64, rounded once to BF16) | per request, `indexer_select.run_indexer_cpu` (float64 scores, stable sort) |
-| CUDA | Triton `kernels.sparse_attention.sparse_sink_attention` | whole batch: `attention_math.index_query`, Triton `kernels.indexer.index_scores`, `indexer_select.select_for_role` |
+| CUDA | Triton `kernels.sparse_attention.sparse_sink_attention` | whole batch: `attention_math.index_query`, Triton `kernels.indexer.index_scores`, `indexer_select.select_for_role` (`kernels.indexer_select`) |
 
 CPU is bit-identical to `ReferenceModel` (tests/test_runtime_forward.py). On CUDA the kernels
 must import (and not be built for the interpreter) or `ops_for` raises; attention differs from
@@ -22,7 +22,7 @@ Contracts (both implementations):
   float64 on CPU, the kernel's torch.bfloat16 on CUDA (its one reader, `output_projection`, rounds
   them to BF16 again).
   CUDA: within one BF16 ulp of the output scale (max |o| of that query and head) of the CPU
-  value on the same inputs (kernel docstring, measured on an H200); batch-invariant only in
+  value on the same inputs (kernel docstring); batch-invariant only in
   deterministic mode (`ATTENTION_KEY_SPLITS`; the serving default splits the keys of small
   batches, `plan_decode_config`).
 * `select(be, cfg, role, w, prefix, x, q_lora, layout, caches, inv_freq, act_quant, published)`:
@@ -69,7 +69,9 @@ from .kv_layout import PackedSourceRows
 
 #: The kernel modules the CUDA path needs (installed from `kernels/`, see pyproject.toml).
 KERNEL_MODULES = {"sparse_attention": "sglang_dsv41.kernels.sparse_attention",
-                  "indexer": "sglang_dsv41.kernels.indexer"}
+                  "indexer": "sglang_dsv41.kernels.indexer",
+                  "indexer_select": "sglang_dsv41.kernels.indexer_select",
+                  "entry_index": "sglang_dsv41.kernels.entry_index"}
 #: the `wide` prefill choice's kernel module (`attention_prefill`), imported on first use
 WIDE_PREFILL_MODULE = "sglang_dsv41.kernels.sparse_attention_prefill"
 #: Score-matrix elements (fp32) per query chunk of the CUDA indexer: 2^25 = 128 MiB, plus a
@@ -154,13 +156,18 @@ class KernelAttentionOps:
     `plan_decode_config`, and the packed rows at prefill instead of the serving default's BF16
     workspace (`attention_prefill.prefill_choice`), and the indexer's fp64 head sum at every batch
     instead of the serving default `auto` (fp32 at eager prefill, `head_sum_exact`); explicit `splits` /
-    `head_sum` / `prefill` override both."""
+    `head_sum` / `prefill` override both. Kernel modules (tests pass stand-ins): `indexer` scores,
+    `indexer_select` selects, `entry_index` makes the entry-index tables (the last two imported from
+    KERNEL_MODULES when not given)."""
 
     def __init__(self, sparse_attention: ModuleType, indexer: ModuleType, splits: str | None = None,
                  head_sum: str | None = None, prefill: str | None = None, deterministic: bool = False,
-                 decode: str | None = None) -> None:
+                 decode: str | None = None, *, indexer_select: ModuleType | None = None,
+                 entry_index: ModuleType | None = None) -> None:
         self.sparse_attention = sparse_attention
         self.indexer = indexer
+        self.indexer_select = indexer_select or importlib.import_module(KERNEL_MODULES["indexer_select"])
+        self.entry_index = entry_index or importlib.import_module(KERNEL_MODULES["entry_index"])
         self.deterministic = deterministic
         self.splits = splits or kernel_choice(ATTENTION_SPLITS_ENV, ATTENTION_SPLITS,
                                               "one" if deterministic else "decode")
@@ -209,7 +216,8 @@ class KernelAttentionOps:
         prefill = ("flashmla" if able else "wide") if self.prefill == "flashmla" else self.prefill
         decode = ("flashmla" if able else "triton") if self.decode == "flashmla" else self.decode
         chosen = KernelAttentionOps(self.sparse_attention, self.indexer, self.splits, self.head_sum, prefill,
-                                    self.deterministic, decode)
+                                    self.deterministic, decode, indexer_select=self.indexer_select,
+                                    entry_index=self.entry_index)
         if not able:
             logger.warning("sglang-dsv41: flashmla: planned the Triton kernels instead (%s)", plan.reason)
         else:
@@ -318,7 +326,7 @@ class KernelAttentionOps:
         if rows is None:
             table = scratch.entry_tables.get(ratio)
             if table is None:
-                table = scratch.entry_tables[ratio] = self.indexer.entry_index_table(
+                table = scratch.entry_tables[ratio] = self.entry_index.entry_index_table(
                     layout.req_to_token, layout.req_rows, layout.seq_lens // ratio, ratio, width)
             rows = scratch.workspaces[source] = AP.latent_workspace(packed.latent_rows, packed.source.latent,
                                                                     packed.layout.head_dim, table)
@@ -364,8 +372,8 @@ class KernelAttentionOps:
         width = layout.max_seq_len // ratio
         entry_table = None if entry_tables is None else entry_tables.get(ratio)
         if entry_table is None:       # one table per ratio and forward: indexer layers of a ratio share it
-            entry_table = K.entry_index_table(layout.req_to_token, layout.req_rows, layout.seq_lens // ratio,
-                                              ratio, width)
+            entry_table = self.entry_index.entry_index_table(layout.req_to_token, layout.req_rows,
+                                                             layout.seq_lens // ratio, ratio, width)
             if entry_tables is not None:
                 entry_tables[ratio] = entry_table
         packed = caches.packed(src)
@@ -392,9 +400,9 @@ class KernelAttentionOps:
                                     check_inputs=False,
                                     tile_cache=None if query_tiles is None else query_tiles.setdefault(
                                         (part.start, part.stop), {}), grouped_queries=True)
-            selection, chunk_blocks = select_for_role(K, cfg, role, scores, n_visible[part],
-                                                        None if published is None else published[part],
-                                                        check_nan=False)
+            selection, chunk_blocks = select_for_role(self.indexer_select, cfg, role, scores, n_visible[part],
+                                                      None if published is None else published[part],
+                                                      check_nan=False)
             selections.append(selection)
             blocks.append(chunk_blocks)
         if len(selections) == 1:
@@ -432,7 +440,8 @@ def kernel_ops(deterministic: bool = False) -> KernelAttentionOps:
     if modules["sparse_attention"]._is_interpreted() or modules["indexer"].INTERPRETED:
         raise RuntimeError("sglang-dsv41: the Triton kernels were built for the CPU interpreter (TRITON_INTERPRET=1 "
                            "was set when they were imported); unset it to run on CUDA")
-    return KernelAttentionOps(modules["sparse_attention"], modules["indexer"], deterministic=deterministic)
+    return KernelAttentionOps(modules["sparse_attention"], modules["indexer"], deterministic=deterministic,
+                              indexer_select=modules["indexer_select"], entry_index=modules["entry_index"])
 
 
 def ops_for(device: torch.device, acc: torch.dtype = torch.float64, deterministic: bool = False,

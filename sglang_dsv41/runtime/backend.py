@@ -8,7 +8,7 @@ Layers hold one backend and never dispatch per call; `backend_for(device, weight
 |---|---|---|
 | `torch` | CPU (serving default) | fp32 torch: products, norms, softmaxes and sums in fp32, BF16 rounding points as the model; judged by tolerance against the reference (docs/runtime.md "Numerics contract") |
 | `exact` | CPU (`--enable-deterministic-inference`, tests) | float64-evaluated sums rounded once: bit-identical to the reference, batch invariant |
-| `triton` | CUDA | one-launch Triton kernels (`kernels.fused_elementwise`, `kernels.engram_gate`) and tensor-core products (`dense_ops.BlockedBf16Gemm`: serving rows in one GEMM, deterministic rows in 128-row blocks, `bf16_gemm_for`); FP8 dense linears by `fp8_gemm` (`runtime/triton_backend.py`) |
+| `triton` | CUDA | one-launch Triton kernels (`kernels.fused_elementwise`, `kernels.rope`, `kernels.swiglu`, `kernels.engram_gate`) and tensor-core products (`dense_ops.BlockedBf16Gemm`: serving rows in one GEMM, deterministic rows in 128-row blocks, `bf16_gemm_for`); FP8 dense linears by `fp8_gemm` (`runtime/triton_backend.py`) |
 
 `acc` is the dtype the runtime's torch reductions outside the primitives use with this backend
 (attention on CPU, index scores, mHC coefficients, pair pooling, routed sums, router

@@ -6,7 +6,7 @@ lower index (docs/reference.md). Two whole-batch forms:
 * `run_indexer_cpu`: one request's chunk on CPU — scores Σ_h w·ReLU(q·k) in float64 rounded
   once, a stable sort; tested against `reference.indexer.run_indexer`;
 * `select_for_role`: the layer's role applied to scores from the Triton `index_scores` kernel
-  (`kernels.indexer.select_indices`: same tie rule, order keys instead of a sort).
+  (`kernels.indexer_select.select_indices`: same tie rule, order keys instead of a sort).
 """
 from __future__ import annotations
 
@@ -87,8 +87,8 @@ def run_indexer_cpu(cfg: TextConfig, role: LayerRole, query: IndexQuery, positio
 
 def select_for_role(kernels, cfg: TextConfig, role: LayerRole, scores: Tensor, n_visible: Tensor,
                     published_blocks: Tensor | None, *, check_nan: bool = True) -> tuple[Tensor, Tensor | None]:
-    """(selection, blocks or None) of an indexer layer from `kernels.index_scores` output, through
-    `kernels.select_indices` (the indexer kernel module)."""
+    """(selection, blocks or None) of an indexer layer from `kernels.indexer.index_scores` output, through
+    `kernels.select_indices` (`kernels`: the selection module `kernels.indexer_select`)."""
     if not role.runs_indexer:
         raise ValueError(f"layer {role.layer} does not run an indexer")
     if role.candidate_consumer and published_blocks is None:

@@ -1,19 +1,20 @@
 """The CUDA compute backend, `triton` (spec `model.md` §3, §3.8; the ABC and the CPU backends: `runtime/backend.py`).
 
-Primitives run as one-launch Triton kernels (`kernels.fused_elementwise`, `kernels.engram_gate`, the glue kernels
-named per method) and dense products on tensor cores (`dense_ops.BlockedBf16Gemm`).
+Primitives run as one-launch Triton kernels (`kernels.fused_elementwise`, `kernels.rope`, `kernels.swiglu`,
+`kernels.engram_gate`, the glue kernels named per method) and dense products on tensor cores
+(`dense_ops.BlockedBf16Gemm`).
 
 FP8 dense linears on `triton` (`fp8_gemm`, FP8_GEMMS; spec §3.8, issue 21). Every choice uses the
 reference's operands — activations quantised per 1×32 to E4M3 with UE8M0 scales (`wo_a`: BF16, not
 quantised), E4M3 weights with their tile scales — and differs only in how the products are summed:
-* `w8a8_fold` (serving default since its H100 run, docs/performance.md "Session 29"): as `w8a8_f16`, but 1–16 rows on the
+* `w8a8_fold` (the serving default, `backend.fp8_gemm_for`): as `w8a8_f16`, but 1–16 rows on the
   scale-folded BF16 MMA tier (`kernels.fp8_fold`: 128 columns per MMA, exact products, fp32 sums; the same
   bound). Not batch invariant;
-* `w8a8_f16` (the serving default from session 11 to 28): `kernels.fp8_w8a8` at
+* `w8a8_f16` (opt-in): `kernels.fp8_w8a8` at
   every row count — the activation quantisation fused into the GEMM, E4M3 operands widened to
   f16 on the tensor cores (exact products, fp32 sums), split-K at decode summed inside the launch;
   from BF16_GEMM_MIN_ROWS rows its prefill form; `wo_a` one grouped launch. Not batch invariant;
-* `tiered` (opt-in; the default until session 11): below `kernels.fp8_w8a8.BF16_GEMM_MIN_ROWS` rows
+* `tiered` (opt-in): below `kernels.fp8_w8a8.BF16_GEMM_MIN_ROWS` rows
   the `w8a16` kernel, from there the BF16-copy cuBLAS form of `kernels.fp8_w8a8` (prefill);
 * `w8a16` (`--enable-deterministic-inference`): `kernels.fp8_linear` at every row count — the
   fake-quantised activations as BF16 times the dequantised tile, one fixed launch configuration
@@ -21,7 +22,7 @@ quantised), E4M3 weights with their tile scales — and differs only in how the 
 * `fp8_mma` (opt-in): as `w8a8_f16`, but 17–128 rows on Hopper's FP8 MMA (E4M3 `wgmma`, ~14-bit
   sums per 32 products: DeepGEMM block32's accumulation class). Below the end-to-end contract
   (docs/runtime.md "Numerics contract"), hence not the default;
-* `w8a8_gemv` (opt-in: slower on the H100, docs/performance.md "Session 28"): as `w8a8_f16`, but 1–4 rows
+* `w8a8_gemv` (opt-in): as `w8a8_f16`, but 1–4 rows
   on the CUDA-core GEMV tier (`kernels.fp8_gemv`: x quantised once, exact products, fp32 sums; the same bound);
 Weights not held as E4M3 tiles (BF16 copies, fp32) go through `matmul` in either mode: on `triton`
 by `bf16_gemm_for` — cuBLAS GEMMs: any row count in one GEMM on the activation as given, without a padded
@@ -62,8 +63,8 @@ class TensorCoreProducts:
 
 
 class TritonBackend(TensorCoreProducts, ComputeBackend):
-    """CUDA: `kernels.fused_elementwise` (one launch per primitive; bit-identical or rare
-    one-ulp flips, bounds stated there), the fp32 Engram gate kernel, the tensor-core dense
+    """CUDA: `kernels.fused_elementwise`, `kernels.rope`, `kernels.swiglu` (one launch per primitive;
+    bit-identical or rare one-ulp flips, bounds stated there), the fp32 Engram gate kernel, the tensor-core dense
     products of `dense` (`dense_ops.BlockedBf16Gemm`, GEMM_BOUND) and FP8 linears by `fp8_gemm`
     (module doc). torch reductions outside the primitives run in fp32 (`acc`).
     `device_types=("cpu",)` is for tests under Triton's interpreter."""
@@ -74,13 +75,15 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
     def __init__(self, dense, device_types: tuple[str, ...] = ("cuda",), fp8_gemm: str = "w8a8_f16") -> None:
         from ..kernels import engram_gate as eg
         from ..kernels import fused_elementwise as fe
+        from ..kernels import rope, swiglu
         from ..kernels import route_select as rs
 
         if "cpu" in device_types and not fe.INTERPRETED:
             raise ValueError("TritonBackend on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
         if fp8_gemm not in FP8_GEMMS:
             raise ValueError(f"TritonBackend: fp8_gemm must be one of {FP8_GEMMS}, got {fp8_gemm!r}")
-        self.fe, self.rs, self.eg, self.dense, self.device_types = fe, rs, eg, dense, tuple(device_types)
+        self.fe, self.rope, self.swiglu, self.rs, self.eg = fe, rope, swiglu, rs, eg
+        self.dense, self.device_types = dense, tuple(device_types)
         self.fp8_gemm = fp8_gemm
         self._engram_constants: dict = {}                   # (hasher id, device) → (hasher, token map, constants)
 
@@ -157,7 +160,7 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
         return clamped_swiglu_halves(y, limit, quantise_out)
 
     def apply_rope_tail(self, x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False) -> Tensor:
-        return self.fe.apply_rope_tail(x, positions, inv_freq, inverse)
+        return self.rope.apply_rope_tail(x, positions, inv_freq, inverse)
 
     def bf16_rope_tail(self, x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False,
                        bf16_out: bool = False, round_input: bool = False, may_overwrite: bool = False) -> Tensor:
@@ -168,17 +171,17 @@ class TritonBackend(TensorCoreProducts, ComputeBackend):
         contiguous BF16 x and `bf16_out`: x rotated in place (the kernel's `in_place`: only the rotated
         tail read and written, 1/8 of q's bytes at Flash; the same values)."""
         in_place = may_overwrite and bf16_out and x.dtype == BF16 and x.is_contiguous()
-        return self.fe.apply_rope_tail(x, positions, inv_freq, inverse, round_bf16=True,
-                                       out_dtype=BF16 if bf16_out else F32, round_input=round_input,
-                                       in_place=in_place)
+        return self.rope.apply_rope_tail(x, positions, inv_freq, inverse, round_bf16=True,
+                                         out_dtype=BF16 if bf16_out else F32, round_input=round_input,
+                                         in_place=in_place)
 
     def bf16_rope_tail_into(self, x: Tensor, positions: Tensor, inv_freq: Tensor, cache: Tensor, rows: Tensor) -> None:
         """One launch: the rows written at their cache rows by the RoPE kernel (its `into`), no scatter launch."""
-        self.fe.apply_rope_tail(x, positions, inv_freq, round_bf16=True, out_dtype=cache.dtype, round_input=True,
-                                into=(cache, rows))
+        self.rope.apply_rope_tail(x, positions, inv_freq, round_bf16=True, out_dtype=cache.dtype, round_input=True,
+                                  into=(cache, rows))
 
     def clamped_swiglu(self, gate: Tensor, up: Tensor, limit: float) -> Tensor:
-        return self.fe.clamped_swiglu(gate, up, limit)
+        return self.swiglu.clamped_swiglu(gate, up, limit)
 
     def compressed_entries(self, selection: Tensor, layout, ratio: int) -> Tensor:
         """One launch (`kernels.entry_index`: integer arithmetic, the torch formula's values)."""
