@@ -206,8 +206,9 @@ def test_flashmla_decode_launches_only_for_its_query_counts(monkeypatch) -> None
 @pytest.mark.parametrize("choice", ["auto", "gather", "triton"])
 def test_decode_rows_by_choice_and_query_count(choice: str, monkeypatch) -> None:
     """Decode batches (no workspace) with compressed entries: `auto` (the serving default) decodes the
-    entries into BF16 rows for 1..GATHER_DECODE_MAX_QUERIES (256) queries and reads the packed rows
-    above; `gather` always, `triton` never. Either way one attention launch."""
+    entries into BF16 rows for 1..GATHER_DECODE_MAX_QUERIES (256) queries, read by the `wide` kernel from
+    WIDE_DECODE_MIN_QUERIES (2) queries on, and reads the packed rows above; `gather` always, `triton`
+    never. Either way one attention launch."""
     from types import SimpleNamespace
 
     from sglang_dsv41.kernels import indexer, key_gather
@@ -219,6 +220,8 @@ def test_decode_rows_by_choice_and_query_count(choice: str, monkeypatch) -> None
                            sparse_sink_attention=lambda q, swa, slots, comp, entries, sink, scale, config:
                            read.append(comp) or torch.zeros_like(q))
     ops = attention_ops.KernelAttentionOps(stub, indexer, prefill="bf16", decode=choice)
+    ops._wide = SimpleNamespace(plan_decode=lambda *a: "plan", prefill_sink_attention=lambda q, swa, slots, comp,
+                                entries, sink, scale, config: read.append(("wide", comp)) or torch.zeros_like(q))
     monkeypatch.setattr(ops, "_packed_latents", lambda packed: "packed-rows")
     swa = torch.zeros(4, 512, dtype=torch.bfloat16)
     for n in (1, 8, 256, 257):
@@ -226,7 +229,10 @@ def test_decode_rows_by_choice_and_query_count(choice: str, monkeypatch) -> None
         ops.attend(q, torch.zeros(2), swa, torch.zeros(n, 2, dtype=torch.long), object(), torch.zeros(n, 4, dtype=torch.int32))
     want = {"auto": [1, 8, 256], "gather": [1, 8, 256, 257], "triton": []}[choice]
     assert gathered == want
-    assert read == ["bf16-rows" if n in want else "packed-rows" for n in (1, 8, 256, 257)]
+    rows = ["bf16-rows" if n in want else "packed-rows" for n in (1, 8, 256, 257)]
+    if choice == "auto":
+        rows[1:3] = [("wide", "bf16-rows")] * 2
+    assert read == rows
 
 
 def test_decode_rows_are_gathered_once_per_source_and_entries_in_a_forward(monkeypatch) -> None:
@@ -242,7 +248,7 @@ def test_decode_rows_are_gathered_once_per_source_and_entries_in_a_forward(monke
     stub = SimpleNamespace(plan_decode_config=lambda *a, **k: "plan", device_sm_count=lambda device: 132,
                            sparse_sink_attention=lambda q, swa, slots, comp, entries, sink, scale, config:
                            read.append(comp) or torch.zeros_like(q))
-    ops = attention_ops.KernelAttentionOps(stub, indexer, prefill="bf16", decode="auto")
+    ops = attention_ops.KernelAttentionOps(stub, indexer, prefill="bf16", decode="gather")
     monkeypatch.setattr(ops, "_packed_latents", lambda packed: f"latents{packed.source.layer}")
     swa, q, slots = torch.zeros(4, 512, dtype=torch.bfloat16), torch.zeros(2, 2, 512), torch.zeros(2, 2, dtype=torch.long)
     source = {s: SimpleNamespace(source=SimpleNamespace(layer=s)) for s in (2, 8)}
