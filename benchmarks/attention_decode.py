@@ -1,13 +1,13 @@
-"""The decode attention at the Flash shape: the serving kernel against the `wide` kernel with key splits (CUDA only).
+"""The decode attention at the Flash shape: the split-KV decode kernel against the `wide` kernel with key splits (CUDA only).
 
-Issue 21, "Attention: … with split-KV at decode". A decode batch's attention runs
-`kernels.sparse_attention.sparse_sink_attention` on BF16 rows (`SGLANG_DSV41_ATTN_DECODE=auto`) under
-`plan_decode_config`: `mma.sync` tiles of 32 heads × 32 keys. The prefill's `wide` kernel
-(`kernels.sparse_attention_prefill`: every head of a query in one program, 64-key `wgmma` tiles) now splits a
-query's key tiles too (`plan_decode`). This script times both on the same inputs, for N decode queries of
-distinct requests (D 512, H 64, W 128, K 512 over scattered BF16 rows, int32 slots, 2 % holes):
+Issue 21, "Attention: … with split-KV at decode". `kernels.sparse_attention.sparse_sink_attention` on BF16
+rows (`SGLANG_DSV41_ATTN_DECODE=gather`; the serving `auto` for one query) runs under `plan_decode_config`:
+`mma.sync` tiles of 32 heads × 32 keys. The prefill's `wide` kernel (`kernels.sparse_attention_prefill`: every
+head of a query in one program, 64-key `wgmma` tiles; the serving `auto` for 2–256 queries) splits a query's key
+tiles too (`plan_decode`). This script times both on the same inputs, for N decode queries of distinct requests
+(D 512, H 64, W 128, K 512 over scattered BF16 rows, int32 slots, 2 % holes):
 
-* `decode`: the serving kernel and plan;
+* `decode`: the split-KV decode kernel and its plan;
 * `wide`: `prefill_sink_attention` under `plan_decode`;
 * `wide_sS`: the same with S splits (S in `--splits`), to place the plan.
 
