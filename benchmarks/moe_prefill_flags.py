@@ -11,7 +11,10 @@ output against the first set's: bit-equal, or the fraction of outputs that diffe
 difference in BF16 ulps of the larger of the two values. A set that fails (e.g. too much shared memory) is
 recorded with its error. Writes moe_prefill_flags.json.
 
-    python benchmarks/moe_prefill_flags.py [--tokens 8192] [--cap-s 0.3] [--out DIR]
+    python benchmarks/moe_prefill_flags.py [--tokens 8192] [--cap-s 0.3] [--flag-sets "" num_stages=2 ...] [--out DIR]
+
+At more than DECODE_FLAG_MAX_TOKENS (16) tokens a call takes the prefill flags, so `--tokens 64` sweeps the
+N = 64 decode batch's GEMMs too (the same flags through SGLANG_DSV41_MOE_PREFILL_FLAGS).
 """
 from __future__ import annotations
 
@@ -114,10 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--cap-s", type=float, default=0.3, help="timing seconds per flag set (step_timing.measure)")
+    ap.add_argument("--flag-sets", nargs="+", default=list(FLAG_SETS),
+                    help='flag sets to time, the first the baseline of the comparison ("" = triton_kernels\' own)')
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args(argv)
+    from sglang_dsv41.kernels.moe_mxfp4_flags import DECODE_FLAG_MAX_TOKENS
+    if args.tokens <= DECODE_FLAG_MAX_TOKENS:
+        ap.error(f"--tokens must exceed {DECODE_FLAG_MAX_TOKENS} (smaller calls take the decode flags)")
     require_cuda("moe_prefill_flags")
-    write_result(args.out, "moe_prefill_flags.json", run(args.tokens, args.cap_s))
+    write_result(args.out, "moe_prefill_flags.json", run(args.tokens, args.cap_s, tuple(args.flag_sets)))
     return 0
 
 

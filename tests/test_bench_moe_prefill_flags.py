@@ -52,3 +52,10 @@ def test_flag_sets_parse_as_the_prefill_switch() -> None:
 def test_refuses_without_cuda() -> None:
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         bench.main([])
+
+
+def test_refuses_a_decode_sized_call_before_anything_runs(capsys) -> None:
+    """`--tokens` ≤ 16 would take the decode flags, so the prefill switch it sweeps would not apply."""
+    with pytest.raises(SystemExit):
+        bench.main(["--tokens", "16", "--flag-sets", "", "split_k=2"])
+    assert "--tokens must exceed 16" in capsys.readouterr().err
