@@ -20,6 +20,9 @@ Per case (L, N), in this order:
 
 Reading it: wall − gpu_busy ≈ host time the GPU waited for (launch-bound); a kernel whose device time
 grows with L at N = 32 is the context-proportional part; first − wall is the JIT cost of the case.
+With `--cprofile`, one more forward of each case under cProfile (`host_profile`): the Python functions the
+host time goes to (self and cumulative seconds, top CPROFILE_TOP) and the self time summed by package
+(triton, triton_kernels, torch, ours by file), so an eager forward's host time can be read by where it is spent.
 `--topk-variants` repeats the longest-prefix case of the first --new-tokens with
 SGLANG_DSV41_INDEXER_TOPK=torch. N = 1 is an eager decode step: under SGLang's overlap scheduler a
 prefill's first token is sent only after the next batch (the request's first decode step) has been
@@ -44,6 +47,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 SYNC_OPS = ("aten._local_scalar_dense", "aten.nonzero", "aten.equal", "aten.is_nonzero", "aten.masked_select",
             "aten.repeat_interleave.Tensor", "aten._unique2", "aten.unique")
 PAGE = 64
+CPROFILE_TOP = 30
+#: self time of a profiled forward summed by these path markers (first match), else by "other"
+PACKAGES = (("triton_kernels/", "triton_kernels"), ("/triton/", "triton"), ("/torch/", "torch"),
+            ("sglang_dsv41/", None), ("/kernels/", None))
 
 
 class OpWatch(TorchDispatchMode):
@@ -120,7 +127,42 @@ def kernel_table(prof) -> tuple[float, int, list[tuple[str, float, int]]]:
     return busy / 1e3, sum(v[1] for v in per.values()), top
 
 
-def run_case(engine, prefix: int, n: int, reps: int) -> dict:
+def package_of(path: str) -> str:
+    """The PACKAGES group of a source path; our own files (None) by their path from the package root."""
+    for marker, name in PACKAGES:
+        if marker in path:
+            return name or marker.strip("/") + "/" + path.split(marker, 1)[1]
+    return "other"
+
+
+def host_profile(fwd, sync, top: int = CPROFILE_TOP) -> dict:
+    """One forward under cProfile (synchronised before and after): the top functions by self and by
+    cumulative seconds ("file:line(name)"), self seconds by `package_of`, and the profiled wall."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    sync()
+    t0 = time.perf_counter()
+    prof.enable()
+    fwd()
+    sync()
+    prof.disable()
+    wall = time.perf_counter() - t0
+    stats = pstats.Stats(prof).stats                     # {(file, line, name): (cc, nc, tt, ct, callers)}
+    rows = [(f"{Path(f).name}:{line}({name})", nc, tt, ct, f) for (f, line, name), (_, nc, tt, ct, _) in stats.items()]
+    by_pkg: dict[str, float] = collections.Counter()
+    for _, _, tt, _, f in rows:
+        by_pkg[package_of(f)] += tt
+
+    def table(key: int) -> list[dict]:
+        best = sorted(rows, key=lambda r: -r[key])[:top]
+        return [{"fn": r[0], "calls": r[1], "self_ms": round(r[2] * 1e3, 3), "cum_ms": round(r[3] * 1e3, 3)} for r in best]
+    return {"profiled_wall_ms": round(wall * 1e3, 2), "by_self": table(2), "by_cumulative": table(3),
+            "self_ms_by_package": {k: round(v * 1e3, 3) for k, v in sorted(by_pkg.items(), key=lambda kv: -kv[1])[:25]}}
+
+
+def run_case(engine, prefix: int, n: int, reps: int, cprofile: bool = False) -> dict:
     ids, layout, caches = make_case(engine, prefix, n)
     sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
     fwd = lambda: engine.hidden_states(ids, layout, caches)  # noqa: E731
@@ -146,7 +188,8 @@ def run_case(engine, prefix: int, n: int, reps: int) -> dict:
         fwd()
         sync()
     busy, launches, top = kernel_table(prof)
-    return {"prefix": prefix, "new_tokens": n, "first_ms": round(first, 2),
+    extra = {"host_profile": host_profile(fwd, sync)} if cprofile else {}
+    return {**extra, "prefix": prefix, "new_tokens": n, "first_ms": round(first, 2),
             "wall_ms": round(statistics.median(walls), 2), "walls_ms": [round(w, 2) for w in walls],
             "host_ms": round(statistics.median(hosts), 2), "gpu_busy_ms": round(busy, 2), "launches": launches,
             "aten_ops": watch.ops, "host_syncs": sum(watch.syncs.values()), "host_sync_sites": dict(watch.syncs),
@@ -163,6 +206,7 @@ def main() -> int:
                    help="one more case: a cold chunk (default the 4th 8K chunk of a 32K prompt); N 0 = none")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--topk-variants", action="store_true")
+    p.add_argument("--cprofile", action="store_true", help="one more forward per case under cProfile (host_profile)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke run of the script)")
     a = p.parse_args()
@@ -174,11 +218,16 @@ def main() -> int:
     rows: list[dict] = []
     result = {"model_path": a.model_path, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "cases": rows}
     for L, n in cases:
-        rows.append(run_case(engine, L, n, a.reps))
+        rows.append(run_case(engine, L, n, a.reps, a.cprofile))
         r = rows[-1]
         print(f"prefix {L:6d} new {n:5d}: first {r['first_ms']:9.1f} ms  wall {r['wall_ms']:8.2f} ms  host "
               f"{r['host_ms']:8.2f} ms  gpu busy {r['gpu_busy_ms']:8.2f} ms  launches {r['launches']:5d}  "
               f"aten ops {r['aten_ops']:5d}  host syncs {r['host_syncs']}", flush=True)
+        if a.cprofile:
+            hp = r["host_profile"]
+            print(f"  cProfile wall {hp['profiled_wall_ms']} ms; self ms by package: {hp['self_ms_by_package']}")
+            for row in hp["by_self"][:12]:
+                print(f"    self {row['self_ms']:8.3f} ms  cum {row['cum_ms']:8.3f} ms  x{row['calls']:5d}  {row['fn']}")
         a.out.write_text(json.dumps(result, indent=1))
     if a.topk_variants:
         L = max(a.prefixes)
