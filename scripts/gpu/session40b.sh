@@ -5,12 +5,14 @@
 # benchmarks/hit_extend.py on the tiny checkpoint, one request of 1,024 / 32 / 1 new tokens after no prefix,
 # with --cprofile: per case the wall, host and GPU-busy ms, then one forward under cProfile (the functions
 # and packages the host time goes to). Run from the checkout root with `.gpu` carried:
-#   BUDGET=200 bash scripts/gpu/session40b.sh
-# Results: $OUT/hit_extend.json, $OUT/summary.txt.
+#   BUDGET=330 bash scripts/gpu/session40b.sh
+# Then (TESTS=0 skips it) the GPU tests of the kernel modules session 40 split (kernels/fp8_w8a8_configs.py,
+# kernels/sparse_attention_plan.py: code moved, so the compiled kernels must still pass).
+# Results: $OUT/hit_extend.json, $OUT/summary.txt, $OUT/split_tests.xml.
 set -uo pipefail
 # shellcheck source=scripts/gpu/lib.sh
 source "$(dirname "$0")/lib.sh"
-BUDGET=${BUDGET:-200}; SUMMARY=$OUT/summary.txt
+BUDGET=${BUDGET:-330}; SUMMARY=$OUT/summary.txt
 gpu_setup
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$SUMMARY"
 tiny_checkpoint /tmp/tiny || exit 4
@@ -20,4 +22,10 @@ timeout -s TERM -k 20 "$(left 15)" python3 benchmarks/hit_extend.py --model-path
     | grep -v -i warn | tail -60 | tee -a "$SUMMARY"
 rc=${PIPESTATUS[0]}
 result hit_extend rc=$rc
+if [ "${TESTS:-1}" = 1 ]; then
+  timeout -s INT -k 10 "$(cap 150)" python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml "$OUT/split_tests.xml" \
+    tests/test_kernels_fp8_w8a8.py tests/test_kernels_sparse_attention.py >"$OUT/split_tests.log" 2>&1
+  tests_result split_kernel_gpu_tests "$OUT/split_tests.xml" $?
+  tail -3 "$OUT/split_tests.log" | tee -a "$SUMMARY"
+fi
 exit $rc
