@@ -8,7 +8,8 @@ SGLANG_DSV41_MOE_PREFILL_FLAGS for the call, `routed_experts_mxfp4` timed (`step
 events, an L2 flush before each call, the median within --cap-s, after a first call that compiles), the launch flags triton_kernels chose for both GEMMs (block
 sizes, stages, split-K, epilogue subtiles: `make_opt_flags`' result, recorded by wrapping it), and the
 output against the first set's: bit-equal, or the fraction of outputs that differ and the largest
-difference in BF16 ulps of the larger of the two values. A set that fails (e.g. too much shared memory) is
+difference in BF16 ulps of the larger of the two values. `over_default` is a set's time over the first set's (with
+the default FLAG_SETS, triton_kernels' own choice). A set that fails (e.g. too much shared memory) is
 recorded with its error. Writes moe_prefill_flags.json.
 
     python benchmarks/moe_prefill_flags.py [--tokens 8192] [--cap-s 0.3] [--flag-sets "" num_stages=2 ...] [--out DIR]
@@ -105,7 +106,7 @@ def run(tokens: int, cap_s: float, flag_sets=FLAG_SETS) -> dict:
         else:
             os.environ[mx.PREFILL_FLAGS_ENV] = saved
         mx.prefill_flags.cache_clear()
-    base = rows.get("default", {}).get("us")
+    base = rows.get(flag_sets[0] or "default", {}).get("us")   # the first set: the bits' reference too
     for r in rows.values():
         if "us" in r and base:
             r["over_default"] = r["us"] / base
