@@ -62,10 +62,34 @@ class _Job:
 
 
 def renice(pid: int, value: int) -> None:
+    """Set the nice value of the process group that `pid` leads, and of its autogroup.
+
+    With the kernel's autogroups on (/proc/sys/kernel/sched_autogroup_enabled), a child started
+    with start_new_session gets an autogroup of its own, and CFS shares the CPU between autogroups
+    by the autogroup's nice value alone: the processes' own values then only rank them inside the
+    group, so without the autogroup's a "nice 19" child competes as an equal with the tests."""
     try:
         os.setpriority(os.PRIO_PGRP, pid, value)    # the child leads its own group (start_new_session)
     except OSError:                                 # raising priority needs privileges: then it stays niced
         pass
+    try:
+        with open(autogroup_path(pid), "w") as f:
+            f.write(str(value))
+    except OSError:                                 # no autogroups (kernel option off), or the child is gone
+        pass
+
+
+def autogroup_path(pid: int) -> str:
+    return f"/proc/{pid}/autogroup"
+
+
+def autogroup_nice(pid: int) -> int | None:
+    """The nice value of `pid`'s autogroup, or None where the kernel has no autogroups."""
+    try:
+        with open(autogroup_path(pid)) as f:
+            return int(f.read().split()[-1])        # "/autogroup-207 nice 19"
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _kill(proc: subprocess.Popen) -> None:
