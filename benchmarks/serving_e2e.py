@@ -47,11 +47,13 @@ ID_RANGE = (100, 120_000)
 PAIRS = (("ours", "sglang_v4", "sglang-dsv41 V4.1 / SGLang V4-Flash"),
          ("ours_dspark", "ours", "DSpark (synthetic AL) / no speculation"),
          ("ours_engram_host", "ours", "Engram tables in pinned host memory / on the GPU"),
+         ("ours_b2k", "ours", "prefill graph buckets to 2,048 tokens / the defaults"),
          ("ours_c2k", "ours", "chunked prefill and prefill graph buckets to 2,048 tokens / the defaults"),
          ("ours_overlap", "ours", "the side stream (SGLANG_DSV41_OVERLAP=on) / the defaults"),
          ("tiny", "llama8", "tiny V4.1 / stock-SGLang 8-layer Llama of the same widths (scripts/gpu/tiny_vs_llama.sh)"),
          ("tiny", "tiny_eager", "tiny V4.1: prefill CUDA graphs / eager prefill"),
          ("tiny_b1k", "llama8", "tiny V4.1 with prefill buckets to 1,024 tokens / the 8-layer Llama"),
+         ("tiny_b2k", "llama8", "tiny V4.1 with prefill buckets to 2,048 tokens / the 8-layer Llama"),
          ("tiny_c1k", "llama8", "tiny V4.1, prefill buckets and chunked prefill 1,024 tokens / the 8-layer Llama"),
          ("tiny_c2k", "llama8", "tiny V4.1, prefill buckets and chunked prefill 2,048 tokens / the 8-layer Llama"))
 

@@ -13,6 +13,8 @@
 #           baseline of the DSpark variant at 8 / 32 too);
 #   ours_host  the same server with the Engram tables in pinned host memory (SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE=1,
 #           label ours_engram_host): the host-against-device target (<= 3 % decode, <= 5 % prefill);
+#   ours_b2k   the same server with prefill graph buckets to 2,048 tokens and the default chunked prefill: a prompt
+#           of up to 2,048 tokens alone replays one graph instead of running eagerly (session 41: the default's question);
 #   ours_c2k   the same server with chunked prefill and prefill graph buckets to 2,048 tokens (the tiny server's
 #           latency recipe, docs/prefill_graphs.md) — with IN_LEN well above 2,048 it answers whether that
 #           recipe costs long-prompt prefill throughput at Flash width;
@@ -97,11 +99,12 @@ for step in $STEPS; do
             --batches 1 16 64 256 --out "$OUT/routing_spread.json" | python3 -c \
             'import json,sys; d=json.load(sys.stdin); [print("routing spread N=%d: %.1f distinct experts (uniform %.1f)" % (r["tokens"], r["distinct_experts"], r["uniform_expectation"])) for r in d["per_batch"]]' \
             | tee -a "$OUT/summary.txt" || rc=$? ;;
-    ours|ours_host|ours_c2k|ours_overlap) s=${OURS_STARTUP_S:-300}; b=$(( $(cap $((s + 150))) - 15 - RESERVE ))
+    ours|ours_host|ours_b2k|ours_c2k|ours_overlap) s=${OURS_STARTUP_S:-300}; b=$(( $(cap $((s + 150))) - 15 - RESERVE ))
           label=$step; envx=(); extra=()
           [ "$step" = ours_host ] && { label=ours_engram_host; envx=(SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE=1); }
           [ "$step" = ours_overlap ] && envx=(SGLANG_DSV41_OVERLAP=on)
           [ "$step" = ours_c2k ] && extra=(--chunked-prefill-size 2048 --cuda-graph-bs-prefill 4 8 16 32 64 128 256 512 1024 2048)
+          [ "$step" = ours_b2k ] && extra=(--cuda-graph-bs-prefill 4 8 16 32 64 128 256 512 1024 2048)
           env "${envx[@]}" timeout $((b + 10)) $CLIENT --label "$label" --budget-s $b --startup-s "$s" --concurrency $OURS_CONC \
             -- "${OURS[@]}" "${extra[@]}" --mem-fraction-static $MEM
           rc=$?; ran=1 ;;

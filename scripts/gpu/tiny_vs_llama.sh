@@ -6,7 +6,7 @@
 # IN_LEN in / OUT_LEN out, concurrency 1 / 16 / 64): output tokens/s, TTFT and ITL, and their ratios.
 # Labels, in this order (STEPS): `tiny` (the CUDA defaults: decode graphs, prefill graphs up to 256
 # tokens), `llama8`, `tiny_eager` (the same with --disable-prefill-cuda-graph); on request (STEPS) `tiny_b1k`
-# (prefill buckets up to 1,024 tokens, so a 1K prompt alone is one replay), `tiny_c1k` / `tiny_c2k` (buckets up
+# (prefill buckets up to 1,024 tokens, so a 1K prompt alone is one replay), `tiny_b2k` (buckets up to 2,048), `tiny_c1k` / `tiny_c2k` (buckets up
 # to 1,024 / 2,048 and --chunked-prefill-size the same: no prefill batch exceeds the largest bucket, and one of
 # 1K prompts holds at most size / 512 requests, the runner's slots, so it replays). Every server gets
 # --cuda-graph-max-bs $MAX_BS (64) and --max-running-requests 64, so decode at concurrency 64 is
@@ -38,8 +38,8 @@ for step in $STEPS; do
   b=$(( $(left) - 20 ))
   case $step in
     tiny) argv=(python3 -m sglang.launch_server --model-path /tmp/tiny "${COMMON[@]}") ;;
-    tiny_b1k) argv=(python3 -m sglang.launch_server --model-path /tmp/tiny "${COMMON[@]}"
-                    --cuda-graph-bs-prefill 4 8 16 32 64 128 256 512 1024) ;;
+    tiny_b1k|tiny_b2k) argv=(python3 -m sglang.launch_server --model-path /tmp/tiny "${COMMON[@]}"
+                    --cuda-graph-bs-prefill 4 8 16 32 64 128 256 512 1024 $([ "$step" = tiny_b2k ] && echo 2048)) ;;
     tiny_c1k|tiny_c2k) n=${step#tiny_c}; n=$(( ${n%k} * 1024 ))
                     argv=(python3 -m sglang.launch_server --model-path /tmp/tiny "${COMMON[@]}" --chunked-prefill-size "$n"
                           --cuda-graph-bs-prefill 4 8 16 32 64 128 256 512 1024 $([ "$n" = 2048 ] && echo 2048)) ;;
