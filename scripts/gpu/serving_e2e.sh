@@ -157,4 +157,9 @@ if [ $ran = 1 ]; then
   timeout 60 python3 benchmarks/serving_e2e.py report "$OUT/e2e" --out "$OUT/serving_e2e.json" | tail -40 | tee -a "$OUT/summary.txt"
 fi
 grep -h -e "dummy weights" -e "up after" "$OUT"/e2e/*_server.log 2>/dev/null | head -4 | tee -a "$OUT/summary.txt"
+for log in "$OUT"/e2e/*_server.log; do    # graphed / eager prefill batches, and the graph captures, per server
+  [ -f "$log" ] || continue; name=$(basename "$log" _server.log)
+  echo "$name: prefill batches cuda graph True $(grep -c 'Prefill batch.*cuda graph: True' "$log") False $(grep -c 'Prefill batch.*cuda graph: False' "$log")" | tee -a "$OUT/summary.txt"
+  grep -h "Capture .* CUDA graph end" "$log" | sed "s/^/$name: /" | cut -c1-200 | tee -a "$OUT/summary.txt"
+done
 result "done"
