@@ -213,6 +213,13 @@ PATHS = {"torch": "NOT a fast path: the runtime's math (mHC kernels, projections
                          "the runtime's cache writes"}
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be ≥ 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
@@ -229,8 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-fp8", nargs="+", default=["w8a8_fold", "w8a8_f16"], choices=FP8_GEMMS,
                     help="FP8 linear modes the profile runs (default: w8a8_fold w8a8_f16)")
     ap.add_argument("--profile-prefill", action="store_true",
-                    help="also profile one PREFILL_TOKENS prefill by component for every --prefill-variants entry "
+                    help="also profile one --prefill-tokens prefill by component for every --prefill-variants entry "
                          "(prefill_profile.py): prefill_profile.json / .png")
+    ap.add_argument("--prefill-tokens", type=_positive, default=PREFILL_TOKENS,
+                    help=f"tokens of the timed and profiled prefill (default {PREFILL_TOKENS}; e.g. 1024: a short prompt)")
     ap.add_argument("--prefill-variants", nargs="+",
                     help="prefill_profile.VARIANTS names (default: prefill_profile.DEFAULT_VARIANTS)")
     ap.add_argument("--no-decode", action="store_true", help="skip the decode batches (e.g. with --profile-prefill)")
@@ -295,17 +304,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile_prefill:
         import prefill_profile as pp
         attempt("prefill profile", functools.partial(
-            pp.write_prefill_profile, layer, args.out, props.name, PREFILL_TOKENS, STEP_PARTS,
+            pp.write_prefill_profile, layer, args.out, props.name, args.prefill_tokens, STEP_PARTS,
             args.prefill_variants or pp.DEFAULT_VARIANTS, errors, deadline), errors, skipped, deadline)
     prefill = None
     if not (args.quick or args.no_prefill):
-        pos = torch.arange(PREFILL_TOKENS, device=dev)
+        pos = torch.arange(args.prefill_tokens, device=dev)
 
         def run_prefill() -> dict:
-            pc = make_caches(layer, 1, PREFILL_TOKENS, dev, seed=2)
+            pc = make_caches(layer, 1, args.prefill_tokens, dev, seed=2)
             p = run_point(layer, pc, torch.zeros_like(pos), pos, cap, copy_gbs, errors, whole_step=False,
                           skipped=skipped, deadline=deadline)
-            return p | dict(tokens_per_s=PREFILL_TOKENS / (p["layer_us_sum"] * 1e-6) if p["layer_us_sum"] else None)
+            return p | dict(tokens=args.prefill_tokens,
+                            tokens_per_s=args.prefill_tokens / (p["layer_us_sum"] * 1e-6) if p["layer_us_sum"] else None)
         prefill = attempt("prefill", run_prefill, errors, skipped, deadline)
     result = dict(device=props.name, torch=torch.__version__, python=platform.python_version(),
                   layer=args.layer, fp8_gemm=getattr(layer.backend, "fp8_gemm", None), role=dataclasses.asdict(layer.role), context=args.context,

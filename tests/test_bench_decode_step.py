@@ -260,6 +260,16 @@ def test_refuses_without_cuda(bench) -> None:
         bench.main(["--quick"])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="stops at the no-GPU refusal")
+def test_prefill_tokens_is_parsed_and_checked(bench, capsys) -> None:
+    """`--prefill-tokens` (a short prompt's prefill) parses before the CUDA check; 0 is refused by argparse."""
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        bench.main(["--quick", "--prefill-tokens", "1024"])
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--prefill-tokens", "0"])
+    assert exc.value.code == 2 and "must be ≥ 1" in capsys.readouterr().err
+
+
 def test_plot_eager_vs_graph(bench, tmp_path) -> None:
     pytest.importorskip("matplotlib")                    # on the GPU machine; absent on the CPU box
     timing = lambda us, frac: dict(median_us=us, reps=3, bytes={}, fraction_of_copy_bw=dict(current=frac))  # noqa: E731

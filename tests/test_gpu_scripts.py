@@ -161,6 +161,12 @@ def test_prefill_profile(sandbox: dict[str, str]) -> None:
                               "--batches 1 --profile-prefill --prefill-variants default wide --budget-s 90"]
     r = bash('unset SECONDS; SECONDS=100; T0=100; BUDGET=50\nprefill_profile default 110', sandbox)
     assert r.returncode == 0 and calls(sandbox)[-1].endswith("--prefill-variants default --budget-s 25")
+    r = bash('unset SECONDS; SECONDS=100; T0=100; BUDGET=500\nprefill_profile default 110 1024', sandbox)
+    assert r.returncode == 0 and r.stdout.splitlines()[0] == "RESULT prefill 1024 rc=0 at 0 s", r.stderr
+    assert calls(sandbox)[-1] == ("python3 benchmarks/decode_step.py --out " + sandbox["OUT"] + "/prefill_1024 --quick "
+                                  "--no-decode --batches 1 --profile-prefill --prefill-variants default "
+                                  "--prefill-tokens 1024 --budget-s 90")
+    assert (Path(sandbox["OUT"]) / "logs" / "prefill_1024.log").exists()
 
 
 def test_gpu_setup(sandbox: dict[str, str]) -> None:

@@ -30,11 +30,12 @@
 #                    ENV settings, at most CAP s (and what is left less 10 s; skipped below 50 s), JSON in
 #                    $OUT/model_step_LABEL, log in $OUT/logs; prints its RESULT and JSON lines;
 #                    MODEL_STEP_EXTRA (e.g. --profile) is appended to its arguments
-#   prefill_profile "VARIANTS" CAP
+#   prefill_profile "VARIANTS" CAP [TOKENS]
 #                    one process of benchmarks/decode_step.py --quick --no-decode --profile-prefill: the 8K
 #                    prefill of Flash layer 2 by component for VARIANTS (benchmarks/prefill_profile.py), at
 #                    most CAP s (`cap`), JSON in $OUT, log $OUT/logs/prefill.log; prints its RESULT and the
-#                    variants' summary lines; returns its status
+#                    variants' summary lines; returns its status. With TOKENS: a prefill of that many tokens
+#                    (--prefill-tokens), JSON in $OUT/prefill_TOKENS, log $OUT/logs/prefill_TOKENS.log
 #   tests_result NAME JUNIT RC [EXPECTED]
 #                    the verdict of a pytest run (scripts/gpu/junit_verdict.py: rc 0 and the junit's
 #                    test count = the collected count (or EXPECTED), no failure / error / interrupted
@@ -124,14 +125,17 @@ model_step() {
 }
 
 prefill_profile() {
-  local variants=$1 b; b=$(cap "$2")
-  mkdir -p "$OUT/logs"
+  local variants=$1 b tokens=${3:-} out=$OUT log=$OUT/logs/prefill.log extra=(); b=$(cap "$2")
+  if [ -n "$tokens" ]; then
+    out=$OUT/prefill_$tokens; log=$OUT/logs/prefill_$tokens.log; extra=(--prefill-tokens "$tokens")
+  fi
+  mkdir -p "$OUT/logs" "$out"
   # shellcheck disable=SC2086
-  timeout -k 10 "$b" python3 benchmarks/decode_step.py --out "$OUT" --quick --no-decode --batches 1 \
-    --profile-prefill --prefill-variants $variants --budget-s $((b > 40 ? b - 20 : 20)) >"$OUT/logs/prefill.log" 2>&1
+  timeout -k 10 "$b" python3 benchmarks/decode_step.py --out "$out" --quick --no-decode --batches 1 \
+    --profile-prefill --prefill-variants $variants "${extra[@]}" --budget-s $((b > 40 ? b - 20 : 20)) >"$log" 2>&1
   local rc=$?
-  result prefill rc=$rc
-  grep "^prefill \|^attention sweep" "$OUT/logs/prefill.log" | tail -8
+  result "prefill${tokens:+ $tokens}" rc=$rc
+  grep "^prefill \|^attention sweep" "$log" | tail -8
   return $rc
 }
 
