@@ -13,6 +13,7 @@ lane off (every child then runs in place, as before).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -67,29 +68,30 @@ def renice(pid: int, value: int) -> None:
     With the kernel's autogroups on (/proc/sys/kernel/sched_autogroup_enabled), a child started
     with start_new_session gets an autogroup of its own, and CFS shares the CPU between autogroups
     by the autogroup's nice value alone: the processes' own values then only rank them inside the
-    group, so without the autogroup's a "nice 19" child competes as an equal with the tests."""
-    try:
+    group, so without the autogroup's a "nice 19" child competes as an equal with the tests.
+    Raising priority needs privileges (else the child stays niced); without autogroups, or once the
+    child is gone, the autogroup write fails and is skipped."""
+    with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PGRP, pid, value)    # the child leads its own group (start_new_session)
-    except OSError:                                 # raising priority needs privileges: then it stays niced
-        pass
-    try:
-        with open(autogroup_path(pid), "w") as f:
-            f.write(str(value))
-    except OSError:                                 # no autogroups (kernel option off), or the child is gone
-        pass
-
-
-def autogroup_path(pid: int) -> str:
-    return f"/proc/{pid}/autogroup"
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/autogroup", "w") as f:
+        f.write(str(value))
 
 
 def autogroup_nice(pid: int) -> int | None:
     """The nice value of `pid`'s autogroup, or None where the kernel has no autogroups."""
     try:
-        with open(autogroup_path(pid)) as f:
+        with open(f"/proc/{pid}/autogroup") as f:
             return int(f.read().split()[-1])        # "/autogroup-207 nice 19"
     except (OSError, ValueError, IndexError):
         return None
+
+
+def autogroups_on() -> bool:
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return False
 
 
 def _kill(proc: subprocess.Popen) -> None:

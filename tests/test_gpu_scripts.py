@@ -169,6 +169,25 @@ def test_prefill_profile(sandbox: dict[str, str]) -> None:
     assert (Path(sandbox["OUT"]) / "logs" / "prefill_1024.log").exists()
 
 
+def test_graph_summary(sandbox: dict[str, str], tmp_path: Path) -> None:
+    """`graph_summary NAME LOG`: graphed / eager prefill-batch counts and the capture and first-replay lines,
+    prefixed with NAME, also in $SUMMARY; a missing log prints nothing."""
+    log = tmp_path / "s.log"
+    log.write_text("[t] Capture target prefill CUDA graph end. elapsed=39.04 s, mem usage=0.21 GB\n"
+                   "[t] sglang-dsv41: first prefill CUDA-graph replay (1 request(s), 11 tokens)\n"
+                   "[t] Prefill batch, #new-seq: 1, #new-token: 12, cuda graph: True, input throughput\n"
+                   "[t] Prefill batch, #new-seq: 1, #new-token: 2, cuda graph: False, input throughput\n"
+                   "[t] Prefill batch, #new-seq: 1, #new-token: 1024, cuda graph: True, input throughput\n")
+    summary = tmp_path / "summary.txt"
+    r = bash(f'SUMMARY={summary}; graph_summary b2k {log}; graph_summary none {tmp_path / "absent.log"}', sandbox)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [
+        "b2k: prefill batches cuda graph True 2 False 1",
+        "b2k: [t] Capture target prefill CUDA graph end. elapsed=39.04 s, mem usage=0.21 GB",
+        "b2k: [t] sglang-dsv41: first prefill CUDA-graph replay (1 request(s), 11 tokens)"]
+    assert summary.read_text() == r.stdout
+
+
 def test_gpu_setup(sandbox: dict[str, str]) -> None:
     r = bash('gpu_setup; echo "$FAKE_SETUP_RAN $XDG_CACHE_HOME $HF_HUB_OFFLINE"', sandbox)
     assert (r.returncode, r.stdout) == (0, "1 /tmp/cache 1\n"), r.stderr

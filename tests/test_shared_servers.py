@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from child_runs import PREFETCH_ENV, autogroup_nice, renice
+from child_runs import PREFETCH_ENV, autogroup_nice, autogroups_on, renice
 from shared_servers import GROUPS, PRESTART_MODULES, SharedServers, group_of, grouped_order, prestart_plan
 
 
@@ -77,12 +77,12 @@ def test_a_prestarted_server_runs_at_nice_19_until_asked_for_then_at_0(monkeypat
         servers.prestart("sleeper")
         srv = servers.starting["sleeper"]
         assert os.getpriority(os.PRIO_PGRP, srv.proc.pid) == 19 and not srv.waited
-        assert autogroup_nice(srv.proc.pid) in (None, 19)    # None: the kernel has no autogroups
+        assert autogroup_nice(srv.proc.pid) == (19 if autogroups_on() else None)
         servers.prestart("sleeper")                          # once only
         assert servers.starting == {"sleeper": srv}
         assert servers.get("sleeper") is srv and srv.waited
         assert os.getpriority(os.PRIO_PGRP, srv.proc.pid) == 0 and servers.starting == {}
-        assert autogroup_nice(srv.proc.pid) in (None, 0)
+        assert autogroup_nice(srv.proc.pid) == (0 if autogroups_on() else None)
         servers.prestart("sleeper")                          # running: nothing new
         assert servers.starting == {}
     finally:
@@ -90,17 +90,10 @@ def test_a_prestarted_server_runs_at_nice_19_until_asked_for_then_at_0(monkeypat
     assert srv.proc.poll() is not None and servers.running == servers.starting == {}
 
 
-def _autogroups_on() -> bool:
-    try:
-        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
-    except OSError:
-        return False
-
-
 def test_renice_also_sets_the_autogroup_of_a_new_session():
     """Where the kernel has autogroups, a child of its own session is ranked against the tests by
     its autogroup's nice value only (child_runs.renice): that value must follow."""
-    if not _autogroups_on():
+    if not autogroups_on():
         pytest.skip("the kernel has no autogroups here: the processes' nice values rank them directly")
     if os.geteuid() != 0:
         pytest.skip("raising priority back to 0 needs root")

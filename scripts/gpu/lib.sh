@@ -36,6 +36,10 @@
 #                    most CAP s (`cap`), JSON in $OUT, log $OUT/logs/prefill.log; prints its RESULT and the
 #                    variants' summary lines; returns its status. With TOKENS: a prefill of that many tokens
 #                    (--prefill-tokens), JSON in $OUT/prefill_TOKENS, log $OUT/logs/prefill_TOKENS.log
+#   graph_summary NAME LOG
+#                    a server log's CUDA-graph lines, each prefixed "NAME: ": how many prefill batches ran
+#                    graphed and eagerly, the capture-end lines and our first prefill replay; appended to
+#                    $SUMMARY too when SUMMARY is set
 #   tests_result NAME JUNIT RC [EXPECTED]
 #                    the verdict of a pytest run (scripts/gpu/junit_verdict.py: rc 0 and the junit's
 #                    test count = the collected count (or EXPECTED), no failure / error / interrupted
@@ -122,6 +126,15 @@ model_step() {
     --context 8192 --cap-s 0.5 --budget-s $((b - 40)) ${MODEL_STEP_EXTRA:-} --out "$OUT/model_step_$label" >"$OUT/logs/model_step_$label.log" 2>&1
   result "model_step $label" rc=$?
   grep '^{' "$OUT/logs/model_step_$label.log"
+}
+
+graph_summary() {
+  local name=$1 log=$2
+  [ -f "$log" ] || return 0
+  { echo "prefill batches cuda graph True $(grep -c 'Prefill batch.*cuda graph: True' "$log")" \
+         "False $(grep -c 'Prefill batch.*cuda graph: False' "$log")"
+    grep -h -e "Capture .* CUDA graph end" -e "first prefill CUDA-graph replay" "$log"
+  } | sed "s/^/$name: /" | cut -c1-220 | tee -a "${SUMMARY:-/dev/null}"
 }
 
 prefill_profile() {

@@ -69,6 +69,7 @@ JIT=/tmp/sglang_jit
 CLIENT="python3 benchmarks/serving_e2e.py client --out-dir $OUT/e2e --input-len $IN_LEN --output-len $OUT_LEN --rounds $ROUNDS"
 OURS=(python3 -m sglang.launch_server --model-path $M/dsv41 --load-format dummy --context-length $CTX
       --max-running-requests 64 "${GRAPH[@]}" --random-seed 0 --language-model-only ${OURS_EXTRA:-})
+BUCKETS_2K=(--cuda-graph-bs-prefill 4 8 16 32 64 128 256 512 1024 2048)   # ours_b2k, ours_c2k
 case " $STEPS " in *" dspark "*) OURS_CONC=${CONC:-1 8 16 32 64} ;; *) OURS_CONC=${CONC:-1 16 64} ;; esac
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$OUT/summary.txt"
 # watch_sglang LOG STARTUP_S: while SGLang's server starts, every WATCH_EVERY s (default 30) the busiest
@@ -103,8 +104,8 @@ for step in $STEPS; do
           label=$step; envx=(); extra=()
           [ "$step" = ours_host ] && { label=ours_engram_host; envx=(SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE=1); }
           [ "$step" = ours_overlap ] && envx=(SGLANG_DSV41_OVERLAP=on)
-          [ "$step" = ours_c2k ] && extra=(--chunked-prefill-size 2048 --cuda-graph-bs-prefill 4 8 16 32 64 128 256 512 1024 2048)
-          [ "$step" = ours_b2k ] && extra=(--cuda-graph-bs-prefill 4 8 16 32 64 128 256 512 1024 2048)
+          [ "$step" = ours_c2k ] && extra=(--chunked-prefill-size 2048 "${BUCKETS_2K[@]}")
+          [ "$step" = ours_b2k ] && extra=("${BUCKETS_2K[@]}")
           env "${envx[@]}" timeout $((b + 10)) $CLIENT --label "$label" --budget-s $b --startup-s "$s" --concurrency $OURS_CONC \
             -- "${OURS[@]}" "${extra[@]}" --mem-fraction-static $MEM
           rc=$?; ran=1 ;;
@@ -157,9 +158,5 @@ if [ $ran = 1 ]; then
   timeout 60 python3 benchmarks/serving_e2e.py report "$OUT/e2e" --out "$OUT/serving_e2e.json" | tail -40 | tee -a "$OUT/summary.txt"
 fi
 grep -h -e "dummy weights" -e "up after" "$OUT"/e2e/*_server.log 2>/dev/null | head -4 | tee -a "$OUT/summary.txt"
-for log in "$OUT"/e2e/*_server.log; do    # graphed / eager prefill batches, and the graph captures, per server
-  [ -f "$log" ] || continue; name=$(basename "$log" _server.log)
-  echo "$name: prefill batches cuda graph True $(grep -c 'Prefill batch.*cuda graph: True' "$log") False $(grep -c 'Prefill batch.*cuda graph: False' "$log")" | tee -a "$OUT/summary.txt"
-  grep -h "Capture .* CUDA graph end" "$log" | sed "s/^/$name: /" | cut -c1-200 | tee -a "$OUT/summary.txt"
-done
+for log in "$OUT"/e2e/*_server.log; do graph_summary "$(basename "$log" _server.log)" "$log"; done
 result "done"

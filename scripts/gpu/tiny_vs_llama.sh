@@ -51,8 +51,7 @@ for step in $STEPS; do
   [ "$step" = tiny_eager ] || b=$(( b > 240 ? 240 : b ))
   timeout $((b + 10)) "${CLIENT[@]}" --label "$step" --budget-s "$b" --startup-s 180 -- "${argv[@]}"
   result "$step" rc=$?; ran=1
-  grep -h -e "Capture .* CUDA graph end" -e "first prefill CUDA-graph replay" "$OUT/e2e/${step}_server.log" \
-    2>/dev/null | sed "s/^/$step: /" | cut -c1-220 | tee -a "$SUMMARY"
+  graph_summary "$step" "$OUT/e2e/${step}_server.log"
 done
 if [ $ran = 1 ]; then
   timeout 60 python3 benchmarks/serving_e2e.py report "$OUT/e2e" --out "$OUT/tiny_vs_llama.json" | tail -40 | tee -a "$SUMMARY"
