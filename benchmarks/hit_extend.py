@@ -37,6 +37,7 @@ import collections
 import json
 import os
 import statistics
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -44,13 +45,13 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+if str(Path(__file__).resolve().parent) not in sys.path:   # sibling benchmark modules (loaded by path too)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_profile import host_profile, package_of, summary_lines  # noqa: E402,F401 (package_of: re-exported)
+
 SYNC_OPS = ("aten._local_scalar_dense", "aten.nonzero", "aten.equal", "aten.is_nonzero", "aten.masked_select",
             "aten.repeat_interleave.Tensor", "aten._unique2", "aten.unique")
 PAGE = 64
-CPROFILE_TOP = 30
-#: self time of a profiled forward summed by these path markers (first match), else by "other"
-PACKAGES = (("triton_kernels/", "triton_kernels"), ("/triton/", "triton"), ("/torch/", "torch"),
-            ("sglang_dsv41/", None), ("/kernels/", None))
 
 
 class OpWatch(TorchDispatchMode):
@@ -127,41 +128,6 @@ def kernel_table(prof) -> tuple[float, int, list[tuple[str, float, int]]]:
     return busy / 1e3, sum(v[1] for v in per.values()), top
 
 
-def package_of(path: str) -> str:
-    """The PACKAGES group of a source path; our own files (None) by their path from the package root."""
-    for marker, name in PACKAGES:
-        if marker in path:
-            return name or marker.strip("/") + "/" + path.split(marker, 1)[1]
-    return "other"
-
-
-def host_profile(fwd, sync, top: int = CPROFILE_TOP) -> dict:
-    """One forward under cProfile (synchronised before and after): the top functions by self and by
-    cumulative seconds ("file:line(name)"), self seconds by `package_of`, and the profiled wall."""
-    import cProfile
-    import pstats
-
-    prof = cProfile.Profile()
-    sync()
-    t0 = time.perf_counter()
-    prof.enable()
-    fwd()
-    sync()
-    prof.disable()
-    wall = time.perf_counter() - t0
-    stats = pstats.Stats(prof).stats                     # {(file, line, name): (cc, nc, tt, ct, callers)}
-    rows = [(f"{Path(f).name}:{line}({name})", nc, tt, ct, f) for (f, line, name), (_, nc, tt, ct, _) in stats.items()]
-    by_pkg: dict[str, float] = collections.Counter()
-    for _, _, tt, _, f in rows:
-        by_pkg[package_of(f)] += tt
-
-    def table(key: int) -> list[dict]:
-        best = sorted(rows, key=lambda r: -r[key])[:top]
-        return [{"fn": r[0], "calls": r[1], "self_ms": round(r[2] * 1e3, 3), "cum_ms": round(r[3] * 1e3, 3)} for r in best]
-    return {"profiled_wall_ms": round(wall * 1e3, 2), "by_self": table(2), "by_cumulative": table(3),
-            "self_ms_by_package": {k: round(v * 1e3, 3) for k, v in sorted(by_pkg.items(), key=lambda kv: -kv[1])[:25]}}
-
-
 def run_case(engine, prefix: int, n: int, reps: int, cprofile: bool = False) -> dict:
     ids, layout, caches = make_case(engine, prefix, n)
     sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
@@ -224,10 +190,7 @@ def main() -> int:
               f"{r['host_ms']:8.2f} ms  gpu busy {r['gpu_busy_ms']:8.2f} ms  launches {r['launches']:5d}  "
               f"aten ops {r['aten_ops']:5d}  host syncs {r['host_syncs']}", flush=True)
         if a.cprofile:
-            hp = r["host_profile"]
-            print(f"  cProfile wall {hp['profiled_wall_ms']} ms; self ms by package: {hp['self_ms_by_package']}")
-            for row in hp["by_self"][:12]:
-                print(f"    self {row['self_ms']:8.3f} ms  cum {row['cum_ms']:8.3f} ms  x{row['calls']:5d}  {row['fn']}")
+            print("\n".join(summary_lines(r["host_profile"])))
         a.out.write_text(json.dumps(result, indent=1))
     if a.topk_variants:
         L = max(a.prefixes)

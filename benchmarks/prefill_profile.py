@@ -20,7 +20,9 @@ by name (`prefill_component`). Per component the median over passes of the summe
 `REPEATS` unprofiled passes timed per part with CUDA events (`wall_us`, the figure comparable with
 decode_step.py's prefill row; no L2 flush: the 8K working set dwarfs L2), and the parts launched back to back
 between one pair of events (`wall_us_chained`, `tokens_per_s_chained`: no sync between parts, as in a
-forward, where a part's host set-up overlaps the kernels before it).
+forward, where a part's host set-up overlaps the kernels before it). The host side of the same chain:
+`host_us_chained` (until the launches return, no sync after: near `wall_us_chained` means launch-bound) and one
+chained pass under cProfile (`host_profile`: self time by package, the top functions and their callers).
 
 Variants (`VARIANTS`, old against new in one process): `before` = session 11's path (RoPE and its
 BF16 rounding as two launches, packed attention rows, torch top-k, BF16-weight products in 128-row
@@ -45,14 +47,20 @@ BF16 workspace under a few launch configurations (ATTENTION_SWEEP), losers kept.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import statistics
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
+
+if str(Path(__file__).resolve().parent) not in sys.path:   # sibling benchmark modules (loaded by path too)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_profile import host_profile, summary_lines  # noqa: E402
 
 REPEATS = 3
 #: the switches a variant may set, at the CUDA serving defaults; every variant sets all of them
@@ -310,6 +318,25 @@ def _chained_wall(parts: Mapping[str, Callable[[], object]], repeats: int, devic
     return statistics.median(_wall_us(chain, device) for _ in range(repeats))
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _chained_host(parts: Mapping[str, Callable[[], object]], repeats: int, device: torch.device) -> float:
+    """Median µs until a chained pass (`_chained_wall`'s) returns to Python, synchronised before and
+    not after: the host's own time for the launches. Near `wall_us_chained`: the pass is launch-bound."""
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t = time.perf_counter()
+        for fn in parts.values():
+            fn()
+        times.append((time.perf_counter() - t) * 1e6)
+    _sync(device)
+    return statistics.median(times)
+
+
 def profile_variant(layer, caches, tokens: int, name: str, parts_order: Sequence[str], errors: list[str],
                     repeats: int = REPEATS, outputs: dict | None = None) -> dict:
     """One variant (module doc): labelled passes → `summarise_passes`, plus CUDA-event walls;
@@ -343,6 +370,8 @@ def profile_variant(layer, caches, tokens: int, name: str, parts_order: Sequence
         row |= summarise_passes(passes, spans, fp8)
         row["wall_us"] = _part_walls(parts, repeats, dev)
         row["wall_us_chained"] = _chained_wall(parts, repeats, dev)
+        row["host_us_chained"] = _chained_host(parts, repeats, dev)
+        row["host_profile"] = host_profile(lambda: [fn() for fn in parts.values()], functools.partial(_sync, dev))
         if outputs is not None:
             outputs.update({p: parts[p]() for p in ("attention", "indexer") if p in parts})
     row["wall_us_total"] = sum(row["wall_us"].values())
@@ -430,7 +459,9 @@ def write_prefill_profile(layer, out: Path, device_name: str, tokens: int, parts
             walls = "  ".join(f"{p} {us / 1e3:.2f}" for p, us in r["wall_us"].items())
             print(f"prefill {name}: {r['tokens_per_s']:,.0f} tokens/s ({r['tokens_per_s_chained']:,.0f} chained), "
                   f"wall ms {walls} | device ms {comps} | "
-                  f"gaps {r['gaps_us'] / 1e3:.2f}", flush=True)
+                  f"gaps {r['gaps_us'] / 1e3:.2f} | host ms (chained, to return) {r['host_us_chained'] / 1e3:.2f}",
+                  flush=True)
+            print("\n".join(summary_lines(r["host_profile"], rows=16)), flush=True)
     sweep = (attention_sweep(layer, caches, tokens, errors, deadline, repeats)
              if layer.inv_freq.device.type == "cuda" else dict(skipped="CUDA only"))
     print("attention sweep (workspace) µs: " + "  ".join(f"{k} {v['us']:.0f}" if "us" in v else f"{k} -"

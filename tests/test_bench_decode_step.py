@@ -326,7 +326,9 @@ def test_prefill_profile_flow_on_a_tiny_cpu_layer(bench, setup, tmp_path) -> Non
     for r in got["rows"]:
         assert r["parts"] == ["torch", "moe_routed"] and set(r["wall_us"]) == {"torch", "moe_routed"}
         assert r["tokens_per_s"] > 0 and r["passes"] == 1 and r["agreement_with"] == "before"
-        assert r["tokens_per_s_chained"] > 0 and r["wall_us_chained"] > 0
+        assert r["tokens_per_s_chained"] > 0 and r["wall_us_chained"] > 0 and r["host_us_chained"] > 0
+        profiled = r["host_profile"]                       # one chained pass under cProfile: our files named
+        assert profiled["profiled_wall_ms"] > 0 and any(k.startswith("sglang_dsv41/") for k in profiled["self_ms_by_package"])
     assert got["rows"][1]["env"] == pp.SWITCHES | pp.NEW and "not in layer" in got["engram"]
 
 

@@ -17,6 +17,7 @@ def test_package_of_groups_libraries_and_names_our_files() -> None:
     assert bench.package_of("/work/main/sglang_dsv41/runtime/forward.py") == "sglang_dsv41/runtime/forward.py"
     assert bench.package_of("/work/main/kernels/rope.py") == "kernels/rope.py"
     assert bench.package_of("<built-in>") == "other"
+    assert bench.package_of("~") == "C built-ins"           # pstats' file of torch ops and driver calls
 
 
 def _busy_leaf() -> None:
@@ -40,3 +41,8 @@ def test_host_profile_names_where_the_time_goes() -> None:
     caller = next(r for r in got["by_cumulative"] if "(_caller)" in r["fn"])
     assert caller["cum_ms"] >= leaf["cum_ms"] and caller["self_ms"] < leaf["cum_ms"]
     assert len(got["by_self"]) <= 5 and sum(got["self_ms_by_package"].values()) > 55
+    callers = got["callers"]                                 # the hottest self-time functions, with who called them
+    leaf_callers = next(v for k, v in callers.items() if "(_busy_leaf)" in k)
+    assert [c["caller"].endswith("(_caller)") for c in leaf_callers] == [True] and leaf_callers[0]["calls"] == 3
+    lines = bench.summary_lines(got, rows=2)
+    assert len(lines) == 3 and "self ms by package" in lines[0]
