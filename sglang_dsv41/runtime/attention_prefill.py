@@ -24,8 +24,8 @@ a request's bits would depend on its batch). Only the CUDA attention (`KernelAtt
 it; the CPU path never has a workspace.
 
 Memory: one BF16 workspace per kv source and forward, R·width·head_dim·2 B ≤ WORKSPACE_MAX_ENTRIES
-rows (128 MiB at Flash; 4 kv sources: ≤ 512 MiB per forward and rank), plus DECODE_CHUNK's fp32
-temporaries while decoding.
+rows (128 MiB at Flash; 4 kv sources: ≤ 512 MiB per forward and rank). On CUDA the rows are decoded by
+one `kernels.entry_decode` launch per workspace, with no temporaries.
 
 `wide` (the serving default since session 33): the same workspace read by `kernels.sparse_attention_prefill.prefill_sink_attention`
 (the products transposed so that a program takes every head of its query on 64-key tiles: one
@@ -70,7 +70,7 @@ KEY_PREFILL_ENV, KEY_PREFILL_CHOICES = "SGLANG_DSV41_INDEXER_PREFILL_KEYS", ("bf
 PREFILL_MIN_QUERIES = 512
 #: largest workspace (rows): 2^17 × 512 dims × 2 B = 128 MiB at Flash per kv source and forward
 WORKSPACE_MAX_ENTRIES = 1 << 17
-#: entries decoded per step (bounds the fp32 temporaries of `decode_latents`: 16 K × 512 × 4 B × 2)
+#: entries decoded per step by the CPU torch codec (bounds the fp32 temporaries of `decode_latents`: 16 K × 512 × 4 B × 2)
 DECODE_CHUNK = 1 << 14
 
 
@@ -91,7 +91,7 @@ def key_workspace(key_rows: Tensor, source: SourceColumns, index_head_dim: int,
                   entry_table: Tensor) -> tuple[Tensor, Tensor]:
     """(BF16 [R·width, index_head_dim] decoded index keys, int64 rows [R, width]): row b·width + j =
     the key of packed entry entry_table[b, j] of kv source `source` (part "key"), and rows[b, j] that
-    row, or −1 where the table has none (zeros in the workspace); decoded in chunks of DECODE_CHUNK."""
+    row, or −1 where the table has none (zeros in the workspace); decoded by `_decoded_rows`."""
     out = _decoded_rows(key_rows, source, index_head_dim, entry_table, decode_keys)
     R, width = entry_table.shape
     rows = torch.arange(R * width, device=entry_table.device).view(R, width)
@@ -119,13 +119,20 @@ def applies(choice: str, static: bool, num_queries: int, num_requests: int, widt
 
 def latent_workspace(latent_rows: Tensor, source: SourceColumns, head_dim: int, entry_table: Tensor) -> Tensor:
     """BF16 [R·width, head_dim]: row b·width + j = the decoded latent of packed entry
-    entry_table[b, j] of kv source `source` (zeros for −1), decoded in chunks of DECODE_CHUNK."""
+    entry_table[b, j] of kv source `source` (zeros for −1), decoded by `_decoded_rows`."""
     return _decoded_rows(latent_rows, source, head_dim, entry_table, decode_latents)
 
 
 def _decoded_rows(packed_rows: Tensor, part: SourceColumns, dim: int, entry_table: Tensor, decode) -> Tensor:
     """BF16 [R·width, dim]: row i = `decode` of the `part` bytes of packed entry entry_table.flat[i]
-    (zeros for −1), in chunks of DECODE_CHUNK entries (bounds the fp32 temporaries)."""
+    (zeros for −1). CUDA rows: one launch of `kernels.entry_decode` (the same bits); CPU rows (tests;
+    the CPU forward has no workspace): the torch codec in chunks of DECODE_CHUNK entries (bounds the
+    fp32 temporaries)."""
+    if packed_rows.is_cuda:
+        from sglang_dsv41.kernels.entry_decode import decode_entry_rows
+
+        return decode_entry_rows(packed_rows, entry_table, offset=part.offset, share=part.share, ratio=part.ratio,
+                                 dims=dim, part="key" if decode is decode_keys else "latent")
     flat = entry_table.reshape(-1)
     out = torch.empty(flat.numel(), dim, dtype=torch.bfloat16, device=packed_rows.device)
     for start in range(0, flat.numel(), DECODE_CHUNK):
