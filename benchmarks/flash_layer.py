@@ -345,7 +345,7 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor, sink: T
     from sglang_dsv41.runtime import attention_prefill as AP
     splits = splits or kernel_choice(ATTENTION_SPLITS_ENV, ATTENTION_SPLITS, "decode")   # the serving default
     head_sum = head_sum or kernel_choice(INDEXER_HEAD_SUM_ENV, INDEXER_HEAD_SUMS, "auto")  # the serving default
-    exact = head_sum_is_exact(head_sum, False, q.shape[0])     # as an eager batch of these queries
+    exact = head_sum_is_exact(head_sum, q.shape[0])     # as a batch of these queries
     prefill = AP.prefill_choice(False)                                                   # the serving default
     from sglang_dsv41.kernels import entry_index as EI
     from sglang_dsv41.kernels import indexer as K
@@ -368,7 +368,7 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor, sink: T
     # and shared by every indexer layer, so the first call below builds them and the timed calls reuse them
     tiles: dict = {}
 
-    key_workspace = AP.key_workspace_applies(AP.key_choice(), False, q.shape[0], R, width)
+    key_workspace = AP.key_workspace_applies(AP.key_choice(), q.shape[0], R, width)
 
     def scores_packed():
         if key_workspace:    # the runtime's prefill keys: decoded once per kv source and forward (here per call)
@@ -385,7 +385,7 @@ def kernel_components(layer: Layer, caches: Caches, qs: dict, q: Tensor, sink: T
     sel = indexer()
     comp_entries = torch.where(sel >= 0, entries[req[:, None], sel.clamp(min=0)], -1)
     shape = (q.shape[0], t.num_attention_heads, t.head_dim, t.sliding_window, comp_entries.shape[1])
-    workspace = AP.applies(prefill, False, q.shape[0], R, width)   # the runtime's prefill workspace path
+    workspace = AP.applies(prefill, q.shape[0], R, width)   # the runtime's prefill workspace path
     cfg_att = (SA.plan_prefill_config(*shape) if workspace else
                SA.plan_decode_config(*shape, SA.device_sm_count(q.device), block_h=block_h) if splits == "decode"
                else dataclasses.replace(SA.plan_config(*shape, 1), num_splits=1))

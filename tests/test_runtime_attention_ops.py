@@ -268,17 +268,18 @@ def test_kernel_orchestration_with_exact_stand_ins_equals_cpu_path(engine, cpu_s
 
 
 def test_prefill_workspace_rules() -> None:
-    """`attention_prefill.applies`: only `bf16`, never static, ≥ PREFILL_MIN_QUERIES tokens and a
-    workspace of ≤ WORKSPACE_MAX_ENTRIES rows; a bad choice raises. Rows: b·width + j, −1 kept."""
+    """`attention_prefill.applies`: a workspace choice, ≥ PREFILL_MIN_QUERIES tokens and a workspace of ≤
+    WORKSPACE_MAX_ENTRIES rows (static layouts alike, by their static bounds); a bad choice raises. Rows:
+    b·width + j, −1 kept."""
     AP = attention_ops.AP
     big = AP.PREFILL_MIN_QUERIES
-    assert AP.applies("bf16", False, big, 1, 4096) and AP.applies("wide", False, big, 1, 4096)
-    assert not AP.applies("packed", False, big, 1, 4096) and not AP.applies("wide", True, big, 1, 4096)
-    assert not AP.applies("bf16", True, big, 1, 4096)
-    assert not AP.applies("bf16", False, big - 1, 1, 4096)
-    assert not AP.applies("bf16", False, big, 2, AP.WORKSPACE_MAX_ENTRIES // 2 + 1)
+    assert AP.applies("bf16", big, 1, 4096) and AP.applies("wide", big, 1, 4096)
+    assert not AP.applies("packed", big, 1, 4096)
+    assert not AP.applies("bf16", big - 1, 1, 4096)                  # decode graphs (≤ 256 queries) never reach it
+    assert not AP.applies("bf16", big, 2, AP.WORKSPACE_MAX_ENTRIES // 2 + 1)
+    assert AP.applies("wide", big, 16, AP.WORKSPACE_MAX_ENTRIES // 16)   # a graph's slots × context width, at the bound
     with pytest.raises(ValueError, match="SGLANG_DSV41_ATTN_PREFILL='fp8'"):
-        AP.applies("fp8", False, big, 1, 4096)
+        AP.applies("fp8", big, 1, 4096)
     rows = AP.workspace_rows(torch.tensor([0, 1, 1]), torch.tensor([[0, 3, -1], [2, -1, -1], [0, 1, 5]]), 8)
     assert rows.tolist() == [[0, 3, -1], [10, -1, -1], [8, 9, 13]]
 
@@ -293,13 +294,12 @@ def test_key_workspace_rule_and_rows(monkeypatch) -> None:
     monkeypatch.delenv(AP.KEY_PREFILL_ENV, raising=False)
     assert AP.key_choice() == "bf16"
     big = AP.PREFILL_MIN_QUERIES
-    assert AP.key_workspace_applies("bf16", False, big, 1, 4096)
-    assert not AP.key_workspace_applies("packed", False, big, 1, 4096)
-    assert not AP.key_workspace_applies("bf16", True, big, 1, 4096)
-    assert not AP.key_workspace_applies("bf16", False, big - 1, 1, 4096)
-    assert not AP.key_workspace_applies("bf16", False, big, 2, AP.WORKSPACE_MAX_ENTRIES // 2 + 1)
+    assert AP.key_workspace_applies("bf16", big, 1, 4096)
+    assert not AP.key_workspace_applies("packed", big, 1, 4096)
+    assert not AP.key_workspace_applies("bf16", big - 1, 1, 4096)
+    assert not AP.key_workspace_applies("bf16", big, 2, AP.WORKSPACE_MAX_ENTRIES // 2 + 1)
     with pytest.raises(ValueError, match="SGLANG_DSV41_INDEXER_PREFILL_KEYS='fp8'"):
-        AP.key_workspace_applies("fp8", False, big, 1, 4096)
+        AP.key_workspace_applies("fp8", big, 1, 4096)
     monkeypatch.setenv(AP.KEY_PREFILL_ENV, "bogus")
     with pytest.raises(ValueError):
         AP.key_choice()
@@ -372,12 +372,11 @@ def test_kernel_choices_come_from_the_environment(monkeypatch) -> None:
     assert seen == [("decode", (1, 64, 512, 128, 0), 132), ("attend", 4)]   # 4 SWA tiles of 32, one each
     exact = attention_ops.KernelAttentionOps(fake, SimpleNamespace(), deterministic=True)
     assert (exact.splits, exact.head_sum, exact.prefill) == ("one", "fp64", "packed")
-    # `auto`: fp32 head sums only for eager batches of ≥ PREFILL_MIN_QUERIES tokens (session 35)
+    # `auto`: fp32 head sums only for batches of ≥ PREFILL_MIN_QUERIES tokens (session 35), graphed or not (session 42)
     big = attention_prefill.PREFILL_MIN_QUERIES
-    exact_by_batch = {(False, big): False, (False, 8192): False, (False, big - 1): True, (True, 8192): True,
-                      (True, 1): True}                                     # (static, tokens) → exact head sum
-    assert {batch: serving.head_sum_exact(*batch) for batch in exact_by_batch} == exact_by_batch
-    assert exact.head_sum_exact(False, 8192)
+    exact_by_batch = {big: False, 8192: False, big - 1: True, 256: True, 1: True}   # tokens → exact head sum
+    assert {n: serving.head_sum_exact(n) for n in exact_by_batch} == exact_by_batch
+    assert exact.head_sum_exact(8192)
     exact.attend(q, sink, swa, slots, None, None)
     assert seen[2:] == [("attend", 1)]
     rows = torch.zeros(1, 512, dtype=torch.long)
@@ -395,7 +394,7 @@ def test_kernel_choices_come_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("SGLANG_DSV41_ATTN_PREFILL", "BF16")
     chosen = attention_ops.KernelAttentionOps(fake, SimpleNamespace(), deterministic=True)
     assert (chosen.splits, chosen.head_sum, chosen.prefill) == ("decode", "fp32", "bf16")
-    assert not chosen.head_sum_exact(True, 1) and not chosen.head_sum_exact(False, 8192)
+    assert not chosen.head_sum_exact(1) and not chosen.head_sum_exact(8192)
     monkeypatch.setenv("SGLANG_DSV41_ATTN_PREFILL", "packed")
     assert attention_ops.KernelAttentionOps(fake, SimpleNamespace()).prefill == "packed"
     monkeypatch.setenv("SGLANG_DSV41_ATTN_PREFILL", "fp8")

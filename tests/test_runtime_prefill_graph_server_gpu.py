@@ -4,12 +4,16 @@ against the same server with `--disable-prefill-cuda-graph`. Both start at once 
 text-only, context 2048, SGLang's default chunk size (so its `full` runner has chunk / 512 request
 slots: 16 at 8,192).
 
+The graph server's buckets add 512 and 1,024 tokens to the default ones (`BUCKETS`): graphs of that size
+capture the BF16 prefill workspace path (`attention_prefill.applies` under the static bounds).
+
 Checked: the graph server captured its prefill graphs and replays them (its log; the
 `sglang_dsv41:extend_forwards_total{path="graph"}` counter grows); greedy output == the eager
 server's for 24 new tokens at batch 1 (prompts of 9–200 tokens: buckets 16 to 256) and for a batch
 of 8 short prompts in one replay (≤ 256 tokens together), and after a cached prefix (a 20-token
 extend replayed over a 300-token prefix: its Engram history comes from the prefix, staged into the
-graph's buffer), with the chosen tokens' logprobs within `LOGPROB_BOUND`.
+graph's buffer), and for prompts of 600 and 1,000 tokens (the 1,024 bucket, the workspace path), with the
+chosen tokens' logprobs within `LOGPROB_BOUND`.
 
 Skipped without CUDA (conftest). scripts/gpu/prefill_graph_server.sh runs this file.
 """
@@ -41,11 +45,15 @@ def _prompts(lengths) -> list[list[int]]:
 
 SINGLE = (8, 60, 100, 150, 199)
 BATCH = (4, 9, 15, 20, 27, 33, 38, 40)             # 194 tokens with the leading id: one replay of 8 requests
+#: the graph server's buckets: the default ones and two of ≥ PREFILL_MIN_QUERIES tokens, whose graphs capture
+#: the BF16 prefill workspace (16 request slots × 2,048 context columns fit its size rule)
+BUCKETS = (4, 8, 16, 32, 64, 128, 256, 512, 1024)
+LONG = (600, 1000)                                  # prompts replayed in the 1,024 bucket
 
 
 class Pair:
     def __init__(self, checkpoint, log_dir) -> None:
-        self.graph = Server(checkpoint, log_dir / "graph.log", COMMON)
+        self.graph = Server(checkpoint, log_dir / "graph.log", [*COMMON, "--cuda-graph-bs-prefill", *map(str, BUCKETS)])
         self.eager = Server(checkpoint, log_dir / "eager.log", [*COMMON, "--disable-prefill-cuda-graph"])
         deadline = time.monotonic() + STARTUP_S
         for srv in (self.graph, self.eager):
@@ -123,3 +131,12 @@ def test_an_extend_over_a_cached_prefix_equals_the_eager_server(pair) -> None:
     assert got[0]["meta_info"]["cached_tokens"] >= 256 and want[0]["meta_info"]["cached_tokens"] >= 256
     _compare(got, want)
     assert extend_counts(pair.graph)["graph"] > before["graph"]
+
+
+def test_prompts_of_512_tokens_and_more_replay_with_the_workspace(pair) -> None:
+    """Buckets of ≥ PREFILL_MIN_QUERIES tokens: the graph holds the prefill workspace path (the eager server runs
+    the same path for these prompts), and greedy output equals the eager server's."""
+    before = extend_counts(pair.graph)
+    for p in _prompts(LONG):
+        _compare(_generate(pair.graph, [p]), _generate(pair.eager, [p]))
+    assert extend_counts(pair.graph)["graph"] - before["graph"] == len(LONG)

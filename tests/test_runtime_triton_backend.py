@@ -562,7 +562,7 @@ def test_gpu_teacher_forced_contract_with_the_prefill_opt_ins(tiny_checkpoint, m
         engine = runtime_engine(tiny_checkpoint, DEVICE, deterministic=False)
         assert engine.attention_ops.prefill == (prefill or "wide") and engine.backend.dense.unpadded
         assert engine.attention_ops.head_sum == (head_sum or "auto")
-        assert engine.attention_ops.head_sum_exact(False, 1) == (head_sum == "fp64")
+        assert engine.attention_ops.head_sum_exact(1) == (head_sum == "fp64")
         m = measure_contract(engine, DEVICE, reference, GREEDY_STEPS)
     finally:
         attention_ops.kernel_ops.cache_clear()

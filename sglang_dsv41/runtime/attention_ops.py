@@ -30,9 +30,10 @@ Contracts (both implementations):
   candidate blocks [N, candidate_topk_blocks] for the candidate source, else None).
   `published` = the candidate source's blocks for the same N queries (consumers only). Keys of
   compressed position j of request r: entry slot(j·r + r − 1) // r of the source's packed rows.
-  CUDA: at decode, graphed batches and in deterministic mode, scores equal the reference's bit for
-  bit (the exact double-fp32 head sum), so the same inputs give the same selection (exact tie rule of
-  `select_topk`); an eager prefill batch sums heads in fp32 (`KernelAttentionOps.head_sum_exact`).
+  CUDA: at decode (graphed or not), below PREFILL_MIN_QUERIES tokens and in deterministic mode, scores equal
+  the reference's bit for bit (the exact double-fp32 head sum), so the same inputs give the same selection
+  (exact tie rule of `select_topk`); a prefill batch of more tokens, eager or graphed, sums heads in fp32
+  (`KernelAttentionOps.head_sum_exact`).
 
 Packed entries on CUDA: both kernels read them natively (`kernels.packed_rows.PackedSource` of
 the layer's kv source — attention its latent rows, the indexer its index-key rows — entry
@@ -140,12 +141,13 @@ class AttentionOps(Protocol):
                key_workspaces: dict | None = None) -> tuple[Tensor, Tensor | None]: ...
 
 
-def head_sum_is_exact(choice: str, static: bool, num_queries: int) -> bool:
+def head_sum_is_exact(choice: str, num_queries: int) -> bool:
     """Whether the indexer sums a batch's heads exactly (double-fp32: the reference's bits) under head-sum `choice`:
-    `fp64` always, `fp32` never, `auto` unless the batch is eager (not `static`) with ≥ PREFILL_MIN_QUERIES
-    tokens — a size rule known on the host, so no sync, and graphed decode stays exact."""
+    `fp64` always, `fp32` never, `auto` below PREFILL_MIN_QUERIES tokens — a size rule known on the host, so no
+    sync; decode (graphed or not, ≤ 256 queries) stays exact, and a prefill graph of ≥ PREFILL_MIN_QUERIES tokens
+    sums as the eager forward of the same batch."""
     if choice == "auto":
-        return static or num_queries < AP.PREFILL_MIN_QUERIES
+        return num_queries < AP.PREFILL_MIN_QUERIES
     return choice == "fp64"
 
 
@@ -197,9 +199,9 @@ class KernelAttentionOps:
                             f"{self.head_sum} head sum + "
                             f"select_for_role, whole batch; {self.prefill!r} prefill rows; {self.decode!r} decode)")
 
-    def head_sum_exact(self, static: bool, num_queries: int) -> bool:
+    def head_sum_exact(self, num_queries: int) -> bool:
         """`head_sum_is_exact` for this choice."""
-        return head_sum_is_exact(self.head_sum, static, num_queries)
+        return head_sum_is_exact(self.head_sum, num_queries)
 
     def planned(self, heads: int, head_dim: int, device: torch.device) -> KernelAttentionOps:
         """These ops for a model of `heads` heads per rank × `head_dim` on `device`, planned once at
@@ -320,7 +322,7 @@ class KernelAttentionOps:
         of the ratio has yet). With a planned `flashmla` choice: `attention_flashmla.FlashMLAInputs`
         of the same workspace and the layer's window `swa_slots` [N, W]."""
         width = layout.max_seq_len // ratio
-        if not AP.applies(self.prefill, layout.static, layout.num_tokens, layout.num_requests, width):
+        if not AP.applies(self.prefill, layout.num_tokens, layout.num_requests, width):
             return None
         rows = scratch.workspaces.get(source)
         if rows is None:
@@ -379,7 +381,7 @@ class KernelAttentionOps:
         packed = caches.packed(src)
         key_src = packed.source.key
         N = layout.num_tokens
-        if AP.key_workspace_applies(self.prefill_keys, layout.static, N, layout.num_requests, width):
+        if AP.key_workspace_applies(self.prefill_keys, N, layout.num_requests, width):
             hit = None if key_workspaces is None else key_workspaces.get(src)
             if hit is None:          # once per kv source and forward: indexer layers of a source share it
                 hit = AP.key_workspace(packed.key_rows, key_src, packed.layout.index_head_dim, entry_table)
@@ -391,7 +393,7 @@ class KernelAttentionOps:
                                        ratio=key_src.ratio, head_dim=packed.layout.head_dim,
                                        index_head_dim=packed.layout.index_head_dim, part="key")
         rows = max(1, SCORE_ELEMENTS_PER_CHUNK // max(width, 1))
-        exact = self.head_sum_exact(layout.static, N)
+        exact = self.head_sum_exact(N)
         selections, blocks = [], []
         for start in range(0, max(N, 1), rows):
             part = slice(start, min(start + rows, N))

@@ -37,7 +37,7 @@ gather of each key row per query instead of one per 16-head block); the same ora
 Triton kernel; refused with deterministic inference.
 
 Indexer keys (`SGLANG_DSV41_INDEXER_PREFILL_KEYS`, `key_choice`): under the same size rule
-(`key_workspace_applies`: not static, ≥ PREFILL_MIN_QUERIES tokens, ≤ WORKSPACE_MAX_ENTRIES rows)
+(`key_workspace_applies`: ≥ PREFILL_MIN_QUERIES tokens, ≤ WORKSPACE_MAX_ENTRIES rows)
 the indexer's keys of a kv source are decoded once per forward into a BF16 workspace
 (`key_workspace`: [R·width, index_head_dim], row b·width + j = compressed position j of request b)
 and `kernels.indexer.index_scores` reads BF16 rows (`bf16`, the default; `packed`: the kernel
@@ -46,10 +46,13 @@ kernel's BF16-key path gives its packed path's scores bit for bit, so the choice
 in either mode: at an 8K Flash prefill it took the scoring from 4.36 to 2.72 ms on an H100
 (docs/performance.md "Session 33").
 
-When it applies (`applies`): the choice is `bf16` or `flashmla`, the layout is not static (never inside a
-CUDA graph: decode keeps the packed rows), the batch has ≥ PREFILL_MIN_QUERIES tokens, and the
-workspace holds ≤ WORKSPACE_MAX_ENTRIES rows (R requests × the static width max_seq_len / ratio);
-otherwise the packed path runs. These are size rules known on the host, no host sync.
+When it applies (`applies`): the choice is a WORKSPACE_CHOICES one, the batch has ≥ PREFILL_MIN_QUERIES
+tokens, and the workspace holds ≤ WORKSPACE_MAX_ENTRIES rows (R requests × the width max_seq_len / ratio);
+otherwise the packed path runs. These are size rules known on the host, no host sync. Static layouts (CUDA
+graphs) take the same rules with their static bounds — R the runner's request slots, max_seq_len the
+`req_to_token` width (the context length) — so a prefill graph of ≥ PREFILL_MIN_QUERIES tokens captures the
+workspace when those bounds fit, as the eager forward of the same batch would (docs/prefill_graphs.md
+"Buckets of 512 tokens and more"); decode graphs (≤ 256 queries) never reach PREFILL_MIN_QUERIES.
 """
 from __future__ import annotations
 
@@ -79,12 +82,11 @@ def key_choice() -> str:
     return kernel_choice(KEY_PREFILL_ENV, KEY_PREFILL_CHOICES, "bf16")
 
 
-def key_workspace_applies(choice: str, static: bool, num_queries: int, num_requests: int, width: int) -> bool:
+def key_workspace_applies(choice: str, num_queries: int, num_requests: int, width: int) -> bool:
     """Whether a batch's indexer reads the BF16 key workspace (module doc)."""
     if choice not in KEY_PREFILL_CHOICES:
         raise ValueError(f"{KEY_PREFILL_ENV}={choice!r}: expected one of {KEY_PREFILL_CHOICES}")
-    return (choice == "bf16" and not static and num_queries >= PREFILL_MIN_QUERIES
-            and 0 < num_requests * width <= WORKSPACE_MAX_ENTRIES)
+    return choice == "bf16" and num_queries >= PREFILL_MIN_QUERIES and 0 < num_requests * width <= WORKSPACE_MAX_ENTRIES
 
 
 def key_workspace(key_rows: Tensor, source: SourceColumns, index_head_dim: int,
@@ -109,11 +111,11 @@ def prefill_choice(deterministic: bool) -> str:
     return choice
 
 
-def applies(choice: str, static: bool, num_queries: int, num_requests: int, width: int) -> bool:
+def applies(choice: str, num_queries: int, num_requests: int, width: int) -> bool:
     """Whether a batch runs the workspace path (module doc); an unknown choice raises."""
     if choice not in PREFILL_CHOICES:
         raise ValueError(f"{PREFILL_ENV}={choice!r}: expected one of {PREFILL_CHOICES}")
-    return (choice in WORKSPACE_CHOICES and not static and num_queries >= PREFILL_MIN_QUERIES
+    return (choice in WORKSPACE_CHOICES and num_queries >= PREFILL_MIN_QUERIES
             and 0 < num_requests * width <= WORKSPACE_MAX_ENTRIES)
 
 
