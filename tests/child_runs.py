@@ -171,6 +171,15 @@ def stop() -> None:
     _LANE.stop()
 
 
+def assert_all_passed(argv: tuple[str, ...], timeout_s: float = 600) -> None:
+    """`run(argv)`, then fail unless the child pytest exited 0 and its summary line reports passes and
+    no skips (a skip inside an interpreter child means a case did not run where it should)."""
+    proc = run(argv, timeout_s)
+    summary = proc.stdout.strip().splitlines()[-1:] if proc.stdout.strip() else []
+    assert proc.returncode == 0, f"interpreter tests failed:\n{proc.stdout[-12000:]}\n{proc.stderr[-4000:]}"
+    assert summary and " passed" in summary[0] and "skipped" not in summary[0], proc.stdout[-4000:]
+
+
 def run(argv: tuple[str, ...], timeout_s: float) -> subprocess.CompletedProcess:
     """The child run's result: prefetched, awaited, or run now; `timeout_s` bounds the wait from here."""
     job, mine = _LANE.take(argv)

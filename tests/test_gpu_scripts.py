@@ -2,7 +2,7 @@
 its preamble from scripts/gpu/lib.sh; lib.sh's helpers behave — budget arithmetic, `gpu_setup`,
 `tiny_checkpoint` called twice (today's warm-machine failure), server process groups stopped at
 EXIT, `wait_up`, `result` — sourced in a bash subprocess whose working directory holds a fake
-`.gpu/bin/setup.sh` and whose PATH starts with stub `python3` / `curl` (tests/gpu_script_stubs/);
+`.gpu/bin/setup.sh` and whose PATH starts with stub `python3` / `curl` / `nvidia-smi` (tests/gpu_script_stubs/);
 tiny_checkpoint_ok.py against real tiny checkpoints; two scripts dry-run end to end on the stubs.
 """
 from __future__ import annotations
@@ -169,6 +169,24 @@ def test_prefill_profile(sandbox: dict[str, str]) -> None:
     assert (Path(sandbox["OUT"]) / "logs" / "prefill_1024.log").exists()
 
 
+def test_prefill_host(sandbox: dict[str, str], tmp_path: Path) -> None:
+    """`prefill_host CAP TOKENS`: prefill_profile of the default variant at TOKENS tokens; its summary lines and
+    the host profile the benchmark logged after its "prefill default" line go to $SUMMARY, the RESULT line once."""
+    logged = tmp_path / "decode_step.out"
+    profile = [f"    self {i}.000 ms  cum {i}.000 ms  x    1  f{i}" for i in range(17)]
+    logged.write_text("\n".join(["warming up", "prefill default: 98,000 tokens/s (105,000 chained)", *profile,
+                                 "attention sweep (workspace) µs: plan 1"]) + "\n")
+    env = dict(sandbox, STUB_DECODE_STEP_OUT=str(logged))
+    summary = tmp_path / "summary.txt"
+    r = bash(f'unset SECONDS; SECONDS=100; T0=100; BUDGET=500; SUMMARY={summary}\nprefill_host 110 1024', env)
+    assert r.returncode == 0, r.stderr
+    assert calls(env)[-1].endswith("--prefill-variants default --prefill-tokens 1024 --budget-s 90")
+    lines = summary.read_text().splitlines()
+    assert lines[0] == "RESULT prefill 1024 rc=0 at 0 s"
+    assert lines[1:3] == ["prefill default: 98,000 tokens/s (105,000 chained)", "attention sweep (workspace) µs: plan 1"]
+    assert lines[3:] == profile                                          # the 17 cProfile lines, once
+
+
 def test_graph_summary(sandbox: dict[str, str], tmp_path: Path) -> None:
     """`graph_summary NAME LOG`: graphed / eager prefill-batch counts and the capture and first-replay lines,
     prefixed with NAME, also in $SUMMARY; a missing log prints nothing."""
@@ -193,6 +211,18 @@ def test_gpu_setup(sandbox: dict[str, str]) -> None:
     assert (r.returncode, r.stdout) == (0, "1 /tmp/cache 1\n"), r.stderr
     sandbox["FAKE_SETUP_RC"] = "3"
     r = bash("gpu_setup; echo after", sandbox)
+    assert (r.returncode, r.stdout) == (3, "")
+
+
+def test_gpu_start(sandbox: dict[str, str], tmp_path: Path) -> None:
+    """`gpu_start`: $OUT/logs made, `gpu_setup` run, the GPU line as $SUMMARY's first line (a failed set-up exits 3)."""
+    summary = tmp_path / "summary.txt"
+    r = bash(f'SUMMARY={summary}; gpu_start; echo "setup $FAKE_SETUP_RAN"', sandbox)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["Stub GPU, 1980 MHz, 2619 MHz", "setup 1"]
+    assert summary.read_text() == "Stub GPU, 1980 MHz, 2619 MHz\n" and (Path(sandbox["OUT"]) / "logs").is_dir()
+    sandbox["FAKE_SETUP_RC"] = "3"
+    r = bash(f"SUMMARY={summary}; gpu_start; echo after", sandbox)
     assert (r.returncode, r.stdout) == (3, "")
 
 

@@ -54,10 +54,7 @@ INTERPRETER_ARGV = child_runs.interpreter_argv(__file__, "-m", "not gpu", "-k",
 def test_interpreter_cases():
     """This file's CPU tests under Triton's interpreter, in one child pytest process (which may
     have run ahead on a spare core: `child_runs`)."""
-    proc = child_runs.run(INTERPRETER_ARGV, timeout_s=600)
-    summary = proc.stdout.strip().splitlines()[-1:] if proc.stdout.strip() else []
-    assert proc.returncode == 0, f"interpreter tests failed:\n{proc.stdout[-12000:]}\n{proc.stderr[-4000:]}"
-    assert summary and " passed" in summary[0] and "skipped" not in summary[0], proc.stdout[-4000:]
+    child_runs.assert_all_passed(INTERPRETER_ARGV)
 
 
 # ---- oracle helpers -------------------------------------------------------------------------

@@ -107,3 +107,21 @@ def test_renice_also_sets_the_autogroup_of_a_new_session():
     finally:
         proc.kill()
         proc.wait(30)
+
+
+@pytest.mark.parametrize("rc, last, ok", [(0, "12 passed in 3.0s", True), (1, "1 failed, 11 passed in 3.0s", False),
+                                          (0, "11 passed, 1 skipped in 3.0s", False), (0, "", False)])
+def test_assert_all_passed_wants_rc_0_passes_and_no_skips(monkeypatch, rc, last, ok):
+    """`child_runs.assert_all_passed`, the verdict of every interpreter child run: exit status 0 and a summary
+    line with passes and no skip."""
+    import child_runs
+
+    asked = []
+    monkeypatch.setattr(child_runs, "run", lambda argv, timeout_s: asked.append((argv, timeout_s)) or
+                        subprocess.CompletedProcess(argv, rc, stdout=f"..\n{last}\n" if last else "", stderr=""))
+    if ok:
+        child_runs.assert_all_passed(("-k", "x"))
+    else:
+        with pytest.raises(AssertionError):
+            child_runs.assert_all_passed(("-k", "x"))
+    assert asked == [(("-k", "x"), 600)]

@@ -11,6 +11,7 @@
 #   gpu_setup        source $GPU_DIR/bin/setup.sh (GPU_DIR default .gpu; e.g. .gpu_v4, a runtime built
 #                    with SGLang's V4 extras) (exit 3 when it fails); XDG_CACHE_HOME=/tmp/cache,
 #                    HF_HUB_OFFLINE=1
+#   gpu_start        mkdir $OUT/logs, `gpu_setup`, then the GPU's name and clocks as the first line of $SUMMARY
 #   tiny_checkpoint [DIR [CAP]]
 #                    the tiny checkpoint (seed 0) in DIR (default /tmp/tiny): reused when DIR holds
 #                    a complete one (tiny_checkpoint_ok.py), else written with --overwrite (a warm
@@ -36,6 +37,9 @@
 #                    most CAP s (`cap`), JSON in $OUT, log $OUT/logs/prefill.log; prints its RESULT and the
 #                    variants' summary lines; returns its status. With TOKENS: a prefill of that many tokens
 #                    (--prefill-tokens), JSON in $OUT/prefill_TOKENS, log $OUT/logs/prefill_TOKENS.log
+#   prefill_host CAP TOKENS
+#                    `prefill_profile default CAP TOKENS` with its lines appended to $SUMMARY, then the host profile
+#                    it logged (the cProfile lines after its "prefill default" line) appended too
 #   graph_summary NAME LOG
 #                    a server log's CUDA-graph lines, each prefixed "NAME: ": how many prefill batches ran
 #                    graphed and eagerly, the capture-end lines and our first prefill replay; appended to
@@ -65,6 +69,12 @@ gpu_setup() {
   # shellcheck source=/dev/null
   source "${GPU_DIR:-.gpu}/bin/setup.sh" || exit 3
   export XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
+}
+
+gpu_start() {
+  mkdir -p "$OUT/logs"
+  gpu_setup
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader | tee "$SUMMARY"
 }
 
 tiny_checkpoint() {
@@ -149,6 +159,15 @@ prefill_profile() {
   local rc=$?
   result "prefill${tokens:+ $tokens}" rc=$rc
   grep "^prefill \|^attention sweep" "$log" | tail -8
+  return $rc
+}
+
+prefill_host() {  # usage above; returns prefill_profile's status
+  local lines rc
+  lines=$(prefill_profile default "$1" "$2"); rc=$?
+  echo "$lines"
+  [ -n "${SUMMARY:-}" ] && grep -v "^RESULT" <<<"$lines" >>"$SUMMARY"
+  grep -A17 "^prefill default" "$OUT/logs/prefill_$2.log" 2>/dev/null | tail -17 | cut -c1-400 | tee -a "${SUMMARY:-/dev/null}"
   return $rc
 }
 

@@ -14,9 +14,7 @@ set -uo pipefail
 # shellcheck source=scripts/gpu/lib.sh
 source "$(dirname "$0")/lib.sh"
 BUDGET=${BUDGET:-300}; SUMMARY=$OUT/summary.txt
-mkdir -p "$OUT/logs"
-gpu_setup
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader | tee "$SUMMARY"
+gpu_start
 for step in ${STEPS:-moe1k host1k}; do
   case $step in
     moe1k)
@@ -26,9 +24,7 @@ for step in ${STEPS:-moe1k host1k}; do
       result moe1k rc=$?
       grep -v "^ *$" "$OUT/logs/moe1k.log" | tail -10 | cut -c1-400 | tee -a "$SUMMARY" ;;
     host1k)
-      lines=$(prefill_profile default "${CAP_EACH:-150}" 1024)
-      echo "$lines"; grep -v "^RESULT" <<<"$lines" >>"$SUMMARY"
-      grep -A17 "^prefill default" "$OUT/logs/prefill_1024.log" | tail -17 | cut -c1-400 | tee -a "$SUMMARY" ;;
+      prefill_host "${CAP_EACH:-150}" 1024 ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -16,9 +16,7 @@ set -uo pipefail
 # shellcheck source=scripts/gpu/lib.sh
 source "$(dirname "$0")/lib.sh"
 BUDGET=${BUDGET:-420}; SUMMARY=$OUT/summary.txt
-mkdir -p "$OUT/logs"
-gpu_setup
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader | tee "$SUMMARY"
+gpu_start
 for step in ${STEPS:-tests probe host1k}; do
   case $step in
     tests)
@@ -34,9 +32,7 @@ for step in ${STEPS:-tests probe host1k}; do
       result probe rc=$?
       grep -v -i warn "$OUT/logs/probe.log" | tail -5 | cut -c1-400 | tee -a "$SUMMARY" ;;
     host1k)
-      lines=$(prefill_profile default "${CAP_EACH:-130}" 1024)
-      echo "$lines"; grep -v "^RESULT" <<<"$lines" >>"$SUMMARY"
-      grep -A17 "^prefill default" "$OUT/logs/prefill_1024.log" | tail -17 | cut -c1-400 | tee -a "$SUMMARY" ;;
+      prefill_host "${CAP_EACH:-130}" 1024 ;;
     *) echo "unknown step $step" ;;
   esac
 done
