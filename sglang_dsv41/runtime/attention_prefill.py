@@ -94,7 +94,7 @@ def key_workspace(key_rows: Tensor, source: SourceColumns, index_head_dim: int,
     """(BF16 [R·width, index_head_dim] decoded index keys, int64 rows [R, width]): row b·width + j =
     the key of packed entry entry_table[b, j] of kv source `source` (part "key"), and rows[b, j] that
     row, or −1 where the table has none (zeros in the workspace); decoded by `_decoded_rows`."""
-    out = _decoded_rows(key_rows, source, index_head_dim, entry_table, decode_keys)
+    out = _decoded_rows(key_rows, source, index_head_dim, entry_table, "key")
     R, width = entry_table.shape
     rows = torch.arange(R * width, device=entry_table.device).view(R, width)
     return out, torch.where(entry_table >= 0, rows, -1)
@@ -122,24 +122,25 @@ def applies(choice: str, num_queries: int, num_requests: int, width: int) -> boo
 def latent_workspace(latent_rows: Tensor, source: SourceColumns, head_dim: int, entry_table: Tensor) -> Tensor:
     """BF16 [R·width, head_dim]: row b·width + j = the decoded latent of packed entry
     entry_table[b, j] of kv source `source` (zeros for −1), decoded by `_decoded_rows`."""
-    return _decoded_rows(latent_rows, source, head_dim, entry_table, decode_latents)
+    return _decoded_rows(latent_rows, source, head_dim, entry_table, "latent")
 
 
-def _decoded_rows(packed_rows: Tensor, part: SourceColumns, dim: int, entry_table: Tensor, decode) -> Tensor:
-    """BF16 [R·width, dim]: row i = `decode` of the `part` bytes of packed entry entry_table.flat[i]
-    (zeros for −1). CUDA rows: one launch of `kernels.entry_decode` (the same bits); CPU rows (tests;
-    the CPU forward has no workspace): the torch codec in chunks of DECODE_CHUNK entries (bounds the
-    fp32 temporaries)."""
+def _decoded_rows(packed_rows: Tensor, columns: SourceColumns, dim: int, entry_table: Tensor, part: str) -> Tensor:
+    """BF16 [R·width, dim]: row i = the decoded `part` ("latent" or "key", at `columns` of `packed_rows`) of
+    packed entry entry_table.flat[i] (zeros for −1). CUDA rows: one launch of `kernels.entry_decode` (the
+    same bits); CPU rows (tests; the CPU forward has no workspace): the torch codec in chunks of
+    DECODE_CHUNK entries (bounds the fp32 temporaries)."""
     if packed_rows.is_cuda:
         from sglang_dsv41.kernels.entry_decode import decode_entry_rows
 
-        return decode_entry_rows(packed_rows, entry_table, offset=part.offset, share=part.share, ratio=part.ratio,
-                                 dims=dim, part="key" if decode is decode_keys else "latent")
+        return decode_entry_rows(packed_rows, entry_table, offset=columns.offset, share=columns.share,
+                                 ratio=columns.ratio, dims=dim, part=part)
+    decode = decode_keys if part == "key" else decode_latents
     flat = entry_table.reshape(-1)
     out = torch.empty(flat.numel(), dim, dtype=torch.bfloat16, device=packed_rows.device)
     for start in range(0, flat.numel(), DECODE_CHUNK):
         chunk = flat[start:start + DECODE_CHUNK]
-        out[start:start + chunk.numel()] = decode(read_entries(packed_rows, part, chunk), dim)
+        out[start:start + chunk.numel()] = decode(read_entries(packed_rows, columns, chunk), dim)
     return out
 
 
