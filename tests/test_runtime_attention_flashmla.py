@@ -117,8 +117,8 @@ def test_plan(heads, dim, cap, mode) -> None:
 def test_mode_rules(monkeypatch) -> None:
     """flashmla is a workspace choice (the same size rules); refused with deterministic inference."""
     big = AP.PREFILL_MIN_QUERIES
-    assert AP.applies("flashmla", False, big, 1, 4096) and not AP.applies("flashmla", True, big, 1, 4096)
-    assert not AP.applies("flashmla", False, big - 1, 1, 4096)
+    assert AP.applies("flashmla", big, 1, 4096) and not AP.applies("flashmla", big, 64, 4096)
+    assert not AP.applies("flashmla", big - 1, 1, 4096)
     monkeypatch.setenv(AP.PREFILL_ENV, "flashmla")
     assert AP.prefill_choice(False) == "flashmla"
     with pytest.raises(ValueError, match="deterministic"):

@@ -157,7 +157,7 @@ class KernelAttentionOps:
     variables are unset: one key split (batch invariant) instead of the serving default
     `plan_decode_config`, and the packed rows at prefill instead of the serving default's BF16
     workspace (`attention_prefill.prefill_choice`), and the indexer's fp64 head sum at every batch
-    instead of the serving default `auto` (fp32 at eager prefill, `head_sum_exact`); explicit `splits` /
+    instead of the serving default `auto` (fp32 from PREFILL_MIN_QUERIES tokens, `head_sum_exact`); explicit `splits` /
     `head_sum` / `prefill` override both. Kernel modules (tests pass stand-ins): `indexer` scores,
     `indexer_select` selects, `entry_index` makes the entry-index tables (the last two imported from
     KERNEL_MODULES when not given)."""
