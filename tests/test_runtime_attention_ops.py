@@ -320,6 +320,26 @@ def test_key_workspace_rule_and_rows(monkeypatch) -> None:
         assert not ws[2].any() and not ws[5:].any()
 
 
+def test_cuda_workspaces_are_one_entry_decode_launch_each(monkeypatch) -> None:
+    """On CUDA rows `latent_workspace` / `key_workspace` hand their part's columns to `kernels.entry_decode`
+    (one launch; its bits are pinned by tests/test_kernels_entry_decode.py) instead of the torch codec."""
+    from sglang_dsv41.kernels import entry_decode
+    from sglang_dsv41.runtime import kv_layout
+    AP = attention_ops.AP
+    seen = []
+    monkeypatch.setattr(entry_decode, "decode_entry_rows", lambda rows, entries, **kw: seen.append((rows, entries, kw))
+                        or torch.zeros(entries.numel(), kw["dims"], dtype=torch.bfloat16))
+    rows, table = SimpleNamespace(is_cuda=True), torch.tensor([[0, -1], [2, 3]])
+    latent = kv_layout.SourceColumns(20, 1, 0, 288, 288)
+    key = kv_layout.SourceColumns(2, 2, 34, 34, 68)
+    assert AP.latent_workspace(rows, latent, 512, table).shape == (4, 512)
+    ws, got_rows = AP.key_workspace(rows, key, 128, table)
+    assert ws.shape == (4, 128) and got_rows.tolist() == [[0, -1], [2, 3]]
+    assert [(r is rows, e is table, kw) for r, e, kw in seen] == [
+        (True, True, dict(offset=0, share=288, ratio=1, dims=512, part="latent")),
+        (True, True, dict(offset=34, share=34, ratio=2, dims=128, part="key"))]
+
+
 # ---- the real kernels in Triton's interpreter ---------------------------------------------------
 
 INTERPRETER_ARGV = child_runs.interpreter_argv(Path(__file__).resolve().parent / "test_runtime_forward_gpu.py",
