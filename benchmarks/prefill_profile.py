@@ -307,15 +307,13 @@ def _part_walls(parts: Mapping[str, Callable[[], object]], repeats: int, device:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def _chained_wall(parts: Mapping[str, Callable[[], object]], repeats: int, device: torch.device) -> float:
-    """Median µs of every part launched back to back between one pair of CUDA events (no sync between
-    parts, as in a forward: a part's host set-up overlaps the previous part's kernels)."""
+def _chain(parts: Mapping[str, Callable[[], object]]) -> Callable[[], None]:
+    """One pass over every part, back to back, no sync between parts (as in a forward: a part's host set-up
+    overlaps the previous part's kernels)."""
     def chain() -> None:
         for fn in parts.values():
             fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return statistics.median(_wall_us(chain, device) for _ in range(repeats))
+    return chain
 
 
 def _sync(device: torch.device) -> None:
@@ -323,15 +321,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def _chained_wall(parts: Mapping[str, Callable[[], object]], repeats: int, device: torch.device) -> float:
+    """Median µs of a `_chain` pass between one pair of CUDA events."""
+    _sync(device)
+    return statistics.median(_wall_us(_chain(parts), device) for _ in range(repeats))
+
+
 def _chained_host(parts: Mapping[str, Callable[[], object]], repeats: int, device: torch.device) -> float:
-    """Median µs until a chained pass (`_chained_wall`'s) returns to Python, synchronised before and
-    not after: the host's own time for the launches. Near `wall_us_chained`: the pass is launch-bound."""
-    times = []
+    """Median µs until a `_chain` pass returns to Python, synchronised before and not after: the host's own
+    time for the launches. Near `wall_us_chained`: the pass is launch-bound."""
+    chain, times = _chain(parts), []
     for _ in range(repeats):
         _sync(device)
         t = time.perf_counter()
-        for fn in parts.values():
-            fn()
+        chain()
         times.append((time.perf_counter() - t) * 1e6)
     _sync(device)
     return statistics.median(times)
@@ -371,7 +374,7 @@ def profile_variant(layer, caches, tokens: int, name: str, parts_order: Sequence
         row["wall_us"] = _part_walls(parts, repeats, dev)
         row["wall_us_chained"] = _chained_wall(parts, repeats, dev)
         row["host_us_chained"] = _chained_host(parts, repeats, dev)
-        row["host_profile"] = host_profile(lambda: [fn() for fn in parts.values()], functools.partial(_sync, dev))
+        row["host_profile"] = host_profile(_chain(parts), functools.partial(_sync, dev))
         if outputs is not None:
             outputs.update({p: parts[p]() for p in ("attention", "indexer") if p in parts})
     row["wall_us_total"] = sum(row["wall_us"].values())
