@@ -6,7 +6,11 @@ included, as SGLang's decode runner captures it — so work forked to the side s
 (`runtime/overlap.py`, SGLANG_DSV41_OVERLAP) shows. Model: `--preset` (`slice`: Flash widths) with
 `--layers` layers and the dummy weights of `--load-format dummy` (`runtime/dummy_weights.py`), built
 on the device with no checkpoint. Caches: B requests of `--context` tokens each, packed rows random
-bytes (no NaN codes), SWA rows random BF16; token b decodes at position context − 1.
+bytes (no NaN codes), SWA rows random BF16; token b decodes at position context − 1. `--table-width`
+(default: the context) is the width of the request-to-token table, i.e. the served `--context-length`:
+the static decode layout's bound (`BatchLayout.max_seq_len`), which sizes the indexer's score rows and
+entry tables whatever the requests' lengths (docs/runtime.md "CUDA-graph padding"); a capture that does
+not fit records `oom` instead of a time.
 
 Per batch size B and mode (`off`, `on`): the step captured in one `torch.cuda.CUDAGraph` (two warm-up
 calls first) and replayed; `step_us` (median of CUDA-event replays, `step_timing.measure`: an L2
@@ -66,9 +70,10 @@ def build_engine(preset: str, layers: int, device: torch.device):
     return engine
 
 
-def decode_case(engine, batch: int, context: int, seed: int = 0):
+def decode_case(engine, batch: int, context: int, seed: int = 0, table_width: int | None = None):
     """(forward callable, caches, history snapshot) of one decode step: B requests of `context`
-    tokens, request b in row b + 1, token b at position context − 1."""
+    tokens, request b in row b + 1, token b at position context − 1, in a request-to-token table of
+    `table_width` ≥ context columns (default: context)."""
     from sglang_dsv41.runtime.batch import static_decode_layout
     from sglang_dsv41.runtime.cache import RuntimeCaches
 
@@ -79,8 +84,11 @@ def decode_case(engine, batch: int, context: int, seed: int = 0):
         rows.copy_(torch.randint(0, 120, rows.shape, generator=g, device=dev, dtype=torch.uint8))
     for swa in caches.swa:
         swa.copy_(torch.randn(swa.shape, generator=g, device=dev).to(swa.dtype))
-    table = torch.zeros(batch + 1, context, dtype=torch.int32, device=dev)
-    table[1:] = (PAGE + torch.arange(batch * context, device=dev, dtype=torch.int32)).view(batch, context)
+    width = context if table_width is None else table_width
+    if width < context:
+        raise ValueError(f"decode_case: table width {width} < context {context}")
+    table = torch.zeros(batch + 1, width, dtype=torch.int32, device=dev)
+    table[1:, :context] = (PAGE + torch.arange(batch * context, device=dev, dtype=torch.int32)).view(batch, context)
     rows = torch.arange(1, batch + 1, device=dev)
     seq_lens = torch.full((batch,), context, device=dev)
     positions = seq_lens - 1
@@ -108,21 +116,31 @@ def _captured(forward):
     return graph, held["out"]
 
 
-def run_batch(engine, batch: int, context: int, cap_s: float, profile: bool = False) -> dict:
+def run_batch(engine, batch: int, context: int, cap_s: float, profile: bool = False,
+              table_width: int | None = None, modes: tuple[str, ...] = MODES) -> dict:
     """One batch size: both modes timed, then their outputs compared (module docstring); with `profile`
     (CUDA only) each graph's replays traced last (`stream_profile.profile_graph`). A trace leaves the
     process's later replays slower (session 28: +4–12 %), so a profiled run's later batches are not
-    timings to compare: take those from a run without --profile."""
+    timings to compare: take those from a run without --profile. `modes`: the side-stream modes timed
+    (both: their outputs compared too); CUDA: `graph_mb`, the memory the first capture added.
+    A capture that runs out of device memory gives a row with `oom` (the error) and no times."""
     from sglang_dsv41.runtime.overlap import side_stream_for
 
     dev = engine.weights["embed.weight"].device
-    forward, ring, snapshot = decode_case(engine, batch, context)
-    row: dict = dict(batch=batch, context=context, layers=engine.text.num_hidden_layers)
+    forward, ring, snapshot = decode_case(engine, batch, context, table_width=table_width)
+    row: dict = dict(batch=batch, context=context, table_width=table_width or context,
+                     layers=engine.text.num_hidden_layers)
     runs = {}
-    for mode in MODES:
+    for mode in modes:
         engine.overlap = side_stream_for(dev, mode)
         if dev.type == "cuda":
-            graph, out = _captured(forward)
+            before = torch.cuda.memory_reserved(dev)
+            try:
+                graph, out = _captured(forward)
+            except torch.OutOfMemoryError as e:
+                row["oom"] = str(e).split("\n")[0][:300]
+                return row
+            row.setdefault("graph_mb", round((torch.cuda.memory_reserved(dev) - before) / 2**20, 1))
             runs[mode] = (graph.replay, lambda out=out: out)
         else:
             result = {}
@@ -132,20 +150,21 @@ def run_batch(engine, batch: int, context: int, cap_s: float, profile: bool = Fa
         step_us = round(timing["median_us"], 1)
         row[mode] = dict(step_us=step_us, min_us=round(timing["min_us"], 1), reps=timing["reps"],
                          layer_us=round(step_us / row["layers"], 1))
-    outs = {}
-    for mode in MODES:                     # the same Engram history before each: comparable outputs
-        engine.overlap = side_stream_for(dev, mode)
-        _restore(ring, snapshot)
-        run, output = runs[mode]
-        run()
-        outs[mode] = output().clone()
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    row["bits_equal"] = bool(torch.equal(outs["off"], outs["on"]))
-    row["on_over_off"] = round(row["on"]["step_us"] / row["off"]["step_us"], 4)
+    if tuple(modes) == MODES:
+        outs = {}
+        for mode in MODES:                 # the same Engram history before each: comparable outputs
+            engine.overlap = side_stream_for(dev, mode)
+            _restore(ring, snapshot)
+            run, output = runs[mode]
+            run()
+            outs[mode] = output().clone()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        row["bits_equal"] = bool(torch.equal(outs["off"], outs["on"]))
+        row["on_over_off"] = round(row["on"]["step_us"] / row["off"]["step_us"], 4)
     if profile and dev.type == "cuda":                  # after the timings: a trace slows later replays
         from stream_profile import profile_graph
-        for mode in MODES:
+        for mode in modes:
             row[mode]["profile"] = profile_graph(runs[mode][0], dev)
     return row
 
@@ -173,11 +192,15 @@ def plot(records: dict[str, dict], path: Path) -> bool:
     if not records:                               # every batch skipped (budget): nothing to draw
         return True
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, (label, rec) in enumerate(records.items()):
-        batches = [r["batch"] for r in rec["rows"]]
+    lines = [(f"{label}, table {w}" if len(rec.get("table_widths", [])) > 1 else label,
+              [r for r in rec["rows"] if r.get("table_width", rec["context"]) == w and "oom" not in r])
+             for label, rec in records.items() for w in rec.get("table_widths", [rec["context"]])]
+    for i, (name, rows) in enumerate(lines):
         for mode, style in (("off", "--"), ("on", "-")):
-            ax.plot(batches, [r[mode]["layer_us"] for r in rec["rows"]], style, marker="o", color=f"C{i}",
-                    label=f"{label}, side stream {mode}")
+            timed = [r for r in rows if mode in r]
+            if timed:
+                ax.plot([r["batch"] for r in timed], [r[mode]["layer_us"] for r in timed], style, marker="o",
+                        color=f"C{i}", label=f"{name}, side stream {mode}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("decode batch (tokens)")
@@ -196,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--table-width", type=int, nargs="+",
+                    help="request-to-token table widths (the served --context-length; default: --context): "
+                         "every batch at each width")
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="side-stream modes timed")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--cap-s", type=float, default=1.0)
     ap.add_argument("--budget-s", type=float, default=400.0)
@@ -216,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     engine = build_engine(args.preset, args.layers, dev)
     rec = dict(device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", preset=args.preset,
-               layers=args.layers, context=args.context, activations=activations,
+               layers=args.layers, context=args.context, table_widths=args.table_width or [args.context],
+               modes=args.modes, activations=activations,
                build_s=round(time.perf_counter() - t0, 1), rows=[], skipped=[])
     if activations == "fp32":
         from fp32_activations import Fp32Activations
@@ -224,11 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         scope = contextlib.nullcontext()
     with scope:
-        for b in args.batches:
+        for width, b in [(w, b) for w in args.table_width or [None] for b in args.batches]:
             if time.perf_counter() - t0 > args.budget_s:
-                rec["skipped"].append(b)
+                rec["skipped"].append(b if width is None else [b, width])
                 continue
-            row = run_batch(engine, b, args.context, args.cap_s, args.profile)
+            row = run_batch(engine, b, args.context, args.cap_s, args.profile, width, tuple(args.modes))
             print(json.dumps(_headline(row)), flush=True)
             rec["rows"].append(row)
             if dev.type == "cuda":

@@ -95,3 +95,39 @@ def test_plot_of_records_without_rows_writes_nothing(tmp_path: Path) -> None:
     full = dict(empty, rows=[dict(batch=1, off=dict(layer_us=10.0), on=dict(layer_us=9.0))])
     assert bench.plot({"empty": empty, "full": full}, tmp_path / "model_step.png")
     assert (tmp_path / "model_step.png").exists()
+
+
+def test_table_width_is_the_static_bound_and_leaves_the_step_unchanged(engine, tmp_path: Path, monkeypatch) -> None:
+    """`--table-width`: the request-to-token table is that wide (the static layout's max_seq_len: the
+    served context length), its first `context` columns the requests' slots; one mode timed; the
+    hidden states equal those of a table as wide as the context (the padding columns are never read
+    as keys)."""
+    seen = []
+
+    def forward_of(width):
+        forward, ring, snapshot = bench.decode_case(engine, 2, 16, table_width=width)
+        hidden = engine.hidden_states
+
+        def spy(ids, layout, caches):
+            seen.append(layout)
+            return hidden(ids, layout, caches)
+        engine.hidden_states = spy
+        try:
+            return forward()
+        finally:
+            engine.hidden_states = hidden
+
+    narrow, wide = forward_of(None), forward_of(64)
+    assert [lay.max_seq_len for lay in seen] == [16, 64] and seen[1].req_to_token.shape == (3, 64)
+    assert torch.equal(seen[1].req_to_token[:, :16], seen[0].req_to_token)
+    assert int(seen[1].req_to_token[:, 16:].abs().sum()) == 0
+    assert torch.equal(narrow, wide)
+    with pytest.raises(ValueError, match="table width"):
+        bench.decode_case(engine, 1, 16, table_width=8)
+    monkeypatch.setattr(bench, "build_engine", lambda *a: engine)
+    assert bench.main(["--preset", "tiny", "--batches", "1", "--context", "16", "--table-width", "16", "32",
+                       "--modes", "on", "--device", "cpu", "--cap-s", "0.05", "--out", str(tmp_path)]) == 0
+    rec = json.loads((tmp_path / "model_step.json").read_text())
+    assert rec["table_widths"] == [16, 32] and rec["modes"] == ["on"]
+    assert [(r["batch"], r["table_width"]) for r in rec["rows"]] == [(1, 16), (1, 32)]
+    assert all(r["on"]["step_us"] > 0 and "off" not in r and "bits_equal" not in r for r in rec["rows"])
