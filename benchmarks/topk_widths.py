@@ -27,12 +27,12 @@ K = 512
 
 
 def run(scores: torch.Tensor, k: int, block: int, resident: bool, warps: int) -> torch.Tensor:
-    from sglang_dsv41.kernels.topk_select import _topk_rows_kernel
+    from sglang_dsv41.kernels.topk_select import WRITE_BLOCK, _topk_rows_kernel
 
     n, e = scores.shape
     out = torch.empty((n, k), dtype=torch.int64, device=scores.device)
-    _topk_rows_kernel[(n,)](scores, out, e, k, scores.stride(0), out.stride(0), BLOCK=block,
-                            RESIDENT=resident, num_warps=warps)
+    _topk_rows_kernel[(n,)](scores, out, scores, e, e, 1, k, scores.stride(0), out.stride(0), HAS_LEN=False,
+                            BLOCK=block, RESIDENT=resident, WBLOCK=min(block, WRITE_BLOCK), num_warps=warps)
     return out
 
 

@@ -43,6 +43,19 @@ def _order_keys(scores: Tensor) -> Tensor:
 TOPK_METHOD_ENV, TOPK_METHODS = "SGLANG_DSV41_INDEXER_TOPK", ("torch", "fused")
 
 
+#: Whether CUDA-graph layouts tell the rankings each query's visible count (`select_indices(bounded=)`,
+#: the same selections): "on" (default) or "off" (rank the static width, as before session 43; A/B runs).
+BOUNDED_ENV, BOUNDED_CHOICES = "SGLANG_DSV41_TOPK_BOUNDED", ("on", "off")
+
+
+def bounded_rankings() -> bool:
+    """True unless SGLANG_DSV41_TOPK_BOUNDED=off; an unknown value raises."""
+    chosen = os.environ.get(BOUNDED_ENV, "").strip().lower() or "on"
+    if chosen not in BOUNDED_CHOICES:
+        raise ValueError(f"{BOUNDED_ENV}={chosen!r}: expected one of {BOUNDED_CHOICES}")
+    return chosen == "on"
+
+
 def topk_method(cuda: bool = False) -> str:
     """The ranking method SGLANG_DSV41_INDEXER_TOPK names; when unset "fused" for CUDA scores
     (`cuda`), else "torch". An unknown value raises."""
@@ -53,13 +66,17 @@ def topk_method(cuda: bool = False) -> str:
 
 
 def select_topk(scores: Tensor, k: int, *, check_nan: bool = True, max_chunk_elements: int = 1 << 24,
-                method: str | None = None) -> Tensor:
+                method: str | None = None, lengths: Tensor | None = None) -> Tensor:
     """[N, k] int64: per row the min(k, #finite-or-+∞) columns with the largest scores, ties →
     lower column (−0 == +0), sorted ascending, −1 padded — `top_k_lower_index_on_ties` with
     allowed = (score > −∞). NaN raises (one host sync) unless `check_nan=False` (then the caller
     guarantees none, e.g. inside a CUDA graph). `method` (default `topk_method(scores.is_cuda)`):
     "fused" ranks rows of ≤ `topk_select.FUSED_MAX_ENTRIES` columns in one Triton launch, same result
-    (few rows past its width in two stages, `kernels.topk_split`, as SGLANG_DSV41_TOPK_SPLIT picks)."""
+    (few rows past its width in two stages, `kernels.topk_split`, as SGLANG_DSV41_TOPK_SPLIT picks).
+    `lengths` [N] (integer, the scores' device): columns ≥ lengths[r] of row r are not allowed, whatever
+    their scores. The fused kernels then read none of them, so a row costs its length, not E (a CUDA
+    graph's static width; `topk_select` "Spans"): rows past the fused kernel's width go to the two
+    stages when few, else to the fused kernel, never to the torch path."""
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise TypeError(f"select_topk: want a 2-D fp32 score tensor, got {scores.dtype} {tuple(scores.shape)}")
     if k < 1:
@@ -69,13 +86,20 @@ def select_topk(scores: Tensor, k: int, *, check_nan: bool = True, max_chunk_ele
     take = min(k, E)
     if N == 0 or take == 0:
         return out
+    if lengths is not None and (lengths.shape != (N,) or lengths.device != scores.device):
+        raise ValueError(f"select_topk: lengths must be [{N}] on {scores.device}, got {tuple(lengths.shape)} on "
+                         f"{lengths.device}")
     if check_nan and bool(torch.isnan(scores).any()):
         raise ValueError("select_topk: NaN score (cannot be ranked)")
     if (method or topk_method(scores.is_cuda)) == "fused" and (scores.is_cuda or INTERPRETED):
-        if TSPLIT.split_applies(N, E, k):
-            return TSPLIT.select_topk_split(scores, k)
-        if E <= TS.FUSED_MAX_ENTRIES:
-            return TS.select_topk_fused(scores, k)
+        bounded = lengths is not None
+        if TSPLIT.split_applies(N, E, k, bounded=bounded):
+            return TSPLIT.select_topk_split(scores, k, lengths=lengths)
+        if E <= TS.FUSED_MAX_ENTRIES or bounded:
+            return TS.select_topk_fused(scores, k, lengths=lengths)
+    if lengths is not None:
+        cols = torch.arange(E, device=scores.device)
+        scores = scores.masked_fill(cols[None, :] >= lengths[:, None], NEG_INF)
     big = torch.iinfo(torch.int64).max
     rows = max(1, max_chunk_elements // E)
     for r0 in range(0, N, rows):
@@ -88,11 +112,12 @@ def select_topk(scores: Tensor, k: int, *, check_nan: bool = True, max_chunk_ele
 
 
 def candidate_blocks(scores: Tensor, n_visible: Tensor, block: int, topk_blocks: int, *,
-                     check_nan: bool = True) -> Tensor:
+                     check_nan: bool = True, bounded: bool = False) -> Tensor:
     """[N, topk_blocks] published block ids per query (spec §3.4.4): block b = entries
     [b·block, (b+1)·block); key_b = max visible score in b; the newest block ((n−1)//block) gets
     +∞; top-min(topk_blocks, ⌈n/block⌉), ties → lower block; ascending, −1 padded.
-    `scores` must be unrestricted `index_scores` output (−∞ beyond visibility)."""
+    `scores` must be unrestricted `index_scores` output (−∞ beyond visibility). `bounded`: the ranking of
+    the block keys is told each row's block count (`select_topk(lengths=)`, the same result)."""
     if scores.dim() != 2 or n_visible.shape != scores.shape[:1] or block < 1:
         raise ValueError(f"candidate_blocks: scores {tuple(scores.shape)}, n_visible {tuple(n_visible.shape)}, "
                          f"block {block}")
@@ -106,8 +131,10 @@ def candidate_blocks(scores: Tensor, n_visible: Tensor, block: int, topk_blocks:
     b = torch.arange(n_blocks, device=scores.device)
     newest = torch.div(n - 1, block, rounding_mode="floor")
     keys = torch.where(b[None, :] == newest[:, None], math.inf, keys)
-    allowed = b[None, :] < torch.div(n + block - 1, block, rounding_mode="floor")[:, None]
-    return select_topk(torch.where(allowed, keys, NEG_INF), topk_blocks, check_nan=check_nan)
+    n_blocks_visible = torch.div(n + block - 1, block, rounding_mode="floor")
+    allowed = b[None, :] < n_blocks_visible[:, None]
+    return select_topk(torch.where(allowed, keys, NEG_INF), topk_blocks, check_nan=check_nan,
+                       lengths=n_blocks_visible if bounded else None)
 
 
 def restrict_to_blocks(scores: Tensor, blocks: Tensor, block: int) -> Tensor:
@@ -126,15 +153,17 @@ def restrict_to_blocks(scores: Tensor, blocks: Tensor, block: int) -> Tensor:
 
 def select_indices(scores: Tensor, n_visible: Tensor, published_blocks: Tensor | None, *, index_topk: int,
                    block_size: int, topk_blocks: int, publish_blocks: bool,
-                   check_nan: bool = True) -> tuple[Tensor, Tensor | None]:
+                   check_nan: bool = True, bounded: bool = False) -> tuple[Tensor, Tensor | None]:
     """(selection [N, index_topk], blocks [N, topk_blocks] when `publish_blocks`, else None) from
     `index_scores`: blocks of `block_size` entries are published from the unrestricted scores;
-    with `published_blocks` the ranking is restricted to those blocks first."""
-    blocks = (candidate_blocks(scores, n_visible, block_size, topk_blocks, check_nan=check_nan)
+    with `published_blocks` the ranking is restricted to those blocks first. `bounded`: each ranking
+    is told the row's visible count (`select_topk(lengths=)`: the same result, read up to it only —
+    for CUDA-graph layouts, whose score rows are as wide as the served context)."""
+    blocks = (candidate_blocks(scores, n_visible, block_size, topk_blocks, check_nan=check_nan, bounded=bounded)
               if publish_blocks else None)
     ranked = scores if published_blocks is None else restrict_to_blocks(scores, published_blocks, block_size)
-    return select_topk(ranked, index_topk, check_nan=check_nan), blocks
+    return select_topk(ranked, index_topk, check_nan=check_nan, lengths=n_visible if bounded else None), blocks
 
 
-__all__ = ["NEG_INF", "TOPK_METHOD_ENV", "TOPK_METHODS", "candidate_blocks", "restrict_to_blocks", "select_indices",
-           "select_topk", "topk_method"]
+__all__ = ["BOUNDED_ENV", "NEG_INF", "TOPK_METHOD_ENV", "TOPK_METHODS", "bounded_rankings", "candidate_blocks",
+           "restrict_to_blocks", "select_indices", "select_topk", "topk_method"]

@@ -30,6 +30,11 @@ passes replace the 34 counting passes; the first also gives take, and a row with
 columns stops there (T = 0: all of them). The last leaves need = the number of keys equal to T to
 take. The write pass chooses the same columns in the same order (one 32-bit scan per chunk), so the
 result is the same bit for bit.
+Spans (`segment_topk`): a program ranks one span of a row, columns [s·segment, (s+1)·segment) of
+row r for program r·S + s (S = ⌈E / segment⌉; one span per row for `select_topk_fused`), and with
+`lengths` only the columns below lengths[r]: the rest are taken as not allowed and never read. A
+CUDA-graph layout sizes its score rows by the served context (the static width), so lengths (the
+visible counts) keep a decode step's ranking at the requests' real lengths (`kernels.indexer_select`).
 No host sync. Triton's interpreter runs it on CPU tensors (tests).
 """
 from __future__ import annotations
@@ -95,12 +100,24 @@ def _count_at_least(base, E, cand, s_res, offs, BLOCK: tl.constexpr, RESIDENT: t
 
 
 @triton.jit
-def _topk_rows_kernel(s_ptr, out_ptr, E, K, stride_s, stride_o, BLOCK: tl.constexpr, RESIDENT: tl.constexpr,
-                      WBLOCK: tl.constexpr):
-    """One row per program (module doc). RESIDENT (E ≤ BLOCK): the row is loaded once and every
+def _row_span(s_ptr, len_ptr, W, SEG_W, SEGS, stride_s, HAS_LEN: tl.constexpr):
+    """(program, base pointer, n) of this program's span (module doc "Spans"): program p ranks row
+    p // SEGS, columns [(p % SEGS)·SEG_W, …) of it, n = how many of them it reads (≥ 0, int32)."""
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // SEGS
+    col0 = (pid % SEGS) * SEG_W
+    n = tl.minimum(W - col0, SEG_W)
+    if HAS_LEN:
+        n = tl.minimum(n, tl.load(len_ptr + row).to(tl.int64) - col0)
+    return pid, s_ptr + row * stride_s + col0, tl.maximum(n, 0).to(tl.int32)      # int32: masks on int32 offsets
+
+
+@triton.jit
+def _topk_rows_kernel(s_ptr, out_ptr, len_ptr, W, SEG_W, SEGS, K, stride_s, stride_o, HAS_LEN: tl.constexpr,
+                      BLOCK: tl.constexpr, RESIDENT: tl.constexpr, WBLOCK: tl.constexpr):
+    """One span per program (module doc). RESIDENT (SEG_W ≤ BLOCK): the span is loaded once and every
     counting pass runs on registers."""
-    row = tl.program_id(0).to(tl.int64)
-    base = s_ptr + row * stride_s
+    pid, base, E = _row_span(s_ptr, len_ptr, W, SEG_W, SEGS, stride_s, HAS_LEN)
     offs = tl.arange(0, BLOCK)
     s_res = tl.load(base + offs, mask=offs < E, other=float("-inf")) if RESIDENT else tl.zeros([BLOCK], tl.float32)
     zero = tl.full([], 0, tl.int64)
@@ -110,7 +127,7 @@ def _topk_rows_kernel(s_ptr, out_ptr, E, K, stride_s, stride_o, BLOCK: tl.conste
         cand = thr | (tl.full([], 1, tl.int64) << (31 - i))
         thr = tl.where(_count_at_least(base, E, cand, s_res, offs, BLOCK, RESIDENT) >= take, cand, thr)
     need_eq = take - _count_at_least(base, E, thr + 1, s_res, offs, BLOCK, RESIDENT)   # equal keys to take
-    _write_selected(base, out_ptr + row * stride_o, E, K, thr.to(tl.uint32), take.to(tl.int32),
+    _write_selected(base, out_ptr + pid * stride_o, E, K, thr.to(tl.uint32), take.to(tl.int32),
                     need_eq.to(tl.int32), WBLOCK)          # the same key as `_ukey32` on allowed scores
 
 
@@ -188,13 +205,12 @@ def _write_selected(base, obase, E, K, thr, take, need_eq, WBLOCK: tl.constexpr)
 
 
 @triton.jit
-def _topk_rows_radix_kernel(s_ptr, out_ptr, E, K, stride_s, stride_o, BLOCK: tl.constexpr,
-                            RESIDENT: tl.constexpr, WBLOCK: tl.constexpr):
+def _topk_rows_radix_kernel(s_ptr, out_ptr, len_ptr, W, SEG_W, SEGS, K, stride_s, stride_o, HAS_LEN: tl.constexpr,
+                            BLOCK: tl.constexpr, RESIDENT: tl.constexpr, WBLOCK: tl.constexpr):
     """`_topk_rows_kernel`'s result from four 8-bit digit histograms of uint32 keys instead of 34
-    counting passes (module doc "Radix"); a resident row is held as its keys only. A row with at
+    counting passes (module doc "Radix"); a resident span is held as its keys only. A span with at
     most K allowed columns takes them all after the first histogram (threshold 0)."""
-    row = tl.program_id(0).to(tl.int64)
-    base = s_ptr + row * stride_s
+    pid, base, E = _row_span(s_ptr, len_ptr, W, SEG_W, SEGS, stride_s, HAS_LEN)
     offs = tl.arange(0, BLOCK)
     if RESIDENT:
         u_res = _ukey32(tl.load(base + offs, mask=offs < E, other=float("-inf")))
@@ -210,32 +226,50 @@ def _topk_rows_radix_kernel(s_ptr, out_ptr, E, K, stride_s, stride_o, BLOCK: tl.
         for shift in range(16, -1, -8):                  # a loop, not unrolled: fewer live registers
             hist = _digit_histogram(base, E, thr, shift, u_res, offs, BLOCK, RESIDENT, False)
             thr, need = _next_digit(hist, need, thr, shift)
-    _write_selected(base, out_ptr + row * stride_o, E, K, thr, take, need, WBLOCK)
+    _write_selected(base, out_ptr + pid * stride_o, E, K, thr, take, need, WBLOCK)
 
 
-def select_topk_fused(scores: Tensor, k: int, *, radix: bool | None = None, num_warps: int | None = None) -> Tensor:
-    """[N, k] int64, `kernels.indexer_select.select_topk(scores, k, check_nan=False)` bit for bit (module
-    doc); scores fp32 [N, E] (CUDA, or CPU under TRITON_INTERPRET=1). `num_warps` overrides
-    `launch_blocks`' choice (benchmarks)."""
+def select_topk_fused(scores: Tensor, k: int, *, lengths: Tensor | None = None, radix: bool | None = None,
+                      num_warps: int | None = None) -> Tensor:
+    """[N, k] int64, `kernels.indexer_select.select_topk(scores, k, check_nan=False, lengths=lengths)` bit
+    for bit (module doc); scores fp32 [N, E] (CUDA, or CPU under TRITON_INTERPRET=1). `lengths` [N]
+    (integer, on the scores' device): row r ranks columns < lengths[r] only and reads no other.
+    `num_warps` overrides `launch_blocks`' choice (benchmarks)."""
+    return segment_topk(scores, k, scores.shape[1] if scores.dim() == 2 else 0, lengths=lengths, radix=radix,
+                        num_warps=num_warps)
+
+
+def segment_topk(scores: Tensor, k: int, segment: int, *, lengths: Tensor | None = None, radix: bool | None = None,
+                 num_warps: int | None = None) -> Tensor:
+    """[N·S, k] int64, S = ⌈E / segment⌉: row r·S + s is the top-k of columns [s·segment, (s+1)·segment) of
+    scores row r (below E, and below lengths[r] when given), as columns local to that span, ascending,
+    −1 padded (module doc "Spans"). One launch; `segment` = E is `select_topk_fused`."""
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise TypeError(f"select_topk_fused: want a 2-D fp32 score tensor, got {scores.dtype} {tuple(scores.shape)}")
     if k < 1:
         raise ValueError(f"select_topk_fused: k must be ≥ 1, got {k}")
     N, E = scores.shape
-    out = torch.empty((N, k), dtype=torch.int64, device=scores.device)
+    if lengths is not None and (lengths.shape != (N,) or lengths.dtype not in (torch.int32, torch.int64)
+                                or lengths.device != scores.device):
+        raise ValueError(f"select_topk_fused: lengths must be int32 / int64 [{N}] on {scores.device}, got "
+                         f"{lengths.dtype} {tuple(lengths.shape)} on {lengths.device}")
+    segs = -(-E // segment) if E else 1
+    out = torch.empty((N * segs, k), dtype=torch.int64, device=scores.device)
     if N == 0:
         return out
     if E == 0:
         return out.fill_(-1)
     s = scores if scores.stride(1) == 1 else scores.contiguous()
-    block, resident, warps = launch_blocks(E)
+    lens = s if lengths is None else lengths.contiguous()     # any pointer when HAS_LEN is off (never read)
+    block, resident, warps = launch_blocks(segment)
+    args = (s, out, lens, E, segment, segs, k, s.stride(0), out.stride(0))
     if radix_search() if radix is None else radix:
-        _topk_rows_radix_kernel[(N,)](s, out, E, k, s.stride(0), out.stride(0), BLOCK=block, RESIDENT=resident,
-                                      WBLOCK=min(block, WRITE_BLOCK),
-                                      num_warps=num_warps or radix_warps(block, resident, N))
+        _topk_rows_radix_kernel[(N * segs,)](*args, HAS_LEN=lengths is not None, BLOCK=block, RESIDENT=resident,
+                                             WBLOCK=min(block, WRITE_BLOCK),
+                                             num_warps=num_warps or radix_warps(block, resident, N * segs))
     else:
-        _topk_rows_kernel[(N,)](s, out, E, k, s.stride(0), out.stride(0), BLOCK=block, RESIDENT=resident,
-                                WBLOCK=min(block, WRITE_BLOCK), num_warps=num_warps or warps)
+        _topk_rows_kernel[(N * segs,)](*args, HAS_LEN=lengths is not None, BLOCK=block, RESIDENT=resident,
+                                       WBLOCK=min(block, WRITE_BLOCK), num_warps=num_warps or warps)
     return out
 
 

@@ -16,7 +16,8 @@ the same order, so stage 2 sees every entry it must choose, and its own tie brea
 is the lower column because the candidates lie in column order. Positions ascending are columns
 ascending, so the output row is sorted as the contract asks.
 
-Sizes: S = ⌈E / SEGMENT⌉ segments (the last padded with −∞), stage 2 has S · k columns; when that is
+Sizes: S = ⌈E / SEGMENT⌉ segments (stage 1 is one launch of `topk_select.segment_topk`, a program a
+segment; the last segment reads only the columns below E), stage 2 has S · k columns; when that is
 still wider than the fused kernel takes, stage 2 is split again. Only worth it for few rows: a
 prefill chunk already fills the GPU with one program per row. Which calls take this path is the
 dispatcher's choice (`kernels.indexer_select.select_topk`, SGLANG_DSV41_TOPK_SPLIT). No host sync; static
@@ -42,12 +43,13 @@ SPLIT_ENV, SPLIT_CHOICES, DEFAULT_SPLIT = "SGLANG_DSV41_TOPK_SPLIT", ("auto", "o
 AUTO_MAX_CANDIDATES = 32768
 
 
-def split_applies(rows: int, width: int, k: int) -> bool:
+def split_applies(rows: int, width: int, k: int, bounded: bool = False) -> bool:
     """Whether SGLANG_DSV41_TOPK_SPLIT (default DEFAULT_SPLIT) sends a fused ranking of rows × width
     here; always k < SEGMENT. "auto": few rows (≤ `topk_select.FEW_ROWS`) wider than the fused kernel
-    takes (otherwise the torch path) with ⌈width / SEGMENT⌉ · k ≤ AUTO_MAX_CANDIDATES candidates. "on":
-    few rows wider than a resident block, or any row wider than the fused kernel takes. An unknown
-    value raises."""
+    takes (otherwise the torch path) with ⌈width / SEGMENT⌉ · k ≤ AUTO_MAX_CANDIDATES candidates — any
+    number of candidates when `bounded` (row lengths given: the segments past a row's length end at
+    once, and stage 2 reads only the live segments' candidates). "on": few rows wider than a resident
+    block, or any row past the fused kernel's width. An unknown value raises."""
     chosen = os.environ.get(SPLIT_ENV, "").strip().lower() or DEFAULT_SPLIT
     if chosen not in SPLIT_CHOICES:
         raise ValueError(f"{SPLIT_ENV}={chosen!r}: expected one of {SPLIT_CHOICES}")
@@ -55,29 +57,32 @@ def split_applies(rows: int, width: int, k: int) -> bool:
         return False
     few = rows <= TS.FEW_ROWS
     if chosen == "auto":
-        return few and width > TS.FUSED_MAX_ENTRIES and -(-width // SEGMENT) * k <= AUTO_MAX_CANDIDATES
+        return few and width > TS.FUSED_MAX_ENTRIES and (bounded or -(-width // SEGMENT) * k <= AUTO_MAX_CANDIDATES)
     return (few and width > TS.RESIDENT_MAX_ENTRIES) or width > TS.FUSED_MAX_ENTRIES
 
 
-def select_topk_split(scores: Tensor, k: int, *, segment: int = SEGMENT) -> Tensor:
-    """[N, k] int64, `select_topk_fused(scores, k)` bit for bit (module doc); scores fp32 [N, E]
-    (CUDA, or CPU under TRITON_INTERPRET=1). `segment` must exceed k."""
+def select_topk_split(scores: Tensor, k: int, *, segment: int = SEGMENT, lengths: Tensor | None = None) -> Tensor:
+    """[N, k] int64, `select_topk_fused(scores, k, lengths=lengths)` bit for bit (module doc); scores fp32
+    [N, E] (CUDA, or CPU under TRITON_INTERPRET=1). `segment` must exceed k. `lengths` [N]: row r ranks
+    columns < lengths[r] only; segments past it end at once and stage 2 ranks only the candidates of
+    the ⌈lengths[r] / segment⌉ segments before it."""
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise TypeError(f"select_topk_split: want a 2-D fp32 score tensor, got {scores.dtype} {tuple(scores.shape)}")
     if not 1 <= k < segment:
         raise ValueError(f"select_topk_split: need 1 ≤ k < segment, got k={k}, segment={segment}")
     N, E = scores.shape
     if N == 0 or E <= segment:
-        return TS.select_topk_fused(scores, k)
+        return TS.select_topk_fused(scores, k, lengths=lengths)
     S = -(-E // segment)
-    padded = scores.new_full((N, S * segment), float("-inf"))
-    padded[:, :E] = scores
-    local = TS.select_topk_fused(padded.view(N * S, segment), k).view(N, S, k)
+    local = TS.segment_topk(scores, k, segment, lengths=lengths).view(N, S, k)   # stage 1: one launch
     start = torch.arange(0, S * segment, segment, device=scores.device).view(1, S, 1)
     cols = torch.where(local >= 0, local + start, -1).view(N, S * k)
     picked = scores.gather(1, cols.clamp(min=0)).masked_fill(cols < 0, float("-inf"))
+    live = None
+    if lengths is not None:                           # candidates of the segments before each row's length
+        live = (lengths.clamp(0, E) + segment - 1).div(segment, rounding_mode="floor") * k
     if S * k > TS.FUSED_MAX_ENTRIES:
-        pos = select_topk_split(picked, k, segment=segment)
+        pos = select_topk_split(picked, k, segment=segment, lengths=live)
     else:
-        pos = TS.select_topk_fused(picked, k)
+        pos = TS.select_topk_fused(picked, k, lengths=live)
     return torch.where(pos >= 0, cols.gather(1, pos.clamp(min=0)), -1)

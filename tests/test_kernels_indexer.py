@@ -210,6 +210,44 @@ if KERNEL_HERE:
         s = torch.full((2, 500), -INF, device=DEVICE)
         assert torch.equal(TSPLIT.select_topk_split(s, 3, segment=64), torch.full((2, 3), -1, device=DEVICE))
 
+    @pytest.mark.parametrize("search", ["bisect", "radix"])
+    def test_kernel_case_bounded_topk_reads_only_the_row_lengths(monkeypatch, search: str) -> None:
+        """`select_topk(lengths=)` through the fused kernel (resident and chunked rows), the two stages
+        (stage 2 split again too) and the torch path == the torch ranking of the scores with −∞ from
+        each row's length on. The columns past a length hold NaN, which a read would turn into a
+        different selection (or a raise), so equality shows they are not read; lengths 0, inside a
+        segment, on a segment border, at E and past E."""
+        from sglang_dsv41.kernels import topk_select as TS
+        from sglang_dsv41.kernels import topk_split as TSPLIT
+        g = torch.Generator().manual_seed(17)
+        values = torch.tensor([-1.5, -0.0, 0.0, 0.25, 0.25, 1.0, 3.0, INF, -INF])
+        for E, k, lengths, route in ((300, 20, [0, 37, 256, 300, 999], "fused"),
+                                     (600, 40, [5, 128, 599, 600, 3], "chunked"),
+                                     (1000, 24, [0, 64, 65, 700, 1000], "split"),
+                                     (2000, 12, [1999, 33, 1024, 0, 4000], "nested")):
+            if route == "chunked":
+                monkeypatch.setattr(TS, "RESIDENT_MAX_ENTRIES", 128)
+                monkeypatch.setattr(TS, "BLOCK_E", 256)
+            if route == "nested":                            # 63 segments × 12 candidates > 256 columns
+                monkeypatch.setattr(TS, "FUSED_MAX_ENTRIES", 256)
+            monkeypatch.setenv(TS.SEARCH_ENV, search)
+            N = len(lengths)
+            s = values[torch.randint(0, 9, (N, E), generator=g)]
+            s[:, 0] = 3.0
+            lens = torch.tensor(lengths)
+            cols = torch.arange(E)
+            want = SEL.select_topk(s.masked_fill(cols[None, :] >= lens[:, None], -INF), k, method="torch")
+            poisoned = s.masked_fill(cols[None, :] >= lens[:, None], math.nan).to(DEVICE)
+            lens = lens.to(DEVICE)
+            if route in ("split", "nested"):
+                got = TSPLIT.select_topk_split(poisoned, k, segment=64 if route == "split" else 32, lengths=lens)
+            else:
+                got = SEL.select_topk(poisoned, k, method="fused", check_nan=False, lengths=lens)
+            assert torch.equal(got.cpu(), want), (E, k, lengths, route)
+            assert torch.equal(SEL.select_topk(poisoned.cpu(), k, method="torch", check_nan=False,
+                                               lengths=lens.cpu()), want)
+            monkeypatch.undo()
+
     def test_kernel_case_input_checks() -> None:
         q, w, keys, slots, token_req, n_visible = packed_case(2, 64, seed=3, shuffle=False)
         holed = slots.clone()
@@ -417,16 +455,24 @@ if not K.INTERPRETED:
     @pytest.mark.parametrize("search", ["radix", "bisect"])
     @pytest.mark.parametrize("rows", [1, 8192], ids=["decode", "prefill"])
     @pytest.mark.parametrize("E", [256, 2048, 4096, 8192, 65536])
-    def test_topk_compiles_for_hopper_without_spills(E: int, rows: int, search: str) -> None:
+    @pytest.mark.parametrize("spans", [False, True], ids=["rows", "spans"])
+    def test_topk_compiles_for_hopper_without_spills(E: int, rows: int, search: str, spans: bool) -> None:
         """The fused top-k with either search at the launch configuration of rows × E builds for sm_90
         with no register spills and at most 128 registers a thread (the write pass once held 255 and
-        spilled: one program per multiprocessor at prefill; docs/performance.md, session 19)."""
+        spilled: one program per multiprocessor at prefill; docs/performance.md, session 19), with row
+        lengths; a whole row a program (SEGS = 1, which the launcher specialises) or, at the two stages'
+        segment width, a span a program (SEGS a runtime value)."""
         from sglang_dsv41.kernels import topk_select as TS
+        from sglang_dsv41.kernels import topk_split as TSPLIT
+        if spans and E != TSPLIT.SEGMENT:
+            pytest.skip("spans are launched at the segment width only")
         block, resident, warps = TS.launch_blocks(E)
         kern = TS._topk_rows_radix_kernel if search == "radix" else TS._topk_rows_kernel
         warps = TS.radix_warps(block, resident, rows) if search == "radix" else warps
-        consts = dict(BLOCK=block, RESIDENT=resident, WBLOCK=min(block, TS.WRITE_BLOCK))
-        sig = {n: "constexpr" if n in consts else {"s_ptr": "*fp32", "out_ptr": "*i64"}.get(n, "i32")
+        consts = dict(BLOCK=block, RESIDENT=resident, WBLOCK=min(block, TS.WRITE_BLOCK), HAS_LEN=True)
+        if not spans:
+            consts["SEGS"] = 1
+        sig = {n: "constexpr" if n in consts else {"s_ptr": "*fp32", "out_ptr": "*i64", "len_ptr": "*i64"}.get(n, "i32")
                for n in kern.arg_names}
         _, usage = compile_for_sm90(kern, sig, consts, {"num_warps": warps})
         assert no_spills(usage), usage
@@ -559,6 +605,24 @@ def test_gpu_split_topk_equals_torch_path_at_flash_widths(N: int, E: int, mode: 
     for k in (512, 8):
         assert TSPLIT.split_applies(N, E, k)
         assert torch.equal(SEL.select_topk(s, k, method="fused"), SEL.select_topk(s, k, method="torch"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,E", [(1, 1 << 20), (64, 1 << 19), (256, 1 << 20), (8, 4096)])
+def test_gpu_bounded_topk_at_a_served_context_of_1m(N: int, E: int) -> None:
+    """A decode graph's score rows are as wide as the served context (1M at ratio 1, 512K at ratio 2)
+    while the requests hold 8K–200K entries: `select_topk(lengths=)` (the fused kernel or the two stages,
+    as dispatched) gives the torch path's result on the scores with −∞ past each length, bit for bit,
+    on BF16-valued scores (many exact ties), with NaN past the lengths (never read)."""
+    g = torch.Generator(device="cuda").manual_seed(N + E)
+    lens = torch.randint(0, min(E, 200_000), (N,), generator=g, device="cuda")
+    lens[0] = min(E, 8192)
+    s = ops.bf16(torch.randn(N, E, generator=g, device="cuda"))
+    past = torch.arange(E, device="cuda")[None, :] >= lens[:, None]
+    for k in (512, 8):
+        want = SEL.select_topk(s.masked_fill(past, -INF), k, method="torch")
+        got = SEL.select_topk(s.masked_fill(past, math.nan), k, method="fused", check_nan=False, lengths=lens)
+        assert torch.equal(got, want), k
 
 
 def test_select_topk_zero_signs_and_edges() -> None:
@@ -778,6 +842,37 @@ def test_radix_warps_follow_the_measured_choice() -> None:
     assert TS.radix_warps(4096, True, TS.FEW_ROWS + 1) == TS.radix_warps(1024, False, 8192) == 4
 
 
+def test_bounded_rankings_from_the_environment(monkeypatch) -> None:
+    monkeypatch.delenv(SEL.BOUNDED_ENV, raising=False)
+    assert SEL.bounded_rankings()
+    monkeypatch.setenv(SEL.BOUNDED_ENV, "off")
+    assert not SEL.bounded_rankings()
+    monkeypatch.setenv(SEL.BOUNDED_ENV, "sometimes")
+    with pytest.raises(ValueError, match=SEL.BOUNDED_ENV):
+        SEL.bounded_rankings()
+
+
+def test_bounded_rankings_never_take_the_torch_path_on_cuda(monkeypatch) -> None:
+    """With lengths, CUDA rows past the fused kernel's width go to the two stages when few and to the
+    fused kernel when many (each costs the rows' lengths), never to the torch path (which costs E);
+    within its width, to the fused kernel as without lengths."""
+    from sglang_dsv41.kernels import topk_select as TS
+    from sglang_dsv41.kernels import topk_split as TSPLIT
+    calls = []
+    monkeypatch.setattr(TS, "select_topk_fused", lambda s, k, lengths=None: calls.append(("fused", lengths)) or s)
+    monkeypatch.setattr(TSPLIT, "select_topk_split", lambda s, k, lengths=None: calls.append(("split", lengths)) or s)
+    monkeypatch.setattr(SEL, "INTERPRETED", True)                 # CPU tensors take the kernels' route
+    monkeypatch.delenv(TSPLIT.SPLIT_ENV, raising=False)
+    wide = TS.FUSED_MAX_ENTRIES * 16
+    for rows, width, route in ((1, wide, "split"), (TS.FEW_ROWS + 1, wide, "fused"), (4, 1024, "fused")):
+        lens = torch.full((rows,), 7)
+        SEL.select_topk(torch.zeros(rows, width), 512, method="fused", check_nan=False, lengths=lens)
+        assert calls[-1][0] == route and calls[-1][1] is lens, (rows, width)
+    calls.clear()
+    out = SEL.select_topk(torch.zeros(TS.FEW_ROWS + 1, wide), 512, method="fused", check_nan=False)
+    assert calls == [] and out.shape == (TS.FEW_ROWS + 1, 512)      # unbounded: the torch path as before
+
+
 def test_split_topk_dispatch_from_the_environment(monkeypatch) -> None:
     """SGLANG_DSV41_TOPK_SPLIT: "auto" by default — few rows past the fused kernel's width whose candidates
     fit one stage-2 launch; "on" sends few rows wider than a resident block, and any row wider than the
@@ -800,6 +895,9 @@ def test_split_topk_dispatch_from_the_environment(monkeypatch) -> None:
     assert not TSPLIT.split_applies(1, TS.RESIDENT_MAX_ENTRIES, 512)       # resident: one program is enough
     assert TSPLIT.split_applies(8192, TS.FUSED_MAX_ENTRIES + 1, 512)        # else the torch path
     assert not TSPLIT.split_applies(1, wide, TSPLIT.SEGMENT)               # k must be below a segment
+    monkeypatch.delenv(TSPLIT.SPLIT_ENV)               # bounded rows: any number of stage-2 candidates
+    assert TSPLIT.split_applies(1, 1 << 20, 512, bounded=True) and not TSPLIT.split_applies(1, 1 << 20, 512)
+    assert not TSPLIT.split_applies(TS.FEW_ROWS + 1, 1 << 20, 512, bounded=True)
     monkeypatch.setenv(TSPLIT.SPLIT_ENV, "maybe")
     with pytest.raises(ValueError, match="SGLANG_DSV41_TOPK_SPLIT"):
         TSPLIT.split_applies(1, wide, 512)

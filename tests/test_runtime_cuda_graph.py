@@ -141,6 +141,38 @@ def test_static_decode_with_kernel_orchestration(engine, start, monkeypatch) -> 
     assert {f"scores{width // r}" for r in ratios} <= widths, (widths, width)   # static width present
 
 
+@pytest.mark.parametrize("bounded", ["on", "off"])
+def test_static_rankings_are_told_the_visible_counts(engine, start, monkeypatch, bounded: str) -> None:
+    """Static layouts' rankings get each query's visible count (`select_topk(lengths=)`, SGLANG_DSV41_TOPK_BOUNDED
+    on by default), eager ones none, and the logits are the eager forward's bit for bit either way
+    (`_compare_steps`): the lengths change what is read, not what is chosen."""
+    ops = _kernel_ops([])
+    monkeypatch.setattr(engine, "attention_ops", ops)
+    monkeypatch.setenv(kernel_select.BOUNDED_ENV, bounded)
+    seen, lengths, layout_static = [], [], []
+    select, select_for_role, select_topk = ops.select, attention_ops.select_for_role, kernel_select.select_topk
+
+    def spy_select(*args, **kw):
+        layout_static.append(args[7].static)                  # select(be, cfg, role, w, prefix, x, q_lora, layout, …)
+        return select(*args, **kw)
+
+    def spy_role(*args, **kw):
+        seen.append((layout_static[-1], kw["bounded"]))
+        return select_for_role(*args, **kw)
+
+    def spy_topk(scores, k, **kw):
+        lengths.append((scores.shape[1], kw.get("lengths")))
+        return select_topk(scores, k, **kw)
+    monkeypatch.setattr(ops, "select", spy_select)
+    monkeypatch.setattr(attention_ops, "select_for_role", spy_role)
+    monkeypatch.setattr(kernel_select, "select_topk", spy_topk)
+    _compare_steps(engine, start, 6)
+    assert {static for static, _ in seen} == {True, False}
+    assert all(b == (bounded == "on" and static) for static, b in seen), seen
+    told = [(w, lens) for w, lens in lengths if lens is not None]
+    assert bool(told) == (bounded == "on") and all(lens.shape == (6,) and int(lens.max()) <= w for w, lens in told)
+
+
 def test_static_layout_shapes_and_padding_flags(start) -> None:
     inputs = decode_step(type(start)(start.slots, start.caches, dict(start.lengths)), step_tokens(9), 6)
     layout = inputs.static_layout(start.slots.table)

@@ -358,9 +358,10 @@ class KernelAttentionOps:
         Static layouts (CUDA graphs): the width is the static bound `req_to_token` width // ratio,
         not the batch's longest request. Cost of the padding columns: the kernel loads and
         multiplies only entry tiles some query of the tile can see (`tile_vis`; later tiles only
-        store −∞: 4 B per column and query), but `select_topk` ranks the full width (int64 keys,
-        ≈ 28 B of temporaries per column and query) — O(N·context/ratio) per indexer layer
-        instead of O(N·seq_len/ratio). Serve with a --context-length that fits the workload.
+        store −∞: 4 B per column and query); the rankings are told each query's visible count
+        (`select_for_role(bounded=True)`) and read no column past it. The entry table, those −∞
+        stores and the candidate-block keys still scale with the static width (docs/runtime.md
+        "CUDA-graph padding").
         `query_tiles`: the forward's cache of the scoring kernel's query tiles (`ForwardScratch`),
         one per query chunk, shared by every indexer layer (`index_scores(tile_cache=)`).
         Prefill batches (`attention_prefill.key_workspace_applies`) read the keys from a BF16
@@ -394,6 +395,7 @@ class KernelAttentionOps:
                                        index_head_dim=packed.layout.index_head_dim, part="key")
         rows = max(1, SCORE_ELEMENTS_PER_CHUNK // max(width, 1))
         exact = self.head_sum_exact(N)
+        bounded = layout.static and self.indexer_select.bounded_rankings()
         selections, blocks = [], []
         for start in range(0, max(N, 1), rows):
             part = slice(start, min(start + rows, N))
@@ -404,7 +406,7 @@ class KernelAttentionOps:
                                         (part.start, part.stop), {}), grouped_queries=True)
             selection, chunk_blocks = select_for_role(self.indexer_select, cfg, role, scores, n_visible[part],
                                                       None if published is None else published[part],
-                                                      check_nan=False)
+                                                      check_nan=False, bounded=bounded)
             selections.append(selection)
             blocks.append(chunk_blocks)
         if len(selections) == 1:

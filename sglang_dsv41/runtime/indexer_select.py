@@ -86,7 +86,8 @@ def run_indexer_cpu(cfg: TextConfig, role: LayerRole, query: IndexQuery, positio
 
 
 def select_for_role(kernels, cfg: TextConfig, role: LayerRole, scores: Tensor, n_visible: Tensor,
-                    published_blocks: Tensor | None, *, check_nan: bool = True) -> tuple[Tensor, Tensor | None]:
+                    published_blocks: Tensor | None, *, check_nan: bool = True,
+                    bounded: bool = False) -> tuple[Tensor, Tensor | None]:
     """(selection, blocks or None) of an indexer layer from `kernels.indexer.index_scores` output, through
     `kernels.select_indices` (`kernels`: the selection module `kernels.indexer_select`)."""
     if not role.runs_indexer:
@@ -97,4 +98,4 @@ def select_for_role(kernels, cfg: TextConfig, role: LayerRole, scores: Tensor, n
     return kernels.select_indices(scores, n_visible, published_blocks if role.candidate_consumer else None,
                                   index_topk=cfg.index_topk, block_size=cfg.candidate_block_size,
                                   topk_blocks=cfg.candidate_topk_blocks, publish_blocks=role.candidate_source,
-                                  check_nan=check_nan)
+                                  check_nan=check_nan, bounded=bounded)
