@@ -151,19 +151,49 @@ def restrict_to_blocks(scores: Tensor, blocks: Tensor, block: int) -> Tensor:
     return scores.masked_fill(~inside, NEG_INF)
 
 
+def select_in_blocks(scores: Tensor, blocks: Tensor, block: int, k: int, *, check_nan: bool = True,
+                     lengths: Tensor | None = None) -> Tensor:
+    """`select_topk(restrict_to_blocks(scores, blocks, block), k, lengths=lengths)` bit for bit, ranking
+    only the published blocks' columns: they are gathered in ascending column order (blocks sorted,
+    repeats, −1 and ids ≥ ⌈E/block⌉ dropped), ranked, and the chosen positions mapped back — the
+    contract's tie break (lower column) is the lower position. O(N · blocks · block) instead of O(N · E):
+    a candidate consumer's ranking costs its published blocks, not the row's (static) width."""
+    if scores.dim() != 2 or blocks.dim() != 2 or blocks.shape[0] != scores.shape[0] or block < 1:
+        raise ValueError(f"select_in_blocks: scores {tuple(scores.shape)}, blocks {tuple(blocks.shape)}, block {block}")
+    N, E = scores.shape
+    n_blocks = -(-E // block)
+    ids = blocks.to(torch.int64)
+    ids = torch.where((ids >= 0) & (ids < n_blocks), ids, n_blocks).sort(dim=1).values   # n_blocks: none
+    repeat = torch.zeros_like(ids, dtype=torch.bool)
+    repeat[:, 1:] = ids[:, 1:] == ids[:, :-1]
+    ids = torch.where(repeat, n_blocks, ids)          # the live ids stay ascending
+    cols = (ids[:, :, None] * block + torch.arange(block, device=scores.device)).view(N, -1)
+    live = (ids[:, :, None] < n_blocks).expand(-1, -1, block).reshape(N, -1) & (cols < E)
+    if lengths is not None:
+        live = live & (cols < lengths.to(torch.int64)[:, None])
+    picked = scores.gather(1, torch.where(live, cols, 0)).masked_fill(~live, NEG_INF)
+    pos = select_topk(picked, k, check_nan=check_nan)
+    return torch.where(pos >= 0, cols.gather(1, pos.clamp(min=0)), -1)
+
+
 def select_indices(scores: Tensor, n_visible: Tensor, published_blocks: Tensor | None, *, index_topk: int,
                    block_size: int, topk_blocks: int, publish_blocks: bool,
                    check_nan: bool = True, bounded: bool = False) -> tuple[Tensor, Tensor | None]:
     """(selection [N, index_topk], blocks [N, topk_blocks] when `publish_blocks`, else None) from
     `index_scores`: blocks of `block_size` entries are published from the unrestricted scores;
-    with `published_blocks` the ranking is restricted to those blocks first. `bounded`: each ranking
+    with `published_blocks` the ranking is restricted to those blocks first (`select_in_blocks` when
+    the blocks hold fewer columns than the row, else `restrict_to_blocks`: the same result). `bounded`: each ranking
     is told the row's visible count (`select_topk(lengths=)`: the same result, read up to it only —
     for CUDA-graph layouts, whose score rows are as wide as the served context)."""
     blocks = (candidate_blocks(scores, n_visible, block_size, topk_blocks, check_nan=check_nan, bounded=bounded)
               if publish_blocks else None)
+    lengths = n_visible if bounded else None
+    if published_blocks is not None and published_blocks.shape[1] * block_size < scores.shape[1]:
+        return select_in_blocks(scores, published_blocks, block_size, index_topk, check_nan=check_nan,
+                                lengths=lengths), blocks
     ranked = scores if published_blocks is None else restrict_to_blocks(scores, published_blocks, block_size)
-    return select_topk(ranked, index_topk, check_nan=check_nan, lengths=n_visible if bounded else None), blocks
+    return select_topk(ranked, index_topk, check_nan=check_nan, lengths=lengths), blocks
 
 
 __all__ = ["BOUNDED_ENV", "NEG_INF", "TOPK_METHOD_ENV", "TOPK_METHODS", "bounded_rankings", "candidate_blocks",
-           "restrict_to_blocks", "select_indices", "select_topk", "topk_method"]
+           "restrict_to_blocks", "select_in_blocks", "select_indices", "select_topk", "topk_method"]

@@ -613,7 +613,8 @@ def test_gpu_bounded_topk_at_a_served_context_of_1m(N: int, E: int) -> None:
     """A decode graph's score rows are as wide as the served context (1M at ratio 1, 512K at ratio 2)
     while the requests hold 8K–200K entries: `select_topk(lengths=)` (the fused kernel or the two stages,
     as dispatched) gives the torch path's result on the scores with −∞ past each length, bit for bit,
-    on BF16-valued scores (many exact ties), with NaN past the lengths (never read)."""
+    on BF16-valued scores (many exact ties), with NaN past the lengths (never read); so does a
+    candidate consumer's ranking of its published blocks (`select_in_blocks`)."""
     g = torch.Generator(device="cuda").manual_seed(N + E)
     lens = torch.randint(0, min(E, 200_000), (N,), generator=g, device="cuda")
     lens[0] = min(E, 8192)
@@ -623,6 +624,13 @@ def test_gpu_bounded_topk_at_a_served_context_of_1m(N: int, E: int) -> None:
         want = SEL.select_topk(s.masked_fill(past, -INF), k, method="torch")
         got = SEL.select_topk(s.masked_fill(past, math.nan), k, method="fused", check_nan=False, lengths=lens)
         assert torch.equal(got, want), k
+    # a candidate consumer: 2,048 published blocks of 8 (Flash), ranked in place of the restricted row
+    n_visible = lens.clamp(min=1)
+    blocks = SEL.candidate_blocks(s.masked_fill(past, -INF), n_visible, 8, 2048, check_nan=False, bounded=True)
+    restricted = SEL.restrict_to_blocks(s.masked_fill(past, -INF), blocks, 8)
+    sel, _ = SEL.select_indices(s.masked_fill(past, math.nan), lens, blocks, index_topk=512, block_size=8,
+                                topk_blocks=2048, publish_blocks=False, check_nan=False, bounded=True)
+    assert torch.equal(sel, SEL.select_topk(restricted, 512, method="torch"))
 
 
 def test_select_topk_zero_signs_and_edges() -> None:
@@ -679,6 +687,35 @@ def test_restrict_to_blocks_equals_reference_membership() -> None:
     k = 4
     assert torch.equal(SEL.select_topk(SEL.restrict_to_blocks(scores, blocks, B), k),
                        ref.top_k_lower_index_on_ties(scores, member, k))
+
+
+@pytest.mark.parametrize("method", ["torch", "fused"])
+def test_select_in_blocks_equals_the_restricted_ranking(method: str, monkeypatch) -> None:
+    """Ranking the published blocks' columns only == ranking the row restricted to them, bit for bit:
+    unsorted and repeated block ids, −1, ids past the row, a partial last block, exact ties, rows
+    with fewer allowed columns than k, with and without row lengths (columns past a length NaN: not
+    read); `select_indices` takes it when the blocks hold fewer columns than the row."""
+    if method == "fused":
+        monkeypatch.setattr(SEL, "INTERPRETED", True)        # the CPU tests' stand-in for the fused kernel
+        monkeypatch.setattr(SEL.TS, "select_topk_fused",
+                            lambda s, k, lengths=None: SEL.select_topk(s, k, method="torch", lengths=lengths))
+    g = torch.Generator().manual_seed(8)
+    N, E, B = 6, 61, 4
+    scores = tied_scores(g, N, E)
+    blocks = torch.tensor([[3, 0, 3, -1], [15, 2, 16, 40], [1, 2, 3, 4], [-1, -1, -1, -1], [14, 13, 0, 7],
+                           [9, 9, 9, 9]])
+    lens = torch.tensor([61, 30, 8, 0, 57, 40])
+    for k in (3, 9):
+        want = SEL.select_topk(SEL.restrict_to_blocks(scores, blocks, B), k, method="torch")
+        assert torch.equal(SEL.select_in_blocks(scores, blocks, B, k), want), k
+        past = torch.arange(E)[None, :] >= lens[:, None]
+        want = SEL.select_topk(SEL.restrict_to_blocks(scores.masked_fill(past, -INF), blocks, B), k, method="torch")
+        got = SEL.select_in_blocks(scores.masked_fill(past, math.nan), blocks, B, k, lengths=lens, check_nan=False)
+        assert torch.equal(got, want), k
+        n_visible = torch.full((N,), E)
+        sel, _ = SEL.select_indices(scores, n_visible, blocks, index_topk=k, block_size=B, topk_blocks=4,
+                                    publish_blocks=False)
+        assert torch.equal(sel, SEL.select_topk(SEL.restrict_to_blocks(scores, blocks, B), k, method="torch"))
 
 
 def test_select_for_role_errors() -> None:
