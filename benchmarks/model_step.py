@@ -122,11 +122,15 @@ def run_batch(engine, batch: int, context: int, cap_s: float, profile: bool = Fa
     (CUDA only) each graph's replays traced last (`stream_profile.profile_graph`). A trace leaves the
     process's later replays slower (session 28: +4–12 %), so a profiled run's later batches are not
     timings to compare: take those from a run without --profile. `modes`: the side-stream modes timed
-    (both: their outputs compared too); CUDA: `graph_mb`, the memory the first capture added.
+    (both: their outputs compared too); CUDA: `peak_reserved_mb`, the most memory the process held
+    from the case's caches to the first capture (weights included).
     A capture that runs out of device memory gives a row with `oom` (the error) and no times."""
     from sglang_dsv41.runtime.overlap import side_stream_for
 
     dev = engine.weights["embed.weight"].device
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
     forward, ring, snapshot = decode_case(engine, batch, context, table_width=table_width)
     row: dict = dict(batch=batch, context=context, table_width=table_width or context,
                      layers=engine.text.num_hidden_layers)
@@ -134,13 +138,12 @@ def run_batch(engine, batch: int, context: int, cap_s: float, profile: bool = Fa
     for mode in modes:
         engine.overlap = side_stream_for(dev, mode)
         if dev.type == "cuda":
-            before = torch.cuda.memory_reserved(dev)
             try:
                 graph, out = _captured(forward)
             except torch.OutOfMemoryError as e:
                 row["oom"] = str(e).split("\n")[0][:300]
                 return row
-            row.setdefault("graph_mb", round((torch.cuda.memory_reserved(dev) - before) / 2**20, 1))
+            row.setdefault("peak_reserved_mb", round(torch.cuda.max_memory_reserved(dev) / 2**20, 1))
             runs[mode] = (graph.replay, lambda out=out: out)
         else:
             result = {}
@@ -192,15 +195,12 @@ def plot(records: dict[str, dict], path: Path) -> bool:
     if not records:                               # every batch skipped (budget): nothing to draw
         return True
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    lines = [(f"{label}, table {w}" if len(rec.get("table_widths", [])) > 1 else label,
-              [r for r in rec["rows"] if r.get("table_width", rec["context"]) == w and "oom" not in r])
-             for label, rec in records.items() for w in rec.get("table_widths", [rec["context"]])]
-    for i, (name, rows) in enumerate(lines):
+    for i, (label, rec) in enumerate(records.items()):
         for mode, style in (("off", "--"), ("on", "-")):
-            timed = [r for r in rows if mode in r]
+            timed = [r for r in rec["rows"] if mode in r]
             if timed:
                 ax.plot([r["batch"] for r in timed], [r[mode]["layer_us"] for r in timed], style, marker="o",
-                        color=f"C{i}", label=f"{name}, side stream {mode}")
+                        color=f"C{i}", label=f"{label}, side stream {mode}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("decode batch (tokens)")
@@ -211,6 +211,40 @@ def plot(records: dict[str, dict], path: Path) -> bool:
     ax.legend(fontsize=7)
     save_png(fig, path)
     return True
+
+
+def plot_widths(records: dict[str, dict], path: Path) -> bool:
+    """µs per layer against the request-to-token table width (the served context), one line per record
+    (label → a `model_step.json` of several `--table-width`s) and batch size, side stream on; False
+    without matplotlib."""
+    from plotting import pyplot, save_png
+
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (label, rec) in enumerate(records.items()):
+        for j, batch in enumerate(sorted({r["batch"] for r in rec["rows"]})):
+            rows = sorted((r for r in rec["rows"] if r["batch"] == batch and "on" in r), key=lambda r: r["table_width"])
+            ax.plot([r["table_width"] for r in rows], [r["on"]["layer_us"] for r in rows], "-" if i == 0 else "--",
+                    marker="o", color=f"C{j}", label=f"{label}, N = {batch}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("request-to-token table width (served context length), requests of "
+                  f"{next(iter(records.values()))['context']} tokens")
+    ax.set_ylabel("µs per layer (whole-model CUDA graph / layers)")
+    first = next(iter(records.values()))
+    ax.set_title(f"decode step by served context, {first['layers']} layers ({first['device']})", fontsize=9)
+    ax.legend(fontsize=7)
+    save_png(fig, path)
+    return True
+
+
+def _plot_any(records: dict[str, dict], path: Path) -> bool:
+    """`plot_widths` when a record has several table widths, else `plot`."""
+    if any(len(rec.get("table_widths", [])) > 1 for rec in records.values()):
+        return plot_widths(records, path)
+    return plot(records, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         records = {k: json.loads(Path(v).read_text()) for k, v in (a.split("=", 1) for a in args.plot)}
         args.out.mkdir(parents=True, exist_ok=True)
-        return 0 if plot(records, args.out / "model_step.png") else 1
+        return 0 if _plot_any(records, args.out / "model_step.png") else 1
     activations = os.environ.get(ACTIVATIONS_ENV, "default")
     if activations not in ("default", "fp32"):
         raise SystemExit(f"{ACTIVATIONS_ENV}={activations!r}: expected 'default' or 'fp32'")
@@ -263,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "model_step.json").write_text(json.dumps(rec, indent=2) + "\n")
-    if not plot({args.preset: rec}, args.out / "model_step.png"):
+    if not _plot_any({args.preset: rec}, args.out / "model_step.png"):
         print("no model_step.png: matplotlib is not installed", flush=True)
     return 0
 

@@ -131,3 +131,14 @@ def test_table_width_is_the_static_bound_and_leaves_the_step_unchanged(engine, t
     assert rec["table_widths"] == [16, 32] and rec["modes"] == ["on"]
     assert [(r["batch"], r["table_width"]) for r in rec["rows"]] == [(1, 16), (1, 32)]
     assert all(r["on"]["step_us"] > 0 and "off" not in r and "bits_equal" not in r for r in rec["rows"])
+
+
+def test_plot_dispatch_by_table_widths(monkeypatch, tmp_path: Path) -> None:
+    """A record of several table widths draws µs per layer against the width, others against the batch."""
+    drawn = []
+    monkeypatch.setattr(bench, "plot_widths", lambda records, path: drawn.append("widths") or True)
+    monkeypatch.setattr(bench, "plot", lambda records, path: drawn.append("batches") or True)
+    assert bench._plot_any({"a": dict(table_widths=[16, 32], rows=[])}, tmp_path / "p.png")
+    assert bench._plot_any({"a": dict(table_widths=[16], rows=[])}, tmp_path / "p.png")
+    assert bench._plot_any({"a": dict(rows=[])}, tmp_path / "p.png")
+    assert drawn == ["widths", "batches", "batches"]

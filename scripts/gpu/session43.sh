@@ -12,10 +12,13 @@
 #   width      benchmarks/model_step.py, 4 Flash-width layers, requests of 8K tokens, side stream on, at N = 1 /
 #              64 / 256 with request-to-token tables 8K, 64K, 256K and 1M wide: the static decode layout's bound
 #              is the served --context-length (Flash's default is 1M), and the indexer's score rows, rankings
-#              and entry tables are sized by it (docs/runtime.md "CUDA-graph padding"); graph memory per
-#              capture too. `width_off`: the same with SGLANG_DSV41_TOPK_BOUNDED=off (the rankings read the
+#              and entry tables are sized by it (docs/runtime.md "CUDA-graph padding"); the peak memory of each
+#              case. `width_off`: the same with SGLANG_DSV41_TOPK_BOUNDED=off (the rankings read the
 #              static width, as before session 43)
-# Results: $OUT/summary.txt, $OUT/tests.xml, $OUT/model_step_width{,_off}/model_step.json, $OUT/logs/.
+#   profile    the same model at N = 1 / 256, tables 8K and 1M wide, each graph's replays traced
+#              (`--profile`: exposed time per kernel): what still scales with the served context
+#              (third call: STEPS=profile BUDGET=250)
+# Results: $OUT/summary.txt, $OUT/tests.xml, $OUT/model_step_{width,width_off,profile}/model_step.json, $OUT/logs/.
 set -uo pipefail
 # shellcheck source=scripts/gpu/lib.sh
 source "$(dirname "$0")/lib.sh"
@@ -35,6 +38,9 @@ for step in ${STEPS:-tests width}; do
       MODEL_STEP_EXTRA="--modes on --table-width ${WIDTHS:-8192 65536 262144 1048576}" \
         model_step "$step" "${WIDTH_BATCHES:-1 64 256}" "${CAP_WIDTH:-200}" SGLANG_DSV41_TOPK_BOUNDED=$bounded \
         | cut -c1-400 | tee -a "$SUMMARY" ;;
+    profile)
+      MODEL_STEP_EXTRA="--modes on --profile --table-width 8192 1048576" \
+        model_step profile "${PROFILE_BATCHES:-1 256}" "${CAP_PROFILE:-200}" | cut -c1-600 | tee -a "$SUMMARY" ;;
     *) echo "unknown step $step" ;;
   esac
 done
