@@ -221,10 +221,9 @@ if KERNEL_HERE:
         from sglang_dsv41.kernels import topk_split as TSPLIT
         g = torch.Generator().manual_seed(17)
         values = torch.tensor([-1.5, -0.0, 0.0, 0.25, 0.25, 1.0, 3.0, INF, -INF])
-        for E, k, lengths, route in ((300, 20, [0, 37, 256, 300, 999], "fused"),
-                                     (600, 40, [5, 128, 599, 600, 3], "chunked"),
-                                     (1000, 24, [0, 64, 65, 700, 1000], "split"),
-                                     (2000, 12, [1999, 33, 1024, 0, 4000], "nested")):
+        cases = ((300, 20, [0, 37, 256, 300, 999], "fused"), (600, 40, [5, 128, 599, 600, 3], "chunked"),
+                 (1000, 24, [0, 64, 65, 700, 1000], "split"), (2000, 12, [1999, 33, 1024, 0, 4000], "nested"))
+        for E, k, lengths, route in cases if search == "radix" else cases[:2]:   # bisect: slow in the interpreter
             if route == "chunked":
                 monkeypatch.setattr(TS, "RESIDENT_MAX_ENTRIES", 128)
                 monkeypatch.setattr(TS, "BLOCK_E", 256)
@@ -899,15 +898,16 @@ def test_bounded_rankings_never_take_the_torch_path_on_cuda(monkeypatch) -> None
     monkeypatch.setattr(TS, "select_topk_fused", lambda s, k, lengths=None: calls.append(("fused", lengths)) or s)
     monkeypatch.setattr(TSPLIT, "select_topk_split", lambda s, k, lengths=None: calls.append(("split", lengths)) or s)
     monkeypatch.setattr(SEL, "INTERPRETED", True)                 # CPU tensors take the kernels' route
+    monkeypatch.setattr(TS, "FUSED_MAX_ENTRIES", 2048)            # small rows stand for wide ones
     monkeypatch.delenv(TSPLIT.SPLIT_ENV, raising=False)
     wide = TS.FUSED_MAX_ENTRIES * 16
     for rows, width, route in ((1, wide, "split"), (TS.FEW_ROWS + 1, wide, "fused"), (4, 1024, "fused")):
         lens = torch.full((rows,), 7)
-        SEL.select_topk(torch.zeros(rows, width), 512, method="fused", check_nan=False, lengths=lens)
+        SEL.select_topk(torch.zeros(rows, width), 64, method="fused", check_nan=False, lengths=lens)
         assert calls[-1][0] == route and calls[-1][1] is lens, (rows, width)
     calls.clear()
-    out = SEL.select_topk(torch.zeros(TS.FEW_ROWS + 1, wide), 512, method="fused", check_nan=False)
-    assert calls == [] and out.shape == (TS.FEW_ROWS + 1, 512)      # unbounded: the torch path as before
+    out = SEL.select_topk(torch.zeros(TS.FEW_ROWS + 1, wide), 64, method="fused", check_nan=False)
+    assert calls == [] and out.shape == (TS.FEW_ROWS + 1, 64)       # unbounded: the torch path as before
 
 
 def test_split_topk_dispatch_from_the_environment(monkeypatch) -> None:
