@@ -146,9 +146,9 @@ def test_static_rankings_are_told_the_visible_counts(engine, start, monkeypatch,
     """Static layouts' rankings get each query's visible count (`select_topk(lengths=)`, SGLANG_DSV41_TOPK_BOUNDED
     on by default), eager ones none, and the logits are the eager forward's bit for bit either way
     (`_compare_steps`): the lengths change what is read, not what is chosen."""
+    monkeypatch.setenv(kernel_select.BOUNDED_ENV, bounded)             # read once, when the ops are built
     ops = _kernel_ops([])
     monkeypatch.setattr(engine, "attention_ops", ops)
-    monkeypatch.setenv(kernel_select.BOUNDED_ENV, bounded)
     seen, lengths, layout_static = [], [], []
     select, select_for_role, select_topk = ops.select, attention_ops.select_for_role, kernel_select.select_topk
 

@@ -176,6 +176,8 @@ class KernelAttentionOps:
         self.head_sum = head_sum or kernel_choice(INDEXER_HEAD_SUM_ENV, INDEXER_HEAD_SUMS,
                                                   "fp64" if deterministic else "auto")
         self.prefill = prefill or AP.prefill_choice(deterministic)
+        #: CUDA-graph layouts' rankings told the visible counts (SGLANG_DSV41_TOPK_BOUNDED, default on)
+        self.bounded_static = self.indexer_select.bounded_rankings()
         self.decode = decode or kernel_choice(ATTENTION_DECODE_ENV, ATTENTION_DECODES,
                                               "triton" if deterministic else "auto")
         if self.splits not in ATTENTION_SPLITS or self.head_sum not in INDEXER_HEAD_SUMS \
@@ -395,7 +397,7 @@ class KernelAttentionOps:
                                        index_head_dim=packed.layout.index_head_dim, part="key")
         rows = max(1, SCORE_ELEMENTS_PER_CHUNK // max(width, 1))
         exact = self.head_sum_exact(N)
-        bounded = layout.static and self.indexer_select.bounded_rankings()
+        bounded = layout.static and self.bounded_static
         selections, blocks = [], []
         for start in range(0, max(N, 1), rows):
             part = slice(start, min(start + rows, N))
