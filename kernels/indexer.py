@@ -90,8 +90,11 @@ def _index_scores_kernel(q_ptr, w_ptr, key_ptr, slot_ptr, nvis_ptr, order_ptr, t
                          key_offset, key_ratio,
                          HI: tl.constexpr, DI: tl.constexpr, BLOCK_T: tl.constexpr,
                          BLOCK_J: tl.constexpr, J_STEPS: tl.constexpr, DOT_BF16: tl.constexpr,
-                         HEAD_SUM_EXACT: tl.constexpr, KEY_PACKED: tl.constexpr, KEY_SHARE: tl.constexpr):
-    """One tile of queries of one request × J_STEPS·BLOCK_J entries (see the module docstring)."""
+                         HEAD_SUM_EXACT: tl.constexpr, KEY_PACKED: tl.constexpr, KEY_SHARE: tl.constexpr,
+                         FILL_DEAD: tl.constexpr):
+    """One tile of queries of one request × J_STEPS·BLOCK_J entries (see the module docstring).
+    Entry tiles no query of the tile sees are written −∞ when FILL_DEAD, else left as they are; a
+    program with no live tile loads no query."""
     tile = tl.program_id(0)
     req = tl.load(tile_req_ptr + tile)
     lo = tl.load(tile_lo_ptr + tile)
@@ -101,9 +104,12 @@ def _index_scores_kernel(q_ptr, w_ptr, key_ptr, slot_ptr, nvis_ptr, order_ptr, t
     qid = tl.load(order_ptr + lo + t, mask=t_live, other=0)
     nvis = tl.load(nvis_ptr + qid, mask=t_live, other=0)
     tile_vis = tl.max(nvis, axis=0)
-    # rows of the MQA product: m = t·HI + h
+    # entry tiles of this program: the first `live` hold some visible entry, the rest only −∞
+    j_first = tl.program_id(1) * J_STEPS * BLOCK_J
+    live = tl.minimum(tl.maximum(tl.cdiv(tile_vis - j_first, BLOCK_J), 0), J_STEPS)
+    # rows of the MQA product: m = t·HI + h (none loaded when no tile is live)
     m = tl.arange(0, BLOCK_T * HI)
-    m_live = lo + m // HI < hi
+    m_live = (lo + m // HI < hi) & (live > 0)
     qid_m = tl.load(order_ptr + lo + m // HI, mask=m_live, other=0)
     d = tl.arange(0, DI)
     q_rows = q_ptr + qid_m[:, None] * stride_qn + (m % HI)[:, None] * stride_qh
@@ -114,9 +120,6 @@ def _index_scores_kernel(q_ptr, w_ptr, key_ptr, slot_ptr, nvis_ptr, order_ptr, t
         q_o = _dot_operand(tl.load(q_rows + 2 * p[None, :] + 1, mask=m_live[:, None], other=0.0), DOT_BF16)
     else:
         q = _dot_operand(tl.load(q_rows + d[None, :], mask=m_live[:, None], other=0.0), DOT_BF16)
-    # entry tiles of this program: the first `live` hold some visible entry, the rest only −∞
-    j_first = tl.program_id(1) * J_STEPS * BLOCK_J
-    live = tl.minimum(tl.maximum(tl.cdiv(tile_vis - j_first, BLOCK_J), 0), J_STEPS)
     for step in range(0, live):
         j = j_first + step * BLOCK_J + tl.arange(0, BLOCK_J)
         j_in = j < num_entries
@@ -144,11 +147,12 @@ def _index_scores_kernel(q_ptr, w_ptr, key_ptr, slot_ptr, nvis_ptr, order_ptr, t
         valid = (j[None, :] < nvis[:, None]) & has[None, :]
         tl.store(out_ptr + qid[:, None] * stride_on + j[None, :], tl.where(valid, s, float("-inf")),
                  mask=t_live[:, None] & j_in[None, :])
-    for step in range(live, J_STEPS):
-        j = j_first + step * BLOCK_J + tl.arange(0, BLOCK_J)
-        tl.store(out_ptr + qid[:, None] * stride_on + j[None, :],
-                 tl.full((BLOCK_T, BLOCK_J), float("-inf"), tl.float32),
-                 mask=t_live[:, None] & (j < num_entries)[None, :])
+    if FILL_DEAD:
+        for step in range(live, J_STEPS):
+            j = j_first + step * BLOCK_J + tl.arange(0, BLOCK_J)
+            tl.store(out_ptr + qid[:, None] * stride_on + j[None, :],
+                     tl.full((BLOCK_T, BLOCK_J), float("-inf"), tl.float32),
+                     mask=t_live[:, None] & (j < num_entries)[None, :])
 
 
 #: True when this kernel was built for Triton's interpreter (TRITON_INTERPRET=1 at import).
@@ -233,8 +237,13 @@ def index_scores(q: Tensor, head_w: Tensor, key_cache: Tensor | PackedSource, en
                  token_req: Tensor, n_visible: Tensor, *, head_sum_exact: bool = True, check_inputs: bool = True,
                  block_t: int | None = None, block_j: int | None = None, j_steps: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
-                 tile_cache: dict | None = None, grouped_queries: bool = False) -> Tensor:
+                 tile_cache: dict | None = None, grouped_queries: bool = False,
+                 fill_invisible: bool = True, out: Tensor | None = None) -> Tensor:
     """[N, E] fp32 indexer scores for a packed batch; −∞ where j ≥ n_visible[t] or entry_slots is −1.
+    `fill_invisible=False`: entry tiles that no query of a query tile sees are left unwritten (any
+    value), so only columns j < n_visible[t] are defined — for consumers that read no further
+    (CUDA-graph layouts' bounded rankings, whose rows are as wide as the served context). `out`: an
+    [N, E] fp32 tensor with unit last stride to write (else a new one).
 
     q [N, Hi, Di] fp32/bf16 FP4-valued (RoPE'd); head_w [N, Hi] fp32 (already ×Di^−½·Hi^−½);
     key_cache [S, Di] bf16 (or fp32) FP4-valued rows with entry_slots [R, E] int their rows — or
@@ -283,7 +292,10 @@ def index_scores(q: Tensor, head_w: Tensor, key_cache: Tensor | PackedSource, en
     if not packed and key_cache.stride(1) != 1:
         raise ValueError("index_scores: key_cache rows must be contiguous (stride 1 along Di)")
     num_keys = key_cache.num_entries if packed else key_cache.shape[0]
-    out = torch.empty(N, E, dtype=torch.float32, device=dev)
+    if out is None:
+        out = torch.empty(N, E, dtype=torch.float32, device=dev)
+    elif out.shape != (N, E) or out.dtype != torch.float32 or out.device != dev or out.stride(1) != 1:
+        raise ValueError(f"index_scores: out must be [{N}, {E}] fp32 on {dev} with unit last stride")
     if N == 0 or E == 0:
         return out
     if R == 0:
@@ -320,7 +332,7 @@ def index_scores(q: Tensor, head_w: Tensor, key_cache: Tensor | PackedSource, en
     m_rows = block_t * HI
     launch = dict(HI=HI, DI=DI, BLOCK_T=block_t, BLOCK_J=block_j, J_STEPS=j_steps,
                   DOT_BF16=not INTERPRETED, HEAD_SUM_EXACT=head_sum_exact, KEY_PACKED=packed,
-                  KEY_SHARE=key_cache.share if packed else 1)
+                  KEY_SHARE=key_cache.share if packed else 1, FILL_DEAD=fill_invisible)
     if not INTERPRETED:  # launch options of the compiled kernel (the interpreter has none)
         launch["num_warps"] = num_warps or (4 if m_rows * block_j <= 4096 else 8)
         if num_stages is not None:

@@ -69,7 +69,7 @@ def select_topk(scores: Tensor, k: int, *, check_nan: bool = True, max_chunk_ele
                 method: str | None = None, lengths: Tensor | None = None) -> Tensor:
     """[N, k] int64: per row the min(k, #finite-or-+∞) columns with the largest scores, ties →
     lower column (−0 == +0), sorted ascending, −1 padded — `top_k_lower_index_on_ties` with
-    allowed = (score > −∞). NaN raises (one host sync) unless `check_nan=False` (then the caller
+    allowed = (score > −∞). NaN raises (one host sync; with `lengths`, NaN before a row's length) unless `check_nan=False` (then the caller
     guarantees none, e.g. inside a CUDA graph). `method` (default `topk_method(scores.is_cuda)`):
     "fused" ranks rows of ≤ `topk_select.FUSED_MAX_ENTRIES` columns in one Triton launch, same result
     (few rows past its width in two stages, `kernels.topk_split`, as SGLANG_DSV41_TOPK_SPLIT picks).
@@ -89,8 +89,12 @@ def select_topk(scores: Tensor, k: int, *, check_nan: bool = True, max_chunk_ele
     if lengths is not None and (lengths.shape != (N,) or lengths.device != scores.device):
         raise ValueError(f"select_topk: lengths must be [{N}] on {scores.device}, got {tuple(lengths.shape)} on "
                          f"{lengths.device}")
-    if check_nan and bool(torch.isnan(scores).any()):
-        raise ValueError("select_topk: NaN score (cannot be ranked)")
+    if check_nan:
+        nan = torch.isnan(scores)
+        if lengths is not None:     # columns past a row's length are never read: any value there
+            nan &= torch.arange(E, device=scores.device)[None, :] < lengths[:, None]
+        if bool(nan.any()):
+            raise ValueError("select_topk: NaN score (cannot be ranked)")
     if (method or topk_method(scores.is_cuda)) == "fused" and (scores.is_cuda or INTERPRETED):
         bounded = lengths is not None
         if TSPLIT.split_applies(N, E, k, bounded=bounded):
@@ -116,7 +120,8 @@ def candidate_blocks(scores: Tensor, n_visible: Tensor, block: int, topk_blocks:
     """[N, topk_blocks] published block ids per query (spec §3.4.4): block b = entries
     [b·block, (b+1)·block); key_b = max visible score in b; the newest block ((n−1)//block) gets
     +∞; top-min(topk_blocks, ⌈n/block⌉), ties → lower block; ascending, −1 padded.
-    `scores` must be unrestricted `index_scores` output (−∞ beyond visibility). `bounded`: the ranking of
+    `scores` must be unrestricted `index_scores` output up to each row's visible count (any value past it:
+    blocks past the newest are masked, the newest one's key is +∞). `bounded`: the ranking of
     the block keys is told each row's block count (`select_topk(lengths=)`, the same result)."""
     if scores.dim() != 2 or n_visible.shape != scores.shape[:1] or block < 1:
         raise ValueError(f"candidate_blocks: scores {tuple(scores.shape)}, n_visible {tuple(n_visible.shape)}, "

@@ -162,6 +162,25 @@ if KERNEL_HERE:
         q, w, keys, slots, token_req, n_visible = case                  # int32 index tensors
         assert torch.equal(K.index_scores(q, w, keys, slots.int(), token_req.int(), n_visible.int()), base)
 
+    def test_kernel_case_unfilled_scores_define_the_visible_columns_only() -> None:
+        """`fill_invisible=False`: every column j < n_visible[t] holds the filled launch's score; entry
+        tiles no query of a query tile sees keep what `out` held (NaN here), at one and several tiles a
+        program; bad `out` raises."""
+        case = packed_case(32, 128, seed=3, shuffle=True)
+        N, E = case[0].shape[0], case[3].shape[1]
+        n_visible = case[5].cpu()
+        visible = torch.arange(E)[None, :] < n_visible[:, None]
+        filled = K.index_scores(*case).cpu()
+        for tiling in (dict(block_t=1, block_j=16, j_steps=1), dict(block_t=2, block_j=16, j_steps=4)):
+            out = torch.full((N, E), math.nan, device=DEVICE)
+            got = K.index_scores(*case, fill_invisible=False, out=out, **tiling).cpu()
+            assert got.data_ptr() == out.cpu().data_ptr() or DEVICE == "cuda"
+            assert torch.equal(got[visible], filled[visible]), tiling
+            assert bool(got.isnan().any()), "some tile no query sees was written"
+            assert bool((got.isnan() | (got == -INF) | visible).all())
+        with pytest.raises(ValueError, match="out must be"):
+            K.index_scores(*case, out=torch.empty(N, E + 1, device=DEVICE))
+
     @pytest.mark.parametrize("search", ["bisect", "radix"])
     def test_kernel_case_fused_topk_equals_torch_path(monkeypatch, search: str) -> None:
         """`kernels.topk_select` (SGLANG_DSV41_INDEXER_TOPK=fused), with either threshold search
@@ -376,7 +395,10 @@ if KERNEL_HERE:
         return dict(cfg=text, w=w, requests=requests, req_to_token=req_to_token, positions=positions,
                     token_req=token_req, seq_lens=seq_lens, key_cache=key_cache, x=x, q_lora=q_lora)
 
-    def test_kernel_case_batch_equals_per_request_run_indexer(tiny_batch) -> None:
+    @pytest.mark.parametrize("fill", [True, False], ids=["filled", "unfilled_bounded"])
+    def test_kernel_case_batch_equals_per_request_run_indexer(tiny_batch, fill: bool) -> None:
+        """`unfilled_bounded`: scores past each query's visibility left NaN (`fill_invisible=False`) and the
+        rankings bounded, as a CUDA-graph layout runs them — the same selections and published blocks."""
         b = tiny_batch
         cfg, w = b["cfg"], b["w"]
         roles = [r for r in cfg.layer_roles() if r.runs_indexer]
@@ -396,11 +418,13 @@ if KERNEL_HERE:
             n_vis = ref.visible_counts(pos, ratio)
             slots = EI.entry_slot_table(b["req_to_token"], torch.arange(len(b["requests"])), b["seq_lens"] // ratio,
                                         ratio, int(b["seq_lens"].max()) // ratio)
+            nan_out = torch.full((n_vis.numel(), slots.shape[1]), math.nan, device=dev)
             scores = K.index_scores(query.q.to(dev), query.head_weights.to(dev), b["key_cache"][src].to(dev),
-                                    slots.to(dev), b["token_req"].to(dev), n_vis.to(dev))
+                                    slots.to(dev), b["token_req"].to(dev), n_vis.to(dev), fill_invisible=fill,
+                                    out=None if fill else nan_out)
             selection, blocks = select_for_role(
                 SEL, cfg, role, scores, n_vis.to(dev),
-                published_kernel if role.candidate_consumer else None)
+                published_kernel if role.candidate_consumer else None, bounded=not fill)
             # reference: one request at a time
             sel_ref, blocks_ref = [], []
             for r, (start, stop) in enumerate(zip(starts[:-1], starts[1:])):
@@ -418,7 +442,7 @@ if KERNEL_HERE:
             else:
                 assert blocks is None
             if role.candidate_consumer:
-                full = SEL.select_topk(scores, cfg.index_topk)
+                full = SEL.select_topk(scores, cfg.index_topk, lengths=None if fill else n_vis.to(dev))
                 restriction_mattered |= not torch.equal(full, selection)
         assert restriction_mattered, "the batch is too short for the candidate restriction to change a selection"
 
@@ -431,15 +455,15 @@ if not K.INTERPRETED:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
         run_kernel_cases_in_interpreter(__file__, min_passed=10)
 
-    @pytest.mark.parametrize("share", [68, 34], ids=["ratio1", "ratio2"])
+    @pytest.mark.parametrize("share,fill", [(68, True), (34, False)], ids=["ratio1", "ratio2_unfilled"])
     @pytest.mark.parametrize("block_t", [1, 4], ids=["decode_mma", "prefill_wgmma"])
-    def test_packed_kernel_compiles_for_hopper_without_spills(block_t: int, share: int) -> None:
+    def test_packed_kernel_compiles_for_hopper_without_spills(block_t: int, share: int, fill: bool) -> None:
         """The packed-key kernel at Flash shapes builds for sm_90 (Triton's bundled ptxas, no GPU)
         with no register spills — also where the dot becomes wgmma (block_t·Hi ≥ 64), which the
         join/reshape decode (removed) cannot be lowered to in Triton 3.6; no float64 instruction."""
         kern = K._index_scores_kernel
         consts = dict(HI=32, DI=128, BLOCK_T=block_t, BLOCK_J=64, J_STEPS=1, DOT_BF16=True, HEAD_SUM_EXACT=True,
-                      KEY_PACKED=True, KEY_SHARE=share)
+                      KEY_PACKED=True, KEY_SHARE=share, FILL_DEAD=fill)
         pointers = {"q_ptr": "*fp32", "w_ptr": "*fp32", "key_ptr": "*u8", "out_ptr": "*fp32"}
         sig = {n: "constexpr" if n in consts else pointers.get(n, "*i64" if n.endswith("_ptr") else "i32")
                for n in kern.arg_names}

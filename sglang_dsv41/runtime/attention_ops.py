@@ -359,10 +359,11 @@ class KernelAttentionOps:
 
         Static layouts (CUDA graphs): the width is the static bound `req_to_token` width // ratio,
         not the batch's longest request. Cost of the padding columns: the kernel loads and
-        multiplies only entry tiles some query of the tile can see (`tile_vis`; later tiles only
-        store −∞: 4 B per column and query); the rankings are told each query's visible count
-        (`select_for_role(bounded=True)`) and read no column past it. The entry table, those −∞
-        stores and the candidate-block keys still scale with the static width (docs/runtime.md
+        multiplies only entry tiles some query of the tile can see (`tile_vis`); the rankings are
+        told each query's visible count (`select_for_role(bounded=True)`) and read no column past
+        it, so the scoring kernel leaves the later tiles unwritten (`fill_invisible=False`; the
+        candidate-block keys past a row's visible blocks are masked before their ranking). The
+        entry table and the candidate-block keys still scale with the static width (docs/runtime.md
         "CUDA-graph padding").
         `query_tiles`: the forward's cache of the scoring kernel's query tiles (`ForwardScratch`),
         one per query chunk, shared by every indexer layer (`index_scores(tile_cache=)`).
@@ -405,7 +406,8 @@ class KernelAttentionOps:
                                     layout.token_req[part], n_visible[part], head_sum_exact=exact,
                                     check_inputs=False,
                                     tile_cache=None if query_tiles is None else query_tiles.setdefault(
-                                        (part.start, part.stop), {}), grouped_queries=True)
+                                        (part.start, part.stop), {}), grouped_queries=True,
+                                    fill_invisible=not bounded)
             selection, chunk_blocks = select_for_role(self.indexer_select, cfg, role, scores, n_visible[part],
                                                       None if published is None else published[part],
                                                       check_nan=False, bounded=bounded)
