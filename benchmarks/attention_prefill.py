@@ -10,7 +10,9 @@ difference in BF16 ulps of the output scale (the oracle bound is one ulp each wa
 
 Candidates: `bf16` (`sparse_attention.sparse_sink_attention`, `plan_prefill_config`); `wide` and
 `wide_*` (`sparse_attention_prefill.prefill_sink_attention` under `plan` and the configurations of
-WIDE_CONFIGS); with `--alt-wide FILE`, `wide_alt`: another version of that module (a file of it, e.g.
+WIDE_CONFIGS); `wide_pv_bf16` / `wide_pv_fp16` (`plan` with P·V in one product: P rounded to BF16,
+FlashMLA's numerics, or P and the key tile converted to FP16 in the kernel) and `wide_fp16_rows` (q and
+both row sources given as FP16, P·V in one FP16 product); with `--alt-wide FILE`, `wide_alt`: another version of that module (a file of it, e.g.
 an earlier commit's, for an A/B in one process) under its own `plan`. One that fails (e.g. out of
 shared memory) is recorded with its error. Writes attention_prefill.json (+ PNG).
 
@@ -76,6 +78,12 @@ def candidates(case: dict, alt: Path | None = None) -> dict:
     for name, (bh, w, st) in WIDE_CONFIGS.items():
         cfg = dataclasses.replace(SAP.plan(HEADS, HEAD_DIM), block_h=bh, num_warps=w, num_stages=st)
         calls[name] = lambda cfg=cfg: SAP.prefill_sink_attention(*args, config=cfg)
+    for pv in ("bf16", "fp16"):
+        cfg = dataclasses.replace(SAP.plan(HEADS, HEAD_DIM), pv=pv)
+        calls[f"wide_pv_{pv}"] = lambda cfg=cfg: SAP.prefill_sink_attention(*args, config=cfg)
+    half = [a.half() if torch.is_tensor(a) and a.dtype == torch.bfloat16 else a for a in args]
+    cfg16 = dataclasses.replace(SAP.plan(HEADS, HEAD_DIM), pv="fp16")
+    calls["wide_fp16_rows"] = lambda: SAP.prefill_sink_attention(*half, config=cfg16)
     if alt is not None:
         calls["wide_alt"] = lambda mod=load_alt(alt): mod.prefill_sink_attention(*args)
     return calls

@@ -20,9 +20,11 @@ _OUT_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def check_inputs(q: Tensor, swa_cache: Tensor, swa_slots: Tensor, comp_cache: Tensor | PackedSource | None,
-                  comp_slots: Tensor | None, sink: Tensor, scale: float, out: Tensor | None) -> None:
-    if q.dim() != 3 or q.dtype != torch.bfloat16 or q.stride(2) != 1:
-        raise ValueError(f"sparse_sink_attention: q must be [N, H, D] bf16 with unit last stride, got "
+                  comp_slots: Tensor | None, sink: Tensor, scale: float, out: Tensor | None,
+                  row_dtype: torch.dtype = torch.bfloat16) -> None:
+    """Shapes, dtypes, strides and devices (no host sync); q and the row caches in `row_dtype`."""
+    if q.dim() != 3 or q.dtype != row_dtype or q.stride(2) != 1:
+        raise ValueError(f"sparse_sink_attention: q must be [N, H, D] {row_dtype} with unit last stride, got "
                          f"{tuple(q.shape)} {q.dtype} strides {q.stride()}")
     N, H, D = q.shape
     if D % 2:
@@ -35,8 +37,8 @@ def check_inputs(q: Tensor, swa_cache: Tensor, swa_slots: Tensor, comp_cache: Te
             cache.require_part("latent", "sparse_sink_attention")
             if cache.head_dim != D:
                 raise ValueError(f"sparse_sink_attention: packed comp_cache has head_dim {cache.head_dim}, q has {D}")
-        elif cache.dim() != 2 or cache.shape[1] != D or cache.dtype != torch.bfloat16 or cache.stride(1) != 1:
-            raise ValueError(f"sparse_sink_attention: {name}_cache must be [S, {D}] bf16 with unit last stride, "
+        elif cache.dim() != 2 or cache.shape[1] != D or cache.dtype != row_dtype or cache.stride(1) != 1:
+            raise ValueError(f"sparse_sink_attention: {name}_cache must be [S, {D}] {row_dtype} with unit last stride, "
                              f"got {tuple(cache.shape)} {cache.dtype} strides {cache.stride()}")
         if slots.dim() != 2 or slots.shape[0] != N or slots.dtype not in _SLOT_DTYPES or slots.stride(1) != 1:
             raise ValueError(f"sparse_sink_attention: {name}_slots must be [{N}, n] int32/int64 with unit last "

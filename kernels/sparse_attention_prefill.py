@@ -56,6 +56,12 @@ class PrefillAttentionConfig:
     num_warps: int
     num_stages: int
     num_splits: int = 1
+    pv: str = "split"
+
+    #: P·V numerics: `split` (P as a BF16 high part + remainder, two products: the contract's default),
+    #: `fp16` (P and the key tile in FP16, one product: P to 2⁻¹¹ relative), `bf16` (P rounded to BF16, one
+    #: product: FlashMLA's numerics, below the serving contract — a timing bound, not a serving choice)
+    PV_MODES = {"split": 0, "fp16": 1, "bf16": 2}
 
     def __post_init__(self) -> None:
         if self.block_h < 16 or self.block_h & (self.block_h - 1):
@@ -64,6 +70,8 @@ class PrefillAttentionConfig:
             raise ValueError(f"PrefillAttentionConfig: num_warps {self.num_warps} / num_stages {self.num_stages}")
         if not 1 <= self.num_splits <= MAX_SPLITS:
             raise ValueError(f"PrefillAttentionConfig: num_splits {self.num_splits} (1..{MAX_SPLITS})")
+        if self.pv not in self.PV_MODES:
+            raise ValueError(f"PrefillAttentionConfig: pv {self.pv!r} (one of {sorted(self.PV_MODES)})")
 
 
 def plan(num_heads: int, head_dim: int) -> PrefillAttentionConfig:
@@ -87,9 +95,11 @@ def plan_decode(num_queries: int, num_heads: int, head_dim: int, window: int, to
 
 
 @triton.jit
-def _attend_keys(acc_a, acc_b, m_i, l_i, qt_a, qt_b, k_a, k_b, valid, qk_scale_log2, DOT_FP32: tl.constexpr):
+def _attend_keys(acc_a, acc_b, m_i, l_i, qt_a, qt_b, k_a, k_b, valid, qk_scale_log2, DOT_FP32: tl.constexpr,
+                 PV_MODE: tl.constexpr):
     """One online-softmax step over a key tile, transposed: sᵀ [keys, heads] = k_a·qt_a + k_b·qt_b
-    (dims [0, P) then [P, 2P)), max and sum over the keys (axis 0), oᵀ += kᵀ·pᵀ for both halves."""
+    (dims [0, P) then [P, 2P)), max and sum over the keys (axis 0), oᵀ += kᵀ·pᵀ for both halves
+    (`PrefillAttentionConfig.pv`: PV_MODE 0 split, 1 fp16, 2 bf16)."""
     s = _dot(k_b, qt_b, _dot(k_a, qt_a, None, DOT_FP32), DOT_FP32) * qk_scale_log2
     s = tl.where(valid[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=0))
@@ -97,10 +107,19 @@ def _attend_keys(acc_a, acc_b, m_i, l_i, qt_a, qt_b, k_a, k_b, valid, qk_scale_l
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(s - m_ref[None, :])
     l_i = l_i * alpha + tl.sum(p, axis=0)
-    p_hi = p.to(tl.bfloat16)
-    p_lo = (p - p_hi.to(tl.float32)).to(tl.bfloat16)
-    acc_a = _dot(tl.trans(k_a), p_lo, _dot(tl.trans(k_a), p_hi, acc_a * alpha[None, :], DOT_FP32), DOT_FP32)
-    acc_b = _dot(tl.trans(k_b), p_lo, _dot(tl.trans(k_b), p_hi, acc_b * alpha[None, :], DOT_FP32), DOT_FP32)
+    if PV_MODE == 0:
+        p_hi = p.to(tl.bfloat16)
+        p_lo = (p - p_hi.to(tl.float32)).to(tl.bfloat16)
+        acc_a = _dot(tl.trans(k_a), p_lo, _dot(tl.trans(k_a), p_hi, acc_a * alpha[None, :], DOT_FP32), DOT_FP32)
+        acc_b = _dot(tl.trans(k_b), p_lo, _dot(tl.trans(k_b), p_hi, acc_b * alpha[None, :], DOT_FP32), DOT_FP32)
+    elif PV_MODE == 1:
+        p16 = p.to(tl.float16)
+        acc_a = _dot(tl.trans(k_a).to(tl.float16), p16, acc_a * alpha[None, :], DOT_FP32)
+        acc_b = _dot(tl.trans(k_b).to(tl.float16), p16, acc_b * alpha[None, :], DOT_FP32)
+    else:
+        p_hi = p.to(tl.bfloat16)
+        acc_a = _dot(tl.trans(k_a), p_hi, acc_a * alpha[None, :], DOT_FP32)
+        acc_b = _dot(tl.trans(k_b), p_hi, acc_b * alpha[None, :], DOT_FP32)
     return acc_a, acc_b, m_new, l_i
 
 
@@ -123,7 +142,7 @@ def _prefill_attn_kernel(
         sink_ptr, out_ptr, out_stride_n, out_stride_h, part_acc_ptr, part_ml_ptr,
         H, D, qk_scale_log2, tiles_per_split,
         BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_COMP: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr):
+        HAS_COMP: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr, PV_MODE: tl.constexpr):
     """One program = one query × BLOCK_H heads × one split of its key tiles (the SWA tiles, then the
     compressed ones). D = 2·P dims in two halves of P ≤ BLOCK_P (D even); BF16 rows, row strides in
     elements. NUM_SPLITS > 1: (m, l, unnormalised acc) to `sparse_attention`'s fp32 scratch layout."""
@@ -139,11 +158,11 @@ def _prefill_attn_kernel(
     qt_a_ptr = q_ptr + t.to(tl.int64) * q_stride_n + offs_h[None, :] * q_stride_h + offs_p[:, None]
     qt_a = tl.load(qt_a_ptr, mask=ph_mask, other=0.0)                     # [BLOCK_P, BLOCK_H]
     qt_b = tl.load(qt_a_ptr + half, mask=ph_mask, other=0.0)
-    if NUM_SPLITS == 1:                   # the sink folded into the running state: m₀ = sink, l₀ = 1
+    if NUM_SPLITS == 1 and PV_MODE != 1:  # the sink folded into the running state: m₀ = sink, l₀ = 1
         sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0) * 1.4426950408889634
         m_i = sink
         l_i = tl.where(sink == float("-inf"), 0.0, 1.0)
-    else:                                 # the merge adds the sink
+    else:                                 # the merge or the store adds the sink (fp16: P ≤ 1 by the keys' own max)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
     acc_a = tl.zeros([BLOCK_P, BLOCK_H], tl.float32)
@@ -162,14 +181,22 @@ def _prefill_attn_kernel(
         valid, k_a, k_b = _keys_tile(swa_ptr, swa_row_stride, swa_slots, tile * BLOCK_N, n_swa, offs_n, offs_p,
                                      p_mask, half)
         acc_a, acc_b, m_i, l_i = _attend_keys(acc_a, acc_b, m_i, l_i, qt_a, qt_b, k_a, k_b, valid, qk_scale_log2,
-                                              DOT_FP32)
+                                              DOT_FP32, PV_MODE)
     if HAS_COMP:
         comp_slots = comp_slots_ptr + t.to(tl.int64) * comp_slots_stride
         for tile in range(comp_lo, comp_hi):
             valid, k_a, k_b = _keys_tile(comp_ptr, comp_row_stride, comp_slots, tile * BLOCK_N, n_comp, offs_n,
                                          offs_p, p_mask, half)
             acc_a, acc_b, m_i, l_i = _attend_keys(acc_a, acc_b, m_i, l_i, qt_a, qt_b, k_a, k_b, valid,
-                                                  qk_scale_log2, DOT_FP32)
+                                                  qk_scale_log2, DOT_FP32, PV_MODE)
+    if NUM_SPLITS == 1 and PV_MODE == 1:  # the sink added last: l = l·2^(m − m') + 2^(sink − m'), m' = max
+        sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0) * 1.4426950408889634
+        m_fin = tl.maximum(m_i, sink)
+        m_ref = tl.where(m_fin == float("-inf"), 0.0, m_fin)
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.exp2(sink - m_ref)
+        acc_a = acc_a * alpha[None, :]
+        acc_b = acc_b * alpha[None, :]
     if NUM_SPLITS == 1:
         out_a = out_ptr + t.to(tl.int64) * out_stride_n + offs_h[None, :] * out_stride_h + offs_p[:, None]
         tl.store(out_a, (acc_a / l_i[None, :]).to(out_ptr.dtype.element_ty), mask=ph_mask)
@@ -187,10 +214,13 @@ def prefill_sink_attention(q: Tensor, swa_cache: Tensor, swa_slots: Tensor, comp
                            comp_slots: Tensor | None, sink: Tensor, scale: float, *, out: Tensor | None = None,
                            config: PrefillAttentionConfig | None = None) -> Tensor:
     """`sparse_attention.sparse_sink_attention` (its arguments, BF16 rows only: `comp_cache` a
-    [S, D] bf16 cache or None) on this module's kernel; `config` overrides `plan`. No host sync."""
+    [S, D] bf16 cache or None) on this module's kernel; `config` overrides `plan`. No host sync.
+    Under `pv="fp16"` q and both row sources may instead all be FP16 (no conversion in the kernel)."""
     if comp_cache is not None and not isinstance(comp_cache, Tensor):
         raise ValueError("prefill_sink_attention: comp_cache must be BF16 rows (a packed source: sparse_sink_attention)")
-    check_inputs(q, swa_cache, swa_slots, comp_cache, comp_slots, sink, scale, out)
+    fp16_rows = config is not None and config.pv == "fp16" and q.dtype == torch.float16
+    check_inputs(q, swa_cache, swa_slots, comp_cache, comp_slots, sink, scale, out,
+                 row_dtype=torch.float16 if fp16_rows else torch.bfloat16)
     N, H, D = q.shape
     interpreted = not isinstance(_prefill_attn_kernel, triton.runtime.jit.JITFunction)
     if q.device.type != "cuda" and not interpreted:
@@ -218,7 +248,7 @@ def prefill_sink_attention(q: Tensor, swa_cache: Tensor, swa_slots: Tensor, comp
         comp_arg, comp_arg.stride(0), comp_slots_arg, comp_slots_arg.stride(0), K,
         sink, out, out.stride(0), out.stride(1), part_acc, part_ml, H, D, float(scale) * _LOG2E, tiles_per_split,
         BLOCK_H=cfg.block_h, BLOCK_P=block_p, BLOCK_N=BLOCK_N, HAS_COMP=has_comp, NUM_SPLITS=splits,
-        DOT_FP32=interpreted, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        DOT_FP32=interpreted, PV_MODE=cfg.PV_MODES[cfg.pv], num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
         merge_h, merge_d = merge_tile(N, H, max(16, triton.next_power_of_2(D)), device_sm_count(q.device))
         _merge_splits_kernel[(N, triton.cdiv(H, merge_h), triton.cdiv(D, merge_d))](

@@ -8,6 +8,7 @@ is checked without a GPU; GPU tests run compiled.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -16,7 +17,8 @@ import torch
 from sglang_dsv41.kernels import sparse_attention_prefill as sap
 
 import child_runs
-from test_kernels_sparse_attention import FLASH_SMALL, TINY, check_against_oracle, random_case
+from test_kernels_sparse_attention import (FLASH_SMALL, TINY, assert_within_one_bf16_ulp, attend_with_sink,
+                                          check_against_oracle, exact_attention, gather_keys, random_case)
 from triton_checks import compile_for_sm90
 
 INTERPRETED = not isinstance(sap._prefill_attn_kernel, __import__("triton").runtime.jit.JITFunction)
@@ -101,6 +103,48 @@ def test_swa_only_and_minus_inf_sink():
     check_against_oracle(Wide(), q, swa, ss, None, None, sink, TINY["dim"] ** -0.5)
 
 
+def check_fp16_pv(config, q, swa, ss, comp, cs, sink, scale):
+    """`pv="fp16"`: BF16 output ≤ 1 BF16 ulp of the output scale from the oracle (the serving bound); fp32
+    output ≤ 2⁻¹²·max|k| from the exact value (P rounded to FP16: 2⁻¹¹ relative a term, against the split's
+    2⁻¹⁴ bound); FP16 q and rows give the same fp32 output (BF16 values are exact in FP16 here)."""
+    out = sap.prefill_sink_attention(q, swa, ss, comp, cs, sink, scale, config=config)
+    keys, valid = gather_keys(swa, ss, comp, cs)
+    assert_within_one_bf16_ulp(out, attend_with_sink(q.float(), keys, sink, valid))
+    out32 = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    sap.prefill_sink_attention(q, swa, ss, comp, cs, sink, scale, out=out32, config=config)
+    err = float((out32.double() - exact_attention(q, keys, valid, sink, scale)).abs().max())
+    assert err <= 2.0 ** -12 * float(keys.abs().max())
+    half = sap.prefill_sink_attention(q.half(), swa.half(), ss, None if comp is None else comp.half(), cs, sink,
+                                      scale, out=torch.empty_like(out32), config=config)
+    assert torch.equal(half, out32)
+
+
+FP16_PV = sap.PrefillAttentionConfig(block_h=16, num_warps=4, num_stages=2, pv="fp16")
+
+
+@interpreter
+@pytest.mark.parametrize("case", ["tiny", "flash_like", "sinks"])
+def test_fp16_pv_within_the_serving_bound(case):
+    """P·V in one FP16 product: a dominant sink (+30: every P below FP16's normal range were it folded
+    first, hence added last), a −∞ sink, a query with one valid key and no SWA key."""
+    shape = dict(tiny=TINY, flash_like=FLASH_SMALL, sinks=dict(heads=20, dim=32, window=70, topk=90))[case]
+    q, swa, ss, comp, cs, sink = random_case(n=3, slots=300, seed=21, **shape)
+    if case == "sinks":
+        sink[0], sink[3] = 30.0, float("-inf")
+        ss[1, :] = -1
+        cs[1, :] = -1
+        cs[1, 7] = 5
+    check_fp16_pv(FP16_PV, q, swa, ss, comp, cs, sink, shape["dim"] ** -0.5)
+
+
+def test_fp16_rows_need_the_fp16_mode():
+    q, swa, ss, comp, cs, sink = random_case(n=2, slots=20, seed=4, **TINY)
+    with pytest.raises(ValueError, match="float16|bfloat16"):
+        sap.prefill_sink_attention(q.half(), swa.half(), ss, comp.half(), cs, sink, 0.1)
+    with pytest.raises(ValueError, match="pv"):
+        sap.PrefillAttentionConfig(block_h=16, num_warps=4, num_stages=2, pv="fp8")
+
+
 @interpreter
 def test_empty_batch_and_input_errors():
     q, swa, ss, comp, cs, sink = random_case(n=2, slots=20, seed=4, **TINY)
@@ -142,7 +186,7 @@ def test_hopper_build_of_the_flash_plan(splits):
     k = sap._prefill_attn_kernel
     cfg = sap.plan(64, 512)
     consts = dict(BLOCK_H=cfg.block_h, BLOCK_P=256, BLOCK_N=sap.BLOCK_N, HAS_COMP=True, NUM_SPLITS=splits,
-                  DOT_FP32=False)
+                  DOT_FP32=False, PV_MODE=cfg.PV_MODES[cfg.pv])
     pointers = {"q_ptr": "*bf16", "swa_ptr": "*bf16", "comp_ptr": "*bf16", "swa_slots_ptr": "*i32",
                 "comp_slots_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
                 "part_acc_ptr": "*fp32" if splits > 1 else "*bf16", "part_ml_ptr": "*fp32" if splits > 1 else "*bf16"}
@@ -173,6 +217,14 @@ def test_gpu_flash_shape_matches_oracle(n):
     out, _ = check_against_oracle(Wide(), *args, 512 ** -0.5)
     same = sa.sparse_sink_attention(*args, 512 ** -0.5, config=sa.plan_prefill_config(n, 64, 512, 128, 512))
     print(f"wide vs plan_prefill_config at n = {n}: {float((out == same).float().mean()):.4%} of elements equal")
+
+
+@pytest.mark.gpu
+def test_gpu_flash_shape_fp16_pv_within_the_serving_bound():
+    """`pv="fp16"` under `plan` at the Flash shape, 512 queries: `check_fp16_pv`'s bounds."""
+    args = random_case(n=512, slots=4096, seed=907, heads=64, dim=512, window=128, topk=512, hole_frac=0.1,
+                       device="cuda", slot_dtype=torch.int32)
+    check_fp16_pv(dataclasses.replace(sap.plan(64, 512), pv="fp16"), *args, 512 ** -0.5)
 
 
 @pytest.mark.gpu
