@@ -72,13 +72,16 @@ def entry_slot_table(req_to_token: Tensor, req_rows: Tensor, n_entries: Tensor, 
     return torch.where(j[None, :] < n_entries.to(torch.int64)[:, None], slots, -1)
 
 
-def entry_index_table(req_to_token: Tensor, req_rows: Tensor, n_entries: Tensor, ratio: int, width: int) -> Tensor:
+def entry_index_table(req_to_token: Tensor, req_rows: Tensor, n_entries: Tensor, ratio: int, width: int,
+                      fill: bool = True) -> Tensor:
     """[R, width] int64: packed entry index e of compressed entry j of request r — the slot of the
     token at position j·ratio + ratio − 1 (which completes it), // ratio (contracts §2) — for
     j < n_entries[r], else −1. No host sync. CUDA (or the interpreter): one launch
-    (`indexer_tables.entry_index_table`); CPU: `_entry_index_table_torch` (the same values)."""
+    (`indexer_tables.entry_index_table`); CPU: `_entry_index_table_torch` (the same values).
+    `fill=False`: columns j ≥ n_entries[r] may hold any value (the launch skips them; for readers
+    of j < n_entries only — a CUDA-graph layout's table is as wide as the served context)."""
     if req_to_token.is_cuda or INTERPRETED:
-        return one_launch_entry_table(req_to_token, req_rows, n_entries, ratio, width)
+        return one_launch_entry_table(req_to_token, req_rows, n_entries, ratio, width, fill=fill)
     return _entry_index_table_torch(req_to_token, req_rows, n_entries, ratio, width)
 
 

@@ -31,7 +31,8 @@ LANES = 1024
 
 @triton.jit
 def _entry_table_kernel(table_ptr, table_stride, max_context, rows_ptr, n_ptr, out_ptr, width, ratio,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, FILL: tl.constexpr):
+    """FILL: −1 at j ≥ n_entries; else those columns are not written."""
     r = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = j < width
@@ -39,7 +40,7 @@ def _entry_table_kernel(table_ptr, table_stride, max_context, rows_ptr, n_ptr, o
     row = tl.load(rows_ptr + r).to(tl.int64)
     pos = tl.minimum(j * ratio + ratio - 1, max_context - 1)
     slot = tl.load(table_ptr + row * table_stride + pos, mask=live & (j < n), other=0).to(tl.int64)
-    tl.store(out_ptr + r * width + j, tl.where(j < n, slot // ratio, -1), mask=live)
+    tl.store(out_ptr + r * width + j, tl.where(j < n, slot // ratio, -1), mask=live if FILL else live & (j < n))
 
 
 @triton.jit
@@ -87,8 +88,10 @@ def _query_tiles_kernel(token_req_ptr, N, R, grid, block_t, scratch_ptr, order_p
         tl.store(hi_ptr + i, tl.where(used, hi_q, 0), mask=live_i)
 
 
-def entry_index_table(req_to_token: Tensor, req_rows: Tensor, n_entries: Tensor, ratio: int, width: int) -> Tensor:
-    """[R, width] int64 entry indices (module doc; `entry_index.entry_index_table`'s values)."""
+def entry_index_table(req_to_token: Tensor, req_rows: Tensor, n_entries: Tensor, ratio: int, width: int,
+                      fill: bool = True) -> Tensor:
+    """[R, width] int64 entry indices (module doc; `entry_index.entry_index_table`'s values); `fill=False`
+    leaves the columns j ≥ n_entries[r] unwritten (any value)."""
     if ratio < 1 or width < 0 or req_to_token.dim() != 2 or req_rows.shape != n_entries.shape or req_rows.dim() != 1:
         raise ValueError(f"entry_index_table: ratio {ratio}, width {width}, req_to_token {tuple(req_to_token.shape)}, "
                          f"req_rows {tuple(req_rows.shape)}, n_entries {tuple(n_entries.shape)}")
@@ -99,7 +102,7 @@ def entry_index_table(req_to_token: Tensor, req_rows: Tensor, n_entries: Tensor,
         table = req_to_token if req_to_token.stride(1) == 1 else req_to_token.contiguous()
         _entry_table_kernel[(R, triton.cdiv(width, TABLE_BLOCK))](
             table, table.stride(0), table.shape[1], req_rows, n_entries.to(torch.int64), out, width, ratio,
-            BLOCK=TABLE_BLOCK, **_launch_options())
+            BLOCK=TABLE_BLOCK, FILL=fill, **_launch_options())
     return out
 
 

@@ -55,6 +55,22 @@ if KERNEL_HERE:
         _check_table(5, 2000, [1999, 600, 0], 1, 1500, 1)                # width past one program
         _check_table(3, 64, [64, 40], 2, 40, 2)                          # positions past the table: clamped
 
+    def test_kernel_case_unfilled_entry_table_writes_the_entries_only(monkeypatch) -> None:
+        """`fill=False`: the entries j < n_entries[r] as filled, every later column left as allocated
+        (the allocation is made to hold −7 here)."""
+        g = torch.Generator().manual_seed(9)
+        table = torch.randint(2, 1 << 20, (4, 1200), generator=g, dtype=torch.int32).to(DEVICE)
+        req_rows = torch.tensor([3, 0, 2], device=DEVICE)
+        n_entries = torch.tensor([1100, 5, 0], device=DEVICE)
+        filled = IT.entry_index_table(table, req_rows, n_entries, 1, 1100)
+        empty = torch.empty
+        monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(-7))
+        got = EI.entry_index_table(table, req_rows, n_entries, 1, 1100, fill=False)
+        monkeypatch.undo()
+        entry = torch.arange(1100, device=DEVICE)[None, :] < n_entries[:, None]
+        assert torch.equal(got[entry], filled[entry])
+        assert bool((got[~entry] == -7).all()) and int((~entry).sum()) > 1000
+
     def test_kernel_case_query_tiles() -> None:
         _check_tiles([1] * 7, 1, False, 0)                                # decode
         _check_tiles([1] * 9, 4, False, 1)
@@ -70,11 +86,11 @@ if not FE.INTERPRETED:
 
     def test_kernel_cases_in_triton_interpreter() -> None:
         """Run this file's kernel cases in a child pytest with TRITON_INTERPRET=1 (CPU)."""
-        run_kernel_cases_in_interpreter(__file__, min_passed=2, exact=True)
+        run_kernel_cases_in_interpreter(__file__, min_passed=3, exact=True)
 
     @pytest.mark.parametrize("name,consts", [
         ("_query_tiles_kernel", {"BLOCK_N": 1024, "BLOCK_R": 256, "LOG2_R": 8, "BLOCK_I": 1024, "GROUPED": True}),
-        ("_entry_table_kernel", {"BLOCK": 512}),
+        ("_entry_table_kernel", {"BLOCK": 512, "FILL": False}),
     ])
     def test_kernels_compile_for_hopper(name: str, consts: dict) -> None:
         """sm_90 builds (no GPU)."""

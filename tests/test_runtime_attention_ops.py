@@ -173,9 +173,9 @@ def _exact_sparse_sink_attention(calls: list[str]):
 
 def _exact_index_scores(calls: list[str]):
     def index_scores(q, head_w, key_cache, entry_slots, token_req, n_visible, *, head_sum_exact, check_inputs,
-                     tile_cache=None, grouped_queries=False):
+                     tile_cache=None, grouped_queries=False, fill_invisible=True):
         """The kernel's contract: bf16(Σ_h bf16(w·ReLU(bf16(dot)))), dots and head sum in float64
-        (reference `index_scores` per query)."""
+        (reference `index_scores` per query); `fill_invisible=False`: NaN past each query's visibility."""
         assert head_sum_exact and not check_inputs
         assert grouped_queries and bool((token_req[1:] >= token_req[:-1]).all())     # a layout's: non-decreasing
         calls.append("scores")
@@ -191,8 +191,9 @@ def _exact_index_scores(calls: list[str]):
         dots = bf16(torch.einsum("thd,ted->the", q.double(), keys).float())
         terms = bf16(torch.relu(dots) * head_w.float().unsqueeze(-1))
         scores = bf16(terms.double().sum(dim=1).float()) + 0.0
-        visible = (torch.arange(slots.shape[1])[None, :] < n_visible[:, None]) & (slots >= 0)
-        return torch.where(visible, scores, -math.inf)
+        seen = torch.arange(slots.shape[1])[None, :] < n_visible[:, None]
+        scores = torch.where(seen & (slots >= 0), scores, -math.inf)
+        return scores if fill_invisible else torch.where(seen, scores, math.nan)
     return index_scores
 
 def _counted(calls: list[str], name: str, fn):

@@ -82,16 +82,18 @@ def _sparse_sink_attention(calls: list[str]):
 
 def _index_scores(calls: list[str]):
     def index_scores(q, head_w, key_cache, entry_slots, token_req, n_visible, *, head_sum_exact, check_inputs,
-                     tile_cache=None, grouped_queries=False):
+                     tile_cache=None, grouped_queries=False, fill_invisible=True):
+        """The kernel's values; `fill_invisible=False`: NaN past each query's visibility (unwritten columns)."""
         assert head_sum_exact and not check_inputs, "the runtime must not ask the indexer for input checks"
         with suspended():
-            calls.append(f"scores{entry_slots.shape[1]}")
+            calls.append(f"scores{entry_slots.shape[1]}" + ("" if fill_invisible else "_unfilled"))
             slots = entry_slots[token_req]
             keys = _packed_rows(key_cache).keys(slots.reshape(-1)).reshape(*slots.shape, -1).double()
             dots = torch.einsum("thd,ted->the", q.double(), keys)
             scores = torch.einsum("th,the->te", head_w.double(), torch.relu(dots)).float() + 0.0
-            visible = (torch.arange(slots.shape[1])[None, :] < n_visible[:, None]) & (slots >= 0)
-            return torch.where(visible, scores, -math.inf)
+            seen = torch.arange(slots.shape[1])[None, :] < n_visible[:, None]
+            scores = torch.where(seen & (slots >= 0), scores, -math.inf)
+            return scores if fill_invisible else torch.where(seen, scores, math.nan)
     return index_scores
 
 
@@ -136,7 +138,7 @@ def test_static_decode_with_kernel_orchestration(engine, start, monkeypatch) -> 
     monkeypatch.setattr(engine, "attention_ops", _kernel_ops(calls))
     _compare_steps(engine, start, 6)
     width = start.slots.table.shape[1]
-    widths = {c for c in calls if c.startswith("scores")}
+    widths = {c.removesuffix("_unfilled") for c in calls if c.startswith("scores")}
     ratios = {r.ratio for r in engine.roles if r.runs_indexer}
     assert {f"scores{width // r}" for r in ratios} <= widths, (widths, width)   # static width present
 
@@ -145,9 +147,11 @@ def test_static_decode_with_kernel_orchestration(engine, start, monkeypatch) -> 
 def test_static_rankings_are_told_the_visible_counts(engine, start, monkeypatch, bounded: str) -> None:
     """Static layouts' rankings get each query's visible count (`select_topk(lengths=)`, SGLANG_DSV41_TOPK_BOUNDED
     on by default), eager ones none, and the logits are the eager forward's bit for bit either way
-    (`_compare_steps`): the lengths change what is read, not what is chosen."""
+    (`_compare_steps`): the lengths change what is read, not what is chosen. Bounded static layouts ask for
+    unfilled scores (here NaN past each query's visibility) and entry tables (no workspace in a decode step)."""
     monkeypatch.setenv(kernel_select.BOUNDED_ENV, bounded)             # read once, when the ops are built
-    ops = _kernel_ops([])
+    calls: list[str] = []
+    ops = _kernel_ops(calls)
     monkeypatch.setattr(engine, "attention_ops", ops)
     seen, lengths, layout_static = [], [], []
     select, select_for_role, select_topk = ops.select, attention_ops.select_for_role, kernel_select.select_topk
@@ -163,6 +167,12 @@ def test_static_rankings_are_told_the_visible_counts(engine, start, monkeypatch,
     def spy_topk(scores, k, **kw):
         lengths.append((scores.shape[1], kw.get("lengths")))
         return select_topk(scores, k, **kw)
+    fills, table = [], kernel_entry_index.entry_index_table
+
+    def spy_table(*args, fill=True):
+        fills.append((layout_static[-1], fill))
+        return table(*args, fill=fill)
+    monkeypatch.setattr(kernel_entry_index, "entry_index_table", spy_table)
     monkeypatch.setattr(ops, "select", spy_select)
     monkeypatch.setattr(attention_ops, "select_for_role", spy_role)
     monkeypatch.setattr(kernel_select, "select_topk", spy_topk)
@@ -171,6 +181,9 @@ def test_static_rankings_are_told_the_visible_counts(engine, start, monkeypatch,
     assert all(b == (bounded == "on" and static) for static, b in seen), seen
     told = [(w, lens) for w, lens in lengths if lens is not None]
     assert bool(told) == (bounded == "on") and all(lens.shape == (6,) and int(lens.max()) <= w for w, lens in told)
+    unfilled = [c for c in calls if c.endswith("_unfilled")]              # NaN past visibility, the same logits
+    assert bool(unfilled) == (bounded == "on") and len(unfilled) < len(calls)
+    assert fills and all(fill == (not static or bounded == "off") for static, fill in fills), fills
 
 
 def test_static_layout_shapes_and_padding_flags(start) -> None:

@@ -362,9 +362,9 @@ class KernelAttentionOps:
         multiplies only entry tiles some query of the tile can see (`tile_vis`); the rankings are
         told each query's visible count (`select_for_role(bounded=True)`) and read no column past
         it, so the scoring kernel leaves the later tiles unwritten (`fill_invisible=False`; the
-        candidate-block keys past a row's visible blocks are masked before their ranking). The
-        entry table and the candidate-block keys still scale with the static width (docs/runtime.md
-        "CUDA-graph padding").
+        candidate-block keys past a row's visible blocks are masked before their ranking), and so
+        does the entry table past each request's entries unless a workspace reads them. The
+        candidate-block keys still scale with the static width (docs/runtime.md "CUDA-graph padding").
         `query_tiles`: the forward's cache of the scoring kernel's query tiles (`ForwardScratch`),
         one per query chunk, shared by every indexer layer (`index_scores(tile_cache=)`).
         Prefill batches (`attention_prefill.key_workspace_applies`) read the keys from a BF16
@@ -376,16 +376,21 @@ class KernelAttentionOps:
         query = index_query(be, cfg, w, prefix, x, q_lora, layout.positions, inv_freq, act_quant)
         n_visible = visible_counts(layout.positions, ratio)
         width = layout.max_seq_len // ratio
+        N = layout.num_tokens
+        bounded = layout.static and self.bounded_static
+        key_workspace = AP.key_workspace_applies(self.prefill_keys, N, layout.num_requests, width)
         entry_table = None if entry_tables is None else entry_tables.get(ratio)
         if entry_table is None:       # one table per ratio and forward: indexer layers of a ratio share it
+            # bounded, with no workspace (which decodes every column) in this forward: the scores read
+            # j < n_visible ≤ n_entries only, so the columns past n_entries are left unwritten
+            whole = not bounded or key_workspace or AP.applies(self.prefill, N, layout.num_requests, width)
             entry_table = self.entry_index.entry_index_table(layout.req_to_token, layout.req_rows,
-                                                             layout.seq_lens // ratio, ratio, width)
+                                                             layout.seq_lens // ratio, ratio, width, fill=whole)
             if entry_tables is not None:
                 entry_tables[ratio] = entry_table
         packed = caches.packed(src)
         key_src = packed.source.key
-        N = layout.num_tokens
-        if AP.key_workspace_applies(self.prefill_keys, N, layout.num_requests, width):
+        if key_workspace:
             hit = None if key_workspaces is None else key_workspaces.get(src)
             if hit is None:          # once per kv source and forward: indexer layers of a source share it
                 hit = AP.key_workspace(packed.key_rows, key_src, packed.layout.index_head_dim, entry_table)
@@ -398,7 +403,6 @@ class KernelAttentionOps:
                                        index_head_dim=packed.layout.index_head_dim, part="key")
         rows = max(1, SCORE_ELEMENTS_PER_CHUNK // max(width, 1))
         exact = self.head_sum_exact(N)
-        bounded = layout.static and self.bounded_static
         selections, blocks = [], []
         for start in range(0, max(N, 1), rows):
             part = slice(start, min(start + rows, N))
