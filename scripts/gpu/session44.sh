@@ -8,7 +8,7 @@
 #            launch configurations, and P·V in one product (`wide_pv_bf16`: P rounded to BF16, FlashMLA's
 #            numerics, a bound; `wide_pv_fp16`: P and the key tile in FP16; `wide_fp16_rows`: q and the rows
 #            given as FP16)
-#   tests    the GPU tests of the changed kernels: the indexer (its kernel cases compiled: the unfilled scores,
+#   tests    the GPU tests of the changed kernels: the indexer and its tables (kernel cases compiled: the unfilled scores and tables,
 #            the bounded rankings), the prefill attention (the fp16 P·V at the Flash shape) and decode graph
 #            replay == eager (static layouts now leave the scores past visibility unwritten)
 #   width    benchmarks/model_step.py, 4 Flash-width layers, requests of 8K tokens, N = 1 / 64 / 256, tables
@@ -29,7 +29,7 @@ for step in ${STEPS:-attn tests}; do
       grep -E "^(bf16|wide)" "$OUT/logs/attn.log" | cut -c1-200 | tee -a "$SUMMARY" ;;
     tests)
       timeout -s INT -k 10 "$(cap 300)" python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml "$OUT/tests.xml" \
-        tests/test_kernels_indexer.py tests/test_kernels_sparse_attention_prefill.py \
+        tests/test_kernels_indexer.py tests/test_kernels_indexer_tables.py tests/test_kernels_sparse_attention_prefill.py \
         tests/test_runtime_cuda_graph_gpu.py >"$OUT/logs/tests.log" 2>&1
       tests_result gpu_tests "$OUT/tests.xml" $?
       grep -E "passed|failed|Error" "$OUT/logs/tests.log" | tail -6 | cut -c1-300 | tee -a "$SUMMARY" ;;
