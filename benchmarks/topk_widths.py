@@ -31,8 +31,9 @@ def run(scores: torch.Tensor, k: int, block: int, resident: bool, warps: int) ->
 
     n, e = scores.shape
     out = torch.empty((n, k), dtype=torch.int64, device=scores.device)
-    _topk_rows_kernel[(n,)](scores, out, scores, e, e, 1, k, scores.stride(0), out.stride(0), HAS_LEN=False,
-                            BLOCK=block, RESIDENT=resident, WBLOCK=min(block, WRITE_BLOCK), num_warps=warps)
+    _topk_rows_kernel[(n,)](scores, out, out, scores, e, e, 1, k, scores.stride(0), out.stride(0), HAS_LEN=False,
+                            BLOCK=block, RESIDENT=resident, WBLOCK=min(block, WRITE_BLOCK), CAND=False,
+                            num_warps=warps)
     return out
 
 

@@ -101,23 +101,24 @@ def _count_at_least(base, E, cand, s_res, offs, BLOCK: tl.constexpr, RESIDENT: t
 
 @triton.jit
 def _row_span(s_ptr, len_ptr, W, SEG_W, SEGS, stride_s, HAS_LEN: tl.constexpr):
-    """(program, base pointer, n) of this program's span (module doc "Spans"): program p ranks row
-    p // SEGS, columns [(p % SEGS)·SEG_W, …) of it, n = how many of them it reads (≥ 0, int32)."""
+    """(program, base pointer, n, col0) of this program's span (module doc "Spans"): program p ranks row
+    p // SEGS, columns [col0, …) of it, col0 = (p % SEGS)·SEG_W, n = how many it reads (≥ 0, int32)."""
     pid = tl.program_id(0).to(tl.int64)
     row = pid // SEGS
     col0 = (pid % SEGS) * SEG_W
     n = tl.minimum(W - col0, SEG_W)
     if HAS_LEN:
         n = tl.minimum(n, tl.load(len_ptr + row).to(tl.int64) - col0)
-    return pid, s_ptr + row * stride_s + col0, tl.maximum(n, 0).to(tl.int32)      # int32: masks on int32 offsets
+    return pid, s_ptr + row * stride_s + col0, tl.maximum(n, 0).to(tl.int32), col0  # int32: masks on int32 offsets
 
 
 @triton.jit
-def _topk_rows_kernel(s_ptr, out_ptr, len_ptr, W, SEG_W, SEGS, K, stride_s, stride_o, HAS_LEN: tl.constexpr,
-                      BLOCK: tl.constexpr, RESIDENT: tl.constexpr, WBLOCK: tl.constexpr):
+def _topk_rows_kernel(s_ptr, out_ptr, val_ptr, len_ptr, W, SEG_W, SEGS, K, stride_s, stride_o,
+                      HAS_LEN: tl.constexpr, BLOCK: tl.constexpr, RESIDENT: tl.constexpr, WBLOCK: tl.constexpr,
+                      CAND: tl.constexpr):
     """One span per program (module doc). RESIDENT (SEG_W ≤ BLOCK): the span is loaded once and every
-    counting pass runs on registers."""
-    pid, base, E = _row_span(s_ptr, len_ptr, W, SEG_W, SEGS, stride_s, HAS_LEN)
+    counting pass runs on registers. CAND: `_write_selected`'s candidates."""
+    pid, base, E, col0 = _row_span(s_ptr, len_ptr, W, SEG_W, SEGS, stride_s, HAS_LEN)
     offs = tl.arange(0, BLOCK)
     s_res = tl.load(base + offs, mask=offs < E, other=float("-inf")) if RESIDENT else tl.zeros([BLOCK], tl.float32)
     zero = tl.full([], 0, tl.int64)
@@ -127,8 +128,8 @@ def _topk_rows_kernel(s_ptr, out_ptr, len_ptr, W, SEG_W, SEGS, K, stride_s, stri
         cand = thr | (tl.full([], 1, tl.int64) << (31 - i))
         thr = tl.where(_count_at_least(base, E, cand, s_res, offs, BLOCK, RESIDENT) >= take, cand, thr)
     need_eq = take - _count_at_least(base, E, thr + 1, s_res, offs, BLOCK, RESIDENT)   # equal keys to take
-    _write_selected(base, out_ptr + pid * stride_o, E, K, thr.to(tl.uint32), take.to(tl.int32),
-                    need_eq.to(tl.int32), WBLOCK)          # the same key as `_ukey32` on allowed scores
+    _write_span(base, out_ptr + pid * stride_o, val_ptr + pid * stride_o, col0, E, K, thr.to(tl.uint32),
+                take.to(tl.int32), need_eq.to(tl.int32), WBLOCK, CAND, HAS_LEN)   # `_ukey32`'s key on allowed scores
 
 
 @triton.jit
@@ -174,10 +175,11 @@ def _next_digit(hist, need, thr, shift):
 
 
 @triton.jit
-def _write_selected(base, obase, E, K, thr, take, need_eq, WBLOCK: tl.constexpr):
+def _write_selected(base, obase, vbase, col0, E, K, thr, take, need_eq, WBLOCK: tl.constexpr, CAND: tl.constexpr):
     """The write pass (module doc), on uint32 keys: in column order, every allowed column with key >
     thr and the first `need_eq` with key == thr, at its rank among the chosen; then −1 from `take` to
-    K − 1. In chunks of WBLOCK columns read again (a resident row too: a scan over the whole row
+    K − 1. CAND (`segment_candidates`): the column written is col0 + local, and its score goes to
+    `vbase` at the same rank (−∞ from `take` on). In chunks of WBLOCK columns read again (a resident row too: a scan over the whole row
     would cost it its registers), one scan per chunk: the greater keys counted in the low 16 bits
     and the equal ones in the high 16 (WBLOCK < 65,536), so a chosen column's rank is #greater so
     far + min(#equal so far, need_eq). thr > 0 or need_eq = 0, so the disallowed columns (key 0)
@@ -187,7 +189,8 @@ def _write_selected(base, obase, E, K, thr, take, need_eq, WBLOCK: tl.constexpr)
     eq_seen = tl.full([], 0, tl.int32)
     for c in range(0, E, WBLOCK):
         cols = c + offs
-        u = _ukey32(tl.load(base + cols, mask=cols < E, other=float("-inf")))
+        sc = tl.load(base + cols, mask=cols < E, other=float("-inf"))
+        u = _ukey32(sc)
         gt = u > thr
         eq = u == thr
         packed = gt.to(tl.int32) + (eq.to(tl.int32) << 16)
@@ -195,22 +198,41 @@ def _write_selected(base, obase, E, K, thr, take, need_eq, WBLOCK: tl.constexpr)
         n_eq = eq_seen + (both >> 16)                     # 1-based rank among the equal keys so far
         chosen = gt | (eq & (n_eq <= need_eq))
         pos = gt_seen + (both & 0xFFFF) + tl.minimum(n_eq, need_eq) - 1
-        tl.store(obase + pos, cols.to(tl.int64), mask=chosen)
+        if CAND:
+            tl.store(obase + pos, col0 + cols.to(tl.int64), mask=chosen)
+            tl.store(vbase + pos, sc, mask=chosen)
+        else:
+            tl.store(obase + pos, cols.to(tl.int64), mask=chosen)
         chunk = tl.sum(packed, axis=0)                    # both counts of the chunk in one reduction
         gt_seen += chunk & 0xFFFF
         eq_seen += chunk >> 16
     for c in range(0, K, WBLOCK):
         p = c + offs
         tl.store(obase + p, tl.full([WBLOCK], -1, tl.int64), mask=(p >= take) & (p < K))
+        if CAND:
+            tl.store(vbase + p, tl.full([WBLOCK], float("-inf"), tl.float32), mask=(p >= take) & (p < K))
 
 
 @triton.jit
-def _topk_rows_radix_kernel(s_ptr, out_ptr, len_ptr, W, SEG_W, SEGS, K, stride_s, stride_o, HAS_LEN: tl.constexpr,
-                            BLOCK: tl.constexpr, RESIDENT: tl.constexpr, WBLOCK: tl.constexpr):
+def _write_span(base, obase, vbase, col0, E, K, thr, take, need_eq, WBLOCK: tl.constexpr, CAND: tl.constexpr,
+                HAS_LEN: tl.constexpr):
+    """`_write_selected`, except for candidates of a span past its row's length (E = 0), which write
+    nothing: stage 2 of `topk_split` reads the candidates of the spans before the length only."""
+    if CAND and HAS_LEN:
+        if E > 0:
+            _write_selected(base, obase, vbase, col0, E, K, thr, take, need_eq, WBLOCK, CAND)
+    else:
+        _write_selected(base, obase, vbase, col0, E, K, thr, take, need_eq, WBLOCK, CAND)
+
+
+@triton.jit
+def _topk_rows_radix_kernel(s_ptr, out_ptr, val_ptr, len_ptr, W, SEG_W, SEGS, K, stride_s, stride_o,
+                            HAS_LEN: tl.constexpr, BLOCK: tl.constexpr, RESIDENT: tl.constexpr,
+                            WBLOCK: tl.constexpr, CAND: tl.constexpr):
     """`_topk_rows_kernel`'s result from four 8-bit digit histograms of uint32 keys instead of 34
     counting passes (module doc "Radix"); a resident span is held as its keys only. A span with at
     most K allowed columns takes them all after the first histogram (threshold 0)."""
-    pid, base, E = _row_span(s_ptr, len_ptr, W, SEG_W, SEGS, stride_s, HAS_LEN)
+    pid, base, E, col0 = _row_span(s_ptr, len_ptr, W, SEG_W, SEGS, stride_s, HAS_LEN)
     offs = tl.arange(0, BLOCK)
     if RESIDENT:
         u_res = _ukey32(tl.load(base + offs, mask=offs < E, other=float("-inf")))
@@ -226,7 +248,8 @@ def _topk_rows_radix_kernel(s_ptr, out_ptr, len_ptr, W, SEG_W, SEGS, K, stride_s
         for shift in range(16, -1, -8):                  # a loop, not unrolled: fewer live registers
             hist = _digit_histogram(base, E, thr, shift, u_res, offs, BLOCK, RESIDENT, False)
             thr, need = _next_digit(hist, need, thr, shift)
-    _write_selected(base, out_ptr + pid * stride_o, E, K, thr, take, need, WBLOCK)
+    _write_span(base, out_ptr + pid * stride_o, val_ptr + pid * stride_o, col0, E, K, thr, take, need, WBLOCK,
+                CAND, HAS_LEN)
 
 
 def select_topk_fused(scores: Tensor, k: int, *, lengths: Tensor | None = None, radix: bool | None = None,
@@ -244,6 +267,22 @@ def segment_topk(scores: Tensor, k: int, segment: int, *, lengths: Tensor | None
     """[N·S, k] int64, S = ⌈E / segment⌉: row r·S + s is the top-k of columns [s·segment, (s+1)·segment) of
     scores row r (below E, and below lengths[r] when given), as columns local to that span, ascending,
     −1 padded (module doc "Spans"). One launch; `segment` = E is `select_topk_fused`."""
+    return _spans(scores, k, segment, lengths, radix, num_warps, candidates=False)[0]
+
+
+def segment_candidates(scores: Tensor, k: int, segment: int, *, lengths: Tensor | None = None,
+                       radix: bool | None = None) -> tuple[Tensor, Tensor]:
+    """(columns [N, S·k] int64, scores [N, S·k] fp32): `segment_topk`'s spans side by side per row, each
+    span's top-k as columns of the row (col0 + local) with their scores, −1 / −∞ padded — stage 1 of
+    `topk_split` and its candidates in one launch. With `lengths`, spans past a row's length write
+    nothing (those positions hold any value): read only the first ⌈lengths[r] / segment⌉·k of row r."""
+    out, vals = _spans(scores, k, segment, lengths, radix, None, candidates=True)
+    return out.view(scores.shape[0], -1), vals.view(scores.shape[0], -1)
+
+
+def _spans(scores: Tensor, k: int, segment: int, lengths: Tensor | None, radix: bool | None, num_warps: int | None,
+           candidates: bool) -> tuple[Tensor, Tensor | None]:
+    """One launch of the spans kernel (`segment_topk`, or with `candidates` `segment_candidates`)."""
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise TypeError(f"select_topk_fused: want a 2-D fp32 score tensor, got {scores.dtype} {tuple(scores.shape)}")
     if k < 1:
@@ -255,22 +294,23 @@ def segment_topk(scores: Tensor, k: int, segment: int, *, lengths: Tensor | None
                          f"{lengths.dtype} {tuple(lengths.shape)} on {lengths.device}")
     segs = -(-E // segment) if E else 1
     out = torch.empty((N * segs, k), dtype=torch.int64, device=scores.device)
+    vals = torch.empty((N * segs, k), dtype=torch.float32, device=scores.device) if candidates else None
     if N == 0:
-        return out
+        return out, vals
     if E == 0:
-        return out.fill_(-1)
+        return out.fill_(-1), (vals.fill_(float("-inf")) if candidates else None)
     s = scores if scores.stride(1) == 1 else scores.contiguous()
     lens = s if lengths is None else lengths.contiguous()     # any pointer when HAS_LEN is off (never read)
     block, resident, warps = launch_blocks(segment)
-    args = (s, out, lens, E, segment, segs, k, s.stride(0), out.stride(0))
+    args = (s, out, out if vals is None else vals, lens, E, segment, segs, k, s.stride(0), out.stride(0))
+    flags = dict(HAS_LEN=lengths is not None, BLOCK=block, RESIDENT=resident, WBLOCK=min(block, WRITE_BLOCK),
+                 CAND=candidates)
     if radix_search() if radix is None else radix:
-        _topk_rows_radix_kernel[(N * segs,)](*args, HAS_LEN=lengths is not None, BLOCK=block, RESIDENT=resident,
-                                             WBLOCK=min(block, WRITE_BLOCK),
+        _topk_rows_radix_kernel[(N * segs,)](*args, **flags,
                                              num_warps=num_warps or radix_warps(block, resident, N * segs))
     else:
-        _topk_rows_kernel[(N * segs,)](*args, HAS_LEN=lengths is not None, BLOCK=block, RESIDENT=resident,
-                                       WBLOCK=min(block, WRITE_BLOCK), num_warps=num_warps or warps)
-    return out
+        _topk_rows_kernel[(N * segs,)](*args, **flags, num_warps=num_warps or warps)
+    return out, vals
 
 
 def radix_warps(block: int, resident: bool, rows: int) -> int:

@@ -5,10 +5,10 @@ result bit for bit, with the row spread over many programs.
 columns uses a handful of the GPU's multiprocessors.
 Here each row is cut into segments of SEGMENT columns:
 
-1. every segment's top-k by the fused kernel (N · S programs; ascending local columns, −1 padded);
-2. the segments' candidates side by side, segment after segment — so in column order — scored again
-   from the row, −∞ where a segment had fewer; their top-k by the fused kernel; the chosen positions
-   mapped back to columns.
+1. every segment's top-k by the fused kernel (N · S programs, one launch of `topk_select.segment_candidates`),
+   written as the segments' candidates side by side, segment after segment — so in column order —
+   each a column of the row with its score, −1 / −∞ where a segment had fewer;
+2. their top-k by the fused kernel; the chosen positions mapped back to columns.
 
 Why the result is the same: the contract ranks by (score descending, column ascending), a total
 order (−0 == +0 by the key; NaN excluded). An entry in the row's top-k is in its segment's top-k under
@@ -16,7 +16,7 @@ the same order, so stage 2 sees every entry it must choose, and its own tie brea
 is the lower column because the candidates lie in column order. Positions ascending are columns
 ascending, so the output row is sorted as the contract asks.
 
-Sizes: S = ⌈E / SEGMENT⌉ segments (stage 1 is one launch of `topk_select.segment_topk`, a program a
+Sizes: S = ⌈E / SEGMENT⌉ segments (stage 1 is one launch of `topk_select.segment_candidates`, a program a
 segment; the last segment reads only the columns below E), stage 2 has S · k columns; when that is
 still wider than the fused kernel takes, stage 2 is split again. Only worth it for few rows: a
 prefill chunk already fills the GPU with one program per row. Which calls take this path is the
@@ -74,10 +74,7 @@ def select_topk_split(scores: Tensor, k: int, *, segment: int = SEGMENT, lengths
     if N == 0 or E <= segment:
         return TS.select_topk_fused(scores, k, lengths=lengths)
     S = -(-E // segment)
-    local = TS.segment_topk(scores, k, segment, lengths=lengths).view(N, S, k)   # stage 1: one launch
-    start = torch.arange(0, S * segment, segment, device=scores.device).view(1, S, 1)
-    cols = torch.where(local >= 0, local + start, -1).view(N, S * k)
-    picked = scores.gather(1, cols.clamp(min=0)).masked_fill(cols < 0, float("-inf"))
+    cols, picked = TS.segment_candidates(scores, k, segment, lengths=lengths)   # stage 1 and its candidates
     live = None
     if lengths is not None:                           # candidates of the segments before each row's length
         live = (lengths.clamp(0, E) + segment - 1).div(segment, rounding_mode="floor") * k

@@ -266,6 +266,39 @@ if KERNEL_HERE:
                                                lengths=lens.cpu()), want)
             monkeypatch.undo()
 
+    @pytest.mark.parametrize("search", ["radix", "bisect"])
+    def test_kernel_case_segment_candidates_are_the_spans_as_row_columns(monkeypatch, search: str) -> None:
+        """`segment_candidates` == `segment_topk`'s local columns + each span's start, with the row's scores
+        there (raw bits: −0 stays −0), −1 / −∞ padded; with lengths, the candidates of the spans before
+        each length equal the unbounded ones of the length-masked row, and later spans write nothing
+        (their positions keep what the allocation held: −7 / 7.5 here)."""
+        from sglang_dsv41.kernels import topk_select as TS
+        monkeypatch.setenv(TS.SEARCH_ENV, search)
+        g = torch.Generator().manual_seed(23)
+        values = torch.tensor([-1.5, -0.0, 0.0, 0.25, 1.0, 3.0, INF, -INF])
+        N, E, k, seg = 3, 200, 6, 64
+        s = values[torch.randint(0, 8, (N, E), generator=g)].to(DEVICE)
+        cols, vals = TS.segment_candidates(s, k, seg)
+        local = TS.segment_topk(s, k, seg).view(N, -1, k)
+        start = torch.arange(0, local.shape[1] * seg, seg, device=DEVICE).view(1, -1, 1)
+        want = torch.where(local >= 0, local + start, -1).view(N, -1)
+        assert torch.equal(cols, want)
+        picked = s.gather(1, want.clamp(min=0)).masked_fill(want < 0, -INF)
+        assert torch.equal(vals.view(torch.int32), picked.view(torch.int32))
+        lens = torch.tensor([0, 65, 200], device=DEVICE)
+        masked = s.masked_fill(torch.arange(E, device=DEVICE)[None, :] >= lens[:, None], -INF)
+        full_cols, full_vals = TS.segment_candidates(masked, k, seg)
+        empty = torch.empty
+        monkeypatch.setattr(torch, "empty", lambda *a, dtype=None, **kw: empty(*a, dtype=dtype, **kw).fill_(
+            -7 if dtype == torch.int64 else 7.5))
+        got_cols, got_vals = TS.segment_candidates(s, k, seg, lengths=lens)
+        monkeypatch.undo()
+        for r, n in enumerate(lens.tolist()):
+            live = -(-n // seg) * k
+            assert torch.equal(got_cols[r, :live], full_cols[r, :live])
+            assert torch.equal(got_vals[r, :live].view(torch.int32), full_vals[r, :live].view(torch.int32))
+            assert bool((got_cols[r, live:] == -7).all()) and bool((got_vals[r, live:] == 7.5).all())
+
     def test_kernel_case_input_checks() -> None:
         q, w, keys, slots, token_req, n_visible = packed_case(2, 64, seed=3, shuffle=False)
         holed = slots.clone()
@@ -484,17 +517,18 @@ if not K.INTERPRETED:
         with no register spills and at most 128 registers a thread (the write pass once held 255 and
         spilled: one program per multiprocessor at prefill; docs/performance.md, session 19), with row
         lengths; a whole row a program (SEGS = 1, which the launcher specialises) or, at the two stages'
-        segment width, a span a program (SEGS a runtime value)."""
+        segment width, a span a program (SEGS a runtime value) writing the two stages' candidates."""
         from sglang_dsv41.kernels import topk_select as TS
         from sglang_dsv41.kernels import topk_split as TSPLIT
         assert not spans or E == TSPLIT.SEGMENT                  # spans are launched at the segment width only
         block, resident, warps = TS.launch_blocks(E)
         kern = TS._topk_rows_radix_kernel if search == "radix" else TS._topk_rows_kernel
         warps = TS.radix_warps(block, resident, rows) if search == "radix" else warps
-        consts = dict(BLOCK=block, RESIDENT=resident, WBLOCK=min(block, TS.WRITE_BLOCK), HAS_LEN=True)
+        consts = dict(BLOCK=block, RESIDENT=resident, WBLOCK=min(block, TS.WRITE_BLOCK), HAS_LEN=True, CAND=spans)
         if not spans:
             consts["SEGS"] = 1
-        sig = {n: "constexpr" if n in consts else {"s_ptr": "*fp32", "out_ptr": "*i64", "len_ptr": "*i64"}.get(n, "i32")
+        sig = {n: "constexpr" if n in consts else {"s_ptr": "*fp32", "out_ptr": "*i64", "len_ptr": "*i64",
+                                                   "val_ptr": "*fp32"}.get(n, "i32")
                for n in kern.arg_names}
         _, usage = compile_for_sm90(kern, sig, consts, {"num_warps": warps})
         assert no_spills(usage), usage
