@@ -25,22 +25,27 @@ from .fused_elementwise import _launch_options, _pow2_at_least, check_device
 
 #: entries per program of the entry table
 TABLE_BLOCK = 512
+#: programs per request of an unfilled entry table (each loops over every UNFILLED_PROGRAMS-th block)
+UNFILLED_PROGRAMS = 16
 #: queries per step of the counting pass (a histogram) and tiles per step of the owner search
 LANES = 1024
 
 
 @triton.jit
-def _entry_table_kernel(table_ptr, table_stride, max_context, rows_ptr, n_ptr, out_ptr, width, ratio,
+def _entry_table_kernel(table_ptr, table_stride, max_context, rows_ptr, n_ptr, out_ptr, width, ratio, programs,
                         BLOCK: tl.constexpr, FILL: tl.constexpr):
-    """FILL: −1 at j ≥ n_entries; else those columns are not written."""
+    """Program (r, p) writes blocks p, p + programs, … of row r: every block (FILL: −1 at j ≥ n_entries),
+    else only the blocks below n_entries, the columns past it not written."""
     r = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    live = j < width
     n = tl.load(n_ptr + r)
     row = tl.load(rows_ptr + r).to(tl.int64)
-    pos = tl.minimum(j * ratio + ratio - 1, max_context - 1)
-    slot = tl.load(table_ptr + row * table_stride + pos, mask=live & (j < n), other=0).to(tl.int64)
-    tl.store(out_ptr + r * width + j, tl.where(j < n, slot // ratio, -1), mask=live if FILL else live & (j < n))
+    blocks = tl.cdiv(width if FILL else tl.minimum(n, width), BLOCK)
+    for b in range(tl.program_id(1), blocks, programs):
+        j = (b * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        live = j < width
+        pos = tl.minimum(j * ratio + ratio - 1, max_context - 1)
+        slot = tl.load(table_ptr + row * table_stride + pos, mask=live & (j < n), other=0).to(tl.int64)
+        tl.store(out_ptr + r * width + j, tl.where(j < n, slot // ratio, -1), mask=live if FILL else live & (j < n))
 
 
 @triton.jit
@@ -100,8 +105,11 @@ def entry_index_table(req_to_token: Tensor, req_rows: Tensor, n_entries: Tensor,
     out = torch.empty(R, width, dtype=torch.int64, device=req_rows.device)
     if R and width:
         table = req_to_token if req_to_token.stride(1) == 1 else req_to_token.contiguous()
-        _entry_table_kernel[(R, triton.cdiv(width, TABLE_BLOCK))](
-            table, table.stride(0), table.shape[1], req_rows, n_entries.to(torch.int64), out, width, ratio,
+        programs = triton.cdiv(width, TABLE_BLOCK)
+        if not fill:                  # a request's entries, not the width: a few programs loop over them
+            programs = min(programs, UNFILLED_PROGRAMS)
+        _entry_table_kernel[(R, programs)](
+            table, table.stride(0), table.shape[1], req_rows, n_entries.to(torch.int64), out, width, ratio, programs,
             BLOCK=TABLE_BLOCK, FILL=fill, **_launch_options())
     return out
 

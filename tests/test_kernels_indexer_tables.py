@@ -57,19 +57,21 @@ if KERNEL_HERE:
 
     def test_kernel_case_unfilled_entry_table_writes_the_entries_only(monkeypatch) -> None:
         """`fill=False`: the entries j < n_entries[r] as filled, every later column left as allocated
-        (the allocation is made to hold −7 here)."""
+        (the allocation is made to hold −7 here), whether a program writes one block or loops over several."""
         g = torch.Generator().manual_seed(9)
         table = torch.randint(2, 1 << 20, (4, 1200), generator=g, dtype=torch.int32).to(DEVICE)
         req_rows = torch.tensor([3, 0, 2], device=DEVICE)
         n_entries = torch.tensor([1100, 5, 0], device=DEVICE)
         filled = IT.entry_index_table(table, req_rows, n_entries, 1, 1100)
-        empty = torch.empty
-        monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(-7))
-        got = EI.entry_index_table(table, req_rows, n_entries, 1, 1100, fill=False)
-        monkeypatch.undo()
         entry = torch.arange(1100, device=DEVICE)[None, :] < n_entries[:, None]
-        assert torch.equal(got[entry], filled[entry])
-        assert bool((got[~entry] == -7).all()) and int((~entry).sum()) > 1000
+        empty = torch.empty
+        for programs in (1, 16):                  # one program looping over a row's blocks; one a block
+            monkeypatch.setattr(IT, "UNFILLED_PROGRAMS", programs)
+            monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(-7))
+            got = EI.entry_index_table(table, req_rows, n_entries, 1, 1100, fill=False)
+            monkeypatch.undo()
+            assert torch.equal(got[entry], filled[entry])
+            assert bool((got[~entry] == -7).all()) and int((~entry).sum()) > 1000
 
     def test_kernel_case_query_tiles() -> None:
         _check_tiles([1] * 7, 1, False, 0)                                # decode
