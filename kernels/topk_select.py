@@ -117,8 +117,21 @@ def _topk_rows_kernel(s_ptr, out_ptr, val_ptr, len_ptr, W, SEG_W, SEGS, K, strid
                       HAS_LEN: tl.constexpr, BLOCK: tl.constexpr, RESIDENT: tl.constexpr, WBLOCK: tl.constexpr,
                       CAND: tl.constexpr):
     """One span per program (module doc). RESIDENT (SEG_W ≤ BLOCK): the span is loaded once and every
-    counting pass runs on registers. CAND: `_write_selected`'s candidates."""
+    counting pass runs on registers. CAND: `_write_selected`'s candidates; with HAS_LEN a span past its
+    row's length (E = 0) does nothing (stage 2 of `topk_split` reads the spans before the length only)."""
     pid, base, E, col0 = _row_span(s_ptr, len_ptr, W, SEG_W, SEGS, stride_s, HAS_LEN)
+    obase, vbase = out_ptr + pid * stride_o, val_ptr + pid * stride_o
+    if CAND and HAS_LEN:
+        if E > 0:
+            _rank_span_bisect(base, obase, vbase, col0, E, K, BLOCK, RESIDENT, WBLOCK, CAND)
+    else:
+        _rank_span_bisect(base, obase, vbase, col0, E, K, BLOCK, RESIDENT, WBLOCK, CAND)
+
+
+@triton.jit
+def _rank_span_bisect(base, obase, vbase, col0, E, K, BLOCK: tl.constexpr, RESIDENT: tl.constexpr,
+                      WBLOCK: tl.constexpr, CAND: tl.constexpr):
+    """The bisection search and the write pass of one span (`_topk_rows_kernel`)."""
     offs = tl.arange(0, BLOCK)
     s_res = tl.load(base + offs, mask=offs < E, other=float("-inf")) if RESIDENT else tl.zeros([BLOCK], tl.float32)
     zero = tl.full([], 0, tl.int64)
@@ -128,8 +141,8 @@ def _topk_rows_kernel(s_ptr, out_ptr, val_ptr, len_ptr, W, SEG_W, SEGS, K, strid
         cand = thr | (tl.full([], 1, tl.int64) << (31 - i))
         thr = tl.where(_count_at_least(base, E, cand, s_res, offs, BLOCK, RESIDENT) >= take, cand, thr)
     need_eq = take - _count_at_least(base, E, thr + 1, s_res, offs, BLOCK, RESIDENT)   # equal keys to take
-    _write_span(base, out_ptr + pid * stride_o, val_ptr + pid * stride_o, col0, E, K, thr.to(tl.uint32),
-                take.to(tl.int32), need_eq.to(tl.int32), WBLOCK, CAND, HAS_LEN)   # `_ukey32`'s key on allowed scores
+    _write_selected(base, obase, vbase, col0, E, K, thr.to(tl.uint32), take.to(tl.int32), need_eq.to(tl.int32),
+                    WBLOCK, CAND)                        # the same key as `_ukey32` on allowed scores
 
 
 @triton.jit
@@ -214,25 +227,26 @@ def _write_selected(base, obase, vbase, col0, E, K, thr, take, need_eq, WBLOCK: 
 
 
 @triton.jit
-def _write_span(base, obase, vbase, col0, E, K, thr, take, need_eq, WBLOCK: tl.constexpr, CAND: tl.constexpr,
-                HAS_LEN: tl.constexpr):
-    """`_write_selected`, except for candidates of a span past its row's length (E = 0), which write
-    nothing: stage 2 of `topk_split` reads the candidates of the spans before the length only."""
-    if CAND and HAS_LEN:
-        if E > 0:
-            _write_selected(base, obase, vbase, col0, E, K, thr, take, need_eq, WBLOCK, CAND)
-    else:
-        _write_selected(base, obase, vbase, col0, E, K, thr, take, need_eq, WBLOCK, CAND)
-
-
-@triton.jit
 def _topk_rows_radix_kernel(s_ptr, out_ptr, val_ptr, len_ptr, W, SEG_W, SEGS, K, stride_s, stride_o,
                             HAS_LEN: tl.constexpr, BLOCK: tl.constexpr, RESIDENT: tl.constexpr,
                             WBLOCK: tl.constexpr, CAND: tl.constexpr):
     """`_topk_rows_kernel`'s result from four 8-bit digit histograms of uint32 keys instead of 34
     counting passes (module doc "Radix"); a resident span is held as its keys only. A span with at
-    most K allowed columns takes them all after the first histogram (threshold 0)."""
+    most K allowed columns takes them all after the first histogram (threshold 0). CAND and HAS_LEN:
+    as `_topk_rows_kernel`."""
     pid, base, E, col0 = _row_span(s_ptr, len_ptr, W, SEG_W, SEGS, stride_s, HAS_LEN)
+    obase, vbase = out_ptr + pid * stride_o, val_ptr + pid * stride_o
+    if CAND and HAS_LEN:
+        if E > 0:
+            _rank_span_radix(base, obase, vbase, col0, E, K, BLOCK, RESIDENT, WBLOCK, CAND)
+    else:
+        _rank_span_radix(base, obase, vbase, col0, E, K, BLOCK, RESIDENT, WBLOCK, CAND)
+
+
+@triton.jit
+def _rank_span_radix(base, obase, vbase, col0, E, K, BLOCK: tl.constexpr, RESIDENT: tl.constexpr,
+                     WBLOCK: tl.constexpr, CAND: tl.constexpr):
+    """The digit search and the write pass of one span (`_topk_rows_radix_kernel`)."""
     offs = tl.arange(0, BLOCK)
     if RESIDENT:
         u_res = _ukey32(tl.load(base + offs, mask=offs < E, other=float("-inf")))
@@ -248,8 +262,7 @@ def _topk_rows_radix_kernel(s_ptr, out_ptr, val_ptr, len_ptr, W, SEG_W, SEGS, K,
         for shift in range(16, -1, -8):                  # a loop, not unrolled: fewer live registers
             hist = _digit_histogram(base, E, thr, shift, u_res, offs, BLOCK, RESIDENT, False)
             thr, need = _next_digit(hist, need, thr, shift)
-    _write_span(base, out_ptr + pid * stride_o, val_ptr + pid * stride_o, col0, E, K, thr, take, need, WBLOCK,
-                CAND, HAS_LEN)
+    _write_selected(base, obase, vbase, col0, E, K, thr, take, need, WBLOCK, CAND)
 
 
 def select_topk_fused(scores: Tensor, k: int, *, lengths: Tensor | None = None, radix: bool | None = None,

@@ -2,7 +2,9 @@
 # H100 or H200, device calls on one warm machine (issue 21, session 44). Run from the checkout root with `.gpu`
 # carried:
 #   STEPS="attn tests" BUDGET=480 bash scripts/gpu/session44.sh
-#   STEPS="width profile" BUDGET=480 bash scripts/gpu/session44.sh
+#   STEPS="tests width profile" BUDGET=500 bash scripts/gpu/session44.sh
+#   TESTS="tests/test_kernels_indexer.py tests/test_runtime_cuda_graph_gpu.py" STEPS="tests width profile" \
+#     BUDGET=420 bash scripts/gpu/session44.sh
 # Steps (STEPS, in this order by default):
 #   attn     benchmarks/attention_prefill.py at the 8K Flash prefill shape: the `wide` kernel as served, its
 #            launch configurations, and P·V in one product (`wide_pv_bf16`: P rounded to BF16, FlashMLA's
@@ -14,7 +16,7 @@
 #   width    benchmarks/model_step.py, 4 Flash-width layers, requests of 8K tokens, N = 1 / 64 / 256, tables
 #            8K / 64K / 256K / 1M wide (session 43's `width` step: the 1M / 8K ratio against session 43's)
 #   profile  the same at N = 1 / 256, tables 8K and 1M, each graph's replays traced
-# Results: $OUT/summary.txt, $OUT/tests.xml, $OUT/attn/attention_prefill.json, $OUT/model_step_*/model_step.json.
+# TESTS overrides the test files. Results: $OUT/summary.txt, $OUT/tests.xml, $OUT/attn/attention_prefill.json, $OUT/model_step_*/model_step.json.
 set -uo pipefail
 # shellcheck source=scripts/gpu/lib.sh
 source "$(dirname "$0")/lib.sh"
@@ -29,8 +31,8 @@ for step in ${STEPS:-attn tests}; do
       grep -E "^(bf16|wide)" "$OUT/logs/attn.log" | cut -c1-200 | tee -a "$SUMMARY" ;;
     tests)
       timeout -s INT -k 10 "$(cap 300)" python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml "$OUT/tests.xml" \
-        tests/test_kernels_indexer.py tests/test_kernels_indexer_tables.py tests/test_kernels_sparse_attention_prefill.py \
-        tests/test_runtime_cuda_graph_gpu.py >"$OUT/logs/tests.log" 2>&1
+        ${TESTS:-tests/test_kernels_indexer.py tests/test_kernels_indexer_tables.py \
+        tests/test_kernels_sparse_attention_prefill.py tests/test_runtime_cuda_graph_gpu.py} >"$OUT/logs/tests.log" 2>&1
       tests_result gpu_tests "$OUT/tests.xml" $?
       grep -E "passed|failed|Error" "$OUT/logs/tests.log" | tail -6 | cut -c1-300 | tee -a "$SUMMARY" ;;
     width)
