@@ -50,7 +50,11 @@ BLOCK_N = 64
 class PrefillAttentionConfig:
     """Launch parameters: `block_h` heads per program (a power of two ≥ 16), Triton's `num_warps` /
     `num_stages`, `num_splits` key-tile splits per query (1..MAX_SPLITS; > 1: flash-decoding, each
-    split's partial state merged by `sparse_attention`'s merge kernel)."""
+    split's partial state merged by `sparse_attention`'s merge kernel), and `pv`, the P·V numerics:
+    `split` (P as a BF16 high part + remainder, two products; the default), `fp16` (P and the key
+    tile in FP16, one product: P to 2⁻¹¹ relative, within the serving bound; the sink added after the
+    loop), `bf16` (P rounded to BF16, one product: FlashMLA's numerics, below the serving contract — a
+    timing bound for benchmarks, never served). Measured: docs/performance.md "Session 44"."""
 
     block_h: int
     num_warps: int
@@ -58,9 +62,6 @@ class PrefillAttentionConfig:
     num_splits: int = 1
     pv: str = "split"
 
-    #: P·V numerics: `split` (P as a BF16 high part + remainder, two products: the contract's default),
-    #: `fp16` (P and the key tile in FP16, one product: P to 2⁻¹¹ relative), `bf16` (P rounded to BF16, one
-    #: product: FlashMLA's numerics, below the serving contract — a timing bound, not a serving choice)
     PV_MODES = {"split": 0, "fp16": 1, "bf16": 2}
 
     def __post_init__(self) -> None:
