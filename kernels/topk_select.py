@@ -119,11 +119,30 @@ def _topk_rows_kernel(s_ptr, out_ptr, val_ptr, len_ptr, W, SEG_W, SEGS, K, strid
     """One span per program (module doc). RESIDENT (SEG_W ≤ BLOCK): the span is loaded once and every
     counting pass runs on registers. CAND: `_write_selected`'s candidates; with HAS_LEN a span past its
     row's length (E = 0) does nothing (stage 2 of `topk_split` reads the spans before the length only)."""
+    _program_span(s_ptr, out_ptr, val_ptr, len_ptr, W, SEG_W, SEGS, K, stride_s, stride_o, HAS_LEN, BLOCK, RESIDENT,
+                  WBLOCK, CAND, False)
+
+
+@triton.jit
+def _program_span(s_ptr, out_ptr, val_ptr, len_ptr, W, SEG_W, SEGS, K, stride_s, stride_o, HAS_LEN: tl.constexpr,
+                  BLOCK: tl.constexpr, RESIDENT: tl.constexpr, WBLOCK: tl.constexpr, CAND: tl.constexpr,
+                  RADIX: tl.constexpr):
+    """This program's span ranked by the digit search (RADIX) or the bisection, or nothing for a
+    candidates span past its row's length."""
     pid, base, E, col0 = _row_span(s_ptr, len_ptr, W, SEG_W, SEGS, stride_s, HAS_LEN)
     obase, vbase = out_ptr + pid * stride_o, val_ptr + pid * stride_o
     if CAND and HAS_LEN:
         if E > 0:
-            _rank_span_bisect(base, obase, vbase, col0, E, K, BLOCK, RESIDENT, WBLOCK, CAND)
+            _rank_span(base, obase, vbase, col0, E, K, BLOCK, RESIDENT, WBLOCK, CAND, RADIX)
+    else:
+        _rank_span(base, obase, vbase, col0, E, K, BLOCK, RESIDENT, WBLOCK, CAND, RADIX)
+
+
+@triton.jit
+def _rank_span(base, obase, vbase, col0, E, K, BLOCK: tl.constexpr, RESIDENT: tl.constexpr, WBLOCK: tl.constexpr,
+               CAND: tl.constexpr, RADIX: tl.constexpr):
+    if RADIX:
+        _rank_span_radix(base, obase, vbase, col0, E, K, BLOCK, RESIDENT, WBLOCK, CAND)
     else:
         _rank_span_bisect(base, obase, vbase, col0, E, K, BLOCK, RESIDENT, WBLOCK, CAND)
 
@@ -234,13 +253,8 @@ def _topk_rows_radix_kernel(s_ptr, out_ptr, val_ptr, len_ptr, W, SEG_W, SEGS, K,
     counting passes (module doc "Radix"); a resident span is held as its keys only. A span with at
     most K allowed columns takes them all after the first histogram (threshold 0). CAND and HAS_LEN:
     as `_topk_rows_kernel`."""
-    pid, base, E, col0 = _row_span(s_ptr, len_ptr, W, SEG_W, SEGS, stride_s, HAS_LEN)
-    obase, vbase = out_ptr + pid * stride_o, val_ptr + pid * stride_o
-    if CAND and HAS_LEN:
-        if E > 0:
-            _rank_span_radix(base, obase, vbase, col0, E, K, BLOCK, RESIDENT, WBLOCK, CAND)
-    else:
-        _rank_span_radix(base, obase, vbase, col0, E, K, BLOCK, RESIDENT, WBLOCK, CAND)
+    _program_span(s_ptr, out_ptr, val_ptr, len_ptr, W, SEG_W, SEGS, K, stride_s, stride_o, HAS_LEN, BLOCK, RESIDENT,
+                  WBLOCK, CAND, True)
 
 
 @triton.jit

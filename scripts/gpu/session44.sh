@@ -13,9 +13,9 @@
 #   tests    the GPU tests of the changed kernels: the indexer and its tables (kernel cases compiled: the unfilled scores and tables,
 #            the bounded rankings), the prefill attention (the fp16 P·V at the Flash shape) and decode graph
 #            replay == eager (static layouts now leave the scores past visibility unwritten)
-#   width    benchmarks/model_step.py, 4 Flash-width layers, requests of 8K tokens, N = 1 / 64 / 256, tables
-#            8K / 64K / 256K / 1M wide (session 43's `width` step: the 1M / 8K ratio against session 43's)
-#   profile  the same at N = 1 / 256, tables 8K and 1M, each graph's replays traced
+#   width    session43.sh's `width` step: benchmarks/model_step.py, 4 Flash-width layers, requests of 8K tokens,
+#            N = 1 / 64 / 256, tables 8K / 64K / 256K / 1M wide (the 1M / 8K ratio against session 43's)
+#   profile  session43.sh's `profile` step: the same at N = 1 / 256, tables 8K and 1M, each graph's replays traced
 # TESTS overrides the test files. Results: $OUT/summary.txt, $OUT/tests.xml, $OUT/attn/attention_prefill.json, $OUT/model_step_*/model_step.json.
 set -uo pipefail
 # shellcheck source=scripts/gpu/lib.sh
@@ -35,12 +35,8 @@ for step in ${STEPS:-attn tests}; do
         tests/test_kernels_sparse_attention_prefill.py tests/test_runtime_cuda_graph_gpu.py} >"$OUT/logs/tests.log" 2>&1
       tests_result gpu_tests "$OUT/tests.xml" $?
       grep -E "passed|failed|Error" "$OUT/logs/tests.log" | tail -6 | cut -c1-300 | tee -a "$SUMMARY" ;;
-    width)
-      MODEL_STEP_EXTRA="--modes on --table-width ${WIDTHS:-8192 65536 262144 1048576}" \
-        model_step width "${WIDTH_BATCHES:-1 64 256}" "${CAP_WIDTH:-200}" | cut -c1-400 | tee -a "$SUMMARY" ;;
-    profile)
-      MODEL_STEP_EXTRA="--modes on --profile --table-width 8192 1048576" \
-        model_step profile "${PROFILE_BATCHES:-1 256}" "${CAP_PROFILE:-200}" | cut -c1-600 | tee -a "$SUMMARY" ;;
+    width|profile)    # session 43's steps (bounded rankings, its default) on this checkout's code
+      STEPS=$step BUDGET=$(left 5) bash "$(dirname "$0")/session43.sh" ;;
     *) echo "unknown step $step" ;;
   esac
 done
