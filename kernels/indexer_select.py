@@ -67,16 +67,16 @@ def topk_method(cuda: bool = False) -> str:
 
 def select_topk(scores: Tensor, k: int, *, check_nan: bool = True, max_chunk_elements: int = 1 << 24,
                 method: str | None = None, lengths: Tensor | None = None) -> Tensor:
-    """[N, k] int64: per row the min(k, #finite-or-+∞) columns with the largest scores, ties →
-    lower column (−0 == +0), sorted ascending, −1 padded — `top_k_lower_index_on_ties` with
-    allowed = (score > −∞). NaN raises (one host sync; with `lengths`, NaN before a row's length) unless `check_nan=False` (then the caller
-    guarantees none, e.g. inside a CUDA graph). `method` (default `topk_method(scores.is_cuda)`):
-    "fused" ranks rows of ≤ `topk_select.FUSED_MAX_ENTRIES` columns in one Triton launch, same result
-    (few rows past its width in two stages, `kernels.topk_split`, as SGLANG_DSV41_TOPK_SPLIT picks).
-    `lengths` [N] (integer, the scores' device): columns ≥ lengths[r] of row r are not allowed, whatever
-    their scores. The fused kernels then read none of them, so a row costs its length, not E (a CUDA
-    graph's static width; `topk_select` "Spans"): rows past the fused kernel's width go to the two
-    stages when few, else to the fused kernel, never to the torch path."""
+    """[N, k] int64: per row the min(k, #finite-or-+∞) columns with the largest scores, ties → lower column (−0 ==
+    +0), sorted ascending, −1 padded — `top_k_lower_index_on_ties` with allowed = (score > −∞). NaN raises (one
+    host sync; with `lengths`, NaN before a row's length) unless `check_nan=False` (then the caller guarantees
+    none, e.g. inside a CUDA graph). `method` (default `topk_method(scores.is_cuda)`): "fused" ranks rows of ≤
+    `topk_select.FUSED_MAX_ENTRIES` columns in one Triton launch, same result (few rows past its width in two
+    stages, `kernels.topk_split`, as SGLANG_DSV41_TOPK_SPLIT picks). `lengths` [N] (integer, the scores'
+    device): columns ≥ lengths[r] of row r are not allowed, whatever their scores. The fused kernels then read
+    none of them, so a row costs its length, not E (a CUDA graph's static width; `topk_select` "Spans"): rows
+    past the fused kernel's width go to the two stages when few, else to the fused kernel, never to the torch
+    path."""
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise TypeError(f"select_topk: want a 2-D fp32 score tensor, got {scores.dtype} {tuple(scores.shape)}")
     if k < 1:

@@ -208,14 +208,13 @@ def _next_digit(hist, need, thr, shift):
 
 @triton.jit
 def _write_selected(base, obase, vbase, col0, E, K, thr, take, need_eq, WBLOCK: tl.constexpr, CAND: tl.constexpr):
-    """The write pass (module doc), on uint32 keys: in column order, every allowed column with key >
-    thr and the first `need_eq` with key == thr, at its rank among the chosen; then −1 from `take` to
-    K − 1. CAND (`segment_candidates`): the column written is col0 + local, and its score goes to
-    `vbase` at the same rank (−∞ from `take` on). In chunks of WBLOCK columns read again (a resident row too: a scan over the whole row
-    would cost it its registers), one scan per chunk: the greater keys counted in the low 16 bits
-    and the equal ones in the high 16 (WBLOCK < 65,536), so a chosen column's rank is #greater so
-    far + min(#equal so far, need_eq). thr > 0 or need_eq = 0, so the disallowed columns (key 0)
-    are never chosen."""
+    """The write pass (module doc), on uint32 keys: in column order, every allowed column with key > thr and the
+    first `need_eq` with key == thr, at its rank among the chosen; then −1 from `take` to K − 1. CAND
+    (`segment_candidates`): the column written is col0 + local, and its score goes to `vbase` at the same rank
+    (−∞ from `take` on). In chunks of WBLOCK columns read again (a resident row too: a scan over the whole row
+    would cost it its registers), one scan per chunk: the greater keys counted in the low 16 bits and the equal
+    ones in the high 16 (WBLOCK < 65,536), so a chosen column's rank is #greater so far + min(#equal so far,
+    need_eq). thr > 0 or need_eq = 0, so the disallowed columns (key 0) are never chosen."""
     offs = tl.arange(0, WBLOCK)
     gt_seen = tl.full([], 0, tl.int32)
     eq_seen = tl.full([], 0, tl.int32)
