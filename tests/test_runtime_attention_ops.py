@@ -285,6 +285,29 @@ def test_prefill_workspace_rules() -> None:
     assert rows.tolist() == [[0, 3, -1], [10, -1, -1], [8, 9, 13]]
 
 
+def test_entry_tables_are_built_once_and_whole_where_a_workspace_reads_them() -> None:
+    """`KernelAttentionOps.entry_table`: one build per ratio and forward for each kind; a whole table (every
+    column written) serves partial readers too, a partial one never a whole reader (which builds its own)."""
+    fills: list[bool] = []
+
+    def table(req_to_token, req_rows, n_entries, ratio, width, fill=True):
+        fills.append(fill)
+        return kernel_entry_index.entry_index_table(req_to_token, req_rows, n_entries, ratio, width)
+    ops = attention_ops.KernelAttentionOps(SimpleNamespace(), SimpleNamespace(),
+                                           entry_index=SimpleNamespace(entry_index_table=table))
+    layout = SimpleNamespace(req_to_token=torch.arange(32).view(2, 16), req_rows=torch.tensor([1, 0]),
+                             seq_lens=torch.tensor([9, 4]))
+    tables: dict = {}
+    partial = ops.entry_table(layout, 2, 8, tables, whole=False)
+    assert ops.entry_table(layout, 2, 8, tables, whole=False) is partial and fills == [False]
+    whole = ops.entry_table(layout, 2, 8, tables, whole=True)
+    assert whole is not partial and fills == [False, True]
+    assert ops.entry_table(layout, 2, 8, tables, whole=False) is whole                 # the whole one serves
+    assert ops.entry_table(layout, 1, 16, {}, whole=True).shape == (2, 16) and fills == [False, True, True]
+    assert torch.equal(whole, kernel_entry_index.entry_index_table(layout.req_to_token, layout.req_rows,
+                                                                   layout.seq_lens // 2, 2, 8))
+
+
 def test_key_workspace_rule_and_rows(monkeypatch) -> None:
     """`attention_prefill.key_workspace_applies`: `bf16` (the default) under the workspace size rule,
     never `packed`, a bad choice raises; `key_workspace`: row b·width + j holds the decoded key of

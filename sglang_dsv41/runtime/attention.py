@@ -72,8 +72,10 @@ class ForwardScratch:
     #: graph cannot copy host tensors to the device); filled on first use when not given.
     inv_freq: dict[int, Tensor] = field(default_factory=dict)
     #: The batch's entry-index table per compress ratio (CUDA indexer), built by the first
-    #: indexer layer of that ratio in this forward and reused by the others.
-    entry_tables: dict[int, Tensor] = field(default_factory=dict)
+    #: indexer layer of that ratio in this forward and reused by the others; key `ratio` for a table
+    #: with every column written, `(ratio, "entries")` for one written up to each request's entries
+    #: (`KernelAttentionOps.entry_table`).
+    entry_tables: dict = field(default_factory=dict)
     #: BF16 workspaces of decoded compressed entries per kv source (CUDA serving prefill:
     #: `attention_prefill`), made by the first layer reading that source in this forward.
     workspaces: dict[int, Tensor] = field(default_factory=dict)

@@ -133,10 +133,26 @@ class AttentionOps(Protocol):
     def prefill_workspace(self, layout: BatchLayout, packed: PackedSourceRows, source: int, ratio: int,
                           selection: Tensor, scratch, swa_slots: Tensor | None = None) -> object | None: ...
 
+    def entry_table(self, layout: BatchLayout, ratio: int, width: int, tables: dict | None, *, whole: bool) -> Tensor:
+        """The forward's entry-index table of `ratio`, built once and kept in `tables` (the forward's
+        cache: indexer layers and workspaces of a ratio share it). `whole`: every column written (−1 past
+        a request's entries), as a workspace that decodes them all needs; else the columns past
+        n_entries may be left unwritten (`entry_index_table(fill=False)`: a CUDA-graph layout's table is
+        as wide as the served context). A whole table serves both; a partial one only partial readers."""
+        table = None if tables is None else tables.get(ratio)
+        if table is None and not whole and tables is not None:
+            table = tables.get((ratio, "entries"))
+        if table is None:
+            table = self.entry_index.entry_index_table(layout.req_to_token, layout.req_rows,
+                                                       layout.seq_lens // ratio, ratio, width, fill=whole)
+            if tables is not None:
+                tables[ratio if whole else (ratio, "entries")] = table
+        return table
+
     def select(self, be: ComputeBackend, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str,
                x: Tensor, q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
                act_quant: bool, published: Tensor | None,
-               entry_tables: dict[int, Tensor] | None = None,
+               entry_tables: dict | None = None,
                query_tiles: dict | None = None,
                key_workspaces: dict | None = None) -> tuple[Tensor, Tensor | None]: ...
 
@@ -328,10 +344,7 @@ class KernelAttentionOps:
             return None
         rows = scratch.workspaces.get(source)
         if rows is None:
-            table = scratch.entry_tables.get(ratio)
-            if table is None:
-                table = scratch.entry_tables[ratio] = self.entry_index.entry_index_table(
-                    layout.req_to_token, layout.req_rows, layout.seq_lens // ratio, ratio, width)
+            table = self.entry_table(layout, ratio, width, scratch.entry_tables, whole=True)
             rows = scratch.workspaces[source] = AP.latent_workspace(packed.latent_rows, packed.source.latent,
                                                                     packed.layout.head_dim, table)
         comp_rows = AP.workspace_rows(layout.token_req, selection, width)
@@ -344,10 +357,26 @@ class KernelAttentionOps:
             return FM.prefill_inputs(rows, layout.token_req, layout.starts, swa_slots, comp_rows)
         return rows, comp_rows
 
+    def entry_table(self, layout: BatchLayout, ratio: int, width: int, tables: dict | None, *, whole: bool) -> Tensor:
+        """The forward's entry-index table of `ratio`, built once and kept in `tables` (the forward's
+        cache: indexer layers and workspaces of a ratio share it). `whole`: every column written (−1 past
+        a request's entries), as a workspace that decodes them all needs; else the columns past
+        n_entries may be left unwritten (`entry_index_table(fill=False)`: a CUDA-graph layout's table is
+        as wide as the served context). A whole table serves both; a partial one only partial readers."""
+        table = None if tables is None else tables.get(ratio)
+        if table is None and not whole and tables is not None:
+            table = tables.get((ratio, "entries"))
+        if table is None:
+            table = self.entry_index.entry_index_table(layout.req_to_token, layout.req_rows,
+                                                       layout.seq_lens // ratio, ratio, width, fill=whole)
+            if tables is not None:
+                tables[ratio if whole else (ratio, "entries")] = table
+        return table
+
     def select(self, be: ComputeBackend, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str,
                x: Tensor, q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
                act_quant: bool, published: Tensor | None,
-               entry_tables: dict[int, Tensor] | None = None,
+               entry_tables: dict | None = None,
                query_tiles: dict | None = None,
                key_workspaces: dict | None = None) -> tuple[Tensor, Tensor | None]:
         """Whole batch: compressed position j of request r is packed entry slot(j·ratio + ratio − 1)
@@ -363,7 +392,7 @@ class KernelAttentionOps:
         told each query's visible count (`select_for_role(bounded=True)`) and read no column past
         it, so the scoring kernel leaves the later tiles unwritten (`fill_invisible=False`; the
         candidate-block keys past a row's visible blocks are masked before their ranking), and so
-        does the entry table past each request's entries unless a workspace reads them. The
+        does the entry table past each request's entries unless a workspace reads them (`entry_table`). The
         candidate-block keys still scale with the static width (docs/runtime.md "CUDA-graph padding").
         `query_tiles`: the forward's cache of the scoring kernel's query tiles (`ForwardScratch`),
         one per query chunk, shared by every indexer layer (`index_scores(tile_cache=)`).
@@ -379,15 +408,8 @@ class KernelAttentionOps:
         N = layout.num_tokens
         bounded = layout.static and self.bounded_static
         key_workspace = AP.key_workspace_applies(self.prefill_keys, N, layout.num_requests, width)
-        entry_table = None if entry_tables is None else entry_tables.get(ratio)
-        if entry_table is None:       # one table per ratio and forward: indexer layers of a ratio share it
-            # bounded, with no workspace (which decodes every column) in this forward: the scores read
-            # j < n_visible ≤ n_entries only, so the columns past n_entries are left unwritten
-            whole = not bounded or key_workspace or AP.applies(self.prefill, N, layout.num_requests, width)
-            entry_table = self.entry_index.entry_index_table(layout.req_to_token, layout.req_rows,
-                                                             layout.seq_lens // ratio, ratio, width, fill=whole)
-            if entry_tables is not None:
-                entry_tables[ratio] = entry_table
+        # bounded scores read j < n_visible ≤ n_entries only; a key workspace decodes every column
+        entry_table = self.entry_table(layout, ratio, width, entry_tables, whole=not bounded or key_workspace)
         packed = caches.packed(src)
         key_src = packed.source.key
         if key_workspace:

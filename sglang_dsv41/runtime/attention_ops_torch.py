@@ -77,7 +77,7 @@ class TorchAttentionOps:
     def select(self, be: ComputeBackend, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str,
                x: Tensor, q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
                act_quant: bool, published: Tensor | None,
-               entry_tables: dict[int, Tensor] | None = None,
+               entry_tables: dict | None = None,
                query_tiles: dict | None = None,
                key_workspaces: dict | None = None) -> tuple[Tensor, Tensor | None]:
         """Per request: `run_indexer_cpu` over the decoded index keys of compressed positions
