@@ -12,7 +12,8 @@ Candidates: `bf16` (`sparse_attention.sparse_sink_attention`, `plan_prefill_conf
 `wide_*` (`sparse_attention_prefill.prefill_sink_attention` under `plan` and the configurations of
 WIDE_CONFIGS); `wide_pv_bf16` / `wide_pv_fp16` (`plan` with P·V in one product: P rounded to BF16,
 FlashMLA's numerics, or P and the key tile converted to FP16 in the kernel) and `wide_fp16_rows` (q and
-both row sources given as FP16, P·V in one FP16 product); with `--alt-wide FILE`, `wide_alt`: another version of that module (a file of it, e.g.
+both row sources given as FP16, P·V in one FP16 product); `heads*` (`PrefillAttentionConfig(layout="heads")`:
+heads as the MMA's rows, the split P·V over duplicated rows or as two products, or P in BF16); with `--alt-wide FILE`, `wide_alt`: another version of that module (a file of it, e.g.
 an earlier commit's, for an A/B in one process) under its own `plan`. One that fails (e.g. out of
 shared memory) is recorded with its error. Writes attention_prefill.json (+ PNG).
 
@@ -33,6 +34,10 @@ HEADS, HEAD_DIM, WINDOW, TOPK, RATIO = 64, 512, 128, 512, 2
 #: configurations of the `wide` kernel timed besides its `plan` (block_h, num_warps, num_stages)
 WIDE_CONFIGS = {"wide_h32_w8": (32, 8, 2), "wide_h32_w4": (32, 4, 2), "wide_h16_w4": (16, 4, 2),
                 "wide_h64_w8_s3": (64, 8, 3)}
+
+#: the heads layout (`sparse_attention_prefill_heads`): the split over duplicated rows, as two products, P in BF16
+HEADS_CONFIGS = {"heads": {}, "heads_s3": dict(num_stages=3), "heads_split2": dict(pv="split2"),
+                 "heads_pv_bf16": dict(pv="bf16")}
 
 
 def make_case(tokens: int, device: torch.device, seed: int = 0) -> dict:
@@ -84,6 +89,9 @@ def candidates(case: dict, alt: Path | None = None) -> dict:
     half = [a.half() if torch.is_tensor(a) and a.dtype == torch.bfloat16 else a for a in args]
     cfg16 = dataclasses.replace(SAP.plan(HEADS, HEAD_DIM), pv="fp16")
     calls["wide_fp16_rows"] = lambda: SAP.prefill_sink_attention(*half, config=cfg16)
+    for name, over in HEADS_CONFIGS.items():
+        cfg = dataclasses.replace(SAP.plan(HEADS, HEAD_DIM), layout="heads", **over)
+        calls[name] = lambda cfg=cfg: SAP.prefill_sink_attention(*args, config=cfg)
     if alt is not None:
         calls["wide_alt"] = lambda mod=load_alt(alt): mod.prefill_sink_attention(*args)
     return calls

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import sparse_attention_prefill_heads as heads_kernel
 from .sparse_attention import MAX_SPLITS, _LOG2E, _dot, _load_slots, _merge_splits_kernel, device_sm_count, merge_tile
 from .sparse_attention_checks import check_inputs
 
@@ -54,15 +55,19 @@ class PrefillAttentionConfig:
     `split` (P as a BF16 high part + remainder, two products; the default), `fp16` (P and the key
     tile in FP16, one product: P to 2⁻¹¹ relative, within the serving bound; the sink added after the
     loop), `bf16` (P rounded to BF16, one product: FlashMLA's numerics, below the serving contract — a
-    timing bound for benchmarks, never served). Measured: docs/performance.md "Session 44"."""
+    timing bound for benchmarks, never served). Measured: docs/performance.md "Session 44".
+    `layout`: `keys` (this module's kernel, keys as the MMA's rows) or `heads`
+    (`sparse_attention_prefill_heads`: heads as the rows; one split; `pv` split — as one product over
+    duplicated rows —, bf16, or `split2`, the split as two products, for the benchmark)."""
 
     block_h: int
     num_warps: int
     num_stages: int
     num_splits: int = 1
     pv: str = "split"
+    layout: str = "keys"
 
-    PV_MODES = {"split": 0, "fp16": 1, "bf16": 2}
+    PV_MODES = {"split": 0, "fp16": 1, "bf16": 2, "split2": 3}
 
     def __post_init__(self) -> None:
         if self.block_h < 16 or self.block_h & (self.block_h - 1):
@@ -73,6 +78,12 @@ class PrefillAttentionConfig:
             raise ValueError(f"PrefillAttentionConfig: num_splits {self.num_splits} (1..{MAX_SPLITS})")
         if self.pv not in self.PV_MODES:
             raise ValueError(f"PrefillAttentionConfig: pv {self.pv!r} (one of {sorted(self.PV_MODES)})")
+        if self.layout not in ("keys", "heads"):
+            raise ValueError(f"PrefillAttentionConfig: layout {self.layout!r} (keys or heads)")
+        if self.layout == "heads" and (self.num_splits != 1 or self.pv == "fp16"):
+            raise ValueError("PrefillAttentionConfig: the heads layout takes one split and pv split / bf16 / split2")
+        if self.layout == "keys" and self.pv == "split2":
+            raise ValueError("PrefillAttentionConfig: pv split2 is the heads layout's (keys: split is two products)")
 
 
 def plan(num_heads: int, head_dim: int) -> PrefillAttentionConfig:
@@ -170,26 +181,23 @@ def _prefill_attn_kernel(
     acc_b = tl.zeros([BLOCK_P, BLOCK_H], tl.float32)
     swa_tiles = tl.cdiv(n_swa, BLOCK_N)
     comp_tiles = tl.cdiv(n_comp, BLOCK_N)
-    if NUM_SPLITS == 1:                   # every tile: the prefill's loops, as before splits existed
-        swa_lo, swa_hi, comp_lo, comp_hi = 0, swa_tiles, 0, comp_tiles
-    else:                                 # tiles [lo, hi) of the SWA tiles followed by the compressed ones
+    tiles = swa_tiles + comp_tiles if HAS_COMP else swa_tiles
+    if NUM_SPLITS == 1:                   # every tile: the SWA tiles, then the compressed ones
+        tile_lo, tile_hi = 0, tiles
+    else:                                 # tiles [lo, hi) of that sequence
         tile_lo = split * tiles_per_split
-        tile_hi = tile_lo + tiles_per_split
-        swa_lo, swa_hi = tile_lo, tl.minimum(tile_hi, swa_tiles)
-        comp_lo, comp_hi = tl.maximum(tile_lo - swa_tiles, 0), tl.minimum(tile_hi - swa_tiles, comp_tiles)
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, tiles)
     swa_slots = swa_slots_ptr + t.to(tl.int64) * swa_slots_stride
-    for tile in range(swa_lo, swa_hi):
-        valid, k_a, k_b = _keys_tile(swa_ptr, swa_row_stride, swa_slots, tile * BLOCK_N, n_swa, offs_n, offs_p,
-                                     p_mask, half)
+    comp_slots = comp_slots_ptr + t.to(tl.int64) * comp_slots_stride
+    for tile in range(tile_lo, tile_hi):  # one loop over both lists: one copy of the step in the build
+        if tile < swa_tiles:
+            rows_ptr, row_stride, slots, first, n_keys = swa_ptr, swa_row_stride, swa_slots, tile * BLOCK_N, n_swa
+        else:
+            rows_ptr, row_stride, slots, first, n_keys = (comp_ptr, comp_row_stride, comp_slots,
+                                                          (tile - swa_tiles) * BLOCK_N, n_comp)
+        valid, k_a, k_b = _keys_tile(rows_ptr, row_stride, slots, first, n_keys, offs_n, offs_p, p_mask, half)
         acc_a, acc_b, m_i, l_i = _attend_keys(acc_a, acc_b, m_i, l_i, qt_a, qt_b, k_a, k_b, valid, qk_scale_log2,
                                               DOT_FP32, PV_MODE)
-    if HAS_COMP:
-        comp_slots = comp_slots_ptr + t.to(tl.int64) * comp_slots_stride
-        for tile in range(comp_lo, comp_hi):
-            valid, k_a, k_b = _keys_tile(comp_ptr, comp_row_stride, comp_slots, tile * BLOCK_N, n_comp, offs_n,
-                                         offs_p, p_mask, half)
-            acc_a, acc_b, m_i, l_i = _attend_keys(acc_a, acc_b, m_i, l_i, qt_a, qt_b, k_a, k_b, valid,
-                                                  qk_scale_log2, DOT_FP32, PV_MODE)
     if NUM_SPLITS == 1 and PV_MODE == 1:  # the sink added last: l = l·2^(m − m') + 2^(sink − m'), m' = max
         sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0) * 1.4426950408889634
         m_fin = tl.maximum(m_i, sink)
@@ -236,6 +244,12 @@ def prefill_sink_attention(q: Tensor, swa_cache: Tensor, swa_slots: Tensor, comp
     comp_arg = comp_cache if has_comp else swa_cache
     comp_slots_arg = comp_slots if has_comp else swa_slots
     block_p = max(16, triton.next_power_of_2(D // 2))
+    if cfg.layout == "heads":
+        keys = BLOCK_N // 2 if cfg.pv == "split" else BLOCK_N
+        heads_kernel.launch(q, swa_cache, swa_slots, comp_arg, comp_slots_arg, K, has_comp, sink, out,
+                            float(scale) * _LOG2E, cfg.block_h, block_p, keys, cfg.PV_MODES[cfg.pv], cfg.num_warps,
+                            cfg.num_stages, interpreted)
+        return out
     W = swa_slots.shape[1]
     tiles = max(1, triton.cdiv(W, BLOCK_N) + (triton.cdiv(K, BLOCK_N) if has_comp else 0))
     tiles_per_split = triton.cdiv(tiles, min(cfg.num_splits, tiles))

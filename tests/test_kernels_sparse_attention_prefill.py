@@ -19,7 +19,7 @@ from sglang_dsv41.kernels import sparse_attention_prefill as sap
 import child_runs
 from test_kernels_sparse_attention import (FLASH_SMALL, TINY, assert_within_one_bf16_ulp, attend_with_sink,
                                           check_against_oracle, exact_attention, gather_keys, random_case)
-from triton_checks import compile_for_sm90
+from triton_checks import compile_for_sm90, no_spills
 
 INTERPRETED = not isinstance(sap._prefill_attn_kernel, __import__("triton").runtime.jit.JITFunction)
 interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child process of "
@@ -53,6 +53,9 @@ SMALL = [sap.PrefillAttentionConfig(block_h=16, num_warps=4, num_stages=2),
 #: key-tile splits (flash-decoding) over the 2 + 2 tiles below: 3 asked gives 2 splits of 2 tiles, 32 gives 4 of one
 SPLITS = [sap.PrefillAttentionConfig(block_h=16, num_warps=4, num_stages=2, num_splits=3),
           sap.PrefillAttentionConfig(block_h=16, num_warps=4, num_stages=2, num_splits=32)]
+#: the heads layout (`sparse_attention_prefill_heads`): the split over duplicated rows, and as two products
+HEADS = [sap.PrefillAttentionConfig(block_h=16, num_warps=4, num_stages=2, layout="heads"),
+         sap.PrefillAttentionConfig(block_h=32, num_warps=8, num_stages=2, layout="heads", pv="split2")]
 
 
 # ---- interpreter tests ----------------------------------------------------------------------
@@ -91,6 +94,26 @@ def test_key_splits_match_oracle(config):
     ss[1, 5] = 11
     cs[1, :] = -1
     check_against_oracle(Wide(config), q, swa, ss, comp, cs, sink, 32 ** -0.5)
+
+
+@interpreter
+@pytest.mark.parametrize("config", HEADS, ids=["heads", "heads_split2"])
+@pytest.mark.parametrize("case", ["tiny", "flash_like", "two_blocks", "sinks"])
+def test_heads_layout_matches_oracle(config, case):
+    """The heads layout within the same bounds: tiny heads and D = 96 (masking), a Flash-like shape, 20
+    heads in blocks of 16 with 70 + 90 keys (several tiles a list, a partial duplicated tile), a −∞ sink, a
+    query whose only valid key is compressed, a query with one SWA key."""
+    shape = dict(tiny=TINY, flash_like=FLASH_SMALL, two_blocks=dict(heads=20, dim=32, window=70, topk=90),
+                 sinks=dict(heads=20, dim=32, window=70, topk=90))[case]
+    q, swa, ss, comp, cs, sink = random_case(n=3, slots=300, seed=31, **shape)
+    if case == "sinks":
+        sink[3] = float("-inf")
+        ss[1, :] = -1
+        cs[1, :] = -1
+        cs[1, 40] = 9
+        ss[2, :] = -1
+        ss[2, 69] = 4
+    check_against_oracle(Wide(config), q, swa, ss, comp, cs, sink, shape["dim"] ** -0.5)
 
 
 @interpreter
@@ -144,6 +167,14 @@ def test_fp16_rows_need_the_fp16_mode():
         sap.prefill_sink_attention(q.half(), swa.half(), ss, comp.half(), cs, sink, 0.1)
     with pytest.raises(ValueError, match="pv"):
         sap.PrefillAttentionConfig(block_h=16, num_warps=4, num_stages=2, pv="fp8")
+
+
+@pytest.mark.parametrize("bad", [dict(layout="rows"), dict(layout="heads", num_splits=2),
+                                 dict(layout="heads", pv="fp16"), dict(pv="split2")])
+def test_layout_rules(bad):
+    """The heads layout takes one split and no FP16 P; `split2` (two products) is the heads layout's only."""
+    with pytest.raises(ValueError, match="layout|split"):
+        sap.PrefillAttentionConfig(block_h=16, num_warps=4, num_stages=2, **bad)
 
 
 @interpreter
@@ -204,6 +235,31 @@ def test_hopper_build_of_the_flash_plan(splits):
     assert int(re.search(r"STACK:(\d+)", usage).group(1)) <= FLASH_STACK_CEILING, usage
 
 
+@pytest.mark.skipif(INTERPRETED, reason="needs the compiled kernels")
+@pytest.mark.parametrize("pv", ["split", "bf16"])
+def test_hopper_build_of_the_heads_layout(pv):
+    """The heads layout at the Flash shape (64 heads, D 512, 8 warps, 2 stages) builds for sm_90 with
+    `wgmma` products and cp.async copies within 227 KiB, and — the reason for its duplicated rows — with
+    no spills (P·V as two products spills ≈ 600 B a thread)."""
+    from sglang_dsv41.kernels import sparse_attention_prefill_heads as sah
+    k = sah._prefill_attn_heads_kernel
+    cfg = dataclasses.replace(sap.plan(64, 512), layout="heads", pv=pv)
+    consts = dict(BLOCK_H=cfg.block_h, BLOCK_P=256, KEYS=sap.BLOCK_N // 2 if pv == "split" else sap.BLOCK_N,
+                  HAS_COMP=True, DOT_FP32=False, PV_MODE=cfg.PV_MODES[pv])
+    pointers = {"q_ptr": "*bf16", "swa_ptr": "*bf16", "comp_ptr": "*bf16", "swa_slots_ptr": "*i32",
+                "comp_slots_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*bf16"}
+    signature = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n == "qk_scale_log2" else "i32")
+                 for n in k.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(k.arg_names)
+             if signature[n] not in ("constexpr", "fp32")}
+    compiled, usage = compile_for_sm90(k, signature, consts, {"num_warps": cfg.num_warps,
+                                                              "num_stages": cfg.num_stages}, attrs)
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async" in ptx
+    assert compiled.metadata.shared <= 227 * 1024
+    assert no_spills(usage), usage
+
+
 # ---- GPU tests ------------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -218,6 +274,27 @@ def test_gpu_flash_shape_matches_oracle(n):
     out, _ = check_against_oracle(Wide(), *args, 512 ** -0.5)
     same = sa.sparse_sink_attention(*args, 512 ** -0.5, config=sa.plan_prefill_config(n, 64, 512, 128, 512))
     print(f"wide vs plan_prefill_config at n = {n}: {float((out == same).float().mean()):.4%} of elements equal")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pv", ["split", "split2"])
+def test_gpu_flash_shape_heads_layout_matches_oracle(pv):
+    """The heads layout under `plan` at the Flash shape, 2,048 queries, SWA holes and a query with no SWA
+    key: the oracle bounds; the fraction of outputs equal to the keys layout's is printed."""
+    args = random_case(n=2048, slots=4096, seed=930, heads=64, dim=512, window=128, topk=512, hole_frac=0.1,
+                       device="cuda", slot_dtype=torch.int32)
+    args[2][0, :] = -1
+    out, _ = check_against_oracle(Wide(dataclasses.replace(sap.plan(64, 512), layout="heads", pv=pv)), *args,
+                                  512 ** -0.5)
+    keys = sap.prefill_sink_attention(*args, 512 ** -0.5)
+    print(f"heads ({pv}) vs keys layout: {float((out == keys).float().mean()):.4%} of elements equal")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", HEADS, ids=["heads", "heads_split2"])
+def test_gpu_tiny_shape_heads_layout_matches_oracle(config):
+    q, swa, ss, comp, cs, sink = random_case(n=37, slots=200, seed=202, device="cuda", **TINY)
+    check_against_oracle(Wide(config), q, swa, ss, comp, cs, sink, TINY["dim"] ** -0.5)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# H100 or H200, device calls on one warm machine (issue 21, session 45). Run from the checkout root with `.gpu`
+# carried:
+#   STEPS="attn tests" BUDGET=540 bash scripts/gpu/session45.sh
+#   STEPS="width profile" BUDGET=560 bash scripts/gpu/session45.sh
+# Steps (STEPS, in this order by default):
+#   attn     benchmarks/attention_prefill.py at the 8K Flash prefill shape: the keys-layout kernel as served
+#            (`wide`, now one loop over both key lists), the heads layout (`heads*`: the split P·V over
+#            duplicated rows, as two products, P in BF16) and, with ALT (a file: e.g. `git show
+#            8895f06:kernels/sparse_attention_prefill.py > ALT` before the call), that version as `wide_alt`
+#   tests    the GPU tests of the prefill attention (both layouts), decode graph replay == eager, the prefill
+#            graph server and the GPU forward (the single-loop kernel serves decode; 525352c's entry tables)
+#   width    session43.sh's `width` step (the 1M / 8K decode-step ratio with the span skip of 7f1d34b)
+#   profile  session43.sh's `profile` step
+# Results: $OUT/summary.txt, $OUT/tests.xml, $OUT/attn/attention_prefill.json, $OUT/model_step_*/model_step.json.
+set -uo pipefail
+# shellcheck source=scripts/gpu/lib.sh
+source "$(dirname "$0")/lib.sh"
+BUDGET=${BUDGET:-540}; SUMMARY=$OUT/summary.txt
+gpu_start
+for step in ${STEPS:-attn tests}; do
+  case $step in
+    attn)
+      alt=(); [ -n "${ALT:-}" ] && [ -f "$ALT" ] && alt=(--alt-wide "$ALT")
+      timeout -s INT -k 10 "$(cap 200)" python3 benchmarks/attention_prefill.py --out "$OUT/attn" "${alt[@]}" \
+        >"$OUT/logs/attn.log" 2>&1
+      result attn rc=$?
+      grep -E "^(bf16|wide|heads)" "$OUT/logs/attn.log" | cut -c1-200 | tee -a "$SUMMARY" ;;
+    tests)
+      timeout -s INT -k 10 "$(cap 330)" python3 -m pytest -m gpu -q -s -p no:cacheprovider --junitxml "$OUT/tests.xml" \
+        ${TESTS:-tests/test_kernels_sparse_attention_prefill.py tests/test_runtime_cuda_graph_gpu.py \
+        tests/test_runtime_prefill_graph_server_gpu.py tests/test_runtime_forward_gpu.py} >"$OUT/logs/tests.log" 2>&1
+      tests_result gpu_tests "$OUT/tests.xml" $?
+      grep -E "passed|failed|Error|of elements equal" "$OUT/logs/tests.log" | tail -12 | cut -c1-300 | tee -a "$SUMMARY" ;;
+    width|profile)
+      STEPS=$step BUDGET=$(left 5) bash "$(dirname "$0")/session43.sh" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
+find "$OUT" -name "*.png" -delete
+result done
