@@ -17,7 +17,7 @@ heads as the MMA's rows, the split P·V over duplicated rows or as two products,
 an earlier commit's, for an A/B in one process) under its own `plan`. One that fails (e.g. out of
 shared memory) is recorded with its error. Writes attention_prefill.json (+ PNG).
 
-    python benchmarks/attention_prefill.py [--tokens 8192] [--reps 20] [--alt-wide FILE] [--out DIR]
+    python benchmarks/attention_prefill.py [--tokens 8192] [--reps 20] [--alt-wide FILE] [--only NAME ...] [--out DIR]
 """
 from __future__ import annotations
 
@@ -118,11 +118,17 @@ def time_us(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def run(tokens: int, reps: int, alt: Path | None = None) -> dict:
+def run(tokens: int, reps: int, alt: Path | None = None, only: list[str] | None = None) -> dict:
     dev = torch.device("cuda", torch.cuda.current_device())
     case = make_case(tokens, dev)
     rows, ref = {}, None
-    for name, fn in candidates(case, alt).items():
+    calls = candidates(case, alt)
+    if only:                              # `bf16` first: the reference of the equality columns
+        unknown = sorted(set(only) - set(calls))
+        if unknown:
+            raise SystemExit(f"attention_prefill: unknown candidates {unknown} (known: {sorted(calls)})")
+        calls = {n: f for n, f in calls.items() if n == "bf16" or n in only}
+    for name, fn in calls.items():
         try:
             out = fn()
             if ref is None:
@@ -137,7 +143,7 @@ def run(tokens: int, reps: int, alt: Path | None = None) -> dict:
         if "us" in r and base:
             r["speedup_vs_bf16"] = base / r["us"]
     return dict(device=torch.cuda.get_device_name(dev), tokens=tokens, heads=HEADS, head_dim=HEAD_DIM,
-                window=WINDOW, topk=TOPK, ratio=RATIO, reps=reps, alt_wide=str(alt) if alt else None,
+                window=WINDOW, topk=TOPK, ratio=RATIO, reps=reps, alt_wide=str(alt) if alt else None, only=only,
                 method=__doc__, candidates=rows)
 
 
@@ -160,11 +166,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--alt-wide", type=Path, default=None, help="another version of kernels/sparse_attention_prefill.py")
+    ap.add_argument("--only", nargs="*", default=None, help="candidate names to time (and `bf16`, the reference)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("attention_prefill benchmark: needs a CUDA device")
-    result = run(args.tokens, args.reps, args.alt_wide)
+    result = run(args.tokens, args.reps, args.alt_wide, args.only)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "attention_prefill.json").write_text(json.dumps(result, indent=1))
     plot(result, args.out / "attention_prefill.png")

@@ -38,3 +38,10 @@ def test_refuses_without_cuda(monkeypatch) -> None:
     monkeypatch.setattr(sys, "argv", ["attention_prefill.py"])
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         bench.main()
+
+
+def test_candidates_include_both_layouts() -> None:
+    """The keys layout as served, its P·V variants, and every heads-layout configuration (not launched here)."""
+    names = set(bench.candidates(bench.make_case(64, torch.device("cpu"))))
+    assert {"bf16", "wide", "wide_pv_bf16", "wide_fp16_rows"} <= names
+    assert set(bench.HEADS_CONFIGS) <= names and "heads" in bench.HEADS_CONFIGS

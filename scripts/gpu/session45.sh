@@ -8,6 +8,7 @@
 #            (`wide`, now one loop over both key lists), the heads layout (`heads*`: the split P·V over
 #            duplicated rows, as two products, P in BF16) and, with ALT (a file: e.g. `git show
 #            8895f06:kernels/sparse_attention_prefill.py > ALT` before the call), that version as `wide_alt`
+#            (ATTN_ONLY: the candidates timed, besides `bf16`, the reference)
 #   tests    the GPU tests of the prefill attention (both layouts), decode graph replay == eager, the prefill
 #            graph server and the GPU forward (the single-loop kernel serves decode; 525352c's entry tables)
 #   width    session43.sh's `width` step (the 1M / 8K decode-step ratio with the span skip of 7f1d34b)
@@ -22,7 +23,11 @@ for step in ${STEPS:-attn tests}; do
   case $step in
     attn)
       alt=(); [ -n "${ALT:-}" ] && [ -f "$ALT" ] && alt=(--alt-wide "$ALT")
-      timeout -s INT -k 10 "$(cap 200)" python3 benchmarks/attention_prefill.py --out "$OUT/attn" "${alt[@]}" \
+      only=(--only)
+      for c in ${ATTN_ONLY:-wide wide_alt wide_pv_bf16 heads heads_s3 heads_split2 heads_pv_bf16}; do
+        [ "$c" = wide_alt ] && [ ${#alt[@]} -eq 0 ] || only+=("$c")
+      done
+      timeout -s INT -k 10 "$(cap 200)" python3 benchmarks/attention_prefill.py --out "$OUT/attn" "${alt[@]}" "${only[@]}" \
         >"$OUT/logs/attn.log" 2>&1
       result attn rc=$?
       grep -E "^(bf16|wide|heads)" "$OUT/logs/attn.log" | cut -c1-200 | tee -a "$SUMMARY" ;;
