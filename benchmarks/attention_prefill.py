@@ -37,7 +37,11 @@ WIDE_CONFIGS = {"wide_h32_w8": (32, 8, 2), "wide_h32_w4": (32, 4, 2), "wide_h16_
 
 #: the heads layout (`sparse_attention_prefill_heads`): the split over duplicated rows, as two products, P in BF16
 HEADS_CONFIGS = {"heads": {}, "heads_s3": dict(num_stages=3), "heads_split2": dict(pv="split2"),
-                 "heads_pv_bf16": dict(pv="bf16")}
+                 "heads_pv_bf16": dict(pv="bf16"),
+                 # 16 keys a tile: deep enough a pipeline (5–7 stages) for the gather to overlap the products
+                 "heads_k16_s5": dict(tile_keys=16, num_stages=5), "heads_k16_s7": dict(tile_keys=16, num_stages=7),
+                 "heads_pv_bf16_k16_s5": dict(pv="bf16", tile_keys=16, num_stages=5),
+                 "heads_pv_bf16_k32_s5": dict(pv="bf16", tile_keys=32, num_stages=5)}
 
 
 def make_case(tokens: int, device: torch.device, seed: int = 0) -> dict:

@@ -58,7 +58,11 @@ class PrefillAttentionConfig:
     timing bound for benchmarks, never served). Measured: docs/performance.md "Session 44".
     `layout`: `keys` (this module's kernel, keys as the MMA's rows) or `heads`
     (`sparse_attention_prefill_heads`: heads as the rows; one split; `pv` split — as one product over
-    duplicated rows —, bf16, or `split2`, the split as two products, for the benchmark)."""
+    duplicated rows —, bf16, or `split2`, the split as two products, for the benchmark), and its `tile_keys`
+    keys a tile (16 or 32; 0: 32 under split, else 64). Triton's pipeliner prefetches a key tile
+    ⌊(num_stages − 1) / 2⌋ tiles ahead (the slot → row chain is two loads deep), so the gather overlaps
+    the products only from 5 stages, which fit shared memory at 16 keys a tile (docs/performance.md
+    "Session 45")."""
 
     block_h: int
     num_warps: int
@@ -66,6 +70,7 @@ class PrefillAttentionConfig:
     num_splits: int = 1
     pv: str = "split"
     layout: str = "keys"
+    tile_keys: int = 0
 
     PV_MODES = {"split": 0, "fp16": 1, "bf16": 2, "split2": 3}
 
@@ -82,6 +87,8 @@ class PrefillAttentionConfig:
             raise ValueError(f"PrefillAttentionConfig: layout {self.layout!r} (keys or heads)")
         if self.layout == "heads" and (self.num_splits != 1 or self.pv == "fp16"):
             raise ValueError("PrefillAttentionConfig: the heads layout takes one split and pv split / bf16 / split2")
+        if self.tile_keys not in (0, 16, 32) or (self.tile_keys and self.layout != "heads"):
+            raise ValueError(f"PrefillAttentionConfig: tile_keys {self.tile_keys} (16 or 32, the heads layout's)")
         if self.layout == "keys" and self.pv == "split2":
             raise ValueError("PrefillAttentionConfig: pv split2 is the heads layout's (keys: split is two products)")
 
@@ -245,7 +252,7 @@ def prefill_sink_attention(q: Tensor, swa_cache: Tensor, swa_slots: Tensor, comp
     comp_slots_arg = comp_slots if has_comp else swa_slots
     block_p = max(16, triton.next_power_of_2(D // 2))
     if cfg.layout == "heads":
-        keys = BLOCK_N // 2 if cfg.pv == "split" else BLOCK_N
+        keys = cfg.tile_keys or (BLOCK_N // 2 if cfg.pv == "split" else BLOCK_N)
         heads_kernel.launch(q, swa_cache, swa_slots, comp_arg, comp_slots_arg, K, has_comp, sink, out,
                             float(scale) * _LOG2E, cfg.block_h, block_p, keys, cfg.PV_MODES[cfg.pv], cfg.num_warps,
                             cfg.num_stages, interpreted)

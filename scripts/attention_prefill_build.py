@@ -68,10 +68,11 @@ def main() -> None:
             rows[f"{label} pv={pv} 8 warps 2 stages"] = build(mod._prefill_attn_kernel,
                                                               keys | dict(PV_MODE=sap.PrefillAttentionConfig.PV_MODES[pv]),
                                                               8, 2)
-    for pv, stages in (("split", 2), ("split", 3), ("split2", 2), ("bf16", 2)):
-        consts = dict(BLOCK_H=64, BLOCK_P=256, KEYS=sap.BLOCK_N // 2 if pv == "split" else sap.BLOCK_N,
-                      HAS_COMP=True, DOT_FP32=False, PV_MODE=sap.PrefillAttentionConfig.PV_MODES[pv])
-        rows[f"heads pv={pv} 8 warps {stages} stages"] = build(sah._prefill_attn_heads_kernel, consts, 8, stages)
+    for pv, stages, keys in (("split", 2, 32), ("split", 3, 32), ("split", 5, 32), ("split", 5, 16),
+                             ("split", 7, 16), ("split2", 2, 64), ("bf16", 2, 64), ("bf16", 5, 32), ("bf16", 5, 16)):
+        consts = dict(BLOCK_H=64, BLOCK_P=256, KEYS=keys, HAS_COMP=True, DOT_FP32=False,
+                      PV_MODE=sap.PrefillAttentionConfig.PV_MODES[pv])
+        rows[f"heads pv={pv} {keys} keys {stages} stages"] = build(sah._prefill_attn_heads_kernel, consts, 8, stages)
     for name, r in rows.items():
         print(f"{name:32s} shared {r['shared']:7d} B  regs {r['regs']:3d}  spills {r['stack']:4d} B  loop {r['schedule']}")
 

@@ -55,7 +55,8 @@ SPLITS = [sap.PrefillAttentionConfig(block_h=16, num_warps=4, num_stages=2, num_
           sap.PrefillAttentionConfig(block_h=16, num_warps=4, num_stages=2, num_splits=32)]
 #: the heads layout (`sparse_attention_prefill_heads`): the split over duplicated rows, and as two products
 HEADS = [sap.PrefillAttentionConfig(block_h=16, num_warps=4, num_stages=2, layout="heads"),
-         sap.PrefillAttentionConfig(block_h=32, num_warps=8, num_stages=2, layout="heads", pv="split2")]
+         sap.PrefillAttentionConfig(block_h=32, num_warps=8, num_stages=2, layout="heads", pv="split2"),
+         sap.PrefillAttentionConfig(block_h=16, num_warps=4, num_stages=5, layout="heads", tile_keys=16)]
 
 
 # ---- interpreter tests ----------------------------------------------------------------------
@@ -97,7 +98,7 @@ def test_key_splits_match_oracle(config):
 
 
 @interpreter
-@pytest.mark.parametrize("config", HEADS, ids=["heads", "heads_split2"])
+@pytest.mark.parametrize("config", HEADS, ids=["heads", "heads_split2", "heads_k16_s5"])
 @pytest.mark.parametrize("case", ["tiny", "flash_like", "two_blocks", "sinks"])
 def test_heads_layout_matches_oracle(config, case):
     """The heads layout within the same bounds: tiny heads and D = 96 (masking), a Flash-like shape, 20
@@ -170,10 +171,12 @@ def test_fp16_rows_need_the_fp16_mode():
 
 
 @pytest.mark.parametrize("bad", [dict(layout="rows"), dict(layout="heads", num_splits=2),
-                                 dict(layout="heads", pv="fp16"), dict(pv="split2")])
+                                 dict(layout="heads", pv="fp16"), dict(pv="split2"), dict(tile_keys=16),
+                                 dict(layout="heads", tile_keys=8)])
 def test_layout_rules(bad):
-    """The heads layout takes one split and no FP16 P; `split2` (two products) is the heads layout's only."""
-    with pytest.raises(ValueError, match="layout|split"):
+    """The heads layout takes one split and no FP16 P; `split2` (two products) and `tile_keys` (16 or 32) are
+    the heads layout's only."""
+    with pytest.raises(ValueError, match="layout|split|tile_keys"):
         sap.PrefillAttentionConfig(block_h=16, num_warps=4, num_stages=2, **bad)
 
 
@@ -237,16 +240,17 @@ def test_hopper_build_of_the_flash_plan(splits):
 
 
 @pytest.mark.skipif(INTERPRETED, reason="needs the compiled kernels")
-@pytest.mark.parametrize("pv", ["split", "bf16"])
-def test_hopper_build_of_the_heads_layout(pv):
-    """The heads layout at the Flash shape (64 heads, D 512, 8 warps, 2 stages) builds for sm_90 with
-    `wgmma` products and cp.async copies within 227 KiB, and — the reason for its duplicated rows — with
-    no spills (P·V as two products spills ≈ 600 B a thread)."""
+@pytest.mark.parametrize("pv,keys,stages", [("split", 32, 2), ("bf16", 64, 2), ("split", 16, 5)])
+def test_hopper_build_of_the_heads_layout(pv, keys, stages):
+    """The heads layout at the Flash shape (64 heads, D 512, 8 warps) builds for sm_90 with `wgmma`
+    products and cp.async copies within 227 KiB, and — the reason for its duplicated rows — with no
+    spills (P·V as two products spills ≈ 600 B a thread). At 16 keys and 5 stages the key loop's wait
+    leaves copies in flight (the next tiles' gathers overlap this tile's products); at 2 stages none."""
     from sglang_dsv41.kernels import sparse_attention_prefill_heads as sah
     k = sah._prefill_attn_heads_kernel
-    cfg = dataclasses.replace(sap.plan(64, 512), layout="heads", pv=pv)
-    consts = dict(BLOCK_H=cfg.block_h, BLOCK_P=256, KEYS=sap.BLOCK_N // 2 if pv == "split" else sap.BLOCK_N,
-                  HAS_COMP=True, DOT_FP32=False, PV_MODE=cfg.PV_MODES[pv])
+    cfg = dataclasses.replace(sap.plan(64, 512), layout="heads", pv=pv, num_stages=stages)
+    consts = dict(BLOCK_H=cfg.block_h, BLOCK_P=256, KEYS=keys, HAS_COMP=True, DOT_FP32=False,
+                  PV_MODE=cfg.PV_MODES[pv])
     pointers = {"q_ptr": "*bf16", "swa_ptr": "*bf16", "comp_ptr": "*bf16", "swa_slots_ptr": "*i32",
                 "comp_slots_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*bf16"}
     signature = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n == "qk_scale_log2" else "i32")
@@ -259,6 +263,9 @@ def test_hopper_build_of_the_heads_layout(pv):
     assert "wgmma.mma_async" in ptx and "cp.async" in ptx
     assert compiled.metadata.shared <= 227 * 1024
     assert no_spills(usage), usage
+    loop = compiled.asm["ttgir"].split("scf.for", 1)[1]
+    first_wait = int(re.search(r"ttg\.async_wait .*?\{num = (\d+)", loop).group(1))
+    assert (first_wait > 0) == (stages >= 5), first_wait
 
 
 # ---- GPU tests ------------------------------------------------------------------------------
@@ -278,21 +285,22 @@ def test_gpu_flash_shape_matches_oracle(n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pv", ["split", "split2"])
-def test_gpu_flash_shape_heads_layout_matches_oracle(pv):
+@pytest.mark.parametrize("over", [dict(), dict(pv="split2"), dict(tile_keys=16, num_stages=5),
+                                  dict(tile_keys=16, num_stages=7)], ids=["split", "split2", "k16_s5", "k16_s7"])
+def test_gpu_flash_shape_heads_layout_matches_oracle(over):
     """The heads layout under `plan` at the Flash shape, 2,048 queries, SWA holes and a query with no SWA
     key: the oracle bounds; the fraction of outputs equal to the keys layout's is printed."""
     args = random_case(n=2048, slots=4096, seed=930, heads=64, dim=512, window=128, topk=512, hole_frac=0.1,
                        device="cuda", slot_dtype=torch.int32)
     args[2][0, :] = -1
-    out, _ = check_against_oracle(Wide(dataclasses.replace(sap.plan(64, 512), layout="heads", pv=pv)), *args,
+    out, _ = check_against_oracle(Wide(dataclasses.replace(sap.plan(64, 512), layout="heads", **over)), *args,
                                   512 ** -0.5)
     keys = sap.prefill_sink_attention(*args, 512 ** -0.5)
-    print(f"heads ({pv}) vs keys layout: {float((out == keys).float().mean()):.4%} of elements equal")
+    print(f"heads ({over}) vs keys layout: {float((out == keys).float().mean()):.4%} of elements equal")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", HEADS, ids=["heads", "heads_split2"])
+@pytest.mark.parametrize("config", HEADS, ids=["heads", "heads_split2", "heads_k16_s5"])
 def test_gpu_tiny_shape_heads_layout_matches_oracle(config):
     q, swa, ss, comp, cs, sink = random_case(n=37, slots=200, seed=202, device="cuda", **TINY)
     check_against_oracle(Wide(config), q, swa, ss, comp, cs, sink, TINY["dim"] ** -0.5)

@@ -24,7 +24,7 @@ for step in ${STEPS:-attn tests}; do
     attn)
       alt=(); [ -n "${ALT:-}" ] && [ -f "$ALT" ] && alt=(--alt-wide "$ALT")
       only=(--only)
-      for c in ${ATTN_ONLY:-wide wide_alt wide_pv_bf16 heads heads_s3 heads_split2 heads_pv_bf16}; do
+      for c in ${ATTN_ONLY:-wide wide_alt wide_pv_bf16 heads heads_s3 heads_split2 heads_pv_bf16 heads_k16_s5 heads_k16_s7 heads_pv_bf16_k16_s5 heads_pv_bf16_k32_s5}; do
         [ "$c" = wide_alt ] && [ ${#alt[@]} -eq 0 ] || only+=("$c")
       done
       timeout -s INT -k 10 "$(cap 200)" python3 benchmarks/attention_prefill.py --out "$OUT/attn" "${alt[@]}" "${only[@]}" \
