@@ -157,3 +157,110 @@ def test_with_the_wrap_a_launch_patches_once_and_restores(nested_kernel) -> None
     assert tl.load is load
     _launch(mod)                                       # a failed launch leaves no live state
     assert runs == ["add_twice_kernel"] * 2 + ["failing_kernel", "add_twice_kernel"]
+
+
+# Triton 3.6's constructors the type fast paths replace (`triton_interp_compat.install_type_fast_paths`): the
+# replacements are these less the marked assignments, which become lazy. A Triton that changes them fails here.
+PRISTINE_INITS = {
+    "tuple": '''def __init__(self, args: Sequence, type: Optional[tuple_type] = None):
+    self.values = [i for i in args]
+    if isinstance(type, tuple_type):
+        self.type = type
+    elif type is not None:  # make_template in ASTFunction.deserialize may pass us a list/tuple
+        self.type = tuple_type(type)
+    else:
+        self.type = _type_for_tuple_values(self.values)  # lazy
+''',
+    "tuple_type": '''def __init__(self, types, fields=None):
+    self.types = types
+    self.fields = fields or [''] * len(types)
+    self.name = '[' + ','.join([f"{k}:{v}" for k, v in zip(self.fields, self.types)]) + ']'  # lazy
+''',
+    "block_type": '''def __init__(self, element_ty: dtype, shape: List):
+    self.element_ty = element_ty
+
+    # Note that block_type's shape is a list of int
+    # while tensor's shape is a list of constexpr.
+    assert (isinstance(shape, (list, tuple)))
+
+    # shape can be empty ([]) when an input is a 0D tensor.
+    self.shape = tuple(_unwrap_shape(shape))
+    if not self.shape:
+        raise TypeError('0d block_type is forbidden')
+
+    self.numel = validate_block_shape(self.shape)
+    self.name = f'<{self.shape}, {self.element_ty}>'  # lazy
+''',
+}
+
+
+def _classes():
+    from triton.language import core
+
+    return {"tuple": core.tuple, "tuple_type": core.tuple_type, "block_type": core.block_type}
+
+
+def test_type_fast_path_targets_are_triton_36s() -> None:
+    """Fails when Triton changes a constructor the fast paths replace, or the dtype table."""
+    import textwrap
+
+    from triton.language import core
+
+    compat.install_type_fast_paths()
+    for key, cls in _classes().items():
+        source = textwrap.dedent(inspect.getsource(_pristine(cls.__init__)))
+        assert source == PRISTINE_INITS[key].replace("  # lazy", ""), (key, source)
+    assert core.tuple.__init__ is not _pristine(core.tuple.__init__)          # installed
+    table = inspect.getsource(_pristine(_resolve(compat.NP_DTYPE)))
+    assert table.count(": np.dtype(") == 18 and "return np_types[tt_dtype.element_ty]" in table, table
+
+
+def test_type_fast_paths_give_tritons_values() -> None:
+    """Types built through the replaced constructors read as the ones Triton's own build: names,
+    tuple types, equality, hashes; the dtype table maps every dtype as `_get_np_dtype` does."""
+    import triton.language as tl
+    from triton.language import core
+    from triton.runtime import interpreter
+
+    compat.install_type_fast_paths()
+    compat.install_type_fast_paths()                   # idempotent
+
+    def pristine(cls, *args):
+        obj = cls.__new__(cls)
+        _pristine(cls.__init__)(obj, *args)             # the eager assignments, through the setters
+        return obj
+
+    fields = ["a", "b"]
+    cases = [(core.block_type, (tl.float32, [4, 8])), (core.block_type, (tl.pointer_type(tl.bfloat16), [16])),
+             (core.tuple_type, ([tl.int32, tl.float16],)), (core.tuple_type, ([tl.int32, tl.int64], fields)),
+             (core.tuple, ([core.constexpr(3), 5, tl.float32],)),
+             (core.tuple, ([1, 2], core.tuple_type([core.constexpr_type(1), core.constexpr_type(2)], fields))),
+             (core.tuple, ([1, 2], [tl.int32, tl.int32]))]
+    for cls, args in cases:
+        lazy, eager = cls(*args), pristine(cls, *args)
+        assert "_dsv41_name" not in lazy.__dict__ and "_dsv41_type" not in lazy.__dict__ or cls is core.tuple
+        if cls is core.tuple:
+            assert lazy.type == eager.type and str(lazy.type) == str(eager.type) and lazy == eager
+        else:
+            assert lazy.name == eager.name and str(lazy) == str(eager) and lazy == eager
+            assert lazy.mangle() == eager.mangle()
+        if cls is core.block_type:
+            assert lazy.shape == eager.shape and lazy.numel == eager.numel
+    with pytest.raises(TypeError, match="0d block_type"):
+        core.block_type(tl.float32, [])
+    t = core.tuple([1, 2])
+    t._setitem(0, 7)                                   # sets a new type, as before
+    assert t.type == core.tuple([7, 2]).type
+
+    get = _pristine(interpreter._get_np_dtype)
+    scalars = [tl.int1, tl.float16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32,
+               tl.uint32, tl.int64, tl.uint64, tl.bfloat16, tl.float8e5, tl.float8e5b16, tl.float8e4nv,
+               tl.float8e4b8, tl.float8e4b15]
+    for ty in [*scalars, *(core.block_type(s, [2, 4]) for s in scalars), tl.pointer_type(tl.float32),
+               core.block_type(tl.pointer_type(tl.int8), [8])]:
+        assert interpreter._get_np_dtype(ty) == get(ty), ty
+    for bad in (tl.void, core.block_type(tl.void, [2])):
+        with pytest.raises(KeyError):
+            get(bad)
+        with pytest.raises(KeyError):
+            interpreter._get_np_dtype(bad)
