@@ -10,10 +10,11 @@ orientation: s = q·kᵀ is [heads, keys] (q the MMA's left operand from shared 
 P·V in the serving numerics (`pv="split"`, P = a BF16 high part + a BF16 remainder, fp32 sums) as one
 product: a tile of KEYS keys is gathered as 2·KEYS rows, rows 2j and 2j + 1 holding key j; the even
 columns of s are the logits (the odd ones, the same products, are dropped, so both parts of a key come
-from one logit), and the left operand interleaves the high parts and the remainders. The same sums as two products, in one K = 2·KEYS
-`wgmma` chain; the sm_90 build has no spills where two products spill 600 B a thread (docs/performance.md
-"Session 45"). `pv="split2"`: the two products (for the benchmark); `pv="bf16"`: P rounded to BF16,
-FlashMLA's numerics, a timing bound never served. One split only (prefill); decode keeps the keys layout.
+from one logit), and the left operand interleaves the high parts and the remainders: the sums of two
+products in one K = 2·KEYS `wgmma` chain, with no spills where two products spill ≈ 600 B a thread
+(docs/performance.md "Session 45"). `pv="split2"`: the two products (for the benchmark); `pv="bf16"`: P
+rounded to BF16, FlashMLA's numerics, a timing bound never served. One split only (prefill); decode keeps
+the keys layout. KEYS = 16 at 5–7 stages is the build whose key gathers overlap the products.
 """
 from __future__ import annotations
 
@@ -21,10 +22,6 @@ import triton
 import triton.language as tl
 
 from .sparse_attention import _dot, _load_slots
-
-#: PV_MODE of `PrefillAttentionConfig.PV_MODES` this kernel takes: split (duplicated rows), bf16, split2
-HEADS_PV_MODES = (0, 2, 3)
-
 
 @triton.jit
 def _attend_rows(acc_a, acc_b, m_i, l_i, q_a, q_b, k_a, k_b, valid, qk_scale_log2, KEYS: tl.constexpr,
