@@ -40,7 +40,8 @@ import triton.language as tl
 from torch import Tensor
 
 from . import sparse_attention_prefill_heads as heads_kernel
-from .sparse_attention import MAX_SPLITS, _LOG2E, _dot, _load_slots, _merge_splits_kernel, device_sm_count, merge_tile
+from .sparse_attention import (MAX_SPLITS, _LOG2E, _dot, _load_slots, _merge_splits_kernel, _tile_source,
+                               device_sm_count, merge_tile)
 from .sparse_attention_checks import check_inputs
 
 #: Keys per tile: the MMA's 64 rows.
@@ -196,12 +197,10 @@ def _prefill_attn_kernel(
         tile_hi = tl.minimum(tile_lo + tiles_per_split, tiles)
     swa_slots = swa_slots_ptr + t.to(tl.int64) * swa_slots_stride
     comp_slots = comp_slots_ptr + t.to(tl.int64) * comp_slots_stride
-    for tile in range(tile_lo, tile_hi):  # one loop over both lists: one copy of the step in the build
-        if tile < swa_tiles:
-            rows_ptr, row_stride, slots, first, n_keys = swa_ptr, swa_row_stride, swa_slots, tile * BLOCK_N, n_swa
-        else:
-            rows_ptr, row_stride, slots, first, n_keys = (comp_ptr, comp_row_stride, comp_slots,
-                                                          (tile - swa_tiles) * BLOCK_N, n_comp)
+    for tile in range(tile_lo, tile_hi):
+        rows_ptr, row_stride, slots, first, n_keys = _tile_source(tile, swa_tiles, BLOCK_N, swa_ptr, swa_row_stride,
+                                                                  swa_slots, n_swa, comp_ptr, comp_row_stride,
+                                                                  comp_slots, n_comp)
         valid, k_a, k_b = _keys_tile(rows_ptr, row_stride, slots, first, n_keys, offs_n, offs_p, p_mask, half)
         acc_a, acc_b, m_i, l_i = _attend_keys(acc_a, acc_b, m_i, l_i, qt_a, qt_b, k_a, k_b, valid, qk_scale_log2,
                                               DOT_FP32, PV_MODE)

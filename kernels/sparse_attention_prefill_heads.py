@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .sparse_attention import _dot, _load_slots
+from .sparse_attention import _dot, _load_slots, _tile_source
 
 @triton.jit
 def _attend_rows(acc_a, acc_b, m_i, l_i, q_a, q_b, k_a, k_b, valid, qk_scale_log2, KEYS: tl.constexpr,
@@ -97,12 +97,10 @@ def _prefill_attn_heads_kernel(
     comp_slots = comp_slots_ptr + t.to(tl.int64) * comp_slots_stride
     swa_tiles = tl.cdiv(n_swa, KEYS)
     tiles = swa_tiles + tl.cdiv(n_comp, KEYS) if HAS_COMP else swa_tiles
-    for tile in range(0, tiles):          # one loop over both lists: one copy of the step in the build
-        if tile < swa_tiles:
-            rows_ptr, row_stride, slots, first_key, n_keys = swa_ptr, swa_row_stride, swa_slots, tile * KEYS, n_swa
-        else:
-            rows_ptr, row_stride, slots, first_key, n_keys = (comp_ptr, comp_row_stride, comp_slots,
-                                                              (tile - swa_tiles) * KEYS, n_comp)
+    for tile in range(0, tiles):
+        rows_ptr, row_stride, slots, first_key, n_keys = _tile_source(tile, swa_tiles, KEYS, swa_ptr, swa_row_stride,
+                                                                      swa_slots, n_swa, comp_ptr, comp_row_stride,
+                                                                      comp_slots, n_comp)
         valid, k_a, k_b = _rows_tile(rows_ptr, row_stride, slots, first_key, n_keys, key_of_row, offs_p, p_mask, half)
         acc_a, acc_b, m_i, l_i = _attend_rows(acc_a, acc_b, m_i, l_i, q_a, q_b, k_a, k_b, valid, qk_scale_log2, KEYS,
                                               DOT_FP32, PV_MODE)
