@@ -32,6 +32,7 @@ the bits depend on the split count. One split keeps the loops above unchanged.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +100,12 @@ def plan(num_heads: int, head_dim: int) -> PrefillAttentionConfig:
     del head_dim
     return PrefillAttentionConfig(block_h=min(64, max(16, triton.next_power_of_2(num_heads))), num_warps=8,
                                   num_stages=2)
+
+
+def plan_heads(num_heads: int, head_dim: int) -> PrefillAttentionConfig:
+    """`plan`'s heads in the heads layout: 16-key tiles and 5 stages, the build whose key gathers overlap
+    the products (the runtime's `heads` prefill choice; docs/performance.md "Session 45")."""
+    return dataclasses.replace(plan(num_heads, head_dim), layout="heads", tile_keys=16, num_stages=5)
 
 
 def plan_decode(num_queries: int, num_heads: int, head_dim: int, window: int, topk: int,
@@ -278,4 +285,4 @@ def prefill_sink_attention(q: Tensor, swa_cache: Tensor, swa_slots: Tensor, comp
     return out
 
 
-__all__ = ["BLOCK_N", "PrefillAttentionConfig", "plan", "plan_decode", "prefill_sink_attention"]
+__all__ = ["BLOCK_N", "PrefillAttentionConfig", "plan", "plan_decode", "plan_heads", "prefill_sink_attention"]

@@ -41,6 +41,7 @@ from sglang_dsv41.kernels import entry_index as kernel_entry_index
 from sglang_dsv41.kernels import indexer as kernel_indexer
 from sglang_dsv41.kernels import indexer_select as kernel_select
 from sglang_dsv41.kernels import sparse_attention as kernel_attention
+from sglang_dsv41.kernels import sparse_attention_prefill as kernel_prefill_attention
 from sglang_dsv41.numerics.geometry import softmax_scale
 from sglang_dsv41.numerics.rounding import bf16
 from sglang_dsv41.runtime import attention_ops, attention_ops_torch, attention_prefill, moe_ops
@@ -211,7 +212,8 @@ def cpu_scenario_logits(engine) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("chunk_elements, prefill, keys", [(DEFAULT_CHUNK, "packed", "packed"),
                                                            (150, "packed", "packed"), (DEFAULT_CHUNK, "bf16", "packed"),
-                                                           (DEFAULT_CHUNK, "wide", "bf16"), (150, "packed", "bf16")])
+                                                           (DEFAULT_CHUNK, "wide", "bf16"), (DEFAULT_CHUNK, "heads", "bf16"),
+                                                           (150, "packed", "bf16")])
 def test_kernel_orchestration_with_exact_stand_ins_equals_cpu_path(engine, cpu_scenario_logits, monkeypatch,
                                                                    chunk_elements: int, prefill: str, keys: str) -> None:
     """… also with the prefill workspace (SGLANG_DSV41_ATTN_PREFILL=bf16, every eager batch taking it
@@ -238,28 +240,29 @@ def test_kernel_orchestration_with_exact_stand_ins_equals_cpu_path(engine, cpu_s
     assert stand_in.prefill == prefill
     exact = _exact_sparse_sink_attention(calls)
 
-    def wide(q, swa_cache, swa_slots, comp_cache, comp_slots, sink, scale):
-        calls.append("wide")
+    def wide(q, swa_cache, swa_slots, comp_cache, comp_slots, sink, scale, config=None):
+        calls.append("wide" if config is None else f"wide {config.layout} {config.tile_keys}")
         return exact(q, swa_cache, swa_slots, comp_cache, comp_slots, sink, scale,
                      config=kernel_attention.plan_prefill_config(q.shape[0], q.shape[1], q.shape[2], 1, 1))
-    stand_in._wide = SimpleNamespace(prefill_sink_attention=wide)
+    stand_in._wide = SimpleNamespace(prefill_sink_attention=wide, plan_heads=kernel_prefill_attention.plan_heads)
     monkeypatch.setattr(forward, "attention_ops", stand_in)
     monkeypatch.setattr(attention_ops, "SCORE_ELEMENTS_PER_CHUNK", chunk_elements)
     got = run_scenario(forward, scenario_caches(forward, CPU), CPU, fixed_decode_tokens())
     batches, indexer_layers = 5, sum(r.runs_indexer for r in cfg.text.layer_roles())
     ratios = {r.ratio for r in cfg.text.layer_roles() if r.runs_indexer}
     compressed_ratios = {r.ratio for r in cfg.text.layer_roles() if r.ratio > 0}
-    workspace = prefill in ("bf16", "wide")
+    workspace = prefill in ("bf16", "wide", "heads")
     tables = len(compressed_ratios) if workspace else len(ratios)
     assert calls.count("table") == batches * tables   # one entry table per ratio and forward
     assert calls.count("attend") == batches * cfg.text.num_hidden_layers
     compressed_layers = sum(r.ratio > 0 for r in cfg.text.layer_roles())
     assert calls.count("workspace") == (batches * compressed_layers if workspace else 0)
     assert calls.count("wide") == (batches * compressed_layers if prefill == "wide" else 0)
+    assert calls.count("wide heads 16") == (batches * compressed_layers if prefill == "heads" else 0)   # plan_heads
     key_sources = {r.kv_source for r in cfg.text.layer_roles() if r.runs_indexer}
     assert len(workspaces) == (batches * len(key_sources) if keys == "bf16" else 0)   # once per source and forward
     assert calls.count("key_workspace_scores") == (calls.count("scores") if keys == "bf16" else 0)
-    assert calls.count("prefill_plan") == (0 if prefill == "wide" else calls.count("workspace"))   # `wide` plans itself
+    assert calls.count("prefill_plan") == (0 if prefill in ("wide", "heads") else calls.count("workspace"))
     if chunk_elements == DEFAULT_CHUNK:
         assert calls.count("scores") == batches * indexer_layers      # one chunk per layer
     else:
@@ -429,6 +432,14 @@ def test_kernel_choices_come_from_the_environment(monkeypatch) -> None:
         ("wide", ws is workspace[0] and r is rows, scale == softmax_scale(512))) or torch.zeros_like(q))
     serving.attend(q, sink, swa, slots, None, rows, workspace=workspace)
     assert seen[3:] == [("wide", True, True)]                          # `wide` plans itself
+    monkeypatch.setenv("SGLANG_DSV41_ATTN_PREFILL", "heads")
+    heads = attention_ops.KernelAttentionOps(fake, SimpleNamespace())
+    heads._wide = SimpleNamespace(plan_heads=kernel_prefill_attention.plan_heads,
+                                  prefill_sink_attention=lambda q, swa, ss, ws, r, sink, scale, config: seen.append(
+                                      ("heads", ws is workspace[0], config)) or torch.zeros_like(q))
+    heads.attend(q, sink, swa, slots, None, rows, workspace=workspace)
+    assert seen[4:] == [("heads", True, kernel_prefill_attention.plan_heads(64, 512))]
+    assert seen.pop()[2].layout == "heads"
     monkeypatch.setenv("SGLANG_DSV41_ATTN_PREFILL", "bf16")
     bf16 = attention_ops.KernelAttentionOps(fake, SimpleNamespace())
     bf16.attend(q, sink, swa, slots, None, rows, workspace=workspace)

@@ -286,10 +286,12 @@ class KernelAttentionOps:
             comp_cache = self._packed_latents(packed)
             if self.decode in ("gather", "wide") or (self.decode == "auto" and N <= GATHER_DECODE_MAX_QUERIES):
                 comp_cache, comp_entries = _gathered_rows(comp_cache, comp_entries, packed, memo)
-        if workspace is not None and self.prefill == "wide":
-            return self._wide_kernel().prefill_sink_attention(
+        if workspace is not None and self.prefill in ("wide", "heads"):   # `wide` plans itself
+            wide = self._wide_kernel()
+            heads = {"config": wide.plan_heads(H, D)} if self.prefill == "heads" else {}
+            return wide.prefill_sink_attention(
                 q.to(torch.bfloat16), swa_cache, swa_slots, comp_cache, comp_entries, sink.to(torch.float32),
-                softmax_scale(D))
+                softmax_scale(D), **heads)
         if workspace is None and self._decodes_wide(N):         # key splits planned by the kernel's module
             wide = self._wide_kernel()
             return wide.prefill_sink_attention(

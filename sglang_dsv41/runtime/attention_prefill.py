@@ -32,6 +32,10 @@ one `kernels.entry_decode` launch per workspace, with no temporaries.
 gather of each key row per query instead of one per 16-head block); the same oracle bound, not the
 `bf16` path's bits.
 
+`heads` (opt-in, not yet timed on a GPU): the same workspace read by the same module under `plan_heads`
+(`kernels.sparse_attention_prefill_heads`: heads as the MMA's rows, 16-key tiles whose gathers a 5-stage
+pipeline overlaps with the products; docs/performance.md "Session 45"); the same oracle bound.
+
 `flashmla` (opt-in, `attention_flashmla`): the same workspace, read by one
 `sgl_kernel.flash_mla.flash_mla_sparse_fwd` launch over [SWA rows | workspace] instead of the
 Triton kernel; refused with deterministic inference.
@@ -62,11 +66,11 @@ from torch import Tensor
 from .backend import kernel_choice
 from .kv_layout import SourceColumns, decode_keys, decode_latents, read_entries
 
-PREFILL_ENV, PREFILL_CHOICES = "SGLANG_DSV41_ATTN_PREFILL", ("packed", "bf16", "wide", "flashmla")
+PREFILL_ENV, PREFILL_CHOICES = "SGLANG_DSV41_ATTN_PREFILL", ("packed", "bf16", "wide", "heads", "flashmla")
 #: the choices that decode the workspace (`wide`: the same workspace, read by
-#: `kernels.sparse_attention_prefill` — every head of a query in one program; `flashmla`: read by one
-#: FlashMLA launch: `attention_flashmla`)
-WORKSPACE_CHOICES = ("bf16", "wide", "flashmla")
+#: `kernels.sparse_attention_prefill` — every head of a query in one program; `heads`: the same module
+#: under `plan_heads`, heads as the MMA's rows; `flashmla`: read by one FlashMLA launch: `attention_flashmla`)
+WORKSPACE_CHOICES = ("bf16", "wide", "heads", "flashmla")
 #: the indexer's keys of a prefill batch (`key_choice`): a BF16 workspace (`bf16`) or the packed entries
 KEY_PREFILL_ENV, KEY_PREFILL_CHOICES = "SGLANG_DSV41_INDEXER_PREFILL_KEYS", ("bf16", "packed")
 #: fewer queries than this: the packed rows (the decode per entry would not be amortised)
@@ -107,7 +111,7 @@ def prefill_choice(deterministic: bool) -> str:
     choice = kernel_choice(PREFILL_ENV, PREFILL_CHOICES, "packed" if deterministic else "wide")
     if choice == "flashmla" and deterministic:
         raise ValueError(f"{PREFILL_ENV}=flashmla is not available with --enable-deterministic-inference "
-                         "(unset it, or choose packed / bf16 / wide)")
+                         "(unset it, or choose packed / bf16 / wide / heads)")
     return choice
 
 
