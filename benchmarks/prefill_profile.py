@@ -107,6 +107,8 @@ VARIANTS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     # session 33: the workspace read by `kernels.sparse_attention_prefill` (every head of a query per program;
     # the default since), and the default before it (the workspace read by `sparse_attention`)
     "wide": ({"SGLANG_DSV41_ATTN_PREFILL": "wide"}, ()),
+    # session 45: the workspace read by the heads layout (`plan_heads`: 16-key tiles, 5 stages)
+    "heads": ({"SGLANG_DSV41_ATTN_PREFILL": "heads"}, ()),
     "session32": ({"SGLANG_DSV41_ATTN_PREFILL": "bf16", "SGLANG_DSV41_INDEXER_PREFILL_KEYS": "packed"}, ()),
     # session 33: the indexer reading its packed keys (the default before the BF16 key workspace)
     "packed_keys": ({"SGLANG_DSV41_INDEXER_PREFILL_KEYS": "packed"}, ()),

@@ -532,15 +532,16 @@ def test_gpu_teacher_forced_contract_with_a_bf16_gemm_opt_in(tiny_checkpoint, bf
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prefill,head_sum", [(None, None), ("bf16", None), (None, "fp64")],
-                         ids=["default", "bf16", "fp64_head_sum"])
+@pytest.mark.parametrize("prefill,head_sum", [(None, None), ("bf16", None), ("heads", None), (None, "fp64")],
+                         ids=["default", "bf16", "heads", "fp64_head_sum"])
 def test_gpu_teacher_forced_contract_with_the_prefill_opt_ins(tiny_checkpoint, monkeypatch, prefill,
                                                               head_sum) -> None:
     """The session-12 prefill opt-ins as the serving default, with no variable set: the BF16 workspace
     of decoded compressed entries (its size rule lowered to one query so every eager forward here
     takes it, launched with `plan_prefill_config`) and BF16-weight products in one GEMM keep the
     end-to-end contract — read by `kernels.sparse_attention_prefill` (`wide`, the default since session 33),
-    and by `sparse_attention` (`bf16`, the default before). The same size rule puts every eager forward on
+    and by `sparse_attention` (`bf16`, the default before), and by the heads layout (`heads`, opt-in, session 45).
+    The same size rule puts every eager forward on
     the default's (`auto`) fp32 indexer head sum; `fp64_head_sum`: the exact head sum everywhere, the default
     before session 35 (docs/performance.md "Session 35")."""
     from runtime_scenarios import measure_contract, runtime_engine
