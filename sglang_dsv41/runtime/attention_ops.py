@@ -133,22 +133,6 @@ class AttentionOps(Protocol):
     def prefill_workspace(self, layout: BatchLayout, packed: PackedSourceRows, source: int, ratio: int,
                           selection: Tensor, scratch, swa_slots: Tensor | None = None) -> object | None: ...
 
-    def entry_table(self, layout: BatchLayout, ratio: int, width: int, tables: dict | None, *, whole: bool) -> Tensor:
-        """The forward's entry-index table of `ratio`, built once and kept in `tables` (the forward's
-        cache: indexer layers and workspaces of a ratio share it). `whole`: every column written (−1 past
-        a request's entries), as a workspace that decodes them all needs; else the columns past
-        n_entries may be left unwritten (`entry_index_table(fill=False)`: a CUDA-graph layout's table is
-        as wide as the served context). A whole table serves both; a partial one only partial readers."""
-        table = None if tables is None else tables.get(ratio)
-        if table is None and not whole and tables is not None:
-            table = tables.get((ratio, "entries"))
-        if table is None:
-            table = self.entry_index.entry_index_table(layout.req_to_token, layout.req_rows,
-                                                       layout.seq_lens // ratio, ratio, width, fill=whole)
-            if tables is not None:
-                tables[ratio if whole else (ratio, "entries")] = table
-        return table
-
     def select(self, be: ComputeBackend, cfg: TextConfig, role: LayerRole, w: Mapping[str, Tensor], prefix: str,
                x: Tensor, q_lora: Tensor, layout: BatchLayout, caches: RuntimeCaches, inv_freq: Tensor,
                act_quant: bool, published: Tensor | None,
