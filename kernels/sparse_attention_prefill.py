@@ -41,8 +41,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import sparse_attention_prefill_heads as heads_kernel
-from .sparse_attention import (MAX_SPLITS, _LOG2E, _dot, _load_slots, _merge_splits_kernel, _tile_source,
-                               device_sm_count, merge_tile)
+from .sparse_attention import MAX_SPLITS, _LOG2E, _dot, _load_slots, _merge_splits_kernel, device_sm_count, merge_tile
 from .sparse_attention_checks import check_inputs
 
 #: Keys per tile: the MMA's 64 rows.
@@ -103,9 +102,9 @@ def plan(num_heads: int, head_dim: int) -> PrefillAttentionConfig:
 
 
 def plan_heads(num_heads: int, head_dim: int) -> PrefillAttentionConfig:
-    """`plan`'s heads in the heads layout: 16-key tiles and 5 stages, the build whose key gathers overlap
-    the products (the runtime's `heads` prefill choice; docs/performance.md "Session 45")."""
-    return dataclasses.replace(plan(num_heads, head_dim), layout="heads", tile_keys=16, num_stages=5)
+    """`plan` in the heads layout (32-key tiles of duplicated rows, 2 stages: the fastest heads candidate
+    measured; the runtime's `heads` prefill choice; docs/performance.md "Session 45")."""
+    return dataclasses.replace(plan(num_heads, head_dim), layout="heads")
 
 
 def plan_decode(num_queries: int, num_heads: int, head_dim: int, window: int, topk: int,
@@ -196,21 +195,26 @@ def _prefill_attn_kernel(
     acc_b = tl.zeros([BLOCK_P, BLOCK_H], tl.float32)
     swa_tiles = tl.cdiv(n_swa, BLOCK_N)
     comp_tiles = tl.cdiv(n_comp, BLOCK_N)
-    tiles = swa_tiles + comp_tiles if HAS_COMP else swa_tiles
-    if NUM_SPLITS == 1:                   # every tile: the SWA tiles, then the compressed ones
-        tile_lo, tile_hi = 0, tiles
-    else:                                 # tiles [lo, hi) of that sequence
+    if NUM_SPLITS == 1:                   # every tile: the prefill's loops, as before splits existed
+        swa_lo, swa_hi, comp_lo, comp_hi = 0, swa_tiles, 0, comp_tiles
+    else:                                 # tiles [lo, hi) of the SWA tiles followed by the compressed ones
         tile_lo = split * tiles_per_split
-        tile_hi = tl.minimum(tile_lo + tiles_per_split, tiles)
+        tile_hi = tile_lo + tiles_per_split
+        swa_lo, swa_hi = tile_lo, tl.minimum(tile_hi, swa_tiles)
+        comp_lo, comp_hi = tl.maximum(tile_lo - swa_tiles, 0), tl.minimum(tile_hi - swa_tiles, comp_tiles)
     swa_slots = swa_slots_ptr + t.to(tl.int64) * swa_slots_stride
-    comp_slots = comp_slots_ptr + t.to(tl.int64) * comp_slots_stride
-    for tile in range(tile_lo, tile_hi):
-        rows_ptr, row_stride, slots, first, n_keys = _tile_source(tile, swa_tiles, BLOCK_N, swa_ptr, swa_row_stride,
-                                                                  swa_slots, n_swa, comp_ptr, comp_row_stride,
-                                                                  comp_slots, n_comp)
-        valid, k_a, k_b = _keys_tile(rows_ptr, row_stride, slots, first, n_keys, offs_n, offs_p, p_mask, half)
+    for tile in range(swa_lo, swa_hi):
+        valid, k_a, k_b = _keys_tile(swa_ptr, swa_row_stride, swa_slots, tile * BLOCK_N, n_swa, offs_n, offs_p,
+                                     p_mask, half)
         acc_a, acc_b, m_i, l_i = _attend_keys(acc_a, acc_b, m_i, l_i, qt_a, qt_b, k_a, k_b, valid, qk_scale_log2,
                                               DOT_FP32, PV_MODE)
+    if HAS_COMP:
+        comp_slots = comp_slots_ptr + t.to(tl.int64) * comp_slots_stride
+        for tile in range(comp_lo, comp_hi):
+            valid, k_a, k_b = _keys_tile(comp_ptr, comp_row_stride, comp_slots, tile * BLOCK_N, n_comp, offs_n,
+                                         offs_p, p_mask, half)
+            acc_a, acc_b, m_i, l_i = _attend_keys(acc_a, acc_b, m_i, l_i, qt_a, qt_b, k_a, k_b, valid,
+                                                  qk_scale_log2, DOT_FP32, PV_MODE)
     if NUM_SPLITS == 1 and PV_MODE == 1:  # the sink added last: l = l·2^(m − m') + 2^(sink − m'), m' = max
         sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0) * 1.4426950408889634
         m_fin = tl.maximum(m_i, sink)
@@ -257,8 +261,9 @@ def prefill_sink_attention(q: Tensor, swa_cache: Tensor, swa_slots: Tensor, comp
     comp_arg = comp_cache if has_comp else swa_cache
     comp_slots_arg = comp_slots if has_comp else swa_slots
     block_p = max(16, triton.next_power_of_2(D // 2))
-    if cfg.layout == "heads":
+    if cfg.layout == "heads":             # one loop over both lists: their slot tensors of one integer type
         keys = cfg.tile_keys or (BLOCK_N // 2 if cfg.pv == "split" else BLOCK_N)
+        swa_slots = swa_slots.to(comp_slots_arg.dtype)
         heads_kernel.launch(q, swa_cache, swa_slots, comp_arg, comp_slots_arg, K, has_comp, sink, out,
                             float(scale) * _LOG2E, cfg.block_h, block_p, keys, cfg.PV_MODES[cfg.pv], cfg.num_warps,
                             cfg.num_stages, interpreted)

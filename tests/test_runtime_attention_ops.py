@@ -258,7 +258,7 @@ def test_kernel_orchestration_with_exact_stand_ins_equals_cpu_path(engine, cpu_s
     compressed_layers = sum(r.ratio > 0 for r in cfg.text.layer_roles())
     assert calls.count("workspace") == (batches * compressed_layers if workspace else 0)
     assert calls.count("wide") == (batches * compressed_layers if prefill == "wide" else 0)
-    assert calls.count("wide heads 16") == (batches * compressed_layers if prefill == "heads" else 0)   # plan_heads
+    assert calls.count("wide heads 0") == (batches * compressed_layers if prefill == "heads" else 0)   # plan_heads
     key_sources = {r.kv_source for r in cfg.text.layer_roles() if r.runs_indexer}
     assert len(workspaces) == (batches * len(key_sources) if keys == "bf16" else 0)   # once per source and forward
     assert calls.count("key_workspace_scores") == (calls.count("scores") if keys == "bf16" else 0)
