@@ -32,9 +32,9 @@ one `kernels.entry_decode` launch per workspace, with no temporaries.
 gather of each key row per query instead of one per 16-head block); the same oracle bound, not the
 `bf16` path's bits.
 
-`heads` (opt-in, not yet timed on a GPU): the same workspace read by the same module under `plan_heads`
-(`kernels.sparse_attention_prefill_heads`: heads as the MMA's rows, 16-key tiles whose gathers a 5-stage
-pipeline overlaps with the products; docs/performance.md "Session 45"); the same oracle bound.
+`heads` (opt-in): the same workspace read by the same module under `plan_heads`
+(`kernels.sparse_attention_prefill_heads`: heads as the MMA's rows, the split P·V as one product over
+duplicated key rows; docs/performance.md "Session 45"); the same oracle bound.
 
 `flashmla` (opt-in, `attention_flashmla`): the same workspace, read by one
 `sgl_kernel.flash_mla.flash_mla_sparse_fwd` launch over [SWA rows | workspace] instead of the
