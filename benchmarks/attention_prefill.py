@@ -3,7 +3,8 @@
 One request of `--tokens` queries (64 heads × 512 dims), each attending to its SWA window (the 128
 positions up to itself, −1 before the start) and to 512 compressed entries drawn at random among
 the ⌊(t + 1)/2⌋ it can see (ratio 2; −1 where it sees fewer) of a BF16 workspace: the launch the
-runtime makes on the prefill workspace (`runtime.attention_prefill`). Per candidate, the median
+runtime makes on the prefill workspace (`runtime.attention_prefill`), with its slot types (int64 windows,
+int32 workspace rows; a kernel that needs one type casts the windows in the timed call). Per candidate, the median
 CUDA-event µs of `--reps` calls and the output against `sparse_attention`'s launch with
 `plan_prefill_config` (the `bf16` choice): the fraction of equal elements and the largest
 difference in BF16 ulps of the output scale (the oracle bound is one ulp each way, so ≤ 2).
@@ -51,7 +52,7 @@ def make_case(tokens: int, device: torch.device, seed: int = 0) -> dict:
     entries = tokens // RATIO
     t = torch.arange(tokens, device=device)
     swa_slots = t[:, None] - (WINDOW - 1) + torch.arange(WINDOW, device=device)[None, :]
-    swa_slots = torch.where(swa_slots >= 0, swa_slots, -1).to(torch.int32)
+    swa_slots = torch.where(swa_slots >= 0, swa_slots, -1)            # int64, as kernels.swa_window makes
     visible = (t + 1) // RATIO
     score = torch.rand(tokens, entries, generator=g, device=device)
     score = torch.where(torch.arange(entries, device=device)[None, :] < visible[:, None], score, -1.0)

@@ -143,6 +143,19 @@ def _load_slots(slots_ptr, first, n_keys, offs_n):
 
 
 @triton.jit
+def _tile_source(tile, swa_tiles, tile_keys, swa_ptr, swa_row_stride, swa_slots, n_swa, comp_ptr, comp_row_stride,
+                 comp_slots, n_comp):
+    """(rows, row stride, slot list, first key, list length) of key tile `tile` of the sequence the SWA tiles,
+    then the compressed ones (`tile_keys` keys a tile): one loop over both lists holds one copy of its step."""
+    if tile < swa_tiles:
+        rows_ptr, row_stride, slots, first, n_keys = swa_ptr, swa_row_stride, swa_slots, tile * tile_keys, n_swa
+    else:
+        rows_ptr, row_stride, slots, first, n_keys = (comp_ptr, comp_row_stride, comp_slots,
+                                                      (tile - swa_tiles) * tile_keys, n_comp)
+    return rows_ptr, row_stride, slots, first, n_keys
+
+
+@triton.jit
 def _loadbf16_pairs(pairs_ptr, row_stride, slot, valid, offs_p, p_mask):
     """(even, odd) bf16 [BLOCK_N, BLOCK_P] of the BF16 rows at `slot`, read as int32 words (the
     cache viewed as int32: word i of a row = dims 2i (low half) and 2i+1 (high half), little

@@ -18,7 +18,8 @@ Hopper MMA reads from shared memory) and oᵀ += kᵀ·pᵀ ([dims, heads]: the 
 transposed). With BLOCK_N = 64 keys a tile is one 64-row `wgmma`; every head of the query shares the
 tile, copied once (cp.async) into shared memory; the accumulator [512, 64] fp32 is 128 registers a
 thread at 8 warps (the sm_90 build of the Flash plan: 214 KB of shared memory, 616 B/thread of
-spills). Measured: docs/performance.md "Session 33".
+spills with a loop for each key list; 96 B as one loop over both, whose slot tensors the host casts to
+one integer type). Measured: docs/performance.md "Session 33" and "Session 45".
 
 Layout: the dims in two contiguous halves [0, P) and [P, 2P) (P = D/2), each a tile of its own (two
 K = P products for the logits, two accumulators; measured 4 % faster than whole rows at Flash),
@@ -28,7 +29,7 @@ near a rounding point. The sink is folded into the running state (m₀ = sink, l
 
 Decode batches (`plan_decode`) split a query's key tiles over several programs (flash-decoding): each writes its
 (m, l, unnormalised acc) to `sparse_attention`'s fp32 scratch and that module's merge kernel adds the sink, so
-the bits depend on the split count. One split keeps the loops above unchanged.
+the bits depend on the split count.
 """
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ import triton.language as tl
 from torch import Tensor
 
 from . import sparse_attention_prefill_heads as heads_kernel
-from .sparse_attention import MAX_SPLITS, _LOG2E, _dot, _load_slots, _merge_splits_kernel, device_sm_count, merge_tile
+from .sparse_attention import (MAX_SPLITS, _LOG2E, _dot, _load_slots, _merge_splits_kernel, _tile_source,
+                               device_sm_count, merge_tile)
 from .sparse_attention_checks import check_inputs
 
 #: Keys per tile: the MMA's 64 rows.
@@ -195,26 +197,21 @@ def _prefill_attn_kernel(
     acc_b = tl.zeros([BLOCK_P, BLOCK_H], tl.float32)
     swa_tiles = tl.cdiv(n_swa, BLOCK_N)
     comp_tiles = tl.cdiv(n_comp, BLOCK_N)
-    if NUM_SPLITS == 1:                   # every tile: the prefill's loops, as before splits existed
-        swa_lo, swa_hi, comp_lo, comp_hi = 0, swa_tiles, 0, comp_tiles
-    else:                                 # tiles [lo, hi) of the SWA tiles followed by the compressed ones
+    tiles = swa_tiles + comp_tiles if HAS_COMP else swa_tiles
+    if NUM_SPLITS == 1:                   # every tile: the SWA tiles, then the compressed ones
+        tile_lo, tile_hi = 0, tiles
+    else:                                 # tiles [lo, hi) of that sequence
         tile_lo = split * tiles_per_split
-        tile_hi = tile_lo + tiles_per_split
-        swa_lo, swa_hi = tile_lo, tl.minimum(tile_hi, swa_tiles)
-        comp_lo, comp_hi = tl.maximum(tile_lo - swa_tiles, 0), tl.minimum(tile_hi - swa_tiles, comp_tiles)
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, tiles)
     swa_slots = swa_slots_ptr + t.to(tl.int64) * swa_slots_stride
-    for tile in range(swa_lo, swa_hi):
-        valid, k_a, k_b = _keys_tile(swa_ptr, swa_row_stride, swa_slots, tile * BLOCK_N, n_swa, offs_n, offs_p,
-                                     p_mask, half)
+    comp_slots = comp_slots_ptr + t.to(tl.int64) * comp_slots_stride
+    for tile in range(tile_lo, tile_hi):
+        rows_ptr, row_stride, slots, first, n_keys = _tile_source(tile, swa_tiles, BLOCK_N, swa_ptr, swa_row_stride,
+                                                                  swa_slots, n_swa, comp_ptr, comp_row_stride,
+                                                                  comp_slots, n_comp)
+        valid, k_a, k_b = _keys_tile(rows_ptr, row_stride, slots, first, n_keys, offs_n, offs_p, p_mask, half)
         acc_a, acc_b, m_i, l_i = _attend_keys(acc_a, acc_b, m_i, l_i, qt_a, qt_b, k_a, k_b, valid, qk_scale_log2,
                                               DOT_FP32, PV_MODE)
-    if HAS_COMP:
-        comp_slots = comp_slots_ptr + t.to(tl.int64) * comp_slots_stride
-        for tile in range(comp_lo, comp_hi):
-            valid, k_a, k_b = _keys_tile(comp_ptr, comp_row_stride, comp_slots, tile * BLOCK_N, n_comp, offs_n,
-                                         offs_p, p_mask, half)
-            acc_a, acc_b, m_i, l_i = _attend_keys(acc_a, acc_b, m_i, l_i, qt_a, qt_b, k_a, k_b, valid,
-                                                  qk_scale_log2, DOT_FP32, PV_MODE)
     if NUM_SPLITS == 1 and PV_MODE == 1:  # the sink added last: l = l·2^(m − m') + 2^(sink − m'), m' = max
         sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0) * 1.4426950408889634
         m_fin = tl.maximum(m_i, sink)
@@ -260,10 +257,10 @@ def prefill_sink_attention(q: Tensor, swa_cache: Tensor, swa_slots: Tensor, comp
     has_comp = comp_cache is not None and K > 0
     comp_arg = comp_cache if has_comp else swa_cache
     comp_slots_arg = comp_slots if has_comp else swa_slots
+    swa_slots = swa_slots.to(comp_slots_arg.dtype)   # one loop over both lists: slot tensors of one integer type
     block_p = max(16, triton.next_power_of_2(D // 2))
-    if cfg.layout == "heads":             # one loop over both lists: their slot tensors of one integer type
+    if cfg.layout == "heads":
         keys = cfg.tile_keys or (BLOCK_N // 2 if cfg.pv == "split" else BLOCK_N)
-        swa_slots = swa_slots.to(comp_slots_arg.dtype)
         heads_kernel.launch(q, swa_cache, swa_slots, comp_arg, comp_slots_arg, K, has_comp, sink, out,
                             float(scale) * _LOG2E, cfg.block_h, block_p, keys, cfg.PV_MODES[cfg.pv], cfg.num_warps,
                             cfg.num_stages, interpreted)

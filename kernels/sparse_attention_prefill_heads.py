@@ -21,19 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .sparse_attention import _dot, _load_slots
-
-@triton.jit
-def _tile_source(tile, swa_tiles, tile_keys, swa_ptr, swa_row_stride, swa_slots, n_swa, comp_ptr, comp_row_stride,
-                 comp_slots, n_comp):
-    """(rows, row stride, slot list, first key, list length) of key tile `tile` of the sequence the SWA tiles,
-    then the compressed ones (`tile_keys` keys a tile): one loop over both lists holds one copy of its step."""
-    if tile < swa_tiles:
-        rows_ptr, row_stride, slots, first, n_keys = swa_ptr, swa_row_stride, swa_slots, tile * tile_keys, n_swa
-    else:
-        rows_ptr, row_stride, slots, first, n_keys = (comp_ptr, comp_row_stride, comp_slots,
-                                                      (tile - swa_tiles) * tile_keys, n_comp)
-    return rows_ptr, row_stride, slots, first, n_keys
+from .sparse_attention import _dot, _load_slots, _tile_source
 
 
 @triton.jit

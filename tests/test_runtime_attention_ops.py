@@ -242,8 +242,11 @@ def test_kernel_orchestration_with_exact_stand_ins_equals_cpu_path(engine, cpu_s
 
     def wide(q, swa_cache, swa_slots, comp_cache, comp_slots, sink, scale, config=None):
         calls.append("wide" if config is None else f"wide {config.layout} {config.tile_keys}")
+        assert swa_slots.dtype == comp_slots.dtype                        # the windows cast to the rows' type
+        windows.append(swa_slots)                                         # kept alive: ids stay distinct
         return exact(q, swa_cache, swa_slots, comp_cache, comp_slots, sink, scale,
                      config=kernel_attention.plan_prefill_config(q.shape[0], q.shape[1], q.shape[2], 1, 1))
+    windows: list = []
     stand_in._wide = SimpleNamespace(prefill_sink_attention=wide, plan_heads=kernel_prefill_attention.plan_heads)
     monkeypatch.setattr(forward, "attention_ops", stand_in)
     monkeypatch.setattr(attention_ops, "SCORE_ELEMENTS_PER_CHUNK", chunk_elements)
@@ -259,6 +262,7 @@ def test_kernel_orchestration_with_exact_stand_ins_equals_cpu_path(engine, cpu_s
     assert calls.count("workspace") == (batches * compressed_layers if workspace else 0)
     assert calls.count("wide") == (batches * compressed_layers if prefill == "wide" else 0)
     assert calls.count("wide heads 0") == (batches * compressed_layers if prefill == "heads" else 0)   # plan_heads
+    assert len({id(w) for w in windows}) == (batches if prefill in ("wide", "heads") else 0)   # one window a forward
     key_sources = {r.kv_source for r in cfg.text.layer_roles() if r.runs_indexer}
     assert len(workspaces) == (batches * len(key_sources) if keys == "bf16" else 0)   # once per source and forward
     assert calls.count("key_workspace_scores") == (calls.count("scores") if keys == "bf16" else 0)
@@ -461,6 +465,19 @@ def test_kernel_choices_come_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("SGLANG_DSV41_ATTN_SPLITS", "many")
     with pytest.raises(ValueError, match="SGLANG_DSV41_ATTN_SPLITS='many'"):
         attention_ops.KernelAttentionOps(fake, SimpleNamespace())
+
+
+def test_windows_cast_to_the_rows_type_once_per_forward() -> None:
+    """`_slots_as`: the int64 windows as the rows' int32, one cast per (window tensor, type) and forward memo;
+    a window already of that type, or no memo, as `Tensor.to` gives it."""
+    window = torch.arange(12).view(3, 4)
+    memo: dict = {}
+    first = attention_ops._slots_as(window, torch.int32, memo)
+    assert first.dtype == torch.int32 and torch.equal(first, window.to(torch.int32))
+    assert attention_ops._slots_as(window, torch.int32, memo) is first
+    assert attention_ops._slots_as(window.clone(), torch.int32, memo) is not first     # another forward's window
+    assert attention_ops._slots_as(window, torch.int64, memo) is window
+    assert attention_ops._slots_as(window, torch.int32, None).dtype == torch.int32
 
 
 def test_wide_decode_opt_in(monkeypatch) -> None:

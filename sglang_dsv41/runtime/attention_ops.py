@@ -270,7 +270,10 @@ class KernelAttentionOps:
             comp_cache = self._packed_latents(packed)
             if self.decode in ("gather", "wide") or (self.decode == "auto" and N <= GATHER_DECODE_MAX_QUERIES):
                 comp_cache, comp_entries = _gathered_rows(comp_cache, comp_entries, packed, memo)
-        if workspace is not None and self.prefill in ("wide", "heads"):   # `wide` plans itself
+        wide_prefill = workspace is not None and self.prefill in ("wide", "heads")
+        if comp_cache is not None and (wide_prefill or (workspace is None and self._decodes_wide(N))):
+            swa_slots = _slots_as(swa_slots, comp_entries.dtype, memo)      # the wide kernel's one slot type
+        if wide_prefill:                                                   # `wide` plans itself
             wide = self._wide_kernel()
             heads = {"config": wide.plan_heads(H, D)} if self.prefill == "heads" else {}
             return wide.prefill_sink_attention(
@@ -442,6 +445,20 @@ def _gathered_rows(comp_cache, comp_entries: Tensor, packed: PackedSourceRows, m
     hit = memo.get(key)
     if hit is None or hit[0] is not comp_entries:
         hit = memo[key] = (comp_entries, gather_latent_rows(comp_cache, comp_entries))
+    return hit[1]
+
+
+def _slots_as(swa_slots: Tensor, dtype: torch.dtype, memo: dict | None) -> Tensor:
+    """`swa_slots` as `dtype` (the compressed rows' integer type: one loop of the wide kernel reads both
+    lists), cast once per forward through `memo` (the window tensor is the forward's, shared by its layers)."""
+    if swa_slots.dtype == dtype:
+        return swa_slots
+    if memo is None:
+        return swa_slots.to(dtype)
+    key = ("slots_as", dtype, id(swa_slots))
+    hit = memo.get(key)
+    if hit is None or hit[0] is not swa_slots:
+        hit = memo[key] = (swa_slots, swa_slots.to(dtype))
     return hit[1]
 
 
