@@ -13,7 +13,8 @@
 #   tests    the GPU tests of the prefill attention (both layouts), decode graph replay == eager, the prefill
 #            graph server and the GPU forward (the single-loop kernel serves decode; 525352c's entry tables)
 #   contract the end-to-end teacher-forced contract (tiny checkpoint) with SGLANG_DSV41_ATTN_PREFILL=heads, and the default
-#   prefill  one 8K prefill of Flash layer 2 by component (decode_step.py --profile-prefill): default, heads, default
+#   prefill  one 8K prefill of Flash layer 2 by component (decode_step.py --profile-prefill): PREFILL_VARIANTS
+#            (default: default, heads, default)
 #   width    session43.sh's `width` step (the 1M / 8K decode-step ratio with the span skip of 7f1d34b)
 #   profile  session43.sh's `profile` step
 # Results: $OUT/summary.txt, $OUT/tests.xml, $OUT/attn/attention_prefill.json, $OUT/model_step_*/model_step.json.
@@ -48,7 +49,7 @@ for step in ${STEPS:-attn tests}; do
     prefill)    # one 8K prefill of Flash layer 2 by component: the default, the heads layout, the default again
       b=$(cap 240)
       timeout -k 10 "$b" python3 benchmarks/decode_step.py --out "$OUT/prefill" --quick --no-decode --batches 1 \
-        --profile-prefill --prefill-variants default heads default --budget-s $((b - 30)) >"$OUT/logs/prefill.log" 2>&1
+        --profile-prefill --prefill-variants ${PREFILL_VARIANTS:-default heads default} --budget-s $((b - 30)) >"$OUT/logs/prefill.log" 2>&1
       result prefill rc=$?
       grep -v "^ " "$OUT/logs/prefill.log" | grep -v -i warn | tail -12 | cut -c1-300 | tee -a "$SUMMARY" ;;
     width|profile)
