@@ -19,7 +19,7 @@ transposed). With BLOCK_N = 64 keys a tile is one 64-row `wgmma`; every head of 
 tile, copied once (cp.async) into shared memory; the accumulator [512, 64] fp32 is 128 registers a
 thread at 8 warps (the sm_90 build of the Flash plan: 214 KB of shared memory, 616 B/thread of
 spills with a loop for each key list; 96 B as one loop over both, whose slot tensors the host casts to
-one integer type). Measured: docs/performance.md "Session 33" and "Session 45".
+one integer type). Measured: docs/performance.md "Session 33", "Session 45" and "Session 46".
 
 Layout: the dims in two contiguous halves [0, P) and [P, 2P) (P = D/2), each a tile of its own (two
 K = P products for the logits, two accumulators; measured 4 % faster than whole rows at Flash),
