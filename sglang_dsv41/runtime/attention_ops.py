@@ -433,33 +433,33 @@ class KernelAttentionOps:
         return torch.cat(selections), (torch.cat(blocks) if role.candidate_source else None)
 
 
-def _memoised(memo: dict | None, key: tuple, source: Tensor, make):
-    """`make()`, kept in the forward's `memo` under `key` (which holds `id(source)`) while `source` is the
-    tensor stored beside it: an id reused by another tensor makes it again. No memo: made each call."""
-    if memo is None:
-        return make()
-    hit = memo.get(key)
-    if hit is None or hit[0] is not source:
-        hit = memo[key] = (source, make())
-    return hit[1]
-
-
 def _gathered_rows(comp_cache, comp_entries: Tensor, packed: PackedSourceRows, memo: dict | None):
-    """`key_gather.gather_latent_rows`, once per (source, entries tensor) and forward: the rows depend
-    only on those while the forward runs (the source layer writes its entries before any reader; the
-    entries tensor is kept alive by the forward's scratch)."""
+    """`key_gather.gather_latent_rows`, looked up in / stored to `memo` by (source, entries tensor):
+    the rows depend only on those while the forward runs (the source layer writes its entries before
+    any reader; the entries tensor is kept alive by the forward's scratch)."""
     from sglang_dsv41.kernels.key_gather import gather_latent_rows
 
-    return _memoised(memo, ("gathered", packed.source.layer, id(comp_entries)), comp_entries,
-                     lambda: gather_latent_rows(comp_cache, comp_entries))
+    if memo is None:
+        return gather_latent_rows(comp_cache, comp_entries)
+    key = ("gathered", packed.source.layer, id(comp_entries))
+    hit = memo.get(key)
+    if hit is None or hit[0] is not comp_entries:
+        hit = memo[key] = (comp_entries, gather_latent_rows(comp_cache, comp_entries))
+    return hit[1]
 
 
 def _slots_as(swa_slots: Tensor, dtype: torch.dtype, memo: dict | None) -> Tensor:
     """`swa_slots` as `dtype` (the compressed rows' integer type: one loop of the wide kernel reads both
-    lists), cast once per forward (the window tensor is the forward's, shared by its layers)."""
+    lists), cast once per forward through `memo` (the window tensor is the forward's, shared by its layers)."""
     if swa_slots.dtype == dtype:
         return swa_slots
-    return _memoised(memo, ("slots_as", dtype, id(swa_slots)), swa_slots, lambda: swa_slots.to(dtype))
+    if memo is None:
+        return swa_slots.to(dtype)
+    key = ("slots_as", dtype, id(swa_slots))
+    hit = memo.get(key)
+    if hit is None or hit[0] is not swa_slots:
+        hit = memo[key] = (swa_slots, swa_slots.to(dtype))
+    return hit[1]
 
 
 @functools.cache
